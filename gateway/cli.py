@@ -1,0 +1,41 @@
+"""The `kumo` command: a thin dispatcher.
+
+`serve`, `gateway` and `admin` live in the gateway; `backend`, `quantize`, `plan`, `eval` and `bench`
+import the backend (and torch) only when called, so the gateway runs on machines without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command → module with a `main(argv: list[str]) -> int`
+COMMANDS: dict[str, str] = {
+    "serve": "gateway.serve",
+    "gateway": "gateway.server",
+    "admin": "gateway.admin_cli",
+    "backend": "backend.server",
+    "quantize": "backend.quant.cli",
+    "plan": "backend.plan",
+    "eval": "backend.eval",
+    "bench": "benchmarks.cli",
+}
+
+USAGE = "usage: kumo {" + ",".join(COMMANDS) + "} [options]  (kumo COMMAND --help for each)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"kumo: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

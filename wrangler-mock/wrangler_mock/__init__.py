@@ -1,0 +1,1 @@
+"""wrangler-mock: run Python Workers locally against a Kumo gateway."""
