@@ -56,8 +56,8 @@ class ToolCallFunction(Base):
 
 class ToolCall(Base):
     id: str
-    type: Literal["function"] = "function"
     function: ToolCallFunction
+    type: Literal["function"] = "function"
 
 
 class Message(Base):
@@ -261,8 +261,8 @@ class EngineRequest(Base):
 
     request_id: RequestId
     prompt_token_ids: list[int]
-    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     tenant_salt: TenantSalt
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     image_spans: list[ImageSpan] = msgspec.field(default_factory=list)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     reject_if_busy: bool = False

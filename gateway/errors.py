@@ -1,0 +1,110 @@
+"""The gateway's one error tree, each class carrying its HTTP status and Workers AI code.
+
+    KumoError (500, Workers AI "Unknown internal error")
+    ├── BadInput (400)                 schema/validation failures; message names the failing path
+    │   ├── MissingBody (400, 3003)
+    │   ├── UnknownModel (400, 5007)
+    │   └── Unsupported (400)          a field or capability this model does not serve
+    ├── Unauthenticated (401, 10000)
+    ├── Forbidden (403, 9109)          another account's path, a model not allowed for the tenant
+    │   └── PaidModelOnFreePlan (403, 5035)
+    ├── NoRoute (404, 7003) / NotFound (404, 7000)
+    ├── MethodNotAllowed (405, 7001)
+    ├── Timeout (408, 3046) / Aborted (408, 3008)
+    ├── TooLarge (413, 3006) / ContextWindowExceeded (413, 5021)
+    ├── RateLimited (429, 3021) / NeuronsExhausted (429, 3036) / Busy (429, 3040)
+    └── Unavailable (503, 3040)         no healthy replica
+
+One handler (`render`) turns any of them into the v4 envelope
+`{"result": null, "success": false, "errors": [{code, message}], "messages": []}`.
+Foreign errors are translated at the edge with `raise ... from exc`.
+"""
+
+from __future__ import annotations
+
+
+class KumoError(Exception):
+    status: int = 500
+    code: int = 3000
+    prefix: str = "AiError: "  # Workers AI prefixes inference errors so; admin errors set ""
+
+    def __init__(self, message: str = "Unknown internal error", *, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    @property
+    def wire_message(self) -> str:
+        return f"{self.prefix}{self.message}" if self.prefix else self.message
+
+
+class BadInput(KumoError):
+    status, code = 400, 5006
+
+
+class MissingBody(BadInput):
+    code = 3003
+
+
+class UnknownModel(BadInput):
+    code = 5007
+
+
+class Unsupported(BadInput):
+    code = 5006
+
+
+class Unauthenticated(KumoError):
+    status, code, prefix = 401, 10000, ""
+
+
+class Forbidden(KumoError):
+    status, code, prefix = 403, 9109, ""
+
+
+class PaidModelOnFreePlan(Forbidden):
+    code, prefix = 5035, "AiError: "
+
+
+class NotFound(KumoError):
+    status, code, prefix = 404, 7000, ""
+
+
+class NoRoute(NotFound):
+    code = 7003
+
+
+class MethodNotAllowed(KumoError):
+    status, code, prefix = 405, 7001, ""
+
+
+class Timeout(KumoError):
+    status, code = 408, 3046
+
+
+class Aborted(KumoError):
+    status, code = 408, 3008
+
+
+class TooLarge(KumoError):
+    status, code = 413, 3006
+
+
+class ContextWindowExceeded(KumoError):
+    status, code = 413, 5021
+
+
+class RateLimited(KumoError):
+    status, code = 429, 3021
+
+
+class NeuronsExhausted(KumoError):
+    status, code = 429, 3036
+
+
+class Busy(KumoError):
+    status, code = 429, 3040
+
+
+class Unavailable(KumoError):
+    status, code = 503, 3040
