@@ -1,0 +1,89 @@
+"""MoonViT (Kimi K2.5 vision tower + projector) against transformers' Kimi_K25 on tiny random weights."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from backend.image_processor import process_image, target_size
+from backend.models.moonvit import MoonViT, VisionConfig
+
+TEXT = dict(
+    model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+    num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+    qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+)
+VISION = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_hidden_layers=2,
+              pos_emb_height=8, pos_emb_width=8, patch_size=14)
+
+
+@pytest.fixture(scope="module")
+def k25(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Kimi_K25Config(text_config=TEXT, vision_config=VISION, projection_hidden_size=32)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # random init leaves the position grid near zero; make it matter
+        model.model.vision_tower.patch_embed.pos_emb.position_embeddings.normal_(0, 1.0)
+    path = tmp_path_factory.mktemp("k25")
+    model.save_pretrained(path)
+    return model, path
+
+
+def _ours(path: Path) -> MoonViT:
+    raw = json.loads((path / "config.json").read_text())
+    vit = MoonViT(VisionConfig.from_config(raw, text_hidden_size=raw["text_config"]["hidden_size"]))
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        vit.load_weights((k, f.get_tensor(k)) for k in f.keys())
+    return vit.eval()
+
+
+def _png(w: int, h: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_two_images_of_different_sizes_match_transformers(k25) -> None:
+    model, path = k25
+    vit = _ours(path)
+    images = [process_image(_png(70, 56, 1)), process_image(_png(150, 97, 2))]
+    assert [(i.grid_h, i.grid_w) for i in images] == [(4, 6), (8, 12)]  # padded to multiples of 28
+    pixels = torch.cat([i.patches for i in images])
+    grid = torch.tensor([[1, i.grid_h, i.grid_w] for i in images])
+    with torch.no_grad():
+        expected = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
+    got = vit(pixels, [(i.grid_h, i.grid_w) for i in images])
+    assert got.shape == expected.shape == (4 * 6 // 4 + 8 * 12 // 4, TEXT["hidden_size"])
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_resize_never_upscales_and_caps_the_side() -> None:
+    assert target_size(56, 70, 14, 2, 16384, 512) == ((56, 70), (56, 84))
+    (h, w), (ph, pw) = target_size(4000, 1000, 14, 2, 16384, 512)
+    assert h <= 512 * 14 and w <= 512 * 14 and ph % 28 == 0 and pw % 28 == 0
+    (h, w), _ = target_size(3000, 3000, 14, 2, 1024, 512)
+    assert (h // 14) * (w // 14) <= 1024
+
+
+def test_hash_depends_on_bytes() -> None:
+    a, b = process_image(_png(30, 30, 1)), process_image(_png(30, 30, 2))
+    assert a.image_hash != b.image_hash
+    assert process_image(_png(30, 30, 1)).image_hash == a.image_hash
+
+
+def test_undecodable_image_is_a_clear_error() -> None:
+    from backend.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="could not be decoded"):
+        process_image(b"not an image")
