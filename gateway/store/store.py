@@ -1,0 +1,343 @@
+"""The tenant store: tenants, their tokens, quotas and model allow-lists, the usage ledger's rows
+and the audit log, behind one async SQLAlchemy engine (SQLite by default, PostgreSQL at scale).
+
+Every admin mutation writes its audit entry in the same transaction as the change, so the log
+cannot miss one. Token values are never stored: a value is `kumo_<token id>_<secret>`; the id
+finds the row, and the SHA-256 of the whole value is compared in constant time
+(`hmac.compare_digest`, reliability §4.2). Methods return `schemas.admin` Structs, never ORM rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import hmac
+import secrets
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from sqlalchemy import event, func, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+from gateway.errors import NotFound
+from gateway.store.migrate import upgrade_to_head
+from gateway.store.tables import AdminTokenRow, AuditRow, TenantRow, TokenRow, UsageRow
+from schemas.admin import (
+    AuditEntry,
+    Models,
+    Plan,
+    Quotas,
+    Tenant,
+    TenantCreate,
+    TenantPatch,
+    Token,
+    TokenCreate,
+    TokenCreated,
+    UsageRecord,
+)
+from schemas.admin import UsageRow as UsageGroup
+
+TOKEN_PREFIX = "kumo_"
+DEV_TOKEN_NAME = "kumo serve"
+_DUMMY_SHA256 = "0" * 64
+
+
+def sha256_hex(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def normalise_url(url: str) -> str:
+    """Accept plain `postgresql://` / `sqlite:///` URLs and pick the async driver for them."""
+    for plain, driver in (("postgresql://", "postgresql+asyncpg://"), ("postgres://", "postgresql+asyncpg://"),
+                          ("sqlite://", "sqlite+aiosqlite://")):
+        if url.startswith(plain):
+            return driver + url[len(plain):]
+    return url
+
+
+@dataclass(frozen=True)
+class Credential:
+    """What a valid tenant token resolves to."""
+
+    tenant: Tenant
+    token_id: str
+    expires_at: dt.datetime | None
+
+
+def _tenant(row: TenantRow) -> Tenant:
+    quotas = Quotas(requests_per_minute=row.requests_per_minute, tokens_per_minute=row.tokens_per_minute,
+                    daily_neurons=row.daily_neurons)
+    return Tenant(id=row.id, name=row.name, plan=row.plan,  # type: ignore[arg-type]
+                  created_at=row.created_at, quotas=quotas, models=Models(allow=row.allowed_models))
+
+
+def _token(row: TokenRow) -> Token:
+    return Token(id=row.id, name=row.name, created_at=row.created_at, expires_at=row.expires_at,
+                 last_used_at=row.last_used_at, revoked_at=row.revoked_at)
+
+
+def _apply_quotas(row: TenantRow, quotas: Quotas) -> None:
+    row.requests_per_minute = quotas.requests_per_minute
+    row.tokens_per_minute = quotas.tokens_per_minute
+    row.daily_neurons = quotas.daily_neurons
+
+
+class Store:
+    """Open with `await store.open(url)`; migrations run there. Safe to share across tasks."""
+
+    def __init__(self) -> None:
+        self._engine: AsyncEngine | None = None
+        self._sessions: async_sessionmaker[AsyncSession] | None = None
+
+    async def open(self, url: str) -> None:
+        url = normalise_url(url)
+        engine = create_async_engine(url, pool_pre_ping=not url.startswith("sqlite"))
+        if engine.dialect.name == "sqlite":
+            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        await upgrade_to_head(engine)
+        self._engine, self._sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
+
+    async def close(self) -> None:
+        if self._engine is not None:
+            await self._engine.dispose()
+        self._engine = self._sessions = None
+
+    @property
+    def engine(self) -> AsyncEngine:
+        assert self._engine is not None, "Store.open() first"
+        return self._engine
+
+    def _session(self) -> AsyncSession:
+        assert self._sessions is not None, "Store.open() first"
+        return self._sessions()
+
+    # ---- tenants ------------------------------------------------------------------------------------
+    async def create_tenant(self, body: TenantCreate, *, actor: str) -> Tenant:
+        row = TenantRow(id=_new_id(), name=body.name, plan=body.plan, created_at=_now())
+        _apply_quotas(row, Quotas.for_plan(body.plan))
+        async with self._session() as s, s.begin():
+            s.add(row)
+            _audit(s, actor, "tenant.create", row.id, row.id, {"name": body.name, "plan": body.plan})
+        return _tenant(row)
+
+    async def list_tenants(self, *, page: int, per_page: int) -> tuple[list[Tenant], int]:
+        live = TenantRow.deleted_at.is_(None)
+        async with self._session() as s:
+            total = await s.scalar(select(func.count()).select_from(TenantRow).where(live)) or 0
+            rows = await s.scalars(select(TenantRow).where(live).order_by(TenantRow.created_at, TenantRow.id)
+                                   .offset((page - 1) * per_page).limit(per_page))
+            return [_tenant(r) for r in rows], total
+
+    async def get_tenant(self, tenant_id: str, *, include_deleted: bool = False) -> Tenant:
+        async with self._session() as s:
+            return _tenant(await _live_tenant(s, tenant_id, include_deleted=include_deleted))
+
+    async def update_tenant(self, tenant_id: str, body: TenantPatch, *, actor: str) -> Tenant:
+        async with self._session() as s, s.begin():
+            row = await _live_tenant(s, tenant_id, lock=True)
+            detail: dict[str, Any] = {}
+            if body.name is not None and body.name != row.name:
+                detail["name"], row.name = [row.name, body.name], body.name
+            if body.plan is not None and body.plan != row.plan:
+                detail["plan"], row.plan = [row.plan, body.plan], body.plan
+                row.daily_neurons = Quotas.for_plan(body.plan).daily_neurons
+            _audit(s, actor, "tenant.update", tenant_id, tenant_id, detail)
+            return _tenant(row)
+
+    async def delete_tenant(self, tenant_id: str, *, actor: str) -> None:
+        """Soft delete: the tenant disappears and its tokens are revoked; its usage stays."""
+        now = _now()
+        async with self._session() as s, s.begin():
+            row = await _live_tenant(s, tenant_id, lock=True)
+            row.deleted_at = now
+            revoked = await s.execute(update(TokenRow).where(TokenRow.tenant_id == tenant_id,
+                                                             TokenRow.revoked_at.is_(None)).values(revoked_at=now))
+            _audit(s, actor, "tenant.delete", tenant_id, tenant_id, {"revoked_tokens": revoked.rowcount})
+
+    async def set_quotas(self, tenant_id: str, quotas: Quotas, *, actor: str) -> Tenant:
+        async with self._session() as s, s.begin():
+            row = await _live_tenant(s, tenant_id, lock=True)
+            before = _tenant(row).quotas
+            _apply_quotas(row, quotas)
+            _audit(s, actor, "tenant.quotas", tenant_id, tenant_id,
+                   {"before": _plain(before), "after": _plain(quotas)})
+            return _tenant(row)
+
+    async def set_models(self, tenant_id: str, allow: list[str] | None, *, actor: str) -> Tenant:
+        async with self._session() as s, s.begin():
+            row = await _live_tenant(s, tenant_id, lock=True)
+            before, row.allowed_models = row.allowed_models, None if allow is None else sorted(set(allow))
+            _audit(s, actor, "tenant.models", tenant_id, tenant_id, {"before": before, "after": row.allowed_models})
+            return _tenant(row)
+
+    # ---- tokens -------------------------------------------------------------------------------------
+    async def create_token(self, tenant_id: str, body: TokenCreate, *, actor: str) -> TokenCreated:
+        token_id = _new_id()
+        value = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
+        row = TokenRow(id=token_id, tenant_id=tenant_id, name=body.name, secret_sha256=sha256_hex(value),
+                       created_at=_now(), expires_at=body.expires_at)
+        async with self._session() as s, s.begin():
+            await _live_tenant(s, tenant_id)
+            s.add(row)
+            _audit(s, actor, "token.create", tenant_id, token_id,
+                   {"name": body.name, "expires_at": _plain(body.expires_at)})
+        return TokenCreated(id=token_id, name=row.name, value=value, created_at=row.created_at,
+                            expires_at=row.expires_at)
+
+    async def list_tokens(self, tenant_id: str) -> list[Token]:
+        async with self._session() as s:
+            await _live_tenant(s, tenant_id)
+            rows = await s.scalars(select(TokenRow).where(TokenRow.tenant_id == tenant_id)
+                                   .order_by(TokenRow.created_at, TokenRow.id))
+            return [_token(r) for r in rows]
+
+    async def revoke_token(self, tenant_id: str, token_id: str, *, actor: str) -> Token:
+        async with self._session() as s, s.begin():
+            await _live_tenant(s, tenant_id)
+            row = await s.get(TokenRow, token_id, with_for_update=True)
+            if row is None or row.tenant_id != tenant_id or row.revoked_at is not None:
+                raise NotFound(f"No token {token_id} for tenant {tenant_id}")
+            row.revoked_at = _now()
+            _audit(s, actor, "token.revoke", tenant_id, token_id, {"name": row.name})
+            return _token(row)
+
+    async def resolve_token(self, value: str) -> Credential | None:
+        """The live tenant a token value belongs to, or None; records the token's last use."""
+        token_id = value[len(TOKEN_PREFIX):len(TOKEN_PREFIX) + 32] if value.startswith(TOKEN_PREFIX) else ""
+        now = _now()
+        async with self._session() as s, s.begin():
+            found = (await s.execute(select(TokenRow, TenantRow).join(TenantRow, TokenRow.tenant_id == TenantRow.id)
+                                     .where(TokenRow.id == token_id))).first() if len(token_id) == 32 else None
+            expected = found[0].secret_sha256 if found else _DUMMY_SHA256
+            if not hmac.compare_digest(sha256_hex(value), expected) or found is None:
+                return None
+            token, tenant = found
+            if token.revoked_at is not None or tenant.deleted_at is not None:
+                return None
+            if token.expires_at is not None and token.expires_at <= now:
+                return None
+            token.last_used_at = now
+            return Credential(tenant=_tenant(tenant), token_id=token.id, expires_at=token.expires_at)
+
+    # ---- admin tokens -------------------------------------------------------------------------------
+    async def ensure_admin_token(self, configured: str | None) -> str | None:
+        """Make `configured` (KUMO_ADMIN_TOKEN) the only admin token, or, with none configured and
+        none stored, generate one. Returns a generated value (to print once), else None."""
+        async with self._session() as s, s.begin():
+            rows = list(await s.scalars(select(AdminTokenRow)))
+            if configured is not None:
+                digest = sha256_hex(configured)
+                if [r.secret_sha256 for r in rows] == [digest]:
+                    return None
+                for r in rows:
+                    await s.delete(r)
+                s.add(AdminTokenRow(id=_new_id(), name="env", secret_sha256=digest, created_at=_now()))
+                return None
+            if rows:
+                return None
+            value = f"{TOKEN_PREFIX}admin_{secrets.token_urlsafe(32)}"
+            s.add(AdminTokenRow(id=_new_id(), name="generated", secret_sha256=sha256_hex(value), created_at=_now()))
+            return value
+
+    async def resolve_admin(self, value: str) -> str | None:
+        """The admin identity (`admin:<name>`) a value belongs to, or None."""
+        digest = sha256_hex(value)
+        async with self._session() as s:
+            rows = list(await s.scalars(select(AdminTokenRow)))
+        matches = [r for r in rows if hmac.compare_digest(digest, r.secret_sha256)]
+        return f"admin:{matches[0].name}" if matches else None
+
+    # ---- usage and audit ----------------------------------------------------------------------------
+    async def add_usage(self, records: Sequence[UsageRecord]) -> None:
+        if not records:
+            return
+        async with self._session() as s, s.begin():
+            s.add_all(UsageRow(tenant_id=r.tenant_id, model=r.model, request_id=r.request_id,
+                               prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                               completion_tokens=r.completion_tokens, neurons=r.neurons, status=r.status,
+                               at=r.at, day=r.at.astimezone(dt.UTC).date()) for r in records)
+
+    async def usage(self, tenant_id: str, *, since: dt.date, until: dt.date,
+                    group_by: Literal["day", "model"]) -> list[UsageGroup]:
+        """Usage per UTC day or per model, `since` and `until` inclusive; the tenant may be deleted."""
+        key = UsageRow.day if group_by == "day" else UsageRow.model
+        query = (select(key, func.count(), func.sum(UsageRow.prompt_tokens), func.sum(UsageRow.cached_tokens),
+                        func.sum(UsageRow.completion_tokens), func.sum(UsageRow.neurons))
+                 .where(UsageRow.tenant_id == tenant_id, UsageRow.day >= since, UsageRow.day <= until)
+                 .group_by(key).order_by(key))
+        async with self._session() as s:
+            await _live_tenant(s, tenant_id, include_deleted=True)
+            rows = (await s.execute(query)).all()
+        return [UsageGroup(day=k.isoformat() if group_by == "day" else None, model=k if group_by == "model" else None,
+                           requests=int(n), prompt_tokens=int(p), cached_tokens=int(c), completion_tokens=int(o),
+                           neurons=float(x)) for k, n, p, c, o, x in rows]
+
+    async def neurons_on(self, tenant_id: str, day: dt.date) -> float:
+        async with self._session() as s:
+            total = await s.scalar(select(func.sum(UsageRow.neurons))
+                                   .where(UsageRow.tenant_id == tenant_id, UsageRow.day == day))
+        return float(total or 0.0)
+
+    async def list_audit(self, *, page: int, per_page: int,
+                         tenant_id: str | None = None) -> tuple[list[AuditEntry], int]:
+        """Newest first."""
+        where = [] if tenant_id is None else [AuditRow.tenant_id == tenant_id]
+        async with self._session() as s:
+            total = await s.scalar(select(func.count()).select_from(AuditRow).where(*where)) or 0
+            rows = await s.scalars(select(AuditRow).where(*where).order_by(AuditRow.id.desc())
+                                   .offset((page - 1) * per_page).limit(per_page))
+            return [AuditEntry(id=r.id, at=r.at, actor=r.actor, action=r.action, tenant_id=r.tenant_id,
+                               object_id=r.object_id, detail=r.detail) for r in rows], total
+
+    # ---- `kumo serve` -------------------------------------------------------------------------------
+    async def ensure_dev_tenant(self, name: str = "development", plan: Plan = "paid") -> tuple[str, str]:
+        """The development tenant (created once, same account id on every start) and a fresh token;
+        the previous start's token is revoked, since its value cannot be shown again."""
+        actor = "kumo serve"
+        async with self._session() as s:
+            existing = await s.scalar(select(TenantRow).where(TenantRow.name == name, TenantRow.deleted_at.is_(None))
+                                      .order_by(TenantRow.created_at).limit(1))
+        tenant = _tenant(existing) if existing else await self.create_tenant(TenantCreate(name=name, plan=plan),
+                                                                             actor=actor)
+        for token in await self.list_tokens(tenant.id):
+            if token.name == DEV_TOKEN_NAME and token.revoked_at is None:
+                await self.revoke_token(tenant.id, token.id, actor=actor)
+        created = await self.create_token(tenant.id, TokenCreate(name=DEV_TOKEN_NAME), actor=actor)
+        return tenant.id, created.value
+
+
+async def _live_tenant(s: AsyncSession, tenant_id: str, *, include_deleted: bool = False,
+                       lock: bool = False) -> TenantRow:
+    row = await s.get(TenantRow, tenant_id, with_for_update=lock) if len(tenant_id) == 32 else None
+    if row is None or (row.deleted_at is not None and not include_deleted):
+        raise NotFound(f"No tenant {tenant_id}")
+    return row
+
+
+def _audit(s: AsyncSession, actor: str, action: str, tenant_id: str | None, object_id: str | None,
+           detail: dict[str, Any]) -> None:
+    s.add(AuditRow(at=_now(), actor=actor, action=action, tenant_id=tenant_id, object_id=object_id, detail=detail))
+
+
+def _plain(value: object) -> Any:
+    """A JSON-ready copy of a Struct or datetime, for audit details."""
+    return msgspec.to_builtins(value)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()

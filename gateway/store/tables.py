@@ -1,0 +1,107 @@
+"""The tenant store's tables (SQLAlchemy 2 declarative). Alembic's migrations create them;
+`tests/gateway/test_store_migrations.py` checks that the two agree.
+
+Timestamps are stored as naive UTC (SQLite keeps no zone) and come back zone-aware through `UTC`.
+Tokens keep only a SHA-256 of their value; usage rows are append-only and small (reliability §4.6).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+# an autoincrementing 64-bit key; SQLite only autoincrements INTEGER PRIMARY KEY
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTC(TypeDecorator[dt.datetime]):
+    """A zone-aware UTC datetime stored as naive UTC on every dialect."""
+
+    impl = DateTime(timezone=False)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(dt.UTC).replace(tzinfo=None)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        return None if value is None else value.replace(tzinfo=dt.UTC)
+
+
+class Table(DeclarativeBase):
+    pass
+
+
+class TenantRow(Table):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    plan: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[dt.datetime] = mapped_column(UTC())
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    daily_neurons: Mapped[float | None] = mapped_column(Float, nullable=True)
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+
+
+class TokenRow(Table):
+    __tablename__ = "tokens"
+    __table_args__ = (Index("ix_tokens_tenant_id", "tenant_id"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32), ForeignKey("tenants.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(UTC())
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    last_used_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+
+
+class AdminTokenRow(Table):
+    __tablename__ = "admin_tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(UTC())
+
+
+class UsageRow(Table):
+    __tablename__ = "usage"
+    __table_args__ = (Index("ix_usage_tenant_day", "tenant_id", "day"),)
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(256))
+    request_id: Mapped[str] = mapped_column(String(128))
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    neurons: Mapped[float] = mapped_column(Float)
+    status: Mapped[int] = mapped_column(Integer)
+    at: Mapped[dt.datetime] = mapped_column(UTC())
+    day: Mapped[dt.date] = mapped_column(Date)
+
+
+class AuditRow(Table):
+    __tablename__ = "audit"
+    __table_args__ = (Index("ix_audit_tenant_id", "tenant_id"),)
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(UTC())
+    actor: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    object_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
