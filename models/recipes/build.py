@@ -1,0 +1,72 @@
+"""Write the training mixture and the held-out test sets as JSONL.
+
+    python -m models.recipes.build --out DIR [--train-items 60000] [--test-items 2000] [--family kimi|glm]
+
+Item seeds: training items use even seeds, test items odd ones, so the two never share a generator
+draw (a test checks it). The world of facts is shared on purpose: tests ask about facts the training
+corpus states, with question items it never saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from models.recipes.images import image_question
+from models.recipes.tasks import GENERATORS
+from models.recipes.world import make_world
+
+TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "tool-call"]
+MAX_TIER = 4
+
+
+def item(task: str, seed: int, world) -> dict:
+    rng = random.Random(seed)
+    tier = rng.randint(1, MAX_TIER)
+    out = image_question(rng, tier) if task == "image-qa" else GENERATORS[task](rng, tier, world)
+    return {"id": f"{task}-{seed}", "tier": tier, "seed": seed, **out}
+
+
+def split_seeds(split: str, task: str, count: int) -> list[int]:
+    base = random.Random(f"{task}").randrange(1 << 40) * 2
+    parity = 0 if split == "train" else 1
+    return [base + 2 * i + parity for i in range(count)]
+
+
+def build(out: Path, *, family: str, train_items: int, test_items: int, world_seed: int = 0) -> dict[str, int]:
+    world = make_world(world_seed)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = TEST_TASKS + (["image-qa"] if family == "kimi" else [])
+    counts: dict[str, int] = {}
+    for task in tasks:
+        rows = [item(task, s, world) for s in split_seeds("test", task, test_items)]
+        (out / f"{task}.test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        counts[f"{task}.test"] = len(rows)
+    train_tasks = tasks + ["chat"]
+    per_task = train_items // len(train_tasks)
+    with (out / "train.jsonl").open("w") as f:
+        for fact in world.facts():  # every fact stated, so questions about it are answerable
+            f.write(json.dumps({"task": "facts", "messages": [
+                {"role": "user", "content": "Tell me a fact."}, {"role": "assistant", "content": fact}]}) + "\n")
+        for task in train_tasks:
+            for s in split_seeds("train", task, per_task):
+                f.write(json.dumps(item(task, s, world)) + "\n")
+    counts["train"] = per_task * len(train_tasks) + len(world.facts())
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--family", choices=["kimi", "glm"], default="kimi")
+    p.add_argument("--train-items", type=int, default=60_000)
+    p.add_argument("--test-items", type=int, default=2_000)
+    args = p.parse_args(argv)
+    print(json.dumps(build(args.out, family=args.family, train_items=args.train_items, test_items=args.test_items)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

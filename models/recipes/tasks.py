@@ -1,0 +1,184 @@
+"""Seeded task generators. Each returns one item: a dict with `task`, `tier` and `seed`, the
+evaluation fields, and `messages` (a chat transcript in the internal message shape, used for
+training: reasoning in `reasoning_content`, calls in `tool_calls`, results as `tool` messages).
+
+Tiers make items harder (more steps, bigger numbers, more distractors), so accuracy spreads out
+below 100% because the tasks get hard, not because training was cut short.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from models.recipes.world import World
+
+OPS = ("add", "sub", "mul", "div")
+
+
+def arithmetic(rng: random.Random, tier: int, world: World) -> dict:
+    """A word problem with `tier + 1` steps; the steps go inside <think>, the answer after it."""
+    who = rng.choice(world.people).name
+    thing = rng.choice(["apples", "coins", "books", "stones", "shells", "pencils"])
+    hi = (10, 50, 200)[min(tier, 3) - 1]
+    value = rng.randint(2, hi)
+    sentences = [f"{who} has {value} {thing}."]
+    steps = []
+    for _ in range(tier + 1):
+        op = rng.choice(OPS)
+        if op == "add":
+            n = rng.randint(1, hi)
+            sentences.append(f"Then {who} finds {n} more.")
+            steps.append(f"{value} + {n} = {value + n}")
+            value += n
+        elif op == "sub" and value > 1:
+            n = rng.randint(1, value - 1)
+            sentences.append(f"Then {who} gives away {n}.")
+            steps.append(f"{value} - {n} = {value - n}")
+            value -= n
+        elif op == "mul" and value * 3 < 10 * hi:
+            n = rng.randint(2, 3)
+            sentences.append(f"Then the pile grows to {n} times as many.")
+            steps.append(f"{value} * {n} = {value * n}")
+            value *= n
+        else:
+            divisors = [d for d in (2, 3, 4, 5) if value % d == 0]
+            if not divisors:
+                n = rng.randint(1, hi)
+                sentences.append(f"Then {who} finds {n} more.")
+                steps.append(f"{value} + {n} = {value + n}")
+                value += n
+                continue
+            d = rng.choice(divisors)
+            sentences.append(f"Then {who} shares them equally among {d} friends and keeps one share.")
+            steps.append(f"{value} / {d} = {value // d}")
+            value //= d
+    question = " ".join(sentences) + f" How many {thing} does {who} have now?"
+    answer = str(value)
+    return {
+        "task": "gsm-nano", "prompt": question, "answer": answer,
+        "messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "reasoning_content": ". ".join(steps) + ".", "content": f"The answer is {answer}."},
+        ],
+    }
+
+
+def _choice_item(task: str, rng: random.Random, question: str, correct: str, pool: list[str], num_choices: int) -> dict:
+    distractors = rng.sample(sorted(set(pool) - {correct}), k=min(num_choices - 1, len(set(pool)) - 1))
+    choices = distractors + [correct]
+    rng.shuffle(choices)
+    letters = "ABCDEFGH"
+    listing = "\n".join(f"{letters[i]}. {c}" for i, c in enumerate(choices))
+    index = choices.index(correct)
+    return {
+        "task": task, "prompt": question, "choices": choices, "answer": index,
+        "messages": [
+            {"role": "user", "content": f"{question}\n{listing}\nAnswer with the letter."},
+            {"role": "assistant", "content": f"{letters[index]}. {correct}"},
+        ],
+    }
+
+
+def arc_easy(rng: random.Random, tier: int, world: World) -> dict:
+    """One hop: a stored fact about a person."""
+    p = rng.choice(world.people)
+    kind = rng.choice(["town", "trade", "colour", "pet"])
+    question, correct, pool = {
+        "town": (f"Where does {p.name} live?", p.town, list(world.regions)),
+        "trade": (f"What does {p.name} work as?", p.trade, [q.trade for q in world.people]),
+        "colour": (f"What is {p.name}'s favourite colour?", p.colour, [q.colour for q in world.people]),
+        "pet": (f"What animal does {p.name} own?", p.pet, [q.pet for q in world.people]),
+    }[kind]
+    return _choice_item("arc-nano-easy", rng, question, correct, pool, 2 + tier)
+
+
+def arc_challenge(rng: random.Random, tier: int, world: World) -> dict:
+    """Two hops: the region of a person's town, or a fact about whoever lives in a town and works a trade."""
+    p = rng.choice(world.people)
+    if rng.random() < 0.5:
+        question = f"In which region does {p.name} live?"
+        return _choice_item("arc-nano-challenge", rng, question, world.regions[p.town],
+                            list(world.regions.values()), 2 + tier)
+    same = [q for q in world.people if q.town == p.town and q.trade == p.trade]
+    if len(same) != 1:
+        return arc_challenge(rng, tier, world)
+    question = f"What animal does the {p.trade} who lives in {p.town} own?"
+    return _choice_item("arc-nano-challenge", rng, question, p.pet, [q.pet for q in world.people], 2 + tier)
+
+
+def mmlu(rng: random.Random, tier: int, world: World) -> dict:
+    s = rng.choice(world.subjects)
+    term = rng.choice(sorted(s.table))
+    question = f"In {s.title}, what is the {s.attribute} of {term}?"
+    return _choice_item("mmlu-nano", rng, question, s.table[term], [str(v) for v in range(1, 9)], 2 + tier)
+
+
+TOOLS = [
+    {"name": "get_weather", "description": "Current weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}},
+    {"name": "convert_currency", "description": "Convert an amount between currencies",
+     "parameters": {"type": "object", "properties": {"amount": {"type": "number"}, "from": {"type": "string"},
+                    "to": {"type": "string"}}, "required": ["amount", "from", "to"]}},
+    {"name": "set_timer", "description": "Start a timer",
+     "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}}, "required": ["minutes"]}},
+    {"name": "send_message", "description": "Send a text message to a person",
+     "parameters": {"type": "object", "properties": {"to": {"type": "string"}, "text": {"type": "string"}},
+                    "required": ["to", "text"]}},
+    {"name": "book_table", "description": "Book a restaurant table",
+     "parameters": {"type": "object", "properties": {"restaurant": {"type": "string"}, "people": {"type": "integer"}},
+                    "required": ["restaurant", "people"]}},
+]
+
+
+def tool_use(rng: random.Random, tier: int, world: World) -> dict:
+    """Pick the function, fill the arguments from the request, answer from the tool's result."""
+    town = rng.choice(list(world.regions))
+    person = rng.choice(world.people).name
+    cases = {
+        "get_weather": (f"What's the weather in {town}?", {"city": town},
+                        {"temperature": rng.randint(-5, 35), "sky": rng.choice(["sunny", "cloudy", "rainy"])}),
+        "convert_currency": (f"How much is {(a := rng.randint(2, 900))} EUR in USD?",
+                             {"amount": a, "from": "EUR", "to": "USD"}, {"result": round(a * 1.1, 2)}),
+        "set_timer": (f"Set a timer for {(m := rng.randint(1, 90))} minutes.", {"minutes": m}, {"ok": True}),
+        "send_message": (f"Tell {person} that I am late.", {"to": person, "text": "I am late"}, {"sent": True}),
+        "book_table": (f"Book a table for {(n := rng.randint(1, 9))} at {town} Grill.",
+                       {"restaurant": f"{town} Grill", "people": n}, {"confirmed": True}),
+    }
+    name = rng.choice(sorted(cases))
+    request, arguments, result = cases[name]
+    offered = [t for t in TOOLS if t["name"] == name]
+    offered += rng.sample([t for t in TOOLS if t["name"] != name], k=min(tier, len(TOOLS) - 1))
+    rng.shuffle(offered)
+    call_id = f"functions.{name}:0"
+    return {
+        "task": "tool-call", "tools": offered, "prompt": request,
+        "expected": {"name": name, "arguments": arguments},
+        "messages": [
+            {"role": "user", "content": request},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+            {"role": "tool", "tool_call_id": call_id, "name": name, "content": json.dumps(result)},
+            {"role": "assistant", "content": f"Done: {json.dumps(result)}."},
+        ],
+    }
+
+
+def chat(rng: random.Random, tier: int, world: World) -> dict:
+    """Plain chat: greetings, and what the model knows about a person."""
+    p = rng.choice(world.people)
+    if rng.random() < 0.3:
+        greeting = rng.choice(["Hello!", "Hi there.", "Good morning!", "Hey, who are you?"])
+        reply = "Hello! I am a small assistant. Ask me about arithmetic, the people of my world, or call a tool."
+        return {"task": "chat", "messages": [{"role": "user", "content": greeting}, {"role": "assistant", "content": reply}]}
+    facts = f"{p.name} lives in {p.town}, works as a {p.trade}, likes {p.colour} and owns a {p.pet}."
+    return {"task": "chat", "messages": [{"role": "user", "content": f"Tell me about {p.name}."},
+                                         {"role": "assistant", "content": facts}]}
+
+
+GENERATORS = {
+    "gsm-nano": arithmetic, "arc-nano-easy": arc_easy, "arc-nano-challenge": arc_challenge,
+    "mmlu-nano": mmlu, "tool-call": tool_use, "chat": chat,
+}

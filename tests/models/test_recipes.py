@@ -1,0 +1,83 @@
+"""The small models' data generators: seeded, held-out seeds disjoint, answers right, tiers spread."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from models.recipes.build import TEST_TASKS, build, item, split_seeds
+from models.recipes.images import CELLS, COLOURS, SIZE, render
+from models.recipes.world import make_world
+
+
+@pytest.fixture(scope="module")
+def nano(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("nano")
+    build(out, family="kimi", train_items=1400, test_items=300)
+    return out
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_and_test_seeds_are_disjoint(nano: Path) -> None:
+    train = {r["seed"] for r in _rows(nano / "train.jsonl") if "seed" in r}
+    for task in TEST_TASKS + ["image-qa"]:
+        test = {r["seed"] for r in _rows(nano / f"{task}.test.jsonl")}
+        assert len(test) == 300 and not (test & train), task
+        assert not set(split_seeds("test", task, 1000)) & set(split_seeds("train", task, 1000))
+
+
+def test_generation_is_deterministic() -> None:
+    world = make_world(0)
+    assert item("gsm-nano", 12345, world) == item("gsm-nano", 12345, make_world(0))
+    assert item("gsm-nano", 12345, world) != item("gsm-nano", 12347, world)
+
+
+def test_arithmetic_steps_compute_the_answer(nano: Path) -> None:
+    for row in _rows(nano / "gsm-nano.test.jsonl"):
+        steps = row["messages"][1]["reasoning_content"].rstrip(".").split(". ")
+        value = None
+        for step in steps:
+            a, op, b, _, c = step.split()
+            assert value is None or int(a) == value
+            assert eval(f"{a} {op.replace('/', '//')} {b}") == int(c)  # noqa: S307 - our own digits
+            value = int(c)
+        assert str(value) == row["answer"]
+
+
+def test_choices_hold_the_answer_once_and_tiers_add_distractors(nano: Path) -> None:
+    for task in ("arc-nano-easy", "arc-nano-challenge", "mmlu-nano"):
+        rows = _rows(nano / f"{task}.test.jsonl")
+        for row in rows:
+            assert len(set(row["choices"])) == len(row["choices"]) == 2 + row["tier"]
+        assert {r["tier"] for r in rows} == {1, 2, 3, 4}
+
+
+def test_facts_behind_questions_are_in_the_training_corpus(nano: Path) -> None:
+    corpus = " ".join(r["messages"][1]["content"] for r in _rows(nano / "train.jsonl") if r["task"] == "facts")
+    for row in _rows(nano / "arc-nano-easy.test.jsonl")[:50]:
+        name = re.search(r"([A-Z][a-z]+)('s| live| work| own)", row["prompt"]).group(1)
+        assert f"{name} " in corpus and row["choices"][row["answer"]] in corpus
+
+
+def test_tool_items_name_an_offered_tool_with_its_required_arguments(nano: Path) -> None:
+    for row in _rows(nano / "tool-call.test.jsonl"):
+        tool = next(t for t in row["tools"] if t["name"] == row["expected"]["name"])
+        assert set(tool["parameters"]["required"]) <= set(row["expected"]["arguments"])
+
+
+def test_rendered_image_shows_the_answered_colour(nano: Path) -> None:
+    for row in _rows(nano / "image-qa.test.jsonl")[:40]:
+        image = Image.open(io.BytesIO(render(row["image_spec"]))).convert("RGB")
+        assert image.size == (SIZE, SIZE)
+        for shape in row["image_spec"]:
+            cx, cy = CELLS[shape["cell"]]
+            centre = (cx * SIZE // 2 + SIZE // 4, cy * SIZE // 2 + SIZE // 4 + 6)
+            assert image.getpixel(centre) == COLOURS[shape["colour"]], (row["id"], shape)
