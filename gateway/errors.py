@@ -4,7 +4,8 @@
     ├── BadInput (400)                 schema/validation failures; message names the failing path
     │   ├── MissingBody (400, 3003)
     │   ├── UnknownModel (400, 5007)
-    │   └── Unsupported (400)          a field or capability this model does not serve
+    │   ├── Unsupported (400)          a field or capability this model does not serve
+    │   └── InvalidAdminRequest (400, 6007)  admin API body or query; no "AiError: " prefix
     ├── Unauthenticated (401, 10000)
     ├── Forbidden (403, 9109)          another account's path, a model not allowed for the tenant
     │   └── PaidModelOnFreePlan (403, 5035)
@@ -52,6 +53,10 @@ class UnknownModel(BadInput):
 
 class Unsupported(BadInput):
     code = 5006
+
+
+class InvalidAdminRequest(BadInput):
+    code, prefix = 6007, ""
 
 
 class Unauthenticated(KumoError):
