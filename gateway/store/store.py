@@ -59,10 +59,13 @@ def _new_id() -> str:
 
 def normalise_url(url: str) -> str:
     """Accept plain `postgresql://` / `sqlite:///` URLs and pick the async driver for them."""
-    for plain, driver in (("postgresql://", "postgresql+asyncpg://"), ("postgres://", "postgresql+asyncpg://"),
-                          ("sqlite://", "sqlite+aiosqlite://")):
+    for plain, driver in (
+        ("postgresql://", "postgresql+asyncpg://"),
+        ("postgres://", "postgresql+asyncpg://"),
+        ("sqlite://", "sqlite+aiosqlite://"),
+    ):
         if url.startswith(plain):
-            return driver + url[len(plain):]
+            return driver + url[len(plain) :]
     return url
 
 
@@ -76,15 +79,30 @@ class Credential:
 
 
 def _tenant(row: TenantRow) -> Tenant:
-    quotas = Quotas(requests_per_minute=row.requests_per_minute, tokens_per_minute=row.tokens_per_minute,
-                    daily_neurons=row.daily_neurons)
-    return Tenant(id=row.id, name=row.name, plan=row.plan,  # type: ignore[arg-type]
-                  created_at=row.created_at, quotas=quotas, models=Models(allow=row.allowed_models))
+    quotas = Quotas(
+        requests_per_minute=row.requests_per_minute,
+        tokens_per_minute=row.tokens_per_minute,
+        daily_neurons=row.daily_neurons,
+    )
+    return Tenant(
+        id=row.id,
+        name=row.name,
+        plan=row.plan,  # type: ignore[arg-type]
+        created_at=row.created_at,
+        quotas=quotas,
+        models=Models(allow=row.allowed_models),
+    )
 
 
 def _token(row: TokenRow) -> Token:
-    return Token(id=row.id, name=row.name, created_at=row.created_at, expires_at=row.expires_at,
-                 last_used_at=row.last_used_at, revoked_at=row.revoked_at)
+    return Token(
+        id=row.id,
+        name=row.name,
+        created_at=row.created_at,
+        expires_at=row.expires_at,
+        last_used_at=row.last_used_at,
+        revoked_at=row.revoked_at,
+    )
 
 
 def _apply_quotas(row: TenantRow, quotas: Quotas) -> None:
@@ -135,8 +153,13 @@ class Store:
         live = TenantRow.deleted_at.is_(None)
         async with self._session() as s:
             total = await s.scalar(select(func.count()).select_from(TenantRow).where(live)) or 0
-            rows = await s.scalars(select(TenantRow).where(live).order_by(TenantRow.created_at, TenantRow.id)
-                                   .offset((page - 1) * per_page).limit(per_page))
+            rows = await s.scalars(
+                select(TenantRow)
+                .where(live)
+                .order_by(TenantRow.created_at, TenantRow.id)
+                .offset((page - 1) * per_page)
+                .limit(per_page)
+            )
             return [_tenant(r) for r in rows], total
 
     async def get_tenant(self, tenant_id: str, *, include_deleted: bool = False) -> Tenant:
@@ -161,8 +184,11 @@ class Store:
         async with self._session() as s, s.begin():
             row = await _live_tenant(s, tenant_id, lock=True)
             row.deleted_at = now
-            revoked = await s.execute(update(TokenRow).where(TokenRow.tenant_id == tenant_id,
-                                                             TokenRow.revoked_at.is_(None)).values(revoked_at=now))
+            revoked = await s.execute(
+                update(TokenRow)
+                .where(TokenRow.tenant_id == tenant_id, TokenRow.revoked_at.is_(None))
+                .values(revoked_at=now)
+            )
             _audit(s, actor, "tenant.delete", tenant_id, tenant_id, {"revoked_tokens": revoked.rowcount})
 
     async def set_quotas(self, tenant_id: str, quotas: Quotas, *, actor: str) -> Tenant:
@@ -170,36 +196,65 @@ class Store:
             row = await _live_tenant(s, tenant_id, lock=True)
             before = _tenant(row).quotas
             _apply_quotas(row, quotas)
-            _audit(s, actor, "tenant.quotas", tenant_id, tenant_id,
-                   {"before": _plain(before), "after": _plain(quotas)})
+            _audit(
+                s,
+                actor,
+                "tenant.quotas",
+                tenant_id,
+                tenant_id,
+                {"before": _plain(before), "after": _plain(quotas)},
+            )
             return _tenant(row)
 
     async def set_models(self, tenant_id: str, allow: list[str] | None, *, actor: str) -> Tenant:
         async with self._session() as s, s.begin():
             row = await _live_tenant(s, tenant_id, lock=True)
             before, row.allowed_models = row.allowed_models, None if allow is None else sorted(set(allow))
-            _audit(s, actor, "tenant.models", tenant_id, tenant_id, {"before": before, "after": row.allowed_models})
+            _audit(
+                s,
+                actor,
+                "tenant.models",
+                tenant_id,
+                tenant_id,
+                {"before": before, "after": row.allowed_models},
+            )
             return _tenant(row)
 
     # ---- tokens -------------------------------------------------------------------------------------
     async def create_token(self, tenant_id: str, body: TokenCreate, *, actor: str) -> TokenCreated:
         token_id = _new_id()
         value = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
-        row = TokenRow(id=token_id, tenant_id=tenant_id, name=body.name, secret_sha256=sha256_hex(value),
-                       created_at=_now(), expires_at=body.expires_at)
+        row = TokenRow(
+            id=token_id,
+            tenant_id=tenant_id,
+            name=body.name,
+            secret_sha256=sha256_hex(value),
+            created_at=_now(),
+            expires_at=body.expires_at,
+        )
         async with self._session() as s, s.begin():
             await _live_tenant(s, tenant_id)
             s.add(row)
-            _audit(s, actor, "token.create", tenant_id, token_id,
-                   {"name": body.name, "expires_at": _plain(body.expires_at)})
-        return TokenCreated(id=token_id, name=row.name, value=value, created_at=row.created_at,
-                            expires_at=row.expires_at)
+            _audit(
+                s,
+                actor,
+                "token.create",
+                tenant_id,
+                token_id,
+                {"name": body.name, "expires_at": _plain(body.expires_at)},
+            )
+        return TokenCreated(
+            id=token_id, name=row.name, value=value, created_at=row.created_at, expires_at=row.expires_at
+        )
 
     async def list_tokens(self, tenant_id: str) -> list[Token]:
         async with self._session() as s:
             await _live_tenant(s, tenant_id)
-            rows = await s.scalars(select(TokenRow).where(TokenRow.tenant_id == tenant_id)
-                                   .order_by(TokenRow.created_at, TokenRow.id))
+            rows = await s.scalars(
+                select(TokenRow)
+                .where(TokenRow.tenant_id == tenant_id)
+                .order_by(TokenRow.created_at, TokenRow.id)
+            )
             return [_token(r) for r in rows]
 
     async def revoke_token(self, tenant_id: str, token_id: str, *, actor: str) -> Token:
@@ -214,11 +269,20 @@ class Store:
 
     async def resolve_token(self, value: str) -> Credential | None:
         """The live tenant a token value belongs to, or None; records the token's last use."""
-        token_id = value[len(TOKEN_PREFIX):len(TOKEN_PREFIX) + 32] if value.startswith(TOKEN_PREFIX) else ""
+        token_id = value[len(TOKEN_PREFIX) : len(TOKEN_PREFIX) + 32] if value.startswith(TOKEN_PREFIX) else ""
         now = _now()
         async with self._session() as s, s.begin():
-            found = (await s.execute(select(TokenRow, TenantRow).join(TenantRow, TokenRow.tenant_id == TenantRow.id)
-                                     .where(TokenRow.id == token_id))).first() if len(token_id) == 32 else None
+            found = (
+                (
+                    await s.execute(
+                        select(TokenRow, TenantRow)
+                        .join(TenantRow, TokenRow.tenant_id == TenantRow.id)
+                        .where(TokenRow.id == token_id)
+                    )
+                ).first()
+                if len(token_id) == 32
+                else None
+            )
             expected = found[0].secret_sha256 if found else _DUMMY_SHA256
             if not hmac.compare_digest(sha256_hex(value), expected) or found is None:
                 return None
@@ -247,7 +311,11 @@ class Store:
             if rows:
                 return None
             value = f"{TOKEN_PREFIX}admin_{secrets.token_urlsafe(32)}"
-            s.add(AdminTokenRow(id=_new_id(), name="generated", secret_sha256=sha256_hex(value), created_at=_now()))
+            s.add(
+                AdminTokenRow(
+                    id=_new_id(), name="generated", secret_sha256=sha256_hex(value), created_at=_now()
+                )
+            )
             return value
 
     async def resolve_admin(self, value: str) -> str | None:
@@ -263,42 +331,89 @@ class Store:
         if not records:
             return
         async with self._session() as s, s.begin():
-            s.add_all(UsageRow(tenant_id=r.tenant_id, model=r.model, request_id=r.request_id,
-                               prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-                               completion_tokens=r.completion_tokens, neurons=r.neurons, status=r.status,
-                               at=r.at, day=r.at.astimezone(dt.UTC).date()) for r in records)
+            s.add_all(
+                UsageRow(
+                    tenant_id=r.tenant_id,
+                    model=r.model,
+                    request_id=r.request_id,
+                    prompt_tokens=r.prompt_tokens,
+                    cached_tokens=r.cached_tokens,
+                    completion_tokens=r.completion_tokens,
+                    neurons=r.neurons,
+                    status=r.status,
+                    at=r.at,
+                    day=r.at.astimezone(dt.UTC).date(),
+                )
+                for r in records
+            )
 
-    async def usage(self, tenant_id: str, *, since: dt.date, until: dt.date,
-                    group_by: Literal["day", "model"]) -> list[UsageGroup]:
+    async def usage(
+        self, tenant_id: str, *, since: dt.date, until: dt.date, group_by: Literal["day", "model"]
+    ) -> list[UsageGroup]:
         """Usage per UTC day or per model, `since` and `until` inclusive; the tenant may be deleted."""
         key = UsageRow.day if group_by == "day" else UsageRow.model
-        query = (select(key, func.count(), func.sum(UsageRow.prompt_tokens), func.sum(UsageRow.cached_tokens),
-                        func.sum(UsageRow.completion_tokens), func.sum(UsageRow.neurons))
-                 .where(UsageRow.tenant_id == tenant_id, UsageRow.day >= since, UsageRow.day <= until)
-                 .group_by(key).order_by(key))
+        query = (
+            select(
+                key,
+                func.count(),
+                func.sum(UsageRow.prompt_tokens),
+                func.sum(UsageRow.cached_tokens),
+                func.sum(UsageRow.completion_tokens),
+                func.sum(UsageRow.neurons),
+            )
+            .where(UsageRow.tenant_id == tenant_id, UsageRow.day >= since, UsageRow.day <= until)
+            .group_by(key)
+            .order_by(key)
+        )
         async with self._session() as s:
             await _live_tenant(s, tenant_id, include_deleted=True)
             rows = (await s.execute(query)).all()
-        return [UsageGroup(day=k.isoformat() if group_by == "day" else None, model=k if group_by == "model" else None,
-                           requests=int(n), prompt_tokens=int(p), cached_tokens=int(c), completion_tokens=int(o),
-                           neurons=float(x)) for k, n, p, c, o, x in rows]
+        return [
+            UsageGroup(
+                day=k.isoformat() if group_by == "day" else None,
+                model=k if group_by == "model" else None,
+                requests=int(n),
+                prompt_tokens=int(p),
+                cached_tokens=int(c),
+                completion_tokens=int(o),
+                neurons=float(x),
+            )
+            for k, n, p, c, o, x in rows
+        ]
 
     async def neurons_on(self, tenant_id: str, day: dt.date) -> float:
         async with self._session() as s:
-            total = await s.scalar(select(func.sum(UsageRow.neurons))
-                                   .where(UsageRow.tenant_id == tenant_id, UsageRow.day == day))
+            total = await s.scalar(
+                select(func.sum(UsageRow.neurons)).where(UsageRow.tenant_id == tenant_id, UsageRow.day == day)
+            )
         return float(total or 0.0)
 
-    async def list_audit(self, *, page: int, per_page: int,
-                         tenant_id: str | None = None) -> tuple[list[AuditEntry], int]:
+    async def list_audit(
+        self, *, page: int, per_page: int, tenant_id: str | None = None
+    ) -> tuple[list[AuditEntry], int]:
         """Newest first."""
         where = [] if tenant_id is None else [AuditRow.tenant_id == tenant_id]
         async with self._session() as s:
             total = await s.scalar(select(func.count()).select_from(AuditRow).where(*where)) or 0
-            rows = await s.scalars(select(AuditRow).where(*where).order_by(AuditRow.id.desc())
-                                   .offset((page - 1) * per_page).limit(per_page))
-            return [AuditEntry(id=r.id, at=r.at, actor=r.actor, action=r.action, tenant_id=r.tenant_id,
-                               object_id=r.object_id, detail=r.detail) for r in rows], total
+            rows = await s.scalars(
+                select(AuditRow)
+                .where(*where)
+                .order_by(AuditRow.id.desc())
+                .offset((page - 1) * per_page)
+                .limit(per_page)
+            )
+            return [
+                AuditEntry(
+                    id=r.id,
+                    at=r.at,
+                    actor=r.actor,
+                    action=r.action,
+                    tenant_id=r.tenant_id,
+                    object_id=r.object_id,
+                    detail=r.detail,
+                )
+                for r in rows
+            ], total
 
     # ---- `kumo serve` -------------------------------------------------------------------------------
     async def ensure_dev_tenant(self, name: str = "development", plan: Plan = "paid") -> tuple[str, str]:
@@ -306,10 +421,17 @@ class Store:
         the previous start's token is revoked, since its value cannot be shown again."""
         actor = "kumo serve"
         async with self._session() as s:
-            existing = await s.scalar(select(TenantRow).where(TenantRow.name == name, TenantRow.deleted_at.is_(None))
-                                      .order_by(TenantRow.created_at).limit(1))
-        tenant = _tenant(existing) if existing else await self.create_tenant(TenantCreate(name=name, plan=plan),
-                                                                             actor=actor)
+            existing = await s.scalar(
+                select(TenantRow)
+                .where(TenantRow.name == name, TenantRow.deleted_at.is_(None))
+                .order_by(TenantRow.created_at)
+                .limit(1)
+            )
+        tenant = (
+            _tenant(existing)
+            if existing
+            else await self.create_tenant(TenantCreate(name=name, plan=plan), actor=actor)
+        )
         for token in await self.list_tokens(tenant.id):
             if token.name == DEV_TOKEN_NAME and token.revoked_at is None:
                 await self.revoke_token(tenant.id, token.id, actor=actor)
@@ -317,17 +439,28 @@ class Store:
         return tenant.id, created.value
 
 
-async def _live_tenant(s: AsyncSession, tenant_id: str, *, include_deleted: bool = False,
-                       lock: bool = False) -> TenantRow:
+async def _live_tenant(
+    s: AsyncSession, tenant_id: str, *, include_deleted: bool = False, lock: bool = False
+) -> TenantRow:
     row = await s.get(TenantRow, tenant_id, with_for_update=lock) if len(tenant_id) == 32 else None
     if row is None or (row.deleted_at is not None and not include_deleted):
         raise NotFound(f"No tenant {tenant_id}")
     return row
 
 
-def _audit(s: AsyncSession, actor: str, action: str, tenant_id: str | None, object_id: str | None,
-           detail: dict[str, Any]) -> None:
-    s.add(AuditRow(at=_now(), actor=actor, action=action, tenant_id=tenant_id, object_id=object_id, detail=detail))
+def _audit(
+    s: AsyncSession,
+    actor: str,
+    action: str,
+    tenant_id: str | None,
+    object_id: str | None,
+    detail: dict[str, Any],
+) -> None:
+    s.add(
+        AuditRow(
+            at=_now(), actor=actor, action=action, tenant_id=tenant_id, object_id=object_id, detail=detail
+        )
+    )
 
 
 def _plain(value: object) -> Any:

@@ -1,0 +1,242 @@
+"""The tenant admin API, mounted under `/admin/v1` (issue 4 item 4).
+
+Every route first checks the admin token (401 without a valid one, 403 for a tenant's token),
+then decodes its body with a typed decoder that rejects unknown fields, then acts through the
+store, which writes the audit entry in the same transaction. Bodies travel in the v4 envelope;
+unknown ids are 404. A revocation, deletion or quota change also drops this replica's cached
+tenant at once; other replicas notice within the authenticator's cache window.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.auth import Authenticator
+from gateway.errors import InvalidAdminRequest, KumoError, NotFound
+from gateway.store import Store
+from schemas.admin import ModelsIn, Quotas, QuotasIn, TenantCreate, TenantPatch, TokenCreate
+from schemas.workers_ai import Envelope, ErrorItem, PagedEnvelope, ResultInfo
+
+T = TypeVar("T")
+Handler = Callable[[Request, str], Awaitable[Envelope]]
+DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+ID = re.compile(r"^[0-9a-f]{32}$")
+MAX_PER_PAGE = 1000
+MAX_USAGE_DAYS = 3660
+
+
+class AdminServices(Protocol):
+    """What the admin routes need from the app's `Services`."""
+
+    store: Store
+    authenticator: Authenticator
+
+
+def _decoder(kind: type[T]) -> msgspec.json.Decoder[T]:
+    return msgspec.json.Decoder(kind)
+
+
+DECODERS: dict[type[Any], msgspec.json.Decoder[Any]] = {
+    k: _decoder(k) for k in (TenantCreate, TenantPatch, TokenCreate, QuotasIn, ModelsIn)
+}
+
+
+async def _body(request: Request, kind: type[T]) -> T:
+    raw = await request.body()
+    if not raw.strip():
+        raise InvalidAdminRequest("Request body is missing")
+    try:
+        return DECODERS[kind].decode(raw)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise InvalidAdminRequest(f"Invalid request body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidAdminRequest(f"Malformed JSON in request body: {exc}") from exc
+
+
+def _int_query(request: Request, name: str, default: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= high:
+        raise InvalidAdminRequest(f"Query parameter {name} must be an integer from 1 to {high}")
+    return int(raw)
+
+
+def _date_query(request: Request, name: str, default: dt.date) -> dt.date:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        if not DATE.match(raw):
+            raise ValueError(raw)
+        return dt.date.fromisoformat(raw)
+    except ValueError as exc:
+        raise InvalidAdminRequest(f"Query parameter {name} must be a date YYYY-MM-DD") from exc
+
+
+def _id(request: Request, name: str) -> str:
+    value = str(request.path_params[name])
+    if not ID.match(value):
+        raise NotFound(f"No {name.removesuffix('_id')} {value}")
+    return value
+
+
+def _ok(result: Any) -> Envelope:
+    return Envelope(result=result, success=True)
+
+
+def _paged(items: list[Any], total: int, page: int, per_page: int) -> PagedEnvelope:
+    info = ResultInfo(page=page, per_page=per_page, count=len(items), total_count=total)
+    return PagedEnvelope(result=items, success=True, result_info=info)
+
+
+def _json(envelope: Envelope, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        msgspec.json.encode(envelope), status_code=status, headers=headers, media_type="application/json"
+    )
+
+
+def _error(exc: KumoError) -> Response:
+    envelope = Envelope(
+        result=None, success=False, errors=[ErrorItem(code=exc.code, message=exc.wire_message)]
+    )
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return _json(envelope, exc.status, headers)
+
+
+class AdminApi:
+    """The admin routes' handlers, bound to the app's services."""
+
+    def __init__(self, services: AdminServices) -> None:
+        self.services = services
+
+    @property
+    def store(self) -> Store:
+        return self.services.store
+
+    def endpoint(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                actor = await self.services.authenticator.authenticate_admin(
+                    request.headers.get("authorization")
+                )
+                return _json(await handler(request, actor))
+            except KumoError as exc:
+                return _error(exc)
+
+        return run
+
+    # ---- tenants ------------------------------------------------------------------------------------
+    async def create_tenant(self, request: Request, actor: str) -> Envelope:
+        return _ok(await self.store.create_tenant(await _body(request, TenantCreate), actor=actor))
+
+    async def list_tenants(self, request: Request, actor: str) -> Envelope:
+        page = _int_query(request, "page", 1, 1_000_000)
+        per_page = _int_query(request, "per_page", 50, MAX_PER_PAGE)
+        tenants, total = await self.store.list_tenants(page=page, per_page=per_page)
+        return _paged(tenants, total, page, per_page)
+
+    async def get_tenant(self, request: Request, actor: str) -> Envelope:
+        return _ok(await self.store.get_tenant(_id(request, "tenant_id")))
+
+    async def update_tenant(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        tenant = await self.store.update_tenant(tenant_id, await _body(request, TenantPatch), actor=actor)
+        self.services.authenticator.forget(tenant_id=tenant_id)
+        return _ok(tenant)
+
+    async def delete_tenant(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        await self.store.delete_tenant(tenant_id, actor=actor)
+        self.services.authenticator.forget(tenant_id=tenant_id)
+        return _ok({"id": tenant_id})
+
+    async def set_quotas(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        body = await _body(request, QuotasIn)
+        quotas = Quotas(
+            requests_per_minute=body.requests_per_minute,
+            tokens_per_minute=body.tokens_per_minute,
+            daily_neurons=body.daily_neurons,
+        )
+        tenant = await self.store.set_quotas(tenant_id, quotas, actor=actor)
+        self.services.authenticator.forget(tenant_id=tenant_id)
+        return _ok(tenant.quotas)
+
+    async def set_models(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        tenant = await self.store.set_models(tenant_id, (await _body(request, ModelsIn)).allow, actor=actor)
+        self.services.authenticator.forget(tenant_id=tenant_id)
+        return _ok(tenant.models)
+
+    # ---- tokens -------------------------------------------------------------------------------------
+    async def create_token(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        body = await _body(request, TokenCreate)
+        if body.expires_at is not None:
+            if body.expires_at.tzinfo is None:
+                raise InvalidAdminRequest("expires_at needs a time zone (e.g. 2027-01-01T00:00:00Z)")
+            if body.expires_at <= dt.datetime.now(dt.UTC):
+                raise InvalidAdminRequest("expires_at is in the past")
+        return _ok(await self.store.create_token(tenant_id, body, actor=actor))
+
+    async def list_tokens(self, request: Request, actor: str) -> Envelope:
+        return _ok(await self.store.list_tokens(_id(request, "tenant_id")))
+
+    async def revoke_token(self, request: Request, actor: str) -> Envelope:
+        tenant_id, token_id = _id(request, "tenant_id"), _id(request, "token_id")
+        token = await self.store.revoke_token(tenant_id, token_id, actor=actor)
+        self.services.authenticator.forget(token_id=token_id)
+        return _ok(token)
+
+    # ---- usage and audit ----------------------------------------------------------------------------
+    async def usage(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        today = dt.datetime.now(dt.UTC).date()
+        until = _date_query(request, "until", today)
+        since = _date_query(request, "since", until - dt.timedelta(days=29))
+        if since > until or (until - since).days > MAX_USAGE_DAYS:
+            raise InvalidAdminRequest(
+                f"since must not be after until, nor more than {MAX_USAGE_DAYS} days before it"
+            )
+        group_by = request.query_params.get("group_by", "day")
+        if group_by not in ("day", "model"):
+            raise InvalidAdminRequest("group_by must be day or model")
+        by: Literal["day", "model"] = "day" if group_by == "day" else "model"
+        return _ok(await self.store.usage(tenant_id, since=since, until=until, group_by=by))
+
+    async def audit(self, request: Request, actor: str) -> Envelope:
+        page = _int_query(request, "page", 1, 1_000_000)
+        per_page = _int_query(request, "per_page", 50, MAX_PER_PAGE)
+        tenant_id = request.query_params.get("tenant_id")
+        entries, total = await self.store.list_audit(page=page, per_page=per_page, tenant_id=tenant_id)
+        return _paged(entries, total, page, per_page)
+
+
+def admin_routes(services: AdminServices) -> list[Route]:
+    """The admin API's routes, to mount under `/admin/v1`."""
+    api = AdminApi(services)
+    e = api.endpoint
+    tenant = "/tenants/{tenant_id}"
+    return [
+        Route("/tenants", e(api.create_tenant), methods=["POST"]),
+        Route("/tenants", e(api.list_tenants), methods=["GET"]),
+        Route(tenant, e(api.get_tenant), methods=["GET"]),
+        Route(tenant, e(api.update_tenant), methods=["PATCH"]),
+        Route(tenant, e(api.delete_tenant), methods=["DELETE"]),
+        Route(f"{tenant}/tokens", e(api.create_token), methods=["POST"]),
+        Route(f"{tenant}/tokens", e(api.list_tokens), methods=["GET"]),
+        Route(f"{tenant}/tokens/{{token_id}}", e(api.revoke_token), methods=["DELETE"]),
+        Route(f"{tenant}/quotas", e(api.set_quotas), methods=["PUT"]),
+        Route(f"{tenant}/models", e(api.set_models), methods=["PUT"]),
+        Route(f"{tenant}/usage", e(api.usage), methods=["GET"]),
+        Route("/audit", e(api.audit), methods=["GET"]),
+    ]

@@ -1,0 +1,128 @@
+"""Bearer-token authentication for the public routes and the admin API (DESIGN.md §2 step 1).
+
+A tenant token resolves, through the store, to a `TenantContext`; the result is cached in this
+replica for `cache_seconds`, so a revoked token stops working everywhere within that window
+(and at once on the replica that revoked it, through `forget`). The cache keys on the token's
+SHA-256, never on the value. Admin tokens are checked against the store on every call: admin
+traffic is rare and its revocation must be immediate.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.errors import Forbidden, Unauthenticated
+from gateway.store import Credential, Store, sha256_hex
+from schemas.admin import Quotas
+
+AUTH_ERROR = "Authentication error"  # Workers AI's message for 10000 (reference §6)
+
+
+@dataclass(frozen=True)
+class TenantContext:
+    """Who is calling: the tenant (a Workers AI account) behind a valid token."""
+
+    tenant_id: str
+    name: str
+    plan: Literal["free", "paid"]
+    allowed_models: frozenset[str] | None  # None: every model in the catalog
+    token_id: str
+    quotas: Quotas = field(default_factory=Quotas)
+
+    def can_use(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+    @classmethod
+    def from_credential(cls, credential: Credential) -> TenantContext:
+        t = credential.tenant
+        allowed = None if t.models.allow is None else frozenset(t.models.allow)
+        return cls(
+            tenant_id=t.id,
+            name=t.name,
+            plan=t.plan,
+            allowed_models=allowed,
+            token_id=credential.token_id,
+            quotas=t.quotas,
+        )
+
+
+def bearer(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` header, or 401."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthenticated(AUTH_ERROR)
+    return token
+
+
+@dataclass
+class _Entry:
+    fetched_at: float
+    credential: Credential
+
+
+class Authenticator:
+    """Resolves bearer tokens to tenants (cached briefly) and to admin identities."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        cache_seconds: float = 2.0,
+        max_entries: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._cache_seconds = cache_seconds
+        self._max_entries = max_entries
+        self._clock = clock
+        self._cache: dict[str, _Entry] = {}
+
+    async def authenticate(self, authorization: str | None, account_id: str) -> TenantContext:
+        """The caller's tenant; 401 for a missing, unknown, revoked or expired token, 403 when the
+        path's `account_id` is another tenant's."""
+        credential = await self._credential(bearer(authorization))
+        if credential is None:
+            raise Unauthenticated(AUTH_ERROR)
+        if credential.tenant.id != account_id:
+            raise Forbidden("Unauthorized to access requested resource")
+        return TenantContext.from_credential(credential)
+
+    async def authenticate_admin(self, authorization: str | None) -> str:
+        """The admin identity for the audit log; 401 for no or a bad token, 403 for a tenant token."""
+        value = bearer(authorization)
+        actor = await self._store.resolve_admin(value)
+        if actor is not None:
+            return actor
+        if await self._credential(value) is not None:
+            raise Forbidden("This route needs the admin token")
+        raise Unauthenticated(AUTH_ERROR)
+
+    def forget(self, *, token_id: str | None = None, tenant_id: str | None = None) -> None:
+        """Drop cached entries of a token or a tenant (called after a revocation on this replica)."""
+        for key, entry in list(self._cache.items()):
+            if entry.credential.token_id == token_id or entry.credential.tenant.id == tenant_id:
+                del self._cache[key]
+
+    async def _credential(self, value: str) -> Credential | None:
+        key = sha256_hex(value)
+        now = self._clock()
+        entry = self._cache.get(key)
+        if entry is None or now - entry.fetched_at >= self._cache_seconds:
+            credential = await self._store.resolve_token(value)
+            if credential is None:
+                self._cache.pop(key, None)
+                return None
+            entry = _Entry(fetched_at=now, credential=credential)
+            self._cache.pop(key, None)
+            self._cache[key] = entry
+            while len(self._cache) > self._max_entries:
+                del self._cache[next(iter(self._cache))]
+        expires_at = entry.credential.expires_at
+        if expires_at is not None and expires_at <= dt.datetime.now(dt.UTC):
+            return None
+        return entry.credential
