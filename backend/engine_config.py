@@ -1,0 +1,58 @@
+"""The engine's settings: one frozen object, built once (from the command line by the serving layer)
+and passed down to the block manager, scheduler and model runner.
+
+Limits are `Annotated[..., Meta(...)]` aliases, validated by `EngineConfig.build` through msgspec.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PageSize = Annotated[int, Meta(ge=1, le=1024)]
+NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
+TokenBudget = Annotated[int, Meta(ge=1, le=1 << 20)]
+NumSeqs = Annotated[int, Meta(ge=1, le=1 << 14)]
+ContextWindow = Annotated[int, Meta(ge=1, le=1 << 24)]
+KVDtype = Literal["auto", "bfloat16", "float8_e4m3fn"]
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the engine shares one page pool among requests.
+
+    `max_num_batched_tokens` is the per-step token budget (decodes first, then prefill chunks);
+    it must leave room for every running decode, so it is at least `max_num_seqs`.
+    `context_window` overrides the checkpoint's window for this served model (None: the model's).
+    `seed` seeds the generators of requests that do not bring their own seed.
+    """
+
+    page_size: PageSize = 16
+    num_pages: NumPages = 1024
+    kv_dtype: KVDtype = "auto"
+    max_num_batched_tokens: TokenBudget = 2048
+    max_num_seqs: NumSeqs = 64
+    context_window: ContextWindow | None = None
+    enable_prefix_cache: bool = True
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so running decodes always fit a step"
+            )
+
+    @classmethod
+    def build(cls, **values: Any) -> EngineConfig:
+        """Validate every limit (msgspec raises `ValidationError` naming the field)."""
+        return msgspec.convert(values, cls)
+
+    def torch_kv_dtype(self, model_dtype: Any) -> Any:
+        """The torch dtype of the cache: `auto` is the model's own dtype."""
+        import torch
+
+        if self.kv_dtype == "auto":
+            return model_dtype
+        return getattr(torch, self.kv_dtype)

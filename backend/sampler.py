@@ -1,0 +1,143 @@
+"""Batched sampling: penalties, constraint masks, temperature, top-k, top-p, seeded draws, log-probs.
+
+(DESIGN.md §2 step 7.) Every row has its own `torch.Generator` (seeded from the request's seed, or
+from the engine's seed sequence when it has none) and draws its own noise, so a seeded request
+samples the same tokens whatever else shares its batch. Sampling is the Gumbel-max form of a
+multinomial draw: argmax(p / E) with E ~ Exp(1).
+
+Log-probabilities reported to callers (`logprobs`, `top_logprobs`, prompt log-probs) are those of the
+model's own distribution: log_softmax of the raw logits, before penalties, masks and temperature,
+which is what evaluation harnesses compare.
+
+Shape letters: N = rows sampled this step, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from schemas.backend import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """What the sampler needs to know about one row's request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+    allowed: torch.Tensor | None = None  # [V] bool from a TokenConstraint, None = anything
+
+
+@dataclass(slots=True)
+class TokenScore:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[TokenScore]:
+        """One token per row of `logits [N, V]`."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
+        x = self._penalize(logits.clone(), rows)
+        x = self._mask_disallowed(x, rows)
+        chosen = self._draw(x, rows)
+        return self._scores(raw_logprobs, chosen, [r.params.top_logprobs if r.params.logprobs else 0 for r in rows])
+
+    def score(self, logits: torch.Tensor, target_ids: list[int], num_top: int) -> list[TokenScore]:
+        """Log-probs of given next tokens under `logits [N, V]` (prompt log-probs)."""
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = torch.tensor(target_ids, dtype=torch.int64)
+        return self._scores(raw_logprobs, chosen, [num_top] * len(target_ids))
+
+    # ---- steps ---------------------------------------------------------------------------------
+    @staticmethod
+    def _penalize(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Repetition (HF/CTRL: divide positive logits, multiply negative ones, over prompt and
+        output), then frequency and presence (OpenAI: minus f·count and p·[count > 0], output only)."""
+        N, V = x.shape
+        if any(r.params.repetition_penalty != 1.0 for r in rows):
+            seen = torch.zeros(N, V, dtype=torch.bool)  # [N, V]
+            for i, r in enumerate(rows):
+                ids = r.prompt_ids + r.output_ids
+                if ids:
+                    seen[i, torch.tensor(ids, dtype=torch.int64)] = True
+            rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]  # [N, 1]
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
+            counts = torch.zeros(N, V)  # [N, V]
+            for i, r in enumerate(rows):
+                if r.output_ids:
+                    ids = torch.tensor(r.output_ids, dtype=torch.int64)
+                    counts[i].scatter_add_(0, ids, torch.ones(len(ids)))
+            freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
+            pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
+            x = x - freq * counts - pres * (counts > 0).float()
+        return x
+
+    @staticmethod
+    def _mask_disallowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        for i, r in enumerate(rows):
+            if r.allowed is not None:
+                x[i] = x[i].masked_fill(~r.allowed[: x.shape[1]], float("-inf"))
+        return x
+
+    @staticmethod
+    def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """`[N]` chosen ids: argmax for temperature 0, else a seeded draw from the truncated softmax."""
+        N, V = x.shape
+        temps = torch.tensor([r.params.temperature for r in rows])  # [N]
+        is_greedy = temps == 0
+        x = x / torch.where(is_greedy, 1.0, temps)[:, None]
+        x = _top_k(x, torch.tensor([r.params.top_k for r in rows]))
+        x = _top_p(x, torch.tensor([r.params.top_p for r in rows]))
+        probs = torch.softmax(x, dim=-1)  # [N, V]
+        chosen = torch.empty(N, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            if is_greedy[i]:
+                chosen[i] = torch.argmax(x[i])
+            else:
+                noise = torch.empty(V).exponential_(generator=r.generator)  # [V]
+                chosen[i] = torch.argmax(probs[i] / noise)
+        return chosen
+
+    @staticmethod
+    def _scores(raw_logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int]) -> list[TokenScore]:
+        picked = raw_logprobs.gather(1, chosen[:, None])[:, 0]  # [N]
+        max_top = max(num_tops, default=0)
+        top_vals, top_ids = (
+            raw_logprobs.topk(max_top, dim=-1) if max_top else (raw_logprobs[:, :0], chosen[:, None][:, :0])
+        )
+        out: list[TokenScore] = []
+        for i, k in enumerate(num_tops):
+            top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+            out.append(TokenScore(int(chosen[i]), float(picked[i]), top))
+        return out
+
+
+def _top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's `k` largest logits (k = 0: keep all). x `[N, V]`, k `[N]`."""
+    V = x.shape[1]
+    k = torch.where((k <= 0) | (k > V), V, k)
+    if bool((k == V).all()):
+        return x
+    sorted_x = x.sort(dim=-1, descending=True).values  # [N, V]
+    kth = sorted_x.gather(1, (k - 1)[:, None])  # [N, 1]
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `p` (always the top one)."""
+    if bool((p >= 1.0).all()):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
+    probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [N, V] mass of strictly better tokens
+    drop_sorted = mass_before >= p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))

@@ -1,0 +1,75 @@
+"""Shared helpers for the engine tests: build an engine, make requests, run them to the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from backend.engine import Engine
+from backend.engine_config import EngineConfig
+from schemas.backend import EngineOutput, EngineRequest, Error, FinishReason, SamplingParams, TokenLogprob
+from tests.backend.engine_tiny_model import TinyPagedModel
+
+TENANT_A = "a" * 32
+TENANT_B = "b" * 32
+
+
+def make_engine(model: Any = None, **config: Any) -> Engine:
+    model = model or TinyPagedModel()
+    values = {"num_pages": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16} | config
+    return Engine(
+        model,
+        EngineConfig.build(**values),
+        vocab_size=model.vocab_size,
+        context_window=512,
+        model_dtype=torch.float32,
+    )
+
+
+def request(request_id: str, prompt: list[int], *, tenant: str = TENANT_A, **sampling: Any) -> EngineRequest:
+    sampling = {"temperature": 0.0, "max_tokens": 8} | sampling
+    return EngineRequest(
+        request_id=request_id, prompt_token_ids=prompt, tenant_salt=tenant, sampling=SamplingParams(**sampling)
+    )
+
+
+def prompt_of(seed: int, length: int, vocab: int = 97) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: Error | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    outputs: list[EngineOutput] = field(default_factory=list)
+
+
+def collect(results: dict[str, Result], outputs: list[EngineOutput]) -> None:
+    for out in outputs:
+        r = results.setdefault(out.request_id, Result())
+        r.outputs.append(out)
+        r.token_ids += out.token_ids
+        r.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            r.prompt_logprobs = out.prompt_logprobs
+        r.num_cached_tokens = out.num_cached_tokens
+        if out.finish_reason is not None:
+            r.finish_reason, r.error = out.finish_reason, out.error
+
+
+def run_all(engine: Engine, requests: list[EngineRequest], *, max_steps: int = 2000) -> dict[str, Result]:
+    results: dict[str, Result] = {}
+    for req in requests:
+        engine.add_request(req)
+    for _ in range(max_steps):
+        if not engine.has_unfinished:
+            return results
+        collect(results, engine.step())
+    raise AssertionError("requests did not finish")
