@@ -1,0 +1,290 @@
+"""W4A16 GEMM/GEMV: `out[M, N] = x[M, K] @ dequant(w)[K, N]` with INT4 weights and group scales.
+
+Checkpoint layout (compressed-tensors pack-quantized, symmetric): `weight_packed` int32 `[N, K/8]`,
+nibble j of word i (little-endian) holds `q + 8` of element `k = 8i + j`; `weight_scale` `[N, K/G]`.
+`repack_int4` transposes both once at load to `[K/8, N]` and `[K/G, N]` so that every tile load is
+contiguous along N (coalesced) and one int32 row covers eight consecutive k of BLOCK_N columns.
+
+Two kernels share that layout:
+- `_w4a16_gemv_kernel` (M of 1-4, decode): no tensor cores. Each nibble is turned into a float with
+  one LOP3 (`(w & 0xF<<4j) | 0x3F800000` is `1 + q·2^(4j-23)`), one FADD and one FFMA against
+  `x_j·2^(23-4j)`; the `-8` zero point and the group scale are applied once per int32, not per
+  weight. That keeps the ALU under the HBM rate at M=1.
+- `_w4a16_kernel` (M >= 2): tiles dequantized to the activation dtype in registers, then `tl.dot`.
+Both split K across programs when there are too few output tiles to fill the GPU; partial sums go to
+an fp32 workspace and the last program of each tile (an atomic counter that resets itself) adds them
+in a fixed order, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_MAGIC_ONE = 0x3F800000  # bits of 1.0f: OR a nibble into the mantissa to get 1 + nibble·2^-23
+_MAGIC_2_23 = 0x4B000000  # bits of 2^23: OR a nibble into the low mantissa bits to get 2^23 + nibble
+
+
+@triton.jit
+def _finish_tile(
+    acc,  # [BM, BN] fp32 partial (or full) sum of this program
+    out_ptr, ws_ptr, cnt_ptr,
+    offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k,
+    SPLIT_K: tl.constexpr,
+):
+    """Store the tile, or park a split-K partial; the last of SPLIT_K programs sums the partials."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32
+        tl.store(ws + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):  # fixed order: deterministic whichever program is last
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_sg, stride_sn, stride_om, stride_on,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    """x [M, K] (one row per program), w [K/8, N] int32, s [K/G, N], out [M, N]; grid (N/BN, M, SPLIT_K)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    BK8: tl.constexpr = BLOCK_K // 8
+    K8 = K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_r = tl.arange(0, BK8)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t0 = pid_k * per_split
+    t1 = tl.minimum(t0 + per_split, k_tiles)
+    acc2 = tl.zeros((BK8, BLOCK_N), dtype=tl.float32)  # [BK8, BN]: reduced over BK8 once, at the end
+    x_row = x_ptr + pid_m * stride_xm
+    for t in range(t0, t1):
+        r = t * BK8 + offs_r  # [BK8] packed rows = k // 8
+        r_ok = r < K8
+        mask = r_ok[:, None] & n_ok[None, :]
+        wp = tl.load(w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=mask, other=0)
+        sc = tl.load(s_ptr + (r * 8 // GROUP_SIZE)[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                     mask=mask, other=0.0).to(tl.float32)  # [BK8, BN], G/8 rows share a scale
+        wp_hi = wp >> 16  # nibbles 4..7 moved to bits 0..15
+        dot8 = tl.zeros((BK8, BLOCK_N), dtype=tl.float32)  # sum_j q_j x_j over the 8 nibbles of a word
+        x_sum = tl.zeros((BK8,), dtype=tl.float32)
+        lift = 8388608.0  # 2^(23-4j) undoes the nibble's place in the mantissa
+        for j in tl.static_range(4):
+            xj = tl.load(x_row + (r * 8 + j) * stride_xk, mask=r_ok, other=0.0).to(tl.float32)
+            xh = tl.load(x_row + (r * 8 + 4 + j) * stride_xk, mask=r_ok, other=0.0).to(tl.float32)
+            x_sum += xj + xh
+            lo = ((wp & (0xF << (4 * j))) | _MAGIC_ONE).to(tl.float32, bitcast=True) - 1.0
+            hi = ((wp_hi & (0xF << (4 * j))) | _MAGIC_ONE).to(tl.float32, bitcast=True) - 1.0
+            dot8 += lo * (xj * lift)[:, None] + hi * (xh * lift)[:, None]
+            lift = lift * 0.0625
+        acc2 += (dot8 - 8.0 * x_sum[:, None]) * sc
+    acc = tl.sum(acc2, axis=0)  # [BN]
+    offs_m = pid_m + tl.arange(0, 1)
+    _finish_tile(acc[None, :], out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on,
+                 pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wk, stride_wn, stride_sg, stride_sn, stride_om, stride_on,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """x [M, K], w [K/8, N] int32, s [K/G, N], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row-tiles walk N together, so their weight tiles are reused from L2
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    BK8: tl.constexpr = BLOCK_K // 8
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BK8)
+    offs_g = tl.arange(0, SCALE_ROWS)
+    shifts = tl.arange(0, 8) * 4
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t0 = pid_k * per_split
+    t1 = tl.minimum(t0 + per_split, k_tiles)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t0, t1):
+        kk = t * BLOCK_K + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
+        r = t * BK8 + offs_r
+        wp = tl.load(w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                     mask=(r < K // 8)[:, None] & n_ok[None, :], other=0)  # [BK8, BN] int32
+        g = t * BLOCK_K // GROUP_SIZE + offs_g
+        sc = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                     mask=(g < K // GROUP_SIZE)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (SCALE_ROWS, BK8 // SCALE_ROWS, BLOCK_N)),
+                        (BK8, BLOCK_N))  # [BK8, BN] scale of each packed row
+        q = (wp[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK8, 8, BN], k = 8r + j
+        wf = ((q | _MAGIC_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sc[:, None, :]  # (q-8)·s
+        w = tl.reshape(wf, (BLOCK_K, BLOCK_N)).to(x.dtype)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    tile_id = pid_m * num_pid_n + pid_n
+    _finish_tile(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on,
+                 tile_id, pid_k, SPLIT_K)
+
+
+@dataclass(frozen=True, slots=True)
+class W4A16Config:
+    """Tile shape and launch parameters; `block_m == 0` selects the GEMV kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+
+def pick_config(M: int, N: int, K: int, num_sms: int) -> W4A16Config:
+    """Heuristic choice by M: enough programs to cover every SM several times, else big tiles."""
+    if M <= 2:
+        cfg = W4A16Config(block_m=0, block_n=64, block_k=256, num_warps=4)
+        tiles = triton.cdiv(N, cfg.block_n) * M
+    elif M <= 64:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        cfg = W4A16Config(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=4)
+        tiles = triton.cdiv(N, cfg.block_n) * triton.cdiv(M, bm)
+    else:
+        return W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    split = max(1, min(k_tiles // 4, triton.cdiv(4 * num_sms, tiles), 16))
+    return W4A16Config(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_k_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per output tile; kernels leave them at zero again."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = cnt
+    return cnt
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def w4a16_gemm(
+    x: torch.Tensor,  # [..., K] fp16 / bf16 / fp32
+    w_repacked: torch.Tensor,  # [K/8, N] int32 from repack_int4
+    scales: torch.Tensor,  # [K/G, N] float
+    group_size: int,
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """`x @ dequant(w)` in x's dtype; [..., N]."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"activations must be fp16, bf16 or fp32, got {x.dtype}")
+    if w_repacked.dtype != torch.int32 or w_repacked.dim() != 2:
+        raise TypeError(f"w_repacked must be 2-D int32 [K/8, N], got {w_repacked.dtype} {tuple(w_repacked.shape)}")
+    if not scales.is_floating_point() or scales.dim() != 2:
+        raise TypeError("scales must be a 2-D float tensor [K/G, N]")
+    if group_size % 8 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
+    K = x.shape[-1]
+    N = w_repacked.shape[1]
+    if w_repacked.shape[0] * 8 != K or K % group_size:
+        raise ValueError(f"K={K} does not match w_repacked {tuple(w_repacked.shape)} and group {group_size}")
+    if tuple(scales.shape) != (K // group_size, N):
+        raise ValueError(f"scales {tuple(scales.shape)} != ({K // group_size}, {N})")
+    if not (x.device == w_repacked.device == scales.device):
+        raise ValueError("x, w_repacked and scales must be on one device")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    cfg = config or pick_config(M, N, K, _num_sms(x.device))
+    ws = torch.empty((cfg.split_k, M, N) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    strides = (*x2.stride(), *w_repacked.stride(), *scales.stride(), *out.stride())
+    if cfg.block_m == 0:
+        grid = (triton.cdiv(N, cfg.block_n), M, cfg.split_k)
+        cnt = _split_k_counters(x.device, grid[0] * M)
+        _w4a16_gemv_kernel[grid](
+            x2, w_repacked, scales, out, ws, cnt, M, N, K, *strides,
+            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        cnt = _split_k_counters(x.device, num_tiles)
+        scale_rows = max(cfg.block_k // group_size, 1)
+        _w4a16_kernel[(num_tiles, cfg.split_k)](
+            x2, w_repacked, scales, out, ws, cnt, M, N, K, *strides,
+            GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, SCALE_ROWS=scale_rows,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out.reshape(*lead, N)
+
+
+def repack_int4(
+    weight_packed: torch.Tensor,  # [N, K/8] int32, checkpoint layout
+    weight_scale: torch.Tensor,  # [N, K/G]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checkpoint layout -> kernel layout, once at load: `(w [K/8, N] int32, scales [K/G, N], G)`."""
+    if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
+        raise TypeError("weight_packed must be 2-D int32 [N, K/8]")
+    N, K8 = weight_packed.shape
+    if weight_scale.dim() != 2 or weight_scale.shape[0] != N or (8 * K8) % weight_scale.shape[1]:
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not fit weight_packed {(N, K8)}")
+    group_size = 8 * K8 // weight_scale.shape[1]
+    return weight_packed.t().contiguous(), weight_scale.t().contiguous(), group_size
+
+
+def unpack_int4_ref(weight_packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/8] int32 checkpoint words -> [N, K] int8 signed values q in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, device=weight_packed.device, dtype=torch.int32)  # [8]
+    nib = (weight_packed[..., None] >> shifts) & 0xF  # [N, K/8, 8]
+    return (nib - 8).to(torch.int8).reshape(weight_packed.shape[0], -1)
+
+
+def w4a16_gemm_ref(
+    x: torch.Tensor,  # [..., K]
+    weight_packed: torch.Tensor,  # [N, K/8] int32, checkpoint layout
+    weight_scale: torch.Tensor,  # [N, K/G]
+) -> torch.Tensor:
+    """Pure-torch reference on the checkpoint layout: dequantize in fp32, matmul in fp32."""
+    q = unpack_int4_ref(weight_packed).to(torch.float32)  # [N, K]
+    group = q.shape[1] // weight_scale.shape[1]
+    w = q * weight_scale.to(torch.float32).repeat_interleave(group, dim=1)  # [N, K]
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)
