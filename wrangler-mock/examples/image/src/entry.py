@@ -1,0 +1,46 @@
+"""An image Worker: POST the image's bytes (Content-Type image/png or image/jpeg), ask with ?q=...
+
+The upload is forwarded to the vision model as an OpenAI `image_url` part holding a data URI,
+followed by the question; the answer is {"answer": "...", "bytes": <size of the upload>}.
+"""
+
+import base64
+from urllib.parse import parse_qs, urlparse
+
+from js import Object
+from pyodide.ffi import to_js as _to_js
+from workers import Response, WorkerEntrypoint
+
+ACCEPTED = ("image/png", "image/jpeg", "image/webp", "image/gif")
+MAX_BYTES = 4 * 1024 * 1024
+
+
+def to_js(obj):
+    return _to_js(obj, dict_converter=Object.fromEntries)
+
+
+class Default(WorkerEntrypoint):
+    async def fetch(self, request):
+        if request.method != "POST":
+            return Response(
+                "POST an image (curl --data-binary @cat.png -H 'content-type: image/png')", status=405
+            )
+        mime = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+        if mime not in ACCEPTED:
+            return Response.json(
+                {"error": f"unsupported content-type {mime!r}; send one of {list(ACCEPTED)}"}, status=415
+            )
+        image = await request.bytes()
+        if not image or len(image) > MAX_BYTES:
+            return Response.json({"error": f"the image must be 1 byte to {MAX_BYTES} bytes"}, status=413)
+        question = parse_qs(urlparse(request.url).query).get("q", [self.env.DEFAULT_QUESTION])[0]
+
+        data_uri = f"data:{mime};base64,{base64.b64encode(image).decode('ascii')}"
+        content = [{"type": "image_url", "image_url": {"url": data_uri}}, {"type": "text", "text": question}]
+        inputs = {"messages": [{"role": "user", "content": content}], "max_tokens": 32}
+        result = (await self.env.AI.run(self.env.MODEL, to_js(inputs))).to_py()
+        if "choices" in result:
+            answer = result["choices"][0]["message"].get("content") or ""
+        else:
+            answer = result.get("response", "")
+        return Response.json({"answer": answer, "bytes": len(image)})

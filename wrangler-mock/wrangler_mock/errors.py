@@ -1,0 +1,48 @@
+"""wrangler-mock's one error tree.
+
+    WranglerMockError
+    ├── ConfigError                 wrangler.toml, .dev.vars or credentials unusable
+    ├── WorkerLoadError             the Worker module has neither `Default` nor `on_fetch`
+    └── ApiError                    the v4 API answered `success: false` (or no envelope at all)
+        └── InferenceUpstreamError  what `env.AI.run` raises, as the Workers runtime names it
+
+`ApiError` keeps every `{code, message}` pair of the envelope; `code`/`message` are the first.
+Its text is wrangler's ("Received a bad response from the API" plus `<message> [code: <code>]`
+notes); `InferenceUpstreamError`'s text is the runtime's `"<code>: <message>"`, so Worker code that
+logs or matches `str(err)` sees what it would see on Cloudflare.
+"""
+
+from __future__ import annotations
+
+
+class WranglerMockError(Exception):
+    """Base of everything wrangler-mock raises on purpose."""
+
+
+class ConfigError(WranglerMockError):
+    """wrangler.toml, .dev.vars or the Cloudflare credentials cannot be used."""
+
+
+class WorkerLoadError(WranglerMockError):
+    """The Worker's main module cannot be loaded or exposes no fetch handler."""
+
+
+class ApiError(WranglerMockError):
+    """A Cloudflare v4 API call that did not succeed: HTTP status plus the envelope's errors."""
+
+    def __init__(self, status: int, errors: list[tuple[int, str]]) -> None:
+        self.status = status
+        self.errors = errors or [(0, f"HTTP {status}")]
+        self.code, self.message = self.errors[0]
+        notes = "\n".join(f"  - {message} [code: {code}]" for code, message in self.errors)
+        super().__init__(f"Received a bad response from the API\n{notes}")
+
+
+class InferenceUpstreamError(ApiError):
+    """`env.AI.run` failed upstream; `str(err)` is `"<code>: <message>"` as in workerd."""
+
+    name = "InferenceUpstreamError"
+
+    def __init__(self, status: int, errors: list[tuple[int, str]]) -> None:
+        super().__init__(status, errors)
+        Exception.__init__(self, f"{self.code}: {self.message}")
