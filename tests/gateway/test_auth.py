@@ -1,0 +1,148 @@
+"""Authenticator: bearer parsing, 401/403, the revocation window, expiry, admin identities."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+import pytest
+from tenancy_db import sqlite_store_fixture  # noqa: F401  (fixture)
+
+from gateway.auth import Authenticator, TenantContext
+from gateway.errors import Forbidden, Unauthenticated
+from gateway.store import Store
+from schemas.admin import TenantCreate, TokenCreate
+
+ADMIN = "admin:test"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _tenant_token(store: Store, name: str = "t", **token: object) -> tuple[str, str, str]:
+    tenant = await store.create_tenant(TenantCreate(name=name, plan="free"), actor=ADMIN)
+    created = await store.create_token(tenant.id, TokenCreate(name="k", **token), actor=ADMIN)  # type: ignore[arg-type]
+    return tenant.id, created.id, created.value
+
+
+async def test_a_valid_token_resolves_to_its_tenant(sqlite_store: Store) -> None:
+    tenant_id, token_id, value = await _tenant_token(sqlite_store, "ctx")
+    await sqlite_store.set_models(tenant_id, ["@cf/a"], actor=ADMIN)
+    auth = Authenticator(sqlite_store)
+    ctx = await auth.authenticate(f"Bearer {value}", tenant_id)
+    assert ctx == TenantContext(
+        tenant_id=tenant_id,
+        name="ctx",
+        plan="free",
+        allowed_models=frozenset({"@cf/a"}),
+        token_id=token_id,
+        quotas=ctx.quotas,
+    )
+    assert ctx.quotas.daily_neurons == 10_000
+    assert ctx.can_use("@cf/a") and not ctx.can_use("@cf/b")
+    assert (await auth.authenticate(f"bearer   {value} ", tenant_id)).tenant_id == tenant_id
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic abc",
+        "Token kumo_x",
+        "Bearer kumo_" + "0" * 32 + "_nope",
+        "Bearer junk",
+    ],
+)
+async def test_missing_or_bad_tokens_are_401_10000(sqlite_store: Store, header: str | None) -> None:
+    tenant_id, _, _ = await _tenant_token(sqlite_store)
+    with pytest.raises(Unauthenticated) as caught:
+        await Authenticator(sqlite_store).authenticate(header, tenant_id)
+    assert (caught.value.status, caught.value.code, caught.value.wire_message) == (
+        401,
+        10000,
+        "Authentication error",
+    )
+
+
+async def test_another_accounts_path_is_403(sqlite_store: Store) -> None:
+    _, _, value = await _tenant_token(sqlite_store, "mine")
+    other_id, _, _ = await _tenant_token(sqlite_store, "theirs")
+    with pytest.raises(Forbidden) as caught:
+        await Authenticator(sqlite_store).authenticate(f"Bearer {value}", other_id)
+    assert caught.value.status == 403
+
+
+async def test_revocation_on_another_replica_takes_effect_within_the_cache_window(
+    sqlite_store: Store,
+) -> None:
+    tenant_id, token_id, value = await _tenant_token(sqlite_store)
+    clock = Clock()
+    replica = Authenticator(sqlite_store, cache_seconds=2.0, clock=clock)
+    await replica.authenticate(f"Bearer {value}", tenant_id)
+    await sqlite_store.revoke_token(tenant_id, token_id, actor=ADMIN)  # done through another replica
+    clock.now += 1.9
+    await replica.authenticate(f"Bearer {value}", tenant_id)  # still cached: honoured at most 2 s
+    clock.now += 0.1
+    with pytest.raises(Unauthenticated):
+        await replica.authenticate(f"Bearer {value}", tenant_id)
+
+
+async def test_revocation_on_this_replica_is_immediate(sqlite_store: Store) -> None:
+    tenant_id, token_id, value = await _tenant_token(sqlite_store)
+    auth = Authenticator(sqlite_store, cache_seconds=3600)
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    await sqlite_store.revoke_token(tenant_id, token_id, actor=ADMIN)
+    auth.forget(token_id=token_id)
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate(f"Bearer {value}", tenant_id)
+
+
+async def test_expiry_is_checked_even_while_cached(sqlite_store: Store) -> None:
+    soon = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=0.4)
+    tenant_id, _, value = await _tenant_token(sqlite_store, expires_at=soon)
+    auth = Authenticator(sqlite_store, cache_seconds=3600)
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    await asyncio.sleep((soon - dt.datetime.now(dt.UTC)).total_seconds() + 0.05)
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate(f"Bearer {value}", tenant_id)
+    with pytest.raises(Unauthenticated):
+        await Authenticator(sqlite_store).authenticate(f"Bearer {value}", tenant_id)
+
+
+async def test_last_use_is_recorded_once_per_cache_window(sqlite_store: Store) -> None:
+    tenant_id, _, value = await _tenant_token(sqlite_store)
+    clock = Clock()
+    auth = Authenticator(sqlite_store, cache_seconds=2.0, clock=clock)
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    [first] = await sqlite_store.list_tokens(tenant_id)
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    [cached] = await sqlite_store.list_tokens(tenant_id)
+    assert first.last_used_at is not None and cached.last_used_at == first.last_used_at
+    clock.now += 5
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    [later] = await sqlite_store.list_tokens(tenant_id)
+    assert later.last_used_at is not None and later.last_used_at > first.last_used_at
+
+
+async def test_admin_identity_and_scopes(sqlite_store: Store) -> None:
+    admin_value = await sqlite_store.ensure_admin_token(None) or "unused"
+    if await sqlite_store.resolve_admin(admin_value) is None:  # another test module configured one
+        await sqlite_store.ensure_admin_token(admin_value := "admin-token-for-auth-tests")
+    tenant_id, _, tenant_value = await _tenant_token(sqlite_store)
+    auth = Authenticator(sqlite_store)
+    assert (await auth.authenticate_admin(f"Bearer {admin_value}")).startswith("admin:")
+    with pytest.raises(Forbidden):
+        await auth.authenticate_admin(f"Bearer {tenant_value}")
+    for header in (None, "Bearer nope", f"Bearer {admin_value}x"):
+        with pytest.raises(Unauthenticated):
+            await auth.authenticate_admin(header)
+    with pytest.raises(Unauthenticated):  # the admin token is not a tenant token
+        await auth.authenticate(f"Bearer {admin_value}", tenant_id)
