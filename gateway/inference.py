@@ -1,0 +1,264 @@
+"""One inference request through the gateway (DESIGN §2 steps 1–3 and 8), shared by `/ai/run`
+and `/ai/v1/chat/completions`: authenticate, decode and normalise, admit, route, render, meter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway import render
+from gateway.auth import TenantContext
+from gateway.backend_client import tenant_salt, to_gateway_error
+from gateway.errors import BadInput, Forbidden, KumoError, MissingBody, PaidModelOnFreePlan, Timeout, TooLarge
+from gateway.normalize import Context, Normalized, from_legacy
+from gateway.normalize_openai import from_openai
+from gateway.observability import info_of
+from gateway.services import Services
+from gateway.usage import neurons
+from schemas import backend as b
+from schemas.admin import UsageRecord
+from schemas.catalog import ModelSpec
+from schemas.openai import ChatCompletionRequest
+from schemas.workers_ai import Envelope, LegacyInput
+
+Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+_legacy_decoder = msgspec.json.Decoder(LegacyInput)
+_openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413/3006 as soon as it passes `limit` (never read whole first), and
+    408 when a slow client has not sent it within `timeout_s`."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge("Request is too large")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise TooLarge("Request is too large")
+    except TimeoutError as exc:
+        raise Timeout("Request timeout") from exc
+    if not body.strip():
+        raise MissingBody("Request is missing headers or body: body")
+    return bytes(body)
+
+
+def decode(raw: bytes, decoder: msgspec.json.Decoder) -> object:
+    """Typed decode; the 400 names the failing path (`$.messages[0].content`)."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise BadInput(f"Bad input: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadInput("Bad input: the body is not valid JSON") from exc
+
+
+async def authenticate(services: Services, request: Request, account_id: str) -> TenantContext:
+    """Step 1: the caller's tenant, which must own `account_id`."""
+    tenant = await services.authenticator.authenticate(request.headers.get("authorization"), account_id)
+    info_of(request.scope).tenant_id = tenant.tenant_id
+    return tenant
+
+
+def resolve_model(services: Services, request: Request, tenant: TenantContext, name: str) -> ModelSpec:
+    """The catalog checks: model known (5007), allowed for the tenant (403), plan (5035)."""
+    model = services.catalog.get(name)
+    info_of(request.scope).model = model.name
+    if not tenant.can_use(model.name):
+        raise Forbidden("The account is not allowed to access this model")
+    if model.require_workers_paid and tenant.plan == "free":
+        raise PaidModelOnFreePlan(f"Model {model.name} is not available on the Workers Free plan")
+    return model
+
+
+@dataclass
+class Call:
+    services: Services
+    request: Request
+    tenant: TenantContext
+    model: ModelSpec
+    surface: Surface
+
+    async def normalize(self, raw: bytes) -> Normalized:
+        """Step 2: decode with the family's decoder and normalise."""
+        info = info_of(self.request.scope)
+        s = self.services.settings
+        ctx = Context(
+            request_id=info.request_id,
+            tenant_salt=tenant_salt(s.server_secret, self.tenant.tenant_id),
+            images=self.services.images,
+            max_images=s.max_images,
+            max_choices=s.max_choices,
+        )
+        if self.model.family == "legacy" and self.surface == "run":
+            legacy = decode(raw, _legacy_decoder)
+            assert isinstance(legacy, LegacyInput)
+            return await from_legacy(legacy, self.model, ctx)
+        chat = decode(raw, _openai_decoder)
+        assert isinstance(chat, ChatCompletionRequest)
+        return await from_openai(chat, self.model, ctx, allow_prompt=self.surface == "run")
+
+    async def respond(self, raw: bytes, normalized: Normalized) -> Response:
+        """Steps 3 and 8: admit, route every choice, render; settle and record usage at the end."""
+        estimate = len(raw) // 4 + sum(r.sampling.max_tokens for r in normalized.requests)
+        admission = await self.services.limiter.admit(self.tenant, self.model.name, estimate)
+        done = [render.Completion() for _ in normalized.requests]
+        try:
+            streams = [await self._started(r) for r in normalized.requests]
+        except BaseException:
+            await self._settle(admission, done, status=500)
+            raise
+        if normalized.stream:
+            return StreamingResponse(
+                self._stream(admission, normalized, streams, done), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        try:
+            await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, done, strict=True)))
+        except BaseException:
+            await self._settle(admission, done, status=500)
+            raise
+        totals = render.Totals.of(done)
+        await self._settle(admission, done, status=200)
+        if self.surface == "openai" or self.model.family == "openai":
+            body = render.chat_completion(
+                done, totals, model=self.model.name, id=self._id(), created=int(time.time()), logprobs=normalized.logprobs
+            )
+            payload = msgspec.json.encode(body if self.surface == "openai" else Envelope(result=body, success=True))
+        else:
+            result = render.legacy_result(done[0], totals, json_mode=normalized.json_mode)
+            payload = msgspec.json.encode(Envelope(result=result, success=True))
+        return Response(payload, media_type="application/json")
+
+    def _id(self) -> str:
+        return f"chatcmpl-{info_of(self.request.scope).request_id}"
+
+    async def _started(self, generate: b.GenerateRequest) -> AsyncIterator[b.Event]:
+        """Route one choice and wait for its first event, so that routing failures and immediate
+        backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
+        affinity = self.request.headers.get("x-session-affinity")
+        events = self.services.router.generate(self.model, generate, affinity=affinity)
+        try:
+            url, first = await anext(events)
+        except StopAsyncIteration as exc:
+            raise KumoError("Unknown internal error") from exc
+        info_of(self.request.scope).replica = url
+        if isinstance(first, b.Error):
+            await events.aclose()
+            raise to_gateway_error(first)
+
+        async def rest() -> AsyncIterator[b.Event]:
+            try:
+                yield first
+                async for _, event in events:
+                    yield event
+            finally:
+                await events.aclose()
+
+        return rest()
+
+    async def _collect(self, events: AsyncIterator[b.Event], into: render.Completion) -> None:
+        async for event in events:
+            into.feed(event)
+
+    async def _stream(
+        self, admission: object, normalized: Normalized, streams: list[AsyncIterator[b.Event]], done: list[render.Completion]
+    ) -> AsyncIterator[bytes]:
+        status = 200
+        merged = merge(streams)
+        price = self.model.price
+        neurons_of = lambda t: neurons(price, t.prompt_tokens, t.cached_tokens, t.completion_tokens)  # noqa: E731
+        openai_family = self.surface == "openai" or self.model.family == "openai"
+        try:
+            if openai_family:
+                frames = render.openai_stream(
+                    merged,
+                    done,
+                    model=self.model.name,
+                    id=self._id(),
+                    created=int(time.time()),
+                    logprobs=normalized.logprobs,
+                    workers_trailer=self.surface == "run",
+                    include_usage=normalized.include_usage,
+                    neurons_of=neurons_of,
+                )
+            else:
+                frames = render.legacy_stream(merged, done, neurons_of)
+            async for frame in frames:
+                yield frame
+        except KumoError as exc:
+            status = exc.status
+            info_of(self.request.scope).error_code = exc.code
+            yield render.stream_error(exc, openai=openai_family)
+        finally:
+            await merged.aclose()
+            await self._settle(admission, done, status=status)
+
+    async def _settle(self, admission: object, done: list[render.Completion], *, status: int) -> None:
+        totals = render.Totals.of(done)
+        spent = neurons(self.model.price, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens)
+        info = info_of(self.request.scope)
+        info.prompt_tokens, info.cached_tokens, info.completion_tokens = (
+            totals.prompt_tokens,
+            totals.cached_tokens,
+            totals.completion_tokens,
+        )
+        await self.services.limiter.settle(admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent)  # type: ignore[arg-type]
+        self.services.ledger.record(
+            UsageRecord(
+                tenant_id=self.tenant.tenant_id,
+                model=self.model.name,
+                request_id=info.request_id,
+                prompt_tokens=totals.prompt_tokens,
+                cached_tokens=totals.cached_tokens,
+                completion_tokens=totals.completion_tokens,
+                neurons=spent,
+                status=status,
+            )
+        )
+
+
+async def merge(streams: list[AsyncIterator[b.Event]]) -> AsyncIterator[tuple[int, b.Event]]:
+    """Interleave the choices' event streams as they arrive, tagging each event with its index.
+    Closing the merged stream cancels every producer (closing their backend connections)."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, b.Event | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[b.Event]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((i, event))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,247 @@
+"""Public inputs → internal `GenerateRequest`s (DESIGN §2 step 2).
+
+Both families land here: the legacy Workers AI input and the OpenAI Chat Completions body of the
+OpenAI-native entries. Every field is honoured or refused with a 400 that names it; a field that
+changes nothing about the result (`user`, `metadata`, `store`, …) is accepted as is. `n` fans out
+into n backend requests. Images are resolved to checked bytes here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from gateway.errors import BadInput, Unsupported
+from gateway.images import ImageFetcher
+from schemas import backend as b
+from schemas.catalog import ModelSpec
+from schemas.workers_ai import LegacyInput, ToolSpec
+
+
+@dataclass(frozen=True)
+class Context:
+    request_id: str
+    tenant_salt: str
+    images: ImageFetcher
+    max_images: int
+    max_choices: int
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """What the route needs: one backend request per choice, and how to render the answer."""
+
+    requests: list[b.GenerateRequest]
+    stream: bool
+    json_mode: bool
+    include_usage: bool = False
+    logprobs: bool = False
+
+
+def refuse(field: str, why: str = "is not supported by this model") -> Unsupported:
+    return Unsupported(f"Bad input: '{field}' {why}")
+
+
+# ---- shared pieces -------------------------------------------------------------------------------------
+def tools_of(
+    specs: list[ToolSpec] | None, functions: list[dict[str, Any]] | None, field: str
+) -> list[b.Tool] | None:
+    """Both tool shapes (flat and `{type: function, function: {...}}`), plus OpenAI's `functions`."""
+    out: list[b.Tool] = []
+    for i, spec in enumerate(specs or []):
+        if spec.type not in (None, "function"):
+            raise refuse(f"{field}[{i}].type", f"'{spec.type}' is not supported (function tools only)")
+        if spec.function is not None:
+            fn = spec.function
+            out.append(b.Tool(name=fn.name, description=fn.description, parameters=fn.parameters))
+        elif spec.name:
+            out.append(b.Tool(name=spec.name, description=spec.description, parameters=spec.parameters or {}))
+        else:
+            raise BadInput(f"Bad input: '{field}[{i}]' needs a name or a function")
+    for i, fn in enumerate(functions or []):
+        if not isinstance(fn.get("name"), str) or "code" in fn:
+            raise refuse(f"functions[{i}]", "must be {name, description, parameters}")
+        out.append(
+            b.Tool(
+                name=fn["name"],
+                description=str(fn.get("description", "")),
+                parameters=fn.get("parameters") or {},
+            )
+        )
+    return out or None
+
+
+def tool_choice_of(
+    choice: str | dict[str, Any] | None, tools: list[b.Tool] | None
+) -> tuple[b.ToolChoice | None, list[b.Tool] | None]:
+    """`tool_choice` (or legacy `function_call`) → internal choice; `allowed_tools` narrows the tools."""
+    if choice is None:
+        return None, tools
+    names = {t.name for t in tools or []}
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise BadInput(
+                f"Bad input: 'tool_choice' must be none, auto, required or an object, not '{choice}'"
+            )
+        if choice == "required" and not tools:
+            raise BadInput("Bad input: 'tool_choice' is required but no tools were given")
+        return b.ToolChoice(mode=choice), tools  # type: ignore[arg-type]
+    kind = choice.get("type", "function")
+    if kind == "function" or "name" in choice:
+        name = choice.get("function", {}).get("name") if "function" in choice else choice.get("name")
+        if name not in names:
+            raise BadInput(f"Bad input: 'tool_choice' names '{name}', which is not among the tools")
+        return b.ToolChoice(mode="function", name=name), tools
+    if kind == "allowed_tools":
+        allowed = choice.get("allowed_tools", {})
+        keep = {t.get("function", {}).get("name", t.get("name")) for t in allowed.get("tools", [])}
+        mode = allowed.get("mode", "auto")
+        if mode not in ("auto", "required") or not keep <= names:
+            raise BadInput("Bad input: 'tool_choice.allowed_tools' must name given tools, mode auto|required")
+        return b.ToolChoice(mode=mode), [t for t in tools or [] if t.name in keep]
+    raise refuse("tool_choice", f"type '{kind}' is not supported")
+
+
+def reasoning_of(model: ModelSpec, effort: str | None, enable_thinking: bool | None) -> b.Reasoning:
+    """`reasoning_effort` with the model's aliases (reference §5) and `enable_thinking`."""
+    if effort is None and enable_thinking is None:
+        return b.Reasoning()
+    if not model.reasoning:
+        raise refuse("reasoning_effort" if effort is not None else "chat_template_kwargs.enable_thinking")
+    level: str | None = None
+    spec = model.reasoning_effort
+    if effort is not None:
+        if spec is None:
+            raise refuse(
+                "reasoning_effort",
+                "is not supported by this model (use chat_template_kwargs.enable_thinking)",
+            )
+        level = spec.aliases.get(effort, effort)
+        if level not in spec.levels:
+            allowed = sorted({*spec.levels, *spec.aliases})
+            raise BadInput(f"Bad input: 'reasoning_effort' must be one of {', '.join(allowed)}")
+    enabled = not (level == "none" or enable_thinking is False)
+    if not enabled and spec is not None and not spec.can_disable:
+        raise refuse("reasoning_effort", "cannot disable reasoning on this model")
+    internal = {"low": "low", "medium": "medium", "high": "high", "max": "high"}.get(level or "")
+    return b.Reasoning(enabled=enabled, effort=internal)  # type: ignore[arg-type]
+
+
+def check_capabilities(
+    model: ModelSpec, messages: list[b.Message] | None, tools: list[b.Tool] | None, max_images: int
+) -> None:
+    num_images = sum(
+        isinstance(part, b.ImagePart)
+        for m in messages or []
+        if isinstance(m.content, list)
+        for part in m.content
+    )
+    if num_images and not model.vision:
+        raise Unsupported(f"Bad input: model {model.name} does not support image inputs")
+    if num_images > max_images:
+        raise BadInput(f"Bad input: at most {max_images} images per request")
+    if tools and not model.function_calling:
+        raise refuse("tools")
+
+
+def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateRequest]:
+    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly."""
+    if n > ctx.max_choices:
+        raise BadInput(f"Bad input: 'n' must be at most {ctx.max_choices}")
+    out = []
+    for i in range(n):
+        seed = base.sampling.seed
+        sampling = msgspec.structs.replace(base.sampling, seed=None if seed is None else (seed + i) % 2**63)
+        out.append(msgspec.structs.replace(base, request_id=f"{ctx.request_id}-{i}", sampling=sampling))
+    return out
+
+
+# ---- legacy family -------------------------------------------------------------------------------------
+async def from_legacy(inp: LegacyInput, model: ModelSpec, ctx: Context) -> Normalized:
+    if (inp.prompt is None) == (inp.messages is None):
+        raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
+    if inp.lora is not None:
+        raise Unsupported(f"The model {model.name} does not support LoRa inference")
+    if inp.functions:
+        raise refuse("functions", "(embedded function calling) is not supported")
+    json_schema = inp.guided_json
+    fmt = None
+    if inp.response_format is not None and inp.response_format.type != "text":
+        fmt = b.ResponseFormat(type=inp.response_format.type, json_schema=inp.response_format.json_schema)
+    elif json_schema is not None:
+        fmt = b.ResponseFormat(type="json_schema", json_schema=json_schema)
+    if fmt is not None and inp.stream:
+        raise BadInput("Bad input: JSON mode does not support streaming; drop 'stream' or 'response_format'")
+    messages: list[b.Message] | None = None
+    prompt: str | None = None
+    if inp.raw:
+        if inp.prompt is None or inp.image is not None:
+            raise BadInput("Bad input: 'raw' needs 'prompt' and no 'image'")
+        prompt = inp.prompt
+    else:
+        messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
+        for i, m in enumerate(inp.messages or []):
+            calls = [
+                _legacy_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls or [])
+            ]
+            role = "system" if m.role == "developer" else m.role
+            messages.append(
+                b.Message(
+                    role=role,
+                    content=m.content,
+                    tool_calls=calls or None,
+                    tool_call_id=m.tool_call_id,
+                    name=m.name,
+                )
+            )
+        if inp.image is not None:
+            _attach(messages, ctx.images.from_legacy(inp.image))
+    tools = tools_of(inp.tools, None, "tools")
+    check_capabilities(model, messages, tools, ctx.max_images)
+    sampling = b.SamplingParams(
+        max_tokens=inp.max_tokens,
+        temperature=inp.temperature,
+        top_p=inp.top_p if inp.top_p is not None else 1.0,
+        top_k=inp.top_k or 0,
+        seed=inp.seed,
+        repetition_penalty=inp.repetition_penalty if inp.repetition_penalty is not None else 1.0,
+        frequency_penalty=inp.frequency_penalty or 0.0,
+        presence_penalty=inp.presence_penalty or 0.0,
+    )
+    request = b.GenerateRequest(
+        request_id=f"{ctx.request_id}-0",
+        tenant_salt=ctx.tenant_salt,
+        messages=messages,
+        prompt=prompt,
+        raw=inp.raw,
+        tools=tools,
+        sampling=sampling,
+        response_format=fmt,
+        reject_if_busy=bool(inp.options and inp.options.rejectIfBusy),
+    )
+    return Normalized(requests=[request], stream=inp.stream, json_mode=fmt is not None)
+
+
+def _legacy_call(call: dict[str, Any], field: str) -> b.ToolCall:
+    """A tool call in history, in either shape: `{name, arguments: {...}}` or OpenAI's."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if not isinstance(fn.get("name"), str):
+        raise BadInput(f"Bad input: '{field}' needs a name")
+    text = args if isinstance(args, str) else msgspec.json.encode(args).decode()
+    return b.ToolCall(
+        id=str(call.get("id") or f"call_{field.rsplit('[', 1)[-1].rstrip(']')}"),
+        function=b.ToolCallFunction(name=fn["name"], arguments=text),
+    )
+
+
+def _attach(messages: list[b.Message], image: b.ImagePart) -> None:
+    """The legacy top-level `image` belongs to the last user message."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role == "user":
+            text = messages[i].content if isinstance(messages[i].content, str) else ""
+            messages[i] = msgspec.structs.replace(messages[i], content=[image, b.TextPart(text=text or "")])
+            return
+    messages.append(b.Message(role="user", content=[image]))

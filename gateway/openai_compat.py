@@ -1,0 +1,55 @@
+"""OpenAI-compatible routes under `…/ai/v1` (reference §4): plain OpenAI bodies and chunks (no
+Workers AI trailer; usage through `stream_options.include_usage`), errors in the Cloudflare
+envelope. The `openai` package works with `base_url=…/accounts/{account_id}/ai/v1`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import BadInput
+from gateway.inference import Call, authenticate, decode, read_body, resolve_model
+from gateway.run import account_of, services_of
+from schemas.catalog import ModelSpec
+from schemas.openai import ModelList, ModelOut
+from schemas.workers_ai import WireIn
+
+
+class ModelField(WireIn, kw_only=True, forbid_unknown_fields=False):
+    """Only `model` is read first (to authorise it); the full body is decoded by the family."""
+
+    model: str | None = None
+
+
+_model_decoder = msgspec.json.Decoder(ModelField)
+
+
+async def chat_completions(request: Request) -> Response:
+    services = services_of(request)
+    account_id = account_of(request)
+    tenant = await authenticate(services, request, account_id)
+    raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
+    head = decode(raw, _model_decoder)
+    assert isinstance(head, ModelField)
+    if not head.model:
+        raise BadInput("Bad input: 'model' is required")
+    model = resolve_model(services, request, tenant, head.model)
+    call = Call(services, request, tenant, model, "openai")
+    return await call.respond(raw, await call.normalize(raw))
+
+
+async def list_models(request: Request) -> Response:
+    """`GET …/ai/v1/models`: the tenant's servable text-generation models as an OpenAI list."""
+    services = services_of(request)
+    tenant = await authenticate(services, request, account_of(request))
+    models: list[ModelSpec] = [m for m in services.catalog.models if tenant.can_use(m.name)]
+    data = [ModelOut(id=m.name, created=_created(m.created_at), owned_by=m.author) for m in models]
+    return Response(msgspec.json.encode(ModelList(data=data)), media_type="application/json")
+
+
+def _created(created_at: str) -> int:
+    from datetime import UTC, datetime
+
+    return int(datetime.strptime(created_at, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp())

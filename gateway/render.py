@@ -1,0 +1,221 @@
+"""Backend events → the caller's format (DESIGN §2 step 8).
+
+`Completion` accumulates one choice's events. Non-streaming answers are built from completions:
+the legacy `{response, tool_calls, usage}` (tool arguments as objects; in JSON mode `response` is
+the parsed object) or an OpenAI `chat.completion`. Streams are rendered frame by frame: legacy
+frames carry the random `p` padding; OpenAI chunks end with a finish chunk, then the Workers AI
+usage trailer on `/ai/run` (or OpenAI's usage chunk when asked for), then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from msgspec import UNSET
+
+from gateway.backend_client import to_gateway_error
+from gateway.errors import BadInput, KumoError
+from schemas import backend as b
+from schemas import openai as o
+from schemas.workers_ai import LegacyFrame, LegacyResult, LegacyToolCall, LegacyUsage, PromptTokensDetails, Trailer
+
+DONE = b"data: [DONE]\n\n"
+_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+
+
+def sse(payload: msgspec.Struct | dict[str, object]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def padding() -> str:
+    """Random-length random padding for the `p` field (token-length side channel, §1.5)."""
+    return secrets.token_urlsafe(secrets.randbelow(24) + 1)[: secrets.randbelow(16) + 1]
+
+
+@dataclass
+class ToolCallParts:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class Completion:
+    """One choice's events, accumulated. `feed` raises the mapped error on an error event."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: dict[int, ToolCallParts] = field(default_factory=dict)
+    logprobs: list[b.TokenLogprob] = field(default_factory=list)
+    usage: b.Usage | None = None
+    finish: str | None = None
+
+    def feed(self, event: b.Event) -> None:
+        if isinstance(event, b.TextDelta):
+            self.text += event.text
+            self.logprobs.extend(event.logprobs or [])
+        elif isinstance(event, b.ReasoningDelta):
+            self.reasoning += event.text
+        elif isinstance(event, b.ToolCallDelta):
+            call = self.tool_calls.setdefault(event.index, ToolCallParts(id=event.id or f"call_{event.index}", name=""))
+            call.name = event.name or call.name
+            call.arguments += event.arguments
+        elif isinstance(event, b.Usage):
+            self.usage = event
+        elif isinstance(event, b.Finish):
+            self.finish = _FINISH[event.reason]
+        else:
+            raise to_gateway_error(event)
+
+
+@dataclass(frozen=True)
+class Totals:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @classmethod
+    def of(cls, completions: list[Completion]) -> Totals:
+        """The prompt is counted once (choice 0), completions are summed over choices."""
+        first = completions[0].usage
+        return cls(
+            prompt_tokens=first.prompt_tokens if first else 0,
+            cached_tokens=first.cached_tokens if first else 0,
+            completion_tokens=sum(c.usage.completion_tokens for c in completions if c.usage),
+        )
+
+    def legacy(self, neurons: float | None = None) -> LegacyUsage:
+        return LegacyUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            neurons=UNSET if neurons is None else round(neurons, 4),
+        )
+
+    def openai(self) -> o.CompletionUsage:
+        return o.CompletionUsage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+NeuronsOf = Callable[[Totals], float]  # prices totals for the usage trailer (the route knows the price list)
+
+
+# ---- non-streaming -------------------------------------------------------------------------------------
+def legacy_result(c: Completion, totals: Totals, *, json_mode: bool) -> LegacyResult:
+    response: object = c.text
+    if json_mode:
+        try:
+            response = msgspec.json.decode(c.text)
+        except msgspec.DecodeError as exc:
+            raise BadInput("JSON Mode couldn't be met") from exc
+    calls = [LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments)) for _, t in sorted(c.tool_calls.items())]
+    return LegacyResult(response=response, tool_calls=calls or UNSET, usage=totals.legacy())
+
+
+def chat_completion(completions: list[Completion], totals: Totals, *, model: str, id: str, created: int, logprobs: bool) -> o.ChatCompletion:
+    choices = []
+    for i, c in enumerate(completions):
+        calls = [
+            o.ToolCallOut(id=t.id, function=o.FunctionCallOut(name=t.name, arguments=t.arguments))
+            for _, t in sorted(c.tool_calls.items())
+        ]
+        message = o.MessageOut(content=c.text or (None if calls else ""), reasoning_content=c.reasoning or None, tool_calls=calls or UNSET)
+        finish = "tool_calls" if calls and c.finish in (None, "stop", "tool_calls") else (c.finish or "stop")
+        choices.append(o.Choice(index=i, message=message, finish_reason=finish, logprobs=_logprobs(c.logprobs) if logprobs else None))  # type: ignore[arg-type]
+    return o.ChatCompletion(id=id, created=created, model=model, choices=choices, usage=totals.openai())
+
+
+def _arguments_object(text: str) -> object:
+    try:
+        return msgspec.json.decode(text) if text else {}
+    except msgspec.DecodeError:
+        return text
+
+
+def _logprobs(items: list[b.TokenLogprob]) -> o.ChoiceLogprobs:
+    return o.ChoiceLogprobs(
+        content=[
+            o.TokenLogprobOut(
+                token=t.token,
+                logprob=t.logprob,
+                bytes=list(t.token.encode()),
+                top_logprobs=[o.TopLogprobOut(token=x.token, logprob=x.logprob, bytes=list(x.token.encode())) for x in t.top],
+            )
+            for t in items
+        ]
+    )
+
+
+# ---- streaming -----------------------------------------------------------------------------------------
+async def legacy_stream(events: AsyncIterator[tuple[int, b.Event]], done: list[Completion], neurons_of: NeuronsOf) -> AsyncIterator[bytes]:
+    """Legacy SSE: a frame per text piece, the tool calls (object arguments) once complete, a usage
+    frame with `response: ""`, then `[DONE]`."""
+    c = done[0]
+    async for _, event in events:
+        c.feed(event)
+        if isinstance(event, b.TextDelta) and event.text:
+            yield sse(LegacyFrame(response=event.text, p=padding()))
+    if c.tool_calls:
+        calls = [LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments)) for _, t in sorted(c.tool_calls.items())]
+        yield sse(LegacyFrame(response="", tool_calls=calls, p=padding()))
+    totals = Totals.of(done)
+    yield sse(LegacyFrame(response="", usage=totals.legacy(neurons_of(totals))))
+    yield DONE
+
+
+async def openai_stream(
+    events: AsyncIterator[tuple[int, b.Event]],
+    done: list[Completion],
+    *,
+    model: str,
+    id: str,
+    created: int,
+    logprobs: bool,
+    workers_trailer: bool,
+    include_usage: bool,
+    neurons_of: NeuronsOf,
+) -> AsyncIterator[bytes]:
+    """OpenAI chunks for n merged choices. On `/ai/run` (workers_trailer) chunks carry `p` and the
+    Workers AI usage trailer follows; `include_usage` adds OpenAI's `choices: []` usage chunk."""
+
+    def chunk(i: int, delta: o.Delta, finish: str | None = None, lp: o.ChoiceLogprobs | None = None) -> bytes:
+        choice = o.ChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)
+        return sse(o.ChatCompletionChunk(id=id, created=created, model=model, choices=[choice], p=padding() if workers_trailer else UNSET))
+
+    for i in range(len(done)):
+        yield chunk(i, o.Delta(role="assistant", content=""))
+    async for i, event in events:
+        c = done[i]
+        c.feed(event)
+        if isinstance(event, b.TextDelta) and event.text:
+            yield chunk(i, o.Delta(content=event.text), lp=_logprobs(event.logprobs or []) if logprobs else None)
+        elif isinstance(event, b.ReasoningDelta) and event.text:
+            yield chunk(i, o.Delta(reasoning_content=event.text))
+        elif isinstance(event, b.ToolCallDelta):
+            fn = o.FunctionCallOut(name=event.name, arguments=event.arguments)
+            yield chunk(i, o.Delta(tool_calls=[o.ToolCallChunk(index=event.index, id=event.id, function=fn)]))
+        elif isinstance(event, b.Finish):
+            finish = "tool_calls" if c.tool_calls and c.finish == "stop" else c.finish
+            yield chunk(i, o.Delta(), finish=finish)
+    totals = Totals.of(done)
+    if include_usage:
+        yield sse(o.ChatCompletionChunk(id=id, created=created, model=model, choices=[], usage=totals.openai()))
+    if workers_trailer:
+        yield sse(Trailer(response="", usage=totals.legacy(neurons_of(totals))))
+    yield DONE
+
+
+def stream_error(error: KumoError, *, openai: bool) -> bytes:
+    """An error after the stream began: OpenAI's in-stream `error` object (its SDK raises on it) or
+    the Workers AI error list; the stream then ends without `[DONE]`."""
+    if openai:
+        return sse({"error": {"message": error.wire_message, "type": "server_error", "code": error.code}})
+    return sse({"success": False, "errors": [{"code": error.code, "message": error.wire_message}]})

@@ -1,0 +1,94 @@
+"""GatewaySettings: the one frozen configuration object, built once from argv and the environment.
+
+Flags win over `KUMO_*` environment variables, which win over defaults. Nothing else in the gateway
+reads `os.environ`; everything is handed this object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8787
+    data_dir: Path = Path(".kumo")
+    catalog_file: Path | None = None  # None: the default catalog shipped in the package
+    pools_file: Path | None = None
+    database_url: str | None = None  # None: SQLite in data_dir
+    redis_url: str | None = None  # None: in-process rate limits
+    admin_token: str | None = None
+    server_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    max_body_bytes: int = 10 * MIB
+    max_image_bytes: int = 10 * MIB
+    max_images: int = 8
+    max_image_pixels: int = 4096 * 4096
+    image_fetch_timeout_s: float = 10.0
+    image_max_redirects: int = 5
+    allow_private_urls: bool = False
+    max_choices: int = 8
+    health_interval_s: float = 2.0
+    eject_after_failures: int = 2
+    backend_connect_timeout_s: float = 5.0
+    backend_read_timeout_s: float = 600.0
+    body_read_timeout_s: float = 30.0
+    log_json: bool = True
+
+    @property
+    def sqlite_url(self) -> str:
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'kumo.db').resolve()}"
+
+    @property
+    def effective_database_url(self) -> str:
+        return self.database_url or self.sqlite_url
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, default_port: int) -> None:
+    """Flags shared by `kumo serve` and `kumo gateway`."""
+    parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help=f"listen port (default {default_port})")
+    parser.add_argument("--data-dir", type=Path, default=None, help="state folder (default .kumo)")
+    parser.add_argument(
+        "--database-url", default=None, help="SQLAlchemy URL (default SQLite in the data dir)"
+    )
+    parser.add_argument("--redis-url", default=None, help="Redis URL for shared rate limits")
+    parser.add_argument(
+        "--allow-private-urls",
+        action="store_true",
+        default=None,
+        help="let image URLs reach loopback/private addresses (tests only)",
+    )
+
+
+def settings_from(args: argparse.Namespace, env: Mapping[str, str], **overrides: object) -> GatewaySettings:
+    """Build the settings from parsed flags and the environment (`KUMO_*`)."""
+
+    def pick(flag: object, name: str, default: object) -> object:
+        if flag is not None:
+            return flag
+        return env.get(name, default)
+
+    base = GatewaySettings()
+    values: dict[str, object] = {
+        "host": pick(getattr(args, "host", None), "KUMO_HOST", base.host),
+        "port": int(str(pick(getattr(args, "port", None), "KUMO_PORT", base.port))),
+        "data_dir": Path(str(pick(getattr(args, "data_dir", None), "KUMO_DATA_DIR", base.data_dir))),
+        "database_url": pick(getattr(args, "database_url", None), "KUMO_DATABASE_URL", None),
+        "redis_url": pick(getattr(args, "redis_url", None), "KUMO_REDIS_URL", None),
+        "admin_token": env.get("KUMO_ADMIN_TOKEN") or None,
+        "allow_private_urls": bool(getattr(args, "allow_private_urls", None))
+        or env.get("KUMO_ALLOW_PRIVATE_URLS", "") in ("1", "true"),
+    }
+    if env.get("KUMO_SERVER_SECRET"):
+        values["server_secret"] = env["KUMO_SERVER_SECRET"]
+    if env.get("KUMO_MAX_BODY_BYTES"):
+        values["max_body_bytes"] = int(env["KUMO_MAX_BODY_BYTES"])
+    values.update(overrides)
+    return replace(base, **values)  # type: ignore[arg-type]

@@ -1,0 +1,126 @@
+"""A real gateway (uvicorn, SQLite store) in front of scripted fake backends, one per test session.
+
+Import `harness_fixture` into a test module. Pools: `kimi-k2.6` has two replicas (to test routing),
+`glm-5.2` one, a legacy-family entry `@cf/kumo/legacy-test` one, and `@cf/kumo/mismatch` one whose
+backend reports another architecture than its catalog entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_backend import FakeBackend, Served, serve
+
+from gateway.app import create_app
+from gateway.catalog import Catalog, load_catalog_file
+from gateway.services import Services, open_services
+from gateway.settings import GatewaySettings
+from schemas.admin import Quotas, TenantCreate, TokenCreate
+from schemas.catalog import ModelSpec, PoolSpec, PoolsFile
+
+LEGACY = "@cf/kumo/legacy-test"
+MISMATCH = "@cf/kumo/mismatch"
+KIMI = "@cf/moonshotai/kimi-k2.6"
+GLM = "@cf/zai-org/glm-5.2"
+
+
+def extra_models() -> list[ModelSpec]:
+    common = {"created_at": "2026-01-01 00:00:00.000", "author": "kumo", "default_max_tokens": 256}
+    return [
+        ModelSpec(
+            id="00000000-0000-4000-8000-000000000001",
+            name=LEGACY,
+            description="legacy-family test entry",
+            pool="legacy",
+            family="legacy",
+            architecture="Glm4MoeForCausalLM",
+            price=load_catalog_file(None).models[1].price,
+            **common,  # type: ignore[arg-type]
+        ),
+        ModelSpec(
+            id="00000000-0000-4000-8000-000000000002",
+            name=MISMATCH,
+            description="an entry whose pool serves something else",
+            pool="mismatch",
+            architecture="GlmMoeDsaForCausalLM",
+            experimental=True,
+            **common,  # type: ignore[arg-type]
+        ),
+    ]
+
+
+@dataclass
+class Harness:
+    url: str
+    account: str
+    token: str
+    free_account: str
+    free_token: str
+    limited_account: str
+    limited_token: str
+    services: Services
+    backends: dict[str, list[FakeBackend]]
+    http: httpx.AsyncClient
+
+    def path(self, rest: str, account: str | None = None) -> str:
+        return f"{self.url}/client/v4/accounts/{account or self.account}{rest}"
+
+    def auth(self, token: str | None = None) -> dict[str, str]:
+        return {"authorization": f"Bearer {token or self.token}"}
+
+    def all_requests(self) -> list:  # type: ignore[type-arg]
+        return [r for group in self.backends.values() for b in group for r in b.requests]
+
+
+async def _tenant(services: Services, name: str, plan: str) -> tuple[str, str]:
+    tenant = await services.store.create_tenant(TenantCreate(name=name, plan=plan), actor="test")  # type: ignore[arg-type]
+    token = await services.store.create_token(tenant.id, TokenCreate(name="t"), actor="test")
+    return tenant.id, token.value
+
+
+@pytest.fixture(scope="session")
+async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Harness]:
+    backends = {
+        "kimi-k2.6": [FakeBackend("kimi-a"), FakeBackend("kimi-b")],
+        "glm-5.2": [FakeBackend("glm", architecture="GlmMoeDsaForCausalLM", vision=False)],
+        "legacy": [FakeBackend("legacy", architecture="Glm4MoeForCausalLM", vision=False)],
+        "mismatch": [FakeBackend("mismatch", architecture="LlamaForCausalLM", vision=False)],
+    }
+    served: list[Served] = []
+    pools: dict[str, PoolSpec] = {}
+    for pool, group in backends.items():
+        urls = []
+        for backend in group:
+            s = await serve(backend.app())
+            served.append(s)
+            urls.append(s.url)
+        pools[pool] = PoolSpec(replicas=urls, secret="fake-secret")
+    data_dir: Path = tmp_path_factory.mktemp("kumo")
+    settings = GatewaySettings(data_dir=data_dir, health_interval_s=0.2, max_body_bytes=256 * 1024, max_image_bytes=64 * 1024)
+    catalog = Catalog.from_file(load_catalog_file(None), extra_models())
+    services = await open_services(settings, catalog, PoolsFile(pools=pools))
+    account, token = await services.store.ensure_dev_tenant()
+    free_account, free_token = await _tenant(services, "free-tenant", "free")
+    limited_account, limited_token = await _tenant(services, "limited", "paid")
+    await services.store.set_quotas(limited_account, Quotas(requests_per_minute=2), actor="test")
+    gateway = await serve(create_app(settings, services))
+    async with httpx.AsyncClient(timeout=30) as http:
+        yield Harness(
+            url=gateway.url,
+            account=account,
+            token=token,
+            free_account=free_account,
+            free_token=free_token,
+            limited_account=limited_account,
+            limited_token=limited_token,
+            services=services,
+            backends=backends,
+            http=http,
+        )
+    await gateway.stop()
+    for s in served:
+        await s.stop()
