@@ -44,7 +44,7 @@ class Sampler:
         """One token per row of `logits [N, V]`."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-        x = self._penalize(logits.clone(), rows)
+        x = apply_penalties(logits.clone(), rows)
         x = self._mask_disallowed(x, rows)
         chosen = self._draw(x, rows)
         return self._scores(raw_logprobs, chosen, [r.params.top_logprobs if r.params.logprobs else 0 for r in rows])
@@ -56,30 +56,6 @@ class Sampler:
         return self._scores(raw_logprobs, chosen, [num_top] * len(target_ids))
 
     # ---- steps ---------------------------------------------------------------------------------
-    @staticmethod
-    def _penalize(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Repetition (HF/CTRL: divide positive logits, multiply negative ones, over prompt and
-        output), then frequency and presence (OpenAI: minus f·count and p·[count > 0], output only)."""
-        N, V = x.shape
-        if any(r.params.repetition_penalty != 1.0 for r in rows):
-            seen = torch.zeros(N, V, dtype=torch.bool)  # [N, V]
-            for i, r in enumerate(rows):
-                ids = r.prompt_ids + r.output_ids
-                if ids:
-                    seen[i, torch.tensor(ids, dtype=torch.int64)] = True
-            rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]  # [N, 1]
-            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-        if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
-            counts = torch.zeros(N, V)  # [N, V]
-            for i, r in enumerate(rows):
-                if r.output_ids:
-                    ids = torch.tensor(r.output_ids, dtype=torch.int64)
-                    counts[i].scatter_add_(0, ids, torch.ones(len(ids)))
-            freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
-            pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
-            x = x - freq * counts - pres * (counts > 0).float()
-        return x
-
     @staticmethod
     def _mask_disallowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         for i, r in enumerate(rows):
@@ -94,8 +70,8 @@ class Sampler:
         temps = torch.tensor([r.params.temperature for r in rows])  # [N]
         is_greedy = temps == 0
         x = x / torch.where(is_greedy, 1.0, temps)[:, None]
-        x = _top_k(x, torch.tensor([r.params.top_k for r in rows]))
-        x = _top_p(x, torch.tensor([r.params.top_p for r in rows]))
+        x = apply_top_k(x, torch.tensor([r.params.top_k for r in rows]))
+        x = apply_top_p(x, torch.tensor([r.params.top_p for r in rows]))
         probs = torch.softmax(x, dim=-1)  # [N, V]
         chosen = torch.empty(N, dtype=torch.int64)
         for i, r in enumerate(rows):
@@ -120,7 +96,7 @@ class Sampler:
         return out
 
 
-def _top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's `k` largest logits (k = 0: keep all). x `[N, V]`, k `[N]`."""
     V = x.shape[1]
     k = torch.where((k <= 0) | (k > V), V, k)
@@ -131,7 +107,7 @@ def _top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x < kth, float("-inf"))
 
 
-def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `p` (always the top one)."""
     if bool((p >= 1.0).all()):
         return x
@@ -141,3 +117,27 @@ def _top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     drop_sorted = mass_before >= p[:, None]
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (HF/CTRL: divide positive logits, multiply negative ones, over prompt and
+    output), then frequency and presence (OpenAI: minus f·count and p·[count > 0], output only)."""
+    N, V = x.shape
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
+        seen = torch.zeros(N, V, dtype=torch.bool)  # [N, V]
+        for i, r in enumerate(rows):
+            ids = r.prompt_ids + r.output_ids
+            if ids:
+                seen[i, torch.tensor(ids, dtype=torch.int64)] = True
+        rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]  # [N, 1]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
+        counts = torch.zeros(N, V)  # [N, V]
+        for i, r in enumerate(rows):
+            if r.output_ids:
+                ids = torch.tensor(r.output_ids, dtype=torch.int64)
+                counts[i].scatter_add_(0, ids, torch.ones(len(ids)))
+        freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
+        x = x - freq * counts - pres * (counts > 0).float()
+    return x
