@@ -35,8 +35,10 @@ TEXT_GENERATION = {
 }
 
 
-def envelope(result: Any, status: int = 200, **extra: Any) -> JSONResponse:
-    return JSONResponse({"result": result, "success": True, "errors": [], "messages": [], **extra}, status)
+def envelope(result: Any, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"result": result, "success": True, "errors": [], "messages": [], **extra}, headers=headers
+    )
 
 
 def failure(status: int, code: int, message: str) -> JSONResponse:

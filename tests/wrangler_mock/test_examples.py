@@ -11,7 +11,6 @@ from dataclasses import replace
 
 from conftest import EXAMPLES, served_worker
 from fake_workers_ai import LEGACY_MODEL, OPENAI_MODEL, FakeGateway
-
 from wrangler_mock.config import WranglerConfig
 from wrangler_mock.settings import Credentials
 
@@ -29,13 +28,20 @@ def tiny_png(width: int = 3, height: int = 2) -> bytes:
 
     rows = b"".join(b"\x00" + bytes([200, 30, 30]) * width for _ in range(height))
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 async def test_chat_worker_answers_and_forwards_session(fake: FakeGateway, credentials: Credentials) -> None:
     config = WranglerConfig.load(EXAMPLES / "chat" / "wrangler.toml")
     async with served_worker(config, credentials, fake) as worker:
-        response = await worker.post("/", json={"prompt": "Hello there"}, headers={"x-session-affinity": "ses_42"})
+        response = await worker.post(
+            "/", json={"prompt": "Hello there"}, headers={"x-session-affinity": "ses_42"}
+        )
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/json"
     assert response.json()["reply"] == "echo: Hello there"

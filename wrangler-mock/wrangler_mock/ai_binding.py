@@ -95,7 +95,9 @@ def check_tags(tags: Any) -> None:
         raise TypeError(f"options.tags must be a list of at most {MAX_TAGS} tags")
     for tag in tags:
         if not isinstance(tag, str) or len(tag) > MAX_TAG_LENGTH or not _TAG_PATTERN.match(tag):
-            raise TypeError(f"invalid tag {tag!r}: at most {MAX_TAG_LENGTH} characters of [A-Za-z0-9:-./@]")
+            raise TypeError(
+                f"options.tags: invalid tag {tag!r}: at most {MAX_TAG_LENGTH} characters of [A-Za-z0-9:-./@]"
+            )
 
 
 async def _close(response: httpx.Response) -> None:

@@ -49,7 +49,8 @@ def format_models(entries: list[dict[str, Any]], *, as_json: bool, out: TextIO) 
     return render(["model", "name", "description", "task"], rows)
 
 
-async def models_command(api: CloudflareApi, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+async def models_command(api: CloudflareApi, *, as_json: bool, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     entries = await api.list_models()
     print(format_models(entries, as_json=as_json, out=out), file=out, flush=True)
     return 0
@@ -86,9 +87,10 @@ async def run_command(
     *,
     session: str | None,
     as_json: bool,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> int:
     """Run `model` once; print the answer text (streamed as it comes with `stream`), or the JSON result."""
+    out = out or sys.stdout
     options = {"extraHeaders": {"x-session-affinity": session}} if session else None
     result = await Ai(api).run(model, inputs, options)
     if isinstance(result, ReadableStream):

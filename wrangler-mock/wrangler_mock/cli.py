@@ -13,7 +13,7 @@ from wrangler_mock.ai_commands import build_inputs, models_command, run_command
 from wrangler_mock.api import CloudflareApi
 from wrangler_mock.config import WranglerConfig
 from wrangler_mock.dev_server import build_app, serve
-from wrangler_mock.errors import WranglerMockError
+from wrangler_mock.errors import ApiError, WranglerMockError
 from wrangler_mock.settings import Credentials
 
 DEFAULT_DEV_PORT = 8788
@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             return _dev(credentials, args)
         credentials = credentials.with_account_fallback(_account_from_toml(args.config))
         return asyncio.run(_with_api(credentials, args))
+    except ApiError as exc:
+        print(f"✘ [ERROR] {exc.wrangler_text}", file=sys.stderr, flush=True)
+        return 1
     except WranglerMockError as exc:
         print(f"✘ [ERROR] {exc}", file=sys.stderr, flush=True)
         return 1

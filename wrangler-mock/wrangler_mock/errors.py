@@ -34,8 +34,13 @@ class ApiError(WranglerMockError):
         self.status = status
         self.errors = errors or [(0, f"HTTP {status}")]
         self.code, self.message = self.errors[0]
+        super().__init__(self.wrangler_text)
+
+    @property
+    def wrangler_text(self) -> str:
+        """How wrangler reports a failed API call: a headline, then `<message> [code: <code>]` notes."""
         notes = "\n".join(f"  - {message} [code: {code}]" for code, message in self.errors)
-        super().__init__(f"Received a bad response from the API\n{notes}")
+        return f"Received a bad response from the API\n{notes}"
 
 
 class InferenceUpstreamError(ApiError):
