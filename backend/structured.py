@@ -1,0 +1,159 @@
+"""Constrained decoding with llguidance: JSON mode, JSON schemas, and forced tool calls.
+
+The request's format becomes an llguidance grammar; a `GrammarConstraint` holds the matcher for one
+request and answers the engine's `TokenConstraint` calls, so the batched sampler masks constrained
+and free requests in the same batch. A schema llguidance cannot compile is the caller's mistake: a
+400 `InvalidRequest` carrying llguidance's message, raised before the request reaches the engine.
+
+Forced tool calls (`tool_choice` required / named) constrain the output to the family's own call
+syntax with the arguments constrained by the tool's schema:
+- Kimi: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>`
+  JSON `<|tool_call_end|><|tool_calls_section_end|>` — one call, `IDX` continuing the conversation's count;
+- GLM: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n…</tool_call>` with the
+  required arguments in schema order, strings raw and other values as JSON of their sub-schema.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+from backend.errors import InvalidRequest
+from schemas.backend import GenerateRequest, Tool
+
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+class GrammarConstraint:
+    """One request's llguidance matcher behind the engine's `TokenConstraint` protocol."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(words, bitorder="little")[:vocab_size].astype(bool)  # [vocab]
+        if bits.shape[0] < vocab_size:
+            bits = np.concatenate([bits, np.zeros(vocab_size - bits.shape[0], dtype=bool)])
+        return torch.from_numpy(bits)
+
+    def accept(self, token_id: int) -> None:
+        self._matcher.consume_token(token_id)
+
+    def is_finished(self) -> bool:
+        return bool(self._matcher.is_stopped() or self._matcher.is_error())
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+
+    @property
+    def error(self) -> str | None:
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    try:
+        return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise InvalidRequest(f"response_format.json_schema: {exc}") from exc
+
+
+def _lark_json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _token(token_id: int) -> str:
+    return f"<[{token_id}]>"
+
+
+def _forced_tools(request: GenerateRequest) -> list[Tool]:
+    choice, tools = request.tool_choice, request.tools or []
+    if choice is None or choice.mode in ("auto", "none"):
+        return []
+    if not tools:
+        raise InvalidRequest("tool_choice forces a tool call but no tools were given")
+    if choice.mode == "function":
+        named = [t for t in tools if t.name == choice.name]
+        if not named:
+            raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not among the tools")
+        return named
+    return tools
+
+
+def _num_previous_calls(request: GenerateRequest) -> int:
+    return sum(len(m.tool_calls or []) for m in request.messages or [])
+
+
+def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int) -> str:
+    rules = [f"call_{i}: {_lark_string(f'functions.{t.name}:{first_index}')} "
+             f"{_token(ids['<|tool_call_argument_begin|>'])} args_{i}\nargs_{i}: {_lark_json(t.parameters or {'type': 'object'})}"
+             for i, t in enumerate(tools)]
+    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+    start = (f"start: {_token(ids['<|tool_calls_section_begin|>'])} {_token(ids['<|tool_call_begin|>'])} "
+             f"({alternatives}) {_token(ids['<|tool_call_end|>'])} {_token(ids['<|tool_calls_section_end|>'])}")
+    return "\n".join([start, *rules])
+
+
+def _glm_string(schema: dict[str, Any]) -> str:
+    """A raw string value (GLM writes strings unquoted): one line, within the schema's length bounds."""
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    return f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
+
+
+def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int]) -> str:
+    rules: list[str] = []
+    for i, tool in enumerate(tools):
+        schema = tool.parameters or {}
+        properties: dict[str, Any] = schema.get("properties", {})
+        pairs: list[str] = []
+        for j, key in enumerate(k for k in properties if k in schema.get("required", [])):
+            sub = properties[key]
+            value = _glm_string(sub) if sub.get("type") == "string" else _lark_json(sub)
+            rules.append(f"value_{i}_{j}: {value}")
+            pairs.append(f"{_token(ids['<arg_key>'])} {_lark_string(key)} {_token(ids['</arg_key>'])} \"\\n\" "
+                         f"{_token(ids['<arg_value>'])} value_{i}_{j} {_token(ids['</arg_value>'])} \"\\n\"")
+        rules.append(f"call_{i}: {_lark_string(tool.name + chr(10))} {' '.join(pairs)}".rstrip())
+    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+    start = f"start: {_token(ids['<tool_call>'])} ({alternatives}) {_token(ids['</tool_call>'])}"
+    return "\n".join([start, *rules])
+
+
+def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int | None]) -> str | None:
+    """The llguidance grammar constraining `request`'s output, or None when it is free."""
+    forced = _forced_tools(request)
+    if forced:
+        ids = {k: v for k, v in marker_ids.items() if v is not None}
+        try:
+            if family == "kimi":
+                return str(llguidance.LLMatcher.grammar_from_lark(
+                    _kimi_tool_grammar(forced, ids, _num_previous_calls(request))))
+            return str(llguidance.LLMatcher.grammar_from_lark(_glm_tool_grammar(forced, ids)))
+        except KeyError as exc:
+            raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return _json_grammar({"type": "object"})
+    if fmt.json_schema is None:
+        raise InvalidRequest("response_format.json_schema is required when type is json_schema")
+    return _json_grammar(fmt.json_schema)
+
+
+def build_constraint(grammar: str, tokenizer: llguidance.LLTokenizer) -> GrammarConstraint:
+    """Compile `grammar` for `tokenizer`; a grammar llguidance refuses is a 400."""
+    message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if message and not message.startswith("WARNING"):
+        raise InvalidRequest(f"response format cannot be compiled: {message}")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequest(f"response format cannot be compiled: {matcher.get_error()}")
+    return GrammarConstraint(matcher)

@@ -1,0 +1,153 @@
+"""Constrained decoding: whatever the logits, the output parses and validates against the schema,
+and forced tool calls come out in the family's syntax that its parser reads back."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import msgspec
+import pytest
+import torch
+
+from backend.errors import InvalidRequest
+from backend.structured import GrammarConstraint, build_constraint, grammar_for
+from backend.tokenizer import Tokenizer
+from backend.tool_parsers import ParsedCall, parser_for
+from schemas.backend import GenerateRequest, Message, ResponseFormat, Tool, ToolChoice
+from tests.backend.server_tokenizers import load
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+class Person(msgspec.Struct, forbid_unknown_fields=True):
+    """An independent statement of SCHEMA, checked by msgspec."""
+
+    name: Annotated[str, msgspec.Meta(max_length=6)]
+    age: Annotated[int, msgspec.Meta(ge=0, le=120)]
+    tags: Annotated[list[Literal["a", "b"]], msgspec.Meta(max_length=3)]
+    ok: bool
+
+
+WEATHER = Tool(name="get_weather", parameters={
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+})
+
+
+def _request(**kwargs: object) -> GenerateRequest:
+    return GenerateRequest(request_id="r", tenant_salt="0" * 16, messages=[Message(role="user", content="hi")],
+                           **kwargs)  # type: ignore[arg-type]
+
+
+def _markers(tok: Tokenizer) -> dict[str, int | None]:
+    names = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+             "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<tool_call>", "</tool_call>", "<arg_key>",
+             "</arg_key>", "<arg_value>", "</arg_value>"]
+    return {n: tok.token_to_id(n) for n in names}
+
+
+def _walk(constraint: GrammarConstraint, vocab: int, eos: int, seed: int, max_steps: int = 400) -> list[int]:
+    """Sample from random logits under the mask until the constraint finishes (a random-weights model)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for _ in range(max_steps):
+        mask = constraint.allowed_tokens(vocab)
+        assert mask is not None and mask.any()
+        logits = torch.randn(vocab, generator=gen).masked_fill(~mask, float("-inf"))
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        constraint.accept(token)
+        if token == eos:
+            break
+        out.append(token)
+        if constraint.is_finished():
+            break
+    assert constraint.is_finished() and constraint.error is None
+    return out
+
+
+@pytest.mark.parametrize("layout", ["kimi-tiktoken", "glm"])
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_output_validates(tmp_path_factory: pytest.TempPathFactory, layout: str, seed: int) -> None:
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    vocab = tok.vocab_size + 13  # model embeddings are often padded past the tokenizer
+    grammar = grammar_for(_request(response_format=ResponseFormat(type="json_schema", json_schema=SCHEMA)),
+                          "kimi", {})
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(vocab, [eos])), vocab, eos, seed)
+    msgspec.json.decode(tok.decode(ids), type=Person)
+
+
+def test_json_object_mode_yields_an_object(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tok = load(tmp_path_factory, "glm")
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    grammar = grammar_for(_request(response_format=ResponseFormat(type="json_object")), "glm", {})
+    assert grammar is not None
+    constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
+    mask = constraint.allowed_tokens(tok.vocab_size)
+    assert mask is not None
+    allowed_text = {tok.decode([int(i)]) for i in mask.nonzero().flatten()}
+    assert allowed_text and all(t.lstrip().startswith("{") for t in allowed_text)
+    for token in tok.encode('{"a":[1,{"b":null}]}'):  # compact: the grammar fixes the separators
+        constraint.accept(token)
+    assert constraint.error is None
+    constraint.accept(eos)
+    assert constraint.is_finished() and constraint.error is None
+
+
+@pytest.mark.parametrize("schema", [{"type": "strnig"}, {"$ref": "#/definitions/missing"}])
+def test_uncompilable_schema_is_a_400(tmp_path_factory: pytest.TempPathFactory, schema: dict[str, object]) -> None:
+    tok = load(tmp_path_factory, "glm")
+    with pytest.raises(InvalidRequest) as info:
+        grammar = grammar_for(_request(response_format=ResponseFormat(type="json_schema", json_schema=schema)),
+                              "glm", {})
+        assert grammar is not None
+        build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]))
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+@pytest.mark.parametrize("seed", range(3))
+def test_forced_tool_call_parses_back(tmp_path_factory: pytest.TempPathFactory, layout: str, family: str,
+                                      seed: int) -> None:
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    other = Tool(name="other", parameters={"type": "object", "properties": {}})
+    request = _request(tools=[other, WEATHER], tool_choice=ToolChoice(mode="function", name="get_weather"))
+    grammar = grammar_for(request, family, _markers(tok))
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed)
+    parser = parser_for(family, tok, [other, WEATHER])
+    assert parser is not None
+    pieces = parser.feed(ids) + parser.finish()
+    calls = [p for p in pieces if isinstance(p, ParsedCall)]
+    assert len(calls) == 1, pieces
+    assert calls[0].name == "get_weather"
+    arguments = json.loads(calls[0].arguments)
+    assert set(arguments) == {"city", "days"} and isinstance(arguments["city"], str)
+    assert 1 <= arguments["days"] <= 9
+    if family == "kimi":
+        assert calls[0].id == "functions.get_weather:0"
+
+
+def test_forcing_an_unknown_tool_is_a_400() -> None:
+    with pytest.raises(InvalidRequest):
+        grammar_for(_request(tools=[WEATHER], tool_choice=ToolChoice(mode="function", name="nope")), "kimi", {})
+    with pytest.raises(InvalidRequest):
+        grammar_for(_request(tool_choice=ToolChoice(mode="required")), "kimi", {})
