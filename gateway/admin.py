@@ -3,7 +3,7 @@
 Every route first checks the admin token (401 without a valid one, 403 for a tenant's token),
 then decodes its body with a typed decoder that rejects unknown fields, then acts through the
 store, which writes the audit entry in the same transaction. Bodies travel in the v4 envelope;
-unknown ids are 404. A revocation, deletion or quota change also drops this replica's cached
+unknown ids are 404; errors propagate to the app's one handler (`gateway.app.render_error`). A revocation, deletion or quota change also drops this replica's cached
 tenant at once; other replicas notice within the authenticator's cache window.
 """
 
@@ -20,10 +20,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.auth import Authenticator
-from gateway.errors import InvalidAdminRequest, KumoError, NotFound
+from gateway.errors import InvalidAdminRequest, NotFound
 from gateway.store import Store
 from schemas.admin import ModelsIn, Quotas, QuotasIn, TenantCreate, TenantPatch, TokenCreate
-from schemas.workers_ai import Envelope, ErrorItem, PagedEnvelope, ResultInfo
+from schemas.workers_ai import Envelope, PagedEnvelope, ResultInfo
 
 T = TypeVar("T")
 Handler = Callable[[Request, str], Awaitable[Envelope]]
@@ -98,18 +98,8 @@ def _paged(items: list[Any], total: int, page: int, per_page: int) -> PagedEnvel
     return PagedEnvelope(result=items, success=True, result_info=info)
 
 
-def _json(envelope: Envelope, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        msgspec.json.encode(envelope), status_code=status, headers=headers, media_type="application/json"
-    )
-
-
-def _error(exc: KumoError) -> Response:
-    envelope = Envelope(
-        result=None, success=False, errors=[ErrorItem(code=exc.code, message=exc.wire_message)]
-    )
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    return _json(envelope, exc.status, headers)
+def _json(envelope: Envelope) -> Response:
+    return Response(msgspec.json.encode(envelope), media_type="application/json")
 
 
 class AdminApi:
@@ -124,13 +114,8 @@ class AdminApi:
 
     def endpoint(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
-            try:
-                actor = await self.services.authenticator.authenticate_admin(
-                    request.headers.get("authorization")
-                )
-                return _json(await handler(request, actor))
-            except KumoError as exc:
-                return _error(exc)
+            actor = await self.services.authenticator.authenticate_admin(request.headers.get("authorization"))
+            return _json(await handler(request, actor))
 
         return run
 
