@@ -8,6 +8,7 @@ import json
 import struct
 import zlib
 from dataclasses import replace
+from pathlib import Path
 
 from conftest import EXAMPLES, served_worker
 from fake_workers_ai import LEGACY_MODEL, OPENAI_MODEL, FakeGateway
@@ -132,3 +133,25 @@ async def test_image_worker_forwards_the_upload(fake: FakeGateway, credentials: 
     part = fake.requests[-1]["body"]["messages"][0]["content"][0]
     assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == png
     assert wrong_type.status_code == 415
+
+
+async def test_uncaught_binding_error_is_a_500_naming_the_code(
+    fake: FakeGateway, credentials: Credentials, tmp_path: Path
+) -> None:
+    (tmp_path / "entry.py").write_text(
+        "from workers import Response, WorkerEntrypoint\n"
+        "class Default(WorkerEntrypoint):\n"
+        "    async def fetch(self, request):\n"
+        "        await self.env.AI.run('@cf/nope/none', {'prompt': 'x'})\n"
+        "        return Response('unreachable')\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "wrangler.toml").write_text('name = "bad"\nmain = "entry.py"\n[ai]\nbinding = "AI"\n')
+    config = WranglerConfig.load(tmp_path / "wrangler.toml")
+    async with served_worker(config, credentials, fake) as worker:
+        response = await worker.get("/")
+    assert response.status_code == 500
+    assert (
+        response.text
+        == "Error: InferenceUpstreamError: 5007: AiError: AiError: No such model @cf/nope/none or task\n"
+    )
