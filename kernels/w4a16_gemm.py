@@ -18,7 +18,7 @@ in a fixed order, so results are deterministic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -31,8 +31,17 @@ _MAGIC_2_23 = 0x4B000000  # bits of 2^23: OR a nibble into the low mantissa bits
 @triton.jit
 def _finish_tile(
     acc,  # [BM, BN] fp32 partial (or full) sum of this program
-    out_ptr, ws_ptr, cnt_ptr,
-    offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_om,
+    stride_on,
+    tile_id,
+    pid_k,
     SPLIT_K: tl.constexpr,
 ):
     """Store the tile, or park a split-K partial; the last of SPLIT_K programs sums the partials."""
@@ -55,10 +64,27 @@ def _finish_tile(
 
 @triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_sg, stride_sn, stride_om, stride_on,
-    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wk,
+    stride_wn,
+    stride_sg,
+    stride_sn,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     """x [M, K] (one row per program), w [K/8, N] int32, s [K/G, N], out [M, N]; grid (N/BN, M, SPLIT_K)."""
     pid_n = tl.program_id(0)
@@ -80,8 +106,11 @@ def _w4a16_gemv_kernel(
         r_ok = r < K8
         mask = r_ok[:, None] & n_ok[None, :]
         wp = tl.load(w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=mask, other=0)
-        sc = tl.load(s_ptr + (r * 8 // GROUP_SIZE)[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-                     mask=mask, other=0.0).to(tl.float32)  # [BK8, BN], G/8 rows share a scale
+        sc = tl.load(
+            s_ptr + (r * 8 // GROUP_SIZE)[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+            mask=mask,
+            other=0.0,
+        ).to(tl.float32)  # [BK8, BN], G/8 rows share a scale
         wp_hi = wp >> 16  # nibbles 4..7 moved to bits 0..15
         dot8 = tl.zeros((BK8, BLOCK_N), dtype=tl.float32)  # sum_j q_j x_j over the 8 nibbles of a word
         x_sum = tl.zeros((BK8,), dtype=tl.float32)
@@ -97,17 +126,50 @@ def _w4a16_gemv_kernel(
         acc2 += (dot8 - 8.0 * x_sum[:, None]) * sc
     acc = tl.sum(acc2, axis=0)  # [BN]
     offs_m = pid_m + tl.arange(0, 1)
-    _finish_tile(acc[None, :], out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on,
-                 pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
+    _finish_tile(
+        acc[None, :],
+        out_ptr,
+        ws_ptr,
+        cnt_ptr,
+        offs_m,
+        offs_n,
+        M,
+        N,
+        stride_om,
+        stride_on,
+        pid_m * tl.num_programs(0) + pid_n,
+        pid_k,
+        SPLIT_K,
+    )
 
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wk, stride_wn, stride_sg, stride_sn, stride_om, stride_on,
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wk,
+    stride_wn,
+    stride_sg,
+    stride_sn,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """x [M, K], w [K/8, N] int32, s [K/G, N], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
     pid = tl.program_id(0)
@@ -136,23 +198,34 @@ def _w4a16_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t0, t1):
         kk = t * BLOCK_K + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)  # [BM, BK]
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kk[None, :] * stride_xk,
+            mask=m_ok[:, None] & (kk < K)[None, :],
+            other=0.0,
+        )  # [BM, BK]
         r = t * BK8 + offs_r
-        wp = tl.load(w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                     mask=(r < K // 8)[:, None] & n_ok[None, :], other=0)  # [BK8, BN] int32
+        wp = tl.load(
+            w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+            mask=(r < K // 8)[:, None] & n_ok[None, :],
+            other=0,
+        )  # [BK8, BN] int32
         g = t * BLOCK_K // GROUP_SIZE + offs_g
-        sc = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-                     mask=(g < K // GROUP_SIZE)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (SCALE_ROWS, BK8 // SCALE_ROWS, BLOCK_N)),
-                        (BK8, BLOCK_N))  # [BK8, BN] scale of each packed row
+        sc = tl.load(
+            s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+            mask=(g < K // GROUP_SIZE)[:, None] & n_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        sc = tl.reshape(
+            tl.broadcast_to(sc[:, None, :], (SCALE_ROWS, BK8 // SCALE_ROWS, BLOCK_N)), (BK8, BLOCK_N)
+        )  # [BK8, BN] scale of each packed row
         q = (wp[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK8, 8, BN], k = 8r + j
         wf = ((q | _MAGIC_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sc[:, None, :]  # (q-8)·s
         w = tl.reshape(wf, (BLOCK_K, BLOCK_N)).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     tile_id = pid_m * num_pid_n + pid_n
-    _finish_tile(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on,
-                 tile_id, pid_k, SPLIT_K)
+    _finish_tile(
+        acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k, SPLIT_K
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +245,21 @@ def pick_config(M: int, N: int, K: int, num_sms: int) -> W4A16Config:
     """Heuristic choice by M: enough programs to cover every SM several times, else big tiles."""
     if M <= 2:
         cfg = W4A16Config(block_m=0, block_n=64, block_k=256, num_warps=4)
-        tiles = triton.cdiv(N, cfg.block_n) * M
     elif M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         cfg = W4A16Config(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=4)
-        tiles = triton.cdiv(N, cfg.block_n) * triton.cdiv(M, bm)
     else:
         return W4A16Config(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return with_split_k(cfg, M, N, K, num_sms)
+
+
+def with_split_k(cfg: W4A16Config, M: int, N: int, K: int, num_sms: int) -> W4A16Config:
+    """Split K until there are about four programs per SM (at most 16 splits, 4+ K tiles each)."""
+    rows = M if cfg.block_m == 0 else triton.cdiv(M, cfg.block_m)
+    tiles = triton.cdiv(N, cfg.block_n) * rows
     k_tiles = triton.cdiv(K, cfg.block_k)
     split = max(1, min(k_tiles // 4, triton.cdiv(4 * num_sms, tiles), 16))
-    return W4A16Config(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+    return replace(cfg, split_k=split)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -208,12 +286,15 @@ def w4a16_gemm(
     scales: torch.Tensor,  # [K/G, N] float
     group_size: int,
     config: W4A16Config | None = None,
+    out: torch.Tensor | None = None,  # [M, N] contiguous, x's dtype: for preallocated (graph) buffers
 ) -> torch.Tensor:
     """`x @ dequant(w)` in x's dtype; [..., N]."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"activations must be fp16, bf16 or fp32, got {x.dtype}")
     if w_repacked.dtype != torch.int32 or w_repacked.dim() != 2:
-        raise TypeError(f"w_repacked must be 2-D int32 [K/8, N], got {w_repacked.dtype} {tuple(w_repacked.shape)}")
+        raise TypeError(
+            f"w_repacked must be 2-D int32 [K/8, N], got {w_repacked.dtype} {tuple(w_repacked.shape)}"
+        )
     if not scales.is_floating_point() or scales.dim() != 2:
         raise TypeError("scales must be a 2-D float tensor [K/G, N]")
     if group_size % 8 or group_size & (group_size - 1):
@@ -229,7 +310,10 @@ def w4a16_gemm(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {x.dtype} [{M}, {N}]")
     if M == 0:
         return out.reshape(*lead, N)
     cfg = config or pick_config(M, N, K, _num_sms(x.device))
@@ -239,20 +323,48 @@ def w4a16_gemm(
         grid = (triton.cdiv(N, cfg.block_n), M, cfg.split_k)
         cnt = _split_k_counters(x.device, grid[0] * M)
         _w4a16_gemv_kernel[grid](
-            x2, w_repacked, scales, out, ws, cnt, M, N, K, *strides,
-            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            x2,
+            w_repacked,
+            scales,
+            out,
+            ws,
+            cnt,
+            M,
+            N,
+            K,
+            *strides,
+            GROUP_SIZE=group_size,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     else:
         num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         cnt = _split_k_counters(x.device, num_tiles)
         scale_rows = max(cfg.block_k // group_size, 1)
         _w4a16_kernel[(num_tiles, cfg.split_k)](
-            x2, w_repacked, scales, out, ws, cnt, M, N, K, *strides,
-            GROUP_SIZE=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, SCALE_ROWS=scale_rows,
+            x2,
+            w_repacked,
+            scales,
+            out,
+            ws,
+            cnt,
+            M,
+            N,
+            K,
+            *strides,
+            GROUP_SIZE=group_size,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SPLIT_K=cfg.split_k,
+            GROUP_M=cfg.group_m,
+            SCALE_ROWS=scale_rows,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out.reshape(*lead, N)
 

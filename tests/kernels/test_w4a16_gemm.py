@@ -29,12 +29,20 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-def make_checkpoint(N: int, K: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight_packed [N, K/8] int32, weight_scale [N, K/G] bf16, q [N, K] int8) in the published format."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 in [-8, 7] -> [N, K/8] int32, nibble j of word i = q[8i + j] + 8 (checked below
+    against compressed-tensors' packer; the device image has no compressed-tensors)."""
+    nib = (q.to(torch.int64) + 8).reshape(q.shape[0], -1, 8)  # [N, K/8, 8]
+    words = (nib << torch.arange(0, 32, 4)).sum(-1)  # [N, K/8] in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
+
+def make_checkpoint(
+    N: int, K: int, group: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight_packed [N, K/8] int32, weight_scale [N, K/G] bf16, q [N, K] int8) in the published format."""
     q = torch.randint(-8, 8, (N, K), generator=gen, dtype=torch.int8)
-    packed = pack_to_int32(q, 4)
+    packed = pack_int4(q)
     scale = (torch.rand(N, K // group, generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
     return packed, scale, q
 
@@ -49,11 +57,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def test_unpack_matches_compressed_tensors() -> None:
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+def test_packing_matches_compressed_tensors() -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     gen = torch.Generator().manual_seed(0)
     packed, _, q = make_checkpoint(24, 96, 32, gen)
+    assert torch.equal(packed, pack_to_int32(q, 4))
     assert torch.equal(unpack_int4_ref(packed), q)
     assert torch.equal(unpack_from_int32(packed, 4, q.shape), q)
 
@@ -130,6 +139,7 @@ def test_bf16_on_gpu(M: int, N: int, K: int, group: int) -> None:
     packed, scale, q = make_checkpoint(N, K, group, gen)
     w, s, g = repack_int4(packed.cuda(), scale.cuda())
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-    out = w4a16_gemm(x.cuda(), w, s, g)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
+    w4a16_gemm(x.cuda(), w, s, g, out=out)
     assert not out.isnan().any()
     assert rel_err(out.cpu(), expected(x, q, scale)) < 1e-2

@@ -1,0 +1,82 @@
+"""Shared pieces of the kernel benchmarks: ceilings measured in the same run, timing, the JSON record.
+
+Timing is `triton.testing.do_bench(..., return_mode="median")` over functions that rotate among
+enough input copies to exceed the L2 several times, so a number is an HBM number, not a cache one.
+Record shape (issue 6): `{command, date, device, ceilings: {copy_GBps, bf16_TFLOPs, fp8_TFLOPs},
+rows: [{kernel, case, goal, ms, fraction_of_ceiling, peers: {name: ms}, ...}]}`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+L2_BYTES = 60 * 2**20  # H200; rotation sizes are chosen against this
+
+
+def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def num_copies(bytes_per_copy: int, floor: int = 2) -> int:
+    """Copies to rotate among so that together they span at least 4× the L2."""
+    return max(floor, -(-4 * L2_BYTES // max(bytes_per_copy, 1)))
+
+
+def rotating(fn: Callable[..., Any], copies: list[tuple[Any, ...]]) -> Callable[[], Any]:
+    """A no-argument function that calls `fn(*copies[i])` with i advancing on every call."""
+    state = {"i": 0}
+
+    def call() -> Any:
+        args = copies[state["i"] % len(copies)]
+        state["i"] += 1
+        return fn(*args)
+
+    return call
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Device-to-device copy (read + write counted), bf16 and fp8 8192³ products, on random data."""
+    dev = "cuda"
+    n = 2**30  # 1 GiB each way, 2 GiB moved
+    src = torch.randn(n // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    mm_ms = bench_ms(lambda: a @ b)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    fp8_ms = bench_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    flops = 2 * 8192**3
+    return {
+        "copy_GBps": 2 * n / copy_ms / 1e6,
+        "bf16_TFLOPs": flops / mm_ms / 1e9,
+        "fp8_TFLOPs": flops / fp8_ms / 1e9,
+    }
+
+
+def write_record(
+    path: str, rows: list[dict[str, Any]], ceilings: dict[str, float], extra: dict[str, Any]
+) -> None:
+    record = {
+        "command": " ".join(sys.argv),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__},
+        "ceilings": ceilings,
+        "rows": rows,
+        **extra,
+    }
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
