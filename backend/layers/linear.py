@@ -1,0 +1,101 @@
+"""Linear layers that hold only this rank's slice of a checkpoint tensor.
+
+A later tensor-parallel split only has to pass a different `Shard`: column-parallel layers keep a
+range of output rows, row-parallel layers a range of input columns and all-reduce their output.
+On one rank every range is the whole tensor and no collective runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.errors import CheckpointError
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    rank: int = 0
+    world_size: int = 1
+
+    def split(self, n: int, what: str) -> Range:
+        """This rank's contiguous range of `n` items split evenly over the ranks."""
+        if n % self.world_size:
+            raise CheckpointError(f"{what} ({n}) does not divide over {self.world_size} ranks")
+        size = n // self.world_size
+        return self.rank * size, (self.rank + 1) * size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+
+def activation(name: str):  # type: ignore[no-untyped-def]
+    if name == "silu":
+        return F.silu
+    if name in ("gelu", "gelu_pytorch_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh" if name.endswith("tanh") else "none")
+    raise CheckpointError(f"unsupported hidden_act {name!r}")
+
+
+class Linear(nn.Module):
+    """`y = x Wᵀ + b` over `W[out_range, in_range]` of the checkpoint's full `[out, in]` weight."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        dtype: torch.dtype,
+        bias: bool = False,
+        out_range: Range | None = None,
+        in_range: Range | None = None,
+        shard: Shard | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_range = out_range or (0, out_features)
+        self.in_range = in_range or (0, in_features)
+        self.shard = shard or Shard()
+        self.is_row_parallel = self.in_range != (0, in_features)
+        out_local = self.out_range[1] - self.out_range[0]
+        in_local = self.in_range[1] - self.in_range[0]
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_local, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_param(self, name: str, full: torch.Tensor) -> None:
+        o0, o1 = self.out_range
+        if name == "weight":
+            i0, i1 = self.in_range
+            _copy(self.weight, full[o0:o1, i0:i1], name)
+        elif name == "bias" and self.bias is not None:
+            # a row-parallel bias is added once, on the rank holding the first input columns
+            _copy(self.bias, full[o0:o1] if self.in_range[0] == 0 else torch.zeros_like(full[o0:o1]), name)
+        else:
+            raise CheckpointError(f"unexpected tensor {name!r} for a linear layer")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.shard.all_reduce(y) if self.is_row_parallel else y
+
+
+def column(in_features: int, out_features: int, shard: Shard, *, dtype: torch.dtype, bias: bool = False) -> Linear:
+    return Linear(
+        in_features, out_features, dtype=dtype, bias=bias, out_range=shard.split(out_features, "out"), shard=shard
+    )
+
+
+def row(in_features: int, out_features: int, shard: Shard, *, dtype: torch.dtype, bias: bool = False) -> Linear:
+    return Linear(in_features, out_features, dtype=dtype, bias=bias, in_range=shard.split(in_features, "in"), shard=shard)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))

@@ -1,0 +1,40 @@
+"""load_model: a checkpoint folder → the architecture's module with this rank's weights loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backend.checkpoint import iter_tensors
+from backend.config import ModelConfig
+from backend.errors import CheckpointError
+from backend.models import ARCHITECTURES
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    path: Path
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    rank: int = 0,
+    world_size: int = 1,
+) -> LoadedModel:
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    cls = ARCHITECTURES.get(config.architecture)
+    if cls is None:
+        raise CheckpointError(f"unknown architecture {config.architecture!r}")
+    with torch.device(device):
+        model = cls(config, dtype=dtype, rank=rank, world_size=world_size)
+    model.load_weights(iter_tensors(path))  # type: ignore[operator]
+    return LoadedModel(model=model.eval(), config=config, path=path)

@@ -1,0 +1,179 @@
+"""What every text architecture shares: embedding, decoder layers, final norm, lm_head, weight loading.
+
+Parameter names mirror the Hugging Face checkpoint names (`model.layers.3.self_attn.q_a_proj.weight`),
+so most tensors load by name. The exceptions are handled here: per-expert tensors
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`) fill slices of the fused expert parameters, MTP layers
+(index ≥ num_hidden_layers) are skipped, the K2.5 `language_model.` prefix is stripped (anything
+outside it, the vision tower, is not this model's), and a tied lm_head reuses the embedding.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.config import ModelConfig
+from backend.errors import CheckpointError
+from backend.forward_batch import CacheSpec, ForwardBatch
+from backend.layers.linear import Linear, Shard, _copy
+from backend.layers.moe import DenseMLP, Experts, MoE
+from backend.layers.norm import RMSNorm
+from backend.layers.rotary import Rotary
+from backend.layers.step import Step
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn: nn.Module, mlp: nn.Module, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class CausalLM(nn.Module):
+    """Base of the architecture classes; a subclass supplies `make_attention(layer_idx)`."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.shard = Shard(rank, world_size)
+        self.rotary = Rotary(config.rope)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            mlp: nn.Module
+            if config.mlp_layer_types[i] == "sparse":
+                mlp = MoE(config, self.shard, dtype=dtype)
+            else:
+                mlp = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, self.shard, dtype=dtype)
+            layers.append(DecoderLayer(config, self.make_attention(i), mlp, dtype=dtype))
+        self.model = Backbone(config, layers, dtype=dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+
+    def make_attention(self, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def cache_specs(self) -> list[list[CacheSpec]]:
+        return [layer.self_attn.cache_specs() for layer in self.model.layers]
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits `[len(batch.logits_indices), vocab]`."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        if batch.image_embeds is not None:
+            x[batch.image_embeds.token_indices] = batch.image_embeds.embeds.to(x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        step = Step.build(batch, cos, sin)
+        for layer in self.model.layers:
+            x = layer(x, step)
+        x = self.model.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (each rank keeps its slices); raise CheckpointError naming any gap."""
+        targets = self.state_dict(keep_vars=True)
+        needed = Counter({name: 1 for name in targets})
+        expert_parts: dict[str, set[tuple[int, str]]] = defaultdict(set)
+        for module_name, module in self.named_modules():
+            if isinstance(module, Experts):
+                for param, parts in module.parts_per_param().items():
+                    needed[f"{module_name}.{param}"] = parts
+        loaded: Counter[str] = Counter()
+        prefix = self.config.weight_prefix
+        for raw_name, tensor in weights:
+            if prefix:
+                if not raw_name.startswith(prefix):
+                    continue  # the vision tower and projector of a multimodal checkpoint
+                raw_name = raw_name[len(prefix) :]
+            name = raw_name
+            layer = _LAYER.match(name)
+            if (layer and int(layer.group(1)) >= self.config.num_hidden_layers) or _IGNORED.search(name):
+                continue  # MTP layers (speculative decoding heads) are not part of the model
+            if expert := _EXPERT.match(name):
+                path, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+                n = self._module(path, raw_name).load_expert(e, proj, tensor)
+                loaded[f"{path}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"] += n
+                expert_parts[path].add((e, proj))
+                continue
+            path, attr = name.rsplit(".", 1)
+            module = self._module(path, raw_name)
+            if hasattr(module, "load_param"):
+                loaded[name] += module.load_param(attr, tensor) or 1
+            elif name in targets:
+                _copy(targets[name], tensor, name)
+                loaded[name] += 1
+            else:
+                raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint")
+        if loaded["lm_head.weight"] == 0 and self.config.tie_word_embeddings:
+            _copy(self.lm_head.weight, self.model.embed_tokens.weight, "lm_head.weight (tied)")
+            loaded["lm_head.weight"] = 1
+        for name in targets:
+            if loaded[name] < needed[name]:
+                raise CheckpointError(f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}")
+
+    def _module(self, path: str, raw_name: str) -> nn.Module:
+        try:
+            return self.get_submodule(path)
+        except AttributeError as exc:
+            raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint") from exc
+
+    def _describe_missing(self, name: str, expert_parts: dict[str, set[tuple[int, str]]]) -> str:
+        path, param = name.rsplit(".", 1)
+        module = self.get_submodule(path)
+        if not isinstance(module, Experts):
+            return name
+        projs = ("down_proj",) if param == "down_proj" else ("gate_proj", "up_proj")
+        for e in range(module.e0, module.e1):
+            for proj in projs:
+                if (e, proj) not in expert_parts[path]:
+                    return f"{path}.{e}.{proj}.weight"
+        return name
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This (single-rank) model's tensors under their published checkpoint names, experts split."""
+        for name, tensor in self.state_dict().items():
+            path, param = name.rsplit(".", 1)
+            module = self.get_submodule(path)
+            if isinstance(module, Experts):
+                I = module.intermediate
+                for e in range(tensor.shape[0]):
+                    if param == "gate_up_proj":
+                        yield f"{path}.{e}.gate_proj.weight", tensor[e, :I]
+                        yield f"{path}.{e}.up_proj.weight", tensor[e, I:]
+                    else:
+                        yield f"{path}.{e}.down_proj.weight", tensor[e]
+            elif name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            else:
+                yield name, tensor

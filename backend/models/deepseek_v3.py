@@ -1,0 +1,122 @@
+"""The MLA family: DeepSeek-V3 and Kimi K2 / K2 Thinking (model_type deepseek_v3 / kimi_k2), and the
+text model of Kimi K2.5 / K2.6.
+
+Multi-head latent attention (engine-anchors §1d): q through its LoRA (q_a_proj → RMSNorm → q_b_proj),
+one latent per token `kv_a_proj_with_mqa(x) = [c (R) | k_pe (Dr)]`, `c` RMS-normed, RoPE on the rope
+dims only (interleaved pairs). The cache keeps `[c | rotated k_pe]` (R + Dr = 576 for Kimi). Queries
+are absorbed into latent space (`q_nope · W_UK`), attention runs MQA over the latent lines, and the
+latent output goes back through `W_UV` before o_proj; W_UK / W_UV are views of kv_b_proj.
+Heads split over ranks (tensor parallel); the latent cache is replicated on every rank.
+
+Shape letters: T tokens, Hl local heads, N qk_nope_head_dim, Dr qk_rope_head_dim, V v_head_dim,
+R kv_lora_rank, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.config import ModelConfig
+from backend.forward_batch import CacheSpec
+from backend.layers.linear import Linear, Shard
+from backend.layers.norm import RMSNorm
+from backend.layers.rotary import Rotary
+from backend.layers.step import Step
+from backend.models.causal_lm import CausalLM
+from kernels.mla_attention import mla_attention_ref
+
+# transformers and the original DeepSeek code build q_a_layernorm / kv_a_layernorm with their
+# default eps, not config.rms_norm_eps
+LORA_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx, self.rotary = layer_idx, [rotary]  # a list: shared, not a submodule
+        self.h0, self.h1 = shard.split(c.num_attention_heads, "attention heads")
+        self.num_local_heads = self.h1 - self.h0
+        self.N, self.Dr, self.V, self.R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+        qk = self.N + self.Dr
+        heads = (self.h0 * qk, self.h1 * qk)
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, c.num_attention_heads * qk, dtype=dtype, out_range=heads)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, dtype=dtype, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LORA_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(c.q_lora_rank, c.num_attention_heads * qk, dtype=dtype, out_range=heads)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, self.R + self.Dr, dtype=dtype, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.R, LORA_NORM_EPS, dtype=dtype)
+        kv = self.N + self.V
+        self.kv_b_proj = Linear(
+            self.R, c.num_attention_heads * kv, dtype=dtype, out_range=(self.h0 * kv, self.h1 * kv)
+        )
+        self.o_proj = Linear(
+            c.num_attention_heads * self.V,
+            c.hidden_size,
+            dtype=dtype,
+            bias=c.attention_bias,
+            in_range=(self.h0 * self.V, self.h1 * self.V),
+            shard=shard,
+        )
+        self.softmax_scale = c.softmax_scale
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return [CacheSpec("latent", (self.R + self.Dr,))]
+
+    def project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H] → (q [T, Hl, N + Dr], the normed q LoRA activation [T, Q] or None)."""
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x).view(x.shape[0], self.num_local_heads, -1), None
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        return self.q_b_proj(q_resid).view(x.shape[0], self.num_local_heads, -1), q_resid
+
+    def absorbed_query(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Write this step's latents; return (absorbed q [T, Hl, R + Dr], q LoRA activation)."""
+        T = x.shape[0]
+        q, q_resid = self.project_q(x)
+        q_nope, q_pe = q.split([self.N, self.Dr], dim=-1)  # [T, Hl, N], [T, Hl, Dr]
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
+        c = self.kv_a_layernorm(c)
+        rotary = self.rotary[0]
+        q_pe = rotary.apply(q_pe, step.cos, step.sin)
+        k_pe = rotary.apply(k_pe.view(T, 1, self.Dr), step.cos, step.sin).view(T, self.Dr)
+        step.write(self.layer_idx, "latent", torch.cat([c, k_pe], dim=-1))
+        w_uk = self.w_kv()[:, : self.N]  # [Hl, N, R]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hl, R]
+        return torch.cat([q_latent, q_pe], dim=-1), q_resid
+
+    def w_kv(self) -> torch.Tensor:
+        return self.kv_b_proj.weight.view(self.num_local_heads, self.N + self.V, self.R)  # [Hl, N+V, R]
+
+    def attend(self, q: torch.Tensor, step: Step, topk_indices: torch.Tensor | None) -> torch.Tensor:
+        """Absorbed q [T, Hl, R + Dr] → attention output [T, H] after W_UV and o_proj."""
+        b, kv = step.batch, step.batch.kv_cache
+        o_latent = mla_attention_ref(
+            q,
+            kv.layers[self.layer_idx]["latent"],
+            kv.scales[self.layer_idx]["latent"],
+            self.R,
+            b.query_start,
+            b.seq_lens,
+            b.page_table,
+            b.expected_tags,
+            kv.page_tags,
+            b.tag_mismatch,
+            self.softmax_scale,
+            topk_indices,
+        )  # [T, Hl, R]
+        w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
+        o = torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [T, Hl, V]
+        return self.o_proj(o.reshape(q.shape[0], -1))
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        q, _ = self.absorbed_query(x, step)
+        return self.attend(q, step, None)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def make_attention(self, layer_idx: int) -> nn.Module:
+        return MLAAttention(self.config, layer_idx, self.shard, self.rotary, dtype=self.dtype)

@@ -1,0 +1,89 @@
+"""GLM-5 / 5.2 (`GlmMoeDsaForCausalLM`): DeepSeek-V3's MLA and MoE plus DeepSeek Sparse Attention.
+
+A layer whose `indexer_types` entry is "full" runs the indexer: its own projections (`wq_b` from the
+q LoRA activation, `wk` + LayerNorm from the hidden state, per-head `weights_proj` in float32),
+interleaved RoPE on the first rope dims, keys cached in pages ("index_k"), and it picks the top
+`index_topk` visible tokens per query. A "shared" layer reuses the last full layer's choice. MLA
+attention then reads only the chosen tokens. The indexer is small and replicated on every rank.
+
+Shape letters: T tokens, Hi indexer heads, Di indexer head dim, Q q_lora_rank, K index_topk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.config import ModelConfig
+from backend.errors import CheckpointError
+from backend.forward_batch import CacheSpec
+from backend.layers.linear import Linear, Shard
+from backend.layers.rotary import Rotary
+from backend.layers.step import Step
+from backend.models.causal_lm import CausalLM
+from backend.models.deepseek_v3 import MLAAttention
+from kernels.dsa_indexer import dsa_indexer_ref
+
+INDEXER_NORM_EPS = 1e-6  # the reference LayerNorm's eps; not in config.json
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        if config.q_lora_rank is None:
+            raise CheckpointError("the DSA indexer needs q_lora_rank in config.json")
+        self.layer_idx = layer_idx
+        self.Hi, self.Di, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = Linear(config.q_lora_rank, self.Hi * self.Di, dtype=dtype)
+        self.wk = Linear(config.hidden_size, self.Di, dtype=dtype)
+        self.k_norm = nn.LayerNorm(self.Di, eps=INDEXER_NORM_EPS, dtype=dtype)
+        self.weights_proj = Linear(config.hidden_size, self.Hi, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, step: Step, rotary: Rotary) -> torch.Tensor:
+        """x [T, H], q_resid [T, Q] → chosen token indices [T, K] (-1 = none)."""
+        T = x.shape[0]
+        q = rotary.apply(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
+        k = rotary.apply(self.k_norm(self.wk(x)).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
+        step.write(self.layer_idx, "index_k", k)
+        weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
+        b, kv = step.batch, step.batch.kv_cache
+        return dsa_indexer_ref(
+            q,
+            weights,
+            kv.layers[self.layer_idx]["index_k"],
+            kv.scales[self.layer_idx]["index_k"],
+            b.query_start,
+            b.seq_lens,
+            b.page_table,
+            b.expected_tags,
+            kv.page_tags,
+            b.tag_mismatch,
+            self.Di**-0.5,
+            self.topk,
+        )
+
+
+class DSAAttention(MLAAttention):
+    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype) -> None:
+        super().__init__(config, layer_idx, shard, rotary, dtype=dtype)
+        self.is_full = config.indexer_types[layer_idx] == "full"
+        if self.is_full:
+            self.indexer = Indexer(config, layer_idx, dtype=dtype)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        specs = super().cache_specs()
+        return [*specs, CacheSpec("index_k", (self.indexer.Di,))] if self.is_full else specs
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        q, q_resid = self.absorbed_query(x, step)
+        if self.is_full:
+            assert q_resid is not None
+            step.topk_indices = self.indexer(x, q_resid, step, self.rotary[0])
+        elif step.topk_indices is None:
+            raise CheckpointError(f"layer {self.layer_idx} shares top-k but no earlier layer runs the indexer")
+        return self.attend(q, step, step.topk_indices)
+
+
+class GlmMoeDsaForCausalLM(CausalLM):
+    def make_attention(self, layer_idx: int) -> nn.Module:
+        return DSAAttention(self.config, layer_idx, self.shard, self.rotary, dtype=self.dtype)

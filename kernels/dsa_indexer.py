@@ -1,0 +1,47 @@
+"""DeepSeek Sparse Attention indexer: score every cached token for each query, keep the top k.
+
+`score[t, j] = Σ_h w[t, h] · relu(q[t, h] · k[j] · softmax_scale)` over the indexer heads, with the
+indexer keys read from their own paged cache (tag-checked like every page read). Tokens a query
+may not see (later tokens, pages that failed their check) are never chosen; a query with fewer than
+k visible tokens gets -1 in the remaining slots. Indices are token positions within the sequence.
+
+Shapes: T queries, Hi indexer heads, Di indexer head dim, P pages, S page size, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_gather import causal_mask, check_tags_ref, gather_sequence_ref
+
+
+def dsa_indexer_ref(
+    q: torch.Tensor,  # [T, Hi, Di] rotated indexer queries
+    weights: torch.Tensor,  # [T, Hi] float32 per-head weights
+    k_cache: torch.Tensor,  # [P, S, Di] indexer keys
+    k_scale: float,
+    query_start: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, Mp] int32
+    expected_tags: torch.Tensor,  # [B, Mp] int64
+    page_tags: torch.Tensor,  # [P] int64
+    tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
+    softmax_scale: float,
+    topk: int,
+) -> torch.Tensor:  # [T, K] int64
+    ok = check_tags_ref(page_tags, page_table, expected_tags, seq_lens, k_cache.shape[1], tag_mismatch)
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        q0, q1, L = int(query_start[b]), int(query_start[b + 1]), int(seq_lens[b])
+        if q1 == q0:
+            continue
+        k, valid = gather_sequence_ref(k_cache, k_scale, page_table[b], ok[b], L)  # [L, Di]
+        per_head = torch.relu(torch.einsum("qhd,ld->qhl", q[q0:q1].float(), k) * softmax_scale)  # [Q, Hi, L]
+        scores = torch.einsum("qh,qhl->ql", weights[q0:q1].float(), per_head)  # [Q, L]
+        allowed = causal_mask(q1 - q0, L, q.device) & valid[None, :]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        k_eff = min(topk, L)
+        top = scores.topk(k_eff, dim=-1)
+        out[q0:q1, :k_eff] = torch.where(torch.isinf(top.values), -1, top.indices)
+    return out

@@ -1,0 +1,52 @@
+"""Reading one sequence's tokens out of the paged cache, with the page-tag check applied.
+
+Shared by the paged attention, MLA attention and DSA indexer references: every page-reading op
+checks tags for the whole batch first (`check_tags_ref`), then gathers each sequence's tokens with a
+`valid` mask that drops every token of a page whose tag did not match.
+
+Shapes: P pages, S page size, B sequences, Mp max pages per sequence, L tokens of one sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.page_tags import check_page_tags_ref, mismatch_from_ok
+
+
+def check_tags_ref(
+    page_tags: torch.Tensor,  # [P] int64
+    page_table: torch.Tensor,  # [B, Mp] int32
+    expected_tags: torch.Tensor,  # [B, Mp] int64
+    seq_lens: torch.Tensor,  # [B] int
+    page_size: int,
+    tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
+) -> torch.Tensor:
+    """`ok [B, Mp]`: page i of sequence b is in use and carries its expected tag; flags mismatches."""
+    num_pages = (seq_lens.long() + page_size - 1) // page_size
+    ok = check_page_tags_ref(page_tags, page_table, expected_tags, num_pages)
+    tag_mismatch |= mismatch_from_ok(ok, num_pages)
+    return ok
+
+
+def gather_sequence_ref(
+    cache: torch.Tensor,  # [P, S, *shape] stored dtype
+    scale: float,
+    pages: torch.Tensor,  # [Mp] int32 this sequence's page ids
+    ok: torch.Tensor,  # [Mp] bool this sequence's tag check
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values [L, *shape] float32 = stored * scale, valid [L] bool)` for the sequence's L tokens."""
+    S = cache.shape[1]
+    n = (seq_len + S - 1) // S
+    values = cache[pages[:n].long()].float().reshape(n * S, *cache.shape[2:])[:seq_len] * scale
+    valid = ok[:n].repeat_interleave(S)[:seq_len]
+    # a page that failed its check may hold anything (even NaN from another tenant's FP8 bytes)
+    values = torch.where(valid.view(-1, *([1] * (values.dim() - 1))), values, torch.zeros_like(values))
+    return values, valid
+
+
+def causal_mask(num_queries: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """`[Q, L]` bool: query i (the last Q tokens of the sequence) may see token j ≤ its own index."""
+    q_idx = torch.arange(seq_len - num_queries, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= q_idx[:, None]

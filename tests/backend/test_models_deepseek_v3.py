@@ -1,0 +1,69 @@
+"""DeepSeek-V3 / Kimi K2 (MLA + noaux_tc MoE) on the paged cache vs transformers, float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.loader import load_model
+from tests.backend.conformance import MAX_ABS_DIFF, greedy_matches, prefill_max_diff, prompts
+from tests.backend.paged_driver import PagedDriver
+from tests.backend.tiny_checkpoints import make_tiny
+
+
+@pytest.fixture(scope="module")
+def ds_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("deepseek_v3", tmp_path_factory.mktemp("ds") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def kimi_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("kimi_k2", tmp_path_factory.mktemp("kimi") / "ckpt")
+
+
+@pytest.mark.parametrize("chunk", [16, 7])
+def test_deepseek_v3_prefill_logits_match_transformers(ds_path: Path, chunk: int) -> None:
+    diff = prefill_max_diff("deepseek_v3", ds_path, chunk=chunk)
+    print(f"deepseek_v3 chunk={chunk} max abs diff {diff:.2e}")
+    assert diff <= MAX_ABS_DIFF
+
+
+def test_deepseek_v3_greedy_32_steps_match_transformers(ds_path: Path) -> None:
+    ours, theirs = greedy_matches("deepseek_v3", ds_path)
+    assert ours == theirs
+
+
+def test_kimi_k2_published_config_matches_transformers(kimi_path: Path) -> None:
+    diff = prefill_max_diff("kimi_k2", kimi_path, chunk=10)
+    print(f"kimi_k2 max abs diff {diff:.2e}")
+    assert diff <= MAX_ABS_DIFF
+    ours, theirs = greedy_matches("kimi_k2", kimi_path)
+    assert ours == theirs
+
+
+def test_mla_cache_is_one_latent_line_per_token(ds_path: Path) -> None:
+    loaded = load_model(ds_path, dtype=torch.float32)
+    c = loaded.config
+    specs = loaded.model.cache_specs()
+    assert len(specs) == c.num_hidden_layers
+    assert all([(s.name, s.shape) for s in layer] == [("latent", (c.kv_lora_rank + c.qk_rope_head_dim,))] for layer in specs)
+
+
+def test_quantized_kv_cache_stays_close_to_fp32(tmp_path: Path) -> None:
+    # dense layers only: MoE routing flips would amplify any perturbation and hide the cache's own error
+    path = make_tiny("deepseek_v3", tmp_path / "dense", first_k_dense_replace=3)
+    loaded = load_model(path, dtype=torch.float32)
+    ps = prompts(loaded.config.vocab_size, (17, 33))
+    calib = PagedDriver(loaded.model)
+    _, exact = calib.prefill(ps, 16)
+    # per-layer scales calibrated on the fp32 run (amax / e4m3 max), as the quantize command will
+    scales = [{"latent": float(layer["latent"].abs().max()) / 448.0} for layer in calib.kv.layers]
+    _, fp8 = PagedDriver(loaded.model, kv_dtype=torch.float8_e4m3fn, scales=scales).prefill(ps, 16)
+    _, bf16 = PagedDriver(loaded.model, kv_dtype=torch.bfloat16).prefill(ps, 16)
+    for a, q8, q16 in zip(exact, fp8, bf16, strict=True):
+        assert not torch.equal(a, q8)  # the cache really was quantized
+        assert float((a - q8).norm() / a.norm()) < 0.1
+        assert float((a - q16).norm() / a.norm()) < 0.01
+        assert float((a.argmax(-1) == q8.argmax(-1)).float().mean()) >= 0.9
