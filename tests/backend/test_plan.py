@@ -1,0 +1,100 @@
+"""`kumo plan` on the shipped published-shape configs, against the seed's figures and transformers.
+
+Seed figures (issue 5): Kimi K2.6 on 8×H200 with native INT4 experts ≈ 686k KV tokens at BF16 and
+about twice that at FP8; GLM 5.2 FP8 ≈ 705 GB → ≈ 421 GB INT4 --all-linear, ≈ 88 → ≈ 52 GB per GPU
+at 8 GPUs. The seed's "GB" for GLM matches Kumo's GiB for FP8 (0.3%); see each tolerance below.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from backend.plan import GIB, main, make_plan, parse_bytes, stored_bytes
+from backend.quant.scheme import QuantScheme
+from backend.quant.shapes import TensorSpec, checkpoint_tensors, layer_index, text_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "models" / "configs"
+H200 = parse_bytes("141GB")
+
+
+def _config(name: str) -> dict:
+    return json.loads((CONFIGS / name / "config.json").read_text())
+
+
+def test_kimi_k26_kv_tokens_match_seed_and_fp8_doubles_them() -> None:
+    bf16 = make_plan(_config("kimi-k2.6"), gpu_mem=H200, tp=8, kv_dtype="bf16")
+    fp8 = make_plan(_config("kimi-k2.6"), gpu_mem=H200, tp=8, kv_dtype="fp8")
+    assert bf16.kv_bytes_per_token == 61 * 576 * 2 == 70_272
+    assert abs(bf16.kv_tokens / 686_000 - 1) < 0.03  # Kumo: 693,440 (+1.1%)
+    assert abs(fp8.kv_tokens / bf16.kv_tokens - 2) < 0.001
+    assert abs(fp8.kv_tokens / 1_370_000 - 1) < 0.03
+    # the native checkpoint: INT4 routed experts, BF16 rest ≈ 594 GB (engine-anchors §7)
+    assert abs(bf16.checkpoint_bytes / 594e9 - 1) < 0.01
+
+
+def test_glm52_fp8_to_int4_all_linear_matches_seed() -> None:
+    fp8 = make_plan(_config("glm-5.2"), gpu_mem=H200, tp=8, weights="fp8-block", all_linear=True)
+    int4 = make_plan(_config("glm-5.2"), gpu_mem=H200, tp=8, weights="int4-g32", all_linear=True)
+    assert abs(fp8.checkpoint_bytes / GIB / 705 - 1) < 0.01  # 706.8 (+0.3%)
+    assert abs(fp8.weights_per_gpu / GIB / 88 - 1) < 0.02  # 88.7 (+0.8%)
+    assert abs(int4.checkpoint_bytes / GIB / 421 - 1) < 0.06  # 399.9 (-5.0%)
+    assert abs(int4.weights_per_gpu / GIB / 52 - 1) < 0.05  # 50.2 (-3.5%)
+    assert int4.kv_tokens > fp8.kv_tokens * 1.5
+
+
+def test_glm45_gqa_kv_is_split_by_heads() -> None:
+    tp1 = make_plan(_config("glm-4.5"), gpu_mem=H200, tp=1, weights="int4-g128", all_linear=True)
+    tp8 = make_plan(_config("glm-4.5"), gpu_mem=H200, tp=8, weights="int4-g128", all_linear=True)
+    assert tp1.kv_bytes_per_token == 92 * 2 * 8 * 128 * 2
+    assert tp8.kv_bytes_per_token == tp1.kv_bytes_per_token // 8
+
+
+@pytest.mark.parametrize("name", ["glm-5.2", "kimi-k2.6", "glm-4.5"])
+def test_tensor_inventory_matches_transformers_parameter_count(name: str) -> None:
+    """Every tensor the plan counts exists, with the same total size, in transformers' own model
+    (built on the meta device: no memory), which has no MTP layer and no vision tower."""
+    import transformers
+
+    cls = {"glm-5.2": "GlmMoeDsa", "kimi-k2.6": "DeepseekV3", "glm-4.5": "Glm4Moe"}[name]
+    cfg = _config(name)
+    tc = {k: v for k, v in text_config(cfg).items() if not k.startswith("_")}
+    with torch.device("meta"):
+        model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**tc))
+    theirs = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
+    )
+    ours = sum(
+        s.numel
+        for s in checkpoint_tensors(cfg)
+        if not s.name.startswith(("vision_tower.", "mm_projector."))
+        and (layer_index(s.name) is None or layer_index(s.name) < tc["num_hidden_layers"])
+    )
+    assert ours == theirs
+
+
+def test_stored_bytes_per_format() -> None:
+    spec = TensorSpec("model.layers.3.mlp.experts.0.down_proj.weight", (7168, 2048), is_linear=True)
+    assert stored_bytes(spec, None) == 7168 * 2048 * 2
+    assert stored_bytes(spec, QuantScheme.build("int4")) == 7168 * 256 * 4 + 7168 * 64 * 2 + 8
+    assert stored_bytes(spec, QuantScheme.build("fp8-block")) == 7168 * 2048 + 56 * 16 * 4
+    attn = TensorSpec("model.layers.3.self_attn.o_proj.weight", (7168, 8192), is_linear=True)
+    assert stored_bytes(attn, QuantScheme.build("int4")) == 7168 * 8192 * 2
+
+
+def test_cli_prints_every_term_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["--model", str(CONFIGS / "kimi-k2.6"), "--gpu-mem", "141GB", "--tp", "8", "--kv-dtype", "fp8", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("usable memory", "weights", "activations: MoE", "activations: logits", "KV bytes per token", "KV tokens that fit"):
+        assert word in text
+    plan = json.loads(out.read_text())
+    assert plan["kv_bytes_per_token"] == 35_136 and plan["kv_tokens"] > 1_300_000
+
+
+def test_does_not_fit() -> None:
+    assert make_plan(_config("glm-5.2"), gpu_mem=parse_bytes("80GB"), tp=8, weights="bf16").kv_tokens == 0
