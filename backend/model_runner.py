@@ -2,9 +2,9 @@
 
 The only module on the scheduler side that touches tensors. Before each step it copies the block
 manager's new page tags into `KVCache.page_tags`, so the tag check inside the attention ops sees
-exactly the allocator's state. New tokens whose target page no longer carries the expected tag get
-slot -1 (not written): a request that lost a page can never write into its new owner's KV. The read
-side is caught by the ops, which set `tag_mismatch`; such a request's sampled token is discarded.
+exactly the allocator's state. The ops check tags on both sides: a write whose destination page no
+longer carries the expected tag is dropped, a read of such a page contributes nothing, and either
+sets `tag_mismatch`; that request's sampled token is then discarded and the engine aborts it.
 
 Shape letters: T = new tokens this step, B = sequences, Mp = most pages of one sequence, V = vocab.
 """
@@ -118,7 +118,6 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        slot_tags: list[int] = []
         seq_index: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
@@ -134,7 +133,6 @@ class ModelRunner:
             for pos in range(start, start + n):
                 ref = seq.page_table[pos // S]
                 slots.append(ref.page_id * S + pos % S)
-                slot_tags.append(ref.tag)
             seq_index += [b] * n
             query_start.append(len(input_ids))
             seq_lens.append(start + n)
@@ -158,10 +156,6 @@ class ModelRunner:
             page_table[b, : len(refs)] = torch.tensor([ref.page_id for ref in refs], dtype=torch.int32)
             expected[b, : len(refs)] = torch.tensor([ref.tag for ref in refs], dtype=torch.int64)
         dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-        slot_pages = torch.div(slot_mapping, S, rounding_mode="floor")
-        owns = self.kv_cache.page_tags[slot_pages] == torch.tensor(slot_tags, dtype=torch.int64, device=dev)
-        slot_mapping = torch.where(owns, slot_mapping, -1)  # write fence
         image_embeds = None
         if image_rows:
             image_embeds = ImageEmbeds(
@@ -175,7 +169,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             page_table=page_table.to(dev),
             expected_tags=expected.to(dev),
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             kv_cache=self.kv_cache,
             tag_mismatch=torch.zeros(len(scheduled), dtype=torch.bool, device=dev),

@@ -1,8 +1,9 @@
 """A tiny causal attention LM over the paged KV cache, written with the models' contract.
 
-It writes K and V through `slot_mapping` (skipping -1), verifies page tags through
-`kernels.page_tags.check_page_tags_ref` before every read (prefill and decode alike) and lets a
-mismatching page contribute nothing, exactly as the real attention ops do. Used to test the engine
+It checks tags the way the real ops do: a new token's K and V are written through `slot_mapping` only
+if the destination page carries the tag its sequence expects, and every read (prefill and decode
+alike) goes through `kernels.page_tags.check_page_tags_ref`, a mismatching page contributing nothing;
+both set `tag_mismatch`. Used to test the engine
 until, and beside, the real tiny checkpoints. Shape letters: T tokens, H hidden, S page size.
 """
 
@@ -46,7 +47,7 @@ class TinyPagedModel(torch.nn.Module):
         num_pages = (batch.seq_lens.long() + S - 1) // S  # [B]
         for layer in range(self.num_layers):
             q, k, v = x @ self.wq[layer], x @ self.wk[layer], x @ self.wv[layer]  # [T, H]
-            self._write(cache.layers[layer], batch.slot_mapping, k, v)
+            self._write(batch, cache.layers[layer], k, v)
             ok = check_page_tags_ref(cache.page_tags, batch.page_table, batch.expected_tags, num_pages)  # [B, Mp]
             batch.tag_mismatch |= mismatch_from_ok(ok, num_pages)
             out = torch.empty_like(x)
@@ -66,8 +67,14 @@ class TinyPagedModel(torch.nn.Module):
         return (x[batch.logits_indices] @ self.head).float()  # [N, V]
 
     @staticmethod
-    def _write(layer_cache: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        keep = slots >= 0
+    def _write(batch: ForwardBatch, layer_cache: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        S = batch.kv_cache.page_size
+        slots = batch.slot_mapping
+        pages = slots.clamp(min=0) // S  # [T]
+        expected = batch.expected_tags[batch.seq_index, batch.positions // S]  # [T]
+        owned = batch.kv_cache.page_tags[pages] == expected
+        batch.tag_mismatch[batch.seq_index[(slots >= 0) & ~owned].unique()] = True
+        keep = (slots >= 0) & owned
         for name, value in (("k", k), ("v", v)):
             flat = layer_cache[name].view(-1, value.shape[-1])  # [P*S, H]
             flat[slots[keep]] = value[keep].to(flat.dtype)

@@ -1,0 +1,187 @@
+"""Engine API: batch invariance, stops, log-probs, constraints, images, the async front."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from backend.engine import AsyncEngine
+from backend.errors import Busy, InvalidRequest
+from schemas.backend import ImageSpan
+from tests.backend.engine_helpers import TENANT_A, TENANT_B, make_engine, prompt_of, request, run_all
+
+NEEDLE = prompt_of(99, 23)
+
+
+def mixed_batch() -> list:
+    """Seven neighbours: two tenants, lengths across page boundaries, sampled and greedy."""
+    lengths = [1, 15, 16, 17, 33, 40, 7]
+    return [
+        request(
+            f"n{i}", prompt_of(i, n), tenant=(TENANT_A, TENANT_B)[i % 2], max_tokens=12,
+            temperature=(0.0, 0.8)[i % 2], seed=i,
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
+def test_greedy_output_is_the_same_alone_and_inside_a_batch_of_eight() -> None:
+    alone = run_all(make_engine(), [request("needle", NEEDLE, max_tokens=16)])["needle"].token_ids
+    for position in (0, 3, 7):
+        batch = mixed_batch()
+        batch.insert(position, request("needle", NEEDLE, max_tokens=16))
+        results = run_all(make_engine(max_num_batched_tokens=48), batch)
+        assert results["needle"].token_ids == alone
+        assert len(results) == 8 and all(r.finish_reason == "length" for r in results.values())
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch() -> None:
+    req = request("s", NEEDLE, temperature=1.0, top_p=0.9, seed=42, max_tokens=16)
+    alone = run_all(make_engine(), [req])["s"].token_ids
+    crowded = run_all(make_engine(), [*mixed_batch(), request("s", NEEDLE, temperature=1.0, top_p=0.9, seed=42, max_tokens=16)])
+    assert crowded["s"].token_ids == alone
+
+
+def test_stop_token_ids_eos_and_ignore_eos() -> None:
+    base = run_all(make_engine(), [request("a", NEEDLE, max_tokens=10)])["a"].token_ids
+    stop_at = base[3]
+    first = base.index(stop_at)
+    by_id = run_all(make_engine(), [request("b", NEEDLE, max_tokens=10, stop_token_ids=[stop_at])])["b"]
+    assert by_id.token_ids == base[: first + 1] and by_id.finish_reason == "stop"
+    eos = request("c", NEEDLE, max_tokens=10)
+    eos.eos_token_ids = [stop_at]
+    assert run_all(make_engine(), [eos])["c"].token_ids == base[: first + 1]
+    eos_ignored = request("d", NEEDLE, max_tokens=10, ignore_eos=True)
+    eos_ignored.eos_token_ids = [stop_at]
+    result = run_all(make_engine(), [eos_ignored])["d"]
+    assert result.token_ids == base and result.finish_reason == "length"
+
+
+def test_stop_strings_are_matched_on_detokenized_text_when_a_detokenizer_is_given() -> None:
+    base = run_all(make_engine(), [request("a", NEEDLE, max_tokens=10)])["a"].token_ids
+    engine = make_engine()
+    engine.detokenize = lambda ids: "".join(f"<{i}>" for i in ids)
+    stop = f"{base[4]}><{base[5]}"
+    result = run_all(engine, [request("s", NEEDLE, max_tokens=10, stop=[stop])])["s"]
+    assert result.finish_reason == "stop" and result.token_ids == base[:6]
+
+
+def test_logprobs_agree_between_generation_and_prompt_scoring() -> None:
+    gen = run_all(make_engine(), [request("g", NEEDLE, max_tokens=6, logprobs=True, top_logprobs=3)])["g"]
+    assert [lp.token_id for lp in gen.logprobs] == gen.token_ids
+    assert all(lp.top[0].token_id == lp.token_id for lp in gen.logprobs)  # greedy picks the top one
+    scored = run_all(
+        make_engine(max_num_batched_tokens=16),  # chunked, so scores cross chunk edges
+        [request("p", NEEDLE + gen.token_ids, max_tokens=1, prompt_logprobs=True, top_logprobs=2)],
+    )["p"]
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+    assert len(scored.prompt_logprobs) == len(NEEDLE) + 6
+    tail = scored.prompt_logprobs[len(NEEDLE) :]
+    for got, want in zip(tail, gen.logprobs, strict=True):
+        assert got is not None and got.token_id == want.token_id
+        assert abs(got.logprob - want.logprob) < 1e-4 and len(got.top) == 2
+
+
+class EvenTokensOnly:
+    """A constraint allowing only even token ids, finishing after four tokens."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor:
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[::2] = True
+        return mask
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+    def is_finished(self) -> bool:
+        return len(self.accepted) == 4
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
+
+
+def test_constraint_masks_tokens_inside_a_shared_batch() -> None:
+    engine = make_engine()
+    constraint = EvenTokensOnly()
+    engine.add_request(request("c", NEEDLE, max_tokens=10, temperature=1.0, seed=3), constraint=constraint)
+    results = run_all(engine, [request("free", NEEDLE, max_tokens=10)])
+    assert results["c"].finish_reason == "stop" and len(results["c"].token_ids) == 4
+    assert all(t % 2 == 0 for t in results["c"].token_ids) and constraint.accepted == results["c"].token_ids
+    assert results["free"].token_ids == run_all(make_engine(), [request("free", NEEDLE, max_tokens=10)])["free"].token_ids
+
+
+def test_image_embeddings_replace_their_placeholder_rows() -> None:
+    prompt = prompt_of(5, 30)
+    spans = [ImageSpan(offset=2, length=6, image_hash="cd" * 32), ImageSpan(offset=12, length=8, image_hash="ef" * 32)]
+    req = request("img", prompt, max_tokens=6)
+    req.image_spans = spans
+    embeds = torch.randn(14, 32, generator=torch.Generator().manual_seed(0))
+    chunked, whole = make_engine(max_num_batched_tokens=16), make_engine()
+    chunked.add_request(req, image_embeds=embeds)
+    whole.add_request(req, image_embeds=embeds)
+    with_image = run_all(chunked, [])["img"].token_ids
+    assert run_all(whole, [])["img"].token_ids == with_image  # span 2 straddles the chunk edge at 16
+    assert run_all(make_engine(), [request("txt", prompt, max_tokens=6)])["txt"].token_ids != with_image
+    with pytest.raises(InvalidRequest):
+        make_engine().add_request(req, image_embeds=embeds[:5])
+
+
+def test_bfloat16_kv_cache_runs_and_stats_count_work() -> None:
+    engine = make_engine(kv_dtype="bfloat16")
+    assert engine.runner.kv_cache.layers[0]["k"].dtype == torch.bfloat16
+    results = run_all(engine, [request("a", NEEDLE, max_tokens=5)])
+    assert results["a"].finish_reason == "length"
+    stats = engine.stats
+    assert stats.generated_tokens == 5 and stats.computed_tokens == len(NEEDLE) + 4
+    assert stats.steps == 5 and stats.total_step_s > 0 and stats.tag_check_aborts == 0
+
+
+async def test_async_engine_streams_and_aborts_when_the_caller_leaves() -> None:
+    engine = make_engine(num_pages=16)
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        async def consume(rid: str, n: int) -> list[int]:
+            tokens: list[int] = []
+            async for out in front.generate(request(rid, prompt_of(len(rid), 12), max_tokens=n)):
+                tokens += out.token_ids
+            return tokens
+
+        a, b = await asyncio.gather(consume("a", 5), consume("bb", 7))
+        assert (len(a), len(b)) == (5, 7)
+        stream = front.generate(request("leaver", NEEDLE, max_tokens=200))
+        async for _ in stream:
+            break
+        await stream.aclose()  # client gone: the engine aborts it within a step
+        for _ in range(200):
+            if front.load().free_pages == 16 and front.load().running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert front.load().free_pages == 16 and engine.stats.aborts == 1
+        with pytest.raises(InvalidRequest):
+            async for _ in front.generate(request("empty", [])):
+                pass
+    finally:
+        front.stop()
+
+
+async def test_async_engine_reports_busy_at_once() -> None:
+    engine = make_engine(num_pages=4)
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        hog = front.generate(request("hog", prompt_of(1, 40), max_tokens=20))
+        await hog.__anext__()
+        busy = request("busy", prompt_of(2, 20), max_tokens=2)
+        busy.reject_if_busy = True
+        with pytest.raises(Busy):
+            async for _ in front.generate(busy):
+                pass
+        await hog.aclose()
+    finally:
+        front.stop()
