@@ -120,7 +120,9 @@ class RedisCounters:
 
     async def add(self, key: str, amount: float, ttl: int) -> None:
         async with self._client.pipeline(transaction=True) as pipe:
-            await pipe.incrbyfloat(key, amount).expire(key, ttl).execute()
+            pipe.incrbyfloat(key, amount)
+            pipe.expire(key, ttl)
+            await pipe.execute()
 
     async def seed(self, key: str, value: float, ttl: int) -> None:
         await self._client.set(key, value, nx=True, ex=ttl)

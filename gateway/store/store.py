@@ -10,24 +10,33 @@ finds the row, and the SHA-256 of the whole value is compared in constant time
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import hmac
 import secrets
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import msgspec
 from sqlalchemy import event, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from gateway.errors import NotFound
 from gateway.store.migrate import upgrade_to_head
+from gateway.store.rows import (
+    Credential,
+    apply_quotas,
+    audit,
+    live_tenant,
+    new_id,
+    normalise_url,
+    now,
+    plain,
+    sha256_hex,
+    sqlite_pragmas,
+    tenant_of,
+    token_of,
+)
 from gateway.store.tables import AdminTokenRow, AuditRow, TenantRow, TokenRow, UsageRow
 from schemas.admin import (
     AuditEntry,
-    Models,
     Plan,
     Quotas,
     Tenant,
@@ -45,72 +54,6 @@ DEV_TOKEN_NAME = "kumo serve"
 _DUMMY_SHA256 = "0" * 64
 
 
-def sha256_hex(value: str) -> str:
-    return hashlib.sha256(value.encode()).hexdigest()
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-def _new_id() -> str:
-    return uuid.uuid4().hex
-
-
-def normalise_url(url: str) -> str:
-    """Accept plain `postgresql://` / `sqlite:///` URLs and pick the async driver for them."""
-    for plain, driver in (
-        ("postgresql://", "postgresql+asyncpg://"),
-        ("postgres://", "postgresql+asyncpg://"),
-        ("sqlite://", "sqlite+aiosqlite://"),
-    ):
-        if url.startswith(plain):
-            return driver + url[len(plain) :]
-    return url
-
-
-@dataclass(frozen=True)
-class Credential:
-    """What a valid tenant token resolves to."""
-
-    tenant: Tenant
-    token_id: str
-    expires_at: dt.datetime | None
-
-
-def _tenant(row: TenantRow) -> Tenant:
-    quotas = Quotas(
-        requests_per_minute=row.requests_per_minute,
-        tokens_per_minute=row.tokens_per_minute,
-        daily_neurons=row.daily_neurons,
-    )
-    return Tenant(
-        id=row.id,
-        name=row.name,
-        plan=row.plan,  # type: ignore[arg-type]
-        created_at=row.created_at,
-        quotas=quotas,
-        models=Models(allow=row.allowed_models),
-    )
-
-
-def _token(row: TokenRow) -> Token:
-    return Token(
-        id=row.id,
-        name=row.name,
-        created_at=row.created_at,
-        expires_at=row.expires_at,
-        last_used_at=row.last_used_at,
-        revoked_at=row.revoked_at,
-    )
-
-
-def _apply_quotas(row: TenantRow, quotas: Quotas) -> None:
-    row.requests_per_minute = quotas.requests_per_minute
-    row.tokens_per_minute = quotas.tokens_per_minute
-    row.daily_neurons = quotas.daily_neurons
-
-
 class Store:
     """Open with `await store.open(url)`; migrations run there. Safe to share across tasks."""
 
@@ -122,7 +65,7 @@ class Store:
         url = normalise_url(url)
         engine = create_async_engine(url, pool_pre_ping=not url.startswith("sqlite"))
         if engine.dialect.name == "sqlite":
-            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         await upgrade_to_head(engine)
         self._engine, self._sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
 
@@ -142,12 +85,12 @@ class Store:
 
     # ---- tenants ------------------------------------------------------------------------------------
     async def create_tenant(self, body: TenantCreate, *, actor: str) -> Tenant:
-        row = TenantRow(id=_new_id(), name=body.name, plan=body.plan, created_at=_now())
-        _apply_quotas(row, Quotas.for_plan(body.plan))
+        row = TenantRow(id=new_id(), name=body.name, plan=body.plan, created_at=now())
+        apply_quotas(row, Quotas.for_plan(body.plan))
         async with self._session() as s, s.begin():
             s.add(row)
-            _audit(s, actor, "tenant.create", row.id, row.id, {"name": body.name, "plan": body.plan})
-        return _tenant(row)
+            audit(s, actor, "tenant.create", row.id, row.id, {"name": body.name, "plan": body.plan})
+        return tenant_of(row)
 
     async def list_tenants(self, *, page: int, per_page: int) -> tuple[list[Tenant], int]:
         live = TenantRow.deleted_at.is_(None)
@@ -160,57 +103,60 @@ class Store:
                 .offset((page - 1) * per_page)
                 .limit(per_page)
             )
-            return [_tenant(r) for r in rows], total
+            return [tenant_of(r) for r in rows], total
 
     async def get_tenant(self, tenant_id: str, *, include_deleted: bool = False) -> Tenant:
         async with self._session() as s:
-            return _tenant(await _live_tenant(s, tenant_id, include_deleted=include_deleted))
+            return tenant_of(await live_tenant(s, tenant_id, include_deleted=include_deleted))
 
     async def update_tenant(self, tenant_id: str, body: TenantPatch, *, actor: str) -> Tenant:
         async with self._session() as s, s.begin():
-            row = await _live_tenant(s, tenant_id, lock=True)
+            row = await live_tenant(s, tenant_id, lock=True)
             detail: dict[str, Any] = {}
             if body.name is not None and body.name != row.name:
                 detail["name"], row.name = [row.name, body.name], body.name
             if body.plan is not None and body.plan != row.plan:
                 detail["plan"], row.plan = [row.plan, body.plan], body.plan
                 row.daily_neurons = Quotas.for_plan(body.plan).daily_neurons
-            _audit(s, actor, "tenant.update", tenant_id, tenant_id, detail)
-            return _tenant(row)
+            audit(s, actor, "tenant.update", tenant_id, tenant_id, detail)
+            return tenant_of(row)
 
     async def delete_tenant(self, tenant_id: str, *, actor: str) -> None:
         """Soft delete: the tenant disappears and its tokens are revoked; its usage stays."""
-        now = _now()
+        at = now()
         async with self._session() as s, s.begin():
-            row = await _live_tenant(s, tenant_id, lock=True)
-            row.deleted_at = now
-            revoked = await s.execute(
+            row = await live_tenant(s, tenant_id, lock=True)
+            row.deleted_at = at
+            revoked = await s.scalars(
                 update(TokenRow)
                 .where(TokenRow.tenant_id == tenant_id, TokenRow.revoked_at.is_(None))
-                .values(revoked_at=now)
+                .values(revoked_at=at)
+                .returning(TokenRow.id)
             )
-            _audit(s, actor, "tenant.delete", tenant_id, tenant_id, {"revoked_tokens": revoked.rowcount})
+            audit(
+                s, actor, "tenant.delete", tenant_id, tenant_id, {"revoked_token_ids": sorted(revoked.all())}
+            )
 
     async def set_quotas(self, tenant_id: str, quotas: Quotas, *, actor: str) -> Tenant:
         async with self._session() as s, s.begin():
-            row = await _live_tenant(s, tenant_id, lock=True)
-            before = _tenant(row).quotas
-            _apply_quotas(row, quotas)
-            _audit(
+            row = await live_tenant(s, tenant_id, lock=True)
+            before = tenant_of(row).quotas
+            apply_quotas(row, quotas)
+            audit(
                 s,
                 actor,
                 "tenant.quotas",
                 tenant_id,
                 tenant_id,
-                {"before": _plain(before), "after": _plain(quotas)},
+                {"before": plain(before), "after": plain(quotas)},
             )
-            return _tenant(row)
+            return tenant_of(row)
 
     async def set_models(self, tenant_id: str, allow: list[str] | None, *, actor: str) -> Tenant:
         async with self._session() as s, s.begin():
-            row = await _live_tenant(s, tenant_id, lock=True)
+            row = await live_tenant(s, tenant_id, lock=True)
             before, row.allowed_models = row.allowed_models, None if allow is None else sorted(set(allow))
-            _audit(
+            audit(
                 s,
                 actor,
                 "tenant.models",
@@ -218,30 +164,30 @@ class Store:
                 tenant_id,
                 {"before": before, "after": row.allowed_models},
             )
-            return _tenant(row)
+            return tenant_of(row)
 
     # ---- tokens -------------------------------------------------------------------------------------
     async def create_token(self, tenant_id: str, body: TokenCreate, *, actor: str) -> TokenCreated:
-        token_id = _new_id()
+        token_id = new_id()
         value = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
         row = TokenRow(
             id=token_id,
             tenant_id=tenant_id,
             name=body.name,
             secret_sha256=sha256_hex(value),
-            created_at=_now(),
+            created_at=now(),
             expires_at=body.expires_at,
         )
         async with self._session() as s, s.begin():
-            await _live_tenant(s, tenant_id)
+            await live_tenant(s, tenant_id)
             s.add(row)
-            _audit(
+            audit(
                 s,
                 actor,
                 "token.create",
                 tenant_id,
                 token_id,
-                {"name": body.name, "expires_at": _plain(body.expires_at)},
+                {"name": body.name, "expires_at": plain(body.expires_at)},
             )
         return TokenCreated(
             id=token_id, name=row.name, value=value, created_at=row.created_at, expires_at=row.expires_at
@@ -249,28 +195,28 @@ class Store:
 
     async def list_tokens(self, tenant_id: str) -> list[Token]:
         async with self._session() as s:
-            await _live_tenant(s, tenant_id)
+            await live_tenant(s, tenant_id)
             rows = await s.scalars(
                 select(TokenRow)
                 .where(TokenRow.tenant_id == tenant_id)
                 .order_by(TokenRow.created_at, TokenRow.id)
             )
-            return [_token(r) for r in rows]
+            return [token_of(r) for r in rows]
 
     async def revoke_token(self, tenant_id: str, token_id: str, *, actor: str) -> Token:
         async with self._session() as s, s.begin():
-            await _live_tenant(s, tenant_id)
+            await live_tenant(s, tenant_id)
             row = await s.get(TokenRow, token_id, with_for_update=True)
             if row is None or row.tenant_id != tenant_id or row.revoked_at is not None:
                 raise NotFound(f"No token {token_id} for tenant {tenant_id}")
-            row.revoked_at = _now()
-            _audit(s, actor, "token.revoke", tenant_id, token_id, {"name": row.name})
-            return _token(row)
+            row.revoked_at = now()
+            audit(s, actor, "token.revoke", tenant_id, token_id, {"name": row.name})
+            return token_of(row)
 
     async def resolve_token(self, value: str) -> Credential | None:
         """The live tenant a token value belongs to, or None; records the token's last use."""
         token_id = value[len(TOKEN_PREFIX) : len(TOKEN_PREFIX) + 32] if value.startswith(TOKEN_PREFIX) else ""
-        now = _now()
+        at = now()
         async with self._session() as s, s.begin():
             found = (
                 (
@@ -289,10 +235,10 @@ class Store:
             token, tenant = found
             if token.revoked_at is not None or tenant.deleted_at is not None:
                 return None
-            if token.expires_at is not None and token.expires_at <= now:
+            if token.expires_at is not None and token.expires_at <= at:
                 return None
-            token.last_used_at = now
-            return Credential(tenant=_tenant(tenant), token_id=token.id, expires_at=token.expires_at)
+            token.last_used_at = at
+            return Credential(tenant=tenant_of(tenant), token_id=token.id, expires_at=token.expires_at)
 
     # ---- admin tokens -------------------------------------------------------------------------------
     async def ensure_admin_token(self, configured: str | None) -> str | None:
@@ -306,14 +252,14 @@ class Store:
                     return None
                 for r in rows:
                     await s.delete(r)
-                s.add(AdminTokenRow(id=_new_id(), name="env", secret_sha256=digest, created_at=_now()))
+                s.add(AdminTokenRow(id=new_id(), name="env", secret_sha256=digest, created_at=now()))
                 return None
             if rows:
                 return None
             value = f"{TOKEN_PREFIX}admin_{secrets.token_urlsafe(32)}"
             s.add(
                 AdminTokenRow(
-                    id=_new_id(), name="generated", secret_sha256=sha256_hex(value), created_at=_now()
+                    id=new_id(), name="generated", secret_sha256=sha256_hex(value), created_at=now()
                 )
             )
             return value
@@ -351,7 +297,7 @@ class Store:
         self, tenant_id: str, *, since: dt.date, until: dt.date, group_by: Literal["day", "model"]
     ) -> list[UsageGroup]:
         """Usage per UTC day or per model, `since` and `until` inclusive; the tenant may be deleted."""
-        key = UsageRow.day if group_by == "day" else UsageRow.model
+        key: Any = UsageRow.day if group_by == "day" else UsageRow.model
         query = (
             select(
                 key,
@@ -366,12 +312,12 @@ class Store:
             .order_by(key)
         )
         async with self._session() as s:
-            await _live_tenant(s, tenant_id, include_deleted=True)
+            await live_tenant(s, tenant_id, include_deleted=True)
             rows = (await s.execute(query)).all()
         return [
             UsageGroup(
                 day=k.isoformat() if group_by == "day" else None,
-                model=k if group_by == "model" else None,
+                model=str(k) if group_by == "model" else None,
                 requests=int(n),
                 prompt_tokens=int(p),
                 cached_tokens=int(c),
@@ -428,7 +374,7 @@ class Store:
                 .limit(1)
             )
         tenant = (
-            _tenant(existing)
+            tenant_of(existing)
             if existing
             else await self.create_tenant(TenantCreate(name=name, plan=plan), actor=actor)
         )
@@ -437,40 +383,3 @@ class Store:
                 await self.revoke_token(tenant.id, token.id, actor=actor)
         created = await self.create_token(tenant.id, TokenCreate(name=DEV_TOKEN_NAME), actor=actor)
         return tenant.id, created.value
-
-
-async def _live_tenant(
-    s: AsyncSession, tenant_id: str, *, include_deleted: bool = False, lock: bool = False
-) -> TenantRow:
-    row = await s.get(TenantRow, tenant_id, with_for_update=lock) if len(tenant_id) == 32 else None
-    if row is None or (row.deleted_at is not None and not include_deleted):
-        raise NotFound(f"No tenant {tenant_id}")
-    return row
-
-
-def _audit(
-    s: AsyncSession,
-    actor: str,
-    action: str,
-    tenant_id: str | None,
-    object_id: str | None,
-    detail: dict[str, Any],
-) -> None:
-    s.add(
-        AuditRow(
-            at=_now(), actor=actor, action=action, tenant_id=tenant_id, object_id=object_id, detail=detail
-        )
-    )
-
-
-def _plain(value: object) -> Any:
-    """A JSON-ready copy of a Struct or datetime, for audit details."""
-    return msgspec.to_builtins(value)
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=5000")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.close()
