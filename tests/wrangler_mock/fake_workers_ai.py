@@ -9,6 +9,7 @@ tool calls parsed from the prompt), so the tests can check what the Worker actua
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -28,6 +29,8 @@ TOKEN = "test-token-0123456789"
 ACCOUNT = "0123456789abcdef0123456789abcdef"
 LEGACY_MODEL = "@cf/meta/llama-3.1-8b-instruct"
 OPENAI_MODEL = "@cf/moonshotai/kimi-k2.6"
+SLOW_FRAME_DELAY_S = 0.05  # a prompt containing "slow" streams this slowly…
+SLOW_NUM_FRAMES = 400  # …for this many frames (20 s), long enough to be abandoned
 TEXT_GENERATION = {
     "id": "c329a1f9-323d-4e91-b2aa-582dd4188d34",
     "name": "Text Generation",
@@ -65,6 +68,8 @@ class FakeGateway:
 
     num_filler_models: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
+    num_open_streams: int = 0
+    num_frames_sent: int = 0
 
     def __post_init__(self) -> None:
         self.catalog = [
@@ -79,6 +84,19 @@ class FakeGateway:
                 Route(f"{prefix}/accounts/{{account}}/ai/run/{{model:path}}", self.run, methods=["POST"]),
             ]
         )
+
+    async def sse(self, frames: list[dict[str, Any]], delay: float) -> AsyncIterator[bytes]:
+        """The frames as SSE; counts open streams so tests can see a disconnect reach the gateway."""
+        self.num_open_streams += 1
+        try:
+            for frame in frames:
+                yield f"data: {json.dumps(frame)}\n\n".encode()
+                self.num_frames_sent += 1
+                if delay:
+                    await asyncio.sleep(delay)
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.num_open_streams -= 1
 
     def _denied(self, request: Request) -> JSONResponse | None:
         if request.headers.get("authorization") != f"Bearer {TOKEN}":
@@ -140,7 +158,10 @@ class FakeGateway:
             frames = (
                 legacy_frames(text, usage) if model == LEGACY_MODEL else openai_frames(model, text, usage)
             )
-            return StreamingResponse(sse(frames), media_type="text/event-stream", headers=headers)
+            delay = SLOW_FRAME_DELAY_S if "slow" in str(last_user_content(body)) else 0.0
+            if delay:
+                frames = frames[:1] * SLOW_NUM_FRAMES
+            return StreamingResponse(self.sse(frames, delay), media_type="text/event-stream", headers=headers)
         if model == LEGACY_MODEL:
             return envelope({"response": text, "usage": usage}, headers=headers)
         return envelope(chat_completion(model, text, tool_calls, usage), headers=headers)
@@ -227,9 +248,3 @@ def openai_frames(model: str, text: str, usage: dict[str, int]) -> list[dict[str
     ]
     frames.append({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     return frames + [{"response": "", "usage": usage}]
-
-
-async def sse(frames: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    for frame in frames:
-        yield f"data: {json.dumps(frame)}\n\n".encode()
-    yield b"data: [DONE]\n\n"

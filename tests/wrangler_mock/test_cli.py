@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,3 +156,20 @@ def test_dev_serves_the_worker(
         assert streamed.headers["content-type"].startswith("text/event-stream")
         body = streamed.read().decode()
     assert body.rstrip().endswith("data: [DONE]")
+
+
+def test_dev_client_disconnect_closes_the_upstream_stream(
+    dev_process: tuple[str, subprocess.Popen[str]], fake_server: tuple[str, FakeGateway]
+) -> None:
+    url, _ = dev_process
+    gateway = fake_server[1]
+    num_frames_before = gateway.num_frames_sent
+    with httpx.stream("POST", url, json={"prompt": "slow please", "stream": True}, timeout=30) as streamed:
+        first = next(streamed.iter_bytes())
+        assert first.startswith(b"data: ")
+        assert gateway.num_open_streams == 1
+    deadline = time.monotonic() + 5
+    while gateway.num_open_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gateway.num_open_streams == 0, "the gateway kept streaming to a Worker whose client left"
+    assert gateway.num_frames_sent - num_frames_before < 100  # of 400: it stopped early

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
+
 
 class JsProxy:
     """Marker base of every JS-side value, like `pyodide.ffi.JsProxy`."""
@@ -84,7 +86,9 @@ class ReadableStream(JsProxy):
     async def aclose(self) -> None:
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
-            await on_close()
+            # runs while the reader is being cancelled (its client left): the upstream must still close
+            with anyio.CancelScope(shield=True):
+                await on_close()
 
     async def bytes(self) -> bytes:
         return b"".join([chunk async for chunk in self])
