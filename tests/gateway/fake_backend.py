@@ -47,6 +47,7 @@ class FakeBackend:
     context_window: int = 4096
     is_down: bool = False
     requests: list[b.GenerateRequest] = field(default_factory=list)
+    journal: list[b.GenerateRequest] = field(default_factory=list)  # shared by a harness's backends, in arrival order
     num_open_streams: int = 0
 
     def card(self) -> b.ModelCard:
@@ -87,6 +88,7 @@ class FakeBackend:
         async def generate(request: Request) -> Response:
             req = msgspec.json.decode(await request.body(), type=b.GenerateRequest)
             self.requests.append(req)
+            self.journal.append(req)
             text = last_user_text(req)
             if text == "busy":
                 body = b.ErrorBody(error=b.Error(code="busy", message="full", status=429))

@@ -20,7 +20,8 @@ from gateway.catalog import Catalog, load_catalog_file
 from gateway.services import Services, open_services
 from gateway.settings import GatewaySettings
 from schemas.admin import Quotas, TenantCreate, TokenCreate
-from schemas.catalog import ModelSpec, PoolSpec, PoolsFile
+from schemas.backend import GenerateRequest
+from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 
 LEGACY = "@cf/kumo/legacy-test"
 MISMATCH = "@cf/kumo/mismatch"
@@ -65,6 +66,7 @@ class Harness:
     services: Services
     backends: dict[str, list[FakeBackend]]
     http: httpx.AsyncClient
+    journal: list[GenerateRequest]
 
     def path(self, rest: str, account: str | None = None) -> str:
         return f"{self.url}/client/v4/accounts/{account or self.account}{rest}"
@@ -72,8 +74,10 @@ class Harness:
     def auth(self, token: str | None = None) -> dict[str, str]:
         return {"authorization": f"Bearer {token or self.token}"}
 
-    def all_requests(self) -> list:  # type: ignore[type-arg]
-        return [r for group in self.backends.values() for b in group for r in b.requests]
+    @property
+    def last(self) -> GenerateRequest:
+        """The last request any fake backend received."""
+        return self.journal[-1]
 
 
 async def _tenant(services: Services, name: str, plan: str) -> tuple[str, str]:
@@ -84,11 +88,12 @@ async def _tenant(services: Services, name: str, plan: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Harness]:
+    journal: list[GenerateRequest] = []
     backends = {
-        "kimi-k2.6": [FakeBackend("kimi-a"), FakeBackend("kimi-b")],
-        "glm-5.2": [FakeBackend("glm", architecture="GlmMoeDsaForCausalLM", vision=False)],
-        "legacy": [FakeBackend("legacy", architecture="Glm4MoeForCausalLM", vision=False)],
-        "mismatch": [FakeBackend("mismatch", architecture="LlamaForCausalLM", vision=False)],
+        "kimi-k2.6": [FakeBackend("kimi-a", journal=journal), FakeBackend("kimi-b", journal=journal)],
+        "glm-5.2": [FakeBackend("glm", architecture="GlmMoeDsaForCausalLM", vision=False, journal=journal)],
+        "legacy": [FakeBackend("legacy", architecture="Glm4MoeForCausalLM", vision=False, journal=journal)],
+        "mismatch": [FakeBackend("mismatch", architecture="LlamaForCausalLM", vision=False, journal=journal)],
     }
     served: list[Served] = []
     pools: dict[str, PoolSpec] = {}
@@ -120,6 +125,7 @@ async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Har
             services=services,
             backends=backends,
             http=http,
+            journal=journal,
         )
     await gateway.stop()
     for s in served:

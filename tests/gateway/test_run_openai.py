@@ -1,0 +1,184 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""`/ai/run` with the OpenAI-native family (Kimi, GLM): chat.completion in `result`, chunks plus
+the Workers AI usage trailer, and every OpenAI field honoured or refused by name (§1.3 b, §1.5)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import msgspec
+from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
+from PIL import Image
+from test_run_legacy import sse_events
+
+from gateway.backend_client import tenant_salt
+
+
+async def post(h: Harness, body: object, model: str = KIMI, headers: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    return await h.http.post(h.path(f"/ai/run/{model}"), headers={**h.auth(), **(headers or {})}, json=body)
+
+
+def msgs(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_chat_completion_inside_the_envelope(harness: Harness) -> None:
+    r = await post(harness, {"messages": msgs("think:hi"), "max_completion_tokens": 64})
+    assert r.status_code == 200, r.text
+    result = r.json()["result"]
+    assert result["object"] == "chat.completion" and result["model"] == KIMI
+    message = result["choices"][0]["message"]
+    assert message["content"] == "echo: hi" and message["reasoning_content"] == "Let me think."
+    assert message["role"] == "assistant" and message["refusal"] is None
+    assert result["choices"][0]["finish_reason"] == "stop"
+    assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+    assert harness.last.sampling.max_tokens == 64
+
+
+async def test_model_id_with_encoded_slashes_and_the_model_envelope(harness: Harness) -> None:
+    encoded = KIMI.replace("/", "%2F")
+    r = await harness.http.post(harness.path(f"/ai/run/{encoded}"), headers=harness.auth(), json={"prompt": "a"})
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["choices"][0]["message"]["content"] == "echo: a"
+    r = await harness.http.post(
+        harness.path("/ai/run"),
+        headers={**harness.auth(), "cf-aig-gateway-id": "default"},
+        json={"model": GLM, "input": {"messages": msgs("b")}, "options": {"rejectIfBusy": True}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["model"] == GLM
+    assert harness.last.reject_if_busy is True
+
+
+async def test_stream_is_chunks_then_the_workers_ai_trailer_then_done(harness: Harness) -> None:
+    r = await post(harness, {"messages": msgs("think:stream"), "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    frames = sse_events(r.text)
+    chunks, trailer = frames[:-1], frames[-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)  # type: ignore[index]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # type: ignore[index]
+    deltas = [c["choices"][0]["delta"] for c in chunks]  # type: ignore[index]
+    assert "".join(d.get("content") or "" for d in deltas) == "echo: stream"
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me think."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+    assert set(trailer) == {"response", "usage"} and trailer["response"] == ""  # type: ignore[index,arg-type]
+    assert trailer["usage"]["total_tokens"] > 0 and trailer["usage"]["neurons"] > 0  # type: ignore[index]
+    assert all(not ("response" in c and "choices" in c) for c in frames)  # one carrier per frame  # type: ignore[operator]
+
+
+async def test_tool_calls_parallel_and_tool_choice(harness: Harness) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    r = await post(harness, {"messages": msgs("tool:"), "tools": tools, "tool_choice": "required"})
+    choice = r.json()["result"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Lisbon"}', '{"city": "Porto"}']
+    assert calls[0] == {"id": "call_abc123xyz", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lisbon"}'}}
+    sent = harness.last
+    assert sent.tool_choice.mode == "required"
+    r = await post(
+        harness,
+        {"messages": msgs("tool:"), "tools": tools, "parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    )
+    assert len(r.json()["result"]["choices"][0]["message"]["tool_calls"]) == 1
+    assert harness.last.tool_choice.name == "get_weather"
+    bad = await post(harness, {"messages": msgs("x"), "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and "tool_choice" in bad.json()["errors"][0]["message"]
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    assert (await post(harness, {"messages": history, "tools": tools})).status_code == 200
+    sent = harness.last
+    assert sent.messages[1].tool_calls[0].id == "call_1" and sent.messages[2].tool_call_id == "call_1"
+
+
+async def test_n_fans_out_with_distinct_seeds_and_is_capped(harness: Harness) -> None:
+    r = await post(harness, {"messages": msgs("hi"), "n": 3, "seed": 10})
+    choices = r.json()["result"]["choices"]
+    assert [c["message"]["content"] for c in choices] == ["echo[10]: hi", "echo[11]: hi", "echo[12]: hi"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    r = await post(harness, {"messages": msgs("hi"), "n": 2, "stream": True})
+    chunks = sse_events(r.text)[:-1]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}  # type: ignore[index]
+    r = await post(harness, {"messages": msgs("hi"), "n": 9})
+    assert r.status_code == 400 and "'n'" in r.json()["errors"][0]["message"]
+
+
+async def test_reasoning_effort_uses_each_models_aliases(harness: Harness) -> None:
+    cases = [
+        (KIMI, {"reasoning_effort": "low"}, (True, "high")),
+        (KIMI, {"reasoning_effort": "none"}, (False, None)),
+        (KIMI, {"chat_template_kwargs": {"enable_thinking": False}}, (False, None)),
+        (GLM, {"reasoning_effort": "xhigh"}, (True, "high")),
+        (GLM, {"reasoning_effort": "minimal"}, (False, None)),
+    ]
+    for model, extra, expected in cases:
+        r = await post(harness, {"messages": msgs("r"), **extra}, model=model)
+        assert r.status_code == 200, (extra, r.text)
+        sent = harness.last
+        assert (sent.reasoning.enabled, sent.reasoning.effort) == expected, extra
+    r = await post(harness, {"messages": msgs("r"), "reasoning_effort": "turbo"})
+    assert r.status_code == 400 and "reasoning_effort" in r.json()["errors"][0]["message"]
+
+
+async def test_unserved_openai_fields_are_refused_by_name(harness: Harness) -> None:
+    for field, value in {
+        "audio": {"voice": "alloy", "format": "wav"},
+        "logit_bias": {"50256": -100},
+        "web_search_options": {},
+        "modalities": ["text", "audio"],
+        "requests": [{"prompt": "x"}],
+    }.items():
+        r = await post(harness, {"messages": msgs("x"), field: value})
+        assert r.status_code == 400, field
+        assert field in r.json()["errors"][0]["message"], (field, r.json())
+    r = await post(harness, {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]})
+    assert r.status_code == 400 and "input_audio" in r.json()["errors"][0]["message"]
+
+
+async def test_stop_seed_logprobs_and_penalties_are_honoured(harness: Harness) -> None:
+    r = await post(
+        harness,
+        {"messages": msgs("logprobs"), "stop": "END", "seed": 3, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "temperature": 0.3, "top_p": 0.9},
+    )
+    assert r.status_code == 200, r.text
+    sent = harness.last
+    assert sent.sampling.stop == ["END"] and sent.sampling.seed == 3 and sent.sampling.logprobs
+    assert (sent.sampling.top_logprobs, sent.sampling.presence_penalty, sent.sampling.temperature, sent.sampling.top_p) == (2, 0.5, 0.3, 0.9)
+    content = r.json()["result"]["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["abc", "def"]
+    assert content[0]["bytes"] == list(b"abc") and len(content[0]["top_logprobs"]) == 2
+    r = await post(harness, {"messages": msgs("x"), "top_logprobs": 2})
+    assert r.status_code == 400 and "logprobs" in r.json()["errors"][0]["message"]
+
+
+async def test_images_as_data_uri_reach_a_vision_model_only(harness: Harness) -> None:
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), "blue").save(png, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": uri}}]
+    r = await post(harness, {"messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    parts = harness.last.messages[0].content
+    assert parts[1].data == png.getvalue() and parts[1].media_type == "image/png"
+    r = await post(harness, {"messages": [{"role": "user", "content": content}]}, model=GLM)
+    assert r.status_code == 400 and "does not support image inputs" in r.json()["errors"][0]["message"]
+
+
+async def test_session_affinity_sticks_and_salt_comes_from_the_tenant(harness: Harness) -> None:
+    a, b = harness.backends["kimi-k2.6"]
+    for session in ("ses_1", "ses_2", "ses_3", "ses_4"):
+        seen = set()
+        for _ in range(3):
+            before = (len(a.requests), len(b.requests))
+            await post(harness, {"messages": msgs("s")}, headers={"x-session-affinity": session})
+            seen.add("a" if len(a.requests) > before[0] else "b")
+        assert len(seen) == 1, session
+    salt = harness.last.tenant_salt
+    assert salt == tenant_salt(harness.services.settings.server_secret, harness.account)
+    r = await post(harness, {"messages": msgs("s"), "tenant_salt": "00" * 16})
+    assert r.status_code == 400  # a client cannot pick its salt
+    msgspec.json.decode(r.content)
