@@ -159,7 +159,7 @@ async def test_async_engine_streams_and_aborts_when_the_caller_leaves() -> None:
             break
         await stream.aclose()  # client gone: the engine aborts it within a step
         for _ in range(200):
-            if front.load().free_pages == 16 and front.load().running == 0:
+            if engine.stats.aborts == 1 and front.load().free_pages == 16 and front.load().running == 0:
                 break
             await asyncio.sleep(0.01)
         assert front.load().free_pages == 16 and engine.stats.aborts == 1
