@@ -7,6 +7,7 @@ runtime, where a second read raises `OSError("Body already used")`.
 
 from __future__ import annotations
 
+import builtins
 import http.client
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -60,10 +61,10 @@ class Request:
         self.body_used = True
         return await self._read_body()
 
-    async def buffer(self) -> bytes:
+    async def buffer(self) -> builtins.bytes:
         return await self.bytes()
 
-    async def arrayBuffer(self) -> bytes:  # noqa: N802  (the JS name, used by older Workers)
+    async def arrayBuffer(self) -> builtins.bytes:  # noqa: N802  (the JS name, used by older Workers)
         return await self.bytes()
 
     async def text(self) -> str:

@@ -100,7 +100,7 @@ def _handler_of(module: ModuleType, main: Path) -> Callable[[Request, Env, Execu
     if inspect.isclass(entrypoint) and callable(getattr(entrypoint, "fetch", None)):
 
         async def call_entrypoint(request: Request, env: Env, ctx: ExecutionContext) -> Any:
-            instance = entrypoint(ctx, env) if issubclass(entrypoint, WorkerEntrypoint) else entrypoint()
+            instance: Any = entrypoint(ctx, env) if issubclass(entrypoint, WorkerEntrypoint) else entrypoint()
             return await _maybe_await(instance.fetch(request))
 
         return call_entrypoint
