@@ -1,0 +1,191 @@
+"""`kumo backend`: one checkpoint served over the internal protocol (DESIGN.md §3), uvicorn + Starlette.
+
+Routes: `POST /v1/generate` (NDJSON events), `GET /v1/load`, `GET /v1/model`, `GET /v1/health`,
+`GET /metrics`. Every route but health needs `Authorization: Bearer <secret>`. The engine steps on
+its own thread (`AsyncEngine`), so the event loop only moves bytes. A request's failure is its own:
+it becomes a 4xx/5xx answer or an error event, and the process keeps serving.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Lifespan, Receive, Scope, Send
+
+from backend.engine import AsyncEngine, Engine
+from backend.engine_config import EngineConfig
+from backend.errors import EngineError, InvalidRequest, Unauthorized
+from backend.loader import load_model
+from backend.metrics import BackendMetrics
+from backend.served_model import ServedModel
+from backend.serving import Serving
+from backend.settings import BackendSettings, build_settings
+from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
+
+_decode_request = msgspec.json.Decoder(GenerateRequest).decode
+_encoder = msgspec.json.Encoder()
+
+
+def _json(payload: msgspec.Struct, status: int = 200) -> Response:
+    return Response(_encoder.encode(payload), status_code=status, media_type="application/json")
+
+
+def _error(exc: EngineError) -> Response:
+    return _json(ErrorBody(error=exc.to_event()), exc.status)
+
+
+class NDJSONStream:
+    """Streams events as NDJSON and stops as soon as the client goes: a disconnect (or a failed send)
+    closes the event iterator, which aborts the request in the engine within one step."""
+
+    def __init__(self, first: Event, rest: AsyncIterator[Event], metrics: BackendMetrics) -> None:
+        self._first, self._rest, self._metrics = first, rest, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]})
+        async with aclosing(self._rest), anyio.create_task_group() as group:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self._metrics.disconnects.inc()
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_disconnect)
+            try:
+                await self._send(send, self._first)
+                async for event in self._rest:
+                    await self._send(send, event)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                self._metrics.disconnects.inc()
+            group.cancel_scope.cancel()
+
+    async def _send(self, send: Send, event: Event) -> None:
+        self._metrics.observe(event)
+        await send({"type": "http.response.body", "body": _encoder.encode(event) + b"\n", "more_body": True})
+
+
+@dataclass(slots=True)
+class Backend:
+    """The app's state, owned by the app (no module globals)."""
+
+    serving: Serving
+    card: ModelCard
+    secret: str
+    metrics: BackendMetrics
+    is_ready: bool = True
+
+    def _authorize(self, request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.secret.encode()):
+            raise Unauthorized("Missing or wrong backend secret.")
+
+    async def generate(self, request: Request) -> Response | NDJSONStream:
+        try:
+            self._authorize(request)
+            try:
+                body = _decode_request(await request.body())
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise InvalidRequest(str(exc)) from exc
+            prepared = self.serving.prepare(body)
+            events = self.serving.events(prepared)
+            first = await anext(events)
+        except EngineError as exc:
+            self.metrics.refused(exc.code)
+            return _error(exc)
+        except StopAsyncIteration:
+            return _error(EngineError("The engine ended the request without an event."))
+        except Exception as exc:  # a bug in one request must not take the process down
+            self.metrics.refused("internal")
+            return _error(EngineError(f"internal error: {exc!r}"))
+        self.metrics.requests.labels(outcome="accepted").inc()
+        return NDJSONStream(first, events, self.metrics)
+
+    async def load(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except EngineError as exc:
+            return _error(exc)
+        return _json(self.serving.engine.load())
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except EngineError as exc:
+            return _error(exc)
+        return _json(self.card)
+
+    async def health(self, request: Request) -> Response:
+        return _json(Health(status="ok" if self.is_ready else "starting"))
+
+    async def prometheus(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except EngineError as exc:
+            return _error(exc)
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def create_app(backend: Backend, *, lifespan: Lifespan | None = None) -> Starlette:
+    """The Starlette app over a `Backend`; `lifespan` starts and stops what it needs (the engine)."""
+    routes = [
+        Route("/v1/generate", backend.generate, methods=["POST"]),
+        Route("/v1/load", backend.load, methods=["GET"]),
+        Route("/v1/model", backend.model, methods=["GET"]),
+        Route("/v1/health", backend.health, methods=["GET"]),
+        Route("/metrics", backend.prometheus, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
+    """Load the checkpoint and build engine + serving; returns the backend and the `AsyncEngine`."""
+    dtype = getattr(torch, settings.dtype)
+    served = ServedModel.from_checkpoint(settings.model, name=settings.model_name,
+                                         context_window=settings.context_window)
+    loaded = load_model(settings.model, dtype=dtype, device=settings.device)
+    config = EngineConfig.build(page_size=settings.page_size, num_pages=settings.max_pages,
+                                kv_dtype=settings.engine_kv_dtype, max_num_seqs=settings.max_num_seqs,
+                                max_num_batched_tokens=settings.max_num_batched_tokens,
+                                context_window=served.context_window)
+    engine = Engine(loaded.model, config, vocab_size=loaded.config.vocab_size,  # type: ignore[arg-type]
+                    context_window=served.context_window, model_dtype=dtype, device=settings.device)
+    async_engine = AsyncEngine(engine)
+    kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
+    card = served.card(dtype=settings.dtype, kv_dtype=kv_dtype, page_size=settings.page_size,
+                       num_pages=settings.max_pages)
+    backend = Backend(serving=Serving(served, async_engine), card=card, secret=settings.secret,
+                      metrics=BackendMetrics(lambda: engine.stats, async_engine.load))
+    return backend, async_engine
+
+
+def main(argv: list[str]) -> int:
+    settings = build_settings(argv)
+    backend, async_engine = build_backend(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.stop()
+
+    app = create_app(backend, lifespan=lifespan)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    return 0

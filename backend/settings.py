@@ -1,0 +1,83 @@
+"""The backend process's settings: one frozen object built once from argv and the environment.
+
+`kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
+[--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S]`
+
+The shared secret comes from `--secret` or `KUMO_BACKEND_SECRET`; without one the backend refuses
+to start, so no one can reach it without the gateway's secret (and pick a tenant salt, or skip
+metering). It binds loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
+Secret = Annotated[str, Meta(min_length=8, max_length=512)]
+KV_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+
+
+class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    port: Port
+    secret: Secret
+    host: str = "127.0.0.1"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    kv_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    max_pages: NumPages = 1024
+    page_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    max_num_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 64
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, le=1 << 20)] = 2048
+    context_window: Annotated[int, Meta(ge=1)] | None = None
+    name: str | None = None
+    device: str = "cpu"
+
+    @property
+    def model_name(self) -> str:
+        return self.name or Path(self.model).name
+
+    @property
+    def engine_kv_dtype(self) -> str:
+        return KV_DTYPES[self.kv_dtype]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kumo backend", description="Serve one checkpoint over the internal protocol.")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto")
+    p.add_argument("--max-pages", type=int, default=1024, help="KV pages in the pool")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--context-window", type=int, default=None)
+    p.add_argument("--name", default=None, help="model name in the card (default: folder name)")
+    p.add_argument("--secret", default=None, help="shared secret (default: $KUMO_BACKEND_SECRET)")
+    p.add_argument("--device", default="cpu")
+    return p
+
+
+def build_settings(argv: list[str], environ: Mapping[str, str] | None = None) -> BackendSettings:
+    """Parse argv (+ the environment for the secret); raise `SystemExit(2)` with a message on bad input."""
+    env = os.environ if environ is None else environ
+    parser = _parser()
+    args = parser.parse_args(argv)
+    secret = args.secret or env.get("KUMO_BACKEND_SECRET")
+    if not secret:
+        parser.error("a shared secret is required: --secret or KUMO_BACKEND_SECRET")
+    values = {k: v for k, v in vars(args).items() if v is not None} | {"secret": secret}
+    try:
+        return msgspec.convert(values, BackendSettings)
+    except msgspec.ValidationError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

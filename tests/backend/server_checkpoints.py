@@ -1,0 +1,31 @@
+"""Test helper: tiny served checkpoints (transformers-written random weights + this family's tokenizer
+and chat template), and an in-process backend over one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from backend.tokenizer import load_tokenizer
+from backend.tokenizer_files import write_tokenizer_files
+from tests.backend.tiny_checkpoints import make_tiny
+
+SECRET = "test-secret-0123456789"
+TENANT = "ab" * 16
+FAMILY = {"kimi_k2": "kimi", "kimi_k25": "kimi", "deepseek_v3": "kimi", "glm_moe_dsa": "glm", "glm4_moe": "glm"}
+
+
+def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024) -> Path:
+    """A tiny `arch` checkpoint that a backend can serve: vocab covering the tokenizer, the family's
+    stop tokens as eos, a context long enough for templated prompts."""
+    family = FAMILY[arch]
+    fmt = "tiktoken" if family == "kimi" else "tokenizer.json"
+    num_ids = write_tokenizer_files(family, path, fmt=fmt)  # type: ignore[arg-type]
+    tok = load_tokenizer(path)
+    eos = tok.named_id("eos_token")
+    vocab = (num_ids + 63) // 64 * 64
+    overrides: dict[str, object] = {"vocab_size": vocab, "max_position_embeddings": context, "eos_token_id": eos,
+                                    "bos_token_id": tok.named_id("bos_token") or eos}
+    make_tiny(arch, path, **overrides)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    return path
