@@ -1,0 +1,84 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""Catalog routes (§3, §7): search filters, paging that ends (`[]` past the end), schema, tasks,
+authors, memberships, and the `/models` page."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from gateway_harness import GLM, KIMI, LEGACY, MISMATCH, Harness, harness  # noqa: F401  (fixture)
+
+
+async def get(h: Harness, rest: str, **params: object):  # type: ignore[no-untyped-def]
+    return await h.http.get(h.path(rest), headers=h.auth(), params=params)
+
+
+def props(entry: dict) -> dict:  # type: ignore[type-arg]
+    return {p["property_id"]: p["value"] for p in entry["properties"]}
+
+
+async def test_search_lists_entries_with_workers_ai_fields(harness: Harness) -> None:
+    r = await get(harness, "/ai/models/search")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["success"] is True and body["result_info"]["total_count"] == 4
+    kimi = next(e for e in body["result"] if e["name"] == KIMI)
+    uuid.UUID(kimi["id"])
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{3}", kimi["created_at"])
+    assert kimi["task"] == {"id": "c329a1f9-323d-4e91-b2aa-582dd4188d34", "name": "Text Generation", "description": kimi["task"]["description"]}
+    p = props(kimi)
+    assert p["context_window"] == "4096"  # what the pool's backend reports, not the published 262144
+    assert p["vision"] == "true" and p["function_calling"] == "true" and p["require_workers_paid"] == "true"
+    assert "async_queue" not in p
+    assert all(isinstance(v, str) for k, v in p.items() if k != "price")
+    assert {x["unit"] for x in p["price"]} == {"per M input tokens", "per M output tokens", "per M cached input tokens"}
+    assert "small checkpoint" in kimi["description"]
+    glm = props(next(e for e in body["result"] if e["name"] == GLM))
+    assert "vision" not in glm
+    assert "context_window" not in props(next(e for e in body["result"] if e["name"] == MISMATCH))
+
+
+async def test_filters_and_paging_end(harness: Harness) -> None:
+    assert [e["name"] for e in (await get(harness, "/ai/models/search", search="kimi")).json()["result"]] == [KIMI]
+    assert {e["name"] for e in (await get(harness, "/ai/models/search", author="zai-org")).json()["result"]} == {GLM}
+    assert (await get(harness, "/ai/models/search", task="Text Embeddings")).json()["result"] == []
+    visible = (await get(harness, "/ai/models/search", hide_experimental="true")).json()["result"]
+    assert MISMATCH not in {e["name"] for e in visible}
+    seen = []
+    for page in range(1, 10):
+        result = (await get(harness, "/ai/models/search", page=page, per_page=3)).json()["result"]
+        if not result:
+            break
+        seen += [e["name"] for e in result]
+    assert page == 3 and len(seen) == len(set(seen)) == 4
+    bad = await get(harness, "/ai/models/search", per_page="lots")
+    assert bad.status_code == 400 and "per_page" in bad.json()["errors"][0]["message"]
+
+
+async def test_schema_tasks_authors_memberships(harness: Harness) -> None:
+    schema = (await get(harness, "/ai/models/schema", model=KIMI)).json()["result"]
+    assert "max_completion_tokens" in str(schema["input"]) and "text/event-stream" in str(schema["output"])
+    legacy = (await get(harness, "/ai/models/schema", model=LEGACY)).json()["result"]
+    assert "repetition_penalty" in str(legacy["input"])
+    assert (await get(harness, "/ai/models/schema", model="@cf/x/y")).json()["errors"][0]["code"] == 5007
+    tasks = (await get(harness, "/ai/tasks/search")).json()["result"]
+    assert tasks[0]["name"] == "Text Generation"
+    authors = {a["name"] for a in (await get(harness, "/ai/authors/search")).json()["result"]}
+    assert {"moonshotai", "zai-org"} <= authors
+    m = await harness.http.get(f"{harness.url}/client/v4/memberships", headers=harness.auth())
+    assert m.json()["result"][0]["account"]["id"] == harness.account
+    assert (await harness.http.get(f"{harness.url}/client/v4/memberships")).status_code == 401
+    other = await harness.http.get(harness.path("/ai/models/search", account=harness.free_account), headers=harness.auth())
+    assert other.status_code == 403
+
+
+async def test_models_page_has_search_and_task_filter(harness: Harness) -> None:
+    page = await harness.http.get(f"{harness.url}/models")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'type="search"' in page.text and '<select name="task"' in page.text
+    assert KIMI in page.text and GLM in page.text and "4096 tokens" in page.text
+    found = await harness.http.get(f"{harness.url}/models", params={"search": "glm"})
+    assert GLM in found.text and KIMI not in found.text
+    none = await harness.http.get(f"{harness.url}/models", params={"task": "Text Embeddings"})
+    assert "No model matches." in none.text
