@@ -6,8 +6,9 @@ without an `await` in-process), so N concurrent admits against a limit of L admi
 min(N, L) across all replicas that share the Redis: no check-then-increment race
 (reliability §3.1). Tokens are reserved from the caller's estimate and trued up by `settle`;
 neurons are known only after the response, so a tenant is refused once the day's total has
-reached its allowance. The day's counter is seeded from the usage ledger the first time a
-replica sees the tenant that day, so a restart does not hand out a fresh allowance.
+reached its allowance. Whenever the day's counter does not exist (first request of the day, a
+restarted gateway, a flushed Redis) it is seeded from the usage ledger before anything else, so
+losing counters never hands out a fresh allowance.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.auth import TenantContext
-from gateway.errors import NeuronsExhausted, RateLimited
+from gateway.errors import NeuronsExhausted, RateLimited, Unavailable
 from gateway.store import Store
 
 MINUTE_TTL = 120
@@ -30,8 +34,9 @@ DAY_TTL = 2 * 86_400
 UNLIMITED = -1
 
 # KEYS: requests, tokens, neurons. ARGV: request limit, token limit, neuron limit, tokens, minute ttl.
-# Returns 0 admitted, 1 requests per minute, 2 tokens per minute, 3 daily neurons.
+# Returns 0 admitted, 1 requests per minute, 2 tokens per minute, 3 daily neurons, 4 neurons unseeded.
 RESERVE_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 4 end
 local rpm, tpm, daily, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 if daily >= 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= daily then return 3 end
 if rpm >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') + 1 > rpm then return 1 end
@@ -42,7 +47,18 @@ redis.call('INCRBY', KEYS[2], tokens)
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 return 0
 """
-ADMITTED, OVER_REQUESTS, OVER_TOKENS, OVER_NEURONS = 0, 1, 2, 3
+# KEYS: a counter. ARGV: amount, ttl. Adds only to a counter that exists; returns whether it did.
+ADD_EXISTING_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('INCRBYFLOAT', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+ADMITTED, OVER_REQUESTS, OVER_TOKENS, OVER_NEURONS, UNSEEDED = 0, 1, 2, 3, 4
+# what a counter backend (Redis) or the ledger's store raise when they cannot be reached
+BACKEND_ERRORS = (RedisError, OSError, SQLAlchemyError)
+
+log = structlog.get_logger("kumo.quotas")
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,7 @@ class Counters(Protocol):
         self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int
     ) -> int: ...
     async def add(self, key: str, amount: float, ttl: int) -> None: ...
+    async def add_existing(self, key: str, amount: float, ttl: int) -> bool: ...
     async def seed(self, key: str, value: float, ttl: int) -> None: ...
     async def close(self) -> None: ...
 
@@ -78,6 +95,9 @@ class MemoryCounters:
         value, expires_at = self._values.get(key, (0.0, 0.0))
         return value if expires_at > self._clock() else 0.0
 
+    def _exists(self, key: str) -> bool:
+        return key in self._values and self._values[key][1] > self._clock()
+
     def _put(self, key: str, value: float, ttl: int) -> None:
         now = self._clock()
         self._values[key] = (value, now + ttl)
@@ -87,6 +107,8 @@ class MemoryCounters:
 
     async def reserve(self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int) -> int:
         (rk, tk, nk), (rpm, tpm, daily) = keys, limits
+        if not self._exists(nk):
+            return UNSEEDED
         if daily >= 0 and self._get(nk) >= daily:
             return OVER_NEURONS
         if rpm >= 0 and self._get(rk) + 1 > rpm:
@@ -100,8 +122,14 @@ class MemoryCounters:
     async def add(self, key: str, amount: float, ttl: int) -> None:
         self._put(key, self._get(key) + amount, ttl)
 
+    async def add_existing(self, key: str, amount: float, ttl: int) -> bool:
+        if not self._exists(key):
+            return False
+        self._put(key, self._get(key) + amount, ttl)
+        return True
+
     async def seed(self, key: str, value: float, ttl: int) -> None:
-        if key not in self._values or self._values[key][1] <= self._clock():
+        if not self._exists(key):
             self._put(key, value, ttl)
 
     async def close(self) -> None:
@@ -114,6 +142,7 @@ class RedisCounters:
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
         self._reserve = client.register_script(RESERVE_LUA)
+        self._add_existing = client.register_script(ADD_EXISTING_LUA)
 
     async def reserve(self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int) -> int:
         return int(await self._reserve(keys=list(keys), args=[*limits, tokens, MINUTE_TTL]))
@@ -123,6 +152,9 @@ class RedisCounters:
             pipe.incrbyfloat(key, amount)
             pipe.expire(key, ttl)
             await pipe.execute()
+
+    async def add_existing(self, key: str, amount: float, ttl: int) -> bool:
+        return bool(await self._add_existing(keys=[key], args=[amount, ttl]))
 
     async def seed(self, key: str, value: float, ttl: int) -> None:
         await self._client.set(key, value, nx=True, ex=ttl)
@@ -146,7 +178,6 @@ class Limiter:
         self._store = store
         self._prefix = prefix
         self._clock = clock
-        self._seeded: set[tuple[str, str]] = set()  # (tenant, day) whose neuron counter is seeded here
 
     def _key(self, tenant_id: str, kind: str, window: str) -> str:
         # `{tenant}` is a Redis Cluster hash tag: one tenant's keys share a slot, so the script may touch them
@@ -155,32 +186,37 @@ class Limiter:
     def _day(self, now: float) -> dt.date:
         return dt.datetime.fromtimestamp(now, dt.UTC).date()
 
-    async def _neurons_key(self, tenant_id: str, now: float) -> str:
-        day = self._day(now)
-        key = self._key(tenant_id, "neurons", day.isoformat())
-        if (tenant_id, day.isoformat()) not in self._seeded:
-            await self._counters.seed(key, await self._store.neurons_on(tenant_id, day), DAY_TTL)
-            self._seeded = {s for s in self._seeded if s[1] == day.isoformat()} | {
-                (tenant_id, day.isoformat())
-            }
-        return key
+    def _neurons_key(self, tenant_id: str, day: dt.date) -> str:
+        return self._key(tenant_id, "neurons", day.isoformat())
+
+    async def _seed(self, tenant_id: str, day: dt.date) -> None:
+        """Start the day's neuron counter from the ledger (a no-op if another replica just did)."""
+        spent = await self._store.neurons_on(tenant_id, day)
+        await self._counters.seed(self._neurons_key(tenant_id, day), spent, DAY_TTL)
 
     async def admit(self, tenant: TenantContext, model: str, estimated_tokens: int) -> Admission:
         """Reserve one request and `estimated_tokens` tokens, or raise 429 with `retry_after`."""
         now = self._clock()
         minute = int(now // 60)
         q = tenant.quotas
-        keys = (
-            self._key(tenant.tenant_id, "requests", str(minute)),
-            self._key(tenant.tenant_id, "tokens", str(minute)),
-            await self._neurons_key(tenant.tenant_id, now),
-        )
         limits = (
             UNLIMITED if q.requests_per_minute is None else q.requests_per_minute,
             UNLIMITED if q.tokens_per_minute is None else q.tokens_per_minute,
             UNLIMITED if q.daily_neurons is None else q.daily_neurons,
         )
-        verdict = await self._counters.reserve(keys, limits, estimated_tokens)
+        day = self._day(now)
+        keys = (
+            self._key(tenant.tenant_id, "requests", str(minute)),
+            self._key(tenant.tenant_id, "tokens", str(minute)),
+            self._neurons_key(tenant.tenant_id, day),
+        )
+        try:
+            verdict = await self._counters.reserve(keys, limits, estimated_tokens)
+            if verdict == UNSEEDED:
+                await self._seed(tenant.tenant_id, day)
+                verdict = await self._counters.reserve(keys, limits, estimated_tokens)
+        except BACKEND_ERRORS as exc:  # fail closed: quotas that cannot be checked are not granted
+            raise Unavailable("Rate limiter unavailable, please try again.", retry_after=1) from exc
         if verdict == OVER_REQUESTS:
             raise RateLimited(
                 "rate limiting: inference request per min rate reached",
@@ -191,8 +227,10 @@ class Limiter:
                 "rate limiting: inference tokens per min rate reached",
                 retry_after=_seconds_to(60 * (minute + 1), now),
             )
+        if verdict == UNSEEDED:  # the counter vanished again between seeding and reserving
+            raise Unavailable("Rate limiter unavailable, please try again.", retry_after=1)
         if verdict == OVER_NEURONS:
-            tomorrow = dt.datetime.combine(self._day(now) + dt.timedelta(days=1), dt.time(), dt.UTC)
+            tomorrow = dt.datetime.combine(day + dt.timedelta(days=1), dt.time(), dt.UTC)
             raise NeuronsExhausted(
                 _neurons_message(tenant, limits[2]), retry_after=_seconds_to(tomorrow.timestamp(), now)
             )
@@ -201,13 +239,21 @@ class Limiter:
         )
 
     async def settle(self, admission: Admission, *, tokens: int, neurons: float) -> None:
-        """True up the token reservation and add the response's neurons to today's total."""
-        now = self._clock()
-        if tokens != admission.estimated_tokens:
-            key = self._key(admission.tenant_id, "tokens", str(admission.minute))
-            await self._counters.add(key, tokens - admission.estimated_tokens, MINUTE_TTL)
-        if neurons:
-            await self._counters.add(await self._neurons_key(admission.tenant_id, now), neurons, DAY_TTL)
+        """True up the token reservation and add the response's neurons to today's total. Never
+        raises for an unreachable backend: the response is already served and the ledger still
+        records it."""
+        day = self._day(self._clock())
+        try:
+            if tokens != admission.estimated_tokens:
+                key = self._key(admission.tenant_id, "tokens", str(admission.minute))
+                await self._counters.add(key, tokens - admission.estimated_tokens, MINUTE_TTL)
+            if neurons:
+                key = self._neurons_key(admission.tenant_id, day)
+                if not await self._counters.add_existing(key, neurons, DAY_TTL):
+                    await self._seed(admission.tenant_id, day)
+                    await self._counters.add_existing(key, neurons, DAY_TTL)
+        except BACKEND_ERRORS as exc:
+            log.warning("quota settle failed", tenant_id=admission.tenant_id, error=repr(exc))
 
     async def close(self) -> None:
         await self._counters.close()

@@ -13,8 +13,8 @@ import redis.asyncio as aioredis
 from tenancy_db import sqlite_store_fixture  # noqa: F401  (fixture)
 
 from gateway.auth import TenantContext
-from gateway.errors import NeuronsExhausted, RateLimited
-from gateway.quotas import Limiter, make_limiter
+from gateway.errors import NeuronsExhausted, RateLimited, Unavailable
+from gateway.quotas import Admission, Limiter, make_limiter
 from gateway.store import Store
 from schemas.admin import Quotas, UsageRecord
 
@@ -150,3 +150,58 @@ async def test_a_restarted_gateway_remembers_todays_neurons_from_the_ledger(
     with pytest.raises(NeuronsExhausted):
         await fresh.admit(who, "@cf/m", 1)
     await fresh.close()
+
+
+async def test_lost_redis_counters_are_reseeded_from_the_ledger(
+    sqlite_store: Store, redis_prefix: str
+) -> None:
+    clock = Clock(dt.datetime.now(dt.UTC).timestamp())
+    [limiter] = limiters("redis", sqlite_store, redis_prefix, clock, 1)
+    who = tenant("free", daily_neurons=50)
+    admission = await limiter.admit(who, "@cf/m", 1)
+    await limiter.settle(admission, tokens=1, neurons=60.0)
+    at = dt.datetime.fromtimestamp(clock.now, dt.UTC)
+    await sqlite_store.add_usage(
+        [UsageRecord(tenant_id=who.tenant_id, model="@cf/m", request_id="r", neurons=60.0, at=at)]
+    )
+    client = aioredis.Redis.from_url(REDIS_URL)
+    await client.delete(
+        *[k async for k in client.scan_iter(match=f"{redis_prefix}*")]
+    )  # e.g. a Redis restart
+    await client.aclose()
+    with pytest.raises(NeuronsExhausted):
+        await limiter.admit(who, "@cf/m", 1)
+    await limiter.close()
+
+
+async def test_cancelled_admits_never_hand_a_reply_to_the_wrong_caller(
+    sqlite_store: Store, redis_prefix: str
+) -> None:
+    """The redis-py cancellation bug behind the ChatGPT leak (reliability §1.1): a call cancelled
+    after sending must not leave its reply for the next caller on the pooled connection."""
+    [limiter] = limiters("redis", sqlite_store, redis_prefix, Clock(), 1)
+    blocked, open_ = tenant(requests_per_minute=0), tenant()
+    for delay in (0.0, 0.0001, 0.0005, 0.001, 0.002):
+        tasks = [asyncio.create_task(limiter.admit(open_, "@cf/m", 1)) for _ in range(20)]
+        await asyncio.sleep(delay)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(10):
+            await limiter.admit(open_, "@cf/m", 1)
+            with pytest.raises(RateLimited):
+                await limiter.admit(blocked, "@cf/m", 1)
+    await limiter.close()
+
+
+async def test_an_unreachable_redis_fails_closed_and_settle_never_raises(sqlite_store: Store) -> None:
+    limiter = make_limiter("redis://127.0.0.1:1/0", sqlite_store, prefix="unused:")
+    with pytest.raises(Unavailable) as caught:
+        await limiter.admit(tenant(), "@cf/m", 1)
+    assert caught.value.status == 503
+    await limiter.settle(
+        Admission(tenant_id=uuid.uuid4().hex, model="@cf/m", minute=0, estimated_tokens=1),
+        tokens=5,
+        neurons=1.0,
+    )
+    await limiter.close()
