@@ -117,9 +117,7 @@ async def on_fetch(request, env):
         except (KeyError, TypeError, ValueError) as exc:
             result = {"error": f"{type(exc).__name__}: {exc}"}
         made.append({"name": name, "arguments": arguments, "result": result})
-        messages.append(
-            {"role": "tool", "tool_call_id": call_id, "name": name, "content": json.dumps(result)}
-        )
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)})
 
     second = (
         await env.AI.run(env.MODEL, to_js({"messages": messages, "tools": TOOLS, "max_tokens": 64}))
