@@ -39,6 +39,7 @@ class ImageLimits:
     timeout_s: float
     max_redirects: int
     allow_private: bool
+    allowed_networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()  # exceptions to the rule
 
 
 class ImageFetcher:
@@ -117,9 +118,12 @@ class ImageFetcher:
         addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
         if not self._limits.allow_private:
             for address in addresses:
-                if not address.is_global or address.is_multicast:
+                if (not address.is_global or address.is_multicast) and not self._is_allowed(address):
                     raise ImageRejected("image URL points to a private, loopback or link-local address")
         return str(addresses[0])
+
+    def _is_allowed(self, address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return any(address in net for net in self._limits.allowed_networks)
 
     async def _get(self, url: str, address: str) -> tuple[bytes | None, str]:
         """GET `url` from `address`: the body (≤ cap), or None and the redirect target."""

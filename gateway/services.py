@@ -6,6 +6,7 @@ apps in one process never share anything.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 import httpx
@@ -59,6 +60,7 @@ def image_fetcher(settings: GatewaySettings) -> tuple[httpx.AsyncClient, ImageFe
         timeout_s=settings.image_fetch_timeout_s,
         max_redirects=settings.image_max_redirects,
         allow_private=settings.allow_private_urls,
+        allowed_networks=tuple(ipaddress.ip_network(n) for n in settings.allowed_image_networks),
     )
     return http, ImageFetcher(http, limits)
 

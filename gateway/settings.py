@@ -33,6 +33,7 @@ class GatewaySettings:
     image_fetch_timeout_s: float = 10.0
     image_max_redirects: int = 5
     allow_private_urls: bool = False
+    allowed_image_networks: tuple[str, ...] = ()  # CIDRs image URLs may reach even if private
     max_choices: int = 8
     health_interval_s: float = 2.0
     eject_after_failures: int = 2
@@ -86,6 +87,8 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str], **overrides:
         "allow_private_urls": bool(getattr(args, "allow_private_urls", None))
         or env.get("KUMO_ALLOW_PRIVATE_URLS", "") in ("1", "true"),
     }
+    if env.get("KUMO_ALLOWED_IMAGE_NETWORKS"):
+        values["allowed_image_networks"] = tuple(n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip())
     if env.get("KUMO_SERVER_SECRET"):
         values["server_secret"] = env["KUMO_SERVER_SECRET"]
     if env.get("KUMO_MAX_BODY_BYTES"):

@@ -163,10 +163,10 @@ class Served:
         await self.task
 
 
-async def serve(app: object) -> Served:
+async def serve(app: object, host: str = "127.0.0.1") -> Served:
     """Run an ASGI app under uvicorn on a free loopback port, in this event loop."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none")  # type: ignore[arg-type]
     server = uvicorn.Server(config)
@@ -175,4 +175,4 @@ async def serve(app: object) -> Served:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
-    return Served(server, task, f"http://127.0.0.1:{port}")
+    return Served(server, task, f"http://{host}:{port}")

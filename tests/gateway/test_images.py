@@ -1,0 +1,151 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""Image inputs: data: URIs, and URLs fetched under limits with no way to reach loopback, private,
+link-local or metadata addresses (reliability §4.4), each redirect hop checked again."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import ipaddress
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from fake_backend import Served, serve
+from gateway_harness import KIMI, Harness, harness  # noqa: F401  (fixture)
+from PIL import Image
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+
+from gateway.images import ImageFetcher, ImageLimits, ImageRejected
+
+
+def png_bytes(size: int = 8) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), "green").save(out, format="PNG")
+    return out.getvalue()
+
+
+class Site:
+    """A local web server: an image, a page, a big image, redirects, a slow answer."""
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+        self.redirect_to = ""
+
+    def app(self) -> Starlette:
+        async def handle(request: Request) -> Response:
+            self.hits.append(request.url.path)
+            path = request.url.path
+            if path == "/img.png":
+                return Response(png_bytes(), media_type="image/png")
+            if path == "/page":
+                return Response(b"<html></html>", media_type="text/html")
+            if path == "/big.png":
+                return Response(png_bytes(256), media_type="image/png")
+            if path == "/redirect":
+                return RedirectResponse(self.redirect_to, status_code=302)
+            if path == "/loop":
+                return RedirectResponse("/loop", status_code=302)
+            if path == "/slow.png":
+                await asyncio.sleep(2)
+                return Response(png_bytes(), media_type="image/png")
+            return Response(status_code=404)
+
+        return Starlette(routes=[Route("/{path:path}", handle)])
+
+
+@pytest.fixture(scope="module")
+async def sites() -> AsyncIterator[tuple[Site, Served, Site, Served]]:
+    public, private = Site(), Site()
+    a = await serve(public.app(), host="127.0.0.1")
+    b = await serve(private.app(), host="127.0.0.2")
+    yield public, a, private, b
+    await a.stop()
+    await b.stop()
+
+
+def fetcher(*, allowed: str | None = None, max_bytes: int = 4096, timeout_s: float = 1.0) -> ImageFetcher:
+    nets = (ipaddress.ip_network(allowed),) if allowed else ()
+    limits = ImageLimits(max_bytes=max_bytes, max_pixels=512 * 512, timeout_s=timeout_s, max_redirects=3, allow_private=False, allowed_networks=nets)
+    return ImageFetcher(httpx.AsyncClient(follow_redirects=False, trust_env=False), limits)
+
+
+async def test_data_uris_are_decoded_and_checked() -> None:
+    f = fetcher()
+    part = await f.from_url("data:image/png;base64," + base64.b64encode(png_bytes()).decode())
+    assert part.data == png_bytes() and part.media_type == "image/png"
+    with pytest.raises(ImageRejected, match="could not be decoded"):
+        await f.from_url("data:image/png;base64," + base64.b64encode(b"not an image").decode())
+    with pytest.raises(ImageRejected, match="larger than"):
+        f.check(png_bytes(256) + b"\0" * 5000)
+    with pytest.raises(ImageRejected, match="base64"):
+        f.from_legacy("%%%not base64")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/img.png",
+        "http://localhost:9/img.png",
+        "http://10.0.0.1/img.png",
+        "http://192.168.1.1/img.png",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[::1]/img.png",
+        "http://[fe80::1]/img.png",
+        "http://0.0.0.0/img.png",
+    ],
+)
+async def test_non_global_addresses_are_refused_before_connecting(url: str) -> None:
+    with pytest.raises(ImageRejected, match="private, loopback or link-local"):
+        await fetcher().from_url(url)
+
+
+async def test_loopback_site_is_refused_by_default(sites: tuple[Site, Served, Site, Served]) -> None:
+    public, a, _, _ = sites
+    before = len(public.hits)
+    with pytest.raises(ImageRejected):
+        await fetcher().from_url(f"{a.url}/img.png")
+    assert len(public.hits) == before  # never contacted
+
+
+async def test_allowed_network_fetches_with_type_size_and_time_limits(sites: tuple[Site, Served, Site, Served]) -> None:
+    _, a, _, _ = sites
+    f = fetcher(allowed="127.0.0.1/32")
+    assert (await f.from_url(f"{a.url}/img.png")).data == png_bytes()
+    with pytest.raises(ImageRejected, match="content type text/html"):
+        await f.from_url(f"{a.url}/page")
+    with pytest.raises(ImageRejected, match="larger than"):
+        await fetcher(allowed="127.0.0.1/32", max_bytes=200).from_url(f"{a.url}/big.png")
+    with pytest.raises(ImageRejected, match="timed out"):
+        await fetcher(allowed="127.0.0.1/32", timeout_s=0.3).from_url(f"{a.url}/slow.png")
+    with pytest.raises(ImageRejected, match="too many times"):
+        await f.from_url(f"{a.url}/loop")
+    with pytest.raises(ImageRejected, match="HTTP 404"):
+        await f.from_url(f"{a.url}/missing.png")
+
+
+async def test_every_redirect_hop_is_checked(sites: tuple[Site, Served, Site, Served]) -> None:
+    public, a, private, b = sites
+    f = fetcher(allowed="127.0.0.1/32")
+    public.redirect_to = f"{a.url}/img.png"
+    assert (await f.from_url(f"{a.url}/redirect")).data == png_bytes()
+    public.redirect_to = f"{b.url}/img.png"  # 127.0.0.2: not allowed
+    with pytest.raises(ImageRejected, match="private, loopback"):
+        await f.from_url(f"{a.url}/redirect")
+    assert private.hits == []
+    public.redirect_to = "http://169.254.169.254/latest/meta-data/"
+    with pytest.raises(ImageRejected, match="private, loopback"):
+        await f.from_url(f"{a.url}/redirect")
+
+
+async def test_gateway_refuses_a_loopback_image_url(harness: Harness, sites: tuple[Site, Served, Site, Served]) -> None:
+    public, a, _, _ = sites
+    before = len(public.hits)
+    content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": f"{a.url}/img.png"}}]
+    r = await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and "private, loopback or link-local" in r.json()["errors"][0]["message"]
+    assert len(public.hits) == before
