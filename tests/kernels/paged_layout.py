@@ -1,0 +1,57 @@
+"""Test helper: lay contiguous per-sequence tensors out in a shuffled page pool with tags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_write import quantize_for_cache
+
+
+@dataclass
+class Paged:
+    caches: list[torch.Tensor]  # each [P, S, *shape]
+    page_table: torch.Tensor  # [B, Mp] int32
+    expected_tags: torch.Tensor  # [B, Mp] int64
+    page_tags: torch.Tensor  # [P] int64
+    seq_lens: torch.Tensor  # [B] int32
+    pages: list[list[int]]
+
+
+def lay_out(
+    per_seq: list[list[torch.Tensor]],  # per sequence, one [L, *shape] tensor per cache
+    *,
+    page_size: int = 16,
+    spare_pages: int = 3,
+    dtype: torch.dtype = torch.float32,
+    scales: list[float] | None = None,
+    seed: int = 0,
+) -> Paged:
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(ts[0].shape[0]) for ts in per_seq]
+    counts = [(n + page_size - 1) // page_size for n in lens]
+    P = sum(counts) + spare_pages
+    order = torch.randperm(P, generator=g).tolist()
+    page_tags = torch.randint(1, 2**40, (P,), generator=g)
+    scales = scales or [1.0] * len(per_seq[0])
+    caches = [
+        torch.full((P, page_size, *t.shape[1:]), float("nan")).to(dtype) for t in per_seq[0]
+    ]  # unused slots hold NaN: reading one would show
+    Mp = max(counts)
+    table = torch.zeros(len(per_seq), Mp, dtype=torch.int32)
+    tags = torch.full((len(per_seq), Mp), -1, dtype=torch.int64)
+    pages: list[list[int]] = []
+    for b, ts in enumerate(per_seq):
+        mine = [order.pop() for _ in range(counts[b])]
+        pages.append(mine)
+        table[b, : len(mine)] = torch.tensor(mine, dtype=torch.int32)
+        tags[b, : len(mine)] = page_tags[mine]
+        for c, (cache, t) in enumerate(zip(caches, ts, strict=True)):
+            for i in range(lens[b]):
+                cache[mine[i // page_size], i % page_size] = quantize_for_cache(t[i], dtype, scales[c])
+    return Paged(caches, table, tags, page_tags, torch.tensor(lens, dtype=torch.int32), pages)
+
+
+def query_starts(num_queries: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(num_queries).cumsum(0).tolist()], dtype=torch.int32)

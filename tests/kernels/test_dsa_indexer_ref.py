@@ -1,0 +1,60 @@
+"""DSA indexer reference vs brute-force scoring over contiguous keys."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dsa_indexer import dsa_indexer_ref
+from tests.kernels.paged_layout import lay_out, query_starts
+
+Hi, Di, K = 4, 16, 8
+SCALE = Di**-0.5
+
+
+def brute_force(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, L: int) -> list[set[int]]:
+    """Sets of chosen token indices for queries q [Q, Hi, Di] = the last Q tokens of L."""
+    Q = q.shape[0]
+    scores = torch.einsum("qh,qhl->ql", w, torch.relu(torch.einsum("qhd,ld->qhl", q, k) * SCALE))
+    out = []
+    for i in range(Q):
+        visible = L - Q + i + 1
+        out.append(set(scores[i, :visible].topk(min(K, visible)).indices.tolist()))
+    return out
+
+
+def run(q, w, paged, num_q):  # type: ignore[no-untyped-def]
+    mismatch = torch.zeros(len(num_q), dtype=torch.bool)
+    idx = dsa_indexer_ref(q, w, paged.caches[0], 1.0, query_starts(num_q), paged.seq_lens, paged.page_table,
+                          paged.expected_tags, paged.page_tags, mismatch, SCALE, K)
+    return idx, mismatch
+
+
+def test_chooses_the_top_visible_tokens_and_pads_with_minus_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    lens, num_q = [33, 5, 20], [33, 5, 1]
+    ks = [torch.randn(L, Di, generator=g) for L in lens]
+    q = torch.randn(sum(num_q), Hi, Di, generator=g)
+    w = torch.randn(sum(num_q), Hi, generator=g)
+    paged = lay_out([[k] for k in ks])
+    idx, mismatch = run(q, w, paged, num_q)
+    assert not mismatch.any() and idx.shape == (sum(num_q), K)
+    starts = query_starts(num_q).tolist()
+    for b, L in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        for row, want in zip(range(s, e), brute_force(q[s:e], w[s:e], ks[b], L), strict=True):
+            got = idx[row]
+            assert set(got[got >= 0].tolist()) == want
+            assert int((got < 0).sum()) == K - len(want)
+
+
+def test_tokens_of_a_page_with_the_wrong_tag_are_never_chosen() -> None:
+    g = torch.Generator().manual_seed(1)
+    L, num_q = 48, [1, 1]
+    ks = [torch.randn(L, Di, generator=g) for _ in num_q]
+    q, w = torch.randn(2, Hi, Di, generator=g), torch.randn(2, Hi, generator=g)
+    paged = lay_out([[k] for k in ks])
+    paged.page_tags[paged.pages[0][2]] += 1
+    idx, mismatch = run(q, w, paged, num_q)
+    assert mismatch.tolist() == [True, False]
+    assert not ((idx[0] >= 32) & (idx[0] < 48)).any()
+    assert set(idx[1].tolist()) == brute_force(q[1:], w[1:], ks[1], L)[0]
