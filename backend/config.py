@@ -109,7 +109,9 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         raw = _read_json(path / "config.json")
-        generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+        generation = (
+            _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+        )
         return cls.from_dict(raw, generation)
 
     @classmethod
@@ -165,7 +167,9 @@ class ModelConfig:
             hidden_act=get.opt("hidden_act", str, "silu"),
             max_position_embeddings=get.req("max_position_embeddings", int),
             tie_word_embeddings=bool(tie),
-            rope=_rope_config(text, rotary_dim, is_interleaved=mla and bool(text.get("rope_interleave", True))),
+            rope=_rope_config(
+                text, rotary_dim, is_interleaved=mla and bool(text.get("rope_interleave", True))
+            ),
             num_routed_experts=get.req("n_routed_experts", int),
             num_experts_per_tok=get.req("num_experts_per_tok", int),
             num_shared_experts=get.opt("n_shared_experts", int, 0),
@@ -261,7 +265,11 @@ def _indexer_types(text: dict[str, Any], num_layers: int) -> tuple[str, ...]:
         return tuple(text["indexer_types"])
     pattern = text.get("index_topk_pattern")
     if pattern is not None:
-        return tuple({"F": "full", "S": "shared"}[c] for c in pattern) if isinstance(pattern, str) else tuple(pattern)
+        return (
+            tuple({"F": "full", "S": "shared"}[c] for c in pattern)
+            if isinstance(pattern, str)
+            else tuple(pattern)
+        )
     freq = max(int(text.get("index_topk_freq", 1)), 1)
     offset = int(text.get("index_skip_topk_offset", 2))
     return tuple("full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(num_layers))

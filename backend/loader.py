@@ -12,6 +12,8 @@ from backend.checkpoint import iter_tensors
 from backend.config import ModelConfig
 from backend.errors import CheckpointError
 from backend.models import ARCHITECTURES
+from backend.quant.kv_scales import without_kv_scales
+from backend.quant.walker import prepare_for_checkpoint, read_scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,5 +38,10 @@ def load_model(
         raise CheckpointError(f"unknown architecture {config.architecture!r}")
     with torch.device(device):
         model = cls(config, dtype=dtype, rank=rank, world_size=world_size)
-    model.load_weights(iter_tensors(path))  # type: ignore[operator]
+    # a quantized checkpoint (config.json's quantization_config): swap in the quantized modules
+    # first, and keep the FP8 KV-cache scales out of the weight stream (backend/quant/)
+    scheme = read_scheme(path)
+    if scheme is not None:
+        prepare_for_checkpoint(model, scheme)
+    model.load_weights(without_kv_scales(iter_tensors(path)))  # type: ignore[operator]
     return LoadedModel(model=model.eval(), config=config, path=path)

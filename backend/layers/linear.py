@@ -59,6 +59,7 @@ class Linear(nn.Module):
         shard: Shard | None = None,
     ) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # the full checkpoint shape
         self.out_range = out_range or (0, out_features)
         self.in_range = in_range or (0, in_features)
         self.shard = shard or Shard()
@@ -84,14 +85,30 @@ class Linear(nn.Module):
         return self.shard.all_reduce(y) if self.is_row_parallel else y
 
 
-def column(in_features: int, out_features: int, shard: Shard, *, dtype: torch.dtype, bias: bool = False) -> Linear:
+def column(
+    in_features: int, out_features: int, shard: Shard, *, dtype: torch.dtype, bias: bool = False
+) -> Linear:
     return Linear(
-        in_features, out_features, dtype=dtype, bias=bias, out_range=shard.split(out_features, "out"), shard=shard
+        in_features,
+        out_features,
+        dtype=dtype,
+        bias=bias,
+        out_range=shard.split(out_features, "out"),
+        shard=shard,
     )
 
 
-def row(in_features: int, out_features: int, shard: Shard, *, dtype: torch.dtype, bias: bool = False) -> Linear:
-    return Linear(in_features, out_features, dtype=dtype, bias=bias, in_range=shard.split(in_features, "in"), shard=shard)
+def row(
+    in_features: int, out_features: int, shard: Shard, *, dtype: torch.dtype, bias: bool = False
+) -> Linear:
+    return Linear(
+        in_features,
+        out_features,
+        dtype=dtype,
+        bias=bias,
+        in_range=shard.split(in_features, "in"),
+        shard=shard,
+    )
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -38,7 +38,9 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         E = config.num_routed_experts
-        self.weight = nn.Parameter(torch.empty(E, config.hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(E, config.hidden_size, dtype=torch.float32), requires_grad=False
+        )
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         self.top_k = config.num_experts_per_tok
         self.n_group, self.topk_group = config.n_group, config.topk_group

@@ -59,7 +59,9 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] → cos, sin [T, dim/2] (already scaled by the attention factor)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(
+            dtype
+        )
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, >= dim]; rotates the first `dim` dims of each head, passes the rest through."""

@@ -26,7 +26,10 @@ from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotary
 from backend.layers.step import Step
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# `.weight`, or a quantized checkpoint's `.weight_packed` / `.weight_scale` / `.weight_scale_inv` / …
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\w*)$"
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -64,7 +67,9 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """Base of the architecture classes; a subclass supplies `make_attention(layer_idx)`."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, rank: int = 0, world_size: int = 1
+    ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
         self.shard = Shard(rank, world_size)
@@ -75,7 +80,9 @@ class CausalLM(nn.Module):
             if config.mlp_layer_types[i] == "sparse":
                 mlp = MoE(config, self.shard, dtype=dtype)
             else:
-                mlp = DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act, self.shard, dtype=dtype)
+                mlp = DenseMLP(
+                    config.hidden_size, config.intermediate_size, config.hidden_act, self.shard, dtype=dtype
+                )
             layers.append(DecoderLayer(config, self.make_attention(i), mlp, dtype=dtype))
         self.model = Backbone(config, layers, dtype=dtype)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
@@ -106,7 +113,7 @@ class CausalLM(nn.Module):
         needed = Counter({name: 1 for name in targets})
         expert_parts: dict[str, set[tuple[int, str]]] = defaultdict(set)
         for module_name, module in self.named_modules():
-            if isinstance(module, Experts):
+            if hasattr(module, "parts_per_param"):  # Experts, or backend.quant's QuantExperts
                 for param, parts in module.parts_per_param().items():
                     needed[f"{module_name}.{param}"] = parts
         loaded: Counter[str] = Counter()
@@ -121,9 +128,13 @@ class CausalLM(nn.Module):
             if (layer and int(layer.group(1)) >= self.config.num_hidden_layers) or _IGNORED.search(name):
                 continue  # MTP layers (speculative decoding heads) are not part of the model
             if expert := _EXPERT.match(name):
-                path, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
-                n = self._module(path, raw_name).load_expert(e, proj, tensor)
-                loaded[f"{path}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"] += n
+                path, e, proj, part = expert.group(1), int(expert.group(2)), expert.group(3), expert.group(4)
+                if part == "weight":
+                    n = self._module(path, raw_name).load_expert(e, proj, tensor)
+                    loaded[f"{path}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"] += n
+                else:  # quantized experts (backend/quant/experts.py) say which buffer the tensor filled
+                    buffer, n = self._module(path, raw_name).load_expert_part(e, proj, part, tensor)
+                    loaded[f"{path}.{buffer}"] += n
                 expert_parts[path].add((e, proj))
                 continue
             path, attr = name.rsplit(".", 1)
@@ -140,7 +151,9 @@ class CausalLM(nn.Module):
             loaded["lm_head.weight"] = 1
         for name in targets:
             if loaded[name] < needed[name]:
-                raise CheckpointError(f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}")
+                raise CheckpointError(
+                    f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}"
+                )
 
     def _module(self, path: str, raw_name: str) -> nn.Module:
         try:

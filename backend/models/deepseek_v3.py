@@ -32,7 +32,9 @@ LORA_NORM_EPS = 1e-6
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         c = config
         self.layer_idx, self.rotary = layer_idx, [rotary]  # a list: shared, not a submodule

@@ -24,7 +24,9 @@ from kernels.paged_attention import paged_attention_ref
 
 
 class GQAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         c = config
         self.layer_idx, self.rotary = layer_idx, [rotary]  # a list: shared, not a submodule

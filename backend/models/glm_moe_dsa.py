@@ -64,7 +64,9 @@ class Indexer(nn.Module):
 
 
 class DSAAttention(MLAAttention):
-    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype
+    ) -> None:
         super().__init__(config, layer_idx, shard, rotary, dtype=dtype)
         self.is_full = config.indexer_types[layer_idx] == "full"
         if self.is_full:
@@ -80,7 +82,9 @@ class DSAAttention(MLAAttention):
             assert q_resid is not None
             step.topk_indices = self.indexer(x, q_resid, step, self.rotary[0])
         elif step.topk_indices is None:
-            raise CheckpointError(f"layer {self.layer_idx} shares top-k but no earlier layer runs the indexer")
+            raise CheckpointError(
+                f"layer {self.layer_idx} shares top-k but no earlier layer runs the indexer"
+            )
         return self.attend(q, step, step.topk_indices)
 
 

@@ -47,7 +47,9 @@ def prefill_max_diff(arch: str, path: Path, *, chunk: int = 16) -> float:
     return max(float((o - reference_logits(ref, p)).abs().max()) for o, p in zip(ours, ps, strict=True))
 
 
-def greedy_matches(arch: str, path: Path, *, num_steps: int = 32, chunk: int = 16) -> tuple[list[list[int]], list[list[int]]]:
+def greedy_matches(
+    arch: str, path: Path, *, num_steps: int = 32, chunk: int = 16
+) -> tuple[list[list[int]], list[list[int]]]:
     loaded = load_model(path, dtype=torch.float32)
     ref = load_reference(arch, path)
     ps = prompts(loaded.config.vocab_size, (17, 33))

@@ -32,7 +32,9 @@ class PagedDriver:
     ) -> None:
         self.model = model
         dtype = model.dtype  # type: ignore[attr-defined]
-        self.kv = KVCache.allocate(model.cache_specs(), num_pages, page_size, kv_dtype or dtype, dtype, scales=scales)  # type: ignore[operator]
+        self.kv = KVCache.allocate(
+            model.cache_specs(), num_pages, page_size, kv_dtype or dtype, dtype, scales=scales
+        )  # type: ignore[operator]
         self.kv.page_tags.copy_(torch.arange(num_pages) * 7 + 3)  # arbitrary distinct tags
         self.free = list(range(num_pages))
         self.last_mismatch = torch.zeros(0, dtype=torch.bool)
@@ -60,7 +62,9 @@ class PagedDriver:
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
             query_start=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor([s.num_cached + n for s, n in zip(seqs, num_new, strict=True)], dtype=torch.int32),
+            seq_lens=torch.tensor(
+                [s.num_cached + n for s, n in zip(seqs, num_new, strict=True)], dtype=torch.int32
+            ),
             page_table=table,
             expected_tags=tags,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),

@@ -84,11 +84,16 @@ def test_fused_expert_tensors_load_like_per_expert_ones(ds_path: Path, tmp_path:
 def test_mtp_layers_are_skipped(ds_path: Path, tmp_path: Path) -> None:
     tensors = _tensors(ds_path)
     n = ModelConfig.from_pretrained(ds_path).num_hidden_layers
-    extra = {f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4), f"model.layers.{n}.enorm.weight": torch.ones(4)}
+    extra = {
+        f"model.layers.{n}.eh_proj.weight": torch.zeros(4, 4),
+        f"model.layers.{n}.enorm.weight": torch.ones(4),
+    }
     _assert_same(_state(ds_path), _state(_copy_folder(ds_path, tmp_path / "mtp", tensors | extra)))
 
 
-@pytest.mark.parametrize("missing", ["model.layers.1.mlp.experts.5.up_proj.weight", "model.norm.weight", "lm_head.weight"])
+@pytest.mark.parametrize(
+    "missing", ["model.layers.1.mlp.experts.5.up_proj.weight", "model.norm.weight", "lm_head.weight"]
+)
 def test_a_missing_tensor_is_named(ds_path: Path, tmp_path: Path, missing: str) -> None:
     tensors = _tensors(ds_path)
     del tensors[missing]
@@ -131,12 +136,25 @@ def test_missing_weights_file_is_an_error(tmp_path: Path, ds_path: Path) -> None
 
 def test_rope_scaling_and_rope_parameters_read_the_same(tmp_path: Path) -> None:
     published = ModelConfig.from_pretrained(make_tiny("kimi_k2", tmp_path / "published"))
-    current = ModelConfig.from_pretrained(make_tiny("deepseek_v3", tmp_path / "current", n_group=1, topk_group=1,
-                                                    routed_scaling_factor=2.827,
-                                                    rope_parameters=dict(rope_type="yarn", rope_theta=50000.0,
-                                                                         factor=4.0, original_max_position_embeddings=32,
-                                                                         beta_fast=32.0, beta_slow=1.0, mscale=1.0,
-                                                                         mscale_all_dim=1.0)))
+    current = ModelConfig.from_pretrained(
+        make_tiny(
+            "deepseek_v3",
+            tmp_path / "current",
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=50000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+        )
+    )
     assert json.loads((tmp_path / "published" / "config.json").read_text()).get("rope_scaling")
     assert published.rope == current.rope
     assert published.model_type == "kimi_k2" and published.eos_token_ids == tuple(EOS_IDS)
@@ -151,16 +169,27 @@ def test_world_size_2_ranks_keep_their_slices(ds_path: Path) -> None:
         m = load_model(ds_path, dtype=torch.float32, rank=rank, world_size=2).model
         h = slice(rank * H // 2, (rank + 1) * H // 2)
         attn = m.model.layers[1].self_attn
-        assert torch.equal(attn.q_b_proj.weight, full["model.layers.1.self_attn.q_b_proj.weight"][h.start * qk : h.stop * qk])
-        assert torch.equal(attn.kv_b_proj.weight, full["model.layers.1.self_attn.kv_b_proj.weight"][h.start * kv : h.stop * kv])
-        assert torch.equal(attn.o_proj.weight, full["model.layers.1.self_attn.o_proj.weight"][:, h.start * V : h.stop * V])
-        assert torch.equal(attn.kv_a_proj_with_mqa.weight, full["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"])
+        assert torch.equal(
+            attn.q_b_proj.weight, full["model.layers.1.self_attn.q_b_proj.weight"][h.start * qk : h.stop * qk]
+        )
+        assert torch.equal(
+            attn.kv_b_proj.weight,
+            full["model.layers.1.self_attn.kv_b_proj.weight"][h.start * kv : h.stop * kv],
+        )
+        assert torch.equal(
+            attn.o_proj.weight, full["model.layers.1.self_attn.o_proj.weight"][:, h.start * V : h.stop * V]
+        )
+        assert torch.equal(
+            attn.kv_a_proj_with_mqa.weight, full["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
+        )
         experts = m.model.layers[1].mlp.experts
         local = range(rank * 4, rank * 4 + 4)
         assert (experts.e0, experts.e1) == (local.start, local.stop)
         for i, e in enumerate(local):
             I = c.moe_intermediate_size
-            assert torch.equal(experts.gate_up_proj[i, :I], full[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"])
+            assert torch.equal(
+                experts.gate_up_proj[i, :I], full[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"]
+            )
             assert torch.equal(experts.down_proj[i], full[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
         dense = m.model.layers[0].mlp
         rows = slice(rank * c.intermediate_size // 2, (rank + 1) * c.intermediate_size // 2)
@@ -176,7 +205,14 @@ def test_world_size_2_gqa_ranks_keep_their_kv_heads(tmp_path: Path) -> None:
     for rank in (0, 1):
         attn = load_model(path, dtype=torch.float32, rank=rank, world_size=2).model.model.layers[0].self_attn
         # 4 query heads over 2 kv heads: rank r keeps query heads 2r, 2r+1 and kv head r
-        assert torch.equal(attn.q_proj.weight, full["model.layers.0.self_attn.q_proj.weight"][rank * 2 * D : (rank + 1) * 2 * D])
-        assert torch.equal(attn.k_proj.weight, full["model.layers.0.self_attn.k_proj.weight"][rank * D : (rank + 1) * D])
-        assert torch.equal(attn.k_proj.bias, full["model.layers.0.self_attn.k_proj.bias"][rank * D : (rank + 1) * D])
+        assert torch.equal(
+            attn.q_proj.weight,
+            full["model.layers.0.self_attn.q_proj.weight"][rank * 2 * D : (rank + 1) * 2 * D],
+        )
+        assert torch.equal(
+            attn.k_proj.weight, full["model.layers.0.self_attn.k_proj.weight"][rank * D : (rank + 1) * D]
+        )
+        assert torch.equal(
+            attn.k_proj.bias, full["model.layers.0.self_attn.k_proj.bias"][rank * D : (rank + 1) * D]
+        )
         assert attn.cache_specs()[0].shape == (1, D)

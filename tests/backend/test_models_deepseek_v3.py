@@ -48,7 +48,10 @@ def test_mla_cache_is_one_latent_line_per_token(ds_path: Path) -> None:
     c = loaded.config
     specs = loaded.model.cache_specs()
     assert len(specs) == c.num_hidden_layers
-    assert all([(s.name, s.shape) for s in layer] == [("latent", (c.kv_lora_rank + c.qk_rope_head_dim,))] for layer in specs)
+    assert all(
+        [(s.name, s.shape) for s in layer] == [("latent", (c.kv_lora_rank + c.qk_rope_head_dim,))]
+        for layer in specs
+    )
 
 
 def test_quantized_kv_cache_stays_close_to_fp32(tmp_path: Path) -> None:

@@ -43,27 +43,65 @@ _COMMON: dict[str, Any] = dict(
     eos_token_id=1,
     tie_word_embeddings=False,
 )
-_MLA: dict[str, Any] = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24)
-_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
-             beta_fast=32.0, beta_slow=1.0)
+_MLA: dict[str, Any] = dict(
+    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24
+)
+_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=32,
+    beta_fast=32.0,
+    beta_slow=1.0,
+)
 
 
 def config_dict(arch: str, **overrides: Any) -> dict[str, Any]:
     """The transformers config kwargs `make_tiny` uses for `arch` (text model only for kimi_k25)."""
     if arch == "deepseek_v3":
-        base = dict(_COMMON, **_MLA, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                    rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=0.8))
+        base = dict(
+            _COMMON,
+            **_MLA,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(_YARN, mscale=1.0, mscale_all_dim=0.8),
+        )
     elif arch in ("kimi_k2", "kimi_k25"):
-        base = dict(_COMMON, **_MLA, n_group=1, topk_group=1, routed_scaling_factor=2.827,
-                    rope_parameters=dict(_YARN, rope_theta=50000.0, mscale=1.0, mscale_all_dim=1.0))
+        base = dict(
+            _COMMON,
+            **_MLA,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.827,
+            rope_parameters=dict(_YARN, rope_theta=50000.0, mscale=1.0, mscale_all_dim=1.0),
+        )
     elif arch == "glm_moe_dsa":
-        base = dict(_COMMON, **_MLA, n_group=1, topk_group=1, routed_scaling_factor=2.5, rms_norm_eps=1e-5,
-                    index_topk=8, index_head_dim=16, index_n_heads=8, indexer_types=["full", "shared", "full"],
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        base = dict(
+            _COMMON,
+            **_MLA,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            rms_norm_eps=1e-5,
+            index_topk=8,
+            index_head_dim=16,
+            index_n_heads=8,
+            indexer_types=["full", "shared", "full"],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        )
     elif arch == "glm4_moe":
-        base = dict(_COMMON, num_key_value_heads=2, head_dim=24, attention_bias=True, use_qk_norm=True,
-                    n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+        base = dict(
+            _COMMON,
+            num_key_value_heads=2,
+            head_dim=24,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; one of {ARCHS}")
     base.update(overrides)
@@ -85,8 +123,9 @@ def _build(arch: str, cfg: dict[str, Any]) -> torch.nn.Module:
 
     text = dict(cfg, model_type="kimi_k2")
     vision = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2)
-    config = Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
-                            tie_word_embeddings=False)
+    config = Kimi_K25Config(
+        text_config=text, vision_config=vision, projection_hidden_size=32, tie_word_embeddings=False
+    )
     return Kimi_K25ForConditionalGeneration(config)
 
 
@@ -135,7 +174,10 @@ def _rename_k25_tensors(path: Path, model: torch.nn.Module) -> None:
     """Real K2.5 names: `language_model.model.layers.*` and `language_model.lm_head.weight`."""
     file = path / "model.safetensors"
     tensors = load_file(str(file))
-    renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in tensors.items()}
+    renamed = {
+        k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+        for k, v in tensors.items()
+    }
     renamed.pop("lm_head.weight", None)
     renamed["language_model.lm_head.weight"] = model.lm_head.weight.detach().clone().contiguous()
     save_file(renamed, str(file), metadata={"format": "pt"})

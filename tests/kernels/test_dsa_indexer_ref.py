@@ -24,8 +24,20 @@ def brute_force(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, L: int) -> li
 
 def run(q, w, paged, num_q):  # type: ignore[no-untyped-def]
     mismatch = torch.zeros(len(num_q), dtype=torch.bool)
-    idx = dsa_indexer_ref(q, w, paged.caches[0], 1.0, query_starts(num_q), paged.seq_lens, paged.page_table,
-                          paged.expected_tags, paged.page_tags, mismatch, SCALE, K)
+    idx = dsa_indexer_ref(
+        q,
+        w,
+        paged.caches[0],
+        1.0,
+        query_starts(num_q),
+        paged.seq_lens,
+        paged.page_table,
+        paged.expected_tags,
+        paged.page_tags,
+        mismatch,
+        SCALE,
+        K,
+    )
     return idx, mismatch
 
 

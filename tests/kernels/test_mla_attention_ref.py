@@ -38,8 +38,20 @@ def case(L: int, num_q: list[int], seed: int):  # type: ignore[no-untyped-def]
 def absorbed(q_nope, q_pe, w_uk, w_uv, paged, num_q, topk=None, scale=1.0):  # type: ignore[no-untyped-def]
     q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [T, H, R + Dr]
     mismatch = torch.zeros(len(num_q), dtype=torch.bool)
-    o = mla_attention_ref(q, paged.caches[0], scale, R, query_starts(num_q), paged.seq_lens, paged.page_table,
-                          paged.expected_tags, paged.page_tags, mismatch, SCALE, topk)
+    o = mla_attention_ref(
+        q,
+        paged.caches[0],
+        scale,
+        R,
+        query_starts(num_q),
+        paged.seq_lens,
+        paged.page_table,
+        paged.expected_tags,
+        paged.page_tags,
+        mismatch,
+        SCALE,
+        topk,
+    )
     return torch.einsum("thr,hvr->thv", o, w_uv), mismatch
 
 
@@ -51,9 +63,12 @@ def test_absorbed_paged_mla_equals_naive_mla(L: int) -> None:
     out, mismatch = absorbed(q_nope, q_pe, w_uk, w_uv, paged, num_q)
     assert not mismatch.any()
     starts = query_starts(num_q).tolist()
-    expected = torch.cat([
-        naive(q_nope[s:e], q_pe[s:e], c, p, w_uk, w_uv) for s, e, c, p in zip(starts[:-1], starts[1:], cs, pes, strict=True)
-    ])
+    expected = torch.cat(
+        [
+            naive(q_nope[s:e], q_pe[s:e], c, p, w_uk, w_uv)
+            for s, e, c, p in zip(starts[:-1], starts[1:], cs, pes, strict=True)
+        ]
+    )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
@@ -89,7 +104,9 @@ def test_wrong_tag_flags_and_masks_the_page() -> None:
     assert torch.equal(out[0], clean[0])
     allowed = torch.ones(1, L, dtype=torch.bool)
     allowed[0, :16] = False
-    torch.testing.assert_close(out[1:], naive(q_nope[1:], q_pe[1:], cs[1], pes[1], w_uk, w_uv, allowed), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out[1:], naive(q_nope[1:], q_pe[1:], cs[1], pes[1], w_uk, w_uv, allowed), atol=1e-5, rtol=1e-4
+    )
 
 
 def test_fp8_latent_cache_is_close() -> None:

@@ -13,7 +13,9 @@ Hq, Hkv, D = 4, 2, 16
 SCALE = D**-0.5
 
 
-def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+def plain(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [Q, Hq, D] = the last Q tokens; k, v [L, Hkv, D] → [Q, Hq, D] via SDPA."""
     Q, L = q.shape[0], k.shape[0]
     mask = torch.ones(Q, L, dtype=torch.bool).tril(L - Q)
@@ -28,8 +30,18 @@ def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tens
 def run(q: torch.Tensor, paged, num_q: list[int], v_scale: float = 1.0, k_scale: float = 1.0):  # type: ignore[no-untyped-def]
     mismatch = torch.zeros(len(num_q), dtype=torch.bool)
     out = paged_attention_ref(
-        q, paged.caches[0], paged.caches[1], k_scale, v_scale, query_starts(num_q), paged.seq_lens,
-        paged.page_table, paged.expected_tags, paged.page_tags, mismatch, SCALE,
+        q,
+        paged.caches[0],
+        paged.caches[1],
+        k_scale,
+        v_scale,
+        query_starts(num_q),
+        paged.seq_lens,
+        paged.page_table,
+        paged.expected_tags,
+        paged.page_tags,
+        mismatch,
+        SCALE,
     )
     return out, mismatch
 
