@@ -1,0 +1,67 @@
+"""Test helper: one `kumo backend` process on a tiny GLM-5 checkpoint for the whole test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class RunningBackend:
+    url: str
+    model_dir: Path
+    num_pages: int
+    process: subprocess.Popen[bytes]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def backend_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBackend]:
+    model_dir = make_served_checkpoint("glm_moe_dsa", tmp_path_factory.mktemp("served-glm5"))
+    port, num_pages = _free_port(), 96
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), KUMO_BACKEND_SECRET=SECRET)
+    log = (tmp_path_factory.getbasetemp() / "backend.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "backend", "--model", str(model_dir), "--port", str(port),
+         "--dtype", "float32", "--max-pages", str(num_pages), "--page-size", "8", "--max-num-seqs", "64",
+         "--name", "glm-5.2-tiny"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("backend did not start: " + (tmp_path_factory.getbasetemp() / "backend.log").read_text())
+        time.sleep(0.2)
+    yield RunningBackend(url, model_dir, num_pages, process)
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    log.close()
