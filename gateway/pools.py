@@ -22,6 +22,7 @@ import structlog
 
 from gateway import errors
 from gateway.backend_client import BackendClient, ReplicaFailed
+from gateway.catalog import CatalogError
 from schemas.backend import Error, Event, GenerateRequest, LoadReport, ModelCard
 from schemas.catalog import ModelSpec, PoolsFile
 
@@ -67,7 +68,11 @@ class Pool:
 
 
 def read_pools_file(text: str) -> PoolsFile:
-    return msgspec.convert(tomllib.loads(text), PoolsFile)
+    """Parse and validate a pools TOML file (`[pools.NAME] replicas = [...], secret = "..."`)."""
+    try:
+        return msgspec.convert(tomllib.loads(text), PoolsFile)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise CatalogError(f"pools file: {exc}") from exc
 
 
 class Router:

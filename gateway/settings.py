@@ -7,6 +7,7 @@ reads `os.environ`; everything is handed this object.
 from __future__ import annotations
 
 import argparse
+import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -68,8 +69,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_port: int) 
     )
 
 
-def settings_from(args: argparse.Namespace, env: Mapping[str, str], **overrides: object) -> GatewaySettings:
-    """Build the settings from parsed flags and the environment (`KUMO_*`)."""
+def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None, **overrides: object) -> GatewaySettings:
+    """Build the settings from parsed flags and the environment (`KUMO_*`; the process's own
+    unless `env` is given). The only place the gateway reads the environment."""
+    env = os.environ if env is None else env
 
     def pick(flag: object, name: str, default: object) -> object:
         if flag is not None:
@@ -89,9 +92,27 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str], **overrides:
     }
     if env.get("KUMO_ALLOWED_IMAGE_NETWORKS"):
         values["allowed_image_networks"] = tuple(n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip())
-    if env.get("KUMO_SERVER_SECRET"):
-        values["server_secret"] = env["KUMO_SERVER_SECRET"]
+    values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
     if env.get("KUMO_MAX_BODY_BYTES"):
         values["max_body_bytes"] = int(env["KUMO_MAX_BODY_BYTES"])
     values.update(overrides)
     return replace(base, **values)  # type: ignore[arg-type]
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a spawned backend: ours plus `extra` (its secret travels here, not on
+    the command line where `ps` would show it)."""
+    return {**os.environ, **extra}
+
+
+def persisted_secret(data_dir: Path) -> str:
+    """The server secret kept in the data dir, created on first use. Gateways that share a data
+    dir (or `KUMO_SERVER_SECRET`) derive the same tenant salts, so prefix caches stay warm."""
+    path = data_dir / "server_secret"
+    if path.is_file():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_hex(32)
+    path.write_text(value)
+    path.chmod(0o600)
+    return value

@@ -1,0 +1,227 @@
+"""`kumo serve`: the embedded default on one machine (DESIGN §5).
+
+It creates the default small checkpoints on first start (a random checkpoint of each exact
+architecture, until trained ones ship), spawns one `kumo backend` per model on loopback with a
+generated secret, waits until every backend is ready, and only then listens; it prints the URL and
+a development (paid) tenant's account id and token, and stops everything on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import secrets
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from gateway.app import create_app
+from gateway.catalog import Catalog, CatalogError, load_catalog_file, local_model_spec
+from gateway.observability import configure_logging
+from gateway.server import prepare, uvicorn_config
+from gateway.services import open_services
+from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
+from schemas.catalog import ModelSpec, PoolSpec, PoolsFile
+
+DEFAULT_PORT = 8787
+DEFAULT_KINDS = {"kimi-k2.6": "kimi-k2.6", "glm-5.2": "glm-5.2"}  # pool → random_checkpoint KIND
+READY_TIMEOUT_S = 900.0
+
+
+class ServeError(Exception):
+    """Something that stops `kumo serve` from starting; the message is for the user."""
+
+
+@dataclass
+class BackendProcess:
+    name: str
+    folder: Path
+    pool: str
+    port: int
+    secret: str
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_named(values: list[str], flag: str) -> list[tuple[str, Path]]:
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ServeError(f"{flag} expects NAME=PATH, got {value!r}")
+        if not (Path(path) / "config.json").is_file():
+            raise ServeError(f"{flag} {name}: {path} has no config.json")
+        out.append((name, Path(path)))
+    return out
+
+
+async def ensure_checkpoint(kind: str, folder: Path, log: Path) -> None:
+    """Create a small random checkpoint of `kind` at `folder` unless one is there."""
+    if (folder / "config.json").is_file():
+        return
+    print(f"Creating a small random {kind} checkpoint in {folder} (first start only)…", flush=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "backend.random_checkpoint", kind, str(folder), stdout=out, stderr=out
+        )
+        if await proc.wait() != 0:
+            raise ServeError(f"could not create the {kind} checkpoint (see {log})")
+
+
+async def start_backend(b: BackendProcess, dtype: str, logs: Path) -> None:
+    log = (logs / f"{b.pool}.log").open("ab")
+    b.process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
+        "--name", b.name, "--dtype", dtype,
+        stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
+    )  # fmt: skip
+    log.close()
+
+
+async def wait_ready(backends: list[BackendProcess], logs: Path) -> None:
+    """Poll each backend's `/v1/health` until all are `ok`; a backend that exits is an error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + READY_TIMEOUT_S
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+        pending = list(backends)
+        while pending:
+            for b in list(pending):
+                assert b.process is not None
+                if b.process.returncode is not None:
+                    raise ServeError(f"backend for {b.name} exited with {b.process.returncode} (see {logs / (b.pool + '.log')})")
+                with contextlib.suppress(httpx.HTTPError):
+                    r = await http.get(f"{b.url}/v1/health")
+                    if r.status_code == 200 and r.json().get("status") == "ok":
+                        pending.remove(b)
+            if loop.time() > deadline:
+                raise ServeError("backends did not become ready in time")
+            if pending:
+                await asyncio.sleep(0.5)
+
+
+async def stop_backends(backends: list[BackendProcess]) -> None:
+    for b in backends:
+        if b.process is not None and b.process.returncode is None:
+            b.process.terminate()
+    for b in backends:
+        if b.process is None:
+            continue
+        try:
+            await asyncio.wait_for(b.process.wait(), 15)
+        except TimeoutError:
+            b.process.kill()
+            await b.process.wait()
+
+
+def plan(args: argparse.Namespace, settings: GatewaySettings) -> tuple[Catalog, list[BackendProcess], list[tuple[str, Path]]]:
+    """The catalog and one backend per served model; the checkpoints still to create."""
+    file = load_catalog_file(settings.catalog_file)
+    to_create: list[tuple[str, Path]] = []
+    backends: list[BackendProcess] = []
+    models: list[ModelSpec] = []
+    for entry in file.models:
+        kind = DEFAULT_KINDS.get(entry.pool)
+        if kind is None:
+            raise ServeError(f"the catalog's {entry.name} has no checkpoint kumo serve can create")
+        folder = settings.data_dir / "checkpoints" / kind
+        to_create.append((kind, folder))
+        backends.append(BackendProcess(entry.name, folder, entry.pool, free_port(), secrets.token_hex(24)))
+    extra = [(n, p, "openai") for n, p in parse_named(args.model, "--model")]
+    extra += [(n, p, "legacy") for n, p in parse_named(args.legacy_model, "--legacy-model")]
+    for i, (name, folder, family) in enumerate(extra):
+        pool = f"local-{i}"
+        models.append(local_model_spec(name, folder, pool, family=family))
+        backends.append(BackendProcess(name, folder, pool, free_port(), secrets.token_hex(24)))
+    try:
+        catalog = Catalog.from_file(file, models)
+    except CatalogError as exc:
+        raise ServeError(str(exc)) from exc
+    return catalog, backends, to_create
+
+
+async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
+    catalog, backends, to_create = plan(args, settings)
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for kind, folder in to_create:
+            await ensure_checkpoint(kind, folder, logs / "checkpoints.log")
+        for b in backends:
+            await start_backend(b, args.dtype, logs)
+        print(f"Starting {len(backends)} backend(s) (logs in {logs})…", flush=True)
+        ready = asyncio.create_task(wait_ready(backends, logs))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            return 130
+        stopped.cancel()
+        ready.result()
+        pools = PoolsFile(pools={b.pool: PoolSpec(replicas=[b.url], secret=b.secret) for b in backends})
+        services = await open_services(settings, catalog, pools)
+        await prepare(services, settings)
+        account, token = await services.store.ensure_dev_tenant()
+        server = uvicorn.Server(uvicorn_config(create_app(settings, services), settings))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            announce(settings, account, token, catalog)
+        await serving
+        return 0
+    finally:
+        await stop_backends(backends)
+
+
+def announce(settings: GatewaySettings, account: str, token: str, catalog: Catalog) -> None:
+    url = f"http://{settings.host}:{settings.port}"
+    models = ", ".join(m.name for m in catalog.models)
+    print(
+        f"\nKumo is ready at {url}  (models: {models}; catalog page {url}/models)\n"
+        f"  Account ID: {account}\n"
+        f"  API token:  {token}\n"
+        f"  Try: curl {url}/client/v4/accounts/{account}/ai/run/{catalog.models[0].name} \\\n"
+        f"         -H 'Authorization: Bearer {token}' -d '{{\"prompt\": \"Hello\"}}'\n",
+        flush=True,
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kumo serve", description="The gateway plus one CPU/GPU backend per model.")
+    add_common_arguments(parser, default_port=DEFAULT_PORT)
+    parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH", help="serve a Kimi/GLM checkpoint (OpenAI-native family)")
+    parser.add_argument("--legacy-model", action="append", default=[], metavar="NAME=PATH", help="serve a checkpoint with the legacy Workers AI family")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="backend weights dtype (float32 on the CPU)")
+    args = parser.parse_args(argv)
+    settings = settings_from(args)
+    configure_logging(json=settings.log_json)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return asyncio.run(run(args, settings))
+    except (ServeError, CatalogError) as exc:
+        print(f"kumo serve: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

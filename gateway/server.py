@@ -1,0 +1,68 @@
+"""`kumo gateway --catalog FILE --pools FILE [--database-url …] [--redis-url …] [--port N]`:
+a gateway alone, for scale-out behind a load balancer (backends registered in the pools file)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import msgspec
+import uvicorn
+
+from gateway.app import create_app
+from gateway.catalog import Catalog, CatalogError, load_catalog_file
+from gateway.observability import configure_logging
+from gateway.pools import read_pools_file
+from gateway.services import Services, open_services
+from gateway.settings import GatewaySettings, add_common_arguments, settings_from
+
+DEFAULT_PORT = 8787
+
+
+def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
+    """The HTTP server: keep-alive capped, no access log (the app logs one line per request)."""
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=15,
+        lifespan="on",
+        ws="none",
+    )
+
+
+async def prepare(services: Services, settings: GatewaySettings) -> None:
+    """Print a generated admin token once (the store keeps only its hash)."""
+    generated = await services.store.ensure_admin_token(settings.admin_token)
+    if generated is not None:
+        print(f"Admin token (shown once): {generated}", flush=True)
+
+
+async def _run(settings: GatewaySettings, catalog: Catalog, pools_text: str) -> int:
+    services = await open_services(settings, catalog, read_pools_file(pools_text))
+    await prepare(services, settings)
+    server = uvicorn.Server(uvicorn_config(create_app(settings, services), settings))
+    await server.serve()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kumo gateway", description="Run a gateway in front of backend pools.")
+    parser.add_argument("--catalog", type=Path, default=None, help="catalog TOML (default: the packaged one)")
+    parser.add_argument("--pools", type=Path, required=True, help="pools TOML: [pools.NAME] replicas, secret")
+    add_common_arguments(parser, default_port=DEFAULT_PORT)
+    args = parser.parse_args(argv)
+    settings = settings_from(args, catalog_file=args.catalog, pools_file=args.pools)
+    configure_logging(json=settings.log_json)
+    try:
+        catalog = Catalog.from_file(load_catalog_file(settings.catalog_file))
+        pools_text = args.pools.read_text()
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(_run(settings, catalog, pools_text))
+    except (CatalogError, OSError, msgspec.ValidationError) as exc:
+        print(f"kumo gateway: {exc}", file=sys.stderr)
+        return 2
