@@ -79,6 +79,22 @@ class Engine:
         self._abort_ids: set[str] = set()
         self._seeds = random.Random(config.seed)
 
+    @classmethod
+    def from_loaded(
+        cls, loaded: Any, config: EngineConfig, *, detokenize: Callable[[list[int]], str] | None = None
+    ) -> Engine:
+        """An engine over `backend.loader.load_model(...)`'s result, sized by its ModelConfig."""
+        dtype = next(loaded.model.parameters()).dtype
+        return cls(
+            loaded.model,
+            config,
+            vocab_size=loaded.config.vocab_size,
+            context_window=loaded.config.max_position_embeddings,
+            model_dtype=dtype,
+            device=next(loaded.model.parameters()).device,
+            detokenize=detokenize,
+        )
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +17,38 @@ TENANT_A = "a" * 32
 TENANT_B = "b" * 32
 
 
+MODELS = ("tiny", "deepseek_v3", "glm_moe_dsa", "glm4_moe")  # the test model, then real checkpoints
+
+
+class ModelShelf:
+    """The engine test model and the tiny real checkpoints of each family, built once on demand."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._models: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._models:
+            self._models[name] = TinyPagedModel() if name == "tiny" else self._load(name)
+        return self._models[name]
+
+    def _load(self, arch: str) -> Any:
+        from backend.loader import load_model
+        from tests.backend.tiny_checkpoints import make_tiny
+
+        return load_model(make_tiny(arch, self.root / arch), dtype=torch.float32)
+
+
+def vocab_of(model: Any) -> int:
+    return model.config.vocab_size if hasattr(model, "config") else model.vocab_size
+
+
 def make_engine(model: Any = None, **config: Any) -> Engine:
+    """An engine over the test model, or over a `LoadedModel` (real tiny checkpoint)."""
     model = model or TinyPagedModel()
     values = {"num_pages": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16} | config
+    if hasattr(model, "config"):
+        return Engine.from_loaded(model, EngineConfig.build(**values))
     return Engine(
         model,
         EngineConfig.build(**values),
