@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 
 _MAGIC_ONE = 0x3F800000  # bits of 1.0f: OR a nibble into the mantissa to get 1 + nibble·2^-23
-_MAGIC_2_23 = 0x4B000000  # bits of 2^23: OR a nibble into the low mantissa bits to get 2^23 + nibble
+_MAGIC_2_23 = tl.constexpr(
+    0x4B000000
+)  # bits of 2^23: OR a nibble into the low mantissa bits to get 2^23 + nibble
 
 
 @triton.jit
@@ -81,6 +83,7 @@ def _w4a16_gemv_kernel(
     stride_sn,
     stride_om,
     stride_on,
+    magic_one,  # 0x3F800000 as a run-time value: with two immediates ptxas emits AND and OR, not one LOP3
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -119,9 +122,10 @@ def _w4a16_gemv_kernel(
             xj = tl.load(x_row + (r * 8 + j) * stride_xk, mask=r_ok, other=0.0).to(tl.float32)
             xh = tl.load(x_row + (r * 8 + 4 + j) * stride_xk, mask=r_ok, other=0.0).to(tl.float32)
             x_sum += xj + xh
-            lo = ((wp & (0xF << (4 * j))) | _MAGIC_ONE).to(tl.float32, bitcast=True) - 1.0
-            hi = ((wp_hi & (0xF << (4 * j))) | _MAGIC_ONE).to(tl.float32, bitcast=True) - 1.0
-            dot8 += lo * (xj * lift)[:, None] + hi * (xh * lift)[:, None]
+            lo = ((wp & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
+            hi = ((wp_hi & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
+            dot8 += lo * (xj * lift)[:, None]
+            dot8 += hi * (xh * lift)[:, None]
             lift = lift * 0.0625
         acc2 += (dot8 - 8.0 * x_sum[:, None]) * sc
     acc = tl.sum(acc2, axis=0)  # [BN]
@@ -333,6 +337,7 @@ def w4a16_gemm(
             N,
             K,
             *strides,
+            _MAGIC_ONE,
             GROUP_SIZE=group_size,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
