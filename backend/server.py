@@ -71,6 +71,9 @@ class NDJSONStream:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
                 self._metrics.disconnects.inc()
+            except Exception as exc:  # a bug in one request ends that stream with an error, nothing else
+                await self._send(send, EngineError(f"internal error: {exc!r}").to_event())
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
 
     async def _send(self, send: Send, event: Event) -> None:

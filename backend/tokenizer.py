@@ -46,7 +46,8 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, token_ids: list[int]) -> str:
-        """Text of `token_ids`, special tokens spelled out; incomplete UTF-8 becomes U+FFFD."""
+        """Text of `token_ids`, special tokens spelled out; incomplete UTF-8 becomes U+FFFD. Ids past
+        the tokenizer (a model's padded embedding rows) have no text."""
 
     @abstractmethod
     def token_to_id(self, token: str) -> int | None:
@@ -104,7 +105,8 @@ class HFTokenizer(Tokenizer):
         return ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self._tok.decode(token_ids, skip_special_tokens=False))
+        known = [i for i in token_ids if 0 <= i < self.vocab_size]
+        return str(self._tok.decode(known, skip_special_tokens=False))
 
     def token_to_id(self, token: str) -> int | None:
         found = self._tok.token_to_id(token)
@@ -151,7 +153,8 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._enc.decode(token_ids, errors="replace")
+        known = [i for i in token_ids if 0 <= i < self.vocab_size]
+        return self._enc.decode(known, errors="replace")
 
     def token_to_id(self, token: str) -> int | None:
         if token in self._specials:

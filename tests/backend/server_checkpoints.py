@@ -20,7 +20,8 @@ def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024) -> Pat
     stop tokens as eos, a context long enough for templated prompts."""
     family = FAMILY[arch]
     fmt = "tiktoken" if family == "kimi" else "tokenizer.json"
-    num_ids = write_tokenizer_files(family, path, fmt=fmt)  # type: ignore[arg-type]
+    generation = "4.5" if arch == "glm4_moe" else "5"
+    num_ids = write_tokenizer_files(family, path, fmt=fmt, glm_generation=generation)  # type: ignore[arg-type]
     tok = load_tokenizer(path)
     eos = tok.named_id("eos_token")
     vocab = (num_ids + 63) // 64 * 64
