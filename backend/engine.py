@@ -188,7 +188,10 @@ class Engine:
             self._stats.tag_check_aborts += 1
             log.warning(
                 "kv page tag mismatch: request=%s page=%d expected=%d found=%d",
-                seq.request_id, page, expected, found,
+                seq.request_id,
+                page,
+                expected,
+                found,
             )
             error = IntegrityAbort(
                 f"Request {seq.request_id} was aborted: KV page {page} carries tag {found}, expected {expected}."
@@ -224,7 +227,9 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sampling = seq.request.sampling
-        if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in seq.request.eos_token_ids):
+        if token in sampling.stop_token_ids or (
+            not sampling.ignore_eos and token in seq.request.eos_token_ids
+        ):
             return "stop"
         if seq.constraint is not None and seq.constraint.is_finished():
             return "stop"
@@ -363,3 +368,5 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out.request_id, out)
             self._load = self.engine.load()
+        for out in self.engine.fail_all(Aborted("The engine is shutting down.")):
+            self._deliver(out.request_id, out)

@@ -84,9 +84,7 @@ class ModelRunner:
         batch, rows = self.build_batch(out.scheduled)
         logits = self.model.forward(batch)  # [N, V]
         mismatch = batch.tag_mismatch.tolist()
-        results = [
-            SeqResult(s.seq, s.num_new_tokens, bool(mismatch[b])) for b, s in enumerate(out.scheduled)
-        ]
+        results = [SeqResult(s.seq, s.num_new_tokens, bool(mismatch[b])) for b, s in enumerate(out.scheduled)]
         to_sample = [(r, rows[b].sample_row) for b, r in enumerate(results) if not r.is_tag_mismatch]
         to_sample = [(r, i) for r, i in to_sample if i is not None]
         if to_sample:

@@ -32,8 +32,13 @@ class PageKey:
 
     def digest(self) -> bytes:
         payload = msgspec.msgpack.encode(
-            (_KEY_VERSION, ("salt", self.tenant_salt), ("parent", self.parent),
-             ("tokens", self.token_ids), ("images", self.image_hashes))
+            (
+                _KEY_VERSION,
+                ("salt", self.tenant_salt),
+                ("parent", self.parent),
+                ("tokens", self.token_ids),
+                ("images", self.image_hashes),
+            )
         )
         return hashlib.sha256(payload).digest()
 
@@ -57,7 +62,9 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached pages, LRU first
 
     @staticmethod
-    def key(tenant_salt: str, parent: bytes, token_ids: Sequence[int], image_hashes: Sequence[str]) -> PageKey:
+    def key(
+        tenant_salt: str, parent: bytes, token_ids: Sequence[int], image_hashes: Sequence[str]
+    ) -> PageKey:
         return PageKey(tenant_salt, parent, tuple(token_ids), tuple(image_hashes))
 
     def peek(self, digest: bytes, key: PageKey, current_tags: list[int]) -> int | None:

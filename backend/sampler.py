@@ -47,7 +47,9 @@ class Sampler:
         x = apply_penalties(logits.clone(), rows)
         x = self._mask_disallowed(x, rows)
         chosen = self._draw(x, rows)
-        return self._scores(raw_logprobs, chosen, [r.params.top_logprobs if r.params.logprobs else 0 for r in rows])
+        return self._scores(
+            raw_logprobs, chosen, [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
+        )
 
     def score(self, logits: torch.Tensor, target_ids: list[int], num_top: int) -> list[TokenScore]:
         """Log-probs of given next tokens under `logits [N, V]` (prompt log-probs)."""

@@ -112,7 +112,10 @@ class Scheduler:
                 n = min(seq.num_uncomputed_tokens, budget)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # admit: not in a step that had to preempt (the pool is short; recompute would thrash)
+        while (
+            self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             if not self.block_manager.admit(seq):
                 break

@@ -103,7 +103,5 @@ class Sequence:
     def image_hashes_in(self, start: int, end: int) -> list[str]:
         """Hashes of images whose placeholder tokens overlap positions [start, end)."""
         return [
-            s.image_hash
-            for s in self.request.image_spans
-            if s.offset < end and s.offset + s.length > start
+            s.image_hash for s in self.request.image_spans if s.offset < end and s.offset + s.length > start
         ]

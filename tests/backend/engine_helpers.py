@@ -61,7 +61,10 @@ def make_engine(model: Any = None, **config: Any) -> Engine:
 def request(request_id: str, prompt: list[int], *, tenant: str = TENANT_A, **sampling: Any) -> EngineRequest:
     sampling = {"temperature": 0.0, "max_tokens": 8} | sampling
     return EngineRequest(
-        request_id=request_id, prompt_token_ids=prompt, tenant_salt=tenant, sampling=SamplingParams(**sampling)
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        tenant_salt=tenant,
+        sampling=SamplingParams(**sampling),
     )
 
 

@@ -35,7 +35,10 @@ class TinyPagedModel(torch.nn.Module):
         self.num_forward_calls = 0
 
     def cache_specs(self) -> list[list[CacheSpec]]:
-        return [[CacheSpec("k", (1, self.hidden)), CacheSpec("v", (1, self.hidden))] for _ in range(self.num_layers)]
+        return [
+            [CacheSpec("k", (1, self.hidden)), CacheSpec("v", (1, self.hidden))]
+            for _ in range(self.num_layers)
+        ]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.num_forward_calls += 1
@@ -48,7 +51,9 @@ class TinyPagedModel(torch.nn.Module):
         for layer in range(self.num_layers):
             q, k, v = x @ self.wq[layer], x @ self.wk[layer], x @ self.wv[layer]  # [T, H]
             self._write(batch, cache.layers[layer], k, v)
-            ok = check_page_tags_ref(cache.page_tags, batch.page_table, batch.expected_tags, num_pages)  # [B, Mp]
+            ok = check_page_tags_ref(
+                cache.page_tags, batch.page_table, batch.expected_tags, num_pages
+            )  # [B, Mp]
             batch.tag_mismatch |= mismatch_from_ok(ok, num_pages)
             out = torch.empty_like(x)
             for b in range(batch.num_seqs):
@@ -67,7 +72,9 @@ class TinyPagedModel(torch.nn.Module):
         return (x[batch.logits_indices] @ self.head).float()  # [N, V]
 
     @staticmethod
-    def _write(batch: ForwardBatch, layer_cache: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(
+        batch: ForwardBatch, layer_cache: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         S = batch.kv_cache.page_size
         slots = batch.slot_mapping
         pages = slots.clamp(min=0) // S  # [T]

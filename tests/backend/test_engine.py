@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,29 +11,53 @@ import torch
 from backend.engine import AsyncEngine
 from backend.errors import Busy, InvalidRequest
 from schemas.backend import ImageSpan
-from tests.backend.engine_helpers import TENANT_A, TENANT_B, make_engine, prompt_of, request, run_all
+from tests.backend.engine_helpers import (
+    MODELS,
+    TENANT_A,
+    TENANT_B,
+    ModelShelf,
+    make_engine,
+    prompt_of,
+    request,
+    run_all,
+    vocab_of,
+)
 
 NEEDLE = prompt_of(99, 23)
 
 
-def mixed_batch() -> list:
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> ModelShelf:
+    return ModelShelf(Path(tmp_path_factory.mktemp("engine_models")))
+
+
+def mixed_batch(vocab: int = 97) -> list:
     """Seven neighbours: two tenants, lengths across page boundaries, sampled and greedy."""
     lengths = [1, 15, 16, 17, 33, 40, 7]
     return [
         request(
-            f"n{i}", prompt_of(i, n), tenant=(TENANT_A, TENANT_B)[i % 2], max_tokens=12,
-            temperature=(0.0, 0.8)[i % 2], seed=i,
+            f"n{i}",
+            prompt_of(i, n, vocab),
+            tenant=(TENANT_A, TENANT_B)[i % 2],
+            max_tokens=12,
+            temperature=(0.0, 0.8)[i % 2],
+            seed=i,
         )
         for i, n in enumerate(lengths)
     ]
 
 
-def test_greedy_output_is_the_same_alone_and_inside_a_batch_of_eight() -> None:
-    alone = run_all(make_engine(), [request("needle", NEEDLE, max_tokens=16)])["needle"].token_ids
+@pytest.mark.parametrize("model_name", MODELS)
+def test_greedy_output_is_the_same_alone_and_inside_a_batch_of_eight(
+    model_name: str, models: ModelShelf
+) -> None:
+    model = models[model_name]
+    needle = prompt_of(99, 23, vocab_of(model))
+    alone = run_all(make_engine(model), [request("needle", needle, max_tokens=16)])["needle"].token_ids
     for position in (0, 3, 7):
-        batch = mixed_batch()
-        batch.insert(position, request("needle", NEEDLE, max_tokens=16))
-        results = run_all(make_engine(max_num_batched_tokens=48), batch)
+        batch = mixed_batch(vocab_of(model))
+        batch.insert(position, request("needle", needle, max_tokens=16))
+        results = run_all(make_engine(model, max_num_batched_tokens=48), batch)
         assert results["needle"].token_ids == alone
         assert len(results) == 8 and all(r.finish_reason == "length" for r in results.values())
 
@@ -40,7 +65,10 @@ def test_greedy_output_is_the_same_alone_and_inside_a_batch_of_eight() -> None:
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch() -> None:
     req = request("s", NEEDLE, temperature=1.0, top_p=0.9, seed=42, max_tokens=16)
     alone = run_all(make_engine(), [req])["s"].token_ids
-    crowded = run_all(make_engine(), [*mixed_batch(), request("s", NEEDLE, temperature=1.0, top_p=0.9, seed=42, max_tokens=16)])
+    crowded = run_all(
+        make_engine(),
+        [*mixed_batch(), request("s", NEEDLE, temperature=1.0, top_p=0.9, seed=42, max_tokens=16)],
+    )
     assert crowded["s"].token_ids == alone
 
 
@@ -112,12 +140,18 @@ def test_constraint_masks_tokens_inside_a_shared_batch() -> None:
     results = run_all(engine, [request("free", NEEDLE, max_tokens=10)])
     assert results["c"].finish_reason == "stop" and len(results["c"].token_ids) == 4
     assert all(t % 2 == 0 for t in results["c"].token_ids) and constraint.accepted == results["c"].token_ids
-    assert results["free"].token_ids == run_all(make_engine(), [request("free", NEEDLE, max_tokens=10)])["free"].token_ids
+    assert (
+        results["free"].token_ids
+        == run_all(make_engine(), [request("free", NEEDLE, max_tokens=10)])["free"].token_ids
+    )
 
 
 def test_image_embeddings_replace_their_placeholder_rows() -> None:
     prompt = prompt_of(5, 30)
-    spans = [ImageSpan(offset=2, length=6, image_hash="cd" * 32), ImageSpan(offset=12, length=8, image_hash="ef" * 32)]
+    spans = [
+        ImageSpan(offset=2, length=6, image_hash="cd" * 32),
+        ImageSpan(offset=12, length=8, image_hash="ef" * 32),
+    ]
     req = request("img", prompt, max_tokens=6)
     req.image_spans = spans
     embeds = torch.randn(14, 32, generator=torch.Generator().manual_seed(0))
@@ -146,6 +180,7 @@ async def test_async_engine_streams_and_aborts_when_the_caller_leaves() -> None:
     front = AsyncEngine(engine)
     front.start()
     try:
+
         async def consume(rid: str, n: int) -> list[int]:
             tokens: list[int] = []
             async for out in front.generate(request(rid, prompt_of(len(rid), 12), max_tokens=n)):

@@ -44,8 +44,12 @@ def workload(vocab: int) -> list:
     long = request("long", prompt_of(7, 70, vocab), max_tokens=6)
     return [long] + [
         request(
-            f"r{i}", prompt_of(100 + i, n, vocab), tenant=(TENANT_A, TENANT_B)[i % 2], max_tokens=12,
-            temperature=(0.0, 0.7)[i % 2], seed=i,
+            f"r{i}",
+            prompt_of(100 + i, n, vocab),
+            tenant=(TENANT_A, TENANT_B)[i % 2],
+            max_tokens=12,
+            temperature=(0.0, 0.7)[i % 2],
+            seed=i,
         )
         for i, n in enumerate([18, 20, 33, 24, 17, 31, 26, 21])
     ]

@@ -94,4 +94,3 @@ def test_image_hash_decides_reuse_of_pages_holding_its_placeholders() -> None:
     other = msgspec.structs.replace(request("c", prompt), image_spans=[other_span])
     assert run_all(engine, [same])["b"].num_cached_tokens == 32
     assert run_all(engine, [other])["c"].num_cached_tokens == 0
-

@@ -9,13 +9,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from backend.sampler import SampleRow, Sampler, apply_penalties, apply_top_k, apply_top_p
+from backend.sampler import Sampler, SampleRow, apply_penalties, apply_top_k, apply_top_p
 from schemas.backend import SamplingParams
 
 V = 50
 
 
-def row(seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None, **params: object) -> SampleRow:
+def row(
+    seed: int = 0, prompt: list[int] | None = None, output: list[int] | None = None, **params: object
+) -> SampleRow:
     return SampleRow(
         params=SamplingParams(**params),  # type: ignore[arg-type]
         generator=torch.Generator().manual_seed(seed),
@@ -99,7 +101,9 @@ def test_repetition_penalty_equals_transformers() -> None:
 def test_frequency_and_presence_penalties_follow_the_openai_formula() -> None:
     x = logits(1, seed=5)
     output = [4, 4, 4, 9, 11, 4]
-    ours = apply_penalties(x.clone(), [row(prompt=[9, 12], output=output, frequency_penalty=0.5, presence_penalty=1.25)])
+    ours = apply_penalties(
+        x.clone(), [row(prompt=[9, 12], output=output, frequency_penalty=0.5, presence_penalty=1.25)]
+    )
     ref = x.clone()
     for j in range(V):
         c = output.count(j)  # mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
@@ -117,7 +121,10 @@ def test_penalties_change_the_greedy_choice() -> None:
 
 def test_reported_logprobs_are_the_model_log_softmax() -> None:
     x = logits(3, seed=6)
-    rows = [row(seed=i, temperature=0.8, logprobs=True, top_logprobs=5, repetition_penalty=1.5, prompt=[1]) for i in range(3)]
+    rows = [
+        row(seed=i, temperature=0.8, logprobs=True, top_logprobs=5, repetition_penalty=1.5, prompt=[1])
+        for i in range(3)
+    ]
     scores = Sampler().sample(x, rows)
     ref = torch.log_softmax(x, dim=-1)
     for i, s in enumerate(scores):

@@ -69,7 +69,8 @@ def test_max_num_seqs_bounds_the_running_set() -> None:
 def test_out_of_pages_preempts_the_newest_and_recomputes_it_to_the_same_tokens() -> None:
     prompts = {f"r{i}": prompt_of(40 + i, 14) for i in range(3)}
     solo = {
-        rid: run_all(make_engine(), [request(rid, p, max_tokens=30)])[rid].token_ids for rid, p in prompts.items()
+        rid: run_all(make_engine(), [request(rid, p, max_tokens=30)])[rid].token_ids
+        for rid, p in prompts.items()
     }
     engine = make_engine(num_pages=7)  # each needs 3 pages at the end: not all three at once
     results = run_all(engine, [request(rid, p, max_tokens=30) for rid, p in prompts.items()])
