@@ -1,13 +1,14 @@
-"""Quantized Linears and the walker that puts them into a model.
+"""Quantized Linears: `Int4Linear` (W4A16) and `Fp8Linear` (e4m3, per channel or 128×128 blocks).
 
-Each module holds exactly the tensors a checkpoint stores for it, under the checkpoint's names, so
-`load_state_dict` fills it straight from the safetensors shards:
-- `Int4Linear`: `weight_packed` int32 [N, ceil(K/8)], `weight_scale` bf16 [N, K/g], `weight_shape` [2].
-- `Fp8Linear`: `weight` float8_e4m3fn [N, K] and either `weight_scale` [N, 1] (per channel) or
-  `weight_scale_inv` [ceil(N/128), ceil(K/128)] (DeepSeek blocks).
+Each holds exactly the tensors a checkpoint stores for one Linear, under the checkpoint's names, so
+a state dict or the model's `load_param(name, full)` fills it straight from the safetensors shards:
+- `Int4Linear`: `weight_packed` int32 [N, K/8], `weight_scale` bf16 [N, K/g], `weight_shape` int32 [2].
+- `Fp8Linear`: `weight` float8_e4m3fn [N, K] and either `weight_scale` fp32 [N, 1] (per channel) or
+  `weight_scale_inv` fp32 [N/128, K/128] (DeepSeek blocks).
 
-On the CPU the forward dequantizes to the activation dtype and runs a dense matmul (the torch
-reference); GPU kernels plug in behind the same modules later.
+Like `backend.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
+(`in_range`) and all-reduces when row-parallel. On the CPU the forward dequantizes to the
+activation dtype and runs a dense matmul (the torch reference); GPU kernels go behind it later.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.errors import CheckpointError
+from backend.layers.linear import Range, Shard
 from backend.quant.fp8 import (
     FP8,
     dequantize_fp8_block,
@@ -25,121 +28,163 @@ from backend.quant.fp8 import (
     quantize_fp8_block,
     quantize_fp8_channel,
 )
-from backend.quant.int4 import dequantize_int4, num_groups, quantize_int4
-from backend.quant.scheme import QuantScheme
+from backend.quant.int4 import dequantize_int4, quantize_int4
 
 
-class Int4Linear(nn.Module):
-    """W4A16: symmetric INT4 weights with one BF16 scale per `group_size` inputs."""
+class _QuantLinear(nn.Module):
+    """Shared geometry: full `[out, in]` shape, this rank's ranges, bias, all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, *, group_size: int = 32, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        out_range: Range | None,
+        in_range: Range | None,
+        shard: Shard | None,
+        bias_dtype: torch.dtype,
+    ) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.register_buffer("weight_packed", torch.zeros(out_features, math.ceil(in_features / 8), dtype=torch.int32))
-        self.register_buffer(
-            "weight_scale", torch.ones(out_features, num_groups(in_features, group_size), dtype=torch.bfloat16)
-        )
-        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int32))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4Linear:
-        mod = cls(linear.in_features, linear.out_features, group_size=group_size, bias=linear.bias is not None)
-        packed, scale = quantize_int4(linear.weight.detach(), group_size)
-        mod.weight_packed.copy_(packed)
-        mod.weight_scale.copy_(scale)
-        if linear.bias is not None:
-            mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        return mod
+        self.in_features, self.out_features = in_features, out_features
+        self.out_range = out_range or (0, out_features)
+        self.in_range = in_range or (0, in_features)
+        self.shard = shard or Shard()
+        self.is_row_parallel = self.in_range != (0, in_features)
+        self.out_local = self.out_range[1] - self.out_range[0]
+        self.in_local = self.in_range[1] - self.in_range[0]
+        self.bias = nn.Parameter(torch.zeros(self.out_local, dtype=bias_dtype), requires_grad=False) if bias else None
+        self.dense_dtype = bias_dtype  # the dtype the unquantized layer had
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int4(self.weight_packed, self.weight_scale, self.in_features, self.group_size, dtype)
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+        y = F.linear(x, self.dequantized_weight(x.dtype), bias)
+        return self.shard.all_reduce(y) if self.is_row_parallel else y
+
+    def _rows(self, full: torch.Tensor, per: int = 1) -> torch.Tensor:
+        o0, o1 = self.out_range
+        return full[o0 // per : math.ceil(o1 / per)]
+
+    def _cols(self, full: torch.Tensor, per: int, name: str) -> torch.Tensor:
+        i0, i1 = self.in_range
+        if i0 % per or (i1 % per and i1 != self.in_features):
+            raise CheckpointError(f"{name}: this rank's input columns {self.in_range} split a group of {per}")
+        return full[:, i0 // per : math.ceil(i1 / per)]
+
+    def _load_common(self, name: str, full: torch.Tensor) -> bool:
+        if name == "bias" and self.bias is not None:
+            _copy(self.bias, self._rows(full) if self.in_range[0] == 0 else torch.zeros_like(self._rows(full)), name)
+            return True
+        if name == "weight_shape":
+            if [int(v) for v in full.tolist()] != [self.out_features, self.in_features]:
+                raise CheckpointError(f"weight_shape {full.tolist()} != [{self.out_features}, {self.in_features}]")
+            return True
+        return False
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, out_range={self.out_range}, in_range={self.in_range}"
 
 
-class Fp8Linear(nn.Module):
-    """FP8 e4m3 weights with per-output-channel scales, or 2-D block scales when `block` is set."""
+class Int4Linear(_QuantLinear):
+    """W4A16: symmetric INT4 weights with one BF16 scale per `group_size` inputs."""
 
-    def __init__(
-        self, in_features: int, out_features: int, *, block: tuple[int, int] | None = None, bias: bool = False
-    ) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8))
-        if block is None:
-            self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32))
-        else:
-            shape = (math.ceil(out_features / block[0]), math.ceil(in_features / block[1]))
-            self.register_buffer("weight_scale_inv", torch.ones(shape, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+    def __init__(self, in_features: int, out_features: int, *, group_size: int = 32, bias: bool = False,
+                 out_range: Range | None = None, in_range: Range | None = None, shard: Shard | None = None,
+                 bias_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(in_features, out_features, bias=bias, out_range=out_range, in_range=in_range,
+                         shard=shard, bias_dtype=bias_dtype)
+        self.group_size = group_size
+        N, K = self.out_local, self.in_local
+        self.register_buffer("weight_packed", torch.zeros(N, math.ceil(K / 8), dtype=torch.int32))
+        self.register_buffer("weight_scale", torch.ones(N, math.ceil(K / group_size), dtype=torch.bfloat16))
+        self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int32))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, block: tuple[int, int] | None = None) -> Fp8Linear:
-        mod = cls(linear.in_features, linear.out_features, block=block, bias=linear.bias is not None)
-        w = linear.weight.detach()
+    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32) -> Int4Linear:
+        mod = cls(w.shape[1], w.shape[0], group_size=group_size, bias=bias is not None,
+                  bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
+        packed, scale = quantize_int4(w.detach(), group_size)
+        mod.weight_packed.copy_(packed)
+        mod.weight_scale.copy_(scale)
+        if bias is not None:
+            mod.bias.copy_(bias.detach())  # type: ignore[union-attr]
+        return mod
+
+    def load_param(self, name: str, full: torch.Tensor) -> int:
+        if name == "weight_packed":
+            _copy(self.weight_packed, self._cols(self._rows(full), 8, name), name)
+        elif name == "weight_scale":
+            _copy(self.weight_scale, self._cols(self._rows(full), self.group_size, name), name)
+        elif not self._load_common(name, full):
+            raise CheckpointError(f"unexpected tensor {name!r} for an INT4 linear layer")
+        return 1
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int4(self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype)
+
+
+class Fp8Linear(_QuantLinear):
+    """FP8 e4m3 weights with per-output-channel scales, or 2-D block scales when `block` is set."""
+
+    def __init__(self, in_features: int, out_features: int, *, block: tuple[int, int] | None = None,
+                 bias: bool = False, out_range: Range | None = None, in_range: Range | None = None,
+                 shard: Shard | None = None, bias_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(in_features, out_features, bias=bias, out_range=out_range, in_range=in_range,
+                         shard=shard, bias_dtype=bias_dtype)
+        self.block = block
+        N, K = self.out_local, self.in_local
+        self.register_buffer("weight", torch.zeros(N, K, dtype=FP8))
         if block is None:
-            q, s = quantize_fp8_channel(w)
+            self.register_buffer("weight_scale", torch.ones(N, 1, dtype=torch.float32))
+        else:
+            if self.out_range[0] % block[0] or self.in_range[0] % block[1]:
+                raise CheckpointError(f"FP8 blocks {block} do not align with ranges {self.out_range}, {self.in_range}")
+            shape = (math.ceil(N / block[0]), math.ceil(K / block[1]))
+            self.register_buffer("weight_scale_inv", torch.ones(shape, dtype=torch.float32))
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
+                    block: tuple[int, int] | None = None) -> Fp8Linear:
+        mod = cls(w.shape[1], w.shape[0], block=block, bias=bias is not None,
+                  bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
+        if block is None:
+            q, s = quantize_fp8_channel(w.detach())
             mod.weight_scale.copy_(s)
         else:
-            q, s = quantize_fp8_block(w, block)
+            q, s = quantize_fp8_block(w.detach(), block)
             mod.weight_scale_inv.copy_(s)
         mod.weight.copy_(q)
-        if linear.bias is not None:
-            mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if bias is not None:
+            mod.bias.copy_(bias.detach())  # type: ignore[union-attr]
         return mod
+
+    def load_param(self, name: str, full: torch.Tensor) -> int:
+        if name == "weight":
+            if full.dtype != FP8:
+                raise CheckpointError(f"weight of an FP8 layer is {full.dtype}, expected {FP8}")
+            _copy(self.weight, self._cols(self._rows(full), 1, name), name)
+        elif name == "weight_scale" and self.block is None:
+            _copy(self.weight_scale, self._rows(full).reshape(-1, 1), name)
+        elif name == "weight_scale_inv" and self.block is not None:
+            _copy(self.weight_scale_inv, self._cols(self._rows(full, self.block[0]), self.block[1], name), name)
+        elif not self._load_common(name, full):
+            raise CheckpointError(f"unexpected tensor {name!r} for an FP8 linear layer")
+        return 1
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.block is None:
             return dequantize_fp8_channel(self.weight, self.weight_scale, dtype)
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
-
 
 QuantLinear = Int4Linear | Fp8Linear
 
 
-def empty_quant_linear(scheme: QuantScheme, in_features: int, out_features: int, bias: bool) -> QuantLinear:
-    """A module ready to receive the checkpoint's tensors for one Linear."""
-    if scheme.method == "int4":
-        return Int4Linear(in_features, out_features, group_size=scheme.group_size, bias=bias)
-    block = scheme.block if scheme.method == "fp8-block" else None
-    return Fp8Linear(in_features, out_features, block=block, bias=bias)
-
-
-def quantize_linear(scheme: QuantScheme, linear: nn.Linear) -> QuantLinear:
-    """A quantized copy of a Linear that holds float weights."""
-    if scheme.method == "int4":
-        return Int4Linear.from_linear(linear, scheme.group_size)
-    return Fp8Linear.from_linear(linear, scheme.block if scheme.method == "fp8-block" else None)
-
-
-def swap_linears(model: nn.Module, scheme: QuantScheme, *, quantize_weights: bool) -> list[str]:
-    """Replace every `nn.Linear` (or subclass) the scheme targets; return the swapped names.
-
-    `quantize_weights=True` quantizes the float weights already in the model (eval, tests);
-    False builds empty modules for a loader to fill from a quantized checkpoint.
-    """
-    swapped: list[str] = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or not scheme.applies_to(name, "Linear"):
-            continue
-        if quantize_weights:
-            new = quantize_linear(scheme, module)
-        else:
-            new = empty_quant_linear(scheme, module.in_features, module.out_features, module.bias is not None)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        swapped.append(name)
-    return swapped
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))

@@ -26,7 +26,8 @@ GroupSize = Annotated[int, Meta(ge=8, le=4096, multiple_of=8)]
 # Kimi K2 Thinking's list (routed experts only), plus the router: Kumo's router is a plain Linear,
 # where Moonshot's remote code has a custom class the `Linear` target never matched.
 ROUTER = r"re:.*mlp\.gate$"
-LM_HEAD = r"re:(.*\.)?lm_head$"  # K2.5/K2.6 nest it under `language_model.`
+# K2.5/K2.6 nest it under `language_model.`; an MTP layer's `shared_head.head` is an lm_head too
+LM_HEAD = r"re:(.*\.)?(lm_head|shared_head\.head)$"
 NOT_TEXT = ("re:.*vision_tower.*", "re:.*mm_projector.*")
 ROUTED_EXPERTS_IGNORE = (
     "lm_head",

@@ -10,7 +10,8 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from compressed_tensors.utils import match_named_modules
 from torch import nn
 
-from backend.quant.linear import Fp8Linear, Int4Linear, swap_linears
+from backend.quant.linear import Fp8Linear, Int4Linear
+from backend.quant.walker import prepare_for_checkpoint, quantize_model
 from backend.quant.scheme import QuantScheme, config_dict, parse_config, scheme_from_config
 
 H, I = 128, 256
@@ -89,7 +90,7 @@ def _ids() -> torch.Tensor:
 
 def test_default_scope_is_routed_experts_only() -> None:
     model = _model()
-    swapped = swap_linears(model, QuantScheme.build("int4"), quantize_weights=True)
+    swapped = quantize_model(model, QuantScheme.build("int4"))
     assert sorted(swapped) == sorted(
         f"model.layers.1.mlp.experts.{e}.{p}_proj" for e in (0, 1) for p in ("gate", "up", "down")
     )
@@ -99,7 +100,7 @@ def test_default_scope_is_routed_experts_only() -> None:
 
 def test_all_linear_keeps_router_embeddings_and_lm_head() -> None:
     model = _model()
-    swapped = swap_linears(model, QuantScheme.build("int4", all_linear=True), quantize_weights=True)
+    swapped = quantize_model(model, QuantScheme.build("int4", all_linear=True))
     assert "model.layers.1.mlp.gate" not in swapped and "lm_head" not in swapped
     assert "model.layers.0.self_attn.o_proj" in swapped and "model.layers.0.mlp.gate_proj" in swapped
     assert len(swapped) == 2 * 2 + 3 + 3 * 3
@@ -115,7 +116,7 @@ def test_quantized_model_logits_close(method: str, group_size: int, tol: float) 
     with torch.no_grad():
         ref = ref_model(_ids())
         model = _model()
-        swap_linears(model, QuantScheme.build(method, group_size=group_size, all_linear=True), quantize_weights=True)  # type: ignore[arg-type]
+        quantize_model(model, QuantScheme.build(method, group_size=group_size, all_linear=True))  # type: ignore[arg-type]
         out = model(_ids())
     rel = float((out - ref).norm() / ref.norm())
     assert 0 < rel < tol
@@ -127,7 +128,7 @@ def test_our_config_is_valid_compressed_tensors_and_selects_the_same_modules() -
         ct = QuantizationConfig.model_validate(config_dict(scheme))
         model = _model()
         theirs = {n for n, _ in match_named_modules(model, ["Linear"], ct.ignore)}
-        ours = set(swap_linears(model, scheme, quantize_weights=False))
+        ours = set(prepare_for_checkpoint(model, scheme))
         assert ours == theirs
 
 
@@ -180,7 +181,7 @@ def test_checkpoint_compressed_by_compressed_tensors_loads_unmodified(group_size
     assert any(k.endswith("weight_packed") for k in state)
 
     ours = _model()
-    swap_linears(ours, scheme_from_config(parse_config(config_dict(scheme))), quantize_weights=False)
+    prepare_for_checkpoint(ours, scheme_from_config(parse_config(config_dict(scheme))))
     ours.load_state_dict(state, strict=True)
     compressor.decompress_model(theirs)
     plain = _model()  # the float model with compressed-tensors' decompressed weights put in
@@ -197,6 +198,6 @@ def test_checkpoint_compressed_by_compressed_tensors_loads_unmodified(group_size
 
 
 def test_fp8_block_module_names_its_tensors_as_deepseek() -> None:
-    mod = Fp8Linear.from_linear(nn.Linear(200, 130, bias=False), block=(128, 128))
+    mod = Fp8Linear.from_weight(nn.Linear(200, 130, bias=False).weight, block=(128, 128))
     assert set(mod.state_dict()) == {"weight", "weight_scale_inv"}
     assert mod.weight_scale_inv.shape == (2, 2)

@@ -1,0 +1,146 @@
+"""FP8 KV-cache scales: calibrated, stored beside the weights, read back at load — never a silent 1.0.
+
+Calibration runs prompts through the unquantized model with a cache in the model's dtype and takes,
+per layer and per cached tensor, the largest |value| written: scale = amax / 448 (e4m3's max), so
+the calibration set's extreme lands exactly on the top of the FP8 range (value = stored × scale).
+One scale per cached tensor: MLA's 576-wide latent gets one (vLLM uses it for both "K" and "V"),
+the DSA indexer's keys their own, GQA's K and V one each.
+
+Storage uses vLLM's names, in `kv_scales.safetensors` listed in the shard index:
+    MLA latent      model.layers.{L}.self_attn.k_scale and .v_scale (the same value)
+    DSA index keys  model.layers.{L}.self_attn.indexer.k_scale
+    GQA K / V       model.layers.{L}.self_attn.k_scale / .v_scale
+(with the checkpoint's weight prefix, `language_model.` for K2.5).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from backend.checkpoint import INDEX_FILE, SINGLE_FILE
+from backend.errors import CheckpointError
+from backend.quant.fp8 import FP8_MAX
+from backend.quant.prompt_runner import PromptRunner
+
+KV_SCALE_FILE = "kv_scales.safetensors"
+_SCALE = re.compile(r"\.(k_scale|v_scale|kv_scale)$")
+log = logging.getLogger(__name__)
+
+# Built-in calibration text: prose, code, numbers, JSON, CJK and a chat turn, so that the latent's
+# range is seen on the kinds of input a server gets. Used only when a checkpoint ships no scales.
+BUILTIN_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog. A paged KV cache stores keys and values in fixed-size blocks.",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint([fib(i) for i in range(20)])",
+    "Q: What is 37 * 43 + 19? A: 37 * 43 = 1591, and 1591 + 19 = 1610. The answer is 1610.",
+    '{"name": "get_weather", "arguments": {"city": "Lisbon", "unit": "celsius", "days": [1, 2, 3]}}',
+    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다.",
+    "<|user|>Summarise the causes of the French Revolution in three bullet points.<|assistant|>",
+)
+
+
+def without_kv_scales(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weight stream minus KV-cache scales (the model has no parameter for them)."""
+    return ((n, t) for n, t in weights if not _SCALE.search(n))
+
+
+def scale_names(layer: int, cache_name: str, prefix: str = "") -> tuple[str, ...]:
+    attn = f"{prefix}model.layers.{layer}.self_attn"
+    return {
+        "latent": (f"{attn}.k_scale", f"{attn}.v_scale"),
+        "index_k": (f"{attn}.indexer.k_scale",),
+        "k": (f"{attn}.k_scale",),
+        "v": (f"{attn}.v_scale",),
+    }[cache_name]
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, prompts: list[list[int]], *, model_dtype: torch.dtype) -> list[dict[str, float]]:
+    """Per layer, per cached tensor: amax over every prompt's cache / 448."""
+    runner = PromptRunner(model, model_dtype=model_dtype)
+    amax: list[dict[str, float]] | None = None
+    for ids in prompts:
+        runner.logits(ids)
+        seen = runner.cache_amax(len(ids))
+        amax = seen if amax is None else [{k: max(a[k], s[k]) for k in a} for a, s in zip(amax, seen, strict=True)]
+    if amax is None:
+        raise ValueError("calibration needs at least one prompt")
+    return [{k: max(v, 1e-12) / FP8_MAX for k, v in layer.items()} for layer in amax]
+
+
+def builtin_prompt_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
+    """BUILTIN_PROMPTS in the checkpoint's tokenizer; a checkpoint without one gets seeded random ids."""
+    from backend.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(path)
+    except CheckpointError:
+        g = torch.Generator().manual_seed(0)
+        log.warning("%s has no tokenizer: calibrating KV scales on seeded random token ids", path)
+        return [torch.randint(0, vocab_size, (48,), generator=g).tolist() for _ in BUILTIN_PROMPTS]
+    return [[i for i in tok.encode(p) if i < vocab_size] for p in BUILTIN_PROMPTS]
+
+
+def save(dst: str | Path, scales: list[dict[str, float]], prefix: str = "") -> None:
+    """Write kv_scales.safetensors beside the weights and list its tensors in the shard index."""
+    dst = Path(dst)
+    tensors = {
+        name: torch.tensor(value, dtype=torch.float32)
+        for layer, per_name in enumerate(scales)
+        for cache_name, value in per_name.items()
+        for name in scale_names(layer, cache_name, prefix)
+    }
+    save_file(tensors, str(dst / KV_SCALE_FILE), metadata={"format": "pt"})
+    index = dst / INDEX_FILE
+    if index.exists():
+        data = json.loads(index.read_text())
+    else:  # a single-file checkpoint becomes an indexed one so that both files are listed
+        data = {"metadata": {}, "weight_map": {}}
+        if (dst / SINGLE_FILE).exists():
+            with safe_open(str(dst / SINGLE_FILE), framework="pt") as f:
+                data["weight_map"] = {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118
+    data["weight_map"].update({name: KV_SCALE_FILE for name in tensors})
+    index.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def read(path: str | Path, specs: list[list[str]], prefix: str = "") -> list[dict[str, float]] | None:
+    """The stored scales for every layer's cached tensors (`specs[l]` = their names), or None."""
+    file = Path(path) / KV_SCALE_FILE
+    if not file.exists():
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        stored = {k: float(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118
+    out = []
+    for layer, names in enumerate(specs):
+        per = {}
+        for cache_name in names:
+            key = scale_names(layer, cache_name, prefix)[0]
+            if key not in stored:
+                raise CheckpointError(f"{file} has no {key}")
+            per[cache_name] = stored[key]
+        out.append(per)
+    return out
+
+
+def scales_for_serving(
+    path: str | Path, model: nn.Module, *, model_dtype: torch.dtype, vocab_size: int, prefix: str = ""
+) -> list[dict[str, float]]:
+    """FP8 KV scales for serving `path`: the stored ones, else calibrated now with a warning."""
+    specs = [[s.name for s in layer] for layer in model.cache_specs()]  # type: ignore[operator]
+    stored = read(path, specs, prefix)
+    if stored is not None:
+        return stored
+    log.warning(
+        "%s ships no FP8 KV-cache scales (%s): calibrating on %d built-in prompts; "
+        "run `kumo quantize --kv-calibrate FILE` for scales from your own traffic",
+        path, KV_SCALE_FILE, len(BUILTIN_PROMPTS),
+    )
+    return calibrate(model, builtin_prompt_ids(path, vocab_size), model_dtype=model_dtype)

@@ -1,0 +1,142 @@
+"""Putting quantized modules into a model, per a `QuantScheme`.
+
+Two ways in:
+- `prepare_for_checkpoint(model, scheme)`: before loading a quantized checkpoint, replace every
+  targeted Linear and every routed-experts block by an empty quantized module with the same
+  geometry (this rank's ranges), ready for `load_weights` to fill from the shards.
+- `quantize_model(model, scheme)`: quantize the float weights a model already holds (for `kumo eval`
+  variants and tests).
+
+Targeted modules are `backend.layers.linear.Linear` and `torch.nn.Linear` (class name `Linear`, as
+compressed-tensors' `targets: ["Linear"]` means), and `backend.layers.moe.Experts`, which stands for
+the per-expert Linears `experts.{e}.{gate,up,down}_proj` of the checkpoint and is judged by the
+scheme on those names. The router (`mlp.gate`) and embeddings are other classes and never targeted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backend.layers.linear import Linear
+from backend.layers.moe import Experts
+from backend.quant.experts import QuantExperts
+from backend.quant.fp8 import quantize_fp8_block, quantize_fp8_channel
+from backend.quant.int4 import quantize_int4
+from backend.quant.linear import Fp8Linear, Int4Linear, QuantLinear
+from backend.quant.scheme import QuantScheme, parse_config, scheme_from_config
+
+
+def read_scheme(path: str | Path) -> QuantScheme | None:
+    """The scheme of a checkpoint folder's config.json (top level, or K2.5's `text_config`), if any."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    block = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+    return scheme_from_config(parse_config(block)) if block else None
+
+
+def _empty_linear(scheme: QuantScheme, m: Linear | nn.Linear) -> QuantLinear:
+    if isinstance(m, nn.Linear):
+        geometry = dict(bias=m.bias is not None, bias_dtype=m.weight.dtype)
+    else:
+        geometry = dict(bias=m.bias is not None, out_range=m.out_range, in_range=m.in_range, shard=m.shard,
+                        bias_dtype=m.weight.dtype)
+    if scheme.method == "int4":
+        return Int4Linear(m.in_features, m.out_features, group_size=scheme.group_size, **geometry)  # type: ignore[arg-type]
+    block = scheme.block if scheme.method == "fp8-block" else None
+    return Fp8Linear(m.in_features, m.out_features, block=block, **geometry)  # type: ignore[arg-type]
+
+
+def _empty_experts(scheme: QuantScheme, m: Experts) -> QuantExperts:
+    return QuantExperts(scheme, e0=m.e0, e1=m.e1, hidden=m.down_proj.shape[1], intermediate=m.intermediate, act=m.act)
+
+
+def _targets(model: nn.Module, scheme: QuantScheme) -> list[tuple[str, nn.Module]]:
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, Linear | nn.Linear) and scheme.applies_to(name, "Linear"):
+            found.append((name, m))
+        elif isinstance(m, Experts) and scheme.applies_to(f"{name}.{m.e0}.gate_proj", "Linear"):
+            found.append((name, m))
+    return found
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def prepare_for_checkpoint(model: nn.Module, scheme: QuantScheme) -> list[str]:
+    """Swap targeted modules for empty quantized ones; return their names."""
+    names = []
+    for name, m in _targets(model, scheme):
+        if isinstance(m, Experts):
+            _replace(model, name, _empty_experts(scheme, m).to(m.down_proj.device))
+        else:
+            _replace(model, name, _empty_linear(scheme, m).to(m.weight.device))  # type: ignore[arg-type]
+        names.append(name)
+    return names
+
+
+# Read as matrices by the model rather than called (MLA's weight absorption views kv_b_proj as
+# W_UK / W_UV), so they run dense: dequantized once after loading, as vLLM does.
+_READ_AS_MATRIX = ("kv_b_proj",)
+
+
+@torch.no_grad()
+def dequantize_after_load(model: nn.Module) -> list[str]:
+    """Replace loaded quantized Linears the model reads as matrices by dense ones; return names."""
+    names = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Int4Linear | Fp8Linear) and name.rpartition(".")[2] in _READ_AS_MATRIX:
+            dense = Linear(m.in_features, m.out_features, dtype=m.dense_dtype, bias=m.bias is not None,
+                           out_range=m.out_range, in_range=m.in_range, shard=m.shard).to(m.weight_scale.device
+                           if hasattr(m, "weight_scale") else m.weight_scale_inv.device)
+            dense.weight.copy_(m.dequantized_weight(m.dense_dtype))
+            if m.bias is not None:
+                dense.bias.copy_(m.bias)  # type: ignore[union-attr]
+            _replace(model, name, dense)
+            names.append(name)
+    return names
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: QuantScheme) -> list[str]:
+    """Quantize the float weights a single-rank model holds, in place; return the swapped names."""
+    names = []
+    for name, m in _targets(model, scheme):
+        if isinstance(m, Experts):
+            new = _empty_experts(scheme, m)
+            I = m.intermediate
+            for e in range(m.e1 - m.e0):
+                for proj, w in (("gate_proj", m.gate_up_proj[e, :I]), ("up_proj", m.gate_up_proj[e, I:]),
+                                ("down_proj", m.down_proj[e])):
+                    for tensor_name, t in quantize_tensor(scheme, w).items():
+                        new.load_expert_part(m.e0 + e, proj, tensor_name, t)
+        else:
+            w, bias = m.weight, m.bias
+            if scheme.method == "int4":
+                new = Int4Linear.from_weight(w, bias, scheme.group_size)
+            else:
+                new = Fp8Linear.from_weight(w, bias, scheme.block if scheme.method == "fp8-block" else None)
+            new.dense_dtype = w.dtype
+        device = m.down_proj.device if isinstance(m, Experts) else m.weight.device
+        _replace(model, name, new.to(device))
+        names.append(name)
+    dequantize_after_load(model)
+    return names
+
+
+def quantize_tensor(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One float weight [N, K] -> the checkpoint tensors of its quantized form."""
+    if scheme.method == "int4":
+        packed, scale = quantize_int4(w, scheme.group_size)
+        return {"weight_packed": packed, "weight_scale": scale,
+                "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}
+    if scheme.method == "fp8-channel":
+        q, s = quantize_fp8_channel(w)
+        return {"weight": q, "weight_scale": s}
+    q, s = quantize_fp8_block(w, scheme.block)
+    return {"weight": q, "weight_scale_inv": s}
