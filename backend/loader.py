@@ -13,7 +13,7 @@ from backend.config import ModelConfig
 from backend.errors import CheckpointError
 from backend.models import ARCHITECTURES
 from backend.quant.kv_scales import without_kv_scales
-from backend.quant.walker import prepare_for_checkpoint, read_scheme
+from backend.quant.walker import dequantize_after_load, prepare_for_checkpoint, read_scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,4 +44,6 @@ def load_model(
     if scheme is not None:
         prepare_for_checkpoint(model, scheme)
     model.load_weights(without_kv_scales(iter_tensors(path)))  # type: ignore[operator]
+    if scheme is not None:
+        dequantize_after_load(model)
     return LoadedModel(model=model.eval(), config=config, path=path)
