@@ -26,6 +26,7 @@ from starlette.types import Lifespan, Receive, Scope, Send
 from backend.engine import AsyncEngine, Engine
 from backend.engine_config import EngineConfig
 from backend.errors import EngineError, InvalidRequest, Unauthorized
+from backend.image_encoder import MEDIA_PAD, VisionEncoder
 from backend.loader import load_model
 from backend.metrics import BackendMetrics
 from backend.served_model import ServedModel
@@ -104,7 +105,8 @@ class Backend:
                 body = _decode_request(await request.body())
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise InvalidRequest(str(exc)) from exc
-            prepared = self.serving.prepare(body)
+            # template, tokens, grammar and images take CPU time: keep them off the event loop
+            prepared = await anyio.to_thread.run_sync(self.serving.prepare, body)
             events = self.serving.events(prepared)
             first = await anext(events)
         except EngineError as exc:
@@ -161,6 +163,9 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
     dtype = getattr(torch, settings.dtype)
     served = ServedModel.from_checkpoint(settings.model, name=settings.model_name,
                                          context_window=settings.context_window)
+    vision = VisionEncoder.from_checkpoint(settings.model, pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
+                                           dtype=dtype, device=settings.device)
+    served.has_vision = vision is not None
     loaded = load_model(settings.model, dtype=dtype, device=settings.device)
     config = EngineConfig.build(page_size=settings.page_size, num_pages=settings.max_pages,
                                 kv_dtype=settings.engine_kv_dtype, max_num_seqs=settings.max_num_seqs,
@@ -172,7 +177,7 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
     card = served.card(dtype=settings.dtype, kv_dtype=kv_dtype, page_size=settings.page_size,
                        num_pages=settings.max_pages)
-    backend = Backend(serving=Serving(served, async_engine), card=card, secret=settings.secret,
+    backend = Backend(serving=Serving(served, async_engine, images=vision), card=card, secret=settings.secret,
                       metrics=BackendMetrics(lambda: engine.stats, async_engine.load))
     return backend, async_engine
 

@@ -3,12 +3,16 @@ backend process serves GLM-5 in test_server.py)."""
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
+from PIL import Image
 
 from backend.errors import InvalidRequest
 from backend.served_model import ServedModel
@@ -21,10 +25,13 @@ from schemas.backend import (
     Event,
     Finish,
     GenerateRequest,
+    ImagePart,
     Message,
     ModelCard,
+    Reasoning,
     ReasoningDelta,
     TextDelta,
+    TextPart,
     Usage,
 )
 from tests.backend.server_checkpoints import SECRET, TENANT, make_served_checkpoint
@@ -107,3 +114,39 @@ async def test_template_free_checkpoint_needs_raw(tmp_path: Path) -> None:
         serving.prepare(request)
     raw = GenerateRequest(request_id="y", tenant_salt=TENANT, raw=True, prompt="hi")
     assert serving.prepare(raw).engine_request.prompt_token_ids
+
+
+def _png(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def test_images(arch_client: tuple[str, httpx.AsyncClient, Path]) -> None:
+    """Kimi K2.5 sees images (each placeholder widened to its merged patches); the others refuse them."""
+    arch, client, path = arch_client
+    content = [{"type": "text", "text": "Compare"},
+               {"type": "image", "data": base64.b64encode(_png(70, 56, 1)).decode()},
+               {"type": "text", "text": "with"},
+               {"type": "image", "data": base64.b64encode(_png(150, 97, 2)).decode()}]
+    payload = {"request_id": "img", "tenant_salt": TENANT, "messages": [{"role": "user", "content": content}],
+               "sampling": {"max_tokens": 4, "temperature": 0.0}, "reasoning": {"enabled": False}}
+    response = await client.post("/v1/generate", json=payload, headers=AUTH)
+    card = msgspec.json.decode((await client.get("/v1/model", headers=AUTH)).content, type=ModelCard)
+    if arch != "kimi_k25":
+        assert response.status_code == 400 and not card.capabilities.vision
+        assert msgspec.json.decode(response.content, type=ErrorBody).error.code == "unsupported"
+        return
+    assert response.status_code == 200 and card.capabilities.vision
+    events = [_event(line) for line in response.text.splitlines()]
+    usage = next(e for e in events if isinstance(e, Usage))
+    # grids 4×6 and 8×12 patches (padded to multiples of 28 px) → 6 and 24 merged tokens for 2 placeholders
+    served = ServedModel.from_checkpoint(path)
+    assert served.template is not None
+    prompt = served.template.render([Message(role="user", content=[
+        TextPart(text="Compare"), ImagePart(data=b""), TextPart(text="with"), ImagePart(data=b"")])],
+        reasoning=Reasoning(enabled=False))
+    template_ids = len(served.tokenizer.encode(prompt))
+    assert usage.prompt_tokens == template_ids - 2 + 6 + 24
+    assert isinstance(events[-1], Finish)
