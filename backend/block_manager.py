@@ -184,9 +184,9 @@ class BlockManager:
                 self.prefix_cache.forget(page_id)
             return page_id
         assert self.prefix_cache is not None, "no page available: callers check num_available_pages"
-        page_id = self.prefix_cache.evict_lru()
-        assert page_id is not None, "no page available: callers check num_available_pages"
-        return page_id
+        evicted = self.prefix_cache.evict_lru()
+        assert evicted is not None, "no page available: callers check num_available_pages"
+        return evicted
 
     def assign_new_tag(self, page_id: int) -> int:
         """Give `page_id` a fresh tag from the global counter (every allocation does this)."""

@@ -83,15 +83,27 @@ class Engine:
     def from_loaded(
         cls, loaded: Any, config: EngineConfig, *, detokenize: Callable[[list[int]], str] | None = None
     ) -> Engine:
-        """An engine over `backend.loader.load_model(...)`'s result, sized by its ModelConfig."""
-        dtype = next(loaded.model.parameters()).dtype
+        """An engine over `backend.loader.load_model(...)`'s result, sized by its ModelConfig.
+
+        With an FP8 cache the per-layer KV scales come from the checkpoint (calibrated, with a
+        warning, when it ships none): never a silent 1.0.
+        """
+        from backend.quant.kv_scales import scales_for_serving
+
+        weight = next(loaded.model.parameters())
+        kv_scales = None
+        if config.kv_dtype == "float8_e4m3fn":
+            kv_scales = scales_for_serving(
+                loaded.path, loaded.model, model_dtype=weight.dtype, vocab_size=loaded.config.vocab_size
+            )
         return cls(
             loaded.model,
             config,
             vocab_size=loaded.config.vocab_size,
             context_window=loaded.config.max_position_embeddings,
-            model_dtype=dtype,
-            device=next(loaded.model.parameters()).device,
+            model_dtype=weight.dtype,
+            device=weight.device,
+            kv_scales=kv_scales,
             detokenize=detokenize,
         )
 

@@ -137,8 +137,8 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         counts = torch.zeros(N, V)  # [N, V]
         for i, r in enumerate(rows):
             if r.output_ids:
-                ids = torch.tensor(r.output_ids, dtype=torch.int64)
-                counts[i].scatter_add_(0, ids, torch.ones(len(ids)))
+                out_ids = torch.tensor(r.output_ids, dtype=torch.int64)
+                counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids)))
         freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
         pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
         x = x - freq * counts - pres * (counts > 0).float()

@@ -220,3 +220,20 @@ async def test_async_engine_reports_busy_at_once() -> None:
         await hog.aclose()
     finally:
         front.stop()
+
+
+@pytest.mark.parametrize("model_name", ["deepseek_v3", "glm4_moe"])
+def test_fp8_kv_cache_gets_calibrated_scales_and_stays_close(model_name: str, models: ModelShelf) -> None:
+    model = models[model_name]
+    prompt = prompt_of(5, 40, vocab_of(model))
+    logprobs = {}
+    for kv_dtype in ("auto", "float8_e4m3fn"):
+        engine = make_engine(model, kv_dtype=kv_dtype, max_num_batched_tokens=16)
+        result = run_all(engine, [request("x", prompt, max_tokens=4, prompt_logprobs=True)])["x"]
+        assert result.error is None and engine.stats.tag_check_aborts == 0
+        assert result.prompt_logprobs is not None
+        logprobs[kv_dtype] = torch.tensor([lp.logprob for lp in result.prompt_logprobs[1:] if lp is not None])
+    cache = engine.runner.kv_cache
+    assert all(t.dtype == torch.float8_e4m3fn for t in cache.layers[0].values())
+    assert all(0.0 < s != 1.0 for layer in cache.scales for s in layer.values())  # never a silent 1.0
+    assert (logprobs["float8_e4m3fn"] - logprobs["auto"]).abs().max() < 1.0
