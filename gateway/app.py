@@ -41,7 +41,9 @@ def error_response(exc: KumoError) -> Response:
     headers = {"retry-after": str(exc.retry_after)} if exc.retry_after is not None else {}
     if 400 <= exc.status < 500 and exc.status not in (408, 429):
         headers["x-should-retry"] = "false"  # the cloudflare SDK retries only what may succeed later
-    return Response(msgspec.json.encode(body), status_code=exc.status, headers=headers, media_type="application/json")
+    return Response(
+        msgspec.json.encode(body), status_code=exc.status, headers=headers, media_type="application/json"
+    )
 
 
 async def render_error(request: Request, exc: Exception) -> Response:
@@ -106,7 +108,11 @@ def create_app(settings: GatewaySettings, services: Services) -> Starlette:
     app = Starlette(
         routes=routes(services),
         middleware=[Middleware(AccessLog, metrics=services.metrics)],
-        exception_handlers={KumoError: render_error, HTTPException: render_http_error, Exception: render_crash},
+        exception_handlers={
+            KumoError: render_error,
+            HTTPException: render_http_error,
+            Exception: render_crash,
+        },
         lifespan=lifespan,
     )
     app.state.services = services

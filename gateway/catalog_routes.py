@@ -24,7 +24,11 @@ MAX_PER_PAGE = 1000
 
 
 def ok(result: Any, **extra: Any) -> Response:
-    envelope = PagedEnvelope(result=result, success=True, **extra) if extra else Envelope(result=result, success=True)
+    envelope = (
+        PagedEnvelope(result=result, success=True, **extra)
+        if extra
+        else Envelope(result=result, success=True)
+    )
     return Response(msgspec.json.encode(envelope), media_type="application/json")
 
 
@@ -106,7 +110,10 @@ async def memberships(request: Request) -> Response:
     tenant = credential.tenant
     membership = Membership(id=credential.token_id, account=Account(id=tenant.id, name=tenant.name))
     page = _int(request, "page", 1, 1, 1_000_000)
-    return ok([membership] if page == 1 else [], result_info=ResultInfo(page=page, per_page=50, count=1 if page == 1 else 0, total_count=1))
+    return ok(
+        [membership] if page == 1 else [],
+        result_info=ResultInfo(page=page, per_page=50, count=1 if page == 1 else 0, total_count=1),
+    )
 
 
 async def models_page(request: Request) -> Response:

@@ -122,7 +122,9 @@ class Call:
             raise
         if normalized.stream:
             return StreamingResponse(
-                self._stream(admission, normalized, streams, done), media_type="text/event-stream", headers=SSE_HEADERS
+                self._stream(admission, normalized, streams, done),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
             )
         try:
             await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, done, strict=True)))
@@ -133,9 +135,16 @@ class Call:
         await self._settle(admission, done, status=200)
         if self.surface == "openai" or self.model.family == "openai":
             body = render.chat_completion(
-                done, totals, model=self.model.name, id=self._id(), created=int(time.time()), logprobs=normalized.logprobs
+                done,
+                totals,
+                model=self.model.name,
+                id=self._id(),
+                created=int(time.time()),
+                logprobs=normalized.logprobs,
             )
-            payload = msgspec.json.encode(body if self.surface == "openai" else Envelope(result=body, success=True))
+            payload = msgspec.json.encode(
+                body if self.surface == "openai" else Envelope(result=body, success=True)
+            )
         else:
             result = render.legacy_result(done[0], totals, json_mode=normalized.json_mode)
             payload = msgspec.json.encode(Envelope(result=result, success=True))
@@ -173,7 +182,11 @@ class Call:
             into.feed(event)
 
     async def _stream(
-        self, admission: object, normalized: Normalized, streams: list[AsyncIterator[b.Event]], done: list[render.Completion]
+        self,
+        admission: object,
+        normalized: Normalized,
+        streams: list[AsyncIterator[b.Event]],
+        done: list[render.Completion],
     ) -> AsyncIterator[bytes]:
         status = 200
         merged = merge(streams)
@@ -207,14 +220,18 @@ class Call:
 
     async def _settle(self, admission: object, done: list[render.Completion], *, status: int) -> None:
         totals = render.Totals.of(done)
-        spent = neurons(self.model.price, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens)
+        spent = neurons(
+            self.model.price, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens
+        )
         info = info_of(self.request.scope)
         info.prompt_tokens, info.cached_tokens, info.completion_tokens = (
             totals.prompt_tokens,
             totals.cached_tokens,
             totals.completion_tokens,
         )
-        await self.services.limiter.settle(admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent)  # type: ignore[arg-type]
+        await self.services.limiter.settle(
+            admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
+        )  # type: ignore[arg-type]
         self.services.ledger.record(
             UsageRecord(
                 tenant_id=self.tenant.tenant_id,

@@ -219,6 +219,9 @@ async def from_legacy(inp: LegacyInput, model: ModelSpec, ctx: Context) -> Norma
         tools=tools,
         sampling=sampling,
         response_format=fmt,
+        reasoning=b.Reasoning(enabled=False)
+        if model.reasoning
+        else b.Reasoning(),  # the legacy output has no place for it
         reject_if_busy=bool(inp.options and inp.options.rejectIfBusy),
     )
     return Normalized(requests=[request], stream=inp.stream, json_mode=fmt is not None)

@@ -23,7 +23,11 @@ def configure_logging(*, json: bool = True) -> None:
     """Called once by the commands (never at import): JSON lines on stderr."""
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), renderer],
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            renderer,
+        ],
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         cache_logger_on_first_use=True,
@@ -48,12 +52,20 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "kumo_gateway_requests", "Requests by route kind, model and status", ["route", "model", "status"], registry=self.registry
+            "kumo_gateway_requests",
+            "Requests by route kind, model and status",
+            ["route", "model", "status"],
+            registry=self.registry,
         )
         self.latency = Histogram(
-            "kumo_gateway_request_seconds", "Time to the end of the response", ["route"], registry=self.registry
+            "kumo_gateway_request_seconds",
+            "Time to the end of the response",
+            ["route"],
+            registry=self.registry,
         )
-        self.tokens = Counter("kumo_gateway_tokens", "Tokens served", ["model", "kind"], registry=self.registry)
+        self.tokens = Counter(
+            "kumo_gateway_tokens", "Tokens served", ["model", "kind"], registry=self.registry
+        )
 
 
 def info_of(scope: Scope) -> RequestInfo:
@@ -115,7 +127,12 @@ class AccessLog:
 
 
 def _route_kind(path: str) -> str:
-    for marker, kind in (("/ai/run", "run"), ("/ai/v1/", "openai"), ("/ai/", "catalog"), ("/admin/", "admin")):
+    for marker, kind in (
+        ("/ai/run", "run"),
+        ("/ai/v1/", "openai"),
+        ("/ai/", "catalog"),
+        ("/admin/", "admin"),
+    ):
         if marker in path:
             return kind
     return "other"

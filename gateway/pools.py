@@ -132,7 +132,7 @@ class Router:
         else:
             replica.is_mismatched = False
         if not replica.is_healthy:
-            log.info("replica_returned", pool=pool.name, replica=replica.url)
+            log.info("replica_ready", pool=pool.name, replica=replica.url, model=replica.card.name)
         replica.is_healthy, replica.num_failures = True, 0
 
     def _failed(self, pool: Pool, replica: Replica, reason: str, *, eject_now: bool) -> None:

@@ -20,7 +20,14 @@ from gateway.backend_client import to_gateway_error
 from gateway.errors import BadInput, KumoError
 from schemas import backend as b
 from schemas import openai as o
-from schemas.workers_ai import LegacyFrame, LegacyResult, LegacyToolCall, LegacyUsage, PromptTokensDetails, Trailer
+from schemas.workers_ai import (
+    LegacyFrame,
+    LegacyResult,
+    LegacyToolCall,
+    LegacyUsage,
+    PromptTokensDetails,
+    Trailer,
+)
 
 DONE = b"data: [DONE]\n\n"
 _FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
@@ -60,7 +67,9 @@ class Completion:
         elif isinstance(event, b.ReasoningDelta):
             self.reasoning += event.text
         elif isinstance(event, b.ToolCallDelta):
-            call = self.tool_calls.setdefault(event.index, ToolCallParts(id=event.id or f"call_{event.index}", name=""))
+            call = self.tool_calls.setdefault(
+                event.index, ToolCallParts(id=event.id or f"call_{event.index}", name="")
+            )
             call.name = event.name or call.name
             call.arguments += event.arguments
         elif isinstance(event, b.Usage):
@@ -116,20 +125,36 @@ def legacy_result(c: Completion, totals: Totals, *, json_mode: bool) -> LegacyRe
             response = msgspec.json.decode(c.text)
         except msgspec.DecodeError as exc:
             raise BadInput("JSON Mode couldn't be met") from exc
-    calls = [LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments)) for _, t in sorted(c.tool_calls.items())]
+    calls = [
+        LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments))
+        for _, t in sorted(c.tool_calls.items())
+    ]
     return LegacyResult(response=response, tool_calls=calls or UNSET, usage=totals.legacy())
 
 
-def chat_completion(completions: list[Completion], totals: Totals, *, model: str, id: str, created: int, logprobs: bool) -> o.ChatCompletion:
+def chat_completion(
+    completions: list[Completion], totals: Totals, *, model: str, id: str, created: int, logprobs: bool
+) -> o.ChatCompletion:
     choices = []
     for i, c in enumerate(completions):
         calls = [
             o.ToolCallOut(id=t.id, function=o.FunctionCallOut(name=t.name, arguments=t.arguments))
             for _, t in sorted(c.tool_calls.items())
         ]
-        message = o.MessageOut(content=c.text or (None if calls else ""), reasoning_content=c.reasoning or None, tool_calls=calls or UNSET)
+        message = o.MessageOut(
+            content=c.text or (None if calls else ""),
+            reasoning_content=c.reasoning or None,
+            tool_calls=calls or UNSET,
+        )
         finish = "tool_calls" if calls and c.finish in (None, "stop", "tool_calls") else (c.finish or "stop")
-        choices.append(o.Choice(index=i, message=message, finish_reason=finish, logprobs=_logprobs(c.logprobs) if logprobs else None))  # type: ignore[arg-type]
+        choices.append(
+            o.Choice(
+                index=i,
+                message=message,
+                finish_reason=finish,
+                logprobs=_logprobs(c.logprobs) if logprobs else None,
+            )
+        )  # type: ignore[arg-type]
     return o.ChatCompletion(id=id, created=created, model=model, choices=choices, usage=totals.openai())
 
 
@@ -147,7 +172,10 @@ def _logprobs(items: list[b.TokenLogprob]) -> o.ChoiceLogprobs:
                 token=t.token,
                 logprob=t.logprob,
                 bytes=list(t.token.encode()),
-                top_logprobs=[o.TopLogprobOut(token=x.token, logprob=x.logprob, bytes=list(x.token.encode())) for x in t.top],
+                top_logprobs=[
+                    o.TopLogprobOut(token=x.token, logprob=x.logprob, bytes=list(x.token.encode()))
+                    for x in t.top
+                ],
             )
             for t in items
         ]
@@ -155,7 +183,9 @@ def _logprobs(items: list[b.TokenLogprob]) -> o.ChoiceLogprobs:
 
 
 # ---- streaming -----------------------------------------------------------------------------------------
-async def legacy_stream(events: AsyncIterator[tuple[int, b.Event]], done: list[Completion], neurons_of: NeuronsOf) -> AsyncIterator[bytes]:
+async def legacy_stream(
+    events: AsyncIterator[tuple[int, b.Event]], done: list[Completion], neurons_of: NeuronsOf
+) -> AsyncIterator[bytes]:
     """Legacy SSE: a frame per text piece, the tool calls (object arguments) once complete, a usage
     frame with `response: ""`, then `[DONE]`."""
     c = done[0]
@@ -164,7 +194,10 @@ async def legacy_stream(events: AsyncIterator[tuple[int, b.Event]], done: list[C
         if isinstance(event, b.TextDelta) and event.text:
             yield sse(LegacyFrame(response=event.text, p=padding()))
     if c.tool_calls:
-        calls = [LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments)) for _, t in sorted(c.tool_calls.items())]
+        calls = [
+            LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments))
+            for _, t in sorted(c.tool_calls.items())
+        ]
         yield sse(LegacyFrame(response="", tool_calls=calls, p=padding()))
     totals = Totals.of(done)
     yield sse(LegacyFrame(response="", usage=totals.legacy(neurons_of(totals))))
@@ -188,7 +221,15 @@ async def openai_stream(
 
     def chunk(i: int, delta: o.Delta, finish: str | None = None, lp: o.ChoiceLogprobs | None = None) -> bytes:
         choice = o.ChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=lp)
-        return sse(o.ChatCompletionChunk(id=id, created=created, model=model, choices=[choice], p=padding() if workers_trailer else UNSET))
+        return sse(
+            o.ChatCompletionChunk(
+                id=id,
+                created=created,
+                model=model,
+                choices=[choice],
+                p=padding() if workers_trailer else UNSET,
+            )
+        )
 
     for i in range(len(done)):
         yield chunk(i, o.Delta(role="assistant", content=""))
@@ -196,7 +237,9 @@ async def openai_stream(
         c = done[i]
         c.feed(event)
         if isinstance(event, b.TextDelta) and event.text:
-            yield chunk(i, o.Delta(content=event.text), lp=_logprobs(event.logprobs or []) if logprobs else None)
+            yield chunk(
+                i, o.Delta(content=event.text), lp=_logprobs(event.logprobs or []) if logprobs else None
+            )
         elif isinstance(event, b.ReasoningDelta) and event.text:
             yield chunk(i, o.Delta(reasoning_content=event.text))
         elif isinstance(event, b.ToolCallDelta):
@@ -207,7 +250,9 @@ async def openai_stream(
             yield chunk(i, o.Delta(), finish=finish)
     totals = Totals.of(done)
     if include_usage:
-        yield sse(o.ChatCompletionChunk(id=id, created=created, model=model, choices=[], usage=totals.openai()))
+        yield sse(
+            o.ChatCompletionChunk(id=id, created=created, model=model, choices=[], usage=totals.openai())
+        )
     if workers_trailer:
         yield sse(Trailer(response="", usage=totals.legacy(neurons_of(totals))))
     yield DONE

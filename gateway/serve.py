@@ -27,7 +27,7 @@ from gateway.observability import configure_logging
 from gateway.server import prepare, uvicorn_config
 from gateway.services import open_services
 from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
-from schemas.catalog import ModelSpec, PoolSpec, PoolsFile
+from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 
 DEFAULT_PORT = 8787
 DEFAULT_KINDS = {"kimi-k2.6": "kimi-k2.6", "glm-5.2": "glm-5.2"}  # pool → random_checkpoint KIND
@@ -104,7 +104,9 @@ async def wait_ready(backends: list[BackendProcess], logs: Path) -> None:
             for b in list(pending):
                 assert b.process is not None
                 if b.process.returncode is not None:
-                    raise ServeError(f"backend for {b.name} exited with {b.process.returncode} (see {logs / (b.pool + '.log')})")
+                    raise ServeError(
+                        f"backend for {b.name} exited with {b.process.returncode} (see {logs / (b.pool + '.log')})"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     r = await http.get(f"{b.url}/v1/health")
                     if r.status_code == 200 and r.json().get("status") == "ok":
@@ -129,7 +131,9 @@ async def stop_backends(backends: list[BackendProcess]) -> None:
             await b.process.wait()
 
 
-def plan(args: argparse.Namespace, settings: GatewaySettings) -> tuple[Catalog, list[BackendProcess], list[tuple[str, Path]]]:
+def plan(
+    args: argparse.Namespace, settings: GatewaySettings
+) -> tuple[Catalog, list[BackendProcess], list[tuple[str, Path]]]:
     """The catalog and one backend per served model; the checkpoints still to create."""
     file = load_catalog_file(settings.catalog_file)
     to_create: list[tuple[str, Path]] = []
@@ -209,11 +213,30 @@ def announce(settings: GatewaySettings, account: str, token: str, catalog: Catal
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kumo serve", description="The gateway plus one CPU/GPU backend per model.")
+    parser = argparse.ArgumentParser(
+        prog="kumo serve", description="The gateway plus one CPU/GPU backend per model."
+    )
     add_common_arguments(parser, default_port=DEFAULT_PORT)
-    parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH", help="serve a Kimi/GLM checkpoint (OpenAI-native family)")
-    parser.add_argument("--legacy-model", action="append", default=[], metavar="NAME=PATH", help="serve a checkpoint with the legacy Workers AI family")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="backend weights dtype (float32 on the CPU)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a Kimi/GLM checkpoint (OpenAI-native family)",
+    )
+    parser.add_argument(
+        "--legacy-model",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve a checkpoint with the legacy Workers AI family",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="backend weights dtype (float32 on the CPU)",
+    )
     args = parser.parse_args(argv)
     settings = settings_from(args)
     configure_logging(json=settings.log_json)

@@ -51,7 +51,9 @@ async def _run(settings: GatewaySettings, catalog: Catalog, pools_text: str) -> 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kumo gateway", description="Run a gateway in front of backend pools.")
+    parser = argparse.ArgumentParser(
+        prog="kumo gateway", description="Run a gateway in front of backend pools."
+    )
     parser.add_argument("--catalog", type=Path, default=None, help="catalog TOML (default: the packaged one)")
     parser.add_argument("--pools", type=Path, required=True, help="pools TOML: [pools.NAME] replicas, secret")
     add_common_arguments(parser, default_port=DEFAULT_PORT)

@@ -81,7 +81,11 @@ async def open_services(settings: GatewaySettings, catalog: Catalog, pools: Pool
     )
     by_pool = {m.pool: m for m in catalog.models}
     router = Router(
-        {name: Pool(name, by_pool[name], [Replica(url) for url in spec.replicas]) for name, spec in pools.pools.items() if name in by_pool},
+        {
+            name: Pool(name, by_pool[name], [Replica(url) for url in spec.replicas])
+            for name, spec in pools.pools.items()
+            if name in by_pool
+        },
         BackendClient(backend_http, secret_for),
         health_interval_s=settings.health_interval_s,
         eject_after_failures=settings.eject_after_failures,

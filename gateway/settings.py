@@ -69,7 +69,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, default_port: int) 
     )
 
 
-def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None, **overrides: object) -> GatewaySettings:
+def settings_from(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None, **overrides: object
+) -> GatewaySettings:
     """Build the settings from parsed flags and the environment (`KUMO_*`; the process's own
     unless `env` is given). The only place the gateway reads the environment."""
     env = os.environ if env is None else env
@@ -91,7 +93,9 @@ def settings_from(args: argparse.Namespace, env: Mapping[str, str] | None = None
         or env.get("KUMO_ALLOW_PRIVATE_URLS", "") in ("1", "true"),
     }
     if env.get("KUMO_ALLOWED_IMAGE_NETWORKS"):
-        values["allowed_image_networks"] = tuple(n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip())
+        values["allowed_image_networks"] = tuple(
+            n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip()
+        )
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
     if env.get("KUMO_MAX_BODY_BYTES"):
         values["max_body_bytes"] = int(env["KUMO_MAX_BODY_BYTES"])

@@ -47,7 +47,9 @@ class FakeBackend:
     context_window: int = 4096
     is_down: bool = False
     requests: list[b.GenerateRequest] = field(default_factory=list)
-    journal: list[b.GenerateRequest] = field(default_factory=list)  # shared by a harness's backends, in arrival order
+    journal: list[b.GenerateRequest] = field(
+        default_factory=list
+    )  # shared by a harness's backends, in arrival order
     num_open_streams: int = 0
 
     def card(self) -> b.ModelCard:
@@ -95,7 +97,11 @@ class FakeBackend:
                 return Response(msgspec.json.encode(body), status_code=429)
             if text == "overflow":
                 body = b.ErrorBody(
-                    error=b.Error(code="context_window_exceeded", message="The estimated number of input and maximum output tokens (9000) exceeded this model context window limit (4096).", status=413)
+                    error=b.Error(
+                        code="context_window_exceeded",
+                        message="The estimated number of input and maximum output tokens (9000) exceeded this model context window limit (4096).",
+                        status=413,
+                    )
                 )
                 return Response(msgspec.json.encode(body), status_code=413)
             return StreamingResponse(self._events(req, text), media_type="application/x-ndjson")
@@ -131,23 +137,34 @@ class FakeBackend:
             events += [b.ReasoningDelta(text=p) for p in pieces("Let me think.")]
             text = text.removeprefix("think:")
         if text.startswith("tool:"):
-            events.append(b.ToolCallDelta(index=0, id="call_abc123xyz", name="get_weather", arguments='{"city": '))
+            events.append(
+                b.ToolCallDelta(index=0, id="call_abc123xyz", name="get_weather", arguments='{"city": ')
+            )
             events.append(b.ToolCallDelta(index=0, arguments='"Lisbon"}'))
             if req.parallel_tool_calls:
-                events.append(b.ToolCallDelta(index=1, id="call_def456uvw", name="get_weather", arguments='{"city": "Porto"}'))
+                events.append(
+                    b.ToolCallDelta(
+                        index=1, id="call_def456uvw", name="get_weather", arguments='{"city": "Porto"}'
+                    )
+                )
             finish = "tool_calls"
         elif text.startswith("json:"):
             events += [b.TextDelta(text=p) for p in pieces('{"answer": 42, "ok": true}')]
         elif text.startswith("logprobs"):
             for p in pieces("abcdef"):
-                top = [b.TopLogprob(token=p, token_id=1, logprob=-0.1), b.TopLogprob(token="zz", token_id=2, logprob=-2.5)]
+                top = [
+                    b.TopLogprob(token=p, token_id=1, logprob=-0.1),
+                    b.TopLogprob(token="zz", token_id=2, logprob=-2.5),
+                ]
                 lp = b.TokenLogprob(token=p, token_id=1, logprob=-0.1, top=top[: req.sampling.top_logprobs])
                 events.append(b.TextDelta(text=p, logprobs=[lp] if req.sampling.logprobs else None))
         else:
             reply = f"echo[{req.sampling.seed}]: {text}" if req.sampling.seed is not None else f"echo: {text}"
             events += [b.TextDelta(text=p) for p in pieces(reply)]
         num_prompt = 7 + len(text)
-        events.append(b.Usage(prompt_tokens=num_prompt, completion_tokens=len(events), cached_tokens=min(num_prompt, 4)))
+        events.append(
+            b.Usage(prompt_tokens=num_prompt, completion_tokens=len(events), cached_tokens=min(num_prompt, 4))
+        )
         events.append(b.Finish(reason=finish))
         return events
 

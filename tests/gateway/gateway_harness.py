@@ -105,7 +105,9 @@ async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Har
             urls.append(s.url)
         pools[pool] = PoolSpec(replicas=urls, secret="fake-secret")
     data_dir: Path = tmp_path_factory.mktemp("kumo")
-    settings = GatewaySettings(data_dir=data_dir, health_interval_s=0.2, max_body_bytes=256 * 1024, max_image_bytes=64 * 1024)
+    settings = GatewaySettings(
+        data_dir=data_dir, health_interval_s=0.2, max_body_bytes=256 * 1024, max_image_bytes=64 * 1024
+    )
     catalog = Catalog.from_file(load_catalog_file(None), extra_models())
     services = await open_services(settings, catalog, PoolsFile(pools=pools))
     account, token = await services.store.ensure_dev_tenant()

@@ -26,13 +26,21 @@ async def test_search_lists_entries_with_workers_ai_fields(harness: Harness) -> 
     kimi = next(e for e in body["result"] if e["name"] == KIMI)
     uuid.UUID(kimi["id"])
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}\.\d{3}", kimi["created_at"])
-    assert kimi["task"] == {"id": "c329a1f9-323d-4e91-b2aa-582dd4188d34", "name": "Text Generation", "description": kimi["task"]["description"]}
+    assert kimi["task"] == {
+        "id": "c329a1f9-323d-4e91-b2aa-582dd4188d34",
+        "name": "Text Generation",
+        "description": kimi["task"]["description"],
+    }
     p = props(kimi)
     assert p["context_window"] == "4096"  # what the pool's backend reports, not the published 262144
     assert p["vision"] == "true" and p["function_calling"] == "true" and p["require_workers_paid"] == "true"
     assert "async_queue" not in p
     assert all(isinstance(v, str) for k, v in p.items() if k != "price")
-    assert {x["unit"] for x in p["price"]} == {"per M input tokens", "per M output tokens", "per M cached input tokens"}
+    assert {x["unit"] for x in p["price"]} == {
+        "per M input tokens",
+        "per M output tokens",
+        "per M cached input tokens",
+    }
     assert "small checkpoint" in kimi["description"]
     glm = props(next(e for e in body["result"] if e["name"] == GLM))
     assert "vision" not in glm
@@ -40,8 +48,12 @@ async def test_search_lists_entries_with_workers_ai_fields(harness: Harness) -> 
 
 
 async def test_filters_and_paging_end(harness: Harness) -> None:
-    assert [e["name"] for e in (await get(harness, "/ai/models/search", search="kimi")).json()["result"]] == [KIMI]
-    assert {e["name"] for e in (await get(harness, "/ai/models/search", author="zai-org")).json()["result"]} == {GLM}
+    assert [e["name"] for e in (await get(harness, "/ai/models/search", search="kimi")).json()["result"]] == [
+        KIMI
+    ]
+    assert {
+        e["name"] for e in (await get(harness, "/ai/models/search", author="zai-org")).json()["result"]
+    } == {GLM}
     assert (await get(harness, "/ai/models/search", task="Text Embeddings")).json()["result"] == []
     visible = (await get(harness, "/ai/models/search", hide_experimental="true")).json()["result"]
     assert MISMATCH not in {e["name"] for e in visible}
@@ -69,7 +81,9 @@ async def test_schema_tasks_authors_memberships(harness: Harness) -> None:
     m = await harness.http.get(f"{harness.url}/client/v4/memberships", headers=harness.auth())
     assert m.json()["result"][0]["account"]["id"] == harness.account
     assert (await harness.http.get(f"{harness.url}/client/v4/memberships")).status_code == 401
-    other = await harness.http.get(harness.path("/ai/models/search", account=harness.free_account), headers=harness.auth())
+    other = await harness.http.get(
+        harness.path("/ai/models/search", account=harness.free_account), headers=harness.auth()
+    )
     assert other.status_code == 403
 
 

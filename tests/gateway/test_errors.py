@@ -17,7 +17,7 @@ def assert_envelope(r: httpx.Response, status: int, code: int) -> str:
     assert set(body) == {"result", "success", "errors", "messages"}
     assert body["result"] is None and body["success"] is False and body["messages"] == []
     assert body["errors"][0]["code"] == code, body
-    assert "Traceback" not in r.text and "File \"" not in r.text
+    assert "Traceback" not in r.text and 'File "' not in r.text
     message: str = body["errors"][0]["message"]
     return message
 
@@ -25,22 +25,34 @@ def assert_envelope(r: httpx.Response, status: int, code: int) -> str:
 async def test_auth_errors(harness: Harness) -> None:
     url = harness.path(f"/ai/run/{KIMI}")
     assert_envelope(await harness.http.post(url, json={"prompt": "x"}), 401, 10000)
-    assert_envelope(await harness.http.post(url, headers=harness.auth("kumo_nope"), json={"prompt": "x"}), 401, 10000)
+    assert_envelope(
+        await harness.http.post(url, headers=harness.auth("kumo_nope"), json={"prompt": "x"}), 401, 10000
+    )
     other = harness.path(f"/ai/run/{KIMI}", account=harness.free_account)
     assert_envelope(await harness.http.post(other, headers=harness.auth(), json={"prompt": "x"}), 403, 9109)
     free = await harness.http.post(other, headers=harness.auth(harness.free_token), json={"prompt": "x"})
     assert "not available on the Workers Free plan" in assert_envelope(free, 403, 5035)
     free_legacy = harness.path(f"/ai/run/{LEGACY}", account=harness.free_account)
-    assert (await harness.http.post(free_legacy, headers=harness.auth(harness.free_token), json={"prompt": "x"})).status_code == 200
+    assert (
+        await harness.http.post(free_legacy, headers=harness.auth(harness.free_token), json={"prompt": "x"})
+    ).status_code == 200
 
 
 async def test_routing_errors(harness: Harness) -> None:
-    unknown = await harness.http.post(harness.path("/ai/run/@cf/foo/bar"), headers=harness.auth(), json={"prompt": "x"})
+    unknown = await harness.http.post(
+        harness.path("/ai/run/@cf/foo/bar"), headers=harness.auth(), json={"prompt": "x"}
+    )
     assert assert_envelope(unknown, 400, 5007) == "AiError: No such model @cf/foo/bar or task"
-    assert_envelope(await harness.http.get(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth()), 405, 7001)
+    assert_envelope(
+        await harness.http.get(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth()), 405, 7001
+    )
     bad_account = f"{harness.url}/client/v4/accounts/not-an-account/ai/run/{KIMI}"
-    assert_envelope(await harness.http.post(bad_account, headers=harness.auth(), json={"prompt": "x"}), 404, 7003)
-    assert_envelope(await harness.http.get(f"{harness.url}/client/v4/nothing", headers=harness.auth()), 404, 7000)
+    assert_envelope(
+        await harness.http.post(bad_account, headers=harness.auth(), json={"prompt": "x"}), 404, 7003
+    )
+    assert_envelope(
+        await harness.http.get(f"{harness.url}/client/v4/nothing", headers=harness.auth()), 404, 7000
+    )
 
 
 async def test_body_errors(harness: Harness) -> None:
@@ -54,14 +66,18 @@ async def test_body_errors(harness: Harness) -> None:
             yield b"a" * 10_000
 
     assert_envelope(await harness.http.post(url, headers=harness.auth(), content=chunks()), 413, 3006)
-    assert "Bad input" in assert_envelope(await harness.http.post(url, headers=harness.auth(), content=b"{nope"), 400, 5006)
+    assert "Bad input" in assert_envelope(
+        await harness.http.post(url, headers=harness.auth(), content=b"{nope"), 400, 5006
+    )
 
 
 async def test_backend_errors_map_to_workers_ai_codes(harness: Harness) -> None:
     url = harness.path(f"/ai/run/{KIMI}")
     overflow = await harness.http.post(url, headers=harness.auth(), json={"prompt": "overflow"})
     assert "context window limit" in assert_envelope(overflow, 413, 5021)
-    busy = await harness.http.post(url, headers=harness.auth(), json={"prompt": "busy", "options": {"rejectIfBusy": True}})
+    busy = await harness.http.post(
+        url, headers=harness.auth(), json={"prompt": "busy", "options": {"rejectIfBusy": True}}
+    )
     assert assert_envelope(busy, 429, 3040) == "AiError: Capacity temporarily exceeded, please try again."
     assert int(busy.headers["retry-after"]) >= 1
     garbage = await harness.http.post(url, headers=harness.auth(), json={"prompt": "garbage"})
@@ -80,7 +96,9 @@ async def test_rate_limit_is_429_with_retry_after(harness: Harness) -> None:
 
 
 async def test_a_pool_that_disagrees_with_its_entry_is_not_served(harness: Harness) -> None:
-    r = await harness.http.post(harness.path(f"/ai/run/{MISMATCH}"), headers=harness.auth(), json={"prompt": "x"})
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{MISMATCH}"), headers=harness.auth(), json={"prompt": "x"}
+    )
     assert_envelope(r, 503, 3040)
     assert harness.backends["mismatch"][0].requests == []
 
@@ -91,7 +109,9 @@ async def test_a_down_replica_is_retried_elsewhere_then_ejected_and_returned(har
     try:
         before = len(b.requests)
         for i in range(4):
-            r = await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"prompt": f"r{i}"})
+            r = await harness.http.post(
+                harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"prompt": f"r{i}"}
+            )
             assert r.status_code == 200, r.text
         assert len(b.requests) - before == 4
         await asyncio.sleep(0.6)  # a few health rounds

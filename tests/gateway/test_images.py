@@ -70,7 +70,14 @@ async def sites() -> AsyncIterator[tuple[Site, Served, Site, Served]]:
 
 def fetcher(*, allowed: str | None = None, max_bytes: int = 4096, timeout_s: float = 1.0) -> ImageFetcher:
     nets = (ipaddress.ip_network(allowed),) if allowed else ()
-    limits = ImageLimits(max_bytes=max_bytes, max_pixels=512 * 512, timeout_s=timeout_s, max_redirects=3, allow_private=False, allowed_networks=nets)
+    limits = ImageLimits(
+        max_bytes=max_bytes,
+        max_pixels=512 * 512,
+        timeout_s=timeout_s,
+        max_redirects=3,
+        allow_private=False,
+        allowed_networks=nets,
+    )
     return ImageFetcher(httpx.AsyncClient(follow_redirects=False, trust_env=False), limits)
 
 
@@ -112,7 +119,9 @@ async def test_loopback_site_is_refused_by_default(sites: tuple[Site, Served, Si
     assert len(public.hits) == before  # never contacted
 
 
-async def test_allowed_network_fetches_with_type_size_and_time_limits(sites: tuple[Site, Served, Site, Served]) -> None:
+async def test_allowed_network_fetches_with_type_size_and_time_limits(
+    sites: tuple[Site, Served, Site, Served],
+) -> None:
     _, a, _, _ = sites
     f = fetcher(allowed="127.0.0.1/32")
     assert (await f.from_url(f"{a.url}/img.png")).data == png_bytes()
@@ -142,10 +151,19 @@ async def test_every_redirect_hop_is_checked(sites: tuple[Site, Served, Site, Se
         await f.from_url(f"{a.url}/redirect")
 
 
-async def test_gateway_refuses_a_loopback_image_url(harness: Harness, sites: tuple[Site, Served, Site, Served]) -> None:
+async def test_gateway_refuses_a_loopback_image_url(
+    harness: Harness, sites: tuple[Site, Served, Site, Served]
+) -> None:
     public, a, _, _ = sites
     before = len(public.hits)
-    content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": f"{a.url}/img.png"}}]
-    r = await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"messages": [{"role": "user", "content": content}]})
+    content = [
+        {"type": "text", "text": "what?"},
+        {"type": "image_url", "image_url": {"url": f"{a.url}/img.png"}},
+    ]
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}"),
+        headers=harness.auth(),
+        json={"messages": [{"role": "user", "content": content}]},
+    )
     assert r.status_code == 400 and "private, loopback or link-local" in r.json()["errors"][0]["message"]
     assert len(public.hits) == before

@@ -19,22 +19,40 @@ def client(h: Harness, token: str | None = None, account: str | None = None) -> 
 
 async def test_chat_completion_with_reasoning_and_tools(harness: Harness) -> None:
     async with client(harness) as c:
-        done = await c.chat.completions.create(model=KIMI, messages=[{"role": "user", "content": "think:hello"}], max_tokens=32)
+        done = await c.chat.completions.create(
+            model=KIMI, messages=[{"role": "user", "content": "think:hello"}], max_tokens=32
+        )
         assert done.choices[0].message.content == "echo: hello"
         assert done.choices[0].message.model_extra["reasoning_content"] == "Let me think."  # type: ignore[index]
         assert done.usage is not None and done.usage.prompt_tokens_details.cached_tokens == 4  # type: ignore[union-attr]
         assert done.model == KIMI and done.object == "chat.completion"
-        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-        called = await c.chat.completions.create(model=GLM, messages=[{"role": "user", "content": "tool:"}], tools=tools)  # type: ignore[arg-type]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ]
+        called = await c.chat.completions.create(
+            model=GLM, messages=[{"role": "user", "content": "tool:"}], tools=tools
+        )  # type: ignore[arg-type]
         calls = called.choices[0].message.tool_calls or []
         assert called.choices[0].finish_reason == "tool_calls"
-        assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", '{"city": "Lisbon"}'), ("get_weather", '{"city": "Porto"}')]  # type: ignore[union-attr]
+        assert [(t.function.name, t.function.arguments) for t in calls] == [
+            ("get_weather", '{"city": "Lisbon"}'),
+            ("get_weather", '{"city": "Porto"}'),
+        ]  # type: ignore[union-attr]
 
 
 async def test_stream_has_no_workers_trailer_and_usage_on_request(harness: Harness) -> None:
     async with client(harness) as c:
         stream = await c.chat.completions.create(
-            model=KIMI, messages=[{"role": "user", "content": "hi there"}], stream=True, stream_options={"include_usage": True}
+            model=KIMI,
+            messages=[{"role": "user", "content": "hi there"}],
+            stream=True,
+            stream_options={"include_usage": True},
         )
         chunks = [chunk async for chunk in stream]
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -50,10 +68,14 @@ async def test_errors_come_back_in_the_cloudflare_envelope(harness: Harness) -> 
             await c.chat.completions.create(model="@cf/foo/bar", messages=[{"role": "user", "content": "x"}])
         assert bad.value.response.json()["errors"][0]["code"] == 5007
         with pytest.raises(openai.BadRequestError) as refused:
-            await c.chat.completions.create(model=KIMI, messages=[{"role": "user", "content": "x"}], logit_bias={"1": 5})
+            await c.chat.completions.create(
+                model=KIMI, messages=[{"role": "user", "content": "x"}], logit_bias={"1": 5}
+            )
         assert "logit_bias" in refused.value.response.json()["errors"][0]["message"]
         with pytest.raises(openai.APIError):
-            stream = await c.chat.completions.create(model=KIMI, messages=[{"role": "user", "content": "crash"}], stream=True)
+            stream = await c.chat.completions.create(
+                model=KIMI, messages=[{"role": "user", "content": "crash"}], stream=True
+            )
             async for _ in stream:
                 pass
     async with client(harness, token="kumo_wrong") as c:

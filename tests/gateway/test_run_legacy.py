@@ -18,7 +18,9 @@ def sse_events(text: str) -> list[object]:
 
 
 async def test_prompt_returns_response_and_usage_in_the_envelope(harness: Harness) -> None:
-    r = await harness.http.post(harness.path(f"/ai/run/{LEGACY}"), headers=harness.auth(), json={"prompt": "hello"})
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}"), headers=harness.auth(), json={"prompt": "hello"}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["success"] is True and body["errors"] == [] and body["messages"] == []
@@ -39,7 +41,11 @@ async def test_messages_and_tool_results_reach_the_backend(harness: Harness) -> 
         "messages": [
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Lisbon"}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "get_weather", "arguments": {"city": "Lisbon"}}],
+            },
             {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "abcdefghi"},
             {"role": "user", "content": "and now?"},
         ],
@@ -53,7 +59,9 @@ async def test_messages_and_tool_results_reach_the_backend(harness: Harness) -> 
     sent = harness.last
     assert [m.role for m in sent.messages or []] == ["system", "user", "assistant", "tool", "user"]
     call = (sent.messages or [])[2].tool_calls[0]  # type: ignore[index]
-    assert call.function.name == "get_weather" and msgspec.json.decode(call.function.arguments) == {"city": "Lisbon"}
+    assert call.function.name == "get_weather" and msgspec.json.decode(call.function.arguments) == {
+        "city": "Lisbon"
+    }
     assert (sent.messages or [])[3].tool_call_id == "abcdefghi"
     assert (sent.sampling.temperature, sent.sampling.top_k, sent.sampling.seed) == (0.2, 5, 7)
 
@@ -89,7 +97,10 @@ async def test_tools_in_both_shapes_return_object_arguments(harness: Harness) ->
 
 
 async def test_json_mode_returns_the_parsed_object_and_refuses_to_stream(harness: Harness) -> None:
-    fmt = {"type": "json_schema", "json_schema": {"type": "object", "properties": {"answer": {"type": "number"}}}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"type": "object", "properties": {"answer": {"type": "number"}}},
+    }
     r = await post(harness, {"prompt": "json:", "response_format": fmt})
     assert r.status_code == 200, r.text
     assert r.json()["result"]["response"] == {"answer": 42, "ok": True}

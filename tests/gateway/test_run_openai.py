@@ -38,7 +38,9 @@ async def test_chat_completion_inside_the_envelope(harness: Harness) -> None:
 
 async def test_model_id_with_encoded_slashes_and_the_model_envelope(harness: Harness) -> None:
     encoded = KIMI.replace("/", "%2F")
-    r = await harness.http.post(harness.path(f"/ai/run/{encoded}"), headers=harness.auth(), json={"prompt": "a"})
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{encoded}"), headers=harness.auth(), json={"prompt": "a"}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["result"]["choices"][0]["message"]["content"] == "echo: a"
     r = await harness.http.post(
@@ -74,20 +76,42 @@ async def test_tool_calls_parallel_and_tool_choice(harness: Harness) -> None:
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     calls = choice["message"]["tool_calls"]
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Lisbon"}', '{"city": "Porto"}']
-    assert calls[0] == {"id": "call_abc123xyz", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lisbon"}'}}
+    assert calls[0] == {
+        "id": "call_abc123xyz",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Lisbon"}'},
+    }
     sent = harness.last
     assert sent.tool_choice.mode == "required"
     r = await post(
         harness,
-        {"messages": msgs("tool:"), "tools": tools, "parallel_tool_calls": False, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        {
+            "messages": msgs("tool:"),
+            "tools": tools,
+            "parallel_tool_calls": False,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
     )
     assert len(r.json()["result"]["choices"][0]["message"]["tool_calls"]) == 1
     assert harness.last.tool_choice.name == "get_weather"
-    bad = await post(harness, {"messages": msgs("x"), "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    bad = await post(
+        harness,
+        {
+            "messages": msgs("x"),
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+    )
     assert bad.status_code == 400 and "tool_choice" in bad.json()["errors"][0]["message"]
     history = [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]
     assert (await post(harness, {"messages": history, "tools": tools})).status_code == 200
@@ -135,19 +159,43 @@ async def test_unserved_openai_fields_are_refused_by_name(harness: Harness) -> N
         r = await post(harness, {"messages": msgs("x"), field: value})
         assert r.status_code == 400, field
         assert field in r.json()["errors"][0]["message"], (field, r.json())
-    r = await post(harness, {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]})
+    r = await post(
+        harness,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+                }
+            ]
+        },
+    )
     assert r.status_code == 400 and "input_audio" in r.json()["errors"][0]["message"]
 
 
 async def test_stop_seed_logprobs_and_penalties_are_honoured(harness: Harness) -> None:
     r = await post(
         harness,
-        {"messages": msgs("logprobs"), "stop": "END", "seed": 3, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "temperature": 0.3, "top_p": 0.9},
+        {
+            "messages": msgs("logprobs"),
+            "stop": "END",
+            "seed": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "presence_penalty": 0.5,
+            "temperature": 0.3,
+            "top_p": 0.9,
+        },
     )
     assert r.status_code == 200, r.text
     sent = harness.last
     assert sent.sampling.stop == ["END"] and sent.sampling.seed == 3 and sent.sampling.logprobs
-    assert (sent.sampling.top_logprobs, sent.sampling.presence_penalty, sent.sampling.temperature, sent.sampling.top_p) == (2, 0.5, 0.3, 0.9)
+    assert (
+        sent.sampling.top_logprobs,
+        sent.sampling.presence_penalty,
+        sent.sampling.temperature,
+        sent.sampling.top_p,
+    ) == (2, 0.5, 0.3, 0.9)
     content = r.json()["result"]["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["abc", "def"]
     assert content[0]["bytes"] == list(b"abc") and len(content[0]["top_logprobs"]) == 2

@@ -1,0 +1,100 @@
+"""One `kumo serve` for the whole e2e session: real `kumo backend` processes on the CPU.
+
+The data dir is seeded with tiny served checkpoints of the default models' exact architectures
+(Kimi K2.5 layout for `kimi-k2.6`, GLM-5 DSA for `glm-5.2`), written by transformers' own classes,
+so the session does not pay for creating them; a GLM-4.5 checkpoint is added with
+`--legacy-model` so the legacy family runs through a real backend too. The account id and token
+are read from what `kumo serve` prints.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.backend.server_checkpoints import make_served_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+LEGACY = "@cf/kumo/glm-4.5"
+KIMI = "@cf/moonshotai/kimi-k2.6"
+GLM = "@cf/zai-org/glm-5.2"
+
+
+@dataclass(frozen=True)
+class Kumo:
+    url: str
+    account: str
+    token: str
+    data_dir: Path
+
+    def path(self, rest: str) -> str:
+        return f"{self.url}/client/v4/accounts/{self.account}{rest}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.token}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
+    data_dir = tmp_path_factory.mktemp("kumo-serve")
+    make_served_checkpoint("kimi_k25", data_dir / "checkpoints" / "kimi-k2.6")
+    make_served_checkpoint("glm_moe_dsa", data_dir / "checkpoints" / "glm-5.2")
+    legacy = make_served_checkpoint("glm4_moe", data_dir / "glm-4.5")
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("KUMO_ADMIN_TOKEN", None)
+    log = (data_dir / "serve.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
+         "--legacy-model", f"{LEGACY}={legacy}"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    printed: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            printed.append(line)
+            if "API token:" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 240
+    while not ready.wait(0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(
+                "kumo serve did not start:\n" + "".join(printed) + (data_dir / "serve.log").read_text()
+            )
+    text = "".join(printed)
+    account = re.search(r"Account ID: ([0-9a-f]{32})", text)
+    token = re.search(r"API token:  (\S+)", text)
+    assert account and token, text
+    yield Kumo(f"http://127.0.0.1:{port}", account.group(1), token.group(1), data_dir)
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+    log.close()

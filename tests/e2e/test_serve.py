@@ -1,0 +1,174 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""End to end through `kumo serve`: the gateway in front of real `kumo backend` processes on the
+CPU (tiny random checkpoints, so answers are gibberish: we check structure, limits and plumbing,
+which is what a user of the API relies on)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.serve_process import GLM, KIMI, LEGACY, Kumo, kumo  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def frames(text: str) -> list[dict]:  # type: ignore[type-arg]
+    data = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def run(kumo: Kumo, model: str, body: dict, **headers: str) -> httpx.Response:  # type: ignore[type-arg]
+    return httpx.post(kumo.path(f"/ai/run/{model}"), headers={**kumo.auth, **headers}, json=body, timeout=120)
+
+
+def test_legacy_family_through_a_real_backend(kumo: Kumo) -> None:
+    r = run(kumo, LEGACY, {"prompt": "Hello there", "max_tokens": 6, "seed": 1})
+    assert r.status_code == 200, r.text
+    result = r.json()["result"]
+    assert isinstance(result["response"], str) and result["usage"]["completion_tokens"] == 6
+    assert result["usage"]["prompt_tokens"] > 2
+    streamed = frames(
+        run(kumo, LEGACY, {"prompt": "Hello there", "max_tokens": 6, "seed": 1, "stream": True}).text
+    )
+    assert "".join(f["response"] for f in streamed) == result["response"]  # same seed, same text
+    assert all("p" in f for f in streamed if f["response"])
+    assert streamed[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_openai_family_on_ai_run_with_trailer(kumo: Kumo) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 5,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "seed": 2,
+    }
+    r = run(kumo, GLM, body)
+    assert r.status_code == 200, r.text
+    result = r.json()["result"]
+    assert result["object"] == "chat.completion" and result["model"] == GLM
+    assert result["choices"][0]["message"]["reasoning_content"] is None
+    assert result["usage"]["completion_tokens"] == 5
+    streamed = frames(run(kumo, GLM, {**body, "stream": True}).text)
+    chunks, trailer = streamed[:-1], streamed[-1]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == result["choices"][0]["message"]["content"]
+    assert (
+        trailer["response"] == ""
+        and trailer["usage"]["completion_tokens"] == 5
+        and trailer["usage"]["neurons"] > 0
+    )
+
+
+def test_openai_package_stream_tools_json_and_n(kumo: Kumo) -> None:
+    client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=GLM,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"],
+            },
+        },
+    }
+    called = client.chat.completions.create(
+        model=GLM,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        seed=3,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    call = (called.choices[0].message.tool_calls or [])[0]
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments)["city"], str
+    )  # type: ignore[union-attr]
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    shaped = client.chat.completions.create(
+        model=GLM,
+        messages=[{"role": "user", "content": "A number"}],
+        max_tokens=30,
+        n=2,
+        seed=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "num", "schema": schema}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert len(shaped.choices) == 2
+    for choice in shaped.choices:
+        assert 0 <= json.loads(choice.message.content or "")["n"] <= 9
+
+
+def test_legacy_json_mode_returns_an_object(kumo: Kumo) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    r = run(
+        kumo,
+        LEGACY,
+        {
+            "prompt": "Answer",
+            "max_tokens": 20,
+            "response_format": {"type": "json_schema", "json_schema": schema},
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert isinstance(r.json()["result"]["response"]["ok"], bool)
+
+
+def test_context_window_and_catalog_come_from_the_backend(kumo: Kumo) -> None:
+    r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000})
+    assert r.status_code == 413 and r.json()["errors"][0]["code"] == 5021
+    assert "context window limit (1024)" in r.json()["errors"][0]["message"]
+    models = httpx.get(kumo.path("/ai/models/search"), headers=kumo.auth).json()["result"]
+    glm = next(m for m in models if m["name"] == GLM)
+    props = {p["property_id"]: p["value"] for p in glm["properties"]}
+    assert props["context_window"] == "1024" and props["weights"] == "float32"
+
+
+def test_prefix_cache_hits_with_session_affinity(kumo: Kumo) -> None:
+    long = "Tell me about the history of the city and its rivers, bridges and old harbours. " * 4
+    body = {"messages": [{"role": "user", "content": long}], "max_tokens": 2}
+    first = run(kumo, GLM, body, **{"x-session-affinity": "ses_e2e"}).json()["result"]["usage"]
+    second = run(kumo, GLM, body, **{"x-session-affinity": "ses_e2e"}).json()["result"]["usage"]
+    assert second["prompt_tokens"] == first["prompt_tokens"] > 32
+    assert second["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
+def test_kimi_with_an_image(kumo: Kumo) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": uri}}]
+    r = run(kumo, KIMI, {"messages": [{"role": "user", "content": content}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["usage"]["prompt_tokens"] > 10
