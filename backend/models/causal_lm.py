@@ -129,12 +129,17 @@ class CausalLM(nn.Module):
                 continue  # MTP layers (speculative decoding heads) are not part of the model
             if expert := _EXPERT.match(name):
                 path, e, proj, part = expert.group(1), int(expert.group(2)), expert.group(3), expert.group(4)
-                if part == "weight":
-                    n = self._module(path, raw_name).load_expert(e, proj, tensor)
-                    loaded[f"{path}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"] += n
-                else:  # quantized experts (backend/quant/experts.py) say which buffer the tensor filled
-                    buffer, n = self._module(path, raw_name).load_expert_part(e, proj, part, tensor)
+                experts = self._module(path, raw_name)
+                if hasattr(experts, "load_expert_part"):
+                    # quantized experts (backend/quant/experts.py) take every part, FP8 `.weight` included,
+                    # and say which buffer the tensor filled
+                    buffer, n = experts.load_expert_part(e, proj, part, tensor)
                     loaded[f"{path}.{buffer}"] += n
+                elif part == "weight":
+                    n = experts.load_expert(e, proj, tensor)
+                    loaded[f"{path}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"] += n
+                else:
+                    raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint")
                 expert_parts[path].add((e, proj))
                 continue
             path, attr = name.rsplit(".", 1)
@@ -164,13 +169,14 @@ class CausalLM(nn.Module):
     def _describe_missing(self, name: str, expert_parts: dict[str, set[tuple[int, str]]]) -> str:
         path, param = name.rsplit(".", 1)
         module = self.get_submodule(path)
-        if not isinstance(module, Experts):
+        if not hasattr(module, "parts_per_param"):
             return name
-        projs = ("down_proj",) if param == "down_proj" else ("gate_proj", "up_proj")
+        projs = ("down_proj",) if param.startswith("down") else ("gate_proj", "up_proj")
+        suffix = ".weight" if isinstance(module, Experts) else f" (for {param})"
         for e in range(module.e0, module.e1):
             for proj in projs:
                 if (e, proj) not in expert_parts[path]:
-                    return f"{path}.{e}.{proj}.weight"
+                    return f"{path}.{e}.{proj}{suffix}"
         return name
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
