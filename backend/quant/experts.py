@@ -7,8 +7,8 @@ weight_shape}` (INT4), `.{weight, weight_scale}` (FP8 per channel) or `.{weight,
 (FP8 blocks). Fused per local expert, as the dense module fuses them:
 
     int4        gate_up_packed [El, 2I, H/8]   gate_up_scale [El, 2I, H/g]    down_packed [El, H, I/8]   down_scale [El, H, I/g]
-    fp8-channel gate_up        [El, 2I, H]     gate_up_scale [El, 2I, 1]      down        [El, H, I]     down_scale [El, H, 1]
-    fp8-block   gate_up        [El, 2I, H]     gate_scale_inv, up_scale_inv [El, I/128, H/128]   down_scale_inv [El, H/128, I/128]
+    fp8-channel gate_up_proj   [El, 2I, H]     gate_up_scale [El, 2I, 1]      down_proj   [El, H, I]     down_scale [El, H, 1]
+    fp8-block   gate_up_proj   [El, 2I, H]     gate_scale_inv, up_scale_inv [El, I/128, H/128]   down_scale_inv [El, H/128, I/128]
 
 (block scales of gate and up stay apart: with I not a multiple of 128 their edge blocks differ.)
 Shape letters: El local experts, H hidden, I expert intermediate, T tokens, k experts per token.
@@ -61,10 +61,11 @@ class QuantExperts(nn.Module):
                 self._params[(p, "weight_packed")] = (f"{fused}_packed", gu[p])
                 self._params[(p, "weight_scale")] = (f"{fused}_scale", gu[p])
         else:
-            self._buffer("gate_up", (El, 2 * I, H), FP8)
-            self._buffer("down", (El, H, I), FP8)
+            # named as the dense module's parameters: the loader counts `.weight` tensors under them
+            self._buffer("gate_up_proj", (El, 2 * I, H), FP8)
+            self._buffer("down_proj", (El, H, I), FP8)
             for p in _PROJS:
-                self._params[(p, "weight")] = ("down" if p == "down_proj" else "gate_up", gu[p])
+                self._params[(p, "weight")] = ("down_proj" if p == "down_proj" else "gate_up_proj", gu[p])
             if scheme.method == "fp8-channel":
                 self._buffer("gate_up_scale", (El, 2 * I, 1), torch.float32)
                 self._buffer("down_scale", (El, H, 1), torch.float32)
@@ -106,7 +107,10 @@ class QuantExperts(nn.Module):
         return buffer, 1
 
     def load_expert(self, expert: int, proj: str, w: torch.Tensor) -> int:
-        """A float per-expert `.weight` reaching quantized experts means config and tensors disagree."""
+        """A per-expert `.weight`: FP8 experts store theirs there; a float one means the checkpoint's
+        config and tensors disagree."""
+        if self.scheme.method != "int4" and w.dtype == FP8:
+            return self.load_expert_part(expert, proj, "weight", w)[1]
         raise CheckpointError(
             f"experts.{expert}.{proj}.weight is unquantized ({w.dtype}) but the checkpoint's quantization_config "
             f"quantizes routed experts ({self.scheme.method})"
@@ -121,14 +125,14 @@ class QuantExperts(nn.Module):
             gate_up = dequantize_int4(self.gate_up_packed[e], self.gate_up_scale[e], H, g, dtype)
             down = dequantize_int4(self.down_packed[e], self.down_scale[e], I, g, dtype)
         elif m == "fp8-channel":
-            gate_up = dequantize_fp8_channel(self.gate_up[e], self.gate_up_scale[e], dtype)
-            down = dequantize_fp8_channel(self.down[e], self.down_scale[e], dtype)
+            gate_up = dequantize_fp8_channel(self.gate_up_proj[e], self.gate_up_scale[e], dtype)
+            down = dequantize_fp8_channel(self.down_proj[e], self.down_scale[e], dtype)
         else:
             b = self.scheme.block
-            gate = dequantize_fp8_block(self.gate_up[e, :I], self.gate_scale_inv[e], b, dtype)
-            up = dequantize_fp8_block(self.gate_up[e, I:], self.up_scale_inv[e], b, dtype)
+            gate = dequantize_fp8_block(self.gate_up_proj[e, :I], self.gate_scale_inv[e], b, dtype)
+            up = dequantize_fp8_block(self.gate_up_proj[e, I:], self.up_scale_inv[e], b, dtype)
             gate_up = torch.cat([gate, up])
-            down = dequantize_fp8_block(self.down[e], self.down_scale_inv[e], b, dtype)
+            down = dequantize_fp8_block(self.down_proj[e], self.down_scale_inv[e], b, dtype)
         return gate_up, down
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
