@@ -36,7 +36,6 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self._stops = stops
         self._held = ""
-        self._holdback = max((len(s) for s in stops), default=1) - 1
 
     def push(self, text: str) -> tuple[str, bool]:
         """(text safe to send, whether a stop string matched)."""
@@ -45,9 +44,19 @@ class StopMatcher:
         if hits:
             self._held = ""
             return buffer[: min(hits)], True
-        cut = max(0, len(buffer) - self._holdback)
+        cut = len(buffer) - self._partial_stop(buffer)
         self._held = buffer[cut:]
         return buffer[:cut], False
+
+    def _partial_stop(self, buffer: str) -> int:
+        """Length of the longest end of `buffer` that begins some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
 
     def flush(self) -> str:
         held, self._held = self._held, ""
