@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import hmac
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection, text, update
-from tenancy_db import sqlite_store_fixture, store_fixture  # noqa: F401  (fixtures)
+from tenancy_db import create_database, drop_database, sqlite_store_fixture, store_fixture  # noqa: F401
 
 from gateway.errors import NotFound
 from gateway.store import Store
@@ -225,3 +227,18 @@ async def test_dev_tenant_keeps_its_id_and_gets_a_fresh_token(sqlite_store: Stor
     assert await store.resolve_token(first_token) is None
     credential = await store.resolve_token(second_token)
     assert credential is not None and credential.tenant.plan == "paid"
+
+
+async def test_replicas_starting_together_migrate_once(tmp_path: Path) -> None:
+    """Two gateways opening one fresh PostgreSQL database at once: the advisory lock serialises
+    their migrations, so neither fails on a table the other just created."""
+    url, name = await create_database("postgresql", tmp_path)
+    stores = [Store(), Store(), Store()]
+    try:
+        await asyncio.gather(*(s.open(url) for s in stores))
+        created = await stores[0].create_tenant(TenantCreate(name="shared"), actor=ADMIN)
+        assert (await stores[2].get_tenant(created.id)).name == "shared"
+    finally:
+        for s in stores:
+            await s.close()
+        await drop_database(name)
