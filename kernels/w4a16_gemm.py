@@ -18,6 +18,7 @@ in a fixed order, so results are deterministic.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -278,6 +279,7 @@ def _split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     return cnt
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

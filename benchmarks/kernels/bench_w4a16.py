@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import triton
 
-from benchmarks.kernels.common import bench_ms, measure_ceilings, num_copies, rel_err, rotating, write_record
+from benchmarks.kernels.common import measure_ceilings, num_copies, rel_err, rotating, write_record
 from kernels.w4a16_gemm import W4A16Config, pick_config, repack_int4, w4a16_gemm, w4a16_gemm_ref, with_split_k
 
 SHAPES = [  # name, N, K, group
@@ -118,21 +118,17 @@ def bench_shape(
             out = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
             w4a16_gemm(x, *repacked[0], group, config=cfg, out=out)
             errs.append(rel_err(out.float(), ref))
-            times.append(
-                bench_ms(rotating(lambda w, s, c=cfg, x=x: w4a16_gemm(x, w, s, group, config=c), repacked))
-            )
-        peers = {"cublas_bf16": bench_ms(rotating(lambda w, x=x: x @ w.t(), [(w,) for w in bf16]))}
+            times.append(rotating(lambda w, s, c=cfg, x=x: w4a16_gemm(x, w, s, group, config=c), repacked))
+        peers = {"cublas_bf16": (rotating(lambda w, x=x: x @ w.t(), [(w,) for w in bf16]))}
         m16 = -(-M // 16) * 16
         x8 = torch.randn(m16, K, device=dev).to(torch.float8_e4m3fn)
-        peers["scaled_mm_fp8"] = bench_ms(
-            rotating(
-                lambda b, x8=x8: torch._scaled_mm(x8, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                fp8,
-            )
+        peers["scaled_mm_fp8"] = rotating(
+            lambda b, x8=x8: torch._scaled_mm(x8, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+            fp8,
         )
         if tiny:
-            peers["tinygemm_int4"] = bench_ms(
-                rotating(lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(x, w, group, sz), tiny)
+            peers["tinygemm_int4"] = rotating(
+                lambda w, sz, x=x: torch.ops.aten._weight_int4pack_mm(x, w, group, sz), tiny
             )
         ms = times[0]
         best = min(range(len(times)), key=times.__getitem__)
@@ -189,7 +185,7 @@ def main() -> None:
         rows += bench_shape(name, N, K, group, ceil, sms)
         torch.cuda.empty_cache()
     write_record(
-        args.out, rows, ceil, {"notes": "ms = median of do_bench over rotating weight copies (> 4x L2)"}
+        args.out, rows, ceil, {"notes": "ms = median do_bench of a CUDA-graph replay over rotating weight copies (> 4x L2), per call"}
     )
 
 

@@ -1,7 +1,8 @@
 """Shared pieces of the kernel benchmarks: ceilings measured in the same run, timing, the JSON record.
 
-Timing is `triton.testing.do_bench(..., return_mode="median")` over functions that rotate among
-enough input copies to exceed the L2 several times, so a number is an HBM number, not a cache one.
+Timing is `triton.testing.do_bench(..., return_mode="median")` of a CUDA-graph replay that calls the
+op once on each of enough input copies to exceed the L2 several times (an HBM number, not a cache
+one), divided by the number of copies; the graph removes Python launch cost, as decode graphs do.
 Record shape (issue 6): `{command, date, device, ceilings: {copy_GBps, bf16_TFLOPs, fp8_TFLOPs},
 rows: [{kernel, case, goal, ms, fraction_of_ceiling, peers: {name: ms}, ...}]}`.
 """
@@ -24,21 +25,30 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 200) -> f
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(calls: list[Callable[[], Any]]) -> float:
+    """Median time of one call, from CUDA-graph replays of all `calls` in turn (one per input copy).
+
+    A graph takes the Python launch cost out, as the engine's decode graphs do, and each replay
+    walks every copy once, so together they span more than the L2.
+    """
+    for call in calls:  # compile and allocate outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return bench_ms(graph.replay) / len(calls)
+
+
 def num_copies(bytes_per_copy: int, floor: int = 2) -> int:
     """Copies to rotate among so that together they span at least 4× the L2."""
     return max(floor, -(-4 * L2_BYTES // max(bytes_per_copy, 1)))
 
 
-def rotating(fn: Callable[..., Any], copies: list[tuple[Any, ...]]) -> Callable[[], Any]:
-    """A no-argument function that calls `fn(*copies[i])` with i advancing on every call."""
-    state = {"i": 0}
-
-    def call() -> Any:
-        args = copies[state["i"] % len(copies)]
-        state["i"] += 1
-        return fn(*args)
-
-    return call
+def rotating(fn: Callable[..., Any], copies: list[tuple[Any, ...]]) -> float:
+    """Per-call time of `fn(*copy)` rotating over `copies`, timed as one graph replay of them all."""
+    return graph_ms([lambda args=args: fn(*args) for args in copies])
 
 
 def measure_ceilings() -> dict[str, float]:
