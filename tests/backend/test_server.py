@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backend.tokenizer import load_tokenizer
 from schemas.backend import (
     ErrorBody,
     Event,
@@ -207,3 +208,19 @@ async def test_model_card(client: httpx.AsyncClient) -> None:
                                                                          "glm", "float32")
     assert card.context_window == 1024 and card.num_pages == 96 and card.page_size == 8
     assert card.capabilities.tools and card.capabilities.reasoning and not card.capabilities.vision
+
+
+async def test_logprobs_and_prefix_cache_usage(client: httpx.AsyncClient,
+                                               backend_process: RunningBackend) -> None:  # noqa: F811
+    long_prompt = "The tenant sends a request, the gateway routes it to a backend. " * 3
+    first = await generate(client, body("lp-1", long_prompt, reasoning={"enabled": False},
+                                        sampling={"max_tokens": 4, "logprobs": True, "top_logprobs": 2}))
+    logprobs = [lp for e in first if isinstance(e, TextDelta) and e.logprobs for lp in e.logprobs]
+    assert len(logprobs) == 4
+    assert all(lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in logprobs)
+    tok = load_tokenizer(backend_process.model_dir)
+    assert all(lp.token == tok.decode([lp.token_id]) for lp in logprobs)
+    second = await generate(client, body("lp-2", long_prompt, reasoning={"enabled": False},
+                                         sampling={"max_tokens": 4}))
+    usage = next(e for e in second if isinstance(e, Usage))
+    assert usage.cached_tokens >= 8 and usage.cached_tokens < usage.prompt_tokens  # whole pages of the prompt
