@@ -294,13 +294,15 @@ async def test_audit_lists_every_mutation_with_who_and_when(admin: Admin) -> Non
 
 
 async def test_authorisation_matrix(admin: Admin) -> None:
-    """Every admin route × {no token, bad token, revoked tenant token, tenant token} is refused and
-    changes nothing; the admin token succeeds."""
+    """Every admin route × {no token, bad token, revoked token, own tenant's token, another
+    tenant's token} is refused and changes nothing; the admin token succeeds."""
     tenant = await admin.tenant("matrix")
     tid = tenant["id"]
     live = await admin.ok("POST", f"/tenants/{tid}/tokens", {"name": "live"})
     revoked = await admin.ok("POST", f"/tenants/{tid}/tokens", {"name": "revoked"})
     await admin.ok("DELETE", f"/tenants/{tid}/tokens/{revoked['id']}")
+    other = await admin.tenant("other")
+    foreign = await admin.ok("POST", f"/tenants/{other['id']}/tokens", {"name": "other"})
     quotas = {"requests_per_minute": 1, "tokens_per_minute": 1, "daily_neurons": 1}
     routes: list[tuple[str, str, Any]] = [
         ("POST", "/tenants", {"name": "m2", "plan": "paid"}),
@@ -321,7 +323,8 @@ async def test_authorisation_matrix(admin: Admin) -> None:
         "bad token": ({"authorization": "Bearer kumo_not_a_token"}, 401, 10000),
         "basic auth": ({"authorization": f"Basic {ADMIN_TOKEN}"}, 401, 10000),
         "revoked token": ({"authorization": f"Bearer {revoked['value']}"}, 401, 10000),
-        "tenant token": ({"authorization": f"Bearer {live['value']}"}, 403, 9109),
+        "own tenant's token": ({"authorization": f"Bearer {live['value']}"}, 403, 9109),
+        "other tenant's token": ({"authorization": f"Bearer {foreign['value']}"}, 403, 9109),
     }
     audit_before = (await admin.call("GET", "/audit")).json()["result_info"]["total_count"]
     for method, path, body in routes:
