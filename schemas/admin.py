@@ -129,7 +129,7 @@ class UsageRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     at: dt.datetime = msgspec.field(default_factory=lambda: dt.datetime.now(dt.UTC))
 
 
-class UsageRow(AdminOut):
+class UsageGroup(AdminOut):
     """One group of `GET .../usage`: `day` (YYYY-MM-DD) or `model`, whichever was grouped by."""
 
     day: str | None = None

@@ -45,9 +45,9 @@ from schemas.admin import (
     Token,
     TokenCreate,
     TokenCreated,
+    UsageGroup,
     UsageRecord,
 )
-from schemas.admin import UsageRow as UsageGroup
 
 TOKEN_PREFIX = "kumo_"
 DEV_TOKEN_NAME = "kumo serve"

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Mount
 from tenancy_db import store_fixture  # noqa: F401  (fixture)
 
-from gateway.admin import admin_routes
+from gateway.admin import MAX_BODY_BYTES, admin_routes
 from gateway.app import render_error, render_http_error
 from gateway.auth import Authenticator
 from gateway.errors import KumoError, Unauthenticated
@@ -340,3 +340,10 @@ async def test_authorisation_matrix(admin: Admin) -> None:
 async def test_unknown_admin_paths_and_methods(admin: Admin) -> None:
     assert error_of(await admin.call("GET", "/nothing-here"))[:2] == (404, 7000)
     assert error_of(await admin.call("PUT", "/tenants"))[:2] == (405, 7001)
+
+
+async def test_an_oversized_body_is_refused(admin: Admin) -> None:
+    huge = b'{"name": "' + b"x" * (MAX_BODY_BYTES + 1) + b'"}'
+    r = await admin.http.post("/admin/v1/tenants", content=huge, headers=AUTH)
+    status, code, message = error_of(r)
+    assert (status, code) == (400, 6007) and "larger than" in message
