@@ -2,7 +2,8 @@
 
 One sequence at a time over its own small page pool: the prompt is fed in chunks of `chunk`
 tokens, so every chunk after the first attends to KV read back from the cache (FP8 when asked),
-exactly as a chunked prefill or a decode step would in the engine.
+exactly as a chunked prefill or a decode step would in the engine; `greedy` then decodes one token
+per step from that cache.
 Shape letters: T prompt tokens, S page size, V vocab.
 """
 
@@ -35,36 +36,59 @@ class PromptRunner:
     def _cache(self, num_tokens: int) -> KVCache:
         pages = math.ceil(num_tokens / self.page_size)
         specs = self.model.cache_specs()  # type: ignore[operator]
-        return KVCache.allocate(specs, pages, self.page_size, self.kv_dtype, self.model_dtype, scales=self.scales)
+        return KVCache.allocate(
+            specs, pages, self.page_size, self.kv_dtype, self.model_dtype, scales=self.scales
+        )
+
+    def _step(self, ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of `ids`, whose prefix is already cached -> logits [end - start, V]."""
+        kv, S, n = self.kv, self.page_size, end - start
+        assert kv is not None
+        num_pages = math.ceil(end / S)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids[start:end], dtype=torch.int64),
+            positions=torch.arange(start, end, dtype=torch.int64),
+            query_start=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            page_table=torch.arange(num_pages, dtype=torch.int32)[None],
+            expected_tags=kv.page_tags[None, :num_pages].clone(),
+            slot_mapping=torch.arange(start, end, dtype=torch.int64),  # pages in order: slot = position
+            logits_indices=torch.arange(n, dtype=torch.int64),
+            kv_cache=kv,
+            tag_mismatch=torch.zeros(1, dtype=torch.bool),
+            is_decode_only=n == 1,
+            seq_index=torch.zeros(n, dtype=torch.int64),
+        )
+        logits = self.model(batch)
+        if bool(batch.tag_mismatch.any()):
+            raise RuntimeError("page tag mismatch in a private page pool: the model misread its cache")
+        return logits
 
     @torch.no_grad()
-    def logits(self, ids: list[int]) -> torch.Tensor:
-        """float32 logits [T, V] at every position of `ids`; `self.kv` keeps the filled cache."""
-        T, S = len(ids), self.page_size
-        kv = self.kv = self._cache(T)
-        pages = torch.arange(kv.num_pages, dtype=torch.int32)
-        out = []
-        for start in range(0, T, self.chunk):
-            end = min(T, start + self.chunk)
-            n = end - start
-            batch = ForwardBatch(
-                input_ids=torch.tensor(ids[start:end], dtype=torch.int64),
-                positions=torch.arange(start, end, dtype=torch.int64),
-                query_start=torch.tensor([0, n], dtype=torch.int32),
-                seq_lens=torch.tensor([end], dtype=torch.int32),
-                page_table=pages[None, : math.ceil(end / S)],
-                expected_tags=kv.page_tags[None, : math.ceil(end / S)].clone(),
-                slot_mapping=torch.arange(start, end, dtype=torch.int64),  # pages in order: slot = position
-                logits_indices=torch.arange(n, dtype=torch.int64),
-                kv_cache=kv,
-                tag_mismatch=torch.zeros(1, dtype=torch.bool),
-                is_decode_only=n == 1,
-                seq_index=torch.zeros(n, dtype=torch.int64),
-            )
-            out.append(self.model(batch))
-            if bool(batch.tag_mismatch.any()):
-                raise RuntimeError("page tag mismatch in a private page pool: the model misread its cache")
-        return torch.cat(out)
+    def logits(self, ids: list[int], *, reserve: int = 0) -> torch.Tensor:
+        """float32 logits [T, V] at every position of `ids`; `self.kv` keeps the filled cache, with
+        room for `reserve` more tokens."""
+        self.kv = self._cache(len(ids) + reserve)
+        return torch.cat(
+            [self._step(ids, s, min(len(ids), s + self.chunk)) for s in range(0, len(ids), self.chunk)]
+        )
+
+    @torch.no_grad()
+    def greedy(
+        self, ids: list[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset()
+    ) -> list[int]:
+        """Argmax decoding after a chunked prefill; stops at a stop id (not returned) or the limit."""
+        seq = list(ids)
+        last = self.logits(seq, reserve=max_new_tokens)[-1]
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(last.argmax())
+            if token in stop_ids:
+                break
+            out.append(token)
+            seq.append(token)
+            last = self._step(seq, len(seq) - 1, len(seq))[-1]
+        return out
 
     def cache_amax(self, num_tokens: int) -> list[dict[str, float]]:
         """Per layer, per cached tensor: max |value| over the first `num_tokens` slots just written."""

@@ -1,0 +1,242 @@
+"""`kumo eval`: the same prompts through several variants of a checkpoint, compared with the first.
+
+    kumo eval --variant ref=DIR --variant int4=DIR2 --variant q=DIR:weights=int4-g32:kv=fp8 \
+              --data mmlu.jsonl --data gsm.jsonl --text wiki.txt --out eval.json
+
+A variant is a checkpoint folder plus options: `kv=fp8|bf16` (FP8 KV uses the checkpoint's stored
+scales, else calibrates with a warning), `weights=int4-g32|int4-g128|fp8-channel|fp8-block` and
+`all-linear` (quantize the loaded weights in memory, to try a format before writing it). All
+variants are held in memory together and every sequence is run through each, one at a time.
+
+Task files are JSONL, one item per line, in lm-evaluation-harness spirit; the kind is per line:
+- multiple choice `{"question": str, "choices": [str, ...], "answer": int}`: each choice is scored
+  by the summed log-likelihood of its tokens after the question (as ARC and MMLU are); the best wins.
+- generation `{"prompt": str, "answer": str, "answer_regex"?: str}`: greedy decoding (up to
+  `--max-new-tokens`); the answer is the regex's first group (else the stripped text), exact match.
+`--text FILE` adds a perplexity task over the file, in windows of `--window` tokens.
+
+Per task and variant: accuracy with a 95% bootstrap interval, the paired bootstrap interval of its
+difference from the first variant, mean KL(first ‖ variant) of the next-token distributions at
+every scored position, top-1 agreement with the first variant, and perplexity for text tasks.
+The JSON report is `EvalReport` below. Tool-call tasks are not scored yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.nn.functional as F
+
+from backend.quant.prompt_runner import PromptRunner
+
+NUM_BOOTSTRAP = 1000
+
+
+class McItem(msgspec.Struct):
+    question: str
+    choices: list[str]
+    answer: int
+
+
+class GenItem(msgspec.Struct):
+    prompt: str
+    answer: str
+    answer_regex: str | None = None
+
+
+class VariantResult(msgspec.Struct, kw_only=True):
+    variant: str
+    accuracy: float | None = None
+    accuracy_ci: tuple[float, float] | None = None
+    delta_vs_first: float | None = None  # accuracy − first variant's accuracy, paired
+    delta_ci: tuple[float, float] | None = None
+    mean_kl: float  # nats, KL(first ‖ this) averaged over scored positions
+    top1_agreement: float
+    perplexity: float | None = None
+
+
+class TaskResult(msgspec.Struct, kw_only=True):
+    task: str
+    kind: str  # "multiple_choice" | "generation" | "perplexity"
+    num_items: int
+    results: list[VariantResult]
+
+
+class EvalReport(msgspec.Struct, kw_only=True):
+    variants: dict[str, str]  # name -> spec as given
+    tasks: list[TaskResult]
+
+
+class Variant:
+    def __init__(self, name: str, spec: str) -> None:
+        from backend.loader import load_model
+        from backend.quant import kv_scales
+        from backend.quant.scheme import QuantScheme
+        from backend.quant.walker import quantize_model
+
+        self.name, self.spec = name, spec
+        path, *opts = spec.split(":")
+        options = dict(o.split("=", 1) if "=" in o else (o, "") for o in opts)
+        loaded = load_model(path, dtype=torch.float32)
+        self.model, self.path, self.config = loaded.model, Path(path), loaded.config
+        if "weights" in options:
+            w = options["weights"]
+            method, group = ("int4", int(w.removeprefix("int4-g"))) if w.startswith("int4") else (w, 32)
+            quantize_model(self.model, QuantScheme.build(method, group_size=group, all_linear="all-linear" in options))  # type: ignore[arg-type]
+        self.kv_dtype, self.scales = None, None
+        if options.get("kv") == "fp8":
+            self.kv_dtype = torch.float8_e4m3fn
+            self.scales = kv_scales.scales_for_serving(path, self.model, model_dtype=torch.float32,
+                                                       vocab_size=loaded.config.vocab_size, prefix=loaded.config.weight_prefix)
+
+    def runner(self) -> PromptRunner:
+        return PromptRunner(self.model, model_dtype=torch.float32, kv_dtype=self.kv_dtype, scales=self.scales, chunk=32)
+
+
+def bootstrap_ci(values: torch.Tensor, generator: torch.Generator) -> tuple[float, float]:
+    """95% percentile interval of the mean of `values` [N] (paired differences when given those)."""
+    idx = torch.randint(0, values.numel(), (NUM_BOOTSTRAP, values.numel()), generator=generator)
+    means = values[idx].float().mean(dim=1)
+    return float(means.quantile(0.025)), float(means.quantile(0.975))
+
+
+def _compare(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """(sum of KL(ref ‖ other), count of matching argmax) over rows of two logit tensors [N, V]."""
+    p_log, q_log = F.log_softmax(ref, -1), F.log_softmax(other, -1)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    return float(kl.sum()), float((ref.argmax(-1) == other.argmax(-1)).sum())
+
+
+class Evaluator:
+    def __init__(self, variants: list[Variant], max_new_tokens: int = 32, window: int = 128) -> None:
+        from backend.tokenizer import load_tokenizer
+
+        self.variants, self.max_new_tokens, self.window = variants, max_new_tokens, window
+        self.tokenizer = load_tokenizer(variants[0].path)
+        self.stop_ids = frozenset(variants[0].config.eos_token_ids)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, allow_special=False)
+
+    def _score(self, seqs: list[tuple[list[int], int]]) -> tuple[list[torch.Tensor], list[float], list[float], int]:
+        """Each (ids, first scored position) through every variant -> per variant: summed
+        log-likelihood per sequence [S], summed KL vs the first, top-1 matches; and the count of positions."""
+        loglik = [torch.zeros(len(seqs)) for _ in self.variants]
+        kl, top1, count = [0.0] * len(self.variants), [0.0] * len(self.variants), 0
+        for s, (ids, start) in enumerate(seqs):
+            targets = torch.tensor(ids[start:])
+            ref: torch.Tensor | None = None
+            for v, variant in enumerate(self.variants):
+                logits = variant.runner().logits(ids)[start - 1 : -1]  # [n, V] predicting ids[start:]
+                loglik[v][s] = F.log_softmax(logits, -1).gather(1, targets[:, None]).sum()
+                ref = logits if ref is None else ref
+                k, t = _compare(ref, logits)
+                kl[v] += k
+                top1[v] += t
+            count += len(targets)
+        return loglik, kl, top1, count
+
+    def _results(self, correct: list[torch.Tensor] | None, kl: list[float], top1: list[float], count: int,
+                 perplexity: list[float] | None = None) -> list[VariantResult]:
+        out = []
+        for v, variant in enumerate(self.variants):
+            r = VariantResult(variant=variant.name, mean_kl=kl[v] / max(count, 1), top1_agreement=top1[v] / max(count, 1),
+                              perplexity=perplexity[v] if perplexity else None)
+            if correct is not None:
+                r.accuracy = float(correct[v].float().mean())
+                r.accuracy_ci = bootstrap_ci(correct[v], self.generator)
+                r.delta_vs_first = r.accuracy - float(correct[0].float().mean())
+                r.delta_ci = bootstrap_ci(correct[v].float() - correct[0].float(), self.generator)
+            out.append(r)
+        return out
+
+    def multiple_choice(self, name: str, items: list[McItem]) -> TaskResult:
+        seqs, offsets = [], []
+        for item in items:
+            q = self._encode(item.question)
+            offsets.append(len(seqs))
+            seqs += [(q + self._encode(" " + choice), len(q)) for choice in item.choices]
+        loglik, kl, top1, count = self._score(seqs)
+        correct = [
+            torch.tensor([int(ll[o : o + len(it.choices)].argmax()) == it.answer for o, it in zip(offsets, items, strict=True)])
+            for ll in loglik
+        ]
+        return TaskResult(task=name, kind="multiple_choice", num_items=len(items), results=self._results(correct, kl, top1, count))
+
+    def generation(self, name: str, items: list[GenItem]) -> TaskResult:
+        correct = [torch.zeros(len(items), dtype=torch.bool) for _ in self.variants]
+        seqs = []
+        for i, item in enumerate(items):
+            ids = self._encode(item.prompt)
+            seqs.append((ids, 1))
+            for v, variant in enumerate(self.variants):
+                text = self.tokenizer.decode(variant.runner().greedy(ids, self.max_new_tokens, self.stop_ids))
+                m = re.search(item.answer_regex, text) if item.answer_regex else None
+                got = (m.group(1) if m and m.groups() else m.group(0) if m else text).strip()
+                correct[v][i] = got == item.answer.strip()
+        _, kl, top1, count = self._score(seqs)
+        return TaskResult(task=name, kind="generation", num_items=len(items), results=self._results(correct, kl, top1, count))
+
+    def perplexity(self, name: str, text: str) -> TaskResult:
+        ids = self._encode(text)
+        seqs = [(ids[i : i + self.window], 1) for i in range(0, len(ids) - 1, self.window) if len(ids[i : i + self.window]) > 1]
+        loglik, kl, top1, count = self._score(seqs)
+        ppl = [math.exp(-float(ll.sum()) / count) for ll in loglik]
+        return TaskResult(task=name, kind="perplexity", num_items=len(seqs), results=self._results(None, kl, top1, count, ppl))
+
+
+def load_items(path: Path) -> tuple[str, list[McItem] | list[GenItem]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if rows and "choices" in rows[0]:
+        return "multiple_choice", [msgspec.convert(r, McItem) for r in rows]
+    return "generation", [msgspec.convert(r, GenItem) for r in rows]
+
+
+def render(report: EvalReport) -> str:
+    lines = [f"{'task':<18}{'variant':<12}{'acc':>7} {'95% CI':>15}{'Δ vs first':>12} {'Δ 95% CI':>17}{'KL':>10}{'top1':>7}{'ppl':>9}"]
+    for task in report.tasks:
+        for r in task.results:
+            acc = f"{r.accuracy:7.3f}" if r.accuracy is not None else f"{'-':>7}"
+            ci = f"[{r.accuracy_ci[0]:.2f}, {r.accuracy_ci[1]:.2f}]" if r.accuracy_ci else "-"
+            d = f"{r.delta_vs_first:+.3f}" if r.delta_vs_first is not None else "-"
+            dci = f"[{r.delta_ci[0]:+.2f}, {r.delta_ci[1]:+.2f}]" if r.delta_ci else "-"
+            ppl = f"{r.perplexity:9.3f}" if r.perplexity is not None else f"{'-':>9}"
+            lines.append(f"{task.task[:17]:<18}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.5f}{r.top1_agreement:7.3f}{ppl}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kumo eval", description="Compare variants of a checkpoint on the same prompts.")
+    ap.add_argument("--variant", action="append", required=True, help="NAME=DIR[:kv=fp8|bf16][:weights=FMT][:all-linear]")
+    ap.add_argument("--data", action="append", default=[], type=Path, help="JSONL task file (multiple choice or generation)")
+    ap.add_argument("--text", action="append", default=[], type=Path, help="plain text for perplexity")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--out", type=Path, help="write the JSON report here")
+    a = ap.parse_args(argv)
+    if len(a.variant) < 2 or not (a.data or a.text):
+        ap.error("give at least two --variant and one --data or --text")
+    specs = dict(v.split("=", 1) for v in a.variant)
+    ev = Evaluator([Variant(n, s) for n, s in specs.items()], a.max_new_tokens, a.window)
+    tasks = []
+    for path in a.data:
+        kind, items = load_items(path)
+        tasks.append(ev.multiple_choice(path.stem, items) if kind == "multiple_choice" else ev.generation(path.stem, items))  # type: ignore[arg-type]
+    tasks += [ev.perplexity(path.stem, path.read_text()) for path in a.text]
+    report = EvalReport(variants=specs, tasks=tasks)
+    print(render(report))
+    if a.out:
+        a.out.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""`kumo eval` on a tiny Kimi-K2-shaped model with a byte-level tokenizer.
+
+The first variant's answers are checked against transformers' own model of the same checkpoint
+(the task files' gold answers are what transformers picks or generates, so the reference variant
+must score 1.0), a variant identical to the first must show zero KL, full agreement and a zero
+difference, and quantized variants must show a small, non-zero KL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from backend.eval import main
+from backend.quant.cli import main as quantize
+from tests.backend.conformance import reference_greedy, reference_logits
+from tests.backend.tiny_checkpoints import load_reference, make_tiny
+
+QUESTIONS = ["Capital of France?", "2 + 2 =", "Colour of the sky:", "Opposite of hot:", "First letter:"]
+CHOICES = [["Paris", "Rome", "Oslo"], ["4", "5", "22"], ["blue", "green"], ["cold", "warm", "odd"], ["a", "b", "z"]]
+PROMPTS = ["Once upon a time", "def f(x):", "Q: 7*6? A:"]
+TEXT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+def _byte_tokenizer(path: Path) -> Tokenizer:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("eval")
+    src = make_tiny("kimi_k2", root / "src", initializer_range=0.02)
+    tok = _byte_tokenizer(src)
+    ref = load_reference("kimi_k2", src)
+    mc = []
+    for q, choices in zip(QUESTIONS, CHOICES, strict=True):
+        qi = tok.encode(q).ids
+        scores = []
+        for c in choices:
+            ids = qi + tok.encode(" " + c).ids
+            lp = F.log_softmax(reference_logits(ref, ids)[len(qi) - 1 : -1], -1)
+            scores.append(float(lp.gather(1, torch.tensor(ids[len(qi) :])[:, None]).sum()))
+        mc.append({"question": q, "choices": choices, "answer": int(torch.tensor(scores).argmax())})
+    (root / "mc.jsonl").write_text("\n".join(json.dumps(x) for x in mc))
+    gen = []
+    for p in PROMPTS:
+        out = reference_greedy(ref, tok.encode(p).ids, 6)
+        out = out[: next((i for i, t in enumerate(out) if t in (1, 2)), len(out))]  # generation_config eos [1, 2]
+        gen.append({"prompt": p, "answer": tok.decode(out)})
+    (root / "gen.jsonl").write_text("\n".join(json.dumps(x) for x in gen))
+    (root / "text.txt").write_text(TEXT)
+    dst = root / "int4"
+    quantize([str(src), str(dst), "--weights", "int4-g32", "--all-linear"])
+    return src, dst, root
+
+
+def test_eval_two_variants_against_transformers(setup: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+    src, dst, root = setup
+    out = root / "report.json"
+    args = ["--variant", f"ref={src}", "--variant", f"same={src}", "--variant", f"int4={dst}",
+            "--variant", f"fp8kv={src}:kv=fp8", "--data", str(root / "mc.jsonl"), "--data", str(root / "gen.jsonl"),
+            "--text", str(root / "text.txt"), "--max-new-tokens", "6", "--window", "64", "--out", str(out)]
+    with caplog.at_level(logging.WARNING):
+        assert main(args) == 0
+    assert any("no FP8 KV-cache scales" in r.getMessage() for r in caplog.records)
+    report = json.loads(out.read_text())
+    tasks = {t["task"]: {r["variant"]: r for r in t["results"]} for t in report["tasks"]}
+    assert set(tasks) == {"mc", "gen", "text"}
+    for task in ("mc", "gen"):
+        assert tasks[task]["ref"]["accuracy"] == 1.0  # transformers' own picks and generations
+        same = tasks[task]["same"]
+        assert same["mean_kl"] == 0.0 and same["top1_agreement"] == 1.0
+        assert same["delta_vs_first"] == 0.0 and same["delta_ci"] == [0.0, 0.0]
+        lo, hi = tasks[task]["int4"]["delta_ci"]
+        assert lo <= tasks[task]["int4"]["delta_vs_first"] <= hi
+    for variant, bound in (("int4", 0.05), ("fp8kv", 0.01)):
+        kl = tasks["text"][variant]["mean_kl"]
+        assert 0 < kl < bound, (variant, kl)
+    assert tasks["text"]["fp8kv"]["mean_kl"] < tasks["text"]["int4"]["mean_kl"]
+
+    ref = load_reference("kimi_k2", src)
+    ids = Tokenizer.from_file(str(src / "tokenizer.json")).encode(TEXT).ids
+    nll, n = 0.0, 0
+    for i in range(0, len(ids) - 1, 64):
+        w = ids[i : i + 64]
+        lp = F.log_softmax(reference_logits(ref, w)[:-1], -1)
+        nll -= float(lp.gather(1, torch.tensor(w[1:])[:, None]).sum())
+        n += len(w) - 1
+    assert tasks["text"]["ref"]["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
