@@ -81,8 +81,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -91,8 +96,9 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -123,8 +129,11 @@ def message_dict(message: Message) -> dict[str, Any]:
         out["reasoning_content"] = message.reasoning_content
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+            }
             for c in message.tool_calls
         ]
     if message.tool_call_id is not None:
@@ -135,8 +144,10 @@ def message_dict(message: Message) -> dict[str, Any]:
 
 
 def tool_dict(tool: Tool) -> dict[str, Any]:
-    return {"type": "function",
-            "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters}}
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
 
 
 def reasoning_kwargs(reasoning: Reasoning) -> dict[str, Any]:
@@ -186,9 +197,15 @@ class ChatTemplate:
             source = named.get("default")
         return cls(source, specials) if isinstance(source, str) else None
 
-    def render(self, messages: list[Message], *, tools: list[Tool] | None = None,
-               reasoning: Reasoning | None = None, extra: dict[str, Any] | None = None,
-               add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[Tool] | None = None,
+        reasoning: Reasoning | None = None,
+        extra: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
         """The prompt text for `messages`. A template's own `raise_exception` becomes a 400."""
         variables: dict[str, Any] = dict(self._special_tokens)
         variables.update({k: v for k, v in (extra or {}).items() if k not in RESERVED_KWARGS})

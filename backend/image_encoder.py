@@ -24,14 +24,22 @@ MEDIA_PAD = "<|media_pad|>"
 
 
 class VisionEncoder:
-    def __init__(self, tower: MoonViT, pad_token_id: int, *, max_patches: int = 16384, max_side: int = 512) -> None:
+    def __init__(
+        self, tower: MoonViT, pad_token_id: int, *, max_patches: int = 16384, max_side: int = 512
+    ) -> None:
         self._tower = tower
         self._pad_id = pad_token_id
         self._max_patches, self._max_side = max_patches, max_side
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, *, pad_token_id: int | None, dtype: torch.dtype,
-                        device: str | torch.device = "cpu") -> VisionEncoder | None:
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        pad_token_id: int | None,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> VisionEncoder | None:
         """The checkpoint's tower, or None when it has none (a text-only model refuses images)."""
         folder = Path(path)
         raw = json.loads((folder / "config.json").read_text())
@@ -43,14 +51,24 @@ class VisionEncoder:
         tower.load_weights((name, t) for name, t in iter_tensors(folder) if is_vision_tensor(name))
         return cls(tower.eval(), pad_token_id)
 
-    def expand(self, token_ids: list[int], images: list[ImagePart]) -> tuple[list[int], list[ImageSpan], torch.Tensor]:
+    def expand(
+        self, token_ids: list[int], images: list[ImagePart]
+    ) -> tuple[list[int], list[ImageSpan], torch.Tensor]:
         """(ids with each placeholder widened, one span per image, `[sum of span lengths, hidden]` embeddings)."""
         slots = [i for i, t in enumerate(token_ids) if t == self._pad_id]
         if len(slots) != len(images):
             raise InvalidRequest(f"{len(images)} images but {len(slots)} image placeholders in the prompt.")
         cfg = self._tower.cfg
-        processed = [process_image(img.data, patch=cfg.patch_size, merge=cfg.merge_kernel_size[0],
-                                   max_patches=self._max_patches, max_side=self._max_side) for img in images]
+        processed = [
+            process_image(
+                img.data,
+                patch=cfg.patch_size,
+                merge=cfg.merge_kernel_size[0],
+                max_patches=self._max_patches,
+                max_side=self._max_side,
+            )
+            for img in images
+        ]
         grids = [(p.grid_h, p.grid_w) for p in processed]
         embeds = self._tower(torch.cat([p.patches for p in processed]), grids)  # [M, hidden]
         ids: list[int] = []

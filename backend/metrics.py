@@ -37,7 +37,9 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, load = self._stats(), self._load()
-        yield GaugeMetricFamily("kumo_backend_pages_used", "KV pages in use", value=load.total_pages - load.free_pages)
+        yield GaugeMetricFamily(
+            "kumo_backend_pages_used", "KV pages in use", value=load.total_pages - load.free_pages
+        )
         yield GaugeMetricFamily("kumo_backend_pages_total", "KV pages in the pool", value=load.total_pages)
         yield GaugeMetricFamily("kumo_backend_running", "requests decoding", value=load.running)
         yield GaugeMetricFamily("kumo_backend_waiting", "requests queued", value=load.waiting)
@@ -46,31 +48,42 @@ class _EngineCollector(Collector):
             ("kumo_backend_engine_step_seconds", "time spent in engine steps", s.total_step_s),
             ("kumo_backend_prefix_hits", "KV pages served from the prefix cache", s.prefix_hits),
             ("kumo_backend_prefix_misses", "prefix-cache lookups that missed", s.prefix_misses),
-            ("kumo_backend_tag_check_aborts", "requests aborted by a KV page tag mismatch", s.tag_check_aborts),
+            (
+                "kumo_backend_tag_check_aborts",
+                "requests aborted by a KV page tag mismatch",
+                s.tag_check_aborts,
+            ),
             ("kumo_backend_engine_aborts", "requests aborted in the engine", s.aborts),
             ("kumo_backend_preemptions", "requests preempted for recompute", s.preemptions),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
-        yield GaugeMetricFamily("kumo_backend_last_step_seconds", "duration of the last engine step",
-                                value=s.last_step_s)
+        yield GaugeMetricFamily(
+            "kumo_backend_last_step_seconds", "duration of the last engine step", value=s.last_step_s
+        )
 
 
 class BackendMetrics:
     def __init__(self, stats: Callable[[], EngineFigures], load: Callable[[], LoadReport]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("kumo_backend_requests", "generate requests by outcome", ["outcome"],
-                                registry=self.registry)
-        self.finished = Counter("kumo_backend_finished", "requests finished, by reason", ["reason"],
-                                registry=self.registry)
-        self.errors = Counter("kumo_backend_errors", "requests ended by an error event", ["code"],
-                              registry=self.registry)
+        self.requests = Counter(
+            "kumo_backend_requests", "generate requests by outcome", ["outcome"], registry=self.registry
+        )
+        self.finished = Counter(
+            "kumo_backend_finished", "requests finished, by reason", ["reason"], registry=self.registry
+        )
+        self.errors = Counter(
+            "kumo_backend_errors", "requests ended by an error event", ["code"], registry=self.registry
+        )
         self.prompt_tokens = Counter("kumo_backend_prompt_tokens", "prompt tokens", registry=self.registry)
-        self.cached_tokens = Counter("kumo_backend_cached_tokens", "prompt tokens from the prefix cache",
-                                     registry=self.registry)
-        self.completion_tokens = Counter("kumo_backend_completion_tokens", "generated tokens",
-                                         registry=self.registry)
-        self.disconnects = Counter("kumo_backend_disconnects", "clients gone before the end",
-                                   registry=self.registry)
+        self.cached_tokens = Counter(
+            "kumo_backend_cached_tokens", "prompt tokens from the prefix cache", registry=self.registry
+        )
+        self.completion_tokens = Counter(
+            "kumo_backend_completion_tokens", "generated tokens", registry=self.registry
+        )
+        self.disconnects = Counter(
+            "kumo_backend_disconnects", "clients gone before the end", registry=self.registry
+        )
         self.registry.register(_EngineCollector(stats, load))
 
     def refused(self, code: str) -> None:

@@ -64,22 +64,35 @@ class StopMatcher:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, *, reasoning: ReasoningParser | None, tools: ToolParser | None,
-                 stops: list[str], skip_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        stops: list[str],
+        skip_ids: frozenset[int],
+    ) -> None:
         self._tokenizer = tokenizer
         self._reasoning = reasoning
         self._tools = tools
         self._stops = StopMatcher(stops)
         self._skip_ids = skip_ids  # special ids that are neither text nor markers
-        self._detok: dict[Channel, Detokenizer] = {"reasoning": Detokenizer(tokenizer),
-                                                   "content": Detokenizer(tokenizer)}
+        self._detok: dict[Channel, Detokenizer] = {
+            "reasoning": Detokenizer(tokenizer),
+            "content": Detokenizer(tokenizer),
+        }
         self.is_stopped = False  # a stop string ended the answer
 
     def process(self, out: EngineOutput) -> list[Event]:
         """Events for one engine output, ending with usage + finish (or an error) on the last one."""
         events: list[Event] = []
         if not self.is_stopped:
-            runs = self._reasoning.split(out.token_ids) if self._reasoning else [("content", list(out.token_ids))]
+            runs = (
+                self._reasoning.split(out.token_ids)
+                if self._reasoning
+                else [("content", list(out.token_ids))]
+            )
             for channel, ids in runs:
                 ids = [i for i in ids if i not in self._skip_ids]
                 if channel == "reasoning":
@@ -108,8 +121,9 @@ class OutputProcessor:
                 self._text(self._detok["content"].flush() + piece.text, events)
             elif isinstance(piece, ParsedCall):
                 self._text(self._detok["content"].flush(), events)
-                events.append(ToolCallDelta(index=piece.index, id=piece.id, name=piece.name,
-                                            arguments=piece.arguments))
+                events.append(
+                    ToolCallDelta(index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments)
+                )
             if self.is_stopped:
                 return
 
@@ -129,10 +143,15 @@ class OutputProcessor:
         """Logprobs carry token text; fill it where the engine left it empty."""
         if lp.token:
             return lp
-        top = [t if t.token else type(t)(token=self._tokenizer.decode([t.token_id]), token_id=t.token_id,
-                                             logprob=t.logprob) for t in lp.top]
-        return TokenLogprob(token=self._tokenizer.decode([lp.token_id]), token_id=lp.token_id,
-                            logprob=lp.logprob, top=top)
+        top = [
+            t
+            if t.token
+            else type(t)(token=self._tokenizer.decode([t.token_id]), token_id=t.token_id, logprob=t.logprob)
+            for t in lp.top
+        ]
+        return TokenLogprob(
+            token=self._tokenizer.decode([lp.token_id]), token_id=lp.token_id, logprob=lp.logprob, top=top
+        )
 
     def _finish(self, out: EngineOutput) -> list[Event]:
         events: list[Event] = []
@@ -147,8 +166,14 @@ class OutputProcessor:
                 tail = self._stops.flush()
                 if tail:
                     events.append(TextDelta(text=tail))
-        events.append(Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
-                            cached_tokens=out.num_cached_tokens, prompt_logprobs=out.prompt_logprobs))
+        events.append(
+            Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=out.prompt_logprobs,
+            )
+        )
         if out.error is not None and not self.is_stopped:
             return [*events, Error(code=out.error.code, message=out.error.message, status=out.error.status)]
         events.append(Finish(reason=self._reason(out.finish_reason)))

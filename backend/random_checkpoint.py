@@ -20,8 +20,9 @@ import torch
 from backend.random_weights import KINDS, write_random_checkpoint
 
 
-def make_random_checkpoint(kind: str, path: str | Path, *, seed: int = 0,
-                           dtype: torch.dtype = torch.bfloat16) -> Path:
+def make_random_checkpoint(
+    kind: str, path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """Write the `kind` checkpoint at `path` (which must not exist yet) and return it."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; one of {', '.join(KINDS)}")
@@ -40,8 +41,10 @@ def make_random_checkpoint(kind: str, path: str | Path, *, seed: int = 0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.random_checkpoint",
-                                     description="Write a small random checkpoint that a backend can serve.")
+    parser = argparse.ArgumentParser(
+        prog="python -m backend.random_checkpoint",
+        description="Write a small random checkpoint that a backend can serve.",
+    )
     parser.add_argument("kind", choices=KINDS)
     parser.add_argument("path", type=Path)
     parser.add_argument("--seed", type=int, default=0)

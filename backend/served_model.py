@@ -19,9 +19,17 @@ from schemas.backend import Capabilities, ModelCard
 # turn-ending tokens of each family's chat format (`engine-anchors.md` §1i, §9)
 STOP_TOKENS = {"kimi": ("<|im_end|>", "[EOS]"), "glm": ("<|endoftext|>", "<|user|>", "<|observation|>")}
 TOOL_MARKERS = (
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-    "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
 )
 
 
@@ -57,14 +65,22 @@ class ServedModel:
     has_vision: bool = False
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, *, name: str | None = None, context_window: int | None = None,
-                        has_vision: bool = False) -> ServedModel:
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        *,
+        name: str | None = None,
+        context_window: int | None = None,
+        has_vision: bool = False,
+    ) -> ServedModel:
         folder = Path(path)
         config = ModelConfig.from_pretrained(folder)
         tokenizer = load_tokenizer(folder)
         family = family_of(config)
         eos: list[int] = list(config.eos_token_ids)
-        for token_id in [tokenizer.named_id("eos_token")] + [tokenizer.token_to_id(t) for t in STOP_TOKENS[family]]:
+        for token_id in [tokenizer.named_id("eos_token")] + [
+            tokenizer.token_to_id(t) for t in STOP_TOKENS[family]
+        ]:
             if token_id is not None and token_id not in eos:
                 eos.append(token_id)
         return cls(
@@ -82,8 +98,10 @@ class ServedModel:
         )
 
     def card(self, *, dtype: str, kv_dtype: str, page_size: int, num_pages: int) -> ModelCard:
-        has_tools = all(self.marker_ids[m] is not None for m in
-                        (TOOL_MARKERS[:5] if self.family == "kimi" else TOOL_MARKERS[5:]))
+        has_tools = all(
+            self.marker_ids[m] is not None
+            for m in (TOOL_MARKERS[:5] if self.family == "kimi" else TOOL_MARKERS[5:])
+        )
         return ModelCard(
             name=self.name,
             architecture=self.config.architecture,
@@ -93,6 +111,7 @@ class ServedModel:
             context_window=self.context_window,
             page_size=page_size,
             num_pages=num_pages,
-            capabilities=Capabilities(vision=self.has_vision, tools=has_tools, reasoning=self.think is not None,
-                                      json_mode=True),
+            capabilities=Capabilities(
+                vision=self.has_vision, tools=has_tools, reasoning=self.think is not None, json_mode=True
+            ),
         )

@@ -54,8 +54,13 @@ class NDJSONStream:
         self._first, self._rest, self._metrics = first, rest, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-store")],
+            }
+        )
         async with aclosing(self._rest), anyio.create_task_group() as group:
 
             async def watch_disconnect() -> None:
@@ -161,24 +166,44 @@ def create_app(backend: Backend, *, lifespan: Lifespan | None = None) -> Starlet
 def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
     """Load the checkpoint and build engine + serving; returns the backend and the `AsyncEngine`."""
     dtype = getattr(torch, settings.dtype)
-    served = ServedModel.from_checkpoint(settings.model, name=settings.model_name,
-                                         context_window=settings.context_window)
-    vision = VisionEncoder.from_checkpoint(settings.model, pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
-                                           dtype=dtype, device=settings.device)
+    served = ServedModel.from_checkpoint(
+        settings.model, name=settings.model_name, context_window=settings.context_window
+    )
+    vision = VisionEncoder.from_checkpoint(
+        settings.model,
+        pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
+        dtype=dtype,
+        device=settings.device,
+    )
     served.has_vision = vision is not None
     loaded = load_model(settings.model, dtype=dtype, device=settings.device)
-    config = EngineConfig.build(page_size=settings.page_size, num_pages=settings.max_pages,
-                                kv_dtype=settings.engine_kv_dtype, max_num_seqs=settings.max_num_seqs,
-                                max_num_batched_tokens=settings.max_num_batched_tokens,
-                                context_window=served.context_window)
-    engine = Engine(loaded.model, config, vocab_size=loaded.config.vocab_size,  # type: ignore[arg-type]
-                    context_window=served.context_window, model_dtype=dtype, device=settings.device)
+    config = EngineConfig.build(
+        page_size=settings.page_size,
+        num_pages=settings.max_pages,
+        kv_dtype=settings.engine_kv_dtype,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        context_window=served.context_window,
+    )
+    engine = Engine(
+        loaded.model,
+        config,
+        vocab_size=loaded.config.vocab_size,  # type: ignore[arg-type]
+        context_window=served.context_window,
+        model_dtype=dtype,
+        device=settings.device,
+    )
     async_engine = AsyncEngine(engine)
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
-    card = served.card(dtype=settings.dtype, kv_dtype=kv_dtype, page_size=settings.page_size,
-                       num_pages=settings.max_pages)
-    backend = Backend(serving=Serving(served, async_engine, images=vision), card=card, secret=settings.secret,
-                      metrics=BackendMetrics(lambda: engine.stats, async_engine.load))
+    card = served.card(
+        dtype=settings.dtype, kv_dtype=kv_dtype, page_size=settings.page_size, num_pages=settings.max_pages
+    )
+    backend = Backend(
+        serving=Serving(served, async_engine, images=vision),
+        card=card,
+        secret=settings.secret,
+        metrics=BackendMetrics(lambda: engine.stats, async_engine.load),
+    )
     return backend, async_engine
 
 

@@ -39,8 +39,13 @@ from schemas.backend import (
 class GenerationEngine(Protocol):
     """What serving needs of the engine (`backend.engine.AsyncEngine`)."""
 
-    def generate(self, request: EngineRequest, *, constraint: TokenConstraint | None = None,
-                 image_embeds: torch.Tensor | None = None) -> AsyncIterator[EngineOutput]: ...
+    def generate(
+        self,
+        request: EngineRequest,
+        *,
+        constraint: TokenConstraint | None = None,
+        image_embeds: torch.Tensor | None = None,
+    ) -> AsyncIterator[EngineOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -51,8 +56,9 @@ class ImageEncoder(Protocol):
     """The vision hook: expands each image's placeholder in the prompt to its tokens and returns the
     placeholder spans (with image hashes, for the prefix-cache key) and their embeddings."""
 
-    def expand(self, token_ids: list[int], images: list[ImagePart]) -> tuple[list[int], list[ImageSpan], torch.Tensor]:
-        ...
+    def expand(
+        self, token_ids: list[int], images: list[ImagePart]
+    ) -> tuple[list[int], list[ImageSpan], torch.Tensor]: ...
 
 
 @dataclass(slots=True)
@@ -64,7 +70,9 @@ class Prepared:
 
 
 class Serving:
-    def __init__(self, model: ServedModel, engine: GenerationEngine, *, images: ImageEncoder | None = None) -> None:
+    def __init__(
+        self, model: ServedModel, engine: GenerationEngine, *, images: ImageEncoder | None = None
+    ) -> None:
         self.model = model
         self.engine = engine
         self._images = images
@@ -87,8 +95,9 @@ class Serving:
             raise ContextWindowExceeded(num_requested, model.context_window)
         constraint = None
         if grammar is not None:
-            ll_tokenizer = model.tokenizer.ll_tokenizer(max(model.config.vocab_size, model.tokenizer.vocab_size),
-                                                        model.eos_token_ids)
+            ll_tokenizer = model.tokenizer.ll_tokenizer(
+                max(model.config.vocab_size, model.tokenizer.vocab_size), model.eos_token_ids
+            )
             constraint = build_constraint(grammar, ll_tokenizer)
         engine_request = EngineRequest(
             request_id=request.request_id,
@@ -100,12 +109,15 @@ class Serving:
             reject_if_busy=request.reject_if_busy,
             priority=request.priority,
         )
-        return Prepared(engine_request, constraint, embeds, self._processor(request, token_ids, grammar is None))
+        return Prepared(
+            engine_request, constraint, embeds, self._processor(request, token_ids, grammar is None)
+        )
 
     async def events(self, prepared: Prepared) -> AsyncIterator[Event]:
         """Events of a prepared request. Raises the engine's refusal (busy, too large) before any event."""
-        stream = self.engine.generate(prepared.engine_request, constraint=prepared.constraint,
-                                      image_embeds=prepared.image_embeds)
+        stream = self.engine.generate(
+            prepared.engine_request, constraint=prepared.constraint, image_embeds=prepared.image_embeds
+        )
         async with aclosing(stream):
             async for out in stream:
                 for event in prepared.processor.process(out):
@@ -126,8 +138,9 @@ class Serving:
             messages = [Message(role="user", content=request.prompt)]
         if self.model.template is None:
             raise InvalidRequest(f"{self.model.name} ships no chat template; send a raw prompt.")
-        text = self.model.template.render(messages, tools=request.tools, reasoning=reasoning,
-                                          extra=request.chat_template_kwargs)
+        text = self.model.template.render(
+            messages, tools=request.tools, reasoning=reasoning, extra=request.chat_template_kwargs
+        )
         return tokenizer.encode(text), images_of(messages)
 
     def _processor(self, request: GenerateRequest, prompt_ids: list[int], is_free: bool) -> OutputProcessor:
@@ -136,10 +149,17 @@ class Serving:
         if model.think is not None:
             enabled = is_free and request.reasoning.enabled is not False
             reasoning = ReasoningParser(model.think, prompt_token_ids=prompt_ids, enabled=enabled)
-        wants_tools = bool(request.tools) and (request.tool_choice is None or request.tool_choice.mode != "none")
+        wants_tools = bool(request.tools) and (
+            request.tool_choice is None or request.tool_choice.mode != "none"
+        )
         tools = parser_for(model.family, model.tokenizer, request.tools or []) if wants_tools else None
         kept = {model.think.start_id, model.think.end_id} if model.think else set()
         if tools is not None:
             kept |= {i for i in model.marker_ids.values() if i is not None}
-        return OutputProcessor(model.tokenizer, reasoning=reasoning, tools=tools, stops=request.sampling.stop,
-                               skip_ids=model.tokenizer.special_ids - kept)
+        return OutputProcessor(
+            model.tokenizer,
+            reasoning=reasoning,
+            tools=tools,
+            stops=request.sampling.stop,
+            skip_ids=model.tokenizer.special_ids - kept,
+        )

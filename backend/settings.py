@@ -50,7 +50,9 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kumo backend", description="Serve one checkpoint over the internal protocol.")
+    p = argparse.ArgumentParser(
+        prog="kumo backend", description="Serve one checkpoint over the internal protocol."
+    )
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")

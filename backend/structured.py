@@ -93,12 +93,16 @@ def _num_previous_calls(request: GenerateRequest) -> int:
 
 
 def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int) -> str:
-    rules = [f"call_{i}: {_lark_string(f'functions.{t.name}:{first_index}')} "
-             f"{_token(ids['<|tool_call_argument_begin|>'])} args_{i}\nargs_{i}: {_lark_json(t.parameters or {'type': 'object'})}"
-             for i, t in enumerate(tools)]
+    rules = [
+        f"call_{i}: {_lark_string(f'functions.{t.name}:{first_index}')} "
+        f"{_token(ids['<|tool_call_argument_begin|>'])} args_{i}\nargs_{i}: {_lark_json(t.parameters or {'type': 'object'})}"
+        for i, t in enumerate(tools)
+    ]
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = (f"start: {_token(ids['<|tool_calls_section_begin|>'])} {_token(ids['<|tool_call_begin|>'])} "
-             f"({alternatives}) {_token(ids['<|tool_call_end|>'])} {_token(ids['<|tool_calls_section_end|>'])}")
+    start = (
+        f"start: {_token(ids['<|tool_calls_section_begin|>'])} {_token(ids['<|tool_call_begin|>'])} "
+        f"({alternatives}) {_token(ids['<|tool_call_end|>'])} {_token(ids['<|tool_calls_section_end|>'])}"
+    )
     return "\n".join([start, *rules])
 
 
@@ -118,8 +122,10 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int]) -> str:
             sub = properties[key]
             value = _glm_string(sub) if sub.get("type") == "string" else _lark_json(sub)
             rules.append(f"value_{i}_{j}: {value}")
-            pairs.append(f"{_token(ids['<arg_key>'])} {_lark_string(key)} {_token(ids['</arg_key>'])} \"\\n\" "
-                         f"{_token(ids['<arg_value>'])} value_{i}_{j} {_token(ids['</arg_value>'])} \"\\n\"")
+            pairs.append(
+                f'{_token(ids["<arg_key>"])} {_lark_string(key)} {_token(ids["</arg_key>"])} "\\n" '
+                f'{_token(ids["<arg_value>"])} value_{i}_{j} {_token(ids["</arg_value>"])} "\\n"'
+            )
         rules.append(f"call_{i}: {_lark_string(tool.name + chr(10))} {' '.join(pairs)}".rstrip())
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
     start = f"start: {_token(ids['<tool_call>'])} ({alternatives}) {_token(ids['</tool_call>'])}"
@@ -133,8 +139,11 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
         ids = {k: v for k, v in marker_ids.items() if v is not None}
         try:
             if family == "kimi":
-                return str(llguidance.LLMatcher.grammar_from_lark(
-                    _kimi_tool_grammar(forced, ids, _num_previous_calls(request))))
+                return str(
+                    llguidance.LLMatcher.grammar_from_lark(
+                        _kimi_tool_grammar(forced, ids, _num_previous_calls(request))
+                    )
+                )
             return str(llguidance.LLMatcher.grammar_from_lark(_glm_tool_grammar(forced, ids)))
         except KeyError as exc:
             raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc

@@ -133,8 +133,12 @@ class TiktokenTokenizer(Tokenizer):
         declared = {int(k): v["content"] for k, v in config.get("added_tokens_decoder", {}).items()}
         if any(i < num_base for i in declared):
             raise CheckpointError(f"{path}: a declared special token id collides with a BPE rank")
-        num_special = int(config.get("num_reserved_special_tokens", 0)) or (max(declared, default=num_base - 1) + 1 - num_base)
-        specials = {declared.get(num_base + i, f"<|reserved_token_{i}|>"): num_base + i for i in range(num_special)}
+        num_special = int(config.get("num_reserved_special_tokens", 0)) or (
+            max(declared, default=num_base - 1) + 1 - num_base
+        )
+        specials = {
+            declared.get(num_base + i, f"<|reserved_token_{i}|>"): num_base + i for i in range(num_special)
+        }
         self._enc = tiktoken.Encoding(
             name=path.parent.name or "kimi",
             pat_str=config.get("pat_str", KIMI_PAT_STR),

@@ -137,7 +137,11 @@ def _bpe_tokenizer(pat_str: str, vocab_size: int) -> Tokenizer:
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes→unicode table, used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -160,17 +164,31 @@ def _mergeable_ranks(tok: Tokenizer) -> dict[bytes, int]:
     return ranks
 
 
-def _special_config(specials: list[str], plain: list[str], first_id: int, **extra: object) -> dict[str, object]:
+def _special_config(
+    specials: list[str], plain: list[str], first_id: int, **extra: object
+) -> dict[str, object]:
     decoder = {
-        str(first_id + i): {"content": t, "special": t not in plain, "lstrip": False, "rstrip": False,
-                            "normalized": False, "single_word": False}
+        str(first_id + i): {
+            "content": t,
+            "special": t not in plain,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+        }
         for i, t in enumerate(specials + plain)
     }
     return {"added_tokens_decoder": decoder, **extra}
 
 
-def write_tokenizer_files(family: Family, path: str | Path, *, fmt: TokenizerFormat = "tokenizer.json",
-                          glm_generation: Literal["4.5", "5"] = "5", vocab_size: int = 1024) -> int:
+def write_tokenizer_files(
+    family: Family,
+    path: str | Path,
+    *,
+    fmt: TokenizerFormat = "tokenizer.json",
+    glm_generation: Literal["4.5", "5"] = "5",
+    vocab_size: int = 1024,
+) -> int:
     """Write the family's tokenizer, tokenizer config and chat template into `path`.
 
     Returns the number of token ids the tokenizer uses (the model's vocab must be at least that).
@@ -192,11 +210,21 @@ def write_tokenizer_files(family: Family, path: str | Path, *, fmt: TokenizerFor
         if family != "kimi":
             raise ValueError("the tiktoken layout is Kimi's; GLM ships tokenizer.json")
         ranks = _mergeable_ranks(bpe)
-        lines = [f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])]
+        lines = [
+            f"{base64.b64encode(t).decode()} {r}" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])
+        ]
         (out / "tiktoken.model").write_text("\n".join(lines) + "\n")
         first_id = len(ranks)
-        config = _special_config(specials, plain, first_id, pat_str=pat_str, tokenizer_class="TikTokenTokenizer",
-                                 model_max_length=262144, chat_template=template, **names)
+        config = _special_config(
+            specials,
+            plain,
+            first_id,
+            pat_str=pat_str,
+            tokenizer_class="TikTokenTokenizer",
+            model_max_length=262144,
+            chat_template=template,
+            **names,
+        )
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
         return first_id + len(specials)
 
@@ -204,8 +232,9 @@ def write_tokenizer_files(family: Family, path: str | Path, *, fmt: TokenizerFor
     bpe.add_special_tokens(specials)
     bpe.add_tokens(plain)
     bpe.save(str(out / "tokenizer.json"))
-    config = _special_config(specials, plain, first_id, tokenizer_class="PreTrainedTokenizerFast",
-                             model_max_length=202752, **names)
+    config = _special_config(
+        specials, plain, first_id, tokenizer_class="PreTrainedTokenizerFast", model_max_length=202752, **names
+    )
     if family == "kimi":
         config["chat_template"] = template
     else:

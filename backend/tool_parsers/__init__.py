@@ -8,7 +8,10 @@ from backend.tool_parsers.glm import GlmToolParser
 from backend.tool_parsers.kimi import KimiToolParser
 from schemas.backend import Tool
 
-PARSERS: dict[str, type[KimiToolParser] | type[GlmToolParser]] = {"kimi": KimiToolParser, "glm": GlmToolParser}
+PARSERS: dict[str, type[KimiToolParser] | type[GlmToolParser]] = {
+    "kimi": KimiToolParser,
+    "glm": GlmToolParser,
+}
 
 
 def parser_for(family: str, tokenizer: Tokenizer, tools: list[Tool]) -> ToolParser | None:

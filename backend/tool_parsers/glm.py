@@ -37,8 +37,9 @@ class _State(Enum):
 
 def _is_string_typed(schema: dict[str, Any]) -> bool:
     kind = schema.get("type")
-    return kind == "string" or (isinstance(kind, list) and kind and all(k in ("string", "null") for k in kind)
-                                and "string" in kind)
+    return kind == "string" or (
+        isinstance(kind, list) and kind and all(k in ("string", "null") for k in kind) and "string" in kind
+    )
 
 
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
@@ -57,7 +58,14 @@ class GlmToolParser(ToolParser):
         ids = marker_ids(tokenizer, MARKERS)
         if ids is None:
             raise ValueError("tokenizer lacks GLM tool-call markers")
-        self._call_begin, self._call_end, self._key_begin, self._key_end, self._value_begin, self._value_end = ids
+        (
+            self._call_begin,
+            self._call_end,
+            self._key_begin,
+            self._key_end,
+            self._value_begin,
+            self._value_end,
+        ) = ids
         self._markers = frozenset(ids)
         self._state = _State.TEXT
         self._raw_ids: list[int] = []

@@ -12,7 +12,13 @@ from tests.backend.tiny_checkpoints import make_tiny
 
 SECRET = "test-secret-0123456789"
 TENANT = "ab" * 16
-FAMILY = {"kimi_k2": "kimi", "kimi_k25": "kimi", "deepseek_v3": "kimi", "glm_moe_dsa": "glm", "glm4_moe": "glm"}
+FAMILY = {
+    "kimi_k2": "kimi",
+    "kimi_k25": "kimi",
+    "deepseek_v3": "kimi",
+    "glm_moe_dsa": "glm",
+    "glm4_moe": "glm",
+}
 
 
 def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024) -> Path:
@@ -25,8 +31,12 @@ def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024) -> Pat
     tok = load_tokenizer(path)
     eos = tok.named_id("eos_token")
     vocab = (num_ids + 63) // 64 * 64
-    overrides: dict[str, object] = {"vocab_size": vocab, "max_position_embeddings": context, "eos_token_id": eos,
-                                    "bos_token_id": tok.named_id("bos_token") or eos}
+    overrides: dict[str, object] = {
+        "vocab_size": vocab,
+        "max_position_embeddings": context,
+        "eos_token_id": eos,
+        "bos_token_id": tok.named_id("bos_token") or eos,
+    }
     make_tiny(arch, path, **overrides)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     return path

@@ -33,17 +33,37 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def backend_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBackend]:
+def run_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBackend]:
+    """Start the backend, yield it, stop it (wrap in a session-scoped fixture: one per session)."""
     model_dir = make_served_checkpoint("glm_moe_dsa", tmp_path_factory.mktemp("served-glm5"))
     port, num_pages = _free_port(), 96
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), KUMO_BACKEND_SECRET=SECRET)
     log = (tmp_path_factory.getbasetemp() / "backend.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "backend", "--model", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--max-pages", str(num_pages), "--page-size", "8", "--max-num-seqs", "64",
-         "--name", "glm-5.2-tiny"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "backend",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-pages",
+            str(num_pages),
+            "--page-size",
+            "8",
+            "--max-num-seqs",
+            "64",
+            "--name",
+            "glm-5.2-tiny",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -55,7 +75,9 @@ def backend_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runnin
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError("backend did not start: " + (tmp_path_factory.getbasetemp() / "backend.log").read_text())
+            raise RuntimeError(
+                "backend did not start: " + (tmp_path_factory.getbasetemp() / "backend.log").read_text()
+            )
         time.sleep(0.2)
     yield RunningBackend(url, model_dir, num_pages, process)
     process.terminate()

@@ -9,8 +9,11 @@ import pytest
 from backend.tokenizer import Tokenizer, load_tokenizer
 from backend.tokenizer_files import write_tokenizer_files
 
-LAYOUTS = {"kimi-tiktoken": ("kimi", "tiktoken"), "kimi-json": ("kimi", "tokenizer.json"),
-           "glm": ("glm", "tokenizer.json")}
+LAYOUTS = {
+    "kimi-tiktoken": ("kimi", "tiktoken"),
+    "kimi-json": ("kimi", "tokenizer.json"),
+    "glm": ("glm", "tokenizer.json"),
+}
 
 
 def tokenizer_dir(factory: pytest.TempPathFactory, layout: str) -> Path:

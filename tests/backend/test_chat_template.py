@@ -14,15 +14,29 @@ from backend.tokenizer_files import write_tokenizer_files
 from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool, ToolCall, ToolCallFunction
 from tests.backend.server_tokenizers import tokenizer_dir
 
-WEATHER = Tool(name="get_weather", description="Weather for a city",
-               parameters={"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                           "required": ["city"]})
+WEATHER = Tool(
+    name="get_weather",
+    description="Weather for a city",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+)
 CONVERSATION = [
     Message(role="system", content="Be brief."),
     Message(role="user", content="Weather in Paris?"),
-    Message(role="assistant", content="", reasoning_content="I need the tool.",
-            tool_calls=[ToolCall(id="functions.get_weather:0",
-                                 function=ToolCallFunction(name="get_weather", arguments='{"city": "Paris", "days": 2}'))]),
+    Message(
+        role="assistant",
+        content="",
+        reasoning_content="I need the tool.",
+        tool_calls=[
+            ToolCall(
+                id="functions.get_weather:0",
+                function=ToolCallFunction(name="get_weather", arguments='{"city": "Paris", "days": 2}'),
+            )
+        ],
+    ),
     Message(role="tool", tool_call_id="functions.get_weather:0", content="sunny, 21C"),
     Message(role="assistant", content="Sunny.", reasoning_content="Easy."),
     Message(role="user", content=[TextPart(text="And here?"), ImagePart(data=b"\x89PNG")]),
@@ -37,13 +51,20 @@ def glm45_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _dirs(factory: pytest.TempPathFactory, glm45: Path) -> dict[str, Path]:
-    return {"kimi": tokenizer_dir(factory, "kimi-json"), "glm5": tokenizer_dir(factory, "glm"), "glm45": glm45}
+    return {
+        "kimi": tokenizer_dir(factory, "kimi-json"),
+        "glm5": tokenizer_dir(factory, "glm"),
+        "glm45": glm45,
+    }
 
 
 @pytest.mark.parametrize("name", ["kimi", "glm5", "glm45"])
-@pytest.mark.parametrize("reasoning", [Reasoning(), Reasoning(enabled=True), Reasoning(enabled=False, effort="low")])
-def test_same_text_as_transformers(tmp_path_factory: pytest.TempPathFactory, glm45_dir: Path, name: str,
-                                   reasoning: Reasoning) -> None:
+@pytest.mark.parametrize(
+    "reasoning", [Reasoning(), Reasoning(enabled=True), Reasoning(enabled=False, effort="low")]
+)
+def test_same_text_as_transformers(
+    tmp_path_factory: pytest.TempPathFactory, glm45_dir: Path, name: str, reasoning: Reasoning
+) -> None:
     folder = _dirs(tmp_path_factory, glm45_dir)[name]
     ours = ChatTemplate.from_checkpoint(folder)
     assert ours is not None
@@ -53,8 +74,13 @@ def test_same_text_as_transformers(tmp_path_factory: pytest.TempPathFactory, glm
         kwargs = {"enable_thinking": reasoning.enabled, "thinking": reasoning.enabled}
     if reasoning.effort is not None:
         kwargs["reasoning_effort"] = reasoning.effort
-    expected = reference.apply_chat_template([message_dict(m) for m in CONVERSATION], tools=[tool_dict(WEATHER)],
-                                             tokenize=False, add_generation_prompt=True, **kwargs)
+    expected = reference.apply_chat_template(
+        [message_dict(m) for m in CONVERSATION],
+        tools=[tool_dict(WEATHER)],
+        tokenize=False,
+        add_generation_prompt=True,
+        **kwargs,
+    )
     assert ours.render(CONVERSATION, tools=[WEATHER], reasoning=reasoning) == expected
 
 
@@ -92,7 +118,9 @@ def test_glm_format(tmp_path_factory: pytest.TempPathFactory, glm45_dir: Path) -
     glm5 = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, "glm"))
     assert glm5 is not None
     assert glm5.render(CONVERSATION[1:2]).endswith("<|assistant|><think>")
-    assert glm5.render(CONVERSATION[1:2], reasoning=Reasoning(enabled=False)).endswith("<|assistant|></think>")
+    assert glm5.render(CONVERSATION[1:2], reasoning=Reasoning(enabled=False)).endswith(
+        "<|assistant|></think>"
+    )
 
 
 def test_no_template_means_none(tmp_path: Path) -> None:
@@ -101,7 +129,9 @@ def test_no_template_means_none(tmp_path: Path) -> None:
 
 
 def test_template_errors_are_invalid_requests() -> None:
-    strict = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}ok", {})
+    strict = ChatTemplate(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}ok", {}
+    )
     assert strict.render([Message(role="user", content="hi")]) == "ok"
     with pytest.raises(InvalidRequest, match="user first"):
         strict.render([Message(role="assistant", content="hi")])

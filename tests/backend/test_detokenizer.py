@@ -12,7 +12,9 @@ TEXT = "Emoji 🙂🚀🌧️ then 你好，世界 and 👍🏽 café — done"
 
 @pytest.mark.parametrize("layout", ["kimi-tiktoken", "glm"])
 @pytest.mark.parametrize("chunk", [1, 2, 3])
-def test_stream_never_splits_a_character(tmp_path_factory: pytest.TempPathFactory, layout: str, chunk: int) -> None:
+def test_stream_never_splits_a_character(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, chunk: int
+) -> None:
     tok = load(tmp_path_factory, layout)
     ids = tok.encode(TEXT)
     # the test only means something if some token ends inside a character

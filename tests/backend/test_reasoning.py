@@ -36,16 +36,23 @@ def test_prompt_opens_the_block(tmp_path_factory: pytest.TempPathFactory, chunk:
     output = tok.encode("Let me think 🙂</think>Done.")
     got = _run(tok, "<|im_assistant|>assistant<|im_middle|><think>", output, enabled=True, chunk=chunk)
     assert got == {"reasoning": "Let me think 🙂", "content": "Done."}
-    closed = _run(tok, "<|im_assistant|>assistant<|im_middle|><think></think>", tok.encode("Done."),
-                  enabled=True, chunk=chunk)
+    closed = _run(
+        tok,
+        "<|im_assistant|>assistant<|im_middle|><think></think>",
+        tok.encode("Done."),
+        enabled=True,
+        chunk=chunk,
+    )
     assert closed == {"reasoning": "", "content": "Done."}
 
 
 def test_reasoning_off_produces_none(tmp_path_factory: pytest.TempPathFactory) -> None:
     tok = load(tmp_path_factory, "glm")
     output = tok.encode("<think>secret musings</think>Visible.")
-    assert _run(tok, "<|assistant|></think>", output, enabled=False, chunk=1) == {"reasoning": "",
-                                                                                 "content": "Visible."}
+    assert _run(tok, "<|assistant|></think>", output, enabled=False, chunk=1) == {
+        "reasoning": "",
+        "content": "Visible.",
+    }
 
 
 def test_marker_text_in_the_answer_is_not_a_marker(tmp_path_factory: pytest.TempPathFactory) -> None:

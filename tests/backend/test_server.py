@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -26,16 +26,29 @@ from schemas.backend import (
     Usage,
 )
 from tests.backend.server_checkpoints import SECRET, TENANT
-from tests.backend.server_process import RunningBackend, backend_process  # noqa: F401 (fixture)
+from tests.backend.server_process import RunningBackend, run_backend
 
 AUTH = {"authorization": f"Bearer {SECRET}"}
 _event = msgspec.json.Decoder(Event).decode
-PROMPTS = ["Weather in Paris?", "Tell me a story about a fox.", "What is 12 * 7?", "def add(a, b):",
-           "你好，世界", "Numbers: 1 2 3", "Hello there, how are you today?", "Emoji 🙂 please"]
+PROMPTS = [
+    "Weather in Paris?",
+    "Tell me a story about a fox.",
+    "What is 12 * 7?",
+    "def add(a, b):",
+    "你好，世界",
+    "Numbers: 1 2 3",
+    "Hello there, how are you today?",
+    "Emoji 🙂 please",
+]
+
+
+@pytest.fixture(scope="session")
+def backend_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBackend]:
+    yield from run_backend(tmp_path_factory)
 
 
 @pytest.fixture
-async def client(backend_process: RunningBackend) -> AsyncIterator[httpx.AsyncClient]:  # noqa: F811
+async def client(backend_process: RunningBackend) -> AsyncIterator[httpx.AsyncClient]:
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=backend_process.url, timeout=60, limits=limits) as c:
         yield c
@@ -43,8 +56,12 @@ async def client(backend_process: RunningBackend) -> AsyncIterator[httpx.AsyncCl
 
 def body(request_id: str, content: str = "Hello", **extra: Any) -> dict[str, Any]:
     sampling = {"max_tokens": 12, "temperature": 0.0} | extra.pop("sampling", {})
-    return {"request_id": request_id, "tenant_salt": TENANT, "messages": [{"role": "user", "content": content}],
-            "sampling": sampling} | extra
+    return {
+        "request_id": request_id,
+        "tenant_salt": TENANT,
+        "messages": [{"role": "user", "content": content}],
+        "sampling": sampling,
+    } | extra
 
 
 async def generate(client: httpx.AsyncClient, payload: dict[str, Any]) -> list[Event]:
@@ -60,8 +77,12 @@ def text_of(events: list[Event], kind: type = TextDelta) -> str:
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     text = (await client.get("/metrics", headers=AUTH)).text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels
+    }
 
 
 async def wait_idle(client: httpx.AsyncClient, total_pages: int) -> LoadReport:
@@ -96,25 +117,51 @@ async def test_reasoning_on_and_off(client: httpx.AsyncClient) -> None:
 
 
 async def test_json_schema_on_random_weights_validates(client: httpx.AsyncClient) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 5},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     for i, temperature in enumerate([0.0, 1.0, 1.0]):
-        events = await generate(client, body(f"json-{i}", response_format={"type": "json_schema", "json_schema": schema},
-                                             sampling={"max_tokens": 60, "temperature": temperature, "seed": i}))
+        events = await generate(
+            client,
+            body(
+                f"json-{i}",
+                response_format={"type": "json_schema", "json_schema": schema},
+                sampling={"max_tokens": 60, "temperature": temperature, "seed": i},
+            ),
+        )
         value = json.loads(text_of(events))
         assert set(value) == {"name", "age"} and len(value["name"]) <= 5 and 0 <= value["age"] <= 99
         assert isinstance(events[-1], Finish) and events[-1].reason == "stop"
 
 
 async def test_forced_tool_call(client: httpx.AsyncClient) -> None:
-    tool = {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 5}},
-        "required": ["city", "days"]}}
-    events = await generate(client, body("tool-1", "Weather?", tools=[tool],
-                                         tool_choice={"mode": "function", "name": "get_weather"},
-                                         sampling={"max_tokens": 60, "temperature": 1.0, "seed": 3}))
+    tool = {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "days": {"type": "integer", "minimum": 1, "maximum": 5},
+            },
+            "required": ["city", "days"],
+        },
+    }
+    events = await generate(
+        client,
+        body(
+            "tool-1",
+            "Weather?",
+            tools=[tool],
+            tool_choice={"mode": "function", "name": "get_weather"},
+            sampling={"max_tokens": 60, "temperature": 1.0, "seed": 3},
+        ),
+    )
     calls = [e for e in events if isinstance(e, ToolCallDelta)]
     assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].id
     assert 1 <= json.loads(calls[0].arguments)["days"] <= 5
@@ -122,21 +169,42 @@ async def test_forced_tool_call(client: httpx.AsyncClient) -> None:
 
 
 async def test_stop_string_cuts_the_answer(client: httpx.AsyncClient) -> None:
-    free = text_of(await generate(client, body("stop-ref", "Tell me a story about a fox.",
-                                               reasoning={"enabled": False}, sampling={"max_tokens": 16})))
+    free = text_of(
+        await generate(
+            client,
+            body(
+                "stop-ref",
+                "Tell me a story about a fox.",
+                reasoning={"enabled": False},
+                sampling={"max_tokens": 16},
+            ),
+        )
+    )
     stop = free[len(free) // 2 : len(free) // 2 + 2]
     assert stop.strip()
-    events = await generate(client, body("stop-1", "Tell me a story about a fox.", reasoning={"enabled": False},
-                                         sampling={"max_tokens": 16, "stop": [stop]}))
+    events = await generate(
+        client,
+        body(
+            "stop-1",
+            "Tell me a story about a fox.",
+            reasoning={"enabled": False},
+            sampling={"max_tokens": 16, "stop": [stop]},
+        ),
+    )
     assert text_of(events) == free[: free.index(stop)]
     assert isinstance(events[-1], Finish) and events[-1].reason == "stop"
 
 
-async def test_disconnects_free_everything_and_others_are_unchanged(client: httpx.AsyncClient,
-                                                                    backend_process: RunningBackend) -> None:  # noqa: F811
+async def test_disconnects_free_everything_and_others_are_unchanged(
+    client: httpx.AsyncClient, backend_process: RunningBackend
+) -> None:
     def payload(i: int) -> dict[str, Any]:
-        return body(f"conc-{i}", PROMPTS[i % len(PROMPTS)] * 3, reasoning={"enabled": False},
-                    sampling={"max_tokens": 16})
+        return body(
+            f"conc-{i}",
+            PROMPTS[i % len(PROMPTS)] * 3,
+            reasoning={"enabled": False},
+            sampling={"max_tokens": 16},
+        )
 
     alone = {i: text_of(await generate(client, payload(i))) for i in range(len(PROMPTS))}
     await wait_idle(client, backend_process.num_pages)
@@ -162,13 +230,19 @@ async def test_disconnects_free_everything_and_others_are_unchanged(client: http
     assert metrics["kumo_backend_pages_used"] == 0
 
 
-@pytest.mark.parametrize(("raw", "path"), [
-    (b"{not json", "malformed"),
-    (json.dumps(body("bad-1", bogus=1)).encode(), "`bogus`"),
-    (json.dumps(body("bad-2", sampling={"temperature": "hot"})).encode(), "$.sampling.temperature"),
-    (json.dumps(body("bad-3") | {"messages": [{"role": "user", "content": 5}]}).encode(), "$.messages[0].content"),
-    (json.dumps(body("bad-4", sampling={"max_tokens": 0})).encode(), "$.sampling.max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        (b"{not json", "malformed"),
+        (json.dumps(body("bad-1", bogus=1)).encode(), "`bogus`"),
+        (json.dumps(body("bad-2", sampling={"temperature": "hot"})).encode(), "$.sampling.temperature"),
+        (
+            json.dumps(body("bad-3") | {"messages": [{"role": "user", "content": 5}]}).encode(),
+            "$.messages[0].content",
+        ),
+        (json.dumps(body("bad-4", sampling={"max_tokens": 0})).encode(), "$.sampling.max_tokens"),
+    ],
+)
 async def test_bad_bodies_are_400_naming_the_path(client: httpx.AsyncClient, raw: bytes, path: str) -> None:
     response = await client.post("/v1/generate", content=raw, headers=AUTH)
     assert response.status_code == 400
@@ -178,15 +252,26 @@ async def test_bad_bodies_are_400_naming_the_path(client: httpx.AsyncClient, raw
 
 
 async def test_refusals_are_structured(client: httpx.AsyncClient) -> None:
-    too_long = await client.post("/v1/generate", json=body("ctx", sampling={"max_tokens": 5000}), headers=AUTH)
+    too_long = await client.post(
+        "/v1/generate", json=body("ctx", sampling={"max_tokens": 5000}), headers=AUTH
+    )
     assert too_long.status_code == 413
     error = msgspec.json.decode(too_long.content, type=ErrorBody).error
     requested, window = (int(n) for n in re.findall(r"\((\d+)\)", error.message))
     assert error.code == "context_window_exceeded" and requested > 5000 and window == 1024
-    image = body("img") | {"messages": [{"role": "user", "content": [{"type": "text", "text": "see"},
-                                                                    {"type": "image", "data": "iVBORw0KGgo="}]}]}
+    image = body("img") | {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "see"}, {"type": "image", "data": "iVBORw0KGgo="}],
+            }
+        ]
+    }
     refused = await client.post("/v1/generate", json=image, headers=AUTH)
-    assert refused.status_code == 400 and msgspec.json.decode(refused.content, type=ErrorBody).error.code == "unsupported"
+    assert (
+        refused.status_code == 400
+        and msgspec.json.decode(refused.content, type=ErrorBody).error.code == "unsupported"
+    )
     bad_schema = body("schema", response_format={"type": "json_schema", "json_schema": {"type": "strnig"}})
     assert (await client.post("/v1/generate", json=bad_schema, headers=AUTH)).status_code == 400
     # and the process keeps serving
@@ -194,7 +279,12 @@ async def test_refusals_are_structured(client: httpx.AsyncClient) -> None:
 
 
 async def test_secret_is_required(client: httpx.AsyncClient) -> None:
-    for method, path in [("POST", "/v1/generate"), ("GET", "/v1/load"), ("GET", "/v1/model"), ("GET", "/metrics")]:
+    for method, path in [
+        ("POST", "/v1/generate"),
+        ("GET", "/v1/load"),
+        ("GET", "/v1/model"),
+        ("GET", "/metrics"),
+    ]:
         for headers in [{}, {"authorization": "Bearer wrong-secret-000"}, {"authorization": SECRET}]:
             response = await client.request(method, path, headers=headers, json=body("auth"))
             assert response.status_code == 401, (path, headers)
@@ -204,23 +294,38 @@ async def test_secret_is_required(client: httpx.AsyncClient) -> None:
 
 async def test_model_card(client: httpx.AsyncClient) -> None:
     card = msgspec.json.decode((await client.get("/v1/model", headers=AUTH)).content, type=ModelCard)
-    assert (card.name, card.architecture, card.family, card.weights) == ("glm-5.2-tiny", "GlmMoeDsaForCausalLM",
-                                                                         "glm", "float32")
+    assert (card.name, card.architecture, card.family, card.weights) == (
+        "glm-5.2-tiny",
+        "GlmMoeDsaForCausalLM",
+        "glm",
+        "float32",
+    )
     assert card.context_window == 1024 and card.num_pages == 96 and card.page_size == 8
     assert card.capabilities.tools and card.capabilities.reasoning and not card.capabilities.vision
 
 
-async def test_logprobs_and_prefix_cache_usage(client: httpx.AsyncClient,
-                                               backend_process: RunningBackend) -> None:  # noqa: F811
+async def test_logprobs_and_prefix_cache_usage(
+    client: httpx.AsyncClient, backend_process: RunningBackend
+) -> None:
     long_prompt = "The tenant sends a request, the gateway routes it to a backend. " * 3
-    first = await generate(client, body("lp-1", long_prompt, reasoning={"enabled": False},
-                                        sampling={"max_tokens": 4, "logprobs": True, "top_logprobs": 2}))
+    first = await generate(
+        client,
+        body(
+            "lp-1",
+            long_prompt,
+            reasoning={"enabled": False},
+            sampling={"max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+        ),
+    )
     logprobs = [lp for e in first if isinstance(e, TextDelta) and e.logprobs for lp in e.logprobs]
     assert len(logprobs) == 4
-    assert all(lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in logprobs)
+    assert all(
+        lp.logprob <= 0 and len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in logprobs
+    )
     tok = load_tokenizer(backend_process.model_dir)
     assert all(lp.token == tok.decode([lp.token_id]) for lp in logprobs)
-    second = await generate(client, body("lp-2", long_prompt, reasoning={"enabled": False},
-                                         sampling={"max_tokens": 4}))
+    second = await generate(
+        client, body("lp-2", long_prompt, reasoning={"enabled": False}, sampling={"max_tokens": 4})
+    )
     usage = next(e for e in second if isinstance(e, Usage))
     assert usage.cached_tokens >= 8 and usage.cached_tokens < usage.prompt_tokens  # whole pages of the prompt

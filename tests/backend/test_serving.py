@@ -42,22 +42,30 @@ from tests.backend.server_tokenizers import load, ordinary_ids, tokenizer_dir
 
 
 def _outputs(chunks: list[list[int]], reason: str = "stop") -> list[EngineOutput]:
-    outs = [EngineOutput(request_id="r", token_ids=c, num_prompt_tokens=5, num_output_tokens=i + 1)
-            for i, c in enumerate(chunks)]
+    outs = [
+        EngineOutput(request_id="r", token_ids=c, num_prompt_tokens=5, num_output_tokens=i + 1)
+        for i, c in enumerate(chunks)
+    ]
     outs[-1].finish_reason = reason  # type: ignore[assignment]
     return outs
 
 
-def _processor(tok: Tokenizer, family: str, *, stops: list[str] = (), tools: list[Tool] | None = None,
-               prompt: str = "") -> OutputProcessor:
+def _processor(
+    tok: Tokenizer, family: str, *, stops: list[str] = (), tools: list[Tool] | None = None, prompt: str = ""
+) -> OutputProcessor:
     think = ThinkMarkers.of(tok)
     assert think is not None
     parser = parser_for(family, tok, tools) if tools else None
     kept = {think.start_id, think.end_id}
     if parser is not None:
         kept |= {i for i in (tok.token_to_id(m) for m in TOOL_MARKERS) if i is not None}
-    return OutputProcessor(tok, reasoning=ReasoningParser(think, prompt_token_ids=tok.encode(prompt), enabled=True),
-                           tools=parser, stops=list(stops), skip_ids=tok.special_ids - kept)
+    return OutputProcessor(
+        tok,
+        reasoning=ReasoningParser(think, prompt_token_ids=tok.encode(prompt), enabled=True),
+        tools=parser,
+        stops=list(stops),
+        skip_ids=tok.special_ids - kept,
+    )
 
 
 def _run(processor: OutputProcessor, outputs: list[EngineOutput]) -> list[Event]:
@@ -89,10 +97,20 @@ def test_stop_string_split_across_outputs(tmp_path_factory: pytest.TempPathFacto
 def test_reasoning_text_and_tool_call_in_one_answer(tmp_path_factory: pytest.TempPathFactory) -> None:
     tok = load(tmp_path_factory, "glm")
     tools = [Tool(name="search", parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
-    ids = (tok.encode("<think>") + ordinary_ids(tok, "plan 🙂") + tok.encode("</think>") + ordinary_ids(tok, "Sure.")
-           + tok.encode("<tool_call>") + ordinary_ids(tok, "search\n") + tok.encode("<arg_key>") + ordinary_ids(tok, "q")
-           + tok.encode("</arg_key><arg_value>") + ordinary_ids(tok, "café") + tok.encode("</arg_value></tool_call>")
-           + tok.encode("<|observation|>"))
+    ids = (
+        tok.encode("<think>")
+        + ordinary_ids(tok, "plan 🙂")
+        + tok.encode("</think>")
+        + ordinary_ids(tok, "Sure.")
+        + tok.encode("<tool_call>")
+        + ordinary_ids(tok, "search\n")
+        + tok.encode("<arg_key>")
+        + ordinary_ids(tok, "q")
+        + tok.encode("</arg_key><arg_value>")
+        + ordinary_ids(tok, "café")
+        + tok.encode("</arg_value></tool_call>")
+        + tok.encode("<|observation|>")
+    )
     events = _run(_processor(tok, "glm", tools=tools), _outputs([[i] for i in ids]))
     assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == "plan 🙂"
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Sure."
@@ -102,11 +120,17 @@ def test_reasoning_text_and_tool_call_in_one_answer(tmp_path_factory: pytest.Tem
     assert events[-1] == Finish(reason="tool_calls")
 
 
-def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     tok = load(tmp_path_factory, "kimi-tiktoken")
     hello = ordinary_ids(tok, "Hi")
-    out = EngineOutput(request_id="r", token_ids=hello + tok.encode("<|im_end|>"), finish_reason="stop",
-                       logprobs=[TokenLogprob(token="", token_id=hello[0], logprob=-0.5)])
+    out = EngineOutput(
+        request_id="r",
+        token_ids=hello + tok.encode("<|im_end|>"),
+        finish_reason="stop",
+        logprobs=[TokenLogprob(token="", token_id=hello[0], logprob=-0.5)],
+    )
     events = _processor(tok, "kimi").process(out)
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hi"
     logprobs = next(e.logprobs for e in events if isinstance(e, TextDelta) and e.logprobs)
@@ -115,20 +139,34 @@ def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(tmp_path_fact
 
 def test_engine_error_becomes_an_error_event(tmp_path_factory: pytest.TempPathFactory) -> None:
     tok = load(tmp_path_factory, "glm")
-    out = EngineOutput(request_id="r", finish_reason="abort", num_prompt_tokens=5,
-                       error=Error(code="integrity_abort", message="tag mismatch", status=500))
+    out = EngineOutput(
+        request_id="r",
+        finish_reason="abort",
+        num_prompt_tokens=5,
+        error=Error(code="integrity_abort", message="tag mismatch", status=500),
+    )
     events = _processor(tok, "glm").process(out)
-    assert isinstance(events[-2], Usage) and events[-1] == Error(code="integrity_abort", message="tag mismatch",
-                                                                 status=500)
+    assert isinstance(events[-2], Usage) and events[-1] == Error(
+        code="integrity_abort", message="tag mismatch", status=500
+    )
 
 
 def test_settings(tmp_path: Path) -> None:
     env = {"KUMO_BACKEND_SECRET": "from-the-environment"}
     settings = build_settings(["--model", str(tmp_path), "--port", "9000", "--kv-dtype", "fp8"], env)
-    assert (settings.secret, settings.host, settings.engine_kv_dtype) == ("from-the-environment", "127.0.0.1",
-                                                                          "float8_e4m3fn")
-    assert build_settings(["--model", "m", "--port", "1", "--secret", "from-the-flag-0"], env).secret == "from-the-flag-0"
-    for argv in (["--model", "m", "--port", "1"], ["--model", "m", "--port", "99999", "--secret", "long-enough"]):
+    assert (settings.secret, settings.host, settings.engine_kv_dtype) == (
+        "from-the-environment",
+        "127.0.0.1",
+        "float8_e4m3fn",
+    )
+    assert (
+        build_settings(["--model", "m", "--port", "1", "--secret", "from-the-flag-0"], env).secret
+        == "from-the-flag-0"
+    )
+    for argv in (
+        ["--model", "m", "--port", "1"],
+        ["--model", "m", "--port", "99999", "--secret", "long-enough"],
+    ):
         with pytest.raises(SystemExit):
             build_settings(argv, {})
 
@@ -147,8 +185,12 @@ class ScriptedEngine:
             yield EngineOutput(request_id=request.request_id, token_ids=ordinary_ids(self.tok, "partial"))
             if "crash" in prompt:
                 raise RuntimeError("boom")
-            yield EngineOutput(request_id=request.request_id, token_ids=ordinary_ids(self.tok, " ok"),
-                               finish_reason="stop", num_output_tokens=2)
+            yield EngineOutput(
+                request_id=request.request_id,
+                token_ids=ordinary_ids(self.tok, " ok"),
+                finish_reason="stop",
+                num_output_tokens=2,
+            )
         finally:
             self.aborted += 1
 
@@ -164,28 +206,55 @@ async def test_faults_stay_with_their_request(tmp_path_factory: pytest.TempPathF
     (folder / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], **_GLM_CONFIG}))
     served = ServedModel.from_checkpoint(folder)
     engine = ScriptedEngine(served.tokenizer)
-    card = ModelCard(name="m", architecture="Glm4MoeForCausalLM", family="glm", weights="float32",
-                     kv_dtype="float32", context_window=1024, page_size=16, num_pages=1)
-    backend = Backend(serving=Serving(served, engine), card=card, secret=SECRET,
-                      metrics=BackendMetrics(lambda: _NO_STATS, engine.load))  # type: ignore[arg-type]
+    card = ModelCard(
+        name="m",
+        architecture="Glm4MoeForCausalLM",
+        family="glm",
+        weights="float32",
+        kv_dtype="float32",
+        context_window=1024,
+        page_size=16,
+        num_pages=1,
+    )
+    backend = Backend(
+        serving=Serving(served, engine),
+        card=card,
+        secret=SECRET,
+        metrics=BackendMetrics(lambda: _NO_STATS, engine.load),
+    )  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=create_app(backend))
     async with httpx.AsyncClient(transport=transport, base_url="http://b") as client:
         headers = {"authorization": f"Bearer {SECRET}"}
 
         async def send(text: str) -> httpx.Response:
-            return await client.post("/v1/generate", headers=headers, json={
-                "request_id": text, "tenant_salt": TENANT, "messages": [{"role": "user", "content": text}],
-                "reasoning": {"enabled": False}})
+            return await client.post(
+                "/v1/generate",
+                headers=headers,
+                json={
+                    "request_id": text,
+                    "tenant_salt": TENANT,
+                    "messages": [{"role": "user", "content": text}],
+                    "reasoning": {"enabled": False},
+                },
+            )
 
         busy = await send("busy")
-        assert busy.status_code == 429 and msgspec.json.decode(busy.content, type=ErrorBody).error.code == "busy"
+        assert (
+            busy.status_code == 429 and msgspec.json.decode(busy.content, type=ErrorBody).error.code == "busy"
+        )
         crash = await send("crash")
         events = [msgspec.json.decode(line, type=Event) for line in crash.text.splitlines()]
         assert events[0] == TextDelta(text="partial")
         assert isinstance(events[-1], Error) and events[-1].code == "internal"
         fine = await send("fine")
-        assert "".join(e.text for e in (msgspec.json.decode(x, type=Event) for x in fine.text.splitlines())
-                       if isinstance(e, TextDelta)) == "partial ok"
+        assert (
+            "".join(
+                e.text
+                for e in (msgspec.json.decode(x, type=Event) for x in fine.text.splitlines())
+                if isinstance(e, TextDelta)
+            )
+            == "partial ok"
+        )
 
 
 class _Stats:
@@ -196,8 +265,20 @@ class _Stats:
 
 _NO_STATS = _Stats()
 _GLM_CONFIG = {
-    "model_type": "glm4_moe", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 96,
-    "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "model_type": "glm4_moe",
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
 }

@@ -39,23 +39,40 @@ class Person(msgspec.Struct, forbid_unknown_fields=True):
     ok: bool
 
 
-WEATHER = Tool(name="get_weather", parameters={
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-})
+WEATHER = Tool(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
 
 
 def _request(**kwargs: object) -> GenerateRequest:
-    return GenerateRequest(request_id="r", tenant_salt="0" * 16, messages=[Message(role="user", content="hi")],
-                           **kwargs)  # type: ignore[arg-type]
+    return GenerateRequest(
+        request_id="r", tenant_salt="0" * 16, messages=[Message(role="user", content="hi")], **kwargs
+    )  # type: ignore[arg-type]
 
 
 def _markers(tok: Tokenizer) -> dict[str, int | None]:
-    names = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-             "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<tool_call>", "</tool_call>", "<arg_key>",
-             "</arg_key>", "<arg_value>", "</arg_value>"]
+    names = [
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+    ]
     return {n: tok.token_to_id(n) for n in names}
 
 
@@ -80,13 +97,16 @@ def _walk(constraint: GrammarConstraint, vocab: int, eos: int, seed: int, max_st
 
 @pytest.mark.parametrize("layout", ["kimi-tiktoken", "glm"])
 @pytest.mark.parametrize("seed", range(4))
-def test_json_schema_output_validates(tmp_path_factory: pytest.TempPathFactory, layout: str, seed: int) -> None:
+def test_json_schema_output_validates(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, seed: int
+) -> None:
     tok = load(tmp_path_factory, layout)
     eos = tok.named_id("eos_token")
     assert eos is not None
     vocab = tok.vocab_size + 13  # model embeddings are often padded past the tokenizer
-    grammar = grammar_for(_request(response_format=ResponseFormat(type="json_schema", json_schema=SCHEMA)),
-                          "kimi", {})
+    grammar = grammar_for(
+        _request(response_format=ResponseFormat(type="json_schema", json_schema=SCHEMA)), "kimi", {}
+    )
     assert grammar is not None
     ids = _walk(build_constraint(grammar, tok.ll_tokenizer(vocab, [eos])), vocab, eos, seed)
     msgspec.json.decode(tok.decode(ids), type=Person)
@@ -111,11 +131,14 @@ def test_json_object_mode_yields_an_object(tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.parametrize("schema", [{"type": "strnig"}, {"$ref": "#/definitions/missing"}])
-def test_uncompilable_schema_is_a_400(tmp_path_factory: pytest.TempPathFactory, schema: dict[str, object]) -> None:
+def test_uncompilable_schema_is_a_400(
+    tmp_path_factory: pytest.TempPathFactory, schema: dict[str, object]
+) -> None:
     tok = load(tmp_path_factory, "glm")
     with pytest.raises(InvalidRequest) as info:
-        grammar = grammar_for(_request(response_format=ResponseFormat(type="json_schema", json_schema=schema)),
-                              "glm", {})
+        grammar = grammar_for(
+            _request(response_format=ResponseFormat(type="json_schema", json_schema=schema)), "glm", {}
+        )
         assert grammar is not None
         build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]))
     assert info.value.status == 400
@@ -123,8 +146,9 @@ def test_uncompilable_schema_is_a_400(tmp_path_factory: pytest.TempPathFactory, 
 
 @pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
 @pytest.mark.parametrize("seed", range(3))
-def test_forced_tool_call_parses_back(tmp_path_factory: pytest.TempPathFactory, layout: str, family: str,
-                                      seed: int) -> None:
+def test_forced_tool_call_parses_back(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str, seed: int
+) -> None:
     tok = load(tmp_path_factory, layout)
     eos = tok.named_id("eos_token")
     assert eos is not None
@@ -148,6 +172,8 @@ def test_forced_tool_call_parses_back(tmp_path_factory: pytest.TempPathFactory, 
 
 def test_forcing_an_unknown_tool_is_a_400() -> None:
     with pytest.raises(InvalidRequest):
-        grammar_for(_request(tools=[WEATHER], tool_choice=ToolChoice(mode="function", name="nope")), "kimi", {})
+        grammar_for(
+            _request(tools=[WEATHER], tool_choice=ToolChoice(mode="function", name="nope")), "kimi", {}
+        )
     with pytest.raises(InvalidRequest):
         grammar_for(_request(tool_choice=ToolChoice(mode="required")), "kimi", {})

@@ -55,21 +55,28 @@ def test_json_layout_matches_transformers(tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_tiktoken_layout_splits_like_the_bpe_it_came_from(tmp_path_factory: pytest.TempPathFactory,
-                                                           text: str) -> None:
+def test_tiktoken_layout_splits_like_the_bpe_it_came_from(
+    tmp_path_factory: pytest.TempPathFactory, text: str
+) -> None:
     """The tiktoken file holds the same merges as the tokenizer.json BPE, under Kimi's split pattern
     in both: the token byte strings must be identical."""
     tik = load(tmp_path_factory, "kimi-tiktoken")
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir(tmp_path_factory, "kimi-json") / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_dir(tmp_path_factory, "kimi-json") / "tokenizer.json")
+    )
     byte_of = _byte_decoder()
     assert isinstance(tik, TiktokenTokenizer)
     tik_pieces = [tik._enc.decode_single_token_bytes(i) for i in tik.encode(text)]
-    hf_pieces = [bytes(byte_of[c] for c in t) for t in hf.convert_ids_to_tokens(hf.encode(text, add_special_tokens=False))]
+    hf_pieces = [
+        bytes(byte_of[c] for c in t)
+        for t in hf.convert_ids_to_tokens(hf.encode(text, add_special_tokens=False))
+    ]
     assert tik_pieces == hf_pieces
 
 
-def test_tiktoken_without_declared_pattern_uses_kimis(tmp_path_factory: pytest.TempPathFactory,
-                                                     tmp_path: Path) -> None:
+def test_tiktoken_without_declared_pattern_uses_kimis(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
     """Published Kimi configs declare specials but keep the pattern in code: the loader must still load
     them, with Kimi's pattern, and reserve the undeclared ids."""
     src = tokenizer_dir(tmp_path_factory, "kimi-tiktoken")

@@ -12,9 +12,19 @@ from schemas.backend import Tool
 from tests.backend.server_tokenizers import load, ordinary_ids
 
 TOOLS = [
-    Tool(name="get_weather", parameters={"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"type": ["string", "null"]},
-        "hourly": {"type": "boolean"}, "spots": {"type": "array"}}}),
+    Tool(
+        name="get_weather",
+        parameters={
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "units": {"type": ["string", "null"]},
+                "hourly": {"type": "boolean"},
+                "spots": {"type": "array"},
+            },
+        },
+    ),
     Tool(name="search", parameters={"type": "object", "properties": {"query": {"type": "string"}}}),
 ]
 
@@ -38,15 +48,30 @@ def _parse(tok: Tokenizer, family: str, ids: list[int], chunk: int) -> tuple[str
 
 
 def _kimi_call(tok: Tokenizer, call_id: str, args: str) -> list[int]:
-    return (tok.encode("<|tool_call_begin|>") + ordinary_ids(tok, call_id) + tok.encode("<|tool_call_argument_begin|>")
-            + ordinary_ids(tok, args) + tok.encode("<|tool_call_end|>"))
+    return (
+        tok.encode("<|tool_call_begin|>")
+        + ordinary_ids(tok, call_id)
+        + tok.encode("<|tool_call_argument_begin|>")
+        + ordinary_ids(tok, args)
+        + tok.encode("<|tool_call_end|>")
+    )
 
 
 def _glm_call(tok: Tokenizer, name: str, pairs: list[tuple[str, str]]) -> list[int]:
     ids = tok.encode("<tool_call>") + ordinary_ids(tok, name + "\n")
     for k, v in pairs:
-        ids += tok.encode("<arg_key>") + ordinary_ids(tok, k) + tok.encode("</arg_key>") + ordinary_ids(tok, "\n")
-        ids += tok.encode("<arg_value>") + ordinary_ids(tok, v) + tok.encode("</arg_value>") + ordinary_ids(tok, "\n")
+        ids += (
+            tok.encode("<arg_key>")
+            + ordinary_ids(tok, k)
+            + tok.encode("</arg_key>")
+            + ordinary_ids(tok, "\n")
+        )
+        ids += (
+            tok.encode("<arg_value>")
+            + ordinary_ids(tok, v)
+            + tok.encode("</arg_value>")
+            + ordinary_ids(tok, "\n")
+        )
     return ids + tok.encode("</tool_call>")
 
 
@@ -57,14 +82,19 @@ CHUNKS = [1, 2, 5, 10_000]  # 10_000 = the whole output at once (non-streaming)
 def test_kimi_parallel_calls_after_text(tmp_path_factory: pytest.TempPathFactory, chunk: int) -> None:
     tok = load(tmp_path_factory, "kimi-tiktoken")
     tricky = '{"city": "<|tool_call_end|> and functions.x:9", "days": 3}'  # the markers' characters, as text
-    ids = (tok.encode("Checking both.") + tok.encode("<|tool_calls_section_begin|>")
-           + _kimi_call(tok, "functions.get_weather:0", tricky)
-           + _kimi_call(tok, "functions.search:1", '{"query": "café 🙂"}')
-           + tok.encode("<|tool_calls_section_end|>"))
+    ids = (
+        tok.encode("Checking both.")
+        + tok.encode("<|tool_calls_section_begin|>")
+        + _kimi_call(tok, "functions.get_weather:0", tricky)
+        + _kimi_call(tok, "functions.search:1", '{"query": "café 🙂"}')
+        + tok.encode("<|tool_calls_section_end|>")
+    )
     text, calls = _parse(tok, "kimi", ids, chunk)
     assert text == "Checking both."
-    assert [(c.index, c.id, c.name) for c in calls] == [(0, "functions.get_weather:0", "get_weather"),
-                                                      (1, "functions.search:1", "search")]
+    assert [(c.index, c.id, c.name) for c in calls] == [
+        (0, "functions.get_weather:0", "get_weather"),
+        (1, "functions.search:1", "search"),
+    ]
     assert json.loads(calls[0].arguments) == json.loads(tricky)
     assert json.loads(calls[1].arguments) == {"query": "café 🙂"}
 
@@ -75,7 +105,9 @@ def test_kimi_malformed_calls_are_text(tmp_path_factory: pytest.TempPathFactory,
     broken_json = _kimi_call(tok, "functions.get_weather:0", '{"city": ')
     unknown = _kimi_call(tok, "functions.launch_missiles:1", "{}")
     good = _kimi_call(tok, "functions.search:2", '{"query": "ok"}')
-    unterminated = tok.encode("<|tool_call_begin|>functions.search:3<|tool_call_argument_begin|>") + ordinary_ids(tok, '{"q')
+    unterminated = tok.encode(
+        "<|tool_call_begin|>functions.search:3<|tool_call_argument_begin|>"
+    ) + ordinary_ids(tok, '{"q')
     ids = tok.encode("<|tool_calls_section_begin|>") + broken_json + unknown + good + unterminated
     text, calls = _parse(tok, "kimi", ids, chunk)
     assert [c.name for c in calls] == ["search"] and calls[0].index == 0
@@ -86,16 +118,26 @@ def test_kimi_malformed_calls_are_text(tmp_path_factory: pytest.TempPathFactory,
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_glm_calls_typed_by_schema(tmp_path_factory: pytest.TempPathFactory, chunk: int) -> None:
     tok = load(tmp_path_factory, "glm")
-    ids = (ordinary_ids(tok, "Let me look.\n")
-           + _glm_call(tok, "get_weather", [("city", "42"), ("days", "3"), ("units", "null"), ("hourly", "true"),
-                                           ("spots", '["a", 1]')])
-           + ordinary_ids(tok, "\n")
-           + _glm_call(tok, "search", [("query", "</arg_value> inside <tool_call> text")]))
+    ids = (
+        ordinary_ids(tok, "Let me look.\n")
+        + _glm_call(
+            tok,
+            "get_weather",
+            [("city", "42"), ("days", "3"), ("units", "null"), ("hourly", "true"), ("spots", '["a", 1]')],
+        )
+        + ordinary_ids(tok, "\n")
+        + _glm_call(tok, "search", [("query", "</arg_value> inside <tool_call> text")])
+    )
     text, calls = _parse(tok, "glm", ids, chunk)
     assert text == "Let me look.\n\n"
     assert [c.name for c in calls] == ["get_weather", "search"]
-    assert json.loads(calls[0].arguments) == {"city": "42", "days": 3, "units": "null", "hourly": True,
-                                              "spots": ["a", 1]}
+    assert json.loads(calls[0].arguments) == {
+        "city": "42",
+        "days": 3,
+        "units": "null",
+        "hourly": True,
+        "spots": ["a", 1],
+    }
     assert json.loads(calls[1].arguments) == {"query": "</arg_value> inside <tool_call> text"}
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
 
@@ -103,12 +145,26 @@ def test_glm_calls_typed_by_schema(tmp_path_factory: pytest.TempPathFactory, chu
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_glm_malformed_calls_are_text(tmp_path_factory: pytest.TempPathFactory, chunk: int) -> None:
     tok = load(tmp_path_factory, "glm")
-    missing_value = (tok.encode("<tool_call>") + ordinary_ids(tok, "search\n") + tok.encode("<arg_key>")
-                     + ordinary_ids(tok, "query") + tok.encode("</arg_key>") + tok.encode("</tool_call>"))
+    missing_value = (
+        tok.encode("<tool_call>")
+        + ordinary_ids(tok, "search\n")
+        + tok.encode("<arg_key>")
+        + ordinary_ids(tok, "query")
+        + tok.encode("</arg_key>")
+        + tok.encode("</tool_call>")
+    )
     unknown = _glm_call(tok, "rm_rf", [("path", "/")])
-    junk_between = (tok.encode("<tool_call>") + ordinary_ids(tok, "search\n") + tok.encode("<arg_key>")
-                    + ordinary_ids(tok, "query") + tok.encode("</arg_key>") + ordinary_ids(tok, " junk ")
-                    + tok.encode("<arg_value>") + ordinary_ids(tok, "x") + tok.encode("</arg_value></tool_call>"))
+    junk_between = (
+        tok.encode("<tool_call>")
+        + ordinary_ids(tok, "search\n")
+        + tok.encode("<arg_key>")
+        + ordinary_ids(tok, "query")
+        + tok.encode("</arg_key>")
+        + ordinary_ids(tok, " junk ")
+        + tok.encode("<arg_value>")
+        + ordinary_ids(tok, "x")
+        + tok.encode("</arg_value></tool_call>")
+    )
     good = _glm_call(tok, "search", [("query", "fine")])
     unterminated = tok.encode("<tool_call>") + ordinary_ids(tok, "sea")
     ids = missing_value + unknown + junk_between + good + unterminated
