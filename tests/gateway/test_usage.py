@@ -12,10 +12,13 @@ import pytest
 from sqlalchemy import func, select
 from tenancy_db import sqlite_store_fixture  # noqa: F401  (fixture)
 
+from gateway.auth import Authenticator
+from gateway.errors import NeuronsExhausted
+from gateway.quotas import make_limiter
 from gateway.store import Store
 from gateway.store.tables import UsageRow
 from gateway.usage import UsageLedger, neurons
-from schemas.admin import UsageRecord
+from schemas.admin import TenantCreate, TokenCreate, UsageRecord
 from schemas.catalog import Price
 
 KIMI_K2_6 = [
@@ -116,3 +119,27 @@ async def test_a_failed_write_is_retried_without_loss_or_duplicates(sqlite_store
     await ledger.flush()
     assert ledger.num_pending == 0 and await total_requests_any(sqlite_store, tenant_id) == 3
     assert await sqlite_store.neurons_on(tenant_id, dt.datetime.now(dt.UTC).date()) == pytest.approx(1.5)
+
+
+async def test_a_free_tenant_spends_its_daily_neurons_on_kimi(sqlite_store: Store) -> None:
+    """Admit → serve → price → settle → ledger, as the inference path does it, until the free
+    plan's 10,000 neurons are gone; the ledger then shows exactly what was spent."""
+    tenant = await sqlite_store.create_tenant(TenantCreate(name="free user", plan="free"), actor="admin:test")
+    token = await sqlite_store.create_token(tenant.id, TokenCreate(name="k"), actor="admin:test")
+    ctx = await Authenticator(sqlite_store).authenticate(f"Bearer {token.value}", tenant.id)
+    limiter, ledger = make_limiter(None, sqlite_store), UsageLedger(sqlite_store, flush_seconds=60)
+    served = 0
+    with pytest.raises(NeuronsExhausted) as caught:
+        for i in range(10):
+            admission = await limiter.admit(ctx, "@cf/moonshotai/kimi-k2.6", 50_256)
+            spent = neurons(KIMI_K2_6, 50_000, 10_000, 256)  # ≈ 3,693 neurons
+            await limiter.settle(admission, tokens=50_256, neurons=spent)
+            ledger.record(record(tenant.id, i, cached_tokens=10_000, completion_tokens=256, neurons=spent))
+            served += 1
+    assert served == 3  # 2 × 3,693 < 10,000 ≤ 3 × 3,693
+    assert caught.value.code == 3036 and "10,000 neurons" in caught.value.message
+    await ledger.stop()
+    today = dt.datetime.now(dt.UTC).date()
+    [row] = await sqlite_store.usage(tenant.id, since=today, until=today, group_by="day")
+    assert row.requests == 3 and row.neurons == pytest.approx(3 * neurons(KIMI_K2_6, 50_000, 10_000, 256))
+    await limiter.close()
