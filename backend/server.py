@@ -8,6 +8,8 @@ it becomes a 4xx/5xx answer or an error event, and the process keeps serving.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -25,7 +27,7 @@ from starlette.types import Lifespan, Receive, Scope, Send
 
 from backend.engine import AsyncEngine, Engine
 from backend.engine_config import EngineConfig
-from backend.errors import EngineError, InvalidRequest, Unauthorized
+from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
 from backend.loader import load_model
 from backend.metrics import BackendMetrics
@@ -113,7 +115,10 @@ class Backend:
             # template, tokens, grammar and images take CPU time: keep them off the event loop
             prepared = await anyio.to_thread.run_sync(self.serving.prepare, body)
             events = self.serving.events(prepared)
-            first = await anext(events)
+            first = await self._first_event(request, events)
+            if first is None:  # the client left while the prompt was being prefilled
+                self.metrics.disconnects.inc()
+                return _error(Aborted("The client closed the connection."))
         except EngineError as exc:
             self.metrics.refused(exc.code)
             return _error(exc)
@@ -124,6 +129,31 @@ class Backend:
             return _error(EngineError(f"internal error: {exc!r}"))
         self.metrics.requests.labels(outcome="accepted").inc()
         return NDJSONStream(first, events, self.metrics)
+
+    async def _first_event(self, request: Request, events: AsyncIterator[Event]) -> Event | None:
+        """The first event, or None if the client disconnects first (prefill can take many steps; the
+        request is aborted then, not when its first token would have been sent)."""
+
+        async def next_event() -> Event:
+            return await anext(events)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        first, gone = asyncio.ensure_future(next_event()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not first.done():
+                first.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await first
+        if first.cancelled():
+            await aclosing(events).aclose()  # aborts the request in the engine
+            return None
+        return first.result()  # or raises the engine's refusal
 
     async def load(self, request: Request) -> Response:
         try:
