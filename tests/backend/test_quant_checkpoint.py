@@ -171,3 +171,30 @@ def test_streaming_peak_memory_is_about_one_shard(tmp_path: Path) -> None:
     assert len(list((tmp_path / "dst").glob("*.safetensors"))) == num_shards
     print(f"peak over baseline {used / 2**20:.1f} MiB, largest shard {shard_bytes / 2**20:.1f} MiB")
     assert used <= 1.5 * shard_bytes, f"peak {used / 2**20:.1f} MiB over baseline, shard {shard_bytes / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize(
+    ("arch", "names"),
+    [("glm_moe_dsa", {"latent", "index_k"}), ("glm4_moe", {"k", "v"})],
+)
+def test_kv_scales_per_cached_tensor_with_vllm_names(arch: str, names: set[str], tmp_path: Path) -> None:
+    """DSA index keys get their own scale beside the MLA latent (layers that reuse another layer's
+    indexer cache none); GQA gets one for K and one for V."""
+    src = make_tiny(arch, tmp_path / "src", initializer_range=0.02)
+    model = load_model(src, dtype=torch.float32).model
+    scales = kv_scales.calibrate(model, [IDS], model_dtype=torch.float32)
+    assert set(scales[0]) == names and all(set(layer) <= names for layer in scales)
+    runner = PromptRunner(model, model_dtype=torch.float32)
+    runner.logits(IDS)
+    amax = runner.cache_amax(len(IDS))
+    for layer, seen in zip(scales, amax, strict=True):
+        for name in layer:  # the calibration set's extreme maps exactly onto e4m3's 448
+            assert layer[name] * 448 == pytest.approx(seen[name], rel=1e-6)
+    kv_scales.save(src, scales)
+    with safe_open(str(src / kv_scales.KV_SCALE_FILE), framework="pt") as f:
+        stored = set(f.keys())
+    expected = {"index_k": "self_attn.indexer.k_scale", "latent": "self_attn.v_scale", "k": "self_attn.k_scale", "v": "self_attn.v_scale"}
+    assert {f"model.layers.0.{expected[n]}" for n in names} <= stored
+    specs = [[s.name for s in layer] for layer in model.cache_specs()]
+    assert kv_scales.read(src, specs) == [{n: pytest.approx(v) for n, v in layer.items()} for layer in scales]
+    load_model(src, dtype=torch.float32)  # the index now lists the scales; loading still works
