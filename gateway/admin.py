@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from gateway.auth import Authenticator
 from gateway.errors import InvalidAdminRequest, NotFound
+from gateway.observability import info_of
 from gateway.store import Store
 from schemas.admin import ModelsIn, Quotas, QuotasIn, TenantCreate, TenantPatch, TokenCreate
 from schemas.workers_ai import Envelope, PagedEnvelope, ResultInfo
@@ -93,6 +94,10 @@ def _id(request: Request, name: str) -> str:
     return value
 
 
+def _request_id(request: Request) -> str:
+    return info_of(request.scope).request_id
+
+
 def _ok(result: Any) -> Envelope:
     return Envelope(result=result, success=True)
 
@@ -125,7 +130,11 @@ class AdminApi:
 
     # ---- tenants ------------------------------------------------------------------------------------
     async def create_tenant(self, request: Request, actor: str) -> Envelope:
-        return _ok(await self.store.create_tenant(await _body(request, TENANT_CREATE), actor=actor))
+        return _ok(
+            await self.store.create_tenant(
+                await _body(request, TENANT_CREATE), actor=actor, request_id=_request_id(request)
+            )
+        )
 
     async def list_tenants(self, request: Request, actor: str) -> Envelope:
         page = _int_query(request, "page", 1, 1_000_000)
@@ -138,13 +147,15 @@ class AdminApi:
 
     async def update_tenant(self, request: Request, actor: str) -> Envelope:
         tenant_id = _id(request, "tenant_id")
-        tenant = await self.store.update_tenant(tenant_id, await _body(request, TENANT_PATCH), actor=actor)
+        tenant = await self.store.update_tenant(
+            tenant_id, await _body(request, TENANT_PATCH), actor=actor, request_id=_request_id(request)
+        )
         self.services.authenticator.forget(tenant_id=tenant_id)
         return _ok(tenant)
 
     async def delete_tenant(self, request: Request, actor: str) -> Envelope:
         tenant_id = _id(request, "tenant_id")
-        await self.store.delete_tenant(tenant_id, actor=actor)
+        await self.store.delete_tenant(tenant_id, actor=actor, request_id=_request_id(request))
         self.services.authenticator.forget(tenant_id=tenant_id)
         return _ok({"id": tenant_id})
 
@@ -156,13 +167,15 @@ class AdminApi:
             tokens_per_minute=body.tokens_per_minute,
             daily_neurons=body.daily_neurons,
         )
-        tenant = await self.store.set_quotas(tenant_id, quotas, actor=actor)
+        tenant = await self.store.set_quotas(tenant_id, quotas, actor=actor, request_id=_request_id(request))
         self.services.authenticator.forget(tenant_id=tenant_id)
         return _ok(tenant.quotas)
 
     async def set_models(self, request: Request, actor: str) -> Envelope:
         tenant_id = _id(request, "tenant_id")
-        tenant = await self.store.set_models(tenant_id, (await _body(request, MODELS)).allow, actor=actor)
+        tenant = await self.store.set_models(
+            tenant_id, (await _body(request, MODELS)).allow, actor=actor, request_id=_request_id(request)
+        )
         self.services.authenticator.forget(tenant_id=tenant_id)
         return _ok(tenant.models)
 
@@ -175,14 +188,18 @@ class AdminApi:
                 raise InvalidAdminRequest("expires_at needs a time zone (e.g. 2027-01-01T00:00:00Z)")
             if body.expires_at <= dt.datetime.now(dt.UTC):
                 raise InvalidAdminRequest("expires_at is in the past")
-        return _ok(await self.store.create_token(tenant_id, body, actor=actor))
+        return _ok(
+            await self.store.create_token(tenant_id, body, actor=actor, request_id=_request_id(request))
+        )
 
     async def list_tokens(self, request: Request, actor: str) -> Envelope:
         return _ok(await self.store.list_tokens(_id(request, "tenant_id")))
 
     async def revoke_token(self, request: Request, actor: str) -> Envelope:
         tenant_id, token_id = _id(request, "tenant_id"), _id(request, "token_id")
-        token = await self.store.revoke_token(tenant_id, token_id, actor=actor)
+        token = await self.store.revoke_token(
+            tenant_id, token_id, actor=actor, request_id=_request_id(request)
+        )
         self.services.authenticator.forget(token_id=token_id)
         return _ok(token)
 

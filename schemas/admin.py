@@ -148,6 +148,7 @@ class AuditEntry(AdminOut):
     id: int
     at: dt.datetime
     actor: str
+    request_id: str | None  # the admin request's id (x-request-id), to join with the access log
     action: str
     tenant_id: str | None
     object_id: str | None

@@ -95,6 +95,7 @@ async def live_tenant(
 def audit(
     s: AsyncSession,
     actor: str,
+    request_id: str | None,
     action: str,
     tenant_id: str | None,
     object_id: str | None,
@@ -102,7 +103,13 @@ def audit(
 ) -> None:
     s.add(
         AuditRow(
-            at=now(), actor=actor, action=action, tenant_id=tenant_id, object_id=object_id, detail=detail
+            at=now(),
+            actor=actor,
+            request_id=request_id,
+            action=action,
+            tenant_id=tenant_id,
+            object_id=object_id,
+            detail=detail,
         )
     )
 

@@ -84,12 +84,14 @@ class Store:
         return self._sessions()
 
     # ---- tenants ------------------------------------------------------------------------------------
-    async def create_tenant(self, body: TenantCreate, *, actor: str) -> Tenant:
+    async def create_tenant(self, body: TenantCreate, *, actor: str, request_id: str | None = None) -> Tenant:
         row = TenantRow(id=new_id(), name=body.name, plan=body.plan, created_at=now())
         apply_quotas(row, Quotas.for_plan(body.plan))
         async with self._session() as s, s.begin():
             s.add(row)
-            audit(s, actor, "tenant.create", row.id, row.id, {"name": body.name, "plan": body.plan})
+            audit(
+                s, actor, request_id, "tenant.create", row.id, row.id, {"name": body.name, "plan": body.plan}
+            )
         return tenant_of(row)
 
     async def list_tenants(self, *, page: int, per_page: int) -> tuple[list[Tenant], int]:
@@ -109,7 +111,9 @@ class Store:
         async with self._session() as s:
             return tenant_of(await live_tenant(s, tenant_id, include_deleted=include_deleted))
 
-    async def update_tenant(self, tenant_id: str, body: TenantPatch, *, actor: str) -> Tenant:
+    async def update_tenant(
+        self, tenant_id: str, body: TenantPatch, *, actor: str, request_id: str | None = None
+    ) -> Tenant:
         async with self._session() as s, s.begin():
             row = await live_tenant(s, tenant_id, lock=True)
             detail: dict[str, Any] = {}
@@ -118,10 +122,10 @@ class Store:
             if body.plan is not None and body.plan != row.plan:
                 detail["plan"], row.plan = [row.plan, body.plan], body.plan
                 row.daily_neurons = Quotas.for_plan(body.plan).daily_neurons
-            audit(s, actor, "tenant.update", tenant_id, tenant_id, detail)
+            audit(s, actor, request_id, "tenant.update", tenant_id, tenant_id, detail)
             return tenant_of(row)
 
-    async def delete_tenant(self, tenant_id: str, *, actor: str) -> None:
+    async def delete_tenant(self, tenant_id: str, *, actor: str, request_id: str | None = None) -> None:
         """Soft delete: the tenant disappears and its tokens are revoked; its usage stays."""
         at = now()
         async with self._session() as s, s.begin():
@@ -134,10 +138,18 @@ class Store:
                 .returning(TokenRow.id)
             )
             audit(
-                s, actor, "tenant.delete", tenant_id, tenant_id, {"revoked_token_ids": sorted(revoked.all())}
+                s,
+                actor,
+                request_id,
+                "tenant.delete",
+                tenant_id,
+                tenant_id,
+                {"revoked_token_ids": sorted(revoked.all())},
             )
 
-    async def set_quotas(self, tenant_id: str, quotas: Quotas, *, actor: str) -> Tenant:
+    async def set_quotas(
+        self, tenant_id: str, quotas: Quotas, *, actor: str, request_id: str | None = None
+    ) -> Tenant:
         async with self._session() as s, s.begin():
             row = await live_tenant(s, tenant_id, lock=True)
             before = tenant_of(row).quotas
@@ -145,6 +157,7 @@ class Store:
             audit(
                 s,
                 actor,
+                request_id,
                 "tenant.quotas",
                 tenant_id,
                 tenant_id,
@@ -152,13 +165,16 @@ class Store:
             )
             return tenant_of(row)
 
-    async def set_models(self, tenant_id: str, allow: list[str] | None, *, actor: str) -> Tenant:
+    async def set_models(
+        self, tenant_id: str, allow: list[str] | None, *, actor: str, request_id: str | None = None
+    ) -> Tenant:
         async with self._session() as s, s.begin():
             row = await live_tenant(s, tenant_id, lock=True)
             before, row.allowed_models = row.allowed_models, None if allow is None else sorted(set(allow))
             audit(
                 s,
                 actor,
+                request_id,
                 "tenant.models",
                 tenant_id,
                 tenant_id,
@@ -167,7 +183,9 @@ class Store:
             return tenant_of(row)
 
     # ---- tokens -------------------------------------------------------------------------------------
-    async def create_token(self, tenant_id: str, body: TokenCreate, *, actor: str) -> TokenCreated:
+    async def create_token(
+        self, tenant_id: str, body: TokenCreate, *, actor: str, request_id: str | None = None
+    ) -> TokenCreated:
         token_id = new_id()
         value = f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(32)}"
         row = TokenRow(
@@ -184,6 +202,7 @@ class Store:
             audit(
                 s,
                 actor,
+                request_id,
                 "token.create",
                 tenant_id,
                 token_id,
@@ -203,14 +222,16 @@ class Store:
             )
             return [token_of(r) for r in rows]
 
-    async def revoke_token(self, tenant_id: str, token_id: str, *, actor: str) -> Token:
+    async def revoke_token(
+        self, tenant_id: str, token_id: str, *, actor: str, request_id: str | None = None
+    ) -> Token:
         async with self._session() as s, s.begin():
             await live_tenant(s, tenant_id)
             row = await s.get(TokenRow, token_id, with_for_update=True)
             if row is None or row.tenant_id != tenant_id or row.revoked_at is not None:
                 raise NotFound(f"No token {token_id} for tenant {tenant_id}")
             row.revoked_at = now()
-            audit(s, actor, "token.revoke", tenant_id, token_id, {"name": row.name})
+            audit(s, actor, request_id, "token.revoke", tenant_id, token_id, {"name": row.name})
             return token_of(row)
 
     async def resolve_token(self, value: str) -> Credential | None:
@@ -353,6 +374,7 @@ class Store:
                     id=r.id,
                     at=r.at,
                     actor=r.actor,
+                    request_id=r.request_id,
                     action=r.action,
                     tenant_id=r.tenant_id,
                     object_id=r.object_id,

@@ -101,6 +101,7 @@ class AuditRow(Table):
     id: Mapped[int] = mapped_column(RowId, primary_key=True, autoincrement=True)
     at: Mapped[dt.datetime] = mapped_column(UTC())
     actor: Mapped[str] = mapped_column(String(200))
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # revision 0002
     action: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     object_id: Mapped[str | None] = mapped_column(String(32), nullable=True)

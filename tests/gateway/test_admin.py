@@ -287,6 +287,7 @@ async def test_audit_lists_every_mutation_with_who_and_when(admin: Admin) -> Non
         "tenant.create",
     ]  # fmt: skip
     assert {e["actor"] for e in entries} == {"admin:env"}
+    assert all(len(e["request_id"]) == 32 for e in entries) and len({e["request_id"] for e in entries}) == 7
     assert all(e["at"].endswith("Z") for e in entries)
     assert token["value"] not in r.text
     latest = await admin.ok("GET", "/audit", params={"per_page": 1})

@@ -9,14 +9,16 @@ import hmac
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Connection, text, update
-from tenancy_db import create_database, drop_database, sqlite_store_fixture, store_fixture  # noqa: F401
+from sqlalchemy.ext.asyncio import create_async_engine
+from tenancy_db import DIALECTS, create_database, drop_database, sqlite_store_fixture, store_fixture  # noqa: F401
 
 from gateway.errors import NotFound
 from gateway.store import Store
-from gateway.store.migrate import upgrade_to_head
+from gateway.store.migrate import alembic_config, upgrade_to_head
 from gateway.store.tables import Table, TokenRow
 from schemas.admin import Quotas, TenantCreate, TenantPatch, TokenCreate, UsageRecord
 
@@ -32,7 +34,7 @@ async def test_migrations_build_exactly_the_tables_the_code_uses(store: Store) -
     async with store.engine.connect() as connection:
         assert await connection.run_sync(_diff) == []
         version = (await connection.execute(text("SELECT version_num FROM alembic_version"))).scalar_one()
-    assert version == "0001"
+    assert version == "0002"
 
 
 async def test_tenant_lifecycle(store: Store) -> None:
@@ -241,4 +243,28 @@ async def test_replicas_starting_together_migrate_once(tmp_path: Path) -> None:
     finally:
         for s in stores:
             await s.close()
+        await drop_database(name)
+
+
+@pytest.mark.parametrize("kind", DIALECTS)
+async def test_a_database_from_revision_0001_upgrades_with_its_data(kind: str, tmp_path: Path) -> None:
+    url, name = await create_database(kind, tmp_path)
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(lambda c: command.upgrade(alembic_config(c), "0001"))
+        old = Store()
+        async with engine.begin() as connection:
+            await connection.execute(
+                text(
+                    "INSERT INTO audit (at, actor, action, detail) VALUES (:at, 'admin:old', 'tenant.create', '{}')"
+                ),
+                {"at": dt.datetime(2026, 1, 1)},
+            )
+        await old.open(url)  # migrates to head
+        [entry], _ = await old.list_audit(page=1, per_page=10)
+        assert (entry.actor, entry.request_id) == ("admin:old", None)
+        await old.close()
+    finally:
+        await engine.dispose()
         await drop_database(name)
