@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from backend.forward_batch import ImageEmbeds
 from backend.loader import load_model
 from tests.backend.conformance import MAX_ABS_DIFF, greedy_matches, prefill_max_diff, prompts
-from tests.backend.paged_driver import PagedDriver
-from tests.backend.tiny_checkpoints import make_tiny
+from tests.backend.paged_driver import PagedDriver, Seq
+from tests.backend.tiny_checkpoints import load_reference, make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,33 @@ def test_quantized_kv_cache_stays_close_to_fp32(tmp_path: Path) -> None:
         assert float((a - q8).norm() / a.norm()) < 0.1
         assert float((a - q16).norm() / a.norm()) < 0.01
         assert float((a.argmax(-1) == q8.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_image_embeds_replace_their_rows(ds_path: Path) -> None:
+    loaded = load_model(ds_path, dtype=torch.float32)
+    ref = load_reference("deepseek_v3", ds_path)
+    tokens = prompts(loaded.config.vocab_size, (20,))[0]
+    driver = PagedDriver(loaded.model)
+    batch = driver.batch([Seq(tokens=tokens)], [len(tokens)])
+    rows = torch.tensor([4, 5, 6, 7])
+    embeds = torch.randn(len(rows), loaded.config.hidden_size)
+    batch.image_embeds = ImageEmbeds(token_indices=rows, embeds=embeds)
+    ours = loaded.model(batch)
+    with torch.no_grad():
+        inputs = ref.model.embed_tokens(torch.tensor([tokens]))
+        inputs[0, rows] = embeds
+        theirs = ref(inputs_embeds=inputs).logits[0]
+    assert float((ours - theirs).abs().max()) <= MAX_ABS_DIFF
+
+
+def test_bfloat16_model_tracks_float32(ds_path: Path, tmp_path: Path) -> None:
+    assert (
+        load_model(ds_path, dtype=torch.bfloat16).model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    )
+    # dense layers only: MoE routing flips would amplify any perturbation (see the KV cache test)
+    path = make_tiny("deepseek_v3", tmp_path / "dense", first_k_dense_replace=3)
+    ps = prompts(256, (33,))
+    _, exact = PagedDriver(load_model(path, dtype=torch.float32).model).prefill(ps, 16)
+    _, approx = PagedDriver(load_model(path, dtype=torch.bfloat16).model).prefill(ps, 16)
+    assert approx[0].dtype == torch.float32
+    assert float((approx[0] - exact[0]).norm() / exact[0].norm()) < 0.03
