@@ -32,12 +32,13 @@ class PromptRunner:
         self.kv_dtype = kv_dtype or model_dtype
         self.scales, self.page_size, self.chunk = scales, page_size, chunk
         self.kv: KVCache | None = None
+        self.device = next(model.parameters()).device
 
     def _cache(self, num_tokens: int) -> KVCache:
         pages = math.ceil(num_tokens / self.page_size)
         specs = self.model.cache_specs()  # type: ignore[operator]
         return KVCache.allocate(
-            specs, pages, self.page_size, self.kv_dtype, self.model_dtype, scales=self.scales
+            specs, pages, self.page_size, self.kv_dtype, self.model_dtype, device=self.device, scales=self.scales
         )
 
     def _step(self, ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -45,21 +46,22 @@ class PromptRunner:
         kv, S, n = self.kv, self.page_size, end - start
         assert kv is not None
         num_pages = math.ceil(end / S)
+        dev = self.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids[start:end], dtype=torch.int64),
-            positions=torch.arange(start, end, dtype=torch.int64),
-            query_start=torch.tensor([0, n], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            page_table=torch.arange(num_pages, dtype=torch.int32)[None],
+            input_ids=torch.tensor(ids[start:end], dtype=torch.int64, device=dev),
+            positions=torch.arange(start, end, dtype=torch.int64, device=dev),
+            query_start=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+            page_table=torch.arange(num_pages, dtype=torch.int32, device=dev)[None],
             expected_tags=kv.page_tags[None, :num_pages].clone(),
-            slot_mapping=torch.arange(start, end, dtype=torch.int64),  # pages in order: slot = position
-            logits_indices=torch.arange(n, dtype=torch.int64),
+            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=dev),  # pages in order: slot = position
+            logits_indices=torch.arange(n, dtype=torch.int64, device=dev),
             kv_cache=kv,
-            tag_mismatch=torch.zeros(1, dtype=torch.bool),
+            tag_mismatch=torch.zeros(1, dtype=torch.bool, device=dev),
             is_decode_only=n == 1,
-            seq_index=torch.zeros(n, dtype=torch.int64),
+            seq_index=torch.zeros(n, dtype=torch.int64, device=dev),
         )
-        logits = self.model(batch)
+        logits = self.model(batch).cpu()
         if bool(batch.tag_mismatch.any()):
             raise RuntimeError("page tag mismatch in a private page pool: the model misread its cache")
         return logits
