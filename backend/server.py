@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from backend.serving import Serving
 from backend.settings import BackendSettings, build_settings
 from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
 
+log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode
 _encoder = msgspec.json.Encoder()
 
@@ -80,6 +82,7 @@ class NDJSONStream:
             except OSError:
                 self._metrics.disconnects.inc()
             except Exception as exc:  # a bug in one request ends that stream with an error, nothing else
+                log.exception("a generate stream failed")
                 await self._send(send, EngineError(f"internal error: {exc!r}").to_event())
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             group.cancel_scope.cancel()
@@ -106,6 +109,7 @@ class Backend:
             raise Unauthorized("Missing or wrong backend secret.")
 
     async def generate(self, request: Request) -> Response | NDJSONStream:
+        body: GenerateRequest | None = None
         try:
             self._authorize(request)
             try:
@@ -125,12 +129,13 @@ class Backend:
         except StopAsyncIteration:
             return _error(EngineError("The engine ended the request without an event."))
         except Exception as exc:  # a bug in one request must not take the process down
+            log.exception("generate %s failed before its first event", body.request_id if body else "?")
             self.metrics.refused("internal")
             return _error(EngineError(f"internal error: {exc!r}"))
         self.metrics.requests.labels(outcome="accepted").inc()
         return NDJSONStream(first, events, self.metrics)
 
-    async def _first_event(self, request: Request, events: AsyncIterator[Event]) -> Event | None:
+    async def _first_event(self, request: Request, events: AsyncGenerator[Event, None]) -> Event | None:
         """The first event, or None if the client disconnects first (prefill can take many steps; the
         request is aborted then, not when its first token would have been sent)."""
 
@@ -151,7 +156,7 @@ class Backend:
                 with contextlib.suppress(asyncio.CancelledError):
                     await first
         if first.cancelled():
-            await aclosing(events).aclose()  # aborts the request in the engine
+            await events.aclose()  # aborts the request in the engine
             return None
         return first.result()  # or raises the engine's refusal
 
@@ -207,6 +212,17 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
     )
     served.has_vision = vision is not None
     loaded = load_model(settings.model, dtype=dtype, device=settings.device)
+    kv_scales = None
+    if settings.kv_dtype == "fp8":  # the checkpoint's calibrated scales, else calibrated now with a warning
+        from backend.quant.kv_scales import scales_for_serving
+
+        kv_scales = scales_for_serving(
+            settings.model,
+            loaded.model,
+            model_dtype=dtype,
+            vocab_size=loaded.config.vocab_size,
+            prefix=loaded.config.weight_prefix,
+        )
     config = EngineConfig.build(
         page_size=settings.page_size,
         num_pages=settings.max_pages,
@@ -222,6 +238,7 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         context_window=served.context_window,
         model_dtype=dtype,
         device=settings.device,
+        kv_scales=kv_scales,
     )
     async_engine = AsyncEngine(engine)
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
