@@ -2,11 +2,11 @@
 
 Checkpoint layout (compressed-tensors pack-quantized, symmetric): `weight_packed` int32 `[N, K/8]`,
 nibble j of word i (little-endian) holds `q + 8` of element `k = 8i + j`; `weight_scale` `[N, K/G]`.
-`repack_int4` transposes both once at load to `[K/8, N]` and `[K/G, N]` so that every tile load is
-contiguous along N (coalesced) and one int32 row covers eight consecutive k of BLOCK_N columns.
+The kernels read that layout as it is (see `repack_int4` for why): each thread loads 16 bytes of
+consecutive words along K and unpacks them into eight consecutive k per word.
 
-Two kernels share that layout:
-- `_w4a16_gemv_kernel` (M of 1-4, decode): no tensor cores. Each nibble is turned into a float with
+Two kernels:
+- `_w4a16_gemv_kernel` (M of 1-2, decode): no tensor cores. Each nibble is turned into a float with
   one LOP3 (`(w & 0xF<<4j) | 0x3F800000` is `1 + q·2^(4j-23)`), one FADD and one FFMA against
   `x_j·2^(23-4j)`; the `-8` zero point and the group scale are applied once per int32, not per
   weight. That keeps the ALU under the HBM rate at M=1.
@@ -89,8 +89,9 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
 ):
-    """x [M, K] (one row per program), w [K/8, N] int32, s [K/G, N], out [M, N]; grid (N/BN, M, SPLIT_K)."""
+    """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G], out [M, N]; grid (N/BN, M, SPLIT_K)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -103,20 +104,28 @@ def _w4a16_gemv_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t0 = pid_k * per_split
     t1 = tl.minimum(t0 + per_split, k_tiles)
-    acc2 = tl.zeros((BK8, BLOCK_N), dtype=tl.float32)  # [BK8, BN]: reduced over BK8 once, at the end
+    offs_g = tl.arange(0, SCALE_ROWS)
+    acc2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)  # [BN, BK8]: reduced over BK8 once, at the end
     x_row = x_ptr + pid_m * stride_xm
     for t in range(t0, t1):
-        r = t * BK8 + offs_r  # [BK8] packed rows = k // 8
+        r = t * BK8 + offs_r  # [BK8] packed columns = k // 8
         r_ok = r < K8
-        mask = r_ok[:, None] & n_ok[None, :]
-        wp = tl.load(w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn, mask=mask, other=0)
+        wp = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
+            mask=n_ok[:, None] & r_ok[None, :],
+            other=0,
+        )  # [BN, BK8] int32
+        g = t * BLOCK_K // GROUP_SIZE + offs_g
         sc = tl.load(
-            s_ptr + (r * 8 // GROUP_SIZE)[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-            mask=mask,
+            s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
+            mask=n_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
             other=0.0,
-        ).to(tl.float32)  # [BK8, BN], G/8 rows share a scale
+        ).to(tl.float32)  # [BN, SR]
+        sc = tl.reshape(
+            tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
+        )  # [BN, BK8] scale of each packed word
         wp_hi = wp >> 16  # nibbles 4..7 moved to bits 0..15
-        dot8 = tl.zeros((BK8, BLOCK_N), dtype=tl.float32)  # sum_j q_j x_j over the 8 nibbles of a word
+        dot8 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)  # sum_j q_j x_j over the 8 nibbles of a word
         x_sum = tl.zeros((BK8,), dtype=tl.float32)
         lift = 8388608.0  # 2^(23-4j) undoes the nibble's place in the mantissa
         for j in tl.static_range(4):
@@ -125,11 +134,11 @@ def _w4a16_gemv_kernel(
             x_sum += xj + xh
             lo = ((wp & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
             hi = ((wp_hi & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-            dot8 += lo * (xj * lift)[:, None]
-            dot8 += hi * (xh * lift)[:, None]
+            dot8 += lo * (xj * lift)[None, :]
+            dot8 += hi * (xh * lift)[None, :]
             lift = lift * 0.0625
-        acc2 += (dot8 - 8.0 * x_sum[:, None]) * sc
-    acc = tl.sum(acc2, axis=0)  # [BN]
+        acc2 += (dot8 - 8.0 * x_sum[None, :]) * sc
+    acc = tl.sum(acc2, axis=1)  # [BN]
     offs_m = pid_m + tl.arange(0, 1)
     _finish_tile(
         acc[None, :],
@@ -167,6 +176,7 @@ def _w4a16_kernel(
     stride_sn,
     stride_om,
     stride_on,
+    magic_2_23,  # 0x4B000000, run-time for the same reason as magic_one
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -176,7 +186,7 @@ def _w4a16_kernel(
     SCALE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """x [M, K], w [K/8, N] int32, s [K/G, N], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
+    """x [M, K], w [N, K/8] int32, s [N, K/G], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -195,7 +205,7 @@ def _w4a16_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BK8)
     offs_g = tl.arange(0, SCALE_ROWS)
-    shifts = tl.arange(0, 8) * 4
+    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t0 = pid_k * per_split
@@ -210,23 +220,30 @@ def _w4a16_kernel(
         )  # [BM, BK]
         r = t * BK8 + offs_r
         wp = tl.load(
-            w_ptr + r[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-            mask=(r < K // 8)[:, None] & n_ok[None, :],
+            w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
+            mask=n_ok[:, None] & (r < K // 8)[None, :],
             other=0,
-        )  # [BK8, BN] int32
+        )  # [BN, BK8] int32
         g = t * BLOCK_K // GROUP_SIZE + offs_g
         sc = tl.load(
-            s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
-            mask=(g < K // GROUP_SIZE)[:, None] & n_ok[None, :],
+            s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
+            mask=n_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
             other=0.0,
-        ).to(tl.float32)
+        ).to(tl.float32)  # [BN, SR]
         sc = tl.reshape(
-            tl.broadcast_to(sc[:, None, :], (SCALE_ROWS, BK8 // SCALE_ROWS, BLOCK_N)), (BK8, BLOCK_N)
-        )  # [BK8, BN] scale of each packed row
-        q = (wp[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK8, 8, BN], k = 8r + j
-        wf = ((q | _MAGIC_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sc[:, None, :]  # (q-8)·s
-        w = tl.reshape(wf, (BLOCK_K, BLOCK_N)).to(x.dtype)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
+        )  # [BN, BK8] scale of each packed word
+        # interleave keeps the eight k of one word in one thread: [BN, BK8] -> [BN, BK], k = 8r + j
+        wk = tl.interleave(wp, wp)
+        wk = tl.interleave(wk, wk)
+        wk = tl.interleave(wk, wk)
+        sk = tl.interleave(sc, sc)
+        sk = tl.interleave(sk, sk)
+        sk = tl.interleave(sk, sk)
+        q = (wk >> shifts[None, :]) & 0xF  # [BN, BK]
+        wf = ((q | magic_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sk  # (q - 8)·s
+        w = wf.to(x.dtype)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     tile_id = pid_m * num_pid_n + pid_n
     _finish_tile(
         acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k, SPLIT_K
@@ -288,8 +305,8 @@ def _num_sms(device: torch.device) -> int:
 
 def w4a16_gemm(
     x: torch.Tensor,  # [..., K] fp16 / bf16 / fp32
-    w_repacked: torch.Tensor,  # [K/8, N] int32 from repack_int4
-    scales: torch.Tensor,  # [K/G, N] float
+    w_repacked: torch.Tensor,  # [N, K/8] int32 from repack_int4
+    scales: torch.Tensor,  # [N, K/G] float
     group_size: int,
     config: W4A16Config | None = None,
     out: torch.Tensor | None = None,  # [M, N] contiguous, x's dtype: for preallocated (graph) buffers
@@ -299,18 +316,18 @@ def w4a16_gemm(
         raise TypeError(f"activations must be fp16, bf16 or fp32, got {x.dtype}")
     if w_repacked.dtype != torch.int32 or w_repacked.dim() != 2:
         raise TypeError(
-            f"w_repacked must be 2-D int32 [K/8, N], got {w_repacked.dtype} {tuple(w_repacked.shape)}"
+            f"w_repacked must be 2-D int32 [N, K/8], got {w_repacked.dtype} {tuple(w_repacked.shape)}"
         )
     if not scales.is_floating_point() or scales.dim() != 2:
-        raise TypeError("scales must be a 2-D float tensor [K/G, N]")
+        raise TypeError("scales must be a 2-D float tensor [N, K/G]")
     if group_size % 8 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
     K = x.shape[-1]
-    N = w_repacked.shape[1]
-    if w_repacked.shape[0] * 8 != K or K % group_size:
+    N = w_repacked.shape[0]
+    if w_repacked.shape[1] * 8 != K or K % group_size:
         raise ValueError(f"K={K} does not match w_repacked {tuple(w_repacked.shape)} and group {group_size}")
-    if tuple(scales.shape) != (K // group_size, N):
-        raise ValueError(f"scales {tuple(scales.shape)} != ({K // group_size}, {N})")
+    if tuple(scales.shape) != (N, K // group_size):
+        raise ValueError(f"scales {tuple(scales.shape)} != ({N}, {K // group_size})")
     if not (x.device == w_repacked.device == scales.device):
         raise ValueError("x, w_repacked and scales must be on one device")
     lead = x.shape[:-1]
@@ -324,7 +341,15 @@ def w4a16_gemm(
         return out.reshape(*lead, N)
     cfg = config or pick_config(M, N, K, _num_sms(x.device))
     ws = torch.empty((cfg.split_k, M, N) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
-    strides = (*x2.stride(), *w_repacked.stride(), *scales.stride(), *out.stride())
+    strides = (
+        *x2.stride(),
+        w_repacked.stride(1),
+        w_repacked.stride(0),
+        scales.stride(1),
+        scales.stride(0),
+        *out.stride(),
+    )
+    scale_rows = max(cfg.block_k // group_size, 1)
     if cfg.block_m == 0:
         grid = (triton.cdiv(N, cfg.block_n), M, cfg.split_k)
         cnt = _split_k_counters(x.device, grid[0] * M)
@@ -344,13 +369,13 @@ def w4a16_gemm(
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             SPLIT_K=cfg.split_k,
+            SCALE_ROWS=scale_rows,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
     else:
         num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         cnt = _split_k_counters(x.device, num_tiles)
-        scale_rows = max(cfg.block_k // group_size, 1)
         _w4a16_kernel[(num_tiles, cfg.split_k)](
             x2,
             w_repacked,
@@ -362,6 +387,7 @@ def w4a16_gemm(
             N,
             K,
             *strides,
+            _MAGIC_2_23,
             GROUP_SIZE=group_size,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -380,14 +406,20 @@ def repack_int4(
     weight_packed: torch.Tensor,  # [N, K/8] int32, checkpoint layout
     weight_scale: torch.Tensor,  # [N, K/G]
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Checkpoint layout -> kernel layout, once at load: `(w [K/8, N] int32, scales [K/G, N], G)`."""
+    """Checkpoint tensors -> what the kernels take, once at load: `(w [N, K/8] int32, scales [N, K/G], G)`.
+
+    The kernels read the checkpoint layout itself: K-contiguous words give each thread 16-byte loads
+    and, unpacked, eight consecutive k, which is the K-major B operand the tensor cores want (a
+    transposed `[K/8, N]` layout measured slower: 2-byte shared-memory stores of the dequantized
+    tile). So the repack validates, infers the group size and makes both tensors contiguous.
+    """
     if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
         raise TypeError("weight_packed must be 2-D int32 [N, K/8]")
     N, K8 = weight_packed.shape
     if weight_scale.dim() != 2 or weight_scale.shape[0] != N or (8 * K8) % weight_scale.shape[1]:
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not fit weight_packed {(N, K8)}")
     group_size = 8 * K8 // weight_scale.shape[1]
-    return weight_packed.t().contiguous(), weight_scale.t().contiguous(), group_size
+    return weight_packed.contiguous(), weight_scale.contiguous(), group_size
 
 
 def unpack_int4_ref(weight_packed: torch.Tensor) -> torch.Tensor:
