@@ -32,6 +32,8 @@ from gateway.store import Store
 MINUTE_TTL = 120
 DAY_TTL = 2 * 86_400
 UNLIMITED = -1
+REDIS_CONNECTIONS = 64
+REDIS_WAIT_SECONDS = 5.0
 
 # KEYS: requests, tokens, neurons. ARGV: request limit, token limit, neuron limit, tokens, minute ttl.
 # Returns 0 admitted, 1 requests per minute, 2 tokens per minute, 3 daily neurons, 4 neurons unseeded.
@@ -284,5 +286,9 @@ def make_limiter(
     if redis_url is None:
         counters = MemoryCounters(clock)
     else:
-        counters = RedisCounters(aioredis.Redis.from_url(redis_url))
+        # a blocking pool: a burst waits for a free connection instead of failing with "Too many connections"
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=REDIS_CONNECTIONS, timeout=REDIS_WAIT_SECONDS
+        )
+        counters = RedisCounters(aioredis.Redis.from_pool(pool))
     return Limiter(counters, store, prefix=prefix, clock=clock)

@@ -205,3 +205,12 @@ async def test_an_unreachable_redis_fails_closed_and_settle_never_raises(sqlite_
         neurons=1.0,
     )
     await limiter.close()
+
+
+async def test_a_burst_larger_than_the_redis_pool_waits_instead_of_failing(
+    sqlite_store: Store, redis_prefix: str
+) -> None:
+    [limiter] = limiters("redis", sqlite_store, redis_prefix, Clock(), 1)
+    results = await outcomes(limiter, tenant(requests_per_minute=450), 600)
+    assert results.count("ok") == 450 and results.count("429") == 150
+    await limiter.close()
