@@ -8,7 +8,7 @@ string matched) closes the engine stream, which aborts the request there within 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,7 +113,7 @@ class Serving:
             engine_request, constraint, embeds, self._processor(request, token_ids, grammar is None)
         )
 
-    async def events(self, prepared: Prepared) -> AsyncIterator[Event]:
+    async def events(self, prepared: Prepared) -> AsyncGenerator[Event, None]:
         """Events of a prepared request. Raises the engine's refusal (busy, too large) before any event."""
         stream = self.engine.generate(
             prepared.engine_request, constraint=prepared.constraint, image_embeds=prepared.image_embeds

@@ -3,6 +3,7 @@ faults a real engine cannot be made to produce on demand (a crash mid-stream, a 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from starlette.applications import Starlette
 
 from backend.errors import Busy
 from backend.metrics import BackendMetrics
@@ -175,13 +177,15 @@ class ScriptedEngine:
     """Stands in for the engine where a real one cannot be made to fail on demand."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        self.tok, self.aborted = tok, 0
+        self.tok, self.num_closed = tok, 0
 
     async def generate(self, request: EngineRequest, **_: object) -> AsyncIterator[EngineOutput]:
         prompt = self.tok.decode(request.prompt_token_ids)
         if "busy" in prompt:
             raise Busy("no room this step")
         try:
+            if "hang" in prompt:  # a prefill that takes longer than the client waits
+                await asyncio.Event().wait()
             yield EngineOutput(request_id=request.request_id, token_ids=ordinary_ids(self.tok, "partial"))
             if "crash" in prompt:
                 raise RuntimeError("boom")
@@ -192,16 +196,17 @@ class ScriptedEngine:
                 num_output_tokens=2,
             )
         finally:
-            self.aborted += 1
+            self.num_closed += 1
 
     def abort(self, request_id: str) -> None:
-        self.aborted += 1
+        raise AssertionError("serving aborts by closing the stream")
 
     def load(self) -> LoadReport:
         return LoadReport(waiting=0, running=0, free_pages=1, total_pages=1)
 
 
-async def test_faults_stay_with_their_request(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.fixture
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Starlette, ScriptedEngine]:
     folder = tokenizer_dir(tmp_path_factory, "glm")
     (folder / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], **_GLM_CONFIG}))
     served = ServedModel.from_checkpoint(folder)
@@ -222,7 +227,12 @@ async def test_faults_stay_with_their_request(tmp_path_factory: pytest.TempPathF
         secret=SECRET,
         metrics=BackendMetrics(lambda: _NO_STATS, engine.load),
     )  # type: ignore[arg-type]
-    transport = httpx.ASGITransport(app=create_app(backend))
+    return create_app(backend), engine
+
+
+async def test_faults_stay_with_their_request(scripted: tuple[Starlette, ScriptedEngine]) -> None:
+    app, _ = scripted
+    transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://b") as client:
         headers = {"authorization": f"Bearer {SECRET}"}
 
@@ -255,6 +265,49 @@ async def test_faults_stay_with_their_request(tmp_path_factory: pytest.TempPathF
             )
             == "partial ok"
         )
+
+
+async def test_client_gone_during_prefill_aborts(scripted: tuple[Starlette, ScriptedEngine]) -> None:
+    """The client leaves before the first token: the engine stream is closed (the request aborted) then,
+    not when that token would have been sent."""
+    app, engine = scripted
+    payload = json.dumps(
+        {
+            "request_id": "h",
+            "tenant_salt": TENANT,
+            "reasoning": {"enabled": False},
+            "messages": [{"role": "user", "content": "hang"}],
+        }
+    ).encode()
+    inbox: list[dict[str, object]] = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.sleep(0.2)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/generate",
+        "raw_path": b"/v1/generate",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {SECRET}".encode()), (b"content-type", b"application/json")],
+        "server": ("backend", 80),
+        "client": ("gateway", 1),
+    }
+    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    assert engine.num_closed == 1
+    assert sent[0]["status"] == 499
 
 
 class _Stats:
