@@ -50,7 +50,7 @@ MODELS = msgspec.json.Decoder(ModelsIn)
 
 
 async def _body(request: Request, decoder: msgspec.json.Decoder[T]) -> T:
-    """The body decoded, read in chunks and refused past `MAX_BODY_BYTES` (never buffered whole)."""
+    """The body decoded; read in chunks and refused as soon as it passes `MAX_BODY_BYTES`."""
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
