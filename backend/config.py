@@ -144,12 +144,15 @@ class ModelConfig:
             partial = _rope_dict(text).get("partial_rotary_factor", text.get("partial_rotary_factor"))
             rotary_dim = int(head_dim * (default_partial if partial is None else float(partial)))
         first_dense = get.opt("first_k_dense_replace", int, 0)
+        moe_freq = get.opt("moe_layer_freq", int, 1)
         mlp_types = text.get("mlp_layer_types") or [
-            "dense" if i < first_dense else "sparse" for i in range(num_layers)
+            "sparse" if i >= first_dense and i % moe_freq == 0 else "dense" for i in range(num_layers)
         ]
-        scoring = text.get("scoring_func", "sigmoid")
-        if scoring != "sigmoid":
-            raise CheckpointError(f"unsupported router scoring_func {scoring!r} (only sigmoid noaux_tc)")
+        scoring, topk_method = text.get("scoring_func", "sigmoid"), text.get("topk_method", "noaux_tc")
+        if scoring != "sigmoid" or topk_method != "noaux_tc":
+            raise CheckpointError(
+                f"unsupported routing scoring_func={scoring!r} topk_method={topk_method!r} (only sigmoid noaux_tc)"
+            )
         eos = (generation or {}).get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))

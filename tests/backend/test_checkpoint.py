@@ -216,3 +216,31 @@ def test_world_size_2_gqa_ranks_keep_their_kv_heads(tmp_path: Path) -> None:
             attn.k_proj.bias, full["model.layers.0.self_attn.k_proj.bias"][rank * D : (rank + 1) * D]
         )
         assert attn.cache_specs()[0].shape == (1, D)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"index_topk_freq": 2},
+        {"index_topk_freq": 3, "index_skip_topk_offset": 1},
+        {"index_topk_pattern": "FSSFFS"},
+    ],
+)
+def test_dsa_indexer_types_are_derived_as_transformers_does(keys: dict[str, object]) -> None:
+    from transformers import GlmMoeDsaConfig
+
+    from tests.backend.tiny_checkpoints import config_dict
+
+    cfg = config_dict("glm_moe_dsa", num_hidden_layers=6, indexer_types=None)
+    raw = dict(cfg, architectures=["GlmMoeDsaForCausalLM"], **keys)
+    assert list(ModelConfig.from_dict(raw).indexer_types) == GlmMoeDsaConfig(**cfg, **keys).indexer_types
+
+
+def test_other_routing_schemes_are_refused(ds_path: Path) -> None:
+    raw = json.loads((ds_path / "config.json").read_text()) | {
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+    }
+    with pytest.raises(CheckpointError, match="softmax"):
+        ModelConfig.from_dict(raw)

@@ -101,3 +101,11 @@ def test_bfloat16_model_tracks_float32(ds_path: Path, tmp_path: Path) -> None:
     _, approx = PagedDriver(load_model(path, dtype=torch.bfloat16).model).prefill(ps, 16)
     assert approx[0].dtype == torch.float32
     assert float((approx[0] - exact[0]).norm() / exact[0].norm()) < 0.03
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"rope_interleave": False}, {"q_lora_rank": None}], ids=["neox-rope", "no-q-lora"]
+)
+def test_mla_variants_match_transformers(tmp_path: Path, overrides: dict[str, object]) -> None:
+    path = make_tiny("deepseek_v3", tmp_path / "variant", **overrides)
+    assert prefill_max_diff("deepseek_v3", path) <= MAX_ABS_DIFF
