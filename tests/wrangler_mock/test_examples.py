@@ -45,13 +45,35 @@ async def test_chat_worker_answers_and_forwards_session(fake: FakeGateway, crede
         )
     assert response.status_code == 200
     assert response.headers["content-type"] == "application/json"
-    assert response.json()["reply"] == "echo: Hello there"
+    assert response.json()["reply"] == "echo: Hello there" and response.json()["reasoning"] is None
     assert response.json()["usage"]["prompt_tokens"] == 7
     sent = fake.requests[-1]
     assert sent["model"] == OPENAI_MODEL
     assert sent["headers"]["x-session-affinity"] == "ses_42"
     assert sent["body"]["messages"][0] == {"role": "system", "content": "You are a small, helpful assistant."}
-    assert sent["body"]["max_tokens"] == 64
+    assert sent["body"]["max_tokens"] == 64 and "seed" not in sent["body"]
+
+
+async def test_chat_worker_passes_sampling_on_and_reports_errors(
+    fake: FakeGateway, credentials: Credentials
+) -> None:
+    config = WranglerConfig.load(EXAMPLES / "chat" / "wrangler.toml")
+    async with served_worker(config, credentials, fake) as worker:
+        await worker.post("/", json={"prompt": "x", "seed": 5, "max_tokens": 3, "temperature": 0, "junk": 1})
+        assert {
+            k: fake.requests[-1]["body"].get(k) for k in ("seed", "max_tokens", "temperature", "junk")
+        } == {
+            "seed": 5,
+            "max_tokens": 3,
+            "temperature": 0,
+            "junk": None,
+        }
+    broken = replace(config, vars={**config.vars, "MODEL": "@cf/nope/none"})
+    async with served_worker(broken, credentials, fake) as worker:
+        response = await worker.post("/", json={"prompt": "x"})
+        streamed = await worker.post("/", json={"prompt": "x", "stream": True})
+    assert response.status_code == 502 == streamed.status_code
+    assert response.json() == {"error": "5007: AiError: AiError: No such model @cf/nope/none or task"}
 
 
 async def test_chat_worker_streams_sse_through(fake: FakeGateway, credentials: Credentials) -> None:
@@ -102,6 +124,7 @@ async def test_tool_worker_runs_the_tool_and_asks_again(fake: FakeGateway, crede
     assert body["reply"] == f"Done: {json.dumps(expected)}."
     first, second = fake.requests
     assert [t["function"]["name"] for t in first["body"]["tools"]] == ["get_weather", "convert_currency"]
+    assert first["body"]["tool_choice"] == "auto" and "tool_choice" not in second["body"]
     assistant, tool = second["body"]["messages"][1:]
     assert assistant["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert tool["role"] == "tool" and tool["tool_call_id"] == assistant["tool_calls"][0]["id"]
@@ -129,6 +152,7 @@ async def test_image_worker_forwards_the_upload(fake: FakeGateway, credentials: 
     assert response.json() == {
         "answer": f"image/png;base64 {len(png)} bytes sha256:{digest} | What colour is the square?",
         "bytes": len(png),
+        "usage": {"prompt_tokens": 7, "completion_tokens": 10, "total_tokens": 17},
     }
     part = fake.requests[-1]["body"]["messages"][0]["content"][0]
     assert base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) == png

@@ -5,6 +5,7 @@
     ├── WorkerLoadError             the Worker module has neither `Default` nor `on_fetch`
     └── ApiError                    the v4 API answered `success: false` (or no envelope at all)
         └── InferenceUpstreamError  what `env.AI.run` raises, as the Workers runtime names it
+                                    (also a `pyodide.ffi.JsException`, as on Cloudflare)
 
 `ApiError` keeps every `{code, message}` pair of the envelope; `code`/`message` are the first.
 Its text is wrangler's ("Received a bad response from the API" plus `<message> [code: <code>]`
@@ -13,6 +14,8 @@ logs or matches `str(err)` sees what it would see on Cloudflare.
 """
 
 from __future__ import annotations
+
+from wrangler_mock.jsvalue import JsException
 
 
 class WranglerMockError(Exception):
@@ -34,7 +37,7 @@ class ApiError(WranglerMockError):
         self.status = status
         self.errors = errors or [(0, f"HTTP {status}")]
         self.code, self.message = self.errors[0]
-        super().__init__(self.wrangler_text)
+        Exception.__init__(self, self.wrangler_text)  # not super(): a subclass mixes in JsException
 
     @property
     def wrangler_text(self) -> str:
@@ -43,11 +46,16 @@ class ApiError(WranglerMockError):
         return f"Received a bad response from the API\n{notes}"
 
 
-class InferenceUpstreamError(ApiError):
-    """`env.AI.run` failed upstream; `str(err)` is `"<code>: <message>"` as in workerd."""
+class InferenceUpstreamError(ApiError, JsException):
+    """`env.AI.run` failed upstream; `str(err)` is `"<code>: <message>"` as in workerd.
+
+    On Cloudflare the binding's errors reach Python as `pyodide.ffi.JsException`, so Worker code
+    catches them with `except JsException`; this class is one too. `.code` and `.message` are the
+    Workers AI code and message of the envelope's first error.
+    """
 
     name = "InferenceUpstreamError"
 
     def __init__(self, status: int, errors: list[tuple[int, str]]) -> None:
-        super().__init__(status, errors)
+        ApiError.__init__(self, status, errors)
         Exception.__init__(self, f"{self.code}: {self.message}")

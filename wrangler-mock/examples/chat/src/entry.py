@@ -1,24 +1,30 @@
 """A chat Worker: POST {"prompt": "..."} or {"messages": [...]} (add "stream": true for SSE).
 
-The answer is {"reply": "...", "usage": {...}}; with "stream": true the model's event stream is
-passed through unchanged. An `x-session-affinity` header on the request is forwarded to Workers AI
-so that follow-up turns of one conversation land where their prefix is cached.
+The answer is {"reply": "...", "reasoning": "..." or null, "usage": {...}}; with "stream": true
+the model's event stream is passed through unchanged. `max_tokens`, `temperature`, `top_p` and
+`seed` in the request are passed on. An `x-session-affinity` header on the request is forwarded to
+Workers AI so that the turns of one conversation land where their prefix is cached. Errors from
+Workers AI come back as 502 {"error": "<code>: <message>"}.
 """
 
 from js import Object
+from pyodide.ffi import JsException
 from pyodide.ffi import to_js as _to_js
 from workers import Response, WorkerEntrypoint
+
+PASSED_ON = ("max_tokens", "temperature", "top_p", "seed")
 
 
 def to_js(obj):
     return _to_js(obj, dict_converter=Object.fromEntries)
 
 
-def reply_text(result):
-    """The answer of either text-generation family: `response`, or the first choice's content."""
+def answer_of(result):
+    """(text, reasoning) of either text-generation family."""
     if "choices" in result:
-        return result["choices"][0]["message"].get("content") or ""
-    return result.get("response", "")
+        message = result["choices"][0]["message"]
+        return message.get("content") or "", message.get("reasoning_content")
+    return result.get("response", ""), None
 
 
 class Default(WorkerEntrypoint):
@@ -35,16 +41,21 @@ class Default(WorkerEntrypoint):
         if not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.env.SYSTEM_PROMPT})
 
-        inputs = {"messages": messages, "max_tokens": int(body.get("max_tokens", 64))}
+        inputs = {"messages": messages, "max_tokens": 64}
+        inputs.update({key: body[key] for key in PASSED_ON if key in body})
         options = {}
         session = request.headers.get("x-session-affinity")
         if session:
             options["extraHeaders"] = {"x-session-affinity": session}
-
         if body.get("stream"):
             inputs["stream"] = True
-            stream = await self.env.AI.run(self.env.MODEL, to_js(inputs), to_js(options))
-            return Response(stream, headers={"content-type": "text/event-stream"})
 
-        result = (await self.env.AI.run(self.env.MODEL, to_js(inputs), to_js(options))).to_py()
-        return Response.json({"reply": reply_text(result), "usage": result.get("usage", {})})
+        try:
+            result = await self.env.AI.run(self.env.MODEL, to_js(inputs), to_js(options))
+        except JsException as exc:  # the binding's errors, on Cloudflare as here
+            return Response.json({"error": str(exc)}, status=502)
+        if body.get("stream"):
+            return Response(result, headers={"content-type": "text/event-stream"})
+        result = result.to_py()
+        reply, reasoning = answer_of(result)
+        return Response.json({"reply": reply, "reasoning": reasoning, "usage": result.get("usage", {})})

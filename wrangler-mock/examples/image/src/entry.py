@@ -1,13 +1,15 @@
 """An image Worker: POST the image's bytes (Content-Type image/png or image/jpeg), ask with ?q=...
 
 The upload is forwarded to the vision model as an OpenAI `image_url` part holding a data URI,
-followed by the question; the answer is {"answer": "...", "bytes": <size of the upload>}.
+followed by the question; the answer is {"answer": "...", "bytes": <size of the upload>, "usage": {...}}.
+Workers AI errors come back as 502 {"error": "<code>: <message>"}.
 """
 
 import base64
 from urllib.parse import parse_qs, urlparse
 
 from js import Object
+from pyodide.ffi import JsException
 from pyodide.ffi import to_js as _to_js
 from workers import Response, WorkerEntrypoint
 
@@ -38,9 +40,12 @@ class Default(WorkerEntrypoint):
         data_uri = f"data:{mime};base64,{base64.b64encode(image).decode('ascii')}"
         content = [{"type": "image_url", "image_url": {"url": data_uri}}, {"type": "text", "text": question}]
         inputs = {"messages": [{"role": "user", "content": content}], "max_tokens": 32}
-        result = (await self.env.AI.run(self.env.MODEL, to_js(inputs))).to_py()
+        try:
+            result = (await self.env.AI.run(self.env.MODEL, to_js(inputs))).to_py()
+        except JsException as exc:  # the binding's errors, on Cloudflare as here
+            return Response.json({"error": str(exc)}, status=502)
         if "choices" in result:
             answer = result["choices"][0]["message"].get("content") or ""
         else:
             answer = result.get("response", "")
-        return Response.json({"answer": answer, "bytes": len(image)})
+        return Response.json({"answer": answer, "bytes": len(image), "usage": result.get("usage", {})})

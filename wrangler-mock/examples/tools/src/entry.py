@@ -2,12 +2,14 @@
 
 The model is offered two tools. When it calls one, the Worker runs it here, appends the result as
 a `tool` message and calls the model again for the final answer. The reply shows what happened:
-{"reply": "...", "tool_calls": [{"name", "arguments", "result"}]}.
+{"reply": "...", "tool_calls": [{"name", "arguments", "result"}]}. A request may set
+"tool_choice" (e.g. "required") for the first call; Workers AI errors come back as 502.
 """
 
 import json
 
 from js import Object
+from pyodide.ffi import JsException
 from pyodide.ffi import to_js as _to_js
 from workers import Response
 
@@ -89,12 +91,20 @@ def text_of(result):
 
 
 async def on_fetch(request, env):
-    prompt = (await request.json()).to_py().get("prompt")
+    try:
+        return await converse(env, (await request.json()).to_py())
+    except JsException as exc:  # the binding's errors, on Cloudflare as here
+        return Response.json({"error": str(exc)}, status=502)
+
+
+async def converse(env, body):
+    prompt = body.get("prompt")
     if not prompt:
         return Response.json({"error": "send a prompt"}, status=400)
     messages = [{"role": "user", "content": prompt}]
+    inputs = {"messages": messages, "tools": TOOLS, "max_tokens": 64}
     first = (
-        await env.AI.run(env.MODEL, to_js({"messages": messages, "tools": TOOLS, "max_tokens": 64}))
+        await env.AI.run(env.MODEL, to_js({**inputs, "tool_choice": body.get("tool_choice", "auto")}))
     ).to_py()
     calls = calls_of(first)
     if not calls:
@@ -119,7 +129,5 @@ async def on_fetch(request, env):
         made.append({"name": name, "arguments": arguments, "result": result})
         messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)})
 
-    second = (
-        await env.AI.run(env.MODEL, to_js({"messages": messages, "tools": TOOLS, "max_tokens": 64}))
-    ).to_py()
+    second = (await env.AI.run(env.MODEL, to_js({**inputs, "messages": messages}))).to_py()
     return Response.json({"reply": text_of(second), "tool_calls": made})
