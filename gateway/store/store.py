@@ -13,6 +13,7 @@ import datetime as dt
 import hmac
 import secrets
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from sqlalchemy import event, func, select, update
@@ -62,10 +63,14 @@ class Store:
         self._sessions: async_sessionmaker[AsyncSession] | None = None
 
     async def open(self, url: str) -> None:
+        """Connect (creating a SQLite file's folder, e.g. the data dir) and migrate to the newest revision."""
         url = normalise_url(url)
         engine = create_async_engine(url, pool_pre_ping=not url.startswith("sqlite"))
         if engine.dialect.name == "sqlite":
             event.listen(engine.sync_engine, "connect", sqlite_pragmas)
+            database = engine.url.database
+            if database and database != ":memory:" and not database.startswith("file:"):
+                Path(database).parent.mkdir(parents=True, exist_ok=True)
         await upgrade_to_head(engine)
         self._engine, self._sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
 

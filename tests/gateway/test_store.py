@@ -268,3 +268,15 @@ async def test_a_database_from_revision_0001_upgrades_with_its_data(kind: str, t
     finally:
         await engine.dispose()
         await drop_database(name)
+
+
+async def test_the_default_sqlite_file_is_created_with_its_data_dir(tmp_path: Path) -> None:
+    data_dir = tmp_path / "fresh" / ".kumo"
+    store = Store()
+    await store.open(f"sqlite:///{data_dir / 'kumo.db'}")  # plain URL: the async driver is picked
+    try:
+        tenant_id, token = await store.ensure_dev_tenant()
+        assert (data_dir / "kumo.db").is_file()
+        assert (await store.resolve_token(token)) is not None
+    finally:
+        await store.close()
