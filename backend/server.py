@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -256,7 +257,11 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
 
 def main(argv: list[str]) -> int:
     settings = build_settings(argv)
-    backend, async_engine = build_backend(settings)
+    try:
+        backend, async_engine = build_backend(settings)
+    except (EngineError, OSError, ValueError) as exc:  # a checkpoint that cannot be served: say why, exit
+        print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
+        return 1
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

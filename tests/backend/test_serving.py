@@ -19,6 +19,7 @@ from backend.output_processor import OutputProcessor, StopMatcher
 from backend.reasoning import ReasoningParser, ThinkMarkers
 from backend.served_model import TOOL_MARKERS, ServedModel
 from backend.server import Backend, create_app
+from backend.server import main as server_main
 from backend.serving import Serving
 from backend.settings import build_settings
 from backend.tokenizer import Tokenizer
@@ -335,3 +336,10 @@ _GLM_CONFIG = {
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
 }
+
+
+def test_unservable_checkpoint_exits_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert server_main(["--model", str(tmp_path / "nope"), "--port", "1", "--secret", SECRET]) == 1
+    assert "config.json" in capsys.readouterr().err
