@@ -89,15 +89,24 @@ class Variant:
         if "weights" in options:
             w = options["weights"]
             method, group = ("int4", int(w.removeprefix("int4-g"))) if w.startswith("int4") else (w, 32)
-            quantize_model(self.model, QuantScheme.build(method, group_size=group, all_linear="all-linear" in options))  # type: ignore[arg-type]
+            quantize_model(
+                self.model, QuantScheme.build(method, group_size=group, all_linear="all-linear" in options)
+            )  # type: ignore[arg-type]
         self.kv_dtype, self.scales = None, None
         if options.get("kv") == "fp8":
             self.kv_dtype = torch.float8_e4m3fn
-            self.scales = kv_scales.scales_for_serving(path, self.model, model_dtype=torch.float32,
-                                                       vocab_size=loaded.config.vocab_size, prefix=loaded.config.weight_prefix)
+            self.scales = kv_scales.scales_for_serving(
+                path,
+                self.model,
+                model_dtype=torch.float32,
+                vocab_size=loaded.config.vocab_size,
+                prefix=loaded.config.weight_prefix,
+            )
 
     def runner(self) -> PromptRunner:
-        return PromptRunner(self.model, model_dtype=torch.float32, kv_dtype=self.kv_dtype, scales=self.scales, chunk=32)
+        return PromptRunner(
+            self.model, model_dtype=torch.float32, kv_dtype=self.kv_dtype, scales=self.scales, chunk=32
+        )
 
 
 def bootstrap_ci(values: torch.Tensor, generator: torch.Generator) -> tuple[float, float]:
@@ -126,7 +135,9 @@ class Evaluator:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, allow_special=False)
 
-    def _score(self, seqs: list[tuple[list[int], int]]) -> tuple[list[torch.Tensor], list[float], list[float], int]:
+    def _score(
+        self, seqs: list[tuple[list[int], int]]
+    ) -> tuple[list[torch.Tensor], list[float], list[float], int]:
         """Each (ids, first scored position) through every variant -> per variant: summed
         log-likelihood per sequence [S], summed KL vs the first, top-1 matches; and the count of positions."""
         loglik = [torch.zeros(len(seqs)) for _ in self.variants]
@@ -144,12 +155,22 @@ class Evaluator:
             count += len(targets)
         return loglik, kl, top1, count
 
-    def _results(self, correct: list[torch.Tensor] | None, kl: list[float], top1: list[float], count: int,
-                 perplexity: list[float] | None = None) -> list[VariantResult]:
+    def _results(
+        self,
+        correct: list[torch.Tensor] | None,
+        kl: list[float],
+        top1: list[float],
+        count: int,
+        perplexity: list[float] | None = None,
+    ) -> list[VariantResult]:
         out = []
         for v, variant in enumerate(self.variants):
-            r = VariantResult(variant=variant.name, mean_kl=kl[v] / max(count, 1), top1_agreement=top1[v] / max(count, 1),
-                              perplexity=perplexity[v] if perplexity else None)
+            r = VariantResult(
+                variant=variant.name,
+                mean_kl=kl[v] / max(count, 1),
+                top1_agreement=top1[v] / max(count, 1),
+                perplexity=perplexity[v] if perplexity else None,
+            )
             if correct is not None:
                 r.accuracy = float(correct[v].float().mean())
                 r.accuracy_ci = bootstrap_ci(correct[v], self.generator)
@@ -166,10 +187,20 @@ class Evaluator:
             seqs += [(q + self._encode(" " + choice), len(q)) for choice in item.choices]
         loglik, kl, top1, count = self._score(seqs)
         correct = [
-            torch.tensor([int(ll[o : o + len(it.choices)].argmax()) == it.answer for o, it in zip(offsets, items, strict=True)])
+            torch.tensor(
+                [
+                    int(ll[o : o + len(it.choices)].argmax()) == it.answer
+                    for o, it in zip(offsets, items, strict=True)
+                ]
+            )
             for ll in loglik
         ]
-        return TaskResult(task=name, kind="multiple_choice", num_items=len(items), results=self._results(correct, kl, top1, count))
+        return TaskResult(
+            task=name,
+            kind="multiple_choice",
+            num_items=len(items),
+            results=self._results(correct, kl, top1, count),
+        )
 
     def generation(self, name: str, items: list[GenItem]) -> TaskResult:
         correct = [torch.zeros(len(items), dtype=torch.bool) for _ in self.variants]
@@ -183,14 +214,28 @@ class Evaluator:
                 got = (m.group(1) if m and m.groups() else m.group(0) if m else text).strip()
                 correct[v][i] = got == item.answer.strip()
         _, kl, top1, count = self._score(seqs)
-        return TaskResult(task=name, kind="generation", num_items=len(items), results=self._results(correct, kl, top1, count))
+        return TaskResult(
+            task=name,
+            kind="generation",
+            num_items=len(items),
+            results=self._results(correct, kl, top1, count),
+        )
 
     def perplexity(self, name: str, text: str) -> TaskResult:
         ids = self._encode(text)
-        seqs = [(ids[i : i + self.window], 1) for i in range(0, len(ids) - 1, self.window) if len(ids[i : i + self.window]) > 1]
+        seqs = [
+            (ids[i : i + self.window], 1)
+            for i in range(0, len(ids) - 1, self.window)
+            if len(ids[i : i + self.window]) > 1
+        ]
         loglik, kl, top1, count = self._score(seqs)
         ppl = [math.exp(-float(ll.sum()) / count) for ll in loglik]
-        return TaskResult(task=name, kind="perplexity", num_items=len(seqs), results=self._results(None, kl, top1, count, ppl))
+        return TaskResult(
+            task=name,
+            kind="perplexity",
+            num_items=len(seqs),
+            results=self._results(None, kl, top1, count, ppl),
+        )
 
 
 def load_items(path: Path) -> tuple[str, list[McItem] | list[GenItem]]:
@@ -201,7 +246,9 @@ def load_items(path: Path) -> tuple[str, list[McItem] | list[GenItem]]:
 
 
 def render(report: EvalReport) -> str:
-    lines = [f"{'task':<18}{'variant':<12}{'acc':>7} {'95% CI':>15}{'Δ vs first':>12} {'Δ 95% CI':>17}{'KL':>10}{'top1':>7}{'ppl':>9}"]
+    lines = [
+        f"{'task':<18}{'variant':<12}{'acc':>7} {'95% CI':>15}{'Δ vs first':>12} {'Δ 95% CI':>17}{'KL':>10}{'top1':>7}{'ppl':>9}"
+    ]
     for task in report.tasks:
         for r in task.results:
             acc = f"{r.accuracy:7.3f}" if r.accuracy is not None else f"{'-':>7}"
@@ -209,14 +256,26 @@ def render(report: EvalReport) -> str:
             d = f"{r.delta_vs_first:+.3f}" if r.delta_vs_first is not None else "-"
             dci = f"[{r.delta_ci[0]:+.2f}, {r.delta_ci[1]:+.2f}]" if r.delta_ci else "-"
             ppl = f"{r.perplexity:9.3f}" if r.perplexity is not None else f"{'-':>9}"
-            lines.append(f"{task.task[:17]:<18}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.5f}{r.top1_agreement:7.3f}{ppl}")
+            lines.append(
+                f"{task.task[:17]:<18}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.5f}{r.top1_agreement:7.3f}{ppl}"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="kumo eval", description="Compare variants of a checkpoint on the same prompts.")
-    ap.add_argument("--variant", action="append", required=True, help="NAME=DIR[:kv=fp8|bf16][:weights=FMT][:all-linear]")
-    ap.add_argument("--data", action="append", default=[], type=Path, help="JSONL task file (multiple choice or generation)")
+    ap = argparse.ArgumentParser(
+        prog="kumo eval", description="Compare variants of a checkpoint on the same prompts."
+    )
+    ap.add_argument(
+        "--variant", action="append", required=True, help="NAME=DIR[:kv=fp8|bf16][:weights=FMT][:all-linear]"
+    )
+    ap.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        type=Path,
+        help="JSONL task file (multiple choice or generation)",
+    )
     ap.add_argument("--text", action="append", default=[], type=Path, help="plain text for perplexity")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=128)
@@ -229,7 +288,11 @@ def main(argv: list[str]) -> int:
     tasks = []
     for path in a.data:
         kind, items = load_items(path)
-        tasks.append(ev.multiple_choice(path.stem, items) if kind == "multiple_choice" else ev.generation(path.stem, items))  # type: ignore[arg-type]
+        tasks.append(
+            ev.multiple_choice(path.stem, items)
+            if kind == "multiple_choice"
+            else ev.generation(path.stem, items)
+        )  # type: ignore[arg-type]
     tasks += [ev.perplexity(path.stem, path.read_text()) for path in a.text]
     report = EvalReport(variants=specs, tasks=tasks)
     print(render(report))

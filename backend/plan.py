@@ -34,7 +34,9 @@ from backend.quant.shapes import TensorSpec, checkpoint_tensors, has_indexer, is
 WeightFormat = Literal["native", "bf16", "fp8-channel", "fp8-block", "int4-g32", "int4-g128"]
 KvDtype = Literal["bf16", "fp8"]
 GB, GIB = 10**9, 2**30
-_REPLICATED = re.compile(r"(q_a_proj|kv_a_proj_with_mqa|self_attn\.indexer\.|mlp\.gate\.|norm|vision_tower\.|mm_projector\.)")
+_REPLICATED = re.compile(
+    r"(q_a_proj|kv_a_proj_with_mqa|self_attn\.indexer\.|mlp\.gate\.|norm|vision_tower\.|mm_projector\.)"
+)
 
 
 class Term(msgspec.Struct, frozen=True):
@@ -64,7 +66,9 @@ def scheme_for(config: dict[str, Any], weights: WeightFormat, all_linear: bool) 
     if weights == "bf16":
         return None
     if weights.startswith("int4"):
-        return QuantScheme.build("int4", group_size=int(weights.removeprefix("int4-g")), all_linear=all_linear)
+        return QuantScheme.build(
+            "int4", group_size=int(weights.removeprefix("int4-g")), all_linear=all_linear
+        )
     return QuantScheme.build(weights, all_linear=all_linear)  # type: ignore[arg-type]
 
 
@@ -117,10 +121,22 @@ def activation_terms(tc: dict[str, Any], tp: int, chunk: int, max_seqs: int) -> 
     topk, inter = tc.get("num_experts_per_tok", 1), tc.get("moe_intermediate_size") or tc["intermediate_size"]
     moe = chunk * topk * (2 * math.ceil(inter / tp) + h) * 2
     return [
-        Term("activations: hidden + residual", 2 * chunk * h * 2, f"{chunk}-token prefill chunk × {h}, bf16, two live copies"),
+        Term(
+            "activations: hidden + residual",
+            2 * chunk * h * 2,
+            f"{chunk}-token prefill chunk × {h}, bf16, two live copies",
+        ),
         Term("activations: attention", attn, f"{chunk} tokens: {attn_why}"),
-        Term("activations: MoE", moe, f"{chunk} tokens × top-{topk}: gate_up ({2 * math.ceil(inter / tp)}/rank) and down ({h}) outputs, bf16"),
-        Term("activations: logits", max_seqs * tc["vocab_size"] * 4, f"{max_seqs} sequences × vocab {tc['vocab_size']}, fp32, gathered on every rank"),
+        Term(
+            "activations: MoE",
+            moe,
+            f"{chunk} tokens × top-{topk}: gate_up ({2 * math.ceil(inter / tp)}/rank) and down ({h}) outputs, bf16",
+        ),
+        Term(
+            "activations: logits",
+            max_seqs * tc["vocab_size"] * 4,
+            f"{max_seqs} sequences × vocab {tc['vocab_size']}, fp32, gathered on every rank",
+        ),
     ]
 
 
@@ -152,9 +168,17 @@ def make_plan(
         per_gpu += size * shard_fraction(spec, tc, tp)
     usable = int(gpu_mem * mem_fraction)
     terms = [
-        Term("usable memory", usable, f"{gpu_mem / GIB:.1f} GiB × {mem_fraction}: the rest is CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation"),
-        Term("weights", -int(per_gpu), f"checkpoint {checkpoint / GB:.1f} GB; replicated: q_a/kv_a, indexer, router, norms, vision; the rest / tp={tp}"
-             + (f"; MTP layers ({mtp / GB:.1f} GB) not loaded" if mtp else "")),
+        Term(
+            "usable memory",
+            usable,
+            f"{gpu_mem / GIB:.1f} GiB × {mem_fraction}: the rest is CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation",
+        ),
+        Term(
+            "weights",
+            -int(per_gpu),
+            f"checkpoint {checkpoint / GB:.1f} GB; replicated: q_a/kv_a, indexer, router, norms, vision; the rest / tp={tp}"
+            + (f"; MTP layers ({mtp / GB:.1f} GB) not loaded" if mtp else ""),
+        ),
     ]
     terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs)]
     pool = sum(t.bytes for t in terms)
@@ -162,16 +186,27 @@ def make_plan(
     per_token = num_layers * sum(per_layer.values())
     tokens = max(0, pool) // per_token // page_size * page_size
     return Plan(
-        model=model, weights=weights + (" --all-linear" if all_linear else ""), kv_dtype=kv_dtype, tp=tp,
-        checkpoint_bytes=int(checkpoint), weights_per_gpu=int(per_gpu), terms=terms,
-        kv_bytes_per_token=per_token, kv_bytes_per_token_per_layer=per_layer, kv_pool_bytes=pool, kv_tokens=tokens,
+        model=model,
+        weights=weights + (" --all-linear" if all_linear else ""),
+        kv_dtype=kv_dtype,
+        tp=tp,
+        checkpoint_bytes=int(checkpoint),
+        weights_per_gpu=int(per_gpu),
+        terms=terms,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_token_per_layer=per_layer,
+        kv_pool_bytes=pool,
+        kv_tokens=tokens,
     )
 
 
 def render(plan: Plan, num_layers: int) -> str:
-    lines = [f"{plan.model}: weights {plan.weights}, KV {plan.kv_dtype}, tp {plan.tp}",
-             f"  checkpoint          {plan.checkpoint_bytes / GB:10.1f} GB  ({plan.checkpoint_bytes / GIB:.1f} GiB)",
-             f"  weights per GPU     {plan.weights_per_gpu / GB:10.1f} GB  ({plan.weights_per_gpu / GIB:.1f} GiB)", "  per GPU:"]
+    lines = [
+        f"{plan.model}: weights {plan.weights}, KV {plan.kv_dtype}, tp {plan.tp}",
+        f"  checkpoint          {plan.checkpoint_bytes / GB:10.1f} GB  ({plan.checkpoint_bytes / GIB:.1f} GiB)",
+        f"  weights per GPU     {plan.weights_per_gpu / GB:10.1f} GB  ({plan.weights_per_gpu / GIB:.1f} GiB)",
+        "  per GPU:",
+    ]
     for t in plan.terms:
         lines.append(f"    {t.name:<32} {t.bytes / GIB:+9.2f} GiB   {t.reason}")
     lines.append(f"    {'= KV pool':<32} {plan.kv_pool_bytes / GIB:+9.2f} GiB")
@@ -185,17 +220,27 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 141GiB, 80GB)")
-    unit = {"GiB": GIB, "GB": GB, "MiB": 2**20, "MB": 10**6, "TiB": 2**40, "TB": 10**12, None: GIB}[m.group(2)]
+    unit = {"GiB": GIB, "GB": GB, "MiB": 2**20, "MB": 10**6, "TiB": 2**40, "TB": 10**12, None: GIB}[
+        m.group(2)
+    ]
     return int(float(m.group(1)) * unit)
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="kumo plan", description="Weight memory per GPU and KV tokens that fit.")
-    ap.add_argument("--model", required=True, type=Path, help="checkpoint or config-only folder (config.json)")
-    ap.add_argument("--gpu-mem", type=parse_bytes, default=parse_bytes("141GB"), help="memory per GPU, e.g. 141GB, 80GiB")
+    ap = argparse.ArgumentParser(
+        prog="kumo plan", description="Weight memory per GPU and KV tokens that fit."
+    )
+    ap.add_argument(
+        "--model", required=True, type=Path, help="checkpoint or config-only folder (config.json)"
+    )
+    ap.add_argument(
+        "--gpu-mem", type=parse_bytes, default=parse_bytes("141GB"), help="memory per GPU, e.g. 141GB, 80GiB"
+    )
     ap.add_argument("--tp", type=int, default=8, help="GPUs (tensor-parallel size)")
     ap.add_argument("--weights", default="native", choices=list(WeightFormat.__args__))  # type: ignore[attr-defined]
-    ap.add_argument("--all-linear", action="store_true", help="quantize every Linear but router, embeddings, lm_head")
+    ap.add_argument(
+        "--all-linear", action="store_true", help="quantize every Linear but router, embeddings, lm_head"
+    )
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"])
     ap.add_argument("--mem-fraction", type=float, default=0.90)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
@@ -205,8 +250,17 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     config = json.loads((a.model / "config.json").read_text())
     plan = make_plan(
-        config, model=a.model.name, gpu_mem=a.gpu_mem, tp=a.tp, weights=a.weights, all_linear=a.all_linear,
-        kv_dtype=a.kv_dtype, mem_fraction=a.mem_fraction, chunk=a.chunk, max_seqs=a.max_seqs, page_size=a.page_size,
+        config,
+        model=a.model.name,
+        gpu_mem=a.gpu_mem,
+        tp=a.tp,
+        weights=a.weights,
+        all_linear=a.all_linear,
+        kv_dtype=a.kv_dtype,
+        mem_fraction=a.mem_fraction,
+        chunk=a.chunk,
+        max_seqs=a.max_seqs,
+        page_size=a.page_size,
     )
     print(render(plan, text_config(config)["num_hidden_layers"]))
     if a.json:

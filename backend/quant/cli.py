@@ -35,7 +35,10 @@ from backend.quant.walker import quantize_tensor
 
 REPORT_FILE = "quantize_report.json"
 WEIGHTS: dict[str, tuple[Method, int]] = {
-    "int4-g32": ("int4", 32), "int4-g128": ("int4", 128), "fp8-channel": ("fp8-channel", 32), "fp8-block": ("fp8-block", 32),
+    "int4-g32": ("int4", 32),
+    "int4-g128": ("int4", 128),
+    "fp8-channel": ("fp8-channel", 32),
+    "fp8-block": ("fp8-block", 32),
 }
 
 
@@ -65,12 +68,17 @@ def is_quantizable(name: str, t: torch.Tensor, scheme: QuantScheme) -> bool:
     """A Linear's 2-D `.weight` the scheme targets (embeddings and norms are not Linears)."""
     module, _, leaf = name.rpartition(".")
     return (
-        leaf == "weight" and t.ndim == 2 and t.is_floating_point() and "embed_tokens" not in module
+        leaf == "weight"
+        and t.ndim == 2
+        and t.is_floating_point()
+        and "embed_tokens" not in module
         and scheme.applies_to(module, "Linear")
     )
 
 
-def convert_shard(src: Path, dst: Path, scheme: QuantScheme, classes: dict[str, ClassSize], bar: tqdm) -> list[str]:
+def convert_shard(
+    src: Path, dst: Path, scheme: QuantScheme, classes: dict[str, ClassSize], bar: tqdm
+) -> list[str]:
     """Convert one shard; return the tensor names written."""
     out: dict[str, torch.Tensor] = {}
     with safe_open(str(src), framework="pt") as f:
@@ -94,7 +102,9 @@ def convert_shard(src: Path, dst: Path, scheme: QuantScheme, classes: dict[str, 
     return list(out)
 
 
-def quantize_checkpoint(src: Path, dst: Path, scheme: QuantScheme, *, weights: str, all_linear: bool) -> SizeReport:
+def quantize_checkpoint(
+    src: Path, dst: Path, scheme: QuantScheme, *, weights: str, all_linear: bool
+) -> SizeReport:
     raw = json.loads((src / "config.json").read_text())
     if raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config"):
         raise CheckpointError(f"{src} is already quantized; convert from its BF16/FP32 checkpoint")
@@ -110,7 +120,11 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: QuantScheme, *, weights: s
         for file in files:
             weight_map.update({name: file.name for name in convert_shard(file, dst, scheme, classes, bar)})
     for item in src.iterdir():  # tokenizer, templates, generation config: unchanged
-        if item.is_file() and item.suffix != ".safetensors" and item.name not in (INDEX_FILE, "config.json", REPORT_FILE):
+        if (
+            item.is_file()
+            and item.suffix != ".safetensors"
+            and item.name not in (INDEX_FILE, "config.json", REPORT_FILE)
+        ):
             shutil.copy2(item, dst / item.name)
     raw["quantization_config"] = config_dict(scheme)
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
@@ -118,8 +132,14 @@ def quantize_checkpoint(src: Path, dst: Path, scheme: QuantScheme, *, weights: s
     index = {"metadata": {"total_size": dest_total}, "weight_map": dict(sorted(weight_map.items()))}
     (dst / INDEX_FILE).write_text(json.dumps(index, indent=2))
     source_total = sum(c.source_bytes for c in classes.values())
-    report = SizeReport(weights=weights, all_linear=all_linear, source_bytes=source_total, dest_bytes=dest_total,
-                        ratio=dest_total / source_total, classes=dict(sorted(classes.items())))
+    report = SizeReport(
+        weights=weights,
+        all_linear=all_linear,
+        source_bytes=source_total,
+        dest_bytes=dest_total,
+        ratio=dest_total / source_total,
+        classes=dict(sorted(classes.items())),
+    )
     (dst / REPORT_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(report)))
     return report
 
@@ -136,31 +156,53 @@ def calibrate_kv(src: Path, dst: Path, prompts_file: Path | None) -> None:
         from backend.tokenizer import load_tokenizer
 
         tok = load_tokenizer(src)
-        lines = [json.loads(x).get("text", "") if x.startswith("{") else x for x in prompts_file.read_text().splitlines()]
+        lines = [
+            json.loads(x).get("text", "") if x.startswith("{") else x
+            for x in prompts_file.read_text().splitlines()
+        ]
         prompts = [[i for i in tok.encode(x) if i < vocab] for x in lines if x.strip()]
     scales = kv_scales.calibrate(loaded.model, prompts, model_dtype=torch.float32)
     kv_scales.save(dst, scales, loaded.config.weight_prefix)
     raw = json.loads((dst / "config.json").read_text())
-    raw["quantization_config"]["kv_cache_scheme"] = msgspec.to_builtins(QuantScheme.build("int4", kv_cache_fp8=True).to_config())["kv_cache_scheme"]
+    raw["quantization_config"]["kv_cache_scheme"] = msgspec.to_builtins(
+        QuantScheme.build("int4", kv_cache_fp8=True).to_config()
+    )["kv_cache_scheme"]
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="kumo quantize", description="Convert a checkpoint to INT4 or FP8 weights.")
+    ap = argparse.ArgumentParser(
+        prog="kumo quantize", description="Convert a checkpoint to INT4 or FP8 weights."
+    )
     ap.add_argument("paths", nargs="*", type=Path, help="SRC DST (or --src/--dst)")
     ap.add_argument("--src", type=Path)
     ap.add_argument("--dst", type=Path)
     ap.add_argument("--weights", choices=list(WEIGHTS))
-    ap.add_argument("--scheme", choices=["int4", "fp8", "fp8-block"], help="with --group-size: another way to say --weights")
+    ap.add_argument(
+        "--scheme",
+        choices=["int4", "fp8", "fp8-block"],
+        help="with --group-size: another way to say --weights",
+    )
     ap.add_argument("--group-size", type=int, choices=[32, 128], default=32)
-    ap.add_argument("--all-linear", action="store_true", help="every Linear but router, embeddings and lm_head")
-    ap.add_argument("--kv-calibrate", type=Path, help="prompts (one per line, or JSONL with `text`) for FP8 KV scales")
-    ap.add_argument("--kv-scales", action="store_true", help="calibrate FP8 KV scales on the built-in prompts")
+    ap.add_argument(
+        "--all-linear", action="store_true", help="every Linear but router, embeddings and lm_head"
+    )
+    ap.add_argument(
+        "--kv-calibrate", type=Path, help="prompts (one per line, or JSONL with `text`) for FP8 KV scales"
+    )
+    ap.add_argument(
+        "--kv-scales", action="store_true", help="calibrate FP8 KV scales on the built-in prompts"
+    )
     a = ap.parse_args(argv)
     src, dst = (a.paths + [None, None])[:2] if a.paths else (a.src, a.dst)
     if src is None or dst is None:
         ap.error("give SRC and DST (positional or --src/--dst)")
-    weights = a.weights or {"int4": f"int4-g{a.group_size}", "fp8": "fp8-channel", "fp8-block": "fp8-block", None: None}[a.scheme]
+    weights = (
+        a.weights
+        or {"int4": f"int4-g{a.group_size}", "fp8": "fp8-channel", "fp8-block": "fp8-block", None: None}[
+            a.scheme
+        ]
+    )
     if weights is None:
         ap.error("give --weights (or --scheme)")
     method, group = WEIGHTS[weights]
@@ -168,9 +210,13 @@ def main(argv: list[str]) -> int:
     report = quantize_checkpoint(src, dst, scheme, weights=weights, all_linear=a.all_linear)
     if a.kv_calibrate or a.kv_scales:
         calibrate_kv(src, dst, a.kv_calibrate)
-    print(f"{src} -> {dst}: {report.source_bytes / 1e9:.3f} GB -> {report.dest_bytes / 1e9:.3f} GB (×{report.ratio:.3f})")
+    print(
+        f"{src} -> {dst}: {report.source_bytes / 1e9:.3f} GB -> {report.dest_bytes / 1e9:.3f} GB (×{report.ratio:.3f})"
+    )
     for name, c in report.classes.items():
-        print(f"  {name:<16} {c.source_bytes / 1e6:12.2f} MB -> {c.dest_bytes / 1e6:12.2f} MB  ({c.num_quantized}/{c.num_tensors} quantized)")
+        print(
+            f"  {name:<16} {c.source_bytes / 1e6:12.2f} MB -> {c.dest_bytes / 1e6:12.2f} MB  ({c.num_quantized}/{c.num_tensors} quantized)"
+        )
     return 0
 
 

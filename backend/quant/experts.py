@@ -70,7 +70,10 @@ class QuantExperts(nn.Module):
                 self._buffer("gate_up_scale", (El, 2 * I, 1), torch.float32)
                 self._buffer("down_scale", (El, H, 1), torch.float32)
                 for p in _PROJS:
-                    self._params[(p, "weight_scale")] = ("down_scale" if p == "down_proj" else "gate_up_scale", gu[p])
+                    self._params[(p, "weight_scale")] = (
+                        "down_scale" if p == "down_proj" else "gate_up_scale",
+                        gu[p],
+                    )
             else:
                 bn, bk = scheme.block
                 for p in _PROJS:
@@ -92,18 +95,26 @@ class QuantExperts(nn.Module):
     def load_expert_part(self, expert: int, proj: str, tensor_name: str, w: torch.Tensor) -> tuple[str, int]:
         """One tensor `experts.{expert}.{proj}.{tensor_name}`; returns (buffer it filled, count)."""
         if tensor_name == "weight_shape":
-            n, k = (self.hidden, self.intermediate) if proj == "down_proj" else (self.intermediate, self.hidden)
+            n, k = (
+                (self.hidden, self.intermediate) if proj == "down_proj" else (self.intermediate, self.hidden)
+            )
             if [int(v) for v in w.tolist()] != [n, k]:
                 raise CheckpointError(f"experts.{expert}.{proj}.weight_shape {w.tolist()} != [{n}, {k}]")
             return "", 0
         if (proj, tensor_name) not in self._params:
-            raise CheckpointError(f"unexpected tensor experts.{expert}.{proj}.{tensor_name} for {self.scheme.method} experts")
+            raise CheckpointError(
+                f"unexpected tensor experts.{expert}.{proj}.{tensor_name} for {self.scheme.method} experts"
+            )
         buffer, rows = self._params[(proj, tensor_name)]
         if not self.e0 <= expert < self.e1:
             return buffer, 0
         if tensor_name == "weight" and w.dtype != FP8:
             raise CheckpointError(f"experts.{expert}.{proj}.weight is {w.dtype}, expected {FP8}")
-        _copy(getattr(self, buffer)[expert - self.e0, rows], w.reshape(getattr(self, buffer)[0, rows].shape), f"experts.{expert}.{proj}.{tensor_name}")
+        _copy(
+            getattr(self, buffer)[expert - self.e0, rows],
+            w.reshape(getattr(self, buffer)[0, rows].shape),
+            f"experts.{expert}.{proj}.{tensor_name}",
+        )
         return buffer, 1
 
     def load_expert(self, expert: int, proj: str, w: torch.Tensor) -> int:

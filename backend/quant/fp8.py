@@ -26,7 +26,9 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def from_fp8(q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def from_fp8(
+    q: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return (q.float() * scale).to(dtype)
 
 
@@ -57,9 +59,7 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int])
     return scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
 
 
-def quantize_fp8_block(
-    w: torch.Tensor, block: tuple[int, int] = BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (weight fp8 [N, K], weight_scale_inv float32 [Bn, Bk])."""
     if w.ndim != 2:
         raise ValueError(f"quantize_fp8_block takes a 2-D weight, got shape {tuple(w.shape)}")

@@ -63,14 +63,20 @@ def scale_names(layer: int, cache_name: str, prefix: str = "") -> tuple[str, ...
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, prompts: list[list[int]], *, model_dtype: torch.dtype) -> list[dict[str, float]]:
+def calibrate(
+    model: nn.Module, prompts: list[list[int]], *, model_dtype: torch.dtype
+) -> list[dict[str, float]]:
     """Per layer, per cached tensor: amax over every prompt's cache / 448."""
     runner = PromptRunner(model, model_dtype=model_dtype)
     amax: list[dict[str, float]] | None = None
     for ids in prompts:
         runner.logits(ids)
         seen = runner.cache_amax(len(ids))
-        amax = seen if amax is None else [{k: max(a[k], s[k]) for k in a} for a, s in zip(amax, seen, strict=True)]
+        amax = (
+            seen
+            if amax is None
+            else [{k: max(a[k], s[k]) for k in a} for a, s in zip(amax, seen, strict=True)]
+        )
     if amax is None:
         raise ValueError("calibration needs at least one prompt")
     return [{k: max(v, 1e-12) / FP8_MAX for k, v in layer.items()} for layer in amax]
@@ -141,6 +147,8 @@ def scales_for_serving(
     log.warning(
         "%s ships no FP8 KV-cache scales (%s): calibrating on %d built-in prompts; "
         "run `kumo quantize --kv-calibrate FILE` for scales from your own traffic",
-        path, KV_SCALE_FILE, len(BUILTIN_PROMPTS),
+        path,
+        KV_SCALE_FILE,
+        len(BUILTIN_PROMPTS),
     )
     return calibrate(model, builtin_prompt_ids(path, vocab_size), model_dtype=model_dtype)

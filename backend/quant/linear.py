@@ -53,7 +53,9 @@ class _QuantLinear(nn.Module):
         self.is_row_parallel = self.in_range != (0, in_features)
         self.out_local = self.out_range[1] - self.out_range[0]
         self.in_local = self.in_range[1] - self.in_range[0]
-        self.bias = nn.Parameter(torch.zeros(self.out_local, dtype=bias_dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.zeros(self.out_local, dtype=bias_dtype), requires_grad=False) if bias else None
+        )
         self.dense_dtype = bias_dtype  # the dtype the unquantized layer had
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -76,11 +78,17 @@ class _QuantLinear(nn.Module):
 
     def _load_common(self, name: str, full: torch.Tensor) -> bool:
         if name == "bias" and self.bias is not None:
-            _copy(self.bias, self._rows(full) if self.in_range[0] == 0 else torch.zeros_like(self._rows(full)), name)
+            _copy(
+                self.bias,
+                self._rows(full) if self.in_range[0] == 0 else torch.zeros_like(self._rows(full)),
+                name,
+            )
             return True
         if name == "weight_shape":
             if [int(v) for v in full.tolist()] != [self.out_features, self.in_features]:
-                raise CheckpointError(f"weight_shape {full.tolist()} != [{self.out_features}, {self.in_features}]")
+                raise CheckpointError(
+                    f"weight_shape {full.tolist()} != [{self.out_features}, {self.in_features}]"
+                )
             return True
         return False
 
@@ -91,11 +99,27 @@ class _QuantLinear(nn.Module):
 class Int4Linear(_QuantLinear):
     """W4A16: symmetric INT4 weights with one BF16 scale per `group_size` inputs."""
 
-    def __init__(self, in_features: int, out_features: int, *, group_size: int = 32, bias: bool = False,
-                 out_range: Range | None = None, in_range: Range | None = None, shard: Shard | None = None,
-                 bias_dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(in_features, out_features, bias=bias, out_range=out_range, in_range=in_range,
-                         shard=shard, bias_dtype=bias_dtype)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group_size: int = 32,
+        bias: bool = False,
+        out_range: Range | None = None,
+        in_range: Range | None = None,
+        shard: Shard | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            bias=bias,
+            out_range=out_range,
+            in_range=in_range,
+            shard=shard,
+            bias_dtype=bias_dtype,
+        )
         self.group_size = group_size
         N, K = self.out_local, self.in_local
         self.register_buffer("weight_packed", torch.zeros(N, math.ceil(K / 8), dtype=torch.int32))
@@ -103,9 +127,16 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int32))
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32) -> Int4Linear:
-        mod = cls(w.shape[1], w.shape[0], group_size=group_size, bias=bias is not None,
-                  bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
+    def from_weight(
+        cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
+    ) -> Int4Linear:
+        mod = cls(
+            w.shape[1],
+            w.shape[0],
+            group_size=group_size,
+            bias=bias is not None,
+            bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
+        )
         packed, scale = quantize_int4(w.detach(), group_size)
         mod.weight_packed.copy_(packed)
         mod.weight_scale.copy_(scale)
@@ -129,11 +160,27 @@ class Int4Linear(_QuantLinear):
 class Fp8Linear(_QuantLinear):
     """FP8 e4m3 weights with per-output-channel scales, or 2-D block scales when `block` is set."""
 
-    def __init__(self, in_features: int, out_features: int, *, block: tuple[int, int] | None = None,
-                 bias: bool = False, out_range: Range | None = None, in_range: Range | None = None,
-                 shard: Shard | None = None, bias_dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(in_features, out_features, bias=bias, out_range=out_range, in_range=in_range,
-                         shard=shard, bias_dtype=bias_dtype)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        block: tuple[int, int] | None = None,
+        bias: bool = False,
+        out_range: Range | None = None,
+        in_range: Range | None = None,
+        shard: Shard | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__(
+            in_features,
+            out_features,
+            bias=bias,
+            out_range=out_range,
+            in_range=in_range,
+            shard=shard,
+            bias_dtype=bias_dtype,
+        )
         self.block = block
         N, K = self.out_local, self.in_local
         self.register_buffer("weight", torch.zeros(N, K, dtype=FP8))
@@ -141,15 +188,23 @@ class Fp8Linear(_QuantLinear):
             self.register_buffer("weight_scale", torch.ones(N, 1, dtype=torch.float32))
         else:
             if self.out_range[0] % block[0] or self.in_range[0] % block[1]:
-                raise CheckpointError(f"FP8 blocks {block} do not align with ranges {self.out_range}, {self.in_range}")
+                raise CheckpointError(
+                    f"FP8 blocks {block} do not align with ranges {self.out_range}, {self.in_range}"
+                )
             shape = (math.ceil(N / block[0]), math.ceil(K / block[1]))
             self.register_buffer("weight_scale_inv", torch.ones(shape, dtype=torch.float32))
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
-                    block: tuple[int, int] | None = None) -> Fp8Linear:
-        mod = cls(w.shape[1], w.shape[0], block=block, bias=bias is not None,
-                  bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
+    def from_weight(
+        cls, w: torch.Tensor, bias: torch.Tensor | None = None, block: tuple[int, int] | None = None
+    ) -> Fp8Linear:
+        mod = cls(
+            w.shape[1],
+            w.shape[0],
+            block=block,
+            bias=bias is not None,
+            bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
+        )
         if block is None:
             q, s = quantize_fp8_channel(w.detach())
             mod.weight_scale.copy_(s)
@@ -169,7 +224,9 @@ class Fp8Linear(_QuantLinear):
         elif name == "weight_scale" and self.block is None:
             _copy(self.weight_scale, self._rows(full).reshape(-1, 1), name)
         elif name == "weight_scale_inv" and self.block is not None:
-            _copy(self.weight_scale_inv, self._cols(self._rows(full, self.block[0]), self.block[1], name), name)
+            _copy(
+                self.weight_scale_inv, self._cols(self._rows(full, self.block[0]), self.block[1], name), name
+            )
         elif not self._load_common(name, full):
             raise CheckpointError(f"unexpected tensor {name!r} for an FP8 linear layer")
         return 1

@@ -38,7 +38,13 @@ class PromptRunner:
         pages = math.ceil(num_tokens / self.page_size)
         specs = self.model.cache_specs()  # type: ignore[operator]
         return KVCache.allocate(
-            specs, pages, self.page_size, self.kv_dtype, self.model_dtype, device=self.device, scales=self.scales
+            specs,
+            pages,
+            self.page_size,
+            self.kv_dtype,
+            self.model_dtype,
+            device=self.device,
+            scales=self.scales,
         )
 
     def _step(self, ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -54,7 +60,9 @@ class PromptRunner:
             seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
             page_table=torch.arange(num_pages, dtype=torch.int32, device=dev)[None],
             expected_tags=kv.page_tags[None, :num_pages].clone(),
-            slot_mapping=torch.arange(start, end, dtype=torch.int64, device=dev),  # pages in order: slot = position
+            slot_mapping=torch.arange(
+                start, end, dtype=torch.int64, device=dev
+            ),  # pages in order: slot = position
             logits_indices=torch.arange(n, dtype=torch.int64, device=dev),
             kv_cache=kv,
             tag_mismatch=torch.zeros(1, dtype=torch.bool, device=dev),

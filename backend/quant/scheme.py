@@ -103,7 +103,9 @@ class QuantScheme(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_fp8: bool = False
 
     @classmethod
-    def build(cls, method: Method, *, group_size: int = 32, all_linear: bool = False, kv_cache_fp8: bool = False) -> QuantScheme:
+    def build(
+        cls, method: Method, *, group_size: int = 32, all_linear: bool = False, kv_cache_fp8: bool = False
+    ) -> QuantScheme:
         ignore = ALL_LINEAR_IGNORE if all_linear else ROUTED_EXPERTS_IGNORE
         return cls(method=method, group_size=group_size, ignore=ignore, kv_cache_fp8=kv_cache_fp8)
 
@@ -114,7 +116,9 @@ class QuantScheme(msgspec.Struct, frozen=True, kw_only=True):
 
     def to_config(self) -> QuantizationConfig:
         if self.method == "fp8-block":
-            return DeepSeekFp8Config(weight_block_size=list(self.block), modules_to_not_convert=list(self.ignore))
+            return DeepSeekFp8Config(
+                weight_block_size=list(self.block), modules_to_not_convert=list(self.ignore)
+            )
         if self.method == "int4":
             weights = WeightArgs(num_bits=4, type="int", strategy="group", group_size=self.group_size)
             fmt = "pack-quantized"

@@ -65,7 +65,12 @@ def _norm(specs: list[TensorSpec], name: str, dim: int, bias: bool = False) -> N
 def _attention(specs: list[TensorSpec], p: str, tc: dict[str, Any]) -> None:
     h, heads = tc["hidden_size"], tc["num_attention_heads"]
     if is_mla(tc):
-        nope, rope, v, kv = tc["qk_nope_head_dim"], tc["qk_rope_head_dim"], tc["v_head_dim"], tc["kv_lora_rank"]
+        nope, rope, v, kv = (
+            tc["qk_nope_head_dim"],
+            tc["qk_rope_head_dim"],
+            tc["v_head_dim"],
+            tc["kv_lora_rank"],
+        )
         q_lora = tc.get("q_lora_rank")
         if q_lora:
             _linear(specs, f"{p}.q_a_proj", q_lora, h)
@@ -123,7 +128,9 @@ def _vision(specs: list[TensorSpec], vc: dict[str, Any], text_hidden: int) -> No
     d, mlp, p = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"]
     specs.append(TensorSpec("vision_tower.patch_embed.proj.weight", (d, 3, p, p)))
     specs.append(TensorSpec("vision_tower.patch_embed.proj.bias", (d,)))
-    specs.append(TensorSpec("vision_tower.patch_embed.pos_emb.weight", (vc["pos_emb_height"], vc["pos_emb_width"], d)))
+    specs.append(
+        TensorSpec("vision_tower.patch_embed.pos_emb.weight", (vc["pos_emb_height"], vc["pos_emb_width"], d))
+    )
     for i in range(vc["num_hidden_layers"]):
         b = f"vision_tower.encoder.blocks.{i}"
         _norm(specs, f"{b}.norm0", d, bias=True)

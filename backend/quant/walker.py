@@ -41,8 +41,13 @@ def _empty_linear(scheme: QuantScheme, m: Linear | nn.Linear) -> QuantLinear:
     if isinstance(m, nn.Linear):
         geometry = dict(bias=m.bias is not None, bias_dtype=m.weight.dtype)
     else:
-        geometry = dict(bias=m.bias is not None, out_range=m.out_range, in_range=m.in_range, shard=m.shard,
-                        bias_dtype=m.weight.dtype)
+        geometry = dict(
+            bias=m.bias is not None,
+            out_range=m.out_range,
+            in_range=m.in_range,
+            shard=m.shard,
+            bias_dtype=m.weight.dtype,
+        )
     if scheme.method == "int4":
         return Int4Linear(m.in_features, m.out_features, group_size=scheme.group_size, **geometry)  # type: ignore[arg-type]
     block = scheme.block if scheme.method == "fp8-block" else None
@@ -50,15 +55,20 @@ def _empty_linear(scheme: QuantScheme, m: Linear | nn.Linear) -> QuantLinear:
 
 
 def _empty_experts(scheme: QuantScheme, m: Experts) -> QuantExperts:
-    return QuantExperts(scheme, e0=m.e0, e1=m.e1, hidden=m.down_proj.shape[1], intermediate=m.intermediate, act=m.act)
+    return QuantExperts(
+        scheme, e0=m.e0, e1=m.e1, hidden=m.down_proj.shape[1], intermediate=m.intermediate, act=m.act
+    )
 
 
 def _targets(model: nn.Module, scheme: QuantScheme) -> list[tuple[str, nn.Module]]:
     found = []
     for name, m in model.named_modules():
-        if isinstance(m, Linear | nn.Linear) and scheme.applies_to(name, "Linear"):
-            found.append((name, m))
-        elif isinstance(m, Experts) and scheme.applies_to(f"{name}.{m.e0}.gate_proj", "Linear"):
+        if (
+            isinstance(m, Linear | nn.Linear)
+            and scheme.applies_to(name, "Linear")
+            or isinstance(m, Experts)
+            and scheme.applies_to(f"{name}.{m.e0}.gate_proj", "Linear")
+        ):
             found.append((name, m))
     return found
 
@@ -91,9 +101,15 @@ def dequantize_after_load(model: nn.Module) -> list[str]:
     names = []
     for name, m in list(model.named_modules()):
         if isinstance(m, Int4Linear | Fp8Linear) and name.rpartition(".")[2] in _READ_AS_MATRIX:
-            dense = Linear(m.in_features, m.out_features, dtype=m.dense_dtype, bias=m.bias is not None,
-                           out_range=m.out_range, in_range=m.in_range, shard=m.shard).to(m.weight_scale.device
-                           if hasattr(m, "weight_scale") else m.weight_scale_inv.device)
+            dense = Linear(
+                m.in_features,
+                m.out_features,
+                dtype=m.dense_dtype,
+                bias=m.bias is not None,
+                out_range=m.out_range,
+                in_range=m.in_range,
+                shard=m.shard,
+            ).to(m.weight_scale.device if hasattr(m, "weight_scale") else m.weight_scale_inv.device)
             dense.weight.copy_(m.dequantized_weight(m.dense_dtype))
             if m.bias is not None:
                 dense.bias.copy_(m.bias)  # type: ignore[union-attr]
@@ -111,8 +127,11 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> list[str]:
             new = _empty_experts(scheme, m)
             I = m.intermediate
             for e in range(m.e1 - m.e0):
-                for proj, w in (("gate_proj", m.gate_up_proj[e, :I]), ("up_proj", m.gate_up_proj[e, I:]),
-                                ("down_proj", m.down_proj[e])):
+                for proj, w in (
+                    ("gate_proj", m.gate_up_proj[e, :I]),
+                    ("up_proj", m.gate_up_proj[e, I:]),
+                    ("down_proj", m.down_proj[e]),
+                ):
                     for tensor_name, t in quantize_tensor(scheme, w).items():
                         new.load_expert_part(m.e0 + e, proj, tensor_name, t)
         else:
@@ -133,8 +152,11 @@ def quantize_tensor(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Ten
     """One float weight [N, K] -> the checkpoint tensors of its quantized form."""
     if scheme.method == "int4":
         packed, scale = quantize_int4(w, scheme.group_size)
-        return {"weight_packed": packed, "weight_scale": scale,
-                "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}
+        return {
+            "weight_packed": packed,
+            "weight_scale": scale,
+            "weight_shape": torch.tensor(list(w.shape), dtype=torch.int32),
+        }
     if scheme.method == "fp8-channel":
         q, s = quantize_fp8_channel(w)
         return {"weight": q, "weight_scale": s}

@@ -24,7 +24,13 @@ from tests.backend.conformance import reference_greedy, reference_logits
 from tests.backend.tiny_checkpoints import load_reference, make_tiny
 
 QUESTIONS = ["Capital of France?", "2 + 2 =", "Colour of the sky:", "Opposite of hot:", "First letter:"]
-CHOICES = [["Paris", "Rome", "Oslo"], ["4", "5", "22"], ["blue", "green"], ["cold", "warm", "odd"], ["a", "b", "z"]]
+CHOICES = [
+    ["Paris", "Rome", "Oslo"],
+    ["4", "5", "22"],
+    ["blue", "green"],
+    ["cold", "warm", "odd"],
+    ["a", "b", "z"],
+]
 PROMPTS = ["Once upon a time", "def f(x):", "Q: 7*6? A:"]
 TEXT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -57,7 +63,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     gen = []
     for p in PROMPTS:
         out = reference_greedy(ref, tok.encode(p).ids, 6)
-        out = out[: next((i for i, t in enumerate(out) if t in (1, 2)), len(out))]  # generation_config eos [1, 2]
+        out = out[
+            : next((i for i, t in enumerate(out) if t in (1, 2)), len(out))
+        ]  # generation_config eos [1, 2]
         gen.append({"prompt": p, "answer": tok.decode(out)})
     (root / "gen.jsonl").write_text("\n".join(json.dumps(x) for x in gen))
     (root / "text.txt").write_text(TEXT)
@@ -66,12 +74,33 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return src, dst, root
 
 
-def test_eval_two_variants_against_transformers(setup: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+def test_eval_two_variants_against_transformers(
+    setup: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     src, dst, root = setup
     out = root / "report.json"
-    args = ["--variant", f"ref={src}", "--variant", f"same={src}", "--variant", f"int4={dst}",
-            "--variant", f"fp8kv={src}:kv=fp8", "--data", str(root / "mc.jsonl"), "--data", str(root / "gen.jsonl"),
-            "--text", str(root / "text.txt"), "--max-new-tokens", "6", "--window", "64", "--out", str(out)]
+    args = [
+        "--variant",
+        f"ref={src}",
+        "--variant",
+        f"same={src}",
+        "--variant",
+        f"int4={dst}",
+        "--variant",
+        f"fp8kv={src}:kv=fp8",
+        "--data",
+        str(root / "mc.jsonl"),
+        "--data",
+        str(root / "gen.jsonl"),
+        "--text",
+        str(root / "text.txt"),
+        "--max-new-tokens",
+        "6",
+        "--window",
+        "64",
+        "--out",
+        str(out),
+    ]
     with caplog.at_level(logging.WARNING):
         assert main(args) == 0
     assert any("no FP8 KV-cache scales" in r.getMessage() for r in caplog.records)

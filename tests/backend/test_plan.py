@@ -87,10 +87,30 @@ def test_stored_bytes_per_format() -> None:
 
 def test_cli_prints_every_term_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    rc = main(["--model", str(CONFIGS / "kimi-k2.6"), "--gpu-mem", "141GB", "--tp", "8", "--kv-dtype", "fp8", "--json", str(out)])
+    rc = main(
+        [
+            "--model",
+            str(CONFIGS / "kimi-k2.6"),
+            "--gpu-mem",
+            "141GB",
+            "--tp",
+            "8",
+            "--kv-dtype",
+            "fp8",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("usable memory", "weights", "activations: MoE", "activations: logits", "KV bytes per token", "KV tokens that fit"):
+    for word in (
+        "usable memory",
+        "weights",
+        "activations: MoE",
+        "activations: logits",
+        "KV bytes per token",
+        "KV tokens that fit",
+    ):
         assert word in text
     plan = json.loads(out.read_text())
     assert plan["kv_bytes_per_token"] == 35_136 and plan["kv_tokens"] > 1_300_000

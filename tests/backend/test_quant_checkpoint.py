@@ -46,7 +46,11 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _logits(path_or_model: Path | torch.nn.Module, **kw: object) -> torch.Tensor:
-    model = load_model(path_or_model, dtype=torch.float32).model if isinstance(path_or_model, Path) else path_or_model
+    model = (
+        load_model(path_or_model, dtype=torch.float32).model
+        if isinstance(path_or_model, Path)
+        else path_or_model
+    )
     return PromptRunner(model, model_dtype=torch.float32, **kw).logits(IDS)  # type: ignore[arg-type]
 
 
@@ -92,7 +96,9 @@ def test_written_int4_tensors_decompress_with_compressed_tensors(src: Path, tmp_
     for proj in ("gate_proj", "down_proj"):
         p = f"model.layers.2.mlp.experts.5.{proj}"
         state = {k: out[f"{p}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape")}
-        theirs = PackedQuantizationCompressor.decompress(state, QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+        theirs = PackedQuantizationCompressor.decompress(
+            state, QuantizationScheme(targets=["Linear"], weights=args)
+        )["weight"]
         n, k = state["weight_shape"].tolist()
         assert torch.equal(dequantize_int4(state["weight_packed"], state["weight_scale"], k), theirs)
         step = state["weight_scale"].float().repeat_interleave(32, 1)
@@ -100,7 +106,9 @@ def test_written_int4_tensors_decompress_with_compressed_tensors(src: Path, tmp_
         assert bool(((ours - original[f"{p}.weight"]).abs() <= step * 0.53).all())
 
 
-@pytest.mark.parametrize(("arch", "weights"), [("glm_moe_dsa", "int4-g32"), ("glm4_moe", "fp8-block"), ("kimi_k2", "fp8-channel")])
+@pytest.mark.parametrize(
+    ("arch", "weights"), [("glm_moe_dsa", "int4-g32"), ("glm4_moe", "fp8-block"), ("kimi_k2", "fp8-channel")]
+)
 def test_checkpoint_on_disk_equals_quantizing_in_memory(arch: str, weights: str, tmp_path: Path) -> None:
     """Every architecture, --all-linear: loading the written checkpoint gives the very model that
     quantizing the float model in memory gives (the loader puts every tensor where it belongs)."""
@@ -122,7 +130,10 @@ def test_fp8_kv_scales_calibrated_stored_and_better_than_one(src: Path, tmp_path
         names = set(f.keys())
     assert {"model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale"} <= names
     assert "model.layers.0.self_attn.k_scale" in json.loads((dst / INDEX_FILE).read_text())["weight_map"]
-    assert json.loads((dst / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["num_bits"] == 8
+    assert (
+        json.loads((dst / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["num_bits"]
+        == 8
+    )
     model = load_model(dst, dtype=torch.float32).model  # the scales do not disturb weight loading
     scales = kv_scales.read(dst, [[s.name for s in layer] for layer in model.cache_specs()])
     assert scales is not None and all(0 < layer["latent"] < 1 for layer in scales)
@@ -139,7 +150,9 @@ def test_serving_fp8_without_scales_calibrates_and_warns(src: Path, caplog: pyte
     model = load_model(src, dtype=torch.float32).model
     with caplog.at_level(logging.WARNING, logger="backend.quant.kv_scales"):
         scales = kv_scales.scales_for_serving(src, model, model_dtype=torch.float32, vocab_size=256)
-    assert any(str(src) in r.getMessage() and "no FP8 KV-cache scales" in r.getMessage() for r in caplog.records)
+    assert any(
+        str(src) in r.getMessage() and "no FP8 KV-cache scales" in r.getMessage() for r in caplog.records
+    )
     assert len(scales) == 3 and all(s["latent"] != 1.0 for s in scales)
 
 
@@ -150,8 +163,10 @@ def test_streaming_peak_memory_is_about_one_shard(tmp_path: Path) -> None:
     weight_map = {}
     g = torch.Generator().manual_seed(0)
     for s in range(num_shards):
-        tensors = {f"model.layers.{s}.mlp.experts.{e}.gate_proj.weight": torch.randn(256, 1024, generator=g)
-                   for e in range(per_shard)}  # 1 MiB each
+        tensors = {
+            f"model.layers.{s}.mlp.experts.{e}.gate_proj.weight": torch.randn(256, 1024, generator=g)
+            for e in range(per_shard)
+        }  # 1 MiB each
         name = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
         save_file(tensors, str(src / name))
         weight_map.update({k: name for k in tensors})
@@ -160,17 +175,27 @@ def test_streaming_peak_memory_is_about_one_shard(tmp_path: Path) -> None:
     shard_bytes = max(f.stat().st_size for f in src.glob("*.safetensors"))
 
     def peak(call: str) -> int:
-        code = ("import resource, sys, torch, safetensors.torch, tqdm; from backend.quant.cli import main; "
-                f"{call}; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-        res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+        code = (
+            "import resource, sys, torch, safetensors.torch, tqdm; from backend.quant.cli import main; "
+            f"{call}; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        )
+        res = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        )
         return int(res.stdout.strip().splitlines()[-1]) * 1024
 
     baseline = peak("torch.randn(256, 1024) @ torch.randn(1024, 8)")
     used = peak(f"main(['{src}', '{tmp_path / 'dst'}', '--weights', 'int4-g32'])") - baseline
     assert len(list((tmp_path / "dst").glob("*.safetensors"))) == num_shards
     print(f"peak over baseline {used / 2**20:.1f} MiB, largest shard {shard_bytes / 2**20:.1f} MiB")
-    assert used <= 1.5 * shard_bytes, f"peak {used / 2**20:.1f} MiB over baseline, shard {shard_bytes / 2**20:.1f} MiB"
+    assert used <= 1.5 * shard_bytes, (
+        f"peak {used / 2**20:.1f} MiB over baseline, shard {shard_bytes / 2**20:.1f} MiB"
+    )
 
 
 @pytest.mark.parametrize(
@@ -193,7 +218,12 @@ def test_kv_scales_per_cached_tensor_with_vllm_names(arch: str, names: set[str],
     kv_scales.save(src, scales)
     with safe_open(str(src / kv_scales.KV_SCALE_FILE), framework="pt") as f:
         stored = set(f.keys())
-    expected = {"index_k": "self_attn.indexer.k_scale", "latent": "self_attn.v_scale", "k": "self_attn.k_scale", "v": "self_attn.v_scale"}
+    expected = {
+        "index_k": "self_attn.indexer.k_scale",
+        "latent": "self_attn.v_scale",
+        "k": "self_attn.k_scale",
+        "v": "self_attn.v_scale",
+    }
     assert {f"model.layers.0.{expected[n]}" for n in names} <= stored
     specs = [[s.name for s in layer] for layer in model.cache_specs()]
     assert kv_scales.read(src, specs) == [{n: pytest.approx(v) for n, v in layer.items()} for layer in scales]

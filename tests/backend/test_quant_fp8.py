@@ -26,12 +26,17 @@ def test_block_scales_on_shapes_not_divisible_by_128(shape: tuple[int, int]) -> 
     q, s = quantize_fp8_block(w)
     assert q.dtype == FP8 and q.shape == shape
     assert s.dtype == torch.float32 and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
-    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128])
+    args = QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]
+    )
     ref = ct_dequantize(q, s, None, args, dtype=torch.float32)
     ours = dequantize_fp8_block(q, s, dtype=torch.float32)
     assert torch.equal(ours, ref)
     err = (ours - w.float()).abs()
-    per_elem_bound = w.float().abs() * E4M3_REL + s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]] * 2.0**-9
+    per_elem_bound = (
+        w.float().abs() * E4M3_REL
+        + s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]] * 2.0**-9
+    )
     assert bool((err <= per_elem_bound).all())
     if shape[0] > 128 and shape[1] > 128:
         assert float(s[1, 1]) < float(s[0, 0]) / 5

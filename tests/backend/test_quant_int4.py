@@ -41,7 +41,9 @@ def test_nibble_order_is_little_endian_along_in() -> None:
 
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("shape", [(11, 256), (64, 384), (1, 128)])
-def test_kumo_checkpoint_decompresses_with_compressed_tensors(group_size: int, shape: tuple[int, int]) -> None:
+def test_kumo_checkpoint_decompresses_with_compressed_tensors(
+    group_size: int, shape: tuple[int, int]
+) -> None:
     w = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     packed, scale = quantize_int4(w, group_size)
     assert scale.dtype == torch.bfloat16 and scale.shape == (shape[0], shape[1] // group_size)
@@ -62,7 +64,9 @@ def test_quantize_matches_compressed_tensors_minmax(group_size: int) -> None:
     assert torch.equal(ours_scale, ref_scale.to(torch.bfloat16))
     q_ref = ct_quantize(w, ours_scale, torch.zeros_like(ours_scale), args, dtype=torch.int8)
     assert torch.equal(ours_packed, pack_to_int32(q_ref, 4))
-    compressed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": ours_scale}, _scheme(group_size))
+    compressed = PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": ours_scale}, _scheme(group_size)
+    )
     assert torch.equal(compressed["weight_packed"], ours_packed)
 
 

@@ -11,8 +11,8 @@ from compressed_tensors.utils import match_named_modules
 from torch import nn
 
 from backend.quant.linear import Fp8Linear, Int4Linear
-from backend.quant.walker import prepare_for_checkpoint, quantize_model
 from backend.quant.scheme import QuantScheme, config_dict, parse_config, scheme_from_config
+from backend.quant.walker import prepare_for_checkpoint, quantize_model
 
 H, I = 128, 256
 
@@ -20,7 +20,11 @@ H, I = 128, 256
 class _Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False), nn.Linear(I, H, bias=False)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            nn.Linear(H, I, bias=False),
+            nn.Linear(H, I, bias=False),
+            nn.Linear(I, H, bias=False),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -108,7 +112,8 @@ def test_all_linear_keeps_router_embeddings_and_lm_head() -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "group_size", "tol"), [("int4", 32, 0.06), ("int4", 128, 0.06), ("fp8-channel", 32, 0.025), ("fp8-block", 32, 0.025)]
+    ("method", "group_size", "tol"),
+    [("int4", 32, 0.06), ("int4", 128, 0.06), ("fp8-channel", 32, 0.025), ("fp8-block", 32, 0.025)],
 )
 def test_quantized_model_logits_close(method: str, group_size: int, tol: float) -> None:
     """Relative L2 logit error of an all-linear quantized model vs float32 (INT4 ~ 2^-4 per weight)."""
@@ -139,13 +144,26 @@ KIMI_K2_THINKING_BLOCK = {
             "output_activations": None,
             "targets": ["Linear"],
             "weights": {
-                "actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
-                "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": True, "type": "int",
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": False,
+                "group_size": 32,
+                "num_bits": 4,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "strategy": "group",
+                "symmetric": True,
+                "type": "int",
             },
         }
     },
     "format": "pack-quantized",
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    ],
     "kv_cache_scheme": None,
     "quant_method": "compressed-tensors",
     "quantization_status": "compressed",
