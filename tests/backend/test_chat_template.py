@@ -144,3 +144,17 @@ def test_sandbox_blocks_python_internals() -> None:
     mutate = ChatTemplate("{% set _ = messages.append(1) %}", {})
     with pytest.raises(InvalidRequest):
         mutate.render([Message(role="user", content="hi")])
+
+
+def test_template_kwargs_pass_through_but_cannot_replace_the_conversation(
+    tmp_path_factory: pytest.TempPathFactory, glm45_dir: Path
+) -> None:
+    template = ChatTemplate.from_checkpoint(glm45_dir)
+    assert template is not None
+    off = template.render(CONVERSATION[1:2], extra={"enable_thinking": False, "messages": [], "tools": None})
+    assert off == template.render(CONVERSATION[1:2], reasoning=Reasoning(enabled=False))
+    # the request's own reasoning switch wins over a stray template kwarg
+    on = template.render(
+        CONVERSATION[1:2], reasoning=Reasoning(enabled=True), extra={"enable_thinking": False}
+    )
+    assert "/nothink" not in on
