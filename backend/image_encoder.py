@@ -70,7 +70,8 @@ class VisionEncoder:
             for img in images
         ]
         grids = [(p.grid_h, p.grid_w) for p in processed]
-        embeds = self._tower(torch.cat([p.patches for p in processed]), grids)  # [M, hidden]
+        device = next(self._tower.parameters()).device
+        embeds = self._tower(torch.cat([p.patches for p in processed]).to(device), grids)  # [M, hidden]
         ids: list[int] = []
         spans: list[ImageSpan] = []
         start = 0
