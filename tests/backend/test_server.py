@@ -259,6 +259,9 @@ async def test_refusals_are_structured(client: httpx.AsyncClient) -> None:
     error = msgspec.json.decode(too_long.content, type=ErrorBody).error
     requested, window = (int(n) for n in re.findall(r"\((\d+)\)", error.message))
     assert error.code == "context_window_exceeded" and requested > 5000 and window == 1024
+    pool = await client.post("/v1/generate", json=body("pool", sampling={"max_tokens": 1000}), headers=AUTH)
+    assert pool.status_code == 413  # fits the 1024-token window, not the 96 pages of 8 tokens
+    assert msgspec.json.decode(pool.content, type=ErrorBody).error.code == "too_large_for_pool"
     image = body("img") | {
         "messages": [
             {
