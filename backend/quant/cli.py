@@ -4,6 +4,8 @@
                   [--all-linear] [--kv-calibrate FILE | --kv-scales]
     (also: kumo quantize SRC DST --scheme int4|fp8|fp8-block [--group-size 32|128])
 
+The source is BF16/FP32, or DeepSeek-style FP8 with 128×128 `weight_scale_inv` (Kimi K2 Instruct,
+DeepSeek-V3), dequantized to BF16 on the way; an INT4 or per-channel FP8 source is refused.
 Each source shard is read one tensor at a time and its converted tensors written to the shard of
 the same name before the next shard is opened, so peak memory is about one shard. Written beside
 the shards: config.json with the `quantization_config` block, the shard index, every other file of
@@ -29,7 +31,8 @@ from tqdm import tqdm
 from backend.checkpoint import INDEX_FILE, shard_files
 from backend.errors import CheckpointError
 from backend.quant import kv_scales
-from backend.quant.scheme import Method, QuantScheme, config_dict
+from backend.quant.fp8 import FP8, dequantize_fp8_block
+from backend.quant.scheme import DeepSeekFp8Config, Method, QuantScheme, config_dict, parse_config
 from backend.quant.shapes import tensor_class
 from backend.quant.walker import quantize_tensor
 
@@ -76,8 +79,37 @@ def is_quantizable(name: str, t: torch.Tensor, scheme: QuantScheme) -> bool:
     )
 
 
+class FP8Source:
+    """A DeepSeek-style FP8 source (Kimi K2 Instruct, DeepSeek-V3): its `weight` e4m3 tensors are
+    dequantized with their `weight_scale_inv` to BF16 before conversion. The scale may sit in
+    another shard; that shard is opened for the one tensor."""
+
+    def __init__(self, folder: Path, block: tuple[int, int]) -> None:
+        index = folder / INDEX_FILE
+        files = shard_files(folder)
+        self.weight_map: dict[str, str] = (
+            json.loads(index.read_text())["weight_map"] if index.exists() else {}
+        )
+        if not self.weight_map:
+            with safe_open(str(files[0]), framework="pt") as f:
+                self.weight_map = {k: files[0].name for k in f.keys()}  # noqa: SIM118
+        self.folder, self.block = folder, block
+
+    def scale_for(self, name: str) -> torch.Tensor | None:
+        key = name.removesuffix(".weight") + ".weight_scale_inv"
+        if key not in self.weight_map:
+            return None
+        with safe_open(str(self.folder / self.weight_map[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+
 def convert_shard(
-    src: Path, dst: Path, scheme: QuantScheme, classes: dict[str, ClassSize], bar: tqdm
+    src: Path,
+    dst: Path,
+    scheme: QuantScheme,
+    classes: dict[str, ClassSize],
+    bar: tqdm,
+    fp8_source: FP8Source | None = None,
 ) -> list[str]:
     """Convert one shard; return the tensor names written."""
     out: dict[str, torch.Tensor] = {}
@@ -86,7 +118,16 @@ def convert_shard(
             t = f.get_tensor(name)
             row = classes.setdefault(tensor_class(name), ClassSize())
             row.source_bytes += _nbytes(t)
+            bar.update(1)
+            if fp8_source is not None and name.endswith(".weight_scale_inv"):
+                continue  # consumed with its weight
             row.num_tensors += 1
+            if (
+                fp8_source is not None
+                and t.dtype == FP8
+                and (scale := fp8_source.scale_for(name)) is not None
+            ):
+                t = dequantize_fp8_block(t, scale, fp8_source.block, torch.bfloat16)
             if is_quantizable(name, t, scheme):
                 module = name.rpartition(".")[0]
                 for leaf, q in quantize_tensor(scheme, t).items():
@@ -97,17 +138,30 @@ def convert_shard(
                 out[name] = t
                 row.dest_bytes += _nbytes(t)
             del t
-            bar.update(1)
     save_file(out, str(dst / src.name), metadata={"format": "pt"})
     return list(out)
+
+
+def _fp8_source(folder: Path, raw: dict) -> FP8Source | None:
+    """None for a BF16/FP32 source; an FP8Source for DeepSeek FP8; refuse anything else."""
+    block = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
+    if not block:
+        return None
+    config = parse_config(block)
+    if isinstance(config, DeepSeekFp8Config):
+        b0, b1 = config.weight_block_size
+        return FP8Source(folder, (b0, b1))
+    raise CheckpointError(
+        f"{folder} is already {config.format}; convert from its BF16 or FP8-block checkpoint"
+    )
 
 
 def quantize_checkpoint(
     src: Path, dst: Path, scheme: QuantScheme, *, weights: str, all_linear: bool
 ) -> SizeReport:
     raw = json.loads((src / "config.json").read_text())
-    if raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config"):
-        raise CheckpointError(f"{src} is already quantized; convert from its BF16/FP32 checkpoint")
+    fp8_source = _fp8_source(src, raw)
+    raw.get("text_config", {}).pop("quantization_config", None)
     dst.mkdir(parents=True, exist_ok=True)
     files = shard_files(src)
     total = 0
@@ -118,7 +172,8 @@ def quantize_checkpoint(
     weight_map: dict[str, str] = {}
     with tqdm(total=total, desc="quantize", unit="tensor", file=sys.stderr) as bar:
         for file in files:
-            weight_map.update({name: file.name for name in convert_shard(file, dst, scheme, classes, bar)})
+            written = convert_shard(file, dst, scheme, classes, bar, fp8_source)
+            weight_map.update({name: file.name for name in written})
     for item in src.iterdir():  # tokenizer, templates, generation config: unchanged
         if (
             item.is_file()

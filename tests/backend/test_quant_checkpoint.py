@@ -228,3 +228,22 @@ def test_kv_scales_per_cached_tensor_with_vllm_names(arch: str, names: set[str],
     specs = [[s.name for s in layer] for layer in model.cache_specs()]
     assert kv_scales.read(src, specs) == [{n: pytest.approx(v) for n, v in layer.items()} for layer in scales]
     load_model(src, dtype=torch.float32)  # the index now lists the scales; loading still works
+
+
+def test_fp8_block_source_converts_to_int4(src: Path, tmp_path: Path) -> None:
+    """A DeepSeek/Kimi-K2-Instruct-style FP8 checkpoint is dequantized on the way: experts become
+    INT4, everything else BF16, and the model stays as close to the original as FP8 + INT4 allow."""
+    fp8 = tmp_path / "fp8"
+    main([str(src), str(fp8), "--weights", "fp8-block", "--all-linear"])
+    assert json.loads((fp8 / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    dst = tmp_path / "int4"
+    assert main([str(fp8), str(dst), "--weights", "int4-g32"]) == 0
+    out = load_file(str(dst / "model.safetensors"))
+    assert not any(k.endswith("weight_scale_inv") for k in out)
+    assert out["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.1.mlp.experts.0.up_proj.weight_packed" in out
+    ref, via_fp8 = _logits(src), _logits(dst)
+    print(f"FP8 -> INT4 experts: rel {_rel(ref, via_fp8):.4f}, top-1 {_top1(ref, via_fp8):.3f}")
+    assert _rel(ref, via_fp8) < 0.06 and _top1(ref, via_fp8) >= 0.9
+    report = json.loads((dst / REPORT_FILE).read_text())
+    assert report["classes"]["routed_experts"]["num_quantized"] == 2 * 8 * 3
