@@ -1,0 +1,283 @@
+"""Paged decode attention for GQA (one new token per sequence), BF16 or FP8 e4m3 KV, tag-checked.
+
+Split-K: stage 1 (`_paged_decode_gqa_kernel`, grid `(B, Hkv, splits)`) walks one slice of one
+sequence's tokens for one KV head and all `G = Hq / Hkv` query heads that share it (one K/V load,
+`tl.dot` over G rows), with an online softmax; it writes the normalised partial output and its
+log-sum-exp. Stage 2 (`_merge_kernel`, grid `(B, Hq)`) merges the slices by LSE. The number of
+slices is chosen from batch, KV heads and the page table's width (host-known, so the launch can be
+captured in a CUDA graph), never from a device read.
+
+The page-tag check is fused into stage 1: each token's page tag is compared with the sequence's
+expected tag for that page; tokens of a mismatched page are masked out before their K/V bytes are
+read (another tenant's FP8 bytes may even be NaN), and `tag_mismatch[b]` is set so the engine aborts
+the sequence. FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the
+merge.
+
+Shapes: B sequences, Hq query heads, Hkv KV heads, D head dim, Dv value dim, P pages, S page size,
+Mp pages per sequence in the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode_gqa_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_ptr,  # [P, S, Hkv, D]
+    v_ptr,  # [P, S, Hkv, Dv]
+    page_table_ptr,  # [B, Mp] int32
+    expected_ptr,  # [B, Mp] int64
+    page_tags_ptr,  # [P] int64
+    seq_lens_ptr,  # [B] int32
+    mismatch_ptr,  # [B] uint8 (the bool flags, viewed)
+    part_o_ptr,  # [B, Hq, NS, Dv] fp32
+    part_lse_ptr,  # [B, Hq, NS] fp32, log2 domain
+    qk_scale,  # softmax_scale * k_scale * log2(e)
+    num_splits,
+    D,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ptb,
+    stride_etb,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    CHECK_TAGS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    L = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, L)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < GROUP
+    heads = kvh * GROUP + offs_h  # [BH] query heads of this KV head
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BH, D]
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+    num_bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BN] token positions
+        n_ok = n < end
+        page_idx = n // PAGE_SIZE
+        page = tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=n_ok, other=0)
+        if CHECK_TAGS:
+            found = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
+            expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n_ok, other=0)
+            tok_ok = n_ok & (found == expected)
+            num_bad += (n_ok & (found != expected)).to(tl.int32)
+        else:
+            tok_ok = n_ok
+        slot = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks + kvh * stride_kh
+        k = tl.load(k_ptr + slot[:, None] + offs_d[None, :], mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [BH, BN]
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
+        alpha = tl.exp2(m - m_base)
+        p = tl.exp2(s - m_base[:, None])  # [BH, BN]
+        l = l * alpha + tl.sum(p, axis=1)
+        vslot = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kvh * stride_vh
+        v = tl.load(
+            v_ptr + vslot[:, None] + offs_dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m = m_new
+    lse = tl.where(l > 0.0, m + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
+    o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BH] index into [B, Hq, NS]
+    tl.store(part_o_ptr + row[:, None] * DV + offs_dv[None, :], o, mask=h_ok[:, None] & dv_ok[None, :])
+    tl.store(part_lse_ptr + row, lse, mask=h_ok)
+    if CHECK_TAGS:
+        tl.store(mismatch_ptr + b, 1, mask=tl.sum(num_bad) > 0)
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr,  # [B, Hq, NS, Dv] fp32
+    part_lse_ptr,  # [B, Hq, NS] fp32, log2 domain
+    out_ptr,  # [B, Hq, Dv]
+    v_scale,
+    num_splits,
+    DV,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < num_splits
+    dv_ok = offs_dv < DV
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BS]
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty slices
+    o = tl.load(
+        part_o_ptr + (row * num_splits + offs_s)[:, None] * DV + offs_dv[None, :],
+        mask=s_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )  # [BS, Dv]
+    den = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv, res.to(out_ptr.dtype.element_ty), mask=dv_ok)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def pick_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Slices per sequence: about four programs per SM, each slice at least 256 tokens, at most 64."""
+    want = triton.cdiv(4 * num_sms, max(batch * num_kv_heads, 1))
+    return max(1, min(want, triton.cdiv(max_tokens, 256), 64))
+
+
+def paged_decode_gqa(
+    q: torch.Tensor,  # [B, Hq, D] fp16 / bf16 / fp32
+    k_cache: torch.Tensor,  # [P, S, Hkv, D] q's dtype or float8_e4m3fn
+    v_cache: torch.Tensor,  # [P, S, Hkv, Dv]
+    k_scale: float,
+    v_scale: float,
+    seq_lens: torch.Tensor,  # [B] int32, tokens in the cache including the new one
+    page_table: torch.Tensor,  # [B, Mp] int32
+    expected_tags: torch.Tensor,  # [B, Mp] int64
+    page_tags: torch.Tensor,  # [P] int64
+    tag_mismatch: torch.Tensor,  # [B] bool, set (never cleared) where a page's tag is wrong
+    softmax_scale: float,
+    num_splits: int | None = None,
+    check_tags: bool = True,  # False only to measure the check's cost
+    block_n: int = 32,
+) -> torch.Tensor:  # [B, Hq, Dv] in q's dtype
+    """Attention of each sequence's one new query over its paged K/V; see the module docstring."""
+    B, Hq, D = q.shape
+    P, S, Hkv, Dk = k_cache.shape
+    Dv = v_cache.shape[3]
+    if Dk != D or v_cache.shape[:3] != (P, S, Hkv) or Hq % Hkv:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)} do not fit")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise TypeError(f"KV cache must be {q.dtype} or float8_e4m3fn, got {k_cache.dtype}/{v_cache.dtype}")
+    if seq_lens.shape != (B,) or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
+        raise ValueError("seq_lens [B], page_table [B, Mp] and expected_tags [B, Mp] must agree")
+    if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
+        raise ValueError("tag_mismatch must be bool [B]")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
+    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
+        raise ValueError("page_table and expected_tags rows must be contiguous")
+    out = torch.empty((B, Hq, Dv), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    G = Hq // Hkv
+    splits = num_splits or pick_num_splits(B, Hkv, page_table.shape[1] * S, _num_sms(q.device))
+    part_o = torch.empty((B, Hq, splits, Dv), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    _paged_decode_gqa_kernel[(B, Hkv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        expected_tags,
+        page_tags,
+        seq_lens,
+        tag_mismatch.view(torch.uint8),
+        part_o,
+        part_lse,
+        softmax_scale * k_scale * math.log2(math.e),
+        splits,
+        D,
+        Dv,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        page_table.stride(0),
+        expected_tags.stride(0),
+        PAGE_SIZE=S,
+        GROUP=G,
+        BLOCK_H=max(16, triton.next_power_of_2(G)),
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_DV=triton.next_power_of_2(Dv),
+        CHECK_TAGS=check_tags,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    _merge_kernel[(B, Hq)](
+        part_o,
+        part_lse,
+        out,
+        v_scale,
+        splits,
+        Dv,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_S=max(2, triton.next_power_of_2(splits)),
+        BLOCK_DV=triton.next_power_of_2(Dv),
+        num_warps=4,
+    )
+    return out
+
+
+def paged_decode_gqa_ref(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
+    tag_mismatch: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The paged attention reference op with one query per sequence."""
+    from kernels.paged_attention import paged_attention_ref
+
+    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_ref(
+        q, k_cache, v_cache, k_scale, v_scale, query_start, seq_lens, page_table,
+        expected_tags, page_tags, tag_mismatch, softmax_scale,
+    )  # fmt: skip
