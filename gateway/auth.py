@@ -15,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gateway.errors import Forbidden, Unauthenticated
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway.errors import Forbidden, Unauthenticated, Unavailable
 from gateway.store import Credential, Store, sha256_hex
 from schemas.admin import Quotas
 
@@ -95,7 +97,10 @@ class Authenticator:
     async def authenticate_admin(self, authorization: str | None) -> str:
         """The admin identity for the audit log; 401 for no or a bad token, 403 for a tenant token."""
         value = bearer(authorization)
-        actor = await self._store.resolve_admin(value)
+        try:
+            actor = await self._store.resolve_admin(value)
+        except (SQLAlchemyError, OSError) as exc:
+            raise Unavailable("Authentication is temporarily unavailable, please try again.") from exc
         if actor is not None:
             return actor
         if await self._credential(value) is not None:
@@ -113,7 +118,10 @@ class Authenticator:
         now = self._clock()
         entry = self._cache.get(key)
         if entry is None or now - entry.fetched_at >= self._cache_seconds:
-            credential = await self._store.resolve_token(value)
+            try:
+                credential = await self._store.resolve_token(value)
+            except (SQLAlchemyError, OSError) as exc:  # never fall back to a stale entry: it may be revoked
+                raise Unavailable("Authentication is temporarily unavailable, please try again.") from exc
             if credential is None:
                 self._cache.pop(key, None)
                 return None

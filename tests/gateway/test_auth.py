@@ -6,11 +6,12 @@ import asyncio
 import datetime as dt
 
 import pytest
+from sqlalchemy.exc import OperationalError
 from tenancy_db import sqlite_store_fixture  # noqa: F401  (fixture)
 
 from gateway.auth import Authenticator, TenantContext
-from gateway.errors import Forbidden, Unauthenticated
-from gateway.store import Store
+from gateway.errors import Forbidden, Unauthenticated, Unavailable
+from gateway.store import Credential, Store
 from schemas.admin import TenantCreate, TokenCreate
 
 ADMIN = "admin:test"
@@ -146,3 +147,42 @@ async def test_admin_identity_and_scopes(sqlite_store: Store) -> None:
             await auth.authenticate_admin(header)
     with pytest.raises(Unauthenticated):  # the admin token is not a tenant token
         await auth.authenticate(f"Bearer {admin_value}", tenant_id)
+
+
+class FailingStore(Store):
+    """A real store whose database can be made to go away (as when PostgreSQL restarts)."""
+
+    def __init__(self, real: Store) -> None:
+        super().__init__()
+        self.real = real
+        self.is_down = False
+
+    def _check(self) -> None:
+        if self.is_down:
+            raise OperationalError("SELECT", {}, ConnectionRefusedError("connection refused"))
+
+    async def resolve_token(self, value: str) -> Credential | None:
+        self._check()
+        return await self.real.resolve_token(value)
+
+    async def resolve_admin(self, value: str) -> str | None:
+        self._check()
+        return await self.real.resolve_admin(value)
+
+
+async def test_an_unreachable_database_is_503_not_a_stale_grant(sqlite_store: Store) -> None:
+    tenant_id, _, value = await _tenant_token(sqlite_store)
+    clock = Clock()
+    store = FailingStore(sqlite_store)
+    auth = Authenticator(store, clock=clock)
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    store.is_down = True
+    await auth.authenticate(f"Bearer {value}", tenant_id)  # within the window: the cached answer
+    clock.now += 2.0
+    with pytest.raises(Unavailable) as caught:
+        await auth.authenticate(f"Bearer {value}", tenant_id)
+    assert caught.value.status == 503
+    with pytest.raises(Unavailable):
+        await auth.authenticate_admin("Bearer whatever")
+    store.is_down = False
+    assert (await auth.authenticate(f"Bearer {value}", tenant_id)).tenant_id == tenant_id
