@@ -8,9 +8,10 @@ and free requests in the same batch. A schema llguidance cannot compile is the c
 Forced tool calls (`tool_choice` required / named) constrain the output to the family's own call
 syntax with the arguments constrained by the tool's schema:
 - Kimi: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>`
-  JSON `<|tool_call_end|><|tool_calls_section_end|>` — one call, `IDX` continuing the conversation's count;
+  JSON `<|tool_call_end|>`… `<|tool_calls_section_end|>`, `IDX` continuing the conversation's count;
 - GLM: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n…</tool_call>` with the
-  required arguments in schema order, strings raw and other values as JSON of their sub-schema.
+  arguments in schema order (required ones always), strings raw and other values as JSON.
+A named tool is called once; `required` allows up to `MAX_PARALLEL_CALLS` calls when parallel calls are on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from backend.errors import InvalidRequest
 from schemas.backend import GenerateRequest, Tool
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+MAX_PARALLEL_CALLS = 4  # `tool_choice: required` with parallel calls allowed: at most this many in one turn
 
 
 class GrammarConstraint:
@@ -92,17 +94,20 @@ def _num_previous_calls(request: GenerateRequest) -> int:
     return sum(len(m.tool_calls or []) for m in request.messages or [])
 
 
-def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int) -> str:
-    rules = [
-        f"call_{i}: {_lark_string(f'functions.{t.name}:{first_index}')} "
-        f"{_token(ids['<|tool_call_argument_begin|>'])} args_{i}\nargs_{i}: {_lark_json(t.parameters or {'type': 'object'})}"
-        for i, t in enumerate(tools)
-    ]
-    alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = (
-        f"start: {_token(ids['<|tool_calls_section_begin|>'])} {_token(ids['<|tool_call_begin|>'])} "
-        f"({alternatives}) {_token(ids['<|tool_call_end|>'])} {_token(ids['<|tool_calls_section_end|>'])}"
+def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int, max_calls: int) -> str:
+    """Calls numbered on from the conversation's count (`functions.NAME:IDX`), up to `max_calls` of them."""
+    call_begin, arg_begin, call_end = (
+        _token(ids[m]) for m in ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
     )
+    rules = [f"args_{i}: {_lark_json(t.parameters or {'type': 'object'})}" for i, t in enumerate(tools)]
+    for k in range(max_calls):
+        names = " | ".join(
+            f"{_lark_string(f'functions.{t.name}:{first_index + k}')} {arg_begin} args_{i}"
+            for i, t in enumerate(tools)
+        )
+        more = f" call_{k + 1}?" if k + 1 < max_calls else ""
+        rules.append(f"call_{k}: {call_begin} ({names}) {call_end}{more}")
+    start = f"start: {_token(ids['<|tool_calls_section_begin|>'])} call_0 {_token(ids['<|tool_calls_section_end|>'])}"
     return "\n".join([start, *rules])
 
 
@@ -112,23 +117,26 @@ def _glm_string(schema: dict[str, Any]) -> str:
     return f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
 
 
-def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int]) -> str:
+def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) -> str:
+    """Arguments in schema order, the required ones always, the others optional."""
     rules: list[str] = []
     for i, tool in enumerate(tools):
         schema = tool.parameters or {}
         properties: dict[str, Any] = schema.get("properties", {})
+        required = set(schema.get("required", []))
         pairs: list[str] = []
-        for j, key in enumerate(k for k in properties if k in schema.get("required", [])):
-            sub = properties[key]
+        for j, (key, sub) in enumerate(properties.items()):
             value = _glm_string(sub) if sub.get("type") == "string" else _lark_json(sub)
             rules.append(f"value_{i}_{j}: {value}")
-            pairs.append(
+            pair = (
                 f'{_token(ids["<arg_key>"])} {_lark_string(key)} {_token(ids["</arg_key>"])} "\\n" '
                 f'{_token(ids["<arg_value>"])} value_{i}_{j} {_token(ids["</arg_value>"])} "\\n"'
             )
+            pairs.append(pair if key in required else f"({pair})?")
         rules.append(f"call_{i}: {_lark_string(tool.name + chr(10))} {' '.join(pairs)}".rstrip())
     alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
-    start = f"start: {_token(ids['<tool_call>'])} ({alternatives}) {_token(ids['</tool_call>'])}"
+    block = f"{_token(ids['<tool_call>'])} ({alternatives}) {_token(ids['</tool_call>'])}"
+    start = f"start: block{'' if max_calls == 1 else f'{{1,{max_calls}}}'}\nblock: {block}"
     return "\n".join([start, *rules])
 
 
@@ -138,13 +146,13 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
     if forced:
         ids = {k: v for k, v in marker_ids.items() if v is not None}
         try:
+            is_parallel = request.tool_choice is not None and request.tool_choice.mode == "required"
+            max_calls = MAX_PARALLEL_CALLS if is_parallel and request.parallel_tool_calls else 1
             if family == "kimi":
-                return str(
-                    llguidance.LLMatcher.grammar_from_lark(
-                        _kimi_tool_grammar(forced, ids, _num_previous_calls(request))
-                    )
-                )
-            return str(llguidance.LLMatcher.grammar_from_lark(_glm_tool_grammar(forced, ids)))
+                grammar = _kimi_tool_grammar(forced, ids, _num_previous_calls(request), max_calls)
+            else:
+                grammar = _glm_tool_grammar(forced, ids, max_calls)
+            return str(llguidance.LLMatcher.grammar_from_lark(grammar))
         except KeyError as exc:
             raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
     fmt = request.response_format

@@ -14,7 +14,15 @@ from backend.errors import InvalidRequest
 from backend.structured import GrammarConstraint, build_constraint, grammar_for
 from backend.tokenizer import Tokenizer
 from backend.tool_parsers import ParsedCall, parser_for
-from schemas.backend import GenerateRequest, Message, ResponseFormat, Tool, ToolChoice
+from schemas.backend import (
+    GenerateRequest,
+    Message,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+    ToolChoice,
+)
 from tests.backend.server_tokenizers import load
 
 SCHEMA = {
@@ -177,3 +185,55 @@ def test_forcing_an_unknown_tool_is_a_400() -> None:
         )
     with pytest.raises(InvalidRequest):
         grammar_for(_request(tool_choice=ToolChoice(mode="required")), "kimi", {})
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+def test_required_allows_parallel_calls_numbered_on(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    """`required` with parallel calls: 1..4 calls of any tool, Kimi ids continuing the history's count."""
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    note = Tool(
+        name="note",
+        parameters={
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "additionalProperties": False,
+        },
+    )
+    history = [
+        Message(role="user", content="hi"),
+        Message(
+            role="assistant",
+            tool_calls=[
+                ToolCall(id="functions.note:0", function=ToolCallFunction(name="note", arguments="{}"))
+            ],
+        ),
+        Message(role="tool", tool_call_id="functions.note:0", content="ok"),
+    ]
+    request = GenerateRequest(
+        request_id="r",
+        tenant_salt="0" * 16,
+        messages=history,
+        tools=[WEATHER, note],
+        tool_choice=ToolChoice(mode="required"),
+    )
+    grammar = grammar_for(request, family, _markers(tok))
+    assert grammar is not None
+    counts = set()
+    for seed in range(6):
+        ids = _walk(
+            build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed
+        )
+        parser = parser_for(family, tok, [WEATHER, note])
+        assert parser is not None
+        pieces = parser.feed(ids) + parser.finish()
+        calls = [p for p in pieces if isinstance(p, ParsedCall)]
+        assert 1 <= len(calls) <= 4 and len(calls) == len(pieces), pieces
+        assert all(c.name in ("get_weather", "note") for c in calls)
+        if family == "kimi":
+            assert [c.id.rsplit(":", 1)[1] for c in calls] == [str(1 + k) for k in range(len(calls))]
+        counts.add(len(calls))
+    assert max(counts) > 1  # random logits do use the room for more than one call
