@@ -3,7 +3,8 @@
 The model is offered two tools. When it calls one, the Worker runs it here, appends the result as
 a `tool` message and calls the model again for the final answer. The reply shows what happened:
 {"reply": "...", "tool_calls": [{"name", "arguments", "result"}]}. A request may set
-"tool_choice" (e.g. "required") for the first call; Workers AI errors come back as 502.
+"tool_choice" (e.g. "required") for the first call, and `max_tokens`, `temperature`, `seed` for
+both; Workers AI errors come back as 502.
 """
 
 import json
@@ -13,6 +14,8 @@ from pyodide.ffi import JsException
 from pyodide.ffi import to_js as _to_js
 from workers import Response
 
+RATES_TO_USD = {"USD": 1.0, "EUR": 1.1, "GBP": 1.27, "JPY": 0.0067}
+CURRENCIES = sorted(RATES_TO_USD)
 TOOLS = [
     {
         "type": "function",
@@ -22,7 +25,7 @@ TOOLS = [
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "city": {"type": "string"},
+                    "city": {"type": "string", "maxLength": 40},
                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                 },
                 "required": ["city"],
@@ -38,15 +41,14 @@ TOOLS = [
                 "type": "object",
                 "properties": {
                     "amount": {"type": "number"},
-                    "from": {"type": "string"},
-                    "to": {"type": "string"},
+                    "from": {"type": "string", "enum": CURRENCIES},
+                    "to": {"type": "string", "enum": CURRENCIES},
                 },
                 "required": ["amount", "from", "to"],
             },
         },
     },
 ]
-RATES_TO_USD = {"USD": 1.0, "EUR": 1.1, "GBP": 1.27, "JPY": 0.0067}
 
 
 def get_weather(city, unit="celsius"):
@@ -66,6 +68,7 @@ def convert_currency(amount, **currencies):
     return {"result": round(amount * RATES_TO_USD[source] / RATES_TO_USD[target], 2), "currency": target}
 
 
+PASSED_ON = ("max_tokens", "temperature", "seed")
 FUNCTIONS = {"get_weather": get_weather, "convert_currency": convert_currency}
 
 
@@ -102,7 +105,8 @@ async def converse(env, body):
     if not prompt:
         return Response.json({"error": "send a prompt"}, status=400)
     messages = [{"role": "user", "content": prompt}]
-    inputs = {"messages": messages, "tools": TOOLS, "max_tokens": 64}
+    inputs = {"messages": messages, "tools": TOOLS, "max_tokens": 128}
+    inputs.update({key: body[key] for key in PASSED_ON if key in body})
     first = (
         await env.AI.run(env.MODEL, to_js({**inputs, "tool_choice": body.get("tool_choice", "auto")}))
     ).to_py()
