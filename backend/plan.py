@@ -29,7 +29,15 @@ from typing import Any, Literal
 import msgspec
 
 from backend.quant.scheme import QuantScheme, parse_config, scheme_from_config
-from backend.quant.shapes import TensorSpec, checkpoint_tensors, has_indexer, is_mla, layer_index, text_config
+from backend.quant.shapes import (
+    TensorSpec,
+    checkpoint_tensors,
+    has_indexer,
+    is_mla,
+    layer_index,
+    tensor_class,
+    text_config,
+)
 
 WeightFormat = Literal["native", "bf16", "fp8-channel", "fp8-block", "int4-g32", "int4-g128"]
 KvDtype = Literal["bf16", "fp8"]
@@ -52,6 +60,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     tp: int
     checkpoint_bytes: int  # the whole checkpoint on disk in this format, MTP layers included
     weights_per_gpu: int
+    weights_per_gpu_by_class: dict[str, int]  # tensor class (backend/quant/shapes.py) -> bytes
     terms: list[Term]  # usable memory, then everything subtracted from it
     kv_bytes_per_token: int  # per GPU, all served layers
     kv_bytes_per_token_per_layer: dict[str, int]
@@ -158,6 +167,7 @@ def make_plan(
     scheme = scheme_for(config, weights, all_linear)
     num_layers = tc["num_hidden_layers"]
     checkpoint = per_gpu = mtp = 0.0
+    by_class: dict[str, float] = {}
     for spec in checkpoint_tensors(config):
         size = stored_bytes(spec, scheme)
         checkpoint += size
@@ -165,7 +175,9 @@ def make_plan(
         if idx is not None and idx >= num_layers:
             mtp += size
             continue
-        per_gpu += size * shard_fraction(spec, tc, tp)
+        share = size * shard_fraction(spec, tc, tp)
+        per_gpu += share
+        by_class[tensor_class(spec.name)] = by_class.get(tensor_class(spec.name), 0.0) + share
     usable = int(gpu_mem * mem_fraction)
     terms = [
         Term(
@@ -192,6 +204,7 @@ def make_plan(
         tp=tp,
         checkpoint_bytes=int(checkpoint),
         weights_per_gpu=int(per_gpu),
+        weights_per_gpu_by_class={k: int(v) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         terms=terms,
         kv_bytes_per_token=per_token,
         kv_bytes_per_token_per_layer=per_layer,
@@ -205,8 +218,9 @@ def render(plan: Plan, num_layers: int) -> str:
         f"{plan.model}: weights {plan.weights}, KV {plan.kv_dtype}, tp {plan.tp}",
         f"  checkpoint          {plan.checkpoint_bytes / GB:10.1f} GB  ({plan.checkpoint_bytes / GIB:.1f} GiB)",
         f"  weights per GPU     {plan.weights_per_gpu / GB:10.1f} GB  ({plan.weights_per_gpu / GIB:.1f} GiB)",
-        "  per GPU:",
     ]
+    lines += [f"    {k:<16} {v / GIB:9.2f} GiB" for k, v in plan.weights_per_gpu_by_class.items()]
+    lines.append("  per GPU:")
     for t in plan.terms:
         lines.append(f"    {t.name:<32} {t.bytes / GIB:+9.2f} GiB   {t.reason}")
     lines.append(f"    {'= KV pool':<32} {plan.kv_pool_bytes / GIB:+9.2f} GiB")

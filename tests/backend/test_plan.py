@@ -2,7 +2,7 @@
 
 Seed figures (issue 5): Kimi K2.6 on 8×H200 with native INT4 experts ≈ 686k KV tokens at BF16 and
 about twice that at FP8; GLM 5.2 FP8 ≈ 705 GB → ≈ 421 GB INT4 --all-linear, ≈ 88 → ≈ 52 GB per GPU
-at 8 GPUs. The seed's "GB" for GLM matches Kumo's GiB for FP8 (0.3%); see each tolerance below.
+at 8 GPUs. The seed's "GB" for GLM matches Kumo's GiB for FP8 (+0.4%); see each tolerance below.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def test_kimi_k26_kv_tokens_match_seed_and_fp8_doubles_them() -> None:
 def test_glm52_fp8_to_int4_all_linear_matches_seed() -> None:
     fp8 = make_plan(_config("glm-5.2"), gpu_mem=H200, tp=8, weights="fp8-block", all_linear=True)
     int4 = make_plan(_config("glm-5.2"), gpu_mem=H200, tp=8, weights="int4-g32", all_linear=True)
-    assert abs(fp8.checkpoint_bytes / GIB / 705 - 1) < 0.01  # 706.8 (+0.3%)
+    assert abs(fp8.checkpoint_bytes / GIB / 705 - 1) < 0.01  # 707.7 (+0.4%)
     assert abs(fp8.weights_per_gpu / GIB / 88 - 1) < 0.02  # 88.7 (+0.8%)
-    assert abs(int4.checkpoint_bytes / GIB / 421 - 1) < 0.06  # 399.9 (-5.0%)
+    assert abs(int4.checkpoint_bytes / GIB / 421 - 1) < 0.06  # 401.2 (-4.7%): the seed keeps attention BF16 (see the report)
     assert abs(int4.weights_per_gpu / GIB / 52 - 1) < 0.05  # 50.2 (-3.5%)
     assert int4.kv_tokens > fp8.kv_tokens * 1.5
 
