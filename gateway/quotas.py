@@ -206,6 +206,11 @@ class Limiter:
             UNLIMITED if q.tokens_per_minute is None else q.tokens_per_minute,
             UNLIMITED if q.daily_neurons is None else q.daily_neurons,
         )
+        if 0 <= limits[1] < estimated_tokens:  # could never fit any window: say so rather than "retry later"
+            raise RateLimited(
+                f"rate limiting: the request may use {estimated_tokens} tokens, more than this account's "
+                f"{limits[1]} tokens per minute"
+            )
         day = self._day(now)
         keys = (
             self._key(tenant.tenant_id, "requests", str(minute)),

@@ -108,6 +108,12 @@ async def test_tokens_per_minute_reserve_the_estimate_and_true_up(
     with pytest.raises(RateLimited):
         await a.admit(who, "@cf/m", 1)
     assert sum(r == "ok" for r in await outcomes(a, tenant(tokens_per_minute=100), 40, tokens=7)) == 14
+    with pytest.raises(RateLimited) as caught:  # can never fit: no Retry-After that would not help
+        await b.admit(tenant(tokens_per_minute=100), "@cf/m", 101)
+    assert (
+        caught.value.retry_after is None
+        and "more than this account's 100 tokens per minute" in caught.value.message
+    )
     for limiter in {a, b}:
         await limiter.close()
 
