@@ -121,7 +121,7 @@ async def models_page(request: Request) -> Response:
     services = services_of(request)
     templates: Jinja2Templates = request.app.state.templates
     objects = rendered(services, request)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "name": o.name,
             "description": o.description,

@@ -5,11 +5,13 @@ and `/ai/v1/chat/completions`: authenticate, decode and normalise, admit, route,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -21,6 +23,7 @@ from gateway.errors import BadInput, Forbidden, KumoError, MissingBody, PaidMode
 from gateway.normalize import Context, Normalized, from_legacy
 from gateway.normalize_openai import from_openai
 from gateway.observability import info_of
+from gateway.quotas import Admission
 from gateway.services import Services
 from gateway.usage import neurons
 from schemas import backend as b
@@ -55,7 +58,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return bytes(body)
 
 
-def decode(raw: bytes, decoder: msgspec.json.Decoder) -> object:
+def decode(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> object:
     """Typed decode; the 400 names the failing path (`$.messages[0].content`)."""
     try:
         return decoder.decode(raw)
@@ -63,6 +66,8 @@ def decode(raw: bytes, decoder: msgspec.json.Decoder) -> object:
         raise BadInput(f"Bad input: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadInput("Bad input: the body is not valid JSON") from exc
+    except RecursionError as exc:
+        raise BadInput("Bad input: the body is nested too deeply") from exc
 
 
 async def authenticate(services: Services, request: Request, account_id: str) -> TenantContext:
@@ -115,11 +120,15 @@ class Call:
         estimate = len(raw) // 4 + sum(r.sampling.max_tokens for r in normalized.requests)
         admission = await self.services.limiter.admit(self.tenant, self.model.name, estimate)
         done = [render.Completion() for _ in normalized.requests]
-        try:
-            streams = [await self._started(r) for r in normalized.requests]
-        except BaseException:
-            await self._settle(admission, done, status=500)
-            raise
+        # every choice is routed at once; any failure before the first byte closes the others
+        started = await asyncio.gather(
+            *(self._started(r) for r in normalized.requests), return_exceptions=True
+        )
+        streams = [s for s in started if not isinstance(s, BaseException)]
+        failure = next((s for s in started if isinstance(s, BaseException)), None)
+        if failure is not None:
+            await self._abandon(admission, done, streams, failure)
+            raise failure
         if normalized.stream:
             return StreamingResponse(
                 self._stream(admission, normalized, streams, done),
@@ -128,8 +137,8 @@ class Call:
             )
         try:
             await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, done, strict=True)))
-        except BaseException:
-            await self._settle(admission, done, status=500)
+        except BaseException as exc:
+            await self._abandon(admission, done, streams, exc)
             raise
         totals = render.Totals.of(done)
         await self._settle(admission, done, status=200)
@@ -153,7 +162,7 @@ class Call:
     def _id(self) -> str:
         return f"chatcmpl-{info_of(self.request.scope).request_id}"
 
-    async def _started(self, generate: b.GenerateRequest) -> AsyncIterator[b.Event]:
+    async def _started(self, generate: b.GenerateRequest) -> AsyncGenerator[b.Event, None]:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
         affinity = self.request.headers.get("x-session-affinity")
@@ -167,7 +176,7 @@ class Call:
             await events.aclose()
             raise to_gateway_error(first)
 
-        async def rest() -> AsyncIterator[b.Event]:
+        async def rest() -> AsyncGenerator[b.Event, None]:
             try:
                 yield first
                 async for _, event in events:
@@ -183,9 +192,9 @@ class Call:
 
     async def _stream(
         self,
-        admission: object,
+        admission: Admission,
         normalized: Normalized,
-        streams: list[AsyncIterator[b.Event]],
+        streams: list[AsyncGenerator[b.Event, None]],
         done: list[render.Completion],
     ) -> AsyncIterator[bytes]:
         status = 200
@@ -215,10 +224,26 @@ class Call:
             info_of(self.request.scope).error_code = exc.code
             yield render.stream_error(exc, openai=openai_family)
         finally:
-            await merged.aclose()
-            await self._settle(admission, done, status=status)
+            # shielded: a client that went away cancels this task, yet the backend request must
+            # still be closed (aborting it in the engine) and the usage so far recorded
+            with anyio.CancelScope(shield=True):
+                await merged.aclose()
+                await self._settle(
+                    admission, done, status=status if status != 200 or all(c.finish for c in done) else 499
+                )
 
-    async def _settle(self, admission: object, done: list[render.Completion], *, status: int) -> None:
+    async def _abandon(
+        self,
+        admission: Admission,
+        done: list[render.Completion],
+        streams: list[AsyncGenerator[b.Event, None]],
+        exc: BaseException,
+    ) -> None:
+        for stream in streams:
+            await stream.aclose()
+        await self._settle(admission, done, status=exc.status if isinstance(exc, KumoError) else 500)
+
+    async def _settle(self, admission: Admission, done: list[render.Completion], *, status: int) -> None:
         totals = render.Totals.of(done)
         spent = neurons(
             self.model.price, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens
@@ -231,7 +256,7 @@ class Call:
         )
         await self.services.limiter.settle(
             admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
-        )  # type: ignore[arg-type]
+        )
         self.services.ledger.record(
             UsageRecord(
                 tenant_id=self.tenant.tenant_id,
@@ -246,16 +271,17 @@ class Call:
         )
 
 
-async def merge(streams: list[AsyncIterator[b.Event]]) -> AsyncIterator[tuple[int, b.Event]]:
+async def merge(streams: list[AsyncGenerator[b.Event, None]]) -> AsyncGenerator[tuple[int, b.Event], None]:
     """Interleave the choices' event streams as they arrive, tagging each event with its index.
     Closing the merged stream cancels every producer (closing their backend connections)."""
     if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
+        async with contextlib.aclosing(streams[0]) as only:
+            async for event in only:
+                yield 0, event
         return
     queue: asyncio.Queue[tuple[int, b.Event | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[b.Event]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[b.Event, None]) -> None:
         try:
             async for event in stream:
                 await queue.put((i, event))

@@ -40,6 +40,21 @@ class Normalized:
     logprobs: bool = False
 
 
+MAX_SCHEMA_DEPTH = 32  # JSON Schemas (tool parameters, response formats) the backend compiles
+
+
+def check_depth(value: object, field: str, depth: int = 0) -> None:
+    """Free-form JSON (schemas) may not nest deeper than `MAX_SCHEMA_DEPTH`."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise BadInput(f"Bad input: '{field}' is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+    if isinstance(value, dict):
+        for item in value.values():
+            check_depth(item, field, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            check_depth(item, field, depth + 1)
+
+
 def refuse(field: str, why: str = "is not supported by this model") -> Unsupported:
     return Unsupported(f"Bad input: '{field}' {why}")
 
@@ -60,16 +75,18 @@ def tools_of(
             out.append(b.Tool(name=spec.name, description=spec.description, parameters=spec.parameters or {}))
         else:
             raise BadInput(f"Bad input: '{field}[{i}]' needs a name or a function")
-    for i, fn in enumerate(functions or []):
-        if not isinstance(fn.get("name"), str) or "code" in fn:
+    for i, raw in enumerate(functions or []):
+        if not isinstance(raw.get("name"), str) or "code" in raw:
             raise refuse(f"functions[{i}]", "must be {name, description, parameters}")
         out.append(
             b.Tool(
-                name=fn["name"],
-                description=str(fn.get("description", "")),
-                parameters=fn.get("parameters") or {},
+                name=raw["name"],
+                description=str(raw.get("description", "")),
+                parameters=raw.get("parameters") or {},
             )
         )
+    for i, tool in enumerate(out):
+        check_depth(tool.parameters, f"{field}[{i}].parameters")
     return out or None
 
 
@@ -172,6 +189,8 @@ async def from_legacy(inp: LegacyInput, model: ModelSpec, ctx: Context) -> Norma
         fmt = b.ResponseFormat(type=inp.response_format.type, json_schema=inp.response_format.json_schema)
     elif json_schema is not None:
         fmt = b.ResponseFormat(type="json_schema", json_schema=json_schema)
+    if fmt is not None:
+        check_depth(fmt.json_schema, "response_format")
     if fmt is not None and inp.stream:
         raise BadInput("Bad input: JSON mode does not support streaming; drop 'stream' or 'response_format'")
     messages: list[b.Message] | None = None
@@ -243,8 +262,9 @@ def _legacy_call(call: dict[str, Any], field: str) -> b.ToolCall:
 def _attach(messages: list[b.Message], image: b.ImagePart) -> None:
     """The legacy top-level `image` belongs to the last user message."""
     for i in range(len(messages) - 1, -1, -1):
+        content = messages[i].content
         if messages[i].role == "user":
-            text = messages[i].content if isinstance(messages[i].content, str) else ""
-            messages[i] = msgspec.structs.replace(messages[i], content=[image, b.TextPart(text=text or "")])
+            text = content if isinstance(content, str) else ""
+            messages[i] = msgspec.structs.replace(messages[i], content=[image, b.TextPart(text=text)])
             return
     messages.append(b.Message(role="user", content=[image]))

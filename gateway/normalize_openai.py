@@ -11,6 +11,7 @@ from gateway.normalize import (
     Context,
     Normalized,
     check_capabilities,
+    check_depth,
     fan_out,
     reasoning_of,
     refuse,
@@ -75,6 +76,7 @@ async def from_openai(
         if inp.response_format.type == "json_schema" and (spec is None or spec.schema is None):
             raise BadInput("Bad input: 'response_format.json_schema.schema' is required for type json_schema")
         fmt = b.ResponseFormat(type=inp.response_format.type, json_schema=spec.schema if spec else None)
+        check_depth(fmt.json_schema, "response_format.json_schema.schema")
     stop = [inp.stop] if isinstance(inp.stop, str) else list(inp.stop or [])
     sampling = b.SamplingParams(
         max_tokens=inp.max_completion_tokens or inp.max_tokens or model.default_max_tokens,

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import random
 import tomllib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import httpx
@@ -161,7 +161,7 @@ class Router:
 
     async def generate(
         self, model: ModelSpec, request: GenerateRequest, *, affinity: str | None = None
-    ) -> AsyncIterator[tuple[str, Event]]:
+    ) -> AsyncGenerator[tuple[str, Event], None]:
         """Events of one request, each with the replica url that produced it. Retries on the next
         candidate while nothing has been received; after that, a failure ends the stream with a
         backend `Error` event mapped by the caller."""

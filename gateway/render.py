@@ -30,7 +30,12 @@ from schemas.workers_ai import (
 )
 
 DONE = b"data: [DONE]\n\n"
-_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+_FINISH: dict[str, o.FinishReasonOut] = {
+    "stop": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "abort": "stop",
+}
 
 
 def sse(payload: msgspec.Struct | dict[str, object]) -> bytes:
@@ -58,7 +63,7 @@ class Completion:
     tool_calls: dict[int, ToolCallParts] = field(default_factory=dict)
     logprobs: list[b.TokenLogprob] = field(default_factory=list)
     usage: b.Usage | None = None
-    finish: str | None = None
+    finish: o.FinishReasonOut | None = None
 
     def feed(self, event: b.Event) -> None:
         if isinstance(event, b.TextDelta):
@@ -146,7 +151,9 @@ def chat_completion(
             reasoning_content=c.reasoning or None,
             tool_calls=calls or UNSET,
         )
-        finish = "tool_calls" if calls and c.finish in (None, "stop", "tool_calls") else (c.finish or "stop")
+        finish: o.FinishReasonOut = (
+            "tool_calls" if calls and c.finish in (None, "stop", "tool_calls") else (c.finish or "stop")
+        )
         choices.append(
             o.Choice(
                 index=i,
@@ -154,7 +161,7 @@ def chat_completion(
                 finish_reason=finish,
                 logprobs=_logprobs(c.logprobs) if logprobs else None,
             )
-        )  # type: ignore[arg-type]
+        )
     return o.ChatCompletion(id=id, created=created, model=model, choices=choices, usage=totals.openai())
 
 

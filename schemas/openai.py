@@ -228,10 +228,13 @@ class MessageOut(WireOut, kw_only=True):
     tool_calls: list[ToolCallOut] | UnsetType = UNSET
 
 
+FinishReasonOut = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+
+
 class Choice(WireOut, kw_only=True):
     index: int
     message: MessageOut
-    finish_reason: Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
+    finish_reason: FinishReasonOut
     logprobs: ChoiceLogprobs | None = None
 
 

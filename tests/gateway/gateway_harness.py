@@ -106,7 +106,11 @@ async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Har
         pools[pool] = PoolSpec(replicas=urls, secret="fake-secret")
     data_dir: Path = tmp_path_factory.mktemp("kumo")
     settings = GatewaySettings(
-        data_dir=data_dir, health_interval_s=0.2, max_body_bytes=256 * 1024, max_image_bytes=64 * 1024
+        data_dir=data_dir,
+        health_interval_s=0.2,
+        max_body_bytes=256 * 1024,
+        max_image_bytes=64 * 1024,
+        body_read_timeout_s=1.0,
     )
     catalog = Catalog.from_file(load_catalog_file(None), extra_models())
     services = await open_services(settings, catalog, PoolsFile(pools=pools))

@@ -230,3 +230,20 @@ async def test_session_affinity_sticks_and_salt_comes_from_the_tenant(harness: H
     r = await post(harness, {"messages": msgs("s"), "tenant_salt": "00" * 16})
     assert r.status_code == 400  # a client cannot pick its salt
     msgspec.json.decode(r.content)
+
+
+async def test_nesting_is_bounded(harness: Harness) -> None:
+    deep: dict[str, object] = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"x": deep}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": deep}}]
+    r = await post(harness, {"messages": msgs("x"), "tools": tools})
+    assert r.status_code == 400 and "tools[0].parameters" in r.json()["errors"][0]["message"]
+    bomb = (
+        b'{"messages": [{"role": "user", "content": "x"}], "metadata": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}"
+    )
+    r = await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), content=bomb)
+    assert r.status_code == 400 and r.json()["errors"][0]["code"] == 5006

@@ -1,0 +1,60 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""Stream lifecycle: a client that goes away aborts the backend request and is still metered; a
+client that trickles its body times out; every request lands in the usage ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
+
+
+async def usage_by_model(h: Harness, account: str) -> dict[str, tuple[int, int]]:
+    await h.services.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    rows = await h.services.store.usage(account, since=today, until=today, group_by="model")
+    return {r.model or "": (r.requests, r.completion_tokens) for r in rows}
+
+
+async def test_a_client_disconnect_closes_the_backend_stream(harness: Harness) -> None:
+    backend = harness.backends["glm-5.2"][0]
+    before = await usage_by_model(harness, harness.account)
+    async with harness.http.stream(
+        "POST",
+        harness.path(f"/ai/run/{GLM}"),
+        headers=harness.auth(),
+        json={"prompt": "slow", "stream": True},
+    ) as r:
+        async for line in r.aiter_lines():
+            if '"content":"ech' in line:
+                break
+        assert backend.num_open_streams == 1
+    for _ in range(50):
+        if backend.num_open_streams == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert backend.num_open_streams == 0
+    after = await usage_by_model(harness, harness.account)
+    assert after[GLM][0] == before.get(GLM, (0, 0))[0] + 1  # the abandoned request is still recorded
+
+
+async def test_a_slow_body_times_out(harness: Harness) -> None:
+    async def trickle():  # type: ignore[no-untyped-def]
+        yield b'{"prompt": '
+        await asyncio.sleep(1.5)
+        yield b'"x"}'
+
+    r = await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), content=trickle())
+    assert r.status_code == 408 and r.json()["errors"][0]["code"] == 3046
+
+
+async def test_usage_is_recorded_per_request(harness: Harness) -> None:
+    before = await usage_by_model(harness, harness.account)
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"prompt": "count me", "n": 2}
+    )
+    completion = r.json()["result"]["usage"]["completion_tokens"]
+    after = await usage_by_model(harness, harness.account)
+    old_requests, old_tokens = before.get(KIMI, (0, 0))
+    assert after[KIMI] == (old_requests + 1, old_tokens + completion)
