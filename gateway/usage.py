@@ -3,7 +3,7 @@
 `UsageLedger.record` only appends to a list: the response never waits on the database. A
 background task writes the list in batches every `flush_seconds` (or as soon as a batch is
 full), so the admin API's usage view is at most about that far behind. A failed write keeps its
-records for the next attempt; `stop()` writes whatever is left.
+records for the next attempt (up to `max_pending` of them); `stop()` writes whatever is left.
 """
 
 from __future__ import annotations
@@ -46,18 +46,28 @@ def neurons(price: Sequence[Price], prompt_tokens: int, cached_tokens: int, comp
 class UsageLedger:
     """Buffers usage records and writes them to the store in the background."""
 
-    def __init__(self, store: Store, *, flush_seconds: float = 1.0, max_batch: int = 500) -> None:
+    def __init__(
+        self, store: Store, *, flush_seconds: float = 1.0, max_batch: int = 500, max_pending: int = 200_000
+    ) -> None:
         self._store = store
         self._flush_seconds = flush_seconds
         self._max_batch = max_batch
+        self._max_pending = max_pending
         self._pending: list[UsageRecord] = []
+        self.num_dropped = 0  # records given up during a long database outage (memory is bounded)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._is_stopping = False
 
     def record(self, record: UsageRecord) -> None:
-        """Queue one record; returns at once."""
+        """Queue one record; returns at once. Past `max_pending` queued records (the database has
+        been away for long) the oldest is dropped and counted, rather than growing without bound."""
         self._pending.append(record)
+        if len(self._pending) > self._max_pending:
+            del self._pending[0]
+            self.num_dropped += 1
+            if self.num_dropped % 1000 == 1:
+                log.error("usage ledger full; dropping the oldest records", dropped=self.num_dropped)
         if len(self._pending) >= self._max_batch:
             self._wake.set()
 

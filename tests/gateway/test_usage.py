@@ -143,3 +143,17 @@ async def test_a_free_tenant_spends_its_daily_neurons_on_kimi(sqlite_store: Stor
     [row] = await sqlite_store.usage(tenant.id, since=today, until=today, group_by="day")
     assert row.requests == 3 and row.neurons == pytest.approx(3 * neurons(KIMI_K2_6, 50_000, 10_000, 256))
     await limiter.close()
+
+
+async def test_a_long_outage_bounds_memory_and_counts_what_it_dropped(sqlite_store: Store) -> None:
+    tenant_id = uuid.uuid4().hex
+    store = FlakyStore(sqlite_store)
+    ledger = UsageLedger(store, flush_seconds=60, max_batch=1000, max_pending=5)
+    for i in range(8):
+        ledger.record(record(tenant_id, i))
+    assert (ledger.num_pending, ledger.num_dropped) == (5, 3)
+    await ledger.flush()  # fails: the database is away
+    await ledger.flush()
+    async with sqlite_store.engine.connect() as connection:
+        kept = await connection.scalars(select(UsageRow.request_id).where(UsageRow.tenant_id == tenant_id))
+        assert sorted(kept) == ["r3", "r4", "r5", "r6", "r7"]  # the newest survive
