@@ -21,7 +21,7 @@ import triton
 L2_BYTES = 60 * 2**20  # H200; rotation sizes are chosen against this
 
 
-def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 200) -> float:
+def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
