@@ -37,6 +37,7 @@ log = logging.getLogger("kumo.engine")
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
+    checked_seqs: int = 0  # (sequence, step) pairs whose pages went through the tag checks
     computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
     generated_tokens: int = 0
     tag_check_aborts: int = 0
@@ -155,6 +156,7 @@ class Engine:
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
         elapsed = time.perf_counter() - start
         self._stats.steps += 1
+        self._stats.checked_seqs += len(results)
         self._stats.last_step_s = elapsed
         self._stats.total_step_s += elapsed
         return outputs

@@ -53,7 +53,6 @@ class Sequence:
     status: Status = Status.WAITING
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0
-    is_abort_requested: bool = False
     finish_reason: FinishReason | None = None
     error: Error | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
