@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from backend.config import ModelConfig
 from backend.models import ARCHITECTURES
 from backend.models.moonvit import MoonViT, VisionConfig
-from backend.tokenizer_files import write_tokenizer_files
+from backend.tokenizer_files import Family, TokenizerFormat, write_tokenizer_files
 
 PUBLISHED_CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
 KINDS = ("kimi-k2.6", "glm-5.2", "glm-4.5")
@@ -142,8 +142,8 @@ def write_random_checkpoint(
         raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
     path = Path(path)
     published = json.loads((PUBLISHED_CONFIGS / kind / "config.json").read_text())
-    family = "kimi" if kind.startswith("kimi") else "glm"
-    fmt = "tiktoken" if family == "kimi" else "tokenizer.json"
+    family: Family = "kimi" if kind.startswith("kimi") else "glm"
+    fmt: TokenizerFormat = "tiktoken" if family == "kimi" else "tokenizer.json"
     num_ids = write_tokenizer_files(family, path, fmt=fmt, glm_generation="4.5" if kind == "glm-4.5" else "5")
     ids = _special_ids(path)
     eos = [ids[t] for t in _EOS[family]]

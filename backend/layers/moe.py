@@ -35,6 +35,8 @@ class DenseMLP(nn.Module):
 class Router(nn.Module):
     """The `mlp.gate` module: a float32 `[E, H]` weight and the float32 selection bias."""
 
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         E = config.num_routed_experts

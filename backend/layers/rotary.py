@@ -49,6 +49,8 @@ def inv_freq_and_factor(rope: RopeConfig) -> tuple[torch.Tensor, float]:
 
 
 class Rotary(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, rope: RopeConfig) -> None:
         super().__init__()
         inv_freq, self.attention_factor = inv_freq_and_factor(rope)
@@ -63,7 +65,7 @@ class Rotary(nn.Module):
             dtype
         )
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, >= dim]; rotates the first `dim` dims of each head, passes the rest through."""
         c, s = cos[:, None, :], sin[:, None, :]
         rot, rest = x[..., : self.dim], x[..., self.dim :]

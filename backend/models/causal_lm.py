@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,15 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def cache_specs(self) -> list[list[CacheSpec]]:
-        return [layer.self_attn.cache_specs() for layer in self.model.layers]
+        return [attn.cache_specs() for attn in self.attentions()]
+
+    def attentions(self) -> list[Any]:
+        """Each layer's attention module (MLA, DSA or GQA: all have `cache_specs()`)."""
+        return [layer.self_attn for layer in self.layers]
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -160,7 +169,8 @@ class CausalLM(nn.Module):
                     f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}"
                 )
 
-    def _module(self, path: str, raw_name: str) -> nn.Module:
+    def _module(self, path: str, raw_name: str) -> Any:
+        """The submodule at `path` (duck-typed: its loading hooks vary by module kind)."""
         try:
             return self.get_submodule(path)
         except AttributeError as exc:
@@ -168,7 +178,7 @@ class CausalLM(nn.Module):
 
     def _describe_missing(self, name: str, expert_parts: dict[str, set[tuple[int, str]]]) -> str:
         path, param = name.rsplit(".", 1)
-        module = self.get_submodule(path)
+        module: Any = self.get_submodule(path)
         if not hasattr(module, "parts_per_param"):
             return name
         projs = ("down_proj",) if param.startswith("down") else ("gate_proj", "up_proj")

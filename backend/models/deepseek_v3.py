@@ -83,8 +83,8 @@ class MLAAttention(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
         c = self.kv_a_layernorm(c)
         rotary = self.rotary[0]
-        q_pe = rotary.apply(q_pe, step.cos, step.sin)
-        k_pe = rotary.apply(k_pe.view(T, 1, self.Dr), step.cos, step.sin).view(T, self.Dr)
+        q_pe = rotary.rotate(q_pe, step.cos, step.sin)
+        k_pe = rotary.rotate(k_pe.view(T, 1, self.Dr), step.cos, step.sin).view(T, self.Dr)
         step.write(self.layer_idx, "latent", torch.cat([c, k_pe], dim=-1))
         w_uk = self.w_kv()[:, : self.N]  # [Hl, N, R]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hl, R]

@@ -58,7 +58,7 @@ class GQAAttention(nn.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary = self.rotary[0]
-        q, k = rotary.apply(q, step.cos, step.sin), rotary.apply(k, step.cos, step.sin)
+        q, k = rotary.rotate(q, step.cos, step.sin), rotary.rotate(k, step.cos, step.sin)
         step.write(self.layer_idx, "k", k)
         step.write(self.layer_idx, "v", v)
         b, kv = step.batch, step.batch.kv_cache

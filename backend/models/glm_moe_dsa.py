@@ -42,8 +42,8 @@ class Indexer(nn.Module):
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, step: Step, rotary: Rotary) -> torch.Tensor:
         """x [T, H], q_resid [T, Q] → chosen token indices [T, K] (-1 = none)."""
         T = x.shape[0]
-        q = rotary.apply(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
-        k = rotary.apply(self.k_norm(self.wk(x)).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
+        q = rotary.rotate(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
+        k = rotary.rotate(self.k_norm(self.wk(x)).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
         step.write(self.layer_idx, "index_k", k)
         weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
         b, kv = step.batch, step.batch.kv_cache
