@@ -9,14 +9,22 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _cuda_available() -> bool:
     try:
         import torch
-
-        has_cuda = torch.cuda.is_available()
     except ImportError:
-        has_cuda = False
-    if has_cuda:
+        return False
+    return torch.cuda.is_available()
+
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before any module that
+# defines a kernel is imported: without a GPU the kernels run in the interpreter (small shapes only).
+if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run through the device tool)")
     for item in items:
