@@ -153,3 +153,15 @@ def test_duplicate_request_id_is_refused() -> None:
     engine.add_request(request("same", [1, 2, 3]))
     with pytest.raises(InvalidRequest):
         engine.add_request(request("same", [4, 5, 6]))
+
+
+def test_lower_priority_value_is_admitted_first() -> None:
+    engine = make_engine(max_num_seqs=1)
+    for rid, priority in (("batch1", 5), ("batch2", 5), ("interactive", 0)):
+        req = request(rid, prompt_of(len(rid), 5), max_tokens=2)
+        req.priority = priority
+        engine.add_request(req)
+    order: list[str] = []
+    while engine.has_unfinished:
+        order += [o.request_id for o in engine.step() if o.finish_reason is not None]
+    assert order == ["interactive", "batch1", "batch2"]
