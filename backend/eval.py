@@ -8,25 +8,20 @@ scales, else calibrates with a warning), `weights=int4-g32|int4-g128|fp8-channel
 `all-linear` (quantize the loaded weights in memory, to try a format before writing it). All
 variants are held in memory together and every sequence is run through each, one at a time.
 
-Task files are JSONL, one item per line, in lm-evaluation-harness spirit; the kind is per line:
-- multiple choice `{"question": str, "choices": [str, ...], "answer": int}`: each choice is scored
-  by the summed log-likelihood of its tokens after the question (as ARC and MMLU are); the best wins.
-- generation `{"prompt": str, "answer": str, "answer_regex"?: str}`: greedy decoding (up to
-  `--max-new-tokens`); the answer is the regex's first group (else the stripped text), exact match.
+Task files are JSONL: multiple choice (log-likelihood), generation (exact match) and tool calls
+(the family's parser on greedy output); their schema is in `backend/eval_tasks.py`.
 `--text FILE` adds a perplexity task over the file, in windows of `--window` tokens.
 
 Per task and variant: accuracy with a 95% bootstrap interval, the paired bootstrap interval of its
 difference from the first variant, mean KL(first ‖ variant) of the next-token distributions at
 every scored position, top-1 agreement with the first variant, and perplexity for text tasks.
-The JSON report is `EvalReport` below. Tool-call tasks are not scored yet.
+The JSON report is `EvalReport` below.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -34,21 +29,10 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from backend.eval_tasks import GenItem, McItem, ToolItem, extract_answer, load_items, tool_call_matches
 from backend.quant.prompt_runner import PromptRunner
 
 NUM_BOOTSTRAP = 1000
-
-
-class McItem(msgspec.Struct):
-    question: str
-    choices: list[str]
-    answer: int
-
-
-class GenItem(msgspec.Struct):
-    prompt: str
-    answer: str
-    answer_regex: str | None = None
 
 
 class VariantResult(msgspec.Struct, kw_only=True):
@@ -64,7 +48,7 @@ class VariantResult(msgspec.Struct, kw_only=True):
 
 class TaskResult(msgspec.Struct, kw_only=True):
     task: str
-    kind: str  # "multiple_choice" | "generation" | "perplexity"
+    kind: str  # "multiple_choice" | "generation" | "tool_call" | "perplexity"
     num_items: int
     results: list[VariantResult]
 
@@ -210,15 +194,34 @@ class Evaluator:
             seqs.append((ids, 1))
             for v, variant in enumerate(self.variants):
                 text = self.tokenizer.decode(variant.runner().greedy(ids, self.max_new_tokens, self.stop_ids))
-                m = re.search(item.answer_regex, text) if item.answer_regex else None
-                got = (m.group(1) if m and m.groups() else m.group(0) if m else text).strip()
-                correct[v][i] = got == item.answer.strip()
+                correct[v][i] = extract_answer(text, item) == item.answer.strip()
         _, kl, top1, count = self._score(seqs)
         return TaskResult(
             task=name,
             kind="generation",
             num_items=len(items),
             results=self._results(correct, kl, top1, count),
+        )
+
+    def tool_call(self, name: str, items: list[ToolItem]) -> TaskResult:
+        from backend.served_model import ServedModel
+
+        served = ServedModel.from_checkpoint(self.variants[0].path)
+        if served.template is None:
+            raise ValueError(f"{self.variants[0].path} has no chat template: tool-call tasks need one")
+        stop = frozenset(served.eos_token_ids)
+        correct = [torch.zeros(len(items), dtype=torch.bool) for _ in self.variants]
+        seqs = []
+        for i, item in enumerate(items):
+            prompt = served.template.render(item.messages, tools=item.tools)
+            ids = self.tokenizer.encode(prompt, allow_special=True)
+            seqs.append((ids, 1))
+            for v, variant in enumerate(self.variants):
+                out = variant.runner().greedy(ids, self.max_new_tokens, stop)
+                correct[v][i] = tool_call_matches(served.family, self.tokenizer, item, out)
+        _, kl, top1, count = self._score(seqs)
+        return TaskResult(
+            task=name, kind="tool_call", num_items=len(items), results=self._results(correct, kl, top1, count)
         )
 
     def perplexity(self, name: str, text: str) -> TaskResult:
@@ -236,13 +239,6 @@ class Evaluator:
             num_items=len(seqs),
             results=self._results(None, kl, top1, count, ppl),
         )
-
-
-def load_items(path: Path) -> tuple[str, list[McItem] | list[GenItem]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if rows and "choices" in rows[0]:
-        return "multiple_choice", [msgspec.convert(r, McItem) for r in rows]
-    return "generation", [msgspec.convert(r, GenItem) for r in rows]
 
 
 def render(report: EvalReport) -> str:
@@ -274,7 +270,7 @@ def main(argv: list[str]) -> int:
         action="append",
         default=[],
         type=Path,
-        help="JSONL task file (multiple choice or generation)",
+        help="JSONL task file (multiple choice, generation or tool call)",
     )
     ap.add_argument("--text", action="append", default=[], type=Path, help="plain text for perplexity")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -288,11 +284,10 @@ def main(argv: list[str]) -> int:
     tasks = []
     for path in a.data:
         kind, items = load_items(path)
-        tasks.append(
-            ev.multiple_choice(path.stem, items)
-            if kind == "multiple_choice"
-            else ev.generation(path.stem, items)
-        )  # type: ignore[arg-type]
+        run = {"multiple_choice": ev.multiple_choice, "generation": ev.generation, "tool_call": ev.tool_call}[
+            kind
+        ]
+        tasks.append(run(path.stem, items))
     tasks += [ev.perplexity(path.stem, path.read_text()) for path in a.text]
     report = EvalReport(variants=specs, tasks=tasks)
     print(render(report))

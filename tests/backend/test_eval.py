@@ -128,3 +128,90 @@ def test_eval_two_variants_against_transformers(
         nll -= float(lp.gather(1, torch.tensor(w[1:])[:, None]).sum())
         n += len(w) - 1
     assert tasks["text"]["ref"]["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("family", "call"),
+    [
+        (
+            "kimi",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>',
+        ),
+        (
+            "glm",
+            "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
+        ),
+    ],
+)
+def test_tool_call_scoring_with_the_family_parser(
+    family: str, call: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from backend.eval_tasks import ExpectedCall, ToolItem, tool_call_matches
+    from backend.tokenizer import load_tokenizer
+    from backend.tokenizer_files import write_tokenizer_files
+    from schemas.backend import Message, Tool
+
+    folder = tmp_path_factory.mktemp(f"tok-{family}")
+    write_tokenizer_files(family, folder, fmt="tokenizer.json")  # type: ignore[arg-type]
+    tok = load_tokenizer(folder)
+    weather = Tool(
+        name="get_weather",
+        parameters={
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        },
+    )
+    item = ToolItem(
+        messages=[Message(role="user", content="Weather in Paris for 2 days?")],
+        tools=[weather],
+        expected=ExpectedCall(name="get_weather", arguments={"city": "Paris", "days": 2}),
+    )
+    ids = tok.encode("Let me check. " + call, allow_special=True)
+    assert tool_call_matches(family, tok, item, ids)
+    wrong = ToolItem(
+        messages=item.messages,
+        tools=item.tools,
+        expected=ExpectedCall(name="get_weather", arguments={"city": "Rome", "days": 2}),
+    )
+    assert not tool_call_matches(family, tok, wrong, ids)
+    assert not tool_call_matches(family, tok, item, tok.encode("It is sunny in Paris.", allow_special=True))
+
+
+def test_tool_call_task_runs_through_the_chat_template(tmp_path: Path) -> None:
+    """A Kimi-tokenizer tiny model: the task renders, generates and scores for every variant."""
+    from backend.tokenizer_files import write_tokenizer_files
+
+    src = make_tiny("kimi_k2", tmp_path / "src", initializer_range=0.02, vocab_size=833)
+    write_tokenizer_files("kimi", src, fmt="tokenizer.json")
+    item = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [
+            {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            }
+        ],
+        "expected": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    }
+    (tmp_path / "tools.jsonl").write_text(json.dumps(item))
+    out = tmp_path / "r.json"
+    args = [
+        "--variant",
+        f"a={src}",
+        "--variant",
+        f"b={src}:weights=int4-g32",
+        "--data",
+        str(tmp_path / "tools.jsonl"),
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    (task,) = json.loads(out.read_text())["tasks"]
+    assert task["kind"] == "tool_call" and task["num_items"] == 1
+    # a random model calls no tool: both score 0, and the INT4 variant still differs in distribution
+    assert [r["accuracy"] for r in task["results"]] == [0.0, 0.0]
+    assert task["results"][1]["mean_kl"] > 0
