@@ -1,8 +1,7 @@
 """One `kumo serve` for the whole e2e session: real `kumo backend` processes on the CPU.
 
-The data dir is seeded with tiny served checkpoints of the default models' exact architectures
-(Kimi K2.5 layout for `kimi-k2.6`, GLM-5 DSA for `glm-5.2`), written by transformers' own classes,
-so the session does not pay for creating them; a GLM-4.5 checkpoint is added with
+The data dir starts empty, so `kumo serve` takes its first-start path and creates the default
+models' small random checkpoints itself; a GLM-4.5 one (made the same way) is added with
 `--legacy-model` so the legacy family runs through a real backend too. The account id and token
 are read from what `kumo serve` prints.
 """
@@ -21,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from tests.backend.server_checkpoints import make_served_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = "@cf/kumo/glm-4.5"
@@ -54,11 +51,15 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     data_dir = tmp_path_factory.mktemp("kumo-serve")
-    make_served_checkpoint("kimi_k25", data_dir / "checkpoints" / "kimi-k2.6")
-    make_served_checkpoint("glm_moe_dsa", data_dir / "checkpoints" / "glm-5.2")
-    legacy = make_served_checkpoint("glm4_moe", data_dir / "glm-4.5")
+    legacy = data_dir / "glm-4.5"
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    subprocess.run(
+        [sys.executable, "-m", "backend.random_checkpoint", "glm-4.5", str(legacy)],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     env.pop("KUMO_ADMIN_TOKEN", None)
     log = (data_dir / "serve.log").open("wb")
     process = subprocess.Popen(
@@ -77,7 +78,7 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 300
     while not ready.wait(0.2):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()

@@ -141,13 +141,15 @@ def test_legacy_json_mode_returns_an_object(kumo: Kumo) -> None:
 
 
 def test_context_window_and_catalog_come_from_the_backend(kumo: Kumo) -> None:
-    r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5000})
-    assert r.status_code == 413 and r.json()["errors"][0]["code"] == 5021
-    assert "context window limit (1024)" in r.json()["errors"][0]["message"]
+    config = json.loads((kumo.data_dir / "checkpoints" / "glm-5.2" / "config.json").read_text())
+    window = config["max_position_embeddings"]
     models = httpx.get(kumo.path("/ai/models/search"), headers=kumo.auth).json()["result"]
     glm = next(m for m in models if m["name"] == GLM)
     props = {p["property_id"]: p["value"] for p in glm["properties"]}
-    assert props["context_window"] == "1024" and props["weights"] == "float32"
+    assert props["context_window"] == str(window) and props["weights"] == "float32"
+    r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": window})
+    assert r.status_code == 413 and r.json()["errors"][0]["code"] == 5021
+    assert f"context window limit ({window})" in r.json()["errors"][0]["message"]
 
 
 def test_prefix_cache_hits_with_session_affinity(kumo: Kumo) -> None:
