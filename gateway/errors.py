@@ -8,7 +8,8 @@
     │   └── InvalidAdminRequest (400, 6007)  admin API body or query; no "AiError: " prefix
     ├── Unauthenticated (401, 10000)
     ├── Forbidden (403, 9109)          another account's path, a model not allowed for the tenant
-    │   └── PaidModelOnFreePlan (403, 5035)
+    │   ├── PaidModelOnFreePlan (403, 5035)
+    │   └── ModelNotAllowed (403, 5018)
     ├── NoRoute (404, 7003) / NotFound (404, 7000)
     ├── MethodNotAllowed (405, 7001)
     ├── Timeout (408, 3046) / Aborted (408, 3008)
@@ -69,6 +70,12 @@ class Forbidden(KumoError):
 
 class PaidModelOnFreePlan(Forbidden):
     code, prefix = 5035, "AiError: "
+
+
+class ModelNotAllowed(Forbidden):
+    """The tenant's model allow-list excludes it (Workers AI: private model, 5018)."""
+
+    code, prefix = 5018, "AiError: "
 
 
 class NotFound(KumoError):
