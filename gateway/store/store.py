@@ -126,7 +126,8 @@ class Store:
                 detail["name"], row.name = [row.name, body.name], body.name
             if body.plan is not None and body.plan != row.plan:
                 detail["plan"], row.plan = [row.plan, body.plan], body.plan
-                row.daily_neurons = Quotas.for_plan(body.plan).daily_neurons
+                default = Quotas.for_plan(body.plan).daily_neurons
+                detail["daily_neurons"], row.daily_neurons = [row.daily_neurons, default], default
             audit(s, actor, request_id, "tenant.update", tenant_id, tenant_id, detail)
             return tenant_of(row)
 

@@ -47,6 +47,12 @@ async def test_tenant_lifecycle(store: Store) -> None:
 
     upgraded = await store.update_tenant(free.id, TenantPatch(plan="paid", name="acme inc"), actor=ADMIN)
     assert (upgraded.plan, upgraded.name, upgraded.quotas.daily_neurons) == ("paid", "acme inc", None)
+    [entry], _ = await store.list_audit(page=1, per_page=1, tenant_id=free.id)
+    assert entry.detail == {
+        "name": ["acme", "acme inc"],
+        "plan": ["free", "paid"],
+        "daily_neurons": [10_000, None],
+    }
 
     limited = await store.set_quotas(free.id, Quotas(requests_per_minute=5, daily_neurons=1.5), actor=ADMIN)
     assert limited.quotas == Quotas(requests_per_minute=5, tokens_per_minute=None, daily_neurons=1.5)
