@@ -166,16 +166,17 @@ class BlockManager:
 
     # ---- internals -----------------------------------------------------------------------------
     def _full_page_keys(self, seq: Sequence, num_tokens: int) -> list[tuple[bytes, PageKey]]:
-        keys: list[tuple[bytes, PageKey]] = []
-        parent = b""
-        for i in range(num_tokens // self.page_size):
+        """Chained keys of the full pages among the first `num_tokens` tokens, extending the ones
+        `seq` already has (its tokens only ever grow, so they stay valid)."""
+        keys = seq.page_keys
+        for i in range(len(keys), num_tokens // self.page_size):
             start, end = i * self.page_size, (i + 1) * self.page_size
+            parent = keys[-1][0] if keys else b""
             key = PrefixCache.key(
                 seq.request.tenant_salt, parent, seq.token_ids[start:end], seq.image_hashes_in(start, end)
             )
-            parent = key.digest()
-            keys.append((parent, key))
-        return keys
+            keys.append((key.digest(), key))
+        return keys[: num_tokens // self.page_size]
 
     def _take_page(self) -> int:
         if self._free:

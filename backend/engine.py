@@ -325,6 +325,8 @@ class AsyncEngine:
         image_embeds: torch.Tensor | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Outputs of `request` as the engine produces them; raises the `EngineError` refusing it."""
+        if request.request_id in self._streams:  # its outputs must never reach another stream
+            raise InvalidRequest(f"Request id {request.request_id!r} is already streaming.")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
         self._submit(("add", request, constraint, image_embeds))

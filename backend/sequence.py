@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from backend.constraint import TokenConstraint
+    from backend.prefix_cache import PageKey
 
 _arrival = itertools.count()
 
@@ -49,7 +50,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     page_table: list[PageRef] = field(default_factory=list)
-    page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages, in order
+    page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages held, in order
+    page_keys: list[tuple[bytes, PageKey]] = field(default_factory=list)  # prefix-cache keys computed so far
     status: Status = Status.WAITING
     arrival: int = field(default_factory=lambda: next(_arrival))
     num_preemptions: int = 0

@@ -217,6 +217,10 @@ async def test_async_engine_reports_busy_at_once() -> None:
         with pytest.raises(Busy):
             async for _ in front.generate(busy):
                 pass
+        with pytest.raises(InvalidRequest):  # a second stream under a live id never steals its outputs
+            async for _ in front.generate(request("hog", prompt_of(3, 5), max_tokens=2)):
+                pass
+        assert len((await hog.__anext__()).token_ids) == 1
         await hog.aclose()
     finally:
         front.stop()
