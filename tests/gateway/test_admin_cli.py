@@ -129,3 +129,5 @@ def test_the_kumo_dispatcher_runs_admin(
     monkeypatch.setenv("KUMO_ADMIN_TOKEN", TOKEN)
     assert kumo(["admin", "--url", url, "audit", "--per-page", "1"]) == 0
     assert isinstance(json.loads(capsys.readouterr().out), list)
+    assert kumo(["admin", "tenants", "list", "--url", url]) == 0  # --url after the command works too
+    assert isinstance(json.loads(capsys.readouterr().out), list)
