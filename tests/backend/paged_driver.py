@@ -18,6 +18,7 @@ class Seq:
     tokens: list[int]
     num_cached: int = 0
     pages: list[int] = field(default_factory=list)
+    tags: list[int] = field(default_factory=list)  # the tag each page carried when it was allocated
 
 
 class PagedDriver:
@@ -46,6 +47,7 @@ class PagedDriver:
             end = s.num_cached + n
             while len(s.pages) * S < end:
                 s.pages.append(self.free.pop(0))
+                s.tags.append(int(self.kv.page_tags[s.pages[-1]]))
             for i in range(s.num_cached, end):
                 ids.append(s.tokens[i])
                 pos.append(i)
@@ -56,7 +58,7 @@ class PagedDriver:
         tags = torch.full((len(seqs), Mp), -1, dtype=torch.int64)
         for b, s in enumerate(seqs):
             table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-            tags[b, : len(s.pages)] = self.kv.page_tags[s.pages]
+            tags[b, : len(s.pages)] = torch.tensor(s.tags, dtype=torch.int64)
         T = len(ids)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
