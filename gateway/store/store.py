@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import event, func, select, update
+from sqlalchemy import event, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from gateway.errors import NotFound
@@ -53,6 +53,7 @@ from schemas.admin import (
 TOKEN_PREFIX = "kumo_"
 DEV_TOKEN_NAME = "kumo serve"
 _DUMMY_SHA256 = "0" * 64
+ADMIN_TOKEN_LOCK_KEY = 0x6B756D6F01  # "kumo" + 1: the migrations hold "kumo"
 
 
 class Store:
@@ -270,8 +271,11 @@ class Store:
     # ---- admin tokens -------------------------------------------------------------------------------
     async def ensure_admin_token(self, configured: str | None) -> str | None:
         """Make `configured` (KUMO_ADMIN_TOKEN) the only admin token, or, with none configured and
-        none stored, generate one. Returns a generated value (to print once), else None."""
+        none stored, generate one. Returns a generated value (to print once), else None. Replicas
+        starting together on PostgreSQL take turns, so only one of them generates."""
         async with self._session() as s, s.begin():
+            if self.engine.dialect.name == "postgresql":
+                await s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMIN_TOKEN_LOCK_KEY})
             rows = list(await s.scalars(select(AdminTokenRow)))
             if configured is not None:
                 digest = sha256_hex(configured)

@@ -246,6 +246,9 @@ async def test_replicas_starting_together_migrate_once(tmp_path: Path) -> None:
         await asyncio.gather(*(s.open(url) for s in stores))
         created = await stores[0].create_tenant(TenantCreate(name="shared"), actor=ADMIN)
         assert (await stores[2].get_tenant(created.id)).name == "shared"
+        generated = await asyncio.gather(*(s.ensure_admin_token(None) for s in stores))
+        [value] = [g for g in generated if g is not None]  # one admin token, printed by one replica
+        assert {await s.resolve_admin(value) for s in stores} == {"admin:generated"}
     finally:
         for s in stores:
             await s.close()
