@@ -33,6 +33,7 @@ from backend.quant.shapes import (
     TensorSpec,
     checkpoint_tensors,
     has_indexer,
+    has_own_indexer,
     is_mla,
     layer_index,
     tensor_class,
@@ -64,6 +65,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     terms: list[Term]  # usable memory, then everything subtracted from it
     kv_bytes_per_token: int  # per GPU, all served layers
     kv_bytes_per_token_per_layer: dict[str, int]
+    kv_layers_per_tensor: dict[str, int]  # how many layers cache each tensor (DSA: shared indexers don't)
     kv_pool_bytes: int
     kv_tokens: int
 
@@ -195,7 +197,11 @@ def make_plan(
     terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs)]
     pool = sum(t.bytes for t in terms)
     per_layer = kv_bytes_per_layer(tc, kv_dtype, tp)
-    per_token = num_layers * sum(per_layer.values())
+    layers_with = {
+        name: sum(has_own_indexer(tc, i) for i in range(num_layers)) if name == "index_k" else num_layers
+        for name in per_layer
+    }
+    per_token = sum(per_layer[name] * layers_with[name] for name in per_layer)
     tokens = max(0, pool) // per_token // page_size * page_size
     return Plan(
         model=model,
@@ -208,12 +214,13 @@ def make_plan(
         terms=terms,
         kv_bytes_per_token=per_token,
         kv_bytes_per_token_per_layer=per_layer,
+        kv_layers_per_tensor=layers_with,
         kv_pool_bytes=pool,
         kv_tokens=tokens,
     )
 
 
-def render(plan: Plan, num_layers: int) -> str:
+def render(plan: Plan) -> str:
     lines = [
         f"{plan.model}: weights {plan.weights}, KV {plan.kv_dtype}, tp {plan.tp}",
         f"  checkpoint          {plan.checkpoint_bytes / GB:10.1f} GB  ({plan.checkpoint_bytes / GIB:.1f} GiB)",
@@ -224,8 +231,11 @@ def render(plan: Plan, num_layers: int) -> str:
     for t in plan.terms:
         lines.append(f"    {t.name:<32} {t.bytes / GIB:+9.2f} GiB   {t.reason}")
     lines.append(f"    {'= KV pool':<32} {plan.kv_pool_bytes / GIB:+9.2f} GiB")
-    parts = " + ".join(f"{k} {v}" for k, v in plan.kv_bytes_per_token_per_layer.items())
-    lines.append(f"  KV bytes per token  {num_layers} layers × ({parts}) B = {plan.kv_bytes_per_token:,} B")
+    parts = " + ".join(
+        f"{plan.kv_layers_per_tensor[k]} layers × {k} {v} B"
+        for k, v in plan.kv_bytes_per_token_per_layer.items()
+    )
+    lines.append(f"  KV bytes per token  {parts} = {plan.kv_bytes_per_token:,} B")
     lines.append(f"  KV tokens that fit  {plan.kv_tokens:,}")
     return "\n".join(lines)
 
@@ -276,7 +286,7 @@ def main(argv: list[str]) -> int:
         max_seqs=a.max_seqs,
         page_size=a.page_size,
     )
-    print(render(plan, text_config(config)["num_hidden_layers"]))
+    print(render(plan))
     if a.json:
         a.json.write_bytes(msgspec.json.encode(plan))
     return 0 if plan.kv_tokens > 0 else 1

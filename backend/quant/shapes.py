@@ -62,7 +62,13 @@ def _norm(specs: list[TensorSpec], name: str, dim: int, bias: bool = False) -> N
         specs.append(TensorSpec(f"{name}.bias", (dim,)))
 
 
-def _attention(specs: list[TensorSpec], p: str, tc: dict[str, Any]) -> None:
+def has_own_indexer(tc: dict[str, Any], layer: int) -> bool:
+    """GLM-5's DSA: a layer whose `indexer_types` entry is "shared" reuses another layer's indexer."""
+    types = tc.get("indexer_types") or []
+    return has_indexer(tc) and (layer >= len(types) or types[layer] != "shared")
+
+
+def _attention(specs: list[TensorSpec], p: str, tc: dict[str, Any], layer: int) -> None:
     h, heads = tc["hidden_size"], tc["num_attention_heads"]
     if is_mla(tc):
         nope, rope, v, kv = (
@@ -82,7 +88,7 @@ def _attention(specs: list[TensorSpec], p: str, tc: dict[str, Any]) -> None:
         _norm(specs, f"{p}.kv_a_layernorm", kv)
         _linear(specs, f"{p}.kv_b_proj", heads * (nope + v), kv)
         _linear(specs, f"{p}.o_proj", h, heads * v)
-        if has_indexer(tc):
+        if has_own_indexer(tc, layer):
             ih, idim = tc["index_n_heads"], tc["index_head_dim"]
             _linear(specs, f"{p}.indexer.wq_b", ih * idim, q_lora)
             _linear(specs, f"{p}.indexer.wk", idim, h)
@@ -110,7 +116,7 @@ def _layer(specs: list[TensorSpec], p: str, idx: int, tc: dict[str, Any]) -> Non
     h = tc["hidden_size"]
     _norm(specs, f"{p}.input_layernorm", h)
     _norm(specs, f"{p}.post_attention_layernorm", h)
-    _attention(specs, f"{p}.self_attn", tc)
+    _attention(specs, f"{p}.self_attn", tc, idx)
     if idx < tc.get("first_k_dense_replace", 0) or not tc.get("n_routed_experts"):
         _mlp(specs, f"{p}.mlp", h, tc["intermediate_size"])
         return

@@ -41,7 +41,9 @@ def test_glm52_fp8_to_int4_all_linear_matches_seed() -> None:
     int4 = make_plan(_config("glm-5.2"), gpu_mem=H200, tp=8, weights="int4-g32", all_linear=True)
     assert abs(fp8.checkpoint_bytes / GIB / 705 - 1) < 0.01  # 707.7 (+0.4%)
     assert abs(fp8.weights_per_gpu / GIB / 88 - 1) < 0.02  # 88.7 (+0.8%)
-    assert abs(int4.checkpoint_bytes / GIB / 421 - 1) < 0.06  # 401.2 (-4.7%): the seed keeps attention BF16 (see the report)
+    assert (
+        abs(int4.checkpoint_bytes / GIB / 421 - 1) < 0.06
+    )  # 401.2 (-4.7%): the seed keeps attention BF16 (see the report)
     assert abs(int4.weights_per_gpu / GIB / 52 - 1) < 0.05  # 50.2 (-3.5%)
     assert int4.kv_tokens > fp8.kv_tokens * 1.5
 
@@ -118,3 +120,25 @@ def test_cli_prints_every_term_and_writes_json(tmp_path: Path, capsys: pytest.Ca
 
 def test_does_not_fit() -> None:
     assert make_plan(_config("glm-5.2"), gpu_mem=parse_bytes("80GB"), tp=8, weights="bf16").kv_tokens == 0
+
+
+def test_plan_predicts_the_bytes_kumo_quantize_writes(tmp_path: Path) -> None:
+    """The plan's INT4 expert bytes for a checkpoint equal what `kumo quantize` actually writes, and
+    its tensor inventory names every tensor of a real (tiny) checkpoint."""
+    from safetensors import safe_open
+
+    from backend.quant.cli import main as quantize
+    from tests.backend.tiny_checkpoints import make_tiny
+
+    src = make_tiny("glm_moe_dsa", tmp_path / "src")
+    quantize([str(src), str(tmp_path / "dst"), "--weights", "int4-g32"])
+    report = json.loads((tmp_path / "dst" / "quantize_report.json").read_text())
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    plan = make_plan(config, gpu_mem=parse_bytes("1GiB"), tp=1, weights="native")
+    assert (
+        plan.weights_per_gpu_by_class["routed_experts"] == report["classes"]["routed_experts"]["dest_bytes"]
+    )
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    predicted = {s.name: s.shape for s in checkpoint_tensors(json.loads((src / "config.json").read_text()))}
+    assert predicted == written
