@@ -19,7 +19,15 @@ from starlette.responses import Response, StreamingResponse
 from gateway import render
 from gateway.auth import TenantContext
 from gateway.backend_client import tenant_salt, to_gateway_error
-from gateway.errors import BadInput, Forbidden, KumoError, MissingBody, PaidModelOnFreePlan, Timeout, TooLarge
+from gateway.errors import (
+    BadInput,
+    KumoError,
+    MissingBody,
+    ModelNotAllowed,
+    PaidModelOnFreePlan,
+    Timeout,
+    TooLarge,
+)
 from gateway.normalize import Context, Normalized, from_legacy
 from gateway.normalize_openai import from_openai
 from gateway.observability import info_of
@@ -82,7 +90,7 @@ def resolve_model(services: Services, request: Request, tenant: TenantContext, n
     model = services.catalog.get(name)
     info_of(request.scope).model = model.name
     if not tenant.can_use(model.name):
-        raise Forbidden("The account is not allowed to access this model")
+        raise ModelNotAllowed("The account is not allowed to access this model")
     if model.require_workers_paid and tenant.plan == "free":
         raise PaidModelOnFreePlan(f"Model {model.name} is not available on the Workers Free plan")
     return model
@@ -96,8 +104,35 @@ class Call:
     model: ModelSpec
     surface: Surface
 
-    async def normalize(self, raw: bytes) -> Normalized:
-        """Step 2: decode with the family's decoder and normalise."""
+    async def handle(self, raw: bytes) -> Response:
+        """Decode (step 2), admit against the quotas (step 1), then normalise, which may fetch
+        images, so a tenant over its limits costs no outbound fetch; then route and render."""
+        body = self._decode(raw)
+        admission = await self.services.limiter.admit(self.tenant, self.model.name, self._estimate(raw, body))
+        try:
+            normalized = await self._normalize(body)
+        except BaseException as exc:
+            await self._abandon(admission, [], [], exc)
+            raise
+        return await self._respond(admission, normalized)
+
+    def _decode(self, raw: bytes) -> LegacyInput | ChatCompletionRequest:
+        if self.model.family == "legacy" and self.surface == "run":
+            legacy = decode(raw, _legacy_decoder)
+            assert isinstance(legacy, LegacyInput)
+            return legacy
+        chat = decode(raw, _openai_decoder)
+        assert isinstance(chat, ChatCompletionRequest)
+        return chat
+
+    def _estimate(self, raw: bytes, body: LegacyInput | ChatCompletionRequest) -> int:
+        """Tokens reserved at admission: ~4 bytes a prompt token, plus every choice's max tokens."""
+        if isinstance(body, LegacyInput):
+            return len(raw) // 4 + body.max_tokens
+        max_tokens = body.max_completion_tokens or body.max_tokens or self.model.default_max_tokens
+        return len(raw) // 4 + max_tokens * min(body.n or 1, self.services.settings.max_choices)
+
+    async def _normalize(self, body: LegacyInput | ChatCompletionRequest) -> Normalized:
         info = info_of(self.request.scope)
         s = self.services.settings
         ctx = Context(
@@ -107,18 +142,12 @@ class Call:
             max_images=s.max_images,
             max_choices=s.max_choices,
         )
-        if self.model.family == "legacy" and self.surface == "run":
-            legacy = decode(raw, _legacy_decoder)
-            assert isinstance(legacy, LegacyInput)
-            return await from_legacy(legacy, self.model, ctx)
-        chat = decode(raw, _openai_decoder)
-        assert isinstance(chat, ChatCompletionRequest)
-        return await from_openai(chat, self.model, ctx, allow_prompt=self.surface == "run")
+        if isinstance(body, LegacyInput):
+            return await from_legacy(body, self.model, ctx)
+        return await from_openai(body, self.model, ctx, allow_prompt=self.surface == "run")
 
-    async def respond(self, raw: bytes, normalized: Normalized) -> Response:
-        """Steps 3 and 8: admit, route every choice, render; settle and record usage at the end."""
-        estimate = len(raw) // 4 + sum(r.sampling.max_tokens for r in normalized.requests)
-        admission = await self.services.limiter.admit(self.tenant, self.model.name, estimate)
+    async def _respond(self, admission: Admission, normalized: Normalized) -> Response:
+        """Steps 3 and 8: route every choice, render; settle and record usage at the end."""
         done = [render.Completion() for _ in normalized.requests]
         # every choice is routed at once; any failure before the first byte closes the others
         started = await asyncio.gather(

@@ -37,7 +37,7 @@ async def chat_completions(request: Request) -> Response:
         raise BadInput("Bad input: 'model' is required")
     model = resolve_model(services, request, tenant, head.model)
     call = Call(services, request, tenant, model, "openai")
-    return await call.respond(raw, await call.normalize(raw))
+    return await call.handle(raw)
 
 
 async def list_models(request: Request) -> Response:

@@ -94,7 +94,7 @@ class Totals:
     @classmethod
     def of(cls, completions: list[Completion]) -> Totals:
         """The prompt is counted once (choice 0), completions are summed over choices."""
-        first = completions[0].usage
+        first = completions[0].usage if completions else None
         return cls(
             prompt_tokens=first.prompt_tokens if first else 0,
             cached_tokens=first.cached_tokens if first else 0,

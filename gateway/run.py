@@ -46,7 +46,7 @@ async def run_model(request: Request) -> Response:
     _refuse_queue(request)
     raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
     call = Call(services, request, tenant, model, "run")
-    return await call.respond(raw, await call.normalize(raw))
+    return await call.handle(raw)
 
 
 async def run_envelope(request: Request) -> Response:
@@ -63,7 +63,7 @@ async def run_envelope(request: Request) -> Response:
     if envelope.options is not None and envelope.options.rejectIfBusy:
         inner = _with_reject_if_busy(inner)
     call = Call(services, request, tenant, model, "run")
-    return await call.respond(inner, await call.normalize(inner))
+    return await call.handle(inner)
 
 
 def _refuse_queue(request: Request) -> None:

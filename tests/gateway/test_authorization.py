@@ -5,10 +5,10 @@ tenant's token, the admin token, the account's own token (reference §3.1, §6; 
 from __future__ import annotations
 
 import httpx
-from gateway_harness import GLM, Harness, harness  # noqa: F401  (fixture)
+from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 from structlog.testing import capture_logs
 
-from schemas.admin import TokenCreate
+from schemas.admin import TenantCreate, TokenCreate
 
 ADMIN = "kumo_admin_test_token_value_0123456789"
 
@@ -69,3 +69,19 @@ async def test_one_json_log_line_per_request_without_secrets(harness: Harness) -
     assert line["status"] == 200 and line["model"] == GLM and line["tenant"] == harness.account
     assert line["replica"].startswith("http://127.0.0.1:") and line["completion_tokens"] > 0
     assert harness.token not in str(logs)
+
+
+async def test_a_model_outside_the_allow_list_is_403_5018(harness: Harness) -> None:
+    store = harness.services.store
+    tenant = await store.create_tenant(TenantCreate(name="glm-only", plan="paid"), actor="test")
+    token = await store.create_token(tenant.id, TokenCreate(name="t"), actor="test")
+    await store.set_models(tenant.id, [GLM], actor="test")
+    headers = {"authorization": f"Bearer {token.value}"}
+    denied = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}", account=tenant.id), headers=headers, json={"prompt": "x"}
+    )
+    assert denied.status_code == 403 and denied.json()["errors"][0]["code"] == 5018
+    allowed = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}", account=tenant.id), headers=headers, json={"prompt": "x"}
+    )
+    assert allowed.status_code == 200

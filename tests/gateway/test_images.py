@@ -21,6 +21,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
 from gateway.images import ImageFetcher, ImageLimits, ImageRejected
+from schemas.admin import Quotas, TenantCreate, TokenCreate
 
 
 def png_bytes(size: int = 8) -> bytes:
@@ -166,4 +167,23 @@ async def test_gateway_refuses_a_loopback_image_url(
         json={"messages": [{"role": "user", "content": content}]},
     )
     assert r.status_code == 400 and "private, loopback or link-local" in r.json()["errors"][0]["message"]
+    assert len(public.hits) == before
+
+
+async def test_no_fetch_for_a_tenant_over_its_limits(
+    harness: Harness, sites: tuple[Site, Served, Site, Served]
+) -> None:
+    store = harness.services.store
+    tenant = await store.create_tenant(TenantCreate(name="blocked", plan="paid"), actor="test")
+    token = await store.create_token(tenant.id, TokenCreate(name="t"), actor="test")
+    await store.set_quotas(tenant.id, Quotas(requests_per_minute=0), actor="test")
+    public, a, _, _ = sites
+    before = len(public.hits)
+    content = [{"type": "image_url", "image_url": {"url": f"{a.url}/img.png"}}]
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}", account=tenant.id),
+        headers=harness.auth(token.value),
+        json={"messages": [{"role": "user", "content": content}]},
+    )
+    assert r.status_code == 429 and r.json()["errors"][0]["code"] == 3021
     assert len(public.hits) == before
