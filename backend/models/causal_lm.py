@@ -132,7 +132,12 @@ class CausalLM(nn.Module):
                 if not raw_name.startswith(prefix):
                     continue  # the vision tower and projector of a multimodal checkpoint
                 raw_name = raw_name[len(prefix) :]
-            name = raw_name
+            # transformers 5 writes a K2.5 text model back as `language_model.model.blocks.N`
+            name = (
+                "model.layers." + raw_name[len("model.blocks.") :]
+                if raw_name.startswith("model.blocks.")
+                else raw_name
+            )
             layer = _LAYER.match(name)
             if (layer and int(layer.group(1)) >= self.config.num_hidden_layers) or _IGNORED.search(name):
                 continue  # MTP layers (speculative decoding heads) are not part of the model

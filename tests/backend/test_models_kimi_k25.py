@@ -30,3 +30,9 @@ def test_k25_text_model_matches_transformers(k25_path: Path) -> None:
     assert diff <= MAX_ABS_DIFF
     ours, theirs = greedy_matches("kimi_k25", k25_path)
     assert ours == theirs
+
+
+def test_k25_as_transformers_writes_it_back_matches(tmp_path: Path) -> None:
+    path = make_tiny("kimi_k25", tmp_path / "raw", as_published=False)  # `...model.blocks.N`, Kimi_K25 name
+    assert ModelConfig.from_pretrained(path).architecture == "Kimi_K25ForConditionalGeneration"
+    assert prefill_max_diff("kimi_k25", path, chunk=16) <= MAX_ABS_DIFF

@@ -140,8 +140,13 @@ def _perturb(model: torch.nn.Module) -> None:
                 b.normal_(0.0, 0.1)
 
 
-def make_tiny(arch: str, path: str | Path, *, seed: int = 0, **config_overrides: Any) -> Path:
-    """Write a tiny random `arch` checkpoint folder at `path` with transformers' `save_pretrained`."""
+def make_tiny(
+    arch: str, path: str | Path, *, seed: int = 0, as_published: bool = True, **config_overrides: Any
+) -> Path:
+    """Write a tiny random `arch` checkpoint folder at `path` with transformers' `save_pretrained`.
+
+    `as_published=False` keeps exactly what transformers wrote (no kimi_k2 / K2.5 renaming).
+    """
     path = Path(path)
     torch.manual_seed(seed)
     model = _build(arch, config_dict(arch, **config_overrides)).float().eval()
@@ -150,12 +155,12 @@ def make_tiny(arch: str, path: str | Path, *, seed: int = 0, **config_overrides:
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": EOS_IDS}))
     config_file = path / "config.json"
     raw = json.loads(config_file.read_text())
-    if arch == "kimi_k2":
+    if arch == "kimi_k2" and as_published:
         raw = _published_rope(raw) | {"model_type": "kimi_k2"}
-    if arch == "kimi_k25":
+    if arch == "kimi_k25" and as_published:
         raw["architectures"] = ["KimiK25ForConditionalGeneration"]
         raw["text_config"] = _published_rope(raw["text_config"]) | {"model_type": "kimi_k2"}
-        _rename_k25_tensors(path, model)
+        _rename_k25_tensors(path)
     config_file.write_text(json.dumps(raw, indent=2))
     return path
 
@@ -170,16 +175,14 @@ def _published_rope(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _rename_k25_tensors(path: Path, model: torch.nn.Module) -> None:
-    """Real K2.5 names: `language_model.model.layers.*` and `language_model.lm_head.weight`."""
+def _rename_k25_tensors(path: Path) -> None:
+    """Real K2.5 names: `language_model.model.layers.*` (transformers 5 writes `...model.blocks.*` back)."""
     file = path / "model.safetensors"
     tensors = load_file(str(file))
     renamed = {
         k.replace("language_model.model.blocks.", "language_model.model.layers."): v
         for k, v in tensors.items()
     }
-    renamed.pop("lm_head.weight", None)
-    renamed["language_model.lm_head.weight"] = model.lm_head.weight.detach().clone().contiguous()
     save_file(renamed, str(file), metadata={"format": "pt"})
 
 
