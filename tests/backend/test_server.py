@@ -198,22 +198,24 @@ async def test_stop_string_cuts_the_answer(client: httpx.AsyncClient) -> None:
 async def test_disconnects_free_everything_and_others_are_unchanged(
     client: httpx.AsyncClient, backend_process: RunningBackend
 ) -> None:
-    def payload(i: int) -> dict[str, Any]:
+    def payload(i: int, max_tokens: int = 16) -> dict[str, Any]:
         return body(
             f"conc-{i}",
             PROMPTS[i % len(PROMPTS)] * 3,
             reasoning={"enabled": False},
-            sampling={"max_tokens": 16},
+            sampling={"max_tokens": max_tokens},
         )
 
     alone = {i: text_of(await generate(client, payload(i))) for i in range(len(PROMPTS))}
     await wait_idle(client, backend_process.num_pages)
 
     async def run(i: int) -> str | None:
-        async with client.stream("POST", "/v1/generate", json=payload(100 + i), headers=AUTH) as response:
+        leaves = i % 3 == 0  # a third of the clients leave after the first event, long before their end
+        request = payload(100 + i, max_tokens=200 if leaves else 16)
+        async with client.stream("POST", "/v1/generate", json=request, headers=AUTH) as response:
             assert response.status_code == 200
             lines = response.aiter_lines()
-            if i % 3 == 0:  # a third of the clients leave after the first event
+            if leaves:
                 await anext(lines)
                 return None
             return text_of([_event(line) async for line in lines])
