@@ -9,7 +9,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import msgspec
@@ -19,14 +19,11 @@ from starlette.responses import Response, StreamingResponse
 from gateway import render
 from gateway.auth import TenantContext
 from gateway.backend_client import tenant_salt, to_gateway_error
+from gateway.body import decode
 from gateway.errors import (
-    BadInput,
     KumoError,
-    MissingBody,
     ModelNotAllowed,
     PaidModelOnFreePlan,
-    Timeout,
-    TooLarge,
 )
 from gateway.normalize import Context, Normalized, from_legacy
 from gateway.normalize_openai import from_openai
@@ -44,38 +41,6 @@ Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (pl
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refused with 413/3006 as soon as it passes `limit` (never read whole first), and
-    408 when a slow client has not sent it within `timeout_s`."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge("Request is too large")
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise TooLarge("Request is too large")
-    except TimeoutError as exc:
-        raise Timeout("Request timeout") from exc
-    if not body.strip():
-        raise MissingBody("Request is missing headers or body: body")
-    return bytes(body)
-
-
-def decode(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> object:
-    """Typed decode; the 400 names the failing path (`$.messages[0].content`)."""
-    try:
-        return decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise BadInput(f"Bad input: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise BadInput("Bad input: the body is not valid JSON") from exc
-    except RecursionError as exc:
-        raise BadInput("Bad input: the body is nested too deeply") from exc
 
 
 async def authenticate(services: Services, request: Request, account_id: str) -> TenantContext:

@@ -9,8 +9,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.body import decode, read_body
 from gateway.errors import BadInput
-from gateway.inference import Call, authenticate, decode, read_body, resolve_model
+from gateway.inference import Call, authenticate, resolve_model
 from gateway.run import account_of, services_of
 from schemas.catalog import ModelSpec
 from schemas.openai import ModelList, ModelOut

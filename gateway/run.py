@@ -13,8 +13,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.body import decode, read_body
 from gateway.errors import NoRoute, Unsupported
-from gateway.inference import Call, authenticate, decode, read_body, resolve_model
+from gateway.inference import Call, authenticate, resolve_model
 from gateway.services import Services
 from schemas.workers_ai import RunEnvelopeInput
 
