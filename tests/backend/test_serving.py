@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -208,7 +209,10 @@ class ScriptedEngine:
 
 @pytest.fixture
 def scripted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Starlette, ScriptedEngine]:
-    folder = tokenizer_dir(tmp_path_factory, "glm")
+    folder = tmp_path_factory.mktemp(
+        "scripted"
+    )  # a checkpoint folder of its own: tokenizer + config, no weights
+    shutil.copytree(tokenizer_dir(tmp_path_factory, "glm"), folder, dirs_exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], **_GLM_CONFIG}))
     served = ServedModel.from_checkpoint(folder)
     engine = ScriptedEngine(served.tokenizer)
