@@ -8,7 +8,7 @@ never holds more than one tensor beyond the model's own parameters.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,9 +39,15 @@ def shard_files(path: str | Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
 
 
-def iter_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every tensor of the checkpoint, reading one at a time."""
+def iter_tensors(
+    path: str | Path, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of the checkpoint, reading one at a time.
+
+    With `keep`, a tensor it refuses is never read (a rank skips the experts other ranks hold).
+    """
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)

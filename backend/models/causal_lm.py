@@ -174,6 +174,21 @@ class CausalLM(nn.Module):
                     f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}"
                 )
 
+    def wants_tensor(self, raw_name: str) -> bool:
+        """False for checkpoint tensors this rank never keeps (other ranks' experts, MTP, vision), so
+        the loader need not read them: with expert parallelism most of a checkpoint is skipped."""
+        prefix = self.config.weight_prefix
+        if prefix and not raw_name.startswith(prefix):
+            return False
+        name = raw_name[len(prefix) :]
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
+            return False
+        if expert := _EXPERT.match(name):
+            experts = self.get_submodule(expert.group(1))
+            return bool(experts.e0 <= int(expert.group(2)) < experts.e1)
+        return True
+
     def _module(self, path: str, raw_name: str) -> Any:
         """The submodule at `path` (duck-typed: its loading hooks vary by module kind)."""
         try:

@@ -244,3 +244,14 @@ def test_other_routing_schemes_are_refused(ds_path: Path) -> None:
     }
     with pytest.raises(CheckpointError, match="softmax"):
         ModelConfig.from_dict(raw)
+
+
+def test_a_rank_does_not_read_other_ranks_experts(ds_path: Path) -> None:
+    from backend.checkpoint import iter_tensors
+
+    model = load_model(ds_path, dtype=torch.float32, rank=1, world_size=2).model
+    names = [n for n, _ in iter_tensors(ds_path, keep=model.wants_tensor)]
+    experts = [int(m.group(2)) for n in names if (m := _EXPERT.match(n))]
+    assert experts and all(4 <= e < 8 for e in experts)
+    assert len(names) == len(_tensors(ds_path)) - len(experts)
+    model.load_weights(iter_tensors(ds_path, keep=model.wants_tensor))  # still complete for this rank
