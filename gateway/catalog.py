@@ -130,7 +130,7 @@ class Catalog:
 
     def render(self, model: ModelSpec, card: ModelCard | None) -> ModelObject:
         """The Workers AI catalog object; context window, weights and KV dtype from the pool's card.
-        Only capabilities Kumo serves are listed (no `async_queue`)."""
+        Only capabilities both the entry and the pool's backend serve are listed (no `async_queue`)."""
         props: list[PropertyOut] = []
 
         def add(key: str, value: Any) -> None:
@@ -140,11 +140,12 @@ class Catalog:
             add("require_workers_paid", "true")
         if card is not None:
             add("context_window", str(card.context_window))
-        if model.function_calling:
+        served = card.capabilities if card is not None else None  # what the pool's backend can do
+        if model.function_calling and (served is None or served.tools):
             add("function_calling", "true")
-        if model.reasoning:
+        if model.reasoning and (served is None or served.reasoning):
             add("reasoning", "true")
-        if model.vision:
+        if model.vision and (served is None or served.vision):
             add("vision", "true")
         if model.experimental:
             add("beta", "true")

@@ -46,6 +46,7 @@ class FakeBackend:
     vision: bool = True
     context_window: int = 4096
     is_down: bool = False
+    num_waiting: int = 0  # reported in /v1/load, to steer the router
     requests: list[b.GenerateRequest] = field(default_factory=list)
     journal: list[b.GenerateRequest] = field(
         default_factory=list
@@ -81,7 +82,9 @@ class FakeBackend:
             return Response(msgspec.json.encode(self.card()), media_type="application/json")
 
         async def load(request: Request) -> Response:
-            report = b.LoadReport(waiting=0, running=self.num_open_streams, free_pages=200, total_pages=256)
+            report = b.LoadReport(
+                waiting=self.num_waiting, running=self.num_open_streams, free_pages=200, total_pages=256
+            )
             return Response(msgspec.json.encode(report), media_type="application/json")
 
         async def health(request: Request) -> Response:

@@ -9,6 +9,9 @@ import uuid
 
 from gateway_harness import GLM, KIMI, LEGACY, MISMATCH, Harness, harness  # noqa: F401  (fixture)
 
+from gateway.catalog import Catalog, load_catalog_file
+from schemas.backend import Capabilities, ModelCard
+
 
 async def get(h: Harness, rest: str, **params: object):  # type: ignore[no-untyped-def]
     return await h.http.get(h.path(rest), headers=h.auth(), params=params)
@@ -96,3 +99,19 @@ async def test_models_page_has_search_and_task_filter(harness: Harness) -> None:
     assert GLM in found.text and KIMI not in found.text
     none = await harness.http.get(f"{harness.url}/models", params={"task": "Text Embeddings"})
     assert "No model matches." in none.text
+
+
+def test_capabilities_are_those_the_backend_serves() -> None:
+    catalog = Catalog.from_file(load_catalog_file(None))
+    kimi = catalog.get(KIMI)
+    card = ModelCard(
+        name="k", architecture=kimi.architecture, family="kimi", weights="int4-w4a16", kv_dtype="fp8_e4m3",
+        context_window=262144, page_size=16, num_pages=8, capabilities=Capabilities(tools=False, reasoning=True, vision=True),
+    )  # fmt: skip
+    shown = {p.property_id: p.value for p in catalog.render(kimi, card).properties}
+    assert "function_calling" not in shown and shown["reasoning"] == "true" and shown["vision"] == "true"
+    assert (shown["context_window"], shown["weights"], shown["kv_cache_dtype"]) == (
+        "262144",
+        "int4-w4a16",
+        "fp8_e4m3",
+    )

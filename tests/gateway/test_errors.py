@@ -140,3 +140,19 @@ async def test_metrics_count_requests(harness: Harness) -> None:
     text = (await harness.http.get(f"{harness.url}/metrics")).text
     assert 'kumo_gateway_requests_total{model="@cf/moonshotai/kimi-k2.6",route="run",status="200"}' in text
     assert "kumo_gateway_tokens_total" in text
+
+
+async def test_requests_go_to_the_least_loaded_replica(harness: Harness) -> None:
+    a, b = harness.backends["kimi-k2.6"]
+    a.num_waiting = 50
+    try:
+        await asyncio.sleep(0.5)  # the next health rounds read the new load
+        before = (len(a.requests), len(b.requests))
+        for i in range(6):
+            r = await harness.http.post(
+                harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"prompt": f"l{i}"}
+            )
+            assert r.status_code == 200
+        assert (len(a.requests) - before[0], len(b.requests) - before[1]) == (0, 6)
+    finally:
+        a.num_waiting = 0
