@@ -16,6 +16,7 @@ scheme on those names. The router (`mlp.gate`) and embeddings are other classes 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,6 +77,34 @@ def _targets(model: nn.Module, scheme: QuantScheme) -> list[tuple[str, nn.Module
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def build_for_checkpoint(
+    make: Callable[[], nn.Module], scheme: QuantScheme, device: torch.device | str
+) -> nn.Module:
+    """The model, with quantized modules in place, without ever allocating the dense weights they
+    replace: built on the meta device, swapped, then given storage on `device` (every persistent
+    tensor is then filled by `load_weights`, which refuses a checkpoint that leaves one out).
+
+    Non-persistent buffers are computed at construction, so the meta build cannot have them; the
+    rotary tables are rebuilt from the config, and a model with any other such buffer is built
+    densely on `device` instead (correct, only heavier).
+    """
+    with torch.device("meta"):
+        model = make()
+    persistent = set(model.state_dict())
+    computed = [n for n, _ in model.named_buffers() if n not in persistent]
+    if any(not n.startswith("rotary.") for n in computed) or not hasattr(model, "config"):
+        with torch.device(device):
+            model = make()
+        prepare_for_checkpoint(model, scheme)
+        return model
+    prepare_for_checkpoint(model, scheme)
+    model.to_empty(device=device)
+    if computed:
+        with torch.device(device):
+            model.rotary = type(model.rotary)(model.config.rope)  # type: ignore[operator]
+    return model
 
 
 def prepare_for_checkpoint(model: nn.Module, scheme: QuantScheme) -> list[str]:

@@ -22,6 +22,7 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.checkpoint import INDEX_FILE
 from backend.loader import load_model
@@ -247,3 +248,29 @@ def test_fp8_block_source_converts_to_int4(src: Path, tmp_path: Path) -> None:
     assert _rel(ref, via_fp8) < 0.06 and _top1(ref, via_fp8) >= 0.9
     report = json.loads((dst / REPORT_FILE).read_text())
     assert report["classes"]["routed_experts"]["num_quantized"] == 2 * 8 * 3
+
+
+class _Allocations(TorchDispatchMode):
+    """Shapes of every tensor an aten op creates off the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.device.type != "meta":
+            self.shapes.add(tuple(out.shape))
+        return out
+
+
+def test_loading_a_quantized_checkpoint_never_allocates_the_dense_experts(src: Path, tmp_path: Path) -> None:
+    main([str(src), str(tmp_path / "int4"), "--weights", "int4-g32"])
+    dense_gate_up, dense_down = (8, 2 * 32, 64), (8, 64, 32)  # [E, 2I, H], [E, H, I] of the tiny model
+    with _Allocations() as seen_dense:
+        load_model(src, dtype=torch.float32)
+    assert {dense_gate_up, dense_down} <= seen_dense.shapes  # the probe sees the dense build
+    with _Allocations() as seen:
+        load_model(tmp_path / "int4", dtype=torch.float32)
+    assert dense_gate_up not in seen.shapes and dense_down not in seen.shapes
+    assert (8, 2 * 32, 64 // 8) in seen.shapes  # gate_up_packed
