@@ -13,7 +13,7 @@ from backend.config import ModelConfig
 from backend.errors import CheckpointError
 from backend.models import ARCHITECTURES
 from backend.quant.kv_scales import without_kv_scales
-from backend.quant.walker import dequantize_after_load, prepare_for_checkpoint, read_scheme
+from backend.quant.walker import build_for_checkpoint, dequantize_after_load, read_scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +36,16 @@ def load_model(
     cls = ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise CheckpointError(f"unknown architecture {config.architecture!r}")
-    with torch.device(device):
-        model = cls(config, dtype=dtype, rank=rank, world_size=world_size)
-    # a quantized checkpoint (config.json's quantization_config): swap in the quantized modules
-    # first, and keep the FP8 KV-cache scales out of the weight stream (backend/quant/)
+    # a quantized checkpoint (config.json's quantization_config): the quantized modules are built in
+    # place of the dense ones, and the FP8 KV-cache scales kept out of the weight stream (backend/quant/)
     scheme = read_scheme(path)
-    if scheme is not None:
-        prepare_for_checkpoint(model, scheme)
+    if scheme is None:
+        with torch.device(device):
+            model = cls(config, dtype=dtype, rank=rank, world_size=world_size)
+    else:
+        model = build_for_checkpoint(
+            lambda: cls(config, dtype=dtype, rank=rank, world_size=world_size), scheme, device
+        )
     model.load_weights(without_kv_scales(iter_tensors(path)))  # type: ignore[operator]
     if scheme is not None:
         dequantize_after_load(model)
