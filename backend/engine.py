@@ -258,6 +258,7 @@ class Engine:
 
     def _logprob(self, score: TokenScore, token: int) -> TokenLogprob:
         text = self.detokenize or (lambda ids: "")
+        assert score.logprob is not None, "log-probs are computed for every row that asks for them"
         return TokenLogprob(
             token=text([token]),
             token_id=token,

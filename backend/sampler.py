@@ -35,7 +35,7 @@ class SampleRow:
 @dataclass(slots=True)
 class TokenScore:
     token_id: int
-    logprob: float
+    logprob: float | None  # None when the request asked for no log-probs (not computed)
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
@@ -43,13 +43,19 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[TokenScore]:
         """One token per row of `logits [N, V]`."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [N, V]
-        x = apply_penalties(logits.clone(), rows)
-        x = self._mask_disallowed(x, rows)
+        x = apply_penalties(logits, rows)  # a new tensor when any penalty applies
+        if any(r.allowed is not None for r in rows):
+            x = self._mask_disallowed(x.clone() if x is logits else x, rows)
         chosen = self._draw(x, rows)
-        return self._scores(
-            raw_logprobs, chosen, [r.params.top_logprobs if r.params.logprobs else 0 for r in rows]
-        )
+        scores = [TokenScore(int(t), None, []) for t in chosen.tolist()]
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
+        if wanted:
+            index = torch.tensor(wanted, dtype=torch.int64)
+            raw_logprobs = torch.log_softmax(logits[index], dim=-1)  # [n, V]
+            tops = [rows[i].params.top_logprobs for i in wanted]
+            for i, score in zip(wanted, self._scores(raw_logprobs, chosen[index], tops), strict=True):
+                scores[i] = score
+        return scores
 
     def score(self, logits: torch.Tensor, target_ids: list[int], num_top: int) -> list[TokenScore]:
         """Log-probs of given next tokens under `logits [N, V]` (prompt log-probs)."""
@@ -71,30 +77,31 @@ class Sampler:
         N, V = x.shape
         temps = torch.tensor([r.params.temperature for r in rows])  # [N]
         is_greedy = temps == 0
-        x = x / torch.where(is_greedy, 1.0, temps)[:, None]
-        x = apply_top_k(x, torch.tensor([r.params.top_k for r in rows]))
-        x = apply_top_p(x, torch.tensor([r.params.top_p for r in rows]))
-        probs = torch.softmax(x, dim=-1)  # [N, V]
-        chosen = torch.empty(N, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            if is_greedy[i]:
-                chosen[i] = torch.argmax(x[i])
-            else:
-                noise = torch.empty(V).exponential_(generator=r.generator)  # [V]
-                chosen[i] = torch.argmax(probs[i] / noise)
+        chosen = x.argmax(dim=-1)  # [N], kept for the greedy rows
+        drawn = (~is_greedy).nonzero()[:, 0].tolist()
+        if not drawn:
+            return chosen
+        index = torch.tensor(drawn, dtype=torch.int64)
+        xs = x[index] / temps[index][:, None]  # [n, V]
+        xs = apply_top_k(xs, torch.tensor([rows[i].params.top_k for i in drawn]))
+        xs = apply_top_p(xs, torch.tensor([rows[i].params.top_p for i in drawn]))
+        probs = torch.softmax(xs, dim=-1)  # [n, V]
+        for j, i in enumerate(drawn):
+            noise = torch.empty(V).exponential_(generator=rows[i].generator)  # [V], this row's own draw
+            chosen[i] = torch.argmax(probs[j] / noise)
         return chosen
 
     @staticmethod
     def _scores(raw_logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int]) -> list[TokenScore]:
-        picked = raw_logprobs.gather(1, chosen[:, None])[:, 0]  # [N]
+        picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()  # [N]
         max_top = max(num_tops, default=0)
-        top_vals, top_ids = (
-            raw_logprobs.topk(max_top, dim=-1) if max_top else (raw_logprobs[:, :0], chosen[:, None][:, :0])
-        )
+        top_vals, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
         out: list[TokenScore] = []
         for i, k in enumerate(num_tops):
-            top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
-            out.append(TokenScore(int(chosen[i]), float(picked[i]), top))
+            top: list[tuple[int, float]] = []
+            if k and top_ids is not None and top_vals is not None:
+                top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+            out.append(TokenScore(int(chosen[i]), picked[i], top))
         return out
 
 
@@ -122,7 +129,7 @@ def apply_top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (HF/CTRL: divide positive logits, multiply negative ones, over prompt and
+    """`x` itself when no row has a penalty, else a new tensor. Repetition (HF/CTRL: divide positive logits, multiply negative ones, over prompt and
     output), then frequency and presence (OpenAI: minus f·count and p·[count > 0], output only)."""
     N, V = x.shape
     if any(r.params.repetition_penalty != 1.0 for r in rows):
