@@ -59,7 +59,9 @@ class EvalReport(msgspec.Struct, kw_only=True):
 
 
 class Variant:
-    def __init__(self, name: str, spec: str) -> None:
+    def __init__(
+        self, name: str, spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> None:
         from backend.loader import load_model
         from backend.quant import kv_scales
         from backend.quant.scheme import QuantScheme
@@ -68,7 +70,8 @@ class Variant:
         self.name, self.spec = name, spec
         path, *opts = spec.split(":")
         options = dict(o.split("=", 1) if "=" in o else (o, "") for o in opts)
-        loaded = load_model(path, dtype=torch.float32)
+        loaded = load_model(path, dtype=dtype, device=device)
+        self.dtype = dtype
         self.model, self.path, self.config = loaded.model, Path(path), loaded.config
         if "weights" in options:
             w = options["weights"]
@@ -82,14 +85,14 @@ class Variant:
             self.scales = kv_scales.scales_for_serving(
                 path,
                 self.model,
-                model_dtype=torch.float32,
+                model_dtype=dtype,
                 vocab_size=loaded.config.vocab_size,
                 prefix=loaded.config.weight_prefix,
             )
 
     def runner(self) -> PromptRunner:
         return PromptRunner(
-            self.model, model_dtype=torch.float32, kv_dtype=self.kv_dtype, scales=self.scales, chunk=32
+            self.model, model_dtype=self.dtype, kv_dtype=self.kv_dtype, scales=self.scales, chunk=32
         )
 
 
@@ -275,12 +278,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--text", action="append", default=[], type=Path, help="plain text for perplexity")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--window", type=int, default=128)
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of every variant"
+    )
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     a = ap.parse_args(argv)
     if len(a.variant) < 2 or not (a.data or a.text):
         ap.error("give at least two --variant and one --data or --text")
     specs = dict(v.split("=", 1) for v in a.variant)
-    ev = Evaluator([Variant(n, s) for n, s in specs.items()], a.max_new_tokens, a.window)
+    dtype = getattr(torch, a.dtype)
+    variants = [Variant(n, s, dtype=dtype, device=a.device) for n, s in specs.items()]
+    ev = Evaluator(variants, a.max_new_tokens, a.window)
     tasks = []
     for path in a.data:
         kind, items = load_items(path)

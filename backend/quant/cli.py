@@ -199,11 +199,18 @@ def quantize_checkpoint(
     return report
 
 
-def calibrate_kv(src: Path, dst: Path, prompts_file: Path | None) -> None:
+def calibrate_kv(
+    src: Path,
+    dst: Path,
+    prompts_file: Path | None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> None:
     """Scales from the unquantized source model, stored beside the converted weights."""
     from backend.loader import load_model
 
-    loaded = load_model(src, dtype=torch.float32)
+    loaded = load_model(src, dtype=dtype, device=device)
     vocab = loaded.config.vocab_size
     if prompts_file is None:
         prompts = kv_scales.builtin_prompt_ids(src, vocab)
@@ -216,7 +223,7 @@ def calibrate_kv(src: Path, dst: Path, prompts_file: Path | None) -> None:
             for x in prompts_file.read_text().splitlines()
         ]
         prompts = [[i for i in tok.encode(x) if i < vocab] for x in lines if x.strip()]
-    scales = kv_scales.calibrate(loaded.model, prompts, model_dtype=torch.float32)
+    scales = kv_scales.calibrate(loaded.model, prompts, model_dtype=dtype)
     kv_scales.save(dst, scales, loaded.config.weight_prefix)
     raw = json.loads((dst / "config.json").read_text())
     raw["quantization_config"]["kv_cache_scheme"] = msgspec.to_builtins(
@@ -248,6 +255,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--kv-scales", action="store_true", help="calibrate FP8 KV scales on the built-in prompts"
     )
+    ap.add_argument("--calibrate-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument(
+        "--calibrate-device", default="cpu", help="where the source model runs for KV calibration"
+    )
     a = ap.parse_args(argv)
     src, dst = (a.paths + [None, None])[:2] if a.paths else (a.src, a.dst)
     if src is None or dst is None:
@@ -264,7 +275,9 @@ def main(argv: list[str]) -> int:
     scheme = QuantScheme.build(method, group_size=group, all_linear=a.all_linear)
     report = quantize_checkpoint(src, dst, scheme, weights=weights, all_linear=a.all_linear)
     if a.kv_calibrate or a.kv_scales:
-        calibrate_kv(src, dst, a.kv_calibrate)
+        calibrate_kv(
+            src, dst, a.kv_calibrate, dtype=getattr(torch, a.calibrate_dtype), device=a.calibrate_device
+        )
     print(
         f"{src} -> {dst}: {report.source_bytes / 1e9:.3f} GB -> {report.dest_bytes / 1e9:.3f} GB (×{report.ratio:.3f})"
     )
