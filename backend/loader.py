@@ -46,7 +46,9 @@ def load_model(
         model = build_for_checkpoint(
             lambda: cls(config, dtype=dtype, rank=rank, world_size=world_size), scheme, device
         )
-    model.load_weights(without_kv_scales(iter_tensors(path)))  # type: ignore[operator]
+    # a rank reads only what it keeps (not the other ranks' experts, nor MTP or vision tensors)
+    weights = iter_tensors(path, keep=getattr(model, "wants_tensor", None))
+    model.load_weights(without_kv_scales(weights))  # type: ignore[operator]
     if scheme is not None:
         dequantize_after_load(model)
     return LoadedModel(model=model.eval(), config=config, path=path)
