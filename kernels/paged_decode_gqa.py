@@ -8,9 +8,10 @@ slices is chosen from batch, KV heads and the page table's width (host-known, so
 captured in a CUDA graph), never from a device read.
 
 The page-tag check is fused into stage 1: each token's page tag is compared with the sequence's
-expected tag for that page; tokens of a mismatched page are masked out before their K/V bytes are
-read (another tenant's FP8 bytes may even be NaN), and `tag_mismatch[b]` is set so the engine aborts
-the sequence. FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the
+expected tag for that page; tokens of a mismatched page are masked out of the scores and their V
+rows replaced by zeros (another tenant's FP8 bytes may even be NaN), and `tag_mismatch[b]` is set
+so the engine aborts the sequence. The K/V loads do not wait for the tag loads (a measured +30% when
+they did): the comparison overlaps the loads it guards. With an FP8 cache the dots run in fp16. FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the
 merge.
 
 Shapes: B sequences, Hq query heads, Hkv KV heads, D head dim, Dv value dim, P pages, S page size,
@@ -60,6 +61,7 @@ def _paged_decode_gqa_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     CHECK_TAGS: tl.constexpr,
+    COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches (e4m3 -> fp16 is one cvt), else q's
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -80,7 +82,7 @@ def _paged_decode_gqa_kernel(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_ok[:, None] & d_ok[None, :],
         other=0.0,
-    )  # [BH, D]
+    ).to(COMPUTE)  # [BH, D]
     m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
@@ -97,9 +99,11 @@ def _paged_decode_gqa_kernel(
             num_bad += (n_ok & (found != expected)).to(tl.int32)
         else:
             tok_ok = n_ok
+        # K/V loads wait only for the page ids, not for the tags: the check runs beside the loads and
+        # a failed page is dropped by the masks below (scores to -inf, V rows to zero, NaN included)
         slot = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + slot[:, None] + offs_d[None, :], mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [BH, BN]
+        k = tl.load(k_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=DOT_PRECISION) * qk_scale  # [BH, BN]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
@@ -107,10 +111,9 @@ def _paged_decode_gqa_kernel(
         p = tl.exp2(s - m_base[:, None])  # [BH, BN]
         l = l * alpha + tl.sum(p, axis=1)
         vslot = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kvh * stride_vh
-        v = tl.load(
-            v_ptr + vslot[:, None] + offs_dv[None, :], mask=tok_ok[:, None] & dv_ok[None, :], other=0.0
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        v = tl.load(v_ptr + vslot[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.where(tok_ok[:, None], v.to(COMPUTE), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m = m_new
     lse = tl.where(l > 0.0, m + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
     o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
@@ -152,6 +155,9 @@ def _merge_kernel(
     den = tl.sum(w, axis=0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv, res.to(out_ptr.dtype.element_ty), mask=dv_ok)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @functools.cache
@@ -240,6 +246,7 @@ def paged_decode_gqa(
         BLOCK_D=triton.next_power_of_2(D),
         BLOCK_DV=triton.next_power_of_2(Dv),
         CHECK_TAGS=check_tags,
+        COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,

@@ -44,10 +44,13 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float]) -> list[dict[str, Any]]
     k8 = (k16 / k_scale).to(torch.float8_e4m3fn)
     v8 = (v16 / v_scale).to(torch.float8_e4m3fn)
 
-    def ours(kc: torch.Tensor, vc: torch.Tensor, ks: float, vs: float, check: bool = True) -> torch.Tensor:
+    def ours(
+        kc: torch.Tensor, vc: torch.Tensor, ks: float, vs: float, check: bool = True, block_n: int = 32
+    ) -> torch.Tensor:
         return paged_decode_gqa(
-            q, kc, vc, ks, vs, seq_lens, page_table, expected, page_tags, flags, scale, check_tags=check
-        )
+            q, kc, vc, ks, vs, seq_lens, page_table, expected, page_tags, flags, scale,
+            check_tags=check, block_n=block_n,
+        )  # fmt: skip
 
     order = page_table.long()  # [B, pages] each sequence's pages in token order
 
@@ -65,6 +68,11 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float]) -> list[dict[str, Any]]
     assert not flags.any(), "no page was reallocated: no sequence may be flagged"
     t16 = graph_ms([lambda: ours(k16, v16, 1.0, 1.0)])
     t8 = graph_ms([lambda: ours(k8, v8, k_scale, v_scale)])
+    variants = {
+        "bf16 block_n=64": graph_ms([lambda: ours(k16, v16, 1.0, 1.0, block_n=64)]),
+        "fp8 block_n=64": graph_ms([lambda: ours(k8, v8, k_scale, v_scale, block_n=64)]),
+        "fp8 block_n=128": graph_ms([lambda: ours(k8, v8, k_scale, v_scale, block_n=128)]),
+    }
     peers: dict[str, float] = {}
     try:  # the peer: flash attention over contiguous [B, Hkv, L, D] BF16 copies
         kc = k16[order].reshape(B, ctx, HKV, D).transpose(1, 2).contiguous()
@@ -94,6 +102,7 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float]) -> list[dict[str, Any]]
                 "GBps": nbytes / ms / 1e6,
                 "peers": {**peers, **({"ours_bf16_kv": t16} if kv == "fp8" else {})},
                 "rel_err": err,
+                "variants": {k: v for k, v in variants.items() if k.startswith(kv)},
                 "ok": err < (1e-2 if kv == "bf16" else 2e-2),
             }
         )

@@ -137,7 +137,7 @@ def test_tag_mismatch_flags_sequence_and_drops_page() -> None:
     out, ref, flags, ref_flags = run_both(batch, num_splits=2)
     assert flags.tolist() == [False, True, False] == ref_flags.tolist()
     assert not out.isnan().any()
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < 2e-3  # an FP8 cache computes its dots in fp16
 
 
 def test_all_pages_mismatched_gives_zeros_and_flag() -> None:
