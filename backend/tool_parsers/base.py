@@ -97,14 +97,13 @@ class ToolParser(ABC):
         if token_ids:
             self._pieces.append(RawText(self._tokenizer.decode(token_ids)))
 
-    def _call(self, call_id: str | None, name: str, arguments: str, raw_ids: list[int]) -> None:
-        """Report a finished call if it is well formed, else its raw text."""
+    def _checked(self, call_id: str | None, name: str, arguments: str) -> ParsedCall | None:
+        """The call with the next index if it is well formed (a known tool, arguments a JSON object)."""
         if name not in self._tools or not is_json_object(arguments):
-            self._raw(raw_ids)
-            return
+            return None
         index = self._num_calls
         self._num_calls += 1
-        self._pieces.append(ParsedCall(index, call_id or self._new_id(name, index), name, arguments))
+        return ParsedCall(index, call_id or self._new_id(name, index), name, arguments)
 
     def _new_id(self, name: str, index: int) -> str:
         raise NotImplementedError(f"{type(self).__name__} needs call ids from the model")

@@ -108,6 +108,10 @@ class GlmToolParser(ToolParser):
             if nxt is _State.KEY:
                 self._pairs.append(([], []))
             self._state = nxt
+        elif t == self._call_begin:  # a new call before this one closed: this one is text, that one starts
+            self._raw_ids.pop()
+            self._malformed()
+            self._step(t)
         elif t in self._markers:
             self._malformed()
         elif state is _State.NAME:
@@ -135,7 +139,11 @@ class GlmToolParser(ToolParser):
         for key_ids, value_ids in self._pairs:
             key = self._tokenizer.decode(key_ids).strip()
             arguments[key] = typed_value(self._tokenizer.decode(value_ids), properties.get(key))
-        self._call(None, name, json.dumps(arguments, ensure_ascii=False), self._raw_ids)
+        call = self._checked(None, name, json.dumps(arguments, ensure_ascii=False))
+        if call is None:
+            self._raw(self._raw_ids)
+        else:
+            self._pieces.append(call)
         self._raw_ids = []
         self._state = _State.TEXT
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from backend.tokenizer import Tokenizer
 from backend.tool_parsers import ContentIds, ParsedCall, Piece, RawText, parser_for
+from backend.tool_parsers.glm import MARKERS as GLM_MARKERS
+from backend.tool_parsers.kimi import MARKERS as KIMI_MARKERS
 from schemas.backend import Tool
 from tests.backend.server_tokenizers import load, ordinary_ids
 
@@ -182,3 +185,60 @@ def test_streaming_never_shows_half_a_call(tmp_path_factory: pytest.TempPathFact
     seen = [parser.feed([t]) for t in tok.encode("<|tool_calls_section_begin|>") + call]
     assert all(not s for s in seen[:-1])
     assert isinstance(seen[-1][0], ParsedCall) and seen[-1][0].name == "get_weather"
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+def test_random_marker_soup_never_crashes_and_chunking_does_not_matter(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    """Random mixes of markers, names, JSON and text: no exception, and every chunking gives the same
+    pieces; nothing the model wrote is lost (calls aside, all of it comes back as text)."""
+    tok = load(tmp_path_factory, layout)
+    markers = list(KIMI_MARKERS if family == "kimi" else GLM_MARKERS)
+    words = ["functions.search:0", "search", "get_weather", "query", "\n", '{"query": "x"}', "{", "hi ", "42"]
+    rng = random.Random(7)
+    for _ in range(400):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 14)):
+            piece = rng.choice(markers + words)
+            ids += tok.encode(piece) if piece in markers else ordinary_ids(tok, piece)
+        results = []
+        for chunk in (1, 3, len(ids)):
+            text, calls = _parse(tok, family, ids, chunk)
+            results.append((text, [(c.index, c.name, c.arguments) for c in calls]))
+        assert results[0] == results[1] == results[2]
+        if not results[0][1]:  # no call: the text is exactly what was written, markers spelled out
+            assert results[0][0] == tok.decode(ids)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_kimi_sections_without_a_good_call_come_back_whole(
+    tmp_path_factory: pytest.TempPathFactory, chunk: int
+) -> None:
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    empty = (
+        tok.encode("<|tool_calls_section_begin|>")
+        + ordinary_ids(tok, "\n")
+        + tok.encode("<|tool_calls_section_end|>")
+    )
+    bad_only = (
+        tok.encode("<|tool_calls_section_begin|>")
+        + _kimi_call(tok, "functions.nope:0", "{}")
+        + tok.encode("<|tool_calls_section_end|>")
+    )
+    cut = tok.encode("<|tool_call_begin|>") + ordinary_ids(tok, "functions.sea")  # cut short by the next call
+    sectionless = _kimi_call(tok, "functions.search:1", '{"query": "q"}')
+    ids = ordinary_ids(tok, "A ") + empty + bad_only + cut + sectionless + ordinary_ids(tok, " after")
+    text, calls = _parse(tok, "kimi", ids, chunk)
+    assert [(c.index, c.id) for c in calls] == [(0, "functions.search:1")]
+    assert text == "A " + tok.decode(empty) + tok.decode(bad_only) + tok.decode(cut) + " after"
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_glm_call_cut_short_by_the_next(tmp_path_factory: pytest.TempPathFactory, chunk: int) -> None:
+    tok = load(tmp_path_factory, "glm")
+    cut = tok.encode("<tool_call>") + ordinary_ids(tok, "sea")
+    good = _glm_call(tok, "search", [("query", "q")])
+    text, calls = _parse(tok, "glm", cut + good, chunk)
+    assert text == tok.decode(cut)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"query": "q"})]
