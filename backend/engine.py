@@ -122,7 +122,7 @@ class Engine:
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(
             request=request,
-            generator=torch.Generator().manual_seed(seed),
+            generator=torch.Generator(device=self.runner.device).manual_seed(seed),
             constraint=constraint,
             image_embeds=image_embeds,
         )

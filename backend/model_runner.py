@@ -90,14 +90,14 @@ class ModelRunner:
         if to_sample:
             sample_rows = [self._sample_row(r.seq) for r, _ in to_sample]
             index = torch.tensor([i for _, i in to_sample], dtype=torch.int64, device=logits.device)
-            scores = self.sampler.sample(logits[index].cpu(), sample_rows)
+            scores = self.sampler.sample(logits[index], sample_rows)
             for (r, _), score in zip(to_sample, scores, strict=True):
                 r.sample = score
         for b, r in enumerate(results):
             if rows[b].prompt_rows and not r.is_tag_mismatch:
                 index = torch.tensor(rows[b].prompt_rows, dtype=torch.int64, device=logits.device)
                 r.prompt_scores = self.sampler.score(
-                    logits[index].cpu(), rows[b].prompt_targets, r.seq.request.sampling.top_logprobs
+                    logits[index], rows[b].prompt_targets, r.seq.request.sampling.top_logprobs
                 )
         return results
 

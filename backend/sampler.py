@@ -1,6 +1,6 @@
 """Batched sampling: penalties, constraint masks, temperature, top-k, top-p, seeded draws, log-probs.
 
-(DESIGN.md §2 step 7.) Every row has its own `torch.Generator` (seeded from the request's seed, or
+(DESIGN.md §2 step 7.) Every row has its own `torch.Generator` on the logits' device (seeded from the request's seed, or
 from the engine's seed sequence when it has none) and draws its own noise, so a seeded request
 samples the same tokens whatever else shares its batch. Sampling is the Gumbel-max form of a
 multinomial draw: argmax(p / E) with E ~ Exp(1).
@@ -50,7 +50,7 @@ class Sampler:
         scores = [TokenScore(int(t), None, []) for t in chosen.tolist()]
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
         if wanted:
-            index = torch.tensor(wanted, dtype=torch.int64)
+            index = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
             raw_logprobs = torch.log_softmax(logits[index], dim=-1)  # [n, V]
             tops = [rows[i].params.top_logprobs for i in wanted]
             for i, score in zip(wanted, self._scores(raw_logprobs, chosen[index], tops), strict=True):
@@ -60,7 +60,7 @@ class Sampler:
     def score(self, logits: torch.Tensor, target_ids: list[int], num_top: int) -> list[TokenScore]:
         """Log-probs of given next tokens under `logits [N, V]` (prompt log-probs)."""
         raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = torch.tensor(target_ids, dtype=torch.int64)
+        chosen = torch.tensor(target_ids, dtype=torch.int64, device=logits.device)
         return self._scores(raw_logprobs, chosen, [num_top] * len(target_ids))
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -68,26 +68,27 @@ class Sampler:
     def _mask_disallowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         for i, r in enumerate(rows):
             if r.allowed is not None:
-                x[i] = x[i].masked_fill(~r.allowed[: x.shape[1]], float("-inf"))
+                x[i] = x[i].masked_fill(~r.allowed[: x.shape[1]].to(x.device), float("-inf"))
         return x
 
     @staticmethod
     def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """`[N]` chosen ids: argmax for temperature 0, else a seeded draw from the truncated softmax."""
         N, V = x.shape
-        temps = torch.tensor([r.params.temperature for r in rows])  # [N]
+        dev = x.device
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev)  # [N]
         is_greedy = temps == 0
         chosen = x.argmax(dim=-1)  # [N], kept for the greedy rows
         drawn = (~is_greedy).nonzero()[:, 0].tolist()
         if not drawn:
             return chosen
-        index = torch.tensor(drawn, dtype=torch.int64)
+        index = torch.tensor(drawn, dtype=torch.int64, device=dev)
         xs = x[index] / temps[index][:, None]  # [n, V]
-        xs = apply_top_k(xs, torch.tensor([rows[i].params.top_k for i in drawn]))
-        xs = apply_top_p(xs, torch.tensor([rows[i].params.top_p for i in drawn]))
+        xs = apply_top_k(xs, torch.tensor([rows[i].params.top_k for i in drawn], device=dev))
+        xs = apply_top_p(xs, torch.tensor([rows[i].params.top_p for i in drawn], device=dev))
         probs = torch.softmax(xs, dim=-1)  # [n, V]
         for j, i in enumerate(drawn):
-            noise = torch.empty(V).exponential_(generator=rows[i].generator)  # [V], this row's own draw
+            noise = torch.empty(V, device=dev).exponential_(generator=rows[i].generator)  # [V], its own draw
             chosen[i] = torch.argmax(probs[j] / noise)
         return chosen
 
@@ -133,20 +134,20 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     output), then frequency and presence (OpenAI: minus f·count and p·[count > 0], output only)."""
     N, V = x.shape
     if any(r.params.repetition_penalty != 1.0 for r in rows):
-        seen = torch.zeros(N, V, dtype=torch.bool)  # [N, V]
+        seen = torch.zeros(N, V, dtype=torch.bool, device=x.device)  # [N, V]
         for i, r in enumerate(rows):
             ids = r.prompt_ids + r.output_ids
             if ids:
-                seen[i, torch.tensor(ids, dtype=torch.int64)] = True
-        rep = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]  # [N, 1]
+                seen[i, torch.tensor(ids, dtype=torch.int64, device=x.device)] = True
+        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=x.device)[:, None]  # [N, 1]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
-        counts = torch.zeros(N, V)  # [N, V]
+        counts = torch.zeros(N, V, device=x.device)  # [N, V]
         for i, r in enumerate(rows):
             if r.output_ids:
-                out_ids = torch.tensor(r.output_ids, dtype=torch.int64)
-                counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids)))
-        freq = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
+                out_ids = torch.tensor(r.output_ids, dtype=torch.int64, device=x.device)
+                counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids), device=x.device))
+        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=x.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for r in rows], device=x.device)[:, None]
         x = x - freq * counts - pres * (counts > 0).float()
     return x

@@ -43,9 +43,9 @@ def vocab_of(model: Any) -> int:
     return model.config.vocab_size if hasattr(model, "config") else model.vocab_size
 
 
-def make_engine(model: Any = None, **config: Any) -> Engine:
+def make_engine(model: Any = None, *, device: str = "cpu", **config: Any) -> Engine:
     """An engine over the test model, or over a `LoadedModel` (real tiny checkpoint)."""
-    model = model or TinyPagedModel()
+    model = model or TinyPagedModel().to(device)
     values = {"num_pages": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16} | config
     if hasattr(model, "config"):
         return Engine.from_loaded(model, EngineConfig.build(**values))
@@ -55,6 +55,7 @@ def make_engine(model: Any = None, **config: Any) -> Engine:
         vocab_size=model.vocab_size,
         context_window=512,
         model_dtype=torch.float32,
+        device=device,
     )
 
 

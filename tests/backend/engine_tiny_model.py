@@ -63,7 +63,7 @@ class TinyPagedModel(torch.nn.Module):
                 keys = cache.layers[layer]["k"][pages].reshape(n_pages * S, -1)[:seq_len].float()  # [L, H]
                 vals = cache.layers[layer]["v"][pages].reshape(n_pages * S, -1)[:seq_len].float()
                 page_ok = ok[b, :n_pages].repeat_interleave(S)[:seq_len]  # [L]
-                key_pos = torch.arange(seq_len)
+                key_pos = torch.arange(seq_len, device=x.device)
                 visible = (key_pos[None, :] <= batch.positions[lo:hi, None]) & page_ok[None, :]  # [t, L]
                 scores = (q[lo:hi] @ keys.T) * self.hidden**-0.5
                 attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)

@@ -241,3 +241,16 @@ def test_fp8_kv_cache_gets_calibrated_scales_and_stays_close(model_name: str, mo
     assert all(t.dtype == torch.float8_e4m3fn for t in cache.layers[0].values())
     assert all(0.0 < s != 1.0 for layer in cache.scales for s in layer.values())  # never a silent 1.0
     assert (logprobs["float8_e4m3fn"] - logprobs["auto"]).abs().max() < 1.0
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_gives_the_cpu_greedy_tokens_and_reproducible_seeds() -> None:
+    batch = [*mixed_batch(), request("needle", NEEDLE, max_tokens=16)]
+    on_cpu = run_all(make_engine(), batch)
+    on_gpu = run_all(make_engine(device="cuda"), batch)
+    again = run_all(make_engine(device="cuda"), batch)
+    assert on_gpu.keys() == on_cpu.keys()
+    for rid, req in zip((r.request_id for r in batch), batch, strict=True):
+        if req.sampling.temperature == 0:
+            assert on_gpu[rid].token_ids == on_cpu[rid].token_ids, rid
+        assert on_gpu[rid].token_ids == again[rid].token_ids, rid
