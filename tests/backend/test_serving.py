@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -347,3 +348,46 @@ def test_unservable_checkpoint_exits_with_the_reason(
 ) -> None:
     assert server_main(["--model", str(tmp_path / "nope"), "--port", "1", "--secret", SECRET]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+def test_events_do_not_depend_on_how_tokens_are_batched(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Whatever the engine's step sizes, the same answer, reasoning, calls and finish come out."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    tools = [Tool(name="search", parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+    pieces = [
+        "<think>",
+        "</think>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions.search:0",
+        "<|tool_call_argument_begin|>",
+        '{"q": "é"}',
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "Hi 🙂 ",
+        "STOP",
+        "你好",
+        "<|im_end|>",
+    ]
+    rng = random.Random(3)
+    for _ in range(60):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 12)):
+            piece = rng.choice(pieces)
+            ids += tok.encode(piece) if piece.startswith("<") else ordinary_ids(tok, piece)
+        summaries = []
+        for chunk in (1, 2, len(ids)):
+            events = _run(
+                _processor(tok, "kimi", stops=["STOP"], tools=tools),
+                _outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)]),
+            )
+            summaries.append(
+                (
+                    "".join(e.text for e in events if isinstance(e, TextDelta)),
+                    "".join(e.text for e in events if isinstance(e, ReasoningDelta)),
+                    [(e.index, e.name, e.arguments) for e in events if isinstance(e, ToolCallDelta)],
+                    events[-1],
+                )
+            )
+        assert summaries[0] == summaries[1] == summaries[2]
+        assert "STOP" not in summaries[0][0]
