@@ -34,31 +34,27 @@ def variants(M: int) -> list[W4A16Config]:
     G = D = W4A16Config
     if M <= 2:
         return [
-            G(0, 64, 256, 1),
-            G(0, 32, 256, 0),
             G(0, 128, 256, 0),
-            G(0, 64, 128, 0),
+            G(0, 32, 256, 0),
             G(0, 64, 512, 0),
             G(0, 64, 256, 0, num_stages=4),
-            G(0, 64, 256, 0, num_warps=8),
             G(0, 128, 256, 0, num_warps=8, num_stages=4),
-            D(16, 64, 128, 0, num_stages=4),
+            G(0, 64, 256, 8),
         ]
     if M <= 64:
         bm = min(64, max(16, triton.next_power_of_2(M)))
         return [
             D(bm, 64, 256, 0, num_stages=3),
-            D(bm, 128, 128, 0, num_stages=4),
-            D(bm, 32, 256, 0, num_stages=4),
-            D(bm, 64, 128, 1, num_stages=4),
+            D(bm, 32, 256, 0, num_warps=2, num_stages=4),
+            D(bm, 64, 128, 0, num_warps=2, num_stages=4),
             D(bm, 128, 128, 0, num_warps=8, num_stages=4),
+            D(0, 32, 256, dense=True),
         ]
     return [
+        D(0, 64, 256, dense=True),
+        D(0, 32, 512, num_warps=8, dense=True),
+        D(128, 128, 64, 1, num_warps=8, num_stages=3),
         D(128, 128, 64, 1, num_warps=4, num_stages=4),
-        D(128, 128, 128, 1, num_warps=8, num_stages=3),
-        D(128, 256, 64, 1, num_warps=8, num_stages=3),
-        D(256, 128, 64, 1, num_warps=8, num_stages=3),
-        D(64, 128, 64, 1, num_warps=4, num_stages=4),
     ]
 
 

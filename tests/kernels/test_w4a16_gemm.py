@@ -16,8 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from kernels.w4a16_gemm import (  # noqa: E402
     W4A16Config,
+    dequantize_int4,
     repack_int4,
     unpack_int4_ref,
     w4a16_gemm,
@@ -82,7 +84,9 @@ CASES = [
     (3, 72, 96, 32, None),  # tensor-core path, M below the tile
     (17, 40, 256, 64, W4A16Config(16, 32, 32, split_k=4)),  # BLOCK_K < group, split-K
     (33, 48, 192, 32, W4A16Config(32, 16, 128, split_k=1)),  # BLOCK_K > group
-    (70, 24, 64, 32, None),  # large-M config on a small problem
+    (70, 24, 64, 32, None),  # prefill default: dequantize + matmul
+    (65, 40, 192, 64, W4A16Config(0, 16, 128, dense=True)),  # dequant tiles across N and K edges
+    (130, 40, 64, 32, W4A16Config(128, 32, 64, num_warps=8)),  # the fused tensor-core tiles at large M
 ]
 
 
@@ -100,6 +104,23 @@ def test_kernel_matches_reference(
     assert out.dtype == dtype and out.shape == (M, N)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     assert rel_err(out.cpu(), expected(x, q, scale)) < tol
+
+
+def test_dequantize_matches_unpacked_weights() -> None:
+    gen = torch.Generator().manual_seed(4)
+    packed, scale, q = make_checkpoint(20, 160, 32, gen)
+    dense = dequantize_int4(packed.to(DEV), scale.to(DEV), 32, torch.float32).cpu()
+    assert torch.equal(dense, q.float() * scale.float().repeat_interleave(32, dim=1))
+
+
+def test_dense_product_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight wider than the scratch budget is dequantized and multiplied chunk by chunk."""
+    monkeypatch.setattr(w4a16_module, "_DENSE_CHUNK_BYTES", 16 * 64 * 4)  # 16 rows of K=64 fp32
+    gen = torch.Generator().manual_seed(12)
+    packed, scale, q = make_checkpoint(40, 64, 32, gen)
+    x = torch.randn(3, 64, generator=gen)
+    out = w4a16_gemm(x.to(DEV), packed.to(DEV), scale.to(DEV), 32, config=W4A16Config(0, 16, 64, dense=True))
+    assert rel_err(out.cpu(), expected(x, q, scale)) < 1e-5
 
 
 def test_split_k_counters_reset_and_results_repeat() -> None:
