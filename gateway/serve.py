@@ -84,11 +84,11 @@ async def ensure_checkpoint(kind: str, folder: Path, log: Path) -> None:
             raise ServeError(f"could not create the {kind} checkpoint (see {log})")
 
 
-async def start_backend(b: BackendProcess, dtype: str, logs: Path) -> None:
+async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) -> None:
     log = (logs / f"{b.pool}.log").open("ab")
     b.process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
-        "--name", b.name, "--dtype", dtype,
+        "--name", b.name, "--dtype", dtype, "--device", device,
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
     )  # fmt: skip
     log.close()
@@ -171,7 +171,9 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         for kind, folder in to_create:
             await ensure_checkpoint(kind, folder, logs / "checkpoints.log")
         for b in backends:
-            await start_backend(b, args.dtype, logs)
+            await start_backend(
+                b, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"), args.device, logs
+            )
         print(f"Starting {len(backends)} backend(s) (logs in {logs})…", flush=True)
         ready = asyncio.create_task(wait_ready(backends, logs))
         stopped = asyncio.create_task(stop.wait())
@@ -186,8 +188,9 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         await prepare(services, settings)
         account, token = await services.store.ensure_dev_tenant()
         server = uvicorn.Server(uvicorn_config(create_app(settings, services), settings))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        # uvicorn takes the signals while it serves and re-raises the one that stopped it after;
+        # our handlers stay installed beneath, so that re-raise lands here, not in the default
+        # action that would kill this process before it stops the backends
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
@@ -231,11 +234,12 @@ def main(argv: list[str]) -> int:
         metavar="NAME=PATH",
         help="serve a checkpoint with the legacy Workers AI family",
     )
+    parser.add_argument("--device", default="cpu", help="where the backends run: cpu (default) or cuda[:N]")
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
-        default="float32",
-        help="backend weights dtype (float32 on the CPU)",
+        default=None,
+        help="backend weights dtype (default: float32 on the CPU, bfloat16 on a GPU)",
     )
     args = parser.parse_args(argv)
     settings = settings_from(args)

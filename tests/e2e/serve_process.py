@@ -42,6 +42,19 @@ class Kumo:
         return {"authorization": f"Bearer {self.token}"}
 
 
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,12 +103,17 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     token = re.search(r"API token:  (\S+)", text)
     assert account and token, text
     yield Kumo(f"http://127.0.0.1:{port}", account.group(1), token.group(1), data_dir)
+    children = _children(process.pid)
+    assert len(children) == 3  # one backend per model
     process.terminate()
     try:
-        process.wait(timeout=30)
+        code = process.wait(timeout=30)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+        raise
+    assert code == 0, "kumo serve did not stop cleanly on SIGTERM"
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "backends outlived kumo serve"
     if process.stdout is not None:
         process.stdout.close()
     log.close()
