@@ -382,8 +382,8 @@ class AsyncEngine:
             except Exception as exc:  # fail every request rather than leave them hanging
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(EngineError(f"The engine step failed: {exc!r}"))
+            self._load = self.engine.load()  # before delivering: a finished client sees its pages back
             for out in outputs:
                 self._deliver(out.request_id, out)
-            self._load = self.engine.load()
         for out in self.engine.fail_all(Aborted("The engine is shutting down.")):
             self._deliver(out.request_id, out)

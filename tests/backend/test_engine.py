@@ -254,3 +254,52 @@ def test_engine_on_cuda_gives_the_cpu_greedy_tokens_and_reproducible_seeds() -> 
         if req.sampling.temperature == 0:
             assert on_gpu[rid].token_ids == on_cpu[rid].token_ids, rid
         assert on_gpu[rid].token_ids == again[rid].token_ids, rid
+
+
+@pytest.mark.parametrize("model_name", ["deepseek_v3", "glm4_moe"])
+def test_prompt_and_token_logprobs_equal_transformers(model_name: str, models: ModelShelf) -> None:
+    """Log-probs a client gets (prompt scoring across chunk edges, and generated tokens' top-k)
+    are transformers' log_softmax on the same checkpoint, computed without any cache."""
+    from tests.backend.conformance import reference_logits
+    from tests.backend.tiny_checkpoints import load_reference
+
+    model = models[model_name]
+    reference = load_reference(model_name, models.root / model_name)
+    prompt = prompt_of(8, 37, vocab_of(model))
+    engine = make_engine(model, max_num_batched_tokens=16)
+    req = request("x", prompt, max_tokens=5, logprobs=True, top_logprobs=3, prompt_logprobs=True)
+    result = run_all(engine, [*mixed_batch(vocab_of(model))[:3], req])["x"]
+    expected = torch.log_softmax(reference_logits(reference, prompt + result.token_ids), dim=-1)  # [L, V]
+    assert result.prompt_logprobs is not None and result.prompt_logprobs[0] is None
+    for pos, lp in enumerate(result.prompt_logprobs[1:], start=1):
+        assert lp is not None and lp.token_id == prompt[pos]
+        assert abs(lp.logprob - float(expected[pos - 1, prompt[pos]])) < 1e-4
+    for i, lp in enumerate(result.logprobs):
+        row = expected[len(prompt) - 1 + i]
+        assert lp.token_id == int(row.argmax()) and abs(lp.logprob - float(row.max())) < 1e-4
+        assert [t.token_id for t in lp.top] == row.topk(3).indices.tolist()
+
+
+async def test_a_failing_step_ends_every_live_request_and_the_engine_keeps_serving() -> None:
+    engine = make_engine(num_pages=16)
+    model = engine.runner.model
+    forward = model.forward
+
+    def broken(batch: object) -> torch.Tensor:
+        model.forward = forward  # fails once
+        raise RuntimeError("device fell over")
+
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        stream = front.generate(request("victim", NEEDLE, max_tokens=50))
+        assert len((await stream.__anext__()).token_ids) == 1
+        model.forward = broken
+        last = [out async for out in stream][-1]
+        assert last.finish_reason == "abort" and last.error is not None and last.error.code == "internal"
+        assert "device fell over" in last.error.message
+        after = [out async for out in front.generate(request("after", NEEDLE, max_tokens=3))]
+        assert sum(len(o.token_ids) for o in after) == 3 and after[-1].finish_reason == "length"
+        assert front.load().free_pages == 16
+    finally:
+        front.stop()
