@@ -30,12 +30,14 @@ class PagedDriver:
         num_pages: int = 64,
         kv_dtype: torch.dtype | None = None,
         scales: list[dict[str, float]] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.model = model
+        self.model, self.device = model, torch.device(device)
         dtype = model.dtype  # type: ignore[attr-defined]
+        specs = model.cache_specs()  # type: ignore[operator]
         self.kv = KVCache.allocate(
-            model.cache_specs(), num_pages, page_size, kv_dtype or dtype, dtype, scales=scales
-        )  # type: ignore[operator]
+            specs, num_pages, page_size, kv_dtype or dtype, dtype, device=device, scales=scales
+        )
         self.kv.page_tags.copy_(torch.arange(num_pages) * 7 + 3)  # arbitrary distinct tags
         self.free = list(range(num_pages))
         self.last_mismatch = torch.zeros(0, dtype=torch.bool)
@@ -59,20 +61,19 @@ class PagedDriver:
         for b, s in enumerate(seqs):
             table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
             tags[b, : len(s.pages)] = torch.tensor(s.tags, dtype=torch.int64)
-        T = len(ids)
+        T, dev = len(ids), self.device
+        seq_lens = [s.num_cached + n for s, n in zip(seqs, num_new, strict=True)]
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            query_start=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(
-                [s.num_cached + n for s, n in zip(seqs, num_new, strict=True)], dtype=torch.int32
-            ),
-            page_table=table,
-            expected_tags=tags,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            logits_indices=torch.arange(T, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            query_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            page_table=table.to(dev),
+            expected_tags=tags.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(T, dtype=torch.int64, device=dev),
             kv_cache=self.kv,
-            tag_mismatch=torch.zeros(len(seqs), dtype=torch.bool),
+            tag_mismatch=torch.zeros(len(seqs), dtype=torch.bool, device=dev),
             is_decode_only=all(n == 1 for n in num_new),
         )
 
