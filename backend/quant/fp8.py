@@ -32,9 +32,15 @@ def from_fp8(
     return (q.float() * scale).to(dtype)
 
 
+def _scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, divided on the CPU: CUDA divides by a Python scalar as a multiply by its
+    reciprocal, one ulp off, and the same weights must give the same checkpoint on any device."""
+    return (amax.cpu() / FP8_MAX).clamp_min(_TINY).to(amax.device)
+
+
 def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (weight fp8 [N, K], weight_scale float32 [N, 1])."""
-    scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(_TINY)  # [N, 1]
+    scale = _scale_of(w.float().abs().amax(dim=1, keepdim=True))  # [N, 1]
     return to_fp8(w, scale), scale
 
 
@@ -64,7 +70,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
     if w.ndim != 2:
         raise ValueError(f"quantize_fp8_block takes a 2-D weight, got shape {tuple(w.shape)}")
     amax = _blocks(w.float(), block).abs().amax(dim=(1, 3))  # [Bn, Bk]
-    scale_inv = (amax / FP8_MAX).clamp_min(_TINY)
+    scale_inv = _scale_of(amax)
     return to_fp8(w, _expand(scale_inv, tuple(w.shape), block)), scale_inv
 
 
