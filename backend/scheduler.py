@@ -162,9 +162,12 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _can_start_now(self, seq: Sequence) -> bool:
-        num_decodes = sum(1 for s in self.running if not s.is_prefilling)
+        """Whether `seq` would get pages and a share of the next step's token budget."""
+        num_committed = sum(
+            min(s.num_uncomputed_tokens, self.config.max_num_batched_tokens) for s in self.running
+        )
         return (
             len(self.running) < self.config.max_num_seqs
-            and num_decodes < self.config.max_num_batched_tokens
+            and num_committed < self.config.max_num_batched_tokens
             and self.block_manager.can_admit(seq)
         )

@@ -165,3 +165,25 @@ def test_lower_priority_value_is_admitted_first() -> None:
     while engine.has_unfinished:
         order += [o.request_id for o in engine.step() if o.finish_reason is not None]
     assert order == ["interactive", "batch1", "batch2"]
+
+
+def test_reject_if_busy_counts_the_budget_running_prefills_will_take() -> None:
+    engine = make_engine(max_num_batched_tokens=16)
+    engine.add_request(request("long", prompt_of(1, 100), max_tokens=2))
+    engine.step()  # one chunk done; the next steps' budget all goes to the rest of its prompt
+    eager = request("eager", prompt_of(2, 4), max_tokens=2)
+    eager.reject_if_busy = True
+    with pytest.raises(Busy):
+        engine.add_request(eager)
+
+
+def test_abort_of_a_queued_request_ends_it_without_running_it() -> None:
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request(request("running", prompt_of(1, 5), max_tokens=5))
+    engine.add_request(request("queued", prompt_of(2, 5), max_tokens=5))
+    engine.step()
+    engine.abort("queued")
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["queued"].finish_reason == "abort" and outputs["queued"].num_output_tokens == 0
+    assert outputs["queued"].error is not None and outputs["queued"].error.code == "aborted"
+    assert engine.load().waiting == 0 and len(outputs["running"].token_ids) == 1
