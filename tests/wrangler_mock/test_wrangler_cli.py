@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import EXAMPLES
 from fake_workers_ai import ACCOUNT, LEGACY_MODEL, OPENAI_MODEL, TOKEN, FakeGateway
+from wm_support import EXAMPLES
 from wrangler_mock.cli import main
 
 WRANGLER_MOCK = Path(sys.executable).with_name("wrangler-mock")

@@ -10,8 +10,8 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
-from conftest import EXAMPLES, served_worker
 from fake_workers_ai import LEGACY_MODEL, OPENAI_MODEL, FakeGateway
+from wm_support import EXAMPLES, served_worker
 from wrangler_mock.config import WranglerConfig
 from wrangler_mock.settings import Credentials
 
