@@ -13,6 +13,7 @@ from typing import Literal
 
 import anyio
 import msgspec
+import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -38,6 +39,7 @@ from schemas.openai import ChatCompletionRequest
 from schemas.workers_ai import Envelope, LegacyInput
 
 Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
+log = structlog.get_logger("kumo.inference")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -213,10 +215,13 @@ class Call:
                 frames = render.legacy_stream(merged, done, neurons_of)
             async for frame in frames:
                 yield frame
-        except KumoError as exc:
-            status = exc.status
-            info_of(self.request.scope).error_code = exc.code
-            yield render.stream_error(exc, openai=openai_family)
+        except Exception as exc:
+            error = exc if isinstance(exc, KumoError) else KumoError("Unknown internal error")
+            if not isinstance(exc, KumoError):
+                log.error("stream_failed", exc_info=exc)
+            status = error.status
+            info_of(self.request.scope).error_code = error.code
+            yield render.stream_error(error, openai=openai_family)
         finally:
             # shielded: a client that went away cancels this task, yet the backend request must
             # still be closed (aborting it in the engine) and the usage so far recorded

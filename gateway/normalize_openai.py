@@ -80,8 +80,9 @@ async def from_openai(
     stop = [inp.stop] if isinstance(inp.stop, str) else list(inp.stop or [])
     sampling = b.SamplingParams(
         max_tokens=inp.max_completion_tokens or inp.max_tokens or model.default_max_tokens,
-        temperature=1.0 if inp.temperature is None else inp.temperature,
-        top_p=inp.top_p if inp.top_p else 1.0,
+        # top_p 0 keeps only the likeliest token: greedy, as temperature 0
+        temperature=0.0 if inp.top_p == 0 else (1.0 if inp.temperature is None else inp.temperature),
+        top_p=inp.top_p or 1.0,
         seed=None if inp.seed is None else inp.seed % 2**63,
         frequency_penalty=inp.frequency_penalty or 0.0,
         presence_penalty=inp.presence_penalty or 0.0,
