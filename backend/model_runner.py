@@ -128,9 +128,10 @@ class ModelRunner:
             base = len(input_ids)
             input_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
-            for pos in range(start, start + n):
-                ref = seq.page_table[pos // S]
-                slots.append(ref.page_id * S + pos % S)
+            for i in range(start // S, (start + n - 1) // S + 1):  # page by page, not token by token
+                lo, hi = max(start, i * S), min(start + n, (i + 1) * S)
+                base_slot = seq.page_table[i].page_id * S - i * S
+                slots += range(base_slot + lo, base_slot + hi)
             seq_index += [b] * n
             query_start.append(len(input_ids))
             seq_lens.append(start + n)
