@@ -147,3 +147,12 @@ async def test_map_inputs_are_refused(ai: Ai, fake: FakeGateway) -> None:
     with pytest.raises(TypeError, match="tags"):
         await ai.run(LEGACY_MODEL, js({"prompt": "hi"}), js({"tags": ["bad tag!"]}))
     assert fake.requests == []
+
+
+async def test_raw_streamed_response_keeps_the_sse_body(ai: Ai) -> None:
+    raw = await ai.run(OPENAI_MODEL, js({"prompt": "s t", "stream": True}), js({"returnRawResponse": True}))
+    assert isinstance(raw, Response) and raw.status == 200
+    assert raw.headers["content-type"].startswith("text/event-stream") and "content-length" not in raw.headers
+    assert isinstance(raw.body, ReadableStream)
+    text = await raw.text()
+    assert text.endswith("data: [DONE]\n\n") and '"content": "s "' in text

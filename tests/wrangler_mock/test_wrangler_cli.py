@@ -173,3 +173,21 @@ def test_dev_client_disconnect_closes_the_upstream_stream(
         time.sleep(0.05)
     assert gateway.num_open_streams == 0, "the gateway kept streaming to a Worker whose client left"
     assert gateway.num_frames_sent - num_frames_before < 100  # of 400: it stopped early
+
+
+def test_dev_without_a_config_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["dev", "-c", str(tmp_path / "wrangler.toml")]) == 1
+    assert "✘ [ERROR] no wrangler config at" in capsys.readouterr().err
+    (tmp_path / "wrangler.toml").write_text('name = "w"\nmain = "missing.py"\n')
+    assert main(["dev", "-c", str(tmp_path / "wrangler.toml")]) == 1
+    assert "missing.py does not exist" in capsys.readouterr().err
+
+
+async def test_outbound_fetch_from_a_worker(fake_server: tuple[str, FakeGateway]) -> None:
+    from wrangler_mock.shims.workers import fetch
+
+    base, _ = fake_server
+    response = await fetch(f"{base}/memberships", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status == 200 and (await response.json()).result[0].account.id == ACCOUNT
+    denied = await fetch(f"{base}/memberships", method="GET")
+    assert denied.status == 401 and not denied.ok
