@@ -32,6 +32,31 @@ _MAGIC_2_23 = tl.constexpr(
 
 
 @triton.jit
+def _nibble(wp, sc, magic_2_23, J: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble J of every word, `(q - 8) · s` in DTYPE: SHF, LOP3 (AND+OR), FADD, FMUL, convert."""
+    q = (wp >> (4 * J)) & 0xF
+    return (((q | magic_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sc).to(DTYPE)
+
+
+@triton.jit
+def _unpack_tile(wp, sc, magic_2_23, DTYPE: tl.constexpr):
+    """[BN, BK8] words and per-word scales -> [BN, 8·BK8] weights, k = 8r + j.
+
+    Each nibble plane uses compile-time shifts; the interleave tree puts the eight k of a word side
+    by side in one thread (16-byte shared-memory stores of the K-major tensor-core operand).
+    """
+    e0 = tl.interleave(
+        tl.interleave(_nibble(wp, sc, magic_2_23, 0, DTYPE), _nibble(wp, sc, magic_2_23, 4, DTYPE)),
+        tl.interleave(_nibble(wp, sc, magic_2_23, 2, DTYPE), _nibble(wp, sc, magic_2_23, 6, DTYPE)),
+    )  # even k
+    e1 = tl.interleave(
+        tl.interleave(_nibble(wp, sc, magic_2_23, 1, DTYPE), _nibble(wp, sc, magic_2_23, 5, DTYPE)),
+        tl.interleave(_nibble(wp, sc, magic_2_23, 3, DTYPE), _nibble(wp, sc, magic_2_23, 7, DTYPE)),
+    )  # odd k
+    return tl.interleave(e0, e1)
+
+
+@triton.jit
 def _finish_tile(
     acc,  # [BM, BN] fp32 partial (or full) sum of this program
     out_ptr,
@@ -66,6 +91,29 @@ def _finish_tile(
 
 
 @triton.jit
+def _load_words(
+    w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """K tile t's words `[BN, BK/8]` and scales `[BN, SR]`; all zeros when t is past the last tile."""
+    r = t * (BLOCK_K // 8) + offs_r
+    live = (r < K // 8) & (t < t1)
+    wp = tl.load(
+        w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
+        mask=n_ok[:, None] & live[None, :],
+        other=0,
+    )
+    g = t * BLOCK_K // GROUP_SIZE + offs_g
+    g_ok = (g < K // GROUP_SIZE) & (t < t1)
+    sc = tl.load(
+        s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
+        mask=n_ok[:, None] & g_ok[None, :],
+        other=0.0,
+    )
+    return wp, sc.to(tl.float32)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -90,6 +138,7 @@ def _w4a16_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G], out [M, N]; grid (N/BN, M, SPLIT_K)."""
     pid_n = tl.program_id(0)
@@ -107,20 +156,27 @@ def _w4a16_gemv_kernel(
     offs_g = tl.arange(0, SCALE_ROWS)
     acc2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)  # [BN, BK8]: reduced over BK8 once, at the end
     x_row = x_ptr + pid_m * stride_xm
+    # software prefetch: tile t+1's words are in flight while tile t is unpacked (this loop has no
+    # tl.dot, so Triton's pipeliner leaves it alone)
+    wp_next, sc_next = _load_words(
+        w_ptr, s_ptr, t0, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn, stride_sg,
+        GROUP_SIZE, BLOCK_K,
+    )  # fmt: skip
     for t in range(t0, t1):
+        wp = wp_next
+        sc = sc_next
+        if PREFETCH:
+            wp_next, sc_next = _load_words(
+                w_ptr, s_ptr, t + 1, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn,
+                stride_sg, GROUP_SIZE, BLOCK_K,
+            )  # fmt: skip
+        else:
+            wp, sc = _load_words(
+                w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn,
+                stride_sg, GROUP_SIZE, BLOCK_K,
+            )  # fmt: skip
         r = t * BK8 + offs_r  # [BK8] packed columns = k // 8
         r_ok = r < K8
-        wp = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
-            mask=n_ok[:, None] & r_ok[None, :],
-            other=0,
-        )  # [BN, BK8] int32
-        g = t * BLOCK_K // GROUP_SIZE + offs_g
-        sc = tl.load(
-            s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
-            mask=n_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BN, SR]
         sc = tl.reshape(
             tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
         )  # [BN, BK8] scale of each packed word
@@ -205,7 +261,6 @@ def _w4a16_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BK8)
     offs_g = tl.arange(0, SCALE_ROWS)
-    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t0 = pid_k * per_split
@@ -233,16 +288,7 @@ def _w4a16_kernel(
         sc = tl.reshape(
             tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
         )  # [BN, BK8] scale of each packed word
-        # interleave keeps the eight k of one word in one thread: [BN, BK8] -> [BN, BK], k = 8r + j
-        wk = tl.interleave(wp, wp)
-        wk = tl.interleave(wk, wk)
-        wk = tl.interleave(wk, wk)
-        sk = tl.interleave(sc, sc)
-        sk = tl.interleave(sk, sk)
-        sk = tl.interleave(sk, sk)
-        q = (wk >> shifts[None, :]) & 0xF  # [BN, BK]
-        wf = ((q | magic_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sk  # (q - 8)·s
-        w = wf.to(x.dtype)
+        w = _unpack_tile(wp, sc, magic_2_23, x.dtype)  # [BN, BK]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     tile_id = pid_m * num_pid_n + pid_n
     _finish_tile(
@@ -285,18 +331,11 @@ def _dequant_kernel(
         other=0.0,
     ).to(tl.float32)  # [BN, SR]
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8))
-    wk = tl.interleave(wp, wp)
-    wk = tl.interleave(wk, wk)
-    wk = tl.interleave(wk, wk)  # [BN, BK], word r repeated for k = 8r .. 8r+7
-    sk = tl.interleave(sc, sc)
-    sk = tl.interleave(sk, sk)
-    sk = tl.interleave(sk, sk)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    q = (wk >> ((offs_k % 8) * 4)[None, :]) & 0xF
-    wf = ((q | magic_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sk
+    wf = _unpack_tile(wp, sc, magic_2_23, out_ptr.dtype.element_ty)  # [BN, BK]
     tl.store(
         out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-        wf.to(out_ptr.dtype.element_ty),
+        wf,
         mask=n_ok[:, None] & (offs_k < K)[None, :],
     )
 
@@ -314,6 +353,7 @@ class W4A16Config:
     num_stages: int = 3
     group_m: int = 8
     dense: bool = False
+    prefetch: bool = True  # GEMV: load tile t+1 before unpacking tile t
 
 
 def pick_config(M: int, N: int, K: int, num_sms: int) -> W4A16Config:
@@ -426,6 +466,7 @@ def w4a16_gemm(
             BLOCK_K=cfg.block_k,
             SPLIT_K=cfg.split_k,
             SCALE_ROWS=scale_rows,
+            PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

@@ -34,12 +34,13 @@ def variants(M: int) -> list[W4A16Config]:
     G = D = W4A16Config
     if M <= 2:
         return [
-            G(0, 128, 256, 0),
+            G(0, 64, 256, 0, prefetch=False),
             G(0, 32, 256, 0),
-            G(0, 64, 512, 0),
-            G(0, 64, 256, 0, num_stages=4),
-            G(0, 128, 256, 0, num_warps=8, num_stages=4),
-            G(0, 64, 256, 8),
+            G(0, 32, 256, 0, prefetch=False),
+            G(0, 128, 256, 0),
+            G(0, 64, 256, 3),
+            G(0, 32, 512, 0),
+            G(0, 64, 256, 0, num_warps=8),
         ]
     if M <= 64:
         bm = min(64, max(16, triton.next_power_of_2(M)))
