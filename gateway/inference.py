@@ -65,6 +65,9 @@ def resolve_model(services: Services, request: Request, tenant: TenantContext, n
 
 @dataclass
 class Call:
+    """One inference request of an authenticated tenant for a resolved model, from its raw body
+    to its response; `surface` says which wire format answers."""
+
     services: Services
     request: Request
     tenant: TenantContext
