@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -191,3 +192,13 @@ async def test_outbound_fetch_from_a_worker(fake_server: tuple[str, FakeGateway]
     assert response.status == 200 and (await response.json()).result[0].account.id == ACCOUNT
     denied = await fetch(f"{base}/memberships", method="GET")
     assert denied.status == 401 and not denied.ok
+
+
+def test_dev_on_a_taken_port_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = EXAMPLES / "chat" / "wrangler.toml"
+        assert main(["dev", "-c", str(config), "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

@@ -8,6 +8,7 @@ streaming it when the body is a stream (e.g. SSE passed through from `env.AI.run
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import traceback
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from starlette.routing import Route
 from wrangler_mock.ai_binding import Ai
 from wrangler_mock.api import CloudflareApi
 from wrangler_mock.config import WranglerConfig
+from wrangler_mock.errors import ConfigError
 from wrangler_mock.jsvalue import ReadableStream
 from wrangler_mock.request import Request
 from wrangler_mock.response import Response
@@ -76,13 +78,25 @@ def build_app(
     return Starlette(routes=routes, lifespan=lifespan)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a taken port is a one-line error, not a traceback."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 async def serve(app: Starlette, host: str, port: int, *, banner: str = "") -> None:
     """Run `app` with uvicorn and print wrangler's "Ready on <url>" once the socket listens."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
+    sock = listen(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     if server.started:
-        bound_port = server.servers[0].sockets[0].getsockname()[1]
-        print(f"{banner}Ready on http://{host}:{bound_port}", flush=True)
+        print(f"{banner}Ready on http://{host}:{sock.getsockname()[1]}", flush=True)
     await task
