@@ -149,6 +149,7 @@ def test_clean_runs_never_abort(model_name: str, models: ModelShelf) -> None:
     """Clean runs under pressure (preemption, prefix sharing, chunking): not one false abort."""
     model = models[model_name]
     num_checked = 0
+    reference: dict[str, list[int]] | None = None
     for num_pages, budget in ((NUM_PAGES, 32), (7, 16), (NUM_PAGES, 64)):
         engine = make_engine(model, num_pages=num_pages, max_num_batched_tokens=budget)
         first = run(engine, {}).results
@@ -156,7 +157,10 @@ def test_clean_runs_never_abort(model_name: str, models: ModelShelf) -> None:
         num_checked += engine.stats.checked_seqs
         assert engine.stats.tag_check_aborts == 0
         assert all(r.error is None for r in [*first.values(), *again.values()])
-        assert {k: r.token_ids for k, r in again.items()} == {k: r.token_ids for k, r in first.items()}
+        reference = reference or {k: r.token_ids for k, r in first.items()}
+        # pool size, chunking, preemption and cache hits change no token, greedy or seeded
+        assert {k: r.token_ids for k, r in first.items()} == reference
+        assert {k: r.token_ids for k, r in again.items()} == reference
         assert engine.block_manager.num_available_pages == num_pages
         if num_pages == 7:
             assert engine.stats.preemptions > 0  # too small to keep pages cached between runs

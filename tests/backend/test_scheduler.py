@@ -187,3 +187,19 @@ def test_abort_of_a_queued_request_ends_it_without_running_it() -> None:
     assert outputs["queued"].finish_reason == "abort" and outputs["queued"].num_output_tokens == 0
     assert outputs["queued"].error is not None and outputs["queued"].error.code == "aborted"
     assert engine.load().waiting == 0 and len(outputs["running"].token_ids) == 1
+
+
+def test_engine_config_limits_are_validated_and_named() -> None:
+    import msgspec
+
+    from backend.engine_config import EngineConfig
+
+    with pytest.raises(msgspec.ValidationError, match="page_size"):
+        EngineConfig.build(page_size=0)
+    with pytest.raises(msgspec.ValidationError, match="kv_dtype"):
+        EngineConfig.build(kv_dtype="float16")
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig.build(max_num_seqs=64, max_num_batched_tokens=32)
+    config = EngineConfig.build(kv_dtype="bfloat16")
+    with pytest.raises(AttributeError):
+        config.num_pages = 1  # type: ignore[misc]
