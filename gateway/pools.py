@@ -116,12 +116,12 @@ class Router:
         try:
             health = await self.client.health(replica.url)
             replica.load = await self.client.load(replica.url)
-            if replica.card is None or health.status != "ok":
+            if replica.card is None and health.status == "ok":
                 replica.card = await self.client.model_card(replica.url)
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
             self._failed(pool, replica, type(exc).__name__, eject_now=False)
             return
-        if health.status != "ok":
+        if health.status != "ok" or replica.card is None:
             self._failed(pool, replica, f"status {health.status}", eject_now=True)
             return
         problem = pool.mismatch(replica.card)
