@@ -126,7 +126,8 @@ async def test_the_daily_neuron_allowance_is_shared(pair: Pair) -> None:
 
 async def test_a_token_revoked_on_one_gateway_stops_on_the_other_within_seconds(pair: Pair) -> None:
     account, token = await pair.tenant()
-    assert (await pair.run(1, account, token)).status_code == 200  # now cached on gateway 1
+    warm = await pair.run(1, account, token)  # now cached on gateway 1
+    assert warm.status_code == 200, warm.text
     [listed] = await pair.admin(1, "GET", f"/tenants/{account}/tokens")
     await pair.admin(0, "DELETE", f"/tenants/{account}/tokens/{listed['id']}")
     revoked_at = time.monotonic()
@@ -140,7 +141,8 @@ async def test_a_token_revoked_on_one_gateway_stops_on_the_other_within_seconds(
 async def test_usage_served_by_one_gateway_is_visible_on_the_other(pair: Pair) -> None:
     account, token = await pair.tenant()
     for i in range(3):
-        assert (await pair.run(i % 2, account, token)).status_code == 200
+        r = await pair.run(i % 2, account, token)
+        assert r.status_code == 200, r.text
     today = dt.datetime.now(dt.UTC).date().isoformat()
     deadline = time.monotonic() + 5
     while True:  # each gateway's ledger writes within about a second
