@@ -64,6 +64,8 @@ class Engine:
         kv_scales: list[dict[str, float]] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
     ) -> None:
+        if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
+            raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see from_loaded")
         self.config = config
         self.block_manager = BlockManager(
             config.num_pages, config.page_size, enable_prefix_cache=config.enable_prefix_cache

@@ -303,3 +303,8 @@ async def test_a_failing_step_ends_every_live_request_and_the_engine_keeps_servi
         assert front.load().free_pages == 16
     finally:
         front.stop()
+
+
+def test_fp8_kv_cache_without_scales_is_refused() -> None:
+    with pytest.raises(ValueError, match="scales"):
+        make_engine(kv_dtype="float8_e4m3fn")
