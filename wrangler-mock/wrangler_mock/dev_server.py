@@ -82,10 +82,14 @@ def listen(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so that a taken port is a one-line error, not a traceback."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError as exc:
+        sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     return sock
 
