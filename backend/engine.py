@@ -147,11 +147,11 @@ class Engine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        start = time.perf_counter()
         outputs = self._apply_aborts()
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return outputs
-        start = time.perf_counter()
         self.runner.apply_tag_updates(self.block_manager.take_tag_updates())
         results = self.runner.run(scheduled)
         self.block_manager.complete_step(scheduled.step)
