@@ -1,9 +1,8 @@
 """Stand-ins for the modules the Python Workers runtime provides: `workers`, `js`, `pyodide.ffi`.
 
 `install()` puts them into `sys.modules` under their runtime names before a Worker is imported, so
-`from workers import WorkerEntrypoint, Response` in an unchanged Worker file resolves to them. A
-module of that name that is already importable for real (e.g. a `js` package) is left alone only if
-it is already imported; otherwise the shim wins, since a Worker means the runtime's module.
+`from workers import WorkerEntrypoint, Response` in an unchanged Worker file resolves to them. They
+replace any module of the same name: a Worker means the runtime's modules, never a PyPI namesake.
 """
 
 from __future__ import annotations
