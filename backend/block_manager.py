@@ -133,10 +133,6 @@ class BlockManager:
             self.prefix_cache.insert(digest, key, ref.page_id, ref.tag)
             seq.page_hashes.append(digest)
 
-    def held_pages(self, seq: Sequence) -> list[PageRef]:
-        """The ledger's view of `seq`'s pages (independent of its page table)."""
-        return list(self._ledger.get(seq.request_id, []))
-
     # ---- steps ---------------------------------------------------------------------------------
     def touch(self, page_ids: list[int], step: int) -> None:
         """Record that `step` reads or writes these pages."""

@@ -95,7 +95,7 @@ class Sampler:
     @staticmethod
     def _scores(raw_logprobs: torch.Tensor, chosen: torch.Tensor, num_tops: list[int]) -> list[TokenScore]:
         picked = raw_logprobs.gather(1, chosen[:, None])[:, 0].tolist()  # [N]
-        max_top = max(num_tops, default=0)
+        max_top = min(max(num_tops, default=0), raw_logprobs.shape[-1])
         top_vals, top_ids = raw_logprobs.topk(max_top, dim=-1) if max_top else (None, None)
         out: list[TokenScore] = []
         for i, k in enumerate(num_tops):
