@@ -247,3 +247,36 @@ async def test_nesting_is_bounded(harness: Harness) -> None:
     )
     r = await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), content=bomb)
     assert r.status_code == 400 and r.json()["errors"][0]["code"] == 5006
+
+
+async def test_legacy_openai_fields_and_allowed_tools_map_onto_the_same_request(harness: Harness) -> None:
+    fn = {"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}
+    r = await post(
+        harness,
+        {
+            "messages": [{"role": "developer", "content": "be terse"}, {"role": "user", "content": "tool:"}],
+            "functions": [fn],
+            "function_call": {"name": "get_weather"},
+            "stop": ["a", "b"],
+        },
+    )
+    assert r.status_code == 200, r.text
+    sent = harness.last
+    assert [m.role for m in sent.messages or []] == ["system", "user"]
+    assert [t.name for t in sent.tools or []] == ["get_weather"]
+    assert (sent.tool_choice.mode, sent.tool_choice.name) == ("function", "get_weather")  # type: ignore[union-attr]
+    assert sent.sampling.stop == ["a", "b"]
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+        for n in ("a", "b", "c")
+    ]
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "b"}}]},
+    }
+    r = await post(harness, {"messages": msgs("x"), "tools": tools, "tool_choice": choice})
+    assert r.status_code == 200, r.text
+    assert [t.name for t in harness.last.tools or []] == ["b"] and harness.last.tool_choice.mode == "required"  # type: ignore[union-attr]
+    custom = [{"type": "custom", "custom": {"name": "lark", "format": {"type": "text"}}}]
+    r = await post(harness, {"messages": msgs("x"), "tools": custom})
+    assert r.status_code == 400 and "tools[0].type" in r.json()["errors"][0]["message"]
