@@ -13,98 +13,14 @@ Reasoning switches travel under every name the families' templates read: `enable
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.ext import Extension
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from backend.errors import InvalidRequest
-from backend.tokenizer import read_tokenizer_config
+from backend.jinja_template import JinjaTemplate, template_source
 from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool
-
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "documents"})
-
-
-class _GenerationTag(Extension):
-    """`{% generation %}…{% endgeneration %}` marks assistant text for training masks; rendering keeps
-    the body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return str(caller())
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """`namespace()` that refuses underscore attributes (no reaching into CPython internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"templates cannot set underscore attribute {name!r}")
-
-
-class _Dict:
-    """`dict(...)` for templates without exposing the `dict` type itself (no `dict.mro()` tricks)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _Dict()
-    env.globals["namespace"] = _Namespace
-    return env
 
 
 def _arguments(text: str) -> Any:
@@ -167,35 +83,19 @@ def images_of(messages: list[Message]) -> list[ImagePart]:
 
 
 class ChatTemplate:
-    """One checkpoint's compiled template plus the special tokens it may refer to."""
+    """One checkpoint's compiled template (`backend.jinja_template`) over the internal `Message`s."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         try:
-            self._template = _environment().from_string(source)
+            self._template = JinjaTemplate(source, special_tokens)
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise InvalidRequest(f"the checkpoint's chat template does not compile: {exc}") from exc
-        self._special_tokens = special_tokens
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The template of a checkpoint folder (`chat_template.jinja`, else tokenizer_config.json's
-        `chat_template`, a string or the `default` of a named list), or None if it ships none."""
-        folder = Path(model_dir)
-        config = read_tokenizer_config(folder)
-        specials = {}
-        for key in SPECIAL_TOKEN_KEYS:
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                specials[key] = value
-        jinja_file = folder / "chat_template.jinja"
-        if jinja_file.exists():
-            return cls(jinja_file.read_text(), specials)
-        source = config.get("chat_template")
-        if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        return cls(source, specials) if isinstance(source, str) else None
+        """The template a checkpoint folder ships (`backend.jinja_template.template_source`), or None."""
+        found = template_source(model_dir)
+        return None if found is None else cls(*found)
 
     def render(
         self,
@@ -207,15 +107,14 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text for `messages`. A template's own `raise_exception` becomes a 400."""
-        variables: dict[str, Any] = dict(self._special_tokens)
-        variables.update({k: v for k, v in (extra or {}).items() if k not in RESERVED_KWARGS})
+        variables: dict[str, Any] = dict(extra or {})
         variables.update(reasoning_kwargs(reasoning or Reasoning()))
         try:
             return self._template.render(
-                messages=[message_dict(m) for m in messages],
+                [message_dict(m) for m in messages],
                 tools=[tool_dict(t) for t in tools] if tools else None,
                 add_generation_prompt=add_generation_prompt,
-                **variables,
+                variables=variables,
             )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequest(f"chat template: {exc}") from exc

@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
-from schemas.backend import Error, ErrorCode
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # msgspec stays out of the msgspec-free users of this tree (the training recipe)
+    from schemas.backend import Error, ErrorCode
 
 
 class EngineError(Exception):
@@ -27,6 +30,8 @@ class EngineError(Exception):
         self.message = message
 
     def to_event(self) -> Error:
+        from schemas.backend import Error
+
         return Error(code=self.code, message=self.message, status=self.status)
 
 

@@ -17,15 +17,18 @@ import json
 from abc import ABC, abstractmethod
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
 import tiktoken
 import tiktoken.load
 import tokenizers
 
 from backend.errors import CheckpointError
 from backend.tokenizer_files import KIMI_PAT_STR
+
+# llguidance is imported when constrained decoding first needs it (the training recipe runs without it)
+if TYPE_CHECKING:
+    import llguidance
 
 
 class Tokenizer(ABC):
@@ -117,6 +120,8 @@ class HFTokenizer(Tokenizer):
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
+        import llguidance
+
         tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
         tok.no_padding()
         tok.no_truncation()
