@@ -142,8 +142,8 @@ class Scheduler:
 
     # ---- internals -----------------------------------------------------------------------------
     def _reserve_or_preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        scheduled = {id(s.seq) for s in out.scheduled}
         while not self.block_manager.reserve_next_slot(seq):
+            scheduled = {id(s.seq) for s in out.scheduled}
             victims = [s for s in self.running if id(s) not in scheduled]
             victim = max(victims, key=lambda s: s.arrival)
             self._preempt(victim, out)
