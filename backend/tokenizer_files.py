@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -116,8 +117,9 @@ The tenant sends a request, the gateway routes it to a backend, and the backend 
 """
 
 
-def _bpe_tokenizer(pat_str: str, vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (no special tokens yet) trained on `CORPUS`, split by `pat_str` first."""
+def _bpe_tokenizer(pat_str: str, vocab_size: int, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """A byte-level BPE (no special tokens yet) trained on `corpus` (default: `CORPUS`), split by
+    `pat_str` first."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -131,7 +133,7 @@ def _bpe_tokenizer(pat_str: str, vocab_size: int) -> Tokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([CORPUS] * 4 if corpus is None else corpus, trainer=trainer)
     return tok
 
 
@@ -188,15 +190,17 @@ def write_tokenizer_files(
     fmt: TokenizerFormat = "tokenizer.json",
     glm_generation: Literal["4.5", "5"] = "5",
     vocab_size: int = 1024,
+    corpus: Iterable[str] | None = None,
 ) -> int:
-    """Write the family's tokenizer, tokenizer config and chat template into `path`.
+    """Write the family's tokenizer, tokenizer config and chat template into `path`. The BPE is
+    trained on `corpus` (texts without special tokens), else on the small built-in `CORPUS`.
 
     Returns the number of token ids the tokenizer uses (the model's vocab must be at least that).
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     pat_str = KIMI_PAT_STR if family == "kimi" else GLM_PAT_STR
-    bpe = _bpe_tokenizer(pat_str, vocab_size)
+    bpe = _bpe_tokenizer(pat_str, vocab_size, corpus)
     specials = KIMI_SPECIAL_TOKENS if family == "kimi" else GLM_SPECIAL_TOKENS
     plain = [] if family == "kimi" else GLM_PLAIN_ADDED_TOKENS
     if family == "kimi":
