@@ -32,7 +32,14 @@ from backend.checkpoint import INDEX_FILE, shard_files
 from backend.errors import CheckpointError
 from backend.quant import kv_scales
 from backend.quant.fp8 import FP8, dequantize_fp8_block
-from backend.quant.scheme import DeepSeekFp8Config, Method, QuantScheme, config_dict, parse_config
+from backend.quant.scheme import (
+    DeepSeekFp8Config,
+    KvCacheScheme,
+    Method,
+    QuantScheme,
+    config_dict,
+    parse_config,
+)
 from backend.quant.shapes import tensor_class
 from backend.quant.walker import quantize_tensor
 
@@ -226,9 +233,7 @@ def calibrate_kv(
     scales = kv_scales.calibrate(loaded.model, prompts, model_dtype=dtype)
     kv_scales.save(dst, scales, loaded.config.weight_prefix)
     raw = json.loads((dst / "config.json").read_text())
-    raw["quantization_config"]["kv_cache_scheme"] = msgspec.to_builtins(
-        QuantScheme.build("int4", kv_cache_fp8=True).to_config()
-    )["kv_cache_scheme"]
+    raw["quantization_config"]["kv_cache_scheme"] = msgspec.to_builtins(KvCacheScheme())
     (dst / "config.json").write_text(json.dumps(raw, indent=2))
 
 
