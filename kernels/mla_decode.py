@@ -1,0 +1,373 @@
+"""Paged MLA decode attention (one new token per sequence), BF16 or FP8 e4m3 latent cache, tag-checked.
+
+The cache holds one `[R + Dr]` line per token (576 for Kimi K2 / GLM-5: latent `c` then rotated
+`k_pe`); queries come absorbed (`[q_nope · W_UK | q_pe]`), so this is MQA with one shared "head":
+the key is the whole line, the value its first R dims (engine-anchors §1d, §2c).
+
+Split-K: stage 1 (`_mla_decode_kernel`, grid `(H / BLOCK_H, splits, B)`) walks one slice of one
+sequence for BLOCK_H heads at once — each latent tile is loaded once and used by two `tl.dot`s for
+the scores (`q_c · c`, `q_pe · k_pe`) and one for the output (`p · c`) — with an online softmax, and
+writes the normalised partial output and its log-sum-exp (log2 domain). Stage 2 (`_mla_merge_kernel`,
+grid `(B, H)`) merges the slices. With one slice stage 1 writes the output itself (no merge). The head
+blocks are the fastest grid axis so the programs that share a slice of latent run side by side and
+the second to fourth reads of it hit the L2. The slice count is chosen on the host from batch, heads
+and the page table's width (never a device read), so the launch can be captured in a CUDA graph.
+
+Sparse mode (DSA, GLM-5): `topk_indices [B, K]` lists the token positions the query attends to (-1 =
+empty, positions >= seq_len ignored, as the reference does); the slices then split the K list, and
+the tokens are gathered line by line. The list must not repeat a position (the indexer's top-k does
+not): a repeated one would count twice, where the reference counts it once.
+
+Page-tag check, fused: each token's page tag is compared with the sequence's expected tag for that
+page; a token of a mismatched page gets a -inf score and a zero value row (its bytes may be another
+tenant's NaN), and `tag_mismatch[b]` is set. The loads never wait for the tag loads. In sparse mode the
+flag must not depend on which tokens were chosen (the reference checks every page in use), so the
+programs of the first head block also sweep their share of the sequence's page list.
+
+FP8: the line is converted to fp16 for the dots (e4m3 -> fp16 is one cvt; q is cast to fp16, so an
+absorbed query above 65504 would overflow) and the layer's single scale folds into the softmax scale
+and into the output (K and V are the same line, so one scale).
+
+Shapes: B sequences, H heads, R kv_lora_rank, Dr rope dim, P pages, S page size, Mp pages per
+sequence in the table, K top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr,  # [B, H, R + Dr]
+    cache_ptr,  # [P, S, R + Dr]
+    page_table_ptr,  # [B, Mp] int32
+    expected_ptr,  # [B, Mp] int64
+    page_tags_ptr,  # [P] int64
+    seq_lens_ptr,  # [B] int32
+    topk_ptr,  # [B, K] int32/int64 token positions, -1 = empty (sparse mode only)
+    mismatch_ptr,  # [B] uint8 (the bool flags, viewed)
+    part_o_ptr,  # [B, H, NS, R] fp32 (unused when DIRECT)
+    part_lse_ptr,  # [B, H, NS] fp32, log2 domain (unused when DIRECT)
+    out_ptr,  # [B, H, R] q's dtype (DIRECT only)
+    qk_scale,  # softmax_scale * latent_scale * log2(e)
+    v_scale,  # latent_scale (DIRECT only)
+    num_splits,
+    num_heads,
+    R,
+    DR,
+    topk,
+    stride_qb,
+    stride_qh,
+    stride_cp,
+    stride_cs,
+    stride_ptb,
+    stride_etb,
+    stride_tkb,
+    stride_ob,
+    stride_oh,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    SPARSE: tl.constexpr,
+    CHECK_TAGS: tl.constexpr,
+    DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
+    COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches, else q's
+    DOT_PRECISION: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    L = tl.load(seq_lens_ptr + b)
+    num_items = topk if SPARSE else L
+    per_split = tl.cdiv(tl.cdiv(num_items, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, num_items)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    r_ok = offs_r < R
+    dr_ok = offs_dr < DR
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_c = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(COMPUTE)
+    q_pe = tl.load(q_row + R + offs_dr[None, :], mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(COMPUTE)
+
+    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    num_bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for i0 in range(start, end, BLOCK_N):
+        i = i0 + tl.arange(0, BLOCK_N)
+        i_ok = i < end
+        if SPARSE:
+            tok = tl.load(topk_ptr + b * stride_tkb + i, mask=i_ok, other=-1)
+            n_ok = i_ok & (tok >= 0) & (tok < L)
+            tok = tl.where(n_ok, tok, 0)
+        else:
+            tok = i
+            n_ok = i_ok
+        page_idx = tok // PAGE_SIZE
+        page = tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=n_ok, other=0)
+        if CHECK_TAGS:
+            found = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
+            expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n_ok, other=0)
+            tok_ok = n_ok & (found == expected)
+            num_bad += (n_ok & (found != expected)).to(tl.int32)
+        else:
+            tok_ok = n_ok
+        # the line loads wait only for the page ids; a failed page is dropped by the selects below
+        line = cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE).to(tl.int64) * stride_cs  # [BN]
+        c = tl.load(line[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
+        c = c.to(COMPUTE)
+        s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
+        s += tl.dot(q_pe, tl.trans(pe.to(COMPUTE)), input_precision=DOT_PRECISION)  # [BH, BN]
+        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
+        alpha = tl.exp2(m - m_base)
+        p = tl.exp2(s - m_base[:, None])  # [BH, BN]
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.where(tok_ok[:, None], c, 0.0)  # 0 · NaN would poison the row
+        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    if CHECK_TAGS:
+        if SPARSE:
+            # the flag covers every page in use, chosen or not (as the reference's); first head block only
+            if hb == 0:
+                num_pages = tl.cdiv(L, PAGE_SIZE)
+                pages_per_split = tl.cdiv(tl.cdiv(num_pages, num_splits), BLOCK_P) * BLOCK_P
+                p_end = tl.minimum((split + 1) * pages_per_split, num_pages)
+                bad_pages = tl.zeros((BLOCK_P,), dtype=tl.int32)
+                for j0 in range(split * pages_per_split, p_end, BLOCK_P):
+                    j = j0 + tl.arange(0, BLOCK_P)
+                    j_ok = j < p_end
+                    pg = tl.load(page_table_ptr + b * stride_ptb + j, mask=j_ok, other=0)
+                    f = tl.load(page_tags_ptr + pg, mask=j_ok, other=0)
+                    e = tl.load(expected_ptr + b * stride_etb + j, mask=j_ok, other=0)
+                    bad_pages += (j_ok & (f != e)).to(tl.int32)
+                tl.store(mismatch_ptr + b, 1, mask=tl.sum(bad_pages) > 0)
+        else:
+            tl.store(mismatch_ptr + b, 1, mask=tl.sum(num_bad) > 0)
+
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    if DIRECT:
+        o = acc / l_safe[:, None] * v_scale  # no visible token: 0
+        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    else:
+        lse = tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf"))
+        row = (b * num_heads + heads) * num_splits + split  # [BH] index into [B, H, NS]
+        part = part_o_ptr + row[:, None] * R + offs_r[None, :]
+        tl.store(part, acc / l_safe[:, None], mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(part_lse_ptr + row, lse, mask=h_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_o_ptr,  # [B, H, NS, R] fp32
+    part_lse_ptr,  # [B, H, NS] fp32, log2 domain
+    out_ptr,  # [B, H, R]
+    v_scale,
+    num_splits,
+    R,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    s_ok = offs_s < num_splits
+    r_ok = offs_r < R
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BS]
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty slices
+    o = tl.load(
+        part_o_ptr + (row * num_splits + offs_s)[:, None] * R + offs_r[None, :],
+        mask=s_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )  # [BS, R]
+    den = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, res.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) -> int:
+    """Slices per sequence: about two programs per SM, each slice at least 256 tokens, at most 64."""
+    want = triton.cdiv(2 * num_sms, max(batch * head_blocks, 1))
+    return max(1, min(want, triton.cdiv(max_items, 256), 64))
+
+
+def mla_decode(
+    q: torch.Tensor,  # [B, H, R + Dr] fp16 / bf16 / fp32, absorbed
+    latent_cache: torch.Tensor,  # [P, S, R + Dr] q's dtype or float8_e4m3fn
+    latent_scale: float,
+    kv_lora_rank: int,
+    seq_lens: torch.Tensor,  # [B] int32, tokens in the cache including the new one
+    page_table: torch.Tensor,  # [B, Mp] int32
+    expected_tags: torch.Tensor,  # [B, Mp] int64
+    page_tags: torch.Tensor,  # [P] int64
+    tag_mismatch: torch.Tensor,  # [B] bool, set (never cleared) where a page's tag is wrong
+    softmax_scale: float,
+    topk_indices: torch.Tensor | None = None,  # [B, K] int32/int64 positions, -1 padded, no repeats
+    *,
+    num_splits: int | None = None,
+    check_tags: bool = True,  # False only to measure the check's cost
+    block_h: int = 16,
+    block_n: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [B, H, R] in q's dtype
+    """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring."""
+    B, H, C = q.shape
+    P, S, Cc = latent_cache.shape
+    R, Dr = kv_lora_rank, C - kv_lora_rank
+    if Cc != C or not 0 < R < C:
+        raise ValueError(f"q {tuple(q.shape)} and cache {tuple(latent_cache.shape)} with R={R} do not fit")
+    if q.dtype not in _TL_DTYPES:
+        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if latent_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise TypeError(f"latent cache must be {q.dtype} or float8_e4m3fn, got {latent_cache.dtype}")
+    if seq_lens.shape != (B,) or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
+        raise ValueError("seq_lens [B], page_table [B, Mp] and expected_tags [B, Mp] must agree")
+    if (
+        page_table.dtype != torch.int32
+        or expected_tags.dtype != torch.int64
+        or page_tags.dtype != torch.int64
+    ):
+        raise TypeError("page_table must be int32, expected_tags and page_tags int64")
+    if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
+        raise ValueError("tag_mismatch must be bool [B]")
+    if q.stride(2) != 1 or latent_cache.stride(2) != 1:
+        raise ValueError("the last dimension of q and latent_cache must be contiguous")
+    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
+        raise ValueError("page_table and expected_tags rows must be contiguous")
+    sparse = topk_indices is not None
+    if sparse:
+        if topk_indices.dim() != 2 or topk_indices.shape[0] != B or topk_indices.stride(1) != 1:
+            raise ValueError(
+                f"topk_indices must be [B, K] with contiguous rows, got {tuple(topk_indices.shape)}"
+            )
+        if topk_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_indices must be int32 or int64, got {topk_indices.dtype}")
+    if block_h < 16 or block_h & (block_h - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError("block_h and block_n must be powers of two >= 16 (tl.dot tiles)")
+    out = torch.empty((B, H, R), dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    K = topk_indices.shape[1] if sparse else 0
+    head_blocks = triton.cdiv(H, block_h)
+    max_items = K if sparse else page_table.shape[1] * S
+    splits = num_splits or pick_num_splits(B, head_blocks, max_items, _num_sms(q.device))
+    direct = splits == 1
+    if direct:
+        part_o = part_lse = out  # not read: the kernel writes `out` itself
+    else:
+        part_o = torch.empty((B, H, splits, R), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
+    topk_arg = topk_indices if sparse else page_table  # any pointer; never read in dense mode
+    _mla_decode_kernel[(head_blocks, splits, B)](
+        q,
+        latent_cache,
+        page_table,
+        expected_tags,
+        page_tags,
+        seq_lens,
+        topk_arg,
+        tag_mismatch.view(torch.uint8),
+        part_o,
+        part_lse,
+        out,
+        softmax_scale * latent_scale * math.log2(math.e),
+        latent_scale,
+        splits,
+        H,
+        R,
+        Dr,
+        K,
+        q.stride(0),
+        q.stride(1),
+        latent_cache.stride(0),
+        latent_cache.stride(1),
+        page_table.stride(0),
+        expected_tags.stride(0),
+        topk_arg.stride(0),
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=S,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
+        BLOCK_P=128,
+        SPARSE=sparse,
+        CHECK_TAGS=check_tags,
+        DIRECT=direct,
+        COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not direct:
+        _mla_merge_kernel[(B, H)](
+            part_o,
+            part_lse,
+            out,
+            latent_scale,
+            splits,
+            R,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_R=triton.next_power_of_2(R),
+            num_warps=4,
+        )
+    return out
+
+
+def mla_decode_ref(
+    q: torch.Tensor,  # [B, H, R + Dr]
+    latent_cache: torch.Tensor,
+    latent_scale: float,
+    kv_lora_rank: int,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
+    tag_mismatch: torch.Tensor,
+    softmax_scale: float,
+    topk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MLA attention reference op with one query per sequence."""
+    from kernels.mla_attention import mla_attention_ref
+
+    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return mla_attention_ref(
+        q, latent_cache, latent_scale, kv_lora_rank, query_start, seq_lens, page_table,
+        expected_tags, page_tags, tag_mismatch, softmax_scale, topk_indices,
+    )  # fmt: skip

@@ -1,0 +1,275 @@
+"""Paged MLA decode (split-K, fused page-tag check, DSA sparse mode) against the MLA reference op.
+
+CPU CI runs the Triton kernels under TRITON_INTERPRET=1 with float16/float32 queries (bf16 tl.dot is
+broken in the interpreter) on small latent widths, plus one case at the real 512 + 64; `gpu` tests
+run bf16 queries on Kimi K2's shapes (64 heads x 576, page 16, up to 32k tokens) with BF16 and FP8
+caches. The reference is `kernels.mla_attention.mla_attention_ref` (checked against naive expanded
+MLA in test_mla_attention_ref.py); the tampered-tag test also checks against a float64 softmax over
+the pages that remain. Unused cache slots hold NaN (paged_layout), so reading one would show.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels.mla_decode import mla_decode, mla_decode_ref, pick_num_splits  # noqa: E402
+from tests.kernels.paged_layout import lay_out  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+FP8 = torch.float8_e4m3fn
+
+
+def make_batch(
+    seq_lens: list[int],
+    H: int,
+    R: int,
+    Dr: int,
+    S: int,
+    cache_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    seed: int,
+) -> dict:
+    """Sequences' latent lines on shuffled pages (NaN in unused slots), random tags, all matching."""
+    g = torch.Generator().manual_seed(seed)
+    lines = [[torch.randn(n, R + Dr, generator=g)] for n in seq_lens]
+    scale = 1.0
+    if cache_dtype == FP8:
+        scale = max(float(t[0].abs().max()) for t in lines) / 448
+    paged = lay_out(lines, page_size=S, dtype=cache_dtype, scales=[scale], seed=seed)
+    return dict(
+        q=torch.randn(len(seq_lens), H, R + Dr, generator=g).to(q_dtype),
+        latent_cache=paged.caches[0], latent_scale=scale, kv_lora_rank=R,
+        seq_lens=paged.seq_lens, page_table=paged.page_table, expected_tags=paged.expected_tags,
+        page_tags=paged.page_tags, tag_mismatch=torch.zeros(len(seq_lens), dtype=torch.bool),
+        softmax_scale=(R + Dr) ** -0.5,
+    ), paged  # fmt: skip
+
+
+def run_both(batch: dict, topk: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, ...]:
+    ref_in = {**batch, "tag_mismatch": batch["tag_mismatch"].clone()}
+    ref = mla_decode_ref(**ref_in, topk_indices=topk)
+    dev_in = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    out = mla_decode(**dev_in, topk_indices=None if topk is None else topk.to(DEV), **kw)
+    return out.cpu(), ref, dev_in["tag_mismatch"].cpu(), ref_in["tag_mismatch"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # fp16: q and p rounded to fp16 for the dots
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("L", [1, 15, 16, 17, 33, 200])
+def test_matches_reference(L: int, q_dtype: torch.dtype) -> None:
+    """Several sequences of different lengths around page edges; 20 heads = one full and one partial
+    head block; 200 tokens in 3 slices, the short ones in slices that are partly or wholly empty."""
+    seq_lens = [L, max(1, L // 3), L + 5]
+    batch, _ = make_batch(seq_lens, H=20, R=32, Dr=8, S=16, cache_dtype=q_dtype, q_dtype=q_dtype, seed=L)
+    out, ref, flags, ref_flags = run_both(batch, num_splits=3 if L == 200 else None)
+    assert out.dtype == q_dtype and out.shape == (3, 20, 32)
+    assert rel_err(out, ref) < TOL[q_dtype]
+    assert not flags.any() and not ref_flags.any()
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_real_latent_width(splits: int) -> None:
+    """Kimi's 512 + 64 line, page size 16, one slice (direct output) and two (merge)."""
+    batch, _ = make_batch(
+        [40, 7], H=16, R=512, Dr=64, S=16, cache_dtype=torch.float16, q_dtype=torch.float16, seed=3
+    )
+    out, ref, _, _ = run_both(batch, num_splits=splits, block_n=16)
+    assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fp8_cache_matches_reference(splits: int) -> None:
+    batch, _ = make_batch(
+        [45, 3, 70], H=8, R=32, Dr=16, S=16, cache_dtype=FP8, q_dtype=torch.float16, seed=11
+    )
+    assert batch["latent_scale"] != 1.0
+    out, ref, _, _ = run_both(batch, num_splits=splits)
+    assert rel_err(out, ref) < 2e-3  # the fp8 values are exact in fp16; q and p are rounded
+
+
+def softmax_over(batch: dict, b: int, keep: torch.Tensor) -> torch.Tensor:
+    """float64 attention of sequence b's query over its tokens where `keep [L]` is True: [H, R]."""
+    S, R, L = batch["latent_cache"].shape[1], batch["kv_lora_rank"], int(batch["seq_lens"][b])
+    pages = batch["page_table"][b, : -(-L // S)].long()
+    kv = batch["latent_cache"][pages].double().reshape(-1, batch["latent_cache"].shape[2])[:L]
+    kv = kv * batch["latent_scale"]
+    s = batch["q"][b].double() @ kv[keep].T * batch["softmax_scale"]  # [H, kept]
+    return torch.softmax(s, dim=-1) @ kv[keep, :R]
+
+
+def test_tampered_tag_flags_sequence_and_drops_page() -> None:
+    """A reallocated page (tag bumped, bytes NaN: another tenant's FP8 data) is flagged for its
+    sequence only, contributes nothing, and the result is attention over the remaining pages."""
+    S = 8
+    batch, paged = make_batch(
+        [40, 40, 23], H=6, R=32, Dr=16, S=S, cache_dtype=FP8, q_dtype=torch.float32, seed=5
+    )
+    bad_page = paged.pages[1][2]
+    batch["page_tags"][bad_page] += 1
+    batch["latent_cache"][bad_page] = torch.tensor(float("nan")).to(FP8)
+    out, ref, flags, ref_flags = run_both(batch, num_splits=2)
+    assert flags.tolist() == [False, True, False] == ref_flags.tolist()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 2e-3  # an FP8 cache computes its dots in fp16
+    keep = torch.ones(40, dtype=torch.bool)
+    keep[2 * S : 3 * S] = False
+    assert rel_err(out[1], softmax_over(batch, 1, keep)) < 2e-3
+
+
+def test_all_pages_mismatched_gives_zeros_and_flag() -> None:
+    batch, _ = make_batch(
+        [12, 30], H=4, R=16, Dr=16, S=4, cache_dtype=torch.float32, q_dtype=torch.float32, seed=6
+    )
+    batch["page_tags"] += 7  # every page reallocated
+    for splits in (1, 3):
+        out, ref, flags, _ = run_both(
+            {**batch, "tag_mismatch": batch["tag_mismatch"].clone()}, num_splits=splits
+        )
+        assert flags.all()
+        assert torch.equal(out, torch.zeros_like(out)) and torch.equal(ref, torch.zeros_like(ref))
+
+
+def sparse_topk(seq_lens: list[int], K: int, seed: int) -> torch.Tensor:
+    """Distinct positions per sequence, fewer than K where the sequence is short (-1 padded), plus
+    one out-of-range position in the first row (ignored, as the reference ignores it)."""
+    g = torch.Generator().manual_seed(seed)
+    topk = torch.full((len(seq_lens), K), -1, dtype=torch.int64)
+    for b, L in enumerate(seq_lens):
+        n = min(K - 1, L)
+        topk[b, :n] = torch.randperm(L, generator=g)[:n]
+    topk[0, -1] = seq_lens[0] + 3
+    return topk
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_sparse_mode_matches_reference(splits: int) -> None:
+    seq_lens = [100, 9, 57]
+    batch, _ = make_batch(
+        seq_lens, H=20, R=32, Dr=8, S=16, cache_dtype=torch.float32, q_dtype=torch.float32, seed=8
+    )
+    topk = sparse_topk(seq_lens, K=24, seed=1)
+    out, ref, flags, _ = run_both(batch, topk, num_splits=splits)
+    assert rel_err(out, ref) < 1e-5 and not flags.any()
+    keep = torch.zeros(100, dtype=torch.bool)
+    keep[topk[0][(topk[0] >= 0) & (topk[0] < 100)]] = True
+    assert rel_err(out[0], softmax_over(batch, 0, keep)) < 1e-5
+    dense, _, _, _ = run_both(batch, num_splits=splits)
+    assert rel_err(out[0], dense[0]) > 1e-2  # the sparse result really is a different attention
+
+
+def test_sparse_mode_flags_pages_it_did_not_choose() -> None:
+    """int32 indices, fp16; sequence 0's tampered page holds a chosen token (dropped, flagged);
+    sequence 1's tampered page holds none of its chosen tokens (flagged all the same, as the
+    reference flags every page in use)."""
+    S, seq_lens = 8, [64, 64, 30]
+    batch, paged = make_batch(
+        seq_lens, H=16, R=32, Dr=16, S=S, cache_dtype=torch.float16, q_dtype=torch.float16, seed=9
+    )
+    topk = sparse_topk(seq_lens, K=16, seed=2)
+    topk[0, 0] = 3 * S + 1  # sequence 0 chooses a token of its page 3
+    topk[1] = torch.where((topk[1] // S) == 5, -1, topk[1])  # sequence 1 never chooses its page 5
+    batch["page_tags"][paged.pages[0][3]] -= 1
+    batch["page_tags"][paged.pages[1][5]] += 2
+    batch["latent_cache"][paged.pages[0][3]] = float("nan")
+    out, ref, flags, ref_flags = run_both(batch, topk.to(torch.int32), num_splits=3)
+    assert flags.tolist() == [True, True, False] == ref_flags.tolist()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 2e-3
+
+
+def test_launcher_rejects_bad_inputs() -> None:
+    batch, _ = make_batch(
+        [5], H=4, R=16, Dr=16, S=4, cache_dtype=torch.float32, q_dtype=torch.float32, seed=1
+    )
+    with pytest.raises(TypeError):
+        mla_decode(**{**batch, "q": batch["q"].half()})  # cache fp32, q fp16
+    with pytest.raises(ValueError):
+        mla_decode(**{**batch, "kv_lora_rank": 40})
+    with pytest.raises(ValueError):
+        mla_decode(**{**batch, "tag_mismatch": torch.zeros(2, dtype=torch.bool)})
+    with pytest.raises(TypeError):
+        mla_decode(**{**batch, "page_table": batch["page_table"].long()})
+
+
+def test_pick_num_splits() -> None:
+    assert pick_num_splits(64, 4, 32768, 132) == 2  # 256 programs: one slice would leave SMs idle
+    assert pick_num_splits(1, 4, 32768, 132) == 64  # batch 1, long context: many slices
+    assert pick_num_splits(1, 4, 200, 132) == 1  # short context: one slice, no merge
+    assert pick_num_splits(256, 4, 32768, 132) == 1
+
+
+# --- GPU: bf16 queries, Kimi K2 shapes ---------------------------------------------------------------
+
+
+def gpu_batch(B: int, ctx: list[int], cache_dtype: torch.dtype, H: int = 64, S: int = 16) -> dict:
+    dev, R, Dr = "cuda", 512, 64
+    g = torch.Generator(device=dev).manual_seed(0)
+    pages_per = [-(-n // S) for n in ctx]
+    P = sum(pages_per) + 8
+    Mp = max(pages_per)
+    perm = torch.randperm(P, device=dev, generator=g).to(torch.int32)
+    table = torch.zeros(B, Mp, dtype=torch.int32, device=dev)
+    used = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    tags = torch.randint(0, 2**40, (P,), device=dev, generator=g)
+    lines = torch.randn(P, S, R + Dr, device=dev, generator=g)
+    scale = 1.0
+    if cache_dtype == FP8:
+        scale = float(lines.abs().amax()) / 448
+        cache = (lines / scale).to(FP8)
+    else:
+        cache = lines.to(cache_dtype)
+    return dict(
+        q=(torch.randn(B, H, R + Dr, device=dev, generator=g) * 2).to(torch.bfloat16),
+        latent_cache=cache, latent_scale=scale, kv_lora_rank=R,
+        seq_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), page_table=table,
+        expected_tags=tags[table.long()], page_tags=tags,
+        tag_mismatch=torch.zeros(B, dtype=torch.bool, device=dev), softmax_scale=0.1447,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("block_h", [16, 32, 64])
+def test_gpu_kimi_shapes(cache_dtype: torch.dtype, block_h: int) -> None:
+    ctx = [32768, 1, 17, 4099, 8192, 12345, 31, 20000]
+    batch = gpu_batch(len(ctx), ctx, cache_dtype)
+    out = mla_decode(**batch, block_h=block_h, num_warps=8 if block_h > 16 else 4)
+    ref = mla_decode_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
+    assert not batch["tag_mismatch"].any() and out.isfinite().all()
+    assert rel_err(out.float(), ref.float()) < 1e-2  # bf16 q/p in the dots, bf16 output
+
+
+@pytest.mark.gpu
+def test_gpu_tampered_and_sparse() -> None:
+    ctx = [16384, 3000, 700, 9999]
+    batch = gpu_batch(len(ctx), ctx, FP8)
+    S = 16
+    batch["page_tags"][batch["page_table"][1, 7]] += 1
+    batch["latent_cache"][batch["page_table"][1, 7]] = float("nan")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    topk = torch.stack([torch.randperm(max(ctx), device="cuda", generator=g)[:2048] for _ in ctx])
+    topk = torch.where(topk < torch.tensor(ctx, device="cuda")[:, None], topk, -1)  # 700 tokens: mostly -1
+    topk[1, 0] = 7 * S + 3  # a token on the tampered page
+    for tk in (None, topk):
+        flags = torch.zeros(4, dtype=torch.bool, device="cuda")
+        ref_flags = flags.clone()
+        out = mla_decode(**{**batch, "tag_mismatch": flags}, topk_indices=tk)
+        ref = mla_decode_ref(**{**batch, "tag_mismatch": ref_flags}, topk_indices=tk)
+        assert flags.tolist() == [False, True, False, False] == ref_flags.tolist()
+        assert out.isfinite().all() and rel_err(out.float(), ref.float()) < 1e-2
