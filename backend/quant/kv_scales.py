@@ -137,9 +137,17 @@ def read(path: str | Path, specs: list[list[str]], prefix: str = "") -> list[dic
 
 
 def scales_for_serving(
-    path: str | Path, model: nn.Module, *, model_dtype: torch.dtype, vocab_size: int, prefix: str = ""
+    path: str | Path,
+    model: nn.Module,
+    *,
+    model_dtype: torch.dtype,
+    vocab_size: int,
+    prefix: str | None = None,
 ) -> list[dict[str, float]]:
-    """FP8 KV scales for serving `path`: the stored ones, else calibrated now with a warning."""
+    """FP8 KV scales for serving `path`: the stored ones, else calibrated now with a warning.
+    `prefix` (checkpoint names' prefix, `language_model.` for K2.5) defaults to the model config's."""
+    if prefix is None:
+        prefix = getattr(getattr(model, "config", None), "weight_prefix", "")
     specs = [[s.name for s in layer] for layer in model.cache_specs()]  # type: ignore[operator]
     stored = read(path, specs, prefix)
     if stored is not None:

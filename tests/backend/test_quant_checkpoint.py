@@ -274,3 +274,44 @@ def test_loading_a_quantized_checkpoint_never_allocates_the_dense_experts(src: P
         load_model(tmp_path / "int4", dtype=torch.float32)
     assert dense_gate_up not in seen.shapes and dense_down not in seen.shapes
     assert (8, 2 * 32, 64 // 8) in seen.shapes  # gate_up_packed
+
+
+def test_k25_layout_scales_carry_the_language_model_prefix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = make_tiny("kimi_k25", tmp_path / "src", initializer_range=0.02)
+    dst = tmp_path / "int4"
+    main([str(src), str(dst), "--weights", "int4-g32", "--kv-scales"])
+    with safe_open(str(dst / kv_scales.KV_SCALE_FILE), framework="pt") as f:
+        assert "language_model.model.layers.0.self_attn.k_scale" in set(f.keys())
+    model = load_model(dst, dtype=torch.float32).model
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="backend.quant.kv_scales"):
+        scales = kv_scales.scales_for_serving(dst, model, model_dtype=torch.float32, vocab_size=256)
+    assert not caplog.records and len(scales) == 3  # read back, not recalibrated
+
+
+def test_quantized_checkpoint_serves_through_the_engine_with_fp8_kv(src: Path, tmp_path: Path) -> None:
+    """The engine (paged batches, chunked prefill, FP8 cache with the stored scales) decodes what the
+    prompt runner decodes from the same INT4 checkpoint."""
+    from backend.engine import Engine
+    from backend.engine_config import EngineConfig
+    from tests.backend.engine_helpers import request, run_all
+
+    dst = tmp_path / "int4"
+    main([str(src), str(dst), "--weights", "int4-g32", "--kv-scales"])
+    loaded = load_model(dst, dtype=torch.float32)
+    config = EngineConfig.build(
+        num_pages=32, max_num_batched_tokens=16, max_num_seqs=4, kv_dtype="float8_e4m3fn"
+    )
+    engine = Engine.from_loaded(loaded, config)
+    prompts = [IDS[:20], IDS[5:33]]
+    results = run_all(
+        engine, [request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]
+    )
+    scales = kv_scales.read(dst, [[s.name for s in layer] for layer in loaded.model.cache_specs()])
+    for i, p in enumerate(prompts):
+        runner = PromptRunner(
+            loaded.model, model_dtype=torch.float32, kv_dtype=torch.float8_e4m3fn, scales=scales
+        )
+        assert results[f"r{i}"].token_ids == runner.greedy(p, 6)
