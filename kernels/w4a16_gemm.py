@@ -353,7 +353,7 @@ class W4A16Config:
     num_stages: int = 3
     group_m: int = 8
     dense: bool = False
-    prefetch: bool = True  # GEMV: load tile t+1 before unpacking tile t
+    prefetch: bool = False  # GEMV: load tile t+1 before unpacking tile t (measured slower on H200)
 
 
 def pick_config(M: int, N: int, K: int, num_sms: int) -> W4A16Config:

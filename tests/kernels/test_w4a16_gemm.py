@@ -81,7 +81,7 @@ CASES = [
     (1, 72, 96, 32, None),  # GEMV, N not a multiple of the tile, K not a multiple of BLOCK_K
     (1, 200, 384, 128, W4A16Config(0, 64, 256, split_k=2)),  # GEMV + split-K, group > BLOCK_K/8 rows
     (2, 56, 160, 32, W4A16Config(0, 32, 64, split_k=3)),  # GEMV, two rows, uneven split
-    (1, 56, 320, 32, W4A16Config(0, 32, 64, split_k=2, prefetch=False)),  # GEMV without the prefetch
+    (1, 56, 320, 32, W4A16Config(0, 32, 64, split_k=2, prefetch=True)),  # GEMV with the prefetch
     (3, 72, 96, 32, None),  # tensor-core path, M below the tile
     (17, 40, 256, 64, W4A16Config(16, 32, 32, split_k=4)),  # BLOCK_K < group, split-K
     (33, 48, 192, 32, W4A16Config(32, 16, 128, split_k=1)),  # BLOCK_K > group
