@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from http import HTTPMethod
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from wrangler_mock.errors import WorkerLoadError
 from wrangler_mock.jsvalue import JsArray, JsMap, JsObject, ReadableStream
 from wrangler_mock.request import Request
 from wrangler_mock.response import Response
-from wrangler_mock.worker import Env, ExecutionContext, Worker
+from wrangler_mock.worker import Env, ExecutionContext, LiveWorker, Worker
 
 
 async def _body() -> bytes:
@@ -127,3 +128,34 @@ def test_load_errors(tmp_path: Path) -> None:
         Worker.load(write_worker(tmp_path, "X = 1\n"))
     with pytest.raises(WorkerLoadError, match="ZeroDivisionError"):
         Worker.load(write_worker(tmp_path, "1 / 0\n"))
+
+
+async def test_live_worker_reloads_edits_including_helpers(tmp_path: Path) -> None:
+    helper = tmp_path / "wm_reload_helper.py"
+
+    def edit(path: Path, text: str) -> None:
+        path.write_text(text, encoding="utf-8")
+        later = path.stat().st_mtime + 2  # a visible change even on coarse-timestamp filesystems
+        os.utime(path, (later, later))
+
+    edit(helper, "WORD = 'one'\n")
+    main = write_worker(
+        tmp_path,
+        "from workers import Response\nimport wm_reload_helper\n"
+        "async def on_fetch(request):\n    return Response(wm_reload_helper.WORD)\n",
+    )
+    live = LiveWorker.load(main)
+
+    async def answer() -> str:
+        return await (await live.current().fetch(make_request(), Env(), ExecutionContext())).text()
+
+    assert await answer() == "one"
+    edit(helper, "WORD = 'two'\n")
+    assert await answer() == "two"
+    edit(main, "def broken(:\n")
+    with pytest.raises(WorkerLoadError, match="SyntaxError"):
+        live.current()
+    with pytest.raises(WorkerLoadError):
+        live.current()
+    edit(main, "from workers import Response\nasync def on_fetch(request):\n    return Response('fixed')\n")
+    assert await answer() == "fixed"

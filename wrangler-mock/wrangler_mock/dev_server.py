@@ -1,4 +1,5 @@
-"""`wrangler-mock dev`'s HTTP side: a Starlette app that hands every request to the Worker.
+"""`wrangler-mock dev`'s HTTP side: a Starlette app that hands every request to the Worker
+(re-imported first if its files changed).
 
 The app owns one httpx client for the Worker's `env.AI` for its whole life (lifespan), builds a
 `Request` per incoming request, and turns the Worker's `Response` back into an ASGI response,
@@ -31,7 +32,7 @@ from wrangler_mock.jsvalue import ReadableStream
 from wrangler_mock.request import Request
 from wrangler_mock.response import Response
 from wrangler_mock.settings import Credentials
-from wrangler_mock.worker import Env, ExecutionContext, Worker
+from wrangler_mock.worker import Env, ExecutionContext, LiveWorker
 
 ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
@@ -50,7 +51,7 @@ def build_app(
     transport: httpx.AsyncBaseTransport | None = None,
 ) -> Starlette:
     """The Worker named by `config`, served; `transport` lets tests put a gateway in-process."""
-    worker = Worker.load(config.main)
+    live = LiveWorker.load(config.main)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -66,7 +67,7 @@ def build_app(
     async def endpoint(request: StarletteRequest) -> StarletteResponse:
         worker_request = Request(request.method, str(request.url), request.headers.items(), request.body)
         try:
-            response = await worker.fetch(worker_request, state["env"], state["ctx"])
+            response = await live.current().fetch(worker_request, state["env"], state["ctx"])
         except asyncio.CancelledError:
             raise
         except Exception as exc:

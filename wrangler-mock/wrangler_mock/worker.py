@@ -10,8 +10,10 @@ Two handler shapes exist in the wild and both are served:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -89,6 +91,62 @@ class Worker:
         if not isinstance(result, Response):
             raise TypeError(f"the Worker's fetch handler returned {type(result).__name__}, not a Response")
         return result
+
+
+SKIPPED_FOLDERS = {"__pycache__", "node_modules", "venv", "site-packages"}
+
+
+def source_stamp(folder: Path) -> dict[str, int]:
+    """Modification times of the Python files under `folder` (hidden and dependency folders skipped)."""
+    stamp: dict[str, int] = {}
+    for root, folders, files in os.walk(folder):
+        folders[:] = [f for f in folders if not f.startswith(".") and f not in SKIPPED_FOLDERS]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with contextlib.suppress(OSError):
+                    stamp[path] = os.stat(path).st_mtime_ns
+    return stamp
+
+
+@dataclass
+class LiveWorker:
+    """The Worker, imported again when a Python file beside it changes, as `wrangler dev` reloads.
+
+    Modules imported from the Worker's folder are forgotten first, so an edited helper module is
+    re-imported too. A broken edit raises `WorkerLoadError` on every request until it is fixed.
+    """
+
+    main: Path
+    worker: Worker | None = None
+    error: WorkerLoadError | None = None
+    stamp: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, main: Path) -> LiveWorker:
+        return cls(main, Worker.load(main), stamp=source_stamp(main.parent))
+
+    def current(self) -> Worker:
+        stamp = source_stamp(self.main.parent)
+        if stamp != self.stamp:
+            self.stamp = stamp
+            _forget_modules_under(self.main.parent)
+            try:
+                self.worker, self.error = Worker.load(self.main), None
+            except WorkerLoadError as exc:
+                self.worker, self.error = None, exc
+        if self.error is not None:
+            raise self.error
+        assert self.worker is not None
+        return self.worker
+
+
+def _forget_modules_under(folder: Path) -> None:
+    prefix = str(folder.resolve()) + os.sep
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and str(Path(file).resolve()).startswith(prefix):
+            del sys.modules[name]
 
 
 async def _maybe_await(value: Any) -> Any:
