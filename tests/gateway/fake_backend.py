@@ -9,7 +9,6 @@ echoed back in pieces). Every request it receives is kept for assertions.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -184,15 +183,13 @@ class Served:
 
 
 async def serve(app: object, host: str = "127.0.0.1") -> Served:
-    """Run an ASGI app under uvicorn on a free loopback port, in this event loop."""
-    sock = socket.socket()
-    sock.bind((host, 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none")  # type: ignore[arg-type]
+    """Run an ASGI app under uvicorn on a free port of `host`, in this event loop."""
+    config = uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on", ws="none")  # type: ignore[arg-type]
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
     return Served(server, task, f"http://{host}:{port}")
