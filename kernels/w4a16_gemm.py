@@ -10,8 +10,9 @@ Two kernels:
   one LOP3 (`(w & 0xF<<4j) | 0x3F800000` is `1 + q·2^(4j-23)`), one FADD and one FFMA against
   `x_j·2^(23-4j)`; the `-8` zero point and the group scale are applied once per int32, not per
   weight. That keeps the ALU under the HBM rate at M=1.
-- `_w4a16_kernel` (M >= 2): tiles dequantized to the activation dtype in registers, then `tl.dot`.
-Both split K across programs when there are too few output tiles to fill the GPU; partial sums go to
+- `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`.
+- prefill (M > 64): `dequantize_int4` once, then cuBLAS (twice as fast as the fused tiles on H200).
+The GEMV and the tiles split K across programs when there are too few output tiles to fill the GPU; partial sums go to
 an fp32 workspace and the last program of each tile (an atomic counter that resets itself) adds them
 in a fixed order, so results are deterministic.
 """
@@ -25,35 +26,25 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_weights import (  # repack_int4 and the reference unpack are part of this op's API
+    _MAGIC_2_23,
+    _unpack_tile,
+    dequantize_int4,
+    repack_int4,
+    unpack_int4_ref,
+)
+
+__all__ = [
+    "W4A16Config",
+    "dequantize_int4",
+    "pick_config",
+    "repack_int4",
+    "unpack_int4_ref",
+    "w4a16_gemm",
+    "w4a16_gemm_ref",
+]
+
 _MAGIC_ONE = 0x3F800000  # bits of 1.0f: OR a nibble into the mantissa to get 1 + nibble·2^-23
-_MAGIC_2_23 = tl.constexpr(
-    0x4B000000
-)  # bits of 2^23: OR a nibble into the low mantissa bits to get 2^23 + nibble
-
-
-@triton.jit
-def _nibble(wp, sc, magic_2_23, J: tl.constexpr, DTYPE: tl.constexpr):
-    """Nibble J of every word, `(q - 8) · s` in DTYPE: SHF, LOP3 (AND+OR), FADD, FMUL, convert."""
-    q = (wp >> (4 * J)) & 0xF
-    return (((q | magic_2_23).to(tl.float32, bitcast=True) - 8388616.0) * sc).to(DTYPE)
-
-
-@triton.jit
-def _unpack_tile(wp, sc, magic_2_23, DTYPE: tl.constexpr):
-    """[BN, BK8] words and per-word scales -> [BN, 8·BK8] weights, k = 8r + j.
-
-    Each nibble plane uses compile-time shifts; the interleave tree puts the eight k of a word side
-    by side in one thread (16-byte shared-memory stores of the K-major tensor-core operand).
-    """
-    e0 = tl.interleave(
-        tl.interleave(_nibble(wp, sc, magic_2_23, 0, DTYPE), _nibble(wp, sc, magic_2_23, 4, DTYPE)),
-        tl.interleave(_nibble(wp, sc, magic_2_23, 2, DTYPE), _nibble(wp, sc, magic_2_23, 6, DTYPE)),
-    )  # even k
-    e1 = tl.interleave(
-        tl.interleave(_nibble(wp, sc, magic_2_23, 1, DTYPE), _nibble(wp, sc, magic_2_23, 5, DTYPE)),
-        tl.interleave(_nibble(wp, sc, magic_2_23, 3, DTYPE), _nibble(wp, sc, magic_2_23, 7, DTYPE)),
-    )  # odd k
-    return tl.interleave(e0, e1)
 
 
 @triton.jit
@@ -296,50 +287,6 @@ def _w4a16_kernel(
     )
 
 
-@triton.jit
-def _dequant_kernel(
-    w_ptr,  # [N, K/8] int32
-    s_ptr,  # [N, K/G]
-    out_ptr,  # [N, K]
-    N,
-    K,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    stride_sg,
-    stride_on,
-    magic_2_23,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-):
-    """Dense `(q - 8) · s` tiles; grid (N/BN, K/BK)."""
-    BK8: tl.constexpr = BLOCK_K // 8
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    r = tl.program_id(1) * BK8 + tl.arange(0, BK8)
-    wp = tl.load(
-        w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
-        mask=n_ok[:, None] & (r < K // 8)[None, :],
-        other=0,
-    )  # [BN, BK8]
-    g = tl.program_id(1) * BLOCK_K // GROUP_SIZE + tl.arange(0, SCALE_ROWS)
-    sc = tl.load(
-        s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
-        mask=n_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [BN, SR]
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8))
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    wf = _unpack_tile(wp, sc, magic_2_23, out_ptr.dtype.element_ty)  # [BN, BK]
-    tl.store(
-        out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-        wf,
-        mask=n_ok[:, None] & (offs_k < K)[None, :],
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class W4A16Config:
     """Tile shape and launch parameters; `block_m == 0` selects the GEMV kernel; `dense` dequantizes
@@ -519,66 +466,6 @@ def _dense_product(
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         out[:, r0:r1] = x @ dequantize_int4(w[r0:r1], scales[r0:r1], group_size, x.dtype, cfg).t()
-
-
-def dequantize_int4(
-    w: torch.Tensor,  # [N, K/8] int32
-    scales: torch.Tensor,  # [N, K/G]
-    group_size: int,
-    dtype: torch.dtype,
-    cfg: W4A16Config | None = None,
-) -> torch.Tensor:
-    """`[N, K]` dense weight `(q - 8) · s` in `dtype`, one pass over the packed words."""
-    N, K8 = w.shape
-    cfg = cfg or W4A16Config(block_m=0, block_n=32, block_k=256, dense=True)
-    out = torch.empty((N, 8 * K8), dtype=dtype, device=w.device)
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(8 * K8, cfg.block_k))
-    _dequant_kernel[grid](
-        w,
-        scales,
-        out,
-        N,
-        8 * K8,
-        w.stride(0),
-        w.stride(1),
-        scales.stride(0),
-        scales.stride(1),
-        out.stride(0),
-        _MAGIC_2_23,
-        GROUP_SIZE=group_size,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        SCALE_ROWS=max(cfg.block_k // group_size, 1),
-        num_warps=cfg.num_warps,
-    )
-    return out
-
-
-def repack_int4(
-    weight_packed: torch.Tensor,  # [N, K/8] int32, checkpoint layout
-    weight_scale: torch.Tensor,  # [N, K/G]
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Checkpoint tensors -> what the kernels take, once at load: `(w [N, K/8] int32, scales [N, K/G], G)`.
-
-    The kernels read the checkpoint layout itself: K-contiguous words give each thread 16-byte loads
-    and, unpacked, eight consecutive k, which is the K-major B operand the tensor cores want (a
-    transposed `[K/8, N]` layout measured slower: 2-byte shared-memory stores of the dequantized
-    tile). So the repack validates, infers the group size and makes both tensors contiguous.
-    """
-    if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
-        raise TypeError("weight_packed must be 2-D int32 [N, K/8]")
-    N, K8 = weight_packed.shape
-    if weight_scale.dim() != 2 or weight_scale.shape[0] != N or (8 * K8) % weight_scale.shape[1]:
-        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not fit weight_packed {(N, K8)}")
-    group_size = 8 * K8 // weight_scale.shape[1]
-    return weight_packed.contiguous(), weight_scale.contiguous(), group_size
-
-
-def unpack_int4_ref(weight_packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/8] int32 checkpoint words -> [N, K] int8 signed values q in [-8, 7]."""
-    shifts = torch.arange(0, 32, 4, device=weight_packed.device, dtype=torch.int32)  # [8]
-    nib = (weight_packed[..., None] >> shifts) & 0xF  # [N, K/8, 8]
-    return (nib - 8).to(torch.int8).reshape(weight_packed.shape[0], -1)
 
 
 def w4a16_gemm_ref(
