@@ -26,7 +26,8 @@ from starlette.templating import Jinja2Templates
 
 from gateway import catalog_routes, openai_compat, run
 from gateway.admin import admin_routes
-from gateway.errors import KumoError, MethodNotAllowed, NotFound
+from gateway.errors import KumoError, MethodNotAllowed, NotFound, retry_headers
+from gateway.lifecycle import DrainGate
 from gateway.observability import AccessLog, info_of
 from gateway.services import Services
 from gateway.settings import GatewaySettings
@@ -38,9 +39,7 @@ ACCOUNT = "/client/v4/accounts/{account_id}"
 
 def error_response(exc: KumoError) -> Response:
     body = Envelope(result=None, success=False, errors=[ErrorItem(code=exc.code, message=exc.wire_message)])
-    headers = {"retry-after": str(exc.retry_after)} if exc.retry_after is not None else {}
-    if 400 <= exc.status < 500 and exc.status not in (408, 429):
-        headers["x-should-retry"] = "false"  # the cloudflare SDK retries only what may succeed later
+    headers = retry_headers(exc)
     return Response(
         msgspec.json.encode(body), status_code=exc.status, headers=headers, media_type="application/json"
     )
@@ -107,7 +106,10 @@ def create_app(settings: GatewaySettings, services: Services) -> Starlette:
 
     app = Starlette(
         routes=routes(services),
-        middleware=[Middleware(AccessLog, metrics=services.metrics)],
+        middleware=[
+            Middleware(AccessLog, metrics=services.metrics),
+            Middleware(DrainGate, lifecycle=services.lifecycle),
+        ],
         exception_handlers={
             KumoError: render_error,
             HTTPException: render_http_error,

@@ -120,3 +120,18 @@ class Busy(KumoError):
 
 class Unavailable(KumoError):
     status, code = 503, 3040
+
+
+def retry_headers(exc: KumoError) -> dict[str, str]:
+    """`Retry-After` and `x-should-retry` for an error answer. 429 and 503 always say when to come
+    back; a spent daily allowance (3036) is not worth retrying today. Other 4xx (but 408) are the
+    caller's to fix; the cloudflare SDK retries only what may succeed later."""
+    headers: dict[str, str] = {}
+    if exc.status in (429, 503):
+        headers["retry-after"] = str(exc.retry_after if exc.retry_after is not None else 1)
+        headers["x-should-retry"] = "false" if isinstance(exc, NeuronsExhausted) else "true"
+    elif exc.retry_after is not None:
+        headers["retry-after"] = str(exc.retry_after)
+    if 400 <= exc.status < 500 and exc.status not in (408, 429):
+        headers["x-should-retry"] = "false"
+    return headers

@@ -26,6 +26,7 @@ from gateway.errors import (
     ModelNotAllowed,
     PaidModelOnFreePlan,
 )
+from gateway.lifecycle import request_timeout_s
 from gateway.normalize import Context, Normalized, from_legacy
 from gateway.normalize_openai import from_openai
 from gateway.observability import info_of
@@ -165,7 +166,10 @@ class Call:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
         affinity = self.request.headers.get("x-session-affinity")
-        events = self.services.router.generate(self.model, generate, affinity=affinity)
+        events = self.services.lifecycle.guard(
+            self.services.router.generate(self.model, generate, affinity=affinity),
+            request_timeout_s(self.request.headers, self.services.settings.request_timeout_s),
+        )
         try:
             url, first = await anext(events)
         except StopAsyncIteration as exc:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
+import os
 import secrets
 import signal
 import socket
@@ -19,14 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, CatalogError, load_catalog_file, local_model_spec
+from gateway.lifecycle import DrainingServer
 from gateway.observability import configure_logging
 from gateway.server import prepare, uvicorn_config
 from gateway.services import open_services
 from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
+from gateway.supervisor import Supervised, Supervisor, die_with_parent
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 
 DEFAULT_PORT = 8787
@@ -90,6 +93,7 @@ async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) 
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
         "--name", b.name, "--dtype", dtype, "--device", device,
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip
     log.close()
 
@@ -164,6 +168,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
+    supervisor: Supervisor | None = None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -187,7 +192,19 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         services = await open_services(settings, catalog, pools)
         await prepare(services, settings)
         account, token = await services.store.ensure_dev_tenant()
-        server = uvicorn.Server(uvicorn_config(create_app(settings, services), settings))
+        dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+
+        async def restart(b: Supervised) -> None:
+            assert isinstance(b, BackendProcess)
+            await start_backend(b, dtype, args.device, logs)
+
+        supervisor = Supervisor(backends, restart)
+        supervisor.start()
+        server = DrainingServer(
+            uvicorn_config(create_app(settings, services), settings),
+            services.lifecycle,
+            settings.drain_timeout_s,
+        )
         # uvicorn takes the signals while it serves and re-raises the one that stopped it after;
         # our handlers stay installed beneath, so that re-raise lands here, not in the default
         # action that would kill this process before it stops the backends
@@ -199,6 +216,8 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         await serving
         return 0
     finally:
+        if supervisor is not None:
+            await supervisor.stop()
         await stop_backends(backends)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, CatalogError, load_catalog_file
+from gateway.lifecycle import ABORT_GRACE_S, DrainingServer
 from gateway.observability import configure_logging
 from gateway.pools import read_pools_file
 from gateway.services import Services, open_services
@@ -30,6 +32,7 @@ def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
         log_level="warning",
         access_log=False,
         timeout_keep_alive=15,
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + ABORT_GRACE_S),
         lifespan="on",
         ws="none",
     )
@@ -45,7 +48,9 @@ async def prepare(services: Services, settings: GatewaySettings) -> None:
 async def _run(settings: GatewaySettings, catalog: Catalog, pools_text: str) -> int:
     services = await open_services(settings, catalog, read_pools_file(pools_text))
     await prepare(services, settings)
-    server = uvicorn.Server(uvicorn_config(create_app(settings, services), settings))
+    server = DrainingServer(
+        uvicorn_config(create_app(settings, services), settings), services.lifecycle, settings.drain_timeout_s
+    )
     await server.serve()
     return 0
 

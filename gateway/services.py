@@ -7,7 +7,7 @@ apps in one process never share anything.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -15,6 +15,7 @@ from gateway.auth import Authenticator
 from gateway.backend_client import BackendClient
 from gateway.catalog import Catalog, CatalogError
 from gateway.images import ImageFetcher, ImageLimits
+from gateway.lifecycle import Lifecycle
 from gateway.observability import Metrics
 from gateway.pools import Pool, Replica, Router
 from gateway.quotas import Limiter, make_limiter
@@ -36,6 +37,7 @@ class Services:
     images: ImageFetcher
     metrics: Metrics
     http: httpx.AsyncClient  # outbound fetches (image URLs); backends have their own client
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     async def start(self) -> None:
         await self.ledger.start()

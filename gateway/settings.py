@@ -42,6 +42,13 @@ class GatewaySettings:
     backend_read_timeout_s: float = 600.0
     body_read_timeout_s: float = 30.0
     log_json: bool = True
+    request_timeout_s: float = 600.0  # wall-clock limit of one generation (408/3046)
+    drain_timeout_s: float = 30.0  # SIGTERM: running requests get this long before 3008
+    batch_result_ttl_s: float = 86400.0  # async batch: how long finished results are kept
+    batch_lease_s: float = 60.0  # a running job whose gateway stops renewing is retried after this
+    batch_poll_interval_s: float = 1.0
+    batch_concurrency: int = 4  # requests of one job in flight at once
+    batch_priority: int = 5  # the internal request's priority (0 interactive, higher later)
 
     @property
     def sqlite_url(self) -> str:
@@ -99,6 +106,9 @@ def settings_from(
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
     if env.get("KUMO_MAX_BODY_BYTES"):
         values["max_body_bytes"] = int(env["KUMO_MAX_BODY_BYTES"])
+    for name in ("request_timeout_s", "drain_timeout_s", "batch_result_ttl_s", "batch_lease_s"):
+        if env.get(f"KUMO_{name.upper()}"):
+            values[name] = float(env[f"KUMO_{name.upper()}"])
     values.update(overrides)
     return replace(base, **values)  # type: ignore[arg-type]
 

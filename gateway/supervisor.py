@@ -1,0 +1,89 @@
+"""`kumo serve`'s backend processes: restarted when they die, and never outliving `kumo serve`.
+
+A backend that exits while `kumo serve` runs is started again after a backoff (1 s, doubling to
+30 s; back to 1 s once a process has stayed up for a minute). Meanwhile the router ejects the dead
+replica, so its requests get 503/3040 with `Retry-After`; the health loop brings it back when the
+new process is ready.
+
+Each child asks the kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`), so even a
+`kumo serve` killed with SIGKILL leaves no backend behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
+
+import structlog
+
+log = structlog.get_logger("kumo.supervisor")
+PR_SET_PDEATHSIG = 1
+
+
+class Supervised(Protocol):
+    name: str
+    process: asyncio.subprocess.Process | None
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A `preexec_fn`: SIGKILL this child when the process that spawned it exits. Linux only; a
+    no-op elsewhere. If the parent is already gone (it died between fork and here), exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(70)  # the guarantee cannot be given: refuse to run without it
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
+class Supervisor:
+    """Watches processes and restarts any that exits, until `stop()`."""
+
+    def __init__(
+        self,
+        children: Sequence[Supervised],
+        restart: Callable[[Supervised], Awaitable[None]],
+        *,
+        first_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        stable_after_s: float = 60.0,
+    ) -> None:
+        self._children = list(children)
+        self._restart = restart
+        self._first, self._max, self._stable = first_backoff_s, max_backoff_s, stable_after_s
+        self._tasks: list[asyncio.Task[None]] = []
+        self.num_restarts = 0
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._watch(c), name=f"kumo-watch-{c.name}") for c in self._children
+        ]
+
+    async def stop(self) -> None:
+        """Stop watching (before the children are stopped on purpose)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _watch(self, child: Supervised) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self._first
+        while True:
+            assert child.process is not None
+            started = loop.time()
+            code = await child.process.wait()
+            if loop.time() - started >= self._stable:
+                backoff = self._first
+            log.warning("backend_exited", model=child.name, code=code, restart_in_s=backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max)
+            await self._restart(child)
+            self.num_restarts += 1
+            log.info("backend_restarted", model=child.name, pid=child.process.pid if child.process else None)
