@@ -1,11 +1,14 @@
 """Putting quantized modules into a model, per a `QuantScheme`.
 
 Two ways in:
-- `prepare_for_checkpoint(model, scheme)`: before loading a quantized checkpoint, replace every
-  targeted Linear and every routed-experts block by an empty quantized module with the same
-  geometry (this rank's ranges), ready for `load_weights` to fill from the shards.
+- `build_for_checkpoint(make, scheme, device)` (the loader's): the model built on the meta device,
+  every targeted Linear and routed-experts block replaced by an empty quantized module of the same
+  geometry (this rank's ranges, `prepare_for_checkpoint`), then given storage on the device, ready
+  for `load_weights` to fill from the shards; the dense weights are never allocated.
 - `quantize_model(model, scheme)`: quantize the float weights a model already holds (for `kumo eval`
   variants and tests).
+Either way `dequantize_after_load` then turns back to dense the few Linears the model reads as
+matrices rather than calls (MLA's `kv_b_proj`).
 
 Targeted modules are `backend.layers.linear.Linear` and `torch.nn.Linear` (class name `Linear`, as
 compressed-tensors' `targets: ["Linear"]` means), and `backend.layers.moe.Experts`, which stands for
