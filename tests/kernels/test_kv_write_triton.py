@@ -1,0 +1,176 @@
+"""Triton kv_write against kv_write_ref: the same bytes in the cache and the same flags.
+
+CPU CI runs the kernel under TRITON_INTERPRET=1; `gpu` tests run the real shapes (Kimi latent 576,
+GLM-4.5-Air K 8 x 128, GLM-5 indexer keys 128) with bf16 values. Equality is exact (bytes), not a
+tolerance: both sides divide with IEEE rounding, saturate, and convert round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels.kv_write_triton import kv_write, kv_write_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+FP8 = torch.float8_e4m3fn
+
+
+def make_step(
+    P: int,
+    S: int,
+    shape: tuple[int, ...],
+    T: int,
+    cache_dtype: torch.dtype,
+    values_dtype: torch.dtype,
+    seed: int,
+) -> dict:
+    """T tokens of 3 sequences on distinct random slots, some padding (-1), cache prefilled with
+    random bytes (an unwritten slot must keep them), tags all matching."""
+    g = torch.Generator().manual_seed(seed)
+    cache = (torch.randn(P, S, *shape, generator=g) * 50).to(cache_dtype)
+    values = (torch.randn(T, *shape, generator=g) * 3).to(values_dtype)
+    slots = torch.randperm(P * S, generator=g)[:T]
+    slots[torch.randperm(T, generator=g)[: T // 5]] = -1
+    page_tags = torch.randint(0, 2**40, (P,), generator=g)
+    token_seq = torch.randint(0, 3, (T,), generator=g)
+    expected = torch.where(slots >= 0, page_tags[slots.clamp(min=0) // S], 12345)
+    return dict(
+        cache=cache, values=values, slot_mapping=slots, scale=1.0, page_tags=page_tags,
+        token_expected_tags=expected, token_seq=token_seq, tag_mismatch=torch.zeros(3, dtype=torch.bool),
+    )  # fmt: skip
+
+
+def run_both(step: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ref = {**step, "cache": step["cache"].clone(), "tag_mismatch": step["tag_mismatch"].clone()}
+    kv_write_ref(**ref)
+    dev = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+    kv_write(**dev)
+    return dev["cache"].cpu(), ref["cache"], dev["tag_mismatch"].cpu(), ref["tag_mismatch"]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.itemsize == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("shape", "cache_dtype", "values_dtype"),
+    [
+        ((576,), torch.float32, torch.float32),  # MLA latent, wider than one block of 512
+        ((3, 40), torch.float16, torch.float32),  # GQA-like K, rounded fp32 -> fp16
+        ((24,), torch.float16, torch.float16),  # indexer keys
+        ((5, 7), torch.bfloat16, torch.bfloat16),
+        # fp32 -> bf16: the interpreter truncates where the GPU rounds to nearest even, so GPU only
+        pytest.param((5, 7), torch.bfloat16, torch.float32, marks=pytest.mark.gpu),
+    ],
+)
+def test_matches_reference(
+    shape: tuple[int, ...], cache_dtype: torch.dtype, values_dtype: torch.dtype
+) -> None:
+    step = make_step(P=6, S=5, shape=shape, T=23, cache_dtype=cache_dtype, values_dtype=values_dtype, seed=1)
+    out, ref, flags, ref_flags = run_both(step)
+    assert same_bytes(out, ref)
+    assert not flags.any() and not ref_flags.any()
+    assert not same_bytes(out, step["cache"])  # something was written
+
+
+def test_large_line_spans_several_programs() -> None:
+    """A 1100-value line (GQA 8 x 128 plus change) is written by two programs per token."""
+    step = make_step(
+        P=3, S=4, shape=(1100,), T=7, cache_dtype=torch.float32, values_dtype=torch.float32, seed=2
+    )
+    out, ref, _, _ = run_both(step)
+    assert same_bytes(out, ref)
+
+
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.float16])
+def test_fp8_bytes_equal_reference_and_saturate(values_dtype: torch.dtype) -> None:
+    """The interpreter's float -> e4m3 emulation does not carry a rounded-up mantissa into the
+    exponent (126.05 becomes 64, where the GPU's cvt.rn.satfinite gives 128), so on the CPU the
+    values are e4m3 numbers times a power-of-two scale: the division and conversion are exact and
+    the test checks the scale, the saturation and the scatter byte for byte. Rounding of arbitrary
+    values is checked byte for byte on the GPU (test_gpu_real_shapes)."""
+    step = make_step(P=5, S=8, shape=(40,), T=30, cache_dtype=FP8, values_dtype=values_dtype, seed=3)
+    scale = 2.0**-6
+    if DEV == "cpu":
+        step["values"] = (step["values"].float() * 40).to(FP8).float().mul(scale).to(values_dtype)
+    else:
+        scale = 0.0123
+    step["scale"] = scale
+    step["values"][0, :4] = torch.tensor([1e4 * scale, -1e4 * scale, 480 * scale, 0.0])  # beyond ±448
+    step["slot_mapping"][0] = 7  # make sure row 0 is written
+    step["token_expected_tags"][0] = step["page_tags"][0]
+    out, ref, _, _ = run_both(step)
+    assert same_bytes(out, ref)
+    assert out[0, 7, :3].float().tolist() == [448.0, -448.0, 448.0]
+    written = step["slot_mapping"] >= 0
+    assert (
+        int((out.view(-1, 40)[step["slot_mapping"][written]].float().abs() > 100).sum()) > 10
+    )  # not all small
+
+
+def test_wrong_tag_skips_the_write_and_flags_only_that_sequence() -> None:
+    step = make_step(
+        P=6, S=4, shape=(9,), T=12, cache_dtype=torch.float32, values_dtype=torch.float32, seed=4
+    )
+    rest = step["slot_mapping"][3:]
+    step["slot_mapping"][3:] = torch.where((rest == 5) | (rest == 9), -1, rest)  # slots 5 and 9: ours only
+    step["slot_mapping"][:3] = torch.tensor([5, 9, -1])
+    step["token_seq"][:3] = torch.tensor([2, 2, 1])
+    step["token_expected_tags"][0] = step["page_tags"][1] + 1  # page 1 was reallocated since
+    step["token_expected_tags"][1] = step["page_tags"][2]
+    step["token_expected_tags"][2] = -7  # padding: never checked, never flags
+    step["token_seq"][3:] = torch.where(step["token_seq"][3:] == 2, 0, step["token_seq"][3:])
+    before = step["cache"].clone()
+    out, ref, flags, ref_flags = run_both(step)
+    assert flags.tolist() == [False, False, True] == ref_flags.tolist()
+    assert torch.equal(out[1, 1], before[1, 1])  # slot 5 kept its old bytes
+    assert torch.equal(out[2, 1], step["values"][1])  # slot 9 was written
+    assert same_bytes(out, ref)
+
+
+def test_non_contiguous_values_and_empty_step() -> None:
+    step = make_step(
+        P=4, S=4, shape=(2, 6), T=9, cache_dtype=torch.float16, values_dtype=torch.float32, seed=5
+    )
+    step["values"] = torch.randn(9, 6, 2).transpose(1, 2)  # [T, 2, 6] with the last dims transposed
+    out, ref, _, _ = run_both(step)
+    assert same_bytes(out, ref)
+    empty = {**step, "values": step["values"][:0], "slot_mapping": step["slot_mapping"][:0]}
+    empty |= {"token_expected_tags": step["token_expected_tags"][:0], "token_seq": step["token_seq"][:0]}
+    kv_write(**empty)
+
+
+def test_launcher_rejects_bad_inputs() -> None:
+    step = make_step(P=4, S=4, shape=(8,), T=5, cache_dtype=torch.float32, values_dtype=torch.float32, seed=6)
+    with pytest.raises(ValueError):
+        kv_write(**{**step, "values": step["values"][:, :7]})
+    with pytest.raises(ValueError):
+        kv_write(**{**step, "slot_mapping": step["slot_mapping"].int()})
+    with pytest.raises(ValueError):
+        kv_write(**{**step, "cache": torch.zeros(4, 8, 4).transpose(1, 2)})  # per-token dim strided
+    with pytest.raises(TypeError):
+        kv_write(**{**step, "values": step["values"].to(torch.int32)})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("shape", [(576,), (8, 128), (128,)])
+def test_gpu_real_shapes(shape: tuple[int, ...], cache_dtype: torch.dtype) -> None:
+    """bf16 values (a decode step of 64 and a prefill chunk of 4096 tokens) on a 4096-page pool."""
+    for T in (64, 4096):
+        step = make_step(
+            P=4096, S=16, shape=shape, T=T, cache_dtype=cache_dtype, values_dtype=torch.bfloat16, seed=T
+        )
+        step["scale"] = 0.02 if cache_dtype == FP8 else 1.0
+        step["token_expected_tags"][:3] += 1  # three misrouted writes
+        out, ref, flags, ref_flags = run_both(step)
+        assert same_bytes(out, ref) and torch.equal(flags, ref_flags)
