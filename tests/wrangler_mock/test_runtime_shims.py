@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from http import HTTPMethod
 from pathlib import Path
 
@@ -159,3 +160,12 @@ async def test_live_worker_reloads_edits_including_helpers(tmp_path: Path) -> No
         live.current()
     edit(main, "from workers import Response\nasync def on_fetch(request):\n    return Response('fixed')\n")
     assert await answer() == "fixed"
+
+
+def test_reload_never_forgets_wrangler_mock_itself() -> None:
+    import wrangler_mock.response
+    from wrangler_mock.worker import _forget_modules_under
+
+    _forget_modules_under(Path(wrangler_mock.__file__).resolve().parents[1])  # a Worker beside the package
+    assert sys.modules["wrangler_mock.response"] is wrangler_mock.response
+    assert sys.modules["workers"].Response is Response

@@ -141,11 +141,18 @@ class LiveWorker:
         return self.worker
 
 
+_OWN_FOLDER = str(Path(__file__).resolve().parent) + os.sep  # wrangler_mock itself, shims included
+
+
 def _forget_modules_under(folder: Path) -> None:
+    """Drop the Worker's own modules from sys.modules; never wrangler-mock's (class identity matters)."""
     prefix = str(folder.resolve()) + os.sep
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if file and str(Path(file).resolve()).startswith(prefix):
+        if not file:
+            continue
+        path = str(Path(file).resolve())
+        if path.startswith(prefix) and not path.startswith(_OWN_FOLDER):
             del sys.modules[name]
 
 
