@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.checkpoint import INDEX_FILE
+from backend.errors import CheckpointError
 from backend.loader import load_model
 from backend.quant import kv_scales
 from backend.quant.cli import REPORT_FILE, main
@@ -315,3 +316,56 @@ def test_quantized_checkpoint_serves_through_the_engine_with_fp8_kv(src: Path, t
             loaded.model, model_dtype=torch.float32, kv_dtype=torch.float8_e4m3fn, scales=scales
         )
         assert results[f"r{i}"].token_ids == runner.greedy(p, 6)
+
+
+@pytest.mark.parametrize("weights", ["int4-g32", "fp8-channel"])
+def test_tensor_parallel_ranks_hold_their_slices_of_the_quantized_weights(
+    weights: str, tmp_path: Path
+) -> None:
+    """Two ranks' quantized layers, dequantized and put side by side, are the one-rank layer."""
+    from backend.quant.linear import Fp8Linear, Int4Linear
+
+    # every row-parallel input (o_proj 4 x 32, MLPs 128 and 64) splits into whole groups of 32
+    src = make_tiny(
+        "glm4_moe",
+        tmp_path / "src",
+        initializer_range=0.02,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+    )
+    dst = tmp_path / "q"
+    main([str(src), str(dst), "--weights", weights, "--all-linear"])
+    full = load_model(dst, dtype=torch.float32).model
+    ranks = [load_model(dst, dtype=torch.float32, rank=r, world_size=2).model for r in (0, 1)]
+    checked = 0
+    for name, m in full.named_modules():
+        if not isinstance(m, Int4Linear | Fp8Linear):
+            continue
+        parts = [r.get_submodule(name) for r in ranks]
+        dim = 1 if parts[0].is_row_parallel else 0
+        if parts[0].out_range == m.out_range and not parts[0].is_row_parallel:
+            joined = parts[0].dequantized_weight(torch.float32)  # replicated on every rank
+        else:
+            joined = torch.cat([p.dequantized_weight(torch.float32) for p in parts], dim=dim)
+        assert torch.equal(joined, m.dequantized_weight(torch.float32)), name
+        checked += 1
+    assert checked > 10
+    experts = [r.model.layers[1].mlp.experts for r in ranks]
+    assert (experts[0].e0, experts[0].e1, experts[1].e0, experts[1].e1) == (0, 4, 4, 8)
+    whole = full.model.layers[1].mlp.experts
+    for e in range(8):
+        part = experts[e // 4]
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                part.expert_weights(e % 4, torch.float32), whole.expert_weights(e, torch.float32), strict=True
+            )
+        )
+
+
+def test_a_rank_split_inside_an_int4_group_is_refused(tmp_path: Path) -> None:
+    src = make_tiny("glm4_moe", tmp_path / "src", initializer_range=0.02)  # dense MLP 96: 48 per rank
+    main([str(src), str(tmp_path / "q"), "--weights", "int4-g32", "--all-linear"])
+    with pytest.raises(CheckpointError, match="split a group of 32"):
+        load_model(tmp_path / "q", dtype=torch.float32, rank=0, world_size=2)
