@@ -134,10 +134,21 @@ def test_tag_mismatch_flags_sequence_and_drops_page() -> None:
     batch["page_tags"][bad_page] += 1
     batch["k_cache"][bad_page] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
     batch["v_cache"][bad_page] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
-    out, ref, flags, ref_flags = run_both(batch, num_splits=2)
+    out, ref, flags, ref_flags = run_both(batch, num_splits=2, block_n=16)  # bad page in slice 0 only
     assert flags.tolist() == [False, True, False] == ref_flags.tolist()
     assert not out.isnan().any()
     assert rel_err(out, ref) < 2e-3  # an FP8 cache computes its dots in fp16
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_bad_page_in_a_later_slice(block_n: int) -> None:
+    """Slices before the bad page take the fast path; the slice holding it drops only that page."""
+    gen = torch.Generator().manual_seed(15)
+    batch = make_batch([100, 61], 4, 2, 16, 4, torch.float16, torch.float16, gen)
+    batch["page_tags"][int(batch["page_table"][0, 20])] -= 3  # tokens 80..83 of sequence 0
+    out, ref, flags, ref_flags = run_both(batch, num_splits=4, block_n=block_n)
+    assert flags.tolist() == [True, False] == ref_flags.tolist()
+    assert rel_err(out, ref) < 2e-3
 
 
 def test_all_pages_mismatched_gives_zeros_and_flag() -> None:
