@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -369,3 +370,30 @@ def test_a_rank_split_inside_an_int4_group_is_refused(tmp_path: Path) -> None:
     main([str(src), str(tmp_path / "q"), "--weights", "int4-g32", "--all-linear"])
     with pytest.raises(CheckpointError, match="split a group of 32"):
         load_model(tmp_path / "q", dtype=torch.float32, rank=0, world_size=2)
+
+
+def test_kv_calibrate_from_a_prompt_file(src: Path, tmp_path: Path) -> None:
+    """`--kv-calibrate FILE` tokenizes the operator's prompts (plain lines or JSONL `text`) with the
+    checkpoint's tokenizer; the scales are those prompts' amax / 448."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "src"
+    shutil.copytree(src, folder)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.save(str(folder / "tokenizer.json"))
+    lines = ["The cache holds keys and values.", json.dumps({"text": "def f(x): return x * 2"})]
+    (tmp_path / "prompts.txt").write_text("\n".join(lines))
+    dst = tmp_path / "q"
+    assert (
+        main(
+            [str(folder), str(dst), "--weights", "int4-g32", "--kv-calibrate", str(tmp_path / "prompts.txt")]
+        )
+        == 0
+    )
+    model = load_model(folder, dtype=torch.float32).model
+    stored = kv_scales.read(dst, [[s.name for s in layer] for layer in model.cache_specs()])
+    ids = [tok.encode(t).ids for t in ("The cache holds keys and values.", "def f(x): return x * 2")]
+    expected = kv_scales.calibrate(model, ids, model_dtype=torch.float32)
+    assert stored == [{k: pytest.approx(v) for k, v in layer.items()} for layer in expected]
