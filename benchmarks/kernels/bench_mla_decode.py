@@ -1,0 +1,235 @@
+"""Paged MLA decode on the GPU: BF16 vs FP8 latent, the tag check on vs off, dense vs DSA sparse, peers.
+
+Shapes are Kimi K2's attention (64 heads, 512 + 64 latent, page 16; GLM-5 is the same with 2048
+top-k tokens in sparse mode), and its tensor-parallel shards (16 heads at TP4, 8 at TP8: the latent
+is replicated, so each rank reads all of it for fewer heads). Pages are handed out shuffled, as a
+long-running pool would. Achieved bandwidth counts the latent bytes read (576 B/token FP8, 1152 BF16)
+against the device-to-device copy ceiling measured in the same run; TFLOP/s counts 2·(576 + 512)
+FLOPs per head and token, because at 64 heads MLA decode is near the tensor-core limit rather than
+HBM (242 FLOP per FP8 byte: 4.27 TB/s would need ~1,030 TFLOP/s of 16-bit MMA).
+
+Peer: what a user would write without a paged kernel — the absorbed MQA as two batched matmuls
+(cuBLAS) and a softmax over a contiguous BF16 copy of each sequence's latent. The reference op
+(`mla_decode_ref`) checks correctness on the first sequences of each case (fp32, gathered tokens).
+The first case sweeps tile configs (block_h / block_n / warps) per KV dtype; later cases use the best.
+The tag check's cost is interleaved A/B pairs of the same kernel compiled with and without it.
+
+    python3 -m benchmarks.kernels.bench_mla_decode [--out results.json]   (default: $OUT/mla_decode.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from typing import Any
+
+import torch
+
+from benchmarks.kernels.common import bench_ms, graph_ms, measure_ceilings, rel_err, write_record
+from kernels.mla_decode import mla_decode, mla_decode_ref
+
+R, DR, PAGE = 512, 64, 16
+SOFTMAX_SCALE = 0.1447  # (128 + 64)^-0.5 · mscale² for YaRN factor 64 (engine-anchors §1d)
+# heads, batch, context, top-k (None = dense)
+CASES = [
+    (64, 64, 32768, None),  # the sweep case
+    (64, 64, 8192, None),
+    (64, 64, 131072, None),
+    (64, 8, 32768, None),
+    (16, 64, 32768, None),  # TP4 shard
+    (8, 64, 32768, None),  # TP8 shard
+    (64, 64, 32768, 2048),  # GLM-5 DSA sparse
+]
+SWEEP = [  # block_h, block_n, num_warps, num_stages
+    (16, 32, 4, 2),
+    (16, 64, 4, 2),
+    (32, 32, 8, 2),
+    (64, 32, 8, 2),
+    (64, 16, 8, 3),
+    (64, 32, 4, 2),
+]
+AB_PAIRS = 7
+AB_CASES = {(64, 64, 32768, None), (8, 64, 32768, None), (64, 64, 32768, 2048)}  # tag check on vs off
+FP8 = torch.float8_e4m3fn
+
+
+def make_case(H: int, B: int, ctx: int, topk: int | None) -> dict[str, Any]:
+    dev = "cuda"
+    pages_per = ctx // PAGE
+    P = B * pages_per
+    lines = torch.randn(P, PAGE, R + DR, device=dev, dtype=torch.bfloat16)
+    scale = float(lines.abs().amax()) / 448
+    page_table = torch.randperm(P, device=dev).to(torch.int32).reshape(B, pages_per)
+    page_tags = torch.randint(0, 2**40, (P,), device=dev)
+    case = dict(
+        q=torch.randn(B, H, R + DR, device=dev, dtype=torch.bfloat16),
+        bf16=lines, fp8=(lines / scale).to(FP8), scale=scale,
+        seq_lens=torch.full((B,), ctx, dtype=torch.int32, device=dev), page_table=page_table,
+        expected_tags=page_tags[page_table.long()], page_tags=page_tags,
+        flags=torch.zeros(B, dtype=torch.bool, device=dev), topk=None,
+    )  # fmt: skip
+    if topk is not None:
+        case["topk"] = torch.stack([torch.randperm(ctx, device=dev)[:topk] for _ in range(B)])
+    return case
+
+
+def run(
+    case: dict[str, Any], kv: str, check: bool = True, cfg: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    kw = {}
+    if cfg is not None:
+        kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+    cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
+    return mla_decode(
+        case["q"], cache, scale, R, case["seq_lens"], case["page_table"], case["expected_tags"],
+        case["page_tags"], case["flags"], SOFTMAX_SCALE, case["topk"], check_tags=check, **kw,
+    )  # fmt: skip
+
+
+def check_error(case: dict[str, Any], kv: str, out: torch.Tensor, num: int = 2) -> float:
+    """Relative error of the first `num` sequences against the reference op (fp32, gathered)."""
+    cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
+    flags = torch.zeros(num, dtype=torch.bool, device="cuda")
+    ref = mla_decode_ref(
+        case["q"][:num].float(), cache, scale, R, case["seq_lens"][:num], case["page_table"][:num],
+        case["expected_tags"][:num], case["page_tags"], flags, SOFTMAX_SCALE,
+        None if case["topk"] is None else case["topk"][:num],
+    )  # fmt: skip
+    assert not flags.any()
+    return rel_err(out[:num].float(), ref)
+
+
+def peer_ms(case: dict[str, Any]) -> float | None:
+    """Two cuBLAS bmm and a softmax over a contiguous BF16 copy: [B, L, 576]."""
+    B, ctx = case["page_table"].shape[0], int(case["seq_lens"][0])
+    if case["topk"] is not None:
+        return None
+    try:
+        kv = case["bf16"][case["page_table"].long()].reshape(B, ctx, R + DR)
+        q = case["q"]
+
+        def peer() -> torch.Tensor:
+            s = torch.bmm(q, kv.transpose(1, 2)).float() * SOFTMAX_SCALE  # [B, H, L]
+            return torch.bmm(torch.softmax(s, dim=-1).to(kv.dtype), kv[:, :, :R])
+
+        return graph_ms([peer])
+    except torch.OutOfMemoryError as exc:
+        print("peer out of memory:", repr(exc)[:200], flush=True)
+        return None
+
+
+def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float], best: dict) -> list[dict]:
+    case = make_case(H, B, ctx, topk)
+    tokens_read = B * (topk or ctx)
+    name = f"batch={B} context={ctx} heads={H} d=512+64 page={PAGE}" + (f" topk={topk}" if topk else "")
+    peer = peer_ms(case)
+    ref_ms = None
+    if B == 8:  # the reference op itself, once (host loops: not graph-capturable)
+        ref_ms = bench_ms(
+            lambda: mla_decode_ref(
+                case["q"],
+                case["fp8"],
+                case["scale"],
+                R,
+                case["seq_lens"],
+                case["page_table"],
+                case["expected_tags"],
+                case["page_tags"],
+                case["flags"],
+                SOFTMAX_SCALE,
+            ),  # fmt: skip
+            warmup_ms=5,
+            rep_ms=50,
+        )
+    rows = []
+    times: dict[str, float] = {}
+    for kv in ("bf16", "fp8"):
+        variants: dict[tuple[int, ...], float] = {}
+        if kv not in best:  # first case: sweep the tile configs
+            for cfg in SWEEP:
+                try:
+                    variants[cfg] = graph_ms([lambda kv=kv, cfg=cfg: run(case, kv, cfg=cfg)])
+                except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+                    print(f"config {cfg} failed: {repr(exc)[:200]}", flush=True)
+            best[kv] = min(variants, key=variants.__getitem__)
+        cfg = best[kv]
+        out = run(case, kv, cfg=cfg)
+        err = check_error(case, kv, out)
+        assert not case["flags"].any(), "no page was reallocated: no sequence may be flagged"
+        ms = graph_ms([lambda kv=kv, cfg=cfg: run(case, kv, cfg=cfg)])
+        times[kv] = ms
+        nbytes = tokens_read * (R + DR) * (1 if kv == "fp8" else 2)
+        peers = {"torch_bmm_bf16_contiguous": peer} if peer is not None else {}
+        if kv == "fp8":
+            peers["ours_bf16_kv"] = times["bf16"]
+            if ref_ms is not None:
+                peers["reference_op"] = ref_ms
+        rows.append(
+            {
+                "kernel": "mla-decode" + ("-sparse" if topk else ""),
+                "case": f"kv={kv} {name}",
+                "goal": "attention-fp8" if kv == "fp8" and B == 64 and not topk and H == 64 else None,
+                "ms": ms,
+                "fraction_of_ceiling": nbytes / ms / 1e6 / ceil["copy_GBps"],
+                "GBps": nbytes / ms / 1e6,
+                "TFLOPs": tokens_read * H * 2 * (R + DR + R) / ms / 1e9,
+                "peers": peers,
+                "config": {"block_h": cfg[0], "block_n": cfg[1], "num_warps": cfg[2], "num_stages": cfg[3]},
+                "variants": {str(k): v for k, v in variants.items()},
+                "rel_err": err,
+                "ok": err < 1e-2,
+            }
+        )
+    if (H, B, ctx, topk) in AB_CASES:
+        on, off = [], []
+        for _ in range(AB_PAIRS):  # interleaved A/B: drift in clocks hits both arms alike
+            on.append(graph_ms([lambda: run(case, "fp8", True, best["fp8"])]))
+            off.append(graph_ms([lambda: run(case, "fp8", False, best["fp8"])]))
+        diffs = sorted((a - b) / b for a, b in zip(on, off, strict=True))
+        rows.append(
+            {
+                "kernel": "tag-check",
+                "case": f"mla-decode{'-sparse' if topk else ''} kv=fp8 {name}",
+                "goal": "tag-check",
+                "ms": statistics.median(on),
+                "fraction_of_ceiling": None,
+                "peers": {"check_off": statistics.median(off)},
+                "overhead": statistics.median(diffs),
+                "overhead_spread": [diffs[0], diffs[-1]],
+                "pairs": AB_PAIRS,
+            }
+        )
+    for r in rows:
+        if "overhead" in r:
+            lo, hi = r["overhead_spread"]
+            extra = f"overhead {r['overhead'] * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+        else:
+            extra = (
+                f"{r['GBps']:.0f} GB/s frac {r['fraction_of_ceiling']:.2f} {r['TFLOPs']:.0f} TFLOP/s "
+                f"err {r['rel_err']:.1e} cfg {tuple(r['config'].values())}"
+            )
+        peers = " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
+        print(f"{r['kernel']:<17} {r['case']:<66} {r['ms'] * 1e3:9.1f}us {extra} | {peers}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mla_decode.json when OUT is set)")
+    args = ap.parse_args()
+    out = args.out or (os.path.join(os.environ["OUT"], "mla_decode.json") if os.environ.get("OUT") else None)
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    print("ceilings", ceil, flush=True)
+    rows: list[dict] = []
+    best: dict[str, tuple[int, ...]] = {}
+    for H, B, ctx, topk in CASES:
+        rows += bench_case(H, B, ctx, topk, ceil, best)
+        torch.cuda.empty_cache()
+    if out:
+        write_record(out, rows, ceil, {"notes": "latent caches are GBs (>> L2): one call per graph replay"})
+
+
+if __name__ == "__main__":
+    main()
