@@ -1,0 +1,61 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""`kumo serve` supervises its backends: a real backend killed with SIGKILL is restarted, and
+meanwhile its model's requests get 503/3040 with `Retry-After` (never a hang or a bare 500)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.serve_process import LEGACY, Kumo, kumo  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def backend_pid(kumo: Kumo, model: str) -> int:
+    """The `kumo backend` serving `model` under this session's `kumo serve`."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        args = _cmdline(pid)
+        if "backend" in args and model in args:
+            with_parent = _cmdline(_ppid(pid))
+            if str(kumo.data_dir) in with_parent:
+                return pid
+    raise AssertionError(f"no backend process for {model}")
+
+
+def test_a_killed_backend_is_restarted_and_meanwhile_503(kumo: Kumo) -> None:
+    run = kumo.path(f"/ai/run/{LEGACY}")
+    body = {"prompt": "Hello", "max_tokens": 2}
+    assert httpx.post(run, headers=kumo.auth, json=body, timeout=60).status_code == 200
+    old = backend_pid(kumo, LEGACY)
+    os.kill(old, signal.SIGKILL)
+    r = httpx.post(run, headers=kumo.auth, json=body, timeout=60)
+    assert r.status_code == 503, r.text
+    assert r.json()["errors"][0]["code"] == 3040 and r.json()["success"] is False
+    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-should-retry"] == "true"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        r = httpx.post(run, headers=kumo.auth, json=body, timeout=60)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503, r.text  # nothing but "come back later" while it restarts
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    assert backend_pid(kumo, LEGACY) != old

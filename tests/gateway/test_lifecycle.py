@@ -1,0 +1,216 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""Lifecycle: a real `kumo gateway` process drained by SIGTERM, the per-request wall-clock limit,
+the drain gate, retry headers, and children that die with their parent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_harness import GLM, Harness, harness  # noqa: F401  (fixture)
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from gateway.errors import Busy, NeuronsExhausted, RateLimited, Unavailable, retry_headers
+from gateway.lifecycle import DrainGate, Lifecycle, request_timeout_s
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN = "kumo_admin_for_the_lifecycle_test_0123456789"
+
+
+def sse(text: str) -> list[dict]:  # type: ignore[type-arg]
+    return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+
+
+def error_code(frame: dict) -> int | None:  # type: ignore[type-arg]
+    """The Workers AI code of an in-stream error frame (OpenAI-family `error` object), else None."""
+    return frame["error"]["code"] if "error" in frame else None
+
+
+async def test_a_generation_past_its_wall_clock_limit_ends_with_3046(harness: Harness) -> None:
+    # the fake backend's "slow" script sends one event every 0.3 s (≈1.8 s in all)
+    limit = {"cf-aig-request-timeout": "500", **harness.auth()}
+    body = {"messages": [{"role": "user", "content": "slow"}]}
+    started = time.monotonic()
+    r = await harness.http.post(harness.path(f"/ai/run/{GLM}"), headers=limit, json=body)
+    assert r.status_code == 408, r.text
+    assert r.json()["errors"][0]["code"] == 3046 and time.monotonic() - started < 1.5
+    r = await harness.http.post(harness.path(f"/ai/run/{GLM}"), headers=limit, json={**body, "stream": True})
+    assert r.status_code == 200
+    frames = sse(r.text)
+    assert error_code(frames[-1]) == 3046, frames
+    # without the header the configured limit (600 s) applies and the same request completes
+    r = await harness.http.post(harness.path(f"/ai/run/{GLM}"), headers=harness.auth(), json=body)
+    assert r.status_code == 200 and r.json()["result"]["choices"][0]["message"]["content"] == "echo: slow"
+    await asyncio.sleep(0.1)
+    assert all(b.num_open_streams == 0 for b in harness.backends["glm-5.2"])  # backend requests closed
+
+
+def test_request_timeout_header_only_lowers_the_limit() -> None:
+    assert request_timeout_s({}, 600) == 600
+    assert request_timeout_s({"cf-aig-request-timeout": "2500"}, 600) == 2.5
+    assert request_timeout_s({"cf-aig-request-timeout": "9999999"}, 600) == 600
+    assert request_timeout_s({"cf-aig-request-timeout": "-5"}, 600) == 600
+    assert request_timeout_s({"cf-aig-request-timeout": "0"}, 600) == 600
+
+
+def test_429_and_503_say_when_to_retry() -> None:
+    assert retry_headers(Busy("x", retry_after=2)) == {"retry-after": "2", "x-should-retry": "true"}
+    assert retry_headers(Unavailable("x")) == {"retry-after": "1", "x-should-retry": "true"}
+    assert retry_headers(RateLimited("x", retry_after=30))["x-should-retry"] == "true"
+    spent = retry_headers(NeuronsExhausted("x", retry_after=3600))
+    assert spent == {"retry-after": "3600", "x-should-retry": "false"}
+
+
+async def test_no_capacity_is_503_with_retry_after(harness: Harness) -> None:
+    backends = harness.backends["glm-5.2"]
+    for b in backends:
+        b.is_down = True
+    try:
+        for _ in range(50):  # until the health loop has ejected the replica
+            r = await harness.http.post(
+                harness.path(f"/ai/run/{GLM}"), headers=harness.auth(), json={"prompt": "hi"}
+            )
+            if r.status_code == 503:
+                break
+            await asyncio.sleep(0.1)
+        assert r.status_code == 503 and r.json()["errors"][0]["code"] == 3040, r.text
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["x-should-retry"] == "true"
+    finally:
+        for b in backends:
+            b.is_down = False
+    for _ in range(50):
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}"), headers=harness.auth(), json={"prompt": "hi"}
+        )
+        if r.status_code == 200:
+            break
+        await asyncio.sleep(0.1)
+    assert r.status_code == 200
+
+
+async def test_the_drain_gate_refuses_new_requests() -> None:
+    lifecycle = Lifecycle()
+    app = DrainGate(Starlette(routes=[Route("/", lambda r: PlainTextResponse("ok"))]), lifecycle)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+        assert (await http.get("/")).text == "ok"
+        lifecycle.begin_drain(5)
+        r = await http.get("/")
+    assert r.status_code == 503 and r.json()["errors"][0]["code"] == 3040 and r.json()["result"] is None
+    assert r.headers["retry-after"] == "1" and r.headers["x-should-retry"] == "true"
+
+
+async def test_sigterm_drains_a_real_gateway(harness: Harness, tmp_path: Path) -> None:
+    """Two streams are running when SIGTERM comes: the one that ends before the drain deadline
+    finishes normally, the longer one ends with a 3008 error frame; new connections are refused."""
+    router = harness.services.router
+    pools = ""
+    for name in ("kimi-k2.6", "glm-5.2"):
+        urls = ", ".join(f'"{r.url}"' for r in router.pools[name].replicas)
+        pools += f'[pools."{name}"]\nreplicas = [{urls}]\nsecret = "fake-secret"\n'
+    (tmp_path / "pools.toml").write_text(pools)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, KUMO_ADMIN_TOKEN=ADMIN, PYTHONPATH=str(ROOT), KUMO_DRAIN_TIMEOUT_S="2.2")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "gateway", "--pools", str(tmp_path / "pools.toml"),
+        "--port", str(port), "--data-dir", str(tmp_path / "data"),
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=20) as http:
+            for _ in range(200):
+                try:
+                    if (await http.get(f"{url}/healthz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+            admin = {"authorization": f"Bearer {ADMIN}"}
+            tenant = (
+                await http.post(f"{url}/admin/v1/tenants", headers=admin, json={"name": "d", "plan": "paid"})
+            ).json()["result"]
+            token = (
+                await http.post(
+                    f"{url}/admin/v1/tenants/{tenant['id']}/tokens", headers=admin, json={"name": "t"}
+                )
+            ).json()["result"]["value"]
+            run = f"{url}/client/v4/accounts/{tenant['id']}/ai/run/{GLM}"
+            auth = {"authorization": f"Bearer {token}"}
+
+            async def stream(seed: int | None) -> str:
+                body: dict[str, object] = {"messages": [{"role": "user", "content": "slow"}], "stream": True}
+                if seed is not None:
+                    body["seed"] = seed
+                async with http.stream("POST", run, headers=auth, json=body) as r:
+                    assert r.status_code == 200
+                    return "".join([chunk async for chunk in r.aiter_text()])
+
+            short = asyncio.create_task(stream(None))  # 6 events: ≈1.8 s
+            long = asyncio.create_task(stream(123456789012345))  # 11 events: ≈3.3 s
+            await asyncio.sleep(0.4)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.TransportError):  # the listening socket is closed
+                await http.get(f"{url}/healthz")
+            short_frames, long_frames = sse(await short), sse(await long)
+            await asyncio.wait_for(proc.wait(), 10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in short_frames if c.get("choices"))
+    assert text == "echo: slow" and not any(error_code(f) for f in short_frames)
+    assert error_code(long_frames[-1]) == 3008, long_frames[-1]
+    assert not any(error_code(f) for f in long_frames[:-1])
+    await asyncio.sleep(0.1)
+    assert all(b.num_open_streams == 0 for b in harness.backends["glm-5.2"])
+
+
+def test_children_die_with_their_parent(tmp_path: Path) -> None:
+    """A parent spawns a child with `die_with_parent` and is SIGKILLed: the kernel kills the child."""
+    script = (
+        "import functools, os, subprocess, sys, time\n"
+        "from gateway.supervisor import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+        " preexec_fn=functools.partial(die_with_parent, os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert Path(f"/proc/{child}").exists()
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    for _ in range(100):
+        if not _alive(child):
+            break
+        time.sleep(0.05)
+    assert not _alive(child), "the child outlived its SIGKILLed parent"
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie waiting for its (new) parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
