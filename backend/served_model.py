@@ -6,7 +6,6 @@ Everything here is text-side: tokenizer, chat template, stop tokens, the family'
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +39,12 @@ def family_of(config: ModelConfig) -> str:
 
 def weights_format(model_dir: Path, dtype: str) -> str:
     """`int4-w4a16` / `fp8` when config.json declares a quantization, else the serving dtype."""
-    raw = json.loads((model_dir / "config.json").read_text())
-    quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
-    if not quant:
+    from backend.quant.walker import read_scheme
+
+    scheme = read_scheme(model_dir)  # compressed-tensors `float-quantized` is FP8, not INT4
+    if scheme is None:
         return dtype
-    method = str(quant.get("quant_method", ""))
-    if method == "fp8":
-        return "fp8"
-    return "int4-w4a16" if "compressed" in method else method
+    return "int4-w4a16" if scheme.method == "int4" else "fp8"
 
 
 @dataclass(slots=True)
