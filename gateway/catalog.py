@@ -84,9 +84,9 @@ class Catalog:
     @classmethod
     def from_file(cls, file: CatalogFile, extra: list[ModelSpec] | None = None) -> Catalog:
         models = [*file.models, *(extra or [])]
-        names = [m.name for m in models]
+        names = [n for m in models for n in (m.name, *m.aliases)]
         if len(set(names)) != len(names):
-            raise CatalogError(f"catalog lists a model twice: {sorted(names)}")
+            raise CatalogError(f"catalog lists a model id twice: {sorted(names)}")
         task_names = {t.name for t in file.tasks}
         for model in models:
             if model.task not in task_names:
@@ -97,9 +97,10 @@ class Catalog:
         return cls(tasks=tuple(file.tasks), authors=tuple(authors.values()), models=tuple(models))
 
     def get(self, name: str) -> ModelSpec:
-        """The entry for a model id, or 400/5007 as Workers AI answers an unknown one."""
+        """The entry for a model id (or one of its aliases: a retired id that Workers AI silently
+        serves with its successor), or 400/5007 as Workers AI answers an unknown one."""
         for model in self.models:
-            if model.name == name:
+            if model.name == name or name in model.aliases:
                 return model
         raise UnknownModel(f"No such model {name} or task")
 

@@ -59,6 +59,7 @@ class ModelSpec(FileBase, kw_only=True):
     task: str = "Text Generation"
     created_at: CreatedAt
     tags: list[str] = msgspec.field(default_factory=list)
+    aliases: list[str] = msgspec.field(default_factory=list)  # retired ids served by this entry
     pool: str
     family: Literal["openai", "legacy"] = "openai"
     architecture: str

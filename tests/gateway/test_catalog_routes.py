@@ -115,3 +115,12 @@ def test_capabilities_are_those_the_backend_serves() -> None:
         "int4-w4a16",
         "fp8_e4m3",
     )
+
+
+async def test_a_retired_id_is_served_by_its_successor(harness: Harness) -> None:
+    r = await harness.http.post(
+        harness.path("/ai/run/@cf/moonshotai/kimi-k2.5"), headers=harness.auth(), json={"prompt": "old"}
+    )
+    assert r.status_code == 200 and r.json()["result"]["model"] == KIMI
+    names = [e["name"] for e in (await get(harness, "/ai/models/search")).json()["result"]]
+    assert "@cf/moonshotai/kimi-k2.5" not in names
