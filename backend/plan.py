@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from backend.quant.scheme import QuantScheme, parse_config, scheme_from_config
+from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
 from backend.quant.shapes import (
     TensorSpec,
     checkpoint_tensors,
@@ -177,6 +177,8 @@ def make_plan(
         if idx is not None and idx >= num_layers:
             mtp += size
             continue
+        if spec.module.rpartition(".")[2] in READ_AS_MATRIX:  # dequantized at load, held dense
+            size = spec.numel * spec.dtype_bytes
         share = size * shard_fraction(spec, tc, tp)
         per_gpu += share
         by_class[tensor_class(spec.name)] = by_class.get(tensor_class(spec.name), 0.0) + share
@@ -191,7 +193,8 @@ def make_plan(
             "weights",
             -int(per_gpu),
             f"checkpoint {checkpoint / GB:.1f} GB; replicated: q_a/kv_a, indexer, router, norms, vision; the rest / tp={tp}"
-            + (f"; MTP layers ({mtp / GB:.1f} GB) not loaded" if mtp else ""),
+            + (f"; MTP layers ({mtp / GB:.1f} GB) not loaded" if mtp else "")
+            + ("; kv_b_proj held dense (MLA absorption)" if scheme and is_mla(tc) else ""),
         ),
     ]
     terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs)]

@@ -39,6 +39,9 @@ ROUTED_EXPERTS_IGNORE = (
     *NOT_TEXT,
 )
 ALL_LINEAR_IGNORE = ("lm_head", ROUTER, LM_HEAD, *NOT_TEXT)
+# Read as matrices by the model rather than called (MLA's weight absorption views kv_b_proj as
+# W_UK / W_UV), so they run dense: dequantized once after loading, as vLLM does.
+READ_AS_MATRIX = ("kv_b_proj",)
 
 
 class _Block(msgspec.Struct, omit_defaults=False, kw_only=True):

@@ -31,7 +31,7 @@ from backend.quant.experts import QuantExperts
 from backend.quant.fp8 import quantize_fp8_block, quantize_fp8_channel
 from backend.quant.int4 import quantize_int4
 from backend.quant.linear import Fp8Linear, Int4Linear, QuantLinear
-from backend.quant.scheme import QuantScheme, parse_config, scheme_from_config
+from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
 
 
 def read_scheme(path: str | Path) -> QuantScheme | None:
@@ -122,17 +122,12 @@ def prepare_for_checkpoint(model: nn.Module, scheme: QuantScheme) -> list[str]:
     return names
 
 
-# Read as matrices by the model rather than called (MLA's weight absorption views kv_b_proj as
-# W_UK / W_UV), so they run dense: dequantized once after loading, as vLLM does.
-_READ_AS_MATRIX = ("kv_b_proj",)
-
-
 @torch.no_grad()
 def dequantize_after_load(model: nn.Module) -> list[str]:
     """Replace loaded quantized Linears the model reads as matrices by dense ones; return names."""
     names = []
     for name, m in list(model.named_modules()):
-        if isinstance(m, Int4Linear | Fp8Linear) and name.rpartition(".")[2] in _READ_AS_MATRIX:
+        if isinstance(m, Int4Linear | Fp8Linear) and name.rpartition(".")[2] in READ_AS_MATRIX:
             dense = Linear(
                 m.in_features,
                 m.out_features,
