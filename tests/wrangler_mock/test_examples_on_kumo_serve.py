@@ -159,11 +159,14 @@ def test_image_worker(kumo: Kumo) -> None:
             timeout=TIMEOUT,
         )
         text_only = httpx.post(url, json={"q": 1}, timeout=TIMEOUT)
+        form = httpx.post(url, files={"image": ("red.png", png.getvalue(), "image/png")}, timeout=TIMEOUT)
     assert response.status_code == 200, response.text
     body = response.json()
     assert isinstance(body["answer"], str) and body["bytes"] == len(png.getvalue())
     assert body["usage"]["prompt_tokens"] > 10  # the image's tokens reached the model
     assert text_only.status_code == 415
+    assert form.status_code == 200, form.text
+    assert form.json()["bytes"] == body["bytes"] and form.json()["usage"]["prompt_tokens"] > 10
 
 
 def test_unknown_model_and_bad_token_reach_the_worker_as_workers_ai_errors(kumo: Kumo) -> None:

@@ -8,9 +8,11 @@ import sys
 from http import HTTPMethod
 from pathlib import Path
 
+import httpx
 import pytest
 from wrangler_mock import shims
 from wrangler_mock.errors import WorkerLoadError
+from wrangler_mock.form_data import File, parse_form
 from wrangler_mock.jsvalue import JsArray, JsMap, JsObject, ReadableStream
 from wrangler_mock.request import Request
 from wrangler_mock.response import Response
@@ -169,3 +171,37 @@ def test_reload_never_forgets_wrangler_mock_itself() -> None:
     _forget_modules_under(Path(wrangler_mock.__file__).resolve().parents[1])  # a Worker beside the package
     assert sys.modules["wrangler_mock.response"] is wrangler_mock.response
     assert sys.modules["workers"].Response is Response
+
+
+async def test_form_data_parses_what_httpx_encodes() -> None:
+    payload = bytes(range(256)) + b"\r\n--not-a-boundary\r\n\r\n" + bytes(range(255, -1, -1))
+    encoded = httpx.Request(
+        "POST",
+        "http://w.local/",
+        data={"question": "Ünïcode?", "empty": ""},
+        files=[("image", ("shape.png", payload, "image/png")), ("image", ("b.txt", b"second", "text/plain"))],
+    )
+    body = encoded.read()
+
+    async def read() -> bytes:
+        return body
+
+    request = Request("POST", "http://w.local/", encoded.headers.items(), read)
+    form = await request.form_data()
+    assert form["question"] == "Ünïcode?" and form["empty"] == ""
+    first, second = form.get_all("image")
+    assert isinstance(first, File) and (first.name, first.content_type, first.size) == (
+        "shape.png",
+        "image/png",
+        len(payload),
+    )
+    assert await first.bytes() == payload
+    assert isinstance(second, File) and await second.text() == "second"
+    assert list(form) == ["question", "empty", "image"]
+
+
+async def test_url_encoded_forms_and_refusals() -> None:
+    form = parse_form(b"a=1&b=x+y&a=2", "application/x-www-form-urlencoded; charset=utf-8")
+    assert form["a"] == "1" and form.get_all("a") == ["1", "2"] and form["b"] == "x y"
+    with pytest.raises(TypeError, match="not a form"):
+        parse_form(b"{}", "application/json")

@@ -159,6 +159,24 @@ async def test_image_worker_forwards_the_upload(fake: FakeGateway, credentials: 
     assert wrong_type.status_code == 415
 
 
+async def test_image_worker_takes_a_form_upload(fake: FakeGateway, credentials: Credentials) -> None:
+    config = WranglerConfig.load(EXAMPLES / "image" / "wrangler.toml")
+    png = tiny_png(5, 4)
+    async with served_worker(config, credentials, fake) as worker:
+        response = await worker.post(
+            "/", files={"image": ("shape.png", png, "image/png")}, data={"question": "How many shapes?"}
+        )
+        no_file = await worker.post(
+            "/", data={"question": "?"}, files={"other": ("x.txt", b"x", "text/plain")}
+        )
+    digest = hashlib.sha256(png).hexdigest()[:16]
+    assert response.status_code == 200, response.text
+    assert (
+        response.json()["answer"] == f"image/png;base64 {len(png)} bytes sha256:{digest} | How many shapes?"
+    )
+    assert no_file.status_code == 415
+
+
 async def test_uncaught_binding_error_is_a_500_naming_the_code(
     fake: FakeGateway, credentials: Credentials, tmp_path: Path
 ) -> None:

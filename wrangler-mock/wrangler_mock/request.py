@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from http import HTTPMethod
 from typing import Any
 
+from wrangler_mock.form_data import FormData, parse_form
 from wrangler_mock.jsvalue import ReadableStream, from_json
 
 
@@ -69,6 +70,13 @@ class Request:
 
     async def text(self) -> str:
         return (await self.bytes()).decode("utf-8")
+
+    async def form_data(self) -> FormData:
+        """The body as form fields (multipart uploads or url-encoded), as `workers.Request.form_data`."""
+        return parse_form(await self.bytes(), self.headers.get("content-type", ""))
+
+    async def formData(self) -> FormData:  # noqa: N802  (the JS name)
+        return await self.form_data()
 
     async def json(self, **kwargs: Any) -> Any:
         """The parsed body; objects come back as `JsObject`, so both `d["k"]` and `.to_py()` work."""

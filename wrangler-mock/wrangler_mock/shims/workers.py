@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from wrangler_mock.form_data import Blob, File, FormData
 from wrangler_mock.jsvalue import ReadableStream, to_py
 from wrangler_mock.request import Request
 from wrangler_mock.response import Response
@@ -48,7 +49,10 @@ async def fetch(resource: str, **options: Any) -> Response:
 
 
 __all__ = [
+    "Blob",
     "DurableObject",
+    "File",
+    "FormData",
     "Request",
     "Response",
     "WorkerEntrypoint",

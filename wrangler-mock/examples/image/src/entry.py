@@ -1,7 +1,10 @@
-"""An image Worker: POST the image's bytes (Content-Type image/png or image/jpeg), ask with ?q=...
+"""An image Worker: upload an image and ask about it.
 
-The upload is forwarded to the vision model as an OpenAI `image_url` part holding a data URI,
-followed by the question; the answer is {"answer": "...", "bytes": <size of the upload>, "usage": {...}}.
+Either POST the image's bytes (Content-Type image/png, image/jpeg, …) and ask with ?q=..., or POST
+a form (multipart/form-data, as a browser or `curl -F` sends it) with an `image` file field and an
+optional `question` field. The image goes to the vision model as an OpenAI `image_url` part holding
+a data URI, followed by the question. The answer is
+{"answer": "...", "bytes": <size of the upload>, "usage": {...}};
 Workers AI errors come back as 502 {"error": "<code>: <message>"}.
 """
 
@@ -15,27 +18,37 @@ from workers import Response, WorkerEntrypoint
 
 ACCEPTED = ("image/png", "image/jpeg", "image/webp", "image/gif")
 MAX_BYTES = 4 * 1024 * 1024
+USAGE = "POST an image: curl --data-binary @cat.png -H 'content-type: image/png', or curl -F image=@cat.png"
 
 
 def to_js(obj):
     return _to_js(obj, dict_converter=Object.fromEntries)
 
 
+async def read_upload(request, default_question):
+    """(image bytes, mime type, question) from a raw upload or a multipart form."""
+    question = parse_qs(urlparse(request.url).query).get("q", [default_question])[0]
+    mime = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    if mime != "multipart/form-data":
+        return await request.bytes(), mime, question
+    form = await request.form_data()
+    upload = form.get("image")
+    if upload is None or isinstance(upload, str):
+        return b"", "", question
+    return await upload.bytes(), upload.content_type.lower(), form.get("question") or question
+
+
 class Default(WorkerEntrypoint):
     async def fetch(self, request):
         if request.method != "POST":
-            return Response(
-                "POST an image (curl --data-binary @cat.png -H 'content-type: image/png')", status=405
-            )
-        mime = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+            return Response(USAGE, status=405)
+        image, mime, question = await read_upload(request, self.env.DEFAULT_QUESTION)
         if mime not in ACCEPTED:
             return Response.json(
-                {"error": f"unsupported content-type {mime!r}; send one of {list(ACCEPTED)}"}, status=415
+                {"error": f"unsupported image type {mime!r}; send one of {list(ACCEPTED)}"}, status=415
             )
-        image = await request.bytes()
         if not image or len(image) > MAX_BYTES:
             return Response.json({"error": f"the image must be 1 byte to {MAX_BYTES} bytes"}, status=413)
-        question = parse_qs(urlparse(request.url).query).get("q", [self.env.DEFAULT_QUESTION])[0]
 
         data_uri = f"data:{mime};base64,{base64.b64encode(image).decode('ascii')}"
         content = [{"type": "image_url", "image_url": {"url": data_uri}}, {"type": "text", "text": question}]
