@@ -142,7 +142,7 @@ def reasoning_of(model: ModelSpec, effort: str | None, enable_thinking: bool | N
     enabled = not (level == "none" or enable_thinking is False)
     if not enabled and spec is not None and not spec.can_disable:
         raise refuse("reasoning_effort", "cannot disable reasoning on this model")
-    internal = {"low": "low", "medium": "medium", "high": "high", "max": "high"}.get(level or "")
+    internal = level if level in ("low", "medium", "high", "max") else None
     return b.Reasoning(enabled=enabled, effort=internal)  # type: ignore[arg-type]
 
 

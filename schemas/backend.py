@@ -86,7 +86,7 @@ class Reasoning(Base):
     """Reasoning switches; None means the model's default. Handed to the chat template as it expects."""
 
     enabled: bool | None = None
-    effort: Literal["low", "medium", "high"] | None = None
+    effort: Literal["low", "medium", "high", "max"] | None = None  # "max": GLM 5.x's top level
 
 
 class ResponseFormat(Base):

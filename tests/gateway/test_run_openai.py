@@ -136,7 +136,8 @@ async def test_reasoning_effort_uses_each_models_aliases(harness: Harness) -> No
         (KIMI, {"reasoning_effort": "low"}, (True, "high")),
         (KIMI, {"reasoning_effort": "none"}, (False, None)),
         (KIMI, {"chat_template_kwargs": {"enable_thinking": False}}, (False, None)),
-        (GLM, {"reasoning_effort": "xhigh"}, (True, "high")),
+        (GLM, {"reasoning_effort": "xhigh"}, (True, "max")),
+        (GLM, {"reasoning_effort": "medium"}, (True, "high")),
         (GLM, {"reasoning_effort": "minimal"}, (False, None)),
     ]
     for model, extra, expected in cases:
