@@ -174,3 +174,16 @@ def test_kimi_with_an_image(kumo: Kumo) -> None:
     r = run(kumo, KIMI, {"messages": [{"role": "user", "content": content}], "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["result"]["usage"]["prompt_tokens"] > 10
+
+
+def test_reasoning_effort_levels_through_the_real_template(kumo: Kumo) -> None:
+    for effort in ("max", "high", "none", "low"):
+        r = run(
+            kumo,
+            GLM,
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "reasoning_effort": effort},
+        )
+        assert r.status_code == 200, (effort, r.text)
+        message = r.json()["result"]["choices"][0]["message"]
+        if effort == "none":
+            assert message["reasoning_content"] is None
