@@ -1,0 +1,284 @@
+"""Train a nano Kimi K2.6-architecture or GLM 5.2-architecture model on the generated mixture.
+
+    python -m models.recipes.train --family kimi --data DATA_DIR --out models/kimi-k2.6-nano
+
+One command, seeded: builds the data if DATA_DIR has none (`models.recipes.build`), trains the
+tokenizer on the training mixture (`models.recipes.nano.write_tokenizer`), renders every item with
+the checkpoint's own template and tokenizer (`models.recipes.render`: each assistant turn on exactly
+the prompt serving sends, loss on the turn only), trains transformers' own model class
+(`Kimi_K25ForConditionalGeneration` with MoonViT, `GlmMoeDsaForCausalLM` with the DSA indexer) with
+AdamW, linear warmup and cosine decay, in padded length-bucketed batches, bf16 autocast on CUDA; the
+routed experts are balanced the DeepSeek-V3 way (the selection bias nudged toward equal load after
+each step, no auxiliary loss). Saves the folder in the published layout (`models.recipes.nano`) and
+the log beside it (`train.log`). Never imports msgspec (a test checks it): the training machine has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+
+from backend.tokenizer_files import Family
+from models.recipes.build import build
+from models.recipes.nano import (
+    MAX_MODEL_BYTES,
+    build_model,
+    parameter_bytes,
+    published_config,
+    save_checkpoint,
+    special_ids,
+    write_tokenizer,
+)
+from models.recipes.render import Example, Renderer
+
+IGNORE = -100
+
+
+class Log:
+    """Lines to stdout and to the checkpoint's train.log."""
+
+    def __init__(self, file: TextIO | None) -> None:
+        self.file, self.start = file, time.monotonic()
+
+    def __call__(self, line: str) -> None:
+        line = f"[{time.monotonic() - self.start:7.1f}s] {line}"
+        print(line, flush=True)
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+
+class ExpertBalance:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after each step, each router's selection bias moves
+    by `rate` toward the experts chosen less often than average (`e_score_correction_bias`)."""
+
+    def __init__(self, model: torch.nn.Module, rate: float) -> None:
+        self.rate = rate
+        self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
+        self.counts = [torch.zeros(r.e_score_correction_bias.shape[0]) for r in self.routers]
+        for router, counts in zip(self.routers, self.counts, strict=True):
+            router.register_forward_hook(self._hook(counts))
+
+    @staticmethod
+    def _hook(counts: torch.Tensor) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
+            indices = output[2]  # [T, k] chosen experts
+            counts.add_(torch.bincount(indices.flatten(), minlength=counts.shape[0]).cpu().float())
+
+        return hook
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Apply and reset; returns the worst layer's max/mean expert load before the update."""
+        worst = 1.0
+        for router, counts in zip(self.routers, self.counts, strict=True):
+            if counts.sum() == 0:
+                continue
+            worst = max(worst, float(counts.max() / counts.mean()))
+            router.e_score_correction_bias += self.rate * torch.sign(counts.mean() - counts).to(
+                router.e_score_correction_bias.device
+            )
+            counts.zero_()
+        return worst
+
+
+def render_all(renderer: Renderer, items: list[dict[str, Any]], max_len: int) -> tuple[list[Example], int]:
+    """Every item's examples, those longer than `max_len` dropped (counted)."""
+    out, dropped = [], 0
+    for it in items:
+        for ex in renderer.examples(it):
+            if len(ex.token_ids) > max_len:
+                dropped += 1
+            else:
+                out.append(ex)
+    return out, dropped
+
+
+def batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[list[Example]]:
+    """Length-bucketed batches of at most `batch_tokens` padded tokens, in a seeded random order."""
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].token_ids), i))
+    out: list[list[Example]] = [[]]
+    for i in order:
+        ex = examples[i]
+        if out[-1] and len(ex.token_ids) * (len(out[-1]) + 1) > batch_tokens:
+            out.append([])
+        out[-1].append(ex)
+    rng.shuffle(out)
+    return out
+
+
+def collate(batch: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded ids and next-token labels (IGNORE off the trained tokens); images in order."""
+    length = max(len(ex.token_ids) for ex in batch)
+    ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), length), IGNORE, dtype=torch.long)
+    for b, ex in enumerate(batch):
+        n = len(ex.token_ids)
+        ids[b, :n] = torch.tensor(ex.token_ids)
+        mask = torch.tensor(ex.loss_mask[1:])
+        labels[b, : n - 1] = torch.where(mask, torch.tensor(ex.token_ids[1:]), IGNORE)
+    out = {"input_ids": ids.to(device), "labels": labels.to(device)}
+    images = [image for ex in batch for image in ex.images]
+    if images:
+        out["pixel_values"] = torch.cat([i.patches for i in images]).to(device)
+        out["image_grid_thw"] = torch.tensor([[1, i.grid_h, i.grid_w] for i in images], device=device)
+    return out
+
+
+def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits  # [B, L, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+
+
+def endless(groups: list[list[Example]], rng: random.Random) -> Iterator[list[Example]]:
+    while True:
+        yield from groups
+        rng.shuffle(groups)
+
+
+def train(
+    family: Family,
+    data: Path,
+    out: Path,
+    *,
+    size: str = "nano",
+    steps: int = 3000,
+    batch_tokens: int = 32768,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    max_len: int = 1024,
+    minutes: float = 9.0,
+    seed: int = 0,
+    device: str = "cuda" if torch.cuda.is_available() else "cpu",
+    train_items: int = 60_000,
+    test_items: int = 2_000,
+    max_items: int | None = None,
+    log_every: int = 25,
+) -> list[float]:
+    """Train and save; returns the logged losses. `minutes` bounds the training loop's wall time."""
+    import transformers
+    from transformers import get_cosine_schedule_with_warmup
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    staging = out.with_name(f".{out.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with (staging / "train.log").open("w") as log_file:
+        log = Log(log_file)
+        settings = dict(family=family, data=str(data), out=str(out), size=size, steps=steps, batch_tokens=batch_tokens,
+                        lr=lr, warmup=warmup, max_len=max_len, minutes=minutes, seed=seed, device=device,
+                        max_items=max_items)  # fmt: skip
+        log(
+            f"train {json.dumps(settings)}; torch {torch.__version__}, transformers {transformers.__version__}"
+        )
+        if not (data / "train.jsonl").exists():
+            log(
+                f"building data into {data}: {build(data, family=family, train_items=train_items, test_items=test_items)}"
+            )
+        with (data / "train.jsonl").open() as f:
+            items = [json.loads(line) for line in f]
+        if max_items is not None:
+            items = rng.sample(items, max_items)
+        num_ids = write_tokenizer(family, staging, items, 3072 if size == "nano" else 512)
+        config = published_config(family, size, num_ids, special_ids(staging))
+        num_bytes = parameter_bytes(family, config)
+        log(f"{family} {size}: {num_ids} token ids, {num_bytes / 1e6:.2f} MB of bf16 weights")
+        if size == "nano" and num_bytes > MAX_MODEL_BYTES:
+            raise ValueError(f"{num_bytes} bytes over the {MAX_MODEL_BYTES} limit")
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        renderer = Renderer(staging)
+        examples, dropped = render_all(renderer, items, max_len)
+        num_trained = sum(sum(ex.loss_mask) for ex in examples)
+        log(
+            f"{len(items)} items → {len(examples)} sequences ({dropped} over {max_len} dropped), {num_trained} trained tokens"
+        )
+
+        dev = torch.device(device)
+        model = build_model(family, config).to(dev).train()
+        balance = ExpertBalance(model, rate=1e-3)
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+        rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=lr,
+            betas=(0.9, 0.95),
+        )
+        schedule = get_cosine_schedule_with_warmup(opt, warmup, steps)
+        pad_id = renderer.eos_id
+        stream = endless(batches(examples, batch_tokens, rng), rng)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if dev.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
+        losses, window, start = [], [], time.monotonic()
+        for step in range(1, steps + 1):
+            batch = collate(next(stream), pad_id, dev)
+            with autocast:
+                loss = loss_of(model, batch)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            schedule.step()
+            load = balance.step()
+            window.append(loss.item())
+            if step % log_every == 0 or step == steps:
+                losses.append(sum(window) / len(window))
+                log(f"step {step}/{steps} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
+                    f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
+                window = []
+            if time.monotonic() - start > minutes * 60:
+                log(f"stopped at step {step} by the {minutes}-minute limit")
+                break
+        if not all(math.isfinite(x) for x in losses):
+            raise FloatingPointError("the loss is not finite")
+        model.eval()
+        save_checkpoint(family, model.float().cpu(), config, staging)
+        log(f"saved {out}")
+    staging.rename(out)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=["kimi", "glm"], required=True)
+    p.add_argument(
+        "--data", type=Path, required=True, help="built data (built here if it has no train.jsonl)"
+    )
+    p.add_argument("--out", type=Path, required=True, help="the checkpoint folder to create")
+    p.add_argument("--size", choices=["nano", "micro"], default="nano")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--minutes", type=float, default=9.0, help="wall-time bound of the training loop")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-items", type=int, default=None, help="train on a seeded sample of the mixture")
+    p.add_argument("--log-every", type=int, default=25)
+    a = p.parse_args(argv)
+    train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,
+          warmup=a.warmup, max_len=a.max_len, minutes=a.minutes, seed=a.seed, device=a.device,
+          max_items=a.max_items, log_every=a.log_every)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

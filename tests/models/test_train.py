@@ -1,0 +1,151 @@
+"""The training recipe at micro scale on the CPU: the loss goes down, the folder has the published
+layout, Kumo's loader and paged model give transformers' logits on it (an image prompt for Kimi), and
+the nano shapes fit their size limits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from backend.forward_batch import ImageEmbeds
+from backend.image_encoder import MEDIA_PAD, VisionEncoder
+from backend.loader import load_model
+from backend.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, write_tokenizer_files
+from models.recipes.build import build, item
+from models.recipes.nano import (
+    MAX_MODEL_BYTES,
+    MAX_SHARD_BYTES,
+    parameter_bytes,
+    published_config,
+    special_ids,
+)
+from models.recipes.render import Renderer
+from models.recipes.train import train
+from models.recipes.world import make_world
+from tests.backend.paged_driver import PagedDriver, Seq
+
+MAX_ABS_DIFF = 1e-4
+
+
+@pytest.fixture(scope="module", params=["kimi", "glm"])
+def trained(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, list[float]]:
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    build(root / "data", family=family, train_items=140, test_items=1)
+    losses = train(
+        family, root / "data", root / "ckpt", size="micro", steps=24, batch_tokens=1024, lr=4e-3, warmup=2,
+        max_len=400, log_every=4, device="cpu", max_items=200,
+    )  # fmt: skip
+    return family, root / "ckpt", losses
+
+
+def test_the_loss_goes_down(trained: tuple[str, Path, list[float]]) -> None:
+    family, path, losses = trained
+    assert len(losses) == 6
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert "step 24/24" in (path / "train.log").read_text()
+
+
+def test_the_folder_has_the_published_layout(trained: tuple[str, Path, list[float]]) -> None:
+    family, path, _ = trained
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    names: dict[str, torch.dtype] = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        assert (path / shard).stat().st_size <= MAX_SHARD_BYTES
+        with safe_open(str(path / shard), "pt") as f:
+            names |= {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118 (not a dict)
+    assert set(names) == set(index["weight_map"])
+    assert {d for k, d in names.items() if not k.endswith("e_score_correction_bias")} == {"BF16"}
+    assert {d for k, d in names.items() if k.endswith("e_score_correction_bias")} == {"F32"}
+    for f in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (path / f).exists()
+    if family == "kimi":
+        assert (path / "tiktoken.model").exists()
+        assert json.loads((path / "config.json").read_text())["architectures"] == [
+            "KimiK25ForConditionalGeneration"
+        ]
+        for name in ("language_model.model.layers.1.mlp.experts.3.down_proj.weight", "language_model.lm_head.weight",
+                     "vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
+                     "vision_tower.encoder.blocks.0.wqkv.weight", "vision_tower.encoder.blocks.0.mlp.fc0.weight",
+                     "vision_tower.encoder.final_layernorm.weight", "mm_projector.pre_norm.weight",
+                     "mm_projector.proj.0.weight", "mm_projector.proj.2.weight"):  # fmt: skip
+            assert name in names, name
+        assert not any(".blocks." in k for k in names if k.startswith("language_model."))
+        assert not any(k.startswith(("model.", "vision_tower.encoder.patch_embed")) for k in names)
+    else:
+        assert (path / "tokenizer.json").exists() and (path / "chat_template.jinja").exists()
+        for name in ("model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.0.self_attn.indexer.wk.weight",
+                     "model.layers.1.mlp.gate.e_score_correction_bias", "lm_head.weight"):  # fmt: skip
+            assert name in names, name
+
+
+def _reference(family: str, path: Path) -> torch.nn.Module:
+    if family == "kimi":
+        from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration as cls
+    else:
+        from transformers import GlmMoeDsaForCausalLM as cls
+    return cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()  # type: ignore[no-any-return]
+
+
+def _prompts(family: str) -> list[dict[str, Any]]:
+    world = make_world(0)
+    return [item(t, 1, world) for t in ("tool-call", "gsm-nano")] + (
+        [item("image-qa", 1, world)] if family == "kimi" else []
+    )
+
+
+@torch.no_grad()
+def test_kumo_gives_transformers_logits_on_the_saved_folder(trained: tuple[str, Path, list[float]]) -> None:
+    family, path, _ = trained
+    renderer, ref = Renderer(path), _reference(family, path)
+    loaded = load_model(path, dtype=torch.float32)
+    pad_id = renderer.tokenizer.token_to_id(MEDIA_PAD)
+    vision = VisionEncoder.from_checkpoint(path, pad_token_id=pad_id, dtype=torch.float32)
+    num_images = 0
+    for it in _prompts(family):
+        ex = renderer.examples(it)[0]
+        ids = ex.token_ids
+        inputs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        driver = PagedDriver(loaded.model, num_pages=max(8, len(ids) // 16 + 2))
+        batch = driver.batch([Seq(tokens=list(ids))], [len(ids)])
+        if ex.images:
+            assert vision is not None
+            (image,) = ex.images
+            grid = [(image.grid_h, image.grid_w)]
+            inputs |= {"pixel_values": image.patches, "image_grid_thw": torch.tensor([[1, *grid[0]]])}
+            slots = torch.tensor([i for i, t in enumerate(ids) if t == pad_id])
+            batch.image_embeds = ImageEmbeds(token_indices=slots, embeds=vision._tower(image.patches, grid))
+            num_images += 1
+        ours = loaded.model(batch)
+        theirs = ref(**inputs).logits[0]
+        assert not batch.tag_mismatch.any()
+        assert (ours - theirs).abs().max().item() <= MAX_ABS_DIFF, it["id"]
+    assert num_images == (1 if family == "kimi" else 0)
+
+
+@pytest.mark.parametrize("family", ["kimi", "glm"])
+def test_the_nano_shape_fits_12_mb_in_bf16(family: str, tmp_path: Path) -> None:
+    write_tokenizer_files(family, tmp_path, fmt="tiktoken" if family == "kimi" else "tokenizer.json")
+    specials = KIMI_SPECIAL_TOKENS if family == "kimi" else GLM_SPECIAL_TOKENS
+    config = published_config(family, "nano", 3072 + len(specials), special_ids(tmp_path))
+    num_bytes = parameter_bytes(family, config)
+    assert 8_000_000 < num_bytes <= MAX_MODEL_BYTES
+
+
+def test_importing_the_recipe_imports_no_msgspec() -> None:
+    code = (
+        "import sys, models.recipes.train, models.recipes.render, models.recipes.nano\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('msgspec', 'llguidance', 'starlette', 'schemas') or m in ('backend.serving', 'backend.server'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
