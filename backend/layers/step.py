@@ -41,7 +41,12 @@ class Step:
     def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
         """Store this step's new `values [T, *shape]` for `layer_idx`/`name` into the paged cache."""
         kv = self.batch.kv_cache
-        kv_write_ref(
+        write = kv_write_ref
+        if values.is_cuda:  # the Triton op: no host sync, so a step can be captured in a CUDA graph
+            from kernels.kv_write_triton import kv_write  # triton is the gpu extra: imported only here
+
+            write = kv_write
+        write(
             kv.layers[layer_idx][name],
             values,
             self.batch.slot_mapping,

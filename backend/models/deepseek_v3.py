@@ -96,20 +96,20 @@ class MLAAttention(nn.Module):
     def attend(self, q: torch.Tensor, step: Step, topk_indices: torch.Tensor | None) -> torch.Tensor:
         """Absorbed q [T, Hl, R + Dr] → attention output [T, H] after W_UV and o_proj."""
         b, kv = step.batch, step.batch.kv_cache
-        o_latent = mla_attention_ref(
-            q,
-            kv.layers[self.layer_idx]["latent"],
-            kv.scales[self.layer_idx]["latent"],
-            self.R,
-            b.query_start,
-            b.seq_lens,
-            b.page_table,
-            b.expected_tags,
-            kv.page_tags,
-            b.tag_mismatch,
-            self.softmax_scale,
-            topk_indices,
-        )  # [T, Hl, R]
+        cache, scale = kv.layers[self.layer_idx]["latent"], kv.scales[self.layer_idx]["latent"]
+        if q.is_cuda and b.is_decode_only:  # decode on the GPU: the Triton kernel, T = B
+            from kernels.mla_decode import mla_decode  # triton is the gpu extra: imported only here
+
+            o_latent = mla_decode(
+                q, cache, scale, self.R, b.seq_lens, b.page_table, b.expected_tags, kv.page_tags,
+                b.tag_mismatch, self.softmax_scale, topk_indices,
+            )  # fmt: skip
+        else:
+            o_latent = mla_attention_ref(
+                q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
+                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices,
+            )  # fmt: skip
+        # o_latent: [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [T, Hl, V]
         return self.o_proj(o.reshape(q.shape[0], -1))
