@@ -267,8 +267,9 @@ def mla_decode(
         raise ValueError("the last dimension of q and latent_cache must be contiguous")
     if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
         raise ValueError("page_table and expected_tags rows must be contiguous")
-    sparse = topk_indices is not None
-    if sparse:
+    sparse, K, topk_arg = False, 0, page_table  # dense: any pointer for topk, never read
+    if topk_indices is not None:
+        sparse, K, topk_arg = True, topk_indices.shape[-1], topk_indices
         if topk_indices.dim() != 2 or topk_indices.shape[0] != B or topk_indices.stride(1) != 1:
             raise ValueError(
                 f"topk_indices must be [B, K] with contiguous rows, got {tuple(topk_indices.shape)}"
@@ -280,7 +281,6 @@ def mla_decode(
     out = torch.empty((B, H, R), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    K = topk_indices.shape[1] if sparse else 0
     head_blocks = triton.cdiv(H, block_h)
     max_items = K if sparse else page_table.shape[1] * S
     splits = num_splits or pick_num_splits(B, head_blocks, max_items, _num_sms(q.device))
@@ -290,7 +290,6 @@ def mla_decode(
     else:
         part_o = torch.empty((B, H, splits, R), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-    topk_arg = topk_indices if sparse else page_table  # any pointer; never read in dense mode
     _mla_decode_kernel[(head_blocks, splits, B)](
         q,
         latent_cache,
