@@ -13,6 +13,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway import batch
 from gateway.body import decode, read_body
 from gateway.errors import NoRoute, Unsupported
 from gateway.inference import Call, authenticate, resolve_model
@@ -44,8 +45,12 @@ async def run_model(request: Request) -> Response:
     name = unquote(name) if "%" in name else name
     tenant = await authenticate(services, request, account_id)
     model = resolve_model(services, request, tenant, name)
-    _refuse_queue(request)
     raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
+    if batch.is_queue_request(request):  # async batch (reference §1.6)
+        return await batch.submit(services, tenant, model, raw)
+    job_id = batch.poll_id(raw)
+    if job_id is not None:
+        return await batch.poll(services, tenant, model, job_id)
     call = Call(services, request, tenant, model, "run")
     return await call.handle(raw)
 

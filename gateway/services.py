@@ -13,6 +13,7 @@ import httpx
 
 from gateway.auth import Authenticator
 from gateway.backend_client import BackendClient
+from gateway.batch import BatchWorker
 from gateway.catalog import Catalog, CatalogError
 from gateway.images import ImageFetcher, ImageLimits
 from gateway.lifecycle import Lifecycle
@@ -38,12 +39,15 @@ class Services:
     metrics: Metrics
     http: httpx.AsyncClient  # outbound fetches (image URLs); backends have their own client
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    batch: BatchWorker = field(default_factory=BatchWorker)
 
     async def start(self) -> None:
         await self.ledger.start()
         await self.router.start()
+        await self.batch.start(self)
 
     async def stop(self) -> None:
+        await self.batch.stop()
         await self.router.stop()
         await self.ledger.stop()
         await self.limiter.close()

@@ -10,7 +10,18 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Date, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -106,3 +117,26 @@ class AuditRow(Table):
     tenant_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     object_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     detail: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class BatchJobRow(Table):
+    """An async batch job (revision 0003): its requests in, its responses out, and who runs it.
+    `status` is queued → running → done; a running job whose `lease_expires_at` has passed is
+    taken again by any gateway (its gateway died)."""
+
+    __tablename__ = "batch_jobs"
+    __table_args__ = (Index("ix_batch_jobs_status_created", "status", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(8))
+    requests: Mapped[bytes] = mapped_column(LargeBinary)  # the submitted JSON array
+    num_requests: Mapped[int] = mapped_column(Integer)
+    responses: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # the result JSON
+    attempts: Mapped[int] = mapped_column(Integer)
+    claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTC())
+    finished_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)

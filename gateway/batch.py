@@ -1,0 +1,323 @@
+"""Async batch (reference §1.6): `POST …/ai/run/{model}?queueRequest=true` with `{requests: [...]}`
+queues a job and answers `{status: "queued", request_id}`; `POST …/ai/run/{model}` with
+`{request_id}` polls it: `queued`, `running`, or the responses with their `external_reference`
+and the job's usage.
+
+Jobs live in the store (`gateway.store.batch`), so any gateway sharing the database may run one,
+exactly one does, and a job survives its gateway: a stopping gateway hands its job back, a dead
+one's lease expires and another takes it over. Each gateway runs one `BatchWorker`; it runs a
+job's requests through the same path as `/ai/run` (quotas, normalisation, routing, metering),
+a few at a time, at a lower engine priority than interactive requests. Results are kept for
+`batch_result_ttl_s`, then purged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.auth import TenantContext
+from gateway.body import decode
+from gateway.errors import BadInput, Busy, KumoError, NotFound, RateLimited, Unavailable
+from gateway.observability import info_of
+from gateway.pools import Router
+from gateway.store.batch import DONE, BatchJob, BatchQueue
+from schemas import backend as b
+from schemas.batch import BatchDone, BatchItem, BatchPoll, BatchStatus, BatchSubmit, BatchUsage
+from schemas.catalog import ModelSpec
+from schemas.openai import ChatCompletionRequest
+from schemas.workers_ai import Envelope, ErrorItem, LegacyInput
+
+if TYPE_CHECKING:
+    from gateway.services import Services
+
+log = structlog.get_logger("kumo.batch")
+QUEUE_PARAM = "queueRequest"
+MAX_ATTEMPTS = 5  # a job whose gateways keep dying is failed, not retried forever
+MAX_ITEM_RETRIES = 30  # 429/503 on one request: wait as told, this many times
+PURGE_INTERVAL_S = 60.0
+
+_submit_decoder = msgspec.json.Decoder(BatchSubmit)
+_poll_decoder = msgspec.json.Decoder(BatchPoll)
+_legacy_decoder = msgspec.json.Decoder(LegacyInput)
+_openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+class QueuedRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """How one request is kept in the store: the model's input, and the caller's reference."""
+
+    input: msgspec.Raw
+    external_reference: str | None = None
+
+
+_stored = msgspec.json.Decoder(list[QueuedRequest])
+
+
+class _Answer(msgspec.Struct):
+    result: msgspec.Raw
+
+
+# ---- the routes' side ----------------------------------------------------------------------------------
+def is_queue_request(request: Request) -> bool:
+    return request.query_params.get(QUEUE_PARAM, "").lower() == "true"
+
+
+def poll_id(raw: bytes) -> str | None:
+    """The `request_id` of a poll body (exactly `{"request_id": …}`), else None."""
+    if b'"request_id"' not in raw:
+        return None
+    try:
+        return _poll_decoder.decode(raw).request_id
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
+def _checked(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
+    """One queued request, validated now with the model's decoder (a 400 names `$.requests[i]`)."""
+    value = msgspec.json.decode(raw)
+    if not isinstance(value, dict):
+        raise BadInput(f"Bad input: Expected `object` - at `$.requests[{i}]`")
+    reference = value.pop("external_reference", None)
+    if reference is not None and (not isinstance(reference, str) or len(reference) > 1024):
+        raise BadInput(
+            f"Bad input: Expected `str` of at most 1024 characters - at `$.requests[{i}].external_reference`"
+        )
+    value.pop("stream", None)  # a queued request is answered whole
+    value.pop("stream_options", None)
+    item = msgspec.json.encode(value)
+    try:
+        (_legacy_decoder if model.family == "legacy" else _openai_decoder).decode(item)
+    except msgspec.ValidationError as exc:
+        raise BadInput(f"Bad input: {exc}".replace("at `$", f"at `$.requests[{i}]")) from exc
+    return QueuedRequest(input=msgspec.Raw(item), external_reference=reference)
+
+
+async def submit(services: Services, tenant: TenantContext, model: ModelSpec, raw: bytes) -> Response:
+    """Queue a job (the body is already under the 10 MB limit) and answer its request id."""
+    body = decode(raw, _submit_decoder)
+    assert isinstance(body, BatchSubmit)
+    items = [_checked(r, i, model) for i, r in enumerate(body.requests)]
+    job_id = await services.batch.queue.submit(
+        tenant.tenant_id, model.name, msgspec.json.encode(items), len(items)
+    )
+    services.batch.wake()
+    log.info(
+        "batch_queued", request_id=job_id, tenant=tenant.tenant_id, model=model.name, num_requests=len(items)
+    )
+    status = BatchStatus(status="queued", request_id=job_id, model=model.name)
+    return Response(msgspec.json.encode(Envelope(result=status, success=True)), media_type="application/json")
+
+
+async def poll(services: Services, tenant: TenantContext, model: ModelSpec, job_id: str) -> Response:
+    """The job's state, or its results once done. Another tenant's job is as unknown as none."""
+    job = await services.batch.queue.get(job_id, tenant.tenant_id)
+    if job is None or job.model != model.name:
+        raise NotFound(f"No async batch request {job_id} for {model.name}")
+    if job.status == DONE:
+        assert job.responses is not None
+        result: Any = msgspec.Raw(job.responses)
+    else:
+        result = BatchStatus(
+            status="running" if job.status == "running" else "queued", request_id=job.id, model=job.model
+        )
+    return Response(msgspec.json.encode(Envelope(result=result, success=True)), media_type="application/json")
+
+
+# ---- the worker's side ---------------------------------------------------------------------------------
+class PriorityRouter(Router):
+    """The app's router (same pools, same health) sending every request at `priority`."""
+
+    def __init__(self, base: Router, priority: int) -> None:
+        super().__init__(base.pools, base.client)
+        self._priority = priority
+
+    def generate(self, model: ModelSpec, request: b.GenerateRequest, *, affinity: str | None = None):  # type: ignore[no-untyped-def]
+        return super().generate(
+            model, msgspec.structs.replace(request, priority=self._priority), affinity=affinity
+        )
+
+
+def _synthetic_request() -> Request:
+    """The HTTP request a queued request never had: no headers, its own request info."""
+    return Request({"type": "http", "method": "POST", "path": "/batch", "headers": [], "query_string": b""})
+
+
+class BatchWorker:
+    """Takes jobs from the queue one at a time and runs them; one per gateway (on `Services`)."""
+
+    def __init__(self) -> None:
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._queue: BatchQueue | None = None
+        self._services: Services | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self.num_jobs_done = 0
+
+    @property
+    def queue(self) -> BatchQueue:
+        assert self._queue is not None, "BatchWorker.start() first"
+        return self._queue
+
+    async def start(self, services: Services) -> None:
+        self._services = services
+        self._queue = BatchQueue(services.store.engine)
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop(), name="kumo-batch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        assert self._services is not None and self._wake is not None
+        settings = self._services.settings
+        loop = asyncio.get_running_loop()
+        next_purge = loop.time()
+        while not self._services.lifecycle.is_draining:
+            self._wake.clear()
+            job: BatchJob | None = None
+            try:
+                if loop.time() >= next_purge:
+                    num = await self.queue.purge()
+                    if num:
+                        log.info("batch_purged", num_jobs=num)
+                    next_purge = loop.time() + PURGE_INTERVAL_S
+                job = await self.queue.claim(self.worker_id, settings.batch_lease_s)
+            except (SQLAlchemyError, OSError) as exc:
+                log.warning("batch_queue_unavailable", error=type(exc).__name__)
+            if job is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), settings.batch_poll_interval_s)
+                continue
+            await self._run(job)
+
+    async def _run(self, job: BatchJob) -> None:
+        """Run `job` while renewing its lease; hand it back if this gateway stops or drains."""
+        assert self._services is not None
+        settings = self._services.settings
+        log.info("batch_started", request_id=job.id, attempt=job.attempts, num_requests=job.num_requests)
+        work = asyncio.create_task(self._execute(job))
+        loop = asyncio.get_running_loop()
+        renew_at = loop.time() + settings.batch_lease_s / 3
+        try:
+            while not work.done():
+                await asyncio.wait({work}, timeout=min(1.0, settings.batch_lease_s / 3))
+                if self._services.lifecycle.is_draining and not work.done():
+                    raise asyncio.CancelledError  # hand the job to another gateway
+                if not work.done() and loop.time() >= renew_at:
+                    renew_at = loop.time() + settings.batch_lease_s / 3
+                    if not await self.queue.renew(job.id, self.worker_id, settings.batch_lease_s):
+                        log.warning("batch_lease_lost", request_id=job.id)
+                        work.cancel()
+                        await asyncio.gather(work, return_exceptions=True)
+                        return
+            finished = await self.queue.finish(
+                job.id, self.worker_id, work.result(), settings.batch_result_ttl_s
+            )
+            self.num_jobs_done += finished
+            log.info("batch_done", request_id=job.id, stored=finished)
+        except asyncio.CancelledError:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            with contextlib.suppress(SQLAlchemyError, OSError):
+                await asyncio.shield(self.queue.release(job.id, self.worker_id))
+            log.info("batch_released", request_id=job.id)
+            if not self._services.lifecycle.is_draining:
+                raise
+
+    async def _execute(self, job: BatchJob) -> bytes:
+        """Every request of the job, a few at a time; the encoded `BatchDone`."""
+        services = self._services
+        assert services is not None and job.requests is not None
+        items = _stored.decode(job.requests)
+        try:
+            if job.attempts > MAX_ATTEMPTS:
+                raise KumoError("Unknown internal error")
+            tenant = await _tenant(services, job.tenant_id)
+            services = replace(
+                services, router=PriorityRouter(services.router, services.settings.batch_priority)
+            )
+        except KumoError as exc:
+            failed = [_failure(i, item, exc) for i, item in enumerate(items)]
+            return msgspec.json.encode(
+                BatchDone(
+                    responses=failed, usage=BatchUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+                )
+            )
+        limit = asyncio.Semaphore(services.settings.batch_concurrency)
+
+        async def one(i: int, item: QueuedRequest) -> tuple[BatchItem, int, int]:
+            async with limit:
+                return await _run_one(services, tenant, job.model, i, item)
+
+        done = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
+        prompt = sum(p for _, p, _ in done)
+        completion = sum(c for _, _, c in done)
+        usage = BatchUsage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+        return msgspec.json.encode(BatchDone(responses=[item for item, _, _ in done], usage=usage))
+
+
+async def _tenant(services: Services, tenant_id: str) -> TenantContext:
+    """The job's tenant as it is now (a tenant deleted since is NotFound, its quotas current)."""
+    t = await services.store.get_tenant(tenant_id)
+    allowed = None if t.models.allow is None else frozenset(t.models.allow)
+    return TenantContext(
+        tenant_id=t.id, name=t.name, plan=t.plan, allowed_models=allowed, token_id="batch", quotas=t.quotas
+    )
+
+
+def _failure(i: int, item: QueuedRequest, exc: KumoError) -> BatchItem:
+    return BatchItem(
+        id=i,
+        result=None,
+        success=False,
+        external_reference=item.external_reference,
+        errors=[ErrorItem(code=exc.code, message=exc.wire_message)],
+    )
+
+
+async def _run_one(
+    services: Services, tenant: TenantContext, model_name: str, i: int, item: QueuedRequest
+) -> tuple[BatchItem, int, int]:
+    """One queued request through `/ai/run`'s own path; waits out 429/503 (but a spent daily
+    allowance) as often as `MAX_ITEM_RETRIES`. Returns the item and its prompt/completion tokens."""
+    from gateway.inference import Call, resolve_model  # inference needs Services, which needs us
+
+    for attempt in range(MAX_ITEM_RETRIES + 1):
+        request = _synthetic_request()
+        try:
+            model = resolve_model(services, request, tenant, model_name)
+            response = await Call(services, request, tenant, model, "run").handle(bytes(item.input))
+        except (RateLimited, Busy, Unavailable) as exc:
+            if attempt == MAX_ITEM_RETRIES:
+                return _failure(i, item, exc), 0, 0
+            await asyncio.sleep(min(exc.retry_after or 1, 30))
+            continue
+        except KumoError as exc:
+            return _failure(i, item, exc), 0, 0
+        answer = msgspec.json.decode(response.body, type=_Answer)
+        info = info_of(request.scope)
+        result = BatchItem(
+            id=i, result=answer.result, success=True, external_reference=item.external_reference
+        )
+        return result, info.prompt_tokens, info.completion_tokens
+    raise AssertionError("unreachable")

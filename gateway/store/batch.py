@@ -1,0 +1,202 @@
+"""The async batch queue in the store, shared by every gateway on the same database.
+
+A job is taken by exactly one gateway: `claim` picks the oldest queued job (or a running one
+whose lease has expired, because its gateway died) with `SELECT … FOR UPDATE SKIP LOCKED` on
+PostgreSQL, then takes it with a compare-and-set `UPDATE … WHERE status/lease still as seen`, which
+is also what makes it atomic on SQLite (one writer at a time). The holder renews its lease while
+it works; `finish` only lands while the lease is still its own, so a gateway that lost its job
+(paused past the lease) cannot overwrite the result of the one that took it over.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+
+from gateway.store.rows import now
+from gateway.store.tables import BatchJobRow
+
+QUEUED, RUNNING, DONE = "queued", "running", "done"
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    id: str
+    tenant_id: str
+    model: str
+    status: str
+    num_requests: int
+    attempts: int
+    requests: bytes | None = None  # only on a claimed job
+    responses: bytes | None = None  # only on a finished job
+
+
+class BatchQueue:
+    """Jobs by id; `claim`/`renew`/`finish`/`release` for the workers; `purge` for retention."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._sessions = async_sessionmaker(engine, expire_on_commit=False)
+
+    def _session(self) -> AsyncSession:
+        return self._sessions()
+
+    async def submit(self, tenant_id: str, model: str, requests: bytes, num_requests: int) -> str:
+        job_id = str(uuid.uuid4())
+        async with self._session() as s, s.begin():
+            s.add(
+                BatchJobRow(
+                    id=job_id,
+                    tenant_id=tenant_id,
+                    model=model,
+                    status=QUEUED,
+                    requests=requests,
+                    num_requests=num_requests,
+                    attempts=0,
+                    created_at=now(),
+                )
+            )
+        return job_id
+
+    async def get(self, job_id: str, tenant_id: str) -> BatchJob | None:
+        """The tenant's job (another tenant's is None, like an unknown or expired one)."""
+        async with self._session() as s:
+            row = await s.get(BatchJobRow, job_id)
+        if row is None or row.tenant_id != tenant_id:
+            return None
+        if row.expires_at is not None and row.expires_at <= now():
+            return None
+        return _job(row, responses=row.responses)
+
+    async def claim(self, worker: str, lease_s: float) -> BatchJob | None:
+        """Take the oldest job that is queued or whose lease has expired, or None."""
+        at = now()
+        takeable = or_(
+            BatchJobRow.status == QUEUED,
+            and_(BatchJobRow.status == RUNNING, BatchJobRow.lease_expires_at < at),
+        )
+        candidates = (
+            select(BatchJobRow.id, BatchJobRow.status, BatchJobRow.claimed_by)
+            .where(takeable)
+            .order_by(BatchJobRow.created_at)
+            .limit(8)
+        )
+        lease_until = at + dt.timedelta(seconds=lease_s)
+        while True:  # candidates all taken by others meanwhile: look again (someone made progress)
+            if self._engine.dialect.name == "postgresql":
+                # rows another gateway is taking right now are skipped, not waited for
+                async with self._session() as s, s.begin():
+                    locked = candidates.limit(1).with_for_update(skip_locked=True)  # lock only what we take
+                    seen_rows = (await s.execute(locked)).all()
+                    for seen in seen_rows:
+                        job = await self._take(s, seen, takeable, worker, lease_until)
+                        if job is not None:
+                            return job
+            else:
+                # SQLite: read, then take each candidate in a write transaction of its own (a read
+                # transaction cannot be upgraded once another connection has written)
+                async with self._session() as s:
+                    seen_rows = (await s.execute(candidates)).all()
+                for seen in seen_rows:
+                    async with self._session() as s, s.begin():
+                        job = await self._take(s, seen, takeable, worker, lease_until)
+                    if job is not None:
+                        return job
+            if not seen_rows:
+                return None
+
+    async def _take(
+        self, s: AsyncSession, seen: Any, takeable: Any, worker: str, lease_until: dt.datetime
+    ) -> BatchJob | None:
+        """Compare-and-set: the job is ours only if it is still as we saw it."""
+        job_id, status, claimed_by = seen
+        unchanged = and_(BatchJobRow.status == status, _same(BatchJobRow.claimed_by, claimed_by))
+        taken = await s.execute(
+            update(BatchJobRow)
+            .where(BatchJobRow.id == job_id, unchanged, takeable)
+            .values(
+                status=RUNNING,
+                claimed_by=worker,
+                lease_expires_at=lease_until,
+                attempts=BatchJobRow.attempts + 1,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if taken.rowcount != 1:  # type: ignore[attr-defined]
+            return None
+        row = await s.get(BatchJobRow, job_id, populate_existing=True)
+        assert row is not None
+        return _job(row, requests=row.requests)
+
+    async def renew(self, job_id: str, worker: str, lease_s: float) -> bool:
+        """Extend the lease; False when the job is no longer this worker's."""
+        async with self._session() as s, s.begin():
+            result = await s.execute(
+                update(BatchJobRow)
+                .where(
+                    BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
+                )
+                .values(lease_expires_at=now() + dt.timedelta(seconds=lease_s))
+            )
+            return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+    async def finish(self, job_id: str, worker: str, responses: bytes, keep_s: float) -> bool:
+        """Store the result (kept `keep_s` seconds); False when the job is no longer this worker's."""
+        at = now()
+        async with self._session() as s, s.begin():
+            result = await s.execute(
+                update(BatchJobRow)
+                .where(
+                    BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
+                )
+                .values(
+                    status=DONE,
+                    responses=responses,
+                    finished_at=at,
+                    expires_at=at + dt.timedelta(seconds=keep_s),
+                    lease_expires_at=None,
+                    requests=b"",  # the inputs are no longer needed; keep the table small
+                )
+            )
+            return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+
+    async def release(self, job_id: str, worker: str) -> None:
+        """Hand a job back to the queue (this gateway is stopping): another takes it at once."""
+        async with self._session() as s, s.begin():
+            await s.execute(
+                update(BatchJobRow)
+                .where(
+                    BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
+                )
+                .values(status=QUEUED, claimed_by=None, lease_expires_at=None)
+            )
+
+    async def purge(self) -> int:
+        """Delete finished jobs past their retention; returns how many."""
+        async with self._session() as s, s.begin():
+            result = await s.execute(
+                delete(BatchJobRow).where(BatchJobRow.status == DONE, BatchJobRow.expires_at <= now())
+            )
+            return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _same(column: Any, value: str | None) -> Any:
+    return column.is_(None) if value is None else column == value
+
+
+def _job(row: BatchJobRow, *, requests: bytes | None = None, responses: bytes | None = None) -> BatchJob:
+    return BatchJob(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        model=row.model,
+        status=row.status,
+        num_requests=row.num_requests,
+        attempts=row.attempts,
+        requests=requests,
+        responses=responses,
+    )

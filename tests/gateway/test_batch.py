@@ -1,0 +1,178 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""Async batch (reference §1.6) through the gateway, and the store's queue on SQLite and PostgreSQL:
+each job taken by exactly one worker, taken over when its worker's lease expires, kept for a while."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+from gateway_harness import GLM, LEGACY, Harness, harness  # noqa: F401  (fixture)
+from sqlalchemy import update
+from tenancy_db import store_fixture  # noqa: F401  (fixture)
+
+from gateway.store import Store
+from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue
+from gateway.store.tables import BatchJobRow
+
+
+async def wait_done(harness: Harness, model: str, job_id: str, timeout_s: float = 20) -> dict:  # type: ignore[type-arg]
+    seen = set()
+    for _ in range(int(timeout_s / 0.05)):
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{model}"), headers=harness.auth(), json={"request_id": job_id}
+        )
+        assert r.status_code == 200, r.text
+        result = r.json()["result"]
+        if "responses" in result:
+            return result
+        assert result["status"] in ("queued", "running") and result["request_id"] == job_id
+        seen.add(result["status"])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"job {job_id} not done; seen {seen}")
+
+
+async def test_submit_poll_and_results_with_references(harness: Harness) -> None:
+    body = {
+        "requests": [
+            {"prompt": "first", "external_reference": "ref-1"},
+            {
+                "messages": [{"role": "user", "content": "second"}],
+                "external_reference": "ref-2",
+                "stream": True,
+            },
+            {"prompt": "third"},
+        ]
+    }
+    before = len(harness.journal)
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}?queueRequest=true"), headers=harness.auth(), json=body
+    )
+    assert r.status_code == 200, r.text
+    envelope = r.json()
+    assert envelope["success"] is True and envelope["errors"] == [] and envelope["messages"] == []
+    queued = envelope["result"]
+    assert queued["status"] == "queued" and queued["model"] == LEGACY and len(queued["request_id"]) == 36
+    result = await wait_done(harness, LEGACY, queued["request_id"])
+    responses = result["responses"]
+    assert [x["id"] for x in responses] == [0, 1, 2]
+    assert [x["external_reference"] for x in responses] == ["ref-1", "ref-2", None]
+    assert all(x["success"] for x in responses)
+    assert [x["result"]["response"] for x in responses] == ["echo: first", "echo: second", "echo: third"]
+    prompt = sum(x["result"]["usage"]["prompt_tokens"] for x in responses)
+    completion = sum(x["result"]["usage"]["completion_tokens"] for x in responses)
+    assert result["usage"] == {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    sent = harness.journal[before:]
+    assert len(sent) == 3 and all(req.priority == harness.services.settings.batch_priority for req in sent)
+    # interactive requests keep priority 0
+    await harness.http.post(harness.path(f"/ai/run/{LEGACY}"), headers=harness.auth(), json={"prompt": "now"})
+    assert harness.last.priority == 0
+
+
+async def test_openai_family_results_and_failures_per_request(harness: Harness) -> None:
+    body = {
+        "requests": [
+            {"messages": [{"role": "user", "content": "hi"}]},
+            {"messages": [{"role": "user", "content": "overflow"}]},
+        ]
+    }
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+    )
+    result = await wait_done(harness, GLM, r.json()["result"]["request_id"])
+    ok, failed = result["responses"]
+    assert ok["success"] and ok["result"]["choices"][0]["message"]["content"] == "echo: hi"
+    assert not failed["success"] and failed["result"] is None and failed["errors"][0]["code"] == 5021
+
+
+async def test_submit_is_validated_whole_before_queueing(harness: Harness) -> None:
+    url = harness.path(f"/ai/run/{LEGACY}?queueRequest=true")
+    r = await harness.http.post(
+        url,
+        headers=harness.auth(),
+        json={"requests": [{"prompt": "ok"}, {"prompt": "x", "max_tokens": "many"}]},
+    )
+    assert r.status_code == 400 and "$.requests[1].max_tokens" in r.json()["errors"][0]["message"], r.text
+    for bad in (
+        {"requests": []},
+        {"requests": [1]},
+        {"prompt": "not a batch"},
+        {"requests": [{"prompt": "x", "external_reference": 5}]},
+    ):
+        r = await harness.http.post(url, headers=harness.auth(), json=bad)
+        assert r.status_code == 400 and r.json()["success"] is False, (bad, r.text)
+
+
+async def test_a_job_is_only_its_tenants(harness: Harness) -> None:
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}?queueRequest=true"),
+        headers=harness.auth(),
+        json={"requests": [{"prompt": "mine"}]},
+    )
+    job_id = r.json()["result"]["request_id"]
+    other = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}", harness.limited_account),
+        headers=harness.auth(harness.limited_token),
+        json={"request_id": job_id},
+    )
+    assert other.status_code == 404 and other.json()["result"] is None
+    wrong_model = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}"), headers=harness.auth(), json={"request_id": job_id}
+    )
+    assert wrong_model.status_code == 404
+    unknown = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}"), headers=harness.auth(), json={"request_id": "nope"}
+    )
+    assert unknown.status_code == 404
+    await wait_done(harness, LEGACY, job_id)
+
+
+# ---- the queue in the store ------------------------------------------------------------------------------
+async def test_each_job_is_claimed_by_exactly_one_worker(store: Store) -> None:
+    queues = [BatchQueue(store.engine) for _ in range(4)]
+    ids = {await queues[0].submit("t" * 32, "m", b"[]", 0) for _ in range(12)}
+    claims = await asyncio.gather(*(queues[i % 4].claim(f"w{i}", 60) for i in range(20)))
+    taken = [c.id for c in claims if c is not None]
+    assert sorted(taken) == sorted(ids)  # every job once, none twice
+    assert await queues[0].claim("late", 60) is None
+
+
+async def test_an_expired_lease_is_taken_over_and_the_old_worker_cannot_finish(store: Store) -> None:
+    queue = BatchQueue(store.engine)
+    job_id = await queue.submit("a" * 32, "m", b"[]", 0)
+    while (first := await queue.claim("dead", 60)) is not None and first.id != job_id:
+        await queue.finish(first.id, "dead", b"{}", 60)  # jobs left by the previous test
+    assert first is not None and first.attempts == 1
+    assert await queue.claim("other", 60) is None  # leased
+    async with store.engine.begin() as c:  # time passes: the lease runs out
+        past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+        await c.execute(update(BatchJobRow).where(BatchJobRow.id == job_id).values(lease_expires_at=past))
+    second = await queue.claim("other", 60)
+    assert second is not None and second.id == job_id and second.attempts == 2
+    assert not await queue.renew(job_id, "dead", 60) and not await queue.finish(job_id, "dead", b"{}", 60)
+    assert await queue.renew(job_id, "other", 60)
+    assert await queue.finish(job_id, "other", b'{"responses":[]}', 60)
+    job = await queue.get(job_id, "a" * 32)
+    assert job is not None and job.status == DONE and job.responses == b'{"responses":[]}'
+    assert await queue.get(job_id, "b" * 32) is None  # another tenant
+
+
+async def test_released_jobs_go_back_and_results_expire(store: Store) -> None:
+    queue = BatchQueue(store.engine)
+    job_id = await queue.submit("c" * 32, "m", b"[1]", 1)
+    claimed = None
+    while (claimed := await queue.claim("w", 60)) is not None and claimed.id != job_id:
+        await queue.finish(claimed.id, "w", b"{}", 60)
+    assert claimed is not None and claimed.requests == b"[1]"
+    await queue.release(job_id, "w")
+    job = await queue.get(job_id, "c" * 32)
+    assert job is not None and job.status == QUEUED
+    again = await queue.claim("w2", 60)
+    assert again is not None and again.id == job_id and again.status == RUNNING
+    assert await queue.finish(job_id, "w2", b"{}", 0)
+    assert await queue.get(job_id, "c" * 32) is None  # kept 0 s
+    assert await queue.purge() >= 1
