@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from fake_workers_ai import ACCOUNT, LEGACY_MODEL, OPENAI_MODEL, TOKEN, FakeGateway
+from wm_support import free_port
 from wrangler_mock.ai_binding import Ai
 from wrangler_mock.api import CloudflareApi
-from wrangler_mock.errors import InferenceUpstreamError
-from wrangler_mock.jsvalue import JsObject, ReadableStream
+from wrangler_mock.errors import GatewayUnreachable, InferenceUpstreamError
+from wrangler_mock.jsvalue import JsException, JsObject, ReadableStream
 from wrangler_mock.response import Response
 from wrangler_mock.settings import Credentials
 from wrangler_mock.shims.js import Object
@@ -156,3 +157,18 @@ async def test_raw_streamed_response_keeps_the_sse_body(ai: Ai) -> None:
     assert isinstance(raw.body, ReadableStream)
     text = await raw.text()
     assert text.endswith("data: [DONE]\n\n") and '"content": "s "' in text
+
+
+async def test_an_unreachable_gateway_is_one_clear_error() -> None:
+    port = free_port()  # nothing listens there
+    credentials = Credentials(
+        api_base_url=f"http://127.0.0.1:{port}/client/v4", api_token=TOKEN, account_id=ACCOUNT
+    )
+    async with CloudflareApi.make_client() as client:
+        ai = Ai(CloudflareApi(credentials, client))
+        with pytest.raises(
+            GatewayUnreachable, match=f"cannot reach http://127.0.0.1:{port}/client/v4/accounts/"
+        ):
+            await ai.run(LEGACY_MODEL, js({"prompt": "hi"}))
+        with pytest.raises(JsException):  # what Worker code written for Cloudflare catches
+            await ai.models()

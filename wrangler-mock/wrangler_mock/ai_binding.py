@@ -132,7 +132,7 @@ class Ai:
         request = await self._api.run_request(model, body, headers=headers, params=params)
         is_stream = bool(body.get("stream"))
 
-        response = await self._api.client.send(request, stream=True)
+        response = await self._api.send(request, stream=True)
         self.lastRequestId = response.headers.get("cf-ai-req-id")
         self.aiGatewayLogId = response.headers.get("cf-aig-log-id")
         if opts.get("returnRawResponse"):

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from wrangler_mock import __version__
-from wrangler_mock.errors import ApiError, ConfigError
+from wrangler_mock.errors import ApiError, ConfigError, GatewayUnreachable
 from wrangler_mock.settings import Credentials
 
 MODELS_PAGE_SIZE = 50  # wrangler's per_page for `ai models`
@@ -66,6 +66,17 @@ class CloudflareApi:
             headers={"User-Agent": f"wrangler-mock/{__version__}"},
         )
 
+    async def send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
+        """Send `request`; a transport failure becomes `GatewayUnreachable` naming the URL."""
+        try:
+            return await self.client.send(request, stream=stream)
+        except httpx.TransportError as exc:
+            reason = str(exc) or type(exc).__name__
+            raise GatewayUnreachable(f"cannot reach {request.url.copy_with(query=None)}: {reason}") from exc
+
+    async def get(self, url: str, params: dict[str, str] | None = None) -> httpx.Response:
+        return await self.send(self.client.build_request("GET", url, params=params, headers=self.headers()))
+
     def url(self, path: str) -> str:
         return f"{self.credentials.api_base_url}/{path.lstrip('/')}"
 
@@ -80,7 +91,7 @@ class CloudflareApi:
         """
         if self._account_id:
             return self._account_id
-        response = await self.client.get(self.url("memberships"), headers=self.headers())
+        response = await self.get(self.url("memberships"))
         accounts = [m.get("account", {}) for m in unwrap(response) or []]
         ids = [a["id"] for a in accounts if isinstance(a, dict) and a.get("id")]
         if len(ids) != 1:
@@ -98,9 +109,7 @@ class CloudflareApi:
         self, params: dict[str, Any] | None = None, error: type[ApiError] = ApiError
     ) -> list[Any]:
         """One call of `GET …/ai/models/search` with the given query parameters."""
-        response = await self.client.get(
-            await self.account_url("ai/models/search"), params=_query(params), headers=self.headers()
-        )
+        response = await self.get(await self.account_url("ai/models/search"), _query(params))
         return list(unwrap(response, error) or [])
 
     async def list_models(self) -> list[Any]:

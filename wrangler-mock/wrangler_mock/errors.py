@@ -3,6 +3,7 @@
     WranglerMockError
     ├── ConfigError                 wrangler.toml, .dev.vars or credentials unusable
     ├── WorkerLoadError             the Worker module has neither `Default` nor `on_fetch`
+    ├── GatewayUnreachable          no answer at all: connection refused, DNS, timeout
     └── ApiError                    the v4 API answered `success: false` (or no envelope at all)
         └── InferenceUpstreamError  what `env.AI.run` raises, as the Workers runtime names it
                                     (also a `pyodide.ffi.JsException`, as on Cloudflare)
@@ -28,6 +29,15 @@ class ConfigError(WranglerMockError):
 
 class WorkerLoadError(WranglerMockError):
     """The Worker's main module cannot be loaded or exposes no fetch handler."""
+
+
+class GatewayUnreachable(WranglerMockError, JsException):
+    """The API base URL did not answer (also a `JsException`, so a Worker's `except` sees it)."""
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.name = "GatewayUnreachable"
+        self.message = message
 
 
 class ApiError(WranglerMockError):
