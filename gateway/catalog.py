@@ -131,7 +131,8 @@ class Catalog:
 
     def render(self, model: ModelSpec, card: ModelCard | None) -> ModelObject:
         """The Workers AI catalog object; context window, weights and KV dtype from the pool's card.
-        Only capabilities both the entry and the pool's backend serve are listed (no `async_queue`)."""
+        Only capabilities both the entry and the pool's backend serve are listed; `async_queue`
+        for every model, since the gateway itself queues batches (`gateway.batch`)."""
         props: list[PropertyOut] = []
 
         def add(key: str, value: Any) -> None:
@@ -150,6 +151,7 @@ class Catalog:
             add("vision", "true")
         if model.experimental:
             add("beta", "true")
+        add("async_queue", "true")
         for key, value in model.properties.items():
             add(key, value)
         if card is not None:

@@ -37,7 +37,7 @@ async def test_search_lists_entries_with_workers_ai_fields(harness: Harness) -> 
     p = props(kimi)
     assert p["context_window"] == "4096"  # what the pool's backend reports, not the published 262144
     assert p["vision"] == "true" and p["function_calling"] == "true" and p["require_workers_paid"] == "true"
-    assert "async_queue" not in p
+    assert p["async_queue"] == "true"  # the gateway queues async batches (gateway.batch)
     assert all(isinstance(v, str) for k, v in p.items() if k != "price")
     assert {x["unit"] for x in p["price"]} == {
         "per M input tokens",
