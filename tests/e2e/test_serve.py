@@ -187,3 +187,33 @@ def test_reasoning_effort_levels_through_the_real_template(kumo: Kumo) -> None:
         message = r.json()["result"]["choices"][0]["message"]
         if effort == "none":
             assert message["reasoning_content"] is None
+
+
+def test_a_tool_round_trip(kumo: Kumo) -> None:
+    client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=120)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"],
+            },
+        },
+    }
+    messages: list[dict] = [{"role": "user", "content": "Weather in Lisbon?"}]  # type: ignore[type-arg]
+    first = client.chat.completions.create(
+        model=GLM, messages=messages, tools=[tool], max_tokens=60, seed=5,  # type: ignore[arg-type,list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    calls = first.choices[0].message.tool_calls or []
+    assert first.choices[0].finish_reason == "tool_calls" and calls
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"temp_c": 21}'} for c in calls]
+    second = client.chat.completions.create(
+        model=GLM, messages=messages, tools=[tool], max_tokens=4,  # type: ignore[arg-type,list-item]
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert second.usage is not None and second.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
