@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = structlog.get_logger("kumo.access")
@@ -66,6 +66,11 @@ class Metrics:
         self.tokens = Counter(
             "kumo_gateway_tokens", "Tokens served", ["model", "kind"], registry=self.registry
         )
+        self.in_flight = Gauge(
+            "kumo_gateway_requests_in_flight",
+            "Requests being served now (queueing before a handler runs shows here, not in latency)",
+            registry=self.registry,
+        )
 
 
 def info_of(scope: Scope) -> RequestInfo:
@@ -99,9 +104,11 @@ class AccessLog:
                 message["headers"] = [*message["headers"], (b"x-request-id", info.request_id.encode())]
             await send(message)
 
+        self.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            self.metrics.in_flight.dec()
             elapsed = time.perf_counter() - started
             route = _route_kind(scope["path"])
             self.metrics.requests.labels(route, info.model or "", str(status)).inc()

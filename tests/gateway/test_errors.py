@@ -140,6 +140,7 @@ async def test_metrics_count_requests(harness: Harness) -> None:
     text = (await harness.http.get(f"{harness.url}/metrics")).text
     assert 'kumo_gateway_requests_total{model="@cf/moonshotai/kimi-k2.6",route="run",status="200"}' in text
     assert "kumo_gateway_tokens_total" in text
+    assert "kumo_gateway_requests_in_flight 1.0" in text  # this /metrics request itself
 
 
 async def test_requests_go_to_the_least_loaded_replica(harness: Harness) -> None:
