@@ -58,3 +58,35 @@ async def test_usage_is_recorded_per_request(harness: Harness) -> None:
     after = await usage_by_model(harness, harness.account)
     old_requests, old_tokens = before.get(KIMI, (0, 0))
     assert after[KIMI] == (old_requests + 1, old_tokens + completion)
+
+
+async def test_many_streams_with_disconnects_leave_nothing_behind(harness: Harness) -> None:
+    """40 concurrent slow streams, every other one abandoned after its first frame: afterwards no
+    backend stream, router slot or in-flight request is left (reliability §2.4)."""
+    backend = harness.backends["glm-5.2"][0]
+
+    async def one(i: int) -> str | None:
+        async with harness.http.stream(
+            "POST",
+            harness.path(f"/ai/run/{GLM}"),
+            headers=harness.auth(),
+            json={"prompt": "slow", "stream": True},
+        ) as r:
+            text = ""
+            async for line in r.aiter_lines():
+                text += line
+                if i % 2 and '"content":"ech' in line:
+                    return None
+            return text
+
+    results = await asyncio.gather(*(one(i) for i in range(40)))
+    finished = [t for t in results if t is not None]
+    assert len(finished) == 20 and all("[DONE]" in t and '"usage"' in t for t in finished)
+    for _ in range(60):
+        replicas = harness.services.router.pools["glm-5.2"].replicas
+        if backend.num_open_streams == 0 and all(r.num_in_flight == 0 for r in replicas):
+            break
+        await asyncio.sleep(0.05)
+    assert backend.num_open_streams == 0
+    assert all(r.num_in_flight == 0 for r in harness.services.router.pools["glm-5.2"].replicas)
+    assert harness.services.metrics.registry.get_sample_value("kumo_gateway_requests_in_flight") == 0
