@@ -137,3 +137,12 @@ async def test_image_on_a_model_without_vision_is_a_clear_400(harness: Harness) 
         assert "does not support image inputs" in r.json()["errors"][0]["message"]
     r = await post(harness, {"prompt": "what is this", "image": [1, 2, 3]})
     assert r.status_code == 400 and "could not be decoded" in r.json()["errors"][0]["message"]
+
+
+async def test_tenants_get_different_cache_salts(harness: Harness) -> None:
+    await post(harness, {"prompt": "same prompt"})
+    own = harness.last.tenant_salt
+    url = harness.path(f"/ai/run/{LEGACY}", account=harness.free_account)
+    r = await harness.http.post(url, headers=harness.auth(harness.free_token), json={"prompt": "same prompt"})
+    assert r.status_code == 200
+    assert harness.last.tenant_salt != own and len(own) == 64
