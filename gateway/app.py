@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 from starlette.templating import Jinja2Templates
 
-from gateway import catalog_routes, openai_compat, run
+from gateway import catalog_routes, openai_compat, openapi, run
 from gateway.admin import admin_routes
 from gateway.errors import KumoError, MethodNotAllowed, NotFound, retry_headers
 from gateway.lifecycle import DrainGate
@@ -89,6 +89,7 @@ def routes(services: Services) -> list[Route | Mount]:
         Route("/models", catalog_routes.models_page, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", health, methods=["GET"]),
+        Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
         Mount("/admin/v1", routes=admin_routes(services)),
     ]
 

@@ -1,0 +1,292 @@
+"""The OpenAPI 3.1 document at `/openapi.json`: the public and admin APIs, generated from the same
+msgspec Structs the routes decode and encode (`msgspec.json.schema_components`).
+
+`OPERATIONS` lists every route of `gateway.app.routes` (a test checks that the two agree both
+ways). JSON answers are the v4 envelope around the operation's result (`enveloped`), except the
+OpenAI-compatible routes, which answer plain OpenAI objects. Every error is the envelope with
+`result: null` and the Workers AI code (the `default` response).
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from schemas.admin import (
+    AuditEntry,
+    Models,
+    ModelsIn,
+    Quotas,
+    QuotasIn,
+    Tenant,
+    TenantCreate,
+    TenantPatch,
+    Token,
+    TokenCreate,
+    TokenCreated,
+    UsageGroup,
+)
+from schemas.batch import BatchDone, BatchPoll, BatchStatus, BatchSubmit
+from schemas.catalog import AuthorOut, Membership, ModelObject, SchemaOut, TaskOut
+from schemas.openai import ChatCompletion, ChatCompletionRequest, ModelList
+from schemas.workers_ai import ErrorItem, LegacyInput, LegacyResult, ResultInfo, RunEnvelopeInput
+
+REF = "#/components/schemas/{name}"
+ACCOUNT = "/client/v4/accounts/{account_id}"
+HEX32 = "^[0-9a-f]{32}$"
+Security = Literal["tenant", "admin", "none"]
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    schema: dict[str, Any]
+    where: Literal["query", "path"] = "query"
+    is_required: bool = False
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str  # as in the route table (Starlette converters included: `{model:path}`)
+    summary: str
+    tag: str
+    body: Any = None  # a Struct type (or a union of them)
+    result: Any = None  # what the envelope's `result` holds, or the whole answer if not `enveloped`
+    enveloped: bool = True
+    is_paged: bool = False
+    streams: bool = False  # may answer `text/event-stream` instead
+    media_type: str = "application/json"
+    security: Security = "tenant"
+    params: tuple[Param, ...] = field(default_factory=tuple)
+
+
+def _page_params() -> tuple[Param, ...]:
+    return (
+        Param("page", {"type": "integer", "minimum": 1, "maximum": 1_000_000}),
+        Param("per_page", {"type": "integer", "minimum": 1, "maximum": 1000}),
+    )
+
+
+_ID = {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]}
+_TASKS = list[TaskOut]
+AI = f"{ACCOUNT}/ai"
+T = "/admin/v1/tenants/{tenant_id}"
+RUN_RESULT = LegacyResult | ChatCompletion | BatchStatus | BatchDone
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation(
+        "POST", f"{AI}/run/{{model:path}}", "Run a model; queue a batch (`queueRequest=true`); poll a batch",
+        "inference", body=LegacyInput | ChatCompletionRequest | BatchSubmit | BatchPoll, result=RUN_RESULT,
+        streams=True, params=(Param("queueRequest", {"type": "boolean"}),),
+    ),
+    Operation(
+        "POST", f"{AI}/run", "Run a model named in the body (`{model, input}`)", "inference",
+        body=RunEnvelopeInput, result=RUN_RESULT, streams=True,
+    ),
+    Operation(
+        "POST", f"{AI}/v1/chat/completions", "OpenAI-compatible chat completions", "openai",
+        body=ChatCompletionRequest, result=ChatCompletion, enveloped=False, streams=True,
+    ),
+    Operation("GET", f"{AI}/v1/models", "OpenAI-compatible model list", "openai", result=ModelList, enveloped=False),
+    Operation(
+        "GET", f"{AI}/models/search", "Search the model catalog", "catalog", result=list[ModelObject],
+        is_paged=True,
+        params=(
+            Param("search", {"type": "string"}), Param("task", {"type": "string"}),
+            Param("author", {"type": "string"}), Param("source", {"type": "integer", "minimum": 0}),
+            Param("hide_experimental", {"type": "boolean"}), *_page_params(),
+        ),
+    ),
+    Operation(
+        "GET", f"{AI}/models/schema", "A model's input and output JSON Schemas", "catalog", result=SchemaOut,
+        params=(Param("model", {"type": "string", "minLength": 1}, is_required=True),),
+    ),
+    Operation("GET", f"{AI}/tasks/search", "The catalog's tasks", "catalog", result=_TASKS),
+    Operation("GET", f"{AI}/authors/search", "The catalog's authors", "catalog", result=list[AuthorOut]),
+    Operation(
+        "GET", "/client/v4/memberships", "The token's own account", "catalog", result=list[Membership],
+        is_paged=True, params=(_page_params()[0],),
+    ),
+    Operation(
+        "GET", "/models", "The catalog as a web page", "catalog", media_type="text/html", security="none",
+        params=(Param("search", {"type": "string"}), Param("task", {"type": "string"})),
+    ),
+    Operation("GET", "/metrics", "Prometheus metrics", "operations", media_type="text/plain", security="none"),
+    Operation("GET", "/healthz", "Liveness", "operations", enveloped=False, security="none",
+              result={"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}),
+    Operation("GET", "/openapi.json", "This document", "operations", enveloped=False, security="none",
+              result={"type": "object"}),
+    # ---- admin API --------------------------------------------------------------------------------------
+    Operation("POST", "/admin/v1/tenants", "Create a tenant", "admin", body=TenantCreate, result=Tenant, security="admin"),
+    Operation("GET", "/admin/v1/tenants", "List tenants", "admin", result=list[Tenant], is_paged=True,
+              security="admin", params=_page_params()),
+    Operation("GET", T, "A tenant", "admin", result=Tenant, security="admin"),
+    Operation("PATCH", T, "Rename a tenant or change its plan", "admin", body=TenantPatch, result=Tenant, security="admin"),
+    Operation("DELETE", T, "Delete a tenant (its tokens are revoked)", "admin", result=_ID, security="admin"),
+    Operation("POST", f"{T}/tokens", "Create a token (its value is shown once)", "admin", body=TokenCreate,
+              result=TokenCreated, security="admin"),
+    Operation("GET", f"{T}/tokens", "A tenant's tokens", "admin", result=list[Token], security="admin"),
+    Operation("DELETE", f"{T}/tokens/{{token_id}}", "Revoke a token", "admin", result=Token, security="admin"),
+    Operation("PUT", f"{T}/quotas", "Set a tenant's quotas", "admin", body=QuotasIn, result=Quotas, security="admin"),
+    Operation("PUT", f"{T}/models", "Set a tenant's model allow-list", "admin", body=ModelsIn, result=Models,
+              security="admin"),
+    Operation(
+        "GET", f"{T}/usage", "A tenant's usage per day or model", "admin", result=list[UsageGroup], security="admin",
+        params=(
+            Param("since", {"type": "string", "format": "date"}), Param("until", {"type": "string", "format": "date"}),
+            Param("group_by", {"enum": ["day", "model"]}),
+        ),
+    ),
+    Operation("GET", "/admin/v1/audit", "The audit log, newest first", "admin", result=list[AuditEntry],
+              is_paged=True, security="admin",
+              params=(*_page_params(), Param("tenant_id", {"type": "string", "pattern": HEX32}))),
+)  # fmt: skip
+
+PATH_PARAMS: dict[str, dict[str, Any]] = {
+    "account_id": {"type": "string", "pattern": HEX32},
+    "tenant_id": {"type": "string", "pattern": HEX32},
+    "token_id": {"type": "string", "pattern": HEX32},
+    "model": {"type": "string", "minLength": 1, "examples": ["@cf/zai-org/glm-5.2"]},
+}
+
+
+def openapi_path(route_path: str) -> str:
+    """`/ai/run/{model:path}` → `/ai/run/{model}` (OpenAPI has no converters)."""
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", route_path)
+
+
+def document(server_url: str | None = None) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document."""
+    struct_types: list[Any] = [ErrorItem, ResultInfo]
+    for op in OPERATIONS:
+        for t in (op.body, op.result):
+            if t is not None and not isinstance(t, dict):
+                struct_types += _members(t)
+    schemas, components = msgspec.json.schema_components(struct_types, schema_hook=_any, ref_template=REF)
+    of = dict(zip(map(id, struct_types), schemas, strict=True))
+
+    def schema(t: Any) -> dict[str, Any]:
+        if isinstance(t, dict):
+            return t
+        members = _members(t)
+        return of[id(t)] if len(members) == 1 else {"anyOf": [of[id(m)] for m in members]}
+
+    components["ErrorEnvelope"] = {
+        "type": "object",
+        "description": "Every error: the v4 envelope with `result: null` and the Workers AI code.",
+        "properties": {
+            "result": {"type": "null"},
+            "success": {"const": False},
+            "errors": {"type": "array", "items": {"$ref": REF.format(name="ErrorItem")}, "minItems": 1},
+            "messages": {"type": "array"},
+        },
+        "required": ["result", "success", "errors", "messages"],
+    }
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        path = openapi_path(op.path)
+        paths.setdefault(path, {})[op.method.lower()] = _operation(op, path, schema)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Kumo",
+            "version": "1",
+            "description": "A Workers-AI-compatible gateway: the Workers AI REST API, its OpenAI-compatible "
+            "routes, the model catalog, and the tenant admin API.",
+        },
+        "servers": [{"url": server_url or "/"}],
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {
+                "tenant": {"type": "http", "scheme": "bearer", "description": "A tenant's API token"},
+                "admin": {"type": "http", "scheme": "bearer", "description": "An admin token"},
+            },
+        },
+    }
+
+
+def _any(t: Any) -> dict[str, Any]:
+    """`object` (free-form JSON values) is any JSON value."""
+    if t is object:
+        return {"description": "any JSON value"}
+    raise NotImplementedError(t)
+
+
+def _members(t: Any) -> list[Any]:
+    """A union's members (untagged Struct unions are documented as `anyOf`), else `[t]`."""
+    return list(typing.get_args(t)) if isinstance(t, types.UnionType) else [t]
+
+
+def _operation(op: Operation, path: str, schema: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "summary": op.summary,
+        "tags": [op.tag],
+        "operationId": re.sub(r"\W+", "_", f"{op.method.lower()}{path}").strip("_"),
+    }
+    params = [
+        {"name": n, "in": "path", "required": True, "schema": PATH_PARAMS[n]}
+        for n in re.findall(r"\{(\w+)\}", path)
+    ]
+    params += [
+        {
+            "name": p.name,
+            "in": p.where,
+            "required": p.is_required,
+            "schema": p.schema,
+            **({"description": p.description} if p.description else {}),
+        }
+        for p in op.params
+    ]
+    if params:
+        out["parameters"] = params
+    if op.body is not None:
+        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema(op.body)}}}
+    out["security"] = [] if op.security == "none" else [{op.security: []}]
+    out["responses"] = {"200": _success(op, schema), "default": _error()}
+    return out
+
+
+def _success(op: Operation, schema: Any) -> dict[str, Any]:
+    if op.media_type != "application/json":
+        return {"description": "OK", "content": {op.media_type: {"schema": {"type": "string"}}}}
+    body = schema(op.result)
+    if op.enveloped:
+        props: dict[str, Any] = {
+            "result": body,
+            "success": {"const": True},
+            "errors": {"type": "array", "maxItems": 0},
+            "messages": {"type": "array"},
+        }
+        if op.is_paged:
+            props["result_info"] = {"$ref": REF.format(name="ResultInfo")}
+        body = {
+            "type": "object",
+            "properties": props,
+            "required": ["result", "success", "errors", "messages"],
+        }
+    content: dict[str, Any] = {"application/json": {"schema": body}}
+    if op.streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"description": "OK", "content": content}
+
+
+def _error() -> dict[str, Any]:
+    return {
+        "description": "An error (4xx/5xx) with its Workers AI code; 429 and 503 carry `Retry-After`",
+        "content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorEnvelope")}}},
+    }
+
+
+async def openapi_json(request: Request) -> Response:
+    """`GET /openapi.json`."""
+    return Response(msgspec.json.encode(document()), media_type="application/json")

@@ -1,0 +1,73 @@
+# ruff: noqa: F811  (pytest fixtures imported by name)
+"""The OpenAPI document against the route table: every route documented, every documented route
+served, and the document itself valid OpenAPI 3.1 whose schemas accept what the gateway answers."""
+
+from __future__ import annotations
+
+import jsonschema_rs
+import schemathesis
+from gateway_harness import GLM, LEGACY, Harness, harness  # noqa: F401  (fixture)
+from starlette.routing import Mount, Route
+
+from gateway.app import routes
+from gateway.openapi import OPERATIONS, document, openapi_path
+
+
+def served(harness: Harness) -> set[tuple[str, str]]:
+    out = set()
+    for r in routes(harness.services):
+        inner = r.routes if isinstance(r, Mount) else [r]
+        prefix = r.path if isinstance(r, Mount) else ""
+        for route in inner:
+            assert isinstance(route, Route)
+            out |= {(m, prefix + route.path) for m in route.methods or () if m != "HEAD"}
+    return out
+
+
+def test_every_route_is_documented_and_every_documented_route_served(harness: Harness) -> None:
+    documented = {(op.method, op.path) for op in OPERATIONS}
+    assert served(harness) - documented == set(), "routes missing from the OpenAPI document"
+    assert documented - served(harness) == set(), "documented operations no route serves"
+    doc = document()
+    assert {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops} == {
+        (m, openapi_path(p)) for m, p in documented
+    }
+
+
+async def test_the_document_is_served_and_valid(harness: Harness) -> None:
+    r = await harness.http.get(f"{harness.url}/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    doc = r.json()
+    assert doc["openapi"] == "3.1.0" and doc == document()
+    loaded = schemathesis.openapi.from_dict(doc)  # parses every operation, its parameters and bodies
+    operations = [result.ok() for result in loaded.get_all_operations()]
+    assert len(operations) == len(OPERATIONS)
+
+
+async def test_answers_match_the_documented_schemas(harness: Harness) -> None:
+    """A few real answers, each checked against its operation's 200 or default schema."""
+    doc = document()
+
+    def check(path: str, method: str, status: int, body: object) -> None:
+        responses = doc["paths"][path][method]["responses"]
+        schema = responses["200" if status == 200 else "default"]["content"]["application/json"]["schema"]
+        jsonschema_rs.Draft202012Validator({**schema, "components": doc["components"]}).validate(body)
+
+    run = "/client/v4/accounts/{account_id}/ai/run/{model}"
+    for model, body in (
+        (LEGACY, {"prompt": "hi"}),
+        (GLM, {"messages": [{"role": "user", "content": "hi"}]}),
+        (GLM, {"x": 1}),
+    ):
+        r = await harness.http.post(harness.path(f"/ai/run/{model}"), headers=harness.auth(), json=body)
+        check(run, "post", r.status_code, r.json())
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}?queueRequest=true"),
+        headers=harness.auth(),
+        json={"requests": [{"prompt": "q"}]},
+    )
+    check(run, "post", r.status_code, r.json())
+    r = await harness.http.get(harness.path("/ai/models/search"), headers=harness.auth())
+    check("/client/v4/accounts/{account_id}/ai/models/search", "get", r.status_code, r.json())
+    r = await harness.http.get(harness.path("/ai/v1/models"), headers=harness.auth())
+    check("/client/v4/accounts/{account_id}/ai/v1/models", "get", r.status_code, r.json())
