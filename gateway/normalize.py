@@ -249,9 +249,9 @@ async def from_legacy(inp: LegacyInput, model: ModelSpec, ctx: Context) -> Norma
 def _legacy_call(call: dict[str, Any], field: str) -> b.ToolCall:
     """A tool call in history, in either shape: `{name, arguments: {...}}` or OpenAI's."""
     fn = call.get("function", call)
-    args = fn.get("arguments", {})
-    if not isinstance(fn.get("name"), str):
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise BadInput(f"Bad input: '{field}' needs a name")
+    args = fn.get("arguments", {})
     text = args if isinstance(args, str) else msgspec.json.encode(args).decode()
     return b.ToolCall(
         id=str(call.get("id") or f"call_{field.rsplit('[', 1)[-1].rstrip(']')}"),

@@ -119,6 +119,9 @@ async def test_invalid_fields_are_refused_naming_them(harness: Harness) -> None:
         "bogus": {"prompt": "x", "bogus": 1},
         "lora": {"prompt": "x", "lora": "my-adapter"},
         "prompt": {},
+        "tool_calls[0]": {
+            "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": "x"}]}]
+        },
     }
     for field, body in cases.items():
         r = await post(harness, body)
