@@ -83,10 +83,14 @@ class OutputProcessor:
             "content": Detokenizer(tokenizer),
         }
         self.is_stopped = False  # a stop string ended the answer
+        # the engine sends prompt log-probs with the first token; usage goes out with the last
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def process(self, out: EngineOutput) -> list[Event]:
         """Events for one engine output, ending with usage + finish (or an error) on the last one."""
         events: list[Event] = []
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = out.prompt_logprobs
         if not self.is_stopped:
             runs = (
                 self._reasoning.split(out.token_ids)
@@ -171,7 +175,7 @@ class OutputProcessor:
                 prompt_tokens=out.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
                 cached_tokens=out.num_cached_tokens,
-                prompt_logprobs=out.prompt_logprobs,
+                prompt_logprobs=self._prompt_logprobs,
             )
         )
         if out.error is not None and not self.is_stopped:

@@ -391,3 +391,17 @@ def test_events_do_not_depend_on_how_tokens_are_batched(tmp_path_factory: pytest
             )
         assert summaries[0] == summaries[1] == summaries[2]
         assert "STOP" not in summaries[0][0]
+
+
+def test_prompt_logprobs_reach_usage_when_the_answer_has_many_tokens(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The engine hands prompt log-probs over with the first token only; usage comes with the last."""
+    tok = load(tmp_path_factory, "glm")
+    ids = ordinary_ids(tok, "The quick brown")
+    scored = [None, TokenLogprob(token="", token_id=ids[0], logprob=-1.5)]
+    outputs = _outputs([[i] for i in ids], "length")
+    outputs[0].prompt_logprobs = scored
+    events = _run(_processor(tok, "glm"), outputs)
+    usage = next(e for e in events if isinstance(e, Usage))
+    assert usage.prompt_logprobs == scored
