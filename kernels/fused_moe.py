@@ -1,0 +1,406 @@
+"""Fused MoE with INT4 (W4A16) routed experts: `out[t] = sum_j w[t, j] · down_e(silu(gate_e(x_t)) * up_e(x_t))`
+with `e = ids[t, j]`, over the experts' packed checkpoint words (no dense copy of any expert).
+
+Shape letters: M tokens, k experts per token, P = M·k (token, slot) pairs (pair p = token·k + slot),
+E experts (local to this rank), H hidden, I expert intermediate, G group size, BM/BN/BK tiles.
+
+Weights, as `backend.quant.experts.QuantExperts` holds them after load (the checkpoint's own
+compressed-tensors layout fused per expert, read in place; `repack_int4`'s reasoning applies):
+`w13 [E, 2I, H/8]` int32 (gate rows 0..I-1, up rows I..2I-1), `s13 [E, 2I, H/G]`,
+`w2 [E, H, I/8]` int32, `s2 [E, H, I/G]`; nibble j of word i holds `q + 8` of element `8i + j`.
+
+Three steps (engine-anchors §2e):
+1. `moe_align` (torch ops, no host sync, CUDA-graph safe): pairs sorted by expert (stable, so
+   within an expert by token) into BM-padded groups; `block_expert_ids[b]` names block b's expert,
+   -1 for the bucket of pairs whose expert is not on this rank (they contribute zeros).
+2. `_fused_moe_kernel` with GATE_UP: per (expert block, N tile) the gate and up tiles of that
+   expert are read once, dequantized in registers, two `tl.dot`s, `silu(g) * u` in the epilogue ->
+   `act [P, I]`. Then `_fused_moe_kernel` again on `w2`, rows of `act`, routing weight applied ->
+   `y [P, H]`.
+3. `y.view(M, k, H).sum(1)`: a fixed-order reduction, so results are deterministic (no atomics).
+
+Sparse decode (about one token per expert, `P <= E`, like vLLM's `moe_wna16` switch): tensor-core tiles
+would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile) with no
+tensor cores, using the W4A16 GEMV's unpacking (one LOP3 + FADD + FFMA per nibble, zero point and scale
+once per word). Pairs are launched in expert order, so two pairs of one expert read its tiles back
+to back (the second from L2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
+
+__all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "moe_align", "pick_moe_config"]
+
+_MAGIC_ONE = 0x3F800000  # bits of 1.0f (see kernels/w4a16_gemm.py)
+
+
+@triton.jit
+def _load_b(
+    w_ptr, s_ptr, rows, rows_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+):  # fmt: skip
+    """K tile t of weight rows `rows`: words `[BN, BK/8]` int32 and per-word fp32 scales `[BN, BK/8]`."""
+    BK8: tl.constexpr = BLOCK_K // 8
+    r = t * BK8 + tl.arange(0, BK8)
+    wp = tl.load(
+        w_ptr + rows[:, None] * stride_wn + r[None, :] * stride_wk,
+        mask=rows_ok[:, None] & (r < K // 8)[None, :],
+        other=0,
+    )
+    g = t * BLOCK_K // GROUP_SIZE + tl.arange(0, SCALE_ROWS)
+    sc = tl.load(
+        s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg,
+        mask=rows_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BN, SR]
+    BN: tl.constexpr = wp.shape[0]
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, SCALE_ROWS, BK8 // SCALE_ROWS)), (BN, BK8))
+    return wp, sc
+
+
+@triton.jit
+def _fused_moe_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    stride_om,
+    stride_on,
+    magic_2_23,  # 0x4B000000 as a run-time value (one LOP3, see kernels/int4_weights.py)
+    A_ROW_DIV: tl.constexpr,  # a row = pair // A_ROW_DIV: k for x (gate/up), 1 for act (down)
+    GATE_UP: tl.constexpr,  # weight rows n and N + n, silu(gate) * up in the epilogue
+    MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's routing weight
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """a [M or P, K], w [E, N or 2N, K/8] int32, s [E, N or 2N, K/G], out [P, N], topk_w [P],
+    sorted_ids [num_blocks·BM] int32 (pair ids, padding = P), block_expert_ids [num_blocks] int32
+    (-1: not on this rank), num_padded [1] int32; grid (num_blocks · cdiv(N, BN),)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n  # the N tiles of one block run side by side: its A rows stay in L2
+    pid_n = pid % num_pid_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BM]
+    m_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    expert = tl.load(block_expert_ids_ptr + pid_m)
+    if expert < 0:  # pairs routed to another rank's experts
+        if not GATE_UP:  # act rows of these pairs are never read; y rows must be zeros
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=out_mask)
+        return
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    a_rows = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = t * BLOCK_K + offs_k
+        a = tl.load(
+            a_rows[:, None] + kk[None, :] * stride_ak, mask=m_ok[:, None] & (kk < K)[None, :], other=0.0
+        )
+        wp, sc = _load_b(
+            w_e, s_e, offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+            GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+        )  # fmt: skip
+        b = _unpack_tile(wp, sc, magic_2_23, a.dtype)  # [BN, BK]
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        if GATE_UP:
+            wp, sc = _load_b(
+                w_e, s_e, N + offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+                GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+            )  # fmt: skip
+            b = _unpack_tile(wp, sc, magic_2_23, a.dtype)
+            acc_up = tl.dot(a, tl.trans(b), acc_up, input_precision=DOT_PRECISION)
+    if GATE_UP:
+        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, fp32
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemv_words(w_ptr, s_ptr, rows, rows_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
+                magic_one, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr):  # fmt: skip
+    """K tile t of `x · w[rows]ᵀ` as per-word partial sums `[BN, BK/8]` fp32 (reduced by the caller)."""
+    BK8: tl.constexpr = BLOCK_K // 8
+    wp, sc = _load_b(
+        w_ptr, s_ptr, rows, rows_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+        GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+    )  # fmt: skip
+    r = t * BK8 + tl.arange(0, BK8)
+    r_ok = r < K // 8
+    wp_hi = wp >> 16  # nibbles 4..7 in bits 0..15
+    dot8 = tl.zeros(wp.shape, dtype=tl.float32)
+    x_sum = tl.zeros((BK8,), dtype=tl.float32)
+    lift = 8388608.0  # 2^(23-4j): undoes the nibble's place in the mantissa
+    for j in tl.static_range(4):
+        xj = tl.load(x_row + (r * 8 + j) * stride_ak, mask=r_ok, other=0.0).to(tl.float32)
+        xh = tl.load(x_row + (r * 8 + 4 + j) * stride_ak, mask=r_ok, other=0.0).to(tl.float32)
+        x_sum += xj + xh
+        lo = ((wp & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
+        hi = ((wp_hi & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
+        dot8 += lo * (xj * lift)[None, :]
+        dot8 += hi * (xh * lift)[None, :]
+        lift = lift * 0.0625
+    return (dot8 - 8.0 * x_sum[None, :]) * sc
+
+
+@triton.jit
+def _fused_moe_gemv_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    pair_expert_ids_ptr,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    stride_om,
+    stride_on,
+    magic_one,  # 0x3F800000 as a run-time value
+    A_ROW_DIV: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+):
+    """Sparse decode: a [M or P, K], w/s as `_fused_moe_kernel`, out [P, N], topk_w [P],
+    sorted_ids [P] int32 (pairs in expert order), pair_expert_ids [P] int32 (-1: not on this rank);
+    grid (P, cdiv(N, BN))."""
+    pair = tl.load(sorted_ids_ptr + tl.program_id(0))
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
+    expert = tl.load(pair_expert_ids_ptr + pair)
+    if expert < 0:
+        if not GATE_UP:
+            tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
+        return
+    w_e = w_ptr + expert.to(tl.int64) * stride_we
+    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # reduced over words once, at the end
+    acc2_up = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    for t in range(0, tl.cdiv(K, BLOCK_K)):
+        acc2 += _gemv_words(
+            w_e, s_e, offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
+            magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+        )  # fmt: skip
+        if GATE_UP:
+            acc2_up += _gemv_words(
+                w_e, s_e, N + offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
+                magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+            )  # fmt: skip
+    acc = tl.sum(acc2, axis=1)  # [BN]
+    if GATE_UP:
+        acc = acc * tl.sigmoid(acc) * tl.sum(acc2_up, axis=1)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
+    """By tokens per expert `P / E`: GEMV at about one, else a BM that a typical expert block fills.
+
+    (Heuristic from vLLM's int4 defaults and the W4A16 GEMM's H200 runs; `bench_fused_moe` times the
+    alternatives beside it.)
+    """
+    per_expert = num_pairs / num_experts
+    if per_expert <= 1:
+        return MoEConfig(block_m=0, block_n=32, block_k=256)
+    if per_expert <= 16:
+        return MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)
+    if per_expert <= 32:
+        return MoEConfig(block_m=32, block_n=64, block_k=128, num_stages=4)
+    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def moe_align(
+    expert_ids: torch.Tensor,  # [M, k] int, local expert ids; outside [0, E) = not on this rank
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert into BM-padded blocks, with torch ops and no host sync.
+
+    Returns `sorted_ids [num_blocks·BM]` int32 (pair ids `token·k + slot`, each expert's run padded
+    with P up to a multiple of BM), `block_expert_ids [num_blocks]` int32 (-1 for the bucket of pairs
+    not on this rank and for blocks past the end) and `num_padded [1]` int32 (blocks in use · BM).
+    `num_blocks = min(cdiv(P + (E+1)(BM-1), BM), P)` is known on the host: a bucket of c pairs takes
+    at most c blocks. The sort is stable, so within an expert pairs keep token order.
+    """
+    E, BM = num_experts, block_m
+    flat = expert_ids.reshape(-1).to(torch.int64)  # [P]
+    P = flat.numel()
+    dev = flat.device
+    bucket = torch.where((flat >= 0) & (flat < E), flat, E)  # [P], E = not on this rank
+    sorted_bucket, order = torch.sort(bucket, stable=True)  # [P]
+    bounds = torch.searchsorted(sorted_bucket, torch.arange(E + 2, device=dev))  # [E+2] run starts
+    counts = bounds[1:] - bounds[:-1]  # [E+1]
+    padded_end = torch.cumsum((counts + BM - 1) // BM * BM, 0)  # [E+1]
+    padded_start = padded_end - (counts + BM - 1) // BM * BM
+    dest = padded_start[sorted_bucket] + torch.arange(P, device=dev) - bounds[sorted_bucket]  # [P]
+    num_blocks = max(1, min(triton.cdiv(P + (E + 1) * (BM - 1), BM), P))
+    sorted_ids = torch.full((num_blocks * BM,), P, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    block_bucket = torch.searchsorted(padded_end, torch.arange(num_blocks, device=dev) * BM, right=True)
+    block_expert_ids = torch.where(block_bucket < E, block_bucket, -1).to(torch.int32)
+    return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
+
+
+def _check_weights(
+    w: torch.Tensor, s: torch.Tensor, E: int, N: int, K: int, group_size: int, name: str
+) -> None:
+    if w.dtype != torch.int32 or tuple(w.shape) != (E, N, K // 8):
+        raise ValueError(f"{name} packed must be int32 [{E}, {N}, {K // 8}], got {w.dtype} {tuple(w.shape)}")
+    if not s.is_floating_point() or tuple(s.shape) != (E, N, K // group_size):
+        raise ValueError(f"{name} scales must be float [{E}, {N}, {K // group_size}], got {tuple(s.shape)}")
+    if w.stride(-1) != 1:
+        raise ValueError(f"{name} packed words must be contiguous along K (stride {w.stride()})")
+
+
+def fused_moe(
+    x: torch.Tensor,  # [M, H] fp16 / bf16 / fp32
+    topk_ids: torch.Tensor,  # [M, k] int, local expert ids (outside [0, E): another rank's, skipped)
+    topk_weights: torch.Tensor,  # [M, k] float (routed scaling already folded in, as Router returns)
+    w13: torch.Tensor,  # [E, 2I, H/8] int32
+    s13: torch.Tensor,  # [E, 2I, H/G]
+    w2: torch.Tensor,  # [E, H, I/8] int32
+    s2: torch.Tensor,  # [E, H, I/G]
+    group_size: int,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts; [M, H] in x's dtype."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.dim() != 2:
+        raise TypeError(f"x must be 2-D fp16, bf16 or fp32, got {x.dtype} {tuple(x.shape)}")
+    if group_size % 8 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
+    M, H = x.shape
+    E, I2 = w13.shape[0], w13.shape[1]
+    I = I2 // 2
+    if I2 % 2 or H % group_size or I % group_size:
+        raise ValueError(f"H={H} and I={I} must be multiples of the group size {group_size}")
+    _check_weights(w13, s13, E, 2 * I, H, group_size, "w13")
+    _check_weights(w2, s2, E, H, I, group_size, "w2")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != M:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights must both be [{M}, k]")
+    if topk_ids.dtype.is_floating_point or not topk_weights.is_floating_point():
+        raise TypeError("topk_ids must be integer and topk_weights float")
+    if len({t.device for t in (x, topk_ids, topk_weights, w13, s13, w2, s2)}) != 1:
+        raise ValueError("all tensors must be on one device")
+    k = topk_ids.shape[1]
+    P = M * k
+    if P == 0:
+        return torch.zeros_like(x)
+    cfg = config or pick_moe_config(P, E)
+    topk_w = topk_weights.reshape(-1).contiguous()  # [P]
+    act = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((P, H), dtype=x.dtype, device=x.device)
+    gemms = ((x, w13, s13, act, I, H, k, True, False), (act, w2, s2, y, H, I, 1, False, True))
+    if cfg.block_m == 0:  # decode: about one pair per expert
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        pair_expert = torch.where((flat >= 0) & (flat < E), flat, -1)  # [P]
+        sorted_ids = torch.sort(torch.where(pair_expert < 0, E, pair_expert), stable=True).indices.to(
+            torch.int32
+        )
+        pair_expert = pair_expert.to(torch.int32)
+        for a, w, s, out, N, K, div, gate_up, mul in gemms:
+            _fused_moe_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
+                a, w, s, out, topk_w, sorted_ids, pair_expert, N, K, *a.stride(), *w.stride(), *s.stride(),
+                *out.stride(), _MAGIC_ONE,
+                A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=max(cfg.block_k // group_size, 1),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    else:
+        sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, E, cfg.block_m)
+        num_blocks = block_expert_ids.numel()
+        for a, w, s, out, N, K, div, gate_up, mul in gemms:
+            _fused_moe_kernel[(num_blocks * triton.cdiv(N, cfg.block_n),)](
+                a, w, s, out, topk_w, sorted_ids, block_expert_ids, num_padded, N, K, P, *a.stride(),
+                *w.stride(), *s.stride(), *out.stride(), _MAGIC_2_23,
+                A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                SCALE_ROWS=max(cfg.block_k // group_size, 1),
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    return y.view(M, k, H).sum(dim=1)  # fixed-order reduction over each token's k slots
+
+
+def fused_moe_ref(
+    x: torch.Tensor,  # [M, H]
+    topk_ids: torch.Tensor,  # [M, k] local expert ids; outside [0, E) contributes nothing
+    topk_weights: torch.Tensor,  # [M, k]
+    w13: torch.Tensor,  # [E, 2I, H/8] int32, checkpoint layout
+    s13: torch.Tensor,  # [E, 2I, H/G]
+    w2: torch.Tensor,  # [E, H, I/8] int32
+    s2: torch.Tensor,  # [E, H, I/G]
+    group_size: int,
+) -> torch.Tensor:
+    """Pure torch in fp32: each used expert dequantized from its words, SiLU-gated MLP, weighted sum."""
+    E, I = w13.shape[0], w13.shape[1] // 2
+    xf = x.to(torch.float32)
+    out = torch.zeros_like(xf)  # [M, H]
+    for e in torch.unique(topk_ids[(topk_ids >= 0) & (topk_ids < E)]).tolist():
+        tok, slot = torch.where(topk_ids == e)
+        gu = unpack_int4_ref(w13[e]).float() * s13[e].float().repeat_interleave(group_size, dim=1)  # [2I, H]
+        down = unpack_int4_ref(w2[e]).float() * s2[e].float().repeat_interleave(group_size, dim=1)  # [H, I]
+        h = xf[tok] @ gu.t()  # [n, 2I]
+        y = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ down.t()  # [n, H]
+        out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
+    return out.to(x.dtype)
