@@ -17,6 +17,13 @@ from gateway.errors import BadInput, Unsupported
 from gateway.images import ImageFetcher
 from schemas import backend as b
 from schemas.catalog import ModelSpec
+from schemas.openai import (
+    AllowedToolsChoice,
+    CustomChoice,
+    FunctionCallChoice,
+    FunctionChoice,
+    ToolChoiceIn,
+)
 from schemas.workers_ai import LegacyInput, ToolSpec
 
 
@@ -91,34 +98,38 @@ def tools_of(
 
 
 def tool_choice_of(
-    choice: str | dict[str, Any] | None, tools: list[b.Tool] | None
+    choice: ToolChoiceIn | None, tools: list[b.Tool] | None
 ) -> tuple[b.ToolChoice | None, list[b.Tool] | None]:
-    """`tool_choice` (or legacy `function_call`) → internal choice; `allowed_tools` narrows the tools."""
+    """`tool_choice` → internal choice; `allowed_tools` narrows the tools to those it names."""
     if choice is None:
         return None, tools
     names = {t.name for t in tools or []}
     if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise BadInput(
-                f"Bad input: 'tool_choice' must be none, auto, required or an object, not '{choice}'"
-            )
         if choice == "required" and not tools:
             raise BadInput("Bad input: 'tool_choice' is required but no tools were given")
-        return b.ToolChoice(mode=choice), tools  # type: ignore[arg-type]
-    kind = choice.get("type", "function")
-    if kind == "function" or "name" in choice:
-        name = choice.get("function", {}).get("name") if "function" in choice else choice.get("name")
-        if name not in names:
-            raise BadInput(f"Bad input: 'tool_choice' names '{name}', which is not among the tools")
-        return b.ToolChoice(mode="function", name=name), tools
-    if kind == "allowed_tools":
-        allowed = choice.get("allowed_tools", {})
-        keep = {t.get("function", {}).get("name", t.get("name")) for t in allowed.get("tools", [])}
-        mode = allowed.get("mode", "auto")
-        if mode not in ("auto", "required") or not keep <= names:
-            raise BadInput("Bad input: 'tool_choice.allowed_tools' must name given tools, mode auto|required")
-        return b.ToolChoice(mode=mode), [t for t in tools or [] if t.name in keep]
-    raise refuse("tool_choice", f"type '{kind}' is not supported")
+        return b.ToolChoice(mode=choice), tools
+    if isinstance(choice, FunctionChoice):
+        if choice.function.name not in names:
+            raise BadInput(
+                f"Bad input: 'tool_choice' names '{choice.function.name}', which is not among the tools"
+            )
+        return b.ToolChoice(mode="function", name=choice.function.name), tools
+    if isinstance(choice, AllowedToolsChoice):
+        allowed = choice.allowed_tools
+        if any(isinstance(t, CustomChoice) for t in allowed.tools):
+            raise refuse("tool_choice.allowed_tools.tools", "may only name function tools")
+        keep = {t.function.name for t in allowed.tools if isinstance(t, FunctionChoice)}
+        if not keep <= names:
+            raise BadInput("Bad input: 'tool_choice.allowed_tools' names tools that were not given")
+        return b.ToolChoice(mode=allowed.mode), [t for t in tools or [] if t.name in keep]
+    raise refuse("tool_choice", "type 'custom' is not supported")
+
+
+def from_function_call(call: FunctionCallChoice | None) -> ToolChoiceIn | None:
+    """The deprecated `function_call` as the `tool_choice` it stands for."""
+    if call is None or isinstance(call, str):
+        return call
+    return FunctionChoice(function=call)
 
 
 def reasoning_of(model: ModelSpec, effort: str | None, enable_thinking: bool | None) -> b.Reasoning:

@@ -13,6 +13,7 @@ from gateway.normalize import (
     check_capabilities,
     check_depth,
     fan_out,
+    from_function_call,
     reasoning_of,
     refuse,
     tool_choice_of,
@@ -62,7 +63,7 @@ async def from_openai(
         messages.append(await _message(m, f"messages[{i}]", ctx))
     tools = tools_of(inp.tools, inp.functions, "tools")
     choice, tools = tool_choice_of(
-        inp.tool_choice if inp.tool_choice is not None else inp.function_call, tools
+        inp.tool_choice if inp.tool_choice is not None else from_function_call(inp.function_call), tools
     )
     check_capabilities(model, messages, tools, ctx.max_images)
     kwargs = inp.chat_template_kwargs

@@ -144,6 +144,31 @@ class ChatTemplateKwargs(WireIn, kw_only=True):
     clear_thinking: bool | None = None
 
 
+class NamedFunction(WireIn, kw_only=True):
+    name: str
+
+
+class FunctionChoice(WireIn, tag="function", tag_field="type", kw_only=True):
+    function: NamedFunction
+
+
+class CustomChoice(WireIn, tag="custom", tag_field="type", kw_only=True):
+    custom: NamedFunction
+
+
+class AllowedTools(WireIn, kw_only=True):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[FunctionChoice | CustomChoice], Meta(min_length=1, max_length=128)]
+
+
+class AllowedToolsChoice(WireIn, tag="allowed_tools", tag_field="type", kw_only=True):
+    allowed_tools: AllowedTools
+
+
+ToolChoiceIn = Literal["none", "auto", "required"] | FunctionChoice | CustomChoice | AllowedToolsChoice
+FunctionCallChoice = Literal["none", "auto"] | NamedFunction  # the deprecated `function_call`
+
+
 class ChatCompletionRequest(WireIn, kw_only=True):
     """A Chat Completions body (also the OpenAI-native `/ai/run` input, which allows `prompt`)."""
 
@@ -174,11 +199,11 @@ class ChatCompletionRequest(WireIn, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: OpenAITemperature | None = None
     top_p: OpenAITopP | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoiceIn | None = None
     tools: Annotated[list[ToolSpec], NumTools] | None = None
     user: str | None = None
     web_search_options: dict[str, Any] | None = None
-    function_call: str | dict[str, Any] | None = None
+    function_call: FunctionCallChoice | None = None
     functions: Annotated[list[dict[str, Any]], NumTools] | None = None
     options: RunOptions | None = None
 

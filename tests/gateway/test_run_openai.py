@@ -278,6 +278,13 @@ async def test_legacy_openai_fields_and_allowed_tools_map_onto_the_same_request(
     r = await post(harness, {"messages": msgs("x"), "tools": tools, "tool_choice": choice})
     assert r.status_code == 200, r.text
     assert [t.name for t in harness.last.tools or []] == ["b"] and harness.last.tool_choice.mode == "required"  # type: ignore[union-attr]
+    for bad_choice in (
+        {"type": "function", "function": "b"},
+        {"type": "custom", "custom": {"name": "b"}},
+        "sometimes",
+    ):
+        r = await post(harness, {"messages": msgs("x"), "tools": tools, "tool_choice": bad_choice})
+        assert r.status_code == 400 and "tool_choice" in r.json()["errors"][0]["message"], bad_choice
     custom = [{"type": "custom", "custom": {"name": "lark", "format": {"type": "text"}}}]
     r = await post(harness, {"messages": msgs("x"), "tools": custom})
     assert r.status_code == 400 and "tools[0].type" in r.json()["errors"][0]["message"]
