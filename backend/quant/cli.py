@@ -25,7 +25,6 @@ from pathlib import Path
 import msgspec
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from backend.checkpoint import INDEX_FILE, shard_files
@@ -41,7 +40,8 @@ from backend.quant.scheme import (
     parse_config,
 )
 from backend.quant.shapes import tensor_class
-from backend.quant.walker import quantize_tensor
+from backend.quant.shard_writer import NAMES, ShardWriter
+from backend.quant.walker import quantize_tensor, quantized_shapes
 
 REPORT_FILE = "quantize_report.json"
 WEIGHTS: dict[str, tuple[Method, int]] = {
@@ -74,13 +74,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def is_quantizable(name: str, t: torch.Tensor, scheme: QuantScheme) -> bool:
+def is_quantizable(name: str, shape: tuple[int, ...], dtype: torch.dtype, scheme: QuantScheme) -> bool:
     """A Linear's 2-D `.weight` the scheme targets (embeddings and norms are not Linears)."""
     module, _, leaf = name.rpartition(".")
     return (
         leaf == "weight"
-        and t.ndim == 2
-        and t.is_floating_point()
+        and len(shape) == 2
+        and dtype.is_floating_point
         and "embed_tokens" not in module
         and scheme.applies_to(module, "Linear")
     )
@@ -102,12 +102,40 @@ class FP8Source:
                 self.weight_map = {k: files[0].name for k in f.keys()}  # noqa: SIM118
         self.folder, self.block = folder, block
 
+    def has_scale(self, name: str) -> bool:
+        return name.removesuffix(".weight") + ".weight_scale_inv" in self.weight_map
+
     def scale_for(self, name: str) -> torch.Tensor | None:
         key = name.removesuffix(".weight") + ".weight_scale_inv"
         if key not in self.weight_map:
             return None
         with safe_open(str(self.folder / self.weight_map[key]), framework="pt") as f:
             return f.get_tensor(key)
+
+
+def _plan(
+    f: object, scheme: QuantScheme, fp8_source: FP8Source | None
+) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], dict[str, str]]:
+    """Every output tensor of a shard (name, dtype, shape) in order, from the source header alone;
+    and what becomes of each source tensor ("copy", "dequantize", "quantize", "skip")."""
+    plan: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    fate: dict[str, str] = {}
+    for name in f.keys():  # type: ignore[attr-defined]  # noqa: SIM118 - safe_open is not a mapping
+        piece = f.get_slice(name)  # type: ignore[attr-defined]
+        dtype, shape = NAMES[piece.get_dtype()], tuple(piece.get_shape())
+        if fp8_source is not None and name.endswith(".weight_scale_inv"):
+            fate[name] = "skip"  # consumed with its weight
+            continue
+        if fp8_source is not None and dtype == FP8 and fp8_source.has_scale(name):
+            dtype, fate[name] = torch.bfloat16, "dequantize"
+        if is_quantizable(name, shape, dtype, scheme):
+            module = name.rpartition(".")[0]
+            plan += [(f"{module}.{leaf}", dt, sh) for leaf, dt, sh in quantized_shapes(scheme, *shape)]
+            fate[name] = "quantize" if name not in fate else "dequantize+quantize"
+        else:
+            plan.append((name, dtype, shape))
+            fate.setdefault(name, "copy")
+    return plan, fate
 
 
 def convert_shard(
@@ -118,35 +146,36 @@ def convert_shard(
     bar: tqdm,
     fp8_source: FP8Source | None = None,
 ) -> list[str]:
-    """Convert one shard; return the tensor names written."""
-    out: dict[str, torch.Tensor] = {}
+    """Convert one shard, writing each output tensor as soon as it exists; return their names."""
     with safe_open(str(src), framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            t = f.get_tensor(name)
-            row = classes.setdefault(tensor_class(name), ClassSize())
-            row.source_bytes += _nbytes(t)
-            bar.update(1)
-            if fp8_source is not None and name.endswith(".weight_scale_inv"):
-                continue  # consumed with its weight
-            row.num_tensors += 1
-            if (
-                fp8_source is not None
-                and t.dtype == FP8
-                and (scale := fp8_source.scale_for(name)) is not None
-            ):
-                t = dequantize_fp8_block(t, scale, fp8_source.block, torch.bfloat16)
-            if is_quantizable(name, t, scheme):
-                module = name.rpartition(".")[0]
-                for leaf, q in quantize_tensor(scheme, t).items():
-                    out[f"{module}.{leaf}"] = q.contiguous()
-                    row.dest_bytes += _nbytes(q)
-                row.num_quantized += 1
-            else:
-                out[name] = t
-                row.dest_bytes += _nbytes(t)
-            del t
-    save_file(out, str(dst / src.name), metadata={"format": "pt"})
-    return list(out)
+        plan, fate = _plan(f, scheme, fp8_source)
+        writer = ShardWriter(dst / src.name, plan, metadata={"format": "pt"})
+        try:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                t = f.get_tensor(name)
+                row = classes.setdefault(tensor_class(name), ClassSize())
+                row.source_bytes += _nbytes(t)
+                bar.update(1)
+                if fate[name] == "skip":
+                    continue
+                row.num_tensors += 1
+                steps = fate[name].split("+")
+                if "dequantize" in steps:
+                    t = dequantize_fp8_block(t, fp8_source.scale_for(name), fp8_source.block, torch.bfloat16)  # type: ignore[union-attr]
+                if "quantize" in steps:
+                    module = name.rpartition(".")[0]
+                    for leaf, q in quantize_tensor(scheme, t).items():
+                        writer.write(f"{module}.{leaf}", q)
+                        row.dest_bytes += _nbytes(q)
+                    row.num_quantized += 1
+                else:
+                    writer.write(name, t)
+                    row.dest_bytes += _nbytes(t)
+                del t
+        finally:
+            writer.file.close()
+        writer.close()
+    return [name for name, _, _ in plan]
 
 
 def _fp8_source(folder: Path, raw: dict) -> FP8Source | None:

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from backend.quant.int4 import rows_per_chunk
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
 BLOCK = (128, 128)
@@ -39,9 +41,16 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (weight fp8 [N, K], weight_scale float32 [N, 1])."""
-    scale = _scale_of(w.float().abs().amax(dim=1, keepdim=True))  # [N, 1]
-    return to_fp8(w, scale), scale
+    """w [N, K] -> (weight fp8 [N, K], weight_scale float32 [N, 1]); in row blocks (see int4)."""
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8, device=w.device)
+    scale = torch.empty(n, 1, dtype=torch.float32, device=w.device)
+    step = rows_per_chunk(k)
+    for r in range(0, n, step):
+        rows = w[r : r + step]
+        scale[r : r + rows.shape[0]] = s = _scale_of(rows.float().abs().amax(dim=1, keepdim=True))  # [n, 1]
+        q[r : r + rows.shape[0]] = to_fp8(rows, s)
+    return q, scale
 
 
 def dequantize_fp8_channel(
@@ -69,9 +78,19 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple
     """w [N, K] -> (weight fp8 [N, K], weight_scale_inv float32 [Bn, Bk])."""
     if w.ndim != 2:
         raise ValueError(f"quantize_fp8_block takes a 2-D weight, got shape {tuple(w.shape)}")
-    amax = _blocks(w.float(), block).abs().amax(dim=(1, 3))  # [Bn, Bk]
-    scale_inv = _scale_of(amax)
-    return to_fp8(w, _expand(scale_inv, tuple(w.shape), block)), scale_inv
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=FP8, device=w.device)
+    scale_inv = torch.empty(
+        math.ceil(n / block[0]), math.ceil(k / block[1]), dtype=torch.float32, device=w.device
+    )
+    step = rows_per_chunk(k, block[0])  # whole row blocks at a time, in row blocks (see int4)
+    for r in range(0, n, step):
+        rows = w[r : r + step]
+        b0 = r // block[0]
+        s = _scale_of(_blocks(rows.float(), block).abs().amax(dim=(1, 3)))  # [bn, Bk]
+        scale_inv[b0 : b0 + s.shape[0]] = s
+        q[r : r + rows.shape[0]] = to_fp8(rows, _expand(s, tuple(rows.shape), block))
+    return q, scale_inv
 
 
 def dequantize_fp8_block(

@@ -71,11 +71,30 @@ def unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """`w` [N, K] float -> (weight_packed int32 [N, W], weight_scale bf16 [N, G])."""
+    """`w` [N, K] float -> (weight_packed int32 [N, W], weight_scale bf16 [N, G]).
+
+    Rows go through in blocks of about `CHUNK_ELEMENTS` weights, so the float and int64
+    temporaries stay a few MiB whatever the tensor's size (`kumo quantize` holds about one shard).
+    """
     if w.ndim != 2:
         raise ValueError(f"quantize_int4 takes a 2-D weight, got shape {tuple(w.shape)}")
-    scale = int4_scales(w, group_size)
-    return pack(quantize_to_int(w, scale, group_size)), scale
+    n, k = w.shape
+    packed = torch.empty(n, math.ceil(k / NIBBLES_PER_WORD), dtype=torch.int32, device=w.device)
+    scale = torch.empty(n, num_groups(k, group_size), dtype=torch.bfloat16, device=w.device)
+    for r in range(0, n, rows_per_chunk(k)):
+        rows = w[r : r + rows_per_chunk(k)]
+        scale[r : r + rows.shape[0]] = s = int4_scales(rows, group_size)
+        packed[r : r + rows.shape[0]] = pack(quantize_to_int(rows, s, group_size))
+    return packed, scale
+
+
+CHUNK_ELEMENTS = 1 << 20
+
+
+def rows_per_chunk(row_length: int, multiple: int = 1) -> int:
+    """Rows of `row_length` that make about CHUNK_ELEMENTS, a multiple of `multiple` (>= it)."""
+    rows = max(1, CHUNK_ELEMENTS // max(row_length, 1))
+    return max(multiple, rows // multiple * multiple)
 
 
 def dequantize_int4(

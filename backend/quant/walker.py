@@ -19,6 +19,7 @@ scheme on those names. The router (`mlp.gate`) and embeddings are other classes 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from torch import nn
 from backend.layers.linear import Linear
 from backend.layers.moe import Experts
 from backend.quant.experts import QuantExperts
-from backend.quant.fp8 import quantize_fp8_block, quantize_fp8_channel
+from backend.quant.fp8 import FP8, quantize_fp8_block, quantize_fp8_channel
 from backend.quant.int4 import quantize_int4
 from backend.quant.linear import Fp8Linear, Int4Linear, QuantLinear
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
@@ -173,6 +174,24 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> list[str]:
         names.append(name)
     dequantize_after_load(model)
     return names
+
+
+def quantized_shapes(scheme: QuantScheme, n: int, k: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The checkpoint tensors `quantize_tensor` makes of a [N, K] weight, in its order, uncomputed."""
+    if scheme.method == "int4":
+        g = scheme.group_size
+        return [
+            ("weight_packed", torch.int32, (n, math.ceil(k / 8))),
+            ("weight_scale", torch.bfloat16, (n, math.ceil(k / g))),
+            ("weight_shape", torch.int32, (2,)),
+        ]
+    if scheme.method == "fp8-channel":
+        return [("weight", FP8, (n, k)), ("weight_scale", torch.float32, (n, 1))]
+    b0, b1 = scheme.block
+    return [
+        ("weight", FP8, (n, k)),
+        ("weight_scale_inv", torch.float32, (math.ceil(n / b0), math.ceil(k / b1))),
+    ]
 
 
 def quantize_tensor(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -233,3 +233,36 @@ def test_a_rank_split_inside_an_int4_group_is_refused(tmp_path: Path) -> None:
     main([str(src), str(tmp_path / "q"), "--weights", "int4-g32", "--all-linear"])
     with pytest.raises(CheckpointError, match="split a group of 32"):
         load_model(tmp_path / "q", dtype=torch.float32, rank=0, world_size=2)
+
+
+def test_shard_writer_files_read_back_with_safetensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from backend.quant.shard_writer import ShardWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(5, 7, generator=g).to(torch.bfloat16),
+        "a.weight_scale_inv": torch.rand(1, 1, generator=g),
+        "b.weight": (torch.randn(3, 9, generator=g) * 50).to(torch.float8_e4m3fn),
+        "b.weight_shape": torch.tensor([3, 9], dtype=torch.int32),
+        "c.bias": torch.randn(3, generator=g).to(torch.float16),
+    }
+    writer = ShardWriter(
+        tmp_path / "x.safetensors",
+        [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+        {"format": "pt"},
+    )
+    for k, v in tensors.items():
+        writer.write(k, v)
+    writer.close()
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)) for k, v in tensors.items())
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    bad = ShardWriter(tmp_path / "y.safetensors", [("a", torch.float32, (2,))], {})
+    with pytest.raises(ValueError, match="expected a"):
+        bad.write("a", torch.zeros(3))
+    with pytest.raises(ValueError, match="never written"):
+        bad.close()
