@@ -310,7 +310,8 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._is_stopping = True
+        with self._lock:  # from here on `_submit` refuses adds; the thread aborts those it left queued
+            self._is_stopping = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
@@ -352,7 +353,12 @@ class AsyncEngine:
 
     def _submit(self, command: tuple[Any, ...]) -> None:
         with self._lock:
-            self._commands.append(command)
+            is_refused = self._is_stopping and command[0] == "add"
+            if not is_refused:
+                self._commands.append(command)
+        if is_refused:  # no engine thread will ever take it: answer now rather than hang the caller
+            self._deliver(command[1].request_id, Aborted("The engine is shutting down."))
+            return
         self._wake.set()
 
     def _deliver(self, request_id: str, item: EngineOutput | EngineError) -> None:
@@ -389,3 +395,8 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
         for out in self.engine.fail_all(Aborted("The engine is shutting down.")):
             self._deliver(out.request_id, out)
+        with self._lock:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if command[0] == "add":
+                self._deliver(command[1].request_id, Aborted("The engine is shutting down."))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.engine import AsyncEngine
-from backend.errors import Busy, InvalidRequest
+from backend.errors import Aborted, Busy, InvalidRequest
 from schemas.backend import ImageSpan
 from tests.backend.engine_helpers import (
     MODELS,
@@ -308,3 +308,24 @@ async def test_a_failing_step_ends_every_live_request_and_the_engine_keeps_servi
 def test_fp8_kv_cache_without_scales_is_refused() -> None:
     with pytest.raises(ValueError, match="scales"):
         make_engine(kv_dtype="float8_e4m3fn")
+
+
+async def test_a_stopped_async_engine_refuses_requests_instead_of_leaving_them_hanging() -> None:
+    front = AsyncEngine(make_engine(num_pages=16))
+    front.start()
+    front.stop()
+    with pytest.raises(Aborted):
+        await asyncio.wait_for(anext(front.generate(request("late", NEEDLE, max_tokens=2))), timeout=5)
+    # an add still queued when the engine thread exits ends too, one way or the other
+    front = AsyncEngine(make_engine(num_pages=16))
+    stream = front.generate(request("queued", NEEDLE, max_tokens=200))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)  # the add is queued; no engine thread runs yet
+    front.start()
+    front.stop()
+    try:
+        out = await asyncio.wait_for(first, timeout=5)
+        assert out.finish_reason == "abort" or out.token_ids
+    except Aborted:
+        pass
+    await stream.aclose()
