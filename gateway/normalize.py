@@ -24,7 +24,7 @@ from schemas.openai import (
     FunctionChoice,
     ToolChoiceIn,
 )
-from schemas.workers_ai import LegacyInput, ToolSpec
+from schemas.workers_ai import LegacyFunction, LegacyInput, ToolSpec
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def refuse(field: str, why: str = "is not supported by this model") -> Unsupport
 
 # ---- shared pieces -------------------------------------------------------------------------------------
 def tools_of(
-    specs: list[ToolSpec] | None, functions: list[dict[str, Any]] | None, field: str
+    specs: list[ToolSpec] | None, functions: list[LegacyFunction] | None, field: str
 ) -> list[b.Tool] | None:
     """Both tool shapes (flat and `{type: function, function: {...}}`), plus OpenAI's `functions`."""
     out: list[b.Tool] = []
@@ -82,16 +82,8 @@ def tools_of(
             out.append(b.Tool(name=spec.name, description=spec.description, parameters=spec.parameters or {}))
         else:
             raise BadInput(f"Bad input: '{field}[{i}]' needs a name or a function")
-    for i, raw in enumerate(functions or []):
-        if not isinstance(raw.get("name"), str) or "code" in raw:
-            raise refuse(f"functions[{i}]", "must be {name, description, parameters}")
-        out.append(
-            b.Tool(
-                name=raw["name"],
-                description=str(raw.get("description", "")),
-                parameters=raw.get("parameters") or {},
-            )
-        )
+    for fn in functions or []:
+        out.append(b.Tool(name=fn.name, description=fn.description, parameters=fn.parameters))
     for i, tool in enumerate(out):
         check_depth(tool.parameters, f"{field}[{i}].parameters")
     return out or None

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from schemas.workers_ai import (
+    LegacyFunction,
     ModelName,
     NumMessages,
     NumTools,
@@ -204,7 +205,7 @@ class ChatCompletionRequest(WireIn, kw_only=True):
     user: str | None = None
     web_search_options: dict[str, Any] | None = None
     function_call: FunctionCallChoice | None = None
-    functions: Annotated[list[dict[str, Any]], NumTools] | None = None
+    functions: Annotated[list[LegacyFunction], NumTools] | None = None
     options: RunOptions | None = None
 
 
