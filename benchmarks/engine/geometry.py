@@ -1,0 +1,160 @@
+"""The benchmark's model geometry: published per-layer shapes at a truncated depth, and a KV pool
+sized as the full deployment would have it.
+
+`Geometry` holds the config the truncated model is built from (the published text config of
+`models/configs/<kind>/`, with `num_hidden_layers` cut to `num_layers`, one dense layer first and
+MoE layers after, no MTP layer) and the config `kumo plan` is run on (the full published one).
+
+KV sizing follows `backend.plan.make_plan` on the full model at tensor parallelism 8 on 141 GB
+H200s, in the variant's weight format and KV dtype: `kv_tokens` is how many tokens each GPU's pool
+holds for all 78 (GLM 5.2) or 61 (Kimi K2.6) layers; the truncated model gets the same number of
+tokens per layer, so its pages run out at the concurrency where the full deployment's would.
+
+`--tiny` swaps in `backend.random_weights.small_config` (same architecture, small sizes) and a
+GPU of `TINY_GPU_MEM` bytes, so the whole pipeline runs on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from backend.config import ModelConfig
+from backend.plan import GB, Plan, make_plan
+from backend.random_weights import PUBLISHED_CONFIGS, small_config
+
+Kind = Literal["glm-5.2", "kimi-k2.6"]
+WeightFormat = Literal["bf16", "fp8", "int4", "int4-all"]
+KvDtype = Literal["bf16", "fp8"]
+KINDS: tuple[Kind, ...] = ("glm-5.2", "kimi-k2.6")
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8", "int4", "int4-all")
+H200_MEM = 141 * GB
+FULL_TP = 8
+TINY_GPU_MEM = 48 * 2**20
+TINY_VOCAB = 512
+INT4_GROUP = 32
+
+
+def plan_weights(fmt: WeightFormat, fp8_method: str) -> tuple[str, bool]:
+    """Our format name → (`kumo plan --weights`, `--all-linear`)."""
+    return {
+        "bf16": ("bf16", False),
+        "fp8": (fp8_method, False),
+        "int4": (f"int4-g{INT4_GROUP}", False),
+        "int4-all": (f"int4-g{INT4_GROUP}", True),
+    }[fmt]
+
+
+@dataclass(frozen=True, slots=True)
+class KvSizing:
+    """The full model's per-GPU KV pool (from `kumo plan`) as pages of the truncated model."""
+
+    kv_tokens: int  # tokens each layer can hold = the full model's kv_tokens per GPU
+    num_pages: int
+    page_size: int
+    plan_weights_per_gpu: int  # full model, per GPU, bytes
+    plan_kv_pool_bytes: int  # full model, per GPU, all layers
+    plan_kv_bytes_per_token: int  # full model, per GPU, all layers
+    plan_weights: str
+    plan_kv_dtype: str
+    gpu_mem: int
+    tp: int
+
+    def max_concurrency(self, tokens_per_request: int) -> int:
+        """Requests of `tokens_per_request` that fit the pool at once (whole pages each)."""
+        pages = -(-tokens_per_request // self.page_size)
+        return self.num_pages // pages
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    kind: Kind
+    num_layers: int
+    is_tiny: bool
+    text: dict[str, Any]  # the truncated text config the model is built from
+    full: dict[str, Any]  # the published config `kumo plan` is run on (tiny: the small one)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.text)
+
+    @property
+    def full_num_layers(self) -> int:
+        return int(_text(self.full)["num_hidden_layers"])
+
+    def kv_sizing(
+        self, fmt: WeightFormat, kv_dtype: KvDtype, *, page_size: int = 16, fp8_method: str = "fp8-block"
+    ) -> KvSizing:
+        weights, all_linear = plan_weights(fmt, fp8_method)
+        gpu_mem = TINY_GPU_MEM if self.is_tiny else H200_MEM
+        plan: Plan = make_plan(
+            self.full,
+            model=self.kind,
+            gpu_mem=gpu_mem,
+            tp=FULL_TP,
+            weights=weights,  # type: ignore[arg-type]
+            all_linear=all_linear,
+            kv_dtype=kv_dtype,
+            page_size=page_size,
+        )
+        if plan.kv_tokens <= 0:
+            raise ValueError(f"kumo plan leaves no KV pool for {self.kind} {weights} on {FULL_TP} GPUs")
+        return KvSizing(
+            kv_tokens=plan.kv_tokens,
+            num_pages=plan.kv_tokens // page_size,
+            page_size=page_size,
+            plan_weights_per_gpu=plan.weights_per_gpu,
+            plan_kv_pool_bytes=plan.kv_pool_bytes,
+            plan_kv_bytes_per_token=plan.kv_bytes_per_token,
+            plan_weights=plan.weights,
+            plan_kv_dtype=kv_dtype,
+            gpu_mem=gpu_mem,
+            tp=FULL_TP,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        t = self.text
+        keys = (
+            "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+            "num_experts_per_tok", "n_shared_experts", "vocab_size", "index_n_heads", "index_head_dim",
+            "index_topk",
+        )  # fmt: skip
+        return {
+            "kind": self.kind,
+            "architecture": t["architectures"][0],
+            "num_layers": self.num_layers,
+            "full_num_layers": self.full_num_layers,
+            "dense_layers": int(t["first_k_dense_replace"]),
+            "is_tiny": self.is_tiny,
+            "routing": "random router weights: expert choice is near uniform (no trained load imbalance)",
+            **{k: t[k] for k in keys if k in t},
+        }
+
+
+def make_geometry(kind: Kind, num_layers: int, *, tiny: bool = False) -> Geometry:
+    """The truncated geometry of `kind`: one dense layer, then `num_layers - 1` MoE layers."""
+    if num_layers < 2:
+        raise ValueError("at least 2 layers: one dense, one MoE")
+    published = json.loads((PUBLISHED_CONFIGS / kind / "config.json").read_text())
+    full = {k: v for k, v in published.items() if not k.startswith("_")}
+    if tiny:  # the small text model alone (a small vision tower would still outweigh it)
+        small = small_config(published, vocab_size=TINY_VOCAB, bos=None, eos=[0])
+        full = dict(_text(small), architectures=_text(small).get("architectures", small["architectures"]))
+    text = copy.deepcopy(_text(full))
+    text.pop("quantization_config", None)
+    text.pop("mlp_layer_types", None)
+    text.pop("indexer_types", None)
+    text.pop("index_topk_pattern", None)
+    if "architectures" not in text:
+        text["architectures"] = full["architectures"]
+    text |= {"num_hidden_layers": num_layers, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0}
+    if tiny:  # keep the full plan honest for the small model too: plan on its whole depth
+        _text(full)["num_hidden_layers"] = max(int(_text(full)["num_hidden_layers"]), num_layers)
+    return Geometry(kind=kind, num_layers=num_layers, is_tiny=tiny, text=text, full=full)
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    return config["text_config"] if "text_config" in config else config
