@@ -62,3 +62,19 @@ def test_saturates_instead_of_nan() -> None:
     assert not bool(torch.isnan(q.float()).any())
     q2 = (torch.tensor([[1000.0]]) / 1.0).clamp(-448, 448).to(FP8)
     assert float(q2) == 448.0
+
+
+def test_row_blocks_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantizers work in row blocks to bound memory; the blocks must not change a bit."""
+    from backend.quant import int4
+    from backend.quant.int4 import quantize_int4
+
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    whole = [quantize_int4(w, 32), quantize_fp8_channel(w), quantize_fp8_block(w)]
+    monkeypatch.setattr(int4, "CHUNK_ELEMENTS", 1000)  # 5 rows at a time; 128-row blocks for fp8-block
+    chunked = [quantize_int4(w, 32), quantize_fp8_channel(w), quantize_fp8_block(w)]
+    for a, b in zip(whole, chunked, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(
+                x.view(torch.uint8) if x.dtype == FP8 else x, y.view(torch.uint8) if y.dtype == FP8 else y
+            )
