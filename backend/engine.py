@@ -380,6 +380,9 @@ class AsyncEngine:
                     self.engine.add_request(request, constraint=constraint, image_embeds=image_embeds)
                 except EngineError as exc:
                     self._deliver(request.request_id, exc)
+                except Exception as exc:  # a bug refuses this request; the thread serves the others
+                    log.exception("adding request %s failed", request.request_id)
+                    self._deliver(request.request_id, EngineError(f"internal error: {exc!r}"))
             if not self.engine.has_unfinished:
                 self._load = self.engine.load()
                 self._wake.wait()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.engine import AsyncEngine
-from backend.errors import Aborted, Busy, InvalidRequest
+from backend.errors import Aborted, Busy, EngineError, InvalidRequest
 from schemas.backend import ImageSpan
 from tests.backend.engine_helpers import (
     MODELS,
@@ -329,3 +329,24 @@ async def test_a_stopped_async_engine_refuses_requests_instead_of_leaving_them_h
     except Aborted:
         pass
     await stream.aclose()
+
+
+async def test_a_bug_while_adding_a_request_refuses_it_and_the_engine_thread_keeps_serving() -> None:
+    engine = make_engine(num_pages=16)
+    add_request = engine.add_request
+
+    def broken(*args: object, **kwargs: object) -> None:
+        engine.add_request = add_request  # fails once
+        raise RuntimeError("bad image tensor")
+
+    engine.add_request = broken  # type: ignore[method-assign]
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        with pytest.raises(EngineError, match="bad image tensor") as refused:
+            await asyncio.wait_for(anext(front.generate(request("first", NEEDLE, max_tokens=2))), timeout=5)
+        assert refused.value.code == "internal"
+        after = [out async for out in front.generate(request("after", NEEDLE, max_tokens=3))]
+        assert sum(len(o.token_ids) for o in after) == 3 and after[-1].finish_reason == "length"
+    finally:
+        front.stop()
