@@ -124,7 +124,8 @@ def apply_top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # [N, V] mass of strictly better tokens
-    drop_sorted = mass_before >= p[:, None]
+    # rows with p = 1 keep everything: their cumulative mass can round past 1.0 before the tail
+    drop_sorted = (mass_before >= p[:, None]) & (p[:, None] < 1.0)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
 

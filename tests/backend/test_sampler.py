@@ -147,3 +147,12 @@ def test_constraint_mask_is_applied_per_row() -> None:
         a, b = Sampler().sample(x, [constrained, free])
         assert a.token_id in (5, 6)
         assert b.token_id == int(x[1].argmax())
+
+
+def test_top_p_one_keeps_the_whole_vocabulary_whatever_its_neighbours_ask() -> None:
+    """Float rounding in the cumulative mass must not cut the tail of a row that asked for no top-p
+    just because a neighbour in the batch did."""
+    x = torch.randn(2, 151_552, generator=torch.Generator().manual_seed(0)) * 3
+    kept = apply_top_p(x, torch.tensor([1.0, 0.5]))
+    assert torch.equal(kept[0], x[0])
+    assert torch.isinf(kept[1]).any()
