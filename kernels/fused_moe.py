@@ -66,6 +66,13 @@ def _load_b(
 
 
 @triton.jit
+def _silu(g):
+    """`g · sigmoid(g)` from `exp(-|g|)`: no overflow for large |g| (fp32)."""
+    e = tl.exp(-tl.abs(g))
+    return g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
 def _fused_moe_kernel(
     a_ptr,
     w_ptr,
@@ -145,7 +152,7 @@ def _fused_moe_kernel(
             b = _unpack_tile(wp, sc, magic_2_23, a.dtype)
             acc_up = tl.dot(a, tl.trans(b), acc_up, input_precision=DOT_PRECISION)
     if GATE_UP:
-        acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, fp32
+        acc = _silu(acc) * acc_up  # silu(gate) * up, fp32
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -237,7 +244,7 @@ def _fused_moe_gemv_kernel(
             )  # fmt: skip
     acc = tl.sum(acc2, axis=1)  # [BN]
     if GATE_UP:
-        acc = acc * tl.sigmoid(acc) * tl.sum(acc2_up, axis=1)
+        acc = _silu(acc) * tl.sum(acc2_up, axis=1)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

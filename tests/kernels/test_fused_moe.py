@@ -1,0 +1,243 @@
+"""Fused INT4 MoE against two independent computations: a float64 per-token loop over the unpacked
+words, and the CPU MoE layer's own expert computation (`backend.quant.experts.QuantExperts`).
+
+CPU CI runs the Triton kernels under TRITON_INTERPRET=1 on tiny shapes (fp16/fp32 activations: bf16
+tl.dot is broken in the interpreter): E = 8 experts, k = 2, H = 96 (K not a multiple of BLOCK_K),
+I = 64, group 32, experts 6 and 7 never routed. The `gpu` tests run bf16 on Kimi K2's expert shapes.
+Tolerances are relative Frobenius errors: fp32 1e-5 (ieee dots, fp32 accumulation); fp16 3e-3 (act
+and y rounded to fp16 once each, ~2^-11 each); bf16 1.5e-2 (the same two roundings at 2^-8).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch.nn.functional as F  # noqa: E402
+
+from backend.quant.experts import QuantExperts  # noqa: E402
+from backend.quant.scheme import QuantScheme  # noqa: E402
+from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+E, H, I, G, TOP_K = 8, 96, 64, 32, 2
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+GEMV = MoEConfig(block_m=0, block_n=64, block_k=64)
+TILES = MoEConfig(block_m=16, block_n=32, block_k=64)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[..., K] int8 in [-8, 7] -> [..., K/8] int32, nibble j of word i = q[8i + j] + 8 (the
+    compressed-tensors layout; checked against its packer in test_w4a16_gemm.py)."""
+    nib = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], -1, 8)
+    words = (nib << torch.arange(0, 32, 4)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+class Experts:
+    """Random INT4 experts in the published layout, plus their integer grid for the float64 check."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, gen: torch.Generator) -> None:
+        self.q13 = torch.randint(-8, 8, (num_experts, 2 * inter, hidden), generator=gen, dtype=torch.int8)
+        self.q2 = torch.randint(-8, 8, (num_experts, hidden, inter), generator=gen, dtype=torch.int8)
+        self.w13, self.w2 = pack_int4(self.q13), pack_int4(self.q2)
+        self.s13 = (torch.rand(num_experts, 2 * inter, hidden // G, generator=gen) * 0.02 + 0.005).bfloat16()
+        self.s2 = (torch.rand(num_experts, hidden, inter // G, generator=gen) * 0.02 + 0.005).bfloat16()
+
+    def tensors(self, device: str = DEV) -> tuple[torch.Tensor, ...]:
+        return tuple(t.to(device) for t in (self.w13, self.s13, self.w2, self.s2))
+
+
+def routing(M: int, gen: torch.Generator, num_used: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token among the first `num_used` (the rest unused); weights in (0.1, 1.1)."""
+    ids = torch.stack([torch.randperm(num_used, generator=gen)[:TOP_K] for _ in range(M)])
+    return ids, torch.rand(M, TOP_K, generator=gen) + 0.1
+
+
+def float64_moe(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, ex: Experts) -> torch.Tensor:
+    """Token by token, slot by slot, in float64 from the integer grid."""
+    inter = ex.q13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < ex.q13.shape[0]:
+                continue
+            gu = ex.q13[e].double() * ex.s13[e].double().repeat_interleave(G, dim=1)
+            down = ex.q2[e].double() * ex.s2[e].double().repeat_interleave(G, dim=1)
+            h = gu @ x[t].double()
+            out[t] += wts[t, j].double() * (down @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+
+
+def test_align_groups_pairs_by_expert() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ids, _ = routing(13, gen)
+    ids[3, 1] = -1  # another rank's experts (local ids outside [0, E))
+    ids[7, 0] = E
+    BM = 4
+    sorted_ids, block_expert, num_padded = moe_align(ids, E, BM)
+    P = ids.numel()
+    flat = ids.reshape(-1)
+    real = sorted_ids[sorted_ids < P]
+    assert sorted(real.tolist()) == list(range(P))  # every pair exactly once
+    assert int(num_padded) % BM == 0 and int(num_padded) <= sorted_ids.numel()
+    assert bool((sorted_ids[int(num_padded) :] == P).all())
+    for b in range(int(num_padded) // BM):
+        pairs = sorted_ids[b * BM : (b + 1) * BM]
+        pairs = pairs[pairs < P]
+        assert pairs.numel() > 0  # no block is all padding
+        e = int(block_expert[b])
+        want = {e} if e >= 0 else {-1, E}
+        assert set(flat[pairs.long()].tolist()) <= want
+        assert pairs.tolist() == sorted(pairs.tolist())  # token order within an expert
+    assert set(block_expert[: int(num_padded) // BM].tolist()) == {0, 1, 2, 3, 4, 5, -1}  # 6, 7 unused
+
+
+def test_reference_matches_float64() -> None:
+    gen = torch.Generator().manual_seed(1)
+    ex = Experts(E, H, I, gen)
+    x = torch.randn(9, H, generator=gen)
+    ids, wts = routing(9, gen)
+    ref = fused_moe_ref(x, ids, wts, ex.w13, ex.s13, ex.w2, ex.s2, G)
+    assert rel_err(ref, float64_moe(x, ids, wts, ex)) < 1e-6
+
+
+F16, F32 = torch.float16, torch.float32
+CASES = [  # M, config (None: the launcher's choice, the GEMV when P <= E), dtype
+    (1, None, F16),
+    (1, None, F32),
+    (1, TILES, F16),  # one block per expert, 15 of 16 rows padding
+    (3, None, F32),
+    (3, TILES, F16),
+    (17, None, F16),
+    (17, None, F32),
+    (64, None, F16),
+    (64, MoEConfig(block_m=32, block_n=64, block_k=32), F32),  # BLOCK_K == group, N tile wider than I
+]
+
+
+@pytest.mark.parametrize(("M", "config", "dtype"), CASES)
+def test_kernel_matches_float64(M: int, config: MoEConfig | None, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(100 + M)
+    ex = Experts(E, H, I, gen)
+    x = torch.randn(M, H, generator=gen)
+    ids, wts = routing(M, gen)
+    out = fused_moe(x.to(dtype).to(DEV), ids.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config)
+    assert out.dtype == dtype and out.shape == (M, H)
+    assert rel_err(out, float64_moe(x.to(dtype), ids, wts, ex)) < TOL[dtype]
+    if M == 1 and config is None:
+        assert pick_moe_config(M * TOP_K, E).block_m == 0  # the decode path was the one tested
+
+
+@pytest.mark.parametrize(("config", "dtype"), [(GEMV, F32), (TILES, F16)])
+def test_matches_cpu_moe_layer(config: MoEConfig, dtype: torch.dtype) -> None:
+    """The layer's experts (sharded: this rank holds experts 2..7) and the kernel on the same weights."""
+    gen = torch.Generator().manual_seed(7)
+    ex = Experts(E, H, I, gen)
+    e0 = 2
+    layer = QuantExperts(
+        QuantScheme(method="int4", group_size=G), e0=e0, e1=E, hidden=H, intermediate=I, act=F.silu
+    )
+    layer.gate_up_packed.copy_(ex.w13[e0:])
+    layer.gate_up_scale.copy_(ex.s13[e0:])
+    layer.down_packed.copy_(ex.w2[e0:])
+    layer.down_scale.copy_(ex.s2[e0:])
+    M = 5
+    x = torch.randn(M, H, generator=gen).to(dtype)
+    ids, wts = routing(M, gen)
+    want = layer(x, wts, ids)  # contributions of experts 0, 1 belong to another rank
+    local = (ids - e0).to(DEV)
+    w13, s13, w2, s2 = (t[e0:] for t in ex.tensors())
+    out = fused_moe(x.to(DEV), local, wts.to(DEV), w13, s13, w2, s2, G, config=config)
+    assert rel_err(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [GEMV, TILES])
+def test_dropped_expert_contributes_nothing(config: MoEConfig) -> None:
+    """A slot with weight 0 (here on an expert with large scales) leaves each token's sum bit-identical."""
+    gen = torch.Generator().manual_seed(11)
+    ex = Experts(E, H, I, gen)
+    ex.s13[5] = 0.25  # ~20× the others, still finite in fp16
+    ex.s2[5] = 0.25
+    M = 3
+    x = torch.randn(M, H, generator=gen).to(torch.float16)
+    ids = torch.tensor([[0, 5], [1, 5], [5, 2]])
+    wts = torch.tensor([[0.7, 0.0], [0.4, 0.0], [0.0, 0.9]])
+    out = fused_moe(x.to(DEV), ids.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config)
+    keep = torch.tensor([0, 0, 1])
+    alone = fused_moe(
+        x.to(DEV),
+        ids.gather(1, keep[:, None]).to(DEV),
+        wts.gather(1, keep[:, None]).to(DEV),
+        *ex.tensors(),
+        G,
+        config=config,
+    )
+    assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("config", [GEMV, TILES])
+def test_deterministic(config: MoEConfig) -> None:
+    gen = torch.Generator().manual_seed(5)
+    ex = Experts(E, H, I, gen)
+    x = torch.randn(3, H, generator=gen).to(torch.float16).to(DEV)
+    ids, wts = routing(3, gen)
+    args = (x, ids.to(DEV), wts.to(DEV), *ex.tensors(), G)
+    first = fused_moe(*args, config=config)
+    assert all(torch.equal(fused_moe(*args, config=config), first) for _ in range(2))
+
+
+def test_launcher_rejects_bad_inputs() -> None:
+    gen = torch.Generator().manual_seed(6)
+    ex = Experts(E, H, I, gen)
+    x = torch.randn(2, H, generator=gen)
+    ids, wts = routing(2, gen)
+    w13, s13, w2, s2 = ex.tensors("cpu")
+    with pytest.raises(ValueError, match="w2 packed"):
+        fused_moe(x, ids, wts, w13, s13, w2[:, :, :-1], s2, G)
+    with pytest.raises(ValueError, match="scales"):
+        fused_moe(x, ids, wts, w13, s13[:, :, :1], w2, s2, G)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, ids[:1], wts, w13, s13, w2, s2, G)
+    with pytest.raises(TypeError, match="x must be"):
+        fused_moe(x.to(torch.int32), ids, wts, w13, s13, w2, s2, G)
+
+
+# --- device: Kimi K2 expert shapes, bf16 ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 512])
+def test_kimi_shapes_bf16(M: int) -> None:
+    """384 experts, top-8, H 7168, I 2048, group 32: every path the launcher picks on real sizes."""
+    num_experts, hidden, inter, k = 384, 7168, 2048, 8
+    torch.manual_seed(M)
+    w13 = torch.randint(
+        -(2**31), 2**31 - 1, (num_experts, 2 * inter, hidden // 8), dtype=torch.int32, device="cuda"
+    )
+    w2 = torch.randint(
+        -(2**31), 2**31 - 1, (num_experts, hidden, inter // 8), dtype=torch.int32, device="cuda"
+    )
+    s13 = (torch.rand(num_experts, 2 * inter, hidden // G, device="cuda") * 0.004 + 0.001).bfloat16()
+    s2 = (torch.rand(num_experts, hidden, inter // G, device="cuda") * 0.004 + 0.001).bfloat16()
+    x = torch.randn(M, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(M, num_experts, device="cuda").topk(k, dim=-1).indices
+    wts = torch.rand(M, k, device="cuda") + 0.1
+    ref = fused_moe_ref(x.float(), ids, wts, w13, s13, w2, s2, G)
+    for cfg in (None, MoEConfig(0, 32, 256), MoEConfig(16, 64, 128)):
+        out = fused_moe(x, ids, wts, w13, s13, w2, s2, G, config=cfg)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < TOL[torch.bfloat16], cfg
+        assert torch.equal(fused_moe(x, ids, wts, w13, s13, w2, s2, G, config=cfg), out)
