@@ -4,7 +4,7 @@ The cache holds one `[R + Dr]` line per token (576 for Kimi K2 / GLM-5: latent `
 `k_pe`); queries come absorbed (`[q_nope · W_UK | q_pe]`), so this is MQA with one shared "head":
 the key is the whole line, the value its first R dims (engine-anchors §1d, §2c).
 
-Split-K: stage 1 (`_mla_decode_kernel`, grid `(H / BLOCK_H, splits, B)`) walks one slice of one
+Split-K: stage 1 (`_mla_paged_kernel`, grid `(H / BLOCK_H, splits, B)`) walks one slice of one
 sequence for BLOCK_H heads at once — each latent tile is loaded once and used by two `tl.dot`s for
 the scores (`q_c · c`, `q_pe · k_pe`) and one for the output (`p · c`) — with an online softmax, and
 writes the normalised partial output and its log-sum-exp (log2 domain). Stage 2 (`_mla_merge_kernel`,
@@ -12,6 +12,8 @@ grid `(B, H)`) merges the slices. With one slice stage 1 writes the output itsel
 blocks are the fastest grid axis so the programs that share a slice of latent run side by side and
 the second to fourth reads of it hit the L2. The slice count is chosen on the host from batch, heads
 and the page table's width (never a device read), so the launch can be captured in a CUDA graph.
+The same kernel serves prefill (`kernels/mla_prefill.py`: VARLEN, a tile of BLOCK_Q queries × BLOCK_H
+heads per program, causal per row); decode is its BLOCK_Q = 1, one-tile-per-sequence case.
 
 Sparse mode (DSA, GLM-5): `topk_indices [B, K]` lists the token positions the query attends to (-1 =
 empty, positions >= seq_len ignored, as the reference does); the slices then split the K list, and
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -43,40 +46,46 @@ import triton.language as tl
 
 
 @triton.jit
-def _mla_decode_kernel(
-    q_ptr,  # [B, H, R + Dr]
+def _mla_paged_kernel(
+    q_ptr,  # [T, H, R + Dr] (decode: T = B)
     cache_ptr,  # [P, S, R + Dr]
     page_table_ptr,  # [B, Mp] int32
     expected_ptr,  # [B, Mp] int64
     page_tags_ptr,  # [P] int64
     seq_lens_ptr,  # [B] int32
-    topk_ptr,  # [B, K] int32/int64 token positions, -1 = empty (sparse mode only)
+    query_start_ptr,  # [B+1] int32 (VARLEN only)
+    tile_seq_ptr,  # [NT] int32 sequence of each query tile, >= B = no tile (VARLEN only)
+    tile_q0_ptr,  # [NT] int32 first query row of each tile (VARLEN only)
+    topk_ptr,  # [T, K] int32/int64 token positions, -1 = empty (sparse mode only)
     mismatch_ptr,  # [B] uint8 (the bool flags, viewed)
-    part_o_ptr,  # [B, H, NS, R] fp32 (unused when DIRECT)
-    part_lse_ptr,  # [B, H, NS] fp32, log2 domain (unused when DIRECT)
-    out_ptr,  # [B, H, R] q's dtype (DIRECT only)
+    part_o_ptr,  # [T, H, NS, R] fp32 (unused when DIRECT)
+    part_lse_ptr,  # [T, H, NS] fp32, log2 domain (unused when DIRECT)
+    out_ptr,  # [T, H, R] q's dtype (DIRECT only)
     qk_scale,  # softmax_scale * latent_scale * log2(e)
     v_scale,  # latent_scale (DIRECT only)
+    num_seqs,
     num_splits,
     num_heads,
     R,
     DR,
     topk,
-    stride_qb,
+    stride_qt,
     stride_qh,
     stride_cp,
     stride_cs,
     stride_ptb,
     stride_etb,
-    stride_tkb,
-    stride_ob,
+    stride_tkt,
+    stride_ot,
     stride_oh,
     PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # queries per program (1 for decode and sparse mode)
+    BLOCK_H: tl.constexpr,  # heads per program; rows of the tile = BLOCK_Q * BLOCK_H
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_DR: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    VARLEN: tl.constexpr,  # tiles of several queries per sequence, causal (prefill); else one per sequence
     SPARSE: tl.constexpr,
     CHECK_TAGS: tl.constexpr,
     DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
@@ -85,32 +94,55 @@ def _mla_decode_kernel(
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
-    b = tl.program_id(2)
-    L = tl.load(seq_lens_ptr + b)
-    num_items = topk if SPARSE else L
+    tile = tl.program_id(2)
+    if VARLEN:
+        b = tl.load(tile_seq_ptr + tile)
+        tile_ok = b < num_seqs  # an idle tile (the grid is an upper bound) reads and writes nothing
+        b = tl.where(tile_ok, b, 0)
+        q_beg = tl.load(query_start_ptr + b)
+        q_end = tl.load(query_start_ptr + b + 1)
+        q0 = tl.where(tile_ok, tl.load(tile_q0_ptr + tile), q_beg)
+        num_q = tl.where(tile_ok, tl.minimum(q_end - q0, BLOCK_Q), 0)
+        L = tl.load(seq_lens_ptr + b)
+        first_pos = L - (q_end - q_beg) + (q0 - q_beg)  # position of the tile's first query
+        is_last = tile_ok & (q0 + num_q == q_end)  # the tile holds the sequence's last query
+    else:
+        b = tile
+        tile_ok = True
+        q0 = tile
+        num_q = 1
+        L = tl.load(seq_lens_ptr + b)
+        first_pos = L - 1
+        is_last = True
+    num_items = topk if SPARSE else first_pos + num_q  # dense: the tile's last query sees that many
+    num_items = tl.where(tile_ok, num_items, 0)
     per_split = tl.cdiv(tl.cdiv(num_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, num_items)
 
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    qi = rows // BLOCK_H  # [BM] query of the row within the tile
+    heads = hb * BLOCK_H + rows % BLOCK_H  # [BM]
+    row_ok = (qi < num_q) & (heads < num_heads)
+    row_limit = first_pos + qi + 1  # [BM] tokens the row's query may see (causal)
+    t_row = (q0 + qi).to(tl.int64)  # [BM] row of T
     offs_r = tl.arange(0, BLOCK_R)
     offs_dr = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < R
     dr_ok = offs_dr < DR
-    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_c = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0).to(COMPUTE)
-    q_pe = tl.load(q_row + R + offs_dr[None, :], mask=h_ok[:, None] & dr_ok[None, :], other=0.0).to(COMPUTE)
+    q_row = q_ptr + t_row[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_c = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(COMPUTE)
+    q_pe = tl.load(q_row + R + offs_dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(COMPUTE)
 
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    m = tl.full((BLOCK_Q * BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BLOCK_Q * BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_Q * BLOCK_H, BLOCK_R), dtype=tl.float32)
     num_bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
     for i0 in range(start, end, BLOCK_N):
         i = i0 + tl.arange(0, BLOCK_N)
         i_ok = i < end
-        if SPARSE:
-            tok = tl.load(topk_ptr + b * stride_tkb + i, mask=i_ok, other=-1)
+        if SPARSE:  # BLOCK_Q == 1: the tile's one query has its own list
+            tok = tl.load(topk_ptr + q0.to(tl.int64) * stride_tkt + i, mask=i_ok, other=-1)
             n_ok = i_ok & (tok >= 0) & (tok < L)
             tok = tl.where(n_ok, tok, 0)
         else:
@@ -131,12 +163,15 @@ def _mla_decode_kernel(
         pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
         c = c.to(COMPUTE)
         s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
-        s += tl.dot(q_pe, tl.trans(pe.to(COMPUTE)), input_precision=DOT_PRECISION)  # [BH, BN]
-        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+        s += tl.dot(q_pe, tl.trans(pe.to(COMPUTE)), input_precision=DOT_PRECISION)  # [BM, BN]
+        seen = tok_ok[None, :]
+        if VARLEN:
+            seen = seen & (tok[None, :] < row_limit[:, None])
+        s = tl.where(seen, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
         alpha = tl.exp2(m - m_base)
-        p = tl.exp2(s - m_base[:, None])  # [BH, BN]
+        p = tl.exp2(s - m_base[:, None])  # [BM, BN]
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.where(tok_ok[:, None], c, 0.0)  # 0 · NaN would poison the row
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
@@ -144,8 +179,9 @@ def _mla_decode_kernel(
 
     if CHECK_TAGS:
         if SPARSE:
-            # the flag covers every page in use, chosen or not (as the reference's); first head block only
-            if hb == 0:
+            # the flag covers every page in use, chosen or not (as the reference's): swept by the
+            # first head block of the sequence's last query
+            if (hb == 0) & is_last:
                 num_pages = tl.cdiv(L, PAGE_SIZE)
                 pages_per_split = tl.cdiv(tl.cdiv(num_pages, num_splits), BLOCK_P) * BLOCK_P
                 p_end = tl.minimum((split + 1) * pages_per_split, num_pages)
@@ -164,14 +200,14 @@ def _mla_decode_kernel(
     l_safe = tl.where(l > 0.0, l, 1.0)
     if DIRECT:
         o = acc / l_safe[:, None] * v_scale  # no visible token: 0
-        out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_r[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+        out = out_ptr + t_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
     else:
         lse = tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf"))
-        row = (b * num_heads + heads) * num_splits + split  # [BH] index into [B, H, NS]
-        part = part_o_ptr + row[:, None] * R + offs_r[None, :]
-        tl.store(part, acc / l_safe[:, None], mask=h_ok[:, None] & r_ok[None, :])
-        tl.store(part_lse_ptr + row, lse, mask=h_ok)
+        part_row = (t_row * num_heads + heads) * num_splits + split  # [BM] index into [T, H, NS]
+        part = part_o_ptr + part_row[:, None] * R + offs_r[None, :]
+        tl.store(part, acc / l_safe[:, None], mask=row_ok[:, None] & r_ok[None, :])
+        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
 
 
 @triton.jit
@@ -223,6 +259,177 @@ def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) 
     return max(1, min(want, triton.cdiv(max_items, 256), 64))
 
 
+@dataclass(frozen=True, slots=True)
+class QueryTiles:
+    """The prefill grid: program tile i covers queries `tile_q0[i] ..+ block_q` of sequence
+    `tile_seq[i]` (>= B: an idle tile). Built on the device, so no host sync (see `mla_prefill`)."""
+
+    query_start: torch.Tensor  # [B+1] int32
+    tile_seq: torch.Tensor  # [NT] int32
+    tile_q0: torch.Tensor  # [NT] int32
+    block_q: int
+
+
+def check_mla_inputs(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_lora_rank: int,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
+    tag_mismatch: torch.Tensor,
+    topk_indices: torch.Tensor | None,
+    block_h: int,
+    block_n: int,
+) -> None:
+    """Shapes, dtypes and strides both launchers (decode and prefill) need; raises on the first misfit."""
+    T, H, C = q.shape
+    B = seq_lens.shape[0]
+    R = kv_lora_rank
+    if latent_cache.dim() != 3 or latent_cache.shape[2] != C or not 0 < R < C:
+        raise ValueError(f"q {tuple(q.shape)} and cache {tuple(latent_cache.shape)} with R={R} do not fit")
+    if q.dtype not in _TL_DTYPES:
+        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
+    if latent_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise TypeError(f"latent cache must be {q.dtype} or float8_e4m3fn, got {latent_cache.dtype}")
+    if seq_lens.shape != (B,) or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
+        raise ValueError("seq_lens [B], page_table [B, Mp] and expected_tags [B, Mp] must agree")
+    if (
+        page_table.dtype != torch.int32
+        or expected_tags.dtype != torch.int64
+        or page_tags.dtype != torch.int64
+    ):
+        raise TypeError("page_table must be int32, expected_tags and page_tags int64")
+    if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
+        raise ValueError("tag_mismatch must be bool [B]")
+    if q.stride(2) != 1 or latent_cache.stride(2) != 1:
+        raise ValueError("the last dimension of q and latent_cache must be contiguous")
+    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
+        raise ValueError("page_table and expected_tags rows must be contiguous")
+    if topk_indices is not None:
+        if topk_indices.dim() != 2 or topk_indices.shape[0] != T or topk_indices.stride(1) != 1:
+            raise ValueError(
+                f"topk_indices must be [T, K] with contiguous rows, got {tuple(topk_indices.shape)}"
+            )
+        if topk_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_indices must be int32 or int64, got {topk_indices.dtype}")
+    if block_h < 1 or block_h & (block_h - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError("block_h and block_n must be powers of two, block_n >= 16 (tl.dot tiles)")
+
+
+def launch_mla_paged(
+    q: torch.Tensor,  # [T, H, R + Dr], checked by check_mla_inputs
+    latent_cache: torch.Tensor,
+    latent_scale: float,
+    kv_lora_rank: int,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
+    tag_mismatch: torch.Tensor,
+    softmax_scale: float,
+    topk_indices: torch.Tensor | None,
+    tiles: QueryTiles | None,  # None: decode, program tile b = sequence b's one query
+    *,
+    num_splits: int | None,
+    check_tags: bool,
+    block_h: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:  # [T, H, R] in q's dtype
+    """Stage 1 over `(head blocks, slices, tiles)`, then the merge when there is more than one slice."""
+    T, H, C = q.shape
+    S = latent_cache.shape[1]
+    R = kv_lora_rank
+    out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    block_q = 1 if tiles is None else tiles.block_q
+    if block_q * block_h < 16:
+        raise ValueError("block_q * block_h must be at least 16 (the rows of a tl.dot tile)")
+    sparse = topk_indices is not None
+    K = topk_indices.shape[1] if topk_indices is not None else 0
+    num_tiles = T if tiles is None else tiles.tile_seq.shape[0]
+    head_blocks = triton.cdiv(H, block_h)
+    max_items = K if sparse else page_table.shape[1] * S
+    splits = num_splits or pick_num_splits(num_tiles, head_blocks, max_items, _num_sms(q.device))
+    direct = splits == 1
+    if direct:
+        part_o = part_lse = out  # not read: the kernel writes `out` itself
+    else:
+        part_o = torch.empty((T, H, splits, R), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+    topk_arg = topk_indices if topk_indices is not None else page_table  # dense: any pointer, never read
+    query_start, tile_seq, tile_q0 = (
+        (seq_lens,) * 3 if tiles is None else (tiles.query_start, tiles.tile_seq, tiles.tile_q0)
+    )
+    _mla_paged_kernel[(head_blocks, splits, num_tiles)](
+        q,
+        latent_cache,
+        page_table,
+        expected_tags,
+        page_tags,
+        seq_lens,
+        query_start,
+        tile_seq,
+        tile_q0,
+        topk_arg,
+        tag_mismatch.view(torch.uint8),
+        part_o,
+        part_lse,
+        out,
+        softmax_scale * latent_scale * math.log2(math.e),
+        latent_scale,
+        seq_lens.shape[0],
+        splits,
+        H,
+        R,
+        C - R,
+        K,
+        q.stride(0),
+        q.stride(1),
+        latent_cache.stride(0),
+        latent_cache.stride(1),
+        page_table.stride(0),
+        expected_tags.stride(0),
+        topk_arg.stride(0),
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=S,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_DR=max(16, triton.next_power_of_2(C - R)),
+        BLOCK_P=128,
+        VARLEN=tiles is not None,
+        SPARSE=sparse,
+        CHECK_TAGS=check_tags,
+        DIRECT=direct,
+        COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not direct:
+        _mla_merge_kernel[(T, H)](
+            part_o,
+            part_lse,
+            out,
+            latent_scale,
+            splits,
+            R,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_R=triton.next_power_of_2(R),
+            num_warps=4,
+        )
+    return out
+
+
 def mla_decode(
     q: torch.Tensor,  # [B, H, R + Dr] fp16 / bf16 / fp32, absorbed
     latent_cache: torch.Tensor,  # [P, S, R + Dr] q's dtype or float8_e4m3fn
@@ -244,109 +451,21 @@ def mla_decode(
     num_stages: int = 2,
 ) -> torch.Tensor:  # [B, H, R] in q's dtype
     """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring."""
-    B, H, C = q.shape
-    P, S, Cc = latent_cache.shape
-    R, Dr = kv_lora_rank, C - kv_lora_rank
-    if Cc != C or not 0 < R < C:
-        raise ValueError(f"q {tuple(q.shape)} and cache {tuple(latent_cache.shape)} with R={R} do not fit")
-    if q.dtype not in _TL_DTYPES:
-        raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
-    if latent_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
-        raise TypeError(f"latent cache must be {q.dtype} or float8_e4m3fn, got {latent_cache.dtype}")
-    if seq_lens.shape != (B,) or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
-        raise ValueError("seq_lens [B], page_table [B, Mp] and expected_tags [B, Mp] must agree")
-    if (
-        page_table.dtype != torch.int32
-        or expected_tags.dtype != torch.int64
-        or page_tags.dtype != torch.int64
-    ):
-        raise TypeError("page_table must be int32, expected_tags and page_tags int64")
-    if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
-        raise ValueError("tag_mismatch must be bool [B]")
-    if q.stride(2) != 1 or latent_cache.stride(2) != 1:
-        raise ValueError("the last dimension of q and latent_cache must be contiguous")
-    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
-        raise ValueError("page_table and expected_tags rows must be contiguous")
-    sparse, K, topk_arg = False, 0, page_table  # dense: any pointer for topk, never read
-    if topk_indices is not None:
-        sparse, K, topk_arg = True, topk_indices.shape[-1], topk_indices
-        if topk_indices.dim() != 2 or topk_indices.shape[0] != B or topk_indices.stride(1) != 1:
-            raise ValueError(
-                f"topk_indices must be [B, K] with contiguous rows, got {tuple(topk_indices.shape)}"
-            )
-        if topk_indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"topk_indices must be int32 or int64, got {topk_indices.dtype}")
-    if block_h < 16 or block_h & (block_h - 1) or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError("block_h and block_n must be powers of two >= 16 (tl.dot tiles)")
-    out = torch.empty((B, H, R), dtype=q.dtype, device=q.device)
-    if B == 0:
-        return out
-    head_blocks = triton.cdiv(H, block_h)
-    max_items = K if sparse else page_table.shape[1] * S
-    splits = num_splits or pick_num_splits(B, head_blocks, max_items, _num_sms(q.device))
-    direct = splits == 1
-    if direct:
-        part_o = part_lse = out  # not read: the kernel writes `out` itself
-    else:
-        part_o = torch.empty((B, H, splits, R), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, H, splits), dtype=torch.float32, device=q.device)
-    _mla_decode_kernel[(head_blocks, splits, B)](
-        q,
-        latent_cache,
-        page_table,
-        expected_tags,
-        page_tags,
-        seq_lens,
-        topk_arg,
-        tag_mismatch.view(torch.uint8),
-        part_o,
-        part_lse,
-        out,
-        softmax_scale * latent_scale * math.log2(math.e),
-        latent_scale,
-        splits,
-        H,
-        R,
-        Dr,
-        K,
-        q.stride(0),
-        q.stride(1),
-        latent_cache.stride(0),
-        latent_cache.stride(1),
-        page_table.stride(0),
-        expected_tags.stride(0),
-        topk_arg.stride(0),
-        out.stride(0),
-        out.stride(1),
-        PAGE_SIZE=S,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(R)),
-        BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
-        BLOCK_P=128,
-        SPARSE=sparse,
-        CHECK_TAGS=check_tags,
-        DIRECT=direct,
-        COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if not direct:
-        _mla_merge_kernel[(B, H)](
-            part_o,
-            part_lse,
-            out,
-            latent_scale,
-            splits,
-            R,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            BLOCK_R=triton.next_power_of_2(R),
-            num_warps=4,
+    if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
+        raise ValueError(
+            f"decode takes one query per sequence: q {tuple(q.shape)}, {seq_lens.shape[0]} sequences"
         )
-    return out
+    check_mla_inputs(
+        q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,
+        topk_indices, block_h, block_n,
+    )  # fmt: skip
+    if block_h < 16:
+        raise ValueError("decode needs block_h >= 16 (the rows of a tl.dot tile)")
+    return launch_mla_paged(
+        q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
+        tag_mismatch, softmax_scale, topk_indices, None, num_splits=num_splits, check_tags=check_tags,
+        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
 
 
 def mla_decode_ref(

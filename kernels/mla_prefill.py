@@ -1,0 +1,88 @@
+"""Paged MLA attention for prefill chunks: varlen queries, causal, attending to cached pages, tag-checked.
+
+Same inputs and output as `mla_attention_ref` (any mix of sequences with one or many new tokens;
+the new tokens' latents are already in the cache, so a chunk sees its cached prefix and itself).
+The kernel is `mla_decode`'s (`kernels/mla_decode.py`, which documents the tag check, FP8 and the
+split-K merge) with a tile of BLOCK_Q consecutive queries of one sequence × BLOCK_H heads per
+program: all heads share the one latent line, so every row of the tile uses each loaded latent tile,
+and row (query i, head h) masks the tokens after query i's position. Sparse mode (DSA) gives each
+query its own top-k list, so its tiles hold one query (BLOCK_Q = 1) and BLOCK_H >= 16 heads.
+
+The grid is built on the device (no host sync, graph-capturable): sequence b has
+`ceil(q_len_b / BLOCK_Q)` tiles, and the grid size `min(T, ceil(T / BLOCK_Q) + B)` bounds their sum;
+tiles past the sum are idle.
+
+One difference from the reference: a sequence with no new token in the batch gets no program, so its
+pages are not checked here (the reference checks every sequence's pages); the engine never
+schedules such a sequence.
+
+Shapes: T queries, B sequences, H heads, R kv_lora_rank, Dr rope dim, P pages, S page size, K top-k,
+NT tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.mla_attention import mla_attention_ref
+from kernels.mla_decode import QueryTiles, check_mla_inputs, launch_mla_paged
+
+__all__ = ["mla_attention_ref", "mla_prefill", "query_tiles"]
+
+
+def query_tiles(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
+    """Tiles of `block_q` consecutive queries of one sequence, on query_start's device."""
+    qs = query_start.long()
+    B = qs.shape[0] - 1
+    num_tiles = (qs[1:] - qs[:-1] + block_q - 1) // block_q  # [B]
+    ends = num_tiles.cumsum(0)  # [B]
+    t = torch.arange(min(num_tokens, triton.cdiv(num_tokens, block_q) + B), device=qs.device)  # [NT]
+    seq = torch.searchsorted(ends, t, right=True)  # [NT] in [0, B]; B = idle
+    own = seq.clamp(max=B - 1)
+    q0 = qs[own] + (t - ends[own] + num_tiles[own]) * block_q
+    return QueryTiles(
+        query_start.to(torch.int32).contiguous(), seq.to(torch.int32), q0.to(torch.int32), block_q
+    )
+
+
+def mla_prefill(
+    q: torch.Tensor,  # [T, H, R + Dr] fp16 / bf16 / fp32, absorbed
+    latent_cache: torch.Tensor,  # [P, S, R + Dr] q's dtype or float8_e4m3fn
+    latent_scale: float,
+    kv_lora_rank: int,
+    query_start: torch.Tensor,  # [B+1] int32
+    seq_lens: torch.Tensor,  # [B] int32, tokens in the cache including this step's
+    page_table: torch.Tensor,  # [B, Mp] int32
+    expected_tags: torch.Tensor,  # [B, Mp] int64
+    page_tags: torch.Tensor,  # [P] int64
+    tag_mismatch: torch.Tensor,  # [B] bool, set (never cleared) where a page's tag is wrong
+    softmax_scale: float,
+    topk_indices: torch.Tensor | None = None,  # [T, K] int32/int64 positions, -1 padded, no repeats
+    *,
+    num_splits: int | None = None,
+    check_tags: bool = True,  # False only to measure the check's cost
+    block_q: int = 4,
+    block_h: int = 16,
+    block_n: int = 32,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> torch.Tensor:  # [T, H, R] in q's dtype
+    """`mla_attention_ref` on the GPU; see the module docstring."""
+    B = seq_lens.shape[0]
+    if query_start.shape != (B + 1,):
+        raise ValueError(f"query_start must be [B+1] = [{B + 1}], got {tuple(query_start.shape)}")
+    if block_q < 1 or block_q & (block_q - 1):
+        raise ValueError("block_q must be a power of two")
+    check_mla_inputs(
+        q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,
+        topk_indices, block_h, block_n,
+    )  # fmt: skip
+    if topk_indices is not None:  # one query per tile: each has its own list
+        block_q, block_h = 1, max(16, block_h)
+    tiles = query_tiles(query_start, q.shape[0], block_q)
+    return launch_mla_paged(
+        q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
+        tag_mismatch, softmax_scale, topk_indices, tiles, num_splits=num_splits, check_tags=check_tags,
+        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
