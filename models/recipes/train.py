@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import random
 import shutil
 import time
@@ -92,16 +94,31 @@ class ExpertBalance:
         return worst
 
 
-def render_all(renderer: Renderer, items: list[dict[str, Any]], max_len: int) -> tuple[list[Example], int]:
-    """Every item's examples, those longer than `max_len` dropped (counted)."""
-    out, dropped = [], 0
-    for it in items:
-        for ex in renderer.examples(it):
-            if len(ex.token_ids) > max_len:
-                dropped += 1
-            else:
-                out.append(ex)
-    return out, dropped
+_renderer: Renderer | None = None  # one per rendering worker process
+
+
+def _render_chunk(args: tuple[str, list[dict[str, Any]]]) -> list[Example]:
+    global _renderer
+    folder, items = args
+    if _renderer is None:
+        _renderer = Renderer(folder)
+    return [ex for it in items for ex in _renderer.examples(it)]
+
+
+def render_all(
+    folder: Path, items: list[dict[str, Any]], max_len: int, workers: int
+) -> tuple[list[Example], int]:
+    """Every item's examples in item order (rendered by `workers` processes), those longer than
+    `max_len` dropped (counted)."""
+    chunks = [(str(folder), items[i : i + 500]) for i in range(0, len(items), 500)]
+    if workers > 1:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            rendered = pool.map(_render_chunk, chunks)
+    else:
+        rendered = [_render_chunk(c) for c in chunks]
+    examples = [ex for chunk in rendered for ex in chunk]
+    kept = [ex for ex in examples if len(ex.token_ids) <= max_len]
+    return kept, len(examples) - len(kept)
 
 
 def batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[list[Example]]:
@@ -147,6 +164,95 @@ def endless(groups: list[list[Example]], rng: random.Random) -> Iterator[list[Ex
         rng.shuffle(groups)
 
 
+def prepare(
+    family: Family,
+    data: Path,
+    folder: Path,
+    *,
+    size: str,
+    max_len: int,
+    max_items: int | None,
+    rng: random.Random,
+    workers: int,
+    log: Log,
+) -> tuple[dict[str, Any], list[Example], int]:
+    """Tokenizer and config.json into `folder`; returns the config, the rendered examples and the pad id."""
+    if not (data / "train.jsonl").exists():
+        log(f"building data into {data}: {build(data, family=family, train_items=60_000, test_items=2_000)}")
+    with (data / "train.jsonl").open() as f:
+        items = [json.loads(line) for line in f]
+    if max_items is not None:
+        items = rng.sample(items, max_items)
+    num_ids = write_tokenizer(family, folder, items, 3072 if size == "nano" else 512)
+    config = published_config(family, size, num_ids, special_ids(folder))
+    num_bytes = parameter_bytes(family, config)
+    log(f"{family} {size}: {num_ids} token ids, {num_bytes / 1e6:.2f} MB of bf16 weights")
+    if size == "nano" and num_bytes > MAX_MODEL_BYTES:
+        raise ValueError(f"{num_bytes} bytes over the {MAX_MODEL_BYTES} limit")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    examples, dropped = render_all(folder, items, max_len, workers)
+    num_trained = sum(sum(ex.loss_mask) for ex in examples)
+    log(f"{len(items)} items → {len(examples)} sequences ({dropped} over {max_len} dropped), "
+        f"{num_trained} trained tokens")  # fmt: skip
+    return config, examples, Renderer(folder).eos_id
+
+
+def fit(
+    model: torch.nn.Module,
+    examples: list[Example],
+    pad_id: int,
+    *,
+    steps: int,
+    batch_tokens: int,
+    lr: float,
+    warmup: int,
+    minutes: float,
+    balance_rate: float,
+    rng: random.Random,
+    log: Log,
+    log_every: int,
+) -> list[float]:
+    """The training loop; returns the loss averaged over each logging window."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    dev = next(model.parameters()).device
+    balance = ExpertBalance(model, rate=balance_rate)
+    is_decayed = {n: p.ndim >= 2 and "norm" not in n for n, p in model.named_parameters()}
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    schedule = get_cosine_schedule_with_warmup(opt, warmup, steps)
+    stream = endless(batches(examples, batch_tokens, rng), rng)
+    is_cuda = dev.type == "cuda"
+    losses: list[float] = []
+    window: list[float] = []
+    start = time.monotonic()
+    for step in range(1, steps + 1):
+        batch = collate(next(stream), pad_id, dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda):
+            loss = loss_of(model, batch)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        schedule.step()
+        load = balance.step()
+        window.append(loss.item())
+        if step % log_every == 0 or step == steps:
+            losses.append(sum(window) / len(window))
+            window = []
+            log(f"step {step}/{steps} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
+                f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
+        if time.monotonic() - start > minutes * 60:
+            log(f"stopped at step {step} by the {minutes}-minute limit")
+            break
+    if not all(math.isfinite(x) for x in losses):
+        raise FloatingPointError(f"the loss is not finite: {losses}")
+    return losses
+
+
 def train(
     family: Family,
     data: Path,
@@ -161,95 +267,37 @@ def train(
     minutes: float = 9.0,
     seed: int = 0,
     device: str = "cuda" if torch.cuda.is_available() else "cpu",
-    train_items: int = 60_000,
-    test_items: int = 2_000,
     max_items: int | None = None,
     log_every: int = 25,
+    workers: int = min(16, os.cpu_count() or 1),
+    balance_rate: float = 1e-3,
 ) -> list[float]:
-    """Train and save; returns the logged losses. `minutes` bounds the training loop's wall time."""
+    """Prepare, train and save the checkpoint folder `out` (written beside it, then renamed into
+    place); returns the logged losses. `minutes` bounds the training loop's wall time."""
     import transformers
-    from transformers import get_cosine_schedule_with_warmup
 
+    settings = dict(family=family, data=str(data), out=str(out), size=size, steps=steps, batch_tokens=batch_tokens,
+                    lr=lr, warmup=warmup, max_len=max_len, minutes=minutes, seed=seed, device=device,
+                    max_items=max_items, balance_rate=balance_rate)  # fmt: skip
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
     random.seed(seed)
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists")
     staging = out.with_name(f".{out.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     with (staging / "train.log").open("w") as log_file:
         log = Log(log_file)
-        settings = dict(family=family, data=str(data), out=str(out), size=size, steps=steps, batch_tokens=batch_tokens,
-                        lr=lr, warmup=warmup, max_len=max_len, minutes=minutes, seed=seed, device=device,
-                        max_items=max_items)  # fmt: skip
         log(
             f"train {json.dumps(settings)}; torch {torch.__version__}, transformers {transformers.__version__}"
         )
-        if not (data / "train.jsonl").exists():
-            log(
-                f"building data into {data}: {build(data, family=family, train_items=train_items, test_items=test_items)}"
-            )
-        with (data / "train.jsonl").open() as f:
-            items = [json.loads(line) for line in f]
-        if max_items is not None:
-            items = rng.sample(items, max_items)
-        num_ids = write_tokenizer(family, staging, items, 3072 if size == "nano" else 512)
-        config = published_config(family, size, num_ids, special_ids(staging))
-        num_bytes = parameter_bytes(family, config)
-        log(f"{family} {size}: {num_ids} token ids, {num_bytes / 1e6:.2f} MB of bf16 weights")
-        if size == "nano" and num_bytes > MAX_MODEL_BYTES:
-            raise ValueError(f"{num_bytes} bytes over the {MAX_MODEL_BYTES} limit")
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        renderer = Renderer(staging)
-        examples, dropped = render_all(renderer, items, max_len)
-        num_trained = sum(sum(ex.loss_mask) for ex in examples)
-        log(
-            f"{len(items)} items → {len(examples)} sequences ({dropped} over {max_len} dropped), {num_trained} trained tokens"
-        )
-
-        dev = torch.device(device)
-        model = build_model(family, config).to(dev).train()
-        balance = ExpertBalance(model, rate=1e-3)
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
-        rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-            lr=lr,
-            betas=(0.9, 0.95),
-        )
-        schedule = get_cosine_schedule_with_warmup(opt, warmup, steps)
-        pad_id = renderer.eos_id
-        stream = endless(batches(examples, batch_tokens, rng), rng)
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if dev.type == "cuda"
-            else torch.autocast("cpu", enabled=False)
-        )
-        losses, window, start = [], [], time.monotonic()
-        for step in range(1, steps + 1):
-            batch = collate(next(stream), pad_id, dev)
-            with autocast:
-                loss = loss_of(model, batch)
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            schedule.step()
-            load = balance.step()
-            window.append(loss.item())
-            if step % log_every == 0 or step == steps:
-                losses.append(sum(window) / len(window))
-                log(f"step {step}/{steps} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
-                    f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
-                window = []
-            if time.monotonic() - start > minutes * 60:
-                log(f"stopped at step {step} by the {minutes}-minute limit")
-                break
-        if not all(math.isfinite(x) for x in losses):
-            raise FloatingPointError("the loss is not finite")
-        model.eval()
-        save_checkpoint(family, model.float().cpu(), config, staging)
+        config, examples, pad_id = prepare(family, data, staging, size=size, max_len=max_len, max_items=max_items,
+                                           rng=rng, workers=workers, log=log)  # fmt: skip
+        model = build_model(family, config).to(torch.device(device)).train()
+        losses = fit(model, examples, pad_id, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
+                     minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every)  # fmt: skip
+        save_checkpoint(family, model.eval().float().cpu(), config, staging)
         log(f"saved {out}")
     staging.rename(out)
     return losses
@@ -273,10 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-items", type=int, default=None, help="train on a seeded sample of the mixture")
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--balance-rate", type=float, default=1e-3, help="selection-bias step per training step")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="rendering processes")
     a = p.parse_args(argv)
     train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,
           warmup=a.warmup, max_len=a.max_len, minutes=a.minutes, seed=a.seed, device=a.device,
-          max_items=a.max_items, log_every=a.log_every)  # fmt: skip
+          max_items=a.max_items, log_every=a.log_every, workers=a.workers,
+          balance_rate=a.balance_rate)  # fmt: skip
     return 0
 
 

@@ -43,7 +43,7 @@ def trained(
     build(root / "data", family=family, train_items=140, test_items=1)
     losses = train(
         family, root / "data", root / "ckpt", size="micro", steps=24, batch_tokens=1024, lr=4e-3, warmup=2,
-        max_len=400, log_every=4, device="cpu", max_items=200,
+        max_len=400, log_every=4, device="cpu", max_items=200, workers=1,
     )  # fmt: skip
     return family, root / "ckpt", losses
 
@@ -66,6 +66,10 @@ def test_the_folder_has_the_published_layout(trained: tuple[str, Path, list[floa
     assert set(names) == set(index["weight_map"])
     assert {d for k, d in names.items() if not k.endswith("e_score_correction_bias")} == {"BF16"}
     assert {d for k, d in names.items() if k.endswith("e_score_correction_bias")} == {"F32"}
+    with safe_open(
+        str(path / index["weight_map"][bias := next(k for k in names if "correction_bias" in k)]), "pt"
+    ) as f:
+        assert f.get_tensor(bias).abs().sum() > 0  # the experts were balanced during training
     for f in ("config.json", "generation_config.json", "tokenizer_config.json"):
         assert (path / f).exists()
     if family == "kimi":
