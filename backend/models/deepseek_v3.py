@@ -104,6 +104,13 @@ class MLAAttention(nn.Module):
                 q, cache, scale, self.R, b.seq_lens, b.page_table, b.expected_tags, kv.page_tags,
                 b.tag_mismatch, self.softmax_scale, topk_indices,
             )  # fmt: skip
+        elif q.is_cuda:  # prefill chunks (and mixed steps) on the GPU
+            from kernels.mla_prefill import mla_prefill
+
+            o_latent = mla_prefill(
+                q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
+                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices,
+            )  # fmt: skip
         else:
             o_latent = mla_attention_ref(
                 q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
