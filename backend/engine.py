@@ -153,7 +153,14 @@ class Engine:
         if not scheduled.scheduled:
             return outputs
         self.runner.apply_tag_updates(self.block_manager.take_tag_updates())
-        results = self.runner.run(scheduled)
+        try:
+            results = self.runner.run(scheduled)
+        except Exception:
+            # a failed step is over too, once the device is idle; else its pages stay quarantined
+            # forever and a request needing them waits while the engine spins on empty steps
+            self.runner.synchronize()
+            self.block_manager.complete_step(scheduled.step)
+            raise
         self.block_manager.complete_step(scheduled.step)
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
         elapsed = time.perf_counter() - start

@@ -101,6 +101,11 @@ class ModelRunner:
                 )
         return results
 
+    def synchronize(self) -> None:
+        """Wait until nothing launched on the device can still write into the cache."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def find_mismatch(self, seq: Sequence) -> tuple[int, int, int] | None:
         """(page, expected tag, found tag) of the first page of `seq` that changed owner (for logs)."""
         found = self.kv_cache.page_tags.tolist()

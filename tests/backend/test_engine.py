@@ -350,3 +350,22 @@ async def test_a_bug_while_adding_a_request_refuses_it_and_the_engine_thread_kee
         assert sum(len(o.token_ids) for o in after) == 3 and after[-1].finish_reason == "length"
     finally:
         front.stop()
+
+
+def test_pages_of_a_failed_step_come_back_so_a_request_needing_the_whole_pool_still_runs() -> None:
+    engine = make_engine(num_pages=4)
+    model = engine.runner.model
+    forward = model.forward
+
+    def broken(batch: object) -> torch.Tensor:
+        model.forward = forward  # fails once
+        raise RuntimeError("device fell over")
+
+    model.forward = broken
+    engine.add_request(request("victim", prompt_of(1, 40), max_tokens=20))  # 3 of the 4 pages
+    with pytest.raises(RuntimeError, match="device fell over"):
+        engine.step()
+    engine.fail_all(EngineError("the step failed"))
+    assert engine.load().free_pages == 4  # nothing of the failed step can still write into them
+    whole_pool = run_all(engine, [request("after", prompt_of(2, 60), max_tokens=4)], max_steps=50)
+    assert whole_pool["after"].finish_reason == "length"
