@@ -124,3 +124,8 @@ async def test_a_retired_id_is_served_by_its_successor(harness: Harness) -> None
     assert r.status_code == 200 and r.json()["result"]["model"] == KIMI
     names = [e["name"] for e in (await get(harness, "/ai/models/search")).json()["result"]]
     assert "@cf/moonshotai/kimi-k2.5" not in names
+
+
+async def test_models_page_escapes_what_it_echoes(harness: Harness) -> None:
+    page = await harness.http.get(f"{harness.url}/models", params={"search": '"><script>alert(1)</script>'})
+    assert "<script>alert(1)</script>" not in page.text and "&lt;script&gt;" in page.text
