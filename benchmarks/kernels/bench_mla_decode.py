@@ -13,6 +13,9 @@ Peer: what a user would write without a paged kernel — the absorbed MQA as two
 (`mla_decode_ref`) checks correctness on the first sequences of each case (fp32, gathered tokens).
 The first case sweeps tile configs (block_h / block_n / warps) per KV dtype; later cases use the best.
 The tag check's cost is interleaved A/B pairs of the same kernel compiled with and without it.
+Prefill rows (`mla-prefill`): a chunk after a cached prefix through the same kernel with tiles of
+several queries, in causal TFLOP/s against the bf16 GEMM ceiling; the peer is the same two-bmm
+formulation with a causal mask over a contiguous copy.
 
     python3 -m benchmarks.kernels.bench_mla_decode [--out results.json]   (default: $OUT/mla_decode.json)
 """
@@ -28,6 +31,7 @@ import torch
 
 from benchmarks.kernels.common import bench_ms, graph_ms, measure_ceilings, rel_err, write_record
 from kernels.mla_decode import mla_decode, mla_decode_ref
+from kernels.mla_prefill import mla_attention_ref, mla_prefill
 
 R, DR, PAGE = 512, 64, 16
 SOFTMAX_SCALE = 0.1447  # (128 + 64)^-0.5 · mscale² for YaRN factor 64 (engine-anchors §1d)
@@ -214,6 +218,89 @@ def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float
     return rows
 
 
+PREFILL_CASES = [(64, 8192, 4096), (64, 0, 4096), (8, 8192, 4096)]  # heads, cached tokens, new tokens
+PREFILL_SWEEP = [  # block_q, block_h, block_n, num_warps
+    (4, 16, 32, 8),
+    (1, 64, 32, 8),
+    (2, 32, 32, 8),
+    (4, 16, 64, 8),
+    (8, 8, 32, 8),
+]
+
+
+def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list[dict]:
+    """One sequence: `new` queries after `cached` tokens, all in the paged cache."""
+    dev, L = "cuda", cached + new
+    case = make_case(H, 1, L, None)
+    q = torch.randn(new, H, R + DR, device=dev, dtype=torch.bfloat16)
+    qs = torch.tensor([0, new], dtype=torch.int32, device=dev)
+    flops = H * 2 * (R + DR + R) * (new * cached + new * (new + 1) // 2)  # causal
+    name = f"heads={H} cached={cached} new={new} d=512+64 page={PAGE}"
+
+    def ours(kv: str, cfg: tuple[int, ...]) -> torch.Tensor:
+        cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
+        return mla_prefill(
+            q, cache, scale, R, qs, case["seq_lens"], case["page_table"], case["expected_tags"],
+            case["page_tags"], case["flags"], SOFTMAX_SCALE,
+            block_q=cfg[0], block_h=cfg[1], block_n=cfg[2], num_warps=cfg[3],
+        )  # fmt: skip
+
+    kv_all = case["bf16"][case["page_table"][0].long()].reshape(L, R + DR)
+    causal = torch.arange(L, device=dev)[None, :] <= torch.arange(cached, L, device=dev)[:, None]  # [new, L]
+
+    def peer() -> torch.Tensor:
+        s = torch.einsum("qhc,lc->hql", q, kv_all).float() * SOFTMAX_SCALE
+        p = torch.softmax(s.masked_fill(~causal[None], float("-inf")), dim=-1).to(kv_all.dtype)
+        return torch.einsum("hql,lr->qhr", p, kv_all[:, :R])
+
+    peers = {}
+    try:
+        peers["torch_einsum_bf16_contiguous"] = graph_ms([peer])
+    except torch.OutOfMemoryError as exc:
+        print("prefill peer out of memory:", repr(exc)[:200], flush=True)
+    rows = []
+    for kv in ("bf16", "fp8"):
+        variants = {}
+        for cfg in PREFILL_SWEEP:
+            try:
+                variants[cfg] = graph_ms([lambda kv=kv, cfg=cfg: ours(kv, cfg)])
+            except Exception as exc:  # reported, not fatal
+                print(f"prefill config {cfg} failed: {repr(exc)[:200]}", flush=True)
+        cfg = min(variants, key=variants.__getitem__)
+        out = ours(kv, cfg)
+        cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
+        num_checked = min(64, new)
+        rows_checked = slice(new - num_checked, new)  # the last queries see the whole context
+        flags = torch.zeros(1, dtype=torch.bool, device=dev)
+        ref = mla_attention_ref(
+            q[rows_checked].float(), cache, scale, R, torch.tensor([0, num_checked], dtype=torch.int32, device=dev),
+            case["seq_lens"], case["page_table"], case["expected_tags"], case["page_tags"], flags, SOFTMAX_SCALE,
+        )  # fmt: skip
+        err = rel_err(out[rows_checked].float(), ref)
+        ms = variants[cfg]
+        rows.append(
+            {
+                "kernel": "mla-prefill",
+                "case": f"kv={kv} {name}",
+                "goal": None,
+                "ms": ms,
+                "fraction_of_ceiling": flops / ms / 1e9 / ceil["bf16_TFLOPs"],
+                "TFLOPs": flops / ms / 1e9,
+                "peers": peers,
+                "config": {"block_q": cfg[0], "block_h": cfg[1], "block_n": cfg[2], "num_warps": cfg[3]},
+                "variants": {str(k): v for k, v in variants.items()},
+                "rel_err": err,
+                "ok": err < 1e-2 and not bool(case["flags"].any()),
+            }
+        )
+        print(
+            f"mla-prefill kv={kv} {name:<48} {ms * 1e3:9.1f}us {flops / ms / 1e9:.0f} TFLOP/s err {err:.1e} "
+            f"cfg {cfg} | " + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in peers.items()),
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mla_decode.json when OUT is set)")
@@ -226,6 +313,9 @@ def main() -> None:
     best: dict[str, tuple[int, ...]] = {}
     for H, B, ctx, topk in CASES:
         rows += bench_case(H, B, ctx, topk, ceil, best)
+        torch.cuda.empty_cache()
+    for H, cached, new in PREFILL_CASES:
+        rows += bench_prefill(H, cached, new, ceil)
         torch.cuda.empty_cache()
     if out:
         write_record(out, rows, ceil, {"notes": "latent caches are GBs (>> L2): one call per graph replay"})
