@@ -334,3 +334,21 @@ async def test_logprobs_and_prefix_cache_usage(
     )
     usage = next(e for e in second if isinstance(e, Usage))
     assert usage.cached_tokens >= 8 and usage.cached_tokens < usage.prompt_tokens  # whole pages of the prompt
+    # the paired assertion across the wire: the gateway's salt, not the prompt, decides sharing
+    other_tenant = await generate(
+        client,
+        body(
+            "lp-3",
+            long_prompt,
+            tenant_salt="cd" * 16,
+            reasoning={"enabled": False},
+            sampling={"max_tokens": 4, "prompt_logprobs": True},
+        ),
+    )
+    other_usage = next(e for e in other_tenant if isinstance(e, Usage))
+    assert other_usage.cached_tokens == 0 and other_usage.prompt_tokens == usage.prompt_tokens
+    assert text_of(other_tenant) == text_of(second)
+    # prompt log-probs ride on usage, one per prompt token (the first has no context)
+    scored = other_usage.prompt_logprobs
+    assert scored is not None and len(scored) == other_usage.prompt_tokens and scored[0] is None
+    assert all(lp is not None and lp.logprob <= 0 for lp in scored[1:])
