@@ -192,6 +192,7 @@ class Call:
     async def _collect(self, events: AsyncIterator[b.Event], into: render.Completion) -> None:
         async for event in events:
             into.feed(event)
+        into.check_finished()
 
     async def _stream(
         self,

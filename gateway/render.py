@@ -84,6 +84,11 @@ class Completion:
         else:
             raise to_gateway_error(event)
 
+    def check_finished(self) -> None:
+        """A backend stream that ended without a finish event was cut short: an error, not an answer."""
+        if self.finish is None:
+            raise KumoError("Unknown internal error")
+
 
 @dataclass(frozen=True)
 class Totals:
@@ -206,6 +211,8 @@ async def legacy_stream(
             for _, t in sorted(c.tool_calls.items())
         ]
         yield sse(LegacyFrame(response="", tool_calls=calls, p=padding()))
+    for c in done:
+        c.check_finished()
     totals = Totals.of(done)
     yield sse(LegacyFrame(response="", usage=totals.legacy(neurons_of(totals))))
     yield DONE
@@ -255,6 +262,8 @@ async def openai_stream(
         elif isinstance(event, b.Finish):
             finish = "tool_calls" if c.tool_calls and c.finish == "stop" else c.finish
             yield chunk(i, o.Delta(), finish=finish)
+    for c in done:
+        c.check_finished()
     totals = Totals.of(done)
     if include_usage:
         yield sse(

@@ -2,7 +2,7 @@
 
 Used only for what a real backend cannot be made to do on demand: crash mid-stream, be slow, be
 busy, overflow its context, disagree with the catalog. The last user message picks the script
-(`tool:`, `think:`, `json:`, `crash`, `slow`, `overflow`, `busy`, `garbage`, `logprobs`; anything else is
+(`tool:`, `think:`, `json:`, `crash`, `slow`, `overflow`, `busy`, `garbage`, `truncated`, `logprobs`; anything else is
 echoed back in pieces). Every request it receives is kept for assertions.
 """
 
@@ -120,6 +120,9 @@ class FakeBackend:
     async def _events(self, req: b.GenerateRequest, text: str) -> AsyncIterator[bytes]:
         self.num_open_streams += 1
         try:
+            if text == "truncated":  # a clean end without usage or finish
+                yield msgspec.json.encode(b.TextDelta(text="half")) + b"\n"
+                return
             if text == "garbage":
                 yield b'{"type": "text", "text": "ok"}\n{not json\n'
                 return

@@ -133,6 +133,10 @@ async def test_a_crash_mid_stream_ends_the_stream_with_an_error(harness: Harness
     assert error["error"]["message"] == "AiError: Unknown internal error"
     r = await harness.http.post(url, headers=harness.auth(), json={"prompt": "crash"})
     assert_envelope(r, 500, 3000)
+    r = await harness.http.post(url, headers=harness.auth(), json={"prompt": "truncated"})
+    assert_envelope(r, 500, 3000)  # ended without a finish event: not passed off as an answer
+    r = await harness.http.post(url, headers=harness.auth(), json={"prompt": "truncated", "stream": True})
+    assert '"error"' in r.text and "[DONE]" not in r.text
 
 
 async def test_metrics_count_requests(harness: Harness) -> None:
