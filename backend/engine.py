@@ -11,6 +11,7 @@ the serving layer trims the stop string from the text it returns.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import threading
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from backend.block_manager import BlockManager
@@ -299,6 +301,10 @@ class AsyncEngine:
     Adds and aborts are queued to the engine thread and applied between steps; outputs come back
     to each caller's event loop. Leaving `generate` early (client gone) aborts the request, which
     frees its pages within one step.
+
+    The engine knows each stream by its own id (`<request id>#<n>`): a stream that left is aborted
+    only at the next step, and its outputs until then must not reach a new stream that reuses the
+    caller's request id (a retry), nor may that stream be refused as a duplicate.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -306,7 +312,9 @@ class AsyncEngine:
         self._commands: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}  # by engine id
+        self._engine_ids: dict[str, str] = {}  # caller's request id -> engine id of its live stream
+        self._stream_numbers = itertools.count()
         self._thread: threading.Thread | None = None
         self._is_stopping = False
         self._load = engine.load()
@@ -336,11 +344,16 @@ class AsyncEngine:
         image_embeds: torch.Tensor | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Outputs of `request` as the engine produces them; raises the `EngineError` refusing it."""
-        if request.request_id in self._streams:  # its outputs must never reach another stream
-            raise InvalidRequest(f"Request id {request.request_id!r} is already streaming.")
+        request_id = request.request_id
+        if request_id in self._engine_ids:  # two live streams under one id could not be told apart
+            raise InvalidRequest(f"Request id {request_id!r} is already streaming.")
+        engine_id = f"{request_id}#{next(self._stream_numbers)}"
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
-        self._submit(("add", request, constraint, image_embeds))
+        self._engine_ids[request_id] = engine_id
+        self._streams[engine_id] = (asyncio.get_running_loop(), queue)
+        self._submit(
+            ("add", msgspec.structs.replace(request, request_id=engine_id), constraint, image_embeds)
+        )
         is_done = False
         try:
             while not is_done:
@@ -349,14 +362,19 @@ class AsyncEngine:
                     is_done = True
                     raise item
                 is_done = item.finish_reason is not None
+                item.request_id = request_id
                 yield item
         finally:
-            self._streams.pop(request.request_id, None)
+            self._streams.pop(engine_id, None)
+            self._engine_ids.pop(request_id, None)
             if not is_done:
-                self.abort(request.request_id)
+                self._submit(("abort", engine_id))
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        """Abort the live stream of the caller's `request_id`, if there is one."""
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._submit(("abort", engine_id))
 
     def _submit(self, command: tuple[Any, ...]) -> None:
         with self._lock:

@@ -369,3 +369,23 @@ def test_pages_of_a_failed_step_come_back_so_a_request_needing_the_whole_pool_st
     assert engine.load().free_pages == 4  # nothing of the failed step can still write into them
     whole_pool = run_all(engine, [request("after", prompt_of(2, 60), max_tokens=4)], max_steps=50)
     assert whole_pool["after"].finish_reason == "length"
+
+
+async def test_a_reused_request_id_never_receives_the_previous_stream_outputs() -> None:
+    """A stream that left is aborted only at the next step; a new stream under the same id (a retry)
+    must neither be refused for it nor be handed the old request's tokens."""
+    fresh = prompt_of(5, 9)
+    alone = run_all(make_engine(num_pages=16), [request("x", fresh, max_tokens=6)])["x"].token_ids
+    front = AsyncEngine(make_engine(num_pages=16))
+    front.start()
+    try:
+        for _ in range(5):
+            old = front.generate(request("x", NEEDLE, max_tokens=200))
+            await anext(old)
+            await old.aclose()  # the engine keeps stepping it until the abort lands
+            outs = [out async for out in front.generate(request("x", fresh, max_tokens=6))]
+            assert all(out.request_id == "x" for out in outs)
+            assert [t for out in outs for t in out.token_ids] == alone
+            assert outs[-1].finish_reason == "length"
+    finally:
+        front.stop()
