@@ -1,0 +1,166 @@
+"""The Hugging Face transformers peer on the same truncated geometry: bf16, SDPA, random weights.
+
+Modes, each tried and reported (an error is recorded as that mode's result, never hidden):
+
+    generate          `model.generate`, dynamic cache, SDPA, the batch padded to one length
+    generate-static   the same with `cache_implementation="static"` (transformers compiles the decode
+                      forward with torch.compile when the cache is static)
+    generate_batch    continuous batching (`model.generate_batch`, paged attention), where it exists
+
+For `generate` modes the batch finishes together: TTFT is a `max_new_tokens=1` call on the same
+batch, TPOT = (wall − TTFT) / (output − 1). `generate_batch` reports wall-clock throughput only.
+Weights: transformers' own initialisation (normal, std `initializer_range` = 0.02), so routing is
+near uniform as in Kumo's random models; the tensors themselves are not Kumo's.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from benchmarks.engine.geometry import Geometry
+from benchmarks.engine.offline import random_prompts
+
+MODES = ("generate", "generate-static", "generate_batch")
+MODEL_TYPES = {"DeepseekV3ForCausalLM": "deepseek_v3", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+
+
+def hf_config(geometry: Geometry) -> Any:
+    import transformers
+
+    text = dict(geometry.text)
+    model_type = MODEL_TYPES[text["architectures"][0]]
+    cls = transformers.AutoConfig.for_model(model_type).__class__
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    kwargs = {k: v for k, v in text.items() if k in accepted and k not in ("architectures", "dtype", "torch_dtype")}
+    rope = text.get("rope_parameters")
+    if rope is None:  # checkpoint-style keys (Kimi): rope_theta + rope_scaling
+        rope = {"rope_theta": text.get("rope_theta", 10000.0), "rope_type": "default"}
+        scaling = dict(text.get("rope_scaling") or {})
+        if scaling:
+            rope |= scaling | {"rope_type": scaling.pop("type", scaling.get("rope_type", "yarn"))}
+            rope.pop("type", None)
+    if "rope_parameters" in accepted:
+        kwargs["rope_parameters"] = rope
+    kwargs |= {"eos_token_id": None, "bos_token_id": None, "pad_token_id": 0, "use_cache": True}
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def build_hf_model(geometry: Geometry, device: str) -> Any:
+    import transformers
+
+    config = hf_config(geometry)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def _generate(model: Any, ids: torch.Tensor, new: int, static: bool) -> None:
+    kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if static:
+        kwargs["cache_implementation"] = "static"
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(
+    model: Any, mode: str, *, concurrency: int, input_len: int, output_len: int, vocab: int, device: str
+) -> dict[str, Any]:
+    prompts = random_prompts(concurrency, input_len, vocab, seed=1)
+    row: dict[str, Any] = {"mode": mode, "concurrency": concurrency, "input_len": input_len, "output_len": output_len}
+    if mode == "generate_batch":
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+        _sync(device)
+        t0 = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config)
+        _sync(device)
+        wall = time.perf_counter() - t0
+        errors = {str(o.error) for o in outputs.values() if getattr(o, "error", None)}
+        if errors:  # failed requests come back with an error, not an exception
+            raise RuntimeError(f"generate_batch requests failed: {sorted(errors)[0]}")
+        tokens = sum(len(o.generated_tokens) for o in outputs.values())
+        return row | {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
+    ids = torch.tensor(prompts, device=device)
+    static = mode == "generate-static"
+    _sync(device)
+    t0 = time.perf_counter()
+    _generate(model, ids, 1, static)
+    _sync(device)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _generate(model, ids, output_len, static)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    tpot = (wall - ttft) / max(output_len - 1, 1)
+    tokens = concurrency * output_len
+    return row | {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / wall,
+        "output_tok_s_per_user": 1.0 / tpot if tpot > 0 else None,
+        "ttft_ms_p50": ttft * 1e3,
+        "tpot_ms_p50": tpot * 1e3,
+    }
+
+
+def measure_transformers(
+    geometry: Geometry,
+    *,
+    device: str,
+    concurrencies: tuple[int, ...],
+    input_len: int,
+    output_len: int,
+    modes: tuple[str, ...],
+    deadline: float,
+) -> dict[str, Any]:
+    """Every mode at every concurrency while time remains; errors and skips recorded per mode."""
+    import transformers
+
+    out: dict[str, Any] = {"transformers_version": transformers.__version__, "modes": {}}
+    try:
+        model = build_hf_model(geometry, device)
+    except Exception as exc:  # the whole peer is unavailable: say why
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    vocab = geometry.model_config.vocab_size
+    for mode in modes:
+        entry: dict[str, Any] = {"runs": [], "skipped": []}
+        out["modes"][mode] = entry
+        if mode == "generate_batch" and not hasattr(model, "generate_batch"):
+            entry["error"] = f"transformers {transformers.__version__} has no generate_batch"
+            continue
+        try:
+            t0 = time.perf_counter()  # warm-up: compilation and allocation outside the timed runs
+            run_mode(model, mode, concurrency=1, input_len=min(input_len, 64), output_len=4, vocab=vocab, device=device)
+            entry["warmup_s"] = time.perf_counter() - t0
+            for c in concurrencies:
+                if time.monotonic() > deadline:
+                    entry["skipped"].append({"concurrency": c, "why": "command deadline reached before this run"})
+                    continue
+                entry["runs"].append(
+                    run_mode(model, mode, concurrency=c, input_len=input_len, output_len=output_len, vocab=vocab, device=device)
+                )
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,181 @@
+"""Offline runs through `backend.engine.Engine`: all requests queued at once, steps until done.
+
+Every figure comes from wall-clock times taken around `Engine.step()` (each step ends in a host
+read of the sampled tokens, so the device has finished it):
+
+    TTFT       first output token time − start, per request (queueing behind other prefills included)
+    TPOT       (last − first output token time) / (output tokens − 1), per request
+    output tok/s total     all output tokens / wall time of the run
+    output tok/s per user  1 / TPOT, averaged over requests
+    prefill tok/s          one request of `prefill_len` tokens, max_tokens 1: prompt tokens / TTFT
+
+Prompts are seeded random token ids (distinct per request, so the prefix cache would find nothing;
+it is off), greedy sampling with EOS ignored, so every request produces exactly `output_len` tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from backend.engine import Engine
+from backend.engine_config import EngineConfig
+from schemas.backend import EngineRequest, SamplingParams
+
+SALT = "0" * 16
+
+
+@dataclass(slots=True)
+class RunResult:
+    variant: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    wall_s: float
+    output_tokens: int
+    output_tok_s: float
+    output_tok_s_per_user: float
+    ttft_ms_p50: float
+    ttft_ms_max: float
+    tpot_ms_p50: float
+    tpot_ms_mean: float
+    steps: int
+    preemptions: int
+    finished: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def engine_config(num_pages: int, page_size: int, kv_dtype: str, concurrency: int, chunk: int) -> EngineConfig:
+    return EngineConfig.build(
+        page_size=page_size,
+        num_pages=num_pages,
+        kv_dtype="float8_e4m3fn" if kv_dtype == "fp8" else "auto",
+        max_num_seqs=max(concurrency, 1),
+        max_num_batched_tokens=max(chunk, concurrency),
+        enable_prefix_cache=False,
+    )
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n, length), generator=g).tolist()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_offline(
+    engine: Engine,
+    *,
+    variant: str,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int = 1,
+    time_limit_s: float | None = None,
+) -> RunResult:
+    """`concurrency` requests of `input_len` random tokens, `output_len` tokens each."""
+    prompts = random_prompts(concurrency, input_len, vocab_size, seed)
+    sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    preempt0, steps0 = engine.scheduler.num_preemptions, engine.stats.steps
+    _sync(engine.runner.device)
+    start = time.perf_counter()
+    request_ids = [f"{variant}-{seed}-{i}" for i in range(concurrency)]
+    for rid, ids in zip(request_ids, prompts, strict=True):
+        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, tenant_salt=SALT, sampling=sampling))
+    finished = 0
+    while engine.has_unfinished:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.error is not None and out.error.code != "aborted":
+                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+            if out.token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.token_ids)
+            finished += out.finish_reason is not None
+        if time_limit_s is not None and now - start > time_limit_s:
+            for rid in request_ids:  # over its time: abort the rest, reported as unfinished
+                engine.abort(rid)
+            while engine.has_unfinished:
+                engine.step()
+            break
+    wall = time.perf_counter() - start
+    ttft = [(first[r] - start) * 1e3 for r in first]
+    tpot = [(last[r] - first[r]) * 1e3 / (counts[r] - 1) for r in first if counts[r] > 1]
+    total = sum(counts.values())
+    return RunResult(
+        variant=variant,
+        concurrency=concurrency,
+        input_len=input_len,
+        output_len=output_len,
+        wall_s=wall,
+        output_tokens=total,
+        output_tok_s=total / wall,
+        output_tok_s_per_user=statistics.fmean(1e3 / t for t in tpot) if tpot else 0.0,
+        ttft_ms_p50=statistics.median(ttft) if ttft else float("nan"),
+        ttft_ms_max=max(ttft) if ttft else float("nan"),
+        tpot_ms_p50=statistics.median(tpot) if tpot else float("nan"),
+        tpot_ms_mean=statistics.fmean(tpot) if tpot else float("nan"),
+        steps=engine.stats.steps - steps0,
+        preemptions=engine.scheduler.num_preemptions - preempt0,
+        finished=finished,
+    )
+
+
+def run_prefill(engine: Engine, *, variant: str, prefill_len: int, vocab_size: int, seed: int = 7) -> dict[str, Any]:
+    """One prompt of `prefill_len` tokens, one output token: prompt tokens / time to that token."""
+    r = run_offline(
+        engine, variant=variant, concurrency=1, input_len=prefill_len, output_len=1, vocab_size=vocab_size, seed=seed
+    )
+    return {"variant": variant, "prefill_len": prefill_len, "ttft_ms": r.ttft_ms_p50, "prefill_tok_s": prefill_len / (r.ttft_ms_p50 / 1e3)}
+
+
+def warm_up(engine: Engine, *, vocab_size: int, input_len: int) -> None:
+    """Compile and allocate outside the timed runs: a prefill, decodes, two batch sizes."""
+    for n in (1, 2):
+        run_offline(engine, variant="warmup", concurrency=n, input_len=min(input_len, 64), output_len=4, vocab_size=vocab_size, seed=99 + n)
+
+
+@contextlib.contextmanager
+def tag_check(enabled: bool, device: torch.device) -> Iterator[str]:
+    """Turn the paged MLA decode kernel's tag check on or off for the duration; yields what it switched.
+
+    The engine has no switch of its own (see benchmarks/README.md): this flips `check_tags` of
+    `kernels.mla_decode.mla_decode`, which the MLA layers import at each CUDA decode step. The
+    destination check in kv_write and the checks of the prefill path stay on either way. On the
+    CPU the decode path is the torch reference, which always checks: nothing is switched.
+    """
+    import functools
+
+    if device.type != "cuda":
+        yield "none: on the CPU the reference ops always check"
+        return
+    try:
+        import kernels.mla_decode as mod
+    except ImportError:  # no triton on this machine: the CPU reference path always checks
+        yield "none (no triton: the reference ops always check)"
+        return
+    original = mod.mla_decode
+    if not enabled:
+        mod.mla_decode = functools.partial(original, check_tags=False)  # type: ignore[assignment]
+    try:
+        yield "mla_decode check_tags (CUDA decode steps)"
+    finally:
+        mod.mla_decode = original

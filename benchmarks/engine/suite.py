@@ -1,0 +1,170 @@
+"""One variant (weight format × KV dtype) measured end to end, and the interleaved integrity A/B.
+
+A variant builds its random model on the device, sizes the page pool from `kumo plan`
+(`Geometry.kv_sizing`), builds an `Engine` over it, warms up, then measures the long-prompt
+prefill and the offline runs at each concurrency (plus the largest that fits the pool, capped),
+and frees everything before the next variant. Runs that would start past the command's deadline
+are recorded as skipped, never estimated.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from backend.engine import Engine
+from backend.quant.kv_scales import calibrate
+from benchmarks.engine.geometry import Geometry, KvDtype, WeightFormat
+from benchmarks.engine.offline import engine_config, random_prompts, run_offline, run_prefill, tag_check, warm_up
+from benchmarks.engine.weights import build_random_model, weight_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    device: str
+    input_len: int
+    output_len: int
+    prefill_len: int
+    concurrencies: tuple[int, ...]
+    max_concurrency_cap: int  # the "largest that fits" run is capped here (0: no such run)
+    chunk: int
+    page_size: int
+    fp8_method: str
+    deadline: float  # time.monotonic() after which no run starts
+    seed: int = 0
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def variant_name(fmt: WeightFormat, kv_dtype: KvDtype) -> str:
+    return f"{fmt}-weights/{kv_dtype}-kv"
+
+
+class Variant:
+    """A built model + engine of one format; `close()` frees the device memory."""
+
+    def __init__(self, geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, opts: Options) -> None:
+        self.name, self.fmt, self.kv_dtype = variant_name(fmt, kv_dtype), fmt, kv_dtype
+        self.config = geometry.model_config
+        device = torch.device(opts.device)
+        mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        t0 = time.perf_counter()
+        self.model = build_random_model(geometry, fmt, device=device, seed=opts.seed, fp8_method=opts.fp8_method)
+        self.build_s = time.perf_counter() - t0
+        self.weight_bytes = weight_bytes(self.model)
+        self.weight_mem_allocated = (torch.cuda.memory_allocated(device) - mem0) if device.type == "cuda" else None
+        self.sizing = geometry.kv_sizing(fmt, kv_dtype, page_size=opts.page_size, fp8_method=opts.fp8_method)
+        self.tokens_per_request = opts.input_len + opts.output_len
+        self.max_concurrency = self.sizing.max_concurrency(self.tokens_per_request)
+        scales = None
+        if kv_dtype == "fp8":  # calibrated on seeded random ids, as a checkpoint without scales is
+            prompts = random_prompts(2, 64, self.config.vocab_size, seed=opts.seed + 5)
+            scales = calibrate(self.model, prompts, model_dtype=torch.bfloat16)
+        top = max([*opts.concurrencies, min(self.max_concurrency, opts.max_concurrency_cap), 1])
+        self.engine = Engine(
+            self.model,  # type: ignore[arg-type]
+            engine_config(self.sizing.num_pages, opts.page_size, kv_dtype, top, opts.chunk),
+            vocab_size=self.config.vocab_size,
+            context_window=self.config.max_position_embeddings,
+            model_dtype=torch.bfloat16,
+            device=device,
+            kv_scales=scales,
+        )
+        self.kv_bytes = sum(t.numel() * t.element_size() for layer in self.engine.runner.kv_cache.layers for t in layer.values())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "variant": self.name,
+            "weights": self.fmt,
+            "kv_dtype": self.kv_dtype,
+            "build_s": self.build_s,
+            "weight_bytes": self.weight_bytes,
+            "weight_mem_allocated": self.weight_mem_allocated,
+            "kv_bytes": self.kv_bytes,
+            "kv_capacity_tokens": self.sizing.num_pages * self.sizing.page_size,
+            "kv_sizing": asdict(self.sizing),
+            "tokens_per_request": self.tokens_per_request,
+            "max_concurrency": self.max_concurrency,
+        }
+
+    def close(self) -> None:
+        del self.engine, self.model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def measure_variant(geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, opts: Options) -> dict[str, Any]:
+    v = Variant(geometry, fmt, kv_dtype, opts)
+    try:
+        vocab = v.config.vocab_size
+        warm_up(v.engine, vocab_size=vocab, input_len=opts.input_len)
+        out = v.describe()
+        out["prefill"] = run_prefill(v.engine, variant=v.name, prefill_len=opts.prefill_len, vocab_size=vocab)
+        largest = min(v.max_concurrency, opts.max_concurrency_cap)
+        levels = sorted({c for c in opts.concurrencies if c <= v.max_concurrency} | ({largest} if largest > 0 else set()))
+        out["largest_run_concurrency"] = largest
+        out["runs"], out["skipped"] = [], []
+        for c in levels:
+            if opts.time_left() <= 0:
+                out["skipped"].append({"concurrency": c, "why": "command deadline reached before this run"})
+                continue
+            r = run_offline(
+                v.engine, variant=v.name, concurrency=c, input_len=opts.input_len, output_len=opts.output_len,
+                vocab_size=vocab, time_limit_s=max(opts.time_left(), 1.0),
+            )  # fmt: skip
+            r.extra["is_largest"] = c == largest
+            r.extra["is_complete"] = r.finished == c and r.output_tokens == c * opts.output_len
+            out["runs"].append(r.to_dict())
+        for c in opts.concurrencies:
+            if c > v.max_concurrency:
+                out["skipped"].append({"concurrency": c, "why": f"pool holds {v.max_concurrency} requests"})
+        return out
+    finally:
+        v.close()
+
+
+def measure_integrity(
+    geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, opts: Options, *, concurrency: int, repeats: int
+) -> dict[str, Any]:
+    """Tag check on vs off, interleaved (on, off, off, on, …) at one concurrency; medians and spread."""
+    v = Variant(geometry, fmt, kv_dtype, opts)
+    try:
+        vocab, device = v.config.vocab_size, torch.device(opts.device)
+        warm_up(v.engine, vocab_size=vocab, input_len=opts.input_len)
+        samples: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+        switched = ""
+        for i in range(repeats):
+            order = ("on", "off") if i % 2 == 0 else ("off", "on")
+            for state in order:
+                if opts.time_left() <= 0:
+                    break
+                with tag_check(state == "on", device) as switched:
+                    r = run_offline(
+                        v.engine, variant=f"{v.name}/tags-{state}", concurrency=concurrency,
+                        input_len=opts.input_len, output_len=opts.output_len, vocab_size=vocab, seed=100 + i,
+                    )  # fmt: skip
+                samples[state].append(r.to_dict())
+        out = v.describe() | {"concurrency": concurrency, "switched": switched, "samples": samples}
+        for state in ("on", "off"):
+            tpot = [s["tpot_ms_p50"] for s in samples[state]]
+            tput = [s["output_tok_s"] for s in samples[state]]
+            out[state] = {
+                "n": len(tpot),
+                "tpot_ms_median": statistics.median(tpot) if tpot else None,
+                "tpot_ms_min": min(tpot) if tpot else None,
+                "tpot_ms_max": max(tpot) if tpot else None,
+                "tpot_ms_stdev": statistics.stdev(tpot) if len(tpot) > 1 else 0.0,
+                "output_tok_s_median": statistics.median(tput) if tput else None,
+            }
+        on, off = out["on"]["tpot_ms_median"], out["off"]["tpot_ms_median"]
+        out["overhead"] = (on / off - 1.0) if on and off else None
+        return out
+    finally:
+        v.close()
