@@ -269,12 +269,12 @@ def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
     """
     per_expert = num_pairs / num_experts
     if per_expert <= 1:
-        return MoEConfig(block_m=0, block_n=32, block_k=256)
+        return MoEConfig(block_m=0, block_n=32, block_k=128)  # 96 registers (BK 256: 254)
     if per_expert <= 16:
         return MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)
     if per_expert <= 32:
         return MoEConfig(block_m=32, block_n=64, block_k=128, num_stages=4)
-    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)  # W4A16's best tiles at M=64
 
 
 def moe_align(
