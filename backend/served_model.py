@@ -13,23 +13,12 @@ from backend.chat_template import ChatTemplate
 from backend.config import ModelConfig
 from backend.reasoning import ThinkMarkers
 from backend.tokenizer import Tokenizer, load_tokenizer
+from backend.tool_parsers import MARKERS as TOOL_MARKERS_OF
 from schemas.backend import Capabilities, ModelCard
 
 # turn-ending tokens of each family's chat format (`engine-anchors.md` §1i, §9)
 STOP_TOKENS = {"kimi": ("<|im_end|>", "[EOS]"), "glm": ("<|endoftext|>", "<|user|>", "<|observation|>")}
-TOOL_MARKERS = (
-    "<|tool_calls_section_begin|>",
-    "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>",
-    "<|tool_call_end|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
-)
+TOOL_MARKERS = (*TOOL_MARKERS_OF["kimi"], *TOOL_MARKERS_OF["glm"])  # every family's, for `marker_ids`
 
 
 def family_of(config: ModelConfig) -> str:
@@ -95,10 +84,7 @@ class ServedModel:
         )
 
     def card(self, *, dtype: str, kv_dtype: str, page_size: int, num_pages: int) -> ModelCard:
-        has_tools = all(
-            self.marker_ids[m] is not None
-            for m in (TOOL_MARKERS[:5] if self.family == "kimi" else TOOL_MARKERS[5:])
-        )
+        has_tools = all(self.marker_ids[m] is not None for m in TOOL_MARKERS_OF[self.family])
         return ModelCard(
             name=self.name,
             architecture=self.config.architecture,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from backend.tokenizer import Tokenizer
+from backend.tool_parsers import glm, kimi
 from backend.tool_parsers.base import ContentIds, ParsedCall, Piece, RawText, ToolParser
 from backend.tool_parsers.glm import GlmToolParser
 from backend.tool_parsers.kimi import KimiToolParser
@@ -13,6 +14,9 @@ PARSERS: dict[str, type[KimiToolParser] | type[GlmToolParser]] = {
     "glm": GlmToolParser,
 }
 
+# each family's call markers (single special tokens of its tokenizer)
+MARKERS: dict[str, tuple[str, ...]] = {"kimi": kimi.MARKERS, "glm": glm.MARKERS}
+
 
 def parser_for(family: str, tokenizer: Tokenizer, tools: list[Tool]) -> ToolParser | None:
     """The family's parser for one request, or None when the tokenizer lacks the family's markers."""
@@ -20,4 +24,4 @@ def parser_for(family: str, tokenizer: Tokenizer, tools: list[Tool]) -> ToolPars
     return cls(tokenizer, tools) if cls.supports(tokenizer) else None
 
 
-__all__ = ["ContentIds", "ParsedCall", "Piece", "RawText", "ToolParser", "parser_for"]
+__all__ = ["MARKERS", "ContentIds", "ParsedCall", "Piece", "RawText", "ToolParser", "parser_for"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from backend.errors import InvalidRequest
+from backend.served_model import TOOL_MARKERS
 from backend.structured import GrammarConstraint, build_constraint, grammar_for
 from backend.tokenizer import Tokenizer
 from backend.tool_parsers import ParsedCall, parser_for
@@ -68,20 +69,7 @@ def _request(**kwargs: object) -> GenerateRequest:
 
 
 def _markers(tok: Tokenizer) -> dict[str, int | None]:
-    names = [
-        "<|tool_calls_section_begin|>",
-        "<|tool_calls_section_end|>",
-        "<|tool_call_begin|>",
-        "<|tool_call_argument_begin|>",
-        "<|tool_call_end|>",
-        "<tool_call>",
-        "</tool_call>",
-        "<arg_key>",
-        "</arg_key>",
-        "<arg_value>",
-        "</arg_value>",
-    ]
-    return {n: tok.token_to_id(n) for n in names}
+    return {n: tok.token_to_id(n) for n in TOOL_MARKERS}
 
 
 def _walk(constraint: GrammarConstraint, vocab: int, eos: int, seed: int, max_steps: int = 400) -> list[int]:
