@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU tests of the kernels, then the benchmarks; logs and JSON go to $OUT.
 # Usage (through the device tool, with .whl carried): bash benchmarks/kernels/run_on_device.sh
+# Options: BENCHES picks benchmarks (default "paged_decode w4a16"; also mla_decode, fused_moe), e.g.
+#   BENCHES=fused_moe BENCH_TIMEOUT=480 bash benchmarks/kernels/run_on_device.sh
+# fused_moe needs ~55 GB of device memory (INT4, bf16 and tinygemm copies of 384 Kimi experts) and
+# compiles ~20 tile variants on first use; its GPU tests: tests/kernels/test_fused_moe.py -m gpu.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
