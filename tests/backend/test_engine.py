@@ -280,21 +280,25 @@ def test_prompt_and_token_logprobs_equal_transformers(model_name: str, models: M
         assert [t.token_id for t in lp.top] == row.topk(3).indices.tolist()
 
 
+def fail_once(owner: object, method: str, message: str) -> None:
+    """Make `owner.method(...)` raise `RuntimeError(message)` on its next call only."""
+    original = getattr(owner, method)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        setattr(owner, method, original)
+        raise RuntimeError(message)
+
+    setattr(owner, method, broken)
+
+
 async def test_a_failing_step_ends_every_live_request_and_the_engine_keeps_serving() -> None:
     engine = make_engine(num_pages=16)
-    model = engine.runner.model
-    forward = model.forward
-
-    def broken(batch: object) -> torch.Tensor:
-        model.forward = forward  # fails once
-        raise RuntimeError("device fell over")
-
     front = AsyncEngine(engine)
     front.start()
     try:
         stream = front.generate(request("victim", NEEDLE, max_tokens=50))
         assert len((await stream.__anext__()).token_ids) == 1
-        model.forward = broken
+        fail_once(engine.runner.model, "forward", "device fell over")
         last = [out async for out in stream][-1]
         assert last.finish_reason == "abort" and last.error is not None and last.error.code == "internal"
         assert "device fell over" in last.error.message
@@ -333,13 +337,7 @@ async def test_a_stopped_async_engine_refuses_requests_instead_of_leaving_them_h
 
 async def test_a_bug_while_adding_a_request_refuses_it_and_the_engine_thread_keeps_serving() -> None:
     engine = make_engine(num_pages=16)
-    add_request = engine.add_request
-
-    def broken(*args: object, **kwargs: object) -> None:
-        engine.add_request = add_request  # fails once
-        raise RuntimeError("bad image tensor")
-
-    engine.add_request = broken  # type: ignore[method-assign]
+    fail_once(engine, "add_request", "bad image tensor")
     front = AsyncEngine(engine)
     front.start()
     try:
@@ -354,14 +352,7 @@ async def test_a_bug_while_adding_a_request_refuses_it_and_the_engine_thread_kee
 
 def test_pages_of_a_failed_step_come_back_so_a_request_needing_the_whole_pool_still_runs() -> None:
     engine = make_engine(num_pages=4)
-    model = engine.runner.model
-    forward = model.forward
-
-    def broken(batch: object) -> torch.Tensor:
-        model.forward = forward  # fails once
-        raise RuntimeError("device fell over")
-
-    model.forward = broken
+    fail_once(engine.runner.model, "forward", "device fell over")
     engine.add_request(request("victim", prompt_of(1, 40), max_tokens=20))  # 3 of the 4 pages
     with pytest.raises(RuntimeError, match="device fell over"):
         engine.step()
