@@ -148,6 +148,19 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> this rank's share of the routed sum [T, H]."""
+        if x.is_cuda and self._can_fuse():  # one fused INT4 MoE, no host sync (CUDA-graph safe)
+            from kernels.fused_moe import fused_moe  # triton is the gpu extra: imported only here
+
+            return fused_moe(
+                x,
+                ids - self.e0,  # other ranks' experts fall outside [0, El) and contribute nothing
+                weights,
+                self.gate_up_packed,
+                self.gate_up_scale,
+                self.down_packed,
+                self.down_scale,
+                self.scheme.group_size,
+            )
         out = torch.zeros_like(x)
         local = ids - self.e0  # [T, k]
         for e in torch.unique(local[(local >= 0) & (local < self.e1 - self.e0)]).tolist():
@@ -157,6 +170,16 @@ class QuantExperts(nn.Module):
             y = F.linear(self.act(gate) * up, w_down)  # [n, H]
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         return out
+
+    def _can_fuse(self) -> bool:
+        """INT4 experts with SiLU and whole groups: what `kernels.fused_moe` computes."""
+        g = self.scheme.group_size
+        return (
+            self.scheme.method == "int4"
+            and self.act is F.silu
+            and self.hidden % g == 0
+            and self.intermediate % g == 0
+        )
 
     def extra_repr(self) -> str:
         return f"experts=[{self.e0}, {self.e1}), method={self.scheme.method}"

@@ -241,3 +241,39 @@ def test_kimi_shapes_bf16(M: int) -> None:
         assert not out.isnan().any()
         assert rel_err(out, ref) < TOL[torch.bfloat16], cfg
         assert torch.equal(fused_moe(x, ids, wts, w13, s13, w2, s2, G, config=cfg), out)
+
+
+def _filled_layer(e0: int, e1: int, hidden: int, inter: int, gen: torch.Generator) -> QuantExperts:
+    layer = QuantExperts(
+        QuantScheme(method="int4", group_size=G), e0=e0, e1=e1, hidden=hidden, intermediate=inter, act=F.silu
+    )
+    ex = Experts(e1 - e0, hidden, inter, gen)
+    for name, t in zip(
+        ("gate_up_packed", "gate_up_scale", "down_packed", "down_scale"), ex.tensors("cpu"), strict=True
+    ):
+        getattr(layer, name).copy_(t)
+    return layer
+
+
+def test_layer_fuses_only_what_the_kernel_computes() -> None:
+    gen = torch.Generator().manual_seed(8)
+    assert _filled_layer(0, 2, H, I, gen)._can_fuse()
+    gelu = QuantExperts(
+        QuantScheme(method="int4", group_size=G), e0=0, e1=2, hidden=H, intermediate=I, act=F.gelu
+    )
+    assert not gelu._can_fuse()
+    fp8 = QuantExperts(QuantScheme(method="fp8-channel"), e0=0, e1=2, hidden=H, intermediate=I, act=F.silu)
+    assert not fp8._can_fuse()
+
+
+@pytest.mark.gpu
+def test_layer_on_cuda_matches_its_cpu_loop() -> None:
+    """QuantExperts dispatches to the fused kernel on CUDA; its CPU loop is the reference (fp32)."""
+    gen = torch.Generator().manual_seed(9)
+    layer = _filled_layer(16, 48, 1024, 256, gen)  # this rank: experts 16..47 of 64
+    x = torch.randn(33, 1024, generator=gen)
+    ids = torch.rand(33, 64, generator=gen).topk(6, dim=-1).indices
+    wts = torch.rand(33, 6, generator=gen)
+    want = layer(x, wts, ids)
+    got = layer.cuda()(x.cuda(), wts.cuda(), ids.cuda())
+    assert rel_err(got, want) < TOL[torch.float32]
