@@ -1,0 +1,278 @@
+"""The record (JSON), its summary ratios, a Markdown table, a projection and PNG plots.
+
+Record: `{command, date, device, geometry, comparisons, options, variants, runs, integrity,
+transformers, summary, summary_detail, projection}`. `runs` is flat: one row per Kumo run
+(`source: "kumo"`, its `variant`) and per transformers run (`source: "transformers"`, its `mode`).
+A summary ratio is null when the record holds no measurement for it (one device call measures one
+comparison; `kumo bench engine report A.json B.json …` merges calls and recomputes the summary).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+# (seed figure, goal) per summary key, from issue 9
+TARGETS: dict[str, tuple[str, str]] = {
+    "int4_vs_fp8_decode_c1": ("1.55x", ">= 1.7x"),
+    "int4_vs_fp8_prefill": ("0.85x", ">= 0.95x"),
+    "fp8kv_vs_bf16kv_c64": ("1.41x", ">= 1.45x"),
+    "fp8kv_vs_bf16kv_c1": ("a few % below 1.0x", ">= 1.0x"),
+    "integrity_overhead": ("-", "<= +1%"),
+    "vs_transformers_c64": ("-", ">= 10x"),
+}
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def new_record(device: str, geometry: dict[str, Any], options: dict[str, Any], comparison: str) -> dict[str, Any]:
+    import torch
+
+    return {
+        "command": " ".join(["kumo", "bench", "engine", *sys.argv[1:]]) if sys.argv else "",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "geometry": geometry,
+        "comparisons": [comparison],
+        "options": options,
+        "variants": [],
+        "runs": [],
+        "integrity": None,
+        "transformers": None,
+    }
+
+
+def add_variant(record: dict[str, Any], result: dict[str, Any]) -> None:
+    runs = result.pop("runs")
+    record["variants"].append(result)
+    record["runs"] += [{"source": "kumo", "kind": record["geometry"]["kind"]} | r for r in runs]
+
+
+def add_transformers(record: dict[str, Any], result: dict[str, Any]) -> None:
+    record["transformers"] = result
+    for mode, entry in result.get("modes", {}).items():
+        record["runs"] += [{"source": "transformers", "variant": f"transformers/{mode}", "kind": record["geometry"]["kind"]} | r for r in entry["runs"]]
+
+
+# ---- summary -------------------------------------------------------------------------------------
+def _kumo(record: dict[str, Any], weights: str | None = None, kv: str | None = None) -> list[dict[str, Any]]:
+    by_name = {v["variant"]: v for v in record["variants"]}
+    out = []
+    for r in record["runs"]:
+        v = by_name.get(r["variant"])
+        if r["source"] == "kumo" and v and (weights is None or v["weights"] == weights) and (kv is None or v["kv_dtype"] == kv):
+            out.append(r)
+    return out
+
+
+def _at(runs: list[dict[str, Any]], c: int, key: str) -> float | None:
+    vals = [r[key] for r in runs if r["concurrency"] == c and r.get(key)]
+    return max(vals) if vals else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _prefill(record: dict[str, Any], weights: str) -> float | None:
+    vals = [v["prefill"]["prefill_tok_s"] for v in record["variants"] if v["weights"] == weights and v.get("prefill")]
+    return max(vals) if vals else None
+
+
+def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, str]]:
+    int4, fp8 = _kumo(record, "int4"), _kumo(record, "fp8")
+    bf16kv, fp8kv = _kumo(record, kv="bf16"), _kumo(record, kv="fp8")
+    # the KV comparison is between variants with the same weights: pick the format both have
+    both = {v["weights"] for v in record["variants"] if v["kv_dtype"] == "bf16"} & {
+        v["weights"] for v in record["variants"] if v["kv_dtype"] == "fp8"
+    }
+    w = sorted(both)[0] if both else None
+    if w is not None:
+        bf16kv, fp8kv = _kumo(record, w, "bf16"), _kumo(record, w, "fp8")
+    bf16kv_peak = max((r["output_tok_s"] for r in bf16kv), default=None) if w else None
+    hf = [r for r in record["runs"] if r["source"] == "transformers"]
+    integrity = record.get("integrity") or {}
+    overhead = integrity.get("overhead") if not str(integrity.get("switched", "none")).startswith("none") else None
+    summary = {
+        "int4_vs_fp8_decode_c1": _ratio(_at(int4, 1, "output_tok_s_per_user"), _at(fp8, 1, "output_tok_s_per_user")),
+        "int4_vs_fp8_prefill": _ratio(_prefill(record, "int4"), _prefill(record, "fp8")),
+        "fp8kv_vs_bf16kv_c64": _ratio(_at(fp8kv, 64, "output_tok_s"), bf16kv_peak) if w else None,
+        "fp8kv_vs_bf16kv_c1": _ratio(_at(fp8kv, 1, "output_tok_s_per_user"), _at(bf16kv, 1, "output_tok_s_per_user")) if w else None,
+        "integrity_overhead": overhead,
+        "vs_transformers_c64": _ratio(_at(_kumo(record), 64, "output_tok_s"), _at(hf, 64, "output_tok_s")),
+    }
+    detail = {
+        "int4_vs_fp8_decode_c1": "output tok/s per user at concurrency 1, INT4-expert weights / FP8 weights",
+        "int4_vs_fp8_prefill": "prefill tok/s of one long prompt, INT4 / FP8 weights",
+        "fp8kv_vs_bf16kv_c64": f"output tok/s total, FP8 KV at concurrency 64 / the BF16-KV peak over all concurrencies run ({w or "no common"} weights)",
+        "fp8kv_vs_bf16kv_c1": f"output tok/s per user at concurrency 1, FP8 KV / BF16 KV ({w or "no common"} weights)",
+        "integrity_overhead": f"TPOT median tag check on / off - 1 (switched: {integrity.get('switched', 'not measured')})",
+        "vs_transformers_c64": "output tok/s total at concurrency 64, best Kumo variant / best transformers mode",
+    }
+    return summary, detail
+
+
+def projection(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Crude projection to the full model on 8 GPUs: decode step × full layers / truncated layers / 8."""
+    g = record["geometry"]
+    scale = g["full_num_layers"] / g["num_layers"] / 8
+    rows = []
+    for r in _kumo(record):
+        if r.get("tpot_ms_p50") and r["tpot_ms_p50"] == r["tpot_ms_p50"]:
+            tpot = r["tpot_ms_p50"] * scale
+            rows.append({"variant": r["variant"], "concurrency": r["concurrency"], "projected_tpot_ms": tpot,
+                         "projected_tok_s_per_user": 1e3 / tpot, "projected_output_tok_s_per_gpu": r["concurrency"] * 1e3 / tpot / 8})  # fmt: skip
+    return rows
+
+
+def finish(record: dict[str, Any]) -> dict[str, Any]:
+    record["summary"], record["summary_detail"] = summarize(record)
+    record["projection"] = projection(record)
+    record["projection_note"] = (
+        "PROJECTION, not a measurement: measured TPOT x (full layers / truncated layers) / 8 GPUs, assuming "
+        "perfect tensor-parallel scaling and no communication; the truncated run's KV per layer already "
+        "is the per-GPU share, so this over-credits KV reads."
+    )
+    return record
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(records[0])
+    out["comparisons"] = [c for r in records for c in r["comparisons"]]
+    out["geometries"] = [r["geometry"] for r in records]
+    out["variants"] = [dict(v, kind=r["geometry"]["kind"]) for r in records for v in r["variants"]]
+    out["runs"] = [x for r in records for x in r["runs"]]
+    out["integrity"] = next((r["integrity"] for r in records if r.get("integrity")), None)
+    out["transformers"] = next((r["transformers"] for r in records if r.get("transformers")), None)
+    out["sources"] = [{"command": r["command"], "date": r["date"], "comparisons": r["comparisons"]} for r in records]
+    summary: dict[str, Any] = {}
+    detail: dict[str, str] = {}
+    for r in records:  # each ratio from the record that measured it (ratios never mix geometries)
+        s, d = summarize(r)
+        for k, v in s.items():
+            if v is not None and summary.get(k) is None:
+                summary[k], detail[k] = v, f"{d[k]} [{r['geometry']['kind']}, {r['comparisons'][0]}]"
+        for k in s:
+            summary.setdefault(k, None)
+            detail.setdefault(k, d[k])
+    out["summary"], out["summary_detail"] = summary, detail
+    out["projection"] = [p for r in records for p in projection(r)]
+    return out
+
+
+# ---- Markdown --------------------------------------------------------------------------------------
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None or x != x else fmt.format(x)
+
+
+def markdown(record: dict[str, Any]) -> str:
+    g = record["geometry"]
+    lines = [
+        f"# Engine benchmark: {', '.join(record['comparisons'])}",
+        "",
+        f"{record['date']} on {record['device']} (torch {record.get('torch', '?')}). Geometry: {g['kind']} "
+        f"published per-layer shapes, {g['num_layers']} of {g['full_num_layers']} layers ({g['dense_layers']} dense), "
+        f"random weights; {g['routing']}. KV pool per layer = the full model's per-GPU pool on 8 H200s (`kumo plan`).",
+        "",
+        "| summary | measured | seed | goal | definition |",
+        "|---|---|---|---|---|",
+    ]
+    for k, v in record["summary"].items():
+        seed, goal = TARGETS[k]
+        shown = "-" if v is None else (f"{v:+.2%}" if k == "integrity_overhead" else f"{v:.2f}x")
+        lines.append(f"| {k} | {shown} | {seed} | {goal} | {record['summary_detail'][k]} |")
+    lines += ["", "| variant | weights GB | KV tokens | max conc. | prefill tok/s |", "|---|---|---|---|---|"]
+    for v in record["variants"]:
+        pf = (v.get("prefill") or {}).get("prefill_tok_s")
+        lines.append(f"| {v['variant']} | {v['weight_bytes'] / 1e9:.3g} | {v['kv_capacity_tokens']:,} | {v['max_concurrency']} | {_f(pf)} |")
+    lines += ["", "| run | conc. | out tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | preempt. |", "|---|---|---|---|---|---|---|"]
+    for r in record["runs"]:
+        lines.append(
+            f"| {r['variant']} | {r['concurrency']} | {_f(r.get('output_tok_s'))} | {_f(r.get('output_tok_s_per_user'))} "
+            f"| {_f(r.get('ttft_ms_p50'))} | {_f(r.get('tpot_ms_p50'))} | {r.get('preemptions', '-')} |"
+        )
+    hf = record.get("transformers") or {}
+    for mode, entry in hf.get("modes", {}).items():
+        if entry.get("error"):
+            lines.append(f"\ntransformers {mode}: **failed**: {entry['error']}")
+    integ = record.get("integrity")
+    if integ:
+        lines.append(
+            f"\nIntegrity A/B at concurrency {integ['concurrency']}, {integ['on']['n']}+{integ['off']['n']} interleaved runs, "
+            f"switched: {integ['switched']}: TPOT on {_f(integ['on']['tpot_ms_median'], '{:.2f}')} ms "
+            f"[{_f(integ['on']['tpot_ms_min'], '{:.2f}')}, {_f(integ['on']['tpot_ms_max'], '{:.2f}')}], off "
+            f"{_f(integ['off']['tpot_ms_median'], '{:.2f}')} ms [{_f(integ['off']['tpot_ms_min'], '{:.2f}')}, "
+            f"{_f(integ['off']['tpot_ms_max'], '{:.2f}')}]."
+        )
+    if record.get("projection"):
+        lines += ["", f"**{record.get('projection_note', 'Projection')}**", "", "| variant | conc. | projected TPOT ms | tok/s/user | out tok/s per GPU |", "|---|---|---|---|---|"]
+        for p in record["projection"]:
+            lines.append(f"| {p['variant']} | {p['concurrency']} | {p['projected_tpot_ms']:.2f} | {p['projected_tok_s_per_user']:.1f} | {p['projected_output_tok_s_per_gpu']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- plots -------------------------------------------------------------------------------------------
+def plots(record: dict[str, Any], stem: Path) -> list[str]:
+    """tok/s vs concurrency per variant, and prefill bars; [] when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_variant: dict[str, list[tuple[int, float]]] = {}
+    for r in record["runs"]:
+        if r.get("output_tok_s"):
+            by_variant.setdefault(r["variant"], []).append((r["concurrency"], r["output_tok_s"]))
+    for name, pts in sorted(by_variant.items()):
+        pts.sort()
+        ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tok/s (total)")
+    ax.set_title(f"{record['geometry']['kind']} geometry, {record['geometry']['num_layers']} layers, {record['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = stem.with_name(stem.name + "-throughput.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(str(path))
+    prefill = [(v["variant"], v["prefill"]["prefill_tok_s"]) for v in record["variants"] if v.get("prefill")]
+    if prefill:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar([n for n, _ in prefill], [t for _, t in prefill])
+        ax.set_ylabel("prefill tok/s (one long prompt)")
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        path = stem.with_name(stem.name + "-prefill.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def write(record: dict[str, Any], out: Path) -> list[str]:
+    """`out` (.json) plus `out`.md and PNGs beside it; returns the paths written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.with_suffix("")
+    md = stem.with_suffix(".md")
+    record["plots"] = [Path(p).name for p in plots(record, stem)]
+    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    md.write_text(markdown(record))
+    return [str(out), str(md), *[str(stem.parent / p) for p in record["plots"]]]
