@@ -27,7 +27,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
-from backend.engine import AsyncEngine, Engine
+from backend.async_engine import AsyncEngine
+from backend.engine import Engine
 from backend.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
 from backend.image_encoder import MEDIA_PAD, VisionEncoder

@@ -37,7 +37,7 @@ from schemas.backend import (
 
 
 class GenerationEngine(Protocol):
-    """What serving needs of the engine (`backend.engine.AsyncEngine`)."""
+    """What serving needs of the engine (`backend.async_engine.AsyncEngine`)."""
 
     def generate(
         self,

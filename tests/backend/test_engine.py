@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.engine import AsyncEngine
+from backend.async_engine import AsyncEngine
 from backend.errors import Aborted, Busy, EngineError, InvalidRequest
 from schemas.backend import ImageSpan
 from tests.backend.engine_helpers import (
