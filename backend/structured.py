@@ -65,7 +65,8 @@ def _json_grammar(schema: dict[str, Any]) -> str:
 
 
 def _lark_json(schema: dict[str, Any]) -> str:
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+    # Compact JSON only: with flexible whitespace a model can pad a value forever and never close it.
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 
 def _lark_string(text: str) -> str:

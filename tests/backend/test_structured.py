@@ -225,3 +225,40 @@ def test_required_allows_parallel_calls_numbered_on(
             assert [c.id.rsplit(":", 1)[1] for c in calls] == [str(1 + k) for k in range(len(calls))]
         counts.add(len(calls))
     assert max(counts) > 1  # random logits do use the room for more than one call
+
+
+def test_forced_kimi_call_cannot_be_padded_with_whitespace_forever(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A sampler that always prefers whitespace still reaches the end of the call: the arguments'
+    JSON is compact, so a bounded string argument bounds the whole call."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    tool = Tool(
+        name="get_weather",
+        parameters={
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
+    )
+    request = GenerateRequest(
+        request_id="ws",
+        tenant_salt="ab" * 8,
+        messages=[Message(role="user", content="hi")],
+        tools=[tool],
+        tool_choice=ToolChoice(mode="function", name="get_weather"),
+    )
+    ids = {m: tok.token_to_id(m) for m in TOOL_MARKERS}
+    n = tok.vocab_size
+    constraint = build_constraint(
+        grammar_for(request, "kimi", ids), tok.ll_tokenizer(n, [tok.token_to_id("[EOS]")])
+    )
+    whitespace = [i for i in range(n) if tok.decode([i]).isspace()]
+    assert whitespace
+    for _ in range(200):
+        if constraint.is_finished():
+            break
+        mask = constraint.allowed_tokens(n)
+        pick = next((w for w in whitespace if mask[w]), int(mask.nonzero()[-1]))
+        constraint.accept(pick)
+    assert constraint.is_finished()
