@@ -62,11 +62,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue `seq`, or raise the error that says why it can never (or not now) run."""
         self.validate(seq)
-        if seq.request.reject_if_busy and (self.waiting or not self._can_start_now(seq)):
-            raise Busy("The server is busy and the request asked to be rejected rather than queued.")
-        at = len(self.waiting)
+        at = len(self.waiting)  # behind every queued request of the same or a more urgent priority
         while at > 0 and self.waiting[at - 1].request.priority > seq.request.priority:
             at -= 1
+        if seq.request.reject_if_busy and (at > 0 or not self._can_start_now(seq)):
+            raise Busy("The server is busy and the request asked to be rejected rather than queued.")
         self.waiting.insert(at, seq)
 
     def validate(self, seq: Sequence) -> None:

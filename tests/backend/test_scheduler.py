@@ -203,3 +203,27 @@ def test_engine_config_limits_are_validated_and_named() -> None:
     config = EngineConfig.build(kv_dtype="bfloat16")
     with pytest.raises(AttributeError):
         config.num_pages = 1  # type: ignore[misc]
+
+
+def test_queued_batch_work_does_not_make_an_interactive_reject_if_busy_request_busy() -> None:
+    """A queued request of a later priority runs after this one, so it is no reason to refuse it."""
+    engine = make_engine(num_pages=8)
+    engine.add_request(request("running", prompt_of(1, 60), max_tokens=4))  # 4 of the 8 pages
+    engine.step()
+    batch = request("batch", prompt_of(2, 80), max_tokens=4)  # 6 pages: waits for "running"
+    batch.priority = 5
+    engine.add_request(batch)
+    engine.step()
+    assert engine.load().waiting == 1
+    interactive = request("interactive", prompt_of(3, 20), max_tokens=4)  # 2 pages: fits now
+    interactive.reject_if_busy = True
+    engine.add_request(interactive)
+    outputs = {o.request_id: o for o in engine.step()}
+    assert len(outputs["interactive"].token_ids) == 1  # admitted ahead of the batch request
+    # a queued request of the same priority is still a queue to wait behind
+    same = request("same", prompt_of(4, 5), max_tokens=2)
+    same.priority, same.reject_if_busy = 5, True
+    with pytest.raises(Busy):
+        engine.add_request(same)
+    results = run_all(engine, [])
+    assert {r.finish_reason for r in results.values()} == {"length"}
