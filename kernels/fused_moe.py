@@ -22,8 +22,8 @@ Three steps (engine-anchors §2e):
 Sparse decode (about one token per expert, `P <= E`, like vLLM's `moe_wna16` switch): tensor-core tiles
 would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile) with no
 tensor cores, using the W4A16 GEMV's unpacking (one LOP3 + FADD + FFMA per nibble, zero point and scale
-once per word). Pairs are launched in expert order, so two pairs of one expert read its tiles back
-to back (the second from L2).
+once per word). It reads the router's ids directly: no align step, three launches in all (two kernels
+and the k-sum). Two pairs of one expert read its weights twice, the second time mostly from L2.
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def _fused_moe_gemv_kernel(
     s_ptr,
     out_ptr,
     topk_w_ptr,
-    sorted_ids_ptr,
-    pair_expert_ids_ptr,
+    topk_ids_ptr,
+    num_experts,
     N,
     K,
     stride_am,
@@ -216,14 +216,14 @@ def _fused_moe_gemv_kernel(
     SCALE_ROWS: tl.constexpr,
 ):
     """Sparse decode: a [M or P, K], w/s as `_fused_moe_kernel`, out [P, N], topk_w [P],
-    sorted_ids [P] int32 (pairs in expert order), pair_expert_ids [P] int32 (-1: not on this rank);
-    grid (P, cdiv(N, BN))."""
-    pair = tl.load(sorted_ids_ptr + tl.program_id(0))
+    topk_ids [P] int32/int64 (outside [0, E): not on this rank); grid (P, cdiv(N, BN)): the pair axis
+    runs fastest, so pairs of one expert read each N tile at about the same time (the repeats from L2)."""
+    pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
-    expert = tl.load(pair_expert_ids_ptr + pair)
-    if expert < 0:
+    expert = tl.load(topk_ids_ptr + pair)
+    if (expert < 0) | (expert >= num_experts):
         if not GATE_UP:
             tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
         return
@@ -273,7 +273,7 @@ def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
     if per_expert <= 16:
         return MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)
     if per_expert <= 32:
-        return MoEConfig(block_m=32, block_n=64, block_k=128, num_stages=4)
+        return MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)  # BN 64: 255 registers
     return MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)  # W4A16's best tiles at M=64
 
 
@@ -359,15 +359,10 @@ def fused_moe(
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
     gemms = ((x, w13, s13, act, I, H, k, True, False), (act, w2, s2, y, H, I, 1, False, True))
     if cfg.block_m == 0:  # decode: about one pair per expert
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        pair_expert = torch.where((flat >= 0) & (flat < E), flat, -1)  # [P]
-        sorted_ids = torch.sort(torch.where(pair_expert < 0, E, pair_expert), stable=True).indices.to(
-            torch.int32
-        )
-        pair_expert = pair_expert.to(torch.int32)
+        flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
         for a, w, s, out, N, K, div, gate_up, mul in gemms:
             _fused_moe_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
-                a, w, s, out, topk_w, sorted_ids, pair_expert, N, K, *a.stride(), *w.stride(), *s.stride(),
+                a, w, s, out, topk_w, flat_ids, E, N, K, *a.stride(), *w.stride(), *s.stride(),
                 *out.stride(), _MAGIC_ONE,
                 A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=max(cfg.block_k // group_size, 1),

@@ -48,6 +48,7 @@ VARIANTS = [
     MoEConfig(16, 64, 64, num_stages=4),
     MoEConfig(16, 32, 128, num_stages=4),
     MoEConfig(32, 64, 128, num_stages=4),
+    MoEConfig(32, 32, 128, num_stages=4),
     MoEConfig(64, 64, 128, num_stages=3),
     MoEConfig(64, 128, 64, num_warps=8, num_stages=3),
     MoEConfig(128, 128, 64, num_warps=8, num_stages=3),
