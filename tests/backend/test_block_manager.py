@@ -9,8 +9,9 @@ from backend.sequence import PageRef, Sequence
 from tests.backend.engine_helpers import TENANT_A, request
 
 
-def seq(request_id: str, num_tokens: int) -> Sequence:
-    return Sequence(request=request(request_id, list(range(num_tokens))), generator=torch.Generator())
+def seq(request_id: str, num_tokens: int, first_token: int = 0) -> Sequence:
+    tokens = list(range(first_token, first_token + num_tokens))
+    return Sequence(request=request(request_id, tokens), generator=torch.Generator())
 
 
 def test_every_allocation_gets_a_fresh_tag_and_the_runner_sees_it() -> None:
@@ -101,3 +102,27 @@ def test_tenant_salt_is_part_of_every_page_key() -> None:
     assert a.request.tenant_salt == TENANT_A
     keys = bm._full_page_keys(a, 32)
     assert keys[0][1].tenant_salt == TENANT_A and keys[1][1].parent == keys[0][0]
+
+
+def test_a_shared_cached_page_lives_until_its_last_reader_and_is_retagged_when_evicted() -> None:
+    bm = BlockManager(num_pages=3, page_size=16)
+    owner = seq("owner", 20)  # page 0 full (published), page 1 partial
+    assert bm.admit(owner)
+    owner.num_computed_tokens = 20
+    bm.publish_full_pages(owner)
+    shared = owner.page_table[0]
+    reader = seq("reader", 20)  # same tenant, same first 16 tokens: shares page 0
+    assert bm.admit(reader) and reader.page_table[0] == shared and reader.num_computed_tokens == 16
+    assert bm.refcounts[shared.page_id] == 2
+    bm.release(owner)  # one reader left: neither free nor evictable
+    assert bm.refcounts[shared.page_id] == 1 and bm.num_available_pages == 1
+    assert not bm.admit(seq("big", 40, first_token=50))  # 3 pages: only owner's partial page is free
+    bm.release(reader)
+    assert bm.refcounts[shared.page_id] == 0 and bm.num_available_pages == 3
+    big = seq("big", 40, first_token=50)
+    assert bm.admit(big) and big.num_computed_tokens == 0  # other tokens: a miss, so it evicts
+    reused = next(ref for ref in big.page_table if ref.page_id == shared.page_id)
+    assert reused.tag > shared.tag and bm.prefix_cache is not None and bm.prefix_cache.num_cached == 0
+    bm.release(big)
+    again = seq("again", 20)  # the evicted content is gone: no stale hit on the retagged page
+    assert bm.admit(again) and again.num_computed_tokens == 0
