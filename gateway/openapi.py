@@ -64,6 +64,7 @@ class Operation:
     enveloped: bool = True
     is_paged: bool = False
     streams: bool = False  # may answer `text/event-stream` instead
+    names_model: bool = False  # the body's `model` must be one of the catalog's (and is required)
     media_type: str = "application/json"
     security: Security = "tenant"
     params: tuple[Param, ...] = field(default_factory=tuple)
@@ -90,11 +91,11 @@ OPERATIONS: tuple[Operation, ...] = (
     ),
     Operation(
         "POST", f"{AI}/run", "Run a model named in the body (`{model, input}`)", "inference",
-        body=RunEnvelopeInput, result=RUN_RESULT, streams=True,
+        body=RunEnvelopeInput, result=RUN_RESULT, streams=True, names_model=True,
     ),
     Operation(
         "POST", f"{AI}/v1/chat/completions", "OpenAI-compatible chat completions", "openai",
-        body=ChatCompletionRequest, result=ChatCompletion, enveloped=False, streams=True,
+        body=ChatCompletionRequest, result=ChatCompletion, enveloped=False, streams=True, names_model=True,
     ),
     Operation("GET", f"{AI}/v1/models", "OpenAI-compatible model list", "openai", result=ModelList, enveloped=False),
     Operation(
@@ -108,7 +109,7 @@ OPERATIONS: tuple[Operation, ...] = (
     ),
     Operation(
         "GET", f"{AI}/models/schema", "A model's input and output JSON Schemas", "catalog", result=SchemaOut,
-        params=(Param("model", {"type": "string", "minLength": 1}, is_required=True),),
+        params=(Param("model", {"type": "string", "minLength": 1, "x-catalog-model": True}, is_required=True),),
     ),
     Operation("GET", f"{AI}/tasks/search", "The catalog's tasks", "catalog", result=_TASKS),
     Operation("GET", f"{AI}/authors/search", "The catalog's authors", "catalog", result=list[AuthorOut]),
@@ -155,7 +156,7 @@ PATH_PARAMS: dict[str, dict[str, Any]] = {
     "account_id": {"type": "string", "pattern": HEX32},
     "tenant_id": {"type": "string", "pattern": HEX32},
     "token_id": {"type": "string", "pattern": HEX32},
-    "model": {"type": "string", "minLength": 1, "examples": ["@cf/zai-org/glm-5.2"]},
+    "model": {"type": "string", "minLength": 1, "x-catalog-model": True},
 }
 
 
@@ -164,8 +165,9 @@ def openapi_path(route_path: str) -> str:
     return re.sub(r"\{(\w+):\w+\}", r"{\1}", route_path)
 
 
-def document(server_url: str | None = None) -> dict[str, Any]:
-    """The whole OpenAPI 3.1 document."""
+def document(models: list[str], server_url: str | None = None) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document; `models` are the catalog's model names (what a `model`
+    path parameter, query parameter or body field may be)."""
     struct_types: list[Any] = [ErrorItem, ResultInfo]
     for op in OPERATIONS:
         for t in (op.body, op.result):
@@ -194,7 +196,7 @@ def document(server_url: str | None = None) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         path = openapi_path(op.path)
-        paths.setdefault(path, {})[op.method.lower()] = _operation(op, path, schema)
+        paths.setdefault(path, {})[op.method.lower()] = _operation(op, path, schema, models)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -227,14 +229,20 @@ def _members(t: Any) -> list[Any]:
     return list(typing.get_args(t)) if isinstance(t, types.UnionType) else [t]
 
 
-def _operation(op: Operation, path: str, schema: Any) -> dict[str, Any]:
+def _model_names(param: dict[str, Any], models: list[str]) -> dict[str, Any]:
+    if not param.get("x-catalog-model"):
+        return param
+    return {k: v for k, v in param.items() if k != "x-catalog-model"} | {"enum": models}
+
+
+def _operation(op: Operation, path: str, schema: Any, models: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "summary": op.summary,
         "tags": [op.tag],
         "operationId": re.sub(r"\W+", "_", f"{op.method.lower()}{path}").strip("_"),
     }
     params = [
-        {"name": n, "in": "path", "required": True, "schema": PATH_PARAMS[n]}
+        {"name": n, "in": "path", "required": True, "schema": _model_names(PATH_PARAMS[n], models)}
         for n in re.findall(r"\{(\w+)\}", path)
     ]
     params += [
@@ -242,7 +250,7 @@ def _operation(op: Operation, path: str, schema: Any) -> dict[str, Any]:
             "name": p.name,
             "in": p.where,
             "required": p.is_required,
-            "schema": p.schema,
+            "schema": _model_names(p.schema, models),
             **({"description": p.description} if p.description else {}),
         }
         for p in op.params
@@ -250,7 +258,10 @@ def _operation(op: Operation, path: str, schema: Any) -> dict[str, Any]:
     if params:
         out["parameters"] = params
     if op.body is not None:
-        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema(op.body)}}}
+        body = schema(op.body)
+        if op.names_model:
+            body = {"allOf": [body, {"properties": {"model": {"enum": models}}, "required": ["model"]}]}
+        out["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     out["security"] = [] if op.security == "none" else [{op.security: []}]
     out["responses"] = {"200": _success(op, schema), "default": _error()}
     return out
@@ -289,4 +300,5 @@ def _error() -> dict[str, Any]:
 
 async def openapi_json(request: Request) -> Response:
     """`GET /openapi.json`."""
-    return Response(msgspec.json.encode(document()), media_type="application/json")
+    models = [m.name for m in request.app.state.services.catalog.models]
+    return Response(msgspec.json.encode(document(models)), media_type="application/json")
