@@ -158,12 +158,18 @@ def check_capabilities(
         if isinstance(m.content, list)
         for part in m.content
     )
+    check_images(model, num_images, max_images)
+    if tools and not model.function_calling:
+        raise refuse("tools")
+
+
+def check_images(model: ModelSpec, num_images: int, max_images: int) -> None:
+    """Vision and the image count; called before any URL is fetched, so a refused request costs
+    no outbound fetch."""
     if num_images and not model.vision:
         raise Unsupported(f"Bad input: model {model.name} does not support image inputs")
     if num_images > max_images:
         raise BadInput(f"Bad input: at most {max_images} images per request")
-    if tools and not model.function_calling:
-        raise refuse("tools")
 
 
 def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateRequest]:

@@ -12,6 +12,7 @@ from gateway.normalize import (
     Normalized,
     check_capabilities,
     check_depth,
+    check_images,
     fan_out,
     from_function_call,
     reasoning_of,
@@ -58,6 +59,7 @@ async def from_openai(
         raise refuse("prompt", "is not a Chat Completions field; send 'messages'")
     if (inp.prompt is None) == (inp.messages is None):
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
+    check_images(model, _num_images(inp.messages or []), ctx.max_images)
     messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
     for i, m in enumerate(inp.messages or []):
         messages.append(await _message(m, f"messages[{i}]", ctx))
@@ -110,6 +112,16 @@ async def from_openai(
         json_mode=fmt is not None,
         include_usage=bool(inp.stream_options and inp.stream_options.include_usage),
         logprobs=bool(inp.logprobs),
+    )
+
+
+def _num_images(messages: list[MessageIn]) -> int:
+    """Image parts in the input, counted before any of them is fetched."""
+    return sum(
+        isinstance(part, ImagePartIn)
+        for m in messages
+        if not isinstance(m, FunctionMessage) and isinstance(m.content, list)
+        for part in m.content
     )
 
 

@@ -11,17 +11,25 @@ import ipaddress
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 from fake_backend import Served, serve
-from gateway_harness import KIMI, Harness, harness  # noqa: F401  (fixture)
+from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 from PIL import Image
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from gateway.catalog import load_catalog_file
+from gateway.errors import BadInput, Unsupported
 from gateway.images import ImageFetcher, ImageLimits, ImageRejected
+from gateway.normalize import Context
+from gateway.normalize_openai import from_openai
 from schemas.admin import Quotas, TenantCreate, TokenCreate
+from schemas.backend import ImagePart
+from schemas.catalog import ModelSpec
+from schemas.openai import ChatCompletionRequest
 
 
 def png_bytes(size: int = 8) -> bytes:
@@ -187,3 +195,54 @@ async def test_no_fetch_for_a_tenant_over_its_limits(
     )
     assert r.status_code == 429 and r.json()["errors"][0]["code"] == 3021
     assert len(public.hits) == before
+
+
+class CountingFetcher:
+    """Stands in for `ImageFetcher` in normalisation: counts the URLs it was asked to fetch."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+
+    async def from_url(self, url: str) -> ImagePart:
+        self.urls.append(url)
+        return ImagePart(data=png_bytes(), media_type="image/png")
+
+
+def _image_body(num_images: int) -> ChatCompletionRequest:
+    content = [{"type": "text", "text": "what?"}] + [
+        {"type": "image_url", "image_url": {"url": f"https://images.example/{i}.png"}}
+        for i in range(num_images)
+    ]
+    return msgspec.convert({"messages": [{"role": "user", "content": content}]}, ChatCompletionRequest)
+
+
+def _model(name: str) -> ModelSpec:
+    return next(m for m in load_catalog_file(None).models if m.name == name)
+
+
+def _context(images: CountingFetcher, max_images: int = 2) -> Context:
+    return Context(
+        request_id="r",
+        tenant_salt="s",
+        images=images,
+        max_images=max_images,
+        max_choices=8,  # type: ignore[arg-type]
+    )
+
+
+async def test_no_image_is_fetched_for_a_model_without_vision() -> None:
+    glm = _model(GLM)
+    images = CountingFetcher()
+    with pytest.raises(Unsupported, match="does not support image inputs"):
+        await from_openai(_image_body(1), glm, _context(images), allow_prompt=True)
+    assert images.urls == []
+
+
+async def test_no_image_is_fetched_when_there_are_too_many() -> None:
+    kimi = _model(KIMI)
+    images = CountingFetcher()
+    with pytest.raises(BadInput, match="at most 2 images"):
+        await from_openai(_image_body(3), kimi, _context(images), allow_prompt=True)
+    assert images.urls == []
+    normalized = await from_openai(_image_body(2), kimi, _context(images), allow_prompt=True)
+    assert len(images.urls) == 2 and len(normalized.requests) == 1
