@@ -1,6 +1,8 @@
-"""Fused INT4 MoE on the GPU: Kimi K2 routed experts (384 experts, top-8, H 7168, I 2048, group 32).
+"""Fused INT4 MoE on the GPU: Kimi K2 routed experts (384 experts, top-8, H 7168, I 2048, group 32) at
+M = 1, 8, 64, 512, 4096 tokens; GLM-5 (256 experts, H 6144, I 2048) and GLM-4.5-Air (128, H 4096,
+I 1408) at M = 1 and 64, the `moe-decode` goal's other two shapes (issue 6).
 
-For M = 1, 8, 64, 512, 4096 tokens with random top-8 routing: correctness against `fused_moe_ref`
+For each M, random top-8 routing: correctness against `fused_moe_ref`
 (fp32), determinism (two calls bit-identical), then time against the peers a user would reach for,
 all with the routing known in advance and captured in one CUDA graph per case:
 - `bf16_loop`: per selected expert, `x[tok] @ gate_up.T`, SiLU·mul, `@ down.T`, `index_add_` (the CPU
@@ -24,7 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -35,10 +37,31 @@ from benchmarks.kernels.common import graph_ms, measure_ceilings, rel_err, write
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config
 from kernels.int4_weights import dequantize_int4
 
-E, H, I, TOP_K, G = 384, 7168, 2048, 8, 32
-MS = [1, 8, 64, 512, 4096]
-ROUTINGS = 4  # routings per graph replay: at M=1 that is up to 32 experts, 0.8 GB (>> L2)
-EXPERT_BYTES = 2 * I * H // 2 + 2 * I * (H // G) * 2 + H * I // 2 + H * (I // G) * 2  # 24.8 MB
+G = 32
+ROUTINGS = 4  # routings per graph replay: at M=1 that is up to 32 experts (Kimi: 0.8 GB, >> L2)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    num_experts: int
+    hidden: int
+    inter: int
+    top_k: int
+    ms: tuple[int, ...]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Packed words and bf16 scales of one expert's gate, up and down (Kimi: 24.8 MB)."""
+        H, I = self.hidden, self.inter
+        return 2 * I * H // 2 + 2 * I * (H // G) * 2 + H * I // 2 + H * (I // G) * 2
+
+
+SHAPES = [
+    Shape("kimi-k2", 384, 7168, 2048, 8, (1, 8, 64, 512, 4096)),
+    Shape("glm-5", 256, 6144, 2048, 8, (1, 64)),
+    Shape("glm-4.5-air", 128, 4096, 1408, 8, (1, 64)),
+]
 VARIANTS = [
     MoEConfig(0, 32, 128),
     MoEConfig(0, 32, 256),
@@ -55,8 +78,9 @@ VARIANTS = [
 ]
 
 
-def make_experts() -> tuple[torch.Tensor, ...]:
+def make_experts(shape: Shape) -> tuple[torch.Tensor, ...]:
     """Random words (every nibble value) and bf16 scales sized so activations stay O(1)."""
+    E, H, I = shape.num_experts, shape.hidden, shape.inter
     w13 = torch.randint(-(2**31), 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, device="cuda")
     s13 = (torch.rand(E, 2 * I, H // G, device="cuda") * 0.004 + 0.001).bfloat16()
     w2 = torch.randint(-(2**31), 2**31 - 1, (E, H, I // 8), dtype=torch.int32, device="cuda")
@@ -64,11 +88,11 @@ def make_experts() -> tuple[torch.Tensor, ...]:
     return w13, s13, w2, s2
 
 
-def routing(M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def routing(shape: Shape, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x [M, H] bf16, ids [M, k] distinct experts per token, weights [M, k] fp32 summing to 2.827)."""
-    x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(M, E, device="cuda").topk(TOP_K, dim=-1).indices
-    wts = torch.rand(M, TOP_K, device="cuda") + 0.1
+    x = torch.randn(M, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(M, shape.num_experts, device="cuda").topk(shape.top_k, dim=-1).indices
+    wts = torch.rand(M, shape.top_k, device="cuda") + 0.1
     return x, ids, wts / wts.sum(-1, keepdim=True) * 2.827
 
 
@@ -91,15 +115,17 @@ def expert_loop(
     out = torch.zeros_like(x)
     for e, tok, slot in plan:
         h = project(x[tok], e, 0)  # [n, 2I]
+        I = h.shape[1] // 2
         y = project(F.silu(h[:, :I]) * h[:, I:], e, 1)  # [n, H]
         out.index_add_(0, tok, y * wts[tok, slot, None].to(y.dtype))
     return out
 
 
 def bench_m(
-    M: int, experts: tuple[torch.Tensor, ...], peers_w: dict[str, Any], ceil: dict[str, float]
+    shape: Shape, M: int, experts: tuple[torch.Tensor, ...], peers_w: dict[str, Any], ceil: dict[str, float]
 ) -> dict[str, Any]:
-    sets = [routing(M) for _ in range(ROUTINGS)]
+    E, H, I, TOP_K = shape.num_experts, shape.hidden, shape.inter, shape.top_k
+    sets = [routing(shape, M) for _ in range(ROUTINGS)]
     plans = [host_plan(ids) for _, ids, _ in sets]
     x0, ids0, wts0 = sets[0]
     ref = fused_moe_ref(x0.float(), ids0, wts0, *experts, G)
@@ -133,15 +159,15 @@ def bench_m(
             ]
         )
     touched = sum(len(p) for p in plans) / len(plans)
-    bytes_moved = touched * EXPERT_BYTES + 2 * M * H * 2
+    bytes_moved = touched * shape.expert_bytes + 2 * M * H * 2
     flops = 2 * M * TOP_K * 3 * H * I
     ms = times[0]
     best = min(range(len(times)), key=times.__getitem__)
     floor_ms = max(bytes_moved / ceil["copy_GBps"] / 1e6, flops / ceil["bf16_TFLOPs"] / 1e9)
     row = {
         "kernel": "fused-moe",
-        "case": f"M={M} E={E} k={TOP_K} H={H} I={I} g={G} int4 kimi-k2",
-        "goal": "moe-decode" if M in (1, 64) else None,
+        "case": f"M={M} E={E} k={TOP_K} H={H} I={I} g={G} int4 {shape.name}",
+        "goal": "moe-decode" if M in (1, 64) else None,  # issue 6: batch 1 and 64, all three shapes
         "ms": ms,
         "fraction_of_ceiling": floor_ms / ms,
         "peers": peers,
@@ -173,9 +199,10 @@ def bench_m(
 
 
 def peer_weights(
-    experts: tuple[torch.Tensor, ...],
+    shape: Shape, experts: tuple[torch.Tensor, ...]
 ) -> dict[str, Callable[[torch.Tensor, int, int], torch.Tensor]]:
     """bf16 copies of the same experts (dequantized by the Triton pass) and tinygemm's packing of them."""
+    E, H, I = shape.num_experts, shape.hidden, shape.inter
     w13, s13, w2, s2 = experts
     gu = torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16)
     dn = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16)
@@ -199,17 +226,23 @@ def peer_weights(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/fused_moe.json when OUT is set)")
-    ap.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma-separated")
+    ap.add_argument("--ms", default=None, help="token counts, comma-separated (default: each shape's own)")
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="shape names, comma-separated")
     args = ap.parse_args()
     out = args.out or (os.path.join(os.environ["OUT"], "fused_moe.json") if os.environ.get("OUT") else None)
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
-    experts = make_experts()
-    peers_w = peer_weights(experts)
     rows = []
-    for M in (int(m) for m in args.ms.split(",")):
-        rows.append(bench_m(M, experts, peers_w, ceil))
+    for shape in SHAPES:
+        if shape.name not in args.shapes.split(","):
+            continue
+        experts = make_experts(shape)
+        peers_w = peer_weights(shape, experts)
+        for M in [int(m) for m in args.ms.split(",")] if args.ms else shape.ms:
+            rows.append(bench_m(shape, M, experts, peers_w, ceil))
+            torch.cuda.empty_cache()
+        del experts, peers_w
         torch.cuda.empty_cache()
     if out:
         write_record(
