@@ -246,7 +246,9 @@ def fit(
             log(f"step {step}/{steps} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
                 f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
         if time.monotonic() - start > minutes * 60:
-            log(f"stopped at step {step} by the {minutes}-minute limit")
+            if window:
+                losses.append(sum(window) / len(window))
+            log(f"stopped at step {step} by the {minutes}-minute limit, loss {losses[-1]:.4f}")
             break
     if not all(math.isfinite(x) for x in losses):
         raise FloatingPointError(f"the loss is not finite: {losses}")
