@@ -84,11 +84,33 @@ def _forced_tools(request: GenerateRequest) -> list[Tool]:
     if not tools:
         raise InvalidRequest("tool_choice forces a tool call but no tools were given")
     if choice.mode == "function":
-        named = [t for t in tools if t.name == choice.name]
-        if not named:
+        tools = [t for t in tools if t.name == choice.name]
+        if not tools:
             raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not among the tools")
-        return named
+    for tool in tools:
+        _object_schema(tool)
     return tools
+
+
+def _object_schema(tool: Tool) -> tuple[dict[str, Any], set[str]]:
+    """A forced tool's properties and required names. Shapes no JSON Schema has are the caller's
+    mistake (a 400 naming the tool), not a crash while the grammar is built."""
+    schema = tool.parameters or {}
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    where = f"tools[{tool.name!r}].parameters"
+    if not isinstance(properties, dict) or not all(isinstance(s, dict | bool) for s in properties.values()):
+        raise InvalidRequest(f"{where}.properties must map each argument name to a schema")
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise InvalidRequest(f"{where}.required must be a list of argument names")
+    if any(sub is False for sub in properties.values()):
+        raise InvalidRequest(f"{where}.properties: an argument whose schema is false can never be given")
+    properties = {key: {} if sub is True else sub for key, sub in properties.items()}  # true: any value
+    for key, sub in properties.items():
+        for bound in ("minLength", "maxLength"):
+            value = sub.get(bound, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidRequest(f"{where}.properties.{key}.{bound} must be a non-negative integer")
+    return properties, set(required)
 
 
 def _num_previous_calls(request: GenerateRequest) -> int:
@@ -122,9 +144,7 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) ->
     """Arguments in schema order, the required ones always, the others optional."""
     rules: list[str] = []
     for i, tool in enumerate(tools):
-        schema = tool.parameters or {}
-        properties: dict[str, Any] = schema.get("properties", {})
-        required = set(schema.get("required", []))
+        properties, required = _object_schema(tool)
         pairs: list[str] = []
         for j, (key, sub) in enumerate(properties.items()):
             value = _glm_string(sub) if sub.get("type") == "string" else _lark_json(sub)

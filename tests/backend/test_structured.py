@@ -72,6 +72,9 @@ def _markers(tok: Tokenizer) -> dict[str, int | None]:
     return {n: tok.token_to_id(n) for n in TOOL_MARKERS}
 
 
+_MARKER_IDS: dict[str, int | None] = {n: 1000 + i for i, n in enumerate(TOOL_MARKERS)}  # grammar text only
+
+
 def _walk(constraint: GrammarConstraint, vocab: int, eos: int, seed: int, max_steps: int = 400) -> list[int]:
     """Sample from random logits under the mask until the constraint finishes (a random-weights model)."""
     gen = torch.Generator().manual_seed(seed)
@@ -173,6 +176,33 @@ def test_forcing_an_unknown_tool_is_a_400() -> None:
         )
     with pytest.raises(InvalidRequest):
         grammar_for(_request(tool_choice=ToolChoice(mode="required")), "kimi", {})
+
+
+@pytest.mark.parametrize(
+    ("parameters", "words"),
+    [
+        ({"type": "object", "properties": ["city"]}, "properties"),
+        ({"type": "object", "properties": {"city": "a string"}}, "properties"),
+        ({"type": "object", "properties": {}, "required": "city"}, "required"),
+        ({"type": "object", "properties": {"city": {"type": "string", "maxLength": "12"}}}, "maxLength"),
+    ],
+)
+def test_a_malformed_tool_schema_in_a_forced_call_is_a_400_naming_the_tool(
+    parameters: dict[str, object], words: str
+) -> None:
+    tool = Tool(name="get_weather", parameters=parameters)
+    for family in ("glm", "kimi"):
+        request = _request(tools=[tool], tool_choice=ToolChoice(mode="required"))
+        with pytest.raises(InvalidRequest, match=words) as info:
+            grammar = grammar_for(request, family, _MARKER_IDS)
+            assert grammar is not None  # kimi hands the schema to llguidance, which must refuse it too
+            raise AssertionError(f"{family} accepted {parameters}")
+        assert info.value.status == 400 and "get_weather" in info.value.message
+
+
+def test_a_boolean_property_schema_is_valid_in_a_forced_glm_call() -> None:
+    tool = Tool(name="echo", parameters={"type": "object", "properties": {"x": True}, "required": ["x"]})
+    assert grammar_for(_request(tools=[tool], tool_choice=ToolChoice(mode="required")), "glm", _MARKER_IDS)
 
 
 @pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
