@@ -105,20 +105,23 @@ class ImageFetcher:
 
     async def _checked_target(self, url: str) -> str:
         """The address to dial for `url`, after checking every address its host resolves to."""
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:  # a bad port or bracketed host
+            raise ImageRejected("image URL is malformed") from exc
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ImageRejected("image URL must be a data: URI or an http(s) URL")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 parts.hostname, port, type=socket.SOCK_STREAM
             )
-        except socket.gaierror as exc:
+        except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a label IDNA cannot encode
             raise ImageRejected("image URL host does not resolve") from exc
         addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
         if not self._limits.allow_private:
             for address in addresses:
-                if (not address.is_global or address.is_multicast) and not self._is_allowed(address):
+                if not _is_public(address) and not self._is_allowed(address):
                     raise ImageRejected("image URL points to a private, loopback or link-local address")
         return str(addresses[0])
 
@@ -130,7 +133,13 @@ class ImageFetcher:
         parts = urlsplit(url)
         host = f"[{address}]" if ":" in address else address
         dial = parts._replace(netloc=f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}")
-        headers = {"host": parts.netloc.rsplit("@", 1)[-1], "accept": "image/*"}
+        # identity only: a compressed body would be inflated chunk by chunk before the size cap
+        # could see it (a decompression bomb); an encoded answer is refused below, never decoded
+        headers = {
+            "host": parts.netloc.rsplit("@", 1)[-1],
+            "accept": "image/*",
+            "accept-encoding": "identity",
+        }
         extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
         request = self._http.build_request("GET", dial.geturl(), headers=headers, extensions=extensions)
         response = await self._http.send(request, stream=True)
@@ -145,17 +154,37 @@ class ImageFetcher:
             content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
             if not content_type.startswith("image/"):
                 raise ImageRejected(f"image URL has content type {content_type or 'none'}, not image/*")
-            declared = int(response.headers.get("content-length", "0") or 0)
-            if declared > self._limits.max_bytes:
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise ImageRejected(f"image URL answered with content encoding {encoding}")
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self._limits.max_bytes:
                 raise ImageRejected(f"image is larger than {self._limits.max_bytes} bytes")
             body = bytearray()
-            async for chunk in response.aiter_bytes():
+            async for chunk in response.aiter_raw():
                 body += chunk
                 if len(body) > self._limits.max_bytes:
                     raise ImageRejected(f"image is larger than {self._limits.max_bytes} bytes")
             return bytes(body), url
         finally:
             await response.aclose()
+
+
+# IPv6 prefixes that carry an IPv4 address in their low 32 bits (NAT64 well-known and local-use,
+# IPv4-compatible): such an address reaches whatever its IPv4 address does
+_EMBEDDING_V4 = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "64:ff9b:1::/48", "::/96"))
+
+
+def _is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Global unicast, and so is any IPv4 address it embeds (mapped, 6to4, NAT64, compatible)."""
+    if not address.is_global or address.is_multicast:
+        return False
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = [address.ipv4_mapped, address.sixtofour]
+        if any(address in net for net in _EMBEDDING_V4):
+            embedded.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+        return all(v4 is None or _is_public(v4) for v4 in embedded)
+    return True
 
 
 def _decode_data_uri(uri: str) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
 import ipaddress
 from collections.abc import AsyncIterator
@@ -44,6 +45,7 @@ class Site:
     def __init__(self) -> None:
         self.hits: list[str] = []
         self.redirect_to = ""
+        self.accept_encoding = ""
 
     def app(self) -> Starlette:
         async def handle(request: Request) -> Response:
@@ -59,6 +61,10 @@ class Site:
                 return RedirectResponse(self.redirect_to, status_code=302)
             if path == "/loop":
                 return RedirectResponse("/loop", status_code=302)
+            if path == "/gzip.png":  # compressed whatever the client accepts
+                self.accept_encoding = request.headers.get("accept-encoding", "")
+                body = gzip.compress(png_bytes() + b"\0" * 1_000_000)
+                return Response(body, media_type="image/png", headers={"content-encoding": "gzip"})
             if path == "/slow.png":
                 await asyncio.sleep(2)
                 return Response(png_bytes(), media_type="image/png")
@@ -113,10 +119,34 @@ async def test_data_uris_are_decoded_and_checked() -> None:
         "http://[::1]/img.png",
         "http://[fe80::1]/img.png",
         "http://0.0.0.0/img.png",
+        "http://2130706433/img.png",  # 127.0.0.1 in decimal
+        "http://0x7f.1/img.png",
+        "http://017700000001/img.png",  # octal
+        "http://[::ffff:127.0.0.1]/img.png",
+        "http://[::ffff:169.254.169.254]/img.png",
+        "http://[64:ff9b::7f00:1]/img.png",  # NAT64 of 127.0.0.1
+        "http://[64:ff9b::a9fe:a9fe]/img.png",  # NAT64 of the metadata service
+        "http://[::127.0.0.1]/img.png",  # IPv4-compatible
+        "http://[2002:7f00:1::]/img.png",  # 6to4 of 127.0.0.1
+        "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/img.png",  # Teredo, client 127.0.0.1
     ],
 )
 async def test_non_global_addresses_are_refused_before_connecting(url: str) -> None:
     with pytest.raises(ImageRejected, match="private, loopback or link-local"):
+        await fetcher().from_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://example.com:99999/img.png",
+        "http://" + "a" * 70 + ".example/img.png",
+        "http://[::1/img.png",
+        "ftp://example.com/img.png",
+    ],
+)
+async def test_malformed_urls_are_a_bad_input_not_a_crash(url: str) -> None:
+    with pytest.raises(ImageRejected, match="image URL"):
         await fetcher().from_url(url)
 
 
@@ -144,6 +174,17 @@ async def test_allowed_network_fetches_with_type_size_and_time_limits(
         await f.from_url(f"{a.url}/loop")
     with pytest.raises(ImageRejected, match="HTTP 404"):
         await f.from_url(f"{a.url}/missing.png")
+
+
+async def test_compressed_bodies_are_neither_asked_for_nor_inflated(
+    sites: tuple[Site, Served, Site, Served],
+) -> None:
+    """A gzip body is a decompression bomb in waiting (1 MB of zeros is 1 KB on the wire): the
+    fetcher asks for `identity` and refuses an encoded answer without inflating it."""
+    public, a, _, _ = sites
+    with pytest.raises(ImageRejected, match="content encoding gzip"):
+        await fetcher(allowed="127.0.0.1/32").from_url(f"{a.url}/gzip.png")
+    assert public.accept_encoding == "identity"
 
 
 async def test_every_redirect_hop_is_checked(sites: tuple[Site, Served, Site, Served]) -> None:
