@@ -10,6 +10,7 @@ and y rounded to fp16 once each, ~2^-11 each); bf16 1.5e-2 (the same two roundin
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -215,32 +216,64 @@ def test_launcher_rejects_bad_inputs() -> None:
         fused_moe(x.to(torch.int32), ids, wts, w13, s13, w2, s2, G)
 
 
-# --- device: Kimi K2 expert shapes, bf16 ------------------------------------------------------
+# --- device: the issue's expert shapes, bf16 ----------------------------------------------------
+
+KIMI = (384, 7168, 2048)  # experts, hidden, expert intermediate (top-8, group 32)
+GLM_AIR = (128, 4096, 1408)
+
+
+@functools.lru_cache(maxsize=1)
+def device_experts(num_experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+    """Random words and bf16 scales on the GPU (Kimi: 9.5 GB, kept for the next test of that shape)."""
+    gen = torch.Generator(device="cuda").manual_seed(num_experts)
+    i32 = {"dtype": torch.int32, "device": "cuda", "generator": gen}
+    w13 = torch.randint(-(2**31), 2**31 - 1, (num_experts, 2 * inter, hidden // 8), **i32)  # type: ignore[arg-type]
+    w2 = torch.randint(-(2**31), 2**31 - 1, (num_experts, hidden, inter // 8), **i32)  # type: ignore[arg-type]
+    s13 = torch.rand(num_experts, 2 * inter, hidden // G, device="cuda", generator=gen) * 0.004 + 0.001
+    s2 = torch.rand(num_experts, hidden, inter // G, device="cuda", generator=gen) * 0.004 + 0.001
+    return w13, s13.bfloat16(), w2, s2.bfloat16()
+
+
+def device_routing(M: int, num_experts: int, hidden: int, seed: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    x = torch.randn(M, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(M, num_experts, device="cuda").topk(8, dim=-1).indices
+    return x, ids, torch.rand(M, 8, device="cuda") + 0.1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 8, 64, 512])
-def test_kimi_shapes_bf16(M: int) -> None:
-    """384 experts, top-8, H 7168, I 2048, group 32: every path the launcher picks on real sizes."""
-    num_experts, hidden, inter, k = 384, 7168, 2048, 8
-    torch.manual_seed(M)
-    w13 = torch.randint(
-        -(2**31), 2**31 - 1, (num_experts, 2 * inter, hidden // 8), dtype=torch.int32, device="cuda"
-    )
-    w2 = torch.randint(
-        -(2**31), 2**31 - 1, (num_experts, hidden, inter // 8), dtype=torch.int32, device="cuda"
-    )
-    s13 = (torch.rand(num_experts, 2 * inter, hidden // G, device="cuda") * 0.004 + 0.001).bfloat16()
-    s2 = (torch.rand(num_experts, hidden, inter // G, device="cuda") * 0.004 + 0.001).bfloat16()
-    x = torch.randn(M, hidden, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(M, num_experts, device="cuda").topk(k, dim=-1).indices
-    wts = torch.rand(M, k, device="cuda") + 0.1
-    ref = fused_moe_ref(x.float(), ids, wts, w13, s13, w2, s2, G)
+@pytest.mark.parametrize(
+    ("shape", "M"), [(KIMI, 1), (KIMI, 8), (KIMI, 64), (KIMI, 512), (GLM_AIR, 1), (GLM_AIR, 64)]
+)
+def test_real_shapes_bf16(shape: tuple[int, int, int], M: int) -> None:
+    """Every path the launcher picks, plus a GEMV and a tile variant, on real sizes; bit-identical reruns."""
+    weights = device_experts(*shape)
+    x, ids, wts = device_routing(M, shape[0], shape[1], seed=M)
+    ref = fused_moe_ref(x.float(), ids, wts, *weights, G)
     for cfg in (None, MoEConfig(0, 32, 256), MoEConfig(16, 64, 128)):
-        out = fused_moe(x, ids, wts, w13, s13, w2, s2, G, config=cfg)
+        out = fused_moe(x, ids, wts, *weights, G, config=cfg)
         assert not out.isnan().any()
         assert rel_err(out, ref) < TOL[torch.bfloat16], cfg
-        assert torch.equal(fused_moe(x, ids, wts, w13, s13, w2, s2, G, config=cfg), out)
+        assert torch.equal(fused_moe(x, ids, wts, *weights, G, config=cfg), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 64])
+def test_cuda_graph_replay(M: int) -> None:
+    """No host sync anywhere: captured once, replayed on new inputs, equal to an eager call on them."""
+    weights = device_experts(*KIMI)
+    x, ids, wts = device_routing(M, KIMI[0], KIMI[1], seed=1)
+    fused_moe(x, ids, wts, *weights, G)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, ids, wts, *weights, G)
+    x2, ids2, wts2 = device_routing(M, KIMI[0], KIMI[1], seed=2)
+    x.copy_(x2)
+    ids.copy_(ids2)
+    wts.copy_(wts2)
+    graph.replay()
+    assert torch.equal(out, fused_moe(x2, ids2, wts2, *weights, G))
 
 
 def _filled_layer(e0: int, e1: int, hidden: int, inter: int, gen: torch.Generator) -> QuantExperts:
