@@ -42,9 +42,10 @@ def _is_string_typed(schema: dict[str, Any]) -> bool:
     )
 
 
-def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
-    """A value as the template would have written it back: raw for strings, else JSON if it parses."""
-    if schema is not None and _is_string_typed(schema):
+def typed_value(text: str, schema: Any) -> Any:
+    """A value as the template would have written it back: raw for strings, else JSON if it parses.
+    A schema that is not an object (`true`, or a malformed one) types nothing."""
+    if isinstance(schema, dict) and _is_string_typed(schema):
         return text
     try:
         return json.loads(text)
@@ -135,6 +136,8 @@ class GlmToolParser(ToolParser):
     def _close_call(self) -> None:
         name = self._tokenizer.decode(self._name_ids).strip()
         properties = self._tools.get(name, {}).get("properties", {})
+        if not isinstance(properties, dict):  # the caller's malformed schema: values typed as JSON
+            properties = {}
         arguments: dict[str, Any] = {}
         for key_ids, value_ids in self._pairs:
             key = self._tokenizer.decode(key_ids).strip()

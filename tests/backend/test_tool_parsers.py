@@ -242,3 +242,22 @@ def test_glm_call_cut_short_by_the_next(tmp_path_factory: pytest.TempPathFactory
     text, calls = _parse(tok, "glm", cut + good, chunk)
     assert text == tok.decode(cut)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"query": "q"})]
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"x": True}},  # valid JSON Schema: any value
+        {"type": "object", "properties": ["x"]},  # malformed: the call is still parsed, untyped
+        {"type": "object", "properties": {"x": "integer"}},
+    ],
+)
+def test_glm_call_with_an_odd_tool_schema_is_parsed_not_a_crash(
+    tmp_path_factory: pytest.TempPathFactory, parameters: dict[str, object]
+) -> None:
+    tok = load(tmp_path_factory, "glm")
+    parser = parser_for("glm", tok, [Tool(name="echo", parameters=parameters)])
+    assert parser is not None
+    pieces = parser.feed(_glm_call(tok, "echo", [("x", "7"), ("y", "seven")])) + parser.finish()
+    calls = [p for p in pieces if isinstance(p, ParsedCall)]
+    assert [json.loads(c.arguments) for c in calls] == [{"x": 7, "y": "seven"}]
