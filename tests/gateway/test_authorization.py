@@ -4,6 +4,8 @@ tenant's token, the admin token, the account's own token (reference §3.1, §6; 
 
 from __future__ import annotations
 
+import datetime as dt
+
 import httpx
 from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 from structlog.testing import capture_logs
@@ -37,19 +39,39 @@ async def test_every_route_and_every_caller(harness: Harness) -> None:
     await store.ensure_admin_token(ADMIN)
     revoked = await store.create_token(harness.account, TokenCreate(name="to-revoke"), actor="test")
     await store.revoke_token(harness.account, revoked.id, actor="test")
-    callers = {
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)
+    expired = await store.create_token(
+        harness.account, TokenCreate(name="expired", expires_at=past), actor="test"
+    )
+    gone = await store.create_tenant(TenantCreate(name="deleted", plan="paid"), actor="test")
+    gone_token = await store.create_token(gone.id, TokenCreate(name="t"), actor="test")
+    await store.delete_tenant(gone.id, actor="test")
+    unauthenticated = {
         "none": (None, 401, 10000),
         "bad": ("kumo_not_a_token", 401, 10000),
+        "forged id": (f"kumo_{revoked.id}_forged", 401, 10000),
         "revoked": (revoked.value, 401, 10000),
-        "other tenant": (harness.free_token, 403, 9109),
+        "expired": (expired.value, 401, 10000),
+        "deleted tenant": (gone_token.value, 401, 10000),
         "admin": (ADMIN, 401, 10000),
     }
+    callers = {**unauthenticated, "other tenant": (harness.free_token, 403, 9109)}
     for method, url, body in routes(harness):
         for who, (token, status, code) in callers.items():
             r = await call(harness, method, url, body, token)
+            assert r.json()["success"] is False and r.json()["result"] is None, (who, url, r.text)
             assert (r.status_code, r.json()["errors"][0]["code"]) == (status, code), (who, url, r.text)
         own = await call(harness, method, url, body, harness.token)
         assert own.status_code == 200, (url, own.text)
+    memberships = f"{harness.url}/client/v4/memberships"
+    for who, (token, status, code) in unauthenticated.items():
+        r = await call(harness, "GET", memberships, None, token)
+        assert (r.status_code, r.json()["errors"][0]["code"]) == (status, code), (who, r.text)
+    for token, account in ((harness.token, harness.account), (harness.free_token, None)):
+        r = await call(harness, "GET", memberships, None, token)
+        accounts = [m["account"]["id"] for m in r.json()["result"]]
+        assert r.status_code == 200 and len(accounts) == 1, r.text
+        assert (accounts[0] == account) if account else (accounts[0] != harness.account)
     admin_view = await harness.http.get(
         f"{harness.url}/admin/v1/tenants", headers={"authorization": f"Bearer {ADMIN}"}
     )
