@@ -23,7 +23,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -44,6 +44,8 @@ from models.recipes.nano import (
 from models.recipes.render import Example, Renderer
 
 IGNORE = -100
+PROBE_STEPS = 20
+MAX_AUTO_STEPS = 20_000
 
 
 class Log:
@@ -174,7 +176,7 @@ def prepare(
     max_items: int | None,
     rng: random.Random,
     workers: int,
-    log: Log,
+    log: Callable[[str], None],
 ) -> tuple[dict[str, Any], list[Example], int]:
     """Tokenizer and config.json into `folder`; returns the config, the rendered examples and the pad id."""
     if not (data / "train.jsonl").exists():
@@ -209,10 +211,15 @@ def fit(
     minutes: float,
     balance_rate: float,
     rng: random.Random,
-    log: Log,
+    log: Callable[[str], None],
     log_every: int,
 ) -> list[float]:
-    """The training loop; returns the loss averaged over each logging window."""
+    """The training loop; returns the loss averaged over each logging window.
+
+    `steps` 0 fits the schedule to `minutes`: the step time is measured over the first
+    `PROBE_STEPS` steps (inside the warmup, where the schedule's length does not matter yet), then
+    the cosine decay is laid over as many steps as fit in 95% of the time (logged, so a rerun can
+    pass that number)."""
     from transformers import get_cosine_schedule_with_warmup
 
     dev = next(model.parameters()).device
@@ -223,13 +230,18 @@ def fit(
         {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    schedule = get_cosine_schedule_with_warmup(opt, warmup, steps)
+    if steps == 0 and warmup < PROBE_STEPS:
+        raise ValueError(f"fitting the steps to the time needs a warmup of at least {PROBE_STEPS} steps")
+    total = steps or MAX_AUTO_STEPS
+    schedule = get_cosine_schedule_with_warmup(opt, warmup, total)
     stream = endless(batches(examples, batch_tokens, rng), rng)
     is_cuda = dev.type == "cuda"
     losses: list[float] = []
     window: list[float] = []
     start = time.monotonic()
-    for step in range(1, steps + 1):
+    step = 0
+    while step < total:
+        step += 1
         batch = collate(next(stream), pad_id, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda):
             loss = loss_of(model, batch)
@@ -240,10 +252,15 @@ def fit(
         schedule.step()
         load = balance.step()
         window.append(loss.item())
-        if step % log_every == 0 or step == steps:
+        if steps == 0 and step == PROBE_STEPS:
+            per_step = (time.monotonic() - start) / step
+            total = max(warmup + 1, min(MAX_AUTO_STEPS, int(0.95 * minutes * 60 / per_step)))
+            schedule = get_cosine_schedule_with_warmup(opt, warmup, total, last_epoch=step - 1)
+            log(f"{per_step * 1000:.0f} ms per step: {total} steps fit in {minutes} minutes")
+        if step % log_every == 0 or step == total:
             losses.append(sum(window) / len(window))
             window = []
-            log(f"step {step}/{steps} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
+            log(f"step {step}/{total} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
                 f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
         if time.monotonic() - start > minutes * 60:
             if window:
@@ -313,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, required=True, help="the checkpoint folder to create")
     p.add_argument("--size", choices=["nano", "micro"], default="nano")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=3000, help="0: as many as fit in --minutes")
     p.add_argument("--batch-tokens", type=int, default=32768)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)

@@ -5,8 +5,11 @@ the nano shapes fit their size limits."""
 from __future__ import annotations
 
 import json
+import math
+import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +29,8 @@ from models.recipes.nano import (
     published_config,
     special_ids,
 )
-from models.recipes.render import Renderer
-from models.recipes.train import train
+from models.recipes.render import Example, Renderer
+from models.recipes.train import fit, train
 from models.recipes.world import make_world
 from tests.backend.paged_driver import PagedDriver, Seq
 
@@ -153,3 +156,27 @@ def test_importing_the_recipe_imports_no_msgspec() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+class _Toy(torch.nn.Module):
+    """A bigram model: enough for the training loop, no experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 16)
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool) -> Any:
+        return types.SimpleNamespace(logits=self.head(self.embed(input_ids)))
+
+
+def test_steps_zero_fits_the_schedule_to_the_time() -> None:
+    lines: list[str] = []
+    examples = [Example([1, 2, 3, 4, 5], [False, False, True, True, True]) for _ in range(8)]
+    losses = fit(_Toy(), examples, 0, steps=0, batch_tokens=20, lr=1e-2, warmup=20, minutes=0.02,
+                 balance_rate=0.0, rng=random.Random(0), log=lines.append, log_every=10)  # fmt: skip
+    fitted = [line for line in lines if "steps fit in 0.02 minutes" in line]
+    assert len(fitted) == 1, lines
+    total = int(fitted[0].split(": ")[1].split()[0])
+    assert total > 20 and all(math.isfinite(x) for x in losses)
+    assert any(f"step {total}/{total}" in line or "stopped at step" in line for line in lines)
