@@ -12,6 +12,7 @@ import sys
 # subcommand → module with `main(argv: list[str]) -> int`
 SUBCOMMANDS: dict[str, str] = {
     "engine": "benchmarks.engine.cli",
+    "load": "benchmarks.load",
 }
 
 
