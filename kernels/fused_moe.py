@@ -43,21 +43,26 @@ _MAGIC_ONE = 0x3F800000  # bits of 1.0f (see kernels/w4a16_gemm.py)
 
 @triton.jit
 def _load_b(
-    w_ptr, s_ptr, rows, rows_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+    w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """K tile t of weight rows `rows`: words `[BN, BK/8]` int32 and per-word fp32 scales `[BN, BK/8]`."""
+    """K tile t of weight rows `rows`: words `[BN, BK/8]` int32 and per-word fp32 scales `[BN, BK/8]`.
+
+    K8 = K/8 words and KG = K/G groups per row come in as arguments, not `K // 8`: the launcher's
+    divisibility-by-16 specialization then reaches the masks, so a thread's 4 words load as one
+    16-byte access (with `K // 8` the compiler only proves 2: 8-byte loads, checked in the PTX).
+    """
     BK8: tl.constexpr = BLOCK_K // 8
     r = t * BK8 + tl.arange(0, BK8)
     wp = tl.load(
         w_ptr + rows[:, None] * stride_wn + r[None, :] * stride_wk,
-        mask=rows_ok[:, None] & (r < K // 8)[None, :],
+        mask=rows_ok[:, None] & (r < K8)[None, :],
         other=0,
     )
     g = t * BLOCK_K // GROUP_SIZE + tl.arange(0, SCALE_ROWS)
     sc = tl.load(
         s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg,
-        mask=rows_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
+        mask=rows_ok[:, None] & (g < KG)[None, :],
         other=0.0,
     ).to(tl.float32)  # [BN, SR]
     BN: tl.constexpr = wp.shape[0]
@@ -84,6 +89,8 @@ def _fused_moe_kernel(
     num_padded_ptr,
     N,
     K,
+    K8,  # K / 8 words per weight row
+    KG,  # K / G groups per weight row
     num_pairs,
     stride_am,
     stride_ak,
@@ -139,14 +146,14 @@ def _fused_moe_kernel(
             a_rows[:, None] + kk[None, :] * stride_ak, mask=m_ok[:, None] & (kk < K)[None, :], other=0.0
         )
         wp, sc = _load_b(
-            w_e, s_e, offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
             GROUP_SIZE, BLOCK_K, SCALE_ROWS,
         )  # fmt: skip
         b = _unpack_tile(wp, sc, magic_2_23, a.dtype)  # [BN, BK]
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         if GATE_UP:
             wp, sc = _load_b(
-                w_e, s_e, N + offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
                 GROUP_SIZE, BLOCK_K, SCALE_ROWS,
             )  # fmt: skip
             b = _unpack_tile(wp, sc, magic_2_23, a.dtype)
@@ -159,16 +166,16 @@ def _fused_moe_kernel(
 
 
 @triton.jit
-def _gemv_words(w_ptr, s_ptr, rows, rows_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
+def _gemv_words(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
                 magic_one, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr):  # fmt: skip
     """K tile t of `x · w[rows]ᵀ` as per-word partial sums `[BN, BK/8]` fp32 (reduced by the caller)."""
     BK8: tl.constexpr = BLOCK_K // 8
     wp, sc = _load_b(
-        w_ptr, s_ptr, rows, rows_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg,
+        w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
         GROUP_SIZE, BLOCK_K, SCALE_ROWS,
     )  # fmt: skip
     r = t * BK8 + tl.arange(0, BK8)
-    r_ok = r < K // 8
+    r_ok = r < K8
     wp_hi = wp >> 16  # nibbles 4..7 in bits 0..15
     dot8 = tl.zeros(wp.shape, dtype=tl.float32)
     x_sum = tl.zeros((BK8,), dtype=tl.float32)
@@ -196,6 +203,8 @@ def _fused_moe_gemv_kernel(
     num_experts,
     N,
     K,
+    K8,  # K / 8 words per weight row
+    KG,  # K / G groups per weight row
     stride_am,
     stride_ak,
     stride_we,
@@ -234,12 +243,12 @@ def _fused_moe_gemv_kernel(
     acc2_up = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     for t in range(0, tl.cdiv(K, BLOCK_K)):
         acc2 += _gemv_words(
-            w_e, s_e, offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
+            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
             magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
         )  # fmt: skip
         if GATE_UP:
             acc2_up += _gemv_words(
-                w_e, s_e, N + offs_n, n_ok, t, K, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
+                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
                 magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
             )  # fmt: skip
     acc = tl.sum(acc2, axis=1)  # [BN]
@@ -362,7 +371,7 @@ def fused_moe(
         flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
         for a, w, s, out, N, K, div, gate_up, mul in gemms:
             _fused_moe_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
-                a, w, s, out, topk_w, flat_ids, E, N, K, *a.stride(), *w.stride(), *s.stride(),
+                a, w, s, out, topk_w, flat_ids, E, N, K, K // 8, K // group_size, *a.stride(), *w.stride(), *s.stride(),
                 *out.stride(), _MAGIC_ONE,
                 A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=max(cfg.block_k // group_size, 1),
@@ -373,7 +382,8 @@ def fused_moe(
         num_blocks = block_expert_ids.numel()
         for a, w, s, out, N, K, div, gate_up, mul in gemms:
             _fused_moe_kernel[(num_blocks * triton.cdiv(N, cfg.block_n),)](
-                a, w, s, out, topk_w, sorted_ids, block_expert_ids, num_padded, N, K, P, *a.stride(),
+                a, w, s, out, topk_w, sorted_ids, block_expert_ids, num_padded, N, K, K // 8, K // group_size, P,
+                *a.stride(),
                 *w.stride(), *s.stride(), *out.stride(), _MAGIC_2_23,
                 A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
