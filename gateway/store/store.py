@@ -20,6 +20,7 @@ from sqlalchemy import event, func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from gateway.errors import NotFound
+from gateway.store import ledger
 from gateway.store.migrate import upgrade_to_head
 from gateway.store.rows import (
     Credential,
@@ -35,7 +36,7 @@ from gateway.store.rows import (
     tenant_of,
     token_of,
 )
-from gateway.store.tables import AdminTokenRow, AuditRow, TenantRow, TokenRow, UsageRow
+from gateway.store.tables import AdminTokenRow, TenantRow, TokenRow
 from schemas.admin import (
     AuditEntry,
     Plan,
@@ -303,95 +304,31 @@ class Store:
         matches = [r for r in rows if hmac.compare_digest(digest, r.secret_sha256)]
         return f"admin:{matches[0].name}" if matches else None
 
-    # ---- usage and audit ----------------------------------------------------------------------------
+    # ---- usage and audit (gateway.store.ledger) ----------------------------------------------------
     async def add_usage(self, records: Sequence[UsageRecord]) -> None:
         if not records:
             return
         async with self._session() as s, s.begin():
-            s.add_all(
-                UsageRow(
-                    tenant_id=r.tenant_id,
-                    model=r.model,
-                    request_id=r.request_id,
-                    prompt_tokens=r.prompt_tokens,
-                    cached_tokens=r.cached_tokens,
-                    completion_tokens=r.completion_tokens,
-                    neurons=r.neurons,
-                    status=r.status,
-                    at=r.at,
-                    day=r.at.astimezone(dt.UTC).date(),
-                )
-                for r in records
-            )
+            ledger.add_usage(s, records)
 
     async def usage(
         self, tenant_id: str, *, since: dt.date, until: dt.date, group_by: Literal["day", "model"]
     ) -> list[UsageGroup]:
         """Usage per UTC day or per model, `since` and `until` inclusive; the tenant may be deleted."""
-        key: Any = UsageRow.day if group_by == "day" else UsageRow.model
-        query = (
-            select(
-                key,
-                func.count(),
-                func.sum(UsageRow.prompt_tokens),
-                func.sum(UsageRow.cached_tokens),
-                func.sum(UsageRow.completion_tokens),
-                func.sum(UsageRow.neurons),
-            )
-            .where(UsageRow.tenant_id == tenant_id, UsageRow.day >= since, UsageRow.day <= until)
-            .group_by(key)
-            .order_by(key)
-        )
         async with self._session() as s:
             await live_tenant(s, tenant_id, include_deleted=True)
-            rows = (await s.execute(query)).all()
-        return [
-            UsageGroup(
-                day=k.isoformat() if group_by == "day" else None,
-                model=str(k) if group_by == "model" else None,
-                requests=int(n),
-                prompt_tokens=int(p),
-                cached_tokens=int(c),
-                completion_tokens=int(o),
-                neurons=float(x),
-            )
-            for k, n, p, c, o, x in rows
-        ]
+            return await ledger.usage_groups(s, tenant_id, since=since, until=until, group_by=group_by)
 
     async def neurons_on(self, tenant_id: str, day: dt.date) -> float:
         async with self._session() as s:
-            total = await s.scalar(
-                select(func.sum(UsageRow.neurons)).where(UsageRow.tenant_id == tenant_id, UsageRow.day == day)
-            )
-        return float(total or 0.0)
+            return await ledger.neurons_on(s, tenant_id, day)
 
     async def list_audit(
         self, *, page: int, per_page: int, tenant_id: str | None = None
     ) -> tuple[list[AuditEntry], int]:
         """Newest first."""
-        where = [] if tenant_id is None else [AuditRow.tenant_id == tenant_id]
         async with self._session() as s:
-            total = await s.scalar(select(func.count()).select_from(AuditRow).where(*where)) or 0
-            rows = await s.scalars(
-                select(AuditRow)
-                .where(*where)
-                .order_by(AuditRow.id.desc())
-                .offset((page - 1) * per_page)
-                .limit(per_page)
-            )
-            return [
-                AuditEntry(
-                    id=r.id,
-                    at=r.at,
-                    actor=r.actor,
-                    request_id=r.request_id,
-                    action=r.action,
-                    tenant_id=r.tenant_id,
-                    object_id=r.object_id,
-                    detail=r.detail,
-                )
-                for r in rows
-            ], total
+            return await ledger.audit_page(s, page=page, per_page=per_page, tenant_id=tenant_id)
 
     # ---- `kumo serve` -------------------------------------------------------------------------------
     async def ensure_dev_tenant(self, name: str = "development", plan: Plan = "paid") -> tuple[str, str]:
