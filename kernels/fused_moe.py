@@ -23,7 +23,12 @@ Sparse decode (about one token per expert, `P <= E`, like vLLM's `moe_wna16` swi
 would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile) with no
 tensor cores, using the W4A16 GEMV's unpacking (one LOP3 + FADD + FFMA per nibble, zero point and scale
 once per word). It reads the router's ids directly: no align step, three launches in all (two kernels
-and the k-sum). Two pairs of one expert read its weights twice, the second time mostly from L2.
+and the k-sum). Two pairs of one expert read its weights twice, the second time mostly from L2; so
+the switch sits at P <= E (Kimi: M <= 48), not vLLM's P/E <= 6, until the H200 says otherwise.
+
+Not measured yet (no device time): tile choices come from an offline sm_90a compile (registers,
+16-byte loads in the PTX) and the W4A16 GEMM's H200 runs; `benchmarks/kernels/bench_fused_moe.py`
+times the alternatives.
 """
 
 from __future__ import annotations
