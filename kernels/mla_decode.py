@@ -22,7 +22,10 @@ not): a repeated one would count twice, where the reference counts it once.
 
 Page-tag check, fused: each token's page tag is compared with the sequence's expected tag for that
 page; a token of a mismatched page gets a -inf score and a zero value row (its bytes may be another
-tenant's NaN), and `tag_mismatch[b]` is set. The loads never wait for the tag loads. In sparse mode the
+tenant's NaN), and `tag_mismatch[b]` is set. By default the line loads do not wait for the tag loads
+and a select zeroes the failed rows after them; `masked_loads=True` puts the check in the load masks
+instead (a failed page is never read; one tile fewer in registers, but the loads wait for the tags):
+which is faster is the H200 benchmark's call. In sparse mode the
 flag must not depend on which tokens were chosen (the reference checks every page in use), so the
 programs of the first head block also sweep their share of the sequence's page list.
 
@@ -88,6 +91,7 @@ def _mla_paged_kernel(
     VARLEN: tl.constexpr,  # tiles of several queries per sequence, causal (prefill); else one per sequence
     SPARSE: tl.constexpr,
     CHECK_TAGS: tl.constexpr,
+    MASKED_LOADS: tl.constexpr,  # the tag check masks the line loads instead of selecting after them
     DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches, else q's
     DOT_PRECISION: tl.constexpr,
@@ -157,10 +161,12 @@ def _mla_paged_kernel(
             num_bad += (n_ok & (found != expected)).to(tl.int32)
         else:
             tok_ok = n_ok
-        # the line loads wait only for the page ids; a failed page is dropped by the selects below
+        # MASKED_LOADS: a failed page is never read (the loads wait for the tags); otherwise the loads
+        # wait only for the page ids and a failed page is dropped by the selects below
+        ld_ok = tok_ok if MASKED_LOADS else n_ok
         line = cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE).to(tl.int64) * stride_cs  # [BN]
-        c = tl.load(line[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=n_ok[:, None] & dr_ok[None, :], other=0.0)
+        c = tl.load(line[:, None] + offs_r[None, :], mask=ld_ok[:, None] & r_ok[None, :], other=0.0)
+        pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=ld_ok[:, None] & dr_ok[None, :], other=0.0)
         c = c.to(COMPUTE)
         s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(pe.to(COMPUTE)), input_precision=DOT_PRECISION)  # [BM, BN]
@@ -173,7 +179,7 @@ def _mla_paged_kernel(
         alpha = tl.exp2(m - m_base)
         p = tl.exp2(s - m_base[:, None])  # [BM, BN]
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.where(tok_ok[:, None], c, 0.0)  # 0 · NaN would poison the row
+        v = c if MASKED_LOADS else tl.where(tok_ok[:, None], c, 0.0)  # 0 · NaN would poison the row
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -338,6 +344,7 @@ def launch_mla_paged(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    masked_loads: bool = False,
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
     """Stage 1 over `(head blocks, slices, tiles)`, then the merge when there is more than one slice."""
     T, H, C = q.shape
@@ -407,6 +414,7 @@ def launch_mla_paged(
         VARLEN=tiles is not None,
         SPARSE=sparse,
         CHECK_TAGS=check_tags,
+        MASKED_LOADS=masked_loads,
         DIRECT=direct,
         COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -449,6 +457,7 @@ def mla_decode(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    masked_loads: bool = False,  # the tag check masks the loads (fewer registers, loads wait for tags)
 ) -> torch.Tensor:  # [B, H, R] in q's dtype
     """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring."""
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
@@ -464,7 +473,7 @@ def mla_decode(
     return launch_mla_paged(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
         tag_mismatch, softmax_scale, topk_indices, None, num_splits=num_splits, check_tags=check_tags,
-        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, masked_loads=masked_loads,
     )  # fmt: skip
 
 

@@ -67,6 +67,7 @@ def mla_prefill(
     block_n: int = 32,
     num_warps: int = 8,
     num_stages: int = 2,
+    masked_loads: bool = False,  # see mla_decode
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
     """`mla_attention_ref` on the GPU; see the module docstring."""
     B = seq_lens.shape[0]
@@ -84,5 +85,5 @@ def mla_prefill(
     return launch_mla_paged(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
         tag_mismatch, softmax_scale, topk_indices, tiles, num_splits=num_splits, check_tags=check_tags,
-        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, masked_loads=masked_loads,
     )  # fmt: skip

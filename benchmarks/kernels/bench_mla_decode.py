@@ -45,13 +45,15 @@ CASES = [
     (8, 64, 32768, None),  # TP8 shard
     (64, 64, 32768, 2048),  # GLM-5 DSA sparse
 ]
-SWEEP = [  # block_h, block_n, num_warps, num_stages
-    (16, 32, 4, 2),
-    (16, 64, 4, 2),
-    (32, 32, 8, 2),
-    (64, 32, 8, 2),
-    (64, 16, 8, 3),
-    (64, 32, 4, 2),
+SWEEP = [  # block_h, block_n, num_warps, num_stages, masked_loads
+    (16, 32, 4, 2, False),
+    (16, 32, 4, 2, True),
+    (16, 64, 4, 2, False),
+    (32, 32, 8, 2, False),
+    (32, 32, 8, 2, True),
+    (64, 32, 8, 2, False),
+    (64, 32, 8, 2, True),
+    (64, 16, 8, 3, False),
 ]
 AB_PAIRS = 7
 AB_CASES = {(64, 64, 32768, None), (8, 64, 32768, None), (64, 64, 32768, 2048)}  # tag check on vs off
@@ -83,7 +85,7 @@ def run(
 ) -> torch.Tensor:
     kw = {}
     if cfg is not None:
-        kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+        kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3], masked_loads=cfg[4])
     cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
     return mla_decode(
         case["q"], cache, scale, R, case["seq_lens"], case["page_table"], case["expected_tags"],
@@ -179,7 +181,9 @@ def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float
                 "GBps": nbytes / ms / 1e6,
                 "TFLOPs": tokens_read * H * 2 * (R + DR + R) / ms / 1e9,
                 "peers": peers,
-                "config": {"block_h": cfg[0], "block_n": cfg[1], "num_warps": cfg[2], "num_stages": cfg[3]},
+                "config": dict(
+                    zip(("block_h", "block_n", "num_warps", "num_stages", "masked_loads"), cfg, strict=True)
+                ),
                 "variants": {str(k): v for k, v in variants.items()},
                 "rel_err": err,
                 "ok": err < 1e-2,
@@ -219,12 +223,13 @@ def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float
 
 
 PREFILL_CASES = [(64, 8192, 4096), (64, 0, 4096), (8, 8192, 4096)]  # heads, cached tokens, new tokens
-PREFILL_SWEEP = [  # block_q, block_h, block_n, num_warps
-    (4, 16, 32, 8),
-    (1, 64, 32, 8),
-    (2, 32, 32, 8),
-    (4, 16, 64, 8),
-    (8, 8, 32, 8),
+PREFILL_SWEEP = [  # block_q, block_h, block_n, num_warps, masked_loads
+    (4, 16, 32, 8, False),
+    (4, 16, 32, 8, True),
+    (1, 64, 32, 8, False),
+    (2, 32, 32, 8, False),
+    (4, 16, 64, 8, False),
+    (8, 8, 32, 8, False),
 ]
 
 
@@ -242,7 +247,7 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list
         return mla_prefill(
             q, cache, scale, R, qs, case["seq_lens"], case["page_table"], case["expected_tags"],
             case["page_tags"], case["flags"], SOFTMAX_SCALE,
-            block_q=cfg[0], block_h=cfg[1], block_n=cfg[2], num_warps=cfg[3],
+            block_q=cfg[0], block_h=cfg[1], block_n=cfg[2], num_warps=cfg[3], masked_loads=cfg[4],
         )  # fmt: skip
 
     kv_all = case["bf16"][case["page_table"][0].long()].reshape(L, R + DR)
@@ -287,7 +292,9 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list
                 "fraction_of_ceiling": flops / ms / 1e9 / ceil["bf16_TFLOPs"],
                 "TFLOPs": flops / ms / 1e9,
                 "peers": peers,
-                "config": {"block_q": cfg[0], "block_h": cfg[1], "block_n": cfg[2], "num_warps": cfg[3]},
+                "config": dict(
+                    zip(("block_q", "block_h", "block_n", "num_warps", "masked_loads"), cfg, strict=True)
+                ),
                 "variants": {str(k): v for k, v in variants.items()},
                 "rel_err": err,
                 "ok": err < 1e-2 and not bool(case["flags"].any()),

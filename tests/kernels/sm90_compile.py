@@ -1,0 +1,130 @@
+"""Compile the MLA and kv_write kernels for sm90 (H200) without a GPU: Triton's front end and ptxas.
+
+CI has no GPU and runs kernels in the interpreter, which never lowers them; this catches what only a
+real compile shows (types, layouts, shared memory) and prints ptxas's registers and spills per
+config. Run in a process without TRITON_INTERPRET (the interpreter patches `tl`):
+
+    python -m tests.kernels.sm90_compile            # the CI subset
+    python -m tests.kernels.sm90_compile --all      # every config the benchmark sweeps
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+
+
+def mla_source(
+    q: str = "bf16", cache: str = "bf16", block_q: int = 1, block_h: int = 16, block_n: int = 32,
+    varlen: bool = False, sparse: bool = False, direct: bool = False, masked: bool = False, check: bool = True,
+) -> ASTSource:  # fmt: skip
+    from kernels.mla_decode import _mla_paged_kernel as fn
+
+    ptrs = {
+        "q_ptr": q, "cache_ptr": cache, "page_table_ptr": "i32", "expected_ptr": "i64", "page_tags_ptr": "i64",
+        "seq_lens_ptr": "i32", "query_start_ptr": "i32", "tile_seq_ptr": "i32", "tile_q0_ptr": "i32",
+        "topk_ptr": "i64", "mismatch_ptr": "u8", "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": q,
+    }  # fmt: skip
+    consts: dict[str, Any] = dict(
+        PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=512, BLOCK_DR=64, BLOCK_P=128,
+        VARLEN=varlen, SPARSE=sparse, CHECK_TAGS=check, MASKED_LOADS=masked, DIRECT=direct,
+        COMPUTE=tl.float16 if cache == "fp8e4nv" else _TL[q], DOT_PRECISION="ieee" if q == "fp32" else "tf32",
+    )  # fmt: skip
+    return _source(fn, ptrs, consts, {"qk_scale", "v_scale"})
+
+
+def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16") -> ASTSource:
+    from kernels.kv_write_triton import _kv_write_kernel as fn
+
+    ptrs = {
+        "cache_ptr": cache, "values_ptr": values, "slot_ptr": "i64", "page_tags_ptr": "i64",
+        "token_expected_ptr": "i64", "token_seq_ptr": "i64", "mismatch_ptr": "u8",
+    }  # fmt: skip
+    consts = dict(
+        PAGE_SIZE=16, BLOCK_W=1024, QUANT=cache == "fp8e4nv", FMAX=448.0 if cache == "fp8e4nv" else 0.0
+    )
+    return _source(fn, ptrs, consts, {"scale"})
+
+
+def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[str]) -> ASTSource:
+    names = fn.arg_names
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ptrs:
+            sig[n] = "*" + ptrs[n]
+        else:
+            sig[n] = "fp32" if n in floats else "i32"
+    # pointers and the line strides are 16-byte aligned, as the launchers' tensors are on the GPU
+    strides = ("stride_cp", "stride_cs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "R")
+    aligned = [(names.index(n),) for n in names if n.endswith("_ptr") or n in strides]
+    return ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={k: [["tt.divisibility", 16]] for k in aligned},
+    )
+
+
+def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2) -> str:
+    """Compile to a cubin; return ptxas's register / spill line."""
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        run = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    if run.returncode:
+        raise RuntimeError(run.stderr[-2000:])
+    info = [
+        line.split("info    :")[-1].strip()
+        for line in run.stderr.splitlines()
+        if "spill" in line or "registers" in line
+    ]
+    return " ".join(info) + f" smem={kernel.metadata.shared}"
+
+
+CI_CONFIGS: list[tuple[str, dict[str, Any], int]] = [
+    ("mla decode bf16", {}, 4),
+    ("mla decode fp8 sparse masked", {"cache": "fp8e4nv", "sparse": True, "masked": True}, 4),
+    ("mla prefill fp16 varlen", {"q": "fp16", "cache": "fp16", "varlen": True, "block_q": 4}, 8),
+]
+ALL_CONFIGS = CI_CONFIGS + [
+    (f"mla decode {c} block_h={bh} warps={w} masked={m}", {"cache": c, "block_h": bh, "masked": m}, w)
+    for c in ("bf16", "fp8e4nv")
+    for bh, w in ((16, 4), (32, 8), (64, 8))
+    for m in (False, True)
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    for name, kw, warps in ALL_CONFIGS if args.all else CI_CONFIGS:
+        print(f"{name:<48} {compile_sm90(mla_source(**kw), warps)}", flush=True)
+    print(f"{'kv_write fp8 <- bf16':<48} {compile_sm90(kv_write_source(), 4)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
