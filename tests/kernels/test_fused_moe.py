@@ -144,23 +144,25 @@ def test_kernel_matches_float64(M: int, config: MoEConfig | None, dtype: torch.d
 
 @pytest.mark.parametrize(("config", "dtype"), [(GEMV, F32), (TILES, F16)])
 def test_matches_cpu_moe_layer(config: MoEConfig, dtype: torch.dtype) -> None:
-    """The layer's experts (sharded: this rank holds experts 2..7) and the kernel on the same weights."""
+    """The layer's experts and the kernel on the same weights, sharded: this rank holds experts 2..4,
+    so local ids fall below 0 (experts 0, 1) and at or above El (expert 5): those pairs add nothing."""
     gen = torch.Generator().manual_seed(7)
     ex = Experts(E, H, I, gen)
-    e0 = 2
+    e0, e1 = 2, 5
     layer = QuantExperts(
-        QuantScheme(method="int4", group_size=G), e0=e0, e1=E, hidden=H, intermediate=I, act=F.silu
+        QuantScheme(method="int4", group_size=G), e0=e0, e1=e1, hidden=H, intermediate=I, act=F.silu
     )
-    layer.gate_up_packed.copy_(ex.w13[e0:])
-    layer.gate_up_scale.copy_(ex.s13[e0:])
-    layer.down_packed.copy_(ex.w2[e0:])
-    layer.down_scale.copy_(ex.s2[e0:])
+    layer.gate_up_packed.copy_(ex.w13[e0:e1])
+    layer.gate_up_scale.copy_(ex.s13[e0:e1])
+    layer.down_packed.copy_(ex.w2[e0:e1])
+    layer.down_scale.copy_(ex.s2[e0:e1])
     M = 5
     x = torch.randn(M, H, generator=gen).to(dtype)
     ids, wts = routing(M, gen)
-    want = layer(x, wts, ids)  # contributions of experts 0, 1 belong to another rank
+    assert bool((ids < e0).any() and (ids >= e1).any())
+    want = layer(x, wts, ids)
     local = (ids - e0).to(DEV)
-    w13, s13, w2, s2 = (t[e0:] for t in ex.tensors())
+    w13, s13, w2, s2 = (t[e0:e1] for t in ex.tensors())
     out = fused_moe(x.to(DEV), local, wts.to(DEV), w13, s13, w2, s2, G, config=config)
     assert rel_err(out, want) < TOL[dtype]
 
