@@ -113,11 +113,16 @@ class AsyncEngine:
             return
         self._wake.set()
 
-    def _deliver(self, request_id: str, item: EngineOutput | EngineError) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            loop, queue = stream
+    def _deliver(self, engine_id: str, item: EngineOutput | EngineError) -> None:
+        stream = self._streams.get(engine_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: no one will read this stream, so end it
+            self._streams.pop(engine_id, None)
+            self._submit(("abort", engine_id))
 
     def _run(self) -> None:
         while not self._is_stopping:

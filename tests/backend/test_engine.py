@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from backend.async_engine import AsyncEngine
 from backend.errors import Aborted, Busy, EngineError, InvalidRequest
-from schemas.backend import ImageSpan
+from schemas.backend import EngineOutput, ImageSpan
 from tests.backend.engine_helpers import (
     MODELS,
     TENANT_A,
@@ -380,3 +381,32 @@ async def test_a_reused_request_id_never_receives_the_previous_stream_outputs() 
             assert outs[-1].finish_reason == "length"
     finally:
         front.stop()
+
+
+def test_a_stream_whose_event_loop_is_gone_does_not_kill_the_engine_thread() -> None:
+    front = AsyncEngine(make_engine(num_pages=16))
+    front.start()
+    try:
+
+        async def leave_open() -> AsyncIterator[EngineOutput]:
+            stream = front.generate(request("orphan", NEEDLE, max_tokens=200))
+            await anext(stream)
+            return stream  # never closed: its event loop ends under it
+
+        loop = asyncio.new_event_loop()
+        orphan = loop.run_until_complete(leave_open())
+        loop.close()
+
+        async def after() -> list[EngineOutput]:
+            stream = front.generate(request("after", NEEDLE, max_tokens=3))
+            return await asyncio.wait_for(_collect(stream), timeout=10)
+
+        outs = asyncio.run(after())
+        assert sum(len(o.token_ids) for o in outs) == 3 and outs[-1].finish_reason == "length"
+        del orphan
+    finally:
+        front.stop()
+
+
+async def _collect(stream: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
+    return [out async for out in stream]
