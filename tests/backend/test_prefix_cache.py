@@ -36,8 +36,11 @@ def test_generated_pages_are_cached_for_a_follow_up_turn() -> None:
     engine = make_engine()
     first = run_all(engine, [request("turn1", prompt_of(13, 20), max_tokens=16)])["turn1"]
     follow_up = prompt_of(13, 20) + first.token_ids + [5, 6, 7]  # 39 tokens: pages 0 and 1 computed already
-    second = run_all(engine, [request("turn2", follow_up)])["turn2"]
+    second = run_all(engine, [request("turn2", follow_up, max_tokens=12)])["turn2"]
     assert second.num_cached_tokens == 32
+    # the hit path reads KV that decode steps wrote: it must give what a full prefill gives
+    uncached = make_engine(enable_prefix_cache=False)
+    assert second.token_ids == run_all(uncached, [request("u", follow_up, max_tokens=12)])["u"].token_ids
 
 
 def test_eviction_under_pressure_reclaims_unreferenced_pages_lru_first() -> None:
