@@ -71,7 +71,8 @@ class ImageFetcher:
         if len(data) > self._limits.max_bytes:
             raise ImageRejected(f"image is larger than {self._limits.max_bytes} bytes")
         try:
-            with Image.open(io.BytesIO(data)) as img:
+            # only the accepted formats' parsers: Pillow would otherwise try every one it has
+            with Image.open(io.BytesIO(data), formats=list(FORMATS)) as img:
                 fmt, (width, height) = img.format, img.size
                 if width * height > self._limits.max_pixels:
                     raise ImageRejected(f"image has more than {self._limits.max_pixels} pixels")
@@ -83,7 +84,7 @@ class ImageFetcher:
             ValueError,
             Image.DecompressionBombError,
         ) as exc:
-            raise ImageRejected("image could not be decoded") from exc
+            raise ImageRejected("image could not be decoded (png, jpeg, webp or gif)") from exc
         if fmt not in FORMATS:
             raise ImageRejected(f"image format {fmt} is not supported (png, jpeg, webp, gif)")
         return ImagePart(data=data, media_type=FORMATS[fmt])

@@ -287,3 +287,23 @@ async def test_no_image_is_fetched_when_there_are_too_many() -> None:
     assert images.urls == []
     normalized = await from_openai(_image_body(2), kimi, _context(images), allow_prompt=True)
     assert len(images.urls) == 2 and len(normalized.requests) == 1
+
+
+def test_only_the_allowed_formats_parsers_ever_see_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow tries every parser it has (PSD, TGA, EPS, …) on unknown bytes; an untrusted image
+    must only ever reach the parsers of the formats we accept."""
+    from PIL import BmpImagePlugin
+
+    parsed: list[str] = []
+    real_open = BmpImagePlugin.BmpImageFile._open
+
+    def spy(self: BmpImagePlugin.BmpImageFile) -> None:
+        parsed.append("BMP")
+        real_open(self)
+
+    monkeypatch.setattr(BmpImagePlugin.BmpImageFile, "_open", spy)
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), "green").save(out, format="BMP")
+    with pytest.raises(ImageRejected, match="could not be decoded"):
+        fetcher().check(out.getvalue())
+    assert parsed == []
