@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-len", type=int, default=8192, help="the one long prompt of the prefill figure")
     ap.add_argument("--concurrency", type=_ints, default=(1, 8, 64), help="comma-separated (default 1,8,64)")
     ap.add_argument("--max-concurrency-cap", type=int, default=256, help="cap on the 'largest that fits' run (0: none)")
-    ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step (max_num_batched_tokens)")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step (max_num_batched_tokens)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--fp8-method", choices=("fp8-block", "fp8-channel"), default="fp8-block")
     ap.add_argument("--weights", choices=("bf16", "fp8", "int4", "int4-all"), default="int4")

@@ -57,7 +57,7 @@ class KvSizing:
     plan_weights_per_gpu: int  # full model, per GPU, bytes
     plan_kv_pool_bytes: int  # full model, per GPU, all layers
     plan_kv_bytes_per_token: int  # full model, per GPU, all layers
-    plan_weights: str
+    plan_weights: str  # the format `kumo plan` was run with (bf16 weights: see `Geometry.kv_sizing`)
     plan_kv_dtype: str
     gpu_mem: int
     tp: int
@@ -87,18 +87,15 @@ class Geometry:
     def kv_sizing(
         self, fmt: WeightFormat, kv_dtype: KvDtype, *, page_size: int = 16, fp8_method: str = "fp8-block"
     ) -> KvSizing:
+        """The full model's per-GPU pool in this format. Where the full model in this format does not
+        fit 8 H200s at all (BF16 for both; FP8 for Kimi K2.6's 1T parameters), the variant gets the
+        pool of the first format that does, FP8 then INT4 experts; `plan_weights` records which."""
         weights, all_linear = plan_weights(fmt, fp8_method)
         gpu_mem = TINY_GPU_MEM if self.is_tiny else H200_MEM
-        plan: Plan = make_plan(
-            self.full,
-            model=self.kind,
-            gpu_mem=gpu_mem,
-            tp=FULL_TP,
-            weights=weights,  # type: ignore[arg-type]
-            all_linear=all_linear,
-            kv_dtype=kv_dtype,
-            page_size=page_size,
-        )
+        plan = self._plan(weights, all_linear, kv_dtype, gpu_mem, page_size)
+        for fallback in (fp8_method, f"int4-g{INT4_GROUP}"):
+            if plan.kv_tokens <= 0:
+                plan = self._plan(fallback, False, kv_dtype, gpu_mem, page_size)
         if plan.kv_tokens <= 0:
             raise ValueError(f"kumo plan leaves no KV pool for {self.kind} {weights} on {FULL_TP} GPUs")
         return KvSizing(
@@ -112,6 +109,18 @@ class Geometry:
             plan_kv_dtype=kv_dtype,
             gpu_mem=gpu_mem,
             tp=FULL_TP,
+        )
+
+    def _plan(self, weights: str, all_linear: bool, kv_dtype: KvDtype, gpu_mem: int, page_size: int) -> Plan:
+        return make_plan(
+            self.full,
+            model=self.kind,
+            gpu_mem=gpu_mem,
+            tp=FULL_TP,
+            weights=weights,  # type: ignore[arg-type]
+            all_linear=all_linear,
+            kv_dtype=kv_dtype,
+            page_size=page_size,
         )
 
     def describe(self) -> dict[str, Any]:

@@ -98,3 +98,18 @@ def _fill_fp8(t: torch.Tensor, gen: torch.Generator) -> None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and persistent buffer (what a checkpoint load would hold)."""
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def planned_weight_bytes(geometry: Geometry, fmt: WeightFormat, fp8_method: str = "fp8-block") -> int:
+    """`weight_bytes` of the model `build_random_model` would make, computed on the meta device."""
+    config = geometry.model_config
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config, dtype=torch.bfloat16)
+    scheme = scheme_for(fmt, fp8_method)
+    if scheme is not None:
+        prepare_for_checkpoint(model, scheme)
+    total = weight_bytes(model)
+    for name, m in model.named_modules():  # kv_b_proj is held dense after the load
+        if name.endswith("kv_b_proj") and not hasattr(m, "weight") or name.endswith("kv_b_proj") and m.weight.dtype != torch.bfloat16:
+            total += m.in_local * m.out_local * 2 - sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    return total
