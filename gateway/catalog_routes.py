@@ -17,7 +17,7 @@ from gateway.errors import BadInput, Unauthenticated
 from gateway.inference import authenticate
 from gateway.run import account_of, services_of
 from gateway.services import Services
-from schemas.catalog import Account, Membership, ModelObject
+from schemas.catalog import Account, Membership, ModelObject, TaskOut
 from schemas.workers_ai import Envelope, PagedEnvelope, ResultInfo
 
 MAX_PER_PAGE = 1000
@@ -92,7 +92,7 @@ async def model_schema(request: Request) -> Response:
 async def tasks_search(request: Request) -> Response:
     services = services_of(request)
     await authenticate(services, request, account_of(request))
-    return ok([{"id": t.id, "name": t.name, "description": t.description} for t in services.catalog.tasks])
+    return ok([TaskOut(id=t.id, name=t.name, description=t.description) for t in services.catalog.tasks])
 
 
 async def authors_search(request: Request) -> Response:

@@ -5,6 +5,8 @@ envelope. The `openai` package works with `base_url=…/accounts/{account_id}/ai
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -51,6 +53,5 @@ async def list_models(request: Request) -> Response:
 
 
 def _created(created_at: str) -> int:
-    from datetime import UTC, datetime
-
+    """The catalog's `YYYY-MM-DD HH:MM:SS.mmm` (UTC) as OpenAI's unix seconds."""
     return int(datetime.strptime(created_at, "%Y-%m-%d %H:%M:%S.%f").replace(tzinfo=UTC).timestamp())

@@ -135,10 +135,7 @@ def legacy_result(c: Completion, totals: Totals, *, json_mode: bool) -> LegacyRe
             response = msgspec.json.decode(c.text)
         except msgspec.DecodeError as exc:
             raise BadInput("JSON Mode couldn't be met") from exc
-    calls = [
-        LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments))
-        for _, t in sorted(c.tool_calls.items())
-    ]
+    calls = _legacy_calls(c)
     return LegacyResult(response=response, tool_calls=calls or UNSET, usage=totals.legacy())
 
 
@@ -168,6 +165,14 @@ def chat_completion(
             )
         )
     return o.ChatCompletion(id=id, created=created, model=model, choices=choices, usage=totals.openai())
+
+
+def _legacy_calls(c: Completion) -> list[LegacyToolCall]:
+    """The legacy shape of a choice's tool calls: arguments as an object, no id, no type."""
+    return [
+        LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments))
+        for _, t in sorted(c.tool_calls.items())
+    ]
 
 
 def _arguments_object(text: str) -> object:
@@ -206,11 +211,7 @@ async def legacy_stream(
         if isinstance(event, b.TextDelta) and event.text:
             yield sse(LegacyFrame(response=event.text, p=padding()))
     if c.tool_calls:
-        calls = [
-            LegacyToolCall(name=t.name, arguments=_arguments_object(t.arguments))
-            for _, t in sorted(c.tool_calls.items())
-        ]
-        yield sse(LegacyFrame(response="", tool_calls=calls, p=padding()))
+        yield sse(LegacyFrame(response="", tool_calls=_legacy_calls(c), p=padding()))
     for c in done:
         c.check_finished()
     totals = Totals.of(done)
