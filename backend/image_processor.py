@@ -21,6 +21,7 @@ from backend.errors import InvalidRequest
 
 MEAN = 0.5
 STD = 0.5
+MAX_PIXELS = 64 * 1024 * 1024  # refused before decoding: bigger than any image worth resizing down
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +52,14 @@ def process_image(
     data: bytes, *, patch: int = 14, merge: int = 2, max_patches: int = 16384, max_side: int = 512
 ) -> ProcessedImage:
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))  # reads the header only
+        if image.width * image.height > MAX_PIXELS:
+            raise InvalidRequest(
+                f"image is {image.width}x{image.height} pixels, more than the {MAX_PIXELS} this model accepts"
+            )
+        image.draft("RGB", (max_side * patch, max_side * patch))  # JPEG: decode at reduced scale
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidRequest(f"image could not be decoded: {exc}") from exc
     image = image.convert("RGB")
     (new_h, new_w), (pad_h, pad_w) = target_size(image.height, image.width, patch, merge, max_patches, max_side)

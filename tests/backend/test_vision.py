@@ -87,3 +87,19 @@ def test_undecodable_image_is_a_clear_error() -> None:
 
     with pytest.raises(InvalidRequest, match="could not be decoded"):
         process_image(b"not an image")
+
+
+def test_huge_image_is_refused_before_decoding() -> None:
+    from backend.errors import InvalidRequest
+
+    buf = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(buf, format="PNG")  # a few kB on disk, 81M pixels decoded
+    with pytest.raises(InvalidRequest, match="more than"):
+        process_image(buf.getvalue())
+
+
+def test_large_jpeg_is_decoded_at_reduced_scale_and_fits_the_side_limit() -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (4000, 3000), (200, 10, 10)).save(buf, format="JPEG")
+    image = process_image(buf.getvalue(), max_side=16)
+    assert image.grid_h * 14 <= 16 * 14 + 28 and image.grid_w * 14 <= 16 * 14 + 28
