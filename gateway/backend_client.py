@@ -120,12 +120,25 @@ class BackendClient:
             return Error(code="internal", message=f"backend answered HTTP {status}", status=status)
 
     async def _lines(self, resp: httpx.Response) -> AsyncIterator[Event]:
-        async for line in resp.aiter_lines():
-            if not line.strip():
-                continue
-            if len(line) > MAX_LINE_BYTES:
+        """One event per NDJSON line; a line is refused as soon as it passes `MAX_LINE_BYTES`,
+        so a runaway backend cannot make the gateway buffer without bound."""
+        pending = bytearray()
+        async for chunk in resp.aiter_raw():
+            pending += chunk
+            while (end := pending.find(b"\n")) >= 0:
+                line = bytes(pending[:end])
+                del pending[: end + 1]
+                if line.strip():
+                    yield self._event(line)
+            if len(pending) > MAX_LINE_BYTES:
                 raise errors.KumoError("Unknown internal error")
-            try:
-                yield self._events.decode(line)
-            except msgspec.DecodeError as exc:
-                raise errors.KumoError("Unknown internal error") from exc
+        if pending.strip():
+            yield self._event(bytes(pending))
+
+    def _event(self, line: bytes) -> Event:
+        if len(line) > MAX_LINE_BYTES:
+            raise errors.KumoError("Unknown internal error")
+        try:
+            return self._events.decode(line)
+        except msgspec.DecodeError as exc:
+            raise errors.KumoError("Unknown internal error") from exc
