@@ -33,6 +33,11 @@ _PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 class QuantExperts(nn.Module):
+    gate_up_packed: torch.Tensor  # int4 buffers (registered in __init__), typed for the fused kernel's call
+    gate_up_scale: torch.Tensor
+    down_packed: torch.Tensor
+    down_scale: torch.Tensor
+
     def __init__(
         self,
         scheme: QuantScheme,

@@ -24,6 +24,7 @@ own config is timed beside alternative tiles (GEMV vs tensor-core blocks) so the
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -38,6 +39,7 @@ from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pi
 from kernels.int4_weights import dequantize_int4
 
 G = 32
+ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, s13, w2, s2
 ROUTINGS = 4  # routings per graph replay: at M=1 that is up to 32 experts (Kimi: 0.8 GB, >> L2)
 
 
@@ -81,7 +83,7 @@ VARIANTS = [
 ]
 
 
-def make_experts(shape: Shape) -> tuple[torch.Tensor, ...]:
+def make_experts(shape: Shape) -> ExpertTensors:
     """Random words (every nibble value) and bf16 scales sized so activations stay O(1)."""
     E, H, I = shape.num_experts, shape.hidden, shape.inter
     w13 = torch.randint(-(2**31), 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, device="cuda")
@@ -125,10 +127,14 @@ def expert_loop(
 
 
 def bench_m(
-    shape: Shape, M: int, experts: tuple[torch.Tensor, ...], peers_w: dict[str, Any], ceil: dict[str, float]
+    shape: Shape, M: int, experts: ExpertTensors, peers_w: dict[str, Any], ceil: dict[str, float]
 ) -> dict[str, Any]:
     E, H, I, TOP_K = shape.num_experts, shape.hidden, shape.inter, shape.top_k
     sets = [routing(shape, M) for _ in range(ROUTINGS)]
+
+    def run(s: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cfg: MoEConfig) -> torch.Tensor:
+        return fused_moe(s[0], s[1], s[2], *experts, G, config=cfg)
+
     plans = [host_plan(ids) for _, ids, _ in sets]
     x0, ids0, wts0 = sets[0]
     ref = fused_moe_ref(x0.float(), ids0, wts0, *experts, G)
@@ -139,8 +145,7 @@ def bench_m(
         try:
             out = fused_moe(x0, ids0, wts0, *experts, G, config=cfg)
             errs.append(rel_err(out.float(), ref))
-            calls = [lambda s=s, c=cfg: fused_moe(s[0], s[1], s[2], *experts, G, config=c) for s in sets]
-            times.append(graph_ms(calls))
+            times.append(graph_ms([functools.partial(run, s, cfg) for s in sets]))
         except Exception as exc:  # a tile shape that does not compile is a result too, not the end of the run
             failures[str(asdict(cfg))] = repr(exc)[:300]
             errs.append(float("nan"))
@@ -150,16 +155,13 @@ def bench_m(
         deterministic = torch.equal(first, fused_moe(x0, ids0, wts0, *experts, G, config=cfg0))
     except Exception:  # recorded in failures above
         deterministic = False
-    align_ms = graph_ms([lambda s=s: moe_align(s[1], E, max(cfg0.block_m, 1)) for s in sets])
+    align_ms = graph_ms([functools.partial(moe_align, s[1], E, max(cfg0.block_m, 1)) for s in sets])
     peers: dict[str, float] = {}
     peer_errs: dict[str, float] = {}
     for name, project in peers_w.items():
         peer_errs[name] = rel_err(expert_loop(x0, wts0, plans[0], project).float(), ref)
         peers[name] = graph_ms(
-            [
-                lambda s=s, p=p, f=project: expert_loop(s[0], s[2], p, f)
-                for s, p in zip(sets, plans, strict=True)
-            ]
+            [functools.partial(expert_loop, s[0], s[2], p, project) for s, p in zip(sets, plans, strict=True)]
         )
     touched = sum(len(p) for p in plans) / len(plans)
     bytes_moved = touched * shape.expert_bytes + 2 * M * H * 2
@@ -202,7 +204,7 @@ def bench_m(
 
 
 def peer_weights(
-    shape: Shape, experts: tuple[torch.Tensor, ...]
+    shape: Shape, experts: ExpertTensors
 ) -> dict[str, Callable[[torch.Tensor, int, int], torch.Tensor]]:
     """bf16 copies of the same experts (dequantized by the Triton pass) and tinygemm's packing of them."""
     E, H, I = shape.num_experts, shape.hidden, shape.inter

@@ -29,6 +29,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 E, H, I, G, TOP_K = 8, 96, 64, 32, 2
+ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, s13, w2, s2
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 GEMV = MoEConfig(block_m=0, block_n=64, block_k=64)
 TILES = MoEConfig(block_m=16, block_n=32, block_k=64)
@@ -52,8 +53,8 @@ class Experts:
         self.s13 = (torch.rand(num_experts, 2 * inter, hidden // G, generator=gen) * 0.02 + 0.005).bfloat16()
         self.s2 = (torch.rand(num_experts, hidden, inter // G, generator=gen) * 0.02 + 0.005).bfloat16()
 
-    def tensors(self, device: str = DEV) -> tuple[torch.Tensor, ...]:
-        return tuple(t.to(device) for t in (self.w13, self.s13, self.w2, self.s2))
+    def tensors(self, device: str = DEV) -> ExpertTensors:
+        return self.w13.to(device), self.s13.to(device), self.w2.to(device), self.s2.to(device)
 
 
 def routing(M: int, gen: torch.Generator, num_used: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,9 +198,9 @@ def test_deterministic(config: MoEConfig) -> None:
     ex = Experts(E, H, I, gen)
     x = torch.randn(3, H, generator=gen).to(torch.float16).to(DEV)
     ids, wts = routing(3, gen)
-    args = (x, ids.to(DEV), wts.to(DEV), *ex.tensors(), G)
-    first = fused_moe(*args, config=config)
-    assert all(torch.equal(fused_moe(*args, config=config), first) for _ in range(2))
+    ids, wts = ids.to(DEV), wts.to(DEV)
+    first = fused_moe(x, ids, wts, *ex.tensors(), G, config=config)
+    assert all(torch.equal(fused_moe(x, ids, wts, *ex.tensors(), G, config=config), first) for _ in range(2))
 
 
 def test_launcher_rejects_bad_inputs() -> None:
@@ -225,18 +226,24 @@ GLM_AIR = (128, 4096, 1408)
 
 
 @functools.lru_cache(maxsize=1)
-def device_experts(num_experts: int, hidden: int, inter: int) -> tuple[torch.Tensor, ...]:
+def device_experts(num_experts: int, hidden: int, inter: int) -> ExpertTensors:
     """Random words and bf16 scales on the GPU (Kimi: 9.5 GB, kept for the next test of that shape)."""
     gen = torch.Generator(device="cuda").manual_seed(num_experts)
-    i32 = {"dtype": torch.int32, "device": "cuda", "generator": gen}
-    w13 = torch.randint(-(2**31), 2**31 - 1, (num_experts, 2 * inter, hidden // 8), **i32)  # type: ignore[arg-type]
-    w2 = torch.randint(-(2**31), 2**31 - 1, (num_experts, hidden, inter // 8), **i32)  # type: ignore[arg-type]
+    lo, hi = -(2**31), 2**31 - 1
+    w13 = torch.randint(
+        lo, hi, (num_experts, 2 * inter, hidden // 8), generator=gen, dtype=torch.int32, device="cuda"
+    )
+    w2 = torch.randint(
+        lo, hi, (num_experts, hidden, inter // 8), generator=gen, dtype=torch.int32, device="cuda"
+    )
     s13 = torch.rand(num_experts, 2 * inter, hidden // G, device="cuda", generator=gen) * 0.004 + 0.001
     s2 = torch.rand(num_experts, hidden, inter // G, device="cuda", generator=gen) * 0.004 + 0.001
     return w13, s13.bfloat16(), w2, s2.bfloat16()
 
 
-def device_routing(M: int, num_experts: int, hidden: int, seed: int) -> tuple[torch.Tensor, ...]:
+def device_routing(
+    M: int, num_experts: int, hidden: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch.manual_seed(seed)
     x = torch.randn(M, hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(M, num_experts, device="cuda").topk(8, dim=-1).indices
