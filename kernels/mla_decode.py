@@ -453,17 +453,25 @@ def mla_decode(
     *,
     num_splits: int | None = None,
     check_tags: bool = True,  # False only to measure the check's cost
-    block_h: int = 16,
-    block_n: int = 32,
-    num_warps: int = 4,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
     masked_loads: bool = False,  # the tag check masks the loads (fewer registers, loads wait for tags)
 ) -> torch.Tensor:  # [B, H, R] in q's dtype
-    """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring."""
+    """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring.
+
+    Tile defaults (None) are the configs ptxas compiles for sm90 without spills
+    (`python -m tests.kernels.sm90_compile --all`), not yet measured: 32 heads × 16 tokens on 8
+    warps (16 heads × 16 tokens on 4 where H <= 16), 32 tokens for a dense FP8 cache.
+    """
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(
             f"decode takes one query per sequence: q {tuple(q.shape)}, {seq_lens.shape[0]} sequences"
         )
+    block_h = block_h or (16 if q.shape[1] <= 16 else 32)
+    block_n = block_n or (32 if latent_cache.dtype == torch.float8_e4m3fn and topk_indices is None else 16)
+    num_warps = num_warps or (4 if block_h <= 16 else 8)
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,
         topk_indices, block_h, block_n,

@@ -62,25 +62,34 @@ def mla_prefill(
     *,
     num_splits: int | None = None,
     check_tags: bool = True,  # False only to measure the check's cost
-    block_q: int = 4,
-    block_h: int = 16,
+    block_q: int | None = None,
+    block_h: int | None = None,
     block_n: int = 32,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = 2,
     masked_loads: bool = False,  # see mla_decode
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
-    """`mla_attention_ref` on the GPU; see the module docstring."""
-    B = seq_lens.shape[0]
+    """`mla_attention_ref` on the GPU; see the module docstring.
+
+    Tile defaults (None): 32 rows (2 queries × 16 heads, or 4 × 8 where H <= 8; sparse: 1 × 32 or
+    1 × 16) on 8 warps, the shape ptxas compiles for sm90 without spills; not yet measured.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, R + Dr], got {tuple(q.shape)}")
+    B, H = seq_lens.shape[0], q.shape[1]
     if query_start.shape != (B + 1,):
         raise ValueError(f"query_start must be [B+1] = [{B + 1}], got {tuple(query_start.shape)}")
+    if topk_indices is not None:  # one query per tile: each has its own list
+        block_q, block_h = 1, max(16, block_h or (32 if H > 16 else 16))
+    block_h = block_h or min(16, triton.next_power_of_2(H))
+    block_q = block_q or max(1, 32 // block_h)
+    num_warps = num_warps or (8 if block_q * block_h >= 32 else 4)
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError("block_q must be a power of two")
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,
         topk_indices, block_h, block_n,
     )  # fmt: skip
-    if topk_indices is not None:  # one query per tile: each has its own list
-        block_q, block_h = 1, max(16, block_h)
     tiles = query_tiles(query_start, q.shape[0], block_q)
     return launch_mla_paged(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,

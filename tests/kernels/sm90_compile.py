@@ -4,7 +4,7 @@ CI has no GPU and runs kernels in the interpreter, which never lowers them; this
 real compile shows (types, layouts, shared memory) and prints ptxas's registers and spills per
 config. Run in a process without TRITON_INTERPRET (the interpreter patches `tl`):
 
-    python -m tests.kernels.sm90_compile            # the CI subset
+    python -m tests.kernels.sm90_compile            # the launchers' default tiles (CI)
     python -m tests.kernels.sm90_compile --all      # every config the benchmark sweeps
 """
 
@@ -102,15 +102,29 @@ def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2) -> str:
     return " ".join(info) + f" smem={kernel.metadata.shared}"
 
 
-CI_CONFIGS: list[tuple[str, dict[str, Any], int]] = [
-    ("mla decode bf16", {}, 4),
-    ("mla decode fp8 sparse masked", {"cache": "fp8e4nv", "sparse": True, "masked": True}, 4),
-    ("mla prefill fp16 varlen", {"q": "fp16", "cache": "fp16", "varlen": True, "block_q": 4}, 8),
+# the launchers' defaults for Kimi's 64 heads (must compile without spills) and the benchmark's sweep
+DEFAULT_CONFIGS: list[tuple[str, dict[str, Any], int]] = [
+    ("mla decode bf16 (default tiles)", {"block_h": 32, "block_n": 16}, 8),
+    ("mla decode fp8 (default tiles)", {"cache": "fp8e4nv", "block_h": 32, "block_n": 32}, 8),
+    (
+        "mla decode fp8 sparse (default tiles)",
+        {"cache": "fp8e4nv", "block_h": 32, "block_n": 16, "sparse": True},
+        8,
+    ),
+    (
+        "mla prefill fp16 varlen (default tiles)",
+        {"q": "fp16", "cache": "fp16", "varlen": True, "block_q": 2},
+        8,
+    ),
 ]
-ALL_CONFIGS = CI_CONFIGS + [
-    (f"mla decode {c} block_h={bh} warps={w} masked={m}", {"cache": c, "block_h": bh, "masked": m}, w)
+ALL_CONFIGS = DEFAULT_CONFIGS + [
+    (
+        f"mla decode {c} block_h={bh} block_n={bn} warps={w} masked={m}",
+        {"cache": c, "block_h": bh, "block_n": bn, "masked": m},
+        w,
+    )
     for c in ("bf16", "fp8e4nv")
-    for bh, w in ((16, 4), (32, 8), (64, 8))
+    for bh, bn, w in ((16, 16, 4), (16, 32, 4), (32, 16, 8), (32, 32, 8), (64, 16, 8))
     for m in (False, True)
 ]
 
@@ -121,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
-    for name, kw, warps in ALL_CONFIGS if args.all else CI_CONFIGS:
+    for name, kw, warps in ALL_CONFIGS if args.all else DEFAULT_CONFIGS:
         print(f"{name:<48} {compile_sm90(mla_source(**kw), warps)}", flush=True)
     print(f"{'kv_write fp8 <- bf16':<48} {compile_sm90(kv_write_source(), 4)}", flush=True)
 
