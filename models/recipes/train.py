@@ -34,6 +34,7 @@ from backend.tokenizer_files import Family
 from models.recipes.build import build
 from models.recipes.nano import (
     MAX_MODEL_BYTES,
+    SIZES,
     build_model,
     parameter_bytes,
     published_config,
@@ -185,7 +186,7 @@ def prepare(
         items = [json.loads(line) for line in f]
     if max_items is not None:
         items = rng.sample(items, max_items)
-    num_ids = write_tokenizer(family, folder, items, 3072 if size == "nano" else 512)
+    num_ids = write_tokenizer(family, folder, items, SIZES[size]["vocab"])
     config = published_config(family, size, num_ids, special_ids(folder))
     num_bytes = parameter_bytes(family, config)
     log(f"{family} {size}: {num_ids} token ids, {num_bytes / 1e6:.2f} MB of bf16 weights")
