@@ -126,7 +126,7 @@ async def test_sigterm_drains_a_real_gateway(harness: Harness, tmp_path: Path) -
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "gateway", "--pools", str(tmp_path / "pools.toml"),
         "--port", str(port), "--data-dir", str(tmp_path / "data"),
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
