@@ -15,6 +15,7 @@
     ├── Timeout (408, 3046) / Aborted (408, 3008)
     ├── TooLarge (413, 3006) / ContextWindowExceeded (413, 5021)
     ├── RateLimited (429, 3021) / NeuronsExhausted (429, 3036) / Busy (429, 3040)
+    │   └── OverTokenLimit (429, 3021)   one request over the tokens-per-minute limit: no retry
     └── Unavailable (503, 3040)         no healthy replica
 
 One handler (`render`) turns any of them into the v4 envelope
@@ -29,6 +30,7 @@ class KumoError(Exception):
     status: int = 500
     code: int = 3000
     prefix: str = "AiError: "  # Workers AI prefixes inference errors so; admin errors set ""
+    can_retry: bool = True  # for 429/503: whether the same request may succeed later
 
     def __init__(self, message: str = "Unknown internal error", *, retry_after: int | None = None) -> None:
         super().__init__(message)
@@ -110,8 +112,15 @@ class RateLimited(KumoError):
     status, code = 429, 3021
 
 
+class OverTokenLimit(RateLimited):
+    """A request whose token estimate alone exceeds the tenant's tokens per minute: no window
+    will ever admit it, so it is not worth retrying."""
+
+    can_retry = False
+
+
 class NeuronsExhausted(KumoError):
-    status, code = 429, 3036
+    status, code, can_retry = 429, 3036, False
 
 
 class Busy(KumoError):
@@ -124,12 +133,14 @@ class Unavailable(KumoError):
 
 def retry_headers(exc: KumoError) -> dict[str, str]:
     """`Retry-After` and `x-should-retry` for an error answer. 429 and 503 always say when to come
-    back; a spent daily allowance (3036) is not worth retrying today. Other 4xx (but 408) are the
+    back, unless retrying cannot help (`can_retry`): a spent daily allowance (3036) is not worth
+    retrying today, a request over the tokens-per-minute limit never. Other 4xx (but 408) are the
     caller's to fix; the cloudflare SDK retries only what may succeed later."""
     headers: dict[str, str] = {}
     if exc.status in (429, 503):
-        headers["retry-after"] = str(exc.retry_after if exc.retry_after is not None else 1)
-        headers["x-should-retry"] = "false" if isinstance(exc, NeuronsExhausted) else "true"
+        if exc.retry_after is not None or exc.can_retry:
+            headers["retry-after"] = str(exc.retry_after if exc.retry_after is not None else 1)
+        headers["x-should-retry"] = "true" if exc.can_retry else "false"
     elif exc.retry_after is not None:
         headers["retry-after"] = str(exc.retry_after)
     if 400 <= exc.status < 500 and exc.status not in (408, 429):

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.auth import TenantContext
-from gateway.errors import NeuronsExhausted, RateLimited, Unavailable
+from gateway.errors import NeuronsExhausted, OverTokenLimit, RateLimited, Unavailable
 from gateway.store import Store
 
 MINUTE_TTL = 120
@@ -207,7 +207,7 @@ class Limiter:
             UNLIMITED if q.daily_neurons is None else q.daily_neurons,
         )
         if 0 <= limits[1] < estimated_tokens:  # could never fit any window: say so rather than "retry later"
-            raise RateLimited(
+            raise OverTokenLimit(
                 f"rate limiting: the request may use {estimated_tokens} tokens, more than this account's "
                 f"{limits[1]} tokens per minute"
             )

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from tenancy_db import sqlite_store_fixture  # noqa: F401  (fixture)
 
 from gateway.auth import TenantContext
-from gateway.errors import NeuronsExhausted, RateLimited, Unavailable
+from gateway.errors import NeuronsExhausted, RateLimited, Unavailable, retry_headers
 from gateway.quotas import Admission, Limiter, make_limiter
 from gateway.store import Store
 from schemas.admin import Quotas, UsageRecord
@@ -114,6 +114,7 @@ async def test_tokens_per_minute_reserve_the_estimate_and_true_up(
         caught.value.retry_after is None
         and "more than this account's 100 tokens per minute" in caught.value.message
     )
+    assert retry_headers(caught.value) == {"x-should-retry": "false"}  # the SDK must not retry it
     for limiter in {a, b}:
         await limiter.close()
 
