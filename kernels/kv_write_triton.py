@@ -4,7 +4,8 @@ One kernel (`_kv_write_kernel`, grid `(T, cdiv(W, BLOCK_W))` over the W values o
 576 for an MLA latent, Hkv·D for GQA K or V, Di for indexer keys). Each program checks its token's
 destination tag beside the value load and stores only where the slot is live (>= 0) and the tag
 matches; the first program of a token raises its sequence's flag on a mismatch, so a late or
-misrouted write never lands in a page that now belongs to someone else. FP8 divides with IEEE
+misrouted write never lands in a page that now belongs to someone else. A slot past the pool is
+treated as a mismatch (not written, sequence flagged) where the reference raises IndexError. FP8 divides with IEEE
 rounding (`div_rn`, as the CPU reference does; CUDA torch multiplies by the reciprocal instead),
 saturates to ±448 and converts round-to-nearest-even, so the bytes equal the CPU reference's.
 
@@ -38,6 +39,7 @@ def _kv_write_kernel(
     mismatch_ptr,  # [B] uint8 (the bool flags, viewed)
     scale,  # FP8 only: stored = value / scale
     W,
+    num_slots,  # P * S
     stride_vt,
     stride_cp,
     stride_cs,
@@ -52,10 +54,11 @@ def _kv_write_kernel(
     w_ok = offs < W
     slot = tl.load(slot_ptr + t)
     live = slot >= 0
-    page = tl.where(live, slot // PAGE_SIZE, 0)
+    in_pool = slot < num_slots  # a slot past the pool is never written (the reference would raise)
+    page = tl.where(live & in_pool, slot // PAGE_SIZE, 0)
     # the value load does not wait for the tag loads
     x = tl.load(values_ptr + t.to(tl.int64) * stride_vt + offs, mask=w_ok & live, other=0.0)
-    tag_ok = tl.load(page_tags_ptr + page) == tl.load(token_expected_ptr + t)
+    tag_ok = in_pool & (tl.load(page_tags_ptr + page) == tl.load(token_expected_ptr + t))
     if QUANT:
         x = tl.math.div_rn(x.to(tl.float32), scale)
         x = tl.minimum(tl.maximum(x, -FMAX), FMAX)  # NaN stays NaN, as torch's clamp leaves it
@@ -127,6 +130,7 @@ def kv_write(
         tag_mismatch.view(torch.uint8),
         scale,
         W,
+        P * S,
         rows.stride(0),
         cache.stride(0),
         cache.stride(1),

@@ -137,6 +137,25 @@ def test_wrong_tag_skips_the_write_and_flags_only_that_sequence() -> None:
     assert same_bytes(out, ref)
 
 
+def test_slot_past_the_pool_is_flagged_not_written() -> None:
+    """The reference raises on such a slot; the kernel flags the sequence and never writes out of
+    bounds (the pool is a view of a larger buffer here, so a stray write would show in page 4)."""
+    step = make_step(P=4, S=4, shape=(8,), T=6, cache_dtype=torch.float32, values_dtype=torch.float32, seed=7)
+    step["slot_mapping"][2] = 4 * 4 + 1
+    step["slot_mapping"][3:] = torch.where(step["slot_mapping"][3:] == 1, -1, step["slot_mapping"][3:])
+    step["token_expected_tags"][2] = step["page_tags"][0]  # what page 0 carries: must not matter
+    step["token_seq"][:] = torch.tensor([0, 0, 2, 0, 0, 0])
+    with pytest.raises(IndexError):
+        kv_write_ref(**{**step, "cache": step["cache"].clone(), "tag_mismatch": step["tag_mismatch"].clone()})
+    buffer = torch.zeros(5, 4, 8, device=DEV)
+    buffer[:4] = step["cache"].to(DEV)
+    dev = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+    kv_write(**{**dev, "cache": buffer[:4]})
+    assert dev["tag_mismatch"].cpu().tolist() == [False, False, True]
+    assert torch.equal(buffer[4].cpu(), torch.zeros(4, 8))
+    assert torch.equal(buffer[0, 1].cpu(), step["cache"][0, 1])  # nor wrapped onto page 0
+
+
 def test_non_contiguous_values_and_empty_step() -> None:
     step = make_step(
         P=4, S=4, shape=(2, 6), T=9, cache_dtype=torch.float16, values_dtype=torch.float32, seed=5
