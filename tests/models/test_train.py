@@ -20,6 +20,7 @@ from safetensors import safe_open
 from backend.forward_batch import ImageEmbeds
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
 from backend.loader import load_model
+from backend.served_model import ServedModel
 from backend.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, write_tokenizer_files
 from models.recipes.build import build, item
 from models.recipes.nano import (
@@ -75,6 +76,10 @@ def test_the_folder_has_the_published_layout(trained: tuple[str, Path, list[floa
         assert f.get_tensor(bias).abs().sum() > 0  # the experts were balanced during training
     for f in ("config.json", "generation_config.json", "tokenizer_config.json"):
         assert (path / f).exists()
+    served = ServedModel.from_checkpoint(path)  # what a backend reads at start
+    card = served.card(dtype="bfloat16", kv_dtype="fp8_e4m3", page_size=16, num_pages=64)
+    assert card.capabilities.tools and card.capabilities.reasoning and card.family == family
+    assert set(Renderer(path).stop_ids) <= set(served.eos_token_ids)
     if family == "kimi":
         assert (path / "tiktoken.model").exists()
         assert json.loads((path / "config.json").read_text())["architectures"] == [
