@@ -100,6 +100,8 @@ class ImageFetcher:
                     url = next_url
         except TimeoutError as exc:
             raise ImageRejected("image URL timed out") from exc
+        except httpx.InvalidURL as exc:  # not an HTTPError: a character or length httpx refuses
+            raise ImageRejected("image URL is malformed") from exc
         except httpx.HTTPError as exc:
             raise ImageRejected(f"image URL could not be fetched ({type(exc).__name__})") from exc
         raise ImageRejected("image URL redirected too many times")

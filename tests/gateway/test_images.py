@@ -150,6 +150,12 @@ async def test_malformed_urls_are_a_bad_input_not_a_crash(url: str) -> None:
         await fetcher().from_url(url)
 
 
+@pytest.mark.parametrize("path", ["a\x00b", "a" * 70_000])
+async def test_urls_httpx_cannot_send_are_a_bad_input(path: str) -> None:
+    with pytest.raises(ImageRejected, match="image URL is malformed"):
+        await fetcher(allowed="127.0.0.1/32").from_url(f"http://127.0.0.1:9/{path}")
+
+
 async def test_loopback_site_is_refused_by_default(sites: tuple[Site, Served, Site, Served]) -> None:
     public, a, _, _ = sites
     before = len(public.hits)
