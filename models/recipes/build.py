@@ -29,6 +29,18 @@ def item(task: str, seed: int, world) -> dict:
     return {"id": f"{task}-{seed}", "tier": tier, "seed": seed, **out}
 
 
+def eval_row(row: dict) -> dict:
+    """A test item in `kumo eval`'s task format (backend/eval_tasks.py); the transcript stays for
+    reference, but a tool item's `messages` keep only the prompt (the answer must not leak in)."""
+    if "choices" in row:
+        return {**row, "question": row["prompt"]}
+    if row["task"] == "gsm-nano":
+        return {**row, "answer_regex": r"answer is (-?\d+)"}
+    if row["task"] == "tool-call":
+        return {**row, "messages": row["messages"][:1]}
+    return row
+
+
 def split_seeds(split: str, task: str, count: int) -> list[int]:
     base = random.Random(f"{task}").randrange(1 << 40) * 2
     parity = 0 if split == "train" else 1
@@ -41,7 +53,7 @@ def build(out: Path, *, family: str, train_items: int, test_items: int, world_se
     tasks = TEST_TASKS + (["image-qa"] if family == "kimi" else [])
     counts: dict[str, int] = {}
     for task in tasks:
-        rows = [item(task, s, world) for s in split_seeds("test", task, test_items)]
+        rows = [eval_row(item(task, s, world)) for s in split_seeds("test", task, test_items)]
         (out / f"{task}.test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         counts[f"{task}.test"] = len(rows)
     train_tasks = tasks + ["chat"]

@@ -81,3 +81,19 @@ def test_rendered_image_shows_the_answered_colour(nano: Path) -> None:
             cx, cy = CELLS[shape["cell"]]
             centre = (cx * SIZE // 2 + SIZE // 4, cy * SIZE // 2 + SIZE // 4 + 6)
             assert image.getpixel(centre) == COLOURS[shape["colour"]], (row["id"], shape)
+
+
+def test_test_sets_load_as_kumo_eval_task_files(nano: Path) -> None:
+    from backend.eval_tasks import load_items
+
+    kinds = {task: load_items(nano / f"{task}.test.jsonl")[0] for task in TEST_TASKS}
+    assert kinds == {
+        "gsm-nano": "generation", "arc-nano-easy": "multiple_choice", "arc-nano-challenge": "multiple_choice",
+        "mmlu-nano": "multiple_choice", "tool-call": "tool_call",
+    }
+    _, tool_items = load_items(nano / "tool-call.test.jsonl")
+    assert all(len(i.messages) == 1 and i.messages[0].role == "user" for i in tool_items)
+    _, gsm = load_items(nano / "gsm-nano.test.jsonl")
+    from backend.eval_tasks import extract_answer
+
+    assert all(extract_answer(f"The answer is {i.answer}.", i) == i.answer for i in gsm)
