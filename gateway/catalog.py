@@ -33,6 +33,22 @@ from schemas.openai import ChatCompletion, ChatCompletionRequest
 from schemas.workers_ai import LegacyInput, LegacyResult
 
 DEFAULT_CATALOG = "catalog.toml"
+# property ids `Catalog.render` derives from the entry and its pool's card; an entry's free-form
+# `properties` may not set them (it would advertise what the pool may not serve, and twice)
+COMPUTED_PROPERTIES = frozenset(
+    {
+        "require_workers_paid",
+        "context_window",
+        "function_calling",
+        "reasoning",
+        "vision",
+        "beta",
+        "async_queue",
+        "weights",
+        "kv_cache_dtype",
+        "price",
+    }
+)
 
 
 class CatalogError(Exception):
@@ -91,6 +107,8 @@ class Catalog:
         for model in models:
             if model.task not in task_names:
                 raise CatalogError(f"{model.name}: unknown task {model.task!r}")
+            if computed := sorted(COMPUTED_PROPERTIES & model.properties.keys()):
+                raise CatalogError(f"{model.name}: properties may not set {', '.join(computed)}")
         authors = {a.name: AuthorOut(name=a.name, description=a.description) for a in file.authors}
         for model in models:
             authors.setdefault(model.author, AuthorOut(name=model.author, description=""))

@@ -7,9 +7,11 @@ from __future__ import annotations
 import re
 import uuid
 
+import msgspec
+import pytest
 from gateway_harness import GLM, KIMI, LEGACY, MISMATCH, Harness, harness  # noqa: F401  (fixture)
 
-from gateway.catalog import Catalog, load_catalog_file
+from gateway.catalog import Catalog, CatalogError, load_catalog_file
 from schemas.backend import Capabilities, ModelCard
 
 
@@ -129,3 +131,15 @@ async def test_a_retired_id_is_served_by_its_successor(harness: Harness) -> None
 async def test_models_page_escapes_what_it_echoes(harness: Harness) -> None:
     page = await harness.http.get(f"{harness.url}/models", params={"search": '"><script>alert(1)</script>'})
     assert "<script>alert(1)</script>" not in page.text and "&lt;script&gt;" in page.text
+
+
+def test_an_entry_cannot_set_a_property_the_gateway_computes() -> None:
+    """`properties` carries extra strings (terms, info); a capability or the context window typed
+    there would be advertised whatever the pool serves, and listed twice."""
+    file = load_catalog_file(None)
+    glm = next(m for m in file.models if m.name == GLM)
+    for key in ("vision", "context_window", "async_queue", "price"):
+        forged = msgspec.structs.replace(glm, properties={**glm.properties, key: "true"})
+        others = [m for m in file.models if m.name != GLM]
+        with pytest.raises(CatalogError, match=key):
+            Catalog.from_file(msgspec.structs.replace(file, models=[*others, forged]))
