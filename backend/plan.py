@@ -85,7 +85,7 @@ def scheme_for(config: dict[str, Any], weights: WeightFormat, all_linear: bool) 
 
 def stored_bytes(spec: TensorSpec, scheme: QuantScheme | None) -> int:
     """Bytes of one tensor on disk and in memory, with the scales its format adds."""
-    if scheme is None or not spec.is_linear or not scheme.applies_to(spec.module):
+    if scheme is None or not spec.is_linear or not scheme.applies_to(spec.served_module):
         return spec.numel * spec.dtype_bytes
     n, k = spec.shape
     if scheme.method == "int4":  # weight_packed int32, weight_scale bf16, weight_shape int32[2]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 BF16, FP32 = 2, 4
+TEXT_PREFIX = "language_model."  # the K2.5 multimodal layout's text model; the loader strips it
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,11 @@ class TensorSpec:
     def module(self) -> str:
         return self.name.rpartition(".")[0]
 
+    @property
+    def served_module(self) -> str:
+        """The module's name in the served model, which a checkpoint's `ignore` list is matched on."""
+        return self.module.removeprefix(TEXT_PREFIX)
+
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's block: K2.5/K2.6 keep it under `text_config`."""
@@ -50,8 +56,10 @@ def has_indexer(tc: dict[str, Any]) -> bool:
     return tc.get("index_n_heads") is not None
 
 
-def _linear(specs: list[TensorSpec], name: str, out_f: int, in_f: int, bias: bool = False) -> None:
-    specs.append(TensorSpec(f"{name}.weight", (out_f, in_f), is_linear=True))
+def _linear(
+    specs: list[TensorSpec], name: str, out_f: int, in_f: int, bias: bool = False, is_linear: bool = True
+) -> None:
+    specs.append(TensorSpec(f"{name}.weight", (out_f, in_f), is_linear=is_linear))
     if bias:
         specs.append(TensorSpec(f"{name}.bias", (out_f,)))
 
@@ -121,7 +129,8 @@ def _layer(specs: list[TensorSpec], p: str, idx: int, tc: dict[str, Any]) -> Non
         _mlp(specs, f"{p}.mlp", h, tc["intermediate_size"])
         return
     num_experts, inter = tc["n_routed_experts"], tc["moe_intermediate_size"]
-    _linear(specs, f"{p}.mlp.gate", num_experts, h)
+    # the router is no Linear (Moonshot's MoEGate, Kumo's Router): a `Linear` target never takes it
+    _linear(specs, f"{p}.mlp.gate", num_experts, h, is_linear=False)
     specs.append(TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (num_experts,), FP32))
     for e in range(num_experts):
         _mlp(specs, f"{p}.mlp.experts.{e}", h, inter)
@@ -156,7 +165,7 @@ def _vision(specs: list[TensorSpec], vc: dict[str, Any], text_hidden: int) -> No
 def checkpoint_tensors(config: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor the checkpoint of `config` holds, unquantized (BF16; fp32 router biases)."""
     tc = text_config(config)
-    prefix = "language_model." if "text_config" in config else ""
+    prefix = TEXT_PREFIX if "text_config" in config else ""
     h, vocab = tc["hidden_size"], tc["vocab_size"]
     specs: list[TensorSpec] = [TensorSpec(f"{prefix}model.embed_tokens.weight", (vocab, h))]
     num_layers = tc["num_hidden_layers"]

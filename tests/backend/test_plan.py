@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.plan import GIB, main, make_plan, parse_bytes, stored_bytes
+from backend.plan import GIB, main, make_plan, parse_bytes, scheme_for, stored_bytes
 from backend.quant.scheme import QuantScheme
 from backend.quant.shapes import TensorSpec, checkpoint_tensors, layer_index, text_config
 
@@ -29,7 +29,7 @@ def test_kimi_k26_kv_tokens_match_seed_and_fp8_doubles_them() -> None:
     bf16 = make_plan(_config("kimi-k2.6"), gpu_mem=H200, tp=8, kv_dtype="bf16")
     fp8 = make_plan(_config("kimi-k2.6"), gpu_mem=H200, tp=8, kv_dtype="fp8")
     assert bf16.kv_bytes_per_token == 61 * 576 * 2 == 70_272
-    assert abs(bf16.kv_tokens / 686_000 - 1) < 0.03  # Kumo: 693,440 (+1.1%)
+    assert abs(bf16.kv_tokens / 686_000 - 1) < 0.03  # Kumo: 687,056 (+0.2%)
     assert abs(fp8.kv_tokens / bf16.kv_tokens - 2) < 0.001
     assert abs(fp8.kv_tokens / 1_370_000 - 1) < 0.03
     # the native checkpoint: INT4 routed experts, BF16 rest ≈ 594 GB (engine-anchors §7)
@@ -142,3 +142,25 @@ def test_plan_predicts_the_bytes_kumo_quantize_writes(tmp_path: Path) -> None:
         written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     predicted = {s.name: s.shape for s in checkpoint_tensors(json.loads((src / "config.json").read_text()))}
     assert predicted == written
+
+
+def test_kimi_k26_native_keeps_lm_head_and_router_bf16() -> None:
+    """Kimi's shipped ignore list says `lm_head`, which the loader matches on the model's own name
+    (the K2.5 layout's `language_model.` prefix stripped), and its router is not a Linear: both are
+    served in BF16, so the plan must count them so (it counted them as INT4, ~0.4 GiB/GPU short)."""
+    plan = make_plan(_config("kimi-k2.6"), gpu_mem=H200, tp=8)
+    by_class = plan.weights_per_gpu_by_class
+    assert by_class["lm_head"] == 163_840 * 7168 * 2 // 8  # BF16, split by tp
+    assert by_class["router"] == 60 * (384 * 7168 * 2 + 384 * 4)  # BF16 weight + fp32 bias, replicated
+    assert by_class["embeddings"] == by_class["lm_head"]
+
+
+def test_native_scheme_matches_names_without_the_weight_prefix() -> None:
+    kimi = _config("kimi-k2.6")
+    head = TensorSpec("language_model.lm_head.weight", (163_840, 7168), is_linear=True)
+    expert = TensorSpec(
+        "language_model.model.layers.3.mlp.experts.0.down_proj.weight", (7168, 2048), is_linear=True
+    )
+    scheme = scheme_for(kimi, "native", False)
+    assert stored_bytes(head, scheme) == 163_840 * 7168 * 2
+    assert stored_bytes(expert, scheme) == 7168 * 256 * 4 + 7168 * 64 * 2 + 8
