@@ -172,10 +172,14 @@ def check_images(model: ModelSpec, num_images: int, max_images: int) -> None:
         raise BadInput(f"Bad input: at most {max_images} images per request")
 
 
-def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateRequest]:
-    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly."""
+def check_choices(n: int, ctx: Context) -> None:
     if n > ctx.max_choices:
         raise BadInput(f"Bad input: 'n' must be at most {ctx.max_choices}")
+
+
+def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateRequest]:
+    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly."""
+    check_choices(n, ctx)
     out = []
     for i in range(n):
         seed = base.sampling.seed

@@ -11,6 +11,7 @@ from gateway.normalize import (
     Context,
     Normalized,
     check_capabilities,
+    check_choices,
     check_depth,
     check_images,
     fan_out,
@@ -59,6 +60,7 @@ async def from_openai(
         raise refuse("prompt", "is not a Chat Completions field; send 'messages'")
     if (inp.prompt is None) == (inp.messages is None):
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
+    check_choices(inp.n or 1, ctx)  # this and the images' checks before any image is fetched
     check_images(model, _num_images(inp.messages or []), ctx.max_images)
     messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
     for i, m in enumerate(inp.messages or []):

@@ -291,6 +291,10 @@ async def test_no_image_is_fetched_when_there_are_too_many() -> None:
     with pytest.raises(BadInput, match="at most 2 images"):
         await from_openai(_image_body(3), kimi, _context(images), allow_prompt=True)
     assert images.urls == []
+    too_many_choices = msgspec.structs.replace(_image_body(1), n=9)
+    with pytest.raises(BadInput, match="'n' must be at most 8"):
+        await from_openai(too_many_choices, kimi, _context(images), allow_prompt=True)
+    assert images.urls == []
     normalized = await from_openai(_image_body(2), kimi, _context(images), allow_prompt=True)
     assert len(images.urls) == 2 and len(normalized.requests) == 1
 
