@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import event, func, select, text, update
+from sqlalchemy import event, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from gateway.errors import NotFound
-from gateway.store import ledger
+from gateway.store import admin_tokens, ledger
 from gateway.store.migrate import upgrade_to_head
 from gateway.store.rows import (
     Credential,
@@ -36,7 +36,7 @@ from gateway.store.rows import (
     tenant_of,
     token_of,
 )
-from gateway.store.tables import AdminTokenRow, TenantRow, TokenRow
+from gateway.store.tables import TenantRow, TokenRow
 from schemas.admin import (
     AuditEntry,
     Plan,
@@ -54,7 +54,6 @@ from schemas.admin import (
 TOKEN_PREFIX = "kumo_"
 DEV_TOKEN_NAME = "kumo serve"
 _DUMMY_SHA256 = "0" * 64
-ADMIN_TOKEN_LOCK_KEY = 0x6B756D6F01  # "kumo" + 1: the migrations hold "kumo"
 
 
 class Store:
@@ -269,40 +268,19 @@ class Store:
             token.last_used_at = at
             return Credential(tenant=tenant_of(tenant), token_id=token.id, expires_at=token.expires_at)
 
-    # ---- admin tokens -------------------------------------------------------------------------------
+    # ---- admin tokens (gateway.store.admin_tokens) ----------------------------------------------------
     async def ensure_admin_token(self, configured: str | None) -> str | None:
         """Make `configured` (KUMO_ADMIN_TOKEN) the only admin token, or, with none configured and
         none stored, generate one. Returns a generated value (to print once), else None. Replicas
         starting together on PostgreSQL take turns, so only one of them generates."""
         async with self._session() as s, s.begin():
-            if self.engine.dialect.name == "postgresql":
-                await s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMIN_TOKEN_LOCK_KEY})
-            rows = list(await s.scalars(select(AdminTokenRow)))
-            if configured is not None:
-                digest = sha256_hex(configured)
-                if [r.secret_sha256 for r in rows] == [digest]:
-                    return None
-                for r in rows:
-                    await s.delete(r)
-                s.add(AdminTokenRow(id=new_id(), name="env", secret_sha256=digest, created_at=now()))
-                return None
-            if rows:
-                return None
-            value = f"{TOKEN_PREFIX}admin_{secrets.token_urlsafe(32)}"
-            s.add(
-                AdminTokenRow(
-                    id=new_id(), name="generated", secret_sha256=sha256_hex(value), created_at=now()
-                )
-            )
-            return value
+            is_postgresql = self.engine.dialect.name == "postgresql"
+            return await admin_tokens.ensure(s, configured, is_postgresql=is_postgresql)
 
     async def resolve_admin(self, value: str) -> str | None:
         """The admin identity (`admin:<name>`) a value belongs to, or None."""
-        digest = sha256_hex(value)
         async with self._session() as s:
-            rows = list(await s.scalars(select(AdminTokenRow)))
-        matches = [r for r in rows if hmac.compare_digest(digest, r.secret_sha256)]
-        return f"admin:{matches[0].name}" if matches else None
+            return await admin_tokens.resolve(s, value)
 
     # ---- usage and audit (gateway.store.ledger) ----------------------------------------------------
     async def add_usage(self, records: Sequence[UsageRecord]) -> None:
