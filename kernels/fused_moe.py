@@ -33,9 +33,11 @@ times the alternatives.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -218,6 +220,7 @@ def _fused_moe_gemv_kernel(
     stride_se,
     stride_sn,
     stride_sg,
+    stride_os,  # SPLIT_K > 1: the fp32 workspace's split stride
     stride_om,
     stride_on,
     magic_one,  # 0x3F800000 as a run-time value
@@ -228,25 +231,35 @@ def _fused_moe_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Sparse decode: a [M or P, K], w/s as `_fused_moe_kernel`, out [P, N], topk_w [P],
-    topk_ids [P] int32/int64 (outside [0, E): not on this rank); grid (P, cdiv(N, BN)): the pair axis
-    runs fastest, so pairs of one expert read each N tile at about the same time (the repeats from L2)."""
+    """Sparse decode: a [M or P, K], w/s as `_fused_moe_kernel`, topk_w [P], topk_ids [P] int32/int64
+    (outside [0, E): not on this rank); grid (P, cdiv(N, BN), SPLIT_K): the pair axis runs fastest, so
+    pairs of one expert read each N tile at about the same time (the repeats from L2).
+    out: SPLIT_K == 1: [P, N] in the activation dtype, finished (SiLU·mul / routing weight applied);
+    SPLIT_K > 1: fp32 partial sums of this program's K range, [SPLIT_K, P, 2N] (gate | up) for
+    GATE_UP, else [SPLIT_K, P, N] with the routing weight applied; the launcher adds the splits."""
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
     n_ok = offs_n < N
-    out_ptrs = out_ptr + pair.to(tl.int64) * stride_om + offs_n * stride_on
+    out_ptrs = out_ptr + pid_k * stride_os + pair.to(tl.int64) * stride_om + offs_n * stride_on
     expert = tl.load(topk_ids_ptr + pair)
-    if (expert < 0) | (expert >= num_experts):
-        if not GATE_UP:
-            tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
+    if (expert < 0) | (expert >= num_experts):  # another rank's expert: zeros
+        tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
+        if GATE_UP and SPLIT_K > 1:
+            tl.store(
+                out_ptrs + N * stride_on, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok
+            )
         return
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
     acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # reduced over words once, at the end
     acc2_up = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    for t in range(0, tl.cdiv(K, BLOCK_K)):
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
         acc2 += _gemv_words(
             w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
             magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
@@ -258,7 +271,10 @@ def _fused_moe_gemv_kernel(
             )  # fmt: skip
     acc = tl.sum(acc2, axis=1)  # [BN]
     if GATE_UP:
-        acc = _silu(acc) * tl.sum(acc2_up, axis=1)
+        if SPLIT_K == 1:
+            acc = _silu(acc) * tl.sum(acc2_up, axis=1)
+        else:
+            tl.store(out_ptrs + N * stride_on, tl.sum(acc2_up, axis=1), mask=n_ok)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -266,13 +282,15 @@ def _fused_moe_gemv_kernel(
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
-    """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel."""
+    """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
+    `split_k` ways (0: per GEMM, by `gemv_split_k`)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 0
 
 
 def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
@@ -289,6 +307,21 @@ def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
     if per_expert <= 32:
         return MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)  # BN 64: 255 registers
     return MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)  # W4A16's best tiles at M=64
+
+
+def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
+    """Split K until there are about 8 programs per SM (at 79-128 registers, 6+ fit): at one token,
+    Kimi's gate/up GEMV has 8 · 64 programs, too few loads in flight to cover HBM latency. At most 16
+    splits of 4+ K tiles each."""
+    programs = num_pairs * triton.cdiv(N, cfg.block_n)
+    return max(1, min(triton.cdiv(K, cfg.block_k) // 4, (8 * num_sms) // programs, 16))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def moe_align(
@@ -375,13 +408,25 @@ def fused_moe(
     if cfg.block_m == 0:  # decode: about one pair per expert
         flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
         for a, w, s, out, N, K, div, gate_up, mul in gemms:
-            _fused_moe_gemv_kernel[(P, triton.cdiv(N, cfg.block_n))](
-                a, w, s, out, topk_w, flat_ids, E, N, K, K // 8, K // group_size, *a.stride(), *w.stride(), *s.stride(),
-                *out.stride(), _MAGIC_ONE,
+            split = cfg.split_k or gemv_split_k(P, N, K, cfg, _num_sms(x.device))
+            # split K: fp32 partials [S, P, 2N or N], added in a fixed order below (deterministic)
+            dst = (
+                out
+                if split == 1
+                else torch.empty((split, P, 2 * N if gate_up else N), device=x.device, dtype=torch.float32)
+            )
+            _fused_moe_gemv_kernel[(P, triton.cdiv(N, cfg.block_n), split)](
+                a, w, s, dst, topk_w, flat_ids, E, N, K, K // 8, K // group_size, *a.stride(), *w.stride(),
+                *s.stride(), dst.stride(0) if split > 1 else 0, *dst.stride()[-2:], _MAGIC_ONE,
                 A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=max(cfg.block_k // group_size, 1),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
+            if split > 1 and gate_up:
+                gu = dst.sum(dim=0)  # [P, 2I] fp32
+                act.copy_(F.silu(gu[:, :I]) * gu[:, I:])
+            elif split > 1:  # the k-sum and the split sum in one fixed-order reduction
+                return dst.view(split, M, k, H).sum(dim=(0, 2)).to(x.dtype)
     else:
         sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, E, cfg.block_m)
         num_blocks = block_expert_ids.numel()

@@ -65,7 +65,9 @@ SHAPES = [
     Shape("glm-4.5-air", 128, 4096, 1408, 8, (1, 64)),
 ]
 VARIANTS = [
-    MoEConfig(0, 32, 128),
+    MoEConfig(0, 32, 128, split_k=1),
+    MoEConfig(0, 32, 128, split_k=2),
+    MoEConfig(0, 32, 128, split_k=4),
     MoEConfig(0, 32, 256),
     MoEConfig(0, 64, 128),
     MoEConfig(0, 16, 256),

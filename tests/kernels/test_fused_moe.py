@@ -122,6 +122,8 @@ CASES = [  # M, config (None: the launcher's choice, the GEMV when P <= E), dtyp
     (1, None, F32),
     (1, TILES, F16),  # one block per expert, 15 of 16 rows padding
     (3, None, F32),
+    (1, MoEConfig(block_m=0, block_n=32, block_k=32, split_k=2), F32),  # split K: 3 and 2 tiles, uneven
+    (3, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=4), F16),  # splits with no K tile at all
     (3, TILES, F16),
     (17, None, F16),
     (17, None, F32),
@@ -143,7 +145,10 @@ def test_kernel_matches_float64(M: int, config: MoEConfig | None, dtype: torch.d
         assert pick_moe_config(M * TOP_K, E).block_m == 0  # the decode path was the one tested
 
 
-@pytest.mark.parametrize(("config", "dtype"), [(GEMV, F32), (TILES, F16)])
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [(GEMV, F32), (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16), (TILES, F16)],
+)
 def test_matches_cpu_moe_layer(config: MoEConfig, dtype: torch.dtype) -> None:
     """The layer's experts and the kernel on the same weights, sharded: this rank holds experts 2..4,
     so local ids fall below 0 (experts 0, 1) and at or above El (expert 5): those pairs add nothing."""
@@ -192,7 +197,7 @@ def test_dropped_expert_contributes_nothing(config: MoEConfig) -> None:
     assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize("config", [GEMV, TILES])
+@pytest.mark.parametrize("config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), TILES])
 def test_deterministic(config: MoEConfig) -> None:
     gen = torch.Generator().manual_seed(5)
     ex = Experts(E, H, I, gen)
@@ -259,7 +264,12 @@ def test_real_shapes_bf16(shape: tuple[int, int, int], M: int) -> None:
     weights = device_experts(*shape)
     x, ids, wts = device_routing(M, shape[0], shape[1], seed=M)
     ref = fused_moe_ref(x.float(), ids, wts, *weights, G)
-    for cfg in (None, MoEConfig(0, 32, 256), MoEConfig(16, 64, 128)):
+    for cfg in (
+        None,
+        MoEConfig(0, 32, 256, split_k=1),
+        MoEConfig(0, 32, 128, split_k=4),
+        MoEConfig(16, 64, 128),
+    ):
         out = fused_moe(x, ids, wts, *weights, G, config=cfg)
         assert not out.isnan().any()
         assert rel_err(out, ref) < TOL[torch.bfloat16], cfg
