@@ -24,6 +24,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import torch
@@ -58,29 +59,60 @@ class EvalReport(msgspec.Struct, kw_only=True):
     tasks: list[TaskResult]
 
 
+class VariantOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What follows a variant's folder: `:kv=fp8|bf16`, `:weights=FORMAT`, `:all-linear`."""
+
+    kv: Literal["fp8", "bf16"] = "bf16"
+    weights: str | None = None  # one of `kumo quantize --weights`
+    all_linear: bool = False
+
+
+def parse_variant(spec: str) -> tuple[str, VariantOptions]:
+    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear]` -> (DIR, options); ValueError naming what
+    is wrong (an option ignored would run a variant other than the one asked for)."""
+    from backend.quant.cli import WEIGHTS
+
+    path, *opts = spec.split(":")
+    kv, weights, all_linear = "bf16", None, False
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key == "kv" and value in ("fp8", "bf16"):
+            kv = value
+        elif key == "weights" and value in WEIGHTS:
+            weights = value
+        elif opt == "all-linear":
+            all_linear = True
+        else:
+            raise ValueError(
+                f"variant {spec!r}: unknown option {opt!r} (kv=fp8|bf16, weights={'|'.join(WEIGHTS)}, all-linear)"
+            )
+    if all_linear and weights is None:
+        raise ValueError(f"variant {spec!r}: all-linear needs weights=FORMAT")
+    return path, VariantOptions(kv=kv, weights=weights, all_linear=all_linear)  # type: ignore[arg-type]
+
+
 class Variant:
     def __init__(
         self, name: str, spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> None:
         from backend.loader import load_model
         from backend.quant import kv_scales
+        from backend.quant.cli import WEIGHTS
         from backend.quant.scheme import QuantScheme
         from backend.quant.walker import quantize_model
 
         self.name, self.spec = name, spec
-        path, *opts = spec.split(":")
-        options = dict(o.split("=", 1) if "=" in o else (o, "") for o in opts)
+        path, options = parse_variant(spec)
         loaded = load_model(path, dtype=dtype, device=device)
         self.dtype = dtype
         self.model, self.path, self.config = loaded.model, Path(path), loaded.config
-        if "weights" in options:
-            w = options["weights"]
-            method, group = ("int4", int(w.removeprefix("int4-g"))) if w.startswith("int4") else (w, 32)
+        if options.weights is not None:
+            method, group = WEIGHTS[options.weights]
             quantize_model(
-                self.model, QuantScheme.build(method, group_size=group, all_linear="all-linear" in options)
-            )  # type: ignore[arg-type]
+                self.model, QuantScheme.build(method, group_size=group, all_linear=options.all_linear)
+            )
         self.kv_dtype, self.scales = None, None
-        if options.get("kv") == "fp8":
+        if options.kv == "fp8":
             self.kv_dtype = torch.float8_e4m3fn
             self.scales = kv_scales.scales_for_serving(
                 path,
@@ -286,7 +318,16 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     if len(a.variant) < 2 or not (a.data or a.text):
         ap.error("give at least two --variant and one --data or --text")
-    specs = dict(v.split("=", 1) for v in a.variant)
+    specs: dict[str, str] = {}
+    for v in a.variant:
+        name, eq, spec = v.partition("=")
+        if not eq or not name or name in specs:
+            ap.error(f"--variant {v!r}: give NAME=DIR with a name no other variant has")
+        try:
+            parse_variant(spec)
+        except ValueError as exc:
+            ap.error(str(exc))
+        specs[name] = spec
     dtype = getattr(torch, a.dtype)
     variants = [Variant(n, s, dtype=dtype, device=a.device) for n, s in specs.items()]
     ev = Evaluator(variants, a.max_new_tokens, a.window)

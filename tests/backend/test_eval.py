@@ -215,3 +215,41 @@ def test_tool_call_task_runs_through_the_chat_template(tmp_path: Path) -> None:
     # a random model calls no tool: both score 0, and the INT4 variant still differs in distribution
     assert [r["accuracy"] for r in task["results"]] == [0.0, 0.0]
     assert task["results"][1]["mean_kl"] > 0
+
+
+def test_variant_options_are_checked_before_anything_loads() -> None:
+    """A mistyped option used to be ignored (`weight=int4-g32` ran the variant unquantized and
+    reported it identical to the reference) and `weights=fp8` quantized experts as FP8 blocks."""
+    from backend.eval import VariantOptions, parse_variant
+
+    assert parse_variant("ckpt") == ("ckpt", VariantOptions())
+    assert parse_variant("d:weights=int4-g128:kv=fp8:all-linear") == (
+        "d",
+        VariantOptions(kv="fp8", weights="int4-g128", all_linear=True),
+    )
+    for spec, word in (
+        ("d:weight=int4-g32", "weight"),
+        ("d:weights=fp8", "fp8"),
+        ("d:weights=int4-g64", "int4-g64"),
+        ("d:kv=fp16", "fp16"),
+        ("d:all-linear", "all-linear"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            parse_variant(spec)
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [["a=x", "a=y"], ["a=x", "bdir"], ["a=x", "b=y:weights=int4"]],
+    ids=["duplicate", "no-name", "bad"],
+)
+def test_cli_refuses_bad_variant_lists(
+    variants: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    args = [a for v in variants for a in ("--variant", v)]
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--data", str(data)])
+    assert exc.value.code == 2
+    assert "variant" in capsys.readouterr().err
