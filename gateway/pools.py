@@ -121,6 +121,10 @@ class Router:
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
             self._failed(pool, replica, type(exc).__name__, eject_now=False)
             return
+        except Exception as exc:  # anything else counts as a failed check: the loop must go on
+            log.error("health_check_crashed", pool=pool.name, replica=replica.url, exc_info=exc)
+            self._failed(pool, replica, type(exc).__name__, eject_now=False)
+            return
         if health.status != "ok" or replica.card is None:
             self._failed(pool, replica, f"status {health.status}", eject_now=True)
             return

@@ -1,0 +1,58 @@
+"""The router's health loop on its own (no HTTP): it survives whatever one check raises."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.catalog import load_catalog_file
+from gateway.pools import Pool, Replica, Router
+from schemas.backend import Capabilities, Health, LoadReport, ModelCard
+
+KIMI = "@cf/moonshotai/kimi-k2.6"
+
+
+class ScriptedClient:
+    """Answers health, load and card; `health` raises what `fail_with` holds, once."""
+
+    def __init__(self, architecture: str) -> None:
+        self.architecture = architecture
+        self.fail_with: BaseException | None = None
+        self.num_checks = 0
+
+    async def health(self, url: str) -> Health:
+        self.num_checks += 1
+        if self.fail_with is not None:
+            error, self.fail_with = self.fail_with, None
+            raise error
+        return Health(status="ok")
+
+    async def load(self, url: str) -> LoadReport:
+        return LoadReport(waiting=0, running=0, free_pages=8, total_pages=8)
+
+    async def model_card(self, url: str) -> ModelCard:
+        return ModelCard(
+            name="k", architecture=self.architecture, family="kimi", weights="float32",
+            kv_dtype="float32", context_window=4096, page_size=16, num_pages=8,
+            capabilities=Capabilities(vision=True),
+        )  # fmt: skip
+
+
+async def test_an_unexpected_error_in_one_check_does_not_end_the_health_loop() -> None:
+    kimi = next(m for m in load_catalog_file(None).models if m.name == KIMI)
+    client = ScriptedClient(kimi.architecture)
+    replica = Replica(url="http://replica.test")
+    pool = Pool(name=kimi.pool, model=kimi, replicas=[replica])
+    router = Router({kimi.pool: pool}, client, health_interval_s=0.02)  # type: ignore[arg-type]
+    await router.start()
+    try:
+        assert replica.is_servable
+        client.fail_with = RuntimeError("a bug in one check")
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if client.num_checks >= 5:
+                break
+        assert client.num_checks >= 5  # the loop went on after the failing round
+        assert router._task is not None and not router._task.done()
+        assert replica.is_servable  # one failed check does not eject (two in a row would)
+    finally:
+        await router.stop()
