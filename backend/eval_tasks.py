@@ -59,21 +59,40 @@ _KINDS: tuple[tuple[str, TaskKind, type], ...] = (
 
 
 def load_items(path: Path) -> tuple[TaskKind, list[Any]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The kind and items of a task file; ValueError naming the file and line of a bad item."""
+    rows = [(n, json.loads(line)) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     if not rows:
         raise ValueError(f"{path} has no items")
     for key, kind, cls in _KINDS:
-        if key in rows[0]:
-            try:
-                return kind, [msgspec.convert(r, cls) for r in rows]
-            except msgspec.ValidationError as exc:
-                raise ValueError(f"{path}: {exc}") from exc
+        if key in rows[0][1]:
+            items = []
+            for n, row in rows:
+                try:
+                    items.append(msgspec.convert(row, cls))
+                    _check(items[-1])
+                except (msgspec.ValidationError, ValueError) as exc:
+                    raise ValueError(f"{path} line {n}: {exc}") from exc
+            return kind, items
     raise ValueError(f"{path}: the first item has none of the keys choices / expected / prompt")
+
+
+def _check(item: Item) -> None:
+    """What the schema cannot say: an answer index among the choices, a regex that compiles."""
+    if isinstance(item, McItem):
+        if not item.choices:
+            raise ValueError("no choices")
+        if not 0 <= item.answer < len(item.choices):
+            raise ValueError(f"answer {item.answer} is not an index of its {len(item.choices)} choices")
+    if isinstance(item, GenItem) and item.answer_regex is not None:
+        try:
+            re.compile(item.answer_regex)
+        except re.error as exc:
+            raise ValueError(f"answer_regex {item.answer_regex!r}: {exc}") from exc
 
 
 def extract_answer(text: str, item: GenItem) -> str:
     if item.answer_regex and (m := re.search(item.answer_regex, text)):
-        return (m.group(1) if m.groups() else m.group(0)).strip()
+        return ((m.group(1) or "") if m.groups() else m.group(0)).strip()
     return text.strip()
 
 

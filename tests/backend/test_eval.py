@@ -253,3 +253,35 @@ def test_cli_refuses_bad_variant_lists(
         main([*args, "--data", str(data)])
     assert exc.value.code == 2
     assert "variant" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ('{"question": "q", "choices": ["a", "b"], "answer": 2}', ["line 2", "answer 2", "2 choices"]),
+        ('{"question": "q", "choices": ["a", "b"], "answer": -1}', ["line 2", "answer -1"]),
+        ('{"question": "q", "choices": [], "answer": 0}', ["line 2", "choices"]),
+        ('{"prompt": "p", "answer": "1", "answer_regex": "(unclosed"}', ["line 2", "answer_regex"]),
+    ],
+)
+def test_task_items_are_checked_at_load(tmp_path: Path, line: str, words: list[str]) -> None:
+    """An out-of-range answer index was silently scored wrong for every variant (a biased accuracy);
+    a bad regex raised re.error from deep inside generation."""
+    from backend.eval_tasks import load_items
+
+    first = line.replace('"answer": 2', '"answer": 0').replace('"answer": -1', '"answer": 0')
+    first = first.replace('"choices": []', '"choices": ["a"]').replace("(unclosed", "(\\\\d+)")
+    path = tmp_path / "t.jsonl"
+    path.write_text(first + "\n" + line + "\n")
+    with pytest.raises(ValueError) as exc:
+        load_items(path)
+    for word in words:
+        assert word in str(exc.value)
+
+
+def test_answer_regex_whose_group_did_not_match_is_no_crash() -> None:
+    from backend.eval_tasks import GenItem, extract_answer
+
+    item = GenItem(prompt="p", answer="7", answer_regex=r"answer is (\d+)|####")
+    assert extract_answer("#### 7", item) == ""
+    assert extract_answer("the answer is 7", item) == "7"
