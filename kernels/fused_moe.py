@@ -23,8 +23,11 @@ Sparse decode (about one token per expert, `P <= E`, like vLLM's `moe_wna16` swi
 would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile) with no
 tensor cores, using the W4A16 GEMV's unpacking (one LOP3 + FADD + FFMA per nibble, zero point and scale
 once per word). It reads the router's ids directly: no align step, three launches in all (two kernels
-and the k-sum). Two pairs of one expert read its weights twice, the second time mostly from L2; so
-the switch sits at P <= E (Kimi: M <= 48), not vLLM's P/E <= 6, until the H200 says otherwise.
+and the k-sum). With too few programs to keep enough loads in flight (one token: 8 pairs), K is split
+and the fp32 partials are added by torch in a fixed order (the down GEMV's together with the k-sum),
+so results stay deterministic. Two pairs of one expert read its weights twice, the second time
+mostly from L2; so the switch sits at P <= E (Kimi: M <= 48), not vLLM's P/E <= 6, until the H200
+says otherwise.
 
 Not measured yet (no device time): tile choices come from an offline sm_90a compile (registers,
 16-byte loads in the PTX) and the W4A16 GEMM's H200 runs; `benchmarks/kernels/bench_fused_moe.py`
@@ -43,7 +46,7 @@ import triton.language as tl
 
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
 
-__all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "moe_align", "pick_moe_config"]
+__all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
 
 _MAGIC_ONE = 0x3F800000  # bits of 1.0f (see kernels/w4a16_gemm.py)
 
