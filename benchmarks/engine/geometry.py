@@ -17,6 +17,7 @@ GPU of `TINY_GPU_MEM` bytes, so the whole pipeline runs on a CPU in seconds.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -112,16 +113,8 @@ class Geometry:
         )
 
     def _plan(self, weights: str, all_linear: bool, kv_dtype: KvDtype, gpu_mem: int, page_size: int) -> Plan:
-        return make_plan(
-            self.full,
-            model=self.kind,
-            gpu_mem=gpu_mem,
-            tp=FULL_TP,
-            weights=weights,  # type: ignore[arg-type]
-            all_linear=all_linear,
-            kv_dtype=kv_dtype,
-            page_size=page_size,
-        )
+        full = json.dumps(self.full, sort_keys=True)
+        return _plan(full, self.kind, weights, all_linear, kv_dtype, gpu_mem, page_size)
 
     def describe(self) -> dict[str, Any]:
         t = self.text
@@ -163,6 +156,23 @@ def make_geometry(kind: Kind, num_layers: int, *, tiny: bool = False) -> Geometr
     if tiny:  # keep the full plan honest for the small model too: plan on its whole depth
         _text(full)["num_hidden_layers"] = max(int(_text(full)["num_hidden_layers"]), num_layers)
     return Geometry(kind=kind, num_layers=num_layers, is_tiny=tiny, text=text, full=full)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(
+    full: str, kind: str, weights: str, all_linear: bool, kv_dtype: KvDtype, gpu_mem: int, page_size: int
+) -> Plan:
+    """`make_plan` of a config (as JSON text, so it can key the cache: a plan walks every tensor)."""
+    return make_plan(
+        json.loads(full),
+        model=kind,
+        gpu_mem=gpu_mem,
+        tp=FULL_TP,
+        weights=weights,  # type: ignore[arg-type]
+        all_linear=all_linear,
+        kv_dtype=kv_dtype,
+        page_size=page_size,
+    )
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:

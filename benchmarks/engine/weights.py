@@ -48,11 +48,11 @@ def build_random_model(
     """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode."""
     config = geometry.model_config
     cls = ARCHITECTURES[config.architecture]
-    with torch.device("meta"):
-        model = cls(config, dtype=dtype)
     scheme = scheme_for(fmt, fp8_method)
-    if scheme is not None:
-        prepare_for_checkpoint(model, scheme)
+    with torch.device("meta"):  # the swapped-in quantized modules too: no host allocation at all
+        model = cls(config, dtype=dtype)
+        if scheme is not None:
+            prepare_for_checkpoint(model, scheme)
     model.to_empty(device=device)
     with torch.device(device):  # the rotary table is a computed buffer: the meta build has none
         model.rotary = type(model.rotary)(config.rope)  # type: ignore[operator]
@@ -103,11 +103,11 @@ def weight_bytes(model: nn.Module) -> int:
 def planned_weight_bytes(geometry: Geometry, fmt: WeightFormat, fp8_method: str = "fp8-block") -> int:
     """`weight_bytes` of the model `build_random_model` would make, computed on the meta device."""
     config = geometry.model_config
+    scheme = scheme_for(fmt, fp8_method)
     with torch.device("meta"):
         model = ARCHITECTURES[config.architecture](config, dtype=torch.bfloat16)
-    scheme = scheme_for(fmt, fp8_method)
-    if scheme is not None:
-        prepare_for_checkpoint(model, scheme)
+        if scheme is not None:
+            prepare_for_checkpoint(model, scheme)
     total = weight_bytes(model)
     for name, m in model.named_modules():  # kv_b_proj is held dense after the load
         if name.endswith("kv_b_proj") and not hasattr(m, "weight") or name.endswith("kv_b_proj") and m.weight.dtype != torch.bfloat16:
