@@ -84,12 +84,18 @@ class Authenticator:
         self._clock = clock
         self._cache: dict[str, _Entry] = {}
 
-    async def authenticate(self, authorization: str | None, account_id: str) -> TenantContext:
-        """The caller's tenant; 401 for a missing, unknown, revoked or expired token, 403 when the
-        path's `account_id` is another tenant's."""
+    async def credential(self, authorization: str | None) -> Credential:
+        """The caller's token, whatever account it is for (`/memberships` asks which); 401 for a
+        missing, unknown, revoked or expired token, 503 while the store cannot be reached."""
         credential = await self._credential(bearer(authorization))
         if credential is None:
             raise Unauthenticated(AUTH_ERROR)
+        return credential
+
+    async def authenticate(self, authorization: str | None, account_id: str) -> TenantContext:
+        """The caller's tenant; 401 for a missing, unknown, revoked or expired token, 403 when the
+        path's `account_id` is another tenant's."""
+        credential = await self.credential(authorization)
         if credential.tenant.id != account_id:
             raise Forbidden("Unauthorized to access requested resource")
         return TenantContext.from_credential(credential)

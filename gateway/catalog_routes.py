@@ -12,8 +12,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.templating import Jinja2Templates
 
-from gateway.auth import AUTH_ERROR, bearer
-from gateway.errors import BadInput, Unauthenticated
+from gateway.errors import BadInput
 from gateway.inference import authenticate
 from gateway.run import account_of, services_of
 from gateway.services import Services
@@ -104,9 +103,7 @@ async def authors_search(request: Request) -> Response:
 async def memberships(request: Request) -> Response:
     """`GET /client/v4/memberships`: the token's own account (what wrangler asks without an id)."""
     services = services_of(request)
-    credential = await services.store.resolve_token(bearer(request.headers.get("authorization")))
-    if credential is None:
-        raise Unauthenticated(AUTH_ERROR)
+    credential = await services.authenticator.credential(request.headers.get("authorization"))
     tenant = credential.tenant
     membership = Membership(id=credential.token_id, account=Account(id=tenant.id, name=tenant.name))
     page = _int(request, "page", 1, 1, 1_000_000)

@@ -10,8 +10,10 @@ import uuid
 import msgspec
 import pytest
 from gateway_harness import GLM, KIMI, LEGACY, MISMATCH, Harness, harness  # noqa: F401  (fixture)
+from sqlalchemy.exc import OperationalError
 
 from gateway.catalog import Catalog, CatalogError, load_catalog_file
+from schemas.admin import TokenCreate
 from schemas.backend import Capabilities, ModelCard
 
 
@@ -143,3 +145,18 @@ def test_an_entry_cannot_set_a_property_the_gateway_computes() -> None:
         others = [m for m in file.models if m.name != GLM]
         with pytest.raises(CatalogError, match=key):
             Catalog.from_file(msgspec.structs.replace(file, models=[*others, forged]))
+
+
+async def test_memberships_with_the_database_away_is_503_not_a_crash(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = harness.services.store
+    token = await store.create_token(harness.account, TokenCreate(name="wrangler"), actor="test")
+
+    async def unreachable(value: str) -> None:
+        raise OperationalError("SELECT", None, ConnectionRefusedError())
+
+    monkeypatch.setattr(store, "resolve_token", unreachable)
+    r = await harness.http.get(f"{harness.url}/client/v4/memberships", headers=harness.auth(token.value))
+    assert r.status_code == 503 and r.json()["errors"][0]["code"] == 3040, r.text
+    assert "retry-after" in r.headers
