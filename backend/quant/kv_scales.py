@@ -10,13 +10,16 @@ Storage uses vLLM's names, in `kv_scales.safetensors` listed in the shard index:
     MLA latent      model.layers.{L}.self_attn.k_scale and .v_scale (the same value)
     DSA index keys  model.layers.{L}.self_attn.indexer.k_scale
     GQA K / V       model.layers.{L}.self_attn.k_scale / .v_scale
-(with the checkpoint's weight prefix, `language_model.` for K2.5).
+(with the checkpoint's weight prefix, `language_model.` for K2.5). Reading also takes scales from
+any shard the index lists them in (where vLLM and llm-compressor put them) and an older
+checkpoint's single `kv_scale`; a scale that is not one positive finite number is refused.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -117,23 +120,51 @@ def save(dst: str | Path, scales: list[dict[str, float]], prefix: str = "") -> N
     index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    """Every KV-cache scale the checkpoint carries: Kumo's kv_scales.safetensors, else any shard the
+    index lists them in (vLLM's and llm-compressor's storage), only those shards opened."""
+    index = path / INDEX_FILE
+    weight_map = json.loads(index.read_text()).get("weight_map", {}) if index.exists() else {}
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        if _SCALE.search(name):
+            files.setdefault(file, []).append(name)
+    if (path / KV_SCALE_FILE).exists() and KV_SCALE_FILE not in files:
+        files[KV_SCALE_FILE] = []
+    stored = {}
+    for file, names in files.items():
+        with safe_open(str(path / file), framework="pt") as f:
+            stored |= {k: f.get_tensor(k) for k in names or f.keys() if _SCALE.search(k)}
+    return stored
+
+
+def _value(stored: dict[str, torch.Tensor], key: str, where: Path) -> float:
+    """One per-tensor scale; an older checkpoint's single `kv_scale` stands for both k and v."""
+    legacy = _SCALE.sub(".kv_scale", key) if not key.endswith(".indexer.k_scale") else key
+    t = stored.get(key, stored.get(legacy))
+    if t is None:
+        raise CheckpointError(f"{where} has no {key}")
+    if t.numel() != 1:
+        raise CheckpointError(
+            f"{where}: {key} has shape {tuple(t.shape)}; only per-tensor KV scales are served"
+        )
+    value = float(t)
+    if not (math.isfinite(value) and value > 0):
+        raise CheckpointError(f"{where}: {key} is {value}, not a positive finite scale")
+    return value
+
+
 def read(path: str | Path, specs: list[list[str]], prefix: str = "") -> list[dict[str, float]] | None:
-    """The stored scales for every layer's cached tensors (`specs[l]` = their names), or None."""
-    file = Path(path) / KV_SCALE_FILE
-    if not file.exists():
+    """The stored scales for every layer's cached tensors (`specs[l]` = their names), or None when
+    the checkpoint carries none."""
+    path = Path(path)
+    stored = _stored(path)
+    if not stored:
         return None
-    with safe_open(str(file), framework="pt") as f:
-        stored = {k: float(f.get_tensor(k)) for k in f.keys()}  # noqa: SIM118
-    out = []
-    for layer, names in enumerate(specs):
-        per = {}
-        for cache_name in names:
-            key = scale_names(layer, cache_name, prefix)[0]
-            if key not in stored:
-                raise CheckpointError(f"{file} has no {key}")
-            per[cache_name] = stored[key]
-        out.append(per)
-    return out
+    return [
+        {name: _value(stored, scale_names(layer, name, prefix)[0], path) for name in names}
+        for layer, names in enumerate(specs)
+    ]
 
 
 def scales_for_serving(

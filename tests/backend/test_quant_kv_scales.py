@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from backend.checkpoint import INDEX_FILE
+from backend.errors import CheckpointError
 from backend.loader import load_model
 from backend.quant import kv_scales
 from backend.quant.cli import main
@@ -157,3 +158,66 @@ def test_kv_calibrate_from_a_prompt_file(src: Path, tmp_path: Path) -> None:
     ids = [tok.encode(t).ids for t in ("The cache holds keys and values.", "def f(x): return x * 2")]
     expected = kv_scales.calibrate(model, ids, model_dtype=torch.float32)
     assert stored == [{k: pytest.approx(v) for k, v in layer.items()} for layer in expected]
+
+
+def _scales_in_a_weight_shard(src: Path, dst: Path, rename: dict[str, str] | None = None) -> list[list[str]]:
+    """`dst`: `src` with calibrated scales stored as vLLM / llm-compressor checkpoints store them, in
+    a shard of the weights listed by the index (no kv_scales.safetensors); returns the cache specs."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    model = load_model(src, dtype=torch.float32).model
+    specs = [[s.name for s in layer] for layer in model.cache_specs()]
+    kv_scales.save(dst, kv_scales.calibrate(model, [IDS], model_dtype=torch.float32))
+    with safe_open(str(dst / kv_scales.KV_SCALE_FILE), framework="pt") as f:
+        tensors = {(rename or {}).get(k, k): f.get_tensor(k).reshape(1) for k in f.keys()}  # noqa: SIM118
+    (dst / kv_scales.KV_SCALE_FILE).unlink()
+    save_file(tensors, str(dst / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    index = json.loads((dst / INDEX_FILE).read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != kv_scales.KV_SCALE_FILE} | {
+        k: "model-00002-of-00002.safetensors" for k in tensors
+    }
+    (dst / INDEX_FILE).write_text(json.dumps(index))
+    return specs
+
+
+def test_scales_stored_in_the_weight_shards_are_read(
+    src: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint that carries `self_attn.k_scale` in its own shards (vLLM's and llm-compressor's
+    storage) was recalibrated with a warning that it shipped none, its scales dropped."""
+    dst = tmp_path / "shipped"
+    specs = _scales_in_a_weight_shard(src, dst)
+    stored = kv_scales.read(dst, specs)
+    assert stored is not None and all(0 < layer["latent"] < 1 for layer in stored)
+    model = load_model(dst, dtype=torch.float32).model
+    with caplog.at_level(logging.WARNING, logger="backend.quant.kv_scales"):
+        served = kv_scales.scales_for_serving(dst, model, model_dtype=torch.float32, vocab_size=256)
+    assert not caplog.records and served == stored
+
+
+def test_legacy_kv_scale_name_stands_for_both(src: Path, tmp_path: Path) -> None:
+    model = load_model(src, dtype=torch.float32).model
+    names = {f"model.layers.{i}.self_attn.k_scale": f"model.layers.{i}.self_attn.kv_scale" for i in range(3)}
+    names |= {
+        f"model.layers.{i}.self_attn.v_scale": f"model.layers.{i}.self_attn.v_scale_unused" for i in range(3)
+    }
+    specs = _scales_in_a_weight_shard(src, tmp_path / "legacy", names)
+    stored = kv_scales.read(tmp_path / "legacy", specs)
+    assert stored is not None and len(stored) == len(model.cache_specs())
+    assert all(0 < layer["latent"] < 1 for layer in stored)
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf"), -1.0])
+def test_a_stored_scale_that_is_not_positive_and_finite_is_refused(
+    src: Path, tmp_path: Path, bad: float
+) -> None:
+    dst = tmp_path / "bad"
+    shutil.copytree(src, dst)
+    model = load_model(src, dtype=torch.float32).model
+    specs = [[s.name for s in layer] for layer in model.cache_specs()]
+    scales = kv_scales.calibrate(model, [IDS], model_dtype=torch.float32)
+    scales[1]["latent"] = bad
+    kv_scales.save(dst, scales)
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.k_scale"):
+        kv_scales.read(dst, specs)
