@@ -158,7 +158,7 @@ class QuantExperts(nn.Module):
 
             return fused_moe(
                 x,
-                ids - self.e0,  # other ranks' experts fall outside [0, El) and contribute nothing
+                ids - self.e0 if self.e0 else ids,  # other ranks' experts fall outside [0, El): nothing
                 weights,
                 self.gate_up_packed,
                 self.gate_up_scale,
