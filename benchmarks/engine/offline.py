@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -85,6 +85,7 @@ def run_offline(
     vocab_size: int,
     seed: int = 1,
     time_limit_s: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> RunResult:
     """`concurrency` requests of `input_len` random tokens, `output_len` tokens each."""
     prompts = random_prompts(concurrency, input_len, vocab_size, seed)
@@ -94,14 +95,14 @@ def run_offline(
     counts: dict[str, int] = {}
     preempt0, steps0 = engine.scheduler.num_preemptions, engine.stats.steps
     _sync(engine.runner.device)
-    start = time.perf_counter()
+    start = clock()
     request_ids = [f"{variant}-{seed}-{i}" for i in range(concurrency)]
     for rid, ids in zip(request_ids, prompts, strict=True):
         engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, tenant_salt=SALT, sampling=sampling))
     finished = 0
     while engine.has_unfinished:
         outputs = engine.step()
-        now = time.perf_counter()
+        now = clock()
         for out in outputs:
             if out.error is not None and out.error.code != "aborted":
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
@@ -116,7 +117,7 @@ def run_offline(
             while engine.has_unfinished:
                 engine.step()
             break
-    wall = time.perf_counter() - start
+    wall = clock() - start
     ttft = [(first[r] - start) * 1e3 for r in first]
     tpot = [(last[r] - first[r]) * 1e3 / (counts[r] - 1) for r in first if counts[r] > 1]
     total = sum(counts.values())

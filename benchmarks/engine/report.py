@@ -116,8 +116,8 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str
     detail = {
         "int4_vs_fp8_decode_c1": "output tok/s per user at concurrency 1, INT4-expert weights / FP8 weights",
         "int4_vs_fp8_prefill": "prefill tok/s of one long prompt, INT4 / FP8 weights",
-        "fp8kv_vs_bf16kv_c64": f"output tok/s total, FP8 KV at concurrency 64 / the BF16-KV peak over all concurrencies run ({w or "no common"} weights)",
-        "fp8kv_vs_bf16kv_c1": f"output tok/s per user at concurrency 1, FP8 KV / BF16 KV ({w or "no common"} weights)",
+        "fp8kv_vs_bf16kv_c64": f"output tok/s total, FP8 KV at concurrency 64 / the BF16-KV peak over all concurrencies run ({w or 'no common'} weights)",
+        "fp8kv_vs_bf16kv_c1": f"output tok/s per user at concurrency 1, FP8 KV / BF16 KV ({w or 'no common'} weights)",
         "integrity_overhead": f"TPOT median tag check on / off - 1 (switched: {integrity.get('switched', 'not measured')})",
         "vs_transformers_c64": "output tok/s total at concurrency 64, best Kumo variant / best transformers mode",
     }
