@@ -83,19 +83,19 @@ def _finish_tile(
 
 @triton.jit
 def _load_words(
-    w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn, stride_sg,
+    w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
     GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """K tile t's words `[BN, BK/8]` and scales `[BN, SR]`; all zeros when t is past the last tile."""
     r = t * (BLOCK_K // 8) + offs_r
-    live = (r < K // 8) & (t < t1)
+    live = (r < K8) & (t < t1)
     wp = tl.load(
         w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
         mask=n_ok[:, None] & live[None, :],
         other=0,
     )
     g = t * BLOCK_K // GROUP_SIZE + offs_g
-    g_ok = (g < K // GROUP_SIZE) & (t < t1)
+    g_ok = (g < KG) & (t < t1)
     sc = tl.load(
         s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
         mask=n_ok[:, None] & g_ok[None, :],
@@ -115,6 +115,8 @@ def _w4a16_gemv_kernel(
     M,
     N,
     K,
+    K8,  # K / 8 and K / G as arguments, not `K // 8` in the kernel: the launcher's divisibility-by-16
+    KG,  # specialisation then lets the masked word loads be 16 bytes wide (8 with `K // 8`)
     stride_xm,
     stride_xk,
     stride_wk,
@@ -136,7 +138,6 @@ def _w4a16_gemv_kernel(
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     BK8: tl.constexpr = BLOCK_K // 8
-    K8 = K // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_r = tl.arange(0, BK8)
@@ -150,7 +151,7 @@ def _w4a16_gemv_kernel(
     # software prefetch: tile t+1's words are in flight while tile t is unpacked (this loop has no
     # tl.dot, so Triton's pipeliner leaves it alone)
     wp_next, sc_next = _load_words(
-        w_ptr, s_ptr, t0, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn, stride_sg,
+        w_ptr, s_ptr, t0, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
         GROUP_SIZE, BLOCK_K,
     )  # fmt: skip
     for t in range(t0, t1):
@@ -158,12 +159,12 @@ def _w4a16_gemv_kernel(
         sc = sc_next
         if PREFETCH:
             wp_next, sc_next = _load_words(
-                w_ptr, s_ptr, t + 1, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn,
+                w_ptr, s_ptr, t + 1, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn,
                 stride_sg, GROUP_SIZE, BLOCK_K,
             )  # fmt: skip
         else:
             wp, sc = _load_words(
-                w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K, stride_wn, stride_wk, stride_sn,
+                w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn,
                 stride_sg, GROUP_SIZE, BLOCK_K,
             )  # fmt: skip
         r = t * BK8 + offs_r  # [BK8] packed columns = k // 8
@@ -215,6 +216,8 @@ def _w4a16_kernel(
     M,
     N,
     K,
+    K8,  # K / 8 and K / G: see _w4a16_gemv_kernel
+    KG,
     stride_xm,
     stride_xk,
     stride_wk,
@@ -267,13 +270,13 @@ def _w4a16_kernel(
         r = t * BK8 + offs_r
         wp = tl.load(
             w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
-            mask=n_ok[:, None] & (r < K // 8)[None, :],
+            mask=n_ok[:, None] & (r < K8)[None, :],
             other=0,
         )  # [BN, BK8] int32
         g = t * BLOCK_K // GROUP_SIZE + offs_g
         sc = tl.load(
             s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
-            mask=n_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
+            mask=n_ok[:, None] & (g < KG)[None, :],
             other=0.0,
         ).to(tl.float32)  # [BN, SR]
         sc = tl.reshape(
@@ -406,6 +409,8 @@ def w4a16_gemm(
             M,
             N,
             K,
+            K // 8,
+            K // group_size,
             *strides,
             _MAGIC_ONE,
             GROUP_SIZE=group_size,
@@ -430,6 +435,8 @@ def w4a16_gemm(
             M,
             N,
             K,
+            K // 8,
+            K // group_size,
             *strides,
             _MAGIC_2_23,
             GROUP_SIZE=group_size,
