@@ -57,6 +57,10 @@ class _QuantLinear(nn.Module):
             nn.Parameter(torch.zeros(self.out_local, dtype=bias_dtype), requires_grad=False) if bias else None
         )
         self.dense_dtype = bias_dtype  # the dtype the unquantized layer had
+        self.checkpoint_name = ""  # the module's name in the checkpoint, set by the walker; for errors
+
+    def _where(self, name: str) -> str:
+        return f"{self.checkpoint_name}.{name}" if self.checkpoint_name else name
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -73,7 +77,9 @@ class _QuantLinear(nn.Module):
     def _cols(self, full: torch.Tensor, per: int, name: str) -> torch.Tensor:
         i0, i1 = self.in_range
         if i0 % per or (i1 % per and i1 != self.in_features):
-            raise CheckpointError(f"{name}: this rank's input columns {self.in_range} split a group of {per}")
+            raise CheckpointError(
+                f"{self._where(name)}: this rank's input columns {self.in_range} split a group of {per}"
+            )
         return full[:, i0 // per : math.ceil(i1 / per)]
 
     def _load_common(self, name: str, full: torch.Tensor) -> bool:
@@ -81,13 +87,13 @@ class _QuantLinear(nn.Module):
             _copy(
                 self.bias,
                 self._rows(full) if self.in_range[0] == 0 else torch.zeros_like(self._rows(full)),
-                name,
+                self._where(name),
             )
             return True
         if name == "weight_shape":
             if [int(v) for v in full.tolist()] != [self.out_features, self.in_features]:
                 raise CheckpointError(
-                    f"weight_shape {full.tolist()} != [{self.out_features}, {self.in_features}]"
+                    f"{self._where(name)} {full.tolist()} != [{self.out_features}, {self.in_features}]"
                 )
             return True
         return False
@@ -146,11 +152,11 @@ class Int4Linear(_QuantLinear):
 
     def load_param(self, name: str, full: torch.Tensor) -> int:
         if name == "weight_packed":
-            _copy(self.weight_packed, self._cols(self._rows(full), 8, name), name)
+            _copy(self.weight_packed, self._cols(self._rows(full), 8, name), self._where(name))
         elif name == "weight_scale":
-            _copy(self.weight_scale, self._cols(self._rows(full), self.group_size, name), name)
+            _copy(self.weight_scale, self._cols(self._rows(full), self.group_size, name), self._where(name))
         elif not self._load_common(name, full):
-            raise CheckpointError(f"unexpected tensor {name!r} for an INT4 linear layer")
+            raise CheckpointError(f"unexpected tensor {self._where(name)!r} for an INT4 linear layer")
         return 1
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -219,16 +225,18 @@ class Fp8Linear(_QuantLinear):
     def load_param(self, name: str, full: torch.Tensor) -> int:
         if name == "weight":
             if full.dtype != FP8:
-                raise CheckpointError(f"weight of an FP8 layer is {full.dtype}, expected {FP8}")
-            _copy(self.weight, self._cols(self._rows(full), 1, name), name)
+                raise CheckpointError(f"{self._where(name)} of an FP8 layer is {full.dtype}, expected {FP8}")
+            _copy(self.weight, self._cols(self._rows(full), 1, name), self._where(name))
         elif name == "weight_scale" and self.block is None:
-            _copy(self.weight_scale, self._rows(full).reshape(-1, 1), name)
+            _copy(self.weight_scale, self._rows(full).reshape(-1, 1), self._where(name))
         elif name == "weight_scale_inv" and self.block is not None:
             _copy(
-                self.weight_scale_inv, self._cols(self._rows(full, self.block[0]), self.block[1], name), name
+                self.weight_scale_inv,
+                self._cols(self._rows(full, self.block[0]), self.block[1], name),
+                self._where(name),
             )
         elif not self._load_common(name, full):
-            raise CheckpointError(f"unexpected tensor {name!r} for an FP8 linear layer")
+            raise CheckpointError(f"unexpected tensor {self._where(name)!r} for an FP8 linear layer")
         return 1
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:

@@ -118,7 +118,9 @@ def prepare_for_checkpoint(model: nn.Module, scheme: QuantScheme) -> list[str]:
         if isinstance(m, Experts):
             _replace(model, name, _empty_experts(scheme, m).to(m.down_proj.device))
         else:
-            _replace(model, name, _empty_linear(scheme, m).to(m.weight.device))  # type: ignore[arg-type]
+            new = _empty_linear(scheme, m).to(m.weight.device)  # type: ignore[arg-type]
+            new.checkpoint_name = name
+            _replace(model, name, new)
         names.append(name)
     return names
 

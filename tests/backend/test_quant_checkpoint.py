@@ -231,8 +231,24 @@ def test_tensor_parallel_ranks_hold_their_slices_of_the_quantized_weights(
 def test_a_rank_split_inside_an_int4_group_is_refused(tmp_path: Path) -> None:
     src = make_tiny("glm4_moe", tmp_path / "src", initializer_range=0.02)  # dense MLP 96: 48 per rank
     main([str(src), str(tmp_path / "q"), "--weights", "int4-g32", "--all-linear"])
-    with pytest.raises(CheckpointError, match="split a group of 32"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.weight_scale: .*split a group of 32"
+    ):
         load_model(tmp_path / "q", dtype=torch.float32, rank=0, world_size=2)
+
+
+def test_a_quantized_tensor_of_the_wrong_shape_is_named_in_full(src: Path, tmp_path: Path) -> None:
+    """The error named only the leaf (`weight_scale: checkpoint shape ...`), not which of the
+    model's hundreds of Linears it was."""
+    dst = tmp_path / "q"
+    main([str(src), str(dst), "--weights", "int4-g32", "--all-linear"])
+    shard = next(dst.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = "model.layers.1.self_attn.o_proj.weight_scale"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{name}: checkpoint shape"):
+        load_model(dst, dtype=torch.float32)
 
 
 def test_shard_writer_files_read_back_with_safetensors(tmp_path: Path) -> None:
