@@ -348,3 +348,15 @@ async def test_an_oversized_body_is_refused(admin: Admin) -> None:
     r = await admin.http.post("/admin/v1/tenants", content=huge, headers=AUTH)
     status, code, message = error_of(r)
     assert (status, code) == (400, 6007) and "larger than" in message
+
+
+async def test_a_token_is_only_revoked_through_its_own_tenant(admin: Admin) -> None:
+    """BOLA (reliability §4.1): another tenant's path cannot reach a token, to revoke or list it."""
+    owner, other = await admin.tenant("owner"), await admin.tenant("other")
+    token = await admin.ok("POST", f"/tenants/{owner['id']}/tokens", {"name": "k"})
+    r = await admin.call("DELETE", f"/tenants/{other['id']}/tokens/{token['id']}")
+    assert error_of(r)[:2] == (404, 7000)
+    assert await admin.ok("GET", f"/tenants/{other['id']}/tokens") == []
+    ctx = await admin.services.authenticator.authenticate(f"Bearer {token['value']}", owner["id"])
+    assert ctx.token_id == token["id"]  # still valid
+    assert [t["revoked_at"] for t in await admin.ok("GET", f"/tenants/{owner['id']}/tokens")] == [None]
