@@ -11,6 +11,7 @@ from gateway_harness import GLM, LEGACY, Harness, harness  # noqa: F401  (fixtur
 from sqlalchemy import update
 from tenancy_db import store_fixture  # noqa: F401  (fixture)
 
+from gateway.batch import BatchWorker
 from gateway.store import Store
 from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue
 from gateway.store.tables import BatchJobRow
@@ -176,3 +177,41 @@ async def test_released_jobs_go_back_and_results_expire(store: Store) -> None:
     assert await queue.finish(job_id, "w2", b"{}", 0)
     assert await queue.get(job_id, "c" * 32) is None  # kept 0 s
     assert await queue.purge() >= 1
+
+
+async def test_a_stopping_gateway_hands_its_job_to_another(harness: Harness) -> None:
+    """Worker A takes a job of slow requests and stops mid-job (a gateway restart): the job goes
+    back to the queue, and the other worker runs it to the end."""
+    services = harness.services
+    await services.batch.stop()  # only A may take the job at first
+    other = BatchWorker()
+    try:
+        body = {
+            "requests": [
+                {"messages": [{"role": "user", "content": "slow"}], "external_reference": str(i)}
+                for i in range(3)
+            ]
+        }
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        job_id = r.json()["result"]["request_id"]
+        await other.start(services)
+        for _ in range(100):
+            job = await services.batch.queue.get(job_id, harness.account)
+            if job is not None and job.status == RUNNING:
+                break
+            await asyncio.sleep(0.05)
+        assert job is not None and job.status == RUNNING
+        await asyncio.sleep(0.3)  # its requests are under way
+        await other.stop()
+        job = await services.batch.queue.get(job_id, harness.account)
+        assert job is not None and job.status == QUEUED and job.attempts == 1
+    finally:
+        await other.stop()
+        await services.batch.start(services)
+    result = await wait_done(harness, GLM, job_id)
+    assert [x["external_reference"] for x in result["responses"]] == ["0", "1", "2"]
+    assert all(x["success"] for x in result["responses"])
+    job = await services.batch.queue.get(job_id, harness.account)
+    assert job is not None and job.attempts == 2 and other.num_jobs_done == 0
