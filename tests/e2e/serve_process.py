@@ -105,7 +105,11 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     assert account and token, text
     admin = re.search(r"Admin token \(shown once\): (\S+)", text)
     yield Kumo(
-        f"http://127.0.0.1:{port}", account.group(1), token.group(1), data_dir, admin.group(1) if admin else None
+        f"http://127.0.0.1:{port}",
+        account.group(1),
+        token.group(1),
+        data_dir,
+        admin.group(1) if admin else None,
     )
     children = _children(process.pid)
     assert len(children) == 3  # one backend per model
