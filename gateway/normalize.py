@@ -173,6 +173,7 @@ def check_images(model: ModelSpec, num_images: int, max_images: int) -> None:
 
 
 def check_choices(n: int, ctx: Context) -> None:
+    """`n` within the configured number of choices (each is a backend request)."""
     if n > ctx.max_choices:
         raise BadInput(f"Bad input: 'n' must be at most {ctx.max_choices}")
 

@@ -15,6 +15,7 @@ from schemas.admin import AuditEntry, UsageGroup, UsageRecord
 
 
 def add_usage(s: AsyncSession, records: Sequence[UsageRecord]) -> None:
+    """Append usage rows, each filed under the UTC day of its `at`."""
     s.add_all(
         UsageRow(
             tenant_id=r.tenant_id,
@@ -66,6 +67,7 @@ async def usage_groups(
 
 
 async def neurons_on(s: AsyncSession, tenant_id: str, day: dt.date) -> float:
+    """A tenant's neurons on one UTC day (what seeds the daily quota counter)."""
     total = await s.scalar(
         select(func.sum(UsageRow.neurons)).where(UsageRow.tenant_id == tenant_id, UsageRow.day == day)
     )
