@@ -1,5 +1,5 @@
 """The tenant store's tables (SQLAlchemy 2 declarative). Alembic's migrations create them;
-`tests/gateway/test_store_migrations.py` checks that the two agree.
+`tests/gateway/test_store.py` checks that the two agree.
 
 Timestamps are stored as naive UTC (SQLite keeps no zone) and come back zone-aware through `UTC`.
 Tokens keep only a SHA-256 of their value; usage rows are append-only and small (reliability §4.6).
