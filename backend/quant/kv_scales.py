@@ -121,20 +121,20 @@ def save(dst: str | Path, scales: list[dict[str, float]], prefix: str = "") -> N
 
 
 def _stored(path: Path) -> dict[str, torch.Tensor]:
-    """Every KV-cache scale the checkpoint carries: Kumo's kv_scales.safetensors, else any shard the
-    index lists them in (vLLM's and llm-compressor's storage), only those shards opened."""
+    """Every KV-cache scale the checkpoint's index lists, in kv_scales.safetensors or any shard
+    (vLLM's and llm-compressor's storage), only those shards opened. A kv_scales.safetensors the
+    index does not list is left from an earlier run into the same folder, and not read."""
     index = path / INDEX_FILE
-    weight_map = json.loads(index.read_text()).get("weight_map", {}) if index.exists() else {}
     files: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
+    if not index.exists():  # a single-file checkpoint; `save` makes it an indexed one
+        return {}
+    for name, file in json.loads(index.read_text()).get("weight_map", {}).items():
         if _SCALE.search(name):
             files.setdefault(file, []).append(name)
-    if (path / KV_SCALE_FILE).exists() and KV_SCALE_FILE not in files:
-        files[KV_SCALE_FILE] = []
     stored = {}
     for file, names in files.items():
         with safe_open(str(path / file), framework="pt") as f:
-            stored |= {k: f.get_tensor(k) for k in names or f.keys() if _SCALE.search(k)}
+            stored |= {k: f.get_tensor(k) for k in names}
     return stored
 
 

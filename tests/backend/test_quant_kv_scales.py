@@ -221,3 +221,14 @@ def test_a_stored_scale_that_is_not_positive_and_finite_is_refused(
     kv_scales.save(dst, scales)
     with pytest.raises(CheckpointError, match="model.layers.1.self_attn.k_scale"):
         kv_scales.read(dst, specs)
+
+
+def test_a_stale_scale_file_from_an_earlier_run_is_not_read(src: Path, tmp_path: Path) -> None:
+    """Re-running `kumo quantize` into the same folder without --kv-scales left the first run's
+    kv_scales.safetensors beside an index that no longer lists it, and serving used those scales."""
+    dst = tmp_path / "q"
+    main([str(src), str(dst), "--weights", "int4-g32", "--kv-scales"])
+    main([str(src), str(dst), "--weights", "fp8-channel"])
+    assert kv_scales.KV_SCALE_FILE not in json.loads((dst / INDEX_FILE).read_text())["weight_map"].values()
+    model = load_model(dst, dtype=torch.float32).model
+    assert kv_scales.read(dst, [[s.name for s in layer] for layer in model.cache_specs()]) is None
