@@ -206,41 +206,45 @@ class BatchWorker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), settings.batch_poll_interval_s)
                 continue
-            await self._run(job)
+            try:
+                await self._run(job)
+            except (SQLAlchemyError, OSError) as exc:  # its lease runs out; it is retried
+                log.warning("batch_queue_unavailable", request_id=job.id, error=type(exc).__name__)
+            except Exception:  # a bug must not stop this gateway's queue; the job is retried, then failed
+                log.exception("batch_failed", request_id=job.id)
 
     async def _run(self, job: BatchJob) -> None:
         """Run `job` while renewing its lease; hand it back if this gateway stops or drains."""
         assert self._services is not None
-        settings = self._services.settings
+        settings, lifecycle = self._services.settings, self._services.lifecycle
         log.info("batch_started", request_id=job.id, attempt=job.attempts, num_requests=job.num_requests)
         work = asyncio.create_task(self._execute(job))
         loop = asyncio.get_running_loop()
         renew_at = loop.time() + settings.batch_lease_s / 3
         try:
-            while not work.done():
+            while not work.done() and not lifecycle.is_draining:
                 await asyncio.wait({work}, timeout=min(1.0, settings.batch_lease_s / 3))
-                if self._services.lifecycle.is_draining and not work.done():
-                    raise asyncio.CancelledError  # hand the job to another gateway
                 if not work.done() and loop.time() >= renew_at:
                     renew_at = loop.time() + settings.batch_lease_s / 3
                     if not await self.queue.renew(job.id, self.worker_id, settings.batch_lease_s):
                         log.warning("batch_lease_lost", request_id=job.id)
-                        work.cancel()
-                        await asyncio.gather(work, return_exceptions=True)
+                        await _cancel(work)
                         return
-            finished = await self.queue.finish(
-                job.id, self.worker_id, work.result(), settings.batch_result_ttl_s
-            )
-            self.num_jobs_done += finished
-            log.info("batch_done", request_id=job.id, stored=finished)
-        except asyncio.CancelledError:
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            with contextlib.suppress(SQLAlchemyError, OSError):
-                await asyncio.shield(self.queue.release(job.id, self.worker_id))
-            log.info("batch_released", request_id=job.id)
-            if not self._services.lifecycle.is_draining:
-                raise
+        except asyncio.CancelledError:  # this gateway is stopping
+            await self._hand_back(job, work)
+            raise
+        if not work.done():  # draining: another gateway takes the job over now
+            await self._hand_back(job, work)
+            return
+        finished = await self.queue.finish(job.id, self.worker_id, work.result(), settings.batch_result_ttl_s)
+        self.num_jobs_done += finished
+        log.info("batch_done", request_id=job.id, stored=finished)
+
+    async def _hand_back(self, job: BatchJob, work: asyncio.Task[bytes]) -> None:
+        await _cancel(work)
+        with contextlib.suppress(SQLAlchemyError, OSError):
+            await asyncio.shield(self.queue.release(job.id, self.worker_id))
+        log.info("batch_released", request_id=job.id)
 
     async def _execute(self, job: BatchJob) -> bytes:
         """Every request of the job, a few at a time; the encoded `BatchDone`."""
@@ -274,6 +278,11 @@ class BatchWorker:
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
         return msgspec.json.encode(BatchDone(responses=[item for item, _, _ in done], usage=usage))
+
+
+async def _cancel(task: asyncio.Task[bytes]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _tenant(services: Services, tenant_id: str) -> TenantContext:
