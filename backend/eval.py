@@ -12,6 +12,8 @@ Task files are JSONL: multiple choice (log-likelihood), generation (exact match)
 (the family's parser on greedy output); their schema is in `backend/eval_tasks.py`.
 `--text FILE` adds a perplexity task over the file, in windows of `--window` tokens.
 
+A multiple-choice file gives two tasks: NAME picks each item's choice by summed log-likelihood
+(lm-evaluation-harness's acc), NAME:norm by log-likelihood per byte of the choice (its acc_norm).
 Per task and variant: accuracy with a 95% bootstrap interval, the paired bootstrap interval of its
 difference from the first variant, mean KL(first ‖ variant) of the next-token distributions at
 every scored position, top-1 agreement with the first variant, and perplexity for text tasks.
@@ -49,7 +51,7 @@ class VariantResult(msgspec.Struct, kw_only=True):
 
 class TaskResult(msgspec.Struct, kw_only=True):
     task: str
-    kind: str  # "multiple_choice" | "generation" | "tool_call" | "perplexity"
+    kind: str  # "multiple_choice" | "multiple_choice_norm" | "generation" | "tool_call" | "perplexity"
     num_items: int
     results: list[VariantResult]
 
@@ -142,6 +144,12 @@ def _compare(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     return float(kl.sum()), float((ref.argmax(-1) == other.argmax(-1)).sum())
 
 
+def pick_choice(loglik: torch.Tensor, num_bytes: list[int], *, normalise: bool) -> int:
+    """The chosen index among choices with summed log-likelihoods `loglik` [C]; normalised: per byte."""
+    scores = loglik / torch.tensor(num_bytes, dtype=loglik.dtype) if normalise else loglik
+    return int(scores.argmax())
+
+
 class Evaluator:
     def __init__(self, variants: list[Variant], max_new_tokens: int = 32, window: int = 128) -> None:
         from backend.tokenizer import load_tokenizer
@@ -198,28 +206,43 @@ class Evaluator:
             out.append(r)
         return out
 
-    def multiple_choice(self, name: str, items: list[McItem]) -> TaskResult:
+    def multiple_choice(self, name: str, items: list[McItem]) -> list[TaskResult]:
+        """Two results: `name` picks by summed log-likelihood (acc), `name:norm` by log-likelihood
+        per byte of the choice (lm-evaluation-harness's acc_norm, which longer choices need)."""
         seqs, offsets = [], []
         for item in items:
             q = self._encode(item.question)
             offsets.append(len(seqs))
             seqs += [(q + self._encode(" " + choice), len(q)) for choice in item.choices]
         loglik, kl, top1, count = self._score(seqs)
-        correct = [
-            torch.tensor(
-                [
-                    int(ll[o : o + len(it.choices)].argmax()) == it.answer
-                    for o, it in zip(offsets, items, strict=True)
-                ]
+        results = []
+        for normalise, task, kind in (
+            (False, name, "multiple_choice"),
+            (True, f"{name}:norm", "multiple_choice_norm"),
+        ):
+            correct = [
+                torch.tensor(
+                    [
+                        pick_choice(
+                            ll[o : o + len(it.choices)],
+                            [len((" " + c).encode()) for c in it.choices],
+                            normalise=normalise,
+                        )
+                        == it.answer
+                        for o, it in zip(offsets, items, strict=True)
+                    ]
+                )
+                for ll in loglik
+            ]
+            results.append(
+                TaskResult(
+                    task=task,
+                    kind=kind,
+                    num_items=len(items),
+                    results=self._results(correct, kl, top1, count),
+                )
             )
-            for ll in loglik
-        ]
-        return TaskResult(
-            task=name,
-            kind="multiple_choice",
-            num_items=len(items),
-            results=self._results(correct, kl, top1, count),
-        )
+        return results
 
     def generation(self, name: str, items: list[GenItem]) -> TaskResult:
         correct = [torch.zeros(len(items), dtype=torch.bool) for _ in self.variants]
@@ -334,10 +357,10 @@ def main(argv: list[str]) -> int:
     tasks = []
     for path in a.data:
         kind, items = load_items(path)
-        run = {"multiple_choice": ev.multiple_choice, "generation": ev.generation, "tool_call": ev.tool_call}[
-            kind
-        ]
-        tasks.append(run(path.stem, items))
+        if kind == "multiple_choice":
+            tasks += ev.multiple_choice(path.stem, items)
+        else:
+            tasks.append({"generation": ev.generation, "tool_call": ev.tool_call}[kind](path.stem, items))
     tasks += [ev.perplexity(path.stem, path.read_text()) for path in a.text]
     report = EvalReport(variants=specs, tasks=tasks)
     print(render(report))

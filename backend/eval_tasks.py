@@ -3,6 +3,7 @@
 The kind is told by the keys of the first line:
 - multiple choice `{"question": str, "choices": [str, ...], "answer": int}` — each choice is scored
   by the summed log-likelihood of its tokens after the question (as ARC and MMLU are); the best wins.
+  `kumo eval` also reports the pick by log-likelihood per byte of the choice (`NAME:norm`).
 - generation `{"prompt": str, "answer": str, "answer_regex"?: str}` — greedy decoding; the answer is
   the regex's first group (else its whole match, else the stripped text), compared exactly (GSM8K).
 - tool call `{"messages": [Message], "tools": [Tool], "expected": {"name": str, "arguments": {...}}}`

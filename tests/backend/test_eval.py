@@ -106,7 +106,7 @@ def test_eval_two_variants_against_transformers(
     assert any("no FP8 KV-cache scales" in r.getMessage() for r in caplog.records)
     report = json.loads(out.read_text())
     tasks = {t["task"]: {r["variant"]: r for r in t["results"]} for t in report["tasks"]}
-    assert set(tasks) == {"mc", "gen", "text"}
+    assert set(tasks) == {"mc", "mc:norm", "gen", "text"}
     for task in ("mc", "gen"):
         assert tasks[task]["ref"]["accuracy"] == 1.0  # transformers' own picks and generations
         same = tasks[task]["same"]
@@ -285,3 +285,38 @@ def test_answer_regex_whose_group_did_not_match_is_no_crash() -> None:
     item = GenItem(prompt="p", answer="7", answer_regex=r"answer is (\d+)|####")
     assert extract_answer("#### 7", item) == ""
     assert extract_answer("the answer is 7", item) == "7"
+
+
+def _bare_evaluator(names: list[str]):  # type: ignore[no-untyped-def]
+    from backend.eval import Evaluator
+
+    ev = object.__new__(Evaluator)
+    ev.variants = [type("V", (), {"name": n})() for n in names]  # type: ignore[assignment]
+    ev.generator = torch.Generator().manual_seed(0)
+    return ev
+
+
+def test_accuracy_intervals_are_binomial_sized_and_the_delta_is_paired() -> None:
+    """Half of 400 right: the 95% interval is about ±1.96·√(¼/400) = ±0.049; a variant that differs
+    from the first on 4 items has a paired Δ interval far narrower than two unpaired ones would give."""
+    first = torch.zeros(400, dtype=torch.bool)
+    first[::2] = True
+    other = first.clone()
+    other[[1, 3, 5, 7]] = True  # +4 right, no item lost
+    res = _bare_evaluator(["a", "b"])._results([first, other], [0.0, 0.0], [0.0, 0.0], 1)
+    lo, hi = res[0].accuracy_ci
+    assert res[0].accuracy == 0.5 and 0.04 < 0.5 - lo < 0.06 and 0.04 < hi - 0.5 < 0.06
+    assert res[1].delta_vs_first == pytest.approx(0.01)
+    dlo, dhi = res[1].delta_ci
+    assert 0.0 <= dlo <= 0.01 <= dhi <= 0.025  # paired: every resample gains 0..4 items, never loses
+    assert res[0].delta_vs_first == 0.0 and res[0].delta_ci == (0.0, 0.0)
+
+
+def test_multiple_choice_pick_summed_and_length_normalised() -> None:
+    """Summed log-likelihood favours short choices; the normalised pick (lm-evaluation-harness's
+    acc_norm: per byte of the choice) does not."""
+    from backend.eval import pick_choice
+
+    loglik = torch.tensor([-6.0, -9.0])  # a 2-byte choice, then a 12-byte one
+    assert pick_choice(loglik, [2, 12], normalise=False) == 0
+    assert pick_choice(loglik, [2, 12], normalise=True) == 1
