@@ -75,10 +75,10 @@ def _int_query(request: Request, name: str, default: int, high: int) -> int:
     return int(raw)
 
 
-def _date_query(request: Request, name: str, default: dt.date) -> dt.date:
+def _date_query(request: Request, name: str) -> dt.date | None:
     raw = request.query_params.get(name)
     if raw is None:
-        return default
+        return None
     try:
         if not DATE.match(raw):
             raise ValueError(raw)
@@ -206,9 +206,11 @@ class AdminApi:
     # ---- usage and audit ----------------------------------------------------------------------------
     async def usage(self, request: Request, actor: str) -> Envelope:
         tenant_id = _id(request, "tenant_id")
-        today = dt.datetime.now(dt.UTC).date()
-        until = _date_query(request, "until", today)
-        since = _date_query(request, "since", until - dt.timedelta(days=29))
+        until = _date_query(request, "until") or dt.datetime.now(dt.UTC).date()
+        # default: the 30 days up to `until` (from the calendar's first day, for the earliest)
+        since = _date_query(request, "since") or until - dt.timedelta(
+            days=min(29, (until - dt.date.min).days)
+        )
         if since > until or (until - since).days > MAX_USAGE_DAYS:
             raise InvalidAdminRequest(
                 f"since must not be after until, nor more than {MAX_USAGE_DAYS} days before it"
