@@ -11,7 +11,7 @@ from gateway_harness import GLM, LEGACY, Harness, harness  # noqa: F401  (fixtur
 from sqlalchemy import update
 from tenancy_db import store_fixture  # noqa: F401  (fixture)
 
-from gateway.batch import BatchWorker
+from gateway.batch import MAX_ATTEMPTS, BatchWorker
 from gateway.store import Store
 from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue
 from gateway.store.tables import BatchJobRow
@@ -215,3 +215,21 @@ async def test_a_stopping_gateway_hands_its_job_to_another(harness: Harness) -> 
     assert all(x["success"] for x in result["responses"])
     job = await services.batch.queue.get(job_id, harness.account)
     assert job is not None and job.attempts == 2 and other.num_jobs_done == 0
+
+
+async def test_a_job_whose_gateways_keep_dying_is_failed_not_retried_forever(harness: Harness) -> None:
+    services = harness.services
+    await services.batch.stop()
+    try:
+        body = {"requests": [{"prompt": "doomed", "external_reference": "x"}]}
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{LEGACY}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        job_id = r.json()["result"]["request_id"]
+        async with services.store.engine.begin() as c:  # as if MAX_ATTEMPTS gateways had taken it and died
+            await c.execute(update(BatchJobRow).where(BatchJobRow.id == job_id).values(attempts=MAX_ATTEMPTS))
+    finally:
+        await services.batch.start(services)
+    result = await wait_done(harness, LEGACY, job_id)
+    [item] = result["responses"]
+    assert not item["success"] and item["external_reference"] == "x" and item["errors"][0]["code"] == 3000
