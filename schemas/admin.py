@@ -18,7 +18,8 @@ from msgspec import Meta
 # ---- named limits -------------------------------------------------------------------------------------
 TenantId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
 TokenId = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
-Name = Annotated[str, Meta(min_length=1, max_length=200)]
+# no control characters: a NUL cannot be stored by PostgreSQL, a newline forges log and CLI lines
+Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")]
 Plan = Literal["free", "paid"]
 PerMinute = Annotated[int, Meta(ge=0, le=100_000_000)]
 DailyNeurons = Annotated[float, Meta(ge=0, le=1e15)]
