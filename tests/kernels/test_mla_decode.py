@@ -277,20 +277,67 @@ def test_gpu_kimi_shapes(cache_dtype: torch.dtype, block_h: int) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_tampered_and_sparse() -> None:
+@pytest.mark.parametrize("masked_loads", [False, True])
+def test_gpu_tampered_and_sparse(masked_loads: bool) -> None:
     ctx = [16384, 3000, 700, 9999]
     batch = gpu_batch(len(ctx), ctx, FP8)
     S = 16
     batch["page_tags"][batch["page_table"][1, 7]] += 1
-    batch["latent_cache"][batch["page_table"][1, 7]] = float("nan")
+    batch["latent_cache"][batch["page_table"][1, 7]] = torch.tensor(float("nan")).to(FP8)
     g = torch.Generator(device="cuda").manual_seed(1)
     topk = torch.stack([torch.randperm(max(ctx), device="cuda", generator=g)[:2048] for _ in ctx])
     topk = torch.where(topk < torch.tensor(ctx, device="cuda")[:, None], topk, -1)  # 700 tokens: mostly -1
+    topk[1] = torch.where(topk[1] == 7 * S + 3, -1, topk[1])
     topk[1, 0] = 7 * S + 3  # a token on the tampered page
     for tk in (None, topk):
         flags = torch.zeros(4, dtype=torch.bool, device="cuda")
         ref_flags = flags.clone()
-        out = mla_decode(**{**batch, "tag_mismatch": flags}, topk_indices=tk)
+        out = mla_decode(**{**batch, "tag_mismatch": flags}, topk_indices=tk, masked_loads=masked_loads)
         ref = mla_decode_ref(**{**batch, "tag_mismatch": ref_flags}, topk_indices=tk)
         assert flags.tolist() == [False, True, False, False] == ref_flags.tolist()
         assert out.isfinite().all() and rel_err(out.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_replays_in_a_cuda_graph() -> None:
+    """kv_write then mla_decode captured once (as the engine's decode graphs are) and replayed on new
+    inputs copied into the same buffers: equal to eager calls, flags raised inside the replay."""
+    from kernels.kv_write_triton import kv_write
+
+    ctx = [5000, 123, 16, 2049]
+    batch = gpu_batch(len(ctx), ctx, FP8)
+    B, S = len(ctx), 16
+    seq_lens = batch["seq_lens"]
+    slots = (batch["page_table"].long().gather(1, ((seq_lens.long() - 1) // S)[:, None])[:, 0] * S) + (
+        seq_lens.long() - 1
+    ) % S
+    new = torch.randn(B, 576, device="cuda", dtype=torch.bfloat16)
+    token_tags = batch["expected_tags"].gather(1, ((seq_lens.long() - 1) // S)[:, None])[:, 0].clone()
+    token_seq = torch.arange(B, device="cuda")
+
+    def step() -> torch.Tensor:
+        kv_write(batch["latent_cache"], new, slots, batch["latent_scale"], batch["page_tags"], token_tags,
+                 token_seq, batch["tag_mismatch"])  # fmt: skip
+        return mla_decode(**batch)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial in range(2):
+        new.copy_(torch.randn_like(new))
+        batch["q"].copy_(torch.randn_like(batch["q"]))
+        if trial == 1:  # sequence 2's page reallocated between steps
+            batch["page_tags"][batch["page_table"][2, 0]] += 1
+        batch["tag_mismatch"].zero_()
+        graph.replay()
+        flags = batch["tag_mismatch"].clone()
+        batch["tag_mismatch"].zero_()
+        eager = step()
+        assert torch.equal(flags, batch["tag_mismatch"]) and flags.tolist() == [
+            False,
+            False,
+            trial == 1,
+            False,
+        ]
+        assert torch.equal(out, eager)

@@ -176,9 +176,11 @@ def test_launcher_rejects_bad_inputs() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_gpu_kimi_chunk_over_cached_prefix(cache_dtype: torch.dtype) -> None:
-    """64 heads x 576: a 512-token chunk after 8k cached tokens, a 300-token prompt, 3 decodes."""
+def test_gpu_kimi_chunk_over_cached_prefix(cache_dtype: torch.dtype, sparse: bool) -> None:
+    """64 heads x 576: a 512-token chunk after 8k cached tokens, a 300-token prompt, 3 decodes;
+    sparse: GLM-5's 2048 positions per query (some after the query: causally hidden)."""
     dev, R, Dr, S, H = "cuda", 512, 64, 16, 64
     seq_lens, num_q = [8192 + 512, 300, 4000, 17, 1], [512, 300, 1, 1, 1]
     g = torch.Generator(device=dev).manual_seed(0)
@@ -200,7 +202,12 @@ def test_gpu_kimi_chunk_over_cached_prefix(cache_dtype: torch.dtype) -> None:
         page_table=table, expected_tags=tags[table.long()], page_tags=tags,
         tag_mismatch=torch.zeros(len(seq_lens), dtype=torch.bool, device=dev), softmax_scale=0.1447,
     )  # fmt: skip
-    out = mla_prefill(**batch)
-    ref = mla_attention_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
+    topk = None
+    if sparse:
+        seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(num_q)).tolist()
+        rows = [torch.randperm(seq_lens[b], device=dev, generator=g)[:2048] for b in seq_of]
+        topk = torch.stack([torch.nn.functional.pad(r, (0, 2048 - r.numel()), value=-1) for r in rows])
+    out = mla_prefill(**batch, topk_indices=topk)
+    ref = mla_attention_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()}, topk_indices=topk)
     assert not batch["tag_mismatch"].any() and out.isfinite().all()
     assert rel_err(out.float(), ref.float()) < 1e-2
