@@ -16,6 +16,7 @@ device call. Imports no msgspec itself; the engine it drives does (carry the whe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -27,7 +28,13 @@ from benchmarks.engine import report
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 COMPARISONS = ("weights", "kv", "integrity", "transformers", "variant")
-DEFAULT_KIND = {"weights": "glm-5.2", "kv": "kimi-k2.6", "integrity": "kimi-k2.6", "transformers": "kimi-k2.6", "variant": "kimi-k2.6"}
+DEFAULT_KIND = {
+    "weights": "glm-5.2",
+    "kv": "kimi-k2.6",
+    "integrity": "kimi-k2.6",
+    "transformers": "kimi-k2.6",
+    "variant": "kimi-k2.6",
+}
 TINY = {"input_len": 16, "output_len": 4, "prefill_len": 64, "chunk": 256, "max_concurrency_cap": 16}
 
 
@@ -40,24 +47,34 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("comparison", choices=(*COMPARISONS, "report"))
     ap.add_argument("inputs", nargs="*", type=Path, help="report: the records to merge")
     ap.add_argument("--kind", choices=("glm-5.2", "kimi-k2.6"))
-    ap.add_argument("--layers", type=int, default=4, help="truncated depth: 1 dense + (layers-1) MoE (default 4)")
+    ap.add_argument(
+        "--layers", type=int, default=4, help="truncated depth: 1 dense + (layers-1) MoE (default 4)"
+    )
     ap.add_argument("--tiny", action="store_true", help="small geometry and lengths (CPU tests)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--input-len", type=int, default=2048)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prefill-len", type=int, default=8192, help="the one long prompt of the prefill figure")
     ap.add_argument("--concurrency", type=_ints, default=(1, 8, 64), help="comma-separated (default 1,8,64)")
-    ap.add_argument("--max-concurrency-cap", type=int, default=256, help="cap on the 'largest that fits' run (0: none)")
-    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step (max_num_batched_tokens)")
+    ap.add_argument(
+        "--max-concurrency-cap", type=int, default=256, help="cap on the 'largest that fits' run (0: none)"
+    )
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="prefill tokens per step (max_num_batched_tokens)"
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--fp8-method", choices=("fp8-block", "fp8-channel"), default="fp8-block")
     ap.add_argument("--weights", choices=("bf16", "fp8", "int4", "int4-all"), default="int4")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None)
     ap.add_argument("--repeats", type=int, default=4, help="integrity: on/off pairs")
     ap.add_argument("--integrity-concurrency", type=int, default=64)
-    ap.add_argument("--kumo", default="int4:fp8,bf16:bf16", help="transformers: Kumo variants weights:kv, comma-separated")
-    ap.add_argument("--hf-modes", default="generate,generate-static,generate_batch")
-    ap.add_argument("--hf-concurrency", type=_ints, default=None, help="transformers runs (default: --concurrency)")
+    ap.add_argument(
+        "--kumo", default="int4:fp8,bf16:bf16", help="transformers: Kumo variants weights:kv, comma-separated"
+    )
+    ap.add_argument("--hf-modes", default="generate,generate_batch,generate-static")
+    ap.add_argument(
+        "--hf-concurrency", type=_ints, default=None, help="transformers runs (default: --concurrency)"
+    )
     ap.add_argument("--budget-s", type=float, default=540.0, help="no run starts after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
@@ -72,7 +89,8 @@ def _defaults_for_tiny(a: argparse.Namespace, ap: argparse.ArgumentParser) -> No
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
-    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    a = ap.parse_args(args)
     if a.comparison == "report":
         return _report(a)
     if a.tiny:
@@ -91,28 +109,56 @@ def main(argv: list[str] | None = None) -> int:
         concurrencies=a.concurrency, max_concurrency_cap=a.max_concurrency_cap, chunk=a.chunk,
         page_size=a.page_size, fp8_method=a.fp8_method, deadline=start + a.budget_s, seed=a.seed,
     )  # fmt: skip
-    options = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k not in ("inputs", "out")}
-    record = report.new_record(device, geometry.describe(), options, a.comparison)
+    options = {
+        k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k not in ("inputs", "out")
+    }
+    record = report.new_record(
+        " ".join(["kumo bench engine", *args]), device, geometry.describe(), options, a.comparison
+    )
+    out = (
+        a.out
+        or RESULTS
+        / f"{datetime.date.today().isoformat()}-engine-{a.comparison}-{kind}{'-tiny' if a.tiny else ''}.json"
+    )
+
+    def save() -> list[str]:  # after every phase: a call killed at its limit still leaves a record
+        record["wall_s"] = time.monotonic() - start
+        return report.write(report.finish(record), out)
+
+    def share(phases_left: int) -> Options:  # each phase gets an equal part of the time left
+        left = max(opts.deadline - time.monotonic(), 0.0)
+        return dataclasses.replace(opts, deadline=time.monotonic() + left / phases_left)
+
     if a.comparison == "weights":
-        for fmt in ("int4", "fp8"):
-            report.add_variant(record, measure_variant(geometry, fmt, a.kv_dtype or "bf16", opts))
+        for i, fmt in enumerate(("int4", "fp8")):
+            report.add_variant(record, measure_variant(geometry, fmt, a.kv_dtype or "bf16", share(2 - i)))
+            save()
     elif a.comparison == "kv":
-        for kv in ("bf16", "fp8"):
-            report.add_variant(record, measure_variant(geometry, a.weights, kv, opts))
+        for i, kv in enumerate(("bf16", "fp8")):
+            report.add_variant(record, measure_variant(geometry, a.weights, kv, share(2 - i)))
+            save()
     elif a.comparison == "variant":
         report.add_variant(record, measure_variant(geometry, a.weights, a.kv_dtype or "bf16", opts))
     elif a.comparison == "integrity":
         record["integrity"] = measure_integrity(
-            geometry, a.weights, a.kv_dtype or "fp8", opts, concurrency=a.integrity_concurrency, repeats=a.repeats
+            geometry,
+            a.weights,
+            a.kv_dtype or "fp8",
+            opts,
+            concurrency=a.integrity_concurrency,
+            repeats=a.repeats,
         )
         for state in ("on", "off"):
-            record["runs"] += [{"source": "kumo-integrity", "tags": state} | s for s in record["integrity"]["samples"][state]]
+            record["runs"] += [
+                {"source": "kumo-integrity", "tags": state} | s for s in record["integrity"]["samples"][state]
+            ]
     else:
         from benchmarks.engine.hf_peer import measure_transformers
 
-        for spec in a.kumo.split(","):
-            fmt, kv = spec.split(":")
-            report.add_variant(record, measure_variant(geometry, fmt, kv, opts))  # type: ignore[arg-type]
+        specs = [spec.split(":") for spec in a.kumo.split(",")]
+        for i, (fmt, kv) in enumerate(specs):  # the transformers peer is the last phase
+            report.add_variant(record, measure_variant(geometry, fmt, kv, share(len(specs) + 1 - i)))  # type: ignore[arg-type]
+            save()
         hf_deadline = max(opts.deadline, time.monotonic() + 60)  # the peer always gets a minute
         report.add_transformers(
             record,
@@ -121,10 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 output_len=a.output_len, modes=tuple(a.hf_modes.split(",")), deadline=hf_deadline,
             ),
         )  # fmt: skip
-    record["wall_s"] = time.monotonic() - start
-    report.finish(record)
-    out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-engine-{a.comparison}-{kind}{'-tiny' if a.tiny else ''}.json"
-    paths = report.write(record, out)
+    paths = save()
     print(report.markdown(record))
     print("wrote " + ", ".join(paths))
     return 0

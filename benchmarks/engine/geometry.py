@@ -176,4 +176,5 @@ def _plan(
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:
-    return config["text_config"] if "text_config" in config else config
+    text: dict[str, Any] = config.get("text_config", config)
+    return text

@@ -37,7 +37,9 @@ def hf_config(geometry: Geometry) -> Any:
     model_type = MODEL_TYPES[text["architectures"][0]]
     cls = transformers.AutoConfig.for_model(model_type).__class__
     accepted = set(inspect.signature(cls.__init__).parameters)
-    kwargs = {k: v for k, v in text.items() if k in accepted and k not in ("architectures", "dtype", "torch_dtype")}
+    kwargs = {
+        k: v for k, v in text.items() if k in accepted and k not in ("architectures", "dtype", "torch_dtype")
+    }
     rope = text.get("rope_parameters")
     if rope is None:  # checkpoint-style keys (Kimi): rope_theta + rope_scaling
         rope = {"rope_theta": text.get("rope_theta", 10000.0), "rope_type": "default"}
@@ -78,11 +80,22 @@ def run_mode(
     model: Any, mode: str, *, concurrency: int, input_len: int, output_len: int, vocab: int, device: str
 ) -> dict[str, Any]:
     prompts = random_prompts(concurrency, input_len, vocab, seed=1)
-    row: dict[str, Any] = {"mode": mode, "concurrency": concurrency, "input_len": input_len, "output_len": output_len}
+    row: dict[str, Any] = {
+        "mode": mode,
+        "concurrency": concurrency,
+        "input_len": input_len,
+        "output_len": output_len,
+    }
     if mode == "generate_batch":
         from transformers import GenerationConfig
 
-        config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         _sync(device)
         t0 = time.perf_counter()
         outputs = model.generate_batch(inputs=prompts, generation_config=config)
@@ -144,23 +157,47 @@ def measure_transformers(
             continue
         try:
             t0 = time.perf_counter()  # warm-up: compilation and allocation outside the timed runs
-            run_mode(model, mode, concurrency=1, input_len=min(input_len, 64), output_len=4, vocab=vocab, device=device)
+            run_mode(
+                model,
+                mode,
+                concurrency=1,
+                input_len=min(input_len, 64),
+                output_len=4,
+                vocab=vocab,
+                device=device,
+            )
             entry["warmup_s"] = time.perf_counter() - t0
-            for c in concurrencies:
-                if time.monotonic() > deadline:
-                    entry["skipped"].append({"concurrency": c, "why": "command deadline reached before this run"})
-                    continue
-                entry["runs"].append(
-                    run_mode(model, mode, concurrency=c, input_len=input_len, output_len=output_len, vocab=vocab, device=device)
-                )
-        except Exception as exc:
+        except Exception as exc:  # the mode does not run here at all
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            _free()
+            continue
+        for c in concurrencies:
+            if time.monotonic() > deadline:
+                entry["skipped"].append({"concurrency": c, "why": "command deadline reached before this run"})
+                continue
+            try:
+                entry["runs"].append(
+                    run_mode(
+                        model,
+                        mode,
+                        concurrency=c,
+                        input_len=input_len,
+                        output_len=output_len,
+                        vocab=vocab,
+                        device=device,
+                    )
+                )
+            except Exception as exc:  # out of memory at this batch, say: recorded, the next one tried
+                entry["skipped"].append({"concurrency": c, "why": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                _free()
+        _free()
     del model
+    _free()
+    return out
+
+
+def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return out

@@ -54,7 +54,9 @@ class RunResult:
         return asdict(self)
 
 
-def engine_config(num_pages: int, page_size: int, kv_dtype: str, concurrency: int, chunk: int) -> EngineConfig:
+def engine_config(
+    num_pages: int, page_size: int, kv_dtype: str, concurrency: int, chunk: int
+) -> EngineConfig:
     return EngineConfig.build(
         page_size=page_size,
         num_pages=num_pages,
@@ -98,7 +100,9 @@ def run_offline(
     start = clock()
     request_ids = [f"{variant}-{seed}-{i}" for i in range(concurrency)]
     for rid, ids in zip(request_ids, prompts, strict=True):
-        engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=ids, tenant_salt=SALT, sampling=sampling))
+        engine.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=ids, tenant_salt=SALT, sampling=sampling)
+        )
     finished = 0
     while engine.has_unfinished:
         outputs = engine.step()
@@ -140,18 +144,39 @@ def run_offline(
     )
 
 
-def run_prefill(engine: Engine, *, variant: str, prefill_len: int, vocab_size: int, seed: int = 7) -> dict[str, Any]:
+def run_prefill(
+    engine: Engine, *, variant: str, prefill_len: int, vocab_size: int, seed: int = 7
+) -> dict[str, Any]:
     """One prompt of `prefill_len` tokens, one output token: prompt tokens / time to that token."""
     r = run_offline(
-        engine, variant=variant, concurrency=1, input_len=prefill_len, output_len=1, vocab_size=vocab_size, seed=seed
+        engine,
+        variant=variant,
+        concurrency=1,
+        input_len=prefill_len,
+        output_len=1,
+        vocab_size=vocab_size,
+        seed=seed,
     )
-    return {"variant": variant, "prefill_len": prefill_len, "ttft_ms": r.ttft_ms_p50, "prefill_tok_s": prefill_len / (r.ttft_ms_p50 / 1e3)}
+    return {
+        "variant": variant,
+        "prefill_len": prefill_len,
+        "ttft_ms": r.ttft_ms_p50,
+        "prefill_tok_s": prefill_len / (r.ttft_ms_p50 / 1e3),
+    }
 
 
 def warm_up(engine: Engine, *, vocab_size: int, input_len: int) -> None:
     """Compile and allocate outside the timed runs: a prefill, decodes, two batch sizes."""
     for n in (1, 2):
-        run_offline(engine, variant="warmup", concurrency=n, input_len=min(input_len, 64), output_len=4, vocab_size=vocab_size, seed=99 + n)
+        run_offline(
+            engine,
+            variant="warmup",
+            concurrency=n,
+            input_len=min(input_len, 64),
+            output_len=4,
+            vocab_size=vocab_size,
+            seed=99 + n,
+        )
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +35,13 @@ def device_name(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def new_record(device: str, geometry: dict[str, Any], options: dict[str, Any], comparison: str) -> dict[str, Any]:
+def new_record(
+    command: str, device: str, geometry: dict[str, Any], options: dict[str, Any], comparison: str
+) -> dict[str, Any]:
     import torch
 
     return {
-        "command": " ".join(["kumo", "bench", "engine", *sys.argv[1:]]) if sys.argv else "",
+        "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device_name(device),
         "torch": torch.__version__,
@@ -63,7 +64,11 @@ def add_variant(record: dict[str, Any], result: dict[str, Any]) -> None:
 def add_transformers(record: dict[str, Any], result: dict[str, Any]) -> None:
     record["transformers"] = result
     for mode, entry in result.get("modes", {}).items():
-        record["runs"] += [{"source": "transformers", "variant": f"transformers/{mode}", "kind": record["geometry"]["kind"]} | r for r in entry["runs"]]
+        record["runs"] += [
+            {"source": "transformers", "variant": f"transformers/{mode}", "kind": record["geometry"]["kind"]}
+            | r
+            for r in entry["runs"]
+        ]
 
 
 # ---- summary -------------------------------------------------------------------------------------
@@ -72,7 +77,12 @@ def _kumo(record: dict[str, Any], weights: str | None = None, kv: str | None = N
     out = []
     for r in record["runs"]:
         v = by_name.get(r["variant"])
-        if r["source"] == "kumo" and v and (weights is None or v["weights"] == weights) and (kv is None or v["kv_dtype"] == kv):
+        if (
+            r["source"] == "kumo"
+            and v
+            and (weights is None or v["weights"] == weights)
+            and (kv is None or v["kv_dtype"] == kv)
+        ):
             out.append(r)
     return out
 
@@ -87,7 +97,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _prefill(record: dict[str, Any], weights: str) -> float | None:
-    vals = [v["prefill"]["prefill_tok_s"] for v in record["variants"] if v["weights"] == weights and v.get("prefill")]
+    vals = [
+        v["prefill"]["prefill_tok_s"]
+        for v in record["variants"]
+        if v["weights"] == weights and v.get("prefill")
+    ]
     return max(vals) if vals else None
 
 
@@ -104,12 +118,20 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str
     bf16kv_peak = max((r["output_tok_s"] for r in bf16kv), default=None) if w else None
     hf = [r for r in record["runs"] if r["source"] == "transformers"]
     integrity = record.get("integrity") or {}
-    overhead = integrity.get("overhead") if not str(integrity.get("switched", "none")).startswith("none") else None
+    overhead = (
+        integrity.get("overhead") if not str(integrity.get("switched", "none")).startswith("none") else None
+    )
     summary = {
-        "int4_vs_fp8_decode_c1": _ratio(_at(int4, 1, "output_tok_s_per_user"), _at(fp8, 1, "output_tok_s_per_user")),
+        "int4_vs_fp8_decode_c1": _ratio(
+            _at(int4, 1, "output_tok_s_per_user"), _at(fp8, 1, "output_tok_s_per_user")
+        ),
         "int4_vs_fp8_prefill": _ratio(_prefill(record, "int4"), _prefill(record, "fp8")),
         "fp8kv_vs_bf16kv_c64": _ratio(_at(fp8kv, 64, "output_tok_s"), bf16kv_peak) if w else None,
-        "fp8kv_vs_bf16kv_c1": _ratio(_at(fp8kv, 1, "output_tok_s_per_user"), _at(bf16kv, 1, "output_tok_s_per_user")) if w else None,
+        "fp8kv_vs_bf16kv_c1": _ratio(
+            _at(fp8kv, 1, "output_tok_s_per_user"), _at(bf16kv, 1, "output_tok_s_per_user")
+        )
+        if w
+        else None,
         "integrity_overhead": overhead,
         "vs_transformers_c64": _ratio(_at(_kumo(record), 64, "output_tok_s"), _at(hf, 64, "output_tok_s")),
     }
@@ -156,7 +178,9 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["runs"] = [x for r in records for x in r["runs"]]
     out["integrity"] = next((r["integrity"] for r in records if r.get("integrity")), None)
     out["transformers"] = next((r["transformers"] for r in records if r.get("transformers")), None)
-    out["sources"] = [{"command": r["command"], "date": r["date"], "comparisons": r["comparisons"]} for r in records]
+    out["sources"] = [
+        {"command": r["command"], "date": r["date"], "comparisons": r["comparisons"]} for r in records
+    ]
     summary: dict[str, Any] = {}
     detail: dict[str, str] = {}
     for r in records:  # each ratio from the record that measured it (ratios never mix geometries)
@@ -196,8 +220,14 @@ def markdown(record: dict[str, Any]) -> str:
     lines += ["", "| variant | weights GB | KV tokens | max conc. | prefill tok/s |", "|---|---|---|---|---|"]
     for v in record["variants"]:
         pf = (v.get("prefill") or {}).get("prefill_tok_s")
-        lines.append(f"| {v['variant']} | {v['weight_bytes'] / 1e9:.3g} | {v['kv_capacity_tokens']:,} | {v['max_concurrency']} | {_f(pf)} |")
-    lines += ["", "| run | conc. | out tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | preempt. |", "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {v['variant']} | {v['weight_bytes'] / 1e9:.3g} | {v['kv_capacity_tokens']:,} | {v['max_concurrency']} | {_f(pf)} |"
+        )
+    lines += [
+        "",
+        "| run | conc. | out tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | preempt. |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in record["runs"]:
         lines.append(
             f"| {r['variant']} | {r['concurrency']} | {_f(r.get('output_tok_s'))} | {_f(r.get('output_tok_s_per_user'))} "
@@ -217,9 +247,17 @@ def markdown(record: dict[str, Any]) -> str:
             f"{_f(integ['off']['tpot_ms_max'], '{:.2f}')}]."
         )
     if record.get("projection"):
-        lines += ["", f"**{record.get('projection_note', 'Projection')}**", "", "| variant | conc. | projected TPOT ms | tok/s/user | out tok/s per GPU |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**{record.get('projection_note', 'Projection')}**",
+            "",
+            "| variant | conc. | projected TPOT ms | tok/s/user | out tok/s per GPU |",
+            "|---|---|---|---|---|",
+        ]
         for p in record["projection"]:
-            lines.append(f"| {p['variant']} | {p['concurrency']} | {p['projected_tpot_ms']:.2f} | {p['projected_tok_s_per_user']:.1f} | {p['projected_output_tok_s_per_gpu']:.1f} |")
+            lines.append(
+                f"| {p['variant']} | {p['concurrency']} | {p['projected_tpot_ms']:.2f} | {p['projected_tok_s_per_user']:.1f} | {p['projected_output_tok_s_per_gpu']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +283,9 @@ def plots(record: dict[str, Any], stem: Path) -> list[str]:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tok/s (total)")
-    ax.set_title(f"{record['geometry']['kind']} geometry, {record['geometry']['num_layers']} layers, {record['device']}")
+    ax.set_title(
+        f"{record['geometry']['kind']} geometry, {record['geometry']['num_layers']} layers, {record['device']}"
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     path = stem.with_name(stem.name + "-throughput.png")

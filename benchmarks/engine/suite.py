@@ -20,7 +20,14 @@ import torch
 from backend.engine import Engine
 from backend.quant.kv_scales import calibrate
 from benchmarks.engine.geometry import Geometry, KvDtype, WeightFormat
-from benchmarks.engine.offline import engine_config, random_prompts, run_offline, run_prefill, tag_check, warm_up
+from benchmarks.engine.offline import (
+    engine_config,
+    random_prompts,
+    run_offline,
+    run_prefill,
+    tag_check,
+    warm_up,
+)
 from benchmarks.engine.weights import build_random_model, weight_bytes
 
 
@@ -55,10 +62,14 @@ class Variant:
         device = torch.device(opts.device)
         mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
-        self.model = build_random_model(geometry, fmt, device=device, seed=opts.seed, fp8_method=opts.fp8_method)
+        self.model = build_random_model(
+            geometry, fmt, device=device, seed=opts.seed, fp8_method=opts.fp8_method
+        )
         self.build_s = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(self.model)
-        self.weight_mem_allocated = (torch.cuda.memory_allocated(device) - mem0) if device.type == "cuda" else None
+        self.weight_mem_allocated = (
+            (torch.cuda.memory_allocated(device) - mem0) if device.type == "cuda" else None
+        )
         self.sizing = geometry.kv_sizing(fmt, kv_dtype, page_size=opts.page_size, fp8_method=opts.fp8_method)
         self.tokens_per_request = opts.input_len + opts.output_len
         self.max_concurrency = self.sizing.max_concurrency(self.tokens_per_request)
@@ -76,7 +87,11 @@ class Variant:
             device=device,
             kv_scales=scales,
         )
-        self.kv_bytes = sum(t.numel() * t.element_size() for layer in self.engine.runner.kv_cache.layers for t in layer.values())
+        self.kv_bytes = sum(
+            t.numel() * t.element_size()
+            for layer in self.engine.runner.kv_cache.layers
+            for t in layer.values()
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -100,7 +115,9 @@ class Variant:
             torch.cuda.empty_cache()
 
 
-def measure_variant(geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, opts: Options) -> dict[str, Any]:
+def measure_variant(
+    geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, opts: Options
+) -> dict[str, Any]:
     v = Variant(geometry, fmt, kv_dtype, opts)
     try:
         vocab = v.config.vocab_size
@@ -108,7 +125,9 @@ def measure_variant(geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, op
         out = v.describe()
         out["prefill"] = run_prefill(v.engine, variant=v.name, prefill_len=opts.prefill_len, vocab_size=vocab)
         largest = min(v.max_concurrency, opts.max_concurrency_cap)
-        levels = sorted({c for c in opts.concurrencies if c <= v.max_concurrency} | ({largest} if largest > 0 else set()))
+        levels = sorted(
+            {c for c in opts.concurrencies if c <= v.max_concurrency} | ({largest} if largest > 0 else set())
+        )
         out["largest_run_concurrency"] = largest
         out["runs"], out["skipped"] = [], []
         for c in levels:
@@ -139,19 +158,21 @@ def measure_integrity(
         vocab, device = v.config.vocab_size, torch.device(opts.device)
         warm_up(v.engine, vocab_size=vocab, input_len=opts.input_len)
         samples: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-        switched = ""
+        switched: list[str] = []
         for i in range(repeats):
             order = ("on", "off") if i % 2 == 0 else ("off", "on")
             for state in order:
                 if opts.time_left() <= 0:
                     break
-                with tag_check(state == "on", device) as switched:
+                with tag_check(state == "on", device) as what:
+                    switched.append(what)
                     r = run_offline(
                         v.engine, variant=f"{v.name}/tags-{state}", concurrency=concurrency,
                         input_len=opts.input_len, output_len=opts.output_len, vocab_size=vocab, seed=100 + i,
                     )  # fmt: skip
                 samples[state].append(r.to_dict())
-        out = v.describe() | {"concurrency": concurrency, "switched": switched, "samples": samples}
+        what = switched[-1] if switched else "none: no run fitted the time"
+        out = v.describe() | {"concurrency": concurrency, "switched": what, "samples": samples}
         for state in ("on", "off"):
             tpot = [s["tpot_ms_p50"] for s in samples[state]]
             tput = [s["output_tok_s"] for s in samples[state]]

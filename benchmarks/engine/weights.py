@@ -110,6 +110,13 @@ def planned_weight_bytes(geometry: Geometry, fmt: WeightFormat, fp8_method: str 
             prepare_for_checkpoint(model, scheme)
     total = weight_bytes(model)
     for name, m in model.named_modules():  # kv_b_proj is held dense after the load
-        if name.endswith("kv_b_proj") and not hasattr(m, "weight") or name.endswith("kv_b_proj") and m.weight.dtype != torch.bfloat16:
-            total += m.in_local * m.out_local * 2 - sum(t.numel() * t.element_size() for t in m.state_dict().values())
+        if (
+            name.endswith("kv_b_proj")
+            and not hasattr(m, "weight")
+            or name.endswith("kv_b_proj")
+            and m.weight.dtype != torch.bfloat16
+        ):
+            total += m.in_local * m.out_local * 2 - sum(
+                t.numel() * t.element_size() for t in m.state_dict().values()
+            )
     return total

@@ -41,7 +41,9 @@ def test_truncated_model_keeps_published_per_layer_shapes(kind: str) -> None:
         ("kimi-k2.6", "int4", "int4-g32", "fp8"),
     ],
 )
-def test_kv_pool_is_what_kumo_plan_gives_the_full_model_per_gpu(kind: str, fmt: str, plan_weights: str, kv: str) -> None:
+def test_kv_pool_is_what_kumo_plan_gives_the_full_model_per_gpu(
+    kind: str, fmt: str, plan_weights: str, kv: str
+) -> None:
     g = make_geometry(kind, 4)
     sizing = g.kv_sizing(fmt, kv)  # type: ignore[arg-type]
     config = json.loads((PUBLISHED_CONFIGS / kind / "config.json").read_text())

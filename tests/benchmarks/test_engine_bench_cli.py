@@ -1,0 +1,130 @@
+"""`kumo bench engine` end to end at --tiny scale on the CPU: records, summary, Markdown, merge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backend.plan import make_plan
+from benchmarks.cli import main as bench_main
+from benchmarks.engine.geometry import FULL_TP, TINY_GPU_MEM, make_geometry
+
+SUMMARY_KEYS = {
+    "int4_vs_fp8_decode_c1", "int4_vs_fp8_prefill", "fp8kv_vs_bf16kv_c64", "fp8kv_vs_bf16kv_c1",
+    "integrity_overhead", "vs_transformers_c64",
+}  # fmt: skip
+TINY = [
+    "--tiny",
+    "--layers",
+    "2",
+    "--input-len",
+    "8",
+    "--output-len",
+    "3",
+    "--prefill-len",
+    "32",
+    "--max-concurrency-cap",
+    "0",
+]
+COMMANDS = {
+    "weights": ["weights", "--concurrency", "1,2"],
+    "kv": ["kv", "--concurrency", "1,64"],
+    "integrity": ["integrity", "--repeats", "2", "--integrity-concurrency", "2"],
+    "transformers": [
+        "transformers",
+        "--kumo",
+        "int4:fp8",
+        "--concurrency",
+        "1,64",
+        "--hf-modes",
+        "generate,generate_batch",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("bench")
+    found = {}
+    for name, args in COMMANDS.items():
+        path = out / f"{name}.json"
+        assert bench_main(["engine", *args, *TINY, "--out", str(path)]) == 0
+        found[name] = (path, json.loads(path.read_text()))
+    return found
+
+
+def test_every_record_has_the_schema(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    for name, (path, rec) in records.items():
+        assert {"command", "date", "device", "geometry", "runs", "summary"} <= set(rec), name
+        assert set(rec["summary"]) == SUMMARY_KEYS
+        assert rec["command"].startswith("kumo bench engine " + name)
+        assert rec["device"].startswith("cpu") and rec["geometry"]["is_tiny"]
+        assert rec["runs"], name
+        assert path.with_suffix(".md").read_text().startswith("# Engine benchmark")
+
+
+def test_each_comparison_measures_its_own_ratio(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    s = {name: rec["summary"] for name, (_, rec) in records.items()}
+    assert s["weights"]["int4_vs_fp8_decode_c1"] > 0 and s["weights"]["int4_vs_fp8_prefill"] > 0
+    assert s["kv"]["fp8kv_vs_bf16kv_c64"] > 0 and s["kv"]["fp8kv_vs_bf16kv_c1"] > 0
+    assert s["transformers"]["vs_transformers_c64"] > 0
+    assert s["weights"]["fp8kv_vs_bf16kv_c64"] is None  # not measured there: null, never a guess
+    # on the CPU the decode path is the reference op, which always checks: no overhead is claimed
+    integrity = records["integrity"][1]["integrity"]
+    assert integrity["switched"].startswith("none") and s["integrity"]["integrity_overhead"] is None
+    assert integrity["on"]["n"] == integrity["off"]["n"] == 2
+
+
+def test_numbers_are_measured(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    runs = [r for _, rec in records.values() for r in rec["runs"] if r["source"] == "kumo"]
+    for r in runs:
+        assert r["output_tokens"] == r["concurrency"] * r["output_len"]
+        assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0
+    assert len({r["wall_s"] for r in runs}) == len(runs)  # timings, not constants
+    hf = records["transformers"][1]["transformers"]["modes"]
+    assert hf["generate"]["runs"] and hf["generate"]["runs"][0]["output_tok_s"] > 0
+    assert "generate_batch" in hf  # tried: its result or its error is recorded
+    assert hf["generate_batch"]["runs"] or hf["generate_batch"]["error"]
+
+
+def test_kv_pool_follows_kumo_plan(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    rec = records["kv"][1]
+    g = make_geometry(rec["geometry"]["kind"], 2, tiny=True)
+    for v in rec["variants"]:
+        plan = make_plan(g.full, gpu_mem=TINY_GPU_MEM, tp=FULL_TP, weights="int4-g32", kv_dtype=v["kv_dtype"])
+        assert v["kv_sizing"]["kv_tokens"] == plan.kv_tokens
+        assert v["kv_capacity_tokens"] == plan.kv_tokens // 16 * 16
+        assert v["max_concurrency"] == plan.kv_tokens // 16 // 1  # 11-token requests: one page each
+    bf16, fp8 = sorted(rec["variants"], key=lambda v: v["kv_dtype"])
+    assert fp8["kv_capacity_tokens"] > 1.9 * bf16["kv_capacity_tokens"]
+
+
+def test_report_merges_the_calls(records: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path) -> None:
+    out = tmp_path / "merged.json"
+    assert bench_main(["engine", "report", *[str(p) for p, _ in records.values()], "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert [k for k, v in merged["summary"].items() if v is None] == ["integrity_overhead"]
+    assert (
+        merged["summary"]["vs_transformers_c64"]
+        == records["transformers"][1]["summary"]["vs_transformers_c64"]
+    )
+    assert len(merged["runs"]) == sum(len(rec["runs"]) for _, rec in records.values())
+    assert "PROJECTION" in out.with_suffix(".md").read_text()
+
+
+def test_entry_point_imports_neither_torch_nor_msgspec() -> None:
+    code = "import sys, benchmarks.cli, benchmarks.engine.cli; print('msgspec' in sys.modules, 'torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.stdout.split() == ["False", "False"]

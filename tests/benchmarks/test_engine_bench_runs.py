@@ -1,0 +1,92 @@
+"""Offline runs: the figures follow from the step times (fake clock), random weights in every format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from benchmarks.engine.geometry import make_geometry
+from benchmarks.engine.offline import run_offline
+from benchmarks.engine.weights import build_random_model
+from schemas.backend import EngineOutput, EngineRequest
+
+
+@dataclass
+class _Stats:
+    steps: int = 0
+
+
+@dataclass
+class FakeEngine:
+    """Prefill of every request in the first step (0.5 s), then one token each per 0.1 s step."""
+
+    t: float = 0.0
+    emitted: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, EngineRequest] = field(default_factory=dict)
+    stats: _Stats = field(default_factory=_Stats)
+
+    def __post_init__(self) -> None:
+        self.scheduler = type("S", (), {"num_preemptions": 0})()
+        self.runner = type("R", (), {"device": torch.device("cpu")})()
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.requests[request.request_id] = request
+        self.emitted[request.request_id] = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[EngineOutput]:
+        self.t += 0.5 if self.stats.steps == 0 else 0.1
+        self.stats.steps += 1
+        outs = []
+        for rid, req in list(self.requests.items()):
+            self.emitted[rid] += 1
+            done = self.emitted[rid] == req.sampling.max_tokens
+            outs.append(EngineOutput(request_id=rid, token_ids=[7], finish_reason="length" if done else None))
+            if done:
+                del self.requests[rid]
+        return outs
+
+
+def test_figures_follow_from_step_times() -> None:
+    eng = FakeEngine()
+    r = run_offline(
+        eng, variant="v", concurrency=4, input_len=8, output_len=11, vocab_size=32, clock=lambda: eng.t
+    )  # type: ignore[arg-type]
+    assert r.finished == 4 and r.output_tokens == 44 and r.steps == 11
+    assert r.ttft_ms_p50 == pytest.approx(500.0)
+    assert r.tpot_ms_p50 == pytest.approx(100.0)
+    assert r.output_tok_s_per_user == pytest.approx(10.0)
+    assert r.wall_s == pytest.approx(1.5)
+    assert r.output_tok_s == pytest.approx(44 / 1.5)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all"])
+def test_random_model_in_each_format_has_finite_weights_and_spread_routing(fmt: str) -> None:
+    g = make_geometry("glm-5.2", 2, tiny=True)
+    model = build_random_model(g, fmt, device="cpu", seed=3)  # type: ignore[arg-type]
+    tensors = model.state_dict()
+    assert all(torch.isfinite(t.float()).all() for n, t in tensors.items() if t.is_floating_point()), fmt
+    if fmt.startswith("int4"):
+        packed = next(t for n, t in tensors.items() if n.endswith("gate_up_packed"))
+        nibbles = torch.stack([(packed >> (4 * i)) & 0xF for i in range(8)]).flatten()
+        counts = torch.bincount(nibbles, minlength=16).float()
+        assert counts.min() > 0.8 * counts.mean()  # every INT4 value, near uniformly
+    router = model.model.layers[1].mlp.gate
+    x = torch.randn(4096, g.model_config.hidden_size)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    _, ids = router(x)
+    load = torch.bincount(ids.flatten(), minlength=g.model_config.num_routed_experts).float()
+    assert load.max() / load.mean() < 1.5  # random routing is near uniform
+
+
+def test_two_seeds_give_different_weights() -> None:
+    g = make_geometry("kimi-k2.6", 2, tiny=True)
+    a = build_random_model(g, "int4", device="cpu", seed=0).state_dict()
+    b = build_random_model(g, "int4", device="cpu", seed=1).state_dict()
+    name = next(n for n in a if n.endswith("down_packed"))
+    assert not torch.equal(a[name], b[name])
