@@ -225,6 +225,8 @@ class AdminApi:
         page = _int_query(request, "page", 1, 1_000_000)
         per_page = _int_query(request, "per_page", 50, MAX_PER_PAGE)
         tenant_id = request.query_params.get("tenant_id")
+        if tenant_id is not None and not ID.match(tenant_id):
+            raise InvalidAdminRequest("Query parameter tenant_id must be a tenant id (32 hex digits)")
         entries, total = await self.store.list_audit(page=page, per_page=per_page, tenant_id=tenant_id)
         return _paged(entries, total, page, per_page)
 

@@ -298,6 +298,8 @@ async def test_audit_lists_every_mutation_with_who_and_when(admin: Admin) -> Non
     assert token["value"] not in r.text
     latest = await admin.ok("GET", "/audit", params={"per_page": 1})
     assert latest[0]["action"] == "tenant.delete" and latest[0]["tenant_id"] == tid
+    for bad in ("a\u0000b", "not-a-tenant-id"):  # a NUL reached PostgreSQL and was a 500
+        assert error_of(await admin.call("GET", "/audit", params={"tenant_id": bad}))[:2] == (400, 6007)
 
 
 async def test_authorisation_matrix(admin: Admin) -> None:
