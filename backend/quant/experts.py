@@ -4,7 +4,8 @@ Same contract as the dense module (local experts `[e0, e1)`, `forward(x, weights
 `parts_per_param()` for the loader's completeness check), filled from the per-expert tensors a
 quantized checkpoint stores: `experts.{e}.{gate,up,down}_proj.{weight_packed, weight_scale,
 weight_shape}` (INT4), `.{weight, weight_scale}` (FP8 per channel) or `.{weight, weight_scale_inv}`
-(FP8 blocks). Fused per local expert, as the dense module fuses them:
+(FP8 blocks; `.weight_scale` in compressed-tensors' block format, per `scheme.block_scale_name`).
+Fused per local expert, as the dense module fuses them:
 
     int4        gate_up_packed [El, 2I, H/8]   gate_up_scale [El, 2I, H/g]    down_packed [El, H, I/8]   down_scale [El, H, I/g]
     fp8-channel gate_up_proj   [El, 2I, H]     gate_up_scale [El, 2I, 1]      down_proj   [El, H, I]     down_scale [El, H, 1]
@@ -85,7 +86,7 @@ class QuantExperts(nn.Module):
                     n, k = shapes[p]
                     name = f"{p.removesuffix('_proj')}_scale_inv"
                     self._buffer(name, (El, math.ceil(n / bn), math.ceil(k / bk)), torch.float32)
-                    self._params[(p, "weight_scale_inv")] = (name, slice(None))
+                    self._params[(p, scheme.block_scale_name)] = (name, slice(None))
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.register_buffer(name, torch.zeros(shape, dtype=dtype))

@@ -4,7 +4,8 @@ Each holds exactly the tensors a checkpoint stores for one Linear, under the che
 a state dict or the model's `load_param(name, full)` fills it straight from the safetensors shards:
 - `Int4Linear`: `weight_packed` int32 [N, K/8], `weight_scale` bf16 [N, K/g], `weight_shape` int32 [2].
 - `Fp8Linear`: `weight` float8_e4m3fn [N, K] and either `weight_scale` fp32 [N, 1] (per channel) or
-  `weight_scale_inv` fp32 [N/128, K/128] (DeepSeek blocks).
+  `weight_scale_inv` fp32 [N/128, K/128] (DeepSeek blocks; compressed-tensors' block strategy names
+  the same tensor `weight_scale`, chosen by `block_scale_name`).
 
 Like `backend.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
 (`in_range`) and all-reduces when row-parallel. On the CPU the forward dequantizes to the
@@ -172,6 +173,7 @@ class Fp8Linear(_QuantLinear):
         out_features: int,
         *,
         block: tuple[int, int] | None = None,
+        block_scale_name: str = "weight_scale_inv",
         bias: bool = False,
         out_range: Range | None = None,
         in_range: Range | None = None,
@@ -187,7 +189,7 @@ class Fp8Linear(_QuantLinear):
             shard=shard,
             bias_dtype=bias_dtype,
         )
-        self.block = block
+        self.block, self.block_scale_name = block, block_scale_name
         N, K = self.out_local, self.in_local
         self.register_buffer("weight", torch.zeros(N, K, dtype=FP8))
         if block is None:
@@ -198,7 +200,7 @@ class Fp8Linear(_QuantLinear):
                     f"FP8 blocks {block} do not align with ranges {self.out_range}, {self.in_range}"
                 )
             shape = (math.ceil(N / block[0]), math.ceil(K / block[1]))
-            self.register_buffer("weight_scale_inv", torch.ones(shape, dtype=torch.float32))
+            self.register_buffer(block_scale_name, torch.ones(shape, dtype=torch.float32))
 
     @classmethod
     def from_weight(
@@ -216,7 +218,7 @@ class Fp8Linear(_QuantLinear):
             mod.weight_scale.copy_(s)
         else:
             q, s = quantize_fp8_block(w.detach(), block)
-            mod.weight_scale_inv.copy_(s)
+            mod.block_scale.copy_(s)
         mod.weight.copy_(q)
         if bias is not None:
             mod.bias.copy_(bias.detach())  # type: ignore[union-attr]
@@ -229,9 +231,9 @@ class Fp8Linear(_QuantLinear):
             _copy(self.weight, self._cols(self._rows(full), 1, name), self._where(name))
         elif name == "weight_scale" and self.block is None:
             _copy(self.weight_scale, self._rows(full).reshape(-1, 1), self._where(name))
-        elif name == "weight_scale_inv" and self.block is not None:
+        elif name == self.block_scale_name and self.block is not None:
             _copy(
-                self.weight_scale_inv,
+                self.block_scale,
                 self._cols(self._rows(full, self.block[0]), self.block[1], name),
                 self._where(name),
             )
@@ -242,7 +244,12 @@ class Fp8Linear(_QuantLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.block is None:
             return dequantize_fp8_channel(self.weight, self.weight_scale, dtype)
-        return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
+        return dequantize_fp8_block(self.weight, self.block_scale, self.block, dtype)
+
+    @property
+    def block_scale(self) -> torch.Tensor:
+        """fp32 [Bn, Bk] block scales, under the checkpoint's name for them."""
+        return getattr(self, self.block_scale_name)
 
 
 QuantLinear = Int4Linear | Fp8Linear

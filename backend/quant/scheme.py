@@ -104,6 +104,9 @@ class QuantScheme(msgspec.Struct, frozen=True, kw_only=True):
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ROUTED_EXPERTS_IGNORE
     kv_cache_fp8: bool = False
+    # fp8-block: DeepSeek's files name the block scales `weight_scale_inv`, compressed-tensors'
+    # (strategy block, as llm-compressor's FP8_BLOCK writes them) `weight_scale`; same meaning
+    block_scale_name: Literal["weight_scale_inv", "weight_scale"] = "weight_scale_inv"
 
     @classmethod
     def build(
@@ -163,13 +166,15 @@ def scheme_from_config(config: QuantizationConfig) -> QuantScheme:
         raise ValueError(f"one weight method per checkpoint, found {sorted(methods)}")
     w = groups[0].weights
     targets = tuple(t for g in groups for t in g.targets)
+    method = methods.pop()
     return QuantScheme(
-        method=methods.pop(),
+        method=method,
         group_size=w.group_size or 32,
         block=tuple(w.block_structure or (128, 128)),  # type: ignore[arg-type]
         targets=targets,
         ignore=tuple(config.ignore),
         kv_cache_fp8=config.kv_cache_scheme is not None,
+        block_scale_name="weight_scale" if method == "fp8-block" else "weight_scale_inv",
     )
 
 

@@ -56,7 +56,13 @@ def _empty_linear(scheme: QuantScheme, m: Linear | nn.Linear) -> QuantLinear:
     if scheme.method == "int4":
         return Int4Linear(m.in_features, m.out_features, group_size=scheme.group_size, **geometry)  # type: ignore[arg-type]
     block = scheme.block if scheme.method == "fp8-block" else None
-    return Fp8Linear(m.in_features, m.out_features, block=block, **geometry)  # type: ignore[arg-type]
+    return Fp8Linear(
+        m.in_features,
+        m.out_features,
+        block=block,
+        block_scale_name=scheme.block_scale_name,
+        **geometry,  # type: ignore[arg-type]
+    )
 
 
 def _empty_experts(scheme: QuantScheme, m: Experts) -> QuantExperts:
@@ -139,7 +145,7 @@ def dequantize_after_load(model: nn.Module) -> list[str]:
                 out_range=m.out_range,
                 in_range=m.in_range,
                 shard=m.shard,
-            ).to(m.weight_scale.device if hasattr(m, "weight_scale") else m.weight_scale_inv.device)
+            ).to(next(m.buffers()).device)
             dense.weight.copy_(m.dequantized_weight(m.dense_dtype))
             if m.bias is not None:
                 dense.bias.copy_(m.bias)  # type: ignore[union-attr]

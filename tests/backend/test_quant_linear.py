@@ -219,3 +219,52 @@ def test_fp8_block_module_names_its_tensors_as_deepseek() -> None:
     mod = Fp8Linear.from_weight(nn.Linear(200, 130, bias=False).weight, block=(128, 128))
     assert set(mod.state_dict()) == {"weight", "weight_scale_inv"}
     assert mod.weight_scale_inv.shape == (2, 2)
+
+
+def _fp8_block_config() -> QuantizationConfig:
+    """compressed-tensors' FP8_BLOCK preset as llm-compressor writes it (e.g. a Kimi K2.6 FP8-BLOCK
+    conversion): `float-quantized`, strategy block, and the block scale named `weight_scale`."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme("FP8_BLOCK", ["Linear"])},
+        ignore=["lm_head", r"re:.*mlp\.gate$"],
+        format="float-quantized",
+        quantization_status="frozen",
+    )
+
+
+def test_fp8_block_checkpoint_compressed_by_compressed_tensors_loads_unmodified() -> None:
+    """Its block scales are `weight_scale` [N/128, K/128], not DeepSeek's `weight_scale_inv`: Kumo
+    refused every one as an unexpected tensor."""
+    from backend.quant.fp8 import quantize_fp8_block
+
+    cfg = _fp8_block_config()
+    theirs = _model()
+    apply_quantization_config(theirs, cfg, show_progress=False)
+    for _, module in match_named_modules(theirs, ["Linear"], cfg.ignore):
+        module.weight_scale.data = quantize_fp8_block(module.weight.detach())[1].to(module.weight_scale.dtype)
+    compressor = ModelCompressor(quantization_config=cfg)
+    compressor.compress_model(theirs)
+    state = {k: v.clone() for k, v in theirs.state_dict().items()}
+    scheme = scheme_from_config(parse_config(cfg.model_dump()))
+    assert scheme.method == "fp8-block"
+    ours = _model()
+    prepare_for_checkpoint(ours, scheme)
+    ours.load_state_dict(state, strict=True)
+    compressor.decompress_model(theirs)
+    with torch.no_grad():
+        for name, module in ours.named_modules():
+            if isinstance(module, Fp8Linear):
+                ref = theirs.get_submodule(name).weight
+                assert torch.equal(module.dequantized_weight(ref.dtype), ref)
+
+
+def test_fp8_block_experts_take_the_compressed_tensors_scale_name() -> None:
+    from backend.quant.experts import QuantExperts
+
+    scheme = scheme_from_config(parse_config(_fp8_block_config().model_dump()))
+    experts = QuantExperts(scheme, e0=0, e1=2, hidden=H, intermediate=I, act=nn.functional.silu)
+    assert experts.load_expert_part(1, "down_proj", "weight_scale", torch.full((1, 2), 0.5))[1] == 1
+    with pytest.raises(Exception, match="weight_scale_inv"):
+        experts.load_expert_part(1, "down_proj", "weight_scale_inv", torch.full((1, 2), 0.5))
