@@ -160,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
             report.add_variant(record, measure_variant(geometry, fmt, kv, share(len(specs) + 1 - i)))  # type: ignore[arg-type]
             save()
         hf_deadline = max(opts.deadline, time.monotonic() + 60)  # the peer always gets a minute
-        report.add_transformers(
-            record,
-            measure_transformers(
-                geometry, device=device, concurrencies=a.hf_concurrency or a.concurrency, input_len=a.input_len,
-                output_len=a.output_len, modes=tuple(a.hf_modes.split(",")), deadline=hf_deadline,
-            ),
+
+        def on_mode(hf: dict[str, Any]) -> None:
+            report.add_transformers(record, hf)
+            save()
+
+        hf = measure_transformers(
+            geometry, device=device, concurrencies=a.hf_concurrency or a.concurrency, input_len=a.input_len,
+            output_len=a.output_len, modes=tuple(a.hf_modes.split(",")), deadline=hf_deadline, on_mode=on_mode,
         )  # fmt: skip
+        report.add_transformers(record, hf)
     paths = save()
     print(report.markdown(record))
     print("wrote " + ", ".join(paths))

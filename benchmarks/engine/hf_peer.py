@@ -19,6 +19,7 @@ import gc
 import inspect
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -138,8 +139,12 @@ def measure_transformers(
     output_len: int,
     modes: tuple[str, ...],
     deadline: float,
+    on_mode: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every mode at every concurrency while time remains; errors and skips recorded per mode."""
+    """Every mode at every concurrency while time remains; errors and skips recorded per mode.
+
+    `on_mode(result so far)` is called after each mode (the caller saves it: a compile that outlasts
+    the device call's limit then loses only its own mode)."""
     import transformers
 
     out: dict[str, Any] = {"transformers_version": transformers.__version__, "modes": {}}
@@ -171,6 +176,8 @@ def measure_transformers(
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback_tail"] = traceback.format_exc().splitlines()[-6:]
             _free()
+            if on_mode is not None:
+                on_mode(out)
             continue
         for c in concurrencies:
             if time.monotonic() > deadline:
@@ -192,6 +199,8 @@ def measure_transformers(
                 entry["skipped"].append({"concurrency": c, "why": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 _free()
         _free()
+        if on_mode is not None:
+            on_mode(out)
     del model
     _free()
     return out

@@ -62,7 +62,9 @@ def add_variant(record: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 def add_transformers(record: dict[str, Any], result: dict[str, Any]) -> None:
+    """Set (or replace, when called again with more modes done) the peer's result and its runs."""
     record["transformers"] = result
+    record["runs"] = [r for r in record["runs"] if r["source"] != "transformers"]
     for mode, entry in result.get("modes", {}).items():
         record["runs"] += [
             {"source": "transformers", "variant": f"transformers/{mode}", "kind": record["geometry"]["kind"]}
