@@ -24,6 +24,14 @@ from gateway.store.tables import BatchJobRow
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
 
+def _is_job_id(value: str) -> bool:
+    """Whether `value` is a job id as `submit` writes them (a canonical UUID string)."""
+    try:
+        return str(uuid.UUID(value)) == value
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class BatchJob:
     id: str
@@ -64,7 +72,9 @@ class BatchQueue:
         return job_id
 
     async def get(self, job_id: str, tenant_id: str) -> BatchJob | None:
-        """The tenant's job (another tenant's is None, like an unknown or expired one)."""
+        """The tenant's job (another tenant's is None, like an unknown, expired or malformed one)."""
+        if not _is_job_id(job_id):  # the client's string: PostgreSQL refuses some (a NUL) outright
+            return None
         async with self._session() as s:
             row = await s.get(BatchJobRow, job_id)
         if row is None or row.tenant_id != tenant_id:

@@ -233,3 +233,13 @@ async def test_a_job_whose_gateways_keep_dying_is_failed_not_retried_forever(har
     result = await wait_done(harness, LEGACY, job_id)
     [item] = result["responses"]
     assert not item["success"] and item["external_reference"] == "x" and item["errors"][0]["code"] == 3000
+
+
+async def test_a_poll_for_a_malformed_id_is_unknown_on_every_database(store: Store) -> None:
+    """A poll's `request_id` comes from the client: one that is not a job id (a NUL, which
+    PostgreSQL cannot even compare) finds nothing instead of failing the query."""
+    queue = BatchQueue(store.engine)
+    job_id = await queue.submit("0" * 32, GLM, b"[]", 0)
+    assert (await queue.get(job_id, "0" * 32)) is not None
+    for bad in ("a\u0000b", job_id.upper() + "\u0000", "x" * 64):
+        assert await queue.get(bad, "0" * 32) is None
