@@ -15,6 +15,7 @@ activation dtype and runs a dense matmul (the torch reference); GPU kernels go b
 from __future__ import annotations
 
 import math
+from typing import TypedDict, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,20 @@ from backend.quant.fp8 import (
 from backend.quant.int4 import dequantize_int4, quantize_int4
 
 
+class Geometry(TypedDict, total=False):
+    """`_QuantLinear`'s keyword arguments, which both quantized Linears pass through."""
+
+    bias: bool
+    out_range: Range | None
+    in_range: Range | None
+    shard: Shard | None
+    bias_dtype: torch.dtype
+
+
+def _bias_geometry(bias: torch.Tensor | None) -> Geometry:
+    return Geometry(bias=bias is not None, bias_dtype=bias.dtype if bias is not None else torch.bfloat16)
+
+
 class _QuantLinear(nn.Module):
     """Shared geometry: full `[out, in]` shape, this rank's ranges, bias, all-reduce."""
 
@@ -40,11 +55,11 @@ class _QuantLinear(nn.Module):
         in_features: int,
         out_features: int,
         *,
-        bias: bool,
-        out_range: Range | None,
-        in_range: Range | None,
-        shard: Shard | None,
-        bias_dtype: torch.dtype,
+        bias: bool = False,
+        out_range: Range | None = None,
+        in_range: Range | None = None,
+        shard: Shard | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -112,21 +127,9 @@ class Int4Linear(_QuantLinear):
         out_features: int,
         *,
         group_size: int = 32,
-        bias: bool = False,
-        out_range: Range | None = None,
-        in_range: Range | None = None,
-        shard: Shard | None = None,
-        bias_dtype: torch.dtype = torch.bfloat16,
+        **geometry: Unpack[Geometry],
     ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            bias=bias,
-            out_range=out_range,
-            in_range=in_range,
-            shard=shard,
-            bias_dtype=bias_dtype,
-        )
+        super().__init__(in_features, out_features, **geometry)
         self.group_size = group_size
         N, K = self.out_local, self.in_local
         self.register_buffer("weight_packed", torch.zeros(N, math.ceil(K / 8), dtype=torch.int32))
@@ -137,13 +140,7 @@ class Int4Linear(_QuantLinear):
     def from_weight(
         cls, w: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
     ) -> Int4Linear:
-        mod = cls(
-            w.shape[1],
-            w.shape[0],
-            group_size=group_size,
-            bias=bias is not None,
-            bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
-        )
+        mod = cls(w.shape[1], w.shape[0], group_size=group_size, **_bias_geometry(bias))
         packed, scale = quantize_int4(w.detach(), group_size)
         mod.weight_packed.copy_(packed)
         mod.weight_scale.copy_(scale)
@@ -174,21 +171,9 @@ class Fp8Linear(_QuantLinear):
         *,
         block: tuple[int, int] | None = None,
         block_scale_name: str = "weight_scale_inv",
-        bias: bool = False,
-        out_range: Range | None = None,
-        in_range: Range | None = None,
-        shard: Shard | None = None,
-        bias_dtype: torch.dtype = torch.bfloat16,
+        **geometry: Unpack[Geometry],
     ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            bias=bias,
-            out_range=out_range,
-            in_range=in_range,
-            shard=shard,
-            bias_dtype=bias_dtype,
-        )
+        super().__init__(in_features, out_features, **geometry)
         self.block, self.block_scale_name = block, block_scale_name
         N, K = self.out_local, self.in_local
         self.register_buffer("weight", torch.zeros(N, K, dtype=FP8))
@@ -206,13 +191,7 @@ class Fp8Linear(_QuantLinear):
     def from_weight(
         cls, w: torch.Tensor, bias: torch.Tensor | None = None, block: tuple[int, int] | None = None
     ) -> Fp8Linear:
-        mod = cls(
-            w.shape[1],
-            w.shape[0],
-            block=block,
-            bias=bias is not None,
-            bias_dtype=bias.dtype if bias is not None else torch.bfloat16,
-        )
+        mod = cls(w.shape[1], w.shape[0], block=block, **_bias_geometry(bias))
         if block is None:
             q, s = quantize_fp8_channel(w.detach())
             mod.weight_scale.copy_(s)
