@@ -17,12 +17,14 @@ Prefill rows (`mla-prefill`): a chunk after a cached prefix through the same ker
 several queries, in causal TFLOP/s against the bf16 GEMM ceiling; the peer is the same two-bmm
 formulation with a causal mask over a contiguous copy.
 
-    python3 -m benchmarks.kernels.bench_mla_decode [--out results.json]   (default: $OUT/mla_decode.json)
+    python3 -m benchmarks.kernels.bench_mla_decode [--out results.json] [--no-sweep] [--parts decode]
+    (JSON to $OUT/mla_decode.json when --out is not given and OUT is set)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 from typing import Any
@@ -83,7 +85,7 @@ def make_case(H: int, B: int, ctx: int, topk: int | None) -> dict[str, Any]:
 def run(
     case: dict[str, Any], kv: str, check: bool = True, cfg: tuple[int, ...] | None = None
 ) -> torch.Tensor:
-    kw = {}
+    kw: dict[str, Any] = {}
     if cfg is not None:
         kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3], masked_loads=cfg[4])
     cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
@@ -125,7 +127,9 @@ def peer_ms(case: dict[str, Any]) -> float | None:
         return None
 
 
-def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float], best: dict) -> list[dict]:
+def bench_case(
+    H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float], best: dict, sweep: list[tuple]
+) -> list[dict]:
     case = make_case(H, B, ctx, topk)
     tokens_read = B * (topk or ctx)
     name = f"batch={B} context={ctx} heads={H} d=512+64 page={PAGE}" + (f" topk={topk}" if topk else "")
@@ -148,14 +152,14 @@ def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float
             warmup_ms=5,
             rep_ms=50,
         )
-    rows = []
+    rows: list[dict[str, Any]] = []
     times: dict[str, float] = {}
     for kv in ("bf16", "fp8"):
         variants: dict[tuple[int, ...], float] = {}
         if kv not in best:  # first case: sweep the tile configs
-            for cfg in SWEEP:
+            for cfg in sweep:
                 try:
-                    variants[cfg] = graph_ms([lambda kv=kv, cfg=cfg: run(case, kv, cfg=cfg)])
+                    variants[cfg] = graph_ms([functools.partial(run, case, kv, cfg=cfg)])
                 except Exception as exc:  # a config that does not compile or fit is reported, not fatal
                     print(f"config {cfg} failed: {repr(exc)[:200]}", flush=True)
             best[kv] = min(variants, key=variants.__getitem__)
@@ -163,7 +167,7 @@ def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float
         out = run(case, kv, cfg=cfg)
         err = check_error(case, kv, out)
         assert not case["flags"].any(), "no page was reallocated: no sequence may be flagged"
-        ms = graph_ms([lambda kv=kv, cfg=cfg: run(case, kv, cfg=cfg)])
+        ms = graph_ms([functools.partial(run, case, kv, cfg=cfg)])
         times[kv] = ms
         nbytes = tokens_read * (R + DR) * (1 if kv == "fp8" else 2)
         peers = {"torch_bmm_bf16_contiguous": peer} if peer is not None else {}
@@ -217,8 +221,8 @@ def bench_case(H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float
                 f"{r['GBps']:.0f} GB/s frac {r['fraction_of_ceiling']:.2f} {r['TFLOPs']:.0f} TFLOP/s "
                 f"err {r['rel_err']:.1e} cfg {tuple(r['config'].values())}"
             )
-        peers = " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
-        print(f"{r['kernel']:<17} {r['case']:<66} {r['ms'] * 1e3:9.1f}us {extra} | {peers}", flush=True)
+        peer_text = " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
+        print(f"{r['kernel']:<17} {r['case']:<66} {r['ms'] * 1e3:9.1f}us {extra} | {peer_text}", flush=True)
     return rows
 
 
@@ -233,7 +237,7 @@ PREFILL_SWEEP = [  # block_q, block_h, block_n, num_warps, masked_loads
 ]
 
 
-def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list[dict]:
+def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float], sweep: list[tuple]) -> list[dict]:
     """One sequence: `new` queries after `cached` tokens, all in the paged cache."""
     dev, L = "cuda", cached + new
     case = make_case(H, 1, L, None)
@@ -247,7 +251,7 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list
         return mla_prefill(
             q, cache, scale, R, qs, case["seq_lens"], case["page_table"], case["expected_tags"],
             case["page_tags"], case["flags"], SOFTMAX_SCALE,
-            block_q=cfg[0], block_h=cfg[1], block_n=cfg[2], num_warps=cfg[3], masked_loads=cfg[4],
+            block_q=cfg[0], block_h=cfg[1], block_n=cfg[2], num_warps=cfg[3], masked_loads=bool(cfg[4]),
         )  # fmt: skip
 
     kv_all = case["bf16"][case["page_table"][0].long()].reshape(L, R + DR)
@@ -263,12 +267,12 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list
         peers["torch_einsum_bf16_contiguous"] = graph_ms([peer])
     except torch.OutOfMemoryError as exc:
         print("prefill peer out of memory:", repr(exc)[:200], flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for kv in ("bf16", "fp8"):
-        variants = {}
-        for cfg in PREFILL_SWEEP:
+        variants: dict[tuple[int, ...], float] = {}
+        for cfg in sweep:
             try:
-                variants[cfg] = graph_ms([lambda kv=kv, cfg=cfg: ours(kv, cfg)])
+                variants[cfg] = graph_ms([functools.partial(ours, kv, cfg)])
             except Exception as exc:  # reported, not fatal
                 print(f"prefill config {cfg} failed: {repr(exc)[:200]}", flush=True)
         cfg = min(variants, key=variants.__getitem__)
@@ -311,18 +315,24 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float]) -> list
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mla_decode.json when OUT is set)")
+    ap.add_argument(
+        "--no-sweep", action="store_true", help="only the first (default) tile config of each sweep"
+    )
+    ap.add_argument("--parts", default="decode,prefill", help="comma-separated: decode, prefill")
     args = ap.parse_args()
+    sweep, prefill_sweep = (SWEEP[:1], PREFILL_SWEEP[:1]) if args.no_sweep else (SWEEP, PREFILL_SWEEP)
+    parts = set(args.parts.split(","))
     out = args.out or (os.path.join(os.environ["OUT"], "mla_decode.json") if os.environ.get("OUT") else None)
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     rows: list[dict] = []
     best: dict[str, tuple[int, ...]] = {}
-    for H, B, ctx, topk in CASES:
-        rows += bench_case(H, B, ctx, topk, ceil, best)
+    for H, B, ctx, topk in CASES if "decode" in parts else []:
+        rows += bench_case(H, B, ctx, topk, ceil, best, sweep)
         torch.cuda.empty_cache()
-    for H, cached, new in PREFILL_CASES:
-        rows += bench_prefill(H, cached, new, ceil)
+    for H, cached, new in PREFILL_CASES if "prefill" in parts else []:
+        rows += bench_prefill(H, cached, new, ceil, prefill_sweep)
         torch.cuda.empty_cache()
     if out:
         write_record(out, rows, ceil, {"notes": "latent caches are GBs (>> L2): one call per graph replay"})
