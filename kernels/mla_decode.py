@@ -10,7 +10,7 @@ the scores (`q_c · c`, `q_pe · k_pe`) and one for the output (`p · c`) — wi
 writes the normalised partial output and its log-sum-exp (log2 domain). Stage 2 (`_mla_merge_kernel`,
 grid `(B, H)`) merges the slices. With one slice stage 1 writes the output itself (no merge). The head
 blocks are the fastest grid axis so the programs that share a slice of latent run side by side and
-the second to fourth reads of it hit the L2. The slice count is chosen on the host from batch, heads
+the other head blocks' reads of it hit the L2. The slice count is chosen on the host from batch, heads
 and the page table's width (never a device read), so the launch can be captured in a CUDA graph.
 The same kernel serves prefill (`kernels/mla_prefill.py`: VARLEN, a tile of BLOCK_Q queries × BLOCK_H
 heads per program, causal per row); decode is its BLOCK_Q = 1, one-tile-per-sequence case.
@@ -25,13 +25,15 @@ page; a token of a mismatched page gets a -inf score and a zero value row (its b
 tenant's NaN), and `tag_mismatch[b]` is set. By default the line loads do not wait for the tag loads
 and a select zeroes the failed rows after them; `masked_loads=True` puts the check in the load masks
 instead (a failed page is never read; one tile fewer in registers, but the loads wait for the tags):
-which is faster is the H200 benchmark's call. In sparse mode the
-flag must not depend on which tokens were chosen (the reference checks every page in use), so the
-programs of the first head block also sweep their share of the sequence's page list.
+which is faster is the H200 benchmark's call. In sparse mode the flag must not depend on which
+tokens were chosen (the reference checks every page in use), so the first head block's programs
+of the sequence's last query also sweep their share of its page list.
 
 FP8: the line is converted to fp16 for the dots (e4m3 -> fp16 is one cvt; q is cast to fp16, so an
 absorbed query above 65504 would overflow) and the layer's single scale folds into the softmax scale
-and into the output (K and V are the same line, so one scale).
+and into the output (K and V are the same line, so one scale). At Kimi's 64 heads that is 2·(576 +
+512)·64 FLOP per 576-byte FP8 line, 242 FLOP/B: 16-bit tensor cores, not HBM, bound it on an H200
+(4.27 TB/s would take ~1,030 TFLOP/s); a TP shard of 8 or 16 heads is HBM-bound.
 
 Shapes: B sequences, H heads, R kv_lora_rank, Dr rope dim, P pages, S page size, Mp pages per
 sequence in the table, K top-k.
