@@ -7,12 +7,11 @@ routing, dense-first layers, DSA, QK-norm, …), generation_config.json, the fam
 (`backend.tokenizer_files`), and model.safetensors under the names the published checkpoints use
 (per-expert tensors, K2.6's `language_model.` prefix and its vision tower). No transformers.
 
-    python -m backend.random_weights KIND FOLDER [--seed N] [--dtype bfloat16]
+Its command line is `python -m backend.random_checkpoint KIND PATH`, which writes the folder atomically.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -163,19 +162,3 @@ def write_random_checkpoint(
 def _special_ids(path: Path) -> dict[str, int]:
     decoder = json.loads((path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
     return {entry["content"]: int(i) for i, entry in decoder.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m backend.random_weights", description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=KINDS)
-    ap.add_argument("folder", type=Path)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    args = ap.parse_args(argv)
-    write_random_checkpoint(args.kind, args.folder, seed=args.seed, dtype=getattr(torch, args.dtype))
-    print(f"wrote a random {args.kind} checkpoint to {args.folder}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
