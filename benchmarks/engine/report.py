@@ -84,6 +84,7 @@ def _kumo(record: dict[str, Any], weights: str | None = None, kv: str | None = N
             and v
             and (weights is None or v["weights"] == weights)
             and (kv is None or v["kv_dtype"] == kv)
+            and r.get("extra", {}).get("is_complete", True)  # a run cut at its deadline is no figure
         ):
             out.append(r)
     return out

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device call = one comparison of `kumo bench engine`; record, table and plots go to $OUT.
+# Usage (device tool, carry [".whl"] holding msgspec's wheel):
+#   bash benchmarks/engine/run_on_device.sh weights|kv|integrity|transformers [extra flags]
+# BUDGET_S bounds the runs (default 450; transformers 330), the outer timeout the whole command.
+set -u
+name=$1; shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/msgspec-*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used --format=csv
+default_budget=450
+extra=()
+if [ "$name" = transformers ]; then default_budget=330; extra=(--max-concurrency-cap 0); fi
+timeout 590 python3 -m benchmarks.cli engine "$name" --budget-s "${BUDGET_S:-$default_budget}" "${extra[@]}" "$@" \
+  --out "$OUT/engine-$name.json" 2>&1 | grep -v Warning | tee "$OUT/engine-$name.log"
