@@ -4,7 +4,8 @@ Computed from config.json alone (tensor shapes from `backend.quant.shapes`, form
 `backend.quant.scheme`), and printed term by term so a reader can redo it by hand:
 
     usable      = gpu_mem × mem_fraction                 (the rest: CUDA context, NCCL, fragmentation)
-    weights     = Σ tensors  stored bytes × (1/tp if sharded else 1)     (MTP layers not loaded)
+    weights     = Σ tensors  bytes held × (1/tp if sharded else 1)       (MTP layers not loaded;
+                  held = stored, but kv_b_proj dense and the router's weight in fp32)
     activations = peak live buffers of one prefill chunk and one decode batch's logits
     kv_pool     = usable − weights − activations
     kv_tokens   = ⌊kv_pool / bytes per token⌋, rounded down to whole pages
@@ -30,6 +31,7 @@ import msgspec
 
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
 from backend.quant.shapes import (
+    FP32,
     TensorSpec,
     checkpoint_tensors,
     has_indexer,
@@ -179,6 +181,8 @@ def make_plan(
             continue
         if spec.module.rpartition(".")[2] in READ_AS_MATRIX:  # dequantized at load, held dense
             size = spec.numel * spec.dtype_bytes
+        if tensor_class(spec.name) == "router":  # the Router holds its weight in fp32 (stored BF16)
+            size = spec.numel * FP32
         share = size * shard_fraction(spec, tc, tp)
         per_gpu += share
         by_class[tensor_class(spec.name)] = by_class.get(tensor_class(spec.name), 0.0) + share
@@ -194,7 +198,8 @@ def make_plan(
             -int(per_gpu),
             f"checkpoint {checkpoint / GB:.1f} GB; replicated: q_a/kv_a, indexer, router, norms, vision; the rest / tp={tp}"
             + (f"; MTP layers ({mtp / GB:.1f} GB) not loaded" if mtp else "")
-            + ("; kv_b_proj held dense (MLA absorption)" if scheme and is_mla(tc) else ""),
+            + ("; kv_b_proj held dense (MLA absorption)" if scheme and is_mla(tc) else "")
+            + "; router weights held in fp32",
         ),
     ]
     terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs)]
