@@ -42,3 +42,8 @@ def _one_torch_thread() -> None:
     except ImportError:
         return
     torch.set_num_threads(1)
+
+
+# One embedded `kumo serve` for the whole session, shared by every test that asks for `kumo`
+# (a fixture imported into several test modules would start one server per module).
+from tests.e2e.serve_process import kumo  # noqa: E402, F401

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.serve_process import GLM, LEGACY, Kumo, kumo  # noqa: F401  (fixture)
+from tests.e2e.serve_process import GLM, LEGACY, Kumo
 
 pytestmark = pytest.mark.slow
 

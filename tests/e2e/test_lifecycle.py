@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serve_process import LEGACY, Kumo, kumo  # noqa: F401  (fixture)
+from tests.e2e.serve_process import LEGACY, Kumo
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ from schemathesis.generation.case import Case
 from schemathesis.schemas import APIOperation
 from schemathesis.specs.openapi.checks import ignored_auth, positive_data_acceptance
 
-from tests.e2e.serve_process import Kumo, kumo  # noqa: F401  (fixture)
+from tests.e2e.serve_process import Kumo
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = 12

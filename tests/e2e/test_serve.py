@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.serve_process import GLM, KIMI, LEGACY, Kumo, kumo  # noqa: F401  (fixture)
+from tests.e2e.serve_process import GLM, KIMI, LEGACY, Kumo
 
 pytestmark = pytest.mark.slow
 

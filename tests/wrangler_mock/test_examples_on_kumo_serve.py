@@ -26,7 +26,7 @@ from PIL import Image
 from wm_support import EXAMPLES
 from wrangler_mock.cli import main
 
-from tests.e2e.serve_process import GLM, KIMI, Kumo, kumo  # noqa: F401  (fixture)
+from tests.e2e.serve_process import GLM, KIMI, Kumo
 
 pytestmark = pytest.mark.slow
 WRANGLER_MOCK = Path(sys.executable).with_name("wrangler-mock")
