@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from gateway import batch
 from gateway.body import decode, read_body
-from gateway.errors import NoRoute, Unsupported
+from gateway.errors import BadInput, NoRoute, Unsupported
 from gateway.inference import Call, authenticate, resolve_model
 from gateway.services import Services
 from schemas.workers_ai import RunEnvelopeInput
@@ -81,5 +81,8 @@ def _with_reject_if_busy(raw: bytes) -> bytes:
     """The envelope's `options.rejectIfBusy` applies to the inner input."""
     inner = msgspec.json.decode(raw)
     if isinstance(inner, dict):
-        inner["options"] = {**(inner.get("options") or {}), "rejectIfBusy": True}
+        options = inner.get("options")
+        if options is not None and not isinstance(options, dict):
+            raise BadInput("Bad input: 'input.options' must be an object")
+        inner["options"] = {**(options or {}), "rejectIfBusy": True}
     return msgspec.json.encode(inner)

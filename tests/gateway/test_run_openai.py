@@ -53,6 +53,16 @@ async def test_model_id_with_encoded_slashes_and_the_model_envelope(harness: Har
     assert harness.last.reject_if_busy is True
 
 
+async def test_envelope_reject_if_busy_with_a_non_object_inner_options_is_a_400(harness: Harness) -> None:
+    r = await harness.http.post(
+        harness.path("/ai/run"),
+        headers=harness.auth(),
+        json={"model": GLM, "input": {"messages": msgs("b"), "options": [1]}, "options": {"rejectIfBusy": True}},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["errors"][0]["message"].endswith("'input.options' must be an object")
+
+
 async def test_stream_is_chunks_then_the_workers_ai_trailer_then_done(harness: Harness) -> None:
     r = await post(harness, {"messages": msgs("think:stream"), "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
