@@ -58,6 +58,17 @@ def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16") -> ASTSource:
     return _source(fn, ptrs, consts, {"scale"})
 
 
+def merge_source(out: str = "bf16") -> ASTSource:
+    from kernels.mla_decode import _mla_merge_kernel as fn
+
+    return _source(
+        fn,
+        {"part_o_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": out},
+        {"BLOCK_S": 4, "BLOCK_R": 512},
+        {"v_scale"},
+    )
+
+
 def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[str]) -> ASTSource:
     names = fn.arg_names
     sig = {}
@@ -137,6 +148,7 @@ def main() -> None:
         sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
     for name, kw, warps in ALL_CONFIGS if args.all else DEFAULT_CONFIGS:
         print(f"{name:<48} {compile_sm90(mla_source(**kw), warps)}", flush=True)
+    print(f"{'mla merge bf16':<48} {compile_sm90(merge_source(), 4)}", flush=True)
     print(f"{'kv_write fp8 <- bf16':<48} {compile_sm90(kv_write_source(), 4)}", flush=True)
 
 
