@@ -195,6 +195,8 @@ def _fp8_source(folder: Path, raw: dict) -> FP8Source | None:
 def quantize_checkpoint(
     src: Path, dst: Path, scheme: QuantScheme, *, weights: str, all_linear: bool
 ) -> SizeReport:
+    if dst.resolve() == src.resolve():  # each shard would be truncated while it is being read
+        raise CheckpointError(f"{dst} is its own source: give kumo quantize another destination folder")
     raw = json.loads((src / "config.json").read_text())
     fp8_source = _fp8_source(src, raw)
     raw.get("text_config", {}).pop("quantization_config", None)

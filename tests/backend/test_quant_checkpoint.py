@@ -282,3 +282,13 @@ def test_shard_writer_files_read_back_with_safetensors(tmp_path: Path) -> None:
         bad.write("a", torch.zeros(3))
     with pytest.raises(ValueError, match="never written"):
         bad.close()
+
+
+def test_quantizing_a_folder_onto_itself_is_refused_and_leaves_it_whole(tmp_path: Path) -> None:
+    """dst == src truncated each shard while reading it (safetensors maps the file it opened)."""
+    src = make_tiny("glm4_moe", tmp_path / "src", initializer_range=0.02)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for dst in (src, tmp_path / "." / "src"):
+        with pytest.raises(CheckpointError, match="its own source"):
+            main([str(src), str(dst), "--weights", "int4-g32"])
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
