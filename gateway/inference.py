@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from schemas.workers_ai import Envelope, LegacyInput
 
 Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
 log = structlog.get_logger("kumo.inference")
+IMAGE_TOKENS_ESTIMATE = 1024  # reserved per image at admission, trued up to the real count after
+_DATA_URI = re.compile(rb'"data:[^"]*"')
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -97,11 +100,18 @@ class Call:
         return chat
 
     def _estimate(self, raw: bytes, body: LegacyInput | ChatCompletionRequest) -> int:
-        """Tokens reserved at admission: ~4 bytes a prompt token, plus every choice's max tokens."""
+        """Tokens reserved at admission (trued up after): ~4 bytes a text token, a fixed allowance per
+        image (its bytes are not tokens), plus every choice's max tokens."""
+        text_bytes = len(_DATA_URI.sub(b'""', raw))
+        images = raw.count(b'"data:')
         if isinstance(body, LegacyInput):
-            return len(raw) // 4 + body.max_tokens
+            if body.image is not None:
+                text_bytes -= len(msgspec.json.encode(body.image))
+                images += 1
+            return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + body.max_tokens
         max_tokens = body.max_completion_tokens or body.max_tokens or self.model.default_max_tokens
-        return len(raw) // 4 + max_tokens * min(body.n or 1, self.services.settings.max_choices)
+        prompt = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
+        return prompt + max_tokens * min(body.n or 1, self.services.settings.max_choices)
 
     async def _normalize(self, body: LegacyInput | ChatCompletionRequest) -> Normalized:
         info = info_of(self.request.scope)

@@ -298,3 +298,27 @@ async def test_legacy_openai_fields_and_allowed_tools_map_onto_the_same_request(
     custom = [{"type": "custom", "custom": {"name": "lark", "format": {"type": "text"}}}]
     r = await post(harness, {"messages": msgs("x"), "tools": custom})
     assert r.status_code == 400 and "tools[0].type" in r.json()["errors"][0]["message"]
+
+
+async def test_image_bytes_do_not_count_as_prompt_tokens_at_admission(harness: Harness) -> None:
+    """A ~40 kB image under a 3,000 tokens-per-minute quota is admitted: its base64 is not ~13k tokens."""
+    import numpy as np
+
+    from schemas.admin import Quotas, TenantCreate, TokenCreate
+
+    store = harness.services.store
+    tenant = await store.create_tenant(TenantCreate(name="tpm", plan="paid"), actor="test")
+    token = (await store.create_token(tenant.id, TokenCreate(name="t"), actor="test")).value
+    await store.set_quotas(tenant.id, Quotas(tokens_per_minute=3000), actor="test")
+    png = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 256, (110, 110, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(png, format="PNG")
+    assert 30_000 < len(png.getvalue()) < 64 * 1024
+    uri = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    content = [{"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": uri}}]
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}", account=tenant.id),
+        headers=harness.auth(token),
+        json={"messages": [{"role": "user", "content": content}], "max_tokens": 16},
+    )
+    assert r.status_code == 200, r.text
