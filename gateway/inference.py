@@ -151,7 +151,15 @@ class Call:
             await self._abandon(admission, done, streams, exc)
             raise
         totals = render.Totals.of(done)
+        try:
+            payload = self._payload(done, totals, normalized)
+        except KumoError as exc:  # JSON mode not met: the tokens were spent, the answer is a 400
+            await self._settle(admission, done, status=exc.status)
+            raise
         await self._settle(admission, done, status=200)
+        return Response(payload, media_type="application/json")
+
+    def _payload(self, done: list[render.Completion], totals: render.Totals, normalized: Normalized) -> bytes:
         if self.surface == "openai" or self.model.family == "openai":
             body = render.chat_completion(
                 done,
@@ -161,13 +169,12 @@ class Call:
                 created=int(time.time()),
                 logprobs=normalized.logprobs,
             )
-            payload = msgspec.json.encode(
+            return msgspec.json.encode(
                 body if self.surface == "openai" else Envelope(result=body, success=True)
             )
         else:
             result = render.legacy_result(done[0], totals, json_mode=normalized.json_mode)
-            payload = msgspec.json.encode(Envelope(result=result, success=True))
-        return Response(payload, media_type="application/json")
+            return msgspec.json.encode(Envelope(result=result, success=True))
 
     def _id(self) -> str:
         return f"chatcmpl-{info_of(self.request.scope).request_id}"

@@ -149,3 +149,17 @@ async def test_tenants_get_different_cache_salts(harness: Harness) -> None:
     r = await harness.http.post(url, headers=harness.auth(harness.free_token), json={"prompt": "same prompt"})
     assert r.status_code == 200
     assert harness.last.tenant_salt != own and len(own) == 64
+
+
+async def test_a_json_mode_miss_is_metered_as_the_400_it_answered(harness: Harness) -> None:
+    ledger = harness.services.ledger
+    seen: list[object] = []
+    original = ledger.record
+    ledger.record = lambda rec: (seen.append(rec), original(rec))[1]  # type: ignore[method-assign]
+    try:
+        broken = await post(harness, {"prompt": "not json", "response_format": {"type": "json_object"}})
+    finally:
+        ledger.record = original  # type: ignore[method-assign]
+    assert broken.status_code == 400
+    assert [getattr(r, "status") for r in seen] == [400]
+    assert getattr(seen[0], "completion_tokens") > 0  # the tokens were spent and are counted
