@@ -152,8 +152,10 @@ async def test_tenants_get_different_cache_salts(harness: Harness) -> None:
 
 
 async def test_a_json_mode_miss_is_metered_as_the_400_it_answered(harness: Harness) -> None:
+    from gateway.usage import UsageRecord
+
     ledger = harness.services.ledger
-    seen: list[object] = []
+    seen: list[UsageRecord] = []
     original = ledger.record
     ledger.record = lambda rec: (seen.append(rec), original(rec))[1]  # type: ignore[method-assign]
     try:
@@ -161,5 +163,5 @@ async def test_a_json_mode_miss_is_metered_as_the_400_it_answered(harness: Harne
     finally:
         ledger.record = original  # type: ignore[method-assign]
     assert broken.status_code == 400
-    assert [getattr(r, "status") for r in seen] == [400]
-    assert getattr(seen[0], "completion_tokens") > 0  # the tokens were spent and are counted
+    assert [r.status for r in seen] == [400]
+    assert seen[0].completion_tokens > 0  # the tokens were spent and are counted
