@@ -32,6 +32,7 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
+from backend.errors import CheckpointError
 from backend.eval_tasks import GenItem, McItem, ToolItem, extract_answer, load_items, tool_call_matches
 from backend.quant.prompt_runner import PromptRunner
 
@@ -352,16 +353,21 @@ def main(argv: list[str]) -> int:
             ap.error(str(exc))
         specs[name] = spec
     dtype = getattr(torch, a.dtype)
-    variants = [Variant(n, s, dtype=dtype, device=a.device) for n, s in specs.items()]
+    try:
+        files = [(path, *load_items(path)) for path in a.data]  # checked before any model loads
+        texts = [(path, path.read_text()) for path in a.text]
+        variants = [Variant(n, s, dtype=dtype, device=a.device) for n, s in specs.items()]
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"kumo eval: error: {exc}", file=sys.stderr)
+        return 2
     ev = Evaluator(variants, a.max_new_tokens, a.window)
     tasks = []
-    for path in a.data:
-        kind, items = load_items(path)
+    for path, kind, items in files:
         if kind == "multiple_choice":
             tasks += ev.multiple_choice(path.stem, items)
         else:
             tasks.append({"generation": ev.generation, "tool_call": ev.tool_call}[kind](path.stem, items))
-    tasks += [ev.perplexity(path.stem, path.read_text()) for path in a.text]
+    tasks += [ev.perplexity(path.stem, text) for path, text in texts]
     report = EvalReport(variants=specs, tasks=tasks)
     print(render(report))
     if a.out:

@@ -280,20 +280,27 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--json", type=Path, help="also write the plan here")
     a = ap.parse_args(argv)
-    config = json.loads((a.model / "config.json").read_text())
-    plan = make_plan(
-        config,
-        model=a.model.name,
-        gpu_mem=a.gpu_mem,
-        tp=a.tp,
-        weights=a.weights,
-        all_linear=a.all_linear,
-        kv_dtype=a.kv_dtype,
-        mem_fraction=a.mem_fraction,
-        chunk=a.chunk,
-        max_seqs=a.max_seqs,
-        page_size=a.page_size,
-    )
+    try:
+        config = json.loads((a.model / "config.json").read_text())
+        plan = make_plan(
+            config,
+            model=a.model.name,
+            gpu_mem=a.gpu_mem,
+            tp=a.tp,
+            weights=a.weights,
+            all_linear=a.all_linear,
+            kv_dtype=a.kv_dtype,
+            mem_fraction=a.mem_fraction,
+            chunk=a.chunk,
+            max_seqs=a.max_seqs,
+            page_size=a.page_size,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"kumo plan: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyError as exc:
+        print(f"kumo plan: error: {a.model / 'config.json'} has no {exc}", file=sys.stderr)
+        return 2
     print(render(plan))
     if a.json:
         a.json.write_bytes(msgspec.json.encode(plan))

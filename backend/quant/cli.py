@@ -309,11 +309,15 @@ def main(argv: list[str]) -> int:
         ap.error("give --weights (or --scheme)")
     method, group = WEIGHTS[weights]
     scheme = QuantScheme.build(method, group_size=group, all_linear=a.all_linear)
-    report = quantize_checkpoint(src, dst, scheme, weights=weights, all_linear=a.all_linear)
-    if a.kv_calibrate or a.kv_scales:
-        calibrate_kv(
-            src, dst, a.kv_calibrate, dtype=getattr(torch, a.calibrate_dtype), device=a.calibrate_device
-        )
+    try:
+        report = quantize_checkpoint(src, dst, scheme, weights=weights, all_linear=a.all_linear)
+        if a.kv_calibrate or a.kv_scales:
+            calibrate_kv(
+                src, dst, a.kv_calibrate, dtype=getattr(torch, a.calibrate_dtype), device=a.calibrate_device
+            )
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"kumo quantize: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"{src} -> {dst}: {report.source_bytes / 1e9:.3f} GB -> {report.dest_bytes / 1e9:.3f} GB (×{report.ratio:.3f})"
     )

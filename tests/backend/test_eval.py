@@ -320,3 +320,11 @@ def test_multiple_choice_pick_summed_and_length_normalised() -> None:
     loglik = torch.tensor([-6.0, -9.0])  # a 2-byte choice, then a 12-byte one
     assert pick_choice(loglik, [2, 12], normalise=False) == 0
     assert pick_choice(loglik, [2, 12], normalise=True) == 1
+
+
+def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"question": "q", "choices": ["a"], "answer": 3}\n')
+    assert main(["--variant", "a=x", "--variant", "b=y", "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "kumo eval: error:" in err and "line 1" in err

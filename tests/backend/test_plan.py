@@ -165,3 +165,14 @@ def test_native_scheme_matches_names_without_the_weight_prefix() -> None:
     scheme = scheme_for(kimi, "native", False)
     assert stored_bytes(head, scheme) == 163_840 * 7168 * 2
     assert stored_bytes(expert, scheme) == 7168 * 256 * 4 + 7168 * 64 * 2 + 8
+
+
+def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    assert "kumo plan: error:" in capsys.readouterr().err
+    cfg = _config("glm-4.5")
+    del cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "kumo plan: error:" in err and "hidden_size" in err

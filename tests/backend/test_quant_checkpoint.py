@@ -289,6 +289,15 @@ def test_quantizing_a_folder_onto_itself_is_refused_and_leaves_it_whole(tmp_path
     src = make_tiny("glm4_moe", tmp_path / "src", initializer_range=0.02)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     for dst in (src, tmp_path / "." / "src"):
-        with pytest.raises(CheckpointError, match="its own source"):
-            main([str(src), str(dst), "--weights", "int4-g32"])
+        assert main([str(src), str(dst), "--weights", "int4-g32"]) == 2
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_cli_errors_are_one_line_not_a_traceback(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    int4 = tmp_path / "int4"
+    assert main([str(src), str(int4), "--weights", "int4-g32"]) == 0
+    assert main([str(int4), str(tmp_path / "again"), "--weights", "fp8-channel"]) == 2
+    err = capsys.readouterr().err
+    assert "kumo quantize: error:" in err and "pack-quantized" in err and "Traceback" not in err
