@@ -72,7 +72,7 @@ def calibrate(
     """Per layer, per cached tensor: amax over every prompt's cache / 448."""
     runner = PromptRunner(model, model_dtype=model_dtype)
     amax: list[dict[str, float]] | None = None
-    for ids in prompts:
+    for ids in filter(None, prompts):  # an empty prompt writes nothing to measure
         runner.logits(ids)
         seen = runner.cache_amax(len(ids))
         amax = (
@@ -81,7 +81,7 @@ def calibrate(
             else [{k: max(a[k], s[k]) for k in a} for a, s in zip(amax, seen, strict=True)]
         )
     if amax is None:
-        raise ValueError("calibration needs at least one prompt")
+        raise ValueError("calibration needs at least one prompt with tokens")
     return [{k: max(v, 1e-12) / FP8_MAX for k, v in layer.items()} for layer in amax]
 
 

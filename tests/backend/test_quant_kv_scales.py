@@ -232,3 +232,14 @@ def test_a_stale_scale_file_from_an_earlier_run_is_not_read(src: Path, tmp_path:
     assert kv_scales.KV_SCALE_FILE not in json.loads((dst / INDEX_FILE).read_text())["weight_map"].values()
     model = load_model(dst, dtype=torch.float32).model
     assert kv_scales.read(dst, [[s.name for s in layer] for layer in model.cache_specs()]) is None
+
+
+def test_an_empty_calibration_prompt_is_skipped(src: Path) -> None:
+    """A prompt-file line whose tokens all fall outside the vocabulary left an empty prompt, and
+    the runner died on torch.cat of nothing."""
+    model = load_model(src, dtype=torch.float32).model
+    assert kv_scales.calibrate(model, [[], IDS], model_dtype=torch.float32) == kv_scales.calibrate(
+        model, [IDS], model_dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match="at least one"):
+        kv_scales.calibrate(model, [[]], model_dtype=torch.float32)
