@@ -4,6 +4,7 @@ how close the quantized model stays to the original (tolerances: tests/backend/q
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +39,23 @@ def test_int4_routed_experts_checkpoint(src: Path, tmp_path: Path) -> None:
     dst = tmp_path / "int4"
     assert main([str(src), str(dst), "--weights", "int4-g32"]) == 0
     config = json.loads((dst / "config.json").read_text())
-    assert config["quantization_config"]["format"] == "pack-quantized"
+    block = config["quantization_config"]
+    assert block["format"] == "pack-quantized" and block["quant_method"] == "compressed-tensors"
+    (group,) = block["config_groups"].values()  # Kimi K2 Thinking's block (engine-anchors §1f)
+    assert group["targets"] == ["Linear"] and group["input_activations"] is None
+    assert {k: group["weights"][k] for k in ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")} == {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True, "dynamic": False
+    }  # fmt: skip
+    assert block["ignore"][:4] == [
+        "lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"
+    ]  # fmt: skip
+    assert block["kv_cache_scheme"] is None
     assert (dst / "tokenizer_config.json").exists() and (dst / "generation_config.json").exists()
-    index = json.loads((dst / INDEX_FILE).read_text())["weight_map"]
+    full_index = json.loads((dst / INDEX_FILE).read_text())
+    index = full_index["weight_map"]
+    on_disk = load_file(str(dst / "model.safetensors"))
+    assert set(index) == set(on_disk) and set(index.values()) == {"model.safetensors"}
+    assert full_index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in on_disk.values())
     assert "model.layers.1.mlp.experts.3.down_proj.weight_packed" in index
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in index
     assert "model.layers.1.self_attn.o_proj.weight" in index and "model.layers.1.mlp.gate.weight" in index
@@ -135,6 +150,18 @@ def test_streaming_peak_memory_is_about_one_shard(tmp_path: Path) -> None:
     assert used <= 1.5 * shard_bytes, (
         f"peak {used / 2**20:.1f} MiB over baseline, shard {shard_bytes / 2**20:.1f} MiB"
     )
+    # the index lists every written tensor in the shard that holds it, and their total size
+    from safetensors import safe_open
+
+    index = json.loads((tmp_path / "dst" / INDEX_FILE).read_text())
+    held, total = {}, 0
+    for shard in sorted((tmp_path / "dst").glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118
+                held[k] = shard.name
+                t = f.get_slice(k)
+                total += math.prod(t.get_shape()) * {"I32": 4, "BF16": 2, "F32": 4}[t.get_dtype()]
+    assert index["weight_map"] == held and index["metadata"]["total_size"] == total
 
 
 def test_fp8_block_source_converts_to_int4(src: Path, tmp_path: Path) -> None:
