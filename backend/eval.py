@@ -109,11 +109,6 @@ class Variant:
         loaded = load_model(path, dtype=dtype, device=device)
         self.dtype = dtype
         self.model, self.path, self.config = loaded.model, Path(path), loaded.config
-        if options.weights is not None:
-            method, group = WEIGHTS[options.weights]
-            quantize_model(
-                self.model, QuantScheme.build(method, group_size=group, all_linear=options.all_linear)
-            )
         self.kv_dtype, self.scales = None, None
         if options.kv == "fp8":
             self.kv_dtype = torch.float8_e4m3fn
@@ -123,6 +118,12 @@ class Variant:
                 model_dtype=dtype,
                 vocab_size=loaded.config.vocab_size,
                 prefix=loaded.config.weight_prefix,
+            )
+        # after the KV scales, which come from the unquantized model as `kumo quantize --kv-scales`'s do
+        if options.weights is not None:
+            method, group = WEIGHTS[options.weights]
+            quantize_model(
+                self.model, QuantScheme.build(method, group_size=group, all_linear=options.all_linear)
             )
 
     def runner(self) -> PromptRunner:

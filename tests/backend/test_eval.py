@@ -328,3 +328,21 @@ def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.
     assert main(["--variant", "a=x", "--variant", "b=y", "--data", str(data)]) == 2
     err = capsys.readouterr().err
     assert "kumo eval: error:" in err and "line 1" in err
+
+
+def test_fp8_kv_scales_of_an_in_memory_quantized_variant_come_from_the_unquantized_model(
+    tmp_path: Path,
+) -> None:
+    """As `kumo quantize --kv-scales` calibrates on the source model, so does the variant that
+    tries the format in memory (it calibrated on its already-quantized weights)."""
+    from backend.eval import Variant
+    from backend.loader import load_model
+    from backend.quant import kv_scales
+
+    src = make_tiny("kimi_k2", tmp_path / "src", initializer_range=0.02)
+    variant = Variant("q", f"{src}:weights=int4-g32:all-linear:kv=fp8")
+    plain = load_model(src, dtype=torch.float32)
+    expected = kv_scales.scales_for_serving(
+        src, plain.model, model_dtype=torch.float32, vocab_size=plain.config.vocab_size
+    )
+    assert variant.scales == expected
