@@ -237,6 +237,20 @@ def quantize_checkpoint(
     return report
 
 
+def read_prompts(path: Path) -> list[str]:
+    """Calibration texts: a JSONL line's `text`, else the line itself; blank lines skipped."""
+    texts = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.startswith("{") else None
+        except json.JSONDecodeError:
+            row = None
+        text = row["text"] if isinstance(row, dict) and isinstance(row.get("text"), str) else line
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
 def calibrate_kv(
     src: Path,
     dst: Path,
@@ -256,11 +270,7 @@ def calibrate_kv(
         from backend.tokenizer import load_tokenizer
 
         tok = load_tokenizer(src)
-        lines = [
-            json.loads(x).get("text", "") if x.startswith("{") else x
-            for x in prompts_file.read_text().splitlines()
-        ]
-        prompts = [[i for i in tok.encode(x) if i < vocab] for x in lines if x.strip()]
+        prompts = [[i for i in tok.encode(x) if i < vocab] for x in read_prompts(prompts_file)]
     scales = kv_scales.calibrate(loaded.model, prompts, model_dtype=dtype)
     kv_scales.save(dst, scales, loaded.config.weight_prefix)
     raw = json.loads((dst / "config.json").read_text())

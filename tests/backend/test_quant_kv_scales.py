@@ -243,3 +243,13 @@ def test_an_empty_calibration_prompt_is_skipped(src: Path) -> None:
     )
     with pytest.raises(ValueError, match="at least one"):
         kv_scales.calibrate(model, [[]], model_dtype=torch.float32)
+
+
+def test_calibration_prompt_file_lines(tmp_path: Path) -> None:
+    """JSONL lines give their `text`; any other line, JSON-looking or broken, is itself the text
+    (a JSON line without `text` was dropped silently, a line starting with `{` that is no JSON raised)."""
+    from backend.quant.cli import read_prompts
+
+    f = tmp_path / "p.txt"
+    f.write_text('{"text": "hello"}\n\n{"name": "get_weather"}\n{not json\nplain words\n')
+    assert read_prompts(f) == ["hello", '{"name": "get_weather"}', "{not json", "plain words"]
