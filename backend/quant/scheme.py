@@ -179,7 +179,11 @@ def scheme_from_config(config: QuantizationConfig) -> QuantScheme:
 
 
 def _method(w: WeightArgs) -> Method:
+    if w.actorder == "group":  # GPTQ activation order: a `weight_g_idx` permutes the groups
+        raise ValueError("actorder 'group' (weight_g_idx) is not supported; use a checkpoint without it")
     if w.type == "int" and w.num_bits == 4 and w.strategy == "group" and w.symmetric:
+        if w.group_size is None:
+            raise ValueError("INT4 weights with strategy group need a group_size")
         return "int4"
     if w.type == "float" and w.num_bits == 8 and w.strategy == "channel":
         return "fp8-channel"

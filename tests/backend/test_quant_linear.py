@@ -268,3 +268,21 @@ def test_fp8_block_experts_take_the_compressed_tensors_scale_name() -> None:
     assert experts.load_expert_part(1, "down_proj", "weight_scale", torch.full((1, 2), 0.5))[1] == 1
     with pytest.raises(Exception, match="weight_scale_inv"):
         experts.load_expert_part(1, "down_proj", "weight_scale_inv", torch.full((1, 2), 0.5))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"actorder": "group"}, "actorder"),  # GPTQ's weight_g_idx permutation: not served
+        ({"group_size": None}, "group_size"),  # was read as 32
+        ({"symmetric": False}, "unsupported"),
+        ({"num_bits": 8}, "unsupported"),
+    ],
+)
+def test_unsupported_compressed_tensors_weights_are_refused_by_name(change: dict, words: str) -> None:
+    import copy
+
+    raw = copy.deepcopy(KIMI_K2_THINKING_BLOCK)
+    raw["config_groups"]["group_0"]["weights"].update(change)
+    with pytest.raises(ValueError, match=words):
+        scheme_from_config(parse_config(raw))
