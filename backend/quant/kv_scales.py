@@ -116,7 +116,13 @@ def save(dst: str | Path, scales: list[dict[str, float]], prefix: str = "") -> N
         if (dst / SINGLE_FILE).exists():
             with safe_open(str(dst / SINGLE_FILE), framework="pt") as f:
                 data["weight_map"] = {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118
+    # replace an earlier save's entries (names and their bytes in total_size) by this one's
+    earlier = [n for n, file in data["weight_map"].items() if file == KV_SCALE_FILE]
+    for name in earlier:
+        del data["weight_map"][name]
     data["weight_map"].update({name: KV_SCALE_FILE for name in tensors})
+    if "total_size" in data["metadata"]:
+        data["metadata"]["total_size"] += 4 * (len(tensors) - len(earlier))  # fp32 scalars
     index.write_text(json.dumps(data, indent=2, sort_keys=True))
 
 

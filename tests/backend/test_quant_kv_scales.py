@@ -253,3 +253,15 @@ def test_calibration_prompt_file_lines(tmp_path: Path) -> None:
     f = tmp_path / "p.txt"
     f.write_text('{"text": "hello"}\n\n{"name": "get_weather"}\n{not json\nplain words\n')
     assert read_prompts(f) == ["hello", '{"name": "get_weather"}', "{not json", "plain words"]
+
+
+def test_saved_scales_keep_the_index_total_size_right(src: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "q"
+    main([str(src), str(dst), "--weights", "int4-g32"])
+    before = json.loads((dst / INDEX_FILE).read_text())["metadata"]["total_size"]
+    scales = [{"latent": 0.01}] * 3
+    for _ in range(2):  # saving again replaces, never double counts
+        kv_scales.save(dst, scales)
+        index = json.loads((dst / INDEX_FILE).read_text())
+        assert index["metadata"]["total_size"] == before + 6 * 4  # 3 layers × k_scale, v_scale × fp32
+        assert sum(v == kv_scales.KV_SCALE_FILE for v in index["weight_map"].values()) == 6
