@@ -16,13 +16,35 @@ from backend.image_processor import process_image, target_size
 from backend.models.moonvit import MoonViT, VisionConfig
 
 TEXT = dict(
-    model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-    num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+    model_type="deepseek_v3",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    n_group=1,
+    topk_group=1,
 )
-VISION = dict(hidden_size=32, intermediate_size=48, num_attention_heads=2, num_hidden_layers=2,
-              pos_emb_height=8, pos_emb_width=8, patch_size=14)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=2,
+    num_hidden_layers=2,
+    pos_emb_height=8,
+    pos_emb_width=8,
+    patch_size=14,
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +125,45 @@ def test_large_jpeg_is_decoded_at_reduced_scale_and_fits_the_side_limit() -> Non
     Image.new("RGB", (4000, 3000), (200, 10, 10)).save(buf, format="JPEG")
     image = process_image(buf.getvalue(), max_side=16)
     assert image.grid_h * 14 <= 16 * 14 + 28 and image.grid_w * 14 <= 16 * 14 + 28
+
+
+@torch.no_grad()
+def test_prompt_with_two_images_of_different_sizes_gives_transformers_logits(tmp_path: Path) -> None:
+    """The whole K2.5 model, as a published checkpoint: MoonViT embeddings spliced at the placeholders,
+    the paged MLA text model after them, against transformers' Kimi_K25 (float32, ≤ 1e-4)."""
+    from backend.forward_batch import ImageEmbeds
+    from backend.image_encoder import VisionEncoder
+    from backend.loader import load_model
+    from tests.backend.paged_driver import PagedDriver, Seq
+    from tests.backend.tiny_checkpoints import load_reference, make_tiny
+
+    path = make_tiny("kimi_k25", tmp_path / "k25")
+    image_token = json.loads((path / "config.json").read_text())["image_token_id"]
+    images = [process_image(_png(70, 56, 3)), process_image(_png(150, 97, 4))]
+    counts = [i.grid_h * i.grid_w // 4 for i in images]
+    ids = [5, 6, 7] + [image_token] * counts[0] + [8, 9] + [image_token] * counts[1] + [10, 11, 12]
+    grids = [(i.grid_h, i.grid_w) for i in images]
+    pixels = torch.cat([i.patches for i in images])
+
+    ref = load_reference("kimi_k25", path)
+    theirs = ref(
+        input_ids=torch.tensor([ids]),
+        pixel_values=pixels,
+        image_grid_thw=torch.tensor([[1, h, w] for h, w in grids]),
+    ).logits[0]
+
+    loaded = load_model(path, dtype=torch.float32)
+    vision = VisionEncoder.from_checkpoint(path, pad_token_id=image_token, dtype=torch.float32)
+    assert vision is not None
+    slots = torch.tensor([t for t, tok in enumerate(ids) if tok == image_token])
+    text_ids = [0 if tok == image_token else tok for tok in ids]  # the placeholder rows are replaced
+    driver = PagedDriver(loaded.model, num_pages=8)
+    batch = driver.batch([Seq(tokens=text_ids)], [len(ids)])
+    batch.image_embeds = ImageEmbeds(token_indices=slots, embeds=vision._tower(pixels, grids))
+    ours = loaded.model(batch)
+    assert ours.shape == theirs.shape and not batch.tag_mismatch.any()
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    # the images matter: without them the logits after the first image differ
+    plain = PagedDriver(loaded.model, num_pages=8)
+    without = loaded.model(plain.batch([Seq(tokens=text_ids)], [len(ids)]))
+    assert (without[-1] - theirs[-1]).abs().max().item() > 1e-3
