@@ -45,7 +45,10 @@ def target_size(height: int, width: int, patch: int, merge: int, max_patches: in
     new_h = min(max(1, int(height * scale)), max_side * patch)
     new_w = min(max(1, int(width * scale)), max_side * patch)
     factor = merge * patch
-    return (new_h, new_w), (new_h + (factor - new_h % factor) % factor, new_w + (factor - new_w % factor) % factor)
+    return (new_h, new_w), (
+        new_h + (factor - new_h % factor) % factor,
+        new_w + (factor - new_w % factor) % factor,
+    )
 
 
 def process_image(
@@ -62,7 +65,9 @@ def process_image(
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidRequest(f"image could not be decoded: {exc}") from exc
     image = image.convert("RGB")
-    (new_h, new_w), (pad_h, pad_w) = target_size(image.height, image.width, patch, merge, max_patches, max_side)
+    (new_h, new_w), (pad_h, pad_w) = target_size(
+        image.height, image.width, patch, merge, max_patches, max_side
+    )
     if (new_h, new_w) != (image.height, image.width):
         image = image.resize((new_w, new_h), Image.Resampling.BICUBIC)
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1)  # [3, h, w]

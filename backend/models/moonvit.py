@@ -112,7 +112,9 @@ class VisionBlock(nn.Module):
         q, k, v = self.wqkv(self.norm0(x)).view(N, 3, self.num_heads, -1).unbind(1)  # each [N, Hh, d]
         q, k = _apply_rope(q, angles), _apply_rope(k, angles)
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # each image attends to itself only
+        for start, end in zip(
+            cu_seqlens[:-1], cu_seqlens[1:], strict=True
+        ):  # each image attends to itself only
             qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [Hh, n, d]
             out[start:end] = F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1)
         x = x + self.wo(out.reshape(N, D))
@@ -145,14 +147,21 @@ class MoonViT(nn.Module):
         dtype = self.patch_proj.weight.dtype
         x = self.patch_proj(pixel_patches.to(dtype)).flatten(1)  # [N, D]
         x = x + self._position_embeddings(grid_hw).to(dtype)
-        angles = _rope_angles(grid_hw, self.cfg.hidden_size // self.cfg.num_attention_heads, self.cfg.rope_theta)
+        angles = _rope_angles(
+            grid_hw, self.cfg.hidden_size // self.cfg.num_attention_heads, self.cfg.rope_theta
+        )
         cu = [0]
         for h, w in grid_hw:
             cu.append(cu[-1] + h * w)
         for block in self.blocks:
             x = block(x, angles, cu)
         x = self.final_layernorm(x)
-        merged = torch.cat([self._merge(x[s:e], h, w) for (s, e), (h, w) in zip(zip(cu, cu[1:]), grid_hw)])
+        merged = torch.cat(
+            [
+                self._merge(x[s:e], h, w)
+                for (s, e), (h, w) in zip(zip(cu[:-1], cu[1:], strict=True), grid_hw, strict=True)
+            ]
+        )
         merged = self.pre_norm(merged).flatten(1)  # [M, 4·D]
         return self.proj_out(F.gelu(self.proj_in(merged)))
 
