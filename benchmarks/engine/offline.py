@@ -41,10 +41,10 @@ class RunResult:
     output_tokens: int
     output_tok_s: float
     output_tok_s_per_user: float
-    ttft_ms_p50: float
-    ttft_ms_max: float
-    tpot_ms_p50: float
-    tpot_ms_mean: float
+    ttft_ms_p50: float | None  # None: no request produced a token (a run cut at its deadline)
+    ttft_ms_max: float | None
+    tpot_ms_p50: float | None  # None: no request produced two tokens
+    tpot_ms_mean: float | None
     steps: int
     preemptions: int
     finished: int
@@ -134,10 +134,10 @@ def run_offline(
         output_tokens=total,
         output_tok_s=total / wall,
         output_tok_s_per_user=statistics.fmean(1e3 / t for t in tpot) if tpot else 0.0,
-        ttft_ms_p50=statistics.median(ttft) if ttft else float("nan"),
-        ttft_ms_max=max(ttft) if ttft else float("nan"),
-        tpot_ms_p50=statistics.median(tpot) if tpot else float("nan"),
-        tpot_ms_mean=statistics.fmean(tpot) if tpot else float("nan"),
+        ttft_ms_p50=statistics.median(ttft) if ttft else None,
+        ttft_ms_max=max(ttft) if ttft else None,
+        tpot_ms_p50=statistics.median(tpot) if tpot else None,
+        tpot_ms_mean=statistics.fmean(tpot) if tpot else None,
         steps=engine.stats.steps - steps0,
         preemptions=engine.scheduler.num_preemptions - preempt0,
         finished=finished,
@@ -157,6 +157,7 @@ def run_prefill(
         vocab_size=vocab_size,
         seed=seed,
     )
+    assert r.ttft_ms_p50 is not None, "a run without a time limit produces its token"
     return {
         "variant": variant,
         "prefill_len": prefill_len,

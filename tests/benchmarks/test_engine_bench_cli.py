@@ -128,3 +128,17 @@ def test_entry_point_imports_neither_torch_nor_msgspec() -> None:
         cwd=Path(__file__).parents[2],
     )
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_runs_past_the_budget_are_recorded_as_skipped_not_estimated(tmp_path: Path) -> None:
+    out = tmp_path / "late.json"
+    assert (
+        bench_main(["engine", "variant", *TINY, "--concurrency", "1,2", "--budget-s", "0", "--out", str(out)])
+        == 0
+    )
+    rec = json.loads(out.read_text())
+    (variant,) = rec["variants"]
+    assert [s["concurrency"] for s in variant["skipped"]] == [1, 2]
+    assert not [r for r in rec["runs"] if r["source"] == "kumo"]
+    assert all(v is None for v in rec["summary"].values())
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the record"))  # strict JSON
