@@ -166,14 +166,15 @@ def run_prefill(
     }
 
 
-def warm_up(engine: Engine, *, vocab_size: int, input_len: int) -> None:
-    """Compile and allocate outside the timed runs: a prefill, decodes, two batch sizes."""
-    for n in (1, 2):
+def warm_up(engine: Engine, *, vocab_size: int, prompt_len: int) -> None:
+    """Compile and allocate outside the timed runs: one full prefill chunk, then decodes at two
+    batch sizes (the Triton kernels compile on first use of each configuration)."""
+    for n, length in ((1, prompt_len), (2, min(prompt_len, 64))):
         run_offline(
             engine,
             variant="warmup",
             concurrency=n,
-            input_len=min(input_len, 64),
+            input_len=length,
             output_len=4,
             vocab_size=vocab_size,
             seed=99 + n,

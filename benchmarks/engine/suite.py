@@ -121,7 +121,7 @@ def measure_variant(
     v = Variant(geometry, fmt, kv_dtype, opts)
     try:
         vocab = v.config.vocab_size
-        warm_up(v.engine, vocab_size=vocab, input_len=opts.input_len)
+        warm_up(v.engine, vocab_size=vocab, prompt_len=min(opts.chunk, opts.prefill_len, opts.input_len * 4))
         out = v.describe()
         out["prefill"] = run_prefill(v.engine, variant=v.name, prefill_len=opts.prefill_len, vocab_size=vocab)
         largest = min(v.max_concurrency, opts.max_concurrency_cap)
@@ -156,7 +156,7 @@ def measure_integrity(
     v = Variant(geometry, fmt, kv_dtype, opts)
     try:
         vocab, device = v.config.vocab_size, torch.device(opts.device)
-        warm_up(v.engine, vocab_size=vocab, input_len=opts.input_len)
+        warm_up(v.engine, vocab_size=vocab, prompt_len=min(opts.chunk, opts.prefill_len, opts.input_len * 4))
         samples: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
         switched: list[str] = []
         for i in range(repeats):
