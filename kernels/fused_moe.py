@@ -36,7 +36,6 @@ times the alternatives.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
+from kernels.split_k_merge import num_sms
 
 __all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
 
@@ -321,13 +321,6 @@ def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -
     return max(1, min(triton.cdiv(K, cfg.block_k) // 4, (8 * num_sms) // programs, 16))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def moe_align(
     expert_ids: torch.Tensor,  # [M, k] int, local expert ids; outside [0, E) = not on this rank
     num_experts: int,
@@ -412,7 +405,7 @@ def fused_moe(
     if cfg.block_m == 0:  # decode: about one pair per expert
         flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
         for a, w, s, out, N, K, div, gate_up, mul in gemms:
-            split = cfg.split_k or gemv_split_k(P, N, K, cfg, _num_sms(x.device))
+            split = cfg.split_k or gemv_split_k(P, N, K, cfg, num_sms(x.device))
             # split K: fp32 partials [S, P, 2N or N], added in a fixed order below (deterministic)
             dst = (
                 out

@@ -7,7 +7,7 @@ the key is the whole line, the value its first R dims (engine-anchors §1d, §2c
 Split-K: stage 1 (`_mla_paged_kernel`, grid `(H / BLOCK_H, splits, B)`) walks one slice of one
 sequence for BLOCK_H heads at once — each latent tile is loaded once and used by two `tl.dot`s for
 the scores (`q_c · c`, `q_pe · k_pe`) and one for the output (`p · c`) — with an online softmax, and
-writes the normalised partial output and its log-sum-exp (log2 domain). Stage 2 (`_mla_merge_kernel`,
+writes the normalised partial output and its log-sum-exp (log2 domain). Stage 2 (`kernels.split_k_merge`,
 grid `(B, H)`) merges the slices. With one slice stage 1 writes the output itself (no merge). The head
 blocks are the fastest grid axis so the programs that share a slice of latent run side by side and
 the other head blocks' reads of it hit the L2. The slice count is chosen on the host from batch, heads
@@ -41,13 +41,14 @@ sequence in the table, K top-k.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
 @triton.jit
@@ -218,49 +219,6 @@ def _mla_paged_kernel(
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
 
 
-@triton.jit
-def _mla_merge_kernel(
-    part_o_ptr,  # [B, H, NS, R] fp32
-    part_lse_ptr,  # [B, H, NS] fp32, log2 domain
-    out_ptr,  # [B, H, R]
-    v_scale,
-    num_splits,
-    R,
-    stride_ob,
-    stride_oh,
-    BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = b * tl.num_programs(1) + h
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    s_ok = offs_s < num_splits
-    r_ok = offs_r < R
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BS]
-    top = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty slices
-    o = tl.load(
-        part_o_ptr + (row * num_splits + offs_s)[:, None] * R + offs_r[None, :],
-        mask=s_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    )  # [BS, R]
-    den = tl.sum(w, axis=0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, res.to(out_ptr.dtype.element_ty), mask=r_ok)
-
-
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) -> int:
     """Slices per sequence: about two programs per SM, each slice at least 256 tokens, at most 64."""
     want = triton.cdiv(2 * num_sms, max(batch * head_blocks, 1))
@@ -297,7 +255,7 @@ def check_mla_inputs(
     R = kv_lora_rank
     if latent_cache.dim() != 3 or latent_cache.shape[2] != C or not 0 < R < C:
         raise ValueError(f"q {tuple(q.shape)} and cache {tuple(latent_cache.shape)} with R={R} do not fit")
-    if q.dtype not in _TL_DTYPES:
+    if q.dtype not in TL_DTYPES:
         raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     if latent_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise TypeError(f"latent cache must be {q.dtype} or float8_e4m3fn, got {latent_cache.dtype}")
@@ -363,7 +321,7 @@ def launch_mla_paged(
     num_tiles = T if tiles is None else tiles.tile_seq.shape[0]
     head_blocks = triton.cdiv(H, block_h)
     max_items = K if sparse else page_table.shape[1] * S
-    splits = num_splits or pick_num_splits(num_tiles, head_blocks, max_items, _num_sms(q.device))
+    splits = num_splits or pick_num_splits(num_tiles, head_blocks, max_items, num_sms(q.device))
     direct = splits == 1
     if direct:
         part_o = part_lse = out  # not read: the kernel writes `out` itself
@@ -418,25 +376,13 @@ def launch_mla_paged(
         CHECK_TAGS=check_tags,
         MASKED_LOADS=masked_loads,
         DIRECT=direct,
-        COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
+        COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if not direct:
-        _mla_merge_kernel[(T, H)](
-            part_o,
-            part_lse,
-            out,
-            latent_scale,
-            splits,
-            R,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            BLOCK_R=triton.next_power_of_2(R),
-            num_warps=4,
-        )
+        merge_splits(part_o, part_lse, out, latent_scale)
     return out
 
 

@@ -3,7 +3,7 @@
 Split-K: stage 1 (`_paged_decode_gqa_kernel`, grid `(B, Hkv, splits)`) walks one slice of one
 sequence's tokens for one KV head and all `G = Hq / Hkv` query heads that share it (one K/V load,
 `tl.dot` over G rows), with an online softmax; it writes the normalised partial output and its
-log-sum-exp. Stage 2 (`_merge_kernel`, grid `(B, Hq)`) merges the slices by LSE. The number of
+log-sum-exp. Stage 2 (`kernels.split_k_merge`, grid `(B, Hq)`) merges the slices by LSE. The number of
 slices is chosen from batch, KV heads and the page table's width (host-known, so the launch can be
 captured in a CUDA graph), never from a device read.
 
@@ -22,12 +22,13 @@ Mp pages per sequence in the table.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
 @triton.jit
@@ -132,49 +133,6 @@ def _paged_decode_gqa_kernel(
     tl.store(part_lse_ptr + row, lse, mask=h_ok)
 
 
-@triton.jit
-def _merge_kernel(
-    part_o_ptr,  # [B, Hq, NS, Dv] fp32
-    part_lse_ptr,  # [B, Hq, NS] fp32, log2 domain
-    out_ptr,  # [B, Hq, Dv]
-    v_scale,
-    num_splits,
-    DV,
-    stride_ob,
-    stride_oh,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    row = b * tl.num_programs(1) + h
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < num_splits
-    dv_ok = offs_dv < DV
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BS]
-    top = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty slices
-    o = tl.load(
-        part_o_ptr + (row * num_splits + offs_s)[:, None] * DV + offs_dv[None, :],
-        mask=s_ok[:, None] & dv_ok[None, :],
-        other=0.0,
-    )  # [BS, Dv]
-    den = tl.sum(w, axis=0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv, res.to(out_ptr.dtype.element_ty), mask=dv_ok)
-
-
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def pick_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
     """Slices per sequence: about four programs per SM, each slice at least 256 tokens, at most 64."""
     want = triton.cdiv(4 * num_sms, max(batch * num_kv_heads, 1))
@@ -221,7 +179,7 @@ def paged_decode_gqa(
     G = Hq // Hkv
     if block_n is None:
         block_n = 128 if k_cache.dtype == torch.float8_e4m3fn else 32
-    splits = num_splits or pick_num_splits(B, Hkv, page_table.shape[1] * S, _num_sms(q.device))
+    splits = num_splits or pick_num_splits(B, Hkv, page_table.shape[1] * S, num_sms(q.device))
     part_o = torch.empty((B, Hq, splits, Dv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     _paged_decode_gqa_kernel[(B, Hkv, splits)](
@@ -257,24 +215,12 @@ def paged_decode_gqa(
         BLOCK_D=triton.next_power_of_2(D),
         BLOCK_DV=triton.next_power_of_2(Dv),
         CHECK_TAGS=check_tags,
-        COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else _TL_DTYPES[q.dtype],
+        COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
     )
-    _merge_kernel[(B, Hq)](
-        part_o,
-        part_lse,
-        out,
-        v_scale,
-        splits,
-        Dv,
-        out.stride(0),
-        out.stride(1),
-        BLOCK_S=max(2, triton.next_power_of_2(splits)),
-        BLOCK_DV=triton.next_power_of_2(Dv),
-        num_warps=4,
-    )
+    merge_splits(part_o, part_lse, out, v_scale)
     return out
 
 

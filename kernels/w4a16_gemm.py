@@ -19,7 +19,6 @@ in a fixed order, so results are deterministic.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +32,7 @@ from kernels.int4_weights import (  # repack_int4 and the reference unpack are p
     repack_int4,
     unpack_int4_ref,
 )
+from kernels.split_k_merge import num_sms
 
 __all__ = [
     "W4A16Config",
@@ -340,13 +340,6 @@ def _split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     return cnt
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def w4a16_gemm(
     x: torch.Tensor,  # [..., K] fp16 / bf16 / fp32
     w_repacked: torch.Tensor,  # [N, K/8] int32 from repack_int4
@@ -383,7 +376,7 @@ def w4a16_gemm(
         raise ValueError(f"out must be contiguous {x.dtype} [{M}, {N}]")
     if M == 0:
         return out.reshape(*lead, N)
-    cfg = config or pick_config(M, N, K, _num_sms(x.device))
+    cfg = config or pick_config(M, N, K, num_sms(x.device))
     ws = torch.empty((cfg.split_k, M, N) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     strides = (
         *x2.stride(),

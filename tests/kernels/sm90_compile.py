@@ -59,7 +59,7 @@ def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16") -> ASTSource:
 
 
 def merge_source(out: str = "bf16") -> ASTSource:
-    from kernels.mla_decode import _mla_merge_kernel as fn
+    from kernels.split_k_merge import _merge_kernel as fn
 
     return _source(
         fn,

@@ -1,0 +1,84 @@
+"""Merging split-K attention slices by their log-sum-exp, and the device facts launchers share.
+
+Split-K decode kernels (`paged_decode_gqa`, `mla_decode`) write, per (row, head, slice), the slice's
+normalised partial output `[R]` and its LSE in the log2 domain (-inf for a slice with no visible
+token). `merge_splits` combines them: `out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max) * v_scale`,
+and 0 where no slice saw a token.
+
+Shapes: B rows (sequences or query tokens), H heads, NS slices, R output width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (4 stands in on the CPU, where the interpreter runs)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr,  # [B, H, NS, R] fp32
+    part_lse_ptr,  # [B, H, NS] fp32, log2 domain
+    out_ptr,  # [B, H, R]
+    v_scale,
+    num_splits,
+    R,
+    stride_ob,
+    stride_oh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    s_ok = offs_s < num_splits
+    r_ok = offs_r < R
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BS]
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty slices
+    o = tl.load(
+        part_o_ptr + (row * num_splits + offs_s)[:, None] * R + offs_r[None, :],
+        mask=s_ok[:, None] & r_ok[None, :],
+        other=0.0,
+    )  # [BS, R]
+    den = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, res.to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, v_scale: float) -> None:
+    """part_o `[B, H, NS, R]` fp32, part_lse `[B, H, NS]` fp32 → out `[B, H, R]` (written in place)."""
+    B, H, NS, R = part_o.shape
+    if part_lse.shape != (B, H, NS) or out.shape[:2] != (B, H) or out.shape[-1] != R:
+        raise ValueError(
+            f"merge_splits: shapes {tuple(part_o.shape)}, {tuple(part_lse.shape)}, {tuple(out.shape)}"
+        )
+    if out.stride(-1) != 1 or not part_o.is_contiguous() or not part_lse.is_contiguous():
+        raise ValueError("merge_splits: partials must be contiguous and out unit-stride in its last dim")
+    _merge_kernel[(B, H)](
+        part_o,
+        part_lse,
+        out,
+        v_scale,
+        NS,
+        R,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_S=max(2, triton.next_power_of_2(NS)),
+        BLOCK_R=triton.next_power_of_2(R),
+        num_warps=4,
+    )
