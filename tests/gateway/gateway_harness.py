@@ -7,7 +7,12 @@ backend reports another architecture than its catalog entry.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
+import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,3 +141,62 @@ async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Har
     await gateway.stop()
     for s in served:
         await s.stop()
+
+
+@dataclass
+class Standalone:
+    """A `kumo gateway` process in front of the harness's fake backends, with one paid tenant."""
+
+    url: str
+    proc: asyncio.subprocess.Process
+    http: httpx.AsyncClient
+    account: str
+    token: str
+
+
+@asynccontextmanager
+async def standalone_gateway(
+    h: Harness, tmp_path: Path, *, admin_token: str, **env: str
+) -> AsyncIterator[Standalone]:
+    """Start `kumo gateway --pools` (pools file naming the fake replicas), wait for /healthz, create a
+    tenant and a token through its admin API; kill the process on the way out if it still runs."""
+    pools = ""
+    for name in ("kimi-k2.6", "glm-5.2"):
+        urls = ", ".join(f'"{r.url}"' for r in h.services.router.pools[name].replicas)
+        pools += f'[pools."{name}"]\nreplicas = [{urls}]\nsecret = "fake-secret"\n'
+    (tmp_path / "pools.toml").write_text(pools)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    proc_env = dict(os.environ, KUMO_ADMIN_TOKEN=admin_token, PYTHONPATH=str(root), **env)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "gateway", "--pools", str(tmp_path / "pools.toml"),
+        "--port", str(port), "--data-dir", str(tmp_path / "data"),
+        env=proc_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=20) as http:
+            for _ in range(200):
+                try:
+                    if (await http.get(f"{url}/healthz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+            admin = {"authorization": f"Bearer {admin_token}"}
+            tenant = (
+                await http.post(
+                    f"{url}/admin/v1/tenants", headers=admin, json={"name": "acme", "plan": "paid"}
+                )
+            ).json()["result"]
+            token = (
+                await http.post(
+                    f"{url}/admin/v1/tenants/{tenant['id']}/tokens", headers=admin, json={"name": "t"}
+                )
+            ).json()["result"]["value"]
+            yield Standalone(url=url, proc=proc, http=http, account=tenant["id"], token=token)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -4,15 +4,12 @@ pools file, administered through the admin API it mounts."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-from gateway_harness import GLM, Harness, harness  # noqa: F401  (fixture)
+from gateway_harness import GLM, Harness, harness, standalone_gateway  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "kumo_admin_for_the_command_test_0123456789"
@@ -40,49 +37,13 @@ def test_bad_files_are_reported_not_raised(tmp_path: Path) -> None:
 
 
 async def test_a_standalone_gateway_serves_the_pools_file(harness: Harness, tmp_path: Path) -> None:
-    router = harness.services.router
-    lines = []
-    for name in ("kimi-k2.6", "glm-5.2"):
-        urls = ", ".join(f'"{r.url}"' for r in router.pools[name].replicas)
-        lines.append(f'[pools."{name}"]\nreplicas = [{urls}]\nsecret = "fake-secret"\n')
-    pools = "".join(lines)
-    (tmp_path / "pools.toml").write_text(pools)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, KUMO_ADMIN_TOKEN=ADMIN, PYTHONPATH=str(ROOT))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "gateway", "--pools", str(tmp_path / "pools.toml"),
-        "--port", str(port), "--data-dir", str(tmp_path / "data"),
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient(timeout=10) as http:
-            for _ in range(200):
-                try:
-                    if (await http.get(f"{url}/healthz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.1)
-            admin = {"authorization": f"Bearer {ADMIN}"}
-            tenant = (
-                await http.post(
-                    f"{url}/admin/v1/tenants", headers=admin, json={"name": "acme", "plan": "paid"}
-                )
-            ).json()["result"]
-            token = (
-                await http.post(
-                    f"{url}/admin/v1/tenants/{tenant['id']}/tokens", headers=admin, json={"name": "t"}
-                )
-            ).json()["result"]
-            r = await http.post(
-                f"{url}/client/v4/accounts/{tenant['id']}/ai/run/{GLM}",
-                headers={"authorization": f"Bearer {token['value']}"},
-                json={"prompt": "standalone"},
-            )
-            assert r.status_code == 200, r.text
-            assert r.json()["result"]["choices"][0]["message"]["content"] == "echo: standalone"
-    finally:
-        proc.terminate()
-        await proc.wait()
+    async with standalone_gateway(harness, tmp_path, admin_token=ADMIN) as g:
+        r = await g.http.post(
+            f"{g.url}/client/v4/accounts/{g.account}/ai/run/{GLM}",
+            headers={"authorization": f"Bearer {g.token}"},
+            json={"prompt": "standalone"},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["result"]["choices"][0]["message"]["content"] == "echo: standalone"
+        g.proc.terminate()
+        await g.proc.wait()

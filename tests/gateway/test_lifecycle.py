@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_harness import GLM, Harness, harness  # noqa: F401  (fixture)
+from gateway_harness import GLM, Harness, harness, standalone_gateway  # noqa: F401  (fixture)
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
@@ -113,63 +112,28 @@ async def test_the_drain_gate_refuses_new_requests() -> None:
 async def test_sigterm_drains_a_real_gateway(harness: Harness, tmp_path: Path) -> None:
     """Two streams are running when SIGTERM comes: the one that ends before the drain deadline
     finishes normally, the longer one ends with a 3008 error frame; new connections are refused."""
-    router = harness.services.router
-    pools = ""
-    for name in ("kimi-k2.6", "glm-5.2"):
-        urls = ", ".join(f'"{r.url}"' for r in router.pools[name].replicas)
-        pools += f'[pools."{name}"]\nreplicas = [{urls}]\nsecret = "fake-secret"\n'
-    (tmp_path / "pools.toml").write_text(pools)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, KUMO_ADMIN_TOKEN=ADMIN, PYTHONPATH=str(ROOT), KUMO_DRAIN_TIMEOUT_S="2.2")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "gateway", "--pools", str(tmp_path / "pools.toml"),
-        "--port", str(port), "--data-dir", str(tmp_path / "data"),
-        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient(timeout=20) as http:
-            for _ in range(200):
-                try:
-                    if (await http.get(f"{url}/healthz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    await asyncio.sleep(0.1)
-            admin = {"authorization": f"Bearer {ADMIN}"}
-            tenant = (
-                await http.post(f"{url}/admin/v1/tenants", headers=admin, json={"name": "d", "plan": "paid"})
-            ).json()["result"]
-            token = (
-                await http.post(
-                    f"{url}/admin/v1/tenants/{tenant['id']}/tokens", headers=admin, json={"name": "t"}
-                )
-            ).json()["result"]["value"]
-            run = f"{url}/client/v4/accounts/{tenant['id']}/ai/run/{GLM}"
-            auth = {"authorization": f"Bearer {token}"}
+    async with standalone_gateway(harness, tmp_path, admin_token=ADMIN, KUMO_DRAIN_TIMEOUT_S="2.2") as g:
+        http, url, proc = g.http, g.url, g.proc
+        run = f"{url}/client/v4/accounts/{g.account}/ai/run/{GLM}"
+        auth = {"authorization": f"Bearer {g.token}"}
 
-            async def stream(seed: int | None) -> str:
-                body: dict[str, object] = {"messages": [{"role": "user", "content": "slow"}], "stream": True}
-                if seed is not None:
-                    body["seed"] = seed
-                async with http.stream("POST", run, headers=auth, json=body) as r:
-                    assert r.status_code == 200
-                    return "".join([chunk async for chunk in r.aiter_text()])
+        async def stream(seed: int | None) -> str:
+            body: dict[str, object] = {"messages": [{"role": "user", "content": "slow"}], "stream": True}
+            if seed is not None:
+                body["seed"] = seed
+            async with http.stream("POST", run, headers=auth, json=body) as r:
+                assert r.status_code == 200
+                return "".join([chunk async for chunk in r.aiter_text()])
 
-            short = asyncio.create_task(stream(None))  # 6 events: ≈1.8 s
-            long = asyncio.create_task(stream(123456789012345))  # 11 events: ≈3.3 s
-            await asyncio.sleep(0.4)
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            with pytest.raises(httpx.TransportError):  # the listening socket is closed
-                await http.get(f"{url}/healthz")
-            short_frames, long_frames = sse(await short), sse(await long)
-            await asyncio.wait_for(proc.wait(), 10)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        short = asyncio.create_task(stream(None))  # 6 events: ≈1.8 s
+        long = asyncio.create_task(stream(123456789012345))  # 11 events: ≈3.3 s
+        await asyncio.sleep(0.4)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(httpx.TransportError):  # the listening socket is closed
+            await http.get(f"{url}/healthz")
+        short_frames, long_frames = sse(await short), sse(await long)
+        await asyncio.wait_for(proc.wait(), 10)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in short_frames if c.get("choices"))
     assert text == "echo: slow" and not any(error_code(f) for f in short_frames)
     assert error_code(long_frames[-1]) == 3008, long_frames[-1]
