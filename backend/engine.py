@@ -207,12 +207,13 @@ class Engine:
         if r.is_tag_mismatch:
             page, expected, found = self.runner.find_mismatch(seq) or (-1, -1, -1)
             self._stats.tag_check_aborts += 1
-            log.warning(
-                "kv page tag mismatch: request=%s page=%d expected=%d found=%d",
+            log.warning(  # the tenant as its salt's prefix: enough to correlate, never the whole key
+                "kv page tag mismatch: request=%s page=%d expected=%d found=%d tenant=%s",
                 seq.request_id,
                 page,
                 expected,
                 found,
+                seq.request.tenant_salt[:12],
             )
             error = IntegrityAbort(
                 f"Request {seq.request_id} was aborted: KV page {page} carries tag {found}, expected {expected}."

@@ -31,7 +31,7 @@ from tests.backend.engine_helpers import (
 )
 
 NUM_PAGES = 48
-DETECTION = re.compile(r"request=(\S+) page=(\d+) expected=(-?\d+) found=(-?\d+)")
+DETECTION = re.compile(r"request=(\S+) page=(\d+) expected=(-?\d+) found=(-?\d+) tenant=([0-9a-f]{12})$")
 
 
 @pytest.fixture(scope="module")
