@@ -106,15 +106,18 @@ class ChatTemplate:
         extra: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text for `messages`. A template's own `raise_exception` becomes a 400."""
+        """The prompt text for `messages`. A template's own `raise_exception` becomes a 400, and so
+        does a template that fails on what the messages hold (a checkpoint's template iterating a
+        tool message's missing `content`): the input is what it cannot render."""
         variables: dict[str, Any] = dict(extra or {})
         variables.update(reasoning_kwargs(reasoning or Reasoning()))
+        dicts = [message_dict(m) for m in messages]
+        tool_dicts = [tool_dict(t) for t in tools] if tools else None
         try:
             return self._template.render(
-                [message_dict(m) for m in messages],
-                tools=[tool_dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                variables=variables,
+                dicts, tools=tool_dicts, add_generation_prompt=add_generation_prompt, variables=variables
             )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequest(f"chat template: {exc}") from exc
+        except (TypeError, ValueError, LookupError) as exc:
+            raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import TenantContext
-from gateway.body import decode
+from gateway.body import decode, decode_json
 from gateway.errors import BadInput, Busy, KumoError, NotFound, RateLimited, Unavailable
 from gateway.observability import info_of
 from gateway.pools import Router
@@ -97,7 +97,7 @@ def _checked(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
     value.pop("stream_options", None)
     item = msgspec.json.encode(value)
     try:
-        (_legacy_decoder if model.family == "legacy" else _openai_decoder).decode(item)
+        decode_json(item, _legacy_decoder if model.family == "legacy" else _openai_decoder)
     except msgspec.ValidationError as exc:
         raise BadInput(f"Bad input: {exc}".replace("at `$", f"at `$.requests[{i}]")) from exc
     return QueuedRequest(input=msgspec.Raw(item), external_reference=reference)

@@ -8,12 +8,14 @@ body is cut off at the deadline (§4.5). Decode errors name the failing path.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
 
 from gateway.errors import BadInput, MissingBody, Timeout, TooLarge
+
+T = TypeVar("T")
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -37,12 +39,46 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 def decode(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> object:
-    """Typed decode; the 400 names the failing path (`$.messages[0].content`)."""
+    """Typed decode (`decode_json`); the 400 names the failing path (`$.messages[0].content`)."""
     try:
-        return decoder.decode(raw)
+        return decode_json(raw, decoder)
     except msgspec.ValidationError as exc:
         raise BadInput(f"Bad input: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadInput("Bad input: the body is not valid JSON") from exc
     except RecursionError as exc:
         raise BadInput("Bad input: the body is nested too deeply") from exc
+
+
+def decode_json(raw: bytes, decoder: msgspec.json.Decoder[T]) -> T:
+    """`decoder.decode(raw)`, except that a number with no fractional part (`1.0`, `2e3`) fills an
+    integer field: JSON Schema's `integer` admits it, and Workers AI clients are JavaScript, where
+    `1.0 === 1`. msgspec's integers are strict, so only a body that fails the typed decode is read
+    again with its whole floats made integers (the usual path pays nothing); its errors stand."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.ValidationError:
+        value = msgspec.json.decode(raw)
+        if not _has_whole_float(value):
+            raise
+        return decoder.decode(msgspec.json.encode(_whole_floats_as_ints(value)))
+
+
+def _whole_floats_as_ints(value: object) -> object:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_whole_floats_as_ints(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole_floats_as_ints(v) for k, v in value.items()}
+    return value
+
+
+def _has_whole_float(value: object) -> bool:
+    if isinstance(value, float):
+        return value.is_integer()
+    if isinstance(value, list):
+        return any(_has_whole_float(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_whole_float(v) for v in value.values())
+    return False

@@ -33,7 +33,7 @@ def ok(result: Any, **extra: Any) -> Response:
 
 def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
     if not raw.lstrip("-").isdigit() or not low <= int(raw) <= high:
         raise BadInput(f"Bad input: '{name}' must be an integer from {low} to {high}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.openapi_inputs import REF, chat_completions_input, envelope_input, run_input
 from schemas.admin import (
     AuditEntry,
     Models,
@@ -34,11 +36,10 @@ from schemas.admin import (
     UsageGroup,
 )
 from schemas.batch import BatchDone, BatchPoll, BatchStatus, BatchSubmit
-from schemas.catalog import AuthorOut, Membership, ModelObject, SchemaOut, TaskOut
+from schemas.catalog import AuthorOut, Membership, ModelObject, ModelSpec, SchemaOut, TaskOut
 from schemas.openai import ChatCompletion, ChatCompletionRequest, ModelList
 from schemas.workers_ai import ErrorItem, LegacyInput, LegacyResult, ResultInfo, RunEnvelopeInput
 
-REF = "#/components/schemas/{name}"
 ACCOUNT = "/client/v4/accounts/{account_id}"
 HEX32 = "^[0-9a-f]{32}$"
 Security = Literal["tenant", "admin", "none"]
@@ -65,6 +66,8 @@ class Operation:
     is_paged: bool = False
     streams: bool = False  # may answer `text/event-stream` instead
     names_model: bool = False  # the body's `model` must be one of the catalog's (and is required)
+    per_model: bool = False  # `{model}` is documented as one path per catalog model, with its own input
+    bad_request: str = ""  # the 400s a schema-valid request may still get (what JSON Schema cannot state)
     media_type: str = "application/json"
     security: Security = "tenant"
     params: tuple[Param, ...] = field(default_factory=tuple)
@@ -82,20 +85,31 @@ _TASKS = list[TaskOut]
 AI = f"{ACCOUNT}/ai"
 T = "/admin/v1/tenants/{tenant_id}"
 RUN_RESULT = LegacyResult | ChatCompletion | BatchStatus | BatchDone
+CONTEXT_WINDOW = "the input's tokens plus its maximum output tokens over the model's context window"
+RUN_400 = (
+    f"Bad input (5006) the schema cannot state: {CONTEXT_WINDOW}; a field this model refuses (`lora`, "
+    "`functions`, `audio`, `logit_bias`, non-text `modalities`, custom tools, a tool without a name, "
+    "`tool_choice` naming tools not given, a `reasoning_effort` the model does not offer); JSON mode "
+    "with `stream`; `raw` without `prompt`; more images or choices than the gateway serves; "
+    "`queueRequest=true` without `{requests}`, or `{requests}` without it; a queued request that is not "
+    "the model's input."
+)
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation(
         "POST", f"{AI}/run/{{model:path}}", "Run a model; queue a batch (`queueRequest=true`); poll a batch",
         "inference", body=LegacyInput | ChatCompletionRequest | BatchSubmit | BatchPoll, result=RUN_RESULT,
-        streams=True, params=(Param("queueRequest", {"type": "boolean"}),),
+        streams=True, params=(Param("queueRequest", {"type": "boolean"}),), per_model=True, bad_request=RUN_400,
     ),
     Operation(
         "POST", f"{AI}/run", "Run a model named in the body (`{model, input}`)", "inference",
-        body=RunEnvelopeInput, result=RUN_RESULT, streams=True, names_model=True,
+        body=RunEnvelopeInput, result=RUN_RESULT, streams=True, names_model=True, bad_request=RUN_400,
+        params=(Param("queueRequest", {"type": "boolean"}),),
     ),
     Operation(
         "POST", f"{AI}/v1/chat/completions", "OpenAI-compatible chat completions", "openai",
         body=ChatCompletionRequest, result=ChatCompletion, enveloped=False, streams=True, names_model=True,
+        bad_request=RUN_400,
     ),
     Operation("GET", f"{AI}/v1/models", "OpenAI-compatible model list", "openai", result=ModelList, enveloped=False),
     Operation(
@@ -134,7 +148,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("PATCH", T, "Rename a tenant or change its plan", "admin", body=TenantPatch, result=Tenant, security="admin"),
     Operation("DELETE", T, "Delete a tenant (its tokens are revoked)", "admin", result=_ID, security="admin"),
     Operation("POST", f"{T}/tokens", "Create a token (its value is shown once)", "admin", body=TokenCreate,
-              result=TokenCreated, security="admin"),
+              result=TokenCreated, security="admin", bad_request="`expires_at` in the past (6007)"),
     Operation("GET", f"{T}/tokens", "A tenant's tokens", "admin", result=list[Token], security="admin"),
     Operation("DELETE", f"{T}/tokens/{{token_id}}", "Revoke a token", "admin", result=Token, security="admin"),
     Operation("PUT", f"{T}/quotas", "Set a tenant's quotas", "admin", body=QuotasIn, result=Quotas, security="admin"),
@@ -146,6 +160,7 @@ OPERATIONS: tuple[Operation, ...] = (
             Param("since", {"type": "string", "format": "date"}), Param("until", {"type": "string", "format": "date"}),
             Param("group_by", {"enum": ["day", "model"]}),
         ),
+        bad_request="`since` after `until`, or more than 3660 days before it (6007)",
     ),
     Operation("GET", "/admin/v1/audit", "The audit log, newest first", "admin", result=list[AuditEntry],
               is_paged=True, security="admin",
@@ -165,9 +180,9 @@ def openapi_path(route_path: str) -> str:
     return re.sub(r"\{(\w+):\w+\}", r"{\1}", route_path)
 
 
-def document(models: list[str], server_url: str | None = None) -> dict[str, Any]:
-    """The whole OpenAPI 3.1 document; `models` are the catalog's model names (what a `model`
-    path parameter, query parameter or body field may be)."""
+def document(models: Sequence[ModelSpec], server_url: str | None = None) -> dict[str, Any]:
+    """The whole OpenAPI 3.1 document; `models` are the catalog's (what a `model` path parameter,
+    query parameter or body field may be, and what each one's input is)."""
     struct_types: list[Any] = [ErrorItem, ResultInfo]
     for op in OPERATIONS:
         for t in (op.body, op.result):
@@ -193,10 +208,11 @@ def document(models: list[str], server_url: str | None = None) -> dict[str, Any]
         },
         "required": ["result", "success", "errors", "messages"],
     }
+    names = [m.name for m in models]
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
-        path = openapi_path(op.path)
-        paths.setdefault(path, {})[op.method.lower()] = _operation(op, path, schema, models)
+        for path, body in _bodies(op, models, schema):
+            paths.setdefault(path, {})[op.method.lower()] = _operation(op, path, body, schema, names)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -235,7 +251,23 @@ def _model_names(param: dict[str, Any], models: list[str]) -> dict[str, Any]:
     return {k: v for k, v in param.items() if k != "x-catalog-model"} | {"enum": models}
 
 
-def _operation(op: Operation, path: str, schema: Any, models: list[str]) -> dict[str, Any]:
+def _bodies(
+    op: Operation, models: Sequence[ModelSpec], schema: Any
+) -> list[tuple[str, dict[str, Any] | None]]:
+    """The operation's documented paths, each with its request body's schema."""
+    path = openapi_path(op.path)
+    if op.per_model:
+        return [(path.replace("{model}", m.name), run_input(m.family)) for m in models]
+    if op.body is RunEnvelopeInput:
+        return [(path, envelope_input(models))]
+    if op.body is ChatCompletionRequest:
+        return [(path, chat_completions_input())]
+    return [(path, None if op.body is None else schema(op.body))]
+
+
+def _operation(
+    op: Operation, path: str, body: dict[str, Any] | None, schema: Any, models: list[str]
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "summary": op.summary,
         "tags": [op.tag],
@@ -257,13 +289,16 @@ def _operation(op: Operation, path: str, schema: Any, models: list[str]) -> dict
     ]
     if params:
         out["parameters"] = params
-    if op.body is not None:
-        body = schema(op.body)
+    if body is not None:
         if op.names_model:
             body = {"allOf": [body, {"properties": {"model": {"enum": models}}, "required": ["model"]}]}
         out["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     out["security"] = [] if op.security == "none" else [{op.security: []}]
     out["responses"] = {"200": _success(op, schema), "default": _error()}
+    if op.bad_request:
+        out["responses"]["400"] = _error(op.bad_request)
+    if op.streams:  # a generation
+        out["responses"]["408"] = _error("The wall-clock limit (`cf-aig-request-timeout`) ended it (3046)")
     return out
 
 
@@ -291,14 +326,16 @@ def _success(op: Operation, schema: Any) -> dict[str, Any]:
     return {"description": "OK", "content": content}
 
 
-def _error() -> dict[str, Any]:
+def _error(
+    description: str = "An error (4xx/5xx) with its Workers AI code; 429 and 503 carry `Retry-After`",
+) -> dict[str, Any]:
     return {
-        "description": "An error (4xx/5xx) with its Workers AI code; 429 and 503 carry `Retry-After`",
+        "description": description,
         "content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorEnvelope")}}},
     }
 
 
 async def openapi_json(request: Request) -> Response:
     """`GET /openapi.json`."""
-    models = [m.name for m in request.app.state.services.catalog.models]
+    models = request.app.state.services.catalog.models
     return Response(msgspec.json.encode(document(models)), media_type="application/json")

@@ -28,6 +28,8 @@ ModelAllowList = Annotated[list[ModelName], Meta(max_length=10_000)]
 Page = Annotated[int, Meta(ge=1, le=1_000_000)]
 PerPage = Annotated[int, Meta(ge=1, le=1000)]
 TokenCount = Annotated[int, Meta(ge=0)]
+# RFC 3339 with its offset (msgspec states neither the format nor the offset in the schema on its own)
+Expiry = Annotated[dt.datetime, Meta(tz=True, extra_json_schema={"format": "date-time"})]
 
 FREE_DAILY_NEURONS = 10_000.0  # Workers AI's daily allocation on the Free plan (reference §8)
 
@@ -93,7 +95,7 @@ class Tenant(AdminOut):
 # ---- tokens -------------------------------------------------------------------------------------------
 class TokenCreate(AdminIn):
     name: Name
-    expires_at: dt.datetime | None = None
+    expires_at: Expiry | None = None
 
 
 class TokenCreated(AdminOut):

@@ -137,6 +137,15 @@ def test_template_errors_are_invalid_requests() -> None:
         strict.render([Message(role="assistant", content="hi")])
 
 
+def test_a_template_failing_on_the_messages_is_an_invalid_request(glm45_dir: Path) -> None:
+    """GLM-4.5's own template iterates a tool message's content: a tool message without one is
+    the client's mistake (400), not an internal error."""
+    glm45 = ChatTemplate.from_checkpoint(glm45_dir)
+    assert glm45 is not None
+    with pytest.raises(InvalidRequest, match="cannot render these messages"):
+        glm45.render([Message(role="tool", content=None)])
+
+
 def test_sandbox_blocks_python_internals() -> None:
     escape = ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}", {})
     with pytest.raises(InvalidRequest):

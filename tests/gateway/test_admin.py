@@ -213,8 +213,11 @@ async def test_quotas_and_models(admin: Admin) -> None:
     tid = tenant["id"]
     quotas = {"requests_per_minute": 60, "tokens_per_minute": 10_000, "daily_neurons": None}
     assert await admin.ok("PUT", f"/tenants/{tid}/quotas", quotas) == quotas
+    whole = {**quotas, "requests_per_minute": 60.0, "tokens_per_minute": 1e4}  # JavaScript's numbers
+    assert await admin.ok("PUT", f"/tenants/{tid}/quotas", whole) == quotas
     assert (await admin.ok("GET", f"/tenants/{tid}"))["quotas"] == quotas
-    for bad in ({"requests_per_minute": 60}, {**quotas, "requests_per_minute": -1}, {**quotas, "burst": 3}):
+    for bad in ({"requests_per_minute": 60}, {**quotas, "requests_per_minute": -1}, {**quotas, "burst": 3},
+                {**quotas, "requests_per_minute": 60.5}):  # fmt: skip
         assert error_of(await admin.call("PUT", f"/tenants/{tid}/quotas", bad))[:2] == (400, 6007)
 
     token = await admin.ok("POST", f"/tenants/{tid}/tokens", {"name": "k"})

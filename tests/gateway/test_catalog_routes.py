@@ -71,8 +71,9 @@ async def test_filters_and_paging_end(harness: Harness) -> None:
             break
         seen += [e["name"] for e in result]
     assert page == 3 and len(seen) == len(set(seen)) == 4
-    bad = await get(harness, "/ai/models/search", per_page="lots")
-    assert bad.status_code == 400 and "per_page" in bad.json()["errors"][0]["message"]
+    for value in ("lots", ""):  # an empty value is no integer either
+        bad = await get(harness, "/ai/models/search", per_page=value)
+        assert bad.status_code == 400 and "per_page" in bad.json()["errors"][0]["message"]
 
 
 async def test_schema_tasks_authors_memberships(harness: Harness) -> None:

@@ -36,6 +36,22 @@ async def post(h: Harness, body: object, model: str = LEGACY, **kw: object):  # 
     return await h.http.post(h.path(f"/ai/run/{model}"), headers=h.auth(), json=body, **kw)
 
 
+async def test_integers_written_as_whole_floats_are_integers(harness: Harness) -> None:
+    """JSON Schema's `integer` admits `16.0`, and Workers AI clients are JavaScript (16.0 === 16);
+    a fraction is still refused, naming the field."""
+    raw = b'{"prompt": "hi", "max_tokens": 16.0, "top_k": 5e0, "seed": 7.0, "temperature": 1.0}'
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}"),
+        headers={**harness.auth(), "content-type": "application/json"},
+        content=raw,
+    )
+    assert r.status_code == 200, r.text
+    sampling = harness.last.sampling
+    assert (sampling.max_tokens, sampling.top_k, sampling.seed, sampling.temperature) == (16, 5, 7, 1.0)
+    r = await post(harness, {"prompt": "hi", "max_tokens": 16.5})
+    assert r.status_code == 400 and "$.max_tokens" in r.json()["errors"][0]["message"]
+
+
 async def test_messages_and_tool_results_reach_the_backend(harness: Harness) -> None:
     body = {
         "messages": [
