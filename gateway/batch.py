@@ -97,7 +97,8 @@ def _checked(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
     value.pop("stream_options", None)
     item = msgspec.json.encode(value)
     try:
-        decode_json(item, _legacy_decoder if model.family == "legacy" else _openai_decoder)
+        decoder: msgspec.json.Decoder[Any] = _legacy_decoder if model.family == "legacy" else _openai_decoder
+        decode_json(item, decoder)
     except msgspec.ValidationError as exc:
         raise BadInput(f"Bad input: {exc}".replace("at `$", f"at `$.requests[{i}]")) from exc
     return QueuedRequest(input=msgspec.Raw(item), external_reference=reference)

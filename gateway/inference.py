@@ -84,7 +84,8 @@ class Call:
         body = self._decode(raw)
         admission = await self.services.limiter.admit(self.tenant, self.model.name, self._estimate(raw, body))
         try:
-            normalized = await self._normalize(body)
+            async with self.services.lifecycle.bounded():  # image fetches end at the drain deadline
+                normalized = await self._normalize(body)
         except BaseException as exc:
             await self._abandon(admission, [], [], exc)
             raise

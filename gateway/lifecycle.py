@@ -6,7 +6,8 @@ ones; a request that still arrives on an open connection is refused with 503/304
 still running then is ended with the 3008 abort error: a JSON answer, or an error frame on a
 stream. Nothing accepted is dropped without an answer.
 
-The same guard (`Lifecycle.guard`) ends a generation that runs past its wall-clock limit with the
+An image fetch before the generation is bounded by the drain deadline the same way
+(`Lifecycle.bounded`). The same guard (`Lifecycle.guard`) ends a generation that runs past its wall-clock limit with the
 timeout error (408/3046). It wraps the router's event stream, so every wait for the backend's next
 event is bounded by `min(request deadline, drain deadline)`; leaving the wrapped stream closes the
 backend connection, which aborts the request in the engine.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from types import FrameType
 from typing import TypeVar
 
@@ -57,25 +58,33 @@ class Lifecycle:
 
     async def guard(self, events: AsyncGenerator[T, None], timeout_s: float) -> AsyncGenerator[T, None]:
         """`events`, ended with `Timeout` after `timeout_s` or with `Aborted` at the drain deadline."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + timeout_s
         async with contextlib.aclosing(events):
             while True:
-                when = deadline if self._abort_at is None else min(deadline, self._abort_at)
                 try:
-                    async with asyncio.timeout_at(when) as wait:
-                        self._waits.add(wait)
-                        try:
-                            item = await anext(events)
-                        finally:
-                            self._waits.discard(wait)
+                    async with self.bounded(deadline):
+                        item = await anext(events)
                 except StopAsyncIteration:
                     return
-                except TimeoutError as exc:
-                    if self._abort_at is not None and loop.time() >= self._abort_at:
-                        raise Aborted("Request was aborted") from exc
-                    raise Timeout("Request timeout") from exc
                 yield item
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, deadline: float | None = None) -> AsyncIterator[None]:
+        """A wait (a backend's next event, an image fetch) ended with `Timeout` at `deadline` (loop
+        time; None: none) or with `Aborted` at the drain deadline, also one set while it waits."""
+        loop = asyncio.get_running_loop()
+        when = deadline if self._abort_at is None else min(deadline or self._abort_at, self._abort_at)
+        try:
+            async with asyncio.timeout_at(when) as wait:
+                self._waits.add(wait)
+                try:
+                    yield
+                finally:
+                    self._waits.discard(wait)
+        except TimeoutError as exc:
+            if self._abort_at is not None and loop.time() >= self._abort_at:
+                raise Aborted("Request was aborted") from exc
+            raise Timeout("Request timeout") from exc
 
 
 def request_timeout_s(headers: Mapping[str, str], limit_s: float) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_harness import GLM, Harness, harness, standalone_gateway  # noqa: F401  (fixture)
+from gateway_harness import GLM, KIMI, Harness, harness, standalone_gateway  # noqa: F401  (fixture)
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
@@ -140,6 +140,35 @@ async def test_sigterm_drains_a_real_gateway(harness: Harness, tmp_path: Path) -
     assert not any(error_code(f) for f in long_frames[:-1])
     await asyncio.sleep(0.1)
     assert all(b.num_open_streams == 0 for b in harness.backends["glm-5.2"])
+
+
+async def test_sigterm_aborts_a_request_still_fetching_its_image(harness: Harness, tmp_path: Path) -> None:
+    """A request whose image server answers nothing is still fetching at the drain deadline: it is
+    answered with the 3008 abort error, not cut off when the process exits."""
+    accepted = asyncio.Event()
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set()
+        await reader.read()  # until the gateway hangs up
+        writer.close()
+
+    image_server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = image_server.sockets[0].getsockname()[1]
+    env = {"KUMO_DRAIN_TIMEOUT_S": "1", "KUMO_ALLOW_PRIVATE_URLS": "1"}
+    async with image_server, standalone_gateway(harness, tmp_path, admin_token=ADMIN, **env) as g:
+        image = {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}/cat.png"}}
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}]}
+        run = f"{g.url}/client/v4/accounts/{g.account}/ai/run/{KIMI}"
+        request = asyncio.create_task(
+            g.http.post(run, headers={"authorization": f"Bearer {g.token}"}, json=body)
+        )
+        await asyncio.wait_for(accepted.wait(), 10)
+        g.proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        r = await request
+        assert r.status_code == 408 and r.json()["errors"][0]["code"] == 3008, r.text
+        assert 0.8 < time.monotonic() - started < 5  # at the drain deadline, not the 10 s fetch limit
+        await asyncio.wait_for(g.proc.wait(), 10)
 
 
 def test_children_die_with_their_parent(tmp_path: Path) -> None:
