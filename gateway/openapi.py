@@ -102,7 +102,7 @@ OPERATIONS: tuple[Operation, ...] = (
         streams=True, params=(Param("queueRequest", {"type": "boolean"}),), per_model=True, bad_request=RUN_400,
     ),
     Operation(
-        "POST", f"{AI}/run", "Run a model named in the body (`{model, input}`)", "inference",
+        "POST", f"{AI}/run", "Run a model named in the body (`{model, input}`); queue or poll a batch", "inference",
         body=RunEnvelopeInput, result=RUN_RESULT, streams=True, names_model=True, bad_request=RUN_400,
         params=(Param("queueRequest", {"type": "boolean"}),),
     ),

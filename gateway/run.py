@@ -14,10 +14,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway import batch
+from gateway.auth import TenantContext
 from gateway.body import decode, read_body
-from gateway.errors import BadInput, NoRoute, Unsupported
+from gateway.errors import BadInput, NoRoute
 from gateway.inference import Call, authenticate, resolve_model
 from gateway.services import Services
+from schemas.catalog import ModelSpec
 from schemas.workers_ai import RunEnvelopeInput
 
 ACCOUNT_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -46,13 +48,7 @@ async def run_model(request: Request) -> Response:
     tenant = await authenticate(services, request, account_id)
     model = resolve_model(services, request, tenant, name)
     raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
-    if batch.is_queue_request(request):  # async batch (reference §1.6)
-        return await batch.submit(services, tenant, model, raw)
-    job_id = batch.poll_id(raw)
-    if job_id is not None:
-        return await batch.poll(services, tenant, model, job_id)
-    call = Call(services, request, tenant, model, "run")
-    return await call.handle(raw)
+    return await _run(request, tenant, model, raw)
 
 
 async def run_envelope(request: Request) -> Response:
@@ -64,17 +60,23 @@ async def run_envelope(request: Request) -> Response:
     envelope = decode(raw, _envelope_decoder)
     assert isinstance(envelope, RunEnvelopeInput)
     model = resolve_model(services, request, tenant, envelope.model)
-    _refuse_queue(request)
     inner = bytes(envelope.input)
-    if envelope.options is not None and envelope.options.rejectIfBusy:
+    is_batch = batch.is_queue_request(request) or batch.poll_id(inner) is not None
+    if envelope.options is not None and envelope.options.rejectIfBusy and not is_batch:
         inner = _with_reject_if_busy(inner)
-    call = Call(services, request, tenant, model, "run")
-    return await call.handle(inner)
+    return await _run(request, tenant, model, inner)
 
 
-def _refuse_queue(request: Request) -> None:
-    if request.query_params.get("queueRequest", "").lower() == "true":
-        raise Unsupported("Bad input: 'queueRequest' (the async batch API) is not served")
+async def _run(request: Request, tenant: TenantContext, model: ModelSpec, raw: bytes) -> Response:
+    """The model's input run now, or (reference §1.6) a batch queued (`?queueRequest=true` with
+    `{requests}`) or polled (`{request_id}`): the same for `/ai/run/{model}` and `/ai/run`'s input."""
+    services = services_of(request)
+    if batch.is_queue_request(request):
+        return await batch.submit(services, tenant, model, raw)
+    job_id = batch.poll_id(raw)
+    if job_id is not None:
+        return await batch.poll(services, tenant, model, job_id)
+    return await Call(services, request, tenant, model, "run").handle(raw)
 
 
 def _with_reject_if_busy(raw: bytes) -> bytes:

@@ -17,11 +17,17 @@ from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue
 from gateway.store.tables import BatchJobRow
 
 
-async def wait_done(harness: Harness, model: str, job_id: str, timeout_s: float = 20) -> dict:  # type: ignore[type-arg]
+async def wait_done(
+    harness: Harness, model: str, job_id: str, timeout_s: float = 20, *, envelope: bool = False
+) -> dict:  # type: ignore[type-arg]
+    """Poll until done, on `/ai/run/{model}` or (`envelope`) on `/ai/run` with `{model, input}`."""
     seen = set()
+    poll = {"request_id": job_id}
     for _ in range(int(timeout_s / 0.05)):
         r = await harness.http.post(
-            harness.path(f"/ai/run/{model}"), headers=harness.auth(), json={"request_id": job_id}
+            harness.path("/ai/run" if envelope else f"/ai/run/{model}"),
+            headers=harness.auth(),
+            json={"model": model, "input": poll} if envelope else poll,
         )
         assert r.status_code == 200, r.text
         result = r.json()["result"]
@@ -72,6 +78,30 @@ async def test_submit_poll_and_results_with_references(harness: Harness) -> None
     # interactive requests keep priority 0
     await harness.http.post(harness.path(f"/ai/run/{LEGACY}"), headers=harness.auth(), json={"prompt": "now"})
     assert harness.last.priority == 0
+
+
+async def test_the_model_input_envelope_queues_and_polls_too(harness: Harness) -> None:
+    """`POST …/ai/run?queueRequest=true` with `{model, input: {requests}}` queues like the model
+    path does, and `{model, input: {request_id}}` polls; a job polled as another model is unknown."""
+    body = {"model": GLM, "input": {"requests": [{"prompt": "one", "external_reference": "a"}]}}
+    r = await harness.http.post(harness.path("/ai/run?queueRequest=true"), headers=harness.auth(), json=body)
+    assert r.status_code == 200, r.text
+    queued = r.json()["result"]
+    assert queued["status"] == "queued" and queued["model"] == GLM
+    result = await wait_done(harness, GLM, queued["request_id"], envelope=True)
+    [item] = result["responses"]
+    assert item["external_reference"] == "a" and item["success"] is True
+    assert item["result"]["choices"][0]["message"]["content"] == "echo: one"
+    wrong = {"model": LEGACY, "input": {"request_id": queued["request_id"]}}
+    r = await harness.http.post(harness.path("/ai/run"), headers=harness.auth(), json=wrong)
+    assert r.status_code == 404, r.text
+    # queueRequest with a body that is not a batch is a 400, as on the model path
+    r = await harness.http.post(
+        harness.path("/ai/run?queueRequest=true"),
+        headers=harness.auth(),
+        json={"model": GLM, "input": {"prompt": "x"}},
+    )
+    assert r.status_code == 400 and r.json()["errors"][0]["message"].startswith("AiError: Bad input")
 
 
 async def test_openai_family_results_and_failures_per_request(harness: Harness) -> None:
