@@ -46,7 +46,7 @@ from models.recipes.render import Example, Renderer
 
 IGNORE = -100
 PROBE_STEPS = 20
-MAX_AUTO_STEPS = 20_000
+MAX_AUTO_STEPS = 1_000_000
 
 
 class Log:
@@ -100,12 +100,13 @@ class ExpertBalance:
 _renderer: Renderer | None = None  # one per rendering worker process
 
 
-def _render_chunk(args: tuple[str, list[dict[str, Any]]]) -> list[Example]:
+def _render_chunk(args: tuple[str, list[dict[str, Any]]]) -> list[list[Example]]:
     global _renderer
     folder, items = args
     if _renderer is None:
+        torch.set_num_threads(1)  # many rendering processes share the cores with the training
         _renderer = Renderer(folder)
-    return [ex for it in items for ex in _renderer.examples(it)]
+    return [_renderer.examples(it) for it in items]
 
 
 def render_all(
@@ -113,13 +114,20 @@ def render_all(
 ) -> tuple[list[Example], int]:
     """Every item's examples in item order (rendered by `workers` processes), those longer than
     `max_len` dropped (counted)."""
-    chunks = [(str(folder), items[i : i + 500]) for i in range(0, len(items), 500)]
+    # strided chunks: the mixture is written task by task, and image items cost ~50× a text item
+    num_chunks = max(1, len(items) // 500)
+    chunks = [(str(folder), items[i::num_chunks]) for i in range(num_chunks)]
     if workers > 1:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             rendered = pool.map(_render_chunk, chunks)
     else:
         rendered = [_render_chunk(c) for c in chunks]
-    examples = [ex for chunk in rendered for ex in chunk]
+    # back in item order (an item gives one example per assistant turn)
+    per_item: list[list[Example]] = [[] for _ in items]
+    for i in range(num_chunks):
+        for item_index, exs in zip(range(i, len(items), num_chunks), rendered[i], strict=True):
+            per_item[item_index] = exs
+    examples = [ex for exs in per_item for ex in exs]
     kept = [ex for ex in examples if len(ex.token_ids) <= max_len]
     return kept, len(examples) - len(kept)
 
@@ -217,10 +225,10 @@ def fit(
 ) -> list[float]:
     """The training loop; returns the loss averaged over each logging window.
 
-    `steps` 0 fits the schedule to `minutes`: the step time is measured over the first
-    `PROBE_STEPS` steps (inside the warmup, where the schedule's length does not matter yet), then
-    the cosine decay is laid over as many steps as fit in 95% of the time (logged, so a rerun can
-    pass that number)."""
+    `steps` 0 lays the schedule over the wall-clock budget instead of a step count: linear warmup
+    over `warmup` steps, then cosine decay over the time left until `minutes` runs out. Robust when
+    the step time changes mid-run (two trainings sharing one GPU, one of them still rendering); the
+    log records the steps taken."""
     from transformers import get_cosine_schedule_with_warmup
 
     dev = next(model.parameters()).device
@@ -231,10 +239,23 @@ def fit(
         {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    if steps == 0 and warmup < PROBE_STEPS:
-        raise ValueError(f"fitting the steps to the time needs a warmup of at least {PROBE_STEPS} steps")
+    budget = minutes * 60
+    clock: dict[str, float] = {}
+
+    def by_time(step: int) -> float:
+        """The learning-rate factor at `step` when the schedule follows the clock."""
+        if step < warmup:
+            return (step + 1) / warmup
+        begin = clock.setdefault("decay_from", time.monotonic())
+        frac = min(1.0, (time.monotonic() - begin) / max(1e-9, budget - (begin - clock["start"])))
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
     total = steps or MAX_AUTO_STEPS
-    schedule = get_cosine_schedule_with_warmup(opt, warmup, total)
+    if steps:
+        schedule = get_cosine_schedule_with_warmup(opt, warmup, total)
+    else:
+        clock["start"] = time.monotonic()
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, by_time)
     stream = endless(batches(examples, batch_tokens, rng), rng)
     is_cuda = dev.type == "cuda"
     losses: list[float] = []
@@ -254,14 +275,12 @@ def fit(
         load = balance.step()
         window.append(loss.item())
         if steps == 0 and step == PROBE_STEPS:
-            per_step = (time.monotonic() - start) / step
-            total = max(warmup + 1, min(MAX_AUTO_STEPS, int(0.95 * minutes * 60 / per_step)))
-            schedule = get_cosine_schedule_with_warmup(opt, warmup, total, last_epoch=step - 1)
-            log(f"{per_step * 1000:.0f} ms per step: {total} steps fit in {minutes} minutes")
+            log(f"{(time.monotonic() - start) / step * 1000:.0f} ms per step over the first {step}; "
+                f"the cosine follows the clock to {minutes} minutes")  # fmt: skip
         if step % log_every == 0 or step == total:
             losses.append(sum(window) / len(window))
             window = []
-            log(f"step {step}/{total} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
+            log(f"step {step}{f'/{total}' if steps else ''} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
                 f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
         if time.monotonic() - start > minutes * 60:
             if window:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Train both nano models at once on one H200 in one device call (issue 7):
+#   run(command="bash models/recipes/run_on_device.sh 7.5", carry=[".whl"])
+# .whl/ holds transformers 5.24 and the libraries it needs newer than the image's (regex, tokenizers,
+# huggingface_hub 1.x); they go first on the path. Each family's folder (with train.log) comes back
+# as $OUT/<name>.tar, the stdout as $OUT/<family>.stdout.
+set -uo pipefail
+MINUTES=${1:-7.5}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
+    .whl/tokenizers-*.whl .whl/huggingface_hub-*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/tf:.
+python3 -c "import transformers, torch; from transformers import GlmMoeDsaForCausalLM; from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration; print('transformers', transformers.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" || exit 3
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+pids=()
+for fam in kimi glm; do
+    name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
+    workers=$([ $fam = kimi ] && echo 12 || echo 4)  # Kimi's image items are the slow ones to render
+    python3 -m models.recipes.train --family $fam --data /tmp/data-$fam --out "$OUT/$name" \
+        --steps 0 --minutes "$MINUTES" --workers $workers > "$OUT/$fam.stdout" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for name in kimi-k2.6-nano glm-5.2-nano; do [ -d "$OUT/$name" ] && tar -C "$OUT" -cf "$OUT/$name.tar" "$name" && rm -rf "$OUT/$name"; done
+rm -rf "$OUT"/.*.staging  # at most 8 files come back: the two tars and the two logs
+for fam in kimi glm; do echo "== $fam"; grep -vE "step [0-9]+ " "$OUT/$fam.stdout" | tail -15; grep -E "step [0-9]+ " "$OUT/$fam.stdout" | awk 'NR%20==1' | tail -12; done
+exit $rc
