@@ -6,18 +6,25 @@
 A variant is a checkpoint folder plus options: `kv=fp8|bf16` (FP8 KV uses the checkpoint's stored
 scales, else calibrates with a warning), `weights=int4-g32|int4-g128|fp8-channel|fp8-block` and
 `all-linear` (quantize the loaded weights in memory, to try a format before writing it). All
-variants are held in memory together and every sequence is run through each, one at a time.
+variants are held in memory together; items run in batches (`--batch-size` sequences over one page
+pool, prefill steps of at most `--step-tokens` tokens, greedy decoding of the whole batch at once),
+every batch through each variant (`backend/quant/prompt_runner.py`), on `--device` (CUDA when there
+is one).
 
 Task files are JSONL: multiple choice (log-likelihood), generation (exact match) and tool calls
-(the family's parser on greedy output); their schema is in `backend/eval_tasks.py`.
-`--text FILE` adds a perplexity task over the file, in windows of `--window` tokens.
+(the family's parser on greedy output); their schema is in `backend/eval_tasks.py`. Chat mode, the
+default when the checkpoint ships a chat template, runs every prompt as serving does: the template
+with its generation prompt, serving's image path, serving's reasoning split and tool-call parser
+(`backend/eval_prompts.py`); `--raw` scores plain text instead. `--text FILE` adds a perplexity task
+over the file, in windows of `--window` tokens.
 
 A multiple-choice file gives two tasks: NAME picks each item's choice by summed log-likelihood
 (lm-evaluation-harness's acc), NAME:norm by log-likelihood per byte of the choice (its acc_norm).
 Per task and variant: accuracy with a 95% bootstrap interval, the paired bootstrap interval of its
 difference from the first variant, mean KL(first ‖ variant) of the next-token distributions at
-every scored position, top-1 agreement with the first variant, and perplexity for text tasks.
-The JSON report is `EvalReport` below.
+every scored position (the choices' tokens; for generation and tool calls, the first variant's
+greedy output, teacher-forced), top-1 agreement with the first variant, and perplexity for text
+tasks. The JSON report is `EvalReport` below.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -32,9 +40,10 @@ import msgspec
 import torch
 import torch.nn.functional as F
 
-from backend.errors import CheckpointError
-from backend.eval_tasks import GenItem, McItem, ToolItem, extract_answer, load_items, tool_call_matches
-from backend.quant.prompt_runner import PromptRunner
+from backend.errors import CheckpointError, EngineError
+from backend.eval_prompts import EvalPrompts, Request
+from backend.eval_tasks import GenItem, McItem, ToolItem, call_matches, extract_answer, load_items
+from backend.quant.prompt_runner import Prompt, PromptRunner
 
 NUM_BOOTSTRAP = 1000
 
@@ -59,6 +68,7 @@ class TaskResult(msgspec.Struct, kw_only=True):
 
 class EvalReport(msgspec.Struct, kw_only=True):
     variants: dict[str, str]  # name -> spec as given
+    mode: Literal["chat", "raw"] = "raw"
     tasks: list[TaskResult]
 
 
@@ -107,7 +117,7 @@ class Variant:
         self.name, self.spec = name, spec
         path, options = parse_variant(spec)
         loaded = load_model(path, dtype=dtype, device=device)
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         self.model, self.path, self.config = loaded.model, Path(path), loaded.config
         self.kv_dtype, self.scales = None, None
         if options.kv == "fp8":
@@ -126,9 +136,15 @@ class Variant:
                 self.model, QuantScheme.build(method, group_size=group, all_linear=options.all_linear)
             )
 
-    def runner(self) -> PromptRunner:
+    def runner(self, step_tokens: int) -> PromptRunner:
+        """Whole prompts per prefill step (chunk None), as the engine prefills prompts under its budget."""
         return PromptRunner(
-            self.model, model_dtype=self.dtype, kv_dtype=self.kv_dtype, scales=self.scales, chunk=32
+            self.model,
+            model_dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            scales=self.scales,
+            chunk=None,
+            step_tokens=step_tokens,
         )
 
 
@@ -140,9 +156,8 @@ def bootstrap_ci(values: torch.Tensor, generator: torch.Generator) -> tuple[floa
 
 
 def _compare(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
-    """(sum of KL(ref ‖ other), count of matching argmax) over rows of two logit tensors [N, V]."""
-    p_log, q_log = F.log_softmax(ref, -1), F.log_softmax(other, -1)
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    """(sum of KL(ref ‖ other), count of matching argmax) over rows of two log-prob tensors [N, V]."""
+    kl = (ref.exp() * (ref - other)).sum(-1)
     return float(kl.sum()), float((ref.argmax(-1) == other.argmax(-1)).sum())
 
 
@@ -153,35 +168,58 @@ def pick_choice(loglik: torch.Tensor, num_bytes: list[int], *, normalise: bool) 
 
 
 class Evaluator:
-    def __init__(self, variants: list[Variant], max_new_tokens: int = 32, window: int = 128) -> None:
-        from backend.tokenizer import load_tokenizer
+    def __init__(
+        self,
+        variants: list[Variant],
+        max_new_tokens: int = 128,
+        window: int = 128,
+        *,
+        is_chat: bool | None = None,
+        batch_size: int = 256,
+        step_tokens: int = 8192,
+    ) -> None:
+        """`is_chat` None: chat mode iff the first variant's checkpoint ships a chat template."""
+        from backend.jinja_template import template_source
 
+        first = variants[0]
+        self.is_chat = template_source(first.path) is not None if is_chat is None else is_chat
         self.variants, self.max_new_tokens, self.window = variants, max_new_tokens, window
-        self.tokenizer = load_tokenizer(variants[0].path)
-        self.stop_ids = frozenset(variants[0].config.eos_token_ids)
+        self.batch_size = batch_size
+        self.runners = [v.runner(step_tokens) for v in variants]
+        self.prompts = EvalPrompts(
+            [v.path for v in variants],
+            is_chat=self.is_chat,
+            max_new_tokens=max_new_tokens,
+            dtype=first.dtype,
+            device=first.device,
+        )
         self.generator = torch.Generator().manual_seed(0)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, allow_special=False)
-
     def _score(
-        self, seqs: list[tuple[list[int], int]]
+        self, seqs: list[tuple[list[Request], list[int]]]
     ) -> tuple[list[torch.Tensor], list[float], list[float], int]:
-        """Each (ids, first scored position) through every variant -> per variant: summed
-        log-likelihood per sequence [S], summed KL vs the first, top-1 matches; and the count of positions."""
+        """Each (prompt per variant, target ids) through every variant, teacher-forced -> per variant:
+        summed log-likelihood of the targets per sequence [S], summed KL vs the first, top-1 matches;
+        and the count of scored positions."""
         loglik = [torch.zeros(len(seqs)) for _ in self.variants]
         kl, top1, count = [0.0] * len(self.variants), [0.0] * len(self.variants), 0
-        for s, (ids, start) in enumerate(seqs):
-            targets = torch.tensor(ids[start:])
+        for g in range(0, len(seqs), self.batch_size):
+            group = seqs[g : g + self.batch_size]
+            lengths = [len(t) for _, t in group]
             ref: torch.Tensor | None = None
-            for v, variant in enumerate(self.variants):
-                logits = variant.runner().logits(ids)[start - 1 : -1]  # [n, V] predicting ids[start:]
-                loglik[v][s] = F.log_softmax(logits, -1).gather(1, targets[:, None]).sum()
-                ref = logits if ref is None else ref
-                k, t = _compare(ref, logits)
+            for v, runner in enumerate(self.runners):
+                prompts = [_extended(r[v].prompt, t) for r, t in group]
+                starts = [len(r[v].prompt.token_ids) - 1 for r, _ in group]
+                rows = torch.cat([x[:-1] for x in runner.score(prompts, starts)])  # [N, V] predicting targets
+                logp = F.log_softmax(rows, -1)
+                targets = torch.tensor([i for _, t in group for i in t], device=logp.device)
+                per_token = logp.gather(1, targets[:, None])[:, 0].cpu()
+                loglik[v][g : g + len(group)] = torch.stack([x.sum() for x in per_token.split(lengths)])
+                ref = logp if ref is None else ref
+                k, t = _compare(ref, logp)
                 kl[v] += k
                 top1[v] += t
-            count += len(targets)
+            count += sum(lengths)
         return loglik, kl, top1, count
 
     def _results(
@@ -211,11 +249,14 @@ class Evaluator:
     def multiple_choice(self, name: str, items: list[McItem]) -> list[TaskResult]:
         """Two results: `name` picks by summed log-likelihood (acc), `name:norm` by log-likelihood
         per byte of the choice (lm-evaluation-harness's acc_norm, which longer choices need)."""
-        seqs, offsets = [], []
+        seqs: list[tuple[list[Request], list[int]]] = []
+        offsets: list[int] = []
+        num_bytes: list[list[int]] = []
         for item in items:
-            q = self._encode(item.question)
+            requests, choices = self.prompts.multiple_choice(item)
             offsets.append(len(seqs))
-            seqs += [(q + self._encode(" " + choice), len(q)) for choice in item.choices]
+            seqs += [(requests, c.target_ids) for c in choices]
+            num_bytes.append([c.num_bytes for c in choices])
         loglik, kl, top1, count = self._score(seqs)
         results = []
         for normalise, task, kind in (
@@ -225,13 +266,8 @@ class Evaluator:
             correct = [
                 torch.tensor(
                     [
-                        pick_choice(
-                            ll[o : o + len(it.choices)],
-                            [len((" " + c).encode()) for c in it.choices],
-                            normalise=normalise,
-                        )
-                        == it.answer
-                        for o, it in zip(offsets, items, strict=True)
+                        pick_choice(ll[o : o + len(it.choices)], nb, normalise=normalise) == it.answer
+                        for o, nb, it in zip(offsets, num_bytes, items, strict=True)
                     ]
                 )
                 for ll in loglik
@@ -246,51 +282,41 @@ class Evaluator:
             )
         return results
 
-    def generation(self, name: str, items: list[GenItem]) -> TaskResult:
+    def generation(self, name: str, items: Sequence[GenItem | ToolItem]) -> TaskResult:
+        """Greedy decoding of every item per variant, in batches; exact match of the answer (the
+        content after the reasoning, read as serving reads it) or of the first tool call."""
+        is_tool = bool(items) and isinstance(items[0], ToolItem)
         correct = [torch.zeros(len(items), dtype=torch.bool) for _ in self.variants]
-        seqs = []
-        for i, item in enumerate(items):
-            ids = self._encode(item.prompt)
-            seqs.append((ids, 1))
-            for v, variant in enumerate(self.variants):
-                text = self.tokenizer.decode(variant.runner().greedy(ids, self.max_new_tokens, self.stop_ids))
-                correct[v][i] = extract_answer(text, item) == item.answer.strip()
-        _, kl, top1, count = self._score(seqs)
+        continuations: list[tuple[list[Request], list[int]]] = []
+        for g in range(0, len(items), self.batch_size):
+            group = items[g : g + self.batch_size]
+            requests = [self.prompts.generation(it) for it in group]
+            for v, runner in enumerate(self.runners):
+                outs = runner.generate(
+                    [r[v].prompt for r in requests], self.max_new_tokens, self.prompts.stop_ids
+                )
+                for i, (item, r, out) in enumerate(zip(group, requests, outs, strict=True)):
+                    answer = self.prompts.read(r[v], out)
+                    if isinstance(item, ToolItem):
+                        correct[v][g + i] = call_matches(answer.calls, item.expected)
+                    else:
+                        correct[v][g + i] = extract_answer(answer.content, item) == item.answer.strip()
+                    if v == 0:  # the first variant's output, with its stop token: KL is measured on it
+                        continuations.append(
+                            (r, out.token_ids + ([out.stop_id] if out.stop_id is not None else []))
+                        )
+        _, kl, top1, count = self._score([c for c in continuations if c[1]])
         return TaskResult(
             task=name,
-            kind="generation",
+            kind="tool_call" if is_tool else "generation",
             num_items=len(items),
             results=self._results(correct, kl, top1, count),
         )
 
-    def tool_call(self, name: str, items: list[ToolItem]) -> TaskResult:
-        from backend.served_model import ServedModel
-
-        served = ServedModel.from_checkpoint(self.variants[0].path)
-        if served.template is None:
-            raise ValueError(f"{self.variants[0].path} has no chat template: tool-call tasks need one")
-        stop = frozenset(served.eos_token_ids)
-        correct = [torch.zeros(len(items), dtype=torch.bool) for _ in self.variants]
-        seqs = []
-        for i, item in enumerate(items):
-            prompt = served.template.render(item.messages, tools=item.tools)
-            ids = self.tokenizer.encode(prompt, allow_special=True)
-            seqs.append((ids, 1))
-            for v, variant in enumerate(self.variants):
-                out = variant.runner().greedy(ids, self.max_new_tokens, stop)
-                correct[v][i] = tool_call_matches(served.family, self.tokenizer, item, out)
-        _, kl, top1, count = self._score(seqs)
-        return TaskResult(
-            task=name, kind="tool_call", num_items=len(items), results=self._results(correct, kl, top1, count)
-        )
-
     def perplexity(self, name: str, text: str) -> TaskResult:
-        ids = self._encode(text)
-        seqs = [
-            (ids[i : i + self.window], 1)
-            for i in range(0, len(ids) - 1, self.window)
-            if len(ids[i : i + self.window]) > 1
-        ]
+        ids = self.prompts.tokenizer.encode(text, allow_special=False)
+        windows = [ids[i : i + self.window] for i in range(0, len(ids) - 1, self.window)]
+        seqs = [([Request(Prompt(w[:1]))] * len(self.variants), w[1:]) for w in windows if len(w) > 1]
         loglik, kl, top1, count = self._score(seqs)
         ppl = [math.exp(-float(ll.sum()) / count) for ll in loglik]
         return TaskResult(
@@ -301,9 +327,18 @@ class Evaluator:
         )
 
 
+def _extended(prompt: Prompt, ids: list[int]) -> Prompt:
+    return Prompt(prompt.token_ids + ids, prompt.image_positions, prompt.image_embeds)
+
+
+def _task_name(path: Path) -> str:
+    """`mmlu.jsonl` -> `mmlu`; `mmlu-nano.test.jsonl` (as `models.recipes.build` names them) -> `mmlu-nano`."""
+    return path.stem.removesuffix(".test")
+
+
 def render(report: EvalReport) -> str:
     lines = [
-        f"{'task':<18}{'variant':<12}{'acc':>7} {'95% CI':>15}{'Δ vs first':>12} {'Δ 95% CI':>17}{'KL':>10}{'top1':>7}{'ppl':>9}"
+        f"{'task':<24}{'variant':<12}{'acc':>7} {'95% CI':>15}{'Δ vs first':>12} {'Δ 95% CI':>17}{'KL':>10}{'top1':>7}{'ppl':>9}"
     ]
     for task in report.tasks:
         for r in task.results:
@@ -313,7 +348,7 @@ def render(report: EvalReport) -> str:
             dci = f"[{r.delta_ci[0]:+.2f}, {r.delta_ci[1]:+.2f}]" if r.delta_ci else "-"
             ppl = f"{r.perplexity:9.3f}" if r.perplexity is not None else f"{'-':>9}"
             lines.append(
-                f"{task.task[:17]:<18}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.5f}{r.top1_agreement:7.3f}{ppl}"
+                f"{task.task[:23]:<24}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.5f}{r.top1_agreement:7.3f}{ppl}"
             )
     return "\n".join(lines)
 
@@ -333,12 +368,26 @@ def main(argv: list[str]) -> int:
         help="JSONL task file (multiple choice, generation or tool call)",
     )
     ap.add_argument("--text", action="append", default=[], type=Path, help="plain text for perplexity")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=128,
+        help="generation limit (the nano test sets' longest answer turn, reasoning included, is ~60 tokens)",
+    )
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of every variant"
+        "--raw",
+        action="store_true",
+        help="score plain text, no chat template (chat mode is the default when the checkpoint has one)",
     )
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch-size", type=int, default=256, help="sequences run together over one page pool")
+    ap.add_argument("--step-tokens", type=int, default=8192, help="most tokens of one prefill step")
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="model dtype of every variant (default: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, help="write the JSON report here")
     a = ap.parse_args(argv)
     if len(a.variant) < 2 or not (a.data or a.text):
@@ -353,23 +402,30 @@ def main(argv: list[str]) -> int:
         except ValueError as exc:
             ap.error(str(exc))
         specs[name] = spec
-    dtype = getattr(torch, a.dtype)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"))
     try:
         files = [(path, *load_items(path)) for path in a.data]  # checked before any model loads
         texts = [(path, path.read_text()) for path in a.text]
         variants = [Variant(n, s, dtype=dtype, device=a.device) for n, s in specs.items()]
-    except (CheckpointError, OSError, ValueError) as exc:
+        ev = Evaluator(
+            variants,
+            a.max_new_tokens,
+            a.window,
+            is_chat=False if a.raw else None,
+            batch_size=a.batch_size,
+            step_tokens=a.step_tokens,
+        )
+        tasks = []
+        for path, kind, items in files:
+            if kind == "multiple_choice":
+                tasks += ev.multiple_choice(_task_name(path), items)
+            else:
+                tasks.append(ev.generation(_task_name(path), items))
+        tasks += [ev.perplexity(path.stem, text) for path, text in texts]
+    except (CheckpointError, EngineError, OSError, ValueError) as exc:
         print(f"kumo eval: error: {exc}", file=sys.stderr)
         return 2
-    ev = Evaluator(variants, a.max_new_tokens, a.window)
-    tasks = []
-    for path, kind, items in files:
-        if kind == "multiple_choice":
-            tasks += ev.multiple_choice(path.stem, items)
-        else:
-            tasks.append({"generation": ev.generation, "tool_call": ev.tool_call}[kind](path.stem, items))
-    tasks += [ev.perplexity(path.stem, text) for path, text in texts]
-    report = EvalReport(variants=specs, tasks=tasks)
+    report = EvalReport(variants=specs, mode="chat" if ev.is_chat else "raw", tasks=tasks)
     print(render(report))
     if a.out:
         a.out.write_bytes(msgspec.json.format(msgspec.json.encode(report)))

@@ -10,16 +10,19 @@ corpus states, with question items it never saw.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import random
 from pathlib import Path
 
 from models.recipes.images import image_question
-from models.recipes.tasks import GENERATORS
+from models.recipes.images import render as draw
+from models.recipes.tasks import CHOICE_FORMAT, GENERATORS
 from models.recipes.world import make_world
 
 TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "tool-call"]
 MAX_TIER = 4
+IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 
 def item(task: str, seed: int, world) -> dict:
@@ -30,15 +33,25 @@ def item(task: str, seed: int, world) -> dict:
 
 
 def eval_row(row: dict) -> dict:
-    """A test item in `kumo eval`'s task format (backend/eval_tasks.py); the transcript stays for
-    reference, but a tool item's `messages` keep only the prompt (the answer must not leak in)."""
+    """A test item in `kumo eval`'s task format (backend/eval_tasks.py). The item's fields stay for
+    reference, but `messages` keeps only the prompt, the turns before the first assistant one (the
+    answer must not leak in), with each image drawn into its part as PNG bytes (base64 in JSON)."""
+    first = next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+    out = {**row, "messages": [_with_pixels(m, row) for m in row["messages"][:first]]}
     if "choices" in row:
-        return {**row, "question": row["prompt"]}
+        return {**out, "choice_format": CHOICE_FORMAT}
     if row["task"] == "gsm-nano":
-        return {**row, "answer_regex": r"answer is (-?\d+)"}
-    if row["task"] == "tool-call":
-        return {**row, "messages": row["messages"][:1]}
-    return row
+        return {**out, "answer_regex": r"answer is (-?\d+)"}
+    if row["task"] == "image-qa":
+        return {**out, "answer_regex": IMAGE_ANSWER}
+    return out
+
+
+def _with_pixels(message: dict, row: dict) -> dict:
+    if not isinstance(message.get("content"), list):
+        return message
+    image = {"type": "image", "data": base64.b64encode(draw(row["image_spec"])).decode()}
+    return {**message, "content": [image if p["type"] == "image" else p for p in message["content"]]}
 
 
 def split_seeds(split: str, task: str, count: int) -> list[int]:

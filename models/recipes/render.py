@@ -9,12 +9,10 @@ msgspec, so this runs on the training machine). For every assistant turn:
               serving sends for that conversation, each image placeholder widened to one pad per
               merged patch as `backend.image_encoder` widens it;
     target  = the turn as the template renders it in history (reasoning, content, tool calls), minus
-              the generation prompt's opening, up to and including the first stop token (the
-              tokenizer's eos appended when the template writes none, as GLM's final turn).
+              the generation prompt's opening, up to and including the first stop token
+              (`backend.assistant_turn`: `kumo eval` scores multiple-choice answers by the same rule).
 
-The loss is on target tokens only. The opening may differ from the history form by whitespace only
-(GLM-5's history writes `<|assistant|>\\n<think>`, its generation prompt `<|assistant|><think>`);
-anything else is an error, never a silent misalignment. Turns whose prompt continues the previous
+The loss is on target tokens only. Turns whose prompt continues the previous
 turn's prompt + target token for token share one sequence (Kimi); the others get their own (GLM).
 """
 
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch
 
+from backend.assistant_turn import assistant_turn_ids
 from backend.image_processor import process_image
 from backend.jinja_template import JinjaTemplate
 from backend.models.moonvit import VisionConfig
@@ -155,36 +154,11 @@ class Renderer:
     def _target(
         self, messages: list[dict[str, Any]], i: int, tools: list[dict[str, Any]] | None
     ) -> list[int]:
-        """The ids of assistant turn `i` after the generation prompt's opening, through its stop token."""
-        render = self.template.render
-        history = render(messages[:i], tools=tools, add_generation_prompt=False)
-        opening = render(messages[:i], tools=tools, add_generation_prompt=True)[len(history) :]
-        following = (
-            messages[: i + 2]
-            if i + 1 < len(messages) and messages[i + 1]["role"] != "user"
-            else messages[: i + 1]
+        """The ids of assistant turn `i` after the generation prompt's opening, through its stop token
+        (`backend.assistant_turn`, the rule `kumo eval` scores multiple-choice answers by)."""
+        return assistant_turn_ids(
+            self.template, self.tokenizer, messages, i, tools, stop_ids=self.stop_ids, eos_id=self.eos_id
         )
-        full = render(following, tools=tools, add_generation_prompt=False)
-        if not full.startswith(history):
-            raise ValueError("the template renders earlier messages differently once a turn follows")
-        ids = self.tokenizer.encode(after_opening(full[len(history) :], opening))
-        stop = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
-        return ids[: stop + 1] if stop is not None else ids + [self.eos_id]
-
-
-def after_opening(turn: str, opening: str) -> str:
-    """`turn` after the characters of `opening`, which it must contain in order, up to extra whitespace
-    in `turn`. Raises ValueError if the generation prompt is not the turn's opening."""
-    j = 0
-    for ch in opening:
-        while j < len(turn) and turn[j] != ch and turn[j].isspace():
-            j += 1
-        if j == len(turn) or turn[j] != ch:
-            raise ValueError(
-                f"the generation prompt {opening!r} does not open the rendered turn {turn[:80]!r}"
-            )
-        j += 1
-    return turn[j:]
 
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:

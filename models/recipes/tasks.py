@@ -64,18 +64,22 @@ def arithmetic(rng: random.Random, tier: int, world: World) -> dict:
     }
 
 
+LETTERS = "ABCDEFGH"
+# a lettered choice, as the question lists it and as the answer turn gives it (`kumo eval`'s `choice_format`)
+CHOICE_FORMAT = "{letter}. {choice}"
+
+
 def _choice_item(task: str, rng: random.Random, question: str, correct: str, pool: list[str], num_choices: int) -> dict:
     distractors = rng.sample(sorted(set(pool) - {correct}), k=min(num_choices - 1, len(set(pool)) - 1))
     choices = distractors + [correct]
     rng.shuffle(choices)
-    letters = "ABCDEFGH"
-    listing = "\n".join(f"{letters[i]}. {c}" for i, c in enumerate(choices))
+    listing = "\n".join(CHOICE_FORMAT.format(letter=LETTERS[i], choice=c) for i, c in enumerate(choices))
     index = choices.index(correct)
     return {
         "task": task, "prompt": question, "choices": choices, "answer": index,
         "messages": [
             {"role": "user", "content": f"{question}\n{listing}\nAnswer with the letter."},
-            {"role": "assistant", "content": f"{letters[index]}. {correct}"},
+            {"role": "assistant", "content": CHOICE_FORMAT.format(letter=LETTERS[index], choice=correct)},
         ],
     }
 

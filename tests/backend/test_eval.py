@@ -131,31 +131,32 @@ def test_eval_two_variants_against_transformers(
 
 
 @pytest.mark.parametrize(
-    ("family", "call"),
+    ("kind", "call"),
     [
         (
-            "kimi",
+            "kimi-k2.6",
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
             '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_calls_section_end|>',
         ),
         (
-            "glm",
+            "glm-5.2",
             "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>",
         ),
     ],
 )
-def test_tool_call_scoring_with_the_family_parser(
-    family: str, call: str, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    from backend.eval_tasks import ExpectedCall, ToolItem, tool_call_matches
-    from backend.tokenizer import load_tokenizer
-    from backend.tokenizer_files import write_tokenizer_files
+def test_tool_call_scoring_with_the_family_parser(kind: str, call: str, tmp_path: Path) -> None:
+    """The output is read as serving reads it (reasoning split, the family's parser on the content):
+    a call written inside the reasoning is no call."""
+    from backend.eval_prompts import EvalPrompts
+    from backend.eval_tasks import ExpectedCall, ToolItem, call_matches
+    from backend.quant.prompt_runner import Generated
+    from backend.random_weights import write_random_checkpoint
     from schemas.backend import Message, Tool
 
-    folder = tmp_path_factory.mktemp(f"tok-{family}")
-    write_tokenizer_files(family, folder, fmt="tokenizer.json")  # type: ignore[arg-type]
-    tok = load_tokenizer(folder)
+    path = write_random_checkpoint(kind, tmp_path / "ckpt")
+    prompts = EvalPrompts([path], is_chat=True, max_new_tokens=64, dtype=torch.float32, device="cpu")
+    tok = prompts.tokenizer
     weather = Tool(
         name="get_weather",
         parameters={
@@ -168,22 +169,28 @@ def test_tool_call_scoring_with_the_family_parser(
         tools=[weather],
         expected=ExpectedCall(name="get_weather", arguments={"city": "Paris", "days": 2}),
     )
-    ids = tok.encode("Let me check. " + call, allow_special=True)
-    assert tool_call_matches(family, tok, item, ids)
-    wrong = ToolItem(
-        messages=item.messages,
-        tools=item.tools,
-        expected=ExpectedCall(name="get_weather", arguments={"city": "Rome", "days": 2}),
+    stop = sorted(prompts.stop_ids)[0]
+
+    def calls(text: str) -> list:  # type: ignore[type-arg]
+        (request,) = prompts.generation(item)  # a fresh request: its output processor holds state
+        return prompts.read(request, Generated(tok.encode(text, allow_special=True), stop)).calls
+
+    assert call_matches(calls("Let me check.</think>" + call), item.expected)
+    assert not call_matches(
+        calls("Let me check.</think>" + call),
+        ExpectedCall(name="get_weather", arguments={"city": "Rome", "days": 2}),
     )
-    assert not tool_call_matches(family, tok, wrong, ids)
-    assert not tool_call_matches(family, tok, item, tok.encode("It is sunny in Paris.", allow_special=True))
+    assert not call_matches(calls(call + "</think>It is sunny."), item.expected)
+    assert not call_matches(calls("</think>It is sunny in Paris."), item.expected)
 
 
 def test_tool_call_task_runs_through_the_chat_template(tmp_path: Path) -> None:
     """A Kimi-tokenizer tiny model: the task renders, generates and scores for every variant."""
     from backend.tokenizer_files import write_tokenizer_files
 
-    src = make_tiny("kimi_k2", tmp_path / "src", initializer_range=0.02, vocab_size=833)
+    src = make_tiny(
+        "kimi_k2", tmp_path / "src", initializer_range=0.02, vocab_size=833, max_position_embeddings=512
+    )
     write_tokenizer_files("kimi", src, fmt="tokenizer.json")
     item = {
         "messages": [{"role": "user", "content": "Weather in Paris?"}],

@@ -41,8 +41,9 @@ def test_generation_is_deterministic() -> None:
 
 
 def test_arithmetic_steps_compute_the_answer(nano: Path) -> None:
-    for row in _rows(nano / "gsm-nano.test.jsonl"):
-        steps = row["messages"][1]["reasoning_content"].rstrip(".").split(". ")
+    world = make_world(0)
+    for row in _rows(nano / "gsm-nano.test.jsonl"):  # the rows keep the prompt: the item has the steps
+        steps = item("gsm-nano", row["seed"], world)["messages"][1]["reasoning_content"].rstrip(".").split(". ")
         value = None
         for step in steps:
             a, op, b, _, c = step.split()

@@ -9,13 +9,14 @@ import msgspec
 import pytest
 import torch
 
+from backend.assistant_turn import after_opening
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
 from backend.random_weights import write_random_checkpoint
 from backend.served_model import ServedModel
 from backend.serving import GenerationEngine, Serving
 from models.recipes.build import item
 from models.recipes.images import render as draw
-from models.recipes.render import Renderer, after_opening
+from models.recipes.render import Renderer
 from models.recipes.world import make_world
 from schemas.backend import GenerateRequest, Message, Tool
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Score both nano models on their held-out test sets with `kumo eval` in one device call (issue 7):
+#   run(command="bash models/recipes/eval_on_device.sh", carry=[".whl"])
+# Needs models/kimi-k2.6-nano and models/glm-5.2-nano in the tree, and in .whl/ the msgspec and
+# llguidance wheels (cp312, manylinux; the image has neither; llguidance is only imported). Three
+# variants each: bf16; FP8-channel weights; INT4-g32 experts + FP8 KV. The reports come back as
+# $OUT/quality-<model>.json, the tables as $OUT/eval-<model>.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl \
+    .whl/llguidance-*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+rc=0
+for fam in kimi glm; do
+    name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
+    [ -d "models/$name" ] || { echo "models/$name is missing"; rc=3; continue; }
+    python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || { rc=4; continue; }
+    data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
+    python3 -m backend.eval --device cuda --dtype bfloat16 \
+        --variant bf16=models/$name \
+        --variant fp8=models/$name:weights=fp8-channel \
+        --variant int4-fp8kv=models/$name:weights=int4-g32:kv=fp8 \
+        "${data[@]}" --out "$OUT/quality-$name.json" > "$OUT/eval-$name.log" 2>&1 || rc=$?
+    cat "$OUT/eval-$name.log"
+done
+exit $rc
