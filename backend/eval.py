@@ -348,7 +348,7 @@ def render(report: EvalReport) -> str:
             dci = f"[{r.delta_ci[0]:+.2f}, {r.delta_ci[1]:+.2f}]" if r.delta_ci else "-"
             ppl = f"{r.perplexity:9.3f}" if r.perplexity is not None else f"{'-':>9}"
             lines.append(
-                f"{task.task[:23]:<24}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.5f}{r.top1_agreement:7.3f}{ppl}"
+                f"{task.task[:23]:<24}{r.variant[:11]:<12}{acc} {ci:>15}{d:>12} {dci:>17}{r.mean_kl:10.2e}{r.top1_agreement:7.3f}{ppl}"
             )
     return "\n".join(lines)
 

@@ -11,17 +11,24 @@ mkdir -p "$OUT"
 rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl \
     .whl/llguidance-*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-rc=0
-for fam in kimi glm; do
-    name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
-    [ -d "models/$name" ] || { echo "models/$name is missing"; rc=3; continue; }
-    python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || { rc=4; continue; }
-    data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
+evaluate() {  # one model: its test sets, then the three variants
+    local fam=$1 name=$2
+    python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || return 4
+    local data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
     python3 -m backend.eval --device cuda --dtype bfloat16 \
         --variant bf16=models/$name \
         --variant fp8=models/$name:weights=fp8-channel \
         --variant int4-fp8kv=models/$name:weights=int4-g32:kv=fp8 \
-        "${data[@]}" --out "$OUT/quality-$name.json" > "$OUT/eval-$name.log" 2>&1 || rc=$?
-    cat "$OUT/eval-$name.log"
+        "${data[@]}" --out "$OUT/quality-$name.json"
+}
+pids=()
+for fam in kimi glm; do  # both at once: the models are small, the GPU and the 16 cores are shared
+    name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
+    [ -d "models/$name" ] || { echo "models/$name is missing"; exit 3; }
+    (time evaluate $fam $name) > "$OUT/eval-$name.log" 2>&1 &
+    pids+=($!)
 done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+for name in kimi-k2.6-nano glm-5.2-nano; do echo "== $name"; cat "$OUT/eval-$name.log"; done
 exit $rc
