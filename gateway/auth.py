@@ -3,24 +3,29 @@
 A tenant token resolves, through the store, to a `TenantContext`; the result is cached in this
 replica for `cache_seconds`, so a revoked token stops working everywhere within that window
 (and at once on the replica that revoked it, through `forget`). The cache keys on the token's
-SHA-256, never on the value. Admin tokens are checked against the store on every call: admin
+SHA-256, never on the value. An entry past half its window is still served while a background
+read refreshes it, so a token in steady use never waits on the store (its round trip, a write of
+`last_used_at`, was the gateway's slowest step); none is served past the window. Admin tokens are checked against the store on every call: admin
 traffic is rare and its revocation must be immediate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.errors import Forbidden, Unauthenticated, Unavailable
 from gateway.store import Credential, Store, sha256_hex
 from schemas.admin import Quotas
 
+log = structlog.get_logger("kumo.auth")
 AUTH_ERROR = "Authentication error"  # Workers AI's message for 10000 (reference §6)
 
 
@@ -83,6 +88,8 @@ class Authenticator:
         self._max_entries = max_entries
         self._clock = clock
         self._cache: dict[str, _Entry] = {}
+        self._refreshing: dict[str, asyncio.Task[None]] = {}  # key → its background refresh
+        self._generation = 0  # bumped by `forget`: a refresh begun before it must not store its read
 
     async def credential(self, authorization: str | None) -> Credential:
         """The caller's token, whatever account it is for (`/memberships` asks which); 401 for a
@@ -115,6 +122,7 @@ class Authenticator:
 
     def forget(self, *, token_id: str | None = None, tenant_id: str | None = None) -> None:
         """Drop cached entries of a token or a tenant (called after a revocation on this replica)."""
+        self._generation += 1
         for key, entry in list(self._cache.items()):
             if entry.credential.token_id == token_id or entry.credential.tenant.id == tenant_id:
                 del self._cache[key]
@@ -125,18 +133,35 @@ class Authenticator:
         entry = self._cache.get(key)
         if entry is None or now - entry.fetched_at >= self._cache_seconds:
             try:
-                credential = await self._store.resolve_token(value)
+                entry = await self._fetch(key, value, now, self._generation)
             except (SQLAlchemyError, OSError) as exc:  # never fall back to a stale entry: it may be revoked
                 raise Unavailable("Authentication is temporarily unavailable, please try again.") from exc
-            if credential is None:
-                self._cache.pop(key, None)
+            if entry is None:
                 return None
-            entry = _Entry(fetched_at=now, credential=credential)
-            self._cache.pop(key, None)
-            self._cache[key] = entry
-            while len(self._cache) > self._max_entries:
-                del self._cache[next(iter(self._cache))]
+        elif now - entry.fetched_at >= self._cache_seconds / 2 and key not in self._refreshing:
+            self._refreshing[key] = asyncio.create_task(self._refresh(key, value, now, self._generation))
         expires_at = entry.credential.expires_at
         if expires_at is not None and expires_at <= dt.datetime.now(dt.UTC):
             return None
         return entry.credential
+
+    async def _fetch(self, key: str, value: str, now: float, generation: int) -> _Entry | None:
+        """Read the token from the store and cache what it says, unless `forget` ran meanwhile."""
+        credential = await self._store.resolve_token(value)
+        if generation != self._generation:  # revoked on this replica while we read: read again
+            return await self._fetch(key, value, now, self._generation)
+        self._cache.pop(key, None)
+        if credential is None:
+            return None
+        entry = self._cache[key] = _Entry(fetched_at=now, credential=credential)
+        while len(self._cache) > self._max_entries:
+            del self._cache[next(iter(self._cache))]
+        return entry
+
+    async def _refresh(self, key: str, value: str, now: float, generation: int) -> None:
+        try:
+            await self._fetch(key, value, now, generation)
+        except (SQLAlchemyError, OSError) as exc:  # the entry runs out at its window; a request then retries
+            log.warning("token_refresh_failed", error=repr(exc))
+        finally:
+            del self._refreshing[key]

@@ -8,6 +8,7 @@ matching `KumoError`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from collections.abc import AsyncIterator
@@ -54,6 +55,7 @@ def to_gateway_error(error: Error) -> errors.KumoError:
     return cls(error.message)
 
 
+@functools.lru_cache(maxsize=65536)  # one HMAC per tenant, not per request
 def tenant_salt(server_secret: str, tenant_id: str) -> str:
     """The prefix-cache salt of a tenant: HMAC-SHA256(server secret, tenant id), hex. Derived here,
     never taken from a request, so tenants can never share (or probe) each other's cache."""

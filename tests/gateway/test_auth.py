@@ -186,3 +186,48 @@ async def test_an_unreachable_database_is_503_not_a_stale_grant(sqlite_store: St
         await auth.authenticate_admin("Bearer whatever")
     store.is_down = False
     assert (await auth.authenticate(f"Bearer {value}", tenant_id)).tenant_id == tenant_id
+
+
+class GatedStore:
+    """The store, whose token reads answer only at `release` once `is_gated` (a slow database)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.is_gated, self.release, self.num_reads = store, False, asyncio.Event(), 0
+
+    async def resolve_token(self, value: str) -> Credential | None:
+        self.num_reads += 1
+        credential = await self.store.resolve_token(value)
+        if self.is_gated:
+            await self.release.wait()
+        return credential
+
+
+async def test_a_token_in_use_is_refreshed_in_the_background_never_past_its_window(
+    sqlite_store: Store,
+) -> None:
+    tenant_id, token_id, value = await _tenant_token(sqlite_store)
+    store, clock = GatedStore(sqlite_store), Clock()
+    auth = Authenticator(store, cache_seconds=2.0, clock=clock)  # type: ignore[arg-type]
+    await auth.authenticate(f"Bearer {value}", tenant_id)
+    store.is_gated = True  # from now on the store is slow
+    clock.now += 1.2  # past half the window: served at once, refreshed behind
+    await asyncio.wait_for(auth.authenticate(f"Bearer {value}", tenant_id), 1)
+    await asyncio.sleep(0.01)
+    assert store.num_reads == 2
+    store.release.set()
+    await asyncio.sleep(0.05)
+    clock.now += 0.85  # 2.05 s after the first read, 0.85 s after the refresh: no wait, no read
+    store.release.clear()
+    await asyncio.wait_for(auth.authenticate(f"Bearer {value}", tenant_id), 1)
+    assert store.num_reads == 2
+
+    # a revocation on this replica while a refresh is reading is not undone by that read
+    clock.now += 0.5  # 1.35 s after the refresh
+    await auth.authenticate(f"Bearer {value}", tenant_id)  # starts a refresh, which waits
+    await asyncio.sleep(0.01)
+    await sqlite_store.revoke_token(tenant_id, token_id, actor=ADMIN)
+    auth.forget(token_id=token_id)
+    store.release.set()
+    await asyncio.sleep(0.05)
+    with pytest.raises(Unauthenticated):
+        await auth.authenticate(f"Bearer {value}", tenant_id)
