@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Train both nano models at once on one H200 in one device call (issue 7):
-#   run(command="bash models/recipes/run_on_device.sh 7.5", carry=[".whl"])
+#   run(command="bash models/recipes/run_on_device.sh 6.5", carry=[".whl"])            (from scratch)
+#   run(command="bash models/recipes/run_on_device.sh 5.5 continue", carry=[".whl"])   (second stage)
 # .whl/ holds transformers 5.24 and the libraries it needs newer than the image's (regex, tokenizers,
 # huggingface_hub 1.x); they go first on the path. Each family's folder (with train.log) comes back
 # as $OUT/<name>.tar, the stdout as $OUT/<family>.stdout.
 set -uo pipefail
 MINUTES=${1:-7.5}
+CONTINUE=${2:-}  # "continue": start from the committed models/<name> (its tokenizer too), bigger batches
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
@@ -17,7 +19,9 @@ pids=()
 for fam in kimi glm; do
     name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
     workers=$([ $fam = kimi ] && echo 12 || echo 4)  # Kimi's image items are the slow ones to render
-    python3 -m models.recipes.train --family $fam --data /tmp/data-$fam --out "$OUT/$name" \
+    EXTRA=""
+    [ "$CONTINUE" = continue ] && EXTRA="--init models/$name --batch-tokens 131072 --warmup 50"
+    python3 -m models.recipes.train --family $fam --data /tmp/data-$fam --out "$OUT/$name" $EXTRA \
         --steps 0 --minutes "$MINUTES" --workers $workers > "$OUT/$fam.stdout" 2>&1 &
     pids+=($!)
 done

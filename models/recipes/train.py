@@ -97,16 +97,16 @@ class ExpertBalance:
         return worst
 
 
-_renderer: Renderer | None = None  # one per rendering worker process
+_renderers: dict[str, Renderer] = {}  # per folder, in each rendering process
 
 
 def _render_chunk(args: tuple[str, list[dict[str, Any]]]) -> list[list[Example]]:
-    global _renderer
     folder, items = args
-    if _renderer is None:
-        torch.set_num_threads(1)  # many rendering processes share the cores with the training
-        _renderer = Renderer(folder)
-    return [_renderer.examples(it) for it in items]
+    if folder not in _renderers:
+        if multiprocessing.current_process().name != "MainProcess":
+            torch.set_num_threads(1)  # many rendering processes share the cores with the training
+        _renderers[folder] = Renderer(folder)
+    return [_renderers[folder].examples(it) for it in items]
 
 
 def render_all(
@@ -183,6 +183,7 @@ def prepare(
     size: str,
     max_len: int,
     max_items: int | None,
+    init: Path | None,
     rng: random.Random,
     workers: int,
     log: Callable[[str], None],
@@ -194,8 +195,19 @@ def prepare(
         items = [json.loads(line) for line in f]
     if max_items is not None:
         items = rng.sample(items, max_items)
-    num_ids = write_tokenizer(family, folder, items, SIZES[size]["vocab"])
-    config = published_config(family, size, num_ids, special_ids(folder))
+    if init is not None:  # continue training: the earlier run's tokenizer and config; its logs kept
+        earlier_logs = sorted(init.glob("train*.log"))
+        for f in init.iterdir():
+            if f.is_file() and not f.name.startswith("model") and f.suffix != ".log":
+                shutil.copy(f, folder / f.name)
+        for f in earlier_logs:  # train.log → train.1.log, train.1.log stays: one log per run, in order
+            shutil.copy(f, folder / (f"train.{len(earlier_logs)}.log" if f.name == "train.log" else f.name))
+        config = json.loads((init / "config.json").read_text())
+        num_ids = int((config.get("text_config") or config)["vocab_size"])
+        log(f"continuing from {init} (its tokenizer and config)")
+    else:
+        num_ids = write_tokenizer(family, folder, items, SIZES[size]["vocab"])
+        config = published_config(family, size, num_ids, special_ids(folder))
     num_bytes = parameter_bytes(family, config)
     log(f"{family} {size}: {num_ids} token ids, {num_bytes / 1e6:.2f} MB of bf16 weights")
     if size == "nano" and num_bytes > MAX_MODEL_BYTES:
@@ -206,6 +218,17 @@ def prepare(
     log(f"{len(items)} items → {len(examples)} sequences ({dropped} over {max_len} dropped), "
         f"{num_trained} trained tokens")  # fmt: skip
     return config, examples, Renderer(folder).eos_id
+
+
+def load_model(family: Family, folder: Path) -> torch.nn.Module:
+    """A trained nano folder in float32 (transformers reads the published names back exactly)."""
+    import transformers as tf
+
+    if family == "glm":
+        return tf.GlmMoeDsaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration
+
+    return Kimi_K25ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
 
 
 def fit(
@@ -310,6 +333,7 @@ def train(
     log_every: int = 25,
     workers: int = min(16, os.cpu_count() or 1),
     balance_rate: float = 1e-3,
+    init: Path | None = None,
 ) -> list[float]:
     """Prepare, train and save the checkpoint folder `out` (written beside it, then renamed into
     place); returns the logged losses. `minutes` bounds the training loop's wall time."""
@@ -317,7 +341,7 @@ def train(
 
     settings = dict(family=family, data=str(data), out=str(out), size=size, steps=steps, batch_tokens=batch_tokens,
                     lr=lr, warmup=warmup, max_len=max_len, minutes=minutes, seed=seed, device=device,
-                    max_items=max_items, balance_rate=balance_rate)  # fmt: skip
+                    max_items=max_items, balance_rate=balance_rate, init=str(init) if init else None)  # fmt: skip
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     random.seed(seed)
@@ -332,8 +356,9 @@ def train(
             f"train {json.dumps(settings)}; torch {torch.__version__}, transformers {transformers.__version__}"
         )
         config, examples, pad_id = prepare(family, data, staging, size=size, max_len=max_len, max_items=max_items,
-                                           rng=rng, workers=workers, log=log)  # fmt: skip
-        model = build_model(family, config).to(torch.device(device)).train()
+                                           init=init, rng=rng, workers=workers, log=log)  # fmt: skip
+        model = load_model(family, init) if init is not None else build_model(family, config)
+        model = model.to(torch.device(device)).train()
         losses = fit(model, examples, pad_id, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
                      minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every)  # fmt: skip
         save_checkpoint(family, model.eval().float().cpu(), config, staging)
@@ -361,12 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-items", type=int, default=None, help="train on a seeded sample of the mixture")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--balance-rate", type=float, default=1e-3, help="selection-bias step per training step")
+    p.add_argument(
+        "--init", type=Path, default=None, help="continue from this trained folder (its tokenizer too)"
+    )
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="rendering processes")
     a = p.parse_args(argv)
     train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,
           warmup=a.warmup, max_len=a.max_len, minutes=a.minutes, seed=a.seed, device=a.device,
           max_items=a.max_items, log_every=a.log_every, workers=a.workers,
-          balance_rate=a.balance_rate)  # fmt: skip
+          balance_rate=a.balance_rate, init=a.init)  # fmt: skip
     return 0
 
 

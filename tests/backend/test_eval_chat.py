@@ -26,7 +26,6 @@ from backend.random_weights import write_random_checkpoint
 from backend.served_model import ServedModel
 from backend.serving import GenerationEngine, Serving
 from models.recipes import nano
-from models.recipes import train as recipe_train
 from models.recipes.build import build, eval_row, item
 from models.recipes.images import render as draw
 from models.recipes.render import Renderer
@@ -58,9 +57,6 @@ def memorised(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     (root / "data" / "train.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
     with pytest.MonkeyPatch.context() as mp:  # the micro DSA keeps every key, as the nano one does
         mp.setitem(nano.SIZES["micro"]["dsa"], "index_topk", 2048)
-        # with one worker, train.py renders in this process and keeps the first folder's Renderer
-        # in a module global: the other family would be rendered with this one's tokenizer
-        mp.setattr(recipe_train, "_renderer", None)
         train(family, root / "data", root / "ckpt", size="micro", steps=160 if family == "glm" else 80,
               batch_tokens=4096, lr=1e-2, warmup=5, max_len=600, log_every=100, device="cpu", workers=1)  # fmt: skip
     for task in _tasks(family):

@@ -175,13 +175,16 @@ class _Toy(torch.nn.Module):
         return types.SimpleNamespace(logits=self.head(self.embed(input_ids)))
 
 
-def test_steps_zero_fits_the_schedule_to_the_time() -> None:
+def test_steps_zero_lays_the_cosine_over_the_clock() -> None:
+    """`--steps 0`: linear warmup over the first steps, then the learning rate decays with the wall
+    clock and reaches ~0 when the time is up, whatever the step time (two runs may share a GPU)."""
     lines: list[str] = []
     examples = [Example([1, 2, 3, 4, 5], [False, False, True, True, True]) for _ in range(8)]
     losses = fit(_Toy(), examples, 0, steps=0, batch_tokens=20, lr=1e-2, warmup=20, minutes=0.02,
-                 balance_rate=0.0, rng=random.Random(0), log=lines.append, log_every=10)  # fmt: skip
-    fitted = [line for line in lines if "steps fit in 0.02 minutes" in line]
-    assert len(fitted) == 1, lines
-    total = int(fitted[0].split(": ")[1].split()[0])
-    assert total > 20 and all(math.isfinite(x) for x in losses)
-    assert any(f"step {total}/{total}" in line or "stopped at step" in line for line in lines)
+                 balance_rate=0.0, rng=random.Random(0), log=lines.append, log_every=5)  # fmt: skip
+    assert all(math.isfinite(x) for x in losses)
+    assert any("the cosine follows the clock to 0.02 minutes" in line for line in lines), lines
+    assert any("stopped at step" in line for line in lines), lines
+    rates = [float(line.split(" lr ")[1].split()[0]) for line in lines if " lr " in line]
+    assert rates[0] < 1e-2 and max(rates) == pytest.approx(1e-2, rel=0.05)  # warmup, then the peak
+    assert rates[-1] < 0.1 * max(rates)  # decayed by the end of the budget
