@@ -163,7 +163,7 @@ class Engine:
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
         elapsed = time.perf_counter() - start
         self._stats.steps += 1
-        self._stats.checked_seqs += len(results)
+        self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
         self._stats.last_step_s = elapsed
         self._stats.total_step_s += elapsed
         return outputs

@@ -26,6 +26,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     it must leave room for every running decode, so it is at least `max_num_seqs`.
     `context_window` overrides the checkpoint's window for this served model (None: the model's).
     `seed` seeds the generators of requests that do not bring their own seed.
+    `check_page_tags` False skips the KV page-tag check in every op (no tag is read, no mismatch is
+    flagged): only for measuring what the check costs (`kumo bench engine integrity`), never to serve.
     """
 
     page_size: PageSize = 16
@@ -35,6 +37,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_num_seqs: NumSeqs = 64
     context_window: ContextWindow | None = None
     enable_prefix_cache: bool = True
+    check_page_tags: bool = True
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
 
     def __post_init__(self) -> None:

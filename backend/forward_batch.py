@@ -93,7 +93,8 @@ class ForwardBatch:
     (its cached prefix plus these). Its pages are `page_table[b, :ceil(seq_lens[b] / S)]`, each
     expected to carry `expected_tags[b, i]`. New tokens' KV goes to `slot_mapping[t]` (= page * S +
     offset). Any op that finds a page whose tag differs from the expected one sets `tag_mismatch[b]`
-    and lets that page contribute nothing; the engine then aborts sequence b.
+    and lets that page contribute nothing; the engine then aborts sequence b. With `check_tags` False
+    (`EngineConfig.check_page_tags`, for measuring the check's cost) no op reads a tag.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -107,6 +108,7 @@ class ForwardBatch:
     kv_cache: KVCache
     tag_mismatch: torch.Tensor  # [B] bool, written by the ops
     is_decode_only: bool = False  # every sequence has exactly one new token
+    check_tags: bool = True  # False: the ops skip the tag check (EngineConfig.check_page_tags)
     image_embeds: ImageEmbeds | None = None
     seq_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [T] b of each row
 

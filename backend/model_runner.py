@@ -178,6 +178,7 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             tag_mismatch=torch.zeros(len(scheduled), dtype=torch.bool, device=dev),
             is_decode_only=all(s.num_new_tokens == 1 for s in scheduled),
+            check_tags=self.config.check_page_tags,
             image_embeds=image_embeds,
             seq_index=torch.tensor(seq_index, dtype=torch.int64, device=dev),
         )

@@ -28,8 +28,12 @@ def dsa_indexer_ref(
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
     softmax_scale: float,
     topk: int,
+    *,
+    check_tags: bool = True,  # False only to measure the check's cost (no tag is read)
 ) -> torch.Tensor:  # [T, K] int64
-    ok = check_tags_ref(page_tags, page_table, expected_tags, seq_lens, k_cache.shape[1], tag_mismatch)
+    ok = check_tags_ref(
+        page_tags, page_table, expected_tags, seq_lens, k_cache.shape[1], tag_mismatch, check_tags
+    )
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     for b in range(seq_lens.shape[0]):

@@ -8,6 +8,8 @@ misrouted write never lands in a page that now belongs to someone else. A slot p
 treated as a mismatch (not written, sequence flagged) where the reference raises IndexError. FP8 divides with IEEE
 rounding (`div_rn`, as the CPU reference does; CUDA torch multiplies by the reciprocal instead),
 saturates to ±448 and converts round-to-nearest-even, so the bytes equal the CPU reference's.
+With `token_expected_tags` None (the engine's check switched off) the kernel is compiled with
+CHECK_TAGS off: no tag load, every live slot in the pool is written.
 
 A separate file from `kernels/kv_write.py` because triton is an optional dependency (`gpu` extra):
 the CPU path imports only the reference.
@@ -47,6 +49,7 @@ def _kv_write_kernel(
     BLOCK_W: tl.constexpr,
     QUANT: tl.constexpr,  # FP8 cache: divide, saturate to ±FMAX, convert
     FMAX: tl.constexpr,
+    CHECK_TAGS: tl.constexpr,  # False: no tag is loaded (token_expected_ptr is then a placeholder)
 ):
     t = tl.program_id(0)
     wb = tl.program_id(1)
@@ -58,15 +61,19 @@ def _kv_write_kernel(
     page = tl.where(live & in_pool, slot // PAGE_SIZE, 0)
     # the value load does not wait for the tag loads
     x = tl.load(values_ptr + t.to(tl.int64) * stride_vt + offs, mask=w_ok & live, other=0.0)
-    tag_ok = in_pool & (tl.load(page_tags_ptr + page) == tl.load(token_expected_ptr + t))
+    if CHECK_TAGS:
+        tag_ok = in_pool & (tl.load(page_tags_ptr + page) == tl.load(token_expected_ptr + t))
+    else:
+        tag_ok = in_pool
     if QUANT:
         x = tl.math.div_rn(x.to(tl.float32), scale)
         x = tl.minimum(tl.maximum(x, -FMAX), FMAX)  # NaN stays NaN, as torch's clamp leaves it
     dst = cache_ptr + page * stride_cp + (slot % PAGE_SIZE) * stride_cs + offs
     tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=w_ok & live & tag_ok)
-    bad = live & (tag_ok == 0) & (wb == 0)
-    seq = tl.load(token_seq_ptr + t, mask=bad, other=0)
-    tl.store(mismatch_ptr + seq, 1, mask=bad)
+    if CHECK_TAGS:
+        bad = live & (tag_ok == 0) & (wb == 0)
+        seq = tl.load(token_seq_ptr + t, mask=bad, other=0)
+        tl.store(mismatch_ptr + seq, 1, mask=bad)
 
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
@@ -88,7 +95,7 @@ def kv_write(
     slot_mapping: torch.Tensor,  # [T] int64 page * S + offset, < 0 = skip
     scale: float,
     page_tags: torch.Tensor,  # [P] int64 tags the pages carry now
-    token_expected_tags: torch.Tensor,  # [T] int64 tag token t's destination page should carry
+    token_expected_tags: torch.Tensor | None,  # [T] int64 tag token t's destination page should carry
     token_seq: torch.Tensor,  # [T] int64 sequence of token t
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
 ) -> None:
@@ -101,9 +108,11 @@ def kv_write(
         raise TypeError(f"cache {cache.dtype} / values {values.dtype} not supported")
     if not _trailing_contiguous(cache, 2):
         raise ValueError("the cache's per-token dims must be contiguous")
+    check_tags = token_expected_tags is not None
+    expected = token_expected_tags if token_expected_tags is not None else slot_mapping  # unread when off
     for name, x in (
         ("slot_mapping", slot_mapping),
-        ("token_expected_tags", token_expected_tags),
+        ("token_expected_tags", expected),
         ("token_seq", token_seq),
     ):
         if x.shape != (T,) or x.dtype != torch.int64:
@@ -125,7 +134,7 @@ def kv_write(
         rows,
         slot_mapping,
         page_tags,
-        token_expected_tags,
+        expected,
         token_seq,
         tag_mismatch.view(torch.uint8),
         scale,
@@ -138,5 +147,6 @@ def kv_write(
         BLOCK_W=block_w,
         QUANT=is_fp8,
         FMAX=torch.finfo(cache.dtype).max if is_fp8 else 0.0,
+        CHECK_TAGS=check_tags,
         num_warps=4,
     )

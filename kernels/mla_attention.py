@@ -30,8 +30,12 @@ def mla_attention_ref(
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
     softmax_scale: float,
     topk_indices: torch.Tensor | None = None,  # [T, K] int64 token indices within the sequence
+    *,
+    check_tags: bool = True,  # False only to measure the check's cost (no tag is read)
 ) -> torch.Tensor:  # [T, H, R]
-    ok = check_tags_ref(page_tags, page_table, expected_tags, seq_lens, latent_cache.shape[1], tag_mismatch)
+    ok = check_tags_ref(
+        page_tags, page_table, expected_tags, seq_lens, latent_cache.shape[1], tag_mismatch, check_tags
+    )
     T, H, _ = q.shape
     out = torch.zeros(T, H, kv_lora_rank, dtype=torch.float32, device=q.device)
     for b in range(seq_lens.shape[0]):

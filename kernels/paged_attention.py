@@ -28,8 +28,12 @@ def paged_attention_ref(
     page_tags: torch.Tensor,  # [P] int64
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
     softmax_scale: float,
+    *,
+    check_tags: bool = True,  # False only to measure the check's cost (no tag is read)
 ) -> torch.Tensor:  # [T, Hq, Dv]
-    ok = check_tags_ref(page_tags, page_table, expected_tags, seq_lens, k_cache.shape[1], tag_mismatch)
+    ok = check_tags_ref(
+        page_tags, page_table, expected_tags, seq_lens, k_cache.shape[1], tag_mismatch, check_tags
+    )
     T, Hq, _ = q.shape
     Hkv, Dv = v_cache.shape[2], v_cache.shape[3]
     out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=q.device)

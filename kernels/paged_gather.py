@@ -21,9 +21,13 @@ def check_tags_ref(
     seq_lens: torch.Tensor,  # [B] int
     page_size: int,
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
+    check_tags: bool = True,
 ) -> torch.Tensor:
-    """`ok [B, Mp]`: page i of sequence b is in use and carries its expected tag; flags mismatches."""
+    """`ok [B, Mp]`: page i of sequence b is in use and carries its expected tag; flags mismatches.
+    With `check_tags` False (measuring the check's cost) no tag is read: every page in use is ok."""
     num_pages = (seq_lens.long() + page_size - 1) // page_size
+    if not check_tags:
+        return torch.arange(page_table.shape[1], device=page_table.device)[None, :] < num_pages[:, None]
     ok = check_page_tags_ref(page_tags, page_table, expected_tags, num_pages)
     tag_mismatch |= mismatch_from_ok(ok, num_pages)
     return ok

@@ -17,7 +17,7 @@ from kernels.kv_write import kv_write_ref
 class Step:
     batch: ForwardBatch
     token_seq: torch.Tensor  # [T] int64 sequence of each new token
-    token_expected_tags: torch.Tensor  # [T] int64 tag each token's destination page must carry
+    token_expected_tags: torch.Tensor | None  # [T] int64 tag each destination page must carry; None: off
     cos: torch.Tensor  # [T, Dr]
     sin: torch.Tensor  # [T, Dr]
     topk_indices: torch.Tensor | None = None  # DSA: the last full indexer layer's choice, [T, K]
@@ -31,11 +31,13 @@ class Step:
             token_seq = batch.seq_index.long()
         else:
             token_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qs.device), q_lens)
-        # index of each new token within its sequence: the cached prefix length plus its offset
-        offset = torch.arange(T, device=qs.device) - qs[token_seq]
-        token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
-        page_col = token_idx // batch.kv_cache.page_size
-        expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
+        expected = None  # the tag check off: no tag is read
+        if batch.check_tags:
+            # index of each new token within its sequence: the cached prefix length plus its offset
+            offset = torch.arange(T, device=qs.device) - qs[token_seq]
+            token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
+            page_col = token_idx // batch.kv_cache.page_size
+            expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
         return cls(batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin)
 
     def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ layers, writes each layer's new KV into `batch.kv_cache` at `batch.slot_mapping`
 `kernels.kv_write.kv_write_ref` (a token whose destination page lacks its expected tag is not
 written), attends through the paged reference ops in `kernels/` (every page read is tag-checked; a
 mismatching page contributes nothing), and sets `batch.tag_mismatch[b]` for any sequence b that met a
-wrong tag: the engine must then abort b. With an FP8 cache, values are stored as value / scale with
+wrong tag: the engine must then abort b. Every op is given `batch.check_tags`; when it is False
+(`EngineConfig.check_page_tags`, only to measure the check) no tag is read. With an FP8 cache, values are stored as value / scale with
 the scales of `kv_cache.scales[layer][name]`. `rank` / `world_size` pick this rank's slice of the
 weights (attention heads and dense MLPs split tensor-parallel, routed experts split by id range);
 on one rank no collective runs.

@@ -102,19 +102,19 @@ class MLAAttention(nn.Module):
 
             o_latent = mla_decode(
                 q, cache, scale, self.R, b.seq_lens, b.page_table, b.expected_tags, kv.page_tags,
-                b.tag_mismatch, self.softmax_scale, topk_indices,
+                b.tag_mismatch, self.softmax_scale, topk_indices, check_tags=b.check_tags,
             )  # fmt: skip
         elif q.is_cuda:  # prefill chunks (and mixed steps) on the GPU
             from kernels.mla_prefill import mla_prefill
 
             o_latent = mla_prefill(
                 q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices,
+                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices, check_tags=b.check_tags,
             )  # fmt: skip
         else:
             o_latent = mla_attention_ref(
                 q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices,
+                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices, check_tags=b.check_tags,
             )  # fmt: skip
         # o_latent: [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]

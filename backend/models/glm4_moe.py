@@ -75,6 +75,7 @@ class GQAAttention(nn.Module):
             kv.page_tags,
             b.tag_mismatch,
             self.softmax_scale,
+            check_tags=b.check_tags,
         )  # [T, Hl, D]
         return self.o_proj(o.reshape(T, -1))
 

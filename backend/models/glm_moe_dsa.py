@@ -60,6 +60,7 @@ class Indexer(nn.Module):
             b.tag_mismatch,
             self.Di**-0.5,
             self.topk,
+            check_tags=b.check_tags,
         )
 
 

@@ -3,7 +3,7 @@
 It checks tags the way the real ops do: a new token's K and V are written through `slot_mapping` only
 if the destination page carries the tag its sequence expects, and every read (prefill and decode
 alike) goes through `kernels.page_tags.check_page_tags_ref`, a mismatching page contributing nothing;
-both set `tag_mismatch`. Used to test the engine
+both set `tag_mismatch`; with `batch.check_tags` off it reads no tag. Used to test the engine
 until, and beside, the real tiny checkpoints. Shape letters: T tokens, H hidden, S page size.
 """
 
@@ -51,10 +51,11 @@ class TinyPagedModel(torch.nn.Module):
         for layer in range(self.num_layers):
             q, k, v = x @ self.wq[layer], x @ self.wk[layer], x @ self.wv[layer]  # [T, H]
             self._write(batch, cache.layers[layer], k, v)
-            ok = check_page_tags_ref(
-                cache.page_tags, batch.page_table, batch.expected_tags, num_pages
-            )  # [B, Mp]
-            batch.tag_mismatch |= mismatch_from_ok(ok, num_pages)
+            if batch.check_tags:
+                ok = check_page_tags_ref(cache.page_tags, batch.page_table, batch.expected_tags, num_pages)
+                batch.tag_mismatch |= mismatch_from_ok(ok, num_pages)  # ok: [B, Mp]
+            else:  # every page in use counts, unread
+                ok = torch.arange(batch.page_table.shape[1], device=x.device)[None, :] < num_pages[:, None]
             out = torch.empty_like(x)
             for b in range(batch.num_seqs):
                 lo, hi = int(batch.query_start[b]), int(batch.query_start[b + 1])
@@ -78,10 +79,12 @@ class TinyPagedModel(torch.nn.Module):
         S = batch.kv_cache.page_size
         slots = batch.slot_mapping
         pages = slots.clamp(min=0) // S  # [T]
-        expected = batch.expected_tags[batch.seq_index, batch.positions // S]  # [T]
-        owned = batch.kv_cache.page_tags[pages] == expected
-        batch.tag_mismatch[batch.seq_index[(slots >= 0) & ~owned].unique()] = True
-        keep = (slots >= 0) & owned
+        keep = slots >= 0
+        if batch.check_tags:
+            expected = batch.expected_tags[batch.seq_index, batch.positions // S]  # [T]
+            owned = batch.kv_cache.page_tags[pages] == expected
+            batch.tag_mismatch[batch.seq_index[keep & ~owned].unique()] = True
+            keep &= owned
         for name, value in (("k", k), ("v", v)):
             flat = layer_cache[name].view(-1, value.shape[-1])  # [P*S, H]
             flat[slots[keep]] = value[keep].to(flat.dtype)

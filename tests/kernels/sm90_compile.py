@@ -45,7 +45,7 @@ def mla_source(
     return _source(fn, ptrs, consts, {"qk_scale", "v_scale"})
 
 
-def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16") -> ASTSource:
+def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16", check: bool = True) -> ASTSource:
     from kernels.kv_write_triton import _kv_write_kernel as fn
 
     ptrs = {
@@ -53,7 +53,11 @@ def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16") -> ASTSource:
         "token_expected_ptr": "i64", "token_seq_ptr": "i64", "mismatch_ptr": "u8",
     }  # fmt: skip
     consts = dict(
-        PAGE_SIZE=16, BLOCK_W=1024, QUANT=cache == "fp8e4nv", FMAX=448.0 if cache == "fp8e4nv" else 0.0
+        PAGE_SIZE=16,
+        BLOCK_W=1024,
+        QUANT=cache == "fp8e4nv",
+        FMAX=448.0 if cache == "fp8e4nv" else 0.0,
+        CHECK_TAGS=check,
     )
     return _source(fn, ptrs, consts, {"scale"})
 
@@ -150,6 +154,10 @@ def main() -> None:
         print(f"{name:<48} {compile_sm90(mla_source(**kw), warps)}", flush=True)
     print(f"{'mla merge bf16':<48} {compile_sm90(merge_source(), 4)}", flush=True)
     print(f"{'kv_write fp8 <- bf16':<48} {compile_sm90(kv_write_source(), 4)}", flush=True)
+    print(
+        f"{'kv_write fp8 <- bf16, tag check off':<48} {compile_sm90(kv_write_source(check=False), 4)}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -137,6 +137,21 @@ def test_wrong_tag_skips_the_write_and_flags_only_that_sequence() -> None:
     assert same_bytes(out, ref)
 
 
+def test_check_off_writes_every_live_slot_and_flags_nothing() -> None:
+    """`token_expected_tags` None (the engine's check off): the tags are neither compared nor
+    loaded (every expected tag and every page tag is wrong here), the bytes equal the reference's
+    and the checked write's on right tags."""
+    step = make_step(
+        P=6, S=4, shape=(9,), T=12, cache_dtype=torch.float32, values_dtype=torch.float32, seed=8
+    )
+    checked, _, _, _ = run_both(step)
+    off = {**step, "page_tags": step["page_tags"] + 1, "token_expected_tags": None}
+    out, ref, flags, ref_flags = run_both(off)
+    assert same_bytes(out, checked) and same_bytes(ref, checked)
+    assert not flags.any() and not ref_flags.any()
+    assert not same_bytes(out, step["cache"])
+
+
 def test_slot_past_the_pool_is_flagged_not_written() -> None:
     """The reference raises on such a slot; the kernel flags the sequence and never writes out of
     bounds (the pool is a view of a larger buffer here, so a stray write would show in page 4)."""
