@@ -1,8 +1,9 @@
 """`kumo serve`: the embedded default on one machine (DESIGN §5).
 
-It creates the default small checkpoints on first start (a random checkpoint of each exact
-architecture, until trained ones ship), spawns one `kumo backend` per model on loopback with a
-generated secret, waits until every backend is ready, and only then listens; it prints the URL and
+On first start it converts the small trained checkpoints committed under `models/` (issue 7) to
+the seed's serving configuration, INT4 routed experts and an FP8 KV cache with calibrated scales
+(`kumo quantize`), into the data dir (cached; redone when the source bytes change). It spawns one
+`kumo backend` per model on loopback with a generated secret, waits until every backend is ready, and only then listens; it prints the URL and
 a development (paid) tenant's account id and token, and stops everything on Ctrl-C or SIGTERM.
 """
 
@@ -12,8 +13,10 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hashlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -33,7 +36,11 @@ from gateway.supervisor import Supervised, Supervisor, die_with_parent
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 
 DEFAULT_PORT = 8787
-DEFAULT_KINDS = {"kimi-k2.6": "kimi-k2.6", "glm-5.2": "glm-5.2"}  # pool → random_checkpoint KIND
+TRAINED = Path(__file__).resolve().parents[1] / "models"
+DEFAULT_MODELS = {"kimi-k2.6": "kimi-k2.6-nano", "glm-5.2": "glm-5.2-nano"}  # pool → folder in models/
+SERVED_WEIGHTS = "int4-g32"  # the seed's configuration: INT4 routed experts …
+SERVED_KV = "fp8"  # … and an FP8 KV cache (scales calibrated by `kumo quantize --kv-scales`)
+SOURCE_STAMP = "kumo-source.sha256"
 READY_TIMEOUT_S = 900.0
 
 
@@ -48,6 +55,7 @@ class BackendProcess:
     pool: str
     port: int
     secret: str
+    kv_dtype: str = "auto"
     process: asyncio.subprocess.Process | None = None
 
     @property
@@ -73,25 +81,45 @@ def parse_named(values: list[str], flag: str) -> list[tuple[str, Path]]:
     return out
 
 
-async def ensure_checkpoint(kind: str, folder: Path, log: Path) -> None:
-    """Create a small random checkpoint of `kind` at `folder` unless one is there."""
-    if (folder / "config.json").is_file():
+def source_digest(src: Path) -> str:
+    """SHA-256 over the checkpoint folder's files (names and bytes): the quantized copy's cache key."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in src.iterdir() if p.is_file() and p.name != "train.log"):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+async def ensure_checkpoint(src: Path, folder: Path, log: Path) -> None:
+    """Quantize the trained checkpoint `src` into `folder` (INT4 experts, FP8 KV scales) unless
+    `folder` already holds the conversion of these exact bytes."""
+    if not (src / "config.json").is_file():
+        raise ServeError(f"the trained checkpoint {src} is missing (models/ in the repository)")
+    digest = source_digest(src)
+    stamp = folder / SOURCE_STAMP
+    if stamp.is_file() and stamp.read_text().strip() == digest:
         return
-    print(f"Creating a small random {kind} checkpoint in {folder} (first start only)…", flush=True)
+    print(f"Converting {src.name} to INT4 experts + FP8 KV in {folder} (first start only)…", flush=True)
+    staging = folder.with_name(f".{folder.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "backend.random_checkpoint", kind, str(folder), stdout=out, stderr=out
-        )
+            sys.executable, "-m", "gateway.cli", "quantize", "--src", str(src), "--dst", str(staging),
+            "--weights", SERVED_WEIGHTS, "--kv-scales", stdout=out, stderr=out,
+            env=child_environment({"OMP_NUM_THREADS": "1"}),
+        )  # fmt: skip
         if await proc.wait() != 0:
-            raise ServeError(f"could not create the {kind} checkpoint (see {log})")
+            raise ServeError(f"could not convert {src} (see {log})")
+    (staging / SOURCE_STAMP).write_text(digest + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
 
 
 async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) -> None:
     log = (logs / f"{b.pool}.log").open("ab")
     b.process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
-        "--name", b.name, "--dtype", dtype, "--device", device,
+        "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip
@@ -138,18 +166,22 @@ async def stop_backends(backends: list[BackendProcess]) -> None:
 def plan(
     args: argparse.Namespace, settings: GatewaySettings
 ) -> tuple[Catalog, list[BackendProcess], list[tuple[str, Path]]]:
-    """The catalog and one backend per served model; the checkpoints still to create."""
+    """The catalog and one backend per served model; the (trained, served) checkpoint pairs to convert."""
     file = load_catalog_file(settings.catalog_file)
-    to_create: list[tuple[str, Path]] = []
+    to_create: list[tuple[Path, Path]] = []
     backends: list[BackendProcess] = []
     models: list[ModelSpec] = []
     for entry in file.models:
-        kind = DEFAULT_KINDS.get(entry.pool)
-        if kind is None:
+        trained = DEFAULT_MODELS.get(entry.pool)
+        if trained is None:
             raise ServeError(f"the catalog's {entry.name} has no checkpoint kumo serve can create")
-        folder = settings.data_dir / "checkpoints" / kind
-        to_create.append((kind, folder))
-        backends.append(BackendProcess(entry.name, folder, entry.pool, free_port(), secrets.token_hex(24)))
+        folder = settings.data_dir / "checkpoints" / f"{trained}-{SERVED_WEIGHTS}"
+        to_create.append((TRAINED / trained, folder))
+        backends.append(
+            BackendProcess(
+                entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV
+            )
+        )
     extra = [(n, p, "openai") for n, p in parse_named(args.model, "--model")]
     extra += [(n, p, "legacy") for n, p in parse_named(args.legacy_model, "--legacy-model")]
     for i, (name, folder, family) in enumerate(extra):
@@ -173,8 +205,9 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        for kind, folder in to_create:
-            await ensure_checkpoint(kind, folder, logs / "checkpoints.log")
+        await asyncio.gather(
+            *(ensure_checkpoint(src, dst, logs / "checkpoints.log") for src, dst in to_create)
+        )
         for b in backends:
             await start_backend(
                 b, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"), args.device, logs

@@ -1,7 +1,7 @@
 """One `kumo serve` for the whole e2e session: real `kumo backend` processes on the CPU.
 
-The data dir starts empty, so `kumo serve` takes its first-start path and creates the default
-models' small random checkpoints itself; a GLM-4.5 one (made the same way) is added with
+The data dir starts empty, so `kumo serve` takes its first-start path: it converts the trained
+nano models in models/ to INT4 experts + FP8 KV itself; a random GLM-4.5 checkpoint is added with
 `--legacy-model` so the legacy family runs through a real backend too. The account id and token
 are read from what `kumo serve` prints.
 """

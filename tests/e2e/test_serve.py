@@ -141,12 +141,15 @@ def test_legacy_json_mode_returns_an_object(kumo: Kumo) -> None:
 
 
 def test_context_window_and_catalog_come_from_the_backend(kumo: Kumo) -> None:
-    config = json.loads((kumo.data_dir / "checkpoints" / "glm-5.2" / "config.json").read_text())
+    served = kumo.data_dir / "checkpoints" / "glm-5.2-nano-int4-g32"  # converted on first start
+    config = json.loads((served / "config.json").read_text())
     window = config["max_position_embeddings"]
     models = httpx.get(kumo.path("/ai/models/search"), headers=kumo.auth).json()["result"]
     glm = next(m for m in models if m["name"] == GLM)
     props = {p["property_id"]: p["value"] for p in glm["properties"]}
-    assert props["context_window"] == str(window) and props["weights"] == "float32"
+    # the seed's configuration: INT4 experts, FP8 KV
+    assert props["context_window"] == str(window) and props["weights"] == "int4-w4a16"
+    assert props["kv_cache_dtype"] == "fp8_e4m3"
     r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": window})
     assert r.status_code == 413 and r.json()["errors"][0]["code"] == 5021
     assert f"context window limit ({window})" in r.json()["errors"][0]["message"]
@@ -217,3 +220,23 @@ def test_a_tool_round_trip(kumo: Kumo) -> None:
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )  # fmt: skip
     assert second.usage is not None and second.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_the_trained_glm_calls_the_weather_tool_with_the_city(kumo: Kumo) -> None:
+    """The default GLM 5.2 is the trained nano model (INT4 experts, FP8 KV): offered a weather tool
+    among others, it calls it with the city the user named (towns of its generated world, which its
+    training states as facts; the questions themselves are not training items)."""
+    from models.recipes.tasks import TOOLS
+    from models.recipes.world import make_world
+
+    tools = [t for t in TOOLS if t["name"] in ("send_message", "get_weather", "set_timer")]
+    towns = sorted(make_world(0).regions)[:3]
+    for town in towns:
+        body = {"messages": [{"role": "user", "content": f"What's the weather in {town}?"}], "tools": tools}
+        r = run(kumo, GLM, body)
+        assert r.status_code == 200, r.text
+        message = r.json()["result"]["choices"][0]["message"]
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+        ]
+        assert calls == [("get_weather", {"city": town})], (town, message)

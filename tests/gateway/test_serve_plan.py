@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway import serve
 from gateway.serve import ServeError, plan
 from gateway.settings import GatewaySettings
 
@@ -30,8 +31,14 @@ def test_defaults_and_added_models(tmp_path: Path) -> None:
     catalog, backends, to_create = plan(
         args([f"@cf/acme/kimi-local={kimi}"], [f"@cf/kumo/glm-4.5={glm45}"]), settings
     )
-    assert [kind for kind, _ in to_create] == ["kimi-k2.6", "glm-5.2"]
+    # the trained nano models in models/, converted into the data dir, served with an FP8 KV cache
+    assert [(src.name, dst.name) for src, dst in to_create] == [
+        ("kimi-k2.6-nano", "kimi-k2.6-nano-int4-g32"),
+        ("glm-5.2-nano", "glm-5.2-nano-int4-g32"),
+    ]
+    assert all((src / "config.json").is_file() for src, _ in to_create)
     assert all(folder.parent == settings.data_dir / "checkpoints" for _, folder in to_create)
+    assert [b.kv_dtype for b in backends] == ["fp8", "fp8", "auto", "auto"]
     assert [b.name for b in backends] == [
         "@cf/moonshotai/kimi-k2.6",
         "@cf/zai-org/glm-5.2",
@@ -60,3 +67,51 @@ def test_mistakes_are_refused_before_anything_starts(tmp_path: Path) -> None:
     glm = checkpoint(tmp_path / "glm", "GlmMoeDsaForCausalLM")
     with pytest.raises(ServeError, match="twice"):
         plan(args([f"@cf/zai-org/glm-5.2={glm}"]), settings)
+
+
+async def test_the_conversion_is_cached_by_the_source_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """First start converts (`kumo quantize --weights int4-g32 --kv-scales`); a restart reuses the
+    folder; a retrained source (other bytes) is converted again; a failed conversion leaves nothing
+    half-written in place."""
+    calls: list[list[str]] = []
+
+    class Done:
+        def __init__(self, code: int) -> None:
+            self.code = code
+
+        async def wait(self) -> int:
+            return self.code
+
+    exit_code = 0
+
+    async def fake_exec(*argv: str, **_: object) -> Done:
+        calls.append(list(argv))
+        dst = Path(argv[argv.index("--dst") + 1])
+        dst.mkdir(parents=True)
+        (dst / "config.json").write_text("{}")
+        return Done(exit_code)
+
+    monkeypatch.setattr(serve.asyncio, "create_subprocess_exec", fake_exec)
+    src = checkpoint(tmp_path / "src", "GlmMoeDsaForCausalLM")
+    (src / "model.safetensors").write_bytes(b"weights v1")
+    dst, log = tmp_path / "data" / "checkpoints" / "glm-int4", tmp_path / "convert.log"
+    await serve.ensure_checkpoint(src, dst, log)
+    assert len(calls) == 1 and calls[0][calls[0].index("--weights") + 1] == "int4-g32"
+    assert "--kv-scales" in calls[0] and (dst / "config.json").is_file()
+    await serve.ensure_checkpoint(src, dst, log)
+    assert len(calls) == 1  # cached
+    (src / "train.log").write_text("a log is not a weight")
+    await serve.ensure_checkpoint(src, dst, log)
+    assert len(calls) == 1
+    (src / "model.safetensors").write_bytes(b"weights v2")
+    await serve.ensure_checkpoint(src, dst, log)
+    assert len(calls) == 2  # retrained: converted again
+    (src / "model.safetensors").write_bytes(b"weights v3")
+    exit_code = 1
+    with pytest.raises(ServeError, match="could not convert"):
+        await serve.ensure_checkpoint(src, dst, log)
+    assert (dst / serve.SOURCE_STAMP).read_text().strip() != serve.source_digest(
+        src
+    )  # v2's folder, untouched
