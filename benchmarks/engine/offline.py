@@ -15,10 +15,9 @@ it is off), greedy sampling with EOS ignored, so every request produces exactly 
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,7 +54,13 @@ class RunResult:
 
 
 def engine_config(
-    num_pages: int, page_size: int, kv_dtype: str, concurrency: int, chunk: int
+    num_pages: int,
+    page_size: int,
+    kv_dtype: str,
+    concurrency: int,
+    chunk: int,
+    *,
+    check_page_tags: bool = True,
 ) -> EngineConfig:
     return EngineConfig.build(
         page_size=page_size,
@@ -64,6 +69,7 @@ def engine_config(
         max_num_seqs=max(concurrency, 1),
         max_num_batched_tokens=max(chunk, concurrency),
         enable_prefix_cache=False,
+        check_page_tags=check_page_tags,
     )
 
 
@@ -179,31 +185,3 @@ def warm_up(engine: Engine, *, vocab_size: int, prompt_len: int) -> None:
             vocab_size=vocab_size,
             seed=99 + n,
         )
-
-
-@contextlib.contextmanager
-def tag_check(enabled: bool, device: torch.device) -> Iterator[str]:
-    """Turn the paged MLA decode kernel's tag check on or off for the duration; yields what it switched.
-
-    The engine has no switch of its own (see benchmarks/README.md): this flips `check_tags` of
-    `kernels.mla_decode.mla_decode`, which the MLA layers import at each CUDA decode step. The
-    destination check in kv_write and the checks of the prefill path stay on either way. On the
-    CPU the decode path is the torch reference, which always checks: nothing is switched.
-    """
-    import functools
-
-    if device.type != "cuda":
-        yield "none: on the CPU the reference ops always check"
-        return
-    try:
-        import kernels.mla_decode as mod
-    except ImportError:  # no triton on this machine: the CPU reference path always checks
-        yield "none (no triton: the reference ops always check)"
-        return
-    original = mod.mla_decode
-    if not enabled:
-        mod.mla_decode = functools.partial(original, check_tags=False)  # type: ignore[assignment]
-    try:
-        yield "mla_decode check_tags (CUDA decode steps)"
-    finally:
-        mod.mla_decode = original

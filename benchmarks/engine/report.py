@@ -121,9 +121,7 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str
     bf16kv_peak = max((r["output_tok_s"] for r in bf16kv), default=None) if w else None
     hf = [r for r in record["runs"] if r["source"] == "transformers"]
     integrity = record.get("integrity") or {}
-    overhead = (
-        integrity.get("overhead") if not str(integrity.get("switched", "none")).startswith("none") else None
-    )
+    overhead = integrity.get("overhead")
     summary = {
         "int4_vs_fp8_decode_c1": _ratio(
             _at(int4, 1, "output_tok_s_per_user"), _at(fp8, 1, "output_tok_s_per_user")
@@ -143,7 +141,8 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str
         "int4_vs_fp8_prefill": "prefill tok/s of one long prompt, INT4 / FP8 weights",
         "fp8kv_vs_bf16kv_c64": f"output tok/s total, FP8 KV at concurrency 64 / the BF16-KV peak over all concurrencies run ({w or 'no common'} weights)",
         "fp8kv_vs_bf16kv_c1": f"output tok/s per user at concurrency 1, FP8 KV / BF16 KV ({w or 'no common'} weights)",
-        "integrity_overhead": f"TPOT median tag check on / off - 1 (switched: {integrity.get('switched', 'not measured')})",
+        "integrity_overhead": "median over interleaved rounds of TPOT tag check on / off - 1 "
+        f"(switched: {integrity.get('switched', 'not measured')})",
         "vs_transformers_c64": "output tok/s total at concurrency 64, best Kumo variant / best transformers mode",
     }
     return summary, detail
@@ -204,6 +203,10 @@ def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return "-" if x is None or x != x else fmt.format(x)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2%}"
+
+
 def markdown(record: dict[str, Any]) -> str:
     g = record["geometry"]
     lines = [
@@ -247,7 +250,8 @@ def markdown(record: dict[str, Any]) -> str:
             f"switched: {integ['switched']}: TPOT on {_f(integ['on']['tpot_ms_median'], '{:.2f}')} ms "
             f"[{_f(integ['on']['tpot_ms_min'], '{:.2f}')}, {_f(integ['on']['tpot_ms_max'], '{:.2f}')}], off "
             f"{_f(integ['off']['tpot_ms_median'], '{:.2f}')} ms [{_f(integ['off']['tpot_ms_min'], '{:.2f}')}, "
-            f"{_f(integ['off']['tpot_ms_max'], '{:.2f}')}]."
+            f"{_f(integ['off']['tpot_ms_max'], '{:.2f}')}]; per round on/off - 1: median "
+            f"{_pct(integ.get('overhead'))} [{_pct(integ.get('overhead_min'))}, {_pct(integ.get('overhead_max'))}]."
         )
     if record.get("projection"):
         lines += [

@@ -11,5 +11,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,memo
 default_budget=450
 extra=()
 if [ "$name" = transformers ]; then default_budget=330; extra=(--max-concurrency-cap 0); fi
+# integrity: EngineConfig.check_page_tags on/off, A/B rounds of c=64, 2k in / 256 out (~1 min a round on
+# the H200, after ~80 s of build, warm-up and one untimed run each; rounds past the budget are skipped)
+if [ "$name" = integrity ]; then extra=(--integrity-concurrency 64 --repeats 5); fi
 timeout 590 python3 -m benchmarks.cli engine "$name" --budget-s "${BUDGET_S:-$default_budget}" "${extra[@]}" "$@" \
   --out "$OUT/engine-$name.json" 2>&1 | grep -v Warning | tee "$OUT/engine-$name.log"

@@ -1,4 +1,4 @@
-"""One variant (weight format × KV dtype) measured end to end, and the interleaved integrity A/B.
+"""One variant (weight format × KV dtype) measured end to end, and the interleaved tag-check A/B.
 
 A variant builds its random model on the device, sizes the page pool from `kumo plan`
 (`Geometry.kv_sizing`), builds an `Engine` over it, warms up, then measures the long-prompt
@@ -9,6 +9,7 @@ are recorded as skipped, never estimated.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
 import time
@@ -25,7 +26,6 @@ from benchmarks.engine.offline import (
     random_prompts,
     run_offline,
     run_prefill,
-    tag_check,
     warm_up,
 )
 from benchmarks.engine.weights import build_random_model, weight_bytes
@@ -73,24 +73,38 @@ class Variant:
         self.sizing = geometry.kv_sizing(fmt, kv_dtype, page_size=opts.page_size, fp8_method=opts.fp8_method)
         self.tokens_per_request = opts.input_len + opts.output_len
         self.max_concurrency = self.sizing.max_concurrency(self.tokens_per_request)
-        scales = None
+        self.scales = None
         if kv_dtype == "fp8":  # calibrated on seeded random ids, as a checkpoint without scales is
             prompts = random_prompts(2, 64, self.config.vocab_size, seed=opts.seed + 5)
-            scales = calibrate(self.model, prompts, model_dtype=torch.bfloat16)
-        top = max([*opts.concurrencies, min(self.max_concurrency, opts.max_concurrency_cap), 1])
-        self.engine = Engine(
-            self.model,  # type: ignore[arg-type]
-            engine_config(self.sizing.num_pages, opts.page_size, kv_dtype, top, opts.chunk),
-            vocab_size=self.config.vocab_size,
-            context_window=self.config.max_position_embeddings,
-            model_dtype=torch.bfloat16,
-            device=device,
-            kv_scales=scales,
-        )
+            self.scales = calibrate(self.model, prompts, model_dtype=torch.bfloat16)
+        self.device, self.opts = device, opts
+        self.engine = self.build_engine()
         self.kv_bytes = sum(
             t.numel() * t.element_size()
             for layer in self.engine.runner.kv_cache.layers
             for t in layer.values()
+        )
+
+    def build_engine(self, *, check_page_tags: bool = True) -> Engine:
+        """An engine over this variant's model with its own page pool of the planned size."""
+        opts = self.opts
+        top = max([*opts.concurrencies, min(self.max_concurrency, opts.max_concurrency_cap), 1])
+        config = engine_config(
+            self.sizing.num_pages,
+            opts.page_size,
+            self.kv_dtype,
+            top,
+            opts.chunk,
+            check_page_tags=check_page_tags,
+        )
+        return Engine(
+            self.model,  # type: ignore[arg-type]
+            config,
+            vocab_size=self.config.vocab_size,
+            context_window=self.config.max_position_embeddings,
+            model_dtype=torch.bfloat16,
+            device=self.device,
+            kv_scales=self.scales,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -152,40 +166,81 @@ def measure_variant(
 def measure_integrity(
     geometry: Geometry, fmt: WeightFormat, kv_dtype: KvDtype, opts: Options, *, concurrency: int, repeats: int
 ) -> dict[str, Any]:
-    """Tag check on vs off, interleaved (on, off, off, on, …) at one concurrency; medians and spread."""
-    v = Variant(geometry, fmt, kv_dtype, opts)
+    """Tag check on vs off (`EngineConfig.check_page_tags`): two engines over one model, each with its
+    own pool of the planned size, each warmed up (compile, then one untimed run of the workload), then
+    up to `repeats` rounds of on, off (A/B/A/B…) of the same workload (the same prompts every run). A
+    round starts only if the previous one would still fit before the deadline."""
+    opts = dataclasses.replace(opts, concurrencies=(concurrency,), max_concurrency_cap=0)
+    v = Variant(geometry, fmt, kv_dtype, opts)  # v.engine checks the tags
+    engines = {"on": v.engine}
     try:
-        vocab, device = v.config.vocab_size, torch.device(opts.device)
-        warm_up(v.engine, vocab_size=vocab, prompt_len=min(opts.chunk, opts.prefill_len, opts.input_len * 4))
-        samples: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
-        switched: list[str] = []
-        for i in range(repeats):
-            order = ("on", "off") if i % 2 == 0 else ("off", "on")
-            for state in order:
-                if opts.time_left() <= 0:
-                    break
-                with tag_check(state == "on", device) as what:
-                    switched.append(what)
-                    r = run_offline(
-                        v.engine, variant=f"{v.name}/tags-{state}", concurrency=concurrency,
-                        input_len=opts.input_len, output_len=opts.output_len, vocab_size=vocab, seed=100 + i,
-                    )  # fmt: skip
-                samples[state].append(r.to_dict())
-        what = switched[-1] if switched else "none: no run fitted the time"
-        out = v.describe() | {"concurrency": concurrency, "switched": what, "samples": samples}
-        for state in ("on", "off"):
-            tpot = [s["tpot_ms_p50"] for s in samples[state]]
-            tput = [s["output_tok_s"] for s in samples[state]]
-            out[state] = {
-                "n": len(tpot),
-                "tpot_ms_median": statistics.median(tpot) if tpot else None,
-                "tpot_ms_min": min(tpot) if tpot else None,
-                "tpot_ms_max": max(tpot) if tpot else None,
-                "tpot_ms_stdev": statistics.stdev(tpot) if len(tpot) > 1 else 0.0,
-                "output_tok_s_median": statistics.median(tput) if tput else None,
+        engines["off"] = v.build_engine(check_page_tags=False)
+        vocab = v.config.vocab_size
+
+        def run(state: str) -> dict[str, Any]:
+            r = run_offline(
+                engines[state], variant=f"{v.name}/tags-{state}", concurrency=concurrency,
+                input_len=opts.input_len, output_len=opts.output_len, vocab_size=vocab, seed=100,
+            )  # fmt: skip
+            return r.to_dict()
+
+        for state in engines:
+            warm_up(
+                engines[state],
+                vocab_size=vocab,
+                prompt_len=min(opts.chunk, opts.prefill_len, opts.input_len * 4),
+            )
+            run(state)
+        rounds: list[dict[str, dict[str, Any]]] = []
+        round_s = 0.0
+        while len(rounds) < repeats and opts.time_left() > round_s:
+            start = time.monotonic()
+            rounds.append({state: run(state) for state in ("on", "off")})
+            round_s = time.monotonic() - start
+        return (
+            v.describe()
+            | {
+                "concurrency": concurrency,
+                "switched": SWITCHED,
+                "order": "on, off in every round (A/B/A/B...), after an untimed run of each",
+                "rounds_skipped": repeats - len(rounds),
             }
-        on, off = out["on"]["tpot_ms_median"], out["off"]["tpot_ms_median"]
-        out["overhead"] = (on / off - 1.0) if on and off else None
-        return out
+            | ab_summary(rounds)
+        )
     finally:
+        engines.clear()
         v.close()
+
+
+SWITCHED = (
+    "EngineConfig.check_page_tags: every op that checks (kv_write, attention, DSA indexer; "
+    "GPU kernels and CPU references alike)"
+)
+
+
+def ab_summary(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per state: the runs and their TPOT median/min/max/stdev; the overhead = the median over rounds
+    of TPOT on / TPOT off - 1 within the round, with its min, max and stdev."""
+    out: dict[str, Any] = {"samples": {state: [r[state] for r in rounds] for state in ("on", "off")}}
+    for state in ("on", "off"):
+        tpot = [r[state]["tpot_ms_p50"] for r in rounds if r[state]["tpot_ms_p50"] is not None]
+        tput = [r[state]["output_tok_s"] for r in rounds]
+        out[state] = {
+            "n": len(tpot),
+            "tpot_ms_median": statistics.median(tpot) if tpot else None,
+            "tpot_ms_min": min(tpot) if tpot else None,
+            "tpot_ms_max": max(tpot) if tpot else None,
+            "tpot_ms_stdev": statistics.stdev(tpot) if len(tpot) > 1 else 0.0,
+            "output_tok_s_median": statistics.median(tput) if tput else None,
+        }
+    diffs = [
+        r["on"]["tpot_ms_p50"] / r["off"]["tpot_ms_p50"] - 1.0
+        for r in rounds
+        if r["on"]["tpot_ms_p50"] and r["off"]["tpot_ms_p50"]
+    ]
+    out["overhead_per_round"] = diffs
+    out["overhead"] = statistics.median(diffs) if diffs else None
+    out["overhead_min"] = min(diffs) if diffs else None
+    out["overhead_max"] = max(diffs) if diffs else None
+    out["overhead_stdev"] = statistics.stdev(diffs) if len(diffs) > 1 else None
+    return out

@@ -74,10 +74,17 @@ def test_each_comparison_measures_its_own_ratio(records: dict[str, tuple[Path, d
     assert s["kv"]["fp8kv_vs_bf16kv_c64"] > 0 and s["kv"]["fp8kv_vs_bf16kv_c1"] > 0
     assert s["transformers"]["vs_transformers_c64"] > 0
     assert s["weights"]["fp8kv_vs_bf16kv_c64"] is None  # not measured there: null, never a guess
-    # on the CPU the decode path is the reference op, which always checks: no overhead is claimed
+    # the engine's own switch: on the CPU the reference ops skip the check too, so it is measured
     integrity = records["integrity"][1]["integrity"]
-    assert integrity["switched"].startswith("none") and s["integrity"]["integrity_overhead"] is None
-    assert integrity["on"]["n"] == integrity["off"]["n"] == 2
+    assert integrity["switched"].startswith("EngineConfig.check_page_tags")
+    assert integrity["on"]["n"] == integrity["off"]["n"] == 2 and integrity["rounds_skipped"] == 0
+    on, off = integrity["samples"]["on"], integrity["samples"]["off"]
+    assert [r["variant"].rsplit("/", 1)[1] for r in on + off] == ["tags-on"] * 2 + ["tags-off"] * 2
+    per_round = [a["tpot_ms_p50"] / b["tpot_ms_p50"] - 1 for a, b in zip(on, off, strict=True)]
+    assert integrity["overhead_per_round"] == pytest.approx(per_round)
+    assert s["integrity"]["integrity_overhead"] == integrity["overhead"] == pytest.approx(sum(per_round) / 2)
+    md = records["integrity"][0].with_suffix(".md").read_text()
+    assert "Integrity A/B at concurrency 2, 2+2 interleaved runs" in md
 
 
 def test_numbers_are_measured(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
@@ -109,7 +116,8 @@ def test_report_merges_the_calls(records: dict[str, tuple[Path, dict[str, Any]]]
     out = tmp_path / "merged.json"
     assert bench_main(["engine", "report", *[str(p) for p, _ in records.values()], "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
-    assert [k for k, v in merged["summary"].items() if v is None] == ["integrity_overhead"]
+    assert [k for k, v in merged["summary"].items() if v is None] == []
+    assert merged["summary"]["integrity_overhead"] == records["integrity"][1]["summary"]["integrity_overhead"]
     assert (
         merged["summary"]["vs_transformers_c64"]
         == records["transformers"][1]["summary"]["vs_transformers_c64"]

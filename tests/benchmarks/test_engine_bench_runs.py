@@ -9,6 +9,7 @@ import torch
 
 from benchmarks.engine.geometry import make_geometry
 from benchmarks.engine.offline import run_offline
+from benchmarks.engine.suite import ab_summary
 from benchmarks.engine.weights import build_random_model
 from schemas.backend import EngineOutput, EngineRequest
 
@@ -90,3 +91,19 @@ def test_two_seeds_give_different_weights() -> None:
     b = build_random_model(g, "int4", device="cpu", seed=1).state_dict()
     name = next(n for n in a if n.endswith("down_packed"))
     assert not torch.equal(a[name], b[name])
+
+
+def test_integrity_overhead_is_the_median_of_paired_rounds() -> None:
+    """Drift that slows both runs of a round cancels in the paired difference; the median resists
+    the one noisy round."""
+    tpot = [(10.5, 10.0), (21.0, 20.0), (15.0, 10.0), (31.5, 30.0), (None, 9.0)]  # (on, off) per round
+    rounds = [
+        {s: {"tpot_ms_p50": t, "output_tok_s": 1.0} for s, t in zip(("on", "off"), pair, strict=True)}
+        for pair in tpot
+    ]
+    out = ab_summary(rounds)
+    assert out["overhead_per_round"] == pytest.approx([0.05, 0.05, 0.5, 0.05])
+    assert out["overhead"] == pytest.approx(0.05)
+    assert (out["overhead_min"], out["overhead_max"]) == pytest.approx((0.05, 0.5))
+    assert out["on"]["n"] == 4 and out["off"]["n"] == 5 and out["off"]["tpot_ms_median"] == 10.0
+    assert len(out["samples"]["on"]) == 5
