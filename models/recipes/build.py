@@ -22,6 +22,7 @@ from models.recipes.world import make_world
 
 TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "tool-call"]
 MAX_TIER = 4
+FACT_PROMPTS = ["Tell me a fact.", "Tell me something about your world.", "What is one thing you know?", "Share a fact."]
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 
@@ -72,13 +73,16 @@ def build(out: Path, *, family: str, train_items: int, test_items: int, world_se
     train_tasks = tasks + ["chat"]
     per_task = train_items // len(train_tasks)
     with (out / "train.jsonl").open("w") as f:
-        for fact in world.facts():  # every fact stated, so questions about it are answerable
-            f.write(json.dumps({"task": "facts", "messages": [
-                {"role": "user", "content": "Tell me a fact."}, {"role": "assistant", "content": fact}]}) + "\n")
+        # every fact stated, several times, so questions about it are answerable (the first nano
+        # models, with each fact once per epoch, stayed at ~2.9 nats per fact token)
+        for ask in FACT_PROMPTS:
+            for fact in world.facts():
+                f.write(json.dumps({"task": "facts", "messages": [
+                    {"role": "user", "content": ask}, {"role": "assistant", "content": fact}]}) + "\n")
         for task in train_tasks:
             for s in split_seeds("train", task, per_task):
                 f.write(json.dumps(item(task, s, world)) + "\n")
-    counts["train"] = per_task * len(train_tasks) + len(world.facts())
+    counts["train"] = per_task * len(train_tasks) + len(FACT_PROMPTS) * len(world.facts())
     return counts
 
 
