@@ -70,29 +70,28 @@ class ExpertBalance:
     def __init__(self, model: torch.nn.Module, rate: float) -> None:
         self.rate = rate
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
-        self.counts = [torch.zeros(r.e_score_correction_bias.shape[0]) for r in self.routers]
+        self.counts = [torch.zeros_like(r.e_score_correction_bias, dtype=torch.float32) for r in self.routers]
         for router, counts in zip(self.routers, self.counts, strict=True):
             router.register_forward_hook(self._hook(counts))
 
     @staticmethod
     def _hook(counts: torch.Tensor) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
-            indices = output[2]  # [T, k] chosen experts
-            counts.add_(torch.bincount(indices.flatten(), minlength=counts.shape[0]).cpu().float())
+            indices = output[2].flatten()  # [T, k] chosen experts
+            # index_add, not bincount: bincount sizes its output from the data (a host sync on CUDA)
+            counts.index_add_(0, indices, torch.ones_like(indices, dtype=counts.dtype))
 
         return hook
 
     @torch.no_grad()
-    def step(self) -> float:
-        """Apply and reset; returns the worst layer's max/mean expert load before the update."""
-        worst = 1.0
+    def step(self) -> torch.Tensor:
+        """Apply and reset; returns the worst layer's max/mean expert load before the update (a
+        device scalar: read it only when logging, so a training step never waits on the GPU)."""
+        worst = torch.ones((), device=self.counts[0].device) if self.counts else torch.ones(())
         for router, counts in zip(self.routers, self.counts, strict=True):
-            if counts.sum() == 0:
-                continue
-            worst = max(worst, float(counts.max() / counts.mean()))
-            router.e_score_correction_bias += self.rate * torch.sign(counts.mean() - counts).to(
-                router.e_score_correction_bias.device
-            )
+            mean = counts.mean()
+            worst = torch.maximum(worst, counts.max() / mean.clamp_min(1e-9))
+            router.e_score_correction_bias += self.rate * torch.sign(mean - counts)  # all zero: no change
             counts.zero_()
         return worst
 
@@ -145,6 +144,11 @@ def batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> l
     return out
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → device without waiting for the GPU (pinned memory, asynchronous copy) on CUDA."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def collate(batch: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded ids and next-token labels (IGNORE off the trained tokens); images in order."""
     length = max(len(ex.token_ids) for ex in batch)
@@ -155,10 +159,10 @@ def collate(batch: list[Example], pad_id: int, device: torch.device) -> dict[str
         ids[b, :n] = torch.tensor(ex.token_ids)
         mask = torch.tensor(ex.loss_mask[1:])
         labels[b, : n - 1] = torch.where(mask, torch.tensor(ex.token_ids[1:]), IGNORE)
-    out = {"input_ids": ids.to(device), "labels": labels.to(device)}
+    out = {"input_ids": _to(ids, device), "labels": _to(labels, device)}
     images = [image for ex in batch for image in ex.images]
     if images:
-        out["pixel_values"] = torch.cat([i.patches for i in images]).to(device)
+        out["pixel_values"] = _to(torch.cat([i.patches for i in images]), device)
         out["image_grid_thw"] = torch.tensor([[1, i.grid_h, i.grid_w] for i in images], device=device)
     return out
 
@@ -261,7 +265,7 @@ def fit(
         {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": 0.1},
         {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=dev.type == "cuda")
     budget = minutes * 60
     clock: dict[str, float] = {}
 
@@ -282,7 +286,7 @@ def fit(
     stream = endless(batches(examples, batch_tokens, rng), rng)
     is_cuda = dev.type == "cuda"
     losses: list[float] = []
-    window: list[float] = []
+    window: list[torch.Tensor] = []  # device scalars: no host sync per step
     start = time.monotonic()
     step = 0
     while step < total:
@@ -296,18 +300,18 @@ def fit(
         opt.zero_grad(set_to_none=True)
         schedule.step()
         load = balance.step()
-        window.append(loss.item())
+        window.append(loss.detach())
         if steps == 0 and step == PROBE_STEPS:
             log(f"{(time.monotonic() - start) / step * 1000:.0f} ms per step over the first {step}; "
                 f"the cosine follows the clock to {minutes} minutes")  # fmt: skip
         if step % log_every == 0 or step == total:
-            losses.append(sum(window) / len(window))
+            losses.append(float(torch.stack(window).mean()))
             window = []
             log(f"step {step}{f'/{total}' if steps else ''} loss {losses[-1]:.4f} lr {schedule.get_last_lr()[0]:.2e} "
-                f"grad-norm {float(norm):.2f} expert-load max/mean {load:.2f}")  # fmt: skip
+                f"grad-norm {float(norm):.2f} expert-load max/mean {float(load):.2f}")  # fmt: skip
         if time.monotonic() - start > minutes * 60:
             if window:
-                losses.append(sum(window) / len(window))
+                losses.append(float(torch.stack(window).mean()))
             log(f"stopped at step {step} by the {minutes}-minute limit, loss {losses[-1]:.4f}")
             break
     if not all(math.isfinite(x) for x in losses):

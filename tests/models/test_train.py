@@ -31,7 +31,7 @@ from models.recipes.nano import (
     special_ids,
 )
 from models.recipes.render import Example, Renderer
-from models.recipes.train import fit, train
+from models.recipes.train import ExpertBalance, fit, train
 from models.recipes.world import make_world
 from tests.backend.paged_driver import PagedDriver, Seq
 
@@ -188,3 +188,23 @@ def test_steps_zero_lays_the_cosine_over_the_clock() -> None:
     rates = [float(line.split(" lr ")[1].split()[0]) for line in lines if " lr " in line]
     assert rates[0] < 1e-2 and max(rates) == pytest.approx(1e-2, rel=0.05)  # warmup, then the peak
     assert rates[-1] < 0.1 * max(rates)  # decayed by the end of the budget
+
+
+def test_expert_balance_nudges_the_bias_toward_under_used_experts() -> None:
+    """DeepSeek-V3's loss-free balancing: after a step where expert 0 took most tokens, its selection
+    bias goes down by `rate`, the unused experts' go up, and the reported load is max/mean."""
+    class FakeTopkRouter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("e_score_correction_bias", torch.zeros(4))
+
+        def forward(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return chosen, chosen, chosen
+
+    router = FakeTopkRouter()
+    balance = ExpertBalance(torch.nn.Sequential(router), rate=0.5)
+    router(torch.tensor([[0, 1], [0, 1], [0, 2]]))  # loads 3, 2, 1, 0: mean 1.5
+    load = balance.step()
+    assert float(load) == pytest.approx(3 / 1.5)
+    assert router.e_score_correction_bias.tolist() == [-0.5, -0.5, 0.5, 0.5]
+    assert float(balance.step()) == 1.0 and router.e_score_correction_bias.tolist() == [-0.5, -0.5, 0.5, 0.5]
