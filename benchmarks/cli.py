@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "engine": "benchmarks.engine.cli",
     "load": "benchmarks.load",
+    "serve": "benchmarks.serve",
 }
 
 

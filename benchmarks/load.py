@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import socket
@@ -37,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from benchmarks.client import DONE, machine, percentile, sse_data
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = "@cf/kumo/glm-4.5"
@@ -132,11 +133,6 @@ def start_serve(data_dir: Path) -> Serve:
     )
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 # ---- 1. load ---------------------------------------------------------------------------------------------
 async def client_loop(
     serve: Serve, http: httpx.AsyncClient, until: float, vanish: float, seed: int
@@ -162,14 +158,12 @@ async def client_loop(
                     await r.aread()
                     continue
                 num_frames, state = 0, "cut_short"  # a stream that ends without [DONE] is an error
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
+                async for data in sse_data(r):
                     num_frames += 1
-                    if line == "data: [DONE]":
+                    if data == DONE:
                         state = "done"
                         break
-                    if '"errors"' in line or '"error"' in line:
+                    if '"errors"' in data or '"error"' in data:
                         state = "error_frame"
                         break
                     if leave_after is not None and num_frames >= leave_after:
@@ -313,12 +307,7 @@ def main(argv: list[str]) -> int:
         serve.process.wait(60)
     result = {
         "command": "OMP_NUM_THREADS=1 kumo bench load " + " ".join(argv),
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "num_cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "host": platform.node(),
-        },
+        "machine": machine(),
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "note": args.note,
         "load": load,

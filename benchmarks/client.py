@@ -1,0 +1,48 @@
+"""What the gateway benchmarks (`kumo bench load`, `kumo bench serve`) share on the client side: the
+SSE reader, the percentile, and the description of the machine a result was measured on."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+DONE = "[DONE]"
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The payload of each `data: ` line of a streaming response, `[DONE]` included, as it arrives."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q` quantile (0..1) of `values`; NaN when there are none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def machine(note: str = "") -> dict[str, object]:
+    """This machine: CPU model and count, Python, host, and what the caller adds (`note`)."""
+    model = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        model = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in cpuinfo.read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            "",
+        )
+    described: dict[str, object] = {
+        "cpu": model or platform.processor() or platform.machine(),
+        "num_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    return described | ({"note": note} if note else {})
