@@ -52,6 +52,32 @@ from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
 @triton.jit
+def query_tile(
+    tile_seq_ptr,  # [NT] int32 sequence of each tile, >= B = idle
+    tile_q0_ptr,  # [NT] int32 first query row of each tile
+    query_start_ptr,  # [B+1] int32
+    seq_lens_ptr,  # [B] int32
+    tile,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+):
+    """Prefill tile `tile` of a `QueryTiles` grid: (sequence b, tile_ok, first query row q0, its
+    query count, the sequence's length L, the position of query q0, whether the tile holds the
+    sequence's last query). An idle tile (the grid is an upper bound) gets b = 0 and no query."""
+    b = tl.load(tile_seq_ptr + tile)
+    tile_ok = b < num_seqs
+    b = tl.where(tile_ok, b, 0)
+    q_beg = tl.load(query_start_ptr + b)
+    q_end = tl.load(query_start_ptr + b + 1)
+    q0 = tl.where(tile_ok, tl.load(tile_q0_ptr + tile), q_beg)
+    num_q = tl.where(tile_ok, tl.minimum(q_end - q0, BLOCK_Q), 0)
+    L = tl.load(seq_lens_ptr + b)
+    first_pos = L - (q_end - q_beg) + (q0 - q_beg)
+    is_last = tile_ok & (q0 + num_q == q_end)
+    return b, tile_ok, q0, num_q, L, first_pos, is_last
+
+
+@triton.jit
 def _mla_paged_kernel(
     q_ptr,  # [T, H, R + Dr] (decode: T = B)
     cache_ptr,  # [P, S, R + Dr]
@@ -103,16 +129,9 @@ def _mla_paged_kernel(
     split = tl.program_id(1)
     tile = tl.program_id(2)
     if VARLEN:
-        b = tl.load(tile_seq_ptr + tile)
-        tile_ok = b < num_seqs  # an idle tile (the grid is an upper bound) reads and writes nothing
-        b = tl.where(tile_ok, b, 0)
-        q_beg = tl.load(query_start_ptr + b)
-        q_end = tl.load(query_start_ptr + b + 1)
-        q0 = tl.where(tile_ok, tl.load(tile_q0_ptr + tile), q_beg)
-        num_q = tl.where(tile_ok, tl.minimum(q_end - q0, BLOCK_Q), 0)
-        L = tl.load(seq_lens_ptr + b)
-        first_pos = L - (q_end - q_beg) + (q0 - q_beg)  # position of the tile's first query
-        is_last = tile_ok & (q0 + num_q == q_end)  # the tile holds the sequence's last query
+        b, tile_ok, q0, num_q, L, first_pos, is_last = query_tile(
+            tile_seq_ptr, tile_q0_ptr, query_start_ptr, seq_lens_ptr, tile, num_seqs, BLOCK_Q
+        )
     else:
         b = tile
         tile_ok = True

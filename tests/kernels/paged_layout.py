@@ -55,3 +55,20 @@ def lay_out(
 
 def query_starts(num_queries: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(num_queries).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def random_pages(
+    seq_lens: list[int], page_size: int, generator: torch.Generator, spare_pages: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page_table [B, Mp] int32, page_tags [P] int64) on the generator's device: each sequence's
+    pages drawn from a shuffled pool, random tags (for GPU tests that fill the pool with random data)."""
+    dev = generator.device
+    pages_per = [-(-n // page_size) for n in seq_lens]
+    P = sum(pages_per) + spare_pages
+    perm = torch.randperm(P, device=dev, generator=generator).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages_per), dtype=torch.int32, device=dev)
+    used = 0
+    for b, n in enumerate(pages_per):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    return table, torch.randint(0, 2**40, (P,), device=dev, generator=generator)
