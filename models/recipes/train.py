@@ -249,6 +249,7 @@ def fit(
     rng: random.Random,
     log: Callable[[str], None],
     log_every: int,
+    profile_steps: int = 0,
 ) -> list[float]:
     """The training loop; returns the loss averaged over each logging window.
 
@@ -289,8 +290,15 @@ def fit(
     window: list[torch.Tensor] = []  # device scalars: no host sync per step
     start = time.monotonic()
     step = 0
+    profiler: torch.profiler.profile | None = None
     while step < total:
         step += 1
+        if profile_steps and step == PROBE_STEPS + 1:  # after the warm-up steps
+            kinds = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if is_cuda else []
+            )
+            profiler = torch.profiler.profile(activities=kinds)
+            profiler.__enter__()
         batch = collate(next(stream), pad_id, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda):
             loss = loss_of(model, batch)
@@ -301,6 +309,13 @@ def fit(
         schedule.step()
         load = balance.step()
         window.append(loss.detach())
+        if profiler is not None and step == PROBE_STEPS + profile_steps:
+            profiler.__exit__(None, None, None)
+            key = "self_cuda_time_total" if is_cuda else "self_cpu_time_total"
+            log(
+                f"profile of steps {PROBE_STEPS + 1}-{step}:\n{profiler.key_averages().table(sort_by=key, row_limit=20)}"
+            )
+            profiler = None
         if steps == 0 and step == PROBE_STEPS:
             log(f"{(time.monotonic() - start) / step * 1000:.0f} ms per step over the first {step}; "
                 f"the cosine follows the clock to {minutes} minutes")  # fmt: skip
@@ -335,6 +350,7 @@ def train(
     device: str = "cuda" if torch.cuda.is_available() else "cpu",
     max_items: int | None = None,
     log_every: int = 25,
+    profile_steps: int = 0,
     workers: int = min(16, os.cpu_count() or 1),
     balance_rate: float = 1e-3,
     init: Path | None = None,
@@ -364,7 +380,8 @@ def train(
         model = load_model(family, init) if init is not None else build_model(family, config)
         model = model.to(torch.device(device)).train()
         losses = fit(model, examples, pad_id, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
-                     minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every)  # fmt: skip
+                     minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every,
+                     profile_steps=profile_steps)  # fmt: skip
         save_checkpoint(family, model.eval().float().cpu(), config, staging)
         log(f"saved {out}")
     staging.rename(out)
@@ -393,12 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--init", type=Path, default=None, help="continue from this trained folder (its tokenizer too)"
     )
+    p.add_argument(
+        "--profile-steps", type=int, default=0, help="log a profiler table of N steps after the first 20"
+    )
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="rendering processes")
     a = p.parse_args(argv)
     train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,
           warmup=a.warmup, max_len=a.max_len, minutes=a.minutes, seed=a.seed, device=a.device,
           max_items=a.max_items, log_every=a.log_every, workers=a.workers,
-          balance_rate=a.balance_rate, init=a.init)  # fmt: skip
+          balance_rate=a.balance_rate, init=a.init, profile_steps=a.profile_steps)  # fmt: skip
     return 0
 
 
