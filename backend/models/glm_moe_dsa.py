@@ -47,21 +47,16 @@ class Indexer(nn.Module):
         step.write(self.layer_idx, "index_k", k)
         weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
         b, kv = step.batch, step.batch.kv_cache
-        return dsa_indexer_ref(
-            q,
-            weights,
-            kv.layers[self.layer_idx]["index_k"],
-            kv.scales[self.layer_idx]["index_k"],
-            b.query_start,
-            b.seq_lens,
-            b.page_table,
-            b.expected_tags,
-            kv.page_tags,
-            b.tag_mismatch,
-            self.Di**-0.5,
-            self.topk,
+        indexer = dsa_indexer_ref
+        if q.is_cuda:  # Triton scoring + torch.topk, no host sync
+            from kernels.dsa_indexer_triton import dsa_indexer  # triton is the gpu extra: imported only here
+
+            indexer = dsa_indexer
+        return indexer(
+            q, weights, kv.layers[self.layer_idx]["index_k"], kv.scales[self.layer_idx]["index_k"], b.query_start,
+            b.seq_lens, b.page_table, b.expected_tags, kv.page_tags, b.tag_mismatch, self.Di**-0.5, self.topk,
             check_tags=b.check_tags,
-        )
+        )  # fmt: skip
 
 
 class DSAAttention(MLAAttention):
