@@ -109,9 +109,16 @@ async def submit(services: Services, tenant: TenantContext, model: ModelSpec, ra
     body = decode(raw, _submit_decoder)
     assert isinstance(body, BatchSubmit)
     items = [_checked(r, i, model) for i, r in enumerate(body.requests)]
+    cap = services.settings.batch_max_pending_per_tenant
     job_id = await services.batch.queue.submit(
-        tenant.tenant_id, model.name, msgspec.json.encode(items), len(items)
+        tenant.tenant_id, model.name, msgspec.json.encode(items), len(items), max_pending=cap or None
     )
+    if job_id is None:
+        raise RateLimited(
+            f"Too many queued batch jobs: at most {cap} unfinished per account; poll them or wait "
+            "for one to finish",
+            retry_after=max(1, round(services.settings.batch_poll_interval_s * 10)),
+        )
     services.batch.wake()
     log.info(
         "batch_queued", request_id=job_id, tenant=tenant.tenant_id, model=model.name, num_requests=len(items)

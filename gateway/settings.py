@@ -49,6 +49,7 @@ class GatewaySettings:
     batch_poll_interval_s: float = 1.0
     batch_concurrency: int = 4  # requests of one job in flight at once
     batch_priority: int = 5  # the internal request's priority (0 interactive, higher later)
+    batch_max_pending_per_tenant: int = 16  # unfinished jobs one account may have queued (0: no cap)
 
     @property
     def sqlite_url(self) -> str:
@@ -109,6 +110,8 @@ def settings_from(
     for name in ("request_timeout_s", "drain_timeout_s", "batch_result_ttl_s", "batch_lease_s"):
         if env.get(f"KUMO_{name.upper()}"):
             values[name] = float(env[f"KUMO_{name.upper()}"])
+    if env.get("KUMO_BATCH_MAX_PENDING_PER_TENANT"):
+        values["batch_max_pending_per_tenant"] = int(env["KUMO_BATCH_MAX_PENDING_PER_TENANT"])
     values.update(overrides)
     return replace(base, **values)  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.store.rows import now
@@ -54,9 +54,28 @@ class BatchQueue:
     def _session(self) -> AsyncSession:
         return self._sessions()
 
-    async def submit(self, tenant_id: str, model: str, requests: bytes, num_requests: int) -> str:
+    async def submit(
+        self,
+        tenant_id: str,
+        model: str,
+        requests: bytes,
+        num_requests: int,
+        *,
+        max_pending: int | None = None,
+    ) -> str | None:
+        """Queue a job; None when the tenant already has `max_pending` unfinished (queued or running)
+        jobs. The count and the insert share a transaction: exact on SQLite (one writer), a soft
+        cap across PostgreSQL replicas (two concurrent submits may both pass)."""
         job_id = str(uuid.uuid4())
         async with self._session() as s, s.begin():
+            if max_pending is not None:
+                pending = await s.scalar(
+                    select(func.count())
+                    .select_from(BatchJobRow)
+                    .where(BatchJobRow.tenant_id == tenant_id, BatchJobRow.status.in_((QUEUED, RUNNING)))
+                )
+                if (pending or 0) >= max_pending:
+                    return None
             s.add(
                 BatchJobRow(
                     id=job_id,

@@ -5,10 +5,12 @@ each job taken by exactly one worker, taken over when its worker's lease expires
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
+import uuid
 
-from gateway_harness import GLM, LEGACY, Harness, harness  # noqa: F401  (fixture)
-from sqlalchemy import update
+from gateway_harness import GLM, LEGACY, Harness, _tenant, harness  # noqa: F401  (fixture)
+from sqlalchemy import delete, insert, update
 from tenancy_db import store_fixture  # noqa: F401  (fixture)
 
 from gateway.batch import MAX_ATTEMPTS, BatchWorker
@@ -273,3 +275,66 @@ async def test_a_poll_for_a_malformed_id_is_unknown_on_every_database(store: Sto
     assert (await queue.get(job_id, "0" * 32)) is not None
     for bad in ("a\u0000b", job_id.upper() + "\u0000", "x" * 64):
         assert await queue.get(bad, "0" * 32) is None
+
+
+async def test_an_account_with_too_many_unfinished_jobs_is_told_to_wait(harness: Harness) -> None:
+    """One account cannot fill the shared queue: past `batch_max_pending_per_tenant` unfinished
+    (queued or running) jobs, a submit is a 429 with Retry-After; once one finishes, it is accepted."""
+    services = harness.services
+    account, token = await _tenant(services, "batch-cap", "paid")
+    async with services.store.engine.begin() as c:  # two jobs another gateway is running right now
+        for n in range(2):
+            await c.execute(
+                insert(BatchJobRow).values(
+                    id=str(uuid.uuid4()), tenant_id=account, model=LEGACY, status=RUNNING, requests=b"[]",
+                    num_requests=0, attempts=1, claimed_by=f"elsewhere-{n}", created_at=dt.datetime.now(dt.UTC),
+                    lease_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(hours=1),
+                )
+            )  # fmt: skip
+    settings = services.settings
+    services.settings = dataclasses.replace(settings, batch_max_pending_per_tenant=2)
+    try:
+        url = harness.path(f"/ai/run/{LEGACY}?queueRequest=true", account)
+        body = {"requests": [{"prompt": "one more"}]}
+        r = await harness.http.post(url, headers=harness.auth(token), json=body)
+        assert r.status_code == 429, r.text
+        assert (
+            r.json()["errors"][0]["code"] == 3021
+            and "at most 2 unfinished" in r.json()["errors"][0]["message"]
+        )
+        assert int(r.headers["retry-after"]) >= 1
+        async with services.store.engine.begin() as c:
+            await c.execute(
+                update(BatchJobRow)
+                .where(BatchJobRow.tenant_id == account, BatchJobRow.claimed_by == "elsewhere-0")
+                .values(status=DONE, responses=b"{}")
+            )
+        r = await harness.http.post(url, headers=harness.auth(token), json=body)
+        assert r.status_code == 200, r.text
+        poll = {"request_id": r.json()["result"]["request_id"]}
+        for _ in range(400):  # done before the rows go
+            result = (
+                await harness.http.post(url.split("?")[0], headers=harness.auth(token), json=poll)
+            ).json()
+            if "responses" in result["result"]:
+                break
+            await asyncio.sleep(0.05)
+        assert result["result"]["responses"][0]["success"], result
+    finally:
+        services.settings = settings
+        async with services.store.engine.begin() as c:
+            await c.execute(delete(BatchJobRow).where(BatchJobRow.tenant_id == account))
+
+
+async def test_the_pending_cap_counts_queued_and_running_jobs_only(store: Store) -> None:
+    queue = BatchQueue(store.engine)
+    tenant = uuid.uuid4().hex
+    first = await queue.submit(tenant, "m", b"[]", 0, max_pending=2)
+    second = await queue.submit(tenant, "m", b"[]", 0, max_pending=2)
+    assert first and second and await queue.submit(tenant, "m", b"[]", 0, max_pending=2) is None
+    assert await queue.submit(uuid.uuid4().hex, "m", b"[]", 0, max_pending=2)  # another tenant's own cap
+    async with store.engine.begin() as c:
+        await c.execute(update(BatchJobRow).where(BatchJobRow.id == first).values(status=DONE))
+    assert await queue.submit(tenant, "m", b"[]", 0, max_pending=2)
+    async with store.engine.begin() as c:
+        await c.execute(delete(BatchJobRow).where(BatchJobRow.tenant_id == tenant))
