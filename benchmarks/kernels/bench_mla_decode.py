@@ -26,12 +26,19 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 from typing import Any
 
 import torch
 
-from benchmarks.kernels.common import bench_ms, graph_ms, measure_ceilings, rel_err, write_record
+from benchmarks.kernels.common import (
+    bench_ms,
+    graph_ms,
+    measure_ceilings,
+    overhead_text,
+    rel_err,
+    tag_check_row,
+    write_record,
+)
 from kernels.mla_decode import mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_attention_ref, mla_prefill
 
@@ -194,28 +201,15 @@ def bench_case(
             }
         )
     if (H, B, ctx, topk) in AB_CASES:
-        on, off = [], []
-        for _ in range(AB_PAIRS):  # interleaved A/B: drift in clocks hits both arms alike
-            on.append(graph_ms([lambda: run(case, "fp8", True, best["fp8"])]))
-            off.append(graph_ms([lambda: run(case, "fp8", False, best["fp8"])]))
-        diffs = sorted((a - b) / b for a, b in zip(on, off, strict=True))
-        rows.append(
-            {
-                "kernel": "tag-check",
-                "case": f"mla-decode{'-sparse' if topk else ''} kv=fp8 {name}",
-                "goal": "tag-check",
-                "ms": statistics.median(on),
-                "fraction_of_ceiling": None,
-                "peers": {"check_off": statistics.median(off)},
-                "overhead": statistics.median(diffs),
-                "overhead_spread": [diffs[0], diffs[-1]],
-                "pairs": AB_PAIRS,
-            }
+        label = f"mla-decode{'-sparse' if topk else ''} kv=fp8 {name}"
+        on, off = (
+            (lambda: run(case, "fp8", True, best["fp8"])),
+            (lambda: run(case, "fp8", False, best["fp8"])),
         )
+        rows.append(tag_check_row(label, on, off, AB_PAIRS))  # interleaved A/B pairs
     for r in rows:
         if "overhead" in r:
-            lo, hi = r["overhead_spread"]
-            extra = f"overhead {r['overhead'] * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+            extra = overhead_text(r)
         else:
             extra = (
                 f"{r['GBps']:.0f} GB/s frac {r['fraction_of_ceiling']:.2f} {r['TFLOPs']:.0f} TFLOP/s "

@@ -11,15 +11,19 @@ pairs of the same kernel with the check compiled in and out.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.kernels.common import graph_ms, measure_ceilings, rel_err, write_record
+from benchmarks.kernels.common import (
+    graph_ms,
+    overhead_text,
+    rel_err,
+    run_cases,
+    tag_check_row,
+)
 from kernels.paged_decode_gqa import paged_decode_gqa
 
 HQ, HKV, D, PAGE = 96, 8, 128, 16
@@ -84,11 +88,6 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float]) -> list[dict[str, Any]]
             )
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         print("sdpa peer failed:", repr(exc)[:300], flush=True)
-    on, off = [], []
-    for _ in range(AB_PAIRS):  # interleaved A/B: drift in clocks hits both arms alike
-        on.append(graph_ms([lambda: ours(k8, v8, k_scale, v_scale, True)]))
-        off.append(graph_ms([lambda: ours(k8, v8, k_scale, v_scale, False)]))
-    diffs = sorted((a - b) / b for a, b in zip(on, off, strict=True))
     kv_elems = B * ctx * HKV * 2 * D
     rows = []
     for kv, ms, err, nbytes in (("bf16", t16, err16, 2 * kv_elems), ("fp8", t8, err8, kv_elems)):
@@ -107,40 +106,20 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float]) -> list[dict[str, Any]]
             }
         )
     rows.append(
-        {
-            "kernel": "tag-check",
-            "case": f"kv=fp8 batch={B} context={ctx} heads={HQ}/{HKV} d={D} page={PAGE}",
-            "goal": "tag-check",
-            "ms": statistics.median(on),
-            "fraction_of_ceiling": None,
-            "peers": {"check_off": statistics.median(off)},
-            "overhead": statistics.median(diffs),
-            "overhead_spread": [diffs[0], diffs[-1]],
-            "pairs": AB_PAIRS,
-        }
+        tag_check_row(
+            f"kv=fp8 batch={B} context={ctx} heads={HQ}/{HKV} d={D} page={PAGE}",
+            lambda: ours(k8, v8, k_scale, v_scale, True),
+            lambda: ours(k8, v8, k_scale, v_scale, False),
+            AB_PAIRS,
+        )
     )
     for r in rows:
-        extra = f"overhead {r['overhead'] * 100:+.2f}% [{r['overhead_spread'][0] * 100:+.2f}, " \
-            f"{r['overhead_spread'][1] * 100:+.2f}]" if "overhead" in r else \
+        extra = overhead_text(r) if "overhead" in r else \
             f"{r['GBps']:.0f} GB/s frac {r['fraction_of_ceiling']:.2f} err {r['rel_err']:.1e}"  # fmt: skip
         print(f"{r['kernel']:<17} {r['case']:<52} {r['ms'] * 1e3:9.1f}us {extra} | "
               + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items()), flush=True)  # fmt: skip
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    ceil = measure_ceilings()
-    print("ceilings", ceil, flush=True)
-    rows = []
-    for B, ctx in CASES:
-        rows += bench_case(B, ctx, ceil)
-        torch.cuda.empty_cache()
-    write_record(args.out, rows, ceil, {"notes": "KV caches are GBs (>> L2): one call per graph replay"})
-
-
 if __name__ == "__main__":
-    main()
+    run_cases(bench_case, CASES, "KV caches are GBs (>> L2): one call per graph replay")

@@ -9,8 +9,10 @@ rows: [{kernel, case, goal, ms, fraction_of_ceiling, peers: {name: ms}, ...}]}`.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -90,3 +92,49 @@ def write_record(
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def tag_check_row(
+    case: str, checked: Callable[[], Any], unchecked: Callable[[], Any], pairs: int
+) -> dict[str, Any]:
+    """The `tag-check` row: `pairs` interleaved A/B timings of the same op with the check compiled in
+    and out (clock drift hits both arms alike); the median relative difference and its spread."""
+    on, off = [], []
+    for _ in range(pairs):
+        on.append(graph_ms([checked]))
+        off.append(graph_ms([unchecked]))
+    diffs = sorted((a - b) / b for a, b in zip(on, off, strict=True))
+    return {
+        "kernel": "tag-check",
+        "case": case,
+        "goal": "tag-check",
+        "ms": statistics.median(on),
+        "fraction_of_ceiling": None,
+        "peers": {"check_off": statistics.median(off)},
+        "overhead": statistics.median(diffs),
+        "overhead_spread": [diffs[0], diffs[-1]],
+        "pairs": pairs,
+    }
+
+
+def overhead_text(row: dict[str, Any]) -> str:
+    """`overhead +x.xx% [lo, hi]` of a tag-check row, for the printed table."""
+    lo, hi = row["overhead_spread"]
+    return f"overhead {row['overhead'] * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+
+
+def run_cases(
+    bench_case: Callable[..., list[dict[str, Any]]], cases: list[tuple[Any, ...]], notes: str
+) -> None:
+    """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    print("ceilings", ceil, flush=True)
+    rows = []
+    for case in cases:
+        rows += bench_case(*case, ceil)
+        torch.cuda.empty_cache()
+    write_record(args.out, rows, ceil, {"notes": notes})

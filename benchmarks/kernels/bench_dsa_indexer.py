@@ -1,0 +1,133 @@
+"""GLM-5's DSA indexer on the GPU: Triton scoring over paged FP8 / BF16 keys + torch.topk, against a
+plain torch version over contiguous BF16 keys (einsum, relu, weighted head sum, topk).
+
+Shapes: 32 indexer heads × 128, top 2048, page size 16, pages shuffled. Decode rows (batch 64 at
+8k / 32k / 128k) are key-read bound: `fraction_of_ceiling` is key bytes over the copy ceiling;
+each row also gives the scoring kernel alone and `torch.topk` alone (which dominates tells whether a
+Triton top-k is worth writing). Correctness: recall of `dsa_indexer_ref`'s choice for the first
+sequences (bf16 rounding may swap near-ties), and the flags. The tag check's cost: A/B pairs.
+
+    python3 -m benchmarks.kernels.bench_dsa_indexer --out results.json
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from benchmarks.kernels.common import graph_ms, overhead_text, run_cases, tag_check_row
+from kernels.dsa_indexer_triton import dsa_indexer, dsa_indexer_ref, dsa_indexer_scores, indexer_tiles
+
+DEV = "cuda"
+HI, DI, TOPK, PAGE = 32, 128, 2048, 16
+CASES = [
+    ("decode", 64, 8192, 1),
+    ("decode", 64, 32768, 1),
+    ("decode", 64, 131072, 1),
+    ("prefill", 1, 32768, 4096),
+]
+AB_PAIRS = 5
+
+
+def bench_case(kind: str, B: int, ctx: int, chunk: int, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    dev = DEV
+    pages_per = ctx // PAGE
+    P = B * pages_per
+    table = torch.randperm(P, device=dev).to(torch.int32).reshape(B, pages_per)
+    keys16 = torch.randn(P, PAGE, DI, device=dev, dtype=torch.bfloat16)
+    k_scale = float(keys16.abs().amax()) / 448
+    keys = {"bf16": (keys16, 1.0), "fp8": ((keys16 / k_scale).to(torch.float8_e4m3fn), k_scale)}
+    page_tags = torch.randint(0, 2**40, (P,), device=dev)
+    expected = page_tags[table.long()]
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+    query_start = torch.arange(B + 1, dtype=torch.int32, device=dev) * chunk
+    T = B * chunk
+    q = torch.randn(T, HI, DI, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(T, HI, device=dev) * HI**-0.5
+    flags = torch.zeros(B, dtype=torch.bool, device=dev)
+    scale = DI**-0.5
+
+    def args(kv: str) -> tuple[Any, ...]:
+        kc, ks = keys[kv]
+        return (q, w, kc, ks, query_start, seq_lens, table, expected, page_tags, flags, scale)
+
+    def ours(kv: str, check: bool = True) -> torch.Tensor:
+        return dsa_indexer(*args(kv), TOPK, check_tags=check)
+
+    rows, times = [], {}
+    tiles = indexer_tiles(query_start, T, B, HI)
+    for kv in ("bf16", "fp8"):
+        idx = ours(kv)
+        assert not flags.any(), "no page was reallocated: no sequence may be flagged"
+        # the reference on the last m queries of the first sequences (the same positions: they are
+        # the sequences' last tokens either way)
+        n_check, m = min(B, 2), min(chunk, 64)
+        rows_ref = torch.tensor(
+            [b * chunk + chunk - m + i for b in range(n_check) for i in range(m)], device=dev
+        )
+        ref = dsa_indexer_ref(
+            q[rows_ref], w[rows_ref], keys[kv][0], keys[kv][1],
+            torch.arange(n_check + 1, dtype=torch.int32, device=dev) * m, seq_lens[:n_check], table[:n_check],
+            expected[:n_check], page_tags, flags[:n_check].clone(), scale, TOPK,
+        )  # fmt: skip
+        recall = statistics.mean(
+            len(set(idx[int(t)].tolist()) & (set(ref[i].tolist()) - {-1})) / max(1, int((ref[i] >= 0).sum()))
+            for i, t in enumerate(rows_ref)
+        )
+        times[kv] = graph_ms([lambda kv=kv: ours(kv)])
+        scores_ms = graph_ms([lambda kv=kv: dsa_indexer_scores(*args(kv), tiles=tiles)])
+        buf, _ = dsa_indexer_scores(*args(kv), tiles=tiles)
+        topk_ms = graph_ms([lambda buf=buf: buf.topk(min(TOPK, buf.shape[1]), dim=1)])
+        key_bytes = B * ctx * DI * keys[kv][0].element_size()
+        rows.append(
+            {
+                "kernel": "dsa-indexer",
+                "case": f"kv={kv} {kind} batch={B} context={ctx} queries={T} heads={HI} d={DI} topk={TOPK} page={PAGE}",
+                "goal": None,
+                "ms": times[kv],
+                "fraction_of_ceiling": key_bytes / times[kv] / 1e6 / ceil["copy_GBps"]
+                if kind == "decode"
+                else None,
+                "peers": {},
+                "parts": {"scores_ms": scores_ms, "topk_ms": topk_ms},
+                "recall_vs_ref": recall,
+                "ok": recall > 0.98,
+            }
+        )
+    try:  # the peer: the plain torch version over contiguous bf16 keys [B, L, Di]
+        kc = keys16[table.long()].reshape(B, ctx, DI)
+        qb, wb = q.view(B, chunk, HI, DI), w.view(B, chunk, HI)
+        pos = torch.arange(ctx, device=dev)
+        visible = pos[None, :] <= (ctx - chunk + torch.arange(chunk, device=dev))[:, None]  # [chunk, L]
+
+        def torch_peer() -> torch.Tensor:
+            s = torch.relu(torch.einsum("bqhd,bld->bqhl", qb, kc).float() * scale)
+            s = torch.einsum("bqh,bqhl->bql", wb, s).masked_fill(~visible, float("-inf"))
+            return s.topk(TOPK, dim=-1).indices
+
+        if B * chunk * HI * ctx * 6 < 40 * 2**30:  # the peer's intermediates must fit
+            peer_ms = graph_ms([torch_peer])
+            for r in rows:
+                r["peers"]["torch_bf16_contiguous"] = peer_ms
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        print("torch peer failed:", repr(exc)[:300], flush=True)
+    case = f"dsa-indexer kv=fp8 {kind} batch={B} context={ctx} queries={T}"
+    rows.append(tag_check_row(case, lambda: ours("fp8", True), lambda: ours("fp8", False), AB_PAIRS))
+    for r in rows:
+        if "overhead" in r:
+            extra = overhead_text(r)
+        else:
+            frac = r["fraction_of_ceiling"]
+            extra = (
+                f"scores {r['parts']['scores_ms'] * 1e3:.1f}us topk {r['parts']['topk_ms'] * 1e3:.1f}us "
+                f"frac {frac if frac is None else round(frac, 2)} recall {r['recall_vs_ref']:.3f} ok {r['ok']}"
+            )
+        peers = " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
+        print(f"{r['kernel']:<12} {r['case']:<84} {r['ms'] * 1e3:9.1f}us {extra} | {peers}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    run_cases(bench_case, CASES, "decode rows: fraction_of_ceiling is key bytes over copy GB/s")
