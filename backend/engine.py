@@ -21,6 +21,7 @@ import torch
 
 from backend.block_manager import BlockManager
 from backend.constraint import TokenConstraint
+from backend.decode_graphs import Capture
 from backend.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, IntegrityAbort, InvalidRequest
 from backend.model_runner import ModelRunner, PagedModel, SeqResult
@@ -61,7 +62,9 @@ class Engine:
         device: torch.device | str = "cpu",
         kv_scales: list[dict[str, float]] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
+        graph_capture: Capture | None = None,
     ) -> None:
+        """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`)."""
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see from_loaded")
         self.config = config
@@ -72,7 +75,14 @@ class Engine:
             config, self.block_manager, context_window=context_window, vocab_size=vocab_size
         )
         self.runner = ModelRunner(
-            model, config, model_dtype=model_dtype, vocab_size=vocab_size, device=device, kv_scales=kv_scales
+            model,
+            config,
+            model_dtype=model_dtype,
+            vocab_size=vocab_size,
+            device=device,
+            kv_scales=kv_scales,
+            max_seq_len=self.scheduler.context_window,
+            graph_capture=graph_capture,
         )
         self.detokenize = detokenize
         self._stats = EngineStats()
@@ -82,7 +92,12 @@ class Engine:
 
     @classmethod
     def from_loaded(
-        cls, loaded: Any, config: EngineConfig, *, detokenize: Callable[[list[int]], str] | None = None
+        cls,
+        loaded: Any,
+        config: EngineConfig,
+        *,
+        detokenize: Callable[[list[int]], str] | None = None,
+        graph_capture: Capture | None = None,
     ) -> Engine:
         """An engine over `backend.loader.load_model(...)`'s result, sized by its ModelConfig.
 
@@ -106,6 +121,7 @@ class Engine:
             device=weight.device,
             kv_scales=kv_scales,
             detokenize=detokenize,
+            graph_capture=graph_capture,
         )
 
     # ---- requests ------------------------------------------------------------------------------

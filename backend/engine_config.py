@@ -28,6 +28,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `seed` seeds the generators of requests that do not bring their own seed.
     `check_page_tags` False skips the KV page-tag check in every op (no tag is read, no mismatch is
     flagged): only for measuring what the check costs (`kumo bench engine integrity`), never to serve.
+    `cuda_graphs` replays pure-decode steps from CUDA graphs (on a CUDA device only; the CPU never
+    captures), one per batch size in `cuda_graph_batch_sizes` (None: `default_graph_batch_sizes`);
+    sizes above `max_num_seqs` are dropped.
     """
 
     page_size: PageSize = 16
@@ -38,6 +41,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     context_window: ContextWindow | None = None
     enable_prefix_cache: bool = True
     check_page_tags: bool = True
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
 
     def __post_init__(self) -> None:
@@ -46,6 +51,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so running decodes always fit a step"
             )
+
+    def graph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes captured, ascending, all <= max_num_seqs (largest is max_num_seqs
+        when the defaults apply, so every decode step fits one)."""
+        sizes = self.cuda_graph_batch_sizes or default_graph_batch_sizes(self.max_num_seqs)
+        return sorted({s for s in sizes if s <= self.max_num_seqs})
 
     @classmethod
     def build(cls, **values: Any) -> EngineConfig:
@@ -59,3 +70,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.kv_dtype == "auto":
             return model_dtype
         return getattr(torch, self.kv_dtype)
+
+
+def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to and including `max_num_seqs`."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]

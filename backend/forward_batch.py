@@ -85,6 +85,31 @@ class ImageEmbeds:
 
 
 @dataclass(slots=True)
+class HostBatch:
+    """A step's inputs as host lists, before they become a `ForwardBatch` (or fill the static
+    buffers of a captured decode step, `backend.decode_graphs`). Field meanings as in ForwardBatch;
+    `page_ids[b]` / `expected_tags[b]` list only the pages sequence b uses (ceil(seq_lens[b] / S))."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T]
+    slots: list[int] = field(default_factory=list)  # [T]
+    seq_index: list[int] = field(default_factory=list)  # [T]
+    query_start: list[int] = field(default_factory=lambda: [0])  # [B+1]
+    seq_lens: list[int] = field(default_factory=list)  # [B]
+    logits_indices: list[int] = field(default_factory=list)  # [N]
+    page_ids: list[list[int]] = field(default_factory=list)  # [B][pages in use]
+    expected_tags: list[list[int]] = field(default_factory=list)  # [B][pages in use]
+    image_rows: list[int] = field(default_factory=list)  # rows of T that are image placeholders
+    image_parts: list[torch.Tensor] = field(default_factory=list)  # their embeddings, in order
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """One new token and one logits row per sequence, in order, and no image rows."""
+        B = len(self.seq_lens)
+        return len(self.input_ids) == B and not self.image_rows and self.logits_indices == list(range(B))
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     """Everything the model needs for one step over B sequences.
 

@@ -42,16 +42,28 @@ class TokenScore:
 class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[TokenScore]:
         """One token per row of `logits [N, V]`."""
+        chosen = self.draw(logits, rows)
+        return self.scores(logits, rows, chosen, chosen.tolist())
+
+    def draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """`[N]` chosen ids, left on the logits' device: no host sync, so the caller can bring them
+        back together with whatever else the step reads (the model runner's one copy per step)."""
         logits = logits.float()
         x = apply_penalties(logits, rows)  # a new tensor when any penalty applies
         if any(r.allowed is not None for r in rows):
             x = self._mask_disallowed(x.clone() if x is logits else x, rows)
-        chosen = self._draw(x, rows)
-        scores = [TokenScore(int(t), None, []) for t in chosen.tolist()]
+        return self._draw(x, rows)
+
+    def scores(
+        self, logits: torch.Tensor, rows: list[SampleRow], chosen: torch.Tensor, chosen_ids: list[int]
+    ) -> list[TokenScore]:
+        """The rows' `TokenScore`s for `draw`'s `chosen` (on the host as `chosen_ids`), with
+        log-probs for the rows that ask for them."""
+        scores = [TokenScore(t, None, []) for t in chosen_ids]
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
         if wanted:
             index = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
-            raw_logprobs = torch.log_softmax(logits[index], dim=-1)  # [n, V]
+            raw_logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # [n, V]
             tops = [rows[i].params.top_logprobs for i in wanted]
             for i, score in zip(wanted, self._scores(raw_logprobs, chosen[index], tops), strict=True):
                 scores[i] = score
@@ -76,16 +88,18 @@ class Sampler:
         """`[N]` chosen ids: argmax for temperature 0, else a seeded draw from the truncated softmax."""
         N, V = x.shape
         dev = x.device
-        temps = torch.tensor([r.params.temperature for r in rows], device=dev)  # [N]
-        is_greedy = temps == 0
         chosen = x.argmax(dim=-1)  # [N], kept for the greedy rows
-        drawn = (~is_greedy).nonzero()[:, 0].tolist()
+        drawn = [i for i, r in enumerate(rows) if r.params.temperature != 0]  # on the host: no sync
         if not drawn:
             return chosen
+        params = [rows[i].params for i in drawn]
         index = torch.tensor(drawn, dtype=torch.int64, device=dev)
-        xs = x[index] / temps[index][:, None]  # [n, V]
-        xs = apply_top_k(xs, torch.tensor([rows[i].params.top_k for i in drawn], device=dev))
-        xs = apply_top_p(xs, torch.tensor([rows[i].params.top_p for i in drawn], device=dev))
+        temps = torch.tensor([p.temperature for p in params], device=dev)  # [n]
+        xs = x[index] / temps[:, None]  # [n, V]
+        if any(0 < p.top_k < V for p in params):
+            xs = apply_top_k(xs, torch.tensor([p.top_k for p in params], device=dev))
+        if any(p.top_p < 1.0 for p in params):
+            xs = apply_top_p(xs, torch.tensor([p.top_p for p in params], device=dev))
         probs = torch.softmax(xs, dim=-1)  # [n, V]
         for j, i in enumerate(drawn):
             noise = torch.empty(V, device=dev).exponential_(generator=rows[i].generator)  # [V], its own draw
@@ -109,9 +123,7 @@ class Sampler:
 def apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's `k` largest logits (k = 0: keep all). x `[N, V]`, k `[N]`."""
     V = x.shape[1]
-    k = torch.where((k <= 0) | (k > V), V, k)
-    if bool((k == V).all()):
-        return x
+    k = torch.where((k <= 0) | (k > V), V, k)  # callers skip this op when no row truncates (no sync here)
     sorted_x = x.sort(dim=-1, descending=True).values  # [N, V]
     kth = sorted_x.gather(1, (k - 1)[:, None])  # [N, 1]
     return x.masked_fill(x < kth, float("-inf"))
@@ -119,8 +131,6 @@ def apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def apply_top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `p` (always the top one)."""
-    if bool((p >= 1.0).all()):
-        return x
     sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # [N, V] mass of strictly better tokens

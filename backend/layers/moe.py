@@ -18,6 +18,7 @@ from torch import nn
 from backend.config import ModelConfig
 from backend.errors import CheckpointError
 from backend.layers.linear import Shard, _copy, activation, column, row
+from backend.layers.sync_free import is_sync_free
 
 
 class DenseMLP(nn.Module):
@@ -108,6 +109,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] → this rank's share of the routed sum [T, H]."""
+        if is_sync_free():  # a captured decode step: no loop sized by the experts in use
+            return self.forward_every_expert(x, weights, ids)
         out = torch.zeros_like(x)
         local = ids - self.e0  # [T, k]
         for e in torch.unique(local[(local >= 0) & (local < self.e1 - self.e0)]).tolist():
@@ -116,6 +119,20 @@ class Experts(nn.Module):
             y = F.linear(self.act(gate) * up, self.down_proj[e])  # [n, H]
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         return out
+
+    def forward_every_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`forward` with fixed shapes (no host sync, so a CUDA graph can hold it): every local expert
+        runs on every token and the routing weights, zero for unchosen experts, pick the sum. El/k
+        times the work of the loop; for decode-sized T (unquantized experts only: INT4 ones go
+        through the fused MoE kernel)."""
+        T, El = x.shape[0], self.e1 - self.e0
+        local = ids - self.e0  # [T, k]
+        route = torch.zeros(T, El + 1, dtype=torch.float32, device=x.device)  # column El: other ranks'
+        route.scatter_add_(1, torch.where((local >= 0) & (local < El), local, El), weights.float())
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [El, T, I] each
+        y = torch.bmm(self.act(gate) * up, self.down_proj.transpose(1, 2))  # [El, T, H]
+        out = (y.float() * route[:, :El].T[:, :, None]).sum(0)  # [T, H]
+        return out.to(x.dtype)
 
 
 class MoE(nn.Module):

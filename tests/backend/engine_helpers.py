@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from backend.decode_graphs import Capture
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
 from schemas.backend import EngineOutput, EngineRequest, Error, FinishReason, SamplingParams, TokenLogprob
@@ -43,12 +44,14 @@ def vocab_of(model: Any) -> int:
     return model.config.vocab_size if hasattr(model, "config") else model.vocab_size
 
 
-def make_engine(model: Any = None, *, device: str = "cpu", **config: Any) -> Engine:
+def make_engine(
+    model: Any = None, *, device: str = "cpu", graph_capture: Capture | None = None, **config: Any
+) -> Engine:
     """An engine over the test model, or over a `LoadedModel` (real tiny checkpoint)."""
     model = model or TinyPagedModel().to(device)
     values = {"num_pages": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16} | config
     if hasattr(model, "config"):
-        return Engine.from_loaded(model, EngineConfig.build(**values))
+        return Engine.from_loaded(model, EngineConfig.build(**values), graph_capture=graph_capture)
     return Engine(
         model,
         EngineConfig.build(**values),
@@ -56,6 +59,7 @@ def make_engine(model: Any = None, *, device: str = "cpu", **config: Any) -> Eng
         context_window=512,
         model_dtype=torch.float32,
         device=device,
+        graph_capture=graph_capture,
     )
 
 

@@ -1,0 +1,180 @@
+"""Pure-decode steps replayed from CUDA graphs, one graph per batch-size bucket (engine-anchors §4).
+
+A step where every sequence has one new token and one logits row (`HostBatch.is_pure_decode`) runs
+in the smallest captured bucket Bk >= B. A graph reads only static buffers: before a replay the step's
+values are copied into their first B rows and rows B..Bk get padding values — token 0 at position
+0, `seq_len` 1, its one page the scratch page, whose tag it expects, and its slot in that page. The
+scratch page is the KV cache's last page, one past the block manager's pool: never allocated, so it
+keeps tag `SCRATCH_TAG` (0, which no allocation ever gets). A padding row therefore writes and reads
+only the scratch page and never trips the tag check; its logits and flag are ignored.
+
+The page-table buffers are `max_pages` wide (the longest sequence the engine admits); columns past
+the step's widest sequence keep older page ids, never read (every op reads only the `ceil(seq_len /
+S)` pages a sequence uses). Kernels size their grids and split counts from that width, known on the
+host at capture, never from a device read. The tag-mismatch flags are zeroed inside the graph; the
+logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
+
+Capture (`CudaGraphCapture`): largest bucket first, every graph in one memory pool. Each bucket
+first runs once eagerly with torch's sync debug mode at "error", so a host sync anywhere in the
+forward (`.item()`, `.tolist()`, `int(tensor)`, a data-dependent shape) raises there, before any
+capture; the runner then runs every step eagerly and `disabled_reason` says why. Warm-up and capture
+run inside `backend.layers.sync_free.sync_free()`, where layers take their fixed-shape paths.
+`capture` is injectable: `eager_capture` keeps the static buffers and padding but no graph, which is
+how the CPU tests check bucketing and padding against the plain eager path.
+
+Shapes: B sequences this step, Bk bucket, Mp = max_pages, S page size, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from backend.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.layers.sync_free import sync_free
+
+SCRATCH_TAG = 0  # the tag of a page never allocated (the block manager's tags start at 1)
+
+Replay = Callable[[], torch.Tensor]
+Capture = Callable[[Callable[[], torch.Tensor]], Replay]  # step -> replay returning step's output
+
+
+def eager_capture(step: Callable[[], torch.Tensor]) -> Replay:
+    """No graph: every replay runs `step` eagerly over the static buffers (the CPU tests' capture)."""
+    return step
+
+
+class CudaGraphCapture:
+    """Sync-checked warm-up, then capture into the pool shared by every bucket captured so far."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: tuple[int, int] | None = None
+
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Replay:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):  # warm-up: compiles kernels, and any host sync raises here
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = step()
+        if self.pool is None:
+            self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+class DecodeGraphs:
+    """Static input buffers for the largest bucket, and one replay per bucket over their prefixes."""
+
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        kv_cache: KVCache,
+        *,
+        batch_sizes: list[int],
+        max_pages: int,
+        check_tags: bool,
+        capture: Capture,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_pages = max_pages
+        self.check_tags = check_tags
+        self.scratch_page = kv_cache.num_pages - 1
+        self.num_replays = 0
+        self.disabled_reason: str | None = None
+        n, dev = self.batch_sizes[-1], kv_cache.page_tags.device
+        S = kv_cache.page_size
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(n, dtype=i64, device=dev)  # [n]
+        self.positions = torch.zeros(n, dtype=i64, device=dev)  # [n]
+        self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
+        self.slot_mapping = torch.full((n,), self.scratch_page * S, dtype=i64, device=dev)  # [n]
+        self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
+        self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
+        self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
+        self.rows = torch.arange(n, dtype=i64, device=dev)  # logits rows, and the sequence of each row
+        self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
+        self._replays: dict[int, Replay] = {}
+        try:
+            for size in reversed(self.batch_sizes):  # largest first: the pool is sized by the first
+                batch = self._batch(size)
+                self._replays[size] = capture(lambda batch=batch: self._step(forward, batch))
+        except Exception as exc:  # a capture-unsafe op on the decode path: every step stays eager
+            self._replays.clear()
+            self.disabled_reason = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self._replays)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((s for s in self.batch_sizes if s >= num_seqs), None) if self.is_enabled else None
+
+    def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(logits [B, V], tag_mismatch [B])` of a pure-decode step, or None when no bucket fits
+        (more sequences than the largest bucket, or a sequence wider than the page-table buffers)."""
+        B = len(host.seq_lens)
+        bucket = self.bucket_for(B)
+        width = max(len(p) for p in host.page_ids)
+        if bucket is None or width > self.max_pages:
+            return None
+        self._fill(host, bucket, width)
+        logits = self._replays[bucket]()
+        self.num_replays += 1
+        return logits[:B], self.tag_mismatch[:B]
+
+    def _fill(self, host: HostBatch, bucket: int, width: int) -> None:
+        """Copy the step's rows into the buffers' first B rows; rows B..bucket get padding values."""
+        pad = bucket - len(host.seq_lens)
+        scratch, S = self.scratch_page, self.kv_cache.page_size
+        pages = [row + [scratch] * (width - len(row)) for row in host.page_ids] + [[scratch] * width] * pad
+        tags = [row + [SCRATCH_TAG] * (width - len(row)) for row in host.expected_tags]
+        tags += [[SCRATCH_TAG] * width] * pad
+        for buffer, values in (
+            (self.input_ids, host.input_ids + [0] * pad),
+            (self.positions, host.positions + [0] * pad),
+            (self.seq_lens, host.seq_lens + [1] * pad),
+            (self.slot_mapping, host.slots + [scratch * S] * pad),
+        ):
+            buffer[:bucket].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        self.page_table[:bucket, :width].copy_(torch.tensor(pages, dtype=torch.int32), non_blocking=True)
+        self.expected_tags[:bucket, :width].copy_(torch.tensor(tags, dtype=torch.int64), non_blocking=True)
+
+    def _batch(self, size: int) -> ForwardBatch:
+        """The ForwardBatch a bucket's graph reads: views of the buffers' first `size` rows."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            query_start=self.query_start[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            page_table=self.page_table[:size],
+            expected_tags=self.expected_tags[:size],
+            slot_mapping=self.slot_mapping[:size],
+            logits_indices=self.rows[:size],
+            kv_cache=self.kv_cache,
+            tag_mismatch=self.tag_mismatch[:size],
+            is_decode_only=True,
+            check_tags=self.check_tags,
+            seq_index=self.rows[:size],
+        )
+
+    @staticmethod
+    def _step(forward: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        with sync_free():
+            batch.tag_mismatch.zero_()
+            return forward(batch)
