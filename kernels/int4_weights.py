@@ -1,5 +1,6 @@
-"""INT4 weights (compressed-tensors pack-quantized) for the W4A16 kernels: layout check at load,
-dequantization in one Triton pass, the Triton helpers that unpack words, and the pure-torch unpack.
+"""INT4 weights (compressed-tensors pack-quantized) for the W4A16 / W4A8 kernels: layout check at
+load, operand checks, dequantization in one Triton pass (optionally re-scaled per row, which the FP8
+expansion uses), the Triton helpers that unpack words and order tiles, and the pure-torch unpack.
 
 Layout: `weight_packed` int32 `[N, K/8]`, nibble j of word i (little-endian) holds `q + 8` of element
 `k = 8i + j`; `weight_scale` `[N, K/G]`; the weight is `(q) · s` with q in [-8, 7].
@@ -45,9 +46,24 @@ def _unpack_tile(wp, sc, magic_2_23, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid` in grouped order: GROUP_M row-tiles walk N together, so their
+    weight tiles are reused from L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
 def _dequant_kernel(
     w_ptr,  # [N, K/8] int32
     s_ptr,  # [N, K/G]
+    inv_ptr,  # [N] fp32 row factors (ROW_SCALED), else unused
     out_ptr,  # [N, K]
     N,
     K,
@@ -61,8 +77,9 @@ def _dequant_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
+    ROW_SCALED: tl.constexpr,
 ):
-    """Dense `(q - 8) · s` tiles; grid (N/BN, K/BK)."""
+    """Dense `(q - 8) · s` tiles, or `(q - 8) · (s · inv[n])` when ROW_SCALED; grid (N/BN, K/BK)."""
     BK8: tl.constexpr = BLOCK_K // 8
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -78,6 +95,8 @@ def _dequant_kernel(
         mask=n_ok[:, None] & (g < K // GROUP_SIZE)[None, :],
         other=0.0,
     ).to(tl.float32)  # [BN, SR]
+    if ROW_SCALED:
+        sc = sc * tl.load(inv_ptr + offs_n, mask=n_ok, other=0.0)[:, None]  # one rounding, as the reference
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8))
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     wf = _unpack_tile(wp, sc, magic_2_23, out_ptr.dtype.element_ty)  # [BN, BK]
@@ -94,6 +113,7 @@ def dequantize_int4(
     group_size: int,
     dtype: torch.dtype,
     cfg: W4A16Config | None = None,
+    row_inv: torch.Tensor | None = None,  # [N] fp32: codes (q - 8) · (s · row_inv) instead (FP8 expansion)
 ) -> torch.Tensor:
     """`[N, K]` dense weight `(q - 8) · s` in `dtype`, one pass over the packed words."""
     N, K8 = w.shape
@@ -103,6 +123,7 @@ def dequantize_int4(
     _dequant_kernel[grid](
         w,
         scales,
+        scales if row_inv is None else row_inv,
         out,
         N,
         8 * K8,
@@ -116,9 +137,27 @@ def dequantize_int4(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SCALE_ROWS=max(block_k // group_size, 1),
+        ROW_SCALED=row_inv is not None,
         num_warps=num_warps,
     )
     return out
+
+
+def check_int4_operands(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    """The GEMM launchers' checks: x [..., K] fp16/bf16/fp32, w [N, K/8] int32, scales [N, K/G]."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"activations must be fp16, bf16 or fp32, got {x.dtype}")
+    if w.dtype != torch.int32 or w.dim() != 2:
+        raise TypeError(f"w_repacked must be 2-D int32 [N, K/8], got {w.dtype} {tuple(w.shape)}")
+    if not scales.is_floating_point() or scales.dim() != 2:
+        raise TypeError("scales must be a 2-D float tensor [N, K/G]")
+    K, N = x.shape[-1], w.shape[0]
+    if w.shape[1] * 8 != K or K % group_size:
+        raise ValueError(f"K={K} does not match w_repacked {tuple(w.shape)} and group {group_size}")
+    if tuple(scales.shape) != (N, K // group_size):
+        raise ValueError(f"scales {tuple(scales.shape)} != ({N}, {K // group_size})")
+    if not (x.device == w.device == scales.device):
+        raise ValueError("x, w_repacked and scales must be on one device")
 
 
 def repack_int4(

@@ -27,7 +27,9 @@ import triton.language as tl
 
 from kernels.int4_weights import (  # repack_int4 and the reference unpack are part of this op's API
     _MAGIC_2_23,
+    _grouped_tile,
     _unpack_tile,
+    check_int4_operands,
     dequantize_int4,
     repack_int4,
     unpack_int4_ref,
@@ -237,16 +239,8 @@ def _w4a16_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """x [M, K], w [N, K/8] int32, s [N, K/G], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row-tiles walk N together, so their weight tiles are reused from L2
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     BK8: tl.constexpr = BLOCK_K // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,7 +278,7 @@ def _w4a16_kernel(
         )  # [BN, BK8] scale of each packed word
         w = _unpack_tile(wp, sc, magic_2_23, x.dtype)  # [BN, BK]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    tile_id = pid_m * num_pid_n + pid_n
+    tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
     _finish_tile(
         acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k, SPLIT_K
     )
@@ -349,24 +343,10 @@ def w4a16_gemm(
     out: torch.Tensor | None = None,  # [M, N] contiguous, x's dtype: for preallocated (graph) buffers
 ) -> torch.Tensor:
     """`x @ dequant(w)` in x's dtype; [..., N]."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"activations must be fp16, bf16 or fp32, got {x.dtype}")
-    if w_repacked.dtype != torch.int32 or w_repacked.dim() != 2:
-        raise TypeError(
-            f"w_repacked must be 2-D int32 [N, K/8], got {w_repacked.dtype} {tuple(w_repacked.shape)}"
-        )
-    if not scales.is_floating_point() or scales.dim() != 2:
-        raise TypeError("scales must be a 2-D float tensor [N, K/G]")
     if group_size % 8 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
-    K = x.shape[-1]
-    N = w_repacked.shape[0]
-    if w_repacked.shape[1] * 8 != K or K % group_size:
-        raise ValueError(f"K={K} does not match w_repacked {tuple(w_repacked.shape)} and group {group_size}")
-    if tuple(scales.shape) != (N, K // group_size):
-        raise ValueError(f"scales {tuple(scales.shape)} != ({N}, {K // group_size})")
-    if not (x.device == w_repacked.device == scales.device):
-        raise ValueError("x, w_repacked and scales must be on one device")
+    check_int4_operands(x, w_repacked, scales, group_size)
+    K, N = x.shape[-1], w_repacked.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
