@@ -164,6 +164,21 @@ def test_expand_exact_when_group_scales_are_powers_of_two_apart() -> None:
     assert torch.equal(w8.cpu().float(), q.float() * 32 * torch.exp2(-j.float()).repeat_interleave(group, 1))
 
 
+def test_expand_gemm_scales_rows_and_columns() -> None:
+    """The whole expand-fp8 product (torch 2.13's CPU `_scaled_mm` takes row-wise scales too): exact
+    codes on both sides, so only the bf16 output rounds; row scales on x, channel scales on w."""
+    gen = torch.Generator().manual_seed(4)
+    N, K, group = 32, 128, 32
+    packed, _, _ = checkpoint(N, K, group, gen)
+    scale = torch.exp2(-torch.randint(6, 10, (N, K // group), generator=gen).float()).to(torch.bfloat16)
+    x, _ = e4m3_rows(21, K, gen)
+    out = w4a8_expand_gemm(x.to(torch.bfloat16).to(DEV), packed.to(DEV), scale.to(DEV), group)
+    assert out.shape == (21, N) and out.dtype == torch.bfloat16
+    w8, c = expand_int4_fp8_ref(packed, scale)
+    exact = x.double() @ (w8.double() * c.double()[:, None]).t()
+    assert rel_err(out.cpu(), exact) < 2 * BF16_OUT
+
+
 def test_kernels_compile_for_sm90() -> None:
     """The W4A8 GEMM (group 32 and 128), the quantizer and the expansion compile for the H200 with
     their default tiles (Triton + ptxas, no GPU; a process without TRITON_INTERPRET); none spills."""
