@@ -4,7 +4,8 @@
 #   run(command="bash models/recipes/run_on_device.sh 5.5 continue", carry=[".whl"])   (second stage)
 # .whl/ holds transformers 5.24 and the libraries it needs newer than the image's (regex, tokenizers,
 # huggingface_hub 1.x); they go first on the path. Each family's folder (with train.log) comes back
-# as $OUT/<name>.tar, the stdout as $OUT/<family>.stdout.
+# as $OUT/<name>.tar, the stdout as $OUT/<family>.stdout. TRAIN_ARGS adds options to both trainings
+# (e.g. TRAIN_ARGS="--prompt-weight 0.3 --profile-steps 3").
 set -uo pipefail
 MINUTES=${1:-7.5}
 CONTINUE=${2:-}  # "continue": start from the committed models/<name> (its tokenizer too), bigger batches
@@ -22,7 +23,7 @@ for fam in kimi glm; do
     EXTRA=""
     [ "$CONTINUE" = continue ] && EXTRA="--init models/$name --batch-tokens 131072 --warmup 50"
     python3 -m models.recipes.train --family $fam --data /tmp/data-$fam --out "$OUT/$name" $EXTRA \
-        --steps 0 --minutes "$MINUTES" --workers $workers > "$OUT/$fam.stdout" 2>&1 &
+        --steps 0 --minutes "$MINUTES" --workers $workers ${TRAIN_ARGS:-} > "$OUT/$fam.stdout" 2>&1 &
     pids+=($!)
 done
 rc=0

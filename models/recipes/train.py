@@ -149,17 +149,38 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def collate(batch: list[Example], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded ids and next-token labels (IGNORE off the trained tokens); images in order."""
+def collate(
+    batch: list[Example],
+    pad_id: int,
+    device: torch.device,
+    *,
+    prompt_weight: float = 0.0,
+    unpredicted: frozenset[int] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """Right-padded ids and next-token labels; images in order. With `prompt_weight` 0 the labels
+    are the trained (assistant) tokens only, IGNORE elsewhere; above 0 every real next token is a
+    label (but the `unpredicted` ids: image placeholders), `weights` gives the untrained ones that
+    weight and `trained` marks the assistant tokens."""
     length = max(len(ex.token_ids) for ex in batch)
     ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), length), IGNORE, dtype=torch.long)
+    weights = torch.zeros((len(batch), length))
+    is_trained = torch.zeros((len(batch), length), dtype=torch.bool)
     for b, ex in enumerate(batch):
         n = len(ex.token_ids)
         ids[b, :n] = torch.tensor(ex.token_ids)
-        mask = torch.tensor(ex.loss_mask[1:])
-        labels[b, : n - 1] = torch.where(mask, torch.tensor(ex.token_ids[1:]), IGNORE)
+        target = torch.tensor(ex.token_ids[1:])
+        trained = torch.tensor(ex.loss_mask[1:])
+        if prompt_weight > 0:
+            keep = trained | ~torch.isin(target, torch.tensor(sorted(unpredicted), dtype=torch.long))
+            labels[b, : n - 1] = torch.where(keep, target, IGNORE)
+            weights[b, : n - 1] = torch.where(trained, 1.0, prompt_weight)
+            is_trained[b, : n - 1] = trained
+        else:
+            labels[b, : n - 1] = torch.where(trained, target, IGNORE)
     out = {"input_ids": _to(ids, device), "labels": _to(labels, device)}
+    if prompt_weight > 0:
+        out["weights"], out["trained"] = _to(weights, device), _to(is_trained, device)
     images = [image for ex in batch for image in ex.images]
     if images:
         out["pixel_values"] = _to(torch.cat([i.patches for i in images]), device)
@@ -167,10 +188,20 @@ def collate(batch: list[Example], pad_id: int, device: torch.device) -> dict[str
     return out
 
 
-def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to train on, the mean loss over assistant tokens alone — the one the log reports).
+    Without `weights` in the batch the two are the same."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights", "trained")}
     logits = model(**inputs, use_cache=False).logits  # [B, L, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+    labels = batch["labels"].flatten()
+    if "weights" not in batch:
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=IGNORE)
+        return loss, loss
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="none")
+    weights = batch["weights"].flatten() * (labels != IGNORE)
+    answer = batch["trained"].flatten().float()
+    loss = (per_token * weights).sum() / weights.sum().clamp_min(1e-9)
+    return loss, ((per_token * answer).sum() / answer.sum().clamp_min(1)).detach()
 
 
 def endless(groups: list[list[Example]], rng: random.Random) -> Iterator[list[Example]]:
@@ -250,6 +281,8 @@ def fit(
     log: Callable[[str], None],
     log_every: int,
     profile_steps: int = 0,
+    prompt_weight: float = 0.0,
+    unpredicted: frozenset[int] = frozenset(),
 ) -> list[float]:
     """The training loop; returns the loss averaged over each logging window.
 
@@ -299,16 +332,16 @@ def fit(
             )
             profiler = torch.profiler.profile(activities=kinds)
             profiler.__enter__()
-        batch = collate(next(stream), pad_id, dev)
+        batch = collate(next(stream), pad_id, dev, prompt_weight=prompt_weight, unpredicted=unpredicted)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda):
-            loss = loss_of(model, batch)
+            loss, answer_loss = loss_of(model, batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         schedule.step()
         load = balance.step()
-        window.append(loss.detach())
+        window.append(answer_loss.detach())
         if profiler is not None and step == PROBE_STEPS + profile_steps:
             profiler.__exit__(None, None, None)
             key = "self_cuda_time_total" if is_cuda else "self_cpu_time_total"
@@ -354,6 +387,7 @@ def train(
     workers: int = min(16, os.cpu_count() or 1),
     balance_rate: float = 1e-3,
     init: Path | None = None,
+    prompt_weight: float = 0.0,
 ) -> list[float]:
     """Prepare, train and save the checkpoint folder `out` (written beside it, then renamed into
     place); returns the logged losses. `minutes` bounds the training loop's wall time."""
@@ -361,7 +395,8 @@ def train(
 
     settings = dict(family=family, data=str(data), out=str(out), size=size, steps=steps, batch_tokens=batch_tokens,
                     lr=lr, warmup=warmup, max_len=max_len, minutes=minutes, seed=seed, device=device,
-                    max_items=max_items, balance_rate=balance_rate, init=str(init) if init else None)  # fmt: skip
+                    max_items=max_items, balance_rate=balance_rate, init=str(init) if init else None,
+                    prompt_weight=prompt_weight)  # fmt: skip
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     random.seed(seed)
@@ -381,7 +416,8 @@ def train(
         model = model.to(torch.device(device)).train()
         losses = fit(model, examples, pad_id, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
                      minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every,
-                     profile_steps=profile_steps)  # fmt: skip
+                     profile_steps=profile_steps, prompt_weight=prompt_weight,
+                     unpredicted=frozenset(i for i in [Renderer(staging).pad_id] if i is not None))  # fmt: skip
         save_checkpoint(family, model.eval().float().cpu(), config, staging)
         log(f"saved {out}")
     staging.rename(out)
@@ -411,6 +447,12 @@ def main(argv: list[str] | None = None) -> int:
         "--init", type=Path, default=None, help="continue from this trained folder (its tokenizer too)"
     )
     p.add_argument(
+        "--prompt-weight",
+        type=float,
+        default=0.0,
+        help="loss weight of the other tokens (0: assistant turns only)",
+    )
+    p.add_argument(
         "--profile-steps", type=int, default=0, help="log a profiler table of N steps after the first 20"
     )
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="rendering processes")
@@ -418,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,
           warmup=a.warmup, max_len=a.max_len, minutes=a.minutes, seed=a.seed, device=a.device,
           max_items=a.max_items, log_every=a.log_every, workers=a.workers,
-          balance_rate=a.balance_rate, init=a.init, profile_steps=a.profile_steps)  # fmt: skip
+          balance_rate=a.balance_rate, init=a.init, profile_steps=a.profile_steps,
+          prompt_weight=a.prompt_weight)  # fmt: skip
     return 0
 
 

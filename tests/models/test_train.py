@@ -31,7 +31,7 @@ from models.recipes.nano import (
     special_ids,
 )
 from models.recipes.render import Example, Renderer
-from models.recipes.train import ExpertBalance, fit, train
+from models.recipes.train import IGNORE, ExpertBalance, collate, fit, loss_of, train
 from models.recipes.world import make_world
 from tests.backend.paged_driver import PagedDriver, Seq
 
@@ -193,6 +193,7 @@ def test_steps_zero_lays_the_cosine_over_the_clock() -> None:
 def test_expert_balance_nudges_the_bias_toward_under_used_experts() -> None:
     """DeepSeek-V3's loss-free balancing: after a step where expert 0 took most tokens, its selection
     bias goes down by `rate`, the unused experts' go up, and the reported load is max/mean."""
+
     class FakeTopkRouter(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -208,3 +209,23 @@ def test_expert_balance_nudges_the_bias_toward_under_used_experts() -> None:
     assert float(load) == pytest.approx(3 / 1.5)
     assert router.e_score_correction_bias.tolist() == [-0.5, -0.5, 0.5, 0.5]
     assert float(balance.step()) == 1.0 and router.e_score_correction_bias.tolist() == [-0.5, -0.5, 0.5, 0.5]
+
+
+def test_prompt_weight_trains_the_prompt_tokens_too_and_logs_the_answer_loss() -> None:
+    """`--prompt-weight w`: every real next token is a label (image placeholders excepted), the
+    prompt's with weight w; the loss reported stays the assistant tokens' mean, comparable with runs
+    that train on those alone. Checked against the cross-entropy computed by hand."""
+    ex = Example([1, 9, 2, 3, 4, 5], [False, False, False, True, True, True])  # 9: an image placeholder
+    plain = collate([ex], 0, torch.device("cpu"))
+    weighted = collate([ex], 0, torch.device("cpu"), prompt_weight=0.25, unpredicted=frozenset({9}))
+    assert plain["labels"].tolist() == [[IGNORE, IGNORE, 3, 4, 5, IGNORE]] and "weights" not in plain
+    assert weighted["labels"].tolist() == [[IGNORE, 2, 3, 4, 5, IGNORE]]
+    assert weighted["weights"].tolist() == [[0.25, 0.25, 1.0, 1.0, 1.0, 0.0]]
+    model = _Toy().requires_grad_(False)
+    logits = model(plain["input_ids"], use_cache=False).logits[0]
+    ce = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 2, 3, 4, 5, 0]), reduction="none")
+    loss, answer = loss_of(model, weighted)
+    assert float(answer) == pytest.approx(float(ce[2:5].mean()), rel=1e-6)
+    assert float(loss) == pytest.approx(float((0.25 * ce[1] + ce[2:5].sum()) / 3.25), rel=1e-6)
+    same, also = loss_of(model, plain)
+    assert float(same) == float(also) == pytest.approx(float(answer), rel=1e-6)
