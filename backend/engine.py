@@ -25,6 +25,7 @@ from backend.decode_graphs import Capture
 from backend.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, IntegrityAbort, InvalidRequest
 from backend.model_runner import ModelRunner, PagedModel, SeqResult
+from backend.quant.linear import set_int4_prefill
 from backend.sampler import TokenScore
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
@@ -68,6 +69,7 @@ class Engine:
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see from_loaded")
         self.config = config
+        set_int4_prefill(model, config.int4_prefill)
         self.block_manager = BlockManager(
             config.num_pages, config.page_size, enable_prefix_cache=config.enable_prefix_cache
         )

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from backend.quant.scheme import Int4Prefill
+
 PageSize = Annotated[int, Meta(ge=1, le=1024)]
 NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
 TokenBudget = Annotated[int, Meta(ge=1, le=1 << 20)]
@@ -28,6 +30,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `seed` seeds the generators of requests that do not bring their own seed.
     `check_page_tags` False skips the KV page-tag check in every op (no tag is read, no mismatch is
     flagged): only for measuring what the check costs (`kumo bench engine integrity`), never to serve.
+    `int4_prefill` picks how INT4 Linears run prefill products on CUDA (`backend.quant.linear`):
+    "w4a16" (the default until the H200 numbers decide), "w4a8" or "expand-fp8" (FP8 tensor cores).
     `cuda_graphs` replays pure-decode steps from CUDA graphs (on a CUDA device only; the CPU never
     captures), one per batch size in `cuda_graph_batch_sizes` (None: `default_graph_batch_sizes`);
     sizes above `max_num_seqs` are dropped.
@@ -41,6 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     context_window: ContextWindow | None = None
     enable_prefix_cache: bool = True
     check_page_tags: bool = True
+    int4_prefill: Int4Prefill = "w4a16"
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0

@@ -5,7 +5,10 @@
 
 A variant is a checkpoint folder plus options: `kv=fp8|bf16` (FP8 KV uses the checkpoint's stored
 scales, else calibrates with a warning), `weights=int4-g32|int4-g128|fp8-channel|fp8-block` and
-`all-linear` (quantize the loaded weights in memory, to try a format before writing it). All
+`all-linear` (quantize the loaded weights in memory, to try a format before writing it), and
+`int4-prefill=w4a16|w4a8|expand-fp8` (CUDA only: how the INT4 Linears multiply; here every product,
+decode steps included, so the accuracy cost measured bounds serving's, which uses it only for
+prefill chunks of `PREFILL_MIN_TOKENS`+ tokens). All
 variants are held in memory together; items run in batches (`--batch-size` sequences over one page
 pool, prefill steps of at most `--step-tokens` tokens, greedy decoding of the whole batch at once),
 every batch through each variant (`backend/quant/prompt_runner.py`), on `--device` (CUDA when there
@@ -34,7 +37,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 import torch
@@ -44,6 +47,7 @@ from backend.errors import CheckpointError, EngineError
 from backend.eval_prompts import EvalPrompts, Request
 from backend.eval_tasks import GenItem, McItem, ToolItem, call_matches, extract_answer, load_items
 from backend.quant.prompt_runner import Prompt, PromptRunner
+from backend.quant.scheme import Int4Prefill
 
 NUM_BOOTSTRAP = 1000
 
@@ -73,20 +77,22 @@ class EvalReport(msgspec.Struct, kw_only=True):
 
 
 class VariantOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What follows a variant's folder: `:kv=fp8|bf16`, `:weights=FORMAT`, `:all-linear`."""
+    """What follows a variant's folder: `:kv=fp8|bf16`, `:weights=FORMAT`, `:all-linear`,
+    `:int4-prefill=w4a16|w4a8|expand-fp8`."""
 
     kv: Literal["fp8", "bf16"] = "bf16"
     weights: str | None = None  # one of `kumo quantize --weights`
     all_linear: bool = False
+    int4_prefill: Int4Prefill = "w4a16"
 
 
 def parse_variant(spec: str) -> tuple[str, VariantOptions]:
-    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear]` -> (DIR, options); ValueError naming what
-    is wrong (an option ignored would run a variant other than the one asked for)."""
+    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear][:int4-prefill=MODE]` -> (DIR, options);
+    ValueError naming what is wrong (an option ignored would run a variant other than the one asked for)."""
     from backend.quant.cli import WEIGHTS
 
     path, *opts = spec.split(":")
-    kv, weights, all_linear = "bf16", None, False
+    kv, weights, all_linear, prefill = "bf16", None, False, "w4a16"
     for opt in opts:
         key, _, value = opt.partition("=")
         if key == "kv" and value in ("fp8", "bf16"):
@@ -95,13 +101,16 @@ def parse_variant(spec: str) -> tuple[str, VariantOptions]:
             weights = value
         elif opt == "all-linear":
             all_linear = True
+        elif key == "int4-prefill" and value in get_args(Int4Prefill):
+            prefill = value
         else:
             raise ValueError(
-                f"variant {spec!r}: unknown option {opt!r} (kv=fp8|bf16, weights={'|'.join(WEIGHTS)}, all-linear)"
+                f"variant {spec!r}: unknown option {opt!r} (kv=fp8|bf16, weights={'|'.join(WEIGHTS)}, "
+                f"all-linear, int4-prefill={'|'.join(get_args(Int4Prefill))})"
             )
     if all_linear and weights is None:
         raise ValueError(f"variant {spec!r}: all-linear needs weights=FORMAT")
-    return path, VariantOptions(kv=kv, weights=weights, all_linear=all_linear)  # type: ignore[arg-type]
+    return path, VariantOptions(kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill)  # type: ignore[arg-type]
 
 
 class Variant:
@@ -111,6 +120,7 @@ class Variant:
         from backend.loader import load_model
         from backend.quant import kv_scales
         from backend.quant.cli import WEIGHTS
+        from backend.quant.linear import set_int4_prefill
         from backend.quant.scheme import QuantScheme
         from backend.quant.walker import quantize_model
 
@@ -135,6 +145,13 @@ class Variant:
             quantize_model(
                 self.model, QuantScheme.build(method, group_size=group, all_linear=options.all_linear)
             )
+        if options.int4_prefill != "w4a16":
+            if not str(device).startswith("cuda"):
+                raise ValueError(f"variant {spec!r}: int4-prefill={options.int4_prefill} runs only on CUDA")
+            if not set_int4_prefill(self.model, options.int4_prefill, min_tokens=1):
+                raise ValueError(
+                    f"variant {spec!r}: int4-prefill needs INT4 Linears (weights=int4-*:all-linear)"
+                )
 
     def runner(self, step_tokens: int) -> PromptRunner:
         """Whole prompts per prefill step (chunk None), as the engine prefills prompts under its budget."""

@@ -15,6 +15,7 @@ Shape letters: T = new tokens this step, B = sequences, Mp = most pages of one s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,6 +27,8 @@ from backend.forward_batch import CacheSpec, ForwardBatch, HostBatch, ImageEmbed
 from backend.sampler import Sampler, SampleRow, TokenScore
 from backend.scheduler import ScheduledSeq, SchedulerOutput
 from backend.sequence import Sequence
+
+log = logging.getLogger("kumo.engine")
 
 
 class PagedModel(Protocol):
@@ -96,6 +99,8 @@ class ModelRunner:
                     check_tags=config.check_page_tags,
                     capture=graph_capture,
                 )
+            if self.graphs.disabled_reason is not None:  # at start-up, once: every step runs eagerly
+                log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
 
     def apply_tag_updates(self, updates: list[tuple[int, int]]) -> None:
         if updates:

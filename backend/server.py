@@ -232,6 +232,7 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         context_window=served.context_window,
+        cuda_graphs=settings.cuda_graphs,
     )
     engine = Engine(
         loaded.model,

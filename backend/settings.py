@@ -39,6 +39,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     context_window: Annotated[int, Meta(ge=1)] | None = None
     name: str | None = None
     device: str = "cpu"
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA devices only)
 
     @property
     def model_name(self) -> str:
@@ -66,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="model name in the card (default: folder name)")
     p.add_argument("--secret", default=None, help="shared secret (default: $KUMO_BACKEND_SECRET)")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay decode steps from CUDA graphs per batch size (CUDA devices only; default on)",
+    )
     return p
 
 

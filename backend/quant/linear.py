@@ -8,8 +8,10 @@ a state dict or the model's `load_param(name, full)` fills it straight from the 
   the same tensor `weight_scale`, chosen by `block_scale_name`).
 
 Like `backend.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
-(`in_range`) and all-reduces when row-parallel. On the CPU the forward dequantizes to the
-activation dtype and runs a dense matmul (the torch reference); GPU kernels go behind it later.
+(`in_range`) and all-reduces when row-parallel. The forward dequantizes to the activation dtype and
+runs a dense matmul (the torch reference), except an `Int4Linear` whose `prefill` is "w4a8" or
+"expand-fp8" on CUDA with at least `prefill_min_tokens` tokens: that product runs on FP8 tensor
+cores (`kernels/w4a8_gemm.py`, `kernels/w4a8_expand.py`; `set_int4_prefill` picks the path).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from backend.quant.fp8 import (
     quantize_fp8_channel,
 )
 from backend.quant.int4 import dequantize_int4, quantize_int4
+from backend.quant.scheme import Int4Prefill
+
+# W4A8 / expand-fp8 run from this many tokens per product up (issue 6's prefill goal is M >= 2048);
+# smaller products stay W4A16. Not yet measured on the H200: set it from bench_w4a8's crossover.
+PREFILL_MIN_TOKENS = 1024
 
 
 class Geometry(TypedDict, total=False):
@@ -121,6 +128,9 @@ class _QuantLinear(nn.Module):
 class Int4Linear(_QuantLinear):
     """W4A16: symmetric INT4 weights with one BF16 scale per `group_size` inputs."""
 
+    weight_packed: torch.Tensor  # buffers (registered in __init__), typed for the kernels' calls
+    weight_scale: torch.Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -131,6 +141,8 @@ class Int4Linear(_QuantLinear):
     ) -> None:
         super().__init__(in_features, out_features, **geometry)
         self.group_size = group_size
+        self.prefill: Int4Prefill = "w4a16"
+        self.prefill_min_tokens = PREFILL_MIN_TOKENS
         N, K = self.out_local, self.in_local
         self.register_buffer("weight_packed", torch.zeros(N, math.ceil(K / 8), dtype=torch.int32))
         self.register_buffer("weight_scale", torch.ones(N, math.ceil(K / group_size), dtype=torch.bfloat16))
@@ -159,6 +171,47 @@ class Int4Linear(_QuantLinear):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prefill == "w4a16" or not self._runs_fp8_prefill(x):
+            return super().forward(x)
+        # prefill on CUDA: FP8 tensor cores (triton is the gpu extra: imported only here)
+        if self.prefill == "w4a8":
+            from kernels.w4a8_gemm import w4a8_gemm
+
+            y = w4a8_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
+        else:
+            from kernels.w4a8_expand import w4a8_expand_gemm
+
+            y = w4a8_expand_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return self.shard.all_reduce(y) if self.is_row_parallel else y
+
+    def _runs_fp8_prefill(self, x: torch.Tensor) -> bool:
+        """CUDA, enough tokens, bf16/fp16 activations and a geometry the FP8 kernels take (whole
+        groups of 32+ inputs, a power of two; `_scaled_mm` wants N and K multiples of 16)."""
+        g, K, N = self.group_size, self.in_local, self.out_local
+        return (
+            x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() >= self.prefill_min_tokens * K
+            and g >= 32
+            and g & (g - 1) == 0
+            and K % g == 0
+            and K % 16 == 0
+            and N % 16 == 0
+        )
+
+
+def set_int4_prefill(model: object, mode: Int4Prefill, min_tokens: int = PREFILL_MIN_TOKENS) -> int:
+    """Every `Int4Linear` of `model` runs products of `min_tokens`+ tokens through `mode`; returns
+    how many layers that is (0: no INT4 Linears, e.g. INT4 routed experts only, or not a Module)."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    layers = [m for m in modules if isinstance(m, Int4Linear)]
+    for m in layers:
+        m.prefill, m.prefill_min_tokens = mode, min_tokens
+    return len(layers)
 
 
 class Fp8Linear(_QuantLinear):

@@ -77,6 +77,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--budget-s", type=float, default=540.0, help="no run starts after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay decode steps from CUDA graphs (EngineConfig.cuda_graphs; CUDA only)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
     return ap
 
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device, input_len=a.input_len, output_len=a.output_len, prefill_len=a.prefill_len,
         concurrencies=a.concurrency, max_concurrency_cap=a.max_concurrency_cap, chunk=a.chunk,
         page_size=a.page_size, fp8_method=a.fp8_method, deadline=start + a.budget_s, seed=a.seed,
+        cuda_graphs=a.cuda_graphs,
     )  # fmt: skip
     options = {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k not in ("inputs", "out")

@@ -61,6 +61,7 @@ def engine_config(
     chunk: int,
     *,
     check_page_tags: bool = True,
+    cuda_graphs: bool = True,
 ) -> EngineConfig:
     return EngineConfig.build(
         page_size=page_size,
@@ -70,6 +71,7 @@ def engine_config(
         max_num_batched_tokens=max(chunk, concurrency),
         enable_prefix_cache=False,
         check_page_tags=check_page_tags,
+        cuda_graphs=cuda_graphs,
     )
 
 

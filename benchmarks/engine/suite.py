@@ -44,6 +44,7 @@ class Options:
     fp8_method: str
     deadline: float  # time.monotonic() after which no run starts
     seed: int = 0
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -96,6 +97,7 @@ class Variant:
             top,
             opts.chunk,
             check_page_tags=check_page_tags,
+            cuda_graphs=opts.cuda_graphs,
         )
         return Engine(
             self.model,  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ plain eager engine (the capture is checked on the device by test_decode_graphs_c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,9 +13,13 @@ import torch
 
 from backend.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture
 from backend.engine import Engine
+from backend.engine_config import EngineConfig
 from backend.forward_batch import ForwardBatch, HostBatch, KVCache
 from backend.layers.moe import Experts
 from backend.layers.sync_free import sync_free
+from backend.settings import build_settings
+from benchmarks.engine.cli import parser as bench_parser
+from benchmarks.engine.offline import engine_config
 from tests.backend.engine_faults import FaultInjector
 from tests.backend.engine_helpers import (
     MODELS,
@@ -164,17 +169,36 @@ def test_padding_rows_point_at_the_scratch_page_only() -> None:
     assert graphs.run(many) is None
 
 
-def test_a_capture_that_fails_leaves_every_step_eager() -> None:
-    def refuse(step: Callable[[], torch.Tensor]) -> Replay:
-        raise RuntimeError("a host sync while capturing")
+def refuse(step: Callable[[], torch.Tensor]) -> Replay:
+    raise RuntimeError("a host sync while capturing")
 
+
+def test_a_capture_that_fails_leaves_every_step_eager(caplog: pytest.LogCaptureFixture) -> None:
     graphs = graphs_over(Recorder(), capture=refuse)
     assert not graphs.is_enabled and graphs.bucket_for(1) is None
     assert graphs.disabled_reason == "RuntimeError: a host sync while capturing"
-    plain, graphed = engines(TinyPagedModel())
-    graphed.runner.graphs = graphs
+    plain = make_engine(TinyPagedModel(), num_pages=NUM_PAGES, max_num_seqs=8)
+    with caplog.at_level(logging.WARNING, logger="kumo.engine"):
+        graphed = make_engine(TinyPagedModel(), num_pages=NUM_PAGES, max_num_seqs=8, graph_capture=refuse)
+    assert "decode steps run eagerly, not from CUDA graphs: RuntimeError: a host sync" in caplog.text
     want, got = run_all(plain, batch_of(3, 97)), run_all(graphed, batch_of(3, 97))
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.num_replays == 0
+
+
+def test_graph_switches() -> None:
+    assert EngineConfig.build().cuda_graphs and EngineConfig.build(max_num_seqs=64).graph_batch_sizes() == [
+        1, 2, 4, 8, 16, 32, 48, 64,
+    ]  # fmt: skip
+    assert EngineConfig.build(max_num_seqs=3).graph_batch_sizes() == [1, 2, 3]
+    assert EngineConfig.build(max_num_seqs=8, cuda_graph_batch_sizes=(4, 1, 16)).graph_batch_sizes() == [1, 4]
+    # the CPU never captures, whatever the switch says
+    assert make_engine(TinyPagedModel(), cuda_graphs=True).runner.graphs is None
+    argv = ["--model", "m", "--port", "1", "--secret", "s" * 8]
+    assert build_settings(argv).cuda_graphs and not build_settings([*argv, "--no-cuda-graphs"]).cuda_graphs
+    assert bench_parser().parse_args(["variant"]).cuda_graphs
+    assert not bench_parser().parse_args(["variant", "--no-cuda-graphs"]).cuda_graphs
+    assert not engine_config(8, 16, "bf16", 1, 64, cuda_graphs=False).cuda_graphs
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "deepseek_v3"])
