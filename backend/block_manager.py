@@ -38,7 +38,7 @@ class BlockManager:
         self.completed_step = -1
         self._next_tag = 1
         self._free: deque[int] = deque(range(num_pages))
-        self._quarantine: list[int] = []
+        self._quarantine: dict[int, None] = {}  # ordered set: a page is listed once however often dropped
         self._last_step = [-1] * num_pages
         self._ledger: dict[str, list[PageRef]] = {}
         self._tag_updates: dict[int, int] = {}
@@ -142,12 +142,12 @@ class BlockManager:
     def complete_step(self, step: int) -> None:
         """`step` has finished on the device: quarantined pages it last touched may be reused."""
         self.completed_step = step
-        still: list[int] = []
+        still: dict[int, None] = {}
         for p in self._quarantine:
             if self.refcounts[p] > 0:  # shared again from the prefix cache while quarantined
                 continue
             if self._last_step[p] > step:
-                still.append(p)
+                still[p] = None
             elif self.prefix_cache is not None and self.prefix_cache.is_cached(p):
                 self.prefix_cache.mark_unreferenced(p)
             else:
@@ -218,7 +218,7 @@ class BlockManager:
         if self.refcounts[p] > 0:
             return
         if self._last_step[p] > self.completed_step:
-            self._quarantine.append(p)
+            self._quarantine[p] = None
         elif self.prefix_cache is not None and self.prefix_cache.is_cached(p):
             self.prefix_cache.mark_unreferenced(p)
         else:

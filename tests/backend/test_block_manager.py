@@ -126,3 +126,31 @@ def test_a_shared_cached_page_lives_until_its_last_reader_and_is_retagged_when_e
     bm.release(big)
     again = seq("again", 20)  # the evicted content is gone: no stale hit on the retagged page
     assert bm.admit(again) and again.num_computed_tokens == 0
+
+
+def test_a_cached_page_shared_and_dropped_twice_while_quarantined_is_freed_once() -> None:
+    """With steps in flight, a published page can be dropped (quarantined), hit again by the prefix
+    cache, and dropped again before its step completes. It must come back exactly once: listed
+    twice it would be handed to two sequences at once."""
+    bm = BlockManager(num_pages=4, page_size=16)
+    owner = seq("owner", 20)
+    assert bm.admit(owner)
+    owner.num_computed_tokens = 20
+    bm.publish_full_pages(owner)
+    page = owner.page_table[0].page_id
+    bm.touch([page], step=5)  # step 5 still on the device
+    bm.release(owner)  # quarantined
+    reader = seq("reader", 20)
+    assert bm.admit(reader) and reader.page_table[0].page_id == page  # a hit on the quarantined page
+    bm.touch([page], step=6)
+    bm.release(reader)  # quarantined again, before step 5 or 6 completes
+    assert bm.num_quarantined_pages == 1  # listed once
+    bm.complete_step(6)
+    assert bm.num_quarantined_pages == 0
+    taken = []
+    for i in range(4):  # every page of the pool, the cached one evicted on the way
+        s = seq(f"s{i}", 16, first_token=100 + 16 * i)
+        assert bm.admit(s)
+        taken.append(s.page_table[0].page_id)
+    assert sorted(taken) == [0, 1, 2, 3]  # no page handed out twice
+    assert not bm.admit(seq("more", 16, first_token=900))
