@@ -59,6 +59,7 @@ def w4a8_expand_gemm(
     w: torch.Tensor,  # [N, K/8] int32
     scales: torch.Tensor,  # [N, K/G]
     group_size: int,
+    xq: tuple[torch.Tensor, torch.Tensor] | None = None,  # (e4m3 [Mp, K], fp32 [Mp, 1]), Mp = M up to 16
 ) -> torch.Tensor:
     """`x @ dequant(w).T` through FP8 weights expanded into scratch and `torch._scaled_mm`; [..., N]."""
     K, N = x.shape[-1], w.shape[0]
@@ -67,12 +68,14 @@ def w4a8_expand_gemm(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    xq, xs = quantize_fp8_rows(x2, pad_to=16)  # [Mp, K], [Mp, 1]
+    q, s = xq if xq is not None else quantize_fp8_rows(x2, pad_to=16)  # [Mp, K], [Mp, 1]
+    if q.shape[0] % 16 or q.shape[0] < M or s.shape != (q.shape[0], 1):
+        raise ValueError(f"xq ({tuple(q.shape)}, {tuple(s.shape)}) must cover [{M}, {K}] in rows of 16")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     rows = max(16, _CHUNK_BYTES // K // 16 * 16)
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         w8, c = expand_int4_fp8(w[r0:r1], scales[r0:r1], group_size)  # [n, K], [n]
-        y = torch._scaled_mm(xq, w8.t(), scale_a=xs, scale_b=c[None, :], out_dtype=torch.bfloat16)  # [Mp, n]
+        y = torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=c[None, :], out_dtype=torch.bfloat16)  # [Mp, n]
         out[:, r0:r1] = y[:M]
     return out.reshape(*lead, N)

@@ -69,10 +69,10 @@ def _quant_rows_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=live & (k0 + offs < K), other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)  # IEEE, as torch's `/`
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=live & (k0 + offs < K), other=0.0)
-        q = tl.math.div_rn(x.to(tl.float32), scale)  # IEEE division, as the torch reference
+        q = tl.math.div_rn(x.to(tl.float32), scale)  # not `/`: Triton lowers that to div.full.f32
         tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
     tl.store(s_ptr + row, scale)
 

@@ -5,8 +5,10 @@ Goal `w4a16-prefill` (issue 6): at M >= 2048, >= 0.95x the throughput of `scaled
 shape. Both INT4 rows are timed from bf16 activations (the per-token FP8 quantization included);
 the peer `scaled_mm_fp8` is the product alone on activations already in FP8 with row scales (what a
 user with FP8 weights runs, minus their own activation quantization), so the comparison is
-conservative. `gemm_only_ms` is the W4A8 kernel alone on pre-quantized activations. W4A8 is also
-timed in a few other tile shapes (`variants`), so the default can be set from the best.
+conservative. `gemm_only_ms` is each INT4 row's product on activations already in FP8 (what it
+would cost with the quantization fused into the op before, e.g. the RMSNorm), `act_quant_ms` the
+quantization alone. W4A8 is also timed in a few other tile shapes (`variants`), so the default can
+be set from the best.
 
     python3 -m benchmarks.kernels.bench_w4a8 --out results.json
 """
@@ -87,6 +89,8 @@ def bench_shape(name: str, N: int, K: int, group: int, ceil: dict[str, float]) -
             "cublas_bf16": rotating(lambda w, x=x: x @ w.t(), bf16),
         }
         expand_ms = rotating(lambda w, s, x=x: w4a8_expand_gemm(x, w, s, group), copies)
+        expand_only = rotating(lambda w, s, x=x, q=(xq, xs): w4a8_expand_gemm(x, w, s, group, xq=q), copies)
+        quant_ms = rotating(lambda x=x: quantize_fp8_rows(x, pad_to=16), [()])
         flops = 2 * M * N * K
         bytes_moved = int4_bytes + M * K * 2 + M * N * 2
         floor_ms = max(bytes_moved / ceil["copy_GBps"] / 1e6, flops / ceil["fp8_TFLOPs"] / 1e9)
@@ -103,7 +107,8 @@ def bench_shape(name: str, N: int, K: int, group: int, ceil: dict[str, float]) -
                 "peers": {**peers, "expand_fp8": expand_ms},
                 "x_scaled_mm_fp8": fp8_ms / times[0],  # the goal: >= 0.95
                 "TFLOPs": flops / times[0] / 1e9,
-                "gemm_only_ms": gemm_only,
+                "gemm_only_ms": gemm_only,  # activations already in FP8, as the peer's
+                "act_quant_ms": quant_ms,  # the per-token FP8 quantization alone (in both INT4 rows)
                 "rel_err_vs_ref": errs[0],
                 "rel_err_vs_w4a16": err_vs_w16,
                 "ok": all(e < 2**-8 for e in errs) and err_vs_w16 < 2**-4,  # NaN fails too
@@ -129,12 +134,13 @@ def bench_shape(name: str, N: int, K: int, group: int, ceil: dict[str, float]) -
                 "peers": {**peers, "w4a8": times[0]},
                 "x_scaled_mm_fp8": fp8_ms / expand_ms,
                 "rel_err_vs_w4a16": expand_err,
+                "gemm_only_ms": expand_only,  # activations already in FP8, as the peer's
                 "ok": expand_err < 2**-4 * 2**0.5,
             }
         )
         print(
             f"{case:<46} w4a8 {times[0] * 1e3:7.1f}us (best {times[best] * 1e3:7.1f}, gemm {gemm_only * 1e3:7.1f}) "
-            f"expand {expand_ms * 1e3:7.1f}us | "
+            f"expand {expand_ms * 1e3:7.1f}us (gemm {expand_only * 1e3:7.1f}) quant {quant_ms * 1e3:6.1f}us | "
             + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in peers.items())
             + f" | x fp8: w4a8 {fp8_ms / times[0]:.2f} best {fp8_ms / times[best]:.2f} expand {fp8_ms / expand_ms:.2f}"
             f" | err {max(errs):.1e} vs w4a16 {err_vs_w16:.3f}/{expand_err:.3f} {'ok' if rows[-2]['ok'] else 'FAIL'}",
