@@ -88,7 +88,7 @@ class ModelRunner:
             scales=kv_scales,
         )
         self.graphs: DecodeGraphs | None = None
-        if graph_capture is not None:
+        if graph_capture is not None and config.graph_batch_sizes():
             S = config.page_size
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(

@@ -130,9 +130,9 @@ class Experts(nn.Module):
         route = torch.zeros(T, El + 1, dtype=torch.float32, device=x.device)  # column El: other ranks'
         route.scatter_add_(1, torch.where((local >= 0) & (local < El), local, El), weights.float())
         gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [El, T, I] each
-        y = torch.bmm(self.act(gate) * up, self.down_proj.transpose(1, 2))  # [El, T, H]
-        out = (y.float() * route[:, :El].T[:, :, None]).sum(0)  # [T, H]
-        return out.to(x.dtype)
+        act = (self.act(gate) * up).float() * route[:, :El].T[:, :, None]  # [El, T, I], weighted
+        y = torch.bmm(act.to(x.dtype), self.down_proj.transpose(1, 2))  # [El, T, H]
+        return y.sum(0)  # [T, H]: one rounding (the sum accumulates in float32)
 
 
 class MoE(nn.Module):
