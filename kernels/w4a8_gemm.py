@@ -187,6 +187,7 @@ class W4A8Config:
     num_stages: int = 3
     group_m: int = 8
     swap_xw: bool = True
+    maxnreg: int | None = None  # 128 lets two 8-warp programs share an SM (64-token tiles fit it)
 
 
 def pick_config(M: int, N: int, K: int) -> W4A8Config:
@@ -250,6 +251,7 @@ def w4a8_gemm(
         SWAP_XW=cfg.swap_xw,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     return out.reshape(*lead, N)
 

@@ -39,6 +39,7 @@ VARIANTS = [
     W4A8Config(64, 128, 128, num_warps=8, num_stages=4),
     W4A8Config(128, 64, 128, num_warps=4, num_stages=4),
     W4A8Config(128, 128, 128, num_warps=8, num_stages=4, group_m=16),
+    W4A8Config(64, 128, 128, num_warps=8, num_stages=3, maxnreg=128),  # two programs per SM
 ]
 
 
