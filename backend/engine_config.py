@@ -27,7 +27,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `max_num_batched_tokens` is the per-step token budget (decodes first, then prefill chunks);
     it must leave room for every running decode, so it is at least `max_num_seqs`.
     `context_window` overrides the checkpoint's window for this served model (None: the model's).
-    `seed` seeds the generators of requests that do not bring their own seed.
+    `seed` seeds the generators of requests that do not bring their own seed (None: from the
+    operating system's entropy, so a restarted server does not replay the same samples).
     `check_page_tags` False skips the KV page-tag check in every op (no tag is read, no mismatch is
     flagged): only for measuring what the check costs (`kumo bench engine integrity`), never to serve.
     `int4_prefill` picks how INT4 Linears run prefill products on CUDA (`backend.quant.linear`):
@@ -48,7 +49,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     int4_prefill: Int4Prefill = "w4a16"
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
-    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

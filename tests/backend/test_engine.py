@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backend.async_engine import AsyncEngine
+from backend.engine_config import EngineConfig
 from backend.errors import Aborted, Busy, EngineError, InvalidRequest
 from schemas.backend import EngineOutput, ImageSpan
 from tests.backend.engine_helpers import (
@@ -410,3 +411,16 @@ def test_a_stream_whose_event_loop_is_gone_does_not_kill_the_engine_thread() -> 
 
 async def _collect(stream: AsyncIterator[EngineOutput]) -> list[EngineOutput]:
     return [out async for out in stream]
+
+
+def test_unseeded_requests_differ_across_engine_restarts_unless_the_engine_is_seeded() -> None:
+    """A request without a seed samples from a generator the engine seeds: from the OS by default, so
+    a restarted server does not replay the same samples; from `EngineConfig.seed` when it is set."""
+    assert EngineConfig().seed is None
+
+    def sampled(**config: object) -> list[int]:
+        req = request("u", NEEDLE, temperature=1.0, max_tokens=24)
+        return run_all(make_engine(**config), [req])["u"].token_ids
+
+    assert sampled() != sampled()  # 24 draws of the tiny model's near-flat distribution
+    assert sampled(seed=7) == sampled(seed=7)
