@@ -17,8 +17,12 @@ logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
 Capture (`CudaGraphCapture`): largest bucket first, every graph in one memory pool. Each bucket
 first runs once eagerly with torch's sync debug mode at "error", so a host sync anywhere in the
 forward (`.item()`, `.tolist()`, `int(tensor)`, a data-dependent shape) raises there, before any
-capture; the runner then runs every step eagerly and `disabled_reason` says why. Warm-up and capture
-run inside `backend.layers.sync_free.sync_free()`, where layers take their fixed-shape paths.
+capture; the runner then runs every step eagerly and `disabled_reason` says why (the start-up
+warning). Routed quantized experts (INT4, FP8 per channel or in blocks) run as one fused MoE kernel
+and capture; a quantized layer with no fused kernel (a non-SiLU activation, INT4 with partial groups)
+raises inside `sync_free()` on CUDA, naming its scheme, so the warning says which layer kept decode
+eager. Warm-up and capture run inside `backend.layers.sync_free.sync_free()`, where layers take their
+fixed-shape paths.
 `capture` is injectable: `eager_capture` keeps the static buffers and padding but no graph, which is
 how the CPU tests check bucketing and padding against the plain eager path.
 

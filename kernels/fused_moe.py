@@ -9,7 +9,8 @@ compressed-tensors layout fused per expert, read in place; `repack_int4`'s reaso
 `w13 [E, 2I, H/8]` int32 (gate rows 0..I-1, up rows I..2I-1), `s13 [E, 2I, H/G]`,
 `w2 [E, H, I/8]` int32, `s2 [E, H, I/G]`; nibble j of word i holds `q + 8` of element `8i + j`.
 
-Three steps (engine-anchors §2e):
+Three steps (engine-anchors §2e; the alignment, grids, split-K and k-sum live in `kernels/moe_routing.py`,
+shared with the FP8 experts' kernel `kernels/fused_moe_fp8.py`):
 1. `moe_align` (torch ops, no host sync, CUDA-graph safe): pairs sorted by expert (stable, so
    within an expert by token) into BM-padded groups; `block_expert_ids[b]` names block b's expert,
    -1 for the bucket of pairs whose expert is not on this rank (they contribute zeros).
@@ -36,15 +37,24 @@ times the alternatives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
-from kernels.split_k_merge import num_sms
+from kernels.moe_routing import (
+    MoEConfig,
+    MoEGemm,
+    _block_rows,
+    _gemv_epilogue,
+    _pair_rows,
+    _tile_epilogue,
+    check_routing,
+    gemv_split_k,
+    moe_align,
+    pick_moe_config,
+    run_moe,
+)
 
 __all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
 
@@ -78,13 +88,6 @@ def _load_b(
     BN: tl.constexpr = wp.shape[0]
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, SCALE_ROWS, BK8 // SCALE_ROWS)), (BN, BK8))
     return wp, sc
-
-
-@triton.jit
-def _silu(g):
-    """`g · sigmoid(g)` from `exp(-|g|)`: no overflow for large |g| (fp32)."""
-    e = tl.exp(-tl.abs(g))
-    return g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 @triton.jit
@@ -126,23 +129,11 @@ def _fused_moe_kernel(
     """a [M or P, K], w [E, N or 2N, K/8] int32, s [E, N or 2N, K/G], out [P, N], topk_w [P],
     sorted_ids [num_blocks·BM] int32 (pair ids, padding = P), block_expert_ids [num_blocks] int32
     (-1: not on this rank), num_padded [1] int32; grid (num_blocks · cdiv(N, BN),)."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n  # the N tiles of one block run side by side: its A rows stay in L2
-    pid_n = pid % num_pid_n
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # [BM]
-    m_ok = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    expert = tl.load(block_expert_ids_ptr + pid_m)
-    if expert < 0:  # pairs routed to another rank's experts
-        if not GATE_UP:  # act rows of these pairs are never read; y rows must be zeros
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=out_mask)
+    expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = _block_rows(
+        tl.program_id(0), N, num_pairs, sorted_ids_ptr, block_expert_ids_ptr, num_padded_ptr, out_ptr,
+        stride_om, stride_on, GATE_UP, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    if expert < 0:
         return
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
@@ -168,11 +159,7 @@ def _fused_moe_kernel(
             )  # fmt: skip
             b = _unpack_tile(wp, sc, magic_2_23, a.dtype)
             acc_up = tl.dot(a, tl.trans(b), acc_up, input_precision=DOT_PRECISION)
-    if GATE_UP:
-        acc = _silu(acc) * acc_up  # silu(gate) * up, fp32
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    _tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask, GATE_UP, MUL_WEIGHT)
 
 
 @triton.jit
@@ -243,18 +230,12 @@ def _fused_moe_gemv_kernel(
     SPLIT_K > 1: fp32 partial sums of this program's K range, [SPLIT_K, P, 2N] (gate | up) for
     GATE_UP, else [SPLIT_K, P, N] with the routing weight applied; the launcher adds the splits."""
     pair = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(2)
-    n_ok = offs_n < N
-    out_ptrs = out_ptr + pid_k * stride_os + pair.to(tl.int64) * stride_om + offs_n * stride_on
-    expert = tl.load(topk_ids_ptr + pair)
-    if (expert < 0) | (expert >= num_experts):  # another rank's expert: zeros
-        tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
-        if GATE_UP and SPLIT_K > 1:
-            tl.store(
-                out_ptrs + N * stride_on, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok
-            )
+    expert, offs_n, n_ok, out_ptrs = _pair_rows(
+        pair, num_experts, N, topk_ids_ptr, out_ptr, stride_os, stride_om, stride_on, GATE_UP, BLOCK_N, SPLIT_K,
+    )  # fmt: skip
+    if expert < 0:
         return
+    pid_k = tl.program_id(2)
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     s_e = s_ptr + expert.to(tl.int64) * stride_se
     x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
@@ -273,84 +254,19 @@ def _fused_moe_gemv_kernel(
                 magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
             )  # fmt: skip
     acc = tl.sum(acc2, axis=1)  # [BN]
-    if GATE_UP:
-        if SPLIT_K == 1:
-            acc = _silu(acc) * tl.sum(acc2_up, axis=1)
-        else:
-            tl.store(out_ptrs + N * stride_on, tl.sum(acc2_up, axis=1), mask=n_ok)
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@dataclass(frozen=True, slots=True)
-class MoEConfig:
-    """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
-    `split_k` ways (0: per GEMM, by `gemv_split_k`)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-    split_k: int = 0
-
-
-def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
-    """By tokens per expert `P / E`: GEMV at about one, else a BM that a typical expert block fills.
-
-    (Heuristic from vLLM's int4 defaults and the W4A16 GEMM's H200 runs; `bench_fused_moe` times the
-    alternatives beside it. Registers gate/up | down from an offline sm_90a compile with the launch's
-    specializations: GEMV 80 | 64, BM 16: 128 | 96, BM 32: 139 | 102, BM 64 (wgmma): 190 | 109; no spills.)
-    """
-    per_expert = num_pairs / num_experts
-    if per_expert <= 1:
-        return MoEConfig(block_m=0, block_n=32, block_k=128)
-    if per_expert <= 16:
-        return MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)
-    if per_expert <= 32:
-        return MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)
-    return MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)  # W4A16's best tiles at M=64
-
-
-def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
-    """Split K until there are about 8 programs per SM (at 79-128 registers, 6+ fit): at one token,
-    Kimi's gate/up GEMV has 8 · 64 programs, too few loads in flight to cover HBM latency. At most 16
-    splits of 4+ K tiles each."""
-    programs = num_pairs * triton.cdiv(N, cfg.block_n)
-    return max(1, min(triton.cdiv(K, cfg.block_k) // 4, (8 * num_sms) // programs, 16))
-
-
-def moe_align(
-    expert_ids: torch.Tensor,  # [M, k] int, local expert ids; outside [0, E) = not on this rank
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert into BM-padded blocks, with torch ops and no host sync.
-
-    Returns `sorted_ids [num_blocks·BM]` int32 (pair ids `token·k + slot`, each expert's run padded
-    with P up to a multiple of BM), `block_expert_ids [num_blocks]` int32 (-1 for the bucket of pairs
-    not on this rank and for blocks past the end) and `num_padded [1]` int32 (blocks in use · BM).
-    `num_blocks = min(cdiv(P + (E+1)(BM-1), BM), P)` is known on the host: a bucket of c pairs takes
-    at most c blocks. The sort is stable, so within an expert pairs keep token order.
-    """
-    E, BM = num_experts, block_m
-    flat = expert_ids.reshape(-1).to(torch.int64)  # [P]
-    P = flat.numel()
-    dev = flat.device
-    bucket = torch.where((flat >= 0) & (flat < E), flat, E)  # [P], E = not on this rank
-    sorted_bucket, order = torch.sort(bucket, stable=True)  # [P]
-    bounds = torch.searchsorted(sorted_bucket, torch.arange(E + 2, device=dev))  # [E+2] run starts
-    counts = bounds[1:] - bounds[:-1]  # [E+1]
-    padded_end = torch.cumsum((counts + BM - 1) // BM * BM, 0)  # [E+1]
-    padded_start = padded_end - (counts + BM - 1) // BM * BM
-    dest = padded_start[sorted_bucket] + torch.arange(P, device=dev) - bounds[sorted_bucket]  # [P]
-    num_blocks = max(1, min(triton.cdiv(P + (E + 1) * (BM - 1), BM), P))
-    sorted_ids = torch.full((num_blocks * BM,), P, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_bucket = torch.searchsorted(padded_end, torch.arange(num_blocks, device=dev) * BM, right=True)
-    block_expert_ids = torch.where(block_bucket < E, block_bucket, -1).to(torch.int32)
-    return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
+    _gemv_epilogue(
+        acc,
+        tl.sum(acc2_up, axis=1),
+        topk_w_ptr,
+        pair,
+        out_ptrs,
+        n_ok,
+        N,
+        stride_on,
+        GATE_UP,
+        MUL_WEIGHT,
+        SPLIT_K,
+    )
 
 
 def _check_weights(
@@ -376,8 +292,7 @@ def fused_moe(
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
     """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts; [M, H] in x's dtype."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.dim() != 2:
-        raise TypeError(f"x must be 2-D fp16, bf16 or fp32, got {x.dtype} {tuple(x.shape)}")
+    check_routing(x, topk_ids, topk_weights, w13, s13, w2, s2)
     if group_size % 8 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
     M, H = x.shape
@@ -387,58 +302,35 @@ def fused_moe(
         raise ValueError(f"H={H} and I={I} must be multiples of the group size {group_size}")
     _check_weights(w13, s13, E, 2 * I, H, group_size, "w13")
     _check_weights(w2, s2, E, H, I, group_size, "w2")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != M:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights must both be [{M}, k]")
-    if topk_ids.dtype.is_floating_point or not topk_weights.is_floating_point():
-        raise TypeError("topk_ids must be integer and topk_weights float")
-    if len({t.device for t in (x, topk_ids, topk_weights, w13, s13, w2, s2)}) != 1:
-        raise ValueError("all tensors must be on one device")
-    k = topk_ids.shape[1]
-    P = M * k
-    if P == 0:
-        return torch.zeros_like(x)
-    cfg = config or pick_moe_config(P, E)
-    topk_w = topk_weights.reshape(-1).contiguous()  # [P]
-    act = torch.empty((P, I), dtype=x.dtype, device=x.device)
-    y = torch.empty((P, H), dtype=x.dtype, device=x.device)
-    gemms = ((x, w13, s13, act, I, H, k, True, False), (act, w2, s2, y, H, I, 1, False, True))
-    if cfg.block_m == 0:  # decode: about one pair per expert
-        flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
-        for a, w, s, out, N, K, div, gate_up, mul in gemms:
-            split = cfg.split_k or gemv_split_k(P, N, K, cfg, num_sms(x.device))
-            # split K: fp32 partials [S, P, 2N or N], added in a fixed order below (deterministic)
-            dst = (
-                out
-                if split == 1
-                else torch.empty((split, P, 2 * N if gate_up else N), device=x.device, dtype=torch.float32)
-            )
-            _fused_moe_gemv_kernel[(P, triton.cdiv(N, cfg.block_n), split)](
-                a, w, s, dst, topk_w, flat_ids, E, N, K, K // 8, K // group_size, *a.stride(), *w.stride(),
-                *s.stride(), dst.stride(0) if split > 1 else 0, *dst.stride()[-2:], _MAGIC_ONE,
-                A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=max(cfg.block_k // group_size, 1),
-                SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
-            if split > 1 and gate_up:
-                gu = dst.sum(dim=0)  # [P, 2I] fp32
-                act.copy_(F.silu(gu[:, :I]) * gu[:, I:])
-            elif split > 1:  # the k-sum and the split sum in one fixed-order reduction
-                return dst.view(split, M, k, H).sum(dim=(0, 2)).to(x.dtype)
-    else:
-        sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, E, cfg.block_m)
-        num_blocks = block_expert_ids.numel()
-        for a, w, s, out, N, K, div, gate_up, mul in gemms:
-            _fused_moe_kernel[(num_blocks * triton.cdiv(N, cfg.block_n),)](
-                a, w, s, out, topk_w, sorted_ids, block_expert_ids, num_padded, N, K, K // 8, K // group_size, P,
-                *a.stride(),
-                *w.stride(), *s.stride(), *out.stride(), _MAGIC_2_23,
-                A_ROW_DIV=div, GATE_UP=gate_up, MUL_WEIGHT=mul, GROUP_SIZE=group_size,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                SCALE_ROWS=max(cfg.block_k // group_size, 1),
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
-    return y.view(M, k, H).sum(dim=1)  # fixed-order reduction over each token's k slots
+    cfg = config or pick_moe_config(M * topk_ids.shape[1], E)
+    weights = ((w13, s13), (w2, s2))
+    scale_rows = max(cfg.block_k // group_size, 1)
+
+    def gemv(g: MoEGemm, dst: torch.Tensor, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor) -> None:
+        w, s = weights[g.which]
+        _fused_moe_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
+            g.a, w, s, dst, topk_w, flat_ids, E, g.N, g.K, g.K // 8, g.K // group_size, *g.a.stride(), *w.stride(),
+            *s.stride(), dst.stride(0) if split > 1 else 0, *dst.stride()[-2:], _MAGIC_ONE,
+            A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, GROUP_SIZE=group_size,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=scale_rows,
+            SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    def tiles(
+        g: MoEGemm, sorted_ids: torch.Tensor, block_expert_ids: torch.Tensor, num_padded: torch.Tensor,
+        topk_w: torch.Tensor,
+    ) -> None:  # fmt: skip
+        w, s = weights[g.which]
+        _fused_moe_kernel[(block_expert_ids.numel() * triton.cdiv(g.N, cfg.block_n),)](
+            g.a, w, s, g.out, topk_w, sorted_ids, block_expert_ids, num_padded, g.N, g.K, g.K // 8,
+            g.K // group_size, topk_w.numel(), *g.a.stride(), *w.stride(), *s.stride(), *g.out.stride(), _MAGIC_2_23,
+            A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, GROUP_SIZE=group_size,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=scale_rows,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles)
 
 
 def fused_moe_ref(

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.errors import CheckpointError
+from backend.layers.sync_free import is_sync_free
 from backend.quant.fp8 import FP8, dequantize_fp8_block, dequantize_fp8_channel
 from backend.quant.int4 import dequantize_int4
 from backend.quant.linear import _copy
@@ -38,6 +39,11 @@ class QuantExperts(nn.Module):
     gate_up_scale: torch.Tensor
     down_packed: torch.Tensor
     down_scale: torch.Tensor
+    gate_up_proj: torch.Tensor  # fp8 buffers
+    down_proj: torch.Tensor
+    gate_scale_inv: torch.Tensor
+    up_scale_inv: torch.Tensor
+    down_scale_inv: torch.Tensor
 
     def __init__(
         self,
@@ -154,19 +160,11 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> this rank's share of the routed sum [T, H]."""
-        if x.is_cuda and self._can_fuse():  # one fused INT4 MoE, no host sync (CUDA-graph safe)
-            from kernels.fused_moe import fused_moe  # triton is the gpu extra: imported only here
-
-            return fused_moe(
-                x,
-                ids - self.e0 if self.e0 else ids,  # other ranks' experts fall outside [0, El): nothing
-                weights,
-                self.gate_up_packed,
-                self.gate_up_scale,
-                self.down_packed,
-                self.down_scale,
-                self.scheme.group_size,
-            )
+        if x.is_cuda and self._can_fuse():  # one fused MoE, no host sync (CUDA-graph safe)
+            local_ids = ids - self.e0 if self.e0 else ids  # other ranks' experts fall outside [0, El)
+            return self._fused(x, weights, local_ids)
+        if x.is_cuda and is_sync_free():  # a decode-graph capture: the loop below syncs; the log says why
+            raise RuntimeError(f"routed {self.scheme.method} experts with {self.act} have no fused kernel")
         out = torch.zeros_like(x)
         local = ids - self.e0  # [T, k]
         for e in torch.unique(local[(local >= 0) & (local < self.e1 - self.e0)]).tolist():
@@ -177,15 +175,40 @@ class QuantExperts(nn.Module):
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         return out
 
+    def _fused(self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The fused kernel of this scheme (triton is the gpu extra: imported only here)."""
+        m, I = self.scheme.method, self.intermediate
+        if m == "int4":
+            from kernels.fused_moe import fused_moe
+
+            return fused_moe(
+                x, local_ids, weights, self.gate_up_packed, self.gate_up_scale, self.down_packed, self.down_scale,
+                self.scheme.group_size,
+            )  # fmt: skip
+        from kernels.fused_moe_fp8 import fused_moe_fp8
+
+        w13, w2 = self.gate_up_proj, self.down_proj
+        if m == "fp8-channel":  # [El, 2I, 1] halves: views with equal strides
+            s13 = self.gate_up_scale
+            return fused_moe_fp8(x, local_ids, weights, w13, w2, s13[:, :I], s13[:, I:], self.down_scale)
+        return fused_moe_fp8(
+            x, local_ids, weights, w13, w2, self.gate_scale_inv, self.up_scale_inv, self.down_scale_inv,
+            block=self.scheme.block,
+        )  # fmt: skip
+
     def _can_fuse(self) -> bool:
-        """INT4 experts with SiLU and whole groups: what `kernels.fused_moe` computes."""
-        g = self.scheme.group_size
-        return (
-            self.scheme.method == "int4"
-            and self.act is F.silu
-            and self.hidden % g == 0
-            and self.intermediate % g == 0
-        )
+        """SiLU experts in a layout a fused kernel reads: INT4 in whole groups (`kernels.fused_moe`), FP8
+        per channel or in blocks whose K side is a power of two >= 16 (`kernels.fused_moe_fp8`)."""
+        if self.act is not F.silu:
+            return False
+        m = self.scheme.method
+        if m == "int4":
+            g = self.scheme.group_size
+            return self.hidden % g == 0 and self.intermediate % g == 0
+        if m == "fp8-channel":
+            return True
+        bk = self.scheme.block[1]
+        return bk >= 16 and bk & (bk - 1) == 0
 
     def extra_repr(self) -> str:
         return f"experts=[{self.e0}, {self.e1}), method={self.scheme.method}"

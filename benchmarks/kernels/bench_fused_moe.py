@@ -7,7 +7,11 @@ For each M, random top-8 routing: correctness against `fused_moe_ref`
 all with the routing known in advance and captured in one CUDA graph per case:
 - `bf16_loop`: per selected expert, `x[tok] @ gate_up.T`, SiLU·mul, `@ down.T`, `index_add_` (the CPU
   layer's loop) over bf16 copies of the same weights (34 GB for 384 experts);
-- `tinygemm_loop`: the same loop with `torch.ops.aten._weight_int4pack_mm` (group 32) per projection.
+- `tinygemm_loop`: the same loop with `torch.ops.aten._weight_int4pack_mm` (group 32) per projection;
+- at the `moe-decode` batches (M = 1 and 64): `fp8` and `fp8_channel`, the FP8 version of the same
+  kernel (`kernels/fused_moe_fp8.py`) on random e4m3 experts of the same shape with 128×128 block
+  and per-channel scales (the issue-9 "INT4 vs FP8 weights" pair); their errors against
+  `fused_moe_fp8_ref` and their GB/s on the FP8 bytes of the selected experts sit in the row too.
 The peers get their token lists per expert precomputed on the host, which a real layer pays for
 with a device-to-host sync; ours needs no sync. Each graph replays several routings in turn, so the
 selected experts' weights (24.8 MB each) come from HBM, not the 60 MB L2.
@@ -36,10 +40,12 @@ import torch.nn.functional as F
 from benchmarks.kernels.bench_w4a16 import tinygemm_weights
 from benchmarks.kernels.common import graph_ms, measure_ceilings, rel_err, write_record
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config
+from kernels.fused_moe_fp8 import FP8, fused_moe_fp8, fused_moe_fp8_ref
 from kernels.int4_weights import dequantize_int4
 
 G = 32
 ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, s13, w2, s2
+FP8_MS = (1, 64)  # the moe-decode goal's batches: where the FP8 kernel is timed as a peer
 ROUTINGS = 4  # routings per graph replay: at M=1 that is up to 32 experts (Kimi: 0.8 GB, >> L2)
 
 
@@ -103,6 +109,65 @@ def routing(shape: Shape, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return x, ids, wts / wts.sum(-1, keepdim=True) * 2.827
 
 
+def make_fp8_experts(shape: Shape) -> dict[str, tuple[Any, ...]]:
+    """Random e4m3 experts (|w| up to 440, one expert's fp32 draw at a time) with both scale formats,
+    sized so activations stay O(1): peer name -> (w13, w2, gate, up, down scales, block)."""
+    E, H, I = shape.num_experts, shape.hidden, shape.inter
+    w13 = torch.empty(E, 2 * I, H, dtype=FP8, device="cuda")
+    w2 = torch.empty(E, H, I, dtype=FP8, device="cuda")
+    for e in range(E):
+        w13[e] = (torch.randn(2 * I, H, device="cuda") * 64).clamp(-440, 440).to(FP8)
+        w2[e] = (torch.randn(H, I, device="cuda") * 64).clamp(-440, 440).to(FP8)
+    formats: dict[str, tuple[Any, ...]] = {}
+    for name, block in (("fp8", (128, 128)), ("fp8_channel", None)):
+        scales = []
+        for n, k in ((I, H), (I, H), (H, I)):
+            s_shape = (E, n, 1) if block is None else (E, -(-n // 128), -(-k // 128))
+            scales.append((torch.rand(s_shape, device="cuda") + 0.5) / (64 * k**0.5))
+        formats[name] = (w13, w2, *scales, block)
+    return formats
+
+
+def fp8_expert_bytes(shape: Shape, block: tuple[int, int] | None) -> int:
+    """e4m3 weights and fp32 scales of one expert's gate, up and down (Kimi: 44 MB)."""
+    H, I = shape.hidden, shape.inter
+    scales = 2 * I + H if block is None else 3 * -(-H // 128) * -(-I // 128)
+    return 3 * H * I + 4 * scales
+
+
+def bench_fp8(
+    shape: Shape, sets: list[tuple[torch.Tensor, ...]], fp8_w: dict[str, tuple[Any, ...]], row: dict[str, Any]
+) -> None:
+    """The FP8 kernel as peers of the INT4 row: time, error against its reference, achieved GB/s."""
+    x0, ids0, wts0 = sets[0]
+    M = x0.shape[0]
+    for name, (*w, block) in fp8_w.items():
+
+        def run(s: tuple[torch.Tensor, ...], w: list[Any] = w, block: Any = block) -> torch.Tensor:
+            return fused_moe_fp8(s[0], s[1], s[2], *w, block=block)
+
+        try:
+            err = rel_err(run(sets[0]).float(), fused_moe_fp8_ref(x0.float(), ids0, wts0, *w, block=block))
+            ms = graph_ms([functools.partial(run, s) for s in sets])
+        except Exception as exc:  # recorded, and the INT4 row still stands
+            row["failures"][name] = repr(exc)[:300]
+            err, ms = float("nan"), float("inf")
+        row["peers"][name] = ms
+        row["peer_rel_err"][name] = err
+        row[f"{name}_GBps"] = (
+            (row["experts_touched"] * fp8_expert_bytes(shape, block) + 4 * M * shape.hidden) / ms / 1e6
+        )
+        row["ok"] = row["ok"] and err < 1.5e-2
+    print(
+        "    fp8 peers: "
+        + " ".join(
+            f"{n} {row['peers'][n] * 1e3:.1f}us {row[f'{n}_GBps']:.0f} GB/s err {row['peer_rel_err'][n]:.1e}"
+            for n in fp8_w
+        ),
+        flush=True,
+    )
+
+
 Plan = list[tuple[int, torch.Tensor, torch.Tensor]]
 
 
@@ -129,7 +194,12 @@ def expert_loop(
 
 
 def bench_m(
-    shape: Shape, M: int, experts: ExpertTensors, peers_w: dict[str, Any], ceil: dict[str, float]
+    shape: Shape,
+    M: int,
+    experts: ExpertTensors,
+    peers_w: dict[str, Any],
+    ceil: dict[str, float],
+    fp8_w: dict[str, tuple[Any, ...]] | None = None,
 ) -> dict[str, Any]:
     E, H, I, TOP_K = shape.num_experts, shape.hidden, shape.inter, shape.top_k
     sets = [routing(shape, M) for _ in range(ROUTINGS)]
@@ -202,6 +272,8 @@ def bench_m(
         f"{'ok' if row['ok'] else 'FAIL'} | " + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in peers.items()),
         flush=True,
     )
+    if fp8_w:
+        bench_fp8(shape, sets, fp8_w, row)
     return row
 
 
@@ -246,10 +318,12 @@ def main() -> None:
             continue
         experts = make_experts(shape)
         peers_w = peer_weights(shape, experts)
-        for M in [int(m) for m in args.ms.split(",")] if args.ms else shape.ms:
-            rows.append(bench_m(shape, M, experts, peers_w, ceil))
+        ms = [int(m) for m in args.ms.split(",")] if args.ms else shape.ms
+        fp8_w = make_fp8_experts(shape) if set(ms) & set(FP8_MS) else None
+        for M in ms:
+            rows.append(bench_m(shape, M, experts, peers_w, ceil, fp8_w if M in FP8_MS else None))
             torch.cuda.empty_cache()
-        del experts, peers_w
+        del experts, peers_w, fp8_w
         torch.cuda.empty_cache()
     if out:
         write_record(
@@ -258,7 +332,8 @@ def main() -> None:
             ceil,
             {
                 "notes": "ms = median do_bench of a CUDA-graph replay over 4 routings, per call; "
-                "peers get host-precomputed per-expert token lists"
+                "peers get host-precomputed per-expert token lists; fp8 / fp8_channel: the FP8 fused kernel "
+                "(block / per-channel scales) on random e4m3 experts of the same shape"
             },
         )
 

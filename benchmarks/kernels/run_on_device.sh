@@ -5,8 +5,9 @@
 #   paged_prefill (GQA prefill, GLM-4.5-Air), dsa_indexer (GLM-5's indexer) and w4a8 (INT4 prefill on
 #   FP8 tensor cores, ~3-5 min: run it alone), e.g.
 #   BENCHES=fused_moe BENCH_TIMEOUT=480 bash benchmarks/kernels/run_on_device.sh
-# fused_moe needs ~55 GB of device memory (INT4, bf16 and tinygemm copies of 384 Kimi experts) and
-# compiles ~20 tile variants on first use; its GPU tests: tests/kernels/test_fused_moe.py -m gpu.
+# fused_moe needs ~75 GB of device memory (INT4, bf16, tinygemm and FP8 copies of 384 Kimi experts) and
+# compiles ~20 tile variants on first use; its GPU tests: tests/kernels/test_fused_moe.py and
+# tests/kernels/test_fused_moe_fp8.py -m gpu.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

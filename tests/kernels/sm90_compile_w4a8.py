@@ -24,17 +24,23 @@ UNIT = ("stride_xk", "stride_wk", "stride_sg", "stride_on")  # 1 at launch: Trit
 
 
 def _source(
-    fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[str] = frozenset()
+    fn: Any,
+    ptrs: dict[str, str],
+    consts: dict[str, Any],
+    floats: set[str] = frozenset(),
+    div16: tuple[str, ...] = DIV16,
+    unit: tuple[str, ...] = UNIT,
 ) -> ASTSource:
+    """`fn`'s signature with the `unit` strides as constants 1 and pointers and `div16` marked 16-divisible."""
     names = fn.arg_names
-    consts = {**consts, **{n: 1 for n in UNIT if n in names}}
+    consts = {**consts, **{n: 1 for n in unit if n in names}}
     sig = {
         n: "constexpr"
         if n in consts
         else ("*" + ptrs[n] if n in ptrs else ("fp32" if n in floats else "i32"))
         for n in names
     }
-    aligned = [n for n in names if n.endswith("_ptr") or n in DIV16]
+    aligned = [n for n in names if n.endswith("_ptr") or n in div16]
     return ASTSource(
         fn=fn,
         signature=sig,
