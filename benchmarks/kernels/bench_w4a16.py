@@ -10,14 +10,13 @@ heuristic can be checked against the best one measured.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict
 from typing import Any
 
 import torch
 import triton
 
-from benchmarks.kernels.common import measure_ceilings, num_copies, rel_err, rotating, write_record
+from benchmarks.kernels.common import num_copies, rel_err, rotating, run_cases
 from kernels.w4a16_gemm import W4A16Config, pick_config, repack_int4, w4a16_gemm, w4a16_gemm_ref, with_split_k
 
 SHAPES = [  # name, N, K, group
@@ -164,24 +163,15 @@ def bench_shape(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    ceil = measure_ceilings()
-    print("ceilings", ceil, flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    for name, N, K, group in SHAPES:
-        rows += bench_shape(name, N, K, group, ceil, sms)
-        torch.cuda.empty_cache()
-    write_record(
-        args.out,
-        rows,
-        ceil,
-        {
-            "notes": "ms = median do_bench of a CUDA-graph replay over rotating weight copies (> 4x L2), per call"
-        },
+
+    def bench_case(name: str, N: int, K: int, group: int, ceil: dict[str, float]) -> list[dict[str, Any]]:
+        return bench_shape(name, N, K, group, ceil, sms)
+
+    run_cases(
+        bench_case,
+        SHAPES,
+        "ms = median do_bench of a CUDA-graph replay over rotating weight copies (> 4x L2), per call",
     )
 
 

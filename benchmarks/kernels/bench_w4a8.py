@@ -15,13 +15,12 @@ be set from the best.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from benchmarks.kernels.common import measure_ceilings, num_copies, rel_err, rotating, write_record
+from benchmarks.kernels.common import num_copies, rel_err, rotating, run_cases
 from kernels.w4a8_expand import w4a8_expand_gemm
 from kernels.w4a8_gemm import W4A8Config, pick_config, quantize_fp8_rows, w4a8_gemm, w4a8_gemm_ref
 from kernels.w4a16_gemm import w4a16_gemm
@@ -151,25 +150,12 @@ def bench_shape(name: str, N: int, K: int, group: int, ceil: dict[str, float]) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    ceil = measure_ceilings()
-    print("ceilings", ceil, flush=True)
-    rows = []
-    for name, N, K, group in SHAPES:
-        rows += bench_shape(name, N, K, group, ceil)
-        torch.cuda.empty_cache()
-    write_record(
-        args.out,
-        rows,
-        ceil,
-        {
-            "notes": "ms = median do_bench of a CUDA-graph replay over rotating weight copies (> 4x L2), per call; "
-            "w4a8 and expand-fp8 include the per-token FP8 quantization of bf16 activations, the "
-            "scaled_mm_fp8 peer does not"
-        },
+    run_cases(
+        bench_shape,
+        SHAPES,
+        "ms = median do_bench of a CUDA-graph replay over rotating weight copies (> 4x L2), per call; "
+        "w4a8 and expand-fp8 include the per-token FP8 quantization of bf16 activations, the "
+        "scaled_mm_fp8 peer does not",
     )
 
 
