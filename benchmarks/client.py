@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import IO, Any
 
 import httpx
 
@@ -46,3 +51,37 @@ def machine(note: str = "") -> dict[str, object]:
         "host": platform.node(),
     }
     return described | ({"note": note} if note else {})
+
+
+def spawn_serve(
+    args: list[str],
+    *,
+    env: dict[str, str],
+    stderr: IO[Any] | int | None,
+    cwd: Path | None = None,
+    timeout_s: float = 600,
+) -> tuple[subprocess.Popen[str], str]:
+    """`kumo serve ARGS` in a subprocess, returned with what it printed up to its announcement (the URL,
+    account id and token). A thread keeps reading its stdout afterwards, so the pipe never fills.
+    RuntimeError (the process killed) if it exits or has not announced itself within `timeout_s`."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        stderr=stderr, text=True,
+    )  # fmt: skip
+    printed: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            printed.append(line)
+            if "API token:" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("kumo serve did not start:\n" + "".join(printed))
+    return process, "".join(printed)

@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.client import DONE, machine, percentile, sse_data
+from benchmarks.client import DONE, machine, percentile, spawn_serve, sse_data
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = "@cf/kumo/glm-4.5"
@@ -103,27 +102,10 @@ def start_serve(data_dir: Path) -> Serve:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
-         "--legacy-model", f"{LEGACY}={legacy}"],
-        env={**env, "KUMO_LOG_JSON": "1"}, stdout=subprocess.PIPE, stderr=(data_dir / "serve.log").open("ab"),
-        text=True,
+    process, text = spawn_serve(
+        ["--port", str(port), "--data-dir", str(data_dir), "--legacy-model", f"{LEGACY}={legacy}"],
+        env={**env, "KUMO_LOG_JSON": "1"}, stderr=(data_dir / "serve.log").open("ab"),
     )  # fmt: skip
-    printed: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            printed.append(line)
-            if "API token:" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(600):
-        process.kill()
-        raise RuntimeError("kumo serve did not start:\n" + "".join(printed))
-    text = "".join(printed)
     account = re.search(r"Account ID: ([0-9a-f]{32})", text)
     token = re.search(r"API token:  (\S+)", text)
     models = re.search(r"\(models: ([^;]+);", text)

@@ -13,13 +13,13 @@ import re
 import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from benchmarks.client import spawn_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = "@cf/kumo/glm-4.5"
@@ -76,30 +76,13 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     )
     env.pop("KUMO_ADMIN_TOKEN", None)
     log = (data_dir / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
-         "--legacy-model", f"{LEGACY}={legacy}"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-    )  # fmt: skip
-    printed: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            printed.append(line)
-            if "API token:" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not ready.wait(0.2):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(
-                "kumo serve did not start:\n" + "".join(printed) + (data_dir / "serve.log").read_text()
-            )
-    text = "".join(printed)
+    try:
+        process, text = spawn_serve(
+            ["--port", str(port), "--data-dir", str(data_dir), "--legacy-model", f"{LEGACY}={legacy}"],
+            cwd=ROOT, env=env, stderr=log, timeout_s=300,
+        )  # fmt: skip
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}{(data_dir / 'serve.log').read_text()}") from None
     account = re.search(r"Account ID: ([0-9a-f]{32})", text)
     token = re.search(r"API token:  (\S+)", text)
     assert account and token, text
