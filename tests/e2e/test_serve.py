@@ -16,6 +16,19 @@ from tests.e2e.serve_process import GLM, KIMI, LEGACY, Kumo
 pytestmark = pytest.mark.slow
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
+    },
+}
+
+
 def frames(text: str) -> list[dict]:  # type: ignore[type-arg]
     data = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
     assert data[-1] == "[DONE]", data[-3:]
@@ -75,17 +88,7 @@ def test_openai_package_stream_tools_json_and_n(kumo: Kumo) -> None:
     )
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 8}},
-                "required": ["city"],
-            },
-        },
-    }
+    tool = WEATHER_TOOL
     called = client.chat.completions.create(
         model=GLM,
         messages=[{"role": "user", "content": "Weather?"}],
@@ -194,17 +197,7 @@ def test_reasoning_effort_levels_through_the_real_template(kumo: Kumo) -> None:
 
 def test_a_tool_round_trip(kumo: Kumo) -> None:
     client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=120)
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 8}},
-                "required": ["city"],
-            },
-        },
-    }
+    tool = WEATHER_TOOL
     messages: list[dict] = [{"role": "user", "content": "Weather in Lisbon?"}]  # type: ignore[type-arg]
     first = client.chat.completions.create(
         model=GLM, messages=messages, tools=[tool], max_tokens=60, seed=5,  # type: ignore[arg-type,list-item]
