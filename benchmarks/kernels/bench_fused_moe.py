@@ -302,6 +302,13 @@ def peer_weights(
     return {"bf16_loop": bf16, "tinygemm_loop": tinygemm}
 
 
+NOTES = (
+    "ms = median do_bench of a CUDA-graph replay over 4 routings, per call; peers get host-precomputed "
+    "per-expert token lists; fp8 / fp8_channel: the FP8 fused kernel (block / per-channel scales) on random "
+    "e4m3 experts of the same shape"
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/fused_moe.json when OUT is set)")
@@ -323,19 +330,10 @@ def main() -> None:
         for M in ms:
             rows.append(bench_m(shape, M, experts, peers_w, ceil, fp8_w if M in FP8_MS else None))
             torch.cuda.empty_cache()
+            if out:  # after every row: a timeout keeps what ran
+                write_record(out, rows, ceil, {"notes": NOTES})
         del experts, peers_w, fp8_w
         torch.cuda.empty_cache()
-    if out:
-        write_record(
-            out,
-            rows,
-            ceil,
-            {
-                "notes": "ms = median do_bench of a CUDA-graph replay over 4 routings, per call; "
-                "peers get host-precomputed per-expert token lists; fp8 / fp8_channel: the FP8 fused kernel "
-                "(block / per-channel scales) on random e4m3 experts of the same shape"
-            },
-        )
 
 
 if __name__ == "__main__":

@@ -306,6 +306,9 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float], sweep: 
     return rows
 
 
+NOTES = "latent caches are GBs (>> L2): one call per graph replay"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mla_decode.json when OUT is set)")
@@ -325,11 +328,13 @@ def main() -> None:
     for H, B, ctx, topk in CASES if "decode" in parts else []:
         rows += bench_case(H, B, ctx, topk, ceil, best, sweep)
         torch.cuda.empty_cache()
+        if out:  # after every case: a timeout keeps what ran
+            write_record(out, rows, ceil, {"notes": NOTES})
     for H, cached, new in PREFILL_CASES if "prefill" in parts else []:
         rows += bench_prefill(H, cached, new, ceil, prefill_sweep)
         torch.cuda.empty_cache()
-    if out:
-        write_record(out, rows, ceil, {"notes": "latent caches are GBs (>> L2): one call per graph replay"})
+        if out:
+            write_record(out, rows, ceil, {"notes": NOTES})
 
 
 if __name__ == "__main__":

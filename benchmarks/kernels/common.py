@@ -133,8 +133,8 @@ def run_cases(
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for case in cases:
         rows += bench_case(*case, ceil)
         torch.cuda.empty_cache()
-    write_record(args.out, rows, ceil, {"notes": notes})
+        write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran

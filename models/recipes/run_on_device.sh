@@ -2,8 +2,8 @@
 # Train both nano models at once on one H200 in one device call (issue 7):
 #   run(command="bash models/recipes/run_on_device.sh 6.5", carry=[".whl"])            (from scratch)
 #   run(command="bash models/recipes/run_on_device.sh 5.5 continue", carry=[".whl"])   (second stage)
-# .whl/ holds transformers 5.24 and the libraries it needs newer than the image's (regex, tokenizers,
-# huggingface_hub 1.x); they go first on the path. Each family's folder (with train.log) comes back
+# .whl/ holds transformers 5.24 and the libraries it needs newer than the image's (regex, tokenizers;
+# not huggingface_hub: the image's 1.33 satisfies it, and hub 2.x needs httpx2, which the image lacks); they go first on the path. Each family's folder (with train.log) comes back
 # as $OUT/<name>.tar, the stdout as $OUT/<family>.stdout. TRAIN_ARGS adds options to both trainings
 # (e.g. TRAIN_ARGS="--prompt-weight 0.3 --profile-steps 3").
 set -uo pipefail
@@ -12,7 +12,7 @@ CONTINUE=${2:-}  # "continue": start from the committed models/<name> (its token
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
-    .whl/tokenizers-*.whl .whl/huggingface_hub-*.whl 2>&1 | tail -2
+    .whl/tokenizers-*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/tf:.
 python3 -c "import transformers, torch; from transformers import GlmMoeDsaForCausalLM; from transformers.models.kimi_k25 import Kimi_K25ForConditionalGeneration; print('transformers', transformers.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())" || exit 3
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
