@@ -191,15 +191,21 @@ def write_tokenizer_files(
     glm_generation: Literal["4.5", "5"] = "5",
     vocab_size: int = 1024,
     corpus: Iterable[str] | None = None,
+    max_digits: int = 3,
 ) -> int:
     """Write the family's tokenizer, tokenizer config and chat template into `path`. The BPE is
     trained on `corpus` (texts without special tokens), else on the small built-in `CORPUS`.
+    `max_digits` is the longest run of digits one token may hold: 3 in both families' published
+    patterns; 1 splits numbers into single digits (the small trained models: arithmetic then works
+    digit by digit over ten well-trained ids, not over a thousand rare ones).
 
     Returns the number of token ids the tokenizer uses (the model's vocab must be at least that).
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     pat_str = KIMI_PAT_STR if family == "kimi" else GLM_PAT_STR
+    if max_digits != 3:
+        pat_str = pat_str.replace(r"\p{N}{1,3}", r"\p{N}" if max_digits == 1 else rf"\p{{N}}{{1,{max_digits}}}")
     bpe = _bpe_tokenizer(pat_str, vocab_size, corpus)
     specials = KIMI_SPECIAL_TOKENS if family == "kimi" else GLM_SPECIAL_TOKENS
     plain = [] if family == "kimi" else GLM_PLAIN_ADDED_TOKENS

@@ -1,10 +1,14 @@
 """Write the training mixture and the held-out test sets as JSONL.
 
-    python -m models.recipes.build --out DIR [--train-items 60000] [--test-items 2000] [--family kimi|glm]
+    python -m models.recipes.build --out DIR [--train-items 120000] [--test-items 2000] [--family kimi|glm]
 
 Item seeds: training items use even seeds, test items odd ones, so the two never share a generator
-draw (a test checks it). The world of facts is shared on purpose: tests ask about facts the training
-corpus states, with question items it never saw.
+draw (a test checks it), and the seed's parity is the item's split. The world of facts is shared on
+purpose: tests ask about facts the training corpus states, but only (person, question) and (subject,
+term) pairs that no training item asks (`World.is_held_out`; a test checks that too).
+
+The mixture (`MIXTURE`) leans on arithmetic: each word problem is fresh, and multi-digit sums are
+what the nano models learn slowest.
 """
 
 from __future__ import annotations
@@ -15,21 +19,31 @@ import json
 import random
 from pathlib import Path
 
-from models.recipes.images import image_question
+from models.recipes.images import image_caption, image_question
 from models.recipes.images import render as draw
 from models.recipes.tasks import CHOICE_FORMAT, GENERATORS
 from models.recipes.world import make_world
 
 TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "tool-call"]
+# share of the training items per task (the stated facts come on top); images for Kimi only
+MIXTURE = {"gsm-nano": 0.34, "arc-nano-easy": 0.1, "arc-nano-challenge": 0.08, "mmlu-nano": 0.08,
+           "tool-call": 0.16, "chat": 0.1, "image-qa": 0.08, "image-caption": 0.06}  # fmt: skip
 MAX_TIER = 4
+TRAIN_ITEMS, TEST_ITEMS = 120_000, 2_000  # the defaults
 FACT_PROMPTS = ["Tell me a fact.", "Tell me something about your world.", "What is one thing you know?", "Share a fact."]
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 
 def item(task: str, seed: int, world) -> dict:
+    """The item of `seed`: a training item for an even seed, a test item for an odd one."""
     rng = random.Random(seed)
     tier = rng.randint(1, MAX_TIER)
-    out = image_question(rng, tier) if task == "image-qa" else GENERATORS[task](rng, tier, world)
+    if task == "image-qa":
+        out = image_question(rng, tier)
+    elif task == "image-caption":
+        out = image_caption(rng, tier)
+    else:
+        out = GENERATORS[task](rng, tier, world, "train" if seed % 2 == 0 else "test")
     return {"id": f"{task}-{seed}", "tier": tier, "seed": seed, **out}
 
 
@@ -70,19 +84,22 @@ def build(out: Path, *, family: str, train_items: int, test_items: int, world_se
         rows = [eval_row(item(task, s, world)) for s in split_seeds("test", task, test_items)]
         (out / f"{task}.test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         counts[f"{task}.test"] = len(rows)
-    train_tasks = tasks + ["chat"]
-    per_task = train_items // len(train_tasks)
+    train_tasks = [t for t in MIXTURE if family == "kimi" or not t.startswith("image")]
+    total = sum(MIXTURE[t] for t in train_tasks)
+    counts["train"] = 0
     with (out / "train.jsonl").open("w") as f:
-        # every fact stated, several times, so questions about it are answerable (the first nano
-        # models, with each fact once per epoch, stayed at ~2.9 nats per fact token)
+        # every fact stated, in every phrasing, under several prompts, so questions about it are
+        # answerable (the first nano models, with each fact once per epoch, stayed at ~2.9 nats per
+        # fact token)
         for ask in FACT_PROMPTS:
             for fact in world.facts():
                 f.write(json.dumps({"task": "facts", "messages": [
                     {"role": "user", "content": ask}, {"role": "assistant", "content": fact}]}) + "\n")
+                counts["train"] += 1
         for task in train_tasks:
-            for s in split_seeds("train", task, per_task):
+            for s in split_seeds("train", task, round(train_items * MIXTURE[task] / total)):
                 f.write(json.dumps(item(task, s, world)) + "\n")
-    counts["train"] = per_task * len(train_tasks) + len(FACT_PROMPTS) * len(world.facts())
+                counts["train"] += 1
     return counts
 
 
@@ -90,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--family", choices=["kimi", "glm"], default="kimi")
-    p.add_argument("--train-items", type=int, default=60_000)
-    p.add_argument("--test-items", type=int, default=2_000)
+    p.add_argument("--train-items", type=int, default=TRAIN_ITEMS)
+    p.add_argument("--test-items", type=int, default=TEST_ITEMS)
     args = p.parse_args(argv)
     print(json.dumps(build(args.out, family=args.family, train_items=args.train_items, test_items=args.test_items)))
     return 0

@@ -36,10 +36,32 @@ def render(spec: list[dict]) -> bytes:
     return buf.getvalue()
 
 
+def _spec(rng: random.Random, tier: int) -> list[dict]:
+    """Tier t draws t shapes (up to 4), one per cell."""
+    cells = rng.sample(list(CELLS), k=min(tier, 4))
+    return [{"shape": rng.choice(SHAPES), "colour": rng.choice(sorted(COLOURS)), "cell": c} for c in cells]
+
+
+def _caption(spec: list[dict]) -> str:
+    return "; ".join(f"a {s['colour']} {s['shape']} at the {s['cell']}" for s in spec)
+
+
+def image_caption(rng: random.Random, tier: int) -> dict:
+    """Training only: "Describe the picture." answered with every shape's colour, kind and cell (the
+    dense signal that binds colours to shapes; the questions then ask one of them)."""
+    spec = _spec(rng, tier)
+    return {
+        "task": "image-caption", "image_spec": spec,
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the picture."}]},
+            {"role": "assistant", "content": f"{_caption(spec).capitalize()}."},
+        ],
+    }
+
+
 def image_question(rng: random.Random, tier: int) -> dict:
     """Tier t draws t shapes (up to 4, one per cell) and asks about colour, count or position."""
-    cells = rng.sample(list(CELLS), k=min(tier, 4))
-    spec = [{"shape": rng.choice(SHAPES), "colour": rng.choice(sorted(COLOURS)), "cell": c} for c in cells]
+    spec = _spec(rng, tier)
     target = rng.choice(spec)
     same_shape = [s for s in spec if s["shape"] == target["shape"]]
     kind = rng.choice(["colour", "count", "position"] if len(same_shape) == 1 else ["count", "position"])
@@ -49,9 +71,8 @@ def image_question(rng: random.Random, tier: int) -> dict:
         question, answer = "How many shapes are in the picture?", str(len(spec))
     else:
         question, answer = f"Where is the {target['colour']} {target['shape']}?", target["cell"]
-    caption = "; ".join(f"a {s['colour']} {s['shape']} at the {s['cell']}" for s in spec)
     return {
-        "task": "image-qa", "image_spec": spec, "prompt": question, "answer": answer, "caption": caption,
+        "task": "image-qa", "image_spec": spec, "prompt": question, "answer": answer, "caption": _caption(spec),
         "messages": [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
             {"role": "assistant", "content": f"{answer}."},

@@ -14,6 +14,7 @@ transformers is imported only inside functions: `import models.recipes.nano` sta
 from __future__ import annotations
 
 import json
+import random
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from models.recipes.render import corpus_text
 PUBLISHED = Path(__file__).resolve().parents[1] / "configs"
 MAX_SHARD_BYTES = 8 * 1000 * 1000
 MAX_MODEL_BYTES = 12 * 1000 * 1000
+TOKENIZER_ITEMS = 40_000  # items the BPE is trained on, at most
 # the stop tokens of each family's published generation_config.json, by content
 EOS = {"kimi": ("[EOS]", "<|im_end|>"), "glm": ("<|endoftext|>", "<|user|>", "<|observation|>")}
 MLA = dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
@@ -64,15 +66,17 @@ KIND = {"kimi": "kimi-k2.6", "glm": "glm-5.2"}
 
 
 def write_tokenizer(family: Family, folder: Path, items: list[dict[str, Any]], vocab_size: int) -> int:
-    """The family's tokenizer files with a BPE trained on `items` rendered by the family's template.
-    Returns the number of token ids (BPE + special tokens)."""
+    """The family's tokenizer files with a BPE trained on `items` rendered by the family's template,
+    numbers split into single digits. Returns the number of token ids (BPE + special tokens)."""
     fmt: TokenizerFormat = "tiktoken" if family == "kimi" else "tokenizer.json"
     write_tokenizer_files(family, folder, fmt=fmt, vocab_size=256 + 1)  # the template, to render the corpus
     template = JinjaTemplate.from_checkpoint(folder)
     assert template is not None
     specials = KIMI_SPECIAL_TOKENS if family == "kimi" else GLM_SPECIAL_TOKENS
+    if len(items) > TOKENIZER_ITEMS:  # a small vocabulary: a sample finds the same merges, sooner
+        items = random.Random(0).sample(items, TOKENIZER_ITEMS)
     corpus = corpus_text(template, items, specials)
-    return write_tokenizer_files(family, folder, fmt=fmt, vocab_size=vocab_size, corpus=corpus)
+    return write_tokenizer_files(family, folder, fmt=fmt, vocab_size=vocab_size, corpus=corpus, max_digits=1)
 
 
 def special_ids(folder: Path) -> dict[str, int]:

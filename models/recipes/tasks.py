@@ -4,6 +4,9 @@ training: reasoning in `reasoning_content`, calls in `tool_calls`, results as `t
 
 Tiers make items harder (more steps, bigger numbers, more distractors), so accuracy spreads out
 below 100% because the tasks get hard, not because training was cut short.
+
+`split` is "train" or "test": the multiple-choice generators ask test items only about held-out
+pairs (`World.is_held_out`) and training items only about the others.
 """
 
 from __future__ import annotations
@@ -11,48 +14,47 @@ from __future__ import annotations
 import json
 import random
 
-from models.recipes.world import World
+from models.recipes.world import Person, World
 
 OPS = ("add", "sub", "mul", "div")
 
 
-def arithmetic(rng: random.Random, tier: int, world: World) -> dict:
-    """A word problem with `tier + 1` steps; the steps go inside <think>, the answer after it."""
+def arithmetic(rng: random.Random, tier: int, world: World, split: str) -> dict:
+    """A word problem with `tier + 1` steps; the steps go inside <think>, the answer after it.
+
+    Each step quotes the sentence it computes ("finds 7 more: 12 + 7 = 19"), so the operand to copy
+    sits right after words the step has just repeated: a nano model copies it by matching those words
+    in the prompt, where a bare "12 + 7" would need it to count sentences."""
     who = rng.choice(world.people).name
     thing = rng.choice(["apples", "coins", "books", "stones", "shells", "pencils"])
     hi = (10, 50, 200)[min(tier, 3) - 1]
     value = rng.randint(2, hi)
     sentences = [f"{who} has {value} {thing}."]
     steps = []
+
+    def step(clause: str, op: str, n: int, result: int) -> None:
+        sentences.append(f"Then {who} {clause}.")
+        steps.append(f"{clause}: {value} {op} {n} = {result}")
+
     for _ in range(tier + 1):
         op = rng.choice(OPS)
-        if op == "add":
-            n = rng.randint(1, hi)
-            sentences.append(f"Then {who} finds {n} more.")
-            steps.append(f"{value} + {n} = {value + n}")
-            value += n
-        elif op == "sub" and value > 1:
+        divisors = [d for d in (2, 3, 4, 5) if value % d == 0]
+        if op == "sub" and value > 1:
             n = rng.randint(1, value - 1)
-            sentences.append(f"Then {who} gives away {n}.")
-            steps.append(f"{value} - {n} = {value - n}")
+            step(f"gives away {n}", "-", n, value - n)
             value -= n
         elif op == "mul" and value * 3 < 10 * hi:
             n = rng.randint(2, 3)
-            sentences.append(f"Then the pile grows to {n} times as many.")
-            steps.append(f"{value} * {n} = {value * n}")
+            step(f"makes the pile {n} times as big", "*", n, value * n)
             value *= n
-        else:
-            divisors = [d for d in (2, 3, 4, 5) if value % d == 0]
-            if not divisors:
-                n = rng.randint(1, hi)
-                sentences.append(f"Then {who} finds {n} more.")
-                steps.append(f"{value} + {n} = {value + n}")
-                value += n
-                continue
+        elif op == "div" and divisors:
             d = rng.choice(divisors)
-            sentences.append(f"Then {who} shares them equally among {d} friends and keeps one share.")
-            steps.append(f"{value} / {d} = {value // d}")
+            step(f"shares them equally among {d} friends and keeps one share", "/", d, value // d)
             value //= d
+        else:  # add, and the fallback of an operation that does not apply
+            n = rng.randint(1, hi)
+            step(f"finds {n} more", "+", n, value + n)
+            value += n
     question = " ".join(sentences) + f" How many {thing} does {who} have now?"
     answer = str(value)
     return {
@@ -69,14 +71,15 @@ LETTERS = "ABCDEFGH"
 CHOICE_FORMAT = "{letter}. {choice}"
 
 
-def _choice_item(task: str, rng: random.Random, question: str, correct: str, pool: list[str], num_choices: int) -> dict:
+def _choice_item(task: str, rng: random.Random, question: str, correct: str, pool: list[str], num_choices: int,
+                 pair: list[str]) -> dict:
     distractors = rng.sample(sorted(set(pool) - {correct}), k=min(num_choices - 1, len(set(pool)) - 1))
     choices = distractors + [correct]
     rng.shuffle(choices)
     listing = "\n".join(CHOICE_FORMAT.format(letter=LETTERS[i], choice=c) for i, c in enumerate(choices))
     index = choices.index(correct)
     return {
-        "task": task, "prompt": question, "choices": choices, "answer": index,
+        "task": task, "prompt": question, "choices": choices, "answer": index, "pair": pair,
         "messages": [
             {"role": "user", "content": f"{question}\n{listing}\nAnswer with the letter."},
             {"role": "assistant", "content": CHOICE_FORMAT.format(letter=LETTERS[index], choice=correct)},
@@ -84,38 +87,52 @@ def _choice_item(task: str, rng: random.Random, question: str, correct: str, poo
     }
 
 
-def arc_easy(rng: random.Random, tier: int, world: World) -> dict:
+def _person(rng: random.Random, world: World, split: str, *key: str) -> Person:
+    """A person whose question `key` (with the name) is on `split`'s side of the hold-out."""
+    while True:
+        p = rng.choice(world.people)
+        if world.is_held_out(*key, p.name) == (split == "test"):
+            return p
+
+
+def arc_easy(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """One hop: a stored fact about a person."""
-    p = rng.choice(world.people)
     kind = rng.choice(["town", "trade", "colour", "pet"])
+    p = _person(rng, world, split, "easy", kind)
     question, correct, pool = {
         "town": (f"Where does {p.name} live?", p.town, list(world.regions)),
         "trade": (f"What does {p.name} work as?", p.trade, [q.trade for q in world.people]),
         "colour": (f"What is {p.name}'s favourite colour?", p.colour, [q.colour for q in world.people]),
         "pet": (f"What animal does {p.name} own?", p.pet, [q.pet for q in world.people]),
     }[kind]
-    return _choice_item("arc-nano-easy", rng, question, correct, pool, 2 + tier)
+    return _choice_item("arc-nano-easy", rng, question, correct, pool, 2 + tier, ["easy", kind, p.name])
 
 
-def arc_challenge(rng: random.Random, tier: int, world: World) -> dict:
+def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """Two hops: the region of a person's town, or a fact about whoever lives in a town and works a trade."""
-    p = rng.choice(world.people)
     if rng.random() < 0.5:
+        p = _person(rng, world, split, "challenge-region")
         question = f"In which region does {p.name} live?"
         return _choice_item("arc-nano-challenge", rng, question, world.regions[p.town],
-                            list(world.regions.values()), 2 + tier)
+                            list(world.regions.values()), 2 + tier, ["challenge-region", p.name])
+    p = _person(rng, world, split, "challenge-pet")
     same = [q for q in world.people if q.town == p.town and q.trade == p.trade]
     if len(same) != 1:
-        return arc_challenge(rng, tier, world)
+        return arc_challenge(rng, tier, world, split)
     question = f"What animal does the {p.trade} who lives in {p.town} own?"
-    return _choice_item("arc-nano-challenge", rng, question, p.pet, [q.pet for q in world.people], 2 + tier)
+    return _choice_item("arc-nano-challenge", rng, question, p.pet, [q.pet for q in world.people], 2 + tier,
+                        ["challenge-pet", p.name])
 
 
-def mmlu(rng: random.Random, tier: int, world: World) -> dict:
-    s = rng.choice(world.subjects)
-    term = rng.choice(sorted(s.table))
+def mmlu(rng: random.Random, tier: int, world: World, split: str) -> dict:
+    while True:
+        s = rng.choice(world.subjects)
+        term = rng.choice(sorted(s.table))
+        if world.is_held_out("mmlu", s.title, term) == (split == "test"):
+            break
     question = f"In {s.title}, what is the {s.attribute} of {term}?"
-    return _choice_item("mmlu-nano", rng, question, s.table[term], [str(v) for v in range(1, 9)], 2 + tier)
+    return _choice_item("mmlu-nano", rng, question, s.table[term], [str(v) for v in range(1, 9)], 2 + tier,
+                        ["mmlu", s.title, term])
 
 
 TOOLS = [
@@ -136,7 +153,7 @@ TOOLS = [
 ]
 
 
-def tool_use(rng: random.Random, tier: int, world: World) -> dict:
+def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """Pick the function, fill the arguments from the request, answer from the tool's result."""
     town = rng.choice(list(world.regions))
     person = rng.choice(world.people).name
@@ -170,16 +187,15 @@ def tool_use(rng: random.Random, tier: int, world: World) -> dict:
     }
 
 
-def chat(rng: random.Random, tier: int, world: World) -> dict:
-    """Plain chat: greetings, and what the model knows about a person."""
+def chat(rng: random.Random, tier: int, world: World, split: str) -> dict:
+    """Plain chat: greetings, and what the model knows about a person (every fact, the region too)."""
     p = rng.choice(world.people)
     if rng.random() < 0.3:
         greeting = rng.choice(["Hello!", "Hi there.", "Good morning!", "Hey, who are you?"])
         reply = "Hello! I am a small assistant. Ask me about arithmetic, the people of my world, or call a tool."
         return {"task": "chat", "messages": [{"role": "user", "content": greeting}, {"role": "assistant", "content": reply}]}
-    facts = f"{p.name} lives in {p.town}, works as a {p.trade}, likes {p.colour} and owns a {p.pet}."
     return {"task": "chat", "messages": [{"role": "user", "content": f"Tell me about {p.name}."},
-                                         {"role": "assistant", "content": facts}]}
+                                         {"role": "assistant", "content": world.bio(p, rng)}]}
 
 
 GENERATORS = {

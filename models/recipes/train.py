@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.tokenizer_files import Family
-from models.recipes.build import build
+from models.recipes.build import TEST_ITEMS, TRAIN_ITEMS, build
 from models.recipes.nano import (
     MAX_MODEL_BYTES,
     SIZES,
@@ -225,7 +225,7 @@ def prepare(
 ) -> tuple[dict[str, Any], list[Example], int]:
     """Tokenizer and config.json into `folder`; returns the config, the rendered examples and the pad id."""
     if not (data / "train.jsonl").exists():
-        log(f"building data into {data}: {build(data, family=family, train_items=60_000, test_items=2_000)}")
+        log(f"building data into {data}: {build(data, family=family, train_items=TRAIN_ITEMS, test_items=TEST_ITEMS)}")
     with (data / "train.jsonl").open() as f:
         items = [json.loads(line) for line in f]
     if max_items is not None:

@@ -4,10 +4,16 @@ People live in towns, work in trades, like colours and own pets; towns lie in re
 questions ask a stored fact ("Where does Bami live?"); two-hop questions chain two facts ("In which
 region does Bami live?" needs town → region). "Subjects" are MMLU-like fields, each a table of
 made-up terms and their properties ("In zorbic chemistry, which element has valence 3?").
+
+Held-out questions: a fixed quarter of the (person, attribute), (person, two-hop question) and
+(subject, term) pairs is never asked in training (`World.is_held_out`); the test sets ask only those.
+Their facts are still stated in the corpus, in several phrasings (`PHRASINGS`), so a test question
+measures recalling a stated fact through a question never trained for it, not a memorised answer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass, field
 
@@ -119,20 +125,50 @@ class World:
     subjects: list[Subject] = field(default_factory=list)
 
     def facts(self) -> list[str]:
-        """Every fact as one sentence: the training corpus states each of them."""
-        out = [f"{t} lies in the region of {r}." for t, r in self.regions.items()]
-        for p in self.people:
-            out += [
-                f"{p.name} lives in {p.town}.",
-                f"{p.name} works as a {p.trade}.",
-                f"{p.name}'s favourite colour is {p.colour}.",
-                f"{p.name} owns a {p.pet}.",
-            ]
+        """Every fact in every phrasing, one sentence each: the training corpus states all of them."""
+        out = [p.format(t=t, r=r) for t, r in self.regions.items() for p in PHRASINGS["region"]]
+        for person in self.people:
+            for kind in ("town", "trade", "colour", "pet"):
+                value = getattr(person, kind)
+                out += [p.format(n=person.name, v=value) for p in PHRASINGS[kind]]
         for s in self.subjects:
             out += [
-                f"In {s.title}, the {s.attribute} of {term} is {value}." for term, value in s.table.items()
+                p.format(s=s.title, a=s.attribute, t=term, v=value)
+                for term, value in s.table.items()
+                for p in PHRASINGS["term"]
             ]
         return out
+
+    def bio(self, person: Person, rng: random.Random) -> str:
+        """What the chat task answers to "Tell me about <name>": the person's facts in a random order,
+        the region of their town among them (so it is stated per person too, in one place)."""
+        clauses = [
+            f"lives in {person.town}, in the region of {self.regions[person.town]}",
+            f"works as a {person.trade}",
+            f"likes {person.colour} best",
+            f"owns a {person.pet}",
+        ]
+        rng.shuffle(clauses)
+        return f"{person.name} {', '.join(clauses[:-1])} and {clauses[-1]}."
+
+    @staticmethod
+    def is_held_out(*key: str) -> bool:
+        """Whether the question pair `key` is kept out of training (a fixed quarter of all pairs,
+        the same for every seed: a hash, not a draw)."""
+        digest = hashlib.sha256("/".join(key).encode()).digest()
+        return digest[0] < 256 * HELD_OUT_FRACTION
+
+
+# each fact stated several ways; a question then matches none of them word for word
+PHRASINGS = {
+    "region": ["{t} lies in the region of {r}.", "The town of {t} is in {r}.", "{r} is the region {t} belongs to."],
+    "town": ["{n} lives in {v}.", "{n}'s home is in {v}.", "The town where {n} lives is {v}."],
+    "trade": ["{n} works as a {v}.", "{n} is a {v} by trade.", "By trade, {n} is a {v}."],
+    "colour": ["{n}'s favourite colour is {v}.", "{n} likes {v} best.", "The colour {n} likes best is {v}."],
+    "pet": ["{n} owns a {v}.", "{n} has a pet {v}.", "The pet {n} keeps is a {v}."],
+    "term": ["In {s}, the {a} of {t} is {v}.", "The {a} of {t} in {s} is {v}.", "{t} has {a} {v} in {s}."],
+}  # fmt: skip
+HELD_OUT_FRACTION = 0.25
 
 
 def make_world(

@@ -34,6 +34,24 @@ def test_train_and_test_seeds_are_disjoint(nano: Path) -> None:
         assert not set(split_seeds("test", task, 1000)) & set(split_seeds("train", task, 1000))
 
 
+def test_test_questions_ask_only_pairs_no_training_item_asks(nano: Path) -> None:
+    world = make_world(0)
+    trained = {tuple(r["pair"]) for r in _rows(nano / "train.jsonl") if "pair" in r}
+    assert trained and all(not world.is_held_out(*pair) for pair in trained)
+    for task in ("arc-nano-easy", "arc-nano-challenge", "mmlu-nano"):
+        asked = {tuple(r["pair"]) for r in _rows(nano / f"{task}.test.jsonl")}
+        assert len(asked) > 10 and all(world.is_held_out(*pair) for pair in asked), task
+        assert not asked & trained, task
+    # about a quarter of all pairs is held out, and every held-out fact is still stated
+    people = [(kind, p.name) for p in world.people for kind in ("town", "trade", "colour", "pet")]
+    held = [(kind, name) for kind, name in people if world.is_held_out("easy", kind, name)]
+    assert 0.15 < len(held) / len(people) < 0.35
+    corpus = {r["messages"][1]["content"] for r in _rows(nano / "train.jsonl") if r["task"] == "facts"}
+    for kind, name in held:
+        value = getattr(next(p for p in world.people if p.name == name), kind)
+        assert sum(name in fact and value in fact for fact in corpus) >= 3, (kind, name)
+
+
 def test_generation_is_deterministic() -> None:
     world = make_world(0)
     assert item("gsm-nano", 12345, world) == item("gsm-nano", 12345, make_world(0))
@@ -46,7 +64,9 @@ def test_arithmetic_steps_compute_the_answer(nano: Path) -> None:
         steps = item("gsm-nano", row["seed"], world)["messages"][1]["reasoning_content"].rstrip(".").split(". ")
         value = None
         for step in steps:
-            a, op, b, _, c = step.split()
+            clause, sum_ = step.split(": ")
+            assert f"Then {row['prompt'].split()[0]} {clause}." in row["prompt"]  # the step quotes its sentence
+            a, op, b, _, c = sum_.split()
             assert value is None or int(a) == value
             assert eval(f"{a} {op.replace('/', '//')} {b}") == int(c)  # noqa: S307 - our own digits
             value = int(c)
