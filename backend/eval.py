@@ -78,21 +78,23 @@ class EvalReport(msgspec.Struct, kw_only=True):
 
 class VariantOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What follows a variant's folder: `:kv=fp8|bf16`, `:weights=FORMAT`, `:all-linear`,
-    `:int4-prefill=w4a16|w4a8|expand-fp8`."""
+    `:int4-prefill=w4a16|w4a8|expand-fp8`, `:device=cpu|cuda` (default `--device`: a CPU variant
+    beside CUDA ones compares the GPU kernels with the CPU path's torch references, same dtype)."""
 
     kv: Literal["fp8", "bf16"] = "bf16"
     weights: str | None = None  # one of `kumo quantize --weights`
     all_linear: bool = False
     int4_prefill: Int4Prefill = "w4a16"
+    device: str | None = None
 
 
 def parse_variant(spec: str) -> tuple[str, VariantOptions]:
-    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear][:int4-prefill=MODE]` -> (DIR, options);
+    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear][:int4-prefill=MODE][:device=DEV]` -> (DIR, options);
     ValueError naming what is wrong (an option ignored would run a variant other than the one asked for)."""
     from backend.quant.cli import WEIGHTS
 
     path, *opts = spec.split(":")
-    kv, weights, all_linear, prefill = "bf16", None, False, "w4a16"
+    kv, weights, all_linear, prefill, device = "bf16", None, False, "w4a16", None
     for opt in opts:
         key, _, value = opt.partition("=")
         if key == "kv" and value in ("fp8", "bf16"):
@@ -103,14 +105,16 @@ def parse_variant(spec: str) -> tuple[str, VariantOptions]:
             all_linear = True
         elif key == "int4-prefill" and value in get_args(Int4Prefill):
             prefill = value
+        elif key == "device" and value in ("cpu", "cuda"):
+            device = value
         else:
             raise ValueError(
                 f"variant {spec!r}: unknown option {opt!r} (kv=fp8|bf16, weights={'|'.join(WEIGHTS)}, "
-                f"all-linear, int4-prefill={'|'.join(get_args(Int4Prefill))})"
+                f"all-linear, int4-prefill={'|'.join(get_args(Int4Prefill))}, device=cpu|cuda)"
             )
     if all_linear and weights is None:
         raise ValueError(f"variant {spec!r}: all-linear needs weights=FORMAT")
-    return path, VariantOptions(kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill)  # type: ignore[arg-type]
+    return path, VariantOptions(kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill, device=device)  # type: ignore[arg-type]
 
 
 class Variant:
@@ -126,6 +130,7 @@ class Variant:
 
         self.name, self.spec = name, spec
         path, options = parse_variant(spec)
+        device = options.device or device
         loaded = load_model(path, dtype=dtype, device=device)
         self.dtype, self.device = dtype, device
         self.model, self.path, self.config = loaded.model, Path(path), loaded.config
@@ -208,7 +213,7 @@ class Evaluator:
             is_chat=self.is_chat,
             max_new_tokens=max_new_tokens,
             dtype=first.dtype,
-            device=first.device,
+            devices=[v.device for v in variants],
         )
         self.generator = torch.Generator().manual_seed(0)
 
@@ -233,7 +238,7 @@ class Evaluator:
                 per_token = logp.gather(1, targets[:, None])[:, 0].cpu()
                 loglik[v][g : g + len(group)] = torch.stack([x.sum() for x in per_token.split(lengths)])
                 ref = logp if ref is None else ref
-                k, t = _compare(ref, logp)
+                k, t = _compare(ref, logp.to(ref.device))  # a CPU variant beside CUDA ones
                 kl[v] += k
                 top1[v] += t
             count += sum(lengths)

@@ -73,16 +73,19 @@ class EvalPrompts:
         is_chat: bool,
         max_new_tokens: int,
         dtype: torch.dtype,
-        device: str,
+        devices: list[str],
     ) -> None:
-        """`paths`: the variants' checkpoint folders, the first one's tokenizer and template used for all."""
+        """`paths`: the variants' checkpoint folders, the first one's tokenizer and template used for
+        all; `devices`: each variant's (its images are encoded there)."""
         self.is_chat, self.max_new_tokens, self.num_variants = is_chat, max_new_tokens, len(paths)
         self.served = ServedModel.from_checkpoint(paths[0])
         self.tokenizer = self.served.tokenizer
         self.template = JinjaTemplate.from_checkpoint(paths[0])
         if is_chat and self.template is None:
             raise ValueError(f"{paths[0]} has no chat template: run with --raw")
-        self.servings = [self._serving(p, dtype, device) for p in paths] if is_chat else []
+        self.servings = (
+            [self._serving(p, dtype, d) for p, d in zip(paths, devices, strict=True)] if is_chat else []
+        )
         # chat: where serving stops a turn; raw: the checkpoint's generation_config eos
         self.stop_ids = frozenset(self.served.eos_token_ids if is_chat else self.served.config.eos_token_ids)
         eos = self.tokenizer.named_id("eos_token")

@@ -3,8 +3,9 @@
 #   run(command="bash models/recipes/eval_on_device.sh", carry=[".whl"])
 # Needs models/kimi-k2.6-nano and models/glm-5.2-nano in the tree, and in .whl/ the msgspec and
 # llguidance wheels (cp312, manylinux; the image has neither; llguidance is only imported). Three
-# variants each: bf16; FP8-channel weights; INT4-g32 experts + FP8 KV. The reports come back as
-# $OUT/quality-<model>.json, the tables as $OUT/eval-<model>.log.
+# variants each: bf16; FP8-channel weights; INT4-g32 experts + FP8 KV; then bf16 on the GPU against
+# bf16 on the CPU path (300 items a task). The reports come back as $OUT/quality-<model>.json and
+# $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,11 +16,18 @@ evaluate() {  # one model: its test sets, then the three variants
     local fam=$1 name=$2
     python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || return 4
     local data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
-    python3 -m backend.eval --device cuda --dtype bfloat16 \
+    python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant bf16=models/$name \
         --variant fp8=models/$name:weights=fp8-channel \
         --variant int4-fp8kv=models/$name:weights=int4-g32:kv=fp8 \
-        "${data[@]}" --out "$OUT/quality-$name.json"
+        "${data[@]}" --out "$OUT/quality-$name.json" || return 5
+    # the GPU kernels against the CPU path's torch references, same checkpoint and dtype: KL and top-1
+    # agreement on the first 300 items of each task (the CPU path is the slow one)
+    local sub=(); mkdir -p /tmp/sub-$fam
+    for f in /tmp/data-$fam/*.test.jsonl; do head -n 300 "$f" > /tmp/sub-$fam/$(basename "$f"); sub+=(--data /tmp/sub-$fam/$(basename "$f")); done
+    python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        --variant gpu=models/$name --variant cpu=models/$name:device=cpu \
+        "${sub[@]}" --out "$OUT/gpu-vs-cpu-$name.json"
 }
 pids=()
 for fam in kimi glm; do  # both at once: the models are small, the GPU and the 16 cores are shared

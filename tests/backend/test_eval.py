@@ -83,7 +83,7 @@ def test_eval_two_variants_against_transformers(
         "--variant",
         f"ref={src}",
         "--variant",
-        f"same={src}",
+        f"same={src}:device=cpu",  # the device option (on a GPU machine: the CPU path beside CUDA)
         "--variant",
         f"int4={dst}",
         "--variant",
@@ -155,7 +155,7 @@ def test_tool_call_scoring_with_the_family_parser(kind: str, call: str, tmp_path
     from schemas.backend import Message, Tool
 
     path = write_random_checkpoint(kind, tmp_path / "ckpt")
-    prompts = EvalPrompts([path], is_chat=True, max_new_tokens=64, dtype=torch.float32, device="cpu")
+    prompts = EvalPrompts([path], is_chat=True, max_new_tokens=64, dtype=torch.float32, devices=["cpu"])
     tok = prompts.tokenizer
     weather = Tool(
         name="get_weather",
@@ -234,12 +234,14 @@ def test_variant_options_are_checked_before_anything_loads() -> None:
         "d",
         VariantOptions(kv="fp8", weights="int4-g128", all_linear=True),
     )
+    assert parse_variant("d:kv=fp8:device=cpu") == ("d", VariantOptions(kv="fp8", device="cpu"))
     for spec, word in (
         ("d:weight=int4-g32", "weight"),
         ("d:weights=fp8", "fp8"),
         ("d:weights=int4-g64", "int4-g64"),
         ("d:kv=fp16", "fp16"),
         ("d:all-linear", "all-linear"),
+        ("d:device=tpu", "device=tpu"),
     ):
         with pytest.raises(ValueError, match=word):
             parse_variant(spec)
