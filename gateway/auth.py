@@ -21,7 +21,7 @@ from typing import Literal
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.errors import Forbidden, Unauthenticated, Unavailable
+from gateway.errors import Forbidden, OtherAccount, Unauthenticated, Unavailable
 from gateway.store import Credential, Store, sha256_hex
 from schemas.admin import Quotas
 
@@ -104,7 +104,7 @@ class Authenticator:
         path's `account_id` is another tenant's."""
         credential = await self.credential(authorization)
         if credential.tenant.id != account_id:
-            raise Forbidden("Unauthorized to access requested resource")
+            raise OtherAccount(AUTH_ERROR)
         return TenantContext.from_credential(credential)
 
     async def authenticate_admin(self, authorization: str | None) -> str:

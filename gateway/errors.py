@@ -7,7 +7,8 @@
     │   ├── Unsupported (400)          a field or capability this model does not serve
     │   └── InvalidAdminRequest (400, 6007)  admin API body or query; no "AiError: " prefix
     ├── Unauthenticated (401, 10000)
-    ├── Forbidden (403, 9109)          another account's path, a model not allowed for the tenant
+    ├── Forbidden (403, 9109)          a tenant token on an admin route, a model not allowed for the tenant
+    │   ├── OtherAccount (403, 10000)  another account's path ("Authentication error", as observed)
     │   ├── PaidModelOnFreePlan (403, 5035)
     │   └── ModelNotAllowed (403, 5018)
     ├── NoRoute (404, 7003) / NotFound (404, 7000)
@@ -68,6 +69,13 @@ class Unauthenticated(KumoError):
 
 class Forbidden(KumoError):
     status, code, prefix = 403, 9109, ""
+
+
+class OtherAccount(Forbidden):
+    """A valid token on another account's path: Cloudflare answers 403 with code 10000
+    `Authentication error` (reference §3.1, observed), not 9109."""
+
+    code = 10000
 
 
 class PaidModelOnFreePlan(Forbidden):

@@ -55,7 +55,7 @@ async def test_every_route_and_every_caller(harness: Harness) -> None:
         "deleted tenant": (gone_token.value, 401, 10000),
         "admin": (ADMIN, 401, 10000),
     }
-    callers = {**unauthenticated, "other tenant": (harness.free_token, 403, 9109)}
+    callers = {**unauthenticated, "other tenant": (harness.free_token, 403, 10000)}
     for method, url, body in routes(harness):
         for who, (token, status, code) in callers.items():
             r = await call(harness, method, url, body, token)

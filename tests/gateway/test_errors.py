@@ -29,7 +29,7 @@ async def test_auth_errors(harness: Harness) -> None:
         await harness.http.post(url, headers=harness.auth("kumo_nope"), json={"prompt": "x"}), 401, 10000
     )
     other = harness.path(f"/ai/run/{KIMI}", account=harness.free_account)
-    assert_envelope(await harness.http.post(other, headers=harness.auth(), json={"prompt": "x"}), 403, 9109)
+    assert_envelope(await harness.http.post(other, headers=harness.auth(), json={"prompt": "x"}), 403, 10000)
     free = await harness.http.post(other, headers=harness.auth(harness.free_token), json={"prompt": "x"})
     assert "not available on the Workers Free plan" in assert_envelope(free, 403, 5035)
     free_legacy = harness.path(f"/ai/run/{LEGACY}", account=harness.free_account)
