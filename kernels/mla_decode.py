@@ -5,35 +5,39 @@ The cache holds one `[R + Dr]` line per token (576 for Kimi K2 / GLM-5: latent `
 the key is the whole line, the value its first R dims (engine-anchors §1d, §2c).
 
 Split-K: stage 1 (`_mla_paged_kernel`, grid `(H / BLOCK_H, splits, B)`) walks one slice of one
-sequence for BLOCK_H heads at once — each latent tile is loaded once and used by two `tl.dot`s for
-the scores (`q_c · c`, `q_pe · k_pe`) and one for the output (`p · c`) — with an online softmax, and
-writes the normalised partial output and its log-sum-exp (log2 domain). Stage 2 (`kernels.split_k_merge`,
-grid `(B, H)`) merges the slices. With one slice stage 1 writes the output itself (no merge). The head
-blocks are the fastest grid axis so the programs that share a slice of latent run side by side and
-the other head blocks' reads of it hit the L2. The slice count is chosen on the host from batch, heads
-and the page table's width (never a device read), so the launch can be captured in a CUDA graph.
-The same kernel serves prefill (`kernels/mla_prefill.py`: VARLEN, a tile of BLOCK_Q queries × BLOCK_H
-heads per program, causal per row); decode is its BLOCK_Q = 1, one-tile-per-sequence case.
+sequence for a tile of BLOCK_H heads, BLOCK_N tokens a step, with an online softmax, and writes the
+normalised partial output and its log-sum-exp (log2 domain); stage 2 (`kernels.split_k_merge`) merges
+the slices (one slice: stage 1 writes the output). The same kernel serves prefill
+(`kernels/mla_prefill.py`: VARLEN, BLOCK_Q queries × BLOCK_H heads a tile, causal per row). Tiles and
+the slice count come from `kernels/mla_tiles.py`, chosen on the host from the shapes only (no device
+read: the launch can be captured in a CUDA graph).
+
+How a step runs, and why (the first version spent ~5 µs a 16-token step waiting on loads one after
+another: page ids, then tags, then lines, each a synchronous load on the H200):
+- Every load of the token loop is a page id (sparse: a position, then an id) or a line, so Triton's
+  pipeliner turns them all into cp.async copies, `num_stages - 1` steps ahead split over the chain.
+- A 64-row tile (64 heads) runs wgmma over two warpgroups: each latent tile is read once from shared
+  memory by the score dots (`q · [c | k_pe]^T`) and the value dot (`p · c`), the fp32 accumulator
+  [64, 512] holds 128 registers a thread. Under 64 rows mma.sync holds whole operands in registers,
+  so the latent goes in NUM_RC chunks (64 columns by default: then the latent and rope chunks share
+  one layout and the page ids are fetched in one, not one per chunk width).
+- FP8 lines are converted once to fp16 (`e4m3_to_f16`) and stored for both dots; the layer's single
+  scale folds into the softmax scale and the output. q is cast to fp16 (|q| > 65504 would overflow).
+  At 64 heads that is 242 FLOP per FP8 byte: tensor cores, not HBM, bound it; 8 or 16 heads are
+  HBM-bound.
+
+Page-tag check, fused but out of the token loop: each program first checks the pages its slice uses
+in one vectorised pass and sets `tag_mismatch[b]` on a wrong tag. A slice that holds a bad page (its
+sequence is about to be aborted) writes a sanitised copy of its part of the page table (-1 for a bad
+page) and walks that: a token of a bad page reads zeros (its bytes may be another tenant's NaN) and
+scores -inf. In sparse mode the flag must not depend on which tokens were chosen (the reference
+checks every page in use), so the first head block's programs of the sequence's last query also
+sweep their share of its page list. CHECK_TAGS off reads no tag.
 
 Sparse mode (DSA, GLM-5): `topk_indices [B, K]` lists the token positions the query attends to (-1 =
-empty, positions >= seq_len ignored, as the reference does); the slices then split the K list, and
-the tokens are gathered line by line. The list must not repeat a position (the indexer's top-k does
-not): a repeated one would count twice, where the reference counts it once.
-
-Page-tag check, fused: each token's page tag is compared with the sequence's expected tag for that
-page; a token of a mismatched page gets a -inf score and a zero value row (its bytes may be another
-tenant's NaN), and `tag_mismatch[b]` is set. By default the line loads do not wait for the tag loads
-and a select zeroes the failed rows after them; `masked_loads=True` puts the check in the load masks
-instead (a failed page is never read; one tile fewer in registers, but the loads wait for the tags):
-which is faster is the H200 benchmark's call. In sparse mode the flag must not depend on which
-tokens were chosen (the reference checks every page in use), so the first head block's programs
-of the sequence's last query also sweep their share of its page list.
-
-FP8: the line is converted to fp16 for the dots (e4m3 -> fp16 is one cvt; q is cast to fp16, so an
-absorbed query above 65504 would overflow) and the layer's single scale folds into the softmax scale
-and into the output (K and V are the same line, so one scale). At Kimi's 64 heads that is 2·(576 +
-512)·64 FLOP per 576-byte FP8 line, 242 FLOP/B: 16-bit tensor cores, not HBM, bound it on an H200
-(4.27 TB/s would take ~1,030 TFLOP/s); a TP shard of 8 or 16 heads is HBM-bound.
+empty, positions >= seq_len ignored, as the reference does); the slices split the K list, the lines
+are gathered one by one. The list must not repeat a position (the indexer's top-k does not): a
+repeated one would count twice, where the reference counts it once.
 
 Shapes: B sequences, H heads, R kv_lora_rank, Dr rope dim, P pages, S page size, Mp pages per
 sequence in the table, K top-k.
@@ -48,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.mla_tiles import MlaTiles, pick_mla_splits, resolve_tiles
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
@@ -78,10 +83,147 @@ def query_tile(
 
 
 @triton.jit
+def check_pages(
+    page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, b, page_idx, ok, stride_ptb, stride_etb,
+    WRITE: tl.constexpr,
+):  # fmt: skip
+    """Pages `page_idx [BP]` (where `ok`) of sequence b with the wrong tag; WRITE: also store the
+    sanitised ids (-1 for those) at the same places of `clean_table`."""
+    page = tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=ok, other=0)
+    found = tl.load(page_tags_ptr + page, mask=ok, other=0)
+    expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=ok, other=0)
+    bad = ok & (found != expected)
+    if WRITE:
+        tl.store(clean_table_ptr + b * stride_ptb + page_idx, tl.where(bad, -1, page), mask=ok)
+    return tl.sum(bad.to(tl.int32))
+
+
+@triton.jit
+def check_slice(
+    page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, topk_ptr, b, t, L, start, end,
+    stride_ptb, stride_etb, stride_tkt, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr,
+    SPARSE: tl.constexpr, WRITE: tl.constexpr,
+):  # fmt: skip
+    """Bad pages among those holding items [start, end) (dense: tokens; SPARSE: query t's chosen
+    positions), BLOCK_P independent loads at a time; see `check_pages`."""
+    num_bad = 0
+    if SPARSE:
+        for j0 in range(start, end, BLOCK_P):
+            j = j0 + tl.arange(0, BLOCK_P)
+            tok = tl.load(topk_ptr + t * stride_tkt + j, mask=j < end, other=-1)
+            ok = (tok >= 0) & (tok < L)
+            num_bad += check_pages(
+                page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, b,
+                tl.where(ok, tok, 0) // PAGE_SIZE, ok, stride_ptb, stride_etb, WRITE,
+            )  # fmt: skip
+    else:
+        p_end = tl.cdiv(end, PAGE_SIZE)
+        for p0 in range(start // PAGE_SIZE, p_end, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            num_bad += check_pages(
+                page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, b, p, p < p_end, stride_ptb,
+                stride_etb, WRITE,
+            )  # fmt: skip
+    return num_bad
+
+
+@triton.jit
+def e4m3_to_f16(x):
+    """fp8 e4m3 -> fp16, one cvt per pair, as inline asm marked impure: Triton then cannot clone it past
+    the layout changes into the two dots' operand layouts, so the tile is converted once and stored in
+    shared memory as fp16 for both (`tl.cast` is pushed into each dot's operand: an 8-bit transposed
+    operand has no ldmatrix, the tile then goes through registers and the pipeliner gives up on it)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def tile_lines(
+    cache_ptr, page, tok, ok, R, DR, stride_cp, stride_cs, PAGE_SIZE: tl.constexpr, BLOCK_RC: tl.constexpr,
+    NUM_RC: tl.constexpr, BLOCK_DR: tl.constexpr, COMPUTE: tl.constexpr, FP8_ASM: tl.constexpr,
+):  # fmt: skip
+    """Tokens `tok [BN]`' latent lines in NUM_RC chunks `[BN, BLOCK_RC]` and rope parts `[BN, BLOCK_DR]`
+    (COMPUTE), zero where not `ok`."""
+    line = cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs  # [BN]
+    offs = tl.arange(0, BLOCK_RC)
+    cs = ()
+    for k in tl.static_range(NUM_RC):
+        r = k * BLOCK_RC + offs
+        c = tl.load(line[:, None] + r[None, :], mask=ok[:, None] & (r < R)[None, :], other=0.0)
+        if FP8_ASM:
+            c = e4m3_to_f16(c)
+        cs = cs + (c.to(COMPUTE),)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=ok[:, None] & (offs_dr < DR)[None, :], other=0.0)
+    return cs, pe.to(COMPUTE)
+
+
+@triton.jit
+def attend_slice(
+    q_cs, q_pe, row_limit, cache_ptr, table_ptr, topk_ptr, b, t, L, start, end, qk_scale, R, DR, stride_cp,
+    stride_cs, stride_ptb, stride_tkt, PAGE_SIZE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_RC: tl.constexpr, NUM_RC: tl.constexpr, BLOCK_DR: tl.constexpr, VARLEN: tl.constexpr,
+    SPARSE: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FP8_ASM: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the tile's rows (q chunks `q_cs`: NUM_RC x [BM, BLOCK_RC], `q_pe [BM, BLOCK_DR]`,
+    COMPUTE) over items [start, end) of sequence b, reading page ids from `table_ptr` (-1: drop the
+    page); row r sees tokens below `row_limit[r]` (VARLEN). Returns (max, sum, NUM_RC unnormalised acc
+    chunks [BM, BLOCK_RC]), log2 domain. Every load is masked with other = 0, so one zero-filled tile
+    is both key and value: an item past the end, an empty sparse slot, a dropped page read 0, not NaN."""
+    m = tl.full((BM,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BM,), dtype=tl.float32)
+    accs = ()
+    for _ in tl.static_range(NUM_RC):
+        accs = accs + (tl.zeros((BM, BLOCK_RC), dtype=tl.float32),)
+    for i0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+        i = i0 + tl.arange(0, BLOCK_N)
+        ok = i < end
+        if SPARSE:
+            tok = tl.load(topk_ptr + t * stride_tkt + i, mask=ok, other=-1)
+            ok = ok & (tok >= 0) & (tok < L)
+            tok = tl.where(ok, tok, 0).to(tl.int32)
+        else:
+            tok = i
+        page = tl.load(table_ptr + b * stride_ptb + tok // PAGE_SIZE, mask=ok, other=-1)
+        ok = ok & (page >= 0)
+        cs, pe = tile_lines(
+            cache_ptr, page, tok, ok, R, DR, stride_cp, stride_cs, PAGE_SIZE, BLOCK_RC, NUM_RC, BLOCK_DR,
+            COMPUTE, FP8_ASM,
+        )  # fmt: skip
+        s = tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)  # [BM, BN]
+        for k in tl.static_range(NUM_RC):
+            s = tl.dot(q_cs[k], tl.trans(cs[k]), s, input_precision=DOT_PRECISION)
+        seen = ok[None, :]
+        if VARLEN:
+            seen = seen & (tok[None, :] < row_limit[:, None])
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
+        alpha = tl.exp2(m - m_base)
+        p = tl.exp2(s - m_base[:, None])  # [BM, BN]
+        l = l * alpha + tl.sum(p, axis=1)
+        p = p.to(COMPUTE)
+        rescaled = ()
+        for k in tl.static_range(NUM_RC):
+            rescaled = rescaled + (tl.dot(p, cs[k], accs[k] * alpha[:, None], input_precision=DOT_PRECISION),)
+        accs = rescaled
+        m = m_new
+    return m, l, accs
+
+
+@triton.jit
 def _mla_paged_kernel(
     q_ptr,  # [T, H, R + Dr] (decode: T = B)
     cache_ptr,  # [P, S, R + Dr]
     page_table_ptr,  # [B, Mp] int32
+    clean_table_ptr,  # [B, Mp] int32 scratch, page_table's strides: sanitised ids (CHECK_TAGS only)
     expected_ptr,  # [B, Mp] int64
     page_tags_ptr,  # [P] int64
     seq_lens_ptr,  # [B] int32
@@ -95,36 +237,25 @@ def _mla_paged_kernel(
     out_ptr,  # [T, H, R] q's dtype (DIRECT only)
     qk_scale,  # softmax_scale * latent_scale * log2(e)
     v_scale,  # latent_scale (DIRECT only)
-    num_seqs,
-    num_splits,
-    num_heads,
-    R,
-    DR,
-    topk,
-    stride_qt,
-    stride_qh,
-    stride_cp,
-    stride_cs,
-    stride_ptb,
-    stride_etb,
-    stride_tkt,
-    stride_ot,
-    stride_oh,
+    num_seqs, num_splits, num_heads, R, DR, topk,
+    stride_qt, stride_qh, stride_cp, stride_cs, stride_ptb, stride_etb, stride_tkt, stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # queries per program (1 for decode and sparse mode)
     BLOCK_H: tl.constexpr,  # heads per program; rows of the tile = BLOCK_Q * BLOCK_H
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # tokens per step
+    BLOCK_RC: tl.constexpr,  # latent columns per chunk
+    NUM_RC: tl.constexpr,  # chunks: NUM_RC * BLOCK_RC >= R
     BLOCK_DR: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # pages (sparse: positions) per step of the tag check
     VARLEN: tl.constexpr,  # tiles of several queries per sequence, causal (prefill); else one per sequence
     SPARSE: tl.constexpr,
     CHECK_TAGS: tl.constexpr,
-    MASKED_LOADS: tl.constexpr,  # the tag check masks the line loads instead of selecting after them
     DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches, else q's
     DOT_PRECISION: tl.constexpr,
-):
+    NUM_STAGES: tl.constexpr,  # the token loop's pipeline depth
+    FP8_ASM: tl.constexpr,  # an FP8 cache on the GPU: convert with `e4m3_to_f16` (no asm in the interpreter)
+):  # fmt: skip
     hb = tl.program_id(0)
     split = tl.program_id(1)
     tile = tl.program_id(2)
@@ -140,102 +271,80 @@ def _mla_paged_kernel(
         L = tl.load(seq_lens_ptr + b)
         first_pos = L - 1
         is_last = True
+    t = q0.to(tl.int64)
     num_items = topk if SPARSE else first_pos + num_q  # dense: the tile's last query sees that many
     num_items = tl.where(tile_ok, num_items, 0)
     per_split = tl.cdiv(tl.cdiv(num_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, num_items)
 
-    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    # the tile's queries, chunked as the latent (loaded before the tag check: fewer registers so)
+    BM: tl.constexpr = BLOCK_Q * BLOCK_H
+    rows = tl.arange(0, BM)
     qi = rows // BLOCK_H  # [BM] query of the row within the tile
     heads = hb * BLOCK_H + rows % BLOCK_H  # [BM]
     row_ok = (qi < num_q) & (heads < num_heads)
-    row_limit = first_pos + qi + 1  # [BM] tokens the row's query may see (causal)
     t_row = (q0 + qi).to(tl.int64)  # [BM] row of T
-    offs_r = tl.arange(0, BLOCK_R)
+    q_row = q_ptr + t_row[:, None] * stride_qt + heads[:, None] * stride_qh  # [BM, 1]
+    offs_rc = tl.arange(0, BLOCK_RC)
+    q_cs = ()
+    for k in tl.static_range(NUM_RC):
+        r = k * BLOCK_RC + offs_rc
+        q_c = tl.load(q_row + r[None, :], mask=row_ok[:, None] & (r < R)[None, :], other=0.0)
+        q_cs = q_cs + (q_c.to(COMPUTE),)
     offs_dr = tl.arange(0, BLOCK_DR)
-    r_ok = offs_r < R
-    dr_ok = offs_dr < DR
-    q_row = q_ptr + t_row[:, None] * stride_qt + heads[:, None] * stride_qh
-    q_c = tl.load(q_row + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0).to(COMPUTE)
-    q_pe = tl.load(q_row + R + offs_dr[None, :], mask=row_ok[:, None] & dr_ok[None, :], other=0.0).to(COMPUTE)
+    q_pe = tl.load(q_row + R + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr < DR)[None, :], other=0.0)
 
-    m = tl.full((BLOCK_Q * BLOCK_H,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((BLOCK_Q * BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_Q * BLOCK_H, BLOCK_R), dtype=tl.float32)
-    num_bad = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for i0 in range(start, end, BLOCK_N):
-        i = i0 + tl.arange(0, BLOCK_N)
-        i_ok = i < end
-        if SPARSE:  # BLOCK_Q == 1: the tile's one query has its own list
-            tok = tl.load(topk_ptr + q0.to(tl.int64) * stride_tkt + i, mask=i_ok, other=-1)
-            n_ok = i_ok & (tok >= 0) & (tok < L)
-            tok = tl.where(n_ok, tok, 0)
-        else:
-            tok = i
-            n_ok = i_ok
-        page_idx = tok // PAGE_SIZE
-        page = tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=n_ok, other=0)
-        if CHECK_TAGS:
-            found = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
-            expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n_ok, other=0)
-            tok_ok = n_ok & (found == expected)
-            num_bad += (n_ok & (found != expected)).to(tl.int32)
-        else:
-            tok_ok = n_ok
-        # MASKED_LOADS: a failed page is never read (the loads wait for the tags); otherwise the loads
-        # wait only for the page ids and a failed page is dropped by the selects below
-        ld_ok = tok_ok if MASKED_LOADS else n_ok
-        line = cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE).to(tl.int64) * stride_cs  # [BN]
-        c = tl.load(line[:, None] + offs_r[None, :], mask=ld_ok[:, None] & r_ok[None, :], other=0.0)
-        pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=ld_ok[:, None] & dr_ok[None, :], other=0.0)
-        c = c.to(COMPUTE)
-        s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
-        s += tl.dot(q_pe, tl.trans(pe.to(COMPUTE)), input_precision=DOT_PRECISION)  # [BM, BN]
-        seen = tok_ok[None, :]
-        if VARLEN:
-            seen = seen & (tok[None, :] < row_limit[:, None])
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
-        alpha = tl.exp2(m - m_base)
-        p = tl.exp2(s - m_base[:, None])  # [BM, BN]
-        l = l * alpha + tl.sum(p, axis=1)
-        v = c if MASKED_LOADS else tl.where(tok_ok[:, None], c, 0.0)  # 0 · NaN would poison the row
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
-        m = m_new
-
+    # the tag check, out of the token loop: one vectorised pass over the pages the slice uses. A slice
+    # with a bad page (its sequence is about to be aborted) writes a sanitised copy of its part of the
+    # page table (-1 for a bad page) and walks that; the others walk the page table itself.
+    table_ptr = page_table_ptr
     if CHECK_TAGS:
-        if SPARSE:
-            # the flag covers every page in use, chosen or not (as the reference's): swept by the
-            # first head block of the sequence's last query
-            if (hb == 0) & is_last:
-                num_pages = tl.cdiv(L, PAGE_SIZE)
-                pages_per_split = tl.cdiv(tl.cdiv(num_pages, num_splits), BLOCK_P) * BLOCK_P
-                p_end = tl.minimum((split + 1) * pages_per_split, num_pages)
-                bad_pages = tl.zeros((BLOCK_P,), dtype=tl.int32)
-                for j0 in range(split * pages_per_split, p_end, BLOCK_P):
-                    j = j0 + tl.arange(0, BLOCK_P)
-                    j_ok = j < p_end
-                    pg = tl.load(page_table_ptr + b * stride_ptb + j, mask=j_ok, other=0)
-                    f = tl.load(page_tags_ptr + pg, mask=j_ok, other=0)
-                    e = tl.load(expected_ptr + b * stride_etb + j, mask=j_ok, other=0)
-                    bad_pages += (j_ok & (f != e)).to(tl.int32)
-                tl.store(mismatch_ptr + b, 1, mask=tl.sum(bad_pages) > 0)
-        else:
-            tl.store(mismatch_ptr + b, 1, mask=tl.sum(num_bad) > 0)
+        num_bad = check_slice(
+            page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, topk_ptr, b, t, L, start, end,
+            stride_ptb, stride_etb, stride_tkt, PAGE_SIZE, BLOCK_P, SPARSE, False,
+        )  # fmt: skip
+        tl.store(mismatch_ptr + b, 1, mask=num_bad > 0)
+        if num_bad > 0:
+            check_slice(
+                page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, topk_ptr, b, t, L, start, end,
+                stride_ptb, stride_etb, stride_tkt, PAGE_SIZE, BLOCK_P, SPARSE, True,
+            )  # fmt: skip
+            tl.debug_barrier()  # the program reads back only ids it wrote itself: no other CTA's
+            table_ptr = clean_table_ptr
+
+    m, l, accs = attend_slice(
+        q_cs, q_pe.to(COMPUTE), first_pos + qi + 1, cache_ptr, table_ptr, topk_ptr, b, t, L, start, end,
+        qk_scale, R, DR, stride_cp, stride_cs, stride_ptb, stride_tkt, PAGE_SIZE, BM, BLOCK_N, BLOCK_RC,
+        NUM_RC, BLOCK_DR, VARLEN, SPARSE, COMPUTE, DOT_PRECISION, NUM_STAGES, FP8_ASM,
+    )  # fmt: skip
 
     l_safe = tl.where(l > 0.0, l, 1.0)
-    if DIRECT:
-        o = acc / l_safe[:, None] * v_scale  # no visible token: 0
-        out = out_ptr + t_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_r[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
-    else:
-        lse = tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf"))
-        part_row = (t_row * num_heads + heads) * num_splits + split  # [BM] index into [T, H, NS]
-        part = part_o_ptr + part_row[:, None] * R + offs_r[None, :]
-        tl.store(part, acc / l_safe[:, None], mask=row_ok[:, None] & r_ok[None, :])
-        tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+    part_row = (t_row * num_heads + heads) * num_splits + split  # [BM] index into [T, H, NS]
+    for k in tl.static_range(NUM_RC):
+        r = k * BLOCK_RC + offs_rc
+        store_ok = row_ok[:, None] & (r < R)[None, :]
+        if DIRECT:  # no visible token: 0
+            out = out_ptr + t_row[:, None] * stride_ot + heads[:, None] * stride_oh + r[None, :]
+            tl.store(out, (accs[k] / l_safe[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=store_ok)
+        else:
+            tl.store(
+                part_o_ptr + part_row[:, None] * R + r[None, :], accs[k] / l_safe[:, None], mask=store_ok
+            )
+    if not DIRECT:
+        tl.store(part_lse_ptr + part_row, tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf")), mask=row_ok)
+
+    if CHECK_TAGS and SPARSE and (hb == 0) & is_last:
+        # the flag covers every page in use, chosen or not (as the reference's): swept by the first
+        # head block of the sequence's last query, a share of the tokens per slice (here, after the
+        # token loop, not to hold its registers through it)
+        per_sweep = tl.cdiv(tl.cdiv(L, PAGE_SIZE), num_splits) * PAGE_SIZE
+        swept_bad = check_slice(
+            page_table_ptr, expected_ptr, page_tags_ptr, clean_table_ptr, topk_ptr, b, t, L, split * per_sweep,
+            tl.minimum((split + 1) * per_sweep, L), stride_ptb, stride_etb, stride_tkt, PAGE_SIZE, BLOCK_P,
+            False, False,
+        )  # fmt: skip
+        tl.store(mismatch_ptr + b, 1, mask=swept_bad > 0)
 
 
 def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) -> int:
@@ -315,15 +424,11 @@ def launch_mla_paged(
     tag_mismatch: torch.Tensor,
     softmax_scale: float,
     topk_indices: torch.Tensor | None,
-    tiles: QueryTiles | None,  # None: decode, program tile b = sequence b's one query
+    query_tiles: QueryTiles | None,  # None: decode, program tile b = sequence b's one query
     *,
     num_splits: int | None,
     check_tags: bool,
-    block_h: int,
-    block_n: int,
-    num_warps: int,
-    num_stages: int,
-    masked_loads: bool = False,
+    tiles: MlaTiles,
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
     """Stage 1 over `(head blocks, slices, tiles)`, then the merge when there is more than one slice."""
     T, H, C = q.shape
@@ -332,74 +437,55 @@ def launch_mla_paged(
     out = torch.empty((T, H, R), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
-    block_q = 1 if tiles is None else tiles.block_q
-    if block_q * block_h < 16:
+    block_q = 1 if query_tiles is None else query_tiles.block_q
+    if block_q * tiles.block_h < 16:
         raise ValueError("block_q * block_h must be at least 16 (the rows of a tl.dot tile)")
+    if tiles.block_rc < 16 or tiles.block_rc & (tiles.block_rc - 1):
+        raise ValueError(f"block_rc must be a power of two >= 16, got {tiles.block_rc}")
+    block_rc = min(tiles.block_rc, max(16, triton.next_power_of_2(R)))
     sparse = topk_indices is not None
     K = topk_indices.shape[1] if topk_indices is not None else 0
-    num_tiles = T if tiles is None else tiles.tile_seq.shape[0]
-    head_blocks = triton.cdiv(H, block_h)
+    num_tiles = T if query_tiles is None else query_tiles.tile_seq.shape[0]
+    head_blocks = triton.cdiv(H, tiles.block_h)
     max_items = K if sparse else page_table.shape[1] * S
-    splits = num_splits or pick_num_splits(num_tiles, head_blocks, max_items, num_sms(q.device))
+    splits = num_splits or pick_mla_splits(
+        num_tiles, head_blocks, max_items, num_sms(q.device), tiles.ctas_per_sm
+    )
     direct = splits == 1
     if direct:
         part_o = part_lse = out  # not read: the kernel writes `out` itself
     else:
         part_o = torch.empty((T, H, splits, R), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, H, splits), dtype=torch.float32, device=q.device)
+    # written (then read) only by a slice that holds a page with the wrong tag
+    clean_table = (
+        torch.empty_strided(page_table.shape, page_table.stride(), dtype=torch.int32, device=q.device)
+        if check_tags
+        else page_table
+    )
     topk_arg = topk_indices if topk_indices is not None else page_table  # dense: any pointer, never read
     query_start, tile_seq, tile_q0 = (
-        (seq_lens,) * 3 if tiles is None else (tiles.query_start, tiles.tile_seq, tiles.tile_q0)
+        (seq_lens,) * 3
+        if query_tiles is None
+        else (query_tiles.query_start, query_tiles.tile_seq, query_tiles.tile_q0)
     )
+    fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    block_p = 512 if sparse else 1024  # the tag check of a 16k-token slice in one step (sparse: registers)
     _mla_paged_kernel[(head_blocks, splits, num_tiles)](
-        q,
-        latent_cache,
-        page_table,
-        expected_tags,
-        page_tags,
-        seq_lens,
-        query_start,
-        tile_seq,
-        tile_q0,
-        topk_arg,
-        tag_mismatch.view(torch.uint8),
-        part_o,
-        part_lse,
-        out,
-        softmax_scale * latent_scale * math.log2(math.e),
-        latent_scale,
-        seq_lens.shape[0],
-        splits,
-        H,
-        R,
-        C - R,
+        q, latent_cache, page_table, clean_table, expected_tags, page_tags, seq_lens, query_start, tile_seq,
+        tile_q0, topk_arg, tag_mismatch.view(torch.uint8), part_o, part_lse, out,
+        softmax_scale * latent_scale * math.log2(math.e), latent_scale, seq_lens.shape[0], splits, H, R, C - R,
         K,
-        q.stride(0),
-        q.stride(1),
-        latent_cache.stride(0),
-        latent_cache.stride(1),
-        page_table.stride(0),
-        expected_tags.stride(0),
-        topk_arg.stride(0),
-        out.stride(0),
-        out.stride(1),
-        PAGE_SIZE=S,
-        BLOCK_Q=block_q,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(R)),
-        BLOCK_DR=max(16, triton.next_power_of_2(C - R)),
-        BLOCK_P=128,
-        VARLEN=tiles is not None,
-        SPARSE=sparse,
-        CHECK_TAGS=check_tags,
-        MASKED_LOADS=masked_loads,
-        DIRECT=direct,
-        COMPUTE=tl.float16 if latent_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
+        q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), page_table.stride(0),
+        expected_tags.stride(0), topk_arg.stride(0), out.stride(0), out.stride(1),
+        PAGE_SIZE=S, BLOCK_Q=block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_RC=block_rc,
+        NUM_RC=triton.cdiv(R, block_rc), BLOCK_DR=max(16, triton.next_power_of_2(C - R)), BLOCK_P=block_p,
+        VARLEN=query_tiles is not None, SPARSE=sparse, CHECK_TAGS=check_tags, DIRECT=direct,
+        COMPUTE=tl.float16 if fp8 else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+        NUM_STAGES=tiles.num_stages, FP8_ASM=fp8 and q.is_cuda,  # the interpreter runs no inline asm
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
     if not direct:
         merge_splits(part_o, part_lse, out, latent_scale)
     return out
@@ -422,33 +508,33 @@ def mla_decode(
     check_tags: bool = True,  # False only to measure the check's cost
     block_h: int | None = None,
     block_n: int | None = None,
+    block_rc: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
-    masked_loads: bool = False,  # the tag check masks the loads (fewer registers, loads wait for tags)
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [B, H, R] in q's dtype
     """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring.
 
-    Tile defaults (None) are the configs ptxas compiles for sm90 without spills
-    (`python -m tests.kernels.sm90_compile --all`), not yet measured: 32 heads × 16 tokens on 8
-    warps (16 heads × 16 tokens on 4 where H <= 16), 32 tokens for a dense FP8 cache.
+    Tile defaults (None): `kernels.mla_tiles.TILES` for the heads (a 64-row tile from 33 heads on),
+    the cache dtype and the mode.
     """
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(
             f"decode takes one query per sequence: q {tuple(q.shape)}, {seq_lens.shape[0]} sequences"
         )
-    block_h = block_h or (16 if q.shape[1] <= 16 else 32)
-    block_n = block_n or (32 if latent_cache.dtype == torch.float8_e4m3fn and topk_indices is None else 16)
-    num_warps = num_warps or (4 if block_h <= 16 else 8)
+    tiles = resolve_tiles(
+        "decode" if topk_indices is None else "sparse", block_h or q.shape[1],
+        latent_cache.dtype == torch.float8_e4m3fn, block_h, block_n, block_rc, num_warps, num_stages,
+    )  # fmt: skip
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,
-        topk_indices, block_h, block_n,
+        topk_indices, tiles.block_h, tiles.block_n,
     )  # fmt: skip
-    if block_h < 16:
+    if tiles.block_h < 16:
         raise ValueError("decode needs block_h >= 16 (the rows of a tl.dot tile)")
     return launch_mla_paged(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
         tag_mismatch, softmax_scale, topk_indices, None, num_splits=num_splits, check_tags=check_tags,
-        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, masked_loads=masked_loads,
+        tiles=tiles,
     )  # fmt: skip
 
 

@@ -5,8 +5,10 @@ the new tokens' latents are already in the cache, so a chunk sees its cached pre
 The kernel is `mla_decode`'s (`kernels/mla_decode.py`, which documents the tag check, FP8 and the
 split-K merge) with a tile of BLOCK_Q consecutive queries of one sequence × BLOCK_H heads per
 program: all heads share the one latent line, so every row of the tile uses each loaded latent tile,
-and row (query i, head h) masks the tokens after query i's position. Sparse mode (DSA) gives each
-query its own top-k list, so its tiles hold one query (BLOCK_Q = 1) and BLOCK_H >= 16 heads.
+and row (query i, head h) masks the tokens after query i's position. The default tile has 64 rows,
+the M of one wgmma warpgroup (1 query × 64 heads at Kimi's 64; 8 × 8 at a TP8 shard). Sparse mode
+(DSA) gives each query its own top-k list, so its tiles hold one query (BLOCK_Q = 1) and BLOCK_H >= 16
+heads.
 
 The grid is built on the device (no host sync, graph-capturable): sequence b has
 `ceil(q_len_b / BLOCK_Q)` tiles, and the grid size `min(T, ceil(T / BLOCK_Q) + B)` bounds their sum;
@@ -27,6 +29,7 @@ import triton
 
 from kernels.mla_attention import mla_attention_ref
 from kernels.mla_decode import QueryTiles, check_mla_inputs, launch_mla_paged
+from kernels.mla_tiles import resolve_tiles, tile_rows
 
 __all__ = ["mla_attention_ref", "mla_prefill", "query_tiles"]
 
@@ -64,35 +67,38 @@ def mla_prefill(
     check_tags: bool = True,  # False only to measure the check's cost
     block_q: int | None = None,
     block_h: int | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
+    block_rc: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
-    masked_loads: bool = False,  # see mla_decode
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
     """`mla_attention_ref` on the GPU; see the module docstring.
 
-    Tile defaults (None): 32 rows (2 queries × 16 heads, or 4 × 8 where H <= 8; sparse: 1 × 32 or
-    1 × 16) on 8 warps, the shape ptxas compiles for sm90 without spills; not yet measured.
+    Tile defaults (None): 64 rows, the wgmma tile (1 query × 64 heads, 8 × 8 where H = 8, ...; sparse:
+    1 × 64, or 1 × 16 where H <= 16), the rest `kernels.mla_tiles.TILES`' for that many rows.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, R + Dr], got {tuple(q.shape)}")
     B, H = seq_lens.shape[0], q.shape[1]
     if query_start.shape != (B + 1,):
         raise ValueError(f"query_start must be [B+1] = [{B + 1}], got {tuple(query_start.shape)}")
-    if topk_indices is not None:  # one query per tile: each has its own list
-        block_q, block_h = 1, max(16, block_h or (32 if H > 16 else 16))
-    block_h = block_h or min(16, triton.next_power_of_2(H))
-    block_q = block_q or max(1, 32 // block_h)
-    num_warps = num_warps or (8 if block_q * block_h >= 32 else 4)
+    sparse = topk_indices is not None
+    if sparse:  # one query per tile: each has its own list
+        block_q, block_h = 1, max(16, block_h or tile_rows(H))
+    block_h = block_h or min(64, triton.next_power_of_2(H))
+    block_q = block_q or max(1, 64 // block_h)
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError("block_q must be a power of two")
+    tiles = resolve_tiles(
+        "sparse" if sparse else "prefill", block_q * block_h, latent_cache.dtype == torch.float8_e4m3fn,
+        block_h, block_n, block_rc, num_warps, num_stages,
+    )  # fmt: skip
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,
-        topk_indices, block_h, block_n,
+        topk_indices, tiles.block_h, tiles.block_n,
     )  # fmt: skip
-    tiles = query_tiles(query_start, q.shape[0], block_q)
     return launch_mla_paged(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
-        tag_mismatch, softmax_scale, topk_indices, tiles, num_splits=num_splits, check_tags=check_tags,
-        block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages, masked_loads=masked_loads,
+        tag_mismatch, softmax_scale, topk_indices, query_tiles(query_start, q.shape[0], block_q),
+        num_splits=num_splits, check_tags=check_tags, tiles=tiles,
     )  # fmt: skip

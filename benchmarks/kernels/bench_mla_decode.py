@@ -11,13 +11,17 @@ HBM (242 FLOP per FP8 byte: 4.27 TB/s would need ~1,030 TFLOP/s of 16-bit MMA).
 Peer: what a user would write without a paged kernel — the absorbed MQA as two batched matmuls
 (cuBLAS) and a softmax over a contiguous BF16 copy of each sequence's latent. The reference op
 (`mla_decode_ref`) checks correctness on the first sequences of each case (fp32, gathered tokens).
-The first case sweeps tile configs (block_h / block_n / warps) per KV dtype; later cases use the best.
 The tag check's cost is interleaved A/B pairs of the same kernel compiled with and without it.
 Prefill rows (`mla-prefill`): a chunk after a cached prefix through the same kernel with tiles of
 several queries, in causal TFLOP/s against the bf16 GEMM ceiling; the peer is the same two-bmm
 formulation with a causal mask over a contiguous copy.
 
-    python3 -m benchmarks.kernels.bench_mla_decode [--out results.json] [--no-sweep] [--parts decode]
+`--sweep` (one device call, under ~120 s): every main case with the default tiles and the
+`kernels.mla_tiles.VARIANTS` of its table entry (compiled side by side in threads first), a compact
+table, and the entries to paste into `kernels.mla_tiles.TILES` (the variant with the lowest geometric
+mean of time over default across the entry's cases). Without it: the default tiles on every case.
+
+    python3 -m benchmarks.kernels.bench_mla_decode [--sweep] [--out results.json] [--parts decode,prefill]
     (JSON to $OUT/mla_decode.json when --out is not given and OUT is set)
 """
 
@@ -25,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,12 +48,13 @@ from benchmarks.kernels.common import (
 )
 from kernels.mla_decode import mla_decode, mla_decode_ref
 from kernels.mla_prefill import mla_attention_ref, mla_prefill
+from kernels.mla_tiles import TILES, VARIANTS, MlaTiles, pick_mla_splits, tile_rows
+from kernels.split_k_merge import num_sms
 
 R, DR, PAGE = 512, 64, 16
 SOFTMAX_SCALE = 0.1447  # (128 + 64)^-0.5 · mscale² for YaRN factor 64 (engine-anchors §1d)
-# heads, batch, context, top-k (None = dense)
-CASES = [
-    (64, 64, 32768, None),  # the sweep case
+CASES = [  # heads, batch, context, top-k (None = dense)
+    (64, 64, 32768, None),
     (64, 64, 8192, None),
     (64, 64, 131072, None),
     (64, 8, 32768, None),
@@ -54,19 +62,22 @@ CASES = [
     (8, 64, 32768, None),  # TP8 shard
     (64, 64, 32768, 2048),  # GLM-5 DSA sparse
 ]
-SWEEP = [  # block_h, block_n, num_warps, num_stages, masked_loads
-    (32, 16, 8, 2, False),  # the bf16 default
-    (32, 32, 8, 2, False),  # the fp8 default
-    (32, 32, 8, 2, True),
-    (16, 16, 4, 2, False),
-    (16, 32, 4, 2, False),
-    (16, 32, 4, 2, True),
-    (64, 16, 8, 2, False),
-    (32, 16, 8, 3, False),
-]
-AB_PAIRS = 7
+SWEEP_CASES = [CASES[i] for i in (0, 4, 6, 1, 2, 5)]  # batch 64; first those that compile new tiles
 AB_CASES = {(64, 64, 32768, None), (8, 64, 32768, None), (64, 64, 32768, 2048)}  # tag check on vs off
+PREFILL_CASES = [(64, 8192, 4096), (64, 0, 4096), (8, 8192, 4096)]  # heads, cached tokens, new tokens
+SWEEP_PREFILL = PREFILL_CASES[:1]
+SWEEP_BUDGET_S = 100  # past this, a sweep times only the default tiles
 FP8 = torch.float8_e4m3fn
+NOTES = "latent caches are GBs (>> L2): one call per graph replay"
+
+
+def entry(mode: str, heads: int, kv: str) -> tuple[str, int, bool]:
+    """The `TILES` key a case uses (prefill: 64-row tiles)."""
+    return (mode, 64 if mode == "prefill" else tile_rows(heads), kv == "fp8")
+
+
+def label(t: MlaTiles) -> str:
+    return f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}"
 
 
 def make_case(H: int, B: int, ctx: int, topk: int | None) -> dict[str, Any]:
@@ -89,21 +100,32 @@ def make_case(H: int, B: int, ctx: int, topk: int | None) -> dict[str, Any]:
     return case
 
 
-def run(
-    case: dict[str, Any], kv: str, check: bool = True, cfg: tuple[int, ...] | None = None
-) -> torch.Tensor:
-    kw: dict[str, Any] = {}
-    if cfg is not None:
-        kw = dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3], masked_loads=cfg[4])
-    cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
-    return mla_decode(
-        case["q"], cache, scale, R, case["seq_lens"], case["page_table"], case["expected_tags"],
-        case["page_tags"], case["flags"], SOFTMAX_SCALE, case["topk"], check_tags=check, **kw,
+def tile_kwargs(t: MlaTiles | None, num_tiles: int, heads: int, items: int) -> dict[str, Any]:
+    """The launcher's knobs for tiles `t` (None: its defaults), slices as it would pick them for t."""
+    if t is None:
+        return {}
+    splits = pick_mla_splits(
+        num_tiles, -(-heads // t.block_h), items, num_sms(torch.device("cuda")), t.ctas_per_sm
+    )
+    return dict(
+        block_h=t.block_h, block_n=t.block_n, block_rc=t.block_rc, num_warps=t.num_warps,
+        num_stages=t.num_stages, num_splits=splits,
     )  # fmt: skip
 
 
-def check_error(case: dict[str, Any], kv: str, out: torch.Tensor, num: int = 2) -> float:
-    """Relative error of the first `num` sequences against the reference op (fp32, gathered)."""
+def run(case: dict[str, Any], kv: str, check: bool = True, tiles: MlaTiles | None = None) -> torch.Tensor:
+    cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
+    B, H = case["q"].shape[:2]
+    items = case["topk"].shape[1] if case["topk"] is not None else case["page_table"].shape[1] * PAGE
+    return mla_decode(
+        case["q"], cache, scale, R, case["seq_lens"], case["page_table"], case["expected_tags"],
+        case["page_tags"], case["flags"], SOFTMAX_SCALE, case["topk"], check_tags=check,
+        **tile_kwargs(tiles, B, H, items),
+    )  # fmt: skip
+
+
+def reference(case: dict[str, Any], kv: str, num: int = 2) -> torch.Tensor:
+    """The reference op (fp32, gathered tokens) on the first `num` sequences: [num, H, R]."""
     cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
     flags = torch.zeros(num, dtype=torch.bool, device="cuda")
     ref = mla_decode_ref(
@@ -112,7 +134,7 @@ def check_error(case: dict[str, Any], kv: str, out: torch.Tensor, num: int = 2) 
         None if case["topk"] is None else case["topk"][:num],
     )  # fmt: skip
     assert not flags.any()
-    return rel_err(out[:num].float(), ref)
+    return ref
 
 
 def peer_ms(case: dict[str, Any]) -> float | None:
@@ -134,12 +156,53 @@ def peer_ms(case: dict[str, Any]) -> float | None:
         return None
 
 
+def time_tiles(
+    call: Any, variants: list[MlaTiles | None], deadline: float, error: Any
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`call(tiles)` timed per variant (None = the defaults, always timed), and `error(output)` of each;
+    the variants are compiled side by side in threads first (Triton compiles outside the GIL); one
+    that fails is reported and left out."""
+    todo = [variants[0]] + (variants[1:] if time.monotonic() < deadline else [])
+    with ThreadPoolExecutor(len(todo)) as pool:
+        warm = {label_of(t): pool.submit(call, t) for t in todo}
+    times, errors = {}, {}
+    for t in todo:
+        try:
+            try:
+                out = warm[label_of(t)].result()
+            except Exception:  # once more on this thread, in case it was the threads
+                out = call(t)
+            errors[label_of(t)] = error(out)
+            times[label_of(t)] = graph_ms([functools.partial(call, t)])
+        except Exception as exc:  # a config that does not compile or fit is reported, not fatal
+            print(f"tiles {label_of(t)} failed: {repr(exc)[:200]}", flush=True)
+    return times, errors
+
+
+def label_of(t: MlaTiles | None) -> str:
+    return "default" if t is None else label(t)
+
+
+def print_row(r: dict[str, Any]) -> None:
+    if "overhead" in r:
+        extra = overhead_text(r)
+    else:
+        rate = f"{r['GBps']:6.0f} GB/s {r['fraction_of_ceiling']:.2f}" if "GBps" in r else ""
+        best = min(r["variants"], key=r["variants"].__getitem__)
+        extra = (
+            f"{rate} {r['TFLOPs']:4.0f} TFLOP/s err {r['rel_err']:.1e} "
+            f"[{r['tiles']}] best {best} {r['variants'][best] * 1e3:.1f}us"
+        )
+    peer_text = " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
+    print(f"{r['kernel']:<17} {r['case']:<60} {r['ms'] * 1e3:9.1f}us {extra} | {peer_text}", flush=True)
+
+
 def bench_case(
-    H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float], best: dict, sweep: list[tuple]
+    H: int, B: int, ctx: int, topk: int | None, ceil: dict[str, float], sweep: bool, deadline: float
 ) -> list[dict]:
     case = make_case(H, B, ctx, topk)
     tokens_read = B * (topk or ctx)
-    name = f"batch={B} context={ctx} heads={H} d=512+64 page={PAGE}" + (f" topk={topk}" if topk else "")
+    name = f"batch={B} context={ctx} heads={H}" + (f" topk={topk}" if topk else "")
     peer = peer_ms(case)
     ref_ms = None
     if B == 8:  # the reference op itself, once (host loops: not graph-capturable)
@@ -162,20 +225,16 @@ def bench_case(
     rows: list[dict[str, Any]] = []
     times: dict[str, float] = {}
     for kv in ("bf16", "fp8"):
-        variants: dict[tuple[int, ...], float] = {}
-        if kv not in best:  # first case: sweep the tile configs
-            for cfg in sweep:
-                try:
-                    variants[cfg] = graph_ms([functools.partial(run, case, kv, cfg=cfg)])
-                except Exception as exc:  # a config that does not compile or fit is reported, not fatal
-                    print(f"config {cfg} failed: {repr(exc)[:200]}", flush=True)
-            best[kv] = min(variants, key=variants.__getitem__)
-        cfg = best[kv]
-        out = run(case, kv, cfg=cfg)
-        err = check_error(case, kv, out)
+        key = entry("sparse" if topk else "decode", H, kv)
+        variants: list[MlaTiles | None] = [None, *(VARIANTS.get(key, []) if sweep else [])]
+        ref = reference(case, kv)
+        measured, errors = time_tiles(
+            functools.partial(run, case, kv), variants, deadline,
+            lambda out, ref=ref: rel_err(out[: ref.shape[0]].float(), ref),
+        )  # fmt: skip
         assert not case["flags"].any(), "no page was reallocated: no sequence may be flagged"
-        ms = graph_ms([functools.partial(run, case, kv, cfg=cfg)])
-        times[kv] = ms
+        ms = times[kv] = measured["default"]
+        err = errors["default"]
         nbytes = tokens_read * (R + DR) * (1 if kv == "fp8" else 2)
         peers = {"torch_bmm_bf16_contiguous": peer} if peer is not None else {}
         if kv == "fp8":
@@ -192,60 +251,43 @@ def bench_case(
                 "GBps": nbytes / ms / 1e6,
                 "TFLOPs": tokens_read * H * 2 * (R + DR + R) / ms / 1e9,
                 "peers": peers,
-                "config": dict(
-                    zip(("block_h", "block_n", "num_warps", "num_stages", "masked_loads"), cfg, strict=True)
-                ),
-                "variants": {str(k): v for k, v in variants.items()},
+                "tiles": label(TILES[key]),
+                "table_entry": list(key),
+                "variants": measured,
+                "variant_errors": errors,
                 "rel_err": err,
                 "ok": err < 1e-2,
             }
         )
-    if (H, B, ctx, topk) in AB_CASES:
-        label = f"mla-decode{'-sparse' if topk else ''} kv=fp8 {name}"
-        on, off = (
-            (lambda: run(case, "fp8", True, best["fp8"])),
-            (lambda: run(case, "fp8", False, best["fp8"])),
-        )
-        rows.append(tag_check_row(label, on, off, AB_PAIRS))  # interleaved A/B pairs
+    if (H, B, ctx, topk) in AB_CASES and (not sweep or time.monotonic() < deadline + 15):
+        label_ab = f"mla-decode{'-sparse' if topk else ''} kv=fp8 {name}"
+        on, off = (lambda: run(case, "fp8", True)), (lambda: run(case, "fp8", False))
+        rows.append(tag_check_row(label_ab, on, off, 3 if sweep else 7))  # interleaved A/B pairs
     for r in rows:
-        if "overhead" in r:
-            extra = overhead_text(r)
-        else:
-            extra = (
-                f"{r['GBps']:.0f} GB/s frac {r['fraction_of_ceiling']:.2f} {r['TFLOPs']:.0f} TFLOP/s "
-                f"err {r['rel_err']:.1e} cfg {tuple(r['config'].values())}"
-            )
-        peer_text = " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
-        print(f"{r['kernel']:<17} {r['case']:<66} {r['ms'] * 1e3:9.1f}us {extra} | {peer_text}", flush=True)
+        print_row(r)
     return rows
 
 
-PREFILL_CASES = [(64, 8192, 4096), (64, 0, 4096), (8, 8192, 4096)]  # heads, cached tokens, new tokens
-PREFILL_SWEEP = [  # block_q, block_h, block_n, num_warps, masked_loads
-    (2, 16, 32, 8, False),  # the default for 64 heads
-    (2, 16, 32, 8, True),
-    (4, 16, 16, 8, False),
-    (1, 32, 32, 8, False),
-    (4, 8, 32, 8, False),
-    (4, 16, 32, 8, False),
-]
-
-
-def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float], sweep: list[tuple]) -> list[dict]:
+def bench_prefill(
+    H: int, cached: int, new: int, ceil: dict[str, float], sweep: bool, deadline: float
+) -> list[dict]:
     """One sequence: `new` queries after `cached` tokens, all in the paged cache."""
     dev, L = "cuda", cached + new
     case = make_case(H, 1, L, None)
     q = torch.randn(new, H, R + DR, device=dev, dtype=torch.bfloat16)
     qs = torch.tensor([0, new], dtype=torch.int32, device=dev)
     flops = H * 2 * (R + DR + R) * (new * cached + new * (new + 1) // 2)  # causal
-    name = f"heads={H} cached={cached} new={new} d=512+64 page={PAGE}"
+    name = f"heads={H} cached={cached} new={new}"
 
-    def ours(kv: str, cfg: tuple[int, ...]) -> torch.Tensor:
+    def ours(kv: str, t: MlaTiles | None) -> torch.Tensor:
         cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
+        kw: dict[str, Any] = {}
+        if t is not None:  # 64-row tiles: 64 // block_h queries each
+            kw = dict(block_q=64 // t.block_h, block_h=t.block_h, block_n=t.block_n, block_rc=t.block_rc,
+                      num_warps=t.num_warps, num_stages=t.num_stages)  # fmt: skip
         return mla_prefill(
             q, cache, scale, R, qs, case["seq_lens"], case["page_table"], case["expected_tags"],
-            case["page_tags"], case["flags"], SOFTMAX_SCALE,
-            block_q=cfg[0], block_h=cfg[1], block_n=cfg[2], num_warps=cfg[3], masked_loads=bool(cfg[4]),
+            case["page_tags"], case["flags"], SOFTMAX_SCALE, **kw,
         )  # fmt: skip
 
     kv_all = case["bf16"][case["page_table"][0].long()].reshape(L, R + DR)
@@ -261,26 +303,23 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float], sweep: 
         peers["torch_einsum_bf16_contiguous"] = graph_ms([peer])
     except torch.OutOfMemoryError as exc:
         print("prefill peer out of memory:", repr(exc)[:200], flush=True)
+    num_checked = min(64, new)
+    rows_checked = slice(new - num_checked, new)  # the last queries see the whole context
     rows: list[dict[str, Any]] = []
     for kv in ("bf16", "fp8"):
-        variants: dict[tuple[int, ...], float] = {}
-        for cfg in sweep:
-            try:
-                variants[cfg] = graph_ms([functools.partial(ours, kv, cfg)])
-            except Exception as exc:  # reported, not fatal
-                print(f"prefill config {cfg} failed: {repr(exc)[:200]}", flush=True)
-        cfg = min(variants, key=variants.__getitem__)
-        out = ours(kv, cfg)
+        key = entry("prefill", H, kv)
+        variants: list[MlaTiles | None] = [None, *(VARIANTS.get(key, []) if sweep else [])]
         cache, scale = (case["bf16"], 1.0) if kv == "bf16" else (case["fp8"], case["scale"])
-        num_checked = min(64, new)
-        rows_checked = slice(new - num_checked, new)  # the last queries see the whole context
         flags = torch.zeros(1, dtype=torch.bool, device=dev)
         ref = mla_attention_ref(
             q[rows_checked].float(), cache, scale, R, torch.tensor([0, num_checked], dtype=torch.int32, device=dev),
             case["seq_lens"], case["page_table"], case["expected_tags"], case["page_tags"], flags, SOFTMAX_SCALE,
         )  # fmt: skip
-        err = rel_err(out[rows_checked].float(), ref)
-        ms = variants[cfg]
+        measured, errors = time_tiles(
+            functools.partial(ours, kv), variants, deadline,
+            lambda out, ref=ref: rel_err(out[rows_checked].float(), ref),
+        )  # fmt: skip
+        ms, err = measured["default"], errors["default"]
         rows.append(
             {
                 "kernel": "mla-prefill",
@@ -290,51 +329,66 @@ def bench_prefill(H: int, cached: int, new: int, ceil: dict[str, float], sweep: 
                 "fraction_of_ceiling": flops / ms / 1e9 / ceil["bf16_TFLOPs"],
                 "TFLOPs": flops / ms / 1e9,
                 "peers": peers,
-                "config": dict(
-                    zip(("block_q", "block_h", "block_n", "num_warps", "masked_loads"), cfg, strict=True)
-                ),
-                "variants": {str(k): v for k, v in variants.items()},
+                "tiles": label(TILES[key]) if H > 32 else "default",
+                "table_entry": list(key),
+                "variants": measured,
+                "variant_errors": errors,
                 "rel_err": err,
                 "ok": err < 1e-2 and not bool(case["flags"].any()),
             }
         )
-        print(
-            f"mla-prefill kv={kv} {name:<48} {ms * 1e3:9.1f}us {flops / ms / 1e9:.0f} TFLOP/s err {err:.1e} "
-            f"cfg {cfg} | " + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in peers.items()),
-            flush=True,
-        )
+        print_row(rows[-1])
     return rows
 
 
-NOTES = "latent caches are GBs (>> L2): one call per graph replay"
+def suggest_tiles(rows: list[dict[str, Any]]) -> None:
+    """Per table entry, the variant with the lowest geometric mean of time / default time."""
+    ratios: dict[tuple[Any, ...], dict[str, list[float]]] = {}
+    for r in rows:
+        if "variants" not in r or "default" not in r["variants"]:
+            continue
+        per = ratios.setdefault(tuple(r["table_entry"]), {})
+        for name, ms in r["variants"].items():
+            if r["variant_errors"][name] < 1e-2:  # a wrong config is never suggested
+                per.setdefault(name, []).append(ms / r["variants"]["default"])
+    print("suggested kernels.mla_tiles.TILES entries (geometric mean of time / default):", flush=True)
+    for key, per in ratios.items():
+        full = {n: v for n, v in per.items() if len(v) == len(per["default"])}
+        gm = {n: math.exp(sum(map(math.log, v)) / len(v)) for n, v in full.items()}
+        best = min(gm, key=gm.__getitem__)
+        t = TILES[key] if best == "default" else next(v for v in VARIANTS[key] if label(v) == best)
+        others = " ".join(f"{n} {g:.3f}" for n, g in sorted(gm.items(), key=lambda kv: kv[1]))
+        print(f"    {key}: {t},  # {others}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/mla_decode.json when OUT is set)")
-    ap.add_argument(
-        "--no-sweep", action="store_true", help="only the first (default) tile config of each sweep"
-    )
+    ap.add_argument("--sweep", action="store_true", help="time kernels.mla_tiles.VARIANTS as well")
+    ap.add_argument("--no-sweep", action="store_true", help="the default tiles only (the default; kept)")
     ap.add_argument("--parts", default="decode,prefill", help="comma-separated: decode, prefill")
     args = ap.parse_args()
-    sweep, prefill_sweep = (SWEEP[:1], PREFILL_SWEEP[:1]) if args.no_sweep else (SWEEP, PREFILL_SWEEP)
     parts = set(args.parts.split(","))
     out = args.out or (os.path.join(os.environ["OUT"], "mla_decode.json") if os.environ.get("OUT") else None)
+    deadline = time.monotonic() + SWEEP_BUDGET_S
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     rows: list[dict] = []
-    best: dict[str, tuple[int, ...]] = {}
-    for H, B, ctx, topk in CASES if "decode" in parts else []:
-        rows += bench_case(H, B, ctx, topk, ceil, best, sweep)
+    decode_cases = SWEEP_CASES if args.sweep else CASES
+    for H, B, ctx, topk in decode_cases if "decode" in parts else []:
+        rows += bench_case(H, B, ctx, topk, ceil, args.sweep, deadline)
         torch.cuda.empty_cache()
         if out:  # after every case: a timeout keeps what ran
             write_record(out, rows, ceil, {"notes": NOTES})
-    for H, cached, new in PREFILL_CASES if "prefill" in parts else []:
-        rows += bench_prefill(H, cached, new, ceil, prefill_sweep)
+    for H, cached, new in (SWEEP_PREFILL if args.sweep else PREFILL_CASES) if "prefill" in parts else []:
+        rows += bench_prefill(H, cached, new, ceil, args.sweep, deadline)
         torch.cuda.empty_cache()
         if out:
             write_record(out, rows, ceil, {"notes": NOTES})
+    if args.sweep:
+        suggest_tiles(rows)
+    print(f"done in {time.monotonic() - deadline + SWEEP_BUDGET_S:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

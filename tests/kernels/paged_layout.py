@@ -72,3 +72,9 @@ def random_pages(
         table[b, :n] = perm[used : used + n]
         used += n
     return table, torch.randint(0, 2**40, (P,), device=dev, generator=generator)
+
+
+def poison_allocator(nbytes: int = 1 << 30) -> None:
+    """Fill free blocks of the caching allocator with NaN, so an output element the kernel never
+    writes reads NaN (the launchers' `torch.empty` outputs are carved from these blocks)."""
+    torch.empty(nbytes // 4, device="cuda").fill_(float("nan"))

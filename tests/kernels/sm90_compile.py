@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,25 +23,31 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.mla_tiles import TILES, VARIANTS, MlaTiles
+
 TARGET = GPUTarget("cuda", 90, 32)
 _TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
 
 
 def mla_source(
-    q: str = "bf16", cache: str = "bf16", block_q: int = 1, block_h: int = 16, block_n: int = 32,
-    varlen: bool = False, sparse: bool = False, direct: bool = False, masked: bool = False, check: bool = True,
+    tiles: MlaTiles, q: str = "bf16", cache: str = "bf16", block_q: int = 1, varlen: bool = False,
+    sparse: bool = False, direct: bool = False, check: bool = True,
 ) -> ASTSource:  # fmt: skip
     from kernels.mla_decode import _mla_paged_kernel as fn
 
     ptrs = {
-        "q_ptr": q, "cache_ptr": cache, "page_table_ptr": "i32", "expected_ptr": "i64", "page_tags_ptr": "i64",
-        "seq_lens_ptr": "i32", "query_start_ptr": "i32", "tile_seq_ptr": "i32", "tile_q0_ptr": "i32",
-        "topk_ptr": "i64", "mismatch_ptr": "u8", "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": q,
+        "q_ptr": q, "cache_ptr": cache, "page_table_ptr": "i32", "clean_table_ptr": "i32", "expected_ptr": "i64",
+        "page_tags_ptr": "i64", "seq_lens_ptr": "i32", "query_start_ptr": "i32", "tile_seq_ptr": "i32",
+        "tile_q0_ptr": "i32", "topk_ptr": "i64", "mismatch_ptr": "u8", "part_o_ptr": "fp32", "part_lse_ptr": "fp32",
+        "out_ptr": q,
     }  # fmt: skip
+    fp8 = cache == "fp8e4nv"
     consts: dict[str, Any] = dict(
-        PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_R=512, BLOCK_DR=64, BLOCK_P=128,
-        VARLEN=varlen, SPARSE=sparse, CHECK_TAGS=check, MASKED_LOADS=masked, DIRECT=direct,
-        COMPUTE=tl.float16 if cache == "fp8e4nv" else _TL[q], DOT_PRECISION="ieee" if q == "fp32" else "tf32",
+        PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_RC=tiles.block_rc,
+        NUM_RC=512 // tiles.block_rc, BLOCK_DR=64, BLOCK_P=512 if sparse else 1024, VARLEN=varlen, SPARSE=sparse,
+        CHECK_TAGS=check,
+        DIRECT=direct, COMPUTE=tl.float16 if fp8 else _TL[q], DOT_PRECISION="ieee" if q == "fp32" else "tf32",
+        NUM_STAGES=tiles.num_stages, FP8_ASM=fp8,
     )  # fmt: skip
     return _source(fn, ptrs, consts, {"qk_scale", "v_scale"})
 
@@ -119,7 +126,10 @@ def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[s
         else:
             sig[n] = "fp32" if n in floats else "i32"
     # pointers and the line strides are 16-byte aligned, as the launchers' tensors are on the GPU
-    strides = ("stride_cp", "stride_cs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "R")
+    strides = (
+        "stride_cp", "stride_cs", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "R", "DR",
+        "stride_ptb", "stride_etb", "stride_tkt",
+    )  # fmt: skip
     aligned = [(names.index(n),) for n in names if n.endswith("_ptr") or n in strides]
     return ASTSource(
         fn=fn,
@@ -152,21 +162,40 @@ def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2) -> str:
     return " ".join(info) + f" smem={kernel.metadata.shared}"
 
 
-# the launchers' defaults for Kimi's 64 heads (must compile without spills) and the benchmark's sweep
-DEFAULT_CONFIGS: list[tuple[str, dict[str, Any], int]] = [
-    ("mla decode bf16 (default tiles)", {"block_h": 32, "block_n": 16}, 8),
-    ("mla decode fp8 (default tiles)", {"cache": "fp8e4nv", "block_h": 32, "block_n": 32}, 8),
-    (
-        "mla decode fp8 sparse (default tiles)",
-        {"cache": "fp8e4nv", "block_h": 32, "block_n": 16, "sparse": True},
-        8,
-    ),
-    (
-        "mla prefill fp16 varlen (default tiles)",
-        {"q": "fp16", "cache": "fp16", "varlen": True, "block_q": 2},
-        8,
-    ),
-]
+def mla_configs(
+    table: dict[tuple[str, int, bool], list[MlaTiles]],
+) -> list[tuple[str, dict[str, Any], MlaTiles]]:
+    """(name, mla_source kwargs, tiles) for each entry: bf16 queries (as the engine runs them), a bf16
+    or FP8 cache; prefill tiles of 64 // block_h queries."""
+    out = []
+    for (mode, rows, fp8), entries in table.items():
+        kw: dict[str, Any] = {"cache": "fp8e4nv" if fp8 else "bf16", "sparse": mode == "sparse"}
+        if mode == "prefill":
+            kw.update(varlen=True, block_q=rows // entries[0].block_h)
+        for t in entries:
+            tile = f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}"
+            name = f"mla {mode} {kw['cache']} {rows} rows {tile}"
+            out.append((name, kw, t))
+    return out
+
+
+# the launchers' defaults (must compile without spills) and, with --all, the benchmark's variants
+MLA_DEFAULT_KEYS = [
+    ("decode", 64, False), ("decode", 64, True), ("decode", 16, False), ("decode", 16, True), ("sparse", 64, True),
+    ("prefill", 64, False),
+]  # fmt: skip
+DEFAULT_CONFIGS = mla_configs({k: [TILES[k]] for k in MLA_DEFAULT_KEYS})
+ALL_CONFIGS = mla_configs({k: [t, *VARIANTS.get(k, [])] for k, t in TILES.items() if k[1] != 32})
+
+
+def ctas_per_sm(info: str, num_warps: int) -> int:
+    """CTAs an H100/H200 SM holds for a compile line: 64K registers (256 a warp at a time), 228 KB of
+    shared memory (1 KB reserved a CTA), 64 warps."""
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    smem = int(re.search(r"smem=(\d+)", info).group(1))
+    by_regs = 65536 // (triton.cdiv(regs * 32, 256) * 256 * num_warps)
+    return min(by_regs, 228 * 1024 // (smem + 1024), 64 // num_warps)
+
 
 # the GQA prefill and DSA indexer launchers' defaults (GLM-4.5-Air 96/8 × 128; GLM-5 indexer 32 × 128)
 OTHER_DEFAULTS: list[tuple[str, Any, int]] = [
@@ -184,16 +213,6 @@ OTHER_DEFAULTS: list[tuple[str, Any, int]] = [
     ),
     ("dsa scores prefill fp8 (default tiles)", lambda: dsa_scores_source(block_q=2, block_n=64), 8),
 ]
-ALL_CONFIGS = DEFAULT_CONFIGS + [
-    (
-        f"mla decode {c} block_h={bh} block_n={bn} warps={w} masked={m}",
-        {"cache": c, "block_h": bh, "block_n": bn, "masked": m},
-        w,
-    )
-    for c in ("bf16", "fp8e4nv")
-    for bh, bn, w in ((16, 16, 4), (16, 32, 4), (32, 16, 8), (32, 32, 8), (64, 16, 8))
-    for m in (False, True)
-]
 
 
 def main() -> None:
@@ -202,8 +221,13 @@ def main() -> None:
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
-    for name, kw, warps in ALL_CONFIGS if args.all else DEFAULT_CONFIGS:
-        print(f"{name:<48} {compile_sm90(mla_source(**kw), warps)}", flush=True)
+    overbooked = []
+    for name, kw, tiles in ALL_CONFIGS if args.all else DEFAULT_CONFIGS:
+        info = compile_sm90(mla_source(tiles, **kw), tiles.num_warps, tiles.num_stages)
+        fits = ctas_per_sm(info, tiles.num_warps)
+        print(f"{name:<48} {info} ctas/SM={fits}", flush=True)
+        if tiles.ctas_per_sm > fits:
+            overbooked.append(f"{name}: the table says {tiles.ctas_per_sm} CTAs an SM, {fits} fit")
     for name, source, warps in OTHER_DEFAULTS:
         print(f"{name:<48} {compile_sm90(source(), warps)}", flush=True)
     print(f"{'mla merge bf16':<48} {compile_sm90(merge_source(), 4)}", flush=True)
@@ -212,6 +236,8 @@ def main() -> None:
         f"{'kv_write fp8 <- bf16, tag check off':<48} {compile_sm90(kv_write_source(check=False), 4)}",
         flush=True,
     )
+    if overbooked:
+        sys.exit("\n".join(overbooked))
 
 
 if __name__ == "__main__":

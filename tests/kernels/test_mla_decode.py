@@ -22,7 +22,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels.mla_decode import mla_decode, mla_decode_ref, pick_num_splits  # noqa: E402
-from tests.kernels.paged_layout import lay_out  # noqa: E402
+from kernels.mla_tiles import VARIANTS, pick_mla_splits  # noqa: E402
+from tests.kernels.paged_layout import lay_out, poison_allocator  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -93,6 +94,17 @@ def test_real_latent_width(splits: int) -> None:
     assert rel_err(out, ref) < 2e-3
 
 
+@pytest.mark.parametrize(("block_rc", "splits"), [(16, 1), (64, 2)])
+def test_wide_head_tiles_and_latent_chunks(block_rc: int, splits: int) -> None:
+    """70 heads: one 64-row tile (the wgmma orientation, scores as [heads, tokens]) and a partial one;
+    a latent of 40 in chunks of 16 (the last one part-masked) or in one chunk of 64 (part-masked)."""
+    batch, _ = make_batch(
+        [50, 9], H=70, R=40, Dr=8, S=16, cache_dtype=torch.float16, q_dtype=torch.float16, seed=12
+    )
+    out, ref, _, _ = run_both(batch, num_splits=splits, block_rc=block_rc)
+    assert out.shape == (2, 70, 40) and rel_err(out, ref) < 2e-3
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_cache_matches_reference(splits: int) -> None:
     batch, _ = make_batch(
@@ -113,12 +125,13 @@ def softmax_over(batch: dict, b: int, keep: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, dim=-1) @ kv[keep, :R]
 
 
-@pytest.mark.parametrize("masked_loads", [False, True])
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("cache_dtype", [FP8, torch.float32])
-def test_tampered_tag_flags_sequence_and_drops_page(cache_dtype: torch.dtype, masked_loads: bool) -> None:
+def test_tampered_tag_flags_sequence_and_drops_page(cache_dtype: torch.dtype, splits: int) -> None:
     """A reallocated page (tag bumped, bytes NaN: another tenant's data) is flagged for its sequence
-    only, contributes nothing, and the result is attention over the remaining pages. (The
-    interpreter's e4m3 emulation turns the NaN byte into a finite number; float32 keeps the NaN.)"""
+    only, contributes nothing, and the result is attention over the remaining pages: the slice that
+    holds it walks a sanitised page list, the others the page table. (The interpreter's e4m3
+    emulation turns the NaN byte into a finite number; float32 keeps the NaN.)"""
     S = 8
     batch, paged = make_batch(
         [40, 40, 23], H=6, R=32, Dr=16, S=S, cache_dtype=cache_dtype, q_dtype=torch.float32, seed=5
@@ -126,7 +139,7 @@ def test_tampered_tag_flags_sequence_and_drops_page(cache_dtype: torch.dtype, ma
     bad_page = paged.pages[1][2]
     batch["page_tags"][bad_page] += 1
     batch["latent_cache"][bad_page] = torch.tensor(float("nan")).to(cache_dtype)
-    out, ref, flags, ref_flags = run_both(batch, num_splits=2, masked_loads=masked_loads)
+    out, ref, flags, ref_flags = run_both(batch, num_splits=splits)
     assert flags.tolist() == [False, True, False] == ref_flags.tolist()
     assert not out.isnan().any()
     tol = 2e-3 if cache_dtype == FP8 else 1e-5  # an FP8 cache computes its dots in fp16
@@ -212,9 +225,10 @@ def test_launcher_rejects_bad_inputs() -> None:
 
 
 def test_kernels_compile_for_sm90() -> None:
-    """The interpreter never lowers a kernel: compile MLA decode, sparse FP8, prefill, merge and kv_write
-    (tag check on and off), GQA prefill and the DSA indexer's scoring with their default tiles for the
-    H200 with Triton and ptxas (no GPU needed, a process without TRITON_INTERPRET); none may spill."""
+    """The interpreter never lowers a kernel: compile MLA decode (64 and 16 heads, BF16 and FP8), sparse
+    FP8, prefill, merge and kv_write (tag check on and off), GQA prefill and the DSA indexer's scoring
+    with their default tiles for the H200 with Triton and ptxas (no GPU needed, a process without
+    TRITON_INTERPRET); none may spill, nor hold fewer CTAs an SM than the MLA tile table says."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.sm90_compile"],
@@ -222,7 +236,17 @@ def test_kernels_compile_for_sm90() -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 12 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+    assert len(lines) == 14 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+
+
+def test_pick_mla_splits() -> None:
+    assert pick_mla_splits(64, 1, 32768, 132, 1) == 2  # 64 heads, one CTA per SM: 128 of 132 slots
+    assert pick_mla_splits(64, 1, 32768, 132, 2) == 4  # 16 heads, two CTAs per SM: 256 of 264
+    assert pick_mla_splits(8, 1, 32768, 132, 1) == 15  # 120 programs: the first count that fills 85%
+    assert pick_mla_splits(1, 1, 32768, 132, 1) == 64  # batch 1, long context: as many as allowed
+    assert pick_mla_splits(1, 1, 700, 132, 1) == 1  # short context: one slice, no merge
+    assert pick_mla_splits(64, 1, 2048, 132, 1) == 2  # sparse top-2048
+    assert pick_mla_splits(4096, 1, 12288, 132, 1) == 1  # prefill: enough tiles already
 
 
 def test_pick_num_splits() -> None:
@@ -268,8 +292,10 @@ def gpu_batch(B: int, ctx: list[int], cache_dtype: torch.dtype, H: int = 64, S: 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 @pytest.mark.parametrize("block_h", [16, 32, 64])
 def test_gpu_kimi_shapes(cache_dtype: torch.dtype, block_h: int) -> None:
+    """64 heads in tiles of 16 and 32 (mma.sync) and 64 (wgmma); lengths around pages and steps."""
     ctx = [32768, 1, 17, 4099, 8192, 12345, 31, 20000]
     batch = gpu_batch(len(ctx), ctx, cache_dtype)
+    poison_allocator()
     out = mla_decode(**batch, block_h=block_h, num_warps=8 if block_h > 16 else 4)
     ref = mla_decode_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
     assert not batch["tag_mismatch"].any() and out.isfinite().all()
@@ -277,13 +303,52 @@ def test_gpu_kimi_shapes(cache_dtype: torch.dtype, block_h: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("masked_loads", [False, True])
-def test_gpu_tampered_and_sparse(masked_loads: bool) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("heads", [8, 16])
+def test_gpu_tensor_parallel_shards(heads: int, cache_dtype: torch.dtype) -> None:
+    """Kimi's TP8 and TP4 shards with the default tiles (16 rows, mma.sync; 8 heads fill half)."""
+    ctx = [32768, 5, 16, 4097, 9000]
+    batch = gpu_batch(len(ctx), ctx, cache_dtype, H=heads)
+    poison_allocator()
+    out = mla_decode(**batch)
+    ref = mla_decode_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
+    assert out.shape == (5, heads, 512) and out.isfinite().all()
+    assert rel_err(out.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", [k for k in VARIANTS if k[0] != "prefill"])
+def test_gpu_tile_variants_match_reference(key: tuple[str, int, bool]) -> None:
+    """Every tile config the benchmark's sweep may choose, on a dense or sparse batch."""
+    mode, rows, fp8 = key
+    ctx = [9000, 33, 2100]
+    batch = gpu_batch(len(ctx), ctx, FP8 if fp8 else torch.bfloat16, H=64 if rows == 64 else 16)
+    topk = None
+    if mode == "sparse":
+        g = torch.Generator(device="cuda").manual_seed(2)
+        topk = torch.stack([torch.randperm(max(ctx), device="cuda", generator=g)[:2048] for _ in ctx])
+        topk = torch.where(topk < torch.tensor(ctx, device="cuda")[:, None], topk, -1)
+    ref = mla_decode_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()}, topk_indices=topk)
+    for t in VARIANTS[key]:
+        poison_allocator()
+        out = mla_decode(
+            **batch, topk_indices=topk, block_h=t.block_h, block_n=t.block_n, block_rc=t.block_rc,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )  # fmt: skip
+        assert out.isfinite().all() and rel_err(out.float(), ref.float()) < 1e-2, t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_gpu_tampered_and_sparse(splits: int | None, cache_dtype: torch.dtype) -> None:
+    """A reallocated page full of NaN: the dirty slice walks the sanitised page list (dense and sparse,
+    one or three slices); the flag is raised for its sequence only."""
     ctx = [16384, 3000, 700, 9999]
-    batch = gpu_batch(len(ctx), ctx, FP8)
+    batch = gpu_batch(len(ctx), ctx, cache_dtype)
     S = 16
     batch["page_tags"][batch["page_table"][1, 7]] += 1
-    batch["latent_cache"][batch["page_table"][1, 7]] = torch.tensor(float("nan")).to(FP8)
+    batch["latent_cache"][batch["page_table"][1, 7]] = torch.tensor(float("nan")).to(cache_dtype)
     g = torch.Generator(device="cuda").manual_seed(1)
     topk = torch.stack([torch.randperm(max(ctx), device="cuda", generator=g)[:2048] for _ in ctx])
     topk = torch.where(topk < torch.tensor(ctx, device="cuda")[:, None], topk, -1)  # 700 tokens: mostly -1
@@ -292,7 +357,8 @@ def test_gpu_tampered_and_sparse(masked_loads: bool) -> None:
     for tk in (None, topk):
         flags = torch.zeros(4, dtype=torch.bool, device="cuda")
         ref_flags = flags.clone()
-        out = mla_decode(**{**batch, "tag_mismatch": flags}, topk_indices=tk, masked_loads=masked_loads)
+        poison_allocator()
+        out = mla_decode(**{**batch, "tag_mismatch": flags}, topk_indices=tk, num_splits=splits)
         ref = mla_decode_ref(**{**batch, "tag_mismatch": ref_flags}, topk_indices=tk)
         assert flags.tolist() == [False, True, False, False] == ref_flags.tolist()
         assert out.isfinite().all() and rel_err(out.float(), ref.float()) < 1e-2

@@ -1,0 +1,114 @@
+"""Tile configs of the paged MLA kernel (`kernels/mla_decode.py`) and the slice count they imply.
+
+A tile has `rows` = queries × heads: 64 is one wgmma warpgroup's M, run by two warpgroups that split
+the 512 value columns (the fp32 accumulator is then 128 registers a thread, the most that fits);
+32 and 16 run mma.sync. `TILES[(mode, rows, fp8)]` is the launchers' default; `VARIANTS` what
+`benchmarks/kernels/bench_mla_decode.py --sweep` times against it (the default first), which is the
+table to update after an H200 run. `python -m tests.kernels.sm90_compile --all` prints, for each,
+ptxas's registers and spills, the shared memory and the CTAs an SM holds; `ctas_per_sm` must not
+exceed the latter.
+
+Pipeline depth: the token loop's loads form a chain (page id -> line; sparse: position -> page id ->
+line) and Triton's pipeliner splits `num_stages - 1` between its links, so dense tiles need
+num_stages 5 to keep two steps of lines in flight, sparse ones 7; below that each step waits for
+its own lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True, slots=True)
+class MlaTiles:
+    """Heads per program, tokens per step, latent columns per chunk, warps, pipeline depth, and the
+    CTAs an SM holds at once (registers and shared memory allowing), which the slice count aims at."""
+
+    block_h: int
+    block_n: int
+    block_rc: int
+    num_warps: int
+    num_stages: int
+    ctas_per_sm: int
+
+
+# (mode, rows, FP8 cache) -> tiles; mode "decode" (dense), "sparse" (decode or prefill), "prefill".
+# Chosen from the sm90 compile (no spills; registers and shared memory for the CTAs an SM holds) and
+# the in-flight bytes an SM needs to stream HBM: not yet timed on the H200.
+TILES: dict[tuple[str, int, bool], MlaTiles] = {
+    ("decode", 64, False): MlaTiles(64, 32, 64, 8, 5, 1),
+    ("decode", 64, True): MlaTiles(64, 32, 64, 8, 5, 1),
+    ("decode", 32, False): MlaTiles(32, 64, 64, 8, 3, 1),
+    ("decode", 32, True): MlaTiles(32, 64, 64, 8, 3, 1),
+    ("decode", 16, False): MlaTiles(16, 64, 64, 4, 3, 2),
+    ("decode", 16, True): MlaTiles(16, 32, 64, 4, 5, 2),
+    ("sparse", 64, False): MlaTiles(64, 32, 64, 8, 7, 1),
+    ("sparse", 64, True): MlaTiles(64, 32, 64, 8, 7, 1),
+    ("sparse", 32, False): MlaTiles(32, 64, 64, 8, 3, 1),
+    ("sparse", 32, True): MlaTiles(32, 64, 64, 8, 3, 1),
+    ("sparse", 16, False): MlaTiles(16, 64, 64, 4, 5, 2),
+    ("sparse", 16, True): MlaTiles(16, 64, 64, 4, 5, 1),
+    ("prefill", 64, False): MlaTiles(64, 32, 64, 8, 5, 1),
+    ("prefill", 64, True): MlaTiles(64, 32, 64, 8, 5, 1),
+}
+
+# what the benchmark's sweep times after the default (block_h is the rows' for decode; prefill tiles
+# take 64 // block_h queries)
+VARIANTS: dict[tuple[str, int, bool], list[MlaTiles]] = {
+    ("decode", 64, False): [
+        MlaTiles(64, 64, 64, 8, 3, 1), MlaTiles(64, 32, 128, 8, 5, 1), MlaTiles(64, 32, 64, 8, 4, 1),
+    ],
+    ("decode", 64, True): [
+        MlaTiles(64, 64, 64, 8, 3, 1), MlaTiles(64, 32, 64, 8, 7, 1), MlaTiles(64, 32, 64, 8, 4, 1),
+    ],
+    ("decode", 16, False): [
+        MlaTiles(16, 32, 64, 4, 5, 2), MlaTiles(16, 64, 64, 4, 5, 1), MlaTiles(16, 64, 128, 4, 3, 2),
+    ],
+    ("decode", 16, True): [
+        MlaTiles(16, 64, 64, 4, 3, 1), MlaTiles(16, 64, 64, 4, 5, 1), MlaTiles(16, 32, 64, 4, 7, 2),
+    ],
+    ("sparse", 64, False): [MlaTiles(64, 32, 64, 8, 5, 1), MlaTiles(64, 16, 64, 8, 7, 1)],
+    ("sparse", 64, True): [MlaTiles(64, 32, 64, 8, 5, 1), MlaTiles(64, 16, 64, 8, 7, 1)],
+    ("prefill", 64, False): [MlaTiles(64, 64, 64, 8, 3, 1), MlaTiles(64, 32, 64, 8, 4, 1)],
+    ("prefill", 64, True): [MlaTiles(64, 64, 64, 8, 3, 1), MlaTiles(64, 32, 64, 8, 7, 1)],
+}  # fmt: skip
+
+
+def tile_rows(rows: int) -> int:
+    """The table's row count for a tile of `rows` (decode: the heads): 64 from 33 on, else 32 or 16."""
+    return 64 if rows > 32 else 32 if rows > 16 else 16
+
+
+def resolve_tiles(
+    mode: str,
+    rows: int,
+    fp8: bool,
+    block_h: int | None,
+    block_n: int | None,
+    block_rc: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> MlaTiles:
+    """TILES' entry for `mode` and a tile of `rows` (a prefill tile under 64 rows: decode's), with any
+    of its fields given explicitly."""
+    d = TILES.get((mode, tile_rows(rows), fp8)) or TILES[("decode", tile_rows(rows), fp8)]
+    return MlaTiles(
+        block_h or d.block_h, block_n or d.block_n, block_rc or d.block_rc, num_warps or d.num_warps,
+        num_stages or d.num_stages, d.ctas_per_sm,
+    )  # fmt: skip
+
+
+def pick_mla_splits(num_tiles: int, head_blocks: int, max_items: int, num_sms: int, ctas_per_sm: int) -> int:
+    """Slices per tile: the fewest whose programs fill at least 85% of the CTA slots of the waves they
+    take (the 64-head tile fits one CTA per SM: batch 64 in one slice would leave half the SMs idle,
+    in three a third of the last wave), each slice at least 512 items, at most 64."""
+    slots = num_sms * ctas_per_sm
+    base = max(num_tiles * head_blocks, 1)
+    most = max(1, min(64, max_items // 512))
+    for splits in range(1, most + 1):
+        programs = base * splits
+        if programs >= 0.85 * triton.cdiv(programs, slots) * slots:
+            return splits
+    return most
