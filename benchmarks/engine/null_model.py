@@ -1,0 +1,52 @@
+"""Stand-in models for measuring the engine's host work: a forward that costs next to nothing, and a
+wrapper that times any model's forward so that it can be subtracted from a step's wall time.
+
+`NullModel` keeps the paged-model contract (cache specs, `forward(batch) -> [N, V]` logits) with one
+table lookup: the logits of a row are a fixed random row picked by its input token, so greedy
+decoding walks a seeded pseudo-random token chain, never stuck on one id. It reads no page and
+writes no KV: every millisecond left in a step is the engine's, not the model's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backend.forward_batch import CacheSpec, ForwardBatch
+
+
+class NullModel(torch.nn.Module):
+    def __init__(self, vocab_size: int = 128, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.table = torch.nn.Parameter(torch.randn(vocab_size, vocab_size, generator=g), requires_grad=False)
+
+    def cache_specs(self) -> list[list[CacheSpec]]:
+        return [[CacheSpec("k", (1, 4))]]  # one small layer: the pool exists, costs nothing
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.table[batch.input_ids[batch.logits_indices]]  # [N, V]
+
+
+class TimedModel(torch.nn.Module):
+    """`inner` with its forward timed: `forward_s` adds up the wall time spent inside it."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.forward_s = 0.0
+        self.is_in_forward = False  # read by op counters that must skip the model's own ops
+
+    def cache_specs(self) -> list[list[CacheSpec]]:
+        return self.inner.cache_specs()  # type: ignore[operator, no-any-return]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        start = time.perf_counter()
+        self.is_in_forward = True
+        try:
+            return self.inner.forward(batch)  # type: ignore[no-any-return]
+        finally:
+            self.is_in_forward = False
+            self.forward_s += time.perf_counter() - start
