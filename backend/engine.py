@@ -85,6 +85,7 @@ class Engine:
             kv_scales=kv_scales,
             max_seq_len=self.scheduler.context_window,
             graph_capture=graph_capture,
+            page_tables=self.block_manager.page_tables,
         )
         self.detokenize = detokenize
         self._stats = EngineStats()
@@ -168,13 +169,14 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return outputs
-        self.runner.apply_tag_updates(self.block_manager.take_tag_updates())
+        tag_updates = self.block_manager.take_tag_updates()
         try:
-            results = self.runner.run(scheduled)
+            results = self.runner.run(scheduled, tag_updates)
         except Exception:
             # a failed step is over too, once the device is idle; else its pages stay quarantined
             # forever and a request needing them waits while the engine spins on empty steps
             self.runner.synchronize()
+            self.runner.apply_tag_updates(tag_updates)  # it may have failed before its copy: tags must land
             self.block_manager.complete_step(scheduled.step)
             raise
         self.block_manager.complete_step(scheduled.step)
