@@ -10,7 +10,8 @@ step that last touched it has completed (reliability-anchors §1.3: a late write
 must not land in a page already given to someone else). A page is touched by every step that
 schedules a sequence holding it, so the step a sequence last ran in (`touch_sequences`, O(1) per
 sequence rather than per page) is folded into each of its pages when it lets them go: a page's last
-step is the latest over every holder it had.
+step is the latest over every holder it had. (The scheduler gives a sequence pages only in a step
+that schedules it, admission or decode, so no page a holder lets go is newer than its last step.)
 
 The manager holds no tensors: the sequences' page tables are rows of its host `PageTables`
 (`backend.page_table`), which the model runner gathers, and the runner copies `take_tag_updates()`

@@ -4,6 +4,10 @@ A step where every sequence has one new token and one logits row (`HostBatch.is_
 in the smallest captured bucket Bk >= B. A graph reads only static buffers: before a replay the step's
 values are copied into their first B rows and rows B..Bk get padding values — token 0 at position
 0, `seq_len` 1, its one page the scratch page, whose tag it expects, and its slot in that page. The
+values cross in the runner's one staged copy (`backend.host_staging`, shared with the step's page-tag
+updates), already padded to the bucket, then three device copies fill the buffers (input ids,
+positions and slots are rows of one buffer); `seq_lens` is computed inside the graph as position + 1,
+what it is for every decode row, padding included. The
 scratch page is the KV cache's last page, one past the block manager's pool: never allocated, so it
 keeps tag `SCRATCH_TAG` (0, which no allocation ever gets). A padding row therefore writes and reads
 only the scratch page and never trips the tag check; its logits and flag are ignored.
@@ -159,23 +163,23 @@ class DecodeGraphs:
         vectors = np.empty((3, bucket), dtype=np.int64)  # [3, bucket]: ids, positions, slots
         vectors[0, :B], vectors[1, :B], vectors[2, :B] = host.input_ids, host.positions, host.slots
         vectors[:2, B:], vectors[2, B:] = 0, scratch * S
-        seq_lens = np.ones(bucket, dtype=np.int32)
-        seq_lens[:B] = host.seq_lens
-        in_use = np.arange(width)[None, :] < -(-host.seq_lens[:, None] // S)  # [B, width]
-        pages = np.full((bucket, width), scratch, dtype=np.int32)
-        pages[:B] = np.where(in_use, host.page_table, scratch)
-        tags = np.full((bucket, width), SCRATCH_TAG, dtype=np.int64)
-        tags[:B] = np.where(in_use, host.expected_tags, SCRATCH_TAG)
+        pages, tags = host.page_table, host.expected_tags
+        num_pages = (host.seq_lens + (S - 1)) // S  # [B]
+        if bucket > B or num_pages.min() < width:  # padding rows, or columns past a row's pages
+            in_use = np.arange(width)[None, :] < num_pages[:, None]  # [B, width]
+            pages = np.full((bucket, width), scratch, dtype=np.int32)
+            pages[:B] = np.where(in_use, host.page_table, scratch)
+            tags = np.full((bucket, width), SCRATCH_TAG, dtype=np.int64)
+            tags[:B] = np.where(in_use, host.expected_tags, SCRATCH_TAG)
         st = self.staging
-        self._staged = (bucket, width, [st.add(a) for a in (vectors, seq_lens, pages, tags)])
+        self._staged = (bucket, width, [st.add(a) for a in (vectors, pages, tags)])
         return bucket
 
     def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the static buffers from the sent staging buffer (`stage`), replay the bucket's graph."""
         bucket, width, handles = self._staged
-        vectors, seq_lens, pages, tags = (self.staging.view(h) for h in handles)
+        vectors, pages, tags = (self.staging.view(h) for h in handles)
         self._vectors[:, :bucket].copy_(vectors)
-        self.seq_lens[:bucket].copy_(seq_lens)
         self.page_table[:bucket, :width].copy_(pages)
         self.expected_tags[:bucket, :width].copy_(tags)
         logits = self._replays[bucket]()
@@ -204,4 +208,5 @@ class DecodeGraphs:
     def _step(forward: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         with sync_free():
             batch.tag_mismatch.zero_()
+            torch.add(batch.positions, 1, out=batch.seq_lens)  # a decode row's length: its position + 1
             return forward(batch)

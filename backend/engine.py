@@ -251,7 +251,8 @@ class Engine:
         self._stats.generated_tokens += 1
         if seq.constraint is not None:
             seq.constraint.accept(token)
-        reason = self._stop_reason(seq, token)
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        reason = self._stop_reason(seq, token, num_output)
         out = EngineOutput(
             request_id=seq.request_id,
             token_ids=[token],
@@ -259,7 +260,7 @@ class Engine:
             prompt_logprobs=list(seq.prompt_logprobs) if is_first and sampling.prompt_logprobs else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_output,
         )
         seq.num_emitted_tokens += 1
         if reason is not None:
@@ -267,7 +268,7 @@ class Engine:
             out.finish_reason = reason
         return out
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_output: int) -> FinishReason | None:
         sampling = seq.request.sampling
         if token in sampling.stop_token_ids or (
             not sampling.ignore_eos and token in seq.request.eos_token_ids
@@ -280,7 +281,7 @@ class Engine:
             tail = self.detokenize(seq.output_token_ids[-window:])
             if any(s in tail for s in sampling.stop):
                 return "stop"
-        if seq.num_output_tokens >= sampling.max_tokens:
+        if num_output >= sampling.max_tokens:
             return "length"
         return None
 

@@ -106,20 +106,12 @@ class HostBatch:
     expected_tags: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # [B, Mp]
     image_rows: list[int] = field(default_factory=list)  # rows of T that are image placeholders
     image_parts: list[torch.Tensor] = field(default_factory=list)  # their embeddings, in order
+    # one new token and one logits row per sequence, in order, and no image rows (set by the planner)
+    is_pure_decode: bool = False
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
-
-    @property
-    def is_pure_decode(self) -> bool:
-        """One new token and one logits row per sequence, in order, and no image rows."""
-        B = len(self.seq_lens)
-        return (
-            len(self.input_ids) == B == len(self.logits_indices)
-            and not self.image_rows
-            and bool((self.logits_indices == np.arange(B)).all())
-        )
 
 
 @dataclass(slots=True)

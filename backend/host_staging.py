@@ -49,9 +49,10 @@ class StagingBuffer:
         """Pack every staged array and copy them to the device at once."""
         if self._used > self._host.numel():
             self._allocate(max(self._used, 2 * self._host.numel()))
-        host = self._host_np
+        typed = self._typed
         for offset, array in self._segments:
-            host[offset : offset + array.nbytes].view(array.dtype)[:] = array.reshape(-1)
+            start = offset // array.itemsize
+            typed[array.dtype][start : start + array.size] = array.reshape(-1)
         self._device[: self._used].copy_(self._host[: self._used], non_blocking=True)
         self.num_sends += 1
 
@@ -70,6 +71,7 @@ class StagingBuffer:
     def _allocate(self, capacity: int) -> None:
         is_pinned = self.device.type == "cuda"
         self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=is_pinned)
-        self._host_np = self._host.numpy()
+        host = self._host.numpy()
+        self._typed = {dtype: host.view(dtype) for dtype in _TORCH_DTYPES}  # the whole buffer, per type
         self._device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self._views.clear()

@@ -134,10 +134,11 @@ class PageTables:
         """`(page_ids [B, Mp] int32, tags [B, Mp] int64)` of the tables at `rows` (whose lengths are
         `lengths`), each cut to its first `num_pages[b]` entries (the pages the step uses) and padded
         past them; Mp = the largest `num_pages`."""
-        assert (num_pages <= lengths).all(), "a step uses a page its sequence's table does not hold"
-        width = int(num_pages.max()) if len(num_pages) else 0
+        extra = lengths - num_pages  # [B] entries past the pages in use
+        assert extra.min() >= 0, "a step uses a page its sequence's table does not hold"
+        width = int(num_pages.max())
         ids, tags = self.page_ids[rows, :width], self.tags[rows, :width]  # copies (fancy index)
-        past = np.arange(width)[None, :] >= num_pages[:, None]  # [B, Mp] columns not in use
-        if (lengths > num_pages).any():  # a table longer than the step uses: hide the rest
+        if extra.any():  # a table longer than the step uses (a chunk mid-prompt): hide the rest
+            past = np.arange(width)[None, :] >= num_pages[:, None]  # [B, Mp]
             ids[past], tags[past] = PAD_PAGE, PAD_TAG
         return ids, tags

@@ -102,7 +102,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:
                 continue
-            if len(seq.token_ids) - seq.num_computed_tokens > 1:  # prefilling: after every decode
+            if seq.is_prefilling:  # its chunk comes after every decode
                 prefilling.append(seq)
                 continue
             if not reserve(seq) and not self._preempt_until_reserved(seq, out):

@@ -94,7 +94,7 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """More than the one newest token still lacks KV: a prefill (first, chunked, or recompute)."""
-        return self.num_uncomputed_tokens > 1
+        return len(self.token_ids) - self.num_computed_tokens > 1  # asked of every sequence every step
 
     @property
     def wants_prompt_logprobs(self) -> bool:

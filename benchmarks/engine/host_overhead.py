@@ -7,7 +7,7 @@ inputs, sampling bookkeeping and output records. Decode steps go through `Decode
 `eager_capture` (the static buffers and padding the CUDA graphs use, without a graph), as a decode
 step on the GPU does.
 
-Per batch size B: B requests of `--prompt-len` seeded random tokens are admitted and prefilled
+Per batch size B: B requests of `--prompt-len`/2 to `--prompt-len` seeded random tokens are admitted and prefilled
 (untimed), then `--steps` pure-decode steps are timed, `--repeats` times over fresh requests.
 Reported per B and sampling mode: host ms per step (median, p10, p90 over every timed step), the
 forward's ms, Python function calls per step and aten ops dispatched outside the forward per step
@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from backend.decode_graphs import eager_capture
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
+from benchmarks.engine.host_async import measure_async
 from benchmarks.engine.null_model import NullModel, TimedModel
 from schemas.backend import EngineRequest, SamplingParams
 
@@ -58,7 +59,7 @@ class OpCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not self.model.is_in_forward:
+        if not self.model.clock.is_in_forward:
             self.counts[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -99,6 +100,14 @@ def build(args: argparse.Namespace, batch_size: int) -> tuple[Engine, TimedModel
     return engine, model, vocab
 
 
+def random_prompts(args: argparse.Namespace, batch_size: int, vocab: int, *, seed: int) -> list[list[int]]:
+    """Seeded random prompts of `--prompt-len / 2` to `--prompt-len` tokens: sequences of a batch end
+    on different pages, as they do in serving (the step's page tables are ragged)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(args.prompt_len // 2, 1), args.prompt_len + 1, (batch_size,), generator=g)
+    return [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
 def decode_steps(
     engine: Engine,
     model: TimedModel,
@@ -112,9 +121,7 @@ def decode_steps(
     """Admit and prefill `batch_size` requests, then time `--steps` pure-decode steps, each run
     through `around(engine.step)` when given (a profiler, an op counter): (host seconds per step,
     forward seconds per step, decode steps replayed from the graph buffers)."""
-    g = torch.Generator().manual_seed(1000 * rep + batch_size)
-    prompts = torch.randint(0, vocab, (batch_size, args.prompt_len), generator=g).tolist()
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(random_prompts(args, batch_size, vocab, seed=1000 * rep + batch_size)):
         sampling = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True, seed=i, **SAMPLING[mode])
         engine.add_request(
             EngineRequest(
@@ -130,11 +137,11 @@ def decode_steps(
     replays0 = graphs.num_replays if graphs is not None else 0
     host, forward = [], []
     for _ in range(args.steps):
-        f0 = model.forward_s
+        f0 = model.clock.forward_s
         t0 = time.perf_counter()
         around(engine.step) if around is not None else engine.step()
         elapsed = time.perf_counter() - t0
-        forward.append(model.forward_s - f0)
+        forward.append(model.clock.forward_s - f0)
         host.append(elapsed - forward[-1])
     while engine.has_unfinished:
         engine.step()
@@ -237,6 +244,12 @@ def parser() -> argparse.ArgumentParser:
         "--profile-batch", type=int, default=64, help="the B whose cProfile table is kept (0: none)"
     )
     ap.add_argument("--profile-top", type=int, default=30)
+    ap.add_argument(
+        "--async-loop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also through AsyncEngine + OutputProcessor on an event loop (benchmarks/engine/host_async.py)",
+    )
     ap.add_argument("--label", default="", help="suffix of the default record name")
     ap.add_argument("--out", type=Path, default=None)
     return ap
@@ -259,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         for B in sizes:
             run = measure(args, B, mode)
             run |= counted(args, B, mode, top=args.profile_top if args.profile_batch == B else 0)
+            if args.async_loop:
+                async_run = measure_async(args, B, mode, SAMPLING[mode])
+                run |= {k: v for k, v in async_run.items() if k.startswith("async_")}
             record["runs"].append(run)
             print(
                 f"{mode:8s} B={B:4d}  host {run['host_ms_median']:.3f} ms/step "
                 f"(p10 {run['host_ms_p10']:.3f}, p90 {run['host_ms_p90']:.3f}; {run['host_us_per_seq_median']:.1f} us/seq)  "
                 f"forward {run['forward_ms_median']:.3f} ms  calls/step {run['python_calls_per_step']}  "
-                f"aten ops/step {run['aten_ops_per_step']}",
+                f"aten ops/step {run['aten_ops_per_step']}  "
+                f"async loop {run.get('async_host_ms_median')} ms/step",
                 flush=True,
             )
             for row in run["profile"][:12]:

@@ -30,23 +30,34 @@ class NullModel(torch.nn.Module):
         return self.table[batch.input_ids[batch.logits_indices]]  # [N, V]
 
 
+class ForwardClock:
+    """Where `TimedModel` keeps its time: a plain object, not Module attributes (whose `__setattr__`
+    would cost more than the forward being timed)."""
+
+    __slots__ = ("forward_s", "is_in_forward")
+
+    def __init__(self) -> None:
+        self.forward_s = 0.0
+        self.is_in_forward = False  # read by op counters that must skip the model's own ops
+
+
 class TimedModel(torch.nn.Module):
-    """`inner` with its forward timed: `forward_s` adds up the wall time spent inside it."""
+    """`inner` with its forward timed: `clock.forward_s` adds up the wall time spent inside it."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.forward_s = 0.0
-        self.is_in_forward = False  # read by op counters that must skip the model's own ops
+        self.clock = ForwardClock()
 
     def cache_specs(self) -> list[list[CacheSpec]]:
         return self.inner.cache_specs()  # type: ignore[operator, no-any-return]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        clock = self.clock
+        clock.is_in_forward = True
         start = time.perf_counter()
-        self.is_in_forward = True
         try:
             return self.inner.forward(batch)  # type: ignore[no-any-return]
         finally:
-            self.is_in_forward = False
-            self.forward_s += time.perf_counter() - start
+            clock.forward_s += time.perf_counter() - start
+            clock.is_in_forward = False

@@ -155,6 +155,7 @@ def host_batch(
         logits_indices=np.arange(B),
         page_table=table,
         expected_tags=tags,
+        is_pure_decode=True,
     )
 
 

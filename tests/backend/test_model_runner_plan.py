@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from backend.engine import Engine
-from backend.forward_batch import HostBatch
 from backend.scheduler import ScheduledSeq
 from schemas.backend import ImageSpan
 from tests.backend.engine_faults import FaultInjector
@@ -56,8 +55,8 @@ def reference(scheduled: list[ScheduledSeq], S: int) -> dict[str, Any]:
 
 def checked(engine: Engine) -> list[int]:
     """Compare every step's plan with `reference`; returns the number of steps checked per kind."""
-    runner, counts = engine.runner, [0, 0]
-    plan = runner.plan
+    planner, counts = engine.runner.planner, [0, 0]
+    plan = planner.plan
 
     def plan_and_check(scheduled: list[ScheduledSeq]) -> Any:
         host, rows = plan(scheduled)
@@ -66,10 +65,13 @@ def checked(engine: Engine) -> list[int]:
             got: np.ndarray = getattr(host, name)
             assert got.tolist() == values, name
         assert host.page_table.dtype == np.int32 and host.expected_tags.dtype == np.int64
+        B = len(scheduled)
+        is_decode = len(want["input_ids"]) == B and want["logits_indices"] == list(range(B))
+        assert host.is_pure_decode == (is_decode and not host.image_rows)
         counts[host.is_pure_decode] += 1
         return host, rows
 
-    runner.plan = plan_and_check  # type: ignore[method-assign]
+    planner.plan = plan_and_check  # type: ignore[method-assign]
     return counts
 
 
@@ -111,11 +113,3 @@ def test_every_step_plans_what_the_page_refs_say(seed: int) -> None:
         assert step < 1000
     assert counts[0] > 0 and counts[1] > 0  # mixed steps and pure-decode steps both checked
     assert engine.stats.preemptions > 0 or not is_tight
-
-
-def test_a_host_batch_is_pure_decode_only_in_order() -> None:
-    one = np.arange(2)
-    h = HostBatch(input_ids=one, seq_lens=np.ones(2, dtype=np.int32), logits_indices=one)
-    assert h.is_pure_decode
-    h.logits_indices = np.array([1, 0])
-    assert not h.is_pure_decode

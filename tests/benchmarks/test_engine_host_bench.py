@@ -10,7 +10,8 @@ from benchmarks.cli import main as bench_main
 
 def test_host_bench_writes_a_record(tmp_path: Path) -> None:
     out = tmp_path / "host.json"
-    args = "--batch-sizes 1,3 --steps 4 --repeats 2 --prompt-len 20 --profile-batch 3".split()
+    args = ["--batch-sizes", "1,3", "--steps", "4", "--repeats", "2", "--prompt-len", "20"]
+    args += ["--profile-batch", "3"]
     assert bench_main(["engine", "host", *args, "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["command"].startswith("kumo bench engine host")
@@ -21,3 +22,4 @@ def test_host_bench_writes_a_record(tmp_path: Path) -> None:
         assert run["timed_steps"] == 8 and run["graph_replays"] >= 8  # every timed step is a decode replay
         assert run["host_ms_median"] > 0 and run["python_calls_per_step"] > 0
         assert bool(run["profile"]) == (run["batch_size"] == 3)
+        assert run["async_host_ms_median"] > 0  # through AsyncEngine and the output processor too
