@@ -159,20 +159,22 @@ class DecodeGraphs:
         width = host.page_table.shape[1]
         if bucket is None or width > self.max_pages:
             return None
-        scratch, S = self.scratch_page, self.kv_cache.page_size
-        vectors = np.empty((3, bucket), dtype=np.int64)  # [3, bucket]: ids, positions, slots
+        scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
+        h_vectors, vectors = st.reserve(np.int64, (3, bucket))  # ids, positions, slots
         vectors[0, :B], vectors[1, :B], vectors[2, :B] = host.input_ids, host.positions, host.slots
-        vectors[:2, B:], vectors[2, B:] = 0, scratch * S
-        pages, tags = host.page_table, host.expected_tags
+        if bucket > B:
+            vectors[:2, B:], vectors[2, B:] = 0, scratch * S
         num_pages = (host.seq_lens + (S - 1)) // S  # [B]
-        if bucket > B or num_pages.min() < width:  # padding rows, or columns past a row's pages
-            in_use = np.arange(width)[None, :] < num_pages[:, None]  # [B, width]
-            pages = np.full((bucket, width), scratch, dtype=np.int32)
-            pages[:B] = np.where(in_use, host.page_table, scratch)
-            tags = np.full((bucket, width), SCRATCH_TAG, dtype=np.int64)
-            tags[:B] = np.where(in_use, host.expected_tags, SCRATCH_TAG)
-        st = self.staging
-        self._staged = (bucket, width, [st.add(a) for a in (vectors, pages, tags)])
+        past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
+        h_pages, pages = st.reserve(np.int32, (bucket, width))
+        pages[:B], pages[B:] = host.page_table, scratch  # (an empty slice when B fills the bucket)
+        if past is not None:  # columns past a row's pages: the scratch page too
+            pages[:B][past] = scratch
+        h_tags, tags = st.reserve(np.int64, (bucket, width))
+        tags[:B], tags[B:] = host.expected_tags, SCRATCH_TAG
+        if past is not None:
+            tags[:B][past] = SCRATCH_TAG
+        self._staged = (bucket, width, [h_vectors, h_pages, h_tags])
         return bucket
 
     def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 from backend.decode_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from backend.engine_config import EngineConfig
 from backend.forward_batch import CacheSpec, ForwardBatch, HostBatch, ImageEmbeds, KVCache
-from backend.host_staging import StagingBuffer
+from backend.host_staging import StagingBuffer, to_device
 from backend.page_table import PageTables
 from backend.sampler import Sampler, SampleRow, TokenScore
 from backend.scheduler import SchedulerOutput
@@ -141,7 +141,7 @@ class ModelRunner:
         if rows.is_sample_rows_first:
             picked = logits[:n]
         else:
-            picked = logits[torch.tensor(rows.sample_rows, dtype=torch.int64, device=logits.device)]
+            picked = logits[to_device(rows.sample_rows, torch.int64, logits.device)]
         chosen = self.sampler.draw(picked, sample_rows) if n else mismatch.new_zeros(0, dtype=torch.int64)
         back = torch.cat([chosen, mismatch]).tolist()  # the step's one copy back (flags promoted to int64)
         tokens, flags = back[:n], back[n:]

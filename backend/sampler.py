@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.host_staging import to_device
 from schemas.backend import SamplingParams
 
 
@@ -110,14 +111,14 @@ class Sampler:
         if not drawn:
             return x.argmax(dim=-1)
         params = [rows[i].params for i in drawn]
-        index = None if len(drawn) == N else torch.tensor(drawn, dtype=torch.int64, device=dev)
-        temps = torch.tensor([p.temperature for p in params], device=dev)  # [n]
+        index = None if len(drawn) == N else to_device(drawn, torch.int64, dev)
+        temps = to_device([p.temperature for p in params], torch.float32, dev)  # [n]
         xs = (x if index is None else x[index]) / temps[:, None]  # [n, V]
         if any(0 < p.top_k < V for p in params):
             ks = [p.top_k if 0 < p.top_k <= V else V for p in params]
-            xs = apply_top_k(xs, torch.tensor(ks, device=dev), max_k=max(ks))
+            xs = apply_top_k(xs, to_device(ks, torch.int64, dev), max_k=max(ks))
         if any(p.top_p < 1.0 for p in params):
-            xs = apply_top_p(xs, torch.tensor([p.top_p for p in params], device=dev))
+            xs = apply_top_p(xs, to_device([p.top_p for p in params], torch.float32, dev))
         probs = torch.softmax(xs, dim=-1)  # [n, V]
         noise = torch.empty_like(probs)  # [n, V]
         for j, i in enumerate(drawn):  # row by row: each its own generator, as many draws as alone
@@ -175,17 +176,19 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         seen = torch.zeros(N, V, dtype=torch.bool, device=x.device)  # [N, V]
         for i, r in enumerate(rows):
             if r.token_ids:  # prompt and output
-                seen[i, torch.tensor(r.token_ids, dtype=torch.int64, device=x.device)] = True
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=x.device)[:, None]  # [N, 1]
+                seen[i, to_device(r.token_ids, torch.int64, x.device)] = True
+        rep = to_device([r.params.repetition_penalty for r in rows], torch.float32, x.device)[
+            :, None
+        ]  # [N, 1]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
         counts = torch.zeros(N, V, device=x.device)  # [N, V]
         for i, r in enumerate(rows):
             output_ids = r.output_ids
             if output_ids:
-                out_ids = torch.tensor(output_ids, dtype=torch.int64, device=x.device)
+                out_ids = to_device(output_ids, torch.int64, x.device)
                 counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids), device=x.device))
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=x.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=x.device)[:, None]
+        freq = to_device([r.params.frequency_penalty for r in rows], torch.float32, x.device)[:, None]
+        pres = to_device([r.params.presence_penalty for r in rows], torch.float32, x.device)[:, None]
         x = x - freq * counts - pres * (counts > 0).float()
     return x

@@ -66,12 +66,14 @@ class StepPlanner:
             rows.append(table.row)
             lengths.append(table.length)
         S, B = self.page_size, len(tokens)
-        pos = np.array(positions, dtype=np.int64)  # [B]
+        token_ids, pos, table_rows, table_lengths = np.array(
+            [tokens, positions, rows, lengths], dtype=np.int64
+        )
         cols = pos // S  # the page each new token's KV goes to
-        ids, tags = self.page_tables.gather(np.array(rows), np.array(lengths), cols + 1)
+        ids, tags = self.page_tables.gather(table_rows, table_lengths, cols + 1)
         ar = np.arange(B)
         host = HostBatch(
-            input_ids=np.array(tokens, dtype=np.int64),
+            input_ids=token_ids,
             positions=pos,
             slots=ids[ar, cols] * np.int64(S) + pos % S,
             seq_index=ar,

@@ -26,21 +26,20 @@ import os
 import platform
 import pstats
 import statistics
+import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.decode_graphs import eager_capture
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
 from benchmarks.engine.host_async import measure_async
-from benchmarks.engine.null_model import NullModel, TimedModel
+from benchmarks.engine.null_model import NullModel, OpCounter, TimedModel
 from schemas.backend import EngineRequest, SamplingParams
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -48,24 +47,6 @@ SAMPLING = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.8, "top_k": 50, "top_p": 0.95},  # seeded per request
 }
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops dispatched outside `model`'s forward (each is a launch or a copy on a GPU)."""
-
-    def __init__(self, model: TimedModel) -> None:
-        super().__init__()
-        self.model = model
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not self.model.clock.is_in_forward:
-            self.counts[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        with self:
-            return fn()
 
 
 def build(args: argparse.Namespace, batch_size: int) -> tuple[Engine, TimedModel, int]:
@@ -213,7 +194,13 @@ def machine() -> dict[str, Any]:
             ),
             "",
         )
+    import backend
+
+    tree = Path(backend.__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
     return {
+        "backend_tree": str(tree),
+        "backend_commit": commit.stdout.strip() or None,  # the code measured (untracked edits not shown)
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -281,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(p10 {run['host_ms_p10']:.3f}, p90 {run['host_ms_p90']:.3f}; {run['host_us_per_seq_median']:.1f} us/seq)  "
                 f"forward {run['forward_ms_median']:.3f} ms  calls/step {run['python_calls_per_step']}  "
                 f"aten ops/step {run['aten_ops_per_step']}  "
-                f"async loop {run.get('async_host_ms_median')} ms/step",
+                f"async loop {run.get('async_host_ms_mean')} ms/step (mean)",
                 flush=True,
             )
             for row in run["profile"][:12]:

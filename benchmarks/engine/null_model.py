@@ -1,5 +1,6 @@
-"""Stand-in models for measuring the engine's host work: a forward that costs next to nothing, and a
-wrapper that times any model's forward so that it can be subtracted from a step's wall time.
+"""Stand-ins for measuring the engine's host work: a forward that costs next to nothing, a wrapper
+that times any model's forward so that it can be subtracted from a step's wall time, and a counter
+of the aten ops dispatched outside that forward.
 
 `NullModel` keeps the paged-model contract (cache specs, `forward(batch) -> [N, V]` logits) with one
 table lookup: the logits of a row are a fixed random row picked by its input token, so greedy
@@ -10,8 +11,12 @@ writes no KV: every millisecond left in a step is the engine's, not the model's.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.forward_batch import CacheSpec, ForwardBatch
 
@@ -61,3 +66,21 @@ class TimedModel(torch.nn.Module):
         finally:
             clock.forward_s += time.perf_counter() - start
             clock.is_in_forward = False
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops dispatched outside `model`'s forward (each is a launch or a copy on a GPU)."""
+
+    def __init__(self, model: TimedModel) -> None:
+        super().__init__()
+        self.model = model
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.model.clock.is_in_forward:
+            self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self:
+            return fn()
