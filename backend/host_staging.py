@@ -32,6 +32,7 @@ class StagingBuffer:
         self._segments: list[tuple[int, np.dtype, tuple[int, ...]]] = []  # (byte offset, dtype, shape)
         self._used = 0
         self._views: dict[tuple[int, np.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._host = torch.empty(0, dtype=torch.uint8)  # pinned on CUDA, made by `_allocate`
         self._allocate(capacity)
 
     def start(self) -> None:
