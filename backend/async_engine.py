@@ -114,15 +114,24 @@ class AsyncEngine:
         self._wake.set()
 
     def _deliver(self, engine_id: str, item: EngineOutput | EngineError) -> None:
-        stream = self._streams.get(engine_id)
-        if stream is None:
-            return
-        loop, queue = stream
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: no one will read this stream, so end it
-            self._streams.pop(engine_id, None)
-            self._submit(("abort", engine_id))
+        self._deliver_all([(engine_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, EngineOutput | EngineError]]) -> None:
+        """Hand each item to its stream's queue, waking each event loop once for all of them (every
+        `call_soon_threadsafe` writes to the loop's wake-up pipe: one per output was a system call
+        per sequence per step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue[Any], Any]]] = {}
+        for engine_id, item in items:
+            stream = self._streams.get(engine_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((engine_id, stream[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # its event loop is closed: no one will read these streams, so end them
+                for engine_id, _, _ in batch:
+                    self._streams.pop(engine_id, None)
+                    self._submit(("abort", engine_id))
 
     def _run(self) -> None:
         while not self._is_stopping:
@@ -151,12 +160,18 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(EngineError(f"The engine step failed: {exc!r}"))
             self._load = self.engine.load()  # before delivering: a finished client sees its pages back
-            for out in outputs:
-                self._deliver(out.request_id, out)
-        for out in self.engine.fail_all(Aborted("The engine is shutting down.")):
-            self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
+        self._deliver_all(
+            [(o.request_id, o) for o in self.engine.fail_all(Aborted("The engine is shutting down."))]
+        )
         with self._lock:
             commands, self._commands = self._commands, []
         for command in commands:
             if command[0] == "add":
                 self._deliver(command[1].request_id, Aborted("The engine is shutting down."))
+
+
+def _put_all(batch: list[tuple[str, asyncio.Queue[Any], Any]]) -> None:
+    """On the event loop: one step's items, in order, into their streams' queues."""
+    for _, queue, item in batch:
+        queue.put_nowait(item)

@@ -7,9 +7,15 @@ checked against the tags) and this manager's ledger (what gets freed). Freeing g
 and only drops a reference whose tag is still the page's tag, so a request that lost its page can
 never free it from under the new owner. A page whose last reference goes is quarantined until the
 step that last touched it has completed (reliability-anchors §1.3: a late write from that step
-must not land in a page already given to someone else).
+must not land in a page already given to someone else). A page is touched by every step that
+schedules a sequence holding it, so the step a sequence last ran in (`touch_sequences`, O(1) per
+sequence rather than per page) is folded into each of its pages when it lets them go: a page's last
+step is the latest over every holder it had. (The scheduler gives a sequence pages only in a step
+that schedules it, admission or decode, so no page a holder lets go is newer than its last step.)
 
-The manager holds no tensors: the model runner copies `take_tag_updates()` into `KVCache.page_tags`.
+The manager holds no tensors: the sequences' page tables are rows of its host `PageTables`
+(`backend.page_table`), which the model runner gathers, and the runner copies `take_tag_updates()`
+into `KVCache.page_tags`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from backend.page_table import PageRef, PageTables
 from backend.prefix_cache import PageKey, PrefixCache
-from backend.sequence import PageRef, Sequence
+from backend.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -41,6 +48,8 @@ class BlockManager:
         self._quarantine: dict[int, None] = {}  # ordered set: a page is listed once however often dropped
         self._last_step = [-1] * num_pages
         self._ledger: dict[str, list[PageRef]] = {}
+        self._seq_steps: dict[str, int] = {}  # request id -> last step that scheduled it
+        self.page_tables = PageTables()
         self._tag_updates: dict[int, int] = {}
 
     # ---- counts --------------------------------------------------------------------------------
@@ -76,6 +85,7 @@ class BlockManager:
         if plan is None:
             return False
         keys, hits, num_new = plan
+        self.page_tables.attach(seq.page_table)
         if self.prefix_cache is not None and not seq.wants_prompt_logprobs:
             self.prefix_cache.record_lookup(len(hits), missed=len(hits) < len(keys))
         for page_id in hits:
@@ -105,7 +115,7 @@ class BlockManager:
 
     def reserve_next_slot(self, seq: Sequence) -> bool:
         """Make sure the page for the token whose KV is written next exists (decode)."""
-        if len(seq.page_table) * self.page_size > seq.num_computed_tokens:
+        if seq.page_table.length * self.page_size > seq.num_computed_tokens:
             return True
         if self.num_available_pages == 0:
             return False
@@ -114,9 +124,10 @@ class BlockManager:
 
     def release(self, seq: Sequence) -> None:
         """Drop every page `seq` holds (finish, abort, preemption), by the ledger."""
+        step = self._seq_steps.pop(seq.request_id, -1)
         for ref in self._ledger.pop(seq.request_id, []):
-            self._drop(ref)
-        seq.page_table = []
+            self._drop(ref, step)
+        self.page_tables.detach(seq.page_table)
         seq.page_hashes = []
 
     def publish_full_pages(self, seq: Sequence) -> None:
@@ -138,6 +149,12 @@ class BlockManager:
         """Record that `step` reads or writes these pages."""
         for p in page_ids:
             self._last_step[p] = step
+
+    def touch_sequences(self, seqs: list[Sequence], step: int) -> None:
+        """Record that `step` reads or writes every page these sequences hold (see the module doc)."""
+        steps = self._seq_steps
+        for seq in seqs:
+            steps[seq.request_id] = step
 
     def complete_step(self, step: int) -> None:
         """`step` has finished on the device: quarantined pages it last touched may be reused."""
@@ -209,11 +226,13 @@ class BlockManager:
         seq.page_table.append(ref)
         self._ledger.setdefault(seq.request_id, []).append(PageRef(ref.page_id, ref.tag))
 
-    def _drop(self, ref: PageRef) -> None:
+    def _drop(self, ref: PageRef, step: int) -> None:
+        """Drop one reference of a holder that last ran in `step`."""
         p = ref.page_id
         if self.tags[p] != ref.tag or self.refcounts[p] == 0:
             self.stats.num_stale_frees += 1
             return
+        self._last_step[p] = max(self._last_step[p], step)
         self.refcounts[p] -= 1
         if self.refcounts[p] > 0:
             return

@@ -4,6 +4,10 @@ A step where every sequence has one new token and one logits row (`HostBatch.is_
 in the smallest captured bucket Bk >= B. A graph reads only static buffers: before a replay the step's
 values are copied into their first B rows and rows B..Bk get padding values — token 0 at position
 0, `seq_len` 1, its one page the scratch page, whose tag it expects, and its slot in that page. The
+values cross in the runner's one staged copy (`backend.host_staging`, shared with the step's page-tag
+updates), already padded to the bucket, then three device copies fill the buffers (input ids,
+positions and slots are rows of one buffer); `seq_lens` is computed inside the graph as position + 1,
+what it is for every decode row, padding included. The
 scratch page is the KV cache's last page, one past the block manager's pool: never allocated, so it
 keeps tag `SCRATCH_TAG` (0, which no allocation ever gets). A padding row therefore writes and reads
 only the scratch page and never trips the tag check; its logits and flag are ignored.
@@ -33,9 +37,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from backend.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.host_staging import StagingBuffer
 from backend.layers.sync_free import sync_free
 
 SCRATCH_TAG = 0  # the tag of a page never allocated (the block manager's tags start at 1)
@@ -93,7 +99,10 @@ class DecodeGraphs:
         max_pages: int,
         check_tags: bool,
         capture: Capture,
+        staging: StagingBuffer | None = None,
     ) -> None:
+        """`staging`: the buffer the step's inputs cross to the device in (the runner's, shared
+        with the page-tag updates of the same step; None: one of its own)."""
         self.kv_cache = kv_cache
         self.batch_sizes = sorted(batch_sizes)
         self.max_pages = max_pages
@@ -104,16 +113,18 @@ class DecodeGraphs:
         n, dev = self.batch_sizes[-1], kv_cache.page_tags.device
         S = kv_cache.page_size
         i64, i32 = torch.int64, torch.int32
-        self.input_ids = torch.zeros(n, dtype=i64, device=dev)  # [n]
-        self.positions = torch.zeros(n, dtype=i64, device=dev)  # [n]
+        self.staging = staging or StagingBuffer(dev)
+        # input ids, positions and slots: rows of one buffer, so that they take one copy
+        self._vectors = torch.tensor([[0], [0], [self.scratch_page * S]], dtype=i64, device=dev).repeat(1, n)
+        self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n] each
         self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
-        self.slot_mapping = torch.full((n,), self.scratch_page * S, dtype=i64, device=dev)  # [n]
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
         self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         self.rows = torch.arange(n, dtype=i64, device=dev)  # logits rows, and the sequence of each row
         self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
         self._replays: dict[int, Replay] = {}
+        self._staged: tuple[int, int, list[int]] = (0, 0, [])  # (bucket, width, staging handles)
         try:
             for size in reversed(self.batch_sizes):  # largest first: the pool is sized by the first
                 batch = self._batch(size)
@@ -131,33 +142,51 @@ class DecodeGraphs:
 
     def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(logits [B, V], tag_mismatch [B])` of a pure-decode step, or None when no bucket fits
-        (more sequences than the largest bucket, or a sequence wider than the page-table buffers)."""
-        B = len(host.seq_lens)
+        (more sequences than the largest bucket, or a sequence wider than the page-table buffers).
+        `stage`, the staging buffer's send and `replay` in one (the runner sends once per step, the
+        page-tag updates with it)."""
+        self.staging.start()
+        if self.stage(host) is None:
+            return None
+        self.staging.send()
+        return self.replay(host.num_seqs)
+
+    def stage(self, host: HostBatch) -> int | None:
+        """Stage the step's rows, padded to its bucket (rows B..bucket get the padding values);
+        returns the bucket, or None when no bucket fits (nothing staged)."""
+        B = host.num_seqs
         bucket = self.bucket_for(B)
-        width = max(len(p) for p in host.page_ids)
+        width = host.page_table.shape[1]
         if bucket is None or width > self.max_pages:
             return None
-        self._fill(host, bucket, width)
+        scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
+        h_vectors, vectors = st.reserve(np.int64, (3, bucket))  # ids, positions, slots
+        vectors[0, :B], vectors[1, :B], vectors[2, :B] = host.input_ids, host.positions, host.slots
+        if bucket > B:
+            vectors[:2, B:], vectors[2, B:] = 0, scratch * S
+        num_pages = (host.seq_lens + (S - 1)) // S  # [B]
+        past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
+        h_pages, pages = st.reserve(np.int32, (bucket, width))
+        pages[:B], pages[B:] = host.page_table, scratch  # (an empty slice when B fills the bucket)
+        if past is not None:  # columns past a row's pages: the scratch page too
+            pages[:B][past] = scratch
+        h_tags, tags = st.reserve(np.int64, (bucket, width))
+        tags[:B], tags[B:] = host.expected_tags, SCRATCH_TAG
+        if past is not None:
+            tags[:B][past] = SCRATCH_TAG
+        self._staged = (bucket, width, [h_vectors, h_pages, h_tags])
+        return bucket
+
+    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the static buffers from the sent staging buffer (`stage`), replay the bucket's graph."""
+        bucket, width, handles = self._staged
+        vectors, pages, tags = (self.staging.view(h) for h in handles)
+        self._vectors[:, :bucket].copy_(vectors)
+        self.page_table[:bucket, :width].copy_(pages)
+        self.expected_tags[:bucket, :width].copy_(tags)
         logits = self._replays[bucket]()
         self.num_replays += 1
-        return logits[:B], self.tag_mismatch[:B]
-
-    def _fill(self, host: HostBatch, bucket: int, width: int) -> None:
-        """Copy the step's rows into the buffers' first B rows; rows B..bucket get padding values."""
-        pad = bucket - len(host.seq_lens)
-        scratch, S = self.scratch_page, self.kv_cache.page_size
-        pages = [row + [scratch] * (width - len(row)) for row in host.page_ids] + [[scratch] * width] * pad
-        tags = [row + [SCRATCH_TAG] * (width - len(row)) for row in host.expected_tags]
-        tags += [[SCRATCH_TAG] * width] * pad
-        for buffer, values in (
-            (self.input_ids, host.input_ids + [0] * pad),
-            (self.positions, host.positions + [0] * pad),
-            (self.seq_lens, host.seq_lens + [1] * pad),
-            (self.slot_mapping, host.slots + [scratch * S] * pad),
-        ):
-            buffer[:bucket].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
-        self.page_table[:bucket, :width].copy_(torch.tensor(pages, dtype=torch.int32), non_blocking=True)
-        self.expected_tags[:bucket, :width].copy_(torch.tensor(tags, dtype=torch.int64), non_blocking=True)
+        return logits[:num_seqs], self.tag_mismatch[:num_seqs]
 
     def _batch(self, size: int) -> ForwardBatch:
         """The ForwardBatch a bucket's graph reads: views of the buffers' first `size` rows."""
@@ -181,4 +210,5 @@ class DecodeGraphs:
     def _step(forward: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         with sync_free():
             batch.tag_mismatch.zero_()
+            torch.add(batch.positions, 1, out=batch.seq_lens)  # a decode row's length: its position + 1
             return forward(batch)

@@ -85,6 +85,7 @@ class Engine:
             kv_scales=kv_scales,
             max_seq_len=self.scheduler.context_window,
             graph_capture=graph_capture,
+            page_tables=self.block_manager.page_tables,
         )
         self.detokenize = detokenize
         self._stats = EngineStats()
@@ -168,13 +169,14 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return outputs
-        self.runner.apply_tag_updates(self.block_manager.take_tag_updates())
+        tag_updates = self.block_manager.take_tag_updates()
         try:
-            results = self.runner.run(scheduled)
+            results = self.runner.run(scheduled, tag_updates)
         except Exception:
             # a failed step is over too, once the device is idle; else its pages stay quarantined
             # forever and a request needing them waits while the engine spins on empty steps
             self.runner.synchronize()
+            self.runner.apply_tag_updates(tag_updates)  # it may have failed before its copy: tags must land
             self.block_manager.complete_step(scheduled.step)
             raise
         self.block_manager.complete_step(scheduled.step)
@@ -249,7 +251,8 @@ class Engine:
         self._stats.generated_tokens += 1
         if seq.constraint is not None:
             seq.constraint.accept(token)
-        reason = self._stop_reason(seq, token)
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        reason = self._stop_reason(seq, token, num_output)
         out = EngineOutput(
             request_id=seq.request_id,
             token_ids=[token],
@@ -257,7 +260,7 @@ class Engine:
             prompt_logprobs=list(seq.prompt_logprobs) if is_first and sampling.prompt_logprobs else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_output,
         )
         seq.num_emitted_tokens += 1
         if reason is not None:
@@ -265,7 +268,7 @@ class Engine:
             out.finish_reason = reason
         return out
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_output: int) -> FinishReason | None:
         sampling = seq.request.sampling
         if token in sampling.stop_token_ids or (
             not sampling.ignore_eos and token in seq.request.eos_token_ids
@@ -278,7 +281,7 @@ class Engine:
             tail = self.detokenize(seq.output_token_ids[-window:])
             if any(s in tail for s in sampling.stop):
                 return "stop"
-        if seq.num_output_tokens >= sampling.max_tokens:
+        if num_output >= sampling.max_tokens:
             return "length"
         return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -84,29 +85,33 @@ class ImageEmbeds:
     embeds: torch.Tensor  # [N, hidden]
 
 
+def _ints(dtype: type = np.int64) -> np.ndarray:
+    return np.zeros(0, dtype=dtype)
+
+
 @dataclass(slots=True)
 class HostBatch:
-    """A step's inputs as host lists, before they become a `ForwardBatch` (or fill the static
-    buffers of a captured decode step, `backend.decode_graphs`). Field meanings as in ForwardBatch;
-    `page_ids[b]` / `expected_tags[b]` list only the pages sequence b uses (ceil(seq_lens[b] / S))."""
+    """A step's inputs as host numpy arrays, before they become a `ForwardBatch` (or fill the static
+    buffers of a captured decode step, `backend.decode_graphs`). Field meanings, dtypes and padding
+    as in ForwardBatch; `page_table` / `expected_tags` are as wide as the step's widest sequence."""
 
-    input_ids: list[int] = field(default_factory=list)  # [T]
-    positions: list[int] = field(default_factory=list)  # [T]
-    slots: list[int] = field(default_factory=list)  # [T]
-    seq_index: list[int] = field(default_factory=list)  # [T]
-    query_start: list[int] = field(default_factory=lambda: [0])  # [B+1]
-    seq_lens: list[int] = field(default_factory=list)  # [B]
-    logits_indices: list[int] = field(default_factory=list)  # [N]
-    page_ids: list[list[int]] = field(default_factory=list)  # [B][pages in use]
-    expected_tags: list[list[int]] = field(default_factory=list)  # [B][pages in use]
+    input_ids: np.ndarray = field(default_factory=_ints)  # [T] int64
+    positions: np.ndarray = field(default_factory=_ints)  # [T] int64
+    slots: np.ndarray = field(default_factory=_ints)  # [T] int64
+    seq_index: np.ndarray = field(default_factory=_ints)  # [T] int64
+    query_start: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int32))  # [B+1] int32
+    seq_lens: np.ndarray = field(default_factory=lambda: _ints(np.int32))  # [B] int32
+    logits_indices: np.ndarray = field(default_factory=_ints)  # [N] int64
+    page_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))  # [B, Mp]
+    expected_tags: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))  # [B, Mp]
     image_rows: list[int] = field(default_factory=list)  # rows of T that are image placeholders
     image_parts: list[torch.Tensor] = field(default_factory=list)  # their embeddings, in order
+    # one new token and one logits row per sequence, in order, and no image rows (set by the planner)
+    is_pure_decode: bool = False
 
     @property
-    def is_pure_decode(self) -> bool:
-        """One new token and one logits row per sequence, in order, and no image rows."""
-        B = len(self.seq_lens)
-        return len(self.input_ids) == B and not self.image_rows and self.logits_indices == list(range(B))
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
 
 
 @dataclass(slots=True)
@@ -135,7 +140,9 @@ class ForwardBatch:
     is_decode_only: bool = False  # every sequence has exactly one new token
     check_tags: bool = True  # False: the ops skip the tag check (EngineConfig.check_page_tags)
     image_embeds: ImageEmbeds | None = None
-    seq_index: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # [T] b of each row
+    seq_index: torch.Tensor = field(
+        default_factory=lambda: torch.empty(0, dtype=torch.int64)
+    )  # [T] b of each row
 
     @property
     def num_seqs(self) -> int:

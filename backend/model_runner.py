@@ -1,14 +1,17 @@
 """Owns the KV cache tensors; turns a scheduled step into a `ForwardBatch`, runs the model, samples.
 
-The only module on the scheduler side that touches tensors. Before each step it copies the block
-manager's new page tags into `KVCache.page_tags`, so the tag check inside the attention ops sees
+The only module on the scheduler side that touches tensors (`backend.step_planner` builds the step's
+host arrays). Before each step it copies the block manager's new page tags into
+`KVCache.page_tags`, so the tag check inside the attention ops sees
 exactly the allocator's state. The ops check tags on both sides: a write whose destination page no
 longer carries the expected tag is dropped, a read of such a page contributes nothing, and either
 sets `tag_mismatch`; that request's sampled token is then discarded and the engine aborts it.
 
 Pure-decode steps replay a CUDA graph of their batch-size bucket (`backend.decode_graphs`; on a CUDA
-device with `EngineConfig.cuda_graphs`); prefill and mixed steps run eagerly. Either way the step
-reads back one small tensor: the sampled tokens and the tag-mismatch flags together.
+device with `EngineConfig.cuda_graphs`); prefill and mixed steps run eagerly. Either way the step's
+host inputs (and the page tags allocated since the last step) cross to the device in one copy
+(`backend.host_staging`), and the step reads back one small tensor: the sampled tokens and the
+tag-mismatch flags together.
 
 Shape letters: T = new tokens this step, B = sequences, Mp = most pages of one sequence, V = vocab.
 """
@@ -19,14 +22,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from backend.decode_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from backend.engine_config import EngineConfig
 from backend.forward_batch import CacheSpec, ForwardBatch, HostBatch, ImageEmbeds, KVCache
+from backend.host_staging import StagingBuffer, to_device
+from backend.page_table import PageTables
 from backend.sampler import Sampler, SampleRow, TokenScore
-from backend.scheduler import ScheduledSeq, SchedulerOutput
+from backend.scheduler import SchedulerOutput
 from backend.sequence import Sequence
+from backend.step_planner import StepPlanner
 
 log = logging.getLogger("kumo.engine")
 
@@ -46,15 +53,6 @@ class SeqResult:
     prompt_scores: list[TokenScore] = field(default_factory=list)  # next-token scores, in order
 
 
-@dataclass(slots=True)
-class _Rows:
-    """Where one sequence's logits sit among the batch's logits rows."""
-
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_targets: list[int] = field(default_factory=list)
-    sample_row: int | None = None
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -67,14 +65,18 @@ class ModelRunner:
         kv_scales: list[dict[str, float]] | None = None,
         max_seq_len: int | None = None,
         graph_capture: Capture | None = None,
+        page_tables: PageTables,
     ) -> None:
         """`max_seq_len`: the longest sequence admitted (sizes the decode graphs' page tables; None:
         the whole pool). `graph_capture`: how decode graphs are captured; None: CUDA graphs on a CUDA
-        device when `config.cuda_graphs`, else none (`decode_graphs.eager_capture` in CPU tests)."""
+        device when `config.cuda_graphs`, else none (`decode_graphs.eager_capture` in CPU tests).
+        `page_tables`: the block manager's pool, whose rows are the sequences' page tables."""
         self.model = model
         self.config = config
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.planner = StepPlanner(config.page_size, page_tables)
+        self.staging = StagingBuffer(self.device)
         self.sampler = Sampler()
         if graph_capture is None and config.cuda_graphs and self.device.type == "cuda":
             graph_capture = CudaGraphCapture(self.device)
@@ -98,55 +100,67 @@ class ModelRunner:
                     max_pages=min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages),
                     check_tags=config.check_page_tags,
                     capture=graph_capture,
+                    staging=self.staging,
                 )
             if self.graphs.disabled_reason is not None:  # at start-up, once: every step runs eagerly
                 log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
 
     def apply_tag_updates(self, updates: list[tuple[int, int]]) -> None:
+        """Write (page, new tag) pairs into the cache now, outside a step's own copy (tests)."""
         if updates:
             pages, tags = zip(*updates, strict=True)
             index = torch.tensor(pages, dtype=torch.int64, device=self.device)
             self.kv_cache.page_tags[index] = torch.tensor(tags, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[SeqResult]:
-        host, rows = self.plan(out.scheduled)
-        ran = self.graphs.run(host) if self.graphs is not None and host.is_pure_decode else None
-        if ran is None:
-            batch = self.to_device(host)
-            logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
+    def run(self, out: SchedulerOutput, tag_updates: list[tuple[int, int]] | None = None) -> list[SeqResult]:
+        """Run one step. `tag_updates`: the block manager's (page, new tag) pairs since the last
+        step, written into `KVCache.page_tags` before the model reads a page (one copy with the
+        step's inputs)."""
+        host, rows = self.planner.plan(out.scheduled)
+        st, graphs = self.staging, self.graphs
+        st.start()
+        tags = None
+        if tag_updates:
+            updates = np.array(tag_updates, dtype=np.int64)  # [U, 2] (page, tag)
+            tags = st.add(updates[:, 0]), st.add(updates[:, 1])
+        bucket = graphs.stage(host) if graphs is not None and host.is_pure_decode else None
+        staged = self._stage_eager(host) if bucket is None else []
+        st.send()  # the step's one copy to the device
+        if tags is not None:
+            self.kv_cache.page_tags.index_copy_(0, st.view(tags[0]), st.view(tags[1]))
+        if graphs is not None and bucket is not None:
+            logits, mismatch = graphs.replay(host.num_seqs)
         else:
-            logits, mismatch = ran
+            batch = self._forward_batch(host, staged)
+            logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
         # every row that wants a token is sampled, flagged or not (a flagged one's token is dropped),
         # so the tokens and the flags come back in one copy
-        to_sample = [(b, r.sample_row) for b, r in enumerate(rows) if r.sample_row is not None]
-        sample_rows = [self._sample_row(out.scheduled[b].seq) for b, _ in to_sample]
-        picked = self._logits_rows(logits, [i for _, i in to_sample])
-        chosen = (
-            self.sampler.draw(picked, sample_rows) if to_sample else mismatch.new_zeros(0, dtype=torch.int64)
-        )
-        back = torch.cat([chosen, mismatch.to(torch.int64)]).tolist()  # the step's one copy back
-        tokens, flags = back[: len(to_sample)], back[len(to_sample) :]
-        results = [SeqResult(s.seq, s.num_new_tokens, bool(flags[b])) for b, s in enumerate(out.scheduled)]
-        if to_sample:
+        n = len(rows.sampled)
+        sample_rows = [self._sample_row(out.scheduled[b].seq) for b in rows.sampled]
+        if rows.is_sample_rows_first:
+            picked = logits[:n]
+        else:
+            picked = logits[to_device(rows.sample_rows, torch.int64, logits.device)]
+        chosen = self.sampler.draw(picked, sample_rows) if n else mismatch.new_zeros(0, dtype=torch.int64)
+        back = torch.cat([chosen, mismatch]).tolist()  # the step's one copy back (flags promoted to int64)
+        tokens, flags = back[:n], back[n:]
+        results = [
+            SeqResult(s.seq, s.num_new_tokens, f != 0) for s, f in zip(out.scheduled, flags, strict=True)
+        ]
+        if n:
             scores = self.sampler.scores(picked, sample_rows, chosen, tokens)
-            for (b, _), score in zip(to_sample, scores, strict=True):
+            for b, score in zip(rows.sampled, scores, strict=True):
                 if not results[b].is_tag_mismatch:
                     results[b].sample = score
-        for b, r in enumerate(results):
-            if rows[b].prompt_rows and not r.is_tag_mismatch:
-                index = torch.tensor(rows[b].prompt_rows, dtype=torch.int64, device=logits.device)
+        for b, (prompt_rows, targets) in rows.prompt.items():
+            r = results[b]
+            if not r.is_tag_mismatch:
+                index = torch.tensor(prompt_rows, dtype=torch.int64, device=logits.device)
                 r.prompt_scores = self.sampler.score(
-                    logits[index], rows[b].prompt_targets, r.seq.request.sampling.top_logprobs
+                    logits[index], targets, r.seq.request.sampling.top_logprobs
                 )
         return results
-
-    @staticmethod
-    def _logits_rows(logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-        """`logits[index]`: a view when the rows are 0..n-1 (every decode step), else a gather."""
-        if index == list(range(len(index))):
-            return logits[: len(index)]
-        return logits[torch.tensor(index, dtype=torch.int64, device=logits.device)]
 
     def synchronize(self) -> None:
         """Wait until nothing launched on the device can still write into the cache."""
@@ -163,49 +177,14 @@ class ModelRunner:
         return None
 
     # ---- batch construction --------------------------------------------------------------------
-    def plan(self, scheduled: list[ScheduledSeq]) -> tuple[HostBatch, list[_Rows]]:
-        """The step's inputs as host lists, and where each sequence's logits rows will sit."""
-        S = self.config.page_size
-        h = HostBatch()
-        rows: list[_Rows] = []
-        for b, s in enumerate(scheduled):
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            base = len(h.input_ids)
-            h.input_ids += seq.token_ids[start : start + n]
-            h.positions += range(start, start + n)
-            for i in range(start // S, (start + n - 1) // S + 1):  # page by page, not token by token
-                lo, hi = max(start, i * S), min(start + n, (i + 1) * S)
-                base_slot = seq.page_table[i].page_id * S - i * S
-                h.slots += range(base_slot + lo, base_slot + hi)
-            h.seq_index += [b] * n
-            h.query_start.append(len(h.input_ids))
-            h.seq_lens.append(start + n)
-            refs = seq.page_table[: -(-(start + n) // S)]
-            h.page_ids.append([ref.page_id for ref in refs])
-            h.expected_tags.append([ref.tag for ref in refs])
-            r = _Rows()
-            if seq.wants_prompt_logprobs:
-                first = max(start, len(seq.prompt_logprobs) - 1)  # position scoring the next unscored token
-                for pos in range(first, min(start + n, seq.num_prompt_tokens - 1)):
-                    r.prompt_rows.append(len(h.logits_indices))
-                    r.prompt_targets.append(seq.token_ids[pos + 1])
-                    h.logits_indices.append(base + pos - start)
-            if s.needs_sample:
-                r.sample_row = len(h.logits_indices)
-                h.logits_indices.append(base + n - 1)
-            rows.append(r)
-            self._gather_image_rows(seq, start, n, base, h.image_rows, h.image_parts)
-        return h, rows
+    def _stage_eager(self, h: HostBatch) -> list[int]:
+        """Stage the eager step's ForwardBatch fields (page tables as wide as its widest sequence)."""
+        fields = (h.input_ids, h.positions, h.query_start, h.seq_lens, h.page_table, h.expected_tags)
+        return [self.staging.add(a) for a in (*fields, h.slots, h.logits_indices, h.seq_index)]
 
-    def to_device(self, h: HostBatch) -> ForwardBatch:
-        """The eager step's ForwardBatch: page tables as wide as the step's widest sequence."""
-        B = len(h.seq_lens)
-        width = max(len(p) for p in h.page_ids)
-        page_table = torch.zeros(B, width, dtype=torch.int32)
-        expected = torch.full((B, width), -1, dtype=torch.int64)
-        for b in range(B):
-            page_table[b, : len(h.page_ids[b])] = torch.tensor(h.page_ids[b], dtype=torch.int32)
-            expected[b, : len(h.expected_tags[b])] = torch.tensor(h.expected_tags[b], dtype=torch.int64)
+    def _forward_batch(self, h: HostBatch, staged: list[int]) -> ForwardBatch:
+        """The eager step's ForwardBatch: views of the staged copy (`_stage_eager`)."""
+        v = [self.staging.view(i) for i in staged]
         dev = self.device
         image_embeds = None
         if h.image_rows:
@@ -213,44 +192,26 @@ class ModelRunner:
                 token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
                 embeds=torch.cat(h.image_parts).to(dev),
             )
+        B = h.num_seqs
         return ForwardBatch(
-            input_ids=torch.tensor(h.input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(h.positions, dtype=torch.int64, device=dev),
-            query_start=torch.tensor(h.query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(h.seq_lens, dtype=torch.int32, device=dev),
-            page_table=page_table.to(dev),
-            expected_tags=expected.to(dev),
-            slot_mapping=torch.tensor(h.slots, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(h.logits_indices, dtype=torch.int64, device=dev),
+            input_ids=v[0],
+            positions=v[1],
+            query_start=v[2],
+            seq_lens=v[3],
+            page_table=v[4],
+            expected_tags=v[5],
+            slot_mapping=v[6],
+            logits_indices=v[7],
             kv_cache=self.kv_cache,
             tag_mismatch=torch.zeros(B, dtype=torch.bool, device=dev),
             is_decode_only=len(h.input_ids) == B,
             check_tags=self.config.check_page_tags,
             image_embeds=image_embeds,
-            seq_index=torch.tensor(h.seq_index, dtype=torch.int64, device=dev),
+            seq_index=v[8],
         )
-
-    @staticmethod
-    def _gather_image_rows(
-        seq: Sequence, start: int, n: int, base: int, rows: list[int], parts: list[torch.Tensor]
-    ) -> None:
-        """Rows of this chunk that are image placeholders, and their vision embeddings."""
-        if seq.image_embeds is None:
-            return
-        offset = 0  # row of seq.image_embeds where the current span begins
-        for span in seq.request.image_spans:
-            lo, hi = max(span.offset, start), min(span.offset + span.length, start + n)
-            if lo < hi:
-                rows += [base + p - start for p in range(lo, hi)]
-                parts.append(seq.image_embeds[offset + lo - span.offset : offset + hi - span.offset])
-            offset += span.length
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
-        allowed = seq.constraint.allowed_tokens(self.vocab_size) if seq.constraint is not None else None
-        return SampleRow(
-            params=seq.request.sampling,
-            generator=seq.generator,
-            prompt_ids=seq.token_ids[: seq.num_prompt_tokens],
-            output_ids=seq.output_token_ids,
-            allowed=allowed,
-        )
+        row = seq.sample_row
+        if seq.constraint is not None:  # this step's mask
+            row.allowed = seq.constraint.allowed_tokens(self.vocab_size)
+        return row

@@ -14,22 +14,39 @@ Shape letters: N = rows sampled this step, V = vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from backend.host_staging import to_device
 from schemas.backend import SamplingParams
 
 
 @dataclass(slots=True)
 class SampleRow:
-    """What the sampler needs to know about one row's request."""
+    """What the sampler needs to know about one row's request. `token_ids` is the sequence's own
+    list (prompt, then output), not a copy: only the penalties read it, so a step does not copy
+    every sequence's tokens to sample them."""
 
     params: SamplingParams
     generator: torch.Generator
-    prompt_ids: list[int]
-    output_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
     allowed: torch.Tensor | None = None  # [V] bool from a TokenConstraint, None = anything
+    is_argmax: bool = field(init=False)  # greedy with no penalty: the argmax of the (masked) logits
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.is_argmax = (
+            p.temperature == 0
+            and p.repetition_penalty == 1.0
+            and not p.frequency_penalty
+            and not p.presence_penalty
+        )
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass(slots=True)
@@ -49,6 +66,8 @@ class Sampler:
         """`[N]` chosen ids, left on the logits' device: no host sync, so the caller can bring them
         back together with whatever else the step reads (the model runner's one copy per step)."""
         logits = logits.float()
+        if all(r.is_argmax and r.allowed is None for r in rows):  # the common greedy batch
+            return logits.argmax(dim=-1)
         x = apply_penalties(logits, rows)  # a new tensor when any penalty applies
         if any(r.allowed is not None for r in rows):
             x = self._mask_disallowed(x.clone() if x is logits else x, rows)
@@ -88,22 +107,27 @@ class Sampler:
         """`[N]` chosen ids: argmax for temperature 0, else a seeded draw from the truncated softmax."""
         N, V = x.shape
         dev = x.device
-        chosen = x.argmax(dim=-1)  # [N], kept for the greedy rows
         drawn = [i for i, r in enumerate(rows) if r.params.temperature != 0]  # on the host: no sync
         if not drawn:
-            return chosen
+            return x.argmax(dim=-1)
         params = [rows[i].params for i in drawn]
-        index = torch.tensor(drawn, dtype=torch.int64, device=dev)
-        temps = torch.tensor([p.temperature for p in params], device=dev)  # [n]
-        xs = x[index] / temps[:, None]  # [n, V]
+        index = None if len(drawn) == N else to_device(drawn, torch.int64, dev)
+        temps = to_device([p.temperature for p in params], torch.float32, dev)  # [n]
+        xs = (x if index is None else x[index]) / temps[:, None]  # [n, V]
         if any(0 < p.top_k < V for p in params):
-            xs = apply_top_k(xs, torch.tensor([p.top_k for p in params], device=dev))
+            ks = [p.top_k if 0 < p.top_k <= V else V for p in params]
+            xs = apply_top_k(xs, to_device(ks, torch.int64, dev), max_k=max(ks))
         if any(p.top_p < 1.0 for p in params):
-            xs = apply_top_p(xs, torch.tensor([p.top_p for p in params], device=dev))
+            xs = apply_top_p(xs, to_device([p.top_p for p in params], torch.float32, dev))
         probs = torch.softmax(xs, dim=-1)  # [n, V]
-        for j, i in enumerate(drawn):
-            noise = torch.empty(V, device=dev).exponential_(generator=rows[i].generator)  # [V], its own draw
-            chosen[i] = torch.argmax(probs[j] / noise)
+        noise = torch.empty_like(probs)  # [n, V]
+        for j, i in enumerate(drawn):  # row by row: each its own generator, as many draws as alone
+            noise[j].exponential_(generator=rows[i].generator)
+        drawn_ids = (probs / noise).argmax(dim=-1)  # [n]
+        if index is None:
+            return drawn_ids
+        chosen = x.argmax(dim=-1)  # [N], the greedy rows'
+        chosen[index] = drawn_ids
         return chosen
 
     @staticmethod
@@ -120,11 +144,15 @@ class Sampler:
         return out
 
 
-def apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Keep each row's `k` largest logits (k = 0: keep all). x `[N, V]`, k `[N]`."""
+def apply_top_k(x: torch.Tensor, k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """Keep each row's `k` largest logits (k = 0: keep all). x `[N, V]`, k `[N]`. `max_k`: the
+    largest k after that clamp, known on the host: only the top `max_k` are sorted, not all V."""
     V = x.shape[1]
     k = torch.where((k <= 0) | (k > V), V, k)  # callers skip this op when no row truncates (no sync here)
-    sorted_x = x.sort(dim=-1, descending=True).values  # [N, V]
+    if max_k is not None and max_k < V:
+        sorted_x = x.topk(max_k, dim=-1).values  # [N, max_k], the same values as a full sort's first
+    else:
+        sorted_x = x.sort(dim=-1, descending=True).values  # [N, V]
     kth = sorted_x.gather(1, (k - 1)[:, None])  # [N, 1]
     return x.masked_fill(x < kth, float("-inf"))
 
@@ -147,18 +175,20 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if any(r.params.repetition_penalty != 1.0 for r in rows):
         seen = torch.zeros(N, V, dtype=torch.bool, device=x.device)  # [N, V]
         for i, r in enumerate(rows):
-            ids = r.prompt_ids + r.output_ids
-            if ids:
-                seen[i, torch.tensor(ids, dtype=torch.int64, device=x.device)] = True
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], device=x.device)[:, None]  # [N, 1]
+            if r.token_ids:  # prompt and output
+                seen[i, to_device(r.token_ids, torch.int64, x.device)] = True
+        rep = to_device([r.params.repetition_penalty for r in rows], torch.float32, x.device)[
+            :, None
+        ]  # [N, 1]
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
         counts = torch.zeros(N, V, device=x.device)  # [N, V]
         for i, r in enumerate(rows):
-            if r.output_ids:
-                out_ids = torch.tensor(r.output_ids, dtype=torch.int64, device=x.device)
+            output_ids = r.output_ids
+            if output_ids:
+                out_ids = to_device(output_ids, torch.int64, x.device)
                 counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids), device=x.device))
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], device=x.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], device=x.device)[:, None]
+        freq = to_device([r.params.frequency_penalty for r in rows], torch.float32, x.device)[:, None]
+        pres = to_device([r.params.presence_penalty for r in rows], torch.float32, x.device)[:, None]
         x = x - freq * counts - pres * (counts > 0).float()
     return x

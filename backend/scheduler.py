@@ -97,18 +97,23 @@ class Scheduler:
         self._next_step += 1
         budget = self.config.max_num_batched_tokens
         # decode: one token each, oldest first; preempt the newest when a page is missing
+        prefilling = []
+        reserve = self.block_manager.reserve_next_slot
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or seq.is_prefilling:
+            if seq.status is not Status.RUNNING:
                 continue
-            if not self._reserve_or_preempt(seq, out):
+            if seq.is_prefilling:  # its chunk comes after every decode
+                prefilling.append(seq)
+                continue
+            if not reserve(seq) and not self._preempt_until_reserved(seq, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, 1))
             budget -= 1
-        # prefill: the next chunk of requests already running, then newly admitted ones
-        for seq in self.running:
+        # prefill: the next chunk of requests already running (in order), then newly admitted ones
+        for seq in prefilling:
             if budget <= 0:
                 break
-            if seq.status is Status.RUNNING and seq.is_prefilling:
+            if seq.status is Status.RUNNING:  # not preempted by a decode above
                 n = min(seq.num_uncomputed_tokens, budget)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
@@ -127,8 +132,7 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        for s in out.scheduled:
-            self.block_manager.touch([ref.page_id for ref in s.seq.page_table], out.step)
+        self.block_manager.touch_sequences([s.seq for s in out.scheduled], out.step)
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -141,7 +145,9 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     # ---- internals -----------------------------------------------------------------------------
-    def _reserve_or_preempt(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _preempt_until_reserved(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the newest unscheduled requests until `seq` gets its next page (False: `seq`
+        itself was the newest, and is preempted)."""
         while not self.block_manager.reserve_next_slot(seq):
             scheduled = {id(s.seq) for s in out.scheduled}
             victims = [s for s in self.running if id(s) not in scheduled]

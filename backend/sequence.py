@@ -1,8 +1,9 @@
 """One request as the engine tracks it: its tokens, how far its KV is computed, its page table.
 
-A sequence's page table is the list of (page id, expected tag) pairs that attention reads through;
-the block manager keeps its own ledger of the same pairs for freeing, so a corrupted table can make
-a request fail its tag check but can never leak or double-free a page.
+A sequence's page table is the list of (page id, expected tag) pairs that attention reads through
+(a row of the block manager's `PageTables`, see `backend.page_table`); the block manager keeps its
+own ledger of the same pairs for freeing, so a corrupted table can make a request fail its tag check
+but can never leak or double-free a page.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from backend.page_table import PageRef, PageTable
+from backend.sampler import SampleRow
 from schemas.backend import EngineRequest, Error, FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
@@ -29,10 +32,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
-class PageRef:
-    page_id: int
-    tag: int
+__all__ = ["PageRef", "PageTable", "Sequence", "Status"]
 
 
 @dataclass(eq=False, slots=True)
@@ -49,7 +49,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
-    page_table: list[PageRef] = field(default_factory=list)
+    page_table: PageTable = field(default_factory=PageTable)
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages held, in order
     page_keys: list[tuple[bytes, PageKey]] = field(default_factory=list)  # prefix-cache keys computed so far
     status: Status = Status.WAITING
@@ -59,11 +59,15 @@ class Sequence:
     error: Error | None = None
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_emitted_tokens: int = 0
+    sample_row: SampleRow = field(init=False)  # made once: it reads `token_ids` itself, never a copy
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_token_ids)
             self.num_prompt_tokens = len(self.token_ids)
+        self.sample_row = SampleRow(
+            self.request.sampling, self.generator, self.token_ids, self.num_prompt_tokens
+        )
         if self.request.sampling.prompt_logprobs and not self.prompt_logprobs:
             self.prompt_logprobs = [None]  # the first token has no context to be scored in
 
@@ -90,7 +94,7 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         """More than the one newest token still lacks KV: a prefill (first, chunked, or recompute)."""
-        return self.num_uncomputed_tokens > 1
+        return len(self.token_ids) - self.num_computed_tokens > 1  # asked of every sequence every step
 
     @property
     def wants_prompt_logprobs(self) -> bool:

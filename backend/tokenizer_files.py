@@ -205,7 +205,9 @@ def write_tokenizer_files(
     out.mkdir(parents=True, exist_ok=True)
     pat_str = KIMI_PAT_STR if family == "kimi" else GLM_PAT_STR
     if max_digits != 3:
-        pat_str = pat_str.replace(r"\p{N}{1,3}", r"\p{N}" if max_digits == 1 else rf"\p{{N}}{{1,{max_digits}}}")
+        pat_str = pat_str.replace(
+            r"\p{N}{1,3}", r"\p{N}" if max_digits == 1 else rf"\p{{N}}{{1,{max_digits}}}"
+        )
     bpe = _bpe_tokenizer(pat_str, vocab_size, corpus)
     specials = KIMI_SPECIAL_TOKENS if family == "kimi" else GLM_SPECIAL_TOKENS
     plain = [] if family == "kimi" else GLM_PLAIN_ADDED_TOKENS

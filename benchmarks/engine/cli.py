@@ -6,6 +6,7 @@
     transformers  Kumo vs the transformers peer     (default: Kimi K2.6; Kumo int4/fp8-KV and bf16/bf16-KV)
     variant       any one variant (--weights, --kv-dtype)
     report        merge records of several commands: `report A.json B.json … --out X.json`
+    host          the engine's host time per decode step, model excluded (`benchmarks/engine/host_overhead.py`)
 
 Everything runs on `--device` (cuda when there is one). `--tiny` swaps in a small geometry and
 short lengths so the pipeline runs on a CPU in seconds (the tests do). `--budget-s` bounds the
@@ -94,8 +95,12 @@ def _defaults_for_tiny(a: argparse.Namespace, ap: argparse.ArgumentParser) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser()
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["host"]:  # its own options: a CPU measurement, no geometry or device
+        from benchmarks.engine import host_overhead
+
+        return host_overhead.main(args[1:])
+    ap = parser()
     a = ap.parse_args(args)
     if a.comparison == "report":
         return _report(a)

@@ -55,7 +55,8 @@ def test_a_stale_reference_never_frees_the_new_owner_page() -> None:
     # a bug hands a's live page to b: new tag, b holds it; a's ledger entry is now stale
     tag = bm.assign_new_tag(page)
     bm._ledger["b"] = [PageRef(page, tag)]
-    b.page_table = [PageRef(page, tag)]
+    bm.page_tables.attach(b.page_table)
+    b.page_table.append(PageRef(page, tag))
     bm.release(a)
     assert bm.refcounts[page] == 1 and bm.stats.num_stale_frees == 1
     bm.release(b)

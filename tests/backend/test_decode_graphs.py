@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,18 +129,45 @@ def graphs_over(
     return DecodeGraphs(forward, kv, batch_sizes=[4, 1, 2], max_pages=6, check_tags=True, capture=capture)
 
 
+def host_batch(
+    *,
+    input_ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    seq_lens: list[int],
+    page_ids: list[list[int]],
+    expected_tags: list[list[int]],
+) -> HostBatch:
+    """A pure-decode HostBatch from lists, its page tables padded as the runner pads them."""
+    B, width = len(seq_lens), max(len(p) for p in page_ids)
+    table = np.zeros((B, width), dtype=np.int32)
+    tags = np.full((B, width), -1, dtype=np.int64)
+    for b, (p, t) in enumerate(zip(page_ids, expected_tags, strict=True)):
+        table[b, : len(p)], tags[b, : len(t)] = p, t
+    i64 = np.int64
+    return HostBatch(
+        input_ids=np.array(input_ids, dtype=i64),
+        positions=np.array(positions, dtype=i64),
+        slots=np.array(slots, dtype=i64),
+        seq_index=np.arange(B),
+        query_start=np.arange(B + 1, dtype=np.int32),
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        logits_indices=np.arange(B),
+        page_table=table,
+        expected_tags=tags,
+        is_pure_decode=True,
+    )
+
+
 def test_padding_rows_point_at_the_scratch_page_only() -> None:
     rec = Recorder()
     graphs = graphs_over(rec)
     assert rec.seen == []  # eager_capture runs a step only when it is replayed
-    host = HostBatch(
+    host = host_batch(
         input_ids=[7, 8, 9],
         positions=[4, 0, 9],
         slots=[3 * 4 + 0, 5 * 4 + 0, 9 * 4 + 1],
-        seq_index=[0, 1, 2],
-        query_start=[0, 1, 2, 3],
         seq_lens=[5, 1, 10],
-        logits_indices=[0, 1, 2],
         page_ids=[[2, 3], [5], [8, 1, 9]],
         expected_tags=[[3, 4], [6], [9, 2, 10]],
     )
@@ -161,11 +189,18 @@ def test_padding_rows_point_at_the_scratch_page_only() -> None:
     assert s["expected_tags"][3, 0] == SCRATCH_TAG and s["expected_tags"][2, :3].tolist() == [9, 2, 10]
     assert s["page_table"].shape == (4, 6)  # the buffers' width, whatever this step's widest sequence
     # a step whose widest sequence exceeds the buffers, or with too many sequences, runs eagerly
-    wide = HostBatch(
-        input_ids=[1], seq_lens=[30], logits_indices=[0], page_ids=[[0] * 7], expected_tags=[[1] * 7]
+    wide = host_batch(
+        input_ids=[1], positions=[29], slots=[0], seq_lens=[30], page_ids=[[0] * 7], expected_tags=[[1] * 7]
     )
     assert graphs.run(wide) is None
-    many = HostBatch(input_ids=[1] * 5, seq_lens=[1] * 5, page_ids=[[0]] * 5, expected_tags=[[1]] * 5)
+    many = host_batch(
+        input_ids=[1] * 5,
+        positions=[0] * 5,
+        slots=[0] * 5,
+        seq_lens=[1] * 5,
+        page_ids=[[0]] * 5,
+        expected_tags=[[1]] * 5,
+    )
     assert graphs.run(many) is None
 
 

@@ -21,8 +21,8 @@ def row(
     return SampleRow(
         params=SamplingParams(**params),  # type: ignore[arg-type]
         generator=torch.Generator().manual_seed(seed),
-        prompt_ids=prompt or [],
-        output_ids=output or [],
+        token_ids=(prompt or []) + (output or []),
+        num_prompt_tokens=len(prompt or []),
     )
 
 

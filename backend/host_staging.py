@@ -1,0 +1,99 @@
+"""A step's host inputs, packed into one preallocated (pinned, on CUDA) buffer and copied to the
+device in one transfer.
+
+Every small `torch.tensor(list, device=...)` is an allocation and a transfer of its own, several per
+step; here the step's numpy arrays are copied into one host buffer, sent with one non-blocking copy
+into its device twin, and read back there as typed views (64-byte aligned, so kernels see aligned
+pointers). Both buffers are reused by every step: safe, because a step ends in the host read of its
+sampled tokens, after which its copy has landed and nothing reads its views any more. They grow
+(doubling) when a step needs more.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+ALIGN = 64  # bytes
+_TORCH_DTYPES = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+}
+
+
+class StagingBuffer:
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self.num_sends = 0
+        self._segments: list[tuple[int, np.dtype, tuple[int, ...]]] = []  # (byte offset, dtype, shape)
+        self._used = 0
+        self._views: dict[tuple[int, np.dtype, tuple[int, ...]], torch.Tensor] = {}
+        self._host = torch.empty(0, dtype=torch.uint8)  # pinned on CUDA, made by `_allocate`
+        self._allocate(capacity)
+
+    def start(self) -> None:
+        """Begin a step: forget the previous step's segments."""
+        self._segments.clear()
+        self._used = 0
+
+    def reserve(self, dtype: type, shape: tuple[int, ...]) -> tuple[int, np.ndarray]:
+        """Room for one array: (its handle for `view` after `send`, the host view to fill). Fill it
+        before the next `reserve` or `add`: growing the buffer keeps what was written until then."""
+        dt = np.dtype(dtype)
+        assert dt in _TORCH_DTYPES, f"no staging for {dt}"
+        offset, size = self._used, math.prod(shape)
+        self._used = offset + -(-size * dt.itemsize // ALIGN) * ALIGN
+        if self._used > self._host.numel():
+            self._allocate(max(self._used, 2 * self._host.numel()), keep=offset)
+        self._segments.append((offset, dt, shape))
+        start = offset // dt.itemsize
+        return len(self._segments) - 1, self._typed[dt][start : start + size].reshape(shape)
+
+    def add(self, array: np.ndarray) -> int:
+        """Stage a copy of `array`; returns its handle for `view` after `send`."""
+        handle, view = self.reserve(array.dtype.type, array.shape)
+        view[...] = array
+        return handle
+
+    def send(self) -> None:
+        """Copy everything staged this step to the device at once."""
+        self._device[: self._used].copy_(self._host[: self._used], non_blocking=True)
+        self.num_sends += 1
+
+    def view(self, handle: int) -> torch.Tensor:
+        """The device tensor of staged array `handle` (valid until the next `send`)."""
+        key = self._segments[handle]
+        view = self._views.get(key)
+        if view is None:  # steps repeat their layout: views are made once per (offset, dtype, shape)
+            if len(self._views) > 1024:  # eager steps' shapes vary: keep the cache bounded
+                self._views.clear()
+            offset, dt, shape = key
+            flat = self._device[offset : offset + math.prod(shape) * dt.itemsize].view(_TORCH_DTYPES[dt])
+            view = self._views[key] = flat.view(shape)
+        return view
+
+    def _allocate(self, capacity: int, keep: int = 0) -> None:
+        """New buffers of `capacity` bytes, the first `keep` of the host one carried over."""
+        is_pinned = self.device.type == "cuda"
+        host = torch.empty(capacity, dtype=torch.uint8, pin_memory=is_pinned)
+        if keep:
+            host[:keep] = self._host[:keep]
+        self._host = host
+        host_np = host.numpy()
+        self._typed = {dt: host_np.view(dt) for dt in _TORCH_DTYPES}  # the whole buffer, per type
+        self._device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        self._views.clear()
+
+
+def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of host values on `device`. On CUDA through pinned memory, non-blocking: a
+    plain `torch.tensor(values, device=...)` copies from pageable memory and synchronizes the
+    stream, so one made after a step's graph launch (sampling parameters) would wait for the graph
+    instead of overlapping it. (The pinned block is recycled only once its copy has completed.)"""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
