@@ -233,20 +233,23 @@ INDEXER_TILES: dict[str, IndexerTiles] = {
     "fp8/decode/v3": IndexerTiles(block_n=64, v3=True),
     "bf16/prefill/v3": IndexerTiles(block_n=64, v3=True),
     "fp8/prefill/v3": IndexerTiles(block_n=64, v3=True),
-    "bf16/decode/v4": IndexerTiles(block_n=64, steps=8),
-    "fp8/decode/v4": IndexerTiles(block_n=64, steps=8),
+    "bf16/decode/v4": IndexerTiles(block_n=64, steps=8, num_warps=4),  # 4 programs per SM
+    "bf16/decode/v4-w8": IndexerTiles(block_n=64, steps=8),
+    "fp8/decode/v4": IndexerTiles(block_n=64, steps=8, num_warps=4),  # 4 programs per SM
+    "fp8/decode/v4-w8": IndexerTiles(block_n=64, steps=8),  # 2 programs per SM
     "fp8/decode/v4-n128": IndexerTiles(block_n=128, steps=4),
     "fp8/decode/v4-s1": IndexerTiles(block_n=64, steps=1),
     "bf16/prefill/v4": IndexerTiles(block_n=64, steps=4),
-    "fp8/prefill/v4": IndexerTiles(block_n=64, steps=4),
+    "fp8/prefill/v4": IndexerTiles(block_n=64, steps=4, num_warps=4),  # 2 programs per SM
+    "fp8/prefill/v4-w8": IndexerTiles(block_n=64, steps=4),
     "fp8/prefill/v4-n128": IndexerTiles(block_n=128, steps=2),
 }
-DEFAULT_TILES = {
+DEFAULT_TILES = {  # switch after the H200 run
     ("bf16", "decode"): "bf16/decode/v4",
     ("fp8", "decode"): "fp8/decode/v4",
     ("bf16", "prefill"): "bf16/prefill/v4",
     ("fp8", "prefill"): "fp8/prefill/v4",
-}  # fmt: skip  (switch after the H200 run)
+}
 
 
 def indexer_config(name: str | None, key_dtype: torch.dtype, prefill: bool) -> IndexerTiles:

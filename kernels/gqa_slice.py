@@ -52,7 +52,8 @@ class GQATiles:
     block_m: int = 128  # prefill: rows (query, head) per tile; decode uses the group size
     lazy_sum: bool = False
     split_v: bool = False  # FP8 caches only
-    waves: int = 4  # split-K target: about this many programs per SM
+    programs_per_sm: int | None = None  # resident at once (registers, shared memory); None: v3's split rule
+    max_registers: int | None = None  # a cap (maxnreg) where the cold paths would set a higher count
     v3: bool = False  # the 2026-11-29 kernel (kernels/paged_gqa_v3.py), kept for A/B timing
 
 
@@ -224,15 +225,16 @@ def attend_range(
     SHARED_OFFSETS: tl.constexpr, SPLIT_V: tl.constexpr, LAZY_SUM: tl.constexpr, ASM: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(m, l [ROWS], acc, acc2) over [start, end) from a fresh state; CAUSAL: tiles before `full_end` (seen by
-    every row) unmasked."""
+    """(m, l [ROWS], acc, acc2) over [start, end) from a fresh state: whole tiles unmasked, then the masked
+    rest (the slice's last tile; CAUSAL: from `full_end`, the first token some row may not see, on) in
+    tiles of at most 32 tokens, so that their masks do not set the kernel's register count."""
     m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((ROWS, BLOCK_N) if LAZY_SUM else (ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, BLOCK_DV // 2) if SPLIT_V else (ROWS, BLOCK_DV), dtype=tl.float32)
     acc2 = tl.zeros((ROWS, BLOCK_DV // 2) if SPLIT_V else (1, 1), dtype=tl.float32)
-    if CAUSAL:  # whole tiles every row sees, then the diagonal ones (and the tail)
+    if CAUSAL:
         mid = tl.maximum(start, tl.minimum(end, full_end // BLOCK_N * BLOCK_N))
-    else:  # whole tiles, then the tail
+    else:
         mid = tl.maximum(start, start + (end - start) // BLOCK_N * BLOCK_N)
     m, l, acc, acc2 = attend_tiles(
         m, l, acc, acc2, q, row_limit, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, start,
@@ -240,14 +242,14 @@ def attend_range(
         stride_etb, PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, CHECKED, CHECKED, False, EVEN_D, SHARED_OFFSETS,
         SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
     )  # fmt: skip
+    if LAZY_SUM:
+        l = tl.sum(l, axis=1)
     m, l, acc, acc2 = attend_tiles(
         m, l, acc, acc2, q, row_limit, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, mid, end,
         qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_etb,
-        PAGE_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV, True, CHECKED, CAUSAL, EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM,
-        COMPUTE, DOT_PRECISION,
+        PAGE_SIZE, max(16, min(BLOCK_N // 2, 32)), BLOCK_D, BLOCK_DV, True, CHECKED, CAUSAL, EVEN_D, SHARED_OFFSETS,
+        SPLIT_V, False, ASM, COMPUTE, DOT_PRECISION,
     )  # fmt: skip
-    if LAZY_SUM:
-        l = tl.sum(l, axis=1)
     return m, l, acc, acc2
 
 
@@ -287,7 +289,7 @@ def attend_slice(
             # first tile is not merged with the first walk's, whose masks would stay live through the hot loop
             restart = start * tl.load(mismatch_ptr + b).to(tl.int32)
             # in half tiles of at most 32 tokens: this walk, not the hot loop, would otherwise set the kernel's
-            # register count (FP8, 128-token tiles: 154 registers, 3 programs per SM, instead of 110, 4)
+            # register count (FP8, 128-token tiles: 154 registers, 3 programs per SM, instead of 4)
             m, l, acc, acc2 = attend_range(
                 q, row_limit, full_end, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, restart,
                 end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,

@@ -113,12 +113,14 @@ def _paged_decode_gqa_kernel(
 DECODE_TILES: dict[str, GQATiles] = {
     "bf16/v3": GQATiles(block_n=32, v3=True),
     "fp8/v3": GQATiles(block_n=128, v3=True),
-    "bf16/v4": GQATiles(block_n=32, lazy_sum=True),
-    "bf16/v4-n64": GQATiles(block_n=64, lazy_sum=True),
-    "fp8/v4": GQATiles(block_n=128, split_v=True),
-    "fp8/v4-n64": GQATiles(block_n=64, split_v=True),
-    "fp8/v4-lazy": GQATiles(block_n=128, split_v=True, lazy_sum=True),
-    "fp8/v4-w8": GQATiles(block_n=128, split_v=True, waves=8),
+    "bf16/v4": GQATiles(block_n=32, lazy_sum=True, programs_per_sm=6, max_registers=80),
+    "bf16/v4-n64": GQATiles(block_n=64, lazy_sum=True, programs_per_sm=5),
+    "fp8/v4": GQATiles(block_n=128, split_v=True, programs_per_sm=4),
+    "fp8/v4-r96": GQATiles(
+        block_n=128, split_v=True, programs_per_sm=5, max_registers=96
+    ),  # 2 values spilled
+    "fp8/v4-n64": GQATiles(block_n=64, split_v=True, programs_per_sm=5),
+    "fp8/v4-lazy": GQATiles(block_n=128, split_v=True, lazy_sum=True, programs_per_sm=4),
 }
 DEFAULT_TILES = {"bf16": "bf16/v4", "fp8": "fp8/v4"}  # switch after the H200 run
 
@@ -129,10 +131,29 @@ def decode_tiles(name: str | None, cache_dtype: torch.dtype) -> GQATiles:
     return DECODE_TILES[name or DEFAULT_TILES[kind]]
 
 
-def pick_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int, waves: int = 4) -> int:
-    """Slices per sequence: about `waves` programs per SM, each slice at least 256 tokens, at most 64."""
-    want = triton.cdiv(waves * num_sms, max(batch * num_kv_heads, 1))
-    return max(1, min(want, triton.cdiv(max_tokens, 256), 64))
+def pick_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_tokens: int,
+    num_sms: int,
+    programs_per_sm: int | None = None,
+    split_cost: float = 0.0,
+) -> int:
+    """Slices per sequence, each at least 256 tokens, at most 64. Knowing how many programs an SM holds at
+    once, the fewest within 3% of the least time, in units of one pass at full occupancy: waves of
+    programs over their fill (a last wave half full costs a whole one), plus `split_cost` a slice (the
+    partials' bytes over the KV bytes, written and merged). Else v3's rule: about four programs per SM."""
+    most = max(1, min(triton.cdiv(max_tokens, 256), 64))
+    pairs = max(batch * num_kv_heads, 1)
+    if programs_per_sm is None:
+        return max(1, min(triton.cdiv(4 * num_sms, pairs), most))
+    slots = programs_per_sm * num_sms
+
+    def cost(s: int) -> float:
+        return triton.cdiv(pairs * s, slots) * slots / (pairs * s) + split_cost * s
+
+    best = min(cost(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if cost(s) <= 1.03 * best)
 
 
 def check_gqa_inputs(
@@ -194,7 +215,11 @@ def paged_decode_gqa(
         return out
     G = Hq // Hkv
     cfg = tiles if isinstance(tiles, GQATiles) else decode_tiles(tiles, k_cache.dtype)
-    splits = num_splits or pick_num_splits(B, Hkv, page_table.shape[1] * S, num_sms(q.device), cfg.waves)
+    max_tokens = page_table.shape[1] * S
+    split_cost = Hq * Dv * 8 / (max_tokens * Hkv * (D + Dv) * k_cache.element_size())  # fp32 partials, twice
+    splits = num_splits or pick_num_splits(
+        B, Hkv, max_tokens, num_sms(q.device), cfg.programs_per_sm, split_cost
+    )
     part_o = torch.empty((B, Hq, splits, Dv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
@@ -237,6 +262,7 @@ def paged_decode_gqa(
         **slice_constexprs(cfg, q, k_cache, v_cache, block_d, block_dv),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     merge_splits(part_o, part_lse, out, v_scale)
     return out

@@ -266,6 +266,7 @@ def paged_prefill_gqa(
         **slice_constexprs(cfg, q, k_cache, v_cache, block_d, block_dv),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     if not direct:
         merge_splits(part_o, part_lse, out, v_scale)

@@ -94,9 +94,10 @@ def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[s
     )
 
 
-def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2) -> str:
-    """Compile to a cubin; return ptxas's register / spill line."""
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2, maxnreg: int | None = None) -> str:
+    """Compile to a cubin; return ptxas's register / spill line (`maxnreg`: a register cap, as at launch)."""
+    options = {"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+    kernel = triton.compile(src, target=TARGET, options=options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")

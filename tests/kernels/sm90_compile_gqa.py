@@ -33,6 +33,7 @@ DIV16 = (
     "D", "DV", "DI", "stride_qb", "stride_qh", "stride_qt", "stride_kp", "stride_ks", "stride_kh", "stride_vp",
     "stride_vs", "stride_vh", "stride_ot", "stride_oh",
 )  # fmt: skip
+Build = tuple[ASTSource, int, int, "int | None"]  # source, warps, stages, register cap
 DTYPES = {"bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn}
 KV_PTRS = {"page_table_ptr": "i32", "expected_ptr": "i64", "page_tags_ptr": "i64", "mismatch_ptr": "u8"}
 
@@ -58,7 +59,12 @@ def decode_source(
     fn = paged_decode_gqa_v3_kernel if cfg.v3 else _paged_decode_gqa_kernel
     if not cfg.v3:
         consts.update(EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v, LAZY_SUM=cfg.lazy_sum, ASM=True)
-    return _source(fn, ptrs, consts, {"qk_scale"}, DIV16, ()), cfg.num_warps, cfg.num_stages
+    return (
+        _source(fn, ptrs, consts, {"qk_scale"}, DIV16, ()),
+        cfg.num_warps,
+        cfg.num_stages,
+        cfg.max_registers,
+    )
 
 
 def prefill_source(
@@ -80,7 +86,8 @@ def prefill_source(
     fn = paged_prefill_gqa_v3_kernel if cfg.v3 else _paged_prefill_gqa_kernel
     if not cfg.v3:
         consts.update(EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v, LAZY_SUM=cfg.lazy_sum, ASM=True)
-    return _source(fn, ptrs, consts, {"qk_scale", "v_scale"}, DIV16, ()), cfg.num_warps, cfg.num_stages
+    src = _source(fn, ptrs, consts, {"qk_scale", "v_scale"}, DIV16, ())
+    return src, cfg.num_warps, cfg.num_stages, cfg.max_registers
 
 
 def dsa_source(
@@ -101,13 +108,23 @@ def dsa_source(
     fn = dsa_scores_v3_kernel if cfg.v3 else _dsa_scores_kernel
     if not cfg.v3:
         consts.update(STEPS=cfg.steps)
-    return _source(fn, ptrs, consts, {"qk_scale"}, DIV16, ()), cfg.num_warps, cfg.num_stages
+    return _source(fn, ptrs, consts, {"qk_scale"}, DIV16, ()), cfg.num_warps, cfg.num_stages, None
 
 
-def hot_loop_mix(src: ASTSource, num_warps: int, num_stages: int) -> str:
+def resident(line: str, num_warps: int) -> int:
+    """Programs an H200 SM holds at once, from a `compile_sm90` line: registers (8 a thread at a time),
+    shared memory (228 KiB, 1 KiB reserved a program), threads (2048)."""
+    regs = int(re.search(r"Used (\d+) registers", line).group(1))
+    smem = int(re.search(r"smem=(\d+)", line).group(1))
+    by_regs = 65536 // (-(-regs // 8) * 8 * 32 * num_warps)
+    return min(by_regs, 233472 // (smem + 1024), 2048 // (32 * num_warps), 32)
+
+
+def hot_loop_mix(src: ASTSource, num_warps: int, num_stages: int, maxnreg: int | None = None) -> str:
     """The loops' lengths in SASS, in code order, and the opcode mix of the first long one: the hot
     loop (the tag-checked re-walk of a bad slice comes after it)."""
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+    kernel = triton.compile(src, target=TARGET, options=options)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -171,10 +188,11 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
     for name, build in every_entry() if args.all else DEFAULTS:
-        src, warps, stages = build()
-        print(f"{name:<44} {compile_sm90(src, warps, stages)}", flush=True)
+        built = build()
+        line = compile_sm90(*built)
+        print(f"{name:<44} {line} resident={resident(line, built[1])}", flush=True)
         if args.sass:
-            print(f"{'':<6}{hot_loop_mix(src, warps, stages)}", flush=True)
+            print(f"{'':<6}{hot_loop_mix(*built)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 from kernels.gqa_slice import GQATiles  # noqa: E402
 from kernels.paged_decode_gqa import (  # noqa: E402
     DECODE_TILES,
+    DEFAULT_TILES,
     paged_decode_gqa,
     paged_decode_gqa_ref,
     pick_num_splits,
@@ -214,9 +215,13 @@ def test_flags_are_sticky_and_check_can_be_disabled() -> None:
 
 
 def test_split_choice() -> None:
-    assert pick_num_splits(64, 8, 8192, 132) == 2  # 512 programs already ~4 per SM
+    assert pick_num_splits(64, 8, 8192, 132) == 2  # v3's rule: 512 programs already ~4 per SM
     assert pick_num_splits(1, 8, 131072, 132) == 64  # one long sequence: capped
     assert pick_num_splits(4, 8, 100, 132) == 1  # short context: one slice
+    # knowing the occupancy: 512 programs fill 4 × 132 slots (97%); at 6 a SM, 3 slices fill two waves (97%)
+    assert pick_num_splits(64, 8, 8192, 132, programs_per_sm=4, split_cost=0.006) == 1
+    assert pick_num_splits(64, 8, 8192, 132, programs_per_sm=6, split_cost=0.003) == 3
+    assert pick_num_splits(8, 8, 32768, 132, programs_per_sm=4, split_cost=0.0004) == 8
 
 
 def test_shape_errors() -> None:
@@ -242,6 +247,9 @@ def test_kernels_compile_for_sm90() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == 7 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+    for kv in ("bf16", "fp8"):  # the split rule's occupancy is what ptxas gives
+        line = next(line for line in lines if line.startswith(f"gqa decode {kv} "))
+        assert f"resident={DECODE_TILES[DEFAULT_TILES[kv]].programs_per_sm}" in line, line
 
 
 @pytest.mark.gpu
