@@ -117,6 +117,22 @@ def tag_check_row(
     }
 
 
+def time_entries(
+    names: list[str], op: Callable[[str], Any], error: Callable[[Any], float], rep_ms: int = 100
+) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """(ms, error, failure) of `op(name)` per tile-table entry: one that fails on the device is reported
+    and skipped, so one run still times the others."""
+    times, errors, failed = {}, {}, {}
+    for name in names:
+        try:
+            errors[name] = error(op(name))
+            times[name] = graph_ms([lambda name=name: op(name)], rep_ms)
+        except Exception as exc:  # noqa: BLE001 (reported in the record, not fatal)
+            failed[name] = repr(exc)[:300]
+            print(f"{name} failed: {failed[name]}", flush=True)
+    return times, errors, failed
+
+
 def tag_check_rows(
     ops: dict[str, Callable[[bool], Any]], pairs: int, rep_ms: int = 100
 ) -> list[dict[str, Any]]:
