@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call of at most 150 s: GQA decode, GQA prefill and the DSA indexer, the old (v3) kernels next
+# One device call of at most 150 s (timeouts 30 + 35 + 30 + 30 + 22 s): GQA decode, GQA prefill and the DSA indexer, the old (v3) kernels next
 # to every new tile-table entry, with interleaved A/B tag-check rows (the benchmarks' --quick), then the
 # gpu tests of the three kernels. Compiles run first, in parallel (warm_gqa). JSON and logs go to $OUT;
 # each benchmark writes its record after every case, so a timeout keeps what ran.
@@ -14,6 +14,6 @@ for step in "paged_decode 35" "paged_prefill 30" "dsa_indexer 30"; do
     | grep -v Warning > "$OUT/bench_$1.log"; echo "== bench_$1"; cat "$OUT/bench_$1.log"
 done
 rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/pytest_asyncio*.whl
-PYTHONPATH=/tmp/site:$PWD timeout 25 python3 -m pytest -m gpu -q -p no:cacheprovider \
+PYTHONPATH=/tmp/site:$PWD timeout 22 python3 -m pytest -m gpu -q -p no:cacheprovider \
   tests/kernels/test_paged_decode_gqa.py tests/kernels/test_paged_prefill_gqa.py tests/kernels/test_dsa_indexer_triton.py \
   2>&1 | tail -15 | tee "$OUT/pytest_gpu.log"
