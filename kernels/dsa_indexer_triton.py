@@ -4,33 +4,41 @@ Same inputs and output as `dsa_indexer_ref` (`kernels/dsa_indexer.py`, the CPU p
 reference): `score[t, j] = Σ_h w[t, h] · relu(q[t, h] · k[j] · softmax_scale · k_scale)` for every
 token j query t may see, and the `topk` best positions per query (-1 where fewer are visible).
 
-Scoring (`_dsa_scores_kernel`, grid `(token blocks, query tiles)`): a program takes BLOCK_N tokens
-of one sequence and a tile of BLOCK_Q consecutive queries of it (`mla_prefill.query_tiles`; decode:
-one query); the rows of its one `tl.dot` are (query, indexer head) pairs, so each key tile is loaded
-once for all heads and queries of the tile; relu, the per-head weight and the sum over heads follow
-in registers. It writes a full row block of an fp32 score buffer `[NT · BLOCK_Q, Mp · S]`: -inf for a
-token the row may not see (after its query, past the sequence, on a page that failed its check, or
-a row past the tile's queries), so `torch.topk` over the buffer needs no other mask and the buffer
-needs no fill. Token blocks past a tile's last visible token read nothing.
+Scoring (`_dsa_scores_kernel`, grid `(key blocks, query tiles)`): a program takes STEPS tiles of
+BLOCK_N tokens of one sequence and a tile of BLOCK_Q consecutive queries of it (`mla_prefill.query_tiles`;
+decode: one query); q and the head weights are loaded once for all its tiles, and the page ids two
+tiles ahead and the keys one tile ahead are loaded by hand while a tile is scored (the keys go to
+registers as the dot's operand, which Triton's pipeliner does not stage). The rows of its one `tl.dot`
+are (query, indexer head) pairs, so each key tile is loaded once for all heads and queries of the
+tile; relu, the per-head weight (`softmax_scale · k_scale` folded into it) and the sum over heads
+follow in registers. It writes a full row block of an fp32 score buffer `[NT · BLOCK_Q, Mp · S]`:
+-inf for a token the row may not see (after its query, past the sequence, on a page that failed its
+check, or a row past the tile's queries), so `torch.topk` over the buffer needs no other mask and the
+buffer needs no fill. Tiles past a tile's last visible token read nothing.
 
 Selection: `torch.topk` (sorted, as the reference) over each row, -inf picks → -1, rows scattered to
 their queries (idle rows to a spare row). GLM-5 asks for 2048 of up to ~200k tokens; a Triton radix
 top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says topk
-dominates. The buffer is bounded by `max_score_bytes` (long prefill chunks go in groups of tiles),
-and everything is sized on the host from T, B and the page table's width: no host sync, so a step
-can be captured in a CUDA graph.
+dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
+everything is sized on the host from T, B and the page table's width: no host sync, so a step can
+be captured in a CUDA graph.
 
-Tag check, fused: a program checks the page of each token it may read; a mismatch flags the sequence
-and its tokens get -inf (never chosen), whatever their bytes (another tenant's NaN included). The
-sequence's last tile covers every page in use, so the flag matches the reference's, except that a
-sequence with no new token gets no program (as in `mla_prefill`). FP8 keys are converted to fp16
-for the dot (e4m3 -> fp16 is one cvt) and `k_scale` folds into the score scale.
+Tag check, fused: per tile, each page's tag once (the tile's pages, where BLOCK_N is a multiple of
+the page size; else each token's), off the keys' critical path — the key loads do not wait for the
+tags, only the final select does: a bad page's tokens get -inf (never chosen), whatever their bytes
+(another tenant's NaN included), and the sequence is flagged. The v3 kernel (`kernels/paged_gqa_v3.py`)
+masked every key load with its token's tag, so each load waited for a dependent gather: +6% to +29%.
+The sequence's last tile covers every page in use, so the flag matches the reference's, except that
+a sequence with no new token gets no program (as in `mla_prefill`). FP8 keys are converted to fp16
+for the dot (e4m3 -> fp16 is one cvt). Key tiles come from `INDEXER_TILES` by name.
 
 Shapes: T queries, B sequences, Hi indexer heads, Di indexer head dim, P pages, S page size,
 Mp pages per sequence in the table, W = Mp · S, NT query tiles, K top-k.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,6 +47,7 @@ import triton.language as tl
 from kernels.dsa_indexer import dsa_indexer_ref
 from kernels.mla_decode import QueryTiles, query_tile
 from kernels.mla_prefill import query_tiles
+from kernels.paged_gqa_v3 import dsa_scores_v3_kernel
 from kernels.split_k_merge import TL_DTYPES
 
 __all__ = ["dsa_indexer", "dsa_indexer_ref", "dsa_indexer_scores"]
@@ -80,6 +89,7 @@ def _dsa_scores_kernel(
     CHECK_TAGS: tl.constexpr,
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 keys, else q's
     DOT_PRECISION: tl.constexpr,
+    STEPS: tl.constexpr,  # key tiles per program (q and w are loaded once for all)
 ):
     nb = tl.program_id(0)
     local = tl.program_id(1)
@@ -88,48 +98,164 @@ def _dsa_scores_kernel(
         tile_seq_ptr, tile_q0_ptr, query_start_ptr, seq_lens_ptr, tile, num_seqs, BLOCK_Q
     )
     num_items = tl.where(tile_ok, first_pos + num_q, 0)  # tokens the tile's last query sees
-
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] token positions
+    lo = nb * (BLOCK_N * STEPS)  # this program's tokens: [lo, hi)
+    hi = tl.minimum(lo + BLOCK_N * STEPS, W)
     qr = tl.arange(0, BLOCK_Q)  # [BQ] query of the tile
-    sc = tl.full((BLOCK_Q, BLOCK_N), float("-inf"), dtype=tl.float32)
-    if nb * BLOCK_N < num_items:
+    j = tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_Q * BLOCK_H)
+    qi = rows // BLOCK_H
+    h = rows % BLOCK_H
+    row_ok = (qi < num_q) & (h < num_heads) & (lo < num_items)  # nothing to score: no load
+    t_row = (q0 + qi).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DI
+    q = tl.load(
+        q_ptr + t_row[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(COMPUTE)  # [BM, Di], loaded once for STEPS key tiles
+    w = (
+        tl.load(w_ptr + t_row * stride_wt + h, mask=row_ok, other=0.0) * qk_scale
+    )  # [BM]; relu(x·c) = c·relu(x)
+    out_row = (local * BLOCK_Q + qr).to(tl.int64)
+    seen_hi = tl.minimum(hi, num_items)
+    # by hand, a two-deep pipeline: the page ids two tiles ahead, the keys one tile ahead (the keys go to
+    # registers as the dot's A operand, so Triton's pipeliner, which stages through shared memory, skips them)
+    page = page_ids(page_table_ptr, b, stride_ptb, lo, j, seen_hi, PAGE_SIZE, BLOCK_N)
+    k_next = key_tile(k_ptr, page, lo, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N)
+    page_next = page_ids(page_table_ptr, b, stride_ptb, lo + BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
+    for n0 in range(lo, seen_hi, BLOCK_N):
+        n = n0 + j  # [BN] token positions
         n_ok = n < num_items
-        page_idx = n // PAGE_SIZE
-        page = tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=n_ok, other=0)
-        tok_ok = n_ok
-        if CHECK_TAGS:
-            found = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
-            expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n_ok, other=0)
-            tok_ok = n_ok & (found == expected)
-            tl.store(mismatch_ptr + b, 1, mask=tl.sum((n_ok & (found != expected)).to(tl.int32)) > 0)
-        rows = tl.arange(0, BLOCK_Q * BLOCK_H)
-        qi = rows // BLOCK_H
-        h = rows % BLOCK_H
-        row_ok = (qi < num_q) & (h < num_heads)
-        t_row = (q0 + qi).to(tl.int64)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < DI
-        q = tl.load(
-            q_ptr + t_row[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(COMPUTE)  # [BM, Di]
-        w = tl.load(w_ptr + t_row * stride_wt + h, mask=row_ok, other=0.0)  # [BM]
-        slot = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE).to(tl.int64) * stride_ks
-        k = tl.load(k_ptr + slot[:, None] + offs_d[None, :], mask=tok_ok[:, None] & d_ok[None, :], other=0.0)
+        k = k_next
+        k_next = key_tile(
+            k_ptr, page_next, n0 + BLOCK_N, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N
+        )
+        page_cur, page = page, page_next
+        page_next = page_ids(page_table_ptr, b, stride_ptb, n0 + 2 * BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
         if BLOCK_Q == 1:  # decode: tokens as the dot's rows (32 head rows spill registers on sm90)
             st = tl.dot(k.to(COMPUTE), tl.trans(q), input_precision=DOT_PRECISION)  # [BN, BM]
-            st = tl.maximum(st * qk_scale, 0.0) * w[None, :]
-            per_query = tl.sum(st, axis=1)[None, :]  # [1, BN]
+            per_query = tl.sum(tl.maximum(st, 0.0) * w[None, :], axis=1)[None, :]  # [1, BN]
         else:
             s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=DOT_PRECISION)  # [BM, BN]
-            s = tl.maximum(s * qk_scale, 0.0) * w[:, None]
+            s = tl.maximum(s, 0.0) * w[:, None]
             per_query = tl.sum(tl.reshape(s, (BLOCK_Q, BLOCK_H, BLOCK_N)), axis=1)  # [BQ, BN]
         limit = first_pos + qr + 1  # [BQ] causal
-        seen = tok_ok[None, :] & (n[None, :] < limit[:, None]) & (qr < num_q)[:, None]
-        sc = tl.where(seen, per_query, float("-inf"))
-    out_row = (local * BLOCK_Q + qr).to(tl.int64)
-    tl.store(scores_ptr + out_row[:, None] * stride_st + n[None, :], sc, mask=(n < W)[None, :])
+        seen = n_ok[None, :] & (n[None, :] < limit[:, None]) & (qr < num_q)[:, None]
+        if CHECK_TAGS:  # the key loads above do not wait for this: only the select does
+            bad = bad_tokens(page_table_ptr, expected_ptr, page_tags_ptr, b, stride_ptb, stride_etb, n0, page_cur,
+                             num_items, PAGE_SIZE, BLOCK_N)  # fmt: skip
+            tl.store(mismatch_ptr + b, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+            seen = seen & ~bad[None, :]
+        sc = tl.where(seen, per_query, float("-inf"))  # a bad page's NaN bytes never pass
+        tl.store(scores_ptr + out_row[:, None] * stride_st + n[None, :], sc, mask=(n < W)[None, :])
+    past = lo + tl.cdiv(tl.maximum(seen_hi - lo, 0), BLOCK_N) * BLOCK_N
+    for n0 in range(past, hi, BLOCK_N):  # tiles no query of the tile sees
+        n = n0 + j
+        tl.store(
+            scores_ptr + out_row[:, None] * stride_st + n[None, :],
+            tl.full((BLOCK_Q, BLOCK_N), float("-inf"), dtype=tl.float32),
+            mask=(n < W)[None, :],
+        )
+
+
+@triton.jit
+def page_ids(page_table_ptr, b, stride_ptb, n0, j, limit, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BN] int32: the page of token n0 + j (0 at or past `limit`)."""
+    n = n0 + j
+    page_idx = n0 // PAGE_SIZE + j // PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n // PAGE_SIZE
+    return tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=n < limit, other=0)
+
+
+@triton.jit
+def key_tile(
+    k_ptr,
+    page,
+    n0,
+    j,
+    offs_d,
+    d_ok,
+    limit,
+    stride_kp,
+    stride_ks,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[BN, BD] the keys of tokens n0 + j on pages `page` (0 at or past `limit`)."""
+    n = n0 + j
+    in_page = j % PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n % PAGE_SIZE  # n0 starts a page, or not
+    slot = page.to(tl.int64) * stride_kp + in_page * stride_ks
+    return tl.load(
+        k_ptr + slot[:, None] + offs_d[None, :], mask=(n < limit)[:, None] & d_ok[None, :], other=0.0
+    )
+
+
+@triton.jit
+def bad_tokens(
+    page_table_ptr, expected_ptr, page_tags_ptr, b, stride_ptb, stride_etb, n0, page, num_items,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """[BN] bool: token n0 + j is on a page whose tag is wrong. Whole pages per tile (n0 starts one) are
+    checked once each; otherwise each token's page (its id already loaded: `page`)."""
+    if BLOCK_N % PAGE_SIZE == 0:
+        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
+        pi = n0 // PAGE_SIZE + tl.arange(0, NP)
+        p_ok = pi * PAGE_SIZE < num_items
+        pg = tl.load(page_table_ptr + b * stride_ptb + pi, mask=p_ok, other=0)
+        found = tl.load(page_tags_ptr + pg, mask=p_ok, other=0)
+        expected = tl.load(expected_ptr + b * stride_etb + pi, mask=p_ok, other=0)
+        bad_page = p_ok & (found != expected)  # [NP]
+        bad = tl.reshape(tl.broadcast_to(bad_page[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
+    else:
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < num_items
+        found = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
+        expected = tl.load(expected_ptr + b * stride_etb + n // PAGE_SIZE, mask=n_ok, other=0)
+        bad = n_ok & (found != expected)
+    return bad
+
+
+@dataclass(frozen=True, slots=True)
+class IndexerTiles:
+    """One launch configuration of the scoring kernel (an entry of INDEXER_TILES)."""
+
+    block_n: int  # keys per tile
+    steps: int = 1  # key tiles per program
+    num_warps: int = 8
+    num_stages: int = 2
+    v3: bool = False  # the 2026-12-01 kernel (kernels/paged_gqa_v3.py), kept for A/B timing
+
+
+# Named configurations "keys/phase/name"; DEFAULT_TILES picks one per (key dtype, phase). The v3 rows are
+# the kernel measured on 2026-12-01 (decode scores 0.18-0.55 of copy on key bytes; the check +6% to +29%).
+INDEXER_TILES: dict[str, IndexerTiles] = {
+    "bf16/decode/v3": IndexerTiles(block_n=64, v3=True),
+    "fp8/decode/v3": IndexerTiles(block_n=64, v3=True),
+    "bf16/prefill/v3": IndexerTiles(block_n=64, v3=True),
+    "fp8/prefill/v3": IndexerTiles(block_n=64, v3=True),
+    "bf16/decode/v4": IndexerTiles(block_n=64, steps=8, num_warps=4),  # 4 programs per SM
+    "bf16/decode/v4-w8": IndexerTiles(block_n=64, steps=8),
+    "fp8/decode/v4": IndexerTiles(block_n=64, steps=8, num_warps=4),  # 4 programs per SM
+    "fp8/decode/v4-w8": IndexerTiles(block_n=64, steps=8),  # 2 programs per SM
+    "fp8/decode/v4-n128": IndexerTiles(block_n=128, steps=4),
+    "fp8/decode/v4-s1": IndexerTiles(block_n=64, steps=1),
+    "bf16/prefill/v4": IndexerTiles(block_n=64, steps=4),
+    "fp8/prefill/v4": IndexerTiles(block_n=64, steps=4, num_warps=4),  # 2 programs per SM
+    "fp8/prefill/v4-w8": IndexerTiles(block_n=64, steps=4),
+    "fp8/prefill/v4-n128": IndexerTiles(block_n=128, steps=2),
+}
+DEFAULT_TILES = {  # switch after the H200 run
+    ("bf16", "decode"): "bf16/decode/v4",
+    ("fp8", "decode"): "fp8/decode/v4",
+    ("bf16", "prefill"): "bf16/prefill/v4",
+    ("fp8", "prefill"): "fp8/prefill/v4",
+}
+
+
+def indexer_config(name: str | None, key_dtype: torch.dtype, prefill: bool) -> IndexerTiles:
+    """The table entry `name`, or the default for the key dtype (16-bit keys share the bf16 rows) and phase."""
+    kind = "fp8" if key_dtype == torch.float8_e4m3fn else "bf16"
+    return INDEXER_TILES[name or DEFAULT_TILES[(kind, "prefill" if prefill else "decode")]]
 
 
 def indexer_tiles(
@@ -158,8 +284,7 @@ def dsa_indexer_scores(
     *,
     tiles: QueryTiles | None = None,  # None: indexer_tiles' default
     tiles_range: tuple[int, int] | None = None,  # (first, end) tiles of this launch; None: all
-    block_n: int = 64,
-    num_warps: int = 8,
+    config: str | IndexerTiles | None = None,  # an INDEXER_TILES name or entry; None: the default
     check_tags: bool = True,
     out: torch.Tensor | None = None,  # [NTc · BQ, W] fp32, written whole
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +293,11 @@ def dsa_indexer_scores(
     B = seq_lens.shape[0]
     W = page_table.shape[1] * k_cache.shape[1]
     check_indexer_inputs(q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, tag_mismatch)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError("block_n must be a power of two >= 16")
     tiles = tiles or indexer_tiles(query_start, T, B, Hi)
     block_q = tiles.block_q
+    cfg = config if isinstance(config, IndexerTiles) else indexer_config(config, k_cache.dtype, block_q > 1)
+    if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError("block_n must be a power of two >= 16")
     t0, t1 = tiles_range or (0, tiles.tile_seq.shape[0])
     rows = (t1 - t0) * block_q
     if out is None:
@@ -185,7 +311,8 @@ def dsa_indexer_scores(
     q_row = torch.where((seq[:, None] < B) & (q_row < ends[:, None]), q_row, T).flatten()
     if rows == 0 or W == 0:
         return out, q_row
-    _dsa_scores_kernel[(triton.cdiv(W, block_n), t1 - t0)](
+    kernel, steps = (dsa_scores_v3_kernel, {}) if cfg.v3 else (_dsa_scores_kernel, {"STEPS": cfg.steps})
+    kernel[(triton.cdiv(W, cfg.block_n * cfg.steps), t1 - t0)](
         q,
         weights,
         k_cache,
@@ -215,12 +342,14 @@ def dsa_indexer_scores(
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_Q=block_q,
         BLOCK_H=max(triton.next_power_of_2(Hi), 16 // block_q),  # a tl.dot tile has at least 16 rows
-        BLOCK_N=block_n,
+        BLOCK_N=cfg.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(Di)),
         CHECK_TAGS=check_tags,
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
+        **steps,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, q_row
 
@@ -241,16 +370,11 @@ def dsa_indexer(
     *,
     check_tags: bool = True,  # False only to measure the check's cost
     block_q: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 8,
+    config: str | IndexerTiles | None = None,  # an INDEXER_TILES name or entry; None: the default
     max_score_bytes: int = 2**30,  # the score buffer's bound: long chunks go in groups of tiles
 ) -> torch.Tensor:  # [T, K] int64 positions, best first, -1 padded
-    """`dsa_indexer_ref` on the GPU; see the module docstring.
-
-    Tile defaults: 1 query (decode) or 2 queries (GLM-5's 32 heads: 64 dot rows) × 64 tokens on 8 warps,
-    the shapes ptxas compiles for sm90 without spills (`python -m tests.kernels.sm90_compile`; 4 warps,
-    or 32 head rows as the dot's M, spill); not yet measured.
-    """
+    """`dsa_indexer_ref` on the GPU; see the module docstring. Query tiles: 1 query (decode) or 2 (GLM-5's
+    32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
     T, Hi, _ = q.shape
     W = page_table.shape[1] * k_cache.shape[1]
     check_indexer_inputs(q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, tag_mismatch)
@@ -265,7 +389,7 @@ def dsa_indexer(
         scores, q_row = dsa_indexer_scores(
             q, weights, k_cache, k_scale, query_start, seq_lens, page_table, expected_tags, page_tags,
             tag_mismatch, softmax_scale, tiles=tiles, tiles_range=(t0, min(t0 + group, num_tiles)),
-            block_n=block_n, num_warps=num_warps, check_tags=check_tags,
+            config=config, check_tags=check_tags,
         )  # fmt: skip
         top = scores.topk(k_eff, dim=1)  # [rows, K'] sorted, as the reference
         out[q_row, :k_eff] = torch.where(torch.isinf(top.values), -1, top.indices)

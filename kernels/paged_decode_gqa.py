@@ -2,19 +2,20 @@
 
 Split-K: stage 1 (`_paged_decode_gqa_kernel`, grid `(B, Hkv, splits)`) walks one slice of one
 sequence's tokens for one KV head and all `G = Hq / Hkv` query heads that share it (one K/V load,
-`tl.dot` over G rows), with an online softmax; it writes the normalised partial output and its
-log-sum-exp. Stage 2 (`kernels.split_k_merge`, grid `(B, Hq)`) merges the slices by LSE. The number of
-slices is chosen from batch, KV heads and the page table's width (host-known, so the launch can be
-captured in a CUDA graph), never from a device read.
+`tl.dot` over G rows padded to 16), with an online softmax (`kernels.gqa_slice.attend_slice`); it
+writes the normalised partial output and its log-sum-exp. Stage 2 (`kernels.split_k_merge`, grid
+`(B, Hq)`) merges the slices by LSE. The number of slices is chosen from batch, KV heads and the page
+table's width (host-known, so the launch can be captured in a CUDA graph), never from a device read.
 
-The page-tag check is fused into stage 1: each token's page tag is compared with the sequence's
-expected tag for that page; tokens of a mismatched page are masked out of the scores and their V
-rows replaced by zeros (another tenant's FP8 bytes may even be NaN), and `tag_mismatch[b]` is set
-so the engine aborts the sequence. Each program first checks all pages of its slice in one vectorised
-pass (independent loads, BLOCK_P pages at a time); only a slice that holds a bad page re-checks per
-token inside the main loop. (Per-token checks in the main loop measured +25-35% on the H200.) With
-an FP8 cache the dots run in fp16 (e4m3 -> fp16 is a single unpack instruction). FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the
-merge.
+The page-tag check is fused (`attend_slice`): each page's tag is compared with the sequence's expected
+tag; a mismatched page contributes nothing (-inf scores, its K/V never read: another tenant's FP8
+bytes may even be NaN) and sets `tag_mismatch[b]` so the engine aborts the sequence. The hot loop
+reads no tag: the slice's pages are checked in one vectorised pass after it, and only a slice with a
+bad page is walked again. With an FP8 cache the dots run in fp16 (e4m3 -> fp16 is a single unpack
+instruction). FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the merge.
+
+Tiles come from `DECODE_TILES` by name (`DEFAULT_TILES` per cache dtype, to be switched after an
+H200 run of `benchmarks/kernels/bench_paged_decode.py --quick`); `…/v3` names the 2026-11-29 kernel.
 
 Shapes: B sequences, Hq query heads, Hkv KV heads, D head dim, Dv value dim, P pages, S page size,
 Mp pages per sequence in the table.
@@ -28,108 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gqa_slice import GQATiles, attend_slice, slice_constexprs
+from kernels.paged_gqa_v3 import paged_decode_gqa_v3_kernel
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
-
-
-@triton.jit
-def count_bad_pages(
-    page_table_ptr,  # [B, Mp] int32
-    expected_ptr,  # [B, Mp] int64
-    page_tags_ptr,  # [P] int64
-    b,
-    stride_ptb,
-    stride_etb,
-    start,
-    end,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-):
-    """Pages of sequence b's tokens [start, end) whose tag is wrong: BLOCK_P independent loads at a time."""
-    num_bad = 0
-    for p0 in range(start // PAGE_SIZE, tl.cdiv(end, PAGE_SIZE), BLOCK_P):
-        pi = p0 + tl.arange(0, BLOCK_P)
-        p_ok = pi < tl.cdiv(end, PAGE_SIZE)
-        pg = tl.load(page_table_ptr + b * stride_ptb + pi, mask=p_ok, other=0)
-        found = tl.load(page_tags_ptr + pg, mask=p_ok, other=0)
-        expected = tl.load(expected_ptr + b * stride_etb + pi, mask=p_ok, other=0)
-        num_bad += tl.sum((p_ok & (found != expected)).to(tl.int32))
-    return num_bad
-
-
-@triton.jit
-def attend_slice(
-    q,  # [ROWS, BLOCK_D] COMPUTE: query rows that share KV head kvh
-    row_limit,  # [ROWS] tokens each row may see (CAUSAL only)
-    k_ptr,  # [P, S, Hkv, D]
-    v_ptr,  # [P, S, Hkv, Dv]
-    page_table_ptr,
-    expected_ptr,
-    page_tags_ptr,
-    b,
-    kvh,
-    start,
-    end,
-    num_bad,  # bad pages in [start, end): > 0 re-checks every token's page
-    qk_scale,
-    D,
-    DV,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    stride_ptb,
-    stride_etb,
-    PAGE_SIZE: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    CHECK_TAGS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Online softmax of the rows over sequence b's tokens [start, end): (max, sum, unnormalised acc),
-    log2 domain. A token of a page with the wrong tag gets a -inf score and a zero V row."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    d_ok = offs_d < D
-    dv_ok = offs_dv < DV
-    m = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
-    l = tl.zeros((ROWS,), dtype=tl.float32)
-    acc = tl.zeros((ROWS, BLOCK_DV), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)  # [BN] token positions
-        n_ok = n < end
-        page_idx = n // PAGE_SIZE
-        page = tl.load(page_table_ptr + b * stride_ptb + page_idx, mask=n_ok, other=0)
-        tok_ok = n_ok
-        if CHECK_TAGS:  # noqa: SIM102 (a constexpr test, then a run-time one)
-            if num_bad > 0:  # only in a slice of a sequence that is about to be aborted
-                found_n = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
-                expected_n = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n_ok, other=0)
-                tok_ok = n_ok & (found_n == expected_n)
-        # a failed page is dropped by the masks below (scores to -inf, V rows to zero, NaN included)
-        slot = page.to(tl.int64) * stride_kp + (n % PAGE_SIZE) * stride_ks + kvh * stride_kh
-        k = tl.load(k_ptr + slot[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(COMPUTE)), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BN]
-        seen = tok_ok[None, :]
-        if CAUSAL:
-            seen = seen & (n[None, :] < row_limit[:, None])
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
-        alpha = tl.exp2(m - m_base)
-        p = tl.exp2(s - m_base[:, None])  # [ROWS, BN]
-        l = l * alpha + tl.sum(p, axis=1)
-        vslot = page.to(tl.int64) * stride_vp + (n % PAGE_SIZE) * stride_vs + kvh * stride_vh
-        v = tl.load(v_ptr + vslot[:, None] + offs_dv[None, :], mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        v = tl.where(tok_ok[:, None], v.to(COMPUTE), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
-        m = m_new
-    return m, l, acc
 
 
 @triton.jit
@@ -168,6 +70,11 @@ def _paged_decode_gqa_kernel(
     CHECK_TAGS: tl.constexpr,
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches (e4m3 -> fp16 is one cvt), else q's
     DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D and Dv are powers of two (no column masks)
+    SHARED_OFFSETS: tl.constexpr,  # K and V have the same strides
+    SPLIT_V: tl.constexpr,  # FP8 V read as byte pairs (kernels/gqa_slice.py)
+    LAZY_SUM: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX allowed (not in the interpreter)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -188,25 +95,11 @@ def _paged_decode_gqa_kernel(
         mask=h_ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(COMPUTE)  # [BH, D]
-    num_bad = 0
-    if CHECK_TAGS:
-        num_bad = count_bad_pages(
-            page_table_ptr,
-            expected_ptr,
-            page_tags_ptr,
-            b,
-            stride_ptb,
-            stride_etb,
-            start,
-            end,
-            PAGE_SIZE,
-            BLOCK_P,
-        )
-        tl.store(mismatch_ptr + b, 1, mask=num_bad > 0)
     m, l, acc = attend_slice(
-        q, 0, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, start, end, num_bad, qk_scale,
-        D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_etb,
-        PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_D, BLOCK_DV, CHECK_TAGS, False, COMPUTE, DOT_PRECISION,
+        q, 0, 0, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, mismatch_ptr, b, kvh, start, end,
+        qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_etb,
+        PAGE_SIZE, BLOCK_H, BLOCK_N, BLOCK_P, BLOCK_D, BLOCK_DV, CHECK_TAGS, False, EVEN_D, SHARED_OFFSETS, SPLIT_V,
+        LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
     )  # fmt: skip
     lse = tl.where(l > 0.0, m + tl.log2(tl.where(l > 0.0, l, 1.0)), float("-inf"))
     o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
@@ -215,10 +108,52 @@ def _paged_decode_gqa_kernel(
     tl.store(part_lse_ptr + row, lse, mask=h_ok)
 
 
-def pick_num_splits(batch: int, num_kv_heads: int, max_tokens: int, num_sms: int) -> int:
-    """Slices per sequence: about four programs per SM, each slice at least 256 tokens, at most 64."""
-    want = triton.cdiv(4 * num_sms, max(batch * num_kv_heads, 1))
-    return max(1, min(want, triton.cdiv(max_tokens, 256), 64))
+# Named launch configurations; DEFAULT_TILES picks one per cache dtype. The v3 entries are the kernel and
+# tiles measured on 2026-11-29 (BF16 0.74-0.80 of copy, FP8 block 128: 0.60 at 128k; check +6-7%).
+DECODE_TILES: dict[str, GQATiles] = {
+    "bf16/v3": GQATiles(block_n=32, v3=True),
+    "fp8/v3": GQATiles(block_n=128, v3=True),
+    "bf16/v4": GQATiles(block_n=32, lazy_sum=True, programs_per_sm=6, max_registers=80),
+    "bf16/v4-n64": GQATiles(block_n=64, lazy_sum=True, programs_per_sm=5),
+    "fp8/v4": GQATiles(block_n=128, split_v=True, programs_per_sm=4),
+    "fp8/v4-r96": GQATiles(
+        block_n=128, split_v=True, programs_per_sm=5, max_registers=96
+    ),  # 2 values spilled
+    "fp8/v4-n64": GQATiles(block_n=64, split_v=True, programs_per_sm=5),
+    "fp8/v4-lazy": GQATiles(block_n=128, split_v=True, lazy_sum=True, programs_per_sm=4),
+}
+DEFAULT_TILES = {"bf16": "bf16/v4", "fp8": "fp8/v4"}  # switch after the H200 run
+
+
+def decode_tiles(name: str | None, cache_dtype: torch.dtype) -> GQATiles:
+    """The table entry `name`, or the default for the cache dtype (16-bit caches share the bf16 rows)."""
+    kind = "fp8" if cache_dtype == torch.float8_e4m3fn else "bf16"
+    return DECODE_TILES[name or DEFAULT_TILES[kind]]
+
+
+def pick_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_tokens: int,
+    num_sms: int,
+    programs_per_sm: int | None = None,
+    split_cost: float = 0.0,
+) -> int:
+    """Slices per sequence, each at least 256 tokens, at most 64. Knowing how many programs an SM holds at
+    once, the fewest within 3% of the least time, in units of one pass at full occupancy: waves of
+    programs over their fill (a last wave half full costs a whole one), plus `split_cost` a slice (the
+    partials' bytes over the KV bytes, written and merged). Else v3's rule: about four programs per SM."""
+    most = max(1, min(triton.cdiv(max_tokens, 256), 64))
+    pairs = max(batch * num_kv_heads, 1)
+    if programs_per_sm is None:
+        return max(1, min(triton.cdiv(4 * num_sms, pairs), most))
+    slots = programs_per_sm * num_sms
+
+    def cost(s: int) -> float:
+        return triton.cdiv(pairs * s, slots) * slots / (pairs * s) + split_cost * s
+
+    best = min(cost(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if cost(s) <= 1.03 * best)
 
 
 def check_gqa_inputs(
@@ -264,7 +199,7 @@ def paged_decode_gqa(
     softmax_scale: float,
     num_splits: int | None = None,
     check_tags: bool = True,  # False only to measure the check's cost
-    block_n: int | None = None,  # tokens per step: 128 for FP8, 32 for 16-bit caches (measured best)
+    tiles: str | GQATiles | None = None,  # a DECODE_TILES name or entry; None: DEFAULT_TILES
 ) -> torch.Tensor:  # [B, Hq, Dv] in q's dtype
     """Attention of each sequence's one new query over its paged K/V; see the module docstring."""
     B, Hq, D = q.shape
@@ -279,12 +214,18 @@ def paged_decode_gqa(
     if B == 0:
         return out
     G = Hq // Hkv
-    if block_n is None:
-        block_n = 128 if k_cache.dtype == torch.float8_e4m3fn else 32
-    splits = num_splits or pick_num_splits(B, Hkv, page_table.shape[1] * S, num_sms(q.device))
+    cfg = tiles if isinstance(tiles, GQATiles) else decode_tiles(tiles, k_cache.dtype)
+    max_tokens = page_table.shape[1] * S
+    split_cost = Hq * Dv * 8 / (max_tokens * Hkv * (D + Dv) * k_cache.element_size())  # fp32 partials, twice
+    splits = num_splits or pick_num_splits(
+        B, Hkv, max_tokens, num_sms(q.device), cfg.programs_per_sm, split_cost
+    )
     part_o = torch.empty((B, Hq, splits, Dv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
-    _paged_decode_gqa_kernel[(B, Hkv, splits)](
+    block_d = triton.next_power_of_2(D)
+    block_dv = triton.next_power_of_2(Dv)
+    kernel = paged_decode_gqa_v3_kernel if cfg.v3 else _paged_decode_gqa_kernel
+    kernel[(B, Hkv, splits)](
         q,
         k_cache,
         v_cache,
@@ -312,15 +253,16 @@ def paged_decode_gqa(
         PAGE_SIZE=S,
         GROUP=G,
         BLOCK_H=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n,
-        BLOCK_P=64,
-        BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_DV=triton.next_power_of_2(Dv),
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         CHECK_TAGS=check_tags,
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        **slice_constexprs(cfg, q, k_cache, v_cache, block_d, block_dv),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     merge_splits(part_o, part_lse, out, v_scale)
     return out

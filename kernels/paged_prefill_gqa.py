@@ -15,13 +15,15 @@ and writes the normalised partial output and its log-sum-exp; `kernels.split_k_m
 With one slice the program writes the output itself. Tiles are the fastest grid axis so neighbouring
 tiles of one sequence read the same pages side by side (L2 reuse).
 
-Page-tag check, fused as in `paged_decode_gqa`: each program first checks the pages of its slice in
-one vectorised pass and sets `tag_mismatch[b]` on a mismatch; only a slice holding a bad page
-re-checks per token, and its tokens get -inf scores and zero V rows (the bytes may be another
-tenant's NaN). The sequence's last tile covers every page in use, so the flag matches the
-reference's — except that a sequence with no new token gets no program (as in `mla_prefill`; the
-engine never schedules one). FP8: dots in fp16 (e4m3 -> fp16 is one cvt), `k_scale` folded into the
-softmax scale and `v_scale` into the output.
+Each program runs `kernels.gqa_slice.attend_slice`: the tiles every row of the tile sees go unmasked,
+the diagonal ones causally masked. Page-tag check, fused there as for decode: the hot loop reads no
+tag, the slice's pages are checked in one pass after it, and only a slice with a bad page sets
+`tag_mismatch[b]` and is walked again, its bad tokens at -inf with their K/V never read (the bytes
+may be another tenant's NaN). The sequence's last tile covers every page in use, so the flag matches
+the reference's — except that a sequence with no new token gets no program (as in `mla_prefill`; the
+engine never schedules one). FP8: dots in fp16 (e4m3 -> fp16 is one cvt; V as byte pairs, see
+`gqa_slice`), `k_scale` folded into the softmax scale and `v_scale` into the output. Tiles come from
+`PREFILL_TILES` by name (`DEFAULT_TILES` per cache dtype); `…/v3` names the 2026-12-01 kernel.
 
 Shapes: T queries, B sequences, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim, Dv value dim,
 P pages, S page size, Mp pages per sequence in the table, NT tiles, NS slices.
@@ -35,10 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gqa_slice import GQATiles, attend_slice, slice_constexprs
 from kernels.mla_decode import pick_num_splits, query_tile
 from kernels.mla_prefill import query_tiles
 from kernels.paged_attention import paged_attention_ref
-from kernels.paged_decode_gqa import attend_slice, check_gqa_inputs, count_bad_pages
+from kernels.paged_decode_gqa import check_gqa_inputs
+from kernels.paged_gqa_v3 import paged_prefill_gqa_v3_kernel
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 __all__ = ["paged_attention_ref", "paged_prefill_gqa"]
@@ -91,6 +95,11 @@ def _paged_prefill_gqa_kernel(
     DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches, else q's
     DOT_PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D and Dv are powers of two (no column masks)
+    SHARED_OFFSETS: tl.constexpr,  # K and V have the same strides
+    SPLIT_V: tl.constexpr,  # FP8 V read as byte pairs (kernels/gqa_slice.py)
+    LAZY_SUM: tl.constexpr,
+    ASM: tl.constexpr,  # inline PTX allowed (not in the interpreter)
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -115,26 +124,12 @@ def _paged_prefill_gqa_kernel(
         mask=row_ok[:, None] & (offs_d < D)[None, :],
         other=0.0,
     ).to(COMPUTE)  # [BM, D]
-    num_bad = 0
-    if CHECK_TAGS:  # the slice's pages at once; the slice's tokens are re-checked only if one is bad
-        num_bad = count_bad_pages(
-            page_table_ptr,
-            expected_ptr,
-            page_tags_ptr,
-            b,
-            stride_ptb,
-            stride_etb,
-            start,
-            end,
-            PAGE_SIZE,
-            BLOCK_P,
-        )
-        tl.store(mismatch_ptr + b, 1, mask=num_bad > 0)
     row_limit = first_pos + qi + 1  # [BM] tokens the row's query may see (causal)
     m, l, acc = attend_slice(
-        q, row_limit, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, start, end, num_bad,
-        qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_etb,
-        PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, CHECK_TAGS, True, COMPUTE, DOT_PRECISION,
+        q, row_limit, first_pos + 1, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, mismatch_ptr, b,
+        kvh, start, end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_ptb, stride_etb, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_D, BLOCK_DV, CHECK_TAGS, True,
+        EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
     )  # fmt: skip
 
     l_safe = tl.where(l > 0.0, l, 1.0)
@@ -147,6 +142,27 @@ def _paged_prefill_gqa_kernel(
         part_row = (t_row * num_q_heads + heads) * num_splits + split  # [BM] index into [T, Hq, NS]
         tl.store(part_o_ptr + part_row[:, None] * DV + offs_dv[None, :], acc / l_safe[:, None], mask=o_mask)
         tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+
+
+# Named launch configurations; DEFAULT_TILES picks one per cache dtype. The v3 rows are the kernel measured
+# on 2026-12-01 at its default 128 × 32 on 8 warps (0.19-0.24 of bf16 peak) and its fastest variant there.
+PREFILL_TILES: dict[str, GQATiles] = {
+    "bf16/v3": GQATiles(block_m=128, block_n=32, num_warps=8, v3=True),
+    "bf16/v3-n64": GQATiles(block_m=128, block_n=64, num_warps=8, v3=True),
+    "fp8/v3": GQATiles(block_m=128, block_n=32, num_warps=8, v3=True),
+    "bf16/v4": GQATiles(block_m=128, block_n=64, num_warps=8),
+    "bf16/v4-n128": GQATiles(block_m=128, block_n=128, num_warps=8),
+    "bf16/v4-m64": GQATiles(block_m=64, block_n=64, num_warps=4),
+    "fp8/v4": GQATiles(block_m=128, block_n=64, num_warps=8, split_v=True),
+    "fp8/v4-n128": GQATiles(block_m=128, block_n=128, num_warps=8, split_v=True),
+}
+DEFAULT_TILES = {"bf16": "bf16/v4", "fp8": "fp8/v4"}  # switch after the H200 run
+
+
+def prefill_tiles(name: str | None, cache_dtype: torch.dtype) -> GQATiles:
+    """The table entry `name`, or the default for the cache dtype (16-bit caches share the bf16 rows)."""
+    kind = "fp8" if cache_dtype == torch.float8_e4m3fn else "bf16"
+    return PREFILL_TILES[name or DEFAULT_TILES[kind]]
 
 
 def paged_prefill_gqa(
@@ -165,18 +181,10 @@ def paged_prefill_gqa(
     *,
     num_splits: int | None = None,
     check_tags: bool = True,  # False only to measure the check's cost
-    block_m: int = 128,
-    block_n: int = 32,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    tiles: str | GQATiles | None = None,  # a PREFILL_TILES name or entry; None: DEFAULT_TILES
     out: torch.Tensor | None = None,  # [T, Hq, Dv] q's dtype, written whole (a graph's static buffer)
 ) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
-    """`paged_attention_ref` on the GPU; see the module docstring.
-
-    Tile defaults: 128 rows (10 queries × 12 heads for GLM-4.5-Air) × 32 tokens on 8 warps, which ptxas
-    compiles for sm90 without spills for BF16 and FP8 (`python -m tests.kernels.sm90_compile`; 64 × 32
-    on 4 warps spills); not yet measured (the H200 bench sweeps 64 × 64 and 128 × 64).
-    """
+    """`paged_attention_ref` on the GPU; see the module docstring."""
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
     T, Hq, D = q.shape
@@ -186,7 +194,8 @@ def paged_prefill_gqa(
         raise ValueError(f"query_start must be [B+1] = [{B + 1}], got {tuple(query_start.shape)}")
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
     G = Hq // Hkv
-    block_m = max(block_m, 16, triton.next_power_of_2(G))
+    cfg = tiles if isinstance(tiles, GQATiles) else prefill_tiles(tiles, k_cache.dtype)
+    block_m, block_n = max(cfg.block_m, 16, triton.next_power_of_2(G)), cfg.block_n
     if block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError("block_m and block_n must be powers of two, block_n >= 16 (tl.dot tiles)")
     if out is None:
@@ -206,7 +215,10 @@ def paged_prefill_gqa(
     else:
         part_o = torch.empty((T, Hq, splits, Dv), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
-    _paged_prefill_gqa_kernel[(num_tiles, Hkv, splits)](
+    block_d = max(16, triton.next_power_of_2(D))
+    block_dv = max(16, triton.next_power_of_2(Dv))
+    kernel = paged_prefill_gqa_v3_kernel if cfg.v3 else _paged_prefill_gqa_kernel
+    kernel[(num_tiles, Hkv, splits)](
         q,
         k_cache,
         v_cache,
@@ -245,15 +257,16 @@ def paged_prefill_gqa(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_P=64,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         CHECK_TAGS=check_tags,
         DIRECT=direct,
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        **slice_constexprs(cfg, q, k_cache, v_cache, block_d, block_dv),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
     if not direct:
         merge_splits(part_o, part_lse, out, v_scale)

@@ -1,18 +1,21 @@
-"""Paged GQA prefill attention on the GPU: BF16 vs FP8 KV, tile variants, the tag check on vs off, and
-flash SDPA over a contiguous BF16 copy as the peer.
+"""Paged GQA prefill attention on the GPU: every PREFILL_TILES entry (the v3 kernel's included) for BF16
+and FP8 KV, the tag check on vs off, and flash SDPA over a contiguous BF16 copy as the peer.
 
 Shapes are GLM-4.5-Air's attention (96 query heads, 8 KV heads, head dim 128), page size 16, pages
 handed out in a shuffled order. Cases: whole prompts from scratch, a chunk after a long cached
 prefix, and a mixed step (one chunk plus 63 decode rows). FLOPs count the causal work only
 (`4 · Hq · D` per visible (query, token) pair); `fraction_of_ceiling` is against the bf16 GEMM
-ceiling measured in the same run. Correctness: the last 32 queries of the first sequence against an
-fp32 softmax over its gathered tokens. The tag check's cost: interleaved A/B pairs.
+ceiling measured in the same run. Each row's `ms` is the default entry's (`DEFAULT_TILES`), `variants`
+the others' (`--quick`: the v3 default and the v4 entries). Correctness: the last 32 queries of the
+first sequence against an fp32 softmax over its gathered tokens, for every entry timed. The tag
+check's cost: interleaved A/B pairs of the default entries.
 
-    python3 -m benchmarks.kernels.bench_paged_prefill --out results.json
+    python3 -m benchmarks.kernels.bench_paged_prefill --out results.json [--quick]
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,8 +23,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from benchmarks.kernels.common import bench_ms, graph_ms, overhead_text, rel_err, run_cases, tag_check_row
-from kernels.paged_prefill_gqa import paged_prefill_gqa
+from benchmarks.kernels.common import (
+    bench_ms,
+    overhead_text,
+    rel_err,
+    run_cases,
+    tag_check_rows,
+    time_entries,
+)
+from kernels.paged_prefill_gqa import DEFAULT_TILES, PREFILL_TILES, paged_prefill_gqa
 
 DEV = "cuda"
 HQ, HKV, D, PAGE = 96, 8, 128, 16
@@ -32,13 +42,15 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("chunk 2k after 30k", [(32768, 2048)]),
     ("mixed 2k chunk + 63 decodes at 8k", [(4096, 2048)] + [(8192, 1)] * 63),
 ]
-VARIANTS = {"block_m=64 block_n=64 warps=4": (64, 64, 4), "block_m=64 block_n=64 warps=8": (64, 64, 8),
-            "block_m=128 block_n=64 warps=8": (128, 64, 8)}  # fmt: skip
+QUICK_CASES = [CASES[0], CASES[2]]  # one compile of each entry serves both (same specialisation)
+QUICK_TILES = ["bf16/v3", "bf16/v4", "bf16/v4-m64", "fp8/v3", "fp8/v4"]  # the quick run's entries
 AB_PAIRS = 5
 
 
-def bench_case(name: str, seqs: list[tuple[int, int]], ceil: dict[str, float]) -> list[dict[str, Any]]:
-    dev = DEV
+def bench_case(
+    name: str, seqs: list[tuple[int, int]], ceil: dict[str, float], quick: bool = False
+) -> list[dict[str, Any]]:
+    dev, rep_ms = DEV, 50 if quick else 100
     B = len(seqs)
     pages_per = [-(-L // PAGE) for L, _ in seqs]
     P = sum(pages_per)
@@ -63,11 +75,11 @@ def bench_case(name: str, seqs: list[tuple[int, int]], ceil: dict[str, float]) -
     k8, v8 = (k16 / k_scale).to(torch.float8_e4m3fn), (v16 / v_scale).to(torch.float8_e4m3fn)
     caches = {"bf16": (k16, v16, 1.0, 1.0), "fp8": (k8, v8, k_scale, v_scale)}
 
-    def ours(kv: str, check: bool = True, **kw: Any) -> torch.Tensor:
+    def ours(kv: str, tiles: str, check: bool = True) -> torch.Tensor:
         kc, vc, ks, vs = caches[kv]
         return paged_prefill_gqa(
             q, kc, vc, ks, vs, query_start, seq_lens, table, expected, page_tags, flags, scale,
-            check_tags=check, **kw,
+            check_tags=check, tiles=tiles,
         )  # fmt: skip
 
     def reference(out: torch.Tensor, kv: str) -> float:
@@ -110,52 +122,51 @@ def bench_case(name: str, seqs: list[tuple[int, int]], ceil: dict[str, float]) -
             peers["sdpa_bf16_contiguous_per_seq"] = bench_ms(sdpa)  # not captured: the bias may not be
     except (RuntimeError, torch.OutOfMemoryError, TypeError) as exc:
         print("sdpa peer failed:", repr(exc)[:300], flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
     times = {}
     for kv in ("bf16", "fp8"):
-        out = ours(kv)
-        err = reference(out, kv)
+        names = [n for n in (QUICK_TILES if quick else PREFILL_TILES) if n.startswith(kv + "/")]
+        variants, errors, failed = time_entries(names, partial(ours, kv), partial(reference, kv=kv), rep_ms)
         assert not flags.any(), "no page was reallocated: no sequence may be flagged"
-        times[kv] = graph_ms([lambda kv=kv: ours(kv)])
-        variants = {}
-        for vname, (bm, bn, w) in VARIANTS.items():
-            try:
-                variants[vname] = graph_ms(
-                    [lambda kv=kv, bm=bm, bn=bn, w=w: ours(kv, block_m=bm, block_n=bn, num_warps=w)]
-                )
-            except Exception as exc:  # noqa: BLE001 (a variant that does not compile is reported, not fatal)
-                print(f"{name} {kv} {vname} failed: {repr(exc)[:200]}", flush=True)
+        times[kv] = ms = variants.get(DEFAULT_TILES[kv], float("nan"))
         rows.append(
             {
                 "kernel": "paged-prefill-gqa",
                 "case": f"kv={kv} {name} batch={B} context={max(L for L, _ in seqs)} tokens={T} "
                 f"heads={HQ}/{HKV} d={D} page={PAGE}",
                 "goal": None,
-                "ms": times[kv],
-                "fraction_of_ceiling": flops / times[kv] / 1e9 / ceil["bf16_TFLOPs"],
-                "TFLOPs": flops / times[kv] / 1e9,
+                "tiles": DEFAULT_TILES[kv],
+                "ms": ms,
+                "fraction_of_ceiling": flops / ms / 1e9 / ceil["bf16_TFLOPs"],
+                "TFLOPs": flops / ms / 1e9,
                 "peers": {**peers, **({"ours_bf16_kv": times["bf16"]} if kv == "fp8" else {})},
-                "rel_err": err,
                 "variants": variants,
-                "ok": err < (1e-2 if kv == "bf16" else 3e-2),
+                "errors": errors,
+                "failed": failed,
+                "rel_err": errors.get(DEFAULT_TILES[kv], float("nan")),
+                "ok": not failed and max(errors.values()) < (1e-2 if kv == "bf16" else 3e-2),
             }
         )
-    rows.append(
-        tag_check_row(
-            f"paged-prefill-gqa kv=fp8 {name} batch={B} heads={HQ}/{HKV} d={D} page={PAGE}",
-            lambda: ours("fp8", True),
-            lambda: ours("fp8", False),
-            AB_PAIRS,
+    ops = {
+        f"paged-prefill-gqa kv={kv} tiles={t} {name} batch={B} heads={HQ}/{HKV} d={D} page={PAGE}": partial(
+            ours, kv, t
         )
-    )
+        for kv, t in (("fp8", DEFAULT_TILES["fp8"]), ("bf16", DEFAULT_TILES["bf16"]))
+    }
+    rows += tag_check_rows(ops, 3 if quick else AB_PAIRS, rep_ms)
     for r in rows:
         extra = overhead_text(r) if "overhead" in r else \
-            f"{r['TFLOPs']:.0f} TFLOP/s frac {r['fraction_of_ceiling']:.2f} err {r['rel_err']:.1e} ok {r['ok']}"  # fmt: skip
+            f"{r['TFLOPs']:.0f} TFLOP/s frac {r['fraction_of_ceiling']:.2f} ok {r['ok']}"  # fmt: skip
         print(f"{r['kernel']:<18} {r['case']:<80} {r['ms'] * 1e3:9.1f}us {extra} | "
-              + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items())
-              + "".join(f" | {k} {v * 1e3:.1f}us" for k, v in r.get("variants", {}).items()), flush=True)  # fmt: skip
+              + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in r["peers"].items()), flush=True)  # fmt: skip
+        for tiles, t in r.get("variants", {}).items():
+            print(
+                f"{'':<20}{tiles:<14} {t * 1e3:9.1f}us {flops / t / 1e9:5.0f} TFLOP/s err {r['errors'][tiles]:.1e}"
+            )
     return rows
 
 
 if __name__ == "__main__":
-    run_cases(bench_case, CASES, "prefill is compute-bound: fraction_of_ceiling is of bf16 TFLOP/s")
+    run_cases(
+        bench_case, CASES, "prefill is compute-bound: fraction_of_ceiling is of bf16 TFLOP/s", QUICK_CASES
+    )

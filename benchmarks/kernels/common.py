@@ -27,7 +27,7 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> f
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def graph_ms(calls: list[Callable[[], Any]]) -> float:
+def graph_ms(calls: list[Callable[[], Any]], rep_ms: int = 100) -> float:
     """Median time of one call, from CUDA-graph replays of all `calls` in turn (one per input copy).
 
     A graph takes the Python launch cost out, as the engine's decode graphs do, and each replay
@@ -40,7 +40,7 @@ def graph_ms(calls: list[Callable[[], Any]]) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    return bench_ms(graph.replay) / len(calls)
+    return bench_ms(graph.replay, rep_ms=rep_ms) / len(calls)
 
 
 def num_copies(bytes_per_copy: int, floor: int = 2) -> int:
@@ -95,14 +95,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tag_check_row(
-    case: str, checked: Callable[[], Any], unchecked: Callable[[], Any], pairs: int
+    case: str, checked: Callable[[], Any], unchecked: Callable[[], Any], pairs: int, rep_ms: int = 100
 ) -> dict[str, Any]:
     """The `tag-check` row: `pairs` interleaved A/B timings of the same op with the check compiled in
     and out (clock drift hits both arms alike); the median relative difference and its spread."""
     on, off = [], []
     for _ in range(pairs):
-        on.append(graph_ms([checked]))
-        off.append(graph_ms([unchecked]))
+        on.append(graph_ms([checked], rep_ms))
+        off.append(graph_ms([unchecked], rep_ms))
     diffs = sorted((a - b) / b for a, b in zip(on, off, strict=True))
     return {
         "kernel": "tag-check",
@@ -117,6 +117,32 @@ def tag_check_row(
     }
 
 
+def time_entries(
+    names: list[str], op: Callable[[str], Any], error: Callable[[Any], float], rep_ms: int = 100
+) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """(ms, error, failure) of `op(name)` per tile-table entry: one that fails on the device is reported
+    and skipped, so one run still times the others."""
+    times, errors, failed = {}, {}, {}
+    for name in names:
+        try:
+            errors[name] = error(op(name))
+            times[name] = graph_ms([lambda name=name: op(name)], rep_ms)
+        except Exception as exc:  # noqa: BLE001 (reported in the record, not fatal)
+            failed[name] = repr(exc)[:300]
+            print(f"{name} failed: {failed[name]}", flush=True)
+    return times, errors, failed
+
+
+def tag_check_rows(
+    ops: dict[str, Callable[[bool], Any]], pairs: int, rep_ms: int = 100
+) -> list[dict[str, Any]]:
+    """A `tag_check_row` per case: `ops[case](check)` runs the op with the check compiled in or out."""
+    return [
+        tag_check_row(case, lambda op=op: op(True), lambda op=op: op(False), pairs, rep_ms)
+        for case, op in ops.items()
+    ]
+
+
 def overhead_text(row: dict[str, Any]) -> str:
     """`overhead +x.xx% [lo, hi]` of a tag-check row, for the printed table."""
     lo, hi = row["overhead_spread"]
@@ -124,17 +150,26 @@ def overhead_text(row: dict[str, Any]) -> str:
 
 
 def run_cases(
-    bench_case: Callable[..., list[dict[str, Any]]], cases: list[tuple[Any, ...]], notes: str
+    bench_case: Callable[..., list[dict[str, Any]]],
+    cases: list[tuple[Any, ...]],
+    notes: str,
+    quick_cases: list[tuple[Any, ...]] | None = None,
 ) -> None:
-    """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record."""
+    """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record.
+    A benchmark that gives `quick_cases` takes `--quick` (those cases, shorter timings: one device call) and
+    gets `bench_case(*case, ceilings, quick)`."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--quick", action="store_true", help="the main cases only, shorter timings (one device call)"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     rows: list[dict[str, Any]] = []
-    for case in cases:
-        rows += bench_case(*case, ceil)
+    quick = (args.quick,) if quick_cases is not None else ()
+    for case in quick_cases if args.quick and quick_cases else cases:
+        rows += bench_case(*case, ceil, *quick)
         torch.cuda.empty_cache()
         write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran

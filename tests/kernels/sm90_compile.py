@@ -69,41 +69,6 @@ def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16", check: bool = 
     return _source(fn, ptrs, consts, {"scale"})
 
 
-def gqa_prefill_source(
-    q: str = "bf16", cache: str = "bf16", block_m: int = 64, block_n: int = 64
-) -> ASTSource:
-    from kernels.paged_prefill_gqa import _paged_prefill_gqa_kernel as fn
-
-    ptrs = {
-        "q_ptr": q, "k_ptr": cache, "v_ptr": cache, "page_table_ptr": "i32", "expected_ptr": "i64",
-        "page_tags_ptr": "i64", "seq_lens_ptr": "i32", "query_start_ptr": "i32", "tile_seq_ptr": "i32",
-        "tile_q0_ptr": "i32", "mismatch_ptr": "u8", "part_o_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": q,
-    }  # fmt: skip
-    consts: dict[str, Any] = dict(
-        PAGE_SIZE=16, GROUP=12, BLOCK_Q=block_m // 12, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_P=64,
-        BLOCK_D=128, BLOCK_DV=128, CHECK_TAGS=True, DIRECT=True,
-        COMPUTE=tl.float16 if cache == "fp8e4nv" else _TL[q], DOT_PRECISION="tf32",
-    )  # fmt: skip
-    return _source(fn, ptrs, consts, {"qk_scale", "v_scale"})
-
-
-def dsa_scores_source(
-    q: str = "bf16", cache: str = "fp8e4nv", block_q: int = 1, block_n: int = 64
-) -> ASTSource:
-    from kernels.dsa_indexer_triton import _dsa_scores_kernel as fn
-
-    ptrs = {
-        "q_ptr": q, "w_ptr": "fp32", "k_ptr": cache, "page_table_ptr": "i32", "expected_ptr": "i64",
-        "page_tags_ptr": "i64", "seq_lens_ptr": "i32", "query_start_ptr": "i32", "tile_seq_ptr": "i32",
-        "tile_q0_ptr": "i32", "mismatch_ptr": "u8", "scores_ptr": "fp32",
-    }  # fmt: skip
-    consts: dict[str, Any] = dict(
-        PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=32, BLOCK_N=block_n, BLOCK_D=128, CHECK_TAGS=True,
-        COMPUTE=tl.float16 if cache == "fp8e4nv" else _TL[q], DOT_PRECISION="tf32",
-    )  # fmt: skip
-    return _source(fn, ptrs, consts, {"qk_scale"})
-
-
 def merge_source(out: str = "bf16") -> ASTSource:
     from kernels.split_k_merge import _merge_kernel as fn
 
@@ -139,9 +104,10 @@ def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[s
     )
 
 
-def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2) -> str:
-    """Compile to a cubin; return ptxas's register / spill line."""
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2, maxnreg: int | None = None) -> str:
+    """Compile to a cubin; return ptxas's register / spill line (`maxnreg`: a register cap, as at launch)."""
+    options = {"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
+    kernel = triton.compile(src, target=TARGET, options=options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
@@ -197,22 +163,6 @@ def ctas_per_sm(info: str, num_warps: int) -> int:
     return min(by_regs, 228 * 1024 // (smem + 1024), 64 // num_warps)
 
 
-# the GQA prefill and DSA indexer launchers' defaults (GLM-4.5-Air 96/8 × 128; GLM-5 indexer 32 × 128)
-OTHER_DEFAULTS: list[tuple[str, Any, int]] = [
-    ("gqa prefill bf16 (default tiles)", lambda: gqa_prefill_source(block_m=128, block_n=32), 8),
-    (
-        "gqa prefill fp8 (default tiles)",
-        lambda: gqa_prefill_source(cache="fp8e4nv", block_m=128, block_n=32),
-        8,
-    ),
-    ("dsa scores decode fp8 (default tiles)", lambda: dsa_scores_source(block_q=1, block_n=64), 8),
-    (
-        "dsa scores decode bf16 (default tiles)",
-        lambda: dsa_scores_source(cache="bf16", block_q=1, block_n=64),
-        8,
-    ),
-    ("dsa scores prefill fp8 (default tiles)", lambda: dsa_scores_source(block_q=2, block_n=64), 8),
-]
 
 
 def main() -> None:
@@ -228,8 +178,11 @@ def main() -> None:
         print(f"{name:<48} {info} ctas/SM={fits}", flush=True)
         if tiles.ctas_per_sm > fits:
             overbooked.append(f"{name}: the table says {tiles.ctas_per_sm} CTAs an SM, {fits} fit")
-    for name, source, warps in OTHER_DEFAULTS:
-        print(f"{name:<48} {compile_sm90(source(), warps)}", flush=True)
+    from tests.kernels.sm90_compile_gqa import DEFAULTS as GQA_DEFAULTS  # it imports this module
+
+    for name, build in GQA_DEFAULTS:  # GQA prefill and the DSA scoring (GQA decode: sm90_compile_gqa alone)
+        if not name.startswith("gqa decode"):
+            print(f"{name:<48} {compile_sm90(*build())}", flush=True)
     print(f"{'mla merge bf16':<48} {compile_sm90(merge_source(), 4)}", flush=True)
     print(f"{'kv_write fp8 <- bf16':<48} {compile_sm90(kv_write_source(), 4)}", flush=True)
     print(

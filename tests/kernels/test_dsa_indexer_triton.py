@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels.dsa_indexer_triton import (  # noqa: E402
+    INDEXER_TILES,
+    IndexerTiles,
     dsa_indexer,
     dsa_indexer_ref,
     dsa_indexer_scores,
@@ -122,13 +124,13 @@ def test_scores_and_choice_match_reference(
 ) -> None:  # fmt: skip
     batch, _, _ = make_batch(seq_lens, num_q, Hi, Di, S, q_dtype, q_dtype, seed=sum(seq_lens), topk=topk)
     want = brute_scores(batch)
-    got, flags = run_scores(batch, block_n=16)
+    got, flags = run_scores(batch, config=IndexerTiles(block_n=16))
     assert not flags.any()
     assert torch.equal(torch.isneginf(got), torch.isneginf(want))  # visibility exactly; no NaN left
     tol = 1e-5 if q_dtype == torch.float32 else 3e-3
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite], want[finite], rtol=tol, atol=tol * float(want[finite].abs().max()))
-    idx, ref, flags, ref_flags = run_both(batch, block_q=block_q, block_n=16)
+    idx, ref, flags, ref_flags = run_both(batch, block_q=block_q, config=IndexerTiles(block_n=16))
     assert not flags.any() and not ref_flags.any()
     assert_same_choice(idx, ref, want, atol=tol * float(want[finite].abs().max()) * 2)
 
@@ -138,9 +140,9 @@ def test_fp8_keys_and_groups_of_tiles() -> None:
     batch, _, _ = make_batch([50, 9], [12, 9], 8, 32, 16, FP8, torch.float16, seed=3, topk=16)
     want = brute_scores(batch)
     finite = torch.isfinite(want)
-    got, _ = run_scores(batch, block_n=32)
+    got, _ = run_scores(batch, config=IndexerTiles(block_n=32))
     assert torch.allclose(got[finite], want[finite], rtol=3e-3, atol=3e-3 * float(want[finite].abs().max()))
-    idx, ref, _, _ = run_both(batch, block_n=32, max_score_bytes=1)
+    idx, ref, _, _ = run_both(batch, config=IndexerTiles(block_n=32), max_score_bytes=1)
     assert_same_choice(idx, ref, want, atol=6e-3 * float(want[finite].abs().max()))
 
 
@@ -150,27 +152,49 @@ def test_tampered_tag_flags_and_its_keys_are_never_chosen() -> None:
     page held tokens the clean run chose."""
     S = 8
     batch, _, paged = make_batch([40, 40, 23], [10, 40, 1], 4, 16, S, torch.float16, torch.float16, 5, topk=6)
-    clean, *_ = run_both(batch, block_n=16)
+    clean, *_ = run_both(batch, config=IndexerTiles(block_n=16))
     bad_page = paged.pages[1][2]  # tokens 16..23 of sequence 1
     assert ((clean[10:50] >= 16) & (clean[10:50] < 24)).any()
     batch["page_tags"][bad_page] += 1
     batch["k_cache"][bad_page] = float("nan")
     want = brute_scores(batch, frozenset({bad_page}))
-    got, flags = run_scores(batch, block_n=16)
+    got, flags = run_scores(batch, config=IndexerTiles(block_n=16))
     assert flags.tolist() == [False, True, False]
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any()
-    idx, ref, flags, ref_flags = run_both(batch, block_n=16)
+    idx, ref, flags, ref_flags = run_both(batch, config=IndexerTiles(block_n=16))
     assert flags.tolist() == [False, True, False] == ref_flags.tolist()
     assert not ((idx[10:50] >= 16) & (idx[10:50] < 24)).any()
     finite = torch.isfinite(want)
     assert_same_choice(idx, ref, want, atol=6e-3 * float(want[finite].abs().max()))
 
 
+@pytest.mark.parametrize("name", sorted(INDEXER_TILES))
+def test_every_tile_entry_scores_and_drops_a_tampered_page(name: str) -> None:
+    """Each INDEXER_TILES entry, the v3 kernel's included, on a batch of its phase (decode rows, or a prompt
+    and a chunk): programs of several key tiles, tiles no query sees, a reallocated page (NaN keys where
+    16-bit: the interpreter's e4m3 loses NaN) that scores -inf and flags its sequence only."""
+    kv = FP8 if name.startswith("fp8") else torch.float16
+    lens, num_q = ([300, 45, 600], [1, 1, 1]) if "/decode/" in name else ([90, 140], [30, 140])
+    batch, _, paged = make_batch(lens, num_q, 4, 32, 16, kv, torch.float16, seed=9, topk=20)
+    bad_page = paged.pages[-1][5]  # tokens 80..95 of the last sequence
+    batch["page_tags"][bad_page] += 1
+    batch["k_cache"][bad_page] = torch.tensor(float("nan")).to(kv)
+    want = brute_scores(batch, frozenset({bad_page}))
+    got, flags = run_scores(batch, config=name)
+    assert flags.tolist() == [False] * (len(lens) - 1) + [True]
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any()
+    finite = torch.isfinite(want)
+    scale = float(want[finite].abs().max())
+    assert torch.allclose(got[finite], want[finite], rtol=3e-3, atol=3e-3 * scale)
+    idx, ref, _, _ = run_both(batch, config=name)
+    assert_same_choice(idx, ref, want, atol=6e-3 * scale)
+
+
 def test_check_can_be_disabled_and_bad_inputs_rejected() -> None:
     batch, _, _ = make_batch([20, 9], [3, 9], 4, 16, 4, torch.float32, torch.float32, seed=6, topk=5)
     batch["page_tags"] += 1
     dev_in = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    unchecked = dsa_indexer(**dev_in, check_tags=False, block_n=16)
+    unchecked = dsa_indexer(**dev_in, check_tags=False, config=IndexerTiles(block_n=16))
     assert not dev_in["tag_mismatch"].any() and (unchecked >= 0).any()  # the benchmark's "off" arm
     with pytest.raises(ValueError):
         dsa_indexer(**{**batch, "weights": batch["weights"].half()})

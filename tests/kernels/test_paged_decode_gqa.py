@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.paged_decode_gqa import paged_decode_gqa, paged_decode_gqa_ref, pick_num_splits  # noqa: E402
+from kernels.gqa_slice import GQATiles  # noqa: E402
+from kernels.paged_decode_gqa import (  # noqa: E402
+    DECODE_TILES,
+    DEFAULT_TILES,
+    paged_decode_gqa,
+    paged_decode_gqa_ref,
+    pick_num_splits,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into loop bounds with int(); numpy < 2.4 only warns
@@ -134,7 +144,9 @@ def test_tag_mismatch_flags_sequence_and_drops_page() -> None:
     batch["page_tags"][bad_page] += 1
     batch["k_cache"][bad_page] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
     batch["v_cache"][bad_page] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
-    out, ref, flags, ref_flags = run_both(batch, num_splits=2, block_n=16)  # bad page in slice 0 only
+    out, ref, flags, ref_flags = run_both(
+        batch, num_splits=2, tiles=GQATiles(block_n=16)
+    )  # bad page in slice 0
     assert flags.tolist() == [False, True, False] == ref_flags.tolist()
     assert not out.isnan().any()
     assert rel_err(out, ref) < 2e-3  # an FP8 cache computes its dots in fp16
@@ -146,9 +158,36 @@ def test_bad_page_in_a_later_slice(block_n: int) -> None:
     gen = torch.Generator().manual_seed(15)
     batch = make_batch([100, 61], 4, 2, 16, 4, torch.float16, torch.float16, gen)
     batch["page_tags"][int(batch["page_table"][0, 20])] -= 3  # tokens 80..83 of sequence 0
-    out, ref, flags, ref_flags = run_both(batch, num_splits=4, block_n=block_n)
+    out, ref, flags, ref_flags = run_both(batch, num_splits=4, tiles=GQATiles(block_n=block_n, lazy_sum=True))
     assert flags.tolist() == [True, False] == ref_flags.tolist()
     assert rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_TILES))
+def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
+    """Each DECODE_TILES entry, the v3 kernel's included: 12 query heads per KV head, partial last tiles, a
+    slice with a reallocated page (tag bumped, NaN bytes) and slices without; outputs equal the reference's."""
+    kv = torch.float8_e4m3fn if name.startswith("fp8") else torch.float16
+    batch = make_batch([300, 1, 77, 513], 24, 2, 32, 16, kv, torch.float16, torch.Generator().manual_seed(21))
+    bad = int(batch["page_table"][3, 20])  # tokens 320..335 of sequence 3
+    batch["page_tags"][bad] += 1
+    batch["k_cache"][bad] = batch["v_cache"][bad] = torch.tensor(float("nan")).to(kv)
+    out, ref, flags, ref_flags = run_both(batch, tiles=name, num_splits=3)
+    assert flags.tolist() == [False, False, False, True] == ref_flags.tolist()
+    assert not out.isnan().any() and rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.float8_e4m3fn])
+def test_value_cache_of_its_own_width_and_strides(kv: torch.dtype) -> None:
+    """V 24 wide in a 40-wide allocation: its strides differ from K's (no shared offsets), its columns
+    are masked (FP8: the byte pairs too), and the output is 24 wide."""
+    gen = torch.Generator().manual_seed(4)
+    batch = make_batch([70, 129], 8, 2, 32, 16, kv, torch.float16, gen)
+    v = torch.randn(*batch["v_cache"].shape[:3], 40, generator=gen)
+    batch["v_cache"] = (v / batch["v_scale"]).to(kv)[..., :24]
+    for name in ("bf16/v4", "fp8/v4") if kv == torch.float8_e4m3fn else ("bf16/v4",):
+        out, ref, _, _ = run_both(batch, tiles=name, num_splits=2)
+        assert out.shape == (2, 8, 24) and rel_err(out, ref) < 2e-3
 
 
 def test_all_pages_mismatched_gives_zeros_and_flag() -> None:
@@ -176,9 +215,13 @@ def test_flags_are_sticky_and_check_can_be_disabled() -> None:
 
 
 def test_split_choice() -> None:
-    assert pick_num_splits(64, 8, 8192, 132) == 2  # 512 programs already ~4 per SM
+    assert pick_num_splits(64, 8, 8192, 132) == 2  # v3's rule: 512 programs already ~4 per SM
     assert pick_num_splits(1, 8, 131072, 132) == 64  # one long sequence: capped
     assert pick_num_splits(4, 8, 100, 132) == 1  # short context: one slice
+    # knowing the occupancy: 512 programs fill 4 × 132 slots (97%); at 6 a SM, 3 slices fill two waves (97%)
+    assert pick_num_splits(64, 8, 8192, 132, programs_per_sm=4, split_cost=0.006) == 1
+    assert pick_num_splits(64, 8, 8192, 132, programs_per_sm=6, split_cost=0.003) == 3
+    assert pick_num_splits(8, 8, 32768, 132, programs_per_sm=4, split_cost=0.0004) == 8
 
 
 def test_shape_errors() -> None:
@@ -190,6 +233,23 @@ def test_shape_errors() -> None:
         paged_decode_gqa(**{**batch, "k_cache": batch["k_cache"].half(), "v_cache": batch["v_cache"].half()})
     with pytest.raises(ValueError):
         paged_decode_gqa(**{**batch, "tag_mismatch": torch.zeros(1, dtype=torch.int32)})
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """The GQA decode and prefill kernels and the DSA scoring, at their default tiles, compile for the H200
+    (Triton + ptxas, no GPU; a process without TRITON_INTERPRET, whose inline PTX the interpreter never
+    sees) with the launch's 16-divisible strides; none spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.sm90_compile_gqa"],
+        env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 7 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+    for kv in ("bf16", "fp8"):  # the split rule's occupancy is what ptxas gives
+        line = next(line for line in lines if line.startswith(f"gqa decode {kv} "))
+        assert f"resident={DECODE_TILES[DEFAULT_TILES[kv]].programs_per_sm}" in line, line
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.paged_prefill_gqa import paged_attention_ref, paged_prefill_gqa  # noqa: E402
+from kernels.gqa_slice import GQATiles  # noqa: E402
+from kernels.paged_prefill_gqa import PREFILL_TILES, paged_attention_ref, paged_prefill_gqa  # noqa: E402
 from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,7 +75,7 @@ def test_matches_reference(
     seq_lens: list[int], num_q: list[int], Hq: int, Hkv: int, D: int, S: int, q_dtype: torch.dtype
 ) -> None:
     batch, _ = make_batch(seq_lens, num_q, Hq, Hkv, D, S, q_dtype, q_dtype, seed=sum(seq_lens) + Hq)
-    out, ref, flags, ref_flags = run_both(batch, block_m=32, block_n=16)
+    out, ref, flags, ref_flags = run_both(batch, tiles=GQATiles(block_m=32, block_n=16))
     assert out.dtype == q_dtype and out.shape == (sum(num_q), Hq, D)
     assert rel_err(out, ref) < TOL[q_dtype]
     assert not flags.any() and not ref_flags.any()
@@ -84,14 +85,14 @@ def test_matches_reference(
 def test_tile_shapes_and_splits(block_m: int, splits: int | None) -> None:
     """Split-K over a varlen batch (merge per query row), 1-query tiles (block_m 16 < 2 · G)."""
     batch, _ = make_batch([45, 12, 5], [7, 5, 2], 12, 2, 16, 8, torch.float32, torch.float32, seed=4)
-    out, ref, _, _ = run_both(batch, block_m=block_m, block_n=16, num_splits=splits)
+    out, ref, _, _ = run_both(batch, tiles=GQATiles(block_m=block_m, block_n=16), num_splits=splits)
     assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_cache(splits: int) -> None:
     batch, _ = make_batch([40, 7], [9, 7], 8, 2, 32, 16, FP8, torch.float16, seed=3)
-    out, ref, _, _ = run_both(batch, block_m=16, block_n=16, num_splits=splits)
+    out, ref, _, _ = run_both(batch, tiles=GQATiles(block_m=16, block_n=16), num_splits=splits)
     assert rel_err(out, ref) < 2e-3
 
 
@@ -107,7 +108,7 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
     batch["page_tags"][bad_page] += 1
     batch["k_cache"][bad_page] = float("nan")
     batch["v_cache"][bad_page] = float("nan")
-    out, ref, flags, ref_flags = run_both(batch, block_m=16, block_n=16, num_splits=splits)
+    out, ref, flags, ref_flags = run_both(batch, tiles=GQATiles(block_m=16, block_n=16), num_splits=splits)
     assert flags.tolist() == [False, True, False] == ref_flags.tolist()
     assert not out.isnan().any()
     assert rel_err(out, ref) < 2e-3
@@ -115,15 +116,34 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
     assert rel_err(out[10 + 16 :], clean[10 + 16 :]) > 1e-2  # queries at 16.. saw the page before
 
 
+@pytest.mark.parametrize("name", sorted(PREFILL_TILES))
+def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
+    """Each PREFILL_TILES entry, the v3 kernel's included, at GLM-4.5-Air's 12 heads per KV head: a
+    90-token prompt (whole tiles, then diagonal ones), a chunk after 100 cached tokens and a decode row;
+    a reallocated page with NaN bytes in the prompt (the interpreter's e4m3 loses NaN: FP8 rows only
+    check that the page is dropped), seen by its later queries only."""
+    kv = FP8 if name.startswith("fp8") else torch.float16
+    batch, paged = make_batch([90, 107, 300], [90, 7, 1], 12, 1, 32, 16, kv, torch.float16, seed=8)
+    bad_page = paged.pages[0][3]  # tokens 48..63 of the prompt
+    batch["page_tags"][bad_page] += 1
+    for cache in ("k_cache", "v_cache"):
+        batch[cache][bad_page] = torch.tensor(float("nan")).to(kv)
+    out, ref, flags, ref_flags = run_both(
+        batch, tiles=name, num_splits=1 + sorted(PREFILL_TILES).index(name) % 2
+    )
+    assert flags.tolist() == [True, False, False] == ref_flags.tolist()
+    assert not out.isnan().any() and rel_err(out, ref) < 2e-3
+
+
 def test_all_pages_mismatched_gives_zeros_and_check_can_be_disabled() -> None:
     batch, _ = make_batch([12, 30], [3, 30], 4, 1, 16, 4, torch.float32, torch.float32, seed=6)
     checked_ref = paged_attention_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
     batch["page_tags"] += 7  # every page reallocated
-    out, ref, flags, _ = run_both(batch, num_splits=2, block_m=16, block_n=16)
+    out, ref, flags, _ = run_both(batch, num_splits=2, tiles=GQATiles(block_m=16, block_n=16))
     assert flags.all()
     assert torch.equal(out, torch.zeros_like(out)) and torch.equal(ref, torch.zeros_like(ref))
     dev_in = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    unchecked = paged_prefill_gqa(**dev_in, check_tags=False, block_m=16, block_n=16)
+    unchecked = paged_prefill_gqa(**dev_in, check_tags=False, tiles=GQATiles(block_m=16, block_n=16))
     assert not dev_in["tag_mismatch"].any()  # the benchmark's "off" arm really skips the check
     assert rel_err(unchecked.cpu(), checked_ref) < 1e-5
 
