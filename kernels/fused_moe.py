@@ -41,13 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
 from kernels.moe_routing import (
     MoEConfig,
     MoEGemm,
     _block_rows,
-    _gemv_epilogue,
-    _pair_rows,
+    _gemv_finish,
+    _pair_expert,
     _tile_epilogue,
     check_routing,
     gemv_split_k,
@@ -57,9 +58,6 @@ from kernels.moe_routing import (
 )
 
 __all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
-
-_MAGIC_ONE = 0x3F800000  # bits of 1.0f (see kernels/w4a16_gemm.py)
-
 
 @triton.jit
 def _load_b(
@@ -163,43 +161,17 @@ def _fused_moe_kernel(
 
 
 @triton.jit
-def _gemv_words(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
-                magic_one, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr):  # fmt: skip
-    """K tile t of `x · w[rows]ᵀ` as per-word partial sums `[BN, BK/8]` fp32 (reduced by the caller)."""
-    BK8: tl.constexpr = BLOCK_K // 8
-    wp, sc = _load_b(
-        w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
-        GROUP_SIZE, BLOCK_K, SCALE_ROWS,
-    )  # fmt: skip
-    r = t * BK8 + tl.arange(0, BK8)
-    r_ok = r < K8
-    wp_hi = wp >> 16  # nibbles 4..7 in bits 0..15
-    dot8 = tl.zeros(wp.shape, dtype=tl.float32)
-    x_sum = tl.zeros((BK8,), dtype=tl.float32)
-    lift = 8388608.0  # 2^(23-4j): undoes the nibble's place in the mantissa
-    for j in tl.static_range(4):
-        xj = tl.load(x_row + (r * 8 + j) * stride_ak, mask=r_ok, other=0.0).to(tl.float32)
-        xh = tl.load(x_row + (r * 8 + 4 + j) * stride_ak, mask=r_ok, other=0.0).to(tl.float32)
-        x_sum += xj + xh
-        lo = ((wp & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-        hi = ((wp_hi & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-        dot8 += lo * (xj * lift)[None, :]
-        dot8 += hi * (xh * lift)[None, :]
-        lift = lift * 0.0625
-    return (dot8 - 8.0 * x_sum[None, :]) * sc
-
-
-@triton.jit
 def _fused_moe_gemv_kernel(
     a_ptr,
     w_ptr,
     s_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     topk_w_ptr,
     topk_ids_ptr,
     num_experts,
     N,
-    K,
     K8,  # K / 8 words per weight row
     KG,  # K / G groups per weight row
     stride_am,
@@ -210,63 +182,53 @@ def _fused_moe_gemv_kernel(
     stride_se,
     stride_sn,
     stride_sg,
-    stride_os,  # SPLIT_K > 1: the fp32 workspace's split stride
     stride_om,
-    stride_on,
-    magic_one,  # 0x3F800000 as a run-time value
-    A_ROW_DIV: tl.constexpr,
+    A_ROW_DIV: tl.constexpr,  # a row = pair // A_ROW_DIV: k for x (gate/up), 1 for act (down)
+    TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
+    LIFTED: tl.constexpr,  # a holds lifted rows (`kernels/int4_gemv.py`): act always, x with cfg.lift
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
 ):
-    """Sparse decode: a [M or P, K], w/s as `_fused_moe_kernel`, topk_w [P], topk_ids [P] int32/int64
-    (outside [0, E): not on this rank); grid (P, cdiv(N, BN), SPLIT_K): the pair axis runs fastest, so
-    pairs of one expert read each N tile at about the same time (the repeats from L2).
-    out: SPLIT_K == 1: [P, N] in the activation dtype, finished (SiLU·mul / routing weight applied);
-    SPLIT_K > 1: fp32 partial sums of this program's K range, [SPLIT_K, P, 2N] (gate | up) for
-    GATE_UP, else [SPLIT_K, P, N] with the routing weight applied; the launcher adds the splits."""
+    """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32),
+    topk_w [P], topk_ids [P] int32/int64 (outside [0, E): not on this rank); grid (P, cdiv(N, BN),
+    SPLIT_K): the pair axis runs fastest, so pairs of one expert read each N tile at about the same
+    time (the repeats from L2). out: GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done
+    (`_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
     pair = tl.program_id(0)
-    expert, offs_n, n_ok, out_ptrs = _pair_rows(
-        pair, num_experts, N, topk_ids_ptr, out_ptr, stride_os, stride_om, stride_on, GATE_UP, BLOCK_N, SPLIT_K,
-    )  # fmt: skip
-    if expert < 0:
-        return
-    pid_k = tl.program_id(2)
-    w_e = w_ptr + expert.to(tl.int64) * stride_we
-    s_e = s_ptr + expert.to(tl.int64) * stride_se
+    expert, is_local = _pair_expert(pair, num_experts, topk_ids_ptr)
+    BK8: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_e = w_ptr + expert * stride_we
+    s_e = s_ptr + expert * stride_se
     x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # reduced over words once, at the end
-    acc2_up = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_tiles = tl.cdiv(K8, BK8)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
-    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        acc2 += _gemv_words(
-            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
-            magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+    t0 = tl.program_id(2) * per_split
+    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pair: no K loop
+    acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
+    acc_up = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
+    for t in range(t0, t1):
+        r = t * BK8 + tl.arange(0, BK8)
+        ys, xs = _x_planes(x_row, r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
+        acc += _int4_tile_dot(
+            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
+            GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
         )  # fmt: skip
         if GATE_UP:
-            acc2_up += _gemv_words(
-                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
-                magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+            acc_up += _int4_tile_dot(
+                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
+                GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
-    acc = tl.sum(acc2, axis=1)  # [BN]
-    _gemv_epilogue(
-        acc,
-        tl.sum(acc2_up, axis=1),
-        topk_w_ptr,
-        pair,
-        out_ptrs,
-        n_ok,
-        N,
-        stride_on,
-        GATE_UP,
-        MUL_WEIGHT,
-        SPLIT_K,
-    )
+    _gemv_finish(
+        tl.sum(acc, axis=0) * LIFT_SCALE, tl.sum(acc_up, axis=0) * LIFT_SCALE, pair, offs_n, n_ok, N,
+        out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K, SPLIT_K,
+    )  # fmt: skip
 
 
 def _check_weights(
@@ -303,17 +265,26 @@ def fused_moe(
     _check_weights(w13, s13, E, 2 * I, H, group_size, "w13")
     _check_weights(w2, s2, E, H, I, group_size, "w2")
     cfg = config or pick_moe_config(M * topk_ids.shape[1], E)
+    if cfg.block_m == 0 and (group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32):
+        if config is not None:
+            raise ValueError(f"the GEMV needs group_size >= 32 and tiles in multiples of 32, got {group_size}, {cfg}")
+        cfg = pick_moe_config(M * topk_ids.shape[1], 0)  # the tensor-core tiles instead
     weights = ((w13, s13), (w2, s2))
     scale_rows = max(cfg.block_k // group_size, 1)
 
-    def gemv(g: MoEGemm, dst: torch.Tensor, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor) -> None:
+    def gemv(
+        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor
+    ) -> None:
         w, s = weights[g.which]
+        lifted = not g.gate_up or cfg.lift
+        a = lift_rows(g.a) if g.gate_up and cfg.lift else g.a
         _fused_moe_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            g.a, w, s, dst, topk_w, flat_ids, E, g.N, g.K, g.K // 8, g.K // group_size, *g.a.stride(), *w.stride(),
-            *s.stride(), dst.stride(0) if split > 1 else 0, *dst.stride()[-2:], _MAGIC_ONE,
-            A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, GROUP_SIZE=group_size,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=scale_rows,
-            SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            a, w, s, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K // 8, g.K // group_size, *a.stride(),
+            *w.stride(), *s.stride(), g.out.stride(0),
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=lifted,
+            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+            EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(
@@ -330,7 +301,7 @@ def fused_moe(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles)
+    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, lifted_act=True)
 
 
 def fused_moe_ref(

@@ -6,12 +6,11 @@ Shape letters: M tokens, k experts per token, P = M·k (token, slot) pairs (pair
 E experts (local to this rank), H hidden, I expert intermediate, BM/BN/BK tiles.
 
 A format supplies two launch callbacks, one per kernel family, each called once per GEMM:
-- sparse decode (`block_m == 0`): `gemv(g, dst, split, flat_ids, topk_w)`, grid (P, cdiv(N, BN),
-  split); `dst` is `g.out` when `split == 1`, else an fp32 workspace [split, P, 2N (gate | up) or N];
+- sparse decode (`block_m == 0`): `gemv(g, split, flat_ids, topk_w, ws, cnt)`, grid (P, cdiv(N, BN),
+  split), ending in `_gemv_finish` (split-K and the k-sum inside the kernels: two launches in all);
 - tensor-core tiles: `tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)`, grid
   (num_blocks · cdiv(N, BN),), blocks from `moe_align`.
-Everything here is torch ops without a host sync, so a decode step that calls it can be captured
-in a CUDA graph.
+Nothing here syncs with the host, so a decode step that calls it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.split_k_merge import num_sms
+from kernels.int4_gemv import lifted_width
+from kernels.split_k_merge import num_sms, split_k_counters
 
 __all__ = ["MoEConfig", "MoEGemm", "check_routing", "gemv_split_k", "moe_align", "pick_moe_config", "run_moe"]
 
@@ -72,44 +71,88 @@ def _tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask,
 
 
 @triton.jit
-def _pair_rows(pair, num_experts, N, topk_ids_ptr, out_ptr, stride_os, stride_om, stride_on,
-               GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-    """GEMV kernels (grid (P, N tiles, K splits)): (expert, offs_n [BN], n_ok, out_ptrs) of this program;
-    expert -1 for a pair of another rank (outside [0, E)), whose output, both halves of a gate | up
-    split workspace, is zeroed here."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    out_ptrs = out_ptr + tl.program_id(2) * stride_os + pair.to(tl.int64) * stride_om + offs_n * stride_on
+def _pair_expert(pair, num_experts, topk_ids_ptr):
+    """GEMV programs: (expert clamped into [0, E), is_local) of `pair`; ids outside [0, E) are another
+    rank's, whose programs run no K loop (their sums stay 0) but still take part in the reductions."""
     expert = tl.load(topk_ids_ptr + pair)
-    is_other_rank = (expert < 0) | (expert >= num_experts)
-    if is_other_rank:
-        tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
-        if GATE_UP and SPLIT_K > 1:
-            tl.store(
-                out_ptrs + N * stride_on, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok
-            )
-    return tl.where(is_other_rank, -1, expert), offs_n, n_ok, out_ptrs  # ids may be int32 or int64
+    is_local = (expert >= 0) & (expert < num_experts)
+    return tl.where(is_local, expert, 0).to(tl.int64), is_local  # ids may be int32 or int64
 
 
 @triton.jit
-def _gemv_epilogue(acc, acc_up, topk_w_ptr, pair, out_ptrs, n_ok, N, stride_on,
-                   GATE_UP: tl.constexpr, MUL_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-    """acc / acc_up [BN] fp32 sums -> out: finished (SiLU·mul, routing weight) with SPLIT_K == 1; else
-    this split's partials (gate | up side by side for GATE_UP, the routing weight applied to down's)."""
+def _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT: tl.constexpr):
+    """v [BN] fp32 -> row n of out, in its dtype; LIFT_OUT: as a lifted row (`kernels/int4_gemv.py`:
+    v·2^(77-4j') at chunk n//32, plane j = n%8, word (n%32)//8, and each word's xs), BN % 32 == 0."""
+    if LIFT_OUT:
+        j = offs_n % 8
+        lift = ((204 - 4 * tl.where(j < 6, j, j - 2)) << 23).to(tl.float32, bitcast=True)  # 2^(77-4j')
+        tl.store(row_ptr + (offs_n // 32) * 36 + j * 4 + (offs_n % 32) // 8, v * lift, mask=n_ok)
+        BN: tl.constexpr = v.shape[0]
+        word = offs_n // 8
+        xs = tl.sum(tl.reshape(v, (BN // 8, 8)), axis=1) * 2.0**-69  # [BN/8]; rows past N are 0
+        word = tl.max(tl.reshape(word, (BN // 8, 8)), axis=1)
+        w_ok = tl.max(tl.reshape(n_ok.to(tl.int32), (BN // 8, 8)), axis=1) > 0
+        tl.store(row_ptr + (word // 4) * 36 + 32 + word % 4, xs, mask=w_ok)
+    else:
+        tl.store(row_ptr + offs_n, v.to(row_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
+                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
+    """GEMV programs' end (grid (P, N tiles, SPLIT_K)), from acc / acc_up [BN] fp32, this program's sums.
+
+    GATE_UP: act row `pair` = silu(gate)·up of the whole K; down: out row `pair // TOP_K` = the sum
+    over the token's TOP_K slots of routing weight · acc. Several programs make one row (K splits;
+    for down also the k slots): each parks its partial in the fp32 workspace (`[P, SPLIT_K, 2N]`,
+    gate | up; `[P, SPLIT_K, N]`) and the last to arrive (an atomic counter per output tile that
+    resets itself) adds them in (slot, split) order: deterministic, and no torch op after the kernel.
+    """
     if GATE_UP:
-        if SPLIT_K == 1:
-            acc = _silu(acc) * acc_up
-        else:
-            tl.store(out_ptrs + N * stride_on, acc_up, mask=n_ok)
-    if MUL_WEIGHT:
+        ARRIVALS: tl.constexpr = SPLIT_K
+        row = pair
+        width = 2 * N
+    else:
+        ARRIVALS: tl.constexpr = TOP_K * SPLIT_K
         acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=n_ok)
+        row = pair // TOP_K
+        width = N
+    row_ptr = out_ptr + row.to(tl.int64) * stride_om
+    if GATE_UP:
+        v = _silu(acc) * acc_up
+    else:
+        v = acc
+    if ARRIVALS == 1:
+        _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
+    else:
+        ws = ws_ptr + offs_n
+        part = ws + (pair * SPLIT_K + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
+        tl.store(part, acc, mask=n_ok)
+        if GATE_UP:
+            tl.store(part + N, acc_up, mask=n_ok)
+        tl.debug_barrier()
+        tile = row * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == ARRIVALS - 1:
+            first = ws + row * ARRIVALS * width
+            acc = tl.zeros_like(acc)
+            acc_up = tl.zeros_like(acc)
+            for q in range(ARRIVALS):  # fixed order whichever program came last
+                acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
+                if GATE_UP:
+                    acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            if GATE_UP:
+                v = _silu(acc) * acc_up
+            else:
+                v = acc
+            _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
-    `split_k` ways (0: per GEMM, by `gemv_split_k`)."""
+    `split_k` ways (0: per GEMM, by `gemv_split_k`); `lift` (INT4 GEMV) lifts x in a launch before
+    gate/up instead of in every program (`kernels/int4_gemv.py`)."""
 
     block_m: int
     block_n: int
@@ -117,31 +160,37 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 0
+    lift: bool = False
 
 
-def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
-    """By tokens per expert `P / E`: GEMV at about one, else a BM that a typical expert block fills.
+# Launcher defaults, from `bench_fused_moe --quick` on the H200 (update from its printed table): the
+# INT4 GEMV's tiles, the programs per SM its split-K aims for, the pairs per expert up to which it
+# beats the tensor-core tiles, and the tiles by pairs per expert above that.
+GEMV_CONFIG = MoEConfig(block_m=0, block_n=64, block_k=256)
+GEMV_PROGRAMS_PER_SM = 6
+GEMV_MAX_PAIRS_PER_EXPERT = 1.0
+TILE_CONFIGS = (  # (largest pairs per expert, tiles)
+    (16.0, MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)),
+    (32.0, MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)),
+    (float("inf"), MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)),  # W4A16's best at M=64
+)
 
-    (Heuristic from vLLM's int4 defaults and the W4A16 GEMM's H200 runs; `bench_fused_moe` times the
-    alternatives beside it. Registers gate/up | down from an offline sm_90a compile with the launch's
-    specializations: GEMV 80 | 64, BM 16: 128 | 96, BM 32: 139 | 102, BM 64 (wgmma): 190 | 109; no spills.)
-    """
+
+def pick_moe_config(num_pairs: int, num_experts: int, gemv: MoEConfig = GEMV_CONFIG) -> MoEConfig:
+    """By tokens per expert `P / E`: the GEMV (`gemv`, the format's tiles) at about one, else the
+    first of `TILE_CONFIGS` whose bound holds (a BM that a typical expert block fills)."""
     per_expert = num_pairs / num_experts
-    if per_expert <= 1:
-        return MoEConfig(block_m=0, block_n=32, block_k=128)
-    if per_expert <= 16:
-        return MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)
-    if per_expert <= 32:
-        return MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)
-    return MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)  # W4A16's best tiles at M=64
+    if per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
+        return gemv
+    return next(cfg for bound, cfg in TILE_CONFIGS if per_expert <= bound)
 
 
 def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
-    """Split K until there are about 8 programs per SM (at 79-128 registers, 6+ fit): at one token,
-    Kimi's gate/up GEMV has 8 · 64 programs, too few loads in flight to cover HBM latency. At most 16
-    splits of 4+ K tiles each."""
+    """Split K until there are about `GEMV_PROGRAMS_PER_SM` programs per SM: at one token, Kimi's
+    gate/up GEMV has only 8 · I/BN programs, too few loads in flight to cover HBM latency. At most 16
+    splits of 2+ K tiles each."""
     programs = num_pairs * triton.cdiv(N, cfg.block_n)
-    return max(1, min(triton.cdiv(K, cfg.block_k) // 4, (8 * num_sms) // programs, 16))
+    return max(1, min(triton.cdiv(K, cfg.block_k) // 2, (GEMV_PROGRAMS_PER_SM * num_sms) // programs, 16))
 
 
 def moe_align(
@@ -193,11 +242,11 @@ def check_routing(
 
 @dataclass(frozen=True, slots=True)
 class MoEGemm:
-    """One of the two GEMMs: `out [P, N] = f(a rows) · w[expert]ᵀ` over K (`which` 0: gate+up, 1: down)."""
+    """One of the two GEMMs: `out = f(a rows) · w[expert]ᵀ` over K (`which` 0: gate+up, 1: down)."""
 
     which: int
-    a: torch.Tensor  # [M, H] x (gate/up) or [P, I] act (down)
-    out: torch.Tensor  # [P, N]
+    a: torch.Tensor  # [M, H] x (gate/up), [P, I] act (down; lifted rows for the INT4 GEMV)
+    out: torch.Tensor  # [P, N] act; down: [P, N] y (tiles) or [M, N], the k-sum done (GEMV)
     N: int
     K: int
     a_row_div: int  # a row = pair // a_row_div: k for x, 1 for act
@@ -205,7 +254,9 @@ class MoEGemm:
     mul_weight: bool  # scale each output row by its pair's routing weight
 
 
-GemvLaunch = Callable[[MoEGemm, torch.Tensor, int, torch.Tensor, torch.Tensor], None]
+# gemv(g, split, flat_ids [P], topk_w [P], ws fp32, cnt int32): grid (P, cdiv(N, BN), split), ends in
+# `_gemv_finish`; tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w): grid (blocks · N tiles,)
+GemvLaunch = Callable[[MoEGemm, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 TilesLaunch = Callable[[MoEGemm, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -218,37 +269,32 @@ def run_moe(
     cfg: MoEConfig,
     gemv: GemvLaunch,
     tiles: TilesLaunch,
+    lifted_act: bool = False,  # the GEMV's act in `kernels/int4_gemv.py`'s lifted rows (INT4)
 ) -> torch.Tensor:
-    """Both GEMMs through the format's kernels, then the fixed-order k-sum (deterministic, no atomics)."""
+    """Both GEMMs through the format's kernels and the k-sum in a fixed order (deterministic, no
+    float atomics): in the GEMV's down epilogue (two launches in all), after the tiles by torch."""
     M, H = x.shape
     k = topk_ids.shape[1]
     P, I = M * k, inter
     if P == 0:
         return torch.zeros_like(x)
     topk_w = topk_weights.reshape(-1).contiguous()  # [P]
+    if cfg.block_m == 0:  # decode: about one pair per expert; no align step, no torch op between
+        flat_ids = topk_ids.reshape(-1).contiguous()  # [P]
+        act_shape, act_dtype = ((P, lifted_width(I)), torch.float32) if lifted_act else ((P, I), x.dtype)
+        act = torch.empty(act_shape, dtype=act_dtype, device=x.device)
+        out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, out, H, I, 1, False, True)):
+            split = cfg.split_k or gemv_split_k(P, g.N, g.K, cfg, num_sms(x.device))
+            arrivals = split if g.gate_up else k * split
+            ws_shape = (P, split, 2 * g.N if g.gate_up else g.N) if arrivals > 1 else (1,)
+            ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
+            cnt = split_k_counters(x.device, (P if g.gate_up else M) * triton.cdiv(g.N, cfg.block_n))
+            gemv(g, split, flat_ids, topk_w, ws, cnt)
+        return out
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
-    gemms = (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, y, H, I, 1, False, True))
-    if cfg.block_m == 0:  # decode: about one pair per expert
-        flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
-        for g in gemms:
-            split = cfg.split_k or gemv_split_k(P, g.N, g.K, cfg, num_sms(x.device))
-            # split K: fp32 partials [S, P, 2N or N], added in a fixed order below (deterministic)
-            dst = (
-                g.out
-                if split == 1
-                else torch.empty(
-                    (split, P, 2 * g.N if g.gate_up else g.N), device=x.device, dtype=torch.float32
-                )
-            )
-            gemv(g, dst, split, flat_ids, topk_w)
-            if split > 1 and g.gate_up:
-                gu = dst.sum(dim=0)  # [P, 2I] fp32
-                act.copy_(F.silu(gu[:, :I]) * gu[:, I:])
-            elif split > 1:  # the k-sum and the split sum in one fixed-order reduction
-                return dst.view(split, M, k, H).sum(dim=(0, 2)).to(x.dtype)
-    else:
-        sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
-        for g in gemms:
-            tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)
+    sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, y, H, I, 1, False, True)):
+        tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)
     return y.view(M, k, H).sum(dim=1)  # fixed-order reduction over each token's k slots

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -129,27 +130,59 @@ def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[s
     )
 
 
-def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2) -> str:
-    """Compile to a cubin; return ptxas's register / spill line."""
+def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2, loop_nibbles: int = 0) -> str:
+    """Compile to a cubin; return ptxas's register / spill line. With `loop_nibbles` (INT4 weights
+    one thread unpacks per trip of the kernel's longest loop), also that loop's SASS: instructions
+    per nibble, 16-byte loads, barriers (`loop_stats`)."""
     kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
+        cubin = os.path.join(tmp, "k.cubin")
         run = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
+            [os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True
         )
-    if run.returncode:
-        raise RuntimeError(run.stderr[-2000:])
+        if run.returncode:
+            raise RuntimeError(run.stderr[-2000:])
+        sass = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
     info = [
         line.split("info    :")[-1].strip()
         for line in run.stderr.splitlines()
         if "spill" in line or "registers" in line
     ]
-    return " ".join(info) + f" smem={kernel.metadata.shared}"
+    line = " ".join(info) + f" smem={kernel.metadata.shared}"
+    return line + (" | " + loop_stats(sass, loop_nibbles) if loop_nibbles else "")
+
+
+def loop_stats(sass: str, nibbles: int) -> str:
+    """The longest backward-branch loop of `cuobjdump -sass` output: instructions per nibble, and
+    counts of the ones that matter to the INT4 GEMVs (LOP3/FFMA per nibble, LDG.E.128, BAR, LDS)."""
+    ops = []  # (address, opcode)
+    for text in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", text)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    if not loops:
+        return "no loop"
+    lo, hi = max(loops, key=lambda b: b[1] - b[0])
+    body = [op for addr, op, _ in ops if lo <= addr <= hi]
+
+    def count(prefix: str) -> int:
+        return sum(op.startswith(prefix) for op in body)
+
+    return (
+        f"loop {len(body) / nibbles:.2f} instr/nibble (LOP3 {count('LOP3') / nibbles:.2f}, "
+        f"FFMA {count('FFMA') / nibbles:.2f}) LDG.E.128 {count('LDG.E.128')} BAR {count('BAR')} LDS {count('LDS')}"
+    )
 
 
 # the launchers' defaults for Kimi's 64 heads (must compile without spills) and the benchmark's sweep

@@ -199,9 +199,8 @@ def test_launcher_rejects_bad_inputs() -> None:
 
 
 def test_kernels_compile_for_sm90() -> None:
-    """The FP8 kernels (both scale formats, decode and tile paths) and the INT4 ones that share their
-    helpers compile for the H200 (Triton + ptxas, no GPU; a process without TRITON_INTERPRET) with the
-    launchers' default tiles; none spills."""
+    """The FP8 kernels (both scale formats, decode and tile paths) compile for the H200 (Triton +
+    ptxas, no GPU; a process without TRITON_INTERPRET) with the launchers' default tiles; none spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.sm90_compile_fused_moe"],
@@ -209,7 +208,7 @@ def test_kernels_compile_for_sm90() -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 14 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+    assert len(lines) == 8 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
 
 
 # --- device: the issue's expert shapes, bf16 ----------------------------------------------------

@@ -1,0 +1,118 @@
+"""Compile the INT4 kernels for sm90 (H200) without a GPU: the W4A16 GEMV and tiles
+(`kernels/w4a16_gemm.py`) and the fused MoE's GEMV and tiles (`kernels/fused_moe.py`), at the
+launchers' defaults for 8192² and Kimi K2's experts, bf16 activations, group 32 and 128.
+
+Prints ptxas's registers and spills and, for the GEMVs, their K loop's SASS per INT4 weight
+(`loop_stats`: the goal is one LOP3 and one FFMA per nibble and no barrier in the loop; the old
+kernels took 5.4). The arguments a real launch sees divisible by 16 are marked so and unit strides
+are constants, as in `tests/kernels/sm90_compile_w4a8.py`. Run without TRITON_INTERPRET:
+
+    python -m tests.kernels.sm90_compile_int4          # defaults (CI: no spills, no loop barrier)
+    python -m tests.kernels.sm90_compile_int4 --all    # also the benchmark's GEMV candidates
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from triton.compiler import ASTSource
+
+from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
+from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
+from kernels.w4a16_gemm import GEMV_DEFAULT, W4A16Config, _w4a16_gemv_kernel, _w4a16_kernel, pick_config
+from tests.kernels.sm90_compile import compile_sm90
+from tests.kernels.sm90_compile_w4a8 import _source
+
+GEMM_DIV16 = ("N", "K", "K8", "KG", "stride_xm", "stride_wn", "stride_sn", "stride_om")
+GEMM_UNIT = ("stride_xk", "stride_wk", "stride_sg", "stride_on")
+MOE_DIV16 = ("N", "K", "K8", "KG", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om")
+MOE_UNIT = ("stride_ak", "stride_wk", "stride_sg", "stride_on")
+
+
+def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
+    """(source, warps, stages, nibbles per thread per K trip) of the W4A16 kernel `cfg` selects."""
+    ptrs = {"w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32"}
+    consts: dict[str, Any] = dict(GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k)
+    if cfg.block_m == 0:
+        consts.update(LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True)
+        src = _source(_w4a16_gemv_kernel, {"x_ptr": "fp32" if cfg.lift else "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
+        return src, cfg.num_warps, cfg.num_stages, cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
+    consts.update(
+        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, SCALE_ROWS=max(cfg.block_k // group, 1), DOT_PRECISION="tf32"
+    )
+    src = _source(_w4a16_kernel, {"x_ptr": "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
+    return src, cfg.num_warps, cfg.num_stages, 0
+
+
+def moe_case(cfg: MoEConfig, gate_up: bool, split_k: int = 2) -> tuple[ASTSource, int, int, int]:
+    """(source, warps, stages, nibbles per thread per K trip) of the INT4 MoE kernel `cfg` selects."""
+    lifted = cfg.lift or not gate_up
+    if cfg.block_m == 0:
+        ptrs = {
+            "a_ptr": "fp32" if lifted else "bf16", "w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "fp32" if gate_up else "bf16",
+            "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i64",
+        }  # fmt: skip
+        consts: dict[str, Any] = dict(
+            A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUP_SIZE=32,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=True, EVEN_N=True,
+        )  # fmt: skip
+        nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
+        src = _source(_fused_moe_gemv_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)
+        return src, cfg.num_warps, cfg.num_stages, nibbles
+    ptrs = {
+        "a_ptr": "bf16", "w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "bf16", "topk_w_ptr": "fp32",
+        "sorted_ids_ptr": "i32", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32",
+    }  # fmt: skip
+    consts = dict(
+        A_ROW_DIV=8 if gate_up else 1, GATE_UP=gate_up, MUL_WEIGHT=not gate_up, GROUP_SIZE=32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=cfg.block_k // 32,
+        DOT_PRECISION="tf32",
+    )  # fmt: skip
+    return _source(_fused_moe_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT), cfg.num_warps, cfg.num_stages, 0
+
+
+def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
+    cases = []
+    for group in (128, 32):
+        for M in (1, 16, 64):
+            cfg = pick_config(M, 8192, 8192, 132, group)
+            cases.append((f"w4a16 M={M} g{group} {'gemv' if cfg.block_m == 0 else 'tiles'}", gemm_case(cfg, group)))
+    for tokens in (1, 64):
+        cfg = pick_moe_config(tokens * 8, 384)
+        for gate_up in (True, False):
+            cases.append((f"int4 moe M={tokens} {'gate_up' if gate_up else 'down'}", moe_case(cfg, gate_up)))
+    return cases
+
+
+def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
+    """The GEMV variants `bench_w4a16 --quick` and `bench_fused_moe --quick` time."""
+    from benchmarks.kernels.bench_fused_moe import QUICK_GEMVS
+    from benchmarks.kernels.bench_w4a16 import QUICK_GEMVS as W4A16_GEMVS
+
+    cases = []
+    for cfg in W4A16_GEMVS:
+        cases.append((f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(dataclasses.replace(cfg, split_k=4), 32)))
+    for cfg in QUICK_GEMVS:
+        for gate_up in (True, False):
+            name = f"int4 moe gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} {'gate_up' if gate_up else 'down'}"
+            cases.append((name, moe_case(cfg, gate_up)))
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    assert GEMV_DEFAULT.block_m == 0 and GEMV_CONFIG.block_m == 0
+    for name, (src, warps, stages, nibbles) in default_cases() + (candidate_cases() if args.all else []):
+        print(f"{name:<52} {compile_sm90(src, warps, stages, nibbles)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
