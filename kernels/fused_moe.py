@@ -9,30 +9,28 @@ compressed-tensors layout fused per expert, read in place; `repack_int4`'s reaso
 `w13 [E, 2I, H/8]` int32 (gate rows 0..I-1, up rows I..2I-1), `s13 [E, 2I, H/G]`,
 `w2 [E, H, I/8]` int32, `s2 [E, H, I/G]`; nibble j of word i holds `q + 8` of element `8i + j`.
 
-Three steps (engine-anchors §2e; the alignment, grids, split-K and k-sum live in `kernels/moe_routing.py`,
+Tensor-core path (engine-anchors §2e; alignment, grids, split-K and k-sum in `kernels/moe_routing.py`,
 shared with the FP8 experts' kernel `kernels/fused_moe_fp8.py`):
-1. `moe_align` (torch ops, no host sync, CUDA-graph safe): pairs sorted by expert (stable, so
-   within an expert by token) into BM-padded groups; `block_expert_ids[b]` names block b's expert,
-   -1 for the bucket of pairs whose expert is not on this rank (they contribute zeros).
+1. `moe_align` (`kernels/moe_align.py`, one launch): pairs sorted by expert (stable, so within an
+   expert by token) into BM-padded groups; `block_expert_ids[b]` names block b's expert, -1 for the
+   bucket of pairs whose expert is not on this rank (they contribute zeros).
 2. `_fused_moe_kernel` with GATE_UP: per (expert block, N tile) the gate and up tiles of that
    expert are read once, dequantized in registers, two `tl.dot`s, `silu(g) * u` in the epilogue ->
    `act [P, I]`. Then `_fused_moe_kernel` again on `w2`, rows of `act`, routing weight applied ->
    `y [P, H]`.
 3. `y.view(M, k, H).sum(1)`: a fixed-order reduction, so results are deterministic (no atomics).
 
-Sparse decode (about one token per expert, `P <= E`, like vLLM's `moe_wna16` switch): tensor-core tiles
-would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile) with no
-tensor cores, using the W4A16 GEMV's unpacking (one LOP3 + FADD + FFMA per nibble, zero point and scale
-once per word). It reads the router's ids directly: no align step, three launches in all (two kernels
-and the k-sum). With too few programs to keep enough loads in flight (one token: 8 pairs), K is split
-and the fp32 partials are added by torch in a fixed order (the down GEMV's together with the k-sum),
-so results stay deterministic. Two pairs of one expert read its weights twice, the second time
-mostly from L2; so the switch sits at P <= E (Kimi: M <= 48), not vLLM's P/E <= 6, until the H200
-says otherwise.
+Sparse decode (about one token per expert, `P <= E · GEMV_MAX_PAIRS_PER_EXPERT`): tensor-core tiles
+would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile, K split) on
+the CUDA cores with `kernels/int4_gemv.py`'s dot products (one LOP3 and one FFMA per weight). It
+reads the router's ids directly: no align step, two launches in all. Gate/up writes act as lifted
+fp32 rows (the down GEMV's activation format, so down does no lifting); K splits and, for down, the
+token's k slots meet in `_gemv_finish`, where the last program to arrive adds the fp32 partials in a
+fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
+its weights twice, the second time mostly from L2.
 
-Not measured yet (no device time): tile choices come from an offline sm_90a compile (registers,
-16-byte loads in the PTX) and the W4A16 GEMM's H200 runs; `benchmarks/kernels/bench_fused_moe.py`
-times the alternatives.
+Tiles and the GEMV/tiles switch are `kernels/moe_routing.py`'s table, which
+`benchmarks/kernels/bench_fused_moe.py --quick` measures the alternatives for.
 """
 
 from __future__ import annotations

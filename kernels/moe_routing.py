@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.int4_gemv import lifted_width
+from kernels.moe_align import moe_align
 from kernels.split_k_merge import num_sms, split_k_counters
 
 __all__ = ["MoEConfig", "MoEGemm", "check_routing", "gemv_split_k", "moe_align", "pick_moe_config", "run_moe"]
@@ -191,38 +192,6 @@ def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -
     splits of 2+ K tiles each."""
     programs = num_pairs * triton.cdiv(N, cfg.block_n)
     return max(1, min(triton.cdiv(K, cfg.block_k) // 2, (GEMV_PROGRAMS_PER_SM * num_sms) // programs, 16))
-
-
-def moe_align(
-    expert_ids: torch.Tensor,  # [M, k] int, local expert ids; outside [0, E) = not on this rank
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert into BM-padded blocks, with torch ops and no host sync.
-
-    Returns `sorted_ids [num_blocks·BM]` int32 (pair ids `token·k + slot`, each expert's run padded
-    with P up to a multiple of BM), `block_expert_ids [num_blocks]` int32 (-1 for the bucket of pairs
-    not on this rank and for blocks past the end) and `num_padded [1]` int32 (blocks in use · BM).
-    `num_blocks = min(cdiv(P + (E+1)(BM-1), BM), P)` is known on the host: a bucket of c pairs takes
-    at most c blocks. The sort is stable, so within an expert pairs keep token order.
-    """
-    E, BM = num_experts, block_m
-    flat = expert_ids.reshape(-1).to(torch.int64)  # [P]
-    P = flat.numel()
-    dev = flat.device
-    bucket = torch.where((flat >= 0) & (flat < E), flat, E)  # [P], E = not on this rank
-    sorted_bucket, order = torch.sort(bucket, stable=True)  # [P]
-    bounds = torch.searchsorted(sorted_bucket, torch.arange(E + 2, device=dev))  # [E+2] run starts
-    counts = bounds[1:] - bounds[:-1]  # [E+1]
-    padded_end = torch.cumsum((counts + BM - 1) // BM * BM, 0)  # [E+1]
-    padded_start = padded_end - (counts + BM - 1) // BM * BM
-    dest = padded_start[sorted_bucket] + torch.arange(P, device=dev) - bounds[sorted_bucket]  # [P]
-    num_blocks = max(1, min(triton.cdiv(P + (E + 1) * (BM - 1), BM), P))
-    sorted_ids = torch.full((num_blocks * BM,), P, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_bucket = torch.searchsorted(padded_end, torch.arange(num_blocks, device=dev) * BM, right=True)
-    block_expert_ids = torch.where(block_bucket < E, block_bucket, -1).to(torch.int32)
-    return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
 
 
 def check_routing(

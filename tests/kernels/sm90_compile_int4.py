@@ -1,6 +1,7 @@
 """Compile the INT4 kernels for sm90 (H200) without a GPU: the W4A16 GEMV and tiles
-(`kernels/w4a16_gemm.py`) and the fused MoE's GEMV and tiles (`kernels/fused_moe.py`), at the
-launchers' defaults for 8192² and Kimi K2's experts, bf16 activations, group 32 and 128.
+(`kernels/w4a16_gemm.py`), the fused MoE's GEMV and tiles (`kernels/fused_moe.py`) and the
+token→expert alignment (`kernels/moe_align.py`), at the launchers' defaults for 8192² and Kimi K2's
+experts, bf16 activations, group 32 and 128.
 
 Prints ptxas's registers and spills and, for the GEMVs, their K loop's SASS per INT4 weight
 (`loop_stats`: the goal is one LOP3 and one FFMA per nibble and no barrier in the loop; the old
@@ -19,9 +20,11 @@ import os
 import sys
 from typing import Any
 
+import triton
 from triton.compiler import ASTSource
 
 from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
+from kernels.moe_align import _moe_align_kernel
 from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
 from kernels.w4a16_gemm import GEMV_DEFAULT, W4A16Config, _w4a16_gemv_kernel, _w4a16_kernel, pick_config
 from tests.kernels.sm90_compile import compile_sm90
@@ -75,8 +78,15 @@ def moe_case(cfg: MoEConfig, gate_up: bool, split_k: int = 2) -> tuple[ASTSource
     return _source(_fused_moe_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT), cfg.num_warps, cfg.num_stages, 0
 
 
+def align_case(num_pairs: int) -> tuple[ASTSource, int, int, int]:
+    """`moe_align`'s kernel for Kimi's 384 experts, BM 16, at `num_pairs`' chunk size."""
+    ptrs = {"ids_ptr": "i64", "sorted_ids_ptr": "i32", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32"}
+    consts = dict(BLOCK_M=16, NUM_BINS=512, BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_pairs))), BLOCK_B=32)
+    return _source(_moe_align_kernel, ptrs, consts, div16=(), unit=()), 4, 2, 0
+
+
 def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
-    cases = []
+    cases = [("moe align P=8", align_case(8)), ("moe align P=4096", align_case(4096))]
     for group in (128, 32):
         for M in (1, 16, 64):
             cfg = pick_config(M, 8192, 8192, 132, group)

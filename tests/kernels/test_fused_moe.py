@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from backend.quant.experts import QuantExperts  # noqa: E402
 from backend.quant.scheme import QuantScheme  # noqa: E402
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config  # noqa: E402
+from kernels.moe_align import moe_align_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -105,6 +106,26 @@ def test_align_groups_pairs_by_expert() -> None:
         assert set(flat[pairs.long()].tolist()) <= want
         assert pairs.tolist() == sorted(pairs.tolist())  # token order within an expert
     assert set(block_expert[: int(num_padded) // BM].tolist()) == {0, 1, 2, 3, 4, 5, -1}  # 6, 7 unused
+
+
+@pytest.mark.parametrize(
+    ("M", "k", "num_experts", "BM", "dtype"),
+    [
+        (1, 8, 384, 16, torch.int64),  # Kimi decode: 8 pairs, 385 buckets
+        (3, 2, 8, 1, torch.int32),  # BM 1: no padding at all
+        (64, 8, 384, 16, torch.int64),
+        (150, 8, 16, 64, torch.int32),  # 1200 pairs: two chunks of the sort, many blocks per expert
+        (7, 3, 5, 4, torch.int64),
+    ],
+)
+def test_align_kernel_equals_torch_reference(M: int, k: int, num_experts: int, BM: int, dtype: torch.dtype) -> None:
+    """The one-launch kernel returns exactly the torch formulation's blocks (stable, padded, -1s)."""
+    gen = torch.Generator().manual_seed(M * k + BM)
+    ids = torch.stack([torch.randperm(num_experts + 2, generator=gen)[:k] - 1 for _ in range(M)]).to(dtype)
+    got = moe_align(ids.to(DEV), num_experts, BM)  # ids -1 and E: another rank's
+    want = moe_align_ref(ids, num_experts, BM)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu(), w)
 
 
 def test_reference_matches_float64() -> None:
