@@ -188,13 +188,12 @@ def _fused_moe_gemv_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
 ):
     """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32),
     topk_w [P], topk_ids [P] int32/int64 (outside [0, E): not on this rank); grid (P, cdiv(N, BN),
-    SPLIT_K): the pair axis runs fastest, so pairs of one expert read each N tile at about the same
+    splits of K): the pair axis runs fastest, so pairs of one expert read each N tile at about the same
     time (the repeats from L2). out: GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done
     (`_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
     pair = tl.program_id(0)
@@ -206,7 +205,7 @@ def _fused_moe_gemv_kernel(
     s_e = s_ptr + expert * stride_se
     x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
     k_tiles = tl.cdiv(K8, BK8)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
     t0 = tl.program_id(2) * per_split
     t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pair: no K loop
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
@@ -225,7 +224,7 @@ def _fused_moe_gemv_kernel(
             )  # fmt: skip
     _gemv_finish(
         tl.sum(acc, axis=0) * LIFT_SCALE, tl.sum(acc_up, axis=0) * LIFT_SCALE, pair, offs_n, n_ok, N,
-        out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K, SPLIT_K,
+        out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
     )  # fmt: skip
 
 
@@ -280,7 +279,7 @@ def fused_moe(
             a, w, s, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K // 8, g.K // group_size, *a.stride(),
             *w.stride(), *s.stride(), g.out.stride(0),
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=lifted,
-            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

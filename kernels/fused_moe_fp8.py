@@ -181,10 +181,9 @@ def _fused_moe_fp8_gemv_kernel(
     SCALE_BK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     """Sparse decode: a, w, s, s_up as `_fused_moe_fp8_kernel`, topk_w [P], topk_ids [P] (outside [0, E):
-    not on this rank); grid (P, cdiv(N, BN), SPLIT_K). out: GATE_UP: act [P, N]; else [M, N], the
+    not on this rank); grid (P, cdiv(N, BN), splits of K). out: GATE_UP: act [P, N]; else [M, N], the
     k-sum done (`_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
     pair = tl.program_id(0)
     expert, is_local = _pair_expert(pair, num_experts, topk_ids_ptr)
@@ -199,7 +198,7 @@ def _fused_moe_fp8_gemv_kernel(
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
     t0 = tl.program_id(2) * per_split
     t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pair: no K loop
     for t in range(t0, t1):
@@ -223,7 +222,7 @@ def _fused_moe_fp8_gemv_kernel(
             acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
     _gemv_finish(
         acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, False,
-        TOP_K, SPLIT_K,
+        TOP_K,
     )  # fmt: skip
 
 
@@ -302,7 +301,7 @@ def fused_moe_fp8(
         _fused_moe_fp8_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
             g.a, w, s, su, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K, *g.a.stride(), *w.stride(),
             *s.stride(), g.out.stride(0),
-            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, SPLIT_K=split, **consts,
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, **consts,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

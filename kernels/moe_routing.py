@@ -100,21 +100,22 @@ def _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT: tl.constexpr):
 
 @triton.jit
 def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
-                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-    """GEMV programs' end (grid (P, N tiles, SPLIT_K)), from acc / acc_up [BN] fp32, this program's sums.
+                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
+    """GEMV programs' end (grid (P, N tiles, S splits of K)), from acc / acc_up [BN] fp32, this program's sums.
 
     GATE_UP: act row `pair` = silu(gate)·up of the whole K; down: out row `pair // TOP_K` = the sum
     over the token's TOP_K slots of routing weight · acc. Several programs make one row (K splits;
-    for down also the k slots): each parks its partial in the fp32 workspace (`[P, SPLIT_K, 2N]`,
-    gate | up; `[P, SPLIT_K, N]`) and the last to arrive (an atomic counter per output tile that
+    for down also the k slots): each parks its partial in the fp32 workspace (`[P, S, 2N]`,
+    gate | up; `[P, S, N]`) and the last to arrive (an atomic counter per output tile that
     resets itself) adds them in (slot, split) order: deterministic, and no torch op after the kernel.
     """
+    num_splits = tl.num_programs(2)
     if GATE_UP:
-        ARRIVALS: tl.constexpr = SPLIT_K
+        arrivals = num_splits
         row = pair
         width = 2 * N
     else:
-        ARRIVALS: tl.constexpr = TOP_K * SPLIT_K
+        arrivals = TOP_K * num_splits
         acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
         row = pair // TOP_K
         width = N
@@ -123,21 +124,21 @@ def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr,
         v = _silu(acc) * acc_up
     else:
         v = acc
-    if ARRIVALS == 1:
+    if arrivals == 1:
         _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
     else:
         ws = ws_ptr + offs_n
-        part = ws + (pair * SPLIT_K + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
+        part = ws + (pair * num_splits + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
         tl.store(part, acc, mask=n_ok)
         if GATE_UP:
             tl.store(part + N, acc_up, mask=n_ok)
         tl.debug_barrier()
         tile = row * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == ARRIVALS - 1:
-            first = ws + row * ARRIVALS * width
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == arrivals - 1:
+            first = ws + row * arrivals * width
             acc = tl.zeros_like(acc)
             acc_up = tl.zeros_like(acc)
-            for q in range(ARRIVALS):  # fixed order whichever program came last
+            for q in range(arrivals):  # fixed order whichever program came last
                 acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
                 if GATE_UP:
                     acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
@@ -152,8 +153,9 @@ def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr,
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
-    `split_k` ways (0: per GEMM, by `gemv_split_k`); `lift` (INT4 GEMV) lifts x in a launch before
-    gate/up instead of in every program (`kernels/int4_gemv.py`)."""
+    `split_k` ways (0: per GEMM, by `gemv_split_k` at `programs_per_sm`, 0: `GEMV_PROGRAMS_PER_SM`);
+    `lift` (INT4 GEMV) lifts x in a launch before gate/up instead of in every program
+    (`kernels/int4_gemv.py`)."""
 
     block_m: int
     block_n: int
@@ -161,13 +163,14 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 0
+    programs_per_sm: int = 0
     lift: bool = False
 
 
 # Launcher defaults, from `bench_fused_moe --quick` on the H200 (update from its printed table): the
 # INT4 GEMV's tiles, the programs per SM its split-K aims for, the pairs per expert up to which it
 # beats the tensor-core tiles, and the tiles by pairs per expert above that.
-GEMV_CONFIG = MoEConfig(block_m=0, block_n=64, block_k=256)
+GEMV_CONFIG = MoEConfig(block_m=0, block_n=64, block_k=256, lift=True)
 GEMV_PROGRAMS_PER_SM = 6
 GEMV_MAX_PAIRS_PER_EXPERT = 1.0
 TILE_CONFIGS = (  # (largest pairs per expert, tiles)
@@ -187,11 +190,12 @@ def pick_moe_config(num_pairs: int, num_experts: int, gemv: MoEConfig = GEMV_CON
 
 
 def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
-    """Split K until there are about `GEMV_PROGRAMS_PER_SM` programs per SM: at one token, Kimi's
-    gate/up GEMV has only 8 · I/BN programs, too few loads in flight to cover HBM latency. At most 16
-    splits of 2+ K tiles each."""
+    """Split K until there are about `cfg.programs_per_sm` (4-warp) programs per SM: at one token,
+    Kimi's gate/up GEMV has only 8 · I/BN programs, too few loads in flight to cover HBM latency. At
+    most 16 splits of 2+ K tiles each."""
+    target = (cfg.programs_per_sm or GEMV_PROGRAMS_PER_SM) * num_sms * 4 // cfg.num_warps
     programs = num_pairs * triton.cdiv(N, cfg.block_n)
-    return max(1, min(triton.cdiv(K, cfg.block_k) // 2, (GEMV_PROGRAMS_PER_SM * num_sms) // programs, 16))
+    return max(1, min(triton.cdiv(K, cfg.block_k) // 2, target // programs, 16))
 
 
 def check_routing(

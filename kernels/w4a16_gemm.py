@@ -61,21 +61,21 @@ def _finish_tile(
     stride_on,
     tile_id,
     pid_k,
-    SPLIT_K: tl.constexpr,
+    num_splits,  # the grid's K axis: run time in the GEMV (one compiled kernel for every split), constexpr in the tiles
 ):
-    """Store the tile, or park a split-K partial; the last of SPLIT_K programs sums the partials."""
+    """Store the tile, or park a split-K partial; the last of num_splits programs sums the partials."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if SPLIT_K == 1:
+    if num_splits == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [num_splits, M, N] fp32
         tl.store(ws + pid_k * M * N, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == num_splits - 1:
             total = tl.zeros_like(acc)
-            for s in range(SPLIT_K):  # fixed order: deterministic whichever program is last
+            for s in range(num_splits):  # fixed order: deterministic whichever program is last
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
@@ -104,13 +104,12 @@ def _w4a16_gemv_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     LIFTED: tl.constexpr,  # x is `lift_rows(x)` (fp32 [M, lifted width]), else the raw rows
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
     EVEN_N: tl.constexpr,  # N a multiple of BLOCK_N
 ):
     """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G] (G >= 32), out [M, N];
-    grid (N/BN, M, SPLIT_K). The dot products are `kernels/int4_gemv.py`'s."""
+    grid (N/BN, M, splits of K). The dot products are `kernels/int4_gemv.py`'s."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -118,7 +117,7 @@ def _w4a16_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_tiles = tl.cdiv(K8, BK8)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
     t0 = pid_k * per_split
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
@@ -143,7 +142,7 @@ def _w4a16_gemv_kernel(
         stride_on,
         pid_m * tl.num_programs(0) + pid_n,
         pid_k,
-        SPLIT_K,
+        tl.num_programs(2),
     )
 
 
@@ -258,14 +257,20 @@ def pick_config(M: int, N: int, K: int, num_sms: int, group_size: int = 32) -> W
     return with_split_k(cfg, M, N, K, num_sms)
 
 
-def with_split_k(cfg: W4A16Config, M: int, N: int, K: int, num_sms: int) -> W4A16Config:
-    """Split K until there are about four programs per SM (GEMV: `GEMV_PROGRAMS_PER_SM`), rounded
-    down so that the last wave is not a sliver (at most 16 splits, 4+ K tiles each; GEMV 2+)."""
+def with_split_k(
+    cfg: W4A16Config, M: int, N: int, K: int, num_sms: int, per_sm: int | None = None
+) -> W4A16Config:
+    """Split K until there are about `per_sm` programs per SM (default: 4, the GEMV
+    `GEMV_PROGRAMS_PER_SM` of 4 warps), rounded down so that the last wave is not a sliver (at most
+    16 splits, 4+ K tiles each; GEMV 2+)."""
     rows = M if cfg.block_m == 0 else triton.cdiv(M, cfg.block_m)
     tiles = triton.cdiv(N, cfg.block_n) * rows
     k_tiles = triton.cdiv(K, cfg.block_k)
-    per_sm, min_tiles = (GEMV_PROGRAMS_PER_SM, 2) if cfg.block_m == 0 else (4, 4)
-    split = max(1, min(k_tiles // min_tiles, (per_sm * num_sms) // tiles, 16))
+    if cfg.block_m == 0:
+        target, min_tiles = (per_sm or GEMV_PROGRAMS_PER_SM) * num_sms * 4 // cfg.num_warps, 2
+    else:
+        target, min_tiles = (per_sm or 4) * num_sms, 4
+    split = max(1, min(k_tiles // min_tiles, target // tiles, 16))
     return replace(cfg, split_k=split)
 
 
@@ -326,7 +331,6 @@ def w4a16_gemm(
             GROUP_SIZE=group_size,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
-            SPLIT_K=cfg.split_k,
             LIFTED=cfg.lift,
             EVEN_K=K % cfg.block_k == 0,
             EVEN_N=N % cfg.block_n == 0,

@@ -124,17 +124,24 @@ def overhead_text(row: dict[str, Any]) -> str:
 
 
 def run_cases(
-    bench_case: Callable[..., list[dict[str, Any]]], cases: list[tuple[Any, ...]], notes: str
-) -> None:
-    """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record."""
+    bench_case: Callable[..., list[dict[str, Any]]],
+    cases: list[tuple[Any, ...]],
+    notes: str,
+    quick_cases: list[tuple[Any, ...]] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """A benchmark's main: `--out PATH` (and `--quick`, running `quick_cases` instead, when given);
+    ceilings, then `bench_case(*case, ceilings)` per case, one record; returns (rows, ceilings)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    if quick_cases is not None:
+        ap.add_argument("--quick", action="store_true", help="the short sweep of the launcher's candidates")
     args = ap.parse_args()
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     rows: list[dict[str, Any]] = []
-    for case in cases:
+    for case in quick_cases if getattr(args, "quick", False) else cases:
         rows += bench_case(*case, ceil)
         torch.cuda.empty_cache()
         write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran
+    return rows, ceil

@@ -1,6 +1,6 @@
 """Compile the FP8 fused MoE kernels for sm90 (H200) without a GPU (`kernels/fused_moe_fp8.py`: the
 decode GEMV and the tile kernel at `pick_fp8_moe_config`'s tiles, gate+up and down, per-channel and
-128×128 block scales, with and without split K); bf16 activations as the engine runs them. The
+128×128 block scales; the K split is the grid's, not compiled in); bf16 activations as the engine runs them. The
 INT4 ones are in `tests/kernels/sm90_compile_int4.py`.
 
 Like `tests/kernels/sm90_compile_w4a8.py`: the integer arguments a real launch sees divisible by 16
@@ -36,7 +36,7 @@ def _scale_consts(block: bool) -> dict[str, int]:
     return {"SCALE_BN": BLOCK[0], "SCALE_BK": BLOCK[1]} if block else {"SCALE_BN": 1, "SCALE_BK": 0}
 
 
-def gemv_source(gate_up: bool, block: bool, split_k: int) -> tuple[ASTSource, int, int]:
+def gemv_source(gate_up: bool, block: bool) -> tuple[ASTSource, int, int]:
     from kernels.fused_moe_fp8 import _fused_moe_fp8_gemv_kernel as fn
 
     cfg = pick_fp8_moe_config(8, 384, BLOCK if block else None)  # one token, Kimi
@@ -46,7 +46,7 @@ def gemv_source(gate_up: bool, block: bool, split_k: int) -> tuple[ASTSource, in
     }  # fmt: skip
     consts = dict(
         A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=split_k, **_scale_consts(block),
+        BLOCK_K=cfg.block_k, **_scale_consts(block),
     )  # fmt: skip
     return _source(fn, ptrs, consts), cfg.num_warps, cfg.num_stages
 
@@ -70,10 +70,10 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
     cases = [
-        ("gemv gate_up channel", gemv_source(True, False, 1)),
-        ("gemv gate_up block split4", gemv_source(True, True, 4)),
-        ("gemv down block", gemv_source(False, True, 1)),
-        ("gemv down channel split4", gemv_source(False, False, 4)),
+        ("gemv gate_up channel", gemv_source(True, False)),
+        ("gemv gate_up block", gemv_source(True, True)),
+        ("gemv down block", gemv_source(False, True)),
+        ("gemv down channel", gemv_source(False, False)),
         ("tiles BM16 gate_up block", tiles_source(True, True, 64 * 8)),
         ("tiles BM16 down channel", tiles_source(False, False, 64 * 8)),
         ("tiles BM64 gate_up channel", tiles_source(True, False, 4096 * 8)),

@@ -15,7 +15,6 @@ are constants, as in `tests/kernels/sm90_compile_w4a8.py`. Run without TRITON_IN
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any
@@ -39,19 +38,19 @@ MOE_UNIT = ("stride_ak", "stride_wk", "stride_sg", "stride_on")
 def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
     """(source, warps, stages, nibbles per thread per K trip) of the W4A16 kernel `cfg` selects."""
     ptrs = {"w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32"}
-    consts: dict[str, Any] = dict(GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k)
+    consts: dict[str, Any] = dict(GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     if cfg.block_m == 0:
         consts.update(LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True)
         src = _source(_w4a16_gemv_kernel, {"x_ptr": "fp32" if cfg.lift else "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
         return src, cfg.num_warps, cfg.num_stages, cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
     consts.update(
-        BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m, SCALE_ROWS=max(cfg.block_k // group, 1), DOT_PRECISION="tf32"
+        BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, SCALE_ROWS=max(cfg.block_k // group, 1), DOT_PRECISION="tf32"
     )
     src = _source(_w4a16_kernel, {"x_ptr": "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
     return src, cfg.num_warps, cfg.num_stages, 0
 
 
-def moe_case(cfg: MoEConfig, gate_up: bool, split_k: int = 2) -> tuple[ASTSource, int, int, int]:
+def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
     """(source, warps, stages, nibbles per thread per K trip) of the INT4 MoE kernel `cfg` selects."""
     lifted = cfg.lift or not gate_up
     if cfg.block_m == 0:
@@ -61,7 +60,7 @@ def moe_case(cfg: MoEConfig, gate_up: bool, split_k: int = 2) -> tuple[ASTSource
         }  # fmt: skip
         consts: dict[str, Any] = dict(
             A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUP_SIZE=32,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_k, EVEN_K=True, EVEN_N=True,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
         )  # fmt: skip
         nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
         src = _source(_fused_moe_gemv_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)
@@ -103,10 +102,13 @@ def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
     from benchmarks.kernels.bench_fused_moe import QUICK_GEMVS
     from benchmarks.kernels.bench_w4a16 import QUICK_GEMVS as W4A16_GEMVS
 
-    cases = []
+    cases, seen = [], set()
     for cfg in W4A16_GEMVS:
-        cases.append((f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(dataclasses.replace(cfg, split_k=4), 32)))
+        cases.append((f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(cfg, 32)))
     for cfg in QUICK_GEMVS:
+        if (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift) in seen:
+            continue  # the same kernels at another split
+        seen.add((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift))
         for gate_up in (True, False):
             name = f"int4 moe gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} {'gate_up' if gate_up else 'down'}"
             cases.append((name, moe_case(cfg, gate_up)))
