@@ -42,6 +42,7 @@ import triton.language as tl
 from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
 from kernels.moe_routing import (
+    GEMV_CONFIG,
     MoEConfig,
     MoEGemm,
     _block_rows,
@@ -261,11 +262,9 @@ def fused_moe(
         raise ValueError(f"H={H} and I={I} must be multiples of the group size {group_size}")
     _check_weights(w13, s13, E, 2 * I, H, group_size, "w13")
     _check_weights(w2, s2, E, H, I, group_size, "w2")
-    cfg = config or pick_moe_config(M * topk_ids.shape[1], E)
+    cfg = config or pick_moe_config(M * topk_ids.shape[1], E, GEMV_CONFIG if group_size >= 32 else None)
     if cfg.block_m == 0 and (group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32):
-        if config is not None:
-            raise ValueError(f"the GEMV needs group_size >= 32 and tiles in multiples of 32, got {group_size}, {cfg}")
-        cfg = pick_moe_config(M * topk_ids.shape[1], 0)  # the tensor-core tiles instead
+        raise ValueError(f"the GEMV needs group_size >= 32 and tiles in multiples of 32, got {group_size}, {cfg}")
     weights = ((w13, s13), (w2, s2))
     scale_rows = max(cfg.block_k // group_size, 1)
 

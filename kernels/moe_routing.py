@@ -171,7 +171,7 @@ class MoEConfig:
 # INT4 GEMV's tiles, the programs per SM its split-K aims for, the pairs per expert up to which it
 # beats the tensor-core tiles, and the tiles by pairs per expert above that.
 GEMV_CONFIG = MoEConfig(block_m=0, block_n=64, block_k=256, lift=True)
-GEMV_PROGRAMS_PER_SM = 6
+GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
 GEMV_MAX_PAIRS_PER_EXPERT = 1.0
 TILE_CONFIGS = (  # (largest pairs per expert, tiles)
     (16.0, MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)),
@@ -180,22 +180,25 @@ TILE_CONFIGS = (  # (largest pairs per expert, tiles)
 )
 
 
-def pick_moe_config(num_pairs: int, num_experts: int, gemv: MoEConfig = GEMV_CONFIG) -> MoEConfig:
-    """By tokens per expert `P / E`: the GEMV (`gemv`, the format's tiles) at about one, else the
-    first of `TILE_CONFIGS` whose bound holds (a BM that a typical expert block fills)."""
+def pick_moe_config(num_pairs: int, num_experts: int, gemv: MoEConfig | None = GEMV_CONFIG) -> MoEConfig:
+    """By tokens per expert `P / E`: the GEMV (`gemv`, the format's tiles; None: it cannot run) at
+    about one, else the first of `TILE_CONFIGS` whose bound holds (a BM a typical expert block fills)."""
     per_expert = num_pairs / num_experts
-    if per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
+    if gemv is not None and per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
         return gemv
     return next(cfg for bound, cfg in TILE_CONFIGS if per_expert <= bound)
 
 
 def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
     """Split K until there are about `cfg.programs_per_sm` (4-warp) programs per SM: at one token,
-    Kimi's gate/up GEMV has only 8 · I/BN programs, too few loads in flight to cover HBM latency. At
-    most 16 splits of 2+ K tiles each."""
+    Kimi's gate/up GEMV has only 8 · I/BN programs, too few loads in flight to cover HBM latency, and
+    several waves of short programs leave a smaller tail than one of long ones. At most 16 splits of
+    2+ K tiles each, every split with work."""
     target = (cfg.programs_per_sm or GEMV_PROGRAMS_PER_SM) * num_sms * 4 // cfg.num_warps
     programs = num_pairs * triton.cdiv(N, cfg.block_n)
-    return max(1, min(triton.cdiv(K, cfg.block_k) // 2, target // programs, 16))
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    split = max(1, min(k_tiles // 2, round(target / programs), 16))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left without a K tile
 
 
 def check_routing(

@@ -239,15 +239,16 @@ class W4A16Config:
     lift: bool = False  # GEMV: activations lifted by a separate launch (`lift_rows`), not in the kernel
 
 
-# Launcher defaults: the GEMV's tiles at M <= 2 and how many of its programs split K aims for per SM
-# (from `bench_w4a16 --quick` on the H200; update both from its printed table)
+# Launcher defaults: the GEMV's tiles, how many of its programs split K aims for per SM and the rows
+# up to which it runs (from `bench_w4a16 --quick` on the H200; update them from its printed table)
 GEMV_DEFAULT = W4A16Config(block_m=0, block_n=64, block_k=256, num_warps=4)
-GEMV_PROGRAMS_PER_SM = 6
+GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
+GEMV_MAX_M = 2  # the GEMV reads the weights once per row: past a few rows the tiles win
 
 
 def pick_config(M: int, N: int, K: int, num_sms: int, group_size: int = 32) -> W4A16Config:
     """Heuristic choice by M: enough programs to cover every SM several times, else big tiles."""
-    if M <= 2 and group_size >= 32:
+    if M <= GEMV_MAX_M and group_size >= 32:
         cfg = GEMV_DEFAULT
     elif M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
@@ -261,8 +262,8 @@ def with_split_k(
     cfg: W4A16Config, M: int, N: int, K: int, num_sms: int, per_sm: int | None = None
 ) -> W4A16Config:
     """Split K until there are about `per_sm` programs per SM (default: 4, the GEMV
-    `GEMV_PROGRAMS_PER_SM` of 4 warps), rounded down so that the last wave is not a sliver (at most
-    16 splits, 4+ K tiles each; GEMV 2+)."""
+    `GEMV_PROGRAMS_PER_SM` of 4 warps), to the nearest split (at most 16, of 4+ K tiles each; GEMV
+    2+; every split with work)."""
     rows = M if cfg.block_m == 0 else triton.cdiv(M, cfg.block_m)
     tiles = triton.cdiv(N, cfg.block_n) * rows
     k_tiles = triton.cdiv(K, cfg.block_k)
@@ -270,8 +271,8 @@ def with_split_k(
         target, min_tiles = (per_sm or GEMV_PROGRAMS_PER_SM) * num_sms * 4 // cfg.num_warps, 2
     else:
         target, min_tiles = (per_sm or 4) * num_sms, 4
-    split = max(1, min(k_tiles // min_tiles, target // tiles, 16))
-    return replace(cfg, split_k=split)
+    split = max(1, min(k_tiles // min_tiles, round(target / tiles), 16))
+    return replace(cfg, split_k=triton.cdiv(k_tiles, triton.cdiv(k_tiles, split)))  # every split with work
 
 
 def w4a16_gemm(

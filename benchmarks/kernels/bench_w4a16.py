@@ -38,8 +38,8 @@ SHAPES = [  # name, N, K, group
 ]
 MS = [1, 16, 64, 256, 2048]
 QUICK_MS = [1, 16, 64]
-# the GEMV candidates at M <= 2: (config, programs per SM its split aims for); also compiled by
-# `python -m tests.kernels.sm90_compile_int4 --all`
+# the GEMV candidates at M <= 2 (split_k 0: the launcher's, at `GEMV_PROGRAMS_PER_SM`); also compiled
+# by `python -m tests.kernels.sm90_compile_int4 --all`
 QUICK_GEMVS = [
     GEMV_DEFAULT,
     W4A16Config(0, 128, 256),
@@ -61,7 +61,8 @@ def variants(M: int, quick: bool) -> list[Trial]:
         bm = min(64, max(16, triton.next_power_of_2(M)))
         tiles = [D(bm, 64, 256, 0, num_stages=3), D(bm, 64, 128, 0, num_warps=2, num_stages=4)]
         more = [D(bm, 32, 256, 0, num_warps=2, num_stages=4), D(bm, 128, 128, 0, num_warps=8, num_stages=4)]
-        return [(c, 4) for c in tiles + ([] if quick else [*more, D(0, 32, 256, dense=True)])]
+        gemv = [(replace(GEMV_DEFAULT, split_k=0), per_sm)] if M <= 16 else []  # where GEMV_MAX_M ends
+        return [(c, 4) for c in tiles + ([] if quick else [*more, D(0, 32, 256, dense=True)])] + gemv
     return [
         (c, 4)
         for c in (
