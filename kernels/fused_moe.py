@@ -216,12 +216,12 @@ def _fused_moe_gemv_kernel(
         ys, xs = _x_planes(x_row, r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
         acc += _int4_tile_dot(
             w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-            GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+            GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
         )  # fmt: skip
         if GATE_UP:
             acc_up += _int4_tile_dot(
                 w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-                GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+                GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
             )  # fmt: skip
     _gemv_finish(
         tl.sum(acc, axis=0) * LIFT_SCALE, tl.sum(acc_up, axis=0) * LIFT_SCALE, pair, offs_n, n_ok, N,

@@ -82,9 +82,8 @@ def _x_planes(x_row, r, r_ok, stride_xk, LIFTED: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
-def _chunk_dots(wp, ys, xs):
-    """wp [BK8, BN] int32 words, (ys, xs) from `_x_planes` -> [C, BN] fp32: per chunk of 4 words and
-    row, `sum (nibble - 8) · x` in units of 2^-72 (before the group scale)."""
+def _word_dots(wp, ys, xs):
+    """`_chunk_dots` with one FFMA chain per word (vector loads of lifted x serve them; more registers)."""
     BK8: tl.constexpr = wp.shape[0]
     BN: tl.constexpr = wp.shape[1]
     wh = wp >> 8  # nibbles 6, 7 at bits 16..23
@@ -99,8 +98,61 @@ def _chunk_dots(wp, ys, xs):
 
 
 @triton.jit
+def _chain_dots(wp, ys, xs):
+    """`_chunk_dots` with one FFMA chain per chunk: the 4 words and their activations split apart in
+    registers (a quarter of the accumulators, no word sum; scalar loads of x, as the raw path has)."""
+    BK8: tl.constexpr = wp.shape[0]
+    BN: tl.constexpr = wp.shape[1]
+    w4 = tl.permute(tl.reshape(wp, (BK8 // 4, 2, 2, BN)), (0, 3, 2, 1))  # [C, BN, 2, 2]: word 2a + b at [.., b, a]
+    wa, wb = tl.split(w4)
+    w00, w10 = tl.split(wa)
+    w01, w11 = tl.split(wb)
+    d = -tl.sum(tl.reshape(xs, (BK8 // 4, 4)), axis=1)[:, None]
+    for i in tl.static_range(4):
+        if i == 0:
+            w = w00
+        elif i == 1:
+            w = w10
+        elif i == 2:
+            w = w01
+        else:
+            w = w11
+        wh = w >> 8
+        for j in tl.static_range(8):
+            yr = tl.reshape(ys[j], (BK8 // 4, 2, 2))
+            ya, yb = tl.split(tl.permute(yr, (0, 2, 1)))
+            y00, y10 = tl.split(ya)
+            y01, y11 = tl.split(yb)
+            if i == 0:
+                y = y00
+            elif i == 1:
+                y = y10
+            elif i == 2:
+                y = y01
+            else:
+                y = y11
+            if j < 6:
+                q = (w & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+            else:
+                q = (wh & (0xF << (4 * (j - 2)))).to(tl.float32, bitcast=True)
+            d += q * y[:, None]
+    return d
+
+
+@triton.jit
+def _chunk_dots(wp, ys, xs, LIFTED: tl.constexpr):
+    """wp [BK8, BN] int32 words, (ys, xs) from `_x_planes` -> [C, BN] fp32: per chunk of 4 words and
+    row, `sum (nibble - 8) · x` in units of 2^-72 (before the group scale)."""
+    if LIFTED:
+        return _word_dots(wp, ys, xs)
+    else:
+        return _chain_dots(wp, ys, xs)
+
+
+@triton.jit
 def _int4_tile_dot(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-                   GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):  # fmt: skip
+                   GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LIFTED: tl.constexpr, EVEN_K: tl.constexpr,
+                   EVEN_N: tl.constexpr):  # fmt: skip
     """K tile t of weight rows `rows` [BN] against the activation planes: [C, BN] fp32, group scales
     applied (units of 2^-72). Words past K (or rows past N) load as zero, as do their scales."""
     BK8: tl.constexpr = BLOCK_K // 8
@@ -115,7 +167,7 @@ def _int4_tile_dot(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk,
     else:
         wp = tl.load(wptrs, mask=rows_ok[None, :] & (r < K8)[:, None], other=0)
         sc = tl.load(sptrs, mask=rows_ok[None, :] & (c < KG * (GROUP_SIZE // 32))[:, None], other=0.0)
-    return _chunk_dots(wp, ys, xs) * sc.to(tl.float32)
+    return _chunk_dots(wp, ys, xs, LIFTED) * sc.to(tl.float32)
 
 
 @triton.jit

@@ -126,7 +126,7 @@ def _w4a16_gemv_kernel(
         ys, xs = _x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
         acc += _int4_tile_dot(
             w_ptr, s_ptr, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-            GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+            GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
         )  # fmt: skip
     acc_n = tl.sum(acc, axis=0) * LIFT_SCALE  # [BN]
     _finish_tile(
@@ -241,7 +241,7 @@ class W4A16Config:
 
 # Launcher defaults: the GEMV's tiles, how many of its programs split K aims for per SM and the rows
 # up to which it runs (from `bench_w4a16 --quick` on the H200; update them from its printed table)
-GEMV_DEFAULT = W4A16Config(block_m=0, block_n=64, block_k=256, num_warps=4)
+GEMV_DEFAULT = W4A16Config(block_m=0, block_n=128, block_k=256, num_warps=4)
 GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
 GEMV_MAX_M = 2  # the GEMV reads the weights once per row: past a few rows the tiles win
 

@@ -42,9 +42,9 @@ QUICK_MS = [1, 16, 64]
 # by `python -m tests.kernels.sm90_compile_int4 --all`
 QUICK_GEMVS = [
     GEMV_DEFAULT,
-    W4A16Config(0, 128, 256),
+    W4A16Config(0, 64, 256),
     W4A16Config(0, 64, 256, lift=True),
-    W4A16Config(0, 32, 256, num_warps=2),
+    W4A16Config(0, 256, 256, num_warps=8),
 ]
 Trial = tuple[W4A16Config, int]  # split_k 0: `with_split_k` at that many programs per SM
 
