@@ -39,10 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
+from kernels.int4_gemv import LIFT_SCALE, _group_dots, _int4_tile_dot, _load_tile, _x_planes, lift_rows
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
 from kernels.moe_routing import (
     GEMV_CONFIG,
+    Blocks,
     MoEConfig,
     MoEGemm,
     _block_rows,
@@ -229,6 +230,93 @@ def _fused_moe_gemv_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _fused_moe_group_kernel(
+    a_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    block_expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    N,
+    K8,
+    KG,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    TOP_K: tl.constexpr,
+    GATE_UP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
+    """Grouped decode: `_fused_moe_gemv_kernel` for a block of BM pairs of one expert (`moe_align`'s
+    sorted_ids / block_expert_ids / num_padded) at once: each K tile's words are loaded and unpacked
+    once and serve every pair of the block (`_group_dots`). a: lifted rows ([M or P, lifted K] fp32);
+    grid (blocks, cdiv(N, BN), splits of K); out, ws, cnt as `_fused_moe_gemv_kernel`."""
+    blk = tl.program_id(0)
+    if blk * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # a block past the used ones: only padding
+    expert = tl.load(block_expert_ids_ptr + blk)
+    is_local = expert >= 0  # -1: the pairs of another rank, which down still adds (as zeros)
+    w_e = w_ptr + tl.where(is_local, expert, 0).to(tl.int64) * stride_we
+    s_e = s_ptr + tl.where(is_local, expert, 0).to(tl.int64) * stride_se
+    pairs = ()
+    x_rows = ()
+    for i in tl.static_range(BLOCK_M):
+        pair = tl.load(sorted_ids_ptr + blk * BLOCK_M + i)  # num_pairs: padding
+        pairs = pairs + (pair,)
+        x_rows = x_rows + (a_ptr + (tl.minimum(pair, num_pairs - 1) // A_ROW_DIV).to(tl.int64) * stride_am,)
+    BK8: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_tiles = tl.cdiv(K8, BK8)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
+    t0 = tl.program_id(2) * per_split
+    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)
+    NUM_ACC: tl.constexpr = 2 * BLOCK_M if GATE_UP else BLOCK_M  # per pair: gate (or down), then up
+    accs = ()
+    for i in tl.static_range(NUM_ACC):
+        accs = accs + (tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32),)
+    for t in range(t0, t1):
+        r = t * BK8 + tl.arange(0, BK8)
+        wp, sc = _load_tile(
+            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+            GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+        )  # fmt: skip
+        ds = _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+        if GATE_UP:
+            wp, sc = _load_tile(
+                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+            )  # fmt: skip
+            ds = ds + _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+        nxt = ()
+        for i in tl.static_range(NUM_ACC):
+            nxt = nxt + (accs[i] + ds[i],)
+        accs = nxt
+    for i in tl.static_range(BLOCK_M):
+        if pairs[i] < num_pairs:
+            _gemv_finish(
+                tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE, pairs[i],
+                offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
+            )  # fmt: skip
+
+
 def _check_weights(
     w: torch.Tensor, s: torch.Tensor, E: int, N: int, K: int, group_size: int, name: str
 ) -> None:
@@ -263,24 +351,34 @@ def fused_moe(
     _check_weights(w13, s13, E, 2 * I, H, group_size, "w13")
     _check_weights(w2, s2, E, H, I, group_size, "w2")
     cfg = config or pick_moe_config(M * topk_ids.shape[1], E, GEMV_CONFIG if group_size >= 32 else None)
-    if cfg.block_m == 0 and (group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32):
-        raise ValueError(f"the GEMV needs group_size >= 32 and tiles in multiples of 32, got {group_size}, {cfg}")
+    is_gemv = cfg.block_m == 0 or cfg.grouped
+    if is_gemv and (group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32 or (cfg.grouped and not cfg.lift)):
+        raise ValueError(f"the GEMV needs group_size >= 32, tiles in multiples of 32 (grouped: lift), got {group_size}, {cfg}")
     weights = ((w13, s13), (w2, s2))
     scale_rows = max(cfg.block_k // group_size, 1)
 
     def gemv(
-        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor
-    ) -> None:
+        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
+        blocks: Blocks | None,
+    ) -> None:  # fmt: skip
         w, s = weights[g.which]
         lifted = not g.gate_up or cfg.lift
         a = lift_rows(g.a) if g.gate_up and cfg.lift else g.a
+        even = dict(EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0)
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if blocks is not None:
+            _fused_moe_group_kernel[(blocks[1].numel(), triton.cdiv(g.N, cfg.block_n), split)](
+                a, w, s, g.out, ws, cnt, topk_w, *blocks, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
+                a.stride(0), *w.stride(), *s.stride(), g.out.stride(0),
+                A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, GROUP_SIZE=group_size,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **even, **launch,
+            )  # fmt: skip
+            return
         _fused_moe_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
             a, w, s, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K // 8, g.K // group_size, *a.stride(),
             *w.stride(), *s.stride(), g.out.stride(0),
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=lifted,
-            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **even, **launch,
         )  # fmt: skip
 
     def tiles(

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe_routing import (
+    Blocks,
     MoEConfig,
     MoEGemm,
     _block_rows,
@@ -234,7 +235,7 @@ def pick_fp8_moe_config(num_pairs: int, num_experts: int, block: tuple[int, int]
     """The INT4 kernel's switch and tensor-core tiles (`pick_moe_config`) with `FP8_GEMV_CONFIG`, and
     8 warps for block scales at BM 64: the two accumulators and the two K-tile products need 255
     registers at 4 warps (a spill), 102 at 8 (`tests/kernels/sm90_compile_fused_moe.py`)."""
-    cfg = pick_moe_config(num_pairs, num_experts, FP8_GEMV_CONFIG)
+    cfg = pick_moe_config(num_pairs, num_experts, FP8_GEMV_CONFIG, grouped=())
     if block is not None and cfg.block_m >= 64:
         return dataclasses.replace(cfg, num_warps=8)
     return cfg
@@ -287,6 +288,8 @@ def fused_moe_fp8(
             f"gate_scale and up_scale strides differ: {gate_scale.stride()} vs {up_scale.stride()}"
         )
     cfg = config or pick_fp8_moe_config(M * topk_ids.shape[1], E, block)
+    if cfg.grouped:
+        raise ValueError("the grouped GEMV is INT4's (kernels/fused_moe.py)")
     scale_bn, scale_bk, block_k = 1, 0, cfg.block_k
     if block is not None:
         scale_bn, scale_bk = block
@@ -295,8 +298,9 @@ def fused_moe_fp8(
     consts = dict(SCALE_BN=scale_bn, SCALE_BK=scale_bk, BLOCK_N=cfg.block_n, BLOCK_K=block_k)
 
     def gemv(
-        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor
-    ) -> None:
+        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
+        blocks: Blocks | None,
+    ) -> None:  # fmt: skip
         w, s, su = weights[g.which]
         _fused_moe_fp8_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
             g.a, w, s, su, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K, *g.a.stride(), *w.stride(),

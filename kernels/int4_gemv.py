@@ -150,11 +150,10 @@ def _chunk_dots(wp, ys, xs, LIFTED: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile_dot(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-                   GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LIFTED: tl.constexpr, EVEN_K: tl.constexpr,
-                   EVEN_N: tl.constexpr):  # fmt: skip
-    """K tile t of weight rows `rows` [BN] against the activation planes: [C, BN] fp32, group scales
-    applied (units of 2^-72). Words past K (or rows past N) load as zero, as do their scales."""
+def _load_tile(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+               GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):  # fmt: skip
+    """K tile t of weight rows `rows` [BN]: words [BK8, BN] int32 and fp32 scales [C, BN]; words past
+    K (or rows past N) load as zero, as do their scales."""
     BK8: tl.constexpr = BLOCK_K // 8
     C: tl.constexpr = BLOCK_K // 32
     r = t * BK8 + tl.arange(0, BK8)
@@ -162,12 +161,53 @@ def _int4_tile_dot(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk,
     wptrs = w_ptr + rows[None, :] * stride_wn + r[:, None] * stride_wk
     sptrs = s_ptr + rows[None, :] * stride_sn + (c * 32 // GROUP_SIZE)[:, None] * stride_sg
     if EVEN_K and EVEN_N:
-        wp = tl.load(wptrs)
-        sc = tl.load(sptrs)
+        return tl.load(wptrs), tl.load(sptrs).to(tl.float32)
     else:
         wp = tl.load(wptrs, mask=rows_ok[None, :] & (r < K8)[:, None], other=0)
         sc = tl.load(sptrs, mask=rows_ok[None, :] & (c < KG * (GROUP_SIZE // 32))[:, None], other=0.0)
-    return _chunk_dots(wp, ys, xs, LIFTED) * sc.to(tl.float32)
+        return wp, sc.to(tl.float32)
+
+
+@triton.jit
+def _int4_tile_dot(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
+                   GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, LIFTED: tl.constexpr, EVEN_K: tl.constexpr,
+                   EVEN_N: tl.constexpr):  # fmt: skip
+    """K tile t of weight rows `rows` [BN] against the activation planes: [C, BN] fp32, group scales
+    applied (units of 2^-72)."""
+    wp, sc = _load_tile(
+        w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+        GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+    )  # fmt: skip
+    return _chunk_dots(wp, ys, xs, LIFTED) * sc
+
+
+@triton.jit
+def _group_dots(wp, sc, x_rows, r, r_ok, EVEN_K: tl.constexpr):
+    """`_word_dots` of one word tile wp [BK8, BN] (scales sc [C, BN]) against several lifted rows
+    (`x_rows`, a tuple of row pointers): each nibble's LOP3 serves every row, one FFMA per row.
+    Returns the tuple of their [C, BN] sums, group scales applied."""
+    BK8: tl.constexpr = wp.shape[0]
+    BN: tl.constexpr = wp.shape[1]
+    wh = wp >> 8
+    q = (wp & 0xF).to(tl.float32, bitcast=True)
+    ds = ()
+    for i in tl.static_range(len(x_rows)):
+        xb = x_rows[i] + (r // 4) * LIFTED_ROW + r % 4
+        ds = ds + (q * _load_k(xb, r_ok, EVEN_K)[:, None] - _load_k(xb + 32, r_ok, EVEN_K)[:, None],)
+    for j in tl.static_range(1, 8):
+        if j < 6:
+            q = (wp & (0xF << (4 * j))).to(tl.float32, bitcast=True)
+        else:
+            q = (wh & (0xF << (4 * (j - 2)))).to(tl.float32, bitcast=True)
+        nxt = ()
+        for i in tl.static_range(len(x_rows)):
+            xb = x_rows[i] + (r // 4) * LIFTED_ROW + r % 4 + 4 * j
+            nxt = nxt + (ds[i] + q * _load_k(xb, r_ok, EVEN_K)[:, None],)
+        ds = nxt
+    out = ()
+    for i in tl.static_range(len(x_rows)):
+        out = out + (tl.sum(tl.reshape(ds[i], (BK8 // 4, 4, BN)), axis=1) * sc,)
+    return out
 
 
 @triton.jit

@@ -155,7 +155,8 @@ class MoEConfig:
     """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
     `split_k` ways (0: per GEMM, by `gemv_split_k` at `programs_per_sm`, 0: `GEMV_PROGRAMS_PER_SM`);
     `lift` (INT4 GEMV) lifts x in a launch before gate/up instead of in every program
-    (`kernels/int4_gemv.py`)."""
+    (`kernels/int4_gemv.py`); `grouped` (INT4, with `lift`) runs the GEMV once per block of
+    `block_m` pairs of one expert, unpacking its words once for all of them."""
 
     block_m: int
     block_n: int
@@ -165,14 +166,16 @@ class MoEConfig:
     split_k: int = 0
     programs_per_sm: int = 0
     lift: bool = False
+    grouped: bool = False  # INT4: the GEMV over `moe_align` blocks of block_m pairs of one expert
 
 
 # Launcher defaults, from `bench_fused_moe --quick` on the H200 (update from its printed table): the
 # INT4 GEMV's tiles, the programs per SM its split-K aims for, the pairs per expert up to which it
-# beats the tensor-core tiles, and the tiles by pairs per expert above that.
+# runs; then by pairs per expert the grouped GEMV (INT4; none until measured) and the tiles.
 GEMV_CONFIG = MoEConfig(block_m=0, block_n=64, block_k=256, lift=True)
 GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
 GEMV_MAX_PAIRS_PER_EXPERT = 1.0
+GROUPED_CONFIGS: tuple[tuple[float, MoEConfig], ...] = ()  # (largest pairs per expert, grouped GEMV)
 TILE_CONFIGS = (  # (largest pairs per expert, tiles)
     (16.0, MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)),
     (32.0, MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)),
@@ -180,13 +183,19 @@ TILE_CONFIGS = (  # (largest pairs per expert, tiles)
 )
 
 
-def pick_moe_config(num_pairs: int, num_experts: int, gemv: MoEConfig | None = GEMV_CONFIG) -> MoEConfig:
+def pick_moe_config(
+    num_pairs: int,
+    num_experts: int,
+    gemv: MoEConfig | None = GEMV_CONFIG,
+    grouped: tuple[tuple[float, MoEConfig], ...] = GROUPED_CONFIGS,
+) -> MoEConfig:
     """By tokens per expert `P / E`: the GEMV (`gemv`, the format's tiles; None: it cannot run) at
-    about one, else the first of `TILE_CONFIGS` whose bound holds (a BM a typical expert block fills)."""
+    about one, else the first of `grouped` (the format's; () for none), then of `TILE_CONFIGS`, whose
+    bound holds (a BM a typical expert block fills)."""
     per_expert = num_pairs / num_experts
     if gemv is not None and per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
         return gemv
-    return next(cfg for bound, cfg in TILE_CONFIGS if per_expert <= bound)
+    return next(cfg for bound, cfg in (*(grouped if gemv else ()), *TILE_CONFIGS) if per_expert <= bound)
 
 
 def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
@@ -230,9 +239,13 @@ class MoEGemm:
     mul_weight: bool  # scale each output row by its pair's routing weight
 
 
-# gemv(g, split, flat_ids [P], topk_w [P], ws fp32, cnt int32): grid (P, cdiv(N, BN), split), ends in
-# `_gemv_finish`; tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w): grid (blocks · N tiles,)
-GemvLaunch = Callable[[MoEGemm, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# gemv(g, split, flat_ids [P], topk_w [P], ws fp32, cnt int32, blocks): grid (P or blocks, cdiv(N, BN),
+# split), ends in `_gemv_finish`; blocks: `moe_align`'s output for `grouped`, else None;
+# tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w): grid (blocks · N tiles,)
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+GemvLaunch = Callable[
+    [MoEGemm, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Blocks | None], None
+]
 TilesLaunch = Callable[[MoEGemm, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -255,18 +268,20 @@ def run_moe(
     if P == 0:
         return torch.zeros_like(x)
     topk_w = topk_weights.reshape(-1).contiguous()  # [P]
-    if cfg.block_m == 0:  # decode: about one pair per expert; no align step, no torch op between
+    if cfg.block_m == 0 or cfg.grouped:  # decode: a few pairs per expert; no torch op between
         flat_ids = topk_ids.reshape(-1).contiguous()  # [P]
+        blocks = moe_align(topk_ids, num_experts, cfg.block_m) if cfg.grouped else None
         act_shape, act_dtype = ((P, lifted_width(I)), torch.float32) if lifted_act else ((P, I), x.dtype)
         act = torch.empty(act_shape, dtype=act_dtype, device=x.device)
         out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        rows = triton.cdiv(P, cfg.block_m) if cfg.grouped else P  # programs along the first grid axis, about
         for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, out, H, I, 1, False, True)):
-            split = cfg.split_k or gemv_split_k(P, g.N, g.K, cfg, num_sms(x.device))
+            split = cfg.split_k or gemv_split_k(rows, g.N, g.K, cfg, num_sms(x.device))
             arrivals = split if g.gate_up else k * split
             ws_shape = (P, split, 2 * g.N if g.gate_up else g.N) if arrivals > 1 else (1,)
             ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
             cnt = split_k_counters(x.device, (P if g.gate_up else M) * triton.cdiv(g.N, cfg.block_n))
-            gemv(g, split, flat_ids, topk_w, ws, cnt)
+            gemv(g, split, flat_ids, topk_w, ws, cnt, blocks)
         return out
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)

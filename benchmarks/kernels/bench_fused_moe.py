@@ -83,8 +83,13 @@ QUICK_GEMVS = [
     MoEConfig(0, 64, 256),
     MoEConfig(0, 64, 128, lift=True),
     MoEConfig(0, 32, 256, num_warps=2, lift=True),
-    MoEConfig(0, 64, 256, programs_per_sm=3, lift=True),
-    MoEConfig(0, 64, 256, programs_per_sm=12, lift=True),
+    MoEConfig(0, 64, 256, programs_per_sm=6, lift=True),
+    MoEConfig(0, 64, 256, programs_per_sm=24, lift=True),
+]
+QUICK_GROUPED = [  # timed from one pair per expert up (M = 64 in --quick)
+    MoEConfig(2, 32, 256, lift=True, grouped=True),
+    MoEConfig(4, 32, 256, lift=True, grouped=True),
+    MoEConfig(8, 32, 128, lift=True, grouped=True),
 ]
 QUICK_TILES = [MoEConfig(16, 64, 128, num_stages=4)]
 VARIANTS = [
@@ -225,7 +230,10 @@ def bench_m(
     x0, ids0, wts0 = sets[0]
     ref = fused_moe_ref(x0.float(), ids0, wts0, *experts, G)
     cfg0 = pick_moe_config(M * TOP_K, E)
-    trials = [cfg0, *[v for v in variants if v != cfg0 and (v.block_m > 0 or M <= 512)]]
+    def fits(v: MoEConfig) -> bool:  # the GEMVs up to M = 512, the grouped ones from one pair per expert
+        return (v.block_m > 0 or M <= 512) and (not v.grouped or M * TOP_K >= E)
+
+    trials = [cfg0, *[v for v in variants if v != cfg0 and fits(v)]]
     errs, times, failures = [], [], {}
     for cfg in trials:
         try:
@@ -296,6 +304,8 @@ def bench_m(
 
 
 def label(cfg: MoEConfig) -> str:
+    if cfg.grouped:
+        return f"grouped{cfg.block_m} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
     if cfg.block_m:
         return f"bm{cfg.block_m} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     split = f"split{cfg.split_k}" if cfg.split_k else f"{cfg.programs_per_sm or GEMV_PROGRAMS_PER_SM}/SM"
@@ -320,14 +330,14 @@ def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
     if totals:
         pick = min(totals, key=totals.__getitem__)
         print(f"M=1: least total {totals[pick] * 1e3:.1f}us over the shapes: {pick} -> GEMV_CONFIG, GEMV_PROGRAMS_PER_SM")
+    kinds = {"gemv": "GEMV_MAX_PAIRS_PER_EXPERT", "grouped": "GROUPED_CONFIGS", "bm": "TILE_CONFIGS"}
     for r in rows:
         if not r["case"].startswith("M=1 "):
-            gemv = min((v["ms"] for v in r["variants"] if v["config"]["block_m"] == 0), default=float("inf"))
-            tiles = min((v["ms"] for v in r["variants"] if v["config"]["block_m"] > 0), default=float("inf"))
-            print(
-                f"{r['case']}: {r['pairs_per_expert']:.2f} pairs/expert, best GEMV {gemv * 1e3:.1f}us, best tiles "
-                f"{tiles * 1e3:.1f}us -> GEMV_MAX_PAIRS_PER_EXPERT {'>=' if gemv < tiles else '<'} {r['pairs_per_expert']:.2f}"
-            )
+            best = {k: min((v for v in r["variants"] if v["label"].startswith(k)), key=lambda v: v["ms"], default=None)
+                    for k in kinds}  # fmt: skip
+            text = ", ".join(f"{v['label']} {v['ms'] * 1e3:.1f}us" for v in best.values() if v)
+            win = min((k for k in kinds if best[k]), key=lambda k: best[k]["ms"])
+            print(f"{r['case']}: {r['pairs_per_expert']:.2f} pairs/expert: {text} -> {kinds[win]} covers it")
 
 
 def peer_weights(
@@ -381,7 +391,7 @@ def main() -> None:
         peers_w = {} if args.quick else peer_weights(shape, experts)
         ms = [int(m) for m in args.ms.split(",")] if args.ms else (list(FP8_MS) if args.quick else shape.ms)
         fp8_w = make_fp8_experts(shape) if set(ms) & set(FP8_MS) else None
-        variants = QUICK_GEMVS + QUICK_TILES if args.quick else VARIANTS
+        variants = QUICK_GEMVS + QUICK_GROUPED + QUICK_TILES if args.quick else VARIANTS + QUICK_GROUPED
         for M in ms:
             rows.append(bench_m(shape, M, experts, peers_w, ceil, fp8_w if M in FP8_MS else None, variants))
             torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ from typing import Any
 import triton
 from triton.compiler import ASTSource
 
-from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
+from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_group_kernel, _fused_moe_kernel
 from kernels.moe_align import _moe_align_kernel
 from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
 from kernels.w4a16_gemm import GEMV_DEFAULT, W4A16Config, _w4a16_gemv_kernel, _w4a16_kernel, pick_config
@@ -53,6 +53,19 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
 def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
     """(source, warps, stages, nibbles per thread per K trip) of the INT4 MoE kernel `cfg` selects."""
     lifted = cfg.lift or not gate_up
+    if cfg.grouped:
+        ptrs = {
+            "a_ptr": "fp32", "w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "fp32" if gate_up else "bf16",
+            "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "sorted_ids_ptr": "i32",
+            "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32",
+        }  # fmt: skip
+        consts = dict(
+            A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, GROUP_SIZE=32, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
+        )  # fmt: skip
+        nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
+        src = _source(_fused_moe_group_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)
+        return src, cfg.num_warps, cfg.num_stages, nibbles
     if cfg.block_m == 0:
         ptrs = {
             "a_ptr": "fp32" if lifted else "bf16", "w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "fp32" if gate_up else "bf16",
@@ -99,18 +112,20 @@ def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
 
 def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
     """The GEMV variants `bench_w4a16 --quick` and `bench_fused_moe --quick` time."""
-    from benchmarks.kernels.bench_fused_moe import QUICK_GEMVS
+    from benchmarks.kernels.bench_fused_moe import QUICK_GEMVS, QUICK_GROUPED
     from benchmarks.kernels.bench_w4a16 import QUICK_GEMVS as W4A16_GEMVS
 
     cases, seen = [], set()
     for cfg in W4A16_GEMVS:
         cases.append((f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(cfg, 32)))
-    for cfg in QUICK_GEMVS:
-        if (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift) in seen:
+    for cfg in QUICK_GEMVS + QUICK_GROUPED:
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift, cfg.grouped)
+        if key in seen:
             continue  # the same kernels at another split
-        seen.add((cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift))
+        seen.add(key)
         for gate_up in (True, False):
-            name = f"int4 moe gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} {'gate_up' if gate_up else 'down'}"
+            kind = f"grouped{cfg.block_m}" if cfg.grouped else "gemv"
+            name = f"int4 moe {kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} {'gate_up' if gate_up else 'down'}"
             cases.append((name, moe_case(cfg, gate_up)))
     return cases
 

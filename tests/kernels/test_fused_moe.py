@@ -34,6 +34,7 @@ ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  #
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 GEMV = MoEConfig(block_m=0, block_n=64, block_k=64)
 TILES = MoEConfig(block_m=16, block_n=32, block_k=64)
+GROUPED = MoEConfig(block_m=4, block_n=32, block_k=64, lift=True, grouped=True)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -150,6 +151,8 @@ CASES = [  # M, config (None: the launcher's choice, the GEMV when P <= E), dtyp
     (17, None, F32),
     (64, None, F16),
     (64, MoEConfig(block_m=32, block_n=64, block_k=32), F32),  # BLOCK_K == group, N tile wider than I
+    (17, GROUPED, F32),  # blocks of 4 pairs of one expert, one unpacking for all
+    (5, MoEConfig(block_m=2, block_n=32, block_k=64, split_k=2, lift=True, grouped=True), F16),
 ]
 
 
@@ -168,7 +171,7 @@ def test_kernel_matches_float64(M: int, config: MoEConfig | None, dtype: torch.d
 
 @pytest.mark.parametrize(
     ("config", "dtype"),
-    [(GEMV, F32), (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16), (TILES, F16)],
+    [(GEMV, F32), (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16), (TILES, F16), (GROUPED, F32)],
 )
 def test_matches_cpu_moe_layer(config: MoEConfig, dtype: torch.dtype) -> None:
     """The layer's experts and the kernel on the same weights, sharded: this rank holds experts 2..4,
@@ -218,7 +221,9 @@ def test_dropped_expert_contributes_nothing(config: MoEConfig) -> None:
     assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize("config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), TILES])
+@pytest.mark.parametrize(
+    "config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), TILES, GROUPED]
+)
 def test_deterministic(config: MoEConfig) -> None:
     gen = torch.Generator().manual_seed(5)
     ex = Experts(E, H, I, gen)
