@@ -27,7 +27,9 @@ reads the router's ids directly: no align step, two launches in all. Gate/up wri
 fp32 rows (the down GEMV's activation format, so down does no lifting); K splits and, for down, the
 token's k slots meet in `_gemv_finish`, where the last program to arrive adds the fp32 partials in a
 fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
-its weights twice, the second time mostly from L2.
+its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
+on, `_fused_moe_group_kernel` (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
+expert and unpacks each word once for all of them.
 
 Tiles and the GEMV/tiles switch are `kernels/moe_routing.py`'s table, which
 `benchmarks/kernels/bench_fused_moe.py --quick` measures the alternatives for.
@@ -58,6 +60,7 @@ from kernels.moe_routing import (
 )
 
 __all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
+
 
 @triton.jit
 def _load_b(
@@ -290,7 +293,7 @@ def _fused_moe_group_kernel(
     t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)
     NUM_ACC: tl.constexpr = 2 * BLOCK_M if GATE_UP else BLOCK_M  # per pair: gate (or down), then up
     accs = ()
-    for i in tl.static_range(NUM_ACC):
+    for _ in tl.static_range(NUM_ACC):
         accs = accs + (tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32),)
     for t in range(t0, t1):
         r = t * BK8 + tl.arange(0, BK8)
@@ -352,8 +355,12 @@ def fused_moe(
     _check_weights(w2, s2, E, H, I, group_size, "w2")
     cfg = config or pick_moe_config(M * topk_ids.shape[1], E, GEMV_CONFIG if group_size >= 32 else None)
     is_gemv = cfg.block_m == 0 or cfg.grouped
-    if is_gemv and (group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32 or (cfg.grouped and not cfg.lift)):
-        raise ValueError(f"the GEMV needs group_size >= 32, tiles in multiples of 32 (grouped: lift), got {group_size}, {cfg}")
+    if is_gemv and (
+        group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32 or (cfg.grouped and not cfg.lift)
+    ):
+        raise ValueError(
+            f"the GEMV needs group_size >= 32, tiles in multiples of 32 (grouped: lift), got {group_size}, {cfg}"
+        )
     weights = ((w13, s13), (w2, s2))
     scale_rows = max(cfg.block_k // group_size, 1)
 

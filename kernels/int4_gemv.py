@@ -31,7 +31,9 @@ import triton.language as tl
 __all__ = ["LIFT_SCALE", "LIFTED_ROW", "lift_rows", "lifted_width"]
 
 LIFT_SCALE: tl.constexpr = tl.constexpr(2.0**72)  # the dots come out in units of 2^-72
-LIFTED_ROW: tl.constexpr = tl.constexpr(36)  # fp32 per chunk of 32 k in a lifted row: planes j = 0..7 of its 4 words, then xs
+LIFTED_ROW: tl.constexpr = tl.constexpr(
+    36
+)  # fp32 per chunk of 32 k in a lifted row: planes j = 0..7 of its 4 words, then xs
 
 
 @triton.jit
@@ -103,7 +105,9 @@ def _chain_dots(wp, ys, xs):
     registers (a quarter of the accumulators, no word sum; scalar loads of x, as the raw path has)."""
     BK8: tl.constexpr = wp.shape[0]
     BN: tl.constexpr = wp.shape[1]
-    w4 = tl.permute(tl.reshape(wp, (BK8 // 4, 2, 2, BN)), (0, 3, 2, 1))  # [C, BN, 2, 2]: word 2a + b at [.., b, a]
+    w4 = tl.permute(
+        tl.reshape(wp, (BK8 // 4, 2, 2, BN)), (0, 3, 2, 1)
+    )  # [C, BN, 2, 2]: word 2a + b at [.., b, a]
     wa, wb = tl.split(w4)
     w00, w10 = tl.split(wa)
     w01, w11 = tl.split(wb)

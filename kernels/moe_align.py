@@ -60,7 +60,9 @@ def _moe_align_kernel(
     for b0 in range(0, num_blocks, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
         bucket = tl.sum((end[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), 1)  # [BLOCK_B]
-        tl.store(block_expert_ids_ptr + blk, tl.where(bucket < num_experts, bucket, -1), mask=blk < num_blocks)
+        tl.store(
+            block_expert_ids_ptr + blk, tl.where(bucket < num_experts, bucket, -1), mask=blk < num_blocks
+        )
     for s0 in range(0, num_blocks * BLOCK_M, BLOCK_P):
         slots = s0 + tl.arange(0, BLOCK_P)
         tl.store(sorted_ids_ptr + slots, tl.full((BLOCK_P,), P, tl.int32), mask=slots < num_blocks * BLOCK_M)

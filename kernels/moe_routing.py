@@ -99,6 +99,15 @@ def _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT: tl.constexpr):
 
 
 @triton.jit
+def _row_value(acc, acc_up, GATE_UP: tl.constexpr):
+    """A finished row: silu(gate)·up (GATE_UP), else the sum itself."""
+    if GATE_UP:
+        return _silu(acc) * acc_up
+    else:
+        return acc
+
+
+@triton.jit
 def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
                  GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
     """GEMV programs' end (grid (P, N tiles, S splits of K)), from acc / acc_up [BN] fp32, this program's sums.
@@ -120,12 +129,8 @@ def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr,
         row = pair // TOP_K
         width = N
     row_ptr = out_ptr + row.to(tl.int64) * stride_om
-    if GATE_UP:
-        v = _silu(acc) * acc_up
-    else:
-        v = acc
     if arrivals == 1:
-        _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
+        _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
     else:
         ws = ws_ptr + offs_n
         part = ws + (pair * num_splits + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
@@ -142,11 +147,7 @@ def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr,
                 acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
                 if GATE_UP:
                     acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            if GATE_UP:
-                v = _silu(acc) * acc_up
-            else:
-                v = acc
-            _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
+            _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 

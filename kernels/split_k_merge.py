@@ -28,7 +28,7 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     of a tile resets its counter, so the buffer stays zero between calls (and CUDA-graph replays)."""
     cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < n:
-        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        cnt = torch.zeros(max(n, 1 << 18), dtype=torch.int32, device=device)  # 1 MB: decode never regrows it
         _COUNTERS[device] = cnt
     return cnt
 

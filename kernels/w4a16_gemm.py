@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
 from kernels.int4_weights import (  # repack_int4 and the reference unpack are part of this op's API
     _MAGIC_2_23,
     _grouped_tile,
@@ -33,7 +34,6 @@ from kernels.int4_weights import (  # repack_int4 and the reference unpack are p
     repack_int4,
     unpack_int4_ref,
 )
-from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
 from kernels.split_k_merge import num_sms, split_k_counters
 
 __all__ = [
@@ -312,7 +312,9 @@ def w4a16_gemm(
         _dense_product(x2, w_repacked, scales, group_size, cfg, out)
     elif cfg.block_m == 0:
         if group_size < 32 or cfg.block_k % 32:
-            raise ValueError(f"the GEMV needs group_size >= 32 and block_k % 32 == 0, got {group_size}, {cfg}")
+            raise ValueError(
+                f"the GEMV needs group_size >= 32 and block_k % 32 == 0, got {group_size}, {cfg}"
+            )
         grid = (triton.cdiv(N, cfg.block_n), M, cfg.split_k)
         cnt = split_k_counters(x.device, grid[0] * M)
         xg = lift_rows(x2) if cfg.lift else x2  # [M, K] or [M, lifted_width(K)] fp32

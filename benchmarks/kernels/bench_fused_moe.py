@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from benchmarks.kernels.bench_w4a16 import tinygemm_weights
 from benchmarks.kernels.common import graph_ms, measure_ceilings, rel_err, write_record
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config
-from kernels.moe_routing import GEMV_CONFIG, GEMV_PROGRAMS_PER_SM, TILE_CONFIGS
 from kernels.fused_moe_fp8 import FP8, fused_moe_fp8, fused_moe_fp8_ref
 from kernels.int4_weights import dequantize_int4
+from kernels.moe_routing import GEMV_CONFIG, GEMV_PROGRAMS_PER_SM, TILE_CONFIGS
 
 G = 32
 ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, s13, w2, s2
@@ -82,21 +82,20 @@ QUICK_GEMVS = [
     GEMV_CONFIG,
     MoEConfig(0, 64, 256),
     MoEConfig(0, 64, 128, lift=True),
-    MoEConfig(0, 32, 256, num_warps=2, lift=True),
     MoEConfig(0, 64, 256, programs_per_sm=6, lift=True),
     MoEConfig(0, 64, 256, programs_per_sm=24, lift=True),
 ]
 QUICK_GROUPED = [  # timed from one pair per expert up (M = 64 in --quick)
     MoEConfig(2, 32, 256, lift=True, grouped=True),
     MoEConfig(4, 32, 256, lift=True, grouped=True),
-    MoEConfig(8, 32, 128, lift=True, grouped=True),
 ]
 QUICK_TILES = [MoEConfig(16, 64, 128, num_stages=4)]
 VARIANTS = [
     *QUICK_GEMVS,
     MoEConfig(0, 64, 256, split_k=1, lift=True),
-    MoEConfig(0, 128, 256, lift=True),
+    MoEConfig(0, 32, 256, num_warps=2, lift=True),
     MoEConfig(0, 64, 128),
+    MoEConfig(8, 32, 128, lift=True, grouped=True),
     MoEConfig(0, 64, 128, num_warps=8),
     MoEConfig(16, 64, 128, num_stages=4),
     MoEConfig(16, 64, 64, num_stages=4),
@@ -230,6 +229,7 @@ def bench_m(
     x0, ids0, wts0 = sets[0]
     ref = fused_moe_ref(x0.float(), ids0, wts0, *experts, G)
     cfg0 = pick_moe_config(M * TOP_K, E)
+
     def fits(v: MoEConfig) -> bool:  # the GEMVs up to M = 512, the grouped ones from one pair per expert
         return (v.block_m > 0 or M <= 512) and (not v.grouped or M * TOP_K >= E)
 
@@ -314,7 +314,9 @@ def label(cfg: MoEConfig) -> str:
 
 def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
     """The compact table and the values for `kernels/moe_routing.py`'s launcher table."""
-    print(f"\n{'case':<46} {'default':>8} {'best':>8} {'GB/s':>5} {'copy':>5} {'fp8':>7} {'fp8ch':>7} {'align':>6}  best")
+    print(
+        f"\n{'case':<46} {'default':>8} {'best':>8} {'GB/s':>5} {'copy':>5} {'fp8':>7} {'fp8ch':>7} {'align':>6}  best"
+    )
     for r in rows:
         b, fp8 = r["best_variant"], r["peers"]
         print(
@@ -329,7 +331,9 @@ def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
                 totals[v["label"]] = totals.get(v["label"], 0.0) + v["ms"]
     if totals:
         pick = min(totals, key=totals.__getitem__)
-        print(f"M=1: least total {totals[pick] * 1e3:.1f}us over the shapes: {pick} -> GEMV_CONFIG, GEMV_PROGRAMS_PER_SM")
+        print(
+            f"M=1: least total {totals[pick] * 1e3:.1f}us over the shapes: {pick} -> GEMV_CONFIG, GEMV_PROGRAMS_PER_SM"
+        )
     kinds = {"gemv": "GEMV_MAX_PAIRS_PER_EXPERT", "grouped": "GROUPED_CONFIGS", "bm": "TILE_CONFIGS"}
     for r in rows:
         if not r["case"].startswith("M=1 "):

@@ -189,7 +189,9 @@ def bench_shape(
 
 def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
     """The compact table, and per M the candidate with the least total time over the shapes."""
-    print(f"\n{'case':<44} {'default':>8} {'best':>8} {'GB/s':>6} {'copy':>5} {'fp8':>7} {'fp8/best':>8}  best config")
+    print(
+        f"\n{'case':<44} {'default':>8} {'best':>8} {'GB/s':>6} {'copy':>5} {'fp8':>7} {'fp8/best':>8}  best config"
+    )
     for r in rows:
         fp8 = r["peers"]["scaled_mm_fp8"]
         b = r["best_variant"]
@@ -205,13 +207,17 @@ def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
                 totals[v["label"]] = totals.get(v["label"], 0.0) + v["ms"]
         pick = min(totals, key=totals.__getitem__)
         print(f"M={M}: least total {totals[pick] * 1e3:.1f}us over {len(same)} shapes: {pick}")
-    print("-> set GEMV_DEFAULT / GEMV_PROGRAMS_PER_SM (M=1) and pick_config's tiles (M=16, 64) in kernels/w4a16_gemm.py")
+    print(
+        "-> set GEMV_DEFAULT / GEMV_PROGRAMS_PER_SM (M=1) and pick_config's tiles (M=16, 64) in kernels/w4a16_gemm.py"
+    )
 
 
 def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def bench_case(name: str, N: int, K: int, group: int, quick: bool, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    def bench_case(
+        name: str, N: int, K: int, group: int, quick: bool, ceil: dict[str, float]
+    ) -> list[dict[str, Any]]:
         return bench_shape(name, N, K, group, quick, ceil, sms)
 
     rows, ceil = run_cases(

@@ -142,7 +142,9 @@ def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2, loop_nibbl
             f.write(kernel.asm["ptx"])
         cubin = os.path.join(tmp, "k.cubin")
         run = subprocess.run(
-            [os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True
+            [os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+            capture_output=True,
+            text=True,
         )
         if run.returncode:
             raise RuntimeError(run.stderr[-2000:])

@@ -31,7 +31,18 @@ from tests.kernels.sm90_compile_w4a8 import _source
 
 GEMM_DIV16 = ("N", "K", "K8", "KG", "stride_xm", "stride_wn", "stride_sn", "stride_om")
 GEMM_UNIT = ("stride_xk", "stride_wk", "stride_sg", "stride_on")
-MOE_DIV16 = ("N", "K", "K8", "KG", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_om")
+MOE_DIV16 = (
+    "N",
+    "K",
+    "K8",
+    "KG",
+    "stride_am",
+    "stride_we",
+    "stride_wn",
+    "stride_se",
+    "stride_sn",
+    "stride_om",
+)
 MOE_UNIT = ("stride_ak", "stride_wk", "stride_sg", "stride_on")
 
 
@@ -41,10 +52,20 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
     consts: dict[str, Any] = dict(GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     if cfg.block_m == 0:
         consts.update(LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True)
-        src = _source(_w4a16_gemv_kernel, {"x_ptr": "fp32" if cfg.lift else "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
+        src = _source(
+            _w4a16_gemv_kernel,
+            {"x_ptr": "fp32" if cfg.lift else "bf16", **ptrs},
+            consts,
+            div16=GEMM_DIV16,
+            unit=GEMM_UNIT,
+        )
         return src, cfg.num_warps, cfg.num_stages, cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
     consts.update(
-        BLOCK_M=cfg.block_m, SPLIT_K=cfg.split_k, GROUP_M=cfg.group_m, SCALE_ROWS=max(cfg.block_k // group, 1), DOT_PRECISION="tf32"
+        BLOCK_M=cfg.block_m,
+        SPLIT_K=cfg.split_k,
+        GROUP_M=cfg.group_m,
+        SCALE_ROWS=max(cfg.block_k // group, 1),
+        DOT_PRECISION="tf32",
     )
     src = _source(_w4a16_kernel, {"x_ptr": "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
     return src, cfg.num_warps, cfg.num_stages, 0
@@ -87,13 +108,20 @@ def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=cfg.block_k // 32,
         DOT_PRECISION="tf32",
     )  # fmt: skip
-    return _source(_fused_moe_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT), cfg.num_warps, cfg.num_stages, 0
+    return (
+        _source(_fused_moe_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT),
+        cfg.num_warps,
+        cfg.num_stages,
+        0,
+    )
 
 
 def align_case(num_pairs: int) -> tuple[ASTSource, int, int, int]:
     """`moe_align`'s kernel for Kimi's 384 experts, BM 16, at `num_pairs`' chunk size."""
     ptrs = {"ids_ptr": "i64", "sorted_ids_ptr": "i32", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32"}
-    consts = dict(BLOCK_M=16, NUM_BINS=512, BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_pairs))), BLOCK_B=32)
+    consts = dict(
+        BLOCK_M=16, NUM_BINS=512, BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_pairs))), BLOCK_B=32
+    )
     return _source(_moe_align_kernel, ptrs, consts, div16=(), unit=()), 4, 2, 0
 
 
@@ -102,7 +130,9 @@ def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
     for group in (128, 32):
         for M in (1, 16, 64):
             cfg = pick_config(M, 8192, 8192, 132, group)
-            cases.append((f"w4a16 M={M} g{group} {'gemv' if cfg.block_m == 0 else 'tiles'}", gemm_case(cfg, group)))
+            cases.append(
+                (f"w4a16 M={M} g{group} {'gemv' if cfg.block_m == 0 else 'tiles'}", gemm_case(cfg, group))
+            )
     for tokens in (1, 64):
         cfg = pick_moe_config(tokens * 8, 384)
         for gate_up in (True, False):
@@ -117,7 +147,9 @@ def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
 
     cases, seen = [], set()
     for cfg in W4A16_GEMVS:
-        cases.append((f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(cfg, 32)))
+        cases.append(
+            (f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(cfg, 32))
+        )
     for cfg in QUICK_GEMVS + QUICK_GROUPED:
         key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift, cfg.grouped)
         if key in seen:

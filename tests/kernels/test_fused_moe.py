@@ -119,7 +119,9 @@ def test_align_groups_pairs_by_expert() -> None:
         (7, 3, 5, 4, torch.int64),
     ],
 )
-def test_align_kernel_equals_torch_reference(M: int, k: int, num_experts: int, BM: int, dtype: torch.dtype) -> None:
+def test_align_kernel_equals_torch_reference(
+    M: int, k: int, num_experts: int, BM: int, dtype: torch.dtype
+) -> None:
     """The one-launch kernel returns exactly the torch formulation's blocks (stable, padded, -1s)."""
     gen = torch.Generator().manual_seed(M * k + BM)
     ids = torch.stack([torch.randperm(num_experts + 2, generator=gen)[:k] - 1 for _ in range(M)]).to(dtype)
@@ -171,7 +173,12 @@ def test_kernel_matches_float64(M: int, config: MoEConfig | None, dtype: torch.d
 
 @pytest.mark.parametrize(
     ("config", "dtype"),
-    [(GEMV, F32), (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16), (TILES, F16), (GROUPED, F32)],
+    [
+        (GEMV, F32),
+        (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16),
+        (TILES, F16),
+        (GROUPED, F32),
+    ],
 )
 def test_matches_cpu_moe_layer(config: MoEConfig, dtype: torch.dtype) -> None:
     """The layer's experts and the kernel on the same weights, sharded: this rank holds experts 2..4,
@@ -294,6 +301,8 @@ def test_real_shapes_bf16(shape: tuple[int, int, int], M: int) -> None:
         None,
         MoEConfig(0, 32, 256, split_k=1),
         MoEConfig(0, 32, 128, split_k=4),
+        MoEConfig(0, 64, 256, lift=True),
+        MoEConfig(2, 32, 256, lift=True, grouped=True),
         MoEConfig(16, 64, 128),
     ):
         out = fused_moe(x, ids, wts, *weights, G, config=cfg)

@@ -174,14 +174,18 @@ def test_int4_kernels_compile_for_sm90() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 5, 16, 64, 300, 2048])
+@pytest.mark.parametrize(
+    ("M", "config"),
+    [(1, None), (1, W4A16Config(0, 64, 256, split_k=3, lift=True)), (2, W4A16Config(0, 64, 256, split_k=7)),
+     (5, None), (16, None), (64, None), (300, None), (2048, None)],
+)  # fmt: skip
 @pytest.mark.parametrize(("N", "K", "group"), [(4096, 7168, 32), (2048, 4096, 128)])
-def test_bf16_on_gpu(M: int, N: int, K: int, group: int) -> None:
+def test_bf16_on_gpu(M: int, config: W4A16Config | None, N: int, K: int, group: int) -> None:
     gen = torch.Generator().manual_seed(M + N)
     packed, scale, q = make_checkpoint(N, K, group, gen)
     w, s, g = repack_int4(packed.cuda(), scale.cuda())
     x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")  # poisoned
-    w4a16_gemm(x.cuda(), w, s, g, out=out)
+    w4a16_gemm(x.cuda(), w, s, g, config=config, out=out)
     assert not out.isnan().any()
     assert rel_err(out.cpu(), expected(x, q, scale)) < 1e-2
