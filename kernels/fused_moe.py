@@ -28,7 +28,7 @@ fp32 rows (the down GEMV's activation format, so down does no lifting); K splits
 token's k slots meet in `_gemv_finish`, where the last program to arrive adds the fp32 partials in a
 fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
 its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
-on, `_fused_moe_group_kernel` (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
+on, `_fused_moe_gemv_kernel` with GROUPED (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
 expert and unpacks each word once for all of them.
 
 Tiles and the GEMV/tiles switch are `kernels/moe_routing.py`'s table, which
@@ -172,8 +172,11 @@ def _fused_moe_gemv_kernel(
     ws_ptr,
     cnt_ptr,
     topk_w_ptr,
-    topk_ids_ptr,
+    ids_ptr,  # topk_ids [P] int32/int64, or GROUPED: moe_align's sorted_ids [blocks · BM]
+    block_expert_ids_ptr,  # GROUPED: moe_align's [blocks] (else unused)
+    num_padded_ptr,  # GROUPED: moe_align's [1] (else unused)
     num_experts,
+    num_pairs,
     N,
     K8,  # K / 8 words per weight row
     KG,  # K / G groups per weight row
@@ -190,124 +193,81 @@ def _fused_moe_gemv_kernel(
     TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
     LIFTED: tl.constexpr,  # a holds lifted rows (`kernels/int4_gemv.py`): act always, x with cfg.lift
+    GROUPED: tl.constexpr,  # a program per block of BLOCK_M pairs of one expert (LIFTED)
     GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 1 unless GROUPED
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
 ):
-    """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32),
-    topk_w [P], topk_ids [P] int32/int64 (outside [0, E): not on this rank); grid (P, cdiv(N, BN),
-    splits of K): the pair axis runs fastest, so pairs of one expert read each N tile at about the same
-    time (the repeats from L2). out: GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done
-    (`_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
-    pair = tl.program_id(0)
-    expert, is_local = _pair_expert(pair, num_experts, topk_ids_ptr)
+    """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32), topk_w
+    [P]; grid (P or blocks, cdiv(N, BN), splits of K). Per pair (topk_ids outside [0, E): not on this
+    rank) the pair axis runs fastest, so pairs of one expert read each N tile at about the same time
+    (the repeats from L2); GROUPED, each K tile's words are unpacked once for the block's pairs
+    (`_group_dots`; padding pairs are num_pairs, a block of expert -1 another rank's pairs). out:
+    GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done (`_gemv_finish`, with the fp32
+    workspace ws and the counters cnt)."""
+    if GROUPED:
+        blk = tl.program_id(0)
+        if blk * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # a block past the used ones: only padding
+        expert = tl.load(block_expert_ids_ptr + blk)
+        is_local = expert >= 0  # -1: another rank's pairs, which down still adds (as zeros)
+        expert = tl.where(is_local, expert, 0).to(tl.int64)
+        pairs = ()
+        for i in tl.static_range(BLOCK_M):
+            pairs = pairs + (tl.load(ids_ptr + blk * BLOCK_M + i),)
+    else:
+        pairs = (tl.program_id(0),)
+        expert, is_local = _pair_expert(pairs[0], num_experts, ids_ptr)
+    x_rows = ()
+    for i in tl.static_range(BLOCK_M):
+        x_rows = x_rows + (
+            a_ptr + (tl.minimum(pairs[i], num_pairs - 1) // A_ROW_DIV).to(tl.int64) * stride_am,
+        )
     BK8: tl.constexpr = BLOCK_K // 8
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_e = w_ptr + expert * stride_we
     s_e = s_ptr + expert * stride_se
-    x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
     k_tiles = tl.cdiv(K8, BK8)
     per_split = tl.cdiv(k_tiles, tl.num_programs(2))
     t0 = tl.program_id(2) * per_split
-    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pair: no K loop
-    acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
-    acc_up = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)
-    for t in range(t0, t1):
-        r = t * BK8 + tl.arange(0, BK8)
-        ys, xs = _x_planes(x_row, r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
-        acc += _int4_tile_dot(
-            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-            GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
-        )  # fmt: skip
-        if GATE_UP:
-            acc_up += _int4_tile_dot(
-                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
-                GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
-            )  # fmt: skip
-    _gemv_finish(
-        tl.sum(acc, axis=0) * LIFT_SCALE, tl.sum(acc_up, axis=0) * LIFT_SCALE, pair, offs_n, n_ok, N,
-        out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
-    )  # fmt: skip
-
-
-@triton.jit
-def _fused_moe_group_kernel(
-    a_ptr,
-    w_ptr,
-    s_ptr,
-    out_ptr,
-    ws_ptr,
-    cnt_ptr,
-    topk_w_ptr,
-    sorted_ids_ptr,
-    block_expert_ids_ptr,
-    num_padded_ptr,
-    num_pairs,
-    N,
-    K8,
-    KG,
-    stride_am,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_se,
-    stride_sn,
-    stride_sg,
-    stride_om,
-    A_ROW_DIV: tl.constexpr,
-    TOP_K: tl.constexpr,
-    GATE_UP: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr,
-):
-    """Grouped decode: `_fused_moe_gemv_kernel` for a block of BM pairs of one expert (`moe_align`'s
-    sorted_ids / block_expert_ids / num_padded) at once: each K tile's words are loaded and unpacked
-    once and serve every pair of the block (`_group_dots`). a: lifted rows ([M or P, lifted K] fp32);
-    grid (blocks, cdiv(N, BN), splits of K); out, ws, cnt as `_fused_moe_gemv_kernel`."""
-    blk = tl.program_id(0)
-    if blk * BLOCK_M >= tl.load(num_padded_ptr):
-        return  # a block past the used ones: only padding
-    expert = tl.load(block_expert_ids_ptr + blk)
-    is_local = expert >= 0  # -1: the pairs of another rank, which down still adds (as zeros)
-    w_e = w_ptr + tl.where(is_local, expert, 0).to(tl.int64) * stride_we
-    s_e = s_ptr + tl.where(is_local, expert, 0).to(tl.int64) * stride_se
-    pairs = ()
-    x_rows = ()
-    for i in tl.static_range(BLOCK_M):
-        pair = tl.load(sorted_ids_ptr + blk * BLOCK_M + i)  # num_pairs: padding
-        pairs = pairs + (pair,)
-        x_rows = x_rows + (a_ptr + (tl.minimum(pair, num_pairs - 1) // A_ROW_DIV).to(tl.int64) * stride_am,)
-    BK8: tl.constexpr = BLOCK_K // 8
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    k_tiles = tl.cdiv(K8, BK8)
-    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
-    t0 = tl.program_id(2) * per_split
-    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)
-    NUM_ACC: tl.constexpr = 2 * BLOCK_M if GATE_UP else BLOCK_M  # per pair: gate (or down), then up
+    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pairs: no K loop
+    NUM_ACC: tl.constexpr = 2 * BLOCK_M if GATE_UP else BLOCK_M  # [C, BN] per pair: gate (or down), up
     accs = ()
     for _ in tl.static_range(NUM_ACC):
         accs = accs + (tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32),)
     for t in range(t0, t1):
         r = t * BK8 + tl.arange(0, BK8)
-        wp, sc = _load_tile(
-            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
-            GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
-        )  # fmt: skip
-        ds = _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
-        if GATE_UP:
+        if GROUPED:
             wp, sc = _load_tile(
-                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
                 GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
-            ds = ds + _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+            ds = _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+            if GATE_UP:
+                wp, sc = _load_tile(
+                    w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                    GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+                )  # fmt: skip
+                ds = ds + _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+        else:
+            ys, xs = _x_planes(x_rows[0], r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
+            ds = (
+                _int4_tile_dot(
+                    w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
+                    GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
+                ),
+            )  # fmt: skip
+            if GATE_UP:
+                ds = ds + (
+                    _int4_tile_dot(
+                        w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                        ys, xs, GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
+                    ),
+                )  # fmt: skip
         nxt = ()
         for i in tl.static_range(NUM_ACC):
             nxt = nxt + (accs[i] + ds[i],)
@@ -315,8 +275,8 @@ def _fused_moe_group_kernel(
     for i in tl.static_range(BLOCK_M):
         if pairs[i] < num_pairs:
             _gemv_finish(
-                tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE, pairs[i],
-                offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
+                tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE,
+                pairs[i], offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
             )  # fmt: skip
 
 
@@ -369,23 +329,15 @@ def fused_moe(
         blocks: Blocks | None,
     ) -> None:  # fmt: skip
         w, s = weights[g.which]
-        lifted = not g.gate_up or cfg.lift
         a = lift_rows(g.a) if g.gate_up and cfg.lift else g.a
-        even = dict(EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0)
-        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if blocks is not None:
-            _fused_moe_group_kernel[(blocks[1].numel(), triton.cdiv(g.N, cfg.block_n), split)](
-                a, w, s, g.out, ws, cnt, topk_w, *blocks, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
-                a.stride(0), *w.stride(), *s.stride(), g.out.stride(0),
-                A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, GROUP_SIZE=group_size,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **even, **launch,
-            )  # fmt: skip
-            return
-        _fused_moe_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            a, w, s, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K // 8, g.K // group_size, *a.stride(),
-            *w.stride(), *s.stride(), g.out.stride(0),
-            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=lifted,
-            GROUP_SIZE=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **even, **launch,
+        ids = blocks or (flat_ids, flat_ids, flat_ids)  # the grouped kernel's blocks, or the pairs' ids
+        _fused_moe_gemv_kernel[(ids[1].numel(), triton.cdiv(g.N, cfg.block_n), split)](
+            a, w, s, g.out, ws, cnt, topk_w, *ids, E, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
+            *a.stride(), *w.stride(), *s.stride(), g.out.stride(0),
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
+            GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(

@@ -100,46 +100,36 @@ def _word_dots(wp, ys, xs):
 
 
 @triton.jit
+def _quarters(v):
+    """[BK8] or [BK8, BN] with each chunk's 4 words in one thread -> its 4 word slices [C] / [C, BN]
+    as a tuple (reshape, permute and split: register renaming, no data moves)."""
+    C: tl.constexpr = v.shape[0] // 4
+    if len(v.shape) == 1:
+        v4 = tl.permute(tl.reshape(v, (C, 2, 2)), (0, 2, 1))  # word 2a + b at [c, b, a]
+    else:
+        v4 = tl.permute(tl.reshape(v, (C, 2, 2, v.shape[1])), (0, 3, 2, 1))  # at [c, n, b, a]
+    a0, a1 = tl.split(v4)
+    w0, w1 = tl.split(a0)
+    w2, w3 = tl.split(a1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _chain_dots(wp, ys, xs):
     """`_chunk_dots` with one FFMA chain per chunk: the 4 words and their activations split apart in
     registers (a quarter of the accumulators, no word sum; scalar loads of x, as the raw path has)."""
     BK8: tl.constexpr = wp.shape[0]
-    BN: tl.constexpr = wp.shape[1]
-    w4 = tl.permute(
-        tl.reshape(wp, (BK8 // 4, 2, 2, BN)), (0, 3, 2, 1)
-    )  # [C, BN, 2, 2]: word 2a + b at [.., b, a]
-    wa, wb = tl.split(w4)
-    w00, w10 = tl.split(wa)
-    w01, w11 = tl.split(wb)
+    words = _quarters(wp)
     d = -tl.sum(tl.reshape(xs, (BK8 // 4, 4)), axis=1)[:, None]
     for i in tl.static_range(4):
-        if i == 0:
-            w = w00
-        elif i == 1:
-            w = w10
-        elif i == 2:
-            w = w01
-        else:
-            w = w11
+        w = words[i]
         wh = w >> 8
         for j in tl.static_range(8):
-            yr = tl.reshape(ys[j], (BK8 // 4, 2, 2))
-            ya, yb = tl.split(tl.permute(yr, (0, 2, 1)))
-            y00, y10 = tl.split(ya)
-            y01, y11 = tl.split(yb)
-            if i == 0:
-                y = y00
-            elif i == 1:
-                y = y10
-            elif i == 2:
-                y = y01
-            else:
-                y = y11
             if j < 6:
                 q = (w & (0xF << (4 * j))).to(tl.float32, bitcast=True)
             else:
                 q = (wh & (0xF << (4 * (j - 2)))).to(tl.float32, bitcast=True)
-            d += q * y[:, None]
+            d += q * _quarters(ys[j])[i][:, None]
     return d
 
 

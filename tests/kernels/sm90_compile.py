@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import triton
@@ -160,6 +161,28 @@ def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2, loop_nibbl
     return line + (" | " + loop_stats(sass, loop_nibbles) if loop_nibbles else "")
 
 
+def compiled_lines(module: str) -> list[str]:
+    """Run `python -m module` (an sm90 compile script) without TRITON_INTERPRET from the repository
+    root, for the tests; its output lines, one per kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", module], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+def compile_args() -> argparse.Namespace:
+    """The scripts' command line (`--all`), refused under TRITON_INTERPRET."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    return args
+
+
 def loop_stats(sass: str, nibbles: int) -> str:
     """The longest backward-branch loop of `cuobjdump -sass` output: instructions per nibble, and
     counts of the ones that matter to the INT4 GEMVs (LOP3/FFMA per nibble, LDG.E.128, BAR, LDS)."""
@@ -232,11 +255,7 @@ ALL_CONFIGS = DEFAULT_CONFIGS + [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--all", action="store_true")
-    args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    args = compile_args()
     for name, kw, warps in ALL_CONFIGS if args.all else DEFAULT_CONFIGS:
         print(f"{name:<48} {compile_sm90(mla_source(**kw), warps)}", flush=True)
     for name, source, warps in OTHER_DEFAULTS:

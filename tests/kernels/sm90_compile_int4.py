@@ -14,19 +14,16 @@ are constants, as in `tests/kernels/sm90_compile_w4a8.py`. Run without TRITON_IN
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from typing import Any
 
 import triton
 from triton.compiler import ASTSource
 
-from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_group_kernel, _fused_moe_kernel
+from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
 from kernels.moe_align import _moe_align_kernel
 from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
 from kernels.w4a16_gemm import GEMV_DEFAULT, W4A16Config, _w4a16_gemv_kernel, _w4a16_kernel, pick_config
-from tests.kernels.sm90_compile import compile_sm90
+from tests.kernels.sm90_compile import compile_args, compile_sm90
 from tests.kernels.sm90_compile_w4a8 import _source
 
 GEMM_DIV16 = ("N", "K", "K8", "KG", "stride_xm", "stride_wn", "stride_sn", "stride_om")
@@ -74,27 +71,16 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
 def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
     """(source, warps, stages, nibbles per thread per K trip) of the INT4 MoE kernel `cfg` selects."""
     lifted = cfg.lift or not gate_up
-    if cfg.grouped:
+    if cfg.block_m == 0 or cfg.grouped:
         ptrs = {
-            "a_ptr": "fp32", "w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "fp32" if gate_up else "bf16",
-            "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "sorted_ids_ptr": "i32",
-            "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32",
-        }  # fmt: skip
-        consts = dict(
-            A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, GROUP_SIZE=32, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
-        )  # fmt: skip
-        nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
-        src = _source(_fused_moe_group_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)
-        return src, cfg.num_warps, cfg.num_stages, nibbles
-    if cfg.block_m == 0:
-        ptrs = {
-            "a_ptr": "fp32" if lifted else "bf16", "w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "fp32" if gate_up else "bf16",
-            "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i64",
+            "a_ptr": "fp32" if lifted else "bf16", "w_ptr": "i32", "s_ptr": "bf16",
+            "out_ptr": "fp32" if gate_up else "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32",
+            "ids_ptr": "i32" if cfg.grouped else "i64", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32",
         }  # fmt: skip
         consts: dict[str, Any] = dict(
-            A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUP_SIZE=32,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
+            A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUPED=cfg.grouped,
+            GROUP_SIZE=32, BLOCK_M=max(cfg.block_m, 1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=True, EVEN_N=True,
         )  # fmt: skip
         nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
         src = _source(_fused_moe_gemv_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)
@@ -163,11 +149,7 @@ def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--all", action="store_true")
-    args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    args = compile_args()
     assert GEMV_DEFAULT.block_m == 0 and GEMV_CONFIG.block_m == 0
     for name, (src, warps, stages, nibbles) in default_cases() + (candidate_cases() if args.all else []):
         print(f"{name:<52} {compile_sm90(src, warps, stages, nibbles)}", flush=True)

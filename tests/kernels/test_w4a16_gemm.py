@@ -9,9 +9,6 @@ TRITON_INTERPRET=1 (fp16/fp32 activations: bf16 tl.dot is broken in the interpre
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from kernels.w4a16_gemm import (  # noqa: E402
     w4a16_gemm,
     w4a16_gemm_ref,
 )
+from tests.kernels.sm90_compile import compiled_lines  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into loop bounds with int(); numpy < 2.4 only warns
@@ -160,14 +158,8 @@ def test_int4_kernels_compile_for_sm90() -> None:
     """The W4A16 and INT4 MoE kernels (and the MoE alignment) compile for the H200 at the launchers' defaults (Triton +
     ptxas + cuobjdump, no GPU; a process without TRITON_INTERPRET): no spills, and the GEMVs' K loop
     has no barrier and stays near two instructions per weight (`kernels/int4_gemv.py`)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.sm90_compile_int4"],
-        env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert len(lines) == 12 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+    lines = compiled_lines("tests.kernels.sm90_compile_int4")
+    assert len(lines) == 12 and all(" 0 bytes spill stores" in line for line in lines), lines
     for line in (line for line in lines if "| loop" in line):
         per_nibble = float(line.split("| loop ")[1].split()[0])
         assert per_nibble < 4.0 and "BAR 0 LDS 0" in line, line
