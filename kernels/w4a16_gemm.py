@@ -239,23 +239,27 @@ class W4A16Config:
     lift: bool = False  # GEMV: activations lifted by a separate launch (`lift_rows`), not in the kernel
 
 
-# Launcher defaults: the GEMV's tiles, how many of its programs split K aims for per SM and the rows
-# up to which it runs (from `bench_w4a16 --quick` on the H200; update them from its printed table)
+# Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
+# GEMV's tiles, how many of its programs split K aims for per SM and the rows up to which it runs;
+# the tensor-core tiles by the largest M they serve (split K at 4 programs per SM); the prefill path.
 GEMV_DEFAULT = W4A16Config(block_m=0, block_n=128, block_k=256, num_warps=4)
 GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
 GEMV_MAX_M = 2  # the GEMV reads the weights once per row: past a few rows the tiles win
+TILE_DEFAULTS = (
+    (16, W4A16Config(block_m=16, block_n=64, block_k=128, num_stages=4)),
+    (32, W4A16Config(block_m=32, block_n=64, block_k=128, num_stages=4)),
+    (64, W4A16Config(block_m=64, block_n=64, block_k=128, num_stages=4)),
+)
+# prefill: one dequantizing pass (~N·K·2.5 bytes) then cuBLAS beat the fused tiles 2× on H200
+PREFILL_DEFAULT = W4A16Config(block_m=0, block_n=32, block_k=256, num_warps=4, dense=True)
 
 
 def pick_config(M: int, N: int, K: int, num_sms: int, group_size: int = 32) -> W4A16Config:
-    """Heuristic choice by M: enough programs to cover every SM several times, else big tiles."""
+    """By M from the tables above: the GEMV, the first tiles whose bound holds, else prefill."""
     if M <= GEMV_MAX_M and group_size >= 32:
-        cfg = GEMV_DEFAULT
-    elif M <= 64:
-        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        cfg = W4A16Config(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    else:  # prefill: one dequantizing pass (~N·K·2.5 bytes) then cuBLAS beat the fused tiles 2× on H200
-        return W4A16Config(block_m=0, block_n=32, block_k=256, num_warps=4, dense=True)
-    return with_split_k(cfg, M, N, K, num_sms)
+        return with_split_k(GEMV_DEFAULT, M, N, K, num_sms)
+    cfg = next((cfg for bound, cfg in TILE_DEFAULTS if bound >= M), None)
+    return PREFILL_DEFAULT if cfg is None else with_split_k(cfg, M, N, K, num_sms)
 
 
 def with_split_k(

@@ -3,8 +3,8 @@
 Peers, same run, same shapes: cuBLAS bf16 (`x @ w.T`), tinygemm (`torch._weight_int4pack_mm`) at the
 same group size (full run only), and `torch._scaled_mm` with FP8 e4m3 weights and activations (M
 padded to 16). Ours is timed with the launcher's own config choice and with alternative tile shapes,
-so the defaults in `kernels/w4a16_gemm.py` (`GEMV_DEFAULT`, `GEMV_PROGRAMS_PER_SM`, `pick_config`)
-can be set from the best; `--quick` (M = 1, 16, 64 on 8192² and Kimi's expert shapes, ~40 s) ends
+so the defaults in `kernels/w4a16_gemm.py` (`GEMV_DEFAULT`, `GEMV_PROGRAMS_PER_SM`, `GEMV_MAX_M`,
+`TILE_DEFAULTS`) can be set from the best; `--quick` (M = 1, 16, 64 on 8192² and Kimi's expert shapes, ~40 s) ends
 with a table of the best candidates and the values to put there.
 
     python3 -m benchmarks.kernels.bench_w4a16 --out results.json [--quick]
