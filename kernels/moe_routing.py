@@ -6,8 +6,9 @@ Shape letters: M tokens, k experts per token, P = M·k (token, slot) pairs (pair
 E experts (local to this rank), H hidden, I expert intermediate, BM/BN/BK tiles.
 
 A format supplies two launch callbacks, one per kernel family, each called once per GEMM:
-- sparse decode (`block_m == 0`): `gemv(g, split, flat_ids, topk_w, ws, cnt)`, grid (P, cdiv(N, BN),
-  split), ending in `_gemv_finish` (split-K and the k-sum inside the kernels: two launches in all);
+- sparse decode (`block_m == 0`, or INT4's `grouped`): `gemv(g, split, flat_ids, topk_w, ws, cnt,
+  blocks)`, grid (P or blocks, cdiv(N, BN), split), ending in `_gemv_finish` (split-K and the k-sum
+  inside the kernels: two launches in all, three with INT4's `lift`, plus `moe_align` when grouped);
 - tensor-core tiles: `tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)`, grid
   (num_blocks · cdiv(N, BN),), blocks from `moe_align`.
 Nothing here syncs with the host, so a decode step that calls it can be captured in a CUDA graph.
