@@ -227,15 +227,17 @@ def _fused_moe_fp8_gemv_kernel(
     )  # fmt: skip
 
 
-# The GEMV's tiles: [BN, BK] fp32 products per program (2.7-2.8 TB/s on Kimi's experts, H200)
+# The GEMV's tiles ([BN, BK] fp32 products per program: 2.7-2.8 TB/s on Kimi's experts, H200) and
+# the pairs per expert up to which it runs (measured at one; the INT4 GEMV's switch is higher)
 FP8_GEMV_CONFIG = MoEConfig(block_m=0, block_n=32, block_k=128)
+FP8_GEMV_MAX_PAIRS_PER_EXPERT = 1.0
 
 
 def pick_fp8_moe_config(num_pairs: int, num_experts: int, block: tuple[int, int] | None) -> MoEConfig:
     """The INT4 kernel's switch and tensor-core tiles (`pick_moe_config`) with `FP8_GEMV_CONFIG`, and
     8 warps for block scales at BM 64: the two accumulators and the two K-tile products need 255
     registers at 4 warps (a spill), 102 at 8 (`tests/kernels/sm90_compile_fused_moe.py`)."""
-    cfg = pick_moe_config(num_pairs, num_experts, FP8_GEMV_CONFIG, grouped=())
+    cfg = pick_moe_config(num_pairs, num_experts, FP8_GEMV_CONFIG, (), FP8_GEMV_MAX_PAIRS_PER_EXPERT)
     if block is not None and cfg.block_m >= 64:
         return dataclasses.replace(cfg, num_warps=8)
     return cfg

@@ -119,10 +119,12 @@ def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
             cases.append(
                 (f"w4a16 M={M} g{group} {'gemv' if cfg.block_m == 0 else 'tiles'}", gemm_case(cfg, group))
             )
-    for tokens in (1, 64):
-        cfg = pick_moe_config(tokens * 8, 384)
+    for tokens, experts in ((1, 384), (64, 384), (64, 128)):  # Kimi decode and M=64, GLM-4.5-Air M=64
+        cfg = pick_moe_config(tokens * 8, experts)
+        kind = "tiles" if cfg.block_m and not cfg.grouped else "gemv"
         for gate_up in (True, False):
-            cases.append((f"int4 moe M={tokens} {'gate_up' if gate_up else 'down'}", moe_case(cfg, gate_up)))
+            name = f"int4 moe M={tokens} E={experts} {kind} {'gate_up' if gate_up else 'down'}"
+            cases.append((name, moe_case(cfg, gate_up)))
     return cases
 
 
