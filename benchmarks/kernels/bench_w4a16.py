@@ -208,7 +208,7 @@ def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
         pick = min(totals, key=totals.__getitem__)
         print(f"M={M}: least total {totals[pick] * 1e3:.1f}us over {len(same)} shapes: {pick}")
     print(
-        "-> set GEMV_DEFAULT / GEMV_PROGRAMS_PER_SM (M=1) and pick_config's tiles (M=16, 64) in kernels/w4a16_gemm.py"
+        "-> GEMV_DEFAULT, GEMV_PROGRAMS_PER_SM (M=1), GEMV_MAX_M and TILE_DEFAULTS (M=16, 64) in kernels/w4a16_gemm.py"
     )
 
 
