@@ -9,30 +9,30 @@ compressed-tensors layout fused per expert, read in place; `repack_int4`'s reaso
 `w13 [E, 2I, H/8]` int32 (gate rows 0..I-1, up rows I..2I-1), `s13 [E, 2I, H/G]`,
 `w2 [E, H, I/8]` int32, `s2 [E, H, I/G]`; nibble j of word i holds `q + 8` of element `8i + j`.
 
-Three steps (engine-anchors §2e; the alignment, grids, split-K and k-sum live in `kernels/moe_routing.py`,
+Tensor-core path (engine-anchors §2e; alignment, grids, split-K and k-sum in `kernels/moe_routing.py`,
 shared with the FP8 experts' kernel `kernels/fused_moe_fp8.py`):
-1. `moe_align` (torch ops, no host sync, CUDA-graph safe): pairs sorted by expert (stable, so
-   within an expert by token) into BM-padded groups; `block_expert_ids[b]` names block b's expert,
-   -1 for the bucket of pairs whose expert is not on this rank (they contribute zeros).
+1. `moe_align` (`kernels/moe_align.py`, one launch): pairs sorted by expert (stable, so within an
+   expert by token) into BM-padded groups; `block_expert_ids[b]` names block b's expert, -1 for the
+   bucket of pairs whose expert is not on this rank (they contribute zeros).
 2. `_fused_moe_kernel` with GATE_UP: per (expert block, N tile) the gate and up tiles of that
    expert are read once, dequantized in registers, two `tl.dot`s, `silu(g) * u` in the epilogue ->
    `act [P, I]`. Then `_fused_moe_kernel` again on `w2`, rows of `act`, routing weight applied ->
    `y [P, H]`.
 3. `y.view(M, k, H).sum(1)`: a fixed-order reduction, so results are deterministic (no atomics).
 
-Sparse decode (about one token per expert, `P <= E`, like vLLM's `moe_wna16` switch): tensor-core tiles
-would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile) with no
-tensor cores, using the W4A16 GEMV's unpacking (one LOP3 + FADD + FFMA per nibble, zero point and scale
-once per word). It reads the router's ids directly: no align step, three launches in all (two kernels
-and the k-sum). With too few programs to keep enough loads in flight (one token: 8 pairs), K is split
-and the fp32 partials are added by torch in a fixed order (the down GEMV's together with the k-sum),
-so results stay deterministic. Two pairs of one expert read its weights twice, the second time
-mostly from L2; so the switch sits at P <= E (Kimi: M <= 48), not vLLM's P/E <= 6, until the H200
-says otherwise.
+Sparse decode (about one token per expert, `P <= E · GEMV_MAX_PAIRS_PER_EXPERT`): tensor-core tiles
+would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile, K split) on
+the CUDA cores with `kernels/int4_gemv.py`'s dot products (one LOP3 and one FFMA per weight). It
+reads the router's ids directly: no align step, two launches in all. Gate/up writes act as lifted
+fp32 rows (the down GEMV's activation format, so down does no lifting); K splits and, for down, the
+token's k slots meet in `_gemv_finish`, where the last program to arrive adds the fp32 partials in a
+fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
+its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
+on, `_fused_moe_gemv_kernel` with GROUPED (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
+expert and unpacks each word once for all of them.
 
-Not measured yet (no device time): tile choices come from an offline sm_90a compile (registers,
-16-byte loads in the PTX) and the W4A16 GEMM's H200 runs; `benchmarks/kernels/bench_fused_moe.py`
-times the alternatives.
+Tiles and the GEMV/tiles switch are `kernels/moe_routing.py`'s table, which
+`benchmarks/kernels/bench_fused_moe.py --quick` measures the alternatives for.
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_gemv import LIFT_SCALE, _group_dots, _int4_tile_dot, _load_tile, _x_planes, lift_rows
 from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
 from kernels.moe_routing import (
+    GEMV_CONFIG,
+    Blocks,
     MoEConfig,
     MoEGemm,
     _block_rows,
-    _gemv_epilogue,
-    _pair_rows,
+    _gemv_finish,
+    _pair_expert,
     _tile_epilogue,
     check_routing,
     gemv_split_k,
@@ -57,8 +60,6 @@ from kernels.moe_routing import (
 )
 
 __all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
-
-_MAGIC_ONE = 0x3F800000  # bits of 1.0f (see kernels/w4a16_gemm.py)
 
 
 @triton.jit
@@ -163,43 +164,20 @@ def _fused_moe_kernel(
 
 
 @triton.jit
-def _gemv_words(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
-                magic_one, GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr):  # fmt: skip
-    """K tile t of `x · w[rows]ᵀ` as per-word partial sums `[BN, BK/8]` fp32 (reduced by the caller)."""
-    BK8: tl.constexpr = BLOCK_K // 8
-    wp, sc = _load_b(
-        w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
-        GROUP_SIZE, BLOCK_K, SCALE_ROWS,
-    )  # fmt: skip
-    r = t * BK8 + tl.arange(0, BK8)
-    r_ok = r < K8
-    wp_hi = wp >> 16  # nibbles 4..7 in bits 0..15
-    dot8 = tl.zeros(wp.shape, dtype=tl.float32)
-    x_sum = tl.zeros((BK8,), dtype=tl.float32)
-    lift = 8388608.0  # 2^(23-4j): undoes the nibble's place in the mantissa
-    for j in tl.static_range(4):
-        xj = tl.load(x_row + (r * 8 + j) * stride_ak, mask=r_ok, other=0.0).to(tl.float32)
-        xh = tl.load(x_row + (r * 8 + 4 + j) * stride_ak, mask=r_ok, other=0.0).to(tl.float32)
-        x_sum += xj + xh
-        lo = ((wp & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-        hi = ((wp_hi & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-        dot8 += lo * (xj * lift)[None, :]
-        dot8 += hi * (xh * lift)[None, :]
-        lift = lift * 0.0625
-    return (dot8 - 8.0 * x_sum[None, :]) * sc
-
-
-@triton.jit
 def _fused_moe_gemv_kernel(
     a_ptr,
     w_ptr,
     s_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     topk_w_ptr,
-    topk_ids_ptr,
+    ids_ptr,  # topk_ids [P] int32/int64, or GROUPED: moe_align's sorted_ids [blocks · BM]
+    block_expert_ids_ptr,  # GROUPED: moe_align's [blocks] (else unused)
+    num_padded_ptr,  # GROUPED: moe_align's [1] (else unused)
     num_experts,
+    num_pairs,
     N,
-    K,
     K8,  # K / 8 words per weight row
     KG,  # K / G groups per weight row
     stride_am,
@@ -210,63 +188,96 @@ def _fused_moe_gemv_kernel(
     stride_se,
     stride_sn,
     stride_sg,
-    stride_os,  # SPLIT_K > 1: the fp32 workspace's split stride
     stride_om,
-    stride_on,
-    magic_one,  # 0x3F800000 as a run-time value
-    A_ROW_DIV: tl.constexpr,
+    A_ROW_DIV: tl.constexpr,  # a row = pair // A_ROW_DIV: k for x (gate/up), 1 for act (down)
+    TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
+    LIFTED: tl.constexpr,  # a holds lifted rows (`kernels/int4_gemv.py`): act always, x with cfg.lift
+    GROUPED: tl.constexpr,  # a program per block of BLOCK_M pairs of one expert (LIFTED)
     GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # 1 unless GROUPED
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
 ):
-    """Sparse decode: a [M or P, K], w/s as `_fused_moe_kernel`, topk_w [P], topk_ids [P] int32/int64
-    (outside [0, E): not on this rank); grid (P, cdiv(N, BN), SPLIT_K): the pair axis runs fastest, so
-    pairs of one expert read each N tile at about the same time (the repeats from L2).
-    out: SPLIT_K == 1: [P, N] in the activation dtype, finished (SiLU·mul / routing weight applied);
-    SPLIT_K > 1: fp32 partial sums of this program's K range, [SPLIT_K, P, 2N] (gate | up) for
-    GATE_UP, else [SPLIT_K, P, N] with the routing weight applied; the launcher adds the splits."""
-    pair = tl.program_id(0)
-    expert, offs_n, n_ok, out_ptrs = _pair_rows(
-        pair, num_experts, N, topk_ids_ptr, out_ptr, stride_os, stride_om, stride_on, GATE_UP, BLOCK_N, SPLIT_K,
-    )  # fmt: skip
-    if expert < 0:
-        return
-    pid_k = tl.program_id(2)
-    w_e = w_ptr + expert.to(tl.int64) * stride_we
-    s_e = s_ptr + expert.to(tl.int64) * stride_se
-    x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)  # reduced over words once, at the end
-    acc2_up = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
-        acc2 += _gemv_words(
-            w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
-            magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
-        )  # fmt: skip
-        if GATE_UP:
-            acc2_up += _gemv_words(
-                w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, x_row, stride_ak,
-                magic_one, GROUP_SIZE, BLOCK_K, SCALE_ROWS,
+    """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32), topk_w
+    [P]; grid (P or blocks, cdiv(N, BN), splits of K). Per pair (topk_ids outside [0, E): not on this
+    rank) the pair axis runs fastest, so pairs of one expert read each N tile at about the same time
+    (the repeats from L2); GROUPED, each K tile's words are unpacked once for the block's pairs
+    (`_group_dots`; padding pairs are num_pairs, a block of expert -1 another rank's pairs). out:
+    GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done (`_gemv_finish`, with the fp32
+    workspace ws and the counters cnt)."""
+    if GROUPED:
+        blk = tl.program_id(0)
+        if blk * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # a block past the used ones: only padding
+        expert = tl.load(block_expert_ids_ptr + blk)
+        is_local = expert >= 0  # -1: another rank's pairs, which down still adds (as zeros)
+        expert = tl.where(is_local, expert, 0).to(tl.int64)
+        pairs = ()
+        for i in tl.static_range(BLOCK_M):
+            pairs = pairs + (tl.load(ids_ptr + blk * BLOCK_M + i),)
+    else:
+        pairs = (tl.program_id(0),)
+        expert, is_local = _pair_expert(pairs[0], num_experts, ids_ptr)
+    x_rows = ()
+    for i in tl.static_range(BLOCK_M):
+        x_rows = x_rows + (
+            a_ptr + (tl.minimum(pairs[i], num_pairs - 1) // A_ROW_DIV).to(tl.int64) * stride_am,
+        )
+    BK8: tl.constexpr = BLOCK_K // 8
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_e = w_ptr + expert * stride_we
+    s_e = s_ptr + expert * stride_se
+    k_tiles = tl.cdiv(K8, BK8)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
+    t0 = tl.program_id(2) * per_split
+    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pairs: no K loop
+    NUM_ACC: tl.constexpr = 2 * BLOCK_M if GATE_UP else BLOCK_M  # [C, BN] per pair: gate (or down), up
+    accs = ()
+    for _ in tl.static_range(NUM_ACC):
+        accs = accs + (tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32),)
+    for t in range(t0, t1):
+        r = t * BK8 + tl.arange(0, BK8)
+        if GROUPED:
+            wp, sc = _load_tile(
+                w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
-    acc = tl.sum(acc2, axis=1)  # [BN]
-    _gemv_epilogue(
-        acc,
-        tl.sum(acc2_up, axis=1),
-        topk_w_ptr,
-        pair,
-        out_ptrs,
-        n_ok,
-        N,
-        stride_on,
-        GATE_UP,
-        MUL_WEIGHT,
-        SPLIT_K,
-    )
+            ds = _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+            if GATE_UP:
+                wp, sc = _load_tile(
+                    w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                    GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
+                )  # fmt: skip
+                ds = ds + _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+        else:
+            ys, xs = _x_planes(x_rows[0], r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
+            ds = (
+                _int4_tile_dot(
+                    w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
+                    GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
+                ),
+            )  # fmt: skip
+            if GATE_UP:
+                ds = ds + (
+                    _int4_tile_dot(
+                        w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
+                        ys, xs, GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
+                    ),
+                )  # fmt: skip
+        nxt = ()
+        for i in tl.static_range(NUM_ACC):
+            nxt = nxt + (accs[i] + ds[i],)
+        accs = nxt
+    for i in tl.static_range(BLOCK_M):
+        if pairs[i] < num_pairs:
+            _gemv_finish(
+                tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE,
+                pairs[i], offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
+            )  # fmt: skip
 
 
 def _check_weights(
@@ -302,18 +313,31 @@ def fused_moe(
         raise ValueError(f"H={H} and I={I} must be multiples of the group size {group_size}")
     _check_weights(w13, s13, E, 2 * I, H, group_size, "w13")
     _check_weights(w2, s2, E, H, I, group_size, "w2")
-    cfg = config or pick_moe_config(M * topk_ids.shape[1], E)
+    cfg = config or pick_moe_config(M * topk_ids.shape[1], E, GEMV_CONFIG if group_size >= 32 else None)
+    is_gemv = cfg.block_m == 0 or cfg.grouped
+    if is_gemv and (
+        group_size < 32 or cfg.block_k % 32 or cfg.block_n % 32 or (cfg.grouped and not cfg.lift)
+    ):
+        raise ValueError(
+            f"the GEMV needs group_size >= 32, tiles in multiples of 32 (grouped: lift), got {group_size}, {cfg}"
+        )
     weights = ((w13, s13), (w2, s2))
     scale_rows = max(cfg.block_k // group_size, 1)
 
-    def gemv(g: MoEGemm, dst: torch.Tensor, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor) -> None:
+    def gemv(
+        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
+        blocks: Blocks | None,
+    ) -> None:  # fmt: skip
         w, s = weights[g.which]
-        _fused_moe_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            g.a, w, s, dst, topk_w, flat_ids, E, g.N, g.K, g.K // 8, g.K // group_size, *g.a.stride(), *w.stride(),
-            *s.stride(), dst.stride(0) if split > 1 else 0, *dst.stride()[-2:], _MAGIC_ONE,
-            A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, GROUP_SIZE=group_size,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=scale_rows,
-            SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a = lift_rows(g.a) if g.gate_up and cfg.lift else g.a
+        ids = blocks or (flat_ids, flat_ids, flat_ids)  # the grouped kernel's blocks, or the pairs' ids
+        _fused_moe_gemv_kernel[(ids[1].numel(), triton.cdiv(g.N, cfg.block_n), split)](
+            a, w, s, g.out, ws, cnt, topk_w, *ids, E, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
+            *a.stride(), *w.stride(), *s.stride(), g.out.stride(0),
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
+            GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(
@@ -330,7 +354,7 @@ def fused_moe(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles)
+    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, lifted_act=True)
 
 
 def fused_moe_ref(

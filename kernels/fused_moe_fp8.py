@@ -35,11 +35,12 @@ import triton
 import triton.language as tl
 
 from kernels.moe_routing import (
+    Blocks,
     MoEConfig,
     MoEGemm,
     _block_rows,
-    _gemv_epilogue,
-    _pair_rows,
+    _gemv_finish,
+    _pair_expert,
     _tile_epilogue,
     check_routing,
     pick_moe_config,
@@ -158,6 +159,8 @@ def _fused_moe_fp8_gemv_kernel(
     s_ptr,
     s_up_ptr,
     out_ptr,
+    ws_ptr,
+    cnt_ptr,
     topk_w_ptr,
     topk_ids_ptr,
     num_experts,
@@ -171,60 +174,42 @@ def _fused_moe_fp8_gemv_kernel(
     stride_se,
     stride_sn,
     stride_sk,
-    stride_os,  # SPLIT_K > 1: the fp32 workspace's split stride
     stride_om,
-    stride_on,
     A_ROW_DIV: tl.constexpr,
+    TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SCALE_BK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     """Sparse decode: a, w, s, s_up as `_fused_moe_fp8_kernel`, topk_w [P], topk_ids [P] (outside [0, E):
-    not on this rank); grid (P, cdiv(N, BN), SPLIT_K). out: SPLIT_K == 1: [P, N] finished; SPLIT_K > 1:
-    fp32 partials of this program's K range, [SPLIT_K, P, 2N] (gate | up) for GATE_UP, else
-    [SPLIT_K, P, N] with the routing weight applied (both scaled: the launcher only adds splits)."""
+    not on this rank); grid (P, cdiv(N, BN), splits of K). out: GATE_UP: act [P, N]; else [M, N], the
+    k-sum done (`_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
     pair = tl.program_id(0)
-    expert, offs_n, n_ok, out_ptrs = _pair_rows(
-        pair, num_experts, N, topk_ids_ptr, out_ptr, stride_os, stride_om, stride_on, GATE_UP, BLOCK_N, SPLIT_K,
-    )  # fmt: skip
-    if expert < 0:
-        return
-    pid_k = tl.program_id(2)
-    w_e = w_ptr + expert.to(tl.int64) * stride_we
-    s_e = s_ptr + expert.to(tl.int64) * stride_se
-    su_e = s_up_ptr + expert.to(tl.int64) * stride_se
+    expert, is_local = _pair_expert(pair, num_experts, topk_ids_ptr)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_e = w_ptr + expert * stride_we
+    s_e = s_ptr + expert * stride_se
+    su_e = s_up_ptr + expert * stride_se
     s_rows = (offs_n // SCALE_BN) * stride_sn
     x_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
     offs_k = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
-    for t in range(pid_k * per_split, tl.minimum((pid_k + 1) * per_split, k_tiles)):
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
+    t0 = tl.program_id(2) * per_split
+    t1 = tl.where(is_local, tl.minimum(t0 + per_split, k_tiles), t0)  # another rank's pair: no K loop
+    for t in range(t0, t1):
         kk = t * BLOCK_K + offs_k
         k_ok = kk < K
         x = tl.load(x_row + kk * stride_ak, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
         acc2 = _gemv_tile(
-            acc2,
-            x,
-            w_e,
-            s_e,
-            offs_n,
-            n_ok,
-            s_rows,
-            kk,
-            k_ok,
-            t,
-            stride_wn,
-            stride_wk,
-            stride_sk,
-            SCALE_BK,
-            BLOCK_K,
-        )
+            acc2, x, w_e, s_e, offs_n, n_ok, s_rows, kk, k_ok, t, stride_wn, stride_wk, stride_sk,
+            SCALE_BK, BLOCK_K,
+        )  # fmt: skip
         if GATE_UP:
             acc2_up = _gemv_tile(
                 acc2_up, x, w_e, su_e, N + offs_n, n_ok, s_rows, kk, k_ok, t, stride_wn, stride_wk, stride_sk,
@@ -236,14 +221,23 @@ def _fused_moe_fp8_gemv_kernel(
         acc = acc * tl.load(s_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
         if GATE_UP:
             acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
-    _gemv_epilogue(acc, acc_up, topk_w_ptr, pair, out_ptrs, n_ok, N, stride_on, GATE_UP, MUL_WEIGHT, SPLIT_K)
+    _gemv_finish(
+        acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, False,
+        TOP_K,
+    )  # fmt: skip
+
+
+# The GEMV's tiles ([BN, BK] fp32 products per program: 2.7-2.8 TB/s on Kimi's experts, H200) and
+# the pairs per expert up to which it runs (measured at one; the INT4 GEMV's switch is higher)
+FP8_GEMV_CONFIG = MoEConfig(block_m=0, block_n=32, block_k=128)
+FP8_GEMV_MAX_PAIRS_PER_EXPERT = 1.0
 
 
 def pick_fp8_moe_config(num_pairs: int, num_experts: int, block: tuple[int, int] | None) -> MoEConfig:
-    """The INT4 kernel's tiles (`pick_moe_config`), with 8 warps for block scales at BM 64: the two
-    accumulators and the two K-tile products need 255 registers at 4 warps (a spill), 102 at 8
-    (offline sm_90a compile, `tests/kernels/sm90_compile_fused_moe.py`)."""
-    cfg = pick_moe_config(num_pairs, num_experts)
+    """The INT4 kernel's switch and tensor-core tiles (`pick_moe_config`) with `FP8_GEMV_CONFIG`, and
+    8 warps for block scales at BM 64: the two accumulators and the two K-tile products need 255
+    registers at 4 warps (a spill), 102 at 8 (`tests/kernels/sm90_compile_fused_moe.py`)."""
+    cfg = pick_moe_config(num_pairs, num_experts, FP8_GEMV_CONFIG, (), FP8_GEMV_MAX_PAIRS_PER_EXPERT)
     if block is not None and cfg.block_m >= 64:
         return dataclasses.replace(cfg, num_warps=8)
     return cfg
@@ -296,6 +290,8 @@ def fused_moe_fp8(
             f"gate_scale and up_scale strides differ: {gate_scale.stride()} vs {up_scale.stride()}"
         )
     cfg = config or pick_fp8_moe_config(M * topk_ids.shape[1], E, block)
+    if cfg.grouped:
+        raise ValueError("the grouped GEMV is INT4's (kernels/fused_moe.py)")
     scale_bn, scale_bk, block_k = 1, 0, cfg.block_k
     if block is not None:
         scale_bn, scale_bk = block
@@ -303,12 +299,15 @@ def fused_moe_fp8(
     weights = ((w13, gate_scale, up_scale), (w2, down_scale, down_scale))
     consts = dict(SCALE_BN=scale_bn, SCALE_BK=scale_bk, BLOCK_N=cfg.block_n, BLOCK_K=block_k)
 
-    def gemv(g: MoEGemm, dst: torch.Tensor, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor) -> None:
+    def gemv(
+        g: MoEGemm, split: int, flat_ids: torch.Tensor, topk_w: torch.Tensor, ws: torch.Tensor, cnt: torch.Tensor,
+        blocks: Blocks | None,
+    ) -> None:  # fmt: skip
         w, s, su = weights[g.which]
         _fused_moe_fp8_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            g.a, w, s, su, dst, topk_w, flat_ids, E, g.N, g.K, *g.a.stride(), *w.stride(), *s.stride(),
-            dst.stride(0) if split > 1 else 0, *dst.stride()[-2:],
-            A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, SPLIT_K=split, **consts,
+            g.a, w, s, su, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K, *g.a.stride(), *w.stride(),
+            *s.stride(), g.out.stride(0),
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, **consts,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

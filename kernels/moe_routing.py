@@ -6,12 +6,12 @@ Shape letters: M tokens, k experts per token, P = M·k (token, slot) pairs (pair
 E experts (local to this rank), H hidden, I expert intermediate, BM/BN/BK tiles.
 
 A format supplies two launch callbacks, one per kernel family, each called once per GEMM:
-- sparse decode (`block_m == 0`): `gemv(g, dst, split, flat_ids, topk_w)`, grid (P, cdiv(N, BN),
-  split); `dst` is `g.out` when `split == 1`, else an fp32 workspace [split, P, 2N (gate | up) or N];
+- sparse decode (`block_m == 0`, or INT4's `grouped`): `gemv(g, split, flat_ids, topk_w, ws, cnt,
+  blocks)`, grid (P or blocks, cdiv(N, BN), split), ending in `_gemv_finish` (split-K and the k-sum
+  inside the kernels: two launches in all, three with INT4's `lift`, plus `moe_align` when grouped);
 - tensor-core tiles: `tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)`, grid
   (num_blocks · cdiv(N, BN),), blocks from `moe_align`.
-Everything here is torch ops without a host sync, so a decode step that calls it can be captured
-in a CUDA graph.
+Nothing here syncs with the host, so a decode step that calls it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.split_k_merge import num_sms
+from kernels.int4_gemv import lifted_width
+from kernels.moe_align import moe_align
+from kernels.split_k_merge import num_sms, split_k_counters
 
 __all__ = ["MoEConfig", "MoEGemm", "check_routing", "gemv_split_k", "moe_align", "pick_moe_config", "run_moe"]
 
@@ -72,44 +73,92 @@ def _tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask,
 
 
 @triton.jit
-def _pair_rows(pair, num_experts, N, topk_ids_ptr, out_ptr, stride_os, stride_om, stride_on,
-               GATE_UP: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-    """GEMV kernels (grid (P, N tiles, K splits)): (expert, offs_n [BN], n_ok, out_ptrs) of this program;
-    expert -1 for a pair of another rank (outside [0, E)), whose output, both halves of a gate | up
-    split workspace, is zeroed here."""
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    out_ptrs = out_ptr + tl.program_id(2) * stride_os + pair.to(tl.int64) * stride_om + offs_n * stride_on
+def _pair_expert(pair, num_experts, topk_ids_ptr):
+    """GEMV programs: (expert clamped into [0, E), is_local) of `pair`; ids outside [0, E) are another
+    rank's, whose programs run no K loop (their sums stay 0) but still take part in the reductions."""
     expert = tl.load(topk_ids_ptr + pair)
-    is_other_rank = (expert < 0) | (expert >= num_experts)
-    if is_other_rank:
-        tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok)
-        if GATE_UP and SPLIT_K > 1:
-            tl.store(
-                out_ptrs + N * stride_on, tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty), mask=n_ok
-            )
-    return tl.where(is_other_rank, -1, expert), offs_n, n_ok, out_ptrs  # ids may be int32 or int64
+    is_local = (expert >= 0) & (expert < num_experts)
+    return tl.where(is_local, expert, 0).to(tl.int64), is_local  # ids may be int32 or int64
 
 
 @triton.jit
-def _gemv_epilogue(acc, acc_up, topk_w_ptr, pair, out_ptrs, n_ok, N, stride_on,
-                   GATE_UP: tl.constexpr, MUL_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
-    """acc / acc_up [BN] fp32 sums -> out: finished (SiLU·mul, routing weight) with SPLIT_K == 1; else
-    this split's partials (gate | up side by side for GATE_UP, the routing weight applied to down's)."""
+def _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT: tl.constexpr):
+    """v [BN] fp32 -> row n of out, in its dtype; LIFT_OUT: as a lifted row (`kernels/int4_gemv.py`:
+    v·2^(77-4j') at chunk n//32, plane j = n%8, word (n%32)//8, and each word's xs), BN % 32 == 0."""
+    if LIFT_OUT:
+        j = offs_n % 8
+        lift = ((204 - 4 * tl.where(j < 6, j, j - 2)) << 23).to(tl.float32, bitcast=True)  # 2^(77-4j')
+        tl.store(row_ptr + (offs_n // 32) * 36 + j * 4 + (offs_n % 32) // 8, v * lift, mask=n_ok)
+        BN: tl.constexpr = v.shape[0]
+        word = offs_n // 8
+        xs = tl.sum(tl.reshape(v, (BN // 8, 8)), axis=1) * 2.0**-69  # [BN/8]; rows past N are 0
+        word = tl.max(tl.reshape(word, (BN // 8, 8)), axis=1)
+        w_ok = tl.max(tl.reshape(n_ok.to(tl.int32), (BN // 8, 8)), axis=1) > 0
+        tl.store(row_ptr + (word // 4) * 36 + 32 + word % 4, xs, mask=w_ok)
+    else:
+        tl.store(row_ptr + offs_n, v.to(row_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _row_value(acc, acc_up, GATE_UP: tl.constexpr):
+    """A finished row: silu(gate)·up (GATE_UP), else the sum itself."""
     if GATE_UP:
-        if SPLIT_K == 1:
-            acc = _silu(acc) * acc_up
-        else:
-            tl.store(out_ptrs + N * stride_on, acc_up, mask=n_ok)
-    if MUL_WEIGHT:
+        return _silu(acc) * acc_up
+    else:
+        return acc
+
+
+@triton.jit
+def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
+                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
+    """GEMV programs' end (grid (P, N tiles, S splits of K)), from acc / acc_up [BN] fp32, this program's sums.
+
+    GATE_UP: act row `pair` = silu(gate)·up of the whole K; down: out row `pair // TOP_K` = the sum
+    over the token's TOP_K slots of routing weight · acc. Several programs make one row (K splits;
+    for down also the k slots): each parks its partial in the fp32 workspace (`[P, S, 2N]`,
+    gate | up; `[P, S, N]`) and the last to arrive (an atomic counter per output tile that
+    resets itself) adds them in (slot, split) order: deterministic, and no torch op after the kernel.
+    """
+    num_splits = tl.num_programs(2)
+    if GATE_UP:
+        arrivals = num_splits
+        row = pair
+        width = 2 * N
+    else:
+        arrivals = TOP_K * num_splits
         acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=n_ok)
+        row = pair // TOP_K
+        width = N
+    row_ptr = out_ptr + row.to(tl.int64) * stride_om
+    if arrivals == 1:
+        _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
+    else:
+        ws = ws_ptr + offs_n
+        part = ws + (pair * num_splits + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
+        tl.store(part, acc, mask=n_ok)
+        if GATE_UP:
+            tl.store(part + N, acc_up, mask=n_ok)
+        tl.debug_barrier()
+        tile = row * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == arrivals - 1:
+            first = ws + row * arrivals * width
+            acc = tl.zeros_like(acc)
+            acc_up = tl.zeros_like(acc)
+            for q in range(arrivals):  # fixed order whichever program came last
+                acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
+                if GATE_UP:
+                    acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
+            _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
-    `split_k` ways (0: per GEMM, by `gemv_split_k`)."""
+    `split_k` ways (0: per GEMM, by `gemv_split_k` at `programs_per_sm`, 0: `GEMV_PROGRAMS_PER_SM`);
+    `lift` (INT4 GEMV) lifts x in a launch before gate/up instead of in every program
+    (`kernels/int4_gemv.py`); `grouped` (INT4, with `lift`) runs the GEMV once per block of
+    `block_m` pairs of one expert, unpacking its words once for all of them."""
 
     block_m: int
     block_n: int
@@ -117,63 +166,53 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 0
+    programs_per_sm: int = 0
+    lift: bool = False
+    grouped: bool = False  # INT4: the GEMV over `moe_align` blocks of block_m pairs of one expert
 
 
-def pick_moe_config(num_pairs: int, num_experts: int) -> MoEConfig:
-    """By tokens per expert `P / E`: GEMV at about one, else a BM that a typical expert block fills.
+# Launcher defaults, from `bench_fused_moe --quick` on the H200 (update from its printed table): the
+# INT4 GEMV's tiles, the programs per SM its split-K aims for, the pairs per expert up to which it
+# runs; then by pairs per expert the grouped GEMV (INT4; none until measured) and the tiles.
+GEMV_CONFIG = MoEConfig(block_m=0, block_n=64, block_k=256, lift=True)
+GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
+GEMV_MAX_PAIRS_PER_EXPERT = (
+    2.0  # Kimi and GLM-5 at M=64 (1.3, 2.0): 2.6x fewer instructions than the old GEMV
+)
+GROUPED_CONFIGS: tuple[tuple[float, MoEConfig], ...] = ()  # (largest pairs per expert, grouped GEMV)
+TILE_CONFIGS = (  # (largest pairs per expert, tiles)
+    (16.0, MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)),
+    (32.0, MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)),
+    (float("inf"), MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)),  # W4A16's best at M=64
+)
 
-    (Heuristic from vLLM's int4 defaults and the W4A16 GEMM's H200 runs; `bench_fused_moe` times the
-    alternatives beside it. Registers gate/up | down from an offline sm_90a compile with the launch's
-    specializations: GEMV 80 | 64, BM 16: 128 | 96, BM 32: 139 | 102, BM 64 (wgmma): 190 | 109; no spills.)
-    """
+
+def pick_moe_config(
+    num_pairs: int,
+    num_experts: int,
+    gemv: MoEConfig | None = GEMV_CONFIG,
+    grouped: tuple[tuple[float, MoEConfig], ...] = GROUPED_CONFIGS,
+    gemv_max: float = GEMV_MAX_PAIRS_PER_EXPERT,
+) -> MoEConfig:
+    """By tokens per expert `P / E`: the GEMV (`gemv`, the format's tiles; None: it cannot run) up
+    to `gemv_max`, else the first of `grouped` (the format's; () for none), then of `TILE_CONFIGS`,
+    whose bound holds (a BM a typical expert block fills)."""
     per_expert = num_pairs / num_experts
-    if per_expert <= 1:
-        return MoEConfig(block_m=0, block_n=32, block_k=128)
-    if per_expert <= 16:
-        return MoEConfig(block_m=16, block_n=64, block_k=128, num_stages=4)
-    if per_expert <= 32:
-        return MoEConfig(block_m=32, block_n=32, block_k=128, num_stages=4)
-    return MoEConfig(block_m=64, block_n=64, block_k=128, num_stages=3)  # W4A16's best tiles at M=64
+    if gemv is not None and per_expert <= gemv_max:
+        return gemv
+    return next(cfg for bound, cfg in (*(grouped if gemv else ()), *TILE_CONFIGS) if per_expert <= bound)
 
 
 def gemv_split_k(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
-    """Split K until there are about 8 programs per SM (at 79-128 registers, 6+ fit): at one token,
-    Kimi's gate/up GEMV has 8 · 64 programs, too few loads in flight to cover HBM latency. At most 16
-    splits of 4+ K tiles each."""
+    """Split K until there are about `cfg.programs_per_sm` (4-warp) programs per SM: at one token,
+    Kimi's gate/up GEMV has only 8 · I/BN programs, too few loads in flight to cover HBM latency, and
+    several waves of short programs leave a smaller tail than one of long ones. At most 16 splits of
+    2+ K tiles each, every split with work."""
+    target = (cfg.programs_per_sm or GEMV_PROGRAMS_PER_SM) * num_sms * 4 // cfg.num_warps
     programs = num_pairs * triton.cdiv(N, cfg.block_n)
-    return max(1, min(triton.cdiv(K, cfg.block_k) // 4, (8 * num_sms) // programs, 16))
-
-
-def moe_align(
-    expert_ids: torch.Tensor,  # [M, k] int, local expert ids; outside [0, E) = not on this rank
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert into BM-padded blocks, with torch ops and no host sync.
-
-    Returns `sorted_ids [num_blocks·BM]` int32 (pair ids `token·k + slot`, each expert's run padded
-    with P up to a multiple of BM), `block_expert_ids [num_blocks]` int32 (-1 for the bucket of pairs
-    not on this rank and for blocks past the end) and `num_padded [1]` int32 (blocks in use · BM).
-    `num_blocks = min(cdiv(P + (E+1)(BM-1), BM), P)` is known on the host: a bucket of c pairs takes
-    at most c blocks. The sort is stable, so within an expert pairs keep token order.
-    """
-    E, BM = num_experts, block_m
-    flat = expert_ids.reshape(-1).to(torch.int64)  # [P]
-    P = flat.numel()
-    dev = flat.device
-    bucket = torch.where((flat >= 0) & (flat < E), flat, E)  # [P], E = not on this rank
-    sorted_bucket, order = torch.sort(bucket, stable=True)  # [P]
-    bounds = torch.searchsorted(sorted_bucket, torch.arange(E + 2, device=dev))  # [E+2] run starts
-    counts = bounds[1:] - bounds[:-1]  # [E+1]
-    padded_end = torch.cumsum((counts + BM - 1) // BM * BM, 0)  # [E+1]
-    padded_start = padded_end - (counts + BM - 1) // BM * BM
-    dest = padded_start[sorted_bucket] + torch.arange(P, device=dev) - bounds[sorted_bucket]  # [P]
-    num_blocks = max(1, min(triton.cdiv(P + (E + 1) * (BM - 1), BM), P))
-    sorted_ids = torch.full((num_blocks * BM,), P, dtype=torch.int32, device=dev)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_bucket = torch.searchsorted(padded_end, torch.arange(num_blocks, device=dev) * BM, right=True)
-    block_expert_ids = torch.where(block_bucket < E, block_bucket, -1).to(torch.int32)
-    return sorted_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
+    k_tiles = triton.cdiv(K, cfg.block_k)
+    split = max(1, min(k_tiles // 2, round(target / programs), 16))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no split left without a K tile
 
 
 def check_routing(
@@ -193,11 +232,11 @@ def check_routing(
 
 @dataclass(frozen=True, slots=True)
 class MoEGemm:
-    """One of the two GEMMs: `out [P, N] = f(a rows) · w[expert]ᵀ` over K (`which` 0: gate+up, 1: down)."""
+    """One of the two GEMMs: `out = f(a rows) · w[expert]ᵀ` over K (`which` 0: gate+up, 1: down)."""
 
     which: int
-    a: torch.Tensor  # [M, H] x (gate/up) or [P, I] act (down)
-    out: torch.Tensor  # [P, N]
+    a: torch.Tensor  # [M, H] x (gate/up), [P, I] act (down; lifted rows for the INT4 GEMV)
+    out: torch.Tensor  # [P, N] act; down: [P, N] y (tiles) or [M, N], the k-sum done (GEMV)
     N: int
     K: int
     a_row_div: int  # a row = pair // a_row_div: k for x, 1 for act
@@ -205,7 +244,13 @@ class MoEGemm:
     mul_weight: bool  # scale each output row by its pair's routing weight
 
 
-GemvLaunch = Callable[[MoEGemm, torch.Tensor, int, torch.Tensor, torch.Tensor], None]
+# gemv(g, split, flat_ids [P], topk_w [P], ws fp32, cnt int32, blocks): grid (P or blocks, cdiv(N, BN),
+# split), ends in `_gemv_finish`; blocks: `moe_align`'s output for `grouped`, else None;
+# tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w): grid (blocks · N tiles,)
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+GemvLaunch = Callable[
+    [MoEGemm, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Blocks | None], None
+]
 TilesLaunch = Callable[[MoEGemm, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
@@ -218,37 +263,34 @@ def run_moe(
     cfg: MoEConfig,
     gemv: GemvLaunch,
     tiles: TilesLaunch,
+    lifted_act: bool = False,  # the GEMV's act in `kernels/int4_gemv.py`'s lifted rows (INT4)
 ) -> torch.Tensor:
-    """Both GEMMs through the format's kernels, then the fixed-order k-sum (deterministic, no atomics)."""
+    """Both GEMMs through the format's kernels and the k-sum in a fixed order (deterministic, no
+    float atomics): in the GEMV's down epilogue (two launches in all), after the tiles by torch."""
     M, H = x.shape
     k = topk_ids.shape[1]
     P, I = M * k, inter
     if P == 0:
         return torch.zeros_like(x)
     topk_w = topk_weights.reshape(-1).contiguous()  # [P]
+    if cfg.block_m == 0 or cfg.grouped:  # decode: a few pairs per expert; no torch op between
+        flat_ids = topk_ids.reshape(-1).contiguous()  # [P]
+        blocks = moe_align(topk_ids, num_experts, cfg.block_m) if cfg.grouped else None
+        act_shape, act_dtype = ((P, lifted_width(I)), torch.float32) if lifted_act else ((P, I), x.dtype)
+        act = torch.empty(act_shape, dtype=act_dtype, device=x.device)
+        out = torch.empty((M, H), dtype=x.dtype, device=x.device)
+        rows = triton.cdiv(P, cfg.block_m) if cfg.grouped else P  # programs along the first grid axis, about
+        for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, out, H, I, 1, False, True)):
+            split = cfg.split_k or gemv_split_k(rows, g.N, g.K, cfg, num_sms(x.device))
+            arrivals = split if g.gate_up else k * split
+            ws_shape = (P, split, 2 * g.N if g.gate_up else g.N) if arrivals > 1 else (1,)
+            ws = torch.empty(ws_shape, dtype=torch.float32, device=x.device)
+            cnt = split_k_counters(x.device, (P if g.gate_up else M) * triton.cdiv(g.N, cfg.block_n))
+            gemv(g, split, flat_ids, topk_w, ws, cnt, blocks)
+        return out
     act = torch.empty((P, I), dtype=x.dtype, device=x.device)
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)
-    gemms = (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, y, H, I, 1, False, True))
-    if cfg.block_m == 0:  # decode: about one pair per expert
-        flat_ids = topk_ids.reshape(-1).contiguous()  # [P]: no align step, no torch op before the kernels
-        for g in gemms:
-            split = cfg.split_k or gemv_split_k(P, g.N, g.K, cfg, num_sms(x.device))
-            # split K: fp32 partials [S, P, 2N or N], added in a fixed order below (deterministic)
-            dst = (
-                g.out
-                if split == 1
-                else torch.empty(
-                    (split, P, 2 * g.N if g.gate_up else g.N), device=x.device, dtype=torch.float32
-                )
-            )
-            gemv(g, dst, split, flat_ids, topk_w)
-            if split > 1 and g.gate_up:
-                gu = dst.sum(dim=0)  # [P, 2I] fp32
-                act.copy_(F.silu(gu[:, :I]) * gu[:, I:])
-            elif split > 1:  # the k-sum and the split sum in one fixed-order reduction
-                return dst.view(split, M, k, H).sum(dim=(0, 2)).to(x.dtype)
-    else:
-        sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
-        for g in gemms:
-            tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)
+    sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, y, H, I, 1, False, True)):
+        tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)
     return y.view(M, k, H).sum(dim=1)  # fixed-order reduction over each token's k slots

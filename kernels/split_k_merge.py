@@ -1,4 +1,5 @@
-"""Merging split-K attention slices by their log-sum-exp, and the device facts launchers share.
+"""Merging split-K attention slices by their log-sum-exp, and the device facts and split-K arrival
+counters launchers share.
 
 Split-K decode kernels (`paged_decode_gqa`, `mla_decode`) write, per (row, head, slice), the slice's
 normalised partial output `[R]` and its LSE in the log2 domain (-inf for a slice with no visible
@@ -17,6 +18,19 @@ import triton
 import triton.language as tl
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for split-K GEMMs, one per output tile: the kernel's last program
+    of a tile resets its counter, so the buffer stays zero between calls (and CUDA-graph replays)."""
+    cnt = _COUNTERS.get(device)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 1 << 18), dtype=torch.int32, device=device)  # 1 MB: decode never regrows it
+        _COUNTERS[device] = cnt
+    return cnt
 
 
 @functools.cache

@@ -6,10 +6,9 @@ The kernels read that layout as it is (see `repack_int4` for why): each thread l
 consecutive words along K and unpacks them into eight consecutive k per word.
 
 Two kernels:
-- `_w4a16_gemv_kernel` (M of 1-2, decode): no tensor cores. Each nibble is turned into a float with
-  one LOP3 (`(w & 0xF<<4j) | 0x3F800000` is `1 + q·2^(4j-23)`), one FADD and one FFMA against
-  `x_j·2^(23-4j)`; the `-8` zero point and the group scale are applied once per int32, not per
-  weight. That keeps the ALU under the HBM rate at M=1.
+- `_w4a16_gemv_kernel` (M of 1-2, decode, G >= 32): no tensor cores, `kernels/int4_gemv.py`'s dot
+  products (one LOP3 and one FFMA per weight; the -8 zero point once per word, the group scale
+  once per 32 k), K split across enough programs to keep HBM busy at one token.
 - `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`.
 - prefill (M > 64): `dequantize_int4` once, then cuBLAS (twice as fast as the fused tiles on H200).
 The GEMV and the tiles split K across programs when there are too few output tiles to fill the GPU; partial sums go to
@@ -25,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
 from kernels.int4_weights import (  # repack_int4 and the reference unpack are part of this op's API
     _MAGIC_2_23,
     _grouped_tile,
@@ -34,7 +34,7 @@ from kernels.int4_weights import (  # repack_int4 and the reference unpack are p
     repack_int4,
     unpack_int4_ref,
 )
-from kernels.split_k_merge import num_sms
+from kernels.split_k_merge import num_sms, split_k_counters
 
 __all__ = [
     "W4A16Config",
@@ -45,8 +45,6 @@ __all__ = [
     "w4a16_gemm",
     "w4a16_gemm_ref",
 ]
-
-_MAGIC_ONE = 0x3F800000  # bits of 1.0f: OR a nibble into the mantissa to get 1 + nibble·2^-23
 
 
 @triton.jit
@@ -63,47 +61,24 @@ def _finish_tile(
     stride_on,
     tile_id,
     pid_k,
-    SPLIT_K: tl.constexpr,
+    num_splits,  # the grid's K axis: run time in the GEMV (one compiled kernel for every split), constexpr in the tiles
 ):
-    """Store the tile, or park a split-K partial; the last of SPLIT_K programs sums the partials."""
+    """Store the tile, or park a split-K partial; the last of num_splits programs sums the partials."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if SPLIT_K == 1:
+    if num_splits == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [SPLIT_K, M, N] fp32
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [num_splits, M, N] fp32
         tl.store(ws + pid_k * M * N, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == num_splits - 1:
             total = tl.zeros_like(acc)
-            for s in range(SPLIT_K):  # fixed order: deterministic whichever program is last
+            for s in range(num_splits):  # fixed order: deterministic whichever program is last
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile_id, 0)
-
-
-@triton.jit
-def _load_words(
-    w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
-    GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """K tile t's words `[BN, BK/8]` and scales `[BN, SR]`; all zeros when t is past the last tile."""
-    r = t * (BLOCK_K // 8) + offs_r
-    live = (r < K8) & (t < t1)
-    wp = tl.load(
-        w_ptr + offs_n[:, None] * stride_wn + r[None, :] * stride_wk,
-        mask=n_ok[:, None] & live[None, :],
-        other=0,
-    )
-    g = t * BLOCK_K // GROUP_SIZE + offs_g
-    g_ok = (g < KG) & (t < t1)
-    sc = tl.load(
-        s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg,
-        mask=n_ok[:, None] & g_ok[None, :],
-        other=0.0,
-    )
-    return wp, sc.to(tl.float32)
 
 
 @triton.jit
@@ -116,7 +91,6 @@ def _w4a16_gemv_kernel(
     cnt_ptr,
     M,
     N,
-    K,
     K8,  # K / 8 and K / G as arguments, not `K // 8` in the kernel: the launcher's divisibility-by-16
     KG,  # specialisation then lets the masked word loads be 16 bytes wide (8 with `K // 8`)
     stride_xm,
@@ -127,75 +101,40 @@ def _w4a16_gemv_kernel(
     stride_sn,
     stride_om,
     stride_on,
-    magic_one,  # 0x3F800000 as a run-time value: with two immediates ptxas emits AND and OR, not one LOP3
     GROUP_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    LIFTED: tl.constexpr,  # x is `lift_rows(x)` (fp32 [M, lifted width]), else the raw rows
+    EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
+    EVEN_N: tl.constexpr,  # N a multiple of BLOCK_N
 ):
-    """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G], out [M, N]; grid (N/BN, M, SPLIT_K)."""
+    """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G] (G >= 32), out [M, N];
+    grid (N/BN, M, splits of K). The dot products are `kernels/int4_gemv.py`'s."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     BK8: tl.constexpr = BLOCK_K // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_r = tl.arange(0, BK8)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_tiles = tl.cdiv(K8, BK8)
+    per_split = tl.cdiv(k_tiles, tl.num_programs(2))
     t0 = pid_k * per_split
-    t1 = tl.minimum(t0 + per_split, k_tiles)
-    offs_g = tl.arange(0, SCALE_ROWS)
-    acc2 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)  # [BN, BK8]: reduced over BK8 once, at the end
     x_row = x_ptr + pid_m * stride_xm
-    # software prefetch: tile t+1's words are in flight while tile t is unpacked (this loop has no
-    # tl.dot, so Triton's pipeliner leaves it alone)
-    wp_next, sc_next = _load_words(
-        w_ptr, s_ptr, t0, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
-        GROUP_SIZE, BLOCK_K,
-    )  # fmt: skip
-    for t in range(t0, t1):
-        wp = wp_next
-        sc = sc_next
-        if PREFETCH:
-            wp_next, sc_next = _load_words(
-                w_ptr, s_ptr, t + 1, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn,
-                stride_sg, GROUP_SIZE, BLOCK_K,
-            )  # fmt: skip
-        else:
-            wp, sc = _load_words(
-                w_ptr, s_ptr, t, t1, offs_n, n_ok, offs_r, offs_g, K8, KG, stride_wn, stride_wk, stride_sn,
-                stride_sg, GROUP_SIZE, BLOCK_K,
-            )  # fmt: skip
-        r = t * BK8 + offs_r  # [BK8] packed columns = k // 8
-        r_ok = r < K8
-        sc = tl.reshape(
-            tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
-        )  # [BN, BK8] scale of each packed word
-        wp_hi = wp >> 16  # nibbles 4..7 moved to bits 0..15
-        dot8 = tl.zeros((BLOCK_N, BK8), dtype=tl.float32)  # sum_j q_j x_j over the 8 nibbles of a word
-        x_sum = tl.zeros((BK8,), dtype=tl.float32)
-        lift = 8388608.0  # 2^(23-4j) undoes the nibble's place in the mantissa
-        for j in tl.static_range(4):
-            xj = tl.load(x_row + (r * 8 + j) * stride_xk, mask=r_ok, other=0.0).to(tl.float32)
-            xh = tl.load(x_row + (r * 8 + 4 + j) * stride_xk, mask=r_ok, other=0.0).to(tl.float32)
-            x_sum += xj + xh
-            lo = ((wp & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-            hi = ((wp_hi & (0xF << (4 * j))) | magic_one).to(tl.float32, bitcast=True) - 1.0
-            dot8 += lo * (xj * lift)[None, :]
-            dot8 += hi * (xh * lift)[None, :]
-            lift = lift * 0.0625
-        acc2 += (dot8 - 8.0 * x_sum[None, :]) * sc
-    acc = tl.sum(acc2, axis=1)  # [BN]
-    offs_m = pid_m + tl.arange(0, 1)
+    acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
+    for t in range(t0, tl.minimum(t0 + per_split, k_tiles)):
+        r = t * BK8 + tl.arange(0, BK8)
+        ys, xs = _x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
+        acc += _int4_tile_dot(
+            w_ptr, s_ptr, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
+            GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
+        )  # fmt: skip
+    acc_n = tl.sum(acc, axis=0) * LIFT_SCALE  # [BN]
     _finish_tile(
-        acc[None, :],
+        acc_n[None, :],
         out_ptr,
         ws_ptr,
         cnt_ptr,
-        offs_m,
+        pid_m + tl.arange(0, 1),
         offs_n,
         M,
         N,
@@ -203,7 +142,7 @@ def _w4a16_gemv_kernel(
         stride_on,
         pid_m * tl.num_programs(0) + pid_n,
         pid_k,
-        SPLIT_K,
+        tl.num_programs(2),
     )
 
 
@@ -297,41 +236,47 @@ class W4A16Config:
     num_stages: int = 3
     group_m: int = 8
     dense: bool = False
-    prefetch: bool = False  # GEMV: load tile t+1 before unpacking tile t (measured slower on H200)
+    lift: bool = False  # GEMV: activations lifted by a separate launch (`lift_rows`), not in the kernel
 
 
-def pick_config(M: int, N: int, K: int, num_sms: int) -> W4A16Config:
-    """Heuristic choice by M: enough programs to cover every SM several times, else big tiles."""
-    if M <= 2:
-        cfg = W4A16Config(block_m=0, block_n=64, block_k=256, num_warps=4)
-    elif M <= 64:
-        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        cfg = W4A16Config(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    else:  # prefill: one dequantizing pass (~N·K·2.5 bytes) then cuBLAS beat the fused tiles 2× on H200
-        return W4A16Config(block_m=0, block_n=32, block_k=256, num_warps=4, dense=True)
-    return with_split_k(cfg, M, N, K, num_sms)
+# Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
+# GEMV's tiles, how many of its programs split K aims for per SM and the rows up to which it runs;
+# the tensor-core tiles by the largest M they serve (split K at 4 programs per SM); the prefill path.
+GEMV_DEFAULT = W4A16Config(block_m=0, block_n=128, block_k=256, num_warps=4)
+GEMV_PROGRAMS_PER_SM = 12  # several waves: a last wave of a few programs runs latency-bound
+GEMV_MAX_M = 2  # the GEMV reads the weights once per row: past a few rows the tiles win
+TILE_DEFAULTS = (
+    (16, W4A16Config(block_m=16, block_n=64, block_k=128, num_stages=4)),
+    (32, W4A16Config(block_m=32, block_n=64, block_k=128, num_stages=4)),
+    (64, W4A16Config(block_m=64, block_n=64, block_k=128, num_stages=4)),
+)
+# prefill: one dequantizing pass (~N·K·2.5 bytes) then cuBLAS beat the fused tiles 2× on H200
+PREFILL_DEFAULT = W4A16Config(block_m=0, block_n=32, block_k=256, num_warps=4, dense=True)
 
 
-def with_split_k(cfg: W4A16Config, M: int, N: int, K: int, num_sms: int) -> W4A16Config:
-    """Split K until there are about four programs per SM, rounded down so that the last wave is
-    not a sliver (at most 16 splits, 4+ K tiles each)."""
+def pick_config(M: int, N: int, K: int, num_sms: int, group_size: int = 32) -> W4A16Config:
+    """By M from the tables above: the GEMV, the first tiles whose bound holds, else prefill."""
+    if M <= GEMV_MAX_M and group_size >= 32:
+        return with_split_k(GEMV_DEFAULT, M, N, K, num_sms)
+    cfg = next((cfg for bound, cfg in TILE_DEFAULTS if bound >= M), None)
+    return PREFILL_DEFAULT if cfg is None else with_split_k(cfg, M, N, K, num_sms)
+
+
+def with_split_k(
+    cfg: W4A16Config, M: int, N: int, K: int, num_sms: int, per_sm: int | None = None
+) -> W4A16Config:
+    """Split K until there are about `per_sm` programs per SM (default: 4, the GEMV
+    `GEMV_PROGRAMS_PER_SM` of 4 warps), to the nearest split (at most 16, of 4+ K tiles each; GEMV
+    2+; every split with work)."""
     rows = M if cfg.block_m == 0 else triton.cdiv(M, cfg.block_m)
     tiles = triton.cdiv(N, cfg.block_n) * rows
     k_tiles = triton.cdiv(K, cfg.block_k)
-    split = max(1, min(k_tiles // 4, (4 * num_sms) // tiles, 16))
-    return replace(cfg, split_k=split)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_k_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per output tile; kernels leave them at zero again."""
-    cnt = _COUNTERS.get(device)
-    if cnt is None or cnt.numel() < n:
-        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = cnt
-    return cnt
+    if cfg.block_m == 0:
+        target, min_tiles = (per_sm or GEMV_PROGRAMS_PER_SM) * num_sms * 4 // cfg.num_warps, 2
+    else:
+        target, min_tiles = (per_sm or 4) * num_sms, 4
+    split = max(1, min(k_tiles // min_tiles, round(target / tiles), 16))
+    return replace(cfg, split_k=triton.cdiv(k_tiles, triton.cdiv(k_tiles, split)))  # every split with work
 
 
 def w4a16_gemm(
@@ -356,7 +301,7 @@ def w4a16_gemm(
         raise ValueError(f"out must be contiguous {x.dtype} [{M}, {N}]")
     if M == 0:
         return out.reshape(*lead, N)
-    cfg = config or pick_config(M, N, K, num_sms(x.device))
+    cfg = config or pick_config(M, N, K, num_sms(x.device), group_size)
     ws = torch.empty((cfg.split_k, M, N) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     strides = (
         *x2.stride(),
@@ -370,10 +315,15 @@ def w4a16_gemm(
     if cfg.dense:
         _dense_product(x2, w_repacked, scales, group_size, cfg, out)
     elif cfg.block_m == 0:
+        if group_size < 32 or cfg.block_k % 32:
+            raise ValueError(
+                f"the GEMV needs group_size >= 32 and block_k % 32 == 0, got {group_size}, {cfg}"
+            )
         grid = (triton.cdiv(N, cfg.block_n), M, cfg.split_k)
-        cnt = _split_k_counters(x.device, grid[0] * M)
+        cnt = split_k_counters(x.device, grid[0] * M)
+        xg = lift_rows(x2) if cfg.lift else x2  # [M, K] or [M, lifted_width(K)] fp32
         _w4a16_gemv_kernel[grid](
-            x2,
+            xg,
             w_repacked,
             scales,
             out,
@@ -381,23 +331,22 @@ def w4a16_gemm(
             cnt,
             M,
             N,
-            K,
             K // 8,
             K // group_size,
-            *strides,
-            _MAGIC_ONE,
+            *xg.stride(),
+            *strides[2:],
             GROUP_SIZE=group_size,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
-            SPLIT_K=cfg.split_k,
-            SCALE_ROWS=scale_rows,
-            PREFETCH=cfg.prefetch,
+            LIFTED=cfg.lift,
+            EVEN_K=K % cfg.block_k == 0,
+            EVEN_N=N % cfg.block_n == 0,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
     else:
         num_tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        cnt = _split_k_counters(x.device, num_tiles)
+        cnt = split_k_counters(x.device, num_tiles)
         _w4a16_kernel[(num_tiles, cfg.split_k)](
             x2,
             w_repacked,

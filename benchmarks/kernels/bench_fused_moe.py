@@ -22,7 +22,12 @@ read once) plus activations; `fraction_of_ceiling` is the roofline time
 own config is timed beside alternative tiles (GEMV vs tensor-core blocks) so the switch in
 `pick_moe_config` can be checked against the best one measured. Also timed: the align step alone.
 
-    python3 -m benchmarks.kernels.bench_fused_moe [--out results.json]   (default: $OUT/fused_moe.json)
+    python3 -m benchmarks.kernels.bench_fused_moe [--out results.json] [--quick]   (default: $OUT/fused_moe.json)
+
+`--quick` (~70 s): M = 1 and 64 on the three shapes, the launcher's pick, the GEMV candidates
+(`QUICK_GEMVS`) and a tile variant, the FP8 peers, the align step; ends with a table and the values
+for `kernels/moe_routing.py`'s launcher table (`GEMV_CONFIG`, `GEMV_PROGRAMS_PER_SM`,
+`GEMV_MAX_PAIRS_PER_EXPERT`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from benchmarks.kernels.common import graph_ms, measure_ceilings, rel_err, write
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config
 from kernels.fused_moe_fp8 import FP8, fused_moe_fp8, fused_moe_fp8_ref
 from kernels.int4_weights import dequantize_int4
+from kernels.moe_routing import GEMV_CONFIG, GEMV_PROGRAMS_PER_SM, TILE_CONFIGS
 
 G = 32
 ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # w13, s13, w2, s2
@@ -70,15 +76,26 @@ SHAPES = [
     Shape("glm-5", 256, 6144, 2048, 8, (1, 64)),
     Shape("glm-4.5-air", 128, 4096, 1408, 8, (1, 64)),
 ]
+# the GEMV candidates `--quick` times at every M (beside the launcher's pick; also compiled by
+# `python -m tests.kernels.sm90_compile_int4 --all`), then the full run's extra GEMVs and tiles
+QUICK_GEMVS = [
+    GEMV_CONFIG,
+    MoEConfig(0, 64, 256),
+    MoEConfig(0, 64, 128, lift=True),
+    MoEConfig(0, 64, 256, programs_per_sm=6, lift=True),
+    MoEConfig(0, 64, 256, programs_per_sm=24, lift=True),
+]
+QUICK_GROUPED = [  # timed from one pair per expert up (M = 64 in --quick)
+    MoEConfig(2, 32, 256, lift=True, grouped=True),
+    MoEConfig(4, 32, 256, lift=True, grouped=True),
+]
+QUICK_TILES = [MoEConfig(16, 64, 128, num_stages=4)]
 VARIANTS = [
-    MoEConfig(0, 32, 128, split_k=1),
-    MoEConfig(0, 32, 128, split_k=2),
-    MoEConfig(0, 32, 128, split_k=4),
-    MoEConfig(0, 32, 256),
+    *QUICK_GEMVS,
+    MoEConfig(0, 64, 256, split_k=1, lift=True),
+    MoEConfig(0, 32, 256, num_warps=2, lift=True),
     MoEConfig(0, 64, 128),
-    MoEConfig(0, 16, 256),
-    MoEConfig(0, 16, 128),
-    MoEConfig(0, 32, 128, num_warps=2),
+    MoEConfig(8, 32, 128, lift=True, grouped=True),
     MoEConfig(0, 64, 128, num_warps=8),
     MoEConfig(16, 64, 128, num_stages=4),
     MoEConfig(16, 64, 64, num_stages=4),
@@ -200,6 +217,7 @@ def bench_m(
     peers_w: dict[str, Any],
     ceil: dict[str, float],
     fp8_w: dict[str, tuple[Any, ...]] | None = None,
+    variants: list[MoEConfig] = VARIANTS,
 ) -> dict[str, Any]:
     E, H, I, TOP_K = shape.num_experts, shape.hidden, shape.inter, shape.top_k
     sets = [routing(shape, M) for _ in range(ROUTINGS)]
@@ -211,7 +229,11 @@ def bench_m(
     x0, ids0, wts0 = sets[0]
     ref = fused_moe_ref(x0.float(), ids0, wts0, *experts, G)
     cfg0 = pick_moe_config(M * TOP_K, E)
-    trials = [cfg0, *[v for v in VARIANTS if v != cfg0 and (v.block_m > 0 or M <= 512)]]
+
+    def fits(v: MoEConfig) -> bool:  # the GEMVs up to M = 512, the grouped ones from one pair per expert
+        return (v.block_m > 0 or M <= 512) and (not v.grouped or M * TOP_K >= E)
+
+    trials = [cfg0, *[v for v in variants if v != cfg0 and fits(v)]]
     errs, times, failures = [], [], {}
     for cfg in trials:
         try:
@@ -227,7 +249,8 @@ def bench_m(
         deterministic = torch.equal(first, fused_moe(x0, ids0, wts0, *experts, G, config=cfg0))
     except Exception:  # recorded in failures above
         deterministic = False
-    align_ms = graph_ms([functools.partial(moe_align, s[1], E, max(cfg0.block_m, 1)) for s in sets])
+    align_bm = cfg0.block_m or TILE_CONFIGS[0][1].block_m  # what the tiles would use at this M
+    align_ms = graph_ms([functools.partial(moe_align, s[1], E, align_bm) for s in sets])
     peers: dict[str, float] = {}
     peer_errs: dict[str, float] = {}
     for name, project in peers_w.items():
@@ -259,15 +282,18 @@ def bench_m(
         "deterministic": deterministic,
         "ok": all(e < 1.5e-2 for e in errs) and deterministic,  # NaN (a failed variant too) fails
         "config": asdict(cfg0),
-        "best_variant": {"ms": times[best], "config": asdict(trials[best])},
+        "best_variant": {"ms": times[best], "config": asdict(trials[best]), "label": label(trials[best])},
+        "best_GBps": bytes_moved / times[best] / 1e6,
+        "pairs_per_expert": M * TOP_K / E,
         "variants": [
-            {"ms": t, "rel_err": e, "config": asdict(c)} for t, e, c in zip(times, errs, trials, strict=True)
+            {"ms": t, "rel_err": e, "config": asdict(c), "label": label(c)}
+            for t, e, c in zip(times, errs, trials, strict=True)
         ],
         "failures": failures,
     }
     print(
         f"{row['case']:<48} ours {ms * 1e3:9.1f}us best {times[best] * 1e3:9.1f}us "
-        f"({trials[best].block_m},{trials[best].block_n},{trials[best].block_k}) {row['GBps']:.0f} GB/s "
+        f"[{label(trials[best])}] {row['GBps']:.0f} GB/s "
         f"frac {row['fraction_of_ceiling']:.2f} align {align_ms * 1e3:.1f}us err {max(errs):.1e} "
         f"{'ok' if row['ok'] else 'FAIL'} | " + " ".join(f"{k} {v * 1e3:.1f}us" for k, v in peers.items()),
         flush=True,
@@ -275,6 +301,47 @@ def bench_m(
     if fp8_w:
         bench_fp8(shape, sets, fp8_w, row)
     return row
+
+
+def label(cfg: MoEConfig) -> str:
+    if cfg.grouped:
+        return f"grouped{cfg.block_m} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps}"
+    if cfg.block_m:
+        return f"bm{cfg.block_m} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    split = f"split{cfg.split_k}" if cfg.split_k else f"{cfg.programs_per_sm or GEMV_PROGRAMS_PER_SM}/SM"
+    return f"gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} {split}{' lift' if cfg.lift else ''}"
+
+
+def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
+    """The compact table and the values for `kernels/moe_routing.py`'s launcher table."""
+    print(
+        f"\n{'case':<46} {'default':>8} {'best':>8} {'GB/s':>5} {'copy':>5} {'fp8':>7} {'fp8ch':>7} {'align':>6}  best"
+    )
+    for r in rows:
+        b, fp8 = r["best_variant"], r["peers"]
+        print(
+            f"{r['case']:<46} {r['ms'] * 1e3:8.1f} {b['ms'] * 1e3:8.1f} {r['best_GBps']:5.0f} "
+            f"{r['best_GBps'] / copy_GBps:5.2f} {fp8.get('fp8', float('nan')) * 1e3:7.1f} "
+            f"{fp8.get('fp8_channel', float('nan')) * 1e3:7.1f} {r['align_ms'] * 1e3:6.1f}  {b['label']}"
+        )
+    totals: dict[str, float] = {}
+    for r in rows:
+        if r["case"].startswith("M=1 "):
+            for v in r["variants"]:
+                totals[v["label"]] = totals.get(v["label"], 0.0) + v["ms"]
+    if totals:
+        pick = min(totals, key=totals.__getitem__)
+        print(
+            f"M=1: least total {totals[pick] * 1e3:.1f}us over the shapes: {pick} -> GEMV_CONFIG, GEMV_PROGRAMS_PER_SM"
+        )
+    kinds = {"gemv": "GEMV_MAX_PAIRS_PER_EXPERT", "grouped": "GROUPED_CONFIGS", "bm": "TILE_CONFIGS"}
+    for r in rows:
+        if not r["case"].startswith("M=1 "):
+            best = {k: min((v for v in r["variants"] if v["label"].startswith(k)), key=lambda v: v["ms"], default=None)
+                    for k in kinds}  # fmt: skip
+            text = ", ".join(f"{v['label']} {v['ms'] * 1e3:.1f}us" for v in best.values() if v)
+            win = min((k for k in kinds if best[k]), key=lambda k: best[k]["ms"])
+            print(f"{r['case']}: {r['pairs_per_expert']:.2f} pairs/expert: {text} -> {kinds[win]} covers it")
 
 
 def peer_weights(
@@ -314,6 +381,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/fused_moe.json when OUT is set)")
     ap.add_argument("--ms", default=None, help="token counts, comma-separated (default: each shape's own)")
     ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES), help="shape names, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="M=1, 64; the GEMV candidates and FP8 peers only")
     args = ap.parse_args()
     out = args.out or (os.path.join(os.environ["OUT"], "fused_moe.json") if os.environ.get("OUT") else None)
     torch.manual_seed(0)
@@ -324,16 +392,18 @@ def main() -> None:
         if shape.name not in args.shapes.split(","):
             continue
         experts = make_experts(shape)
-        peers_w = peer_weights(shape, experts)
-        ms = [int(m) for m in args.ms.split(",")] if args.ms else shape.ms
+        peers_w = {} if args.quick else peer_weights(shape, experts)
+        ms = [int(m) for m in args.ms.split(",")] if args.ms else (list(FP8_MS) if args.quick else shape.ms)
         fp8_w = make_fp8_experts(shape) if set(ms) & set(FP8_MS) else None
+        variants = QUICK_GEMVS + QUICK_GROUPED + QUICK_TILES if args.quick else VARIANTS + QUICK_GROUPED
         for M in ms:
-            rows.append(bench_m(shape, M, experts, peers_w, ceil, fp8_w if M in FP8_MS else None))
+            rows.append(bench_m(shape, M, experts, peers_w, ceil, fp8_w if M in FP8_MS else None, variants))
             torch.cuda.empty_cache()
             if out:  # after every row: a timeout keeps what ran
                 write_record(out, rows, ceil, {"notes": NOTES})
         del experts, peers_w, fp8_w
         torch.cuda.empty_cache()
+    summary(rows, ceil["copy_GBps"])
 
 
 if __name__ == "__main__":

@@ -154,10 +154,10 @@ def run_cases(
     cases: list[tuple[Any, ...]],
     notes: str,
     quick_cases: list[tuple[Any, ...]] | None = None,
-) -> None:
-    """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record.
-    A benchmark that gives `quick_cases` takes `--quick` (those cases, shorter timings: one device call) and
-    gets `bench_case(*case, ceilings, quick)`."""
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record;
+    returns (rows, ceilings). A benchmark that gives `quick_cases` takes `--quick` (those cases, shorter
+    timings: one device call) and gets `bench_case(*case, ceilings, quick)`."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -173,3 +173,4 @@ def run_cases(
         rows += bench_case(*case, ceil, *quick)
         torch.cuda.empty_cache()
         write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran
+    return rows, ceil

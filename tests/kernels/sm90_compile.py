@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import triton
@@ -104,28 +105,86 @@ def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[s
     )
 
 
-def compile_sm90(src: ASTSource, num_warps: int, num_stages: int = 2, maxnreg: int | None = None) -> str:
-    """Compile to a cubin; return ptxas's register / spill line (`maxnreg`: a register cap, as at launch)."""
+def compile_sm90(
+    src: ASTSource, num_warps: int, num_stages: int = 2, maxnreg: int | None = None, loop_nibbles: int = 0
+) -> str:
+    """Compile to a cubin; return ptxas's register / spill line (`maxnreg`: a register cap, as at
+    launch). With `loop_nibbles` (INT4 weights one thread unpacks per trip of the kernel's longest
+    loop), also that loop's SASS: instructions per nibble, 16-byte loads, barriers (`loop_stats`)."""
     options = {"num_warps": num_warps, "num_stages": num_stages, "maxnreg": maxnreg}
     kernel = triton.compile(src, target=TARGET, options=options)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
+        cubin = os.path.join(tmp, "k.cubin")
         run = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+            [os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
             capture_output=True,
             text=True,
         )
-    if run.returncode:
-        raise RuntimeError(run.stderr[-2000:])
+        if run.returncode:
+            raise RuntimeError(run.stderr[-2000:])
+        sass = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
     info = [
         line.split("info    :")[-1].strip()
         for line in run.stderr.splitlines()
         if "spill" in line or "registers" in line
     ]
-    return " ".join(info) + f" smem={kernel.metadata.shared}"
+    line = " ".join(info) + f" smem={kernel.metadata.shared}"
+    return line + (" | " + loop_stats(sass, loop_nibbles) if loop_nibbles else "")
+
+
+def compiled_lines(module: str) -> list[str]:
+    """Run `python -m module` (an sm90 compile script) without TRITON_INTERPRET from the repository
+    root, for the tests; its output lines, one per kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-m", module], env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
+def compile_args() -> argparse.Namespace:
+    """The scripts' command line (`--all`), refused under TRITON_INTERPRET."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--all", action="store_true")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    return args
+
+
+def loop_stats(sass: str, nibbles: int) -> str:
+    """The longest backward-branch loop of `cuobjdump -sass` output: instructions per nibble, and
+    counts of the ones that matter to the INT4 GEMVs (LOP3/FFMA per nibble, LDG.E.128, BAR, LDS)."""
+    ops = []  # (address, opcode)
+    for text in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", text)
+        if m:
+            ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ops:
+        target = re.search(r"0x([0-9a-f]+)", rest)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    if not loops:
+        return "no loop"
+    lo, hi = max(loops, key=lambda b: b[1] - b[0])
+    body = [op for addr, op, _ in ops if lo <= addr <= hi]
+
+    def count(prefix: str) -> int:
+        return sum(op.startswith(prefix) for op in body)
+
+    return (
+        f"loop {len(body) / nibbles:.2f} instr/nibble (LOP3 {count('LOP3') / nibbles:.2f}, "
+        f"FFMA {count('FFMA') / nibbles:.2f}) LDG.E.128 {count('LDG.E.128')} BAR {count('BAR')} LDS {count('LDS')}"
+    )
 
 
 def mla_configs(
@@ -166,11 +225,7 @@ def ctas_per_sm(info: str, num_warps: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--all", action="store_true")
-    args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("run without TRITON_INTERPRET=1: the interpreter replaces what this compiles")
+    args = compile_args()
     overbooked = []
     for name, kw, tiles in ALL_CONFIGS if args.all else DEFAULT_CONFIGS:
         info = compile_sm90(mla_source(tiles, **kw), tiles.num_warps, tiles.num_stages)

@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from backend.quant.experts import QuantExperts  # noqa: E402
 from backend.quant.scheme import QuantScheme  # noqa: E402
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config  # noqa: E402
+from kernels.moe_align import moe_align_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -33,6 +34,7 @@ ExpertTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  #
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 GEMV = MoEConfig(block_m=0, block_n=64, block_k=64)
 TILES = MoEConfig(block_m=16, block_n=32, block_k=64)
+GROUPED = MoEConfig(block_m=4, block_n=32, block_k=64, lift=True, grouped=True)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -107,6 +109,28 @@ def test_align_groups_pairs_by_expert() -> None:
     assert set(block_expert[: int(num_padded) // BM].tolist()) == {0, 1, 2, 3, 4, 5, -1}  # 6, 7 unused
 
 
+@pytest.mark.parametrize(
+    ("M", "k", "num_experts", "BM", "dtype"),
+    [
+        (1, 8, 384, 16, torch.int64),  # Kimi decode: 8 pairs, 385 buckets
+        (3, 2, 8, 1, torch.int32),  # BM 1: no padding at all
+        (64, 8, 384, 16, torch.int64),
+        (150, 8, 16, 64, torch.int32),  # 1200 pairs: two chunks of the sort, many blocks per expert
+        (7, 3, 5, 4, torch.int64),
+    ],
+)
+def test_align_kernel_equals_torch_reference(
+    M: int, k: int, num_experts: int, BM: int, dtype: torch.dtype
+) -> None:
+    """The one-launch kernel returns exactly the torch formulation's blocks (stable, padded, -1s)."""
+    gen = torch.Generator().manual_seed(M * k + BM)
+    ids = torch.stack([torch.randperm(num_experts + 2, generator=gen)[:k] - 1 for _ in range(M)]).to(dtype)
+    got = moe_align(ids.to(DEV), num_experts, BM)  # ids -1 and E: another rank's
+    want = moe_align_ref(ids, num_experts, BM)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.cpu(), w)
+
+
 def test_reference_matches_float64() -> None:
     gen = torch.Generator().manual_seed(1)
     ex = Experts(E, H, I, gen)
@@ -129,6 +153,8 @@ CASES = [  # M, config (None: the launcher's choice, the GEMV when P <= E), dtyp
     (17, None, F32),
     (64, None, F16),
     (64, MoEConfig(block_m=32, block_n=64, block_k=32), F32),  # BLOCK_K == group, N tile wider than I
+    (17, GROUPED, F32),  # blocks of 4 pairs of one expert, one unpacking for all
+    (5, MoEConfig(block_m=2, block_n=32, block_k=64, split_k=2, lift=True, grouped=True), F16),
 ]
 
 
@@ -147,7 +173,12 @@ def test_kernel_matches_float64(M: int, config: MoEConfig | None, dtype: torch.d
 
 @pytest.mark.parametrize(
     ("config", "dtype"),
-    [(GEMV, F32), (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16), (TILES, F16)],
+    [
+        (GEMV, F32),
+        (MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2), F16),
+        (TILES, F16),
+        (GROUPED, F32),
+    ],
 )
 def test_matches_cpu_moe_layer(config: MoEConfig, dtype: torch.dtype) -> None:
     """The layer's experts and the kernel on the same weights, sharded: this rank holds experts 2..4,
@@ -197,7 +228,9 @@ def test_dropped_expert_contributes_nothing(config: MoEConfig) -> None:
     assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize("config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), TILES])
+@pytest.mark.parametrize(
+    "config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), TILES, GROUPED]
+)
 def test_deterministic(config: MoEConfig) -> None:
     gen = torch.Generator().manual_seed(5)
     ex = Experts(E, H, I, gen)
@@ -268,6 +301,8 @@ def test_real_shapes_bf16(shape: tuple[int, int, int], M: int) -> None:
         None,
         MoEConfig(0, 32, 256, split_k=1),
         MoEConfig(0, 32, 128, split_k=4),
+        MoEConfig(0, 64, 256, lift=True),
+        MoEConfig(2, 32, 256, lift=True, grouped=True),
         MoEConfig(16, 64, 128),
     ):
         out = fused_moe(x, ids, wts, *weights, G, config=cfg)

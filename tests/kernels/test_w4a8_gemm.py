@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +40,7 @@ from kernels.w4a8_gemm import (  # noqa: E402
     w4a8_gemm,
     w4a8_gemm_ref,
 )
+from tests.kernels.sm90_compile import compiled_lines  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 U = 2.0**-4  # e4m3 unit roundoff
@@ -182,14 +180,8 @@ def test_expand_gemm_scales_rows_and_columns() -> None:
 def test_kernels_compile_for_sm90() -> None:
     """The W4A8 GEMM (group 32 and 128), the quantizer and the expansion compile for the H200 with
     their default tiles (Triton + ptxas, no GPU; a process without TRITON_INTERPRET); none spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.sm90_compile_w4a8"],
-        env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.splitlines()
-    assert len(lines) == 4 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
+    lines = compiled_lines("tests.kernels.sm90_compile_w4a8")
+    assert len(lines) == 4 and all(" 0 bytes spill stores" in line for line in lines), lines
 
 
 # --- GPU: bf16, real shapes -------------------------------------------------------------------------
