@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# The next device session in three calls, each well inside the 10-minute limit (device tool, `.whl`
-# carried: msgspec, pytest-asyncio, llguidance, regex, tokenizers and transformers 5.24 wheels for
-# cp312; never huggingface_hub 2.x, which needs httpx2):
+# The next device session in three calls, each inside the 10-minute limit (device tool, `.whl` carried:
+# msgspec, pytest-asyncio, llguidance, regex, tokenizers and transformers 5.24 wheels for cp312; never
+# huggingface_hub 2.x, which needs httpx2, absent on the image):
 #
-#   run(command="bash benchmarks/device_plan.sh checks", carry=[".whl"])   # ~8.5 min
 #   run(command="bash benchmarks/device_plan.sh train",  carry=[".whl"])   # ~9.5 min
-#   run(command="bash benchmarks/device_plan.sh eval",   carry=[".whl"])   # ~8.5 min
+#   run(command="bash benchmarks/device_plan.sh sweeps", carry=[".whl"])   # ~8 min
+#   (untar the two checkpoints into models/, commit)
+#   run(command="bash benchmarks/device_plan.sh eval",   carry=[".whl"])   # ~6 min
 #
-# checks: every gpu-marked test under tests/kernels and tests/backend (the kernels rewritten on
-#   2026-12-01 first run there: MLA decode/prefill, GQA decode/prefill, the DSA indexer, the INT4
-#   GEMVs and fused MoE, the engine's staged host path), then the MLA tile sweep and the W4A16 sweep.
-# train: both nano models from scratch with the 2026-12-01 recipe (models/README.md).
-# eval: the quality table (three variants) and GPU-vs-CPU agreement of the models in the tree, then the
-#   GQA/DSA and fused-MoE sweeps.
+# train: both nano models from scratch with the 2026-12-01 recipe (models/README.md), and meanwhile, on
+#   the same GPU (the trainings use a few % of it; correctness only, no timing), every test the kernels
+#   rewritten on 2026-12-01 have: the gpu-marked tests under tests/kernels and tests/backend, the
+#   unmarked kernel tests on CUDA (they run on the GPU when there is one: the tampered-page and
+#   later-slice cases are there), and benchmarks/kernels/gpu_review_checks.py.
+# sweeps: the tile sweeps of MLA, W4A16, GQA/DSA and the fused MoE (old configuration beside the new).
+# eval: the quality table (three variants) and GPU-vs-CPU agreement of the models in the tree.
 # Only 8 files come back from $OUT: each stage packs its logs and records into $OUT/<stage>.tar
 # (training: the two checkpoint tars beside it) and prints a summary. Keep the machine warm between
-# calls (a fresh start costs a minute): have the next command ready.
+# calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
+# paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?checks|train|eval}
+stage=${1:?train|sweeps|eval}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -26,30 +29,39 @@ site() {  # the carried wheels on a fresh path (a warm machine keeps /tmp)
   rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 }
+checks() {  # correctness of the GPU path, in order of what a failure would block
+  local log=$OUT/train/checks.log
+  timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE tests/kernels tests/backend \
+    > "$OUT/train/pytest_gpu.log" 2>&1
+  timeout 150 python3 -m pytest -m "not gpu" -q -p no:cacheprovider --timeout 100 -rfE tests/kernels \
+    > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
+  timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/train/review_checks.log" 2>&1
+  for f in pytest_gpu pytest_kernels_on_cuda review_checks; do
+    echo "== $f"; grep -E "passed|failed|^FAILED|^ERROR| FAIL |Timeout" "$OUT/train/$f.log" | tail -20
+  done > "$log"
+}
 case $stage in
-  checks)
-    site
-    timeout 290 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE tests/kernels tests/backend \
-      > "$OUT/checks/pytest_gpu_all.log" 2>&1
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/checks/pytest_gpu_all.log" | tail -30
-    timeout 150 python3 -m benchmarks.kernels.bench_mla_decode --sweep --out "$OUT/checks/mla_sweep.json" 2>&1 \
-      | grep -v Warning > "$OUT/checks/bench_mla_sweep.log"; tail -25 "$OUT/checks/bench_mla_sweep.log"
-    timeout 65 python3 -m benchmarks.kernels.bench_w4a16 --quick --out "$OUT/checks/w4a16_quick.json" 2>&1 \
-      | grep -v Warning > "$OUT/checks/bench_w4a16_quick.log"; tail -20 "$OUT/checks/bench_w4a16_quick.log"
-    ;;
   train)
-    # the kernels' gpu tests are not repeated here: a training shares the GPU with nothing else
-    OUT="$OUT/train" TRAIN_ARGS="--prompt-weight 0.2 --profile-steps 3" bash models/recipes/run_on_device.sh 7.3
+    (site; checks) &
+    OUT="$OUT/train" TRAIN_ARGS="--prompt-weight 0.2 --profile-steps 3" bash models/recipes/run_on_device.sh 7.0
+    wait
+    cat "$OUT/train/checks.log"
     mv "$OUT"/train/*.tar "$OUT"/ 2>/dev/null
     ;;
-  eval)
-    OUT="$OUT/eval" timeout 330 bash models/recipes/eval_on_device.sh
+  sweeps)
     site
-    OUT="$OUT/eval" timeout 150 bash benchmarks/kernels/gqa_quick.sh
-    timeout 85 python3 -m benchmarks.kernels.bench_fused_moe --quick --out "$OUT/eval/fused_moe_quick.json" 2>&1 \
-      | grep -v Warning > "$OUT/eval/bench_fused_moe_quick.log"; tail -16 "$OUT/eval/bench_fused_moe_quick.log"
+    timeout 150 python3 -m benchmarks.kernels.bench_mla_decode --sweep --out "$OUT/sweeps/mla_sweep.json" 2>&1 \
+      | grep -v Warning > "$OUT/sweeps/bench_mla_sweep.log"; tail -25 "$OUT/sweeps/bench_mla_sweep.log"
+    timeout 65 python3 -m benchmarks.kernels.bench_w4a16 --quick --out "$OUT/sweeps/w4a16_quick.json" 2>&1 \
+      | grep -v Warning > "$OUT/sweeps/bench_w4a16_quick.log"; tail -20 "$OUT/sweeps/bench_w4a16_quick.log"
+    timeout 85 python3 -m benchmarks.kernels.bench_fused_moe --quick --out "$OUT/sweeps/fused_moe_quick.json" 2>&1 \
+      | grep -v Warning > "$OUT/sweeps/bench_fused_moe_quick.log"; tail -16 "$OUT/sweeps/bench_fused_moe_quick.log"
+    OUT="$OUT/sweeps" timeout 150 bash benchmarks/kernels/gqa_quick.sh
     ;;
-  *) echo "unknown stage $stage (checks|train|eval)"; exit 2 ;;
+  eval)
+    OUT="$OUT/eval" timeout 540 bash models/recipes/eval_on_device.sh
+    ;;
+  *) echo "unknown stage $stage (train|sweeps|eval)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"

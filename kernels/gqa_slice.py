@@ -285,9 +285,12 @@ def attend_slice(
         )
         if num_bad > 0:  # only in a slice of a sequence that is about to be aborted
             tl.store(mismatch_ptr + b, 1)
+            # one thread stored the flag: every warp must read back 1, or warps start the re-walk at different
+            # tokens and disagree on its trip count around the tile barriers (a hang, or wgmma garbage)
+            tl.debug_barrier()
             # `start` again, through a value the compiler cannot know (the flag just stored, 1): the re-walk's
             # first tile is not merged with the first walk's, whose masks would stay live through the hot loop
-            restart = start * tl.load(mismatch_ptr + b).to(tl.int32)
+            restart = start * tl.load(mismatch_ptr + b, volatile=True).to(tl.int32)
             # in half tiles of at most 32 tokens: this walk, not the hot loop, would otherwise set the kernel's
             # register count (FP8, 128-token tiles: 154 registers, 3 programs per SM, instead of 4)
             m, l, acc, acc2 = attend_range(
@@ -317,6 +320,7 @@ def slice_constexprs(
         v_cache.dtype == torch.float8_e4m3fn
         and block_dv >= 32
         and all(s % 2 == 0 for s in v_cache.stride()[:3])
+        and v_cache.data_ptr() % 2 == 0  # a view at an odd byte offset would fault on the 2-byte loads
     )
     return {
         "EVEN_D": block_d == k_cache.shape[3] and block_dv == v_cache.shape[3],

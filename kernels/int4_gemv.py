@@ -12,8 +12,10 @@ Why it is fast (sm_90a SASS per nibble: one LOP3, one FFMA; `tests/kernels/sm90_
   and nothing here is compiled with flush-to-zero.
 - The activation is "lifted" instead: `y_j = x_j · 2^(77 - 4j')` (j' the nibble's place in its word
   or in `w >> 8`), so every product is `nibble · x · 2^-72` exactly, and the -8 zero point of a word
-  is one subtraction `xs = 8 · 2^-72 · sum_j x_j`, folded into the chain's first FFMA. The range
-  is safe for |x| in [2^-54, 2^51]: an activation row outside it is not an LLM's.
+  is one subtraction `xs = 8 · 2^-72 · sum_j x_j`, folded into the chain's first FFMA. The range:
+  |x| < 2^51 strictly (at 2^51 a lifted value is inf, and `q·y − xs` is inf − inf: the whole output
+  row is NaN); below, accuracy fades from |x| ~ 2^-54 down, sooner for smaller group scales (the
+  products go denormal). An LLM's activation row lies far inside it.
 - Tiles are K-major `[BK8, BN]`: Triton gives each thread four consecutive words (one 16-byte load
   per row) of BN/16 rows, so a thread's lifted activations serve all of its rows, and the chunk
   sums land in the layout of the scale loads (no shared-memory round trip in the loop).

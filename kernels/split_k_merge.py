@@ -21,6 +21,7 @@ TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured earlier still use their address
 
 
 def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -28,6 +29,8 @@ def split_k_counters(device: torch.device, n: int) -> torch.Tensor:
     of a tile resets its counter, so the buffer stays zero between calls (and CUDA-graph replays)."""
     cnt = _COUNTERS.get(device)
     if cnt is None or cnt.numel() < n:
+        if cnt is not None:
+            _RETIRED.append(cnt)
         cnt = torch.zeros(max(n, 1 << 18), dtype=torch.int32, device=device)  # 1 MB: decode never regrows it
         _COUNTERS[device] = cnt
     return cnt
