@@ -175,7 +175,8 @@ def time_tiles(
             errors[label_of(t)] = error(out)
             times[label_of(t)] = graph_ms([functools.partial(call, t)])
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
-            print(f"tiles {label_of(t)} failed: {repr(exc)[:200]}", flush=True)
+            # a CompilationError's message is the kernel's source, then the error: print its end
+            print(f"tiles {label_of(t)} failed: {type(exc).__name__}: ...{str(exc)[-700:]}", flush=True)
     return times, errors
 
 
