@@ -67,7 +67,8 @@ KIND = {"kimi": "kimi-k2.6", "glm": "glm-5.2"}
 
 def write_tokenizer(family: Family, folder: Path, items: list[dict[str, Any]], vocab_size: int) -> int:
     """The family's tokenizer files with a BPE trained on `items` rendered by the family's template,
-    numbers split into single digits. Returns the number of token ids (BPE + special tokens)."""
+    numbers in runs of up to three digits as the published patterns split them (single digits lost
+    to them in a micro-model ablation, 2026-12-01: models/README.md). Returns the number of token ids (BPE + special tokens)."""
     fmt: TokenizerFormat = "tiktoken" if family == "kimi" else "tokenizer.json"
     write_tokenizer_files(family, folder, fmt=fmt, vocab_size=256 + 1)  # the template, to render the corpus
     template = JinjaTemplate.from_checkpoint(folder)
@@ -76,7 +77,7 @@ def write_tokenizer(family: Family, folder: Path, items: list[dict[str, Any]], v
     if len(items) > TOKENIZER_ITEMS:  # a small vocabulary: a sample finds the same merges, sooner
         items = random.Random(0).sample(items, TOKENIZER_ITEMS)
     corpus = corpus_text(template, items, specials)
-    return write_tokenizer_files(family, folder, fmt=fmt, vocab_size=vocab_size, corpus=corpus, max_digits=1)
+    return write_tokenizer_files(family, folder, fmt=fmt, vocab_size=vocab_size, corpus=corpus)
 
 
 def special_ids(folder: Path) -> dict[str, int]:

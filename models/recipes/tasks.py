@@ -22,9 +22,8 @@ OPS = ("add", "sub", "mul", "div")
 def arithmetic(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """A word problem with `tier + 1` steps; the steps go inside <think>, the answer after it.
 
-    Each step quotes the sentence it computes ("finds 7 more: 12 + 7 = 19"), so the operand to copy
-    sits right after words the step has just repeated: a nano model copies it by matching those words
-    in the prompt, where a bare "12 + 7" would need it to count sentences."""
+    Steps are bare sums ("12 + 7 = 19"): steps that quote their sentence ("finds 7 more: 12 + 7 =
+    19") scored lower in a micro-model ablation (models/README.md)."""
     who = rng.choice(world.people).name
     thing = rng.choice(["apples", "coins", "books", "stones", "shells", "pencils"])
     hi = (10, 50, 200)[min(tier, 3) - 1]
@@ -34,7 +33,7 @@ def arithmetic(rng: random.Random, tier: int, world: World, split: str) -> dict:
 
     def step(clause: str, op: str, n: int, result: int) -> None:
         sentences.append(f"Then {who} {clause}.")
-        steps.append(f"{clause}: {value} {op} {n} = {result}")
+        steps.append(f"{value} {op} {n} = {result}")
 
     for _ in range(tier + 1):
         op = rng.choice(OPS)
