@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The next device session in three calls, each inside the 10-minute limit (device tool, `.whl` carried:
-# msgspec, pytest-asyncio, llguidance, regex, tokenizers and transformers 5.24 wheels for cp312; never
+# The next device session in three calls, each inside the 10-minute limit (device tool, `.whl` carried,
+# cp312 manylinux wheels: msgspec 0.23.0, pytest-asyncio 1.5.0, llguidance 1.9.1, regex 2026.11.19,
+# tokenizers 0.23.3, transformers 5.24.0, and for tests/backend starlette 1.10.0, uvicorn 0.54.0,
+# compressed-tensors 0.20.1 with pydantic 2.14.4, pydantic-core 2.50.5, annotated-types 0.8.0,
+# typing-inspection 0.4.5, loguru 0.7.3 — a missing one stops pytest's collection of every test; never
 # huggingface_hub 2.x, which needs httpx2, absent on the image):
 #
 #   run(command="bash benchmarks/device_plan.sh train",  carry=[".whl"])   # ~9.5 min
@@ -31,13 +34,13 @@ site() {  # the carried wheels on a fresh path (a warm machine keeps /tmp)
 }
 checks() {  # correctness of the GPU path, in order of what a failure would block
   local log=$OUT/train/checks.log
-  timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -rfE tests/kernels tests/backend \
+  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 200 -rfE tests/kernels tests/backend \
     > "$OUT/train/pytest_gpu.log" 2>&1
-  timeout 150 python3 -m pytest -m "not gpu" -q -p no:cacheprovider --timeout 100 -rfE tests/kernels \
+  timeout 150 python3 -m pytest -m "not gpu" -v -p no:cacheprovider --timeout 100 -rfE tests/kernels \
     > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
   timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/train/review_checks.log" 2>&1
   for f in pytest_gpu pytest_kernels_on_cuda review_checks; do
-    echo "== $f"; grep -E "passed|failed|^FAILED|^ERROR| FAIL |Timeout" "$OUT/train/$f.log" | tail -20
+    echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout" "$OUT/train/$f.log" | tail -20
   done > "$log"
 }
 case $stage in
@@ -61,7 +64,27 @@ case $stage in
   eval)
     OUT="$OUT/eval" timeout 540 bash models/recipes/eval_on_device.sh
     ;;
-  *) echo "unknown stage $stage (train|sweeps|eval)"; exit 2 ;;
+  kimi-eval)  # Kimi's quality table, one process per task (each writes its own report, so a timeout keeps
+    # the finished tasks), beside the correctness checks (pytest with failures listed; .whl holds starlette
+    # and uvicorn for tests/backend)
+    site
+    timeout 240 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 120 -rfE tests/kernels tests/backend \
+       > "$OUT/kimi-eval/pytest_gpu.log" 2>&1 &
+    timeout 240 python3 -m pytest -m "not gpu" -v -p no:cacheprovider --timeout 60 -rfE tests/kernels \
+       > "$OUT/kimi-eval/pytest_kernels_on_cuda.log" 2>&1 &
+    python3 -m models.recipes.build --out /tmp/data-kimi --family kimi --train-items 0 > /dev/null || exit 4
+    name=kimi-k2.6-nano
+    for f in /tmp/data-kimi/*.test.jsonl; do
+      task=$(basename "$f" .test.jsonl)
+      timeout 290 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        --variant bf16=models/$name --variant fp8=models/$name:weights=fp8-channel \
+        --variant int4-fp8kv=models/$name:weights=int4-g32:kv=fp8 \
+        --data "$f" --out "$OUT/kimi-eval/quality-$name-$task.json" > "$OUT/kimi-eval/eval-$task.log" 2>&1 &
+    done
+    wait
+    tail -n 4 "$OUT"/kimi-eval/eval-*.log; grep -hE "passed|failed|FAILED|^ERROR" "$OUT"/kimi-eval/pytest_*.log | tail -30
+    ;;
+  *) echo "unknown stage $stage (train|sweeps|eval|kimi-eval)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"

@@ -149,7 +149,7 @@ class MoonViT(nn.Module):
         x = x + self._position_embeddings(grid_hw).to(dtype)
         angles = _rope_angles(
             grid_hw, self.cfg.hidden_size // self.cfg.num_attention_heads, self.cfg.rope_theta
-        )
+        ).to(x.device)  # built on the host from the grid
         cu = [0]
         for h, w in grid_hw:
             cu.append(cu[-1] + h * w)
