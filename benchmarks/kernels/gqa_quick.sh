@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call of at most 150 s (timeouts 30 + 35 + 30 + 30 + 22 s): GQA decode, GQA prefill and the DSA indexer, the old (v3) kernels next
-# to every new tile-table entry, with interleaved A/B tag-check rows (the benchmarks' --quick), then the
-# gpu tests of the three kernels. Compiles run first, in parallel (warm_gqa). JSON and logs go to $OUT;
-# each benchmark writes its record after every case, so a timeout keeps what ran.
+# One device call of at most 150 s (timeouts 30 + 35 + 30 + 30 + 22 s): GQA decode, GQA prefill and the
+# DSA indexer, every tile-table entry, with interleaved A/B tag-check rows (the benchmarks' --quick),
+# then the gpu tests of the three kernels. Compiles run first, in parallel (warm_gqa). JSON and logs go
+# to $OUT; each benchmark writes its record after every case, so a timeout keeps what ran.
 # Usage (device tool, `.whl` carried for pytest-asyncio): bash benchmarks/kernels/gqa_quick.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1

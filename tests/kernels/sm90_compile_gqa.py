@@ -47,20 +47,17 @@ def decode_source(
 ) -> tuple[ASTSource, int, int]:
     """GLM-4.5-Air's decode (12 heads per KV head, d 128, page 16) with a DECODE_TILES entry."""
     from kernels.paged_decode_gqa import _paged_decode_gqa_kernel, decode_tiles
-    from kernels.paged_gqa_v3 import paged_decode_gqa_v3_kernel
 
     cfg = decode_tiles(tiles, DTYPES[cache])
     ptrs = {"q_ptr": "bf16", "k_ptr": cache, "v_ptr": cache, "seq_lens_ptr": "i32", **KV_PTRS,
             "part_o_ptr": "fp32", "part_lse_ptr": "fp32"}  # fmt: skip
     consts: dict[str, Any] = dict(
-        PAGE_SIZE=16, GROUP=12, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_P=64 if cfg.v3 else 1024, BLOCK_D=128,
-        BLOCK_DV=128, CHECK_TAGS=check, DOT_PRECISION="tf32", **_kv_consts(cache, "bf16"),
+        PAGE_SIZE=16, GROUP=12, BLOCK_H=16, BLOCK_N=cfg.block_n, BLOCK_P=1024, BLOCK_D=128, BLOCK_DV=128,
+        CHECK_TAGS=check, DOT_PRECISION="tf32", EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v,
+        LAZY_SUM=cfg.lazy_sum, ASM=True, **_kv_consts(cache, "bf16"),
     )  # fmt: skip
-    fn = paged_decode_gqa_v3_kernel if cfg.v3 else _paged_decode_gqa_kernel
-    if not cfg.v3:
-        consts.update(EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v, LAZY_SUM=cfg.lazy_sum, ASM=True)
     return (
-        _source(fn, ptrs, consts, {"qk_scale"}, DIV16, ()),
+        _source(_paged_decode_gqa_kernel, ptrs, consts, {"qk_scale"}, DIV16, ()),
         cfg.num_warps,
         cfg.num_stages,
         cfg.max_registers,
@@ -71,7 +68,6 @@ def prefill_source(
     cache: str = "bf16", tiles: str | None = None, q: str = "bf16"
 ) -> tuple[ASTSource, int, int]:
     """GLM-4.5-Air's prefill tiles (rows = 10 queries × 12 heads) with a PREFILL_TILES entry."""
-    from kernels.paged_gqa_v3 import paged_prefill_gqa_v3_kernel
     from kernels.paged_prefill_gqa import _paged_prefill_gqa_kernel, prefill_tiles
 
     cfg = prefill_tiles(tiles, DTYPES[cache])
@@ -80,13 +76,11 @@ def prefill_source(
             "part_lse_ptr": "fp32", "out_ptr": q}  # fmt: skip
     consts: dict[str, Any] = dict(
         PAGE_SIZE=16, GROUP=12, BLOCK_Q=cfg.block_m // 12, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_P=64 if cfg.v3 else 1024, BLOCK_D=128, BLOCK_DV=128, CHECK_TAGS=True, DIRECT=True,
-        DOT_PRECISION="tf32", **_kv_consts(cache, q),
+        BLOCK_P=1024, BLOCK_D=128, BLOCK_DV=128, CHECK_TAGS=True, DIRECT=True, DOT_PRECISION="tf32",
+        EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v, LAZY_SUM=cfg.lazy_sum, ASM=True,
+        **_kv_consts(cache, q),
     )  # fmt: skip
-    fn = paged_prefill_gqa_v3_kernel if cfg.v3 else _paged_prefill_gqa_kernel
-    if not cfg.v3:
-        consts.update(EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v, LAZY_SUM=cfg.lazy_sum, ASM=True)
-    src = _source(fn, ptrs, consts, {"qk_scale", "v_scale"}, DIV16, ())
+    src = _source(_paged_prefill_gqa_kernel, ptrs, consts, {"qk_scale", "v_scale"}, DIV16, ())
     return src, cfg.num_warps, cfg.num_stages, cfg.max_registers
 
 
@@ -95,7 +89,6 @@ def dsa_source(
 ) -> tuple[ASTSource, int, int]:
     """GLM-5's indexer scoring (32 heads × 128, page 16) with an INDEXER_TILES entry."""
     from kernels.dsa_indexer_triton import _dsa_scores_kernel, indexer_config
-    from kernels.paged_gqa_v3 import dsa_scores_v3_kernel
 
     cfg = indexer_config(tiles, DTYPES[cache], prefill)
     block_q = 2 if prefill else 1
@@ -103,12 +96,10 @@ def dsa_source(
             "tile_seq_ptr": "i32", "tile_q0_ptr": "i32", **KV_PTRS, "scores_ptr": "fp32"}  # fmt: skip
     consts: dict[str, Any] = dict(
         PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=32, BLOCK_N=cfg.block_n, BLOCK_D=128, CHECK_TAGS=True,
-        DOT_PRECISION="tf32", **_kv_consts(cache, "bf16"),
+        DOT_PRECISION="tf32", STEPS=cfg.steps, **_kv_consts(cache, "bf16"),
     )  # fmt: skip
-    fn = dsa_scores_v3_kernel if cfg.v3 else _dsa_scores_kernel
-    if not cfg.v3:
-        consts.update(STEPS=cfg.steps)
-    return _source(fn, ptrs, consts, {"qk_scale"}, DIV16, ()), cfg.num_warps, cfg.num_stages, None
+    src = _source(_dsa_scores_kernel, ptrs, consts, {"qk_scale"}, DIV16, ())
+    return src, cfg.num_warps, cfg.num_stages, None
 
 
 def resident(line: str, num_warps: int) -> int:
@@ -140,7 +131,7 @@ def hot_loop_mix(src: ASTSource, num_warps: int, num_stages: int, maxnreg: int |
         and int(m.group(1), 16) < a
     ]
     long = [r for r in loops if r[1] - r[0] >= 100]
-    lo, hi = long[0] if long else (0, len(code) - 1)  # no loop (a v3 DSA program scores one tile): all of it
+    lo, hi = long[0] if long else (0, len(code) - 1)  # no long loop (a one-step DSA program): all of it
     ops = collections.Counter(
         re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in code[lo : hi + 1]
     )
@@ -162,7 +153,7 @@ DEFAULTS: list[tuple[str, Any]] = [
 
 
 def every_entry() -> list[tuple[str, Any]]:
-    """Each table entry the benchmarks time (the v3 rows included, for comparison)."""
+    """Each table entry the benchmarks time."""
     from kernels.dsa_indexer_triton import INDEXER_TILES
     from kernels.paged_decode_gqa import DECODE_TILES
     from kernels.paged_prefill_gqa import PREFILL_TILES

@@ -170,9 +170,9 @@ def test_tampered_tag_flags_and_its_keys_are_never_chosen() -> None:
 
 @pytest.mark.parametrize("name", sorted(INDEXER_TILES))
 def test_every_tile_entry_scores_and_drops_a_tampered_page(name: str) -> None:
-    """Each INDEXER_TILES entry, the v3 kernel's included, on a batch of its phase (decode rows, or a prompt
-    and a chunk): programs of several key tiles, tiles no query sees, a reallocated page (NaN keys where
-    16-bit: the interpreter's e4m3 loses NaN) that scores -inf and flags its sequence only."""
+    """Each INDEXER_TILES entry on a batch of its phase (decode rows, or a prompt and a chunk): programs
+    of several key tiles, tiles no query sees, a reallocated page (NaN keys where 16-bit: the
+    interpreter's e4m3 loses NaN) that scores -inf and flags its sequence only."""
     kv = FP8 if name.startswith("fp8") else torch.float16
     lens, num_q = ([300, 45, 600], [1, 1, 1]) if "/decode/" in name else ([90, 140], [30, 140])
     batch, _, paged = make_batch(lens, num_q, 4, 32, 16, kv, torch.float16, seed=9, topk=20)

@@ -165,8 +165,8 @@ def test_bad_page_in_a_later_slice(block_n: int) -> None:
 
 @pytest.mark.parametrize("name", sorted(DECODE_TILES))
 def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
-    """Each DECODE_TILES entry, the v3 kernel's included: 12 query heads per KV head, partial last tiles, a
-    slice with a reallocated page (tag bumped, NaN bytes) and slices without; outputs equal the reference's."""
+    """Each DECODE_TILES entry: 12 query heads per KV head, partial last tiles, a slice with a reallocated
+    page (tag bumped, NaN bytes) and slices without; outputs equal the reference's."""
     kv = torch.float8_e4m3fn if name.startswith("fp8") else torch.float16
     batch = make_batch([300, 1, 77, 513], 24, 2, 32, 16, kv, torch.float16, torch.Generator().manual_seed(21))
     bad = int(batch["page_table"][3, 20])  # tokens 320..335 of sequence 3
@@ -215,7 +215,7 @@ def test_flags_are_sticky_and_check_can_be_disabled() -> None:
 
 
 def test_split_choice() -> None:
-    assert pick_num_splits(64, 8, 8192, 132) == 2  # v3's rule: 512 programs already ~4 per SM
+    assert pick_num_splits(64, 8, 8192, 132) == 2  # occupancy unknown: 512 programs already ~4 per SM
     assert pick_num_splits(1, 8, 131072, 132) == 64  # one long sequence: capped
     assert pick_num_splits(4, 8, 100, 132) == 1  # short context: one slice
     # knowing the occupancy: 512 programs fill 4 × 132 slots (97%); at 6 a SM, 3 slices fill two waves (97%)

@@ -118,10 +118,10 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
 
 @pytest.mark.parametrize("name", sorted(PREFILL_TILES))
 def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
-    """Each PREFILL_TILES entry, the v3 kernel's included, at GLM-4.5-Air's 12 heads per KV head: a
-    90-token prompt (whole tiles, then diagonal ones), a chunk after 100 cached tokens and a decode row;
-    a reallocated page with NaN bytes in the prompt (the interpreter's e4m3 loses NaN: FP8 rows only
-    check that the page is dropped), seen by its later queries only."""
+    """Each PREFILL_TILES entry at GLM-4.5-Air's 12 heads per KV head: a 90-token prompt (whole tiles,
+    then diagonal ones), a chunk after 100 cached tokens and a decode row; a reallocated page with NaN
+    bytes in the prompt (the interpreter's e4m3 loses NaN: FP8 rows only check that the page is
+    dropped), seen by its later queries only."""
     kv = FP8 if name.startswith("fp8") else torch.float16
     batch, paged = make_batch([90, 107, 300], [90, 7, 1], 12, 1, 32, 16, kv, torch.float16, seed=8)
     bad_page = paged.pages[0][3]  # tokens 48..63 of the prompt
