@@ -152,10 +152,8 @@ PREFILL_TILES: dict[str, GQATiles] = {
     "fp8/v4": GQATiles(block_m=128, block_n=64, num_warps=8, split_v=True),
     "fp8/v4-n128": GQATiles(block_m=128, block_n=128, num_warps=8, split_v=True),
 }
-DEFAULT_TILES = {
-    "bf16": "bf16/v4-m64",
-    "fp8": "fp8/v4",
-}  # H200, 2026-12-01: m64 0.91/0.80 of v4's time (8k; 2k after 30k)
+# H200, 2026-12-01: bf16/v4-m64 took 0.91 / 0.80 of bf16/v4's time (8k prompt; 2k chunk after 30k)
+DEFAULT_TILES = {"bf16": "bf16/v4-m64", "fp8": "fp8/v4"}
 
 
 def prefill_tiles(name: str | None, cache_dtype: torch.dtype) -> GQATiles:
