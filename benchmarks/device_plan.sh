@@ -23,7 +23,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|sweeps|eval}
+stage=${1:?train|train-continue|sweeps|eval|kimi-eval}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -46,10 +46,17 @@ checks() {  # correctness of the GPU path, in order of what a failure would bloc
 case $stage in
   train)
     (site; checks) &
-    OUT="$OUT/train" TRAIN_ARGS="--prompt-weight 0.2 --profile-steps 3" bash models/recipes/run_on_device.sh 7.0
+    # no prompt-token loss: the 2026-12-01 retrain with --prompt-weight 0.2 copied no arguments (models/README.md)
+    OUT="$OUT/train" TRAIN_ARGS="--profile-steps 3" bash models/recipes/run_on_device.sh 7.0
     wait
     cat "$OUT/train/checks.log"
     mv "$OUT"/train/*.tar "$OUT"/ 2>/dev/null
+    ;;
+  train-continue)  # the second stage from the checkpoints of `train` (untarred into models/ first), as the
+    # committed models had: 4x larger batches (models/recipes/run_on_device.sh)
+    mkdir -p "$OUT/train-continue"
+    OUT="$OUT/train-continue" bash models/recipes/run_on_device.sh 5.5 continue
+    mv "$OUT"/train-continue/*.tar "$OUT"/ 2>/dev/null
     ;;
   sweeps)
     site
@@ -84,7 +91,7 @@ case $stage in
     wait
     tail -n 4 "$OUT"/kimi-eval/eval-*.log; grep -hE "passed|failed|FAILED|^ERROR" "$OUT"/kimi-eval/pytest_*.log | tail -30
     ;;
-  *) echo "unknown stage $stage (train|sweeps|eval|kimi-eval)"; exit 2 ;;
+  *) echo "unknown stage $stage (train|train-continue|sweeps|eval|kimi-eval)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"
