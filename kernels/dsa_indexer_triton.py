@@ -23,14 +23,17 @@ dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups 
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
 
-Tag check, fused: per tile, each page's tag once (the tile's pages, where BLOCK_N is a multiple of
-the page size; else each token's), off the keys' critical path — the key loads do not wait for the
-tags, only the final select does: a bad page's tokens get -inf (never chosen), whatever their bytes
-(another tenant's NaN included), and the sequence is flagged. (The kernel this replaced masked every key
-load with its token's tag, a dependent gather, +6% to +29%; this one scores 1.3-1.5× faster on the H200.)
-The sequence's last tile covers every page in use, so the flag matches the reference's, except that
-a sequence with no new token gets no program (as in `mla_prefill`). FP8 keys are converted to fp16
-for the dot (e4m3 -> fp16 is one cvt). Key tiles come from `INDEXER_TILES` by name.
+Tag check, fused: each token's page tag and the tag the request expects are loaded a tile ahead,
+beside the next keys, so neither the key loads nor the dot wait for them; only the select does: a bad
+page's tokens get -inf (never chosen), whatever their bytes (another tenant's NaN included). Each
+program ORs its tiles' verdicts in registers and sets the sequence's flag once, after its loop. (The
+kernel before masked every key load with its token's tag, a dependent gather, +6% to +29%; the next
+one compared each tile's tags in the tile's own iteration and stored the flag per tile, +9% to +32% on
+the H200, 2026-12-01.) The sequence's last tile covers every page in use, so the flag matches the
+reference's, except that a sequence with no new token gets no program (as in `mla_prefill`).
+
+FP8 keys are converted to fp16 for the dot (e4m3 -> fp16 is one cvt). Key tiles come from
+`INDEXER_TILES` by name.
 
 Shapes: T queries, B sequences, Hi indexer heads, Di indexer head dim, P pages, S page size,
 Mp pages per sequence in the table, W = Mp · S, NT query tiles, K top-k.
@@ -120,9 +123,13 @@ def _dsa_scores_kernel(
     seen_hi = tl.minimum(hi, num_items)
     # by hand, a two-deep pipeline: the page ids two tiles ahead, the keys one tile ahead (the keys go to
     # registers as the dot's A operand, so Triton's pipeliner, which stages through shared memory, skips them)
+    # (the tags too, one tile ahead: the select that compares them waits for a load issued a dot earlier)
     page = page_ids(page_table_ptr, b, stride_ptb, lo, j, seen_hi, PAGE_SIZE, BLOCK_N)
     k_next = key_tile(k_ptr, page, lo, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N)
+    found_next, expected_next = tag_tile(page_tags_ptr, expected_ptr, page, b, stride_etb, lo, j, seen_hi,
+                                         PAGE_SIZE, BLOCK_N, CHECK_TAGS)  # fmt: skip
     page_next = page_ids(page_table_ptr, b, stride_ptb, lo + BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
+    any_bad = tl.zeros([BLOCK_N], dtype=tl.int32)  # the flag is stored once, after the loop
     for n0 in range(lo, seen_hi, BLOCK_N):
         n = n0 + j  # [BN] token positions
         n_ok = n < num_items
@@ -130,7 +137,10 @@ def _dsa_scores_kernel(
         k_next = key_tile(
             k_ptr, page_next, n0 + BLOCK_N, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N
         )
-        page_cur, page = page, page_next
+        found, expected = found_next, expected_next
+        found_next, expected_next = tag_tile(page_tags_ptr, expected_ptr, page_next, b, stride_etb, n0 + BLOCK_N,
+                                             j, seen_hi, PAGE_SIZE, BLOCK_N, CHECK_TAGS)  # fmt: skip
+        page = page_next
         page_next = page_ids(page_table_ptr, b, stride_ptb, n0 + 2 * BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
         if BLOCK_Q == 1:  # decode: tokens as the dot's rows (32 head rows spill registers on sm90)
             st = tl.dot(k.to(COMPUTE), tl.trans(q), input_precision=DOT_PRECISION)  # [BN, BM]
@@ -141,13 +151,14 @@ def _dsa_scores_kernel(
             per_query = tl.sum(tl.reshape(s, (BLOCK_Q, BLOCK_H, BLOCK_N)), axis=1)  # [BQ, BN]
         limit = first_pos + qr + 1  # [BQ] causal
         seen = n_ok[None, :] & (n[None, :] < limit[:, None]) & (qr < num_q)[:, None]
-        if CHECK_TAGS:  # the key loads above do not wait for this: only the select does
-            bad = bad_tokens(page_table_ptr, expected_ptr, page_tags_ptr, b, stride_ptb, stride_etb, n0, page_cur,
-                             num_items, PAGE_SIZE, BLOCK_N)  # fmt: skip
-            tl.store(mismatch_ptr + b, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+        if CHECK_TAGS:  # neither the key loads nor the dot wait for this: only the select does
+            bad = n_ok & (found != expected)  # masked tokens read 0 on both sides
+            any_bad = any_bad | bad.to(tl.int32)
             seen = seen & ~bad[None, :]
         sc = tl.where(seen, per_query, float("-inf"))  # a bad page's NaN bytes never pass
         tl.store(scores_ptr + out_row[:, None] * stride_st + n[None, :], sc, mask=(n < W)[None, :])
+    if CHECK_TAGS:
+        tl.store(mismatch_ptr + b, 1, mask=tl.max(any_bad, axis=0) > 0)
     past = lo + tl.cdiv(tl.maximum(seen_hi - lo, 0), BLOCK_N) * BLOCK_N
     for n0 in range(past, hi, BLOCK_N):  # tiles no query of the tile sees
         n = n0 + j
@@ -190,28 +201,21 @@ def key_tile(
 
 
 @triton.jit
-def bad_tokens(
-    page_table_ptr, expected_ptr, page_tags_ptr, b, stride_ptb, stride_etb, n0, page, num_items,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+def tag_tile(
+    page_tags_ptr, expected_ptr, page, b, stride_etb, n0, j, limit, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHECK_TAGS: tl.constexpr,
 ):  # fmt: skip
-    """[BN] bool: token n0 + j is on a page whose tag is wrong. Whole pages per tile (n0 starts one) are
-    checked once each; otherwise each token's page (its id already loaded: `page`)."""
-    if BLOCK_N % PAGE_SIZE == 0:
-        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
-        pi = n0 // PAGE_SIZE + tl.arange(0, NP)
-        p_ok = pi * PAGE_SIZE < num_items
-        pg = tl.load(page_table_ptr + b * stride_ptb + pi, mask=p_ok, other=0)
-        found = tl.load(page_tags_ptr + pg, mask=p_ok, other=0)
-        expected = tl.load(expected_ptr + b * stride_etb + pi, mask=p_ok, other=0)
-        bad_page = p_ok & (found != expected)  # [NP]
-        bad = tl.reshape(tl.broadcast_to(bad_page[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
+    """([BN] found, [BN] expected) int64 tags of tokens n0 + j on pages `page` (0 and 0 at or past
+    `limit`; nothing loaded without CHECK_TAGS): the page's tag now and the one the request holds."""
+    if CHECK_TAGS:
+        n = n0 + j
+        page_idx = n0 // PAGE_SIZE + j // PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n // PAGE_SIZE
+        found = tl.load(page_tags_ptr + page, mask=n < limit, other=0)
+        expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n < limit, other=0)
     else:
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < num_items
-        found = tl.load(page_tags_ptr + page, mask=n_ok, other=0)
-        expected = tl.load(expected_ptr + b * stride_etb + n // PAGE_SIZE, mask=n_ok, other=0)
-        bad = n_ok & (found != expected)
-    return bad
+        found = tl.zeros([BLOCK_N], dtype=tl.int64)
+        expected = tl.zeros([BLOCK_N], dtype=tl.int64)
+    return found, expected
 
 
 @dataclass(frozen=True, slots=True)
