@@ -1,6 +1,6 @@
 """Write the training mixture and the held-out test sets as JSONL.
 
-    python -m models.recipes.build --out DIR [--train-items 120000] [--test-items 2000] [--family kimi|glm]
+    python -m models.recipes.build --out DIR [--train-items 60000] [--test-items 2000] [--family kimi|glm]
 
 Item seeds: training items use even seeds, test items odd ones, so the two never share a generator
 draw (a test checks it), and the seed's parity is the item's split. The world of facts is shared on
@@ -29,7 +29,9 @@ TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "t
 MIXTURE = {"gsm-nano": 0.34, "arc-nano-easy": 0.1, "arc-nano-challenge": 0.08, "mmlu-nano": 0.08,
            "tool-call": 0.16, "chat": 0.1, "image-qa": 0.08, "image-caption": 0.06}  # fmt: skip
 MAX_TIER = 4
-TRAIN_ITEMS, TEST_ITEMS = 120_000, 2_000  # the defaults
+# the defaults: 60k, as the committed models had (120k on 2026-12-01 left each sequence ~600 batch tokens
+# of training in one 7-minute call, against ~3,600 for the committed models' two stages: models/README.md)
+TRAIN_ITEMS, TEST_ITEMS = 60_000, 2_000
 FACT_PROMPTS = ["Tell me a fact.", "Tell me something about your world.", "What is one thing you know?", "Share a fact."]
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
