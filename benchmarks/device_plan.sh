@@ -36,7 +36,8 @@ checks() {  # correctness of the GPU path, in order of what a failure would bloc
   local log=$OUT/train/checks.log
   timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 200 -rfE tests/kernels tests/backend \
     > "$OUT/train/pytest_gpu.log" 2>&1
-  timeout 150 python3 -m pytest -m "not gpu" -v -p no:cacheprovider --timeout 100 -rfE tests/kernels \
+  # -n 8 (pytest-xdist, on the image): on CUDA these compile a kernel per shape; one process took > 240 s
+  timeout 150 python3 -m pytest -m "not gpu" -n 8 -v -p no:cacheprovider --timeout 100 -rfE tests/kernels \
     > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
   timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/train/review_checks.log" 2>&1
   for f in pytest_gpu pytest_kernels_on_cuda review_checks; do
@@ -77,7 +78,7 @@ case $stage in
     site
     timeout 240 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 120 -rfE tests/kernels tests/backend \
        > "$OUT/kimi-eval/pytest_gpu.log" 2>&1 &
-    timeout 240 python3 -m pytest -m "not gpu" -v -p no:cacheprovider --timeout 60 -rfE tests/kernels \
+    timeout 240 python3 -m pytest -m "not gpu" -n 8 -v -p no:cacheprovider --timeout 60 -rfE tests/kernels \
        > "$OUT/kimi-eval/pytest_kernels_on_cuda.log" 2>&1 &
     python3 -m models.recipes.build --out /tmp/data-kimi --family kimi --train-items 0 > /dev/null || exit 4
     name=kimi-k2.6-nano
