@@ -16,10 +16,13 @@ With one slice the program writes the output itself. Tiles are the fastest grid 
 tiles of one sequence read the same pages side by side (L2 reuse).
 
 Each program runs `kernels.gqa_slice.attend_slice`: the tiles every row of the tile sees go unmasked,
-the diagonal ones causally masked. Page-tag check, fused there as for decode: the hot loop reads no
-tag, the slice's pages are checked in one pass after it, and only a slice with a bad page sets
-`tag_mismatch[b]` and is walked again, its bad tokens at -inf with their K/V never read (the bytes
-may be another tenant's NaN). The sequence's last tile covers every page in use, so the flag matches
+the diagonal ones causally masked. Page-tag check, in a second launch of the same kernel
+(`CHECK_TAGS`): the first reads no tag at all, so its SASS is the unchecked kernel's (with the
+re-walk compiled into it, as decode does it, ptxas chose other address arithmetic for the BF16 hot
+loop, +5% on the H200); the second counts each slice's bad pages in one vectorised pass, returns at
+once for a clean slice, and only a slice with a bad page sets `tag_mismatch[b]` and is walked again,
+overwriting the first launch's part: its bad tokens at -inf with their K/V never read (the bytes may
+be another tenant's NaN). The merge runs after both. The sequence's last tile covers every page in use, so the flag matches
 the reference's — except that a sequence with no new token gets no program (as in `mla_prefill`; the
 engine never schedules one). FP8: dots in fp16 (e4m3 -> fp16 is one cvt; V as byte pairs, see
 `gqa_slice`), `k_scale` folded into the softmax scale and `v_scale` into the output. Tiles come from
@@ -32,13 +35,14 @@ P pages, S page size, Mp pages per sequence in the table, NT tiles, NS slices.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.gqa_slice import GQATiles, attend_slice, slice_constexprs
+from kernels.gqa_slice import GQATiles, attend_range, attend_slice, count_bad_pages, slice_constexprs
 from kernels.mla_decode import pick_num_splits, query_tile
 from kernels.mla_prefill import query_tiles
 from kernels.paged_attention import paged_attention_ref
@@ -91,7 +95,7 @@ def _paged_prefill_gqa_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    CHECK_TAGS: tl.constexpr,
+    CHECK_TAGS: tl.constexpr,  # the check launch: count the slice's bad pages, redo (checked) only where any
     DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches, else q's
     DOT_PRECISION: tl.constexpr,
@@ -111,6 +115,13 @@ def _paged_prefill_gqa_kernel(
     per_split = tl.cdiv(tl.cdiv(num_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, num_items)
+    if CHECK_TAGS:  # the second launch: a slice whose pages all carry their expected tags has nothing to redo
+        num_bad = count_bad_pages(
+            page_table_ptr, expected_ptr, page_tags_ptr, b, stride_ptb, stride_etb, start, end, PAGE_SIZE, BLOCK_P,
+        )  # fmt: skip
+        if num_bad == 0:
+            return
+        tl.store(mismatch_ptr + b, 1)
 
     rows = tl.arange(0, BLOCK_M)
     qi = rows // GROUP  # [BM] query of the row within the tile
@@ -125,12 +136,22 @@ def _paged_prefill_gqa_kernel(
         other=0.0,
     ).to(COMPUTE)  # [BM, D]
     row_limit = first_pos + qi + 1  # [BM] tokens the row's query may see (causal)
-    m, l, acc = attend_slice(
-        q, row_limit, first_pos + 1, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, mismatch_ptr, b,
-        kvh, start, end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-        stride_ptb, stride_etb, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_D, BLOCK_DV, CHECK_TAGS, True,
-        EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
-    )  # fmt: skip
+    if CHECK_TAGS:  # per-token checks, in tiles of at most 32 tokens (a cold path: its sequence is aborted)
+        m, l, acc, acc2 = attend_range(
+            q, row_limit, first_pos + 1, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh,
+            start, end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_ptb, stride_etb, PAGE_SIZE, BLOCK_M, max(16, min(BLOCK_N // 2, 32)), BLOCK_D, BLOCK_DV, True,
+            True, EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
+        )  # fmt: skip
+        if SPLIT_V:  # even and odd columns back together
+            acc = tl.reshape(tl.join(acc, acc2), (BLOCK_M, BLOCK_DV))
+    else:  # the first launch reads no tag at all: its SASS is the unchecked kernel's
+        m, l, acc = attend_slice(
+            q, row_limit, first_pos + 1, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, mismatch_ptr,
+            b, kvh, start, end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_ptb, stride_etb, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_P, BLOCK_D, BLOCK_DV, False, True,
+            EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
+        )  # fmt: skip
 
     l_safe = tl.where(l > 0.0, l, 1.0)
     o_mask = row_ok[:, None] & (offs_dv < DV)[None, :]
@@ -214,7 +235,8 @@ def paged_prefill_gqa(
         part_lse = torch.empty((T, Hq, splits), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     block_dv = max(16, triton.next_power_of_2(Dv))
-    _paged_prefill_gqa_kernel[(num_tiles, Hkv, splits)](
+    launch = functools.partial(
+        _paged_prefill_gqa_kernel[(num_tiles, Hkv, splits)],
         q,
         k_cache,
         v_cache,
@@ -255,7 +277,6 @@ def paged_prefill_gqa(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,
-        CHECK_TAGS=check_tags,
         DIRECT=direct,
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -264,6 +285,9 @@ def paged_prefill_gqa(
         num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
     )
+    launch(CHECK_TAGS=False)  # every slice, no tag read
+    if check_tags:  # then the check: slices holding a bad page flag their sequence and overwrite their part
+        launch(CHECK_TAGS=True)
     if not direct:
         merge_splits(part_o, part_lse, out, v_scale)
     return out

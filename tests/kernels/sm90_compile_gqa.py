@@ -65,9 +65,10 @@ def decode_source(
 
 
 def prefill_source(
-    cache: str = "bf16", tiles: str | None = None, q: str = "bf16"
+    cache: str = "bf16", tiles: str | None = None, q: str = "bf16", check: bool = False
 ) -> tuple[ASTSource, int, int]:
-    """GLM-4.5-Air's prefill tiles (rows = 10 queries × 12 heads) with a PREFILL_TILES entry."""
+    """GLM-4.5-Air's prefill tiles (rows = 10 queries × 12 heads) with a PREFILL_TILES entry; the first
+    launch (no tag read), or with `check` the second (the tag check and the checked re-walk)."""
     from kernels.paged_prefill_gqa import _paged_prefill_gqa_kernel, prefill_tiles
 
     cfg = prefill_tiles(tiles, DTYPES[cache])
@@ -76,7 +77,7 @@ def prefill_source(
             "part_lse_ptr": "fp32", "out_ptr": q}  # fmt: skip
     consts: dict[str, Any] = dict(
         PAGE_SIZE=16, GROUP=12, BLOCK_Q=cfg.block_m // 12, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_P=1024, BLOCK_D=128, BLOCK_DV=128, CHECK_TAGS=True, DIRECT=True, DOT_PRECISION="tf32",
+        BLOCK_P=1024, BLOCK_D=128, BLOCK_DV=128, CHECK_TAGS=check, DIRECT=True, DOT_PRECISION="tf32",
         EVEN_D=True, SHARED_OFFSETS=True, SPLIT_V=cfg.split_v, LAZY_SUM=cfg.lazy_sum, ASM=True,
         **_kv_consts(cache, q),
     )  # fmt: skip
@@ -146,6 +147,8 @@ DEFAULTS: list[tuple[str, Any]] = [
     ("gqa decode fp8 (default tiles)", lambda: decode_source("fp8e4nv")),
     ("gqa prefill bf16 (default tiles)", lambda: prefill_source("bf16")),
     ("gqa prefill fp8 (default tiles)", lambda: prefill_source("fp8e4nv")),
+    ("gqa prefill bf16 check launch", lambda: prefill_source("bf16", check=True)),
+    ("gqa prefill fp8 check launch", lambda: prefill_source("fp8e4nv", check=True)),
     ("dsa scores decode bf16 (default tiles)", lambda: dsa_source("bf16")),
     ("dsa scores decode fp8 (default tiles)", lambda: dsa_source("fp8e4nv")),
     ("dsa scores prefill fp8 (default tiles)", lambda: dsa_source("fp8e4nv", prefill=True)),
