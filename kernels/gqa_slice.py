@@ -289,17 +289,41 @@ def attend_slice(
             # `start` again, through a value the compiler cannot know (the flag just stored, 1): the re-walk's
             # first tile is not merged with the first walk's, whose masks would stay live through the hot loop
             restart = start * tl.load(mismatch_ptr + b, volatile=True).to(tl.int32)
-            # in half tiles of at most 32 tokens: this walk, not the hot loop, would otherwise set the kernel's
-            # register count (FP8, 128-token tiles: 154 registers, 3 programs per SM, instead of 4)
-            m, l, acc, acc2 = attend_range(
+            m, l, acc, acc2 = attend_checked(
                 q, row_limit, full_end, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, restart,
                 end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                stride_ptb, stride_etb, PAGE_SIZE, ROWS, max(16, min(BLOCK_N // 2, 32)), BLOCK_D, BLOCK_DV, True,
-                CAUSAL, EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
+                stride_ptb, stride_etb, PAGE_SIZE, ROWS, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, EVEN_D,
+                SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
             )  # fmt: skip
-    if SPLIT_V:  # even and odd columns back together
+    return m, l, join_halves(acc, acc2, ROWS, BLOCK_DV, SPLIT_V)
+
+
+@triton.jit
+def attend_checked(
+    q, row_limit, full_end, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, start, end,
+    qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_etb,
+    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
+    SPLIT_V: tl.constexpr, LAZY_SUM: tl.constexpr, ASM: tl.constexpr, COMPUTE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`attend_range` with per-token tag checks, the walk of a slice that holds a bad page, in half tiles
+    of at most 32 tokens: this cold walk, not the hot loop, would otherwise set the kernel's register
+    count (FP8, 128-token tiles: 154 registers, 3 programs per SM, instead of 4)."""
+    return attend_range(
+        q, row_limit, full_end, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh, start, end,
+        qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptb, stride_etb,
+        PAGE_SIZE, ROWS, max(16, min(BLOCK_N // 2, 32)), BLOCK_D, BLOCK_DV, True, CAUSAL, EVEN_D, SHARED_OFFSETS,
+        SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def join_halves(acc, acc2, ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, SPLIT_V: tl.constexpr):
+    """SPLIT_V: the even and the odd value columns back together as [ROWS, BLOCK_DV]; else `acc`."""
+    if SPLIT_V:
         acc = tl.reshape(tl.join(acc, acc2), (ROWS, BLOCK_DV))
-    return m, l, acc
+    return acc
 
 
 def slice_constexprs(

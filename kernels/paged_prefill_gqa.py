@@ -42,7 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gqa_slice import GQATiles, attend_range, attend_slice, count_bad_pages, slice_constexprs
+from kernels.gqa_slice import (
+    GQATiles,
+    attend_checked,
+    attend_slice,
+    count_bad_pages,
+    join_halves,
+    slice_constexprs,
+)
 from kernels.mla_decode import pick_num_splits, query_tile
 from kernels.mla_prefill import query_tiles
 from kernels.paged_attention import paged_attention_ref
@@ -136,15 +143,14 @@ def _paged_prefill_gqa_kernel(
         other=0.0,
     ).to(COMPUTE)  # [BM, D]
     row_limit = first_pos + qi + 1  # [BM] tokens the row's query may see (causal)
-    if CHECK_TAGS:  # per-token checks, in tiles of at most 32 tokens (a cold path: its sequence is aborted)
-        m, l, acc, acc2 = attend_range(
+    if CHECK_TAGS:  # a cold path: its sequence is about to be aborted
+        m, l, acc, acc2 = attend_checked(
             q, row_limit, first_pos + 1, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, b, kvh,
             start, end, qk_scale, D, DV, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            stride_ptb, stride_etb, PAGE_SIZE, BLOCK_M, max(16, min(BLOCK_N // 2, 32)), BLOCK_D, BLOCK_DV, True,
-            True, EVEN_D, SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
+            stride_ptb, stride_etb, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, True, EVEN_D,
+            SHARED_OFFSETS, SPLIT_V, LAZY_SUM, ASM, COMPUTE, DOT_PRECISION,
         )  # fmt: skip
-        if SPLIT_V:  # even and odd columns back together
-            acc = tl.reshape(tl.join(acc, acc2), (BLOCK_M, BLOCK_DV))
+        acc = join_halves(acc, acc2, BLOCK_M, BLOCK_DV, SPLIT_V)
     else:  # the first launch reads no tag at all: its SASS is the unchecked kernel's
         m, l, acc = attend_slice(
             q, row_limit, first_pos + 1, k_ptr, v_ptr, page_table_ptr, expected_ptr, page_tags_ptr, mismatch_ptr,
