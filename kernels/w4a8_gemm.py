@@ -96,7 +96,10 @@ def quantize_fp8_rows(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, t
 
 def quantize_fp8_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch: (e4m3 [M, K], fp32 [M, 1]), the same formula as the kernel."""
-    scale = x.float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY) / FP8_MAX
+    amax = x.float().abs().amax(dim=1, keepdim=True).clamp_min(_TINY)
+    # a tensor divisor: torch's CUDA `/` by a Python scalar multiplies by its reciprocal (1 ulp off IEEE
+    # division in some rows, the H200 run of 2026-12-02); element-wise division rounds as the kernel does
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (x.float() / scale).to(FP8), scale
 
 

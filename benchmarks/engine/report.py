@@ -156,7 +156,8 @@ def projection(record: dict[str, Any]) -> list[dict[str, Any]]:
     for r in _kumo(record):
         if r.get("tpot_ms_p50") and r["tpot_ms_p50"] == r["tpot_ms_p50"]:
             tpot = r["tpot_ms_p50"] * scale
-            rows.append({"variant": r["variant"], "concurrency": r["concurrency"], "projected_tpot_ms": tpot,
+            rows.append({"kind": record["geometry"]["kind"], "variant": r["variant"], "concurrency": r["concurrency"],
+                         "projected_tpot_ms": tpot,
                          "projected_tok_s_per_user": 1e3 / tpot, "projected_output_tok_s_per_gpu": r["concurrency"] * 1e3 / tpot / 8})  # fmt: skip
     return rows
 
@@ -177,7 +178,7 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["comparisons"] = [c for r in records for c in r["comparisons"]]
     out["geometries"] = [r["geometry"] for r in records]
     out["variants"] = [dict(v, kind=r["geometry"]["kind"]) for r in records for v in r["variants"]]
-    out["runs"] = [x for r in records for x in r["runs"]]
+    out["runs"] = [{"kind": r["geometry"]["kind"], **x} for r in records for x in r["runs"]]
     out["integrity"] = next((r["integrity"] for r in records if r.get("integrity")), None)
     out["transformers"] = next((r["transformers"] for r in records if r.get("transformers")), None)
     out["sources"] = [
@@ -209,10 +210,16 @@ def _pct(x: float | None) -> str:
 
 def markdown(record: dict[str, Any]) -> str:
     g = record["geometry"]
+    merged = len({x["kind"] for x in record.get("geometries", [g])}) > 1
+
+    def name(x: dict[str, Any]) -> str:  # a merged record's rows name their geometry
+        return f"{x.get('kind', '?')} {x['variant']}" if merged else x["variant"]
+
     lines = [
         f"# Engine benchmark: {', '.join(record['comparisons'])}",
         "",
-        f"{record['date']} on {record['device']} (torch {record.get('torch', '?')}). Geometry: {g['kind']} "
+        f"{record['date']} on {record['device']} (torch {record.get('torch', '?')}). Geometry: "
+        f"{' and '.join(sorted({x['kind'] for x in record.get('geometries', [g])}))} "
         f"published per-layer shapes, {g['num_layers']} of {g['full_num_layers']} layers ({g['dense_layers']} dense), "
         f"random weights; {g['routing']}. KV pool per layer = the full model's per-GPU pool on 8 H200s (`kumo plan`).",
         "",
@@ -227,7 +234,7 @@ def markdown(record: dict[str, Any]) -> str:
     for v in record["variants"]:
         pf = (v.get("prefill") or {}).get("prefill_tok_s")
         lines.append(
-            f"| {v['variant']} | {v['weight_bytes'] / 1e9:.3g} | {v['kv_capacity_tokens']:,} | {v['max_concurrency']} | {_f(pf)} |"
+            f"| {name(v)} | {v['weight_bytes'] / 1e9:.3g} | {v['kv_capacity_tokens']:,} | {v['max_concurrency']} | {_f(pf)} |"
         )
     lines += [
         "",
@@ -236,7 +243,7 @@ def markdown(record: dict[str, Any]) -> str:
     ]
     for r in record["runs"]:
         lines.append(
-            f"| {r['variant']} | {r['concurrency']} | {_f(r.get('output_tok_s'))} | {_f(r.get('output_tok_s_per_user'))} "
+            f"| {name(r)} | {r['concurrency']} | {_f(r.get('output_tok_s'))} | {_f(r.get('output_tok_s_per_user'))} "
             f"| {_f(r.get('ttft_ms_p50'))} | {_f(r.get('tpot_ms_p50'))} | {r.get('preemptions', '-')} |"
         )
     hf = record.get("transformers") or {}
@@ -263,7 +270,7 @@ def markdown(record: dict[str, Any]) -> str:
         ]
         for p in record["projection"]:
             lines.append(
-                f"| {p['variant']} | {p['concurrency']} | {p['projected_tpot_ms']:.2f} | {p['projected_tok_s_per_user']:.1f} | {p['projected_output_tok_s_per_gpu']:.1f} |"
+                f"| {name(p)} | {p['concurrency']} | {p['projected_tpot_ms']:.2f} | {p['projected_tok_s_per_user']:.1f} | {p['projected_output_tok_s_per_gpu']:.1f} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -145,6 +145,7 @@ def measure_variant(
             {c for c in opts.concurrencies if c <= v.max_concurrency} | ({largest} if largest > 0 else set())
         )
         out["largest_run_concurrency"] = largest
+        out["warmup_s"] = warm_up_levels(v.engine, levels, opts, vocab_size=vocab)
         out["runs"], out["skipped"] = [], []
         for c in levels:
             if opts.time_left() <= 0:
@@ -163,6 +164,22 @@ def measure_variant(
         return out
     finally:
         v.close()
+
+
+def warm_up_levels(engine: Engine, levels: list[int], opts: Options, *, vocab_size: int) -> float:
+    """One untimed pass per concurrency level, the timed workload's prompts with 8 output tokens, so
+    every kernel specialisation the level's steps need (a prefill chunk over cached pages, mixed
+    prefill + decode steps of that many sequences) compiles here and not inside a timed run: on
+    2026-12-02 the first c=8 run of each variant stalled ~2 s on compiles, which tripled its TPOT."""
+    start = time.monotonic()
+    for c in levels:
+        if opts.time_left() <= 0:
+            break
+        run_offline(
+            engine, variant="warmup", concurrency=c, input_len=opts.input_len, output_len=min(8, opts.output_len),
+            vocab_size=vocab_size, seed=7, time_limit_s=max(opts.time_left(), 1.0),
+        )  # fmt: skip
+    return time.monotonic() - start
 
 
 def measure_integrity(

@@ -230,7 +230,7 @@ def bench_case(
         variants: list[MlaTiles | None] = [None, *(VARIANTS.get(key, []) if sweep else [])]
         ref = reference(case, kv)
         measured, errors = time_tiles(
-            functools.partial(run, case, kv), variants, deadline,
+            lambda t, kv=kv: run(case, kv, tiles=t), variants, deadline,  # tiles by name: run's third is `check`
             lambda out, ref=ref: rel_err(out[: ref.shape[0]].float(), ref),
         )  # fmt: skip
         assert not case["flags"].any(), "no page was reallocated: no sequence may be flagged"

@@ -91,7 +91,7 @@ def test_align_groups_pairs_by_expert() -> None:
     ids[3, 1] = -1  # another rank's experts (local ids outside [0, E))
     ids[7, 0] = E
     BM = 4
-    sorted_ids, block_expert, num_padded = moe_align(ids, E, BM)
+    sorted_ids, block_expert, num_padded = (t.cpu() for t in moe_align(ids.to(DEV), E, BM))
     P = ids.numel()
     flat = ids.reshape(-1)
     real = sorted_ids[sorted_ids < P]

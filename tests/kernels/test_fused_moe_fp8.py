@@ -154,7 +154,7 @@ def _layer(method: str, e0: int, e1: int, gen: torch.Generator) -> QuantExperts:
 
 @pytest.mark.parametrize("method", ["fp8-channel", "fp8-block"])
 def test_layer_kernel_matches_its_cpu_loop(method: str) -> None:
-    """The layer's fused call (on the CPU under the interpreter) against its own dequantize-and-loop path,
+    """The layer's fused call (under the interpreter on the CPU, else on the GPU) against its own dequantize-and-loop path,
     on rank experts 2..9 of 12: the scale formats are read as the loader stored them."""
     gen = torch.Generator().manual_seed(11)
     layer = _layer(method, 2, 10, gen)
@@ -163,9 +163,10 @@ def test_layer_kernel_matches_its_cpu_loop(method: str) -> None:
     ids = torch.rand(5, 12, generator=gen).topk(3, dim=-1).indices
     wts = torch.rand(5, 3, generator=gen)
     want = layer(x, wts, ids)  # CPU: the loop
+    layer.to(DEV)  # the fused call where the kernels run: the interpreter on the CPU, else the GPU
     with poisoned():
-        got = layer._fused(x, wts, ids - 2)
-    assert rel_err(got, want) < TOL[torch.float32]
+        got = layer._fused(x.to(DEV), wts.to(DEV), (ids - 2).to(DEV))
+    assert rel_err(got.cpu(), want) < TOL[torch.float32]
 
 
 def test_layer_fuses_fp8_with_silu_and_power_of_two_k_blocks() -> None:
@@ -316,9 +317,10 @@ def test_layer_is_capture_safe_on_cuda(method: str) -> None:
     with sync_free():
         torch.cuda.set_sync_debug_mode("error")
         try:
-            assert torch.equal(layer(x, wts, ids), want)
+            got = layer(x, wts, ids)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, want)  # outside: torch.equal itself syncs
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = layer(x, wts, ids)

@@ -54,7 +54,7 @@ def run_both(batch: dict, **kw) -> tuple[torch.Tensor, ...]:
     poisoned = torch.full(ref.shape, float("nan"), dtype=ref.dtype, device=DEV)
     out = paged_prefill_gqa(**dev_in, out=poisoned, **kw)
     assert out.data_ptr() == poisoned.data_ptr()
-    return out.cpu(), ref, dev_in["tag_mismatch"].cpu(), ref_in["tag_mismatch"]
+    return out.cpu(), ref.cpu(), dev_in["tag_mismatch"].cpu(), ref_in["tag_mismatch"].cpu()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -116,14 +116,15 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
     assert rel_err(out[10 + 16 :], clean[10 + 16 :]) > 1e-2  # queries at 16.. saw the page before
 
 
+@pytest.mark.parametrize("D", [32, 64])  # Dv 64: FP8 entries read V as byte pairs (SPLIT_V); 32: plain
 @pytest.mark.parametrize("name", sorted(PREFILL_TILES))
-def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
+def test_every_tile_entry_drops_a_tampered_nan_page(name: str, D: int) -> None:
     """Each PREFILL_TILES entry at GLM-4.5-Air's 12 heads per KV head: a 90-token prompt (whole tiles,
     then diagonal ones), a chunk after 100 cached tokens and a decode row; a reallocated page with NaN
     bytes in the prompt (the interpreter's e4m3 loses NaN: FP8 rows only check that the page is
     dropped), seen by its later queries only."""
     kv = FP8 if name.startswith("fp8") else torch.float16
-    batch, paged = make_batch([90, 107, 300], [90, 7, 1], 12, 1, 32, 16, kv, torch.float16, seed=8)
+    batch, paged = make_batch([90, 107, 300], [90, 7, 1], 12, 1, D, 16, kv, torch.float16, seed=8)
     bad_page = paged.pages[0][3]  # tokens 48..63 of the prompt
     batch["page_tags"][bad_page] += 1
     for cache in ("k_cache", "v_cache"):

@@ -141,17 +141,17 @@ def test_split_k_counters_reset_and_results_repeat() -> None:
 def test_leading_dims_and_shape_errors() -> None:
     gen = torch.Generator().manual_seed(3)
     packed, scale, q = make_checkpoint(16, 64, 32, gen)
-    w, s, g = repack_int4(packed, scale)
+    w, s, g = repack_int4(packed.to(DEV), scale.to(DEV))
     x = torch.randn(2, 1, 64, generator=gen, dtype=torch.float32)
-    out = w4a16_gemm(x, w, s, g)
+    out = w4a16_gemm(x.to(DEV), w, s, g)
     assert out.shape == (2, 1, 16)
-    assert rel_err(out.reshape(2, 16), expected(x.reshape(2, 64), q, scale)) < 1e-5
+    assert rel_err(out.reshape(2, 16).cpu(), expected(x.reshape(2, 64), q, scale)) < 1e-5
     with pytest.raises(ValueError):
-        w4a16_gemm(torch.randn(1, 72), w, s, g)
+        w4a16_gemm(torch.randn(1, 72, device=DEV), w, s, g)
     with pytest.raises(TypeError):
-        w4a16_gemm(torch.randn(1, 64, dtype=torch.float64), w, s, g)
+        w4a16_gemm(torch.randn(1, 64, dtype=torch.float64, device=DEV), w, s, g)
     with pytest.raises(ValueError):
-        w4a16_gemm(torch.randn(1, 64), w, s[:1], g)
+        w4a16_gemm(torch.randn(1, 64, device=DEV), w, s[:1], g)
 
 
 def test_int4_kernels_compile_for_sm90() -> None:

@@ -111,9 +111,9 @@ def test_w4a8_gemm_matches_reference(M: int, N: int, K: int, group: int, cfg: W4
     packed, scale, _ = checkpoint(N, K, group, gen)
     x = torch.randn(M, K, generator=gen)
     xq, xs = quantize_fp8_rows_ref(x)
-    out = torch.full((M, N), float("nan"))
-    w4a8_gemm(x, packed, scale, group, config=cfg, out=out, xq=(xq, xs))
-    assert rel_err(out, w4a8_gemm_ref(xq, xs, packed, scale)) < 1e-5
+    out = torch.full((M, N), float("nan"), device=DEV)
+    w4a8_gemm(x.to(DEV), packed.to(DEV), scale.to(DEV), group, config=cfg, out=out, xq=(xq.to(DEV), xs.to(DEV)))
+    assert rel_err(out.cpu(), w4a8_gemm_ref(xq, xs, packed, scale)) < 1e-5
 
 
 def test_w4a8_gemm_end_to_end_fp16() -> None:
@@ -121,9 +121,9 @@ def test_w4a8_gemm_end_to_end_fp16() -> None:
     gen = torch.Generator().manual_seed(1)
     packed, scale, q = checkpoint(24, 128, 32, gen)
     x = torch.randn(2, 9, 128, generator=gen).half()
-    out = w4a8_gemm(x, packed, scale, 32, config=W4A8Config(16, 16, 64, num_warps=4))
+    out = w4a8_gemm(x.to(DEV), packed.to(DEV), scale.to(DEV), 32, config=W4A8Config(16, 16, 64, num_warps=4)).cpu()
     assert out.shape == (2, 9, 24) and out.dtype == torch.float16
-    xq, xs = quantize_fp8_rows(x.reshape(-1, 128))
+    xq, xs = (t.cpu() for t in quantize_fp8_rows(x.reshape(-1, 128).to(DEV)))
     ref = w4a8_gemm_ref(xq, xs, packed, scale)
     assert rel_err(out.reshape(-1, 24), ref) < 2e-3  # fp16 output rounding
     w = q.float() * scale.float().repeat_interleave(32, dim=1)  # independent: codes · scales, fp64
