@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The next device session in three calls, each inside the 10-minute limit (device tool, `.whl` carried,
+# Device sessions as stages, each one call inside the 10-minute limit (device tool, `.whl` carried,
 # cp312 manylinux wheels: msgspec 0.23.0, pytest-asyncio 1.5.0, llguidance 1.9.1, regex 2026.11.19,
 # tokenizers 0.23.3, transformers 5.24.0, and for tests/backend starlette 1.10.0, uvicorn 0.54.0,
 # compressed-tensors 0.20.1 with pydantic 2.14.4, pydantic-core 2.50.5, annotated-types 0.8.0,
 # typing-inspection 0.4.5, loguru 0.7.3 — a missing one stops pytest's collection of every test; never
 # huggingface_hub 2.x, which needs httpx2, absent on the image):
 #
-#   run(command="bash benchmarks/device_plan.sh train",  carry=[".whl"])   # ~9.5 min
-#   run(command="bash benchmarks/device_plan.sh sweeps", carry=[".whl"])   # ~8 min
-#   (untar the two checkpoints into models/, commit)
-#   run(command="bash benchmarks/device_plan.sh eval",   carry=[".whl"])   # ~6 min
+#   run(command="bash benchmarks/device_plan.sh train",  carry=[".whl"])            # ~9.5 min
+#   (untar the two checkpoints into models/)
+#   run(command="bash benchmarks/device_plan.sh train-continue", carry=[".whl"])   # ~7 min
+#   (untar again, commit if better)
+#   run(command="bash benchmarks/device_plan.sh eval",   carry=[".whl"])            # ~6 min
+#   run(command="bash benchmarks/device_plan.sh sweeps", carry=[".whl"])            # ~8 min, when there is time
 #
 # train: both nano models from scratch with the 2026-12-01 recipe (models/README.md), and meanwhile, on
 #   the same GPU (the trainings use a few % of it; correctness only, no timing), every test the kernels
@@ -34,14 +36,17 @@ site() {  # the carried wheels on a fresh path (a warm machine keeps /tmp)
 }
 checks() {  # correctness of the GPU path, in order of what a failure would block
   local log=$OUT/train/checks.log
-  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider --timeout 200 -rfE tests/kernels tests/backend \
-    > "$OUT/train/pytest_gpu.log" 2>&1
-  # -n 8 (pytest-xdist, on the image): on CUDA these compile a kernel per shape; one process took > 240 s
-  timeout 150 python3 -m pytest -m "not gpu" -n 8 -v -p no:cacheprovider --timeout 100 -rfE tests/kernels \
-    > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
+  # -p no:benchmark: the image's pytest-benchmark warns under xdist, which filterwarnings=error turns into an
+  # INTERNALERROR (2026-12-02); --tb=short keeps each failure's cause in the log
+  timeout 250 python3 -m pytest -m gpu -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 200 -rfE \
+    tests/kernels tests/backend > "$OUT/train/pytest_gpu.log" 2>&1
+  # -n 12 (pytest-xdist, on the image): on CUDA these compile a kernel per shape; 60 s with 12 workers
+  timeout 150 python3 -m pytest -m "not gpu" -n 12 -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 100 \
+    -rfE tests/kernels > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
   timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/train/review_checks.log" 2>&1
-  for f in pytest_gpu pytest_kernels_on_cuda review_checks; do
-    echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout" "$OUT/train/$f.log" | tail -20
+  timeout 150 python3 benchmarks/kernels/gqa_prefill_diag.py > "$OUT/train/gqa_prefill_diag.log" 2>&1
+  for f in pytest_gpu pytest_kernels_on_cuda review_checks gqa_prefill_diag; do
+    echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout|rc=1" "$OUT/train/$f.log" | tail -20
   done > "$log"
 }
 case $stage in

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from models.recipes.images import image_caption, image_question
 from models.recipes.images import render as draw
-from models.recipes.tasks import CHOICE_FORMAT, GENERATORS
+from models.recipes.tasks import ANSWER_FORMAT, GENERATORS
 from models.recipes.world import make_world
 
 TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "tool-call"]
@@ -56,7 +56,7 @@ def eval_row(row: dict) -> dict:
     first = next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
     out = {**row, "messages": [_with_pixels(m, row) for m in row["messages"][:first]]}
     if "choices" in row:
-        return {**out, "choice_format": CHOICE_FORMAT}
+        return {**out, "choice_format": ANSWER_FORMAT}
     if row["task"] == "gsm-nano":
         return {**out, "answer_regex": r"answer is (-?\d+)"}
     if row["task"] == "image-qa":

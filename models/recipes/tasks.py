@@ -7,6 +7,15 @@ below 100% because the tasks get hard, not because training was cut short.
 
 `split` is "train" or "test": the multiple-choice generators ask test items only about held-out
 pairs (`World.is_held_out`) and training items only about the others.
+
+The multiple-choice items are open book: the question comes after notes, the world's sentences the
+answer needs (one for easy and mmlu, two or three to chain for challenge) among `2 · tier` distractors
+about the same people, towns and subjects. Closed book, nano models do not recall a stated fact through
+a question never trained for it: the 2026-12-01 retrain and a micro ablation (models/README.md) learnt
+the trained pairs (0.46-0.77) and scored chance on the held-out ones. Notes alone were not enough at
+micro scale either (held-out 0.35 / 0.23 against seen 0.49 / 0.56): a trained pair's answer can be
+memorised, so half the training items ask about a small fictional world of fresh names that only their
+notes state (`fiction`), where reading the notes is the only way to the answer.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import json
 import random
 
-from models.recipes.world import Person, World
+from models.recipes.world import PHRASINGS, Person, Subject, World, make_world
 
 OPS = ("add", "sub", "mul", "div")
 
@@ -66,24 +75,59 @@ def arithmetic(rng: random.Random, tier: int, world: World, split: str) -> dict:
 
 
 LETTERS = "ABCDEFGH"
-# a lettered choice, as the question lists it and as the answer turn gives it (`kumo eval`'s `choice_format`)
+# a lettered choice as the question lists it, and the answer turn (`kumo eval`'s `choice_format`): the
+# answer first, read off the notes, then its letter, copied from the listing beside it
 CHOICE_FORMAT = "{letter}. {choice}"
+ANSWER_FORMAT = "{choice} ({letter})"
 
 
 def _choice_item(task: str, rng: random.Random, question: str, correct: str, pool: list[str], num_choices: int,
-                 pair: list[str]) -> dict:
+                 pair: list[str], notes: str) -> dict:
     distractors = rng.sample(sorted(set(pool) - {correct}), k=min(num_choices - 1, len(set(pool)) - 1))
     choices = distractors + [correct]
     rng.shuffle(choices)
     listing = "\n".join(CHOICE_FORMAT.format(letter=LETTERS[i], choice=c) for i, c in enumerate(choices))
     index = choices.index(correct)
     return {
-        "task": task, "prompt": question, "choices": choices, "answer": index, "pair": pair,
+        "task": task, "prompt": question, "notes": notes, "choices": choices, "answer": index, "pair": pair,
         "messages": [
-            {"role": "user", "content": f"{question}\n{listing}\nAnswer with the letter."},
-            {"role": "assistant", "content": CHOICE_FORMAT.format(letter=LETTERS[index], choice=correct)},
+            {"role": "user", "content": f"{notes}\n{question}\n{listing}\nAnswer with the choice and its letter."},
+            {"role": "assistant", "content": ANSWER_FORMAT.format(letter=LETTERS[index], choice=correct)},
         ],
     }
+
+
+def said(rng: random.Random, person: Person, kind: str) -> str:
+    """One phrasing of a stated fact about a person (`World.facts` states every phrasing)."""
+    return rng.choice(PHRASINGS[kind]).format(n=person.name, v=getattr(person, kind))
+
+
+def said_region(rng: random.Random, world: World, town: str) -> str:
+    return rng.choice(PHRASINGS["region"]).format(t=town, r=world.regions[town])
+
+
+def said_term(rng: random.Random, subject: Subject, term: str) -> str:
+    return rng.choice(PHRASINGS["term"]).format(s=subject.title, a=subject.attribute, t=term, v=subject.table[term])
+
+
+def notes(rng: random.Random, needed: list[str], distractors: list[str], tier: int) -> str:
+    """The sentences the answer needs among `2 · tier` distractors (none of which contradicts them), shuffled."""
+    pool = sorted(set(distractors) - set(needed))
+    picked = rng.sample(pool, k=min(len(pool), 2 * tier)) + needed
+    rng.shuffle(picked)
+    return " ".join(picked)
+
+
+KINDS = ("town", "trade", "colour", "pet")
+FICTION_SHARE = 0.5  # of the multiple-choice training items
+
+
+def fiction(rng: random.Random, world: World, split: str) -> World:
+    """For a training item, FICTION_SHARE of the time: a small world of names the main one does not use."""
+    if split != "train" or rng.random() >= FICTION_SHARE:
+        return world
+    return make_world(rng.randrange(1 << 30), num_people=30, num_towns=8, num_regions=4, num_subjects=2,
+                      avoid=world.names)  # fmt: skip
 
 
 def _person(rng: random.Random, world: World, split: str, *key: str) -> Person:
@@ -96,42 +140,56 @@ def _person(rng: random.Random, world: World, split: str, *key: str) -> Person:
 
 def arc_easy(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """One hop: a stored fact about a person."""
-    kind = rng.choice(["town", "trade", "colour", "pet"])
+    world = fiction(rng, world, split)
+    kind = rng.choice(KINDS)
     p = _person(rng, world, split, "easy", kind)
+    others = rng.sample([q for q in world.people if q is not p], k=2 * tier)
+    context = notes(rng, [said(rng, p, kind)],
+                    [said(rng, q, kind) for q in others] + [said(rng, p, k) for k in KINDS if k != kind], tier)
     question, correct, pool = {
         "town": (f"Where does {p.name} live?", p.town, list(world.regions)),
         "trade": (f"What does {p.name} work as?", p.trade, [q.trade for q in world.people]),
         "colour": (f"What is {p.name}'s favourite colour?", p.colour, [q.colour for q in world.people]),
         "pet": (f"What animal does {p.name} own?", p.pet, [q.pet for q in world.people]),
     }[kind]
-    return _choice_item("arc-nano-easy", rng, question, correct, pool, 2 + tier, ["easy", kind, p.name])
+    return _choice_item("arc-nano-easy", rng, question, correct, pool, 2 + tier, ["easy", kind, p.name], context)
 
 
 def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """Two hops: the region of a person's town, or a fact about whoever lives in a town and works a trade."""
+    world = fiction(rng, world, split)
     if rng.random() < 0.5:
         p = _person(rng, world, split, "challenge-region")
         question = f"In which region does {p.name} live?"
+        others = rng.sample([q for q in world.people if q.town != p.town], k=tier)
+        context = notes(rng, [said(rng, p, "town"), said_region(rng, world, p.town)],
+                        [said(rng, q, "town") for q in others] + [said_region(rng, world, q.town) for q in others], tier)
         return _choice_item("arc-nano-challenge", rng, question, world.regions[p.town],
-                            list(world.regions.values()), 2 + tier, ["challenge-region", p.name])
+                            list(world.regions.values()), 2 + tier, ["challenge-region", p.name], context)
     p = _person(rng, world, split, "challenge-pet")
     same = [q for q in world.people if q.town == p.town and q.trade == p.trade]
     if len(same) != 1:
         return arc_challenge(rng, tier, world, split)
     question = f"What animal does the {p.trade} who lives in {p.town} own?"
+    # the distractors share the town or the trade: only the two facts together pick the person
+    near = [q for q in world.people if q is not p and (q.town == p.town or q.trade == p.trade)]
+    context = notes(rng, [said(rng, p, k) for k in ("trade", "town", "pet")],
+                    [said(rng, q, k) for q in near for k in ("trade", "town", "pet")], tier)
     return _choice_item("arc-nano-challenge", rng, question, p.pet, [q.pet for q in world.people], 2 + tier,
-                        ["challenge-pet", p.name])
+                        ["challenge-pet", p.name], context)
 
 
 def mmlu(rng: random.Random, tier: int, world: World, split: str) -> dict:
+    world = fiction(rng, world, split)
     while True:
         s = rng.choice(world.subjects)
         term = rng.choice(sorted(s.table))
         if world.is_held_out("mmlu", s.title, term) == (split == "test"):
             break
     question = f"In {s.title}, what is the {s.attribute} of {term}?"
+    context = notes(rng, [said_term(rng, s, term)], [said_term(rng, s, t) for t in s.table if t != term], tier)
     return _choice_item("mmlu-nano", rng, question, s.table[term], [str(v) for v in range(1, 9)], 2 + tier,
-                        ["mmlu", s.title, term])
+                        ["mmlu", s.title, term], context)
 
 
 TOOLS = [

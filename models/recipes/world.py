@@ -123,6 +123,7 @@ class World:
     people: list[Person]
     regions: dict[str, str]  # town -> region
     subjects: list[Subject] = field(default_factory=list)
+    names: frozenset[str] = frozenset()  # every name generated or avoided (before suffixes): `make_world(avoid=…)`
 
     def facts(self) -> list[str]:
         """Every fact in every phrasing, one sentence each: the training corpus states all of them."""
@@ -178,9 +179,12 @@ def make_world(
     num_regions: int = 6,
     num_subjects: int = 12,
     terms_per_subject: int = 12,
+    avoid: frozenset[str] = frozenset(),
 ) -> World:
+    """The world of `seed`; `avoid`: names it must not reuse (a small fictional world beside the main one
+    must not state other facts about the main world's people, towns or terms)."""
     rng = random.Random(seed)
-    used: set[str] = set()
+    used: set[str] = set(avoid)
 
     def fresh(parts: int) -> str:
         while (n := name(rng, parts)) in used:
@@ -205,4 +209,4 @@ def make_world(
                 title, attribute, {fresh(2).lower(): rng.choice(values) for _ in range(terms_per_subject)}
             )
         )
-    return World(people=people, regions=regions, subjects=subjects)
+    return World(people=people, regions=regions, subjects=subjects, names=frozenset(used))

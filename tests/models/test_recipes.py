@@ -87,6 +87,47 @@ def test_facts_behind_questions_are_in_the_training_corpus(nano: Path) -> None:
         assert f"{name} " in corpus and row["choices"][row["answer"]] in corpus
 
 
+def test_notes_are_true_and_hold_what_the_answer_needs(nano: Path) -> None:
+    """Open book: every sentence of an item's notes is a stated fact of the world (so none contradicts the
+    answer), the sentences the answer needs are among them, and tiers add distractors."""
+    world = make_world(0)
+    stated = set(world.facts())
+    for task in ("arc-nano-easy", "arc-nano-challenge", "mmlu-nano"):
+        rows = _rows(nano / f"{task}.test.jsonl")
+        for row in rows:
+            sentences = re.findall(r"[^.]+\.", row["notes"])
+            assert sentences and all(x.strip() in stated for x in sentences), row["notes"]
+            assert row["messages"][0]["content"].startswith(row["notes"] + "\n" + row["prompt"])
+            answer, key = row["choices"][row["answer"]], row["pair"][-1]
+            if task == "arc-nano-challenge" and row["pair"][0] == "challenge-region":
+                town = next(q.town for q in world.people if q.name == key)
+                assert any(key in x and town in x for x in sentences)  # hop 1: the person's town
+                assert any(town in x and answer in x for x in sentences)  # hop 2: the town's region
+            else:  # the fact itself: the person (or the term) with the answer
+                assert any(key in x and answer in x for x in sentences), (row["prompt"], row["notes"])
+        mean = {t: sum(r["notes"].count(".") for r in rows if r["tier"] == t) / max(1, sum(r["tier"] == t for r in rows))
+                for t in (1, 4)}
+        assert mean[4] > mean[1] + 2, (task, mean)
+
+
+def test_half_the_training_questions_are_about_a_fictional_world_of_fresh_names() -> None:
+    """Reading the notes, not recalling a trained pair, is what a fictional item rewards: its names are
+    none of the main world's, so its sentences never contradict a stated fact."""
+    world = make_world(0)
+    fresh = make_world(7, num_people=30, num_towns=8, num_regions=4, num_subjects=2, avoid=world.names)
+    assert fresh.names > world.names  # it records what it avoided, so a nested draw avoids both
+    assert not {p.name for p in fresh.people} & {p.name for p in world.people}
+    assert not set(fresh.regions) & set(world.regions)
+    assert not {t for s in fresh.subjects for t in s.table} & {t for s in world.subjects for t in s.table}
+    stated = set(world.facts())
+    for task in ("arc-nano-easy", "arc-nano-challenge", "mmlu-nano"):
+        rows = [item(task, s, world) for s in split_seeds("train", task, 200)]
+        main = [all(x.strip() in stated for x in re.findall(r"[^.]+\.", r["notes"])) for r in rows]
+        assert 0.35 < sum(main) / len(rows) < 0.65, task  # the rest states only fictional facts
+        tests = [item(task, s, world) for s in split_seeds("test", task, 50)]
+        assert all(all(x.strip() in stated for x in re.findall(r"[^.]+\.", r["notes"])) for r in tests), task
+
+
 def test_tool_items_name_an_offered_tool_with_its_required_arguments(nano: Path) -> None:
     for row in _rows(nano / "tool-call.test.jsonl"):
         tool = next(t for t in row["tools"] if t["name"] == row["expected"]["name"])
