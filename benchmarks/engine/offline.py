@@ -8,6 +8,9 @@ read of the sampled tokens, so the device has finished it):
     output tok/s total     all output tokens / wall time of the run
     output tok/s per user  1 / TPOT, averaged over requests
     prefill tok/s          one request of `prefill_len` tokens, max_tokens 1: prompt tokens / TTFT
+    decode step            p50 of the steps taken once every request has its first token (no prefill
+                           left in the batch), and the batch then: decode alone, which TPOT under an
+                           all-at-once offline load is not (it includes the other requests' prefill)
 
 Prompts are seeded random token ids (distinct per request, so the prefix cache would find nothing;
 it is off), greedy sampling with EOS ignored, so every request produces exactly `output_len` tokens.
@@ -112,9 +115,16 @@ def run_offline(
             EngineRequest(request_id=rid, prompt_token_ids=ids, tenant_salt=SALT, sampling=sampling)
         )
     finished = 0
+    decode_steps: list[tuple[float, int]] = []  # (ms, sequences) of the steps with no prefill left
+    step_start = start
     while engine.has_unfinished:
+        decoding = len(first) == concurrency  # every prompt done before this step began
+        running = concurrency - finished
         outputs = engine.step()
         now = clock()
+        if decoding:
+            decode_steps.append(((now - step_start) * 1e3, running))
+        step_start = now
         for out in outputs:
             if out.error is not None and out.error.code != "aborted":
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
@@ -149,7 +159,21 @@ def run_offline(
         steps=engine.stats.steps - steps0,
         preemptions=engine.scheduler.num_preemptions - preempt0,
         finished=finished,
+        extra=_decode_summary(decode_steps),
     )
+
+
+def _decode_summary(steps: list[tuple[float, int]]) -> dict[str, Any]:
+    if not steps:
+        return {"decode_steps": 0}
+    full = max(n for _, n in steps)  # the steps at the full batch, before the first request finishes
+    at_full = [ms for ms, n in steps if n == full]
+    return {
+        "decode_steps": len(steps),
+        "decode_batch": full,
+        "decode_step_ms_p50": statistics.median(at_full),
+        "decode_tok_s": full * 1e3 / statistics.median(at_full),
+    }
 
 
 def run_prefill(

@@ -238,13 +238,14 @@ def markdown(record: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| run | conc. | out tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | preempt. |",
-        "|---|---|---|---|---|---|---|",
+        "| run | conc. | out tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | decode step p50 ms | preempt. |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in record["runs"]:
         lines.append(
             f"| {name(r)} | {r['concurrency']} | {_f(r.get('output_tok_s'))} | {_f(r.get('output_tok_s_per_user'))} "
-            f"| {_f(r.get('ttft_ms_p50'))} | {_f(r.get('tpot_ms_p50'))} | {r.get('preemptions', '-')} |"
+            f"| {_f(r.get('ttft_ms_p50'))} | {_f(r.get('tpot_ms_p50'))} "
+            f"| {_f((r.get('extra') or {}).get('decode_step_ms_p50'), '{:.2f}')} | {r.get('preemptions', '-')} |"
         )
     hf = record.get("transformers") or {}
     for mode, entry in hf.get("modes", {}).items():

@@ -64,6 +64,10 @@ def test_figures_follow_from_step_times() -> None:
     assert r.output_tok_s_per_user == pytest.approx(10.0)
     assert r.wall_s == pytest.approx(1.5)
     assert r.output_tok_s == pytest.approx(44 / 1.5)
+    # decode alone: the 10 steps after the prefill step, all at the full batch of 4
+    assert r.extra["decode_steps"] == 10 and r.extra["decode_batch"] == 4
+    assert r.extra["decode_step_ms_p50"] == pytest.approx(100.0)
+    assert r.extra["decode_tok_s"] == pytest.approx(40.0)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all"])
