@@ -54,14 +54,18 @@ case $stage in
     (site; checks) &
     # no prompt-token loss: the 2026-12-01 retrain with --prompt-weight 0.2 copied no arguments (models/README.md)
     OUT="$OUT/train" TRAIN_ARGS="--profile-steps 3" bash models/recipes/run_on_device.sh 7.0
+    rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && for t in "$OUT"/train/*-nano.tar; do tar -C /tmp/ckpt -xf "$t"; done
     wait
     cat "$OUT/train/checks.log"
     mv "$OUT"/train/*.tar "$OUT"/ 2>/dev/null
     ;;
-  train-continue)  # the second stage from the checkpoints of `train` (untarred into models/ first), as the
+  train-continue)  # the second stage from the checkpoints of `train` (/tmp/ckpt, or untarred into models/), as the
     # committed models had: 4x larger batches (models/recipes/run_on_device.sh)
     mkdir -p "$OUT/train-continue"
-    OUT="$OUT/train-continue" bash models/recipes/run_on_device.sh 5.5 continue
+    # from /tmp/ckpt when the machine stayed warm since `train` (nothing to untar in between), else models/
+    init=models; [ -d /tmp/ckpt/glm-5.2-nano ] && [ -d /tmp/ckpt/kimi-k2.6-nano ] && init=/tmp/ckpt
+    echo "second stage from $init"
+    OUT="$OUT/train-continue" INIT_DIR=$init bash models/recipes/run_on_device.sh 5.5 continue
     mv "$OUT"/train-continue/*.tar "$OUT"/ 2>/dev/null
     ;;
   sweeps)

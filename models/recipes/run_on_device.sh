@@ -21,7 +21,9 @@ for fam in kimi glm; do
     name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
     workers=$([ $fam = kimi ] && echo 12 || echo 4)  # Kimi's image items are the slow ones to render
     EXTRA=""
-    [ "$CONTINUE" = continue ] && EXTRA="--init models/$name --batch-tokens 131072 --warmup 50"
+    # INIT_DIR: where the first stage's folders are (benchmarks/device_plan.sh keeps them in /tmp/ckpt on a
+    # warm machine, so the second call needs nothing untarred and carried in between); else models/
+    [ "$CONTINUE" = continue ] && EXTRA="--init ${INIT_DIR:-models}/$name --batch-tokens 131072 --warmup 50"
     python3 -m models.recipes.train --family $fam --data /tmp/data-$fam --out "$OUT/$name" $EXTRA \
         --steps 0 --minutes "$MINUTES" --workers $workers ${TRAIN_ARGS:-} > "$OUT/$fam.stdout" 2>&1 &
     pids+=($!)
