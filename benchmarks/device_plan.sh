@@ -66,6 +66,7 @@ case $stage in
     init=models; [ -d /tmp/ckpt/glm-5.2-nano ] && [ -d /tmp/ckpt/kimi-k2.6-nano ] && init=/tmp/ckpt
     echo "second stage from $init"
     OUT="$OUT/train-continue" INIT_DIR=$init bash models/recipes/run_on_device.sh 5.5 continue
+    rm -rf /tmp/ckpt2 && mkdir -p /tmp/ckpt2 && for t in "$OUT"/train-continue/*-nano.tar; do tar -C /tmp/ckpt2 -xf "$t"; done
     mv "$OUT"/train-continue/*.tar "$OUT"/ 2>/dev/null
     ;;
   sweeps)
@@ -79,7 +80,10 @@ case $stage in
     OUT="$OUT/sweeps" timeout 150 bash benchmarks/kernels/gqa_quick.sh
     ;;
   eval)
-    OUT="$OUT/eval" timeout 540 bash models/recipes/eval_on_device.sh
+    # the second stage's folders when the machine stayed warm since `train-continue`, else the tree's models/
+    dir=models; [ -d /tmp/ckpt2/glm-5.2-nano ] && [ -d /tmp/ckpt2/kimi-k2.6-nano ] && dir=/tmp/ckpt2
+    echo "evaluating $dir"; ls -la $dir/*/model.safetensors.index.json 2>/dev/null | head -2
+    OUT="$OUT/eval" MODELS_DIR=$dir timeout 540 bash models/recipes/eval_on_device.sh
     ;;
   kimi-eval)  # Kimi's quality table, one process per task (each writes its own report, so a timeout keeps
     # the finished tasks), beside the correctness checks (pytest with failures listed; .whl holds starlette

@@ -8,6 +8,7 @@
 # $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+MODELS=${MODELS_DIR:-models}  # benchmarks/device_plan.sh: the last training call's folders on a warm machine
 mkdir -p "$OUT"
 rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl \
     .whl/llguidance-*.whl 2>&1 | tail -2
@@ -17,22 +18,22 @@ evaluate() {  # one model: its test sets, then the three variants
     python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || return 4
     local data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
     python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
-        --variant bf16=models/$name \
-        --variant fp8=models/$name:weights=fp8-channel \
-        --variant int4-fp8kv=models/$name:weights=int4-g32:kv=fp8 \
+        --variant bf16=$MODELS/$name \
+        --variant fp8=$MODELS/$name:weights=fp8-channel \
+        --variant int4-fp8kv=$MODELS/$name:weights=int4-g32:kv=fp8 \
         "${data[@]}" --out "$OUT/quality-$name.json" || return 5
     # the GPU kernels against the CPU path's torch references, same checkpoint and dtype: KL and top-1
     # agreement on the first 300 items of each task (the CPU path is the slow one)
     local sub=(); mkdir -p /tmp/sub-$fam
     for f in /tmp/data-$fam/*.test.jsonl; do head -n 300 "$f" > /tmp/sub-$fam/$(basename "$f"); sub+=(--data /tmp/sub-$fam/$(basename "$f")); done
     python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
-        --variant gpu=models/$name --variant cpu=models/$name:device=cpu \
+        --variant gpu=$MODELS/$name --variant cpu=$MODELS/$name:device=cpu \
         "${sub[@]}" --out "$OUT/gpu-vs-cpu-$name.json"
 }
 pids=()
 for fam in kimi glm; do  # both at once: the models are small, the GPU and the 16 cores are shared
     name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
-    [ -d "models/$name" ] || { echo "models/$name is missing"; exit 3; }
+    [ -d "$MODELS/$name" ] || { echo "$MODELS/$name is missing"; exit 3; }
     (time evaluate $fam $name) > "$OUT/eval-$name.log" 2>&1 &
     pids+=($!)
 done
