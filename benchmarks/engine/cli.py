@@ -65,7 +65,11 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--fp8-method", choices=("fp8-block", "fp8-channel"), default="fp8-block")
-    ap.add_argument("--weights", choices=("bf16", "fp8", "int4", "int4-all"), default="int4")
+    ap.add_argument("--weights", choices=("bf16", "fp8", "int4", "int4-all", "fp8-all"), default="int4")
+    ap.add_argument(
+        "--all-linear", action="store_true",
+        help="weights: int4-all vs fp8-all (every Linear but routers and lm_head) instead of the routed experts only",
+    )  # fmt: skip
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default=None)
     ap.add_argument("--repeats", type=int, default=4, help="integrity: on/off pairs")
     ap.add_argument("--integrity-concurrency", type=int, default=64)
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return dataclasses.replace(opts, deadline=time.monotonic() + left / phases_left)
 
     if a.comparison == "weights":
-        for i, fmt in enumerate(("int4", "fp8")):
+        for i, fmt in enumerate(("int4-all", "fp8-all") if a.all_linear else ("int4", "fp8")):
             report.add_variant(record, measure_variant(geometry, fmt, a.kv_dtype or "bf16", share(2 - i)))
             save()
     elif a.comparison == "kv":

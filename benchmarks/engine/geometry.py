@@ -27,10 +27,12 @@ from backend.plan import GB, Plan, make_plan
 from backend.random_weights import PUBLISHED_CONFIGS, small_config
 
 Kind = Literal["glm-5.2", "kimi-k2.6"]
-WeightFormat = Literal["bf16", "fp8", "int4", "int4-all"]
+# "fp8" / "int4": the routed experts only (as Kimi K2 Thinking ships INT4), the rest BF16; "-all": every
+# Linear but the routers and lm_head (as DeepSeek's FP8 checkpoints are, and GLM 5.2's INT4 at 421 GB about is)
+WeightFormat = Literal["bf16", "fp8", "int4", "int4-all", "fp8-all"]
 KvDtype = Literal["bf16", "fp8"]
 KINDS: tuple[Kind, ...] = ("glm-5.2", "kimi-k2.6")
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8", "int4", "int4-all")
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("bf16", "fp8", "int4", "int4-all", "fp8-all")
 H200_MEM = 141 * GB
 FULL_TP = 8
 TINY_GPU_MEM = 48 * 2**20
@@ -45,6 +47,7 @@ def plan_weights(fmt: WeightFormat, fp8_method: str) -> tuple[str, bool]:
         "fp8": (fp8_method, False),
         "int4": (f"int4-g{INT4_GROUP}", False),
         "int4-all": (f"int4-g{INT4_GROUP}", True),
+        "fp8-all": (fp8_method, True),
     }[fmt]
 
 

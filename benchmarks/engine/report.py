@@ -109,7 +109,10 @@ def _prefill(record: dict[str, Any], weights: str) -> float | None:
 
 
 def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, str]]:
-    int4, fp8 = _kumo(record, "int4"), _kumo(record, "fp8")
+    # the weights comparison's pair: routed experts only, or every Linear (`--all-linear`)
+    formats = {v["weights"] for v in record["variants"]}
+    w4, w8 = ("int4-all", "fp8-all") if {"int4-all", "fp8-all"} <= formats else ("int4", "fp8")
+    int4, fp8 = _kumo(record, w4), _kumo(record, w8)
     bf16kv, fp8kv = _kumo(record, kv="bf16"), _kumo(record, kv="fp8")
     # the KV comparison is between variants with the same weights: pick the format both have
     both = {v["weights"] for v in record["variants"] if v["kv_dtype"] == "bf16"} & {
@@ -126,7 +129,7 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str
         "int4_vs_fp8_decode_c1": _ratio(
             _at(int4, 1, "output_tok_s_per_user"), _at(fp8, 1, "output_tok_s_per_user")
         ),
-        "int4_vs_fp8_prefill": _ratio(_prefill(record, "int4"), _prefill(record, "fp8")),
+        "int4_vs_fp8_prefill": _ratio(_prefill(record, w4), _prefill(record, w8)),
         "fp8kv_vs_bf16kv_c64": _ratio(_at(fp8kv, 64, "output_tok_s"), bf16kv_peak) if w else None,
         "fp8kv_vs_bf16kv_c1": _ratio(
             _at(fp8kv, 1, "output_tok_s_per_user"), _at(bf16kv, 1, "output_tok_s_per_user")
@@ -137,8 +140,8 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str
         "vs_transformers_c64": _ratio(_at(_kumo(record), 64, "output_tok_s"), _at(hf, 64, "output_tok_s")),
     }
     detail = {
-        "int4_vs_fp8_decode_c1": "output tok/s per user at concurrency 1, INT4-expert weights / FP8 weights",
-        "int4_vs_fp8_prefill": "prefill tok/s of one long prompt, INT4 / FP8 weights",
+        "int4_vs_fp8_decode_c1": f"output tok/s per user at concurrency 1, {w4} / {w8} weights",
+        "int4_vs_fp8_prefill": f"prefill tok/s of one long prompt, {w4} / {w8} weights",
         "fp8kv_vs_bf16kv_c64": f"output tok/s total, FP8 KV at concurrency 64 / the BF16-KV peak over all concurrencies run ({w or 'no common'} weights)",
         "fp8kv_vs_bf16kv_c1": f"output tok/s per user at concurrency 1, FP8 KV / BF16 KV ({w or 'no common'} weights)",
         "integrity_overhead": "median over interleaved rounds of TPOT tag check on / off - 1 "

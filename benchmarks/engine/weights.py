@@ -31,8 +31,8 @@ INT4_STD = 4.6  # std of a uniform integer in [-8, 7]
 def scheme_for(fmt: WeightFormat, fp8_method: str = "fp8-block") -> QuantScheme | None:
     if fmt == "bf16":
         return None
-    if fmt == "fp8":
-        return QuantScheme.build(fp8_method)  # type: ignore[arg-type]
+    if fmt in ("fp8", "fp8-all"):
+        return QuantScheme.build(fp8_method, all_linear=fmt == "fp8-all")  # type: ignore[arg-type]
     return QuantScheme.build("int4", group_size=INT4_GROUP, all_linear=fmt == "int4-all")
 
 

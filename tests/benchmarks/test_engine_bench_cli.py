@@ -33,6 +33,7 @@ TINY = [
 ]
 COMMANDS = {
     "weights": ["weights", "--concurrency", "1,2"],
+    "weights-all": ["weights", "--all-linear", "--concurrency", "1"],
     "kv": ["kv", "--concurrency", "1,64"],
     "integrity": ["integrity", "--repeats", "2", "--integrity-concurrency", "2"],
     "transformers": [
@@ -62,7 +63,7 @@ def test_every_record_has_the_schema(records: dict[str, tuple[Path, dict[str, An
     for name, (path, rec) in records.items():
         assert {"command", "date", "device", "geometry", "runs", "summary"} <= set(rec), name
         assert set(rec["summary"]) == SUMMARY_KEYS
-        assert rec["command"].startswith("kumo bench engine " + name)
+        assert rec["command"].startswith("kumo bench engine " + name.removesuffix("-all"))
         assert rec["device"].startswith("cpu") and rec["geometry"]["is_tiny"]
         assert rec["runs"], name
         assert path.with_suffix(".md").read_text().startswith("# Engine benchmark")
@@ -74,6 +75,12 @@ def test_each_comparison_measures_its_own_ratio(records: dict[str, tuple[Path, d
     assert s["kv"]["fp8kv_vs_bf16kv_c64"] > 0 and s["kv"]["fp8kv_vs_bf16kv_c1"] > 0
     assert s["transformers"]["vs_transformers_c64"] > 0
     assert s["weights"]["fp8kv_vs_bf16kv_c64"] is None  # not measured there: null, never a guess
+    # --all-linear: every Linear quantized in both, and the ratios say which pair they compare
+    all_linear = records["weights-all"][1]
+    assert [v["weights"] for v in all_linear["variants"]] == ["int4-all", "fp8-all"]
+    assert all_linear["summary"]["int4_vs_fp8_decode_c1"] > 0
+    assert "int4-all / fp8-all" in all_linear["summary_detail"]["int4_vs_fp8_prefill"]
+    assert all_linear["variants"][1]["weight_bytes"] < records["weights"][1]["variants"][1]["weight_bytes"]
     # the engine's own switch: on the CPU the reference ops skip the check too, so it is measured
     integrity = records["integrity"][1]["integrity"]
     assert integrity["switched"].startswith("EngineConfig.check_page_tags")

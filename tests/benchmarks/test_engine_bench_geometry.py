@@ -66,7 +66,7 @@ def test_formats_that_do_not_fit_8_gpus_get_the_pool_of_one_that_does() -> None:
 
 
 @pytest.mark.parametrize("kind", ["glm-5.2", "kimi-k2.6"])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all", "fp8-all"])
 def test_default_depth_fits_one_h200_in_every_variant(kind: str, fmt: str) -> None:
     g = make_geometry(kind, 4)
     kv = g.kv_sizing(fmt, "bf16")  # type: ignore[arg-type]

@@ -70,7 +70,7 @@ def test_figures_follow_from_step_times() -> None:
     assert r.extra["decode_tok_s"] == pytest.approx(40.0)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all", "fp8-all"])
 def test_random_model_in_each_format_has_finite_weights_and_spread_routing(fmt: str) -> None:
     g = make_geometry("glm-5.2", 2, tiny=True)
     model = build_random_model(g, fmt, device="cpu", seed=3)  # type: ignore[arg-type]
