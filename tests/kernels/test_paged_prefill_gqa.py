@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.gqa_slice import GQATiles  # noqa: E402
+from kernels.gqa_slice import GQATiles, slice_constexprs  # noqa: E402
 from kernels.paged_prefill_gqa import PREFILL_TILES, paged_attention_ref, paged_prefill_gqa  # noqa: E402
 from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
 
@@ -114,6 +114,17 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
     assert rel_err(out, ref) < 2e-3
     assert rel_err(out[:10], clean[:10]) < 2e-3 and rel_err(out[50:], clean[50:]) < 2e-3  # others untouched
     assert rel_err(out[10 + 16 :], clean[10 + 16 :]) > 1e-2  # queries at 16.. saw the page before
+
+
+@pytest.mark.parametrize(("dv", "cache_dtype", "want"), [(32, FP8, False), (64, FP8, True), (128, FP8, True),
+                                                        (64, torch.float16, False)])  # fmt: skip
+def test_fp8_v_is_read_as_byte_pairs_only_from_64_columns(dv: int, cache_dtype: torch.dtype, want: bool) -> None:
+    """SPLIT_V's 16-column halves (Dv 32) were wrong on the H200 (results/2026-12-02-gqa-prefill-splitv-diag.log):
+    the launchers read V as byte pairs only when each half has >= 32 columns, and only for FP8."""
+    cache = torch.zeros(4, 16, 2, dv).to(cache_dtype)
+    q = torch.zeros(3, 4, dv, dtype=torch.float16)
+    flags = slice_constexprs(PREFILL_TILES["fp8/v4"], q, cache, cache, dv, dv)
+    assert flags["SPLIT_V"] is want and flags["EVEN_D"]
 
 
 @pytest.mark.parametrize("D", [32, 64])  # Dv 64: FP8 entries read V as byte pairs (SPLIT_V); 32: plain
