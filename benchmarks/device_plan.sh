@@ -34,6 +34,13 @@ site() {  # the carried wheels on a fresh path (a warm machine keeps /tmp)
   rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 }
+keep() {  # keep <dir> <tars…>: a training call's checkpoint folders on this machine, for the next call
+  local dir=$1; shift
+  rm -rf "$dir" && mkdir -p "$dir" && for t in "$@"; do tar -C "$dir" -xf "$t"; done
+}
+kept() {  # kept <dir>: <dir> if it holds both families' folders (the machine stayed warm), else models
+  if [ -d "$1/glm-5.2-nano" ] && [ -d "$1/kimi-k2.6-nano" ]; then echo "$1"; else echo models; fi
+}
 checks() {  # correctness of the GPU path, in order of what a failure would block
   local log=$OUT/train/checks.log
   # -p no:benchmark: the image's pytest-benchmark warns under xdist, which filterwarnings=error turns into an
@@ -54,7 +61,7 @@ case $stage in
     (site; checks) &
     # no prompt-token loss: the 2026-12-01 retrain with --prompt-weight 0.2 copied no arguments (models/README.md)
     OUT="$OUT/train" TRAIN_ARGS="--profile-steps 3" bash models/recipes/run_on_device.sh 7.0
-    rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt && for t in "$OUT"/train/*-nano.tar; do tar -C /tmp/ckpt -xf "$t"; done
+    keep /tmp/ckpt "$OUT"/train/*-nano.tar
     wait
     cat "$OUT/train/checks.log"
     mv "$OUT"/train/*.tar "$OUT"/ 2>/dev/null
@@ -63,10 +70,10 @@ case $stage in
     # committed models had: 4x larger batches (models/recipes/run_on_device.sh)
     mkdir -p "$OUT/train-continue"
     # from /tmp/ckpt when the machine stayed warm since `train` (nothing to untar in between), else models/
-    init=models; [ -d /tmp/ckpt/glm-5.2-nano ] && [ -d /tmp/ckpt/kimi-k2.6-nano ] && init=/tmp/ckpt
+    init=$(kept /tmp/ckpt)
     echo "second stage from $init"
     OUT="$OUT/train-continue" INIT_DIR=$init bash models/recipes/run_on_device.sh 5.5 continue
-    rm -rf /tmp/ckpt2 && mkdir -p /tmp/ckpt2 && for t in "$OUT"/train-continue/*-nano.tar; do tar -C /tmp/ckpt2 -xf "$t"; done
+    keep /tmp/ckpt2 "$OUT"/train-continue/*-nano.tar
     mv "$OUT"/train-continue/*.tar "$OUT"/ 2>/dev/null
     ;;
   sweeps)
@@ -81,7 +88,7 @@ case $stage in
     ;;
   eval)
     # the second stage's folders when the machine stayed warm since `train-continue`, else the tree's models/
-    dir=models; [ -d /tmp/ckpt2/glm-5.2-nano ] && [ -d /tmp/ckpt2/kimi-k2.6-nano ] && dir=/tmp/ckpt2
+    dir=$(kept /tmp/ckpt2)
     echo "evaluating $dir"; ls -la $dir/*/model.safetensors.index.json 2>/dev/null | head -2
     OUT="$OUT/eval" MODELS_DIR=$dir timeout 540 bash models/recipes/eval_on_device.sh
     ;;

@@ -170,7 +170,7 @@ def warm_up_levels(engine: Engine, levels: list[int], opts: Options, *, vocab_si
     """One untimed pass per concurrency level, the timed workload's prompts with 8 output tokens, so
     every kernel specialisation the level's steps need (a prefill chunk over cached pages, mixed
     prefill + decode steps of that many sequences) compiles here and not inside a timed run: on
-    2026-12-02 the first c=8 run of each variant stalled ~2 s on compiles, which tripled its TPOT."""
+    2026-12-02 the first c=8 run of each variant stalled ~2 s on compiles, which took its TPOT 2.5x up."""
     start = time.monotonic()
     for c in levels:
         if opts.time_left() <= 0:
