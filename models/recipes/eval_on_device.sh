@@ -3,7 +3,8 @@
 #   run(command="bash models/recipes/eval_on_device.sh", carry=[".whl"])
 # Needs models/kimi-k2.6-nano and models/glm-5.2-nano in the tree, and in .whl/ the msgspec and
 # llguidance wheels (cp312, manylinux; the image has neither; llguidance is only imported). Three
-# variants each: bf16; FP8-channel weights; INT4-g32 experts + FP8 KV; then bf16 on the GPU against
+# variants each: FP8-channel weights first (issue 7's goal compares INT4 + FP8 KV with FP8, and the paired
+# deltas are taken against the first variant); bf16; INT4-g32 experts + FP8 KV; then bf16 on the GPU against
 # bf16 on the CPU path (300 items a task). The reports come back as $OUT/quality-<model>.json and
 # $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
@@ -18,8 +19,8 @@ evaluate() {  # one model: its test sets, then the three variants
     python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || return 4
     local data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
     python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
-        --variant bf16=$MODELS/$name \
         --variant fp8=$MODELS/$name:weights=fp8-channel \
+        --variant bf16=$MODELS/$name \
         --variant int4-fp8kv=$MODELS/$name:weights=int4-g32:kv=fp8 \
         "${data[@]}" --out "$OUT/quality-$name.json" || return 5
     # the GPU kernels against the CPU path's torch references, same checkpoint and dtype: KL and top-1
