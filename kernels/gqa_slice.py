@@ -335,12 +335,14 @@ def slice_constexprs(
     block_dv: int,
 ) -> dict[str, Any]:
     """The constexprs a kernel passes `attend_slice` beyond its tiles.
-    SPLIT_V needs an FP8 cache whose rows and offsets are whole byte pairs, and two dots of >= 32 columns:
-    on the H200 (2026-12-02) 16-column halves (Dv = 32) gave wrong even columns in the prefill kernel's
-    unmasked tiles and, at 128-token tiles, an illegal address; Dv = 128 (GLM-4.5) matched in every sweep."""
+    SPLIT_V needs an FP8 cache whose rows and offsets are whole byte pairs, and two dots of >= 64 columns:
+    on the H200 the prefill kernel's even columns came out wrong in some tiles with 16-column halves
+    (Dv = 32, 2026-12-02, also an illegal address at 128-token tiles) and with 32-column halves (Dv = 64,
+    2026-12-02 second run: rel. err 0.2-0.5 for v4 and v4-n128, `results/2026-12-02-gqa-prefill-splitv-diag-run2.log`);
+    Dv = 128 (GLM-4.5) matched in every sweep and GPU test. Below that, V is read byte by byte."""
     pairs = (
         v_cache.dtype == torch.float8_e4m3fn
-        and block_dv >= 64
+        and block_dv >= 128
         and all(s % 2 == 0 for s in v_cache.stride()[:3])
         and v_cache.data_ptr() % 2 == 0  # a view at an odd byte offset would fault on the 2-byte loads
     )
