@@ -29,6 +29,7 @@ from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backend.tokenizer_files import Family
 from models.recipes.build import TEST_ITEMS, TRAIN_ITEMS, build
@@ -46,6 +47,14 @@ from models.recipes.render import Example, Renderer
 
 IGNORE = -100
 PROBE_STEPS = 20
+# Padded lengths are rounded up to this, so a run sees at most max_len / PAD_MULTIPLE sequence lengths.
+# The H200 profile of 2026-12-02 (steps 21-23 of the GLM nano, `--profile-steps 3`) had 769 ms of host time
+# against 104 ms of GPU time, 459 ms of it inside cuDNN's SDPA forward/backward (18-20 ms a call: an
+# execution plan built for each new shape); a batch padded to its own longest item gives nearly every
+# batch a new length. The rounding costs at most 63 padded tokens per sequence; and attention runs on the
+# flash / memory-efficient kernels, which build no plans (SDPA_BACKENDS). Measure: the log's ms per step.
+PAD_MULTIPLE = 64
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MAX_AUTO_STEPS = 1_000_000
 
 
@@ -131,13 +140,17 @@ def render_all(
     return kept, len(examples) - len(kept)
 
 
+def padded_length(n: int) -> int:
+    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
 def batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[list[Example]]:
     """Length-bucketed batches of at most `batch_tokens` padded tokens, in a seeded random order."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].token_ids), i))
     out: list[list[Example]] = [[]]
     for i in order:
         ex = examples[i]
-        if out[-1] and len(ex.token_ids) * (len(out[-1]) + 1) > batch_tokens:
+        if out[-1] and padded_length(len(ex.token_ids)) * (len(out[-1]) + 1) > batch_tokens:
             out.append([])
         out[-1].append(ex)
     rng.shuffle(out)
@@ -161,7 +174,7 @@ def collate(
     are the trained (assistant) tokens only, IGNORE elsewhere; above 0 every real next token is a
     label (but the `unpredicted` ids: image placeholders), `weights` gives the untrained ones that
     weight and `trained` marks the assistant tokens."""
-    length = max(len(ex.token_ids) for ex in batch)
+    length = padded_length(max(len(ex.token_ids) for ex in batch))
     ids = torch.full((len(batch), length), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), length), IGNORE, dtype=torch.long)
     weights = torch.zeros((len(batch), length))
@@ -225,7 +238,9 @@ def prepare(
 ) -> tuple[dict[str, Any], list[Example], int]:
     """Tokenizer and config.json into `folder`; returns the config, the rendered examples and the pad id."""
     if not (data / "train.jsonl").exists():
-        log(f"building data into {data}: {build(data, family=family, train_items=TRAIN_ITEMS, test_items=TEST_ITEMS)}")
+        log(
+            f"building data into {data}: {build(data, family=family, train_items=TRAIN_ITEMS, test_items=TEST_ITEMS)}"
+        )
     with (data / "train.jsonl").open() as f:
         items = [json.loads(line) for line in f]
     if max_items is not None:
@@ -333,7 +348,8 @@ def fit(
             profiler = torch.profiler.profile(activities=kinds)
             profiler.__enter__()
         batch = collate(next(stream), pad_id, dev, prompt_weight=prompt_weight, unpredicted=unpredicted)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda):
+        # no cuDNN attention: its per-shape plans cost 18-20 ms of host time a call (PAD_MULTIPLE)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda), sdpa_kernel(SDPA_BACKENDS):
             loss, answer_loss = loss_of(model, batch)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -246,10 +246,18 @@ def test_the_trained_glm_solves_two_step_word_problems(kumo: Kumo) -> None:
     from models.recipes.world import make_world
 
     world = make_world(0)
-    problems = [p for p in (item("gsm-nano", s, world) for s in split_seeds("test", "gsm-nano", 200)) if p["tier"] == 1]
+    problems = [
+        p
+        for p in (item("gsm-nano", s, world) for s in split_seeds("test", "gsm-nano", 200))
+        if p["tier"] == 1
+    ]
 
     def answer(problem: dict) -> str:  # type: ignore[type-arg]
-        body = {"messages": [{"role": "user", "content": problem["prompt"]}], "temperature": 0, "max_tokens": 160}
+        body = {
+            "messages": [{"role": "user", "content": problem["prompt"]}],
+            "temperature": 0,
+            "max_tokens": 160,
+        }
         r = run(kumo, GLM, body)
         assert r.status_code == 200, r.text
         return r.json()["result"]["choices"][0]["message"]["content"] or ""
@@ -257,4 +265,6 @@ def test_the_trained_glm_solves_two_step_word_problems(kumo: Kumo) -> None:
     with ThreadPoolExecutor(10) as pool:
         answers = list(pool.map(answer, problems[:20]))
     right = [f"The answer is {p['answer']}." in a for p, a in zip(problems, answers, strict=False)]
-    assert sum(right) >= 7, [(p["prompt"], a) for p, a, ok in zip(problems, answers, right, strict=False) if not ok]
+    assert sum(right) >= 7, [
+        (p["prompt"], a) for p, a, ok in zip(problems, answers, right, strict=False) if not ok
+    ]

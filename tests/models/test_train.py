@@ -31,7 +31,7 @@ from models.recipes.nano import (
     special_ids,
 )
 from models.recipes.render import Example, Renderer
-from models.recipes.train import IGNORE, ExpertBalance, collate, fit, loss_of, train
+from models.recipes.train import IGNORE, PAD_MULTIPLE, ExpertBalance, batches, collate, fit, loss_of, train
 from models.recipes.world import make_world
 from tests.backend.paged_driver import PagedDriver, Seq
 
@@ -218,17 +218,37 @@ def test_prompt_weight_trains_the_prompt_tokens_too_and_logs_the_answer_loss() -
     ex = Example([1, 9, 2, 3, 4, 5], [False, False, False, True, True, True])  # 9: an image placeholder
     plain = collate([ex], 0, torch.device("cpu"))
     weighted = collate([ex], 0, torch.device("cpu"), prompt_weight=0.25, unpredicted=frozenset({9}))
-    assert plain["labels"].tolist() == [[IGNORE, IGNORE, 3, 4, 5, IGNORE]] and "weights" not in plain
-    assert weighted["labels"].tolist() == [[IGNORE, 2, 3, 4, 5, IGNORE]]
-    assert weighted["weights"].tolist() == [[0.25, 0.25, 1.0, 1.0, 1.0, 0.0]]
+    pad = [IGNORE] * (PAD_MULTIPLE - 6)  # padded to PAD_MULTIPLE: nothing learnt there
+    assert plain["labels"].tolist() == [[IGNORE, IGNORE, 3, 4, 5, IGNORE, *pad]] and "weights" not in plain
+    assert weighted["labels"].tolist() == [[IGNORE, 2, 3, 4, 5, IGNORE, *pad]]
+    assert weighted["weights"].tolist() == [[0.25, 0.25, 1.0, 1.0, 1.0] + [0.0] * (PAD_MULTIPLE - 5)]
     model = _Toy().requires_grad_(False)
-    logits = model(plain["input_ids"], use_cache=False).logits[0]
+    logits = model(plain["input_ids"], use_cache=False).logits[0, :6]
     ce = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 2, 3, 4, 5, 0]), reduction="none")
     loss, answer = loss_of(model, weighted)
     assert float(answer) == pytest.approx(float(ce[2:5].mean()), rel=1e-6)
     assert float(loss) == pytest.approx(float((0.25 * ce[1] + ce[2:5].sum()) / 3.25), rel=1e-6)
     same, also = loss_of(model, plain)
     assert float(same) == float(also) == pytest.approx(float(answer), rel=1e-6)
+
+
+def test_batches_pad_to_few_lengths_within_the_token_budget() -> None:
+    """Padded lengths are multiples of PAD_MULTIPLE (few shapes: cuDNN-style per-shape plans and
+    compiles stay few), every batch's padded size within the budget, every example in one batch."""
+    rng = random.Random(0)
+    examples = [Example([1] * n, [True] * n) for n in (rng.randint(5, 700) for _ in range(500))]
+    out = batches(examples, 4096, random.Random(1))
+    assert sorted(id(e) for b in out for e in b) == sorted(id(e) for e in examples)
+    lengths = set()
+    for b in out:
+        ids = collate(b, 0, torch.device("cpu"))["input_ids"]
+        assert (
+            ids.shape[1] % PAD_MULTIPLE == 0
+            and ids.shape[1] - max(len(e.token_ids) for e in b) < PAD_MULTIPLE
+        )
+        assert ids.numel() <= 4096 or len(b) == 1
+        lengths.add(ids.shape[1])
+    assert len(lengths) <= 704 // PAD_MULTIPLE
 
 
 @pytest.mark.slow  # ~35 s of CPU
