@@ -71,8 +71,12 @@ def w4a8_expand_gemm(
     q, s = xq if xq is not None else quantize_fp8_rows(x2, pad_to=16)  # [Mp, K], [Mp, 1]
     if q.shape[0] % 16 or q.shape[0] < M or s.shape != (q.shape[0], 1):
         raise ValueError(f"xq ({tuple(q.shape)}, {tuple(s.shape)}) must cover [{M}, {K}] in rows of 16")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     rows = max(16, _CHUNK_BYTES // K // 16 * 16)
+    if N <= rows:  # one chunk (every weight but the widest): the product is the output, no copy of [M, N]
+        w8, c = expand_int4_fp8(w, scales, group_size)  # [N, K], [N]
+        y = torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=c[None, :], out_dtype=torch.bfloat16)  # [Mp, N]
+        return y[:M].to(x.dtype).reshape(*lead, N)  # rows past M are the padding's
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
         w8, c = expand_int4_fp8(w[r0:r1], scales[r0:r1], group_size)  # [n, K], [n]

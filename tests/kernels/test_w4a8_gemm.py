@@ -112,7 +112,9 @@ def test_w4a8_gemm_matches_reference(M: int, N: int, K: int, group: int, cfg: W4
     x = torch.randn(M, K, generator=gen)
     xq, xs = quantize_fp8_rows_ref(x)
     out = torch.full((M, N), float("nan"), device=DEV)
-    w4a8_gemm(x.to(DEV), packed.to(DEV), scale.to(DEV), group, config=cfg, out=out, xq=(xq.to(DEV), xs.to(DEV)))
+    w4a8_gemm(
+        x.to(DEV), packed.to(DEV), scale.to(DEV), group, config=cfg, out=out, xq=(xq.to(DEV), xs.to(DEV))
+    )
     assert rel_err(out.cpu(), w4a8_gemm_ref(xq, xs, packed, scale)) < 1e-5
 
 
@@ -121,7 +123,9 @@ def test_w4a8_gemm_end_to_end_fp16() -> None:
     gen = torch.Generator().manual_seed(1)
     packed, scale, q = checkpoint(24, 128, 32, gen)
     x = torch.randn(2, 9, 128, generator=gen).half()
-    out = w4a8_gemm(x.to(DEV), packed.to(DEV), scale.to(DEV), 32, config=W4A8Config(16, 16, 64, num_warps=4)).cpu()
+    out = w4a8_gemm(
+        x.to(DEV), packed.to(DEV), scale.to(DEV), 32, config=W4A8Config(16, 16, 64, num_warps=4)
+    ).cpu()
     assert out.shape == (2, 9, 24) and out.dtype == torch.float16
     xq, xs = (t.cpu() for t in quantize_fp8_rows(x.reshape(-1, 128).to(DEV)))
     ref = w4a8_gemm_ref(xq, xs, packed, scale)
@@ -175,6 +179,24 @@ def test_expand_gemm_scales_rows_and_columns() -> None:
     w8, c = expand_int4_fp8_ref(packed, scale)
     exact = x.double() @ (w8.double() * c.double()[:, None]).t()
     assert rel_err(out.cpu(), exact) < 2 * BF16_OUT
+
+
+def test_expand_gemm_chunks_wide_weights_to_the_same_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights wider than the scratch bound go through in row chunks into one output: the same bytes
+    as the one-chunk path, which returns the product itself (bf16 or the activations' fp16)."""
+    import kernels.w4a8_expand as expand_module
+
+    gen = torch.Generator().manual_seed(6)
+    N, K, group = 48, 128, 32
+    packed, scale, _ = checkpoint(N, K, group, gen)
+    x = torch.randn(5, 3, K, generator=gen)
+    for dtype in (torch.bfloat16, torch.float16):
+        whole = w4a8_expand_gemm(x.to(dtype).to(DEV), packed.to(DEV), scale.to(DEV), group)
+        monkeypatch.setattr(expand_module, "_CHUNK_BYTES", 16 * K)  # 16 rows a chunk: 3 chunks
+        chunked = w4a8_expand_gemm(x.to(dtype).to(DEV), packed.to(DEV), scale.to(DEV), group)
+        monkeypatch.undo()
+        assert whole.shape == chunked.shape == (5, 3, N) and whole.dtype == chunked.dtype == dtype
+        assert torch.equal(whole.cpu(), chunked.cpu())
 
 
 def test_kernels_compile_for_sm90() -> None:
