@@ -5,7 +5,8 @@
 # llguidance wheels (cp312, manylinux; the image has neither; llguidance is only imported). Three
 # variants each: FP8-channel weights first (issue 7's goal compares INT4 + FP8 KV with FP8, and the paired
 # deltas are taken against the first variant); bf16; INT4-g32 experts + FP8 KV; then bf16 on the GPU against
-# bf16 on the CPU path (300 items a task). The reports come back as $OUT/quality-<model>.json and
+# bf16 on the CPU path (100 items a task); beside them (PREFILL_PATHS=, empty, turns it off) GLM's INT4 prefill
+# paths W4A8 and expand-fp8 against W4A16 (issue 6). The reports come back as $OUT/quality-<model>.json and
 # $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -32,7 +33,20 @@ evaluate() {  # one model: its test sets, then the three variants
         --variant gpu=$MODELS/$name --variant cpu=$MODELS/$name:device=cpu \
         "${sub[@]}" --out "$OUT/gpu-vs-cpu-$name.json"
 }
+prefill_paths() {  # issue 6: W4A8 (INT4 -> FP8 in the kernel, FP8 activations) and expand-fp8 against W4A16,
+    # every Linear INT4 (all-linear: the routed experts alone run the fused MoE, not these paths), every
+    # product through the chosen path (kumo eval sets the threshold to 1 token); GLM, 1,000 items a task
+    local name=glm-5.2-nano data=(); mkdir -p /tmp/pp
+    python3 -m models.recipes.build --out /tmp/data-pp --family glm --train-items 0 > /dev/null || return 4
+    for f in /tmp/data-pp/*.test.jsonl; do head -n 1000 "$f" > /tmp/pp/$(basename "$f"); data+=(--data /tmp/pp/$(basename "$f")); done
+    python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        --variant w4a16=$MODELS/$name:weights=int4-g32:all-linear \
+        --variant w4a8=$MODELS/$name:weights=int4-g32:all-linear:int4-prefill=w4a8 \
+        --variant expand-fp8=$MODELS/$name:weights=int4-g32:all-linear:int4-prefill=expand-fp8 \
+        "${data[@]}" --out "$OUT/quality-int4-prefill-$name.json"
+}
 pids=()
+[ -n "${PREFILL_PATHS-1}" ] && { (time prefill_paths) > "$OUT/eval-int4-prefill.log" 2>&1 & pids+=($!); }
 for fam in kimi glm; do  # both at once: the models are small, the GPU and the 16 cores are shared
     name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
     [ -d "$MODELS/$name" ] || { echo "$MODELS/$name is missing"; exit 3; }
@@ -41,5 +55,5 @@ for fam in kimi glm; do  # both at once: the models are small, the GPU and the 1
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-for name in kimi-k2.6-nano glm-5.2-nano; do echo "== $name"; cat "$OUT/eval-$name.log"; done
+for name in kimi-k2.6-nano glm-5.2-nano int4-prefill; do echo "== $name"; cat "$OUT/eval-$name.log" 2>/dev/null; done
 exit $rc
