@@ -72,7 +72,7 @@ def w4a8_expand_gemm(
     if q.shape[0] % 16 or q.shape[0] < M or s.shape != (q.shape[0], 1):
         raise ValueError(f"xq ({tuple(q.shape)}, {tuple(s.shape)}) must cover [{M}, {K}] in rows of 16")
     rows = max(16, _CHUNK_BYTES // K // 16 * 16)
-    if N <= rows:  # one chunk (every weight but the widest): the product is the output, no copy of [M, N]
+    if rows >= N:  # one chunk (every weight but the widest): the product is the output, no copy of [M, N]
         w8, c = expand_int4_fp8(w, scales, group_size)  # [N, K], [N]
         y = torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=c[None, :], out_dtype=torch.bfloat16)  # [Mp, N]
         return y[:M].to(x.dtype).reshape(*lead, N)  # rows past M are the padding's

@@ -80,15 +80,19 @@ class ExpertBalance:
         self.rate = rate
         self.routers = [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
         self.counts = [torch.zeros_like(r.e_score_correction_bias, dtype=torch.float32) for r in self.routers]
+        self.is_real: torch.Tensor | None = None  # [B·L] bool: the batch's tokens that are not padding
         for router, counts in zip(self.routers, self.counts, strict=True):
             router.register_forward_hook(self._hook(counts))
 
-    @staticmethod
-    def _hook(counts: torch.Tensor) -> Any:
+    def _hook(self, counts: torch.Tensor) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: tuple[torch.Tensor, ...]) -> None:
-            indices = output[2].flatten()  # [T, k] chosen experts
-            # index_add, not bincount: bincount sizes its output from the data (a host sync on CUDA)
-            counts.index_add_(0, indices, torch.ones_like(indices, dtype=counts.dtype))
+            chosen = output[2]  # [T, k] chosen experts, T = B·L
+            # padding (one token repeated up to PAD_MULTIPLE - 1 times a row) would tell every router
+            # that its experts are over-used; index_add, not bincount: no host sync on CUDA
+            weight = torch.ones_like(chosen, dtype=counts.dtype)
+            if self.is_real is not None and self.is_real.numel() == chosen.shape[0]:
+                weight = weight * self.is_real[:, None]
+            counts.index_add_(0, chosen.flatten(), weight.flatten())
 
         return hook
 
@@ -179,9 +183,11 @@ def collate(
     labels = torch.full((len(batch), length), IGNORE, dtype=torch.long)
     weights = torch.zeros((len(batch), length))
     is_trained = torch.zeros((len(batch), length), dtype=torch.bool)
+    is_real = torch.zeros((len(batch), length), dtype=torch.bool)
     for b, ex in enumerate(batch):
         n = len(ex.token_ids)
         ids[b, :n] = torch.tensor(ex.token_ids)
+        is_real[b, :n] = True
         target = torch.tensor(ex.token_ids[1:])
         trained = torch.tensor(ex.loss_mask[1:])
         if prompt_weight > 0:
@@ -191,7 +197,7 @@ def collate(
             is_trained[b, : n - 1] = trained
         else:
             labels[b, : n - 1] = torch.where(trained, target, IGNORE)
-    out = {"input_ids": _to(ids, device), "labels": _to(labels, device)}
+    out = {"input_ids": _to(ids, device), "labels": _to(labels, device), "is_real": _to(is_real, device)}
     if prompt_weight > 0:
         out["weights"], out["trained"] = _to(weights, device), _to(is_trained, device)
     images = [image for ex in batch for image in ex.images]
@@ -204,7 +210,7 @@ def collate(
 def loss_of(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to train on, the mean loss over assistant tokens alone — the one the log reports).
     Without `weights` in the batch the two are the same."""
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights", "trained")}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "weights", "trained", "is_real")}
     logits = model(**inputs, use_cache=False).logits  # [B, L, V]
     labels = batch["labels"].flatten()
     if "weights" not in batch:
@@ -348,6 +354,7 @@ def fit(
             profiler = torch.profiler.profile(activities=kinds)
             profiler.__enter__()
         batch = collate(next(stream), pad_id, dev, prompt_weight=prompt_weight, unpredicted=unpredicted)
+        balance.is_real = batch["is_real"].flatten()
         # no cuDNN attention: its per-shape plans cost 18-20 ms of host time a call (PAD_MULTIPLE)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=is_cuda), sdpa_kernel(SDPA_BACKENDS):
             loss, answer_loss = loss_of(model, batch)
@@ -357,6 +364,7 @@ def fit(
         opt.zero_grad(set_to_none=True)
         schedule.step()
         load = balance.step()
+        balance.is_real = None
         window.append(answer_loss.detach())
         if profiler is not None and step == PROBE_STEPS + profile_steps:
             profiler.__exit__(None, None, None)

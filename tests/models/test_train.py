@@ -209,6 +209,14 @@ def test_expert_balance_nudges_the_bias_toward_under_used_experts() -> None:
     assert float(load) == pytest.approx(3 / 1.5)
     assert router.e_score_correction_bias.tolist() == [-0.5, -0.5, 0.5, 0.5]
     assert float(balance.step()) == 1.0 and router.e_score_correction_bias.tolist() == [-0.5, -0.5, 0.5, 0.5]
+    # padding does not count: three pad rows all on expert 3 would make it look over-used
+    balance.is_real = collate([Example([5, 6, 7], [False, True, True])], 0, torch.device("cpu"))["is_real"][
+        0, :6
+    ]
+    assert balance.is_real.tolist() == [True, True, True, False, False, False]
+    router(torch.tensor([[0, 1], [2, 1], [0, 2], [3, 3], [3, 3], [3, 3]]))  # loads 2, 2, 2, 0 (pads dropped)
+    balance.step()
+    assert router.e_score_correction_bias.tolist() == [-1.0, -1.0, 0.0, 1.0]
 
 
 def test_prompt_weight_trains_the_prompt_tokens_too_and_logs_the_answer_loss() -> None:
