@@ -12,6 +12,8 @@
 #   (untar again, commit if better)
 #   run(command="bash benchmarks/device_plan.sh eval",   carry=[".whl"])            # ~6 min
 #   run(command="bash benchmarks/device_plan.sh sweeps", carry=[".whl"])            # ~8 min, when there is time
+#   run(command="bash benchmarks/device_plan.sh bench",  carry=[".whl"])            # ~8 min: the transformers
+#                                                        peer at 3 layers, then the MLA decode sweep
 #
 # train: both nano models from scratch with the 2026-12-01 recipe (models/README.md), and meanwhile, on
 #   the same GPU (the trainings use a few % of it; correctness only, no timing), every test the kernels
@@ -25,7 +27,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|train-continue|sweeps|eval|kimi-eval}
+stage=${1:?train|train-continue|sweeps|eval|kimi-eval|bench}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -115,7 +117,17 @@ case $stage in
     wait
     tail -n 4 "$OUT"/kimi-eval/eval-*.log; grep -hE "passed|failed|FAILED|^ERROR" "$OUT"/kimi-eval/pytest_*.log | tail -30
     ;;
-  *) echo "unknown stage $stage (train|train-continue|sweeps|eval|kimi-eval)"; exit 2 ;;
+  bench)  # timing runs left by 2026-12-02, one after the other in one call (~8 min; nothing beside them): the
+    # transformers peer at 3 layers (vs_transformers_c64, issue 9), then the MLA decode tile sweep (issue 6);
+    # the first keeps its files if the second runs out of time. `run_on_device.sh weights --all-linear` next.
+    mkdir -p "$OUT/bench"
+    OUT="$OUT/bench" BUDGET_S=270 timeout 330 bash benchmarks/engine/run_on_device.sh transformers > /dev/null 2>&1
+    tail -n 25 "$OUT/bench/engine-transformers.log" 2>/dev/null
+    site
+    timeout 150 python3 -m benchmarks.kernels.bench_mla_decode --sweep --parts decode --out "$OUT/bench/mla_sweep.json" 2>&1 \
+      | grep -v Warning > "$OUT/bench/bench_mla_sweep.log"; tail -15 "$OUT/bench/bench_mla_sweep.log"
+    ;;
+  *) echo "unknown stage $stage (train|train-continue|sweeps|eval|kimi-eval|bench)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"
