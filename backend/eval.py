@@ -114,7 +114,9 @@ def parse_variant(spec: str) -> tuple[str, VariantOptions]:
             )
     if all_linear and weights is None:
         raise ValueError(f"variant {spec!r}: all-linear needs weights=FORMAT")
-    return path, VariantOptions(kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill, device=device)  # type: ignore[arg-type]
+    return path, VariantOptions(
+        kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill, device=device
+    )  # type: ignore[arg-type]
 
 
 class Variant:

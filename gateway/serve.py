@@ -165,7 +165,7 @@ async def stop_backends(backends: list[BackendProcess]) -> None:
 
 def plan(
     args: argparse.Namespace, settings: GatewaySettings
-) -> tuple[Catalog, list[BackendProcess], list[tuple[str, Path]]]:
+) -> tuple[Catalog, list[BackendProcess], list[tuple[Path, Path]]]:
     """The catalog and one backend per served model; the (trained, served) checkpoint pairs to convert."""
     file = load_catalog_file(settings.catalog_file)
     to_create: list[tuple[Path, Path]] = []

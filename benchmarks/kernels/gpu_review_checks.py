@@ -60,8 +60,13 @@ def check_a() -> None:
             off += int(not (bool(out.isfinite().all()) and rel(out.cpu(), ref) < 3e-2))
         sync()
         flag = dev["tag_mismatch"].cpu().tolist() == [False, False, False, True]
-        res.append((f"a gqa decode re-walk {kv}", diff == 0 and off == 0 and flag,
-                    f"differ from run 0: {diff}/{REPS}, off ref: {off}/{REPS}, flags ok {flag}, {time.time() - t0:.1f}s"))
+        res.append(
+            (
+                f"a gqa decode re-walk {kv}",
+                diff == 0 and off == 0 and flag,
+                f"differ from run 0: {diff}/{REPS}, off ref: {off}/{REPS}, flags ok {flag}, {time.time() - t0:.1f}s",
+            )
+        )
     g = torch.Generator(device=DEV).manual_seed(0)
     T, NQ = (200, 16) if SMALL else (4096, 64)
     table, tags = random_pages([T], 16, g)
@@ -120,10 +125,17 @@ def check_b() -> None:
                 out = w4a16_gemm(x.to(DEV), w.to(DEV), s.to(DEV), group, config=cfg).double().cpu()
                 want = x.double() @ wd.t()
                 e = max(rel(o, t) for o, t in zip(out, want, strict=True))  # per row: tiny rows count too
-                res.append((f"b w4a16 gemv g{group} {name} lift={lift}", e < 1e-2 and bool(out.isfinite().all()),
-                            f"rel {e:.2e}, split {cfg.split_k}"))
+                res.append(
+                    (
+                        f"b w4a16 gemv g{group} {name} lift={lift}",
+                        e < 1e-2 and bool(out.isfinite().all()),
+                        f"rel {e:.2e}, split {cfg.split_k}",
+                    )
+                )
         z = w4a16_gemm(torch.zeros(1, K, dtype=ACT, device=DEV), w.to(DEV), s.to(DEV), group)
-        res.append((f"b w4a16 zero row g{group}", bool((z == 0).all()), f"max |out| {float(z.abs().max()):.1e}"))
+        res.append(
+            (f"b w4a16 zero row g{group}", bool((z == 0).all()), f"max |out| {float(z.abs().max()):.1e}")
+        )
     E, H, I = (4, 256, 128) if SMALL else (16, 2048, 512)
     w13 = torch.stack([int4_words(2 * I, H, gen) for _ in range(E)])
     w2 = torch.stack([int4_words(H, I, gen) for _ in range(E)])
@@ -136,8 +148,13 @@ def check_b() -> None:
     for lift, split in ((True, 0), (False, 0), (True, 4)):
         cfg = MoEConfig(block_m=0, block_n=64, block_k=128, lift=lift, split_k=split)
         out = fused_moe(*(t.to(DEV) for t in (x, ids, wts, w13, s13, w2, s2)), 32, config=cfg).float().cpu()
-        res.append((f"b moe gemv lift={lift} split={split}", rel(out, ref) < 2e-2 and float(ref.norm()) > 0,
-                    f"rel {rel(out, ref):.2e}, |ref| {float(ref.norm()):.2e}"))
+        res.append(
+            (
+                f"b moe gemv lift={lift} split={split}",
+                rel(out, ref) < 2e-2 and float(ref.norm()) > 0,
+                f"rel {rel(out, ref):.2e}, |ref| {float(ref.norm()):.2e}",
+            )
+        )
 
 
 def check_c() -> None:
@@ -167,8 +184,13 @@ def check_c() -> None:
         same &= torch.equal(out, a)
     torch.cuda.synchronize()
     nz = int(split_k_counters(x.device, 1).count_nonzero())
-    res.append(("c split-K counters, graph replays", same and nz == 0 and nz_eager == 0,
-                f"nonzero counters: eager {nz_eager}, after replays {nz}; replays == eager: {same}"))
+    res.append(
+        (
+            "c split-K counters, graph replays",
+            same and nz == 0 and nz_eager == 0,
+            f"nonzero counters: eager {nz_eager}, after replays {nz}; replays == eager: {same}",
+        )
+    )
 
 
 def check_d() -> None:

@@ -62,7 +62,10 @@ if __name__ == "__main__":
 
     jobs = [
         dict(name=n, splits=sp, case=c, split_v=sv, D=D)
-        for D in (64, 128)  # SPLIT_V is off below Dv 128 since the second 2026-12-02 run (slice_constexprs); on at 128
+        for D in (
+            64,
+            128,
+        )  # SPLIT_V is off below Dv 128 since the second 2026-12-02 run (slice_constexprs); on at 128
         for n in sorted(PREFILL_TILES)
         for sv in ([None, False] if n.startswith("fp8") else [None])
         for sp in (1, 2)

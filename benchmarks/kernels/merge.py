@@ -22,7 +22,9 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for record in records:
         index = len(runs)
-        runs.append({k: record.get(k) for k in ("command", "date", "device", "versions", "ceilings", "notes")})
+        runs.append(
+            {k: record.get(k) for k in ("command", "date", "device", "versions", "ceilings", "notes")}
+        )
         for row in record["rows"]:
             rows[(row["kernel"], row["case"])] = row | {"run": index}
     if not runs:

@@ -161,7 +161,9 @@ def _serving_request(it: dict[str, Any]) -> GenerateRequest:
 
 def test_eval_sends_what_serving_sends_and_scores_what_training_trains(random_ckpt: Path) -> None:
     family = "kimi" if (random_ckpt / "tiktoken.model").exists() else "glm"
-    prompts = EvalPrompts([random_ckpt], is_chat=True, max_new_tokens=64, dtype=torch.float32, devices=["cpu"])
+    prompts = EvalPrompts(
+        [random_ckpt], is_chat=True, max_new_tokens=64, dtype=torch.float32, devices=["cpu"]
+    )
     served = ServedModel.from_checkpoint(random_ckpt)
     vision = VisionEncoder.from_checkpoint(
         random_ckpt, pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD), dtype=torch.float32

@@ -16,14 +16,18 @@ def _record(date: str, copy: float, rows: list[tuple[str, str, float]]) -> dict:
 
 
 def test_newest_row_per_case_and_every_run_kept(tmp_path: Path) -> None:
-    old = _record("2026-11-29", 4218.0, [("w4a16", "M=1 N=8192 K=8192", 0.0244), ("mla-decode", "kv=fp8", 9.4)])
+    old = _record(
+        "2026-11-29", 4218.0, [("w4a16", "M=1 N=8192 K=8192", 0.0244), ("mla-decode", "kv=fp8", 9.4)]
+    )
     new = _record("2026-12-01", 4222.0, [("w4a16", "M=1 N=8192 K=8192", 0.0121)])
     merged = merge([old, new])
     assert [r["date"] for r in merged["runs"]] == ["2026-11-29", "2026-12-01"]
     assert merged["ceilings"]["copy_GBps"] == 4218.0 and merged["date"] == "2026-12-01"
     by_case = {(r["kernel"], r["case"]): r for r in merged["rows"]}
     assert by_case[("w4a16", "M=1 N=8192 K=8192")]["ms"] == 0.0121
-    assert by_case[("w4a16", "M=1 N=8192 K=8192")]["run"] == 1 and by_case[("mla-decode", "kv=fp8")]["run"] == 0
+    assert (
+        by_case[("w4a16", "M=1 N=8192 K=8192")]["run"] == 1 and by_case[("mla-decode", "kv=fp8")]["run"] == 0
+    )
     paths = []
     for i, record in enumerate((old, new)):
         paths.append(tmp_path / f"{i}.json")

@@ -57,7 +57,11 @@ async def test_envelope_reject_if_busy_with_a_non_object_inner_options_is_a_400(
     r = await harness.http.post(
         harness.path("/ai/run"),
         headers=harness.auth(),
-        json={"model": GLM, "input": {"messages": msgs("b"), "options": [1]}, "options": {"rejectIfBusy": True}},
+        json={
+            "model": GLM,
+            "input": {"messages": msgs("b"), "options": [1]},
+            "options": {"rejectIfBusy": True},
+        },
     )
     assert r.status_code == 400, r.text
     assert r.json()["errors"][0]["message"].endswith("'input.options' must be an object")

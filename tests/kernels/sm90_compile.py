@@ -222,8 +222,6 @@ def ctas_per_sm(info: str, num_warps: int) -> int:
     return min(by_regs, 228 * 1024 // (smem + 1024), 64 // num_warps)
 
 
-
-
 def main() -> None:
     args = compile_args()
     overbooked = []

@@ -118,7 +118,9 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
 
 @pytest.mark.parametrize(("dv", "cache_dtype", "want"), [(32, FP8, False), (64, FP8, False), (128, FP8, True),
                                                         (256, FP8, True), (128, torch.float16, False)])  # fmt: skip
-def test_fp8_v_is_read_as_byte_pairs_only_from_128_columns(dv: int, cache_dtype: torch.dtype, want: bool) -> None:
+def test_fp8_v_is_read_as_byte_pairs_only_from_128_columns(
+    dv: int, cache_dtype: torch.dtype, want: bool
+) -> None:
     """SPLIT_V's 16- and 32-column halves (Dv 32, 64) were wrong on the H200
     (results/2026-12-02-gqa-prefill-splitv-diag*.log): the launchers read V as byte pairs only when each
     half has >= 64 columns, and only for FP8."""
@@ -128,7 +130,9 @@ def test_fp8_v_is_read_as_byte_pairs_only_from_128_columns(dv: int, cache_dtype:
     assert flags["SPLIT_V"] is want and flags["EVEN_D"]
 
 
-@pytest.mark.parametrize("D", [32, 64, 128])  # Dv 128: FP8 entries read V as byte pairs (SPLIT_V); 32, 64: plain
+@pytest.mark.parametrize(
+    "D", [32, 64, 128]
+)  # Dv 128: FP8 entries read V as byte pairs (SPLIT_V); 32, 64: plain
 @pytest.mark.parametrize("name", sorted(PREFILL_TILES))
 def test_every_tile_entry_drops_a_tampered_nan_page(name: str, D: int) -> None:
     """Each PREFILL_TILES entry at GLM-4.5-Air's 12 heads per KV head: a 90-token prompt (whole tiles,
