@@ -5,7 +5,7 @@
 # llguidance wheels (cp312, manylinux; the image has neither; llguidance is only imported). Three
 # variants each: FP8-channel weights first (issue 7's goal compares INT4 + FP8 KV with FP8, and the paired
 # deltas are taken against the first variant); bf16; INT4-g32 experts + FP8 KV; then bf16 on the GPU against
-# bf16 on the CPU path (100 items a task); beside them (PREFILL_PATHS=, empty, turns it off) GLM's INT4 prefill
+# bf16 on the CPU path (100 items a task; GPU_VS_CPU=, empty, turns it off); beside them (PREFILL_PATHS=) GLM's INT4 prefill
 # paths W4A8 and expand-fp8 against W4A16 (issue 6). The reports come back as $OUT/quality-<model>.json and
 # $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
@@ -15,19 +15,19 @@ mkdir -p "$OUT"
 rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl \
     .whl/llguidance-*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-evaluate() {  # one model: its test sets, then the three variants
-    local fam=$1 name=$2
-    python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || return 4
-    local data=(); for f in /tmp/data-$fam/*.test.jsonl; do data+=(--data "$f"); done
+quality() {  # one model's task: the three variants (one process per task, all at once: on 2026-12-02 one
+    # process per model took 4 min for GLM's five tasks and 8 for Kimi's six)
+    local name=$1 data=$2
     python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant fp8=$MODELS/$name:weights=fp8-channel \
         --variant bf16=$MODELS/$name \
         --variant int4-fp8kv=$MODELS/$name:weights=int4-g32:kv=fp8 \
-        "${data[@]}" --out "$OUT/quality-$name.json" || return 5
-    # the GPU kernels against the CPU path's torch references, same checkpoint and dtype: KL and top-1
-    # agreement on the first GPU_VS_CPU_ITEMS items of each task (the CPU path is the slow one: on 2026-12-02
-    # 300 items did not finish in the 5 minutes GLM had left after its quality table, Kimi's 9)
-    local sub=(); mkdir -p /tmp/sub-$fam
+        --data "$data" --out "$OUT/q-$name-$(basename "$data" .test.jsonl).json"
+}
+gpu_vs_cpu() {  # the GPU kernels against the CPU path's torch references, same checkpoint and dtype: KL and
+    # top-1 agreement on the first GPU_VS_CPU_ITEMS items of each task (the CPU path is the slow one: on
+    # 2026-12-02 300 items did not finish in the 5 minutes GLM had left after its quality table)
+    local fam=$1 name=$2 sub=(); mkdir -p /tmp/sub-$fam
     for f in /tmp/data-$fam/*.test.jsonl; do head -n "${GPU_VS_CPU_ITEMS:-100}" "$f" > /tmp/sub-$fam/$(basename "$f"); sub+=(--data /tmp/sub-$fam/$(basename "$f")); done
     python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant gpu=$MODELS/$name --variant cpu=$MODELS/$name:device=cpu \
@@ -47,13 +47,30 @@ prefill_paths() {  # issue 6: W4A8 (INT4 -> FP8 in the kernel, FP8 activations) 
 }
 pids=()
 [ -n "${PREFILL_PATHS-1}" ] && { (time prefill_paths) > "$OUT/eval-int4-prefill.log" 2>&1 & pids+=($!); }
-for fam in kimi glm; do  # both at once: the models are small, the GPU and the 16 cores are shared
+for fam in kimi glm; do  # everything at once: the models are small, the GPU and the 16 cores are shared
     name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
     [ -d "$MODELS/$name" ] || { echo "$MODELS/$name is missing"; exit 3; }
-    (time evaluate $fam $name) > "$OUT/eval-$name.log" 2>&1 &
-    pids+=($!)
+    python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || exit 4
+    for f in /tmp/data-$fam/*.test.jsonl; do
+        (time quality $name "$f") > "$OUT/eval-$name-$(basename "$f" .test.jsonl).log" 2>&1 &
+        pids+=($!)
+    done
+    [ -n "${GPU_VS_CPU-1}" ] && { (time gpu_vs_cpu $fam $name) > "$OUT/eval-gpu-vs-cpu-$name.log" 2>&1 & pids+=($!); }
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-for name in kimi-k2.6-nano glm-5.2-nano int4-prefill; do echo "== $name"; cat "$OUT/eval-$name.log" 2>/dev/null; done
+# one report per model, in kumo eval's schema: the per-task reports' tasks in one list
+python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+for name in ("kimi-k2.6-nano", "glm-5.2-nano"):
+    parts = sorted(glob.glob(f"{out}/q-{name}-*.json"))
+    if parts:
+        reports = [json.load(open(p)) for p in parts]
+        merged = {**reports[0], "tasks": [t for r in reports for t in r["tasks"]]}
+        json.dump(merged, open(f"{out}/quality-{name}.json", "w"), indent=1)
+        for p in parts:
+            os.remove(p)
+PY
+for f in "$OUT"/eval-*.log; do echo "== $(basename "$f" .log)"; grep -v "^\s*$" "$f" | tail -n 14; done
 exit $rc
