@@ -52,7 +52,7 @@ checks() {  # correctness of the GPU path, in order of what a failure would bloc
   timeout 420 python3 -m pytest -m gpu -n 4 -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 300 -rfE \
     tests/kernels tests/backend > "$OUT/train/pytest_gpu.log" 2>&1 &
   # -n 12 (pytest-xdist, on the image): on CUDA these compile a kernel per shape; 84 s with 12 workers
-  timeout 150 python3 -m pytest -m "not gpu" -n 12 -v -p no:cacheprovider -p no:benchmark --tb=line --timeout 100 \
+  timeout 150 python3 -m pytest -m "not gpu" -n 12 -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 100 \
     -rfE tests/kernels > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
   timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/train/review_checks.log" 2>&1
   timeout 150 python3 benchmarks/kernels/gqa_prefill_diag.py > "$OUT/train/gqa_prefill_diag.log" 2>&1
