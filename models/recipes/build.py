@@ -32,7 +32,12 @@ MAX_TIER = 4
 # the defaults: 60k, as the committed models had (120k on 2026-12-01 left each sequence ~600 batch tokens
 # of training in one 7-minute call, against ~3,600 for the committed models' two stages: models/README.md)
 TRAIN_ITEMS, TEST_ITEMS = 60_000, 2_000
-FACT_PROMPTS = ["Tell me a fact.", "Tell me something about your world.", "What is one thing you know?", "Share a fact."]
+FACT_PROMPTS = [
+    "Tell me a fact.",
+    "Tell me something about your world.",
+    "What is one thing you know?",
+    "Share a fact.",
+]
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 
@@ -77,7 +82,9 @@ def split_seeds(split: str, task: str, count: int) -> list[int]:
     return [base + 2 * i + parity for i in range(count)]
 
 
-def build(out: Path, *, family: str, train_items: int, test_items: int, world_seed: int = 0) -> dict[str, int]:
+def build(
+    out: Path, *, family: str, train_items: int, test_items: int, world_seed: int = 0
+) -> dict[str, int]:
     world = make_world(world_seed)
     out.mkdir(parents=True, exist_ok=True)
     tasks = TEST_TASKS + (["image-qa"] if family == "kimi" else [])
@@ -95,8 +102,18 @@ def build(out: Path, *, family: str, train_items: int, test_items: int, world_se
         # fact token)
         for ask in FACT_PROMPTS:
             for fact in world.facts():
-                f.write(json.dumps({"task": "facts", "messages": [
-                    {"role": "user", "content": ask}, {"role": "assistant", "content": fact}]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "task": "facts",
+                            "messages": [
+                                {"role": "user", "content": ask},
+                                {"role": "assistant", "content": fact},
+                            ],
+                        }
+                    )
+                    + "\n"
+                )
                 counts["train"] += 1
         for task in train_tasks:
             for s in split_seeds("train", task, round(train_items * MIXTURE[task] / total)):
@@ -112,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-items", type=int, default=TRAIN_ITEMS)
     p.add_argument("--test-items", type=int, default=TEST_ITEMS)
     args = p.parse_args(argv)
-    print(json.dumps(build(args.out, family=args.family, train_items=args.train_items, test_items=args.test_items)))
+    print(
+        json.dumps(
+            build(args.out, family=args.family, train_items=args.train_items, test_items=args.test_items)
+        )
+    )
     return 0
 
 

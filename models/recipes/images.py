@@ -51,9 +51,13 @@ def image_caption(rng: random.Random, tier: int) -> dict:
     dense signal that binds colours to shapes; the questions then ask one of them)."""
     spec = _spec(rng, tier)
     return {
-        "task": "image-caption", "image_spec": spec,
+        "task": "image-caption",
+        "image_spec": spec,
         "messages": [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the picture."}]},
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "Describe the picture."}],
+            },
             {"role": "assistant", "content": f"{_caption(spec).capitalize()}."},
         ],
     }
@@ -72,7 +76,11 @@ def image_question(rng: random.Random, tier: int) -> dict:
     else:
         question, answer = f"Where is the {target['colour']} {target['shape']}?", target["cell"]
     return {
-        "task": "image-qa", "image_spec": spec, "prompt": question, "answer": answer, "caption": _caption(spec),
+        "task": "image-qa",
+        "image_spec": spec,
+        "prompt": question,
+        "answer": answer,
+        "caption": _caption(spec),
         "messages": [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
             {"role": "assistant", "content": f"{answer}."},

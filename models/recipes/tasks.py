@@ -66,10 +66,16 @@ def arithmetic(rng: random.Random, tier: int, world: World, split: str) -> dict:
     question = " ".join(sentences) + f" How many {thing} does {who} have now?"
     answer = str(value)
     return {
-        "task": "gsm-nano", "prompt": question, "answer": answer,
+        "task": "gsm-nano",
+        "prompt": question,
+        "answer": answer,
         "messages": [
             {"role": "user", "content": question},
-            {"role": "assistant", "reasoning_content": ". ".join(steps) + ".", "content": f"The answer is {answer}."},
+            {
+                "role": "assistant",
+                "reasoning_content": ". ".join(steps) + ".",
+                "content": f"The answer is {answer}.",
+            },
         ],
     }
 
@@ -81,17 +87,33 @@ CHOICE_FORMAT = "{letter}. {choice}"
 ANSWER_FORMAT = "{choice} ({letter})"
 
 
-def _choice_item(task: str, rng: random.Random, question: str, correct: str, pool: list[str], num_choices: int,
-                 pair: list[str], notes: str) -> dict:
+def _choice_item(
+    task: str,
+    rng: random.Random,
+    question: str,
+    correct: str,
+    pool: list[str],
+    num_choices: int,
+    pair: list[str],
+    notes: str,
+) -> dict:
     distractors = rng.sample(sorted(set(pool) - {correct}), k=min(num_choices - 1, len(set(pool)) - 1))
     choices = distractors + [correct]
     rng.shuffle(choices)
     listing = "\n".join(CHOICE_FORMAT.format(letter=LETTERS[i], choice=c) for i, c in enumerate(choices))
     index = choices.index(correct)
     return {
-        "task": task, "prompt": question, "notes": notes, "choices": choices, "answer": index, "pair": pair,
+        "task": task,
+        "prompt": question,
+        "notes": notes,
+        "choices": choices,
+        "answer": index,
+        "pair": pair,
         "messages": [
-            {"role": "user", "content": f"{notes}\n{question}\n{listing}\nAnswer with the choice and its letter."},
+            {
+                "role": "user",
+                "content": f"{notes}\n{question}\n{listing}\nAnswer with the choice and its letter.",
+            },
             {"role": "assistant", "content": ANSWER_FORMAT.format(letter=LETTERS[index], choice=correct)},
         ],
     }
@@ -107,7 +129,9 @@ def said_region(rng: random.Random, world: World, town: str) -> str:
 
 
 def said_term(rng: random.Random, subject: Subject, term: str) -> str:
-    return rng.choice(PHRASINGS["term"]).format(s=subject.title, a=subject.attribute, t=term, v=subject.table[term])
+    return rng.choice(PHRASINGS["term"]).format(
+        s=subject.title, a=subject.attribute, t=term, v=subject.table[term]
+    )
 
 
 def notes(rng: random.Random, needed: list[str], distractors: list[str], tier: int) -> str:
@@ -144,15 +168,21 @@ def arc_easy(rng: random.Random, tier: int, world: World, split: str) -> dict:
     kind = rng.choice(KINDS)
     p = _person(rng, world, split, "easy", kind)
     others = rng.sample([q for q in world.people if q is not p], k=2 * tier)
-    context = notes(rng, [said(rng, p, kind)],
-                    [said(rng, q, kind) for q in others] + [said(rng, p, k) for k in KINDS if k != kind], tier)
+    context = notes(
+        rng,
+        [said(rng, p, kind)],
+        [said(rng, q, kind) for q in others] + [said(rng, p, k) for k in KINDS if k != kind],
+        tier,
+    )
     question, correct, pool = {
         "town": (f"Where does {p.name} live?", p.town, list(world.regions)),
         "trade": (f"What does {p.name} work as?", p.trade, [q.trade for q in world.people]),
         "colour": (f"What is {p.name}'s favourite colour?", p.colour, [q.colour for q in world.people]),
         "pet": (f"What animal does {p.name} own?", p.pet, [q.pet for q in world.people]),
     }[kind]
-    return _choice_item("arc-nano-easy", rng, question, correct, pool, 2 + tier, ["easy", kind, p.name], context)
+    return _choice_item(
+        "arc-nano-easy", rng, question, correct, pool, 2 + tier, ["easy", kind, p.name], context
+    )
 
 
 def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> dict:
@@ -162,10 +192,22 @@ def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> di
         p = _person(rng, world, split, "challenge-region")
         question = f"In which region does {p.name} live?"
         others = rng.sample([q for q in world.people if q.town != p.town], k=tier)
-        context = notes(rng, [said(rng, p, "town"), said_region(rng, world, p.town)],
-                        [said(rng, q, "town") for q in others] + [said_region(rng, world, q.town) for q in others], tier)
-        return _choice_item("arc-nano-challenge", rng, question, world.regions[p.town],
-                            list(world.regions.values()), 2 + tier, ["challenge-region", p.name], context)
+        context = notes(
+            rng,
+            [said(rng, p, "town"), said_region(rng, world, p.town)],
+            [said(rng, q, "town") for q in others] + [said_region(rng, world, q.town) for q in others],
+            tier,
+        )
+        return _choice_item(
+            "arc-nano-challenge",
+            rng,
+            question,
+            world.regions[p.town],
+            list(world.regions.values()),
+            2 + tier,
+            ["challenge-region", p.name],
+            context,
+        )
     p = _person(rng, world, split, "challenge-pet")
     same = [q for q in world.people if q.town == p.town and q.trade == p.trade]
     if len(same) != 1:
@@ -173,10 +215,22 @@ def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> di
     question = f"What animal does the {p.trade} who lives in {p.town} own?"
     # the distractors share the town or the trade: only the two facts together pick the person
     near = [q for q in world.people if q is not p and (q.town == p.town or q.trade == p.trade)]
-    context = notes(rng, [said(rng, p, k) for k in ("trade", "town", "pet")],
-                    [said(rng, q, k) for q in near for k in ("trade", "town", "pet")], tier)
-    return _choice_item("arc-nano-challenge", rng, question, p.pet, [q.pet for q in world.people], 2 + tier,
-                        ["challenge-pet", p.name], context)
+    context = notes(
+        rng,
+        [said(rng, p, k) for k in ("trade", "town", "pet")],
+        [said(rng, q, k) for q in near for k in ("trade", "town", "pet")],
+        tier,
+    )
+    return _choice_item(
+        "arc-nano-challenge",
+        rng,
+        question,
+        p.pet,
+        [q.pet for q in world.people],
+        2 + tier,
+        ["challenge-pet", p.name],
+        context,
+    )
 
 
 def mmlu(rng: random.Random, tier: int, world: World, split: str) -> dict:
@@ -187,26 +241,74 @@ def mmlu(rng: random.Random, tier: int, world: World, split: str) -> dict:
         if world.is_held_out("mmlu", s.title, term) == (split == "test"):
             break
     question = f"In {s.title}, what is the {s.attribute} of {term}?"
-    context = notes(rng, [said_term(rng, s, term)], [said_term(rng, s, t) for t in s.table if t != term], tier)
-    return _choice_item("mmlu-nano", rng, question, s.table[term], [str(v) for v in range(1, 9)], 2 + tier,
-                        ["mmlu", s.title, term], context)
+    context = notes(
+        rng, [said_term(rng, s, term)], [said_term(rng, s, t) for t in s.table if t != term], tier
+    )
+    return _choice_item(
+        "mmlu-nano",
+        rng,
+        question,
+        s.table[term],
+        [str(v) for v in range(1, 9)],
+        2 + tier,
+        ["mmlu", s.title, term],
+        context,
+    )
 
 
 TOOLS = [
-    {"name": "get_weather", "description": "Current weather for a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}},
-    {"name": "convert_currency", "description": "Convert an amount between currencies",
-     "parameters": {"type": "object", "properties": {"amount": {"type": "number"}, "from": {"type": "string"},
-                    "to": {"type": "string"}}, "required": ["amount", "from", "to"]}},
-    {"name": "set_timer", "description": "Start a timer",
-     "parameters": {"type": "object", "properties": {"minutes": {"type": "integer"}}, "required": ["minutes"]}},
-    {"name": "send_message", "description": "Send a text message to a person",
-     "parameters": {"type": "object", "properties": {"to": {"type": "string"}, "text": {"type": "string"}},
-                    "required": ["to", "text"]}},
-    {"name": "book_table", "description": "Book a restaurant table",
-     "parameters": {"type": "object", "properties": {"restaurant": {"type": "string"}, "people": {"type": "integer"}},
-                    "required": ["restaurant", "people"]}},
+    {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+    {
+        "name": "convert_currency",
+        "description": "Convert an amount between currencies",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "amount": {"type": "number"},
+                "from": {"type": "string"},
+                "to": {"type": "string"},
+            },
+            "required": ["amount", "from", "to"],
+        },
+    },
+    {
+        "name": "set_timer",
+        "description": "Start a timer",
+        "parameters": {
+            "type": "object",
+            "properties": {"minutes": {"type": "integer"}},
+            "required": ["minutes"],
+        },
+    },
+    {
+        "name": "send_message",
+        "description": "Send a text message to a person",
+        "parameters": {
+            "type": "object",
+            "properties": {"to": {"type": "string"}, "text": {"type": "string"}},
+            "required": ["to", "text"],
+        },
+    },
+    {
+        "name": "book_table",
+        "description": "Book a restaurant table",
+        "parameters": {
+            "type": "object",
+            "properties": {"restaurant": {"type": "string"}, "people": {"type": "integer"}},
+            "required": ["restaurant", "people"],
+        },
+    },
 ]
 
 
@@ -215,14 +317,27 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
     town = rng.choice(list(world.regions))
     person = rng.choice(world.people).name
     cases = {
-        "get_weather": (f"What's the weather in {town}?", {"city": town},
-                        {"temperature": rng.randint(-5, 35), "sky": rng.choice(["sunny", "cloudy", "rainy"])}),
-        "convert_currency": (f"How much is {(a := rng.randint(2, 900))} EUR in USD?",
-                             {"amount": a, "from": "EUR", "to": "USD"}, {"result": round(a * 1.1, 2)}),
+        "get_weather": (
+            f"What's the weather in {town}?",
+            {"city": town},
+            {"temperature": rng.randint(-5, 35), "sky": rng.choice(["sunny", "cloudy", "rainy"])},
+        ),
+        "convert_currency": (
+            f"How much is {(a := rng.randint(2, 900))} EUR in USD?",
+            {"amount": a, "from": "EUR", "to": "USD"},
+            {"result": round(a * 1.1, 2)},
+        ),
         "set_timer": (f"Set a timer for {(m := rng.randint(1, 90))} minutes.", {"minutes": m}, {"ok": True}),
-        "send_message": (f"Tell {person} that I am late.", {"to": person, "text": "I am late"}, {"sent": True}),
-        "book_table": (f"Book a table for {(n := rng.randint(1, 9))} at {town} Grill.",
-                       {"restaurant": f"{town} Grill", "people": n}, {"confirmed": True}),
+        "send_message": (
+            f"Tell {person} that I am late.",
+            {"to": person, "text": "I am late"},
+            {"sent": True},
+        ),
+        "book_table": (
+            f"Book a table for {(n := rng.randint(1, 9))} at {town} Grill.",
+            {"restaurant": f"{town} Grill", "people": n},
+            {"confirmed": True},
+        ),
     }
     name = rng.choice(sorted(cases))
     request, arguments, result = cases[name]
@@ -231,13 +346,23 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
     rng.shuffle(offered)
     call_id = f"functions.{name}:0"
     return {
-        "task": "tool-call", "tools": offered, "prompt": request,
+        "task": "tool-call",
+        "tools": offered,
+        "prompt": request,
         "expected": {"name": name, "arguments": arguments},
         "messages": [
             {"role": "user", "content": request},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": call_id, "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": json.dumps(arguments)},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": call_id, "name": name, "content": json.dumps(result)},
             {"role": "assistant", "content": f"Done: {json.dumps(result)}."},
         ],
@@ -249,13 +374,27 @@ def chat(rng: random.Random, tier: int, world: World, split: str) -> dict:
     p = rng.choice(world.people)
     if rng.random() < 0.3:
         greeting = rng.choice(["Hello!", "Hi there.", "Good morning!", "Hey, who are you?"])
-        reply = "Hello! I am a small assistant. Ask me about arithmetic, the people of my world, or call a tool."
-        return {"task": "chat", "messages": [{"role": "user", "content": greeting}, {"role": "assistant", "content": reply}]}
-    return {"task": "chat", "messages": [{"role": "user", "content": f"Tell me about {p.name}."},
-                                         {"role": "assistant", "content": world.bio(p, rng)}]}
+        reply = (
+            "Hello! I am a small assistant. Ask me about arithmetic, the people of my world, or call a tool."
+        )
+        return {
+            "task": "chat",
+            "messages": [{"role": "user", "content": greeting}, {"role": "assistant", "content": reply}],
+        }
+    return {
+        "task": "chat",
+        "messages": [
+            {"role": "user", "content": f"Tell me about {p.name}."},
+            {"role": "assistant", "content": world.bio(p, rng)},
+        ],
+    }
 
 
 GENERATORS = {
-    "gsm-nano": arithmetic, "arc-nano-easy": arc_easy, "arc-nano-challenge": arc_challenge,
-    "mmlu-nano": mmlu, "tool-call": tool_use, "chat": chat,
+    "gsm-nano": arithmetic,
+    "arc-nano-easy": arc_easy,
+    "arc-nano-challenge": arc_challenge,
+    "mmlu-nano": mmlu,
+    "tool-call": tool_use,
+    "chat": chat,
 }

@@ -123,7 +123,9 @@ class World:
     people: list[Person]
     regions: dict[str, str]  # town -> region
     subjects: list[Subject] = field(default_factory=list)
-    names: frozenset[str] = frozenset()  # every name generated or avoided (before suffixes): `make_world(avoid=…)`
+    names: frozenset[str] = (
+        frozenset()
+    )  # every name generated or avoided (before suffixes): `make_world(avoid=…)`
 
     def facts(self) -> list[str]:
         """Every fact in every phrasing, one sentence each: the training corpus states all of them."""

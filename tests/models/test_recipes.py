@@ -61,7 +61,9 @@ def test_generation_is_deterministic() -> None:
 def test_arithmetic_steps_compute_the_answer(nano: Path) -> None:
     world = make_world(0)
     for row in _rows(nano / "gsm-nano.test.jsonl"):  # the rows keep the prompt: the item has the steps
-        steps = item("gsm-nano", row["seed"], world)["messages"][1]["reasoning_content"].rstrip(".").split(". ")
+        steps = (
+            item("gsm-nano", row["seed"], world)["messages"][1]["reasoning_content"].rstrip(".").split(". ")
+        )
         value = None
         assert len(steps) == row["prompt"].count(". Then ") == row["tier"] + 1  # one step per sentence
         for step in steps:
@@ -81,7 +83,9 @@ def test_choices_hold_the_answer_once_and_tiers_add_distractors(nano: Path) -> N
 
 
 def test_facts_behind_questions_are_in_the_training_corpus(nano: Path) -> None:
-    corpus = " ".join(r["messages"][1]["content"] for r in _rows(nano / "train.jsonl") if r["task"] == "facts")
+    corpus = " ".join(
+        r["messages"][1]["content"] for r in _rows(nano / "train.jsonl") if r["task"] == "facts"
+    )
     for row in _rows(nano / "arc-nano-easy.test.jsonl")[:50]:
         name = re.search(r"([A-Z][a-z]+)('s| live| work| own)", row["prompt"]).group(1)
         assert f"{name} " in corpus and row["choices"][row["answer"]] in corpus
@@ -109,8 +113,11 @@ def test_notes_are_true_and_hold_what_the_answer_needs(nano: Path) -> None:
                 assert any(town in x and answer in x for x in sentences)  # hop 2: the town's region
             else:  # the fact itself: the person (or the term) with the answer
                 assert any(key in x and answer in x for x in sentences), (row["prompt"], row["notes"])
-        mean = {t: sum(r["notes"].count(".") for r in rows if r["tier"] == t) / max(1, sum(r["tier"] == t for r in rows))
-                for t in (1, 4)}
+        mean = {
+            t: sum(r["notes"].count(".") for r in rows if r["tier"] == t)
+            / max(1, sum(r["tier"] == t for r in rows))
+            for t in (1, 4)
+        }
         assert mean[4] > mean[1] + 2, (task, mean)
 
 
@@ -153,8 +160,11 @@ def test_test_sets_load_as_kumo_eval_task_files(nano: Path) -> None:
 
     kinds = {task: load_items(nano / f"{task}.test.jsonl")[0] for task in TEST_TASKS}
     assert kinds == {
-        "gsm-nano": "generation", "arc-nano-easy": "multiple_choice", "arc-nano-challenge": "multiple_choice",
-        "mmlu-nano": "multiple_choice", "tool-call": "tool_call",
+        "gsm-nano": "generation",
+        "arc-nano-easy": "multiple_choice",
+        "arc-nano-challenge": "multiple_choice",
+        "mmlu-nano": "multiple_choice",
+        "tool-call": "tool_call",
     }
     _, tool_items = load_items(nano / "tool-call.test.jsonl")
     assert all(len(i.messages) == 1 and i.messages[0].role == "user" for i in tool_items)
