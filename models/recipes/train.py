@@ -115,19 +115,20 @@ class CentredGradients:
     the step's tokens. The model and its checkpoint stay as they are (the forward is untouched; the
     response to x̄ is left to the bias, whose gradient Σ_t g_t is the subtracted term's factor).
 
-    Why (measured 2026-12-02, `Kimi_K25ForConditionalGeneration` nano): the drawings are ~80% white,
-    so every patch, and after the tower every image token, carries one large shared component x̄.
-    At initialisation the rank-one term (Σ_t g_t) x̄ᵀ is 99–102% of the norm of the projector's and
-    the patch embedding's weight gradients (the content part 14–27%), and 85–93% of the elements
-    take its sign; AdamW's near-sign updates then grow that one direction every step. The trained
-    checkpoint's `in_proj` had a top singular value of 6.15 (next 1.90) with its input direction at
-    |cos| 0.82 to x̄, |W x̄| 101 against |W (x − x̄)| 17 (out_proj 169 against 24): every image token
-    came out along one direction, colours only in its length, which the language model's RMSNorm
-    removes — it answered colour questions the same with a blank picture as with the drawing.
-    Micro Kimi, 4,000 image items, 800 steps, one-shape colour questions of 91 held-out drawings right,
-    seeds 0-4: without this 25, 45, 25, 29 / 54 (two runs), 19; with it on the patch embedding and the
-    projector 91, 87, 91, 54, 21 (seeds 3 and 4 at 1,600 steps: 83 and 45, against 25 and 35 without).
-    A clear gain in three seeds of five, not a cure (models/README.md)."""
+    Why (measured 2026-12-02 on the nano Kimi that answered every colour question alike): the drawings
+    are mostly white, so every patch, and after the tower every image token, carries one large shared
+    component x̄. At initialisation the rank-one term (Σ_t g_t) x̄ᵀ is 99–102% of the norm of the
+    patch embedding's and the projector's weight gradients (the centred part 14–27%) and sets the
+    sign of 85–93% of their elements, and AdamW's near-sign steps grow that one direction step after
+    step. The trained `in_proj` had singular values 6.15, 1.90, … with the top input direction at
+    |cos| 0.82 to x̄, |W x̄| 101 against |W (x − x̄)| 17 (`out_proj`: 169 against 24): a red and a blue
+    square came out as parallel vectors (cosine 1.0000 on all 16 tokens, the colour only in the
+    length, which the language model's RMSNorm drops), and it answered as with a blank picture.
+    Micro Kimi on 4,000 image items, 800 steps, seeds 0–4, one-shape colour questions right out of
+    91 held-out drawings: 25, 45, 25, 29, 19 without this; 91, 87, 91, 54, 21 with it (seed 3 at
+    1,600 steps: 25 against 83; seed 4 still 35 against 45: its patch embedding dropped hue itself).
+    A clear gain in three seeds of five, not a cure. `tests/models/test_train.py::
+    test_the_projector_keeps_image_tokens_apart` checks the mechanism."""
 
     def __init__(self, modules: list[torch.nn.Linear | torch.nn.Conv2d]) -> None:
         self.sums: dict[torch.nn.Linear | torch.nn.Conv2d, tuple[torch.Tensor, int]] = {}
@@ -161,7 +162,8 @@ class CentredGradients:
 
 def vision_inputs(model: torch.nn.Module) -> list[torch.nn.Linear | torch.nn.Conv2d]:
     """The layers `CentredGradients` centres: the patch embedding and the projector's two linears (Kimi);
-    none for a text-only model. (The tower's own linears too was worse: 54–85 of 91, 3 seeds.)"""
+    none for a text-only model. (Centring the tower's linears as well did worse: 85, 54, 72 of 91 on
+    seeds 0–2; the projector alone: 88, 91, 29.)"""
     inner = getattr(model, "model", None)
     tower, projector = getattr(inner, "vision_tower", None), getattr(inner, "mm_projector", None)
     if tower is None or projector is None:
