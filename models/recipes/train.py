@@ -90,7 +90,8 @@ class ExpertBalance:
             # padding (one token repeated up to PAD_MULTIPLE - 1 times a row) would tell every router
             # that its experts are over-used; index_add, not bincount: no host sync on CUDA
             weight = torch.ones_like(chosen, dtype=counts.dtype)
-            if self.is_real is not None and self.is_real.numel() == chosen.shape[0]:
+            if self.is_real is not None:
+                assert self.is_real.numel() == chosen.shape[0], "the router saw other tokens than the batch's"
                 weight = weight * self.is_real[:, None]
             counts.index_add_(0, chosen.flatten(), weight.flatten())
 
