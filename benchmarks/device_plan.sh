@@ -27,7 +27,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|train-continue|sweeps|eval|kimi-eval|bench}
+stage=${1:?train|train-continue|sweeps|eval|gpu-checks|kimi-eval|bench}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -43,22 +43,22 @@ keep() {  # keep <dir> <tars…>: a training call's checkpoint folders on this m
 kept() {  # kept <dir>: <dir> if it holds both families' folders (the machine stayed warm), else models
   if [ -d "$1/glm-5.2-nano" ] && [ -d "$1/kimi-k2.6-nano" ]; then echo "$1"; else echo models; fi
 }
-checks() {  # correctness of the GPU path, in order of what a failure would block
-  local log=$OUT/train/checks.log
+checks() {  # checks [stage]: correctness of the GPU path, in order of what a failure would block
+  local st=${1:-train}; local log=$OUT/$st/checks.log
   # -p no:benchmark: the image's pytest-benchmark warns under xdist, which filterwarnings=error turns into an
   # INTERNALERROR (2026-12-02); --tb=short keeps each failure's cause in the log
   # the gpu-marked tests beside the rest: on 2026-12-02 they were still at 64% (of 110) when 250 s ran out, one
   # process; now 4 xdist workers and 420 s, the other checks in parallel (all within the trainings' ~8 minutes)
   timeout 420 python3 -m pytest -m gpu -n 4 -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 300 -rfE \
-    tests/kernels tests/backend > "$OUT/train/pytest_gpu.log" 2>&1 &
+    tests/kernels tests/backend > "$OUT/$st/pytest_gpu.log" 2>&1 &
   # -n 12 (pytest-xdist, on the image): on CUDA these compile a kernel per shape; 84 s with 12 workers
   timeout 150 python3 -m pytest -m "not gpu" -n 12 -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 100 \
-    -rfE tests/kernels > "$OUT/train/pytest_kernels_on_cuda.log" 2>&1
-  timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/train/review_checks.log" 2>&1
-  timeout 150 python3 benchmarks/kernels/gqa_prefill_diag.py > "$OUT/train/gqa_prefill_diag.log" 2>&1
+    -rfE tests/kernels > "$OUT/$st/pytest_kernels_on_cuda.log" 2>&1
+  timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/$st/review_checks.log" 2>&1
+  timeout 150 python3 benchmarks/kernels/gqa_prefill_diag.py > "$OUT/$st/gqa_prefill_diag.log" 2>&1
   wait
   for f in pytest_gpu pytest_kernels_on_cuda review_checks gqa_prefill_diag; do
-    echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout|rc=1" "$OUT/train/$f.log" | tail -20
+    echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout|rc=1" "$OUT/$st/$f.log" | tail -20
   done > "$log"
 }
 case $stage in
@@ -97,6 +97,14 @@ case $stage in
     echo "evaluating $dir"; ls -la $dir/*/model.safetensors.index.json 2>/dev/null | head -2
     OUT="$OUT/eval" MODELS_DIR=$dir timeout 540 bash models/recipes/eval_on_device.sh
     ;;
+  gpu-checks)  # issue 6 without training: the checks of `train`, and beside them (eval_on_device.sh, no quality
+    # table) GLM's INT4 prefill paths W4A8 / expand-fp8 against W4A16 and the GPU-vs-CPU agreement of both models
+    (site; checks gpu-checks) &
+    OUT="$OUT/gpu-checks" SITE=/tmp/site-eval QUALITY= PP_ITEMS=${PP_ITEMS:-500} GPU_VS_CPU_ITEMS=${GPU_VS_CPU_ITEMS:-50} \
+      timeout 500 bash models/recipes/eval_on_device.sh
+    wait
+    cat "$OUT/gpu-checks/checks.log"
+    ;;
   kimi-eval)  # Kimi's quality table, one process per task (each writes its own report, so a timeout keeps
     # the finished tasks), beside the correctness checks (pytest with failures listed; .whl holds starlette
     # and uvicorn for tests/backend)
@@ -129,7 +137,7 @@ case $stage in
         | grep -v Warning > "$OUT/bench/bench_mla_sweep.log"; tail -15 "$OUT/bench/bench_mla_sweep.log"
     fi
     ;;
-  *) echo "unknown stage $stage (train|train-continue|sweeps|eval|kimi-eval|bench)"; exit 2 ;;
+  *) echo "unknown stage $stage (train|train-continue|sweeps|eval|gpu-checks|kimi-eval|bench)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"

@@ -9,6 +9,12 @@ Modes, each tried and reported (an error is recorded as that mode's result, neve
 
 For `generate` modes the batch finishes together: TTFT is a `max_new_tokens=1` call on the same
 batch, TPOT = (wall − TTFT) / (output − 1). `generate_batch` reports wall-clock throughput only.
+A `generate` run that runs out of memory is tried once more with transformers' own chunked prefill
+(`prefill_chunk_size`, each of PREFILL_CHUNKS in turn): at concurrency 64 on Kimi's 3-layer geometry the
+whole batch's prefill asked for 28 GiB more than the H200 had left beside 73 GB of bf16 weights
+(2026-12-02). The row records the chunk it ran with and each attempt that ran out of memory. The retry
+runs outside the `except` block: inside it the failed attempt's frames still hold their tensors (the
+first try at this, 2026-12-02, ran out of memory again with 32 GB of them alive).
 Weights: transformers' own initialisation (normal, std `initializer_range` = 0.02), so routing is
 near uniform as in Kumo's random models; the tensors themselves are not Kumo's.
 """
@@ -28,6 +34,7 @@ from benchmarks.engine.geometry import Geometry
 from benchmarks.engine.offline import random_prompts
 
 MODES = ("generate", "generate-static", "generate_batch")
+PREFILL_CHUNKS = (None, 512, 128)  # None: the whole prefill in one forward
 MODEL_TYPES = {"DeepseekV3ForCausalLM": "deepseek_v3", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
 
 
@@ -65,11 +72,15 @@ def build_hf_model(geometry: Geometry, device: str) -> Any:
     return model.eval()
 
 
-def _generate(model: Any, ids: torch.Tensor, new: int, static: bool) -> None:
+def _generate(
+    model: Any, ids: torch.Tensor, new: int, static: bool, prefill_chunk: int | None = None
+) -> torch.Tensor:
     kwargs: dict[str, Any] = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     if static:
         kwargs["cache_implementation"] = "static"
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+    if prefill_chunk is not None:
+        kwargs["prefill_chunk_size"] = prefill_chunk
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
 
 
 def _sync(device: str) -> None:
@@ -109,15 +120,23 @@ def run_mode(
         return row | {"wall_s": wall, "output_tokens": tokens, "output_tok_s": tokens / wall}
     ids = torch.tensor(prompts, device=device)
     static = mode == "generate-static"
-    _sync(device)
-    t0 = time.perf_counter()
-    _generate(model, ids, 1, static)
-    _sync(device)
-    ttft = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _generate(model, ids, output_len, static)
-    _sync(device)
-    wall = time.perf_counter() - t0
+    timing, chunk = None, None
+    for chunk in PREFILL_CHUNKS:  # the whole prefill at once first, then transformers' own chunking
+        oom = None
+        try:
+            timing = _timed_generate(model, ids, output_len, static, device, chunk)
+        except torch.OutOfMemoryError as exc:
+            oom = f"prefill_chunk_size={chunk}: {str(exc)[:160]}"
+        if timing is not None:
+            break
+        # outside the except block: the failed attempt's frames (and their tensors) are gone only now
+        row.setdefault("out_of_memory", []).append(oom)
+        _free()
+    if timing is None:
+        raise torch.OutOfMemoryError("; ".join(row["out_of_memory"]))
+    ttft, wall = timing
+    if chunk is not None:
+        row["prefill_chunk_size"] = chunk
     tpot = (wall - ttft) / max(output_len - 1, 1)
     tokens = concurrency * output_len
     return row | {
@@ -128,6 +147,21 @@ def run_mode(
         "ttft_ms_p50": ttft * 1e3,
         "tpot_ms_p50": tpot * 1e3,
     }
+
+
+def _timed_generate(
+    model: Any, ids: torch.Tensor, output_len: int, static: bool, device: str, prefill_chunk: int | None
+) -> tuple[float, float]:
+    """(TTFT, wall) in seconds: a one-token call, then the whole generation, on the same batch."""
+    _sync(device)
+    t0 = time.perf_counter()
+    _generate(model, ids, 1, static, prefill_chunk)
+    _sync(device)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _generate(model, ids, output_len, static, prefill_chunk)
+    _sync(device)
+    return ttft, time.perf_counter() - t0
 
 
 def measure_transformers(

@@ -6,15 +6,16 @@
 # variants each: FP8-channel weights first (issue 7's goal compares INT4 + FP8 KV with FP8, and the paired
 # deltas are taken against the first variant); bf16; INT4-g32 experts + FP8 KV; then bf16 on the GPU against
 # bf16 on the CPU path (100 items a task; GPU_VS_CPU=, empty, turns it off); beside them (PREFILL_PATHS=) GLM's INT4 prefill
-# paths W4A8 and expand-fp8 against W4A16 (issue 6). The reports come back as $OUT/quality-<model>.json and
+# paths W4A8 and expand-fp8 against W4A16 (issue 6; PP_ITEMS a task, 1,000). QUALITY= (empty) leaves the quality table out. The reports come back as $OUT/quality-<model>.json and
 # $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 MODELS=${MODELS_DIR:-models}  # benchmarks/device_plan.sh: the last training call's folders on a warm machine
 mkdir -p "$OUT"
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/msgspec-*.whl \
+SITE=${SITE:-/tmp/site}  # benchmarks/device_plan.sh gpu-checks: its own, beside the checks' /tmp/site
+rm -rf "$SITE"; python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/msgspec-*.whl \
     .whl/llguidance-*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
+export PYTHONPATH=$SITE:. PYTHONUNBUFFERED=1
 quality() {  # one model's task: the three variants (one process per task, all at once: on 2026-12-02 one
     # process per model took 4 min for GLM's five tasks and 8 for Kimi's six)
     local name=$1 data=$2
@@ -38,7 +39,7 @@ prefill_paths() {  # issue 6: W4A8 (INT4 -> FP8 in the kernel, FP8 activations) 
     # product through the chosen path (kumo eval sets the threshold to 1 token); GLM, 1,000 items a task
     local name=glm-5.2-nano data=(); mkdir -p /tmp/pp
     python3 -m models.recipes.build --out /tmp/data-pp --family glm --train-items 0 > /dev/null || return 4
-    for f in /tmp/data-pp/*.test.jsonl; do head -n 1000 "$f" > /tmp/pp/$(basename "$f"); data+=(--data /tmp/pp/$(basename "$f")); done
+    for f in /tmp/data-pp/*.test.jsonl; do head -n "${PP_ITEMS:-1000}" "$f" > /tmp/pp/$(basename "$f"); data+=(--data /tmp/pp/$(basename "$f")); done
     python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant w4a16=$MODELS/$name:weights=int4-g32:all-linear \
         --variant w4a8=$MODELS/$name:weights=int4-g32:all-linear:int4-prefill=w4a8 \
@@ -52,6 +53,7 @@ for fam in kimi glm; do  # everything at once: the models are small, the GPU and
     [ -d "$MODELS/$name" ] || { echo "$MODELS/$name is missing"; exit 3; }
     python3 -m models.recipes.build --out /tmp/data-$fam --family $fam --train-items 0 || exit 4
     for f in /tmp/data-$fam/*.test.jsonl; do
+        [ -n "${QUALITY-1}" ] || break  # QUALITY= (empty): no quality table, the other parts only
         (time quality $name "$f") > "$OUT/eval-$name-$(basename "$f" .test.jsonl).log" 2>&1 &
         pids+=($!)
     done
