@@ -180,8 +180,12 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(records[0])
     out["comparisons"] = [c for r in records for c in r["comparisons"]]
     out["geometries"] = [r["geometry"] for r in records]
-    out["variants"] = [dict(v, kind=r["geometry"]["kind"]) for r in records for v in r["variants"]]
-    out["runs"] = [{"kind": r["geometry"]["kind"], **x} for r in records for x in r["runs"]]
+    out["variants"] = [
+        dict(v, kind=r["geometry"]["kind"], layers=_layers(r)) for r in records for v in r["variants"]
+    ]
+    out["runs"] = [
+        {"kind": r["geometry"]["kind"], "layers": _layers(r), **x} for r in records for x in r["runs"]
+    ]
     out["integrity"] = next((r["integrity"] for r in records if r.get("integrity")), None)
     out["transformers"] = next((r["transformers"] for r in records if r.get("transformers")), None)
     out["sources"] = [
@@ -198,8 +202,14 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
             summary.setdefault(k, None)
             detail.setdefault(k, d[k])
     out["summary"], out["summary_detail"] = summary, detail
-    out["projection"] = [p for r in records for p in projection(r)]
+    out["projection"] = [
+        dict(p, kind=r["geometry"]["kind"], layers=_layers(r)) for r in records for p in projection(r)
+    ]
     return out
+
+
+def _layers(record: dict[str, Any]) -> int:
+    return int(record["geometry"]["num_layers"])
 
 
 # ---- Markdown --------------------------------------------------------------------------------------
@@ -213,17 +223,31 @@ def _pct(x: float | None) -> str:
 
 def markdown(record: dict[str, Any]) -> str:
     g = record["geometry"]
-    merged = len({x["kind"] for x in record.get("geometries", [g])}) > 1
+    geometries = record.get("geometries", [g])
+    merged = len({x["kind"] for x in geometries}) > 1
+    depths = (
+        len({x["num_layers"] for x in geometries}) > 1
+    )  # e.g. the transformers peer at 3 layers, the rest 4
 
-    def name(x: dict[str, Any]) -> str:  # a merged record's rows name their geometry
-        return f"{x.get('kind', '?')} {x['variant']}" if merged else x["variant"]
+    def name(
+        x: dict[str, Any],
+    ) -> str:  # a merged record's rows name their geometry (and depth, where they differ)
+        kind = f"{x.get('kind', '?')} ({x.get('layers', '?')} layers)" if depths else x.get("kind", "?")
+        return f"{kind} {x['variant']}" if merged or depths else x["variant"]
+
+    shapes = sorted({(x["kind"], x["num_layers"], x["full_num_layers"]) for x in geometries})
+    layers_text = (
+        ", ".join(f"{k} {n} of {full}" for k, n, full in shapes) + " layers"
+        if depths
+        else f"{g['num_layers']} of {g['full_num_layers']} layers"
+    )
 
     lines = [
         f"# Engine benchmark: {', '.join(record['comparisons'])}",
         "",
         f"{record['date']} on {record['device']} (torch {record.get('torch', '?')}). Geometry: "
         f"{' and '.join(sorted({x['kind'] for x in record.get('geometries', [g])}))} "
-        f"published per-layer shapes, {g['num_layers']} of {g['full_num_layers']} layers ({g['dense_layers']} dense), "
+        f"published per-layer shapes, {layers_text} ({g['dense_layers']} dense), "
         f"random weights; {g['routing']}. KV pool per layer = the full model's per-GPU pool on 8 H200s (`kumo plan`).",
         "",
         "| summary | measured | seed | goal | definition |",

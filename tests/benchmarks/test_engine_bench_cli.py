@@ -133,6 +133,22 @@ def test_report_merges_the_calls(records: dict[str, tuple[Path, dict[str, Any]]]
     assert "PROJECTION" in out.with_suffix(".md").read_text()
 
 
+def test_a_merge_of_different_depths_names_each_rows_depth(
+    records: dict[str, tuple[Path, dict[str, Any]]], tmp_path: Path
+) -> None:
+    deeper = json.loads(records["kv"][0].read_text())
+    deeper["geometry"] = dict(deeper["geometry"], num_layers=3)  # as the transformers peer ran at 3 of 4
+    path = tmp_path / "deeper.json"
+    path.write_text(json.dumps(deeper))
+    out = tmp_path / "merged.json"
+    assert bench_main(["engine", "report", str(records["weights"][0]), str(path), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert {r["layers"] for r in merged["runs"]} == {2, 3}
+    md = out.with_suffix(".md").read_text()
+    assert " 2 of " in md and " 3 of " in md
+    assert "(3 layers) int4-weights/fp8-kv" in md and "(2 layers) int4-weights/bf16-kv" in md
+
+
 def test_entry_point_imports_neither_torch_nor_msgspec() -> None:
     code = "import sys, benchmarks.cli, benchmarks.engine.cli; print('msgspec' in sys.modules, 'torch' in sys.modules)"
     done = subprocess.run(
