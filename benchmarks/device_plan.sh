@@ -125,12 +125,19 @@ case $stage in
     wait
     tail -n 4 "$OUT"/kimi-eval/eval-*.log; grep -hE "passed|failed|FAILED|^ERROR" "$OUT"/kimi-eval/pytest_*.log | tail -30
     ;;
-  bench)  # timing runs left by 2026-12-02, one after the other in one call (~8 min; nothing beside them): the
-    # transformers peer at 3 layers (vs_transformers_c64, issue 9), then the MLA decode tile sweep (issue 6);
-    # the first keeps its files if the second runs out of time. `run_on_device.sh weights --all-linear` next.
+  bench)  # issue 9's open question (~7 min, nothing beside it): at concurrency 64 the steps that carry a prompt
+    # chunk beside decode rows cost ~3x the chunk alone (Kimi, 2026-12-02: 65 such steps took ~11 s; host ~1 ms
+    # each), and GLM's INT4 c=64 ran at 0.61x FP8. Each run records the slope of step ms on decode rows
+    # (runs[].extra.prefill_ms_per_decode_row) and profiles a prefill, a mixed and a decode step at c=64
+    # (variants[].step_profile). Then the MLA decode sweep if MLA_SWEEP is not set empty.
     mkdir -p "$OUT/bench"
-    OUT="$OUT/bench" BUDGET_S=270 timeout 330 bash benchmarks/engine/run_on_device.sh transformers > /dev/null 2>&1
-    tail -n 25 "$OUT/bench/engine-transformers.log" 2>/dev/null
+    for spec in "kimi-k2.6 int4 fp8" "glm-5.2 int4 bf16" "glm-5.2 fp8 bf16"; do
+      set -- $spec
+      OUT="$OUT/bench" TAG="$1-$2" BUDGET_S=100 timeout 150 bash benchmarks/engine/run_on_device.sh variant \
+        --kind "$1" --weights "$2" --kv-dtype "$3" --concurrency 8,64 --max-concurrency-cap 0 \
+        --profile-concurrency 64 > /dev/null 2>&1
+      grep -E "Step profile|^\| (int4|fp8)" "$OUT/bench/engine-variant-$1-$2.md" 2>/dev/null | head -8
+    done
     if [ -n "${MLA_SWEEP-1}" ]; then  # MLA_SWEEP= (empty) leaves it out when the session's minutes are short
       site
       timeout 150 python3 -m benchmarks.kernels.bench_mla_decode --sweep --parts decode --out "$OUT/bench/mla_sweep.json" 2>&1 \

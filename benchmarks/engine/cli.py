@@ -88,6 +88,11 @@ def parser() -> argparse.ArgumentParser:
         default=True,
         help="replay decode steps from CUDA graphs (EngineConfig.cuda_graphs; CUDA only)",
     )
+    ap.add_argument(
+        "--profile-concurrency", type=int, default=0,
+        help="after the timed runs, one untimed run at this concurrency with three steps profiled "
+        "(prefill alone, prefill beside decode rows, pure decode; benchmarks/engine/step_profile.py)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
     return ap
 
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device, input_len=a.input_len, output_len=a.output_len, prefill_len=a.prefill_len,
         concurrencies=a.concurrency, max_concurrency_cap=a.max_concurrency_cap, chunk=a.chunk,
         page_size=a.page_size, fp8_method=a.fp8_method, deadline=start + a.budget_s, seed=a.seed,
-        cuda_graphs=a.cuda_graphs,
+        cuda_graphs=a.cuda_graphs, profile_concurrency=a.profile_concurrency,
     )  # fmt: skip
     options = {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k not in ("inputs", "out")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,8 +100,11 @@ def run_offline(
     seed: int = 1,
     time_limit_s: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    around_step: Callable[[int, int], AbstractContextManager[Any]] | None = None,
 ) -> RunResult:
-    """`concurrency` requests of `input_len` random tokens, `output_len` tokens each."""
+    """`concurrency` requests of `input_len` random tokens, `output_len` tokens each.
+
+    `around_step(step index, decode rows)`, when given, wraps each `engine.step()` (a profiler)."""
     prompts = random_prompts(concurrency, input_len, vocab_size, seed)
     sampling = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     first: dict[str, float] = {}
@@ -116,14 +120,25 @@ def run_offline(
         )
     finished = 0
     decode_steps: list[tuple[float, int]] = []  # (ms, sequences) of the steps with no prefill left
+    prefill_steps: list[tuple[float, int, int]] = []  # (ms, tokens, decode rows) of the steps with prefill
     step_start = start
     while engine.has_unfinished:
         decoding = len(first) == concurrency  # every prompt done before this step began
         running = concurrency - finished
-        outputs = engine.step()
+        decode_rows = len(first) - finished  # requests past their prompt: one token each this step
+        tokens0 = engine.stats.computed_tokens
+        if around_step is None:
+            outputs = engine.step()
+        else:
+            with around_step(engine.stats.steps - steps0, decode_rows):
+                outputs = engine.step()
         now = clock()
         if decoding:
             decode_steps.append(((now - step_start) * 1e3, running))
+        else:
+            prefill_steps.append(
+                ((now - step_start) * 1e3, engine.stats.computed_tokens - tokens0, decode_rows)
+            )
         step_start = now
         for out in outputs:
             if out.error is not None and out.error.code != "aborted":
@@ -159,7 +174,7 @@ def run_offline(
         steps=engine.stats.steps - steps0,
         preemptions=engine.scheduler.num_preemptions - preempt0,
         finished=finished,
-        extra=_decode_summary(decode_steps),
+        extra=_decode_summary(decode_steps) | _prefill_summary(prefill_steps),
     )
 
 
@@ -174,6 +189,28 @@ def _decode_summary(steps: list[tuple[float, int]]) -> dict[str, Any]:
         "decode_step_ms_p50": statistics.median(at_full),
         "decode_tok_s": full * 1e3 / statistics.median(at_full),
     }
+
+
+def _prefill_summary(steps: list[tuple[float, int, int]]) -> dict[str, Any]:
+    """The steps that carried prompt tokens: their time, and how it grows with the decode rows riding in them.
+
+    `prefill_ms_per_decode_row` is the least-squares slope of step ms on decode rows over the steps that
+    carried a full chunk (at least 90% of the largest token count), `prefill_ms_at_no_decode_rows` its
+    intercept: a mixed step should cost about a prefill chunk plus a decode step, so a slope far above
+    (decode step ms / batch) says the mixed path has a per-sequence cost of its own."""
+    if not steps:
+        return {"prefill_steps": 0}
+    out: dict[str, Any] = {
+        "prefill_steps": len(steps),
+        "prefill_step_ms_p50": statistics.median(ms for ms, _, _ in steps),
+        "prefill_step_tokens_p50": statistics.median(n for _, n, _ in steps),
+    }
+    biggest = max(n for _, n, _ in steps)
+    full = [(ms, rows) for ms, n, rows in steps if n >= 0.9 * biggest]
+    if len({rows for _, rows in full}) > 1:
+        fit = statistics.linear_regression([float(r) for _, r in full], [ms for ms, _ in full])
+        out |= {"prefill_ms_per_decode_row": fit.slope, "prefill_ms_at_no_decode_rows": fit.intercept}
+    return out
 
 
 def run_prefill(

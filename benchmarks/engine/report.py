@@ -274,6 +274,10 @@ def markdown(record: dict[str, Any]) -> str:
             f"| {_f(r.get('ttft_ms_p50'))} | {_f(r.get('tpot_ms_p50'))} "
             f"| {_f((r.get('extra') or {}).get('decode_step_ms_p50'), '{:.2f}')} | {r.get('preemptions', '-')} |"
         )
+    for v in record["variants"]:
+        if v.get("step_profile"):
+            lines.append(f"\n{name(v)} at concurrency {v['step_profile']['concurrency']} (an untimed run):")
+            lines += _step_profile_lines(v["step_profile"]["steps"])
     hf = record.get("transformers") or {}
     for mode, entry in hf.get("modes", {}).items():
         if entry.get("error"):
@@ -301,6 +305,26 @@ def markdown(record: dict[str, Any]) -> str:
                 f"| {name(p)} | {p['concurrency']} | {p['projected_tpot_ms']:.2f} | {p['projected_tok_s_per_user']:.1f} | {p['projected_output_tok_s_per_gpu']:.1f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _step_profile_lines(profiles: dict[str, dict[str, Any]], *, rows: int = 8) -> list[str]:
+    """`benchmarks.engine.step_profile` records as Markdown tables (here: the report imports no torch)."""
+    lines: list[str] = []
+    for name, p in profiles.items():
+        lines += [
+            "",
+            f"Step profile, {name}: step {p['step']}, {p['decode_rows']} decode rows, {p['wall_ms']:.1f} ms wall"
+            + (f", {p['device_ms_total']:.1f} ms on the device" if p["device_ms_total"] else "")
+            + f" (top ops by {p['ranked_by']}):",
+            "",
+            "| op | calls | device ms | CPU ms |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| `{o['name'].replace('|', '/')}` | {o['count']} | {o['device_ms']:.2f} | {o['cpu_ms']:.2f} |"
+            for o in p["ops"][:rows]
+        ]
+    return lines
 
 
 # ---- plots -------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 # One device call = one comparison of `kumo bench engine`; record, table and plots go to $OUT.
 # Usage (device tool, carry [".whl"] holding msgspec's wheel):
 #   bash benchmarks/engine/run_on_device.sh weights|kv|integrity|transformers [extra flags]
-# BUDGET_S bounds the runs (default 450; transformers 330), the outer timeout the whole command.
+# BUDGET_S bounds the runs (default 450; transformers 330), the outer timeout the whole command; TAG names
+# the record (engine-<name>-<TAG>.json) when one call runs the same comparison twice.
 set -u
 name=$1; shift
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/msgspec-*.whl || exit 1
@@ -17,4 +18,4 @@ if [ "$name" = transformers ]; then default_budget=330; extra=(--max-concurrency
 # the H200, after ~80 s of build, warm-up and one untimed run each; rounds past the budget are skipped)
 if [ "$name" = integrity ]; then extra=(--integrity-concurrency 64 --repeats 5); fi
 timeout 590 python3 -m benchmarks.cli engine "$name" --budget-s "${BUDGET_S:-$default_budget}" "${extra[@]}" "$@" \
-  --out "$OUT/engine-$name.json" 2>&1 | grep -v Warning | tee "$OUT/engine-$name.log"
+  --out "$OUT/engine-$name${TAG:+-$TAG}.json" 2>&1 | grep -v Warning | tee "$OUT/engine-$name${TAG:+-$TAG}.log"

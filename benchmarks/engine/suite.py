@@ -28,6 +28,7 @@ from benchmarks.engine.offline import (
     run_prefill,
     warm_up,
 )
+from benchmarks.engine.step_profile import StepProfiler
 from benchmarks.engine.weights import build_random_model, weight_bytes
 
 
@@ -45,6 +46,7 @@ class Options:
     deadline: float  # time.monotonic() after which no run starts
     seed: int = 0
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs)
+    profile_concurrency: int = 0  # after the timed runs, one more at this concurrency, three steps profiled
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -161,6 +163,14 @@ def measure_variant(
         for c in opts.concurrencies:
             if c > v.max_concurrency:
                 out["skipped"].append({"concurrency": c, "why": f"pool holds {v.max_concurrency} requests"})
+        c = opts.profile_concurrency
+        if 0 < c <= v.max_concurrency and opts.time_left() > 0:  # untimed: the profiler slows what it watches
+            profiler = StepProfiler(c, device=opts.device)
+            run_offline(
+                v.engine, variant=v.name, concurrency=c, input_len=opts.input_len, output_len=opts.output_len,
+                vocab_size=vocab, time_limit_s=max(opts.time_left(), 1.0), around_step=profiler, seed=2,
+            )  # fmt: skip
+            out["step_profile"] = {"concurrency": c, "steps": profiler.steps}
         return out
     finally:
         v.close()

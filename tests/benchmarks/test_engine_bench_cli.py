@@ -32,7 +32,7 @@ TINY = [
     "0",
 ]
 COMMANDS = {
-    "weights": ["weights", "--concurrency", "1,2"],
+    "weights": ["weights", "--concurrency", "1,2", "--profile-concurrency", "2", "--chunk", "9"],
     "weights-all": ["weights", "--all-linear", "--concurrency", "1"],
     "kv": ["kv", "--concurrency", "1,64"],
     "integrity": ["integrity", "--repeats", "2", "--integrity-concurrency", "2"],
@@ -131,6 +131,26 @@ def test_report_merges_the_calls(records: dict[str, tuple[Path, dict[str, Any]]]
     )
     assert len(merged["runs"]) == sum(len(rec["runs"]) for _, rec in records.values())
     assert "PROJECTION" in out.with_suffix(".md").read_text()
+
+
+def test_the_step_profile_names_where_a_step_goes(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    path, rec = records["weights"]
+    for v in rec["variants"]:
+        profile = v["step_profile"]
+        assert profile["concurrency"] == 2
+        steps = profile["steps"]
+        assert set(steps) == {"prefill", "mixed", "decode"}
+        assert steps["prefill"]["decode_rows"] == 0 and steps["decode"]["decode_rows"] == 2
+        assert steps["mixed"]["decode_rows"] == 1  # --chunk 9: one decode row beside the 8-token prompt
+        for step in steps.values():
+            assert step["wall_ms"] > 0 and step["ranked_by"] == "own CPU time"
+            assert step["ops"] and all(o["count"] >= 1 for o in step["ops"])
+            cpu = [o["cpu_ms"] for o in step["ops"]]
+            assert cpu == sorted(cpu, reverse=True)
+    assert "Step profile, mixed: step" in path.with_suffix(".md").read_text()
+    # the timed runs' own record of the steps that carried prompt tokens
+    run = next(r for r in rec["runs"] if r["concurrency"] == 2)
+    assert run["extra"]["prefill_steps"] >= 2 and run["extra"]["prefill_step_tokens_p50"] > 0
 
 
 def test_a_merge_of_different_depths_names_each_rows_depth(
