@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, get_args
@@ -441,10 +442,17 @@ def main(argv: list[str]) -> int:
         )
         tasks = []
         for path, kind, items in files:
+            started = time.perf_counter()
             if kind == "multiple_choice":
                 tasks += ev.multiple_choice(_task_name(path), items)
             else:
                 tasks.append(ev.generation(_task_name(path), items))
+            # progress on stderr (the table comes at the end): a run cut by a timeout still says how far it got
+            print(
+                f"kumo eval: {_task_name(path)}: {len(items)} items, {time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         tasks += [ev.perplexity(path.stem, text) for path, text in texts]
     except (CheckpointError, EngineError, OSError, ValueError) as exc:
         print(f"kumo eval: error: {exc}", file=sys.stderr)
