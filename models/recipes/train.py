@@ -25,7 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO, get_args
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +159,21 @@ class CentredGradients:
                 per_output = bias_grad.reshape(-1, *[1] * (weight_grad.ndim - 1))
                 weight_grad -= per_output * (total / count)[None]
         self.sums.clear()
+
+
+TrainOnly = Literal["all", "vision"]
+
+
+def freeze_all_but_vision(model: torch.nn.Module) -> int:
+    """Freeze everything but the vision tower and the projector; returns the trained parameter count."""
+    inner = getattr(model, "model", None)
+    parts = [getattr(inner, "vision_tower", None), getattr(inner, "mm_projector", None)]
+    if any(p is None for p in parts):
+        raise ValueError("a vision stage needs a model with a vision tower and a projector (Kimi)")
+    model.requires_grad_(False)
+    for part in parts:
+        part.requires_grad_(True)  # type: ignore[union-attr]
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def vision_inputs(model: torch.nn.Module) -> list[torch.nn.Linear | torch.nn.Conv2d]:
@@ -304,6 +319,7 @@ def prepare(
     rng: random.Random,
     workers: int,
     log: Callable[[str], None],
+    tasks: frozenset[str] | None = None,
 ) -> tuple[dict[str, Any], list[Example], int]:
     """Tokenizer and config.json into `folder`; returns the config, the rendered examples and the pad id."""
     if not (data / "train.jsonl").exists():
@@ -312,6 +328,11 @@ def prepare(
         )
     with (data / "train.jsonl").open() as f:
         items = [json.loads(line) for line in f]
+    if tasks is not None:  # a stage on some tasks only (e.g. the images of a vision stage)
+        unknown = tasks - {it.get("task") for it in items}
+        if unknown:
+            raise ValueError(f"no training items of task {sorted(unknown)} in {data}")
+        items = [it for it in items if it.get("task") in tasks]
     if max_items is not None:
         items = rng.sample(items, max_items)
     if init is not None:  # continue training: the earlier run's tokenizer and config; its logs kept
@@ -382,10 +403,11 @@ def fit(
     dev = next(model.parameters()).device
     balance = ExpertBalance(model, rate=balance_rate)
     centred = CentredGradients(vision_inputs(model) if centred_vision_grads else [])
-    is_decayed = {n: p.ndim >= 2 and "norm" not in n for n, p in model.named_parameters()}
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # all but a frozen part
+    is_decayed = {n: p.ndim >= 2 and "norm" not in n for n, p in trained}
     groups = [
-        {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": 0.1},
-        {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0},
+        {"params": [p for n, p in trained if is_decayed[n]], "weight_decay": 0.1},
+        {"params": [p for n, p in trained if not is_decayed[n]], "weight_decay": 0.0},
     ]
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=dev.type == "cuda")
     budget = minutes * 60
@@ -427,7 +449,7 @@ def fit(
             loss, answer_loss = loss_of(model, batch)
         loss.backward()
         centred.apply()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in trained], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         schedule.step()
@@ -481,15 +503,24 @@ def train(
     init: Path | None = None,
     prompt_weight: float = 0.0,
     centred_vision_grads: bool = True,
+    tasks: frozenset[str] | None = None,
+    train_only: TrainOnly = "all",
 ) -> list[float]:
     """Prepare, train and save the checkpoint folder `out` (written beside it, then renamed into
-    place); returns the logged losses. `minutes` bounds the training loop's wall time."""
+    place); returns the logged losses. `minutes` bounds the training loop's wall time.
+
+    `tasks`: train on the items of these tasks only. `train_only="vision"`: every parameter outside the
+    vision tower and projector frozen, the experts' selection biases too (a vision stage from `init`:
+    the language model, and so every text-only answer, stays exactly as it was)."""
     import transformers
 
+    if train_only == "vision":
+        balance_rate = 0.0  # the routers' selection biases belong to the language model too
     settings = dict(family=family, data=str(data), out=str(out), size=size, steps=steps, batch_tokens=batch_tokens,
                     lr=lr, warmup=warmup, max_len=max_len, minutes=minutes, seed=seed, device=device,
                     max_items=max_items, balance_rate=balance_rate, init=str(init) if init else None,
-                    prompt_weight=prompt_weight, centred_vision_grads=centred_vision_grads)  # fmt: skip
+                    prompt_weight=prompt_weight, centred_vision_grads=centred_vision_grads,
+                    tasks=sorted(tasks) if tasks else None, train_only=train_only)  # fmt: skip
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     random.seed(seed)
@@ -504,9 +535,12 @@ def train(
             f"train {json.dumps(settings)}; torch {torch.__version__}, transformers {transformers.__version__}"
         )
         config, examples, pad_id = prepare(family, data, staging, size=size, max_len=max_len, max_items=max_items,
-                                           init=init, rng=rng, workers=workers, log=log)  # fmt: skip
+                                           init=init, rng=rng, workers=workers, log=log, tasks=tasks)  # fmt: skip
         model = load_model(family, init) if init is not None else build_model(family, config)
         model = model.to(torch.device(device)).train()
+        if train_only == "vision":
+            kept = freeze_all_but_vision(model)
+            log(f"vision stage: {kept} parameters trained, the rest frozen")
         losses = fit(model, examples, pad_id, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
                      minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every,
                      profile_steps=profile_steps, prompt_weight=prompt_weight,
@@ -555,12 +589,20 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-steps", type=int, default=0, help="log a profiler table of N steps after the first 20"
     )
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1), help="rendering processes")
+    p.add_argument("--tasks", default=None, help="comma-separated: train on these tasks' items only")
+    p.add_argument(
+        "--train-only",
+        choices=get_args(TrainOnly),
+        default="all",
+        help="vision: the vision tower and projector only, the language model frozen (a stage from --init)",
+    )
     a = p.parse_args(argv)
     train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,
           warmup=a.warmup, max_len=a.max_len, minutes=a.minutes, seed=a.seed, device=a.device,
           max_items=a.max_items, log_every=a.log_every, workers=a.workers,
           balance_rate=a.balance_rate, init=a.init, profile_steps=a.profile_steps,
-          prompt_weight=a.prompt_weight, centred_vision_grads=not a.plain_vision_grads)  # fmt: skip
+          prompt_weight=a.prompt_weight, centred_vision_grads=not a.plain_vision_grads,
+          tasks=frozenset(a.tasks.split(",")) if a.tasks else None, train_only=a.train_only)  # fmt: skip
     return 0
 
 

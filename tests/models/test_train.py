@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from backend.forward_batch import ImageEmbeds
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
@@ -377,3 +378,34 @@ def test_the_projector_keeps_image_tokens_apart(tmp_path: Path) -> None:
     assert (
         colour_distance(centred=False) < 0.1
     )  # the setting shows the failure: the check above means something
+
+
+def test_a_vision_stage_trains_the_vision_path_alone(
+    trained: tuple[str, Path, list[float]], tmp_path: Path
+) -> None:
+    """`train_only="vision"` from a trained folder on the image tasks: the tower and the projector move,
+    every language-model tensor (routers' selection biases included) comes back bit for bit."""
+    family, ckpt, _ = trained
+    data = ckpt.parent / "data"
+    if family == "glm":  # text only: no vision path to train
+        with pytest.raises(ValueError, match="vision tower"):
+            train("glm", data, tmp_path / "v", size="micro", steps=2, batch_tokens=512, max_len=400,
+                  device="cpu", workers=1, init=ckpt, train_only="vision")  # fmt: skip
+        return
+    with pytest.raises(ValueError, match="no training items of task"):
+        train("kimi", data, tmp_path / "bad", size="micro", steps=2, device="cpu", workers=1, init=ckpt,
+              tasks=frozenset({"image-qa", "no-such-task"}))  # fmt: skip
+    train("kimi", data, tmp_path / "v", size="micro", steps=6, batch_tokens=1024, lr=4e-3, warmup=1, max_len=400,
+          log_every=2, device="cpu", workers=1, init=ckpt, tasks=frozenset({"image-qa", "image-caption"}),
+          train_only="vision")  # fmt: skip
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(folder.glob("model*.safetensors")) for k, v in load_file(f).items()}
+
+    before, after = tensors(ckpt), tensors(tmp_path / "v")
+    assert before.keys() == after.keys()
+    vision = [k for k in before if "vision_tower" in k or "mm_projector" in k]
+    assert vision and any(not torch.equal(before[k], after[k]) for k in vision)
+    assert all(torch.equal(before[k], after[k]) for k in before if k not in vision)
+    log = (tmp_path / "v" / "train.log").read_text()
+    assert "vision stage:" in log and '"train_only": "vision"' in log and '"balance_rate": 0.0' in log
