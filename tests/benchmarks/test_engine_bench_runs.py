@@ -17,6 +17,7 @@ from schemas.backend import EngineOutput, EngineRequest
 @dataclass
 class _Stats:
     steps: int = 0
+    computed_tokens: int = 0
 
 
 @dataclass
@@ -41,8 +42,12 @@ class FakeEngine:
         return bool(self.requests)
 
     def step(self) -> list[EngineOutput]:
-        self.t += 0.5 if self.stats.steps == 0 else 0.1
+        prefill = self.stats.steps == 0
+        self.t += 0.5 if prefill else 0.1
         self.stats.steps += 1
+        self.stats.computed_tokens += (
+            sum(len(r.prompt_token_ids) for r in self.requests.values()) if prefill else len(self.requests)
+        )
         outs = []
         for rid, req in list(self.requests.items()):
             self.emitted[rid] += 1
@@ -68,6 +73,9 @@ def test_figures_follow_from_step_times() -> None:
     assert r.extra["decode_steps"] == 10 and r.extra["decode_batch"] == 4
     assert r.extra["decode_step_ms_p50"] == pytest.approx(100.0)
     assert r.extra["decode_tok_s"] == pytest.approx(40.0)
+    # the one step that carried prompt tokens: 4 prompts of 8, no decode rows beside them (no slope)
+    assert r.extra["prefill_steps"] == 1 and r.extra["prefill_step_ms_p50"] == pytest.approx(500.0)
+    assert r.extra["prefill_step_tokens_p50"] == 32 and "prefill_ms_per_decode_row" not in r.extra
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "int4-all", "fp8-all"])
@@ -111,3 +119,16 @@ def test_integrity_overhead_is_the_median_of_paired_rounds() -> None:
     assert (out["overhead_min"], out["overhead_max"]) == pytest.approx((0.05, 0.5))
     assert out["on"]["n"] == 4 and out["off"]["n"] == 5 and out["off"]["tpot_ms_median"] == 10.0
     assert len(out["samples"]["on"]) == 5
+
+
+def test_the_prefill_summary_finds_the_cost_of_each_decode_row() -> None:
+    """Steps with a full chunk cost 40 ms plus 2 ms per decode row beside it; the last, short chunk is
+    left out of the fit."""
+    from benchmarks.engine.offline import _prefill_summary
+
+    steps = [(40.0 + 2.0 * rows, 2048, rows) for rows in range(0, 64, 3)] + [(5.0, 300, 63)]
+    out = _prefill_summary(steps)
+    assert out["prefill_steps"] == len(steps)
+    assert out["prefill_ms_per_decode_row"] == pytest.approx(2.0)
+    assert out["prefill_ms_at_no_decode_rows"] == pytest.approx(40.0)
+    assert _prefill_summary([]) == {"prefill_steps": 0}
