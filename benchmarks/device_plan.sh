@@ -27,7 +27,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|train-continue|sweeps|eval|gpu-checks|kimi-eval|bench}
+stage=${1:?train|train-continue|vision|sweeps|eval|gpu-checks|kimi-eval|bench}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -80,6 +80,23 @@ case $stage in
     OUT="$OUT/train-continue" INIT_DIR=$init bash models/recipes/run_on_device.sh 5.5 continue
     keep /tmp/ckpt2 "$OUT"/train-continue/*-nano.tar
     mv "$OUT"/train-continue/*.tar "$OUT"/ 2>/dev/null
+    ;;
+  vision)  # Kimi's vision stage (models/README.md): the tower and projector alone on the image items, the
+    # language model frozen, from the second stage's folder (/tmp/ckpt2 on a warm machine, else models/)
+    mkdir -p "$OUT/vision"
+    init=$(kept /tmp/ckpt2)
+    rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
+      .whl/tokenizers-*.whl 2>&1 | tail -2
+    PYTHONPATH=/tmp/tf:. python3 -m models.recipes.train --family kimi --data /tmp/data-kimi \
+      --out "$OUT/vision/kimi-k2.6-nano" --init "$init/kimi-k2.6-nano" --tasks image-qa,image-caption \
+      --train-only vision --steps 0 --minutes "${VISION_MINUTES:-4}" --batch-tokens 2048 --lr 2e-3 --warmup 20 \
+      --workers 12 > "$OUT/vision/kimi.stdout" 2>&1
+    tail -n 4 "$OUT/vision/kimi.stdout"
+    [ -d "$OUT/vision/kimi-k2.6-nano" ] && tar -C "$OUT/vision" -cf "$OUT/kimi-k2.6-nano.tar" kimi-k2.6-nano \
+      && rm -rf "$OUT/vision/kimi-k2.6-nano"
+    # `eval` next reads /tmp/ckpt2: the vision stage's Kimi replaces the second stage's there
+    [ -d /tmp/ckpt2 ] && [ -f "$OUT/kimi-k2.6-nano.tar" ] && rm -rf /tmp/ckpt2/kimi-k2.6-nano \
+      && tar -C /tmp/ckpt2 -xf "$OUT/kimi-k2.6-nano.tar"
     ;;
   sweeps)
     site
@@ -144,7 +161,7 @@ case $stage in
         | grep -v Warning > "$OUT/bench/bench_mla_sweep.log"; tail -15 "$OUT/bench/bench_mla_sweep.log"
     fi
     ;;
-  *) echo "unknown stage $stage (train|train-continue|sweeps|eval|gpu-checks|kimi-eval|bench)"; exit 2 ;;
+  *) echo "unknown stage $stage (train|train-continue|vision|sweeps|eval|gpu-checks|kimi-eval|bench)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"
