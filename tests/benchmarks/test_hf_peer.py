@@ -17,6 +17,19 @@ def model() -> Any:
     return hf_peer.build_hf_model(make_geometry("kimi-k2.6", 2, tiny=True), "cpu")
 
 
+def _small_run(model: Any) -> dict[str, Any]:
+    """`generate` at concurrency 2, 16 prompt tokens, 3 output tokens each."""
+    return hf_peer.run_mode(
+        model,
+        "generate",
+        concurrency=2,
+        input_len=16,
+        output_len=3,
+        vocab=model.config.vocab_size,
+        device="cpu",
+    )
+
+
 def test_chunked_prefill_generates_the_same_tokens(model: Any) -> None:
     ids = torch.randint(1, model.config.vocab_size, (2, 24))
     whole = hf_peer._generate(model, ids, 4, static=False)
@@ -41,15 +54,7 @@ def test_an_out_of_memory_run_is_retried_with_chunked_prefill(
         return real(m, ids, new, static, prefill_chunk)
 
     monkeypatch.setattr(hf_peer, "_generate", short_of_memory)
-    row = hf_peer.run_mode(
-        model,
-        "generate",
-        concurrency=2,
-        input_len=16,
-        output_len=3,
-        vocab=model.config.vocab_size,
-        device="cpu",
-    )
+    row = _small_run(model)
     chunk = hf_peer.PREFILL_CHUNKS[failing]
     assert row["prefill_chunk_size"] == chunk
     assert calls == list(hf_peer.PREFILL_CHUNKS[:failing]) + [chunk, chunk]  # TTFT call, then the whole run
@@ -63,25 +68,9 @@ def test_a_run_that_never_fits_says_so_for_every_attempt(model: Any, monkeypatch
 
     monkeypatch.setattr(hf_peer, "_generate", never)
     with pytest.raises(torch.OutOfMemoryError, match="prefill_chunk_size=128"):
-        hf_peer.run_mode(
-            model,
-            "generate",
-            concurrency=2,
-            input_len=16,
-            output_len=3,
-            vocab=model.config.vocab_size,
-            device="cpu",
-        )
+        _small_run(model)
 
 
 def test_a_run_that_fits_is_not_chunked(model: Any) -> None:
-    row = hf_peer.run_mode(
-        model,
-        "generate",
-        concurrency=2,
-        input_len=16,
-        output_len=3,
-        vocab=model.config.vocab_size,
-        device="cpu",
-    )
+    row = _small_run(model)
     assert "prefill_chunk_size" not in row
