@@ -9,8 +9,8 @@ Modes, each tried and reported (an error is recorded as that mode's result, neve
 
 For `generate` modes the batch finishes together: TTFT is a `max_new_tokens=1` call on the same
 batch, TPOT = (wall − TTFT) / (output − 1). `generate_batch` reports wall-clock throughput only.
-A `generate` run that runs out of memory is tried once more with transformers' own chunked prefill
-(`prefill_chunk_size`, each of PREFILL_CHUNKS in turn): at concurrency 64 on Kimi's 3-layer geometry the
+A `generate` run that runs out of memory is tried again with transformers' own chunked prefill
+(`prefill_chunk_size`, the chunks of PREFILL_CHUNKS in turn): at concurrency 64 on Kimi's 3-layer geometry the
 whole batch's prefill asked for 28 GiB more than the H200 had left beside 73 GB of bf16 weights
 (2026-12-02). The row records the chunk it ran with and each attempt that ran out of memory. The retry
 runs outside the `except` block: inside it the failed attempt's frames still hold their tensors (the

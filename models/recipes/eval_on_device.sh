@@ -30,8 +30,8 @@ gpu_vs_cpu() {  # the GPU kernels against the CPU path's torch references, same 
     # 2026-12-02 300 items did not finish in the 5 minutes GLM had left after its quality table)
     local fam=$1 name=$2 sub=(); mkdir -p /tmp/sub-$fam
     for f in /tmp/data-$fam/*.test.jsonl; do head -n "${GPU_VS_CPU_ITEMS:-100}" "$f" > /tmp/sub-$fam/$(basename "$f"); sub+=(--data /tmp/sub-$fam/$(basename "$f")); done
-    # a bounded thread count: two of these at once beside the rest, each with torch's default of one thread a
-    # core, printed nothing in 150 s on 16 items a task (2026-12-02), where the 2-core CI machine takes ~10 s
+    # a bounded thread count, a guess at why two of these at once (torch's default: a thread a core each)
+    # printed nothing in 150 s on 16 items a task on the H200 (2026-12-02), where a 2-core VM takes ~10 s
     OMP_NUM_THREADS=${GPU_VS_CPU_THREADS:-6} python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant gpu=$MODELS/$name --variant cpu=$MODELS/$name:device=cpu \
         "${sub[@]}" --out "$OUT/gpu-vs-cpu-$name.json"

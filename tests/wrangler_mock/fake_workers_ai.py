@@ -69,7 +69,6 @@ class FakeGateway:
     num_filler_models: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     num_open_streams: int = 0
-    num_streams_opened: int = 0
     num_frames_sent: int = 0
 
     def __post_init__(self) -> None:
@@ -89,7 +88,6 @@ class FakeGateway:
     async def sse(self, frames: list[dict[str, Any]], delay: float) -> AsyncIterator[bytes]:
         """The frames as SSE; counts open streams so tests can see a disconnect reach the gateway."""
         self.num_open_streams += 1
-        self.num_streams_opened += 1
         try:
             for frame in frames:
                 yield f"data: {json.dumps(frame)}\n\n".encode()
