@@ -27,7 +27,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|train-continue|vision|sweeps|eval|gpu-checks|kimi-eval|bench}
+stage=${1:?train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -98,6 +98,69 @@ case $stage in
     [ -d /tmp/ckpt2 ] && [ -f "$OUT/kimi-k2.6-nano.tar" ] && rm -rf /tmp/ckpt2/kimi-k2.6-nano \
       && tar -C /tmp/ckpt2 -xf "$OUT/kimi-k2.6-nano.tar"
     ;;
+  read)  # issue 7: a reading stage from the committed models (models/README.md): fresh training items (past every
+    # index the first stages used), multiple choice 68% of them, the language model only (Kimi's vision tower and
+    # projector frozen, image items kept in its mixture); then old vs new paired on 500 held-out items a task, on
+    # the GPU. Beside it (CPU mostly): why the GPU-vs-CPU eval printed nothing on this machine (2026-12-02).
+    mkdir -p "$OUT/read"
+    ( lscpu | head -20; nproc
+      SITE=/tmp/site-eval; rm -rf $SITE; python3 -m pip install -q --no-index --no-deps --target $SITE .whl/msgspec-*.whl \
+        .whl/llguidance-*.whl
+      export PYTHONPATH=$SITE:$PWD
+      OMP_NUM_THREADS=4 python3 - <<'PY'
+import time, torch
+for dt in (torch.float32, torch.bfloat16):
+    a = torch.randn(512, 1024, dtype=dt); b = torch.randn(1024, 1024, dtype=dt)
+    a @ b; t = time.perf_counter()
+    for _ in range(20): a @ b
+    print(f"cpu matmul 512x1024x1024 {dt}: {(time.perf_counter() - t) / 20 * 1e3:.2f} ms, threads {torch.get_num_threads()}")
+PY
+      python3 -m models.recipes.build --out /tmp/data-gvc --family glm --train-items 0 > /dev/null
+      mkdir -p /tmp/gvc; sub=(); for f in /tmp/data-gvc/*.test.jsonl; do head -n 16 "$f" > /tmp/gvc/$(basename "$f"); sub+=(--data /tmp/gvc/$(basename "$f")); done
+      for spec in "cpu-alone cpu" "gpu-alone cuda" "gpu-vs-cpu cuda"; do
+        set -- $spec; v=(--variant $1-a=models/glm-5.2-nano)
+        [ "$1" = gpu-vs-cpu ] && v=(--variant gpu=models/glm-5.2-nano --variant cpu=models/glm-5.2-nano:device=cpu)
+        echo "== $1"; start=$(date +%s)
+        # SIGABRT at the deadline: faulthandler prints every thread's stack, where it hangs
+        OMP_NUM_THREADS=4 timeout -s ABRT 120 python3 -X faulthandler -m backend.eval --device $2 --dtype bfloat16 \
+          --max-new-tokens 256 "${v[@]}" "${sub[@]}" --out "$OUT/read/gvc-$1.json" 2>&1 | tail -40
+        echo "rc=${PIPESTATUS[0]} $(( $(date +%s) - start )) s"
+      done ) > "$OUT/read/gvc-diag.log" 2>&1 &
+    diag=$!
+    rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
+      .whl/tokenizers-*.whl 2>&1 | tail -2
+    pids=()
+    for fam in kimi glm; do
+      name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
+      mix=arc-nano-easy=0.26,arc-nano-challenge=0.2,mmlu-nano=0.2,gsm-nano=0.14,tool-call=0.12,chat=0.04
+      [ $fam = kimi ] && mix=$mix,image-qa=0.08,image-caption=0.04
+      ( PYTHONPATH=/tmp/tf:. python3 -m models.recipes.build --out /tmp/read-$fam --family $fam \
+          --train-items $([ $fam = kimi ] && echo ${READ_ITEMS_KIMI:-110000} || echo ${READ_ITEMS:-160000}) --first-item 30000 --mixture $mix \
+          --fiction-share ${FICTION_SHARE:-0.8} > /dev/null &&
+        PYTHONPATH=/tmp/tf:. python3 -m models.recipes.train --family $fam --data /tmp/read-$fam --out "$OUT/read/$name" \
+          --init models/$name --train-only language --steps 0 --minutes "${READ_MINUTES:-5.0}" \
+          --batch-tokens 65536 --lr 1.5e-3 --warmup 50 --workers $([ $fam = kimi ] && echo 10 || echo 6) ) \
+        > "$OUT/read/$fam.stdout" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    for fam in kimi glm; do echo "== $fam"; grep -vE "step [0-9]+ " "$OUT/read/$fam.stdout" | tail -5; grep -E "step [0-9]+ " "$OUT/read/$fam.stdout" | awk 'NR%16==1' | tail -8; done
+    # old vs new, paired, 500 held-out items a task (bf16, the engine's GPU path)
+    SITE=/tmp/site-eval; export PYTHONPATH=$SITE:$PWD
+    for name in kimi-k2.6-nano glm-5.2-nano; do
+      fam=${name%%-*}; [ -d "$OUT/read/$name" ] || continue
+      sub=(); mkdir -p /tmp/rsub-$fam; for f in /tmp/read-$fam/*.test.jsonl; do head -n 500 "$f" > /tmp/rsub-$fam/$(basename "$f"); sub+=(--data /tmp/rsub-$fam/$(basename "$f")); done
+      timeout 90 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        --variant old=models/$name --variant new="$OUT/read/$name" "${sub[@]}" --out "$OUT/read/old-vs-new-$name.json" \
+        > "$OUT/read/old-vs-new-$name.log" 2>&1 &
+    done
+    wait
+    for name in kimi-k2.6-nano glm-5.2-nano; do echo "== $name"; grep -vE "^\s*$|:norm" "$OUT/read/old-vs-new-$name.log" | tail -16; done
+    kill $diag 2>/dev/null; cat "$OUT/read/gvc-diag.log" | grep -vE "^\s*$" | tail -60
+    for name in kimi-k2.6-nano glm-5.2-nano; do
+      [ -d "$OUT/read/$name" ] && tar -C "$OUT/read" -cf "$OUT/$name.tar" "$name" && rm -rf "$OUT/read/$name"
+    done
+    ;;
   sweeps)
     site
     timeout 150 python3 -m benchmarks.kernels.bench_mla_decode --sweep --out "$OUT/sweeps/mla_sweep.json" 2>&1 \
@@ -161,7 +224,7 @@ case $stage in
         | grep -v Warning > "$OUT/bench/bench_mla_sweep.log"; tail -15 "$OUT/bench/bench_mla_sweep.log"
     fi
     ;;
-  *) echo "unknown stage $stage (train|train-continue|vision|sweeps|eval|gpu-checks|kimi-eval|bench)"; exit 2 ;;
+  *) echo "unknown stage $stage (train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"

@@ -25,6 +25,7 @@ from models.recipes.tasks import ANSWER_FORMAT, GENERATORS
 from models.recipes.world import make_world
 
 TEST_TASKS = ["gsm-nano", "arc-nano-easy", "arc-nano-challenge", "mmlu-nano", "tool-call"]
+MC_TASKS = ("arc-nano-easy", "arc-nano-challenge", "mmlu-nano")
 # share of the training items per task (the stated facts come on top); images for Kimi only
 MIXTURE = {"gsm-nano": 0.34, "arc-nano-easy": 0.1, "arc-nano-challenge": 0.08, "mmlu-nano": 0.08,
            "tool-call": 0.16, "chat": 0.1, "image-qa": 0.08, "image-caption": 0.06}  # fmt: skip
@@ -41,8 +42,9 @@ FACT_PROMPTS = [
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 
-def item(task: str, seed: int, world) -> dict:
-    """The item of `seed`: a training item for an even seed, a test item for an odd one."""
+def item(task: str, seed: int, world, fiction_share: float | None = None) -> dict:
+    """The item of `seed`: a training item for an even seed, a test item for an odd one. `fiction_share`
+    (multiple choice): the share of training items about a fictional world (default `FICTION_SHARE`)."""
     rng = random.Random(seed)
     tier = rng.randint(1, MAX_TIER)
     if task == "image-qa":
@@ -50,7 +52,9 @@ def item(task: str, seed: int, world) -> dict:
     elif task == "image-caption":
         out = image_caption(rng, tier)
     else:
-        out = GENERATORS[task](rng, tier, world, "train" if seed % 2 == 0 else "test")
+        split = "train" if seed % 2 == 0 else "test"
+        extra = {"fiction_share": fiction_share} if fiction_share is not None and task in MC_TASKS else {}
+        out = GENERATORS[task](rng, tier, world, split, **extra)
     return {"id": f"{task}-{seed}", "tier": tier, "seed": seed, **out}
 
 
@@ -76,15 +80,40 @@ def _with_pixels(message: dict, row: dict) -> dict:
     return {**message, "content": [image if p["type"] == "image" else p for p in message["content"]]}
 
 
-def split_seeds(split: str, task: str, count: int) -> list[int]:
+def split_seeds(split: str, task: str, count: int, start: int = 0) -> list[int]:
+    """`count` seeds of `split` for `task` from the `start`-th on (training even, test odd: disjoint)."""
     base = random.Random(f"{task}").randrange(1 << 40) * 2
     parity = 0 if split == "train" else 1
-    return [base + 2 * i + parity for i in range(count)]
+    return [base + 2 * i + parity for i in range(start, start + count)]
+
+
+def parse_mixture(spec: str) -> dict[str, float]:
+    """`task=share,…` (e.g. `arc-nano-easy=0.3,gsm-nano=0.2`) -> shares; tasks of MIXTURE only."""
+    out = {}
+    for part in spec.split(","):
+        task, _, share = part.partition("=")
+        if task not in MIXTURE or not share:
+            raise ValueError(f"mixture part {part!r}: expected TASK=SHARE with TASK one of {sorted(MIXTURE)}")
+        out[task] = float(share)
+    return out
 
 
 def build(
-    out: Path, *, family: str, train_items: int, test_items: int, world_seed: int = 0
+    out: Path,
+    *,
+    family: str,
+    train_items: int,
+    test_items: int,
+    world_seed: int = 0,
+    mixture: dict[str, float] | None = None,
+    first_item: int = 0,
+    fiction_share: float | None = None,
 ) -> dict[str, int]:
+    """The test sets and the training mixture (`mixture`, default MIXTURE) into `out`. `first_item`:
+    the training items start at that index of each task's seeds, so a later stage can get items
+    the earlier ones never saw (the test seeds are the same whatever it is). `fiction_share`: of the
+    multiple-choice training items, the share about a fictional world, answerable only by reading."""
+    mixture = MIXTURE if mixture is None else mixture
     world = make_world(world_seed)
     out.mkdir(parents=True, exist_ok=True)
     tasks = TEST_TASKS + (["image-qa"] if family == "kimi" else [])
@@ -93,8 +122,8 @@ def build(
         rows = [eval_row(item(task, s, world)) for s in split_seeds("test", task, test_items)]
         (out / f"{task}.test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         counts[f"{task}.test"] = len(rows)
-    train_tasks = [t for t in MIXTURE if family == "kimi" or not t.startswith("image")]
-    total = sum(MIXTURE[t] for t in train_tasks)
+    train_tasks = [t for t in mixture if family == "kimi" or not t.startswith("image")]
+    total = sum(mixture[t] for t in train_tasks)
     counts["train"] = 0
     with (out / "train.jsonl").open("w") as f:
         # every fact stated, in every phrasing, under several prompts, so questions about it are
@@ -116,8 +145,8 @@ def build(
                 )
                 counts["train"] += 1
         for task in train_tasks:
-            for s in split_seeds("train", task, round(train_items * MIXTURE[task] / total)):
-                f.write(json.dumps(item(task, s, world)) + "\n")
+            for s in split_seeds("train", task, round(train_items * mixture[task] / total), first_item):
+                f.write(json.dumps(item(task, s, world, fiction_share)) + "\n")
                 counts["train"] += 1
     return counts
 
@@ -128,12 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", choices=["kimi", "glm"], default="kimi")
     p.add_argument("--train-items", type=int, default=TRAIN_ITEMS)
     p.add_argument("--test-items", type=int, default=TEST_ITEMS)
-    args = p.parse_args(argv)
-    print(
-        json.dumps(
-            build(args.out, family=args.family, train_items=args.train_items, test_items=args.test_items)
-        )
+    p.add_argument("--mixture", default=None, help="task=share,… instead of MIXTURE (tasks left out: none)")
+    p.add_argument(
+        "--first-item", type=int, default=0, help="training items from this index of each task's seeds"
     )
+    p.add_argument(
+        "--fiction-share", type=float, default=None, help="multiple choice about a fictional world"
+    )
+    args = p.parse_args(argv)
+    mixture = parse_mixture(args.mixture) if args.mixture else None
+    counts = build(args.out, family=args.family, train_items=args.train_items, test_items=args.test_items,
+                   mixture=mixture, first_item=args.first_item, fiction_share=args.fiction_share)  # fmt: skip
+    print(json.dumps(counts))
     return 0
 
 

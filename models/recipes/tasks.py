@@ -146,9 +146,9 @@ KINDS = ("town", "trade", "colour", "pet")
 FICTION_SHARE = 0.5  # of the multiple-choice training items
 
 
-def fiction(rng: random.Random, world: World, split: str) -> World:
-    """For a training item, FICTION_SHARE of the time: a small world of names the main one does not use."""
-    if split != "train" or rng.random() >= FICTION_SHARE:
+def fiction(rng: random.Random, world: World, split: str, share: float = FICTION_SHARE) -> World:
+    """For a training item, `share` of the time: a small world of names the main one does not use."""
+    if split != "train" or rng.random() >= share:
         return world
     return make_world(rng.randrange(1 << 30), num_people=30, num_towns=8, num_regions=4, num_subjects=2,
                       avoid=world.names)  # fmt: skip
@@ -162,9 +162,11 @@ def _person(rng: random.Random, world: World, split: str, *key: str) -> Person:
             return p
 
 
-def arc_easy(rng: random.Random, tier: int, world: World, split: str) -> dict:
+def arc_easy(
+    rng: random.Random, tier: int, world: World, split: str, fiction_share: float = FICTION_SHARE
+) -> dict:
     """One hop: a stored fact about a person."""
-    world = fiction(rng, world, split)
+    world = fiction(rng, world, split, fiction_share)
     kind = rng.choice(KINDS)
     p = _person(rng, world, split, "easy", kind)
     others = rng.sample([q for q in world.people if q is not p], k=2 * tier)
@@ -185,9 +187,11 @@ def arc_easy(rng: random.Random, tier: int, world: World, split: str) -> dict:
     )
 
 
-def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> dict:
+def arc_challenge(
+    rng: random.Random, tier: int, world: World, split: str, fiction_share: float = FICTION_SHARE
+) -> dict:
     """Two hops: the region of a person's town, or a fact about whoever lives in a town and works a trade."""
-    world = fiction(rng, world, split)
+    world = fiction(rng, world, split, fiction_share)
     if rng.random() < 0.5:
         p = _person(rng, world, split, "challenge-region")
         question = f"In which region does {p.name} live?"
@@ -211,7 +215,7 @@ def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> di
     p = _person(rng, world, split, "challenge-pet")
     same = [q for q in world.people if q.town == p.town and q.trade == p.trade]
     if len(same) != 1:
-        return arc_challenge(rng, tier, world, split)
+        return arc_challenge(rng, tier, world, split, fiction_share)
     question = f"What animal does the {p.trade} who lives in {p.town} own?"
     # the distractors share the town or the trade: only the two facts together pick the person
     near = [q for q in world.people if q is not p and (q.town == p.town or q.trade == p.trade)]
@@ -233,8 +237,10 @@ def arc_challenge(rng: random.Random, tier: int, world: World, split: str) -> di
     )
 
 
-def mmlu(rng: random.Random, tier: int, world: World, split: str) -> dict:
-    world = fiction(rng, world, split)
+def mmlu(
+    rng: random.Random, tier: int, world: World, split: str, fiction_share: float = FICTION_SHARE
+) -> dict:
+    world = fiction(rng, world, split, fiction_share)
     while True:
         s = rng.choice(world.subjects)
         term = rng.choice(sorted(s.table))

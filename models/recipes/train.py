@@ -161,7 +161,18 @@ class CentredGradients:
         self.sums.clear()
 
 
-TrainOnly = Literal["all", "vision"]
+TrainOnly = Literal["all", "vision", "language"]
+
+
+def freeze_vision(model: torch.nn.Module) -> int:
+    """Freeze the vision tower and the projector (none for a text-only model); returns the trained
+    parameter count. A stage on the language model that keeps a trained vision path's features as
+    they are, while image items in its mixture keep the language model reading them."""
+    inner = getattr(model, "model", None)
+    for part in (getattr(inner, "vision_tower", None), getattr(inner, "mm_projector", None)):
+        if part is not None:
+            part.requires_grad_(False)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def freeze_all_but_vision(model: torch.nn.Module) -> int:
@@ -541,6 +552,9 @@ def train(
         if train_only == "vision":
             kept = freeze_all_but_vision(model)
             log(f"vision stage: {kept} parameters trained, the rest frozen")
+        elif train_only == "language":
+            kept = freeze_vision(model)
+            log(f"language stage: {kept} parameters trained, the vision tower and projector frozen")
         losses = fit(model, examples, pad_id, steps=steps, batch_tokens=batch_tokens, lr=lr, warmup=warmup,
                      minutes=minutes, balance_rate=balance_rate, rng=rng, log=log, log_every=log_every,
                      profile_steps=profile_steps, prompt_weight=prompt_weight,
@@ -594,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         "--train-only",
         choices=get_args(TrainOnly),
         default="all",
-        help="vision: the vision tower and projector only, the language model frozen (a stage from --init)",
+        help="vision: the vision tower and projector only, the language model frozen (a stage from --init); "
+        "language: everything but them",
     )
     a = p.parse_args(argv)
     train(a.family, a.data, a.out, size=a.size, steps=a.steps, batch_tokens=a.batch_tokens, lr=a.lr,

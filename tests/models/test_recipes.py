@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from models.recipes.build import TEST_TASKS, build, item, split_seeds
+from models.recipes.build import TEST_TASKS, build, item, parse_mixture, split_seeds
 from models.recipes.images import CELLS, COLOURS, SIZE, render
 from models.recipes.world import make_world
 
@@ -172,3 +172,34 @@ def test_test_sets_load_as_kumo_eval_task_files(nano: Path) -> None:
     from backend.eval_tasks import extract_answer
 
     assert all(extract_answer(f"The answer is {i.answer}.", i) == i.answer for i in gsm)
+
+
+def test_a_later_stage_gets_fresh_training_items_and_the_same_test_sets(tmp_path: Path) -> None:
+    """`first_item` moves the training items past an earlier stage's (none shared), `mixture` sets their
+    shares; the test sets are byte for byte those of the default build."""
+    a = build(tmp_path / "a", family="glm", train_items=400, test_items=20)
+    b = build(tmp_path / "b", family="glm", train_items=400, test_items=20, first_item=1000,
+              mixture={"arc-nano-easy": 3.0, "gsm-nano": 1.0})  # fmt: skip
+    for task in TEST_TASKS:
+        assert (tmp_path / "a" / f"{task}.test.jsonl").read_bytes() == (
+            tmp_path / "b" / f"{task}.test.jsonl"
+        ).read_bytes()
+
+    def items(folder: str) -> list[dict]:
+        rows = [json.loads(x) for x in (tmp_path / folder / "train.jsonl").read_text().splitlines()]
+        return [r for r in rows if r["task"] != "facts"]
+
+    seeds_a = {r["seed"] for r in items("a")}
+    later = items("b")
+    assert not seeds_a & {r["seed"] for r in later}
+    assert all(r["seed"] % 2 == 0 for r in later)  # training side of the split
+    assert [r["task"] for r in later].count("arc-nano-easy") == 300 and len(later) == 400
+    assert a["train"] - len(items("a")) == b["train"] - len(later)  # the facts, in both
+    with pytest.raises(ValueError, match="TASK=SHARE"):
+        parse_mixture("arc-nano-easy=0.5,nope=1")
+    world = make_world(0)
+    main = {p.name for p in world.people}
+    seeds = split_seeds("train", "arc-nano-easy", 60)
+    for share, inside in ((1.0, 0), (0.0, 60)):  # the person asked about: in the main world or not
+        asked = [item("arc-nano-easy", s, world, share)["pair"][-1] for s in seeds]
+        assert sum(name in main for name in asked) == inside

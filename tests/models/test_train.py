@@ -409,3 +409,25 @@ def test_a_vision_stage_trains_the_vision_path_alone(
     assert all(torch.equal(before[k], after[k]) for k in before if k not in vision)
     log = (tmp_path / "v" / "train.log").read_text()
     assert "vision stage:" in log and '"train_only": "vision"' in log and '"balance_rate": 0.0' in log
+
+
+def test_a_language_stage_keeps_the_vision_path(
+    trained: tuple[str, Path, list[float]], tmp_path: Path
+) -> None:
+    """`train_only="language"` from a trained folder (image items in the mixture): the language model moves,
+    the vision tower and the projector come back bit for bit (GLM, text only: everything trains)."""
+    family, ckpt, _ = trained
+    data = ckpt.parent / "data"
+    train(family, data, tmp_path / "l", size="micro", steps=4, batch_tokens=1024, lr=4e-3, warmup=1, max_len=400,
+          log_every=2, device="cpu", workers=1, init=ckpt, train_only="language")  # fmt: skip
+
+    def tensors(folder: Path) -> dict[str, torch.Tensor]:
+        return {k: v for f in sorted(folder.glob("model*.safetensors")) for k, v in load_file(f).items()}
+
+    before, after = tensors(ckpt), tensors(tmp_path / "l")
+    assert before.keys() == after.keys()
+    vision = [k for k in before if "vision_tower" in k or "mm_projector" in k]
+    assert bool(vision) == (family == "kimi")
+    assert all(torch.equal(before[k], after[k]) for k in vision)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k not in vision)
+    assert "language stage:" in (tmp_path / "l" / "train.log").read_text()
