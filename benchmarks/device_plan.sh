@@ -14,6 +14,8 @@
 #   run(command="bash benchmarks/device_plan.sh sweeps", carry=[".whl"])            # ~8 min, when there is time
 #   run(command="bash benchmarks/device_plan.sh bench",  carry=[".whl"])            # ~8 min: the transformers
 #                                                        peer at 3 layers, then the MLA decode sweep
+#   run(command="bash benchmarks/device_plan.sh tagcheck", carry=[".whl"])          # ~3.5 min (at most 4.8):
+#                                                        every tag-check row of kernels-h200.json again
 #
 # train: both nano models from scratch with the 2026-12-01 recipe (models/README.md), and meanwhile, on
 #   the same GPU (the trainings use a few % of it; correctness only, no timing), every test the kernels
@@ -27,7 +29,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench}
+stage=${1:?train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -224,7 +226,30 @@ PY
         | grep -v Warning > "$OUT/bench/bench_mla_sweep.log"; tail -15 "$OUT/bench/bench_mla_sweep.log"
     fi
     ;;
-  *) echo "unknown stage $stage (train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench)"; exit 2 ;;
+  tagcheck)  # issue 6's tag-check goal (<= 1%), nothing beside the timings: every tag-check row of
+    # results/kernels-h200.json timed again as interleaved A/B pairs of one kernel with the page-tag check compiled
+    # in and out (common.TAG_CHECK_PAIRS = 9 a row, odd pairs unchecked first), each benchmark's ceilings in its
+    # own record; first the kernels rewritten on 2026-12-01 (GQA prefill BF16 +5.3%, the DSA indexer +8.8-32%,
+    # MLA sparse +4.6%), then GQA decode. The compiles run first, in parallel (warm_gqa --tag-check). Then the
+    # review checks (correctness, after the timings; each check's lines and seconds print as it ends). Records:
+    # $OUT/tagcheck/{paged_prefill,dsa_indexer,mla_decode,paged_decode}.json, merged afterwards with
+    # `python -m benchmarks.kernels.merge results/kernels-h200.json results/kernels-h200.json RECORDS...`.
+    # Timeouts 40 + 45 + 30 + 40 + 35 + 85 s (+ ~10 s of wheels): at most ~4.8 minutes; ~3.5 expected.
+    site
+    timeout 40 python3 -m benchmarks.kernels.warm_gqa --tag-check --jobs 14 > "$OUT/tagcheck/warm.log" 2>&1
+    echo "== warm rc=$? $(tail -1 "$OUT/tagcheck/warm.log")"
+    for step in "paged_prefill 45" "dsa_indexer 30" "mla_decode 40" "paged_decode 35"; do
+      set -- $step
+      timeout "$2" python3 -m "benchmarks.kernels.bench_$1" --tag-check --out "$OUT/tagcheck/$1.json" 2>&1 \
+        | grep -v Warning > "$OUT/tagcheck/bench_$1.log"
+      echo "== bench_$1 rc=${PIPESTATUS[0]}"; grep -E "^tag-check|Error|error" "$OUT/tagcheck/bench_$1.log" | cut -c1-230
+    done
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+    timeout 85 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/tagcheck/review_checks.log" 2>&1
+    echo "== review checks rc=$?"; grep -E "^check |^all checks| FAIL " "$OUT/tagcheck/review_checks.log"
+    ! grep -q " FAIL " "$OUT/tagcheck/review_checks.log"
+    ;;
+  *) echo "unknown stage $stage (train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"

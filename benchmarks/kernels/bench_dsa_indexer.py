@@ -5,9 +5,10 @@ Shapes: 32 indexer heads × 128, top 2048, page size 16, pages shuffled. Decode 
 8k / 32k / 128k) are key-read bound: `fraction_of_ceiling` is key bytes over the copy ceiling;
 each row also gives the scoring kernel alone and `torch.topk` alone (which dominates tells whether a
 Triton top-k is worth writing). Correctness: recall of `dsa_indexer_ref`'s choice for the first
-sequences (bf16 rounding may swap near-ties), and the flags. The tag check's cost: A/B pairs.
+sequences (bf16 rounding may swap near-ties), and the flags. The tag check's cost: A/B pairs of the
+default FP8 entry (`--tag-check`: those rows alone).
 
-    python3 -m benchmarks.kernels.bench_dsa_indexer --out results.json
+    python3 -m benchmarks.kernels.bench_dsa_indexer --out results.json [--quick | --tag-check [--pairs N]]
 """
 
 from __future__ import annotations
@@ -45,11 +46,19 @@ CASES = [
 ]
 QUICK_CASES = [CASES[0], CASES[2], CASES[3]]
 AB_PAIRS = 5
+TAG_CHECK_CASES = QUICK_CASES  # the cases of kernels-h200.json's tag-check rows
 
 
 def bench_case(
-    kind: str, B: int, ctx: int, chunk: int, ceil: dict[str, float], quick: bool = False
+    kind: str,
+    B: int,
+    ctx: int,
+    chunk: int,
+    ceil: dict[str, float],
+    quick: bool = False,
+    tag_check_pairs: int = 0,
 ) -> list[dict[str, Any]]:
+    """The case's rows; with `tag_check_pairs`, only its tag-check row (that many A/B pairs)."""
     dev, rep_ms = DEV, 50 if quick else 100
     pages_per = ctx // PAGE
     P = B * pages_per
@@ -73,6 +82,15 @@ def bench_case(
 
     def ours(kv: str, check: bool = True, config: str | None = None) -> torch.Tensor:
         return dsa_indexer(*args(kv), TOPK, check_tags=check, config=config)
+
+    c = DEFAULT_TILES[("fp8", kind)]  # the default FP8 entry's check
+    case = f"dsa-indexer kv=fp8 tiles={c} {kind} batch={B} context={ctx} queries={T}"
+    ops = {case: partial(ours, "fp8", config=c)}
+    if tag_check_pairs:
+        rows = tag_check_rows(ops, tag_check_pairs, rep_ms)
+        assert not flags.any(), "no page was reallocated: no sequence may be flagged"
+        print_rows(rows)
+        return rows
 
     def scores(kv: str, config: str) -> tuple[torch.Tensor, torch.Tensor]:
         return dsa_indexer_scores(*args(kv), tiles=tiles, config=config)
@@ -156,10 +174,12 @@ def bench_case(
                 r["peers"]["torch_bf16_contiguous"] = peer_ms
     except (RuntimeError, torch.OutOfMemoryError) as exc:
         print("torch peer failed:", repr(exc)[:300], flush=True)
-    c = DEFAULT_TILES[("fp8", kind)]  # the default FP8 entry's check
-    case = f"dsa-indexer kv=fp8 tiles={c} {kind} batch={B} context={ctx} queries={T}"
-    ops = {case: partial(ours, "fp8", config=c)}
     rows += tag_check_rows(ops, 3 if quick else AB_PAIRS, rep_ms)
+    print_rows(rows)
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if "overhead" in r:
             extra = overhead_text(r)
@@ -174,8 +194,13 @@ def bench_case(
         for n, t in r.get("variants", {}).items():
             print(f"{'':<14}scores {n:<20} {t * 1e3:9.1f}us frac {r['variant_fractions'][n]:.2f} "
                   f"err {r['errors'][n]:.1e}", flush=True)  # fmt: skip
-    return rows
 
 
 if __name__ == "__main__":
-    run_cases(bench_case, CASES, "decode rows: fraction_of_ceiling is key bytes over copy GB/s", QUICK_CASES)
+    run_cases(
+        bench_case,
+        CASES,
+        "decode rows: fraction_of_ceiling is key bytes over copy GB/s",
+        QUICK_CASES,
+        TAG_CHECK_CASES,
+    )

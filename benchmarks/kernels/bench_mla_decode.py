@@ -20,8 +20,10 @@ formulation with a causal mask over a contiguous copy.
 `kernels.mla_tiles.VARIANTS` of its table entry (compiled side by side in threads first), a compact
 table, and the entries to paste into `kernels.mla_tiles.TILES` (the variant with the lowest geometric
 mean of time over default across the entry's cases). Without it: the default tiles on every case.
+`--tag-check [--pairs N]`: the tag-check rows of `TAG_CHECK_CASES` alone (sparse first), nothing else.
 
-    python3 -m benchmarks.kernels.bench_mla_decode [--sweep] [--out results.json] [--parts decode,prefill]
+    python3 -m benchmarks.kernels.bench_mla_decode [--sweep | --tag-check [--pairs N]] [--out results.json]
+        [--parts decode,prefill]
     (JSON to $OUT/mla_decode.json when --out is not given and OUT is set)
 """
 
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks.kernels.common import (
+    TAG_CHECK_PAIRS,
     bench_ms,
     graph_ms,
     measure_ceilings,
@@ -63,11 +66,14 @@ CASES = [  # heads, batch, context, top-k (None = dense)
     (64, 64, 32768, 2048),  # GLM-5 DSA sparse
 ]
 SWEEP_CASES = [CASES[i] for i in (0, 4, 6, 1, 2, 5)]  # batch 64; first those that compile new tiles
-AB_CASES = {(64, 64, 32768, None), (8, 64, 32768, None), (64, 64, 32768, 2048)}  # tag check on vs off
+# tag check on vs off; --tag-check times them in this order (GLM-5's sparse mode was +4.6% on 2026-12-01)
+TAG_CHECK_CASES = [(64, 64, 32768, 2048), (64, 64, 32768, None), (8, 64, 32768, None)]
+AB_CASES = set(TAG_CHECK_CASES)
 PREFILL_CASES = [(64, 8192, 4096), (64, 0, 4096), (8, 8192, 4096)]  # heads, cached tokens, new tokens
 SWEEP_PREFILL = PREFILL_CASES[:1]
 SWEEP_BUDGET_S = 100  # past this, a sweep times only the default tiles
 FP8 = torch.float8_e4m3fn
+DEV = "cuda"
 NOTES = "latent caches are GBs (>> L2): one call per graph replay"
 
 
@@ -80,8 +86,12 @@ def label(t: MlaTiles) -> str:
     return f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}"
 
 
+def case_name(H: int, B: int, ctx: int, topk: int | None) -> str:
+    return f"batch={B} context={ctx} heads={H}" + (f" topk={topk}" if topk else "")
+
+
 def make_case(H: int, B: int, ctx: int, topk: int | None) -> dict[str, Any]:
-    dev = "cuda"
+    dev = DEV
     pages_per = ctx // PAGE
     P = B * pages_per
     lines = torch.randn(P, PAGE, R + DR, device=dev, dtype=torch.bfloat16)
@@ -203,7 +213,7 @@ def bench_case(
 ) -> list[dict]:
     case = make_case(H, B, ctx, topk)
     tokens_read = B * (topk or ctx)
-    name = f"batch={B} context={ctx} heads={H}" + (f" topk={topk}" if topk else "")
+    name = case_name(H, B, ctx, topk)
     peer = peer_ms(case)
     ref_ms = None
     if B == 8:  # the reference op itself, once (host loops: not graph-capturable)
@@ -261,12 +271,26 @@ def bench_case(
             }
         )
     if (H, B, ctx, topk) in AB_CASES and (not sweep or time.monotonic() < deadline + 15):
-        label_ab = f"mla-decode{'-sparse' if topk else ''} kv=fp8 {name}"
-        on, off = (lambda: run(case, "fp8", True)), (lambda: run(case, "fp8", False))
-        rows.append(tag_check_row(label_ab, on, off, 3 if sweep else 7))  # interleaved A/B pairs
+        rows.append(ab_row(case, name, 3 if sweep else 7))
     for r in rows:
         print_row(r)
     return rows
+
+
+def ab_row(case: dict[str, Any], name: str, pairs: int) -> dict[str, Any]:
+    """The tag-check row of `case` (FP8 latent, default tiles): `pairs` interleaved A/B pairs."""
+    label_ab = f"mla-decode{'-sparse' if case['topk'] is not None else ''} kv=fp8 {name}"
+    on, off = (lambda: run(case, "fp8", True)), (lambda: run(case, "fp8", False))
+    return tag_check_row(label_ab, on, off, pairs)
+
+
+def tag_check_case(H: int, B: int, ctx: int, topk: int | None, pairs: int) -> list[dict[str, Any]]:
+    """`--tag-check`: the case's tag-check row alone."""
+    case = make_case(H, B, ctx, topk)
+    row = ab_row(case, case_name(H, B, ctx, topk), pairs)
+    assert not case["flags"].any(), "no page was reallocated: no sequence may be flagged"
+    print_row(row)
+    return [row]
 
 
 def bench_prefill(
@@ -368,6 +392,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time kernels.mla_tiles.VARIANTS as well")
     ap.add_argument("--no-sweep", action="store_true", help="the default tiles only (the default; kept)")
     ap.add_argument("--parts", default="decode,prefill", help="comma-separated: decode, prefill")
+    ap.add_argument(
+        "--tag-check", action="store_true", help="only the tag check's A/B rows (TAG_CHECK_CASES)"
+    )
+    ap.add_argument("--pairs", type=int, default=TAG_CHECK_PAIRS, help="A/B pairs per --tag-check row")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     out = args.out or (os.path.join(os.environ["OUT"], "mla_decode.json") if os.environ.get("OUT") else None)
@@ -376,6 +404,15 @@ def main() -> None:
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     rows: list[dict] = []
+    if args.tag_check:
+        notes = NOTES + f"; --tag-check: interleaved A/B pairs only ({args.pairs} per row)"
+        for H, B, ctx, topk in TAG_CHECK_CASES:
+            rows += tag_check_case(H, B, ctx, topk, args.pairs)
+            torch.cuda.empty_cache()
+            if out:
+                write_record(out, rows, ceil, {"notes": notes})
+        print(f"done in {time.monotonic() - deadline + SWEEP_BUDGET_S:.0f} s", flush=True)
+        return
     decode_cases = SWEEP_CASES if args.sweep else CASES
     for H, B, ctx, topk in decode_cases if "decode" in parts else []:
         rows += bench_case(H, B, ctx, topk, ceil, args.sweep, deadline)

@@ -7,9 +7,9 @@ flash `F.scaled_dot_product_attention` over a contiguous BF16 copy of the same K
 Each row's `ms` is the launcher's default entry (`DEFAULT_TILES`); `variants` times every entry of that
 cache dtype and `errors` gives each one's error on the first sequences against an fp32 softmax over
 their gathered tokens. The tag check's cost: interleaved A/B pairs of the same entry with the check
-compiled in and out, for the default entries.
+compiled in and out, for the default entries (`--tag-check`: those rows alone).
 
-    python3 -m benchmarks.kernels.bench_paged_decode --out results.json [--quick]
+    python3 -m benchmarks.kernels.bench_paged_decode --out results.json [--quick | --tag-check [--pairs N]]
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ from benchmarks.kernels.common import (
 )
 from kernels.paged_decode_gqa import DECODE_TILES, DEFAULT_TILES, paged_decode_gqa
 
+DEV = "cuda"
 HQ, HKV, D, PAGE = 96, 8, 128, 16
 CASES = [(64, 8192), (64, 32768), (64, 131072), (8, 32768)]  # batch, context
 QUICK_CASES = [(64, 8192), (64, 131072)]
 AB_PAIRS = 7
+TAG_CHECK_CASES = QUICK_CASES  # the cases of kernels-h200.json's tag-check rows
 
 
-def bench_case(B: int, ctx: int, ceil: dict[str, float], quick: bool = False) -> list[dict[str, Any]]:
-    dev, rep_ms = "cuda", 50 if quick else 100
+def bench_case(
+    B: int, ctx: int, ceil: dict[str, float], quick: bool = False, tag_check_pairs: int = 0
+) -> list[dict[str, Any]]:
+    """The case's rows; with `tag_check_pairs`, only its tag-check rows (that many A/B pairs each)."""
+    dev, rep_ms = DEV, 50 if quick else 100
     pages_per = ctx // PAGE
     P = B * pages_per
     k16 = torch.randn(P, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
@@ -67,6 +72,17 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float], quick: bool = False) ->
             q, kc, vc, ks, vs, seq_lens, page_table, expected, page_tags, flags, scale, check_tags=check, tiles=tiles
         )  # fmt: skip
 
+    ops = {
+        f"kv={kv} tiles={name} batch={B} context={ctx} heads={HQ}/{HKV} d={D} page={PAGE}": partial(
+            ours, kv, name
+        )
+        for kv, name in [("fp8", DEFAULT_TILES["fp8"]), ("bf16", DEFAULT_TILES["bf16"])]
+    }
+    if tag_check_pairs:
+        rows = tag_check_rows(ops, tag_check_pairs, rep_ms)
+        assert not flags.any(), "no page was reallocated: no sequence may be flagged"
+        print_rows(rows)
+        return rows
     order = page_table.long()  # [B, pages] each sequence's pages in token order
 
     def reference(kv: str, b: int) -> torch.Tensor:
@@ -123,13 +139,12 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float], quick: bool = False) ->
                 "ok": not failed and max(errors.values()) < (1e-2 if kv == "bf16" else 2e-2),
             }
         )
-    ops = {
-        f"kv={kv} tiles={name} batch={B} context={ctx} heads={HQ}/{HKV} d={D} page={PAGE}": partial(
-            ours, kv, name
-        )
-        for kv, name in [("fp8", DEFAULT_TILES["fp8"]), ("bf16", DEFAULT_TILES["bf16"])]
-    }
     rows += tag_check_rows(ops, 5 if quick else AB_PAIRS, rep_ms)
+    print_rows(rows)
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if "overhead" in r:
             print(f"{r['kernel']:<17} {r['case']:<72} {r['ms'] * 1e3:9.1f}us {overhead_text(r)}", flush=True)
@@ -139,8 +154,13 @@ def bench_case(B: int, ctx: int, ceil: dict[str, float], quick: bool = False) ->
         for name, t in r["variants"].items():
             print(f"{'':<19}{name:<16} {t * 1e3:9.1f}us frac {r['variant_fractions'][name]:.2f} "
                   f"err {r['errors'][name]:.1e}", flush=True)  # fmt: skip
-    return rows
 
 
 if __name__ == "__main__":
-    run_cases(bench_case, CASES, "KV caches are GBs (>> L2): one call per graph replay", QUICK_CASES)
+    run_cases(
+        bench_case,
+        CASES,
+        "KV caches are GBs (>> L2): one call per graph replay",
+        QUICK_CASES,
+        TAG_CHECK_CASES,
+    )

@@ -21,6 +21,7 @@ import torch
 import triton
 
 L2_BYTES = 60 * 2**20  # H200; rotation sizes are chosen against this
+TAG_CHECK_PAIRS = 9  # A/B pairs of a `--tag-check` run's rows (~0.4 s a pair)
 
 
 def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> float:
@@ -98,11 +99,17 @@ def tag_check_row(
     case: str, checked: Callable[[], Any], unchecked: Callable[[], Any], pairs: int, rep_ms: int = 100
 ) -> dict[str, Any]:
     """The `tag-check` row: `pairs` interleaved A/B timings of the same op with the check compiled in
-    and out (clock drift hits both arms alike); the median relative difference and its spread."""
+    and out (clock drift hits both arms alike; odd pairs time the unchecked arm first, so an order
+    effect cancels instead of adding to one side); the median relative difference and its spread,
+    and each pair's two times (`on_ms`, `off_ms`)."""
     on, off = [], []
-    for _ in range(pairs):
-        on.append(graph_ms([checked], rep_ms))
-        off.append(graph_ms([unchecked], rep_ms))
+    for i in range(pairs):
+        if i % 2:
+            off.append(graph_ms([unchecked], rep_ms))
+            on.append(graph_ms([checked], rep_ms))
+        else:
+            on.append(graph_ms([checked], rep_ms))
+            off.append(graph_ms([unchecked], rep_ms))
     diffs = sorted((a - b) / b for a, b in zip(on, off, strict=True))
     return {
         "kernel": "tag-check",
@@ -114,6 +121,8 @@ def tag_check_row(
         "overhead": statistics.median(diffs),
         "overhead_spread": [diffs[0], diffs[-1]],
         "pairs": pairs,
+        "on_ms": on,
+        "off_ms": off,
     }
 
 
@@ -154,22 +163,33 @@ def run_cases(
     cases: list[tuple[Any, ...]],
     notes: str,
     quick_cases: list[tuple[Any, ...]] | None = None,
+    tag_check_cases: list[tuple[Any, ...]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """A benchmark's main: `--out PATH`; ceilings, then `bench_case(*case, ceilings)` per case, one record;
     returns (rows, ceilings). A benchmark that gives `quick_cases` takes `--quick` (those cases, shorter
-    timings: one device call) and gets `bench_case(*case, ceilings, quick)`."""
+    timings: one device call) and gets `bench_case(*case, ceilings, quick)`. One that gives
+    `tag_check_cases` also takes `--tag-check [--pairs N]`: those cases' `tag-check` rows alone (no
+    variants, peers or references), `bench_case(*case, ceilings, False, N)`, with the ceilings of the
+    same run in the record as always."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument(
         "--quick", action="store_true", help="the main cases only, shorter timings (one device call)"
     )
+    if tag_check_cases is not None:
+        ap.add_argument("--tag-check", action="store_true", help="only the tag check's A/B rows")
+        ap.add_argument("--pairs", type=int, default=TAG_CHECK_PAIRS, help="A/B pairs per tag-check row")
     args = ap.parse_args()
     torch.manual_seed(0)
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     rows: list[dict[str, Any]] = []
     quick = (args.quick,) if quick_cases is not None else ()
-    for case in quick_cases if args.quick and quick_cases else cases:
+    todo = quick_cases if args.quick and quick_cases else cases
+    if getattr(args, "tag_check", False):
+        todo, quick = tag_check_cases or [], (False, args.pairs)
+        notes += f"; --tag-check: interleaved A/B pairs only ({args.pairs} per row)"
+    for case in todo:
         rows += bench_case(*case, ceil, *quick)
         torch.cuda.empty_cache()
         write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran

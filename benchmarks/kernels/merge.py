@@ -2,6 +2,12 @@
 
     python -m benchmarks.kernels.merge OUT.json RECORD.json [RECORD.json ...]
 
+A RECORD may itself be a merged file (it has `runs`): its runs are taken as they are, its rows keep
+theirs, so new records merge into the existing file without its sources:
+
+    python -m benchmarks.kernels.merge benchmarks/results/kernels-h200.json \
+        benchmarks/results/kernels-h200.json NEW.json [NEW.json ...]
+
 Each benchmark measures its own ceilings in its own run; the merged file keeps them all: `runs` lists
 every source record's command, date, device and ceilings, each row names its run (`run`, an index
 into `runs`), and its `fraction_of_ceiling` stays the one computed against that run's ceilings. The
@@ -22,6 +28,11 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for record in records:
         index = len(runs)
+        if "runs" in record:  # an earlier merge: its runs as they are, each row keeps its own
+            runs += record["runs"]
+            for row in record["rows"]:
+                rows[(row["kernel"], row["case"])] = row | {"run": index + row["run"]}
+            continue
         runs.append(
             {k: record.get(k) for k in ("command", "date", "device", "versions", "ceilings", "notes")}
         )

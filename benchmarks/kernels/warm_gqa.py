@@ -1,13 +1,17 @@
 """Compile every GQA decode, GQA prefill and DSA scoring tile-table entry (check on and off) in parallel
 processes, so that the `--quick` benchmarks of one device call time kernels instead of compiling them.
+`--tag-check`: only what the benchmarks' `--tag-check` runs launch (both arms of each A/B row: the
+default entries, GQA prefill's `bf16/v4`, and MLA decode with an FP8 latent at 64 and 8 heads, dense
+and top-2048 sparse).
 
 Each task launches its launcher once on small inputs specialised as the benchmarks' are (Triton keys a
 compile on constexprs and on which integer arguments are 1 or divisible by 16): batch 64 with two
 slices for decode, one sequence in one slice for prefill, one launch of all query tiles for the DSA
-scoring. The compiled kernels land in Triton's on-disk cache, which the benchmark processes then hit;
-a task whose specialisation differs only costs that compile again later.
+scoring, batch 64 at 4k tokens for MLA (the same slices per sequence as at 32k). The compiled kernels
+land in Triton's on-disk cache, which the benchmark processes then hit; a task whose specialisation
+differs only costs that compile again later.
 
-    python3 -m benchmarks.kernels.warm_gqa [--jobs 12]
+    python3 -m benchmarks.kernels.warm_gqa [--jobs 12] [--tag-check]
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def _paged(B: int, ctx: int, heads: tuple[int, ...], fp8: bool) -> dict:
 
 
 def warm(task: tuple[str, str, bool]) -> str:
-    """Launch one (kernel, entry, check) once; returns the task and its seconds."""
+    """Launch one (kernel, entry, check) once; returns the task and its seconds (MLA: the entry is
+    `HEADS/dense` or `HEADS/sparse`)."""
     kernel, name, check = task
     t0 = time.perf_counter()
     fp8 = name.startswith("fp8")
@@ -56,6 +61,11 @@ def warm(task: tuple[str, str, bool]) -> str:
         qs = torch.tensor([0, 1024], dtype=torch.int32, device="cuda")
         paged_prefill_gqa(q, p["k"], p["k"].clone(), 0.1, 0.1, qs, p["seq_lens"], p["table"], p["expected"],
                           p["tags"], p["flags"], D**-0.5, check_tags=check, tiles=name)  # fmt: skip
+    elif kernel == "mla":
+        from benchmarks.kernels.bench_mla_decode import make_case, run
+
+        heads, mode = name.split("/")
+        run(make_case(int(heads), 64, 4096, 2048 if mode == "sparse" else None), "fp8", check)
     else:
         from kernels.dsa_indexer_triton import dsa_indexer
 
@@ -68,6 +78,26 @@ def warm(task: tuple[str, str, bool]) -> str:
                     D**-0.5, 2048, check_tags=check, config=name)  # fmt: skip
     torch.cuda.synchronize()
     return f"{kernel} {name} check={check} {time.perf_counter() - t0:.1f}s"
+
+
+def tag_check_tasks() -> list[tuple[str, str, bool]]:
+    """Both arms of every row the benchmarks' `--tag-check` runs time, the slowest compiles first."""
+    from benchmarks.kernels.bench_mla_decode import TAG_CHECK_CASES as MLA_CASES
+    from benchmarks.kernels.bench_paged_prefill import TAG_CHECK_EXTRA
+    from kernels import dsa_indexer_triton as dsa
+    from kernels import paged_decode_gqa as dec
+    from kernels import paged_prefill_gqa as pre
+
+    prefill = sorted(set(pre.DEFAULT_TILES.values()) | {t for _, t in TAG_CHECK_EXTRA})
+    mla = [f"{h}/{'sparse' if topk else 'dense'}" for h, _, _, topk in MLA_CASES]
+    dsa_fp8 = [dsa.DEFAULT_TILES[("fp8", kind)] for kind in ("decode", "prefill")]
+    named = [
+        ("prefill", prefill),
+        ("mla", mla),
+        ("decode", sorted(set(dec.DEFAULT_TILES.values()))),
+        ("dsa", dsa_fp8),
+    ]
+    return [(kernel, n, check) for kernel, names in named for n in names for check in (True, False)]
 
 
 def tasks() -> list[tuple[str, str, bool]]:
@@ -88,12 +118,14 @@ def tasks() -> list[tuple[str, str, bool]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--tag-check", action="store_true", help="only the arms of the --tag-check rows")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    todo = tag_check_tasks() if args.tag_check else tasks()
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        for line in pool.map(warm, tasks()):
+        for line in pool.map(warm, todo):
             print(line, flush=True)
-    print(f"warm: {len(tasks())} compiles in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(f"warm: {len(todo)} compiles in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
 if __name__ == "__main__":
