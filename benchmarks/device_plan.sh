@@ -16,6 +16,7 @@
 #                                                        peer at 3 layers, then the MLA decode sweep
 #   run(command="bash benchmarks/device_plan.sh tagcheck", carry=[".whl"])          # ~3.5 min (at most 4.8):
 #                                                        every tag-check row of kernels-h200.json again
+#   run(command="TAGCHECK_ONLY=dsa,mla bash benchmarks/device_plan.sh tagcheck", carry=[".whl"])  # ~2 min
 #
 # train: both nano models from scratch with the 2026-12-01 recipe (models/README.md), and meanwhile, on
 #   the same GPU (the trainings use a few % of it; correctness only, no timing), every test the kernels
@@ -235,19 +236,33 @@ PY
     # $OUT/tagcheck/{paged_prefill,dsa_indexer,mla_decode,paged_decode}.json, merged afterwards with
     # `python -m benchmarks.kernels.merge results/kernels-h200.json results/kernels-h200.json RECORDS...`.
     # Timeouts 40 + 45 + 30 + 40 + 35 + 85 s (+ ~10 s of wheels): at most ~4.8 minutes; ~3.5 expected.
+    # TAGCHECK_ONLY=dsa,mla (any of prefill, dsa, mla, decode): those benchmarks alone, their compiles alone,
+    # and instead of the review checks (GQA, W4A16, MoE) the DSA indexer's tests on the GPU when dsa is
+    # among them (the tampered-page cases: the check's fix-up after the token loop); dsa,mla: ~2 minutes
+    # (timeouts 40 + 30 + 40 + 45 s + ~10 s of wheels; ~2 minutes expected)
+    only=${TAGCHECK_ONLY:-}
     site
-    timeout 40 python3 -m benchmarks.kernels.warm_gqa --tag-check --jobs 14 > "$OUT/tagcheck/warm.log" 2>&1
+    timeout 40 python3 -m benchmarks.kernels.warm_gqa --tag-check --jobs 14 ${only:+--only "$only"} \
+      > "$OUT/tagcheck/warm.log" 2>&1
     echo "== warm rc=$? $(tail -1 "$OUT/tagcheck/warm.log")"
-    for step in "paged_prefill 45" "dsa_indexer 30" "mla_decode 40" "paged_decode 35"; do
+    for step in "paged_prefill 45 prefill" "dsa_indexer 30 dsa" "mla_decode 40 mla" "paged_decode 35 decode"; do
       set -- $step
+      [ -n "$only" ] && [[ ",$only," != *",$3,"* ]] && continue
       timeout "$2" python3 -m "benchmarks.kernels.bench_$1" --tag-check --out "$OUT/tagcheck/$1.json" 2>&1 \
         | grep -v Warning > "$OUT/tagcheck/bench_$1.log"
       echo "== bench_$1 rc=${PIPESTATUS[0]}"; grep -E "^tag-check|Error|error" "$OUT/tagcheck/bench_$1.log" | cut -c1-230
     done
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-    timeout 85 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/tagcheck/review_checks.log" 2>&1
-    echo "== review checks rc=$?"; grep -E "^check |^all checks| FAIL " "$OUT/tagcheck/review_checks.log"
-    ! grep -q " FAIL " "$OUT/tagcheck/review_checks.log"
+    if [ -z "$only" ]; then
+      timeout 85 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/tagcheck/review_checks.log" 2>&1
+      echo "== review checks rc=$?"; grep -E "^check |^all checks| FAIL " "$OUT/tagcheck/review_checks.log"
+      ! grep -q " FAIL " "$OUT/tagcheck/review_checks.log"
+    elif [[ ",$only," == *",dsa,"* ]]; then
+      timeout 45 python3 -m pytest -n 8 -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
+        tests/kernels/test_dsa_indexer_triton.py > "$OUT/tagcheck/pytest_dsa.log" 2>&1
+      rc=$?; echo "== pytest dsa rc=$rc"; grep -E "passed|failed|FAILED|^ERROR" "$OUT/tagcheck/pytest_dsa.log" | tail -8
+      [ $rc = 0 ]
+    fi
     ;;
   *) echo "unknown stage $stage (train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck)"; exit 2 ;;
 esac

@@ -23,14 +23,18 @@ dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups 
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
 
-Tag check, fused: each token's page tag and the tag the request expects are loaded a tile ahead,
-beside the next keys, so neither the key loads nor the dot wait for them; only the select does: a bad
-page's tokens get -inf (never chosen), whatever their bytes (another tenant's NaN included). Each
-program ORs its tiles' verdicts in registers and sets the sequence's flag once, after its loop. (The
-kernel before masked every key load with its token's tag, a dependent gather, +6% to +29%; the next
-one compared each tile's tags in the tile's own iteration and stored the flag per tile, +9% to +32% on
-the H200, 2026-12-01.) The sequence's last tile covers every page in use, so the flag matches the
-reference's, except that a sequence with no new token gets no program (as in `mla_prefill`).
+Tag check, fused, per page and out of the token loop: a program loads the ids and expected tags of
+its pages (those holding one of its visible tokens) beside its first page ids, gathers their tags
+beside its first keys (from L2: back before the keys), and carries one scalar, its count of bad pages,
+through the loop; the token loop is the unchecked kernel's. Only a program with a bad page (its
+sequence is about to be aborted) flags the sequence (a plain store, no atomic) and, after a barrier,
+re-walks its tiles to put -inf over the bad page's tokens whatever the loop wrote (another tenant's
+NaN included), so they are never chosen. (Before, each token's tag and expected tag were loaded a tile
+ahead in the loop, 2 x 64 int64 a tile and two registers' worth of pipeline: +8.3% at decode 128k on
+the H200, 2026-12-02; the kernel before masked every key load with its token's tag, and the next one
+compared and stored per tile, +6% to +32%.) The sequence's last tile covers every page in use, so
+the flag matches the reference's, except that a sequence with no new token gets no program (as in
+`mla_prefill`).
 
 FP8 keys are converted to fp16 for the dot (e4m3 -> fp16 is one cvt). Key tiles come from
 `INDEXER_TILES` by name.
@@ -92,6 +96,7 @@ def _dsa_scores_kernel(
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 keys, else q's
     DOT_PRECISION: tl.constexpr,
     STEPS: tl.constexpr,  # key tiles per program (q and w are loaded once for all)
+    TAG_PAGES: tl.constexpr,  # a power of two >= the pages a program's tokens can touch
 ):
     nb = tl.program_id(0)
     local = tl.program_id(1)
@@ -123,13 +128,20 @@ def _dsa_scores_kernel(
     seen_hi = tl.minimum(hi, num_items)
     # by hand, a two-deep pipeline: the page ids two tiles ahead, the keys one tile ahead (the keys go to
     # registers as the dot's A operand, so Triton's pipeliner, which stages through shared memory, skips them)
-    # (the tags too, one tile ahead: the select that compares them waits for a load issued a dot earlier)
     page = page_ids(page_table_ptr, b, stride_ptb, lo, j, seen_hi, PAGE_SIZE, BLOCK_N)
+    # the tag check, per page and out of the token loop: the program's pages (every page holding one of
+    # its visible tokens), their ids and expected tags loaded beside the first page ids, the tags they
+    # carry gathered beside the first keys
+    p = lo // PAGE_SIZE + tl.arange(0, TAG_PAGES)
+    p_ok = p < tl.cdiv(seen_hi, PAGE_SIZE)  # seen_hi <= lo: none
+    if CHECK_TAGS:
+        page_p = tl.load(page_table_ptr + b * stride_ptb + p, mask=p_ok, other=0)
+        expected_p = tl.load(expected_ptr + b * stride_etb + p, mask=p_ok, other=0)
     k_next = key_tile(k_ptr, page, lo, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N)
-    found_next, expected_next = tag_tile(page_tags_ptr, expected_ptr, page, b, stride_etb, lo, j, seen_hi,
-                                         PAGE_SIZE, BLOCK_N, CHECK_TAGS)  # fmt: skip
+    if CHECK_TAGS:  # a scalar through the loop (the gather, from L2, is back before the first keys)
+        found_p = tl.load(page_tags_ptr + page_p, mask=p_ok, other=0)
+        num_bad = tl.sum((p_ok & (found_p != expected_p)).to(tl.int32), axis=0)
     page_next = page_ids(page_table_ptr, b, stride_ptb, lo + BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
-    any_bad = tl.zeros([BLOCK_N], dtype=tl.int32)  # the flag is stored once, after the loop
     for n0 in range(lo, seen_hi, BLOCK_N):
         n = n0 + j  # [BN] token positions
         n_ok = n < num_items
@@ -137,9 +149,6 @@ def _dsa_scores_kernel(
         k_next = key_tile(
             k_ptr, page_next, n0 + BLOCK_N, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N
         )
-        found, expected = found_next, expected_next
-        found_next, expected_next = tag_tile(page_tags_ptr, expected_ptr, page_next, b, stride_etb, n0 + BLOCK_N,
-                                             j, seen_hi, PAGE_SIZE, BLOCK_N, CHECK_TAGS)  # fmt: skip
         page = page_next
         page_next = page_ids(page_table_ptr, b, stride_ptb, n0 + 2 * BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
         if BLOCK_Q == 1:  # decode: tokens as the dot's rows (32 head rows spill registers on sm90)
@@ -151,14 +160,23 @@ def _dsa_scores_kernel(
             per_query = tl.sum(tl.reshape(s, (BLOCK_Q, BLOCK_H, BLOCK_N)), axis=1)  # [BQ, BN]
         limit = first_pos + qr + 1  # [BQ] causal
         seen = n_ok[None, :] & (n[None, :] < limit[:, None]) & (qr < num_q)[:, None]
-        if CHECK_TAGS:  # neither the key loads nor the dot wait for this: only the select does
-            bad = n_ok & (found != expected)  # masked tokens read 0 on both sides
-            any_bad = any_bad | bad.to(tl.int32)
-            seen = seen & ~bad[None, :]
-        sc = tl.where(seen, per_query, float("-inf"))  # a bad page's NaN bytes never pass
+        sc = tl.where(seen, per_query, float("-inf"))
         tl.store(scores_ptr + out_row[:, None] * stride_st + n[None, :], sc, mask=(n < W)[None, :])
-    if CHECK_TAGS:
-        tl.store(mismatch_ptr + b, 1, mask=tl.max(any_bad, axis=0) > 0)
+    if CHECK_TAGS:  # noqa: SIM102 (num_bad exists only under the constexpr)
+        if num_bad > 0:  # rare (the sequence is about to be aborted): flag it, then -inf over a bad page's
+            # tokens, whatever the token loop wrote there (its bytes may be another tenant's NaN)
+            tl.store(mismatch_ptr + b, 1)
+            tl.debug_barrier()  # the token loop's stores of these scores (other threads') land first
+            for n0 in range(lo, seen_hi, BLOCK_N):
+                n = n0 + j
+                page = page_ids(page_table_ptr, b, stride_ptb, n0, j, seen_hi, PAGE_SIZE, BLOCK_N)
+                found, expected = tag_tile(page_tags_ptr, expected_ptr, page, b, stride_etb, n0, j, seen_hi,
+                                           PAGE_SIZE, BLOCK_N)  # fmt: skip
+                tl.store(
+                    scores_ptr + out_row[:, None] * stride_st + n[None, :],
+                    tl.full((BLOCK_Q, BLOCK_N), float("-inf"), dtype=tl.float32),
+                    mask=((n < seen_hi) & (found != expected))[None, :],
+                )
     past = lo + tl.cdiv(tl.maximum(seen_hi - lo, 0), BLOCK_N) * BLOCK_N
     for n0 in range(past, hi, BLOCK_N):  # tiles no query of the tile sees
         n = n0 + j
@@ -203,19 +221,22 @@ def key_tile(
 @triton.jit
 def tag_tile(
     page_tags_ptr, expected_ptr, page, b, stride_etb, n0, j, limit, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHECK_TAGS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """([BN] found, [BN] expected) int64 tags of tokens n0 + j on pages `page` (0 and 0 at or past
-    `limit`; nothing loaded without CHECK_TAGS): the page's tag now and the one the request holds."""
-    if CHECK_TAGS:
-        n = n0 + j
-        page_idx = n0 // PAGE_SIZE + j // PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n // PAGE_SIZE
-        found = tl.load(page_tags_ptr + page, mask=n < limit, other=0)
-        expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n < limit, other=0)
-    else:
-        found = tl.zeros([BLOCK_N], dtype=tl.int64)
-        expected = tl.zeros([BLOCK_N], dtype=tl.int64)
+    `limit`): the page's tag now and the one the request holds (the rare fix-up's, per token)."""
+    n = n0 + j
+    page_idx = n0 // PAGE_SIZE + j // PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n // PAGE_SIZE
+    found = tl.load(page_tags_ptr + page, mask=n < limit, other=0)
+    expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n < limit, other=0)
     return found, expected
+
+
+def tag_pages(span: int, page_size: int) -> int:
+    """A power of two >= the pages `span` tokens from a multiple of `span` can touch (the tag check's
+    vector: one lane a page)."""
+    pages = span // page_size if span % page_size == 0 else triton.cdiv(span - 1, page_size) + 1
+    return max(2, triton.next_power_of_2(pages))
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +365,7 @@ def dsa_indexer_scores(
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STEPS=cfg.steps,
+        TAG_PAGES=tag_pages(cfg.block_n * cfg.steps, k_cache.shape[1]),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

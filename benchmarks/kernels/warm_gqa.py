@@ -119,9 +119,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--tag-check", action="store_true", help="only the arms of the --tag-check rows")
+    ap.add_argument("--only", default="", help="comma list of kernels to keep: prefill,mla,decode,dsa")
     args = ap.parse_args()
     t0 = time.perf_counter()
     todo = tag_check_tasks() if args.tag_check else tasks()
+    if args.only:
+        keep = set(args.only.split(","))
+        todo = [t for t in todo if t[0] in keep]
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         for line in pool.map(warm, todo):
             print(line, flush=True)

@@ -86,18 +86,19 @@ def prefill_source(
 
 
 def dsa_source(
-    cache: str = "fp8e4nv", prefill: bool = False, tiles: str | None = None
+    cache: str = "fp8e4nv", prefill: bool = False, tiles: str | None = None, check: bool = True
 ) -> tuple[ASTSource, int, int]:
     """GLM-5's indexer scoring (32 heads × 128, page 16) with an INDEXER_TILES entry."""
-    from kernels.dsa_indexer_triton import _dsa_scores_kernel, indexer_config
+    from kernels.dsa_indexer_triton import _dsa_scores_kernel, indexer_config, tag_pages
 
     cfg = indexer_config(tiles, DTYPES[cache], prefill)
     block_q = 2 if prefill else 1
     ptrs = {"q_ptr": "bf16", "w_ptr": "fp32", "k_ptr": cache, "seq_lens_ptr": "i32", "query_start_ptr": "i32",
             "tile_seq_ptr": "i32", "tile_q0_ptr": "i32", **KV_PTRS, "scores_ptr": "fp32"}  # fmt: skip
     consts: dict[str, Any] = dict(
-        PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=32, BLOCK_N=cfg.block_n, BLOCK_D=128, CHECK_TAGS=True,
-        DOT_PRECISION="tf32", STEPS=cfg.steps, **_kv_consts(cache, "bf16"),
+        PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=32, BLOCK_N=cfg.block_n, BLOCK_D=128, CHECK_TAGS=check,
+        DOT_PRECISION="tf32", STEPS=cfg.steps, TAG_PAGES=tag_pages(cfg.block_n * cfg.steps, 16),
+        **_kv_consts(cache, "bf16"),
     )  # fmt: skip
     src = _source(_dsa_scores_kernel, ptrs, consts, {"qk_scale"}, DIV16, ())
     return src, cfg.num_warps, cfg.num_stages, None

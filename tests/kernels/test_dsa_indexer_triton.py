@@ -190,6 +190,28 @@ def test_every_tile_entry_scores_and_drops_a_tampered_page(name: str) -> None:
     assert_same_choice(idx, ref, want, atol=6e-3 * scale)
 
 
+@pytest.mark.parametrize("bad_index", [6, 0])
+def test_tampered_page_across_programs_of_unaligned_pages(bad_index: int) -> None:
+    """The check is per page, once a program, before its token loop: pages of 5 tokens, programs of 32
+    (two 16-token tiles), so a program's first page may start before it and page 6 (tokens 30..34)
+    spans two programs; each masks its own tokens of it, and the flag is its sequence's alone."""
+    batch, _, paged = make_batch([70, 41], [3, 41], 4, 16, 5, torch.float16, torch.float16, seed=11, topk=9)
+    bad_page = paged.pages[0][bad_index]
+    batch["page_tags"][bad_page] += 1
+    batch["k_cache"][bad_page] = float("nan")
+    want = brute_scores(batch, frozenset({bad_page}))
+    cfg = IndexerTiles(block_n=16, steps=2)
+    got, flags = run_scores(batch, config=cfg)
+    assert flags.tolist() == [True, False]
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any()
+    finite = torch.isfinite(want)
+    scale = float(want[finite].abs().max())
+    assert torch.allclose(got[finite], want[finite], rtol=3e-3, atol=3e-3 * scale)
+    idx, ref, flags, ref_flags = run_both(batch, config=cfg)
+    assert flags.tolist() == ref_flags.tolist() == [True, False]
+    assert_same_choice(idx, ref, want, atol=6e-3 * scale)
+
+
 def test_check_can_be_disabled_and_bad_inputs_rejected() -> None:
     batch, _, _ = make_batch([20, 9], [3, 9], 4, 16, 4, torch.float32, torch.float32, seed=6, topk=5)
     batch["page_tags"] += 1
