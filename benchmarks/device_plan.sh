@@ -30,7 +30,7 @@
 # calls (a fresh start costs a minute) and never give it back while calls remain: new loans can be
 # paused for the rest of a session (2026-12-01).
 set -uo pipefail
-stage=${1:?train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck}
+stage=${1:?train|train-continue|vision|read|final|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/$stage"
 export PYTHONUNBUFFERED=1
@@ -164,6 +164,50 @@ PY
       [ -d "$OUT/read/$name" ] && tar -C "$OUT/read" -cf "$OUT/$name.tar" "$name" && rm -rf "$OUT/read/$name"
     done
     ;;
+  final)  # the session's last call (2026-12-02, fourth session): the tag-check rows of the DSA indexer and sparse MLA
+    # again (their check rewritten), then GLM's second reading stage (multiple choice about subjects 40% of the
+    # items, 90% of the multiple choice fictional) and its quality table; Kimi's image-qa (the vision stage redone
+    # on the CPU after the first reading stage) beside it, 500 items
+    TAGCHECK_ONLY=${TAGCHECK_ONLY-dsa} bash benchmarks/device_plan.sh tagcheck > "$OUT/final/tagcheck.stdout" 2>&1
+    tail -n 30 "$OUT/final/tagcheck.stdout"
+    rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
+      .whl/tokenizers-*.whl 2>&1 | tail -2
+    name=glm-5.2-nano
+    PYTHONPATH=/tmp/tf:. python3 -m models.recipes.build --out /tmp/read2-glm --family glm --train-items ${READ_ITEMS:-110000} \
+      --first-item 100000 --fiction-share 0.9 \
+      --mixture mmlu-nano=0.4,arc-nano-easy=0.15,arc-nano-challenge=0.15,gsm-nano=0.14,tool-call=0.1,chat=0.06 > /dev/null
+    PYTHONPATH=/tmp/tf:. python3 -m models.recipes.train --family glm --data /tmp/read2-glm --out "$OUT/final/$name" \
+      --init models/$name --steps 0 --minutes "${READ_MINUTES:-2.5}" --batch-tokens 65536 --lr 1e-3 --warmup 30 \
+      --workers 12 > "$OUT/final/glm.stdout" 2>&1
+    grep -vE "step [0-9]+ " "$OUT/final/glm.stdout" | tail -4; grep -E "step [0-9]+ " "$OUT/final/glm.stdout" | awk 'NR%10==1' | tail -8
+    SITE=/tmp/site-eval; rm -rf $SITE; python3 -m pip install -q --no-index --no-deps --target $SITE .whl/msgspec-*.whl \
+      .whl/llguidance-*.whl
+    export PYTHONPATH=$SITE:$PWD
+    pids=()
+    if [ -d "$OUT/final/$name" ]; then
+      for f in /tmp/read2-glm/*.test.jsonl; do
+        task=$(basename "$f" .test.jsonl)
+        timeout 200 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+          --variant fp8="$OUT/final/$name":weights=fp8-channel --variant bf16="$OUT/final/$name" \
+          --variant int4-fp8kv="$OUT/final/$name":weights=int4-g32:kv=fp8 \
+          --data "$f" --out "$OUT/final/q-$name-$task.json" > "$OUT/final/eval-$name-$task.log" 2>&1 &
+        pids+=($!)
+      done
+    fi
+    if [ -n "${KIMI_IMAGES-1}" ]; then
+      python3 -m models.recipes.build --out /tmp/data-kimi --family kimi --train-items 0 > /dev/null
+      head -n 500 /tmp/data-kimi/image-qa.test.jsonl > /tmp/image-qa-500.jsonl
+      timeout 200 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        --variant fp8=models/kimi-k2.6-nano:weights=fp8-channel --variant bf16=models/kimi-k2.6-nano \
+        --variant int4-fp8kv=models/kimi-k2.6-nano:weights=int4-g32:kv=fp8 \
+        --data /tmp/image-qa-500.jsonl --out "$OUT/final/q-kimi-image-qa-500.json" > "$OUT/final/eval-kimi-image-qa.log" 2>&1 &
+      pids+=($!)
+    fi
+    for p in "${pids[@]}"; do wait "$p"; done
+    for f in "$OUT"/final/eval-*.log; do echo "== $(basename "$f" .log)"; grep -vE "^\s*$|:norm" "$f" | tail -6; done
+    [ -d "$OUT/final/$name" ] && tar -C "$OUT/final" -cf "$OUT/$name.tar" "$name" && rm -rf "$OUT/final/$name"
+    mv "$OUT/tagcheck.tar" "$OUT/final/" 2>/dev/null
+    ;;
   sweeps)
     site
     timeout 150 python3 -m benchmarks.kernels.bench_mla_decode --sweep --out "$OUT/sweeps/mla_sweep.json" 2>&1 \
@@ -264,7 +308,7 @@ PY
       [ $rc = 0 ]
     fi
     ;;
-  *) echo "unknown stage $stage (train|train-continue|vision|read|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck)"; exit 2 ;;
+  *) echo "unknown stage $stage (train|train-continue|vision|read|final|sweeps|eval|gpu-checks|kimi-eval|bench|tagcheck)"; exit 2 ;;
 esac
 rc=$?
 tar -C "$OUT" -cf "$OUT/$stage.tar" "$stage" && rm -rf "${OUT:?}/$stage"
