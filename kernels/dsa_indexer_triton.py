@@ -93,6 +93,7 @@ def _dsa_scores_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CHECK_TAGS: tl.constexpr,
+    TAGS_PER_PAGE: tl.constexpr,  # with CHECK_TAGS: per page out of the token loop (decode), else per token in it
     COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 keys, else q's
     DOT_PRECISION: tl.constexpr,
     STEPS: tl.constexpr,  # key tiles per program (q and w are loaded once for all)
@@ -132,15 +133,23 @@ def _dsa_scores_kernel(
     # the tag check, per page and out of the token loop: the program's pages (every page holding one of
     # its visible tokens), their ids and expected tags loaded beside the first page ids, the tags they
     # carry gathered beside the first keys
+    # (prefill keeps the per-token check in the loop: per page there, ptxas's hot loop grew from 565 to 630
+    # instructions and 2 programs fit an SM instead of 3, +15.6% against +6.8% on the H200, 2026-12-02)
     p = lo // PAGE_SIZE + tl.arange(0, TAG_PAGES)
     p_ok = p < tl.cdiv(seen_hi, PAGE_SIZE)  # seen_hi <= lo: none
-    if CHECK_TAGS:
+    if CHECK_TAGS and TAGS_PER_PAGE:
         page_p = tl.load(page_table_ptr + b * stride_ptb + p, mask=p_ok, other=0)
         expected_p = tl.load(expected_ptr + b * stride_etb + p, mask=p_ok, other=0)
     k_next = key_tile(k_ptr, page, lo, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N)
-    if CHECK_TAGS:  # a scalar through the loop (the gather, from L2, is back before the first keys)
+    if (
+        CHECK_TAGS and TAGS_PER_PAGE
+    ):  # a scalar through the loop (the gather, from L2, is back before the keys)
         found_p = tl.load(page_tags_ptr + page_p, mask=p_ok, other=0)
         num_bad = tl.sum((p_ok & (found_p != expected_p)).to(tl.int32), axis=0)
+    # per token (prefill): the tags a tile ahead, beside the next keys; only the select waits for them
+    found_next, expected_next = tag_tile(page_tags_ptr, expected_ptr, page, b, stride_etb, lo, j, seen_hi,
+                                         PAGE_SIZE, BLOCK_N, CHECK_TAGS and not TAGS_PER_PAGE)  # fmt: skip
+    any_bad = tl.zeros([BLOCK_N], dtype=tl.int32)  # per token: the flag is stored once, after the loop
     page_next = page_ids(page_table_ptr, b, stride_ptb, lo + BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
     for n0 in range(lo, seen_hi, BLOCK_N):
         n = n0 + j  # [BN] token positions
@@ -149,6 +158,9 @@ def _dsa_scores_kernel(
         k_next = key_tile(
             k_ptr, page_next, n0 + BLOCK_N, j, offs_d, d_ok, seen_hi, stride_kp, stride_ks, PAGE_SIZE, BLOCK_N
         )
+        found, expected = found_next, expected_next
+        found_next, expected_next = tag_tile(page_tags_ptr, expected_ptr, page_next, b, stride_etb, n0 + BLOCK_N,
+                                             j, seen_hi, PAGE_SIZE, BLOCK_N, CHECK_TAGS and not TAGS_PER_PAGE)  # fmt: skip
         page = page_next
         page_next = page_ids(page_table_ptr, b, stride_ptb, n0 + 2 * BLOCK_N, j, seen_hi, PAGE_SIZE, BLOCK_N)
         if BLOCK_Q == 1:  # decode: tokens as the dot's rows (32 head rows spill registers on sm90)
@@ -160,9 +172,15 @@ def _dsa_scores_kernel(
             per_query = tl.sum(tl.reshape(s, (BLOCK_Q, BLOCK_H, BLOCK_N)), axis=1)  # [BQ, BN]
         limit = first_pos + qr + 1  # [BQ] causal
         seen = n_ok[None, :] & (n[None, :] < limit[:, None]) & (qr < num_q)[:, None]
-        sc = tl.where(seen, per_query, float("-inf"))
+        if CHECK_TAGS and not TAGS_PER_PAGE:
+            bad = n_ok & (found != expected)  # masked tokens read 0 on both sides
+            any_bad = any_bad | bad.to(tl.int32)
+            seen = seen & ~bad[None, :]
+        sc = tl.where(seen, per_query, float("-inf"))  # a bad page's NaN bytes never pass
         tl.store(scores_ptr + out_row[:, None] * stride_st + n[None, :], sc, mask=(n < W)[None, :])
-    if CHECK_TAGS:  # noqa: SIM102 (num_bad exists only under the constexpr)
+    if CHECK_TAGS and not TAGS_PER_PAGE:
+        tl.store(mismatch_ptr + b, 1, mask=tl.max(any_bad, axis=0) > 0)
+    if CHECK_TAGS and TAGS_PER_PAGE:  # noqa: SIM102 (num_bad exists only under the constexpr)
         if num_bad > 0:  # rare (the sequence is about to be aborted): flag it, then -inf over a bad page's
             # tokens, whatever the token loop wrote there (its bytes may be another tenant's NaN)
             tl.store(mismatch_ptr + b, 1)
@@ -171,7 +189,7 @@ def _dsa_scores_kernel(
                 n = n0 + j
                 page = page_ids(page_table_ptr, b, stride_ptb, n0, j, seen_hi, PAGE_SIZE, BLOCK_N)
                 found, expected = tag_tile(page_tags_ptr, expected_ptr, page, b, stride_etb, n0, j, seen_hi,
-                                           PAGE_SIZE, BLOCK_N)  # fmt: skip
+                                           PAGE_SIZE, BLOCK_N, True)  # fmt: skip
                 tl.store(
                     scores_ptr + out_row[:, None] * stride_st + n[None, :],
                     tl.full((BLOCK_Q, BLOCK_N), float("-inf"), dtype=tl.float32),
@@ -221,14 +239,18 @@ def key_tile(
 @triton.jit
 def tag_tile(
     page_tags_ptr, expected_ptr, page, b, stride_etb, n0, j, limit, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOAD: tl.constexpr,
 ):  # fmt: skip
     """([BN] found, [BN] expected) int64 tags of tokens n0 + j on pages `page` (0 and 0 at or past
-    `limit`): the page's tag now and the one the request holds (the rare fix-up's, per token)."""
-    n = n0 + j
-    page_idx = n0 // PAGE_SIZE + j // PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n // PAGE_SIZE
-    found = tl.load(page_tags_ptr + page, mask=n < limit, other=0)
-    expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n < limit, other=0)
+    `limit`; nothing loaded without LOAD): the page's tag now and the one the request holds."""
+    if LOAD:
+        n = n0 + j
+        page_idx = n0 // PAGE_SIZE + j // PAGE_SIZE if BLOCK_N % PAGE_SIZE == 0 else n // PAGE_SIZE
+        found = tl.load(page_tags_ptr + page, mask=n < limit, other=0)
+        expected = tl.load(expected_ptr + b * stride_etb + page_idx, mask=n < limit, other=0)
+    else:
+        found = tl.zeros([BLOCK_N], dtype=tl.int64)
+        expected = tl.zeros([BLOCK_N], dtype=tl.int64)
     return found, expected
 
 
@@ -362,6 +384,7 @@ def dsa_indexer_scores(
         BLOCK_N=cfg.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(Di)),
         CHECK_TAGS=check_tags,
+        TAGS_PER_PAGE=block_q == 1,  # decode; prefill per token (see the kernel)
         COMPUTE=tl.float16 if k_cache.dtype == torch.float8_e4m3fn else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STEPS=cfg.steps,

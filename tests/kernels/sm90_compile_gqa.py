@@ -97,6 +97,7 @@ def dsa_source(
             "tile_seq_ptr": "i32", "tile_q0_ptr": "i32", **KV_PTRS, "scores_ptr": "fp32"}  # fmt: skip
     consts: dict[str, Any] = dict(
         PAGE_SIZE=16, BLOCK_Q=block_q, BLOCK_H=32, BLOCK_N=cfg.block_n, BLOCK_D=128, CHECK_TAGS=check,
+        TAGS_PER_PAGE=not prefill,
         DOT_PRECISION="tf32", STEPS=cfg.steps, TAG_PAGES=tag_pages(cfg.block_n * cfg.steps, 16),
         **_kv_consts(cache, "bf16"),
     )  # fmt: skip
