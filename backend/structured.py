@@ -134,8 +134,16 @@ def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int,
     return "\n".join([start, *rules])
 
 
-def _glm_string(schema: dict[str, Any]) -> str:
-    """A raw string value (GLM writes strings unquoted): one line, within the schema's length bounds."""
+def _glm_string(schema: dict[str, Any], where: str) -> str:
+    """A raw string value (GLM writes strings unquoted): one of the schema's `enum` / its `const` when it
+    names them, else one line within its length bounds."""
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+            raise InvalidRequest(f"{where}: a string's enum must be a non-empty list of strings")
+        if any("\n" in v for v in values):
+            raise InvalidRequest(f"{where}: a string value the model writes raw cannot hold a newline")
+        return " | ".join(_lark_string(v) for v in values)
     low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
     return f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
 
@@ -147,7 +155,8 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) ->
         properties, required = _object_schema(tool)
         pairs: list[str] = []
         for j, (key, sub) in enumerate(properties.items()):
-            value = _glm_string(sub) if sub.get("type") == "string" else _lark_json(sub)
+            where = f"tools[{tool.name!r}].parameters.properties.{key}"
+            value = _glm_string(sub, where) if sub.get("type") == "string" else _lark_json(sub)
             rules.append(f"value_{i}_{j}: {value}")
             pair = (
                 f'{_token(ids["<arg_key>"])} {_lark_string(key)} {_token(ids["</arg_key>"])} "\\n" '

@@ -169,6 +169,55 @@ def test_forced_tool_call_parses_back(
         assert calls[0].id == "functions.get_weather:0"
 
 
+CURRENCY = Tool(
+    name="convert_currency",
+    parameters={
+        "type": "object",
+        "properties": {
+            "amount": {"type": "number"},
+            "from": {"type": "string", "enum": ["USD", "EUR", "GBP"]},
+            "to": {"type": "string", "const": "JPY"},
+        },
+        "required": ["amount", "from", "to"],
+        "additionalProperties": False,
+    },
+)
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_forced_call_keeps_string_arguments_to_their_enum(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str, seed: int
+) -> None:
+    """A string argument with an `enum` or `const` gets one of those values whatever the logits (GLM writes
+    strings raw: its grammar once let any line through, and the trained nano GLM wrote `to: 481`)."""
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    grammar = grammar_for(
+        _request(tools=[CURRENCY], tool_choice=ToolChoice(mode="required")), family, _markers(tok)
+    )
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed)
+    parser = parser_for(family, tok, [CURRENCY])
+    assert parser is not None
+    calls = [p for p in parser.feed(ids) + parser.finish() if isinstance(p, ParsedCall)]
+    assert calls
+    for call in calls:
+        arguments = json.loads(call.arguments)
+        assert arguments["from"] in ("USD", "EUR", "GBP") and arguments["to"] == "JPY", arguments
+
+
+@pytest.mark.parametrize("enum", [[], [1, 2], ["a\nb"]])
+def test_a_string_enum_glm_cannot_write_is_a_400(enum: list[object]) -> None:
+    tool = Tool(
+        name="pick", parameters={"type": "object", "properties": {"x": {"type": "string", "enum": enum}}}
+    )
+    with pytest.raises(InvalidRequest, match="pick") as info:
+        grammar_for(_request(tools=[tool], tool_choice=ToolChoice(mode="required")), "glm", _MARKER_IDS)
+    assert info.value.status == 400
+
+
 def test_forcing_an_unknown_tool_is_a_400() -> None:
     with pytest.raises(InvalidRequest):
         grammar_for(
