@@ -239,7 +239,8 @@ def test_the_trained_glm_calls_the_weather_tool_with_the_city(kumo: Kumo) -> Non
 def test_the_trained_glm_solves_two_step_word_problems(kumo: Kumo) -> None:
     """The default GLM 5.2 answers held-out two-step word problems (gsm-nano tier 1: numbers up to 10,
     `<think>` steps, then "The answer is N."). Measured through this path on 2026-12-02: 9 of these 20
-    right (chance: 0); a clear drop below 7 means the model or the serving path broke."""
+    right for the two-stage model, 10 after the reading stages (chance: 0); a clear drop below 7 means the
+    model or the serving path broke."""
     from concurrent.futures import ThreadPoolExecutor
 
     from models.recipes.build import item, split_seeds
@@ -274,8 +275,8 @@ def test_the_trained_kimi_names_the_colour_of_a_drawn_shape(kumo: Kumo) -> None:
     """The default Kimi K2.6 sees colour: held-out drawings of one shape (image-qa test seeds), sent as
     PNG data URIs through the public API, asked "What colour is the <shape>?". Four colours: chance is
     5 of 20. Measured through this path (INT4 experts, FP8 KV) after the vision stage of 2026-12-02
-    (models/README.md): 20 of these 20 (14 after its first half); the model before it said "red" to all
-    20 (5 right)."""
+    (models/README.md): 20 of these 20 (14 after its first half), again 20 with the vision stage redone after
+    the reading stage (15 before it); the model before the first vision stage said "red" to all 20 (5 right)."""
     import base64
     from concurrent.futures import ThreadPoolExecutor
 
