@@ -23,7 +23,7 @@ dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups 
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
 
-Tag check, fused, per page and out of the token loop: a program loads the ids and expected tags of
+Tag check, fused. Decode: per page and out of the token loop: a program loads the ids and expected tags of
 its pages (those holding one of its visible tokens) beside its first page ids, gathers their tags
 beside its first keys (from L2: back before the keys), and carries one scalar, its count of bad pages,
 through the loop; the token loop is the unchecked kernel's. Only a program with a bad page (its
@@ -32,7 +32,10 @@ re-walks its tiles to put -inf over the bad page's tokens whatever the loop wrot
 NaN included), so they are never chosen. (Before, each token's tag and expected tag were loaded a tile
 ahead in the loop, 2 x 64 int64 a tile and two registers' worth of pipeline: +8.3% at decode 128k on
 the H200, 2026-12-02; the kernel before masked every key load with its token's tag, and the next one
-compared and stored per tile, +6% to +32%.) The sequence's last tile covers every page in use, so
+compared and stored per tile, +6% to +32%.) Prefill keeps the per-token check in the loop (each token's
+tag and expected tag a tile ahead, the flag stored once after the loop): per page, ptxas's hot loop grew
+and one program fewer fit an SM, +15.6% against +6.9% (H200, 2026-12-02; decode per page +3.0% at 128k,
++1.9% at 8k). The sequence's last tile covers every page in use, so
 the flag matches the reference's, except that a sequence with no new token gets no program (as in
 `mla_prefill`).
 
