@@ -280,7 +280,9 @@ def test_the_kimi_recipe_learns_colours_from_the_pixels(tmp_path: Path) -> None:
     """Single-shape colour questions: the question's text is the same for every circle (or square, or
     triangle), so only the image tells the answer. A micro Kimi trained by the recipe on 3,000 of them
     names the colour of held-out pictures (chance: 1 in 4). Guards the vision path of training: patches,
-    grid, placeholders and the projector all reach the loss."""
+    grid, placeholders and the projector all reach the loss. 600 steps: at 400 it scored 0.9+ on CI until
+    2026-12-02 and 0.76 there from then on, on the same code and pinned torch / transformers (colour at micro
+    scale is seed-sensitive, models/README.md); at 600 it names 100 of 100."""
     from models.recipes.images import image_question
     from models.recipes.train import load_model
 
@@ -296,7 +298,7 @@ def test_the_kimi_recipe_learns_colours_from_the_pixels(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     lines = "".join(json.dumps(it) + "\n" for it in colour_items(0, 3000))
     (tmp_path / "data" / "train.jsonl").write_text(lines)
-    train("kimi", tmp_path / "data", tmp_path / "ckpt", size="micro", steps=400, batch_tokens=4096, lr=3e-3,
+    train("kimi", tmp_path / "data", tmp_path / "ckpt", size="micro", steps=600, batch_tokens=4096, lr=3e-3,
           warmup=20, max_len=256, log_every=50, device="cpu", workers=1)  # fmt: skip
     model, renderer = load_model("kimi", tmp_path / "ckpt").eval(), Renderer(tmp_path / "ckpt")
     held_out = colour_items(10**6, 100)
