@@ -39,6 +39,15 @@ site() {  # the carried wheels on a fresh path (a warm machine keeps /tmp)
   rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 }
+tf_site() {  # transformers 5.24 (and the regex, tokenizers it wants) for training, first on the path: /tmp/tf
+  rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
+    .whl/tokenizers-*.whl 2>&1 | tail -2
+}
+eval_site() {  # what kumo eval needs beyond the image (msgspec, llguidance) in /tmp/site-eval, on the path
+  rm -rf /tmp/site-eval; python3 -m pip install -q --no-index --no-deps --target /tmp/site-eval .whl/msgspec-*.whl \
+    .whl/llguidance-*.whl
+  export PYTHONPATH=/tmp/site-eval:$PWD
+}
 keep() {  # keep <dir> <tars…>: a training call's checkpoint folders on this machine, for the next call
   local dir=$1; shift
   rm -rf "$dir" && mkdir -p "$dir" && for t in "$@"; do tar -C "$dir" -xf "$t"; done
@@ -88,8 +97,7 @@ case $stage in
     # language model frozen, from the second stage's folder (/tmp/ckpt2 on a warm machine, else models/)
     mkdir -p "$OUT/vision"
     init=$(kept /tmp/ckpt2)
-    rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
-      .whl/tokenizers-*.whl 2>&1 | tail -2
+    tf_site
     PYTHONPATH=/tmp/tf:. python3 -m models.recipes.train --family kimi --data /tmp/data-kimi \
       --out "$OUT/vision/kimi-k2.6-nano" --init "$init/kimi-k2.6-nano" --tasks image-qa,image-caption \
       --train-only vision --steps 0 --minutes "${VISION_MINUTES:-4}" --batch-tokens 2048 --lr 2e-3 --warmup 20 \
@@ -102,36 +110,13 @@ case $stage in
       && tar -C /tmp/ckpt2 -xf "$OUT/kimi-k2.6-nano.tar"
     ;;
   read)  # issue 7: a reading stage from the committed models (models/README.md): fresh training items (past every
-    # index the first stages used), multiple choice 68% of them, the language model only (Kimi's vision tower and
+    # index the first stages used), multiple choice 66% of them, the language model only (Kimi's vision tower and
     # projector frozen, image items kept in its mixture); then old vs new paired on 500 held-out items a task, on
-    # the GPU. Beside it (CPU mostly): why the GPU-vs-CPU eval printed nothing on this machine (2026-12-02).
+    # the GPU. (Its first run, 2026-12-02, also ran the GPU-vs-CPU diagnosis beside it:
+    # results/2026-12-02-gpu-vs-cpu-diag.log.)
     mkdir -p "$OUT/read"
-    ( lscpu | head -20; nproc
-      SITE=/tmp/site-eval; rm -rf $SITE; python3 -m pip install -q --no-index --no-deps --target $SITE .whl/msgspec-*.whl \
-        .whl/llguidance-*.whl
-      export PYTHONPATH=$SITE:$PWD
-      OMP_NUM_THREADS=4 python3 - <<'PY'
-import time, torch
-for dt in (torch.float32, torch.bfloat16):
-    a = torch.randn(512, 1024, dtype=dt); b = torch.randn(1024, 1024, dtype=dt)
-    a @ b; t = time.perf_counter()
-    for _ in range(20): a @ b
-    print(f"cpu matmul 512x1024x1024 {dt}: {(time.perf_counter() - t) / 20 * 1e3:.2f} ms, threads {torch.get_num_threads()}")
-PY
-      python3 -m models.recipes.build --out /tmp/data-gvc --family glm --train-items 0 > /dev/null
-      mkdir -p /tmp/gvc; sub=(); for f in /tmp/data-gvc/*.test.jsonl; do head -n 16 "$f" > /tmp/gvc/$(basename "$f"); sub+=(--data /tmp/gvc/$(basename "$f")); done
-      for spec in "cpu-alone cpu" "gpu-alone cuda" "gpu-vs-cpu cuda"; do
-        set -- $spec; v=(--variant $1-a=models/glm-5.2-nano)
-        [ "$1" = gpu-vs-cpu ] && v=(--variant gpu=models/glm-5.2-nano --variant cpu=models/glm-5.2-nano:device=cpu)
-        echo "== $1"; start=$(date +%s)
-        # SIGABRT at the deadline: faulthandler prints every thread's stack, where it hangs
-        OMP_NUM_THREADS=4 timeout -s ABRT 120 python3 -X faulthandler -m backend.eval --device $2 --dtype bfloat16 \
-          --max-new-tokens 256 "${v[@]}" "${sub[@]}" --out "$OUT/read/gvc-$1.json" 2>&1 | tail -40
-        echo "rc=${PIPESTATUS[0]} $(( $(date +%s) - start )) s"
-      done ) > "$OUT/read/gvc-diag.log" 2>&1 &
-    diag=$!
-    rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
-      .whl/tokenizers-*.whl 2>&1 | tail -2
+    eval_site  # for the paired eval after the training
+    tf_site
     pids=()
     for fam in kimi glm; do
       name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
@@ -149,7 +134,6 @@ PY
     for p in "${pids[@]}"; do wait "$p"; done
     for fam in kimi glm; do echo "== $fam"; grep -vE "step [0-9]+ " "$OUT/read/$fam.stdout" | tail -5; grep -E "step [0-9]+ " "$OUT/read/$fam.stdout" | awk 'NR%16==1' | tail -8; done
     # old vs new, paired, 500 held-out items a task (bf16, the engine's GPU path)
-    SITE=/tmp/site-eval; export PYTHONPATH=$SITE:$PWD
     for name in kimi-k2.6-nano glm-5.2-nano; do
       fam=${name%%-*}; [ -d "$OUT/read/$name" ] || continue
       sub=(); mkdir -p /tmp/rsub-$fam; for f in /tmp/read-$fam/*.test.jsonl; do head -n 500 "$f" > /tmp/rsub-$fam/$(basename "$f"); sub+=(--data /tmp/rsub-$fam/$(basename "$f")); done
@@ -159,7 +143,6 @@ PY
     done
     wait
     for name in kimi-k2.6-nano glm-5.2-nano; do echo "== $name"; grep -vE "^\s*$|:norm" "$OUT/read/old-vs-new-$name.log" | tail -16; done
-    kill $diag 2>/dev/null; cat "$OUT/read/gvc-diag.log" | grep -vE "^\s*$" | tail -60
     for name in kimi-k2.6-nano glm-5.2-nano; do
       [ -d "$OUT/read/$name" ] && tar -C "$OUT/read" -cf "$OUT/$name.tar" "$name" && rm -rf "$OUT/read/$name"
     done
@@ -170,8 +153,7 @@ PY
     # on the CPU after the first reading stage) beside it, 500 items
     TAGCHECK_ONLY=${TAGCHECK_ONLY-dsa} bash benchmarks/device_plan.sh tagcheck > "$OUT/final/tagcheck.stdout" 2>&1
     tail -n 30 "$OUT/final/tagcheck.stdout"
-    rm -rf /tmp/tf; python3 -m pip install -q --no-deps --target /tmp/tf .whl/transformers-*.whl .whl/regex-*.whl \
-      .whl/tokenizers-*.whl 2>&1 | tail -2
+    tf_site
     name=glm-5.2-nano
     PYTHONPATH=/tmp/tf:. python3 -m models.recipes.build --out /tmp/read2-glm --family glm --train-items ${READ_ITEMS:-110000} \
       --first-item 100000 --fiction-share 0.9 \
@@ -180,9 +162,7 @@ PY
       --init models/$name --steps 0 --minutes "${READ_MINUTES:-2.5}" --batch-tokens 65536 --lr 1e-3 --warmup 30 \
       --workers 12 > "$OUT/final/glm.stdout" 2>&1
     grep -vE "step [0-9]+ " "$OUT/final/glm.stdout" | tail -4; grep -E "step [0-9]+ " "$OUT/final/glm.stdout" | awk 'NR%10==1' | tail -8
-    SITE=/tmp/site-eval; rm -rf $SITE; python3 -m pip install -q --no-index --no-deps --target $SITE .whl/msgspec-*.whl \
-      .whl/llguidance-*.whl
-    export PYTHONPATH=$SITE:$PWD
+    eval_site
     pids=()
     if [ -d "$OUT/final/$name" ]; then
       for f in /tmp/read2-glm/*.test.jsonl; do
