@@ -60,7 +60,7 @@ async def from_openai(
         raise refuse("prompt", "is not a Chat Completions field; send 'messages'")
     if (inp.prompt is None) == (inp.messages is None):
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
-    check_choices(inp.n or 1, ctx)  # this and the images' checks before any image is fetched
+    check_choices(num_choices_of(inp), ctx)  # this and the images' checks before any image is fetched
     check_images(model, _num_images(inp.messages or []), ctx.max_images)
     messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
     for i, m in enumerate(inp.messages or []):
@@ -84,7 +84,7 @@ async def from_openai(
         check_depth(fmt.json_schema, "response_format.json_schema.schema")
     stop = [inp.stop] if isinstance(inp.stop, str) else list(inp.stop or [])
     sampling = b.SamplingParams(
-        max_tokens=inp.max_completion_tokens or inp.max_tokens or model.default_max_tokens,
+        max_tokens=max_tokens_of(inp, model),
         # top_p 0 keeps only the likeliest token: greedy, as temperature 0
         temperature=0.0 if inp.top_p == 0 else (1.0 if inp.temperature is None else inp.temperature),
         top_p=inp.top_p or 1.0,
@@ -109,12 +109,23 @@ async def from_openai(
         reject_if_busy=bool(inp.options and inp.options.rejectIfBusy),
     )
     return Normalized(
-        requests=fan_out(base, inp.n or 1, ctx),
+        requests=fan_out(base, num_choices_of(inp), ctx),
         stream=bool(inp.stream),
         json_mode=fmt is not None,
         include_usage=bool(inp.stream_options and inp.stream_options.include_usage),
         logprobs=bool(inp.logprobs),
     )
+
+
+def max_tokens_of(inp: ChatCompletionRequest, model: ModelSpec) -> int:
+    """Each choice's token budget: `max_completion_tokens`, else the deprecated `max_tokens`, else
+    the model's default."""
+    return inp.max_completion_tokens or inp.max_tokens or model.default_max_tokens
+
+
+def num_choices_of(inp: ChatCompletionRequest) -> int:
+    """`n`, 1 when absent."""
+    return inp.n or 1
 
 
 def _num_images(messages: list[MessageIn]) -> int:
