@@ -26,7 +26,7 @@ def test_ruff(command: tuple[str, ...]) -> None:
 
 
 def test_mypy_strict_on_schemas_and_gateway() -> None:
-    done = _run("mypy", "schemas", "gateway")
+    done = _run("mypy", "--strict", "schemas", "gateway")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
