@@ -127,7 +127,7 @@ class _Call:
     """One inference request of an authenticated tenant for a resolved model, from its decoded
     input to its answer."""
 
-    services: InferenceService
+    service: InferenceService
     tenant: TenantContext
     model: ModelSpec
     surface: Surface
@@ -137,9 +137,9 @@ class _Call:
         """Admit against the quotas (step 1), then normalise (step 2), which may fetch images, so a
         tenant over its limits costs no outbound fetch; then route and render."""
         body = prompt.body
-        admission = await self.services.limiter.admit(self.tenant, self.model.name, self._estimate(prompt))
+        admission = await self.service.limiter.admit(self.tenant, self.model.name, self._estimate(prompt))
         try:
-            async with self.services.lifecycle.bounded():  # image fetches end at the drain deadline
+            async with self.service.lifecycle.bounded():  # image fetches end at the drain deadline
                 normalized = await self._normalize(body)
         except BaseException as exc:
             await self._abandon(admission, [], [], exc)
@@ -159,15 +159,15 @@ class _Call:
             return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + body.max_tokens
         prompt_tokens = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
         return prompt_tokens + max_tokens_of(body, self.model) * min(
-            num_choices_of(body), self.services.settings.max_choices
+            num_choices_of(body), self.service.settings.max_choices
         )
 
     async def _normalize(self, body: ModelInput) -> Normalized:
-        s = self.services.settings
+        s = self.service.settings
         ctx = Context(
             request_id=self.meta.info.request_id,
             tenant_salt=tenant_salt(s.server_secret, self.tenant.tenant_id),
-            images=self.services.images,
+            images=self.service.images,
             max_images=s.max_images,
             max_choices=s.max_choices,
         )
@@ -224,9 +224,9 @@ class _Call:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
         timeout_s = self.meta.timeout_s
-        events = self.services.lifecycle.guard(
-            self.services.router.generate(self.model, generate, affinity=self.meta.affinity),
-            self.services.settings.request_timeout_s if timeout_s is None else timeout_s,
+        events = self.service.lifecycle.guard(
+            self.service.router.generate(self.model, generate, affinity=self.meta.affinity),
+            self.service.settings.request_timeout_s if timeout_s is None else timeout_s,
         )
         try:
             url, first = await anext(events)
@@ -319,10 +319,10 @@ class _Call:
             totals.cached_tokens,
             totals.completion_tokens,
         )
-        await self.services.limiter.settle(
+        await self.service.limiter.settle(
             admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
         )
-        self.services.ledger.record(
+        self.service.ledger.record(
             UsageRecord(
                 tenant_id=self.tenant.tenant_id,
                 model=self.model.name,

@@ -16,6 +16,7 @@ from gateway.normalize import (
     check_images,
     fan_out,
     from_function_call,
+    given,
     reasoning_of,
     refuse,
     tool_choice_of,
@@ -85,15 +86,17 @@ async def from_openai(
     stop = [inp.stop] if isinstance(inp.stop, str) else list(inp.stop or [])
     sampling = b.SamplingParams(
         max_tokens=max_tokens_of(inp, model),
-        # top_p 0 keeps only the likeliest token: greedy, as temperature 0
-        temperature=0.0 if inp.top_p == 0 else (1.0 if inp.temperature is None else inp.temperature),
-        top_p=inp.top_p or 1.0,
         seed=None if inp.seed is None else inp.seed % 2**63,
-        frequency_penalty=inp.frequency_penalty or 0.0,
-        presence_penalty=inp.presence_penalty or 0.0,
         stop=stop,
-        logprobs=bool(inp.logprobs),
-        top_logprobs=inp.top_logprobs or 0,
+        **given(
+            # top_p 0 keeps only the likeliest token: greedy, as temperature 0 (top_p keeps its default)
+            temperature=0.0 if inp.top_p == 0 else inp.temperature,
+            top_p=inp.top_p or None,
+            frequency_penalty=inp.frequency_penalty,
+            presence_penalty=inp.presence_penalty,
+            logprobs=inp.logprobs,
+            top_logprobs=inp.top_logprobs,
+        ),
     )
     base = b.GenerateRequest(
         request_id=f"{ctx.request_id}-0",
@@ -101,12 +104,12 @@ async def from_openai(
         messages=messages,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=True if inp.parallel_tool_calls is None else inp.parallel_tool_calls,
         sampling=sampling,
         reasoning=reasoning,
         response_format=fmt,
         chat_template_kwargs=template_kwargs,
         reject_if_busy=bool(inp.options and inp.options.rejectIfBusy),
+        **given(parallel_tool_calls=inp.parallel_tool_calls),
     )
     return Normalized(
         requests=fan_out(base, num_choices_of(inp), ctx),
