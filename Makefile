@@ -22,7 +22,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy schemas gateway
+	$(VENV)/bin/mypy schemas gateway backend
 
 clean:
 	rm -rf $(VENV) .kumo

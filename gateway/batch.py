@@ -19,7 +19,7 @@ import os
 import socket
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -30,17 +30,16 @@ from starlette.responses import Response
 from gateway.auth import TenantContext
 from gateway.body import decode, decode_json
 from gateway.errors import BadInput, Busy, KumoError, NotFound, RateLimited, Unavailable
-from gateway.observability import info_of
+from gateway.inference import Answer, CallMeta, InferenceService, Prompt, input_decoder
+from gateway.lifecycle import Lifecycle
 from gateway.pools import Router
+from gateway.settings import GatewaySettings
+from gateway.store import Store
 from gateway.store.batch import DONE, BatchJob, BatchQueue
 from schemas import backend as b
 from schemas.batch import BatchDone, BatchItem, BatchPoll, BatchStatus, BatchSubmit, BatchUsage
 from schemas.catalog import ModelSpec
-from schemas.openai import ChatCompletionRequest
-from schemas.workers_ai import Envelope, ErrorItem, LegacyInput
-
-if TYPE_CHECKING:
-    from gateway.services import Services
+from schemas.workers_ai import Envelope, ErrorItem
 
 log = structlog.get_logger("kumo.batch")
 QUEUE_PARAM = "queueRequest"
@@ -50,8 +49,6 @@ PURGE_INTERVAL_S = 60.0
 
 _submit_decoder = msgspec.json.Decoder(BatchSubmit)
 _poll_decoder = msgspec.json.Decoder(BatchPoll)
-_legacy_decoder = msgspec.json.Decoder(LegacyInput)
-_openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 
 class QueuedRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -64,8 +61,20 @@ class QueuedRequest(msgspec.Struct, forbid_unknown_fields=True):
 _stored = msgspec.json.Decoder(list[QueuedRequest])
 
 
-class _Answer(msgspec.Struct):
-    result: msgspec.Raw
+class BatchServices(Protocol):
+    """What batches need of `gateway.services.Services` (a protocol, so that batch need not import
+    it: `Services` holds the `BatchWorker`)."""
+
+    @property
+    def settings(self) -> GatewaySettings: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+    @property
+    def inference(self) -> InferenceService: ...
+    @property
+    def batch(self) -> BatchWorker: ...
 
 
 # ---- the routes' side ----------------------------------------------------------------------------------
@@ -97,17 +106,15 @@ def _checked(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
     value.pop("stream_options", None)
     item = msgspec.json.encode(value)
     try:
-        decoder: msgspec.json.Decoder[Any] = _legacy_decoder if model.family == "legacy" else _openai_decoder
-        decode_json(item, decoder)
+        decode_json(item, input_decoder(model, "run"))
     except msgspec.ValidationError as exc:
         raise BadInput(f"Bad input: {exc}".replace("at `$", f"at `$.requests[{i}]")) from exc
     return QueuedRequest(input=msgspec.Raw(item), external_reference=reference)
 
 
-async def submit(services: Services, tenant: TenantContext, model: ModelSpec, raw: bytes) -> Response:
+async def submit(services: BatchServices, tenant: TenantContext, model: ModelSpec, raw: bytes) -> Response:
     """Queue a job (the body is already under the 10 MB limit) and answer its request id."""
     body = decode(raw, _submit_decoder)
-    assert isinstance(body, BatchSubmit)
     items = [_checked(r, i, model) for i, r in enumerate(body.requests)]
     cap = services.settings.batch_max_pending_per_tenant
     job_id = await services.batch.queue.submit(
@@ -127,7 +134,7 @@ async def submit(services: Services, tenant: TenantContext, model: ModelSpec, ra
     return Response(msgspec.json.encode(Envelope(result=status, success=True)), media_type="application/json")
 
 
-async def poll(services: Services, tenant: TenantContext, model: ModelSpec, job_id: str) -> Response:
+async def poll(services: BatchServices, tenant: TenantContext, model: ModelSpec, job_id: str) -> Response:
     """The job's state, or its results once done. Another tenant's job is as unknown as none."""
     job = await services.batch.queue.get(job_id, tenant.tenant_id)
     if job is None or job.model != model.name:
@@ -156,18 +163,13 @@ class PriorityRouter(Router):
         )
 
 
-def _synthetic_request() -> Request:
-    """The HTTP request a queued request never had: no headers, its own request info."""
-    return Request({"type": "http", "method": "POST", "path": "/batch", "headers": [], "query_string": b""})
-
-
 class BatchWorker:
     """Takes jobs from the queue one at a time and runs them; one per gateway (on `Services`)."""
 
     def __init__(self) -> None:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._queue: BatchQueue | None = None
-        self._services: Services | None = None
+        self._services: BatchServices | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self.num_jobs_done = 0
@@ -177,7 +179,7 @@ class BatchWorker:
         assert self._queue is not None, "BatchWorker.start() first"
         return self._queue
 
-    async def start(self, services: Services) -> None:
+    async def start(self, services: BatchServices) -> None:
         self._services = services
         self._queue = BatchQueue(services.store.engine)
         self._wake = asyncio.Event()
@@ -263,8 +265,9 @@ class BatchWorker:
             if job.attempts > MAX_ATTEMPTS:
                 raise KumoError("Unknown internal error")
             tenant = await _tenant(services, job.tenant_id)
-            services = replace(
-                services, router=PriorityRouter(services.router, services.settings.batch_priority)
+            inference = services.inference
+            inference = replace(
+                inference, router=PriorityRouter(inference.router, services.settings.batch_priority)
             )
         except KumoError as exc:
             failed = [_failure(i, item, exc) for i, item in enumerate(items)]
@@ -277,7 +280,7 @@ class BatchWorker:
 
         async def one(i: int, item: QueuedRequest) -> tuple[BatchItem, int, int]:
             async with limit:
-                return await _run_one(services, tenant, job.model, i, item)
+                return await _run_one(inference, tenant, job.model, i, item)
 
         done = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
         prompt = sum(p for _, p, _ in done)
@@ -293,7 +296,7 @@ async def _cancel(task: asyncio.Task[bytes]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def _tenant(services: Services, tenant_id: str) -> TenantContext:
+async def _tenant(services: BatchServices, tenant_id: str) -> TenantContext:
     """The job's tenant as it is now (a tenant deleted since is NotFound, its quotas current)."""
     t = await services.store.get_tenant(tenant_id)
     allowed = None if t.models.allow is None else frozenset(t.models.allow)
@@ -313,17 +316,17 @@ def _failure(i: int, item: QueuedRequest, exc: KumoError) -> BatchItem:
 
 
 async def _run_one(
-    services: Services, tenant: TenantContext, model_name: str, i: int, item: QueuedRequest
+    inference: InferenceService, tenant: TenantContext, model_name: str, i: int, item: QueuedRequest
 ) -> tuple[BatchItem, int, int]:
-    """One queued request through `/ai/run`'s own path; waits out 429/503 (but a spent daily
+    """One queued request through the service `/ai/run` calls; waits out 429/503 (but a spent daily
     allowance) as often as `MAX_ITEM_RETRIES`. Returns the item and its prompt/completion tokens."""
-    from gateway.inference import Call, resolve_model  # inference needs Services, which needs us
-
+    raw = bytes(item.input)
     for attempt in range(MAX_ITEM_RETRIES + 1):
-        request = _synthetic_request()
+        meta = CallMeta()  # each attempt has its own request id; no affinity, the default deadline
         try:
-            model = resolve_model(services, request, tenant, model_name)
-            response = await Call(services, request, tenant, model, "run").handle(bytes(item.input))
+            model = inference.resolve_model(tenant, model_name, meta.info)
+            prompt = Prompt(decode(raw, input_decoder(model, "run")), raw)
+            answer = await inference.run(tenant, model, prompt, "run", meta)
         except (RateLimited, Busy, Unavailable) as exc:
             if attempt == MAX_ITEM_RETRIES:
                 return _failure(i, item, exc), 0, 0
@@ -331,10 +334,7 @@ async def _run_one(
             continue
         except KumoError as exc:
             return _failure(i, item, exc), 0, 0
-        answer = msgspec.json.decode(response.body, type=_Answer)
-        info = info_of(request.scope)
-        result = BatchItem(
-            id=i, result=answer.result, success=True, external_reference=item.external_reference
-        )
-        return result, info.prompt_tokens, info.completion_tokens
+        assert isinstance(answer, Answer), "queued requests are stored without `stream`"
+        result = BatchItem(id=i, result=answer.body, success=True, external_reference=item.external_reference)
+        return result, meta.info.prompt_tokens, meta.info.completion_tokens
     raise AssertionError("unreachable")

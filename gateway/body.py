@@ -8,7 +8,7 @@ body is cut off at the deadline (§4.5). Decode errors name the failing path.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -38,7 +38,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return bytes(body)
 
 
-def decode(raw: bytes, decoder: msgspec.json.Decoder[Any]) -> object:
+def decode(raw: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     """Typed decode (`decode_json`); the 400 names the failing path (`$.messages[0].content`)."""
     try:
         return decode_json(raw, decoder)

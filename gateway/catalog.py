@@ -85,7 +85,6 @@ def local_model_spec(name: str, folder: Path, pool: str, *, family: str) -> Mode
         family="legacy" if family == "legacy" else "openai",
         architecture=architecture,
         vision="vision_config" in config,
-        default_max_tokens=256,
     )
 
 

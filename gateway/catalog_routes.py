@@ -13,8 +13,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.templating import Jinja2Templates
 
 from gateway.errors import BadInput
-from gateway.inference import authenticate
-from gateway.run import account_of, services_of
+from gateway.run import account_of, authenticate, services_of
 from gateway.services import Services
 from schemas.catalog import Account, Membership, ModelObject, TaskOut
 from schemas.workers_ai import Envelope, PagedEnvelope, ResultInfo

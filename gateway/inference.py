@@ -1,5 +1,9 @@
-"""One inference request through the gateway (DESIGN §2 steps 1–3 and 8), shared by `/ai/run`
-and `/ai/v1/chat/completions`: authenticate, decode and normalise, admit, route, render, meter.
+"""The inference service (DESIGN §2 steps 1–3 and 8), shared by `/ai/run`, `/ai/v1/chat/completions`
+and the batch worker: admit a decoded request, normalise it, route every choice, render, meter.
+
+No HTTP here: the routes (`gateway.run`, `gateway.openai_compat`) decode the body once into a
+typed `ModelInput` and wrap what comes back (`Answer` or `Stream`) into a response; the batch
+worker calls the same service with the input it stored.
 """
 
 from __future__ import annotations
@@ -9,100 +13,143 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
 import msgspec
 import structlog
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
 
 from gateway import render
 from gateway.auth import TenantContext
 from gateway.backend_client import tenant_salt, to_gateway_error
-from gateway.body import decode
+from gateway.catalog import Catalog
 from gateway.errors import (
     KumoError,
     ModelNotAllowed,
     PaidModelOnFreePlan,
 )
-from gateway.lifecycle import request_timeout_s
+from gateway.images import ImageFetcher
+from gateway.lifecycle import Lifecycle
 from gateway.normalize import Context, Normalized, from_legacy
-from gateway.normalize_openai import from_openai
-from gateway.observability import info_of
-from gateway.quotas import Admission
-from gateway.services import Services
-from gateway.usage import neurons
+from gateway.normalize_openai import from_openai, max_tokens_of, num_choices_of
+from gateway.observability import RequestInfo
+from gateway.pools import Router
+from gateway.quotas import Admission, Limiter
+from gateway.settings import GatewaySettings
+from gateway.usage import UsageLedger, neurons
 from schemas import backend as b
 from schemas.admin import UsageRecord
 from schemas.catalog import ModelSpec
-from schemas.openai import ChatCompletionRequest
-from schemas.workers_ai import Envelope, LegacyInput
+from schemas.openai import ChatCompletion, ChatCompletionRequest
+from schemas.workers_ai import LegacyInput, LegacyResult
 
 Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
+ModelInput = LegacyInput | ChatCompletionRequest  # a text-generation model's input, by family
 log = structlog.get_logger("kumo.inference")
 IMAGE_TOKENS_ESTIMATE = 1024  # reserved per image at admission, trued up to the real count after
 _DATA_URI = re.compile(rb'"data:[^"]*"')
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
 
-async def authenticate(services: Services, request: Request, account_id: str) -> TenantContext:
-    """Step 1: the caller's tenant, which must own `account_id`."""
-    tenant = await services.authenticator.authenticate(request.headers.get("authorization"), account_id)
-    info_of(request.scope).tenant_id = tenant.tenant_id
-    return tenant
+def input_decoder(model: ModelSpec, surface: Surface) -> msgspec.json.Decoder[ModelInput]:
+    """The decoder of `model`'s input: the legacy family's on `/ai/run`, Chat Completions otherwise."""
+    if model.family == "legacy" and surface == "run":
+        return _legacy_decoder  # type: ignore[return-value]
+    return _openai_decoder  # type: ignore[return-value]
 
 
-def resolve_model(services: Services, request: Request, tenant: TenantContext, name: str) -> ModelSpec:
-    """The catalog checks: model known (5007), allowed for the tenant (403), plan (5035)."""
-    model = services.catalog.get(name)
-    info_of(request.scope).model = model.name
-    if not tenant.can_use(model.name):
-        raise ModelNotAllowed("The account is not allowed to access this model")
-    if model.require_workers_paid and tenant.plan == "free":
-        raise PaidModelOnFreePlan(f"Model {model.name} is not available on the Workers Free plan")
-    return model
+@dataclass(frozen=True)
+class Prompt:
+    """One decoded model input, with the JSON it came from (its size is the admission estimate)."""
+
+    body: ModelInput
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class CallMeta:
+    """What the caller's edge knows about one call: the request's record (its id names the backend
+    requests; tokens, replica and error code are written back), session affinity and deadline."""
+
+    info: RequestInfo = field(default_factory=RequestInfo)
+    affinity: str | None = None
+    timeout_s: float | None = None  # None: the settings' `request_timeout_s`
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole answer: the Chat Completion (OpenAI family or surface) or the legacy result."""
+
+    body: ChatCompletion | LegacyResult
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A streamed answer: its server-sent event frames, metered when they end."""
+
+    frames: AsyncIterator[bytes]
+
+
+@dataclass(frozen=True)
+class InferenceService:
+    """Everything one inference call needs; built from `Services` (the batch worker swaps the router
+    for one at batch priority)."""
+
+    settings: GatewaySettings
+    catalog: Catalog
+    router: Router
+    limiter: Limiter
+    ledger: UsageLedger
+    images: ImageFetcher
+    lifecycle: Lifecycle
+
+    def resolve_model(self, tenant: TenantContext, name: str, info: RequestInfo) -> ModelSpec:
+        """The catalog checks: model known (5007), allowed for the tenant (403), plan (5035)."""
+        model = self.catalog.get(name)
+        info.model = model.name
+        if not tenant.can_use(model.name):
+            raise ModelNotAllowed("The account is not allowed to access this model")
+        if model.require_workers_paid and tenant.plan == "free":
+            raise PaidModelOnFreePlan(f"Model {model.name} is not available on the Workers Free plan")
+        return model
+
+    async def run(
+        self, tenant: TenantContext, model: ModelSpec, prompt: Prompt, surface: Surface, meta: CallMeta
+    ) -> Answer | Stream:
+        """Run `prompt` for `tenant` on `model`; `surface` says which wire format answers."""
+        return await _Call(self, tenant, model, surface, meta).handle(prompt)
 
 
 @dataclass
-class Call:
-    """One inference request of an authenticated tenant for a resolved model, from its raw body
-    to its response; `surface` says which wire format answers."""
+class _Call:
+    """One inference request of an authenticated tenant for a resolved model, from its decoded
+    input to its answer."""
 
-    services: Services
-    request: Request
+    service: InferenceService
     tenant: TenantContext
     model: ModelSpec
     surface: Surface
+    meta: CallMeta
 
-    async def handle(self, raw: bytes) -> Response:
-        """Decode (step 2), admit against the quotas (step 1), then normalise, which may fetch
-        images, so a tenant over its limits costs no outbound fetch; then route and render."""
-        body = self._decode(raw)
-        admission = await self.services.limiter.admit(self.tenant, self.model.name, self._estimate(raw, body))
+    async def handle(self, prompt: Prompt) -> Answer | Stream:
+        """Admit against the quotas (step 1), then normalise (step 2), which may fetch images, so a
+        tenant over its limits costs no outbound fetch; then route and render."""
+        body = prompt.body
+        admission = await self.service.limiter.admit(self.tenant, self.model.name, self._estimate(prompt))
         try:
-            async with self.services.lifecycle.bounded():  # image fetches end at the drain deadline
+            async with self.service.lifecycle.bounded():  # image fetches end at the drain deadline
                 normalized = await self._normalize(body)
         except BaseException as exc:
             await self._abandon(admission, [], [], exc)
             raise
         return await self._respond(admission, normalized)
 
-    def _decode(self, raw: bytes) -> LegacyInput | ChatCompletionRequest:
-        if self.model.family == "legacy" and self.surface == "run":
-            legacy = decode(raw, _legacy_decoder)
-            assert isinstance(legacy, LegacyInput)
-            return legacy
-        chat = decode(raw, _openai_decoder)
-        assert isinstance(chat, ChatCompletionRequest)
-        return chat
-
-    def _estimate(self, raw: bytes, body: LegacyInput | ChatCompletionRequest) -> int:
+    def _estimate(self, prompt: Prompt) -> int:
         """Tokens reserved at admission (trued up after): ~4 bytes a text token, a fixed allowance per
         image (its bytes are not tokens), plus every choice's max tokens."""
+        raw, body = prompt.raw, prompt.body
         text_bytes = len(_DATA_URI.sub(b'""', raw))
         images = raw.count(b'"data:')
         if isinstance(body, LegacyInput):
@@ -110,17 +157,17 @@ class Call:
                 text_bytes -= len(msgspec.json.encode(body.image))
                 images += 1
             return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + body.max_tokens
-        max_tokens = body.max_completion_tokens or body.max_tokens or self.model.default_max_tokens
-        prompt = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
-        return prompt + max_tokens * min(body.n or 1, self.services.settings.max_choices)
+        prompt_tokens = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
+        return prompt_tokens + max_tokens_of(body, self.model) * min(
+            num_choices_of(body), self.service.settings.max_choices
+        )
 
-    async def _normalize(self, body: LegacyInput | ChatCompletionRequest) -> Normalized:
-        info = info_of(self.request.scope)
-        s = self.services.settings
+    async def _normalize(self, body: ModelInput) -> Normalized:
+        s = self.service.settings
         ctx = Context(
-            request_id=info.request_id,
+            request_id=self.meta.info.request_id,
             tenant_salt=tenant_salt(s.server_secret, self.tenant.tenant_id),
-            images=self.services.images,
+            images=self.service.images,
             max_images=s.max_images,
             max_choices=s.max_choices,
         )
@@ -128,7 +175,7 @@ class Call:
             return await from_legacy(body, self.model, ctx)
         return await from_openai(body, self.model, ctx, allow_prompt=self.surface == "run")
 
-    async def _respond(self, admission: Admission, normalized: Normalized) -> Response:
+    async def _respond(self, admission: Admission, normalized: Normalized) -> Answer | Stream:
         """Steps 3 and 8: route every choice, render; settle and record usage at the end."""
         done = [render.Completion() for _ in normalized.requests]
         # every choice is routed at once; any failure before the first byte closes the others
@@ -141,11 +188,7 @@ class Call:
             await self._abandon(admission, done, streams, failure)
             raise failure
         if normalized.stream:
-            return StreamingResponse(
-                self._stream(admission, normalized, streams, done),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
+            return Stream(self._stream(admission, normalized, streams, done))
         try:
             await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, done, strict=True)))
         except BaseException as exc:
@@ -153,16 +196,18 @@ class Call:
             raise
         totals = render.Totals.of(done)
         try:
-            payload = self._payload(done, totals, normalized)
+            body = self._body(done, totals, normalized)
         except KumoError as exc:  # JSON mode not met: the tokens were spent, the answer is a 400
             await self._settle(admission, done, status=exc.status)
             raise
         await self._settle(admission, done, status=200)
-        return Response(payload, media_type="application/json")
+        return Answer(body)
 
-    def _payload(self, done: list[render.Completion], totals: render.Totals, normalized: Normalized) -> bytes:
+    def _body(
+        self, done: list[render.Completion], totals: render.Totals, normalized: Normalized
+    ) -> ChatCompletion | LegacyResult:
         if self.surface == "openai" or self.model.family == "openai":
-            body = render.chat_completion(
+            return render.chat_completion(
                 done,
                 totals,
                 model=self.model.name,
@@ -170,29 +215,24 @@ class Call:
                 created=int(time.time()),
                 logprobs=normalized.logprobs,
             )
-            return msgspec.json.encode(
-                body if self.surface == "openai" else Envelope(result=body, success=True)
-            )
-        else:
-            result = render.legacy_result(done[0], totals, json_mode=normalized.json_mode)
-            return msgspec.json.encode(Envelope(result=result, success=True))
+        return render.legacy_result(done[0], totals, json_mode=normalized.json_mode)
 
     def _id(self) -> str:
-        return f"chatcmpl-{info_of(self.request.scope).request_id}"
+        return f"chatcmpl-{self.meta.info.request_id}"
 
     async def _started(self, generate: b.GenerateRequest) -> AsyncGenerator[b.Event, None]:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
-        affinity = self.request.headers.get("x-session-affinity")
-        events = self.services.lifecycle.guard(
-            self.services.router.generate(self.model, generate, affinity=affinity),
-            request_timeout_s(self.request.headers, self.services.settings.request_timeout_s),
+        timeout_s = self.meta.timeout_s
+        events = self.service.lifecycle.guard(
+            self.service.router.generate(self.model, generate, affinity=self.meta.affinity),
+            self.service.settings.request_timeout_s if timeout_s is None else timeout_s,
         )
         try:
             url, first = await anext(events)
         except StopAsyncIteration as exc:
             raise KumoError("Unknown internal error") from exc
-        info_of(self.request.scope).replica = url
+        self.meta.info.replica = url
         if isinstance(first, b.Error):
             await events.aclose()
             raise to_gateway_error(first)
@@ -246,7 +286,7 @@ class Call:
             if not isinstance(exc, KumoError):
                 log.error("stream_failed", exc_info=exc)
             status = error.status
-            info_of(self.request.scope).error_code = error.code
+            self.meta.info.error_code = error.code
             yield render.stream_error(error, openai=openai_family)
         finally:
             # shielded: a client that went away cancels this task, yet the backend request must
@@ -273,16 +313,16 @@ class Call:
         spent = neurons(
             self.model.price, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens
         )
-        info = info_of(self.request.scope)
+        info = self.meta.info
         info.prompt_tokens, info.cached_tokens, info.completion_tokens = (
             totals.prompt_tokens,
             totals.cached_tokens,
             totals.completion_tokens,
         )
-        await self.services.limiter.settle(
+        await self.service.limiter.settle(
             admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
         )
-        self.services.ledger.record(
+        self.service.ledger.record(
             UsageRecord(
                 tenant_id=self.tenant.tenant_id,
                 model=self.model.name,

@@ -62,6 +62,12 @@ def check_depth(value: object, field: str, depth: int = 0) -> None:
             check_depth(item, field, depth + 1)
 
 
+def given(**fields: Any) -> dict[str, Any]:
+    """The fields a caller set (not None): the others keep the defaults of `schemas.backend`, which
+    are written there alone."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
 def refuse(field: str, why: str = "is not supported by this model") -> Unsupported:
     return Unsupported(f"Bad input: '{field}' {why}")
 
@@ -236,12 +242,14 @@ async def from_legacy(inp: LegacyInput, model: ModelSpec, ctx: Context) -> Norma
     sampling = b.SamplingParams(
         max_tokens=inp.max_tokens,
         temperature=inp.temperature,
-        top_p=inp.top_p if inp.top_p is not None else 1.0,
-        top_k=inp.top_k or 0,
         seed=inp.seed,
-        repetition_penalty=inp.repetition_penalty if inp.repetition_penalty is not None else 1.0,
-        frequency_penalty=inp.frequency_penalty or 0.0,
-        presence_penalty=inp.presence_penalty or 0.0,
+        **given(
+            top_p=inp.top_p,
+            top_k=inp.top_k,
+            repetition_penalty=inp.repetition_penalty,
+            frequency_penalty=inp.frequency_penalty,
+            presence_penalty=inp.presence_penalty,
+        ),
     )
     request = b.GenerateRequest(
         request_id=f"{ctx.request_id}-0",

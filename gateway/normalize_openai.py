@@ -16,6 +16,7 @@ from gateway.normalize import (
     check_images,
     fan_out,
     from_function_call,
+    given,
     reasoning_of,
     refuse,
     tool_choice_of,
@@ -60,7 +61,7 @@ async def from_openai(
         raise refuse("prompt", "is not a Chat Completions field; send 'messages'")
     if (inp.prompt is None) == (inp.messages is None):
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
-    check_choices(inp.n or 1, ctx)  # this and the images' checks before any image is fetched
+    check_choices(num_choices_of(inp), ctx)  # this and the images' checks before any image is fetched
     check_images(model, _num_images(inp.messages or []), ctx.max_images)
     messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
     for i, m in enumerate(inp.messages or []):
@@ -84,16 +85,18 @@ async def from_openai(
         check_depth(fmt.json_schema, "response_format.json_schema.schema")
     stop = [inp.stop] if isinstance(inp.stop, str) else list(inp.stop or [])
     sampling = b.SamplingParams(
-        max_tokens=inp.max_completion_tokens or inp.max_tokens or model.default_max_tokens,
-        # top_p 0 keeps only the likeliest token: greedy, as temperature 0
-        temperature=0.0 if inp.top_p == 0 else (1.0 if inp.temperature is None else inp.temperature),
-        top_p=inp.top_p or 1.0,
+        max_tokens=max_tokens_of(inp, model),
         seed=None if inp.seed is None else inp.seed % 2**63,
-        frequency_penalty=inp.frequency_penalty or 0.0,
-        presence_penalty=inp.presence_penalty or 0.0,
         stop=stop,
-        logprobs=bool(inp.logprobs),
-        top_logprobs=inp.top_logprobs or 0,
+        **given(
+            # top_p 0 keeps only the likeliest token: greedy, as temperature 0 (top_p keeps its default)
+            temperature=0.0 if inp.top_p == 0 else inp.temperature,
+            top_p=inp.top_p or None,
+            frequency_penalty=inp.frequency_penalty,
+            presence_penalty=inp.presence_penalty,
+            logprobs=inp.logprobs,
+            top_logprobs=inp.top_logprobs,
+        ),
     )
     base = b.GenerateRequest(
         request_id=f"{ctx.request_id}-0",
@@ -101,20 +104,31 @@ async def from_openai(
         messages=messages,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=True if inp.parallel_tool_calls is None else inp.parallel_tool_calls,
         sampling=sampling,
         reasoning=reasoning,
         response_format=fmt,
         chat_template_kwargs=template_kwargs,
         reject_if_busy=bool(inp.options and inp.options.rejectIfBusy),
+        **given(parallel_tool_calls=inp.parallel_tool_calls),
     )
     return Normalized(
-        requests=fan_out(base, inp.n or 1, ctx),
+        requests=fan_out(base, num_choices_of(inp), ctx),
         stream=bool(inp.stream),
         json_mode=fmt is not None,
         include_usage=bool(inp.stream_options and inp.stream_options.include_usage),
         logprobs=bool(inp.logprobs),
     )
+
+
+def max_tokens_of(inp: ChatCompletionRequest, model: ModelSpec) -> int:
+    """Each choice's token budget: `max_completion_tokens`, else the deprecated `max_tokens`, else
+    the model's default."""
+    return inp.max_completion_tokens or inp.max_tokens or model.default_max_tokens
+
+
+def num_choices_of(inp: ChatCompletionRequest) -> int:
+    """`n`, 1 when absent."""
+    return inp.n or 1
 
 
 def _num_images(messages: list[MessageIn]) -> int:

@@ -11,18 +11,21 @@ from urllib.parse import unquote
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from gateway import batch
 from gateway.auth import TenantContext
 from gateway.body import decode, read_body
 from gateway.errors import BadInput, NoRoute
-from gateway.inference import Call, authenticate, resolve_model
+from gateway.inference import Answer, CallMeta, ModelInput, Prompt, Stream, Surface, input_decoder
+from gateway.lifecycle import request_timeout_s
+from gateway.observability import info_of
 from gateway.services import Services
 from schemas.catalog import ModelSpec
-from schemas.workers_ai import RunEnvelopeInput
+from schemas.workers_ai import Envelope, RunEnvelopeInput, RunOptions
 
 ACCOUNT_ID = re.compile(r"^[0-9a-f]{32}$")
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _envelope_decoder = msgspec.json.Decoder(RunEnvelopeInput)
 
 
@@ -37,6 +40,35 @@ def account_of(request: Request) -> str:
     if not ACCOUNT_ID.match(account_id):
         raise NoRoute(f"Could not route to {request.url.path}, perhaps your object identifier is invalid?")
     return account_id
+
+
+async def authenticate(services: Services, request: Request, account_id: str) -> TenantContext:
+    """Step 1: the caller's tenant, which must own `account_id`."""
+    tenant = await services.authenticator.authenticate(request.headers.get("authorization"), account_id)
+    info_of(request.scope).tenant_id = tenant.tenant_id
+    return tenant
+
+
+def resolve_model(services: Services, request: Request, tenant: TenantContext, name: str) -> ModelSpec:
+    """The catalog checks of `InferenceService.resolve_model`, noted on the request's record."""
+    return services.inference.resolve_model(tenant, name, info_of(request.scope))
+
+
+def meta_of(services: Services, request: Request) -> CallMeta:
+    """The request's record, `x-session-affinity`, and its deadline (`cf-aig-request-timeout`)."""
+    return CallMeta(
+        info=info_of(request.scope),
+        affinity=request.headers.get("x-session-affinity"),
+        timeout_s=request_timeout_s(request.headers, services.settings.request_timeout_s),
+    )
+
+
+def respond(answer: Answer | Stream, surface: Surface) -> Response:
+    """The service's answer as HTTP: server-sent events, or JSON (enveloped on `/ai/run`)."""
+    if isinstance(answer, Stream):
+        return StreamingResponse(answer.frames, media_type="text/event-stream", headers=SSE_HEADERS)
+    body = answer.body if surface == "openai" else Envelope(result=answer.body, success=True)
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 async def run_model(request: Request) -> Response:
@@ -58,16 +90,14 @@ async def run_envelope(request: Request) -> Response:
     tenant = await authenticate(services, request, account_id)
     raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
     envelope = decode(raw, _envelope_decoder)
-    assert isinstance(envelope, RunEnvelopeInput)
     model = resolve_model(services, request, tenant, envelope.model)
-    inner = bytes(envelope.input)
-    is_batch = batch.is_queue_request(request) or batch.poll_id(inner) is not None
-    if envelope.options is not None and envelope.options.rejectIfBusy and not is_batch:
-        inner = _with_reject_if_busy(inner)
-    return await _run(request, tenant, model, inner)
+    reject_if_busy = envelope.options is not None and envelope.options.rejectIfBusy
+    return await _run(request, tenant, model, bytes(envelope.input), reject_if_busy=reject_if_busy)
 
 
-async def _run(request: Request, tenant: TenantContext, model: ModelSpec, raw: bytes) -> Response:
+async def _run(
+    request: Request, tenant: TenantContext, model: ModelSpec, raw: bytes, *, reject_if_busy: bool = False
+) -> Response:
     """The model's input run now, or (reference §1.6) a batch queued (`?queueRequest=true` with
     `{requests}`) or polled (`{request_id}`): the same for `/ai/run/{model}` and `/ai/run`'s input."""
     services = services_of(request)
@@ -76,15 +106,23 @@ async def _run(request: Request, tenant: TenantContext, model: ModelSpec, raw: b
     job_id = batch.poll_id(raw)
     if job_id is not None:
         return await batch.poll(services, tenant, model, job_id)
-    return await Call(services, request, tenant, model, "run").handle(raw)
+    body = _model_input(raw, model, reject_if_busy=reject_if_busy)
+    answer = await services.inference.run(tenant, model, Prompt(body, raw), "run", meta_of(services, request))
+    return respond(answer, "run")
 
 
-def _with_reject_if_busy(raw: bytes) -> bytes:
-    """The envelope's `options.rejectIfBusy` applies to the inner input."""
-    inner = msgspec.json.decode(raw)
-    if isinstance(inner, dict):
-        options = inner.get("options")
-        if options is not None and not isinstance(options, dict):
-            raise BadInput("Bad input: 'input.options' must be an object")
-        inner["options"] = {**(options or {}), "rejectIfBusy": True}
-    return msgspec.json.encode(inner)
+def _model_input(raw: bytes, model: ModelSpec, *, reject_if_busy: bool) -> ModelInput:
+    """The model's input, decoded once; the envelope's `options.rejectIfBusy` applies to it."""
+    try:
+        body = decode(raw, input_decoder(model, "run"))
+    except BadInput as exc:
+        if reject_if_busy and _is_options_not_an_object(exc.message):
+            raise BadInput("Bad input: 'input.options' must be an object") from exc
+        raise
+    if reject_if_busy:
+        body = msgspec.structs.replace(body, options=RunOptions(rejectIfBusy=True))
+    return body
+
+
+def _is_options_not_an_object(message: str) -> bool:
+    return message.startswith("Bad input: Expected `object") and message.endswith("- at `$.options`")

@@ -16,6 +16,7 @@ from gateway.backend_client import BackendClient
 from gateway.batch import BatchWorker
 from gateway.catalog import Catalog, CatalogError
 from gateway.images import ImageFetcher, ImageLimits
+from gateway.inference import InferenceService
 from gateway.lifecycle import Lifecycle
 from gateway.observability import Metrics
 from gateway.pools import Pool, Replica, Router
@@ -40,6 +41,19 @@ class Services:
     http: httpx.AsyncClient  # outbound fetches (image URLs); backends have their own client
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     batch: BatchWorker = field(default_factory=BatchWorker)
+
+    @property
+    def inference(self) -> InferenceService:
+        """The inference service over these services (no HTTP in it)."""
+        return InferenceService(
+            settings=self.settings,
+            catalog=self.catalog,
+            router=self.router,
+            limiter=self.limiter,
+            ledger=self.ledger,
+            images=self.images,
+            lifecycle=self.lifecycle,
+        )
 
     async def start(self) -> None:
         await self.ledger.start()

@@ -15,13 +15,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from schemas.limits import DEFAULT_MAX_TOKENS, MaxTokens, Penalty, TopLogprobs
+
 # ---- named limits (validated once, at the edge) --------------------------------------------------
-MaxTokens = Annotated[int, Meta(ge=1, le=1_048_576)]
-TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 Temperature = Annotated[float, Meta(ge=0.0, le=5.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=0, le=10_000)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
 Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 StopList = Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=16)]
@@ -97,7 +96,7 @@ class ResponseFormat(Base):
 class SamplingParams(Base):
     """Sampling for one request. temperature 0 means greedy."""
 
-    max_tokens: MaxTokens = 256
+    max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = 0  # 0 = off

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from schemas.limits import DEFAULT_MAX_TOKENS, MaxTokens
 from schemas.workers_ai import WireOut
 
 Uuid = Annotated[str, Meta(pattern=r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")]
@@ -69,7 +70,7 @@ class ModelSpec(FileBase, kw_only=True):
     vision: bool = False
     function_calling: bool = True
     reasoning: bool = True
-    default_max_tokens: Annotated[int, Meta(ge=1)] = 256
+    default_max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
     reasoning_effort: ReasoningEffortSpec | None = None
     properties: dict[str, str] = msgspec.field(default_factory=dict)  # extra string properties (terms, info…)
     price: list[Price] = msgspec.field(default_factory=list)

@@ -12,12 +12,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from schemas.limits import MaxTokens, Penalty, TopLogprobs
 from schemas.workers_ai import (
     LegacyFunction,
     ModelName,
     NumMessages,
     NumTools,
-    Penalty,
     PromptText,
     PromptTokensDetails,
     RunOptions,
@@ -28,10 +28,8 @@ from schemas.workers_ai import (
 
 OpenAITemperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 OpenAITopP = Annotated[float, Meta(ge=0.0, le=1.0)]
-OpenAIMaxTokens = Annotated[int, Meta(ge=1, le=1_048_576)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
 OpenAISeed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
-TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
 StopSeq = Annotated[str, Meta(min_length=1, max_length=256)]
 PartText = Annotated[str, Meta(max_length=1_048_576)]
 
@@ -182,8 +180,8 @@ class ChatCompletionRequest(WireIn, kw_only=True):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    max_tokens: OpenAIMaxTokens | None = None
-    max_completion_tokens: OpenAIMaxTokens | None = None
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     metadata: dict[str, str] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     n: NumChoices | None = None

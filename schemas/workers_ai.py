@@ -13,16 +13,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from schemas.limits import DEFAULT_MAX_TOKENS, MaxTokens, Penalty
+
 # ---- named limits -------------------------------------------------------------------------------------
 PromptText = Annotated[str, Meta(min_length=1, max_length=1_048_576)]
 MessageText = Annotated[str, Meta(max_length=1_048_576)]
-LegacyMaxTokens = Annotated[int, Meta(ge=1, le=1_048_576)]
 LegacyTemperature = Annotated[float, Meta(ge=0.0, le=5.0)]
 LegacyTopP = Annotated[float, Meta(ge=0.001, le=1.0)]
 LegacyTopK = Annotated[int, Meta(ge=1, le=50)]
 LegacySeed = Annotated[int, Meta(ge=1, le=9_999_999_999)]
 LegacyRepetitionPenalty = Annotated[float, Meta(gt=0.0, le=2.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 NumMessages = Meta(min_length=1, max_length=1024)
 NumTools = Meta(max_length=128)
 ImageBytes = Annotated[list[Annotated[int, Meta(ge=0, le=255)]], Meta(max_length=20_000_000)]
@@ -101,12 +101,12 @@ class RunOptions(WireIn, kw_only=True):
 
 
 class LegacyInput(WireIn, kw_only=True):
-    """Input of a legacy-family text-generation model (prompt or messages, `max_tokens` 256)."""
+    """Input of a legacy-family text-generation model (prompt or messages)."""
 
     prompt: PromptText | None = None
     messages: Annotated[list[LegacyMessage], NumMessages] | None = None
     image: ImageBytes | str | None = None
-    max_tokens: LegacyMaxTokens = 256
+    max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
     temperature: LegacyTemperature = 0.6
     top_p: LegacyTopP | None = None
     top_k: LegacyTopK | None = None
