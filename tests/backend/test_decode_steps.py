@@ -172,3 +172,62 @@ def test_cuda_bfloat16_decode_steps_match_a_full_prefill_of_the_same_tokens(arch
             assert expected is not None and expected.token_id == lp.token_id
             diffs.append(abs(lp.logprob - expected.logprob))
         assert max(diffs) <= BF16_ATOL, f"{arch} {rid}: {[f'{d:.1e}' for d in diffs]}"
+
+
+async def test_served_glm5_stream_logprobs_match_transformers(tmp_path: Path) -> None:
+    """The public API: GLM-5 with the sparse indexer behind the HTTP app, a raw prompt, greedy with
+    log-probs; every streamed token's log-prob and top 5 vs transformers' full forward."""
+    import httpx
+    import msgspec
+
+    from backend.server import build_backend, create_app
+    from backend.settings import build_settings
+    from backend.tokenizer import load_tokenizer
+    from schemas.backend import Event, TextDelta
+    from tests.backend.server_checkpoints import SECRET, TENANT, make_served_checkpoint
+
+    path = make_served_checkpoint("glm_moe_dsa", tmp_path / "glm5", **SPARSE_DSA)
+    args = [
+        "--model",
+        str(path),
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--max-pages",
+        "48",
+        "--page-size",
+        "8",
+    ]
+    backend, engine = build_backend(build_settings(args, {"KUMO_BACKEND_SECRET": SECRET}))
+    prompt = "The quick brown fox jumps over the lazy dog, then runs back across the field again."
+    payload = {
+        "request_id": "lp",
+        "tenant_salt": TENANT,
+        "raw": True,
+        "prompt": prompt,
+        "sampling": {
+            "max_tokens": 12,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 5,
+        },
+    }
+    engine.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(backend))
+        async with httpx.AsyncClient(transport=transport, base_url="http://backend", timeout=60) as client:
+            response = await client.post(
+                "/v1/generate", json=payload, headers={"authorization": f"Bearer {SECRET}"}
+            )
+    finally:
+        engine.stop()
+    assert response.status_code == 200, response.text
+    events = [msgspec.json.decode(line, type=Event) for line in response.text.splitlines()]
+    logprobs = [lp for e in events if isinstance(e, TextDelta) for lp in e.logprobs or []]
+    assert len(logprobs) == 12
+    prompt_ids = load_tokenizer(path).encode(prompt)
+    assert len(prompt_ids) > SPARSE_DSA["index_topk"]
+    diffs = step_logprob_diffs(load_reference("glm_moe_dsa", path), prompt_ids, logprobs, num_top=5)
+    assert max(diffs) <= MAX_ABS_DIFF, [f"{d:.1e}" for d in diffs]
