@@ -65,6 +65,6 @@ def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
     bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 (a negative weight times relu's 0) → +0.0
     keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # int order = float order
     positions = torch.arange(scores.shape[-1], device=scores.device)
-    keys.bitwise_left_shift_(32).bitwise_or_(0xFFFFFFFF - positions)  # [R, L]
+    keys.mul_(1 << 32).add_(0xFFFFFFFF - positions)  # [R, L]; |bits| < 2³¹: no overflow
     chosen = keys.topk(k, dim=-1).indices  # [R, k]
     return torch.where(scores.gather(-1, chosen) == float("-inf"), -1, chosen)

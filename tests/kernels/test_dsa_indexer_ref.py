@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dsa_indexer import dsa_indexer_ref
+from kernels.dsa_indexer import dsa_indexer_ref, top_positions
 from tests.kernels.paged_layout import lay_out, query_starts
 
 Hi, Di, K = 4, 16, 8
@@ -105,3 +105,11 @@ def test_equal_scores_go_to_the_earlier_token_however_the_sequence_is_cut() -> N
         paged.page_tags, torch.zeros(1, dtype=torch.bool), SCALE, k,
     )  # fmt: skip
     assert every[3].tolist() == [0, 1, 2, 3] and every[1].tolist() == [0, 1, -1, -1]
+
+
+def test_top_positions_orders_by_score_then_position() -> None:
+    """-0.0 equals 0.0, equal scores go to the earlier column, -inf becomes -1, wider rows change nothing."""
+    scores = torch.tensor([[-1.5, 0.0, -0.0, 2.0, 0.0, float("-inf"), -1.5]])
+    assert top_positions(scores, 7).tolist() == [[3, 1, 2, 4, 0, 6, -1]]
+    wide = torch.cat([scores, torch.full((1, 100), float("-inf"))], dim=1)
+    assert top_positions(wide, 5).tolist() == [[3, 1, 2, 4, 0]]
