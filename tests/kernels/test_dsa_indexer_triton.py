@@ -1,4 +1,4 @@
-"""DSA indexer on the GPU path (Triton scoring over paged keys, fused tag check, torch.topk) vs dsa_indexer_ref.
+"""DSA indexer on the GPU path (Triton scoring over paged keys, fused tag check, top_positions) vs dsa_indexer_ref.
 
 CPU CI runs the scoring kernel under TRITON_INTERPRET=1 with float16/float32 queries on small odd
 shapes; `gpu` tests run bf16 queries with BF16 and FP8 keys at GLM-5's indexer shape (32 heads × 128,
