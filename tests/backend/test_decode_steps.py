@@ -22,6 +22,7 @@ import torch
 
 from backend.engine import Engine
 from backend.loader import load_model
+from schemas.backend import EngineRequest
 from tests.backend.conformance import MAX_ABS_DIFF, prompts, step_logprob_diffs
 from tests.backend.engine_helpers import Result, make_engine, request, run_all
 from tests.backend.tiny_checkpoints import load_reference, make_tiny
@@ -66,7 +67,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Pairs:
     return Pairs(tmp_path_factory.mktemp("decode_steps"))
 
 
-def gen(request_id: str, prompt: list[int], max_tokens: int) -> Any:
+def gen(request_id: str, prompt: list[int], max_tokens: int) -> EngineRequest:
     return request(
         request_id, prompt, max_tokens=max_tokens, ignore_eos=True, logprobs=True, top_logprobs=NUM_TOP
     )
