@@ -5,6 +5,12 @@ indexer keys read from their own paged cache (tag-checked like every page read).
 may not see (later tokens, pages that failed their check) are never chosen; a query with fewer than
 k visible tokens gets -1 in the remaining slots. Indices are token positions within the sequence.
 
+Equal scores go to the earlier token (`top_positions`). Ties are common, not a corner case: a key
+that every head's ReLU zeroes scores exactly 0, and with few heads many keys do. `torch.topk` leaves
+the order of ties unspecified and its pick among them changes with the row's length, so a query's
+choice would depend on how many columns its row has (a prefill chunk, the page table's width, the
+length of a full forward) and a cached decode could not reproduce a prefill of the same tokens.
+
 Shapes: T queries, Hi indexer heads, Di indexer head dim, P pages, S page size, K top-k.
 """
 
@@ -45,7 +51,20 @@ def dsa_indexer_ref(
         scores = torch.einsum("qh,qhl->ql", weights[q0:q1].float(), per_head)  # [Q, L]
         allowed = causal_mask(q1 - q0, L, q.device) & valid[None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
-        k_eff = min(topk, L)
-        top = scores.topk(k_eff, dim=-1)
-        out[q0:q1, :k_eff] = torch.where(torch.isinf(top.values), -1, top.indices)
+        out[q0:q1, : min(topk, L)] = top_positions(scores, min(topk, L))
     return out
+
+
+def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, L] float32 (-inf: not visible) → [R, k] int64 positions, best first, -1 for -inf.
+
+    Ordered by score, then by position (earlier first), so the choice is a function of the scores
+    alone: each score becomes an int64 key `(score's bits, order-preserving) << 32 | (2³² − 1 − j)`,
+    unique per column, and `topk` over unique keys has one answer on every device and row length.
+    """
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 (a negative weight times relu's 0) → +0.0
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # int order = float order
+    positions = torch.arange(scores.shape[-1], device=scores.device)
+    keys.mul_(1 << 32).add_(0xFFFFFFFF - positions)  # [R, L]; |bits| < 2³¹: no overflow
+    chosen = keys.topk(k, dim=-1).indices  # [R, k]
+    return torch.where(scores.gather(-1, chosen) == float("-inf"), -1, chosen)

@@ -16,10 +16,11 @@ follow in registers. It writes a full row block of an fp32 score buffer `[NT · 
 check, or a row past the tile's queries), so `torch.topk` over the buffer needs no other mask and the
 buffer needs no fill. Tiles past a tile's last visible token read nothing.
 
-Selection: `torch.topk` (sorted, as the reference) over each row, -inf picks → -1, rows scattered to
-their queries (idle rows to a spare row). GLM-5 asks for 2048 of up to ~200k tokens; a Triton radix
-top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says topk
-dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
+Selection: the reference's `top_positions` over each row (best first, equal scores to the earlier
+token, -inf picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), rows
+scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of up to ~200k tokens; a
+Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
+topk dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
 
@@ -54,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dsa_indexer import dsa_indexer_ref
+from kernels.dsa_indexer import dsa_indexer_ref, top_positions
 from kernels.mla_decode import QueryTiles, query_tile
 from kernels.mla_prefill import query_tiles
 from kernels.split_k_merge import TL_DTYPES
@@ -264,6 +265,10 @@ def tag_pages(span: int, page_size: int) -> int:
     return max(2, triton.next_power_of_2(pages))
 
 
+# bytes a score holds while it is selected: fp32 score, int32 bits, int64 key (`top_positions`)
+SELECT_BYTES = 16
+
+
 @dataclass(frozen=True, slots=True)
 class IndexerTiles:
     """One launch configuration of the scoring kernel (an entry of INDEXER_TILES)."""
@@ -415,7 +420,7 @@ def dsa_indexer(
     check_tags: bool = True,  # False only to measure the check's cost
     block_q: int | None = None,
     config: str | IndexerTiles | None = None,  # an INDEXER_TILES name or entry; None: the default
-    max_score_bytes: int = 2**30,  # the score buffer's bound: long chunks go in groups of tiles
+    max_score_bytes: int = 2**30,  # the selection's bound (scores + keys): long chunks go in groups of tiles
 ) -> torch.Tensor:  # [T, K] int64 positions, best first, -1 padded
     """`dsa_indexer_ref` on the GPU; see the module docstring. Query tiles: 1 query (decode) or 2 (GLM-5's
     32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
@@ -428,15 +433,14 @@ def dsa_indexer(
         return out[:T]
     tiles = indexer_tiles(query_start, T, seq_lens.shape[0], Hi, block_q)
     num_tiles = tiles.tile_seq.shape[0]
-    group = max(1, max_score_bytes // (4 * W * tiles.block_q))  # tiles per launch
+    group = max(1, max_score_bytes // (SELECT_BYTES * W * tiles.block_q))  # tiles per launch
     for t0 in range(0, num_tiles, group):
         scores, q_row = dsa_indexer_scores(
             q, weights, k_cache, k_scale, query_start, seq_lens, page_table, expected_tags, page_tags,
             tag_mismatch, softmax_scale, tiles=tiles, tiles_range=(t0, min(t0 + group, num_tiles)),
             config=config, check_tags=check_tags,
         )  # fmt: skip
-        top = scores.topk(k_eff, dim=1)  # [rows, K'] sorted, as the reference
-        out[q_row, :k_eff] = torch.where(torch.isinf(top.values), -1, top.indices)
+        out[q_row, :k_eff] = top_positions(scores, k_eff)  # [rows, K'] best first, as the reference
     return out[:T]
 
 

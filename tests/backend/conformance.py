@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from backend.loader import load_model
+from schemas.backend import TokenLogprob
 from tests.backend.paged_driver import PagedDriver
 from tests.backend.tiny_checkpoints import load_reference
 
@@ -34,6 +35,32 @@ def reference_greedy(ref: torch.nn.Module, tokens: list[int], num_steps: int) ->
         out.append(nxt)
         seq.append(nxt)
     return out
+
+
+def step_logprob_diffs(
+    ref: torch.nn.Module, prompt: list[int], logprobs: list[TokenLogprob], *, num_top: int
+) -> list[float]:
+    """Each generated step's largest |ours − transformers| log-prob, transformers running a full
+    forward over the prompt and the tokens generated before that step (no cache on its side).
+
+    A step compares the chosen token's log-prob, each reported top entry's, and the top values
+    themselves (so a token missing from ours shows), which catches a step that greedy tokens hide.
+    """
+    tokens, diffs = list(prompt), []
+    for lp in logprobs:
+        expected = torch.log_softmax(reference_logits(ref, tokens)[-1], dim=-1)  # [V]
+        assert len(lp.top) == num_top
+        ours = torch.tensor([lp.logprob, *(t.logprob for t in lp.top)])
+        theirs = expected[[lp.token_id, *(t.token_id for t in lp.top)]]
+        top_values = torch.tensor(sorted((t.logprob for t in lp.top), reverse=True))
+        diffs.append(
+            max(
+                float((ours - theirs).abs().max()),
+                float((top_values - expected.topk(num_top).values).abs().max()),
+            )
+        )
+        tokens.append(lp.token_id)
+    return diffs
 
 
 def prefill_max_diff(arch: str, path: Path, *, chunk: int = 16) -> float:

@@ -21,9 +21,9 @@ FAMILY = {
 }
 
 
-def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024) -> Path:
+def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024, **config_overrides: object) -> Path:
     """A tiny `arch` checkpoint that a backend can serve: vocab covering the tokenizer, the family's
-    stop tokens as eos, a context long enough for templated prompts."""
+    stop tokens as eos, a context long enough for templated prompts (`config_overrides` on top)."""
     family = FAMILY[arch]
     fmt = "tiktoken" if family == "kimi" else "tokenizer.json"
     generation = "4.5" if arch == "glm4_moe" else "5"
@@ -37,6 +37,6 @@ def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024) -> Pat
         "eos_token_id": eos,
         "bos_token_id": tok.named_id("bos_token") or eos,
     }
-    make_tiny(arch, path, **overrides)
+    make_tiny(arch, path, **overrides, **config_overrides)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     return path

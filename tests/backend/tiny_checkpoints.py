@@ -5,6 +5,9 @@ Importable helpers, no pytest fixtures: other test areas reuse them.
     make_tiny(arch, path, **config_overrides) -> Path     # arch in ARCHS
     load_reference(arch, path) -> transformers model     # float32, eager attention, eval mode
 
+The GLM-5 reference picks its indexer's top-k as a stable sort (equal scores: the earlier token);
+transformers as released leaves ties to `torch.topk`, which is not causal (`earlier_on_ties`).
+
 Shapes are tiny (hidden 64, 3 layers, 8 experts) but exercise what is easy to get wrong: group-limited
 routing (`n_group > 1`), a non-zero selection bias, non-trivial norm weights and biases, YaRN with a
 short `original_max_position_embeddings` (32) and mscale ≠ mscale_all_dim, v_head_dim ≠ nope dim,
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 ARCHS = ("deepseek_v3", "kimi_k2", "kimi_k25", "glm_moe_dsa", "glm4_moe")
 EOS_IDS = [1, 2]
@@ -186,8 +190,11 @@ def _rename_k25_tensors(path: Path) -> None:
     save_file(renamed, str(file), metadata={"format": "pt"})
 
 
-def load_reference(arch: str, path: str | Path) -> torch.nn.Module:
-    """The transformers model of a `make_tiny` folder, float32, eager attention, eval mode."""
+def load_reference(arch: str, path: str | Path, *, as_released: bool = False) -> torch.nn.Module:
+    """The transformers model of a `make_tiny` folder, float32, eager attention, eval mode.
+
+    GLM-5's indexers choose with `earlier_on_ties` unless `as_released`.
+    """
     import transformers as tf
 
     cls: Any
@@ -205,4 +212,39 @@ def load_reference(arch: str, path: str | Path) -> torch.nn.Module:
         config = tf.DeepseekV3Config.from_pretrained(str(path))
         config.model_type = "deepseek_v3"
         kwargs["config"] = config
-    return cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+    if arch == "glm_moe_dsa" and not as_released:
+        for layer in model.model.layers:
+            if layer.self_attn.indexer is not None:
+                earlier_on_ties(layer.self_attn.indexer)
+    return model
+
+
+class _StableTopk(TorchFunctionMode):
+    """`Tensor.topk` as a stable descending sort: among equal values the lower index comes first."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.topk:
+            return func(*args, **kwargs)
+        x, k = args[0], args[1]
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        values, indices = torch.sort(x, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def earlier_on_ties(indexer: torch.nn.Module) -> None:
+    """Make a transformers `GlmMoeDsaIndexer` give equal scores to the earlier token.
+
+    As released it takes `index_scores.topk(k)` over its row (the query's keys, then every later
+    token masked), and `torch.topk`'s pick among equal scores changes with the row's length: a
+    token's output changes when tokens are appended after it (`test_glm_moe_dsa_ties`). Ties are
+    frequent: a key that every head's ReLU zeroes scores exactly 0. The rest of its forward is kept.
+    """
+    forward = indexer.forward
+
+    def stable_forward(*args: Any, **kwargs: Any) -> Any:
+        with _StableTopk():
+            return forward(*args, **kwargs)
+
+    indexer.forward = stable_forward  # type: ignore[method-assign]

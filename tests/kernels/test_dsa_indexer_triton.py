@@ -1,10 +1,11 @@
-"""DSA indexer on the GPU path (Triton scoring over paged keys, fused tag check, torch.topk) vs dsa_indexer_ref.
+"""DSA indexer on the GPU path (Triton scoring over paged keys, fused tag check, top_positions) vs dsa_indexer_ref.
 
 CPU CI runs the scoring kernel under TRITON_INTERPRET=1 with float16/float32 queries on small odd
 shapes; `gpu` tests run bf16 queries with BF16 and FP8 keys at GLM-5's indexer shape (32 heads × 128,
 index_topk 2048). Scores are compared with a brute-force pure-torch scoring; the choice is compared
-by value, not by index (equal scores — several relu'd to exactly 0 — may be taken in any order):
-the reference scores of the chosen positions, sorted, must equal the reference's top-k scores.
+by value (scores a rounding apart may swap): the reference scores of the chosen positions, sorted,
+must equal the reference's top-k scores. Exact ties (several relu'd to exactly 0) go to the earlier
+token on both paths, index for index.
 """
 
 from __future__ import annotations
@@ -210,6 +211,21 @@ def test_tampered_page_across_programs_of_unaligned_pages(bad_index: int) -> Non
     idx, ref, flags, ref_flags = run_both(batch, config=cfg)
     assert flags.tolist() == ref_flags.tolist() == [True, False]
     assert_same_choice(idx, ref, want, atol=6e-3 * scale)
+
+
+def test_equal_scores_go_to_the_earlier_token_as_in_the_reference() -> None:
+    """Two heads with negative weights: no score is above 0, and a key both ReLUs zero scores exactly
+    0 (or -0.0), so most top-k slots are ties. The choice equals the reference's index for index,
+    and both equal a stable sort of the brute-force scores (ties: the earlier token first)."""
+    batch, _, _ = make_batch([45, 30, 9], [1, 30, 1], 2, 16, 8, torch.float32, torch.float32, seed=11, topk=6)
+    batch["weights"] = -batch["weights"].abs()
+    idx, ref, _, _ = run_both(batch)
+    assert torch.equal(idx, ref)
+    want = brute_scores(batch)  # [T, W] float64
+    order = want.sort(dim=1, descending=True, stable=True).indices[:, :6]
+    expected = torch.where(torch.isneginf(want.gather(1, order)), -1, order)
+    assert torch.equal(ref, expected)
+    assert int((want.gather(1, order) == 0).sum()) > 20  # ties decide many slots
 
 
 def test_check_can_be_disabled_and_bad_inputs_rejected() -> None:
