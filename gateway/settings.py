@@ -130,6 +130,26 @@ def persisted_secret(data_dir: Path) -> str:
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
     value = secrets.token_hex(32)
-    path.write_text(value)
-    path.chmod(0o600)
+    if not write_private_file(path, value):
+        return path.read_text().strip()  # another gateway created it first: share its secret
     return value
+
+
+def write_private_file(path: Path, text: str) -> bool:
+    """Create `path` holding `text`, readable by its owner only from the first byte on; False (and
+    nothing written) if it already exists. The text goes to a fresh owner-only file (`os.open`
+    with 0o600: no moment of umask-default permissions), which is then hard-linked into place, so
+    a reader never sees the file half-written and two creators never overwrite each other."""
+    staging = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.link(staging, path)
+    except FileExistsError:
+        return False
+    finally:
+        staging.unlink(missing_ok=True)
+    return True
