@@ -41,6 +41,10 @@ class GatewaySettings:
     backend_connect_timeout_s: float = 5.0
     backend_read_timeout_s: float = 600.0
     body_read_timeout_s: float = 30.0
+    # connection limits, enforced before any request reaches the app (gateway/http_protocol.py)
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (else 408, closed)
+    max_connections: int = 1024  # open connections per gateway process (more: 503, closed at once)
+    keep_alive_timeout_s: int = 15  # an idle connection after a response is closed after this
     log_json: bool = True
     request_timeout_s: float = 600.0  # wall-clock limit of one generation (408/3046)
     drain_timeout_s: float = 30.0  # SIGTERM: running requests get this long before 3008
@@ -105,9 +109,16 @@ def settings_from(
             n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip()
         )
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
-    if env.get("KUMO_MAX_BODY_BYTES"):
-        values["max_body_bytes"] = int(env["KUMO_MAX_BODY_BYTES"])
-    for name in ("request_timeout_s", "drain_timeout_s", "batch_result_ttl_s", "batch_lease_s"):
+    for name in ("max_body_bytes", "max_connections", "keep_alive_timeout_s"):
+        if env.get(f"KUMO_{name.upper()}"):
+            values[name] = int(env[f"KUMO_{name.upper()}"])
+    for name in (
+        "request_timeout_s",
+        "drain_timeout_s",
+        "batch_result_ttl_s",
+        "batch_lease_s",
+        "header_timeout_s",
+    ):
         if env.get(f"KUMO_{name.upper()}"):
             values[name] = float(env[f"KUMO_{name.upper()}"])
     if env.get("KUMO_BATCH_MAX_PENDING_PER_TENANT"):
