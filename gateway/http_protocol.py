@@ -1,12 +1,15 @@
 """The HTTP/1.1 connection protocol of the gateway's (and the backend's) uvicorn server: uvicorn's
-httptools protocol plus limits that hold before any application code, authentication included,
-sees a request.
+httptools protocol plus three limits that hold before any application code, authentication
+included, sees a request.
 
 - **Header deadline.** A request's line and headers must be complete `header_timeout_s` after the
   connection opened, or after the first byte following the previous response. Otherwise the
   connection is closed (with a 408 when part of a request had arrived): a client that trickles
   its headers (slowloris) or connects and sends nothing holds a connection at most that long.
   Once a response has been sent, uvicorn's keep-alive timeout closes a connection left idle.
+- **Header size.** More than `max_header_bytes` of request line and headers is refused with 431.
+  Bytes are counted as they arrive, so a huge header costs at most the limit plus one socket read
+  of memory, never the header's size (httptools itself has no limit).
 - **Connection cap.** A connection that would make more than `max_connections` open ones is
   answered 503 and closed at once, so its descriptor is freed immediately.
 
@@ -16,7 +19,7 @@ that send nothing are never refused, so they pile up until descriptors run out (
 module answers), and while they are there every request on every other connection gets 503. The
 cap here acts when a connection is accepted, and the header deadline empties idle ones.
 
-A 408 is written, the sending side is shut (FIN), and whatever the client still sends is
+A 408 or 431 is written, the sending side is shut (FIN), and whatever the client still sends is
 read and dropped for up to `LINGER_S` before the socket closes: closing with unread data would send
 an RST that can destroy the answer before the client reads it.
 """
@@ -38,6 +41,7 @@ LINGER_S = 2.0  # after a refusal: how long the client's remaining bytes are rea
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout_s: float = 10.0
+    max_header_bytes: int = 32 * 1024  # request line + headers (Cloudflare's own limit is 32 KB)
     max_connections: int = 1024
 
 
@@ -47,6 +51,10 @@ class ServerConfig(uvicorn.Config):
     def __init__(self, app: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
         super().__init__(app, http=GuardedHttpProtocol, **kwargs)
         self.limits = limits
+
+
+class _HeadTooLarge(Exception):
+    """Raised inside the parser's callback to stop it after the refusal is written."""
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -84,12 +92,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._head_deadline is None and (self.cycle is None or self.cycle.response_complete):
             self._await_head()  # the first bytes after a response start the next head's deadline
         if self._head_deadline is not None:
-            self._num_head_bytes += len(data)
+            self._num_head_bytes += len(data)  # may include the tail of a previous body: errs safe
         super().data_received(data)
+        if self._head_deadline is not None and self._num_head_bytes > self.limits.max_header_bytes:
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Request header fields too large.")
 
     def on_headers_complete(self) -> None:
+        # the head ended inside the last read: count it exactly (the per-read count may not have tripped)
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Request header fields too large.")
+            raise _HeadTooLarge  # stops the parser; uvicorn's parser-error answer is skipped below
         self._stop_waiting()
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._is_refused:
+            return  # already answered by a limit
+        super().send_400_response(msg)
 
     # ---- limits -------------------------------------------------------------------------------------
     def _await_head(self) -> None:

@@ -25,10 +25,11 @@ DEFAULT_PORT = 8787
 
 
 def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
-    """The HTTP server: connections capped, request heads bounded in time, keep-alive
+    """The HTTP server: connections capped, request heads bounded in time and size, keep-alive
     capped (`gateway.http_protocol`), no access log (the app logs one line per request)."""
     limits = ConnectionLimits(
         header_timeout_s=settings.header_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
         max_connections=settings.max_connections,
     )
     return ServerConfig(

@@ -43,6 +43,7 @@ class GatewaySettings:
     body_read_timeout_s: float = 30.0
     # connection limits, enforced before any request reaches the app (gateway/http_protocol.py)
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (else 408, closed)
+    max_header_bytes: int = 32 * 1024  # request line + headers (else 431)
     max_connections: int = 1024  # open connections per gateway process (more: 503, closed at once)
     keep_alive_timeout_s: int = 15  # an idle connection after a response is closed after this
     log_json: bool = True
@@ -109,7 +110,7 @@ def settings_from(
             n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip()
         )
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
-    for name in ("max_body_bytes", "max_connections", "keep_alive_timeout_s"):
+    for name in ("max_body_bytes", "max_header_bytes", "max_connections", "keep_alive_timeout_s"):
         if env.get(f"KUMO_{name.upper()}"):
             values[name] = int(env[f"KUMO_{name.upper()}"])
     for name in (

@@ -1,9 +1,10 @@
-"""Row 1 of issue 27, against a real `kumo gateway` process (uvicorn, the fake backends): idle and
-header-trickling (slowloris) connections are closed at the header deadline while normal traffic
-goes on; connections over the cap are refused at once (503, closed).
+"""Rows 1 and 3 of issue 27, against a real `kumo gateway` process (uvicorn, the fake backends):
+idle and header-trickling (slowloris) connections are closed at the header deadline while normal
+traffic goes on; connections over the cap are refused at once (503, closed); an oversized header is
+refused with 431 quickly, and the gateway's memory does not grow with the header's size.
 
 The gateway runs with small limits so the attacks stay short: a 1.5 s header deadline, at most 60
-connections.
+connections, 32 KiB of request head.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ async def gateway(harness: Harness, tmp_path_factory: pytest.TempPathFactory) ->
 def _host_port(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").split(":")
     return host, int(port)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
 
 
 async def _read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes | None:
@@ -78,6 +86,26 @@ async def trickle(url: str) -> tuple[bytes | None, float]:
             rest = await _read_until_closed(reader, 2.0) if first else b""
             return first + (rest or b""), time.monotonic() - started
         return await _read_until_closed(reader, 0.1), time.monotonic() - started
+    finally:
+        writer.close()
+
+
+async def big_header(url: str, size: int) -> tuple[bytes | None, float]:
+    """One request whose single header value is `size` bytes, sent as fast as the socket takes it."""
+    started = time.monotonic()
+    reader, writer = await asyncio.open_connection(*_host_port(url))
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\nx-big: ")
+        piece = b"b" * min(size, 1024 * 1024)
+        try:
+            for _ in range(size // len(piece)):
+                writer.write(piece)
+                await writer.drain()
+            writer.write(b"\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass  # refused and closed while we were still sending: read what it answered
+        return await _read_until_closed(reader, ATTACK_BOUND_S), time.monotonic() - started
     finally:
         writer.close()
 
@@ -135,3 +163,29 @@ async def test_connections_over_the_cap_are_refused_at_once(gateway: Standalone)
     assert max(refused) < 2.0
     async with httpx.AsyncClient(timeout=5) as fresh:
         assert (await fresh.get(f"{gateway.url}/healthz")).status_code == 200  # served again once they left
+
+
+async def test_oversized_headers_are_refused_early_with_bounded_memory(gateway: Standalone) -> None:
+    pid = gateway.proc.pid
+    async with httpx.AsyncClient(timeout=5) as fresh:
+        normal = await fresh.get(f"{gateway.url}/healthz", headers={"cookie": "c" * 8192})
+    assert normal.status_code == 200  # an 8 KiB header is fine
+    before = rss_mib(pid)
+    answer, elapsed = await big_header(gateway.url, 1024 * 1024)
+    print(f"tried one 1 MiB header: {_status(answer)} after {elapsed * 1000:.0f} ms")
+    assert _status(answer) == "HTTP/1.1 431 Request Header Fields Too Large" and elapsed < 2.0
+    answer, _ = await big_header(gateway.url, 40 * 1024)  # whole head in one read: the exact count
+    print(f"tried one 40 KiB header: {_status(answer)}")
+    assert _status(answer) == "HTTP/1.1 431 Request Header Fields Too Large"
+    num_concurrent, size = 6, 32 * 1024 * 1024
+    results = await asyncio.gather(*(big_header(gateway.url, size) for _ in range(num_concurrent)))
+    after = rss_mib(pid)
+    statuses = sorted({_status(a) for a, _ in results})
+    print(
+        f"tried {num_concurrent} concurrent {size >> 20} MiB headers: {statuses}, slowest "
+        f"{max(e for _, e in results):.2f} s; gateway RSS {before:.0f} -> {after:.0f} MiB"
+    )
+    assert statuses == ["HTTP/1.1 431 Request Header Fields Too Large"]
+    assert after - before < 32  # a few socket reads per connection, not the 192 MiB sent
+    async with httpx.AsyncClient(timeout=5) as fresh:
+        assert (await fresh.get(f"{gateway.url}/healthz")).status_code == 200
