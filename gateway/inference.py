@@ -43,6 +43,7 @@ from schemas.workers_ai import Envelope, LegacyInput
 Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
 log = structlog.get_logger("kumo.inference")
 IMAGE_TOKENS_ESTIMATE = 1024  # reserved per image at admission, trued up to the real count after
+PROMPT_SCAFFOLD_TOKENS = 64  # a template's own text beyond the body (a default system prompt, BOS)
 _DATA_URI = re.compile(rb'"data:[^"]*"')
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
@@ -82,7 +83,9 @@ class Call:
         """Decode (step 2), admit against the quotas (step 1), then normalise, which may fetch
         images, so a tenant over its limits costs no outbound fetch; then route and render."""
         body = self._decode(raw)
-        admission = await self.services.limiter.admit(self.tenant, self.model.name, self._estimate(raw, body))
+        admission = await self.services.limiter.admit(
+            self.tenant, self.model.name, self._estimate(raw, body), self._worst_neurons(raw, body)
+        )
         try:
             async with self.services.lifecycle.bounded():  # image fetches end at the drain deadline
                 normalized = await self._normalize(body)
@@ -113,6 +116,25 @@ class Call:
         max_tokens = body.max_completion_tokens or body.max_tokens or self.model.default_max_tokens
         prompt = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
         return prompt + max_tokens * min(body.n or 1, self.services.settings.max_choices)
+
+    def _worst_neurons(self, raw: bytes, body: LegacyInput | ChatCompletionRequest) -> float:
+        """The most the request can cost, reserved from the daily budget at admission (the unused
+        part is refunded after): every choice at its max tokens, and its prompt with one token per
+        body byte (a byte-level BPE token covers at least one byte; the JSON framing of each message
+        outweighs the template's markers around it) plus `PROMPT_SCAFFOLD_TOKENS`, each image at its
+        reserved tokens, nothing cached."""
+        text_bytes = len(_DATA_URI.sub(b'""', raw))
+        images = raw.count(b'"data:')
+        if isinstance(body, LegacyInput):
+            if body.image is not None:
+                text_bytes -= len(msgspec.json.encode(body.image))
+                images += 1
+            num_choices, max_tokens = 1, body.max_tokens
+        else:
+            num_choices = min(body.n or 1, self.services.settings.max_choices)
+            max_tokens = body.max_completion_tokens or body.max_tokens or self.model.default_max_tokens
+        prompt = text_bytes + images * IMAGE_TOKENS_ESTIMATE + PROMPT_SCAFFOLD_TOKENS
+        return neurons(self.model.price, prompt * num_choices, 0, max_tokens * num_choices)
 
     async def _normalize(self, body: LegacyInput | ChatCompletionRequest) -> Normalized:
         info = info_of(self.request.scope)
