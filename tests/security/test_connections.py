@@ -148,6 +148,34 @@ async def test_slowloris_and_idle_connections_are_closed_while_traffic_goes_on(g
     assert run.status_code == 200 and run_s < 3.0, run.text
 
 
+async def test_the_deadline_applies_again_after_each_response(gateway: Standalone) -> None:
+    """A kept-alive connection serves its next request normally, but trickling that next request's
+    head (or bare CRLFs, which start no request) is cut at the deadline like on a new connection."""
+    reader, writer = await asyncio.open_connection(*_host_port(gateway.url))
+    try:
+        request = b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n"
+        for _ in range(2):  # two requests on one connection, promptly: both answered
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            await asyncio.wait_for(reader.readexactly(len(b'{"status":"ok"}')), 2)
+        started = time.monotonic()
+        answer = None
+        while time.monotonic() - started < ATTACK_BOUND_S:
+            writer.write(b"\r\n")  # no request ever begins
+            await writer.drain()
+            try:
+                answer = await asyncio.wait_for(reader.read(65536), 0.2)
+                break
+            except TimeoutError:
+                continue
+        elapsed = time.monotonic() - started
+    finally:
+        writer.close()
+    print(f"tried CRLFs every 0.2 s after two answered requests: {_status(answer)} after {elapsed:.2f} s")
+    assert answer is not None and elapsed < HEADER_TIMEOUT_S + 1.5
+
+
 async def test_connections_over_the_cap_are_refused_at_once(gateway: Standalone) -> None:
     num_attack = MAX_CONNECTIONS + 30
     attacks = [asyncio.create_task(idle(gateway.url)) for _ in range(num_attack)]
