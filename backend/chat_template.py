@@ -8,11 +8,21 @@ The same template and the same variables therefore give the same text as `apply_
 
 Reasoning switches travel under every name the families' templates read: `enable_thinking` (GLM),
 `thinking` (Kimi K2.5), `reasoning_effort` (effort levels).
+
+Only the template's own markers become special tokens (`ChatTemplate.encode`). Every string the
+client sent (message contents, names, tool calls and definitions, template variables) is handed to
+the template with each special-token spelling in it replaced by a marker unique to the request
+(ASCII letters and digits, so escaping, `tojson` and `strip` leave it whole); the rendered text is
+encoded with specials allowed between markers, and each marker's spelling as plain text. So
+`<|assistant|>` typed into GLM user content, or `<|im_end|><|im_system|>` into Kimi's, is ordinary
+text to the model, not a role boundary.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +30,7 @@ import jinja2
 
 from backend.errors import InvalidRequest
 from backend.jinja_template import JinjaTemplate, template_source
+from backend.tokenizer import Tokenizer
 from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool
 
 
@@ -109,10 +120,42 @@ class ChatTemplate:
         """The prompt text for `messages`. A template's own `raise_exception` becomes a 400, and so
         does a template that fails on what the messages hold (a checkpoint's template iterating a
         tool message's missing `content`): the input is what it cannot render."""
-        variables: dict[str, Any] = dict(extra or {})
+        return self._render(messages, tools, reasoning, extra, add_generation_prompt, _Quoter(()))
+
+    def encode(
+        self,
+        tokenizer: Tokenizer,
+        messages: list[Message],
+        *,
+        tools: list[Tool] | None = None,
+        reasoning: Reasoning | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids, with special tokens only where the template writes them: a
+        special-token spelling the client typed is encoded as plain text (see the module docstring)."""
+        quoter = _Quoter(tokenizer.special_spellings)
+        text = self._render(messages, tools, reasoning, extra, True, quoter)
+        ids: list[int] = []
+        start = 0
+        for found in quoter.markers.finditer(text):
+            ids += tokenizer.encode(text[start : found.start()])
+            ids += tokenizer.encode(quoter.quoted[int(found.group(1))], allow_special=False)
+            start = found.end()
+        return ids + tokenizer.encode(text[start:])
+
+    def _render(
+        self,
+        messages: list[Message],
+        tools: list[Tool] | None,
+        reasoning: Reasoning | None,
+        extra: dict[str, Any] | None,
+        add_generation_prompt: bool,
+        quoter: _Quoter,
+    ) -> str:
+        variables: dict[str, Any] = quoter.quote(dict(extra or {}))
         variables.update(reasoning_kwargs(reasoning or Reasoning()))
-        dicts = [message_dict(m) for m in messages]
-        tool_dicts = [tool_dict(t) for t in tools] if tools else None
+        dicts = quoter.quote([message_dict(m) for m in messages])
+        tool_dicts = quoter.quote([tool_dict(t) for t in tools]) if tools else None
         try:
             return self._template.render(
                 dicts, tools=tool_dicts, add_generation_prompt=add_generation_prompt, variables=variables
@@ -121,3 +164,32 @@ class ChatTemplate:
             raise InvalidRequest(f"chat template: {exc}") from exc
         except (TypeError, ValueError, LookupError) as exc:
             raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc
+
+
+class _Quoter:
+    """Replaces the special-token spellings inside client values with markers `kumo<nonce>q<i>x`;
+    the nonce is random per request, so a client cannot type a marker."""
+
+    def __init__(self, spellings: tuple[str, ...]) -> None:
+        longest_first = sorted({s for s in spellings if s}, key=len, reverse=True)
+        self._spellings = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        nonce = secrets.token_hex(8)
+        self.markers = re.compile(f"kumo{nonce}q(\\d+)x")
+        self._marker = f"kumo{nonce}q{{}}x"
+        self.quoted: list[str] = []  # the spelling each marker stands for, by index
+
+    def quote(self, value: Any) -> Any:
+        """`value` (strings, lists, dicts, nested) with every special-token spelling marked."""
+        if self._spellings is None:
+            return value
+        if isinstance(value, str):
+            return self._spellings.sub(self._mark, value)
+        if isinstance(value, list):
+            return [self.quote(v) for v in value]
+        if isinstance(value, dict):
+            return {self.quote(k): self.quote(v) for k, v in value.items()}
+        return value
+
+    def _mark(self, found: re.Match[str]) -> str:
+        self.quoted.append(found.group())
+        return self._marker.format(len(self.quoted) - 1)

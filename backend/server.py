@@ -37,11 +37,13 @@ from backend.metrics import BackendMetrics
 from backend.served_model import ServedModel
 from backend.serving import Serving
 from backend.settings import BackendSettings, build_settings
+from gateway.http_protocol import ConnectionLimits, ServerConfig
 from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
 
 log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode
 _encoder = msgspec.json.Encoder()
+BACKEND_MAX_CONNECTIONS = 8192  # each gateway pools up to 1,000 connections to a replica
 
 
 def _json(payload: msgspec.Struct, status: int = 200) -> Response:
@@ -274,5 +276,10 @@ def main(argv: list[str]) -> int:
             async_engine.stop()
 
     app = create_app(backend, lifespan=lifespan)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    # the gateway's connection guard (header deadline and size); the cap is high, for many gateways' pools
+    limits = ConnectionLimits(max_connections=BACKEND_MAX_CONNECTIONS)
+    config = ServerConfig(
+        app, limits, host=settings.host, port=settings.port, log_level="warning", access_log=False
+    )
+    uvicorn.Server(config).run()
     return 0

@@ -138,10 +138,10 @@ class Serving:
             messages = [Message(role="user", content=request.prompt)]
         if self.model.template is None:
             raise InvalidRequest(f"{self.model.name} ships no chat template; send a raw prompt.")
-        text = self.model.template.render(
-            messages, tools=request.tools, reasoning=reasoning, extra=request.chat_template_kwargs
+        token_ids = self.model.template.encode(
+            tokenizer, messages, tools=request.tools, reasoning=reasoning, extra=request.chat_template_kwargs
         )
-        return tokenizer.encode(text), images_of(messages)
+        return token_ids, images_of(messages)
 
     def _processor(self, request: GenerateRequest, prompt_ids: list[int], is_free: bool) -> OutputProcessor:
         model = self.model

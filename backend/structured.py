@@ -3,7 +3,8 @@
 The request's format becomes an llguidance grammar; a `GrammarConstraint` holds the matcher for one
 request and answers the engine's `TokenConstraint` calls, so the batched sampler masks constrained
 and free requests in the same batch. A schema llguidance cannot compile is the caller's mistake: a
-400 `InvalidRequest` carrying llguidance's message, raised before the request reaches the engine.
+400 `InvalidRequest` carrying llguidance's reason (never our grammar text or its token ids), raised
+before the request reaches the engine.
 
 Forced tool calls (`tool_choice` required / named) constrain the output to the family's own call
 syntax with the arguments constrained by the tool's schema:
@@ -17,6 +18,7 @@ A named tool is called once; `required` allows up to `MAX_PARALLEL_CALLS` calls 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import llguidance
@@ -196,11 +198,26 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
 
 
 def build_constraint(grammar: str, tokenizer: llguidance.LLTokenizer) -> GrammarConstraint:
-    """Compile `grammar` for `tokenizer`; a grammar llguidance refuses is a 400."""
+    """Compile `grammar` for `tokenizer`; a grammar llguidance refuses is a 400 that gives its
+    reason but none of the grammar (see `public_reason`)."""
     message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if message and not message.startswith("WARNING"):
-        raise InvalidRequest(f"response format cannot be compiled: {message}")
+        raise InvalidRequest(f"response format cannot be compiled: {public_reason(message)}")
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
-        raise InvalidRequest(f"response format cannot be compiled: {matcher.get_error()}")
+        raise InvalidRequest(f"response format cannot be compiled: {public_reason(matcher.get_error())}")
     return GrammarConstraint(matcher)
+
+
+_GRAMMAR_LISTING = re.compile(r"^\s*\d+ \| |^\s*\^\s*$")  # llguidance's numbered source lines, caret
+_GRAMMAR_POSITION = re.compile(r"^at \d+\(\d+\): ")
+_TOKEN_REFERENCE = re.compile(r"<\[\d+\]>")
+
+
+def public_reason(message: str) -> str:
+    """llguidance's error without the internal grammar: it quotes the grammar we composed (the
+    family's call syntax with its special-token ids, `<[821]>`) around the failing line, and
+    points at a position in it. Only the reason is the caller's business."""
+    lines = [line.rstrip() for line in message.splitlines() if not _GRAMMAR_LISTING.match(line)]
+    reason = _GRAMMAR_POSITION.sub("", "\n".join(line for line in lines if line).strip())
+    return _TOKEN_REFERENCE.sub("<token>", reason)

@@ -60,6 +60,11 @@ class Tokenizer(ABC):
     @abstractmethod
     def special_ids(self) -> frozenset[int]: ...
 
+    @property
+    @abstractmethod
+    def special_spellings(self) -> tuple[str, ...]:
+        """Every text that `encode` turns into one special or added token when specials are allowed."""
+
     @abstractmethod
     def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer: ...
 
@@ -103,7 +108,7 @@ class HFTokenizer(Tokenizer):
             return list(self._tok.encode(text, add_special_tokens=False).ids)
         # spell special tokens as plain text: encode the pieces between their spellings separately
         ids: list[int] = []
-        for piece in _split_keep(text, [t.content for t in self._tok.get_added_tokens_decoder().values()]):
+        for piece in _split_keep(text, list(self.special_spellings)):
             ids.extend(self._tok.encode(piece, add_special_tokens=False).ids if piece else [])
         return ids
 
@@ -118,6 +123,11 @@ class HFTokenizer(Tokenizer):
     @cached_property
     def special_ids(self) -> frozenset[int]:
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def special_spellings(self) -> tuple[str, ...]:
+        # the library matches every added token in text, special-flagged or not
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
 
     def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
         import llguidance
@@ -176,6 +186,10 @@ class TiktokenTokenizer(Tokenizer):
     @cached_property
     def special_ids(self) -> frozenset[int]:
         return frozenset(self._specials.values())
+
+    @cached_property
+    def special_spellings(self) -> tuple[str, ...]:
+        return tuple(self._specials)
 
     def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
         from llguidance.tiktoken import lltokenizer_from_encoding

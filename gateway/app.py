@@ -66,7 +66,10 @@ async def render_crash(request: Request, exc: Exception) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics, behind the admin token (they are platform-wide: every tenant's models,
+    request and token counts). A scraper sends it as a bearer token (`authorization.credentials`)."""
     services: Services = request.app.state.services
+    await services.authenticator.authenticate_admin(request.headers.get("authorization"))
     return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -48,6 +48,7 @@ Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (pl
 ModelInput = LegacyInput | ChatCompletionRequest  # a text-generation model's input, by family
 log = structlog.get_logger("kumo.inference")
 IMAGE_TOKENS_ESTIMATE = 1024  # reserved per image at admission, trued up to the real count after
+PROMPT_SCAFFOLD_TOKENS = 64  # a template's own text beyond the body (a default system prompt, BOS)
 _DATA_URI = re.compile(rb'"data:[^"]*"')
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -137,7 +138,9 @@ class _Call:
         """Admit against the quotas (step 1), then normalise (step 2), which may fetch images, so a
         tenant over its limits costs no outbound fetch; then route and render."""
         body = prompt.body
-        admission = await self.service.limiter.admit(self.tenant, self.model.name, self._estimate(prompt))
+        admission = await self.service.limiter.admit(
+            self.tenant, self.model.name, self._estimate(prompt), self._worst_neurons(prompt)
+        )
         try:
             async with self.service.lifecycle.bounded():  # image fetches end at the drain deadline
                 normalized = await self._normalize(body)
@@ -161,6 +164,26 @@ class _Call:
         return prompt_tokens + max_tokens_of(body, self.model) * min(
             num_choices_of(body), self.service.settings.max_choices
         )
+
+    def _worst_neurons(self, prompt: Prompt) -> float:
+        """The most the request can cost, reserved from the daily budget at admission (the unused
+        part is refunded after): every choice at its max tokens, and its prompt with one token per
+        body byte (a byte-level BPE token covers at least one byte; the JSON framing of each message
+        outweighs the template's markers around it) plus `PROMPT_SCAFFOLD_TOKENS`, each image at its
+        reserved tokens, nothing cached."""
+        raw, body = prompt.raw, prompt.body
+        text_bytes = len(_DATA_URI.sub(b'""', raw))
+        images = raw.count(b'"data:')
+        if isinstance(body, LegacyInput):
+            if body.image is not None:
+                text_bytes -= len(msgspec.json.encode(body.image))
+                images += 1
+            num_choices, max_tokens = 1, body.max_tokens
+        else:
+            num_choices = min(num_choices_of(body), self.service.settings.max_choices)
+            max_tokens = max_tokens_of(body, self.model)
+        prompt_tokens = text_bytes + images * IMAGE_TOKENS_ESTIMATE + PROMPT_SCAFFOLD_TOKENS
+        return neurons(self.model.price, prompt_tokens * num_choices, 0, max_tokens * num_choices)
 
     async def _normalize(self, body: ModelInput) -> Normalized:
         s = self.service.settings

@@ -135,7 +135,7 @@ OPERATIONS: tuple[Operation, ...] = (
         "GET", "/models", "The catalog as a web page", "catalog", media_type="text/html", security="none",
         params=(Param("search", {"type": "string"}), Param("task", {"type": "string"})),
     ),
-    Operation("GET", "/metrics", "Prometheus metrics", "operations", media_type="text/plain", security="none"),
+    Operation("GET", "/metrics", "Prometheus metrics", "operations", media_type="text/plain", security="admin"),
     Operation("GET", "/healthz", "Liveness", "operations", enveloped=False, security="none",
               result={"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}),
     Operation("GET", "/openapi.json", "This document", "operations", enveloped=False, security="none",

@@ -14,6 +14,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, CatalogError, load_catalog_file
+from gateway.http_protocol import ConnectionLimits, ServerConfig
 from gateway.lifecycle import ABORT_GRACE_S, DrainingServer
 from gateway.observability import configure_logging
 from gateway.pools import read_pools_file
@@ -24,14 +25,21 @@ DEFAULT_PORT = 8787
 
 
 def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
-    """The HTTP server: keep-alive capped, no access log (the app logs one line per request)."""
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
+    """The HTTP server: connections capped, request heads bounded in time and size, keep-alive
+    capped (`gateway.http_protocol`), no access log (the app logs one line per request)."""
+    limits = ConnectionLimits(
+        header_timeout_s=settings.header_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+        max_connections=settings.max_connections,
+    )
+    return ServerConfig(
+        app,
+        limits,
         host=settings.host,
         port=settings.port,
         log_level="warning",
         access_log=False,
-        timeout_keep_alive=15,
+        timeout_keep_alive=settings.keep_alive_timeout_s,
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + ABORT_GRACE_S),
         lifespan="on",
         ws="none",

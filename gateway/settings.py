@@ -41,6 +41,11 @@ class GatewaySettings:
     backend_connect_timeout_s: float = 5.0
     backend_read_timeout_s: float = 600.0
     body_read_timeout_s: float = 30.0
+    # connection limits, enforced before any request reaches the app (gateway/http_protocol.py)
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this (else 408, closed)
+    max_header_bytes: int = 32 * 1024  # request line + headers (else 431)
+    max_connections: int = 1024  # open connections per gateway process (more: 503, closed at once)
+    keep_alive_timeout_s: int = 15  # an idle connection after a response is closed after this
     log_json: bool = True
     request_timeout_s: float = 600.0  # wall-clock limit of one generation (408/3046)
     drain_timeout_s: float = 30.0  # SIGTERM: running requests get this long before 3008
@@ -105,9 +110,16 @@ def settings_from(
             n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip()
         )
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
-    if env.get("KUMO_MAX_BODY_BYTES"):
-        values["max_body_bytes"] = int(env["KUMO_MAX_BODY_BYTES"])
-    for name in ("request_timeout_s", "drain_timeout_s", "batch_result_ttl_s", "batch_lease_s"):
+    for name in ("max_body_bytes", "max_header_bytes", "max_connections", "keep_alive_timeout_s"):
+        if env.get(f"KUMO_{name.upper()}"):
+            values[name] = int(env[f"KUMO_{name.upper()}"])
+    for name in (
+        "request_timeout_s",
+        "drain_timeout_s",
+        "batch_result_ttl_s",
+        "batch_lease_s",
+        "header_timeout_s",
+    ):
         if env.get(f"KUMO_{name.upper()}"):
             values[name] = float(env[f"KUMO_{name.upper()}"])
     if env.get("KUMO_BATCH_MAX_PENDING_PER_TENANT"):
@@ -130,6 +142,26 @@ def persisted_secret(data_dir: Path) -> str:
         return path.read_text().strip()
     data_dir.mkdir(parents=True, exist_ok=True)
     value = secrets.token_hex(32)
-    path.write_text(value)
-    path.chmod(0o600)
+    if not write_private_file(path, value):
+        return path.read_text().strip()  # another gateway created it first: share its secret
     return value
+
+
+def write_private_file(path: Path, text: str) -> bool:
+    """Create `path` holding `text`, readable by its owner only from the first byte on; False (and
+    nothing written) if it already exists. The text goes to a fresh owner-only file (`os.open`
+    with 0o600: no moment of umask-default permissions), which is then hard-linked into place, so
+    a reader never sees the file half-written and two creators never overwrite each other."""
+    staging = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.link(staging, path)
+    except FileExistsError:
+        return False
+    finally:
+        staging.unlink(missing_ok=True)
+    return True

@@ -20,7 +20,7 @@ from sqlalchemy import event, func, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 from gateway.errors import NotFound
-from gateway.store import admin_tokens, ledger
+from gateway.store import admin_tokens, counters, ledger
 from gateway.store.migrate import upgrade_to_head
 from gateway.store.rows import (
     Credential,
@@ -300,6 +300,19 @@ class Store:
     async def neurons_on(self, tenant_id: str, day: dt.date) -> float:
         async with self._session() as s:
             return await ledger.neurons_on(s, tenant_id, day)
+
+    # ---- quota counters without a Redis (gateway.store.counters) -----------------------------------
+    async def reserve_counter(self, key: str, amount: float, limit: float) -> counters.Verdict:
+        async with self._session() as s, s.begin():
+            return await counters.reserve(s, key, amount, limit)
+
+    async def add_to_counter(self, key: str, amount: float) -> bool:
+        async with self._session() as s, s.begin():
+            return await counters.add_existing(s, key, amount)
+
+    async def seed_counter(self, key: str, value: float, ttl_s: int) -> None:
+        async with self._session() as s, s.begin():
+            await counters.seed(s, key, value, ttl_s, is_postgresql=self.engine.dialect.name == "postgresql")
 
     async def list_audit(
         self, *, page: int, per_page: int, tenant_id: str | None = None

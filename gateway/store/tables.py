@@ -140,3 +140,14 @@ class BatchJobRow(Table):
     created_at: Mapped[dt.datetime] = mapped_column(UTC())
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+
+
+class CounterRow(Table):
+    """A quota counter shared by gateways that have PostgreSQL and no Redis (revision 0004): today
+    each tenant's day of neurons, reserved under a row lock (`gateway.store.counters`)."""
+
+    __tablename__ = "quota_counters"
+
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[dt.datetime] = mapped_column(UTC())

@@ -151,7 +151,9 @@ async def test_a_crash_mid_stream_ends_the_stream_with_an_error(harness: Harness
 
 async def test_metrics_count_requests(harness: Harness) -> None:
     await harness.http.post(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"prompt": "m"})
-    text = (await harness.http.get(f"{harness.url}/metrics")).text
+    await harness.services.store.ensure_admin_token("metrics-admin-token")
+    admin = {"authorization": "Bearer metrics-admin-token"}
+    text = (await harness.http.get(f"{harness.url}/metrics", headers=admin)).text
     assert 'kumo_gateway_requests_total{model="@cf/moonshotai/kimi-k2.6",route="run",status="200"}' in text
     assert "kumo_gateway_tokens_total" in text
     assert "kumo_gateway_requests_in_flight 1.0" in text  # this /metrics request itself

@@ -115,12 +115,16 @@ async def test_requests_per_minute_are_exact_across_two_gateways(pair: Pair) -> 
 
 
 async def test_the_daily_neuron_allowance_is_shared(pair: Pair) -> None:
-    account, token = await pair.tenant(daily_neurons=0.5)
-    first = await pair.run(
-        0, account, token, "spend"
-    )  # 12 prompt + 4 completion tokens of Kimi K2.6 ≈ 2.2 neurons
-    assert first.status_code == 200, first.text
-    second = await pair.run(1, account, token)
+    # each request reserves its worst case (~17 neurons) and costs ~2.2 (12 prompt + 4 completion
+    # tokens of Kimi K2.6): gateway 0 serves until what is left cannot hold another worst case
+    account, token = await pair.tenant(daily_neurons=30)
+    num_served = 0
+    while (r := await pair.run(0, account, token, "spend")).status_code == 200:
+        num_served += 1
+        assert num_served < 20, "the allowance is not enforced"
+    assert r.status_code == 429 and r.json()["errors"][0]["code"] == 3036, r.text
+    assert num_served >= 2  # the unused part of each reservation was refunded
+    second = await pair.run(1, account, token, "spend")  # the same request on the other gateway
     assert second.status_code == 429 and second.json()["errors"][0]["code"] == 3036
 
 

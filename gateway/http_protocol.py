@@ -1,0 +1,149 @@
+"""The HTTP/1.1 connection protocol of the gateway's (and the backend's) uvicorn server: uvicorn's
+httptools protocol plus three limits that hold before any application code, authentication
+included, sees a request.
+
+- **Header deadline.** A request's line and headers must be complete `header_timeout_s` after the
+  connection opened, or after the first byte following the previous response. Otherwise the
+  connection is closed (with a 408 when part of a request had arrived): a client that trickles
+  its headers (slowloris) or connects and sends nothing holds a connection at most that long.
+  Once a response has been sent, uvicorn's keep-alive timeout closes a connection left idle.
+- **Header size.** More than `max_header_bytes` of request line and headers is refused with 431.
+  Bytes are counted as they arrive, so a huge header costs at most the limit plus one socket read
+  of memory, never the header's size (httptools itself has no limit).
+- **Connection cap.** A connection that would make more than `max_connections` open ones is
+  answered 503 and closed at once, so its descriptor is freed immediately.
+
+Why not uvicorn's `limit_concurrency`: it refuses *requests* (a 503 once a request's headers are in)
+while connections or tasks are over the limit, and never the connections themselves. Connections
+that send nothing are never refused, so they pile up until descriptors run out (the attack this
+module answers), and while they are there every request on every other connection gets 503. The
+cap here acts when a connection is accepted, and the header deadline empties idle ones.
+
+A 408 or 431 is written, the sending side is shut (FIN), and whatever the client still sends is
+read and dropped for up to `LINGER_S` before the socket closes: closing with unread data would send
+an RST that can destroy the answer before the client reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+LINGER_S = 2.0  # after a refusal: how long the client's remaining bytes are read and dropped
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 32 * 1024  # request line + headers (Cloudflare's own limit is 32 KB)
+    max_connections: int = 1024
+
+
+class ServerConfig(uvicorn.Config):
+    """uvicorn's configuration serving HTTP/1.1 through `GuardedHttpProtocol` with `limits`."""
+
+    def __init__(self, app: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
+        super().__init__(app, http=GuardedHttpProtocol, **kwargs)
+        self.limits = limits
+
+
+class _HeadTooLarge(Exception):
+    """Raised inside the parser's callback to stop it after the refusal is written."""
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """One client connection; see the module docstring for the limits."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        assert isinstance(config, ServerConfig)
+        self.limits = config.limits
+        self._head_deadline: asyncio.TimerHandle | None = None  # set while a request head is awaited
+        self._num_head_bytes = 0  # bytes received since the awaited head began
+        self._is_refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            # closed at once, not lingering: a flood of refused connections must not hold descriptors
+            self._refuse(HTTPStatus.SERVICE_UNAVAILABLE, "Too many open connections, try again.", linger_s=0)
+            return
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_refused:
+            return  # lingering after a refusal: drop what the client still sends
+        if self._head_deadline is None and (self.cycle is None or self.cycle.response_complete):
+            self._await_head()  # the first bytes after a response start the next head's deadline
+        if self._head_deadline is not None:
+            self._num_head_bytes += len(data)  # may include the tail of a previous body: errs safe
+        super().data_received(data)
+        if self._head_deadline is not None and self._num_head_bytes > self.limits.max_header_bytes:
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Request header fields too large.")
+
+    def on_headers_complete(self) -> None:
+        # the head ended inside the last read: count it exactly (the per-read count may not have tripped)
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "Request header fields too large.")
+            raise _HeadTooLarge  # stops the parser; uvicorn's parser-error answer is skipped below
+        self._stop_waiting()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._is_refused:
+            return  # already answered by a limit
+        super().send_400_response(msg)
+
+    # ---- limits -------------------------------------------------------------------------------------
+    def _await_head(self) -> None:
+        self._num_head_bytes = 0
+        self._head_deadline = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _stop_waiting(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        if self.transport.is_closing():
+            return
+        if self._num_head_bytes == 0:
+            self.transport.close()  # an idle connection: nothing to answer
+            return
+        self._refuse(HTTPStatus.REQUEST_TIMEOUT, "Request headers not received in time.")
+
+    def _refuse(self, status: HTTPStatus, message: str, linger_s: float = LINGER_S) -> None:
+        """Answer `status` and close: FIN after the answer, then the client's further bytes are
+        dropped until it closes too (uvicorn's `eof_received` lets the transport close) or for
+        `linger_s`."""
+        self._stop_waiting()
+        self._is_refused = True
+        body = message.encode()
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status.value, status.phrase.encode(), len(body), body)
+        )
+        if linger_s <= 0:
+            self.transport.close()
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(linger_s, self.transport.close)
