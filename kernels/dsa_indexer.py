@@ -5,14 +5,43 @@ indexer keys read from their own paged cache (tag-checked like every page read).
 may not see (later tokens, pages that failed their check) are never chosen; a query with fewer than
 k visible tokens gets -1 in the remaining slots. Indices are token positions within the sequence.
 
+The op's public entry is `dsa_indexer(args)`: Triton scoring + torch.topk on CUDA
+(`kernels/dsa_indexer_triton.py`, no host sync), the torch reference `dsa_indexer_ref` elsewhere.
+
 Shapes: T queries, Hi indexer heads, Di indexer head dim, P pages, S page size, K top-k.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.paged_gather import causal_mask, check_tags_ref, gather_sequence_ref
+from kernels.paged_gather import PagedBatch, causal_mask, check_tags_ref, gather_sequence_ref
+
+
+@dataclass(frozen=True, slots=True)
+class DsaIndexerArgs:
+    q: torch.Tensor  # [T, Hi, Di] rotated indexer queries
+    weights: torch.Tensor  # [T, Hi] float32 per-head weights
+    k_cache: torch.Tensor  # [P, S, Di] indexer keys, q's dtype or float8_e4m3fn
+    k_scale: float
+    softmax_scale: float
+    topk: int  # K
+    batch: PagedBatch
+
+
+def dsa_indexer(args: DsaIndexerArgs) -> torch.Tensor:  # [T, K] int64
+    """The op: the Triton scores on CUDA (triton is the gpu extra: imported only there), the
+    reference elsewhere."""
+    a, b = args, args.batch
+    run = dsa_indexer_ref
+    if a.q.is_cuda:
+        from kernels.dsa_indexer_triton import dsa_indexer_triton as run
+    return run(
+        a.q, a.weights, a.k_cache, a.k_scale, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
+        b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk, check_tags=b.check_tags,
+    )  # fmt: skip
 
 
 def dsa_indexer_ref(

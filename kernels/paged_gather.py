@@ -2,16 +2,33 @@
 
 Shared by the paged attention, MLA attention and DSA indexer references: every page-reading op
 checks tags for the whole batch first (`check_tags_ref`), then gathers each sequence's tokens with a
-`valid` mask that drops every token of a page whose tag did not match.
+`valid` mask that drops every token of a page whose tag did not match. `PagedBatch` is what those
+ops' argument structs share: the step's sequences, their pages and the tags they must carry.
 
 Shapes: P pages, S page size, B sequences, Mp max pages per sequence, L tokens of one sequence.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.page_tags import check_page_tags_ref, mismatch_from_ok
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """One step's sequences as every page-reading op sees them (built once per step)."""
+
+    query_start: torch.Tensor  # [B+1] int32 first query row of each sequence
+    seq_lens: torch.Tensor  # [B] int32 cached tokens, the new ones included
+    page_table: torch.Tensor  # [B, Mp] int32
+    expected_tags: torch.Tensor  # [B, Mp] int64 the tag each page must carry
+    page_tags: torch.Tensor  # [P] int64 the tags the pages carry now
+    tag_mismatch: torch.Tensor  # [B] bool, OR-ed in place where a page's tag is wrong
+    is_decode: bool = False  # one query per sequence (query_start = 0..B): the decode kernels
+    check_tags: bool = True  # False only to measure the check's cost (no tag is read)
 
 
 def check_tags_ref(
