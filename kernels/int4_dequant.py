@@ -8,7 +8,7 @@ Layout (`kernels/formats/int4.py`, whose `dequantize_int4` is the reference): `w
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -16,8 +16,16 @@ import triton.language as tl
 
 from kernels.triton_lib import MAGIC_2_23, unpack_tile
 
-if TYPE_CHECKING:
-    from kernels.w4a16_gemm import W4A16Config
+
+class DequantTiles(Protocol):
+    """The tile sizes the launch takes (`kernels.w4a16_gemm.W4A16Config` is one)."""
+
+    @property
+    def block_n(self) -> int: ...
+    @property
+    def block_k(self) -> int: ...
+    @property
+    def num_warps(self) -> int: ...
 
 
 @triton.jit
@@ -73,7 +81,7 @@ def int4_dequant_triton(
     scales: torch.Tensor,  # [N, K/G]
     group_size: int,
     dtype: torch.dtype,
-    cfg: W4A16Config | None = None,
+    cfg: DequantTiles | None = None,
     row_inv: torch.Tensor | None = None,  # [N] fp32: codes (q - 8) · (s · row_inv) instead (FP8 expansion)
 ) -> torch.Tensor:
     """`[N, K]` dense weight `(q - 8) · s` in `dtype`, one pass over the packed words."""

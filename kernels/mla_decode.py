@@ -321,12 +321,6 @@ def _mla_paged_kernel(
         tl.store(mismatch_ptr + b, 1, mask=swept_bad > 0)
 
 
-def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) -> int:
-    """Slices per sequence: about two programs per SM, each slice at least 256 tokens, at most 64."""
-    want = triton.cdiv(2 * num_sms, max(batch * head_blocks, 1))
-    return max(1, min(want, triton.cdiv(max_items, 256), 64))
-
-
 def check_mla_inputs(
     q: torch.Tensor,
     latent_cache: torch.Tensor,

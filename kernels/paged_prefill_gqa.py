@@ -50,9 +50,8 @@ from kernels.gqa_slice import (
     join_halves,
     slice_constexprs,
 )
-from kernels.mla_decode import pick_num_splits
 from kernels.paged_decode_gqa import check_gqa_inputs
-from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
+from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms, pick_num_splits
 from kernels.triton_lib import query_tile, query_tiles
 
 __all__ = ["paged_prefill_gqa"]

@@ -22,8 +22,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels.mla_attention import mla_decode_ref  # noqa: E402
-from kernels.mla_decode import mla_decode, pick_num_splits  # noqa: E402
+from kernels.mla_decode import mla_decode  # noqa: E402
 from kernels.mla_tiles import VARIANTS, pick_mla_splits  # noqa: E402
+from kernels.split_k_merge import pick_num_splits  # noqa: E402
 from tests.kernels.paged_layout import lay_out, poison_allocator  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
