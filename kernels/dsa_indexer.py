@@ -11,14 +11,44 @@ the order of ties unspecified and its pick among them changes with the row's len
 choice would depend on how many columns its row has (a prefill chunk, the page table's width, the
 length of a full forward) and a cached decode could not reproduce a prefill of the same tokens.
 
+The op's public entry is `dsa_indexer(args)`: Triton scoring + torch.topk on CUDA
+(`kernels/dsa_indexer_triton.py`, no host sync), the torch reference `dsa_indexer_ref` elsewhere.
+
 Shapes: T queries, Hi indexer heads, Di indexer head dim, P pages, S page size, K top-k.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.paged_gather import causal_mask, check_tags_ref, gather_sequence_ref
+from kernels.paged_gather import PagedBatch, causal_mask, check_tags_ref, gather_sequence_ref
+from kernels.selection import top_positions
+
+
+@dataclass(frozen=True, slots=True)
+class DsaIndexerArgs:
+    q: torch.Tensor  # [T, Hi, Di] rotated indexer queries
+    weights: torch.Tensor  # [T, Hi] float32 per-head weights
+    k_cache: torch.Tensor  # [P, S, Di] indexer keys, q's dtype or float8_e4m3fn
+    k_scale: float
+    softmax_scale: float
+    topk: int  # K
+    batch: PagedBatch
+
+
+def dsa_indexer(args: DsaIndexerArgs) -> torch.Tensor:  # [T, K] int64
+    """The op: the Triton scores on CUDA (triton is the gpu extra: imported only there), the
+    reference elsewhere."""
+    a, b = args, args.batch
+    run = dsa_indexer_ref
+    if a.q.is_cuda:
+        from kernels.dsa_indexer_triton import dsa_indexer_triton as run
+    return run(
+        a.q, a.weights, a.k_cache, a.k_scale, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
+        b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk, check_tags=b.check_tags,
+    )  # fmt: skip
 
 
 def dsa_indexer_ref(
@@ -53,18 +83,3 @@ def dsa_indexer_ref(
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[q0:q1, : min(topk, L)] = top_positions(scores, min(topk, L))
     return out
-
-
-def top_positions(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [R, L] float32 (-inf: not visible) → [R, k] int64 positions, best first, -1 for -inf.
-
-    Ordered by score, then by position (earlier first), so the choice is a function of the scores
-    alone: each score becomes an int64 key `(score's bits, order-preserving) << 32 | (2³² − 1 − j)`,
-    unique per column, and `topk` over unique keys has one answer on every device and row length.
-    """
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0: -0.0 (a negative weight times relu's 0) → +0.0
-    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # int order = float order
-    positions = torch.arange(scores.shape[-1], device=scores.device)
-    keys.mul_(1 << 32).add_(0xFFFFFFFF - positions)  # [R, L]; |bits| < 2³¹: no overflow
-    chosen = keys.topk(k, dim=-1).indices  # [R, k]
-    return torch.where(scores.gather(-1, chosen) == float("-inf"), -1, chosen)

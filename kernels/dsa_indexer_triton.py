@@ -55,12 +55,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dsa_indexer import dsa_indexer_ref, top_positions
-from kernels.mla_decode import QueryTiles, query_tile
-from kernels.mla_prefill import query_tiles
+from kernels.selection import top_positions
 from kernels.split_k_merge import TL_DTYPES
+from kernels.triton_lib import QueryTiles, query_tile, query_tiles
 
-__all__ = ["dsa_indexer", "dsa_indexer_ref", "dsa_indexer_scores"]
+__all__ = ["dsa_indexer_scores", "dsa_indexer_triton"]
 
 
 @triton.jit
@@ -403,7 +402,7 @@ def dsa_indexer_scores(
     return out, q_row
 
 
-def dsa_indexer(
+def dsa_indexer_triton(
     q: torch.Tensor,  # [T, Hi, Di] rotated indexer queries, fp16 / bf16 / fp32
     weights: torch.Tensor,  # [T, Hi] float32 per-head weights
     k_cache: torch.Tensor,  # [P, S, Di] indexer keys, q's dtype or float8_e4m3fn

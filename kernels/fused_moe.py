@@ -22,10 +22,10 @@ shared with the FP8 experts' kernel `kernels/fused_moe_fp8.py`):
 
 Sparse decode (about one token per expert, `P <= E · GEMV_MAX_PAIRS_PER_EXPERT`): tensor-core tiles
 would be mostly padding, so `_fused_moe_gemv_kernel` runs one program per (pair, N tile, K split) on
-the CUDA cores with `kernels/int4_gemv.py`'s dot products (one LOP3 and one FFMA per weight). It
+the CUDA cores with `kernels/triton_lib.py`'s dot products (one LOP3 and one FFMA per weight). It
 reads the router's ids directly: no align step, two launches in all. Gate/up writes act as lifted
 fp32 rows (the down GEMV's activation format, so down does no lifting); K splits and, for down, the
-token's k slots meet in `_gemv_finish`, where the last program to arrive adds the fp32 partials in a
+token's k slots meet in `moe_gemv_finish`, where the last program to arrive adds the fp32 partials in a
 fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
 its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
 on, `_fused_moe_gemv_kernel` with GROUPED (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
@@ -41,22 +41,31 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_gemv import LIFT_SCALE, _group_dots, _int4_tile_dot, _load_tile, _x_planes, lift_rows
-from kernels.int4_weights import _MAGIC_2_23, _unpack_tile, unpack_int4_ref
+from kernels.formats.int4 import dequantize_int4
 from kernels.moe_routing import (
     GEMV_CONFIG,
     Blocks,
     MoEConfig,
     MoEGemm,
-    _block_rows,
-    _gemv_finish,
-    _pair_expert,
-    _tile_epilogue,
     check_routing,
     gemv_split_k,
     moe_align,
     pick_moe_config,
     run_moe,
+)
+from kernels.triton_lib import (
+    LIFT_SCALE,
+    MAGIC_2_23,
+    group_dots,
+    int4_tile_dot,
+    lift_rows,
+    load_int4_tile,
+    moe_block_rows,
+    moe_gemv_finish,
+    moe_pair_expert,
+    moe_tile_epilogue,
+    unpack_tile,
+    x_planes,
 )
 
 __all__ = ["MoEConfig", "fused_moe", "fused_moe_ref", "gemv_split_k", "moe_align", "pick_moe_config"]
@@ -116,7 +125,7 @@ def _fused_moe_kernel(
     stride_sg,
     stride_om,
     stride_on,
-    magic_2_23,  # 0x4B000000 as a run-time value (one LOP3, see kernels/int4_weights.py)
+    magic_2_23,  # 0x4B000000 as a run-time value (one LOP3, see kernels/triton_lib.py)
     A_ROW_DIV: tl.constexpr,  # a row = pair // A_ROW_DIV: k for x (gate/up), 1 for act (down)
     GATE_UP: tl.constexpr,  # weight rows n and N + n, silu(gate) * up in the epilogue
     MUL_WEIGHT: tl.constexpr,  # scale each output row by its pair's routing weight
@@ -130,7 +139,7 @@ def _fused_moe_kernel(
     """a [M or P, K], w [E, N or 2N, K/8] int32, s [E, N or 2N, K/G], out [P, N], topk_w [P],
     sorted_ids [num_blocks·BM] int32 (pair ids, padding = P), block_expert_ids [num_blocks] int32
     (-1: not on this rank), num_padded [1] int32; grid (num_blocks · cdiv(N, BN),)."""
-    expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = _block_rows(
+    expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = moe_block_rows(
         tl.program_id(0), N, num_pairs, sorted_ids_ptr, block_expert_ids_ptr, num_padded_ptr, out_ptr,
         stride_om, stride_on, GATE_UP, BLOCK_M, BLOCK_N,
     )  # fmt: skip
@@ -151,16 +160,16 @@ def _fused_moe_kernel(
             w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
             GROUP_SIZE, BLOCK_K, SCALE_ROWS,
         )  # fmt: skip
-        b = _unpack_tile(wp, sc, magic_2_23, a.dtype)  # [BN, BK]
+        b = unpack_tile(wp, sc, magic_2_23, a.dtype)  # [BN, BK]
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         if GATE_UP:
             wp, sc = _load_b(
                 w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
                 GROUP_SIZE, BLOCK_K, SCALE_ROWS,
             )  # fmt: skip
-            b = _unpack_tile(wp, sc, magic_2_23, a.dtype)
+            b = unpack_tile(wp, sc, magic_2_23, a.dtype)
             acc_up = tl.dot(a, tl.trans(b), acc_up, input_precision=DOT_PRECISION)
-    _tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask, GATE_UP, MUL_WEIGHT)
+    moe_tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask, GATE_UP, MUL_WEIGHT)
 
 
 @triton.jit
@@ -192,7 +201,7 @@ def _fused_moe_gemv_kernel(
     A_ROW_DIV: tl.constexpr,  # a row = pair // A_ROW_DIV: k for x (gate/up), 1 for act (down)
     TOP_K: tl.constexpr,
     GATE_UP: tl.constexpr,
-    LIFTED: tl.constexpr,  # a holds lifted rows (`kernels/int4_gemv.py`): act always, x with cfg.lift
+    LIFTED: tl.constexpr,  # a holds lifted rows (`kernels/triton_lib.py`): act always, x with cfg.lift
     GROUPED: tl.constexpr,  # a program per block of BLOCK_M pairs of one expert (LIFTED)
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # 1 unless GROUPED
@@ -205,8 +214,8 @@ def _fused_moe_gemv_kernel(
     [P]; grid (P or blocks, cdiv(N, BN), splits of K). Per pair (topk_ids outside [0, E): not on this
     rank) the pair axis runs fastest, so pairs of one expert read each N tile at about the same time
     (the repeats from L2); GROUPED, each K tile's words are unpacked once for the block's pairs
-    (`_group_dots`; padding pairs are num_pairs, a block of expert -1 another rank's pairs). out:
-    GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done (`_gemv_finish`, with the fp32
+    (`group_dots`; padding pairs are num_pairs, a block of expert -1 another rank's pairs). out:
+    GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done (`moe_gemv_finish`, with the fp32
     workspace ws and the counters cnt)."""
     if GROUPED:
         blk = tl.program_id(0)
@@ -220,7 +229,7 @@ def _fused_moe_gemv_kernel(
             pairs = pairs + (tl.load(ids_ptr + blk * BLOCK_M + i),)
     else:
         pairs = (tl.program_id(0),)
-        expert, is_local = _pair_expert(pairs[0], num_experts, ids_ptr)
+        expert, is_local = moe_pair_expert(pairs[0], num_experts, ids_ptr)
     x_rows = ()
     for i in tl.static_range(BLOCK_M):
         x_rows = x_rows + (
@@ -242,28 +251,28 @@ def _fused_moe_gemv_kernel(
     for t in range(t0, t1):
         r = t * BK8 + tl.arange(0, BK8)
         if GROUPED:
-            wp, sc = _load_tile(
+            wp, sc = load_int4_tile(
                 w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
                 GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
-            ds = _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+            ds = group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
             if GATE_UP:
-                wp, sc = _load_tile(
+                wp, sc = load_int4_tile(
                     w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
                     GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
                 )  # fmt: skip
-                ds = ds + _group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
+                ds = ds + group_dots(wp, sc, x_rows, r, r < K8, EVEN_K)
         else:
-            ys, xs = _x_planes(x_rows[0], r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
+            ys, xs = x_planes(x_rows[0], r, r < K8, stride_ak, LIFTED, EVEN_K)  # shared by gate and up
             ds = (
-                _int4_tile_dot(
+                int4_tile_dot(
                     w_e, s_e, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
                     GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
                 ),
             )  # fmt: skip
             if GATE_UP:
                 ds = ds + (
-                    _int4_tile_dot(
+                    int4_tile_dot(
                         w_e, s_e, N + offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
                         ys, xs, GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
                     ),
@@ -274,7 +283,7 @@ def _fused_moe_gemv_kernel(
         accs = nxt
     for i in tl.static_range(BLOCK_M):
         if pairs[i] < num_pairs:
-            _gemv_finish(
+            moe_gemv_finish(
                 tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE,
                 pairs[i], offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
             )  # fmt: skip
@@ -347,7 +356,7 @@ def fused_moe(
         w, s = weights[g.which]
         _fused_moe_kernel[(block_expert_ids.numel() * triton.cdiv(g.N, cfg.block_n),)](
             g.a, w, s, g.out, topk_w, sorted_ids, block_expert_ids, num_padded, g.N, g.K, g.K // 8,
-            g.K // group_size, topk_w.numel(), *g.a.stride(), *w.stride(), *s.stride(), *g.out.stride(), _MAGIC_2_23,
+            g.K // group_size, topk_w.numel(), *g.a.stride(), *w.stride(), *s.stride(), *g.out.stride(), MAGIC_2_23,
             A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, GROUP_SIZE=group_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=scale_rows,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -373,8 +382,8 @@ def fused_moe_ref(
     out = torch.zeros_like(xf)  # [M, H]
     for e in torch.unique(topk_ids[(topk_ids >= 0) & (topk_ids < E)]).tolist():
         tok, slot = torch.where(topk_ids == e)
-        gu = unpack_int4_ref(w13[e]).float() * s13[e].float().repeat_interleave(group_size, dim=1)  # [2I, H]
-        down = unpack_int4_ref(w2[e]).float() * s2[e].float().repeat_interleave(group_size, dim=1)  # [H, I]
+        gu = dequantize_int4(w13[e], s13[e], 8 * w13.shape[2], group_size, torch.float32)  # [2I, H]
+        down = dequantize_int4(w2[e], s2[e], 8 * w2.shape[2], group_size, torch.float32)  # [H, I]
         h = xf[tok] @ gu.t()  # [n, 2I]
         y = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ down.t()  # [n, H]
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())

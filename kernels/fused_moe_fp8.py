@@ -34,22 +34,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.formats.fp8 import FP8, dequantize_fp8
 from kernels.moe_routing import (
     Blocks,
     MoEConfig,
     MoEGemm,
-    _block_rows,
-    _gemv_finish,
-    _pair_expert,
-    _tile_epilogue,
     check_routing,
     pick_moe_config,
     run_moe,
 )
+from kernels.triton_lib import moe_block_rows, moe_gemv_finish, moe_pair_expert, moe_tile_epilogue
 
-__all__ = ["dequantize_fp8_ref", "fused_moe_fp8", "fused_moe_fp8_ref", "pick_fp8_moe_config"]
-
-FP8 = torch.float8_e4m3fn
+__all__ = ["fused_moe_fp8", "fused_moe_fp8_ref", "pick_fp8_moe_config"]
 
 
 @triton.jit
@@ -103,7 +99,7 @@ def _fused_moe_fp8_kernel(
 ):
     """a [M or P, K], w [E, N or 2N, K] e4m3, s / s_up [E, N or ⌈N/bn⌉, 1 or ⌈K/bk⌉] fp32, out [P, N],
     topk_w [P], sorted_ids / block_expert_ids / num_padded from `moe_align`; grid (num_blocks · cdiv(N, BN),)."""
-    expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = _block_rows(
+    expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = moe_block_rows(
         tl.program_id(0), N, num_pairs, sorted_ids_ptr, block_expert_ids_ptr, num_padded_ptr, out_ptr,
         stride_om, stride_on, GATE_UP, BLOCK_M, BLOCK_N,
     )  # fmt: skip
@@ -134,7 +130,7 @@ def _fused_moe_fp8_kernel(
         acc = acc * tl.load(s_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATE_UP:
             acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    _tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask, GATE_UP, MUL_WEIGHT)
+    moe_tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask, GATE_UP, MUL_WEIGHT)
 
 
 @triton.jit
@@ -185,9 +181,9 @@ def _fused_moe_fp8_gemv_kernel(
 ):
     """Sparse decode: a, w, s, s_up as `_fused_moe_fp8_kernel`, topk_w [P], topk_ids [P] (outside [0, E):
     not on this rank); grid (P, cdiv(N, BN), splits of K). out: GATE_UP: act [P, N]; else [M, N], the
-    k-sum done (`_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
+    k-sum done (`moe_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
     pair = tl.program_id(0)
-    expert, is_local = _pair_expert(pair, num_experts, topk_ids_ptr)
+    expert, is_local = moe_pair_expert(pair, num_experts, topk_ids_ptr)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     w_e = w_ptr + expert * stride_we
@@ -221,7 +217,7 @@ def _fused_moe_fp8_gemv_kernel(
         acc = acc * tl.load(s_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
         if GATE_UP:
             acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
-    _gemv_finish(
+    moe_gemv_finish(
         acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, False,
         TOP_K,
     )  # fmt: skip
@@ -327,14 +323,6 @@ def fused_moe_fp8(
     return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles)
 
 
-def dequantize_fp8_ref(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """[N, K] e4m3 with [N, 1] or [⌈N/bn⌉, ⌈K/bk⌉] scales -> fp32 [N, K]."""
-    if block is None:
-        return w.float() * s.float()
-    full = s.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
-    return w.float() * full[: w.shape[0], : w.shape[1]]
-
-
 def fused_moe_fp8_ref(
     x: torch.Tensor,  # [M, H]
     topk_ids: torch.Tensor,  # [M, k] local expert ids; outside [0, E) contributes nothing
@@ -352,9 +340,9 @@ def fused_moe_fp8_ref(
     out = torch.zeros_like(xf)  # [M, H]
     for e in torch.unique(topk_ids[(topk_ids >= 0) & (topk_ids < E)]).tolist():
         tok, slot = torch.where(topk_ids == e)
-        gate = dequantize_fp8_ref(w13[e, :I], gate_scale[e], block)  # [I, H]
-        up = dequantize_fp8_ref(w13[e, I:], up_scale[e], block)  # [I, H]
-        down = dequantize_fp8_ref(w2[e], down_scale[e], block)  # [H, I]
+        gate = dequantize_fp8(w13[e, :I], gate_scale[e], block, torch.float32)  # [I, H]
+        up = dequantize_fp8(w13[e, I:], up_scale[e], block, torch.float32)  # [I, H]
+        down = dequantize_fp8(w2[e], down_scale[e], block, torch.float32)  # [H, I]
         h = torch.nn.functional.silu(xf[tok] @ gate.t()) * (xf[tok] @ up.t())  # [n, I]
         out.index_add_(0, tok, (h @ down.t()) * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)

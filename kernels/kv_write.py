@@ -1,6 +1,8 @@
 """Writing new tokens' KV into the paged cache, at `slot_mapping`, checking the destination's tag.
 
-Reference op; the GPU launcher `kv_write(...)` keeps this signature. FP8 caches store
+The op's public entry is `kv_write(args)`: the Triton op of `kernels/kv_write_triton.py` on CUDA (no
+host sync, so a step can be captured in a CUDA graph), the torch reference `kv_write_ref` elsewhere;
+both take the same positional arguments. FP8 caches store
 `value / scale` saturated to the e4m3 range (value = stored * scale on read). A token whose
 destination page does not carry the tag its sequence expects is not written, and its sequence is
 flagged in `tag_mismatch` (the engine aborts it): a late or misrouted write can never land in a page
@@ -13,9 +15,43 @@ Shapes: T new tokens, P pages, S page size, B sequences.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+from kernels.formats.fp8 import FP8
+
+FP8_DTYPES = (FP8,)
+
+
+@dataclass(frozen=True, slots=True)
+class KvWriteArgs:
+    cache: torch.Tensor  # [P, S, *shape]
+    values: torch.Tensor  # [T, *shape]
+    slot_mapping: torch.Tensor  # [T] int64 page * S + offset, < 0 = skip
+    scale: float
+    page_tags: torch.Tensor  # [P] int64 tags the pages carry now
+    token_expected_tags: torch.Tensor | None  # [T] int64 tag each destination page must carry; None: off
+    token_seq: torch.Tensor  # [T] int64 sequence of token t
+    tag_mismatch: torch.Tensor  # [B] bool, OR-ed in place
+
+
+def kv_write(args: KvWriteArgs) -> None:
+    """The op: Triton on CUDA (triton is the gpu extra: imported only there), the reference elsewhere."""
+    a = args
+    run = kv_write_ref
+    if a.values.is_cuda:
+        from kernels.kv_write_triton import kv_write_triton as run
+    run(
+        a.cache,
+        a.values,
+        a.slot_mapping,
+        a.scale,
+        a.page_tags,
+        a.token_expected_tags,
+        a.token_seq,
+        a.tag_mismatch,
+    )
 
 
 def quantize_for_cache(values: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import FP8_DTYPES, kv_write_ref
+from kernels.formats.fp8 import FP8
 
-__all__ = ["kv_write", "kv_write_ref"]
+__all__ = ["kv_write_triton"]
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def _kv_write_kernel(
         tl.store(mismatch_ptr + seq, 1, mask=bad)
 
 
-_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_DTYPES)
+_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
 
 
 def _trailing_contiguous(t: torch.Tensor, first: int) -> bool:
@@ -89,7 +89,7 @@ def _trailing_contiguous(t: torch.Tensor, first: int) -> bool:
     return True
 
 
-def kv_write(
+def kv_write_triton(
     cache: torch.Tensor,  # [P, S, *shape] fp16 / bf16 / fp32 / float8_e4m3fn
     values: torch.Tensor,  # [T, *shape] fp16 / bf16 / fp32
     slot_mapping: torch.Tensor,  # [T] int64 page * S + offset, < 0 = skip
@@ -128,7 +128,7 @@ def kv_write(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     block_w = min(1024, triton.next_power_of_2(W))
-    is_fp8 = cache.dtype in FP8_DTYPES
+    is_fp8 = cache.dtype == FP8
     _kv_write_kernel[(T, triton.cdiv(W, block_w))](
         cache,
         rows,

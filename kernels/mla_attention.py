@@ -1,4 +1,6 @@
-"""Multi-head latent attention over the paged latent cache, with absorbed weights (reference op).
+"""Multi-head latent attention over the paged latent cache, with absorbed weights: the op's public
+entry `mla_attention(args)` (the Triton kernels of `kernels/mla_decode.py` / `kernels/mla_prefill.py`
+on CUDA, the torch reference `mla_attention_ref` elsewhere).
 
 The cache holds one `[kv_lora_rank + rope_dim]` line per token (576 for DeepSeek-V3 / Kimi K2):
 the normalised latent `c` then the rotated `k_pe`. Queries come already absorbed:
@@ -12,9 +14,42 @@ Shapes: T queries, H heads, R kv_lora_rank, Dr rope dim, P pages, S page size, K
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.paged_gather import causal_mask, check_tags_ref, gather_sequence_ref
+from kernels.paged_gather import PagedBatch, causal_mask, check_tags_ref, gather_sequence_ref
+
+
+@dataclass(frozen=True, slots=True)
+class MlaAttentionArgs:
+    q: torch.Tensor  # [T, H, R + Dr] absorbed queries
+    latent_cache: torch.Tensor  # [P, S, R + Dr] q's dtype or float8_e4m3fn
+    latent_scale: float
+    kv_lora_rank: int  # R
+    softmax_scale: float
+    batch: PagedBatch
+    topk_indices: torch.Tensor | None = None  # [T, K] int64 DSA's chosen tokens; None: all visible
+
+
+def mla_attention(args: MlaAttentionArgs) -> torch.Tensor:  # [T, H, R]
+    """The op: decode and prefill kernels on CUDA (triton is the gpu extra: imported only there),
+    `mla_attention_ref` elsewhere."""
+    a, b = args, args.batch
+    if a.q.is_cuda and b.is_decode:  # decode: T = B
+        from kernels.mla_decode import mla_decode
+
+        return mla_decode(
+            a.q, a.latent_cache, a.latent_scale, a.kv_lora_rank, b.seq_lens, b.page_table, b.expected_tags,
+            b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk_indices, check_tags=b.check_tags,
+        )  # fmt: skip
+    run = mla_attention_ref
+    if a.q.is_cuda:  # prefill chunks (and mixed steps)
+        from kernels.mla_prefill import mla_prefill as run
+    return run(
+        a.q, a.latent_cache, a.latent_scale, a.kv_lora_rank, b.query_start, b.seq_lens, b.page_table,
+        b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk_indices, check_tags=b.check_tags,
+    )  # fmt: skip
 
 
 def mla_attention_ref(
@@ -54,3 +89,24 @@ def mla_attention_ref(
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out[q0:q1] = torch.einsum("hql,lr->qhr", probs, kv[:, :kv_lora_rank])
     return out.to(q.dtype)
+
+
+def mla_decode_ref(
+    q: torch.Tensor,  # [B, H, R + Dr]
+    latent_cache: torch.Tensor,
+    latent_scale: float,
+    kv_lora_rank: int,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
+    tag_mismatch: torch.Tensor,
+    softmax_scale: float,
+    topk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MLA attention reference op with one query per sequence."""
+    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return mla_attention_ref(
+        q, latent_cache, latent_scale, kv_lora_rank, query_start, seq_lens, page_table,
+        expected_tags, page_tags, tag_mismatch, softmax_scale, topk_indices,
+    )  # fmt: skip

@@ -46,7 +46,6 @@ sequence in the table, K top-k.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,32 +53,7 @@ import triton.language as tl
 
 from kernels.mla_tiles import MlaTiles, pick_mla_splits, resolve_tiles
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
-
-
-@triton.jit
-def query_tile(
-    tile_seq_ptr,  # [NT] int32 sequence of each tile, >= B = idle
-    tile_q0_ptr,  # [NT] int32 first query row of each tile
-    query_start_ptr,  # [B+1] int32
-    seq_lens_ptr,  # [B] int32
-    tile,
-    num_seqs,
-    BLOCK_Q: tl.constexpr,
-):
-    """Prefill tile `tile` of a `QueryTiles` grid: (sequence b, tile_ok, first query row q0, its
-    query count, the sequence's length L, the position of query q0, whether the tile holds the
-    sequence's last query). An idle tile (the grid is an upper bound) gets b = 0 and no query."""
-    b = tl.load(tile_seq_ptr + tile)
-    tile_ok = b < num_seqs
-    b = tl.where(tile_ok, b, 0)
-    q_beg = tl.load(query_start_ptr + b)
-    q_end = tl.load(query_start_ptr + b + 1)
-    q0 = tl.where(tile_ok, tl.load(tile_q0_ptr + tile), q_beg)
-    num_q = tl.where(tile_ok, tl.minimum(q_end - q0, BLOCK_Q), 0)
-    L = tl.load(seq_lens_ptr + b)
-    first_pos = L - (q_end - q_beg) + (q0 - q_beg)
-    is_last = tile_ok & (q0 + num_q == q_end)
-    return b, tile_ok, q0, num_q, L, first_pos, is_last
+from kernels.triton_lib import QueryTiles, query_tile
 
 
 @triton.jit
@@ -347,23 +321,6 @@ def _mla_paged_kernel(
         tl.store(mismatch_ptr + b, 1, mask=swept_bad > 0)
 
 
-def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) -> int:
-    """Slices per sequence: about two programs per SM, each slice at least 256 tokens, at most 64."""
-    want = triton.cdiv(2 * num_sms, max(batch * head_blocks, 1))
-    return max(1, min(want, triton.cdiv(max_items, 256), 64))
-
-
-@dataclass(frozen=True, slots=True)
-class QueryTiles:
-    """The prefill grid: program tile i covers queries `tile_q0[i] ..+ block_q` of sequence
-    `tile_seq[i]` (>= B: an idle tile). Built on the device, so no host sync (see `mla_prefill`)."""
-
-    query_start: torch.Tensor  # [B+1] int32
-    tile_seq: torch.Tensor  # [NT] int32
-    tile_q0: torch.Tensor  # [NT] int32
-    block_q: int
-
-
 def check_mla_inputs(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -535,27 +492,4 @@ def mla_decode(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
         tag_mismatch, softmax_scale, topk_indices, None, num_splits=num_splits, check_tags=check_tags,
         tiles=tiles,
-    )  # fmt: skip
-
-
-def mla_decode_ref(
-    q: torch.Tensor,  # [B, H, R + Dr]
-    latent_cache: torch.Tensor,
-    latent_scale: float,
-    kv_lora_rank: int,
-    seq_lens: torch.Tensor,
-    page_table: torch.Tensor,
-    expected_tags: torch.Tensor,
-    page_tags: torch.Tensor,
-    tag_mismatch: torch.Tensor,
-    softmax_scale: float,
-    topk_indices: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The MLA attention reference op with one query per sequence."""
-    from kernels.mla_attention import mla_attention_ref
-
-    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return mla_attention_ref(
-        q, latent_cache, latent_scale, kv_lora_rank, query_start, seq_lens, page_table,
-        expected_tags, page_tags, tag_mismatch, softmax_scale, topk_indices,
     )  # fmt: skip

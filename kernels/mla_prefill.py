@@ -27,26 +27,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.mla_attention import mla_attention_ref
-from kernels.mla_decode import QueryTiles, check_mla_inputs, launch_mla_paged
+from kernels.mla_decode import check_mla_inputs, launch_mla_paged
 from kernels.mla_tiles import resolve_tiles, tile_rows
+from kernels.triton_lib import query_tiles
 
-__all__ = ["mla_attention_ref", "mla_prefill", "query_tiles"]
-
-
-def query_tiles(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
-    """Tiles of `block_q` consecutive queries of one sequence, on query_start's device."""
-    qs = query_start.long()
-    B = qs.shape[0] - 1
-    num_tiles = (qs[1:] - qs[:-1] + block_q - 1) // block_q  # [B]
-    ends = num_tiles.cumsum(0)  # [B]
-    t = torch.arange(min(num_tokens, triton.cdiv(num_tokens, block_q) + B), device=qs.device)  # [NT]
-    seq = torch.searchsorted(ends, t, right=True)  # [NT] in [0, B]; B = idle
-    own = seq.clamp(max=B - 1)
-    q0 = qs[own] + (t - ends[own] + num_tiles[own]) * block_q
-    return QueryTiles(
-        query_start.to(torch.int32).contiguous(), seq.to(torch.int32), q0.to(torch.int32), block_q
-    )
+__all__ = ["mla_prefill"]
 
 
 def mla_prefill(

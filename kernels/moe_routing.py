@@ -7,7 +7,7 @@ E experts (local to this rank), H hidden, I expert intermediate, BM/BN/BK tiles.
 
 A format supplies two launch callbacks, one per kernel family, each called once per GEMM:
 - sparse decode (`block_m == 0`, or INT4's `grouped`): `gemv(g, split, flat_ids, topk_w, ws, cnt,
-  blocks)`, grid (P or blocks, cdiv(N, BN), split), ending in `_gemv_finish` (split-K and the k-sum
+  blocks)`, grid (P or blocks, cdiv(N, BN), split), ending in `moe_gemv_finish` (split-K and the k-sum
   inside the kernels: two launches in all, three with INT4's `lift`, plus `moe_align` when grouped);
 - tensor-core tiles: `tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)`, grid
   (num_blocks · cdiv(N, BN),), blocks from `moe_align`.
@@ -21,135 +21,12 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-from kernels.int4_gemv import lifted_width
 from kernels.moe_align import moe_align
 from kernels.split_k_merge import num_sms, split_k_counters
+from kernels.triton_lib import lifted_width
 
 __all__ = ["MoEConfig", "MoEGemm", "check_routing", "gemv_split_k", "moe_align", "pick_moe_config", "run_moe"]
-
-
-@triton.jit
-def _silu(g):
-    """`g · sigmoid(g)` from `exp(-|g|)`: no overflow for large |g| (fp32)."""
-    e = tl.exp(-tl.abs(g))
-    return g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-@triton.jit
-def _block_rows(pid, N, num_pairs, sorted_ids_ptr, block_expert_ids_ptr, num_padded_ptr, out_ptr, stride_om, stride_on,
-                GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Tile kernels: program pid's (expert block, N tile) -> (expert, pair [BM], m_ok, offs_n [BN], n_ok,
-    out_ptrs [BM, BN], out_mask). expert < 0: nothing to compute (a block past the used ones, or the
-    pairs routed to another rank: their act rows are never read, their y rows are zeroed here)."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n  # the N tiles of one block run side by side: its A rows stay in L2
-    pid_n = pid % num_pid_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m)  # [BM]
-    m_ok = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    expert = tl.load(block_expert_ids_ptr + pid_m)
-    expert = tl.where(pid_m * BLOCK_M >= tl.load(num_padded_ptr), -2, expert)  # past the used blocks
-    if not GATE_UP:  # noqa: SIM102 (a constexpr: gate/up compiles no store)
-        if expert == -1:
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=out_mask)
-    return expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask
-
-
-@triton.jit
-def _tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask,
-                   GATE_UP: tl.constexpr, MUL_WEIGHT: tl.constexpr):  # fmt: skip
-    """acc / acc_up [BM, BN] fp32 -> out: silu(gate) * up for GATE_UP, the routing weight for MUL_WEIGHT."""
-    if GATE_UP:
-        acc = _silu(acc) * acc_up
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=m_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _pair_expert(pair, num_experts, topk_ids_ptr):
-    """GEMV programs: (expert clamped into [0, E), is_local) of `pair`; ids outside [0, E) are another
-    rank's, whose programs run no K loop (their sums stay 0) but still take part in the reductions."""
-    expert = tl.load(topk_ids_ptr + pair)
-    is_local = (expert >= 0) & (expert < num_experts)
-    return tl.where(is_local, expert, 0).to(tl.int64), is_local  # ids may be int32 or int64
-
-
-@triton.jit
-def _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT: tl.constexpr):
-    """v [BN] fp32 -> row n of out, in its dtype; LIFT_OUT: as a lifted row (`kernels/int4_gemv.py`:
-    v·2^(77-4j') at chunk n//32, plane j = n%8, word (n%32)//8, and each word's xs), BN % 32 == 0."""
-    if LIFT_OUT:
-        j = offs_n % 8
-        lift = ((204 - 4 * tl.where(j < 6, j, j - 2)) << 23).to(tl.float32, bitcast=True)  # 2^(77-4j')
-        tl.store(row_ptr + (offs_n // 32) * 36 + j * 4 + (offs_n % 32) // 8, v * lift, mask=n_ok)
-        BN: tl.constexpr = v.shape[0]
-        word = offs_n // 8
-        xs = tl.sum(tl.reshape(v, (BN // 8, 8)), axis=1) * 2.0**-69  # [BN/8]; rows past N are 0
-        word = tl.max(tl.reshape(word, (BN // 8, 8)), axis=1)
-        w_ok = tl.max(tl.reshape(n_ok.to(tl.int32), (BN // 8, 8)), axis=1) > 0
-        tl.store(row_ptr + (word // 4) * 36 + 32 + word % 4, xs, mask=w_ok)
-    else:
-        tl.store(row_ptr + offs_n, v.to(row_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _row_value(acc, acc_up, GATE_UP: tl.constexpr):
-    """A finished row: silu(gate)·up (GATE_UP), else the sum itself."""
-    if GATE_UP:
-        return _silu(acc) * acc_up
-    else:
-        return acc
-
-
-@triton.jit
-def _gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
-                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
-    """GEMV programs' end (grid (P, N tiles, S splits of K)), from acc / acc_up [BN] fp32, this program's sums.
-
-    GATE_UP: act row `pair` = silu(gate)·up of the whole K; down: out row `pair // TOP_K` = the sum
-    over the token's TOP_K slots of routing weight · acc. Several programs make one row (K splits;
-    for down also the k slots): each parks its partial in the fp32 workspace (`[P, S, 2N]`,
-    gate | up; `[P, S, N]`) and the last to arrive (an atomic counter per output tile that
-    resets itself) adds them in (slot, split) order: deterministic, and no torch op after the kernel.
-    """
-    num_splits = tl.num_programs(2)
-    if GATE_UP:
-        arrivals = num_splits
-        row = pair
-        width = 2 * N
-    else:
-        arrivals = TOP_K * num_splits
-        acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
-        row = pair // TOP_K
-        width = N
-    row_ptr = out_ptr + row.to(tl.int64) * stride_om
-    if arrivals == 1:
-        _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
-    else:
-        ws = ws_ptr + offs_n
-        part = ws + (pair * num_splits + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
-        tl.store(part, acc, mask=n_ok)
-        if GATE_UP:
-            tl.store(part + N, acc_up, mask=n_ok)
-        tl.debug_barrier()
-        tile = row * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == arrivals - 1:
-            first = ws + row * arrivals * width
-            acc = tl.zeros_like(acc)
-            acc_up = tl.zeros_like(acc)
-            for q in range(arrivals):  # fixed order whichever program came last
-                acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if GATE_UP:
-                    acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +34,7 @@ class MoEConfig:
     """Tiles of both GEMMs; `block_m == 0` selects the sparse-decode GEMV kernel, whose K is split
     `split_k` ways (0: per GEMM, by `gemv_split_k` at `programs_per_sm`, 0: `GEMV_PROGRAMS_PER_SM`);
     `lift` (INT4 GEMV) lifts x in a launch before gate/up instead of in every program
-    (`kernels/int4_gemv.py`); `grouped` (INT4, with `lift`) runs the GEMV once per block of
+    (`kernels/triton_lib.py`); `grouped` (INT4, with `lift`) runs the GEMV once per block of
     `block_m` pairs of one expert, unpacking its words once for all of them."""
 
     block_m: int
@@ -246,7 +123,7 @@ class MoEGemm:
 
 
 # gemv(g, split, flat_ids [P], topk_w [P], ws fp32, cnt int32, blocks): grid (P or blocks, cdiv(N, BN),
-# split), ends in `_gemv_finish`; blocks: `moe_align`'s output for `grouped`, else None;
+# split), ends in `moe_gemv_finish`; blocks: `moe_align`'s output for `grouped`, else None;
 # tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w): grid (blocks · N tiles,)
 Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 GemvLaunch = Callable[
@@ -264,7 +141,7 @@ def run_moe(
     cfg: MoEConfig,
     gemv: GemvLaunch,
     tiles: TilesLaunch,
-    lifted_act: bool = False,  # the GEMV's act in `kernels/int4_gemv.py`'s lifted rows (INT4)
+    lifted_act: bool = False,  # the GEMV's act in `kernels/triton_lib.py`'s lifted rows (INT4)
 ) -> torch.Tensor:
     """Both GEMMs through the format's kernels and the k-sum in a fixed order (deterministic, no
     float atomics): in the GEMV's down epilogue (two launches in all), after the tiles by torch."""

@@ -1,4 +1,6 @@
-"""GQA attention over the paged K/V cache, for prefill chunks and decode alike (reference op).
+"""GQA attention over the paged K/V cache, for prefill chunks and decode alike: the op's public entry
+`paged_attention(args)` (the Triton kernels of `kernels/paged_decode_gqa.py` /
+`kernels/paged_prefill_gqa.py` on CUDA, the torch reference `paged_attention_ref` elsewhere).
 
 Each sequence's new queries (rows `query_start[b]:query_start[b+1]`) are its last tokens; they
 attend causally to all `seq_lens[b]` cached tokens (the prefix plus themselves, already written by
@@ -10,9 +12,42 @@ Shapes: T query tokens, Hq query heads, Hkv kv heads, D head dim, Dv value dim, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.paged_gather import causal_mask, check_tags_ref, gather_sequence_ref
+from kernels.paged_gather import PagedBatch, causal_mask, check_tags_ref, gather_sequence_ref
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionArgs:
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [P, S, Hkv, D] q's dtype or float8_e4m3fn
+    v_cache: torch.Tensor  # [P, S, Hkv, Dv]
+    k_scale: float
+    v_scale: float
+    softmax_scale: float
+    batch: PagedBatch
+
+
+def paged_attention(args: PagedAttentionArgs) -> torch.Tensor:  # [T, Hq, Dv]
+    """The op: the split-K decode and the prefill kernels on CUDA (triton is the gpu extra: imported
+    only there), `paged_attention_ref` elsewhere."""
+    a, b = args, args.batch
+    if a.q.is_cuda and b.is_decode:  # decode: T = B
+        from kernels.paged_decode_gqa import paged_decode_gqa
+
+        return paged_decode_gqa(
+            a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, b.seq_lens, b.page_table, b.expected_tags,
+            b.page_tags, b.tag_mismatch, a.softmax_scale, check_tags=b.check_tags,
+        )  # fmt: skip
+    run = paged_attention_ref
+    if a.q.is_cuda:  # prefill chunks (and mixed steps)
+        from kernels.paged_prefill_gqa import paged_prefill_gqa as run
+    return run(
+        a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, b.query_start, b.seq_lens, b.page_table,
+        b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, check_tags=b.check_tags,
+    )  # fmt: skip
 
 
 def paged_attention_ref(
@@ -51,3 +86,24 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with nothing allowed gives 0
         out[q0:q1] = torch.einsum("hql,lhd->qhd", probs, v)
     return out.to(q.dtype)
+
+
+def paged_decode_gqa_ref(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
+    tag_mismatch: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """The paged attention reference op with one query per sequence."""
+    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_attention_ref(
+        q, k_cache, v_cache, k_scale, v_scale, query_start, seq_lens, page_table,
+        expected_tags, page_tags, tag_mismatch, softmax_scale,
+    )  # fmt: skip

@@ -262,26 +262,3 @@ def paged_decode_gqa(
     )
     merge_splits(part_o, part_lse, out, v_scale)
     return out
-
-
-def paged_decode_gqa_ref(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: float,
-    v_scale: float,
-    seq_lens: torch.Tensor,
-    page_table: torch.Tensor,
-    expected_tags: torch.Tensor,
-    page_tags: torch.Tensor,
-    tag_mismatch: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
-    """The paged attention reference op with one query per sequence."""
-    from kernels.paged_attention import paged_attention_ref
-
-    query_start = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_ref(
-        q, k_cache, v_cache, k_scale, v_scale, query_start, seq_lens, page_table,
-        expected_tags, page_tags, tag_mismatch, softmax_scale,
-    )  # fmt: skip

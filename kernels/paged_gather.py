@@ -1,17 +1,56 @@
-"""Reading one sequence's tokens out of the paged cache, with the page-tag check applied.
+"""Reading one sequence's tokens out of the paged cache, with the page-tag check applied (the
+reference page-tag verification, fused into every page-reading kernel on the GPU, lives here too).
 
 Shared by the paged attention, MLA attention and DSA indexer references: every page-reading op
 checks tags for the whole batch first (`check_tags_ref`), then gathers each sequence's tokens with a
-`valid` mask that drops every token of a page whose tag did not match.
+`valid` mask that drops every token of a page whose tag did not match. `PagedBatch` is what those
+ops' argument structs share: the step's sequences, their pages and the tags they must carry.
 
 Shapes: P pages, S page size, B sequences, Mp max pages per sequence, L tokens of one sequence.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kernels.page_tags import check_page_tags_ref, mismatch_from_ok
+
+def check_page_tags_ref(
+    page_tags: torch.Tensor,  # [P] int64 tags the pages carry now
+    page_table: torch.Tensor,  # [B, Mp] int32 physical page ids
+    expected_tags: torch.Tensor,  # [B, Mp] int64 tags each sequence expects
+    num_pages: torch.Tensor,  # [B] int pages in use by each sequence
+) -> torch.Tensor:
+    """Return `ok [B, Mp]` bool: page i of sequence b is in use and carries the expected tag.
+
+    Pages past `num_pages[b]` are reported not ok but are not mismatches; use `mismatch_from_ok`.
+    """
+    B, Mp = page_table.shape
+    in_use = torch.arange(Mp, device=page_table.device)[None, :] < num_pages[:, None]  # [B, Mp]
+    found = page_tags[page_table.long().clamp(min=0)]  # [B, Mp]
+    return in_use & (found == expected_tags)
+
+
+def mismatch_from_ok(ok: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """`[B]` bool: some page in use by sequence b carries the wrong tag."""
+    Mp = ok.shape[1]
+    in_use = torch.arange(Mp, device=ok.device)[None, :] < num_pages[:, None]
+    return (in_use & ~ok).any(dim=1)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """One step's sequences as every page-reading op sees them (built once per step)."""
+
+    query_start: torch.Tensor  # [B+1] int32 first query row of each sequence
+    seq_lens: torch.Tensor  # [B] int32 cached tokens, the new ones included
+    page_table: torch.Tensor  # [B, Mp] int32
+    expected_tags: torch.Tensor  # [B, Mp] int64 the tag each page must carry
+    page_tags: torch.Tensor  # [P] int64 the tags the pages carry now
+    tag_mismatch: torch.Tensor  # [B] bool, OR-ed in place where a page's tag is wrong
+    is_decode: bool = False  # one query per sequence (query_start = 0..B): the decode kernels
+    check_tags: bool = True  # False only to measure the check's cost (no tag is read)
 
 
 def check_tags_ref(

@@ -50,13 +50,11 @@ from kernels.gqa_slice import (
     join_halves,
     slice_constexprs,
 )
-from kernels.mla_decode import pick_num_splits, query_tile
-from kernels.mla_prefill import query_tiles
-from kernels.paged_attention import paged_attention_ref
 from kernels.paged_decode_gqa import check_gqa_inputs
-from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
+from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms, pick_num_splits
+from kernels.triton_lib import query_tile, query_tiles
 
-__all__ = ["paged_attention_ref", "paged_prefill_gqa"]
+__all__ = ["paged_prefill_gqa"]
 
 
 @triton.jit

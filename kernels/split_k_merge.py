@@ -44,6 +44,12 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
+def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) -> int:
+    """Slices per sequence: about two programs per SM, each slice at least 256 tokens, at most 64."""
+    want = triton.cdiv(2 * num_sms, max(batch * head_blocks, 1))
+    return max(1, min(want, triton.cdiv(max_items, 256), 64))
+
+
 @triton.jit
 def _merge_kernel(
     part_o_ptr,  # [B, H, NS, R] fp32

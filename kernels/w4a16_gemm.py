@@ -6,7 +6,7 @@ The kernels read that layout as it is (see `repack_int4` for why): each thread l
 consecutive words along K and unpacks them into eight consecutive k per word.
 
 Two kernels:
-- `_w4a16_gemv_kernel` (M of 1-2, decode, G >= 32): no tensor cores, `kernels/int4_gemv.py`'s dot
+- `_w4a16_gemv_kernel` (M of 1-2, decode, G >= 32): no tensor cores, `kernels/triton_lib.py`'s dot
   products (one LOP3 and one FFMA per weight; the -8 zero point once per word, the group scale
   once per 32 k), K split across enough programs to keep HBM busy at one token.
 - `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`.
@@ -24,24 +24,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_gemv import LIFT_SCALE, _int4_tile_dot, _x_planes, lift_rows
-from kernels.int4_weights import (  # repack_int4 and the reference unpack are part of this op's API
-    _MAGIC_2_23,
-    _grouped_tile,
-    _unpack_tile,
-    check_int4_operands,
-    dequantize_int4,
-    repack_int4,
-    unpack_int4_ref,
-)
+from kernels.formats.int4 import check_int4_operands, dequantize_int4
+from kernels.int4_dequant import int4_dequant_triton
 from kernels.split_k_merge import num_sms, split_k_counters
+from kernels.triton_lib import (
+    LIFT_SCALE,
+    MAGIC_2_23,
+    grouped_tile,
+    int4_tile_dot,
+    lift_rows,
+    unpack_tile,
+    x_planes,
+)
 
 __all__ = [
     "W4A16Config",
-    "dequantize_int4",
     "pick_config",
-    "repack_int4",
-    "unpack_int4_ref",
     "w4a16_gemm",
     "w4a16_gemm_ref",
 ]
@@ -109,7 +107,7 @@ def _w4a16_gemv_kernel(
     EVEN_N: tl.constexpr,  # N a multiple of BLOCK_N
 ):
     """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G] (G >= 32), out [M, N];
-    grid (N/BN, M, splits of K). The dot products are `kernels/int4_gemv.py`'s."""
+    grid (N/BN, M, splits of K). The dot products are `kernels/triton_lib.py`'s."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -123,8 +121,8 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
     for t in range(t0, tl.minimum(t0 + per_split, k_tiles)):
         r = t * BK8 + tl.arange(0, BK8)
-        ys, xs = _x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
-        acc += _int4_tile_dot(
+        ys, xs = x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
+        acc += int4_tile_dot(
             w_ptr, s_ptr, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
             GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
         )  # fmt: skip
@@ -179,7 +177,7 @@ def _w4a16_kernel(
 ):
     """x [M, K], w [N, K/8] int32, s [N, K/G], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
     pid_k = tl.program_id(1)
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     BK8: tl.constexpr = BLOCK_K // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -215,7 +213,7 @@ def _w4a16_kernel(
         sc = tl.reshape(
             tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
         )  # [BN, BK8] scale of each packed word
-        w = _unpack_tile(wp, sc, magic_2_23, x.dtype)  # [BN, BK]
+        w = unpack_tile(wp, sc, magic_2_23, x.dtype)  # [BN, BK]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
     _finish_tile(
@@ -360,7 +358,7 @@ def w4a16_gemm(
             K // 8,
             K // group_size,
             *strides,
-            _MAGIC_2_23,
+            MAGIC_2_23,
             GROUP_SIZE=group_size,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -390,11 +388,11 @@ def _dense_product(
     N, K = w.shape[0], x.shape[1]
     rows = max(cfg.block_n, _DENSE_CHUNK_BYTES // (K * x.element_size()) // cfg.block_n * cfg.block_n)
     if rows >= N:
-        torch.matmul(x, dequantize_int4(w, scales, group_size, x.dtype, cfg).t(), out=out)
+        torch.matmul(x, int4_dequant_triton(w, scales, group_size, x.dtype, cfg).t(), out=out)
         return
     for r0 in range(0, N, rows):
         r1 = min(N, r0 + rows)
-        out[:, r0:r1] = x @ dequantize_int4(w[r0:r1], scales[r0:r1], group_size, x.dtype, cfg).t()
+        out[:, r0:r1] = x @ int4_dequant_triton(w[r0:r1], scales[r0:r1], group_size, x.dtype, cfg).t()
 
 
 def w4a16_gemm_ref(
@@ -403,7 +401,6 @@ def w4a16_gemm_ref(
     weight_scale: torch.Tensor,  # [N, K/G]
 ) -> torch.Tensor:
     """Pure-torch reference on the checkpoint layout: dequantize in fp32, matmul in fp32."""
-    q = unpack_int4_ref(weight_packed).to(torch.float32)  # [N, K]
-    group = q.shape[1] // weight_scale.shape[1]
-    w = q * weight_scale.to(torch.float32).repeat_interleave(group, dim=1)  # [N, K]
+    K = 8 * weight_packed.shape[1]
+    w = dequantize_int4(weight_packed, weight_scale, K, K // weight_scale.shape[1], torch.float32)  # [N, K]
     return (x.to(torch.float32) @ w.t()).to(x.dtype)

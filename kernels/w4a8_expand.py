@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_weights import dequantize_int4, unpack_int4_ref
-from kernels.w4a8_gemm import FP8, quantize_fp8_rows
+from kernels.formats.fp8 import FP8
+from kernels.formats.int4 import unpack
+from kernels.int4_dequant import int4_dequant_triton
+from kernels.w4a8_gemm import quantize_fp8_rows
 
 __all__ = ["expand_int4_fp8", "expand_int4_fp8_ref", "w4a8_expand_gemm"]
 
@@ -38,16 +40,16 @@ def expand_int4_fp8(
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [N, K], fp32 channel scales [N]) with `w ≈ codes · c[:, None]`: one pass of
-    `dequantize_int4`'s kernel with the codes re-scaled per row."""
+    `int4_dequant_triton`'s kernel with the codes re-scaled per row."""
     c, inv = _channel_scales(scales)
-    return dequantize_int4(w, scales, group_size, FP8, row_inv=inv), c
+    return int4_dequant_triton(w, scales, group_size, FP8, row_inv=inv), c
 
 
 def expand_int4_fp8_ref(
     weight_packed: torch.Tensor, weight_scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure torch, the kernel's arithmetic in the same order: `q · (s · inv)` in fp32, then e4m3."""
-    q = unpack_int4_ref(weight_packed).to(torch.float32)  # [N, K]
+    q = unpack(weight_packed).to(torch.float32)  # [N, K]
     group = q.shape[1] // weight_scale.shape[1]
     c, inv = _channel_scales(weight_scale)
     ratio = weight_scale.float() * inv[:, None]  # [N, K/G]

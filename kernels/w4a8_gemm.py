@@ -27,13 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_weights import (
-    _MAGIC_2_23,
-    _grouped_tile,
-    _unpack_tile,
-    check_int4_operands,
-    unpack_int4_ref,
-)
+from kernels.formats.fp8 import FP8, FP8_MAX
+from kernels.formats.int4 import check_int4_operands, dequantize_int4
+from kernels.triton_lib import MAGIC_2_23, grouped_tile, unpack_tile
 
 __all__ = [
     "FP8_MAX",
@@ -45,8 +41,6 @@ __all__ = [
     "w4a8_gemm_ref",
 ]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _TINY = 1e-12  # an all-zero row gets this absmax: scale > 0, every code 0
 
 
@@ -133,7 +127,7 @@ def _w4a8_kernel(
     SWAP_XW: tl.constexpr,
 ):
     """Grid (tiles of M×N,); each program walks K in BLOCK_K tiles of BLOCK_K / CHUNK dots."""
-    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     C8: tl.constexpr = CHUNK // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,7 +157,7 @@ def _w4a8_kernel(
             g = kc // GROUP_SIZE
             sc = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=n_ok & (g < KG), other=0.0)
             sc = sc.to(tl.float32)  # [BN]
-            w = _unpack_tile(wp, 1.0, magic_2_23, xq_ptr.dtype.element_ty)  # [BN, C] q - 8, exact
+            w = unpack_tile(wp, 1.0, magic_2_23, xq_ptr.dtype.element_ty)  # [BN, C] q - 8, exact
             if SWAP_XW:
                 acc += tl.dot(w, tl.trans(x)) * sc[:, None]  # [BN, BM]
             else:
@@ -244,7 +238,7 @@ def w4a8_gemm(
         *w.stride(),
         *scales.stride(),
         *out.stride(),
-        _MAGIC_2_23,
+        MAGIC_2_23,
         GROUP_SIZE=group_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -266,7 +260,6 @@ def w4a8_gemm_ref(
     weight_scale: torch.Tensor,  # [N, K/G]
 ) -> torch.Tensor:
     """Pure torch, fp32 [M, N]: dequantize with group scales, activations from their FP8 codes."""
-    q = unpack_int4_ref(weight_packed).to(torch.float32)  # [N, K]
-    group = q.shape[1] // weight_scale.shape[1]
-    w = q * weight_scale.to(torch.float32).repeat_interleave(group, dim=1)  # [N, K]
+    K = 8 * weight_packed.shape[1]
+    w = dequantize_int4(weight_packed, weight_scale, K, K // weight_scale.shape[1], torch.float32)  # [N, K]
     return (xq.to(torch.float32) * xs) @ w.t()

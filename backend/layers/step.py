@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.forward_batch import ForwardBatch
-from kernels.kv_write import kv_write_ref
+from kernels.kv_write import KvWriteArgs, kv_write
+from kernels.paged_gather import PagedBatch
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class Step:
     token_expected_tags: torch.Tensor | None  # [T] int64 tag each destination page must carry; None: off
     cos: torch.Tensor  # [T, Dr]
     sin: torch.Tensor  # [T, Dr]
+    pages: PagedBatch  # what every page-reading kernel op reads of this step
     topk_indices: torch.Tensor | None = None  # DSA: the last full indexer layer's choice, [T, K]
 
     @classmethod
@@ -38,23 +40,32 @@ class Step:
             token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
             page_col = token_idx // batch.kv_cache.page_size
             expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
-        return cls(batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin)
+        pages = PagedBatch(
+            query_start=batch.query_start,
+            seq_lens=batch.seq_lens,
+            page_table=batch.page_table,
+            expected_tags=batch.expected_tags,
+            page_tags=batch.kv_cache.page_tags,
+            tag_mismatch=batch.tag_mismatch,
+            is_decode=batch.is_decode_only,
+            check_tags=batch.check_tags,
+        )
+        return cls(
+            batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin, pages=pages
+        )
 
     def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
         """Store this step's new `values [T, *shape]` for `layer_idx`/`name` into the paged cache."""
         kv = self.batch.kv_cache
-        write = kv_write_ref
-        if values.is_cuda:  # the Triton op: no host sync, so a step can be captured in a CUDA graph
-            from kernels.kv_write_triton import kv_write  # triton is the gpu extra: imported only here
-
-            write = kv_write
-        write(
-            kv.layers[layer_idx][name],
-            values,
-            self.batch.slot_mapping,
-            kv.scales[layer_idx][name],
-            kv.page_tags,
-            self.token_expected_tags,
-            self.token_seq,
-            self.batch.tag_mismatch,
+        kv_write(
+            KvWriteArgs(
+                kv.layers[layer_idx][name],
+                values,
+                self.batch.slot_mapping,
+                kv.scales[layer_idx][name],
+                kv.page_tags,
+                self.token_expected_tags,
+                self.token_seq,
+                self.batch.tag_mismatch,
+            )
         )

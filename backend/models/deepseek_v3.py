@@ -24,7 +24,7 @@ from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotary
 from backend.layers.step import Step
 from backend.models.causal_lm import CausalLM
-from kernels.mla_attention import mla_attention_ref
+from kernels.mla_attention import MlaAttentionArgs, mla_attention
 
 # transformers and the original DeepSeek code build q_a_layernorm / kv_a_layernorm with their
 # default eps, not config.rms_norm_eps
@@ -95,28 +95,10 @@ class MLAAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, step: Step, topk_indices: torch.Tensor | None) -> torch.Tensor:
         """Absorbed q [T, Hl, R + Dr] → attention output [T, H] after W_UV and o_proj."""
-        b, kv = step.batch, step.batch.kv_cache
+        kv = step.batch.kv_cache
         cache, scale = kv.layers[self.layer_idx]["latent"], kv.scales[self.layer_idx]["latent"]
-        if q.is_cuda and b.is_decode_only:  # decode on the GPU: the Triton kernel, T = B
-            from kernels.mla_decode import mla_decode  # triton is the gpu extra: imported only here
-
-            o_latent = mla_decode(
-                q, cache, scale, self.R, b.seq_lens, b.page_table, b.expected_tags, kv.page_tags,
-                b.tag_mismatch, self.softmax_scale, topk_indices, check_tags=b.check_tags,
-            )  # fmt: skip
-        elif q.is_cuda:  # prefill chunks (and mixed steps) on the GPU
-            from kernels.mla_prefill import mla_prefill
-
-            o_latent = mla_prefill(
-                q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices, check_tags=b.check_tags,
-            )  # fmt: skip
-        else:
-            o_latent = mla_attention_ref(
-                q, cache, scale, self.R, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-                kv.page_tags, b.tag_mismatch, self.softmax_scale, topk_indices, check_tags=b.check_tags,
-            )  # fmt: skip
-        # o_latent: [T, Hl, R]
+        args = MlaAttentionArgs(q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices)
+        o_latent = mla_attention(args)  # [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [T, Hl, V]
         return self.o_proj(o.reshape(q.shape[0], -1))

@@ -20,7 +20,7 @@ from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotary
 from backend.layers.step import Step
 from backend.models.causal_lm import CausalLM
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention import PagedAttentionArgs, paged_attention
 
 
 class GQAAttention(nn.Module):
@@ -61,30 +61,11 @@ class GQAAttention(nn.Module):
         q, k = rotary.rotate(q, step.cos, step.sin), rotary.rotate(k, step.cos, step.sin)
         step.write(self.layer_idx, "k", k)
         step.write(self.layer_idx, "v", v)
-        b, kv = step.batch, step.batch.kv_cache
+        kv = step.batch.kv_cache
         k_cache, v_cache = kv.layers[self.layer_idx]["k"], kv.layers[self.layer_idx]["v"]
         k_scale, v_scale = kv.scales[self.layer_idx]["k"], kv.scales[self.layer_idx]["v"]
-        if q.is_cuda and b.is_decode_only:  # decode on the GPU: the split-K Triton kernel, T = B
-            # triton is the gpu extra: imported only here
-            from kernels.paged_decode_gqa import paged_decode_gqa
-
-            o = paged_decode_gqa(
-                q, k_cache, v_cache, k_scale, v_scale, b.seq_lens, b.page_table, b.expected_tags, kv.page_tags,
-                b.tag_mismatch, self.softmax_scale, check_tags=b.check_tags,
-            )  # fmt: skip
-        elif q.is_cuda:  # prefill chunks (and mixed steps) on the GPU
-            from kernels.paged_prefill_gqa import paged_prefill_gqa
-
-            o = paged_prefill_gqa(
-                q, k_cache, v_cache, k_scale, v_scale, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-                kv.page_tags, b.tag_mismatch, self.softmax_scale, check_tags=b.check_tags,
-            )  # fmt: skip
-        else:
-            o = paged_attention_ref(
-                q, k_cache, v_cache, k_scale, v_scale, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-                kv.page_tags, b.tag_mismatch, self.softmax_scale, check_tags=b.check_tags,
-            )  # fmt: skip
-        # o: [T, Hl, D]
+        args = PagedAttentionArgs(q, k_cache, v_cache, k_scale, v_scale, self.softmax_scale, step.pages)
+        o = paged_attention(args)  # [T, Hl, D]
         return self.o_proj(o.reshape(T, -1))
 
 

@@ -22,7 +22,7 @@ from backend.layers.rotary import Rotary
 from backend.layers.step import Step
 from backend.models.causal_lm import CausalLM
 from backend.models.deepseek_v3 import MLAAttention
-from kernels.dsa_indexer import dsa_indexer_ref
+from kernels.dsa_indexer import DsaIndexerArgs, dsa_indexer
 
 INDEXER_NORM_EPS = 1e-6  # the reference LayerNorm's eps; not in config.json
 
@@ -46,17 +46,9 @@ class Indexer(nn.Module):
         k = rotary.rotate(self.k_norm(self.wk(x)).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
         step.write(self.layer_idx, "index_k", k)
         weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
-        b, kv = step.batch, step.batch.kv_cache
-        indexer = dsa_indexer_ref
-        if q.is_cuda:  # Triton scoring + torch.topk, no host sync
-            from kernels.dsa_indexer_triton import dsa_indexer  # triton is the gpu extra: imported only here
-
-            indexer = dsa_indexer
-        return indexer(
-            q, weights, kv.layers[self.layer_idx]["index_k"], kv.scales[self.layer_idx]["index_k"], b.query_start,
-            b.seq_lens, b.page_table, b.expected_tags, kv.page_tags, b.tag_mismatch, self.Di**-0.5, self.topk,
-            check_tags=b.check_tags,
-        )  # fmt: skip
+        kv = step.batch.kv_cache
+        k_cache, k_scale = kv.layers[self.layer_idx]["index_k"], kv.scales[self.layer_idx]["index_k"]
+        return dsa_indexer(DsaIndexerArgs(q, weights, k_cache, k_scale, self.Di**-0.5, self.topk, step.pages))
 
 
 class DSAAttention(MLAAttention):

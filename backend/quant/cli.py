@@ -30,7 +30,6 @@ from tqdm import tqdm
 from backend.checkpoint import INDEX_FILE, shard_files
 from backend.errors import CheckpointError
 from backend.quant import kv_scales
-from backend.quant.fp8 import FP8, dequantize_fp8_block
 from backend.quant.scheme import (
     DeepSeekFp8Config,
     KvCacheScheme,
@@ -42,6 +41,7 @@ from backend.quant.scheme import (
 from backend.quant.shapes import tensor_class
 from backend.quant.shard_writer import NAMES, ShardWriter
 from backend.quant.walker import quantize_tensor, quantized_shapes
+from kernels.formats.fp8 import FP8, dequantize_fp8_block
 
 REPORT_FILE = "quantize_report.json"
 WEIGHTS: dict[str, tuple[Method, int]] = {

@@ -26,10 +26,10 @@ from torch import nn
 
 from backend.errors import CheckpointError
 from backend.layers.sync_free import is_sync_free
-from backend.quant.fp8 import FP8, dequantize_fp8_block, dequantize_fp8_channel
-from backend.quant.int4 import dequantize_int4
 from backend.quant.linear import _copy
 from backend.quant.scheme import QuantScheme
+from kernels.formats.fp8 import FP8, dequantize_fp8_block, dequantize_fp8_channel
+from kernels.formats.int4 import dequantize_int4
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 

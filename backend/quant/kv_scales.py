@@ -31,8 +31,8 @@ from torch import nn
 
 from backend.checkpoint import INDEX_FILE, SINGLE_FILE
 from backend.errors import CheckpointError
-from backend.quant.fp8 import FP8_MAX
 from backend.quant.prompt_runner import PromptRunner
+from kernels.formats.fp8 import FP8_MAX
 
 KV_SCALE_FILE = "kv_scales.safetensors"
 _SCALE = re.compile(r"\.(k_scale|v_scale|kv_scale)$")

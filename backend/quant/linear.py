@@ -25,15 +25,15 @@ from torch import nn
 
 from backend.errors import CheckpointError
 from backend.layers.linear import Range, Shard
-from backend.quant.fp8 import (
+from backend.quant.scheme import Int4Prefill
+from kernels.formats.fp8 import (
     FP8,
     dequantize_fp8_block,
     dequantize_fp8_channel,
     quantize_fp8_block,
     quantize_fp8_channel,
 )
-from backend.quant.int4 import dequantize_int4, quantize_int4
-from backend.quant.scheme import Int4Prefill
+from kernels.formats.int4 import dequantize_int4, quantize_int4
 
 # W4A8 / expand-fp8 run from this many tokens per product up (issue 6's prefill goal is M >= 2048);
 # smaller products stay W4A16. Not yet measured on the H200: set it from bench_w4a8's crossover.

@@ -29,10 +29,10 @@ from torch import nn
 from backend.layers.linear import Linear
 from backend.layers.moe import Experts
 from backend.quant.experts import QuantExperts
-from backend.quant.fp8 import FP8, quantize_fp8_block, quantize_fp8_channel
-from backend.quant.int4 import quantize_int4
 from backend.quant.linear import Fp8Linear, Int4Linear, QuantLinear
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
+from kernels.formats.fp8 import FP8, quantize_fp8_block, quantize_fp8_channel
+from kernels.formats.int4 import quantize_int4
 
 
 def read_scheme(path: str | Path) -> QuantScheme | None:

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from backend.models import ARCHITECTURES
-from backend.quant.fp8 import FP8
 from backend.quant.scheme import QuantScheme
 from backend.quant.walker import dequantize_after_load, prepare_for_checkpoint
 from benchmarks.engine.geometry import INT4_GROUP, Geometry, WeightFormat
+from kernels.formats.fp8 import FP8
 
 INIT_STD = 0.02
 INT4_STD = 4.6  # std of a uniform integer in [-8, 7]

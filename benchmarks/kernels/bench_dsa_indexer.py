@@ -27,12 +27,12 @@ from benchmarks.kernels.common import (
     tag_check_rows,
     time_entries,
 )
+from kernels.dsa_indexer import dsa_indexer_ref
 from kernels.dsa_indexer_triton import (
     DEFAULT_TILES,
     INDEXER_TILES,
-    dsa_indexer,
-    dsa_indexer_ref,
     dsa_indexer_scores,
+    dsa_indexer_triton,
     indexer_tiles,
 )
 
@@ -81,7 +81,7 @@ def bench_case(
         return (q, w, kc, ks, query_start, seq_lens, table, expected, page_tags, flags, scale)
 
     def ours(kv: str, check: bool = True, config: str | None = None) -> torch.Tensor:
-        return dsa_indexer(*args(kv), TOPK, check_tags=check, config=config)
+        return dsa_indexer_triton(*args(kv), TOPK, check_tags=check, config=config)
 
     c = DEFAULT_TILES[("fp8", kind)]  # the default FP8 entry's check
     case = f"dsa-indexer kv=fp8 tiles={c} {kind} batch={B} context={ctx} queries={T}"

@@ -46,7 +46,7 @@ from benchmarks.kernels.bench_w4a16 import tinygemm_weights
 from benchmarks.kernels.common import graph_ms, measure_ceilings, rel_err, write_record
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, moe_align, pick_moe_config
 from kernels.fused_moe_fp8 import FP8, fused_moe_fp8, fused_moe_fp8_ref
-from kernels.int4_weights import dequantize_int4
+from kernels.int4_dequant import int4_dequant_triton
 from kernels.moe_routing import GEMV_CONFIG, GEMV_PROGRAMS_PER_SM, TILE_CONFIGS
 
 G = 32
@@ -354,8 +354,8 @@ def peer_weights(
     dn = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16)
     tiny: list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = []
     for e in range(E):
-        gu[e] = dequantize_int4(w13[e], s13[e], G, torch.bfloat16)
-        dn[e] = dequantize_int4(w2[e], s2[e], G, torch.bfloat16)
+        gu[e] = int4_dequant_triton(w13[e], s13[e], G, torch.bfloat16)
+        dn[e] = int4_dequant_triton(w2[e], s2[e], G, torch.bfloat16)
         tiny.append((tinygemm_weights(w13[e], s13[e], G), tinygemm_weights(w2[e], s2[e], G)))
     bf16_w = (gu, dn)
 

@@ -49,8 +49,9 @@ from benchmarks.kernels.common import (
     tag_check_row,
     write_record,
 )
-from kernels.mla_decode import mla_decode, mla_decode_ref
-from kernels.mla_prefill import mla_attention_ref, mla_prefill
+from kernels.mla_attention import mla_attention_ref, mla_decode_ref
+from kernels.mla_decode import mla_decode
+from kernels.mla_prefill import mla_prefill
 from kernels.mla_tiles import TILES, VARIANTS, MlaTiles, pick_mla_splits, tile_rows
 from kernels.split_k_merge import num_sms
 

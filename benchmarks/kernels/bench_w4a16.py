@@ -19,12 +19,12 @@ import torch
 import triton
 
 from benchmarks.kernels.common import num_copies, rel_err, rotating, run_cases
+from kernels.formats.int4 import repack_int4
 from kernels.w4a16_gemm import (
     GEMV_DEFAULT,
     GEMV_PROGRAMS_PER_SM,
     W4A16Config,
     pick_config,
-    repack_int4,
     w4a16_gemm,
     w4a16_gemm_ref,
     with_split_k,

@@ -120,13 +120,14 @@ def int4_words(N: int, K: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def check_b() -> None:
+    from kernels.formats.int4 import unpack
     from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref
-    from kernels.w4a16_gemm import W4A16Config, unpack_int4_ref, w4a16_gemm, with_split_k
+    from kernels.w4a16_gemm import W4A16Config, w4a16_gemm, with_split_k
 
     gen = torch.Generator().manual_seed(3)
     N, K = (64, 512) if SMALL else (4096, 7168)
     w = int4_words(N, K, gen)
-    q = unpack_int4_ref(w).double()  # [N, K] in -8..7
+    q = unpack(w).double()  # [N, K] in -8..7
     for group in (32, 128):
         s = (torch.rand(N, K // group, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
         wd = q * s.double().repeat_interleave(group, 1)

@@ -12,7 +12,8 @@ import torch
 
 
 def one(name, splits, case, split_v, D=32):
-    from kernels.paged_prefill_gqa import PREFILL_TILES, paged_attention_ref, paged_prefill_gqa
+    from kernels.paged_attention import paged_attention_ref
+    from kernels.paged_prefill_gqa import PREFILL_TILES, paged_prefill_gqa
     from tests.kernels.test_paged_prefill_gqa import FP8, make_batch
 
     tiles = PREFILL_TILES[name]

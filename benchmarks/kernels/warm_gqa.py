@@ -67,14 +67,14 @@ def warm(task: tuple[str, str, bool]) -> str:
         heads, mode = name.split("/")
         run(make_case(int(heads), 64, 4096, 2048 if mode == "sparse" else None), "fp8", check)
     else:
-        from kernels.dsa_indexer_triton import dsa_indexer
+        from kernels.dsa_indexer_triton import dsa_indexer_triton
 
         B, ctx, chunk = (64, 1024, 1) if "/decode/" in name else (1, 2048, 256)
         p = _paged(B, ctx, (D,), fp8)
         q = torch.randn(B * chunk, HI, D, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(B * chunk, HI, device="cuda")
         qs = torch.arange(B + 1, dtype=torch.int32, device="cuda") * chunk
-        dsa_indexer(q, w, p["k"], 0.1, qs, p["seq_lens"], p["table"], p["expected"], p["tags"], p["flags"],
+        dsa_indexer_triton(q, w, p["k"], 0.1, qs, p["seq_lens"], p["table"], p["expected"], p["tags"], p["flags"],
                     D**-0.5, 2048, check_tags=check, config=name)  # fmt: skip
     torch.cuda.synchronize()
     return f"{kernel} {name} check={check} {time.perf_counter() - t0:.1f}s"

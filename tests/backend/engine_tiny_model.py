@@ -2,7 +2,7 @@
 
 It checks tags the way the real ops do: a new token's K and V are written through `slot_mapping` only
 if the destination page carries the tag its sequence expects, and every read (prefill and decode
-alike) goes through `kernels.page_tags.check_page_tags_ref`, a mismatching page contributing nothing;
+alike) goes through `kernels.paged_gather.check_page_tags_ref`, a mismatching page contributing nothing;
 both set `tag_mismatch`; with `batch.check_tags` off it reads no tag. Used to test the engine
 until, and beside, the real tiny checkpoints. Shape letters: T tokens, H hidden, S page size.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from backend.forward_batch import CacheSpec, ForwardBatch
-from kernels.page_tags import check_page_tags_ref, mismatch_from_ok
+from kernels.paged_gather import check_page_tags_ref, mismatch_from_ok
 
 
 class TinyPagedModel(torch.nn.Module):

@@ -21,9 +21,9 @@ from backend.errors import CheckpointError
 from backend.loader import load_model
 from backend.quant.cli import REPORT_FILE, main
 from backend.quant.experts import QuantExperts
-from backend.quant.int4 import dequantize_int4
 from backend.quant.scheme import QuantScheme
 from backend.quant.walker import quantize_model
+from kernels.formats.int4 import dequantize_int4
 from tests.backend.quant_helpers import logits, make_src, rel, top1
 from tests.backend.tiny_checkpoints import make_tiny
 

@@ -7,7 +7,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
-from backend.quant.fp8 import (
+from kernels.formats.fp8 import (
     FP8,
     dequantize_fp8_block,
     dequantize_fp8_channel,
@@ -66,8 +66,8 @@ def test_saturates_instead_of_nan() -> None:
 
 def test_row_blocks_give_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantizers work in row blocks to bound memory; the blocks must not change a bit."""
-    from backend.quant import int4
-    from backend.quant.int4 import quantize_int4
+    from kernels.formats import int4
+    from kernels.formats.int4 import quantize_int4
 
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     whole = [quantize_int4(w, 32), quantize_fp8_channel(w), quantize_fp8_block(w)]

@@ -10,7 +10,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-from backend.quant.int4 import dequantize_int4, int4_scales, pack, quantize_int4, unpack
+from kernels.formats.int4 import dequantize_int4, int4_scales, pack, quantize_int4, unpack
 
 
 def _scheme(group_size: int) -> QuantizationScheme:

@@ -237,7 +237,7 @@ def _fp8_block_config() -> QuantizationConfig:
 def test_fp8_block_checkpoint_compressed_by_compressed_tensors_loads_unmodified() -> None:
     """Its block scales are `weight_scale` [N/128, K/128], not DeepSeek's `weight_scale_inv`: Kumo
     refused every one as an unexpected tensor."""
-    from backend.quant.fp8 import quantize_fp8_block
+    from kernels.formats.fp8 import quantize_fp8_block
 
     cfg = _fp8_block_config()
     theirs = _model()

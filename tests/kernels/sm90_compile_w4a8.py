@@ -70,11 +70,11 @@ def quant_source() -> ASTSource:
 
 
 def expand_source(group: int) -> ASTSource:
-    from kernels.int4_weights import _dequant_kernel
+    from kernels.int4_dequant import _int4_dequant_kernel
 
     ptrs = {"w_ptr": "i32", "s_ptr": "bf16", "inv_ptr": "fp32", "out_ptr": "fp8e4nv"}
     consts = dict(GROUP_SIZE=group, BLOCK_N=32, BLOCK_K=256, SCALE_ROWS=max(256 // group, 1), ROW_SCALED=True)
-    return _source(_dequant_kernel, ptrs, consts)
+    return _source(_int4_dequant_kernel, ptrs, consts)
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dsa_indexer import dsa_indexer_ref, top_positions
+from kernels.dsa_indexer import dsa_indexer_ref
+from kernels.selection import top_positions
 from tests.kernels.paged_layout import lay_out, query_starts
 
 Hi, Di, K = 4, 16, 8

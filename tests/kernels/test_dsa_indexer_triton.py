@@ -18,12 +18,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from kernels.dsa_indexer import dsa_indexer_ref  # noqa: E402
 from kernels.dsa_indexer_triton import (  # noqa: E402
     INDEXER_TILES,
     IndexerTiles,
-    dsa_indexer,
-    dsa_indexer_ref,
     dsa_indexer_scores,
+    dsa_indexer_triton,
     indexer_tiles,
 )
 from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
@@ -105,7 +105,7 @@ def run_both(batch: dict, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ref_in = {**batch, "tag_mismatch": batch["tag_mismatch"].clone()}
     ref = dsa_indexer_ref(**ref_in)
     dev_in = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    idx = dsa_indexer(**dev_in, **kw)
+    idx = dsa_indexer_triton(**dev_in, **kw)
     return idx.cpu(), ref, dev_in["tag_mismatch"].cpu(), ref_in["tag_mismatch"]
 
 
@@ -232,14 +232,14 @@ def test_check_can_be_disabled_and_bad_inputs_rejected() -> None:
     batch, _, _ = make_batch([20, 9], [3, 9], 4, 16, 4, torch.float32, torch.float32, seed=6, topk=5)
     batch["page_tags"] += 1
     dev_in = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    unchecked = dsa_indexer(**dev_in, check_tags=False, config=IndexerTiles(block_n=16))
+    unchecked = dsa_indexer_triton(**dev_in, check_tags=False, config=IndexerTiles(block_n=16))
     assert not dev_in["tag_mismatch"].any() and (unchecked >= 0).any()  # the benchmark's "off" arm
     with pytest.raises(ValueError):
-        dsa_indexer(**{**batch, "weights": batch["weights"].half()})
+        dsa_indexer_triton(**{**batch, "weights": batch["weights"].half()})
     with pytest.raises(ValueError):
-        dsa_indexer(**{**batch, "query_start": torch.tensor([0, 12], dtype=torch.int32)})
+        dsa_indexer_triton(**{**batch, "query_start": torch.tensor([0, 12], dtype=torch.int32)})
     with pytest.raises(TypeError):
-        dsa_indexer(**{**batch, "k_cache": batch["k_cache"].half()})
+        dsa_indexer_triton(**{**batch, "k_cache": batch["k_cache"].half()})
 
 
 @pytest.mark.gpu
@@ -266,7 +266,7 @@ def test_gpu_glm5_indexer(key_dtype: torch.dtype) -> None:
     batch["page_tags"][int(table[2, 7])] += 1  # tokens 112..127 of the 20k decode row
     ref_in = {**batch, "tag_mismatch": batch["tag_mismatch"].clone()}
     ref = dsa_indexer_ref(**ref_in)
-    idx = dsa_indexer(**batch)
+    idx = dsa_indexer_triton(**batch)
     assert batch["tag_mismatch"].tolist() == [False, False, True, False] == ref_in["tag_mismatch"].tolist()
     assert not ((idx[-2] >= 112) & (idx[-2] < 128)).any()
     assert (idx[512:812, 300:] == -1).all() and (idx[512:812, :1] >= 0).all()

@@ -1,6 +1,6 @@
 """Fused FP8 MoE (kernels/fused_moe_fp8.py) against its pure-torch reference (FP8 dequantized with its
 scales to fp32, SiLU-gated MLP, weighted sum), and against the CPU loop of the layer that calls it
-(`backend.quant.experts.QuantExperts`, whose dequantizers come from backend/quant/fp8.py).
+(`backend.quant.experts.QuantExperts`, whose dequantizers come from kernels/formats/fp8.py).
 
 CPU CI runs the kernels under TRITON_INTERPRET=1 (fp32/fp16 activations: bf16 `tl.dot` is broken in
 the interpreter). The weights are e4m3 bytes made by torch's cast, so the kernel reads exactly what

@@ -15,7 +15,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.kv_write_triton import kv_write, kv_write_ref  # noqa: E402
+from kernels.kv_write import kv_write_ref  # noqa: E402
+from kernels.kv_write_triton import kv_write_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -51,7 +52,7 @@ def run_both(step: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     ref = {**step, "cache": step["cache"].clone(), "tag_mismatch": step["tag_mismatch"].clone()}
     kv_write_ref(**ref)
     dev = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
-    kv_write(**dev)
+    kv_write_triton(**dev)
     return dev["cache"].cpu(), ref["cache"], dev["tag_mismatch"].cpu(), ref["tag_mismatch"]
 
 
@@ -165,7 +166,7 @@ def test_slot_past_the_pool_is_flagged_not_written() -> None:
     buffer = torch.zeros(5, 4, 8, device=DEV)
     buffer[:4] = step["cache"].to(DEV)
     dev = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
-    kv_write(**{**dev, "cache": buffer[:4]})
+    kv_write_triton(**{**dev, "cache": buffer[:4]})
     assert dev["tag_mismatch"].cpu().tolist() == [False, False, True]
     assert torch.equal(buffer[4].cpu(), torch.zeros(4, 8))
     assert torch.equal(buffer[0, 1].cpu(), step["cache"][0, 1])  # nor wrapped onto page 0
@@ -180,19 +181,19 @@ def test_non_contiguous_values_and_empty_step() -> None:
     assert same_bytes(out, ref)
     empty = {**step, "values": step["values"][:0], "slot_mapping": step["slot_mapping"][:0]}
     empty |= {"token_expected_tags": step["token_expected_tags"][:0], "token_seq": step["token_seq"][:0]}
-    kv_write(**empty)
+    kv_write_triton(**empty)
 
 
 def test_launcher_rejects_bad_inputs() -> None:
     step = make_step(P=4, S=4, shape=(8,), T=5, cache_dtype=torch.float32, values_dtype=torch.float32, seed=6)
     with pytest.raises(ValueError):
-        kv_write(**{**step, "values": step["values"][:, :7]})
+        kv_write_triton(**{**step, "values": step["values"][:, :7]})
     with pytest.raises(ValueError):
-        kv_write(**{**step, "slot_mapping": step["slot_mapping"].int()})
+        kv_write_triton(**{**step, "slot_mapping": step["slot_mapping"].int()})
     with pytest.raises(ValueError):
-        kv_write(**{**step, "cache": torch.zeros(4, 8, 4).transpose(1, 2)})  # per-token dim strided
+        kv_write_triton(**{**step, "cache": torch.zeros(4, 8, 4).transpose(1, 2)})  # per-token dim strided
     with pytest.raises(TypeError):
-        kv_write(**{**step, "values": step["values"].to(torch.int32)})
+        kv_write_triton(**{**step, "values": step["values"].to(torch.int32)})
 
 
 @pytest.mark.gpu

@@ -21,8 +21,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.mla_decode import mla_decode, mla_decode_ref, pick_num_splits  # noqa: E402
+from kernels.mla_attention import mla_decode_ref  # noqa: E402
+from kernels.mla_decode import mla_decode  # noqa: E402
 from kernels.mla_tiles import VARIANTS, pick_mla_splits  # noqa: E402
+from kernels.split_k_merge import pick_num_splits  # noqa: E402
 from tests.kernels.paged_layout import lay_out, poison_allocator  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -368,7 +370,7 @@ def test_gpu_tampered_and_sparse(splits: int | None, cache_dtype: torch.dtype) -
 def test_gpu_decode_step_replays_in_a_cuda_graph() -> None:
     """kv_write then mla_decode captured once (as the engine's decode graphs are) and replayed on new
     inputs copied into the same buffers: equal to eager calls, flags raised inside the replay."""
-    from kernels.kv_write_triton import kv_write
+    from kernels.kv_write_triton import kv_write_triton
 
     ctx = [5000, 123, 16, 2049]
     batch = gpu_batch(len(ctx), ctx, FP8)
@@ -382,7 +384,7 @@ def test_gpu_decode_step_replays_in_a_cuda_graph() -> None:
     token_seq = torch.arange(B, device="cuda")
 
     def step() -> torch.Tensor:
-        kv_write(batch["latent_cache"], new, slots, batch["latent_scale"], batch["page_tags"], token_tags,
+        kv_write_triton(batch["latent_cache"], new, slots, batch["latent_scale"], batch["page_tags"], token_tags,
                  token_seq, batch["tag_mismatch"])  # fmt: skip
         return mla_decode(**batch)
 

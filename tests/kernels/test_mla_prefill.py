@@ -15,8 +15,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.mla_prefill import mla_attention_ref, mla_prefill, query_tiles  # noqa: E402
+from kernels.mla_attention import mla_attention_ref  # noqa: E402
+from kernels.mla_prefill import mla_prefill  # noqa: E402
 from kernels.mla_tiles import VARIANTS  # noqa: E402
+from kernels.triton_lib import query_tiles  # noqa: E402
 from tests.kernels.paged_layout import lay_out, poison_allocator, query_starts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

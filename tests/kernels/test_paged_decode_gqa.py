@@ -21,11 +21,11 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels.gqa_slice import GQATiles  # noqa: E402
+from kernels.paged_attention import paged_decode_gqa_ref  # noqa: E402
 from kernels.paged_decode_gqa import (  # noqa: E402
     DECODE_TILES,
     DEFAULT_TILES,
     paged_decode_gqa,
-    paged_decode_gqa_ref,
     pick_num_splits,
 )
 

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels.gqa_slice import GQATiles, slice_constexprs  # noqa: E402
-from kernels.paged_prefill_gqa import PREFILL_TILES, paged_attention_ref, paged_prefill_gqa  # noqa: E402
+from kernels.paged_attention import paged_attention_ref  # noqa: E402
+from kernels.paged_prefill_gqa import PREFILL_TILES, paged_prefill_gqa  # noqa: E402
 from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,14 +17,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import kernels.w4a16_gemm as w4a16_module  # noqa: E402
-from kernels.w4a16_gemm import (  # noqa: E402
-    W4A16Config,
-    dequantize_int4,
-    repack_int4,
-    unpack_int4_ref,
-    w4a16_gemm,
-    w4a16_gemm_ref,
-)
+from kernels.formats.int4 import repack_int4, unpack  # noqa: E402
+from kernels.int4_dequant import int4_dequant_triton  # noqa: E402
+from kernels.w4a16_gemm import W4A16Config, w4a16_gemm, w4a16_gemm_ref  # noqa: E402
 from tests.kernels.sm90_compile import compiled_lines  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,7 +61,7 @@ def test_packing_matches_compressed_tensors() -> None:
     gen = torch.Generator().manual_seed(0)
     packed, _, q = make_checkpoint(24, 96, 32, gen)
     assert torch.equal(packed, pack_to_int32(q, 4))
-    assert torch.equal(unpack_int4_ref(packed), q)
+    assert torch.equal(unpack(packed), q)
     assert torch.equal(unpack_from_int32(packed, 4, q.shape), q)
 
 
@@ -111,7 +106,7 @@ def test_kernel_matches_reference(
 def test_dequantize_matches_unpacked_weights() -> None:
     gen = torch.Generator().manual_seed(4)
     packed, scale, q = make_checkpoint(20, 160, 32, gen)
-    dense = dequantize_int4(packed.to(DEV), scale.to(DEV), 32, torch.float32).cpu()
+    dense = int4_dequant_triton(packed.to(DEV), scale.to(DEV), 32, torch.float32).cpu()
     assert torch.equal(dense, q.float() * scale.float().repeat_interleave(32, dim=1))
 
 
@@ -157,7 +152,7 @@ def test_leading_dims_and_shape_errors() -> None:
 def test_int4_kernels_compile_for_sm90() -> None:
     """The W4A16 and INT4 MoE kernels (and the MoE alignment) compile for the H200 at the launchers' defaults (Triton +
     ptxas + cuobjdump, no GPU; a process without TRITON_INTERPRET): no spills, and the GEMVs' K loop
-    has no barrier and stays near two instructions per weight (`kernels/int4_gemv.py`)."""
+    has no barrier and stays near two instructions per weight (`kernels/triton_lib.py`)."""
     lines = compiled_lines("tests.kernels.sm90_compile_int4")
     assert len(lines) == 14 and all(" 0 bytes spill stores" in line for line in lines), lines
     for line in (line for line in lines if "| loop" in line):

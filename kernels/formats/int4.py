@@ -1,4 +1,5 @@
-"""INT4 W4A16 weights in the compressed-tensors `pack-quantized` layout (what Kimi K2 Thinking ships).
+"""The INT4 format: compressed-tensors `pack-quantized` weights (what Kimi K2 Thinking ships), the one
+implementation of quantize, pack, unpack and dequantize that `backend/quant` and the kernels share.
 
 Symmetric, one BF16 scale per `group_size` consecutive inputs of an output row. The integer grid
 and rounding are compressed-tensors' own (its min-max observer with a symmetric 4-bit range):
@@ -63,8 +64,8 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def unpack(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """int32 [N, W] -> int8 q [N, K] in [-8, 7] (the inverse of `pack`)."""
+def unpack(packed: torch.Tensor, in_features: int | None = None) -> torch.Tensor:
+    """int32 [N, W] -> int8 q [N, K] in [-8, 7] (the inverse of `pack`); K defaults to 8 W."""
     n = packed.shape[0]
     nibbles = (packed.to(torch.int64).unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF  # [N, W, 8]
     return (nibbles.view(n, -1)[:, :in_features] - 8).to(torch.int8)
@@ -112,3 +113,40 @@ def dequantize_int4(
     q = unpack(packed, in_features).float()  # [N, K]
     s = scale.float().repeat_interleave(group_size, dim=1)[:, :in_features]  # [N, K]
     return (q * s).to(dtype)
+
+
+def check_int4_operands(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    """The GEMM launchers' checks: x [..., K] fp16/bf16/fp32, w [N, K/8] int32, scales [N, K/G]."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"activations must be fp16, bf16 or fp32, got {x.dtype}")
+    if w.dtype != torch.int32 or w.dim() != 2:
+        raise TypeError(f"w_repacked must be 2-D int32 [N, K/8], got {w.dtype} {tuple(w.shape)}")
+    if not scales.is_floating_point() or scales.dim() != 2:
+        raise TypeError("scales must be a 2-D float tensor [N, K/G]")
+    K, N = x.shape[-1], w.shape[0]
+    if w.shape[1] * 8 != K or K % group_size:
+        raise ValueError(f"K={K} does not match w_repacked {tuple(w.shape)} and group {group_size}")
+    if tuple(scales.shape) != (N, K // group_size):
+        raise ValueError(f"scales {tuple(scales.shape)} != ({N}, {K // group_size})")
+    if not (x.device == w.device == scales.device):
+        raise ValueError("x, w_repacked and scales must be on one device")
+
+
+def repack_int4(
+    weight_packed: torch.Tensor,  # [N, K/8] int32, checkpoint layout
+    weight_scale: torch.Tensor,  # [N, K/G]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checkpoint tensors -> what the kernels take, once at load: `(w [N, K/8] int32, scales [N, K/G], G)`.
+
+    The kernels read the checkpoint layout itself: K-contiguous words give each thread 16-byte loads
+    and, unpacked, eight consecutive k, which is the K-major B operand the tensor cores want (a
+    transposed `[K/8, N]` layout measured slower: 2-byte shared-memory stores of the dequantized
+    tile). So the repack validates, infers the group size and makes both tensors contiguous.
+    """
+    if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
+        raise TypeError("weight_packed must be 2-D int32 [N, K/8]")
+    N, K8 = weight_packed.shape
+    if weight_scale.dim() != 2 or weight_scale.shape[0] != N or (8 * K8) % weight_scale.shape[1]:
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} does not fit weight_packed {(N, K8)}")
+    group_size = 8 * K8 // weight_scale.shape[1]
+    return weight_packed.contiguous(), weight_scale.contiguous(), group_size

@@ -1,4 +1,5 @@
-"""FP8 e4m3 weights: per-output-channel scales, and DeepSeek/Kimi-style 128×128 block scales.
+"""The FP8 format: e4m3 weights with per-output-channel scales or DeepSeek/Kimi-style 128×128 block
+scales, the one implementation `backend/quant` and the kernels share.
 
 Both store `weight` as float8_e4m3fn and a float32 multiplier: dequantized = weight * scale.
 - per channel (compressed-tensors `float-quantized`, strategy channel): `weight_scale` [N, 1].
@@ -15,7 +16,7 @@ import math
 
 import torch
 
-from backend.quant.int4 import rows_per_chunk
+from kernels.formats.int4 import rows_per_chunk
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0
@@ -100,3 +101,15 @@ def dequantize_fp8_block(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     return from_fp8(q, _expand(scale_inv.float(), tuple(q.shape), block), dtype)
+
+
+def dequantize_fp8(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """[N, K] e4m3 with per-channel [N, 1] (`block` None) or block [Bn, Bk] scales -> [N, K] `dtype`."""
+    if block is None:
+        return dequantize_fp8_channel(q, scale, dtype)
+    return dequantize_fp8_block(q, scale, block, dtype)
