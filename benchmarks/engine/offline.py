@@ -191,7 +191,11 @@ def _shape_summary(steps: list[tuple[int, int, float]]) -> dict[str, Any]:
     if decode:
         rows = max(d for d, _ in decode)
         ms = statistics.median(ms for d, ms in decode if d == rows)
-        out |= {"steady_decode_rows": rows, "steady_decode_step_ms_p50": ms, "steady_decode_tok_s": rows * 1e3 / ms}
+        out |= {
+            "steady_decode_rows": rows,
+            "steady_decode_step_ms_p50": ms,
+            "steady_decode_tok_s": rows * 1e3 / ms,
+        }
     return out
 
 

@@ -82,7 +82,9 @@ def add_transformers(record: dict[str, Any], result: dict[str, Any]) -> None:
 
 # ---- summary ----------------------------------------------------------------------------------------
 def _kumo(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r for r in record["runs"] if r["source"] == "kumo" and r.get("extra", {}).get("is_complete", True)]
+    return [
+        r for r in record["runs"] if r["source"] == "kumo" and r.get("extra", {}).get("is_complete", True)
+    ]
 
 
 def summarize(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -91,7 +93,9 @@ def summarize(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     scenarios = record.get("scenarios") or {}
     summary = {k: (scenarios[k]["summary"] if k in scenarios else None) for k in TARGETS}
     detail = {
-        k: scenarios[k]["definition"] if k in scenarios else f"not measured here: `kumo bench engine scenario {k}`"
+        k: scenarios[k]["definition"]
+        if k in scenarios
+        else f"not measured here: `kumo bench engine scenario {k}`"
         for k in TARGETS
     }
     return summary, detail
@@ -164,7 +168,9 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
         pooled["order"] = [s for _, e in best for s in e["order"]]
         samples = [x for _, e in best if e["summary"] for x in e["summary"]["samples"]]
         pooled["summary"] = summary_entry(samples) if samples else None
-        pooled["sources"] = [{"command": r["command"], "date": r["date"], "machine": r.get("machine")} for r, _ in best]
+        pooled["sources"] = [
+            {"command": r["command"], "date": r["date"], "machine": r.get("machine")} for r, _ in best
+        ]
         pooled["not_pooled"] = [r["command"] for g in by_key.values() if g is not best for r, _ in g]
         out[name] = pooled
     return out
@@ -227,7 +233,9 @@ def markdown(record: dict[str, Any]) -> str:
     machines = record.get("machines") or [record.get("machine")]
     fresh = [m["is_fresh"] for m in machines if m]
     if fresh:
-        lines.append(f"\nFresh machine (first benchmark process on its compile cache): {', '.join(map(str, fresh))}.")
+        lines.append(
+            f"\nFresh machine (first benchmark process on its compile cache): {', '.join(map(str, fresh))}."
+        )
     lines += ["", "| variant | weights GB | KV tokens | max conc. | prefill tok/s |", "|---|---|---|---|---|"]
     for v in record["variants"]:
         pf = (v.get("prefill") or {}).get("prefill_tok_s")
@@ -295,14 +303,23 @@ def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
     missed = {k: v for k, v in (e.get("warm_up_missed_shapes") or {}).items() if v}
     if warm:
         lines.append(
-            "Warm-up: " + ", ".join(f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes)" for k, v in warm.items())
-            + (f"; timed step shapes it missed: {missed}" if missed else "; it ran every step shape the timed runs ran.")
+            "Warm-up: "
+            + ", ".join(
+                f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes)" for k, v in warm.items()
+            )
+            + (
+                f"; timed step shapes it missed: {missed}"
+                if missed
+                else "; it ran every step shape the timed runs ran."
+            )
         )
     else:
         lines.append("No warm-up (a cold measurement).")
     for field, entry in (e.get("beside") or {}).items():
         if isinstance(entry, dict):
-            lines.append(f"Beside: {field} {entry['value']:.3f} [{entry['spread'][0]:.3f}, {entry['spread'][1]:.3f}].")
+            lines.append(
+                f"Beside: {field} {entry['value']:.3f} [{entry['spread'][0]:.3f}, {entry['spread'][1]:.3f}]."
+            )
         elif entry is not None:
             lines.append(f"Beside: {field} {entry:.3f}.")
     lines += ["", "| round | side | run | tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | wall s | ratio |",

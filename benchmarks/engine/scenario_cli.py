@@ -31,21 +31,27 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
-    ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step (max_num_batched_tokens)")
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="prefill tokens per step (max_num_batched_tokens)"
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--pool-scale", type=float, default=1.0, help="the planned KV pools times this")
     ap.add_argument(
         "--warm-up", action=argparse.BooleanOptionalAction, default=True,
         help="one untimed run of the workload per side before any timing (--no-warm-up: to see a cold run)",
     )  # fmt: skip
-    ap.add_argument("--experts-only", action="store_true", help="weights scenarios: INT4 / FP8 routed experts only")
+    ap.add_argument(
+        "--experts-only", action="store_true", help="weights scenarios: INT4 / FP8 routed experts only"
+    )
     ap.add_argument("--hf-mode", default="generate", help="vs_transformers_c64: the peer's mode")
     ap.add_argument("--fp8-method", choices=("fp8-block", "fp8-channel"), default="fp8-block")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--tiny", action="store_true", help="small geometry and lengths (CPU tests)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--budget-s", type=float, default=540.0, help="no round starts that would end after this")
-    ap.add_argument("--compile-cache", type=Path, default=None, help="Triton's cache (default ~/.triton/cache)")
+    ap.add_argument(
+        "--compile-cache", type=Path, default=None, help="Triton's cache (default ~/.triton/cache)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
     return ap
@@ -82,7 +88,10 @@ def main(argv: list[str]) -> int:
     record["machine"] = machine
     record["scenarios"] = {a.name: measure(a.name, geometry, opts)}
     record["wall_s"] = time.monotonic() - start
-    out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-engine-{a.name}{'-tiny' if a.tiny else ''}.json"
+    out = (
+        a.out
+        or RESULTS / f"{datetime.date.today().isoformat()}-engine-{a.name}{'-tiny' if a.tiny else ''}.json"
+    )
     paths = report.write(report.finish(record), out)
     print(report.markdown(record))
     print("wrote " + ", ".join(paths))

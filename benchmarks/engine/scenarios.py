@@ -151,7 +151,11 @@ class Bench:
                 from benchmarks.engine.hf_peer import build_hf_model
 
                 self.peer = build_hf_model(geometry, opts.device)
-                self.described[key] = {"label": side.label, "weights": "bf16", "build_s": time.perf_counter() - start}
+                self.described[key] = {
+                    "label": side.label,
+                    "weights": "bf16",
+                    "build_s": time.perf_counter() - start,
+                }
                 continue
             self.engines[key] = self._engine(side)
             self.described[key] = self._describe(side, self.engines[key], time.perf_counter() - start)
@@ -167,7 +171,9 @@ class Bench:
         if side.kv_dtype == "fp8":  # calibrated on seeded random ids, as a checkpoint without scales is
             prompts = random_prompts(2, 64, self.vocab, seed=opts.seed + 5)
             scales = calibrate(model, prompts, model_dtype=torch.bfloat16)
-        sizing = self.geometry.kv_sizing(side.weights, side.kv_dtype, page_size=opts.page_size, fp8_method=opts.fp8_method)
+        sizing = self.geometry.kv_sizing(
+            side.weights, side.kv_dtype, page_size=opts.page_size, fp8_method=opts.fp8_method
+        )
         config = engine_config(
             max(int(sizing.num_pages * opts.pool_scale), 1), opts.page_size, side.kv_dtype, opts.concurrency,
             opts.chunk, check_page_tags=side.check_page_tags, cuda_graphs=opts.cuda_graphs,
@@ -183,14 +189,17 @@ class Bench:
         )
 
     def _describe(self, side: Side, engine: Engine, build_s: float) -> dict[str, Any]:
-        sizing = self.geometry.kv_sizing(side.weights, side.kv_dtype, page_size=self.opts.page_size, fp8_method=self.opts.fp8_method)
+        sizing = self.geometry.kv_sizing(
+            side.weights, side.kv_dtype, page_size=self.opts.page_size, fp8_method=self.opts.fp8_method
+        )
         num_pages = engine.config.num_pages
         return dataclasses.asdict(side) | {
             "build_s": build_s,
             "weight_bytes": weight_bytes(self.models[side.weights]),
             "full_depth_weight_bytes_per_gpu": sizing.plan_weights_per_gpu,
             "kv_capacity_tokens": num_pages * self.opts.page_size,
-            "requests_that_fit": num_pages // -(-(self.opts.input_len + self.opts.output_len) // self.opts.page_size),
+            "requests_that_fit": num_pages
+            // -(-(self.opts.input_len + self.opts.output_len) // self.opts.page_size),
         }
 
     def run(self, key: str, *, variant: str, seed: int = 1) -> dict[str, Any]:
@@ -220,8 +229,12 @@ class Bench:
         num_requests = capacity // opts.input_len + 2
         sampling = SamplingParams(max_tokens=opts.output_len, temperature=0.0, ignore_eos=True)
         ids = [f"{variant}-{i}" for i in range(num_requests)]
-        for rid, prompt in zip(ids, random_prompts(num_requests, opts.input_len, self.vocab, seed=3), strict=True):
-            engine.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, tenant_salt=SALT, sampling=sampling))
+        for rid, prompt in zip(
+            ids, random_prompts(num_requests, opts.input_len, self.vocab, seed=3), strict=True
+        ):
+            engine.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=prompt, tenant_salt=SALT, sampling=sampling)
+            )
         preempt0, held, steps = engine.scheduler.num_preemptions, 0, 0
         start = time.perf_counter()
         while engine.has_unfinished and engine.scheduler.num_preemptions == preempt0:
@@ -262,7 +275,10 @@ def measure(name: str, geometry: Geometry, opts: ScenarioOptions) -> dict[str, A
         for key in ("A", "B") if opts.is_warm_up else ():  # the same run untimed: the same step shapes
             start = time.perf_counter()
             r = go(key, f"{name}/{sides[key].label}/warm-up")
-            warm[key] = {"s": time.perf_counter() - start, "step_shapes": r.get("extra", {}).get("step_shapes", [])}
+            warm[key] = {
+                "s": time.perf_counter() - start,
+                "step_shapes": r.get("extra", {}).get("step_shapes", []),
+            }
         count = iter(range(1 << 30))
         rounds = method.interleave(
             lambda key: go(key, f"{name}/{sides[key].label}/{next(count)}"),
@@ -288,7 +304,13 @@ def _entry(
     ratios = [r["ratio"] - 1.0 if scenario.is_overhead else r["ratio"] for r in complete]
     missed: dict[str, list[list[int]]] = {}
     for key in ("A", "B"):
-        timed = [s for r in rounds for run in r["runs"] if run["side"] == key for s in run.get("extra", {}).get("step_shapes", [])]
+        timed = [
+            s
+            for r in rounds
+            for run in r["runs"]
+            if run["side"] == key
+            for s in run.get("extra", {}).get("step_shapes", [])
+        ]
         missed[key] = method.missing_shapes(warm.get(key, {}).get("step_shapes", []), timed)
         for r in rounds:  # the shapes are compared here; the record keeps their count
             for run in r["runs"]:
@@ -299,14 +321,18 @@ def _entry(
     beside = {}
     for field in scenario.beside:
         per_round = [
-            method.round_ratio(*[[run["extra"][field] for run in r["runs"] if run["side"] == k] for k in ("A", "B")])
+            method.round_ratio(
+                *[[run["extra"][field] for run in r["runs"] if run["side"] == k] for k in ("A", "B")]
+            )
             for r in complete
         ]
         beside[f"{field}_ratio"] = method.summary_entry(per_round) if per_round else None
     a, b = bench.described["A"], bench.described["B"]
     if scenario.a.weights != scenario.b.weights and not scenario.b.is_transformers:
         beside["bytes_ceiling"] = b["weight_bytes"] / a["weight_bytes"]  # at this depth: what decode reads
-        beside["bytes_ceiling_full_depth"] = b["full_depth_weight_bytes_per_gpu"] / a["full_depth_weight_bytes_per_gpu"]
+        beside["bytes_ceiling_full_depth"] = (
+            b["full_depth_weight_bytes_per_gpu"] / a["full_depth_weight_bytes_per_gpu"]
+        )
         beside["int4_checkpoint_over_fp8"] = 1.0 / beside["bytes_ceiling_full_depth"]
     return {
         "scenario": name,
