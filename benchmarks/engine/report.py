@@ -236,6 +236,8 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append(
             f"\nFresh machine (first benchmark process on its compile cache): {', '.join(map(str, fresh))}."
         )
+    if not record["variants"] and not record["runs"]:  # a scenario record: its own tables above
+        return "\n".join(lines) + "\n"
     lines += ["", "| variant | weights GB | KV tokens | max conc. | prefill tok/s |", "|---|---|---|---|---|"]
     for v in record["variants"]:
         pf = (v.get("prefill") or {}).get("prefill_tok_s")
@@ -314,7 +316,7 @@ def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
             )
         )
     else:
-        lines.append("No warm-up (a cold measurement).")
+        lines.append(f"No warm-up (a cold measurement): timed step shapes it missed: {missed}.")
     for field, entry in (e.get("beside") or {}).items():
         if isinstance(entry, dict):
             lines.append(

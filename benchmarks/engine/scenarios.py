@@ -57,7 +57,7 @@ class Scenario:
     concurrency: int
     input_len: int
     output_len: int
-    metric: str  # the run's field the ratio divides; "fill" for the capacity scenario
+    metric: str  # the run's field the ratio divides ("kv_tokens_held": a fill of the pool, `Bench.fill`)
     definition: str
     layers: int = 4
     num_rounds: int = 3
@@ -100,7 +100,8 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     "capacity_fp8_over_bf16": Scenario(
         "kimi-k2.6", FP8KV, BF16KV, 64, 16384, 4096, "kv_tokens_held",
-        "KV tokens held when the pool first preempts, filled with requests of 16,384 / 4,096, FP8 / BF16",
+        "KV tokens held when the pool first preempts, filled with 16,384-token prompts that keep decoding, "
+        "FP8 / BF16",
         num_rounds=1,
     ),
 }  # fmt: skip
@@ -151,11 +152,7 @@ class Bench:
                 from benchmarks.engine.hf_peer import build_hf_model
 
                 self.peer = build_hf_model(geometry, opts.device)
-                self.described[key] = {
-                    "label": side.label,
-                    "weights": "bf16",
-                    "build_s": time.perf_counter() - start,
-                }
+                self.described[key] = dataclasses.asdict(side) | {"build_s": time.perf_counter() - start}
                 continue
             self.engines[key] = self._engine(side)
             self.described[key] = self._describe(side, self.engines[key], time.perf_counter() - start)
@@ -222,12 +219,15 @@ class Bench:
         return r
 
     def fill(self, key: str, *, variant: str) -> dict[str, Any]:
-        """Requests of the workload's lengths, more than the pool holds, stepped until the scheduler
-        first preempts: the most prompt + output tokens the running requests held at once."""
+        """Requests of the workload's prompt length, more than the pool holds, each asking for as many
+        output tokens as the pool could hold beside its prompt (so none finishes first), stepped until
+        the scheduler first preempts: the most tokens the running requests held in the cache at once."""
         engine, opts = self.engines[key], self.opts
         capacity = engine.config.num_pages * opts.page_size
         num_requests = capacity // opts.input_len + 2
-        sampling = SamplingParams(max_tokens=opts.output_len, temperature=0.0, ignore_eos=True)
+        window = engine.scheduler.context_window
+        max_tokens = min(capacity, window) - opts.input_len
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ids = [f"{variant}-{i}" for i in range(num_requests)]
         for rid, prompt in zip(
             ids, random_prompts(num_requests, opts.input_len, self.vocab, seed=3), strict=True
@@ -312,12 +312,10 @@ def _entry(
             for s in run.get("extra", {}).get("step_shapes", [])
         ]
         missed[key] = method.missing_shapes(warm.get(key, {}).get("step_shapes", []), timed)
-        for r in rounds:  # the shapes are compared here; the record keeps their count
-            for run in r["runs"]:
-                if "step_shapes" in run.get("extra", {}):
-                    run["extra"]["num_step_shapes"] = len(run["extra"].pop("step_shapes"))
-        if key in warm:
-            warm[key]["num_step_shapes"] = len(warm[key].pop("step_shapes"))
+    for run in [run for r in rounds for run in r["runs"]] + list(warm.values()):
+        extra = run.get("extra", run)  # the shapes are compared above; the record keeps their count
+        if "step_shapes" in extra:
+            extra["num_step_shapes"] = len(extra.pop("step_shapes"))
     beside = {}
     for field in scenario.beside:
         per_round = [
