@@ -102,3 +102,33 @@ def test_the_compile_cache_is_in_the_data_dir(tmp_path: Path, monkeypatch: pytes
     assert settings.compile_cache_dir == tmp_path / "compile-cache" / "triton"
     settings.apply_compile_cache()
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "compile-cache" / "triton")
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_workload_after_the_warm_up_compiles_no_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny random Kimi K2.6 (INT4 experts) on the GPU: after the warm-up, a chunked workload of 12
+    requests (prompt chunks beside decode rows, decode narrowing) adds nothing to the compile cache."""
+    from benchmarks.engine.geometry import make_geometry
+    from benchmarks.engine.weights import build_random_model
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    geometry = make_geometry("kimi-k2.6", 2, tiny=True)
+    vocab = geometry.model_config.vocab_size
+    config = EngineConfig.build(page_size=16, num_pages=512, max_num_seqs=16, max_num_batched_tokens=256)
+    engine = Engine(
+        build_random_model(geometry, "int4", device="cuda"),  # type: ignore[arg-type]
+        config,
+        vocab_size=vocab,
+        context_window=4096,
+        model_dtype=torch.bfloat16,
+        device="cuda",
+    )
+    warm_up(engine, is_full=True)
+    torch.cuda.synchronize()
+    compiled = sorted(p.name for p in cache.rglob("*"))
+    run_offline(engine, variant="v", concurrency=12, input_len=300, output_len=40, vocab_size=vocab)
+    torch.cuda.synchronize()
+    assert sorted(p.name for p in cache.rglob("*")) == compiled
