@@ -179,7 +179,13 @@ def run_offline(
         steps=engine.stats.steps - steps0,
         preemptions=engine.scheduler.num_preemptions - preempt0,
         finished=finished,
-        extra=_decode_summary(decode_steps) | _prefill_summary(prefill_steps) | _shape_summary(shapes),
+        extra=_decode_summary(decode_steps)
+        | _prefill_summary(prefill_steps)
+        | _shape_summary(shapes)
+        | {
+            "ttft_ms_per_request": [round(t, 2) for t in ttft],
+            "tpot_ms_per_request": [round(t, 3) for t in tpot],
+        },
     )
 
 

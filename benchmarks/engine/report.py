@@ -172,6 +172,9 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
             {"command": r["command"], "date": r["date"], "machine": r.get("machine")} for r, _ in best
         ]
         pooled["not_pooled"] = [r["command"] for g in by_key.values() if g is not best for r, _ in g]
+        first = best[0][0]
+        pooled["measured_on"] = {"kind": first["geometry"]["kind"], "layers": _layers(first),
+                                 "full_layers": first["geometry"]["full_num_layers"], "device": first["device"]}  # fmt: skip
         out[name] = pooled
     return out
 
@@ -367,12 +370,14 @@ def plots(record: dict[str, Any], stem: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    written: list[str] = []
     by_variant: dict[str, list[tuple[int, float]]] = {}
     for r in record["runs"]:
         if r.get("output_tok_s"):
             by_variant.setdefault(r["variant"], []).append((r["concurrency"], r["output_tok_s"]))
+    if not by_variant:  # a scenario record: `kumo bench report` plots its rounds
+        return written
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in sorted(by_variant.items()):
         pts.sort()
         ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=name)
