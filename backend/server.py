@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import logging
 import sys
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from backend.metrics import BackendMetrics
 from backend.served_model import ServedModel
 from backend.serving import Serving
 from backend.settings import BackendSettings, build_settings
+from backend.warmup import warm_up
 from gateway.http_protocol import ConnectionLimits, ServerConfig
 from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
 
@@ -203,7 +205,10 @@ def create_app(backend: Backend, *, lifespan: Lifespan | None = None) -> Starlet
 
 
 def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
-    """Load the checkpoint and build engine + serving; returns the backend and the `AsyncEngine`."""
+    """Load the checkpoint, build engine + serving and warm them up (`backend.warmup`: on a GPU every
+    step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`."""
+    start = time.perf_counter()
+    settings.apply_compile_cache()  # before the first kernel compiles (CUDA graphs capture in Engine)
     dtype = getattr(torch, settings.dtype)
     served = ServedModel.from_checkpoint(
         settings.model, name=settings.model_name, context_window=settings.context_window
@@ -245,10 +250,24 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         device=settings.device,
         kv_scales=kv_scales,
     )
+    warm = warm_up(engine, is_full=engine.runner.device.type == "cuda")
     async_engine = AsyncEngine(engine)
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
-    card = served.card(
-        dtype=settings.dtype, kv_dtype=kv_dtype, page_size=settings.page_size, num_pages=settings.max_pages
+    card = msgspec.structs.replace(
+        served.card(
+            dtype=settings.dtype,
+            kv_dtype=kv_dtype,
+            page_size=settings.page_size,
+            num_pages=settings.max_pages,
+        ),
+        startup_s=time.perf_counter() - start,
+        warmup_s=warm.seconds,
+    )
+    print(
+        f"kumo backend: {card.name} ready in {card.startup_s:.1f} s, of which warm-up {warm.seconds:.1f} s "
+        f"({warm.num_steps} steps; compile cache {settings.compile_cache_dir or 'Triton default'})",
+        file=sys.stderr,
+        flush=True,
     )
     backend = Backend(
         serving=Serving(served, async_engine, images=vision),

@@ -1,7 +1,10 @@
 """The backend process's settings: one frozen object built once from argv and the environment.
 
 `kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
-[--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S]`
+[--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]`
+
+`--data-dir` (what `kumo serve` passes: its own) keeps the compiled Triton kernels across restarts in
+`compile_cache_dir`; without it they go to Triton's default, `~/.triton/cache`.
 
 The shared secret comes from `--secret` or `KUMO_BACKEND_SECRET`; without one the backend refuses
 to start, so no one can reach it without the gateway's secret (and pick a tenant salt, or skip
@@ -40,6 +43,17 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     name: str | None = None
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA devices only)
+    data_dir: str | None = None
+
+    @property
+    def compile_cache_dir(self) -> Path | None:
+        """Where compiled Triton kernels persist, so a restart loads what the warm-up compiled."""
+        return Path(self.data_dir) / "compile-cache" / "triton" if self.data_dir is not None else None
+
+    def apply_compile_cache(self) -> None:
+        """Point Triton at `compile_cache_dir` (read when the first kernel compiles: call this first)."""
+        if self.compile_cache_dir is not None:
+            os.environ["TRITON_CACHE_DIR"] = str(self.compile_cache_dir)
 
     @property
     def model_name(self) -> str:
@@ -67,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="model name in the card (default: folder name)")
     p.add_argument("--secret", default=None, help="shared secret (default: $KUMO_BACKEND_SECRET)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--data-dir", default=None, help="state folder: the compile cache (default: none kept)")
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "engine": "benchmarks.engine.cli",
     "load": "benchmarks.load",
+    "report": "benchmarks.report",
     "serve": "benchmarks.serve",
 }
 

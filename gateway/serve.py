@@ -120,6 +120,7 @@ async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) 
     b.process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
         "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
+        "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip

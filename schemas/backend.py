@@ -231,6 +231,8 @@ class ModelCard(Base):
     page_size: int
     num_pages: int
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
+    startup_s: float | None = None  # start to ready: checkpoint load, CUDA graphs, warm-up
+    warmup_s: float | None = None  # of which the warm-up ran every step shape (`backend.warmup`)
 
 
 class LoadReport(Base):

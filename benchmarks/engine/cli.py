@@ -5,6 +5,7 @@
     integrity     tag check on vs off, interleaved  (default: Kimi K2.6, INT4 experts, FP8 KV)
     transformers  Kumo vs the transformers peer     (default: Kimi K2.6; Kumo int4/fp8-KV and bf16/bf16-KV)
     variant       any one variant (--weights, --kv-dtype)
+    scenario      one of Cloudflare's scenarios, warm and A/B/B/A: the summary's ratios (`scenario_cli.py`)
     report        merge records of several commands: `report A.json B.json … --out X.json`
     host          the engine's host time per decode step, model excluded (`benchmarks/engine/host_overhead.py`)
 
@@ -109,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine import host_overhead
 
         return host_overhead.main(args[1:])
+    if args[:1] == ["scenario"]:  # its own options: the scenario's sizes
+        from benchmarks.engine import scenario_cli
+
+        return scenario_cli.main(args[1:])
     ap = parser()
     a = ap.parse_args(args)
     if a.comparison == "report":

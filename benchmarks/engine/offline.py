@@ -121,11 +121,14 @@ def run_offline(
     finished = 0
     decode_steps: list[tuple[float, int]] = []  # (ms, sequences) of the steps with no prefill left
     prefill_steps: list[tuple[float, int, int]] = []  # (ms, tokens, decode rows) of the steps with prefill
+    shapes: list[tuple[int, int, float]] = []  # (prefill tokens, decode rows, ms) of every step
     step_start = start
     while engine.has_unfinished:
         decoding = len(first) == concurrency  # every prompt done before this step began
         running = concurrency - finished
         decode_rows = len(first) - finished  # requests past their prompt: one token each this step
+        # the running sequences with one token left to compute (a preempted one recomputes as prefill)
+        num_decode = sum(1 for s in engine.scheduler.running if s.num_uncomputed_tokens == 1)
         tokens0 = engine.stats.computed_tokens
         if around_step is None:
             outputs = engine.step()
@@ -133,6 +136,8 @@ def run_offline(
             with around_step(engine.stats.steps - steps0, decode_rows):
                 outputs = engine.step()
         now = clock()
+        num_prefill = max(engine.stats.computed_tokens - tokens0 - num_decode, 0)
+        shapes.append((num_prefill, num_decode, (now - step_start) * 1e3))
         if decoding:
             decode_steps.append(((now - step_start) * 1e3, running))
         else:
@@ -174,8 +179,30 @@ def run_offline(
         steps=engine.stats.steps - steps0,
         preemptions=engine.scheduler.num_preemptions - preempt0,
         finished=finished,
-        extra=_decode_summary(decode_steps) | _prefill_summary(prefill_steps),
+        extra=_decode_summary(decode_steps)
+        | _prefill_summary(prefill_steps)
+        | _shape_summary(shapes)
+        | {
+            "ttft_ms_per_request": [round(t, 2) for t in ttft],
+            "tpot_ms_per_request": [round(t, 3) for t in tpot],
+        },
     )
+
+
+def _shape_summary(steps: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """The distinct step shapes `[prefill tokens, decode rows]` (what a warm-up must have run), and the
+    steady decode rate: over the steps with no prompt tokens, the widest batch's rows / median step."""
+    out: dict[str, Any] = {"step_shapes": sorted([list(s) for s in {(p, d) for p, d, _ in steps}])}
+    decode = [(d, ms) for p, d, ms in steps if p == 0 and d > 0]
+    if decode:
+        rows = max(d for d, _ in decode)
+        ms = statistics.median(ms for d, ms in decode if d == rows)
+        out |= {
+            "steady_decode_rows": rows,
+            "steady_decode_step_ms_p50": ms,
+            "steady_decode_tok_s": rows * 1e3 / ms,
+        }
+    return out
 
 
 def _decode_summary(steps: list[tuple[float, int]]) -> dict[str, Any]:

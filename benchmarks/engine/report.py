@@ -1,10 +1,13 @@
 """The record (JSON), its summary ratios, a Markdown table, a projection and PNG plots.
 
-Record: `{command, date, device, geometry, comparisons, options, variants, runs, integrity,
-transformers, summary, summary_detail, projection}`. `runs` is flat: one row per Kumo run
+Record: `{command, date, device, geometry, comparisons, options, machine, variants, runs, integrity,
+transformers, scenarios, summary, summary_detail, projection}`. `runs` is flat: one row per Kumo run
 (`source: "kumo"`, its `variant`) and per transformers run (`source: "transformers"`, its `mode`).
-A summary ratio is null when the record holds no measurement for it (one device call measures one
-comparison; `kumo bench engine report A.json B.json …` merges calls and recomputes the summary).
+`scenarios` holds what `kumo bench engine scenario NAME` measured (`benchmarks.engine.scenarios`).
+The summary has every key of TARGETS: `{"value": median, "samples": [ratio per A/B/B/A round],
+"spread": [min, max]}` from the scenario of that name, or null when the record holds none (a
+concurrency sweep measures no ratio; `kumo bench engine report A.json B.json …` merges calls and
+pools the rounds of one scenario split over several calls).
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-# (seed figure, goal) per summary key, from issue 9
+from benchmarks.engine.method import summary_entry
+
+# (Cloudflare's figure, goal) per summary key, from issue 25; each is measured by the scenario of its
+# name (`kumo bench engine scenario KEY`, benchmarks/engine/scenarios.py)
 TARGETS: dict[str, tuple[str, str]] = {
-    "int4_vs_fp8_decode_c1": ("1.55x", ">= 1.7x"),
-    "int4_vs_fp8_prefill": ("0.85x", ">= 0.95x"),
-    "fp8kv_vs_bf16kv_c64": ("1.41x", ">= 1.45x"),
+    "fp8kv_vs_bf16kv_long_c64": ("1.41x", ">= 1.45x"),
     "fp8kv_vs_bf16kv_c1": ("a few % below 1.0x", ">= 1.0x"),
+    "int4_vs_fp8_decode_c1": ("1.55x", ">= 1.6x"),
+    "int4_vs_fp8_prefill": ("0.85x", ">= 0.95x"),
     "integrity_overhead": ("-", "<= +1%"),
     "vs_transformers_c64": ("-", ">= 10x"),
+    "capacity_fp8_over_bf16": ("-", ">= 1.99x"),
 }
 
 
@@ -73,80 +80,23 @@ def add_transformers(record: dict[str, Any], result: dict[str, Any]) -> None:
         ]
 
 
-# ---- summary -------------------------------------------------------------------------------------
-def _kumo(record: dict[str, Any], weights: str | None = None, kv: str | None = None) -> list[dict[str, Any]]:
-    by_name = {v["variant"]: v for v in record["variants"]}
-    out = []
-    for r in record["runs"]:
-        v = by_name.get(r["variant"])
-        if (
-            r["source"] == "kumo"
-            and v
-            and (weights is None or v["weights"] == weights)
-            and (kv is None or v["kv_dtype"] == kv)
-            and r.get("extra", {}).get("is_complete", True)  # a run cut at its deadline is no figure
-        ):
-            out.append(r)
-    return out
-
-
-def _at(runs: list[dict[str, Any]], c: int, key: str) -> float | None:
-    vals = [r[key] for r in runs if r["concurrency"] == c and r.get(key)]
-    return max(vals) if vals else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def _prefill(record: dict[str, Any], weights: str) -> float | None:
-    vals = [
-        v["prefill"]["prefill_tok_s"]
-        for v in record["variants"]
-        if v["weights"] == weights and v.get("prefill")
+# ---- summary ----------------------------------------------------------------------------------------
+def _kumo(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        r for r in record["runs"] if r["source"] == "kumo" and r.get("extra", {}).get("is_complete", True)
     ]
-    return max(vals) if vals else None
 
 
-def summarize(record: dict[str, Any]) -> tuple[dict[str, float | None], dict[str, str]]:
-    # the weights comparison's pair: routed experts only, or every Linear (`--all-linear`)
-    formats = {v["weights"] for v in record["variants"]}
-    w4, w8 = ("int4-all", "fp8-all") if {"int4-all", "fp8-all"} <= formats else ("int4", "fp8")
-    int4, fp8 = _kumo(record, w4), _kumo(record, w8)
-    bf16kv, fp8kv = _kumo(record, kv="bf16"), _kumo(record, kv="fp8")
-    # the KV comparison is between variants with the same weights: pick the format both have
-    both = {v["weights"] for v in record["variants"] if v["kv_dtype"] == "bf16"} & {
-        v["weights"] for v in record["variants"] if v["kv_dtype"] == "fp8"
-    }
-    w = sorted(both)[0] if both else None
-    if w is not None:
-        bf16kv, fp8kv = _kumo(record, w, "bf16"), _kumo(record, w, "fp8")
-    bf16kv_peak = max((r["output_tok_s"] for r in bf16kv), default=None) if w else None
-    hf = [r for r in record["runs"] if r["source"] == "transformers"]
-    integrity = record.get("integrity") or {}
-    overhead = integrity.get("overhead")
-    summary = {
-        "int4_vs_fp8_decode_c1": _ratio(
-            _at(int4, 1, "output_tok_s_per_user"), _at(fp8, 1, "output_tok_s_per_user")
-        ),
-        "int4_vs_fp8_prefill": _ratio(_prefill(record, w4), _prefill(record, w8)),
-        "fp8kv_vs_bf16kv_c64": _ratio(_at(fp8kv, 64, "output_tok_s"), bf16kv_peak) if w else None,
-        "fp8kv_vs_bf16kv_c1": _ratio(
-            _at(fp8kv, 1, "output_tok_s_per_user"), _at(bf16kv, 1, "output_tok_s_per_user")
-        )
-        if w
-        else None,
-        "integrity_overhead": overhead,
-        "vs_transformers_c64": _ratio(_at(_kumo(record), 64, "output_tok_s"), _at(hf, 64, "output_tok_s")),
-    }
+def summarize(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every key of TARGETS: the summary entry of the scenario record that measured it, else None
+    (a concurrency sweep — `weights`, `kv`, `variant` — measures no ratio: one sample a point)."""
+    scenarios = record.get("scenarios") or {}
+    summary = {k: (scenarios[k]["summary"] if k in scenarios else None) for k in TARGETS}
     detail = {
-        "int4_vs_fp8_decode_c1": f"output tok/s per user at concurrency 1, {w4} / {w8} weights",
-        "int4_vs_fp8_prefill": f"prefill tok/s of one long prompt, {w4} / {w8} weights",
-        "fp8kv_vs_bf16kv_c64": f"output tok/s total, FP8 KV at concurrency 64 / the BF16-KV peak over all concurrencies run ({w or 'no common'} weights)",
-        "fp8kv_vs_bf16kv_c1": f"output tok/s per user at concurrency 1, FP8 KV / BF16 KV ({w or 'no common'} weights)",
-        "integrity_overhead": "median over interleaved rounds of TPOT tag check on / off - 1 "
-        f"(switched: {integrity.get('switched', 'not measured')})",
-        "vs_transformers_c64": "output tok/s total at concurrency 64, best Kumo variant / best transformers mode",
+        k: scenarios[k]["definition"]
+        if k in scenarios
+        else f"not measured here: `kumo bench engine scenario {k}`"
+        for k in TARGETS
     }
     return summary, detail
 
@@ -191,20 +141,41 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["sources"] = [
         {"command": r["command"], "date": r["date"], "comparisons": r["comparisons"]} for r in records
     ]
-    summary: dict[str, Any] = {}
-    detail: dict[str, str] = {}
-    for r in records:  # each ratio from the record that measured it (ratios never mix geometries)
-        s, d = summarize(r)
-        for k, v in s.items():
-            if v is not None and summary.get(k) is None:
-                summary[k], detail[k] = v, f"{d[k]} [{r['geometry']['kind']}, {r['comparisons'][0]}]"
-        for k in s:
-            summary.setdefault(k, None)
-            detail.setdefault(k, d[k])
-    out["summary"], out["summary_detail"] = summary, detail
+    out["scenarios"] = _merge_scenarios(records)
+    out["machines"] = [r.get("machine") for r in records]
+    out["summary"], out["summary_detail"] = summarize(out)
     out["projection"] = [
         dict(p, kind=r["geometry"]["kind"], layers=_layers(r)) for r in records for p in projection(r)
     ]
+    return out
+
+
+def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario, its rounds pooled over the records that ran it on the same geometry, depth and
+    workload (calls that split the rounds of one measurement); where records differ there, the group
+    with the most rounds is kept and the others are named in `not_pooled`."""
+    groups: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {}
+    for r in records:
+        for name, entry in (r.get("scenarios") or {}).items():
+            key = json.dumps([r["geometry"]["kind"], _layers(r), entry["workload"], entry["sides"]["A"]["label"],
+                              entry["sides"]["B"]["label"]], sort_keys=True)  # fmt: skip
+            groups.setdefault(name, {}).setdefault(key, []).append((r, entry))
+    out: dict[str, Any] = {}
+    for name, by_key in groups.items():
+        best = max(by_key.values(), key=lambda g: sum(len(e["rounds"]) for _, e in g))
+        pooled = dict(best[0][1])
+        pooled["rounds"] = [x for _, e in best for x in e["rounds"]]
+        pooled["order"] = [s for _, e in best for s in e["order"]]
+        samples = [x for _, e in best if e["summary"] for x in e["summary"]["samples"]]
+        pooled["summary"] = summary_entry(samples) if samples else None
+        pooled["sources"] = [
+            {"command": r["command"], "date": r["date"], "machine": r.get("machine")} for r, _ in best
+        ]
+        pooled["not_pooled"] = [r["command"] for g in by_key.values() if g is not best for r, _ in g]
+        first = best[0][0]
+        pooled["measured_on"] = {"kind": first["geometry"]["kind"], "layers": _layers(first),
+                                 "full_layers": first["geometry"]["full_num_layers"], "device": first["device"]}  # fmt: skip
+        out[name] = pooled
     return out
 
 
@@ -250,13 +221,26 @@ def markdown(record: dict[str, Any]) -> str:
         f"published per-layer shapes, {layers_text} ({g['dense_layers']} dense), "
         f"random weights; {g['routing']}. KV pool per layer = the full model's per-GPU pool on 8 H200s (`kumo plan`).",
         "",
-        "| summary | measured | seed | goal | definition |",
-        "|---|---|---|---|---|",
+        "| summary | median | spread | rounds | Cloudflare | goal | definition |",
+        "|---|---|---|---|---|---|---|",
     ]
     for k, v in record["summary"].items():
         seed, goal = TARGETS[k]
-        shown = "-" if v is None else (f"{v:+.2%}" if k == "integrity_overhead" else f"{v:.2f}x")
-        lines.append(f"| {k} | {shown} | {seed} | {goal} | {record['summary_detail'][k]} |")
+        shown = [_ratio_text(k, x) for x in ((v["value"], *v["spread"]) if v else (None, None, None))]
+        lines.append(
+            f"| {k} | {shown[0]} | [{shown[1]}, {shown[2]}] | {len(v['samples']) if v else 0} | {seed} | {goal} "
+            f"| {record['summary_detail'][k]} |"
+        )
+    for name, entry in (record.get("scenarios") or {}).items():
+        lines += _scenario_lines(name, entry)
+    machines = record.get("machines") or [record.get("machine")]
+    fresh = [m["is_fresh"] for m in machines if m]
+    if fresh:
+        lines.append(
+            f"\nFresh machine (first benchmark process on its compile cache): {', '.join(map(str, fresh))}."
+        )
+    if not record["variants"] and not record["runs"]:  # a scenario record: its own tables above
+        return "\n".join(lines) + "\n"
     lines += ["", "| variant | weights GB | KV tokens | max conc. | prefill tok/s |", "|---|---|---|---|---|"]
     for v in record["variants"]:
         pf = (v.get("prefill") or {}).get("prefill_tok_s")
@@ -307,6 +291,55 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio_text(key: str, x: float | None) -> str:
+    return "-" if x is None else (f"{x:+.2%}" if key == "integrity_overhead" else f"{x:.3f}x")
+
+
+def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
+    """A scenario's sides, warm-up, and every run of every round in the order it ran."""
+    w = e["workload"]
+    a, b = e["sides"]["A"], e["sides"]["B"]
+    lines = [
+        "",
+        f"**{name}**: {e['definition']}. A = {a['label']}, B = {b['label']}; {w['concurrency']} x "
+        f"{w['input_len']} / {w['output_len']} tokens, chunk {w['chunk']}, pool x {w['pool_scale']}.",
+    ]
+    warm = e.get("warm_up")
+    missed = {k: v for k, v in (e.get("warm_up_missed_shapes") or {}).items() if v}
+    if warm:
+        lines.append(
+            "Warm-up: "
+            + ", ".join(
+                f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes)" for k, v in warm.items()
+            )
+            + (
+                f"; timed step shapes it missed: {missed}"
+                if missed
+                else "; it ran every step shape the timed runs ran."
+            )
+        )
+    else:
+        lines.append(f"No warm-up (a cold measurement): timed step shapes it missed: {missed}.")
+    for field, entry in (e.get("beside") or {}).items():
+        if isinstance(entry, dict):
+            lines.append(
+                f"Beside: {field} {entry['value']:.3f} [{entry['spread'][0]:.3f}, {entry['spread'][1]:.3f}]."
+            )
+        elif entry is not None:
+            lines.append(f"Beside: {field} {entry:.3f}.")
+    lines += ["", "| round | side | run | tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | wall s | ratio |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for i, r in enumerate(e["rounds"]):
+        for j, run in enumerate(r["runs"]):
+            ratio = _f(r["ratio"], "{:.3f}") if j == len(r["runs"]) - 1 else ""
+            lines.append(
+                f"| {i + 1} | {run['side']} | {run.get('variant', '')} | {_f(run.get('output_tok_s'))} "
+                f"| {_f(run.get('output_tok_s_per_user'))} | {_f(run.get('ttft_ms_p50'))} | {_f(run.get('tpot_ms_p50'))} "
+                f"| {_f(run.get('wall_s'), '{:.2f}')} | {ratio} |"
+            )
+    return lines
+
+
 def _step_profile_lines(profiles: dict[str, dict[str, Any]], *, rows: int = 8) -> list[str]:
     """`benchmarks.engine.step_profile` records as Markdown tables (here: the report imports no torch)."""
     lines: list[str] = []
@@ -337,12 +370,14 @@ def plots(record: dict[str, Any], stem: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    written = []
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    written: list[str] = []
     by_variant: dict[str, list[tuple[int, float]]] = {}
     for r in record["runs"]:
         if r.get("output_tok_s"):
             by_variant.setdefault(r["variant"], []).append((r["concurrency"], r["output_tok_s"]))
+    if not by_variant:  # a scenario record: `kumo bench report` plots its rounds
+        return written
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, pts in sorted(by_variant.items()):
         pts.sort()
         ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=name)

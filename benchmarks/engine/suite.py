@@ -5,6 +5,10 @@ A variant builds its random model on the device, sizes the page pool from `kumo 
 prefill and the offline runs at each concurrency (plus the largest that fits the pool, capped),
 and frees everything before the next variant. Runs that would start past the command's deadline
 are recorded as skipped, never estimated.
+
+This is a sweep (throughput against concurrency, for the plots): one sample a point, variants one
+after the other, so it gives no summary ratio; those come from `benchmarks.engine.scenarios`, warm
+and A/B/B/A. Its warm-up is the method's all the same: each level's timed run once, untimed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from backend.engine import Engine
 from backend.quant.kv_scales import calibrate
 from benchmarks.engine.geometry import Geometry, KvDtype, WeightFormat
+from benchmarks.engine.method import missing_shapes
 from benchmarks.engine.offline import (
     engine_config,
     random_prompts,
@@ -147,7 +152,7 @@ def measure_variant(
             {c for c in opts.concurrencies if c <= v.max_concurrency} | ({largest} if largest > 0 else set())
         )
         out["largest_run_concurrency"] = largest
-        out["warmup_s"] = warm_up_levels(v.engine, levels, opts, vocab_size=vocab)
+        out["warmup_s"], warm_shapes = warm_up_levels(v.engine, levels, opts, vocab_size=vocab)
         out["runs"], out["skipped"] = [], []
         for c in levels:
             if opts.time_left() <= 0:
@@ -160,6 +165,8 @@ def measure_variant(
             r.extra["is_largest"] = c == largest
             r.extra["is_complete"] = r.finished == c and r.output_tokens == c * opts.output_len
             out["runs"].append(r.to_dict())
+        timed_shapes = [s for r in out["runs"] for s in r["extra"].pop("step_shapes", [])]
+        out["warmup_missed_shapes"] = missing_shapes(warm_shapes, timed_shapes)
         for c in opts.concurrencies:
             if c > v.max_concurrency:
                 out["skipped"].append({"concurrency": c, "why": f"pool holds {v.max_concurrency} requests"})
@@ -176,20 +183,25 @@ def measure_variant(
         v.close()
 
 
-def warm_up_levels(engine: Engine, levels: list[int], opts: Options, *, vocab_size: int) -> float:
-    """One untimed pass per concurrency level, the timed workload's prompts with 8 output tokens, so
-    every kernel specialisation the level's steps need (a prefill chunk over cached pages, mixed
-    prefill + decode steps of that many sequences) compiles here and not inside a timed run: on
-    2026-12-02 the first c=8 run of each variant stalled ~2 s on compiles, which took its TPOT 2.5x up."""
+def warm_up_levels(
+    engine: Engine, levels: list[int], opts: Options, *, vocab_size: int
+) -> tuple[float, list[list[int]]]:
+    """One untimed pass of each level's timed run, whole (`benchmarks.engine.method`): every step shape
+    the level's steps take — prefill chunks beside each count of decode rows, decode as the batch
+    narrows — compiles here and not inside a timed run. With 8 output tokens instead (until
+    2026-12-04) the mixed steps of a c=64 run first appeared in its timed run (issue 25).
+    Returns the seconds it took and the step shapes it ran."""
     start = time.monotonic()
+    shapes: list[list[int]] = []
     for c in levels:
         if opts.time_left() <= 0:
             break
-        run_offline(
-            engine, variant="warmup", concurrency=c, input_len=opts.input_len, output_len=min(8, opts.output_len),
+        r = run_offline(
+            engine, variant="warmup", concurrency=c, input_len=opts.input_len, output_len=opts.output_len,
             vocab_size=vocab_size, seed=7, time_limit_s=max(opts.time_left(), 1.0),
         )  # fmt: skip
-    return time.monotonic() - start
+        shapes += r.extra["step_shapes"]
+    return time.monotonic() - start, shapes
 
 
 def measure_integrity(

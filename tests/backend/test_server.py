@@ -307,6 +307,8 @@ async def test_model_card(client: httpx.AsyncClient) -> None:
     )
     assert card.context_window == 1024 and card.num_pages == 96 and card.page_size == 8
     assert card.capabilities.tools and card.capabilities.reasoning and not card.capabilities.vision
+    # the start-up time is recorded, the CPU's warm-up (one step) a part of it
+    assert card.startup_s is not None and card.warmup_s is not None and 0 < card.warmup_s < card.startup_s
 
 
 async def test_logprobs_and_prefix_cache_usage(

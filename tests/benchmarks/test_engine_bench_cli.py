@@ -15,8 +15,8 @@ from benchmarks.cli import main as bench_main
 from benchmarks.engine.geometry import FULL_TP, TINY_GPU_MEM, make_geometry
 
 SUMMARY_KEYS = {
-    "int4_vs_fp8_decode_c1", "int4_vs_fp8_prefill", "fp8kv_vs_bf16kv_c64", "fp8kv_vs_bf16kv_c1",
-    "integrity_overhead", "vs_transformers_c64",
+    "fp8kv_vs_bf16kv_long_c64", "fp8kv_vs_bf16kv_c1", "int4_vs_fp8_decode_c1", "int4_vs_fp8_prefill",
+    "integrity_overhead", "vs_transformers_c64", "capacity_fp8_over_bf16",
 }  # fmt: skip
 TINY = [
     "--tiny",
@@ -69,18 +69,20 @@ def test_every_record_has_the_schema(records: dict[str, tuple[Path, dict[str, An
         assert path.with_suffix(".md").read_text().startswith("# Engine benchmark")
 
 
-def test_each_comparison_measures_its_own_ratio(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
-    s = {name: rec["summary"] for name, (_, rec) in records.items()}
-    assert s["weights"]["int4_vs_fp8_decode_c1"] > 0 and s["weights"]["int4_vs_fp8_prefill"] > 0
-    assert s["kv"]["fp8kv_vs_bf16kv_c64"] > 0 and s["kv"]["fp8kv_vs_bf16kv_c1"] > 0
-    assert s["transformers"]["vs_transformers_c64"] > 0
-    assert s["weights"]["fp8kv_vs_bf16kv_c64"] is None  # not measured there: null, never a guess
-    # --all-linear: every Linear quantized in both, and the ratios say which pair they compare
+def test_a_sweep_measures_no_summary_ratio(records: dict[str, tuple[Path, dict[str, Any]]]) -> None:
+    """One sample a point, variants one after the other: the summary's ratios come only from the
+    scenarios (`kumo bench engine scenario KEY`); a sweep's are null, and say where to get them."""
+    for name, (_, rec) in records.items():
+        assert all(v is None for v in rec["summary"].values()), name
+        assert rec["summary_detail"]["integrity_overhead"].endswith("scenario integrity_overhead`")
+    # --all-linear: every Linear quantized in both
     all_linear = records["weights-all"][1]
     assert [v["weights"] for v in all_linear["variants"]] == ["int4-all", "fp8-all"]
-    assert all_linear["summary"]["int4_vs_fp8_decode_c1"] > 0
-    assert "int4-all / fp8-all" in all_linear["summary_detail"]["int4_vs_fp8_prefill"]
     assert all_linear["variants"][1]["weight_bytes"] < records["weights"][1]["variants"][1]["weight_bytes"]
+    # every level's untimed pass ran the timed run's step shapes
+    for name in ("weights", "kv"):
+        for v in records[name][1]["variants"]:
+            assert v["warmup_missed_shapes"] == [], (name, v["variant"])
     # the engine's own switch: on the CPU the reference ops skip the check too, so it is measured
     integrity = records["integrity"][1]["integrity"]
     assert integrity["switched"].startswith("EngineConfig.check_page_tags")
@@ -89,7 +91,7 @@ def test_each_comparison_measures_its_own_ratio(records: dict[str, tuple[Path, d
     assert [r["variant"].rsplit("/", 1)[1] for r in on + off] == ["tags-on"] * 2 + ["tags-off"] * 2
     per_round = [a["tpot_ms_p50"] / b["tpot_ms_p50"] - 1 for a, b in zip(on, off, strict=True)]
     assert integrity["overhead_per_round"] == pytest.approx(per_round)
-    assert s["integrity"]["integrity_overhead"] == integrity["overhead"] == pytest.approx(sum(per_round) / 2)
+    assert integrity["overhead"] == pytest.approx(sum(per_round) / 2)
     md = records["integrity"][0].with_suffix(".md").read_text()
     assert "Integrity A/B at concurrency 2, 2+2 interleaved runs" in md
 
@@ -123,12 +125,9 @@ def test_report_merges_the_calls(records: dict[str, tuple[Path, dict[str, Any]]]
     out = tmp_path / "merged.json"
     assert bench_main(["engine", "report", *[str(p) for p, _ in records.values()], "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
-    assert [k for k, v in merged["summary"].items() if v is None] == []
-    assert merged["summary"]["integrity_overhead"] == records["integrity"][1]["summary"]["integrity_overhead"]
-    assert (
-        merged["summary"]["vs_transformers_c64"]
-        == records["transformers"][1]["summary"]["vs_transformers_c64"]
-    )
+    assert set(merged["summary"]) == SUMMARY_KEYS and all(v is None for v in merged["summary"].values())
+    assert merged["integrity"] == records["integrity"][1]["integrity"]
+    assert merged["transformers"] == records["transformers"][1]["transformers"]
     assert len(merged["runs"]) == sum(len(rec["runs"]) for _, rec in records.values())
     assert "PROJECTION" in out.with_suffix(".md").read_text()
 

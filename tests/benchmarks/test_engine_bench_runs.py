@@ -30,7 +30,7 @@ class FakeEngine:
     stats: _Stats = field(default_factory=_Stats)
 
     def __post_init__(self) -> None:
-        self.scheduler = type("S", (), {"num_preemptions": 0})()
+        self.scheduler = type("S", (), {"num_preemptions": 0, "running": []})()
         self.runner = type("R", (), {"device": torch.device("cpu")})()
 
     def add_request(self, request: EngineRequest) -> None:

@@ -1,0 +1,98 @@
+"""`kumo bench engine scenario NAME`: one of Cloudflare's scenarios (`benchmarks/engine/scenarios.py`)
+measured warm, A/B/B/A, `--rounds` times; a record with its summary entry, Markdown and PNGs.
+
+    kumo bench engine scenario fp8kv_vs_bf16kv_long_c64 [--layers 4] [--rounds 3] [--budget-s 540]
+
+Sizes default to the scenario's own; `--tiny` (the CPU tests) swaps in the small geometry and short
+lengths. `--compile-cache DIR` is where Triton compiles to (default: Triton's own `~/.triton/cache`);
+the record's `machine.is_fresh` says whether this was the first benchmark process on it. Records of
+the same scenario from several calls merge with `kumo bench engine report A.json B.json --out X.json`
+(their rounds pooled into one summary entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from pathlib import Path
+
+from benchmarks.engine import method, report
+from benchmarks.engine.scenarios import SCENARIOS
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kumo bench engine scenario", description=__doc__.splitlines()[0])
+    ap.add_argument("name", choices=sorted(SCENARIOS))
+    ap.add_argument("--layers", type=int, default=None, help="truncated depth (default: the scenario's)")
+    ap.add_argument("--rounds", type=int, default=None, help="A/B/B/A rounds (default: the scenario's, 3)")
+    ap.add_argument("--concurrency", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="prefill tokens per step (max_num_batched_tokens)"
+    )
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--pool-scale", type=float, default=1.0, help="the planned KV pools times this")
+    ap.add_argument(
+        "--warm-up", action=argparse.BooleanOptionalAction, default=True,
+        help="one untimed run of the workload per side before any timing (--no-warm-up: to see a cold run)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--experts-only", action="store_true", help="weights scenarios: INT4 / FP8 routed experts only"
+    )
+    ap.add_argument("--hf-mode", default="generate", help="vs_transformers_c64: the peer's mode")
+    ap.add_argument("--fp8-method", choices=("fp8-block", "fp8-channel"), default="fp8-block")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--tiny", action="store_true", help="small geometry and lengths (CPU tests)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="no round starts that would end after this")
+    ap.add_argument(
+        "--compile-cache", type=Path, default=None, help="Triton's cache (default ~/.triton/cache)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
+    start = time.monotonic()
+    cache_dir = a.compile_cache or method.default_cache_dir()
+    method.compile_cache_env(cache_dir)  # before anything can compile
+    machine = method.machine_state(cache_dir)
+    import torch
+
+    from benchmarks.engine.geometry import make_geometry
+    from benchmarks.engine.scenarios import ScenarioOptions, measure
+
+    scenario = SCENARIOS[a.name]
+    small = {"concurrency": min(scenario.concurrency, 4), "input_len": 64 if scenario.output_len == 1 else 24,
+             "output_len": 1 if scenario.output_len == 1 else 6}  # fmt: skip
+    sizes = {k: getattr(a, k) or (small[k] if a.tiny else getattr(scenario, k)) for k in small}
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # the one place a geometry is chosen: "one rank of 8" (`--rank-of 8`, the multi-GPU layouts) plugs in here
+    geometry = make_geometry(scenario.kind, a.layers or (2 if a.tiny else scenario.layers), tiny=a.tiny)
+    opts = ScenarioOptions(
+        device=device, num_rounds=a.rounds or scenario.num_rounds, chunk=32 if a.tiny and a.chunk == 2048 else a.chunk,
+        page_size=a.page_size, deadline=start + a.budget_s, pool_scale=a.pool_scale, is_warm_up=a.warm_up,
+        experts_only=a.experts_only, hf_mode=a.hf_mode, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs,
+        seed=a.seed, **sizes,
+    )  # fmt: skip
+    record = report.new_record(
+        "kumo bench engine scenario " + " ".join(argv), device, geometry.describe(),
+        {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, f"scenario:{a.name}",
+    )  # fmt: skip
+    record["machine"] = machine
+    record["scenarios"] = {a.name: measure(a.name, geometry, opts)}
+    record["wall_s"] = time.monotonic() - start
+    out = (
+        a.out
+        or RESULTS / f"{datetime.date.today().isoformat()}-engine-{a.name}{'-tiny' if a.tiny else ''}.json"
+    )
+    paths = report.write(report.finish(record), out)
+    print(report.markdown(record))
+    print("wrote " + ", ".join(paths))
+    return 0
