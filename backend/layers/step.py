@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.forward_batch import ForwardBatch
+from backend.layers.context_parallel import local_writes
+from backend.layers.parallel import DcpGroup
 from kernels.kv_write import kv_write_ref
 
 
@@ -21,9 +23,14 @@ class Step:
     cos: torch.Tensor  # [T, Dr]
     sin: torch.Tensor  # [T, Dr]
     topk_indices: torch.Tensor | None = None  # DSA: the last full indexer layer's choice, [T, K]
+    # the MLA cache sharded by token over a DCP group (backend/layers/context_parallel.py)
+    dcp: DcpGroup | None = None
+    slot_mapping: torch.Tensor | None = None  # [T] this rank's destinations under DCP; None: the batch's
 
     @classmethod
-    def build(cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> Step:
+    def build(
+        cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, dcp: DcpGroup | None = None
+    ) -> Step:
         qs = batch.query_start.long()
         q_lens = qs[1:] - qs[:-1]  # [B]
         T = batch.num_tokens
@@ -38,6 +45,9 @@ class Step:
             token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
             page_col = token_idx // batch.kv_cache.page_size
             expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
+        if dcp is not None:  # each rank writes only its own tokens, at its own slots
+            slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
+            return cls(batch, token_seq, expected, cos, sin, dcp=dcp, slot_mapping=slots)
         return cls(batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin)
 
     def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
@@ -51,7 +61,7 @@ class Step:
         write(
             kv.layers[layer_idx][name],
             values,
-            self.batch.slot_mapping,
+            self.batch.slot_mapping if self.slot_mapping is None else self.slot_mapping,
             kv.scales[layer_idx][name],
             kv.page_tags,
             self.token_expected_tags,
