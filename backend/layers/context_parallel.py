@@ -86,7 +86,9 @@ def mla_attention_shard_ref(
     """`mla_attention_ref` over one rank's token shard, with the shard's log-sum-exp for the merge
     (−inf, and a zero output, where a query sees no token of the shard)."""
     lens = local_lens(seq_lens, rank, size)
-    ok = check_tags_ref(page_tags, page_table, expected_tags, lens, latent_cache.shape[1], tag_mismatch, check_tags)
+    ok = check_tags_ref(
+        page_tags, page_table, expected_tags, lens, latent_cache.shape[1], tag_mismatch, check_tags
+    )
     T, H, _ = q.shape
     out = torch.zeros(T, H, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
@@ -166,7 +168,9 @@ def dsa_indexer_shard_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # scores [T, K] float32 (−inf = empty), global indices [T, K]
     """`dsa_indexer_ref`'s scores over one rank's key shard; its top-k with their scores."""
     lens = local_lens(seq_lens, rank, size)
-    ok = check_tags_ref(page_tags, page_table, expected_tags, lens, k_cache.shape[1], tag_mismatch, check_tags)
+    ok = check_tags_ref(
+        page_tags, page_table, expected_tags, lens, k_cache.shape[1], tag_mismatch, check_tags
+    )
     T = q.shape[0]
     values = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q.device)
     indices = torch.full((T, topk), -1, dtype=torch.int64, device=q.device)

@@ -105,7 +105,9 @@ class Experts(nn.Module):
         mine = full[self.e0 : self.e1]
         i0, i1, I = self.i0, self.i1, self.full_intermediate
         if name == "gate_up_proj":  # [El, 2I, H]: this rank's rows of gate, then of up
-            mine = torch.cat([mine[:, i0:i1], mine[:, I + i0 : I + i1]], dim=1) if self.is_width_split else mine
+            mine = (
+                torch.cat([mine[:, i0:i1], mine[:, I + i0 : I + i1]], dim=1) if self.is_width_split else mine
+            )
         else:  # [El, H, I]
             mine = mine[:, :, i0:i1]
         _copy(getattr(self, name), mine, f"experts.{name}")
@@ -158,9 +160,7 @@ class MoE(nn.Module):
     def __init__(self, config: ModelConfig, parallel: Parallel, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = Experts(
-            config, parallel.expert_shard, dtype=dtype, width=parallel.expert_width_shard
-        )
+        self.experts = Experts(config, parallel.expert_shard, dtype=dtype, width=parallel.expert_width_shard)
         self.shard = parallel.shard
         self.shared_experts = (
             DenseMLP(

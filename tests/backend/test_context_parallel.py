@@ -69,8 +69,9 @@ def test_shard_attention_merged_by_lse_equals_single_rank(size: int, sparse: boo
     whole = Paged(per_seq, 0, 1)
     flags = torch.zeros(len(SEQ_LENS), dtype=torch.bool)
     expected = mla_attention_ref(
-        q, whole.cache, 1.0, R, query_start, seq_lens, whole.table, whole.expected, whole.tags, flags, 0.3, topk
-    )
+        q, whole.cache, 1.0, R, query_start, seq_lens, whole.table, whole.expected, whole.tags, flags,
+        0.3, topk,
+    )  # fmt: skip
     outs, lses = [], []
     for rank in range(size):
         shard = Paged(per_seq, rank, size)
