@@ -121,7 +121,7 @@ class DcpGroup:
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """x [size, n, ...] → the sum over ranks of x[self.rank], [n, ...]."""
         out = x.new_empty(x.shape[1:])
-        dist.reduce_scatter_single(out, x.contiguous(), group=self.group)
+        dist.reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=self.group)
         return out
 
 
