@@ -33,12 +33,13 @@ bytes sends 2·(7/8)·n, an all-gather or reduce-scatter (7/8)·n of the gathere
     attention o_proj all-reduce (61×)            14.3 KB         1.5 MB        918 KB       98.0 MB
     MoE / dense-MLP combine    (61×)             14.3 KB         1.5 MB        918 KB       98.0 MB
     lm_head logits all-gather  (1×, bf16)         328 KB         287 KB       21.0 MB       18.4 MB
-    total                                                        3.3 MB                    216 MB
+    total                                                        3.4 MB                     216 MB
 
 With dcp = 8 each MLA layer adds an all-gather of the queries over the group's heads (64 × 576 ×
 2 B per token), an all-gather of the log-sum-exps (64 × 4 B) and a reduce-scatter of the fp32
-partial outputs (64 × 512 × 4 B): c=1 ≈ 0.2 MB, c=64 ≈ 13.2 MB per layer sent per rank (61 layers:
-≈ 12 MB and ≈ 805 MB per step). On one rank no collective runs.
+partial outputs (64 × 512 × 4 B): 179 KB sent per rank per layer at c=1, 11.5 MB at c=64 (61
+layers: 10.9 MB and 700 MB per step; bf16 partials would halve the reduce-scatter's share).
+On one rank no collective runs.
 """
 
 from __future__ import annotations
