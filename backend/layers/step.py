@@ -38,6 +38,9 @@ class Step:
             token_seq = batch.seq_index.long()
         else:
             token_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qs.device), q_lens)
+        if dcp is not None:  # each rank writes only its own tokens, at its own slots
+            slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
+            return cls(batch, token_seq, expected, cos, sin, dcp=dcp, slot_mapping=slots)
         expected = None  # the tag check off: no tag is read
         if batch.check_tags:
             # index of each new token within its sequence: the cached prefix length plus its offset
@@ -45,9 +48,6 @@ class Step:
             token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
             page_col = token_idx // batch.kv_cache.page_size
             expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
-        if dcp is not None:  # each rank writes only its own tokens, at its own slots
-            slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
-            return cls(batch, token_seq, expected, cos, sin, dcp=dcp, slot_mapping=slots)
         return cls(batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin)
 
     def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
