@@ -140,3 +140,26 @@ def test_shard_top_k_merge_into_the_exact_global_top_k(size: int) -> None:
     # the same set per query (the order of the kept tokens carries no meaning), -1 padding included
     assert torch.equal(merged.sort(-1).values, expected.sort(-1).values)
     assert (expected >= 0).sum() > len(expected) * 3  # most queries keep several tokens
+
+
+def test_with_the_tag_check_off_no_tag_is_read() -> None:
+    per_seq, query_start, seq_lens = _batch(0, C)
+    q = torch.randn(sum(Q_LENS), H, C)
+    whole = Paged(per_seq, 0, 1)
+    no_flags = torch.zeros(len(SEQ_LENS), dtype=torch.bool)
+    expected = mla_attention_ref(
+        q, whole.cache, 1.0, R, query_start, seq_lens, whole.table, whole.expected, whole.tags, no_flags, 0.3
+    )
+    shards = [Paged(per_seq, rank, 2) for rank in range(2)]
+    shards[1].tags += 1  # every page on rank 1 stale: unseen with the check off
+    flags = torch.zeros(len(SEQ_LENS), dtype=torch.bool)
+    parts = [
+        mla_attention_shard_ref(
+            q, s.cache, 1.0, R, query_start, seq_lens, s.table, s.expected, s.tags, flags, 0.3, rank, 2,
+            check_tags=False,
+        )
+        for rank, s in enumerate(shards)
+    ]  # fmt: skip
+    assert not flags.any()
+    merged = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)

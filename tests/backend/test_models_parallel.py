@@ -119,3 +119,19 @@ def test_ranks_compute_the_single_rank_logits(tiny: tuple[str, Path], world: int
             for g, e in zip(got, expected, strict=True):
                 assert g.shape == e.shape == (e.shape[0], VOCAB)
                 torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=f"ep {ep} dcp {dcp} rank {rank}")
+
+
+def test_layouts_that_do_not_divide_are_refused(tmp_path: Path) -> None:
+    from backend.errors import CheckpointError
+    from backend.layers.linear import Shard
+    from backend.layers.parallel import Parallel, vocab_range
+
+    assert [vocab_range(Shard(r, 4), 253) for r in range(4)] == [(0, 64), (64, 128), (128, 192), (192, 253)]
+    assert [vocab_range(Shard(r, 4), 5) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert Parallel(rank=5, tp=8, ep=2).expert_shard == Shard(1, 2)
+    assert Parallel(rank=5, tp=8, ep=2).expert_width_shard == Shard(1, 4)
+    for bad in ({"ep": 3}, {"dcp": 3}, {"rank": 4}):
+        with pytest.raises(CheckpointError):
+            Parallel(**{"rank": 0, "tp": 4} | bad)
+    with pytest.raises(CheckpointError, match="MLA"):  # GQA has no latent cache to shard
+        load_model(make_tiny("glm4_moe", tmp_path / "glm4"), dtype=torch.float32, rank=0, world_size=2, dcp=2)
