@@ -30,7 +30,12 @@ def load_model(
     device: str | torch.device = "cpu",
     rank: int = 0,
     world_size: int = 1,
+    ep: int = 0,
+    dcp: int = 1,
 ) -> LoadedModel:
+    """`rank` of `world_size` tensor-parallel ranks; `ep` expert groups (0: = world_size) and `dcp`
+    ranks sharing one MLA latent cache by token, as backend/layers/parallel.py lays them out. With
+    dcp > 1 every rank must call this together (it makes the DCP process groups)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     cls = ARCHITECTURES.get(config.architecture)
@@ -41,10 +46,10 @@ def load_model(
     scheme = read_scheme(path)
     if scheme is None:
         with torch.device(device):
-            model = cls(config, dtype=dtype, rank=rank, world_size=world_size)
+            model = cls(config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp)
     else:
         model = build_for_checkpoint(
-            lambda: cls(config, dtype=dtype, rank=rank, world_size=world_size), scheme, device
+            lambda: cls(config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp), scheme, device
         )
     # a rank reads only what it keeps (not the other ranks' experts, nor MTP or vision tensors)
     weights = iter_tensors(path, keep=getattr(model, "wants_tensor", None))

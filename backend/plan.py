@@ -9,12 +9,16 @@ Computed from config.json alone (tensor shapes from `backend.quant.shapes`, form
     activations = peak live buffers of one prefill chunk and one decode batch's logits
     kv_pool     = usable − weights − activations
     kv_tokens   = ⌊kv_pool / bytes per token⌋, rounded down to whole pages
+                  (with dcp: a rank holds 1/dcp of every sequence's tokens, so its bytes per token are
+                  the latent's / dcp, and a page id spans page_size·dcp tokens)
 
 Sharding follows vLLM's tensor parallelism: q_a_proj, kv_a_proj_with_mqa, the DSA indexer, the
 router, norms and the vision tower are replicated on every rank; everything else is split by tp;
-GQA K/V heads are split down to one head per rank and replicated past that. The MLA latent cache
-is replicated on every rank (vLLM without decode-context parallelism), so its bytes per token do
-not shrink with tp.
+GQA K/V heads are split down to one head per rank and replicated past that; the embedding and
+lm_head are vocab parallel. The MLA latent cache is replicated on every rank without decode context
+parallelism, so its bytes per token do not shrink with tp; with `--dcp N` (MLA only, N divides tp)
+groups of N ranks shard it by token (backend/layers/context_parallel.py), and GLM-5's indexer keys
+with it.
 """
 
 from __future__ import annotations
@@ -61,11 +65,12 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     weights: str
     kv_dtype: KvDtype
     tp: int
+    dcp: int = 1
     checkpoint_bytes: int  # the whole checkpoint on disk in this format, MTP layers included
     weights_per_gpu: int
     weights_per_gpu_by_class: dict[str, int]  # tensor class (backend/quant/shapes.py) -> bytes
     terms: list[Term]  # usable memory, then everything subtracted from it
-    kv_bytes_per_token: int  # per GPU, all served layers
+    kv_bytes_per_token: int  # per GPU (with dcp: the group's average, latent / dcp), all served layers
     kv_bytes_per_token_per_layer: dict[str, int]
     kv_layers_per_tensor: dict[str, int]  # how many layers cache each tensor (DSA: shared indexers don't)
     kv_pool_bytes: int
@@ -120,9 +125,16 @@ def kv_bytes_per_layer(tc: dict[str, Any], kv_dtype: KvDtype, tp: int) -> dict[s
     return {"k": kvh_rank * hd * b, "v": kvh_rank * hd * b}
 
 
-def activation_terms(tc: dict[str, Any], tp: int, chunk: int, max_seqs: int) -> list[Term]:
+def activation_terms(tc: dict[str, Any], tp: int, chunk: int, max_seqs: int, dcp: int = 1) -> list[Term]:
     h, heads = tc["hidden_size"], math.ceil(tc["num_attention_heads"] / tp)
-    if is_mla(tc):
+    if dcp > 1:  # absorbed attention over the shard for the DCP group's heads
+        group, latent = heads * dcp, tc["kv_lora_rank"] + tc["qk_rope_head_dim"]
+        attn = chunk * group * (latent * 2 + 2 * tc["kv_lora_rank"] * 4)
+        attn_why = (
+            f"DCP prefill: q gathered for the group's {group} heads × {latent}, bf16; "
+            f"partial and weighted outputs × {tc['kv_lora_rank']}, fp32"
+        )
+    elif is_mla(tc):
         qk, v = tc["qk_nope_head_dim"] + tc["qk_rope_head_dim"], tc["v_head_dim"]
         attn = chunk * heads * (2 * qk + 2 * v) * 2
         attn_why = f"MLA prefill q, k ({qk}) and v, out ({v}) for {heads} heads/rank, bf16"
@@ -162,12 +174,17 @@ def make_plan(
     weights: WeightFormat = "native",
     all_linear: bool = False,
     kv_dtype: KvDtype = "bf16",
+    dcp: int = 1,
     mem_fraction: float = 0.90,
     chunk: int = 8192,
     max_seqs: int = 256,
     page_size: int = 16,
 ) -> Plan:
     tc = text_config(config)
+    if dcp < 1 or tp % dcp:
+        raise ValueError(f"--dcp {dcp} must divide --tp {tp}")
+    if dcp > 1 and not is_mla(tc):
+        raise ValueError("--dcp shards the MLA latent cache: this model has none (GQA)")
     scheme = scheme_for(config, weights, all_linear)
     num_layers = tc["num_hidden_layers"]
     checkpoint = per_gpu = mtp = 0.0
@@ -202,25 +219,27 @@ def make_plan(
             + "; router weights held in fp32",
         ),
     ]
-    terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs)]
+    terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs, dcp)]
     pool = sum(t.bytes for t in terms)
     per_layer = kv_bytes_per_layer(tc, kv_dtype, tp)
     layers_with = {
         name: sum(has_own_indexer(tc, i) for i in range(num_layers)) if name == "index_k" else num_layers
         for name in per_layer
     }
-    per_token = sum(per_layer[name] * layers_with[name] for name in per_layer)
-    tokens = max(0, pool) // per_token // page_size * page_size
+    per_token = sum(per_layer[name] * layers_with[name] for name in per_layer)  # one token, one rank
+    # a rank's pages hold page_size of its own tokens each; the group holds dcp times as many
+    tokens = max(0, pool) // (per_token * page_size) * page_size * dcp
     return Plan(
         model=model,
         weights=weights + (" --all-linear" if all_linear else ""),
         kv_dtype=kv_dtype,
         tp=tp,
+        dcp=dcp,
         checkpoint_bytes=int(checkpoint),
         weights_per_gpu=int(per_gpu),
         weights_per_gpu_by_class={k: int(v) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
         terms=terms,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=per_token // dcp,
         kv_bytes_per_token_per_layer=per_layer,
         kv_layers_per_tensor=layers_with,
         kv_pool_bytes=pool,
@@ -230,7 +249,8 @@ def make_plan(
 
 def render(plan: Plan) -> str:
     lines = [
-        f"{plan.model}: weights {plan.weights}, KV {plan.kv_dtype}, tp {plan.tp}",
+        f"{plan.model}: weights {plan.weights}, KV {plan.kv_dtype}, tp {plan.tp}"
+        + (f", dcp {plan.dcp}" if plan.dcp > 1 else ""),
         f"  checkpoint          {plan.checkpoint_bytes / GB:10.1f} GB  ({plan.checkpoint_bytes / GIB:.1f} GiB)",
         f"  weights per GPU     {plan.weights_per_gpu / GB:10.1f} GB  ({plan.weights_per_gpu / GIB:.1f} GiB)",
     ]
@@ -243,6 +263,8 @@ def render(plan: Plan) -> str:
         f"{plan.kv_layers_per_tensor[k]} layers × {k} {v} B"
         for k, v in plan.kv_bytes_per_token_per_layer.items()
     )
+    if plan.dcp > 1:
+        parts = f"({parts}) / dcp {plan.dcp}"
     lines.append(f"  KV bytes per token  {parts} = {plan.kv_bytes_per_token:,} B")
     lines.append(f"  KV tokens that fit  {plan.kv_tokens:,}")
     return "\n".join(lines)
@@ -274,6 +296,12 @@ def main(argv: list[str]) -> int:
         "--all-linear", action="store_true", help="quantize every Linear but router, embeddings, lm_head"
     )
     ap.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"])
+    ap.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="decode context parallel: ranks sharing one MLA latent cache by token",
+    )
     ap.add_argument("--mem-fraction", type=float, default=0.90)
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--max-seqs", type=int, default=256)
@@ -290,6 +318,7 @@ def main(argv: list[str]) -> int:
             weights=a.weights,
             all_linear=a.all_linear,
             kv_dtype=a.kv_dtype,
+            dcp=a.dcp,
             mem_fraction=a.mem_fraction,
             chunk=a.chunk,
             max_seqs=a.max_seqs,

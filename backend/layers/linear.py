@@ -7,7 +7,7 @@ On one rank every range is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ Range = tuple[int, int]
 class Shard:
     rank: int = 0
     world_size: int = 1
+    reduces: bool = True  # False: a row-parallel layer leaves its partial sum to the caller's all-reduce
 
     def split(self, n: int, what: str) -> Range:
         """This rank's contiguous range of `n` items split evenly over the ranks."""
@@ -31,9 +32,14 @@ class Shard:
         return self.rank * size, (self.rank + 1) * size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        if self.world_size > 1 and self.reduces:
             torch.distributed.all_reduce(x)
         return x
+
+    def deferred(self) -> Shard:
+        """This split, with row-parallel outputs left as partial sums (one all-reduce can then sum
+        several layers' partials: the MoE combine carries the shared experts')."""
+        return replace(self, reduces=False)
 
 
 def activation(name: str):  # type: ignore[no-untyped-def]

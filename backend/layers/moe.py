@@ -4,7 +4,9 @@ Routing (engine-anchors §1c): sigmoid scores in float32; `e_score_correction_bi
 choose experts (group-limited when `n_group > 1`: a group scores the sum of its top-2 biased
 scores, `topk_group` groups survive); the chosen experts are weighed by the UNBIASED scores,
 renormalised when `norm_topk_prob`, times `routed_scaling_factor`. The shared experts are added
-unscaled. Experts are split over ranks by contiguous id range (expert parallelism).
+unscaled. Experts are split over ranks by contiguous id range (expert parallelism), and with fewer
+expert groups than ranks each expert by its intermediate dims (backend/layers/parallel.py); the
+routed and shared partial sums are combined by one all-reduce.
 
 Shape letters: T tokens, H hidden, E experts (El local), I expert intermediate, k experts per token.
 """
@@ -18,6 +20,7 @@ from torch import nn
 from backend.config import ModelConfig
 from backend.errors import CheckpointError
 from backend.layers.linear import Shard, _copy, activation, column, row
+from backend.layers.parallel import Parallel
 from backend.layers.sync_free import is_sync_free
 
 
@@ -69,16 +72,26 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Local experts `[e0, e1)` as fused tensors: gate_up_proj [El, 2I, H], down_proj [El, H, I]."""
+    """Local experts `[e0, e1)` as fused tensors: gate_up_proj [El, 2I, H], down_proj [El, H, I],
+    where I is this rank's intermediate range `[i0, i1)` of each expert (all of it unless `width`
+    splits the experts over several ranks)."""
 
-    def __init__(self, config: ModelConfig, shard: Shard, *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, shard: Shard, *, dtype: torch.dtype, width: Shard | None = None
+    ) -> None:
         super().__init__()
         self.e0, self.e1 = shard.split(config.num_routed_experts, "routed experts")
-        El, H, I = self.e1 - self.e0, config.hidden_size, config.moe_intermediate_size
+        self.full_intermediate = config.moe_intermediate_size
+        self.i0, self.i1 = (width or Shard()).split(self.full_intermediate, "expert intermediate size")
+        El, H, I = self.e1 - self.e0, config.hidden_size, self.i1 - self.i0
         self.gate_up_proj = nn.Parameter(torch.empty(El, 2 * I, H, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(El, H, I, dtype=dtype), requires_grad=False)
         self.intermediate = I
         self.act = activation(config.hidden_act)
+
+    @property
+    def is_width_split(self) -> bool:
+        return self.intermediate != self.full_intermediate
 
     def parts_per_param(self) -> dict[str, int]:
         """How many per-expert checkpoint tensors fill each fused parameter (for missing-tensor checks)."""
@@ -89,20 +102,28 @@ class Experts(nn.Module):
         """The fused 3-D form: `experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`."""
         if name not in ("gate_up_proj", "down_proj"):
             raise CheckpointError(f"unexpected expert tensor {name!r}")
-        _copy(getattr(self, name), full[self.e0 : self.e1], f"experts.{name}")
+        mine = full[self.e0 : self.e1]
+        i0, i1, I = self.i0, self.i1, self.full_intermediate
+        if name == "gate_up_proj":  # [El, 2I, H]: this rank's rows of gate, then of up
+            mine = (
+                torch.cat([mine[:, i0:i1], mine[:, I + i0 : I + i1]], dim=1) if self.is_width_split else mine
+            )
+        else:  # [El, H, I]
+            mine = mine[:, :, i0:i1]
+        _copy(getattr(self, name), mine, f"experts.{name}")
         return self.parts_per_param()[name]
 
     def load_expert(self, expert: int, proj: str, w: torch.Tensor) -> int:
         """One per-expert tensor `experts.{expert}.{gate,up,down}_proj.weight`; 0 if not on this rank."""
         if not self.e0 <= expert < self.e1:
             return 0
-        e, I = expert - self.e0, self.intermediate
+        e, I, i0, i1 = expert - self.e0, self.intermediate, self.i0, self.i1
         if proj == "gate_proj":
-            _copy(self.gate_up_proj[e, :I], w, f"experts.{expert}.gate_proj")
+            _copy(self.gate_up_proj[e, :I], w[i0:i1], f"experts.{expert}.gate_proj")
         elif proj == "up_proj":
-            _copy(self.gate_up_proj[e, I:], w, f"experts.{expert}.up_proj")
+            _copy(self.gate_up_proj[e, I:], w[i0:i1], f"experts.{expert}.up_proj")
         elif proj == "down_proj":
-            _copy(self.down_proj[e], w, f"experts.{expert}.down_proj")
+            _copy(self.down_proj[e], w[:, i0:i1], f"experts.{expert}.down_proj")
         else:
             raise CheckpointError(f"unexpected expert projection {proj!r}")
         return 1
@@ -136,17 +157,17 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard, *, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, parallel: Parallel, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(config)
-        self.experts = Experts(config, shard, dtype=dtype)
-        self.shard = shard
+        self.experts = Experts(config, parallel.expert_shard, dtype=dtype, width=parallel.expert_width_shard)
+        self.shard = parallel.shard
         self.shared_experts = (
             DenseMLP(
                 config.hidden_size,
                 config.moe_intermediate_size * config.num_shared_experts,
                 config.hidden_act,
-                shard,
+                self.shard.deferred(),  # its partial sum rides on the routed experts' all-reduce
                 dtype=dtype,
             )
             if config.num_shared_experts
@@ -154,8 +175,9 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dispatch: x [T, H] and the routing are the same on every rank; combine: one all-reduce
         weights, ids = self.gate(x)
-        out = self.shard.all_reduce(self.experts(x, weights, ids))
+        out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.shard.all_reduce(out)

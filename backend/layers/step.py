@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.forward_batch import ForwardBatch
+from backend.layers.context_parallel import local_writes
+from backend.layers.parallel import DcpGroup
 from kernels.kv_write import KvWriteArgs, kv_write
 from kernels.paged_gather import PagedBatch
 
@@ -23,9 +25,14 @@ class Step:
     sin: torch.Tensor  # [T, Dr]
     pages: PagedBatch  # what every page-reading kernel op reads of this step
     topk_indices: torch.Tensor | None = None  # DSA: the last full indexer layer's choice, [T, K]
+    # the MLA cache sharded by token over a DCP group (backend/layers/context_parallel.py)
+    dcp: DcpGroup | None = None
+    slot_mapping: torch.Tensor | None = None  # [T] this rank's destinations under DCP; None: the batch's
 
     @classmethod
-    def build(cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> Step:
+    def build(
+        cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, dcp: DcpGroup | None = None
+    ) -> Step:
         qs = batch.query_start.long()
         q_lens = qs[1:] - qs[:-1]  # [B]
         T = batch.num_tokens
@@ -33,13 +40,6 @@ class Step:
             token_seq = batch.seq_index.long()
         else:
             token_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qs.device), q_lens)
-        expected = None  # the tag check off: no tag is read
-        if batch.check_tags:
-            # index of each new token within its sequence: the cached prefix length plus its offset
-            offset = torch.arange(T, device=qs.device) - qs[token_seq]
-            token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
-            page_col = token_idx // batch.kv_cache.page_size
-            expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
         pages = PagedBatch(
             query_start=batch.query_start,
             seq_lens=batch.seq_lens,
@@ -50,6 +50,16 @@ class Step:
             is_decode=batch.is_decode_only,
             check_tags=batch.check_tags,
         )
+        if dcp is not None:  # each rank writes only its own tokens, at its own slots
+            slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
+            return cls(batch, token_seq, expected, cos, sin, pages, dcp=dcp, slot_mapping=slots)
+        expected = None  # the tag check off: no tag is read
+        if batch.check_tags:
+            # index of each new token within its sequence: the cached prefix length plus its offset
+            offset = torch.arange(T, device=qs.device) - qs[token_seq]
+            token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
+            page_col = token_idx // batch.kv_cache.page_size
+            expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
         return cls(
             batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin, pages=pages
         )
@@ -61,7 +71,7 @@ class Step:
             KvWriteArgs(
                 kv.layers[layer_idx][name],
                 values,
-                self.batch.slot_mapping,
+                self.batch.slot_mapping if self.slot_mapping is None else self.slot_mapping,
                 kv.scales[layer_idx][name],
                 kv.page_tags,
                 self.token_expected_tags,

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backend.config import ModelConfig
@@ -24,6 +23,7 @@ from backend.forward_batch import CacheSpec, ForwardBatch
 from backend.layers.linear import Linear, Shard, _copy
 from backend.layers.moe import DenseMLP, Experts, MoE
 from backend.layers.norm import RMSNorm
+from backend.layers.parallel import DcpGroup, Parallel, VocabParallelEmbedding, gather_vocab, vocab_range
 from backend.layers.rotary import Rotary
 from backend.layers.step import Step
 
@@ -33,15 +33,6 @@ _EXPERT = re.compile(
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-
-
-class Embedding(nn.Module):
-    def __init__(self, vocab: int, hidden: int, *, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -58,35 +49,52 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], *, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: list[DecoderLayer], shard: Shard, *, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, shard, dtype=dtype)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
 class CausalLM(nn.Module):
-    """Base of the architecture classes; a subclass supplies `make_attention(layer_idx)`."""
+    """Base of the architecture classes; a subclass supplies `make_attention(layer_idx)`.
+
+    `rank` of `world_size` (tp) ranks, routed experts over `ep` groups (0: ep = tp), the MLA latent
+    cache sharded by token over groups of `dcp` ranks (backend/layers/parallel.py)."""
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype, rank: int = 0, world_size: int = 1
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        ep: int = 0,
+        dcp: int = 1,
     ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
-        self.shard = Shard(rank, world_size)
+        self.parallel = Parallel(rank, world_size, ep, dcp)
+        if dcp > 1 and not config.kv_lora_rank:
+            raise CheckpointError("decode context parallelism (dcp > 1) shards the MLA latent cache only")
+        self.shard = self.parallel.shard
+        self.dcp = DcpGroup.create(self.parallel)
         self.rotary = Rotary(config.rope)
         layers = []
         for i in range(config.num_hidden_layers):
             mlp: nn.Module
             if config.mlp_layer_types[i] == "sparse":
-                mlp = MoE(config, self.shard, dtype=dtype)
+                mlp = MoE(config, self.parallel, dtype=dtype)
             else:
                 mlp = DenseMLP(
                     config.hidden_size, config.intermediate_size, config.hidden_act, self.shard, dtype=dtype
                 )
             layers.append(DecoderLayer(config, self.make_attention(i), mlp, dtype=dtype))
-        self.model = Backbone(config, layers, dtype=dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+        self.model = Backbone(config, layers, self.shard, dtype=dtype)
+        vocab = vocab_range(self.shard, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, out_range=vocab)
 
     def make_attention(self, layer_idx: int) -> nn.Module:
         raise NotImplementedError
@@ -104,16 +112,16 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits `[len(batch.logits_indices), vocab]`."""
+        """float32 logits `[len(batch.logits_indices), vocab]` (the whole vocabulary on every rank)."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         if batch.image_embeds is not None:
             x[batch.image_embeds.token_indices] = batch.image_embeds.embeds.to(x.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        step = Step.build(batch, cos, sin)
+        step = Step.build(batch, cos, sin, self.dcp)
         for layer in self.model.layers:
             x = layer(x, step)
         x = self.model.norm(x[batch.logits_indices])
-        return self.lm_head(x).float()
+        return gather_vocab(self.lm_head(x), self.shard, self.config.vocab_size).float()
 
     # ---- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -6,7 +6,8 @@ one latent per token `kv_a_proj_with_mqa(x) = [c (R) | k_pe (Dr)]`, `c` RMS-norm
 dims only (interleaved pairs). The cache keeps `[c | rotated k_pe]` (R + Dr = 576 for Kimi). Queries
 are absorbed into latent space (`q_nope · W_UK`), attention runs MQA over the latent lines, and the
 latent output goes back through `W_UV` before o_proj; W_UK / W_UV are views of kv_b_proj.
-Heads split over ranks (tensor parallel); the latent cache is replicated on every rank.
+Heads split over ranks (tensor parallel); the latent cache is replicated on every rank, or sharded
+by token over a DCP group (backend/layers/context_parallel.py).
 
 Shape letters: T tokens, Hl local heads, N qk_nope_head_dim, Dr qk_rope_head_dim, V v_head_dim,
 R kv_lora_rank, Q q_lora_rank.
@@ -19,6 +20,7 @@ from torch import nn
 
 from backend.config import ModelConfig
 from backend.forward_batch import CacheSpec
+from backend.layers.context_parallel import dcp_mla_attention
 from backend.layers.linear import Linear, Shard
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotary
@@ -97,8 +99,13 @@ class MLAAttention(nn.Module):
         """Absorbed q [T, Hl, R + Dr] → attention output [T, H] after W_UV and o_proj."""
         kv = step.batch.kv_cache
         cache, scale = kv.layers[self.layer_idx]["latent"], kv.scales[self.layer_idx]["latent"]
-        args = MlaAttentionArgs(q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices)
-        o_latent = mla_attention(args)  # [T, Hl, R]
+        if step.dcp is not None:  # the latent cache sharded by token over the DCP group
+            o_latent = dcp_mla_attention(
+                q, step.batch, self.layer_idx, self.R, self.softmax_scale, topk_indices, step.dcp
+            )
+        else:
+            args = MlaAttentionArgs(q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices)
+            o_latent = mla_attention(args)  # [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [T, Hl, V]
         return self.o_proj(o.reshape(q.shape[0], -1))

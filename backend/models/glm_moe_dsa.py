@@ -4,7 +4,8 @@ A layer whose `indexer_types` entry is "full" runs the indexer: its own projecti
 q LoRA activation, `wk` + LayerNorm from the hidden state, per-head `weights_proj` in float32),
 interleaved RoPE on the first rope dims, keys cached in pages ("index_k"), and it picks the top
 `index_topk` visible tokens per query. A "shared" layer reuses the last full layer's choice. MLA
-attention then reads only the chosen tokens. The indexer is small and replicated on every rank.
+attention then reads only the chosen tokens. The indexer is small and replicated on every rank; under
+DCP its key cache is sharded by token like the latent cache (backend/layers/context_parallel.py).
 
 Shape letters: T tokens, Hi indexer heads, Di indexer head dim, Q q_lora_rank, K index_topk.
 """
@@ -17,6 +18,7 @@ from torch import nn
 from backend.config import ModelConfig
 from backend.errors import CheckpointError
 from backend.forward_batch import CacheSpec
+from backend.layers.context_parallel import dcp_indexer_topk
 from backend.layers.linear import Linear, Shard
 from backend.layers.rotary import Rotary
 from backend.layers.step import Step
@@ -47,6 +49,8 @@ class Indexer(nn.Module):
         step.write(self.layer_idx, "index_k", k)
         weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
         kv = step.batch.kv_cache
+        if step.dcp is not None:  # each rank scores its key shard; the shards' top-k merged
+            return dcp_indexer_topk(q, weights, step.batch, self.layer_idx, self.Di**-0.5, self.topk, step.dcp)
         k_cache, k_scale = kv.layers[self.layer_idx]["index_k"], kv.scales[self.layer_idx]["index_k"]
         return dsa_indexer(DsaIndexerArgs(q, weights, k_cache, k_scale, self.Di**-0.5, self.topk, step.pages))
 

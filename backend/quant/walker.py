@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backend.errors import CheckpointError
 from backend.layers.linear import Linear
 from backend.layers.moe import Experts
 from backend.quant.experts import QuantExperts
@@ -66,6 +67,8 @@ def _empty_linear(scheme: QuantScheme, m: Linear | nn.Linear) -> QuantLinear:
 
 
 def _empty_experts(scheme: QuantScheme, m: Experts) -> QuantExperts:
+    if m.is_width_split:
+        raise CheckpointError("quantized routed experts are split by whole experts only: ep must equal tp")
     return QuantExperts(
         scheme, e0=m.e0, e1=m.e1, hidden=m.down_proj.shape[1], intermediate=m.intermediate, act=m.act
     )

@@ -31,8 +31,11 @@ class PagedDriver:
         kv_dtype: torch.dtype | None = None,
         scales: list[dict[str, float]] | None = None,
         device: torch.device | str = "cpu",
+        dcp: int = 1,
     ) -> None:
-        self.model, self.device = model, torch.device(device)
+        """`dcp` > 1: the model shards its MLA cache by token over dcp ranks (backend/layers/
+        context_parallel.py), so a page holds page_size·dcp tokens of a sequence, page_size here."""
+        self.model, self.device, self.dcp = model, torch.device(device), dcp
         dtype = model.dtype  # type: ignore[attr-defined]
         specs = model.cache_specs()  # type: ignore[operator]
         self.kv = KVCache.allocate(
@@ -47,13 +50,14 @@ class PagedDriver:
         ids, pos, slots, starts = [], [], [], [0]
         for s, n in zip(seqs, num_new, strict=True):
             end = s.num_cached + n
-            while len(s.pages) * S < end:
+            while len(s.pages) * S * self.dcp < end:
                 s.pages.append(self.free.pop(0))
                 s.tags.append(int(self.kv.page_tags[s.pages[-1]]))
             for i in range(s.num_cached, end):
                 ids.append(s.tokens[i])
                 pos.append(i)
-                slots.append(s.pages[i // S] * S + i % S)
+                # under DCP each rank finds its own slots from the page table; none is given here
+                slots.append(s.pages[i // S] * S + i % S if self.dcp == 1 else -1)
             starts.append(starts[-1] + n)
         Mp = max(len(s.pages) for s in seqs)
         table = torch.zeros(len(seqs), Mp, dtype=torch.int32)

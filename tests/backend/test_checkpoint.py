@@ -63,7 +63,11 @@ def test_sharded_checkpoint_loads_like_the_single_file(ds_path: Path, tmp_path: 
     _assert_same(_state(ds_path), _state(dst))
 
 
-def test_fused_expert_tensors_load_like_per_expert_ones(ds_path: Path, tmp_path: Path) -> None:
+# one rank; rank 3 of 4 with 2 expert groups (each expert split by its intermediate dims over 2 ranks)
+@pytest.mark.parametrize("layout", [{}, {"rank": 3, "world_size": 4, "ep": 2}])
+def test_fused_expert_tensors_load_like_per_expert_ones(
+    ds_path: Path, tmp_path: Path, layout: dict[str, int]
+) -> None:
     tensors = _tensors(ds_path)
     fused: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
@@ -78,7 +82,9 @@ def test_fused_expert_tensors_load_like_per_expert_ones(ds_path: Path, tmp_path:
             [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(E)]
         )  # [E, 2I, H]
         fused[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down")] for e in range(E)])  # [E, H, I]
-    _assert_same(_state(ds_path), _state(_copy_folder(ds_path, tmp_path / "fused", fused)))
+    _assert_same(
+        _state(ds_path, **layout), _state(_copy_folder(ds_path, tmp_path / "fused", fused), **layout)
+    )
 
 
 def test_mtp_layers_are_skipped(ds_path: Path, tmp_path: Path) -> None:
@@ -191,6 +197,9 @@ def test_world_size_2_ranks_keep_their_slices(ds_path: Path) -> None:
                 experts.gate_up_proj[i, :I], full[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"]
             )
             assert torch.equal(experts.down_proj[i], full[f"model.layers.1.mlp.experts.{e}.down_proj.weight"])
+        vocab = slice(rank * c.vocab_size // 2, (rank + 1) * c.vocab_size // 2)  # vocab parallel
+        assert torch.equal(m.model.embed_tokens.weight, full["model.embed_tokens.weight"][vocab])
+        assert torch.equal(m.lm_head.weight, full["lm_head.weight"][vocab])
         dense = m.model.layers[0].mlp
         rows = slice(rank * c.intermediate_size // 2, (rank + 1) * c.intermediate_size // 2)
         assert torch.equal(dense.gate_proj.weight, full["model.layers.0.mlp.gate_proj.weight"][rows])

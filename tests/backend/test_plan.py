@@ -176,3 +176,45 @@ def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path, capsys: pytest.
     assert main(["--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "kumo plan: error:" in err and "hidden_size" in err
+
+
+def test_dcp8_shards_the_kimi_latent_cache_to_over_ten_million_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--dcp 8` at tp 8: each GPU keeps 1/8 of every sequence's latents (backend/layers/
+    context_parallel.py), so its bytes per token are 61 × 576 / 8; the DCP prefill's gathered queries
+    (all 64 heads) cost activation memory the plan subtracts first."""
+    tp8 = make_plan(_config("kimi-k2.6"), gpu_mem=parse_bytes("141GiB"), tp=8, kv_dtype="fp8")
+    dcp8 = make_plan(_config("kimi-k2.6"), gpu_mem=parse_bytes("141GiB"), tp=8, kv_dtype="fp8", dcp=8)
+    assert dcp8.kv_bytes_per_token == 61 * 576 // 8 == 4_392
+    assert dcp8.weights_per_gpu == tp8.weights_per_gpu
+    attention = {t.name: -t.bytes for t in dcp8.terms}["activations: attention"]
+    assert attention == 8192 * 64 * (576 * 2 + 2 * 512 * 4)
+    assert dcp8.kv_pool_bytes == tp8.kv_pool_bytes - attention + 8192 * 8 * (2 * 192 + 2 * 128) * 2
+    # pages of 16 tokens per rank: the group's tokens come in 16 × 8
+    assert dcp8.kv_tokens == dcp8.kv_pool_bytes // (35_136 * 16) * 16 * 8
+    assert 10_000_000 <= dcp8.kv_tokens < 8 * tp8.kv_tokens
+    rc = main(
+        [
+            "--model",
+            str(CONFIGS / "kimi-k2.6"),
+            "--gpu-mem",
+            "141GiB",
+            "--tp",
+            "8",
+            "--dcp",
+            "8",
+            "--kv-dtype",
+            "fp8",
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert f"KV tokens that fit  {dcp8.kv_tokens:,}" in out and "/ dcp 8 = 4,392 B" in out
+
+
+def test_dcp_needs_mla_and_a_divisor_of_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", str(CONFIGS / "glm-4.5"), "--tp", "8", "--dcp", "2"]) == 2
+    assert "MLA" in capsys.readouterr().err
+    assert main(["--model", str(CONFIGS / "glm-5.2"), "--tp", "8", "--dcp", "3"]) == 2
+    assert "must divide" in capsys.readouterr().err
