@@ -16,6 +16,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,15 @@ from schemas.backend import EngineRequest, SamplingParams
 
 
 def measure_async(
-    args: argparse.Namespace, batch_size: int, mode: str, sampling: dict[str, Any]
+    args: argparse.Namespace,
+    batch_size: int,
+    mode: str,
+    sampling: dict[str, Any],
+    build: Callable[[argparse.Namespace, int], tuple[Any, Any, int]],
+    random_prompts: Callable[..., list[list[int]]],
 ) -> dict[str, Any]:
-    from benchmarks.engine.host_overhead import build  # the same engine as the plain measurement
-
+    """`build` and `random_prompts` are host_overhead's: the same engine and prompts as the plain
+    measurement (passed in, so neither module imports the other)."""
     engine, model, vocab = build(args, batch_size)
     with tempfile.TemporaryDirectory() as folder:
         write_tokenizer_files("kimi", Path(folder), vocab_size=max(vocab, 256))
@@ -51,7 +57,7 @@ def measure_async(
     try:
         for rep in range(args.repeats + 1):  # the first round warms up
             marks.clear()
-            asyncio.run(_round(front, tokenizer, args, batch_size, rep, sampling))
+            asyncio.run(_round(front, tokenizer, args, batch_size, rep, sampling, random_prompts))
             if rep > 0:  # from each decode step's start to the next one's
                 host += [
                     (b[0] - a[0]) - (b[1] - a[1])
@@ -80,9 +86,8 @@ async def _round(
     batch_size: int,
     rep: int,
     sampling: dict[str, Any],
+    random_prompts: Callable[..., list[list[int]]],
 ) -> None:
-    from benchmarks.engine.host_overhead import random_prompts
-
     prompts = random_prompts(args, batch_size, args.vocab, seed=5000 + 1000 * rep + batch_size)
 
     async def consume(i: int, prompt: list[int]) -> int:

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             run = measure(args, B, mode)
             run |= counted(args, B, mode, top=args.profile_top if args.profile_batch == B else 0)
             if args.async_loop:
-                async_run = measure_async(args, B, mode, SAMPLING[mode])
+                async_run = measure_async(args, B, mode, SAMPLING[mode], build, random_prompts)
                 run |= {k: v for k, v in async_run.items() if k.startswith("async_")}
             record["runs"].append(run)
             print(
