@@ -4,7 +4,7 @@ The contract every architecture class keeps (the engine and loader code against 
 
     class SomeArch(torch.nn.Module):
         def __init__(self, config: ModelConfig, *, dtype: torch.dtype, rank: int = 0, world_size: int = 1)
-        def cache_specs(self) -> list[list[CacheSpec]]            # one list per layer (backend/forward_batch.py)
+        def cache_specs(self) -> list[list[CacheSpec]]            # one list per layer (backend/engine/forward_batch.py)
         def forward(self, batch: ForwardBatch) -> torch.Tensor    # float32 logits [len(batch.logits_indices), vocab]
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None
 

@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.config import ModelConfig
+from backend.engine.forward_batch import CacheSpec, ForwardBatch
 from backend.errors import CheckpointError
-from backend.forward_batch import CacheSpec, ForwardBatch
-from backend.layers.linear import Linear, Shard, _copy
-from backend.layers.moe import DenseMLP, Experts, MoE
-from backend.layers.norm import RMSNorm
-from backend.layers.rotary import Rotary
-from backend.layers.step import Step
+from backend.models.layers.linear import Linear, Shard, _copy
+from backend.models.layers.moe import DenseMLP, Experts, MoE
+from backend.models.layers.norm import RMSNorm
+from backend.models.layers.rotary import Rotary
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
 
 # `.weight`, or a quantized checkpoint's `.weight_packed` / `.weight_scale` / `.weight_scale_inv` / …
 _EXPERT = re.compile(

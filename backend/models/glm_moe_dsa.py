@@ -14,14 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.config import ModelConfig
+from backend.engine.forward_batch import CacheSpec
 from backend.errors import CheckpointError
-from backend.forward_batch import CacheSpec
-from backend.layers.linear import Linear, Shard
-from backend.layers.rotary import Rotary
-from backend.layers.step import Step
 from backend.models.causal_lm import CausalLM
 from backend.models.deepseek_v3 import MLAAttention
+from backend.models.layers.linear import Linear, Shard
+from backend.models.layers.rotary import Rotary
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
 from kernels.dsa_indexer import dsa_indexer_ref
 
 INDEXER_NORM_EPS = 1e-6  # the reference LayerNorm's eps; not in config.json

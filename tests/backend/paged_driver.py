@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.forward_batch import ForwardBatch, KVCache
+from backend.engine.forward_batch import ForwardBatch, KVCache
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.block_manager import BlockManager
-from backend.sequence import PageRef, Sequence
+from backend.engine.block_manager import BlockManager
+from backend.engine.sequence import PageRef, Sequence
 from tests.backend.engine_helpers import TENANT_A, request
 
 

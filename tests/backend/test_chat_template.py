@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from backend.chat_template import ChatTemplate, message_dict, tool_dict
 from backend.errors import InvalidRequest
-from backend.tokenizer_files import write_tokenizer_files
+from backend.text.chat_template import ChatTemplate, message_dict, tool_dict
+from backend.text.tokenizer_files import write_tokenizer_files
 from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool, ToolCall, ToolCallFunction
 from tests.backend.server_tokenizers import tokenizer_dir
 

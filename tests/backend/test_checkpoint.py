@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.config import ModelConfig
 from backend.errors import CheckpointError
-from backend.loader import load_model
+from backend.models.loader import load_model
+from backend.models.model_config import ModelConfig
 from tests.backend.tiny_checkpoints import EOS_IDS, make_tiny
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -247,7 +247,7 @@ def test_other_routing_schemes_are_refused(ds_path: Path) -> None:
 
 
 def test_a_rank_does_not_read_other_ranks_experts(ds_path: Path) -> None:
-    from backend.checkpoint import iter_tensors
+    from backend.models.checkpoint import iter_tensors
 
     model = load_model(ds_path, dtype=torch.float32, rank=1, world_size=2).model
     names = [n for n, _ in iter_tensors(ds_path, keep=model.wants_tensor)]

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from backend.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.forward_batch import ForwardBatch, HostBatch, KVCache
-from backend.layers.moe import Experts
-from backend.layers.sync_free import sync_free
-from backend.settings import build_settings
+from backend.engine.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.engine.sync_free import sync_free
+from backend.models.layers.moe import Experts
+from backend.server.settings import build_settings
 from benchmarks.engine.cli import parser as bench_parser
 from benchmarks.engine.offline import engine_config
 from tests.backend.engine_faults import FaultInjector

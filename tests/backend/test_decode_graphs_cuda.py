@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.loader import load_model
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.models.loader import load_model
 from backend.quant.kv_scales import calibrate
-from backend.random_weights import KINDS, write_random_checkpoint
+from backend.tools.random_checkpoint import KINDS, write_random_checkpoint
 from tests.backend.engine_faults import FaultInjector
 from tests.backend.engine_helpers import Result, collect, prompt_of, request
 

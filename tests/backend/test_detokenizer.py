@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.detokenizer import REPLACEMENT, Detokenizer
+from backend.text.detokenizer import REPLACEMENT, Detokenizer
 from tests.backend.server_tokenizers import load
 
 TEXT = "Emoji 🙂🚀🌧️ then 你好，世界 and 👍🏽 café — done"

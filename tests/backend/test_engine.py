@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.async_engine import AsyncEngine
-from backend.engine_config import EngineConfig
+from backend.engine.async_engine import AsyncEngine
+from backend.engine.engine_config import EngineConfig
 from backend.errors import Aborted, Busy, EngineError, InvalidRequest
 from schemas.backend import EngineOutput, ImageSpan
 from tests.backend.engine_helpers import (

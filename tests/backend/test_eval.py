@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from backend.eval import main
-from backend.quant.cli import main as quantize
+from backend.tools.eval import main
+from backend.tools.quantize import main as quantize
 from tests.backend.conformance import reference_greedy, reference_logits
 from tests.backend.tiny_checkpoints import load_reference, make_tiny
 
@@ -148,10 +148,10 @@ def test_eval_two_variants_against_transformers(
 def test_tool_call_scoring_with_the_family_parser(kind: str, call: str, tmp_path: Path) -> None:
     """The output is read as serving reads it (reasoning split, the family's parser on the content):
     a call written inside the reasoning is no call."""
-    from backend.eval_prompts import EvalPrompts
-    from backend.eval_tasks import ExpectedCall, ToolItem, call_matches
-    from backend.quant.prompt_runner import Generated
-    from backend.random_weights import write_random_checkpoint
+    from backend.engine.prompt_runner import Generated
+    from backend.tools.eval_prompts import EvalPrompts
+    from backend.tools.eval_tasks import ExpectedCall, ToolItem, call_matches
+    from backend.tools.random_checkpoint import write_random_checkpoint
     from schemas.backend import Message, Tool
 
     path = write_random_checkpoint(kind, tmp_path / "ckpt")
@@ -186,7 +186,7 @@ def test_tool_call_scoring_with_the_family_parser(kind: str, call: str, tmp_path
 
 def test_tool_call_task_runs_through_the_chat_template(tmp_path: Path) -> None:
     """A Kimi-tokenizer tiny model: the task renders, generates and scores for every variant."""
-    from backend.tokenizer_files import write_tokenizer_files
+    from backend.text.tokenizer_files import write_tokenizer_files
 
     src = make_tiny(
         "kimi_k2", tmp_path / "src", initializer_range=0.02, vocab_size=833, max_position_embeddings=512
@@ -227,7 +227,7 @@ def test_tool_call_task_runs_through_the_chat_template(tmp_path: Path) -> None:
 def test_variant_options_are_checked_before_anything_loads() -> None:
     """A mistyped option used to be ignored (`weight=int4-g32` ran the variant unquantized and
     reported it identical to the reference) and `weights=fp8` quantized experts as FP8 blocks."""
-    from backend.eval import VariantOptions, parse_variant
+    from backend.tools.eval import VariantOptions, parse_variant
 
     assert parse_variant("ckpt") == ("ckpt", VariantOptions())
     assert parse_variant("d:weights=int4-g128:kv=fp8:all-linear") == (
@@ -276,7 +276,7 @@ def test_cli_refuses_bad_variant_lists(
 def test_task_items_are_checked_at_load(tmp_path: Path, line: str, words: list[str]) -> None:
     """An out-of-range answer index was silently scored wrong for every variant (a biased accuracy);
     a bad regex raised re.error from deep inside generation."""
-    from backend.eval_tasks import load_items
+    from backend.tools.eval_tasks import load_items
 
     first = line.replace('"answer": 2', '"answer": 0').replace('"answer": -1', '"answer": 0')
     first = first.replace('"choices": []', '"choices": ["a"]').replace("(unclosed", "(\\\\d+)")
@@ -289,7 +289,7 @@ def test_task_items_are_checked_at_load(tmp_path: Path, line: str, words: list[s
 
 
 def test_answer_regex_whose_group_did_not_match_is_no_crash() -> None:
-    from backend.eval_tasks import GenItem, extract_answer
+    from backend.tools.eval_tasks import GenItem, extract_answer
 
     item = GenItem(prompt="p", answer="7", answer_regex=r"answer is (\d+)|####")
     assert extract_answer("#### 7", item) == ""
@@ -297,7 +297,7 @@ def test_answer_regex_whose_group_did_not_match_is_no_crash() -> None:
 
 
 def _bare_evaluator(names: list[str]):  # type: ignore[no-untyped-def]
-    from backend.eval import Evaluator
+    from backend.tools.eval import Evaluator
 
     ev = object.__new__(Evaluator)
     ev.variants = [type("V", (), {"name": n})() for n in names]  # type: ignore[assignment]
@@ -324,7 +324,7 @@ def test_accuracy_intervals_are_binomial_sized_and_the_delta_is_paired() -> None
 def test_multiple_choice_pick_summed_and_length_normalised() -> None:
     """Summed log-likelihood favours short choices; the normalised pick (lm-evaluation-harness's
     acc_norm: per byte of the choice) does not."""
-    from backend.eval import pick_choice
+    from backend.tools.eval import pick_choice
 
     loglik = torch.tensor([-6.0, -9.0])  # a 2-byte choice, then a 12-byte one
     assert pick_choice(loglik, [2, 12], normalise=False) == 0
@@ -344,9 +344,9 @@ def test_fp8_kv_scales_of_an_in_memory_quantized_variant_come_from_the_unquantiz
 ) -> None:
     """As `kumo quantize --kv-scales` calibrates on the source model, so does the variant that
     tries the format in memory (it calibrated on its already-quantized weights)."""
-    from backend.eval import Variant
-    from backend.loader import load_model
+    from backend.models.loader import load_model
     from backend.quant import kv_scales
+    from backend.tools.eval import Variant
 
     src = make_tiny("kimi_k2", tmp_path / "src", initializer_range=0.02)
     variant = Variant("q", f"{src}:weights=int4-g32:all-linear:kv=fp8")

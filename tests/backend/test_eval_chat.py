@@ -17,14 +17,14 @@ import msgspec
 import pytest
 import torch
 
-from backend.eval import Evaluator, Variant, main
-from backend.eval_prompts import EvalPrompts
-from backend.eval_tasks import GenItem, McItem, ToolItem, load_items
-from backend.image_encoder import MEDIA_PAD, VisionEncoder
-from backend.quant.prompt_runner import PromptRunner
-from backend.random_weights import write_random_checkpoint
-from backend.served_model import ServedModel
-from backend.serving import GenerationEngine, Serving
+from backend.engine.prompt_runner import PromptRunner
+from backend.models.image_encoder import MEDIA_PAD, VisionEncoder
+from backend.server.generation import GenerationEngine, Serving
+from backend.server.model_card import ServedModel
+from backend.tools.eval import Evaluator, Variant, main
+from backend.tools.eval_prompts import EvalPrompts
+from backend.tools.eval_tasks import GenItem, McItem, ToolItem, load_items
+from backend.tools.random_checkpoint import write_random_checkpoint
 from models.recipes import nano
 from models.recipes.build import build, eval_row, item
 from models.recipes.images import render as draw

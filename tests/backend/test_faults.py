@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine import Engine
+from backend.engine.engine import Engine
 from tests.backend.engine_faults import FaultInjector, Inject
 from tests.backend.engine_helpers import (
     MODELS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.host_staging import StagingBuffer
+from backend.engine.host_staging import StagingBuffer
 
 
 def test_staging_keeps_what_was_written_when_it_grows() -> None:

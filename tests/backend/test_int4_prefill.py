@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from backend.engine_config import EngineConfig
-from backend.eval import parse_variant
+from backend.engine.engine_config import EngineConfig
 from backend.quant.linear import Int4Linear, set_int4_prefill
+from backend.tools.eval import parse_variant
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 

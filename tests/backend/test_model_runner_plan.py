@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.scheduler import ScheduledSeq
+from backend.engine.engine import Engine
+from backend.engine.scheduler import ScheduledSeq
 from schemas.backend import ImageSpan
 from tests.backend.engine_faults import FaultInjector
 from tests.backend.engine_helpers import TENANT_A, TENANT_B, make_engine, prompt_of, request

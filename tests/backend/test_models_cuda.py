@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.loader import load_model
-from backend.random_weights import KINDS, write_random_checkpoint
+from backend.models.loader import load_model
+from backend.tools.random_checkpoint import KINDS, write_random_checkpoint
 from tests.backend.conformance import prompts
 from tests.backend.paged_driver import PagedDriver
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.forward_batch import ImageEmbeds
-from backend.loader import load_model
+from backend.engine.forward_batch import ImageEmbeds
+from backend.models.loader import load_model
 from tests.backend.conformance import MAX_ABS_DIFF, greedy_matches, prefill_max_diff, prompts
 from tests.backend.paged_driver import PagedDriver, Seq
 from tests.backend.tiny_checkpoints import load_reference, make_tiny

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.loader import load_model
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.models.loader import load_model
 from tests.backend.conformance import prompts, reference_greedy
 from tests.backend.engine_helpers import request, run_all
 from tests.backend.tiny_checkpoints import load_reference, make_tiny

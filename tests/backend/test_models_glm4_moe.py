@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.loader import load_model
+from backend.models.loader import load_model
 from tests.backend.conformance import MAX_ABS_DIFF, greedy_matches, prefill_max_diff
 from tests.backend.tiny_checkpoints import make_tiny
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.loader import load_model
+from backend.models.loader import load_model
 from tests.backend.conformance import MAX_ABS_DIFF, greedy_matches, prefill_max_diff, prompts
 from tests.backend.paged_driver import PagedDriver
 from tests.backend.tiny_checkpoints import make_tiny

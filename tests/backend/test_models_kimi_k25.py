@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.config import ModelConfig
+from backend.models.model_config import ModelConfig
 from tests.backend.conformance import MAX_ABS_DIFF, greedy_matches, prefill_max_diff
 from tests.backend.tiny_checkpoints import EOS_IDS, make_tiny
 

@@ -8,9 +8,9 @@ from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from backend.config import ModelConfig
-from backend.layers.moe import Router
-from backend.layers.rotary import inv_freq_and_factor
+from backend.models.layers.moe import Router
+from backend.models.layers.rotary import inv_freq_and_factor
+from backend.models.model_config import ModelConfig
 from tests.backend.tiny_checkpoints import config_dict
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.loader import load_model
+from backend.models.loader import load_model
 from tests.backend.conformance import prompts
 from tests.backend.paged_driver import PagedDriver
 from tests.backend.tiny_checkpoints import make_tiny

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from backend.loader import load_model
+from backend.models.loader import load_model
 from tests.backend.conformance import prompts
 from tests.backend.paged_driver import PagedDriver
 from tests.backend.tiny_checkpoints import make_tiny

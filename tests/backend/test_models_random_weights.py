@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.checkpoint import iter_tensors
-from backend.config import ModelConfig
-from backend.loader import load_model
+from backend.models.checkpoint import iter_tensors
+from backend.models.loader import load_model
+from backend.models.model_config import ModelConfig
 from backend.models.moonvit import MoonViT, VisionConfig
-from backend.random_checkpoint import main
-from backend.random_weights import KINDS, PUBLISHED_CONFIGS, write_random_checkpoint
+from backend.tools.random_checkpoint import KINDS, PUBLISHED_CONFIGS, main, write_random_checkpoint
 from tests.backend.paged_driver import PagedDriver
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from backend.block_manager import BlockManager
-from backend.page_table import PAD_PAGE, PAD_TAG, PageRef, PageTable, PageTables
-from backend.sequence import Sequence
+from backend.engine.block_manager import BlockManager
+from backend.engine.page_table import PAD_PAGE, PAD_TAG, PageRef, PageTable, PageTables
+from backend.engine.sequence import Sequence
 from tests.backend.engine_helpers import TENANT_A, TENANT_B, request
 
 S = 4  # page size

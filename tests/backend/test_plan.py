@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.plan import GIB, main, make_plan, parse_bytes, scheme_for, stored_bytes
 from backend.quant.scheme import QuantScheme
-from backend.quant.shapes import TensorSpec, checkpoint_tensors, layer_index, text_config
+from backend.tools.checkpoint_shapes import TensorSpec, checkpoint_tensors, layer_index, text_config
+from backend.tools.plan import GIB, main, make_plan, parse_bytes, scheme_for, stored_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "models" / "configs"
 H200 = parse_bytes("141GB")
@@ -127,7 +127,7 @@ def test_plan_predicts_the_bytes_kumo_quantize_writes(tmp_path: Path) -> None:
     its tensor inventory names every tensor of a real (tiny) checkpoint."""
     from safetensors import safe_open
 
-    from backend.quant.cli import main as quantize
+    from backend.tools.quantize import main as quantize
     from tests.backend.tiny_checkpoints import make_tiny
 
     src = make_tiny("glm_moe_dsa", tmp_path / "src")
@@ -151,7 +151,7 @@ def test_kimi_k26_native_keeps_lm_head_and_router_bf16() -> None:
     plan = make_plan(_config("kimi-k2.6"), gpu_mem=H200, tp=8)
     by_class = plan.weights_per_gpu_by_class
     assert by_class["lm_head"] == 163_840 * 7168 * 2 // 8  # BF16, split by tp
-    # replicated, held in fp32 (backend/layers/moe.py Router) though stored BF16, + the fp32 bias
+    # replicated, held in fp32 (backend/models/layers/moe.py Router) though stored BF16, + the fp32 bias
     assert by_class["router"] == 60 * (384 * 7168 * 4 + 384 * 4)
     assert by_class["embeddings"] == by_class["lm_head"]
 

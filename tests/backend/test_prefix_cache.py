@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from backend.prefix_cache import PrefixCache
+from backend.engine.prefix_cache import PrefixCache
 from schemas.backend import ImageSpan
 from tests.backend.engine_helpers import TENANT_A, TENANT_B, make_engine, prompt_of, request, run_all
 

@@ -16,14 +16,14 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.checkpoint import INDEX_FILE
 from backend.errors import CheckpointError
-from backend.loader import load_model
-from backend.quant.cli import REPORT_FILE, main
+from backend.models.checkpoint import INDEX_FILE
+from backend.models.loader import load_model
 from backend.quant.experts import QuantExperts
 from backend.quant.int4 import dequantize_int4
 from backend.quant.scheme import QuantScheme
 from backend.quant.walker import quantize_model
+from backend.tools.quantize import REPORT_FILE, main
 from tests.backend.quant_helpers import logits, make_src, rel, top1
 from tests.backend.tiny_checkpoints import make_tiny
 
@@ -130,7 +130,7 @@ def test_streaming_peak_memory_is_about_one_shard(tmp_path: Path) -> None:
 
     def peak(call: str) -> int:
         code = (
-            "import resource, sys, torch, safetensors.torch, tqdm; from backend.quant.cli import main; "
+            "import resource, sys, torch, safetensors.torch, tqdm; from backend.tools.quantize import main; "
             f"{call}; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
         )
         res = subprocess.run(
@@ -281,7 +281,7 @@ def test_a_quantized_tensor_of_the_wrong_shape_is_named_in_full(src: Path, tmp_p
 def test_shard_writer_files_read_back_with_safetensors(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    from backend.quant.shard_writer import ShardWriter
+    from backend.tools.shard_writer import ShardWriter
 
     g = torch.Generator().manual_seed(0)
     tensors = {

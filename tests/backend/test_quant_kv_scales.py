@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from backend.checkpoint import INDEX_FILE
+from backend.engine.prompt_runner import PromptRunner
 from backend.errors import CheckpointError
-from backend.loader import load_model
+from backend.models.checkpoint import INDEX_FILE
+from backend.models.loader import load_model, prepare_model
 from backend.quant import kv_scales
-from backend.quant.cli import main
-from backend.quant.prompt_runner import PromptRunner
+from backend.tools.quantize import main
 from tests.backend.quant_helpers import IDS, logits, make_src, rel, top1
 from tests.backend.tiny_checkpoints import make_tiny
 
@@ -110,8 +110,8 @@ def test_k25_layout_scales_carry_the_language_model_prefix(
 def test_quantized_checkpoint_serves_through_the_engine_with_fp8_kv(src: Path, tmp_path: Path) -> None:
     """The engine (paged batches, chunked prefill, FP8 cache with the stored scales) decodes what the
     prompt runner decodes from the same INT4 checkpoint."""
-    from backend.engine import Engine
-    from backend.engine_config import EngineConfig
+    from backend.engine.engine import Engine
+    from backend.engine.engine_config import EngineConfig
     from tests.backend.engine_helpers import request, run_all
 
     dst = tmp_path / "int4"
@@ -120,7 +120,7 @@ def test_quantized_checkpoint_serves_through_the_engine_with_fp8_kv(src: Path, t
     config = EngineConfig.build(
         num_pages=32, max_num_batched_tokens=16, max_num_seqs=4, kv_dtype="float8_e4m3fn"
     )
-    engine = Engine.from_loaded(loaded, config)
+    engine = Engine.from_prepared(prepare_model(loaded, config), config)
     prompts = [IDS[:20], IDS[5:33]]
     results = run_all(
         engine, [request(f"r{i}", p, max_tokens=6, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -248,7 +248,7 @@ def test_an_empty_calibration_prompt_is_skipped(src: Path) -> None:
 def test_calibration_prompt_file_lines(tmp_path: Path) -> None:
     """JSONL lines give their `text`; any other line, JSON-looking or broken, is itself the text
     (a JSON line without `text` was dropped silently, a line starting with `{` that is no JSON raised)."""
-    from backend.quant.cli import read_prompts
+    from backend.tools.quantize import read_prompts
 
     f = tmp_path / "p.txt"
     f.write_text('{"text": "hello"}\n\n{"name": "get_weather"}\n{not json\nplain words\n')

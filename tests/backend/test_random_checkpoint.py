@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import torch
 
-from backend.random_checkpoint import make_random_checkpoint
-from backend.server import build_backend, create_app
-from backend.settings import build_settings
+from backend.server.app import build_backend, create_app
+from backend.server.settings import build_settings
+from backend.tools.random_checkpoint import make_random_checkpoint
 from schemas.backend import Event, Finish, ModelCard, Usage
 from tests.backend.server_checkpoints import SECRET, TENANT
 
@@ -61,7 +61,7 @@ async def test_random_checkpoint_serves(tmp_path: Path, kind: str) -> None:
 def test_command_line_writes_whole_folder_once(tmp_path: Path) -> None:
     target = tmp_path / "models" / "glm"
     done = subprocess.run(
-        [sys.executable, "-m", "backend.random_checkpoint", "glm-4.5", str(target)],
+        [sys.executable, "-m", "backend.tools.random_checkpoint", "glm-4.5", str(target)],
         cwd=ROOT,
         capture_output=True,
         text=True,

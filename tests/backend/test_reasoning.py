@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.reasoning import ReasoningParser, ThinkMarkers
-from backend.tokenizer import Tokenizer
+from backend.text.reasoning import ReasoningParser, ThinkMarkers
+from backend.text.tokenizer import Tokenizer
 from tests.backend.server_tokenizers import load, ordinary_ids
 
 

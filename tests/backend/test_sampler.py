@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from backend.sampler import Sampler, SampleRow, apply_penalties, apply_top_k, apply_top_p
+from backend.engine.sampler import Sampler, SampleRow, apply_penalties, apply_top_k, apply_top_p
 from schemas.backend import SamplingParams
 
 V = 50

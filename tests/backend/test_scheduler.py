@@ -192,7 +192,7 @@ def test_abort_of_a_queued_request_ends_it_without_running_it() -> None:
 def test_engine_config_limits_are_validated_and_named() -> None:
     import msgspec
 
-    from backend.engine_config import EngineConfig
+    from backend.engine.engine_config import EngineConfig
 
     with pytest.raises(msgspec.ValidationError, match="page_size"):
         EngineConfig.build(page_size=0)

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend.tokenizer import load_tokenizer
+from backend.text.tokenizer import load_tokenizer
 from schemas.backend import (
     ErrorBody,
     Event,

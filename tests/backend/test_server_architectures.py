@@ -15,11 +15,11 @@ import pytest
 from PIL import Image
 
 from backend.errors import InvalidRequest
-from backend.served_model import ServedModel
-from backend.server import build_backend, create_app
-from backend.serving import Serving
-from backend.settings import build_settings
-from backend.tokenizer import load_tokenizer
+from backend.server.app import build_backend, create_app
+from backend.server.generation import Serving
+from backend.server.model_card import ServedModel
+from backend.server.settings import build_settings
+from backend.text.tokenizer import load_tokenizer
 from schemas.backend import (
     ErrorBody,
     Event,

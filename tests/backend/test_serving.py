@@ -16,16 +16,16 @@ import pytest
 from starlette.applications import Starlette
 
 from backend.errors import Busy
-from backend.metrics import BackendMetrics
-from backend.output_processor import OutputProcessor, StopMatcher
-from backend.reasoning import ReasoningParser, ThinkMarkers
-from backend.served_model import TOOL_MARKERS, ServedModel
-from backend.server import Backend, create_app
-from backend.server import main as server_main
-from backend.serving import Serving
-from backend.settings import build_settings
-from backend.tokenizer import Tokenizer
-from backend.tool_parsers import parser_for
+from backend.server.app import Backend, create_app
+from backend.server.app import main as server_main
+from backend.server.generation import Serving
+from backend.server.metrics import BackendMetrics
+from backend.server.model_card import TOOL_MARKERS, ServedModel
+from backend.server.settings import build_settings
+from backend.text.output_processor import OutputProcessor, StopMatcher
+from backend.text.reasoning import ReasoningParser, ThinkMarkers
+from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import parser_for
 from schemas.backend import (
     EngineOutput,
     EngineRequest,

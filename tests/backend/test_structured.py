@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from backend.errors import InvalidRequest
-from backend.served_model import TOOL_MARKERS
-from backend.structured import GrammarConstraint, build_constraint, grammar_for
-from backend.tokenizer import Tokenizer
-from backend.tool_parsers import ParsedCall, parser_for
+from backend.server.model_card import TOOL_MARKERS
+from backend.text.structured import GrammarConstraint, build_constraint, grammar_for
+from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import ParsedCall, parser_for
 from schemas.backend import (
     GenerateRequest,
     Message,

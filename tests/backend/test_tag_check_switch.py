@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine import Engine
+from backend.engine.engine import Engine
 from tests.backend.engine_faults import FaultInjector
 from tests.backend.engine_helpers import MODELS, ModelShelf, Result, collect, make_engine, prompt_of, request
 

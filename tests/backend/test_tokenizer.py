@@ -10,8 +10,8 @@ import tiktoken.load
 from transformers import PreTrainedTokenizerFast
 
 from backend.errors import CheckpointError
-from backend.tokenizer import TiktokenTokenizer, load_tokenizer
-from backend.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, _byte_decoder
+from backend.text.tokenizer import TiktokenTokenizer, load_tokenizer
+from backend.text.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, _byte_decoder
 from tests.backend.server_tokenizers import load, tokenizer_dir
 
 TEXTS = [

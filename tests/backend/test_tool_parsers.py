@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from backend.tokenizer import Tokenizer
-from backend.tool_parsers import ContentIds, ParsedCall, Piece, RawText, parser_for
-from backend.tool_parsers.glm import MARKERS as GLM_MARKERS
-from backend.tool_parsers.kimi import MARKERS as KIMI_MARKERS
+from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import ContentIds, ParsedCall, Piece, RawText, parser_for
+from backend.text.tool_parsers.glm import MARKERS as GLM_MARKERS
+from backend.text.tool_parsers.kimi import MARKERS as KIMI_MARKERS
 from schemas.backend import Tool
 from tests.backend.server_tokenizers import load, ordinary_ids
 

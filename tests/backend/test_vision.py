@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from backend.image_processor import process_image, target_size
+from backend.models.image_processor import process_image, target_size
 from backend.models.moonvit import MoonViT, VisionConfig
 
 TEXT = dict(
@@ -131,9 +131,9 @@ def test_large_jpeg_is_decoded_at_reduced_scale_and_fits_the_side_limit() -> Non
 def test_prompt_with_two_images_of_different_sizes_gives_transformers_logits(tmp_path: Path) -> None:
     """The whole K2.5 model, as a published checkpoint: MoonViT embeddings spliced at the placeholders,
     the paged MLA text model after them, against transformers' Kimi_K25 (float32, ≤ 1e-4)."""
-    from backend.forward_batch import ImageEmbeds
-    from backend.image_encoder import VisionEncoder
-    from backend.loader import load_model
+    from backend.engine.forward_batch import ImageEmbeds
+    from backend.models.image_encoder import VisionEncoder
+    from backend.models.loader import load_model
     from tests.backend.paged_driver import PagedDriver, Seq
     from tests.backend.tiny_checkpoints import load_reference, make_tiny
 
