@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from backend.text.jinja_template import JinjaTemplate
+from backend.text.jinja_sandbox import JinjaTemplate
 from backend.text.tokenizer import Tokenizer
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from backend.errors import InvalidRequest
-from backend.text.jinja_template import JinjaTemplate, template_source
+from backend.text.jinja_sandbox import JinjaTemplate, template_source
 from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool
 
 
@@ -83,7 +83,7 @@ def images_of(messages: list[Message]) -> list[ImagePart]:
 
 
 class ChatTemplate:
-    """One checkpoint's compiled template (`backend.text.jinja_template`) over the internal `Message`s."""
+    """One checkpoint's compiled template (`backend.text.jinja_sandbox`) over the internal `Message`s."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         try:
@@ -93,7 +93,7 @@ class ChatTemplate:
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The template a checkpoint folder ships (`backend.text.jinja_template.template_source`), or None."""
+        """The template a checkpoint folder ships (`backend.text.jinja_sandbox.template_source`), or None."""
         found = template_source(model_dir)
         return None if found is None else cls(*found)
 

@@ -204,7 +204,7 @@ class Evaluator:
         step_tokens: int = 8192,
     ) -> None:
         """`is_chat` None: chat mode iff the first variant's checkpoint ships a chat template."""
-        from backend.text.jinja_template import template_source
+        from backend.text.jinja_sandbox import template_source
 
         first = variants[0]
         self.is_chat = template_source(first.path) is not None if is_chat is None else is_chat

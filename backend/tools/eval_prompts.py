@@ -27,7 +27,7 @@ from backend.server.generation import GenerationEngine, Prepared, Serving
 from backend.server.model_card import ServedModel
 from backend.text.assistant_turn import assistant_turn_ids
 from backend.text.chat_template import message_dict
-from backend.text.jinja_template import JinjaTemplate
+from backend.text.jinja_sandbox import JinjaTemplate
 from backend.tools.eval_tasks import GenItem, McItem, ToolItem, prompt_turns
 from schemas.backend import (
     EngineOutput,

@@ -1,6 +1,6 @@
 """`kumo plan`: how a checkpoint fits on a GPU host — weight bytes per GPU and KV tokens that fit.
 
-Computed from config.json alone (tensor shapes from `backend.tools.checkpoint_shapes`, formats from
+Computed from config.json alone (tensor shapes from `backend.tools.tensor_inventory`, formats from
 `backend.quant.scheme`), and printed term by term so a reader can redo it by hand:
 
     usable      = gpu_mem × mem_fraction                 (the rest: CUDA context, NCCL, fragmentation)
@@ -30,7 +30,7 @@ from typing import Any, Literal
 import msgspec
 
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
-from backend.tools.checkpoint_shapes import (
+from backend.tools.tensor_inventory import (
     FP32,
     TensorSpec,
     checkpoint_tensors,
@@ -63,7 +63,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     tp: int
     checkpoint_bytes: int  # the whole checkpoint on disk in this format, MTP layers included
     weights_per_gpu: int
-    weights_per_gpu_by_class: dict[str, int]  # tensor class (backend/tools/checkpoint_shapes.py) -> bytes
+    weights_per_gpu_by_class: dict[str, int]  # tensor class (backend/tools/tensor_inventory.py) -> bytes
     terms: list[Term]  # usable memory, then everything subtracted from it
     kv_bytes_per_token: int  # per GPU, all served layers
     kv_bytes_per_token_per_layer: dict[str, int]

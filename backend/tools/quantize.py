@@ -40,8 +40,8 @@ from backend.quant.scheme import (
     parse_config,
 )
 from backend.quant.walker import quantize_tensor, quantized_shapes
-from backend.tools.checkpoint_shapes import tensor_class
 from backend.tools.shard_writer import NAMES, ShardWriter
+from backend.tools.tensor_inventory import tensor_class
 
 REPORT_FILE = "quantize_report.json"
 WEIGHTS: dict[str, tuple[Method, int]] = {
@@ -60,7 +60,7 @@ class ClassSize(msgspec.Struct):
 
 
 class SizeReport(msgspec.Struct, kw_only=True):
-    """`quantize_report.json`: sizes per tensor class (see backend/tools/checkpoint_shapes.py `tensor_class`)."""
+    """`quantize_report.json`: sizes per tensor class (see backend/tools/tensor_inventory.py `tensor_class`)."""
 
     weights: str
     all_linear: bool

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.text.jinja_template import JinjaTemplate
+from backend.text.jinja_sandbox import JinjaTemplate
 from backend.text.tokenizer_files import (
     GLM_SPECIAL_TOKENS,
     KIMI_SPECIAL_TOKENS,

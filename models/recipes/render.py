@@ -2,7 +2,7 @@
 serving lays out the prompt.
 
 The prompt side is rendered by the checkpoint's own template and tokenizer through the code serving
-uses (`backend.text.jinja_template`, `backend.text.tokenizer`, `backend.models.image_processor`; none of them imports
+uses (`backend.text.jinja_sandbox`, `backend.text.tokenizer`, `backend.models.image_processor`; none of them imports
 msgspec, so this runs on the training machine). For every assistant turn:
 
     prompt  = the template with `add_generation_prompt` over the messages before the turn — the ids
@@ -28,7 +28,7 @@ import torch
 from backend.models.image_processor import process_image
 from backend.models.moonvit import VisionConfig
 from backend.text.assistant_turn import assistant_turn_ids
-from backend.text.jinja_template import JinjaTemplate
+from backend.text.jinja_sandbox import JinjaTemplate
 from backend.text.tokenizer import Tokenizer, load_tokenizer
 from models.recipes.images import render as draw
 

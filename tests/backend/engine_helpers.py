@@ -54,7 +54,9 @@ def make_engine(
         from backend.models.loader import prepare_model
 
         engine_config = EngineConfig.build(**values)
-        return Engine.from_prepared(prepare_model(model, engine_config), engine_config, graph_capture=graph_capture)
+        return Engine.from_prepared(
+            prepare_model(model, engine_config), engine_config, graph_capture=graph_capture
+        )
     return Engine(
         model,
         EngineConfig.build(**values),

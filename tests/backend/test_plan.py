@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from backend.quant.scheme import QuantScheme
-from backend.tools.checkpoint_shapes import TensorSpec, checkpoint_tensors, layer_index, text_config
 from backend.tools.plan import GIB, main, make_plan, parse_bytes, scheme_for, stored_bytes
+from backend.tools.tensor_inventory import TensorSpec, checkpoint_tensors, layer_index, text_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "models" / "configs"
 H200 = parse_bytes("141GB")
