@@ -17,7 +17,7 @@ from backend.quant.scheme import QuantScheme
 from backend.tools.plan import GIB, main, make_plan, parse_bytes, scheme_for, stored_bytes
 from backend.tools.tensor_inventory import TensorSpec, checkpoint_tensors, layer_index, text_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "models" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "models" / "configs"
 H200 = parse_bytes("141GB")
 
 

@@ -18,7 +18,7 @@ from backend.tools.random_checkpoint import make_random_checkpoint
 from schemas.backend import Event, Finish, ModelCard, Usage
 from tests.backend.server_checkpoints import SECRET, TENANT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXPECTED = {"kimi-k2.6": ("kimi", True), "glm-5.2": ("glm", False), "glm-4.5": ("glm", False)}
 
 
