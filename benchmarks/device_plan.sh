@@ -137,7 +137,7 @@ case $stage in
     for name in kimi-k2.6-nano glm-5.2-nano; do
       fam=${name%%-*}; [ -d "$OUT/read/$name" ] || continue
       sub=(); mkdir -p /tmp/rsub-$fam; for f in /tmp/read-$fam/*.test.jsonl; do head -n 500 "$f" > /tmp/rsub-$fam/$(basename "$f"); sub+=(--data /tmp/rsub-$fam/$(basename "$f")); done
-      timeout 90 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+      timeout 90 python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant old=models/$name --variant new="$OUT/read/$name" "${sub[@]}" --out "$OUT/read/old-vs-new-$name.json" \
         > "$OUT/read/old-vs-new-$name.log" 2>&1 &
     done
@@ -167,7 +167,7 @@ case $stage in
     if [ -d "$OUT/final/$name" ]; then
       for f in /tmp/read2-glm/*.test.jsonl; do
         task=$(basename "$f" .test.jsonl)
-        timeout 200 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+        timeout 200 python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
           --variant fp8="$OUT/final/$name":weights=fp8-channel --variant bf16="$OUT/final/$name" \
           --variant int4-fp8kv="$OUT/final/$name":weights=int4-g32:kv=fp8 \
           --data "$f" --out "$OUT/final/q-$name-$task.json" > "$OUT/final/eval-$name-$task.log" 2>&1 &
@@ -177,7 +177,7 @@ case $stage in
     if [ -n "${KIMI_IMAGES-1}" ]; then
       python3 -m models.recipes.build --out /tmp/data-kimi --family kimi --train-items 0 > /dev/null
       head -n 500 /tmp/data-kimi/image-qa.test.jsonl > /tmp/image-qa-500.jsonl
-      timeout 200 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+      timeout 200 python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant fp8=models/kimi-k2.6-nano:weights=fp8-channel --variant bf16=models/kimi-k2.6-nano \
         --variant int4-fp8kv=models/kimi-k2.6-nano:weights=int4-g32:kv=fp8 \
         --data /tmp/image-qa-500.jsonl --out "$OUT/final/q-kimi-image-qa-500.json" > "$OUT/final/eval-kimi-image-qa.log" 2>&1 &
@@ -224,7 +224,7 @@ case $stage in
     name=kimi-k2.6-nano
     for f in /tmp/data-kimi/*.test.jsonl; do
       task=$(basename "$f" .test.jsonl)
-      timeout 290 python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+      timeout 290 python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant bf16=models/$name --variant fp8=models/$name:weights=fp8-channel \
         --variant int4-fp8kv=models/$name:weights=int4-g32:kv=fp8 \
         --data "$f" --out "$OUT/kimi-eval/quality-$name-$task.json" > "$OUT/kimi-eval/eval-$task.log" 2>&1 &

@@ -97,7 +97,9 @@ def start_serve(data_dir: Path) -> Serve:
     env.pop("KUMO_ADMIN_TOKEN", None)
     if not (legacy / "config.json").is_file():
         subprocess.run(
-            [sys.executable, "-m", "backend.random_checkpoint", "glm-4.5", str(legacy)], env=env, check=True
+            [sys.executable, "-m", "backend.tools.random_checkpoint", "glm-4.5", str(legacy)],
+            env=env,
+            check=True,
         )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,10 +14,10 @@ COMMANDS: dict[str, str] = {
     "serve": "gateway.serve",
     "gateway": "gateway.server",
     "admin": "gateway.admin_cli",
-    "backend": "backend.server",
-    "quantize": "backend.quant.cli",
-    "plan": "backend.plan",
-    "eval": "backend.eval",
+    "backend": "backend.server.app",
+    "quantize": "backend.tools.quantize",
+    "plan": "backend.tools.plan",
+    "eval": "backend.tools.eval",
     "bench": "benchmarks.cli",
 }
 

@@ -232,7 +232,7 @@ class ModelCard(Base):
     num_pages: int
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
     startup_s: float | None = None  # start to ready: checkpoint load, CUDA graphs, warm-up
-    warmup_s: float | None = None  # of which the warm-up ran every step shape (`backend.warmup`)
+    warmup_s: float | None = None  # of which the warm-up ran every step shape (`backend.server.warmup`)
 
 
 class LoadReport(Base):

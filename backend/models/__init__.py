@@ -5,7 +5,7 @@ The contract every architecture class keeps (the engine and loader code against 
     class SomeArch(torch.nn.Module):
         def __init__(self, config: ModelConfig, *, dtype: torch.dtype, rank: int = 0, world_size: int = 1,
                      ep: int = 0, dcp: int = 1)
-        def cache_specs(self) -> list[list[CacheSpec]]            # one list per layer (backend/forward_batch.py)
+        def cache_specs(self) -> list[list[CacheSpec]]            # one list per layer (backend/engine/forward_batch.py)
         def forward(self, batch: ForwardBatch) -> torch.Tensor    # float32 logits [len(batch.logits_indices), vocab]
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None
 
@@ -20,7 +20,7 @@ the scales of `kv_cache.scales[layer][name]`. `rank` / `world_size` pick this ra
 weights (attention heads and dense MLPs split tensor-parallel, routed experts over `ep` expert
 groups, embedding and lm_head by vocabulary rows; `dcp` ranks share one MLA latent cache by token,
 and then each rank writes and reads only its own tokens, finding their slots from the page table —
-`batch.slot_mapping` is not read): backend/layers/parallel.py and context_parallel.py. The logits
+`batch.slot_mapping` is not read): backend/models/layers/parallel.py and context_parallel.py. The logits
 come back whole on every rank; `batch.tag_mismatch` holds this rank's findings only (the runtime
 OR-reduces it over the ranks). On one rank no collective runs.
 """

@@ -17,15 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend.config import ModelConfig
+from backend.engine.forward_batch import CacheSpec, ForwardBatch
 from backend.errors import CheckpointError
-from backend.forward_batch import CacheSpec, ForwardBatch
-from backend.layers.linear import Linear, Shard, _copy
-from backend.layers.moe import DenseMLP, Experts, MoE
-from backend.layers.norm import RMSNorm
-from backend.layers.parallel import DcpGroup, Parallel, VocabParallelEmbedding, gather_vocab, vocab_range
-from backend.layers.rotary import Rotary
-from backend.layers.step import Step
+from backend.models.layers.linear import Linear, Shard, _copy
+from backend.models.layers.moe import DenseMLP, Experts, MoE
+from backend.models.layers.norm import RMSNorm
+from backend.models.layers.parallel import (
+    DcpGroup,
+    Parallel,
+    VocabParallelEmbedding,
+    gather_vocab,
+    vocab_range,
+)
+from backend.models.layers.rotary import Rotary
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
 
 # `.weight`, or a quantized checkpoint's `.weight_packed` / `.weight_scale` / `.weight_scale_inv` / …
 _EXPERT = re.compile(
@@ -62,7 +68,7 @@ class CausalLM(nn.Module):
     """Base of the architecture classes; a subclass supplies `make_attention(layer_idx)`.
 
     `rank` of `world_size` (tp) ranks, routed experts over `ep` groups (0: ep = tp), the MLA latent
-    cache sharded by token over groups of `dcp` ranks (backend/layers/parallel.py)."""
+    cache sharded by token over groups of `dcp` ranks (backend/models/layers/parallel.py)."""
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ dims only (interleaved pairs). The cache keeps `[c | rotated k_pe]` (R + Dr = 57
 are absorbed into latent space (`q_nope · W_UK`), attention runs MQA over the latent lines, and the
 latent output goes back through `W_UV` before o_proj; W_UK / W_UV are views of kv_b_proj.
 Heads split over ranks (tensor parallel); the latent cache is replicated on every rank, or sharded
-by token over a DCP group (backend/layers/context_parallel.py).
+by token over a DCP group (backend/models/layers/context_parallel.py).
 
 Shape letters: T tokens, Hl local heads, N qk_nope_head_dim, Dr qk_rope_head_dim, V v_head_dim,
 R kv_lora_rank, Q q_lora_rank.
@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.config import ModelConfig
-from backend.forward_batch import CacheSpec
-from backend.layers.context_parallel import dcp_mla_attention
-from backend.layers.linear import Linear, Shard
-from backend.layers.norm import RMSNorm
-from backend.layers.rotary import Rotary
-from backend.layers.step import Step
+from backend.engine.forward_batch import CacheSpec
 from backend.models.causal_lm import CausalLM
+from backend.models.layers.context_parallel import dcp_mla_attention
+from backend.models.layers.linear import Linear, Shard
+from backend.models.layers.norm import RMSNorm
+from backend.models.layers.rotary import Rotary
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
 from kernels.mla_attention import MlaAttentionArgs, mla_attention
 
 # transformers and the original DeepSeek code build q_a_layernorm / kv_a_layernorm with their

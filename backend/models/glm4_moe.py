@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.config import ModelConfig
-from backend.forward_batch import CacheSpec
-from backend.layers.linear import Linear, Shard
-from backend.layers.norm import RMSNorm
-from backend.layers.rotary import Rotary
-from backend.layers.step import Step
+from backend.engine.forward_batch import CacheSpec
 from backend.models.causal_lm import CausalLM
+from backend.models.layers.linear import Linear, Shard
+from backend.models.layers.norm import RMSNorm
+from backend.models.layers.rotary import Rotary
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
 from kernels.paged_attention import PagedAttentionArgs, paged_attention
 
 

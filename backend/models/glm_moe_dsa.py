@@ -5,7 +5,7 @@ q LoRA activation, `wk` + LayerNorm from the hidden state, per-head `weights_pro
 interleaved RoPE on the first rope dims, keys cached in pages ("index_k"), and it picks the top
 `index_topk` visible tokens per query. A "shared" layer reuses the last full layer's choice. MLA
 attention then reads only the chosen tokens. The indexer is small and replicated on every rank; under
-DCP its key cache is sharded by token like the latent cache (backend/layers/context_parallel.py).
+DCP its key cache is sharded by token like the latent cache (backend/models/layers/context_parallel.py).
 
 Shape letters: T tokens, Hi indexer heads, Di indexer head dim, Q q_lora_rank, K index_topk.
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.config import ModelConfig
+from backend.engine.forward_batch import CacheSpec
 from backend.errors import CheckpointError
-from backend.forward_batch import CacheSpec
-from backend.layers.context_parallel import dcp_indexer_topk
-from backend.layers.linear import Linear, Shard
-from backend.layers.rotary import Rotary
-from backend.layers.step import Step
 from backend.models.causal_lm import CausalLM
 from backend.models.deepseek_v3 import MLAAttention
+from backend.models.layers.context_parallel import dcp_indexer_topk
+from backend.models.layers.linear import Linear, Shard
+from backend.models.layers.rotary import Rotary
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
 from kernels.dsa_indexer import DsaIndexerArgs, dsa_indexer
 
 INDEXER_NORM_EPS = 1e-6  # the reference LayerNorm's eps; not in config.json

@@ -1,4 +1,4 @@
-"""Routed experts with quantized weights: the drop-in for `backend.layers.moe.Experts`.
+"""Routed experts with quantized weights: the drop-in for `backend.models.layers.moe.Experts`.
 
 Same contract as the dense module (local experts `[e0, e1)`, `forward(x, weights, ids)`,
 `parts_per_param()` for the loader's completeness check), filled from the per-expert tensors a
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.engine.sync_free import is_sync_free
 from backend.errors import CheckpointError
-from backend.layers.sync_free import is_sync_free
 from backend.quant.linear import _copy
 from backend.quant.scheme import QuantScheme
 from kernels.formats.fp8 import FP8, dequantize_fp8_block, dequantize_fp8_channel

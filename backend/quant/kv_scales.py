@@ -29,9 +29,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from backend.checkpoint import INDEX_FILE, SINGLE_FILE
+from backend.engine.prompt_runner import PromptRunner
 from backend.errors import CheckpointError
-from backend.quant.prompt_runner import PromptRunner
+from backend.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from kernels.formats.fp8 import FP8_MAX
 
 KV_SCALE_FILE = "kv_scales.safetensors"
@@ -87,7 +87,7 @@ def calibrate(
 
 def builtin_prompt_ids(path: str | Path, vocab_size: int) -> list[list[int]]:
     """BUILTIN_PROMPTS in the checkpoint's tokenizer; a checkpoint without one gets seeded random ids."""
-    from backend.tokenizer import load_tokenizer
+    from backend.text.tokenizer import load_tokenizer
 
     try:
         tok = load_tokenizer(path)

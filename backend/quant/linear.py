@@ -7,7 +7,7 @@ a state dict or the model's `load_param(name, full)` fills it straight from the 
   `weight_scale_inv` fp32 [N/128, K/128] (DeepSeek blocks; compressed-tensors' block strategy names
   the same tensor `weight_scale`, chosen by `block_scale_name`).
 
-Like `backend.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
+Like `backend.models.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
 (`in_range`) and all-reduces when row-parallel. The forward dequantizes to the activation dtype and
 runs a dense matmul (the torch reference), except an `Int4Linear` whose `prefill` is "w4a8" or
 "expand-fp8" on CUDA with at least `prefill_min_tokens` tokens: that product runs on FP8 tensor
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.engine.engine_config import Int4Prefill
 from backend.errors import CheckpointError
-from backend.layers.linear import Range, Shard
-from backend.quant.scheme import Int4Prefill
+from backend.models.layers.linear import Range, Shard
 from kernels.formats.fp8 import (
     FP8,
     dequantize_fp8_block,

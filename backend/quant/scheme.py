@@ -21,10 +21,6 @@ import msgspec
 from msgspec import Meta
 
 Method = Literal["int4", "fp8-channel", "fp8-block"]
-# How INT4 Linears run prefill-sized products on CUDA (`Int4Linear`): W4A16 (the default), W4A8 (FP8
-# tensor cores, exact INT4 weights, activations per token in FP8: kernels/w4a8_gemm.py) or expand-fp8
-# (weights re-quantized to per-channel FP8 in scratch, then `torch._scaled_mm`: kernels/w4a8_expand.py)
-Int4Prefill = Literal["w4a16", "w4a8", "expand-fp8"]
 GroupSize = Annotated[int, Meta(ge=8, le=4096, multiple_of=8)]
 
 # Kimi K2 Thinking's list (routed experts only), plus the router: Kumo's router is a plain Linear,

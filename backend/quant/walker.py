@@ -10,8 +10,8 @@ Two ways in:
 Either way `dequantize_after_load` then turns back to dense the few Linears the model reads as
 matrices rather than calls (MLA's `kv_b_proj`).
 
-Targeted modules are `backend.layers.linear.Linear` and `torch.nn.Linear` (class name `Linear`, as
-compressed-tensors' `targets: ["Linear"]` means), and `backend.layers.moe.Experts`, which stands for
+Targeted modules are `backend.models.layers.linear.Linear` and `torch.nn.Linear` (class name `Linear`, as
+compressed-tensors' `targets: ["Linear"]` means), and `backend.models.layers.moe.Experts`, which stands for
 the per-expert Linears `experts.{e}.{gate,up,down}_proj` of the checkpoint and is judged by the
 scheme on those names. The router (`mlp.gate`) and embeddings are other classes and never targeted.
 """
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from backend.errors import CheckpointError
-from backend.layers.linear import Linear
-from backend.layers.moe import Experts
+from backend.models.layers.linear import Linear
+from backend.models.layers.moe import Experts
 from backend.quant.experts import QuantExperts
 from backend.quant.linear import Fp8Linear, Int4Linear, QuantLinear
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config

@@ -5,12 +5,12 @@ sized as the full deployment would have it.
 `models/configs/<kind>/`, with `num_hidden_layers` cut to `num_layers`, one dense layer first and
 MoE layers after, no MTP layer) and the config `kumo plan` is run on (the full published one).
 
-KV sizing follows `backend.plan.make_plan` on the full model at tensor parallelism 8 on 141 GB
+KV sizing follows `backend.tools.plan.make_plan` on the full model at tensor parallelism 8 on 141 GB
 H200s, in the variant's weight format and KV dtype: `kv_tokens` is how many tokens each GPU's pool
 holds for all 78 (GLM 5.2) or 61 (Kimi K2.6) layers; the truncated model gets the same number of
 tokens per layer, so its pages run out at the concurrency where the full deployment's would.
 
-`--tiny` swaps in `backend.random_weights.small_config` (same architecture, small sizes) and a
+`--tiny` swaps in `backend.tools.random_checkpoint.small_config` (same architecture, small sizes) and a
 GPU of `TINY_GPU_MEM` bytes, so the whole pipeline runs on a CPU in seconds.
 """
 
@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from backend.config import ModelConfig
-from backend.plan import GB, Plan, make_plan
-from backend.random_weights import PUBLISHED_CONFIGS, small_config
+from backend.models.model_config import ModelConfig
+from backend.tools.plan import GB, Plan, make_plan
+from backend.tools.random_checkpoint import PUBLISHED_CONFIGS, small_config
 
 Kind = Literal["glm-5.2", "kimi-k2.6"]
 # "fp8" / "int4": the routed experts only (as Kimi K2 Thinking ships INT4), the rest BF16; "-all": every

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend.async_engine import AsyncEngine
-from backend.output_processor import OutputProcessor
-from backend.tokenizer import load_tokenizer
-from backend.tokenizer_files import write_tokenizer_files
+from backend.engine.async_engine import AsyncEngine
+from backend.text.output_processor import OutputProcessor
+from backend.text.tokenizer import load_tokenizer
+from backend.text.tokenizer_files import write_tokenizer_files
 from schemas.backend import EngineRequest, SamplingParams
 
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from backend.decode_graphs import eager_capture
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
+from backend.engine.decode_graphs import eager_capture
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
 from benchmarks.engine.host_async import measure_async
 from benchmarks.engine.null_model import NullModel, OpCounter, TimedModel
 from schemas.backend import EngineRequest, SamplingParams

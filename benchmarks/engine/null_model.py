@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.forward_batch import CacheSpec, ForwardBatch
+from backend.engine.forward_batch import CacheSpec, ForwardBatch
 
 
 class NullModel(torch.nn.Module):

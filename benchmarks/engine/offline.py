@@ -1,4 +1,4 @@
-"""Offline runs through `backend.engine.Engine`: all requests queued at once, steps until done.
+"""Offline runs through `backend.engine.engine.Engine`: all requests queued at once, steps until done.
 
 Every figure comes from wall-clock times taken around `Engine.step()` (each step ends in a host
 read of the sampled tokens, so the device has finished it):
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
 from schemas.backend import EngineRequest, SamplingParams
 
 SALT = "0" * 16

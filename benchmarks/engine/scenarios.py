@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from backend.engine import Engine
+from backend.engine.engine import Engine
 from backend.quant.kv_scales import calibrate
 from benchmarks.engine import method
 from benchmarks.engine.geometry import Geometry, Kind, KvDtype, WeightFormat

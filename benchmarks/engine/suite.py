@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from backend.engine import Engine
+from backend.engine.engine import Engine
 from backend.quant.kv_scales import calibrate
 from benchmarks.engine.geometry import Geometry, KvDtype, WeightFormat
 from benchmarks.engine.method import missing_shapes

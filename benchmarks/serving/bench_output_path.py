@@ -17,12 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.output_processor import OutputProcessor
-from backend.reasoning import ReasoningParser, ThinkMarkers
-from backend.structured import build_constraint, grammar_for
-from backend.tokenizer import load_tokenizer
-from backend.tokenizer_files import write_tokenizer_files
-from backend.tool_parsers import parser_for
+from backend.text.output_processor import OutputProcessor
+from backend.text.reasoning import ReasoningParser, ThinkMarkers
+from backend.text.structured import build_constraint, grammar_for
+from backend.text.tokenizer import load_tokenizer
+from backend.text.tokenizer_files import write_tokenizer_files
+from backend.text.tool_parsers import parser_for
 from schemas.backend import EngineOutput, GenerateRequest, ResponseFormat, Tool
 
 SCHEMA = {

@@ -59,7 +59,7 @@ def item(task: str, seed: int, world, fiction_share: float | None = None) -> dic
 
 
 def eval_row(row: dict) -> dict:
-    """A test item in `kumo eval`'s task format (backend/eval_tasks.py). The item's fields stay for
+    """A test item in `kumo eval`'s task format (backend/tools/eval_tasks.py). The item's fields stay for
     reference, but `messages` keeps only the prompt, the turns before the first assistant one (the
     answer must not leak in), with each image drawn into its part as PNG bytes (base64 in JSON)."""
     first = next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")

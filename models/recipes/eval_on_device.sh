@@ -19,7 +19,7 @@ export PYTHONPATH=$SITE:. PYTHONUNBUFFERED=1
 quality() {  # one model's task: the three variants (one process per task, all at once: on 2026-12-02 one
     # process per model took 4 min for GLM's five tasks and 8 for Kimi's six)
     local name=$1 data=$2
-    python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+    python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant fp8=$MODELS/$name:weights=fp8-channel \
         --variant bf16=$MODELS/$name \
         --variant int4-fp8kv=$MODELS/$name:weights=int4-g32:kv=fp8 \
@@ -32,7 +32,7 @@ gpu_vs_cpu() {  # the GPU kernels against the CPU path's torch references, same 
     for f in /tmp/data-$fam/*.test.jsonl; do head -n "${GPU_VS_CPU_ITEMS:-100}" "$f" > /tmp/sub-$fam/$(basename "$f"); sub+=(--data /tmp/sub-$fam/$(basename "$f")); done
     # a bounded thread count, a guess at why two of these at once (torch's default: a thread a core each)
     # printed nothing in 150 s on 16 items a task on the H200 (2026-12-02), where a 2-core VM takes ~10 s
-    OMP_NUM_THREADS=${GPU_VS_CPU_THREADS:-6} python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+    OMP_NUM_THREADS=${GPU_VS_CPU_THREADS:-6} python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant gpu=$MODELS/$name --variant cpu=$MODELS/$name:device=cpu \
         "${sub[@]}" --out "$OUT/gpu-vs-cpu-$name.json"
 }
@@ -42,7 +42,7 @@ prefill_paths() {  # issue 6: W4A8 (INT4 -> FP8 in the kernel, FP8 activations) 
     local name=glm-5.2-nano data=(); mkdir -p /tmp/pp
     python3 -m models.recipes.build --out /tmp/data-pp --family glm --train-items 0 > /dev/null || return 4
     for f in /tmp/data-pp/*.test.jsonl; do head -n "${PP_ITEMS:-1000}" "$f" > /tmp/pp/$(basename "$f"); data+=(--data /tmp/pp/$(basename "$f")); done
-    python3 -m backend.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
+    python3 -m backend.tools.eval --device cuda --dtype bfloat16 --max-new-tokens 256 \
         --variant w4a16=$MODELS/$name:weights=int4-g32:all-linear \
         --variant w4a8=$MODELS/$name:weights=int4-g32:all-linear:int4-prefill=w4a8 \
         --variant expand-fp8=$MODELS/$name:weights=int4-g32:all-linear:int4-prefill=expand-fp8 \

@@ -4,7 +4,7 @@ A nano model keeps every architectural choice of the published config in `models
 YaRN, sigmoid routing with a selection bias, shared experts, dense-first layers, GLM-5's DSA indexer,
 K2.5's nested layout with the MoonViT tower) and shrinks the sizes. The folder it is saved in has
 exactly the published layout: config.json as the published checkpoints write it, generation_config.json,
-the family's tokenizer files and chat template (`backend.tokenizer_files`, BPE trained on the training
+the family's tokenizer files and chat template (`backend.text.tokenizer_files`, BPE trained on the training
 mixture), and bf16 safetensors shards (≤ 8 MB) under the published tensor names, with
 `model.safetensors.index.json`.
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.jinja_template import JinjaTemplate
-from backend.tokenizer_files import (
+from backend.text.jinja_sandbox import JinjaTemplate
+from backend.text.tokenizer_files import (
     GLM_SPECIAL_TOKENS,
     KIMI_SPECIAL_TOKENS,
     Family,

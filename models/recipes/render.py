@@ -2,15 +2,15 @@
 serving lays out the prompt.
 
 The prompt side is rendered by the checkpoint's own template and tokenizer through the code serving
-uses (`backend.jinja_template`, `backend.tokenizer`, `backend.image_processor`; none of them imports
+uses (`backend.text.jinja_sandbox`, `backend.text.tokenizer`, `backend.models.image_processor`; none of them imports
 msgspec, so this runs on the training machine). For every assistant turn:
 
     prompt  = the template with `add_generation_prompt` over the messages before the turn — the ids
               serving sends for that conversation, each image placeholder widened to one pad per
-              merged patch as `backend.image_encoder` widens it;
+              merged patch as `backend.models.image_encoder` widens it;
     target  = the turn as the template renders it in history (reasoning, content, tool calls), minus
               the generation prompt's opening, up to and including the first stop token
-              (`backend.assistant_turn`: `kumo eval` scores multiple-choice answers by the same rule).
+              (`backend.text.assistant_turn`: `kumo eval` scores multiple-choice answers by the same rule).
 
 The loss is on target tokens only. Turns whose prompt continues the previous
 turn's prompt + target token for token share one sequence (Kimi); the others get their own (GLM).
@@ -25,21 +25,21 @@ from typing import Any
 
 import torch
 
-from backend.assistant_turn import assistant_turn_ids
-from backend.image_processor import process_image
-from backend.jinja_template import JinjaTemplate
+from backend.models.image_processor import process_image
 from backend.models.moonvit import VisionConfig
-from backend.tokenizer import Tokenizer, load_tokenizer
+from backend.text.assistant_turn import assistant_turn_ids
+from backend.text.jinja_sandbox import JinjaTemplate
+from backend.text.tokenizer import Tokenizer, load_tokenizer
 from models.recipes.images import render as draw
 
-# turn-ending tokens of each family's chat format (as `backend.served_model.STOP_TOKENS`)
+# turn-ending tokens of each family's chat format (as `backend.server.model_card.STOP_TOKENS`)
 STOP_TOKENS = ("<|im_end|>", "[EOS]", "<|endoftext|>", "<|user|>", "<|observation|>")
 MEDIA_PAD = "<|media_pad|>"
 
 
 @dataclass(frozen=True, slots=True)
 class ImageInput:
-    patches: torch.Tensor  # [gh*gw, 3, P, P] float32, raster order (backend.image_processor)
+    patches: torch.Tensor  # [gh*gw, 3, P, P] float32, raster order (backend.models.image_processor)
     grid_h: int
     grid_w: int
 
@@ -155,14 +155,14 @@ class Renderer:
         self, messages: list[dict[str, Any]], i: int, tools: list[dict[str, Any]] | None
     ) -> list[int]:
         """The ids of assistant turn `i` after the generation prompt's opening, through its stop token
-        (`backend.assistant_turn`, the rule `kumo eval` scores multiple-choice answers by)."""
+        (`backend.text.assistant_turn`, the rule `kumo eval` scores multiple-choice answers by)."""
         return assistant_turn_ids(
             self.template, self.tokenizer, messages, i, tools, stop_ids=self.stop_ids, eos_id=self.eos_id
         )
 
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:
-    """An item's message in the shape serving hands the template (`backend.chat_template.message_dict`):
+    """An item's message in the shape serving hands the template (`backend.text.chat_template.message_dict`):
     tool-call arguments as a mapping, image parts as `{"type": "image"}`."""
     out = dict(m)
     if isinstance(m.get("content"), list):

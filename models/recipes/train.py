@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from backend.tokenizer_files import Family
+from backend.text.tokenizer_files import Family
 from models.recipes.build import TEST_ITEMS, TRAIN_ITEMS, build
 from models.recipes.nano import (
     MAX_MODEL_BYTES,

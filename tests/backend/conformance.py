@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from backend.loader import load_model
+from backend.models.loader import load_model
 from schemas.backend import TokenLogprob
 from tests.backend.paged_driver import PagedDriver
 from tests.backend.tiny_checkpoints import load_reference

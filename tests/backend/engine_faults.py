@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine import Engine
-from backend.forward_batch import ForwardBatch
-from backend.sequence import PageRef, Sequence
+from backend.engine.engine import Engine
+from backend.engine.forward_batch import ForwardBatch
+from backend.engine.sequence import PageRef, Sequence
 
 
 @dataclass(frozen=True)

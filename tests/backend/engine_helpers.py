@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from backend.decode_graphs import Capture
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
+from backend.engine.decode_graphs import Capture
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
 from schemas.backend import EngineOutput, EngineRequest, Error, FinishReason, SamplingParams, TokenLogprob
 from tests.backend.engine_tiny_model import TinyPagedModel
 
@@ -34,7 +34,7 @@ class ModelShelf:
         return self._models[name]
 
     def _load(self, arch: str) -> Any:
-        from backend.loader import load_model
+        from backend.models.loader import load_model
         from tests.backend.tiny_checkpoints import make_tiny
 
         return load_model(make_tiny(arch, self.root / arch), dtype=torch.float32)
@@ -51,7 +51,12 @@ def make_engine(
     model = model or TinyPagedModel().to(device)
     values = {"num_pages": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16} | config
     if hasattr(model, "config"):
-        return Engine.from_loaded(model, EngineConfig.build(**values), graph_capture=graph_capture)
+        from backend.models.loader import prepare_model
+
+        engine_config = EngineConfig.build(**values)
+        return Engine.from_prepared(
+            prepare_model(model, engine_config), engine_config, graph_capture=graph_capture
+        )
     return Engine(
         model,
         EngineConfig.build(**values),

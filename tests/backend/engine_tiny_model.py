@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.forward_batch import CacheSpec, ForwardBatch
+from backend.engine.forward_batch import CacheSpec, ForwardBatch
 from kernels.paged_gather import check_page_tags_ref, mismatch_from_ok
 
 

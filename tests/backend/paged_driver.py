@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.forward_batch import ForwardBatch, KVCache
+from backend.engine.forward_batch import ForwardBatch, KVCache
 
 
 @dataclass
@@ -33,7 +33,7 @@ class PagedDriver:
         device: torch.device | str = "cpu",
         dcp: int = 1,
     ) -> None:
-        """`dcp` > 1: the model shards its MLA cache by token over dcp ranks (backend/layers/
+        """`dcp` > 1: the model shards its MLA cache by token over dcp ranks (backend/models/layers/
         context_parallel.py), so a page holds page_size·dcp tokens of a sequence, page_size here."""
         self.model, self.device, self.dcp = model, torch.device(device), dcp
         dtype = model.dtype  # type: ignore[attr-defined]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from backend.loader import load_model
-from backend.quant.prompt_runner import PromptRunner
+from backend.engine.prompt_runner import PromptRunner
+from backend.models.loader import load_model
 from tests.backend.tiny_checkpoints import make_tiny
 
 IDS = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()

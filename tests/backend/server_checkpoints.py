@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from backend.tokenizer import load_tokenizer
-from backend.tokenizer_files import write_tokenizer_files
+from backend.text.tokenizer import load_tokenizer
+from backend.text.tokenizer_files import write_tokenizer_files
 from tests.backend.tiny_checkpoints import make_tiny
 
 SECRET = "test-secret-0123456789"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.tokenizer import Tokenizer, load_tokenizer
-from backend.tokenizer_files import write_tokenizer_files
+from backend.text.tokenizer import Tokenizer, load_tokenizer
+from backend.text.tokenizer_files import write_tokenizer_files
 
 LAYOUTS = {
     "kimi-tiktoken": ("kimi", "tiktoken"),

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from backend.plan import make_plan
+from backend.tools.plan import make_plan
 from benchmarks.cli import main as bench_main
 from benchmarks.engine.geometry import FULL_TP, TINY_GPU_MEM, make_geometry
 

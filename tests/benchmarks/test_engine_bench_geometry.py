@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from backend.plan import GB, make_plan
+from backend.tools.plan import GB, make_plan
 from benchmarks.engine.geometry import FULL_TP, H200_MEM, PUBLISHED_CONFIGS, make_geometry
 from benchmarks.engine.weights import planned_weight_bytes
 

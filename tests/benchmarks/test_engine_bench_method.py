@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.decode_graphs import eager_capture
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
-from backend.forward_batch import ForwardBatch
+from backend.engine.decode_graphs import eager_capture
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.engine.forward_batch import ForwardBatch
 from benchmarks.engine import method
 from benchmarks.engine.null_model import NullModel
 from benchmarks.engine.offline import run_offline

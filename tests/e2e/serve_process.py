@@ -69,7 +69,7 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     subprocess.run(
-        [sys.executable, "-m", "backend.random_checkpoint", "glm-4.5", str(legacy)],
+        [sys.executable, "-m", "backend.tools.random_checkpoint", "glm-4.5", str(legacy)],
         env=env,
         check=True,
         capture_output=True,

@@ -305,7 +305,7 @@ def test_layer_on_cuda_matches_its_cpu_loop(method: str) -> None:
 def test_layer_is_capture_safe_on_cuda(method: str) -> None:
     """What decode graphs need of the layer: inside `sync_free()` with sync debug mode "error" it runs
     (no host sync) and a graph of it replays; a layer with no fused kernel (GELU) raises, naming its scheme."""
-    from backend.layers.sync_free import sync_free
+    from backend.engine.sync_free import sync_free
 
     gen = torch.Generator().manual_seed(10)
     layer = _layer(method, 0, 8, gen).cuda()

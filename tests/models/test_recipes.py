@@ -156,7 +156,7 @@ def test_rendered_image_shows_the_answered_colour(nano: Path) -> None:
 
 
 def test_test_sets_load_as_kumo_eval_task_files(nano: Path) -> None:
-    from backend.eval_tasks import load_items
+    from backend.tools.eval_tasks import load_items
 
     kinds = {task: load_items(nano / f"{task}.test.jsonl")[0] for task in TEST_TASKS}
     assert kinds == {
@@ -169,7 +169,7 @@ def test_test_sets_load_as_kumo_eval_task_files(nano: Path) -> None:
     _, tool_items = load_items(nano / "tool-call.test.jsonl")
     assert all(len(i.messages) == 1 and i.messages[0].role == "user" for i in tool_items)
     _, gsm = load_items(nano / "gsm-nano.test.jsonl")
-    from backend.eval_tasks import extract_answer
+    from backend.tools.eval_tasks import extract_answer
 
     assert all(extract_answer(f"The answer is {i.answer}.", i) == i.answer for i in gsm)
 

@@ -9,11 +9,11 @@ import msgspec
 import pytest
 import torch
 
-from backend.assistant_turn import after_opening
-from backend.image_encoder import MEDIA_PAD, VisionEncoder
-from backend.random_weights import write_random_checkpoint
-from backend.served_model import ServedModel
-from backend.serving import GenerationEngine, Serving
+from backend.models.image_encoder import MEDIA_PAD, VisionEncoder
+from backend.server.generation import GenerationEngine, Serving
+from backend.server.model_card import ServedModel
+from backend.text.assistant_turn import after_opening
+from backend.tools.random_checkpoint import write_random_checkpoint
 from models.recipes.build import item
 from models.recipes.images import render as draw
 from models.recipes.render import Renderer

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from backend.forward_batch import ImageEmbeds
-from backend.image_encoder import MEDIA_PAD, VisionEncoder
-from backend.image_processor import process_image
-from backend.loader import load_model
-from backend.served_model import ServedModel
-from backend.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, write_tokenizer_files
+from backend.engine.forward_batch import ImageEmbeds
+from backend.models.image_encoder import MEDIA_PAD, VisionEncoder
+from backend.models.image_processor import process_image
+from backend.models.loader import load_model
+from backend.server.model_card import ServedModel
+from backend.text.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, write_tokenizer_files
 from models.recipes.build import build, item
 from models.recipes.images import CELLS, COLOURS, SHAPES
 from models.recipes.images import render as draw
@@ -173,7 +173,7 @@ def test_importing_the_recipe_imports_no_msgspec() -> None:
     code = (
         "import sys, models.recipes.train, models.recipes.render, models.recipes.nano\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('msgspec', 'llguidance', 'starlette', 'schemas') or m in ('backend.serving', 'backend.server'))\n"
+        "('msgspec', 'llguidance', 'starlette', 'schemas') or m in ('backend.server.generation', 'backend.server.app'))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from backend.errors import InvalidRequest
-from backend.served_model import TOOL_MARKERS
-from backend.structured import build_constraint, grammar_for
+from backend.server.model_card import TOOL_MARKERS
+from backend.text.structured import build_constraint, grammar_for
 from schemas.backend import GenerateRequest, Message, ResponseFormat, Tool, ToolChoice
 from tests.backend.server_tokenizers import load
 

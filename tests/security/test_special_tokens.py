@@ -13,8 +13,8 @@ from collections import Counter
 
 import pytest
 
-from backend.chat_template import ChatTemplate
-from backend.tokenizer import Tokenizer
+from backend.text.chat_template import ChatTemplate
+from backend.text.tokenizer import Tokenizer
 from schemas.backend import Message, Tool, ToolCall, ToolCallFunction
 from tests.backend.server_tokenizers import load, tokenizer_dir
 

@@ -1,0 +1,214 @@
+"""Pure-decode steps replayed from CUDA graphs, one graph per batch-size bucket (engine-anchors §4).
+
+A step where every sequence has one new token and one logits row (`HostBatch.is_pure_decode`) runs
+in the smallest captured bucket Bk >= B. A graph reads only static buffers: before a replay the step's
+values are copied into their first B rows and rows B..Bk get padding values — token 0 at position
+0, `seq_len` 1, its one page the scratch page, whose tag it expects, and its slot in that page. The
+values cross in the runner's one staged copy (`backend.engine.host_staging`, shared with the step's page-tag
+updates), already padded to the bucket, then three device copies fill the buffers (input ids,
+positions and slots are rows of one buffer); `seq_lens` is computed inside the graph as position + 1,
+what it is for every decode row, padding included. The
+scratch page is the KV cache's last page, one past the block manager's pool: never allocated, so it
+keeps tag `SCRATCH_TAG` (0, which no allocation ever gets). A padding row therefore writes and reads
+only the scratch page and never trips the tag check; its logits and flag are ignored.
+
+The page-table buffers are `max_pages` wide (the longest sequence the engine admits); columns past
+the step's widest sequence keep older page ids, never read (every op reads only the `ceil(seq_len /
+S)` pages a sequence uses). Kernels size their grids and split counts from that width, known on the
+host at capture, never from a device read. The tag-mismatch flags are zeroed inside the graph; the
+logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
+
+Capture (`CudaGraphCapture`): largest bucket first, every graph in one memory pool. Each bucket
+first runs once eagerly with torch's sync debug mode at "error", so a host sync anywhere in the
+forward (`.item()`, `.tolist()`, `int(tensor)`, a data-dependent shape) raises there, before any
+capture; the runner then runs every step eagerly and `disabled_reason` says why (the start-up
+warning). Routed quantized experts (INT4, FP8 per channel or in blocks) run as one fused MoE kernel
+and capture; a quantized layer with no fused kernel (a non-SiLU activation, INT4 with partial groups)
+raises inside `sync_free()` on CUDA, naming its scheme, so the warning says which layer kept decode
+eager. Warm-up and capture run inside `backend.engine.sync_free.sync_free()`, where layers take their
+fixed-shape paths.
+`capture` is injectable: `eager_capture` keeps the static buffers and padding but no graph, which is
+how the CPU tests check bucketing and padding against the plain eager path.
+
+Shapes: B sequences this step, Bk bucket, Mp = max_pages, S page size, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.engine.host_staging import StagingBuffer
+from backend.engine.sync_free import sync_free
+
+SCRATCH_TAG = 0  # the tag of a page never allocated (the block manager's tags start at 1)
+
+Replay = Callable[[], torch.Tensor]
+Capture = Callable[[Callable[[], torch.Tensor]], Replay]  # step -> replay returning step's output
+
+
+def eager_capture(step: Callable[[], torch.Tensor]) -> Replay:
+    """No graph: every replay runs `step` eagerly over the static buffers (the CPU tests' capture)."""
+    return step
+
+
+class CudaGraphCapture:
+    """Sync-checked warm-up, then capture into the pool shared by every bucket captured so far."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: tuple[int, int] | None = None
+
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Replay:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):  # warm-up: compiles kernels, and any host sync raises here
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = step()
+        if self.pool is None:
+            self.pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+class DecodeGraphs:
+    """Static input buffers for the largest bucket, and one replay per bucket over their prefixes."""
+
+    def __init__(
+        self,
+        forward: Callable[[ForwardBatch], torch.Tensor],
+        kv_cache: KVCache,
+        *,
+        batch_sizes: list[int],
+        max_pages: int,
+        check_tags: bool,
+        capture: Capture,
+        staging: StagingBuffer | None = None,
+    ) -> None:
+        """`staging`: the buffer the step's inputs cross to the device in (the runner's, shared
+        with the page-tag updates of the same step; None: one of its own)."""
+        self.kv_cache = kv_cache
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_pages = max_pages
+        self.check_tags = check_tags
+        self.scratch_page = kv_cache.num_pages - 1
+        self.num_replays = 0
+        self.disabled_reason: str | None = None
+        n, dev = self.batch_sizes[-1], kv_cache.page_tags.device
+        S = kv_cache.page_size
+        i64, i32 = torch.int64, torch.int32
+        self.staging = staging or StagingBuffer(dev)
+        # input ids, positions and slots: rows of one buffer, so that they take one copy
+        self._vectors = torch.tensor([[0], [0], [self.scratch_page * S]], dtype=i64, device=dev).repeat(1, n)
+        self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n] each
+        self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
+        self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
+        self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
+        self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
+        self.rows = torch.arange(n, dtype=i64, device=dev)  # logits rows, and the sequence of each row
+        self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
+        self._replays: dict[int, Replay] = {}
+        self._staged: tuple[int, int, list[int]] = (0, 0, [])  # (bucket, width, staging handles)
+        try:
+            for size in reversed(self.batch_sizes):  # largest first: the pool is sized by the first
+                batch = self._batch(size)
+                self._replays[size] = capture(lambda batch=batch: self._step(forward, batch))
+        except Exception as exc:  # a capture-unsafe op on the decode path: every step stays eager
+            self._replays.clear()
+            self.disabled_reason = f"{type(exc).__name__}: {exc}"
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self._replays)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((s for s in self.batch_sizes if s >= num_seqs), None) if self.is_enabled else None
+
+    def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(logits [B, V], tag_mismatch [B])` of a pure-decode step, or None when no bucket fits
+        (more sequences than the largest bucket, or a sequence wider than the page-table buffers).
+        `stage`, the staging buffer's send and `replay` in one (the runner sends once per step, the
+        page-tag updates with it)."""
+        self.staging.start()
+        if self.stage(host) is None:
+            return None
+        self.staging.send()
+        return self.replay(host.num_seqs)
+
+    def stage(self, host: HostBatch) -> int | None:
+        """Stage the step's rows, padded to its bucket (rows B..bucket get the padding values);
+        returns the bucket, or None when no bucket fits (nothing staged)."""
+        B = host.num_seqs
+        bucket = self.bucket_for(B)
+        width = host.page_table.shape[1]
+        if bucket is None or width > self.max_pages:
+            return None
+        scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
+        h_vectors, vectors = st.reserve(np.int64, (3, bucket))  # ids, positions, slots
+        vectors[0, :B], vectors[1, :B], vectors[2, :B] = host.input_ids, host.positions, host.slots
+        if bucket > B:
+            vectors[:2, B:], vectors[2, B:] = 0, scratch * S
+        num_pages = (host.seq_lens + (S - 1)) // S  # [B]
+        past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
+        h_pages, pages = st.reserve(np.int32, (bucket, width))
+        pages[:B], pages[B:] = host.page_table, scratch  # (an empty slice when B fills the bucket)
+        if past is not None:  # columns past a row's pages: the scratch page too
+            pages[:B][past] = scratch
+        h_tags, tags = st.reserve(np.int64, (bucket, width))
+        tags[:B], tags[B:] = host.expected_tags, SCRATCH_TAG
+        if past is not None:
+            tags[:B][past] = SCRATCH_TAG
+        self._staged = (bucket, width, [h_vectors, h_pages, h_tags])
+        return bucket
+
+    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the static buffers from the sent staging buffer (`stage`), replay the bucket's graph."""
+        bucket, width, handles = self._staged
+        vectors, pages, tags = (self.staging.view(h) for h in handles)
+        self._vectors[:, :bucket].copy_(vectors)
+        self.page_table[:bucket, :width].copy_(pages)
+        self.expected_tags[:bucket, :width].copy_(tags)
+        logits = self._replays[bucket]()
+        self.num_replays += 1
+        return logits[:num_seqs], self.tag_mismatch[:num_seqs]
+
+    def _batch(self, size: int) -> ForwardBatch:
+        """The ForwardBatch a bucket's graph reads: views of the buffers' first `size` rows."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            query_start=self.query_start[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            page_table=self.page_table[:size],
+            expected_tags=self.expected_tags[:size],
+            slot_mapping=self.slot_mapping[:size],
+            logits_indices=self.rows[:size],
+            kv_cache=self.kv_cache,
+            tag_mismatch=self.tag_mismatch[:size],
+            is_decode_only=True,
+            check_tags=self.check_tags,
+            seq_index=self.rows[:size],
+        )
+
+    @staticmethod
+    def _step(forward: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        with sync_free():
+            batch.tag_mismatch.zero_()
+            torch.add(batch.positions, 1, out=batch.seq_lens)  # a decode row's length: its position + 1
+            return forward(batch)

@@ -1,0 +1,217 @@
+"""Owns the KV cache tensors; turns a scheduled step into a `ForwardBatch`, runs the model, samples.
+
+The only module on the scheduler side that touches tensors (`backend.engine.step_planner` builds the step's
+host arrays). Before each step it copies the block manager's new page tags into
+`KVCache.page_tags`, so the tag check inside the attention ops sees
+exactly the allocator's state. The ops check tags on both sides: a write whose destination page no
+longer carries the expected tag is dropped, a read of such a page contributes nothing, and either
+sets `tag_mismatch`; that request's sampled token is then discarded and the engine aborts it.
+
+Pure-decode steps replay a CUDA graph of their batch-size bucket (`backend.engine.decode_graphs`; on a CUDA
+device with `EngineConfig.cuda_graphs`); prefill and mixed steps run eagerly. Either way the step's
+host inputs (and the page tags allocated since the last step) cross to the device in one copy
+(`backend.engine.host_staging`), and the step reads back one small tensor: the sampled tokens and the
+tag-mismatch flags together.
+
+Shape letters: T = new tokens this step, B = sequences, Mp = most pages of one sequence, V = vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from backend.engine.decode_graphs import Capture, CudaGraphCapture, DecodeGraphs
+from backend.engine.engine_config import EngineConfig
+from backend.engine.forward_batch import CacheSpec, ForwardBatch, HostBatch, ImageEmbeds, KVCache
+from backend.engine.host_staging import StagingBuffer, to_device
+from backend.engine.page_table import PageTables
+from backend.engine.sampler import Sampler, SampleRow, TokenScore
+from backend.engine.scheduler import SchedulerOutput
+from backend.engine.sequence import Sequence
+from backend.engine.step_planner import StepPlanner
+
+log = logging.getLogger("kumo.engine")
+
+
+class PagedModel(Protocol):
+    def cache_specs(self) -> list[list[CacheSpec]]: ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class SeqResult:
+    seq: Sequence
+    num_new_tokens: int
+    is_tag_mismatch: bool
+    sample: TokenScore | None = None
+    prompt_scores: list[TokenScore] = field(default_factory=list)  # next-token scores, in order
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PagedModel,
+        config: EngineConfig,
+        *,
+        model_dtype: torch.dtype,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        kv_scales: list[dict[str, float]] | None = None,
+        max_seq_len: int | None = None,
+        graph_capture: Capture | None = None,
+        page_tables: PageTables,
+    ) -> None:
+        """`max_seq_len`: the longest sequence admitted (sizes the decode graphs' page tables; None:
+        the whole pool). `graph_capture`: how decode graphs are captured; None: CUDA graphs on a CUDA
+        device when `config.cuda_graphs`, else none (`decode_graphs.eager_capture` in CPU tests).
+        `page_tables`: the block manager's pool, whose rows are the sequences' page tables."""
+        self.model = model
+        self.config = config
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.planner = StepPlanner(config.page_size, page_tables)
+        self.staging = StagingBuffer(self.device)
+        self.sampler = Sampler()
+        if graph_capture is None and config.cuda_graphs and self.device.type == "cuda":
+            graph_capture = CudaGraphCapture(self.device)
+        self.kv_cache = KVCache.allocate(
+            model.cache_specs(),
+            config.num_pages + (graph_capture is not None),  # the decode graphs' scratch page last
+            config.page_size,
+            dtype=config.torch_kv_dtype(model_dtype),
+            model_dtype=model_dtype,
+            device=self.device,
+            scales=kv_scales,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if graph_capture is not None and config.graph_batch_sizes():
+            S = config.page_size
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    model.forward,
+                    self.kv_cache,
+                    batch_sizes=config.graph_batch_sizes(),
+                    max_pages=min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages),
+                    check_tags=config.check_page_tags,
+                    capture=graph_capture,
+                    staging=self.staging,
+                )
+            if self.graphs.disabled_reason is not None:  # at start-up, once: every step runs eagerly
+                log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
+
+    def apply_tag_updates(self, updates: list[tuple[int, int]]) -> None:
+        """Write (page, new tag) pairs into the cache now, outside a step's own copy (tests)."""
+        if updates:
+            pages, tags = zip(*updates, strict=True)
+            index = torch.tensor(pages, dtype=torch.int64, device=self.device)
+            self.kv_cache.page_tags[index] = torch.tensor(tags, dtype=torch.int64, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, tag_updates: list[tuple[int, int]] | None = None) -> list[SeqResult]:
+        """Run one step. `tag_updates`: the block manager's (page, new tag) pairs since the last
+        step, written into `KVCache.page_tags` before the model reads a page (one copy with the
+        step's inputs)."""
+        host, rows = self.planner.plan(out.scheduled)
+        st, graphs = self.staging, self.graphs
+        st.start()
+        tags = None
+        if tag_updates:
+            updates = np.array(tag_updates, dtype=np.int64)  # [U, 2] (page, tag)
+            tags = st.add(updates[:, 0]), st.add(updates[:, 1])
+        bucket = graphs.stage(host) if graphs is not None and host.is_pure_decode else None
+        staged = self._stage_eager(host) if bucket is None else []
+        st.send()  # the step's one copy to the device
+        if tags is not None:
+            self.kv_cache.page_tags.index_copy_(0, st.view(tags[0]), st.view(tags[1]))
+        if graphs is not None and bucket is not None:
+            logits, mismatch = graphs.replay(host.num_seqs)
+        else:
+            batch = self._forward_batch(host, staged)
+            logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
+        # every row that wants a token is sampled, flagged or not (a flagged one's token is dropped),
+        # so the tokens and the flags come back in one copy
+        n = len(rows.sampled)
+        sample_rows = [self._sample_row(out.scheduled[b].seq) for b in rows.sampled]
+        if rows.is_sample_rows_first:
+            picked = logits[:n]
+        else:
+            picked = logits[to_device(rows.sample_rows, torch.int64, logits.device)]
+        chosen = self.sampler.draw(picked, sample_rows) if n else mismatch.new_zeros(0, dtype=torch.int64)
+        back = torch.cat([chosen, mismatch]).tolist()  # the step's one copy back (flags promoted to int64)
+        tokens, flags = back[:n], back[n:]
+        results = [
+            SeqResult(s.seq, s.num_new_tokens, f != 0) for s, f in zip(out.scheduled, flags, strict=True)
+        ]
+        if n:
+            scores = self.sampler.scores(picked, sample_rows, chosen, tokens)
+            for b, score in zip(rows.sampled, scores, strict=True):
+                if not results[b].is_tag_mismatch:
+                    results[b].sample = score
+        for b, (prompt_rows, targets) in rows.prompt.items():
+            r = results[b]
+            if not r.is_tag_mismatch:
+                index = torch.tensor(prompt_rows, dtype=torch.int64, device=logits.device)
+                r.prompt_scores = self.sampler.score(
+                    logits[index], targets, r.seq.request.sampling.top_logprobs
+                )
+        return results
+
+    def synchronize(self) -> None:
+        """Wait until nothing launched on the device can still write into the cache."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def find_mismatch(self, seq: Sequence) -> tuple[int, int, int] | None:
+        """(page, expected tag, found tag) of the first page of `seq` that changed owner (for logs)."""
+        found = self.kv_cache.page_tags.tolist()
+        for ref in seq.page_table:
+            if not 0 <= ref.page_id < len(found) or found[ref.page_id] != ref.tag:
+                got = found[ref.page_id] if 0 <= ref.page_id < len(found) else -1
+                return ref.page_id, ref.tag, got
+        return None
+
+    # ---- batch construction --------------------------------------------------------------------
+    def _stage_eager(self, h: HostBatch) -> list[int]:
+        """Stage the eager step's ForwardBatch fields (page tables as wide as its widest sequence)."""
+        fields = (h.input_ids, h.positions, h.query_start, h.seq_lens, h.page_table, h.expected_tags)
+        return [self.staging.add(a) for a in (*fields, h.slots, h.logits_indices, h.seq_index)]
+
+    def _forward_batch(self, h: HostBatch, staged: list[int]) -> ForwardBatch:
+        """The eager step's ForwardBatch: views of the staged copy (`_stage_eager`)."""
+        v = [self.staging.view(i) for i in staged]
+        dev = self.device
+        image_embeds = None
+        if h.image_rows:
+            image_embeds = ImageEmbeds(
+                token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
+                embeds=torch.cat(h.image_parts).to(dev),
+            )
+        B = h.num_seqs
+        return ForwardBatch(
+            input_ids=v[0],
+            positions=v[1],
+            query_start=v[2],
+            seq_lens=v[3],
+            page_table=v[4],
+            expected_tags=v[5],
+            slot_mapping=v[6],
+            logits_indices=v[7],
+            kv_cache=self.kv_cache,
+            tag_mismatch=torch.zeros(B, dtype=torch.bool, device=dev),
+            is_decode_only=len(h.input_ids) == B,
+            check_tags=self.config.check_page_tags,
+            image_embeds=image_embeds,
+            seq_index=v[8],
+        )
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        row = seq.sample_row
+        if seq.constraint is not None:  # this step's mask
+            row.allowed = seq.constraint.allowed_tokens(self.vocab_size)
+        return row

@@ -1,0 +1,179 @@
+"""Continuous batching: which sequences run this step, and how many of their tokens.
+
+(DESIGN.md §2 step 5.) A step spends at most `max_num_batched_tokens`: first one token for every
+running decode (oldest first; decodes never starve), then the next chunk of every running prefill,
+then new requests from the queue while the budget, `max_num_seqs` and the page pool allow. A
+request is admitted only when pages for all of its tokens are available (prefix-cache hits count);
+when a decode needs a page and none is left, the newest running request is preempted: its pages are
+released and it is recomputed later from its tokens. Requests that can never run are refused when
+they arrive, not queued forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.engine.block_manager import BlockManager
+from backend.engine.engine_config import EngineConfig
+from backend.engine.sequence import Sequence, Status
+from backend.errors import Busy, ContextWindowExceeded, InvalidRequest, TooLargeForPool
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def needs_sample(self) -> bool:
+        """This chunk reaches the newest token, so its last row's logits give the next token."""
+        return self.num_new_tokens == self.seq.num_uncomputed_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, *, context_window: int, vocab_size: int
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.context_window = config.context_window or context_window
+        self.vocab_size = vocab_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._next_step = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`, or raise the error that says why it can never (or not now) run."""
+        self.validate(seq)
+        at = len(self.waiting)  # behind every queued request of the same or a more urgent priority
+        while at > 0 and self.waiting[at - 1].request.priority > seq.request.priority:
+            at -= 1
+        if seq.request.reject_if_busy and (at > 0 or not self._can_start_now(seq)):
+            raise Busy("The server is busy and the request asked to be rejected rather than queued.")
+        self.waiting.insert(at, seq)
+
+    def validate(self, seq: Sequence) -> None:
+        request = seq.request
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = request.sampling.max_tokens
+        if num_prompt == 0:
+            raise InvalidRequest("The prompt is empty: at least one input token is needed.")
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}.")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"Token id {bad[0]} is outside the vocabulary (size {self.vocab_size}).")
+        for span in request.image_spans:
+            if span.offset < 0 or span.length < 1 or span.offset + span.length > num_prompt:
+                raise InvalidRequest(f"Image span [{span.offset}, +{span.length}) is outside the prompt.")
+        if num_prompt + max_tokens > self.context_window:
+            raise ContextWindowExceeded(num_prompt + max_tokens, self.context_window)
+        num_pages = self.block_manager.num_pages_for(num_prompt + max_tokens)
+        if num_pages > self.block_manager.num_pages:
+            raise TooLargeForPool(
+                f"The request needs {num_pages} KV pages ({num_prompt} input + {max_tokens} output tokens) "
+                f"but this replica's pool has {self.block_manager.num_pages}."
+            )
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self._next_step)
+        self._next_step += 1
+        budget = self.config.max_num_batched_tokens
+        # decode: one token each, oldest first; preempt the newest when a page is missing
+        prefilling = []
+        reserve = self.block_manager.reserve_next_slot
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:
+                continue
+            if seq.is_prefilling:  # its chunk comes after every decode
+                prefilling.append(seq)
+                continue
+            if not reserve(seq) and not self._preempt_until_reserved(seq, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, 1))
+            budget -= 1
+        # prefill: the next chunk of requests already running (in order), then newly admitted ones
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if seq.status is Status.RUNNING:  # not preempted by a decode above
+                n = min(seq.num_uncomputed_tokens, budget)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        # admit: not in a step that had to preempt (the pool is short; recompute would thrash)
+        while (
+            self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if not self.block_manager.admit(seq):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        self.block_manager.touch_sequences([s.seq for s in out.scheduled], out.step)
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues and give back its pages (finish, abort, integrity abort)."""
+        self.block_manager.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _preempt_until_reserved(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the newest unscheduled requests until `seq` gets its next page (False: `seq`
+        itself was the newest, and is preempted)."""
+        while not self.block_manager.reserve_next_slot(seq):
+            scheduled = {id(s.seq) for s in out.scheduled}
+            victims = [s for s in self.running if id(s) not in scheduled]
+            victim = max(victims, key=lambda s: s.arrival)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.release(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _can_start_now(self, seq: Sequence) -> bool:
+        """Whether `seq` would get pages and a share of the next step's token budget."""
+        num_committed = sum(
+            min(s.num_uncomputed_tokens, self.config.max_num_batched_tokens) for s in self.running
+        )
+        return (
+            len(self.running) < self.config.max_num_seqs
+            and num_committed < self.config.max_num_batched_tokens
+            and self.block_manager.can_admit(seq)
+        )

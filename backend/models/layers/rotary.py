@@ -1,0 +1,78 @@
+"""Rotary position embeddings: default, linear and YaRN frequencies; interleaved or NeoX rotation.
+
+DeepSeek-style MLA rotates interleaved pairs (x0, x1), (x2, x3)…; GLM-4.5 rotates NeoX halves of the
+first `dim` dims of each head (partial rotary). YaRN scales cos/sin by its attention factor here; the
+MLA softmax mscale² factor lives in `ModelConfig.softmax_scale`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from backend.models.model_config import RopeConfig, yarn_mscale
+
+
+def inv_freq_and_factor(rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """`inv_freq [dim/2]` float32 and the factor cos/sin are multiplied by."""
+    dim, base = rope.dim, rope.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    if rope.rope_type == "linear":
+        return 1.0 / pos_freqs / rope.factor, 1.0
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1 on the high-frequency dims, which keep their original frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    inv_freq: torch.Tensor
+
+    def __init__(self, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq, self.attention_factor = inv_freq_and_factor(rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.is_interleaved = rope.is_interleaved
+        self.dim = rope.dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] → cos, sin [T, dim/2] (already scaled by the attention factor)."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(
+            dtype
+        )
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, >= dim]; rotates the first `dim` dims of each head, passes the rest through."""
+        c, s = cos[:, None, :], sin[:, None, :]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        if self.is_interleaved:
+            # pairs (x0, x1), (x2, x3)… come out de-interleaved (evens then odds), the same for q and k
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        else:
+            x1, x2 = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out

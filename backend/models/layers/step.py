@@ -1,0 +1,81 @@
+"""Per-step facts every layer needs, derived once from the ForwardBatch.
+
+Shapes: T new tokens, B sequences, S page size, Dr rotary dims / 2 per cos/sin row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.forward_batch import ForwardBatch
+from backend.models.layers.context_parallel import local_writes
+from backend.models.layers.parallel import DcpGroup
+from kernels.kv_write import KvWriteArgs, kv_write
+from kernels.paged_gather import PagedBatch
+
+
+@dataclass(slots=True)
+class Step:
+    batch: ForwardBatch
+    token_seq: torch.Tensor  # [T] int64 sequence of each new token
+    token_expected_tags: torch.Tensor | None  # [T] int64 tag each destination page must carry; None: off
+    cos: torch.Tensor  # [T, Dr]
+    sin: torch.Tensor  # [T, Dr]
+    pages: PagedBatch  # what every page-reading kernel op reads of this step
+    topk_indices: torch.Tensor | None = None  # DSA: the last full indexer layer's choice, [T, K]
+    # the MLA cache sharded by token over a DCP group (backend/models/layers/context_parallel.py)
+    dcp: DcpGroup | None = None
+    slot_mapping: torch.Tensor | None = None  # [T] this rank's destinations under DCP; None: the batch's
+
+    @classmethod
+    def build(
+        cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, dcp: DcpGroup | None = None
+    ) -> Step:
+        qs = batch.query_start.long()
+        q_lens = qs[1:] - qs[:-1]  # [B]
+        T = batch.num_tokens
+        if batch.seq_index.numel() == T:
+            token_seq = batch.seq_index.long()
+        else:
+            token_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qs.device), q_lens)
+        pages = PagedBatch(
+            query_start=batch.query_start,
+            seq_lens=batch.seq_lens,
+            page_table=batch.page_table,
+            expected_tags=batch.expected_tags,
+            page_tags=batch.kv_cache.page_tags,
+            tag_mismatch=batch.tag_mismatch,
+            is_decode=batch.is_decode_only,
+            check_tags=batch.check_tags,
+        )
+        if dcp is not None:  # each rank writes only its own tokens, at its own slots
+            slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
+            return cls(batch, token_seq, expected, cos, sin, pages, dcp=dcp, slot_mapping=slots)
+        expected = None  # the tag check off: no tag is read
+        if batch.check_tags:
+            # index of each new token within its sequence: the cached prefix length plus its offset
+            offset = torch.arange(T, device=qs.device) - qs[token_seq]
+            token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
+            page_col = token_idx // batch.kv_cache.page_size
+            expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
+        return cls(
+            batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin, pages=pages
+        )
+
+    def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
+        """Store this step's new `values [T, *shape]` for `layer_idx`/`name` into the paged cache."""
+        kv = self.batch.kv_cache
+        kv_write(
+            KvWriteArgs(
+                kv.layers[layer_idx][name],
+                values,
+                self.batch.slot_mapping if self.slot_mapping is None else self.slot_mapping,
+                kv.scales[layer_idx][name],
+                kv.page_tags,
+                self.token_expected_tags,
+                self.token_seq,
+                self.batch.tag_mismatch,
+            )
+        )

@@ -1,0 +1,165 @@
+"""The serving layer: a `GenerateRequest` in, internal-protocol events out (DESIGN.md §2 steps 4 and 7).
+
+`prepare` does everything that can refuse a request before the engine sees it — template, tokens,
+context window, images, grammar — so refusals are plain 4xx answers. `events` then runs the
+request in the engine and turns its outputs into events. Leaving `events` early (client gone, stop
+string matched) closes the engine stream, which aborts the request there within one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from backend.engine.constraint import TokenConstraint
+from backend.errors import ContextWindowExceeded, InvalidRequest, Unsupported
+from backend.server.model_card import ServedModel
+from backend.text.chat_template import images_of
+from backend.text.output_processor import OutputProcessor
+from backend.text.reasoning import ReasoningParser
+from backend.text.structured import build_constraint, grammar_for
+from backend.text.tool_parsers import parser_for
+from schemas.backend import (
+    EngineOutput,
+    EngineRequest,
+    Event,
+    GenerateRequest,
+    ImagePart,
+    ImageSpan,
+    LoadReport,
+    Message,
+    Reasoning,
+)
+
+
+class GenerationEngine(Protocol):
+    """What serving needs of the engine (`backend.engine.async_engine.AsyncEngine`)."""
+
+    def generate(
+        self,
+        request: EngineRequest,
+        *,
+        constraint: TokenConstraint | None = None,
+        image_embeds: torch.Tensor | None = None,
+    ) -> AsyncIterator[EngineOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> LoadReport: ...
+
+
+class ImageEncoder(Protocol):
+    """The vision hook: expands each image's placeholder in the prompt to its tokens and returns the
+    placeholder spans (with image hashes, for the prefix-cache key) and their embeddings."""
+
+    def expand(
+        self, token_ids: list[int], images: list[ImagePart]
+    ) -> tuple[list[int], list[ImageSpan], torch.Tensor]: ...
+
+
+@dataclass(slots=True)
+class Prepared:
+    engine_request: EngineRequest
+    constraint: TokenConstraint | None
+    image_embeds: torch.Tensor | None
+    processor: OutputProcessor
+
+
+class Serving:
+    def __init__(
+        self, model: ServedModel, engine: GenerationEngine, *, images: ImageEncoder | None = None
+    ) -> None:
+        self.model = model
+        self.engine = engine
+        self._images = images
+
+    def prepare(self, request: GenerateRequest) -> Prepared:
+        """Everything up to the engine; raises the `EngineError` refusing the request."""
+        model = self.model
+        grammar = grammar_for(request, model.family, model.marker_ids)
+        # a constrained answer starts at the first token: the template must not open a reasoning block
+        reasoning = Reasoning(enabled=False) if grammar is not None else request.reasoning
+        token_ids, images = self._prompt(request, reasoning)
+        spans: list[ImageSpan] = []
+        embeds = None
+        if images:
+            if self._images is None:
+                raise Unsupported(f"{model.name} does not accept images.")
+            token_ids, spans, embeds = self._images.expand(token_ids, images)
+        num_requested = len(token_ids) + request.sampling.max_tokens
+        if num_requested > model.context_window:
+            raise ContextWindowExceeded(num_requested, model.context_window)
+        constraint = None
+        if grammar is not None:
+            ll_tokenizer = model.tokenizer.ll_tokenizer(
+                max(model.config.vocab_size, model.tokenizer.vocab_size), model.eos_token_ids
+            )
+            constraint = build_constraint(grammar, ll_tokenizer)
+        engine_request = EngineRequest(
+            request_id=request.request_id,
+            prompt_token_ids=token_ids,
+            tenant_salt=request.tenant_salt,
+            sampling=request.sampling,
+            image_spans=spans,
+            eos_token_ids=model.eos_token_ids,
+            reject_if_busy=request.reject_if_busy,
+            priority=request.priority,
+        )
+        return Prepared(
+            engine_request, constraint, embeds, self._processor(request, token_ids, grammar is None)
+        )
+
+    async def events(self, prepared: Prepared) -> AsyncGenerator[Event, None]:
+        """Events of a prepared request. Raises the engine's refusal (busy, too large) before any event."""
+        stream = self.engine.generate(
+            prepared.engine_request, constraint=prepared.constraint, image_embeds=prepared.image_embeds
+        )
+        async with aclosing(stream):
+            async for out in stream:
+                for event in prepared.processor.process(out):
+                    yield event
+                if prepared.processor.is_stopped or out.finish_reason is not None:
+                    return
+
+    def _prompt(self, request: GenerateRequest, reasoning: Reasoning) -> tuple[list[int], list[ImagePart]]:
+        tokenizer = self.model.tokenizer
+        if request.raw:
+            if request.prompt is None or request.messages is not None:
+                raise InvalidRequest("A raw request carries `prompt` and no `messages`.")
+            return tokenizer.encode(request.prompt), []
+        messages = request.messages
+        if messages is None:
+            if request.prompt is None:
+                raise InvalidRequest("The request needs `messages` or `prompt`.")
+            messages = [Message(role="user", content=request.prompt)]
+        if self.model.template is None:
+            raise InvalidRequest(f"{self.model.name} ships no chat template; send a raw prompt.")
+        token_ids = self.model.template.encode(
+            tokenizer, messages, tools=request.tools, reasoning=reasoning, extra=request.chat_template_kwargs
+        )
+        return token_ids, images_of(messages)
+
+    def _processor(self, request: GenerateRequest, prompt_ids: list[int], is_free: bool) -> OutputProcessor:
+        model = self.model
+        reasoning = None
+        if model.think is not None:
+            enabled = is_free and request.reasoning.enabled is not False
+            reasoning = ReasoningParser(model.think, prompt_token_ids=prompt_ids, enabled=enabled)
+        wants_tools = bool(request.tools) and (
+            request.tool_choice is None or request.tool_choice.mode != "none"
+        )
+        tools = parser_for(model.family, model.tokenizer, request.tools or []) if wants_tools else None
+        kept = {model.think.start_id, model.think.end_id} if model.think else set()
+        if tools is not None:
+            kept |= {i for i in model.marker_ids.values() if i is not None}
+        return OutputProcessor(
+            model.tokenizer,
+            reasoning=reasoning,
+            tools=tools,
+            stops=request.sampling.stop,
+            skip_ids=model.tokenizer.special_ids - kept,
+        )

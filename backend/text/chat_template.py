@@ -1,0 +1,195 @@
+"""The checkpoint's own chat template, rendered as transformers renders it (DESIGN.md §2 step 4).
+
+The template is untrusted code from the checkpoint, so it runs in jinja2's
+`ImmutableSandboxedEnvironment` with the environment transformers builds (`trim_blocks`,
+`lstrip_blocks`, loop controls, the `{% generation %}` tag, and the globals/filters templates rely on:
+`tojson` without HTML escaping, `raise_exception`, `strftime_now`, a safe `dict` and `namespace`).
+The same template and the same variables therefore give the same text as `apply_chat_template`.
+
+Reasoning switches travel under every name the families' templates read: `enable_thinking` (GLM),
+`thinking` (Kimi K2.5), `reasoning_effort` (effort levels).
+
+Only the template's own markers become special tokens (`ChatTemplate.encode`). Every string the
+client sent (message contents, names, tool calls and definitions, template variables) is handed to
+the template with each special-token spelling in it replaced by a marker unique to the request
+(ASCII letters and digits, so escaping, `tojson` and `strip` leave it whole); the rendered text is
+encoded with specials allowed between markers, and each marker's spelling as plain text. So
+`<|assistant|>` typed into GLM user content, or `<|im_end|><|im_system|>` into Kimi's, is ordinary
+text to the model, not a role boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from backend.errors import InvalidRequest
+from backend.text.jinja_sandbox import JinjaTemplate, template_source
+from backend.text.tokenizer import Tokenizer
+from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool
+
+
+def _arguments(text: str) -> Any:
+    """Tool-call arguments as templates expect them (a mapping); text that is not JSON stays text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def message_dict(message: Message) -> dict[str, Any]:
+    """A `Message` in the OpenAI-style shape chat templates read."""
+    out: dict[str, Any] = {"role": message.role}
+    if isinstance(message.content, list):
+        out["content"] = [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in message.content
+        ]
+    else:
+        out["content"] = message.content
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+            }
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def tool_dict(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
+
+
+def reasoning_kwargs(reasoning: Reasoning) -> dict[str, Any]:
+    """The template variables each family reads for the reasoning switches; unset means model default."""
+    out: dict[str, Any] = {}
+    if reasoning.enabled is not None:
+        out["enable_thinking"] = reasoning.enabled
+        out["thinking"] = reasoning.enabled
+    if reasoning.effort is not None:
+        out["reasoning_effort"] = reasoning.effort
+    return out
+
+
+def images_of(messages: list[Message]) -> list[ImagePart]:
+    """The image parts of a conversation, in the order the template places them."""
+    return [p for m in messages if isinstance(m.content, list) for p in m.content if isinstance(p, ImagePart)]
+
+
+class ChatTemplate:
+    """One checkpoint's compiled template (`backend.text.jinja_sandbox`) over the internal `Message`s."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+        try:
+            self._template = JinjaTemplate(source, special_tokens)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise InvalidRequest(f"the checkpoint's chat template does not compile: {exc}") from exc
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path) -> ChatTemplate | None:
+        """The template a checkpoint folder ships (`backend.text.jinja_sandbox.template_source`), or None."""
+        found = template_source(model_dir)
+        return None if found is None else cls(*found)
+
+    def render(
+        self,
+        messages: list[Message],
+        *,
+        tools: list[Tool] | None = None,
+        reasoning: Reasoning | None = None,
+        extra: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text for `messages`. A template's own `raise_exception` becomes a 400, and so
+        does a template that fails on what the messages hold (a checkpoint's template iterating a
+        tool message's missing `content`): the input is what it cannot render."""
+        return self._render(messages, tools, reasoning, extra, add_generation_prompt, _Quoter(()))
+
+    def encode(
+        self,
+        tokenizer: Tokenizer,
+        messages: list[Message],
+        *,
+        tools: list[Tool] | None = None,
+        reasoning: Reasoning | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids, with special tokens only where the template writes them: a
+        special-token spelling the client typed is encoded as plain text (see the module docstring)."""
+        quoter = _Quoter(tokenizer.special_spellings)
+        text = self._render(messages, tools, reasoning, extra, True, quoter)
+        ids: list[int] = []
+        start = 0
+        for found in quoter.markers.finditer(text):
+            ids += tokenizer.encode(text[start : found.start()])
+            ids += tokenizer.encode(quoter.quoted[int(found.group(1))], allow_special=False)
+            start = found.end()
+        return ids + tokenizer.encode(text[start:])
+
+    def _render(
+        self,
+        messages: list[Message],
+        tools: list[Tool] | None,
+        reasoning: Reasoning | None,
+        extra: dict[str, Any] | None,
+        add_generation_prompt: bool,
+        quoter: _Quoter,
+    ) -> str:
+        variables: dict[str, Any] = quoter.quote(dict(extra or {}))
+        variables.update(reasoning_kwargs(reasoning or Reasoning()))
+        dicts = quoter.quote([message_dict(m) for m in messages])
+        tool_dicts = quoter.quote([tool_dict(t) for t in tools]) if tools else None
+        try:
+            return self._template.render(
+                dicts, tools=tool_dicts, add_generation_prompt=add_generation_prompt, variables=variables
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidRequest(f"chat template: {exc}") from exc
+        except (TypeError, ValueError, LookupError) as exc:
+            raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc
+
+
+class _Quoter:
+    """Replaces the special-token spellings inside client values with markers `kumo<nonce>q<i>x`;
+    the nonce is random per request, so a client cannot type a marker."""
+
+    def __init__(self, spellings: tuple[str, ...]) -> None:
+        longest_first = sorted({s for s in spellings if s}, key=len, reverse=True)
+        self._spellings = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        nonce = secrets.token_hex(8)
+        self.markers = re.compile(f"kumo{nonce}q(\\d+)x")
+        self._marker = f"kumo{nonce}q{{}}x"
+        self.quoted: list[str] = []  # the spelling each marker stands for, by index
+
+    def quote(self, value: Any) -> Any:
+        """`value` (strings, lists, dicts, nested) with every special-token spelling marked."""
+        if self._spellings is None:
+            return value
+        if isinstance(value, str):
+            return self._spellings.sub(self._mark, value)
+        if isinstance(value, list):
+            return [self.quote(v) for v in value]
+        if isinstance(value, dict):
+            return {self.quote(k): self.quote(v) for k, v in value.items()}
+        return value
+
+    def _mark(self, found: re.Match[str]) -> str:
+        self.quoted.append(found.group())
+        return self._marker.format(len(self.quoted) - 1)

@@ -1,0 +1,191 @@
+"""One request's engine outputs → internal-protocol events (DESIGN.md §2 step 7).
+
+Token ids flow: reasoning split (on `<think>` ids) → the content channel goes through the family's
+tool-call parser → answer ids are detokenized incrementally → string stops are matched on the answer
+text. Each channel has its own detokenizer, so a character is never split and markers never leak
+into text. Special tokens other than markers (a stray `<|im_end|>`) are not text.
+
+String stops: the engine speaks ids, so stop strings are matched here. Text that could still turn
+into a stop string is held back; once one matches, the text before it is sent and the request ends
+with reason `stop` (the caller aborts the engine side).
+"""
+
+from __future__ import annotations
+
+from backend.text.detokenizer import Detokenizer
+from backend.text.reasoning import Channel, ReasoningParser
+from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import ContentIds, ParsedCall, RawText, ToolParser
+from schemas.backend import (
+    EngineOutput,
+    Error,
+    Event,
+    Finish,
+    FinishReason,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
+
+
+class StopMatcher:
+    """Finds the first stop string in a text stream, holding back what may be the start of one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = stops
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string matched)."""
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        cut = len(buffer) - self._partial_stop(buffer)
+        self._held = buffer[cut:]
+        return buffer[:cut], False
+
+    def _partial_stop(self, buffer: str) -> int:
+        """Length of the longest end of `buffer` that begins some stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        stops: list[str],
+        skip_ids: frozenset[int],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._reasoning = reasoning
+        self._tools = tools
+        self._stops = StopMatcher(stops)
+        self._skip_ids = skip_ids  # special ids that are neither text nor markers
+        self._detok: dict[Channel, Detokenizer] = {
+            "reasoning": Detokenizer(tokenizer),
+            "content": Detokenizer(tokenizer),
+        }
+        self.is_stopped = False  # a stop string ended the answer
+        # the engine sends prompt log-probs with the first token; usage goes out with the last
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def process(self, out: EngineOutput) -> list[Event]:
+        """Events for one engine output, ending with usage + finish (or an error) on the last one."""
+        events: list[Event] = []
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs = out.prompt_logprobs
+        if not self.is_stopped:
+            runs = (
+                self._reasoning.split(out.token_ids)
+                if self._reasoning
+                else [("content", list(out.token_ids))]
+            )
+            for channel, ids in runs:
+                ids = [i for i in ids if i not in self._skip_ids]
+                if channel == "reasoning":
+                    self._reasoning_text(self._detok["reasoning"].push(ids), events)
+                else:
+                    self._content(ids, events)
+                if self.is_stopped:
+                    break
+        if out.logprobs:
+            logprobs = [self._named(lp) for lp in out.logprobs]
+            last = events[-1] if events else None
+            if isinstance(last, TextDelta) and last.logprobs is None:
+                events[-1] = TextDelta(text=last.text, logprobs=logprobs)
+            else:
+                events.append(TextDelta(text="", logprobs=logprobs))
+        if out.finish_reason is None and not self.is_stopped:
+            return events
+        return events + self._finish(out)
+
+    def _content(self, ids: list[int], events: list[Event]) -> None:
+        pieces = self._tools.feed(ids) if self._tools else [ContentIds(ids)]
+        for piece in pieces:
+            if isinstance(piece, ContentIds):
+                self._text(self._detok["content"].push(piece.token_ids), events)
+            elif isinstance(piece, RawText):
+                self._text(self._detok["content"].flush() + piece.text, events)
+            elif isinstance(piece, ParsedCall):
+                self._text(self._detok["content"].flush(), events)
+                events.append(
+                    ToolCallDelta(index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments)
+                )
+            if self.is_stopped:
+                return
+
+    def _text(self, text: str, events: list[Event]) -> None:
+        if not text or self.is_stopped:
+            return
+        safe, self.is_stopped = self._stops.push(text)
+        if safe:
+            events.append(TextDelta(text=safe))
+
+    @staticmethod
+    def _reasoning_text(text: str, events: list[Event]) -> None:
+        if text:
+            events.append(ReasoningDelta(text=text))
+
+    def _named(self, lp: TokenLogprob) -> TokenLogprob:
+        """Logprobs carry token text; fill it where the engine left it empty."""
+        if lp.token:
+            return lp
+        top = [
+            t
+            if t.token
+            else type(t)(token=self._tokenizer.decode([t.token_id]), token_id=t.token_id, logprob=t.logprob)
+            for t in lp.top
+        ]
+        return TokenLogprob(
+            token=self._tokenizer.decode([lp.token_id]), token_id=lp.token_id, logprob=lp.logprob, top=top
+        )
+
+    def _finish(self, out: EngineOutput) -> list[Event]:
+        events: list[Event] = []
+        if not self.is_stopped:
+            self._reasoning_text(self._detok["reasoning"].flush(), events)
+            if self._tools:
+                for piece in self._tools.finish():
+                    if isinstance(piece, RawText):
+                        self._text(self._detok["content"].flush() + piece.text, events)
+            self._text(self._detok["content"].flush(), events)
+            if not self.is_stopped:
+                tail = self._stops.flush()
+                if tail:
+                    events.append(TextDelta(text=tail))
+        events.append(
+            Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_tokens=out.num_cached_tokens,
+                prompt_logprobs=self._prompt_logprobs,
+            )
+        )
+        if out.error is not None and not self.is_stopped:
+            return [*events, Error(code=out.error.code, message=out.error.message, status=out.error.status)]
+        events.append(Finish(reason=self._reason(out.finish_reason)))
+        return events
+
+    def _reason(self, engine_reason: FinishReason | None) -> FinishReason:
+        if self.is_stopped:
+            return "stop"
+        if self._tools is not None and self._tools.num_calls and engine_reason == "stop":
+            return "tool_calls"
+        return engine_reason or "stop"

@@ -1,0 +1,237 @@
+"""The checkpoint's tokenizer, loaded without running any code the checkpoint ships.
+
+Two on-disk formats are served:
+- `tokenizer.json` (GLM, most checkpoints) through the `tokenizers` library;
+- Kimi's `tiktoken.model` (base64 token + rank per line) through the `tiktoken` library, with the
+  special tokens declared in `tokenizer_config.json` (`added_tokens_decoder`; the ids after the BPE
+  ranks that it leaves undeclared are reserved) and the split pattern it declares (`pat_str`), or, as
+  in the published Kimi checkpoints whose pattern lives in `tokenization_kimi.py`, Kimi's pattern.
+
+Both expose the same small surface the serving layer needs, plus an `llguidance.LLTokenizer` for
+constrained decoding.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tiktoken
+import tiktoken.load
+import tokenizers
+
+from backend.errors import CheckpointError
+from backend.text.tokenizer_files import KIMI_PAT_STR
+
+# llguidance is imported when constrained decoding first needs it (the training recipe runs without it)
+if TYPE_CHECKING:
+    import llguidance
+
+
+class Tokenizer(ABC):
+    """Token ids ↔ text for one checkpoint. `special_ids` are ids never produced from plain text."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config  # tokenizer_config.json as written by the checkpoint
+        self._ll_cache: dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer] = {}
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids in use (the model's embedding may be larger)."""
+
+    @abstractmethod
+    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        """Token ids of `text`; special-token spellings in it map to their ids iff `allow_special`."""
+
+    @abstractmethod
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`, special tokens spelled out; incomplete UTF-8 becomes U+FFFD. Ids past
+        the tokenizer (a model's padded embedding rows) have no text."""
+
+    @abstractmethod
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a whole token (special or not), or None."""
+
+    @property
+    @abstractmethod
+    def special_ids(self) -> frozenset[int]: ...
+
+    @property
+    @abstractmethod
+    def special_spellings(self) -> tuple[str, ...]:
+        """Every text that `encode` turns into one special or added token when specials are allowed."""
+
+    @abstractmethod
+    def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer: ...
+
+    def ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
+        """The llguidance view of this tokenizer (built once per (n_vocab, eos) — it costs ~1 s)."""
+        key = (n_vocab, tuple(eos_ids))
+        if key not in self._ll_cache:
+            self._ll_cache[key] = self._build_ll_tokenizer(n_vocab, eos_ids)
+        return self._ll_cache[key]
+
+    def named_id(self, key: str) -> int | None:
+        """The id of a token named in tokenizer_config.json (`bos_token`, `eos_token`, …)."""
+        value = self.config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        return self.token_to_id(value) if isinstance(value, str) else None
+
+
+class HFTokenizer(Tokenizer):
+    """`tokenizer.json` through the `tokenizers` library."""
+
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        # tokens declared only in tokenizer_config.json (older checkpoints) are added as transformers does
+        declared = config.get("added_tokens_decoder", {})
+        missing = [
+            tokenizers.AddedToken(v["content"], special=v.get("special", True), normalized=False)
+            for k, v in sorted(declared.items(), key=lambda kv: int(kv[0]))
+            if self._tok.token_to_id(v["content"]) is None
+        ]
+        if missing:
+            self._tok.add_special_tokens(missing)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        if allow_special:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        # spell special tokens as plain text: encode the pieces between their spellings separately
+        ids: list[int] = []
+        for piece in _split_keep(text, list(self.special_spellings)):
+            ids.extend(self._tok.encode(piece, add_special_tokens=False).ids if piece else [])
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        known = [i for i in token_ids if 0 <= i < self.vocab_size]
+        return str(self._tok.decode(known, skip_special_tokens=False))
+
+    def token_to_id(self, token: str) -> int | None:
+        found = self._tok.token_to_id(token)
+        return None if found is None else int(found)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def special_spellings(self) -> tuple[str, ...]:
+        # the library matches every added token in text, special-flagged or not
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
+
+    def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
+        import llguidance
+
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.no_padding()
+        tok.no_truncation()
+        return llguidance.LLTokenizer(tok.to_str(), n_vocab=n_vocab, eos_token=eos_ids)
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Kimi's `tiktoken.model` + the specials and split pattern of its tokenizer config."""
+
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+        num_base = len(ranks)
+        declared = {int(k): v["content"] for k, v in config.get("added_tokens_decoder", {}).items()}
+        if any(i < num_base for i in declared):
+            raise CheckpointError(f"{path}: a declared special token id collides with a BPE rank")
+        num_special = int(config.get("num_reserved_special_tokens", 0)) or (
+            max(declared, default=num_base - 1) + 1 - num_base
+        )
+        specials = {
+            declared.get(num_base + i, f"<|reserved_token_{i}|>"): num_base + i for i in range(num_special)
+        }
+        self._enc = tiktoken.Encoding(
+            name=path.parent.name or "kimi",
+            pat_str=config.get("pat_str", KIMI_PAT_STR),
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
+        self._specials = specials
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._enc.n_vocab)
+
+    def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        if allow_special:
+            return self._enc.encode(text, allowed_special="all")
+        return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    def decode(self, token_ids: list[int]) -> str:
+        known = [i for i in token_ids if 0 <= i < self.vocab_size]
+        return self._enc.decode(known, errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self._specials:
+            return self._specials[token]
+        try:
+            return int(self._enc.encode_single_token(token.encode()))
+        except KeyError:
+            return None
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self._specials.values())
+
+    @cached_property
+    def special_spellings(self) -> tuple[str, ...]:
+        return tuple(self._specials)
+
+    def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
+        from llguidance.tiktoken import lltokenizer_from_encoding
+
+        return lltokenizer_from_encoding(self._enc, n_vocab=n_vocab, eos_token=eos_ids)
+
+
+def _split_keep(text: str, spellings: list[str]) -> list[str]:
+    """Split `text` at every occurrence of any spelling, keeping each spelling as its own piece split
+    in two so the tokenizer cannot match it whole."""
+    pieces = [text]
+    for s in sorted(set(spellings), key=len, reverse=True):
+        if len(s) < 2:
+            continue
+        nxt: list[str] = []
+        for p in pieces:
+            parts = p.split(s)
+            for i, part in enumerate(parts):
+                if i:
+                    nxt.extend([s[: len(s) // 2], s[len(s) // 2 :]])
+                nxt.append(part)
+        pieces = nxt
+    return pieces
+
+
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "tokenizer_config.json"
+    if not path.exists():
+        return {}
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    return config
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint folder: `tokenizer.json` if present, else Kimi's `tiktoken.model`."""
+    folder = Path(model_dir)
+    config = read_tokenizer_config(folder)
+    if (folder / "tokenizer.json").exists():
+        return HFTokenizer(folder / "tokenizer.json", config)
+    if (folder / "tiktoken.model").exists():
+        return TiktokenTokenizer(folder / "tiktoken.model", config)
+    raise CheckpointError(f"{folder}: no tokenizer.json or tiktoken.model")

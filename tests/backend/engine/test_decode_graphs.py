@@ -1,0 +1,271 @@
+"""Decode graphs' bucketing and padding on the CPU: `eager_capture` runs the static buffers and the
+padding rows without a graph, so everything but the CUDA capture itself is checked against the
+plain eager engine (the capture is checked on the device by test_decode_graphs_cuda.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backend.engine.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.engine.sync_free import sync_free
+from backend.models.layers.moe import Experts
+from backend.server.settings import build_settings
+from benchmarks.engine.cli import parser as bench_parser
+from benchmarks.engine.offline import engine_config
+from tests.backend.engine_faults import FaultInjector
+from tests.backend.engine_helpers import (
+    MODELS,
+    ModelShelf,
+    Result,
+    collect,
+    make_engine,
+    prompt_of,
+    request,
+    run_all,
+    vocab_of,
+)
+from tests.backend.engine_tiny_model import TinyPagedModel
+
+BUCKETS = (1, 2, 4, 8)
+NUM_PAGES = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> ModelShelf:
+    return ModelShelf(Path(tmp_path_factory.mktemp("graph_models")))
+
+
+def engines(model: object, **config: object) -> tuple[Engine, Engine]:
+    """(plain eager, eager over the decode graphs' static buffers) with the same settings."""
+    values = {"num_pages": NUM_PAGES, "max_num_seqs": 8, "cuda_graph_batch_sizes": BUCKETS} | config
+    return make_engine(model, **values), make_engine(model, graph_capture=eager_capture, **values)
+
+
+def batch_of(n: int, vocab: int) -> list:
+    # prompt lengths straddle page edges (page size 16), outputs cross into new pages
+    return [
+        request(f"r{i}", prompt_of(i, 5 + 7 * i, vocab), max_tokens=12, logprobs=True, top_logprobs=2)
+        for i in range(n)
+    ]
+
+
+def run_checking_padding(engine: Engine, requests: list) -> dict[str, Result]:
+    """`run_all`, asserting after every step that no row of the graphs' buffers (padding included)
+    was flagged by a tag check."""
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    results: dict[str, Result] = {}
+    for req in requests:
+        engine.add_request(req)
+    while engine.has_unfinished:
+        collect(results, engine.step())
+        assert not graphs.tag_mismatch.any()
+    return results
+
+
+@pytest.mark.parametrize(
+    ("model_name", "check_tags"), [(m, True) for m in MODELS] + [("tiny", False), ("glm4_moe", False)]
+)
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 5, 8])
+def test_graph_path_equals_eager(
+    models: ModelShelf, model_name: str, check_tags: bool, num_seqs: int
+) -> None:
+    model = models[model_name]
+    plain, graphed = engines(model, check_page_tags=check_tags)  # off: a stray padding write would land
+    want = run_all(plain, batch_of(num_seqs, vocab_of(model)))
+    got = run_checking_padding(graphed, batch_of(num_seqs, vocab_of(model)))
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.num_replays > 0
+    assert plain.runner.graphs is None
+    for rid, w in want.items():
+        g = got[rid]
+        assert (g.token_ids, g.finish_reason, g.error) == (w.token_ids, w.finish_reason, w.error), rid
+        torch.testing.assert_close(
+            [lp.logprob for lp in g.logprobs], [lp.logprob for lp in w.logprobs], atol=1e-4, rtol=1e-4
+        )
+    # padding rows wrote no real page: every page of the pool holds what the eager run wrote
+    assert graphed.runner.kv_cache.num_pages == NUM_PAGES + 1
+    for layer_p, layer_g in zip(plain.runner.kv_cache.layers, graphed.runner.kv_cache.layers, strict=True):
+        for name, cache in layer_p.items():
+            torch.testing.assert_close(layer_g[name][:NUM_PAGES], cache, atol=1e-5, rtol=1e-5)
+    assert graphed.stats.tag_check_aborts == 0
+
+
+def test_more_seqs_than_the_largest_bucket_run_eagerly() -> None:
+    plain, graphed = engines(TinyPagedModel(), max_num_seqs=8, cuda_graph_batch_sizes=(1, 2, 4))
+    want = run_all(plain, batch_of(6, 97))
+    got = run_all(graphed, batch_of(6, 97))
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    assert graphed.runner.graphs is not None
+    assert graphed.runner.graphs.bucket_for(5) is None and graphed.runner.graphs.bucket_for(3) == 4
+
+
+class Recorder:
+    """A forward that keeps a copy of every batch it is given (a stand-in model: logits = ids)."""
+
+    def __init__(self, vocab: int = 11) -> None:
+        self.vocab = vocab
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        fields = ("input_ids", "positions", "seq_lens", "slot_mapping", "page_table", "expected_tags")
+        self.seen.append({f: getattr(batch, f).clone() for f in fields})
+        return torch.nn.functional.one_hot(batch.input_ids % self.vocab, self.vocab).float()
+
+
+def graphs_over(
+    forward: Callable[[ForwardBatch], torch.Tensor], capture: Callable = eager_capture
+) -> DecodeGraphs:
+    kv = KVCache.allocate([[]], NUM_PAGES + 1, 4, dtype=torch.float32, model_dtype=torch.float32)
+    kv.page_tags[:NUM_PAGES] = torch.arange(1, NUM_PAGES + 1)  # every real page allocated once
+    return DecodeGraphs(forward, kv, batch_sizes=[4, 1, 2], max_pages=6, check_tags=True, capture=capture)
+
+
+def host_batch(
+    *,
+    input_ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    seq_lens: list[int],
+    page_ids: list[list[int]],
+    expected_tags: list[list[int]],
+) -> HostBatch:
+    """A pure-decode HostBatch from lists, its page tables padded as the runner pads them."""
+    B, width = len(seq_lens), max(len(p) for p in page_ids)
+    table = np.zeros((B, width), dtype=np.int32)
+    tags = np.full((B, width), -1, dtype=np.int64)
+    for b, (p, t) in enumerate(zip(page_ids, expected_tags, strict=True)):
+        table[b, : len(p)], tags[b, : len(t)] = p, t
+    i64 = np.int64
+    return HostBatch(
+        input_ids=np.array(input_ids, dtype=i64),
+        positions=np.array(positions, dtype=i64),
+        slots=np.array(slots, dtype=i64),
+        seq_index=np.arange(B),
+        query_start=np.arange(B + 1, dtype=np.int32),
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        logits_indices=np.arange(B),
+        page_table=table,
+        expected_tags=tags,
+        is_pure_decode=True,
+    )
+
+
+def test_padding_rows_point_at_the_scratch_page_only() -> None:
+    rec = Recorder()
+    graphs = graphs_over(rec)
+    assert rec.seen == []  # eager_capture runs a step only when it is replayed
+    host = host_batch(
+        input_ids=[7, 8, 9],
+        positions=[4, 0, 9],
+        slots=[3 * 4 + 0, 5 * 4 + 0, 9 * 4 + 1],
+        seq_lens=[5, 1, 10],
+        page_ids=[[2, 3], [5], [8, 1, 9]],
+        expected_tags=[[3, 4], [6], [9, 2, 10]],
+    )
+    logits, mismatch = graphs.run(host) or (None, None)
+    assert logits is not None and mismatch is not None
+    assert logits.argmax(-1).tolist() == [7, 8, 9] and mismatch.tolist() == [False] * 3
+    (s,) = rec.seen  # bucket 4
+    scratch = NUM_PAGES
+    assert graphs.scratch_page == scratch and graphs.kv_cache.page_tags[scratch] == SCRATCH_TAG
+    assert s["input_ids"].tolist() == [7, 8, 9, 0] and s["positions"].tolist() == [4, 0, 9, 0]
+    assert s["seq_lens"].tolist() == [5, 1, 10, 1]
+    assert s["slot_mapping"].tolist() == [12, 20, 37, scratch * 4]
+    assert s["page_table"][:, :3].tolist() == [
+        [2, 3, scratch],
+        [5, scratch, scratch],
+        [8, 1, 9],
+        [scratch] * 3,
+    ]
+    assert s["expected_tags"][3, 0] == SCRATCH_TAG and s["expected_tags"][2, :3].tolist() == [9, 2, 10]
+    assert s["page_table"].shape == (4, 6)  # the buffers' width, whatever this step's widest sequence
+    # a step whose widest sequence exceeds the buffers, or with too many sequences, runs eagerly
+    wide = host_batch(
+        input_ids=[1], positions=[29], slots=[0], seq_lens=[30], page_ids=[[0] * 7], expected_tags=[[1] * 7]
+    )
+    assert graphs.run(wide) is None
+    many = host_batch(
+        input_ids=[1] * 5,
+        positions=[0] * 5,
+        slots=[0] * 5,
+        seq_lens=[1] * 5,
+        page_ids=[[0]] * 5,
+        expected_tags=[[1]] * 5,
+    )
+    assert graphs.run(many) is None
+
+
+def refuse(step: Callable[[], torch.Tensor]) -> Replay:
+    raise RuntimeError("a host sync while capturing")
+
+
+def test_a_capture_that_fails_leaves_every_step_eager(caplog: pytest.LogCaptureFixture) -> None:
+    graphs = graphs_over(Recorder(), capture=refuse)
+    assert not graphs.is_enabled and graphs.bucket_for(1) is None
+    assert graphs.disabled_reason == "RuntimeError: a host sync while capturing"
+    plain = make_engine(TinyPagedModel(), num_pages=NUM_PAGES, max_num_seqs=8)
+    with caplog.at_level(logging.WARNING, logger="kumo.engine"):
+        graphed = make_engine(TinyPagedModel(), num_pages=NUM_PAGES, max_num_seqs=8, graph_capture=refuse)
+    assert "decode steps run eagerly, not from CUDA graphs: RuntimeError: a host sync" in caplog.text
+    want, got = run_all(plain, batch_of(3, 97)), run_all(graphed, batch_of(3, 97))
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.num_replays == 0
+
+
+def test_graph_switches() -> None:
+    assert EngineConfig.build().cuda_graphs and EngineConfig.build(max_num_seqs=64).graph_batch_sizes() == [
+        1, 2, 4, 8, 16, 32, 48, 64,
+    ]  # fmt: skip
+    assert EngineConfig.build(max_num_seqs=3).graph_batch_sizes() == [1, 2, 3]
+    assert EngineConfig.build(max_num_seqs=8, cuda_graph_batch_sizes=(4, 1, 16)).graph_batch_sizes() == [1, 4]
+    # the CPU never captures, whatever the switch says
+    assert make_engine(TinyPagedModel(), cuda_graphs=True).runner.graphs is None
+    argv = ["--model", "m", "--port", "1", "--secret", "s" * 8]
+    assert build_settings(argv).cuda_graphs and not build_settings([*argv, "--no-cuda-graphs"]).cuda_graphs
+    assert bench_parser().parse_args(["variant"]).cuda_graphs
+    assert not bench_parser().parse_args(["variant", "--no-cuda-graphs"]).cuda_graphs
+    assert not engine_config(8, 16, "bf16", 1, 64, cuda_graphs=False).cuda_graphs
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "deepseek_v3"])
+def test_a_tag_fault_mid_decode_is_caught_on_the_graph_path(models: ModelShelf, model_name: str) -> None:
+    model = models[model_name]
+    plain, graphed = engines(model)
+    clean = run_all(plain, batch_of(3, vocab_of(model)))
+    injector = FaultInjector(graphed)
+    results: dict[str, Result] = {}
+    for req in batch_of(3, vocab_of(model)):
+        graphed.add_request(req)
+    while graphed.has_unfinished:
+        if not injector.log and len(results.get("r1", Result()).token_ids) == 4:
+            injector.reassign_live_page("r1", "r2")  # r1's first page now belongs to r2
+            replays = graphed.runner.graphs.num_replays  # type: ignore[union-attr]
+        collect(results, graphed.step())
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.num_replays > replays
+    assert results["r1"].error is not None and results["r1"].error.code == "integrity_abort"
+    assert results["r1"].finish_reason == "abort" and results["r1"].token_ids == clean["r1"].token_ids[:4]
+    assert results["r0"].token_ids == clean["r0"].token_ids
+    assert graphed.stats.tag_check_aborts == 1
+
+
+def test_every_expert_path_equals_the_loop(models: ModelShelf) -> None:
+    experts = next(m for m in models["deepseek_v3"].model.modules() if isinstance(m, Experts))
+    E, H = experts.e1 - experts.e0, experts.gate_up_proj.shape[2]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, H, generator=g)
+    ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])  # >= E: another rank's
+    weights = torch.rand(5, 2, generator=g)
+    want = experts(x, weights, ids)
+    with sync_free():
+        got = experts(x, weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got[2].abs().max() == 0 and want[0].abs().max() > 0

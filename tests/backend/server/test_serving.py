@@ -1,0 +1,407 @@
+"""The serving layer between engine and wire: events from scripted engine outputs, settings, and the
+faults a real engine cannot be made to produce on demand (a crash mid-stream, a busy refusal)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from starlette.applications import Starlette
+
+from backend.errors import Busy
+from backend.server.app import Backend, create_app
+from backend.server.app import main as server_main
+from backend.server.generation import Serving
+from backend.server.metrics import BackendMetrics
+from backend.server.model_card import TOOL_MARKERS, ServedModel
+from backend.server.settings import build_settings
+from backend.text.output_processor import OutputProcessor, StopMatcher
+from backend.text.reasoning import ReasoningParser, ThinkMarkers
+from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import parser_for
+from schemas.backend import (
+    EngineOutput,
+    EngineRequest,
+    Error,
+    ErrorBody,
+    Event,
+    Finish,
+    LoadReport,
+    ModelCard,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    Tool,
+    ToolCallDelta,
+    Usage,
+)
+from tests.backend.server_checkpoints import SECRET, TENANT
+from tests.backend.server_tokenizers import load, ordinary_ids, tokenizer_dir
+
+
+def _outputs(chunks: list[list[int]], reason: str = "stop") -> list[EngineOutput]:
+    outs = [
+        EngineOutput(request_id="r", token_ids=c, num_prompt_tokens=5, num_output_tokens=i + 1)
+        for i, c in enumerate(chunks)
+    ]
+    outs[-1].finish_reason = reason  # type: ignore[assignment]
+    return outs
+
+
+def _processor(
+    tok: Tokenizer, family: str, *, stops: list[str] = (), tools: list[Tool] | None = None, prompt: str = ""
+) -> OutputProcessor:
+    think = ThinkMarkers.of(tok)
+    assert think is not None
+    parser = parser_for(family, tok, tools) if tools else None
+    kept = {think.start_id, think.end_id}
+    if parser is not None:
+        kept |= {i for i in (tok.token_to_id(m) for m in TOOL_MARKERS) if i is not None}
+    return OutputProcessor(
+        tok,
+        reasoning=ReasoningParser(think, prompt_token_ids=tok.encode(prompt), enabled=True),
+        tools=parser,
+        stops=list(stops),
+        skip_ids=tok.special_ids - kept,
+    )
+
+
+def _run(processor: OutputProcessor, outputs: list[EngineOutput]) -> list[Event]:
+    events: list[Event] = []
+    for out in outputs:
+        events += processor.process(out)
+        if processor.is_stopped:
+            break
+    return events
+
+
+def test_stop_matcher_holds_back_a_possible_stop() -> None:
+    matcher = StopMatcher(["world", "xyz"])
+    assert matcher.push("Hello wo") == ("Hello ", False)  # "wo" may begin "world": it waits
+    assert matcher.push("rld and more") == ("", True)
+    assert StopMatcher(["world"]).push("Hello wx") == ("Hello wx", False)
+    other = StopMatcher(["##"])
+    assert other.push("a#") == ("a", False) and other.push("b") == ("#b", False) and other.flush() == ""
+
+
+def test_stop_string_split_across_outputs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tok = load(tmp_path_factory, "glm")
+    ids = ordinary_ids(tok, "The quick brown fox jumps")
+    events = _run(_processor(tok, "glm", stops=["brown f"]), _outputs([[i] for i in ids], "length"))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "The quick "
+    assert isinstance(events[-1], Finish) and events[-1].reason == "stop"
+
+
+def test_reasoning_text_and_tool_call_in_one_answer(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tok = load(tmp_path_factory, "glm")
+    tools = [Tool(name="search", parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+    ids = (
+        tok.encode("<think>")
+        + ordinary_ids(tok, "plan 🙂")
+        + tok.encode("</think>")
+        + ordinary_ids(tok, "Sure.")
+        + tok.encode("<tool_call>")
+        + ordinary_ids(tok, "search\n")
+        + tok.encode("<arg_key>")
+        + ordinary_ids(tok, "q")
+        + tok.encode("</arg_key><arg_value>")
+        + ordinary_ids(tok, "café")
+        + tok.encode("</arg_value></tool_call>")
+        + tok.encode("<|observation|>")
+    )
+    events = _run(_processor(tok, "glm", tools=tools), _outputs([[i] for i in ids]))
+    assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == "plan 🙂"
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Sure."
+    calls = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [(0, "search", {"q": "café"})]
+    assert isinstance(events[-2], Usage) and events[-2].prompt_tokens == 5
+    assert events[-1] == Finish(reason="tool_calls")
+
+
+def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    hello = ordinary_ids(tok, "Hi")
+    out = EngineOutput(
+        request_id="r",
+        token_ids=hello + tok.encode("<|im_end|>"),
+        finish_reason="stop",
+        logprobs=[TokenLogprob(token="", token_id=hello[0], logprob=-0.5)],
+    )
+    events = _processor(tok, "kimi").process(out)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hi"
+    logprobs = next(e.logprobs for e in events if isinstance(e, TextDelta) and e.logprobs)
+    assert logprobs[0].token == tok.decode(hello[:1])
+
+
+def test_engine_error_becomes_an_error_event(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tok = load(tmp_path_factory, "glm")
+    out = EngineOutput(
+        request_id="r",
+        finish_reason="abort",
+        num_prompt_tokens=5,
+        error=Error(code="integrity_abort", message="tag mismatch", status=500),
+    )
+    events = _processor(tok, "glm").process(out)
+    assert isinstance(events[-2], Usage) and events[-1] == Error(
+        code="integrity_abort", message="tag mismatch", status=500
+    )
+
+
+def test_settings(tmp_path: Path) -> None:
+    env = {"KUMO_BACKEND_SECRET": "from-the-environment"}
+    settings = build_settings(["--model", str(tmp_path), "--port", "9000", "--kv-dtype", "fp8"], env)
+    assert (settings.secret, settings.host, settings.engine_kv_dtype) == (
+        "from-the-environment",
+        "127.0.0.1",
+        "float8_e4m3fn",
+    )
+    assert (
+        build_settings(["--model", "m", "--port", "1", "--secret", "from-the-flag-0"], env).secret
+        == "from-the-flag-0"
+    )
+    for argv in (
+        ["--model", "m", "--port", "1"],
+        ["--model", "m", "--port", "99999", "--secret", "long-enough"],
+    ):
+        with pytest.raises(SystemExit):
+            build_settings(argv, {})
+
+
+class ScriptedEngine:
+    """Stands in for the engine where a real one cannot be made to fail on demand."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.num_closed = tok, 0
+
+    async def generate(self, request: EngineRequest, **_: object) -> AsyncIterator[EngineOutput]:
+        prompt = self.tok.decode(request.prompt_token_ids)
+        if "busy" in prompt:
+            raise Busy("no room this step")
+        try:
+            if "hang" in prompt:  # a prefill that takes longer than the client waits
+                await asyncio.Event().wait()
+            yield EngineOutput(request_id=request.request_id, token_ids=ordinary_ids(self.tok, "partial"))
+            if "crash" in prompt:
+                raise RuntimeError("boom")
+            yield EngineOutput(
+                request_id=request.request_id,
+                token_ids=ordinary_ids(self.tok, " ok"),
+                finish_reason="stop",
+                num_output_tokens=2,
+            )
+        finally:
+            self.num_closed += 1
+
+    def abort(self, request_id: str) -> None:
+        raise AssertionError("serving aborts by closing the stream")
+
+    def load(self) -> LoadReport:
+        return LoadReport(waiting=0, running=0, free_pages=1, total_pages=1)
+
+
+@pytest.fixture
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Starlette, ScriptedEngine]:
+    folder = tmp_path_factory.mktemp(
+        "scripted"
+    )  # a checkpoint folder of its own: tokenizer + config, no weights
+    shutil.copytree(tokenizer_dir(tmp_path_factory, "glm"), folder, dirs_exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], **_GLM_CONFIG}))
+    served = ServedModel.from_checkpoint(folder)
+    engine = ScriptedEngine(served.tokenizer)
+    card = ModelCard(
+        name="m",
+        architecture="Glm4MoeForCausalLM",
+        family="glm",
+        weights="float32",
+        kv_dtype="float32",
+        context_window=1024,
+        page_size=16,
+        num_pages=1,
+    )
+    backend = Backend(
+        serving=Serving(served, engine),
+        card=card,
+        secret=SECRET,
+        metrics=BackendMetrics(lambda: _NO_STATS, engine.load),
+    )  # type: ignore[arg-type]
+    return create_app(backend), engine
+
+
+async def test_faults_stay_with_their_request(scripted: tuple[Starlette, ScriptedEngine]) -> None:
+    app, _ = scripted
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://b") as client:
+        headers = {"authorization": f"Bearer {SECRET}"}
+
+        async def send(text: str) -> httpx.Response:
+            return await client.post(
+                "/v1/generate",
+                headers=headers,
+                json={
+                    "request_id": text,
+                    "tenant_salt": TENANT,
+                    "messages": [{"role": "user", "content": text}],
+                    "reasoning": {"enabled": False},
+                },
+            )
+
+        busy = await send("busy")
+        assert (
+            busy.status_code == 429 and msgspec.json.decode(busy.content, type=ErrorBody).error.code == "busy"
+        )
+        crash = await send("crash")
+        events = [msgspec.json.decode(line, type=Event) for line in crash.text.splitlines()]
+        assert events[0] == TextDelta(text="partial")
+        assert isinstance(events[-1], Error) and events[-1].code == "internal"
+        fine = await send("fine")
+        assert (
+            "".join(
+                e.text
+                for e in (msgspec.json.decode(x, type=Event) for x in fine.text.splitlines())
+                if isinstance(e, TextDelta)
+            )
+            == "partial ok"
+        )
+
+
+async def test_client_gone_during_prefill_aborts(scripted: tuple[Starlette, ScriptedEngine]) -> None:
+    """The client leaves before the first token: the engine stream is closed (the request aborted) then,
+    not when that token would have been sent."""
+    app, engine = scripted
+    payload = json.dumps(
+        {
+            "request_id": "h",
+            "tenant_salt": TENANT,
+            "reasoning": {"enabled": False},
+            "messages": [{"role": "user", "content": "hang"}],
+        }
+    ).encode()
+    inbox: list[dict[str, object]] = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.sleep(0.2)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/generate",
+        "raw_path": b"/v1/generate",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {SECRET}".encode()), (b"content-type", b"application/json")],
+        "server": ("backend", 80),
+        "client": ("gateway", 1),
+    }
+    await asyncio.wait_for(app(scope, receive, send), timeout=5)
+    assert engine.num_closed == 1
+    assert sent[0]["status"] == 499
+
+
+class _Stats:
+    steps = generated_tokens = tag_check_aborts = aborts = preemptions = prefix_hits = prefix_misses = 0
+    cached_tokens = 0
+    total_step_s = last_step_s = 0.0
+
+
+_NO_STATS = _Stats()
+_GLM_CONFIG = {
+    "model_type": "glm4_moe",
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+def test_unservable_checkpoint_exits_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert server_main(["--model", str(tmp_path / "nope"), "--port", "1", "--secret", SECRET]) == 1
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_events_do_not_depend_on_how_tokens_are_batched(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Whatever the engine's step sizes, the same answer, reasoning, calls and finish come out."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    tools = [Tool(name="search", parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+    pieces = [
+        "<think>",
+        "</think>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "functions.search:0",
+        "<|tool_call_argument_begin|>",
+        '{"q": "é"}',
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+        "Hi 🙂 ",
+        "STOP",
+        "你好",
+        "<|im_end|>",
+    ]
+    rng = random.Random(3)
+    for _ in range(60):
+        ids: list[int] = []
+        for _ in range(rng.randint(1, 12)):
+            piece = rng.choice(pieces)
+            ids += tok.encode(piece) if piece.startswith("<") else ordinary_ids(tok, piece)
+        summaries = []
+        for chunk in (1, 2, len(ids)):
+            events = _run(
+                _processor(tok, "kimi", stops=["STOP"], tools=tools),
+                _outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)]),
+            )
+            summaries.append(
+                (
+                    "".join(e.text for e in events if isinstance(e, TextDelta)),
+                    "".join(e.text for e in events if isinstance(e, ReasoningDelta)),
+                    [(e.index, e.name, e.arguments) for e in events if isinstance(e, ToolCallDelta)],
+                    events[-1],
+                )
+            )
+        assert summaries[0] == summaries[1] == summaries[2]
+        assert "STOP" not in summaries[0][0]
+
+
+def test_prompt_logprobs_reach_usage_when_the_answer_has_many_tokens(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The engine hands prompt log-probs over with the first token only; usage comes with the last."""
+    tok = load(tmp_path_factory, "glm")
+    ids = ordinary_ids(tok, "The quick brown")
+    scored = [None, TokenLogprob(token="", token_id=ids[0], logprob=-1.5)]
+    outputs = _outputs([[i] for i in ids], "length")
+    outputs[0].prompt_logprobs = scored
+    events = _run(_processor(tok, "glm"), outputs)
+    usage = next(e for e in events if isinstance(e, Usage))
+    assert usage.prompt_logprobs == scored

@@ -1,0 +1,343 @@
+"""Constrained decoding: whatever the logits, the output parses and validates against the schema,
+and forced tool calls come out in the family's syntax that its parser reads back."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import msgspec
+import pytest
+import torch
+
+from backend.errors import InvalidRequest
+from backend.server.model_card import TOOL_MARKERS
+from backend.text.structured import GrammarConstraint, build_constraint, grammar_for
+from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import ParsedCall, parser_for
+from schemas.backend import (
+    GenerateRequest,
+    Message,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolCallFunction,
+    ToolChoice,
+)
+from tests.backend.server_tokenizers import load
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+class Person(msgspec.Struct, forbid_unknown_fields=True):
+    """An independent statement of SCHEMA, checked by msgspec."""
+
+    name: Annotated[str, msgspec.Meta(max_length=6)]
+    age: Annotated[int, msgspec.Meta(ge=0, le=120)]
+    tags: Annotated[list[Literal["a", "b"]], msgspec.Meta(max_length=3)]
+    ok: bool
+
+
+WEATHER = Tool(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+
+
+def _request(**kwargs: object) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="r", tenant_salt="0" * 16, messages=[Message(role="user", content="hi")], **kwargs
+    )  # type: ignore[arg-type]
+
+
+def _markers(tok: Tokenizer) -> dict[str, int | None]:
+    return {n: tok.token_to_id(n) for n in TOOL_MARKERS}
+
+
+_MARKER_IDS: dict[str, int | None] = {n: 1000 + i for i, n in enumerate(TOOL_MARKERS)}  # grammar text only
+
+
+def _walk(constraint: GrammarConstraint, vocab: int, eos: int, seed: int, max_steps: int = 400) -> list[int]:
+    """Sample from random logits under the mask until the constraint finishes (a random-weights model)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    for _ in range(max_steps):
+        mask = constraint.allowed_tokens(vocab)
+        assert mask is not None and mask.any()
+        logits = torch.randn(vocab, generator=gen).masked_fill(~mask, float("-inf"))
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        constraint.accept(token)
+        if token == eos:
+            break
+        out.append(token)
+        if constraint.is_finished():
+            break
+    assert constraint.is_finished() and constraint.error is None
+    return out
+
+
+@pytest.mark.parametrize("layout", ["kimi-tiktoken", "glm"])
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_output_validates(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, seed: int
+) -> None:
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    vocab = tok.vocab_size + 13  # model embeddings are often padded past the tokenizer
+    grammar = grammar_for(
+        _request(response_format=ResponseFormat(type="json_schema", json_schema=SCHEMA)), "kimi", {}
+    )
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(vocab, [eos])), vocab, eos, seed)
+    msgspec.json.decode(tok.decode(ids), type=Person)
+
+
+def test_json_object_mode_yields_an_object(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tok = load(tmp_path_factory, "glm")
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    grammar = grammar_for(_request(response_format=ResponseFormat(type="json_object")), "glm", {})
+    assert grammar is not None
+    constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
+    mask = constraint.allowed_tokens(tok.vocab_size)
+    assert mask is not None
+    allowed_text = {tok.decode([int(i)]) for i in mask.nonzero().flatten()}
+    assert allowed_text and all(t.lstrip().startswith("{") for t in allowed_text)
+    for token in tok.encode('{"a":[1,{"b":null}]}'):  # compact: the grammar fixes the separators
+        constraint.accept(token)
+    assert constraint.error is None
+    constraint.accept(eos)
+    assert constraint.is_finished() and constraint.error is None
+
+
+@pytest.mark.parametrize("schema", [{"type": "strnig"}, {"$ref": "#/definitions/missing"}])
+def test_uncompilable_schema_is_a_400(
+    tmp_path_factory: pytest.TempPathFactory, schema: dict[str, object]
+) -> None:
+    tok = load(tmp_path_factory, "glm")
+    with pytest.raises(InvalidRequest) as info:
+        grammar = grammar_for(
+            _request(response_format=ResponseFormat(type="json_schema", json_schema=schema)), "glm", {}
+        )
+        assert grammar is not None
+        build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]))
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+@pytest.mark.parametrize("seed", range(3))
+def test_forced_tool_call_parses_back(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str, seed: int
+) -> None:
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    other = Tool(name="other", parameters={"type": "object", "properties": {}})
+    request = _request(tools=[other, WEATHER], tool_choice=ToolChoice(mode="function", name="get_weather"))
+    grammar = grammar_for(request, family, _markers(tok))
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed)
+    parser = parser_for(family, tok, [other, WEATHER])
+    assert parser is not None
+    pieces = parser.feed(ids) + parser.finish()
+    calls = [p for p in pieces if isinstance(p, ParsedCall)]
+    assert len(calls) == 1, pieces
+    assert calls[0].name == "get_weather"
+    arguments = json.loads(calls[0].arguments)
+    assert set(arguments) == {"city", "days"} and isinstance(arguments["city"], str)
+    assert 1 <= arguments["days"] <= 9
+    if family == "kimi":
+        assert calls[0].id == "functions.get_weather:0"
+
+
+CURRENCY = Tool(
+    name="convert_currency",
+    parameters={
+        "type": "object",
+        "properties": {
+            "amount": {"type": "number"},
+            "from": {"type": "string", "enum": ["USD", "EUR", "GBP"]},
+            "to": {"type": "string", "const": "JPY"},
+        },
+        "required": ["amount", "from", "to"],
+        "additionalProperties": False,
+    },
+)
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_forced_call_keeps_string_arguments_to_their_enum(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str, seed: int
+) -> None:
+    """A string argument with an `enum` or `const` gets one of those values whatever the logits (GLM writes
+    strings raw: its grammar once let any line through, and the trained nano GLM wrote `to: 481`)."""
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    grammar = grammar_for(
+        _request(tools=[CURRENCY], tool_choice=ToolChoice(mode="required")), family, _markers(tok)
+    )
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed)
+    parser = parser_for(family, tok, [CURRENCY])
+    assert parser is not None
+    calls = [p for p in parser.feed(ids) + parser.finish() if isinstance(p, ParsedCall)]
+    assert calls
+    for call in calls:
+        arguments = json.loads(call.arguments)
+        assert arguments["from"] in ("USD", "EUR", "GBP") and arguments["to"] == "JPY", arguments
+
+
+@pytest.mark.parametrize("enum", [[], [1, 2], ["a\nb"]])
+def test_a_string_enum_glm_cannot_write_is_a_400(enum: list[object]) -> None:
+    tool = Tool(
+        name="pick", parameters={"type": "object", "properties": {"x": {"type": "string", "enum": enum}}}
+    )
+    with pytest.raises(InvalidRequest, match="pick") as info:
+        grammar_for(_request(tools=[tool], tool_choice=ToolChoice(mode="required")), "glm", _MARKER_IDS)
+    assert info.value.status == 400
+
+
+def test_forcing_an_unknown_tool_is_a_400() -> None:
+    with pytest.raises(InvalidRequest):
+        grammar_for(
+            _request(tools=[WEATHER], tool_choice=ToolChoice(mode="function", name="nope")), "kimi", {}
+        )
+    with pytest.raises(InvalidRequest):
+        grammar_for(_request(tool_choice=ToolChoice(mode="required")), "kimi", {})
+
+
+@pytest.mark.parametrize(
+    ("parameters", "words"),
+    [
+        ({"type": "object", "properties": ["city"]}, "properties"),
+        ({"type": "object", "properties": {"city": "a string"}}, "properties"),
+        ({"type": "object", "properties": {}, "required": "city"}, "required"),
+        ({"type": "object", "properties": {"city": {"type": "string", "maxLength": "12"}}}, "maxLength"),
+    ],
+)
+def test_a_malformed_tool_schema_in_a_forced_call_is_a_400_naming_the_tool(
+    parameters: dict[str, object], words: str
+) -> None:
+    tool = Tool(name="get_weather", parameters=parameters)
+    for family in ("glm", "kimi"):
+        request = _request(tools=[tool], tool_choice=ToolChoice(mode="required"))
+        with pytest.raises(InvalidRequest, match=words) as info:
+            grammar = grammar_for(request, family, _MARKER_IDS)
+            assert grammar is not None  # kimi hands the schema to llguidance, which must refuse it too
+            raise AssertionError(f"{family} accepted {parameters}")
+        assert info.value.status == 400 and "get_weather" in info.value.message
+
+
+def test_a_boolean_property_schema_is_valid_in_a_forced_glm_call() -> None:
+    tool = Tool(name="echo", parameters={"type": "object", "properties": {"x": True}, "required": ["x"]})
+    assert grammar_for(_request(tools=[tool], tool_choice=ToolChoice(mode="required")), "glm", _MARKER_IDS)
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+def test_required_allows_parallel_calls_numbered_on(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    """`required` with parallel calls: 1..4 calls of any tool, Kimi ids continuing the history's count."""
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    note = Tool(
+        name="note",
+        parameters={
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "additionalProperties": False,
+        },
+    )
+    history = [
+        Message(role="user", content="hi"),
+        Message(
+            role="assistant",
+            tool_calls=[
+                ToolCall(id="functions.note:0", function=ToolCallFunction(name="note", arguments="{}"))
+            ],
+        ),
+        Message(role="tool", tool_call_id="functions.note:0", content="ok"),
+    ]
+    request = GenerateRequest(
+        request_id="r",
+        tenant_salt="0" * 16,
+        messages=history,
+        tools=[WEATHER, note],
+        tool_choice=ToolChoice(mode="required"),
+    )
+    grammar = grammar_for(request, family, _markers(tok))
+    assert grammar is not None
+    counts = set()
+    for seed in range(6):
+        ids = _walk(
+            build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed
+        )
+        parser = parser_for(family, tok, [WEATHER, note])
+        assert parser is not None
+        pieces = parser.feed(ids) + parser.finish()
+        calls = [p for p in pieces if isinstance(p, ParsedCall)]
+        assert 1 <= len(calls) <= 4 and len(calls) == len(pieces), pieces
+        assert all(c.name in ("get_weather", "note") for c in calls)
+        if family == "kimi":
+            assert [c.id.rsplit(":", 1)[1] for c in calls] == [str(1 + k) for k in range(len(calls))]
+        counts.add(len(calls))
+    assert max(counts) > 1  # random logits do use the room for more than one call
+
+
+def test_forced_kimi_call_cannot_be_padded_with_whitespace_forever(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A sampler that always prefers whitespace still reaches the end of the call: the arguments'
+    JSON is compact, so a bounded string argument bounds the whole call."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    tool = Tool(
+        name="get_weather",
+        parameters={
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+        },
+    )
+    request = GenerateRequest(
+        request_id="ws",
+        tenant_salt="ab" * 8,
+        messages=[Message(role="user", content="hi")],
+        tools=[tool],
+        tool_choice=ToolChoice(mode="function", name="get_weather"),
+    )
+    ids = {m: tok.token_to_id(m) for m in TOOL_MARKERS}
+    n = tok.vocab_size
+    constraint = build_constraint(
+        grammar_for(request, "kimi", ids), tok.ll_tokenizer(n, [tok.token_to_id("[EOS]")])
+    )
+    whitespace = [i for i in range(n) if tok.decode([i]).isspace()]
+    assert whitespace
+    for _ in range(200):
+        if constraint.is_finished():
+            break
+        mask = constraint.allowed_tokens(n)
+        pick = next((w for w in whitespace if mask[w]), int(mask.nonzero()[-1]))
+        constraint.accept(pick)
+    assert constraint.is_finished()

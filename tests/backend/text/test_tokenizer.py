@@ -1,0 +1,108 @@
+"""Tokenizers load from both on-disk formats, keep special tokens whole, and agree with references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tiktoken.load
+from transformers import PreTrainedTokenizerFast
+
+from backend.errors import CheckpointError
+from backend.text.tokenizer import TiktokenTokenizer, load_tokenizer
+from backend.text.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, _byte_decoder
+from tests.backend.server_tokenizers import load, tokenizer_dir
+
+TEXTS = [
+    "Hello, world! It's 2026 and we're testing.",
+    "你好，世界。今天天气很好。",
+    "Emoji 🙂🚀 and accents café naïve — µ ß",
+    '{"city": "Paris", "days": [1, 2, 3]}\n\n    def f(x):\n        return x',
+]
+
+
+@pytest.mark.parametrize("layout", ["kimi-tiktoken", "kimi-json", "glm"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tmp_path_factory: pytest.TempPathFactory, layout: str, text: str) -> None:
+    tok = load(tmp_path_factory, layout)
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert not set(ids) & tok.special_ids
+
+
+@pytest.mark.parametrize("layout", ["kimi-tiktoken", "kimi-json", "glm"])
+def test_special_tokens_are_single_ids(tmp_path_factory: pytest.TempPathFactory, layout: str) -> None:
+    tok = load(tmp_path_factory, layout)
+    specials = KIMI_SPECIAL_TOKENS if layout.startswith("kimi") else GLM_SPECIAL_TOKENS
+    for spelling in specials:
+        token_id = tok.token_to_id(spelling)
+        assert token_id is not None and token_id in tok.special_ids
+        assert token_id in tok.encode(f"a {spelling} b")
+        plain = tok.encode(spelling, allow_special=False)
+        assert token_id not in plain and tok.decode(plain) == spelling
+    # specials sit after the BPE vocabulary, as in the published checkpoints
+    assert min(tok.special_ids) >= tok.vocab_size - len(specials) - 1
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_json_layout_matches_transformers(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
+    folder = tokenizer_dir(tmp_path_factory, "glm")
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    ours = load_tokenizer(folder)
+    spelled = text + "<|user|><think>x</think>"
+    assert ours.encode(spelled) == reference.encode(spelled, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tiktoken_layout_splits_like_the_bpe_it_came_from(
+    tmp_path_factory: pytest.TempPathFactory, text: str
+) -> None:
+    """The tiktoken file holds the same merges as the tokenizer.json BPE, under Kimi's split pattern
+    in both: the token byte strings must be identical."""
+    tik = load(tmp_path_factory, "kimi-tiktoken")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_dir(tmp_path_factory, "kimi-json") / "tokenizer.json")
+    )
+    byte_of = _byte_decoder()
+    assert isinstance(tik, TiktokenTokenizer)
+    tik_pieces = [tik._enc.decode_single_token_bytes(i) for i in tik.encode(text)]
+    hf_pieces = [
+        bytes(byte_of[c] for c in t)
+        for t in hf.convert_ids_to_tokens(hf.encode(text, add_special_tokens=False))
+    ]
+    assert tik_pieces == hf_pieces
+
+
+def test_tiktoken_without_declared_pattern_uses_kimis(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Published Kimi configs declare specials but keep the pattern in code: the loader must still load
+    them, with Kimi's pattern, and reserve the undeclared ids."""
+    src = tokenizer_dir(tmp_path_factory, "kimi-tiktoken")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    del config["pat_str"]
+    config["num_reserved_special_tokens"] = 32
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tiktoken.model").write_bytes((src / "tiktoken.model").read_bytes())
+    tok = load_tokenizer(tmp_path)
+    base = len(tiktoken.load.load_tiktoken_bpe(str(src / "tiktoken.model")))
+    assert tok.vocab_size == base + 32
+    assert tok.token_to_id("<|im_end|>") == load(tmp_path_factory, "kimi-tiktoken").token_to_id("<|im_end|>")
+    assert tok.token_to_id("<|reserved_token_31|>") == base + 31
+    for text in TEXTS:
+        assert tok.encode(text) == load(tmp_path_factory, "kimi-tiktoken").encode(text)
+
+
+def test_missing_tokenizer_is_a_checkpoint_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError):
+        load_tokenizer(tmp_path)
+
+
+def test_llguidance_view_agrees(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for layout in ("kimi-tiktoken", "glm"):
+        tok = load(tmp_path_factory, layout)
+        ll = tok.ll_tokenizer(tok.vocab_size + 7, [max(tok.special_ids)])
+        assert ll.vocab_size == tok.vocab_size + 7
+        ids = tok.encode(TEXTS[2])
+        assert ll.decode_str(ids) == TEXTS[2]
