@@ -1,7 +1,7 @@
 """GPU diagnosis of the GQA prefill kernel (2026-12-02): per-sequence and even/odd-column errors of every
 PREFILL_TILES entry, SPLIT_V on and off, one and two splits, on a clean batch, a bumped tag and a NaN page; each
 case in its own process with CUDA_LAUNCH_BLOCKING=1 (an illegal address kills the context). Log:
-`results/2026-12-02-gqa-prefill-splitv-diag.log`. Usage (device): `python3 benchmarks/kernels/gqa_prefill_diag.py`."""
+`lab/results/2026-12-02-gqa-prefill-splitv-diag.log`. Usage (device): `python3 lab/diagnostics/gqa_prefill_diag.py`."""
 
 import dataclasses
 import json

@@ -3,7 +3,7 @@
 # DSA indexer, every tile-table entry, with interleaved A/B tag-check rows (the benchmarks' --quick),
 # then the gpu tests of the three kernels. Compiles run first, in parallel (warm_gqa). JSON and logs go
 # to $OUT; each benchmark writes its record after every case, so a timeout keeps what ran.
-# Usage (device tool, `.whl` carried for pytest-asyncio): bash benchmarks/kernels/gqa_quick.sh
+# Usage (device tool, `.whl` carried for pytest-asyncio): bash lab/device/gqa_quick.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Score both nano models on their held-out test sets with `kumo eval` in one device call (issue 7):
-#   run(command="bash models/recipes/eval_on_device.sh", carry=[".whl"])
+#   run(command="bash lab/device/eval_models.sh", carry=[".whl"])
 # Needs models/kimi-k2.6-nano and models/glm-5.2-nano in the tree, and in .whl/ the msgspec and
 # llguidance wheels (cp312, manylinux; the image has neither; llguidance is only imported). Three
 # variants each: FP8-channel weights first (issue 7's goal compares INT4 + FP8 KV with FP8, and the paired
@@ -10,9 +10,9 @@
 # $OUT/gpu-vs-cpu-<model>.json, the tables as $OUT/eval-<model>.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-MODELS=${MODELS_DIR:-models}  # benchmarks/device_plan.sh: the last training call's folders on a warm machine
+MODELS=${MODELS_DIR:-models}  # lab/device/device_plan.sh: the last training call's folders on a warm machine
 mkdir -p "$OUT"
-SITE=${SITE:-/tmp/site}  # benchmarks/device_plan.sh gpu-checks: its own, beside the checks' /tmp/site
+SITE=${SITE:-/tmp/site}  # lab/device/device_plan.sh gpu-checks: its own, beside the checks' /tmp/site
 rm -rf "$SITE"; python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/msgspec-*.whl \
     .whl/llguidance-*.whl 2>&1 | tail -2
 export PYTHONPATH=$SITE:. PYTHONUNBUFFERED=1

@@ -6,23 +6,23 @@
 # typing-inspection 0.4.5, loguru 0.7.3 — a missing one stops pytest's collection of every test; never
 # huggingface_hub 2.x, which needs httpx2, absent on the image):
 #
-#   run(command="bash benchmarks/device_plan.sh train",  carry=[".whl"])            # ~9.5 min
+#   run(command="bash lab/device/device_plan.sh train",  carry=[".whl"])            # ~9.5 min
 #   (untar the two checkpoints into models/)
-#   run(command="bash benchmarks/device_plan.sh train-continue", carry=[".whl"])   # ~7 min
+#   run(command="bash lab/device/device_plan.sh train-continue", carry=[".whl"])   # ~7 min
 #   (untar again, commit if better)
-#   run(command="bash benchmarks/device_plan.sh eval",   carry=[".whl"])            # ~6 min
-#   run(command="bash benchmarks/device_plan.sh sweeps", carry=[".whl"])            # ~8 min, when there is time
-#   run(command="bash benchmarks/device_plan.sh bench",  carry=[".whl"])            # ~8 min: the transformers
+#   run(command="bash lab/device/device_plan.sh eval",   carry=[".whl"])            # ~6 min
+#   run(command="bash lab/device/device_plan.sh sweeps", carry=[".whl"])            # ~8 min, when there is time
+#   run(command="bash lab/device/device_plan.sh bench",  carry=[".whl"])            # ~8 min: the transformers
 #                                                        peer at 3 layers, then the MLA decode sweep
-#   run(command="bash benchmarks/device_plan.sh tagcheck", carry=[".whl"])          # ~3.5 min (at most 4.8):
+#   run(command="bash lab/device/device_plan.sh tagcheck", carry=[".whl"])          # ~3.5 min (at most 4.8):
 #                                                        every tag-check row of kernels-h200.json again
-#   run(command="TAGCHECK_ONLY=dsa,mla bash benchmarks/device_plan.sh tagcheck", carry=[".whl"])  # ~2 min
+#   run(command="TAGCHECK_ONLY=dsa,mla bash lab/device/device_plan.sh tagcheck", carry=[".whl"])  # ~2 min
 #
 # train: both nano models from scratch with the 2026-12-01 recipe (models/README.md), and meanwhile, on
 #   the same GPU (the trainings use a few % of it; correctness only, no timing), every test the kernels
 #   rewritten on 2026-12-01 have: the gpu-marked tests under tests/kernels and tests/backend, the
 #   unmarked kernel tests on CUDA (they run on the GPU when there is one: the tampered-page and
-#   later-slice cases are there), and benchmarks/kernels/gpu_review_checks.py.
+#   later-slice cases are there), and lab/diagnostics/gpu_review_checks.py.
 # sweeps: the tile sweeps of MLA, W4A16, GQA/DSA and the fused MoE (old configuration beside the new).
 # eval: the quality table (three variants) and GPU-vs-CPU agreement of the models in the tree.
 # Only 8 files come back from $OUT: each stage packs its logs and records into $OUT/<stage>.tar
@@ -66,8 +66,8 @@ checks() {  # checks [stage]: correctness of the GPU path, in order of what a fa
   # -n 12 (pytest-xdist, on the image): on CUDA these compile a kernel per shape; 84 s with 12 workers
   timeout 150 python3 -m pytest -m "not gpu" -n 12 -v -p no:cacheprovider -p no:benchmark --tb=short --timeout 100 \
     -rfE tests/kernels > "$OUT/$st/pytest_kernels_on_cuda.log" 2>&1
-  timeout 120 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/$st/review_checks.log" 2>&1
-  timeout 150 python3 benchmarks/kernels/gqa_prefill_diag.py > "$OUT/$st/gqa_prefill_diag.log" 2>&1
+  timeout 120 python3 -m lab.diagnostics.gpu_review_checks > "$OUT/$st/review_checks.log" 2>&1
+  timeout 150 python3 lab/diagnostics/gqa_prefill_diag.py > "$OUT/$st/gqa_prefill_diag.log" 2>&1
   wait
   for f in pytest_gpu pytest_kernels_on_cuda review_checks gqa_prefill_diag; do
     echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout|rc=1" "$OUT/$st/$f.log" | tail -20
@@ -77,19 +77,19 @@ case $stage in
   train)
     (site; checks) &
     # no prompt-token loss: the 2026-12-01 retrain with --prompt-weight 0.2 copied no arguments (models/README.md)
-    OUT="$OUT/train" TRAIN_ARGS="--profile-steps 3" bash models/recipes/run_on_device.sh 7.0
+    OUT="$OUT/train" TRAIN_ARGS="--profile-steps 3" bash lab/device/train_models.sh 7.0
     keep /tmp/ckpt "$OUT"/train/*-nano.tar
     wait
     cat "$OUT/train/checks.log"
     mv "$OUT"/train/*.tar "$OUT"/ 2>/dev/null
     ;;
   train-continue)  # the second stage from the checkpoints of `train` (/tmp/ckpt, or untarred into models/), as the
-    # committed models had: 4x larger batches (models/recipes/run_on_device.sh)
+    # committed models had: 4x larger batches (lab/device/train_models.sh)
     mkdir -p "$OUT/train-continue"
     # from /tmp/ckpt when the machine stayed warm since `train` (nothing to untar in between), else models/
     init=$(kept /tmp/ckpt)
     echo "second stage from $init"
-    OUT="$OUT/train-continue" INIT_DIR=$init bash models/recipes/run_on_device.sh 5.5 continue
+    OUT="$OUT/train-continue" INIT_DIR=$init bash lab/device/train_models.sh 5.5 continue
     keep /tmp/ckpt2 "$OUT"/train-continue/*-nano.tar
     mv "$OUT"/train-continue/*.tar "$OUT"/ 2>/dev/null
     ;;
@@ -113,7 +113,7 @@ case $stage in
     # index the first stages used), multiple choice 66% of them, the language model only (Kimi's vision tower and
     # projector frozen, image items kept in its mixture); then old vs new paired on 500 held-out items a task, on
     # the GPU. (Its first run, 2026-12-02, also ran the GPU-vs-CPU diagnosis beside it:
-    # results/2026-12-02-gpu-vs-cpu-diag.log.)
+    # lab/results/2026-12-02-gpu-vs-cpu-diag.log.)
     mkdir -p "$OUT/read"
     eval_site  # for the paired eval after the training
     tf_site
@@ -151,7 +151,7 @@ case $stage in
     # again (their check rewritten), then GLM's second reading stage (multiple choice about subjects 40% of the
     # items, 90% of the multiple choice fictional) and its quality table; Kimi's image-qa (the vision stage redone
     # on the CPU after the first reading stage) beside it, 500 items
-    TAGCHECK_ONLY=${TAGCHECK_ONLY-dsa} bash benchmarks/device_plan.sh tagcheck > "$OUT/final/tagcheck.stdout" 2>&1
+    TAGCHECK_ONLY=${TAGCHECK_ONLY-dsa} bash lab/device/device_plan.sh tagcheck > "$OUT/final/tagcheck.stdout" 2>&1
     tail -n 30 "$OUT/final/tagcheck.stdout"
     tf_site
     name=glm-5.2-nano
@@ -196,19 +196,19 @@ case $stage in
       | grep -v Warning > "$OUT/sweeps/bench_w4a16_quick.log"; tail -20 "$OUT/sweeps/bench_w4a16_quick.log"
     timeout 85 python3 -m benchmarks.kernels.bench_fused_moe --quick --out "$OUT/sweeps/fused_moe_quick.json" 2>&1 \
       | grep -v Warning > "$OUT/sweeps/bench_fused_moe_quick.log"; tail -16 "$OUT/sweeps/bench_fused_moe_quick.log"
-    OUT="$OUT/sweeps" timeout 150 bash benchmarks/kernels/gqa_quick.sh
+    OUT="$OUT/sweeps" timeout 150 bash lab/device/gqa_quick.sh
     ;;
   eval)
     # the second stage's folders when the machine stayed warm since `train-continue`, else the tree's models/
     dir=$(kept /tmp/ckpt2)
     echo "evaluating $dir"; ls -la $dir/*/model.safetensors.index.json 2>/dev/null | head -2
-    OUT="$OUT/eval" MODELS_DIR=$dir timeout 540 bash models/recipes/eval_on_device.sh
+    OUT="$OUT/eval" MODELS_DIR=$dir timeout 540 bash lab/device/eval_models.sh
     ;;
-  gpu-checks)  # issue 6 without training: the checks of `train`, and beside them (eval_on_device.sh, no quality
+  gpu-checks)  # issue 6 without training: the checks of `train`, and beside them (eval_models.sh, no quality
     # table) GLM's INT4 prefill paths W4A8 / expand-fp8 against W4A16 and the GPU-vs-CPU agreement of both models
     (site; checks gpu-checks) &
     OUT="$OUT/gpu-checks" SITE=/tmp/site-eval QUALITY= PP_ITEMS=${PP_ITEMS:-500} GPU_VS_CPU_ITEMS=${GPU_VS_CPU_ITEMS:-50} \
-      timeout 500 bash models/recipes/eval_on_device.sh
+      timeout 500 bash lab/device/eval_models.sh
     wait
     cat "$OUT/gpu-checks/checks.log"
     ;;
@@ -240,7 +240,7 @@ case $stage in
     mkdir -p "$OUT/bench"
     for spec in "kimi-k2.6 int4 fp8" "glm-5.2 int4 bf16" "glm-5.2 fp8 bf16"; do
       set -- $spec
-      OUT="$OUT/bench" TAG="$1-$2" BUDGET_S=100 timeout 150 bash benchmarks/engine/run_on_device.sh variant \
+      OUT="$OUT/bench" TAG="$1-$2" BUDGET_S=100 timeout 150 bash lab/device/engine_bench.sh variant \
         --kind "$1" --weights "$2" --kv-dtype "$3" --concurrency 8,64 --max-concurrency-cap 0 \
         --profile-concurrency 64 > /dev/null 2>&1
       grep -E "Step profile|^\| (int4|fp8)" "$OUT/bench/engine-variant-$1-$2.md" 2>/dev/null | head -8
@@ -278,7 +278,7 @@ case $stage in
     done
     nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
     if [ -z "$only" ]; then
-      timeout 85 python3 -m benchmarks.kernels.gpu_review_checks > "$OUT/tagcheck/review_checks.log" 2>&1
+      timeout 85 python3 -m lab.diagnostics.gpu_review_checks > "$OUT/tagcheck/review_checks.log" 2>&1
       echo "== review checks rc=$?"; grep -E "^check |^all checks| FAIL " "$OUT/tagcheck/review_checks.log"
       ! grep -q " FAIL " "$OUT/tagcheck/review_checks.log"
     elif [[ ",$only," == *",dsa,"* ]]; then

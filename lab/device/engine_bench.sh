@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one comparison of `kumo bench engine`; record, table and plots go to $OUT.
 # Usage (device tool, carry [".whl"] holding msgspec's wheel):
-#   bash benchmarks/engine/run_on_device.sh weights|kv|integrity|transformers [extra flags]
+#   bash lab/device/engine_bench.sh weights|kv|integrity|transformers [extra flags]
 # BUDGET_S bounds the runs (default 450; transformers 330), the outer timeout the whole command; TAG names
 # the record (engine-<name>-<TAG>.json) when one call runs the same comparison twice.
 set -u

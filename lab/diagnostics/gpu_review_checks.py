@@ -1,5 +1,5 @@
 """GPU-only checks from the 2026-12-01 review of the CPU-verified rewrites. Run from the
-repo root on the device: `timeout 120 python3 -m benchmarks.kernels.gpu_review_checks` (CHECKS=a,c to pick).
+repo root on the device: `timeout 120 python3 -m lab.diagnostics.gpu_review_checks` (CHECKS=a,c to pick).
 CPU smoke test of the script itself: `SMALL=1 DEV=cpu TRITON_INTERPRET=1 python -m ...` (fp16 there).
 
 Each check prints its result lines and its seconds as soon as it ends (a timeout keeps the finished

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call: GPU tests of the kernels, then the benchmarks; logs and JSON go to $OUT.
-# Usage (through the device tool, with .whl carried): bash benchmarks/kernels/run_on_device.sh
+# Usage (through the device tool, with .whl carried): bash lab/device/kernel_bench.sh
 # Options: BENCHES picks benchmarks (default "paged_decode w4a16"; also mla_decode, fused_moe,
 #   paged_prefill (GQA prefill, GLM-4.5-Air), dsa_indexer (GLM-5's indexer) and w4a8 (INT4 prefill on
 #   FP8 tensor cores, ~3-5 min: run it alone), e.g.
-#   BENCHES=fused_moe BENCH_TIMEOUT=480 bash benchmarks/kernels/run_on_device.sh
+#   BENCHES=fused_moe BENCH_TIMEOUT=480 bash lab/device/kernel_bench.sh
 # fused_moe needs ~75 GB of device memory (INT4, bf16, tinygemm and FP8 copies of 384 Kimi experts) and
 # compiles ~20 tile variants on first use; its GPU tests: tests/kernels/test_fused_moe.py and
 # tests/kernels/test_fused_moe_fp8.py -m gpu.

@@ -2,7 +2,7 @@
 # One device call: every gpu-marked test under tests/kernels and tests/backend (no -x: every failure is
 # listed), then the benchmarks named in BENCHES (unset: "w4a16"; empty: none), each under its own timeout; logs to $OUT.
 # Usage (through the device tool, `.whl` with msgspec, pytest-asyncio, llguidance and transformers 5.24
-# carried): bash benchmarks/kernels/gpu_check_all.sh
+# carried): bash lab/device/gpu_check_all.sh
 #   TEST_TIMEOUT (default 330 s) bounds the tests, BENCH_TIMEOUT (default 150 s) each benchmark.
 set -u
 rm -rf /tmp/site  # a warm machine keeps /tmp: never mix wheels of two calls

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train both nano models at once on one H200 in one device call (issue 7):
-#   run(command="bash models/recipes/run_on_device.sh 6.5", carry=[".whl"])            (from scratch)
-#   run(command="bash models/recipes/run_on_device.sh 5.5 continue", carry=[".whl"])   (second stage)
+#   run(command="bash lab/device/train_models.sh 6.5", carry=[".whl"])            (from scratch)
+#   run(command="bash lab/device/train_models.sh 5.5 continue", carry=[".whl"])   (second stage)
 # .whl/ holds transformers 5.24 and the libraries it needs newer than the image's (regex, tokenizers;
 # not huggingface_hub: the image's 1.33 satisfies it, and hub 2.x needs httpx2, which the image lacks); they go first on the path. Each family's folder (with train.log) comes back
 # as $OUT/<name>.tar, the stdout as $OUT/<family>.stdout. TRAIN_ARGS adds options to both trainings
@@ -21,7 +21,7 @@ for fam in kimi glm; do
     name=$([ $fam = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
     workers=$([ $fam = kimi ] && echo 12 || echo 4)  # Kimi's image items are the slow ones to render
     EXTRA=""
-    # INIT_DIR: where the first stage's folders are (benchmarks/device_plan.sh keeps them in /tmp/ckpt on a
+    # INIT_DIR: where the first stage's folders are (lab/device/device_plan.sh keeps them in /tmp/ckpt on a
     # warm machine, so the second call needs nothing untarred and carried in between); else models/
     [ "$CONTINUE" = continue ] && EXTRA="--init ${INIT_DIR:-models}/$name --batch-tokens 131072 --warmup 50"
     python3 -m models.recipes.train --family $fam --data /tmp/data-$fam --out "$OUT/$name" $EXTRA \
