@@ -338,7 +338,7 @@ def slice_constexprs(
     SPLIT_V needs an FP8 cache whose rows and offsets are whole byte pairs, and two dots of >= 64 columns:
     on the H200 the prefill kernel's even columns came out wrong in some tiles with 16-column halves
     (Dv = 32, 2026-12-02, also an illegal address at 128-token tiles) and with 32-column halves (Dv = 64,
-    2026-12-02 second run: rel. err 0.2-0.5 for v4 and v4-n128, `results/2026-12-02-gqa-prefill-splitv-diag-run2.log`);
+    2026-12-02 second run: rel. err 0.2-0.5 for v4 and v4-n128, `lab/results/2026-12-02-gqa-prefill-splitv-diag-run2.log`);
     Dv = 128 (GLM-4.5) matched in every sweep and GPU test. Below that, V is read byte by byte."""
     pairs = (
         v_cache.dtype == torch.float8_e4m3fn
