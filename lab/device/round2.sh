@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Round 2's device calls (2026-12-04), one stage a call, each inside the 10-minute limit; carry [".whl"]
+# (the cp312 wheels listed in lab/device/device_plan.sh's header, llguidance 1.9.1 among them).
+#   run(command="bash lab/device/round2.sh checks", carry=[".whl"])   # ~8 min: every gpu-marked test, the
+#       unmarked kernel tests on CUDA, the review checks — the restructure's "gpu tests pass on the H200"
+#   run(command="bash lab/device/round2.sh decode", carry=[".whl"])   # ~8 min: the c=1 decode-step record
+# Logs land in $OUT (8 files come back at most); the last lines printed are the summary.
+set -uo pipefail
+stage=${1:?checks|decode}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
+rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+summary() { for f in "$@"; do echo "== $f"; grep -E "passed|failed|FAILED|^ERROR| FAIL |Timeout" "$OUT/$f" | tail -25; done; }
+case $stage in
+  checks)
+    # -p no:benchmark: the image's pytest-benchmark warns under xdist (an INTERNALERROR with filterwarnings=error)
+    timeout 500 python3 -m pytest -m gpu -n 6 -p no:cacheprovider -p no:benchmark --tb=short --timeout 300 -rfE \
+      tests/kernels tests/backend > "$OUT/pytest_gpu.log" 2>&1 &
+    timeout 300 python3 -m pytest -m "not gpu" -n 8 -p no:cacheprovider -p no:benchmark --tb=short --timeout 120 \
+      -rfE tests/kernels > "$OUT/pytest_kernels_on_cuda.log" 2>&1
+    timeout 150 python3 -m lab.diagnostics.gpu_review_checks > "$OUT/review_checks.log" 2>&1
+    wait
+    summary pytest_gpu.log pytest_kernels_on_cuda.log review_checks.log
+    ;;
+  decode)
+    echo "filled in when the c=1 decode scenario lands"
+    ;;
+esac
