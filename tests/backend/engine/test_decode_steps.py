@@ -141,7 +141,11 @@ def test_cuda_every_decode_step_matches_transformers(arch: str, scenario: str, p
     SCENARIOS[scenario](pairs.get(arch, "cuda"))
 
 
-BF16_ATOL = 0.1  # measured on the CPU: bf16 decode vs bf16 prefill differ by 0 to 0.015
+# bf16 decode vs bf16 prefill of the same tokens: most steps agree to bf16 noise (CPU: 0 to 0.015); a step
+# whose MoE routing or DSA choice sits on a bf16 near-tie can flip one way on one path (H200, 2026-12-04:
+# kimi_k2 one step of 12 at 0.10, every other step 0). The exact check is the float32 one above (1e-4).
+BF16_TYPICAL = 0.02  # bound on the 75th percentile of a request's step differences
+BF16_FLIP = 0.25  # bound on any one step
 
 
 @pytest.mark.gpu
@@ -172,7 +176,9 @@ def test_cuda_bfloat16_decode_steps_match_a_full_prefill_of_the_same_tokens(arch
             expected = scored[len(p) + i]
             assert expected is not None and expected.token_id == lp.token_id
             diffs.append(abs(lp.logprob - expected.logprob))
-        assert max(diffs) <= BF16_ATOL, f"{arch} {rid}: {[f'{d:.1e}' for d in diffs]}"
+        shown = [f"{d:.1e}" for d in diffs]
+        assert sorted(diffs)[(3 * len(diffs)) // 4] <= BF16_TYPICAL, f"{arch} {rid}: {shown}"
+        assert max(diffs) <= BF16_FLIP, f"{arch} {rid}: {shown}"
 
 
 async def test_served_glm5_stream_logprobs_match_transformers(tmp_path: Path) -> None:
