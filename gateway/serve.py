@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -44,6 +45,7 @@ SERVED_WEIGHTS = "int4-g32"  # the seed's configuration: INT4 routed experts …
 SERVED_KV = "fp8"  # … and an FP8 KV cache (scales calibrated by `kumo quantize --kv-scales`)
 SOURCE_STAMP = "kumo-source.sha256"
 READY_TIMEOUT_S = 900.0
+PAGE_SIZE = 16  # the backend's default page size, in tokens
 
 
 class ServeError(Exception):
@@ -58,6 +60,7 @@ class BackendProcess:
     port: int
     secret: str
     kv_dtype: str = "auto"
+    max_pages: int | None = None  # None: the backend's default pool
     process: asyncio.subprocess.Process | None = None
 
     @property
@@ -122,6 +125,7 @@ async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) 
     b.process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
         "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
+        *(["--max-pages", str(b.max_pages)] if b.max_pages is not None else []),
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip
@@ -165,6 +169,19 @@ async def stop_backends(backends: list[BackendProcess]) -> None:
             await b.process.wait()
 
 
+def pages_for_window(src: Path) -> int:
+    """KV pages for one request as long as the checkpoint's context window (config.json's
+    `max_position_embeddings`), so a replica admits everything the catalog advertises. The nano
+    models' FP8 KV takes 320 (Kimi) / 448 (GLM, with the indexer's keys) bytes a token: 84 / 87 MiB
+    for 262,144 / 202,752 tokens."""
+    try:
+        config = json.loads((src / "config.json").read_text())
+        window = int(config.get("text_config", config)["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ServeError(f"{src}/config.json has no usable max_position_embeddings ({exc})") from exc
+    return -(-window // PAGE_SIZE)
+
+
 def plan(
     args: argparse.Namespace, settings: GatewaySettings
 ) -> tuple[Catalog, list[BackendProcess], list[tuple[Path, Path]]]:
@@ -181,9 +198,10 @@ def plan(
         to_create.append((TRAINED / trained, folder))
         backends.append(
             BackendProcess(
-                entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV
+                entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV,
+                max_pages=pages_for_window(TRAINED / trained),
             )
-        )
+        )  # fmt: skip
     extra = [(n, p, "openai") for n, p in parse_named(args.model, "--model")]
     extra += [(n, p, "legacy") for n, p in parse_named(args.legacy_model, "--legacy-model")]
     for i, (name, folder, family) in enumerate(extra):

@@ -232,6 +232,12 @@ class ModelCard(Base):
     num_pages: int
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (input + max output) one request may ask for: the model's window, or
+        less when the page pool (`/v1/load`'s `total_pages` of `page_size`) is smaller."""
+        return min(self.context_window, self.num_pages * self.page_size)
+
 
 class LoadReport(Base):
     """`GET /v1/load`: what the router needs to pick a replica."""

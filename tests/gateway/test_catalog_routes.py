@@ -113,7 +113,7 @@ def test_capabilities_are_those_the_backend_serves() -> None:
     kimi = catalog.get(KIMI)
     card = ModelCard(
         name="k", architecture=kimi.architecture, family="kimi", weights="int4-w4a16", kv_dtype="fp8_e4m3",
-        context_window=262144, page_size=16, num_pages=8, capabilities=Capabilities(tools=False, reasoning=True, vision=True),
+        context_window=262144, page_size=16, num_pages=16384, capabilities=Capabilities(tools=False, reasoning=True, vision=True),
     )  # fmt: skip
     shown = {p.property_id: p.value for p in catalog.render(kimi, card).properties}
     assert "function_calling" not in shown and shown["reasoning"] == "true" and shown["vision"] == "true"
@@ -122,6 +122,10 @@ def test_capabilities_are_those_the_backend_serves() -> None:
         "int4-w4a16",
         "fp8_e4m3",
     )
+    # a pool smaller than the window: the catalog shows what one request can get, as /v1/load's pages do
+    small = msgspec.structs.replace(card, num_pages=8)
+    shown = {p.property_id: p.value for p in catalog.render(kimi, small).properties}
+    assert shown["context_window"] == "128"
 
 
 async def test_a_retired_id_is_served_by_its_successor(harness: Harness) -> None:

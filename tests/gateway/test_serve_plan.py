@@ -40,6 +40,8 @@ def test_defaults_and_added_models(tmp_path: Path) -> None:
     assert all((src / "config.json").is_file() for src, _ in to_create)
     assert all(folder.parent == settings.data_dir / "checkpoints" for _, folder in to_create)
     assert [b.kv_dtype for b in backends] == ["fp8", "fp8", "auto", "auto"]
+    # the nano models' pools hold one request as long as their window (262,144 / 202,752 tokens)
+    assert [b.max_pages for b in backends] == [262_144 // 16, 202_752 // 16, None, None]
     assert [b.name for b in backends] == [
         "@cf/moonshotai/kimi-k2.6",
         "@cf/zai-org/glm-5.2",
