@@ -41,7 +41,7 @@ from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 DEFAULT_PORT = 8787
 TRAINED = Path(__file__).resolve().parents[1] / "models"
 DEFAULT_MODELS = {"kimi-k2.6": "kimi-k2.6-nano", "glm-5.2": "glm-5.2-nano"}  # pool → folder in models/
-SERVED_WEIGHTS = "int4-g32"  # the seed's configuration: INT4 routed experts …
+SERVED_WEIGHTS = "int4-g32"  # the served configuration: INT4 routed experts …
 SERVED_KV = "fp8"  # … and an FP8 KV cache (scales calibrated by `kumo quantize --kv-scales`)
 SOURCE_STAMP = "kumo-source.sha256"
 READY_TIMEOUT_S = 900.0

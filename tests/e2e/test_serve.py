@@ -150,7 +150,7 @@ def test_context_window_and_catalog_come_from_the_backend(kumo: Kumo) -> None:
     models = httpx.get(kumo.path("/ai/models/search"), headers=kumo.auth).json()["result"]
     glm = next(m for m in models if m["name"] == GLM)
     props = {p["property_id"]: p["value"] for p in glm["properties"]}
-    # the seed's configuration: INT4 experts, FP8 KV
+    # the served configuration: INT4 experts, FP8 KV
     assert props["context_window"] == str(window) and props["weights"] == "int4-w4a16"
     assert props["kv_cache_dtype"] == "fp8_e4m3"
     r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": window})

@@ -51,6 +51,7 @@ async def test_search_lists_entries_with_workers_ai_fields(harness: Harness) -> 
     assert (
         "trained by Kumo" in kimi["description"] and "not the 1T-parameter Kimi K2.6" in kimi["description"]
     )
+    assert not any("seed" in e["description"] for e in body["result"])  # in a user's words, no jargon
     glm = props(next(e for e in body["result"] if e["name"] == GLM))
     assert "vision" not in glm
     assert "context_window" not in props(next(e for e in body["result"] if e["name"] == MISMATCH))
