@@ -147,7 +147,8 @@ class Catalog:
         ]
 
     def render(self, model: ModelSpec, card: ModelCard | None) -> ModelObject:
-        """The Workers AI catalog object; context window, weights and KV dtype from the pool's card.
+        """The Workers AI catalog object; context window (what a replica admits: the model's window
+        or its page pool, whichever is smaller), weights and KV dtype from the pool's card.
         Only capabilities both the entry and the pool's backend serve are listed; `async_queue`
         for every model, since the gateway itself queues batches (`gateway.batch`)."""
         props: list[PropertyOut] = []
@@ -158,7 +159,7 @@ class Catalog:
         if model.require_workers_paid:
             add("require_workers_paid", "true")
         if card is not None:
-            add("context_window", str(card.context_window))
+            add("context_window", str(card.max_request_tokens))  # what a replica admits
         served = card.capabilities if card is not None else None  # what the pool's backend can do
         if model.function_calling and (served is None or served.tools):
             add("function_calling", "true")

@@ -1,6 +1,7 @@
 """OpenAI-compatible routes under `…/ai/v1` (reference §4): plain OpenAI bodies and chunks (no
 Workers AI trailer; usage through `stream_options.include_usage`), errors in the Cloudflare
-envelope. The `openai` package works with `base_url=…/accounts/{account_id}/ai/v1`.
+envelope. The `openai` package works with `base_url=…/accounts/{account_id}/ai/v1`, for Chat
+Completions and for the Responses API (`gateway.responses`).
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from datetime import UTC, datetime
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
+from gateway import responses
 from gateway.body import decode, read_body
 from gateway.errors import BadInput
-from gateway.inference import Prompt
-from gateway.run import account_of, authenticate, meta_of, resolve_model, respond, services_of
+from gateway.inference import Prompt, Stream
+from gateway.run import SSE_HEADERS, account_of, authenticate, meta_of, resolve_model, respond, services_of
 from schemas.catalog import ModelSpec
 from schemas.openai import ChatCompletionRequest, ModelList, ModelOut
+from schemas.responses import ResponsesRequest
 from schemas.workers_ai import WireIn
 
 
@@ -28,6 +31,7 @@ class ModelField(WireIn, kw_only=True, forbid_unknown_fields=False):
 
 _model_decoder = msgspec.json.Decoder(ModelField)
 _chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_responses_decoder = msgspec.json.Decoder(ResponsesRequest)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -48,6 +52,32 @@ async def chat_completions(request: Request) -> Response:
         tenant, model, Prompt(body, raw), "openai", meta_of(services, request)
     )
     return respond(answer, "openai")
+
+
+async def create_response(request: Request) -> Response:
+    """`POST …/ai/v1/responses`: the Responses API, stateless; checked in the same order as chat
+    completions (the model first, then the rest of the body)."""
+    services = services_of(request)
+    account_id = account_of(request)
+    tenant = await authenticate(services, request, account_id)
+    raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
+    try:
+        body = decode(raw, _responses_decoder)
+    except BadInput:
+        head = decode(raw, _model_decoder)
+        resolve_model(services, request, tenant, _required(head.model))
+        raise
+    model = resolve_model(services, request, tenant, _required(body.model))
+    chat = responses.to_chat(body)
+    meta = meta_of(services, request)
+    answer = await services.inference.run(tenant, model, Prompt(chat, raw), "openai", meta)
+    echo, id = responses.Echo.of(body), f"resp_{meta.info.request_id}"
+    if isinstance(answer, Stream):
+        events = responses.events_of(answer, model, echo, id)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    return Response(
+        msgspec.json.encode(responses.response_of(answer, model, echo, id)), media_type="application/json"
+    )
 
 
 def _required(model: str | None) -> str:

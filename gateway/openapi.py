@@ -38,6 +38,8 @@ from schemas.admin import (
 from schemas.batch import BatchDone, BatchPoll, BatchStatus, BatchSubmit
 from schemas.catalog import AuthorOut, Membership, ModelObject, ModelSpec, SchemaOut, TaskOut
 from schemas.openai import ChatCompletion, ChatCompletionRequest, ModelList
+from schemas.responses import Response as ResponseObject
+from schemas.responses import ResponsesRequest
 from schemas.workers_ai import ErrorItem, LegacyInput, LegacyResult, ResultInfo, RunEnvelopeInput
 
 ACCOUNT = "/client/v4/accounts/{account_id}"
@@ -110,6 +112,12 @@ OPERATIONS: tuple[Operation, ...] = (
         "POST", f"{AI}/v1/chat/completions", "OpenAI-compatible chat completions", "openai",
         body=ChatCompletionRequest, result=ChatCompletion, enveloped=False, streams=True, names_model=True,
         bad_request=RUN_400,
+    ),
+    Operation(
+        "POST", f"{AI}/v1/responses", "OpenAI Responses API (stateless: `store` is false)", "openai",
+        body=ResponsesRequest, result=ResponseObject, enveloped=False, streams=True, names_model=True,
+        bad_request=RUN_400 + " For responses also: `previous_response_id`, `conversation` or `background` "
+        "(nothing is stored); an input item missing what its type needs; an image by `file_id`.",
     ),
     Operation("GET", f"{AI}/v1/models", "OpenAI-compatible model list", "openai", result=ModelList, enveloped=False),
     Operation(

@@ -1,10 +1,11 @@
 """`kumo serve`: the embedded default on one machine (DESIGN §5).
 
 On first start it converts the small trained checkpoints committed under `models/` (issue 7) to
-the seed's serving configuration, INT4 routed experts and an FP8 KV cache with calibrated scales
-(`kumo quantize`), into the data dir (cached; redone when the source bytes change). It spawns one
-`kumo backend` per model on loopback with a generated secret, waits until every backend is ready, and only then listens; it prints the URL and
-a development (paid) tenant's account id and token, and stops everything on Ctrl-C or SIGTERM.
+INT4 routed experts and an FP8 KV cache with calibrated scales (`kumo quantize`), into the data
+dir (cached; redone when the source bytes change). It spawns one `kumo backend` per model on
+loopback with a generated secret, waits until every backend is ready, and only then listens; it
+prints the URL, a development (paid) tenant's account id and token and the admin token (kept in
+the data dir, `gateway.dev_credentials`), and stops everything on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -27,9 +29,10 @@ import httpx
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, CatalogError, load_catalog_file, local_model_spec
+from gateway.dev_credentials import DevCredentials, credentials_path, ensure_dev_credentials
 from gateway.lifecycle import DrainingServer
 from gateway.observability import configure_logging
-from gateway.server import prepare, uvicorn_config
+from gateway.server import uvicorn_config
 from gateway.services import open_services
 from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
 from gateway.supervisor import Supervised, Supervisor, die_with_parent
@@ -38,10 +41,11 @@ from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 DEFAULT_PORT = 8787
 TRAINED = Path(__file__).resolve().parents[1] / "models"
 DEFAULT_MODELS = {"kimi-k2.6": "kimi-k2.6-nano", "glm-5.2": "glm-5.2-nano"}  # pool → folder in models/
-SERVED_WEIGHTS = "int4-g32"  # the seed's configuration: INT4 routed experts …
+SERVED_WEIGHTS = "int4-g32"  # the served configuration: INT4 routed experts …
 SERVED_KV = "fp8"  # … and an FP8 KV cache (scales calibrated by `kumo quantize --kv-scales`)
 SOURCE_STAMP = "kumo-source.sha256"
 READY_TIMEOUT_S = 900.0
+PAGE_SIZE = 16  # the backend's default page size, in tokens
 
 
 class ServeError(Exception):
@@ -56,6 +60,7 @@ class BackendProcess:
     port: int
     secret: str
     kv_dtype: str = "auto"
+    max_pages: int | None = None  # None: the backend's default pool
     process: asyncio.subprocess.Process | None = None
 
     @property
@@ -121,6 +126,7 @@ async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) 
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
         "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
         "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
+        *(["--max-pages", str(b.max_pages)] if b.max_pages is not None else []),
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip
@@ -164,6 +170,19 @@ async def stop_backends(backends: list[BackendProcess]) -> None:
             await b.process.wait()
 
 
+def pages_for_window(src: Path) -> int:
+    """KV pages for one request as long as the checkpoint's context window (config.json's
+    `max_position_embeddings`), so a replica admits everything the catalog advertises. The nano
+    models' FP8 KV takes 320 (Kimi) / 448 (GLM, with the indexer's keys) bytes a token: 84 / 87 MiB
+    for 262,144 / 202,752 tokens."""
+    try:
+        config = json.loads((src / "config.json").read_text())
+        window = int(config.get("text_config", config)["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ServeError(f"{src}/config.json has no usable max_position_embeddings ({exc})") from exc
+    return -(-window // PAGE_SIZE)
+
+
 def plan(
     args: argparse.Namespace, settings: GatewaySettings
 ) -> tuple[Catalog, list[BackendProcess], list[tuple[Path, Path]]]:
@@ -180,9 +199,10 @@ def plan(
         to_create.append((TRAINED / trained, folder))
         backends.append(
             BackendProcess(
-                entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV
+                entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV,
+                max_pages=pages_for_window(TRAINED / trained),
             )
-        )
+        )  # fmt: skip
     extra = [(n, p, "openai") for n, p in parse_named(args.model, "--model")]
     extra += [(n, p, "legacy") for n, p in parse_named(args.legacy_model, "--legacy-model")]
     for i, (name, folder, family) in enumerate(extra):
@@ -224,8 +244,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         ready.result()
         pools = PoolsFile(pools={b.pool: PoolSpec(replicas=[b.url], secret=b.secret) for b in backends})
         services = await open_services(settings, catalog, pools)
-        await prepare(services, settings)
-        account, token = await services.store.ensure_dev_tenant()
+        credentials = await ensure_dev_credentials(services.store, settings)
         dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
         async def restart(b: Supervised) -> None:
@@ -246,7 +265,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
-            announce(settings, account, token, catalog)
+            announce(settings, credentials, catalog)
         await serving
         return 0
     finally:
@@ -255,15 +274,36 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         await stop_backends(backends)
 
 
-def announce(settings: GatewaySettings, account: str, token: str, catalog: Catalog) -> None:
+def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Catalog) -> None:
+    """The block a user copies from: the URL, the development account and token, the admin token,
+    and the shell lines that put them where `curl` and `kumo admin` look."""
     url = f"http://{settings.host}:{settings.port}"
     models = ", ".join(m.name for m in catalog.models)
+    admin = credentials.admin_token
+    if admin is None:
+        admin = (
+            "the value of KUMO_ADMIN_TOKEN"
+            if settings.admin_token is not None
+            else "not kept in the data dir: set KUMO_ADMIN_TOKEN and restart to choose one"
+        )
+    kumo = Path(sys.executable).with_name("kumo")
+    rule = "-" * 78
     print(
-        f"\nKumo is ready at {url}  (models: {models}; catalog page {url}/models)\n"
-        f"  Account ID: {account}\n"
-        f"  API token:  {token}\n"
-        f"  Try: curl {url}/client/v4/accounts/{account}/ai/run/{catalog.models[0].name} \\\n"
-        f"         -H 'Authorization: Bearer {token}' -d '{{\"prompt\": \"Hello\"}}'\n",
+        f"\n{rule}\n"
+        f"Kumo is ready at {url}  (models: {models}; catalog page {url}/models)\n\n"
+        f"  Account ID: {credentials.account_id}\n"
+        f"  Admin token: {admin}\n"
+        f"  API token:  {credentials.api_token}\n\n"
+        f"  Kept in {credentials_path(settings)} (owner-only): the same on every start with this\n"
+        f"  data dir until revoked. In a shell:\n"
+        f"    export ACCOUNT={credentials.account_id}\n"
+        f"    export TOKEN={credentials.api_token}\n"
+        f"    export KUMO_URL={url}\n"
+        f"    export KUMO_ADMIN_TOKEN={credentials.admin_token or '<the admin token>'}\n"
+        f"    curl -s $KUMO_URL/client/v4/accounts/$ACCOUNT/ai/run/{catalog.models[0].name} \\\n"
+        f'      -H "Authorization: Bearer $TOKEN" -d \'{{"prompt": "Hello"}}\'\n'
+        f"    {kumo if kumo.is_file() else 'kumo'} admin tenants list   # also: tokens, quotas, models, usage\n"
+        f"{rule}\n",
         flush=True,
     )
 

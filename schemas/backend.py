@@ -234,6 +234,12 @@ class ModelCard(Base):
     startup_s: float | None = None  # start to ready: checkpoint load, CUDA graphs, warm-up
     warmup_s: float | None = None  # of which the warm-up ran every step shape (`backend.server.warmup`)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (input + max output) one request may ask for: the model's window, or
+        less when the page pool (`/v1/load`'s `total_pages` of `page_size`) is smaller."""
+        return min(self.context_window, self.num_pages * self.page_size)
+
 
 class LoadReport(Base):
     """`GET /v1/load`: what the router needs to pick a replica."""

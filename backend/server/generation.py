@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from llguidance import LLTokenizer
 
 from backend.engine.constraint import TokenConstraint
 from backend.errors import ContextWindowExceeded, InvalidRequest, Unsupported
@@ -21,7 +22,8 @@ from backend.server.model_card import ServedModel
 from backend.text.chat_template import images_of
 from backend.text.output_processor import OutputProcessor
 from backend.text.reasoning import ReasoningParser
-from backend.text.structured import build_constraint, grammar_for
+from backend.text.structured import LazyToolConstraint, build_constraint, grammar_for, lazy_tool_grammar_for
+from backend.text.tool_parsers import MARKERS as TOOL_MARKERS_OF
 from backend.text.tool_parsers import parser_for
 from schemas.backend import (
     EngineOutput,
@@ -93,12 +95,16 @@ class Serving:
         num_requested = len(token_ids) + request.sampling.max_tokens
         if num_requested > model.context_window:
             raise ContextWindowExceeded(num_requested, model.context_window)
-        constraint = None
+        constraint: TokenConstraint | None = None
+        lazy = None if grammar is not None else lazy_tool_grammar_for(
+            request, model.family, model.marker_ids, TOOL_MARKERS_OF[model.family]
+        )  # fmt: skip
         if grammar is not None:
-            ll_tokenizer = model.tokenizer.ll_tokenizer(
-                max(model.config.vocab_size, model.tokenizer.vocab_size), model.eos_token_ids
-            )
-            constraint = build_constraint(grammar, ll_tokenizer)
+            constraint = build_constraint(grammar, self._ll_tokenizer())
+        elif lazy is not None:
+            tool_grammar, trigger_id, banned_ids = lazy
+            matcher = build_constraint(tool_grammar, self._ll_tokenizer()) if tool_grammar else None
+            constraint = LazyToolConstraint(matcher, trigger_id, banned_ids)
         engine_request = EngineRequest(
             request_id=request.request_id,
             prompt_token_ids=token_ids,
@@ -124,6 +130,12 @@ class Serving:
                     yield event
                 if prepared.processor.is_stopped or out.finish_reason is not None:
                     return
+
+    def _ll_tokenizer(self) -> LLTokenizer:
+        model = self.model
+        return model.tokenizer.ll_tokenizer(
+            max(model.config.vocab_size, model.tokenizer.vocab_size), model.eos_token_ids
+        )
 
     def _prompt(self, request: GenerateRequest, reasoning: Reasoning) -> tuple[list[int], list[ImagePart]]:
         tokenizer = self.model.tokenizer

@@ -3,7 +3,8 @@
 Token ids flow: reasoning split (on `<think>` ids) → the content channel goes through the family's
 tool-call parser → answer ids are detokenized incrementally → string stops are matched on the answer
 text. Each channel has its own detokenizer, so a character is never split and markers never leak
-into text. Special tokens other than markers (a stray `<|im_end|>`) are not text.
+into text. Special tokens other than markers (a stray `<|im_end|>`) are not text, and neither are the
+newlines before the answer's first character (GLM's `</think>\n`).
 
 String stops: the engine speaks ids, so stop strings are matched here. Text that could still turn
 into a stop string is held back; once one matches, the text before it is sent and the request ends
@@ -83,6 +84,7 @@ class OutputProcessor:
             "content": Detokenizer(tokenizer),
         }
         self.is_stopped = False  # a stop string ended the answer
+        self._is_answer_started = False  # newlines before the answer's first character are dropped
         # the engine sends prompt log-probs with the first token; usage goes out with the last
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -132,6 +134,10 @@ class OutputProcessor:
                 return
 
     def _text(self, text: str, events: list[Event]) -> None:
+        if not self._is_answer_started:
+            # the template's separator after `</think>` (GLM writes `</think>\n`), not the answer's
+            text = text.lstrip("\n")
+            self._is_answer_started = bool(text)
         if not text or self.is_stopped:
             return
         safe, self.is_stopped = self._stops.push(text)

@@ -13,6 +13,12 @@ syntax with the arguments constrained by the tool's schema:
 - GLM: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n…</tool_call>` with the
   arguments in schema order (required ones always), strings raw and other values as JSON.
 A named tool is called once; `required` allows up to `MAX_PARALLEL_CALLS` calls when parallel calls are on.
+
+With tools offered and `tool_choice` auto (or absent) the same grammar is lazy (`LazyToolConstraint`,
+as llama.cpp's lazy grammars and llguidance's tool-call use): the model writes freely, and reasoning
+stays on, until it opens a call with the family's first marker; from that token on the grammar holds,
+so a call names an offered tool and its arguments follow that tool's schema. The other markers are
+kept out of the free text, and with `tool_choice: none` all of them are.
 """
 
 from __future__ import annotations
@@ -57,6 +63,47 @@ class GrammarConstraint:
     @property
     def error(self) -> str | None:
         return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class LazyToolConstraint:
+    """Free until `trigger_id`, then the tool-call grammar's matcher (fed the trigger first). Before
+    the trigger `banned_ids` are masked out; without a grammar nothing ever triggers."""
+
+    def __init__(
+        self, grammar: GrammarConstraint | None, trigger_id: int | None, banned_ids: list[int]
+    ) -> None:
+        self._grammar = grammar
+        self._trigger_id = trigger_id if grammar is not None else None
+        self._banned_ids = banned_ids
+        self._free_mask: torch.Tensor | None = None
+        self._num_constrained = 0  # tokens the matcher consumed, the trigger first
+
+    @property
+    def is_triggered(self) -> bool:
+        return self._num_constrained > 0
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        if self._grammar is not None and self.is_triggered:
+            return self._grammar.allowed_tokens(vocab_size)
+        if self._free_mask is None or self._free_mask.shape[0] != vocab_size:
+            mask = torch.ones(vocab_size, dtype=torch.bool)  # [vocab]
+            mask[[i for i in self._banned_ids if i < vocab_size]] = False
+            self._free_mask = mask
+        return self._free_mask
+
+    def accept(self, token_id: int) -> None:
+        if self._grammar is not None and (self.is_triggered or token_id == self._trigger_id):
+            self._grammar.accept(token_id)
+            self._num_constrained += 1
+
+    def is_finished(self) -> bool:
+        return self._grammar is not None and self.is_triggered and self._grammar.is_finished()
+
+    def rollback(self, num_tokens: int) -> None:
+        undo = min(num_tokens, self._num_constrained)  # free tokens before the trigger hold no state
+        if self._grammar is not None and undo:
+            self._grammar.rollback(undo)
+            self._num_constrained -= undo
 
 
 def _json_grammar(schema: dict[str, Any]) -> str:
@@ -172,21 +219,33 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) ->
     return "\n".join([start, *rules])
 
 
+def _tool_grammar(
+    request: GenerateRequest,
+    tools: list[Tool],
+    family: str,
+    marker_ids: dict[str, int | None],
+    *,
+    is_parallel: bool,
+) -> str:
+    ids = {k: v for k, v in marker_ids.items() if v is not None}
+    max_calls = MAX_PARALLEL_CALLS if is_parallel and request.parallel_tool_calls else 1
+    try:
+        if family == "kimi":
+            grammar = _kimi_tool_grammar(tools, ids, _num_previous_calls(request), max_calls)
+        else:
+            grammar = _glm_tool_grammar(tools, ids, max_calls)
+    except KeyError as exc:
+        raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
+    return str(llguidance.LLMatcher.grammar_from_lark(grammar))
+
+
 def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int | None]) -> str | None:
-    """The llguidance grammar constraining `request`'s output, or None when it is free."""
+    """The llguidance grammar constraining `request`'s output from its first token, or None when
+    it starts free (tools offered with `tool_choice` auto get `lazy_tool_grammar_for`)."""
     forced = _forced_tools(request)
     if forced:
-        ids = {k: v for k, v in marker_ids.items() if v is not None}
-        try:
-            is_parallel = request.tool_choice is not None and request.tool_choice.mode == "required"
-            max_calls = MAX_PARALLEL_CALLS if is_parallel and request.parallel_tool_calls else 1
-            if family == "kimi":
-                grammar = _kimi_tool_grammar(forced, ids, _num_previous_calls(request), max_calls)
-            else:
-                grammar = _glm_tool_grammar(forced, ids, max_calls)
-            return str(llguidance.LLMatcher.grammar_from_lark(grammar))
-        except KeyError as exc:
-            raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
+        is_parallel = request.tool_choice is not None and request.tool_choice.mode == "required"
+        return _tool_grammar(request, forced, family, marker_ids, is_parallel=is_parallel)
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -195,6 +254,23 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
     if fmt.json_schema is None:
         raise InvalidRequest("response_format.json_schema is required when type is json_schema")
     return _json_grammar(fmt.json_schema)
+
+
+def lazy_tool_grammar_for(
+    request: GenerateRequest, family: str, marker_ids: dict[str, int | None], markers: tuple[str, ...]
+) -> tuple[str | None, int | None, list[int]] | None:
+    """For a request with tools and no forced call: (the tool-call grammar, or None under
+    `tool_choice: none`; the marker that switches it on; the markers kept out of free text).
+    None when there is nothing to constrain (no tools offered, or a tokenizer without markers).
+    `markers` is the family's, the call-opening one first."""
+    ids = [marker_ids.get(m) for m in markers]
+    if not request.tools or any(i is None for i in ids):
+        return None
+    known = [i for i in ids if i is not None]
+    if request.tool_choice is not None and request.tool_choice.mode == "none":
+        return None, None, known
+    grammar = _tool_grammar(request, request.tools, family, marker_ids, is_parallel=True)
+    return grammar, known[0], known[1:]
 
 
 def build_constraint(grammar: str, tokenizer: llguidance.LLTokenizer) -> GrammarConstraint:

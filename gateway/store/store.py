@@ -322,9 +322,13 @@ class Store:
             return await ledger.audit_page(s, page=page, per_page=per_page, tenant_id=tenant_id)
 
     # ---- `kumo serve` -------------------------------------------------------------------------------
-    async def ensure_dev_tenant(self, name: str = "development", plan: Plan = "paid") -> tuple[str, str]:
-        """The development tenant (created once, same account id on every start) and a fresh token;
-        the previous start's token is revoked, since its value cannot be shown again."""
+    async def ensure_dev_tenant(
+        self, keep: str | None = None, name: str = "development", plan: Plan = "paid"
+    ) -> tuple[str, str]:
+        """The development tenant (created once, same account id on every start) and its token:
+        `keep` (the value the previous start wrote down) while it is still live, else a fresh one.
+        Other live `kumo serve` tokens are revoked, since their values cannot be shown again; a
+        revoked or expired `keep` is never brought back."""
         actor = "kumo serve"
         async with self._session() as s:
             existing = await s.scalar(
@@ -338,8 +342,16 @@ class Store:
             if existing
             else await self.create_tenant(TenantCreate(name=name, plan=plan), actor=actor)
         )
-        for token in await self.list_tokens(tenant.id):
-            if token.name == DEV_TOKEN_NAME and token.revoked_at is None:
+        kept = await self.resolve_token(keep) if keep is not None else None
+        tokens = await self.list_tokens(tenant.id)
+        kept_id = next(
+            (t.id for t in tokens if kept is not None and t.id == kept.token_id and t.name == DEV_TOKEN_NAME),
+            None,
+        )
+        for token in tokens:
+            if token.name == DEV_TOKEN_NAME and token.revoked_at is None and token.id != kept_id:
                 await self.revoke_token(tenant.id, token.id, actor=actor)
+        if keep is not None and kept_id is not None:
+            return tenant.id, keep
         created = await self.create_token(tenant.id, TokenCreate(name=DEV_TOKEN_NAME), actor=actor)
         return tenant.id, created.value

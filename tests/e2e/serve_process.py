@@ -33,7 +33,7 @@ class Kumo:
     account: str
     token: str
     data_dir: Path
-    admin_token: str | None = None  # the generated admin token `kumo serve` printed once
+    admin_token: str | None = None  # the generated admin token `kumo serve` printed
 
     def path(self, rest: str) -> str:
         return f"{self.url}/client/v4/accounts/{self.account}{rest}"
@@ -86,7 +86,7 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     account = re.search(r"Account ID: ([0-9a-f]{32})", text)
     token = re.search(r"API token:  (\S+)", text)
     assert account and token, text
-    admin = re.search(r"Admin token \(shown once\): (\S+)", text)
+    admin = re.search(r"Admin token: (kumo_admin_\S+)", text)
     yield Kumo(
         f"http://127.0.0.1:{port}",
         account.group(1),

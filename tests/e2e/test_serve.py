@@ -150,12 +150,37 @@ def test_context_window_and_catalog_come_from_the_backend(kumo: Kumo) -> None:
     models = httpx.get(kumo.path("/ai/models/search"), headers=kumo.auth).json()["result"]
     glm = next(m for m in models if m["name"] == GLM)
     props = {p["property_id"]: p["value"] for p in glm["properties"]}
-    # the seed's configuration: INT4 experts, FP8 KV
+    # the served configuration: INT4 experts, FP8 KV
     assert props["context_window"] == str(window) and props["weights"] == "int4-w4a16"
     assert props["kv_cache_dtype"] == "fp8_e4m3"
     r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": window})
     assert r.status_code == 413 and r.json()["errors"][0]["code"] == 5021
     assert f"context window limit ({window})" in r.json()["errors"][0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("model", "window", "max_tokens"), [(KIMI, 262_144, 250_000), (GLM, 202_752, 200_000)]
+)
+def test_the_advertised_window_is_served(kumo: Kumo, model: str, window: int, max_tokens: int) -> None:
+    """A short prompt with a huge `max_tokens` inside the advertised window is admitted (the CPU
+    pool is sized for it): the stream starts, and we hang up after its first tokens."""
+    models = httpx.get(kumo.path("/ai/models/search"), headers=kumo.auth).json()["result"]
+    props = {
+        p["property_id"]: p["value"] for p in next(m for m in models if m["name"] == model)["properties"]
+    }
+    assert props["context_window"] == str(window)
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens, "stream": True}
+    with httpx.stream("POST", kumo.path(f"/ai/run/{model}"), headers=kumo.auth, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line.removeprefix("data: ")))
+            if len(events) >= 3:
+                break
+    assert events and events[0]["object"] == "chat.completion.chunk"
+    over = run(kumo, model, {**body, "stream": False, "max_tokens": window})
+    assert over.status_code == 413 and over.json()["errors"][0]["code"] == 5021
 
 
 def test_prefix_cache_hits_with_session_affinity(kumo: Kumo) -> None:

@@ -51,6 +51,7 @@ async def test_search_lists_entries_with_workers_ai_fields(harness: Harness) -> 
     assert (
         "trained by Kumo" in kimi["description"] and "not the 1T-parameter Kimi K2.6" in kimi["description"]
     )
+    assert not any("seed" in e["description"] for e in body["result"])  # in a user's words, no jargon
     glm = props(next(e for e in body["result"] if e["name"] == GLM))
     assert "vision" not in glm
     assert "context_window" not in props(next(e for e in body["result"] if e["name"] == MISMATCH))
@@ -113,7 +114,7 @@ def test_capabilities_are_those_the_backend_serves() -> None:
     kimi = catalog.get(KIMI)
     card = ModelCard(
         name="k", architecture=kimi.architecture, family="kimi", weights="int4-w4a16", kv_dtype="fp8_e4m3",
-        context_window=262144, page_size=16, num_pages=8, capabilities=Capabilities(tools=False, reasoning=True, vision=True),
+        context_window=262144, page_size=16, num_pages=16384, capabilities=Capabilities(tools=False, reasoning=True, vision=True),
     )  # fmt: skip
     shown = {p.property_id: p.value for p in catalog.render(kimi, card).properties}
     assert "function_calling" not in shown and shown["reasoning"] == "true" and shown["vision"] == "true"
@@ -122,6 +123,10 @@ def test_capabilities_are_those_the_backend_serves() -> None:
         "int4-w4a16",
         "fp8_e4m3",
     )
+    # a pool smaller than the window: the catalog shows what one request can get, as /v1/load's pages do
+    small = msgspec.structs.replace(card, num_pages=8)
+    shown = {p.property_id: p.value for p in catalog.render(kimi, small).properties}
+    assert shown["context_window"] == "128"
 
 
 async def test_a_retired_id_is_served_by_its_successor(harness: Harness) -> None:

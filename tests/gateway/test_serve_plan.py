@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway import serve
+from gateway.dev_credentials import DevCredentials
 from gateway.serve import ServeError, plan
 from gateway.settings import GatewaySettings
 
@@ -39,6 +40,8 @@ def test_defaults_and_added_models(tmp_path: Path) -> None:
     assert all((src / "config.json").is_file() for src, _ in to_create)
     assert all(folder.parent == settings.data_dir / "checkpoints" for _, folder in to_create)
     assert [b.kv_dtype for b in backends] == ["fp8", "fp8", "auto", "auto"]
+    # the nano models' pools hold one request as long as their window (262,144 / 202,752 tokens)
+    assert [b.max_pages for b in backends] == [262_144 // 16, 202_752 // 16, None, None]
     assert [b.name for b in backends] == [
         "@cf/moonshotai/kimi-k2.6",
         "@cf/zai-org/glm-5.2",
@@ -115,3 +118,25 @@ async def test_the_conversion_is_cached_by_the_source_bytes(
     assert (dst / serve.SOURCE_STAMP).read_text().strip() != serve.source_digest(
         src
     )  # v2's folder, untouched
+
+
+def test_the_announcement_is_one_block_with_every_credential(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a user copies from, and what tests/e2e and benchmarks/ read: the account, both tokens,
+    the shell lines for `curl` and `kumo admin`, together between two rules."""
+    settings = GatewaySettings(data_dir=tmp_path)
+    catalog, _, _ = plan(args(), settings)
+    account, token, admin = "a" * 32, "kumo_" + "b" * 40, "kumo_admin_" + "c" * 43
+    serve.announce(settings, DevCredentials(account, token, admin), catalog)
+    printed = capsys.readouterr().out
+    rule = "-" * 78
+    assert printed.count(rule) == 2 and printed.strip().startswith(rule) and printed.strip().endswith(rule)
+    assert f"Account ID: {account}\n" in printed and f"API token:  {token}\n" in printed
+    assert f"Admin token: {admin}\n" in printed
+    assert f"export TOKEN={token}\n" in printed and f"export KUMO_ADMIN_TOKEN={admin}\n" in printed
+    assert " admin tenants list" in printed and str(tmp_path / "dev-credentials.json") in printed
+    serve.announce(
+        GatewaySettings(data_dir=tmp_path, admin_token="x"), DevCredentials(account, token), catalog
+    )
+    assert "Admin token: the value of KUMO_ADMIN_TOKEN\n" in capsys.readouterr().out

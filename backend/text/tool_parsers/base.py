@@ -4,7 +4,8 @@ Parsers work on token ids, because both families spell their call markers as sin
 a marker never arrives half-way through a chunk, and the same characters written as ordinary tokens
 inside an argument are just text. A call is reported once it is complete and checked (known name,
 arguments a JSON object), so a stream never shows half a name or a call that later turns out broken;
-a malformed call comes back as the text the model wrote, never as an exception.
+a malformed call comes back as the text the model wrote (its markers left out), never as an
+exception, and a call the output ends inside is dropped.
 
 Feeding all ids at once or one at a time gives the same pieces (streaming = non-streaming).
 """
@@ -66,6 +67,7 @@ class ToolParser(ABC):
         self._tools: dict[str, dict[str, Any]] = {t.name: t.parameters for t in tools}
         self._num_calls = 0
         self._pieces: list[Piece] = []
+        self._special_ids = tokenizer.special_ids  # markers out of place are not text either
 
     @property
     def num_calls(self) -> int:
@@ -78,7 +80,8 @@ class ToolParser(ABC):
         return self._take()
 
     def finish(self) -> list[Piece]:
-        """At the end of the output: an unterminated call is malformed and becomes text."""
+        """At the end of the output: a call cut short (by `max_tokens`) is dropped, never shown as
+        half a call; what else was held comes back as text."""
         self._close()
         return self._take()
 
@@ -87,6 +90,8 @@ class ToolParser(ABC):
         return pieces
 
     def _content(self, token_id: int) -> None:
+        if token_id in self._special_ids:  # a stray closing marker outside a call
+            return
         last = self._pieces[-1] if self._pieces else None
         if isinstance(last, ContentIds):
             last.token_ids.append(token_id)
@@ -94,8 +99,10 @@ class ToolParser(ABC):
             self._pieces.append(ContentIds([token_id]))
 
     def _raw(self, token_ids: list[int]) -> None:
-        if token_ids:
-            self._pieces.append(RawText(self._tokenizer.decode(token_ids)))
+        """A malformed call as plain text: what the model wrote, its markers (special tokens) left out."""
+        text = self._tokenizer.decode([t for t in token_ids if t not in self._special_ids])
+        if text:
+            self._pieces.append(RawText(text))
 
     def _checked(self, call_id: str | None, name: str, arguments: str) -> ParsedCall | None:
         """The call with the next index if it is well formed (a known tool, arguments a JSON object)."""

@@ -151,5 +151,6 @@ class GlmToolParser(ToolParser):
         self._state = _State.TEXT
 
     def _close(self) -> None:
-        if self._state is not _State.TEXT:
-            self._malformed()
+        if self._state is not _State.TEXT:  # the output ends inside a call: dropped, not half a call
+            self._raw_ids = []
+            self._state = _State.TEXT

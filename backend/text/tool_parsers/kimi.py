@@ -9,7 +9,8 @@ history (`tool_call_id` of the tool result, `id` of the assistant's call) the te
 exactly what the model wrote.
 
 A section becomes a tool-call section with its first well-formed call; until then it is held, and a
-section that ends (or an output that ends) without one comes back whole as text. Inside a real
+section that ends (or an output that ends) without one comes back whole as text, markers left out;
+an output that ends inside a call drops that call. Inside a real
 section, layout between calls is dropped and a malformed call comes back as its text. A call written
 without a section (as vLLM accepts) is its own section.
 """
@@ -149,7 +150,10 @@ class KimiToolParser(ToolParser):
         self._state = _State.TEXT
 
     def _close(self) -> None:
-        if self._state in (_State.CALL_ID, _State.ARGUMENTS):
-            self._broken_call()
+        if self._state in (_State.CALL_ID, _State.ARGUMENTS):  # cut short: dropped, section and all
+            if not self._is_committed:
+                self._section_ids, self._held = [], []
+            self._call_ids = []
+            self._after_call()
         if self._state is _State.SECTION:
             self._close_section()

@@ -125,6 +125,24 @@ def test_reasoning_text_and_tool_call_in_one_answer(tmp_path_factory: pytest.Tem
     assert events[-1] == Finish(reason="tool_calls")
 
 
+@pytest.mark.parametrize("is_thinking", [True, False])
+def test_glm_reasoning_by_default_and_no_leading_newline(
+    tmp_path_factory: pytest.TempPathFactory, is_thinking: bool
+) -> None:
+    """GLM-5's prompt ends in `<think>` (thinking, the default) or `</think>` (off); the model then
+    writes `…</think>\nAnswer`. The thoughts are reasoning, the answer starts at its first
+    character, streamed token by token or not."""
+    tok = load(tmp_path_factory, "glm")
+    thoughts = ordinary_ids(tok, "Add 3 and 4.") + tok.encode("</think>") if is_thinking else []
+    ids = thoughts + ordinary_ids(tok, "\n\nThe answer is 7.\nDone.")
+    prompt = "<|assistant|><think>" if is_thinking else "<|assistant|></think>"
+    for chunks in ([[i] for i in ids], [ids]):
+        events = _run(_processor(tok, "glm", prompt=prompt), _outputs(chunks))
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        assert reasoning == ("Add 3 and 4." if is_thinking else "")
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "The answer is 7.\nDone."
+
+
 def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -6,15 +6,22 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
+import jsonschema_rs
 import msgspec
 import pytest
 import torch
 
 from backend.errors import InvalidRequest
 from backend.server.model_card import TOOL_MARKERS
-from backend.text.structured import GrammarConstraint, build_constraint, grammar_for
+from backend.text.structured import (
+    GrammarConstraint,
+    LazyToolConstraint,
+    build_constraint,
+    grammar_for,
+    lazy_tool_grammar_for,
+)
 from backend.text.tokenizer import Tokenizer
-from backend.text.tool_parsers import ParsedCall, parser_for
+from backend.text.tool_parsers import MARKERS, ParsedCall, parser_for
 from schemas.backend import (
     GenerateRequest,
     Message,
@@ -341,3 +348,104 @@ def test_forced_kimi_call_cannot_be_padded_with_whitespace_forever(
         pick = next((w for w in whitespace if mask[w]), int(mask.nonzero()[-1]))
         constraint.accept(pick)
     assert constraint.is_finished()
+
+
+def _lazy(request: GenerateRequest, tok: Tokenizer, family: str, eos: int) -> LazyToolConstraint:
+    lazy = lazy_tool_grammar_for(request, family, _markers(tok), MARKERS[family])
+    assert lazy is not None
+    grammar, trigger_id, banned_ids = lazy
+    matcher = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])) if grammar else None
+    return LazyToolConstraint(matcher, trigger_id, banned_ids)
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+@pytest.mark.parametrize("seed", range(5))
+def test_auto_tool_calls_switch_the_grammar_on_at_the_marker(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str, seed: int
+) -> None:
+    """`tool_choice: auto`: free text (the other markers masked out) until the model opens a call;
+    from there the call names an offered tool with arguments valid under its schema (checked by
+    jsonschema_rs, not by the grammar's own library)."""
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    # bounded numbers: random logits would otherwise write exponents no float holds
+    currency = Tool(
+        name="convert_currency",
+        parameters={**(CURRENCY.parameters or {}), "properties": {
+            **(CURRENCY.parameters or {})["properties"], "amount": {"type": "number", "minimum": 0, "maximum": 1e6}
+        }},
+    )  # fmt: skip
+    tools = [WEATHER, currency]
+    request = _request(tools=tools, tool_choice=ToolChoice(mode="auto"))
+    constraint = _lazy(request, tok, family, eos)
+    trigger, *others = (tok.token_to_id(m) for m in MARKERS[family])
+    gen = torch.Generator().manual_seed(seed)
+    free = tok.encode("Let me check. ", allow_special=False)
+    for token in free:
+        mask = constraint.allowed_tokens(tok.vocab_size)
+        assert mask is not None and mask[token] and mask[trigger] and not any(mask[o] for o in others)
+        constraint.accept(token)
+    assert not constraint.is_finished()
+    constraint.accept(trigger)  # the model opens a call
+    ids = [trigger]
+    for _ in range(400):
+        mask = constraint.allowed_tokens(tok.vocab_size)
+        assert mask is not None and mask.any()
+        logits = torch.randn(tok.vocab_size, generator=gen).masked_fill(~mask, float("-inf"))
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        constraint.accept(token)
+        if token == eos:
+            break
+        ids.append(token)
+        if constraint.is_finished():
+            break
+    assert constraint.is_finished()
+    parser = parser_for(family, tok, tools)
+    assert parser is not None
+    pieces = parser.feed(free + ids) + parser.finish()
+    calls = [p for p in pieces if isinstance(p, ParsedCall)]
+    assert calls and all(c.name in ("get_weather", "convert_currency") for c in calls), pieces
+    schemas = {t.name: jsonschema_rs.validator_for(t.parameters) for t in tools}
+    for call in calls:
+        assert schemas[call.name].is_valid(json.loads(call.arguments)), call
+    if family == "kimi":
+        assert [c.id for c in calls] == [f"functions.{c.name}:{k}" for k, c in enumerate(calls)]
+
+
+def test_auto_rolls_back_across_the_marker(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Preemption by recompute rolls back past the call's opening: the constraint is free again and
+    replaying the same tokens brings it to the same state."""
+    tok = load(tmp_path_factory, "glm")
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    constraint = _lazy(_request(tools=[WEATHER]), tok, "glm", eos)
+    free = tok.encode("Hi ", allow_special=False)
+    opening = tok.encode("<tool_call>") + tok.encode("get_weather\n", allow_special=False)
+    for token in free + opening:
+        constraint.accept(token)
+    constrained = constraint.allowed_tokens(tok.vocab_size)
+    assert constrained is not None and not constrained.all()
+    constraint.rollback(len(opening) + 1)
+    assert not constraint.is_triggered
+    for token in [free[-1], *opening]:
+        constraint.accept(token)
+    again = constraint.allowed_tokens(tok.vocab_size)
+    assert again is not None and torch.equal(again, constrained)
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+def test_tool_choice_none_keeps_every_marker_out(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    constraint = _lazy(_request(tools=[WEATHER], tool_choice=ToolChoice(mode="none")), tok, family, eos)
+    for token in tok.encode("plain words", allow_special=False):
+        mask = constraint.allowed_tokens(tok.vocab_size)
+        assert mask is not None and mask[token] and mask[eos]
+        assert not any(mask[tok.token_to_id(m)] for m in MARKERS[family])
+        constraint.accept(token)
+    assert not constraint.is_finished()
+    assert lazy_tool_grammar_for(_request(), family, _markers(tok), MARKERS[family]) is None  # no tools

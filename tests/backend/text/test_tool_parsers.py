@@ -50,6 +50,11 @@ def _parse(tok: Tokenizer, family: str, ids: list[int], chunk: int) -> tuple[str
     return text, [p for p in pieces if isinstance(p, ParsedCall)]
 
 
+def plain(tok: Tokenizer, ids: list[int]) -> str:
+    """What a malformed call shows as text: the model's words, its markers left out."""
+    return tok.decode([t for t in ids if t not in tok.special_ids])
+
+
 def _kimi_call(tok: Tokenizer, call_id: str, args: str) -> list[int]:
     return (
         tok.encode("<|tool_call_begin|>")
@@ -114,8 +119,9 @@ def test_kimi_malformed_calls_are_text(tmp_path_factory: pytest.TempPathFactory,
     ids = tok.encode("<|tool_calls_section_begin|>") + broken_json + unknown + good + unterminated
     text, calls = _parse(tok, "kimi", ids, chunk)
     assert [c.name for c in calls] == ["search"] and calls[0].index == 0
-    assert text == (tok.decode(broken_json) + tok.decode(unknown) + tok.decode(unterminated))
-    assert "launch_missiles" in text
+    # the output ends inside the last call: dropped, not shown as half a call
+    assert text == plain(tok, broken_json) + plain(tok, unknown)
+    assert "launch_missiles" in text and "<|" not in text
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -173,7 +179,8 @@ def test_glm_malformed_calls_are_text(tmp_path_factory: pytest.TempPathFactory, 
     ids = missing_value + unknown + junk_between + good + unterminated
     text, calls = _parse(tok, "glm", ids, chunk)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"query": "fine"})]
-    assert text == "".join(tok.decode(x) for x in (missing_value, unknown, junk_between, unterminated))
+    assert text == "".join(plain(tok, x) for x in (missing_value, unknown, junk_between))
+    assert "<" not in text.replace("</", "")
 
 
 def test_streaming_never_shows_half_a_call(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -207,8 +214,9 @@ def test_random_marker_soup_never_crashes_and_chunking_does_not_matter(
             text, calls = _parse(tok, family, ids, chunk)
             results.append((text, [(c.index, c.name, c.arguments) for c in calls]))
         assert results[0] == results[1] == results[2]
-        if not results[0][1]:  # no call: the text is exactly what was written, markers spelled out
-            assert results[0][0] == tok.decode(ids)
+        assert not any(m in results[0][0] for m in markers)  # markup never reaches the text
+        if not results[0][1]:  # no call: what was written, markers left out (a call cut by the end dropped)
+            assert plain(tok, ids).startswith(results[0][0])
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -231,7 +239,7 @@ def test_kimi_sections_without_a_good_call_come_back_whole(
     ids = ordinary_ids(tok, "A ") + empty + bad_only + cut + sectionless + ordinary_ids(tok, " after")
     text, calls = _parse(tok, "kimi", ids, chunk)
     assert [(c.index, c.id) for c in calls] == [(0, "functions.search:1")]
-    assert text == "A " + tok.decode(empty) + tok.decode(bad_only) + tok.decode(cut) + " after"
+    assert text == "A " + plain(tok, empty) + plain(tok, bad_only) + plain(tok, cut) + " after"
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -240,8 +248,27 @@ def test_glm_call_cut_short_by_the_next(tmp_path_factory: pytest.TempPathFactory
     cut = tok.encode("<tool_call>") + ordinary_ids(tok, "sea")
     good = _glm_call(tok, "search", [("query", "q")])
     text, calls = _parse(tok, "glm", cut + good, chunk)
-    assert text == tok.decode(cut)
+    assert text == "sea"
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("search", {"query": "q"})]
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+def test_a_call_the_output_ends_inside_is_dropped(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    """`max_tokens` cut the call: the text before it stays, the call is neither a call nor text."""
+    tok = load(tmp_path_factory, layout)
+    if family == "kimi":
+        whole = tok.encode("<|tool_calls_section_begin|>") + _kimi_call(
+            tok, "functions.get_weather:0", '{"city": "Tokyo"}'
+        )
+    else:
+        whole = _glm_call(tok, "get_weather", [("city", "Tokyo")])
+    before = ordinary_ids(tok, "Checking. ")
+    for cut in range(1, len(whole) - 1):
+        for chunk in (1, 1000):
+            text, calls = _parse(tok, family, before + whole[:cut], chunk)
+            assert (text, calls) == ("Checking. ", []), cut
 
 
 @pytest.mark.parametrize(

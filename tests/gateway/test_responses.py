@@ -1,0 +1,101 @@
+"""A Responses body becomes the Chat Completions request it means (`gateway.responses.to_chat`)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gateway.errors import BadInput
+from gateway.responses import to_chat
+from schemas.responses import ResponsesRequest
+
+
+def chat_of(body: dict) -> dict:  # type: ignore[type-arg]
+    """The chat request as JSON-like data, the fields left unset (None) out."""
+    request = msgspec.convert(body, ResponsesRequest)
+    return set_fields(msgspec.to_builtins(to_chat(request)))  # type: ignore[return-value]
+
+
+def set_fields(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: set_fields(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [set_fields(v) for v in value]
+    return value
+
+
+def test_a_whole_conversation_of_items() -> None:
+    chat = chat_of(
+        {
+            "model": "m",
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo and Rome?"}]},
+                {"type": "reasoning", "id": "rs_1", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": "Two cities."}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Rome"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "3C"},
+                {"type": "function_call_output", "call_id": "c2", "output": "20C"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Cold, warm."}]},
+                {"role": "user", "content": "Thanks"},
+            ],
+            "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 50,
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+            "reasoning": {"effort": "none"},
+            "stream": True,
+            "store": True,
+        }
+    )  # fmt: skip
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo and Rome?"}]},
+        {
+            "role": "assistant",
+            "reasoning_content": "Two cities.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}},
+            ],
+        },
+        {"role": "tool", "content": "3C", "tool_call_id": "c1"},
+        {"role": "tool", "content": "20C", "tool_call_id": "c2"},
+        {"role": "assistant", "content": "Cold, warm."},
+        {"role": "user", "content": "Thanks"},
+    ]  # fmt: skip
+    assert chat["tools"] == [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "", "parameters": {"type": "object"}},
+            "description": "",  # ToolSpec's own field (its flat shape), empty
+        }
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["max_completion_tokens"] == 50 and chat["reasoning_effort"] == "none"
+    assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    assert chat["stream"] is True and chat["stream_options"]["include_usage"] is True
+
+
+def test_text_input_is_one_user_message() -> None:
+    assert chat_of({"model": "m", "input": "Hi"})["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": "Hi", "previous_response_id": "resp_1"}, "not stored"),
+        ({"input": "Hi", "background": True}, "background"),
+        ({}, "'input' is required"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "$.input[0] (function_call)",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "file_id"),
+    ],
+)
+def test_what_cannot_be_served_is_a_400_saying_why(body: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(BadInput) as info:
+        chat_of({"model": "m", **body})
+    assert message in str(info.value)
