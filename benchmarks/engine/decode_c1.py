@@ -18,6 +18,7 @@ A, B, B, A with A the format's decode run (its median pure-decode step, `decode_
 the copy (the bytes over its bandwidth): a round's ratio is (a1 + a2) / (b1 + b2).
 
     kumo bench engine decode-c1 [--layers 10] [--bf16-layers 6] [--formats int4,fp8,int4-all,fp8-all,bf16]
+    kumo bench engine decode-c1 --merge A.json B.json --out X.json
 """
 
 from __future__ import annotations
@@ -230,6 +231,11 @@ def measure(opts: Options) -> dict[str, Any]:
         gc.collect()  # the format's model, engine and CUDA graphs, before the next one is built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    return summarize(formats)
+
+
+def summarize(formats: dict[str, Any]) -> dict[str, Any]:
+    """The formats' entries and the summary key: the worst (largest) ratio's entry."""
     measured = {f: e["summary"] for f, e in formats.items() if e["summary"]}
     worst = max(measured, key=lambda f: measured[f]["value"]) if measured else None
     return {
@@ -241,6 +247,14 @@ def measure(opts: Options) -> dict[str, Any]:
             + ", ".join(f"{f} {e['value']:.2f}x" for f, e in measured.items())
         },
     }
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Records of several calls (formats split over 10-minute device calls) as one: every format's
+    entry (a later record's wins), the summary over them all, each call under `sources`."""
+    formats = {f: e for r in records for f, e in r["formats"].items()}
+    sources = [{k: r[k] for k in ("command", "date", "device", "machine", "wall_s")} for r in records]
+    return dict(records[-1]) | {"sources": sources} | summarize(formats)
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -296,6 +310,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md beside it")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, help="records of several calls to merge")
     return ap
 
 
@@ -303,6 +318,8 @@ def main(argv: list[str]) -> int:
     from benchmarks.engine import method
 
     a = parser().parse_args(argv)
+    if a.merge:
+        return _write(merge([json.loads(p.read_text()) for p in a.merge]), a.out or a.merge[0])
     start = time.monotonic()
     cache_dir = a.compile_cache or method.default_cache_dir()
     method.compile_cache_env(cache_dir)  # before anything can compile
@@ -336,6 +353,10 @@ def main(argv: list[str]) -> int:
     }
     record["wall_s"] = time.monotonic() - start
     out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-decode-c1{'-tiny' if a.tiny else ''}.json"
+    return _write(record, out)
+
+
+def _write(record: dict[str, Any], out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(record))

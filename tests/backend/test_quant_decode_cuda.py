@@ -118,3 +118,27 @@ def test_decode_step_runs_no_dequantize_and_matches_dense(
             sq.tokens.append(int(g[-1].argmax()))
             sd.tokens.append(sq.tokens[-1])
     assert not quant_driver.last_mismatch.any()
+
+
+def test_absorbed_mla_copies_no_weight_per_step() -> None:
+    """MLA's absorbed products read W_UK / W_UV as views of the dense kv_b_proj (made dense once at
+    load): a decode step copies neither (the profiler's copy and clone ops see no weight-sized input)."""
+    geometry = make_geometry("glm-5.2", 3, tiny=True)
+    model = build_random_model(geometry, "int4-all", device="cuda")
+    attn = model.attentions()[0]  # type: ignore[operator]
+    weight_shapes = [[attn.num_local_heads, attn.N, attn.R], [attn.num_local_heads, attn.V, attn.R],
+                     [attn.num_local_heads, attn.R, attn.V], [attn.num_local_heads, attn.R, attn.N]]  # fmt: skip
+    driver = PagedDriver(model, device="cuda")
+    seqs, logits = driver.prefill([[1, 2, 3, 4, 5]], 16)
+    seqs[0].tokens.append(int(logits[0][-1].argmax()))
+    driver.run(seqs, [1])  # one eager decode step before the profiled one
+    seqs[0].tokens.append(7)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        driver.run(seqs, [1])
+    copies = [
+        (e.key, e.input_shapes)
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in ("aten::copy_", "aten::clone", "aten::contiguous")
+        and any(shape in weight_shapes for shape in e.input_shapes)
+    ]
+    assert not copies, copies

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -54,6 +55,21 @@ def test_the_summary_is_the_worst_format(record: dict[str, Any]) -> None:
     worst = max(by_format, key=by_format.__getitem__)
     assert record["worst_format"] == worst
     assert record["summary"] == {SUMMARY_KEY: record["formats"][worst]["summary"]}
+
+
+def test_records_of_several_calls_merge(record: dict[str, Any], tmp_path: Path) -> None:
+    """Formats split over calls: the merge holds every format and the worst of them all."""
+    first = dict(record, formats={f: e for f, e in record["formats"].items() if f != record["worst_format"]})
+    second = dict(record, formats={record["worst_format"]: record["formats"][record["worst_format"]]})
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, r in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(r))
+    out = tmp_path / "merged.json"
+    assert bench_main(["engine", "decode-c1", "--merge", *map(str, paths), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert set(merged["formats"]) == set(FORMATS)
+    assert merged["summary"] == record["summary"] and merged["worst_format"] == record["worst_format"]
+    assert len(merged["sources"]) == 2
 
 
 def test_bytes_a_token_reads_from_the_geometry(record: dict[str, Any]) -> None:
