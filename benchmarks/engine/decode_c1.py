@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -217,8 +218,10 @@ def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -
     }
 
 
-def measure(opts: Options) -> dict[str, Any]:
-    """Every format in turn (each gets an even share of the time left), then the summary entry."""
+def measure(opts: Options, on_format: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every format in turn (each gets an even share of the time left), then the summary entry;
+    `on_format` sees the formats measured so far after each (the CLI writes them: a call cut off by
+    its device time keeps what it finished)."""
     import gc
 
     import torch
@@ -231,6 +234,8 @@ def measure(opts: Options) -> dict[str, Any]:
         gc.collect()  # the format's model, engine and CUDA graphs, before the next one is built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if on_format is not None:
+            on_format(summarize(formats))
     return summarize(formats)
 
 
@@ -349,17 +354,22 @@ def main(argv: list[str]) -> int:
         "machine": machine,
         "options": {k: v for k, v in asdict(opts).items() if k != "deadline"},
         "definition": __doc__.split("\n\n")[1].strip(),
-        **measure(opts),
     }
-    record["wall_s"] = time.monotonic() - start
     out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-decode-c1{'-tiny' if a.tiny else ''}.json"
+
+    def write_so_far(measured: dict[str, Any]) -> None:
+        _write(record | measured | {"wall_s": time.monotonic() - start}, out, quiet=True)
+
+    record |= measure(opts, write_so_far)
+    record["wall_s"] = time.monotonic() - start
     return _write(record, out)
 
 
-def _write(record: dict[str, Any], out: Path) -> int:
+def _write(record: dict[str, Any], out: Path, *, quiet: bool = False) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(markdown(record))
-    print(markdown(record))
-    print(f"wrote {out}, {out.with_suffix('.md')}")
+    if not quiet:
+        print(markdown(record))
+        print(f"wrote {out}, {out.with_suffix('.md')}")
     return 0
