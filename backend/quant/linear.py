@@ -8,10 +8,10 @@ a state dict or the model's `load_param(name, full)` fills it straight from the 
   the same tensor `weight_scale`, chosen by `block_scale_name`).
 
 Like `backend.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
-(`in_range`) and all-reduces when row-parallel. The product is the kernels' `int4_linear` / `fp8_linear`: on CUDA
-the W4A16 and weight-only FP8 kernels read the quantized bytes once a call (no dequantized weight
-is made at decode sizes); elsewhere the torch reference dequantizes to the activation dtype and
-runs a dense matmul. An `Int4Linear` whose `prefill` is "w4a8" or "expand-fp8" runs products of
+(`in_range`) and all-reduces when row-parallel. The product is the kernels' `int4_linear` /
+`fp8_linear`: on CUDA the W4A16 and weight-only FP8 kernels read the quantized bytes once a call
+(no dequantized weight is made at decode sizes); elsewhere the torch reference dequantizes to the
+activation dtype and runs a dense matmul. An `Int4Linear` whose `prefill` is "w4a8" or "expand-fp8" runs products of
 at least `prefill_min_tokens` tokens on CUDA on FP8 tensor cores instead (`kernels/w4a8_gemm.py`,
 `kernels/w4a8_expand.py`; `set_int4_prefill` picks the path).
 """
