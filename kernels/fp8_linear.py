@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from kernels.formats.fp8 import dequantize_fp8
 
-MAX_M = 64  # = kernels.fp8_gemm.MAX_M (that module imports triton: only on the CUDA branch)
+# = kernels.fp8_gemm's MAX_M and GEMV_MAX_M (that module imports triton: only on the CUDA branch)
+MAX_M, GEMV_MAX_M = 64, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +35,15 @@ def fp8_linear_ref(args: Fp8LinearArgs) -> torch.Tensor:
 
 
 def can_run_kernel(args: Fp8LinearArgs) -> bool:
-    """CUDA, decode-sized M, a float activation and block scales the kernel's tiles divide."""
+    """CUDA, decode-sized M, block scales the kernel's tiles divide; fp32 activations (the DSA
+    indexer's weights_proj) only at the GEMV's rows (fp32 tiles spill: `tests/kernels/sm90_compile_fp8.py`)."""
     x, block = args.x, args.block
+    max_m = (
+        MAX_M if x.dtype in (torch.float16, torch.bfloat16) else GEMV_MAX_M if x.dtype == torch.float32 else 0
+    )
     return (
         x.is_cuda
-        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and x.numel() <= MAX_M * x.shape[-1]
+        and x.numel() <= max_m * x.shape[-1]
         and args.weight.is_contiguous()
         and (block is None or (block[0] % 64 == 0 and block[1] % 128 == 0))
     )

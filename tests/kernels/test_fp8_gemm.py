@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 from kernels.formats.fp8 import dequantize_fp8, quantize_fp8_block, quantize_fp8_channel  # noqa: E402
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, pick_config  # noqa: E402
 from kernels.fp8_linear import Fp8LinearArgs, fp8_linear, fp8_linear_ref  # noqa: E402
+from tests.kernels.sm90_compile import compiled_lines  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -116,6 +117,15 @@ def test_entry_reference_is_dequantize_then_matmul() -> None:
     want = x @ dequantize_fp8(q, s, (128, 128), torch.bfloat16).t()
     assert torch.equal(fp8_linear(args), want)
     assert torch.equal(fp8_linear_ref(args), want)
+
+
+def test_kernels_compile_for_sm90_without_spills() -> None:
+    """Every config the entry launches, lowered for the H200 (ptxas, no GPU; a process without
+    TRITON_INTERPRET)."""
+    lines = compiled_lines("tests.kernels.sm90_compile_fp8")
+    assert len(lines) == 4 + 2 * 3  # the GEMV at bf16 / fp32, the three tiles at bf16; block and channel
+    for line in lines:
+        assert "0 bytes spill stores" in line, line
 
 
 @pytest.mark.gpu
