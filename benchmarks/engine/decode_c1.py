@@ -240,12 +240,18 @@ def measure(opts: Options, on_format: Callable[[dict[str, Any]], None] | None = 
 
 
 def summarize(formats: dict[str, Any]) -> dict[str, Any]:
-    """The formats' entries and the summary key: the worst (largest) ratio's entry."""
+    """The formats' entries and the summary key: the worst (largest) ratio's entry; beside it the
+    worst quantized format's (BF16's routed experts have no fused kernel: a captured decode step runs
+    every expert, `Experts.forward_every_expert`, so BF16 reads E / k times its experts' bytes)."""
     measured = {f: e["summary"] for f, e in formats.items() if e["summary"]}
     worst = max(measured, key=lambda f: measured[f]["value"]) if measured else None
+    quantized = [f for f in measured if f != "bf16"]
+    worst_quantized = max(quantized, key=lambda f: measured[f]["value"]) if quantized else None
     return {
         "formats": formats,
         "worst_format": worst,
+        "worst_quantized_format": worst_quantized,
+        "worst_quantized": measured[worst_quantized] if worst_quantized else None,
         "summary": {SUMMARY_KEY: measured[worst] if worst else None},
         "summary_detail": {
             SUMMARY_KEY: "decode step at concurrency 1 / (bytes a token reads / copy bandwidth), the worst of "
@@ -267,7 +273,8 @@ def markdown(record: dict[str, Any]) -> str:
         f"# Decode step at concurrency 1 against its bytes ({record['date']}, {record['device']})",
         "",
         f"`{SUMMARY_KEY}` = {_entry_text(record['summary'][SUMMARY_KEY])} (worst format: "
-        f"{record['worst_format']}; goal {GOAL}).",
+        f"{record['worst_format']}; goal {GOAL}); worst quantized format "
+        f"{record.get('worst_quantized_format')}: {_entry_text(record.get('worst_quantized'))}.",
         "",
         "| weights | layers | step ms | bytes read MB | copy GB/s | ratio [spread] | rounds |",
         "|---|---|---|---|---|---|---|",

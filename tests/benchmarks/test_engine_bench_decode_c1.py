@@ -55,6 +55,10 @@ def test_the_summary_is_the_worst_format(record: dict[str, Any]) -> None:
     worst = max(by_format, key=by_format.__getitem__)
     assert record["worst_format"] == worst
     assert record["summary"] == {SUMMARY_KEY: record["formats"][worst]["summary"]}
+    quantized = {f: v for f, v in by_format.items() if f != "bf16"}
+    worst_quantized = max(quantized, key=quantized.__getitem__)
+    assert record["worst_quantized_format"] == worst_quantized
+    assert record["worst_quantized"] == record["formats"][worst_quantized]["summary"]
 
 
 def test_records_of_several_calls_merge(record: dict[str, Any], tmp_path: Path) -> None:
