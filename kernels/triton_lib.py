@@ -60,6 +60,7 @@ __all__ = [
     "moe_tile_epilogue",
     "query_tile",
     "query_tiles",
+    "split_k_finish",
     "unpack_tile",
     "x_planes",
 ]
@@ -307,6 +308,43 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
     pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
     return pid_m, pid_n
+
+
+# split-K GEMMs (W4A16, the FP8 weight-only GEMM): partial sums, fixed-order finish
+
+
+@triton.jit
+def split_k_finish(
+    acc,  # [BM, BN] fp32 partial (or full) sum of this program
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_om,
+    stride_on,
+    tile_id,
+    pid_k,
+    num_splits,  # the grid's K axis: run time in the GEMV (one compiled kernel for every split), constexpr in the tiles
+):
+    """Store the tile, or park a split-K partial; the last of num_splits programs sums the partials."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if num_splits == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [num_splits, M, N] fp32
+        tl.store(ws + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(num_splits):  # fixed order: deterministic whichever program is last
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile_id, 0)
 
 
 # fused MoE (INT4 and FP8): tile rows, epilogues, the GEMV's split-K finish

@@ -33,6 +33,7 @@ from kernels.triton_lib import (
     grouped_tile,
     int4_tile_dot,
     lift_rows,
+    split_k_finish,
     unpack_tile,
     x_planes,
 )
@@ -43,40 +44,6 @@ __all__ = [
     "w4a16_gemm",
     "w4a16_gemm_ref",
 ]
-
-
-@triton.jit
-def _finish_tile(
-    acc,  # [BM, BN] fp32 partial (or full) sum of this program
-    out_ptr,
-    ws_ptr,
-    cnt_ptr,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    stride_om,
-    stride_on,
-    tile_id,
-    pid_k,
-    num_splits,  # the grid's K axis: run time in the GEMV (one compiled kernel for every split), constexpr in the tiles
-):
-    """Store the tile, or park a split-K partial; the last of num_splits programs sums the partials."""
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if num_splits == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # ws: [num_splits, M, N] fp32
-        tl.store(ws + pid_k * M * N, acc, mask=mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-        if arrived == num_splits - 1:
-            total = tl.zeros_like(acc)
-            for s in range(num_splits):  # fixed order: deterministic whichever program is last
-                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + tile_id, 0)
 
 
 @triton.jit
@@ -127,7 +94,7 @@ def _w4a16_gemv_kernel(
             GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
         )  # fmt: skip
     acc_n = tl.sum(acc, axis=0) * LIFT_SCALE  # [BN]
-    _finish_tile(
+    split_k_finish(
         acc_n[None, :],
         out_ptr,
         ws_ptr,
@@ -216,7 +183,7 @@ def _w4a16_kernel(
         w = unpack_tile(wp, sc, magic_2_23, x.dtype)  # [BN, BK]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-    _finish_tile(
+    split_k_finish(
         acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k, SPLIT_K
     )
 

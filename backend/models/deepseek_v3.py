@@ -89,7 +89,9 @@ class MLAAttention(nn.Module):
         k_pe = rotary.rotate(k_pe.view(T, 1, self.Dr), step.cos, step.sin).view(T, self.Dr)
         step.write(self.layer_idx, "latent", torch.cat([c, k_pe], dim=-1))
         w_uk = self.w_kv()[:, : self.N]  # [Hl, N, R]
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, Hl, R]
+        # bmm over the views: cuBLAS takes their strides and the transpose as they are (an einsum may
+        # copy a non-contiguous weight operand on every call)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hl, R]
         return torch.cat([q_latent, q_pe], dim=-1), q_resid
 
     def w_kv(self) -> torch.Tensor:
@@ -107,7 +109,7 @@ class MLAAttention(nn.Module):
             args = MlaAttentionArgs(q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices)
             o_latent = mla_attention(args)  # [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
-        o = torch.einsum("thr,hvr->thv", o_latent, w_uv)  # [T, Hl, V]
+        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, Hl, V]
         return self.o_proj(o.reshape(q.shape[0], -1))
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:

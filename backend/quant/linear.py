@@ -8,10 +8,12 @@ a state dict or the model's `load_param(name, full)` fills it straight from the 
   the same tensor `weight_scale`, chosen by `block_scale_name`).
 
 Like `backend.models.layers.linear.Linear`, a module keeps only this rank's rows (`out_range`) or columns
-(`in_range`) and all-reduces when row-parallel. The forward dequantizes to the activation dtype and
-runs a dense matmul (the torch reference), except an `Int4Linear` whose `prefill` is "w4a8" or
-"expand-fp8" on CUDA with at least `prefill_min_tokens` tokens: that product runs on FP8 tensor
-cores (`kernels/w4a8_gemm.py`, `kernels/w4a8_expand.py`; `set_int4_prefill` picks the path).
+(`in_range`) and all-reduces when row-parallel. The product is the kernels' `int4_linear` /
+`fp8_linear`: on CUDA the W4A16 and weight-only FP8 kernels read the quantized bytes once a call
+(no dequantized weight is made at decode sizes); elsewhere the torch reference dequantizes to the
+activation dtype and runs a dense matmul. An `Int4Linear` whose `prefill` is "w4a8" or "expand-fp8" runs products of
+at least `prefill_min_tokens` tokens on CUDA on FP8 tensor cores instead (`kernels/w4a8_gemm.py`,
+`kernels/w4a8_expand.py`; `set_int4_prefill` picks the path).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import math
 from typing import TypedDict, Unpack
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backend.engine.engine_config import Int4Prefill
@@ -34,6 +35,8 @@ from kernels.formats.fp8 import (
     quantize_fp8_channel,
 )
 from kernels.formats.int4 import dequantize_int4, quantize_int4
+from kernels.fp8_linear import Fp8LinearArgs, fp8_linear
+from kernels.int4_linear import Int4LinearArgs, int4_linear
 
 # W4A8 / expand-fp8 run from this many tokens per product up (issue 6's prefill goal is M >= 2048);
 # smaller products stay W4A16. Not yet measured on the H200: set it from bench_w4a8's crossover.
@@ -88,9 +91,14 @@ class _QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ the weight's [N, K] transpose, in x's dtype, without the bias."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        y = F.linear(x, self.dequantized_weight(x.dtype), bias)
+        y = self.product(x)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return self.shard.all_reduce(y) if self.is_row_parallel else y
 
     def _rows(self, full: torch.Tensor, per: int = 1) -> torch.Tensor:
@@ -172,21 +180,18 @@ class Int4Linear(_QuantLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         if self.prefill == "w4a16" or not self._runs_fp8_prefill(x):
-            return super().forward(x)
+            args = Int4LinearArgs(x, self.weight_packed, self.weight_scale, self.in_local, self.group_size)
+            return int4_linear(args)
         # prefill on CUDA: FP8 tensor cores (triton is the gpu extra: imported only here)
         if self.prefill == "w4a8":
             from kernels.w4a8_gemm import w4a8_gemm
 
-            y = w4a8_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
-        else:
-            from kernels.w4a8_expand import w4a8_expand_gemm
+            return w4a8_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
+        from kernels.w4a8_expand import w4a8_expand_gemm
 
-            y = w4a8_expand_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return self.shard.all_reduce(y) if self.is_row_parallel else y
+        return w4a8_expand_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
 
     def _runs_fp8_prefill(self, x: torch.Tensor) -> bool:
         """CUDA, enough tokens, bf16/fp16 activations and a geometry the FP8 kernels take (whole
@@ -277,6 +282,10 @@ class Fp8Linear(_QuantLinear):
         if self.block is None:
             return dequantize_fp8_channel(self.weight, self.weight_scale, dtype)
         return dequantize_fp8_block(self.weight, self.block_scale, self.block, dtype)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight_scale if self.block is None else self.block_scale
+        return fp8_linear(Fp8LinearArgs(x, self.weight, scale, self.block))
 
     @property
     def block_scale(self) -> torch.Tensor:

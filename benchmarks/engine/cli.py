@@ -6,6 +6,7 @@
     transformers  Kumo vs the transformers peer     (default: Kimi K2.6; Kumo int4/fp8-KV and bf16/bf16-KV)
     variant       any one variant (--weights, --kv-dtype)
     scenario      one of Cloudflare's scenarios, warm and A/B/B/A: the summary's ratios (`scenario_cli.py`)
+    decode-c1     the decode step at concurrency 1 over its bytes, every weight format (`decode_c1.py`)
     report        merge records of several commands: `report A.json B.json … --out X.json`
     host          the engine's host time per decode step, model excluded (`benchmarks/engine/host_overhead.py`)
 
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine import host_overhead
 
         return host_overhead.main(args[1:])
+    if args[:1] == ["decode-c1"]:  # its own options: every weight format at concurrency 1
+        from benchmarks.engine import decode_c1
+
+        return decode_c1.main(args[1:])
     if args[:1] == ["scenario"]:  # its own options: the scenario's sizes
         from benchmarks.engine import scenario_cli
 

@@ -271,8 +271,9 @@ def test_w4a8_expand_gpu(N: int, K: int, group: int) -> None:
 
 @pytest.mark.gpu
 def test_int4_linear_prefill_paths_gpu() -> None:
-    """`Int4Linear` on CUDA: W4A16 (the default, the torch path) below the threshold and by default;
-    the chosen FP8 path, bias added, from `prefill_min_tokens` up."""
+    """`Int4Linear` on CUDA: W4A16 (the default: `int4_linear`, at these M one dequantizing pass and
+    cuBLAS, then the bias) below the threshold and by default; the chosen FP8 path, bias added, from
+    `prefill_min_tokens` up."""
     from backend.quant.linear import Int4Linear, set_int4_prefill
 
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -280,10 +281,10 @@ def test_int4_linear_prefill_paths_gpu() -> None:
     bias = torch.randn(1024, generator=gen, device="cuda").to(torch.bfloat16)
     layer = Int4Linear.from_weight(w.cpu(), bias.cpu(), group_size=32).cuda()
     x = torch.randn(1100, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
-    dense = torch.nn.functional.linear(x, layer.dequantized_weight(x.dtype), layer.bias)
+    dense = torch.nn.functional.linear(x, layer.dequantized_weight(x.dtype)) + layer.bias
     assert torch.equal(layer(x), dense)
     assert set_int4_prefill(layer, "w4a8", min_tokens=1024) == 1
-    below = torch.nn.functional.linear(x[:1000], layer.dequantized_weight(x.dtype), layer.bias)
+    below = torch.nn.functional.linear(x[:1000], layer.dequantized_weight(x.dtype)) + layer.bias
     assert torch.equal(layer(x[:1000]), below)  # below the threshold: W4A16
     fp8 = w4a8_gemm(x, layer.weight_packed, layer.weight_scale, 32) + layer.bias
     assert torch.equal(layer(x), fp8)
