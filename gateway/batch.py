@@ -135,7 +135,14 @@ async def submit(services: BatchServices, tenant: TenantContext, model: ModelSpe
 
 
 async def poll(services: BatchServices, tenant: TenantContext, model: ModelSpec, job_id: str) -> Response:
-    """The job's state, or its results once done. Another tenant's job is as unknown as none."""
+    """The job's state, or its results once done. Another tenant's job is as unknown as none.
+
+    A poll is a request: it goes through the rate limiter (one request against the tenant's
+    requests per minute, no tokens), so polling cannot read the database without bound. A spent
+    daily neuron allowance does not stop a tenant from collecting the results it has paid for."""
+    limiter = services.inference.limiter
+    reads_only = replace(tenant, quotas=msgspec.structs.replace(tenant.quotas, daily_neurons=None))
+    await limiter.settle(await limiter.admit(reads_only, model.name, 0), tokens=0, neurons=0.0)
     job = await services.batch.queue.get(job_id, tenant.tenant_id)
     if job is None or job.model != model.name:
         raise NotFound(f"No async batch request {job_id} for {model.name}")
