@@ -32,7 +32,7 @@ from gateway.errors import (
 from gateway.images import ImageFetcher
 from gateway.lifecycle import Lifecycle
 from gateway.normalize import Context, Normalized, from_legacy
-from gateway.normalize_openai import from_openai, max_tokens_of, num_choices_of
+from gateway.normalize_openai import from_openai, max_tokens_of, num_choices_of, num_images_of
 from gateway.observability import RequestInfo
 from gateway.pools import Router
 from gateway.quotas import Admission, Limiter
@@ -47,7 +47,9 @@ from schemas.workers_ai import LegacyInput, LegacyResult
 Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
 ModelInput = LegacyInput | ChatCompletionRequest  # a text-generation model's input, by family
 log = structlog.get_logger("kumo.inference")
-IMAGE_TOKENS_ESTIMATE = 1024  # reserved per image at admission, trued up to the real count after
+# reserved per image at admission, data: URI or URL alike, trued up to the real count after: what a
+# capped image costs (the backend's 16,384 patches per image, merged 2×2 into one token each)
+IMAGE_TOKENS_ESTIMATE = 4096
 _DATA_URI = re.compile(rb'"data:[^"]*"')
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -147,17 +149,19 @@ class _Call:
         return await self._respond(admission, normalized)
 
     def _estimate(self, prompt: Prompt) -> int:
-        """Tokens reserved at admission (trued up after): ~4 bytes a text token, a fixed allowance per
-        image (its bytes are not tokens), plus every choice's max tokens."""
+        """Tokens reserved at admission (trued up after): ~4 bytes a text token, a capped image's
+        tokens per image, fetched from a URL or not (its bytes are not tokens; a URL is not fetched
+        before admission), plus every choice's max tokens."""
         raw, body = prompt.raw, prompt.body
         text_bytes = len(_DATA_URI.sub(b'""', raw))
-        images = raw.count(b'"data:')
         if isinstance(body, LegacyInput):
+            images = 0
             if body.image is not None:
-                text_bytes -= len(msgspec.json.encode(body.image))
-                images += 1
+                images = 1
+                if not (isinstance(body.image, str) and body.image.startswith("data:")):
+                    text_bytes -= len(msgspec.json.encode(body.image))  # bytes or base64: not text
             return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + body.max_tokens
-        prompt_tokens = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
+        prompt_tokens = text_bytes // 4 + num_images_of(body) * IMAGE_TOKENS_ESTIMATE
         return prompt_tokens + max_tokens_of(body, self.model) * min(
             num_choices_of(body), self.service.settings.max_choices
         )
