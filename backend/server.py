@@ -233,6 +233,7 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         context_window=served.context_window,
         cuda_graphs=settings.cuda_graphs,
+        tenant_share=settings.tenant_share,
     )
     engine = Engine(
         loaded.model,

@@ -40,6 +40,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     name: str | None = None
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA devices only)
+    tenant_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.5  # of pages and sequences, while others wait
 
     @property
     def model_name(self) -> str:
@@ -67,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="model name in the card (default: folder name)")
     p.add_argument("--secret", default=None, help="shared secret (default: $KUMO_BACKEND_SECRET)")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--tenant-share",
+        type=float,
+        default=0.5,
+        help="most of the KV pages and of --max-num-seqs one tenant may hold while another waits (1: no cap)",
+    )
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
