@@ -31,7 +31,7 @@ from backend.async_engine import AsyncEngine
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
-from backend.image_encoder import MEDIA_PAD, VisionEncoder
+from backend.image_encoder import MEDIA_PAD, ImageBudget, VisionEncoder
 from backend.loader import load_model
 from backend.metrics import BackendMetrics
 from backend.served_model import ServedModel
@@ -211,6 +211,11 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
         dtype=dtype,
         device=settings.device,
+        budget=ImageBudget(
+            max_patches_per_request=settings.max_image_patches,
+            max_concurrent=settings.image_encoders,
+            max_waiting=settings.image_queue,
+        ),
     )
     served.has_vision = vision is not None
     loaded = load_model(settings.model, dtype=dtype, device=settings.device)

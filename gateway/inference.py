@@ -48,8 +48,8 @@ Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (pl
 ModelInput = LegacyInput | ChatCompletionRequest  # a text-generation model's input, by family
 log = structlog.get_logger("kumo.inference")
 # reserved per image at admission, data: URI or URL alike, trued up to the real count after: what a
-# capped image costs (the backend's 16,384 patches per image, merged 2×2 into one token each)
-IMAGE_TOKENS_ESTIMATE = 4096
+# capped image costs (the backend's 16,384 patches per image, 130 × 130 once padded, merged 2×2)
+IMAGE_TOKENS_ESTIMATE = 65 * 65
 _DATA_URI = re.compile(rb'"data:[^"]*"')
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
@@ -182,9 +182,12 @@ class _Call:
     async def _respond(self, admission: Admission, normalized: Normalized) -> Answer | Stream:
         """Steps 3 and 8: route every choice, render; settle and record usage at the end."""
         done = [render.Completion() for _ in normalized.requests]
+        affinity = self.meta.affinity
+        if affinity is None and len(normalized.requests) > 1 and _has_images(normalized.requests[0]):
+            affinity = self.meta.info.request_id  # one replica encodes the choices' images once
         # every choice is routed at once; any failure before the first byte closes the others
         started = await asyncio.gather(
-            *(self._started(r) for r in normalized.requests), return_exceptions=True
+            *(self._started(r, affinity) for r in normalized.requests), return_exceptions=True
         )
         streams = [s for s in started if not isinstance(s, BaseException)]
         failure = next((s for s in started if isinstance(s, BaseException)), None)
@@ -224,12 +227,14 @@ class _Call:
     def _id(self) -> str:
         return f"chatcmpl-{self.meta.info.request_id}"
 
-    async def _started(self, generate: b.GenerateRequest) -> AsyncGenerator[b.Event, None]:
+    async def _started(
+        self, generate: b.GenerateRequest, affinity: str | None
+    ) -> AsyncGenerator[b.Event, None]:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
         timeout_s = self.meta.timeout_s
         events = self.service.lifecycle.guard(
-            self.service.router.generate(self.model, generate, affinity=self.meta.affinity),
+            self.service.router.generate(self.model, generate, affinity=affinity),
             self.service.settings.request_timeout_s if timeout_s is None else timeout_s,
         )
         try:
@@ -338,6 +343,15 @@ class _Call:
                 status=status,
             )
         )
+
+
+def _has_images(request: b.GenerateRequest) -> bool:
+    return any(
+        isinstance(part, b.ImagePart)
+        for m in request.messages or []
+        if isinstance(m.content, list)
+        for part in m.content
+    )
 
 
 async def merge(streams: list[AsyncGenerator[b.Event, None]]) -> AsyncGenerator[tuple[int, b.Event], None]:

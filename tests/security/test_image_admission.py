@@ -31,7 +31,7 @@ def _body(url: str, num_images: int) -> dict:  # type: ignore[type-arg]
 
 
 async def test_url_images_reserve_their_capped_cost_before_admission(harness: Harness) -> None:
-    assert IMAGE_TOKENS_ESTIMATE >= 4096
+    assert IMAGE_TOKENS_ESTIMATE == 4225  # a capped image: 130 x 130 patches, merged 2x2
     account, token = await _tenant(harness.services, "image-admission", "paid")
     await harness.services.store.set_quotas(
         account, Quotas(tokens_per_minute=TOKENS_PER_MINUTE), actor="test"
