@@ -46,7 +46,7 @@ class ImageBudget:
 
     max_patches_per_request: int = 2 * 130 * 130
     max_concurrent: int = 1
-    max_waiting: int = 4
+    max_waiting: int = 16  # each waits in a worker thread (of 40): text requests keep the rest
     share_for_s: float = 10.0
 
 
