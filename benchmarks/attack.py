@@ -7,7 +7,8 @@ gateway you operate: it opens many connections and sends oversized and hostile r
 
     kumo bench attack --url URL --account A --token T --victim-account V --victim-token VT [--quick]
 
-Exit status 0 when every attack chosen held, 1 otherwise. `--out` writes the results as JSON.
+Exit status 0 when every attack chosen held, 1 otherwise. `--out` writes the results as JSON;
+`--pid gateway=PID --pid kimi=PID` records each local process's peak RSS during each attack.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Outcome:
     held: bool
     seconds: float
     victim_s: float | None = None  # the victim's latency during the attack (None: it failed)
+    peak_rss_mb: dict[str, float] | None = None  # of each watched process (`--pid`), during the attack
 
 
 Attack = Callable[[Target, httpx.AsyncClient], Awaitable[tuple[str, str, bool]]]
@@ -275,14 +277,37 @@ async def _raw(t: Target, data: bytes, *, timeout_s: float) -> str:
         writer.close()
 
 
-async def run(t: Target, names: list[str]) -> tuple[float | None, list[Outcome]]:
-    """The victim's unloaded latency, then each attack with a victim request made while it runs."""
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (Linux `/proc`), MB; NaN when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next(ln for ln in f if ln.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return float("nan")
+    return int(line.split()[1]) / 1024
+
+
+async def _peaks(pids: dict[str, int], peaks: dict[str, float]) -> None:
+    """Sample the watched processes' RSS every 100 ms into `peaks` until cancelled."""
+    while True:
+        for name, pid in pids.items():
+            peaks[name] = max(peaks.get(name, 0.0), rss_mb(pid))
+        await asyncio.sleep(0.1)
+
+
+async def run(
+    t: Target, names: list[str], pids: dict[str, int] | None = None
+) -> tuple[float | None, list[Outcome]]:
+    """The victim's unloaded latency, then each attack with a victim request made while it runs
+    (and the peak RSS of the processes in `pids`, if any, on this machine)."""
     outcomes = []
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=400)) as http:
         unloaded = await victim_latency(t, http)
         print(f"victim unloaded: {_fmt(unloaded)}", flush=True)
         for name in names:
             start = time.monotonic()
+            peaks: dict[str, float] = {}
+            sampler = asyncio.create_task(_peaks(pids or {}, peaks))
             attack = asyncio.create_task(ATTACKS[name](t, http))
             await asyncio.sleep(0.2)
             victim = await victim_latency(t, http)
@@ -290,12 +315,14 @@ async def run(t: Target, names: list[str]) -> tuple[float | None, list[Outcome]]
                 tried, got, held = await attack
             except Exception as exc:  # an attack that could not be mounted counts as not held
                 tried, got, held = name, f"failed to run: {exc!r}", False
-            outcome = Outcome(name, tried, got, held, time.monotonic() - start, victim)
+            sampler.cancel()
+            outcome = Outcome(name, tried, got, held, time.monotonic() - start, victim, peaks or None)
             outcomes.append(outcome)
             ratio = f" ({victim / unloaded:.1f}x unloaded)" if victim and unloaded else ""
+            memory = "".join(f"; {n} peak RSS {mb:.0f} MB" for n, mb in peaks.items())
             print(
                 f"{'held ' if held else 'BROKE'} {name}: tried {tried}; got {got}; "
-                f"victim {_fmt(victim)}{ratio}",
+                f"victim {_fmt(victim)}{ratio}{memory}",
                 flush=True,
             )
     return unloaded, outcomes
@@ -317,6 +344,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", default=",".join(ATTACKS), help="comma-separated attacks to run")
     p.add_argument("--quick", action="store_true", help="the bounded subset's sizes (CI)")
     p.add_argument("--out", default=None, help="write the results here as JSON")
+    p.add_argument(
+        "--pid", action="append", default=[], metavar="NAME=PID",
+        help="a process on this machine whose peak RSS to record per attack (gateway, backends)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in ATTACKS]
@@ -327,7 +358,11 @@ def main(argv: list[str]) -> int:
         victim_account=args.victim_account, victim_token=args.victim_token,
         model=args.model, vision_model=args.vision_model, quick=args.quick,
     )  # fmt: skip
-    unloaded, outcomes = asyncio.run(run(target, names))
+    try:
+        pids = {name: int(pid) for name, _, pid in (w.partition("=") for w in args.pid)}
+    except ValueError:
+        p.error("--pid takes NAME=PID")
+    unloaded, outcomes = asyncio.run(run(target, names, pids))
     if args.out:
         record = {"unloaded_victim_s": unloaded, "attacks": [asdict(o) for o in outcomes]}
         with open(args.out, "w") as f:

@@ -8,6 +8,8 @@ belong in `CI_SUBSET`. `image_bomb` needs a real Kimi backend (its cap is the ba
 
 from __future__ import annotations
 
+import os
+
 from gateway_harness import GLM, KIMI, Harness, _tenant
 
 from benchmarks.attack import ATTACKS, Target, run
@@ -22,13 +24,15 @@ async def test_the_bounded_attacks_hold_and_the_victim_is_served(harness: Harnes
         url=harness.url, account=harness.account, token=harness.token,
         victim_account=victim_account, victim_token=victim_token, model=GLM, vision_model=KIMI, quick=True,
     )  # fmt: skip
-    unloaded, outcomes = await run(target, CI_SUBSET)
+    # the gateway runs in this process: its RSS is recorded (not bounded: this process holds pytest too)
+    unloaded, outcomes = await run(target, CI_SUBSET, {"gateway": os.getpid()})
     assert unloaded is not None
     assert [o.name for o in outcomes] == CI_SUBSET
     for o in outcomes:
         assert o.held, o
         assert o.victim_s is not None, o  # the victim's request succeeded during the attack
         assert o.seconds < 60, o  # bounded
+        assert o.peak_rss_mb is not None and o.peak_rss_mb["gateway"] > 0, o
 
 
 def test_the_command_names_its_attacks() -> None:
