@@ -233,6 +233,49 @@ async def batch_flood(t: Target, http: httpx.AsyncClient) -> tuple[str, str, boo
     )
 
 
+async def grammar_bomb(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool]:
+    got, held = [], True
+    for depth in (10, 400):  # within the schema depth limit (compiled), and far past it (refused)
+        # alternatives nested in alternatives, written as text: linear in size, any depth
+        opening = '{"anyOf": [{"type": "array", "items": '
+        closing = '}, {"type": "object", "minProperties": 2}]}'
+        schema = opening * depth + '{"type": "string"}' + closing * depth
+        head = json.dumps(
+            {"model": t.model, "messages": [{"role": "user", "content": "json"}], "max_tokens": 4}
+        )
+        body = (
+            head[:-1] + ', "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": '
+        )
+        body += schema + "}}}"
+        start = time.monotonic()
+        r = await http.post(
+            t.path("/ai/v1/chat/completions"),
+            headers={**t.auth(), "content-type": "application/json"},
+            content=body.encode(),
+        )
+        took = time.monotonic() - start
+        got.append(f"depth {depth}: HTTP {r.status_code} in {took:.2f} s")
+        leaked = r.status_code == 400 and "<[" in r.text  # a grammar with token ids echoed back
+        held = held and r.status_code in (200, 400) and took < 10 and not leaked
+    return "JSON schemas of nested anyOf alternatives", "; ".join(got), held
+
+
+async def vanishing_streams(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool]:
+    num = 20 if t.quick else 200
+    body = {"prompt": "Count to one hundred.", "max_tokens": 256, "stream": True}
+
+    async def vanish() -> int:
+        async with http.stream("POST", t.path(f"/ai/run/{t.model}"), headers=t.auth(), json=body) as r:
+            async for _ in r.aiter_bytes():
+                break  # the first bytes, then gone
+            return r.status_code
+
+    codes = await asyncio.gather(*(vanish() for _ in range(num)))
+    after = await victim_latency(t, http)
+    got = f"{codes.count(200)} streams opened and dropped; a request after them: {_fmt(after)}"
+    return f"{num} streams closed after their first bytes", got, after is not None
+
+
 ATTACKS: dict[str, Attack] = {
     "cross_tenant": cross_tenant,
     "body_size": body_size,
@@ -244,6 +287,8 @@ ATTACKS: dict[str, Attack] = {
     "ssrf": ssrf,
     "poll_flood": poll_flood,
     "batch_flood": batch_flood,
+    "grammar_bomb": grammar_bomb,
+    "vanishing_streams": vanishing_streams,
 }
 
 

@@ -15,7 +15,10 @@ from gateway_harness import GLM, KIMI, Harness, _tenant
 from benchmarks.attack import ATTACKS, Target, run
 from benchmarks.cli import main as bench_main
 
-CI_SUBSET = ["cross_tenant", "body_size", "nesting", "ssrf", "poll_flood", "batch_flood"]
+CI_SUBSET = [
+    "cross_tenant", "body_size", "nesting", "ssrf", "poll_flood", "batch_flood", "grammar_bomb",
+    "vanishing_streams",
+]  # fmt: skip
 
 
 async def test_the_bounded_attacks_hold_and_the_victim_is_served(harness: Harness) -> None:
