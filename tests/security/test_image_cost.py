@@ -12,6 +12,7 @@ import io
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -160,3 +161,28 @@ async def test_the_choices_of_an_image_request_go_to_one_replica(harness: Harnes
         got = [len(b.requests) - n for b, n in zip(kimi, before, strict=True)]
         print(f"tried n=4 with an image over 2 replicas: choices per replica {got}")
         assert sorted(got) == [0, 4]
+
+
+@pytest.mark.slow
+def test_an_image_bomb_through_kumo_serve_is_a_413_at_once(kumo: Any) -> None:
+    """The attack as reported, through the public API of the embedded `kumo serve` (gateway and a
+    real Kimi backend on the CPU): 8 PNGs of 4096×4096 with n=8. Before: 55 s and gigabytes; now a
+    413 with Workers AI code 3006, in seconds, and the backend still serves the next request."""
+    import httpx
+
+    uri = "data:image/png;base64," + base64.b64encode(_png(4096, 4096, noise=False)).decode()
+    parts = [{"type": "image_url", "image_url": {"url": uri}} for _ in range(8)]
+    body = {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "?"}]}], "n": 8,
+            "max_tokens": 1}  # fmt: skip
+    start = time.monotonic()
+    r = httpx.post(kumo.path(f"/ai/run/{KIMI}"), headers=kumo.auth, json=body, timeout=120)
+    took = time.monotonic() - start
+    print(
+        f"tried 8 PNGs of 4096x4096 with n=8 through kumo serve: got {r.status_code} in {took:.2f} s: {r.text[:200]}"
+    )
+    assert r.status_code == 413 and r.json()["errors"][0]["code"] == 3006, r.text
+    assert "patches" in r.json()["errors"][0]["message"] and took < 10
+    small = {"messages": [{"role": "user", "content": [parts[0] | {"image_url": {"url": "data:image/png;base64,"
+             + base64.b64encode(_png(64, 48, 3)).decode()}}, {"type": "text", "text": "?"}]}], "n": 2, "max_tokens": 2}  # fmt: skip
+    r = httpx.post(kumo.path(f"/ai/run/{KIMI}"), headers=kumo.auth, json=small, timeout=120)
+    assert r.status_code == 200, r.text
