@@ -7,6 +7,7 @@
     ├── Unauthorized (401, unauthorized)
     ├── ContextWindowExceeded (413, context_window_exceeded)  names both numbers
     ├── TooLargeForPool (413, too_large_for_pool)   could never fit the page pool
+    │   └── TooManyImagePatches                     the request's images past the patch cap
     ├── Busy (429, busy)                            reject_if_busy and no room this step
     ├── IntegrityAbort (500, integrity_abort)       a KV page tag mismatch
     ├── Aborted (499, aborted)
@@ -61,6 +62,10 @@ class ContextWindowExceeded(EngineError):
 
 class TooLargeForPool(EngineError):
     status, code = 413, "too_large_for_pool"
+
+
+class TooManyImagePatches(TooLargeForPool):
+    """A request whose images together cut into more patches than a request may have."""
 
 
 class Busy(EngineError):

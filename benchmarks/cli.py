@@ -11,6 +11,7 @@ import sys
 
 # subcommand → module with `main(argv: list[str]) -> int`
 SUBCOMMANDS: dict[str, str] = {
+    "attack": "benchmarks.attack",
     "engine": "benchmarks.engine.cli",
     "load": "benchmarks.load",
     "report": "benchmarks.report",

@@ -5,9 +5,10 @@ and the job's usage.
 
 Jobs live in the store (`gateway.store.batch`), so any gateway sharing the database may run one,
 exactly one does, and a job survives its gateway: a stopping gateway hands its job back, a dead
-one's lease expires and another takes it over. Each gateway runs one `BatchWorker`; it runs a
-job's requests through the same path as `/ai/run` (quotas, normalisation, routing, metering),
-a few at a time, at a lower engine priority than interactive requests. Results are kept for
+one's lease expires and another takes it over. Each gateway runs one `BatchWorker`; it runs
+several jobs at once, at most one per tenant, their requests through the same path as `/ai/run`
+(quotas, normalisation, routing, metering) a few at a time, shared round-robin by tenant, at a
+lower engine priority than interactive requests. Results are kept for
 `batch_result_ttl_s`, then purged.
 """
 
@@ -30,6 +31,7 @@ from starlette.responses import Response
 from gateway.auth import TenantContext
 from gateway.body import decode, decode_json
 from gateway.errors import BadInput, Busy, KumoError, NotFound, RateLimited, Unavailable
+from gateway.fair_slots import FairSlots
 from gateway.inference import Answer, CallMeta, InferenceService, Prompt, input_decoder
 from gateway.lifecycle import Lifecycle
 from gateway.pools import Router
@@ -135,7 +137,14 @@ async def submit(services: BatchServices, tenant: TenantContext, model: ModelSpe
 
 
 async def poll(services: BatchServices, tenant: TenantContext, model: ModelSpec, job_id: str) -> Response:
-    """The job's state, or its results once done. Another tenant's job is as unknown as none."""
+    """The job's state, or its results once done. Another tenant's job is as unknown as none.
+
+    A poll is a request: it goes through the rate limiter (one request against the tenant's
+    requests per minute, no tokens), so polling cannot read the database without bound. A spent
+    daily neuron allowance does not stop a tenant from collecting the results it has paid for."""
+    limiter = services.inference.limiter
+    reads_only = replace(tenant, quotas=msgspec.structs.replace(tenant.quotas, daily_neurons=None))
+    await limiter.settle(await limiter.admit(reads_only, model.name, 0), tokens=0, neurons=0.0)
     job = await services.batch.queue.get(job_id, tenant.tenant_id)
     if job is None or job.model != model.name:
         raise NotFound(f"No async batch request {job_id} for {model.name}")
@@ -164,7 +173,10 @@ class PriorityRouter(Router):
 
 
 class BatchWorker:
-    """Takes jobs from the queue one at a time and runs them; one per gateway (on `Services`)."""
+    """Runs queued jobs, one per gateway (on `Services`). It runs up to `batch_max_jobs` jobs at
+    once, at most one per tenant, and their requests share `batch_concurrency` slots round-robin
+    by tenant (`FairSlots`): a tenant's thousand-request job does not hold another tenant's
+    one-request job back by more than one request, and a request waiting out a 429 holds no slot."""
 
     def __init__(self) -> None:
         self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -172,6 +184,8 @@ class BatchWorker:
         self._services: BatchServices | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self._slots: FairSlots | None = None
+        self._jobs: dict[asyncio.Task[None], str] = {}  # running jobs → their tenants
         self.num_jobs_done = 0
 
     @property
@@ -183,6 +197,7 @@ class BatchWorker:
         self._services = services
         self._queue = BatchQueue(services.store.engine)
         self._wake = asyncio.Event()
+        self._slots = FairSlots(services.settings.batch_concurrency)
         self._task = asyncio.create_task(self._loop(), name="kumo-batch")
 
     async def stop(self) -> None:
@@ -200,28 +215,47 @@ class BatchWorker:
         settings = self._services.settings
         loop = asyncio.get_running_loop()
         next_purge = loop.time()
-        while not self._services.lifecycle.is_draining:
-            self._wake.clear()
-            job: BatchJob | None = None
-            try:
-                if loop.time() >= next_purge:
-                    num = await self.queue.purge()
-                    if num:
-                        log.info("batch_purged", num_jobs=num)
-                    next_purge = loop.time() + PURGE_INTERVAL_S
-                job = await self.queue.claim(self.worker_id, settings.batch_lease_s)
-            except (SQLAlchemyError, OSError) as exc:
-                log.warning("batch_queue_unavailable", error=type(exc).__name__)
-            if job is None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), settings.batch_poll_interval_s)
-                continue
-            try:
-                await self._run(job)
-            except (SQLAlchemyError, OSError) as exc:  # its lease runs out; it is retried
-                log.warning("batch_queue_unavailable", request_id=job.id, error=type(exc).__name__)
-            except Exception:  # a bug must not stop this gateway's queue; the job is retried, then failed
-                log.exception("batch_failed", request_id=job.id)
+        try:
+            while not self._services.lifecycle.is_draining:
+                self._wake.clear()
+                job: BatchJob | None = None
+                try:
+                    if loop.time() >= next_purge:
+                        num = await self.queue.purge()
+                        if num:
+                            log.info("batch_purged", num_jobs=num)
+                        next_purge = loop.time() + PURGE_INTERVAL_S
+                    if len(self._jobs) < settings.batch_max_jobs:
+                        job = await self.queue.claim(
+                            self.worker_id, settings.batch_lease_s, skip_tenants=set(self._jobs.values())
+                        )
+                except (SQLAlchemyError, OSError) as exc:
+                    log.warning("batch_queue_unavailable", error=type(exc).__name__)
+                if job is None:  # woken by a submit, a job ending, or the poll interval
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), settings.batch_poll_interval_s)
+                    continue
+                task = asyncio.create_task(self._guarded(job), name=f"kumo-batch-{job.id}")
+                self._jobs[task] = job.tenant_id
+                task.add_done_callback(self._ended)
+        except asyncio.CancelledError:  # this gateway is stopping: every job hands itself back
+            for task in self._jobs:
+                task.cancel()
+            await asyncio.gather(*self._jobs, return_exceptions=True)
+            raise
+        await asyncio.gather(*self._jobs, return_exceptions=True)  # draining: they hand back
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._jobs.pop(task, None)
+        self.wake()
+
+    async def _guarded(self, job: BatchJob) -> None:
+        try:
+            await self._run(job)
+        except (SQLAlchemyError, OSError) as exc:  # its lease runs out; it is retried
+            log.warning("batch_queue_unavailable", request_id=job.id, error=type(exc).__name__)
+        except Exception:  # a bug must not stop this gateway's queue; the job is retried, then failed
+            log.exception("batch_failed", request_id=job.id)
 
     async def _run(self, job: BatchJob) -> None:
         """Run `job` while renewing its lease; hand it back if this gateway stops or drains."""
@@ -276,13 +310,11 @@ class BatchWorker:
                     responses=failed, usage=BatchUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
                 )
             )
-        limit = asyncio.Semaphore(services.settings.batch_concurrency)
-
-        async def one(i: int, item: QueuedRequest) -> tuple[BatchItem, int, int]:
-            async with limit:
-                return await _run_one(inference, tenant, job.model, i, item)
-
-        done = await asyncio.gather(*(one(i, item) for i, item in enumerate(items)))
+        slots = self._slots
+        assert slots is not None
+        done = await asyncio.gather(
+            *(_run_one(inference, slots, tenant, job.model, i, item) for i, item in enumerate(items))
+        )
         prompt = sum(p for _, p, _ in done)
         completion = sum(c for _, _, c in done)
         usage = BatchUsage(
@@ -316,17 +348,24 @@ def _failure(i: int, item: QueuedRequest, exc: KumoError) -> BatchItem:
 
 
 async def _run_one(
-    inference: InferenceService, tenant: TenantContext, model_name: str, i: int, item: QueuedRequest
+    inference: InferenceService,
+    slots: FairSlots,
+    tenant: TenantContext,
+    model_name: str,
+    i: int,
+    item: QueuedRequest,
 ) -> tuple[BatchItem, int, int]:
-    """One queued request through the service `/ai/run` calls; waits out 429/503 (but a spent daily
-    allowance) as often as `MAX_ITEM_RETRIES`. Returns the item and its prompt/completion tokens."""
+    """One queued request through the service `/ai/run` calls, in one of the shared slots once it
+    is the tenant's turn; waits out 429/503 (but a spent daily allowance) as often as
+    `MAX_ITEM_RETRIES`, without holding a slot. Returns the item and its prompt/completion tokens."""
     raw = bytes(item.input)
     for attempt in range(MAX_ITEM_RETRIES + 1):
         meta = CallMeta()  # each attempt has its own request id; no affinity, the default deadline
         try:
-            model = inference.resolve_model(tenant, model_name, meta.info)
-            prompt = Prompt(decode(raw, input_decoder(model, "run")), raw)
-            answer = await inference.run(tenant, model, prompt, "run", meta)
+            async with slots.slot(tenant.tenant_id):
+                model = inference.resolve_model(tenant, model_name, meta.info)
+                prompt = Prompt(decode(raw, input_decoder(model, "run")), raw)
+                answer = await inference.run(tenant, model, prompt, "run", meta)
         except (RateLimited, Busy, Unavailable) as exc:
             if attempt == MAX_ITEM_RETRIES:
                 return _failure(i, item, exc), 0, 0

@@ -32,7 +32,7 @@ from gateway.errors import (
 from gateway.images import ImageFetcher
 from gateway.lifecycle import Lifecycle
 from gateway.normalize import Context, Normalized, from_legacy
-from gateway.normalize_openai import from_openai, max_tokens_of, num_choices_of
+from gateway.normalize_openai import from_openai, max_tokens_of, num_choices_of, num_images_of
 from gateway.observability import RequestInfo
 from gateway.pools import Router
 from gateway.quotas import Admission, Limiter
@@ -47,7 +47,9 @@ from schemas.workers_ai import LegacyInput, LegacyResult
 Surface = Literal["run", "openai"]  # /ai/run (Workers AI answers) or /ai/v1 (plain OpenAI answers)
 ModelInput = LegacyInput | ChatCompletionRequest  # a text-generation model's input, by family
 log = structlog.get_logger("kumo.inference")
-IMAGE_TOKENS_ESTIMATE = 1024  # reserved per image at admission, trued up to the real count after
+# reserved per image at admission, data: URI or URL alike, trued up to the real count after: what a
+# capped image costs (the backend's 16,384 patches per image, 130 × 130 once padded, merged 2×2)
+IMAGE_TOKENS_ESTIMATE = 65 * 65
 PROMPT_SCAFFOLD_TOKENS = 64  # a template's own text beyond the body (a default system prompt, BOS)
 _DATA_URI = re.compile(rb'"data:[^"]*"')
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
@@ -149,21 +151,30 @@ class _Call:
             raise
         return await self._respond(admission, normalized)
 
-    def _estimate(self, prompt: Prompt) -> int:
-        """Tokens reserved at admission (trued up after): ~4 bytes a text token, a fixed allowance per
-        image (its bytes are not tokens), plus every choice's max tokens."""
+    def _text_bytes_and_images(self, prompt: Prompt) -> tuple[int, int]:
+        """The body's text bytes (images' bytes are not text) and its images, each counted at a capped
+        image's tokens, fetched from a URL or not (a URL is not fetched before admission)."""
         raw, body = prompt.raw, prompt.body
         text_bytes = len(_DATA_URI.sub(b'""', raw))
-        images = raw.count(b'"data:')
         if isinstance(body, LegacyInput):
-            if body.image is not None:
-                text_bytes -= len(msgspec.json.encode(body.image))
-                images += 1
-            return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + body.max_tokens
-        prompt_tokens = text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
-        return prompt_tokens + max_tokens_of(body, self.model) * min(
-            num_choices_of(body), self.service.settings.max_choices
-        )
+            if body.image is None:
+                return text_bytes, 0
+            if not (isinstance(body.image, str) and body.image.startswith("data:")):
+                text_bytes -= len(msgspec.json.encode(body.image))  # bytes or base64: not text
+            return text_bytes, 1
+        return text_bytes, num_images_of(body)
+
+    def _choices_and_max_tokens(self, body: ModelInput) -> tuple[int, int]:
+        if isinstance(body, LegacyInput):
+            return 1, body.max_tokens
+        return min(num_choices_of(body), self.service.settings.max_choices), max_tokens_of(body, self.model)
+
+    def _estimate(self, prompt: Prompt) -> int:
+        """Tokens reserved at admission (trued up after): ~4 bytes a text token, a capped image's
+        tokens per image, plus every choice's max tokens."""
+        text_bytes, images = self._text_bytes_and_images(prompt)
+        num_choices, max_tokens = self._choices_and_max_tokens(prompt.body)
+        return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + max_tokens * num_choices
 
     def _worst_neurons(self, prompt: Prompt) -> float:
         """The most the request can cost, reserved from the daily budget at admission (the unused
@@ -171,17 +182,8 @@ class _Call:
         body byte (a byte-level BPE token covers at least one byte; the JSON framing of each message
         outweighs the template's markers around it) plus `PROMPT_SCAFFOLD_TOKENS`, each image at its
         reserved tokens, nothing cached."""
-        raw, body = prompt.raw, prompt.body
-        text_bytes = len(_DATA_URI.sub(b'""', raw))
-        images = raw.count(b'"data:')
-        if isinstance(body, LegacyInput):
-            if body.image is not None:
-                text_bytes -= len(msgspec.json.encode(body.image))
-                images += 1
-            num_choices, max_tokens = 1, body.max_tokens
-        else:
-            num_choices = min(num_choices_of(body), self.service.settings.max_choices)
-            max_tokens = max_tokens_of(body, self.model)
+        text_bytes, images = self._text_bytes_and_images(prompt)
+        num_choices, max_tokens = self._choices_and_max_tokens(prompt.body)
         prompt_tokens = text_bytes + images * IMAGE_TOKENS_ESTIMATE + PROMPT_SCAFFOLD_TOKENS
         return neurons(self.model.price, prompt_tokens * num_choices, 0, max_tokens * num_choices)
 
@@ -201,9 +203,12 @@ class _Call:
     async def _respond(self, admission: Admission, normalized: Normalized) -> Answer | Stream:
         """Steps 3 and 8: route every choice, render; settle and record usage at the end."""
         done = [render.Completion() for _ in normalized.requests]
+        affinity = self.meta.affinity
+        if affinity is None and len(normalized.requests) > 1 and _has_images(normalized.requests[0]):
+            affinity = self.meta.info.request_id  # one replica encodes the choices' images once
         # every choice is routed at once; any failure before the first byte closes the others
         started = await asyncio.gather(
-            *(self._started(r) for r in normalized.requests), return_exceptions=True
+            *(self._started(r, affinity) for r in normalized.requests), return_exceptions=True
         )
         streams = [s for s in started if not isinstance(s, BaseException)]
         failure = next((s for s in started if isinstance(s, BaseException)), None)
@@ -243,12 +248,14 @@ class _Call:
     def _id(self) -> str:
         return f"chatcmpl-{self.meta.info.request_id}"
 
-    async def _started(self, generate: b.GenerateRequest) -> AsyncGenerator[b.Event, None]:
+    async def _started(
+        self, generate: b.GenerateRequest, affinity: str | None
+    ) -> AsyncGenerator[b.Event, None]:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
         timeout_s = self.meta.timeout_s
         events = self.service.lifecycle.guard(
-            self.service.router.generate(self.model, generate, affinity=self.meta.affinity),
+            self.service.router.generate(self.model, generate, affinity=affinity),
             self.service.settings.request_timeout_s if timeout_s is None else timeout_s,
         )
         try:
@@ -357,6 +364,15 @@ class _Call:
                 status=status,
             )
         )
+
+
+def _has_images(request: b.GenerateRequest) -> bool:
+    return any(
+        isinstance(part, b.ImagePart)
+        for m in request.messages or []
+        if isinstance(m.content, list)
+        for part in m.content
+    )
 
 
 async def merge(streams: list[AsyncGenerator[b.Event, None]]) -> AsyncGenerator[tuple[int, b.Event], None]:

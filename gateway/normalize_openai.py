@@ -131,6 +131,11 @@ def num_choices_of(inp: ChatCompletionRequest) -> int:
     return inp.n or 1
 
 
+def num_images_of(inp: ChatCompletionRequest) -> int:
+    """Image parts in the input, data: URIs and URLs alike, counted before any is fetched."""
+    return _num_images(inp.messages or [])
+
+
 def _num_images(messages: list[MessageIn]) -> int:
     """Image parts in the input, counted before any of them is fetched."""
     return sum(

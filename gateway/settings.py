@@ -52,7 +52,8 @@ class GatewaySettings:
     batch_result_ttl_s: float = 86400.0  # async batch: how long finished results are kept
     batch_lease_s: float = 60.0  # a running job whose gateway stops renewing is retried after this
     batch_poll_interval_s: float = 1.0
-    batch_concurrency: int = 4  # requests of one job in flight at once
+    batch_concurrency: int = 4  # batch requests in flight at once, shared round-robin by tenant
+    batch_max_jobs: int = 16  # jobs one gateway runs at once, at most one per tenant
     batch_priority: int = 5  # the internal request's priority (0 interactive, higher later)
     batch_max_pending_per_tenant: int = 16  # unfinished jobs one account may have queued (0: no cap)
 

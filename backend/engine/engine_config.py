@@ -16,6 +16,7 @@ NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
 TokenBudget = Annotated[int, Meta(ge=1, le=1 << 20)]
 NumSeqs = Annotated[int, Meta(ge=1, le=1 << 14)]
 ContextWindow = Annotated[int, Meta(ge=1, le=1 << 24)]
+TenantShare = Annotated[float, Meta(gt=0.0, le=1.0)]
 KVDtype = Literal["auto", "bfloat16", "float8_e4m3fn"]
 # How INT4 Linears run prefill-sized products on CUDA (`backend.quant.linear.Int4Linear`): W4A16 (the
 # default), W4A8 (FP8 tensor cores, exact INT4 weights, activations per token in FP8:
@@ -40,6 +41,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `cuda_graphs` replays pure-decode steps from CUDA graphs (on a CUDA device only; the CPU never
     captures), one per batch size in `cuda_graph_batch_sizes` (None: `default_graph_batch_sizes`);
     sizes above `max_num_seqs` are dropped.
+    `tenant_share` is the most of the page pool and of `max_num_seqs` one tenant (a prefix-cache
+    salt) may hold while another tenant, under its own share, waits (1.0: no cap).
     """
 
     page_size: PageSize = 16
@@ -54,6 +57,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    tenant_share: TenantShare = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -7,11 +7,17 @@ request is admitted only when pages for all of its tokens are available (prefix-
 when a decode needs a page and none is left, the newest running request is preempted: its pages are
 released and it is recomputed later from its tokens. Requests that can never run are refused when
 they arrive, not queued forever.
+
+Tenants share a replica: while another tenant under its share waits, no tenant (a prefix-cache
+salt) may hold more than `tenant_share` of the page pool or of `max_num_seqs`. Its requests past
+the share wait while others are admitted, and when the waiting tenant cannot start for lack of
+pages or sequence slots, the tenant over its share gives back its newest sequences (preempted,
+recomputed later).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from backend.engine.block_manager import BlockManager
@@ -96,10 +102,17 @@ class Scheduler:
         out = SchedulerOutput(step=self._next_step)
         self._next_step += 1
         budget = self.config.max_num_batched_tokens
+        running = list(self.running)
+        if self.config.tenant_share < 1.0:
+            if self.waiting:
+                self._reclaim_shares(out)
+            # tenants over their share decode last: when pages run out, theirs are preempted
+            shares = _Shares.of(self)
+            running = sorted(self.running, key=lambda s: shares.is_over(_tenant(s)))
         # decode: one token each, oldest first; preempt the newest when a page is missing
         prefilling = []
         reserve = self.block_manager.reserve_next_slot
-        for seq in list(self.running):
+        for seq in running:
             if seq.status is not Status.RUNNING:
                 continue
             if seq.is_prefilling:  # its chunk comes after every decode
@@ -117,14 +130,25 @@ class Scheduler:
                 n = min(seq.num_uncomputed_tokens, budget)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
-        # admit: not in a step that had to preempt (the pool is short; recompute would thrash)
+        # admit: not in a step that had to preempt (the pool is short; recompute would thrash);
+        # a tenant past its share waits while another tenant under its share is waiting
+        admitting = _Shares.of(self) if self.config.tenant_share < 1.0 else None
+        at = 0
         while (
-            self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs
+            at < len(self.waiting)
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[at]
+            if admitting is not None and admitting.must_wait(seq):
+                at += 1
+                continue
             if not self.block_manager.admit(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
+            if admitting is not None:
+                admitting.add(seq)
             seq.status = Status.RUNNING
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -147,15 +171,37 @@ class Scheduler:
     # ---- internals -----------------------------------------------------------------------------
     def _preempt_until_reserved(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Preempt the newest unscheduled requests until `seq` gets its next page (False: `seq`
-        itself was the newest, and is preempted)."""
+        itself was the newest, and is preempted); those of a tenant over its share go first, so
+        a tenant growing past its share cannot push another tenant's requests out."""
         while not self.block_manager.reserve_next_slot(seq):
             scheduled = {id(s.seq) for s in out.scheduled}
             victims = [s for s in self.running if id(s) not in scheduled]
+            if self.config.tenant_share < 1.0:
+                shares = _Shares.of(self)
+                victims = [s for s in victims if shares.is_over(_tenant(s))] or victims
             victim = max(victims, key=lambda s: s.arrival)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _reclaim_shares(self, out: SchedulerOutput) -> None:
+        """The first waiting request of a tenant under its share cannot start (no pages, no slot):
+        preempt the newest sequences of every other tenant over its share, down to its share (the
+        waiting request is admitted in a later step, once the pages are out of quarantine)."""
+        shares = _Shares.of(self)
+        blocked = next((s for s in self.waiting if not shares.is_over(_tenant(s))), None)
+        if blocked is None:
+            return
+        if len(self.running) < self.config.max_num_seqs and self.block_manager.can_admit(blocked):
+            return
+        while True:
+            over = [s for s in self.running if _tenant(s) != _tenant(blocked) and shares.is_over(_tenant(s))]
+            if not over:
+                return
+            victim = max(over, key=lambda s: s.arrival)
+            shares.remove(victim)
+            self._preempt(victim, out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.release(seq)
@@ -177,3 +223,66 @@ class Scheduler:
             and num_committed < self.config.max_num_batched_tokens
             and self.block_manager.can_admit(seq)
         )
+
+
+def _tenant(seq: Sequence) -> str:
+    return seq.request.tenant_salt
+
+
+@dataclass(slots=True)
+class _Shares:
+    """Pages and sequences each tenant holds (pages counted with the decode step's next one), and
+    the caps of `tenant_share`."""
+
+    max_pages: int
+    max_seqs: int
+    num_pages: Counter[str]
+    num_seqs: Counter[str]
+    waiting: Counter[str]  # waiting requests per tenant
+    page_size: int
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> _Shares:
+        share = scheduler.config.tenant_share
+        num_pages: Counter[str] = Counter()
+        num_seqs: Counter[str] = Counter()
+        page_size = scheduler.block_manager.page_size
+        for seq in scheduler.running:  # pages held, or about to be: a decode's next token may need one
+            num_pages[_tenant(seq)] += max(seq.page_table.length, -(-seq.num_tokens // page_size))
+            num_seqs[_tenant(seq)] += 1
+        return cls(
+            max_pages=max(1, int(share * scheduler.block_manager.num_pages)),
+            max_seqs=max(1, int(share * scheduler.config.max_num_seqs)),
+            num_pages=num_pages,
+            num_seqs=num_seqs,
+            waiting=Counter(_tenant(s) for s in scheduler.waiting),
+            page_size=page_size,
+        )
+
+    def is_over(self, tenant: str) -> bool:
+        """Holds more than its share (strictly: a tenant at its share is left alone)."""
+        return self.num_pages[tenant] > self.max_pages or self.num_seqs[tenant] > self.max_seqs
+
+    def must_wait(self, seq: Sequence) -> bool:
+        """Admitting `seq` would take its tenant past its share while another tenant under its
+        share waits."""
+        tenant = _tenant(seq)
+        num_needed = -(-seq.num_tokens // self.page_size)
+        if (
+            self.num_seqs[tenant] + 1 <= self.max_seqs
+            and self.num_pages[tenant] + num_needed <= self.max_pages
+        ):
+            return False
+        return any(t != tenant and n and not self.is_over(t) for t, n in self.waiting.items())
+
+    def add(self, seq: Sequence) -> None:
+        tenant = _tenant(seq)
+        self.num_pages[tenant] += seq.page_table.length
+        self.num_seqs[tenant] += 1
+        self.waiting[tenant] -= 1
+
+    def remove(self, seq: Sequence) -> None:
+        tenant = _tenant(seq)
+        self.num_pages[tenant] -= seq.page_table.length
+        self.num_seqs[tenant] -= 1
+        self.waiting[tenant] += 1

@@ -51,6 +51,19 @@ def target_size(height: int, width: int, patch: int, merge: int, max_patches: in
     )
 
 
+def num_patches(
+    data: bytes, *, patch: int = 14, merge: int = 2, max_patches: int = 16384, max_side: int = 512
+) -> int:
+    """The patches `process_image` will cut from `data`, from its header alone (nothing decoded)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            height, width = image.height, image.width
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequest(f"image could not be decoded: {exc}") from exc
+    _, (pad_h, pad_w) = target_size(height, width, patch, merge, max_patches, max_side)
+    return (pad_h // patch) * (pad_w // patch)
+
+
 def process_image(
     data: bytes, *, patch: int = 14, merge: int = 2, max_patches: int = 16384, max_side: int = 512
 ) -> ProcessedImage:

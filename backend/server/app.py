@@ -32,7 +32,7 @@ from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
-from backend.models.image_encoder import MEDIA_PAD, VisionEncoder
+from backend.models.image_encoder import MEDIA_PAD, ImageBudget, VisionEncoder
 from backend.models.loader import load_model, prepare_model
 from backend.server.generation import Serving
 from backend.server.metrics import BackendMetrics
@@ -218,6 +218,11 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
         dtype=dtype,
         device=settings.device,
+        budget=ImageBudget(
+            max_patches_per_request=settings.max_image_patches,
+            max_concurrent=settings.image_encoders,
+            max_waiting=settings.image_queue,
+        ),
     )
     served.has_vision = vision is not None
     loaded = load_model(settings.model, dtype=dtype, device=settings.device)
@@ -229,6 +234,7 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         context_window=served.context_window,
         cuda_graphs=settings.cuda_graphs,
+        tenant_share=settings.tenant_share,
     )
     # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
     prepared = prepare_model(loaded, config, model_dtype=dtype)

@@ -55,6 +55,11 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         if self.compile_cache_dir is not None:
             os.environ["TRITON_CACHE_DIR"] = str(self.compile_cache_dir)
 
+    tenant_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.5  # of pages and sequences, while others wait
+    max_image_patches: Annotated[int, Meta(ge=1)] = 33800  # one request's images together (413 past)
+    image_encoders: Annotated[int, Meta(ge=1, le=64)] = 1  # requests encoding images at once
+    image_queue: Annotated[int, Meta(ge=0, le=32)] = 16  # more waiting for a turn (429 past it)
+
     @property
     def model_name(self) -> str:
         return self.name or Path(self.model).name
@@ -82,6 +87,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--secret", default=None, help="shared secret (default: $KUMO_BACKEND_SECRET)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data-dir", default=None, help="state folder: the compile cache (default: none kept)")
+    p.add_argument(
+        "--tenant-share",
+        type=float,
+        default=0.5,
+        help="most of the KV pages and of --max-num-seqs one tenant may hold while another waits (1: no cap)",
+    )
+    p.add_argument("--max-image-patches", type=int, default=33800, help="patches of one request's images")
+    p.add_argument("--image-encoders", type=int, default=1, help="requests encoding images at once")
+    p.add_argument("--image-queue", type=int, default=16, help="requests waiting to encode (429 past it)")
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +103,18 @@ class BatchQueue:
             return None
         return _job(row, responses=row.responses)
 
-    async def claim(self, worker: str, lease_s: float) -> BatchJob | None:
-        """Take the oldest job that is queued or whose lease has expired, or None."""
+    async def claim(
+        self, worker: str, lease_s: float, *, skip_tenants: Collection[str] = ()
+    ) -> BatchJob | None:
+        """Take the oldest job that is queued or whose lease has expired, or None; jobs of
+        `skip_tenants` (those the worker already runs one of) are left to wait their turn."""
         at = now()
         takeable = or_(
             BatchJobRow.status == QUEUED,
             and_(BatchJobRow.status == RUNNING, BatchJobRow.lease_expires_at < at),
         )
+        if skip_tenants:
+            takeable = and_(takeable, BatchJobRow.tenant_id.not_in(list(skip_tenants)))
         candidates = (
             select(BatchJobRow.id, BatchJobRow.status, BatchJobRow.claimed_by)
             .where(takeable)

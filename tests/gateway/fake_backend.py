@@ -185,9 +185,13 @@ class Served:
         await self.task
 
 
-async def serve(app: object, host: str = "127.0.0.1") -> Served:
-    """Run an ASGI app under uvicorn on a free port of `host`, in this event loop."""
-    config = uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on", ws="none")  # type: ignore[arg-type]
+async def serve(app: object, host: str = "127.0.0.1", config: uvicorn.Config | None = None) -> Served:
+    """Run an ASGI app under uvicorn on a free port of `host`, in this event loop (`config`: the
+    server's own configuration, e.g. the gateway's guarded one, its address replaced)."""
+    if config is None:
+        config = uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on", ws="none")  # type: ignore[arg-type]
+    else:
+        config.host, config.port = host, 0
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:

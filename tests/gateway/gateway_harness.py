@@ -22,6 +22,7 @@ from fake_backend import FakeBackend, Served, serve
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, load_catalog_file
+from gateway.server import uvicorn_config
 from gateway.services import Services, open_services
 from gateway.settings import GatewaySettings
 from schemas.admin import Quotas, TenantCreate, TokenCreate
@@ -123,7 +124,8 @@ async def harness(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Har
     free_account, free_token = await _tenant(services, "free-tenant", "free")
     limited_account, limited_token = await _tenant(services, "limited", "paid")
     await services.store.set_quotas(limited_account, Quotas(requests_per_minute=2), actor="test")
-    gateway = await serve(create_app(settings, services))
+    app = create_app(settings, services)
+    gateway = await serve(app, config=uvicorn_config(app, settings))  # the gateway's guarded server
     async with httpx.AsyncClient(timeout=30) as http:
         yield Harness(
             url=gateway.url,

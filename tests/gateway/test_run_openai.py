@@ -305,7 +305,7 @@ async def test_legacy_openai_fields_and_allowed_tools_map_onto_the_same_request(
 
 
 async def test_image_bytes_do_not_count_as_prompt_tokens_at_admission(harness: Harness) -> None:
-    """A ~40 kB image under a 3,000 tokens-per-minute quota is admitted: its base64 is not ~13k tokens."""
+    """A ~40 kB image under a 6,000 tokens-per-minute quota is admitted: its base64 is not ~13k tokens."""
     import numpy as np
 
     from schemas.admin import Quotas, TenantCreate, TokenCreate
@@ -313,7 +313,7 @@ async def test_image_bytes_do_not_count_as_prompt_tokens_at_admission(harness: H
     store = harness.services.store
     tenant = await store.create_tenant(TenantCreate(name="tpm", plan="paid"), actor="test")
     token = (await store.create_token(tenant.id, TokenCreate(name="t"), actor="test")).value
-    await store.set_quotas(tenant.id, Quotas(tokens_per_minute=3000), actor="test")
+    await store.set_quotas(tenant.id, Quotas(tokens_per_minute=6000), actor="test")
     png = io.BytesIO()
     noise = np.random.default_rng(0).integers(0, 256, (110, 110, 3), dtype=np.uint8)
     Image.fromarray(noise).save(png, format="PNG")

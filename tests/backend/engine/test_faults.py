@@ -151,7 +151,10 @@ def test_clean_runs_never_abort(model_name: str, models: ModelShelf) -> None:
     num_checked = 0
     reference: dict[str, list[int]] | None = None
     for num_pages, budget in ((NUM_PAGES, 32), (7, 16), (NUM_PAGES, 64)):
-        engine = make_engine(model, num_pages=num_pages, max_num_batched_tokens=budget)
+        # the 7-page pool is for preemption: under the default half-replica share per tenant its
+        # two tenants would mostly wait their turn instead
+        share = 1.0 if num_pages == 7 else 0.5
+        engine = make_engine(model, num_pages=num_pages, max_num_batched_tokens=budget, tenant_share=share)
         first = run(engine, {}).results
         again = run(engine, {}).results  # the same workload again: prefix-cache hits this time
         num_checked += engine.stats.checked_seqs

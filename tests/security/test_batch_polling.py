@@ -1,0 +1,41 @@
+"""Row 11 of issue 27: polling an async batch job read the database on every call without passing
+the rate limiter. A poll now counts as one request against the tenant's requests per minute."""
+
+from __future__ import annotations
+
+from gateway_harness import LEGACY, Harness, _tenant
+
+from schemas.admin import Quotas
+
+NUM_POLLS = 12  # bounded: a burst well past the limit
+
+
+async def test_polling_a_job_goes_through_the_rate_limiter(harness: Harness) -> None:
+    services = harness.services
+    account, token = await _tenant(services, "poll-burst", "paid")
+    await services.store.set_quotas(account, Quotas(requests_per_minute=4), actor="test")
+    url = harness.path(f"/ai/run/{LEGACY}", account)
+    r = await harness.http.post(
+        f"{url}?queueRequest=true", headers=harness.auth(token), json={"requests": [{"prompt": "p"}]}
+    )
+    assert r.status_code == 200, r.text
+    job_id = r.json()["result"]["request_id"]
+    statuses = []
+    for _ in range(NUM_POLLS):
+        r = await harness.http.post(url, headers=harness.auth(token), json={"request_id": job_id})
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            body = r.json()
+            assert body["success"] is False and body["errors"][0]["code"] == 3021, body
+            assert int(r.headers["retry-after"]) >= 1
+    print(f"tried {NUM_POLLS} polls at requests_per_minute=4: got {statuses}")
+    # the job's own request counts too; a minute boundary inside the burst may reset the window
+    # once: at most two windows' worth pass
+    assert 1 <= statuses.count(200) <= 8, statuses
+    assert statuses.count(429) >= NUM_POLLS - 8 and set(statuses) <= {200, 429}, statuses
+    # another tenant is not slowed by it
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{LEGACY}"), headers=harness.auth(), json={"request_id": job_id}
+    )
+    print(f"tried the same job id from another tenant: got {r.status_code}")
+    assert r.status_code == 404
