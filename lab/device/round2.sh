@@ -25,7 +25,19 @@ case $stage in
     wait
     summary pytest_gpu.log pytest_kernels_on_cuda.log review_checks.log
     ;;
-  decode)
-    echo "filled in when the c=1 decode scenario lands"
+  decode)  # FORMATS (default int4,int4-all), BUDGET (s, default 400); GPU_TESTS=1: the decode kernels'
+    # gpu tests first (never beside the timed record)
+    if [ "${GPU_TESTS:-0}" = 1 ]; then
+      timeout 200 python3 -m pytest -m gpu -n 4 -p no:cacheprovider -p no:benchmark --tb=short --timeout 150 -rfE \
+        tests/backend/quant/test_quant_decode_cuda.py tests/kernels/test_fp8_gemm.py tests/kernels/test_int4_linear.py \
+        tests/kernels/test_w4a8_gemm.py tests/kernels/test_w4a16_gemm.py tests/backend/server/test_server_architectures.py \
+        tests/backend/server/test_serving.py tests/backend/tools/test_random_checkpoint.py \
+        tests/backend/engine/test_decode_steps.py tests/backend/server/test_warmup.py > "$OUT/pytest_gpu_decode.log" 2>&1
+      summary pytest_gpu_decode.log
+    fi
+    tag=$(echo "${FORMATS:-int4,int4-all}" | tr ',' '_')
+    timeout $(( ${BUDGET:-400} + 120 )) python3 -m benchmarks.cli engine decode-c1 --formats "${FORMATS:-int4,int4-all}" \
+      --budget-s "${BUDGET:-400}" --out "$OUT/decode-c1-$tag.json" > "$OUT/decode-c1-$tag.log" 2>&1
+    grep -v Warning "$OUT/decode-c1-$tag.log" | tail -30
     ;;
 esac
