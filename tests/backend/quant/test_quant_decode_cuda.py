@@ -133,7 +133,7 @@ def test_absorbed_mla_copies_no_weight_per_step() -> None:
     seqs[0].tokens.append(int(logits[0][-1].argmax()))
     driver.run(seqs, [1])  # one eager decode step before the profiled one
     seqs[0].tokens.append(7)
-    with torch.profiler.profile(record_shapes=True) as prof:
+    with torch.profiler.profile(record_shapes=True, acc_events=True) as prof:
         driver.run(seqs, [1])
     copies = [
         (e.key, e.input_shapes)
