@@ -37,7 +37,8 @@ class EngineError(Exception):
 
 
 class InvalidRequest(EngineError):
-    status, code = 400, "invalid_request"
+    status = 400
+    code: ErrorCode = "invalid_request"  # declared: Unsupported narrows it
 
 
 class Unsupported(InvalidRequest):

@@ -1,5 +1,5 @@
 """The tooling STYLE.md names, enforced by the suite: ruff's lint and formatter over the tree, mypy strict
-on `schemas/` and `gateway/` (pyproject.toml holds their settings)."""
+on `schemas/`, `gateway/` and `backend/` (pyproject.toml holds their settings; `kernels/` is exempt)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def test_ruff(command: tuple[str, ...]) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
-def test_mypy_strict_on_schemas_and_gateway() -> None:
-    done = _run("mypy", "--strict", "schemas", "gateway")
+def test_mypy_strict_on_schemas_gateway_and_backend() -> None:
+    done = _run("mypy", "--strict", "schemas", "gateway", "backend")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 

@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -69,7 +69,7 @@ class AsyncEngine:
         *,
         constraint: TokenConstraint | None = None,
         image_embeds: torch.Tensor | None = None,
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of `request` as the engine produces them; raises the `EngineError` refusing it."""
         request_id = request.request_id
         if request_id in self._engine_ids:  # two live streams under one id could not be told apart

@@ -36,6 +36,8 @@ Shapes: B sequences this step, Bk bucket, Mp = max_pages, S page size, V vocab.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +45,9 @@ import torch
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
 from backend.engine.host_staging import StagingBuffer
 from backend.engine.sync_free import sync_free
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # what CUDAGraph.pool() returns, a tuple[int, int]
 
 SCRATCH_TAG = 0  # the tag of a page never allocated (the block manager's tags start at 1)
 
@@ -60,10 +65,10 @@ class CudaGraphCapture:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pool: tuple[int, int] | None = None
+        self.pool: _POOL_HANDLE | None = None
 
     def __call__(self, step: Callable[[], torch.Tensor]) -> Replay:
-        side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves Stream unannotated
         side.wait_stream(torch.cuda.current_stream(self.device))
         previous = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
@@ -128,7 +133,7 @@ class DecodeGraphs:
         try:
             for size in reversed(self.batch_sizes):  # largest first: the pool is sized by the first
                 batch = self._batch(size)
-                self._replays[size] = capture(lambda batch=batch: self._step(forward, batch))
+                self._replays[size] = capture(partial(self._step, forward, batch))
         except Exception as exc:  # a capture-unsafe op on the decode path: every step stays eager
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"

@@ -227,7 +227,7 @@ class PromptRunner:
             else None,
             seq_index=torch.tensor(seq_index, dtype=torch.int64, device=dev),
         )
-        logits = self.model(batch)
+        logits: torch.Tensor = self.model(batch)
         if bool(batch.tag_mismatch.any()):
             raise RuntimeError("page tag mismatch in a private page pool: the model misread its cache")
         return logits

@@ -99,15 +99,15 @@ class Sampler:
     def _mask_disallowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """-inf at the tokens the constrained rows' grammars disallow: their host masks stacked and sent in
         one copy (on CUDA pinned and non-blocking, so it does not wait for the step's graph), one fill."""
-        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+        constrained = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
         if not constrained:
             return x
-        allowed = torch.stack([rows[i].allowed[: x.shape[1]] for i in constrained])  # [n, V] bool
+        allowed = torch.stack([mask[: x.shape[1]] for _, mask in constrained])  # [n, V] bool
         if x.device.type == "cuda" and allowed.device.type == "cpu":
             allowed = allowed.pin_memory().to(x.device, non_blocking=True)
         else:
             allowed = allowed.to(x.device)
-        index = to_device(constrained, torch.int64, x.device)
+        index = to_device([i for i, _ in constrained], torch.int64, x.device)
         x[index] = x[index].masked_fill(~allowed, float("-inf"))
         return x
 

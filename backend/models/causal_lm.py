@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -51,7 +51,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))  # attn, mlp: any nn.Module
+        return x + mlp_out
 
 
 class Backbone(nn.Module):
@@ -200,7 +201,8 @@ class CausalLM(nn.Module):
             return False
         if expert := _EXPERT.match(name):
             experts = self.get_submodule(expert.group(1))
-            return bool(experts.e0 <= int(expert.group(2)) < experts.e1)
+            # Experts or its quantized swap, both with int fields e0, e1 that nn.Module types Tensor | Module
+            return cast(int, experts.e0) <= int(expert.group(2)) < cast(int, experts.e1)
         return True
 
     def _module(self, path: str, raw_name: str) -> Any:

@@ -81,8 +81,8 @@ class MLAAttention(nn.Module):
         """Write this step's latents; return (absorbed q [T, Hl, R + Dr], q LoRA activation)."""
         T = x.shape[0]
         q, q_resid = self.project_q(x)
-        q_nope, q_pe = q.split([self.N, self.Dr], dim=-1)  # [T, Hl, N], [T, Hl, Dr]
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
+        q_nope, q_pe = torch.split(q, [self.N, self.Dr], dim=-1)  # [T, Hl, N], [T, Hl, Dr]
+        c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
         c = self.kv_a_layernorm(c)
         rotary = self.rotary[0]
         q_pe = rotary.rotate(q_pe, step.cos, step.sin)

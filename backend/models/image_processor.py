@@ -32,7 +32,9 @@ class ProcessedImage:
     image_hash: str  # hex SHA-256 over the bytes and the grid
 
 
-def target_size(height: int, width: int, patch: int, merge: int, max_patches: int, max_side: int):
+def target_size(
+    height: int, width: int, patch: int, merge: int, max_patches: int, max_side: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """((resized_h, resized_w), (padded_h, padded_w)) as the Kimi K2.5 processor computes them."""
     patches_h = max(1.0, height // patch)
     patches_w = max(1.0, width // patch)
@@ -68,7 +70,7 @@ def process_image(
     data: bytes, *, patch: int = 14, merge: int = 2, max_patches: int = 16384, max_side: int = 512
 ) -> ProcessedImage:
     try:
-        image = Image.open(io.BytesIO(data))  # reads the header only
+        image: Image.Image = Image.open(io.BytesIO(data))  # reads the header only
         if image.width * image.height > MAX_PIXELS:
             raise InvalidRequest(
                 f"image is {image.width}x{image.height} pixels, more than the {MAX_PIXELS} this model accepts"

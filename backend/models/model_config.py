@@ -98,7 +98,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """Attention softmax scale; MLA with YaRN multiplies by mscale(factor, mscale_all_dim)²."""
-        scale = self.head_dim**-0.5
+        scale: float = self.head_dim**-0.5
         r = self.rope
         if self.family != "gqa" and r.rope_type != "default" and r.mscale_all_dim:
             m = yarn_mscale(r.factor, r.mscale_all_dim)
@@ -220,7 +220,8 @@ class _Getter:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        config: dict[str, Any] = json.loads(path.read_text())
+        return config
     except FileNotFoundError as exc:
         raise CheckpointError(f"missing {path.name} in {path.parent}") from exc
     except json.JSONDecodeError as exc:

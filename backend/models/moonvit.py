@@ -11,8 +11,9 @@ M = merged tokens (N / 4 for the 2×2 merge), H = text hidden.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ class VisionConfig:
     text_hidden_size: int
 
     @classmethod
-    def from_config(cls, raw: dict, text_hidden_size: int) -> VisionConfig:
+    def from_config(cls, raw: dict[str, Any], text_hidden_size: int) -> VisionConfig:
         """Read the `vision_config` block of a Kimi K2.5 config.json (and the projector keys)."""
         vc = raw.get("vision_config") or {}
         rope = vc.get("rope_parameters") or {}
@@ -64,7 +65,7 @@ class VisionConfig:
         return self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
 
-def _act(name: str):
+def _act(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu":
@@ -87,7 +88,7 @@ def _rope_angles(grid_hw: list[tuple[int, int]], head_dim: int, theta: float) ->
 
 def _apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """x `[N, Hh, d]` with pairs (2i, 2i+1) rotated by angles `[N, d/2]`."""
-    xf = x.float().unflatten(-1, (-1, 2))  # [N, Hh, d/2, 2]
+    xf = torch.unflatten(x.float(), -1, (-1, 2))  # [N, Hh, d/2, 2]
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
     a, b = xf[..., 0], xf[..., 1]
     out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
@@ -118,7 +119,8 @@ class VisionBlock(nn.Module):
             qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [Hh, n, d]
             out[start:end] = F.scaled_dot_product_attention(qi, ki, vi).transpose(0, 1)
         x = x + self.wo(out.reshape(N, D))
-        return x + self.fc1(self.act(self.fc0(self.norm1(x))))
+        mlp: torch.Tensor = self.fc1(self.act(self.fc0(self.norm1(x))))  # nn.Linear's call is untyped
+        return x + mlp
 
 
 class MoonViT(nn.Module):
@@ -163,7 +165,8 @@ class MoonViT(nn.Module):
             ]
         )
         merged = self.pre_norm(merged).flatten(1)  # [M, 4·D]
-        return self.proj_out(F.gelu(self.proj_in(merged)))
+        projected: torch.Tensor = self.proj_out(F.gelu(self.proj_in(merged)))  # nn.Linear's call is untyped
+        return projected
 
     def _position_embeddings(self, grid_hw: list[tuple[int, int]]) -> torch.Tensor:
         """The learned grid resampled (bicubic) to each image's patch grid, raster order: `[N, D]`."""

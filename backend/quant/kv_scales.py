@@ -137,7 +137,7 @@ def _stored(path: Path) -> dict[str, torch.Tensor]:
     for name, file in json.loads(index.read_text()).get("weight_map", {}).items():
         if _SCALE.search(name):
             files.setdefault(file, []).append(name)
-    stored = {}
+    stored: dict[str, torch.Tensor] = {}
     for file, names in files.items():
         with safe_open(str(path / file), framework="pt") as f:
             stored |= {k: f.get_tensor(k) for k in names}

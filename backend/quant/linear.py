@@ -222,6 +222,9 @@ def set_int4_prefill(model: object, mode: Int4Prefill, min_tokens: int = PREFILL
 class Fp8Linear(_QuantLinear):
     """FP8 e4m3 weights with per-output-channel scales, or 2-D block scales when `block` is set."""
 
+    weight: torch.Tensor  # buffers (registered in __init__), typed for the kernels' calls
+    weight_scale: torch.Tensor  # per-channel scales only; block scales are `block_scale`
+
     def __init__(
         self,
         in_features: int,
@@ -290,7 +293,8 @@ class Fp8Linear(_QuantLinear):
     @property
     def block_scale(self) -> torch.Tensor:
         """fp32 [Bn, Bk] block scales, under the checkpoint's name for them."""
-        return getattr(self, self.block_scale_name)
+        scale: torch.Tensor = getattr(self, self.block_scale_name)
+        return scale
 
 
 QuantLinear = Int4Linear | Fp8Linear

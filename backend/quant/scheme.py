@@ -147,7 +147,8 @@ def _matches(target: str, module_name: str, class_name: str) -> bool:
 
 def parse_config(raw: dict[str, Any]) -> QuantizationConfig:
     """The `quantization_config` dict of a config.json -> a typed block (msgspec names bad fields)."""
-    return msgspec.convert(raw, QuantizationConfig, strict=False)
+    config: QuantizationConfig = msgspec.convert(raw, QuantizationConfig, strict=False)
+    return config
 
 
 def scheme_from_config(config: QuantizationConfig) -> QuantScheme:
@@ -194,7 +195,8 @@ def _method(w: WeightArgs) -> Method:
 
 def config_dict(scheme: QuantScheme) -> dict[str, Any]:
     """The block as config.json should carry it."""
-    return msgspec.to_builtins(scheme.to_config())
+    block: dict[str, Any] = msgspec.to_builtins(scheme.to_config())
+    return block
 
 
 # Per-tensor names, shared by the loader, the walker and `kumo quantize`.

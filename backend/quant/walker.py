@@ -29,6 +29,8 @@ from torch import nn
 from backend.errors import CheckpointError
 from backend.models.layers.linear import Linear
 from backend.models.layers.moe import Experts
+from backend.models.layers.rotary import Rotary
+from backend.models.model_config import ModelConfig
 from backend.quant.experts import QuantExperts
 from backend.quant.linear import Fp8Linear, Int4Linear, QuantLinear
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
@@ -74,8 +76,8 @@ def _empty_experts(scheme: QuantScheme, m: Experts) -> QuantExperts:
     )
 
 
-def _targets(model: nn.Module, scheme: QuantScheme) -> list[tuple[str, nn.Module]]:
-    found = []
+def _targets(model: nn.Module, scheme: QuantScheme) -> list[tuple[str, Linear | nn.Linear | Experts]]:
+    found: list[tuple[str, Linear | nn.Linear | Experts]] = []
     for name, m in model.named_modules():
         if (
             isinstance(m, Linear | nn.Linear)
@@ -115,8 +117,10 @@ def build_for_checkpoint(
     prepare_for_checkpoint(model, scheme)
     model.to_empty(device=device)
     if computed:
+        config = model.config
+        assert isinstance(config, ModelConfig)  # a CausalLM's; nn.Module types it Tensor | Module
         with torch.device(device):
-            model.rotary = type(model.rotary)(model.config.rope)  # type: ignore[operator]
+            model.rotary = Rotary(config.rope)
     return model
 
 
@@ -127,7 +131,7 @@ def prepare_for_checkpoint(model: nn.Module, scheme: QuantScheme) -> list[str]:
         if isinstance(m, Experts):
             _replace(model, name, _empty_experts(scheme, m).to(m.down_proj.device))
         else:
-            new = _empty_linear(scheme, m).to(m.weight.device)  # type: ignore[arg-type]
+            new = _empty_linear(scheme, m).to(m.weight.device)
             new.checkpoint_name = name
             _replace(model, name, new)
         names.append(name)
@@ -162,6 +166,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> list[str]:
     """Quantize the float weights a single-rank model holds, in place; return the swapped names."""
     names = []
     for name, m in _targets(model, scheme):
+        new: QuantExperts | Int4Linear | Fp8Linear
         if isinstance(m, Experts):
             new = _empty_experts(scheme, m)
             I = m.intermediate

@@ -60,7 +60,7 @@ class NDJSONStream:
     """Streams events as NDJSON and stops as soon as the client goes: a disconnect (or a failed send)
     closes the event iterator, which aborts the request in the engine within one step."""
 
-    def __init__(self, first: Event, rest: AsyncIterator[Event], metrics: BackendMetrics) -> None:
+    def __init__(self, first: Event, rest: AsyncGenerator[Event, None], metrics: BackendMetrics) -> None:
         self._first, self._rest, self._metrics = first, rest, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -192,7 +192,7 @@ class Backend:
         return Response(body, media_type=content_type)
 
 
-def create_app(backend: Backend, *, lifespan: Lifespan | None = None) -> Starlette:
+def create_app(backend: Backend, *, lifespan: Lifespan[Starlette] | None = None) -> Starlette:
     """The Starlette app over a `Backend`; `lifespan` starts and stops what it needs (the engine)."""
     routes = [
         Route("/v1/generate", backend.generate, methods=["POST"]),

@@ -8,7 +8,7 @@ string matched) closes the engine stream, which aborts the request there within 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,7 +47,7 @@ class GenerationEngine(Protocol):
         *,
         constraint: TokenConstraint | None = None,
         image_embeds: torch.Tensor | None = None,
-    ) -> AsyncIterator[EngineOutput]: ...
+    ) -> AsyncGenerator[EngineOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
 

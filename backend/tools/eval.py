@@ -38,7 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, TypeGuard, get_args
 
 import msgspec
 import torch
@@ -77,12 +77,23 @@ class EvalReport(msgspec.Struct, kw_only=True):
     tasks: list[TaskResult]
 
 
+EvalKv = Literal["fp8", "bf16"]
+
+
+def _is_kv(value: str) -> TypeGuard[EvalKv]:
+    return value in get_args(EvalKv)
+
+
+def _is_int4_prefill(value: str) -> TypeGuard[Int4Prefill]:
+    return value in get_args(Int4Prefill)
+
+
 class VariantOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What follows a variant's folder: `:kv=fp8|bf16`, `:weights=FORMAT`, `:all-linear`,
     `:int4-prefill=w4a16|w4a8|expand-fp8`, `:device=cpu|cuda` (default `--device`: a CPU variant
     beside CUDA ones compares the GPU kernels with the CPU path's torch references, same dtype)."""
 
-    kv: Literal["fp8", "bf16"] = "bf16"
+    kv: EvalKv = "bf16"
     weights: str | None = None  # one of `kumo quantize --weights`
     all_linear: bool = False
     int4_prefill: Int4Prefill = "w4a16"
@@ -95,16 +106,18 @@ def parse_variant(spec: str) -> tuple[str, VariantOptions]:
     from backend.tools.quantize import WEIGHTS
 
     path, *opts = spec.split(":")
-    kv, weights, all_linear, prefill, device = "bf16", None, False, "w4a16", None
+    kv: EvalKv = "bf16"
+    prefill: Int4Prefill = "w4a16"
+    weights, all_linear, device = None, False, None
     for opt in opts:
         key, _, value = opt.partition("=")
-        if key == "kv" and value in ("fp8", "bf16"):
+        if key == "kv" and _is_kv(value):
             kv = value
         elif key == "weights" and value in WEIGHTS:
             weights = value
         elif opt == "all-linear":
             all_linear = True
-        elif key == "int4-prefill" and value in get_args(Int4Prefill):
+        elif key == "int4-prefill" and _is_int4_prefill(value):
             prefill = value
         elif key == "device" and value in ("cpu", "cuda"):
             device = value
@@ -117,7 +130,7 @@ def parse_variant(spec: str) -> tuple[str, VariantOptions]:
         raise ValueError(f"variant {spec!r}: all-linear needs weights=FORMAT")
     return path, VariantOptions(
         kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill, device=device
-    )  # type: ignore[arg-type]
+    )
 
 
 class Variant:
@@ -239,7 +252,9 @@ class Evaluator:
                 logp = F.log_softmax(rows, -1)
                 targets = torch.tensor([i for _, t in group for i in t], device=logp.device)
                 per_token = logp.gather(1, targets[:, None])[:, 0].cpu()
-                loglik[v][g : g + len(group)] = torch.stack([x.sum() for x in per_token.split(lengths)])
+                loglik[v][g : g + len(group)] = torch.stack(
+                    [x.sum() for x in torch.split(per_token, lengths)]
+                )
                 ref = logp if ref is None else ref
                 k, t = _compare(ref, logp.to(ref.device))  # a CPU variant beside CUDA ones
                 kl[v] += k

@@ -107,7 +107,7 @@ def shard_fraction(spec: TensorSpec, tc: dict[str, Any], tp: int) -> float:
     if _REPLICATED.search(spec.name):
         return 1.0
     if re.search(r"\.(k_proj|v_proj)\.", spec.name):
-        kvh = tc["num_key_value_heads"]
+        kvh: int = tc["num_key_value_heads"]
         return math.ceil(kvh / tp) / kvh
     return 1.0 / tp
 

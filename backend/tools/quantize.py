@@ -21,6 +21,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -105,12 +106,12 @@ class FP8Source:
     def has_scale(self, name: str) -> bool:
         return name.removesuffix(".weight") + ".weight_scale_inv" in self.weight_map
 
-    def scale_for(self, name: str) -> torch.Tensor | None:
+    def scale_for(self, name: str) -> torch.Tensor:
+        """The `weight_scale_inv` of a weight that `has_scale`."""
         key = name.removesuffix(".weight") + ".weight_scale_inv"
-        if key not in self.weight_map:
-            return None
         with safe_open(str(self.folder / self.weight_map[key]), framework="pt") as f:
-            return f.get_tensor(key)
+            scale: torch.Tensor = f.get_tensor(key)
+        return scale
 
 
 def _plan(
@@ -161,7 +162,8 @@ def convert_shard(
                 row.num_tensors += 1
                 steps = fate[name].split("+")
                 if "dequantize" in steps:
-                    t = dequantize_fp8_block(t, fp8_source.scale_for(name), fp8_source.block, torch.bfloat16)  # type: ignore[union-attr]
+                    assert fp8_source is not None  # _plan dequantizes only an FP8 source's weights
+                    t = dequantize_fp8_block(t, fp8_source.scale_for(name), fp8_source.block, torch.bfloat16)
                 if "quantize" in steps:
                     module = name.rpartition(".")[0]
                     for leaf, q in quantize_tensor(scheme, t).items():
@@ -178,7 +180,7 @@ def convert_shard(
     return [name for name, _, _ in plan]
 
 
-def _fp8_source(folder: Path, raw: dict) -> FP8Source | None:
+def _fp8_source(folder: Path, raw: dict[str, Any]) -> FP8Source | None:
     """None for a BF16/FP32 source; an FP8Source for DeepSeek FP8; refuse anything else."""
     block = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
     if not block:

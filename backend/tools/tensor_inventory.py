@@ -45,7 +45,8 @@ class TensorSpec:
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's block: K2.5/K2.6 keep it under `text_config`."""
-    return config.get("text_config", config)
+    block: dict[str, Any] = config.get("text_config", config)
+    return block
 
 
 def is_mla(tc: dict[str, Any]) -> bool:
@@ -98,7 +99,7 @@ def _attention(specs: list[TensorSpec], p: str, tc: dict[str, Any], layer: int) 
         _linear(specs, f"{p}.o_proj", h, heads * v)
         if has_own_indexer(tc, layer):
             ih, idim = tc["index_n_heads"], tc["index_head_dim"]
-            _linear(specs, f"{p}.indexer.wq_b", ih * idim, q_lora)
+            _linear(specs, f"{p}.indexer.wq_b", ih * idim, tc["q_lora_rank"])  # DSA has a q LoRA
             _linear(specs, f"{p}.indexer.wk", idim, h)
             _norm(specs, f"{p}.indexer.k_norm", idim, bias=True)
             _linear(specs, f"{p}.indexer.weights_proj", ih, h)

@@ -7,7 +7,9 @@ On one rank every range is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +44,7 @@ class Shard:
         return replace(self, reduces=False)
 
 
-def activation(name: str):  # type: ignore[no-untyped-def]
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "silu":
         return F.silu
     if name in ("gelu", "gelu_pytorch_tanh"):
@@ -85,6 +87,10 @@ class Linear(nn.Module):
             _copy(self.bias, full[o0:o1] if self.in_range[0] == 0 else torch.zeros_like(full[o0:o1]), name)
         else:
             raise CheckpointError(f"unexpected tensor {name!r} for a linear layer")
+
+    if TYPE_CHECKING:  # nn.Module types every call `(...) -> Any`; at run time its hooks apply
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)

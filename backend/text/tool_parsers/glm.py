@@ -38,7 +38,7 @@ class _State(Enum):
 def _is_string_typed(schema: dict[str, Any]) -> bool:
     kind = schema.get("type")
     return kind == "string" or (
-        isinstance(kind, list) and kind and all(k in ("string", "null") for k in kind) and "string" in kind
+        isinstance(kind, list) and all(k in ("string", "null") for k in kind) and "string" in kind
     )
 
 
@@ -91,13 +91,14 @@ class GlmToolParser(ToolParser):
                 self._content(t)
             return
         self._raw_ids.append(t)
-        expected = {
+        transitions: dict[_State, dict[int, _State | None]] = {
             _State.NAME: {self._key_begin: _State.KEY, self._call_end: None},
             _State.KEY: {self._key_end: _State.AFTER_KEY},
             _State.AFTER_KEY: {self._value_begin: _State.VALUE},
             _State.VALUE: {self._value_end: _State.BETWEEN},
             _State.BETWEEN: {self._key_begin: _State.KEY, self._call_end: None},
-        }[state]
+        }
+        expected = transitions[state]
         if t in expected:
             if not self._gap_is_layout():
                 self._malformed()
