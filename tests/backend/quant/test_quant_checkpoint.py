@@ -27,7 +27,7 @@ from kernels.formats.int4 import dequantize_int4
 from tests.backend.quant_helpers import logits, make_src, rel, top1
 from tests.backend.tiny_checkpoints import make_tiny
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
