@@ -36,6 +36,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `cuda_graphs` replays pure-decode steps from CUDA graphs (on a CUDA device only; the CPU never
     captures), one per batch size in `cuda_graph_batch_sizes` (None: `default_graph_batch_sizes`);
     sizes above `max_num_seqs` are dropped.
+    `num_speculative_tokens` K > 0 drafts K tokens per step with the model's MTP layers
+    (`--speculative mtp:K`, backend/speculative.py) while at most `speculative_max_seqs` sequences
+    run; past that, steps run without drafts (verifying them stops paying at high batch).
     """
 
     page_size: PageSize = 16
@@ -50,6 +53,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    num_speculative_tokens: Annotated[int, Meta(ge=0, le=3)] = 0
+    speculative_max_seqs: NumSeqs = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -32,10 +32,12 @@ def load_model(
     world_size: int = 1,
     ep: int = 0,
     dcp: int = 1,
+    num_mtp_layers: int = 0,
 ) -> LoadedModel:
     """`rank` of `world_size` tensor-parallel ranks; `ep` expert groups (0: = world_size) and `dcp`
     ranks sharing one MLA latent cache by token, as backend/layers/parallel.py lays them out. With
-    dcp > 1 every rank must call this together (it makes the DCP process groups)."""
+    dcp > 1 every rank must call this together (it makes the DCP process groups). `num_mtp_layers`:
+    the checkpoint's MTP layers to load too (speculative decoding; backend/models/mtp.py)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     cls = ARCHITECTURES.get(config.architecture)
@@ -44,14 +46,18 @@ def load_model(
     # a quantized checkpoint (config.json's quantization_config): the quantized modules are built in
     # place of the dense ones, and the FP8 KV-cache scales kept out of the weight stream (backend/quant/)
     scheme = read_scheme(path)
+
+    def make() -> nn.Module:
+        return cls(  # type: ignore[call-arg]
+            config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp, num_mtp_layers=num_mtp_layers
+        )
+
     if scheme is None:
         with torch.device(device):
-            model = cls(config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp)
+            model = make()
     else:
-        model = build_for_checkpoint(
-            lambda: cls(config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp), scheme, device
-        )
-    # a rank reads only what it keeps (not the other ranks' experts, nor MTP or vision tensors)
+        model = build_for_checkpoint(make, scheme, device)
+    # a rank reads only what it keeps (not the other ranks' experts, nor unloaded MTP or vision tensors)
     weights = iter_tensors(path, keep=getattr(model, "wants_tensor", None))
     model.load_weights(without_kv_scales(weights))  # type: ignore[operator]
     if scheme is not None:
