@@ -135,3 +135,91 @@ def test_greedy_identical_when_drafts_are_often_right(loaded: dict[str, Any], ar
     s = engine.stats
     assert s.spec_accepted_tokens > s.spec_drafted_tokens / 3  # the accept path ran, at every length
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+def toy_engine(model: MarkovModel, k: int, **config: Any) -> Engine:
+    values = dict(num_pages=256, page_size=4, max_num_batched_tokens=512, max_num_seqs=64)
+    values |= dict(num_speculative_tokens=k, speculative_max_seqs=64) | config
+    return Engine(model, EngineConfig.build(**values), vocab_size=model.vocab_size, context_window=512)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_draft_accepted_when_the_head_is_the_target(k: int) -> None:
+    V = 16
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
+    engine = toy_engine(MarkovModel(target, target), k)
+    max_tokens = 1 + 4 * (k + 1)  # the prefill's token, then four full verify steps
+    results = run_all(engine, [request(f"r{i}", [i % V], max_tokens=max_tokens) for i in range(8)])
+    for i in range(8):
+        x, want = i % V, []
+        for _ in range(max_tokens):
+            x = int(target[x].argmax())
+            want.append(x)
+        assert results[f"r{i}"].token_ids == want
+    s = engine.stats
+    assert s.spec_accepted_tokens == s.spec_drafted_tokens == 8 * 4 * k
+    assert s.steps == 1 + 4  # K + 1 tokens per verify step
+
+
+def chi2_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """P(χ² ≥ the statistic) over the cells expected ≥ 5 times (the rest pooled into one)."""
+    n = observed.sum()
+    expected = expected_probs * n
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = (((obs - exp) ** 2) / exp)[keep].sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def reference_probs(logits: torch.Tensor, seen: set[int], temperature: float, top_k: int, rep: float) -> torch.Tensor:
+    """The target's sampling distribution, written out: repetition penalty over the seen tokens,
+    temperature, top-k."""
+    x = logits.clone().double()
+    for t in seen:
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    x = x / temperature
+    if top_k:
+        kth = x.topk(top_k).values[-1]
+        x[x < kth] = float("-inf")
+    return torch.softmax(x, dim=-1)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "rep"), [(1.0, 0, 1.0), (0.7, 4, 1.5)], ids=["plain", "penalized"]
+)
+def test_sampled_outputs_follow_the_target(temperature: float, top_k: int, rep: float) -> None:
+    """χ² on the (2nd, 3rd, 4th) output tokens, drawn by one verify step of two drafts (accepted
+    drafts, redraws after a rejection, bonus tokens); the head is the target plus noise, so its
+    greedy drafts are often but not always accepted."""
+    V, x0, N = 6, 0, 6000
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(V, V, generator=g) * 1.5
+    draft = target + torch.randn(V, V, generator=g)
+    engine = toy_engine(MarkovModel(target, draft), 2)
+    params = dict(temperature=temperature, top_k=top_k, repetition_penalty=rep, max_tokens=4)
+    counts = torch.zeros(V, V, V, dtype=torch.float64)
+    for batch in range(N // 64 + 1):
+        ids = range(batch * 64, min(N, (batch + 1) * 64))
+        results = run_all(engine, [request(f"r{i}", [x0], seed=i, **params) for i in ids])
+        for r in results.values():
+            counts[tuple(r.token_ids[1:])] += 1
+    expected = torch.zeros(V, V, V, dtype=torch.float64)
+    for t1, t2, t3, t4 in itertools.product(range(V), repeat=4):
+        p = reference_probs(target[x0], {x0}, temperature, top_k, rep)[t1]
+        p = p * reference_probs(target[t1], {x0, t1}, temperature, top_k, rep)[t2]
+        p = p * reference_probs(target[t2], {x0, t1, t2}, temperature, top_k, rep)[t3]
+        expected[t2, t3, t4] += p * reference_probs(target[t3], {x0, t1, t2, t3}, temperature, top_k, rep)[t4]
+    s = engine.stats
+    assert s.spec_drafted_tokens >= 2 * N  # two drafts verified in every request's first verify
+    assert 0.2 < s.spec_accepted_tokens / s.spec_drafted_tokens < 0.9  # accepts and rejects both ran
+    assert chi2_p_value(counts.flatten(), expected.flatten()) > 1e-3
+
+
+def test_parse_speculative() -> None:
+    assert [parse_speculative(t) for t in (None, "", "off", "mtp:1", "mtp:3")] == [0, 0, 0, 1, 3]
+    for bad in ("mtp:0", "mtp:4", "eagle:2", "mtp"):
+        with pytest.raises(ValueError, match="mtp:K"):
+            parse_speculative(bad)
