@@ -49,7 +49,13 @@ def load_model(
 
     def make() -> nn.Module:
         return cls(  # type: ignore[call-arg]
-            config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp, num_mtp_layers=num_mtp_layers
+            config,
+            dtype=dtype,
+            rank=rank,
+            world_size=world_size,
+            ep=ep,
+            dcp=dcp,
+            num_mtp_layers=num_mtp_layers,
         )
 
     if scheme is None:

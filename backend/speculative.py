@@ -80,14 +80,20 @@ class _Row:
 class SpecDecoder:
     """Decides which sequences draft, reserves and trims their pages, runs the speculative step."""
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, num_draft_tokens: int, max_seqs: int):
+    def __init__(
+        self, runner: ModelRunner, block_manager: BlockManager, num_draft_tokens: int, max_seqs: int
+    ):
         model: Any = runner.model
         if not getattr(model, "num_mtp_layers", 0):
-            raise ValueError("speculative decoding needs a model loaded with its MTP layers (num_mtp_layers > 0)")
+            raise ValueError(
+                "speculative decoding needs a model loaded with its MTP layers (num_mtp_layers > 0)"
+            )
         self.runner, self.block_manager = runner, block_manager
         self.K, self.max_seqs = num_draft_tokens, max_seqs
         self.stats = SpecStats()
-        self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (num_tokens when proposed, drafts)
+        self._drafts: dict[
+            str, tuple[int, list[int]]
+        ] = {}  # request id -> (num_tokens when proposed, drafts)
 
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
@@ -268,7 +274,9 @@ class SpecDecoder:
         if plain:
             sample_rows = [self._sample_row(rows[b].sched.seq) for b in plain]
             index = torch.tensor([rows[b].logits_rows[0] for b in plain], device=logits.device)
-            for b, t in zip(plain, self.runner.sampler.draw(logits[index], sample_rows).tolist(), strict=True):
+            for b, t in zip(
+                plain, self.runner.sampler.draw(logits[index], sample_rows).tolist(), strict=True
+            ):
                 emitted[b] = [t]
         greedy = [b for b, r in enumerate(rows) if r.drafts and r.sched.seq.sample_row.is_argmax]
         if greedy:  # one argmax over every verify row of the greedy sequences, one copy back
@@ -394,7 +402,9 @@ def target_probs(x: torch.Tensor, params: Any) -> torch.Tensor:
     dev = x.device
     xs = x / params.temperature
     if 0 < params.top_k < V:
-        xs = apply_top_k(xs, torch.full((n,), params.top_k, dtype=torch.int64, device=dev), max_k=params.top_k)
+        xs = apply_top_k(
+            xs, torch.full((n,), params.top_k, dtype=torch.int64, device=dev), max_k=params.top_k
+        )
     if params.top_p < 1.0:
         xs = apply_top_p(xs, torch.full((n,), params.top_p, dtype=torch.float32, device=dev))
     return torch.softmax(xs, dim=-1)

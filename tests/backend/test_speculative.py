@@ -9,7 +9,6 @@ tokens (every draft accepted) and a known distribution for the χ² test of samp
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,7 +52,9 @@ def check_pool(engine: Engine) -> None:
     bm = engine.block_manager
     for seq in engine.scheduler.running:
         assert len(seq.page_table) == bm.num_pages_for(seq.num_tokens)
-        assert [(r.page_id, r.tag) for r in seq.page_table] == [(r.page_id, r.tag) for r in bm._ledger[seq.request_id]]
+        assert [(r.page_id, r.tag) for r in seq.page_table] == [
+            (r.page_id, r.tag) for r in bm._ledger[seq.request_id]
+        ]
         assert all(bm.tags[r.page_id] == r.tag for r in seq.page_table)
     assert engine.runner.kv_cache.page_tags.tolist() == bm.tags
 
@@ -174,7 +175,9 @@ def chi2_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
-def reference_probs(logits: torch.Tensor, seen: set[int], temperature: float, top_k: int, rep: float) -> torch.Tensor:
+def reference_probs(
+    logits: torch.Tensor, seen: set[int], temperature: float, top_k: int, rep: float
+) -> torch.Tensor:
     """The target's sampling distribution, written out: repetition penalty over the seen tokens,
     temperature, top-k."""
     x = logits.clone().double()
@@ -223,3 +226,57 @@ def test_parse_speculative() -> None:
     for bad in ("mtp:0", "mtp:4", "eagle:2", "mtp"):
         with pytest.raises(ValueError, match="mtp:K"):
             parse_speculative(bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_tag_fault_in_a_draft_page_aborts_only_that_request(loaded: dict[str, Any], arch: str) -> None:
+    """After the verify forward, before the draft forward, the victim's page where the draft's KV
+    goes is handed to another request: the draft's tag check must catch it, and abort it alone."""
+    from tests.backend.engine_faults import FaultInjector
+
+    model = loaded[arch]
+    ps = prompts(3, model.config.vocab_size, seed=11)
+    reqs = [request(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)]
+    plain = run_all(engine_for(model, 0), reqs)
+    engine = engine_for(model, 2)
+    injector = FaultInjector(engine)
+    forward_mtp = model.model.forward_mtp
+    calls = itertools.count()
+
+    def faulty_forward_mtp(batch: Any, hidden: torch.Tensor, depth: int) -> Any:
+        if next(calls) == 4:  # a decode step's first draft forward (the prompts went first)
+            victim = injector.seq("r0")
+            page = victim.page_table[victim.num_computed_tokens // engine.block_manager.page_size].page_id
+            injector._give(page, injector.seq("r1"))
+            engine.runner.apply_tag_updates(engine.block_manager.take_tag_updates())
+        return forward_mtp(batch, hidden, depth)
+
+    model.model.forward_mtp = faulty_forward_mtp
+    try:
+        results = run_all(engine, reqs)
+    finally:
+        del model.model.forward_mtp
+    assert results["r0"].error is not None and results["r0"].error.code == "integrity_abort"
+    assert len(results["r0"].token_ids) < 12
+    for rid in ("r1", "r2"):
+        assert results[rid].error is None and results[rid].token_ids == plain[rid].token_ids
+    assert engine.stats.tag_check_aborts == 1
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+def test_a_request_with_a_grammar_does_not_draft() -> None:
+    """Grammar masks depend on the accepted text: such a request runs plain, beside drafting ones."""
+    from tests.backend.test_engine import EvenTokensOnly
+
+    V = 16
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
+    engine = toy_engine(MarkovModel(target, target), 3)
+    constraint = EvenTokensOnly()
+    engine.add_request(request("c", [1], max_tokens=10, temperature=1.0, seed=3), constraint=constraint)
+    engine.add_request(request("free", [1], max_tokens=9))
+    results: dict[str, Result] = {}
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert all(t % 2 == 0 for t in results["c"].token_ids) and constraint.accepted == results["c"].token_ids
+    assert all(len(o.token_ids) == 1 for o in results["c"].outputs if o.token_ids)
+    assert max(len(o.token_ids) for o in results["free"].outputs) == 4  # it drafted and accepted
