@@ -6,6 +6,7 @@ Limits are `Annotated[..., Meta(...)]` aliases, validated by `EngineConfig.build
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,6 +20,8 @@ TokenBudget = Annotated[int, Meta(ge=1, le=1 << 20)]
 NumSeqs = Annotated[int, Meta(ge=1, le=1 << 14)]
 ContextWindow = Annotated[int, Meta(ge=1, le=1 << 24)]
 KVDtype = Literal["auto", "bfloat16", "float8_e4m3fn"]
+MAX_DRAFT_TOKENS = 3
+_SPECULATIVE = re.compile(r"^mtp:([1-9]\d*)$")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -53,7 +56,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    num_speculative_tokens: Annotated[int, Meta(ge=0, le=3)] = 0
+    num_speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0
     speculative_max_seqs: NumSeqs = 16
 
     def __post_init__(self) -> None:
@@ -87,3 +90,13 @@ def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16, up to and including `max_num_seqs`."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return [*sizes, max_num_seqs]
+
+
+def parse_speculative(text: str | None) -> int:
+    """`--speculative`: `mtp:K` → K draft tokens (1 … MAX_DRAFT_TOKENS); None, "" or "off" → 0."""
+    if text is None or text in ("", "off"):
+        return 0
+    match = _SPECULATIVE.match(text)
+    if match is None or not 1 <= int(match.group(1)) <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative takes mtp:K with K in 1..{MAX_DRAFT_TOKENS} (or off), got {text!r}")
+    return int(match.group(1))

@@ -29,9 +29,10 @@ from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine
+from backend.config import ModelConfig
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
-from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
+from backend.errors import Aborted, CheckpointError, EngineError, InvalidRequest, Unauthorized
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
 from backend.loader import load_model
 from backend.metrics import BackendMetrics
@@ -220,7 +221,14 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         device=settings.device,
     )
     served.has_vision = vision is not None
-    loaded = load_model(settings.model, dtype=dtype, device=settings.device)
+    num_mtp = (
+        ModelConfig.from_pretrained(settings.model).num_nextn_predict_layers if settings.speculative else 0
+    )
+    if settings.speculative and not num_mtp:
+        raise CheckpointError(
+            "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"
+        )
+    loaded = load_model(settings.model, dtype=dtype, device=settings.device, num_mtp_layers=num_mtp)
     kv_scales = None
     if settings.kv_dtype == "fp8":  # the checkpoint's calibrated scales, else calibrated now with a warning
         from backend.quant.kv_scales import scales_for_serving
@@ -240,6 +248,8 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         context_window=served.context_window,
         cuda_graphs=settings.cuda_graphs,
+        num_speculative_tokens=settings.speculative,
+        speculative_max_seqs=settings.speculative_max_seqs,
     )
     engine = Engine(
         loaded.model,

@@ -30,7 +30,6 @@ Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,19 +43,6 @@ from backend.sampler import SampleRow, TokenScore, apply_penalties, apply_top_k,
 from backend.scheduler import ScheduledSeq, SchedulerOutput
 from backend.sequence import Sequence
 from backend.step_planner import StepPlanner
-
-MAX_DRAFT_TOKENS = 3
-_SPEC = re.compile(r"^mtp:([1-9]\d*)$")
-
-
-def parse_speculative(text: str | None) -> int:
-    """`mtp:K` → K draft tokens (1 … MAX_DRAFT_TOKENS); None, "" or "off" → 0 (no speculation)."""
-    if text is None or text in ("", "off"):
-        return 0
-    match = _SPEC.match(text)
-    if match is None or not 1 <= int(match.group(1)) <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"--speculative takes mtp:K with K in 1..{MAX_DRAFT_TOKENS} (or off), got {text!r}")
-    return int(match.group(1))
 
 
 @dataclass(slots=True)

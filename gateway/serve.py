@@ -56,6 +56,7 @@ class BackendProcess:
     port: int
     secret: str
     kv_dtype: str = "auto"
+    speculative: str = "off"  # `--speculative mtp:K` (backend/speculative.py)
     process: asyncio.subprocess.Process | None = None
 
     @property
@@ -121,6 +122,7 @@ async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) 
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
         "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
         "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
+        "--speculative", b.speculative,
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip
@@ -198,6 +200,8 @@ def plan(
 
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     catalog, backends, to_create = plan(args, settings)
+    for b in backends:
+        b.speculative = args.speculative
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -293,6 +297,12 @@ def main(argv: list[str]) -> int:
         choices=["float32", "bfloat16"],
         default=None,
         help="backend weights dtype (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
+    parser.add_argument(
+        "--speculative",
+        default="off",
+        metavar="mtp:K",
+        help="speculative decoding with the checkpoints' MTP layers, K = 1..3 drafts per step (default off)",
     )
     args = parser.parse_args(argv)
     settings = settings_from(args)

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from backend.engine import Engine
-from backend.engine_config import EngineConfig
+from backend.engine_config import EngineConfig, parse_speculative
 from backend.loader import load_model
-from backend.speculative import parse_speculative
 from tests.backend.engine_helpers import Result, collect, request, run_all
 from tests.backend.speculative_toy import MarkovModel
 from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
