@@ -76,6 +76,12 @@ class Engine:
         """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`)."""
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see from_loaded")
+        if (
+            config.num_speculative_tokens
+            and kv_scales is not None
+            and len(kv_scales) < len(model.cache_specs())
+        ):
+            raise ValueError("an FP8 KV cache needs scales for the MTP layers too: not calibrated yet")
         self.config = config
         set_int4_prefill(model, config.int4_prefill)
         self.block_manager = BlockManager(

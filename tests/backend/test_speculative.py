@@ -279,3 +279,42 @@ def test_a_request_with_a_grammar_does_not_draft() -> None:
     assert all(t % 2 == 0 for t in results["c"].token_ids) and constraint.accepted == results["c"].token_ids
     assert all(len(o.token_ids) == 1 for o in results["c"].outputs if o.token_ids)
     assert max(len(o.token_ids) for o in results["free"].outputs) == 4  # it drafted and accepted
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_under_preemption(loaded: dict[str, Any], arch: str) -> None:
+    """A pool too small for every request's draft pages: drafts are skipped or requests preempted
+    and recomputed; outputs stay the plain run's and no page leaks."""
+    model = loaded[arch]
+    ps = prompts(10, model.config.vocab_size, seed=5)
+    reqs = [request(f"r{i}", p, max_tokens=24) for i, p in enumerate(ps)]
+    plain = run_all(engine_for(model, 0, num_pages=40), reqs)
+    engine = engine_for(model, 3, num_pages=16)
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    spec = run_all(engine, reqs)
+    assert engine.stats.preemptions > 0 and engine.stats.spec_accepted_tokens > 0
+    for r in reqs:
+        assert spec[r.request_id].token_ids == plain[r.request_id].token_ids, r.request_id
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_prefix_cache_keeps_only_accepted_tokens(loaded: dict[str, Any], arch: str) -> None:
+    """Pages cached by a speculative run (drafts often rejected) serve later prompts that extend
+    its outputs: their continuations must equal a fresh engine's, which shares no page."""
+    model = loaded[arch]
+    ps = prompts(8, model.config.vocab_size, seed=9)
+    first = [request(f"r{i}", p, max_tokens=20) for i, p in enumerate(ps)]
+    plain = run_all(engine_for(model, 0), first)
+    engine = engine_for(model, 3)
+    OracleDrafts(engine, plain, p_wrong=0.5)
+    assert {k: v.token_ids for k, v in run_all(engine, first).items()} == {
+        k: v.token_ids for k, v in plain.items()
+    }
+    second = [request(f"s{i}", p + plain[f"r{i}"].token_ids, max_tokens=6) for i, p in enumerate(ps)]
+    fresh = run_all(engine_for(model, 0, enable_prefix_cache=False), second)
+    engine.spec._propose = type(engine.spec)._propose.__get__(engine.spec)  # type: ignore[union-attr, method-assign]
+    reused = run_all(engine, second)
+    assert sum(r.num_cached_tokens for r in reused.values()) > 0
+    for r in second:
+        assert reused[r.request_id].token_ids == fresh[r.request_id].token_ids, r.request_id
