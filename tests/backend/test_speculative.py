@@ -137,10 +137,16 @@ def test_greedy_identical_when_drafts_are_often_right(loaded: dict[str, Any], ar
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
 
 
-def toy_engine(model: MarkovModel, k: int, **config: Any) -> Engine:
+def toy_engine(model: MarkovModel, k: int, detokenize: Any = None, **config: Any) -> Engine:
     values = dict(num_pages=256, page_size=4, max_num_batched_tokens=512, max_num_seqs=64)
     values |= dict(num_speculative_tokens=k, speculative_max_seqs=64) | config
-    return Engine(model, EngineConfig.build(**values), vocab_size=model.vocab_size, context_window=512)
+    return Engine(
+        model,
+        EngineConfig.build(**values),
+        vocab_size=model.vocab_size,
+        context_window=512,
+        detokenize=detokenize,
+    )
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -318,3 +324,35 @@ def test_the_prefix_cache_keeps_only_accepted_tokens(loaded: dict[str, Any], arc
     assert sum(r.num_cached_tokens for r in reused.values()) > 0
     for r in second:
         assert reused[r.request_id].token_ids == fresh[r.request_id].token_ids, r.request_id
+
+
+def letters(ids: list[int]) -> str:
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_stops_inside_an_accepted_run(k: int) -> None:
+    """A stop string, a stop token and max_tokens met in the middle of a step's accepted tokens:
+    the tokens after it are dropped, as if it had been decoded one token at a time."""
+    V = 16
+    successor = torch.tensor([(5 * x + 3) % V for x in range(V)])  # one cycle through all 16 tokens
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(3))
+    target[torch.arange(V), successor] += 6.0
+    chain, x = [], 5
+    for _ in range(12):
+        x = int(target[x].argmax())
+        chain.append(x)
+    cases = {
+        "string": dict(stop=[letters(chain[2:4])], max_tokens=12),
+        "token": dict(stop_token_ids=[chain[6]], max_tokens=12),
+        "length": dict(max_tokens=7),
+    }
+    for name, params in cases.items():
+        want = run_all(toy_engine(MarkovModel(target, target), 0, letters), [request(name, [5], **params)])
+        engine = toy_engine(MarkovModel(target, target), k, letters)
+        got = run_all(engine, [request(name, [5], **params)])
+        assert got[name].token_ids == want[name].token_ids, name
+        assert got[name].finish_reason == want[name].finish_reason
+        assert got[name].outputs[-1].num_output_tokens == len(want[name].token_ids)
+        assert engine.stats.spec_accepted_tokens > 0
+        assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
