@@ -66,6 +66,7 @@ def engine_config(
     *,
     check_page_tags: bool = True,
     cuda_graphs: bool = True,
+    num_speculative_tokens: int = 0,
 ) -> EngineConfig:
     return EngineConfig.build(
         page_size=page_size,
@@ -76,6 +77,7 @@ def engine_config(
         enable_prefix_cache=False,
         check_page_tags=check_page_tags,
         cuda_graphs=cuda_graphs,
+        num_speculative_tokens=num_speculative_tokens,
     )
 
 
