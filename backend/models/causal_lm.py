@@ -234,7 +234,8 @@ class CausalLM(nn.Module):
         for name in targets:
             if loaded[name] < needed[name]:
                 raise CheckpointError(
-                    f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}"
+                    f"checkpoint is missing tensor {prefix}"
+                    f"{self._checkpoint_name(self._describe_missing(name, expert_parts))}"
                 )
 
     def wants_tensor(self, raw_name: str) -> bool:
@@ -262,6 +263,13 @@ class CausalLM(nn.Module):
             return None
         return f"mtp.{i}.{rest}"
 
+    def _checkpoint_name(self, name: str) -> str:
+        """`mtp.{i}.…` back to the checkpoint's `model.layers.{num_hidden_layers + i}.…`."""
+        if not name.startswith("mtp."):
+            return name
+        i, rest = name[len("mtp.") :].split(".", 1)
+        return f"model.layers.{self.config.num_hidden_layers + int(i)}.{rest}"
+
     def _module(self, path: str, raw_name: str) -> Any:
         """The submodule at `path` (duck-typed: its loading hooks vary by module kind)."""
         try:
@@ -285,12 +293,9 @@ class CausalLM(nn.Module):
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This (single-rank) model's tensors under their published checkpoint names, experts split."""
         for name, tensor in self.state_dict().items():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            name = self._checkpoint_name(name)
             path, param = name.rsplit(".", 1)
-            module = self.get_submodule(path)
-            if name.startswith("mtp."):  # back to `model.layers.{num_hidden_layers + i}.`
-                i, rest = name[len("mtp.") :].split(".", 1)
-                path = f"model.layers.{self.config.num_hidden_layers + int(i)}.{rest}".rsplit(".", 1)[0]
-                name = f"{path}.{param}"
             if isinstance(module, Experts):
                 I = module.intermediate
                 for e in range(tensor.shape[0]):

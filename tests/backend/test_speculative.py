@@ -9,6 +9,7 @@ tokens (every draft accepted) and a known distribution for the χ² test of samp
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -356,3 +357,42 @@ def test_stops_inside_an_accepted_run(k: int) -> None:
         assert got[name].outputs[-1].num_output_tokens == len(want[name].token_ids)
         assert engine.stats.spec_accepted_tokens > 0
         assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize(("weights", "extra"), [("int4-g32", []), ("fp8-block", ["--all-linear"])])
+def test_quantized_mtp_layers_load_and_decode_exactly(tmp_path: Path, weights: str, extra: list[str]) -> None:
+    """`kumo quantize` treats the MTP layers like the others (INT4 routed experts, FP8 Linears);
+    they load back through the same walker, and greedy speculation stays exact."""
+    from backend.quant.cli import main as quantize
+    from backend.quant.experts import QuantExperts
+
+    src = add_mtp_layers(make_tiny("glm_moe_dsa", tmp_path / "src"))
+    dst = tmp_path / "dst"
+    assert quantize([str(src), str(dst), "--weights", weights, *extra]) == 0
+    model = load_model(dst, dtype=torch.float32, num_mtp_layers=1)
+    assert isinstance(model.model.mtp[0].mlp.experts, QuantExperts)
+    reqs = [request(f"r{i}", p, max_tokens=10) for i, p in enumerate(prompts(6, 256, seed=2))]
+    plain = run_all(engine_for(model, 0), reqs)
+    engine = engine_for(model, 2)
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    spec = run_all(engine, reqs)
+    assert {k: v.token_ids for k, v in spec.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert engine.stats.spec_accepted_tokens > 0
+
+
+def test_mtp_layers_are_loaded_only_when_asked(tmp_path: Path) -> None:
+    from backend.errors import CheckpointError
+
+    path = make_tiny("deepseek_v3", tmp_path / "plain")  # its config says 1 MTP layer; no tensors
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.3\."):
+        load_model(path, dtype=torch.float32, num_mtp_layers=1)
+    add_mtp_layers(path)
+    without = load_model(path, dtype=torch.float32)
+    assert without.model.num_mtp_layers == 0 and len(without.model.cache_specs()) == 3
+    with_mtp = load_model(path, dtype=torch.float32, num_mtp_layers=1)
+    assert len(with_mtp.model.cache_specs()) == 4  # the MTP layer's KV slot follows the model's
+    exported = dict(with_mtp.model.export_weights())
+    assert (
+        "model.layers.3.eh_proj.weight" in exported
+        and "model.layers.3.mlp.experts.7.down_proj.weight" in exported
+    )
