@@ -103,9 +103,7 @@ class Engine:
         )
         self.spec = None
         if config.num_speculative_tokens:
-            self.spec = SpecDecoder(
-                self.runner, self.block_manager, config.num_speculative_tokens, config.speculative_max_seqs
-            )
+            self.spec = SpecDecoder(self.runner, self.block_manager, can_match_stops=detokenize is not None)
         self.detokenize = detokenize
         self._stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}

@@ -66,20 +66,22 @@ class _Row:
 class SpecDecoder:
     """Decides which sequences draft, reserves and trims their pages, runs the speculative step."""
 
-    def __init__(
-        self, runner: ModelRunner, block_manager: BlockManager, num_draft_tokens: int, max_seqs: int
-    ):
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, *, can_match_stops: bool) -> None:
+        """`can_match_stops`: the engine matches stop strings itself, token by token (it was given a
+        detokenizer); otherwise a request with stop strings does not draft, since the serving layer
+        could only cut its text, not the tokens and usage, inside a step's accepted run."""
         model: Any = runner.model
         if not getattr(model, "num_mtp_layers", 0):
             raise ValueError(
                 "speculative decoding needs a model loaded with its MTP layers (num_mtp_layers > 0)"
             )
         self.runner, self.block_manager = runner, block_manager
-        self.K, self.max_seqs = num_draft_tokens, max_seqs
+        config = runner.config
+        self.K, self.max_seqs = config.num_speculative_tokens, config.speculative_max_seqs
+        self.can_match_stops = can_match_stops
         self.stats = SpecStats()
-        self._drafts: dict[
-            str, tuple[int, list[int]]
-        ] = {}  # request id -> (num_tokens when proposed, drafts)
+        # request id -> (its number of tokens when they were proposed, the drafts)
+        self._drafts: dict[str, tuple[int, list[int]]] = {}
 
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
@@ -88,16 +90,24 @@ class SpecDecoder:
         flags = [False] * len(out.scheduled)
         if num_running > self.max_seqs:
             return flags
+        budget = self.runner.config.max_num_batched_tokens - out.num_tokens  # the verify rows count
         for b, s in enumerate(out.scheduled):
             seq = s.seq
-            if seq.constraint is not None or not s.needs_sample:
+            if (
+                seq.constraint is not None
+                or not s.needs_sample
+                or (seq.request.sampling.stop and not self.can_match_stops)
+            ):
                 # a grammar masks each position by the accepted text (not drafted); a mid-prompt
                 # chunk samples nothing and proposes nothing (its MTP KV is filled when it ends)
                 continue
-            budget = seq.num_prompt_tokens + seq.request.sampling.max_tokens
+            num_drafts = len(self.drafts_for(seq)) if seq.num_uncomputed_tokens == 1 else 0
+            if num_drafts > budget:
+                continue
             # verify rows reach n-1+K; chained drafts after up to K+1 accepted reach n+2K-2
-            need = min(seq.num_tokens + 2 * self.K - 1, budget)
-            flags[b] = self.block_manager.reserve_tokens(seq, need)
+            window = seq.num_prompt_tokens + seq.request.sampling.max_tokens
+            flags[b] = self.block_manager.reserve_tokens(seq, min(seq.num_tokens + 2 * self.K - 1, window))
+            budget -= num_drafts if flags[b] else 0
         return flags
 
     def trim(self, seqs: list[Sequence]) -> None:

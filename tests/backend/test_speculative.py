@@ -47,11 +47,13 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def check_pool(engine: Engine) -> None:
-    """Every running sequence holds exactly the pages of its tokens, each under its current tag,
-    and the cache's tags are the allocator's."""
+    """Every running sequence holds only the pages of its tokens, each under its current tag, and
+    the cache's tags are the allocator's."""
     bm = engine.block_manager
     for seq in engine.scheduler.running:
-        assert len(seq.page_table) == bm.num_pages_for(seq.num_tokens)
+        # a drafting sequence's are trimmed to its tokens; a plain decode's newest token gets its
+        # page when it is scheduled
+        assert bm.num_pages_for(seq.num_tokens - 1) <= len(seq.page_table) <= bm.num_pages_for(seq.num_tokens)
         assert [(r.page_id, r.tag) for r in seq.page_table] == [
             (r.page_id, r.tag) for r in bm._ledger[seq.request_id]
         ]
@@ -396,3 +398,19 @@ def test_mtp_layers_are_loaded_only_when_asked(tmp_path: Path) -> None:
         "model.layers.3.eh_proj.weight" in exported
         and "model.layers.3.mlp.experts.7.down_proj.weight" in exported
     )
+
+
+def test_stop_strings_without_an_engine_detokenizer_do_not_draft() -> None:
+    """The serving layer matches stop strings then: it could cut the text inside an accepted run,
+    not the tokens and usage, so such a request runs plain beside drafting ones."""
+    V = 16
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
+    engine = toy_engine(MarkovModel(target, target), 2)
+    engine.add_request(request("stops", [1], max_tokens=8, stop=["zz"]))
+    engine.add_request(request("free", [1], max_tokens=8))
+    results: dict[str, Result] = {}
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert all(len(o.token_ids) <= 1 for o in results["stops"].outputs)
+    assert results["stops"].token_ids == results["free"].token_ids
+    assert max(len(o.token_ids) for o in results["free"].outputs) == 3
