@@ -414,3 +414,45 @@ def test_stop_strings_without_an_engine_detokenizer_do_not_draft() -> None:
     assert all(len(o.token_ids) <= 1 for o in results["stops"].outputs)
     assert results["stops"].token_ids == results["free"].token_ids
     assert max(len(o.token_ids) for o in results["free"].outputs) == 3
+
+
+def assert_same_or_tied(got: Result, want: Result, rid: str) -> int:
+    """Equal tokens, up to a first difference that must be a tie (top two log-probs within 1e-5
+    in the plain run, the speculative run taking the other one); 1 if such a tie was met."""
+    for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=False)):
+        if a != b:
+            top = want.logprobs[j].top
+            assert abs(top[0].logprob - top[1].logprob) < 1e-5 and a in (top[0].token_id, top[1].token_id), (
+                f"{rid}: token {j} differs ({a} vs {b}) without a tie"
+            )
+            return 1
+    assert got.token_ids == want.token_ids, rid
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_identical_over_a_thousand_prompts(loaded: dict[str, Any], arch: str) -> None:
+    """512 prompts per architecture (1,024 in all), fp32, K = 3: half drafted by the random MTP
+    layer (almost every draft rejected), half by oracle drafts (long accepted runs)."""
+    model = loaded[arch]
+    ps = prompts(512, model.config.vocab_size, seed=100)
+    reqs = [
+        request(f"r{i}", p, max_tokens=1 + i % 16, logprobs=True, top_logprobs=2) for i, p in enumerate(ps)
+    ]
+    plain: dict[str, Result] = {}
+    for start in range(0, len(reqs), 64):
+        plain |= run_all(engine_for(model, 0), reqs[start : start + 64])
+    ties = 0
+    for half, oracle in ((reqs[:256], False), (reqs[256:], True)):
+        for start in range(0, len(half), 64):
+            engine = engine_for(model, 3)
+            if oracle:
+                OracleDrafts(engine, plain, p_wrong=0.3, seed=start)
+            spec = run_all(engine, half[start : start + 64])
+            ties += sum(
+                assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id)
+                for r in half[start : start + 64]
+            )
+            assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+    assert ties <= 2
