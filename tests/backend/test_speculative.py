@@ -456,3 +456,15 @@ def test_greedy_identical_over_a_thousand_prompts(loaded: dict[str, Any], arch: 
             )
             assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
     assert ties <= 2
+
+
+def test_backend_settings_take_speculative() -> None:
+    from backend.settings import build_settings
+
+    env = {"KUMO_BACKEND_SECRET": "from-the-environment"}
+    base = ["--model", "m", "--port", "1"]
+    assert build_settings(base, env).speculative == 0
+    assert build_settings([*base, "--speculative", "mtp:3"], env).speculative == 3
+    assert build_settings([*base, "--speculative-max-seqs", "4"], env).speculative_max_seqs == 4
+    with pytest.raises(SystemExit):
+        build_settings([*base, "--speculative", "mtp:9"], env)
