@@ -109,12 +109,20 @@ class OracleDrafts:
         spec._propose = oracle_propose  # type: ignore[method-assign]
 
 
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_identical_when_drafts_are_often_right(loaded: dict[str, Any], arch: str) -> None:
+@pytest.mark.parametrize("penalties", [{}, PENALTIES], ids=["plain", "penalized"])
+def test_greedy_identical_when_drafts_are_often_right(
+    loaded: dict[str, Any], arch: str, penalties: dict[str, float]
+) -> None:
+    """Penalties see the accepted drafts as context: row i is penalized over the tokens before it."""
     model = loaded[arch]
     ps = prompts(16, model.config.vocab_size, seed=7)
     reqs = [
-        request(f"r{i}", p, max_tokens=4 + i % 19, logprobs=True, top_logprobs=2) for i, p in enumerate(ps)
+        request(f"r{i}", p, max_tokens=4 + i % 19, logprobs=True, top_logprobs=2, **penalties)
+        for i, p in enumerate(ps)
     ]
     plain = run_all(engine_for(model, 0), reqs)
     engine = engine_for(model, 3)
