@@ -27,6 +27,7 @@ from backend.layers.norm import RMSNorm
 from backend.layers.parallel import DcpGroup, Parallel, VocabParallelEmbedding, gather_vocab, vocab_range
 from backend.layers.rotary import Rotary
 from backend.layers.step import Step
+from backend.models.mtp import MtpLayer
 
 # `.weight`, or a quantized checkpoint's `.weight_packed` / `.weight_scale` / `.weight_scale_inv` / …
 _EXPERT = re.compile(
@@ -108,8 +109,6 @@ class CausalLM(nn.Module):
         self.mtp = nn.ModuleList(self._make_mtp(i) for i in range(num_mtp_layers))
 
     def _make_mtp(self, i: int) -> nn.Module:
-        from backend.models.mtp import MtpLayer  # it builds on DecoderLayer, defined here
-
         c = self.config
         mlp: nn.Module
         if c.num_routed_experts:  # every published MTP layer is a MoE layer

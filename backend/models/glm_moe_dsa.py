@@ -50,7 +50,9 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
         kv = step.batch.kv_cache
         if step.dcp is not None:  # each rank scores its key shard; the shards' top-k merged
-            return dcp_indexer_topk(q, weights, step.batch, self.layer_idx, self.Di**-0.5, self.topk, step.dcp)
+            return dcp_indexer_topk(
+                q, weights, step.batch, self.layer_idx, self.Di**-0.5, self.topk, step.dcp
+            )
         k_cache, k_scale = kv.layers[self.layer_idx]["index_k"], kv.scales[self.layer_idx]["index_k"]
         return dsa_indexer(DsaIndexerArgs(q, weights, k_cache, k_scale, self.Di**-0.5, self.topk, step.pages))
 

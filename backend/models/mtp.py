@@ -25,7 +25,6 @@ from backend.config import ModelConfig
 from backend.layers.linear import Linear
 from backend.layers.norm import RMSNorm
 from backend.layers.step import Step
-from backend.models.causal_lm import DecoderLayer
 
 
 class SharedHead(nn.Module):
@@ -34,13 +33,18 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
 
-class MtpLayer(DecoderLayer):
-    """One MTP layer: its decoder block's parameters under the decoder layer's names, plus the
-    input norms and projection, and the head's norm."""
+class MtpLayer(nn.Module):
+    """One MTP layer: its decoder block under a decoder layer's names (`input_layernorm`,
+    `self_attn`, `post_attention_layernorm`, `mlp`), plus the input norms and projection, and the
+    head's norm."""
 
     def __init__(self, config: ModelConfig, attn: nn.Module, mlp: nn.Module, *, dtype: torch.dtype) -> None:
-        super().__init__(config, attn, mlp, dtype=dtype)
+        super().__init__()
         H = config.hidden_size
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.mlp = mlp
         self.enorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
         self.eh_proj = Linear(2 * H, H, dtype=dtype)
@@ -49,4 +53,5 @@ class MtpLayer(DecoderLayer):
     def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step) -> torch.Tensor:
         """embeds [T, H] (of the next tokens), hidden [T, H] → the layer's hidden state [T, H]."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, H]
-        return super().forward(x, step)
+        x = x + self.self_attn(self.input_layernorm(x), step)  # the decoder block, as DecoderLayer's
+        return x + self.mlp(self.post_attention_layernorm(x))
