@@ -29,7 +29,7 @@ class EngineFigures(Protocol):
     cached_tokens: int
     total_step_s: float
     last_step_s: float
-    spec_steps: int
+    spec_verifies: int
     spec_drafted_tokens: int
     spec_accepted_tokens: int
 
@@ -58,7 +58,11 @@ class _EngineCollector(Collector):
             ),
             ("kumo_backend_engine_aborts", "requests aborted in the engine", s.aborts),
             ("kumo_backend_preemptions", "requests preempted for recompute", s.preemptions),
-            ("kumo_backend_spec_verify_steps", "speculative steps that verified drafts", s.spec_steps),
+            (
+                "kumo_backend_spec_verifies",
+                "drafts verified, per request and step (tokens per verify: 1 + accepted / verifies)",
+                s.spec_verifies,
+            ),
             (
                 "kumo_backend_spec_draft_tokens",
                 "draft tokens verified (speculative decoding)",

@@ -224,6 +224,10 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
     num_mtp = (
         ModelConfig.from_pretrained(settings.model).num_nextn_predict_layers if settings.speculative else 0
     )
+    if settings.speculative and settings.kv_dtype == "fp8":
+        raise CheckpointError(
+            "--speculative mtp:K needs --kv-dtype auto or bf16 (no FP8 scales for MTP layers yet)"
+        )
     if settings.speculative and not num_mtp:
         raise CheckpointError(
             "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"

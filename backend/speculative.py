@@ -47,9 +47,9 @@ from backend.step_planner import StepPlanner
 
 @dataclass(slots=True)
 class SpecStats:
-    steps: int = 0  # verify forwards with at least one drafting sequence
+    verifies: int = 0  # (sequence, step) pairs that verified drafts
     drafted_tokens: int = 0  # drafts verified
-    accepted_tokens: int = 0  # of which accepted
+    accepted_tokens: int = 0  # of which accepted: tokens per verify = 1 + accepted / verifies
 
 
 @dataclass(slots=True)
@@ -141,6 +141,7 @@ class SpecDecoder:
                 continue
             if r.is_drafting and r.drafts:
                 res.num_new_tokens = len(tokens)  # the verify rows of the accepted tokens hold valid KV
+                self.stats.verifies += 1
                 self.stats.drafted_tokens += len(r.drafts)
                 self.stats.accepted_tokens += len(tokens) - 1
             scores = self._scores(logits, r, tokens)
@@ -151,8 +152,6 @@ class SpecDecoder:
                 results[b].prompt_scores = runner.sampler.score(
                     logits[index], targets, out.scheduled[b].seq.request.sampling.top_logprobs
                 )
-        if any(r.is_drafting and r.drafts for r in rows):
-            self.stats.steps += 1
         self._propose(rows, results, emitted, hidden)
         return results
 

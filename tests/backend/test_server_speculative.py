@@ -49,7 +49,7 @@ async def test_speculative_backend_matches_the_plain_one(
             assert [u for u in got if isinstance(u, Usage)] == [u for u in want if isinstance(u, Usage)]
         metrics = await scrape(b)
         assert metrics["kumo_backend_spec_draft_tokens_total"] > 0
-        assert metrics["kumo_backend_spec_verify_steps_total"] > 0
+        assert metrics["kumo_backend_spec_verifies_total"] > 0
         assert "kumo_backend_spec_accepted_tokens_total" in metrics
         assert (await scrape(a))["kumo_backend_spec_draft_tokens_total"] == 0
         assert (await wait_idle(b, speculative.num_pages)).free_pages == speculative.num_pages

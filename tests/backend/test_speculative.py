@@ -175,7 +175,8 @@ def test_every_draft_accepted_when_the_head_is_the_target(k: int) -> None:
         assert results[f"r{i}"].token_ids == want
     s = engine.stats
     assert s.spec_accepted_tokens == s.spec_drafted_tokens == 8 * 4 * k
-    assert s.steps == 1 + 4  # K + 1 tokens per verify step
+    assert s.steps == 1 + 4 and s.spec_verifies == 8 * 4
+    assert 1 + s.spec_accepted_tokens / s.spec_verifies == k + 1  # tokens per verify: the most there are
 
 
 def chi2_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
