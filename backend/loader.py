@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,16 @@ class LoadedModel:
     path: Path
 
 
+def num_mtp_layers_in(path: str | Path, draft: str | Path | None = None) -> int:
+    """The MTP layers a checkpoint ships (`num_nextn_predict_layers`), or a separate draft folder."""
+    if draft is None:
+        return ModelConfig.from_pretrained(path).num_nextn_predict_layers
+    try:
+        return int(json.loads((Path(draft) / "config.json").read_text())["num_nextn_predict_layers"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{draft}: no config.json giving num_nextn_predict_layers") from exc
+
+
 def load_model(
     path: str | Path,
     *,
@@ -33,13 +46,19 @@ def load_model(
     ep: int = 0,
     dcp: int = 1,
     num_mtp_layers: int = 0,
+    draft: str | Path | None = None,
 ) -> LoadedModel:
     """`rank` of `world_size` tensor-parallel ranks; `ep` expert groups (0: = world_size) and `dcp`
     ranks sharing one MLA latent cache by token, as backend/layers/parallel.py lays them out. With
     dcp > 1 every rank must call this together (it makes the DCP process groups). `num_mtp_layers`:
-    the checkpoint's MTP layers to load too (speculative decoding; backend/models/mtp.py)."""
+    the checkpoint's MTP layers to load too (speculative decoding; backend/models/mtp.py). `draft`: a
+    folder shipping them apart from the checkpoint (Kimi K2 ships none): their tensors under the
+    names they would have in it (`model.layers.{num_hidden_layers + i}.*`, in the same format), and a
+    config.json giving `num_nextn_predict_layers`."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    if draft is not None:
+        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp_layers_in(path, draft))
     cls = ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise CheckpointError(f"unknown architecture {config.architecture!r}")
@@ -64,7 +83,10 @@ def load_model(
     else:
         model = build_for_checkpoint(make, scheme, device)
     # a rank reads only what it keeps (not the other ranks' experts, nor unloaded MTP or vision tensors)
-    weights = iter_tensors(path, keep=getattr(model, "wants_tensor", None))
+    keep = getattr(model, "wants_tensor", None)
+    weights = iter_tensors(path, keep=keep)
+    if draft is not None:
+        weights = itertools.chain(weights, iter_tensors(draft, keep=keep))
     model.load_weights(without_kv_scales(weights))  # type: ignore[operator]
     if scheme is not None:
         dequantize_after_load(model)

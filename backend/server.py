@@ -29,12 +29,11 @@ from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine
-from backend.config import ModelConfig
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
 from backend.errors import Aborted, CheckpointError, EngineError, InvalidRequest, Unauthorized
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
-from backend.loader import load_model
+from backend.loader import load_model, num_mtp_layers_in
 from backend.metrics import BackendMetrics
 from backend.served_model import ServedModel
 from backend.serving import Serving
@@ -221,9 +220,8 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         device=settings.device,
     )
     served.has_vision = vision is not None
-    num_mtp = (
-        ModelConfig.from_pretrained(settings.model).num_nextn_predict_layers if settings.speculative else 0
-    )
+    draft = settings.speculative_draft
+    num_mtp = num_mtp_layers_in(settings.model, draft) if settings.speculative else 0
     if settings.speculative and settings.kv_dtype == "fp8":
         raise CheckpointError(
             "--speculative mtp:K needs --kv-dtype auto or bf16 (no FP8 scales for MTP layers yet)"
@@ -232,7 +230,13 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         raise CheckpointError(
             "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"
         )
-    loaded = load_model(settings.model, dtype=dtype, device=settings.device, num_mtp_layers=num_mtp)
+    loaded = load_model(
+        settings.model,
+        dtype=dtype,
+        device=settings.device,
+        num_mtp_layers=num_mtp,
+        draft=draft if num_mtp else None,
+    )
     kv_scales = None
     if settings.kv_dtype == "fp8":  # the checkpoint's calibrated scales, else calibrated now with a warning
         from backend.quant.kv_scales import scales_for_serving

@@ -49,6 +49,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     data_dir: str | None = None
     speculative: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0  # `--speculative mtp:K`: K drafts
     speculative_max_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 16  # no drafts past this many running
+    speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
 
     @property
     def compile_cache_dir(self) -> Path | None:
@@ -98,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         default="off",
         metavar="mtp:K",
         help="speculative decoding: K = 1..3 tokens drafted per step by the checkpoint's MTP layers",
+    )
+    p.add_argument(
+        "--speculative-draft",
+        default=None,
+        metavar="DIR",
+        help="MTP layers shipped apart from the checkpoint (for Kimi K2, which ships none)",
     )
     p.add_argument(
         "--speculative-max-seqs",

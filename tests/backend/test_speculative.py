@@ -477,3 +477,30 @@ def test_backend_settings_take_speculative() -> None:
     assert build_settings([*base, "--speculative-max-seqs", "4"], env).speculative_max_seqs == 4
     with pytest.raises(SystemExit):
         build_settings([*base, "--speculative", "mtp:9"], env)
+
+
+def test_a_separately_shipped_draft_loads_like_one_in_the_checkpoint(tmp_path: Path) -> None:
+    """Kimi K2 ships no MTP layer: its draft comes as a folder of the MTP tensors alone (under the
+    checkpoint's names) with a config.json; it loads into the same modules, and decodes the same."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    whole = add_mtp_layers(make_tiny("kimi_k2", tmp_path / "whole"))
+    tensors = load_file(str(whole / "model.safetensors"))
+    n = json.loads((whole / "config.json").read_text())["num_hidden_layers"]
+    is_mtp = {k: k.startswith(f"model.layers.{n}.") for k in tensors}
+    target = make_tiny("kimi_k2", tmp_path / "target", num_nextn_predict_layers=0)
+    save_file({k: v for k, v in tensors.items() if not is_mtp[k]}, str(target / "model.safetensors"))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    save_file({k: v for k, v in tensors.items() if is_mtp[k]}, str(draft / "model.safetensors"))
+    (draft / "config.json").write_text(json.dumps({"num_nextn_predict_layers": 1}))
+
+    shipped = load_model(whole, dtype=torch.float32, num_mtp_layers=1)
+    apart = load_model(target, dtype=torch.float32, num_mtp_layers=1, draft=draft)
+    want, got = shipped.model.state_dict(), apart.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    reqs = [request(f"r{i}", p, max_tokens=8) for i, p in enumerate(prompts(4, 256, seed=4))]
+    a, b = run_all(engine_for(shipped, 2), reqs), run_all(engine_for(apart, 2), reqs)
+    assert {k: v.token_ids for k, v in a.items()} == {k: v.token_ids for k, v in b.items()}
