@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from backend.block_manager import BlockManager
-from backend.forward_batch import ForwardBatch, HostBatch
+from backend.forward_batch import ForwardBatch, HostBatch, ImageEmbeds
 from backend.model_runner import ModelRunner, SeqResult
 from backend.sampler import SampleRow, TokenScore, apply_penalties, apply_top_k, apply_top_p
 from backend.scheduler import ScheduledSeq, SchedulerOutput
@@ -237,8 +237,6 @@ class SpecDecoder:
 
         image_embeds = None
         if h.image_rows:
-            from backend.forward_batch import ImageEmbeds
-
             image_embeds = ImageEmbeds(
                 token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
                 embeds=torch.cat(h.image_parts).to(dev),
@@ -336,7 +334,8 @@ class SpecDecoder:
     ) -> None:
         """Run the MTP layer over each drafting sequence's new positions and chain its drafts."""
         model: Any = self.runner.model
-        items, hidden_rows, logits_indices, proposing = [], [], [], []
+        items, owners, hidden_rows, logits_indices = [], [], [], []
+        proposing = []  # (b, drafts to propose, the last position the MTP layer ran at)
         for b, r in enumerate(rows):
             seq, tokens = r.sched.seq, emitted[b]
             self._drafts.pop(seq.request_id, None)
@@ -350,8 +349,9 @@ class SpecDecoder:
             num_drafts = min(self.K, remaining - 1)
             if num_drafts > 0:
                 proposing.append((b, num_drafts, start + m - 1))
-                logits_indices.append(sum(len(t) for _, _, t in items) + m - 1)
+                logits_indices.append(len(hidden_rows) + m - 1)
             items.append((seq, start, after))
+            owners.append(b)
             hidden_rows += range(r.base, r.base + m)
         if not items:
             return
@@ -361,8 +361,9 @@ class SpecDecoder:
         draft_logits, g = model.forward_mtp(batch, h, 0)  # [P, V], [T, H]
         drafts = [[t] for t in draft_logits.argmax(dim=-1).tolist()]
         g_last = g[batch.logits_indices]  # [P, H]
-        flagged = batch.tag_mismatch.tolist()
-        seq_of = [seq for seq, _, _ in items]
+        for b, bad in zip(owners, batch.tag_mismatch.tolist(), strict=True):
+            if bad:  # a draft read or write of a page that changed owner
+                results[b].is_tag_mismatch = True
         for depth in range(1, self.K):
             live = [i for i, (_, n, _) in enumerate(proposing) if n > depth]
             if not live:
@@ -380,10 +381,6 @@ class SpecDecoder:
             for j, bad in zip(live, step_batch.tag_mismatch.tolist(), strict=True):
                 if bad:
                     results[proposing[j][0]].is_tag_mismatch = True
-        for i, seq in enumerate(seq_of):  # a draft read or write of a page that changed owner
-            if flagged[i]:
-                b = next(b for b, r in enumerate(rows) if r.sched.seq is seq)
-                results[b].is_tag_mismatch = True
         for i, (b, _, _) in enumerate(proposing):
             if not results[b].is_tag_mismatch:
                 seq = rows[b].sched.seq
