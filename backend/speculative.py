@@ -6,13 +6,9 @@ One speculative step, for every drafting sequence (one with no grammar, while at
 1. Verify: the target runs `[newest token, d_1 … d_k]` (the drafts proposed last step) at positions
    n-1 … n-1+k in ONE forward, batched with every other sequence's decode or prefill chunk. Row i's
    logits give the target's next token after `d_1 … d_i`.
-2. Accept: greedy rows accept d_{i+1} while it equals row i's token; sampled rows accept d_{i+1}
-   with probability p_i(d_{i+1}), else draw from p_i with d_{i+1} taken out (the speculative
-   sampling rule for a deterministic draft, which leaves every emitted token distributed exactly
-   as p_i: p(d)·1[t=d] + (1 - p(d))·p(t)/(1 - p(d))·1[t≠d] = p(t)). p_i is the sampler's own
-   distribution (penalties over the context with the accepted drafts, temperature, top-k, top-p),
-   and reported log-probs are the target's raw ones. The first rejection emits the target's token;
-   with all k accepted row k gives one more (the bonus token). So a step emits 1 … k+1 tokens.
+2. Accept (backend/speculative_accept.py): the first rejected draft is replaced by the target's
+   token; with all k accepted row k gives one more (the bonus token). So a step emits 1 … k+1
+   tokens, distributed exactly as decoding one at a time, with the target's raw log-probs.
 3. Propose: the MTP layer runs over the positions just accepted (their target hidden states and the
    tokens that follow them), which also keeps its own KV complete, and its last row's argmax is the
    next d_1; depths 2 … K chain one token each on the MTP's own hidden state.
@@ -39,9 +35,10 @@ import torch
 from backend.block_manager import BlockManager
 from backend.forward_batch import ForwardBatch, HostBatch, ImageEmbeds
 from backend.model_runner import ModelRunner, SeqResult
-from backend.sampler import SampleRow, TokenScore, apply_penalties, apply_top_k, apply_top_p
+from backend.sampler import SampleRow, TokenScore
 from backend.scheduler import ScheduledSeq, SchedulerOutput
 from backend.sequence import Sequence
+from backend.speculative_accept import accept_greedy, accept_sampled
 from backend.step_planner import StepPlanner
 
 
@@ -278,13 +275,11 @@ class SpecDecoder:
             at = 0
             for b in greedy:
                 drafts = rows[b].drafts
-                mine = targets[at : at + len(drafts) + 1]
+                emitted[b] = accept_greedy(drafts, targets[at : at + len(drafts) + 1])
                 at += len(drafts) + 1
-                a = next((i for i, d in enumerate(drafts) if mine[i] != d), len(drafts))
-                emitted[b] = drafts[:a] + [mine[a]]
         for b, r in enumerate(rows):
             if r.drafts and not r.sched.seq.sample_row.is_argmax:
-                emitted[b] = self._verify_sampled(r, logits)
+                emitted[b] = accept_sampled(logits[r.logits_rows], r.drafts, r.sched.seq.sample_row)
         return emitted
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
@@ -292,34 +287,6 @@ class SpecDecoder:
         if seq.constraint is not None:
             row.allowed = seq.constraint.allowed_tokens(self.runner.vocab_size)
         return row
-
-    def _verify_sampled(self, r: _Row, logits: torch.Tensor) -> list[int]:
-        """Row by row: accept d_{i+1} with probability p_i(d_{i+1}), else draw from p_i without it."""
-        seq = r.sched.seq
-        base = seq.sample_row
-        params, gen = base.params, base.generator
-        out: list[int] = []
-        for i, row_index in enumerate(r.logits_rows):
-            context = SampleRow(params, gen, seq.token_ids + r.drafts[:i], seq.num_prompt_tokens)
-            x = apply_penalties(logits[row_index : row_index + 1].float(), [context])  # [1, V]
-            draft = r.drafts[i] if i < len(r.drafts) else None
-            if params.temperature == 0:  # greedy with penalties
-                t = int(x.argmax())
-                if t == draft:
-                    out.append(t)
-                    continue
-                return [*out, t]
-            probs = target_probs(x, params)[0]  # [V]
-            if draft is not None:
-                u = torch.rand((), generator=gen, device=probs.device)
-                if bool(u < probs[draft]):
-                    out.append(draft)
-                    continue
-                probs = probs.clone()
-                probs[draft] = 0.0
-            noise = torch.empty_like(probs).exponential_(generator=gen)
-            return [*out, int((probs / noise).argmax())]  # the Gumbel-max draw, as the sampler's
-        raise AssertionError("the last verify row always emits")
 
     def _scores(self, logits: torch.Tensor, r: _Row, tokens: list[int]) -> list[TokenScore]:
         row = r.sched.seq.sample_row
@@ -385,18 +352,3 @@ class SpecDecoder:
             if not results[b].is_tag_mismatch:
                 seq = rows[b].sched.seq
                 self._drafts[seq.request_id] = (seq.num_tokens + len(emitted[b]), drafts[i])
-
-
-def target_probs(x: torch.Tensor, params: Any) -> torch.Tensor:
-    """The sampler's distribution for temperature > 0 over penalized logits `x [n, V]` of one
-    request's rows: temperature, then top-k, then top-p, then softmax (as `Sampler._draw`)."""
-    n, V = x.shape
-    dev = x.device
-    xs = x / params.temperature
-    if 0 < params.top_k < V:
-        xs = apply_top_k(
-            xs, torch.full((n,), params.top_k, dtype=torch.int64, device=dev), max_k=params.top_k
-        )
-    if params.top_p < 1.0:
-        xs = apply_top_p(xs, torch.full((n,), params.top_p, dtype=torch.float32, device=dev))
-    return torch.softmax(xs, dim=-1)
