@@ -61,6 +61,7 @@ class BackendProcess:
     secret: str
     kv_dtype: str = "auto"
     max_pages: int | None = None  # None: the backend's default pool
+    speculative: str = "off"  # `--speculative mtp:K` (backend/engine/speculative.py)
     process: asyncio.subprocess.Process | None = None
 
     @property
@@ -127,6 +128,7 @@ async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) 
         "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
         "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
         *(["--max-pages", str(b.max_pages)] if b.max_pages is not None else []),
+        "--speculative", b.speculative,
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )  # fmt: skip
@@ -218,6 +220,8 @@ def plan(
 
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     catalog, backends, to_create = plan(args, settings)
+    for b in backends:
+        b.speculative = args.speculative
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -333,6 +337,12 @@ def main(argv: list[str]) -> int:
         choices=["float32", "bfloat16"],
         default=None,
         help="backend weights dtype (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
+    parser.add_argument(
+        "--speculative",
+        default="off",
+        metavar="mtp:K",
+        help="speculative decoding with the checkpoints' MTP layers, K = 1..3 drafts per step (default off)",
     )
     args = parser.parse_args(argv)
     settings = settings_from(args)

@@ -122,6 +122,28 @@ class BlockManager:
         self._allocate(seq)
         return True
 
+    def reserve_tokens(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` pages for its first `num_tokens` tokens (speculative decoding's draft and
+        verify positions); False, changing nothing, when the pool cannot."""
+        num_new = self.num_pages_for(num_tokens) - seq.page_table.length
+        if num_new > self.num_available_pages:
+            return False
+        for _ in range(num_new):
+            self._allocate(seq)
+        return True
+
+    def truncate(self, seq: Sequence, num_pages: int) -> None:
+        """Drop the pages of `seq` past its first `num_pages` (a rejected draft's), by the ledger,
+        as `release` drops them: quarantined until the step that last touched them completes."""
+        ledger = self._ledger.get(seq.request_id, [])
+        if len(ledger) <= num_pages:
+            return
+        step = self._seq_steps.get(seq.request_id, -1)
+        for ref in ledger[num_pages:]:
+            self._drop(ref, step)
+        del ledger[num_pages:]
+        seq.page_table.truncate(num_pages)
+
     def release(self, seq: Sequence) -> None:
         """Drop every page `seq` holds (finish, abort, preemption), by the ledger."""
         step = self._seq_steps.pop(seq.request_id, -1)

@@ -6,6 +6,10 @@ of the next one. A request whose pages failed the tag check is aborted alone, wi
 dropped. Stop strings are matched here only when the engine was given a `detokenize` callable;
 otherwise the serving layer matches them on its own detokenized text and calls `abort`. Either way
 the serving layer trims the stop string from the text it returns.
+
+With speculative decoding (`EngineConfig.num_speculative_tokens`, backend/engine/speculative.py) a step
+may return several tokens for a request; they are checked for stops one by one, and those after a
+stop are dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from backend.engine.model_runner import ModelRunner, PagedModel, SeqResult
 from backend.engine.sampler import TokenScore
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
+from backend.engine.speculative import SpecDecoder
 from backend.errors import Aborted, EngineError, IntegrityAbort, InvalidRequest
 from schemas.backend import EngineOutput, EngineRequest, FinishReason, LoadReport, TokenLogprob, TopLogprob
 
@@ -61,6 +66,9 @@ class EngineStats:
     cached_tokens: int = 0
     last_step_s: float = 0.0
     total_step_s: float = 0.0
+    spec_verifies: int = 0  # speculative: (sequence, step) pairs that verified drafts
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Engine:
@@ -80,6 +88,9 @@ class Engine:
         """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`)."""
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see prepare_model")
+        if config.num_speculative_tokens and config.kv_dtype == "float8_e4m3fn":
+            # calibration runs the target only: the MTP layers' KV would get no measured scale
+            raise ValueError("speculative decoding needs a bf16 KV cache (no FP8 scales for MTP layers yet)")
         self.config = config
         self.block_manager = BlockManager(
             config.num_pages, config.page_size, enable_prefix_cache=config.enable_prefix_cache
@@ -98,6 +109,9 @@ class Engine:
             graph_capture=graph_capture,
             page_tables=self.block_manager.page_tables,
         )
+        self.spec = None
+        if config.num_speculative_tokens:
+            self.spec = SpecDecoder(self.runner, self.block_manager, can_match_stops=detokenize is not None)
         self.detokenize = detokenize
         self._stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
@@ -168,9 +182,14 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return outputs
+        spec = self.spec
+        drafting = spec.drafting(scheduled, len(self.scheduler.running)) if spec is not None else []
         tag_updates = self.block_manager.take_tag_updates()
         try:
-            results = self.runner.run(scheduled, tag_updates)
+            if spec is not None and any(drafting):
+                results = spec.run(scheduled, drafting, tag_updates)
+            else:
+                results = self.runner.run(scheduled, tag_updates)
         except Exception:
             # a failed step is over too, once the device is idle; else its pages stay quarantined
             # forever and a request needing them waits while the engine spins on empty steps
@@ -180,6 +199,8 @@ class Engine:
             raise
         self.block_manager.complete_step(scheduled.step)
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
+        if spec is not None and any(drafting):  # the pages past each drafting sequence's tokens
+            spec.trim([s.seq for s, d in zip(scheduled.scheduled, drafting, strict=True) if d])
         elapsed = time.perf_counter() - start
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
@@ -207,6 +228,10 @@ class Engine:
         if cache is not None:
             s.prefix_hits, s.prefix_misses = cache.stats.hits, cache.stats.misses
             s.prefix_evictions, s.cached_tokens = cache.stats.evictions, cache.stats.hit_tokens
+        if self.spec is not None:
+            spec = self.spec.stats
+            s.spec_verifies, s.spec_drafted_tokens = spec.verifies, spec.drafted_tokens
+            s.spec_accepted_tokens = spec.accepted_tokens
         return s
 
     # ---- postprocess ---------------------------------------------------------------------------
@@ -242,26 +267,38 @@ class Engine:
         self._stats.computed_tokens += r.num_new_tokens
         for score in r.prompt_scores:
             seq.prompt_logprobs.append(self._logprob(score, score.token_id))
-        self.block_manager.publish_full_pages(seq)
         if r.sample is None:
+            self.block_manager.publish_full_pages(seq)
             return None
-        token, sampling, is_first = r.sample.token_id, seq.request.sampling, seq.num_emitted_tokens == 0
-        seq.token_ids.append(token)
-        self._stats.generated_tokens += 1
-        if seq.constraint is not None:
-            seq.constraint.accept(token)
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        reason = self._stop_reason(seq, token, num_output)
+        sampling, is_first = seq.request.sampling, seq.num_emitted_tokens == 0
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        reason: FinishReason | None = None
+        for score in [*r.accepted, r.sample]:  # one token, or a speculative step's accepted run
+            token = score.token_id
+            seq.token_ids.append(token)
+            tokens.append(token)
+            if sampling.logprobs:
+                logprobs.append(self._logprob(score, token))
+            if seq.constraint is not None:
+                seq.constraint.accept(token)
+            reason = self._stop_reason(seq, token, len(seq.token_ids) - seq.num_prompt_tokens)
+            if reason is not None:
+                break
+        self._stats.generated_tokens += len(tokens)
+        # a stop inside an accepted run: the KV past the kept tokens is not theirs to publish
+        seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+        self.block_manager.publish_full_pages(seq)  # after the tokens: their KV is computed
         out = EngineOutput(
             request_id=seq.request_id,
-            token_ids=[token],
-            logprobs=[self._logprob(r.sample, token)] if sampling.logprobs else None,
+            token_ids=tokens,
+            logprobs=logprobs if sampling.logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if is_first and sampling.prompt_logprobs else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=num_output,
+            num_output_tokens=len(seq.token_ids) - seq.num_prompt_tokens,
         )
-        seq.num_emitted_tokens += 1
+        seq.num_emitted_tokens += len(tokens)
         if reason is not None:
             self._retire(seq)
             out.finish_reason = reason
@@ -308,5 +345,7 @@ class Engine:
 
     def _retire(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.forget(seq.request_id)
         self._seqs.pop(seq.request_id, None)
         self._abort_ids.discard(seq.request_id)

@@ -6,6 +6,7 @@ Limits are `Annotated[..., Meta(...)]` aliases, validated by `EngineConfig.build
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -23,6 +24,8 @@ KVDtype = Literal["auto", "bfloat16", "float8_e4m3fn"]
 # kernels/w4a8_gemm.py) or expand-fp8 (weights re-quantized to per-channel FP8 in scratch, then
 # `torch._scaled_mm`: kernels/w4a8_expand.py)
 Int4Prefill = Literal["w4a16", "w4a8", "expand-fp8"]
+MAX_DRAFT_TOKENS = 3
+_SPECULATIVE = re.compile(r"^mtp:([1-9]\d*)$")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -43,6 +46,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     sizes above `max_num_seqs` are dropped.
     `tenant_share` is the most of the page pool and of `max_num_seqs` one tenant (a prefix-cache
     salt) may hold while another tenant, under its own share, waits (1.0: no cap).
+    `num_speculative_tokens` K > 0 drafts K tokens per step with the model's MTP layers
+    (`--speculative mtp:K`, backend/engine/speculative.py) while at most `speculative_max_seqs` sequences
+    run; past that, steps run without drafts (verifying them stops paying at high batch).
     """
 
     page_size: PageSize = 16
@@ -58,6 +64,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graph_batch_sizes: tuple[NumSeqs, ...] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     tenant_share: TenantShare = 0.5
+    num_speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0
+    speculative_max_seqs: NumSeqs = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -90,3 +98,13 @@ def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16, up to and including `max_num_seqs`."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return [*sizes, max_num_seqs]
+
+
+def parse_speculative(text: str | None) -> int:
+    """`--speculative`: `mtp:K` → K draft tokens (1 … MAX_DRAFT_TOKENS); None, "" or "off" → 0."""
+    if text is None or text in ("", "off"):
+        return 0
+    match = _SPECULATIVE.match(text)
+    if match is None or not 1 <= int(match.group(1)) <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative takes mtp:K with K in 1..{MAX_DRAFT_TOKENS} (or off), got {text!r}")
+    return int(match.group(1))

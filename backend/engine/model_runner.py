@@ -50,6 +50,7 @@ class SeqResult:
     num_new_tokens: int
     is_tag_mismatch: bool
     sample: TokenScore | None = None
+    accepted: list[TokenScore] = field(default_factory=list)  # speculative: accepted drafts, before sample
     prompt_scores: list[TokenScore] = field(default_factory=list)  # next-token scores, in order
 
 

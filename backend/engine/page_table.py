@@ -72,6 +72,14 @@ class PageTable:
         pool.page_ids[self.row, self.length], pool.tags[self.row, self.length] = ref.page_id, ref.tag
         self.length += 1
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` entries; those past them go back to the padding."""
+        if length < self.length:
+            pool = self._pool()
+            pool.page_ids[self.row, length : self.length] = PAD_PAGE
+            pool.tags[self.row, length : self.length] = PAD_TAG
+            self.length = length
+
     def page_id_list(self) -> list[int]:
         return self._pool().page_ids[self.row, : self.length].tolist()  # type: ignore[no-any-return]
 

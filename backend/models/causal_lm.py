@@ -3,7 +3,8 @@
 Parameter names mirror the Hugging Face checkpoint names (`model.layers.3.self_attn.q_a_proj.weight`),
 so most tensors load by name. The exceptions are handled here: per-expert tensors
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`) fill slices of the fused expert parameters, MTP layers
-(index ≥ num_hidden_layers) are skipped, the K2.5 `language_model.` prefix is stripped (anything
+(index ≥ num_hidden_layers) load into `mtp.{i}` when the model is built with them (speculative
+decoding, backend/models/mtp.py) and are skipped otherwise, the K2.5 `language_model.` prefix is stripped (anything
 outside it, the vision tower, is not this model's), and a tied lm_head reuses the embedding.
 """
 
@@ -32,13 +33,16 @@ from backend.models.layers.parallel import (
 from backend.models.layers.rotary import Rotary
 from backend.models.layers.step import Step
 from backend.models.model_config import ModelConfig
+from backend.models.mtp import MtpLayer
 
 # `.weight`, or a quantized checkpoint's `.weight_packed` / `.weight_scale` / `.weight_scale_inv` / …
 _EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\w*)$"
+    r"^((?:model\.layers|mtp)\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight\w*)$"
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# an MTP layer's copies of the embedding and lm_head: the model's own are used
+_MTP_SHARED = re.compile(r"^(embed_tokens|shared_head\.head)\.")
 
 
 class DecoderLayer(nn.Module):
@@ -69,7 +73,8 @@ class CausalLM(nn.Module):
     """Base of the architecture classes; a subclass supplies `make_attention(layer_idx)`.
 
     `rank` of `world_size` (tp) ranks, routed experts over `ep` groups (0: ep = tp), the MLA latent
-    cache sharded by token over groups of `dcp` ranks (backend/models/layers/parallel.py)."""
+    cache sharded by token over groups of `dcp` ranks (backend/models/layers/parallel.py). `num_mtp_layers`
+    of the checkpoint's MTP layers are built and loaded (speculative decoding; 0: none)."""
 
     def __init__(
         self,
@@ -80,6 +85,7 @@ class CausalLM(nn.Module):
         world_size: int = 1,
         ep: int = 0,
         dcp: int = 1,
+        num_mtp_layers: int = 0,
     ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
@@ -102,6 +108,21 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, layers, self.shard, dtype=dtype)
         vocab = vocab_range(self.shard, config.vocab_size)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, out_range=vocab)
+        if num_mtp_layers > config.num_nextn_predict_layers:
+            raise CheckpointError(
+                f"{num_mtp_layers} MTP layers asked for; the checkpoint has "
+                f"{config.num_nextn_predict_layers} (num_nextn_predict_layers)"
+            )
+        self.mtp = nn.ModuleList(self._make_mtp(i) for i in range(num_mtp_layers))
+
+    def _make_mtp(self, i: int) -> nn.Module:
+        c = self.config
+        mlp: nn.Module
+        if c.num_routed_experts:  # every published MTP layer is a MoE layer
+            mlp = MoE(c, self.parallel, dtype=self.dtype)
+        else:
+            mlp = DenseMLP(c.hidden_size, c.intermediate_size, c.hidden_act, self.shard, dtype=self.dtype)
+        return MtpLayer(c, self.make_attention(c.num_hidden_layers + i), mlp, dtype=self.dtype)
 
     def make_attention(self, layer_idx: int) -> nn.Module:
         raise NotImplementedError
@@ -110,8 +131,13 @@ class CausalLM(nn.Module):
         return [attn.cache_specs() for attn in self.attentions()]
 
     def attentions(self) -> list[Any]:
-        """Each layer's attention module (MLA, DSA or GQA: all have `cache_specs()`)."""
-        return [layer.self_attn for layer in self.layers]
+        """Each layer's attention module (MLA, DSA or GQA: all have `cache_specs()`), the MTP
+        layers' after the decoder layers' (their cache slots follow the model's)."""
+        return [layer.self_attn for layer in [*self.layers, *self.mtp]]
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp)
 
     @property
     def layers(self) -> list[DecoderLayer]:
@@ -120,6 +146,32 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]` (the whole vocabulary on every rank)."""
+        x = self._decode_layers(batch)
+        return self._logits(self.model.norm(x[batch.logits_indices]))
+
+    @torch.no_grad()
+    def forward_spec(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits, and every row's hidden state after the final norm `[T, H]` (what the
+        MTP layers read)."""
+        x = self.model.norm(self._decode_layers(batch))  # [T, H]
+        return self._logits(x[batch.logits_indices]), x
+
+    @torch.no_grad()
+    def forward_mtp(
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft depth `depth` (0-based): `batch.input_ids` are the tokens after the positions whose
+        hidden states `hidden [T, H]` are given. Returns (float32 draft logits of
+        `batch.logits_indices`, the MTP hidden states [T, H] the next depth reads)."""
+        layer: Any = self.mtp[depth % len(self.mtp)]
+        embeds = self.model.embed_tokens(batch.input_ids)  # [T, H]
+        embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's DeepSeek MTP
+        cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
+        g = layer.draft(embeds, hidden.to(embeds.dtype), Step.build(batch, cos, sin, self.dcp))
+        return self._logits(layer.shared_head.norm(g[batch.logits_indices])), g
+
+    def _decode_layers(self, batch: ForwardBatch) -> torch.Tensor:
+        """The hidden states after the last decoder layer, before the final norm `[T, H]`."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         if batch.image_embeds is not None:
             x[batch.image_embeds.token_indices] = batch.image_embeds.embeds.to(x.dtype)
@@ -127,7 +179,10 @@ class CausalLM(nn.Module):
         step = Step.build(batch, cos, sin, self.dcp)
         for layer in self.model.layers:
             x = layer(x, step)
-        x = self.model.norm(x[batch.logits_indices])
+        hidden: torch.Tensor = x
+        return hidden
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return gather_vocab(self.lm_head(x), self.shard, self.config.vocab_size).float()
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -153,9 +208,10 @@ class CausalLM(nn.Module):
                 if raw_name.startswith("model.blocks.")
                 else raw_name
             )
-            layer = _LAYER.match(name)
-            if (layer and int(layer.group(1)) >= self.config.num_hidden_layers) or _IGNORED.search(name):
-                continue  # MTP layers (speculative decoding heads) are not part of the model
+            mapped = self._mtp_name(name)
+            if mapped is None or _IGNORED.search(mapped):
+                continue
+            name = mapped
             if expert := _EXPERT.match(name):
                 path, e, proj, part = expert.group(1), int(expert.group(2)), expert.group(3), expert.group(4)
                 experts = self._module(path, raw_name)
@@ -186,7 +242,8 @@ class CausalLM(nn.Module):
         for name in targets:
             if loaded[name] < needed[name]:
                 raise CheckpointError(
-                    f"checkpoint is missing tensor {prefix}{self._describe_missing(name, expert_parts)}"
+                    f"checkpoint is missing tensor {prefix}"
+                    f"{self._checkpoint_name(self._describe_missing(name, expert_parts))}"
                 )
 
     def wants_tensor(self, raw_name: str) -> bool:
@@ -195,15 +252,32 @@ class CausalLM(nn.Module):
         prefix = self.config.weight_prefix
         if prefix and not raw_name.startswith(prefix):
             return False
-        name = raw_name[len(prefix) :]
-        layer = _LAYER.match(name)
-        if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
+        name = self._mtp_name(raw_name[len(prefix) :])
+        if name is None:
             return False
         if expert := _EXPERT.match(name):
             experts = self.get_submodule(expert.group(1))
             # Experts or its quantized swap, both with int fields e0, e1 that nn.Module types Tensor | Module
             return cast(int, experts.e0) <= int(expert.group(2)) < cast(int, experts.e1)
         return True
+
+    def _mtp_name(self, name: str) -> str | None:
+        """`name`, or an MTP layer's tensor under its `mtp.{i}.` name; None for a tensor not loaded
+        (an MTP layer not built, or its copy of the embedding or lm_head)."""
+        layer = _LAYER.match(name)
+        if layer is None or int(layer.group(1)) < self.config.num_hidden_layers:
+            return name
+        i, rest = int(layer.group(1)) - self.config.num_hidden_layers, name[layer.end() :]
+        if i >= len(self.mtp) or _MTP_SHARED.match(rest):
+            return None
+        return f"mtp.{i}.{rest}"
+
+    def _checkpoint_name(self, name: str) -> str:
+        """`mtp.{i}.…` back to the checkpoint's `model.layers.{num_hidden_layers + i}.…`."""
+        if not name.startswith("mtp."):
+            return name
+        i, rest = name[len("mtp.") :].split(".", 1)
+        return f"model.layers.{self.config.num_hidden_layers + int(i)}.{rest}"
 
     def _module(self, path: str, raw_name: str) -> Any:
         """The submodule at `path` (duck-typed: its loading hooks vary by module kind)."""
@@ -228,8 +302,9 @@ class CausalLM(nn.Module):
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This (single-rank) model's tensors under their published checkpoint names, experts split."""
         for name, tensor in self.state_dict().items():
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            name = self._checkpoint_name(name)
             path, param = name.rsplit(".", 1)
-            module = self.get_submodule(path)
             if isinstance(module, Experts):
                 I = module.intermediate
                 for e in range(tensor.shape[0]):

@@ -62,7 +62,8 @@ class DSAAttention(MLAAttention):
         self, config: ModelConfig, layer_idx: int, shard: Shard, rotary: Rotary, *, dtype: torch.dtype
     ) -> None:
         super().__init__(config, layer_idx, shard, rotary, dtype=dtype)
-        self.is_full = config.indexer_types[layer_idx] == "full"
+        # an MTP layer (past the last decoder layer) has no earlier layer to share a choice with
+        self.is_full = layer_idx >= config.num_hidden_layers or config.indexer_types[layer_idx] == "full"
         if self.is_full:
             self.indexer = Indexer(config, layer_idx, dtype=dtype)
 

@@ -4,6 +4,9 @@ to know about quantization."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,16 @@ class LoadedModel:
     path: Path
 
 
+def num_mtp_layers_in(path: str | Path, draft: str | Path | None = None) -> int:
+    """The MTP layers a checkpoint ships (`num_nextn_predict_layers`), or a separate draft folder."""
+    if draft is None:
+        return ModelConfig.from_pretrained(path).num_nextn_predict_layers
+    try:
+        return int(json.loads((Path(draft) / "config.json").read_text())["num_nextn_predict_layers"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{draft}: no config.json giving num_nextn_predict_layers") from exc
+
+
 def load_model(
     path: str | Path,
     *,
@@ -37,27 +50,48 @@ def load_model(
     world_size: int = 1,
     ep: int = 0,
     dcp: int = 1,
+    num_mtp_layers: int = 0,
+    draft: str | Path | None = None,
 ) -> LoadedModel:
     """`rank` of `world_size` tensor-parallel ranks; `ep` expert groups (0: = world_size) and `dcp`
     ranks sharing one MLA latent cache by token, as backend/models/layers/parallel.py lays them out. With
-    dcp > 1 every rank must call this together (it makes the DCP process groups)."""
+    dcp > 1 every rank must call this together (it makes the DCP process groups). `num_mtp_layers`:
+    the checkpoint's MTP layers to load too (speculative decoding; backend/models/mtp.py). `draft`: a
+    folder shipping them apart from the checkpoint (Kimi K2 ships none): their tensors under the
+    names they would have in it (`model.layers.{num_hidden_layers + i}.*`, in the same format), and a
+    config.json giving `num_nextn_predict_layers`."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
+    if draft is not None:
+        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp_layers_in(path, draft))
     cls = ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise CheckpointError(f"unknown architecture {config.architecture!r}")
     # a quantized checkpoint (config.json's quantization_config): the quantized modules are built in
     # place of the dense ones, and the FP8 KV-cache scales kept out of the weight stream (backend/quant/)
     scheme = read_scheme(path)
+
+    def make() -> nn.Module:
+        return cls(
+            config,
+            dtype=dtype,
+            rank=rank,
+            world_size=world_size,
+            ep=ep,
+            dcp=dcp,
+            num_mtp_layers=num_mtp_layers,
+        )
+
     if scheme is None:
         with torch.device(device):
-            model = cls(config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp)
+            model = make()
     else:
-        model = build_for_checkpoint(
-            lambda: cls(config, dtype=dtype, rank=rank, world_size=world_size, ep=ep, dcp=dcp), scheme, device
-        )
-    # a rank reads only what it keeps (not the other ranks' experts, nor MTP or vision tensors)
-    weights = iter_tensors(path, keep=getattr(model, "wants_tensor", None))
+        model = build_for_checkpoint(make, scheme, device)
+    # a rank reads only what it keeps (not the other ranks' experts, nor unloaded MTP or vision tensors)
+    keep = getattr(model, "wants_tensor", None)
+    weights = iter_tensors(path, keep=keep)
+    if draft is not None:
+        weights = itertools.chain(weights, iter_tensors(draft, keep=keep))
     model.load_weights(without_kv_scales(weights))  # type: ignore[operator]
     if scheme is not None:
         dequantize_after_load(model)

@@ -90,6 +90,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
     weight_prefix: str = ""  # stripped from checkpoint names ("language_model." for K2.5)
+    # multi-token-prediction layers stored after the last layer (DeepSeek-V3 layout; backend/models/mtp.py)
+    num_nextn_predict_layers: int = 0
 
     @property
     def family(self) -> str:
@@ -197,6 +199,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             weight_prefix=prefix,
+            num_nextn_predict_layers=get.opt("num_nextn_predict_layers", int, 0),
         )
 
 

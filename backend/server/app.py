@@ -31,9 +31,9 @@ from starlette.types import Lifespan, Receive, Scope, Send
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
-from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
+from backend.errors import Aborted, CheckpointError, EngineError, InvalidRequest, Unauthorized
 from backend.models.image_encoder import MEDIA_PAD, ImageBudget, VisionEncoder
-from backend.models.loader import load_model, prepare_model
+from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
 from backend.server.generation import Serving
 from backend.server.metrics import BackendMetrics
 from backend.server.model_card import ServedModel
@@ -225,7 +225,23 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         ),
     )
     served.has_vision = vision is not None
-    loaded = load_model(settings.model, dtype=dtype, device=settings.device)
+    draft = settings.speculative_draft
+    num_mtp = num_mtp_layers_in(settings.model, draft) if settings.speculative else 0
+    if settings.speculative and settings.kv_dtype == "fp8":
+        raise CheckpointError(
+            "--speculative mtp:K needs --kv-dtype auto or bf16 (no FP8 scales for MTP layers yet)"
+        )
+    if settings.speculative and not num_mtp:
+        raise CheckpointError(
+            "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"
+        )
+    loaded = load_model(
+        settings.model,
+        dtype=dtype,
+        device=settings.device,
+        num_mtp_layers=num_mtp,
+        draft=draft if num_mtp else None,
+    )
     config = EngineConfig.build(
         page_size=settings.page_size,
         num_pages=settings.max_pages,
@@ -235,6 +251,8 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         context_window=served.context_window,
         cuda_graphs=settings.cuda_graphs,
         tenant_share=settings.tenant_share,
+        num_speculative_tokens=settings.speculative,
+        speculative_max_seqs=settings.speculative_max_seqs,
     )
     # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
     prepared = prepare_model(loaded, config, model_dtype=dtype)

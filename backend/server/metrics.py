@@ -29,6 +29,9 @@ class EngineFigures(Protocol):
     cached_tokens: int
     total_step_s: float
     last_step_s: float
+    spec_verifies: int
+    spec_drafted_tokens: int
+    spec_accepted_tokens: int
 
 
 class _EngineCollector(Collector):
@@ -55,6 +58,21 @@ class _EngineCollector(Collector):
             ),
             ("kumo_backend_engine_aborts", "requests aborted in the engine", s.aborts),
             ("kumo_backend_preemptions", "requests preempted for recompute", s.preemptions),
+            (
+                "kumo_backend_spec_verifies",
+                "drafts verified, per request and step (tokens per verify: 1 + accepted / verifies)",
+                s.spec_verifies,
+            ),
+            (
+                "kumo_backend_spec_draft_tokens",
+                "draft tokens verified (speculative decoding)",
+                s.spec_drafted_tokens,
+            ),
+            (
+                "kumo_backend_spec_accepted_tokens",
+                "draft tokens accepted (speculative decoding)",
+                s.spec_accepted_tokens,
+            ),
         ]:
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(

@@ -1,7 +1,8 @@
 """The backend process's settings: one frozen object built once from argv and the environment.
 
 `kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
-[--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]`
+[--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]
+[--speculative mtp:K]`
 
 `--data-dir` (what `kumo serve` passes: its own) keeps the compiled Triton kernels across restarts in
 `compile_cache_dir`; without it they go to Triton's default, `~/.triton/cache`.
@@ -21,6 +22,8 @@ from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
+
+from backend.engine.engine_config import MAX_DRAFT_TOKENS, parse_speculative
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
 NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
@@ -44,6 +47,9 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA devices only)
     data_dir: str | None = None
+    speculative: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0  # `--speculative mtp:K`: K drafts
+    speculative_max_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 16  # no drafts past this many running
+    speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
 
     @property
     def compile_cache_dir(self) -> Path | None:
@@ -102,6 +108,24 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="replay decode steps from CUDA graphs per batch size (CUDA devices only; default on)",
     )
+    p.add_argument(
+        "--speculative",
+        default="off",
+        metavar="mtp:K",
+        help="speculative decoding: K = 1..3 tokens drafted per step by the checkpoint's MTP layers",
+    )
+    p.add_argument(
+        "--speculative-draft",
+        default=None,
+        metavar="DIR",
+        help="MTP layers shipped apart from the checkpoint (for Kimi K2, which ships none)",
+    )
+    p.add_argument(
+        "--speculative-max-seqs",
+        type=int,
+        default=16,
+        help="draft only while at most this many requests run (default 16)",
+    )
     return p
 
 
@@ -114,6 +138,10 @@ def build_settings(argv: list[str], environ: Mapping[str, str] | None = None) ->
     if not secret:
         parser.error("a shared secret is required: --secret or KUMO_BACKEND_SECRET")
     values = {k: v for k, v in vars(args).items() if v is not None} | {"secret": secret}
+    try:
+        values["speculative"] = parse_speculative(args.speculative)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         return msgspec.convert(values, BackendSettings)
     except msgspec.ValidationError as exc:

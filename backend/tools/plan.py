@@ -4,8 +4,9 @@ Computed from config.json alone (tensor shapes from `backend.tools.tensor_invent
 `backend.quant.scheme`), and printed term by term so a reader can redo it by hand:
 
     usable      = gpu_mem × mem_fraction                 (the rest: CUDA context, NCCL, fragmentation)
-    weights     = Σ tensors  bytes held × (1/tp if sharded else 1)       (MTP layers not loaded;
-                  held = stored, but kv_b_proj dense and the router's weight in fp32)
+    weights     = Σ tensors  bytes held × (1/tp if sharded else 1)       (MTP layers only with
+                  --speculative, less their embedding and head copies; held = stored, but
+                  kv_b_proj dense and the router's weight in fp32)
     activations = peak live buffers of one prefill chunk and one decode batch's logits
     kv_pool     = usable − weights − activations
     kv_tokens   = ⌊kv_pool / bytes per token⌋, rounded down to whole pages
@@ -33,6 +34,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from backend.engine.engine_config import parse_speculative
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
 from backend.tools.tensor_inventory import (
     FP32,
@@ -179,7 +181,10 @@ def make_plan(
     chunk: int = 8192,
     max_seqs: int = 256,
     page_size: int = 16,
+    mtp: bool = False,
 ) -> Plan:
+    """`mtp`: the checkpoint's MTP layers are loaded (speculative decoding): their weights (not
+    their copies of the embedding and lm_head) and a KV layer slot each count."""
     tc = text_config(config)
     if dcp < 1 or tp % dcp:
         raise ValueError(f"--dcp {dcp} must divide --tp {tp}")
@@ -187,14 +192,17 @@ def make_plan(
         raise ValueError("--dcp shards the MLA latent cache: this model has none (GQA)")
     scheme = scheme_for(config, weights, all_linear)
     num_layers = tc["num_hidden_layers"]
-    checkpoint = per_gpu = mtp = 0.0
+    with_mtp, num_mtp = mtp, tc.get("num_nextn_predict_layers", 0) if mtp else 0
+    checkpoint = per_gpu = mtp_bytes = 0.0
     by_class: dict[str, float] = {}
     for spec in checkpoint_tensors(config):
         size = stored_bytes(spec, scheme)
         checkpoint += size
         idx = layer_index(spec.name)
-        if idx is not None and idx >= num_layers:
-            mtp += size
+        is_mtp = idx is not None and idx >= num_layers
+        # MTP tensors not loaded: all without --speculative, else the embedding and head copies
+        if is_mtp and (not with_mtp or re.search(r"\.(embed_tokens|shared_head\.head)\.", spec.name)):
+            mtp_bytes += size
             continue
         if spec.module.rpartition(".")[2] in READ_AS_MATRIX:  # dequantized at load, held dense
             size = spec.numel * spec.dtype_bytes
@@ -214,7 +222,8 @@ def make_plan(
             "weights",
             -int(per_gpu),
             f"checkpoint {checkpoint / GB:.1f} GB; replicated: q_a/kv_a, indexer, router, norms, vision; the rest / tp={tp}"
-            + (f"; MTP layers ({mtp / GB:.1f} GB) not loaded" if mtp else "")
+            + (f"; MTP layers ({mtp_bytes / GB:.1f} GB) not loaded" if mtp_bytes and not with_mtp else "")
+            + (f"; {num_mtp} MTP layer(s) loaded (speculative decoding)" if num_mtp else "")
             + ("; kv_b_proj held dense (MLA absorption)" if scheme and is_mla(tc) else "")
             + "; router weights held in fp32",
         ),
@@ -222,8 +231,9 @@ def make_plan(
     terms += [Term(t.name, -t.bytes, t.reason) for t in activation_terms(tc, tp, chunk, max_seqs, dcp)]
     pool = sum(t.bytes for t in terms)
     per_layer = kv_bytes_per_layer(tc, kv_dtype, tp)
-    layers_with = {
-        name: sum(has_own_indexer(tc, i) for i in range(num_layers)) if name == "index_k" else num_layers
+    layers_with = {  # an MTP layer keeps its own KV (and GLM-5's its own indexer keys)
+        name: (sum(has_own_indexer(tc, i) for i in range(num_layers)) if name == "index_k" else num_layers)
+        + num_mtp
         for name in per_layer
     }
     per_token = sum(per_layer[name] * layers_with[name] for name in per_layer)  # one token, one rank
@@ -306,6 +316,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument(
+        "--speculative",
+        default="off",
+        metavar="mtp:K",
+        help="count the MTP layers speculative decoding loads",
+    )
     ap.add_argument("--json", type=Path, help="also write the plan here")
     a = ap.parse_args(argv)
     try:
@@ -323,6 +339,7 @@ def main(argv: list[str]) -> int:
             chunk=a.chunk,
             max_seqs=a.max_seqs,
             page_size=a.page_size,
+            mtp=parse_speculative(a.speculative) > 0,
         )
     except (OSError, ValueError) as exc:
         print(f"kumo plan: error: {exc}", file=sys.stderr)

@@ -95,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
         help="after the timed runs, one untimed run at this concurrency with three steps profiled "
         "(prefill alone, prefill beside decode rows, pure decode; benchmarks/engine/step_profile.py)",
     )  # fmt: skip
+    ap.add_argument(
+        "--speculative", default="off", metavar="mtp:K",
+        help="draft K = 1..3 tokens per step with a random MTP layer (its cost; acceptance needs trained weights)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
     return ap
 
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         _defaults_for_tiny(a, ap)
     import torch
 
+    from backend.engine.engine_config import parse_speculative
     from benchmarks.engine.geometry import make_geometry
     from benchmarks.engine.suite import Options, measure_integrity, measure_variant
 
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         concurrencies=a.concurrency, max_concurrency_cap=a.max_concurrency_cap, chunk=a.chunk,
         page_size=a.page_size, fp8_method=a.fp8_method, deadline=start + a.budget_s, seed=a.seed,
         cuda_graphs=a.cuda_graphs, profile_concurrency=a.profile_concurrency,
+        speculative=parse_speculative(a.speculative),
     )  # fmt: skip
     options = {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(a).items() if k not in ("inputs", "out")

@@ -66,6 +66,7 @@ def engine_config(
     *,
     check_page_tags: bool = True,
     cuda_graphs: bool = True,
+    num_speculative_tokens: int = 0,
 ) -> EngineConfig:
     return EngineConfig.build(
         page_size=page_size,
@@ -76,6 +77,7 @@ def engine_config(
         enable_prefix_cache=False,
         check_page_tags=check_page_tags,
         cuda_graphs=cuda_graphs,
+        num_speculative_tokens=num_speculative_tokens,
     )
 
 
@@ -111,6 +113,7 @@ def run_offline(
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
     preempt0, steps0 = engine.scheduler.num_preemptions, engine.stats.steps
+    spec0 = _spec_counts(engine)
     _sync(engine.runner.device)
     start = clock()
     request_ids = [f"{variant}-{seed}-{i}" for i in range(concurrency)]
@@ -182,11 +185,31 @@ def run_offline(
         extra=_decode_summary(decode_steps)
         | _prefill_summary(prefill_steps)
         | _shape_summary(shapes)
+        | _spec_summary(spec0, _spec_counts(engine))
         | {
             "ttft_ms_per_request": [round(t, 2) for t in ttft],
             "tpot_ms_per_request": [round(t, 3) for t in tpot],
         },
     )
+
+
+def _spec_counts(engine: Engine) -> tuple[int, int, int]:
+    s = engine.stats
+    return s.spec_verifies, s.spec_drafted_tokens, s.spec_accepted_tokens
+
+
+def _spec_summary(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict[str, Any]:
+    """Speculative decoding over the run: drafts verified and accepted, and `acceptance_length`,
+    the tokens a verify emits on average (the target's own token included: 1 … K + 1)."""
+    verifies, drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
+    if not verifies:
+        return {}
+    return {
+        "spec_verifies": verifies,
+        "spec_drafted_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "acceptance_length": round(1 + accepted / verifies, 4),
+    }
 
 
 def _shape_summary(steps: list[tuple[int, int, float]]) -> dict[str, Any]:

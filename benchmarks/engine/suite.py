@@ -52,6 +52,7 @@ class Options:
     seed: int = 0
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (EngineConfig.cuda_graphs)
     profile_concurrency: int = 0  # after the timed runs, one more at this concurrency, three steps profiled
+    speculative: int = 0  # draft tokens per step (`--speculative mtp:K`), with one random MTP layer
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -71,7 +72,12 @@ class Variant:
         mem0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         self.model = build_random_model(
-            geometry, fmt, device=device, seed=opts.seed, fp8_method=opts.fp8_method
+            geometry,
+            fmt,
+            device=device,
+            seed=opts.seed,
+            fp8_method=opts.fp8_method,
+            num_mtp_layers=1 if opts.speculative else 0,
         )
         self.build_s = time.perf_counter() - t0
         self.weight_bytes = weight_bytes(self.model)
@@ -105,6 +111,7 @@ class Variant:
             opts.chunk,
             check_page_tags=check_page_tags,
             cuda_graphs=opts.cuda_graphs,
+            num_speculative_tokens=opts.speculative,
         )
         return Engine(
             self.model,  # type: ignore[arg-type]

@@ -15,6 +15,8 @@ a checkpoint load (`dequantize_after_load`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -44,13 +46,17 @@ def build_random_model(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     fp8_method: str = "fp8-block",
+    num_mtp_layers: int = 0,
 ) -> nn.Module:
-    """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode."""
+    """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode; with
+    `num_mtp_layers` random MTP layers (speculative decoding's cost, not its acceptance)."""
     config = geometry.model_config
+    if num_mtp_layers:
+        config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp_layers)
     cls = ARCHITECTURES[config.architecture]
     scheme = scheme_for(fmt, fp8_method)
     with torch.device("meta"):  # the swapped-in quantized modules too: no host allocation at all
-        model = cls(config, dtype=dtype)
+        model = cls(config, dtype=dtype, num_mtp_layers=num_mtp_layers)  # type: ignore[call-arg]
         if scheme is not None:
             prepare_for_checkpoint(model, scheme)
     model.to_empty(device=device)

@@ -33,12 +33,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBackend]:
-    """Start the backend, yield it, stop it (wrap in a session-scoped fixture: one per session)."""
-    model_dir = make_served_checkpoint("glm_moe_dsa", tmp_path_factory.mktemp("served-glm5"))
+def run_backend(
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    model_dir: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[RunningBackend]:
+    """Start the backend, yield it, stop it (wrap in a session-scoped fixture: one per session).
+    `model_dir`: a served checkpoint (default: a tiny GLM-5); `extra_args`: more command-line flags."""
+    if model_dir is None:
+        model_dir = make_served_checkpoint("glm_moe_dsa", tmp_path_factory.mktemp("served-glm5"))
     port, num_pages = _free_port(), 96
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), KUMO_BACKEND_SECRET=SECRET)
-    log = (tmp_path_factory.getbasetemp() / "backend.log").open("wb")
+    log_path = tmp_path_factory.getbasetemp() / f"backend-{port}.log"
+    log = log_path.open("wb")
     process = subprocess.Popen(
         [
             sys.executable,
@@ -59,6 +67,7 @@ def run_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBac
             "64",
             "--name",
             "glm-5.2-tiny",
+            *extra_args,
         ],
         cwd=ROOT,
         env=env,
@@ -75,9 +84,7 @@ def run_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningBac
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(
-                "backend did not start: " + (tmp_path_factory.getbasetemp() / "backend.log").read_text()
-            )
+            raise RuntimeError("backend did not start: " + log_path.read_text())
         time.sleep(0.2)
     yield RunningBackend(url, model_dir, num_pages, process)
     process.terminate()

@@ -248,3 +248,36 @@ def earlier_on_ties(indexer: torch.nn.Module) -> None:
             return forward(*args, **kwargs)
 
     indexer.forward = stable_forward  # type: ignore[method-assign]
+
+
+def add_mtp_layers(path: str | Path, *, num_layers: int = 1, seed: int = 0) -> Path:
+    """Give a `make_tiny` folder (not kimi_k25) MTP layers in DeepSeek-V3's published layout.
+
+    transformers writes none (it drops `model.layers.{num_hidden_layers + i}.*` when loading), so
+    they are made here: the decoder block a perturbed copy of the last layer's (a MoE layer, as
+    published), `enorm` / `hnorm` / `shared_head.norm` around 1, `eh_proj [H, 2H]` random, and the
+    layer's own copies of the embedding and lm_head, as DeepSeek-V3 ships them.
+    """
+    path = Path(path)
+    g = torch.Generator().manual_seed(seed)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    config_file = path / "config.json"
+    raw = json.loads(config_file.read_text())
+    n, H = raw["num_hidden_layers"], raw["hidden_size"]
+    last = f"model.layers.{n - 1}."
+    for i in range(num_layers):
+        mtp = f"model.layers.{n + i}."
+        for name, t in list(tensors.items()):
+            if name.startswith(last):
+                noise = torch.randn(t.shape, generator=g) * 0.02 if t.is_floating_point() else 0
+                tensors[mtp + name[len(last) :]] = (t + noise).contiguous()
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{mtp}{norm}.weight"] = 1.0 + 0.1 * torch.randn(H, generator=g)
+        tensors[f"{mtp}eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) * (2 * H) ** -0.5
+        tensors[f"{mtp}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"{mtp}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    raw["num_nextn_predict_layers"] = num_layers
+    config_file.write_text(json.dumps(raw, indent=2))
+    return path

@@ -18,6 +18,9 @@ from schemas.backend import EngineOutput, EngineRequest
 class _Stats:
     steps: int = 0
     computed_tokens: int = 0
+    spec_verifies: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

@@ -8,6 +8,7 @@ at 8 GPUs. The seed's "GB" for GLM matches Kumo's GiB for FP8 (+0.4%); see each 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,30 @@ def test_dcp_needs_mla_and_a_divisor_of_tp(capsys: pytest.CaptureFixture[str]) -
     assert "MLA" in capsys.readouterr().err
     assert main(["--model", str(CONFIGS / "glm-5.2"), "--tp", "8", "--dcp", "3"]) == 2
     assert "must divide" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["glm-5.2", "glm-4.5"])
+def test_speculative_counts_the_mtp_layers_kumo_loads(name: str) -> None:
+    """With --speculative the MTP tensors the plan counts are exactly the state of Kumo's own MTP
+    layers (built on the meta device), and each adds a KV layer slot."""
+    from backend.models import ARCHITECTURES
+    from backend.models.model_config import ModelConfig
+
+    cfg = _config(name)
+    off = make_plan(cfg, gpu_mem=H200, tp=8, weights="int4-g128", all_linear=True)
+    on = make_plan(cfg, gpu_mem=H200, tp=8, weights="int4-g128", all_linear=True, mtp=True)
+    num_mtp = text_config(cfg)["num_nextn_predict_layers"]
+    assert num_mtp >= 1
+    assert on.kv_layers_per_tensor == {k: v + num_mtp for k, v in off.kv_layers_per_tensor.items()}
+    assert on.weights_per_gpu > off.weights_per_gpu and on.kv_tokens < off.kv_tokens
+    config = ModelConfig.from_pretrained(CONFIGS / name)
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.architecture](config, dtype=torch.bfloat16, num_mtp_layers=num_mtp)
+    ours = sum(t.numel() for n, t in model.state_dict().items() if n.startswith("mtp."))
+    n = text_config(cfg)["num_hidden_layers"]
+    counted = sum(
+        s.numel
+        for s in checkpoint_tensors(cfg)
+        if (layer_index(s.name) or 0) >= n and not re.search(r"\.(embed_tokens|shared_head\.head)\.", s.name)
+    )
+    assert ours == counted

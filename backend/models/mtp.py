@@ -1,0 +1,58 @@
+"""Multi-token-prediction (MTP) layers: DeepSeek-V3's draft head, as GLM-5 ships it.
+
+A checkpoint with `num_nextn_predict_layers = L` stores L of them after the last decoder layer, as
+`model.layers.{num_hidden_layers + i}.*`: `enorm` and `hnorm` (RMSNorms), `eh_proj` ([H, 2H], no
+bias), one decoder block (attention and MoE or dense MLP, under the usual names) and
+`shared_head.norm`. Their `embed_tokens` and `shared_head.head` are copies of the model's embedding
+and lm_head: the model's own are used and those copies are not read.
+
+At position j an MTP layer takes the target's hidden state h_j (after the final norm, as vLLM's
+DeepSeek MTP takes it) and the embedding of token j + 1, and predicts token j + 2:
+
+    g_j = block(eh_proj([enorm(embed(x_{j+1})) | hnorm(h_j)]))      logits = lm_head(shared_head.norm(g_j))
+
+Chained drafts feed g_j back in place of h_j (depth k uses layer k mod L). Its attention keeps its
+own KV in the paged cache, in layer slot `num_hidden_layers + i`, at the same positions (so in the
+same pages, under the same tags) as the target's. Shape letters: T tokens, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.models.layers.linear import Linear
+from backend.models.layers.norm import RMSNorm
+from backend.models.layers.step import Step
+from backend.models.model_config import ModelConfig
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class MtpLayer(nn.Module):
+    """One MTP layer: its decoder block under a decoder layer's names (`input_layernorm`,
+    `self_attn`, `post_attention_layernorm`, `mlp`), plus the input norms and projection, and the
+    head's norm."""
+
+    def __init__(self, config: ModelConfig, attn: nn.Module, mlp: nn.Module, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.mlp = mlp
+        self.enorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(H, config.rms_norm_eps, dtype=dtype)
+        self.eh_proj = Linear(2 * H, H, dtype=dtype)
+        self.shared_head = SharedHead(config, dtype=dtype)
+
+    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step) -> torch.Tensor:
+        """embeds [T, H] (of the next tokens), hidden [T, H] → the layer's hidden state [T, H]."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, H]
+        x = x + self.self_attn(self.input_layernorm(x), step)  # the decoder block, as DecoderLayer's
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out

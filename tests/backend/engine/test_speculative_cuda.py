@@ -1,0 +1,47 @@
+"""Speculative decoding on a CUDA device: plain steps replay CUDA graphs, speculative steps run
+eagerly, and greedy outputs stay those of an engine without speculation (run through the device
+tool; skipped on the CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tests.backend.test_speculative import OracleDrafts, assert_same_or_tied, prompts
+
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.models.loader import load_model
+from tests.backend.engine_helpers import request, run_all
+from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
+
+pytestmark = pytest.mark.gpu
+
+
+def _engine(model: Any, k: int) -> Engine:
+    config = EngineConfig.build(
+        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32, num_speculative_tokens=k
+    )
+    return Engine.from_loaded(model, config)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_greedy_identical_on_cuda(tmp_path: Path, arch: str) -> None:
+    """fp32: the verify rows run the prefill-shaped kernels, plain decodes the decode kernels (from
+    CUDA graphs); only a near-tie (1e-5) may then pick the other token."""
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    model = load_model(path, dtype=torch.float32, device="cuda", num_mtp_layers=1)
+    reqs = [
+        request(f"r{i}", p, max_tokens=4 + i % 29, logprobs=True, top_logprobs=2)
+        for i, p in enumerate(prompts(64, model.config.vocab_size, seed=3))
+    ]
+    plain = run_all(_engine(model, 0), reqs)
+    engine = _engine(model, 3)
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    spec = run_all(engine, reqs)
+    ties = sum(assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in reqs)
+    assert ties <= 2
+    assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages

@@ -1,0 +1,55 @@
+"""`kumo backend --speculative mtp:2` end to end: the same greedy text, usage and log-probs as a
+backend without it, over the same tiny GLM-5 checkpoint given MTP layers, and acceptance counters
+on /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.backend.test_server import body, generate, scrape, text_of, wait_idle
+
+from schemas.backend import Usage
+from tests.backend.server_checkpoints import make_served_checkpoint
+from tests.backend.server_process import RunningBackend, run_backend
+from tests.backend.tiny_checkpoints import add_mtp_layers
+
+PROMPTS = ["Hello", "Write a haiku about paging.", "1, 2, 3, 4,", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return add_mtp_layers(make_served_checkpoint("glm_moe_dsa", tmp_path_factory.mktemp("served-mtp")))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[RunningBackend]:
+    yield from run_backend(tmp_path_factory, model_dir=checkpoint)
+
+
+@pytest.fixture(scope="module")
+def speculative(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[RunningBackend]:
+    yield from run_backend(tmp_path_factory, model_dir=checkpoint, extra_args=("--speculative", "mtp:2"))
+
+
+async def test_speculative_backend_matches_the_plain_one(
+    plain: RunningBackend, speculative: RunningBackend
+) -> None:
+    sampling = {"max_tokens": 24, "temperature": 0.0, "logprobs": True, "top_logprobs": 1}
+    async with (
+        httpx.AsyncClient(base_url=plain.url, timeout=60) as a,
+        httpx.AsyncClient(base_url=speculative.url, timeout=60) as b,
+    ):
+        for i, prompt in enumerate(PROMPTS):
+            payload = body(f"p{i}", prompt, sampling=sampling, reasoning={"enabled": False})
+            want, got = await generate(a, payload), await generate(b, payload)
+            assert text_of(got) == text_of(want)
+            assert [u for u in got if isinstance(u, Usage)] == [u for u in want if isinstance(u, Usage)]
+        metrics = await scrape(b)
+        assert metrics["kumo_backend_spec_draft_tokens_total"] > 0
+        assert metrics["kumo_backend_spec_verifies_total"] > 0
+        assert "kumo_backend_spec_accepted_tokens_total" in metrics
+        assert (await scrape(a))["kumo_backend_spec_draft_tokens_total"] == 0
+        assert (await wait_idle(b, speculative.num_pages)).free_pages == speculative.num_pages
