@@ -26,6 +26,7 @@ from backend.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, IntegrityAbort, InvalidRequest
 from backend.model_runner import ModelRunner, PagedModel, SeqResult
 from backend.quant.linear import set_int4_prefill
+from backend.ranks import StepChannel
 from backend.sampler import TokenScore
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
@@ -64,8 +65,10 @@ class Engine:
         kv_scales: list[dict[str, float]] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         graph_capture: Capture | None = None,
+        ranks: StepChannel | None = None,
     ) -> None:
-        """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`)."""
+        """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`). `ranks`:
+        the other tensor-parallel ranks, which run each step with this one (backend/ranks.py)."""
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see from_loaded")
         self.config = config
@@ -86,6 +89,7 @@ class Engine:
             max_seq_len=self.scheduler.context_window,
             graph_capture=graph_capture,
             page_tables=self.block_manager.page_tables,
+            ranks=ranks,
         )
         self.detokenize = detokenize
         self._stats = EngineStats()

@@ -12,9 +12,12 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
+import socket
 import sys
+import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -31,10 +34,11 @@ from starlette.types import Lifespan, Receive, Scope, Send
 from backend.async_engine import AsyncEngine
 from backend.engine import Engine
 from backend.engine_config import EngineConfig
-from backend.errors import Aborted, EngineError, InvalidRequest, Unauthorized
+from backend.errors import Aborted, EngineError, InvalidRequest, RanksDown, Unauthorized
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
 from backend.loader import load_model
 from backend.metrics import BackendMetrics
+from backend.ranks import RankGroup, StepChannel, join_group, rank_device
 from backend.served_model import ServedModel
 from backend.serving import Serving
 from backend.settings import BackendSettings, build_settings
@@ -46,6 +50,7 @@ log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode
 _encoder = msgspec.json.Encoder()
 BACKEND_MAX_CONNECTIONS = 8192  # each gateway pools up to 1,000 connections to a replica
+RANKS_DOWN_EXIT = 3  # the exit status after a rank of the group failed
 
 
 def _json(payload: msgspec.Struct, status: int = 200) -> Response:
@@ -204,23 +209,27 @@ def create_app(backend: Backend, *, lifespan: Lifespan | None = None) -> Starlet
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
-    """Load the checkpoint, build engine + serving and warm them up (`backend.warmup`: on a GPU every
-    step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`."""
-    start = time.perf_counter()
-    settings.apply_compile_cache()  # before the first kernel compiles (CUDA graphs capture in Engine)
+def build_engine(
+    settings: BackendSettings,
+    *,
+    rank: int = 0,
+    device: torch.device | None = None,
+    on_rank_failure: Callable[[], None] | None = None,
+) -> Engine:
+    """Load rank `rank`'s slice of the checkpoint (all of it with `--tp 1`) and build its engine.
+    Every rank of a tensor-parallel group builds the same engine (backend/ranks.py); rank 0's
+    steps reach the others through its `StepChannel`, whose failure calls `on_rank_failure`."""
+    device = device if device is not None else torch.device(settings.device)
     dtype = getattr(torch, settings.dtype)
-    served = ServedModel.from_checkpoint(
-        settings.model, name=settings.model_name, context_window=settings.context_window
-    )
-    vision = VisionEncoder.from_checkpoint(
+    loaded = load_model(
         settings.model,
-        pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
         dtype=dtype,
-        device=settings.device,
+        device=device,
+        rank=rank,
+        world_size=settings.tp,
+        ep=settings.ep,
+        dcp=settings.dcp,
     )
-    served.has_vision = vision is not None
-    loaded = load_model(settings.model, dtype=dtype, device=settings.device)
     kv_scales = None
     if settings.kv_dtype == "fp8":  # the checkpoint's calibrated scales, else calibrated now with a warning
         from backend.quant.kv_scales import scales_for_serving
@@ -232,24 +241,50 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
             vocab_size=loaded.config.vocab_size,
             prefix=loaded.config.weight_prefix,
         )
+    context_window = settings.context_window or loaded.config.max_position_embeddings
     config = EngineConfig.build(
-        page_size=settings.page_size,
+        page_size=settings.page_size * settings.dcp,  # a block-manager page: page_size on each DCP rank
         num_pages=settings.max_pages,
         kv_dtype=settings.engine_kv_dtype,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        context_window=served.context_window,
-        cuda_graphs=settings.cuda_graphs,
+        context_window=context_window,
+        cuda_graphs=settings.cuda_graphs and settings.tp == 1,  # collectives in graphs: not yet
     )
-    engine = Engine(
+    ranks = StepChannel(rank, settings.tp, device, on_rank_failure) if settings.tp > 1 else None
+    return Engine(
         loaded.model,
         config,
         vocab_size=loaded.config.vocab_size,  # type: ignore[arg-type]
-        context_window=served.context_window,
+        context_window=context_window,
         model_dtype=dtype,
-        device=settings.device,
+        device=device,
         kv_scales=kv_scales,
+        ranks=ranks,
     )
+
+
+def build_backend(
+    settings: BackendSettings, *, on_rank_failure: Callable[[], None] | None = None
+) -> tuple[Backend, AsyncEngine]:
+    """Load the checkpoint, build engine + serving and warm them up (`backend.warmup`: on a GPU every
+    step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`.
+    With `--tp N` this is rank 0, and the other ranks already run (backend/ranks.py)."""
+    start = time.perf_counter()
+    settings.apply_compile_cache()  # before the first kernel compiles (CUDA graphs capture in Engine)
+    dtype = getattr(torch, settings.dtype)
+    device = rank_device(settings, 0)
+    served = ServedModel.from_checkpoint(
+        settings.model, name=settings.model_name, context_window=settings.context_window
+    )
+    vision = VisionEncoder.from_checkpoint(  # on rank 0 only: its embeddings go out with the step
+        settings.model,
+        pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
+        dtype=dtype,
+        device=device,
+    )
+    served.has_vision = vision is not None
+    engine = build_engine(settings, device=device, on_rank_failure=on_rank_failure)
     warm = warm_up(engine, is_full=engine.runner.device.type == "cuda")
     async_engine = AsyncEngine(engine)
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
@@ -260,6 +295,9 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
             page_size=settings.page_size,
             num_pages=settings.max_pages,
         ),
+        tp=settings.tp,
+        ep=settings.ep or settings.tp,
+        dcp=settings.dcp,
         startup_s=time.perf_counter() - start,
         warmup_s=warm.seconds,
     )
@@ -278,13 +316,61 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
     return backend, async_engine
 
 
+class RankFailure:
+    """What rank 0 does when a rank of its group dies or hangs: end every request in flight with
+    `RanksDown` (retryable), give the event loop a moment to send those events, stop the other
+    ranks and exit, so that the supervisor starts the whole group again. Once, from any thread."""
+
+    GRACE_S = 1.0
+
+    def __init__(self) -> None:
+        self.async_engine: AsyncEngine | None = None
+        self.group: RankGroup | None = None
+        self._lock = threading.Lock()
+        self._is_down = False
+
+    def __call__(self, reason: str = "a collective failed") -> None:
+        with self._lock:
+            if self._is_down:
+                return
+            self._is_down = True
+        threading.Thread(target=self._go_down, args=(reason,), name="kumo-ranks-down", daemon=True).start()
+
+    def _go_down(self, reason: str) -> None:
+        print(f"kumo backend: the rank group failed ({reason}); exiting", file=sys.stderr, flush=True)
+        if self.async_engine is not None:
+            self.async_engine.fail_streams(
+                RanksDown("A rank of this backend failed; it restarts, please retry.")
+            )
+            time.sleep(self.GRACE_S)
+        if self.group is not None:
+            self.group.kill()
+        os._exit(RANKS_DOWN_EXIT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main(argv: list[str]) -> int:
     settings = build_settings(argv)
+    failure = RankFailure()
+    if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        failure.group = RankGroup(
+            settings, init_method, lambda r, code: failure(f"rank {r} exited with {code}")
+        )
+        join_group(settings, 0, init_method)
     try:
-        backend, async_engine = build_backend(settings)
+        backend, async_engine = build_backend(settings, on_rank_failure=failure)
     except (EngineError, OSError, ValueError) as exc:  # a checkpoint that cannot be served: say why, exit
         print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
+        if failure.group is not None:
+            failure.group.kill()
         return 1
+    failure.async_engine = async_engine
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -293,6 +379,12 @@ def main(argv: list[str]) -> int:
             yield
         finally:
             async_engine.stop()
+            if failure.group is not None:  # the engine thread is done: tell the other ranks to stop
+                with contextlib.suppress(RanksDown):
+                    ranks = async_engine.engine.runner.ranks
+                    assert ranks is not None
+                    ranks.send(None)
+                failure.group.stop()
 
     app = create_app(backend, lifespan=lifespan)
     # the gateway's connection guard (header deadline and size); the cap is high, for many gateways' pools

@@ -1,0 +1,216 @@
+"""The ranks of a tensor-parallel backend: rank 0 serves, ranks 1..N−1 follow its steps.
+
+`kumo backend --tp N` is N processes, one per device (NCCL on CUDA, gloo on the CPU). Rank 0 is the
+backend process: HTTP server, scheduler, block manager, sampler and detokenizer, and rank 0's slice
+of the model. It starts ranks 1..N−1 (`python -m backend.ranks`, their settings on stdin, each
+killed by the kernel if rank 0 dies), and each of them loads its slice of the checkpoint and builds
+the same `Engine` (the same KV pool and step planner), then runs `follow_steps`:
+
+    rank 0 (ModelRunner.run)                       rank r > 0 (follow_steps)
+    plan the step (host arrays)
+    StepChannel.send(StepInputs)  ── broadcast ──▶  inputs = StepChannel.recv()   (None: stop)
+    forward (collectives inside the model)  ◀────▶  forward
+    StepChannel.reduce_flags(tag_mismatch)  ◀────▶  StepChannel.reduce_flags(tag_mismatch)
+    sample, detokenize
+
+One broadcast per step carries everything the other ranks need: `StepInputs`, the step's host
+batch (token ids, positions, page tables with the tags each page must carry, slots, image
+embeddings from rank 0's vision tower) and the page tags the block manager changed since the last
+step, as one pickled object (`broadcast_object_list`). Sampling metadata stays on rank 0: the
+logits are full on every rank (vocab all-gather), and only rank 0 samples. The tag flags are
+OR-reduced (all-reduce MAX) before rank 0 samples, so a stale page on any rank aborts that
+request, and only it, on every rank (the other ranks hold no per-request state).
+
+Failure: any collective that fails (a peer died, or no answer within `--rank-timeout-s`: the
+process group's timeout) raises `RanksDown`, a retryable error (503, "busy"); rank 0 also watches
+its children (`RankGroup`). Either way rank 0 ends every request in flight with `RanksDown`, stops
+the other ranks and exits, and the supervisor (`kumo serve`'s) starts the whole group again.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backend.errors import RanksDown
+from backend.forward_batch import HostBatch
+from backend.settings import BackendSettings
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step, as every rank runs it: the planned host batch and the page tags changed since the
+    last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`."""
+
+    host: HostBatch
+    tag_updates: np.ndarray | None = None
+
+
+class StepChannel:
+    """The per-step collectives of the runtime: rank 0's broadcast of `StepInputs`, and the OR of
+    the tag-mismatch flags over all ranks. A failed collective raises `RanksDown` (retryable) and
+    calls `on_failure` once, so the backend goes down rather than serve with a missing rank."""
+
+    def __init__(
+        self, rank: int, world_size: int, device: torch.device, on_failure: Callable[[], None] | None = None
+    ) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.on_failure = on_failure
+
+    def send(self, inputs: StepInputs | None) -> None:
+        """Rank 0: the step's inputs to every other rank (None: they stop)."""
+        self._broadcast([inputs])
+
+    def recv(self) -> StepInputs | None:
+        """Ranks > 0: the next step's inputs, or None to stop."""
+        box: list[StepInputs | None] = [None]
+        self._broadcast(box)
+        return box[0]
+
+    def reduce_flags(self, mismatch: torch.Tensor) -> torch.Tensor:
+        """[B] bool on each rank → [B] bool, set where any rank set it."""
+        flags = mismatch.to(torch.int32)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+        return flags.bool()
+
+    def _broadcast(self, box: list[StepInputs | None]) -> None:
+        try:
+            dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: Exception) -> RanksDown:
+        if self.on_failure is not None:
+            self.on_failure()
+        return RanksDown(f"A rank of this backend failed ({type(exc).__name__}); it restarts, please retry.")
+
+
+def rank_device(settings: BackendSettings, rank: int) -> torch.device:
+    """Rank r's device: cuda:r (one process per GPU; `--device cuda` or `cuda:0`), or the CPU."""
+    device = torch.device(settings.device)
+    return torch.device("cuda", rank) if device.type == "cuda" and settings.tp > 1 else device
+
+
+def join_group(settings: BackendSettings, rank: int, init_method: str) -> torch.device:
+    """Join the rank group (every rank calls this): NCCL on CUDA, gloo on the CPU, with the
+    settings' timeout so that a hung rank fails a collective rather than stall it forever."""
+    device = rank_device(settings, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=settings.tp,
+        timeout=timedelta(seconds=settings.rank_timeout_s),
+    )
+    return device
+
+
+def follow_steps(runner: object, channel: StepChannel) -> int:
+    """Ranks > 0: run rank 0's steps until it says stop; the number of steps run."""
+    num_steps = 0
+    while (inputs := channel.recv()) is not None:
+        runner.forward_step(inputs)  # type: ignore[attr-defined]
+        num_steps += 1
+    return num_steps
+
+
+class _Launch(msgspec.Struct, frozen=True):
+    """What `python -m backend.ranks` reads on stdin (the secret never reaches a command line)."""
+
+    settings: BackendSettings
+    rank: int
+    init_method: str
+
+
+class RankGroup:
+    """Rank 0's children, ranks 1..N−1: started together, watched, stopped together.
+
+    A child that exits while the group runs calls `on_lost(rank, exit code)` once (from a watcher
+    thread); rank 0 then fails its requests in flight and exits (backend/server.py)."""
+
+    def __init__(
+        self, settings: BackendSettings, init_method: str, on_lost: Callable[[int, int], None]
+    ) -> None:
+        self.on_lost = on_lost
+        self._is_stopping = False
+        self.processes: list[subprocess.Popen[bytes]] = []
+        from gateway.supervisor import die_with_parent
+
+        for rank in range(1, settings.tp):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "backend.ranks"],
+                stdin=subprocess.PIPE,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            )
+            assert process.stdin is not None
+            process.stdin.write(msgspec.json.encode(_Launch(settings, rank, init_method)))
+            process.stdin.close()
+            self.processes.append(process)
+        self._watcher = threading.Thread(target=self._watch, name="kumo-ranks", daemon=True)
+        self._watcher.start()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def _watch(self) -> None:
+        stop = threading.Event()
+        while not stop.wait(0.1) and not self._is_stopping:
+            for rank, process in enumerate(self.processes, start=1):
+                code = process.poll()
+                if code is not None and not self._is_stopping:
+                    self._is_stopping = True
+                    self.on_lost(rank, code)
+                    return
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the children to leave (after rank 0 sent None), killing any that does not."""
+        self._is_stopping = True
+        for process in self.processes:
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def kill(self) -> None:
+        self._is_stopping = True
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+
+
+def _main() -> int:
+    """A rank > 0: join the group, load its slice, build the engine, follow rank 0's steps."""
+    from backend.server import build_engine
+
+    launch = msgspec.json.decode(sys.stdin.buffer.read(), type=_Launch)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    device = join_group(launch.settings, launch.rank, launch.init_method)
+    engine = build_engine(launch.settings, rank=launch.rank, device=device)
+    try:
+        follow_steps(engine.runner, engine.runner.ranks)  # type: ignore[arg-type]
+    except RanksDown:
+        return 1
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
