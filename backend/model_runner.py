@@ -161,6 +161,13 @@ class ModelRunner:
     def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the step, copy it to the device once, run the model: (logits [N, V], tag_mismatch
         [B], OR-reduced over the ranks). Every rank runs this for every step."""
+        if self.ranks is None:
+            return self._forward(inputs)
+        with self.ranks.guard():  # a step failed on one rank leaves the others in a collective
+            logits, mismatch = self._forward(inputs)
+            return logits, self.ranks.reduce_flags(mismatch)
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         host, st, graphs = inputs.host, self.staging, self.graphs
         st.start()
         tags = None
@@ -176,8 +183,6 @@ class ModelRunner:
         else:
             batch = self._forward_batch(host, staged)
             logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
-        if self.ranks is not None:
-            mismatch = self.ranks.reduce_flags(mismatch)
         return logits, mismatch
 
     def synchronize(self) -> None:

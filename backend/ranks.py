@@ -29,12 +29,13 @@ the other ranks and exits, and the supervisor (`kumo serve`'s) starts the whole 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,7 +64,11 @@ class StepChannel:
     calls `on_failure` once, so the backend goes down rather than serve with a missing rank."""
 
     def __init__(
-        self, rank: int, world_size: int, device: torch.device, on_failure: Callable[[], None] | None = None
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.on_failure = on_failure
@@ -87,6 +92,17 @@ class StepChannel:
             raise self._failed(exc) from exc
         return flags.bool()
 
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Any failure inside is the group's: the other ranks wait in a collective that will not
+        complete, so it raises `RanksDown` (and the backend restarts the group)."""
+        try:
+            yield
+        except RanksDown:
+            raise
+        except Exception as exc:
+            raise self._failed(exc) from exc
+
     def _broadcast(self, box: list[StepInputs | None]) -> None:
         try:
             dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
@@ -95,7 +111,7 @@ class StepChannel:
 
     def _failed(self, exc: Exception) -> RanksDown:
         if self.on_failure is not None:
-            self.on_failure()
+            self.on_failure(f"{type(exc).__name__}: {exc}")
         return RanksDown(f"A rank of this backend failed ({type(exc).__name__}); it restarts, please retry.")
 
 

@@ -214,7 +214,7 @@ def build_engine(
     *,
     rank: int = 0,
     device: torch.device | None = None,
-    on_rank_failure: Callable[[], None] | None = None,
+    on_rank_failure: Callable[[str], None] | None = None,
 ) -> Engine:
     """Load rank `rank`'s slice of the checkpoint (all of it with `--tp 1`) and build its engine.
     Every rank of a tensor-parallel group builds the same engine (backend/ranks.py); rank 0's
@@ -265,7 +265,7 @@ def build_engine(
 
 
 def build_backend(
-    settings: BackendSettings, *, on_rank_failure: Callable[[], None] | None = None
+    settings: BackendSettings, *, on_rank_failure: Callable[[str], None] | None = None
 ) -> tuple[Backend, AsyncEngine]:
     """Load the checkpoint, build engine + serving and warm them up (`backend.warmup`: on a GPU every
     step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`.
