@@ -8,6 +8,8 @@ rank group again, which serves again.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import os
 import signal
 import subprocess
@@ -18,7 +20,10 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 from backend.server import RANKS_DOWN_EXIT
 from gateway.serve import BackendProcess, start_backend
@@ -83,14 +88,19 @@ class Backend:
             self.process.wait()
 
 
-def _generate(url: str, request_id: str, prompt: str, **sampling: object) -> list[Event]:
-    payload = {
+def _generate(url: str, request_id: str, prompt: str | bytes, **sampling: object) -> list[Event]:
+    """A raw prompt, or a chat message with one image (PNG bytes)."""
+    payload: dict[str, object] = {
         "request_id": request_id,
         "tenant_salt": "a" * 32,
-        "prompt": prompt,
-        "raw": True,
         "sampling": {"temperature": 0, "max_tokens": 8, "logprobs": True, "top_logprobs": 2} | sampling,
     }
+    if isinstance(prompt, bytes):
+        image = {"type": "image", "data": base64.b64encode(prompt).decode()}
+        payload["messages"] = [{"role": "user", "content": [{"type": "text", "text": "Describe"}, image]}]
+        payload["reasoning"] = {"enabled": False}
+    else:
+        payload |= {"prompt": prompt, "raw": True}
     response = httpx.post(f"{url}/v1/generate", json=payload, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     return [_events.decode(line) for line in response.text.splitlines() if line]
@@ -106,6 +116,13 @@ def _text_and_logprobs(events: list[Event]) -> tuple[str, list[int], list[float]
                 logprobs.append(lp.logprob)
     assert isinstance(events[-1], Finish), events
     return text, ids, logprobs
+
+
+def _png(width: int, height: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 PROMPTS = ["The capital of France", "hello world, once more", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"]
@@ -137,7 +154,8 @@ def test_two_ranks_answer_what_one_answers(
     backends.append(one)
     two = Backend(model, tmp_path, *args)
     backends.append(two)
-    for i, prompt in enumerate(PROMPTS):
+    prompts: list[str | bytes] = [*PROMPTS, _png(70, 56, 1)] if arch == "kimi_k25" else [*PROMPTS]
+    for i, prompt in enumerate(prompts):
         e_text, e_ids, e_logprobs = _text_and_logprobs(_generate(one.url, f"r{i}", prompt))
         g_text, g_ids, g_logprobs = _text_and_logprobs(_generate(two.url, f"r{i}", prompt))
         assert g_ids == e_ids and g_text == e_text and len(e_ids) == 8
@@ -146,6 +164,22 @@ def test_two_ranks_answer_what_one_answers(
     named = dict(zip(args[::2], args[1::2], strict=True))
     assert (card.tp, card.ep, card.dcp) == (2, int(named.get("--ep", 2)), int(named.get("--dcp", 1)))
     assert len(_children(two.process.pid)) == 1  # rank 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_answer_what_one_answers(tmp_path: Path, backends: list[Backend]) -> None:
+    """NCCL, one process per GPU (cuda:0 and cuda:1), against one GPU."""
+    model = make_served_checkpoint("deepseek_v3", tmp_path / "ds")
+    one = Backend(model, tmp_path, "--device", "cuda")
+    backends.append(one)
+    two = Backend(model, tmp_path, "--device", "cuda", "--tp", "2")
+    backends.append(two)
+    for i, prompt in enumerate(PROMPTS):
+        e_text, e_ids, e_logprobs = _text_and_logprobs(_generate(one.url, f"r{i}", prompt))
+        g_text, g_ids, g_logprobs = _text_and_logprobs(_generate(two.url, f"r{i}", prompt))
+        assert g_ids == e_ids and g_text == e_text
+        assert g_logprobs == pytest.approx(e_logprobs, abs=1e-4)
 
 
 def _load(url: str) -> LoadReport:
