@@ -45,12 +45,13 @@ def build_random_model(
     seed: int = 0,
     fp8_method: str = "fp8-block",
 ) -> nn.Module:
-    """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode."""
+    """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode (with
+    `geometry.rank_of` N > 1 rank 0's slice of N ranks: the process group must exist, `rank_of`)."""
     config = geometry.model_config
     cls = ARCHITECTURES[config.architecture]
     scheme = scheme_for(fmt, fp8_method)
     with torch.device("meta"):  # the swapped-in quantized modules too: no host allocation at all
-        model = cls(config, dtype=dtype)
+        model = cls(config, dtype=dtype, rank=0, world_size=geometry.rank_of)
         if scheme is not None:
             prepare_for_checkpoint(model, scheme)
     model.to_empty(device=device)
