@@ -30,6 +30,7 @@ the other ranks and exits, and the supervisor (`kumo serve`'s) starts the whole 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import subprocess
@@ -74,7 +75,11 @@ class StepChannel:
         self.on_failure = on_failure
 
     def send(self, inputs: StepInputs | None) -> None:
-        """Rank 0: the step's inputs to every other rank (None: they stop)."""
+        """Rank 0: the step's inputs to every other rank (None: they stop). Image embeddings go as
+        host tensors: a pickled CUDA tensor would come out on rank 0's device in the other ranks."""
+        if inputs is not None and inputs.host.image_parts:
+            host = dataclasses.replace(inputs.host, image_parts=[p.cpu() for p in inputs.host.image_parts])
+            inputs = StepInputs(host, inputs.tag_updates)
         self._broadcast([inputs])
 
     def recv(self) -> StepInputs | None:
@@ -217,7 +222,6 @@ def _main() -> int:
     from backend.server import build_engine
 
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=_Launch)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     device = join_group(launch.settings, launch.rank, launch.init_method)
     engine = build_engine(launch.settings, rank=launch.rank, device=device)
     try:

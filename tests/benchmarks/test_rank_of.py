@@ -65,12 +65,19 @@ def test_full_depth_geometry_keeps_the_published_dense_layers() -> None:
     assert make_geometry("glm-5.2", 4).text["first_k_dense_replace"] == 1  # truncated: one dense layer
 
 
-@pytest.mark.parametrize("kind", ["int4_vs_fp8_decode_c1", "fp8kv_vs_bf16kv_long_c64"])
-def test_rank_of_record(kind: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kind", "device"),
+    [
+        ("int4_vs_fp8_decode_c1", "cpu"),
+        ("fp8kv_vs_bf16kv_long_c64", "cpu"),
+        pytest.param("fp8kv_vs_bf16kv_long_c64", "cuda", marks=pytest.mark.gpu),  # decode graphs capture them
+    ],
+)
+def test_rank_of_record(kind: str, device: str, tmp_path: Path) -> None:
     out = tmp_path / "rec.json"
     subprocess.run(
         [sys.executable, "-m", "gateway.cli", "bench", "engine", "scenario", kind, "--tiny", "--rank-of", "4",
-         "--rounds", "1", "--out", str(out)],
+         "--rounds", "1", "--device", device, "--out", str(out)],
         env=ENV, check=True, cwd=ROOT, timeout=600, capture_output=True,
     )  # fmt: skip
     rec = json.loads(out.read_text())
