@@ -126,15 +126,26 @@ def rank_device(settings: BackendSettings, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" and settings.tp > 1 else device
 
 
-def join_group(settings: BackendSettings, rank: int, init_method: str) -> torch.device:
-    """Join the rank group (every rank calls this): NCCL on CUDA, gloo on the CPU, with the
-    settings' timeout so that a hung rank fails a collective rather than stall it forever."""
+STARTUP_TIMEOUT_S = 600.0  # the ranks meet once each has imported torch and found its device
+
+
+def join_group(settings: BackendSettings, rank: int, port: int) -> torch.device:
+    """Join the rank group (every rank calls this; rank 0 hosts the store on loopback `port`): NCCL
+    on CUDA, gloo on the CPU. Collectives time out after `--rank-timeout-s`, so that a hung rank
+    fails the group rather than stall it forever; meeting at start-up may take longer."""
     device = rank_device(settings, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        settings.tp,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
+    )
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=settings.tp,
         timeout=timedelta(seconds=settings.rank_timeout_s),
@@ -156,7 +167,7 @@ class _Launch(msgspec.Struct, frozen=True):
 
     settings: BackendSettings
     rank: int
-    init_method: str
+    port: int
 
 
 class RankGroup:
@@ -165,9 +176,7 @@ class RankGroup:
     A child that exits while the group runs calls `on_lost(rank, exit code)` once (from a watcher
     thread); rank 0 then fails its requests in flight and exits (backend/server.py)."""
 
-    def __init__(
-        self, settings: BackendSettings, init_method: str, on_lost: Callable[[int, int], None]
-    ) -> None:
+    def __init__(self, settings: BackendSettings, port: int, on_lost: Callable[[int, int], None]) -> None:
         self.on_lost = on_lost
         self._is_stopping = False
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -180,7 +189,7 @@ class RankGroup:
                 preexec_fn=functools.partial(die_with_parent, os.getpid()),
             )
             assert process.stdin is not None
-            process.stdin.write(msgspec.json.encode(_Launch(settings, rank, init_method)))
+            process.stdin.write(msgspec.json.encode(_Launch(settings, rank, port)))
             process.stdin.close()
             self.processes.append(process)
         self._watcher = threading.Thread(target=self._watch, name="kumo-ranks", daemon=True)
@@ -222,7 +231,7 @@ def _main() -> int:
     from backend.server import build_engine
 
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=_Launch)
-    device = join_group(launch.settings, launch.rank, launch.init_method)
+    device = join_group(launch.settings, launch.rank, launch.port)
     engine = build_engine(launch.settings, rank=launch.rank, device=device)
     try:
         follow_steps(engine.runner, engine.runner.ranks)  # type: ignore[arg-type]

@@ -357,15 +357,13 @@ def _free_port() -> int:
 def main(argv: list[str]) -> int:
     settings = build_settings(argv)
     failure = RankFailure()
-    if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        failure.group = RankGroup(
-            settings, init_method, lambda r, code: failure(f"rank {r} exited with {code}")
-        )
-        join_group(settings, 0, init_method)
     try:
+        if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
+            port = _free_port()
+            failure.group = RankGroup(settings, port, lambda r, code: failure(f"rank {r} exited with {code}"))
+            join_group(settings, 0, port)
         backend, async_engine = build_backend(settings, on_rank_failure=failure)
-    except (EngineError, OSError, ValueError) as exc:  # a checkpoint that cannot be served: say why, exit
+    except (EngineError, OSError, ValueError, RuntimeError) as exc:  # cannot be served: say why, exit
         print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
         if failure.group is not None:
             failure.group.kill()

@@ -28,7 +28,7 @@ from PIL import Image
 from backend.server import RANKS_DOWN_EXIT
 from gateway.serve import BackendProcess, start_backend
 from gateway.supervisor import Supervisor
-from schemas.backend import Error, Event, Finish, LoadReport, ModelCard, TextDelta
+from schemas.backend import Error, ErrorBody, Event, Finish, LoadReport, ModelCard, TextDelta
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
 from tests.backend.server_process import _free_port
 
@@ -264,3 +264,40 @@ async def _kill_and_restart(model: Path, tmp_path: Path) -> None:
         if b.process is not None and b.process.returncode is None:
             b.process.terminate()
             await b.process.wait()
+
+
+def test_a_hung_rank_is_found_by_the_timeout(tmp_path: Path, backends: list[Backend]) -> None:
+    """A rank that stops answering (SIGSTOP: alive, silent) fails the next collective after
+    `--rank-timeout-s`; the request in flight gets the retryable error and the backend exits."""
+    two = Backend(
+        make_served_checkpoint("deepseek_v3", tmp_path / "ds"), tmp_path, "--tp", "2", "--rank-timeout-s", "3"
+    )
+    backends.append(two)
+    (rank1,) = _children(two.process.pid)
+    os.kill(rank1, signal.SIGSTOP)
+    start = time.monotonic()
+    payload = {"request_id": "hung", "tenant_salt": "a" * 32, "prompt": "a long story", "raw": True}
+    response = httpx.post(f"{two.url}/v1/generate", json=payload, headers=AUTH, timeout=60)
+    if response.status_code == 200:  # accepted: its accounting event, then the error
+        events = [_events.decode(line) for line in response.text.splitlines() if line]
+        assert not any(isinstance(e, TextDelta) for e in events)
+        last = events[-1]
+    else:  # refused before its first event
+        assert response.status_code == 503
+        last = msgspec.json.decode(response.content, type=ErrorBody).error
+    assert isinstance(last, Error) and last.code == "busy" and last.status == 503, response.text
+    assert 2.5 < time.monotonic() - start < 30
+    assert two.process.wait(timeout=30) == RANKS_DOWN_EXIT
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{rank1}").exists() and b"zombie" not in _state(rank1):
+        assert time.monotonic() < deadline, "the hung rank outlived its group"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> bytes:
+    try:
+        return (
+            b"zombie" if Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z" else b""
+        )
+    except OSError:
+        return b"zombie"
