@@ -106,7 +106,10 @@ class AsyncEngine:
     def fail_streams(self, error: EngineError) -> None:
         """End every live stream with `error` now, from any thread (the engine thread may be stuck
         in a collective with a rank that died)."""
-        self._deliver_all([(engine_id, error) for engine_id in list(self._streams)])
+        event = error.to_event()
+        self._deliver_all(
+            [(i, EngineOutput(request_id=i, finish_reason="abort", error=event)) for i in list(self._streams)]
+        )
 
     def _submit(self, command: tuple[Any, ...]) -> None:
         with self._lock:

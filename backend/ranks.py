@@ -2,7 +2,7 @@
 
 `kumo backend --tp N` is N processes, one per device (NCCL on CUDA, gloo on the CPU). Rank 0 is the
 backend process: HTTP server, scheduler, block manager, sampler and detokenizer, and rank 0's slice
-of the model. It starts ranks 1..N−1 (`python -m backend.ranks`, their settings on stdin, each
+of the model. It starts ranks 1..N−1 (`python -m backend.rank_group`, their settings on stdin, each
 killed by the kernel if rank 0 dies), and each of them loads its slice of the checkpoint and builds
 the same `Engine` (the same KV pool and step planner), then runs `follow_steps`:
 
@@ -21,26 +21,25 @@ logits are full on every rank (vocab all-gather), and only rank 0 samples. The t
 OR-reduced (all-reduce MAX) before rank 0 samples, so a stale page on any rank aborts that
 request, and only it, on every rank (the other ranks hold no per-request state).
 
-Failure: any collective that fails (a peer died, or no answer within `--rank-timeout-s`: the
-process group's timeout) raises `RanksDown`, a retryable error (503, "busy"); rank 0 also watches
-its children (`RankGroup`). Either way rank 0 ends every request in flight with `RanksDown`, stops
-the other ranks and exits, and the supervisor (`kumo serve`'s) starts the whole group again.
+Failure: a step that fails on a rank (a peer died, or a collective got no answer within
+`--rank-timeout-s`: the process group's timeout) raises `RanksDown`, a retryable error (503,
+"busy"); rank 0 also watches its children (backend/rank_group.py). Either way rank 0 ends every
+request in flight with `RanksDown`, stops the other ranks and exits, and the supervisor (`kumo
+serve`'s) starts the whole group again.
+
+Under tp > 1 every step runs eagerly: decode steps are not replayed from CUDA graphs until the
+collectives are captured in them (issue 22, deliverable 4).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import os
-import subprocess
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -153,93 +152,14 @@ def join_group(settings: BackendSettings, rank: int, port: int) -> torch.device:
     return device
 
 
-def follow_steps(runner: object, channel: StepChannel) -> int:
+class StepRunner(Protocol):
+    def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def follow_steps(runner: StepRunner, channel: StepChannel) -> int:
     """Ranks > 0: run rank 0's steps until it says stop; the number of steps run."""
     num_steps = 0
     while (inputs := channel.recv()) is not None:
-        runner.forward_step(inputs)  # type: ignore[attr-defined]
+        runner.forward_step(inputs)
         num_steps += 1
     return num_steps
-
-
-class _Launch(msgspec.Struct, frozen=True):
-    """What `python -m backend.ranks` reads on stdin (the secret never reaches a command line)."""
-
-    settings: BackendSettings
-    rank: int
-    port: int
-
-
-class RankGroup:
-    """Rank 0's children, ranks 1..N−1: started together, watched, stopped together.
-
-    A child that exits while the group runs calls `on_lost(rank, exit code)` once (from a watcher
-    thread); rank 0 then fails its requests in flight and exits (backend/server.py)."""
-
-    def __init__(self, settings: BackendSettings, port: int, on_lost: Callable[[int, int], None]) -> None:
-        self.on_lost = on_lost
-        self._is_stopping = False
-        self.processes: list[subprocess.Popen[bytes]] = []
-        from gateway.supervisor import die_with_parent
-
-        for rank in range(1, settings.tp):
-            process = subprocess.Popen(
-                [sys.executable, "-m", "backend.ranks"],
-                stdin=subprocess.PIPE,
-                preexec_fn=functools.partial(die_with_parent, os.getpid()),
-            )
-            assert process.stdin is not None
-            process.stdin.write(msgspec.json.encode(_Launch(settings, rank, port)))
-            process.stdin.close()
-            self.processes.append(process)
-        self._watcher = threading.Thread(target=self._watch, name="kumo-ranks", daemon=True)
-        self._watcher.start()
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
-    def _watch(self) -> None:
-        stop = threading.Event()
-        while not stop.wait(0.1) and not self._is_stopping:
-            for rank, process in enumerate(self.processes, start=1):
-                code = process.poll()
-                if code is not None and not self._is_stopping:
-                    self._is_stopping = True
-                    self.on_lost(rank, code)
-                    return
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Wait for the children to leave (after rank 0 sent None), killing any that does not."""
-        self._is_stopping = True
-        for process in self.processes:
-            try:
-                process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-    def kill(self) -> None:
-        self._is_stopping = True
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-
-
-def _main() -> int:
-    """A rank > 0: join the group, load its slice, build the engine, follow rank 0's steps."""
-    from backend.server import build_engine
-
-    launch = msgspec.json.decode(sys.stdin.buffer.read(), type=_Launch)
-    device = join_group(launch.settings, launch.rank, launch.port)
-    engine = build_engine(launch.settings, rank=launch.rank, device=device)
-    try:
-        follow_steps(engine.runner, engine.runner.ranks)  # type: ignore[arg-type]
-    except RanksDown:
-        return 1
-    dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -12,10 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
-import socket
 import sys
-import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -32,13 +29,11 @@ from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
 from backend.async_engine import AsyncEngine
-from backend.engine import Engine
-from backend.engine_config import EngineConfig
 from backend.errors import Aborted, EngineError, InvalidRequest, RanksDown, Unauthorized
 from backend.image_encoder import MEDIA_PAD, VisionEncoder
-from backend.loader import load_model
 from backend.metrics import BackendMetrics
-from backend.ranks import RankGroup, StepChannel, join_group, rank_device
+from backend.rank_group import RankFailure, RankGroup, build_engine, free_port
+from backend.ranks import join_group, rank_device
 from backend.served_model import ServedModel
 from backend.serving import Serving
 from backend.settings import BackendSettings, build_settings
@@ -50,7 +45,6 @@ log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode
 _encoder = msgspec.json.Encoder()
 BACKEND_MAX_CONNECTIONS = 8192  # each gateway pools up to 1,000 connections to a replica
-RANKS_DOWN_EXIT = 3  # the exit status after a rank of the group failed
 
 
 def _json(payload: msgspec.Struct, status: int = 200) -> Response:
@@ -209,61 +203,6 @@ def create_app(backend: Backend, *, lifespan: Lifespan | None = None) -> Starlet
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def build_engine(
-    settings: BackendSettings,
-    *,
-    rank: int = 0,
-    device: torch.device | None = None,
-    on_rank_failure: Callable[[str], None] | None = None,
-) -> Engine:
-    """Load rank `rank`'s slice of the checkpoint (all of it with `--tp 1`) and build its engine.
-    Every rank of a tensor-parallel group builds the same engine (backend/ranks.py); rank 0's
-    steps reach the others through its `StepChannel`, whose failure calls `on_rank_failure`."""
-    device = device if device is not None else torch.device(settings.device)
-    dtype = getattr(torch, settings.dtype)
-    loaded = load_model(
-        settings.model,
-        dtype=dtype,
-        device=device,
-        rank=rank,
-        world_size=settings.tp,
-        ep=settings.ep,
-        dcp=settings.dcp,
-    )
-    kv_scales = None
-    if settings.kv_dtype == "fp8":  # the checkpoint's calibrated scales, else calibrated now with a warning
-        from backend.quant.kv_scales import scales_for_serving
-
-        kv_scales = scales_for_serving(
-            settings.model,
-            loaded.model,
-            model_dtype=dtype,
-            vocab_size=loaded.config.vocab_size,
-            prefix=loaded.config.weight_prefix,
-        )
-    context_window = settings.context_window or loaded.config.max_position_embeddings
-    config = EngineConfig.build(
-        page_size=settings.page_size * settings.dcp,  # a block-manager page: page_size on each DCP rank
-        num_pages=settings.max_pages,
-        kv_dtype=settings.engine_kv_dtype,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        context_window=context_window,
-        cuda_graphs=settings.cuda_graphs and settings.tp == 1,  # collectives in graphs: not yet
-    )
-    ranks = StepChannel(rank, settings.tp, device, on_rank_failure) if settings.tp > 1 else None
-    return Engine(
-        loaded.model,
-        config,
-        vocab_size=loaded.config.vocab_size,  # type: ignore[arg-type]
-        context_window=context_window,
-        model_dtype=dtype,
-        device=device,
-        kv_scales=kv_scales,
-        ranks=ranks,
-    )
-
-
 def build_backend(
     settings: BackendSettings, *, on_rank_failure: Callable[[str], None] | None = None
 ) -> tuple[Backend, AsyncEngine]:
@@ -316,50 +255,12 @@ def build_backend(
     return backend, async_engine
 
 
-class RankFailure:
-    """What rank 0 does when a rank of its group dies or hangs: end every request in flight with
-    `RanksDown` (retryable), give the event loop a moment to send those events, stop the other
-    ranks and exit, so that the supervisor starts the whole group again. Once, from any thread."""
-
-    GRACE_S = 1.0
-
-    def __init__(self) -> None:
-        self.async_engine: AsyncEngine | None = None
-        self.group: RankGroup | None = None
-        self._lock = threading.Lock()
-        self._is_down = False
-
-    def __call__(self, reason: str = "a collective failed") -> None:
-        with self._lock:
-            if self._is_down:
-                return
-            self._is_down = True
-        threading.Thread(target=self._go_down, args=(reason,), name="kumo-ranks-down", daemon=True).start()
-
-    def _go_down(self, reason: str) -> None:
-        print(f"kumo backend: the rank group failed ({reason}); exiting", file=sys.stderr, flush=True)
-        if self.async_engine is not None:
-            self.async_engine.fail_streams(
-                RanksDown("A rank of this backend failed; it restarts, please retry.")
-            )
-            time.sleep(self.GRACE_S)
-        if self.group is not None:
-            self.group.kill()
-        os._exit(RANKS_DOWN_EXIT)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main(argv: list[str]) -> int:
     settings = build_settings(argv)
     failure = RankFailure()
     try:
         if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
-            port = _free_port()
+            port = free_port()
             failure.group = RankGroup(settings, port, lambda r, code: failure(f"rank {r} exited with {code}"))
             join_group(settings, 0, port)
         backend, async_engine = build_backend(settings, on_rank_failure=failure)

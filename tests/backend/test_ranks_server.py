@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from backend.server import RANKS_DOWN_EXIT
+from backend.rank_group import RANKS_DOWN_EXIT
 from gateway.serve import BackendProcess, start_backend
 from gateway.supervisor import Supervisor
 from schemas.backend import Error, ErrorBody, Event, Finish, LoadReport, ModelCard, TextDelta
@@ -38,7 +38,7 @@ _events = msgspec.json.Decoder(Event)
 
 
 def _children(pid: int) -> list[int]:
-    """The rank processes (`python -m backend.ranks`) that `pid` started."""
+    """The rank processes (`python -m backend.rank_group`) that `pid` started."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -46,7 +46,7 @@ def _children(pid: int) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if ppid == pid and b"backend.ranks" in cmdline:
+        if ppid == pid and b"backend.rank_group" in cmdline:
             found.append(int(stat.parent.name))
     return found
 
