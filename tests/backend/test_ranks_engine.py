@@ -159,3 +159,15 @@ def test_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path) -> None:
         assert g_tokens == e_tokens and got[rid][-1].finish_reason == "length"
         torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
     assert load.free_pages == load.total_pages  # the victim's pages went back to the pool
+
+
+def test_parallel_settings() -> None:
+    from backend.settings import build_settings
+
+    base = ["--model", "m", "--port", "1", "--secret", "s" * 8]
+    s = build_settings([*base, "--tp", "8", "--ep", "4", "--dcp", "8", "--rank-timeout-s", "30"])
+    assert (s.tp, s.ep, s.dcp, s.rank_timeout_s) == (8, 4, 8, 30.0)
+    assert (build_settings(base).tp, build_settings(base).ep, build_settings(base).dcp) == (1, 0, 1)
+    for bad in (["--tp", "4", "--dcp", "3"], ["--tp", "4", "--ep", "3"], ["--tp", "0"]):
+        with pytest.raises(SystemExit):
+            build_settings([*base, *bad])
