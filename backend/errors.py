@@ -73,6 +73,12 @@ class Busy(EngineError):
     status, code = 429, "busy"
 
 
+class RanksDown(EngineError):
+    """A rank of a tensor-parallel backend died or hung: the backend restarts; retry elsewhere."""
+
+    status, code = 503, "busy"
+
+
 class IntegrityAbort(EngineError):
     status, code = 500, "integrity_abort"
 

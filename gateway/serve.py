@@ -121,11 +121,14 @@ async def ensure_checkpoint(src: Path, folder: Path, log: Path) -> None:
     staging.rename(folder)
 
 
-async def start_backend(b: BackendProcess, dtype: str, device: str, logs: Path) -> None:
+async def start_backend(
+    b: BackendProcess, dtype: str, device: str, logs: Path, parallel: tuple[str, ...] = ()
+) -> None:
+    """`parallel`: the `--tp/--ep/--dcp` arguments (each backend is a group of that many ranks)."""
     log = (logs / f"{b.pool}.log").open("ab")
     b.process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
-        "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype,
+        "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype, *parallel,
         "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
         *(["--max-pages", str(b.max_pages)] if b.max_pages is not None else []),
         "--speculative", b.speculative,
@@ -222,6 +225,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     catalog, backends, to_create = plan(args, settings)
     for b in backends:
         b.speculative = args.speculative
+    parallel = ("--tp", str(args.tp), "--ep", str(args.ep), "--dcp", str(args.dcp))
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -235,7 +239,11 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         )
         for b in backends:
             await start_backend(
-                b, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"), args.device, logs
+                b,
+                args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
+                args.device,
+                logs,
+                parallel,
             )
         print(f"Starting {len(backends)} backend(s) (logs in {logs})…", flush=True)
         ready = asyncio.create_task(wait_ready(backends, logs))
@@ -253,7 +261,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
 
         async def restart(b: Supervised) -> None:
             assert isinstance(b, BackendProcess)
-            await start_backend(b, dtype, args.device, logs)
+            await start_backend(b, dtype, args.device, logs, parallel)
 
         supervisor = Supervisor(backends, restart)
         supervisor.start()
@@ -332,6 +340,9 @@ def main(argv: list[str]) -> int:
         help="serve a checkpoint with the legacy Workers AI family",
     )
     parser.add_argument("--device", default="cpu", help="where the backends run: cpu (default) or cuda[:N]")
+    parser.add_argument("--tp", type=int, default=1, help="ranks per backend, one process per device")
+    parser.add_argument("--ep", type=int, default=0, help="expert-parallel groups (default: = --tp)")
+    parser.add_argument("--dcp", type=int, default=1, help="ranks sharing one MLA latent cache by token")
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],

@@ -231,6 +231,9 @@ class ModelCard(Base):
     page_size: int
     num_pages: int
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
+    tp: int = 1  # tensor-parallel ranks, one process per device
+    ep: int = 1  # expert-parallel groups
+    dcp: int = 1  # ranks sharing one MLA latent cache by token
     startup_s: float | None = None  # start to ready: checkpoint load, CUDA graphs, warm-up
     warmup_s: float | None = None  # of which the warm-up ran every step shape (`backend.server.warmup`)
 

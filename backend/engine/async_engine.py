@@ -103,6 +103,14 @@ class AsyncEngine:
         if engine_id is not None:
             self._submit(("abort", engine_id))
 
+    def fail_streams(self, error: EngineError) -> None:
+        """End every live stream with `error` now, from any thread (the engine thread may be stuck
+        in a collective with a rank that died)."""
+        event = error.to_event()
+        self._deliver_all(
+            [(i, EngineOutput(request_id=i, finish_reason="abort", error=event)) for i in list(self._streams)]
+        )
+
     def _submit(self, command: tuple[Any, ...]) -> None:
         with self._lock:
             is_refused = self._is_stopping and command[0] == "add"
@@ -156,6 +164,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+            except EngineError as exc:  # RanksDown: a rank of the group failed (retryable)
+                outputs = self.engine.fail_all(exc)
             except Exception as exc:  # fail every request rather than leave them hanging
                 log.exception("engine step failed")
                 outputs = self.engine.fail_all(EngineError(f"The engine step failed: {exc!r}"))

@@ -27,6 +27,7 @@ from backend.engine.constraint import TokenConstraint
 from backend.engine.decode_graphs import Capture
 from backend.engine.engine_config import EngineConfig
 from backend.engine.model_runner import ModelRunner, PagedModel, SeqResult
+from backend.engine.ranks import StepChannel
 from backend.engine.sampler import TokenScore
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
@@ -84,8 +85,10 @@ class Engine:
         kv_scales: list[dict[str, float]] | None = None,
         detokenize: Callable[[list[int]], str] | None = None,
         graph_capture: Capture | None = None,
+        ranks: StepChannel | None = None,
     ) -> None:
-        """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`)."""
+        """`graph_capture`: the CPU tests' seam into the decode graphs (see `ModelRunner`). `ranks`:
+        the other tensor-parallel ranks, which run each step with this one (backend/engine/ranks.py)."""
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see prepare_model")
         if config.num_speculative_tokens and config.kv_dtype == "float8_e4m3fn":
@@ -108,6 +111,7 @@ class Engine:
             max_seq_len=self.scheduler.context_window,
             graph_capture=graph_capture,
             page_tables=self.block_manager.page_tables,
+            ranks=ranks,
         )
         self.spec = None
         if config.num_speculative_tokens:

@@ -30,6 +30,7 @@ from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import CacheSpec, ForwardBatch, HostBatch, ImageEmbeds, KVCache
 from backend.engine.host_staging import StagingBuffer, to_device
 from backend.engine.page_table import PageTables
+from backend.engine.ranks import StepChannel, StepInputs
 from backend.engine.sampler import Sampler, SampleRow, TokenScore
 from backend.engine.scheduler import SchedulerOutput
 from backend.engine.sequence import Sequence
@@ -67,12 +68,18 @@ class ModelRunner:
         max_seq_len: int | None = None,
         graph_capture: Capture | None = None,
         page_tables: PageTables,
+        ranks: StepChannel | None = None,
     ) -> None:
         """`max_seq_len`: the longest sequence admitted (sizes the decode graphs' page tables; None:
         the whole pool). `graph_capture`: how decode graphs are captured; None: CUDA graphs on a CUDA
         device when `config.cuda_graphs`, else none (`decode_graphs.eager_capture` in CPU tests).
-        `page_tables`: the block manager's pool, whose rows are the sequences' page tables."""
+        `page_tables`: the block manager's pool, whose rows are the sequences' page tables.
+        `ranks`: the other tensor-parallel ranks (backend/engine/ranks.py); under DCP (`model.parallel`) a
+        block-manager page of `config.page_size` tokens is page_size/dcp tokens on each rank."""
         self.model = model
+        self.ranks = ranks
+        parallel = getattr(model, "parallel", None)
+        dcp = parallel.dcp if parallel is not None else 1
         self.config = config
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -84,7 +91,7 @@ class ModelRunner:
         self.kv_cache = KVCache.allocate(
             model.cache_specs(),
             config.num_pages + (graph_capture is not None),  # the decode graphs' scratch page last
-            config.page_size,
+            config.page_size // dcp,
             dtype=config.torch_kv_dtype(model_dtype),
             model_dtype=model_dtype,
             device=self.device,
@@ -119,22 +126,10 @@ class ModelRunner:
         step, written into `KVCache.page_tags` before the model reads a page (one copy with the
         step's inputs)."""
         host, rows = self.planner.plan(out.scheduled)
-        st, graphs = self.staging, self.graphs
-        st.start()
-        tags = None
-        if tag_updates:
-            updates = np.array(tag_updates, dtype=np.int64)  # [U, 2] (page, tag)
-            tags = st.add(updates[:, 0]), st.add(updates[:, 1])
-        bucket = graphs.stage(host) if graphs is not None and host.is_pure_decode else None
-        staged = self._stage_eager(host) if bucket is None else []
-        st.send()  # the step's one copy to the device
-        if tags is not None:
-            self.kv_cache.page_tags.index_copy_(0, st.view(tags[0]), st.view(tags[1]))
-        if graphs is not None and bucket is not None:
-            logits, mismatch = graphs.replay(host.num_seqs)
-        else:
-            batch = self._forward_batch(host, staged)
-            logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
+        inputs = StepInputs(host, np.array(tag_updates, dtype=np.int64) if tag_updates else None)
+        if self.ranks is not None:  # the other ranks run the same step (backend/engine/ranks.py)
+            self.ranks.send(inputs)
+        logits, mismatch = self.forward_step(inputs)
         # every row that wants a token is sampled, flagged or not (a flagged one's token is dropped),
         # so the tokens and the flags come back in one copy
         n = len(rows.sampled)
@@ -162,6 +157,34 @@ class ModelRunner:
                     logits[index], targets, r.seq.request.sampling.top_logprobs
                 )
         return results
+
+    @torch.inference_mode()
+    def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage the step, copy it to the device once, run the model: (logits [N, V], tag_mismatch
+        [B], OR-reduced over the ranks). Every rank runs this for every step."""
+        if self.ranks is None:
+            return self._forward(inputs)
+        with self.ranks.guard():  # a step failed on one rank leaves the others in a collective
+            logits, mismatch = self._forward(inputs)
+            return logits, self.ranks.reduce_flags(mismatch)
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        host, st, graphs = inputs.host, self.staging, self.graphs
+        st.start()
+        tags = None
+        if inputs.tag_updates is not None:  # [U, 2] (page, tag)
+            tags = st.add(inputs.tag_updates[:, 0]), st.add(inputs.tag_updates[:, 1])
+        bucket = graphs.stage(host) if graphs is not None and host.is_pure_decode else None
+        staged = self._stage_eager(host) if bucket is None else []
+        st.send()  # the step's one copy to the device
+        if tags is not None:
+            self.kv_cache.page_tags.index_copy_(0, st.view(tags[0]), st.view(tags[1]))
+        if graphs is not None and bucket is not None:
+            logits, mismatch = graphs.replay(host.num_seqs)
+        else:
+            batch = self._forward_batch(host, staged)
+            logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
+        return logits, mismatch
 
     def synchronize(self) -> None:
         """Wait until nothing launched on the device can still write into the cache."""

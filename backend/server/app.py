@@ -14,7 +14,7 @@ import hmac
 import logging
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
@@ -29,14 +29,13 @@ from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
 from backend.engine.async_engine import AsyncEngine
-from backend.engine.engine import Engine
-from backend.engine.engine_config import EngineConfig
-from backend.errors import Aborted, CheckpointError, EngineError, InvalidRequest, Unauthorized
+from backend.engine.ranks import join_group, rank_device
+from backend.errors import Aborted, EngineError, InvalidRequest, RanksDown, Unauthorized
 from backend.models.image_encoder import MEDIA_PAD, ImageBudget, VisionEncoder
-from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
 from backend.server.generation import Serving
 from backend.server.metrics import BackendMetrics
 from backend.server.model_card import ServedModel
+from backend.server.rank_group import RankFailure, RankGroup, build_engine, free_port
 from backend.server.settings import BackendSettings, build_settings
 from backend.server.warmup import warm_up
 from gateway.http_protocol import ConnectionLimits, ServerConfig
@@ -204,20 +203,24 @@ def create_app(backend: Backend, *, lifespan: Lifespan[Starlette] | None = None)
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
+def build_backend(
+    settings: BackendSettings, *, on_rank_failure: Callable[[str], None] | None = None
+) -> tuple[Backend, AsyncEngine]:
     """Load the checkpoint, build engine + serving and warm them up (`backend.server.warmup`: on a GPU every
-    step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`."""
+    step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`.
+    With `--tp N` this is rank 0, and the other ranks already run (backend/engine/ranks.py)."""
     start = time.perf_counter()
     settings.apply_compile_cache()  # before the first kernel compiles (CUDA graphs capture in Engine)
     dtype = getattr(torch, settings.dtype)
+    device = rank_device(settings, 0)
     served = ServedModel.from_checkpoint(
         settings.model, name=settings.model_name, context_window=settings.context_window
     )
-    vision = VisionEncoder.from_checkpoint(
+    vision = VisionEncoder.from_checkpoint(  # on rank 0 only: its embeddings go out with the step
         settings.model,
         pad_token_id=served.tokenizer.token_to_id(MEDIA_PAD),
         dtype=dtype,
-        device=settings.device,
+        device=device,
         budget=ImageBudget(
             max_patches_per_request=settings.max_image_patches,
             max_concurrent=settings.image_encoders,
@@ -225,46 +228,7 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
         ),
     )
     served.has_vision = vision is not None
-    draft = settings.speculative_draft
-    num_mtp = num_mtp_layers_in(settings.model, draft) if settings.speculative else 0
-    if settings.speculative and settings.kv_dtype == "fp8":
-        raise CheckpointError(
-            "--speculative mtp:K needs --kv-dtype auto or bf16 (no FP8 scales for MTP layers yet)"
-        )
-    if settings.speculative and not num_mtp:
-        raise CheckpointError(
-            "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"
-        )
-    loaded = load_model(
-        settings.model,
-        dtype=dtype,
-        device=settings.device,
-        num_mtp_layers=num_mtp,
-        draft=draft if num_mtp else None,
-    )
-    config = EngineConfig.build(
-        page_size=settings.page_size,
-        num_pages=settings.max_pages,
-        kv_dtype=settings.engine_kv_dtype,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        context_window=served.context_window,
-        cuda_graphs=settings.cuda_graphs,
-        tenant_share=settings.tenant_share,
-        num_speculative_tokens=settings.speculative,
-        speculative_max_seqs=settings.speculative_max_seqs,
-    )
-    # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
-    prepared = prepare_model(loaded, config, model_dtype=dtype)
-    engine = Engine(
-        prepared.model,
-        config,
-        vocab_size=prepared.vocab_size,
-        context_window=served.context_window,
-        model_dtype=dtype,
-        device=settings.device,
-        kv_scales=prepared.kv_scales,
-    )
+    engine = build_engine(settings, device=device, on_rank_failure=on_rank_failure)
     warm = warm_up(engine, is_full=engine.runner.device.type == "cuda")
     async_engine = AsyncEngine(engine)
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
@@ -275,6 +239,9 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
             page_size=settings.page_size,
             num_pages=settings.max_pages,
         ),
+        tp=settings.tp,
+        ep=settings.ep or settings.tp,
+        dcp=settings.dcp,
         startup_s=time.perf_counter() - start,
         warmup_s=warm.seconds,
     )
@@ -295,11 +262,19 @@ def build_backend(settings: BackendSettings) -> tuple[Backend, AsyncEngine]:
 
 def main(argv: list[str]) -> int:
     settings = build_settings(argv)
+    failure = RankFailure()
     try:
-        backend, async_engine = build_backend(settings)
-    except (EngineError, OSError, ValueError) as exc:  # a checkpoint that cannot be served: say why, exit
+        if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
+            port = free_port()
+            failure.group = RankGroup(settings, port, lambda r, code: failure(f"rank {r} exited with {code}"))
+            join_group(settings, 0, port)
+        backend, async_engine = build_backend(settings, on_rank_failure=failure)
+    except (EngineError, OSError, ValueError, RuntimeError) as exc:  # cannot be served: say why, exit
         print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
+        if failure.group is not None:
+            failure.group.kill()
         return 1
+    failure.async_engine = async_engine
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -308,6 +283,12 @@ def main(argv: list[str]) -> int:
             yield
         finally:
             async_engine.stop()
+            if failure.group is not None:  # the engine thread is done: tell the other ranks to stop
+                with contextlib.suppress(RanksDown):
+                    ranks = async_engine.engine.runner.ranks
+                    assert ranks is not None
+                    ranks.send(None)
+                failure.group.stop()
 
     app = create_app(backend, lifespan=lifespan)
     # the gateway's connection guard (header deadline and size); the cap is high, for many gateways' pools

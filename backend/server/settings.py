@@ -2,7 +2,13 @@
 
 `kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
 [--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]
-[--speculative mtp:K]`
+[--speculative mtp:K]
+[--tp N] [--ep N] [--dcp N] [--rank-timeout-s S]`
+
+`--tp N` serves the model on N ranks, one process per device (backend/engine/ranks.py); `--ep` expert
+groups (default: tp, whole experts per rank) and `--dcp` ranks sharing one MLA latent cache by token
+(backend/models/layers/parallel.py). `--page-size` is the KV page of one rank: under DCP a block-manager
+page holds page_size·dcp tokens of a sequence.
 
 `--data-dir` (what `kumo serve` passes: its own) keeps the compiled Triton kernels across restarts in
 `compile_cache_dir`; without it they go to Triton's default, `~/.triton/cache`.
@@ -50,6 +56,16 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     speculative: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0  # `--speculative mtp:K`: K drafts
     speculative_max_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 16  # no drafts past this many running
     speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1
+    ep: Annotated[int, Meta(ge=0, le=64)] = 0  # 0: = tp
+    dcp: Annotated[int, Meta(ge=1, le=64)] = 1
+    rank_timeout_s: Annotated[float, Meta(gt=0)] = 120.0  # a collective waiting longer fails
+
+    def __post_init__(self) -> None:
+        for name in ("ep", "dcp"):
+            size = getattr(self, name) or self.tp
+            if self.tp % size:
+                raise ValueError(f"--{name} ({size}) must divide --tp ({self.tp})")
 
     @property
     def compile_cache_dir(self) -> Path | None:
@@ -93,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--secret", default=None, help="shared secret (default: $KUMO_BACKEND_SECRET)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--data-dir", default=None, help="state folder: the compile cache (default: none kept)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process per device")
+    p.add_argument("--ep", type=int, default=0, help="expert-parallel groups (default: = --tp)")
+    p.add_argument("--dcp", type=int, default=1, help="ranks sharing one MLA latent cache by token")
+    p.add_argument(
+        "--rank-timeout-s", type=float, default=120.0, help="a rank silent this long fails the group"
+    )
     p.add_argument(
         "--tenant-share",
         type=float,

@@ -79,6 +79,12 @@ class Geometry:
     is_tiny: bool
     text: dict[str, Any]  # the truncated text config the model is built from
     full: dict[str, Any]  # the published config `kumo plan` is run on (tiny: the small one)
+    rank_of: int = 1  # > 1: rank 0's slice of `rank_of` ranks is built (benchmarks/engine/rank_of.py)
+
+    @property
+    def plan_tp(self) -> int:
+        """The GPUs the KV pool is planned for: the deployment's 8, or `rank_of`."""
+        return self.rank_of if self.rank_of > 1 else FULL_TP
 
     @property
     def model_config(self) -> ModelConfig:
@@ -101,7 +107,7 @@ class Geometry:
             if plan.kv_tokens <= 0:
                 plan = self._plan(fallback, False, kv_dtype, gpu_mem, page_size)
         if plan.kv_tokens <= 0:
-            raise ValueError(f"kumo plan leaves no KV pool for {self.kind} {weights} on {FULL_TP} GPUs")
+            raise ValueError(f"kumo plan leaves no KV pool for {self.kind} {weights} on {self.plan_tp} GPUs")
         return KvSizing(
             kv_tokens=plan.kv_tokens,
             num_pages=plan.kv_tokens // page_size,
@@ -112,12 +118,12 @@ class Geometry:
             plan_weights=plan.weights,
             plan_kv_dtype=kv_dtype,
             gpu_mem=gpu_mem,
-            tp=FULL_TP,
+            tp=self.plan_tp,
         )
 
     def _plan(self, weights: str, all_linear: bool, kv_dtype: KvDtype, gpu_mem: int, page_size: int) -> Plan:
         full = json.dumps(self.full, sort_keys=True)
-        return _plan(full, self.kind, weights, all_linear, kv_dtype, gpu_mem, page_size)
+        return _plan(full, self.kind, weights, all_linear, kv_dtype, gpu_mem, page_size, self.plan_tp)
 
     def describe(self) -> dict[str, Any]:
         t = self.text
@@ -134,16 +140,21 @@ class Geometry:
             "full_num_layers": self.full_num_layers,
             "dense_layers": int(t["first_k_dense_replace"]),
             "is_tiny": self.is_tiny,
+            "rank_of": self.rank_of,
             "routing": "random router weights: expert choice is near uniform (no trained load imbalance)",
             **{k: t[k] for k in keys if k in t},
         }
 
 
-def make_geometry(kind: Kind, num_layers: int, *, tiny: bool = False) -> Geometry:
-    """The truncated geometry of `kind`: one dense layer, then `num_layers - 1` MoE layers."""
+def make_geometry(kind: Kind, num_layers: int | None, *, tiny: bool = False, rank_of: int = 1) -> Geometry:
+    """The truncated geometry of `kind`: one dense layer, then `num_layers - 1` MoE layers. With
+    `rank_of` N > 1: rank 0's slice of N ranks, at the full depth and its own dense layers unless
+    `num_layers` truncates it."""
+    published = json.loads((PUBLISHED_CONFIGS / kind / "config.json").read_text())
+    if num_layers is None:
+        num_layers = int(_text(published)["num_hidden_layers"])
     if num_layers < 2:
         raise ValueError("at least 2 layers: one dense, one MoE")
-    published = json.loads((PUBLISHED_CONFIGS / kind / "config.json").read_text())
     full = {k: v for k, v in published.items() if not k.startswith("_")}
     if tiny:  # the small text model alone (a small vision tower would still outweigh it)
         small = small_config(published, vocab_size=TINY_VOCAB, bos=None, eos=[0])
@@ -155,22 +166,31 @@ def make_geometry(kind: Kind, num_layers: int, *, tiny: bool = False) -> Geometr
     text.pop("index_topk_pattern", None)
     if "architectures" not in text:
         text["architectures"] = full["architectures"]
-    text |= {"num_hidden_layers": num_layers, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0}
+    full_depth = int(text["num_hidden_layers"])
+    dense = text.get("first_k_dense_replace", 1) if rank_of > 1 and num_layers >= full_depth else 1
+    text |= {"num_hidden_layers": num_layers, "first_k_dense_replace": dense, "num_nextn_predict_layers": 0}
     if tiny:  # keep the full plan honest for the small model too: plan on its whole depth
         _text(full)["num_hidden_layers"] = max(int(_text(full)["num_hidden_layers"]), num_layers)
-    return Geometry(kind=kind, num_layers=num_layers, is_tiny=tiny, text=text, full=full)
+    return Geometry(kind=kind, num_layers=num_layers, is_tiny=tiny, text=text, full=full, rank_of=rank_of)
 
 
 @functools.lru_cache(maxsize=64)
 def _plan(
-    full: str, kind: str, weights: str, all_linear: bool, kv_dtype: KvDtype, gpu_mem: int, page_size: int
+    full: str,
+    kind: str,
+    weights: str,
+    all_linear: bool,
+    kv_dtype: KvDtype,
+    gpu_mem: int,
+    page_size: int,
+    tp: int,
 ) -> Plan:
     """`make_plan` of a config (as JSON text, so it can key the cache: a plan walks every tensor)."""
     return make_plan(
         json.loads(full),
         model=kind,
         gpu_mem=gpu_mem,
-        tp=FULL_TP,
+        tp=tp,
         weights=weights,  # type: ignore[arg-type]
         all_linear=all_linear,
         kv_dtype=kv_dtype,

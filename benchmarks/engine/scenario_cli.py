@@ -2,6 +2,7 @@
 measured warm, A/B/B/A, `--rounds` times; a record with its summary entry, Markdown and PNGs.
 
     kumo bench engine scenario fp8kv_vs_bf16kv_long_c64 [--layers 4] [--rounds 3] [--budget-s 540]
+    kumo bench engine scenario int4_vs_fp8_decode_c1 --rank-of 8   # rank 0 of 8, full depth
 
 Sizes default to the scenario's own; `--tiny` (the CPU tests) swaps in the small geometry and short
 lengths. `--compile-cache DIR` is where Triton compiles to (default: Triton's own `~/.triton/cache`);
@@ -52,6 +53,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--compile-cache", type=Path, default=None, help="Triton's cache (default ~/.triton/cache)"
     )
+    ap.add_argument(
+        "--rank-of", type=int, default=1,
+        help="rank 0's slice of N ranks at full depth, collectives local (their cost modelled)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="record path (.json); .md and PNGs beside it")
     return ap
@@ -73,13 +78,19 @@ def main(argv: list[str]) -> int:
              "output_len": 1 if scenario.output_len == 1 else 6}  # fmt: skip
     sizes = {k: getattr(a, k) or (small[k] if a.tiny else getattr(scenario, k)) for k in small}
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # the one place a geometry is chosen: "one rank of 8" (`--rank-of 8`, the multi-GPU layouts) plugs in here
-    geometry = make_geometry(scenario.kind, a.layers or (2 if a.tiny else scenario.layers), tiny=a.tiny)
+    # the one place a geometry is chosen: "one rank of N" (`--rank-of N`) is the full depth at 1/N width
+    collectives = None
+    if a.rank_of > 1:
+        from benchmarks.engine.rank_of import join_alone
+
+        collectives = join_alone(a.rank_of)
+    depth = a.layers or (2 if a.tiny else None if a.rank_of > 1 else scenario.layers)
+    geometry = make_geometry(scenario.kind, depth, tiny=a.tiny, rank_of=a.rank_of)
     opts = ScenarioOptions(
         device=device, num_rounds=a.rounds or scenario.num_rounds, chunk=32 if a.tiny and a.chunk == 2048 else a.chunk,
         page_size=a.page_size, deadline=start + a.budget_s, pool_scale=a.pool_scale, is_warm_up=a.warm_up,
         experts_only=a.experts_only, hf_mode=a.hf_mode, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs,
-        seed=a.seed, **sizes,
+        seed=a.seed, collectives=collectives, **sizes,
     )  # fmt: skip
     record = report.new_record(
         "kumo bench engine scenario " + " ".join(argv), device, geometry.describe(),

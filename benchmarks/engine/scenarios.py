@@ -124,6 +124,7 @@ class ScenarioOptions:
     fp8_method: str = "fp8-block"
     cuda_graphs: bool = True
     seed: int = 0
+    collectives: Any = None  # `--rank-of N`: the LocalCollectives group (benchmarks/engine/rank_of.py)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -190,7 +191,7 @@ class Bench:
             side.weights, side.kv_dtype, page_size=self.opts.page_size, fp8_method=self.opts.fp8_method
         )
         num_pages = engine.config.num_pages
-        return dataclasses.asdict(side) | {
+        described = dataclasses.asdict(side) | {
             "build_s": build_s,
             "weight_bytes": weight_bytes(self.models[side.weights]),
             "full_depth_weight_bytes_per_gpu": sizing.plan_weights_per_gpu,
@@ -198,6 +199,15 @@ class Bench:
             "requests_that_fit": num_pages
             // -(-(self.opts.input_len + self.opts.output_len) // self.opts.page_size),
         }
+        if self.opts.collectives is not None:  # --rank-of N: what the real collectives would move
+            from benchmarks.engine.rank_of import collective_probe
+
+            described["collectives"] = collective_probe(
+                self.models[side.weights], self.opts.collectives, vocab=self.vocab,
+                context_window=self.geometry.model_config.max_position_embeddings,
+                concurrency=self.opts.concurrency, device=self.opts.device,
+            )  # fmt: skip
+        return described
 
     def run(self, key: str, *, variant: str, seed: int = 1) -> dict[str, Any]:
         """One run of the scenario's workload on side `key` (a fill, for the capacity scenario)."""

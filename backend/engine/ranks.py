@@ -1,0 +1,165 @@
+"""The ranks of a tensor-parallel backend: rank 0 serves, ranks 1..N−1 follow its steps.
+
+`kumo backend --tp N` is N processes, one per device (NCCL on CUDA, gloo on the CPU). Rank 0 is the
+backend process: HTTP server, scheduler, block manager, sampler and detokenizer, and rank 0's slice
+of the model. It starts ranks 1..N−1 (`python -m backend.server.rank_group`, their settings on stdin, each
+killed by the kernel if rank 0 dies), and each of them loads its slice of the checkpoint and builds
+the same `Engine` (the same KV pool and step planner), then runs `follow_steps`:
+
+    rank 0 (ModelRunner.run)                       rank r > 0 (follow_steps)
+    plan the step (host arrays)
+    StepChannel.send(StepInputs)  ── broadcast ──▶  inputs = StepChannel.recv()   (None: stop)
+    forward (collectives inside the model)  ◀────▶  forward
+    StepChannel.reduce_flags(tag_mismatch)  ◀────▶  StepChannel.reduce_flags(tag_mismatch)
+    sample, detokenize
+
+One broadcast per step carries everything the other ranks need: `StepInputs`, the step's host
+batch (token ids, positions, page tables with the tags each page must carry, slots, image
+embeddings from rank 0's vision tower) and the page tags the block manager changed since the last
+step, as one pickled object (`broadcast_object_list`). Sampling metadata stays on rank 0: the
+logits are full on every rank (vocab all-gather), and only rank 0 samples. The tag flags are
+OR-reduced (all-reduce MAX) before rank 0 samples, so a stale page on any rank aborts that
+request, and only it, on every rank (the other ranks hold no per-request state).
+
+Failure: a step that fails on a rank (a peer died, or a collective got no answer within
+`--rank-timeout-s`: the process group's timeout) raises `RanksDown`, a retryable error (503,
+"busy"); rank 0 also watches its children (backend/server/rank_group.py). Either way rank 0 ends every
+request in flight with `RanksDown`, stops the other ranks and exits, and the supervisor (`kumo
+serve`'s) starts the whole group again.
+
+Under tp > 1 every step runs eagerly: decode steps are not replayed from CUDA graphs until the
+collectives are captured in them (issue 22, deliverable 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from backend.engine.forward_batch import HostBatch
+from backend.errors import RanksDown
+from backend.server.settings import BackendSettings
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step, as every rank runs it: the planned host batch and the page tags changed since the
+    last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`."""
+
+    host: HostBatch
+    tag_updates: np.ndarray | None = None
+
+
+class StepChannel:
+    """The per-step collectives of the runtime: rank 0's broadcast of `StepInputs`, and the OR of
+    the tag-mismatch flags over all ranks. A failed collective raises `RanksDown` (retryable) and
+    calls `on_failure` once, so the backend goes down rather than serve with a missing rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.on_failure = on_failure
+
+    def send(self, inputs: StepInputs | None) -> None:
+        """Rank 0: the step's inputs to every other rank (None: they stop). Image embeddings go as
+        host tensors: a pickled CUDA tensor would come out on rank 0's device in the other ranks."""
+        if inputs is not None and inputs.host.image_parts:
+            host = dataclasses.replace(inputs.host, image_parts=[p.cpu() for p in inputs.host.image_parts])
+            inputs = StepInputs(host, inputs.tag_updates)
+        self._broadcast([inputs])
+
+    def recv(self) -> StepInputs | None:
+        """Ranks > 0: the next step's inputs, or None to stop."""
+        box: list[StepInputs | None] = [None]
+        self._broadcast(box)
+        return box[0]
+
+    def reduce_flags(self, mismatch: torch.Tensor) -> torch.Tensor:
+        """[B] bool on each rank → [B] bool, set where any rank set it."""
+        flags = mismatch.to(torch.int32)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+        return flags.bool()
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Any failure inside is the group's: the other ranks wait in a collective that will not
+        complete, so it raises `RanksDown` (and the backend restarts the group)."""
+        try:
+            yield
+        except RanksDown:
+            raise
+        except Exception as exc:
+            raise self._failed(exc) from exc
+
+    def _broadcast(self, box: list[StepInputs | None]) -> None:
+        try:
+            dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+
+    def _failed(self, exc: Exception) -> RanksDown:
+        if self.on_failure is not None:
+            self.on_failure(f"{type(exc).__name__}: {exc}")
+        return RanksDown(f"A rank of this backend failed ({type(exc).__name__}); it restarts, please retry.")
+
+
+def rank_device(settings: BackendSettings, rank: int) -> torch.device:
+    """Rank r's device: cuda:r (one process per GPU; `--device cuda` or `cuda:0`), or the CPU."""
+    device = torch.device(settings.device)
+    return torch.device("cuda", rank) if device.type == "cuda" and settings.tp > 1 else device
+
+
+STARTUP_TIMEOUT_S = 600.0  # the ranks meet once each has imported torch and found its device
+
+
+def join_group(settings: BackendSettings, rank: int, port: int) -> torch.device:
+    """Join the rank group (every rank calls this; rank 0 hosts the store on loopback `port`): NCCL
+    on CUDA, gloo on the CPU. Collectives time out after `--rank-timeout-s`, so that a hung rank
+    fails the group rather than stall it forever; meeting at start-up may take longer."""
+    device = rank_device(settings, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
+        "127.0.0.1",
+        port,
+        settings.tp,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
+    )
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=settings.tp,
+        timeout=timedelta(seconds=settings.rank_timeout_s),
+    )
+    return device
+
+
+class StepRunner(Protocol):
+    def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def follow_steps(runner: StepRunner, channel: StepChannel) -> int:
+    """Ranks > 0: run rank 0's steps until it says stop; the number of steps run."""
+    num_steps = 0
+    while (inputs := channel.recv()) is not None:
+        runner.forward_step(inputs)
+        num_steps += 1
+    return num_steps

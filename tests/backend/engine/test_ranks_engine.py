@@ -1,0 +1,173 @@
+"""The rank group's step loop at the engine level: 2 ranks over gloo (forked) give the 1-rank engine's
+greedy tokens and logprobs for every architecture (Kimi K2.5 with an image), and a tag fault on
+rank 1 alone aborts exactly the request it hit, on every rank, with the others unharmed.
+
+Rank 0 runs the `Engine` (scheduler, block manager, sampler) with a `StepChannel`; rank 1 builds the
+same engine over its slice of the checkpoint and follows rank 0's steps (`follow_steps`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tests.backend.test_models_parallel import _image_step
+
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.engine.ranks import StepChannel, StepInputs, follow_steps
+from backend.models.loader import load_model
+from schemas.backend import EngineOutput, ImageSpan
+from tests.backend.engine_helpers import prompt_of, request
+from tests.backend.tiny_checkpoints import make_tiny
+
+VOCAB = 253  # prime: uneven vocab-parallel ranges
+IMAGE_ROWS = [4, 5, 6, 7]  # the K2.5 request's image placeholders (a 56×56 image: 4 tokens)
+
+
+def _engine(path: str, rank: int, world: int, dcp: int, channel: StepChannel | None) -> Engine:
+    loaded = load_model(path, dtype=torch.float32, rank=rank, world_size=world, dcp=dcp)
+    config = EngineConfig.build(page_size=4 * dcp, num_pages=48, max_num_batched_tokens=24, max_num_seqs=8)
+    return Engine(
+        loaded.model,
+        config,
+        vocab_size=VOCAB,
+        context_window=loaded.config.max_position_embeddings,
+        ranks=channel,
+    )
+
+
+def _serve(engine: Engine, path: str, arch: str) -> dict[str, list[EngineOutput]]:
+    """Three greedy requests with logprobs (one with prompt logprobs, K2.5's with an image), stepped
+    to the end with chunked prefill; every output by request."""
+    prompts = [prompt_of(1, 29, VOCAB), prompt_of(2, 13, VOCAB), prompt_of(3, 21, VOCAB)]
+    for i, prompt in enumerate(prompts):
+        req = request(f"r{i}", prompt, max_tokens=6, logprobs=True, top_logprobs=2, prompt_logprobs=i == 1)
+        embeds = None
+        if arch == "kimi_k25" and i == 0:
+            req.image_spans = [ImageSpan(offset=IMAGE_ROWS[0], length=len(IMAGE_ROWS), image_hash="ab" * 32)]
+            embeds = _image_step(Path(path), prompt, IMAGE_ROWS).embeds
+        engine.add_request(req, image_embeds=embeds)
+    out: dict[str, list[EngineOutput]] = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o)
+    return out
+
+
+class _FaultOnFirstDecode:
+    """Rank 1's runner, with one stale page on that rank only: before the first pure-decode step, the
+    first page of the step's first sequence gets a tag the block manager never gave it."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.is_done = runner, False
+
+    def forward_step(self, inputs: StepInputs) -> Any:
+        if not self.is_done and inputs.host.is_pure_decode:
+            self.is_done = True
+            page = int(inputs.host.page_table[0, 0])
+            self.runner.kv_cache.page_tags[page] += 1_000_003
+        return self.runner.forward_step(inputs)
+
+
+def _rank_main(rank: int, world: int, arch: str, path: str, dcp: int, fault: bool, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        channel = StepChannel(rank, world, torch.device("cpu"))
+        engine = _engine(path, rank, world, dcp, channel)
+        if rank == 0:
+            outputs = _serve(engine, path, arch)
+            channel.send(None)
+            (Path(tmp) / "outputs.pkl").write_bytes(pickle.dumps((outputs, engine.load())))
+        else:
+            runner = _FaultOnFirstDecode(engine.runner) if fault else engine.runner
+            num_steps = follow_steps(runner, channel)
+            assert num_steps > 3
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(arch: str, path: Path, tmp: Path, *, dcp: int = 1, fault: bool = False) -> Any:
+    mp.start_processes(
+        _rank_main, args=(2, arch, str(path), dcp, fault, str(tmp)), nprocs=2, start_method="fork"
+    )
+    return pickle.loads((tmp / "outputs.pkl").read_bytes())
+
+
+def _tokens_and_logprobs(outputs: list[EngineOutput]) -> tuple[list[int], list[float], list[Any]]:
+    tokens = [t for o in outputs for t in o.token_ids]
+    logprobs = [lp.logprob for o in outputs for lp in (o.logprobs or [])]
+    prompt = [p.logprob if p else None for o in outputs for p in (o.prompt_logprobs or [])]
+    return tokens, logprobs, prompt
+
+
+CASES = [
+    ("deepseek_v3", 1),
+    ("deepseek_v3", 2),
+    ("glm_moe_dsa", 1),
+    ("glm_moe_dsa", 2),
+    ("glm4_moe", 1),
+    ("kimi_k25", 1),
+]
+
+
+@pytest.mark.parametrize(("arch", "dcp"), CASES)
+def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) -> None:
+    path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
+    expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
+    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp)
+    assert got.keys() == expected.keys() == {"r0", "r1", "r2"}
+    for rid in expected:
+        e_tokens, e_logprobs, e_prompt = _tokens_and_logprobs(expected[rid])
+        g_tokens, g_logprobs, g_prompt = _tokens_and_logprobs(got[rid])
+        assert g_tokens == e_tokens and len(e_tokens) == 6, rid
+        assert got[rid][-1].finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
+        assert [p is None for p in g_prompt] == [p is None for p in e_prompt]
+        torch.testing.assert_close(
+            torch.tensor([p or 0.0 for p in g_prompt]),
+            torch.tensor([p or 0.0 for p in e_prompt]),
+            atol=1e-5,
+            rtol=0,
+        )
+    assert load.free_pages == load.total_pages and load.running == load.waiting == 0
+
+
+def test_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path) -> None:
+    path = make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB)
+    expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), "deepseek_v3")
+    got, load = _run_ranks("deepseek_v3", path, tmp_path, fault=True)
+    aborted = {rid for rid, outs in got.items() if outs[-1].error is not None}
+    assert len(aborted) == 1, got
+    (victim,) = aborted
+    assert got[victim][-1].error.code == "integrity_abort" and got[victim][-1].finish_reason == "abort"
+    # its tokens before the fault are the reference's; it got none from the faulty step on
+    tokens = _tokens_and_logprobs(got[victim])[0]
+    assert tokens == _tokens_and_logprobs(expected[victim])[0][: len(tokens)] and len(tokens) < 6
+    for rid in expected.keys() - aborted:
+        g_tokens, g_logprobs, _ = _tokens_and_logprobs(got[rid])
+        e_tokens, e_logprobs, _ = _tokens_and_logprobs(expected[rid])
+        assert g_tokens == e_tokens and got[rid][-1].finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
+    assert load.free_pages == load.total_pages  # the victim's pages went back to the pool
+
+
+def test_parallel_settings() -> None:
+    from backend.server.settings import build_settings
+
+    base = ["--model", "m", "--port", "1", "--secret", "s" * 8]
+    s = build_settings([*base, "--tp", "8", "--ep", "4", "--dcp", "8", "--rank-timeout-s", "30"])
+    assert (s.tp, s.ep, s.dcp, s.rank_timeout_s) == (8, 4, 8, 30.0)
+    assert (build_settings(base).tp, build_settings(base).ep, build_settings(base).dcp) == (1, 0, 1)
+    for bad in (["--tp", "4", "--dcp", "3"], ["--tp", "4", "--ep", "3"], ["--tp", "0"]):
+        with pytest.raises(SystemExit):
+            build_settings([*base, *bad])
