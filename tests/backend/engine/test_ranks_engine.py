@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tests.backend.test_models_parallel import _image_step
 
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
@@ -25,6 +24,7 @@ from backend.engine.ranks import StepChannel, StepInputs, follow_steps
 from backend.models.loader import load_model
 from schemas.backend import EngineOutput, ImageSpan
 from tests.backend.engine_helpers import prompt_of, request
+from tests.backend.models.test_models_parallel import _image_step
 from tests.backend.tiny_checkpoints import make_tiny
 
 VOCAB = 253  # prime: uneven vocab-parallel ranges

@@ -283,7 +283,7 @@ def test_a_tag_fault_in_a_draft_page_aborts_only_that_request(loaded: dict[str, 
 
 def test_a_request_with_a_grammar_does_not_draft() -> None:
     """Grammar masks depend on the accepted text: such a request runs plain, beside drafting ones."""
-    from tests.backend.test_engine import EvenTokensOnly
+    from tests.backend.engine.test_engine import EvenTokensOnly
 
     V = 16
     target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3

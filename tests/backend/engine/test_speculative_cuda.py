@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from tests.backend.test_speculative import OracleDrafts, assert_same_or_tied, prompts
 
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.models.loader import load_model
+from tests.backend.engine.test_speculative import OracleDrafts, assert_same_or_tied, prompts
 from tests.backend.engine_helpers import request, run_all
 from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
 

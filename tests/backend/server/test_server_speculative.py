@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.backend.test_server import body, generate, scrape, text_of, wait_idle
 
 from schemas.backend import Usage
+from tests.backend.server.test_server import body, generate, scrape, text_of, wait_idle
 from tests.backend.server_checkpoints import make_served_checkpoint
 from tests.backend.server_process import RunningBackend, run_backend
 from tests.backend.tiny_checkpoints import add_mtp_layers
