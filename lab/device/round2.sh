@@ -6,7 +6,7 @@
 #   run(command="bash lab/device/round2.sh decode", carry=[".whl"])   # ~8 min: the c=1 decode-step record
 # Logs land in $OUT (8 files come back at most); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?checks|decode}
+stage=${1:?checks|decode|scenario}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -39,5 +39,19 @@ case $stage in
     timeout $(( ${BUDGET:-400} + 120 )) python3 -m benchmarks.cli engine decode-c1 --formats "${FORMATS:-int4,int4-all}" \
       --budget-s "${BUDGET:-400}" --out "$OUT/decode-c1-$tag.json" > "$OUT/decode-c1-$tag.log" 2>&1
     grep -v Warning "$OUT/decode-c1-$tag.log" | tail -30
+    ;;
+  scenario)  # SCENARIO, SARGS (its options), STIME (s, default 400); GPU_TESTS=1: the merged features'
+    # gpu tests first (speculative decoding, --rank-of, warm-up, decode steps, quantized decode)
+    if [ "${GPU_TESTS:-0}" = 1 ]; then
+      timeout 240 python3 -m pytest -m gpu -n 4 -p no:cacheprovider -p no:benchmark --tb=short --timeout 200 -rfE \
+        tests/backend/engine/test_speculative_cuda.py tests/benchmarks/test_rank_of.py \
+        tests/backend/server/test_warmup.py tests/backend/engine/test_decode_steps.py \
+        tests/backend/quant/test_quant_decode_cuda.py tests/backend/engine/test_ranks_engine.py \
+        > "$OUT/pytest_gpu_merged.log" 2>&1
+      summary pytest_gpu_merged.log
+    fi
+    timeout "${STIME:-400}" python3 -m benchmarks.cli engine scenario "$SCENARIO" $SARGS \
+      --out "$OUT/$SCENARIO.json" > "$OUT/$SCENARIO.log" 2>&1
+    echo "rc=$?"; grep -v Warning "$OUT/$SCENARIO.log" | tail -30
     ;;
 esac
