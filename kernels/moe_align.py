@@ -36,9 +36,19 @@ def _buckets(ids_ptr, p0, P, num_experts, BLOCK_P: tl.constexpr):
 
 
 # P and num_blocks follow the step's token count: unspecialised, so the warm-up's shapes cover every
-# step (Triton would otherwise compile a variant per divisibility by 16 of each; the H200 warm-up test
+# step (Triton would otherwise compile a variant per divisibility by 16 of each size and alignment of each
+# pointer, a view at an odd offset among them; the H200 warm-up test
 # saw one compiled after the warm-up, 2026-12-04)
-@triton.jit(do_not_specialize=["P", "num_blocks"])
+@triton.jit(
+    do_not_specialize=[
+        "ids_ptr",
+        "sorted_ids_ptr",
+        "block_expert_ids_ptr",
+        "num_padded_ptr",
+        "P",
+        "num_blocks",
+    ]
+)
 def _moe_align_kernel(
     ids_ptr,  # [P] int32 / int64 local expert ids
     sorted_ids_ptr,  # [num_blocks · BM] int32

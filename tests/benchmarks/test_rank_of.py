@@ -28,7 +28,7 @@ x = torch.arange(6.0)
 dist.all_reduce(x)
 assert x.tolist() == list(range(6))  # rank 0's partial sum stands in for the sum
 out = torch.empty(12)
-dist.all_gather_single(out, torch.tensor([1.0, 2.0, 3.0]))
+dist.all_gather_into_tensor(out, torch.tensor([1.0, 2.0, 3.0]))
 assert out.tolist() == [1.0, 2.0, 3.0] * 4
 part = torch.empty(2)
 dist.reduce_scatter_single(part, torch.ones(8))

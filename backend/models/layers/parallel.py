@@ -116,7 +116,7 @@ class DcpGroup:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, ...] on each rank → [size, n, ...] in rank order."""
         out = x.new_empty(self.size * x.shape[0], *x.shape[1:])
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         return out.view(self.size, *x.shape)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,5 +170,5 @@ def gather_vocab(local: torch.Tensor, shard: Shard, vocab: int) -> torch.Tensor:
     T = local.shape[0]
     padded = F.pad(local, (0, chunk - local.shape[1])).contiguous()  # [T, chunk]
     out = local.new_empty(N * T, chunk)
-    dist.all_gather_single(out, padded)
+    dist.all_gather_into_tensor(out, padded)
     return out.view(N, T, chunk).transpose(0, 1).reshape(T, N * chunk)[:, :vocab]

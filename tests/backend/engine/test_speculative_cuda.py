@@ -12,7 +12,7 @@ import torch
 
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
-from backend.models.loader import load_model
+from backend.models.loader import load_model, prepare_model
 from tests.backend.engine.test_speculative import OracleDrafts, assert_same_or_tied, prompts
 from tests.backend.engine_helpers import request, run_all
 from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
@@ -24,7 +24,7 @@ def _engine(model: Any, k: int) -> Engine:
     config = EngineConfig.build(
         num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32, num_speculative_tokens=k
     )
-    return Engine.from_loaded(model, config)
+    return Engine.from_prepared(prepare_model(model, config), config)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
