@@ -32,7 +32,7 @@ from schemas.backend import Error, ErrorBody, Event, Finish, LoadReport, ModelCa
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
 from tests.backend.server_process import _free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 AUTH = {"authorization": f"Bearer {SECRET}"}
 _events = msgspec.json.Decoder(Event)
 
