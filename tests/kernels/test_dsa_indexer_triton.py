@@ -26,7 +26,7 @@ from kernels.dsa_indexer_triton import (  # noqa: E402
     dsa_indexer_triton,
     indexer_tiles,
 )
-from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
+from tests.kernels.paged_layout import lay_out, query_starts, random_pages, tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -240,6 +240,14 @@ def test_check_can_be_disabled_and_bad_inputs_rejected() -> None:
         dsa_indexer_triton(**{**batch, "query_start": torch.tensor([0, 12], dtype=torch.int32)})
     with pytest.raises(TypeError):
         dsa_indexer_triton(**{**batch, "k_cache": batch["k_cache"].half()})
+
+
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    batch, _, _ = make_batch([20, 9], [3, 9], 4, 16, 4, torch.float32, torch.float32, seed=6, topk=5)
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            dsa_indexer_triton(**bad)
+            pytest.fail(what)
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ from kernels.paged_decode_gqa import (  # noqa: E402
     paged_decode_gqa,
     pick_num_splits,
 )
+from tests.kernels.paged_layout import tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into loop bounds with int(); numpy < 2.4 only warns
@@ -233,6 +234,15 @@ def test_shape_errors() -> None:
         paged_decode_gqa(**{**batch, "k_cache": batch["k_cache"].half(), "v_cache": batch["v_cache"].half()})
     with pytest.raises(ValueError):
         paged_decode_gqa(**{**batch, "tag_mismatch": torch.zeros(1, dtype=torch.int32)})
+
+
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    gen = torch.Generator().manual_seed(9)
+    batch = make_batch([5], 4, 2, 16, 4, torch.float32, torch.float32, gen)
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            paged_decode_gqa(**bad)
+            pytest.fail(what)
 
 
 def test_kernels_compile_for_sm90() -> None:

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from kernels.gqa_slice import GQATiles, slice_constexprs  # noqa: E402
 from kernels.paged_attention import paged_attention_ref  # noqa: E402
 from kernels.paged_prefill_gqa import PREFILL_TILES, paged_prefill_gqa  # noqa: E402
-from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
+from tests.kernels.paged_layout import lay_out, query_starts, random_pages, tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -174,6 +174,14 @@ def test_launcher_rejects_bad_inputs() -> None:
         paged_prefill_gqa(**{**batch, "k_cache": batch["k_cache"].half(), "v_cache": batch["v_cache"].half()})
     with pytest.raises(ValueError):
         paged_prefill_gqa(**batch, out=torch.empty(2, 4, 8))
+
+
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    batch, _ = make_batch([5], [2], 4, 2, 16, 4, torch.float32, torch.float32, seed=1)
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            paged_prefill_gqa(**bad)
+            pytest.fail(what)
 
 
 @pytest.mark.gpu
