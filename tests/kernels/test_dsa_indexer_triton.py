@@ -213,6 +213,28 @@ def test_tampered_page_across_programs_of_unaligned_pages(bad_index: int) -> Non
     assert_same_choice(idx, ref, want, atol=6e-3 * scale)
 
 
+@pytest.mark.parametrize("S", [4, 5])
+def test_decode_rewrite_covers_every_score_the_token_loop_wrote(S: int) -> None:
+    """The invariant the decode check rests on (issue 27): the token loop scores a program's tokens before
+    it acts on their pages' tags, so a program with a bad page must rewrite -inf over exactly that page's
+    tokens of its range. A NaN page at every position of a decode row (pages aligned to the 16-token tiles
+    and not, programs of two tiles, so a page may span two programs), in a NaN-filled score buffer: the
+    bad page's tokens score -inf, every other score is the brute-force one, no NaN is left, and only that
+    sequence is flagged."""
+    batch, _, paged = make_batch([45, 9], [1, 1], 4, 16, S, torch.float16, torch.float16, seed=27, topk=9)
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = float("nan")
+        want = brute_scores(bad, frozenset({page}))
+        got, flags = run_scores(bad, config=IndexerTiles(block_n=16, steps=2))
+        assert flags.tolist() == [True, False], i
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any(), i
+        finite = torch.isfinite(want)
+        scale = float(want[finite].abs().max())
+        assert torch.allclose(got[finite], want[finite], rtol=3e-3, atol=3e-3 * scale), i
+
+
 def test_equal_scores_go_to_the_earlier_token_as_in_the_reference() -> None:
     """Two heads with negative weights: no score is above 0, and a key both ReLUs zero scores exactly
     0 (or -0.0), so most top-k slots are ties. The choice equals the reference's index for index,

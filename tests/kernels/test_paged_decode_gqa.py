@@ -178,6 +178,32 @@ def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
     assert not out.isnan().any() and rel_err(out, ref) < 2e-3
 
 
+def tamper(batch: dict, page: int) -> dict:
+    """The batch with `page` reallocated: its tag bumped, its K/V bytes NaN (another tenant's)."""
+    batch = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    batch["page_tags"][page] += 1
+    kv = batch["k_cache"].dtype
+    batch["k_cache"][page] = batch["v_cache"][page] = torch.tensor(float("nan")).to(kv)
+    return batch
+
+
+@pytest.mark.parametrize(("S", "block_n"), [(4, 16), (5, 16)])
+def test_rewalk_covers_every_page_the_hot_walk_read(S: int, block_n: int) -> None:
+    """The invariant the decode check rests on (issue 27, `kernels/gqa_slice.py`): the hot walk reads a
+    slice's pages before their tags are checked, so a slice holding a bad page must be walked again from
+    a fresh state over exactly its tokens. A NaN page at every position of a 3-slice sequence (slice
+    edges, the partial last page; tiles aligned to pages and not) leaves no NaN and the reference's
+    output, and flags that sequence only."""
+    gen = torch.Generator().manual_seed(27)
+    batch = make_batch([45, 7], 4, 2, 16, S, torch.float16, torch.float16, gen)
+    for i in range(math.ceil(45 / S)):
+        out, ref, flags, ref_flags = run_both(
+            tamper(batch, int(batch["page_table"][0, i])), num_splits=3, tiles=GQATiles(block_n=block_n)
+        )
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert not out.isnan().any() and rel_err(out, ref) < 2e-3, i
+
+
 @pytest.mark.parametrize("kv", [torch.float16, torch.float8_e4m3fn])
 def test_value_cache_of_its_own_width_and_strides(kv: torch.dtype) -> None:
     """V 24 wide in a 40-wide allocation: its strides differ from K's (no shared offsets), its columns

@@ -153,6 +153,23 @@ def test_every_tile_entry_drops_a_tampered_nan_page(name: str, D: int) -> None:
     assert not out.isnan().any() and rel_err(out, ref) < 2e-3
 
 
+@pytest.mark.parametrize(("S", "splits"), [(4, 2), (5, 3)])
+def test_second_launch_covers_every_page_the_first_read(S: int, splits: int) -> None:
+    """The invariant the prefill check rests on (issue 27): the first launch reads pages before any tag is
+    checked and writes its part of the output, so the second must rewrite exactly the part of every slice
+    holding a bad page. The output buffer starts as NaN and a NaN page sits at every position of a
+    45-token sequence (a 20-query chunk over 25 cached tokens, 2-query tiles, split-K): no NaN is left,
+    the output is the reference's, and only that sequence is flagged."""
+    batch, paged = make_batch([45, 9], [20, 9], 4, 2, 16, S, torch.float16, torch.float16, seed=27)
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = bad["v_cache"][page] = float("nan")
+        out, ref, flags, ref_flags = run_both(bad, tiles=GQATiles(block_m=16, block_n=16), num_splits=splits)
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert not out.isnan().any() and rel_err(out, ref) < 2e-3, i
+
+
 def test_all_pages_mismatched_gives_zeros_and_check_can_be_disabled() -> None:
     batch, _ = make_batch([12, 30], [3, 30], 4, 1, 16, 4, torch.float32, torch.float32, seed=6)
     checked_ref = paged_attention_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
