@@ -315,3 +315,26 @@ def test_gpu_glm5_indexer(key_dtype: torch.dtype) -> None:
             tol = 1e-2 * float(s[torch.isfinite(s)].abs().max())
             gs, ws = s[got].sort(descending=True).values, s[want].sort(descending=True).values
             assert torch.allclose(gs, ws, atol=tol, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dtype", [torch.bfloat16, FP8])
+def test_gpu_decode_nan_page_at_every_position_scores_minus_inf(key_dtype: torch.dtype) -> None:
+    """Issue 27 on the compiled decode kernel (default tiles; the interpreter's e4m3 loses NaN): GLM-5's 32
+    indexer heads, a reallocated page with NaN keys at every position of a 3000-token decode row, in a
+    NaN-filled score buffer: that page's tokens score -inf, every other score is bit for bit the clean
+    run's (the rewrite touched nothing else), and only that sequence is flagged."""
+    batch, _, paged = make_batch(
+        [3000, 700], [1, 1], 32, 128, 16, key_dtype, torch.bfloat16, seed=27, topk=2048
+    )
+    clean, flags = run_scores(batch)
+    assert flags.tolist() == [False, False] and not clean.isnan().any()
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = torch.tensor(float("nan")).to(key_dtype)
+        got, flags = run_scores(bad)
+        assert flags.tolist() == [True, False], i
+        on_page = torch.zeros_like(got, dtype=torch.bool)
+        on_page[0, i * 16 : (i + 1) * 16] = True
+        assert torch.isneginf(got[on_page]).all() and torch.equal(got[~on_page], clean[~on_page]), i

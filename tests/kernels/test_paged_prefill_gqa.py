@@ -226,3 +226,23 @@ def test_gpu_glm_air_chunk_over_cached_prefix(cache_dtype: torch.dtype) -> None:
     assert flags.tolist() == [False, True, False, False, False] == ref_flags.tolist()
     assert out.isfinite().all()
     assert rel_err(out.float(), ref.float()) < (1e-2 if cache_dtype == torch.bfloat16 else 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_nan_page_at_every_position_is_dropped(cache_dtype: torch.dtype, splits: int) -> None:
+    """Issue 27 on the compiled kernels (default tiles, inline PTX, FP8 V as byte pairs; the interpreter's
+    e4m3 loses NaN): GLM-4.5-Air's heads, a 256-token chunk after 768 cached tokens and a decode row; a
+    reallocated page with NaN bytes at every position of the chunk's sequence leaves no NaN (the second
+    launch rewrote every part the first wrote from it) and the reference's output (run on the GPU)."""
+    batch, paged = make_batch([1024, 700], [256, 1], 96, 8, 128, 16, cache_dtype, torch.bfloat16, seed=27)
+    batch = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = bad["v_cache"][page] = torch.tensor(float("nan")).to(cache_dtype)
+        out, ref, flags, ref_flags = run_both(bad, num_splits=splits)
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert out.isfinite().all(), i
+        assert rel_err(out.float(), ref.float()) < (1e-2 if cache_dtype == torch.bfloat16 else 3e-2), i
