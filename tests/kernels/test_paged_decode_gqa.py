@@ -313,3 +313,35 @@ def test_gpu_nan_page_at_every_position_is_dropped(kv_dtype: torch.dtype) -> Non
         out, ref, flags, ref_flags = run_both(tamper(batch, int(batch["page_table"][0, i])))
         assert flags.tolist() == [True, False] == ref_flags.tolist(), i
         assert not out.isnan().any() and rel_err(out, ref) < 1e-2, i
+
+
+@pytest.mark.gpu
+def test_gpu_tampered_page_is_caught_in_a_cuda_graph_replay() -> None:
+    """The decode graphs' path (`backend/engine/decode_graphs.py`) for GQA: the launch captured once, then
+    replayed on new queries copied into the same buffers; a page reallocated (tag bumped, FP8 NaN bytes)
+    between replays is flagged inside the replay and dropped, as the eager call and the reference do."""
+    gen = torch.Generator().manual_seed(27)
+    batch = to(make_batch([2049, 300, 17], 32, 8, 128, 16, torch.float8_e4m3fn, torch.bfloat16, gen), "cuda")
+
+    def step() -> torch.Tensor:
+        return paged_decode_gqa(**batch)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    bad = int(batch["page_table"][0, 70])
+    for trial in range(2):
+        batch["q"].copy_(torch.randn_like(batch["q"]))
+        if trial == 1:  # sequence 0's page reallocated between steps
+            batch["page_tags"][bad] += 1
+            batch["k_cache"][bad] = batch["v_cache"][bad] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+        batch["tag_mismatch"].zero_()
+        graph.replay()
+        flags = batch["tag_mismatch"].clone()
+        ref_in = {**batch, "tag_mismatch": torch.zeros_like(flags)}
+        ref = paged_decode_gqa_ref(**ref_in)
+        assert flags.tolist() == [trial == 1, False, False] == ref_in["tag_mismatch"].tolist()
+        assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+        batch["tag_mismatch"].zero_()
+        assert torch.equal(step(), out)  # the replay computes what an eager call does
