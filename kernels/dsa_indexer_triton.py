@@ -30,8 +30,9 @@ beside its first keys (from L2: back before the keys), and carries one scalar, i
 through the loop; the token loop is the unchecked kernel's. Only a program with a bad page (its
 sequence is about to be aborted) flags the sequence (a plain store, no atomic) and, after a barrier,
 re-walks its tiles to put -inf over the bad page's tokens whatever the loop wrote (another tenant's
-NaN included), so they are never chosen. (Before, each token's tag and expected tag were loaded a tile
-ahead in the loop, 2 x 64 int64 a tile and two registers' worth of pipeline: +8.3% at decode 128k on
+NaN included), so they are never chosen; that rewrite must cover every token of its range the loop
+scored (issue 27: `test_decode_rewrite_covers_every_score_the_token_loop_wrote` pins it).
+(Before, each token's tag and expected tag were loaded a tile ahead in the loop, 2 x 64 int64 a tile and two registers' worth of pipeline: +8.3% at decode 128k on
 the H200, 2026-12-02; the kernel before masked every key load with its token's tag, and the next one
 compared and stored per tile, +6% to +32%.) Prefill keeps the per-token check in the loop (each token's
 tag and expected tag a tile ahead, the flag stored once after the loop): per page, ptxas's hot loop grew
