@@ -30,8 +30,9 @@ beside its first keys (from L2: back before the keys), and carries one scalar, i
 through the loop; the token loop is the unchecked kernel's. Only a program with a bad page (its
 sequence is about to be aborted) flags the sequence (a plain store, no atomic) and, after a barrier,
 re-walks its tiles to put -inf over the bad page's tokens whatever the loop wrote (another tenant's
-NaN included), so they are never chosen. (Before, each token's tag and expected tag were loaded a tile
-ahead in the loop, 2 x 64 int64 a tile and two registers' worth of pipeline: +8.3% at decode 128k on
+NaN included), so they are never chosen; that rewrite must cover every token of its range the loop
+scored (issue 27: `test_decode_rewrite_covers_every_score_the_token_loop_wrote` pins it).
+(Before, each token's tag and expected tag were loaded a tile ahead in the loop, 2 x 64 int64 a tile and two registers' worth of pipeline: +8.3% at decode 128k on
 the H200, 2026-12-02; the kernel before masked every key load with its token's tag, and the next one
 compared and stored per tile, +6% to +32%.) Prefill keeps the per-token check in the loop (each token's
 tag and expected tag a tile ahead, the flag stored once after the loop): per page, ptxas's hot loop grew
@@ -55,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_gather import check_tag_inputs
 from kernels.selection import top_positions
 from kernels.split_k_merge import TL_DTYPES
 from kernels.triton_lib import QueryTiles, query_tile, query_tiles
@@ -339,7 +341,9 @@ def dsa_indexer_scores(
     T, Hi, Di = q.shape
     B = seq_lens.shape[0]
     W = page_table.shape[1] * k_cache.shape[1]
-    check_indexer_inputs(q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, tag_mismatch)
+    check_indexer_inputs(
+        q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, page_tags, tag_mismatch
+    )
     tiles = tiles or indexer_tiles(query_start, T, B, Hi)
     block_q = tiles.block_q
     cfg = config if isinstance(config, IndexerTiles) else indexer_config(config, k_cache.dtype, block_q > 1)
@@ -425,7 +429,9 @@ def dsa_indexer_triton(
     32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
     T, Hi, _ = q.shape
     W = page_table.shape[1] * k_cache.shape[1]
-    check_indexer_inputs(q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, tag_mismatch)
+    check_indexer_inputs(
+        q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, page_tags, tag_mismatch
+    )
     out = torch.full((T + 1, topk), -1, dtype=torch.int64, device=q.device)  # row T: idle score rows
     k_eff = min(topk, W)
     if T == 0 or k_eff == 0:
@@ -451,6 +457,7 @@ def check_indexer_inputs(
     seq_lens: torch.Tensor,
     page_table: torch.Tensor,
     expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
     tag_mismatch: torch.Tensor,
 ) -> None:
     """Shapes, dtypes and strides the scoring kernel needs; raises on the first misfit."""
@@ -468,13 +475,10 @@ def check_indexer_inputs(
         raise ValueError(
             f"weights must be float32 [T, Hi] = [{T}, {Hi}], got {weights.dtype} {tuple(weights.shape)}"
         )
-    if query_start.shape != (B + 1,) or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
+    check_tag_inputs(page_table, expected_tags, page_tags)
+    if query_start.shape != (B + 1,) or page_table.shape[0] != B:
         raise ValueError("query_start [B+1], seq_lens [B], page_table and expected_tags [B, Mp] must agree")
-    if page_table.dtype != torch.int32 or expected_tags.dtype != torch.int64:
-        raise TypeError("page_table must be int32, expected_tags int64")
     if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
         raise ValueError("tag_mismatch must be bool [B]")
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or weights.stride(1) != 1:
         raise ValueError("the last dimension of q, weights and k_cache must be contiguous")
-    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
-        raise ValueError("page_table and expected_tags rows must be contiguous")

@@ -10,8 +10,11 @@ pass (`count_bad_pages`, BLOCK_P independent loads at a time; the page table is 
 a slice that holds a bad page — its sequence is about to be aborted — sets `tag_mismatch[b]` and is
 walked again with per-token checks: a token of a bad page gets a -inf score and its K/V rows are
 never read (the load masks drop them: the bytes may be another tenant's NaN); the first walk's
-result is discarded. (The 2026-11-29 kernels this replaced checked first, with a run-time branch in
-the loop: +6-7% on the H200.)
+result is discarded. The re-walk must start from a fresh state and cover exactly the slice's
+tokens (issue 27: the first walk read a bad page before its check); the tests
+`test_rewalk_covers_every_page_the_hot_walk_read` (decode) and
+`test_second_launch_covers_every_page_the_first_read` (prefill) pin that. (The 2026-11-29 kernels
+this replaced checked first, with a run-time branch in the loop: +6-7% on the H200.)
 
 What the sm90 SASS showed, per tile (`python -m tests.kernels.sm90_compile_gqa --all --sass`):
 - offsets: a page's 64-bit base once per token, the in-page part in 32 bits, shared by K and V when

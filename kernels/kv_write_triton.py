@@ -117,8 +117,8 @@ def kv_write_triton(
     ):
         if x.shape != (T,) or x.dtype != torch.int64:
             raise ValueError(f"{name} must be int64 [T], got {x.dtype} {tuple(x.shape)}")
-    if page_tags.shape != (P,) or page_tags.dtype != torch.int64:
-        raise ValueError("page_tags must be int64 [P]")
+    if page_tags.shape != (P,) or page_tags.dtype != torch.int64 or page_tags.stride(0) != 1:
+        raise ValueError("page_tags must be a contiguous int64 [P]")
     if tag_mismatch.dim() != 1 or tag_mismatch.dtype != torch.bool:
         raise ValueError("tag_mismatch must be bool [B]")
     W = math.prod(cache.shape[2:])

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from kernels.mla_tiles import MlaTiles, pick_mla_splits, resolve_tiles
+from kernels.paged_gather import check_tag_inputs
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 from kernels.triton_lib import QueryTiles, query_tile
 
@@ -344,20 +345,13 @@ def check_mla_inputs(
         raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     if latent_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise TypeError(f"latent cache must be {q.dtype} or float8_e4m3fn, got {latent_cache.dtype}")
-    if seq_lens.shape != (B,) or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
+    check_tag_inputs(page_table, expected_tags, page_tags)
+    if seq_lens.shape != (B,) or page_table.shape[0] != B:
         raise ValueError("seq_lens [B], page_table [B, Mp] and expected_tags [B, Mp] must agree")
-    if (
-        page_table.dtype != torch.int32
-        or expected_tags.dtype != torch.int64
-        or page_tags.dtype != torch.int64
-    ):
-        raise TypeError("page_table must be int32, expected_tags and page_tags int64")
     if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
         raise ValueError("tag_mismatch must be bool [B]")
     if q.stride(2) != 1 or latent_cache.stride(2) != 1:
         raise ValueError("the last dimension of q and latent_cache must be contiguous")
-    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
-        raise ValueError("page_table and expected_tags rows must be contiguous")
     if topk_indices is not None:
         if topk_indices.dim() != 2 or topk_indices.shape[0] != T or topk_indices.stride(1) != 1:
             raise ValueError(

@@ -4,8 +4,9 @@
 
 Each sequence's new queries (rows `query_start[b]:query_start[b+1]`) are its last tokens; they
 attend causally to all `seq_lens[b]` cached tokens (the prefix plus themselves, already written by
-`kv_write`). Every page is tag-checked first; a page that fails contributes nothing and flags
-`tag_mismatch[b]`. Computed in float32, returned in q's dtype.
+`kv_write`). The reference tag-checks every page first; a page that fails contributes nothing and
+flags `tag_mismatch[b]` (the Triton kernels check after an unchecked pass and redo what it read of a
+bad page: `kernels/gqa_slice.py`, `docs/security.md`). Computed in float32, returned in q's dtype.
 
 Shapes: T query tokens, Hq query heads, Hkv kv heads, D head dim, Dv value dim, P pages, S page size.
 """

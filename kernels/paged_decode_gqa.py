@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.gqa_slice import GQATiles, attend_slice, slice_constexprs
+from kernels.paged_gather import check_tag_inputs
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
@@ -160,6 +161,7 @@ def check_gqa_inputs(
     seq_lens: torch.Tensor,
     page_table: torch.Tensor,
     expected_tags: torch.Tensor,
+    page_tags: torch.Tensor,
     tag_mismatch: torch.Tensor,
 ) -> None:
     """Shapes, dtypes and strides both GQA launchers (decode and prefill) need; raises on the first misfit."""
@@ -172,14 +174,13 @@ def check_gqa_inputs(
         raise TypeError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise TypeError(f"KV cache must be {q.dtype} or float8_e4m3fn, got {k_cache.dtype}/{v_cache.dtype}")
-    if seq_lens.dim() != 1 or page_table.shape[0] != B or expected_tags.shape != page_table.shape:
+    check_tag_inputs(page_table, expected_tags, page_tags)
+    if seq_lens.dim() != 1 or page_table.shape[0] != B:
         raise ValueError("seq_lens [B], page_table [B, Mp] and expected_tags [B, Mp] must agree")
     if tag_mismatch.shape != (B,) or tag_mismatch.dtype != torch.bool:
         raise ValueError("tag_mismatch must be bool [B]")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("the head dimension of q, k_cache and v_cache must be contiguous")
-    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
-        raise ValueError("page_table and expected_tags rows must be contiguous")
 
 
 def paged_decode_gqa(
@@ -204,7 +205,7 @@ def paged_decode_gqa(
         raise ValueError(
             f"decode takes one query per sequence: q {tuple(q.shape)}, seq_lens {tuple(seq_lens.shape)}"
         )
-    check_gqa_inputs(q, k_cache, v_cache, seq_lens, page_table, expected_tags, tag_mismatch)
+    check_gqa_inputs(q, k_cache, v_cache, seq_lens, page_table, expected_tags, page_tags, tag_mismatch)
     _, S, Hkv, _ = k_cache.shape
     Dv = v_cache.shape[3]
     out = torch.empty((B, Hq, Dv), dtype=q.dtype, device=q.device)

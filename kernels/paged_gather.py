@@ -16,6 +16,31 @@ from dataclasses import dataclass
 import torch
 
 
+def check_tag_inputs(
+    page_table: torch.Tensor,  # [B, Mp] int32
+    expected_tags: torch.Tensor,  # [B, Mp] int64
+    page_tags: torch.Tensor,  # [P] int64
+) -> None:
+    """What every page-reading kernel's fused tag check needs of its inputs; raises on the first misfit.
+    The kernels index `page_tags` by page id with no stride and compare 64-bit tags: an int32 tag vector
+    or a strided view would compare the wrong words, so the launchers refuse them (issue 27)."""
+    if page_table.dtype != torch.int32:
+        raise TypeError(f"page_table must be int32, got {page_table.dtype}")
+    if expected_tags.dtype != torch.int64 or page_tags.dtype != torch.int64:
+        raise TypeError(
+            f"expected_tags and page_tags must be int64, got {expected_tags.dtype}/{page_tags.dtype}"
+        )
+    if page_table.dim() != 2 or expected_tags.shape != page_table.shape:
+        raise ValueError(
+            f"page_table and expected_tags must be [B, Mp] alike, got {tuple(page_table.shape)}"
+            f"/{tuple(expected_tags.shape)}"
+        )
+    if page_tags.dim() != 1 or page_tags.stride(0) != 1:
+        raise ValueError(f"page_tags must be a contiguous [P], got shape {tuple(page_tags.shape)}")
+    if page_table.stride(1) != 1 or expected_tags.stride(1) != 1:
+        raise ValueError("page_table and expected_tags rows must be contiguous")
+
+
 def check_page_tags_ref(
     page_tags: torch.Tensor,  # [P] int64 tags the pages carry now
     page_table: torch.Tensor,  # [B, Mp] int32 physical page ids

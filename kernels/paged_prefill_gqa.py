@@ -211,7 +211,7 @@ def paged_prefill_gqa(
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
     T, Hq, D = q.shape
     B = seq_lens.shape[0]
-    check_gqa_inputs(q, k_cache, v_cache, seq_lens, page_table, expected_tags, tag_mismatch)
+    check_gqa_inputs(q, k_cache, v_cache, seq_lens, page_table, expected_tags, page_tags, tag_mismatch)
     if query_start.shape != (B + 1,):
         raise ValueError(f"query_start must be [B+1] = [{B + 1}], got {tuple(query_start.shape)}")
     Hkv, Dv = k_cache.shape[2], v_cache.shape[3]

@@ -13,8 +13,10 @@ keeps tag `SCRATCH_TAG` (0, which no allocation ever gets). A padding row theref
 only the scratch page and never trips the tag check; its logits and flag are ignored.
 
 The page-table buffers are `max_pages` wide (the longest sequence the engine admits); columns past
-the step's widest sequence keep older page ids, never read (every op reads only the `ceil(seq_len /
-S)` pages a sequence uses). Kernels size their grids and split counts from that width, known on the
+the step's widest sequence hold the scratch page and `SCRATCH_TAG`, never a real (page, tag) pair of
+an earlier, wider step: every op reads only the `ceil(seq_len / S)` pages a sequence uses, but a
+kernel that read past them would then see only the scratch page (issue 27). The columns are scrubbed
+when a step is narrower than the widest written since the last scrub (two fills, not one a step). Kernels size their grids and split counts from that width, known on the
 host at capture, never from a device read. The tag-mismatch flags are zeroed inside the graph; the
 logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
 
@@ -130,6 +132,7 @@ class DecodeGraphs:
         self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
         self._replays: dict[int, Replay] = {}
         self._staged: tuple[int, int, list[int]] = (0, 0, [])  # (bucket, width, staging handles)
+        self._written_width = 0  # columns [0, this) of some row may hold a real (page, tag) pair
         try:
             for size in reversed(self.batch_sizes):  # largest first: the pool is sized by the first
                 batch = self._batch(size)
@@ -187,6 +190,10 @@ class DecodeGraphs:
         bucket, width, handles = self._staged
         vectors, pages, tags = (self.staging.view(h) for h in handles)
         self._vectors[:, :bucket].copy_(vectors)
+        if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
+            self.page_table[:, width : self._written_width].fill_(self.scratch_page)
+            self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
+        self._written_width = width
         self.page_table[:bucket, :width].copy_(pages)
         self.expected_tags[:bucket, :width].copy_(tags)
         logits = self._replays[bucket]()

@@ -78,3 +78,18 @@ def poison_allocator(nbytes: int = 1 << 30) -> None:
     """Fill free blocks of the caching allocator with NaN, so an output element the kernel never
     writes reads NaN (the launchers' `torch.empty` outputs are carved from these blocks)."""
     torch.empty(nbytes // 4, device="cuda").fill_(float("nan"))
+
+
+def tag_input_misfits(batch: dict) -> list[tuple[str, dict, type[Exception]]]:
+    """(what, the batch with it, the error a launcher must raise): the tag-check inputs a kernel would
+    misread (an int32 tag vector compared as int64 words, a strided one read without its stride), which
+    every page-reading launcher refuses before it launches (issue 27)."""
+    tags, expected, table = batch["page_tags"], batch["expected_tags"], batch["page_table"]
+    strided = torch.stack([tags, tags], dim=1)[:, 0]  # [P], stride 2
+    return [
+        ("page_tags int32", {**batch, "page_tags": tags.int()}, TypeError),
+        ("expected_tags int32", {**batch, "expected_tags": expected.int()}, TypeError),
+        ("page_table int64", {**batch, "page_table": table.long()}, TypeError),
+        ("page_tags strided", {**batch, "page_tags": strided}, ValueError),
+        ("page_tags 2-D", {**batch, "page_tags": tags[:, None]}, ValueError),
+    ]

@@ -26,7 +26,7 @@ from kernels.dsa_indexer_triton import (  # noqa: E402
     dsa_indexer_triton,
     indexer_tiles,
 )
-from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
+from tests.kernels.paged_layout import lay_out, query_starts, random_pages, tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -213,6 +213,28 @@ def test_tampered_page_across_programs_of_unaligned_pages(bad_index: int) -> Non
     assert_same_choice(idx, ref, want, atol=6e-3 * scale)
 
 
+@pytest.mark.parametrize("S", [4, 5])
+def test_decode_rewrite_covers_every_score_the_token_loop_wrote(S: int) -> None:
+    """The invariant the decode check rests on (issue 27): the token loop scores a program's tokens before
+    it acts on their pages' tags, so a program with a bad page must rewrite -inf over exactly that page's
+    tokens of its range. A NaN page at every position of a decode row (pages aligned to the 16-token tiles
+    and not, programs of two tiles, so a page may span two programs), in a NaN-filled score buffer: the
+    bad page's tokens score -inf, every other score is the brute-force one, no NaN is left, and only that
+    sequence is flagged."""
+    batch, _, paged = make_batch([45, 9], [1, 1], 4, 16, S, torch.float16, torch.float16, seed=27, topk=9)
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = float("nan")
+        want = brute_scores(bad, frozenset({page}))
+        got, flags = run_scores(bad, config=IndexerTiles(block_n=16, steps=2))
+        assert flags.tolist() == [True, False], i
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want)) and not got.isnan().any(), i
+        finite = torch.isfinite(want)
+        scale = float(want[finite].abs().max())
+        assert torch.allclose(got[finite], want[finite], rtol=3e-3, atol=3e-3 * scale), i
+
+
 def test_equal_scores_go_to_the_earlier_token_as_in_the_reference() -> None:
     """Two heads with negative weights: no score is above 0, and a key both ReLUs zero scores exactly
     0 (or -0.0), so most top-k slots are ties. The choice equals the reference's index for index,
@@ -240,6 +262,14 @@ def test_check_can_be_disabled_and_bad_inputs_rejected() -> None:
         dsa_indexer_triton(**{**batch, "query_start": torch.tensor([0, 12], dtype=torch.int32)})
     with pytest.raises(TypeError):
         dsa_indexer_triton(**{**batch, "k_cache": batch["k_cache"].half()})
+
+
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    batch, _, _ = make_batch([20, 9], [3, 9], 4, 16, 4, torch.float32, torch.float32, seed=6, topk=5)
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            dsa_indexer_triton(**bad)
+            pytest.fail(what)
 
 
 @pytest.mark.gpu
@@ -285,3 +315,26 @@ def test_gpu_glm5_indexer(key_dtype: torch.dtype) -> None:
             tol = 1e-2 * float(s[torch.isfinite(s)].abs().max())
             gs, ws = s[got].sort(descending=True).values, s[want].sort(descending=True).values
             assert torch.allclose(gs, ws, atol=tol, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dtype", [torch.bfloat16, FP8])
+def test_gpu_decode_nan_page_at_every_position_scores_minus_inf(key_dtype: torch.dtype) -> None:
+    """Issue 27 on the compiled decode kernel (default tiles; the interpreter's e4m3 loses NaN): GLM-5's 32
+    indexer heads, a reallocated page with NaN keys at every position of a 3000-token decode row, in a
+    NaN-filled score buffer: that page's tokens score -inf, every other score is bit for bit the clean
+    run's (the rewrite touched nothing else), and only that sequence is flagged."""
+    batch, _, paged = make_batch(
+        [3000, 700], [1, 1], 32, 128, 16, key_dtype, torch.bfloat16, seed=27, topk=2048
+    )
+    clean, flags = run_scores(batch)
+    assert flags.tolist() == [False, False] and not clean.isnan().any()
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = torch.tensor(float("nan")).to(key_dtype)
+        got, flags = run_scores(bad)
+        assert flags.tolist() == [True, False], i
+        on_page = torch.zeros_like(got, dtype=torch.bool)
+        on_page[0, i * 16 : (i + 1) * 16] = True
+        assert torch.isneginf(got[on_page]).all() and torch.equal(got[~on_page], clean[~on_page]), i

@@ -194,6 +194,11 @@ def test_launcher_rejects_bad_inputs() -> None:
         kv_write_triton(**{**step, "cache": torch.zeros(4, 8, 4).transpose(1, 2)})  # per-token dim strided
     with pytest.raises(TypeError):
         kv_write_triton(**{**step, "values": step["values"].to(torch.int32)})
+    tags = step["page_tags"]
+    with pytest.raises(ValueError):  # a strided tag vector: the kernel indexes it by page id, no stride
+        kv_write_triton(**{**step, "page_tags": torch.stack([tags, tags], dim=1)[:, 0]})
+    with pytest.raises(ValueError):
+        kv_write_triton(**{**step, "page_tags": tags.int()})
 
 
 @pytest.mark.gpu

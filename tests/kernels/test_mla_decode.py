@@ -25,7 +25,7 @@ from kernels.mla_attention import mla_decode_ref  # noqa: E402
 from kernels.mla_decode import mla_decode  # noqa: E402
 from kernels.mla_tiles import VARIANTS, pick_mla_splits  # noqa: E402
 from kernels.split_k_merge import pick_num_splits  # noqa: E402
-from tests.kernels.paged_layout import lay_out, poison_allocator  # noqa: E402
+from tests.kernels.paged_layout import lay_out, poison_allocator, tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -224,6 +224,17 @@ def test_launcher_rejects_bad_inputs() -> None:
         mla_decode(**{**batch, "tag_mismatch": torch.zeros(2, dtype=torch.bool)})
     with pytest.raises(TypeError):
         mla_decode(**{**batch, "page_table": batch["page_table"].long()})
+
+
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    """Decode and prefill share the launcher's checks (`check_mla_inputs`)."""
+    batch, _ = make_batch(
+        [5], H=4, R=16, Dr=16, S=4, cache_dtype=torch.float32, q_dtype=torch.float32, seed=1
+    )
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            mla_decode(**bad)
+            pytest.fail(what)
 
 
 def test_kernels_compile_for_sm90() -> None:

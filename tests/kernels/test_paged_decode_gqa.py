@@ -28,6 +28,7 @@ from kernels.paged_decode_gqa import (  # noqa: E402
     paged_decode_gqa,
     pick_num_splits,
 )
+from tests.kernels.paged_layout import tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # triton 3.6's interpreter turns 1-element arrays into loop bounds with int(); numpy < 2.4 only warns
@@ -177,6 +178,32 @@ def test_every_tile_entry_drops_a_tampered_nan_page(name: str) -> None:
     assert not out.isnan().any() and rel_err(out, ref) < 2e-3
 
 
+def tamper(batch: dict, page: int) -> dict:
+    """The batch with `page` reallocated: its tag bumped, its K/V bytes NaN (another tenant's)."""
+    batch = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    batch["page_tags"][page] += 1
+    kv = batch["k_cache"].dtype
+    batch["k_cache"][page] = batch["v_cache"][page] = torch.tensor(float("nan")).to(kv)
+    return batch
+
+
+@pytest.mark.parametrize(("S", "block_n"), [(4, 16), (5, 16)])
+def test_rewalk_covers_every_page_the_hot_walk_read(S: int, block_n: int) -> None:
+    """The invariant the decode check rests on (issue 27, `kernels/gqa_slice.py`): the hot walk reads a
+    slice's pages before their tags are checked, so a slice holding a bad page must be walked again from
+    a fresh state over exactly its tokens. A NaN page at every position of a 3-slice sequence (slice
+    edges, the partial last page; tiles aligned to pages and not) leaves no NaN and the reference's
+    output, and flags that sequence only."""
+    gen = torch.Generator().manual_seed(27)
+    batch = make_batch([45, 7], 4, 2, 16, S, torch.float16, torch.float16, gen)
+    for i in range(math.ceil(45 / S)):
+        out, ref, flags, ref_flags = run_both(
+            tamper(batch, int(batch["page_table"][0, i])), num_splits=3, tiles=GQATiles(block_n=block_n)
+        )
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert not out.isnan().any() and rel_err(out, ref) < 2e-3, i
+
+
 @pytest.mark.parametrize("kv", [torch.float16, torch.float8_e4m3fn])
 def test_value_cache_of_its_own_width_and_strides(kv: torch.dtype) -> None:
     """V 24 wide in a 40-wide allocation: its strides differ from K's (no shared offsets), its columns
@@ -235,6 +262,15 @@ def test_shape_errors() -> None:
         paged_decode_gqa(**{**batch, "tag_mismatch": torch.zeros(1, dtype=torch.int32)})
 
 
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    gen = torch.Generator().manual_seed(9)
+    batch = make_batch([5], 4, 2, 16, 4, torch.float32, torch.float32, gen)
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            paged_decode_gqa(**bad)
+            pytest.fail(what)
+
+
 def test_kernels_compile_for_sm90() -> None:
     """The GQA decode and prefill kernels (prefill's two launches) and the DSA scoring, at their default
     tiles, compile for the H200 (Triton + ptxas, no GPU; a process without TRITON_INTERPRET, whose inline
@@ -263,3 +299,49 @@ def test_bf16_on_gpu(seq_lens: list[int], Hq: int, Hkv: int, kv_dtype: torch.dty
     assert not out.isnan().any()
     assert torch.equal(flags, ref_flags) and flags[-1]
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_gpu_nan_page_at_every_position_is_dropped(kv_dtype: torch.dtype) -> None:
+    """Issue 27 on the compiled kernel (default tiles and splits, inline PTX, FP8 V as byte pairs; the
+    interpreter's e4m3 loses NaN): a reallocated page with NaN bytes at every position of a 2049-token
+    sequence leaves no NaN and the reference's output, and flags that sequence only."""
+    gen = torch.Generator().manual_seed(27)
+    batch = make_batch([2049, 300], 32, 8, 128, 16, kv_dtype, torch.bfloat16, gen)
+    for i in range(math.ceil(2049 / 16)):
+        out, ref, flags, ref_flags = run_both(tamper(batch, int(batch["page_table"][0, i])))
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert not out.isnan().any() and rel_err(out, ref) < 1e-2, i
+
+
+@pytest.mark.gpu
+def test_gpu_tampered_page_is_caught_in_a_cuda_graph_replay() -> None:
+    """The decode graphs' path (`backend/engine/decode_graphs.py`) for GQA: the launch captured once, then
+    replayed on new queries copied into the same buffers; a page reallocated (tag bumped, FP8 NaN bytes)
+    between replays is flagged inside the replay and dropped, as the eager call and the reference do."""
+    gen = torch.Generator().manual_seed(27)
+    batch = to(make_batch([2049, 300, 17], 32, 8, 128, 16, torch.float8_e4m3fn, torch.bfloat16, gen), "cuda")
+
+    def step() -> torch.Tensor:
+        return paged_decode_gqa(**batch)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    bad = int(batch["page_table"][0, 70])
+    for trial in range(2):
+        batch["q"].copy_(torch.randn_like(batch["q"]))
+        if trial == 1:  # sequence 0's page reallocated between steps
+            batch["page_tags"][bad] += 1
+            batch["k_cache"][bad] = batch["v_cache"][bad] = torch.tensor(float("nan")).to(torch.float8_e4m3fn)
+        batch["tag_mismatch"].zero_()
+        graph.replay()
+        flags = batch["tag_mismatch"].clone()
+        ref_in = {**batch, "tag_mismatch": torch.zeros_like(flags)}
+        ref = paged_decode_gqa_ref(**ref_in)
+        assert flags.tolist() == [trial == 1, False, False] == ref_in["tag_mismatch"].tolist()
+        assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+        batch["tag_mismatch"].zero_()
+        assert torch.equal(step(), out)  # the replay computes what an eager call does

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from kernels.gqa_slice import GQATiles, slice_constexprs  # noqa: E402
 from kernels.paged_attention import paged_attention_ref  # noqa: E402
 from kernels.paged_prefill_gqa import PREFILL_TILES, paged_prefill_gqa  # noqa: E402
-from tests.kernels.paged_layout import lay_out, query_starts, random_pages  # noqa: E402
+from tests.kernels.paged_layout import lay_out, query_starts, random_pages, tag_input_misfits  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -153,6 +153,23 @@ def test_every_tile_entry_drops_a_tampered_nan_page(name: str, D: int) -> None:
     assert not out.isnan().any() and rel_err(out, ref) < 2e-3
 
 
+@pytest.mark.parametrize(("S", "splits"), [(4, 2), (5, 3)])
+def test_second_launch_covers_every_page_the_first_read(S: int, splits: int) -> None:
+    """The invariant the prefill check rests on (issue 27): the first launch reads pages before any tag is
+    checked and writes its part of the output, so the second must rewrite exactly the part of every slice
+    holding a bad page. The output buffer starts as NaN and a NaN page sits at every position of a
+    45-token sequence (a 20-query chunk over 25 cached tokens, 2-query tiles, split-K): no NaN is left,
+    the output is the reference's, and only that sequence is flagged."""
+    batch, paged = make_batch([45, 9], [20, 9], 4, 2, 16, S, torch.float16, torch.float16, seed=27)
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = bad["v_cache"][page] = float("nan")
+        out, ref, flags, ref_flags = run_both(bad, tiles=GQATiles(block_m=16, block_n=16), num_splits=splits)
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert not out.isnan().any() and rel_err(out, ref) < 2e-3, i
+
+
 def test_all_pages_mismatched_gives_zeros_and_check_can_be_disabled() -> None:
     batch, _ = make_batch([12, 30], [3, 30], 4, 1, 16, 4, torch.float32, torch.float32, seed=6)
     checked_ref = paged_attention_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
@@ -174,6 +191,14 @@ def test_launcher_rejects_bad_inputs() -> None:
         paged_prefill_gqa(**{**batch, "k_cache": batch["k_cache"].half(), "v_cache": batch["v_cache"].half()})
     with pytest.raises(ValueError):
         paged_prefill_gqa(**batch, out=torch.empty(2, 4, 8))
+
+
+def test_tag_inputs_of_the_wrong_dtype_or_stride_are_refused() -> None:
+    batch, _ = make_batch([5], [2], 4, 2, 16, 4, torch.float32, torch.float32, seed=1)
+    for what, bad, error in tag_input_misfits(batch):
+        with pytest.raises(error):
+            paged_prefill_gqa(**bad)
+            pytest.fail(what)
 
 
 @pytest.mark.gpu
@@ -201,3 +226,23 @@ def test_gpu_glm_air_chunk_over_cached_prefix(cache_dtype: torch.dtype) -> None:
     assert flags.tolist() == [False, True, False, False, False] == ref_flags.tolist()
     assert out.isfinite().all()
     assert rel_err(out.float(), ref.float()) < (1e-2 if cache_dtype == torch.bfloat16 else 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_nan_page_at_every_position_is_dropped(cache_dtype: torch.dtype, splits: int) -> None:
+    """Issue 27 on the compiled kernels (default tiles, inline PTX, FP8 V as byte pairs; the interpreter's
+    e4m3 loses NaN): GLM-4.5-Air's heads, a 256-token chunk after 768 cached tokens and a decode row; a
+    reallocated page with NaN bytes at every position of the chunk's sequence leaves no NaN (the second
+    launch rewrote every part the first wrote from it) and the reference's output (run on the GPU)."""
+    batch, paged = make_batch([1024, 700], [256, 1], 96, 8, 128, 16, cache_dtype, torch.bfloat16, seed=27)
+    batch = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    for i, page in enumerate(paged.pages[0]):
+        bad = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        bad["page_tags"][page] += 1
+        bad["k_cache"][page] = bad["v_cache"][page] = torch.tensor(float("nan")).to(cache_dtype)
+        out, ref, flags, ref_flags = run_both(bad, num_splits=splits)
+        assert flags.tolist() == [True, False] == ref_flags.tolist(), i
+        assert out.isfinite().all(), i
+        assert rel_err(out.float(), ref.float()) < (1e-2 if cache_dtype == torch.bfloat16 else 3e-2), i

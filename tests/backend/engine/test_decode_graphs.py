@@ -204,6 +204,42 @@ def test_padding_rows_point_at_the_scratch_page_only() -> None:
     assert graphs.run(many) is None
 
 
+def test_columns_past_a_narrower_step_hold_the_scratch_page() -> None:
+    """A wide step, then narrower ones in a smaller and a larger bucket: every column past a step's
+    width holds the scratch page and SCRATCH_TAG, never the wide step's real (page, tag) pairs (issue 27:
+    a kernel reading past a row's pages must find nothing of another sequence's)."""
+    rec = Recorder()
+    graphs = graphs_over(rec)
+    scratch = NUM_PAGES
+    wide = host_batch(
+        input_ids=[1, 2],
+        positions=[19, 3],
+        slots=[9 * 4 + 3, 2 * 4 + 3],
+        seq_lens=[20, 4],
+        page_ids=[[3, 4, 5, 6, 9], [2]],
+        expected_tags=[[4, 5, 6, 7, 10], [3]],
+    )
+    one = host_batch(
+        input_ids=[3], positions=[4], slots=[7 * 4], seq_lens=[5], page_ids=[[1, 7]], expected_tags=[[2, 8]]
+    )
+    three = host_batch(
+        input_ids=[4, 5, 6],
+        positions=[0, 1, 2],
+        slots=[8 * 4, 8 * 4 + 1, 8 * 4 + 2],
+        seq_lens=[1, 2, 3],
+        page_ids=[[8], [8], [8]],
+        expected_tags=[[9], [9], [9]],
+    )
+    for host in (wide, one, three):
+        assert graphs.run(host) is not None
+    s_wide, s_one, s_three = rec.seen
+    assert s_wide["page_table"][0, :5].tolist() == [3, 4, 5, 6, 9]  # the wide step did write its pairs
+    assert s_one["page_table"].tolist() == [[1, 7] + [scratch] * 4]
+    assert s_one["expected_tags"].tolist() == [[2, 8] + [SCRATCH_TAG] * 4]
+    assert s_three["page_table"].tolist() == [[8] + [scratch] * 5] * 3 + [[scratch] * 6]
+    assert s_three["expected_tags"].tolist() == [[9] + [SCRATCH_TAG] * 5] * 3 + [[SCRATCH_TAG] * 6]
+
+
 def refuse(step: Callable[[], torch.Tensor]) -> Replay:
     raise RuntimeError("a host sync while capturing")
 
