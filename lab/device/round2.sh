@@ -6,7 +6,7 @@
 #   run(command="bash lab/device/round2.sh decode", carry=[".whl"])   # ~8 min: the c=1 decode-step record
 # Logs land in $OUT (8 files come back at most); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?checks|decode|scenario}
+stage=${1:?checks|decode|scenario|audit}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -39,6 +39,15 @@ case $stage in
     timeout $(( ${BUDGET:-400} + 120 )) python3 -m benchmarks.cli engine decode-c1 --formats "${FORMATS:-int4,int4-all}" \
       --budget-s "${BUDGET:-400}" --out "$OUT/decode-c1-$tag.json" > "$OUT/decode-c1-$tag.log" 2>&1
     grep -v Warning "$OUT/decode-c1-$tag.log" | tail -30
+    ;;
+  audit)  # the GPU tag-check audit's tests and the gpu tests that failed before their fixes
+    timeout 400 python3 -m pytest -m gpu -n 6 -p no:cacheprovider -p no:benchmark --tb=short --timeout 300 -rfE \
+      tests/kernels/test_paged_decode_gqa.py tests/kernels/test_paged_prefill_gqa.py \
+      tests/kernels/test_dsa_indexer_triton.py tests/kernels/test_mla_decode.py tests/kernels/test_mla_prefill.py \
+      tests/kernels/test_kv_write_triton.py tests/backend/engine/test_decode_graphs_cuda.py \
+      tests/backend/engine/test_speculative_cuda.py tests/benchmarks/test_rank_of.py \
+      tests/backend/server/test_warmup.py > "$OUT/pytest_gpu_audit.log" 2>&1
+    summary pytest_gpu_audit.log
     ;;
   scenario)  # SCENARIO, SARGS (its options), STIME (s, default 400); GPU_TESTS=1: the merged features'
     # gpu tests first (speculative decoding, --rank-of, warm-up, decode steps, quantized decode)
