@@ -40,9 +40,7 @@ if [ "$stage" = rehearse ]; then  # the CPU rehearsal: every part at the tiny ge
 else
   BUDGET=${BUDGET:-420}
 fi
-if [ "$stage" = rehearse ] || [ "$stage" = report ]; then
-  :
-elif [ "$stage" != report ]; then
+if [ "$stage" != rehearse ] && [ "$stage" != report ]; then  # the GPUs, then the machine's state
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || gpus=0
   if [ -n "$RANK_OF" ]; then  # one GPU stands in for rank 0 of RANK_OF
     [ "$gpus" -ge 1 ] || { echo "x8.sh: RANK_OF=$RANK_OF needs one GPU; nvidia-smi -L lists none" >&2; exit 2; }
