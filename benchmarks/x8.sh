@@ -88,8 +88,9 @@ run_part() {
       ${FP8_METHOD:+--fp8-method $FP8_METHOD} ;;
     glm-prefill) side; scenario "glm-prefill-$part" int4_vs_fp8_prefill --side "$part" $(rounds) \
       ${FP8_METHOD:+--fp8-method $FP8_METHOD} ;;
+    # one timed run a call; warmed on 64 × 2,048 / 128 (the same chunk and decode widths, in seconds)
     kv-long) side; scenario "kv-long-$part" fp8kv_vs_bf16kv_long_c64 --side "$part" --rounds "${ROUNDS:-1}" \
-      ${POOL:+--pool-scale $POOL} ;;
+      --warm-up-lengths ${WARM_LENGTHS:-2048 128} ${POOL:+--pool-scale $POOL} ;;
     # a count, not a timing: no warm-up; enough sequences at once that the prompts fill the pool
     kv-capacity) side; scenario "kv-capacity-$part" capacity_fp8_over_bf16 --side "$part" --no-warm-up \
       --concurrency "${SEQS:-256}" --chunk 8192 ${POOL:+--pool-scale $POOL} ;;
@@ -109,7 +110,7 @@ run_part() {
 status=0
 if [ "$stage" = rehearse ]; then
   # fp8-channel: the tiny GLM's 128 × 128 FP8 blocks do not align with rank 1's slice (the real one's do)
-  export POOL=0.002 SEQS=64 INPUT_LEN=24 OUTPUT_LEN=6 DCP=2 FP8_METHOD=fp8-channel
+  export POOL=0.002 SEQS=64 INPUT_LEN=24 OUTPUT_LEN=6 DCP=2 FP8_METHOD=fp8-channel WARM_LENGTHS="16 4"
   for p in "glm-decode A" "glm-decode B" "glm-prefill A" "glm-prefill B" "kv-long A" "kv-long B" \
            "kv-capacity A" "kv-capacity B" "kv-capacity-dcp8 A" "kv-capacity-dcp8 B" "load 1" "load 4" \
            "tags" "comms 4"; do

@@ -75,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
         "--profile", action="store_true",
         help="with --side: one more run, untimed, its prefill / mixed / decode steps profiled (rank 0)",
     )  # fmt: skip
+    ap.add_argument(
+        "--warm-up-lengths", type=int, nargs=2, metavar=("INPUT", "OUTPUT"), default=None,
+        help="with --side: warm up on these lengths (a long workload's warm-up inside 10 minutes); "
+        "the record lists the timed step shapes it missed",
+    )  # fmt: skip
     ap.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # the ranks > 0 (tp_group.py)
     ap.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
@@ -128,7 +133,9 @@ def main(argv: list[str]) -> int:
         device=device, num_rounds=a.rounds or scenario.num_rounds, chunk=32 if a.tiny and a.chunk == 2048 else a.chunk,
         page_size=a.page_size, deadline=start + a.budget_s, pool_scale=a.pool_scale, is_warm_up=a.warm_up,
         experts_only=a.experts_only, hf_mode=a.hf_mode, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs,
-        seed=a.seed, collectives=collectives, tp=a.tp, rank=a.tp_rank, ep=a.ep, only=a.side, profile=a.profile, **sizes,
+        seed=a.seed, collectives=collectives, tp=a.tp, rank=a.tp_rank, ep=a.ep, only=a.side, profile=a.profile,
+        warm_input_len=a.warm_up_lengths[0] if a.warm_up_lengths else None,
+        warm_output_len=a.warm_up_lengths[1] if a.warm_up_lengths else None, **sizes,
     )  # fmt: skip
     if a.tp_rank > 0:  # a follower: builds its slice, runs rank 0's steps, writes nothing
         measure(a.name, geometry, opts)

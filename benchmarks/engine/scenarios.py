@@ -130,6 +130,8 @@ class ScenarioOptions:
     ep: int = 0  # expert groups (0: = tp or rank_of)
     only: str | None = None  # "A" or "B": that side alone (sides that do not fit one device together)
     profile: bool = False  # with `only`: one more run, untimed, its prefill / mixed / decode steps profiled
+    warm_input_len: int | None = None  # with `only`: a shorter warm-up (None: the workload's own)
+    warm_output_len: int | None = None
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -221,9 +223,23 @@ class Bench:
             )  # fmt: skip
         return described
 
-    def run(self, key: str, *, variant: str, seed: int = 1, around_step: Any = None) -> dict[str, Any]:
-        """One run of the scenario's workload on side `key` (a fill, for the capacity scenario)."""
+    def run(
+        self,
+        key: str,
+        *,
+        variant: str,
+        seed: int = 1,
+        around_step: Any = None,
+        input_len: int | None = None,
+        output_len: int | None = None,
+    ) -> dict[str, Any]:
+        """One run of the scenario's workload on side `key` (a fill, for the capacity scenario);
+        `input_len` / `output_len`: other lengths than the workload's (a shorter warm-up)."""
         opts = self.opts
+        if input_len is not None or output_len is not None:
+            opts = dataclasses.replace(
+                opts, input_len=input_len or opts.input_len, output_len=output_len or opts.output_len
+            )
         if self.sides[key].is_transformers:
             from benchmarks.engine.hf_peer import run_mode
 
@@ -338,24 +354,30 @@ def measure_side(
     ratio). Two such entries, A and B from separate processes run A, B, B, A, give the ratio
     (`benchmarks.engine.x8.combine`): for the sides that do not fit one device together."""
     side = bench.sides[key]
-    go: Callable[[str], dict[str, Any]] = (
-        (lambda variant: bench.fill(key, variant=variant))
-        if scenario.metric == "kv_tokens_held"
-        else (lambda variant: bench.run(key, variant=variant))
+    is_fill = scenario.metric == "kv_tokens_held"
+    go: Callable[..., dict[str, Any]] = (
+        (lambda variant, **_: bench.fill(key, variant=variant))
+        if is_fill
+        else (lambda variant, **lengths: bench.run(key, variant=variant, **lengths))
     )
-    warm = None
+    warm: dict[str, Any] | None = None
+    is_short_warm_up = not is_fill and (opts.warm_input_len or opts.warm_output_len) is not None
     if opts.is_warm_up:
         start = time.perf_counter()
-        go(f"{name}/{side.label}/warm-up")
-        warm = {"s": time.perf_counter() - start}
+        r = go(f"{name}/{side.label}/warm-up", input_len=opts.warm_input_len, output_len=opts.warm_output_len)
+        warm = {"s": time.perf_counter() - start, "step_shapes": r.get("extra", {}).get("step_shapes", [])}
+        if is_short_warm_up:
+            warm["lengths"] = [opts.warm_input_len or opts.input_len, opts.warm_output_len or opts.output_len]
     runs: list[dict[str, Any]] = []
-    last_s = 2.0 * warm["s"] if warm else 0.0
+    # the first run starts if two warm-ups' time is left (a shorter warm-up: it starts; its deadline cuts it)
+    last_s = 2.0 * warm["s"] if warm and not is_short_warm_up else 0.0
     while len(runs) < opts.num_rounds and opts.time_left() > last_s:
         start = time.perf_counter()
         runs.append(dict(go(f"{name}/{side.label}/{len(runs)}"), side=key))
         last_s = time.perf_counter() - start
-    for run in runs:
-        extra = run.get("extra", {})
+    timed = [s for run in runs for s in run.get("extra", {}).get("step_shapes", [])]
+    missed = method.missing_shapes(warm["step_shapes"], timed) if warm else []
+    for extra in [run.get("extra", {}) for run in runs] + ([warm] if warm else []):
         if "step_shapes" in extra:
             extra["num_step_shapes"] = len(extra.pop("step_shapes"))
     values = [float(r[scenario.metric]) for r in runs if r["is_complete"]]
@@ -375,6 +397,7 @@ def measure_side(
                      "chunk": opts.chunk, "page_size": opts.page_size, "pool_scale": opts.pool_scale},
         "sides": {key: bench.described[key]},
         "warm_up": warm,
+        "warm_up_missed_shapes": missed,
         "runs": runs,
         "runs_incomplete": len(runs) - len(values),
         "summary": method.summary_entry(values) if values else None,

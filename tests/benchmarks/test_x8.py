@@ -60,6 +60,12 @@ def test_every_part_ran_on_two_ranks_and_the_follower_ran_every_step(rehearsal: 
         assert sent > 0 and followed == [sent], (path.name, sent, followed)
         (entry,) = record["scenarios"].values()
         assert entry["summary"] is not None, path.name
+    for p, r in records:  # the long workload warms up on shorter lengths, the shapes it missed listed
+        if x8.stage_of(p) == "kv-long":
+            (entry,) = r["scenarios"].values()
+            assert entry["warm_up"]["lengths"] == [16, 4]
+            assert isinstance(entry["warm_up_missed_shapes"], list)
+            assert entry["workload"]["input_len"] == 24 and entry["runs"][0]["output_tokens"] == 4 * 6
     dcp = [r for p, r in records if x8.stage_of(p) == "kv-capacity-dcp8"]
     assert {r["parallel"]["dcp"] for r in dcp} == {2}
     for r in dcp:  # a page holds page_size tokens on each of the 2 DCP ranks
