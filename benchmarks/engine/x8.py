@@ -114,8 +114,9 @@ def load_rows(entries: list[tuple[dict[str, Any], int]]) -> list[dict[str, Any]]
         tpot = [t for run, _ in runs for t in run["extra"].get("tpot_ms_per_request", [])]
         per_user = statistics.median(run["output_tok_s_per_user"] for run, _ in runs)
         peer = VLLM_K25_INT4_TP8.get(c)
+        w = group[0][0]["workload"]
         rows.append({
-            "concurrency": c, "runs": len(runs),
+            "concurrency": c, "runs": len(runs), "input_len": w["input_len"], "output_len": w["output_len"],
             "tok_s_per_user": per_user,
             "tok_s_per_user_samples": [run["output_tok_s_per_user"] for run, _ in runs],
             "output_tok_s_per_gpu": statistics.median(run["output_tok_s"] / tp for run, _ in runs),
@@ -217,14 +218,15 @@ def markdown(x8: dict[str, Any]) -> str:
     if x8["load"]:
         lines += [
             "",
-            "Kimi K2.6, INT4 experts + FP8 KV, 8k prompts / 1k outputs (vLLM: K2.5 INT4, TP8, H200, no spec):",
+            "Kimi K2.6, INT4 experts + FP8 KV (vLLM: K2.5 INT4, TP8, H200, no speculative decoding, 8k / 1k):",
             "",
-            "| c | runs | tok/s/user | tok/s/GPU | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | vLLM | x vLLM |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| c | prompt / output | runs | tok/s/user | tok/s/GPU | TTFT p50 ms | TTFT p99 | TPOT p50 ms | TPOT p99 "
+            "| vLLM | x vLLM |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in x8["load"]:
             lines.append(
-                f"| {r['concurrency']} | {r['runs']} | {_f(r.get('tok_s_per_user'), '{:.1f}')} "
+                f"| {r['concurrency']} | {r.get('input_len', '-')} / {r.get('output_len', '-')} | {r['runs']} | {_f(r.get('tok_s_per_user'), '{:.1f}')} "
                 f"| {_f(r.get('output_tok_s_per_gpu'), '{:.1f}')} | {_f(r.get('ttft_ms_p50'), '{:.0f}')} "
                 f"| {_f(r.get('ttft_ms_p99'), '{:.0f}')} | {_f(r.get('tpot_ms_p50'), '{:.1f}')} "
                 f"| {_f(r.get('tpot_ms_p99'), '{:.1f}')} | {_f(r.get('vllm_k25_int4_tp8_tok_s_per_user'), '{:.1f}')} "
