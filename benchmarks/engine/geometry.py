@@ -80,6 +80,7 @@ class Geometry:
     text: dict[str, Any]  # the truncated text config the model is built from
     full: dict[str, Any]  # the published config `kumo plan` is run on (tiny: the small one)
     rank_of: int = 1  # > 1: rank 0's slice of `rank_of` ranks is built (benchmarks/engine/rank_of.py)
+    dcp: int = 1  # ranks sharing one MLA latent cache by token (the pool's pages hold page_size·dcp tokens)
 
     @property
     def plan_tp(self) -> int:
@@ -110,8 +111,8 @@ class Geometry:
             raise ValueError(f"kumo plan leaves no KV pool for {self.kind} {weights} on {self.plan_tp} GPUs")
         return KvSizing(
             kv_tokens=plan.kv_tokens,
-            num_pages=plan.kv_tokens // page_size,
-            page_size=page_size,
+            num_pages=plan.kv_tokens // (page_size * self.dcp),
+            page_size=page_size * self.dcp,  # an engine page: page_size tokens on each DCP rank
             plan_weights_per_gpu=plan.weights_per_gpu,
             plan_kv_pool_bytes=plan.kv_pool_bytes,
             plan_kv_bytes_per_token=plan.kv_bytes_per_token,
@@ -123,7 +124,9 @@ class Geometry:
 
     def _plan(self, weights: str, all_linear: bool, kv_dtype: KvDtype, gpu_mem: int, page_size: int) -> Plan:
         full = json.dumps(self.full, sort_keys=True)
-        return _plan(full, self.kind, weights, all_linear, kv_dtype, gpu_mem, page_size, self.plan_tp)
+        return _plan(
+            full, self.kind, weights, all_linear, kv_dtype, gpu_mem, page_size, self.plan_tp, self.dcp
+        )
 
     def describe(self) -> dict[str, Any]:
         t = self.text
@@ -141,15 +144,18 @@ class Geometry:
             "dense_layers": int(t["first_k_dense_replace"]),
             "is_tiny": self.is_tiny,
             "rank_of": self.rank_of,
+            "dcp": self.dcp,
             "routing": "random router weights: expert choice is near uniform (no trained load imbalance)",
             **{k: t[k] for k in keys if k in t},
         }
 
 
-def make_geometry(kind: Kind, num_layers: int | None, *, tiny: bool = False, rank_of: int = 1) -> Geometry:
+def make_geometry(
+    kind: Kind, num_layers: int | None, *, tiny: bool = False, rank_of: int = 1, dcp: int = 1
+) -> Geometry:
     """The truncated geometry of `kind`: one dense layer, then `num_layers - 1` MoE layers. With
     `rank_of` N > 1: rank 0's slice of N ranks, at the full depth and its own dense layers unless
-    `num_layers` truncates it."""
+    `num_layers` truncates it; `dcp` of them sharing one MLA latent cache by token."""
     published = json.loads((PUBLISHED_CONFIGS / kind / "config.json").read_text())
     if num_layers is None:
         num_layers = int(_text(published)["num_hidden_layers"])
@@ -171,7 +177,9 @@ def make_geometry(kind: Kind, num_layers: int | None, *, tiny: bool = False, ran
     text |= {"num_hidden_layers": num_layers, "first_k_dense_replace": dense, "num_nextn_predict_layers": 0}
     if tiny:  # keep the full plan honest for the small model too: plan on its whole depth
         _text(full)["num_hidden_layers"] = max(int(_text(full)["num_hidden_layers"]), num_layers)
-    return Geometry(kind=kind, num_layers=num_layers, is_tiny=tiny, text=text, full=full, rank_of=rank_of)
+    return Geometry(
+        kind=kind, num_layers=num_layers, is_tiny=tiny, text=text, full=full, rank_of=rank_of, dcp=dcp
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,6 +192,7 @@ def _plan(
     gpu_mem: int,
     page_size: int,
     tp: int,
+    dcp: int = 1,
 ) -> Plan:
     """`make_plan` of a config (as JSON text, so it can key the cache: a plan walks every tensor)."""
     return make_plan(
@@ -195,6 +204,7 @@ def _plan(
         all_linear=all_linear,
         kv_dtype=kv_dtype,
         page_size=page_size,
+        dcp=dcp,
     )
 
 

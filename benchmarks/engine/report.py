@@ -90,7 +90,9 @@ def _kumo(record: dict[str, Any]) -> list[dict[str, Any]]:
 def summarize(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Every key of TARGETS: the summary entry of the scenario record that measured it, else None
     (a concurrency sweep — `weights`, `kv`, `variant` — measures no ratio: one sample a point)."""
-    scenarios = record.get("scenarios") or {}
+    scenarios = {  # one side alone (`--side`) measures no ratio: its two records combine (x8.py)
+        k: e for k, e in (record.get("scenarios") or {}).items() if e is not None and "side" not in e
+    }
     summary = {k: (scenarios[k]["summary"] if k in scenarios else None) for k in TARGETS}
     detail = {
         k: scenarios[k]["definition"]
@@ -298,6 +300,18 @@ def _ratio_text(key: str, x: float | None) -> str:
 def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
     """A scenario's sides, warm-up, and every run of every round in the order it ran."""
     w = e["workload"]
+    if "side" in e:  # one side alone: its runs
+        lines = ["", f"**{name}**, side {e['side']} alone ({e['sides'][e['side']]['label']}): {e['definition']}; "
+                 f"{w['concurrency']} x {w['input_len']} / {w['output_len']} tokens.", "",
+                 "| run | tok/s | tok/s/user | TTFT p50 ms | TPOT p50 ms | wall s | " + e["metric"] + " |",
+                 "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for run in e["runs"]:
+            lines.append(
+                f"| {run.get('variant', '')} | {_f(run.get('output_tok_s'))} | {_f(run.get('output_tok_s_per_user'))} "
+                f"| {_f(run.get('ttft_ms_p50'))} | {_f(run.get('tpot_ms_p50'))} | {_f(run.get('wall_s'), '{:.2f}')} "
+                f"| {_f(run.get(e['metric']))} |"
+            )
+        return lines
     a, b = e["sides"]["A"], e["sides"]["B"]
     lines = [
         "",

@@ -125,6 +125,13 @@ class ScenarioOptions:
     cuda_graphs: bool = True
     seed: int = 0
     collectives: Any = None  # `--rank-of N`: the LocalCollectives group (benchmarks/engine/rank_of.py)
+    tp: int = 1  # > 1: a real group of `tp` ranks, this process rank `rank` (benchmarks/engine/tp_group.py)
+    rank: int = 0
+    ep: int = 0  # expert groups (0: = tp or rank_of)
+    only: str | None = None  # "A" or "B": that side alone (sides that do not fit one device together)
+    profile: bool = False  # with `only`: one more run, untimed, its prefill / mixed / decode steps profiled
+    warm_input_len: int | None = None  # with `only`: a shorter warm-up (None: the workload's own)
+    warm_output_len: int | None = None
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -134,7 +141,7 @@ def sides_of(scenario: Scenario, opts: ScenarioOptions) -> dict[str, Side]:
     a, b = scenario.a, scenario.b
     if opts.experts_only and a.weights == "int4-all":
         a, b = dataclasses.replace(a, weights="int4"), dataclasses.replace(b, weights="fp8")
-    return {"A": a, "B": b}
+    return {k: side for k, side in (("A", a), ("B", b)) if opts.only in (None, k)}
 
 
 class Bench:
@@ -155,15 +162,16 @@ class Bench:
                 self.peer = build_hf_model(geometry, opts.device)
                 self.described[key] = dataclasses.asdict(side) | {"build_s": time.perf_counter() - start}
                 continue
-            self.engines[key] = self._engine(side)
+            self.engines[key] = self._engine(key, side)
             self.described[key] = self._describe(side, self.engines[key], time.perf_counter() - start)
 
-    def _engine(self, side: Side) -> Engine:
+    def _engine(self, key: str, side: Side) -> Engine:
         opts = self.opts
         if side.weights not in self.models:
             self.models[side.weights] = build_random_model(
-                self.geometry, side.weights, device=opts.device, seed=opts.seed, fp8_method=opts.fp8_method
-            )
+                self.geometry, side.weights, device=opts.device, seed=opts.seed + opts.rank,
+                fp8_method=opts.fp8_method, rank=opts.rank, ep=opts.ep,
+            )  # fmt: skip
         model = self.models[side.weights]
         scales = None
         if side.kv_dtype == "fp8":  # calibrated on seeded random ids, as a checkpoint without scales is
@@ -173,9 +181,14 @@ class Bench:
             side.weights, side.kv_dtype, page_size=opts.page_size, fp8_method=opts.fp8_method
         )
         config = engine_config(
-            max(int(sizing.num_pages * opts.pool_scale), 1), opts.page_size, side.kv_dtype, opts.concurrency,
-            opts.chunk, check_page_tags=side.check_page_tags, cuda_graphs=opts.cuda_graphs,
+            max(int(sizing.num_pages * opts.pool_scale), 1), sizing.page_size, side.kv_dtype, opts.concurrency,
+            opts.chunk, check_page_tags=side.check_page_tags, cuda_graphs=opts.cuda_graphs and opts.tp == 1,
         )  # fmt: skip
+        ranks = None
+        if opts.tp > 1:  # rank 0's steps reach the other ranks tagged with this side's key
+            from benchmarks.engine.tp_group import SideChannel
+
+            ranks = SideChannel(key, opts.rank, opts.tp, torch.device(opts.device))
         return Engine(
             model,  # type: ignore[arg-type]
             config,
@@ -184,6 +197,7 @@ class Bench:
             model_dtype=torch.bfloat16,
             device=opts.device,
             kv_scales=scales,
+            ranks=ranks,
         )
 
     def _describe(self, side: Side, engine: Engine, build_s: float) -> dict[str, Any]:
@@ -195,9 +209,9 @@ class Bench:
             "build_s": build_s,
             "weight_bytes": weight_bytes(self.models[side.weights]),
             "full_depth_weight_bytes_per_gpu": sizing.plan_weights_per_gpu,
-            "kv_capacity_tokens": num_pages * self.opts.page_size,
+            "kv_capacity_tokens": num_pages * engine.config.page_size,
             "requests_that_fit": num_pages
-            // -(-(self.opts.input_len + self.opts.output_len) // self.opts.page_size),
+            // -(-(self.opts.input_len + self.opts.output_len) // engine.config.page_size),
         }
         if self.opts.collectives is not None:  # --rank-of N: what the real collectives would move
             from benchmarks.engine.rank_of import collective_probe
@@ -209,9 +223,23 @@ class Bench:
             )  # fmt: skip
         return described
 
-    def run(self, key: str, *, variant: str, seed: int = 1) -> dict[str, Any]:
-        """One run of the scenario's workload on side `key` (a fill, for the capacity scenario)."""
+    def run(
+        self,
+        key: str,
+        *,
+        variant: str,
+        seed: int = 1,
+        around_step: Any = None,
+        input_len: int | None = None,
+        output_len: int | None = None,
+    ) -> dict[str, Any]:
+        """One run of the scenario's workload on side `key` (a fill, for the capacity scenario);
+        `input_len` / `output_len`: other lengths than the workload's (a shorter warm-up)."""
         opts = self.opts
+        if input_len is not None or output_len is not None:
+            opts = dataclasses.replace(
+                opts, input_len=input_len or opts.input_len, output_len=output_len or opts.output_len
+            )
         if self.sides[key].is_transformers:
             from benchmarks.engine.hf_peer import run_mode
 
@@ -222,6 +250,7 @@ class Bench:
         r = run_offline(
             self.engines[key], variant=variant, concurrency=opts.concurrency, input_len=opts.input_len,
             output_len=opts.output_len, vocab_size=self.vocab, seed=seed, time_limit_s=max(opts.time_left(), 1.0),
+            around_step=around_step,
         ).to_dict()  # fmt: skip
         r["is_complete"] = r["output_tokens"] == opts.concurrency * opts.output_len
         if opts.output_len == 1 and r["ttft_ms_p50"]:  # one prompt: its prefill rate
@@ -233,7 +262,7 @@ class Bench:
         output tokens as the pool could hold beside its prompt (so none finishes first), stepped until
         the scheduler first preempts: the most tokens the running requests held in the cache at once."""
         engine, opts = self.engines[key], self.opts
-        capacity = engine.config.num_pages * opts.page_size
+        capacity = engine.config.num_pages * engine.config.page_size
         num_requests = capacity // opts.input_len + 2
         window = engine.scheduler.context_window
         max_tokens = min(capacity, window) - opts.input_len
@@ -270,12 +299,26 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-def measure(name: str, geometry: Geometry, opts: ScenarioOptions) -> dict[str, Any]:
-    """The scenario's record entry: its sides, warm-up, rounds, the ratio's summary entry and what is beside."""
+def measure(name: str, geometry: Geometry, opts: ScenarioOptions) -> dict[str, Any] | None:
+    """The scenario's record entry: its sides, warm-up, rounds, the ratio's summary entry and what is
+    beside (`opts.only`: one side's runs, `measure_side`). On a rank > 0 of a group (`opts.tp`) it
+    builds the same sides, follows rank 0's steps and returns None."""
     scenario = SCENARIOS[name]
     sides = sides_of(scenario, opts)
     bench = Bench(geometry, sides, opts)
+    if opts.tp > 1:
+        from benchmarks.engine.tp_group import follow, stop_channel
+
+        channel = stop_channel(opts.rank, opts.tp, torch.device(opts.device))
+        if opts.rank > 0:
+            try:
+                follow(bench.engines, channel)
+            finally:
+                bench.close()
+            return None
     try:
+        if opts.only is not None:
+            return measure_side(name, scenario, opts, bench, opts.only)
         go: Callable[[str, str], dict[str, Any]] = (
             (lambda key, variant: bench.fill(key, variant=variant))
             if scenario.metric == "kv_tokens_held"
@@ -299,7 +342,67 @@ def measure(name: str, geometry: Geometry, opts: ScenarioOptions) -> dict[str, A
         )
         return _entry(name, scenario, opts, bench, warm, rounds)
     finally:
+        if opts.tp > 1:
+            channel.stop()
         bench.close()
+
+
+def measure_side(
+    name: str, scenario: Scenario, opts: ScenarioOptions, bench: Bench, key: str
+) -> dict[str, Any]:
+    """Side `key` alone: warmed, then `num_rounds` timed runs, the metric's summary entry (not a
+    ratio). Two such entries, A and B from separate processes run A, B, B, A, give the ratio
+    (`benchmarks.engine.x8.combine`): for the sides that do not fit one device together."""
+    side = bench.sides[key]
+    is_fill = scenario.metric == "kv_tokens_held"
+    go: Callable[..., dict[str, Any]] = (
+        (lambda variant, **_: bench.fill(key, variant=variant))
+        if is_fill
+        else (lambda variant, **lengths: bench.run(key, variant=variant, **lengths))
+    )
+    warm: dict[str, Any] | None = None
+    is_short_warm_up = not is_fill and (opts.warm_input_len or opts.warm_output_len) is not None
+    if opts.is_warm_up:
+        start = time.perf_counter()
+        r = go(f"{name}/{side.label}/warm-up", input_len=opts.warm_input_len, output_len=opts.warm_output_len)
+        warm = {"s": time.perf_counter() - start, "step_shapes": r.get("extra", {}).get("step_shapes", [])}
+        if is_short_warm_up:
+            warm["lengths"] = [opts.warm_input_len or opts.input_len, opts.warm_output_len or opts.output_len]
+    runs: list[dict[str, Any]] = []
+    # the first run starts if two warm-ups' time is left (a shorter warm-up: it starts; its deadline cuts it)
+    last_s = 2.0 * warm["s"] if warm and not is_short_warm_up else 0.0
+    while len(runs) < opts.num_rounds and opts.time_left() > last_s:
+        start = time.perf_counter()
+        runs.append(dict(go(f"{name}/{side.label}/{len(runs)}"), side=key))
+        last_s = time.perf_counter() - start
+    timed = [s for run in runs for s in run.get("extra", {}).get("step_shapes", [])]
+    missed = method.missing_shapes(warm["step_shapes"], timed) if warm else []
+    for extra in [run.get("extra", {}) for run in runs] + ([warm] if warm else []):
+        if "step_shapes" in extra:
+            extra["num_step_shapes"] = len(extra.pop("step_shapes"))
+    values = [float(r[scenario.metric]) for r in runs if r["is_complete"]]
+    profile = None
+    if opts.profile and scenario.metric != "kv_tokens_held":
+        from benchmarks.engine.step_profile import StepProfiler
+
+        profiler = StepProfiler(opts.concurrency, device=opts.device)
+        bench.run(key, variant=f"{name}/{side.label}/profiled", around_step=profiler)
+        profile = profiler.steps
+    return {
+        "scenario": name,
+        "definition": scenario.definition,
+        "side": key,
+        "metric": scenario.metric,
+        "workload": {"concurrency": opts.concurrency, "input_len": opts.input_len, "output_len": opts.output_len,
+                     "chunk": opts.chunk, "page_size": opts.page_size, "pool_scale": opts.pool_scale},
+        "sides": {key: bench.described[key]},
+        "warm_up": warm,
+        "warm_up_missed_shapes": missed,
+        "runs": runs,
+        "runs_incomplete": len(runs) - len(values),
+        "summary": method.summary_entry(values) if values else None,
+        "step_profile": profile,
+    }  # fmt: skip
 
 
 def _entry(

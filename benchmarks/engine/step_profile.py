@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+COLLECTIVE_WORDS = ("nccl", "c10d::", "gloo", "all_reduce", "allreduce", "all_gather", "allgather",
+                    "reduce_scatter", "broadcast")  # fmt: skip
+
 
 class StepProfiler:
     """`around_step` for `run_offline`: profiles the three steps above, once each."""
@@ -68,9 +71,12 @@ class StepProfiler:
         events = list(prof.key_averages())
         key = device_us if self.is_cuda else (lambda e: float(e.self_cpu_time_total))
         events.sort(key=key, reverse=True)
+        collective = [e for e in events if any(w in e.key.lower() for w in COLLECTIVE_WORDS)]
         return {
             "ranked_by": "own device time" if self.is_cuda else "own CPU time",
             "device_ms_total": sum(device_us(e) for e in events) / 1e3,
+            # the collectives' own time (NCCL kernels on CUDA; on the CPU, gloo's ops' CPU time)
+            "collective_ms": sum(key(e) for e in collective) / 1e3,
             "ops": [
                 {
                     "name": e.key[:120],

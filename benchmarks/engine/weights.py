@@ -47,17 +47,23 @@ def build_random_model(
     seed: int = 0,
     fp8_method: str = "fp8-block",
     num_mtp_layers: int = 0,
+    rank: int = 0,
+    ep: int = 0,
 ) -> nn.Module:
     """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode; with
     `num_mtp_layers` random MTP layers (speculative decoding's cost, not its acceptance); with
-    `geometry.rank_of` N > 1 rank 0's slice of N ranks (the process group must exist, `rank_of`)."""
+    `geometry.rank_of` N > 1 rank `rank`'s slice of N ranks, experts over `ep` groups (0: N) and the
+    latent cache over `geometry.dcp` ranks (the process group must exist: `rank_of` or `tp_group`)."""
     config = geometry.model_config
     if num_mtp_layers:
         config = dataclasses.replace(config, num_nextn_predict_layers=num_mtp_layers)
     cls = ARCHITECTURES[config.architecture]
     scheme = scheme_for(fmt, fp8_method)
     with torch.device("meta"):  # the swapped-in quantized modules too: no host allocation at all
-        model = cls(config, dtype=dtype, rank=0, world_size=geometry.rank_of, num_mtp_layers=num_mtp_layers)  # type: ignore[call-arg]
+        model = cls(  # type: ignore[call-arg]
+            config, dtype=dtype, rank=rank, world_size=geometry.rank_of, ep=ep, dcp=geometry.dcp,
+            num_mtp_layers=num_mtp_layers,
+        )  # fmt: skip
         if scheme is not None:
             prepare_for_checkpoint(model, scheme)
     model.to_empty(device=device)
