@@ -21,6 +21,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 LOCAL_OPS = """
 import torch, torch.distributed as dist
+from backend.models.layers.parallel import all_gather_flat, reduce_scatter_flat
 from benchmarks.engine.rank_of import join_alone
 pg = join_alone(4)
 assert (dist.get_rank(), dist.get_world_size()) == (0, 4)
@@ -28,10 +29,10 @@ x = torch.arange(6.0)
 dist.all_reduce(x)
 assert x.tolist() == list(range(6))  # rank 0's partial sum stands in for the sum
 out = torch.empty(12)
-dist.all_gather_into_tensor(out, torch.tensor([1.0, 2.0, 3.0]))
+all_gather_flat(out, torch.tensor([1.0, 2.0, 3.0]))
 assert out.tolist() == [1.0, 2.0, 3.0] * 4
 part = torch.empty(2)
-dist.reduce_scatter_single(part, torch.ones(8))
+reduce_scatter_flat(part, torch.ones(8))
 assert part.tolist() == [4.0, 4.0]
 assert pg.calls == [("all_reduce", 24), ("all_gather", 48), ("reduce_scatter", 32)], pg.calls
 """

@@ -116,13 +116,13 @@ class DcpGroup:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, ...] on each rank → [size, n, ...] in rank order."""
         out = x.new_empty(self.size * x.shape[0], *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        all_gather_flat(out, x.contiguous(), group=self.group)
         return out.view(self.size, *x.shape)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """x [size, n, ...] → the sum over ranks of x[self.rank], [n, ...]."""
         out = x.new_empty(x.shape[1:])
-        dist.reduce_scatter_single(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=self.group)
+        reduce_scatter_flat(out, x.reshape(-1, *x.shape[2:]).contiguous(), group=self.group)
         return out
 
 
@@ -160,6 +160,25 @@ class VocabParallelEmbedding(nn.Module):
         return self.shard.all_reduce(x.masked_fill(~mine[:, None], 0))
 
 
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """`out` [N·n, ...] ← every rank's `x` [n, ...] in rank order. torch 2.13 names it
+    `all_gather_single` (gloo has it there, for the CPU tests); torch 2.11, the H200's, only
+    `all_gather_into_tensor` (NCCL, and `--rank-of`'s local group)."""
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(out, x, group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """`out` [n, ...] ← the sum over ranks of this rank's slice of `x` [N·n, ...] (as `all_gather_flat`:
+    `reduce_scatter_single` from torch 2.13, `reduce_scatter_tensor` before)."""
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single(out, x, group=group)
+    else:
+        dist.reduce_scatter_tensor(out, x, group=group)
+
+
 def gather_vocab(local: torch.Tensor, shard: Shard, vocab: int) -> torch.Tensor:
     """Vocab-parallel logits `[T, v1 − v0]` (this rank's `vocab_range`) → full `[T, V]` on every
     rank: one all-gather of the ranges padded to ⌈V/N⌉ columns."""
@@ -170,5 +189,5 @@ def gather_vocab(local: torch.Tensor, shard: Shard, vocab: int) -> torch.Tensor:
     T = local.shape[0]
     padded = F.pad(local, (0, chunk - local.shape[1])).contiguous()  # [T, chunk]
     out = local.new_empty(N * T, chunk)
-    dist.all_gather_into_tensor(out, padded)
+    all_gather_flat(out, padded)
     return out.view(N, T, chunk).transpose(0, 1).reshape(T, N * chunk)[:, :vocab]
