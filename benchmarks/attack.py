@@ -18,6 +18,7 @@ import asyncio
 import base64
 import io
 import json
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -73,6 +74,18 @@ async def victim_latency(t: Target, http: httpx.AsyncClient) -> float | None:
     except httpx.HTTPError:
         return None
     return time.monotonic() - start if r.status_code == 200 else None
+
+
+UNLOADED_RUNS = 5
+
+
+async def unloaded_latency(t: Target, http: httpx.AsyncClient) -> float | None:
+    """The victim's latency with nothing else running: the median of a few requests after a warm-up
+    one (the first request after a start is slower, which would flatter every ratio); None if any fails."""
+    await victim_latency(t, http)
+    runs = [await victim_latency(t, http) for _ in range(UNLOADED_RUNS)]
+    done = [r for r in runs if r is not None]
+    return statistics.median(done) if len(done) == len(runs) else None
 
 
 # ---- the attacks: each returns (what it tried, what it got, whether the defence held) ----------------
@@ -204,9 +217,10 @@ async def poll_flood(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool
 async def batch_flood(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool]:
     num, limit_s = (20, 30.0) if t.quick else (200, 120.0)
     item = {"prompt": "Write one sentence.", "max_tokens": 8}
-    await http.post(
+    flood = await http.post(
         t.path(f"/ai/run/{t.model}?queueRequest=true"), headers=t.auth(), json={"requests": [item] * num}
     )
+    flood_job = {"request_id": flood.json()["result"]["request_id"]}
     r = await http.post(
         t.path(f"/ai/run/{t.model}?queueRequest=true", t.victim_account),
         headers=t.auth(t.victim_token),
@@ -220,9 +234,11 @@ async def batch_flood(t: Target, http: httpx.AsyncClient) -> tuple[str, str, boo
         )
         if p.status_code == 200 and "responses" in p.json()["result"]:
             took = time.monotonic() - start
+            # the attacker's job drains before the next attack, whose victim would otherwise wait on it
+            drained = await _job_done(t, http, flood_job, limit_s)
             return (
                 f"a {num}-request batch job, then the victim's 1-request job",
-                f"victim done in {took:.1f} s",
+                f"victim done in {took:.1f} s; the flood drained in {_fmt(drained)}",
                 True,
             )
         await asyncio.sleep(0.2)
@@ -231,6 +247,17 @@ async def batch_flood(t: Target, http: httpx.AsyncClient) -> tuple[str, str, boo
         f"victim not done in {limit_s:.0f} s",
         False,
     )
+
+
+async def _job_done(t: Target, http: httpx.AsyncClient, job: dict[str, str], limit_s: float) -> float | None:
+    """Seconds until the attacker's batch `job` has its responses, or None past `limit_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        p = await http.post(t.path(f"/ai/run/{t.model}"), headers=t.auth(), json=job)
+        if p.status_code == 200 and "responses" in p.json()["result"]:
+            return time.monotonic() - start
+        await asyncio.sleep(0.5)
+    return None
 
 
 async def grammar_bomb(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool]:
@@ -347,8 +374,8 @@ async def run(
     (and the peak RSS of the processes in `pids`, if any, on this machine)."""
     outcomes = []
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=400)) as http:
-        unloaded = await victim_latency(t, http)
-        print(f"victim unloaded: {_fmt(unloaded)}", flush=True)
+        unloaded = await unloaded_latency(t, http)
+        print(f"victim unloaded (median of {UNLOADED_RUNS}, after a warm-up): {_fmt(unloaded)}", flush=True)
         for name in names:
             start = time.monotonic()
             peaks: dict[str, float] = {}
@@ -371,6 +398,24 @@ async def run(
                 flush=True,
             )
     return unloaded, outcomes
+
+
+# issue 27's goal: the victim within 2x its unloaded latency, the gateway under 512 MB, each backend under 4 GB
+GOAL = {"victim_ratio_max": 2.0, "gateway_rss_mb_max": 512, "backend_rss_mb_max": 4096}
+
+
+def goal_met(o: Outcome, unloaded: float | None) -> bool:
+    """Whether one attack met the goal: held, the victim served within the ratio, every watched
+    process (`gateway`, the rest backends) under its bound."""
+    if not o.held or o.victim_s is None or unloaded is None:
+        return False
+    if o.victim_s > GOAL["victim_ratio_max"] * unloaded:
+        return False
+    for name, mb in (o.peak_rss_mb or {}).items():
+        bound = GOAL["gateway_rss_mb_max"] if name == "gateway" else GOAL["backend_rss_mb_max"]
+        if not mb < bound:  # NaN (unreadable) is not under it
+            return False
+    return True
 
 
 def _fmt(seconds: float | None) -> str:
@@ -409,7 +454,12 @@ def main(argv: list[str]) -> int:
         p.error("--pid takes NAME=PID")
     unloaded, outcomes = asyncio.run(run(target, names, pids))
     if args.out:
-        record = {"unloaded_victim_s": unloaded, "attacks": [asdict(o) for o in outcomes]}
+        attacks = [
+            {**asdict(o), "victim_ratio": o.victim_s / unloaded if o.victim_s and unloaded else None,
+             "goal_met": goal_met(o, unloaded)}
+            for o in outcomes
+        ]  # fmt: skip
+        record = {"unloaded_victim_s": unloaded, "goal": GOAL, "attacks": attacks}
         with open(args.out, "w") as f:
             json.dump(record, f, indent=2)
     return 0 if unloaded is not None and all(o.held for o in outcomes) else 1

@@ -10,7 +10,7 @@ import os
 
 from gateway_harness import GLM, KIMI, Harness, _tenant
 
-from benchmarks.attack import ATTACKS, Target, run
+from benchmarks.attack import ATTACKS, Outcome, Target, goal_met, run
 from benchmarks.cli import main as bench_main
 
 CI_SUBSET = [
@@ -45,3 +45,16 @@ def test_the_command_names_its_attacks() -> None:
         assert exc.code == 2
     else:
         raise AssertionError("an unknown attack must be a usage error")
+
+
+def test_the_goal_bounds_the_victim_ratio_and_each_process_rss() -> None:
+    def outcome(victim_s: float | None, **rss: float) -> Outcome:
+        return Outcome("a", "tried", "got", True, 1.0, victim_s, rss or None)
+
+    assert goal_met(outcome(0.2, gateway=511, glm=4095), unloaded=0.1)
+    assert not goal_met(outcome(0.21, gateway=100), unloaded=0.1)  # past 2x the unloaded latency
+    assert not goal_met(outcome(None), unloaded=0.1)  # the victim failed
+    assert not goal_met(outcome(0.1, gateway=512), unloaded=0.1)  # the gateway's 512 MB
+    assert not goal_met(outcome(0.1, gateway=100, glm=4096), unloaded=0.1)  # a backend's 4 GB
+    assert not goal_met(outcome(0.1, gateway=float("nan")), unloaded=0.1)  # unreadable is not under
+    assert not goal_met(Outcome("a", "tried", "got", False, 1.0, 0.1), unloaded=0.1)  # did not hold
