@@ -261,10 +261,11 @@ def calibrate_kv(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> None:
-    """Scales from the unquantized source model, stored beside the converted weights."""
-    from backend.models.loader import load_model
+    """Scales from the unquantized source model, stored beside the converted weights; its MTP
+    layers' cache slots too (speculative decoding with an FP8 cache), when it ships any."""
+    from backend.models.loader import load_model, num_mtp_layers_in
 
-    loaded = load_model(src, dtype=dtype, device=device)
+    loaded = load_model(src, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers_in(src))
     vocab = loaded.config.vocab_size
     if prompts_file is None:
         prompts = kv_scales.builtin_prompt_ids(src, vocab)

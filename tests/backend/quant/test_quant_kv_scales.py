@@ -319,3 +319,26 @@ def test_mtp_layers_get_measured_fp8_scales_and_speculate_with_fp8_kv(arch: str,
     for rid, result in runs[3].items():
         assert result.error is None
         assert result.token_ids == runs[0][rid].token_ids, rid
+
+
+def test_quantize_stores_the_mtp_layers_scales(tmp_path: Path) -> None:
+    """`kumo quantize --kv-scales` (what `kumo serve` runs on the nano models) calibrates the MTP
+    layers' slots too: the converted checkpoint serves speculation with an FP8 cache from stored
+    scales, and without speculation reads the target's alone."""
+    from tests.backend.tiny_checkpoints import add_mtp_layers
+
+    src = add_mtp_layers(make_tiny("glm_moe_dsa", tmp_path / "src"))
+    dst = tmp_path / "int4"
+    main([str(src), str(dst), "--weights", "int4-g32", "--kv-scales"])
+    with_mtp = load_model(dst, dtype=torch.float32, num_mtp_layers=1).model
+    n = with_mtp.config.num_hidden_layers
+    stored = kv_scales.read(dst, [[s.name for s in layer] for layer in with_mtp.cache_specs()])
+    assert stored is not None and len(stored) == n + 1
+    reference = kv_scales.calibrate(
+        load_model(src, dtype=torch.float32, num_mtp_layers=1).model,
+        kv_scales.builtin_prompt_ids(src, with_mtp.config.vocab_size),
+        model_dtype=torch.float32,
+    )
+    assert stored[n] == pytest.approx(reference[n], rel=1e-6)
+    plain = load_model(dst, dtype=torch.float32).model
+    assert kv_scales.read(dst, [[s.name for s in layer] for layer in plain.cache_specs()]) == stored[:n]
