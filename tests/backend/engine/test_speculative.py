@@ -17,7 +17,7 @@ import torch
 
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig, parse_speculative
-from backend.models.loader import load_model
+from backend.models.loader import load_model, prepare_model
 from tests.backend.engine_helpers import Result, collect, request, run_all
 from tests.backend.speculative_toy import MarkovModel
 from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
@@ -37,7 +37,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def engine_for(model: Any, k: int, **config: Any) -> Engine:
     values = dict(num_pages=96, page_size=8, max_num_batched_tokens=64, max_num_seqs=16)
     values |= dict(num_speculative_tokens=k, speculative_max_seqs=16) | config
-    return Engine.from_loaded(model, EngineConfig.build(**values))
+    config = EngineConfig.build(**values)
+    return Engine.from_prepared(prepare_model(model, config), config)
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -283,7 +284,7 @@ def test_a_tag_fault_in_a_draft_page_aborts_only_that_request(loaded: dict[str, 
 
 def test_a_request_with_a_grammar_does_not_draft() -> None:
     """Grammar masks depend on the accepted text: such a request runs plain, beside drafting ones."""
-    from tests.backend.test_engine import EvenTokensOnly
+    from tests.backend.engine.test_engine import EvenTokensOnly
 
     V = 16
     target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
