@@ -109,4 +109,7 @@ def test_kumo_serves_the_layer_as_trained(staged: dict[str, object]) -> None:
     normed, _ = mtp(embeds, target.hidden(x))
     theirs = target.lm_head(normed)[0]
     diff = (ours - theirs).abs().amax(dim=-1)[:-1]  # the last row's next token is a stand-in
-    assert diff.max().item() <= MAX_ABS_DIFF, (len(ids), (diff > MAX_ABS_DIFF).nonzero().flatten()[:5].tolist())
+    assert diff.max().item() <= MAX_ABS_DIFF, (
+        len(ids),
+        (diff > MAX_ABS_DIFF).nonzero().flatten()[:5].tolist(),
+    )
