@@ -91,9 +91,6 @@ class Engine:
         the other tensor-parallel ranks, which run each step with this one (backend/engine/ranks.py)."""
         if config.kv_dtype == "float8_e4m3fn" and kv_scales is None:
             raise ValueError("an FP8 KV cache needs per-layer scales (never a silent 1.0): see prepare_model")
-        if config.num_speculative_tokens and config.kv_dtype == "float8_e4m3fn":
-            # calibration runs the target only: the MTP layers' KV would get no measured scale
-            raise ValueError("speculative decoding needs a bf16 KV cache (no FP8 scales for MTP layers yet)")
         self.config = config
         self.block_manager = BlockManager(
             config.num_pages, config.page_size, enable_prefix_cache=config.enable_prefix_cache

@@ -36,7 +36,8 @@ def num_mtp_layers_in(path: str | Path, draft: str | Path | None = None) -> int:
     if draft is None:
         return ModelConfig.from_pretrained(path).num_nextn_predict_layers
     try:
-        return int(json.loads((Path(draft) / "config.json").read_text())["num_nextn_predict_layers"])
+        config = json.loads((Path(draft) / "config.json").read_text())
+        return int(config.get("text_config", config)["num_nextn_predict_layers"])  # K2.5: text_config
     except (OSError, ValueError, KeyError) as exc:
         raise CheckpointError(f"{draft}: no config.json giving num_nextn_predict_layers") from exc
 

@@ -4,7 +4,9 @@ Calibration runs prompts through the unquantized model with a cache in the model
 per layer and per cached tensor, the largest |value| written: scale = amax / 448 (e4m3's max), so
 the calibration set's extreme lands exactly on the top of the FP8 range (value = stored × scale).
 One scale per cached tensor: MLA's 576-wide latent gets one (vLLM uses it for both "K" and "V"),
-the DSA indexer's keys their own, GQA's K and V one each.
+the DSA indexer's keys their own, GQA's K and V one each. A model built with MTP layers
+(speculative decoding) runs them over the calibration prompts as speculation's propose step does, so
+their cache slots (layers `num_hidden_layers + i`, stored under those layer numbers) are measured too.
 
 Storage uses vLLM's names, in `kv_scales.safetensors` listed in the shard index:
     MLA latent      model.layers.{L}.self_attn.k_scale and .v_scale (the same value)
@@ -17,18 +19,21 @@ checkpoint's single `kv_scale`; a scale that is not one positive finite number i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from backend.engine.forward_batch import ForwardBatch
 from backend.engine.prompt_runner import PromptRunner
 from backend.errors import CheckpointError
 from backend.models.checkpoint import INDEX_FILE, SINGLE_FILE
@@ -65,14 +70,47 @@ def scale_names(layer: int, cache_name: str, prefix: str = "") -> tuple[str, ...
     }[cache_name]
 
 
+class _TargetThenDrafts(nn.Module):
+    """The model's forward, then each of its MTP layers over the same positions, as speculative
+    decoding's propose step runs them (backend/engine/speculative.py): at position p the target's
+    hidden state and token p + 1 (after the prompt: the target's greedy token), writing the layer's
+    KV into its own cache slot, so that calibration measures the MTP layers' KV too."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.ids: list[int] = []  # the prompt being run
+
+    def cache_specs(self) -> Any:
+        return self.model.cache_specs()  # type: ignore[operator]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        model: Any = self.model
+        logits, hidden = model.forward_spec(batch)  # [N, V], [T, H]
+        positions = batch.positions.tolist()
+        after = [self.ids[p + 1] if p + 1 < len(self.ids) else -1 for p in positions]
+        if after[-1] < 0:  # the prompt's last position: the target's own next token follows it
+            row = int((batch.logits_indices == len(positions) - 1).nonzero()[0])
+            after[-1] = int(logits[row].argmax())
+        drafting = dataclasses.replace(batch, input_ids=torch.tensor(after, device=batch.input_ids.device))
+        for depth in range(model.num_mtp_layers):  # depth i runs MTP layer i
+            model.forward_mtp(drafting, hidden, depth)
+        out: torch.Tensor = logits
+        return out
+
+
 @torch.no_grad()
 def calibrate(
     model: nn.Module, prompts: list[list[int]], *, model_dtype: torch.dtype
 ) -> list[dict[str, float]]:
-    """Per layer, per cached tensor: amax over every prompt's cache / 448."""
-    runner = PromptRunner(model, model_dtype=model_dtype)
+    """Per layer, per cached tensor: amax over every prompt's cache / 448. The MTP layers a model
+    was built with (speculative decoding) are run too, and get their own scales."""
+    drafts = _TargetThenDrafts(model) if getattr(model, "num_mtp_layers", 0) else None
+    runner = PromptRunner(drafts or model, model_dtype=model_dtype)
     amax: list[dict[str, float]] | None = None
     for ids in filter(None, prompts):  # an empty prompt writes nothing to measure
+        if drafts is not None:
+            drafts.ids = ids
         runner.logits(ids)
         seen = runner.cache_amax(len(ids))
         amax = (

@@ -55,10 +55,6 @@ def build_engine(
     dtype = getattr(torch, settings.dtype)
     draft = settings.speculative_draft
     num_mtp = num_mtp_layers_in(settings.model, draft) if settings.speculative else 0
-    if settings.speculative and settings.kv_dtype == "fp8":
-        raise CheckpointError(
-            "--speculative mtp:K needs --kv-dtype auto or bf16 (no FP8 scales for MTP layers yet)"
-        )
     if settings.speculative and not num_mtp:
         raise CheckpointError(
             "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"

@@ -253,6 +253,25 @@ def read_prompts(path: Path) -> list[str]:
     return texts
 
 
+def num_shipped_mtp_layers(src: Path) -> int:
+    """`num_nextn_predict_layers` when the checkpoint holds those layers' tensors, else 0 (many
+    configs, transformers' own among them, declare MTP layers that the weights leave out)."""
+    from safetensors import safe_open
+
+    from backend.models.checkpoint import shard_files
+    from backend.models.model_config import ModelConfig
+
+    config = ModelConfig.from_pretrained(src)
+    if not config.num_nextn_predict_layers:
+        return 0
+    first = f"{config.weight_prefix}model.layers.{config.num_hidden_layers}."
+    for file in shard_files(src):
+        with safe_open(str(file), framework="pt") as f:
+            if any(name.startswith(first) for name in f.keys()):  # noqa: SIM118
+                return config.num_nextn_predict_layers
+    return 0
+
+
 def calibrate_kv(
     src: Path,
     dst: Path,
@@ -261,10 +280,11 @@ def calibrate_kv(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> None:
-    """Scales from the unquantized source model, stored beside the converted weights."""
+    """Scales from the unquantized source model, stored beside the converted weights; its MTP
+    layers' cache slots too (speculative decoding with an FP8 cache), when it ships any."""
     from backend.models.loader import load_model
 
-    loaded = load_model(src, dtype=dtype, device=device)
+    loaded = load_model(src, dtype=dtype, device=device, num_mtp_layers=num_shipped_mtp_layers(src))
     vocab = loaded.config.vocab_size
     if prompts_file is None:
         prompts = kv_scales.builtin_prompt_ids(src, vocab)

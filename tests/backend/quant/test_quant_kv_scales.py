@@ -265,3 +265,80 @@ def test_saved_scales_keep_the_index_total_size_right(src: Path, tmp_path: Path)
         index = json.loads((dst / INDEX_FILE).read_text())
         assert index["metadata"]["total_size"] == before + 6 * 4  # 3 layers × k_scale, v_scale × fp32
         assert sum(v == kv_scales.KV_SCALE_FILE for v in index["weight_map"].values()) == 6
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_mtp_layers_get_measured_fp8_scales_and_speculate_with_fp8_kv(arch: str, tmp_path: Path) -> None:
+    """Calibration runs the MTP layer as speculation's propose step does (the target's hidden state
+    at p and token p + 1; after the prompt the target's greedy token): its slot's scales are the
+    amax of what a paged run of that step writes / 448 (computed here without PromptRunner); then
+    greedy decoding with an FP8 cache and 3 drafts gives the tokens that FP8 decoding without drafts gives."""
+    from backend.engine.engine import Engine
+    from backend.engine.engine_config import EngineConfig
+    from tests.backend.engine_helpers import request, run_all
+    from tests.backend.paged_driver import PagedDriver, Seq
+    from tests.backend.tiny_checkpoints import add_mtp_layers
+
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    model = load_model(path, dtype=torch.float32, num_mtp_layers=1).model
+    n = model.config.num_hidden_layers
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(3, model.config.vocab_size, (length,), generator=g).tolist() for length in (9, 40, 23)
+    ]
+    scales = kv_scales.calibrate(model, prompts, model_dtype=torch.float32)
+    assert len(scales) == n + 1
+    expected: dict[str, float] = {}
+    with torch.no_grad():
+        for ids in prompts:
+            driver = PagedDriver(model, page_size=16, num_pages=8)
+            logits, h = model.forward_spec(driver.batch([Seq(tokens=list(ids))], [len(ids)]))
+            after = [*ids[1:], int(logits[-1].argmax())]
+            model.forward_mtp(driver.batch([Seq(tokens=after)], [len(ids)]), h, 0)
+            for name, t in driver.kv.layers[n].items():
+                # the draft batch's sequence took the pages after the target's
+                pages = -(-len(ids) // 16)
+                written = t[pages : 2 * pages].flatten(0, 1)[: len(ids)]
+                expected[name] = max(expected.get(name, 0.0), float(written.float().abs().amax()) / 448)
+    assert scales[n].keys() == expected.keys()
+    for name, value in expected.items():
+        assert value > 1e-6
+        assert scales[n][name] == pytest.approx(value, rel=1e-6), name
+    config = dict(
+        num_pages=96, page_size=8, max_num_batched_tokens=64, max_num_seqs=8, kv_dtype="float8_e4m3fn"
+    )
+    runs = {}
+    for k in (0, 3):
+        engine_config = EngineConfig.build(**config, num_speculative_tokens=k, speculative_max_seqs=8)
+        loaded = load_model(path, dtype=torch.float32, num_mtp_layers=1)
+        engine = Engine.from_prepared(prepare_model(loaded, engine_config), engine_config)
+        reqs = [request(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
+        runs[k] = run_all(engine, reqs)
+        if k:
+            assert engine.stats.spec_verifies > 0
+    for rid, result in runs[3].items():
+        assert result.error is None
+        assert result.token_ids == runs[0][rid].token_ids, rid
+
+
+def test_quantize_stores_the_mtp_layers_scales(tmp_path: Path) -> None:
+    """`kumo quantize --kv-scales` (what `kumo serve` runs on the nano models) calibrates the MTP
+    layers' slots too: the converted checkpoint serves speculation with an FP8 cache from stored
+    scales, and without speculation reads the target's alone."""
+    from tests.backend.tiny_checkpoints import add_mtp_layers
+
+    src = add_mtp_layers(make_tiny("glm_moe_dsa", tmp_path / "src"))
+    dst = tmp_path / "int4"
+    main([str(src), str(dst), "--weights", "int4-g32", "--kv-scales"])
+    with_mtp = load_model(dst, dtype=torch.float32, num_mtp_layers=1).model
+    n = with_mtp.config.num_hidden_layers
+    stored = kv_scales.read(dst, [[s.name for s in layer] for layer in with_mtp.cache_specs()])
+    assert stored is not None and len(stored) == n + 1
+    reference = kv_scales.calibrate(
+        load_model(src, dtype=torch.float32, num_mtp_layers=1).model,
+        kv_scales.builtin_prompt_ids(src, with_mtp.config.vocab_size),
+        model_dtype=torch.float32,
+    )
+    assert stored[n] == pytest.approx(reference[n], rel=1e-6)
+    plain = load_model(dst, dtype=torch.float32).model
+    assert kv_scales.read(dst, [[s.name for s in layer] for layer in plain.cache_specs()]) == stored[:n]

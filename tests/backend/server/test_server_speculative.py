@@ -53,3 +53,30 @@ async def test_speculative_backend_matches_the_plain_one(
         assert "kumo_backend_spec_accepted_tokens_total" in metrics
         assert (await scrape(a))["kumo_backend_spec_draft_tokens_total"] == 0
         assert (await wait_idle(b, speculative.num_pages)).free_pages == speculative.num_pages
+
+
+@pytest.fixture(scope="module")
+def plain_fp8(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[RunningBackend]:
+    yield from run_backend(tmp_path_factory, model_dir=checkpoint, extra_args=("--kv-dtype", "fp8"))
+
+
+@pytest.fixture(scope="module")
+def speculative_fp8(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[RunningBackend]:
+    args = ("--kv-dtype", "fp8", "--speculative", "mtp:3")
+    yield from run_backend(tmp_path_factory, model_dir=checkpoint, extra_args=args)
+
+
+async def test_speculation_with_an_fp8_cache_matches_fp8_decoding(
+    plain_fp8: RunningBackend, speculative_fp8: RunningBackend
+) -> None:
+    """The embedded default's cache (`kumo serve`: FP8 KV, scales calibrated at load for the target
+    and the MTP layer alike): the same greedy text with and without 3 drafts, and drafts verified."""
+    sampling = {"max_tokens": 24, "temperature": 0.0}
+    async with (
+        httpx.AsyncClient(base_url=plain_fp8.url, timeout=60) as a,
+        httpx.AsyncClient(base_url=speculative_fp8.url, timeout=60) as b,
+    ):
+        for i, prompt in enumerate(PROMPTS):
+            payload = body(f"p{i}", prompt, sampling=sampling, reasoning={"enabled": False})
+            assert text_of(await generate(b, payload)) == text_of(await generate(a, payload))
+        assert (await scrape(b))["kumo_backend_spec_verifies_total"] > 0
