@@ -40,6 +40,12 @@ if [ "$stage" = rehearse ]; then  # the CPU rehearsal: every part at the tiny ge
 else
   BUDGET=${BUDGET:-420}
 fi
+case $stage in  # the part's argument, checked before anything is installed or started
+  glm-decode|glm-prefill|kv-long|kv-capacity|kv-capacity-dcp8)
+    case ${part:-} in A|B) ;; *) echo "x8.sh: $stage takes A or B (got '${part:-}')" >&2; exit 2 ;; esac ;;
+  load|comms)
+    [[ ${part:-} =~ ^[0-9]+$ ]] || { echo "x8.sh: $stage takes a concurrency (got '${part:-}')" >&2; exit 2; } ;;
+esac
 if [ "$stage" != rehearse ] && [ "$stage" != report ]; then  # the GPUs, then the machine's state
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') || gpus=0
   if [ -n "$RANK_OF" ]; then  # one GPU stands in for rank 0 of RANK_OF
