@@ -46,4 +46,4 @@ def _one_torch_thread() -> None:
 
 # One embedded `kumo serve` for the whole session, shared by every test that asks for `kumo`
 # (a fixture imported into several test modules would start one server per module).
-from tests.e2e.serve_process import kumo  # noqa: E402, F401
+from tests.e2e.serve_process import close_sdk_clients, kumo  # noqa: E402, F401

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from benchmarks.client import spawn_serve
@@ -108,3 +109,22 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     if process.stdout is not None:
         process.stdout.close()
     log.close()
+
+
+_sdk_clients: list[openai.OpenAI] = []
+
+
+def sdk_client(kumo: Kumo, timeout: float = 180) -> openai.OpenAI:
+    """The `openai` SDK's client on the OpenAI-compatible routes, closed after the test by
+    `close_sdk_clients` (an unclosed one leaves its pooled sockets to the garbage collector: a
+    ResourceWarning, an error, in whichever later test it happens to run)."""
+    made = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=timeout)
+    _sdk_clients.append(made)
+    return made
+
+
+@pytest.fixture(autouse=True)
+def close_sdk_clients() -> Iterator[None]:
+    yield
+    while _sdk_clients:
+        _sdk_clients.pop().close()

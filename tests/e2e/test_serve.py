@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from tests.e2e.serve_process import GLM, KIMI, LEGACY, Kumo
+from tests.e2e.serve_process import GLM, KIMI, LEGACY, Kumo, sdk_client
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +77,7 @@ def test_openai_family_on_ai_run_with_trailer(kumo: Kumo) -> None:
 
 
 def test_openai_package_stream_tools_json_and_n(kumo: Kumo) -> None:
-    client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=120)
+    client = sdk_client(kumo, timeout=120)
     stream = client.chat.completions.create(
         model=GLM,
         messages=[{"role": "user", "content": "Hi"}],
@@ -221,7 +220,7 @@ def test_reasoning_effort_levels_through_the_real_template(kumo: Kumo) -> None:
 
 
 def test_a_tool_round_trip(kumo: Kumo) -> None:
-    client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=120)
+    client = sdk_client(kumo, timeout=120)
     tool = WEATHER_TOOL
     messages: list[dict] = [{"role": "user", "content": "Weather in Lisbon?"}]  # type: ignore[type-arg]
     first = client.chat.completions.create(

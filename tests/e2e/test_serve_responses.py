@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.serve_process import GLM, KIMI, Kumo
+from tests.e2e.serve_process import GLM, KIMI, Kumo, sdk_client
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +28,9 @@ WEATHER: dict[str, Any] = {
 }
 
 
-def client(kumo: Kumo) -> openai.OpenAI:
-    return openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=180)
-
-
 @pytest.mark.parametrize("model", [GLM, KIMI])
 def test_text_input_with_instructions(kumo: Kumo, model: str) -> None:
-    answer = client(kumo).responses.create(
+    answer = sdk_client(kumo).responses.create(
         model=model, input="What is 2 plus 3?", instructions="Answer briefly.", max_output_tokens=24,
         reasoning={"effort": "none"},
     )  # fmt: skip
@@ -52,7 +48,7 @@ def test_text_input_with_instructions(kumo: Kumo, model: str) -> None:
 
 @pytest.mark.parametrize("model", [GLM, KIMI])
 def test_a_function_call_and_its_output_round_trip(kumo: Kumo, model: str) -> None:
-    api = client(kumo)
+    api = sdk_client(kumo)
     conversation: list[Any] = [{"role": "user", "content": "What's the weather in Tokyo?"}]
     first = api.responses.create(
         model=model, input=conversation, tools=[WEATHER], tool_choice="required", max_output_tokens=60
@@ -72,7 +68,7 @@ def test_a_function_call_and_its_output_round_trip(kumo: Kumo, model: str) -> No
 
 def test_reasoning_comes_back_as_a_reasoning_item_and_goes_back_in(kumo: Kumo) -> None:
     """GLM thinks by default on `/responses` too; its reasoning item can be sent back as input."""
-    api = client(kumo)
+    api = sdk_client(kumo)
     first = api.responses.create(model=GLM, input="Hi", max_output_tokens=40, reasoning={"effort": "high"})
     kinds = [o.type for o in first.output]
     assert kinds and set(kinds) <= {"reasoning", "message"}
@@ -90,7 +86,7 @@ def test_reasoning_comes_back_as_a_reasoning_item_and_goes_back_in(kumo: Kumo) -
 
 @pytest.mark.parametrize("model", [GLM, KIMI])
 def test_streaming_events_build_the_same_kind_of_response(kumo: Kumo, model: str) -> None:
-    api = client(kumo)
+    api = sdk_client(kumo)
     events = list(
         api.responses.create(
             model=model, input="Hello there", max_output_tokens=16, stream=True, reasoning={"effort": "none"}
@@ -117,5 +113,5 @@ def test_streaming_events_build_the_same_kind_of_response(kumo: Kumo, model: str
 
 def test_stored_state_is_refused_with_a_clear_400(kumo: Kumo) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client(kumo).responses.create(model=GLM, input="Hi", previous_response_id="resp_123")
+        sdk_client(kumo).responses.create(model=GLM, input="Hi", previous_response_id="resp_123")
     assert "not stored" in json.dumps(info.value.body)

@@ -11,10 +11,9 @@ import json
 from typing import Any
 
 import jsonschema_rs
-import openai
 import pytest
 
-from tests.e2e.serve_process import GLM, KIMI, Kumo
+from tests.e2e.serve_process import GLM, KIMI, Kumo, sdk_client
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +102,7 @@ def check(model: str, tools: list[dict[str, Any]], choice: Any, message: Any, fi
 
 @pytest.mark.parametrize("model", [KIMI, GLM])
 def test_twenty_tool_prompts_keep_the_contract(kumo: Kumo, model: str) -> None:
-    client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=180)
+    client = sdk_client(kumo)
     num_calls = 0
     for i, (prompt, tools, choice) in enumerate(CASES):
         body: dict[str, Any] = dict(
@@ -128,7 +127,7 @@ def test_twenty_tool_prompts_keep_the_contract(kumo: Kumo, model: str) -> None:
 
 @pytest.mark.parametrize("model", [KIMI, GLM])
 def test_a_call_cut_by_max_tokens_is_length_without_markup(kumo: Kumo, model: str) -> None:
-    client = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=180)
+    client = sdk_client(kumo)
     answer = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Fly me from Paris to Rome"}], tools=[FLIGHT],
         tool_choice="required", max_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
