@@ -36,6 +36,7 @@ def error_code(frame: dict) -> int | None:  # type: ignore[type-arg]
     return frame["error"]["code"] if "error" in frame else None
 
 
+@pytest.mark.slow  # a real gateway process
 async def test_a_generation_past_its_wall_clock_limit_ends_with_3046(harness: Harness) -> None:
     # the fake backend's "slow" script sends one event every 0.3 s (≈1.8 s in all)
     limit = {"cf-aig-request-timeout": "500", **harness.auth()}
@@ -109,6 +110,7 @@ async def test_the_drain_gate_refuses_new_requests() -> None:
     assert r.headers["retry-after"] == "1" and r.headers["x-should-retry"] == "true"
 
 
+@pytest.mark.slow  # a real gateway process
 async def test_sigterm_drains_a_real_gateway(harness: Harness, tmp_path: Path) -> None:
     """Two streams are running when SIGTERM comes: the one that ends before the drain deadline
     finishes normally, the longer one ends with a 3008 error frame; new connections are refused."""
@@ -142,6 +144,7 @@ async def test_sigterm_drains_a_real_gateway(harness: Harness, tmp_path: Path) -
     assert all(b.num_open_streams == 0 for b in harness.backends["glm-5.2"])
 
 
+@pytest.mark.slow  # a real gateway process
 async def test_sigterm_aborts_a_request_still_fetching_its_image(harness: Harness, tmp_path: Path) -> None:
     """A request whose image server answers nothing is still fetching at the drain deadline: it is
     answered with the 3008 abort error, not cut off when the process exits."""

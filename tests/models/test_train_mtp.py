@@ -22,6 +22,8 @@ from models.recipes.train_mtp import MTP_FILE, Mtp, Target, install, shifted, te
 from models.recipes.world import make_world
 from tests.backend.paged_driver import PagedDriver, Seq
 
+pytestmark = pytest.mark.slow  # micro trainings: `make test-fast` leaves them out
+
 MAX_ABS_DIFF = 1e-4
 
 

@@ -208,6 +208,7 @@ def reference_probs(
     return torch.softmax(x, dim=-1)
 
 
+@pytest.mark.slow  # a χ² test over many samples
 @pytest.mark.parametrize(
     ("temperature", "top_k", "rep"), [(1.0, 0, 1.0), (0.7, 4, 1.5)], ids=["plain", "penalized"]
 )

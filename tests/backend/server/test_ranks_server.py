@@ -32,6 +32,8 @@ from schemas.backend import Error, ErrorBody, Event, Finish, LoadReport, ModelCa
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
 from tests.backend.server_process import _free_port
 
+pytestmark = pytest.mark.slow  # real `kumo backend --tp 2` processes: `make test-fast` leaves them out
+
 ROOT = Path(__file__).resolve().parents[3]
 AUTH = {"authorization": f"Bearer {SECRET}"}
 _events = msgspec.json.Decoder(Event)

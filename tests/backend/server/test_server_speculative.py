@@ -16,6 +16,8 @@ from tests.backend.server_checkpoints import make_served_checkpoint
 from tests.backend.server_process import RunningBackend, run_backend
 from tests.backend.tiny_checkpoints import add_mtp_layers
 
+pytestmark = pytest.mark.slow  # real `kumo backend` processes: `make test-fast` leaves them out
+
 PROMPTS = ["Hello", "Write a haiku about paging.", "1, 2, 3, 4,", "def add(a, b):"]
 
 
