@@ -10,12 +10,11 @@ file or a wider mode. A value that was revoked (through the admin API) or replac
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 import msgspec
 
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, stage_private_file
 from gateway.store.store import Store
 
 FILE_NAME = "dev-credentials.json"
@@ -43,14 +42,9 @@ def read_credentials(path: Path) -> DevCredentials | None:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically, the file mode 0600 from its creation on."""
-    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    """Write `data` to `path` atomically, the file mode 0600 from its creation on (replacing it)."""
+    staging = stage_private_file(path, data)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
         os.replace(staging, path)
     except BaseException:
         staging.unlink(missing_ok=True)

@@ -148,18 +148,29 @@ def persisted_secret(data_dir: Path) -> str:
     return value
 
 
-def write_private_file(path: Path, text: str) -> bool:
-    """Create `path` holding `text`, readable by its owner only from the first byte on; False (and
-    nothing written) if it already exists. The text goes to a fresh owner-only file (`os.open`
-    with 0o600: no moment of umask-default permissions), which is then hard-linked into place, so
-    a reader never sees the file half-written and two creators never overwrite each other."""
+def stage_private_file(path: Path, data: bytes) -> Path:
+    """A fresh file beside `path` holding `data`, readable by its owner only from the first byte on
+    (`os.open` with 0o600: no moment of umask-default permissions), flushed to disk; the caller links
+    or renames it into place."""
     staging = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
     fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(fd, "w") as file:
-            file.write(text)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    return staging
+
+
+def write_private_file(path: Path, text: str) -> bool:
+    """Create `path` holding `text`, owner-only from the first byte on; False (and nothing written) if
+    it already exists. The staged file is hard-linked into place, so a reader never sees it half
+    written and two creators never overwrite each other."""
+    staging = stage_private_file(path, text.encode())
+    try:
         os.link(staging, path)
     except FileExistsError:
         return False
