@@ -1,0 +1,115 @@
+"""Where a c=1 decode step's device time goes (issue 24): GLM 5.2 geometry, one sequence at a 2k
+context, CUDA graphs as served; `torch.profiler` over N decode steps after a warm run.
+
+    python -m lab.diagnostics.decode_c1_profile --formats int4-all,fp8 --layers 10 --steps 20
+
+Prints, per format: wall ms per step, device ms per step (sum of kernel time), kernels per step, and
+the top kernels by own device time with their count per step. A gap between wall and device time is
+host or launch time; device time far above the bytes is a slow kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import time
+
+import torch
+
+from backend.engine.engine import Engine
+from benchmarks.engine.decode_c1 import token_bytes
+from benchmarks.engine.geometry import make_geometry
+from benchmarks.engine.offline import engine_config, run_offline
+from benchmarks.engine.weights import build_random_model
+
+
+def profile_format(fmt: str, layers: int, steps: int, input_len: int, graphs: bool, device: str = "cuda") -> dict:
+    tiny = device == "cpu"
+    geometry = make_geometry("glm-5.2", layers, tiny=tiny)
+    config = geometry.model_config
+    model = build_random_model(geometry, fmt, device=device, seed=0, fp8_method="fp8-block")
+    out_len = 64 + steps
+    engine = Engine(
+        model,
+        engine_config(-(-(input_len + out_len) // 16) + 1, 16, "bf16", 1, 2048, cuda_graphs=graphs),
+        vocab_size=config.vocab_size, context_window=config.max_position_embeddings,
+        model_dtype=torch.bfloat16, device=device,
+    )  # fmt: skip
+    weights = sum(token_bytes(model, int(geometry.text["num_experts_per_tok"])).values())
+    run_offline(engine, variant="warm", concurrency=1, input_len=input_len, output_len=32,
+                vocab_size=config.vocab_size)  # fmt: skip
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    state = {"prof": None, "t0": 0.0}
+    first, last = 40, 40 + steps
+
+    @contextlib.contextmanager
+    def around(step: int, rows: int):
+        if step == first:
+            sync()
+            state["prof"] = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            state["prof"].__enter__()
+            state["t0"] = time.perf_counter()
+        yield
+        if step == last - 1:
+            sync()
+            state["wall"] = (time.perf_counter() - state["t0"]) * 1e3 / steps
+            state["prof"].__exit__(None, None, None)
+
+    r = run_offline(engine, variant="prof", concurrency=1, input_len=input_len, output_len=out_len,
+                    vocab_size=config.vocab_size, around_step=around).to_dict()  # fmt: skip
+    prof = state["prof"]
+    kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+               or (e.self_device_time_total > 0 and e.cpu_time_total == 0)]  # fmt: skip
+    events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    device_total = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    num_kernels = sum(e.count for e in kernels) / steps
+    top = [
+        {"name": e.key[:100], "per_step": e.count / steps, "ms_per_step": e.self_device_time_total / 1e3 / steps}
+        for e in events[:30] if e.self_device_time_total > 0
+    ]  # fmt: skip
+    result = {
+        "format": fmt, "layers": layers, "graphs": graphs, "wall_ms_per_step": state["wall"],
+        "decode_step_ms_p50": r["extra"]["decode_step_ms_p50"], "device_ms_per_step": device_total,
+        "kernels_per_step": num_kernels, "weight_bytes": weights, "top": top,
+    }  # fmt: skip
+    del engine, model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="int4-all,fp8")
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--input-len", type=int, default=2048)
+    ap.add_argument("--graphs", default="1")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    results = []
+    for fmt in args.formats.split(","):
+        for g in args.graphs.split(","):
+            res = profile_format(fmt, args.layers, args.steps, args.input_len, g == "1", args.device)
+            results.append(res)
+            print(f"== {fmt} graphs={g}: wall {res['wall_ms_per_step']:.3f} ms/step, p50 {res['decode_step_ms_p50']:.3f}, "
+                  f"device {res['device_ms_per_step']:.3f} ms/step, kernels/step {res['kernels_per_step']:.0f}, "
+                  f"weights {res['weight_bytes'] / 1e6:.0f} MB")  # fmt: skip
+            for t in res["top"]:
+                print(f"   {t['ms_per_step']:8.3f} ms  x{t['per_step']:6.1f}  {t['name']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
