@@ -193,7 +193,9 @@ def attend_slice(
     return m, l, accs
 
 
-@triton.jit
+# the per-step integers: a value of 1 or a multiple of 16 would otherwise compile a variant of its own
+# (a prefill of several prompts, a page table of another width) that the warm-up never ran
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "topk", "stride_ptb", "stride_etb", "stride_tkt"])
 def _mla_paged_kernel(
     q_ptr,  # [T, H, R + Dr] (decode: T = B)
     cache_ptr,  # [P, S, R + Dr]
