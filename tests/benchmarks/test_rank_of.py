@@ -163,3 +163,11 @@ def test_rank_of_record(kind: str, device: str, tmp_path: Path) -> None:
                 "modelled_s": pytest.approx(ops["all_gather"]["modelled_s"]),
             }
         assert set(probe["per_decode_step"]) == {"c1", f"c{concurrency}"}
+        # on CUDA the decode steps replay graphs (the local collectives captured in them)
+        assert (
+            side["decode_graphs"].startswith("buckets")
+            if device == "cuda"
+            else side["decode_graphs"] == "off"
+        )
+    runs = [run for r in entry["rounds"] for run in r["runs"]]
+    assert runs and all((run["graph_replays"] > 0) == (device == "cuda") for run in runs)
