@@ -35,7 +35,8 @@ all-reduce. Every rank must launch the same collectives in the same order, so
 - capture: every rank builds the same engine, so it captures the same buckets, largest first, each
   after one eager warm-up of that bucket (which also creates the NCCL communicators before any
   capture); then `StepChannel.agree` ANDs the ranks' outcomes, and a capture that failed on any rank
-  (a host sync on the decode path) leaves every rank eager;
+  leaves every rank eager. (A failure is a host sync on the decode path: the same code and shapes on
+  every rank, so it stops every rank at the same op, none left waiting in a collective);
 - replay: whether a step replays, and which bucket, is a function of the broadcast `StepInputs`
   alone (`HostBatch.is_pure_decode`, the number of sequences, the page-table width) and of the
   engine's config, so every rank decides the same, and a padded bucket runs its padding rows
