@@ -32,6 +32,13 @@ fixed-shape paths.
 `capture` is injectable: `eager_capture` keeps the static buffers and padding but no graph, which is
 how the CPU tests check bucketing and padding against the plain eager path.
 
+Tensor parallel (backend/engine/ranks.py): every rank captures the same buckets in the same order,
+the model's collectives inside (NCCL kernels in the graph; `--rank-of N`'s local stand-ins as the
+plain ops they are); each bucket's eager warm-up runs the collectives first, so the communicators
+exist before a capture. The runner then `disable`s the graphs on every rank unless every rank
+captured them all. A step's bucket depends only on its `HostBatch` (broadcast to every rank), the
+buckets and `max_pages`, so the ranks replay the same graph, padding rows included.
+
 Shapes: B sequences this step, Bk bucket, Mp = max_pages, S page size, V vocab.
 """
 
@@ -144,6 +151,11 @@ class DecodeGraphs:
     @property
     def is_enabled(self) -> bool:
         return bool(self._replays)
+
+    def disable(self, reason: str) -> None:
+        """Every step eager from now on (the ranks did not all capture: `reason` says why)."""
+        self._replays.clear()
+        self.disabled_reason = self.disabled_reason or reason
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((s for s in self.batch_sizes if s >= num_seqs), None) if self.is_enabled else None

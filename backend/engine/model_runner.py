@@ -8,7 +8,8 @@ longer carries the expected tag is dropped, a read of such a page contributes no
 sets `tag_mismatch`; that request's sampled token is then discarded and the engine aborts it.
 
 Pure-decode steps replay a CUDA graph of their batch-size bucket (`backend.engine.decode_graphs`; on a CUDA
-device with `EngineConfig.cuda_graphs`); prefill and mixed steps run eagerly. Either way the step's
+device with `EngineConfig.cuda_graphs`), under tensor parallelism too, the collectives captured
+(backend/engine/ranks.py); prefill and mixed steps run eagerly. Either way the step's
 host inputs (and the page tags allocated since the last step) cross to the device in one copy
 (`backend.engine.host_staging`), and the step reads back one small tensor: the sampled tokens and the
 tag-mismatch flags together.
@@ -110,6 +111,9 @@ class ModelRunner:
                     capture=graph_capture,
                     staging=self.staging,
                 )
+            # the ranks replay together or not at all: their captured collectives pair up
+            if ranks is not None and not ranks.agree(self.graphs.is_enabled):
+                self.graphs.disable("decode graphs failed to capture on another rank")
             if self.graphs.disabled_reason is not None:  # at start-up, once: every step runs eagerly
                 log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
 

@@ -27,8 +27,21 @@ Failure: a step that fails on a rank (a peer died, or a collective got no answer
 request in flight with `RanksDown`, stops the other ranks and exits, and the supervisor (`kumo
 serve`'s) starts the whole group again.
 
-Under tp > 1 every step runs eagerly: decode steps are not replayed from CUDA graphs until the
-collectives are captured in them (issue 22, deliverable 4).
+CUDA graphs (issue 22, deliverable 4): pure-decode steps replay a graph per batch-size bucket on
+every rank (backend/engine/decode_graphs.py), the model forward's collectives (the embedding, o_proj
+and MoE all-reduces, the logits all-gather, DCP's gathers and reduce-scatters) captured inside it as
+NCCL kernels. Outside the graph, eager: the `StepChannel` broadcast (a pickled object) and the flags
+all-reduce. Every rank must launch the same collectives in the same order, so
+- capture: every rank builds the same engine, so it captures the same buckets, largest first, each
+  after one eager warm-up of that bucket (which also creates the NCCL communicators before any
+  capture); then `StepChannel.agree` ANDs the ranks' outcomes, and a capture that failed on any rank
+  leaves every rank eager. (A failure is a host sync on the decode path: the same code and shapes on
+  every rank, so it stops every rank at the same op, none left waiting in a collective);
+- replay: whether a step replays, and which bucket, is a function of the broadcast `StepInputs`
+  alone (`HostBatch.is_pure_decode`, the number of sequences, the page-table width) and of the
+  engine's config, so every rank decides the same, and a padded bucket runs its padding rows
+  through the collectives on every rank alike.
+Prefill and mixed steps run eagerly, collectives included.
 """
 
 from __future__ import annotations
@@ -95,6 +108,15 @@ class StepChannel:
         except RuntimeError as exc:
             raise self._failed(exc) from exc
         return flags.bool()
+
+    def agree(self, is_ok: bool) -> bool:
+        """True on every rank when `is_ok` is true on every rank (an all-reduce MIN; start-up only)."""
+        flag = torch.tensor([int(is_ok)], dtype=torch.int32, device=self.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except RuntimeError as exc:
+            raise self._failed(exc) from exc
+        return bool(flag.item())
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:

@@ -80,7 +80,7 @@ def build_engine(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         context_window=context_window,
-        cuda_graphs=settings.cuda_graphs and settings.tp == 1,  # collectives in graphs: not yet
+        cuda_graphs=settings.cuda_graphs,  # under --tp N too: the collectives are captured
         tenant_share=settings.tenant_share,
         num_speculative_tokens=settings.speculative,
         speculative_max_seqs=settings.speculative_max_seqs,

@@ -12,7 +12,10 @@ nothing between GPUs:
     reduce-scatter [Nn]   the sum of the N slices (reads Nn, writes n)
 
 The values are not the deployment's (rank 0's partials stand in for the sums), but every shape,
-kernel and byte of rank 0's step is; the router's expert choice is random either way. What the real
+kernel and byte of rank 0's step is; the router's expert choice is random either way. Each stand-in is
+one op on the current stream into the caller's buffer (no host sync, no allocation), so pure-decode
+steps are captured into CUDA graphs as on one device (backend/engine/decode_graphs.py): a replay runs
+the stand-ins without calling them, and `calls` grows only on eager steps (and at capture). What the real
 collectives would cost is modelled, not measured: `collective_probe` counts, for a pure-decode step
 at c = 1 and at the scenario's concurrency, the calls and bytes of each collective (one step's
 forward through the engine, 1-token prompts: the same shapes as a decode step), and the time a ring

@@ -182,7 +182,7 @@ class Bench:
         )
         config = engine_config(
             max(int(sizing.num_pages * opts.pool_scale), 1), sizing.page_size, side.kv_dtype, opts.concurrency,
-            opts.chunk, check_page_tags=side.check_page_tags, cuda_graphs=opts.cuda_graphs and opts.tp == 1,
+            opts.chunk, check_page_tags=side.check_page_tags, cuda_graphs=opts.cuda_graphs,
         )  # fmt: skip
         ranks = None
         if opts.tp > 1:  # rank 0's steps reach the other ranks tagged with this side's key
@@ -212,6 +212,7 @@ class Bench:
             "kv_capacity_tokens": num_pages * engine.config.page_size,
             "requests_that_fit": num_pages
             // -(-(self.opts.input_len + self.opts.output_len) // engine.config.page_size),
+            "decode_graphs": _graphs_state(engine),
         }
         if self.opts.collectives is not None:  # --rank-of N: what the real collectives would move
             from benchmarks.engine.rank_of import collective_probe
@@ -247,11 +248,14 @@ class Bench:
                 self.peer, opts.hf_mode, concurrency=opts.concurrency, input_len=opts.input_len,
                 output_len=opts.output_len, vocab=self.vocab, device=opts.device,
             ) | {"variant": variant, "is_complete": True}  # fmt: skip
+        graphs = self.engines[key].runner.graphs
+        replays0 = graphs.num_replays if graphs is not None else 0  # the decode steps replayed: the delta
         r = run_offline(
             self.engines[key], variant=variant, concurrency=opts.concurrency, input_len=opts.input_len,
             output_len=opts.output_len, vocab_size=self.vocab, seed=seed, time_limit_s=max(opts.time_left(), 1.0),
             around_step=around_step,
         ).to_dict()  # fmt: skip
+        r["graph_replays"] = graphs.num_replays - replays0 if graphs is not None else 0
         r["is_complete"] = r["output_tokens"] == opts.concurrency * opts.output_len
         if opts.output_len == 1 and r["ttft_ms_p50"]:  # one prompt: its prefill rate
             r["prefill_tok_s"] = opts.input_len * opts.concurrency / (r["ttft_ms_max"] / 1e3)
@@ -297,6 +301,14 @@ class Bench:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _graphs_state(engine: Engine) -> str:
+    """The buckets when pure-decode steps replay CUDA graphs, else why they run eagerly."""
+    graphs = engine.runner.graphs
+    if graphs is None:
+        return "off"
+    return f"buckets {graphs.batch_sizes}" if graphs.is_enabled else f"eager: {graphs.disabled_reason}"
 
 
 def measure(name: str, geometry: Geometry, opts: ScenarioOptions) -> dict[str, Any] | None:

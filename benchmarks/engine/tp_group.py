@@ -13,7 +13,8 @@ step with the side it belongs to, since the two sides are two engines (two model
     forward + tag-flag all-reduce      ◀─────────▶  forward + tag-flag all-reduce
     ... when done: send None            ── bcast ──▶  stop
 
-Every step runs eagerly (no CUDA graphs under tp > 1, as in the backend).
+Pure-decode steps replay CUDA graphs on every rank, the collectives captured in them, as in the
+backend (backend/engine/ranks.py); `--no-cuda-graphs` runs every step eagerly.
 """
 
 from __future__ import annotations

@@ -42,6 +42,65 @@ def test_collectives_are_local_ops_of_the_same_size() -> None:
     subprocess.run([sys.executable, "-c", LOCAL_OPS], env=ENV, check=True, cwd=ROOT, timeout=120)
 
 
+# rank 0 of 4 (tiny geometry, 2 layers) with decode graphs on and off: the same greedy tokens (up to a
+# near-tie, test_decode_graphs_cuda.py's rule), every pure-decode step replayed, and a replayed step
+# calls no collective from Python (the local stand-ins ran once, at capture, and sit in the graph)
+GRAPHS = """
+import statistics, sys, torch
+from backend.engine.engine import Engine
+from benchmarks.engine.geometry import make_geometry
+from benchmarks.engine.offline import engine_config
+from benchmarks.engine.rank_of import join_alone
+from benchmarks.engine.weights import build_random_model
+from tests.backend.engine.test_decode_graphs_cuda import NUM_TOKENS, assert_same_greedy, requests, run_timed
+kind, weights = sys.argv[1], sys.argv[2]
+pg = join_alone(4)
+geometry = make_geometry(kind, 2, tiny=True, rank_of=4)
+model = build_random_model(geometry, weights, device="cuda")
+vocab = geometry.model_config.vocab_size
+def engine(graphs):
+    config = engine_config(256, 16, "bf16", 8, 512, cuda_graphs=graphs)
+    return Engine(model, config, vocab_size=vocab, context_window=256, model_dtype=torch.bfloat16, device="cuda")
+eager, graphed = engine(False), engine(True)
+graphs = graphed.runner.graphs
+assert eager.runner.graphs is None and graphs is not None
+assert graphs.is_enabled, graphs.disabled_reason
+for num_seqs in (1, 3, 8):
+    replays = graphs.num_replays
+    want, eager_s = run_timed(eager, requests(num_seqs, vocab, "eager"))
+    got, graph_s = run_timed(graphed, requests(num_seqs, vocab, "graph"))
+    assert graphs.num_replays - replays >= NUM_TOKENS - 2, graphs.num_replays - replays
+    agreed = sum(assert_same_greedy(want[r], got[r], f"{kind} {weights} B={num_seqs} {r}") for r in want)
+    print(f"{kind} {weights} rank 0 of 4, B={num_seqs}: eager {1e3 * statistics.median(eager_s):.2f} ms/step, "
+          f"graphs {1e3 * statistics.median(graph_s):.2f} ms/step; tokens agreed {agreed}/{NUM_TOKENS * num_seqs}")
+def decode_step_calls(engine):
+    for req in requests(2, vocab, f"calls-{engine.runner.graphs is not None}"):
+        engine.add_request(req)
+    engine.step()  # both prompts (17 and 28 tokens) in one prefill step
+    calls = len(pg.calls)
+    engine.step()  # a pure-decode step
+    return len(pg.calls) - calls
+replays = graphs.num_replays
+assert decode_step_calls(graphed) == 0 and graphs.num_replays == replays + 1
+assert decode_step_calls(eager) == 1 + 2 * geometry.num_layers + 1  # all-reduces, the logits' all-gather
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kind", "weights"), [("glm-5.2", "int4-all"), ("kimi-k2.6", "bf16")])
+def test_rank_of_decode_replays_cuda_graphs(kind: str, weights: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", GRAPHS, kind, weights],
+        env=ENV,
+        cwd=ROOT,
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def test_ring_model() -> None:
     # an all-reduce of n bytes over 8 ranks sends 2·7/8·n per rank; an all-gather 7/8 of the gathered size
     assert ring_sent("all_reduce", 800, 8) == 1400
@@ -104,3 +163,11 @@ def test_rank_of_record(kind: str, device: str, tmp_path: Path) -> None:
                 "modelled_s": pytest.approx(ops["all_gather"]["modelled_s"]),
             }
         assert set(probe["per_decode_step"]) == {"c1", f"c{concurrency}"}
+        # on CUDA the decode steps replay graphs (the local collectives captured in them)
+        assert (
+            side["decode_graphs"].startswith("buckets")
+            if device == "cuda"
+            else side["decode_graphs"] == "off"
+        )
+    runs = [run for r in entry["rounds"] for run in r["runs"]]
+    assert runs and all((run["graph_replays"] > 0) == (device == "cuda") for run in runs)

@@ -39,7 +39,10 @@ With dcp = 8 each MLA layer adds an all-gather of the queries over the group's h
 2 B per token), an all-gather of the log-sum-exps (64 × 4 B) and a reduce-scatter of the fp32
 partial outputs (64 × 512 × 4 B): 179 KB sent per rank per layer at c=1, 11.5 MB at c=64 (61
 layers: 10.9 MB and 700 MB per step; bf16 partials would halve the reduce-scatter's share).
-On one rank no collective runs.
+On one rank no collective runs. Every collective here is a tensor collective into a buffer of a
+fixed shape (all-reduce, `all_gather_flat`, `reduce_scatter_flat`; no object collectives), so a
+decode step's are captured in its CUDA graph (NCCL kernels, or `--rank-of`'s local ops;
+backend/engine/ranks.py).
 """
 
 from __future__ import annotations

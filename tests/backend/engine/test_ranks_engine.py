@@ -1,6 +1,8 @@
 """The rank group's step loop at the engine level: 2 ranks over gloo (forked) give the 1-rank engine's
 greedy tokens and logprobs for every architecture (Kimi K2.5 with an image), and a tag fault on
-rank 1 alone aborts exactly the request it hit, on every rank, with the others unharmed.
+rank 1 alone aborts exactly the request it hit, on every rank, with the others unharmed. With decode
+graphs (`eager_capture`, the CPU's seam into them) every rank replays the same buckets, padding rows
+included, and serves the same; a capture that fails on one rank leaves every rank eager.
 
 Rank 0 runs the `Engine` (scheduler, block manager, sampler) with a `StepChannel`; rank 1 builds the
 same engine over its slice of the checkpoint and follows rank 0's steps (`follow_steps`).
@@ -9,6 +11,7 @@ same engine over its slice of the checkpoint and follows rank 0's steps (`follow
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from backend.engine.decode_graphs import Capture, Replay, eager_capture
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.ranks import StepChannel, StepInputs, follow_steps
@@ -28,19 +32,53 @@ from tests.backend.models.test_models_parallel import _image_step
 from tests.backend.tiny_checkpoints import make_tiny
 
 VOCAB = 253  # prime: uneven vocab-parallel ranges
+BUCKETS = (1, 2, 4, 8)  # the decode graphs' batch sizes (the tests with graphs)
 IMAGE_ROWS = [4, 5, 6, 7]  # the K2.5 request's image placeholders (a 56×56 image: 4 tokens)
 
 
-def _engine(path: str, rank: int, world: int, dcp: int, channel: StepChannel | None) -> Engine:
+def _engine(
+    path: str, rank: int, world: int, dcp: int, channel: StepChannel | None, capture: Capture | None = None
+) -> Engine:
     loaded = load_model(path, dtype=torch.float32, rank=rank, world_size=world, dcp=dcp)
-    config = EngineConfig.build(page_size=4 * dcp, num_pages=48, max_num_batched_tokens=24, max_num_seqs=8)
+    config = EngineConfig.build(
+        page_size=4 * dcp,
+        num_pages=48,
+        max_num_batched_tokens=24,
+        max_num_seqs=8,
+        cuda_graph_batch_sizes=BUCKETS,
+    )
     return Engine(
         loaded.model,
         config,
         vocab_size=VOCAB,
         context_window=loaded.config.max_position_embeddings,
+        graph_capture=capture,
         ranks=channel,
     )
+
+
+class CountingCapture:
+    """`eager_capture` that counts each bucket's replays; with `is_failing`, every capture raises
+    (as a host sync on the decode path would under CUDA)."""
+
+    def __init__(self, is_failing: bool = False) -> None:
+        self.is_failing = is_failing
+        self.counts: list[int] = []  # per capture, in capture order (largest bucket first)
+
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Replay:
+        if self.is_failing:
+            raise RuntimeError("a host sync on the decode path")
+        i = len(self.counts)
+        self.counts.append(0)
+
+        def replay() -> torch.Tensor:
+            self.counts[i] += 1
+            return eager_capture(step)()
+
+        return replay
+
+    def by_bucket(self) -> dict[int, int]:
+        return dict(zip(sorted(BUCKETS, reverse=True), self.counts, strict=False))
 
 
 def _serve(engine: Engine, path: str, arch: str) -> dict[str, list[EngineOutput]]:
@@ -76,14 +114,19 @@ class _FaultOnFirstDecode:
         return self.runner.forward_step(inputs)
 
 
-def _rank_main(rank: int, world: int, arch: str, path: str, dcp: int, fault: bool, tmp: str) -> None:
+def _rank_main(
+    rank: int, world: int, arch: str, path: str, dcp: int, fault: bool, graphs: str, tmp: str
+) -> None:
+    """`graphs`: "" (no decode graphs), "eager" (`CountingCapture` on every rank), "fail1" (rank 1's
+    captures fail). With graphs each rank writes what its graphs did to graphs-{rank}.pkl."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
     try:
         channel = StepChannel(rank, world, torch.device("cpu"))
-        engine = _engine(path, rank, world, dcp, channel)
+        capture = CountingCapture(is_failing=graphs == "fail1" and rank == 1) if graphs else None
+        engine = _engine(path, rank, world, dcp, channel, capture)
         if rank == 0:
             outputs = _serve(engine, path, arch)
             channel.send(None)
@@ -92,15 +135,26 @@ def _rank_main(rank: int, world: int, arch: str, path: str, dcp: int, fault: boo
             runner = _FaultOnFirstDecode(engine.runner) if fault else engine.runner
             num_steps = follow_steps(runner, channel)
             assert num_steps > 3
+        if capture is not None:
+            g = engine.runner.graphs
+            assert g is not None
+            state = (g.is_enabled, g.num_replays, capture.by_bucket(), g.disabled_reason)
+            (Path(tmp) / f"graphs-{rank}.pkl").write_bytes(pickle.dumps(state))
     finally:
         dist.destroy_process_group()
 
 
-def _run_ranks(arch: str, path: Path, tmp: Path, *, dcp: int = 1, fault: bool = False) -> Any:
+def _run_ranks(
+    arch: str, path: Path, tmp: Path, *, dcp: int = 1, fault: bool = False, graphs: str = ""
+) -> Any:
     mp.start_processes(
-        _rank_main, args=(2, arch, str(path), dcp, fault, str(tmp)), nprocs=2, start_method="fork"
+        _rank_main, args=(2, arch, str(path), dcp, fault, graphs, str(tmp)), nprocs=2, start_method="fork"
     )
     return pickle.loads((tmp / "outputs.pkl").read_bytes())
+
+
+def _graphs_of(tmp: Path, rank: int) -> tuple[bool, int, dict[int, int], str | None]:
+    return pickle.loads((tmp / f"graphs-{rank}.pkl").read_bytes())
 
 
 def _tokens_and_logprobs(outputs: list[EngineOutput]) -> tuple[list[int], list[float], list[Any]]:
@@ -120,11 +174,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("arch", "dcp"), CASES)
-def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) -> None:
-    path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
-    expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
-    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp)
+def _assert_same_outputs(got: dict[str, list[EngineOutput]], expected: dict[str, list[EngineOutput]]) -> None:
     assert got.keys() == expected.keys() == {"r0", "r1", "r2"}
     for rid in expected:
         e_tokens, e_logprobs, e_prompt = _tokens_and_logprobs(expected[rid])
@@ -139,13 +189,50 @@ def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) ->
             atol=1e-5,
             rtol=0,
         )
+
+
+@pytest.mark.parametrize(("arch", "dcp"), CASES)
+def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) -> None:
+    path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
+    expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
+    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp)
+    _assert_same_outputs(got, expected)
     assert load.free_pages == load.total_pages and load.running == load.waiting == 0
 
 
-def test_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arch", "dcp"), [("deepseek_v3", 1), ("glm_moe_dsa", 2), ("glm4_moe", 1)])
+def test_two_ranks_replay_the_same_decode_graphs(arch: str, dcp: int, tmp_path: Path) -> None:
+    # every rank's pure-decode steps go through DecodeGraphs (static buffers, padding rows, the
+    # collectives inside the captured step) in the same buckets, and serve what one eager rank serves
+    path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
+    expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
+    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp, graphs="eager")
+    _assert_same_outputs(got, expected)
+    assert load.free_pages == load.total_pages
+    on0, replays0, buckets0, _ = _graphs_of(tmp_path, 0)
+    on1, replays1, buckets1, _ = _graphs_of(tmp_path, 1)
+    assert on0 and on1
+    assert replays0 == replays1 == sum(buckets0.values()) >= 5
+    assert buckets0 == buckets1
+    assert buckets0[4] > 0  # three sequences decode in bucket 4: one padding row, through the collectives
+
+
+def test_a_capture_failed_on_one_rank_leaves_every_rank_eager(tmp_path: Path) -> None:
     path = make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), "deepseek_v3")
-    got, load = _run_ranks("deepseek_v3", path, tmp_path, fault=True)
+    got, _ = _run_ranks("deepseek_v3", path, tmp_path, graphs="fail1")
+    _assert_same_outputs(got, expected)
+    (on0, replays0, buckets0, why0), (on1, _, _, why1) = _graphs_of(tmp_path, 0), _graphs_of(tmp_path, 1)
+    assert not on0 and not on1 and replays0 == 0 == sum(buckets0.values())
+    assert why0 is not None and "another rank" in why0
+    assert why1 is not None and "host sync" in why1
+
+
+@pytest.mark.parametrize("graphs", ["", "eager"])
+def test_tag_fault_on_rank_1_aborts_only_its_request(graphs: str, tmp_path: Path) -> None:
+    path = make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB)
+    expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), "deepseek_v3")
+    got, load = _run_ranks("deepseek_v3", path, tmp_path, fault=True, graphs=graphs)
     aborted = {rid for rid, outs in got.items() if outs[-1].error is not None}
     assert len(aborted) == 1, got
     (victim,) = aborted
@@ -159,6 +246,8 @@ def test_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path) -> None:
         assert g_tokens == e_tokens and got[rid][-1].finish_reason == "length"
         torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
     assert load.free_pages == load.total_pages  # the victim's pages went back to the pool
+    if graphs:  # the faulty step was a replay on both ranks
+        assert _graphs_of(tmp_path, 0)[1] == _graphs_of(tmp_path, 1)[1] > 0
 
 
 def test_parallel_settings() -> None:
