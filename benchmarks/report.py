@@ -99,7 +99,7 @@ def summary_table(merged: dict[str, Any], sources: list[str]) -> str:
             f"| `{key}` | {_ratio(key, entry['value'])} | [{_ratio(key, entry['spread'][0])}, "
             f"{_ratio(key, entry['spread'][1])}] | {len(entry['samples'])} | {seed} | {goal} "
             f"| {'-' if met is None else ('yes' if met else '**no**')} | {on['kind']}, {on['layers']} of "
-            f"{on['full_layers']} layers{_slice(on)}, {on['device']} | {', '.join('yes' if f else 'no' for f in fresh)} "
+            f"{on['full_layers']} layers{_slice(on)}, {_workload(scenarios[key]['workload'])}, {on['device']} | {', '.join('yes' if f else 'no' for f in fresh)} "
             f"| {_beside(scenarios[key].get('beside') or {})} |"
         )
     return "\n".join(lines) + "\n"
@@ -144,6 +144,11 @@ def _beside(beside: dict[str, Any]) -> str:
         elif x is not None:
             shown.append(f"{field} {x:.2f}")
     return "; ".join(shown)
+
+
+def _workload(w: dict[str, Any]) -> str:
+    """Requests x prompt / output tokens, as run (a scenario's lengths can be cut to fit a call)."""
+    return f"{w['concurrency']} x {w['input_len']:,} / {w['output_len']:,} tokens"
 
 
 def _slice(on: dict[str, Any]) -> str:
