@@ -104,6 +104,12 @@ case $stage in
       for m in "${points[@]}"; do bench "$m" 1; bench "$m" 16; done
       exit 0
     fi
+    # the gateway's dependencies (pyproject.toml) must import here: say which do not, in seconds, not minutes
+    $PYTHON -c "
+import importlib.util as u
+names = 'starlette uvicorn httptools httpx msgspec structlog sqlalchemy aiosqlite asyncpg alembic redis prometheus_client jinja2 PIL tokenizers tiktoken llguidance safetensors tqdm'
+missing = [n for n in names.split() if u.find_spec(n) is None]
+raise SystemExit('== missing for kumo serve: ' + ' '.join(missing) if missing else 0)" || exit 1
     fresh=yes; [ -d "$data" ] && fresh="no (its conversions and compile cache kept from an earlier start)"
     start=$SECONDS
     "${server_cmd[@]}" > "$OUT/serve.stdout" 2> "$OUT/serve.stderr" &
