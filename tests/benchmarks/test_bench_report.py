@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from benchmarks.cli import main as bench_main
+from benchmarks.engine.method import summary_entry
+from benchmarks.engine.report import merge
 from benchmarks.report import (
     BEGIN,
     END,
@@ -203,3 +205,21 @@ def test_the_committed_tables_are_what_the_generator_writes_for_the_committed_re
     assert block(readme, SERVE_BEGIN, SERVE_END) == serve_table, f"its serving table is stale: {REGENERATE}"
     assert (RESULTS / "engine-summary.md").read_text() == engine_table, REGENERATE
     assert (RESULTS / "serve-summary.md").read_text() == serve_table, REGENERATE
+
+
+def test_where_records_of_a_key_differ_in_depth_the_deepest_is_the_summary(records: list[Path]) -> None:
+    shallow = json.loads(records[0].read_text())
+    deep = json.loads(records[0].read_text())
+    deep["geometry"]["num_layers"] += 1  # another measurement: one round, deeper
+    entry = deep["scenarios"]["fp8kv_vs_bf16kv_c1"]
+    entry["rounds"], entry["summary"] = entry["rounds"][:1], summary_entry([0.5])
+    deep["command"] += " --layers 3"
+    for order in ([shallow, deep], [deep, shallow]):
+        merged = merge(order)
+        assert merged["summary"]["fp8kv_vs_bf16kv_c1"]["samples"] == [0.5]
+        assert merged["scenarios"]["fp8kv_vs_bf16kv_c1"]["not_pooled"] == [shallow["command"]]
+    same_depth = json.loads(json.dumps(deep))
+    same_depth["geometry"]["num_layers"] = shallow["geometry"]["num_layers"]
+    same_depth["scenarios"]["fp8kv_vs_bf16kv_c1"]["workload"]["output_len"] += 1  # not poolable with it
+    merged = merge([shallow, same_depth])  # at one depth: the most rounds
+    assert merged["summary"]["fp8kv_vs_bf16kv_c1"] == shallow["summary"]["fp8kv_vs_bf16kv_c1"]
