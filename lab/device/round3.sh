@@ -2,7 +2,8 @@
 # Round 3's device calls (issue 25), one stage a call on one H200, carry [".whl"] as round2.sh:
 #   run(command="bash lab/device/round3.sh scenarios", carry=[".whl"], timeout_s=600)   # ≤ 9 min
 #   run(command="bash lab/device/round3.sh serve", carry=[".whl"], timeout_s=300)       # ≤ 4 min
-# Records, Markdown and logs land in $OUT; the last lines printed are the summary (rc, rounds, ratio).
+# The JSON records land in $OUT, and beside them one archive, round3-STAGE-logs.tgz, of everything
+# (records, Markdown, logs; $OUT brings back 8 files at most); the last lines printed are the summary.
 #
 # scenarios: the summary keys not yet measured, most valuable first, each its own process (so each
 #   writes its record before the next starts, whatever happens to a later one), each warm and A/B/B/A
@@ -38,8 +39,9 @@ PYTHON=${PYTHON:-python3}
 TINY=${TINY:-0}
 DRY=${DRY:-0}
 LIMIT=${LIMIT:-530}
+LOGS=${LOGS:-/tmp/round3-logs}/$stage  # all a stage writes; $OUT gets the records and an archive of this
 EXIT_S=15  # a scenario's process after its deadline: the run in flight cut, the record written
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 if [ "$TINY" = 0 ] && [ "$DRY" = 0 ]; then
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
@@ -57,15 +59,19 @@ scenario() {
     echo "== $name: skipped, ${left}s left of the call (it needs ${min}s)"
     return
   fi
-  local cmd=("$PYTHON" -m benchmarks.cli engine scenario "$name" "$@" --budget-s "$budget" --out "$OUT/$name.json")
+  local cmd=("$PYTHON" -m benchmarks.cli engine scenario "$name" "$@" --budget-s "$budget" --out "$LOGS/$name.json")
   if [ "$DRY" = 1 ]; then
     echo "${cmd[*]}"
     return
   fi
-  timeout $((budget + 45)) "${cmd[@]}" > "$OUT/$name.log" 2>&1
+  timeout $((budget + 45)) "${cmd[@]}" > "$LOGS/$name.log" 2>&1
   echo "== $name rc=$? at ${SECONDS}s (budget ${budget}s)"
-  grep -E "^\| $name \||^Beside|^Warm-up|^No warm-up" "$OUT/$name.log" | sed 's/ | not measured here.*//'
+  grep -E "^\| $name \||^Beside|^Warm-up|^No warm-up" "$LOGS/$name.log" | sed 's/ | not measured here.*//'
+  cp "$LOGS/$name.json" "$OUT/" 2>/dev/null
+  archive scenarios  # after each: what a later scenario's overrun cannot take back
 }
+
+archive() { tar -czf "$OUT/round3-$1-logs.tgz" -C "$LOGS" .; }
 
 case $stage in
   scenarios)
@@ -93,10 +99,10 @@ case $stage in
       local name="serve-${1##*/}-c$2"
       local cmd=("$PYTHON" -m benchmarks.cli serve --url "http://127.0.0.1:$port" --account "$account" --token "$token"
         --model "$1" --concurrency "$2" --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}"
-        --duration "${DURATION:-15}" --slo-ttft-ms 1000 --slo-tpot-ms 50 --machine "$note" --out "$OUT/$name.json")
+        --duration "${DURATION:-15}" --slo-ttft-ms 1000 --slo-tpot-ms 50 --machine "$note" --out "$LOGS/$name.json")
       if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return; fi
-      timeout $((${DURATION:-15} + 90)) "${cmd[@]}" > "$OUT/$name.log" 2>&1
-      echo "== $1 c=$2 rc=$? at ${SECONDS}s"; tail -1 "$OUT/$name.log"
+      timeout $((${DURATION:-15} + 90)) "${cmd[@]}" > "$LOGS/$name.log" 2>&1
+      echo "== $1 c=$2 rc=$? at ${SECONDS}s"; tail -1 "$LOGS/$name.log"
     }
     points=(@cf/moonshotai/kimi-k2.6 @cf/zai-org/glm-5.2)
     if [ "$DRY" = 1 ]; then
@@ -112,18 +118,19 @@ missing = [n for n in names.split() if u.find_spec(n) is None]
 raise SystemExit('== missing for kumo serve: ' + ' '.join(missing) if missing else 0)" || exit 1
     fresh=yes; [ -d "$data" ] && fresh="no (its conversions and compile cache kept from an earlier start)"
     start=$SECONDS
-    "${server_cmd[@]}" > "$OUT/serve.stdout" 2> "$OUT/serve.stderr" &
+    "${server_cmd[@]}" > "$LOGS/serve.stdout" 2> "$LOGS/serve.stderr" &
     server=$!
-    until grep -q "API token:" "$OUT/serve.stdout" 2>/dev/null; do
+    until grep -q "API token:" "$LOGS/serve.stdout" 2>/dev/null; do
       if ! kill -0 "$server" 2>/dev/null || [ $((SECONDS - start)) -gt "${READY_S:-150}" ]; then
-        echo "== kumo serve not ready after $((SECONDS - start))s"; tail -20 "$OUT/serve.stdout" "$OUT/serve.stderr"
-        tail -20 "$data"/logs/*.log; kill -TERM "$server" 2>/dev/null; wait "$server"; exit 1
+        echo "== kumo serve not ready after $((SECONDS - start))s"; tail -20 "$LOGS/serve.stdout" "$LOGS/serve.stderr"
+        tail -20 "$data"/logs/*.log; kill -TERM "$server" 2>/dev/null; wait "$server"
+        cp "$data"/logs/*.log "$LOGS/" 2>/dev/null; archive serve; exit 1
       fi
       sleep 1
     done
     ready_s=$((SECONDS - start))
-    account=$(sed -n 's/.*Account ID: \([0-9a-f]\{32\}\).*/\1/p' "$OUT/serve.stdout")
-    token=$(sed -n 's/.*API token:  \(\S\+\).*/\1/p' "$OUT/serve.stdout")
+    account=$(sed -n 's/.*Account ID: \([0-9a-f]\{32\}\).*/\1/p' "$LOGS/serve.stdout")
+    token=$(sed -n 's/.*API token:  \(\S\+\).*/\1/p' "$LOGS/serve.stdout")
     warm=$(for log in "$data"/logs/*.log; do  # the logs are appended to: this start's line is the last
       grep -o "kumo backend: \S* ready in [0-9.]* s, of which warm-up [0-9.]* s" "$log" | tail -1; done \
       | sed 's/^kumo backend: //' | paste -sd ';' | sed 's/;/; /g')
@@ -133,7 +140,10 @@ raise SystemExit('== missing for kumo serve: ' + ' '.join(missing) if missing el
     echo "== kumo serve ready in ${ready_s}s: $warm"
     for m in "${points[@]}"; do bench "$m" 1; bench "$m" 16; done
     kill -TERM "$server"; wait "$server"; echo "== kumo serve stopped: rc=$?"
-    cp "$data"/logs/*.log "$OUT/" 2>/dev/null
+    cp "$data"/logs/*.log "$LOGS/" 2>/dev/null
+    sed -i 's/\(API token: *\|Admin token: *\|TOKEN=\|KUMO_ADMIN_TOKEN=\)\S*/\1(removed)/' "$LOGS/serve.stdout"
+    cp "$LOGS"/serve-*.json "$OUT/" 2>/dev/null
+    archive serve
     ;;
   *)
     echo "unknown stage $stage (scenarios|serve)" >&2

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ UNMEASURED = [
 def commands(stage: str, tmp_path: Path, **env: str) -> list[list[str]]:
     """The commands the stage would run on the device (DRY=1 prints them, one a line)."""
     done = subprocess.run(
-        ["bash", str(SCRIPT), stage], cwd=ROOT, env=dict(os.environ, DRY="1", OUT=str(tmp_path), **env),
+        ["bash", str(SCRIPT), stage], cwd=ROOT, env=dict(os.environ, DRY="1", OUT=str(tmp_path), LOGS=str(tmp_path / "logs"), **env),
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return [shlex.split(line) for line in done.stdout.splitlines() if not line.startswith("==")]
@@ -45,7 +46,7 @@ def test_the_scenarios_stage_runs_the_unmeasured_keys_each_parsed_and_in_budget(
     parsed = [scenario_parser().parse_args(argv[5:]) for argv in argvs]  # an argument error fails here
     for a in parsed:
         assert a.rounds >= 3 and a.rank_of == 8 and not a.tiny
-        assert a.out == tmp_path / f"{a.name}.json"  # each its own record, written when it ends
+        assert a.out == tmp_path / "logs" / "scenarios" / f"{a.name}.json"  # its own record, when it ends
     assert sum(a.budget_s + 15 for a in parsed) <= 530 - 10  # the call's limit, the wheels' install left
 
 
@@ -79,7 +80,8 @@ def test_the_serve_stage_starts_kumo_serve_on_cuda_and_benches_each_model_at_1_a
     assert [(a.model.rsplit("/", 1)[1], a.concurrency) for a in parsed] == [
         ("kimi-k2.6", 1), ("kimi-k2.6", 16), ("glm-5.2", 1), ("glm-5.2", 16),
     ]  # fmt: skip
-    assert all(a.duration and a.slo_ttft_ms and a.slo_tpot_ms and a.out.parent == tmp_path for a in parsed)
+    assert all(a.duration and a.slo_ttft_ms and a.slo_tpot_ms for a in parsed)
+    assert all(a.out.parent == tmp_path / "logs" / "serve" for a in parsed)
     assert sum(a.duration + 5 for a in parsed) + 150 <= 240  # start-up limit + the points: 4 minutes
 
 
@@ -87,19 +89,24 @@ def test_the_serve_stage_starts_kumo_serve_on_cuda_and_benches_each_model_at_1_a
 def test_at_tiny_scale_each_scenario_writes_its_record_and_what_no_longer_fits_is_skipped(
     tmp_path: Path,
 ) -> None:
-    env = dict(
-        os.environ, TINY="1", LIMIT="55", OUT=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(ROOT)
-    )
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    env = dict(os.environ, TINY="1", LIMIT="55", OUT=str(out), LOGS=str(logs), PYTHON=sys.executable)
+    env["PYTHONPATH"] = str(ROOT)
     done = subprocess.run(
         ["bash", str(SCRIPT), "scenarios"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    ran = [name for name in UNMEASURED if (tmp_path / f"{name}.json").exists()]
+    ran = [name for name in UNMEASURED if (out / f"{name}.json").exists()]
     assert ran and ran == UNMEASURED[: len(ran)]  # in the order of value, each record written
     for name in ran:
-        entry = json.loads((tmp_path / f"{name}.json").read_text())["scenarios"][name]
+        entry = json.loads((out / f"{name}.json").read_text())["scenarios"][name]
         assert len(entry["rounds"]) >= 3 and entry["order"][:4] == ["A", "B", "B", "A"]
         assert f"== {name} rc=0" in done.stdout and f"| {name} |" in done.stdout
     for name in UNMEASURED[len(ran) :]:
         assert f"== {name}: skipped" in done.stdout
     assert len(ran) < len(UNMEASURED)  # 55 s does not hold all four: the rest are skipped, said so
+    # what comes back from the device ($OUT, 8 files at most): the records and one archive of the rest
+    expected = sorted([f"{n}.json" for n in ran] + ["round3-scenarios-logs.tgz"])
+    assert sorted(p.name for p in out.iterdir()) == expected
+    with tarfile.open(out / "round3-scenarios-logs.tgz") as tar:
+        assert {f"./{n}.{ext}" for n in ran for ext in ("json", "md", "log")} <= set(tar.getnames())
