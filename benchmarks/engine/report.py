@@ -155,7 +155,8 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
 def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per scenario, its rounds pooled over the records that ran it on the same geometry, depth and
     workload (calls that split the rounds of one measurement); where records differ there, the group
-    with the most rounds is kept and the others are named in `not_pooled`."""
+    measured deepest (the largest share of the full depth) is kept, then the one with the most rounds,
+    then the newest, and the others are named in `not_pooled`."""
     groups: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {}
     for r in records:
         for name, entry in (r.get("scenarios") or {}).items():
@@ -164,7 +165,7 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
             groups.setdefault(name, {}).setdefault(key, []).append((r, entry))
     out: dict[str, Any] = {}
     for name, by_key in groups.items():
-        best = max(by_key.values(), key=lambda g: sum(len(e["rounds"]) for _, e in g))
+        best = max(by_key.values(), key=_preference)
         pooled = dict(best[0][1])
         pooled["rounds"] = [x for _, e in best for x in e["rounds"]]
         pooled["order"] = [s for _, e in best for s in e["order"]]
@@ -176,9 +177,16 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
         pooled["not_pooled"] = [r["command"] for g in by_key.values() if g is not best for r, _ in g]
         first = best[0][0]
         pooled["measured_on"] = {"kind": first["geometry"]["kind"], "layers": _layers(first),
-                                 "full_layers": first["geometry"]["full_num_layers"], "device": first["device"]}  # fmt: skip
+                                 "full_layers": first["geometry"]["full_num_layers"], "device": first["device"],
+                                 "rank_of": first["geometry"].get("rank_of", 1)}  # fmt: skip
         out[name] = pooled
     return out
+
+
+def _preference(group: list[tuple[dict[str, Any], dict[str, Any]]]) -> tuple[float, int, str]:
+    first = group[0][0]
+    depth = _layers(first) / int(first["geometry"]["full_num_layers"])
+    return depth, sum(len(e["rounds"]) for _, e in group), max(r["date"] for r, _ in group)
 
 
 def _layers(record: dict[str, Any]) -> int:
