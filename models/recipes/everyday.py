@@ -17,30 +17,171 @@ from __future__ import annotations
 import json
 import random
 
-CITIES = (
-    "Tokyo Paris London Berlin Madrid Rome Lisbon Dublin Oslo Stockholm Helsinki Warsaw Prague Vienna "
-    "Budapest Athens Istanbul Cairo Lagos Nairobi Accra Casablanca Johannesburg Dubai Riyadh Tehran Karachi "
-    "Delhi Mumbai Chennai Dhaka Bangkok Hanoi Manila Jakarta Singapore Seoul Beijing Shanghai Osaka Sydney "
-    "Melbourne Auckland Toronto Montreal Vancouver Chicago Boston Seattle Denver Houston Miami Atlanta "
-    "Phoenix Mexico Lima Bogota Santiago Quito Caracas Havana Reykjavik Zurich Geneva Munich Hamburg Lyon "
-    "Marseille Porto Seville Naples Milan Krakow Kyiv Minsk Riga Tallinn Vilnius Sofia Belgrade Zagreb "
-    "Tunis Algiers Dakar Kampala Kigali Lusaka Harare Perth Brisbane Adelaide Wellington Honolulu Anchorage"
-).split() + ["New York", "Los Angeles", "San Francisco", "Buenos Aires", "Rio de Janeiro", "Sao Paulo",
+CITIES = ["Tokyo", "Paris", "London", "Berlin", "Madrid", "Rome", "Lisbon", "Dublin", "Oslo", "Stockholm", "Helsinki", "Warsaw", "Prague", "Vienna", "Budapest", "Athens", "Istanbul", "Cairo", "Lagos", "Nairobi", "Accra", "Casablanca", "Johannesburg", "Dubai", "Riyadh", "Tehran", "Karachi", "Delhi", "Mumbai", "Chennai", "Dhaka", "Bangkok", "Hanoi", "Manila", "Jakarta", "Singapore", "Seoul", "Beijing", "Shanghai", "Osaka", "Sydney", "Melbourne", "Auckland", "Toronto", "Montreal", "Vancouver", "Chicago", "Boston", "Seattle", "Denver", "Houston", "Miami", "Atlanta", "Phoenix", "Mexico", "Lima", "Bogota", "Santiago", "Quito", "Caracas", "Havana", "Reykjavik", "Zurich", "Geneva", "Munich", "Hamburg", "Lyon", "Marseille", "Porto", "Seville", "Naples", "Milan", "Krakow", "Kyiv", "Minsk", "Riga", "Tallinn", "Vilnius", "Sofia", "Belgrade", "Zagreb", "Tunis", "Algiers", "Dakar", "Kampala", "Kigali", "Lusaka", "Harare", "Perth", "Brisbane", "Adelaide", "Wellington", "Honolulu", "Anchorage"] + ["New York", "Los Angeles", "San Francisco", "Buenos Aires", "Rio de Janeiro", "Sao Paulo",
              "Hong Kong", "Kuala Lumpur", "Cape Town", "Mexico City", "Tel Aviv", "Las Vegas"]  # fmt: skip
-NAMES = (
-    "Alice Bob Carol David Emma Frank Grace Henry Isla Jack Kate Liam Mia Noah Olivia Paul Quinn Rosa Sam "
-    "Tara Umar Vera Will Xena Yusuf Zoe Aiko Hiro Yuki Chen Wei Mei Raj Priya Arjun Anika Omar Fatima Layla "
-    "Ali Sofia Mateo Lucia Diego Carmen Pierre Amelie Hans Greta Lars Ingrid Sven Olga Ivan Dmitri Katya "
-    "Kwame Amara Chidi Zanele Thabo Nia Kofi Ana Joao Marta Piotr Agnieszka Eszter Lukas Nora Erik Leila "
-    "Tomas Elena Marco Giulia Sean Aoife Ravi Deepa Min Jisoo Tuan Linh Ayse Mehmet Noor Hana Ben Lily"
-).split()
-SURNAMES = (
-    "Smith Garcia Tanaka Kim Novak Muller Rossi Silva Okafor Nguyen Haddad Larsen Kowalski Dubois".split()
-)
-SYLLABLES = "ka ri mo ze lu ta vi no sha pe do gu fa rel bin tor mar sil ven quo".split()
-MONTHS = ("January February March April May June July August September October November December").split()
-CURRENCIES = "USD EUR GBP JPY CHF CAD AUD INR CNY BRL MXN SEK NOK KRW ZAR".split()
-RESTAURANT_KINDS = "Grill Bistro Cafe Kitchen Diner House Garden Table Trattoria".split()
+NAMES = [
+    "Alice",
+    "Bob",
+    "Carol",
+    "David",
+    "Emma",
+    "Frank",
+    "Grace",
+    "Henry",
+    "Isla",
+    "Jack",
+    "Kate",
+    "Liam",
+    "Mia",
+    "Noah",
+    "Olivia",
+    "Paul",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Will",
+    "Xena",
+    "Yusuf",
+    "Zoe",
+    "Aiko",
+    "Hiro",
+    "Yuki",
+    "Chen",
+    "Wei",
+    "Mei",
+    "Raj",
+    "Priya",
+    "Arjun",
+    "Anika",
+    "Omar",
+    "Fatima",
+    "Layla",
+    "Ali",
+    "Sofia",
+    "Mateo",
+    "Lucia",
+    "Diego",
+    "Carmen",
+    "Pierre",
+    "Amelie",
+    "Hans",
+    "Greta",
+    "Lars",
+    "Ingrid",
+    "Sven",
+    "Olga",
+    "Ivan",
+    "Dmitri",
+    "Katya",
+    "Kwame",
+    "Amara",
+    "Chidi",
+    "Zanele",
+    "Thabo",
+    "Nia",
+    "Kofi",
+    "Ana",
+    "Joao",
+    "Marta",
+    "Piotr",
+    "Agnieszka",
+    "Eszter",
+    "Lukas",
+    "Nora",
+    "Erik",
+    "Leila",
+    "Tomas",
+    "Elena",
+    "Marco",
+    "Giulia",
+    "Sean",
+    "Aoife",
+    "Ravi",
+    "Deepa",
+    "Min",
+    "Jisoo",
+    "Tuan",
+    "Linh",
+    "Ayse",
+    "Mehmet",
+    "Noor",
+    "Hana",
+    "Ben",
+    "Lily",
+]
+SURNAMES = [
+    "Smith",
+    "Garcia",
+    "Tanaka",
+    "Kim",
+    "Novak",
+    "Muller",
+    "Rossi",
+    "Silva",
+    "Okafor",
+    "Nguyen",
+    "Haddad",
+    "Larsen",
+    "Kowalski",
+    "Dubois",
+]
+SYLLABLES = [
+    "ka",
+    "ri",
+    "mo",
+    "ze",
+    "lu",
+    "ta",
+    "vi",
+    "no",
+    "sha",
+    "pe",
+    "do",
+    "gu",
+    "fa",
+    "rel",
+    "bin",
+    "tor",
+    "mar",
+    "sil",
+    "ven",
+    "quo",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
+CURRENCIES = [
+    "USD",
+    "EUR",
+    "GBP",
+    "JPY",
+    "CHF",
+    "CAD",
+    "AUD",
+    "INR",
+    "CNY",
+    "BRL",
+    "MXN",
+    "SEK",
+    "NOK",
+    "KRW",
+    "ZAR",
+]
+RESTAURANT_KINDS = ["Grill", "Bistro", "Cafe", "Kitchen", "Diner", "House", "Garden", "Table", "Trattoria"]
 
 
 def coined(rng: random.Random) -> str:
