@@ -385,7 +385,10 @@ def chat(rng: random.Random, tier: int, world: World, split: str) -> dict:
         )
         return {
             "task": "chat",
-            "messages": [{"role": "user", "content": greeting}, {"role": "assistant", "content": reply}],
+            "messages": [
+                {"role": "user", "content": greeting},
+                {"role": "assistant", "content": reply, "think": "A greeting: I say what I can do."},
+            ],
         }
     return {
         "task": "chat",
