@@ -127,6 +127,8 @@ class Renderer:
         tools = template_tools(item.get("tools"))
         images = self.images(item)
         thinking_off = item.get("enable_thinking") is False
+        if thinking_off:  # a thinking-off request has no reasoning to train on
+            messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
         variables = {"enable_thinking": False} if thinking_off else None
         out: list[Example] = []
         for i, m in enumerate(messages):
