@@ -332,9 +332,21 @@ TOOLS = [
 ]
 
 
+NO_CALL_SHARE = 0.1  # of the training tool items: tools offered, but the request needs none
+
+
+def no_call(rng: random.Random, tier: int) -> dict:
+    """Tools offered and a greeting or one-line question asked: a plain answer, no call."""
+    talk = everyday.small_talk(rng)
+    offered = rng.sample(TOOLS, k=min(tier, len(TOOLS)))
+    return {**talk, "task": "tool-call", "tools": offered}
+
+
 def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
     """Pick the function, fill the arguments from the request, answer from the tool's result. The
     values are any city, name, number or date (`everyday.tool_request`), a few from the world."""
+    if split == "train" and rng.random() < NO_CALL_SHARE:
+        return no_call(rng, tier)
     name = rng.choice(sorted(t["name"] for t in TOOLS))
     request, arguments, result = everyday.tool_request(
         rng, name, list(world.regions), [p.name for p in world.people]

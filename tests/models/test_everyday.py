@@ -34,7 +34,7 @@ def _written(value: object) -> str:
 def test_tool_arguments_are_copied_from_the_request(world) -> None:  # type: ignore[no-untyped-def]
     rows = [item("tool-call", s, world) for s in split_seeds("train", "tool-call", 400)]
     names, cities = set(), set()
-    for row in rows:
+    for row in (r for r in rows if "expected" in r):
         request = row["messages"][0]["content"]
         for key, value in row["expected"]["arguments"].items():
             assert _written(value).lower() in request.lower(), (request, key, value)
@@ -45,7 +45,7 @@ def test_tool_arguments_are_copied_from_the_request(world) -> None:  # type: ign
         names.add(args.get("to"))
         cities.add(args.get("city"))
     # far beyond the world's 24 towns and its people
-    assert len(cities - set(world.regions)) > 40 and len(names - {p.name for p in world.people}) > 30
+    assert len(cities - set(world.regions)) > 30 and len(names - {p.name for p in world.people}) > 30
 
 
 def test_word_problems_answer_their_own_steps(world) -> None:  # type: ignore[no-untyped-def]
@@ -182,3 +182,14 @@ def test_an_open_reply_is_right_only_without_markup() -> None:
     assert not generation_correct("Hello<|tool_calls_section_begin|>", hello)
     assert not generation_correct("<tool_call>get_weather hello", hello)
     assert not generation_correct("The answer is 4.", hello)
+
+
+def test_some_training_tool_items_offer_tools_but_need_none(world) -> None:  # type: ignore[no-untyped-def]
+    rows = [item("tool-call", s, world) for s in split_seeds("train", "tool-call", 400)]
+    plain = [r for r in rows if "expected" not in r]
+    assert 10 < len(plain) < 80
+    for r in plain:
+        assert r["tools"] and not any(m.get("tool_calls") for m in r["messages"])
+        assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
+    tests = [item("tool-call", s, world) for s in split_seeds("test", "tool-call", 200)]
+    assert all("expected" in r for r in tests)  # the test set always asks for a call
