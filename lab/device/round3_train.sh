@@ -23,6 +23,8 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-5.0}
 MTP_MINUTES=${MTP_MINUTES:-1.75}
 FIRST_ITEM=${FIRST_ITEM:-300000}  # the reading stages used items up to ~210,000 of each task
 DEVICE_ARGS=${DEVICE:+--device $DEVICE}
+START=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-550}  # the MTP stage is cut here, so the tars always come back inside the call
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then  # transformers 5.24 (+ regex, tokenizers) first on the path, as train_models.sh
@@ -51,11 +53,18 @@ stage() {  # stage <family>: data, the continued training, the MTP layer, instal
     --steps 0 --minutes "$TRAIN_MINUTES" --batch-tokens "${BATCH_TOKENS:-65536}" --lr "${LR:-1.5e-3}" \
     --warmup "${WARMUP:-50}" --workers "$workers" $DEVICE_ARGS || return 5
   echo "trained at $((SECONDS - t0)) s"
-  # the MTP layer for the new target, from the committed layer; its log kept beside the earlier ones
-  $PY -m models.recipes.train_mtp --family "$fam" --data "/tmp/r3-$fam" --checkpoint "$OUT/$name" \
+  # the MTP layer for the new target, from the committed layer, cut at the deadline; installed only when
+  # it finished (a separate step, never interrupted: a cut stage leaves the checkpoint without MTP, as
+  # train.py wrote it, num_nextn_predict_layers 0)
+  local left=$((DEADLINE_S - ($(date +%s) - START)))
+  echo "MTP stage: $left s left before the deadline"
+  [ "$left" -gt 30 ] || { echo "no time left for the MTP stage (the checkpoint has no MTP layer)"; return 6; }
+  timeout "$left" $PY -m models.recipes.train_mtp --family "$fam" --data "/tmp/r3-$fam" --checkpoint "$OUT/$name" \
     --out "/tmp/r3-mtp-$fam" --init "models/$name" --minutes "$MTP_MINUTES" --max-items "${MTP_ITEMS:-20000}" \
-    --batch-tokens "${MTP_BATCH_TOKENS:-16384}" --lr 7e-4 --warmup 10 --workers "$workers" --install \
-    > "$OUT/$fam-mtp.stdout" 2>&1 || { echo "MTP stage failed (the checkpoint is served without it)"; return 6; }
+    --batch-tokens "${MTP_BATCH_TOKENS:-16384}" --lr 7e-4 --warmup 10 --workers "$workers" \
+    > "$OUT/$fam-mtp.stdout" 2>&1 || { echo "MTP stage failed or cut (the checkpoint has no MTP layer)"; return 6; }
+  $PY -c "import sys; from pathlib import Path; from models.recipes.train_mtp import install; install(Path(sys.argv[1]), Path(sys.argv[2]))" \
+    "/tmp/r3-mtp-$fam" "$OUT/$name" || return 7
   local n=1; while [ -e "$OUT/$name/train_mtp.$n.log" ]; do n=$((n + 1)); done
   [ -e "$OUT/$name/train_mtp.log" ] && mv "$OUT/$name/train_mtp.log" "$OUT/$name/train_mtp.$n.log"
   cp "/tmp/r3-mtp-$fam/train.log" "$OUT/$name/train_mtp.log"
