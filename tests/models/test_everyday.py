@@ -193,3 +193,24 @@ def test_some_training_tool_items_offer_tools_but_need_none(world) -> None:  # t
         assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
     tests = [item("tool-call", s, world) for s in split_seeds("test", "tool-call", 200)]
     assert all("expected" in r for r in tests)  # the test set always asks for a call
+
+
+@pytest.mark.parametrize("kind,family", [("kimi-k2.6", "kimi"), ("glm-5.2", "glm")])
+def test_kumo_eval_heldout_writes_a_report_for_one_variant(kind: str, family: str, tmp_path: Path) -> None:
+    from backend.tools.eval import main
+    from backend.tools.random_checkpoint import write_random_checkpoint
+
+    ckpt = write_random_checkpoint(kind, tmp_path / "ckpt")
+    out = tmp_path / "report.json"
+    args = ["--heldout", family, "--heldout-items", "2", "--heldout-dir", str(tmp_path / "sets")]
+    assert (
+        main(
+            [*args, "--device", "cpu", "--max-new-tokens", "4", "--variant", f"now={ckpt}", "--out", str(out)]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    tasks = {t["task"]: t["num_items"] for t in report["tasks"]}
+    expected = {"heldout-tools": 2, "heldout-arithmetic": 2, "heldout-chat": 2}
+    assert tasks == (expected | {"heldout-images": 2} if family == "kimi" else expected)
+    assert all(0.0 <= t["results"][0]["accuracy"] <= 1.0 for t in report["tasks"])
