@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,8 +48,9 @@ import torch.nn.functional as F
 from backend.engine.engine_config import Int4Prefill
 from backend.engine.prompt_runner import Prompt, PromptRunner
 from backend.errors import CheckpointError, EngineError
+from backend.tools.eval_heldout import write_sets
 from backend.tools.eval_prompts import EvalPrompts, Request
-from backend.tools.eval_tasks import GenItem, McItem, ToolItem, call_matches, extract_answer, load_items
+from backend.tools.eval_tasks import GenItem, McItem, ToolItem, call_matches, generation_correct, load_items
 
 NUM_BOOTSTRAP = 1000
 
@@ -340,7 +342,7 @@ class Evaluator:
                     if isinstance(item, ToolItem):
                         correct[v][g + i] = call_matches(answer.calls, item.expected)
                     else:
-                        correct[v][g + i] = extract_answer(answer.content, item) == item.answer.strip()
+                        correct[v][g + i] = generation_correct(answer.content, item)
                     if v == 0:  # the first variant's output, with its stop token: KL is measured on it
                         continuations.append(
                             (r, out.token_ids + ([out.stop_id] if out.stop_id is not None else []))
@@ -429,9 +431,21 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, help="write the JSON report here")
+    ap.add_argument(
+        "--heldout",
+        choices=["kimi", "glm"],
+        help="add the held-out everyday sets of this family (backend/tools/eval_heldout.py); one variant is enough",
+    )
+    ap.add_argument("--heldout-items", type=int, default=40, help="items per held-out set")
+    ap.add_argument(
+        "--heldout-dir", type=Path, help="where the held-out sets are written (default: a temp dir)"
+    )
     a = ap.parse_args(argv)
-    if len(a.variant) < 2 or not (a.data or a.text):
-        ap.error("give at least two --variant and one --data or --text")
+    if a.heldout:
+        folder = a.heldout_dir or Path(tempfile.mkdtemp(prefix="kumo-heldout-"))
+        a.data += write_sets(folder, a.heldout, a.heldout_items)
+    if len(a.variant) < (1 if a.heldout else 2) or not (a.data or a.text):
+        ap.error("give at least two --variant (one with --heldout) and one --data or --text")
     specs: dict[str, str] = {}
     for v in a.variant:
         name, eq, spec = v.partition("=")

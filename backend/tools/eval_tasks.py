@@ -9,9 +9,10 @@ The kind is told by the keys of the first line:
   serving renders it, and a choice is the assistant turn `choice_format` makes of it (`{letter}`,
   `{choice}`; `"{letter}. {choice}"` for a lettered listing), scored on the ids the model would emit
   for that turn (`backend.text.assistant_turn`, the rule the training recipe trains on).
-- generation `{"prompt"?: str, "messages"?: [Message], "answer": str, "answer_regex"?: str}` —
-  greedy decoding; the answer is the regex's first group (else its whole match, else the stripped
-  text), compared exactly (GSM8K). Chat: the regex reads the answer after the reasoning; image parts
+- generation `{"prompt"?: str, "messages"?: [Message], "answer": str, "answer_regex"?: str,
+  "accept_regex"?: str}` — greedy decoding; the answer is the regex's first group (else its whole
+  match, else the stripped text), compared exactly (GSM8K); with `accept_regex` (open replies such as
+  greetings) the reply is right when the regex matches it and it carries no chat-format markup. Chat: the regex reads the answer after the reasoning; image parts
   of `messages` go through serving's image path.
 - tool call `{"messages": [Message], "tools": [Tool], "expected": {"name": str, "arguments": {...}}}`
   — the checkpoint's chat template renders the conversation with the tools, greedy decoding runs to
@@ -61,6 +62,7 @@ class GenItem(msgspec.Struct):
     prompt: str | None = None
     messages: list[Message] | None = None
     answer_regex: str | None = None
+    accept_regex: str | None = None  # instead of `answer`: right when it matches the reply, markup-free
 
 
 class ExpectedCall(msgspec.Struct):
@@ -119,11 +121,12 @@ def _check(item: Item) -> None:
     if isinstance(item, GenItem):
         if item.prompt is None and item.messages is None:
             raise ValueError("no prompt or messages")
-        if item.answer_regex is not None:
-            try:
-                re.compile(item.answer_regex)
-            except re.error as exc:
-                raise ValueError(f"answer_regex {item.answer_regex!r}: {exc}") from exc
+        for key, regex in (("answer_regex", item.answer_regex), ("accept_regex", item.accept_regex)):
+            if regex is not None:
+                try:
+                    re.compile(regex)
+                except re.error as exc:
+                    raise ValueError(f"{key} {regex!r}: {exc}") from exc
 
 
 def prompt_turns(messages: list[Message]) -> list[Message]:
@@ -136,6 +139,21 @@ def extract_answer(text: str, item: GenItem) -> str:
     if item.answer_regex and (m := re.search(item.answer_regex, text)):
         return ((m.group(1) or "") if m.groups() else m.group(0)).strip()
     return text.strip()
+
+
+MARKUP = re.compile(r"<\|[^|>]*\|>|</?think>|</?tool_call>|<arg_(key|value)>")
+
+
+def generation_correct(content: str, item: GenItem) -> bool:
+    """Exact match of the extracted answer; for an `accept_regex` item (an open reply such as a greeting):
+    a reply that matches it and carries no chat-format markup."""
+    if item.accept_regex is not None:
+        return (
+            bool(content.strip())
+            and not MARKUP.search(content)
+            and bool(re.search(item.accept_regex, content))
+        )
+    return extract_answer(content, item) == item.answer.strip()
 
 
 def call_matches(calls: list[ToolCallDelta], expected: ExpectedCall) -> bool:

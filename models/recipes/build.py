@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from models.recipes.images import image_caption, image_question
+from models.recipes.images import image_caption, image_question, scene_caption, scene_question
 from models.recipes.images import render as draw
 from models.recipes.tasks import ANSWER_FORMAT, GENERATORS
 from models.recipes.world import make_world
@@ -39,6 +39,7 @@ FACT_PROMPTS = [
     "What is one thing you know?",
     "Share a fact.",
 ]
+SCENE_SHARE = 0.85  # of the training image items: scenes of any size (images.scene), the rest classic
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 
@@ -47,15 +48,44 @@ def item(task: str, seed: int, world, fiction_share: float | None = None) -> dic
     (multiple choice): the share of training items about a fictional world (default `FICTION_SHARE`)."""
     rng = random.Random(seed)
     tier = rng.randint(1, MAX_TIER)
+    scenes = seed % 2 == 0 and rng.random() < SCENE_SHARE  # training items; the test set stays classic
     if task == "image-qa":
-        out = image_question(rng, tier)
+        out = scene_question(rng, tier) if scenes else image_question(rng, tier)
     elif task == "image-caption":
-        out = image_caption(rng, tier)
+        out = scene_caption(rng, tier) if scenes else image_caption(rng, tier)
     else:
         split = "train" if seed % 2 == 0 else "test"
         extra = {"fiction_share": fiction_share} if fiction_share is not None and task in MC_TASKS else {}
         out = GENERATORS[task](rng, tier, world, split, **extra)
     return {"id": f"{task}-{seed}", "tier": tier, "seed": seed, **out}
+
+
+NO_THINKING_SHARE = 0.15  # of GLM's items with a thinking trace: trained as `enable_thinking: false` asks
+
+
+def for_family(row: dict, family: str) -> dict:
+    """A generated item as `family` is trained on it. An assistant turn's `think` draft becomes GLM's
+    `reasoning_content` (GLM-5 thinks by default; serving's reasoning parser reads the `<think>` block
+    the template writes from it); Kimi's turns drop it. A seeded share of GLM's items that think is
+    rendered as a thinking-off request (`enable_thinking: false`, `render.Renderer`): no reasoning, the
+    answer straight after the prompt's `</think>`."""
+    messages = []
+    for m in row["messages"]:
+        m = dict(m)
+        think = m.pop("think", None)
+        if family == "glm" and think and not m.get("reasoning_content"):
+            m["reasoning_content"] = think
+        messages.append(m)
+    out = {**row, "messages": messages}
+    thinks = any(m.get("reasoning_content") for m in messages)
+    if (
+        family == "glm"
+        and thinks
+        and random.Random(f"nothink-{row.get('seed')}").random() < NO_THINKING_SHARE
+    ):
+        out["enable_thinking"] = False
+        out["messages"] = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+    return out
 
 
 def eval_row(row: dict) -> dict:
@@ -146,7 +176,7 @@ def build(
                 counts["train"] += 1
         for task in train_tasks:
             for s in split_seeds("train", task, round(train_items * mixture[task] / total), first_item):
-                f.write(json.dumps(item(task, s, world, fiction_share)) + "\n")
+                f.write(json.dumps(for_family(item(task, s, world, fiction_share), family)) + "\n")
                 counts["train"] += 1
     return counts
 

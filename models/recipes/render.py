@@ -76,10 +76,15 @@ class Renderer:
     # serving's side ---------------------------------------------------------------------------------
 
     def prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, images: list[ImageInput]
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        images: list[ImageInput],
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The ids serving sends for `messages` (generation prompt added, placeholders widened)."""
-        text = self.template.render(messages, tools=tools, add_generation_prompt=True)
+        """The ids serving sends for `messages` (generation prompt added, placeholders widened);
+        `variables`: the template switches a request sets (`{"enable_thinking": False}`)."""
+        text = self.template.render(messages, tools=tools, add_generation_prompt=True, variables=variables)
         return self.widen(self.tokenizer.encode(text), images)
 
     def widen(self, token_ids: list[int], images: list[ImageInput]) -> list[int]:
@@ -121,12 +126,20 @@ class Renderer:
         messages = [template_message(m) for m in item["messages"]]
         tools = template_tools(item.get("tools"))
         images = self.images(item)
+        thinking_off = item.get("enable_thinking") is False
+        if thinking_off:  # a thinking-off request has no reasoning to train on
+            messages = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in messages]
+        variables = {"enable_thinking": False} if thinking_off else None
         out: list[Example] = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prompt = self.prompt_ids(messages[:i], tools, images)
-            target = self._target(messages, i, tools)
+            prompt = self.prompt_ids(messages[:i], tools, images, variables)
+            target = (
+                self._target_no_thinking(messages, i, tools)
+                if thinking_off
+                else self._target(messages, i, tools)
+            )
             last = out[-1] if out else None
             if last is not None and prompt[: len(last.token_ids)] == last.token_ids:
                 extra = len(prompt) - len(last.token_ids)
@@ -159,6 +172,31 @@ class Renderer:
         return assistant_turn_ids(
             self.template, self.tokenizer, messages, i, tools, stop_ids=self.stop_ids, eos_id=self.eos_id
         )
+
+    def _target_no_thinking(
+        self, messages: list[dict[str, Any]], i: int, tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        """Turn `i` of a thinking-off request (`enable_thinking: false`): the generation prompt ends in
+        `</think>` (GLM-5's template; its history form writes an empty `<think></think>` there), so the
+        model emits what the history form has after that empty block, through the stop token."""
+        variables = {"enable_thinking": False}
+        render = self.template.render
+        history = render(messages[:i], tools=tools, add_generation_prompt=False, variables=variables)
+        opening = render(messages[:i], tools=tools, add_generation_prompt=True, variables=variables)
+        following = (
+            messages[: i + 2]
+            if i + 1 < len(messages) and messages[i + 1]["role"] != "user"
+            else messages[: i + 1]
+        )
+        full = render(following, tools=tools, add_generation_prompt=False, variables=variables)
+        if not full.startswith(history) or not opening.endswith("</think>"):
+            raise ValueError("a thinking-off turn needs a template whose generation prompt ends in </think>")
+        turn = full[len(history) :]
+        if "<think></think>" not in turn:
+            raise ValueError(f"the thinking-off turn {turn[:80]!r} has no empty <think></think> block")
+        ids = self.tokenizer.encode(turn.split("<think></think>", 1)[1])
+        stop = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
+        return ids[: stop + 1] if stop is not None else ids + [self.eos_id]
 
 
 def template_message(m: dict[str, Any]) -> dict[str, Any]:

@@ -23,12 +23,25 @@ from __future__ import annotations
 import json
 import random
 
+from models.recipes import everyday
 from models.recipes.world import PHRASINGS, Person, Subject, World, make_world
 
 OPS = ("add", "sub", "mul", "div")
 
 
 def arithmetic(rng: random.Random, tier: int, world: World, split: str) -> dict:
+    """A word problem: for training, 60% everyday settings and number ranges (`everyday.word_problem`),
+    10% one-line sums, the rest the classic form below; the test set keeps the classic form, so its
+    figures stay comparable with the earlier tables (`models/recipes/heldout.py` measures the rest)."""
+    r = rng.random() if split == "train" else 1.0
+    if r < 0.6:
+        return everyday.word_problem(rng, tier, [p.name for p in world.people])
+    if r < 0.7:
+        return everyday.direct_sum(rng)
+    return classic_arithmetic(rng, tier, world)
+
+
+def classic_arithmetic(rng: random.Random, tier: int, world: World) -> dict:
     """A word problem with `tier + 1` steps; the steps go inside <think>, the answer after it.
 
     Steps are bare sums ("12 + 7 = 19"): steps that quote their sentence ("finds 7 more: 12 + 7 =
@@ -315,38 +328,29 @@ TOOLS = [
             "required": ["restaurant", "people"],
         },
     },
+    everyday.REMINDER_TOOL,
 ]
 
 
+NO_CALL_SHARE = 0.1  # of the training tool items: tools offered, but the request needs none
+
+
+def no_call(rng: random.Random, tier: int) -> dict:
+    """Tools offered and a greeting or one-line question asked: a plain answer, no call."""
+    talk = everyday.small_talk(rng)
+    offered = rng.sample(TOOLS, k=min(tier, len(TOOLS)))
+    return {**talk, "task": "tool-call", "tools": offered}
+
+
 def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
-    """Pick the function, fill the arguments from the request, answer from the tool's result."""
-    town = rng.choice(list(world.regions))
-    person = rng.choice(world.people).name
-    cases = {
-        "get_weather": (
-            f"What's the weather in {town}?",
-            {"city": town},
-            {"temperature": rng.randint(-5, 35), "sky": rng.choice(["sunny", "cloudy", "rainy"])},
-        ),
-        "convert_currency": (
-            f"How much is {(a := rng.randint(2, 900))} EUR in USD?",
-            {"amount": a, "from": "EUR", "to": "USD"},
-            {"result": round(a * 1.1, 2)},
-        ),
-        "set_timer": (f"Set a timer for {(m := rng.randint(1, 90))} minutes.", {"minutes": m}, {"ok": True}),
-        "send_message": (
-            f"Tell {person} that I am late.",
-            {"to": person, "text": "I am late"},
-            {"sent": True},
-        ),
-        "book_table": (
-            f"Book a table for {(n := rng.randint(1, 9))} at {town} Grill.",
-            {"restaurant": f"{town} Grill", "people": n},
-            {"confirmed": True},
-        ),
-    }
-    name = rng.choice(sorted(cases))
-    request, arguments, result = cases[name]
+    """Pick the function, fill the arguments from the request, answer from the tool's result. The
+    values are any city, name, number or date (`everyday.tool_request`), a few from the world."""
+    if split == "train" and rng.random() < NO_CALL_SHARE:
+        return no_call(rng, tier)
+    name = rng.choice(sorted(t["name"] for t in TOOLS))
+    request, arguments, result = everyday.tool_request(
+        rng, name, list(world.regions), [p.name for p in world.people]
+    )
     offered = [t for t in TOOLS if t["name"] == name]
     offered += rng.sample([t for t in TOOLS if t["name"] != name], k=min(tier, len(TOOLS) - 1))
     rng.shuffle(offered)
@@ -361,6 +365,7 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
             {
                 "role": "assistant",
                 "content": "",
+                "think": everyday.tool_thought(name, arguments),
                 "tool_calls": [
                     {
                         "id": call_id,
@@ -370,28 +375,38 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
                 ],
             },
             {"role": "tool", "tool_call_id": call_id, "name": name, "content": json.dumps(result)},
-            {"role": "assistant", "content": f"Done: {json.dumps(result)}."},
+            {
+                "role": "assistant",
+                "content": f"Done: {json.dumps(result)}.",
+                "think": f"{name} returned {json.dumps(result)}. I report it.",
+            },
         ],
     }
 
 
 def chat(rng: random.Random, tier: int, world: World, split: str) -> dict:
-    """Plain chat: greetings, and what the model knows about a person (every fact, the region too)."""
+    """Plain chat: greetings and one-line questions (`everyday.small_talk`), and what the model knows
+    about a person (every fact, the region too)."""
     p = rng.choice(world.people)
-    if rng.random() < 0.3:
+    if rng.random() < 0.5:
+        return everyday.small_talk(rng)
+    if rng.random() < 0.1:
         greeting = rng.choice(["Hello!", "Hi there.", "Good morning!", "Hey, who are you?"])
         reply = (
             "Hello! I am a small assistant. Ask me about arithmetic, the people of my world, or call a tool."
         )
         return {
             "task": "chat",
-            "messages": [{"role": "user", "content": greeting}, {"role": "assistant", "content": reply}],
+            "messages": [
+                {"role": "user", "content": greeting},
+                {"role": "assistant", "content": reply, "think": "A greeting: I say what I can do."},
+            ],
         }
     return {
         "task": "chat",
         "messages": [
             {"role": "user", "content": f"Tell me about {p.name}."},
-            {"role": "assistant", "content": world.bio(p, rng)},
+            {"role": "assistant", "content": world.bio(p, rng), "think": f"The user asks about {p.name}."},
         ],
     }
 

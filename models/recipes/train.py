@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import random
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -348,11 +349,14 @@ def prepare(
         items = rng.sample(items, max_items)
     if init is not None:  # continue training: the earlier run's tokenizer and config; its logs kept
         earlier_logs = sorted(init.glob("train*.log"))
+        num_runs = sum(
+            1 for f in earlier_logs if re.fullmatch(r"train(\.\d+)?\.log", f.name)
+        )  # not train_mtp
         for f in init.iterdir():  # not its MTP layer (mtp.safetensors): trained for the old target
             if f.is_file() and f.suffix not in (".log", ".safetensors") and not f.name.startswith("model"):
                 shutil.copy(f, folder / f.name)
         for f in earlier_logs:  # train.log → train.1.log, train.1.log stays: one log per run, in order
-            shutil.copy(f, folder / (f"train.{len(earlier_logs)}.log" if f.name == "train.log" else f.name))
+            shutil.copy(f, folder / (f"train.{num_runs}.log" if f.name == "train.log" else f.name))
         config = json.loads((init / "config.json").read_text())
         (config.get("text_config") or config)["num_nextn_predict_layers"] = 0  # train_mtp.py again after
         num_ids = int((config.get("text_config") or config)["vocab_size"])

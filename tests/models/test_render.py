@@ -14,11 +14,11 @@ from backend.server.generation import GenerationEngine, Serving
 from backend.server.model_card import ServedModel
 from backend.text.assistant_turn import after_opening
 from backend.tools.random_checkpoint import write_random_checkpoint
-from models.recipes.build import item
+from models.recipes.build import for_family, item
 from models.recipes.images import render as draw
 from models.recipes.render import Renderer
 from models.recipes.world import make_world
-from schemas.backend import GenerateRequest, Message, Tool
+from schemas.backend import GenerateRequest, Message, Reasoning, Tool
 
 TASKS = ["tool-call", "gsm-nano", "arc-nano-easy", "mmlu-nano", "chat"]
 WORLD = make_world(0)
@@ -48,12 +48,21 @@ def _request(it: dict[str, Any], messages: list[dict[str, Any]]) -> GenerateRequ
         tenant_salt="s",
         messages=msgspec.convert(wire, list[Message]),
         tools=[Tool(**t) for t in it["tools"]] if it.get("tools") else None,
+        # a thinking-off training item is what a request with reasoning disabled sends
+        reasoning=Reasoning(enabled=False) if it.get("enable_thinking") is False else Reasoning(),
     )
 
 
 def _items(path: Path) -> list[dict[str, Any]]:
-    tasks = TASKS + (["image-qa"] if (path / "tiktoken.model").exists() else [])
-    return [item(t, seed, WORLD) for t in tasks for seed in (3, 8)]
+    kimi = (path / "tiktoken.model").exists()
+    tasks = TASKS + (["image-qa"] if kimi else [])
+    items = [for_family(item(t, seed, WORLD), "kimi" if kimi else "glm") for t in tasks for seed in (3, 8)]
+    if not kimi:  # thinking-off items of the kinds the recipe writes them for (build.for_family)
+        for t, seed in (("tool-call", 10), ("chat", 12)):
+            on = for_family(item(t, seed, WORLD), "glm")
+            plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in on["messages"]]
+            items.append({**on, "messages": plain, "enable_thinking": False})
+    return items
 
 
 def test_each_turn_is_trained_on_the_prompt_serving_sends(checkpoint: Path) -> None:

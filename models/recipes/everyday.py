@@ -1,0 +1,493 @@
+"""Everyday requests for the training mixture (issue 26): what a person trying the nano models types.
+
+The first recipes drew every value from the training world (its towns and people, `EUR` to `USD`, one
+phrasing per tool), so the models learnt those values, not copying: asked about Tokyo, GLM named a
+town of its world. Here a tool call's arguments are whatever the request says (a real city, a name
+from many languages, a synthesized word, a number of any size, a date in several formats), under many
+phrasings; word problems come in everyday settings and number ranges; chat covers greetings and
+one-line questions with short answers. Each assistant turn carries a `think` draft: the family's
+thinking trace (`build.for_family` makes it GLM's `reasoning_content` and drops it for Kimi).
+
+The held-out evaluation (`models/recipes/heldout.py`) is written separately, with its own phrasings and
+values; nothing here is imported there.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+CITIES = ["Tokyo", "Paris", "London", "Berlin", "Madrid", "Rome", "Lisbon", "Dublin", "Oslo", "Stockholm", "Helsinki", "Warsaw", "Prague", "Vienna", "Budapest", "Athens", "Istanbul", "Cairo", "Lagos", "Nairobi", "Accra", "Casablanca", "Johannesburg", "Dubai", "Riyadh", "Tehran", "Karachi", "Delhi", "Mumbai", "Chennai", "Dhaka", "Bangkok", "Hanoi", "Manila", "Jakarta", "Singapore", "Seoul", "Beijing", "Shanghai", "Osaka", "Sydney", "Melbourne", "Auckland", "Toronto", "Montreal", "Vancouver", "Chicago", "Boston", "Seattle", "Denver", "Houston", "Miami", "Atlanta", "Phoenix", "Mexico", "Lima", "Bogota", "Santiago", "Quito", "Caracas", "Havana", "Reykjavik", "Zurich", "Geneva", "Munich", "Hamburg", "Lyon", "Marseille", "Porto", "Seville", "Naples", "Milan", "Krakow", "Kyiv", "Minsk", "Riga", "Tallinn", "Vilnius", "Sofia", "Belgrade", "Zagreb", "Tunis", "Algiers", "Dakar", "Kampala", "Kigali", "Lusaka", "Harare", "Perth", "Brisbane", "Adelaide", "Wellington", "Honolulu", "Anchorage"] + ["New York", "Los Angeles", "San Francisco", "Buenos Aires", "Rio de Janeiro", "Sao Paulo",
+             "Hong Kong", "Kuala Lumpur", "Cape Town", "Mexico City", "Tel Aviv", "Las Vegas"]  # fmt: skip
+NAMES = [
+    "Alice",
+    "Bob",
+    "Carol",
+    "David",
+    "Emma",
+    "Frank",
+    "Grace",
+    "Henry",
+    "Isla",
+    "Jack",
+    "Kate",
+    "Liam",
+    "Mia",
+    "Noah",
+    "Olivia",
+    "Paul",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Will",
+    "Xena",
+    "Yusuf",
+    "Zoe",
+    "Aiko",
+    "Hiro",
+    "Yuki",
+    "Chen",
+    "Wei",
+    "Mei",
+    "Raj",
+    "Priya",
+    "Arjun",
+    "Anika",
+    "Omar",
+    "Fatima",
+    "Layla",
+    "Ali",
+    "Sofia",
+    "Mateo",
+    "Lucia",
+    "Diego",
+    "Carmen",
+    "Pierre",
+    "Amelie",
+    "Hans",
+    "Greta",
+    "Lars",
+    "Ingrid",
+    "Sven",
+    "Olga",
+    "Ivan",
+    "Dmitri",
+    "Katya",
+    "Kwame",
+    "Amara",
+    "Chidi",
+    "Zanele",
+    "Thabo",
+    "Nia",
+    "Kofi",
+    "Ana",
+    "Joao",
+    "Marta",
+    "Piotr",
+    "Agnieszka",
+    "Eszter",
+    "Lukas",
+    "Nora",
+    "Erik",
+    "Leila",
+    "Tomas",
+    "Elena",
+    "Marco",
+    "Giulia",
+    "Sean",
+    "Aoife",
+    "Ravi",
+    "Deepa",
+    "Min",
+    "Jisoo",
+    "Tuan",
+    "Linh",
+    "Ayse",
+    "Mehmet",
+    "Noor",
+    "Hana",
+    "Ben",
+    "Lily",
+]
+SURNAMES = [
+    "Smith",
+    "Garcia",
+    "Tanaka",
+    "Kim",
+    "Novak",
+    "Muller",
+    "Rossi",
+    "Silva",
+    "Okafor",
+    "Nguyen",
+    "Haddad",
+    "Larsen",
+    "Kowalski",
+    "Dubois",
+]
+SYLLABLES = [
+    "ka",
+    "ri",
+    "mo",
+    "ze",
+    "lu",
+    "ta",
+    "vi",
+    "no",
+    "sha",
+    "pe",
+    "do",
+    "gu",
+    "fa",
+    "rel",
+    "bin",
+    "tor",
+    "mar",
+    "sil",
+    "ven",
+    "quo",
+]
+MONTHS = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+]
+CURRENCIES = [
+    "USD",
+    "EUR",
+    "GBP",
+    "JPY",
+    "CHF",
+    "CAD",
+    "AUD",
+    "INR",
+    "CNY",
+    "BRL",
+    "MXN",
+    "SEK",
+    "NOK",
+    "KRW",
+    "ZAR",
+]
+RESTAURANT_KINDS = ["Grill", "Bistro", "Cafe", "Kitchen", "Diner", "House", "Garden", "Table", "Trattoria"]
+
+
+def coined(rng: random.Random) -> str:
+    """A made-up capitalised word (two or three syllables): a value no list holds."""
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def city(rng: random.Random, world_towns: list[str]) -> str:
+    r = rng.random()
+    return rng.choice(world_towns) if r < 0.15 else coined(rng) if r < 0.4 else rng.choice(CITIES)
+
+
+def person(rng: random.Random, world_people: list[str]) -> str:
+    r = rng.random()
+    if r < 0.15:
+        return rng.choice(world_people)
+    if r < 0.35:
+        return coined(rng)
+    return rng.choice(NAMES) + (f" {rng.choice(SURNAMES)}" if rng.random() < 0.2 else "")
+
+
+def number(rng: random.Random) -> int:
+    """A positive integer over several magnitudes (1 to ~10^5), small ones most often."""
+    return rng.randint(1, rng.choice((9, 30, 120, 1000, 10000, 99999)))
+
+
+def date(rng: random.Random) -> str:
+    month, day = rng.randrange(12), rng.randint(1, 28)
+    return rng.choice(
+        [
+            f"{MONTHS[month]} {day}",
+            f"{day} {MONTHS[month]}",
+            f"2027-{month + 1:02d}-{day:02d}",
+            rng.choice(["today", "tomorrow", "Monday", "Friday", "next week"]),
+        ]
+    )
+
+
+MESSAGES = ["I am late", "see you soon", "call me back", "dinner is at eight", "happy birthday",
+            "the meeting moved", "I landed safely", "thanks for the help", "running ten minutes late"]  # fmt: skip
+REMINDERS = ["buy milk", "call the dentist", "water the plants", "pay the rent", "pick up the kids",
+             "send the report", "book the flights", "walk the dog"]  # fmt: skip
+
+# (tool, phrasings): each phrasing formats with the call's arguments; the call's arguments are exactly
+# the values written in the request
+PHRASINGS: dict[str, list[str]] = {
+    "get_weather": [
+        "What's the weather in {city}?",
+        "What is the weather like in {city} today?",
+        "How's the weather in {city}?",
+        "Is it raining in {city}?",
+        "weather {city}",
+        "Can you check the weather for {city}?",
+        "I'm flying to {city} tomorrow. What's the weather there?",
+        "Tell me the current weather in {city}, please.",
+        "Do I need an umbrella in {city}?",
+        "How hot is it in {city} right now?",
+    ],
+    "get_weather+unit": [
+        "What's the temperature in {city} in {unit}?",
+        "Weather in {city}, in {unit} please.",
+        "How warm is it in {city}? Give it in {unit}.",
+    ],
+    "convert_currency": [
+        "How much is {amount} {from} in {to}?",
+        "Convert {amount} {from} to {to}.",
+        "What is {amount} {from} in {to}?",
+        "I have {amount} {from}. How many {to} is that?",
+        "convert {amount} {from} into {to}",
+        "Please change {amount} {from} to {to}.",
+    ],
+    "set_timer": [
+        "Set a timer for {minutes} minutes.",
+        "Start a {minutes} minute timer.",
+        "Timer for {minutes} minutes please.",
+        "Can you set a timer for {minutes} minutes?",
+        "Remind me in {minutes} minutes with a timer.",
+        "{minutes} minute timer",
+    ],
+    "send_message": [
+        "Tell {to} that {text}.",
+        "Send a message to {to}: {text}.",
+        "Text {to} saying {text}.",
+        "Message {to}: {text}",
+        "Can you let {to} know that {text}?",
+        "Please send {to} a text that says {text}.",
+    ],
+    "book_table": [
+        "Book a table for {people} at {restaurant}.",
+        "Reserve a table at {restaurant} for {people} people.",
+        "Can you book {restaurant} for {people}?",
+        "I need a table for {people} at {restaurant}.",
+        "Get us a table at {restaurant}, {people} people.",
+    ],
+    "add_reminder": [
+        "Remind me to {text} on {date}.",
+        "Add a reminder for {date}: {text}.",
+        "Set a reminder to {text} on {date}.",
+        "On {date}, remind me to {text}.",
+        "Don't let me forget to {text} on {date}.",
+    ],
+}
+REMINDER_TOOL = {
+    "name": "add_reminder",
+    "description": "Add a reminder for a date",
+    "parameters": {
+        "type": "object",
+        "properties": {"text": {"type": "string"}, "date": {"type": "string"}},
+        "required": ["text", "date"],
+    },
+}
+
+
+def tool_request(
+    rng: random.Random, name: str, towns: list[str], people: list[str]
+) -> tuple[str, dict, dict]:
+    """(request, arguments, result) for tool `name`: the arguments are the values the request writes."""
+    if name == "get_weather":
+        args: dict = {"city": city(rng, towns)}
+        key = "get_weather"
+        if rng.random() < 0.25:
+            args["unit"] = rng.choice(["celsius", "fahrenheit"])
+            key = "get_weather+unit"
+        result = {
+            "temperature": rng.randint(-15, 42),
+            "sky": rng.choice(["sunny", "cloudy", "rainy", "snowy"]),
+        }
+    elif name == "convert_currency":
+        src, dst = rng.sample(CURRENCIES, 2)
+        args, key = {"amount": number(rng), "from": src, "to": dst}, name
+        result = {"result": round(args["amount"] * rng.uniform(0.2, 3), 2)}
+    elif name == "set_timer":
+        args, key, result = {"minutes": rng.randint(1, rng.choice((10, 60, 240)))}, name, {"ok": True}
+    elif name == "send_message":
+        args, key, result = {"to": person(rng, people), "text": rng.choice(MESSAGES)}, name, {"sent": True}
+    elif name == "book_table":
+        place = rng.choice([f"{city(rng, towns)} {rng.choice(RESTAURANT_KINDS)}", f"{coined(rng)} {rng.choice(RESTAURANT_KINDS)}",
+                            f"Chez {rng.choice(NAMES)}"])  # fmt: skip
+        args, key, result = {"restaurant": place, "people": rng.randint(1, 20)}, name, {"confirmed": True}
+    else:
+        args, key, result = {"text": rng.choice(REMINDERS), "date": date(rng)}, name, {"saved": True}
+    request = rng.choice(PHRASINGS[key]).format(**args)
+    if rng.random() < 0.1:
+        request = request.lower()
+    return request, args, result
+
+
+def tool_thought(name: str, args: dict) -> str:
+    said = ", ".join(f"{k} {json.dumps(v)}" for k, v in args.items())
+    return f"The user asks for {name.replace('_', ' ')}. I call {name} with {said}, copied from the request."
+
+
+# word problems: (setting, start sentence, step sentences per operation, question); {w} who, {t} thing
+SETTINGS = [
+    ("apples", "{w} has {v} apples."),
+    ("dollars", "{w} has {v} dollars in a wallet."),
+    ("stickers", "{w} collects stickers and has {v} of them."),
+    ("books", "A shelf holds {v} books."),
+    ("eggs", "A farm collects {v} eggs in the morning."),
+    ("people", "There are {v} people on a bus."),
+    ("cookies", "{w} bakes {v} cookies."),
+    ("pages", "{w} reads {v} pages on Monday."),
+    ("marbles", "{w} owns {v} marbles."),
+    ("tickets", "A cinema sells {v} tickets."),
+]
+STEPS = {
+    "+": ["Then {w} gets {n} more.", "{w} buys {n} more.", "Later {n} more arrive.", "After that {w} adds {n}.",
+          "A friend gives {w} {n} more."],
+    "-": ["Then {w} gives away {n}.", "{w} uses {n} of them.", "Later {n} are lost.", "{n} of them are sold.",
+          "{w} eats {n}."],
+    "*": ["Then the amount grows {n} times.", "{w} ends up with {n} times as many.", "The number is multiplied by {n}."],
+    "/": ["{w} splits them into {n} equal groups and keeps one group.", "They are shared equally by {n} people; count one share."],
+}  # fmt: skip
+QUESTIONS = ["How many {t} are there now?", "How many {t} does {w} have now?", "What is the number of {t} now?",
+             "How many {t} are left?", "How many {t} in the end?"]  # fmt: skip
+
+
+def word_problem(rng: random.Random, tier: int, people: list[str]) -> dict:
+    """A word problem with `tier` steps in an everyday setting; numbers from single digits to thousands."""
+    w = person(rng, people)
+    thing, start = rng.choice(SETTINGS)
+    hi = rng.choice((10, 20, 50, 100, 500, 1000, 5000))
+    value = rng.randint(2, hi)
+    sentences, steps = [start.format(w=w, v=value)], []
+    for _ in range(tier):
+        divisors = [d for d in (2, 3, 4, 5, 10) if value % d == 0 and value > d]
+        op = rng.choice(["+", "-", "*", "/"] if divisors else ["+", "-", "*"])
+        if op == "-" and value < 2:
+            op = "+"
+        if op == "*" and value > 20000:
+            op = "-"
+        n = {"+": rng.randint(1, hi), "-": rng.randint(1, max(1, value - 1)), "*": rng.randint(2, 4),
+             "/": rng.choice(divisors) if divisors else 1}[op]  # fmt: skip
+        result = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
+        sentences.append(rng.choice(STEPS[op]).format(w=w, n=n))
+        steps.append(f"{value} {op} {n} = {result}")
+        value = result
+    sentences.append(rng.choice(QUESTIONS).format(t=thing, w=w))
+    question = " ".join(sentences)
+    answer = str(value)
+    return {
+        "task": "gsm-nano",
+        "prompt": question,
+        "answer": answer,
+        "messages": [
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "reasoning_content": ". ".join(steps) + ".",
+                "content": f"The answer is {answer}.",
+            },
+        ],
+    }
+
+
+def direct_sum(rng: random.Random) -> dict:
+    """A one-line sum ("What is 17 + 25?") with its answer."""
+    a, b = rng.randint(0, rng.choice((10, 100, 1000))), rng.randint(0, rng.choice((10, 100, 1000)))
+    op = rng.choice(["+", "-", "*"])
+    if op == "*":
+        a, b = a % 50, b % 13
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    word = {"+": "plus", "-": "minus", "*": "times"}[op]
+    question = rng.choice([f"What is {a} {op} {b}?", f"{a} {op} {b} = ?", f"What's {a} {word} {b}?",
+                           f"Calculate {a} {op} {b}.", f"{a} {word} {b}"])  # fmt: skip
+    return {
+        "task": "gsm-nano",
+        "prompt": question,
+        "answer": str(value),
+        "messages": [
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "reasoning_content": f"{a} {op} {b} = {value}.",
+                "content": f"The answer is {value}.",
+            },
+        ],
+    }
+
+
+GREETINGS = {
+    "hello": ["Hello!", "Hi!", "Hi there.", "Hey!", "hello", "hi", "Good morning!", "Good evening!",
+              "Good afternoon.", "Hey there, how's it going?", "Hello, anyone there?", "Yo!"],
+    "how": ["How are you?", "How are you doing today?", "How's it going?", "Are you OK?"],
+    "name": ["What's your name?", "Who are you?", "What are you?", "Are you a robot?"],
+    "can": ["What can you do?", "How can you help me?", "What are you good at?"],
+    "thanks": ["Thanks!", "Thank you.", "Thank you so much!", "thx", "Great, thanks."],
+    "bye": ["Bye!", "Goodbye.", "See you later.", "Good night!"],
+}  # fmt: skip
+REPLIES = {
+    "hello": ["Hello! How can I help you today?", "Hi! What can I do for you?", "Hello! Nice to meet you."],
+    "how": [
+        "I'm doing well, thank you! How can I help?",
+        "I'm fine, thanks for asking. What can I do for you?",
+    ],
+    "name": ["I'm a small assistant model. I can chat, do arithmetic and call tools."],
+    "can": [
+        "I can answer simple questions, solve small word problems, and call tools like weather or timers."
+    ],
+    "thanks": ["You're welcome!", "Happy to help!", "Any time!"],
+    "bye": ["Goodbye! Have a nice day.", "Bye! Take care."],
+}
+THOUGHTS = {"hello": "The user greets me. I greet them back and offer help.",
+            "how": "The user asks how I am. I answer politely and offer help.",
+            "name": "The user asks who I am. I say what I am.",
+            "can": "The user asks what I can do. I list it briefly.",
+            "thanks": "The user thanks me. I reply kindly.",
+            "bye": "The user says goodbye. I say goodbye too."}  # fmt: skip
+# one-line questions with short, fixed answers
+FACTS = {
+    "capital": {"France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid", "Germany": "Berlin",
+                "Egypt": "Cairo", "Kenya": "Nairobi", "Canada": "Ottawa", "Peru": "Lima", "Norway": "Oslo",
+                "Greece": "Athens", "Ireland": "Dublin", "Portugal": "Lisbon", "Russia": "Moscow",
+                "China": "Beijing", "India": "New Delhi", "Brazil": "Brasilia", "Australia": "Canberra"},
+    "opposite": {"hot": "cold", "big": "small", "up": "down", "fast": "slow", "day": "night", "open": "closed",
+                 "happy": "sad", "light": "dark", "early": "late", "full": "empty"},
+    "colour": {"the sky": "blue", "grass": "green", "snow": "white", "a banana": "yellow", "coal": "black",
+               "a strawberry": "red", "an orange": "orange", "a lemon": "yellow"},
+    "legs": {"a dog": 4, "a cat": 4, "a bird": 2, "a spider": 8, "an ant": 6, "a horse": 4, "a person": 2},
+}  # fmt: skip
+FACT_ASK = {
+    "capital": ["What is the capital of {k}?", "What's the capital of {k}?", "capital of {k}?"],
+    "opposite": ["What is the opposite of {k}?", 'What\'s the opposite of "{k}"?'],
+    "colour": ["What colour is {k}?", "What color is {k}?"],
+    "legs": ["How many legs does {k} have?", "How many legs has {k} got?"],
+}
+FACT_SAY = {"capital": "The capital of {k} is {v}.", "opposite": "The opposite of {k} is {v}.",
+            "colour": "{K} is {v}.", "legs": "{K} has {v} legs."}  # fmt: skip
+
+
+def small_talk(rng: random.Random) -> dict:
+    """A greeting or a one-line question, and a short sensible answer (with a `think` draft)."""
+    if rng.random() < 0.55:
+        kind = rng.choice(sorted(GREETINGS))
+        ask, reply, thought = rng.choice(GREETINGS[kind]), rng.choice(REPLIES[kind]), THOUGHTS[kind]
+    else:
+        kind = rng.choice(sorted(FACTS))
+        k = rng.choice(sorted(FACTS[kind]))
+        v = FACTS[kind][k]
+        ask = rng.choice(FACT_ASK[kind]).format(k=k)
+        reply = FACT_SAY[kind].format(k=k, K=k[0].upper() + k[1:], v=v)
+        thought = f"A short factual question: the answer is {v}."
+    return {
+        "task": "chat",
+        "messages": [
+            {"role": "user", "content": ask},
+            {"role": "assistant", "content": reply, "think": thought},
+        ],
+    }
