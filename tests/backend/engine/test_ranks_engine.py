@@ -86,8 +86,9 @@ def _rank_main(rank: int, world: int, arch: str, path: str, dcp: int, fault: boo
         engine = _engine(path, rank, world, dcp, channel)
         if rank == 0:
             outputs = _serve(engine, path, arch)
+            again = _serve(engine, path, arch) if fault else None  # the same requests, after the fault
             channel.send(None)
-            (Path(tmp) / "outputs.pkl").write_bytes(pickle.dumps((outputs, engine.load())))
+            (Path(tmp) / "outputs.pkl").write_bytes(pickle.dumps((outputs, engine.load(), again)))
         else:
             runner = _FaultOnFirstDecode(engine.runner) if fault else engine.runner
             num_steps = follow_steps(runner, channel)
@@ -97,6 +98,8 @@ def _rank_main(rank: int, world: int, arch: str, path: str, dcp: int, fault: boo
 
 
 def _run_ranks(arch: str, path: Path, tmp: Path, *, dcp: int = 1, fault: bool = False) -> Any:
+    """Rank 0's outputs by request, its load after them, and (with `fault`) the outputs of the same
+    requests asked again after the fault."""
     mp.start_processes(
         _rank_main, args=(2, arch, str(path), dcp, fault, str(tmp)), nprocs=2, start_method="fork"
     )
@@ -124,7 +127,7 @@ CASES = [
 def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) -> None:
     path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
-    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp)
+    got, load, _ = _run_ranks(arch, path, tmp_path, dcp=dcp)
     assert got.keys() == expected.keys() == {"r0", "r1", "r2"}
     for rid in expected:
         e_tokens, e_logprobs, e_prompt = _tokens_and_logprobs(expected[rid])
@@ -145,11 +148,13 @@ def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) ->
 def test_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path) -> None:
     path = make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), "deepseek_v3")
-    got, load = _run_ranks("deepseek_v3", path, tmp_path, fault=True)
+    got, load, again = _run_ranks("deepseek_v3", path, tmp_path, fault=True)
     aborted = {rid for rid, outs in got.items() if outs[-1].error is not None}
     assert len(aborted) == 1, got
     (victim,) = aborted
-    assert got[victim][-1].error.code == "integrity_abort" and got[victim][-1].finish_reason == "abort"
+    error = got[victim][-1].error
+    assert error.code == "integrity_abort" and got[victim][-1].finish_reason == "abort"
+    assert "on another rank" in error.message  # rank 0's own pages were sound
     # its tokens before the fault are the reference's; it got none from the faulty step on
     tokens = _tokens_and_logprobs(got[victim])[0]
     assert tokens == _tokens_and_logprobs(expected[victim])[0][: len(tokens)] and len(tokens) < 6
@@ -159,6 +164,13 @@ def test_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path) -> None:
         assert g_tokens == e_tokens and got[rid][-1].finish_reason == "length"
         torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
     assert load.free_pages == load.total_pages  # the victim's pages went back to the pool
+    # asked again (the same prompts and salt): the victim's pages were taken out of the prefix
+    # cache, so no request is given the stale page again, and every answer is the reference's
+    for rid in expected:
+        g_tokens, g_logprobs, _ = _tokens_and_logprobs(again[rid])
+        e_tokens, e_logprobs, _ = _tokens_and_logprobs(expected[rid])
+        assert g_tokens == e_tokens and again[rid][-1].finish_reason == "length", rid
+        torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
 
 
 def test_parallel_settings() -> None:
