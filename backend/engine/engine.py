@@ -267,7 +267,9 @@ class Engine:
                 else "a KV page on another rank carries a tag other than expected"
             )
             self.block_manager.distrust(seq)
-            return self._finish(seq, "abort", IntegrityAbort(f"Request {seq.request_id} was aborted: {where}."))
+            return self._finish(
+                seq, "abort", IntegrityAbort(f"Request {seq.request_id} was aborted: {where}.")
+            )
         seq.num_computed_tokens += r.num_new_tokens
         self._stats.computed_tokens += r.num_new_tokens
         for score in r.prompt_scores:

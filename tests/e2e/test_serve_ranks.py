@@ -17,9 +17,8 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import pytest
 from PIL import Image
 
 from benchmarks.client import spawn_serve
+from tests.backend.server import rank_probe
 from tests.backend.server_checkpoints import make_served_checkpoint
 from tests.e2e.serve_process import GLM, KIMI, ROOT, Kumo, _children, _free_port
 
@@ -111,18 +111,47 @@ def _streamed(kumo: Kumo, http: httpx.Client, model: str, messages: list[dict[st
     return _answer(logprobs, text)
 
 
+# the fault on rank 1 (`rank_probe`): one stale page in the first pure-decode step with a sequence of
+# LONG tokens or more; only the victim's gets that long (the other chats stay under ~80 tokens, the
+# victim's is over 200)
+LONG = 160
+VICTIM = [{"role": "user", "content": " ".join(str(i) for i in range(1, 150))}]
+
+
+@dataclass(frozen=True)
+class Fault:
+    victim: httpx.Response  # the victim's answer, on /ai/run
+    beside: list[Answer]  # PROMPTS, asked at the same time
+    again: Answer  # the victim, asked again after
+
+
 @dataclass
 class Served:
-    """What one `kumo serve` answered: per model, the answers in the order asked; the catalog."""
+    """What one `kumo serve` answered: per model, the answers in the order asked; the catalog; the
+    victim's answer (--tp 1) or what the fault on rank 1 did (--tp 2)."""
 
     answers: dict[str, list[Answer]] = field(default_factory=dict)
     catalog: list[dict[str, Any]] = field(default_factory=list)
     ranks_per_backend: list[int] = field(default_factory=list)  # rank processes each backend started
+    victim: Answer | None = None
+    fault: Fault | None = None
+
+
+def _fault(kumo: Kumo, http: httpx.Client) -> Fault:
+    with ThreadPoolExecutor(3) as pool:
+        victim = pool.submit(
+            http.post, kumo.path(f"/ai/run/{DEEPSEEK}"), json=_body(VICTIM), headers=kumo.auth
+        )
+        beside = [pool.submit(_run, kumo, http, DEEPSEEK, m) for m in _messages(DEEPSEEK)]
+        aborted, answered = victim.result(), [f.result() for f in beside]
+    return Fault(aborted, answered, _run(kumo, http, DEEPSEEK, VICTIM))
 
 
 def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    if tp == 2:  # rank 1 of every backend gets the stale page; only the DeepSeek one is asked for it
+        env |= rank_probe.environment(fault_seq_len=LONG)
     env.pop("KUMO_ADMIN_TOKEN", None)
     models = [a for name, path in checkpoints.items() for a in ("--model", f"{name}={path}")]
     args = ["--port", str(port), "--data-dir", str(data_dir), "--device", "cpu", "--tp", str(tp), *models]
@@ -151,6 +180,10 @@ def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
             r = http.get(kumo.path("/ai/models/search"), headers=kumo.auth)
             assert r.status_code == 200, r.text
             served.catalog = r.json()["result"]
+            if tp == 1:
+                served.victim = _run(kumo, http, DEEPSEEK, VICTIM)
+            else:  # after the answers above: the fault cannot touch them
+                served.fault = _fault(kumo, http)
         return served
     finally:
         process.terminate()
@@ -205,3 +238,23 @@ def test_the_catalog_is_the_same_under_tp_2(served: dict[int, Served]) -> None:
             if m["name"] in (DEEPSEEK, GLM45):
                 del m["created_at"]
     assert served[2].catalog == served[1].catalog
+
+
+def test_a_tag_fault_on_rank_1_fails_only_its_request(served: dict[int, Served]) -> None:
+    """Rank 1's stale page aborts the one request that read it, on every rank, with the Workers AI
+    error envelope; the requests beside it answer what --tp 1 answers, and so does the victim when
+    asked again (its pages were not handed out again from the prefix cache)."""
+    fault, victim = served[2].fault, served[1].victim
+    assert fault is not None and victim is not None
+    assert fault.victim.status_code == 500, fault.victim.text
+    assert fault.victim.json() == {
+        "result": None,
+        "success": False,
+        "errors": [{"code": 3000, "message": "AiError: Unknown internal error"}],  # no backend internals
+        "messages": [],
+    }
+    for expected, got in zip(served[1].answers[DEEPSEEK][: len(PROMPTS)], fault.beside, strict=True):
+        assert got.tokens == expected.tokens and got.text == expected.text
+        assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+    assert fault.again.tokens == victim.tokens and fault.again.text == victim.text
+    assert fault.again.logprobs == pytest.approx(victim.logprobs, abs=1e-4)
