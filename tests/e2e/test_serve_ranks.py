@@ -230,6 +230,17 @@ def test_two_ranks_answer_what_one_answers(model: str, served: dict[int, Served]
         )
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_streamed_answers_carry_every_tokens_logprob(tp: int, served: dict[int, Served]) -> None:
+    """The streamed OpenAI answer is the Workers AI one, logprob for logprob: a token whose text is
+    held back (part of a character) or is leading whitespace still gets its chunk."""
+    for model in MODELS:
+        answers = served[tp].answers[model]
+        streamed, whole = answers[-1], answers[0]
+        assert streamed.tokens == whole.tokens and streamed.text == whole.text, model
+        assert streamed.logprobs == pytest.approx(whole.logprobs, abs=1e-4), model
+
+
 def test_the_catalog_is_the_same_under_tp_2(served: dict[int, Served]) -> None:
     assert {m["name"] for m in served[2].catalog} == set(MODELS)
     # context window, weights, KV dtype, capabilities: all but when `--model`'s entries were made
