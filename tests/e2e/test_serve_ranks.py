@@ -7,6 +7,11 @@ Each `kumo serve` runs once for the module (the --tp 1 one first, then the --tp 
 its converted checkpoints, so both serve the same bytes); every request is asked of each, greedy with
 logprobs, on the Workers AI route (`/ai/run/@cf/...`) and the OpenAI-compatible one
 (`/ai/v1/chat/completions`, streamed). The catalog both gateways render must agree too.
+
+The --tp 2 one then runs two failures (its ranks carry `tests.backend.server.rank_probe`'s fault):
+a stale page on rank 1 of the DeepSeek backend, which must fail only the request that read it, with
+the Workers AI error envelope; and rank 1 killed mid-stream, which must end that stream with the
+retryable error, and be served again once `kumo serve` has restarted the group.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -125,6 +132,59 @@ class Fault:
     again: Answer  # the victim, asked again after
 
 
+@dataclass(frozen=True)
+class Killed:
+    stream: str  # the SSE text of the request in flight when its backend's rank 1 was killed
+    num_refused: int  # answers (retryable) before the restarted group answered
+    again: Answer  # PROMPTS[0], asked once the group was back
+    killed: int  # the rank 1 killed
+    ranks: list[int]  # the restarted backend's rank processes
+
+
+def _rank_processes(pid: int) -> list[int]:
+    return [
+        c for c in _children(pid) if b"backend.server.rank_group" in Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+
+
+def _backend_of(serve_pid: int, model: str) -> int:
+    (pid,) = [b for b in _children(serve_pid) if model.encode() in Path(f"/proc/{b}/cmdline").read_bytes()]
+    return pid
+
+
+def _kill_rank_1(kumo: Kumo, http: httpx.Client, serve_pid: int) -> Killed:
+    """Kill the DeepSeek backend's rank 1 while a streamed answer is under way; then ask until the
+    group `kumo serve` restarts answers again."""
+    backend = _backend_of(serve_pid, DEEPSEEK)
+    (rank1,) = _rank_processes(backend)
+    body = _body(_messages(DEEPSEEK)[0]) | {"model": DEEPSEEK, "stream": True, "max_tokens": 400}
+    lines = []
+    with http.stream("POST", kumo.path("/ai/v1/chat/completions"), json=body, headers=kumo.auth) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            lines.append(line)
+            if sum(x.startswith("data: {") for x in lines) == 3:  # the role chunk, then tokens
+                os.kill(rank1, signal.SIGKILL)
+    deadline, num_refused = time.monotonic() + 120, 0
+    while (
+        r := http.post(
+            kumo.path(f"/ai/run/{DEEPSEEK}"), json=_body(_messages(DEEPSEEK)[0]), headers=kumo.auth
+        )
+    ).status_code != 200:
+        assert r.status_code in (429, 503) and r.json()["success"] is False, r.text  # retryable, not a hang
+        assert time.monotonic() < deadline, "the rank group was not restarted"
+        num_refused += 1
+        time.sleep(0.5)
+    choice = r.json()["result"]["choices"][0]
+    again = _answer(
+        choice["logprobs"]["content"],
+        (choice["message"]["reasoning_content"] or "") + choice["message"]["content"],
+    )
+    return Killed(
+        "\n".join(lines), num_refused, again, rank1, _rank_processes(_backend_of(serve_pid, DEEPSEEK))
+    )
+
+
 @dataclass
 class Served:
     """What one `kumo serve` answered: per model, the answers in the order asked; the catalog; the
@@ -135,6 +195,7 @@ class Served:
     ranks_per_backend: list[int] = field(default_factory=list)  # rank processes each backend started
     victim: Answer | None = None
     fault: Fault | None = None
+    killed: Killed | None = None
 
 
 def _fault(kumo: Kumo, http: httpx.Client) -> Fault:
@@ -184,6 +245,7 @@ def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
                 served.victim = _run(kumo, http, DEEPSEEK, VICTIM)
             else:  # after the answers above: the fault cannot touch them
                 served.fault = _fault(kumo, http)
+                served.killed = _kill_rank_1(kumo, http, process.pid)
         return served
     finally:
         process.terminate()
@@ -269,3 +331,28 @@ def test_a_tag_fault_on_rank_1_fails_only_its_request(served: dict[int, Served])
         assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
     assert fault.again.tokens == victim.tokens and fault.again.text == victim.text
     assert fault.again.logprobs == pytest.approx(victim.logprobs, abs=1e-4)
+
+
+def test_a_killed_rank_ends_its_stream_retryably_and_serve_restarts_the_group(
+    served: dict[int, Served],
+) -> None:
+    """The answer in flight ends with the retryable error in OpenAI's in-stream format (no `[DONE]`),
+    requests meanwhile are refused retryably (never left hanging), and once `kumo serve`'s supervisor
+    has restarted the whole group (a new rank 1) it answers what --tp 1 answers."""
+    killed = served[2].killed
+    assert killed is not None
+    frames = [
+        json.loads(x.removeprefix("data: ")) for x in killed.stream.splitlines() if x.startswith("data: {")
+    ]
+    assert frames[-1] == {
+        "error": {
+            "message": "AiError: Capacity temporarily exceeded, please try again.",
+            "type": "server_error",
+            "code": 3040,
+        }
+    }
+    assert "[DONE]" not in killed.stream and len(frames) < 400
+    assert len(killed.ranks) == 1 and killed.ranks != [killed.killed]  # a new rank 1
+    expected = served[1].answers[DEEPSEEK][0]
+    assert killed.again.tokens == expected.tokens and killed.again.text == expected.text
+    assert killed.again.logprobs == pytest.approx(expected.logprobs, abs=1e-4)

@@ -1,8 +1,9 @@
 """`kumo backend --tp 2 --device cpu` through its HTTP API: the same greedy text and logprobs as
-`--tp 1` for each architecture, the parallel layout in `/v1/model`, pools idle after disconnects,
-and a killed rank: the requests in flight end with a retryable error, the backend exits, and the
-supervisor that `kumo serve` runs (`gateway.serve.start_backend` + `Supervisor`) starts the whole
-rank group again, which serves again.
+`--tp 1` for each architecture, the parallel layout in `/v1/model` (and its pool as `/v1/load`
+counts it), every rank's pool idle after disconnects (`rank_probe` reads each rank's tags), a tag
+fault on rank 1 that fails only its request, a hung rank, and a killed rank: the requests in flight
+end with a retryable error, the backend exits, and the supervisor that `kumo serve` runs
+(`gateway.serve.start_backend` + `Supervisor`) starts the whole rank group again, which serves again.
 """
 
 from __future__ import annotations
