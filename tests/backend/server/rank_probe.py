@@ -2,9 +2,10 @@
 rank_hook/sitecustomize.py when `environment()` put that folder on the backend's PYTHONPATH.
 
 - `dump`: each rank writes what its KV pool holds when the group stops cleanly (rank 0 sends the
-  ranks stop on SIGTERM): rank 0 `rank-0.json` with its block manager's tags and reference counts,
-  the tags in its KV cache, its free and total pages and the number of steps it ran; rank r > 0 `rank-r.json` with the tags in its KV cache and the number
-  of steps it followed. Every rank's pool is then observable, not only rank 0's `/v1/load`.
+  ranks stop on SIGTERM): rank 0 `rank-0.json` with its block manager's tags and reference
+  counts, the tags in its KV cache, its free and total pages and the number of steps it ran; rank
+  r > 0 `rank-r.json` with the tags in its KV cache and the number of steps it followed. Every
+  rank's pool is then observable, not only rank 0's `/v1/load`.
 - `fault_seq_len`: rank 1 gets one stale page, as a bug in it would leave: before the first
   pure-decode step in which a sequence has that many tokens or more, the sequence's last page (the
   one it is filling: never shared through the prefix cache) gets a tag in rank 1's cache that the

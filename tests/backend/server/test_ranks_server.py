@@ -246,8 +246,8 @@ def test_disconnects_leave_every_rank_idle(tmp_path: Path, backends: list[Backen
     assert rank1["num_steps"] == rank0["num_steps"]  # every step rank 0 ran, warm-up included
 
 
-VICTIM = " ".join(str(i) for i in range(1, 40))  # raw: well over LONG tokens; PROMPTS stay under 30
-LONG = 48
+VICTIM = " ".join(str(i) for i in range(1, 40))  # raw: 100 tokens
+LONG = 64  # only the victim's sequence gets this long: PROMPTS are 32 tokens at most, plus 16 generated
 
 
 def test_a_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path, backends: list[Backend]) -> None:
