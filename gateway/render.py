@@ -251,7 +251,9 @@ async def openai_stream(
     async for i, event in events:
         c = done[i]
         c.feed(event)
-        if isinstance(event, b.TextDelta) and event.text:
+        if isinstance(event, b.TextDelta) and (event.text or (logprobs and event.logprobs)):
+            # a token whose text is held back (part of a character) or went to reasoning still has
+            # its logprob, as in the whole answer
             yield chunk(
                 i, o.Delta(content=event.text), lp=_logprobs(event.logprobs or []) if logprobs else None
             )

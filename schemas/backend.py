@@ -228,8 +228,8 @@ class ModelCard(Base):
     weights: str  # "float32" | "bfloat16" | "fp8" | "int4-w4a16" | …
     kv_dtype: str  # "float32" | "bfloat16" | "fp8_e4m3"
     context_window: int
-    page_size: int
-    num_pages: int
+    page_size: int  # tokens of a sequence per page (under DCP, each rank holds page_size / dcp of them)
+    num_pages: int  # pages in the pool, as `/v1/load`'s total_pages
     capabilities: Capabilities = msgspec.field(default_factory=Capabilities)
     tp: int = 1  # tensor-parallel ranks, one process per device
     ep: int = 1  # expert-parallel groups

@@ -152,6 +152,14 @@ class BlockManager:
         self.page_tables.detach(seq.page_table)
         seq.page_hashes = []
 
+    def distrust(self, seq: Sequence) -> None:
+        """Take every page of `seq` out of the prefix cache: one of them failed the tag check, on
+        this rank or another (which cannot say which), so no later request may be given it again.
+        Its holders keep it until they let go; then it is free, and its next owner gets a new tag."""
+        if self.prefix_cache is not None:
+            for ref in seq.page_table:
+                self.prefix_cache.forget(ref.page_id)
+
     def publish_full_pages(self, seq: Sequence) -> None:
         """Offer the prefix cache every full page of `seq` whose KV is now computed."""
         if self.prefix_cache is None:

@@ -250,7 +250,8 @@ class Engine:
     def _postprocess(self, r: SeqResult) -> EngineOutput | None:
         seq = r.seq
         if r.is_tag_mismatch:
-            page, expected, found = self.runner.find_mismatch(seq) or (-1, -1, -1)
+            found_here = self.runner.find_mismatch(seq)  # None: the mismatch was on another rank
+            page, expected, found = found_here or (-1, -1, -1)
             self._stats.tag_check_aborts += 1
             log.warning(  # the tenant as its salt's prefix: enough to correlate, never the whole key
                 "kv page tag mismatch: request=%s page=%d expected=%d found=%d tenant=%s",
@@ -260,10 +261,15 @@ class Engine:
                 found,
                 seq.request.tenant_salt[:12],
             )
-            error = IntegrityAbort(
-                f"Request {seq.request_id} was aborted: KV page {page} carries tag {found}, expected {expected}."
+            where = (
+                f"KV page {page} carries tag {found}, expected {expected}"
+                if found_here is not None
+                else "a KV page on another rank carries a tag other than expected"
             )
-            return self._finish(seq, "abort", error)
+            self.block_manager.distrust(seq)
+            return self._finish(
+                seq, "abort", IntegrityAbort(f"Request {seq.request_id} was aborted: {where}.")
+            )
         seq.num_computed_tokens += r.num_new_tokens
         self._stats.computed_tokens += r.num_new_tokens
         for score in r.prompt_scores:

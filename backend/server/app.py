@@ -236,7 +236,7 @@ def build_backend(
         served.card(
             dtype=settings.dtype,
             kv_dtype=kv_dtype,
-            page_size=settings.page_size,
+            page_size=settings.page_size * settings.dcp,  # a block-manager page, as `/v1/load` counts them
             num_pages=settings.max_pages,
         ),
         tp=settings.tp,

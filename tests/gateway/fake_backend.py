@@ -163,6 +163,9 @@ class FakeBackend:
                 ]
                 lp = b.TokenLogprob(token=p, token_id=1, logprob=-0.1, top=top[: req.sampling.top_logprobs])
                 events.append(b.TextDelta(text=p, logprobs=[lp] if req.sampling.logprobs else None))
+            # a token whose text the detokenizer holds back (the first bytes of a character)
+            held = b.TokenLogprob(token="\ufffd", token_id=3, logprob=-0.7, top=[])
+            events.append(b.TextDelta(text="", logprobs=[held] if req.sampling.logprobs else None))
         else:
             reply = f"echo[{req.sampling.seed}]: {text}" if req.sampling.seed is not None else f"echo: {text}"
             events += [b.TextDelta(text=p) for p in pieces(reply)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+from typing import Any
 
 import msgspec
 from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
@@ -212,8 +213,15 @@ async def test_stop_seed_logprobs_and_penalties_are_honoured(harness: Harness) -
         sent.sampling.top_p,
     ) == (2, 0.5, 0.3, 0.9)
     content = r.json()["result"]["choices"][0]["logprobs"]["content"]
-    assert [c["token"] for c in content] == ["abc", "def"]
+    assert [c["token"] for c in content] == ["abc", "def", "\ufffd"]  # the last one's text held back
     assert content[0]["bytes"] == list(b"abc") and len(content[0]["top_logprobs"]) == 2
+    body = {"messages": msgs("logprobs"), "logprobs": True, "top_logprobs": 2, "stream": True}
+    streamed = await post(harness, body)
+    chunks: list[Any] = sse_events(streamed.text)
+    lps = [
+        c["choices"][0]["logprobs"] for c in chunks if c.get("choices") and c["choices"][0].get("logprobs")
+    ]
+    assert [t for lp in lps for t in lp["content"]] == content  # every token, text or not
     r = await post(harness, {"messages": msgs("x"), "top_logprobs": 2})
     assert r.status_code == 400 and "logprobs" in r.json()["errors"][0]["message"]
 

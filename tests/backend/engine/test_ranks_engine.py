@@ -129,8 +129,9 @@ def _rank_main(
         engine = _engine(path, rank, world, dcp, channel, capture)
         if rank == 0:
             outputs = _serve(engine, path, arch)
+            again = _serve(engine, path, arch) if fault else None  # the same requests, after the fault
             channel.send(None)
-            (Path(tmp) / "outputs.pkl").write_bytes(pickle.dumps((outputs, engine.load())))
+            (Path(tmp) / "outputs.pkl").write_bytes(pickle.dumps((outputs, engine.load(), again)))
         else:
             runner = _FaultOnFirstDecode(engine.runner) if fault else engine.runner
             num_steps = follow_steps(runner, channel)
@@ -147,6 +148,8 @@ def _rank_main(
 def _run_ranks(
     arch: str, path: Path, tmp: Path, *, dcp: int = 1, fault: bool = False, graphs: str = ""
 ) -> Any:
+    """Rank 0's outputs by request, its load after them, and (with `fault`) the outputs of the same
+    requests asked again after the fault."""
     mp.start_processes(
         _rank_main, args=(2, arch, str(path), dcp, fault, graphs, str(tmp)), nprocs=2, start_method="fork"
     )
@@ -195,7 +198,7 @@ def _assert_same_outputs(got: dict[str, list[EngineOutput]], expected: dict[str,
 def test_two_ranks_serve_what_one_serves(arch: str, dcp: int, tmp_path: Path) -> None:
     path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
-    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp)
+    got, load, _ = _run_ranks(arch, path, tmp_path, dcp=dcp)
     _assert_same_outputs(got, expected)
     assert load.free_pages == load.total_pages and load.running == load.waiting == 0
 
@@ -206,7 +209,7 @@ def test_two_ranks_replay_the_same_decode_graphs(arch: str, dcp: int, tmp_path: 
     # collectives inside the captured step) in the same buckets, and serve what one eager rank serves
     path = make_tiny(arch, tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), arch)
-    got, load = _run_ranks(arch, path, tmp_path, dcp=dcp, graphs="eager")
+    got, load, _ = _run_ranks(arch, path, tmp_path, dcp=dcp, graphs="eager")
     _assert_same_outputs(got, expected)
     assert load.free_pages == load.total_pages
     on0, replays0, buckets0, _ = _graphs_of(tmp_path, 0)
@@ -220,7 +223,7 @@ def test_two_ranks_replay_the_same_decode_graphs(arch: str, dcp: int, tmp_path: 
 def test_a_capture_failed_on_one_rank_leaves_every_rank_eager(tmp_path: Path) -> None:
     path = make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), "deepseek_v3")
-    got, _ = _run_ranks("deepseek_v3", path, tmp_path, graphs="fail1")
+    got, _, _ = _run_ranks("deepseek_v3", path, tmp_path, graphs="fail1")
     _assert_same_outputs(got, expected)
     (on0, replays0, buckets0, why0), (on1, _, _, why1) = _graphs_of(tmp_path, 0), _graphs_of(tmp_path, 1)
     assert not on0 and not on1 and replays0 == 0 == sum(buckets0.values())
@@ -232,11 +235,13 @@ def test_a_capture_failed_on_one_rank_leaves_every_rank_eager(tmp_path: Path) ->
 def test_tag_fault_on_rank_1_aborts_only_its_request(graphs: str, tmp_path: Path) -> None:
     path = make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB)
     expected = _serve(_engine(str(path), 0, 1, 1, None), str(path), "deepseek_v3")
-    got, load = _run_ranks("deepseek_v3", path, tmp_path, fault=True, graphs=graphs)
+    got, load, again = _run_ranks("deepseek_v3", path, tmp_path, fault=True, graphs=graphs)
     aborted = {rid for rid, outs in got.items() if outs[-1].error is not None}
     assert len(aborted) == 1, got
     (victim,) = aborted
-    assert got[victim][-1].error.code == "integrity_abort" and got[victim][-1].finish_reason == "abort"
+    error = got[victim][-1].error
+    assert error.code == "integrity_abort" and got[victim][-1].finish_reason == "abort"
+    assert "on another rank" in error.message  # rank 0's own pages were sound
     # its tokens before the fault are the reference's; it got none from the faulty step on
     tokens = _tokens_and_logprobs(got[victim])[0]
     assert tokens == _tokens_and_logprobs(expected[victim])[0][: len(tokens)] and len(tokens) < 6
@@ -248,6 +253,13 @@ def test_tag_fault_on_rank_1_aborts_only_its_request(graphs: str, tmp_path: Path
     assert load.free_pages == load.total_pages  # the victim's pages went back to the pool
     if graphs:  # the faulty step was a replay on both ranks
         assert _graphs_of(tmp_path, 0)[1] == _graphs_of(tmp_path, 1)[1] > 0
+    # asked again (the same prompts and salt): the victim's pages were taken out of the prefix
+    # cache, so no request is given the stale page again, and every answer is the reference's
+    for rid in expected:
+        g_tokens, g_logprobs, _ = _tokens_and_logprobs(again[rid])
+        e_tokens, e_logprobs, _ = _tokens_and_logprobs(expected[rid])
+        assert g_tokens == e_tokens and again[rid][-1].finish_reason == "length", rid
+        torch.testing.assert_close(torch.tensor(g_logprobs), torch.tensor(e_logprobs), atol=1e-5, rtol=0)
 
 
 def test_parallel_settings() -> None:

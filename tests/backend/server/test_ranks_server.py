@@ -1,8 +1,9 @@
 """`kumo backend --tp 2 --device cpu` through its HTTP API: the same greedy text and logprobs as
-`--tp 1` for each architecture, the parallel layout in `/v1/model`, pools idle after disconnects,
-and a killed rank: the requests in flight end with a retryable error, the backend exits, and the
-supervisor that `kumo serve` runs (`gateway.serve.start_backend` + `Supervisor`) starts the whole
-rank group again, which serves again.
+`--tp 1` for each architecture, the parallel layout in `/v1/model` (and its pool as `/v1/load`
+counts it), every rank's pool idle after disconnects (`rank_probe` reads each rank's tags), a tag
+fault on rank 1 that fails only its request, a hung rank, and a killed rank: the requests in flight
+end with a retryable error, the backend exits, and the supervisor that `kumo serve` runs
+(`gateway.serve.start_backend` + `Supervisor`) starts the whole rank group again, which serves again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -29,6 +32,7 @@ from backend.server.rank_group import RANKS_DOWN_EXIT
 from gateway.serve import BackendProcess, start_backend
 from gateway.supervisor import Supervisor
 from schemas.backend import Error, ErrorBody, Event, Finish, LoadReport, ModelCard, TextDelta
+from tests.backend.server import rank_probe
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
 from tests.backend.server_process import _free_port
 
@@ -69,10 +73,17 @@ def _wait_healthy(
 
 
 class Backend:
-    def __init__(self, model: Path, tmp: Path, *args: str) -> None:
+    def __init__(self, model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        """`env`: on top of the test's environment (`rank_probe.environment()` for the probes)."""
         self.url = f"http://127.0.0.1:{(port := _free_port())}"
         self.log = tmp / f"backend-{port}.log"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), KUMO_BACKEND_SECRET=SECRET)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+            "KUMO_BACKEND_SECRET": SECRET,
+            **(env or {}),
+        }
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "backend", "--model", str(model), "--port", str(port),
@@ -165,6 +176,10 @@ def test_two_ranks_answer_what_one_answers(
     card = msgspec.json.decode(httpx.get(f"{two.url}/v1/model", headers=AUTH).content, type=ModelCard)
     named = dict(zip(args[::2], args[1::2], strict=True))
     assert (card.tp, card.ep, card.dcp) == (2, int(named.get("--ep", 2)), int(named.get("--dcp", 1)))
+    # the pool as the gateway sees it: pages of page_size tokens of a sequence (8 on each DCP rank)
+    load = _load(two.url)
+    assert card.num_pages == load.total_pages == load.free_pages == 64 and card.page_size == 8 * card.dcp
+    assert card.max_request_tokens == min(card.context_window, 64 * 8 * card.dcp)
     assert len(_children(two.process.pid)) == 1  # rank 1
 
 
@@ -188,22 +203,92 @@ def _load(url: str) -> LoadReport:
     return msgspec.json.decode(httpx.get(f"{url}/v1/load", headers=AUTH).content, type=LoadReport)
 
 
-def test_disconnects_leave_the_pool_idle(tmp_path: Path, backends: list[Backend]) -> None:
-    two = Backend(make_served_checkpoint("deepseek_v3", tmp_path / "ds"), tmp_path, "--tp", "2")
+def _stop_and_read_ranks(backend: Backend, dump: Path) -> list[dict[str, Any]]:
+    """Stop the backend cleanly (SIGTERM: rank 0 sends the ranks stop) and read what each rank's
+    pool held then (`rank_probe`)."""
+    backend.process.terminate()
+    # uvicorn re-raises the SIGTERM it served its shutdown on
+    assert backend.process.wait(timeout=30) in (0, -signal.SIGTERM), backend.log.read_text()
+    return rank_probe.read_dumps(dump, 2)
+
+
+def _held_pages(rank0: dict[str, Any]) -> list[int]:
+    return [p for p, n in enumerate(rank0["refcounts"]) if n]
+
+
+def test_disconnects_leave_every_rank_idle(tmp_path: Path, backends: list[Backend]) -> None:
+    """Rank 0's pool by `/v1/load`, and every rank's by what it holds when the group stops: no page
+    held, and each rank's cache carries the tags rank 0's block manager gave (none stale, none
+    missed), so the pool any rank reads is the one rank 0 hands out."""
+    dump = tmp_path / "ranks"
+    dump.mkdir()
+    model = make_served_checkpoint("deepseek_v3", tmp_path / "ds")
+    two = Backend(model, tmp_path, "--tp", "2", env=rank_probe.environment(dump=dump))
     backends.append(two)
-    payload = {"tenant_salt": "a" * 32, "prompt": "a long story", "raw": True}
     sampling = {"temperature": 0, "max_tokens": 300, "ignore_eos": True}
     with httpx.Client(timeout=60) as client:
         for i in range(3):
-            body = payload | {"request_id": f"gone-{i}", "sampling": sampling}
+            body = {"request_id": f"gone-{i}", "tenant_salt": "a" * 32, "prompt": f"story {i}", "raw": True}
+            body["sampling"] = sampling
             with client.stream("POST", f"{two.url}/v1/generate", json=body, headers=AUTH) as response:
                 lines = response.iter_lines()
-                assert isinstance(_events.decode(next(lines)), TextDelta)  # then the client leaves
+                for _ in range(20):  # a few pages' worth of tokens (8 a page), then the client leaves
+                    assert isinstance(_events.decode(next(lines)), TextDelta)
     deadline = time.monotonic() + 10
     while (load := _load(two.url)).free_pages != load.total_pages or load.running:
         assert time.monotonic() < deadline, load
         time.sleep(0.1)
     assert _text_and_logprobs(_generate(two.url, "after", "a long story"))[1]  # still serving
+    rank0, rank1 = _stop_and_read_ranks(two, dump)
+    assert rank0["load"] == [64, 64] and not _held_pages(rank0)
+    assert rank1["page_tags"] == rank0["page_tags"] == rank0["block_tags"]
+    assert max(rank0["block_tags"]) >= 3 * 3  # each request had pages handed out; every rank followed
+    assert rank1["num_steps"] == rank0["num_steps"]  # every step rank 0 ran, warm-up included
+
+
+VICTIM = " ".join(str(i) for i in range(1, 40))  # raw: 100 tokens
+LONG = 64  # only the victim's sequence gets this long: PROMPTS are 32 tokens at most, plus 16 generated
+
+
+def test_a_tag_fault_on_rank_1_aborts_only_its_request(tmp_path: Path, backends: list[Backend]) -> None:
+    """Rank 1 alone finds a stale page (`rank_probe`'s fault, in the victim's own last page): the
+    victim's stream ends with the integrity error, raised on every rank before its token is sampled,
+    while the requests in the same steps answer as when asked alone. Then both ranks' pools are idle
+    and agree on every page's tag but the stale one, which nothing holds (its next owner gets a new
+    tag), and the victim asked again is answered whole."""
+    dump = tmp_path / "ranks"
+    dump.mkdir()
+    model = make_served_checkpoint("deepseek_v3", tmp_path / "ds")
+    env = rank_probe.environment(dump=dump, fault_seq_len=LONG)
+    two = Backend(model, tmp_path, "--tp", "2", env=env)
+    backends.append(two)
+    sampling = {"max_tokens": 16, "ignore_eos": True}
+    with ThreadPoolExecutor(3) as pool:
+        victim = pool.submit(_generate, two.url, "victim", VICTIM, **sampling)
+        beside = [
+            pool.submit(_generate, two.url, f"beside-{i}", p, **sampling) for i, p in enumerate(PROMPTS)
+        ]
+        victim_events, beside_events = victim.result(), [f.result() for f in beside]
+    last = victim_events[-1]
+    assert isinstance(last, Error) and (last.code, last.status) == ("integrity_abort", 500), victim_events
+    assert "on another rank" in last.message
+    got = [lp.token_id for e in victim_events if isinstance(e, TextDelta) for lp in e.logprobs or []]
+    whole = _text_and_logprobs(_generate(two.url, "victim-again", VICTIM, **sampling))
+    assert len(whole[1]) == 16 and got == whole[1][: len(got)] and len(got) < 16
+    for i, (prompt, events) in enumerate(zip(PROMPTS, beside_events, strict=True)):
+        alone = _text_and_logprobs(_generate(two.url, f"alone-{i}", prompt, **sampling))
+        text, ids, logprobs = _text_and_logprobs(events)
+        assert (text, ids) == alone[:2] and len(ids) == 16
+        assert logprobs == pytest.approx(alone[2], abs=1e-5)
+    load = _load(two.url)
+    assert load.free_pages == load.total_pages and load.running == load.waiting == 0
+    rank0, rank1 = _stop_and_read_ranks(two, dump)
+    assert rank0["page_tags"] == rank0["block_tags"] and not _held_pages(rank0)
+    (stale,) = [
+        p for p, (t0, t1) in enumerate(zip(rank0["page_tags"], rank1["page_tags"], strict=True)) if t0 != t1
+    ]
+    assert rank1["page_tags"][stale] == rank0["page_tags"][stale] + rank_probe.STALE
+    assert rank1["num_steps"] == rank0["num_steps"]
 
 
 def test_a_killed_rank_fails_requests_retryably_and_the_group_restarts(tmp_path: Path) -> None:
