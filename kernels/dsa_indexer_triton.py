@@ -16,10 +16,11 @@ follow in registers. It writes a full row block of an fp32 score buffer `[NT · 
 check, or a row past the tile's queries), so `torch.topk` over the buffer needs no other mask and the
 buffer needs no fill. Tiles past a tile's last visible token read nothing.
 
-Selection: the reference's `top_positions` over each row (best first, equal scores to the earlier
-token, -inf picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), rows
-scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of up to ~200k tokens; a
-Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
+Selection: the reference's `top_positions` over each row (equal scores to the earlier token, -inf
+picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), unsorted: the same
+set as the reference's, in `topk`'s order, and no selection at all where the row has no more
+columns than k; rows scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of
+up to ~200k tokens; a Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
 topk dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
@@ -424,9 +425,9 @@ def dsa_indexer_triton(
     block_q: int | None = None,
     config: str | IndexerTiles | None = None,  # an INDEXER_TILES name or entry; None: the default
     max_score_bytes: int = 2**30,  # the selection's bound (scores + keys): long chunks go in groups of tiles
-) -> torch.Tensor:  # [T, K] int64 positions, best first, -1 padded
-    """`dsa_indexer_ref` on the GPU; see the module docstring. Query tiles: 1 query (decode) or 2 (GLM-5's
-    32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
+) -> torch.Tensor:  # [T, K] int64 positions, in no particular order, -1 padded
+    """`dsa_indexer_ref`'s choice (as a set) on the GPU; see the module docstring. Query tiles: 1
+    query (decode) or 2 (GLM-5's 32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
     T, Hi, _ = q.shape
     W = page_table.shape[1] * k_cache.shape[1]
     check_indexer_inputs(
@@ -445,7 +446,9 @@ def dsa_indexer_triton(
             tag_mismatch, softmax_scale, tiles=tiles, tiles_range=(t0, min(t0 + group, num_tiles)),
             config=config, check_tags=check_tags,
         )  # fmt: skip
-        out[q_row, :k_eff] = top_positions(scores, k_eff)  # [rows, K'] best first, as the reference
+        # the reference's choice, unsorted: sparse MLA takes it as a set (the sort was 45% of the
+        # selection's time at 2k tokens on the H200, 2026-12-04)
+        out[q_row, :k_eff] = top_positions(scores, k_eff, best_first=False)  # [rows, K']
     return out[:T]
 
 

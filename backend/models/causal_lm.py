@@ -54,8 +54,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step)
-        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))  # attn, mlp: any nn.Module
+        attn_out = self.self_attn(self.input_layernorm(x), step)
+        normed, x = self.post_attention_layernorm.add_forward(attn_out, x)  # x + attn_out, then its norm
+        mlp_out: torch.Tensor = self.mlp(normed)  # attn, mlp: any nn.Module
         return x + mlp_out
 
 
