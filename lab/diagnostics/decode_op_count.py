@@ -6,8 +6,8 @@ GLM 5.2 tiny geometry, one sequence, the Engine's decode path without graphs.
 Counts the profiler's leaf `aten::` ops (those with no aten child: what would be a kernel each)
 over N decode steps, printed per step and by name; views and metadata ops launch nothing and are
 not counted. The ops whose CPU path is a torch reference of a CUDA kernel (MLA attention, the DSA
-indexer's scoring and selection, the KV write, linear layers, routed experts, the fused RMSNorm and
-rotary ops) are counted as one op each under their own name: on the H200 they are one to a few fixed kernels, and their CPU references' many
+indexer's scoring and selection, the KV write, linear layers, routed experts, the fused RMSNorm,
+rotary and routing ops) are counted as one op each under their own name: on the H200 they are one to a few fixed kernels, and their CPU references' many
 small ops would drown the model code's count.
 """
 
@@ -53,6 +53,7 @@ def opaque(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def kernel_ops_opaque() -> Iterator[None]:
     """Wrap the kernel-backed ops where the model code calls them."""
     import backend.models.deepseek_v3 as mla
+    import backend.models.layers.moe as moe
     import backend.models.layers.norm as norm
     import backend.models.layers.rotary as rotary
     import backend.models.layers.step as step
@@ -65,7 +66,7 @@ def kernel_ops_opaque() -> Iterator[None]:
     patches = [
         (mla, "mla_attention"), (indexer, "dsa_indexer_ref"), (step, "kv_write"),
         (Linear, "forward"), (_QuantLinear, "forward"), (Experts, "forward"), (QuantExperts, "forward"),
-        (norm, "rms_norm"), (rotary, "rope"),  # one Triton launch each on CUDA (absent before issue 24's fusions)
+        (norm, "rms_norm"), (rotary, "rope"), (moe, "route"),  # one Triton launch each on CUDA (absent before issue 24's fusions)
     ]  # fmt: skip
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches if hasattr(obj, name)]
     for obj, name, fn in saved:
