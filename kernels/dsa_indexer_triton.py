@@ -17,7 +17,8 @@ check, or a row past the tile's queries), so `torch.topk` over the buffer needs 
 buffer needs no fill. Tiles past a tile's last visible token read nothing.
 
 Selection: the reference's `top_positions` over each row (equal scores to the earlier token, -inf
-picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), unsorted: the same
+picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), in
+`kernels/selection_triton.py`'s fewer launches, unsorted: the same
 set as the reference's, in `topk`'s order, and no selection at all where the row has no more
 columns than k; rows scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of
 up to ~200k tokens; a Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
@@ -58,7 +59,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_gather import check_tag_inputs
-from kernels.selection import top_positions
+from kernels.selection_triton import top_positions_triton
 from kernels.split_k_merge import TL_DTYPES
 from kernels.triton_lib import QueryTiles, query_tile, query_tiles
 
@@ -448,7 +449,7 @@ def dsa_indexer_triton(
         )  # fmt: skip
         # the reference's choice, unsorted: sparse MLA takes it as a set (the sort was 45% of the
         # selection's time at 2k tokens on the H200, 2026-12-04)
-        out[q_row, :k_eff] = top_positions(scores, k_eff, best_first=False)  # [rows, K']
+        out[q_row, :k_eff] = top_positions_triton(scores, k_eff)  # [rows, K']
     return out[:T]
 
 
