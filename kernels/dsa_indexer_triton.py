@@ -358,10 +358,13 @@ def dsa_indexer_scores(
     elif out.shape != (rows, W) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {W}] float32 with unit-stride rows")
     # the query row of each score row; rows past a tile's queries (and idle tiles) map to T
-    seq = tiles.tile_seq[t0:t1].long()
-    ends = tiles.query_start.long()[(seq + 1).clamp(max=B)]
-    q_row = tiles.tile_q0[t0:t1].long()[:, None] + torch.arange(block_q, device=q.device)  # [NTc, BQ]
-    q_row = torch.where((seq[:, None] < B) & (q_row < ends[:, None]), q_row, T).flatten()
+    if is_query_per_tile(tiles, T):  # decode: score row i is query t0 + i
+        q_row = torch.arange(t0, t1, device=q.device)
+    else:
+        seq = tiles.tile_seq[t0:t1].long()
+        ends = tiles.query_start.long()[(seq + 1).clamp(max=B)]
+        q_row = tiles.tile_q0[t0:t1].long()[:, None] + torch.arange(block_q, device=q.device)  # [NTc, BQ]
+        q_row = torch.where((seq[:, None] < B) & (q_row < ends[:, None]), q_row, T).flatten()
     if rows == 0 or W == 0:
         return out, q_row
     _dsa_scores_kernel[(triton.cdiv(W, cfg.block_n * cfg.steps), t1 - t0)](
@@ -434,13 +437,20 @@ def dsa_indexer_triton(
     check_indexer_inputs(
         q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, page_tags, tag_mismatch
     )
-    out = torch.full((T + 1, topk), -1, dtype=torch.int64, device=q.device)  # row T: idle score rows
     k_eff = min(topk, W)
     if T == 0 or k_eff == 0:
-        return out[:T]
+        return torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     tiles = indexer_tiles(query_start, T, seq_lens.shape[0], Hi, block_q)
     num_tiles = tiles.tile_seq.shape[0]
     group = max(1, max_score_bytes // (SELECT_BYTES * W * tiles.block_q))  # tiles per launch
+    if is_query_per_tile(tiles, T) and group >= num_tiles:  # decode: one launch, rows in query order
+        scores, _ = dsa_indexer_scores(
+            q, weights, k_cache, k_scale, query_start, seq_lens, page_table, expected_tags, page_tags,
+            tag_mismatch, softmax_scale, tiles=tiles, config=config, check_tags=check_tags,
+        )  # fmt: skip
+        chosen = top_positions_triton(scores, k_eff)  # [T, K'] the reference's choice, unsorted
+        return chosen if k_eff == topk else torch.nn.functional.pad(chosen, (0, topk - k_eff), value=-1)
+    out = torch.full((T + 1, topk), -1, dtype=torch.int64, device=q.device)  # row T: idle score rows
     for t0 in range(0, num_tiles, group):
         scores, q_row = dsa_indexer_scores(
             q, weights, k_cache, k_scale, query_start, seq_lens, page_table, expected_tags, page_tags,
@@ -451,6 +461,12 @@ def dsa_indexer_triton(
         # selection's time at 2k tokens on the H200, 2026-12-04)
         out[q_row, :k_eff] = top_positions_triton(scores, k_eff)  # [rows, K']
     return out[:T]
+
+
+def is_query_per_tile(tiles: QueryTiles, num_tokens: int) -> bool:
+    """Decode's tiles: one per query, tile t query t (`query_tiles` with block_q 1, every one of
+    the T queries in query_start's ranges)."""
+    return tiles.block_q == 1 and tiles.tile_q0.shape[0] == num_tokens
 
 
 def check_indexer_inputs(

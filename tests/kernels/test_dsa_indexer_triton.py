@@ -114,6 +114,7 @@ CASES = [
     ([1, 15, 16], [1, 15, 1], 4, 16, 16, 8, None),
     ([37, 60, 20], [37, 5, 1], 6, 24, 5, 11, 4),  # Hi, Di, page size not powers of two; tiles of 4
     ([3, 70], [1, 1], 4, 16, 8, 40, None),  # decode, topk above one sequence's length
+    ([3, 9, 12], [1, 1, 1], 4, 16, 8, 40, None),  # decode, topk above the table's width: no selection
 ]
 
 
