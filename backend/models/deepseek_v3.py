@@ -93,8 +93,8 @@ class MLAAttention(nn.Module):
         rotary.rotate(q_pe, step.cos, step.sin, out=q_abs[..., self.R :])
         w_uk = self.w_kv()[:, : self.N]  # [Hl, N, R]
         # bmm over the views: cuBLAS takes their strides and the transpose as they are (an einsum may
-        # copy a non-contiguous weight operand on every call)
-        q_abs[..., : self.R] = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hl, R]
+        # copy a non-contiguous weight operand on every call), the output's too (ldc = Hl·(R + Dr))
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_abs[..., : self.R].transpose(0, 1))  # [Hl, T, R]
         return q_abs, q_resid
 
     def w_kv(self) -> torch.Tensor:
