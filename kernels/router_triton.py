@@ -11,8 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.router import is_kernel_shape
-
 __all__ = ["route_triton"]
 
 
@@ -92,7 +90,8 @@ def route_triton(
         raise ValueError(f"bias must be contiguous float32 [{E}]")
     if not 0 < top_k <= E:
         raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
-    if not is_kernel_shape(E, n_group):
+    size = E // n_group if n_group > 1 else 1
+    if n_group > 1 and (E % n_group or size & (size - 1) or n_group & (n_group - 1)):  # `is_kernel_shape`
         raise ValueError(
             f"grouped routing needs power-of-two groups of a power-of-two size, got E={E}, G={n_group}"
         )

@@ -68,7 +68,7 @@ class Router(nn.Module):
                 self.topk_group,
                 self.norm_topk_prob,
                 self.routed_scaling_factor,
-            )  # fmt: skip
+            )
         )
 
 
