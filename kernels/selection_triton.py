@@ -28,8 +28,8 @@ def _selection_keys_kernel(
     stride_k,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(1).to(tl.int64)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0).to(tl.int64)  # rows on axis 0: a long prefill chunk may have > 65535
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < L
     s = tl.load(scores_ptr + row * stride_s + cols, mask=mask, other=0.0)
     bits = s.to(tl.int32, bitcast=True)
@@ -53,7 +53,7 @@ def top_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     keys = torch.empty((R, L), dtype=torch.int64, device=scores.device)
     if R:
         block = 1024
-        _selection_keys_kernel[(triton.cdiv(L, block), R)](
+        _selection_keys_kernel[(R, triton.cdiv(L, block))](
             scores, keys, L, scores.stride(0), keys.stride(0), BLOCK=block, num_warps=4
         )
     values, chosen = keys.topk(k, dim=-1, sorted=False)
