@@ -5,7 +5,9 @@ indexer keys read from their own paged cache (tag-checked like every page read).
 may not see (later tokens, pages that failed their check) are never chosen; a query with fewer than
 k visible tokens gets -1 in the remaining slots. Indices are token positions within the sequence.
 
-Equal scores go to the earlier token (`top_positions`). Ties are common, not a corner case: a key
+The op returns the chosen set: the reference best first, the GPU path in no particular order, -1
+slots anywhere (sparse MLA, the consumer, takes the positions as a set; sorting them cost as much as
+choosing them). Equal scores go to the earlier token (`top_positions`). Ties are common, not a corner case: a key
 that every head's ReLU zeroes scores exactly 0, and with few heads many keys do. `torch.topk` leaves
 the order of ties unspecified and its pick among them changes with the row's length, so a query's
 choice would depend on how many columns its row has (a prefill chunk, the page table's width, the
@@ -38,7 +40,7 @@ class DsaIndexerArgs:
     batch: PagedBatch
 
 
-def dsa_indexer(args: DsaIndexerArgs) -> torch.Tensor:  # [T, K] int64
+def dsa_indexer(args: DsaIndexerArgs) -> torch.Tensor:  # [T, K] int64, a set per row
     """The op: the Triton scores on CUDA (triton is the gpu extra: imported only there), the
     reference elsewhere."""
     a, b = args, args.batch

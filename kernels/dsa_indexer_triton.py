@@ -16,10 +16,12 @@ follow in registers. It writes a full row block of an fp32 score buffer `[NT · 
 check, or a row past the tile's queries), so `torch.topk` over the buffer needs no other mask and the
 buffer needs no fill. Tiles past a tile's last visible token read nothing.
 
-Selection: the reference's `top_positions` over each row (best first, equal scores to the earlier
-token, -inf picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), rows
-scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of up to ~200k tokens; a
-Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
+Selection: the reference's `top_positions` over each row (equal scores to the earlier token, -inf
+picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), in
+`kernels/selection_triton.py`'s fewer launches, unsorted: the same
+set as the reference's, in `topk`'s order, and no selection at all where the row has no more
+columns than k; rows scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of
+up to ~200k tokens; a Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
 topk dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
@@ -57,7 +59,7 @@ import triton
 import triton.language as tl
 
 from kernels.paged_gather import check_tag_inputs
-from kernels.selection import top_positions
+from kernels.selection_triton import top_positions_triton
 from kernels.split_k_merge import TL_DTYPES
 from kernels.triton_lib import QueryTiles, query_tile, query_tiles
 
@@ -356,10 +358,13 @@ def dsa_indexer_scores(
     elif out.shape != (rows, W) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {W}] float32 with unit-stride rows")
     # the query row of each score row; rows past a tile's queries (and idle tiles) map to T
-    seq = tiles.tile_seq[t0:t1].long()
-    ends = tiles.query_start.long()[(seq + 1).clamp(max=B)]
-    q_row = tiles.tile_q0[t0:t1].long()[:, None] + torch.arange(block_q, device=q.device)  # [NTc, BQ]
-    q_row = torch.where((seq[:, None] < B) & (q_row < ends[:, None]), q_row, T).flatten()
+    if is_query_per_tile(tiles, T):  # decode: score row i is query t0 + i
+        q_row = torch.arange(t0, t1, device=q.device)
+    else:
+        seq = tiles.tile_seq[t0:t1].long()
+        ends = tiles.query_start.long()[(seq + 1).clamp(max=B)]
+        q_row = tiles.tile_q0[t0:t1].long()[:, None] + torch.arange(block_q, device=q.device)  # [NTc, BQ]
+        q_row = torch.where((seq[:, None] < B) & (q_row < ends[:, None]), q_row, T).flatten()
     if rows == 0 or W == 0:
         return out, q_row
     _dsa_scores_kernel[(triton.cdiv(W, cfg.block_n * cfg.steps), t1 - t0)](
@@ -424,29 +429,44 @@ def dsa_indexer_triton(
     block_q: int | None = None,
     config: str | IndexerTiles | None = None,  # an INDEXER_TILES name or entry; None: the default
     max_score_bytes: int = 2**30,  # the selection's bound (scores + keys): long chunks go in groups of tiles
-) -> torch.Tensor:  # [T, K] int64 positions, best first, -1 padded
-    """`dsa_indexer_ref` on the GPU; see the module docstring. Query tiles: 1 query (decode) or 2 (GLM-5's
-    32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
+) -> torch.Tensor:  # [T, K] int64 positions, in no particular order, -1 padded
+    """`dsa_indexer_ref`'s choice (as a set) on the GPU; see the module docstring. Query tiles: 1
+    query (decode) or 2 (GLM-5's 32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
     T, Hi, _ = q.shape
     W = page_table.shape[1] * k_cache.shape[1]
     check_indexer_inputs(
         q, weights, k_cache, query_start, seq_lens, page_table, expected_tags, page_tags, tag_mismatch
     )
-    out = torch.full((T + 1, topk), -1, dtype=torch.int64, device=q.device)  # row T: idle score rows
     k_eff = min(topk, W)
     if T == 0 or k_eff == 0:
-        return out[:T]
+        return torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
     tiles = indexer_tiles(query_start, T, seq_lens.shape[0], Hi, block_q)
     num_tiles = tiles.tile_seq.shape[0]
     group = max(1, max_score_bytes // (SELECT_BYTES * W * tiles.block_q))  # tiles per launch
+    if is_query_per_tile(tiles, T) and group >= num_tiles:  # decode: one launch, rows in query order
+        scores, _ = dsa_indexer_scores(
+            q, weights, k_cache, k_scale, query_start, seq_lens, page_table, expected_tags, page_tags,
+            tag_mismatch, softmax_scale, tiles=tiles, config=config, check_tags=check_tags,
+        )  # fmt: skip
+        chosen = top_positions_triton(scores, k_eff)  # [T, K'] the reference's choice, unsorted
+        return chosen if k_eff == topk else torch.nn.functional.pad(chosen, (0, topk - k_eff), value=-1)
+    out = torch.full((T + 1, topk), -1, dtype=torch.int64, device=q.device)  # row T: idle score rows
     for t0 in range(0, num_tiles, group):
         scores, q_row = dsa_indexer_scores(
             q, weights, k_cache, k_scale, query_start, seq_lens, page_table, expected_tags, page_tags,
             tag_mismatch, softmax_scale, tiles=tiles, tiles_range=(t0, min(t0 + group, num_tiles)),
             config=config, check_tags=check_tags,
         )  # fmt: skip
-        out[q_row, :k_eff] = top_positions(scores, k_eff)  # [rows, K'] best first, as the reference
+        # the reference's choice, unsorted: sparse MLA takes it as a set (the sort was 45% of the
+        # selection's time at 2k tokens on the H200, 2026-12-04)
+        out[q_row, :k_eff] = top_positions_triton(scores, k_eff)  # [rows, K']
     return out[:T]
+
+
+def is_query_per_tile(tiles: QueryTiles, num_tokens: int) -> bool:
+    """Decode's tiles: one per query, tile t query t (`query_tiles` with block_q 1, every one of
+    the T queries in query_start's ranges)."""
+    return tiles.block_q == 1 and tiles.tile_q0.shape[0] == num_tokens
 
 
 def check_indexer_inputs(

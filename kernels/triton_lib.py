@@ -488,6 +488,11 @@ class QueryTiles:
 
 def query_tiles(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
     """Tiles of `block_q` consecutive queries of one sequence, on query_start's device."""
+    if block_q == 1:  # a tile per query (decode): tile t is query t, of the sequence whose range holds it
+        qs32 = query_start.to(torch.int32)
+        t32 = torch.arange(num_tokens, dtype=torch.int32, device=qs32.device)  # [NT = T]
+        seq32 = torch.searchsorted(qs32[1:].contiguous(), t32, right=True, out_int32=True)
+        return QueryTiles(qs32.contiguous(), seq32, t32, 1)
     qs = query_start.long()
     B = qs.shape[0] - 1
     num_tiles = (qs[1:] - qs[:-1] + block_q - 1) // block_q  # [B]

@@ -53,10 +53,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step)
-        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))  # attn, mlp: any nn.Module
-        return x + mlp_out
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is `x + residual` (x alone when residual is None: the first layer);
+        returns (mlp_out, h), the next layer's input being `h + mlp_out`: each residual add runs
+        inside the norm after it, one launch for both."""
+        if residual is None:
+            h = x
+            normed = self.input_layernorm(x)
+        else:
+            normed, h = self.input_layernorm.add_forward(x, residual)
+        attn_out = self.self_attn(normed, step)
+        normed, h = self.post_attention_layernorm.add_forward(attn_out, h)  # h + attn_out, then its norm
+        mlp_out: torch.Tensor = self.mlp(normed)  # attn, mlp: any nn.Module
+        return mlp_out, h
 
 
 class Backbone(nn.Module):
@@ -177,9 +188,10 @@ class CausalLM(nn.Module):
             x[batch.image_embeds.token_indices] = batch.image_embeds.embeds.to(x.dtype)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         step = Step.build(batch, cos, sin, self.dcp)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, step)
-        hidden: torch.Tensor = x
+            x, residual = layer(x, residual, step)
+        hidden: torch.Tensor = x if residual is None else residual + x
         return hidden
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -83,16 +83,19 @@ class MLAAttention(nn.Module):
         q, q_resid = self.project_q(x)
         q_nope, q_pe = torch.split(q, [self.N, self.Dr], dim=-1)  # [T, Hl, N], [T, Hl, Dr]
         c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
-        c = self.kv_a_layernorm(c)
         rotary = self.rotary[0]
-        q_pe = rotary.rotate(q_pe, step.cos, step.sin)
-        k_pe = rotary.rotate(k_pe.view(T, 1, self.Dr), step.cos, step.sin).view(T, self.Dr)
-        step.write(self.layer_idx, "latent", torch.cat([c, k_pe], dim=-1))
+        # the norm and the rotation write their halves of the cache line: no concatenation
+        latent = torch.empty(T, self.R + self.Dr, dtype=x.dtype, device=x.device)  # [T, R + Dr]
+        self.kv_a_layernorm(c, out=latent[:, : self.R])
+        rotary.rotate(k_pe.view(T, 1, self.Dr), step.cos, step.sin, out=latent[:, None, self.R :])
+        step.write(self.layer_idx, "latent", latent)
+        q_abs = torch.empty(T, self.num_local_heads, self.R + self.Dr, dtype=q.dtype, device=q.device)
+        rotary.rotate(q_pe, step.cos, step.sin, out=q_abs[..., self.R :])
         w_uk = self.w_kv()[:, : self.N]  # [Hl, N, R]
         # bmm over the views: cuBLAS takes their strides and the transpose as they are (an einsum may
-        # copy a non-contiguous weight operand on every call)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hl, R]
-        return torch.cat([q_latent, q_pe], dim=-1), q_resid
+        # copy a non-contiguous weight operand on every call), the output's too (ldc = Hl·(R + Dr))
+        torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_abs[..., : self.R].transpose(0, 1))  # [Hl, T, R]
+        return q_abs, q_resid
 
     def w_kv(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.num_local_heads, self.N + self.V, self.R)  # [Hl, N+V, R]

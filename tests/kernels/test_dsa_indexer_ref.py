@@ -114,3 +114,16 @@ def test_top_positions_orders_by_score_then_position() -> None:
     assert top_positions(scores, 7).tolist() == [[3, 1, 2, 4, 0, 6, -1]]
     wide = torch.cat([scores, torch.full((1, 100), float("-inf"))], dim=1)
     assert top_positions(wide, 5).tolist() == [[3, 1, 2, 4, 0]]
+
+
+def test_top_positions_unsorted_is_the_same_set() -> None:
+    """best_first=False: the sorted choice's set, ties included; with k >= L every column, -1 where -inf."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randint(-3, 4, (6, 40), generator=g).float()  # many ties
+    scores[scores == -3] = float("-inf")
+    for k in (1, 7, 25, 40, 64):
+        best = top_positions(scores, min(k, 40))
+        some = top_positions(scores, min(k, 40), best_first=False)
+        assert torch.equal(some.sort(dim=1).values, best.sort(dim=1).values), k
+    every = top_positions(scores, 40, best_first=False)
+    assert torch.equal(every, torch.where(torch.isneginf(scores), -1, torch.arange(40)))

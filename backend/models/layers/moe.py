@@ -3,7 +3,8 @@
 Routing (engine-anchors §1c): sigmoid scores in float32; `e_score_correction_bias` is added only to
 choose experts (group-limited when `n_group > 1`: a group scores the sum of its top-2 biased
 scores, `topk_group` groups survive); the chosen experts are weighed by the UNBIASED scores,
-renormalised when `norm_topk_prob`, times `routed_scaling_factor`. The shared experts are added
+renormalised when `norm_topk_prob`, times `routed_scaling_factor` (after the gate's GEMV, one
+launch on CUDA: `kernels/router.py`). The shared experts are added
 unscaled. Experts are split over ranks by contiguous id range (expert parallelism), and with fewer
 expert groups than ranks each expert by its intermediate dims (backend/models/layers/parallel.py); the
 routed and shared partial sums are combined by one all-reduce.
@@ -22,6 +23,7 @@ from backend.errors import CheckpointError
 from backend.models.layers.linear import Shard, _copy, activation, column, row
 from backend.models.layers.parallel import Parallel
 from backend.models.model_config import ModelConfig
+from kernels.router import RouteArgs, route
 
 
 class DenseMLP(nn.Module):
@@ -54,21 +56,20 @@ class Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] → (weights [T, k] float32, expert ids [T, k] int64)."""
-        T, E = x.shape[0], self.weight.shape[0]
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
-        biased = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = biased.view(T, self.n_group, E // self.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
-            biased = biased.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
-        ids = biased.topk(self.top_k, dim=-1).indices  # [T, k]
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        """x [T, H] → (weights [T, k] float32, expert ids [T, k] int64): the gate's GEMV, then the
+        selection in one launch on CUDA (`kernels/router.py`)."""
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        return route(
+            RouteArgs(
+                logits,
+                self.e_score_correction_bias,
+                self.top_k,
+                self.n_group,
+                self.topk_group,
+                self.norm_topk_prob,
+                self.routed_scaling_factor,
+            )
+        )
 
 
 class Experts(nn.Module):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from backend.models.model_config import RopeConfig, yarn_mscale
+from kernels.rope import RopeArgs, rope
 
 
 def inv_freq_and_factor(rope: RopeConfig) -> tuple[torch.Tensor, float]:
@@ -65,14 +66,10 @@ class Rotary(nn.Module):
             dtype
         )
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, >= dim]; rotates the first `dim` dims of each head, passes the rest through."""
-        c, s = cos[:, None, :], sin[:, None, :]
-        rot, rest = x[..., : self.dim], x[..., self.dim :]
-        if self.is_interleaved:
-            # pairs (x0, x1), (x2, x3)… come out de-interleaved (evens then odds), the same for q and k
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        else:
-            x1, x2 = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
-        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+    def rotate(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, heads, >= dim]; rotates the first `dim` dims of each head, passes the rest through
+        (one launch on CUDA, `kernels/rope.py`); into `out` (e.g. a slice of a wider buffer) when given.
+        Interleaved pairs (x0, x1), (x2, x3)… come out de-interleaved (evens then odds), the same for q and k."""
+        return rope(RopeArgs(x, cos, sin, self.dim, self.is_interleaved, out))

@@ -1,0 +1,42 @@
+"""Compile issue 24's small decode ops (RMSNorm, rotary, MoE routing, DSA selection keys) for sm90
+(H200) without a GPU, at GLM-5's shapes; prints ptxas's registers and spills per kernel. Run
+without TRITON_INTERPRET (the interpreter never lowers a kernel):
+
+    python -m tests.kernels.sm90_compile_small_ops
+"""
+
+from __future__ import annotations
+
+from triton.compiler import ASTSource
+
+from tests.kernels.sm90_compile import _source, compile_sm90
+
+
+def builds() -> list[tuple[str, ASTSource, int]]:
+    from kernels.rms_norm_triton import _rms_norm_kernel
+    from kernels.rope_triton import _rope_kernel
+    from kernels.router_triton import _route_kernel
+    from kernels.selection_triton import _selection_keys_kernel
+
+    bf16 = {"x_ptr": "bf16", "r_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "h_ptr": "bf16"}
+    rope = {"x_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16", "out_ptr": "bf16"}
+    route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
+    return [
+        ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
+        ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),
+        ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1}, set()), 4),
+        ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64}, set()), 4),
+        ("rope NeoX partial", _source(_rope_kernel, rope, {"INTERLEAVED": False, "BLOCK_H": 16, "BLOCK_F": 32, "BLOCK_R": 64}, set()), 4),
+        ("route 256 experts top-8", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
+        ("route 8 x 32 groups top-4", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 8, "TOPK_GROUP": 4, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
+        ("selection keys", _source(_selection_keys_kernel, {"scores_ptr": "fp32", "keys_ptr": "i64"}, {"BLOCK": 1024}, set()), 4),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    for name, src, warps in builds():
+        print(f"{name}: {compile_sm90(src, warps)}")
+
+
+if __name__ == "__main__":
+    main()
