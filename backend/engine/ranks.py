@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from backend.engine.forward_batch import HostBatch
+from backend.engine.speculative_forwards import SpecForward
 from backend.errors import RanksDown
 from backend.server.settings import BackendSettings
 
@@ -52,10 +53,12 @@ from backend.server.settings import BackendSettings
 @dataclass(slots=True)
 class StepInputs:
     """One step, as every rank runs it: the planned host batch and the page tags changed since the
-    last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`."""
+    last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`; `spec`
+    names a speculative step's verify or draft forward (backend/engine/speculative_forwards.py)."""
 
     host: HostBatch
     tag_updates: np.ndarray | None = None
+    spec: SpecForward | None = None
 
 
 class StepChannel:
@@ -78,7 +81,7 @@ class StepChannel:
         host tensors: a pickled CUDA tensor would come out on rank 0's device in the other ranks."""
         if inputs is not None and inputs.host.image_parts:
             host = dataclasses.replace(inputs.host, image_parts=[p.cpu() for p in inputs.host.image_parts])
-            inputs = StepInputs(host, inputs.tag_updates)
+            inputs = dataclasses.replace(inputs, host=host)
         self._broadcast([inputs])
 
     def recv(self) -> StepInputs | None:

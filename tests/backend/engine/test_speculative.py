@@ -151,7 +151,8 @@ def test_greedy_identical_when_drafts_are_often_right(
 
 def toy_engine(model: MarkovModel, k: int, detokenize: Any = None, **config: Any) -> Engine:
     values = dict(num_pages=256, page_size=4, max_num_batched_tokens=512, max_num_seqs=64)
-    values |= dict(num_speculative_tokens=k, speculative_max_seqs=64) | config
+    # always K drafts (these tests count them); the draft policy has tests of its own
+    values |= dict(num_speculative_tokens=k, speculative_max_seqs=64, speculative_adaptive=False) | config
     return Engine(
         model,
         EngineConfig.build(**values),
