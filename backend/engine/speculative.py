@@ -340,7 +340,9 @@ class SpecDecoder:
                 (rows[proposing[i][0]].sched.seq, proposing[i][2] + depth, [drafts[i][-1]]) for i in live
             ]
             host_k = self._host(chain, list(range(len(live))))
-            logits_k, flags_k = self._forward(StepInputs(host_k, spec=SpecForward(depth, np.array(live, dtype=np.int64))))
+            logits_k, flags_k = self._forward(
+                StepInputs(host_k, spec=SpecForward(depth, np.array(live, dtype=np.int64)))
+            )
             for i, t in zip(live, logits_k.argmax(dim=-1).tolist(), strict=True):
                 drafts[i].append(t)
             for j, bad in zip(live, flags_k.tolist(), strict=True):

@@ -72,7 +72,9 @@ class VerifyGraphs:
             for k in reversed(self.draft_lengths):  # largest first: the pool is sized by the first
                 for size in reversed(self.batch_sizes):
                     step = partial(self._step, forward_spec, self._batch(k, size), k)
-                    self._replays[k, size] = cast(VerifyReplay, capture(cast(Callable[[], torch.Tensor], step)))
+                    self._replays[k, size] = cast(
+                        VerifyReplay, capture(cast(Callable[[], torch.Tensor], step))
+                    )
         except Exception as exc:  # a capture-unsafe op on the verify path: every verify stays eager
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
