@@ -59,8 +59,6 @@ def build_engine(
         raise CheckpointError(
             "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"
         )
-    if settings.speculative and settings.tp > 1:
-        raise CheckpointError("--speculative mtp:K runs on one rank (--tp 1) for now")
     loaded = load_model(
         settings.model,
         dtype=dtype,
