@@ -146,17 +146,19 @@ def test_speculative_and_plain_requests_share_one_forward() -> None:
 
 
 class ScriptedK:
-    """The draft policy's choice replaced by a seeded random k in 0 … K per step."""
+    """The draft policy's choice replaced by a seeded random k in 0 … K per step (or `cycle`'s)."""
 
-    def __init__(self, engine: Engine, seed: int) -> None:
+    def __init__(self, engine: Engine, seed: int = 0, cycle: list[int] | None = None) -> None:
         spec = engine.spec
         assert spec is not None
         self.rng = torch.Generator().manual_seed(seed)
         self.chosen: list[int] = []
         K = spec.K
+        ks = itertools.cycle(cycle or [0])
 
         def choose(load: StepLoad) -> int:
-            k = int(torch.randint(0, K + 1, (1,), generator=self.rng)) if load.num_drafting else 0
+            k = int(torch.randint(0, K + 1, (1,), generator=self.rng)) if cycle is None else next(ks)
+            k = k if load.num_drafting else 0
             self.chosen.append(k)
             return k
 
