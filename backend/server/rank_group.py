@@ -82,6 +82,8 @@ def build_engine(
         tenant_share=settings.tenant_share,
         num_speculative_tokens=settings.speculative,
         speculative_max_seqs=settings.speculative_max_seqs,
+        speculative_adaptive=settings.speculative_adaptive,
+        speculative_saturation_rows=settings.speculative_saturation_rows,
     )
     # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
     prepared = prepare_model(loaded, config, model_dtype=dtype)

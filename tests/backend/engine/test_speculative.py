@@ -478,6 +478,9 @@ def test_backend_settings_take_speculative() -> None:
     assert build_settings(base, env).speculative == 0
     assert build_settings([*base, "--speculative", "mtp:3"], env).speculative == 3
     assert build_settings([*base, "--speculative-max-seqs", "4"], env).speculative_max_seqs == 4
+    assert build_settings(base, env).speculative_adaptive is True
+    fixed = build_settings([*base, "--no-speculative-adaptive", "--speculative-saturation-rows", "128"], env)
+    assert (fixed.speculative_adaptive, fixed.speculative_saturation_rows) == (False, 128)
     with pytest.raises(SystemExit):
         build_settings([*base, "--speculative", "mtp:9"], env)
 
