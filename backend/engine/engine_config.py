@@ -52,7 +52,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     with `speculative_adaptive`, each step drafts the k in 0 … K that its load and the measured
     acceptance make pay (backend/engine/draft_policy.py: a forward's cost is flat up to
     `speculative_saturation_rows` rows, then linear; one MTP forward costs `speculative_draft_cost`
-    target forwards, None: 1 / the model's decoder layers); without it, always K.
+    target forwards; None: measured from the steps' times, starting from 1 / the model's decoder
+    layers); without it, always K.
     """
 
     page_size: PageSize = 16

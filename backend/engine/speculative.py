@@ -93,7 +93,9 @@ class SpecDecoder:
             saturation_rows=config.speculative_saturation_rows,
             draft_cost=config.speculative_draft_cost or 1.0 / max(num_layers, 1),
             is_adaptive=config.speculative_adaptive,
+            is_calibrated=config.speculative_draft_cost is None,  # None: measured from step times
         )
+        self._load = StepLoad(0, 0)  # this step's, for `observe_step`
         self.k = 0  # this step's draft length (the policy's choice)
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}
@@ -104,7 +106,7 @@ class SpecDecoder:
         drafts (`self.k`, the draft policy's choice for this step's load); all False past
         `speculative_max_seqs` running, or when the policy says drafting does not pay."""
         flags = [False] * len(out.scheduled)
-        self.k = 0
+        self.k, self._load = 0, StepLoad(0, 0)
         if num_running > self.max_seqs:
             return flags
         can_draft = [
@@ -115,7 +117,7 @@ class SpecDecoder:
         ]  # a grammar masks each position by the accepted text (not drafted); a mid-prompt chunk
         # samples nothing and proposes nothing (its MTP KV is filled when its prompt ends)
         num_samples = sum(s.needs_sample for s in out.scheduled)
-        load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
+        load = self._load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
         k = self.k = self.policy.choose(load)
         if k == 0:
             return flags
@@ -138,6 +140,12 @@ class SpecDecoder:
         for seq in seqs:
             if not seq.is_finished and seq.page_table:
                 self.block_manager.truncate(seq, self.block_manager.num_pages_for(seq.num_tokens))
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """After the step: its time, to the draft policy, when it ran no prefill (nothing but
+        decodes and their drafts: the steps its cost model describes)."""
+        if self._load.num_drafting and out.num_tokens == len(out.scheduled):
+            self.policy.observe_step(self._load, self.k, seconds)
 
     def forget(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)

@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from backend.engine.draft_policy import EWMA_WEIGHT, PRIOR_ACCEPTANCE, PROBE_EVERY, DraftPolicy, StepLoad
+from backend.engine.draft_policy import (
+    CALIBRATE_EVERY,
+    EWMA_WEIGHT,
+    PRIOR_ACCEPTANCE,
+    PROBE_EVERY,
+    DraftPolicy,
+    StepLoad,
+)
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.models.loader import load_model
@@ -84,6 +91,31 @@ def test_poor_acceptance_turns_drafting_off_but_probes() -> None:
     # load, not acceptance, keeps it off: no probes
     busy = policy(3, acceptance=0.02, draft_cost=0.5)
     assert not any(busy.choose(StepLoad(num_rows=256, num_drafting=256)) for _ in range(3 * PROBE_EVERY))
+
+
+def test_draft_cost_is_measured_from_step_times() -> None:
+    """Plain steps of 10 ms per cost unit; drafting steps of 10 ms (verify) + 4 ms per draft forward:
+    m converges to 0.4, and with it drafting turns off for one user whose drafts are rarely right."""
+    p = policy(3, acceptance=0.8, draft_cost=0.05, is_calibrated=True)
+    one = StepLoad(num_rows=1, num_drafting=1)
+    p.observe_step(one, 2, 0.5)  # no unit measured yet: nothing to calibrate against
+    assert p.draft_cost == 0.05
+    for _ in range(50):
+        p.observe_step(one, 0, 0.010)
+    assert p.unit_s == pytest.approx(0.010)
+    for _ in range(200):
+        p.observe_step(one, 3, 0.010 + 3 * 0.004)  # c(4 rows) = 1, then 3 forwards of 0.4 units
+    assert p.draft_cost == pytest.approx(0.4, rel=1e-3)
+    p.acceptance = [0.3] * 3  # E(1) = 1.3 < the 1.4 a draft costs
+    assert p.choose(one) == 0
+
+
+def test_calibration_forces_a_plain_step_now_and_then() -> None:
+    p = policy(3, acceptance=0.9, is_calibrated=True)
+    ks = [p.choose(StepLoad(num_rows=1, num_drafting=1)) for _ in range(2 * CALIBRATE_EVERY + 2)]
+    assert [i for i, k in enumerate(ks) if k == 0] == [CALIBRATE_EVERY, 2 * CALIBRATE_EVERY + 1]
+    fixed = policy(3, acceptance=0.9)  # a configured m: never
+    assert all(fixed.choose(StepLoad(num_rows=1, num_drafting=1)) for _ in range(2 * CALIBRATE_EVERY))
 
 
 def test_fixed_policy_always_drafts_k() -> None:
