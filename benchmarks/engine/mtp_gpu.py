@@ -14,7 +14,9 @@ Three parts, one command:
    A, B, B, A (A = on); a round's ratio (a1 + a2) / (b1 + b2); median and spread.
 2. c = 64 throughput, per nano model: `--c64` requests at once (the held-out prompts, cycled), output
    tok/s on ÷ off, A/B/B/A as above, `speculative_max_seqs` = 64 so that the draft policy, not the
-   cap, decides (it should turn drafting down: the record counts the steps that drafted).
+   cap, decides (it should turn drafting down: the record counts the steps by draft length).
+   Beside the rounds of both parts, one run with the policy off (always K drafts: `fixed_k_run`),
+   and in every run the policy's measured draft cost, to tell what it chose from.
 3. A projection for GLM 5.2's full geometry at one rank of 8 (`--rank-of 8`: rank 0's slice, its
    collectives local, benchmarks/engine/rank_of.py), random INT4-expert weights and a random MTP
    layer: the median c = 1 step time of plain decoding and of a speculative step with k = 1 … K
@@ -35,6 +37,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +72,8 @@ class Options:
 
 # ---- 1 and 2: the nano models ------------------------------------------------------------------------
 def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str, Any]:
-    """{"A": speculation on (as served: adaptive), "B": off} over one loaded copy of `checkpoint`."""
+    """{"A": speculation on (as served: adaptive), "B": off, "F": always K drafts} over one loaded
+    copy of `checkpoint`."""
     import torch
 
     from backend.engine.engine import Engine
@@ -81,11 +85,11 @@ def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str,
         checkpoint, dtype=dtype, device=opts.device, num_mtp_layers=num_mtp_layers_in(checkpoint)
     )
     engines = {}
-    for side, k in (("A", opts.k), ("B", 0)):
+    for side, k in (("A", opts.k), ("B", 0), ("F", opts.k)):
         config = EngineConfig.build(
             num_pages=max(64, concurrency * (-(-(2048 + opts.max_tokens) // 16))), page_size=16,
             max_num_batched_tokens=4096, max_num_seqs=max(concurrency, 1), enable_prefix_cache=False,
-            num_speculative_tokens=k, speculative_max_seqs=max(concurrency, 1),
+            num_speculative_tokens=k, speculative_max_seqs=max(concurrency, 1), speculative_adaptive=side != "F",
         )  # fmt: skip
         engines[side] = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
     return engines
@@ -108,7 +112,7 @@ def run_prompts(
     tokens: dict[int, list[int]] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
-    drafting_steps = 0
+    k_steps: dict[int, int] = {}  # steps by the draft length chosen
     start = time.perf_counter()
     for at in range(0, len(prompts), concurrency):
         for i in range(at, min(at + concurrency, len(prompts))):
@@ -120,7 +124,8 @@ def run_prompts(
         while engine.has_unfinished:
             outputs = engine.step()
             now = time.perf_counter()
-            drafting_steps += bool(engine.spec is not None and engine.spec.k)
+            k = engine.spec.k if engine.spec is not None else 0
+            k_steps[k] = k_steps.get(k, 0) + 1
             for out in outputs:
                 if out.error is not None:
                     raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
@@ -141,10 +146,15 @@ def run_prompts(
         "output_tok_s": num_tokens / wall,
         "decode_tok_s_per_user": sum(len(t) - 1 for t in tokens.values()) / decode_s if decode_s else 0.0,
         "steps": s.steps - steps,
-        "drafting_steps": drafting_steps,
+        "step_ms_mean": wall / max(s.steps - steps, 1) * 1e3,
+        "drafting_steps": sum(n for k, n in k_steps.items() if k),
+        "steps_by_draft_length": {str(k): n for k, n in sorted(k_steps.items())},
         "verify_steps": v,
         "acceptance_length": 1 + (s.spec_accepted_tokens - accepted) / v if v else None,
         "drafted_tokens": s.spec_drafted_tokens - drafted,
+        # the draft policy's state after the run: its measured draft cost and cost unit
+        "policy_draft_cost": engine.spec.policy.draft_cost if engine.spec is not None else None,
+        "policy_unit_ms": (engine.spec.policy.unit_s or 0.0) * 1e3 if engine.spec is not None else None,
     }
 
 
@@ -155,7 +165,7 @@ def ab_rounds(
     from benchmarks.engine import method
 
     warm_start = time.monotonic()
-    warm = {side: work(engines[side]) for side in ("A", "B")}
+    warm = {side: work(engines[side]) for side in ("A", "B")}  # F warms just before its one run
     warm_s = time.monotonic() - warm_start
     is_same = warm["A"]["tokens"] == warm["B"]["tokens"]
 
@@ -170,9 +180,16 @@ def ab_rounds(
         time_left=opts.time_left,
         first_round_s=2.0 * warm_s,
     )
+    fixed = None
+    if "F" in engines and opts.time_left() > warm_s:  # beside the rounds: always K drafts, once
+        work(engines["F"])
+        fixed = run("F")
+        b = [r[metric] for r in rounds[-1]["runs"] if r["side"] == "B"] if rounds else []
+        fixed["over_B_of_last_round"] = fixed[metric] / statistics.fmean(b) if b else None
     return {
         "metric": metric,
         "warm_up_s": round(warm_s, 2),
+        "fixed_k_run": fixed,
         "greedy_outputs_identical": is_same,
         "order": method.order(len(rounds)),
         "rounds": rounds,

@@ -43,6 +43,11 @@ def test_rounds_and_ratios(record: dict[str, Any]) -> None:
         for run in r["runs"]:  # speculation on drafted and verified; off never did
             assert (run["verify_steps"] > 0) == (run["side"] == "A")
             assert run["output_tokens"] > 0
+            assert sum(run["steps_by_draft_length"].values()) == run["steps"]
+        fixed = part["fixed_k_run"]  # the policy off: K drafts whenever a sequence can draft
+        assert fixed["verify_steps"] > 0 and set(fixed["steps_by_draft_length"]) <= {"0", "3"}
+        b = [run[metric] for run in r["runs"] if run["side"] == "B"]
+        assert fixed["over_B_of_last_round"] == pytest.approx(fixed[metric] / (sum(b) / 2))
     assert record["summary"]["speedup_c1 kimi-k2.6-nano tool-call"] == m["speedup_c1"]["tool-call"]["summary"]
 
 
