@@ -45,9 +45,21 @@ import torch
 import torch.distributed as dist
 
 from backend.engine.forward_batch import HostBatch
-from backend.engine.speculative_forwards import SpecForward
 from backend.errors import RanksDown
 from backend.server.settings import BackendSettings
+
+VERIFY = -1  # SpecForward.depth of a speculative step's verify forward
+
+
+@dataclass(frozen=True, slots=True)
+class SpecForward:
+    """Which forward of a speculative step a `StepInputs` is (backend/engine/speculative_forwards.py).
+    `depth` VERIFY: the target, keeping every row's hidden state; 0: the MTP layer over `rows` of the
+    verify's hidden states (the positions just accepted); d > 0: over `rows` of the previous depth's
+    proposing rows."""
+
+    depth: int
+    rows: np.ndarray | None = None  # [T] int64 (drafts only)
 
 
 @dataclass(slots=True)

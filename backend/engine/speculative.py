@@ -43,12 +43,11 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.draft_policy import DraftPolicy, StepLoad
 from backend.engine.forward_batch import HostBatch
 from backend.engine.model_runner import ModelRunner, SeqResult
-from backend.engine.ranks import StepInputs
+from backend.engine.ranks import VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import SampleRow, TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.sequence import Sequence
 from backend.engine.speculative_accept import accept_greedy, accept_sampled
-from backend.engine.speculative_forwards import VERIFY, SpecForward
 from backend.engine.step_planner import StepPlanner
 
 

@@ -17,8 +17,7 @@ Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P p
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,24 +25,10 @@ import torch
 from backend.engine.decode_graphs import Capture
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
+from backend.engine.ranks import VERIFY, StepInputs
 from backend.engine.verify_graphs import VerifyGraphs
 
-if TYPE_CHECKING:
-    from backend.engine.ranks import StepInputs
-
 log = logging.getLogger("kumo.engine")
-
-VERIFY = -1  # SpecForward.depth of the verify forward
-
-
-@dataclass(frozen=True, slots=True)
-class SpecForward:
-    """Which forward of a speculative step a `StepInputs` is. `depth` VERIFY: the target, keeping
-    every row's hidden state; 0: the MTP layer over `rows` of the verify's hidden states (the
-    positions just accepted); d > 0: over `rows` of the previous depth's proposing rows."""
-
-    depth: int
-    rows: np.ndarray | None = None  # [T] int64 (drafts only)
 
 
 class SpecForwards:
