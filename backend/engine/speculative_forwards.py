@@ -9,20 +9,23 @@ their rows, never ships them (under tensor parallelism every rank holds the whol
 
 Verify steps where every sequence verifies the same number of drafts k replay a CUDA graph of their
 (k, batch-size bucket) when the runner captures graphs (backend/engine/verify_graphs.py); any other
-verify, and every draft depth, runs eagerly.
+verify runs eagerly. Draft depths 1 … K−1 (one row per sequence: decode-shaped) replay decode graphs
+of the MTP layer (`DecodeGraphs` over a forward that reads its hidden states from a static buffer and
+writes the new ones to another); depth 0 (the accepted rows: as many as were accepted) runs eagerly.
 
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import numpy as np
 import torch
 
-from backend.engine.decode_graphs import Capture
+from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
 from backend.engine.ranks import VERIFY, StepInputs
@@ -39,6 +42,8 @@ class SpecForwards:
     ) -> None:
         self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
         self.graphs = graphs
+        self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
+        self._hidden_in = self._hidden_out = torch.empty(0)  # [n, H] the draft graphs' static buffers
         self.device = kv_cache.page_tags.device
         self.hidden: torch.Tensor | None = None  # the verify's [T, H]
         self._last: torch.Tensor | None = None  # the last depth's proposing rows [P, H]
@@ -64,7 +69,39 @@ class SpecForwards:
                 )
             if graphs.disabled_reason is not None:  # at start-up, once
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
-        return cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
+        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
+        if capture is not None and sizes and config.num_speculative_tokens > 1 and hasattr(model, "config"):
+            forwards.capture_drafts(sizes, max_pages, capture)
+        return forwards
+
+    def capture_drafts(self, batch_sizes: list[int], max_pages: int, capture: Capture) -> None:
+        """Decode graphs of each MTP layer, for draft depths d > 0 (layer d mod L)."""
+        n, H = max(batch_sizes), self.model.config.hidden_size
+        self._hidden_in = torch.zeros(n, H, dtype=self.model.dtype, device=self.device)
+        self._hidden_out = torch.zeros_like(self._hidden_in)
+        with torch.inference_mode():
+            for layer in range(self.model.num_mtp_layers):
+                graphs = DecodeGraphs(
+                    functools.partial(self._draft_step, layer),
+                    self.kv_cache,
+                    batch_sizes=batch_sizes,
+                    max_pages=max_pages,
+                    check_tags=self.check_tags,
+                    capture=capture,
+                )
+                if graphs.disabled_reason is not None:
+                    log.warning("draft steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
+                    self.draft_graphs = []
+                    return
+                self.draft_graphs.append(graphs)
+
+    def _draft_step(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """A captured draft depth: hidden states in and out through the static buffers."""
+        B = batch.num_seqs
+        logits, g = self.model.forward_mtp(batch, self._hidden_in[:B], layer)  # [B, V], [B, H]
+        self._hidden_out[:B].copy_(g)
+        out: torch.Tensor = logits
+        return out
 
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
@@ -82,10 +119,20 @@ class SpecForwards:
             logits, self.hidden = self.model.forward_spec(batch)  # [N, V], [T, H]
             return logits, batch.tag_mismatch
         assert spec.rows is not None, "a draft names the hidden-state rows it reads"
-        batch = self.batch(host)
         index = torch.from_numpy(spec.rows).to(self.device)
         source = self.hidden if spec.depth == 0 else self._last
         assert source is not None, "a draft follows the verify (and depth d > 0 follows depth d - 1)"
+        if spec.depth > 0 and self.draft_graphs:
+            graphs = self.draft_graphs[spec.depth % len(self.draft_graphs)]
+            P = len(spec.rows)
+            if graphs.bucket_for(P) is not None:
+                self._hidden_in[:P].copy_(source[index])
+                drafted = graphs.run(host)  # (logits [P, V], tag_mismatch [P]), or None: no fit
+                if drafted is not None:
+                    assert self._last is not None
+                    self._last = self._last.index_copy(0, index, self._hidden_out[:P])
+                    return drafted
+        batch = self.batch(host)
         logits, g = self.model.forward_mtp(batch, source[index], spec.depth)  # [P, V], [T, H]
         if spec.depth == 0:
             self._last = g[batch.logits_indices]

@@ -50,7 +50,7 @@ def test_greedy_identical_on_cuda(tmp_path: Path, arch: str) -> None:
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
     """Uniform verify steps (every sequence verifying k drafts) replay the captured (k, bucket)
-    graphs on the device: real replays counted, greedy outputs those of plain decoding (near-ties
+    graphs on the device, draft depths 1 … K−1 the MTP layer's decode graphs: real replays counted, greedy outputs those of plain decoding (near-ties
     aside), the draft lengths the policy may pick all captured."""
     path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
     model = load_model(path, dtype=torch.float32, device="cuda", num_mtp_layers=1)
@@ -72,6 +72,7 @@ def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
     OracleDrafts(engine, plain, p_wrong=0.3)
     spec = run_all(engine, reqs)
     assert graphs.num_replays >= 6  # the steps after the prompts, until requests near max_tokens
+    assert forwards.draft_graphs and forwards.draft_graphs[0].num_replays > 0  # draft depths 1 and 2
     ties = sum(assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in reqs)
     assert ties <= 1
     assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0

@@ -1,4 +1,5 @@
-"""Verify steps over the verify graphs' static buffers, on the CPU (backend/engine/verify_graphs.py).
+"""Verify steps over the verify graphs' static buffers, and draft depths over the MTP layer's decode
+graphs, on the CPU (backend/engine/verify_graphs.py, backend/engine/speculative_forwards.py).
 
 `eager_capture` runs the static buffers and padding rows without a graph, so bucketing, padding and
 the (k, bucket) choice are checked against the eager speculative engine: the same tokens, logprobs
@@ -80,13 +81,17 @@ def test_verify_graph_path_equals_eager(tiny: dict[str, Any], arch: str, num_seq
     graphs = verify_graphs(graphed)
     assert eager.runner.spec_forwards is not None and eager.runner.spec_forwards.graphs is None
     assert graphs.num_replays > 0
+    forwards = graphed.runner.spec_forwards
+    assert forwards is not None and len(forwards.draft_graphs) == 1  # draft depths 1, 2: the MTP layer's
+    assert forwards.draft_graphs[0].num_replays > 0
     for rid, w in want.items():
         g = got[rid]
         assert g.token_ids == w.token_ids == plain[rid].token_ids, rid
         torch.testing.assert_close(
             [lp.logprob for lp in g.logprobs], [lp.logprob for lp in w.logprobs], atol=1e-5, rtol=1e-5
         )
-    # padding rows wrote no real page: every page holds what the eager speculative run wrote
+    # padding rows wrote no real page: every page (the MTP layer's slot too) holds what the eager
+    # speculative run wrote
     assert graphed.runner.kv_cache.num_pages == NUM_PAGES + 1
     for layer_e, layer_g in zip(eager.runner.kv_cache.layers, graphed.runner.kv_cache.layers, strict=True):
         for name, cache in layer_e.items():
