@@ -39,6 +39,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,18 +318,19 @@ def project(opts: Options) -> dict[str, Any]:
 
 
 # ---- the command ------------------------------------------------------------------------------------
-def measure(opts: Options) -> dict[str, Any]:
-    record: dict[str, Any] = {"models": {}}
+def measure(opts: Options, record: dict[str, Any], save: Callable[[dict[str, Any]], None]) -> None:
+    """Each part into `record`, saved after each (a call killed at its limit keeps what it finished)."""
+    record["models"] = {}
     # the nano models share 70% of the budget (the projection takes the rest, its runs fixed and short)
     share = opts.time_left() * (0.7 if opts.rank_of else 1.0) / max(len(opts.models), 1)
     for checkpoint in opts.models:
         part = Options(**{**_fields(opts), "deadline": time.monotonic() + share})
         record["models"][checkpoint.name] = measure_nano(checkpoint, part)
         print(_nano_line(checkpoint.name, record["models"][checkpoint.name]), flush=True)
+        save(record)
     if opts.rank_of:
         record["projection_glm_5.2"] = project(opts)
-    record["summary"] = summarize(record)
-    return record
+    save(record)
 
 
 def _fields(opts: Options) -> dict[str, Any]:
@@ -422,10 +424,15 @@ def main(argv: list[str]) -> int:
         "method": "A = speculation on (adaptive draft policy, as served), B = off; warm-up of each side on the same "
         "work, then A/B/B/A rounds, ratio (a1 + a2) / (b1 + b2) per round, median and spread (benchmarks/engine/method.py)",
         "weights": "nano checkpoints as committed (bf16 on CUDA, fp32 on the CPU), KV cache in the model dtype",
-    } | measure(opts)
-    record["wall_s"] = round(time.monotonic() - start, 1)
+    }
     out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-mtp-gpu{'-tiny' if a.tiny else ''}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+
+    def save(record: dict[str, Any]) -> None:
+        record["summary"] = summarize(record)
+        record["wall_s"] = round(time.monotonic() - start, 1)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+
+    measure(opts, record, save)
     print(json.dumps(record["summary"], indent=2))
     print(f"wrote {out}")
     return 0
