@@ -70,6 +70,7 @@ class VerifyGraphs:
         self._replays: dict[tuple[int, int], VerifyReplay] = {}
         try:
             for k in reversed(self.draft_lengths):  # largest first: the pool is sized by the first
+                self._fill_padding(k)  # a capture's warm-up runs: every row a valid padding row
                 for size in reversed(self.batch_sizes):
                     step = partial(self._step, forward_spec, self._batch(k, size), k)
                     self._replays[k, size] = cast(
@@ -78,6 +79,15 @@ class VerifyGraphs:
         except Exception as exc:  # a capture-unsafe op on the verify path: every verify stays eager
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
+
+    def _fill_padding(self, k: int) -> None:
+        """Every sequence of the buffers a padding one for k drafts: positions 0 … k of the scratch page."""
+        n, L = self.batch_sizes[-1], k + 1
+        pad = torch.arange(L, dtype=torch.int64, device=self._vectors.device).repeat(n)  # [n·L]
+        self.input_ids[: n * L].zero_()
+        self.positions[: n * L].copy_(pad)
+        self.slot_mapping[: n * L].copy_(self.scratch_page * self.kv_cache.page_size + pad)
+        self.seq_lens.fill_(L)
 
     @property
     def is_enabled(self) -> bool:

@@ -185,3 +185,29 @@ def test_mixed_steps_run_eagerly(tmp_path: Path, tiny: dict[str, Any]) -> None:
     got = run_all(graphed, reqs)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
     assert num_eager > 0 and verify_graphs(graphed).num_replays > 0
+
+
+def test_capture_warm_up_runs_valid_padding_rows(tiny: dict[str, Any]) -> None:
+    """A real capture runs each step once before recording it (CudaGraphCapture's warm-up): the
+    buffers then hold padding sequences (positions 0 … k of the scratch page), which no check flags."""
+    calls: list[tuple[int, int]] = []
+
+    def warm_capture(step: Any) -> Any:
+        logits, hidden = step()
+        calls.append((int(logits.shape[0]), int(hidden.shape[0])))
+        return step
+
+    e = engine(tiny["glm_moe_dsa"], 3, graphs=True)
+    graphs = VerifyGraphs(
+        e.runner.model.forward_spec,  # type: ignore[attr-defined]
+        e.runner.kv_cache,
+        max_drafts=3,
+        batch_sizes=[1, 2, 4],
+        max_pages=8,
+        check_tags=True,
+        capture=warm_capture,
+    )
+    assert graphs.disabled_reason is None and len(calls) == 9
+    assert sorted(calls) == sorted((b * (k + 1), b * (k + 1)) for k in (1, 2, 3) for b in (1, 2, 4))
+    assert not graphs.tag_mismatch.any()
+    assert graphs.seq_lens.tolist() == [2, 2, 2, 2]  # the last capture's (k = 1): last position + 1
