@@ -99,15 +99,14 @@ class ModelRunner:
             scales=kv_scales,
         )
         self.graphs: DecodeGraphs | None = None
-        S = config.page_size
-        max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
         if graph_capture is not None and config.graph_batch_sizes():
+            S = config.page_size
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
                     model.forward,
                     self.kv_cache,
                     batch_sizes=config.graph_batch_sizes(),
-                    max_pages=max_pages,
+                    max_pages=min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages),
                     check_tags=config.check_page_tags,
                     capture=graph_capture,
                     staging=self.staging,
@@ -116,7 +115,7 @@ class ModelRunner:
                 log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
         # speculative decoding's verify and draft forwards (backend/engine/speculative_forwards.py)
         self.spec_forwards = (
-            SpecForwards.build(model, self.kv_cache, config, capture=graph_capture, max_pages=max_pages)
+            SpecForwards.build(model, self.kv_cache, config, capture=graph_capture, max_seq_len=max_seq_len)
             if config.num_speculative_tokens
             else None
         )

@@ -50,10 +50,19 @@ class SpecForwards:
 
     @classmethod
     def build(
-        cls, model: Any, kv_cache: KVCache, config: EngineConfig, *, capture: Capture | None, max_pages: int
+        cls,
+        model: Any,
+        kv_cache: KVCache,
+        config: EngineConfig,
+        *,
+        capture: Capture | None,
+        max_seq_len: int | None,
     ) -> SpecForwards:
-        """With verify graphs when the runner captures decode graphs (`capture`): k = 1 … K, the decode
-        graphs' batch sizes up to `speculative_max_seqs`."""
+        """With verify and draft graphs when the runner captures decode graphs (`capture`): k = 1 … K,
+        the decode graphs' batch sizes up to `speculative_max_seqs`, page tables as wide as theirs
+        (`max_seq_len` tokens; None: the whole pool)."""
+        S = config.page_size
+        max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
         sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
         graphs = None
         if capture is not None and sizes:
