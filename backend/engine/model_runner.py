@@ -171,6 +171,8 @@ class ModelRunner:
         [B], OR-reduced over the ranks). Every rank runs this for every step, and for each forward
         of a speculative step (`inputs.spec`)."""
         forward = self._forward
+        if self.spec_forwards is not None and inputs.tag_updates is not None:  # fresh pages: no stale MTP KV
+            self.spec_forwards.clear_draft_kv(inputs.tag_updates[:, 0])
         if inputs.spec is not None:
             assert self.spec_forwards is not None, "speculative forwards need num_speculative_tokens > 0"
             forward = self.spec_forwards.run

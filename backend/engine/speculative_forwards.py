@@ -112,6 +112,16 @@ class SpecForwards:
         out: torch.Tensor = logits
         return out
 
+    def clear_draft_kv(self, pages: np.ndarray) -> None:
+        """Zero the MTP layers' cache slots of newly allocated `pages` (each step's tag updates, on
+        every rank). A position computed in a step without drafts gets no MTP KV; a sequence drafting
+        later reads zeros there, never what an earlier owner of the page left (the tag check cannot
+        tell: the page is the sequence's own by then)."""
+        index = torch.from_numpy(pages).to(self.device)
+        for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
+            for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
+                cache.view(torch.uint8).index_fill_(0, index, 0)
+
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
         spec, host = inputs.spec, inputs.host

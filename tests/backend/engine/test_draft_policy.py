@@ -243,3 +243,26 @@ def test_adaptive_engine_is_exact_on_a_real_model(tmp_path: Path) -> None:
     got = run_all(engine, reqs)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
     assert engine.stats.spec_drafted_tokens > 0
+
+
+def test_fresh_pages_carry_no_stale_draft_kv(tiny: dict[str, Any]) -> None:
+    """Steps without drafts write no MTP KV: a page's MTP slot is zeroed when the page is allocated,
+    so a later draft never reads what an earlier owner left there (the target's slots untouched)."""
+    model = tiny["deepseek_v3"]
+    engine = engine_for(model, 2)
+    ScriptedK(engine, cycle=[0])  # never drafts
+    kv = engine.runner.kv_cache
+    mtp, target = kv.layers[-1], kv.layers[0]
+    for cache in mtp.values():
+        cache.fill_(7.0)  # an earlier owner's MTP KV
+    engine.add_request(request("r", prompts(1, model.config.vocab_size, seed=2)[0] * 3, max_tokens=9))
+    while engine.has_unfinished:
+        engine.step()
+    bm = engine.block_manager
+    pages = [p for p in range(bm.num_pages) if bm.tags[p] > 0]  # every page ever allocated (tags from 1)
+    assert len(pages) >= 3
+    for cache in mtp.values():
+        assert (cache[pages] == 0).all()
+        others = [p for p in range(kv.num_pages) if p not in pages]
+        assert (cache[others] == 7.0).all()
+    assert all(cache[pages].abs().sum() > 0 for cache in target.values())
