@@ -22,13 +22,11 @@ step) wins: that is "off past the concurrency where it stops paying".
 Acceptance is only measured while drafting, so when low acceptance (not load) turns drafting off,
 every `PROBE_EVERY`-th such step drafts one token anyway, to notice when acceptance comes back.
 
-`m` is measured too, unless the configuration fixes it (`is_calibrated`): the engine reports each
-step without prefill (`observe_step`: its load, k and seconds). Plain steps give the seconds of one
-cost unit (EWMA of seconds / c(R)); a drafting step's seconds in those units, less its verify's
-c(R + B·k), over its draft forwards' c(B·E(k)) + (k − 1)·c(B), is a sample of m (EWMA). On a device
-where the draft forwards cost more than the model says (eager launches, host work between them),
-m grows and drafting turns off at lower load, or at any load. While drafting every step, every
-`CALIBRATE_EVERY`-th step runs plain to keep the unit measured.
+`m` is measured too, unless the configuration fixes it (`is_calibrated`): each speculative step
+reports how long its verify (planning, forward, acceptance) and its draft forwards took, and their
+sizes in cost units (c of each forward's rows); (draft seconds per unit) / (verify seconds per unit)
+is a sample of m (EWMA). On a device where the draft forwards cost more than the model says (eager
+launches, host work between them), m grows and drafting turns off at lower load, or at any load.
 
 Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
 proposes k for the next (backend/engine/speculative.py).
@@ -41,7 +39,6 @@ from dataclasses import dataclass
 PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
 EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estimate
 PROBE_EVERY = 16
-CALIBRATE_EVERY = 64
 TIMING_WEIGHT = 0.1  # per timed step
 
 
@@ -73,8 +70,6 @@ class DraftPolicy:
         self.draft_cost = draft_cost
         self.is_adaptive = is_adaptive
         self.is_calibrated = is_calibrated
-        self.unit_s: float | None = None  # measured seconds of one cost unit (a plain step's c = 1)
-        self._num_drafting_steps = 0  # in a row, since the last plain one
         self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts  # a_1 … a_K
         self.last_k = 0  # the draft length the last drafting-capable step chose
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
@@ -125,25 +120,18 @@ class DraftPolicy:
                 k = 1  # low acceptance, not load, keeps drafting off: measure it again
         else:
             self._num_starved = 0
-        self._num_drafting_steps = self._num_drafting_steps + 1 if k else 0
-        if self.is_calibrated and self._num_drafting_steps > CALIBRATE_EVERY:
-            k, self._num_drafting_steps = 0, 0  # one plain step: the cost unit measured again
         self.last_k = k
         return k
 
-    def observe_step(self, load: StepLoad, k: int, seconds: float) -> None:
-        """A step without prefill took `seconds` with k drafts: calibrate the unit or m from it."""
-        if not self.is_calibrated or seconds <= 0:
+    def observe_timing(
+        self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]
+    ) -> None:
+        """A speculative step's verify took `verify_s` over `verify_rows` rows, its draft forwards
+        `draft_s` over `draft_rows` rows each: a sample of m, when it is measured."""
+        if not self.is_calibrated or verify_s <= 0 or not draft_rows:
             return
-        if k == 0:
-            unit = seconds / self.forward_cost(load.num_rows)
-            self.unit_s = unit if self.unit_s is None else self.unit_s + TIMING_WEIGHT * (unit - self.unit_s)
-            return
-        if self.unit_s is None:
-            return
-        B = load.num_drafting
-        drafts = self.forward_cost(B * self.expected_tokens(k)) + (k - 1) * self.forward_cost(B)
-        sample = max(seconds / self.unit_s - self.forward_cost(load.num_rows + B * k), 0.0) / drafts
+        unit_s = verify_s / self.forward_cost(verify_rows)
+        sample = draft_s / unit_s / sum(self.forward_cost(n) for n in draft_rows)
         self.draft_cost += TIMING_WEIGHT * (sample - self.draft_cost)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:

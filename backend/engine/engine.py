@@ -205,8 +205,6 @@ class Engine:
         if spec is not None and any(drafting):  # the pages past each drafting sequence's tokens
             spec.trim([s.seq for s, d in zip(scheduled.scheduled, drafting, strict=True) if d])
         elapsed = time.perf_counter() - start
-        if spec is not None:
-            spec.observe_step(scheduled, elapsed)
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
         self._stats.last_step_s = elapsed

@@ -33,6 +33,7 @@ Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +95,8 @@ class SpecDecoder:
             is_adaptive=config.speculative_adaptive,
             is_calibrated=config.speculative_draft_cost is None,  # None: measured from step times
         )
-        self._load = StepLoad(0, 0)  # this step's, for `observe_step`
         self.k = 0  # this step's draft length (the policy's choice)
+        self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}
 
@@ -105,7 +106,7 @@ class SpecDecoder:
         drafts (`self.k`, the draft policy's choice for this step's load); all False past
         `speculative_max_seqs` running, or when the policy says drafting does not pay."""
         flags = [False] * len(out.scheduled)
-        self.k, self._load = 0, StepLoad(0, 0)
+        self.k = 0
         if num_running > self.max_seqs:
             return flags
         can_draft = [
@@ -116,7 +117,7 @@ class SpecDecoder:
         ]  # a grammar masks each position by the accepted text (not drafted); a mid-prompt chunk
         # samples nothing and proposes nothing (its MTP KV is filled when its prompt ends)
         num_samples = sum(s.needs_sample for s in out.scheduled)
-        load = self._load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
+        load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
         k = self.k = self.policy.choose(load)
         if k == 0:
             return flags
@@ -140,12 +141,6 @@ class SpecDecoder:
             if not seq.is_finished and seq.page_table:
                 self.block_manager.truncate(seq, self.block_manager.num_pages_for(seq.num_tokens))
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """After the step: its time, to the draft policy, when it ran no prefill (nothing but
-        decodes and their drafts: the steps its cost model describes)."""
-        if self._load.num_drafting and out.num_tokens == len(out.scheduled):
-            self.policy.observe_step(self._load, self.k, seconds)
-
     def forget(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)
 
@@ -155,6 +150,7 @@ class SpecDecoder:
         self, out: SchedulerOutput, is_drafting: list[bool], tag_updates: list[tuple[int, int]]
     ) -> list[SeqResult]:
         runner = self.runner
+        start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         host, prompt = self._plan_target(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
@@ -182,7 +178,12 @@ class SpecDecoder:
                 results[b].prompt_scores = runner.sampler.score(
                     logits[index], targets, out.scheduled[b].seq.request.sampling.top_logprobs
                 )
+        verified = time.perf_counter()  # the verify's flags and tokens came back: its forward is done
+        self._draft_rows = []
         self._propose(rows, results, emitted)
+        self.policy.observe_timing(
+            verified - start, len(host.input_ids), time.perf_counter() - verified, self._draft_rows
+        )
         return results
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,6 +335,7 @@ class SpecDecoder:
             return
         host = self._host(items, logits_indices)
         rows0 = SpecForward(0, np.array(hidden_rows, dtype=np.int64))  # the verify rows it reads
+        self._draft_rows.append(len(hidden_rows))
         draft_logits, flags = self._forward(StepInputs(host, spec=rows0))  # [P, V], [B]
         drafts = [[t] for t in draft_logits.argmax(dim=-1).tolist()]
         for b, bad in zip(owners, flags.tolist(), strict=True):
@@ -347,6 +349,7 @@ class SpecDecoder:
                 (rows[proposing[i][0]].sched.seq, proposing[i][2] + depth, [drafts[i][-1]]) for i in live
             ]
             host_k = self._host(chain, list(range(len(live))))
+            self._draft_rows.append(len(live))
             logits_k, flags_k = self._forward(
                 StepInputs(host_k, spec=SpecForward(depth, np.array(live, dtype=np.int64)))
             )

@@ -153,9 +153,8 @@ def run_prompts(
         "verify_steps": v,
         "acceptance_length": 1 + (s.spec_accepted_tokens - accepted) / v if v else None,
         "drafted_tokens": s.spec_drafted_tokens - drafted,
-        # the draft policy's state after the run: its measured draft cost and cost unit
+        # the draft policy's measured m after the run: one MTP forward's cost / one target forward's
         "policy_draft_cost": engine.spec.policy.draft_cost if engine.spec is not None else None,
-        "policy_unit_ms": (engine.spec.policy.unit_s or 0.0) * 1e3 if engine.spec is not None else None,
     }
 
 

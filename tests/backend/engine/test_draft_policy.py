@@ -4,6 +4,7 @@ choices it makes at low and high load, and exactness in the engine whatever k it
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,6 @@ import pytest
 import torch
 
 from backend.engine.draft_policy import (
-    CALIBRATE_EVERY,
     EWMA_WEIGHT,
     PRIOR_ACCEPTANCE,
     PROBE_EVERY,
@@ -94,28 +94,41 @@ def test_poor_acceptance_turns_drafting_off_but_probes() -> None:
 
 
 def test_draft_cost_is_measured_from_step_times() -> None:
-    """Plain steps of 10 ms per cost unit; drafting steps of 10 ms (verify) + 4 ms per draft forward:
-    m converges to 0.4, and with it drafting turns off for one user whose drafts are rarely right."""
+    """Verify forwards of 10 ms per cost unit, draft forwards of 4 ms each (one row: 1 unit): m
+    converges to 0.4, and with it drafting turns off for one user whose drafts are rarely right."""
     p = policy(3, acceptance=0.8, draft_cost=0.05, is_calibrated=True)
-    one = StepLoad(num_rows=1, num_drafting=1)
-    p.observe_step(one, 2, 0.5)  # no unit measured yet: nothing to calibrate against
-    assert p.draft_cost == 0.05
-    for _ in range(50):
-        p.observe_step(one, 0, 0.010)
-    assert p.unit_s == pytest.approx(0.010)
     for _ in range(200):
-        p.observe_step(one, 3, 0.010 + 3 * 0.004)  # c(4 rows) = 1, then 3 forwards of 0.4 units
+        p.observe_timing(0.010, 4, 3 * 0.004, [1, 1, 1])
     assert p.draft_cost == pytest.approx(0.4, rel=1e-3)
-    p.acceptance = [0.3] * 3  # E(1) = 1.3 < the 1.4 a draft costs
-    assert p.choose(one) == 0
+    p.observe_timing(0.040, 128, 0.008, [128])  # 128 rows: 2 units each; 20 ms a unit, drafts 4 ms
+    assert p.draft_cost == pytest.approx(0.4 + 0.1 * (0.2 - 0.4), rel=1e-3)
+    p.acceptance = [0.3] * 3  # E(1) = 1.3 < the 1 + m a draft costs
+    assert p.choose(StepLoad(num_rows=1, num_drafting=1)) == 0
+    fixed = policy(3, draft_cost=0.05)  # a configured m is not measured
+    fixed.observe_timing(0.010, 4, 0.012, [1, 1, 1])
+    assert fixed.draft_cost == 0.05
 
 
-def test_calibration_forces_a_plain_step_now_and_then() -> None:
-    p = policy(3, acceptance=0.9, is_calibrated=True)
-    ks = [p.choose(StepLoad(num_rows=1, num_drafting=1)) for _ in range(2 * CALIBRATE_EVERY + 2)]
-    assert [i for i, k in enumerate(ks) if k == 0] == [CALIBRATE_EVERY, 2 * CALIBRATE_EVERY + 1]
-    fixed = policy(3, acceptance=0.9)  # a configured m: never
-    assert all(fixed.choose(StepLoad(num_rows=1, num_drafting=1)) for _ in range(2 * CALIBRATE_EVERY))
+def test_engine_measures_its_draft_cost() -> None:
+    """Drafts made to cost 5 ms more each than the toy's verify: m climbs from its start, and the
+    draft length falls from K."""
+    engine = toy(3, speculative_draft_cost=None)
+    model: Any = engine.runner.model
+    forward_mtp = model.forward_mtp
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.005)
+        return forward_mtp(*args)
+
+    model.forward_mtp = slow
+    spec = engine.spec
+    assert spec is not None and spec.policy.is_calibrated and spec.policy.draft_cost == 1.0  # no layers: 1
+    spec.policy.draft_cost = 0.01
+    got = run_all(engine, [request("a", [1], max_tokens=40)])
+    assert spec.policy.draft_cost > 0.3  # each draft forward far slower than the verify
+    assert spec.policy.choose(StepLoad(num_rows=1, num_drafting=1)) < 3
+    plain = run_all(toy(0), [request("a", [1], max_tokens=40)])
+    assert got["a"].token_ids == plain["a"].token_ids
 
 
 def test_fixed_policy_always_drafts_k() -> None:
