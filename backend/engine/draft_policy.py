@@ -22,7 +22,7 @@ step) wins: that is "off past the concurrency where it stops paying".
 Acceptance is only measured while drafting, so when low acceptance (not load) turns drafting off,
 every `PROBE_EVERY`-th such step drafts one token anyway, to notice when acceptance comes back.
 
-`m` is measured too, unless the configuration fixes it (`is_calibrated`): each speculative step
+`m` is measured too when the configuration leaves it unset (`is_calibrated`): each speculative step
 reports how long its verify (planning, forward, acceptance) and its draft forwards took, and their
 sizes in cost units (c of each forward's rows); (draft seconds per unit) / (verify seconds per unit)
 is a sample of m (EWMA). On a device where the draft forwards cost more than the model says (eager
