@@ -70,6 +70,8 @@ class EngineStats:
     spec_verifies: int = 0  # speculative: (sequence, step) pairs that verified drafts
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_length: int = 0  # the draft policy's last choice (0 … K)
+    spec_acceptance_length: float = 0.0  # tokens per verify expected at K, from the measured acceptance
 
 
 class Engine:
@@ -233,6 +235,8 @@ class Engine:
             spec = self.spec.stats
             s.spec_verifies, s.spec_drafted_tokens = spec.verifies, spec.drafted_tokens
             s.spec_accepted_tokens = spec.accepted_tokens
+            s.spec_draft_length = self.spec.policy.last_k
+            s.spec_acceptance_length = self.spec.policy.acceptance_length
         return s
 
     # ---- postprocess ---------------------------------------------------------------------------

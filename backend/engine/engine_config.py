@@ -48,7 +48,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     salt) may hold while another tenant, under its own share, waits (1.0: no cap).
     `num_speculative_tokens` K > 0 drafts K tokens per step with the model's MTP layers
     (`--speculative mtp:K`, backend/engine/speculative.py) while at most `speculative_max_seqs` sequences
-    run; past that, steps run without drafts (verifying them stops paying at high batch).
+    run; past that, steps run without drafts (verifying them stops paying at high batch). Below it,
+    with `speculative_adaptive`, each step drafts the k in 0 … K that its load and the measured
+    acceptance make pay (backend/engine/draft_policy.py: a forward's cost is flat up to
+    `speculative_saturation_rows` rows, then linear; one MTP forward costs `speculative_draft_cost`
+    target forwards; None: measured from the steps' times, starting from 1 / the model's decoder
+    layers); without it, always K.
     """
 
     page_size: PageSize = 16
@@ -66,6 +71,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tenant_share: TenantShare = 0.5
     num_speculative_tokens: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0
     speculative_max_seqs: NumSeqs = 16
+    speculative_adaptive: bool = True
+    speculative_saturation_rows: TokenBudget = 64
+    speculative_draft_cost: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

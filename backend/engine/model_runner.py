@@ -35,6 +35,7 @@ from backend.engine.ranks import StepChannel, StepInputs
 from backend.engine.sampler import Sampler, SampleRow, TokenScore
 from backend.engine.scheduler import SchedulerOutput
 from backend.engine.sequence import Sequence
+from backend.engine.speculative_forwards import SpecForwards
 from backend.engine.step_planner import StepPlanner
 
 log = logging.getLogger("kumo.engine")
@@ -116,6 +117,12 @@ class ModelRunner:
                 self.graphs.disable("decode graphs failed to capture on another rank")
             if self.graphs.disabled_reason is not None:  # at start-up, once: every step runs eagerly
                 log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
+        # speculative decoding's verify and draft forwards (backend/engine/speculative_forwards.py)
+        self.spec_forwards = (
+            SpecForwards.build(model, self.kv_cache, config, capture=graph_capture, max_seq_len=max_seq_len)
+            if config.num_speculative_tokens
+            else None
+        )
 
     def apply_tag_updates(self, updates: list[tuple[int, int]]) -> None:
         """Write (page, new tag) pairs into the cache now, outside a step's own copy (tests)."""
@@ -165,11 +172,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage the step, copy it to the device once, run the model: (logits [N, V], tag_mismatch
-        [B], OR-reduced over the ranks). Every rank runs this for every step."""
+        [B], OR-reduced over the ranks). Every rank runs this for every step, and for each forward
+        of a speculative step (`inputs.spec`)."""
+        forward = self._forward
+        if self.spec_forwards is not None and inputs.tag_updates is not None:  # fresh pages: no stale MTP KV
+            self.spec_forwards.clear_draft_kv(inputs.tag_updates[:, 0])
+        if inputs.spec is not None:
+            assert self.spec_forwards is not None, "speculative forwards need num_speculative_tokens > 0"
+            forward = self.spec_forwards.run
         if self.ranks is None:
-            return self._forward(inputs)
+            return forward(inputs)
         with self.ranks.guard():  # a step failed on one rank leaves the others in a collective
-            logits, mismatch = self._forward(inputs)
+            logits, mismatch = forward(inputs)
             return logits, self.ranks.reduce_flags(mismatch)
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,14 +61,29 @@ from backend.engine.forward_batch import HostBatch
 from backend.errors import RanksDown
 from backend.server.settings import BackendSettings
 
+VERIFY = -1  # SpecForward.depth of a speculative step's verify forward
+
+
+@dataclass(frozen=True, slots=True)
+class SpecForward:
+    """Which forward of a speculative step a `StepInputs` is (backend/engine/speculative_forwards.py).
+    `depth` VERIFY: the target, keeping every row's hidden state; 0: the MTP layer over `rows` of the
+    verify's hidden states (the positions just accepted); d > 0: over `rows` of the previous depth's
+    proposing rows."""
+
+    depth: int
+    rows: np.ndarray | None = None  # [T] int64 (drafts only)
+
 
 @dataclass(slots=True)
 class StepInputs:
     """One step, as every rank runs it: the planned host batch and the page tags changed since the
-    last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`."""
+    last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`; `spec`
+    names a speculative step's verify or draft forward (backend/engine/speculative_forwards.py)."""
 
     host: HostBatch
     tag_updates: np.ndarray | None = None
+    spec: SpecForward | None = None
 
 
 class StepChannel:
@@ -91,7 +106,7 @@ class StepChannel:
         host tensors: a pickled CUDA tensor would come out on rank 0's device in the other ranks."""
         if inputs is not None and inputs.host.image_parts:
             host = dataclasses.replace(inputs.host, image_parts=[p.cpu() for p in inputs.host.image_parts])
-            inputs = StepInputs(host, inputs.tag_updates)
+            inputs = dataclasses.replace(inputs, host=host)
         self._broadcast([inputs])
 
     def recv(self) -> StepInputs | None:

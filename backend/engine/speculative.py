@@ -13,6 +13,13 @@ One speculative step, for every drafting sequence (one with no grammar, while at
    tokens that follow them), which also keeps its own KV complete, and its last row's argmax is the
    next d_1; depths 2 … K chain one token each on the MTP's own hidden state.
 
+The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/draft_policy.py)
+from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
+the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
+drafts and the step is a plain one (graph-replayed decode). Plain and drafting sequences share one
+verify forward: a plain decode is a one-row chunk beside them. Every forward of the step goes to
+every tensor-parallel rank (backend/engine/speculative_forwards.py).
+
 Pages: before the step a drafting sequence gets pages for every position the step may write (the
 verify rows and the chained drafts); after it, the pages past its accepted tokens are dropped
 (`BlockManager.truncate`). KV written at rejected positions is never read: a position's KV is
@@ -26,6 +33,7 @@ Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +41,10 @@ import numpy as np
 import torch
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds
+from backend.engine.draft_policy import DraftPolicy, StepLoad
+from backend.engine.forward_batch import HostBatch
 from backend.engine.model_runner import ModelRunner, SeqResult
+from backend.engine.ranks import VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import SampleRow, TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.sequence import Sequence
@@ -77,33 +87,51 @@ class SpecDecoder:
         self.K, self.max_seqs = config.num_speculative_tokens, config.speculative_max_seqs
         self.can_match_stops = can_match_stops
         self.stats = SpecStats()
+        num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
+        self.policy = DraftPolicy(
+            self.K,
+            saturation_rows=config.speculative_saturation_rows,
+            draft_cost=config.speculative_draft_cost or 1.0 / max(num_layers, 1),
+            is_adaptive=config.speculative_adaptive,
+            is_calibrated=config.speculative_draft_cost is None,  # None: measured from step times
+        )
+        self.k = 0  # this step's draft length (the policy's choice)
+        self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}
 
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
-        """Which scheduled sequences draft this step (their pages reserved); all False past the
-        concurrency where drafting stops paying."""
+        """Which scheduled sequences draft this step (their pages reserved), and with how many
+        drafts (`self.k`, the draft policy's choice for this step's load); all False past
+        `speculative_max_seqs` running, or when the policy says drafting does not pay."""
         flags = [False] * len(out.scheduled)
+        self.k = 0
         if num_running > self.max_seqs:
+            return flags
+        can_draft = [
+            s.needs_sample
+            and s.seq.constraint is None
+            and not (s.seq.request.sampling.stop and not self.can_match_stops)
+            for s in out.scheduled
+        ]  # a grammar masks each position by the accepted text (not drafted); a mid-prompt chunk
+        # samples nothing and proposes nothing (its MTP KV is filled when its prompt ends)
+        num_samples = sum(s.needs_sample for s in out.scheduled)
+        load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
+        k = self.k = self.policy.choose(load)
+        if k == 0:
             return flags
         budget = self.runner.config.max_num_batched_tokens - out.num_tokens  # the verify rows count
         for b, s in enumerate(out.scheduled):
             seq = s.seq
-            if (
-                seq.constraint is not None
-                or not s.needs_sample
-                or (seq.request.sampling.stop and not self.can_match_stops)
-            ):
-                # a grammar masks each position by the accepted text (not drafted); a mid-prompt
-                # chunk samples nothing and proposes nothing (its MTP KV is filled when it ends)
+            if not can_draft[b]:
                 continue
-            num_drafts = len(self.drafts_for(seq)) if seq.num_uncomputed_tokens == 1 else 0
+            num_drafts = len(self.drafts_for(seq)[:k]) if seq.num_uncomputed_tokens == 1 else 0
             if num_drafts > budget:
                 continue
-            # verify rows reach n-1+K; chained drafts after up to K+1 accepted reach n+2K-2
+            # verify rows reach n-1+k; chained drafts after up to k+1 accepted reach n+2k-2
             window = seq.num_prompt_tokens + seq.request.sampling.max_tokens
-            flags[b] = self.block_manager.reserve_tokens(seq, min(seq.num_tokens + 2 * self.K - 1, window))
+            flags[b] = self.block_manager.reserve_tokens(seq, min(seq.num_tokens + 2 * k - 1, window))
             budget -= num_drafts if flags[b] else 0
         return flags
 
@@ -122,14 +150,14 @@ class SpecDecoder:
         self, out: SchedulerOutput, is_drafting: list[bool], tag_updates: list[tuple[int, int]]
     ) -> list[SeqResult]:
         runner = self.runner
-        runner.apply_tag_updates(tag_updates)
+        start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         host, prompt = self._plan_target(rows)
-        batch = self._forward_batch(host)
-        logits, hidden = runner.model.forward_spec(batch)  # type: ignore[attr-defined]  # [N, V], [T, H]
+        updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
+        logits, flags = self._forward(StepInputs(host, updates, SpecForward(VERIFY)))  # [N, V], [B]
         results = [SeqResult(r.sched.seq, r.sched.num_new_tokens, False) for r in rows]
         emitted = self._choose(rows, logits)  # tokens per sequence (host), [] when none
-        mismatch = batch.tag_mismatch.tolist()
+        mismatch = flags.tolist()
         for b, r in enumerate(rows):
             res = results[b]
             res.is_tag_mismatch = bool(mismatch[b])
@@ -141,6 +169,7 @@ class SpecDecoder:
                 self.stats.verifies += 1
                 self.stats.drafted_tokens += len(r.drafts)
                 self.stats.accepted_tokens += len(tokens) - 1
+                self.policy.observe(len(r.drafts), len(tokens) - 1)
             scores = self._scores(logits, r, tokens)
             res.accepted, res.sample = scores[:-1], scores[-1]
         for b, (prompt_rows, targets) in prompt.items():
@@ -149,8 +178,19 @@ class SpecDecoder:
                 results[b].prompt_scores = runner.sampler.score(
                     logits[index], targets, out.scheduled[b].seq.request.sampling.top_logprobs
                 )
-        self._propose(rows, results, emitted, hidden)
+        verified = time.perf_counter()  # the verify's flags and tokens came back: its forward is done
+        self._draft_rows = []
+        self._propose(rows, results, emitted)
+        self.policy.observe_timing(
+            verified - start, len(host.input_ids), time.perf_counter() - verified, self._draft_rows
+        )
         return results
+
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the step, on every rank: (logits [N, V], tag flags [B])."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.send(inputs)
+        return self.runner.forward_step(inputs)
 
     def drafts_for(self, seq: Sequence) -> list[int]:
         """The drafts proposed for `seq`'s newest token, if they are still for it."""
@@ -162,7 +202,7 @@ class SpecDecoder:
     def _row(self, s: ScheduledSeq, is_drafting: bool) -> _Row:
         seq = s.seq
         is_decode = s.num_new_tokens == 1 and seq.num_uncomputed_tokens == 1
-        drafts = self.drafts_for(seq) if is_drafting and is_decode else []
+        drafts = self.drafts_for(seq)[: self.k] if is_drafting and is_decode else []
         return _Row(s, is_drafting, list(drafts))
 
     # ---- planning --------------------------------------------------------------------------------
@@ -226,36 +266,6 @@ class SpecDecoder:
             expected_tags=tags,
         )
 
-    def _forward_batch(self, h: HostBatch) -> ForwardBatch:
-        runner = self.runner
-        dev = runner.device
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
-
-        image_embeds = None
-        if h.image_rows:
-            image_embeds = ImageEmbeds(
-                token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
-                embeds=torch.cat(h.image_parts).to(dev),
-            )
-        return ForwardBatch(
-            input_ids=t(h.input_ids),
-            positions=t(h.positions),
-            query_start=t(h.query_start),
-            seq_lens=t(h.seq_lens),
-            page_table=t(h.page_table),
-            expected_tags=t(h.expected_tags),
-            slot_mapping=t(h.slots),
-            logits_indices=t(h.logits_indices),
-            kv_cache=runner.kv_cache,
-            tag_mismatch=torch.zeros(h.num_seqs, dtype=torch.bool, device=dev),
-            is_decode_only=len(h.input_ids) == h.num_seqs,
-            check_tags=runner.config.check_page_tags,
-            image_embeds=image_embeds,
-            seq_index=t(h.seq_index),
-        )
-
     # ---- accept ----------------------------------------------------------------------------------
     def _choose(self, rows: list[_Row], logits: torch.Tensor) -> list[list[int]]:
         """The tokens each sequence emits this step: one sampled, or its accepted drafts and the
@@ -297,11 +307,8 @@ class SpecDecoder:
         return self.runner.sampler.scores(logits[index], rows, chosen, tokens)
 
     # ---- propose ---------------------------------------------------------------------------------
-    def _propose(
-        self, rows: list[_Row], results: list[SeqResult], emitted: list[list[int]], hidden: torch.Tensor
-    ) -> None:
+    def _propose(self, rows: list[_Row], results: list[SeqResult], emitted: list[list[int]]) -> None:
         """Run the MTP layer over each drafting sequence's new positions and chain its drafts."""
-        model: Any = self.runner.model
         items: list[tuple[Sequence, int, list[int]]] = []
         owners: list[int] = []
         hidden_rows: list[int] = []
@@ -317,7 +324,7 @@ class SpecDecoder:
             # the tokens after positions start … start+m-1: the chunk's own, then what was emitted
             after = (seq.token_ids[start + 1 : start + m] + tokens)[:m]
             remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + len(tokens))
-            num_drafts = min(self.K, remaining - 1)
+            num_drafts = min(self.k, remaining - 1)
             if num_drafts > 0:
                 proposing.append((b, num_drafts, start + m - 1))
                 logits_indices.append(len(hidden_rows) + m - 1)
@@ -327,29 +334,28 @@ class SpecDecoder:
         if not items:
             return
         host = self._host(items, logits_indices)
-        batch = self._forward_batch(host)
-        h = hidden[torch.tensor(hidden_rows, device=hidden.device)]
-        draft_logits, g = model.forward_mtp(batch, h, 0)  # [P, V], [T, H]
+        rows0 = SpecForward(0, np.array(hidden_rows, dtype=np.int64))  # the verify rows it reads
+        self._draft_rows.append(len(hidden_rows))
+        draft_logits, flags = self._forward(StepInputs(host, spec=rows0))  # [P, V], [B]
         drafts = [[t] for t in draft_logits.argmax(dim=-1).tolist()]
-        g_last = g[batch.logits_indices]  # [P, H]
-        for b, bad in zip(owners, batch.tag_mismatch.tolist(), strict=True):
+        for b, bad in zip(owners, flags.tolist(), strict=True):
             if bad:  # a draft read or write of a page that changed owner
                 results[b].is_tag_mismatch = True
-        for depth in range(1, self.K):
+        for depth in range(1, self.k):
             live = [i for i, (_, n, _) in enumerate(proposing) if n > depth]
             if not live:
                 break
             chain = [
                 (rows[proposing[i][0]].sched.seq, proposing[i][2] + depth, [drafts[i][-1]]) for i in live
             ]
-            step_batch = self._forward_batch(self._host(chain, list(range(len(live)))))
-            index = torch.tensor(live, device=g_last.device)
-            logits_k, g_k = model.forward_mtp(step_batch, g_last[index], depth)
+            host_k = self._host(chain, list(range(len(live))))
+            self._draft_rows.append(len(live))
+            logits_k, flags_k = self._forward(
+                StepInputs(host_k, spec=SpecForward(depth, np.array(live, dtype=np.int64)))
+            )
             for i, t in zip(live, logits_k.argmax(dim=-1).tolist(), strict=True):
                 drafts[i].append(t)
-            g_last = g_last.clone()
-            g_last[index] = g_k
-            for j, bad in zip(live, step_batch.tag_mismatch.tolist(), strict=True):
+            for j, bad in zip(live, flags_k.tolist(), strict=True):
                 if bad:
                     results[proposing[j][0]].is_tag_mismatch = True
         for i, (b, _, _) in enumerate(proposing):

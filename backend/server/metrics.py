@@ -32,6 +32,8 @@ class EngineFigures(Protocol):
     spec_verifies: int
     spec_drafted_tokens: int
     spec_accepted_tokens: int
+    spec_draft_length: int
+    spec_acceptance_length: float
 
 
 class _EngineCollector(Collector):
@@ -77,6 +79,16 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(
             "kumo_backend_last_step_seconds", "duration of the last engine step", value=s.last_step_s
+        )
+        yield GaugeMetricFamily(
+            "kumo_backend_spec_draft_length",
+            "drafts per sequence the draft policy chose for the last step that could draft (0: off)",
+            value=s.spec_draft_length,
+        )
+        yield GaugeMetricFamily(
+            "kumo_backend_spec_acceptance_length",
+            "tokens per verify step expected with the longest draft, from the measured acceptance (EWMA)",
+            value=s.spec_acceptance_length,
         )
 
 

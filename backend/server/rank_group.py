@@ -59,8 +59,6 @@ def build_engine(
         raise CheckpointError(
             "--speculative mtp:K needs a checkpoint with MTP layers (num_nextn_predict_layers > 0)"
         )
-    if settings.speculative and settings.tp > 1:
-        raise CheckpointError("--speculative mtp:K runs on one rank (--tp 1) for now")
     loaded = load_model(
         settings.model,
         dtype=dtype,
@@ -84,6 +82,8 @@ def build_engine(
         tenant_share=settings.tenant_share,
         num_speculative_tokens=settings.speculative,
         speculative_max_seqs=settings.speculative_max_seqs,
+        speculative_adaptive=settings.speculative_adaptive,
+        speculative_saturation_rows=settings.speculative_saturation_rows,
     )
     # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
     prepared = prepare_model(loaded, config, model_dtype=dtype)

@@ -55,6 +55,8 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     data_dir: str | None = None
     speculative: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0  # `--speculative mtp:K`: K drafts
     speculative_max_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 16  # no drafts past this many running
+    speculative_adaptive: bool = True  # the draft length per step from load and acceptance (draft_policy.py)
+    speculative_saturation_rows: Annotated[int, Meta(ge=1, le=1 << 20)] = 64  # its cost model's knee
     speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
     ep: Annotated[int, Meta(ge=0, le=64)] = 0  # 0: = tp
@@ -147,6 +149,18 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         help="draft only while at most this many requests run (default 16)",
+    )
+    p.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="choose the draft length per step from load and measured acceptance (default on; off: always K)",
+    )
+    p.add_argument(
+        "--speculative-saturation-rows",
+        type=int,
+        default=64,
+        help="the rows at which a forward stops costing the same (the draft policy's cost model, default 64)",
     )
     return p
 

@@ -9,6 +9,7 @@
     decode-c1     the decode step at concurrency 1 over its bytes, every weight format (`decode_c1.py`)
     report        merge records of several commands: `report A.json B.json … --out X.json`
     host          the engine's host time per decode step, model excluded (`benchmarks/engine/host_overhead.py`)
+    mtp           speculative decoding: speedup at c=1, c=64 on vs off, GLM 5.2 projection (`mtp_gpu.py`)
 
 Everything runs on `--device` (cuda when there is one). `--tiny` swaps in a small geometry and
 short lengths so the pipeline runs on a CPU in seconds (the tests do). `--budget-s` bounds the
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine import decode_c1
 
         return decode_c1.main(args[1:])
+    if args[:1] == ["mtp"]:  # its own options: speculative decoding on the nano models, a projection
+        from benchmarks.engine import mtp_gpu
+
+        return mtp_gpu.main(args[1:])
     if args[:1] == ["scenario"]:  # its own options: the scenario's sizes
         from benchmarks.engine import scenario_cli
 

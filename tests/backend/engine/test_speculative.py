@@ -151,7 +151,8 @@ def test_greedy_identical_when_drafts_are_often_right(
 
 def toy_engine(model: MarkovModel, k: int, detokenize: Any = None, **config: Any) -> Engine:
     values = dict(num_pages=256, page_size=4, max_num_batched_tokens=512, max_num_seqs=64)
-    values |= dict(num_speculative_tokens=k, speculative_max_seqs=64) | config
+    # always K drafts (these tests count them); the draft policy has tests of its own
+    values |= dict(num_speculative_tokens=k, speculative_max_seqs=64, speculative_adaptive=False) | config
     return Engine(
         model,
         EngineConfig.build(**values),
@@ -477,6 +478,9 @@ def test_backend_settings_take_speculative() -> None:
     assert build_settings(base, env).speculative == 0
     assert build_settings([*base, "--speculative", "mtp:3"], env).speculative == 3
     assert build_settings([*base, "--speculative-max-seqs", "4"], env).speculative_max_seqs == 4
+    assert build_settings(base, env).speculative_adaptive is True
+    fixed = build_settings([*base, "--no-speculative-adaptive", "--speculative-saturation-rows", "128"], env)
+    assert (fixed.speculative_adaptive, fixed.speculative_saturation_rows) == (False, 128)
     with pytest.raises(SystemExit):
         build_settings([*base, "--speculative", "mtp:9"], env)
 

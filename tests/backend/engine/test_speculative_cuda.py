@@ -1,6 +1,6 @@
-"""Speculative decoding on a CUDA device: plain steps replay CUDA graphs, speculative steps run
-eagerly, and greedy outputs stay those of an engine without speculation (run through the device
-tool; skipped on the CPU)."""
+"""Speculative decoding on a CUDA device: plain steps and uniform verify steps replay CUDA graphs,
+other speculative forwards run eagerly, and greedy outputs stay those of an engine without
+speculation (run through the device tool; skipped on the CPU)."""
 
 from __future__ import annotations
 
@@ -43,5 +43,37 @@ def test_greedy_identical_on_cuda(tmp_path: Path, arch: str) -> None:
     spec = run_all(engine, reqs)
     ties = sum(assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in reqs)
     assert ties <= 2
+    assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
+    """Uniform verify steps (every sequence verifying k drafts) replay the captured (k, bucket)
+    graphs on the device, draft depths 1 … K−1 the MTP layer's decode graphs: real replays counted, greedy outputs those of plain decoding (near-ties
+    aside), the draft lengths the policy may pick all captured."""
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    model = load_model(path, dtype=torch.float32, device="cuda", num_mtp_layers=1)
+    reqs = [
+        request(f"r{i}", p, max_tokens=24, logprobs=True, top_logprobs=2)
+        for i, p in enumerate(prompts(6, model.config.vocab_size, seed=12))
+    ]
+    plain = run_all(_engine(model, 0), reqs)
+    config = EngineConfig.build(
+        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
+        num_speculative_tokens=3, speculative_adaptive=False,
+    )  # fmt: skip
+    engine = Engine.from_prepared(prepare_model(model, config), config)
+    forwards = engine.runner.spec_forwards
+    assert forwards is not None and forwards.graphs is not None
+    graphs = forwards.graphs
+    assert graphs.is_enabled, graphs.disabled_reason
+    assert sorted(graphs._replays) == [(k, b) for k in (1, 2, 3) for b in (1, 2, 4, 8, 16)]
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    spec = run_all(engine, reqs)
+    assert graphs.num_replays >= 6  # the steps after the prompts, until requests near max_tokens
+    assert forwards.draft_graphs and forwards.draft_graphs[0].num_replays > 0  # draft depths 1 and 2
+    ties = sum(assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in reqs)
+    assert ties <= 1
     assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages

@@ -53,7 +53,11 @@ async def test_speculative_backend_matches_the_plain_one(
         assert metrics["kumo_backend_spec_draft_tokens_total"] > 0
         assert metrics["kumo_backend_spec_verifies_total"] > 0
         assert "kumo_backend_spec_accepted_tokens_total" in metrics
-        assert (await scrape(a))["kumo_backend_spec_draft_tokens_total"] == 0
+        assert metrics["kumo_backend_spec_draft_length"] in (0, 1, 2)  # the draft policy's last choice
+        assert 1 <= metrics["kumo_backend_spec_acceptance_length"] <= 3  # tokens per verify, EWMA
+        off = await scrape(a)
+        assert off["kumo_backend_spec_draft_tokens_total"] == 0
+        assert off["kumo_backend_spec_draft_length"] == off["kumo_backend_spec_acceptance_length"] == 0
         assert (await wait_idle(b, speculative.num_pages)).free_pages == speculative.num_pages
 
 

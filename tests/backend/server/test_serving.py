@@ -337,6 +337,8 @@ async def test_client_gone_during_prefill_aborts(scripted: tuple[Starlette, Scri
 class _Stats:
     steps = generated_tokens = tag_check_aborts = aborts = preemptions = prefix_hits = prefix_misses = 0
     cached_tokens = spec_verifies = spec_drafted_tokens = spec_accepted_tokens = 0
+    spec_draft_length = 0
+    spec_acceptance_length = 0.0
     total_step_s = last_step_s = 0.0
 
 

@@ -1,0 +1,149 @@
+"""How many tokens to draft in a step: speculative decoding's draft length, adapted to load.
+
+Each step the engine picks one draft length k in 0 … K (`--speculative mtp:K`) for every drafting
+sequence, the k that maximises the tokens the step emits per unit of its cost:
+
+    tokens(k) = N + B·E(k)             E(k) = 1 + Σ_{i=1..k} Π_{j≤i} a_j   (E(0) = 1)
+    cost(k)   = c(R + B·k) + m·(c(B·E(k)) + (k − 1)·c(B))      (the second term only for k ≥ 1)
+    c(rows)   = max(1, rows / R_sat)
+
+B sequences could draft, N other sequences sample a token anyway, R is the step's rows without drafts
+(every scheduled token). a_j is the measured probability that draft j is accepted when drafts
+1 … j−1 were (an EWMA over verify steps, per depth), so E(k) is the expected tokens a verify of k
+drafts emits, the bonus token included. `c(rows)` is a forward's cost in units of a plain decode step:
+flat while the step is bound by reading the weights (and by launches), growing linearly with its
+rows once they saturate the device's compute (`R_sat`, `EngineConfig.speculative_saturation_rows`).
+The verify forward runs R + B·k rows. The drafts cost `m` (`speculative_draft_cost`: one MTP forward
+against one target forward) per depth: depth 1 runs over each sequence's accepted positions (E(k)
+rows), depths 2 … k over one row each. Past the batch where R + B·k crosses R_sat the verify's
+cost grows with k faster than E(k) does, and k = 0 (no drafts: the plain, graph-replayed decode
+step) wins: that is "off past the concurrency where it stops paying".
+
+Acceptance is only measured while drafting, so when low acceptance (not load) turns drafting off,
+every `PROBE_EVERY`-th such step drafts one token anyway, to notice when acceptance comes back.
+
+`m` is measured too when the configuration leaves it unset (`is_calibrated`): each speculative step
+reports how long its verify (planning, forward, acceptance) and its draft forwards took, and their
+sizes in cost units (c of each forward's rows); (draft seconds per unit) / (verify seconds per unit)
+is a sample of m (EWMA). On a device where the draft forwards cost more than the model says (eager
+launches, host work between them), m grows and drafting turns off at lower load, or at any load.
+
+Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
+proposes k for the next (backend/engine/speculative.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
+EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estimate
+PROBE_EVERY = 16
+TIMING_WEIGHT = 0.1  # per timed step
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoad:
+    """What a step holds before any draft: its rows, its sequences that could draft, the others
+    that sample a token anyway."""
+
+    num_rows: int
+    num_drafting: int
+    num_other_samples: int = 0
+
+
+class DraftPolicy:
+    """Per step, the draft length (`choose`); after a verify, the acceptance it saw (`observe`)."""
+
+    def __init__(
+        self,
+        max_drafts: int,
+        *,
+        saturation_rows: int,
+        draft_cost: float,
+        is_adaptive: bool = True,
+        is_calibrated: bool = False,
+    ) -> None:
+        """`draft_cost`: m, or its starting value when `is_calibrated` (measured from step times)."""
+        self.max_drafts = max_drafts
+        self.saturation_rows = saturation_rows
+        self.draft_cost = draft_cost
+        self.is_adaptive = is_adaptive
+        self.is_calibrated = is_calibrated
+        self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts  # a_1 … a_K
+        self.last_k = 0  # the draft length the last drafting-capable step chose
+        self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
+
+    # ---- the model ---------------------------------------------------------------------------
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a verify of k drafts emits, expected under the measured acceptance."""
+        total, p = 1.0, 1.0
+        for a in self.acceptance[:k]:
+            p *= a
+            total += p
+        return total
+
+    @property
+    def acceptance_length(self) -> float:
+        """E(K): the expected tokens per verify step at the longest draft."""
+        return self.expected_tokens(self.max_drafts)
+
+    def forward_cost(self, num_rows: float) -> float:
+        return max(1.0, num_rows / self.saturation_rows)
+
+    def step_cost(self, load: StepLoad, k: int) -> float:
+        B = load.num_drafting
+        cost = self.forward_cost(load.num_rows + B * k)
+        if k:
+            drafts = self.forward_cost(B * self.expected_tokens(k)) + (k - 1) * self.forward_cost(B)
+            cost += self.draft_cost * drafts
+        return cost
+
+    def rate(self, load: StepLoad, k: int) -> float:
+        """Tokens emitted per unit of cost with k drafts."""
+        tokens = load.num_other_samples + load.num_drafting * self.expected_tokens(k)
+        return tokens / self.step_cost(load, k)
+
+    # ---- per step ----------------------------------------------------------------------------
+    def choose(self, load: StepLoad) -> int:
+        """The draft length for this step (0: no drafts)."""
+        if load.num_drafting == 0:
+            return 0
+        if not self.is_adaptive:
+            self.last_k = self.max_drafts
+            return self.max_drafts
+        rates = [self.rate(load, k) for k in range(self.max_drafts + 1)]
+        k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
+        if k == 0 and self._would_pay_if_accepted(load):
+            self._num_starved += 1
+            if self._num_starved % PROBE_EVERY == 0:
+                k = 1  # low acceptance, not load, keeps drafting off: measure it again
+        else:
+            self._num_starved = 0
+        self.last_k = k
+        return k
+
+    def observe_timing(
+        self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]
+    ) -> None:
+        """A speculative step's verify took `verify_s` over `verify_rows` rows, its draft forwards
+        `draft_s` over `draft_rows` rows each: a sample of m, when it is measured."""
+        if not self.is_calibrated or verify_s <= 0 or not draft_rows:
+            return
+        unit_s = verify_s / self.forward_cost(verify_rows)
+        sample = draft_s / unit_s / sum(self.forward_cost(n) for n in draft_rows)
+        self.draft_cost += TIMING_WEIGHT * (sample - self.draft_cost)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One sequence's verify: of `num_drafts` drafts, the first `num_accepted` were accepted."""
+        for j in range(min(num_accepted + 1, num_drafts)):  # depths whose draft was judged
+            hit = 1.0 if j < num_accepted else 0.0
+            self.acceptance[j] += EWMA_WEIGHT * (hit - self.acceptance[j])
+
+    def _would_pay_if_accepted(self, load: StepLoad) -> bool:
+        saved = self.acceptance
+        self.acceptance = [1.0] * self.max_drafts
+        try:
+            return self.rate(load, 1) > self.rate(load, 0)
+        finally:
+            self.acceptance = saved

@@ -1,0 +1,191 @@
+"""The forwards of a speculative step, as every rank runs them (backend/engine/speculative.py decides them).
+
+A speculative step is several forwards: the verify (the target over every chunk and the drafts) and
+the draft depths (the MTP layer). Rank 0 plans each one as a `HostBatch` and sends it to the other
+tensor-parallel ranks as `StepInputs` whose `spec` says which forward it is (backend/engine/ranks.py);
+every rank then runs it here, through `ModelRunner.forward_step` like a plain step (tag flags OR-reduced
+over the ranks). The hidden states a draft depth reads stay on each rank's device: a draft names
+their rows, never ships them (under tensor parallelism every rank holds the whole hidden state).
+
+Verify steps where every sequence verifies the same number of drafts k replay a CUDA graph of their
+(k, batch-size bucket) when the runner captures graphs (backend/engine/verify_graphs.py); any other
+verify runs eagerly. Draft depths 1 … K−1 (one row per sequence: decode-shaped) replay decode graphs
+of the MTP layer (`DecodeGraphs` over a forward that reads its hidden states from a static buffer and
+writes the new ones to another); depth 0 (the accepted rows: as many as were accepted) runs eagerly.
+
+Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from backend.engine.decode_graphs import Capture, DecodeGraphs
+from backend.engine.engine_config import EngineConfig
+from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
+from backend.engine.ranks import VERIFY, StepInputs
+from backend.engine.verify_graphs import VerifyGraphs
+
+log = logging.getLogger("kumo.engine")
+
+
+class SpecForwards:
+    """Runs a speculative step's forwards on one rank, and keeps the hidden states between them."""
+
+    def __init__(
+        self, model: Any, kv_cache: KVCache, *, check_tags: bool, graphs: VerifyGraphs | None = None
+    ) -> None:
+        self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
+        self.graphs = graphs
+        self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
+        self._hidden_in = self._hidden_out = torch.empty(0)  # [n, H] the draft graphs' static buffers
+        self.device = kv_cache.page_tags.device
+        self.hidden: torch.Tensor | None = None  # the verify's [T, H]
+        self._last: torch.Tensor | None = None  # the last depth's proposing rows [P, H]
+
+    @classmethod
+    def build(
+        cls,
+        model: Any,
+        kv_cache: KVCache,
+        config: EngineConfig,
+        *,
+        capture: Capture | None,
+        max_seq_len: int | None,
+    ) -> SpecForwards:
+        """With verify and draft graphs when the runner captures decode graphs (`capture`): k = 1 … K,
+        the decode graphs' batch sizes up to `speculative_max_seqs`, page tables as wide as theirs
+        (`max_seq_len` tokens; None: the whole pool)."""
+        S = config.page_size
+        max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
+        sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
+        graphs = None
+        if capture is not None and sizes:
+            with torch.inference_mode():
+                graphs = VerifyGraphs(
+                    model.forward_spec,
+                    kv_cache,
+                    max_drafts=config.num_speculative_tokens,
+                    batch_sizes=sizes,
+                    max_pages=max_pages,
+                    check_tags=config.check_page_tags,
+                    capture=capture,
+                )
+            if graphs.disabled_reason is not None:  # at start-up, once
+                log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
+        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
+        if capture is not None and sizes and config.num_speculative_tokens > 1 and hasattr(model, "config"):
+            forwards.capture_drafts(sizes, max_pages, capture)
+        return forwards
+
+    def capture_drafts(self, batch_sizes: list[int], max_pages: int, capture: Capture) -> None:
+        """Decode graphs of each MTP layer, for draft depths d > 0 (layer d mod L)."""
+        n, H = max(batch_sizes), self.model.config.hidden_size
+        self._hidden_in = torch.zeros(n, H, dtype=self.model.dtype, device=self.device)
+        self._hidden_out = torch.zeros_like(self._hidden_in)
+        with torch.inference_mode():
+            for layer in range(self.model.num_mtp_layers):
+                graphs = DecodeGraphs(
+                    functools.partial(self._draft_step, layer),
+                    self.kv_cache,
+                    batch_sizes=batch_sizes,
+                    max_pages=max_pages,
+                    check_tags=self.check_tags,
+                    capture=capture,
+                )
+                if graphs.disabled_reason is not None:
+                    log.warning("draft steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
+                    self.draft_graphs = []
+                    return
+                self.draft_graphs.append(graphs)
+
+    def _draft_step(self, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """A captured draft depth: hidden states in and out through the static buffers."""
+        B = batch.num_seqs
+        logits, g = self.model.forward_mtp(batch, self._hidden_in[:B], layer)  # [B, V], [B, H]
+        self._hidden_out[:B].copy_(g)
+        out: torch.Tensor = logits
+        return out
+
+    def clear_draft_kv(self, pages: np.ndarray) -> None:
+        """Zero the MTP layers' cache slots of newly allocated `pages` (each step's tag updates, on
+        every rank). A position computed in a step without drafts gets no MTP KV; a sequence drafting
+        later reads zeros there, never what an earlier owner of the page left (the tag check cannot
+        tell: the page is the sequence's own by then)."""
+        index = torch.from_numpy(pages).to(self.device)
+        for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
+            for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
+                cache.view(torch.uint8).index_fill_(0, index, 0)
+
+    def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
+        spec, host = inputs.spec, inputs.host
+        assert spec is not None, "a speculative forward names its kind"
+        if inputs.tag_updates is not None:  # [U, 2] (page, tag): before any page is read
+            updates = torch.from_numpy(inputs.tag_updates).to(self.device)
+            self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
+        if spec.depth == VERIFY:
+            replayed = self.graphs.run(host) if self.graphs is not None else None
+            if replayed is not None:
+                logits, self.hidden, mismatch = replayed
+                return logits, mismatch
+            batch = self.batch(host)
+            logits, self.hidden = self.model.forward_spec(batch)  # [N, V], [T, H]
+            return logits, batch.tag_mismatch
+        assert spec.rows is not None, "a draft names the hidden-state rows it reads"
+        index = torch.from_numpy(spec.rows).to(self.device)
+        source = self.hidden if spec.depth == 0 else self._last
+        assert source is not None, "a draft follows the verify (and depth d > 0 follows depth d - 1)"
+        if spec.depth > 0 and self.draft_graphs:
+            graphs = self.draft_graphs[spec.depth % len(self.draft_graphs)]
+            P = len(spec.rows)
+            if graphs.bucket_for(P) is not None:
+                self._hidden_in[:P].copy_(source[index])
+                drafted = graphs.run(host)  # (logits [P, V], tag_mismatch [P]), or None: no fit
+                if drafted is not None:
+                    assert self._last is not None
+                    self._last = self._last.index_copy(0, index, self._hidden_out[:P])
+                    return drafted
+        batch = self.batch(host)
+        logits, g = self.model.forward_mtp(batch, source[index], spec.depth)  # [P, V], [T, H]
+        if spec.depth == 0:
+            self._last = g[batch.logits_indices]
+        else:  # one row per live sequence: its new hidden state replaces its last one
+            assert self._last is not None
+            self._last = self._last.index_copy(0, index, g)
+        return logits, batch.tag_mismatch
+
+    def batch(self, h: HostBatch) -> ForwardBatch:
+        """An eager ForwardBatch over `h` (each field copied to the device)."""
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        image_embeds = None
+        if h.image_rows:
+            image_embeds = ImageEmbeds(
+                token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
+                embeds=torch.cat(h.image_parts).to(dev),
+            )
+        return ForwardBatch(
+            input_ids=t(h.input_ids),
+            positions=t(h.positions),
+            query_start=t(h.query_start),
+            seq_lens=t(h.seq_lens),
+            page_table=t(h.page_table),
+            expected_tags=t(h.expected_tags),
+            slot_mapping=t(h.slots),
+            logits_indices=t(h.logits_indices),
+            kv_cache=self.kv_cache,
+            tag_mismatch=torch.zeros(h.num_seqs, dtype=torch.bool, device=dev),
+            is_decode_only=len(h.input_ids) == h.num_seqs,
+            check_tags=self.check_tags,
+            image_embeds=image_embeds,
+            seq_index=t(h.seq_index),
+        )

@@ -1,0 +1,175 @@
+"""Speculative verify steps replayed from CUDA graphs, one per (draft length k, batch-size bucket).
+
+A verify step where each of B sequences runs k + 1 rows (its newest token and k drafts), all of them
+logits rows, and no image rows, is uniform: it runs in the graph of (k, Bk), Bk the smallest
+captured bucket >= B, as decode steps do (backend/engine/decode_graphs.py, whose scratch page and
+padding this copies). Rows b·(k+1) … b·(k+1)+k are sequence b's; padding sequences B … Bk get
+token 0 at positions 0 … k, their slots in the scratch page (so k + 1 must fit one page), its page
+table only the scratch page under `SCRATCH_TAG`: they read and write nothing else and never trip
+the tag check. `seq_lens` is computed inside the graph as the last position + 1. Page-table columns
+past a sequence's pages hold the scratch page, scrubbed when a step is narrower than the widest
+written since (as decode graphs do). The graph returns the logits `[Bk·(k+1), V]` and the hidden
+states `[Bk·(k+1), H]` the draft depths read; both stay in the graph's memory.
+
+The k captured are 1 … K (the draft policy may pick any, backend/engine/draft_policy.py), the buckets
+the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts past it). Capture goes
+through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
+forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
+
+Shapes: B sequences, Bk bucket, L = k + 1 rows per sequence, Mp max pages, V vocab, H hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import cast
+
+import numpy as np
+import torch
+
+from backend.engine.decode_graphs import SCRATCH_TAG, Capture
+from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.engine.sync_free import sync_free
+
+SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
+VerifyReplay = Callable[[], SpecOutput]
+
+
+class VerifyGraphs:
+    """Static buffers sized for the largest (k, bucket), one replay per (k, bucket)."""
+
+    def __init__(
+        self,
+        forward_spec: Callable[[ForwardBatch], SpecOutput],
+        kv_cache: KVCache,
+        *,
+        max_drafts: int,
+        batch_sizes: list[int],
+        max_pages: int,
+        check_tags: bool,
+        capture: Capture,
+    ) -> None:
+        self.kv_cache, self.max_pages, self.check_tags = kv_cache, max_pages, check_tags
+        self.batch_sizes = sorted(batch_sizes)
+        S = kv_cache.page_size
+        self.draft_lengths = [k for k in range(1, max_drafts + 1) if k + 1 <= S]
+        self.scratch_page = kv_cache.num_pages - 1
+        self.num_replays = 0
+        self.disabled_reason: str | None = None
+        n, L, dev = self.batch_sizes[-1], max_drafts + 1, kv_cache.page_tags.device
+        i64, i32 = torch.int64, torch.int32
+        # input ids, positions and slots: rows of one buffer
+        self._vectors = torch.zeros((3, n * L), dtype=i64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n·L] each
+        self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
+        self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
+        self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
+        self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
+        self._written_width = 0
+        self._replays: dict[tuple[int, int], VerifyReplay] = {}
+        try:
+            for k in reversed(self.draft_lengths):  # largest first: the pool is sized by the first
+                self._fill_padding(k)  # a capture's warm-up runs: every row a valid padding row
+                for size in reversed(self.batch_sizes):
+                    step = partial(self._step, forward_spec, self._batch(k, size), k)
+                    self._replays[k, size] = cast(
+                        VerifyReplay, capture(cast(Callable[[], torch.Tensor], step))
+                    )
+        except Exception as exc:  # a capture-unsafe op on the verify path: every verify stays eager
+            self._replays.clear()
+            self.disabled_reason = f"{type(exc).__name__}: {exc}"
+
+    def _fill_padding(self, k: int) -> None:
+        """Every sequence of the buffers a padding one for k drafts: positions 0 … k of the scratch page."""
+        n, L = self.batch_sizes[-1], k + 1
+        pad = torch.arange(L, dtype=torch.int64, device=self._vectors.device).repeat(n)  # [n·L]
+        self.input_ids[: n * L].zero_()
+        self.positions[: n * L].copy_(pad)
+        self.slot_mapping[: n * L].copy_(self.scratch_page * self.kv_cache.page_size + pad)
+        self.seq_lens.fill_(L)
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self._replays)
+
+    def shape_of(self, host: HostBatch) -> tuple[int, int] | None:
+        """(k, bucket) of a uniform verify step that fits a captured graph, else None."""
+        B, T = host.num_seqs, len(host.input_ids)
+        if not self.is_enabled or B == 0 or T % B or host.image_rows:
+            return None
+        k = T // B - 1
+        bucket = next((s for s in self.batch_sizes if s >= B), None)
+        if (
+            bucket is None
+            or (k, bucket) not in self._replays
+            or host.page_table.shape[1] > self.max_pages
+            or len(host.logits_indices) != T
+            or not np.array_equal(np.diff(host.query_start), np.full(B, k + 1))
+            or not np.array_equal(host.logits_indices, np.arange(T))
+        ):
+            return None
+        return k, bucket
+
+    def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(logits [T, V], hidden [T, H], tag_mismatch [B]) of a uniform verify step from its graph;
+        None when it is not one (the caller runs it eagerly)."""
+        shape = self.shape_of(host)
+        if shape is None:
+            return None
+        k, bucket = shape
+        B, L, width = host.num_seqs, k + 1, host.page_table.shape[1]
+        scratch, S = self.scratch_page, self.kv_cache.page_size
+        vectors = np.zeros((3, bucket * L), dtype=np.int64)  # ids, positions, slots
+        vectors[0, : B * L], vectors[1, : B * L], vectors[2, : B * L] = (
+            host.input_ids,
+            host.positions,
+            host.slots,
+        )
+        pad = np.tile(np.arange(L), bucket - B)  # padding sequences: positions 0 … k of the scratch page
+        vectors[1, B * L :], vectors[2, B * L :] = pad, scratch * S + pad
+        num_pages = (host.seq_lens.astype(np.int64) + (S - 1)) // S  # [B]
+        past = np.arange(width)[None, :] >= num_pages[:, None]  # [B, width] columns past its pages
+        pages = np.full((bucket, width), scratch, dtype=np.int32)
+        pages[:B] = np.where(past, scratch, host.page_table)
+        tags = np.full((bucket, width), SCRATCH_TAG, dtype=np.int64)
+        tags[:B] = np.where(past, SCRATCH_TAG, host.expected_tags)
+        dev = self._vectors.device
+        self._vectors[:, : bucket * L].copy_(torch.from_numpy(vectors).to(dev))
+        if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
+            self.page_table[:, width : self._written_width].fill_(scratch)
+            self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
+        self._written_width = width
+        self.page_table[:bucket, :width].copy_(torch.from_numpy(pages).to(dev))
+        self.expected_tags[:bucket, :width].copy_(torch.from_numpy(tags).to(dev))
+        logits, hidden = self._replays[k, bucket]()
+        self.num_replays += 1
+        return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
+
+    def _batch(self, k: int, size: int) -> ForwardBatch:
+        """The ForwardBatch the (k, size) graph reads: views of the buffers' first rows."""
+        L, dev = k + 1, self._vectors.device
+        rows = torch.arange(size * L, dtype=torch.int64, device=dev)
+        return ForwardBatch(
+            input_ids=self.input_ids[: size * L],
+            positions=self.positions[: size * L],
+            query_start=torch.arange(size + 1, dtype=torch.int32, device=dev) * L,
+            seq_lens=self.seq_lens[:size],
+            page_table=self.page_table[:size],
+            expected_tags=self.expected_tags[:size],
+            slot_mapping=self.slot_mapping[: size * L],
+            logits_indices=rows,
+            kv_cache=self.kv_cache,
+            tag_mismatch=self.tag_mismatch[:size],
+            is_decode_only=False,
+            check_tags=self.check_tags,
+            seq_index=rows // L,
+        )
+
+    @staticmethod
+    def _step(forward_spec: Callable[[ForwardBatch], SpecOutput], batch: ForwardBatch, k: int) -> SpecOutput:
+        with sync_free():
+            batch.tag_mismatch.zero_()
+            last = batch.positions.view(-1, k + 1)[:, k]  # [Bk] each sequence's last row
+            torch.add(last, 1, out=batch.seq_lens)  # its length after the step
+            return forward_spec(batch)

@@ -1,0 +1,437 @@
+"""`kumo bench engine mtp`: speculative decoding on the GPU (issue 28, deliverable 6).
+
+    kumo bench engine mtp [--models models/glm-5.2-nano,models/kimi-k2.6-nano] [--budget-s 450]
+        → benchmarks/results/<date>-mtp-gpu.json
+
+Three parts, one command:
+
+1. `speedup_c1`, per nano model and task: per-user decode tok/s at concurrency 1, speculation on
+   (`--speculative mtp:K` as served: the adaptive draft policy) ÷ off. The prompts are the recipe's
+   held-out test items (`benchmarks.engine.mtp_acceptance.held_out_prompts`), run one at a time,
+   greedy, to a stop token or `--max-tokens`; a run's rate is Σ(tokens − 1) / Σ(last − first token
+   time) over its prompts. Both sides give the same tokens (checked). Method
+   (`benchmarks.engine.method`): each side warmed on the same prompts, then `--rounds` rounds of
+   A, B, B, A (A = on); a round's ratio (a1 + a2) / (b1 + b2); median and spread.
+2. c = 64 throughput, per nano model: `--c64` requests at once (the held-out prompts, cycled), output
+   tok/s on ÷ off, A/B/B/A as above, `speculative_max_seqs` = 64 so that the draft policy, not the
+   cap, decides (it should turn drafting down: the record counts the steps by draft length).
+   Beside the rounds of both parts, one run with the policy off (always K drafts: `fixed_k_run`),
+   and in every run the policy's measured draft cost, to tell what it chose from.
+3. A projection for GLM 5.2's full geometry at one rank of 8 (`--rank-of 8`: rank 0's slice, its
+   collectives local, benchmarks/engine/rank_of.py), random INT4-expert weights and a random MTP
+   layer: the median c = 1 step time of plain decoding and of a speculative step with k = 1 … K
+   drafts (always k: random drafts are rejected, so each step verifies k and drafts k), at two
+   truncated depths, extrapolated linearly to the full depth; then
+       projected speedup_c1(K) = E(K) · t_plain / t_spec(K)
+   with E(K) the tokens per verify step, from the nano GLM's measured acceptance (per task, the
+   record `--acceptance`) and from GLM 5.2's published MTP figure (2.69 with 3 drafts). Labelled a
+   projection: acceptance is not measured on GLM 5.2's weights, the collectives are not run, and a
+   trained draft's depth-0 forward runs over E(K) rows instead of 1.
+
+`--tiny` runs it all on a CPU in seconds (small budgets, a tiny geometry at `--rank-of 2`): the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROOT = Path(__file__).resolve().parents[2]
+GLM52_PUBLISHED_ACCEPTANCE = 2.69  # GLM 5.2's MTP, 3 drafts (issue 28's anchor)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    device: str
+    models: tuple[Path, ...]
+    tasks: tuple[str, ...]
+    num_prompts: int
+    max_tokens: int
+    k: int
+    num_rounds: int
+    c64: int
+    c64_rounds: int
+    rank_of: int
+    depths: tuple[int, int]
+    projection_tokens: int
+    acceptance_record: Path
+    deadline: float
+    tiny: bool
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+# ---- 1 and 2: the nano models ------------------------------------------------------------------------
+def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str, Any]:
+    """{"A": speculation on (as served: adaptive), "B": off, "F": always K drafts} over one loaded
+    copy of `checkpoint`."""
+    import torch
+
+    from backend.engine.engine import Engine
+    from backend.engine.engine_config import EngineConfig
+    from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
+
+    dtype = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
+    loaded = load_model(
+        checkpoint, dtype=dtype, device=opts.device, num_mtp_layers=num_mtp_layers_in(checkpoint)
+    )
+    engines = {}
+    for side, k in (("A", opts.k), ("B", 0), ("F", opts.k)):
+        config = EngineConfig.build(
+            num_pages=max(64, concurrency * (-(-(2048 + opts.max_tokens) // 16))), page_size=16,
+            max_num_batched_tokens=4096, max_num_seqs=max(concurrency, 1), enable_prefix_cache=False,
+            num_speculative_tokens=k, speculative_max_seqs=max(concurrency, 1), speculative_adaptive=side != "F",
+        )  # fmt: skip
+        engines[side] = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
+    return engines
+
+
+def run_prompts(
+    engine: Any, prompts: list[list[int]], stops: list[int], max_tokens: int, concurrency: int
+) -> dict[str, Any]:
+    """The prompts, `concurrency` at a time, greedy: tokens, per-user decode rate, throughput."""
+    from schemas.backend import EngineRequest, SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops)
+    s0 = engine.stats
+    verifies, drafted, accepted, steps = (
+        s0.spec_verifies,
+        s0.spec_drafted_tokens,
+        s0.spec_accepted_tokens,
+        s0.steps,
+    )
+    tokens: dict[int, list[int]] = {}
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    k_steps: dict[int, int] = {}  # steps by the draft length chosen
+    start = time.perf_counter()
+    for at in range(0, len(prompts), concurrency):
+        for i in range(at, min(at + concurrency, len(prompts))):
+            engine.add_request(
+                EngineRequest(
+                    request_id=str(i), prompt_token_ids=prompts[i], tenant_salt="a" * 32, sampling=sampling
+                )
+            )
+        while engine.has_unfinished:
+            outputs = engine.step()
+            now = time.perf_counter()
+            k = engine.spec.k if engine.spec is not None else 0
+            k_steps[k] = k_steps.get(k, 0) + 1
+            for out in outputs:
+                if out.error is not None:
+                    raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
+                if out.token_ids:
+                    i = int(out.request_id)
+                    first.setdefault(i, now)
+                    last[i] = now
+                    tokens.setdefault(i, []).extend(out.token_ids)
+    wall = time.perf_counter() - start
+    decode_s = sum(last[i] - first[i] for i in tokens)
+    num_tokens = sum(len(t) for t in tokens.values())
+    s = engine.stats
+    v = s.spec_verifies - verifies
+    return {
+        "tokens": [tokens[i] for i in sorted(tokens)],
+        "output_tokens": num_tokens,
+        "wall_s": wall,
+        "output_tok_s": num_tokens / wall,
+        "decode_tok_s_per_user": sum(len(t) - 1 for t in tokens.values()) / decode_s if decode_s else 0.0,
+        "steps": s.steps - steps,
+        "step_ms_mean": wall / max(s.steps - steps, 1) * 1e3,
+        "drafting_steps": sum(n for k, n in k_steps.items() if k),
+        "steps_by_draft_length": {str(k): n for k, n in sorted(k_steps.items())},
+        "verify_steps": v,
+        "acceptance_length": 1 + (s.spec_accepted_tokens - accepted) / v if v else None,
+        "drafted_tokens": s.spec_drafted_tokens - drafted,
+        # the draft policy's measured m after the run: one MTP forward's cost / one target forward's
+        "policy_draft_cost": engine.spec.policy.draft_cost if engine.spec is not None else None,
+    }
+
+
+def ab_rounds(
+    engines: dict[str, Any], work: Any, metric: str, num_rounds: int, opts: Options
+) -> dict[str, Any]:
+    """Warm both sides on `work`, then A/B/B/A rounds; the outputs of A and B must agree."""
+    from benchmarks.engine import method
+
+    warm_start = time.monotonic()
+    warm = {side: work(engines[side]) for side in ("A", "B")}  # F warms just before its one run
+    warm_s = time.monotonic() - warm_start
+    is_same = warm["A"]["tokens"] == warm["B"]["tokens"]
+
+    def run(side: str) -> dict[str, Any]:
+        r = work(engines[side])
+        return {k: v for k, v in r.items() if k != "tokens"}
+
+    rounds = method.interleave(
+        run,
+        lambda r: float(r[metric]),
+        num_rounds=num_rounds,
+        time_left=opts.time_left,
+        first_round_s=2.0 * warm_s,
+    )
+    fixed = None
+    if "F" in engines and opts.time_left() > warm_s:  # beside the rounds: always K drafts, once
+        work(engines["F"])
+        fixed = run("F")
+        b = [r[metric] for r in rounds[-1]["runs"] if r["side"] == "B"] if rounds else []
+        fixed["over_B_of_last_round"] = fixed[metric] / statistics.fmean(b) if b else None
+    return {
+        "metric": metric,
+        "warm_up_s": round(warm_s, 2),
+        "fixed_k_run": fixed,
+        "greedy_outputs_identical": is_same,
+        "order": method.order(len(rounds)),
+        "rounds": rounds,
+        "rounds_skipped": num_rounds - len(rounds),
+        "summary": method.summary_entry([r["ratio"] for r in rounds]) if rounds else None,
+    }
+
+
+def measure_nano(checkpoint: Path, opts: Options) -> dict[str, Any]:
+    from benchmarks.engine.mtp_acceptance import held_out_prompts, stop_ids
+
+    stops = stop_ids(checkpoint)
+    out: dict[str, Any] = {"speedup_c1": {}, "throughput_c64": None}
+    engines = nano_engines(checkpoint, opts, 1)
+    prompts = {task: held_out_prompts(checkpoint, task, opts.num_prompts) for task in opts.tasks}
+    for task in opts.tasks:
+        out["speedup_c1"][task] = ab_rounds(
+            engines,
+            lambda e, task=task: run_prompts(e, prompts[task], stops, opts.max_tokens, 1),
+            "decode_tok_s_per_user",
+            opts.num_rounds,
+            opts,
+        )
+    del engines
+    if opts.c64 and opts.time_left() > 0:
+        pool = [p for task in opts.tasks for p in prompts[task]]
+        many = [pool[i % len(pool)] for i in range(opts.c64)]
+        engines = nano_engines(checkpoint, opts, opts.c64)
+        out["throughput_c64"] = ab_rounds(
+            engines, lambda e: run_prompts(e, many, stops, opts.max_tokens, opts.c64), "output_tok_s",
+            opts.c64_rounds, opts,
+        )  # fmt: skip
+    return out
+
+
+# ---- 3: the projection for GLM 5.2 --------------------------------------------------------------------
+def step_times(depth: int, opts: Options) -> dict[str, float]:
+    """Median c = 1 decode step (ms) at `depth` layers of rank 0 of `opts.rank_of`: plain, and
+    speculative with k = 1 … K drafts every step."""
+    import torch
+
+    from backend.engine.engine import Engine
+    from backend.engine.engine_config import EngineConfig
+    from benchmarks.engine.geometry import make_geometry
+    from benchmarks.engine.offline import run_offline
+    from benchmarks.engine.weights import build_random_model
+
+    geometry = make_geometry("glm-5.2", depth, tiny=opts.tiny, rank_of=opts.rank_of)
+    config = geometry.model_config
+    model = build_random_model(geometry, "int4", device=opts.device, num_mtp_layers=1)
+    dtype = torch.bfloat16
+    times: dict[str, float] = {}
+    input_len = 16 if opts.tiny else 512
+    for k in range(opts.k + 1):
+        engine_config = EngineConfig.build(
+            num_pages=-(-(input_len + opts.projection_tokens + 8) // 16) + 1, page_size=16,
+            max_num_batched_tokens=max(input_len, 64), max_num_seqs=1, enable_prefix_cache=False,
+            cuda_graph_batch_sizes=(1,), num_speculative_tokens=k, speculative_adaptive=False,
+        )  # fmt: skip
+        engine = Engine(
+            model, engine_config, vocab_size=config.vocab_size, context_window=config.max_position_embeddings,  # type: ignore[arg-type]
+            model_dtype=dtype, device=opts.device,
+        )  # fmt: skip
+        runs = [
+            run_offline(
+                engine,
+                variant=f"k{k}-{i}",
+                concurrency=1,
+                input_len=input_len,
+                output_len=opts.projection_tokens,
+                vocab_size=config.vocab_size,
+                seed=1 + i,
+            )  # fmt: skip
+            for i in range(2)  # the first warms (compiles, captures)
+        ]
+        times["plain" if k == 0 else f"spec_k{k}"] = float(runs[-1].extra["decode_step_ms_p50"])
+        del engine
+    return times
+
+
+def nano_glm_acceptance(record: Path) -> dict[str, float]:
+    if not record.exists():
+        return {}
+    models = json.loads(record.read_text()).get("models", {})
+    return {
+        f"glm-5.2-nano {task}": float(v["acceptance_length"])
+        for task, v in models.get("glm-5.2-nano", {}).items()
+    }
+
+
+def project(opts: Options) -> dict[str, Any]:
+    from benchmarks.engine.geometry import make_geometry
+    from benchmarks.engine.rank_of import join_alone
+
+    join_alone(opts.rank_of)
+    full = make_geometry("glm-5.2", None, tiny=opts.tiny, rank_of=opts.rank_of).full_num_layers
+    d1, d2 = opts.depths
+    measured = {d: step_times(d, opts) for d in (d1, d2)}
+    extrapolated = {
+        key: measured[d2][key] + (measured[d2][key] - measured[d1][key]) / (d2 - d1) * (full - d2)
+        for key in measured[d2]
+    }
+    acceptance = nano_glm_acceptance(opts.acceptance_record) | {
+        "GLM 5.2 published (3 drafts)": GLM52_PUBLISHED_ACCEPTANCE
+    }
+    t_plain, t_spec = extrapolated["plain"], extrapolated[f"spec_k{opts.k}"]
+    return {
+        "label": "projection, not a measurement of GLM 5.2",
+        "how": "step times measured at two truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
+        "a random MTP layer, CUDA graphs), extrapolated linearly to the full depth; speedup = E(K) · t_plain / t_spec(K)",
+        "rank_of": opts.rank_of,
+        "full_depth": full,
+        "depths_measured": [d1, d2],
+        "step_ms_measured": {str(d): v for d, v in measured.items()},
+        "step_ms_full_depth": extrapolated,
+        "draft_and_verify_over_plain": {k: v / t_plain for k, v in extrapolated.items()},
+        "acceptance_length_used": acceptance,
+        "projected_speedup_c1": {name: e * t_plain / t_spec for name, e in acceptance.items()},
+        "caveats": [
+            "acceptance from the nano GLM (undertrained MTP layer) or GLM 5.2's published figure, not measured on GLM 5.2",
+            "collectives local (rank_of.py): NVLink time not included on either side",
+            "random drafts are rejected, so the depth-0 draft forward ran over 1 row, not E(K)",
+        ],
+    }
+
+
+# ---- the command ------------------------------------------------------------------------------------
+def measure(opts: Options, record: dict[str, Any], save: Callable[[dict[str, Any]], None]) -> None:
+    """Each part into `record`, saved after each (a call killed at its limit keeps what it finished)."""
+    record["models"] = {}
+    # the nano models share 70% of the budget (the projection takes the rest, its runs fixed and short)
+    share = opts.time_left() * (0.7 if opts.rank_of else 1.0) / max(len(opts.models), 1)
+    for checkpoint in opts.models:
+        part = Options(**{**_fields(opts), "deadline": time.monotonic() + share})
+        record["models"][checkpoint.name] = measure_nano(checkpoint, part)
+        print(_nano_line(checkpoint.name, record["models"][checkpoint.name]), flush=True)
+        save(record)
+    if opts.rank_of:
+        record["projection_glm_5.2"] = project(opts)
+    save(record)
+
+
+def _fields(opts: Options) -> dict[str, Any]:
+    return {f: getattr(opts, f) for f in Options.__dataclass_fields__}
+
+
+def summarize(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, m in record["models"].items():
+        for task, r in m["speedup_c1"].items():
+            out[f"speedup_c1 {name} {task}"] = r["summary"]
+        if m["throughput_c64"] is not None:
+            out[f"c64_on_over_off {name}"] = m["throughput_c64"]["summary"]
+    if "projection_glm_5.2" in record:
+        for name, v in record["projection_glm_5.2"]["projected_speedup_c1"].items():
+            out[f"projected speedup_c1 GLM 5.2 ({name})"] = round(v, 3)
+    return out
+
+
+def _nano_line(name: str, m: dict[str, Any]) -> str:
+    parts = [
+        f"{task} {(r['summary'] or {}).get('value', float('nan')):.3f}x"
+        for task, r in m["speedup_c1"].items()
+    ]
+    c64 = m["throughput_c64"]
+    if c64 is not None and c64["summary"] is not None:
+        parts.append(f"c64 {c64['summary']['value']:.3f}x")
+    return f"{name}: speedup_c1 " + ", ".join(parts)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kumo bench engine mtp", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="models/glm-5.2-nano,models/kimi-k2.6-nano")
+    ap.add_argument("--tasks", default="chat,tool-call")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per task (c = 1)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--speculative", default="mtp:3", metavar="mtp:K")
+    ap.add_argument("--rounds", type=int, default=3, help="A/B/B/A rounds at c = 1")
+    ap.add_argument(
+        "--c64", type=int, default=64, help="concurrent requests of the throughput part (0: skip)"
+    )
+    ap.add_argument("--c64-rounds", type=int, default=2)
+    ap.add_argument("--rank-of", type=int, default=8, help="the projection's ranks (0: skip the projection)")
+    ap.add_argument("--depths", default="4,8", help="the projection's two truncated depths")
+    ap.add_argument("--projection-tokens", type=int, default=64, help="decode steps per projection run")
+    ap.add_argument("--acceptance", type=Path, default=RESULTS / "2026-12-04-mtp.json")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="no round starts after this many seconds")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument(
+        "--tiny", action="store_true", help="CPU-sized: 2 prompts, 6 tokens, 1 round, --rank-of 2"
+    )
+    ap.add_argument("--out", type=Path, default=None)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from backend.engine.engine_config import parse_speculative
+
+    start = time.monotonic()
+    a = parser().parse_args(argv)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.tiny:
+        a.prompts, a.max_tokens, a.rounds, a.c64, a.c64_rounds = (
+            min(a.prompts, 2),
+            min(a.max_tokens, 6),
+            1,
+            min(a.c64, 4),
+            1,
+        )
+        a.rank_of, a.projection_tokens = min(a.rank_of, 2), min(a.projection_tokens, 4)
+    opts = Options(
+        device=device, models=tuple(ROOT / m if not Path(m).is_absolute() else Path(m) for m in a.models.split(",") if m),
+        tasks=tuple(a.tasks.split(",")), num_prompts=a.prompts, max_tokens=a.max_tokens,
+        k=parse_speculative(a.speculative), num_rounds=a.rounds, c64=a.c64, c64_rounds=a.c64_rounds,
+        rank_of=a.rank_of, depths=tuple(int(x) for x in a.depths.split(",")),  # type: ignore[arg-type]
+        projection_tokens=a.projection_tokens, acceptance_record=a.acceptance, deadline=start + a.budget_s,
+        tiny=a.tiny,
+    )  # fmt: skip
+    if opts.k == 0:
+        raise SystemExit("kumo bench engine mtp: --speculative must be mtp:K")
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "command": "kumo bench engine mtp " + " ".join(argv),
+        "device": torch.cuda.get_device_name(device)
+        if device.startswith("cuda")
+        else f"{platform.machine()} CPU",
+        "torch": torch.__version__,
+        "speculative": a.speculative,
+        "method": "A = speculation on (adaptive draft policy, as served), B = off; warm-up of each side on the same "
+        "work, then A/B/B/A rounds, ratio (a1 + a2) / (b1 + b2) per round, median and spread (benchmarks/engine/method.py)",
+        "weights": "nano checkpoints as committed (bf16 on CUDA, fp32 on the CPU), KV cache in the model dtype",
+    }
+    out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-mtp-gpu{'-tiny' if a.tiny else ''}.json"
+
+    def save(record: dict[str, Any]) -> None:
+        record["summary"] = summarize(record)
+        record["wall_s"] = round(time.monotonic() - start, 1)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+
+    measure(opts, record, save)
+    print(json.dumps(record["summary"], indent=2))
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,281 @@
+"""The adaptive draft length (backend/engine/draft_policy.py): its cost model against a hand count, the
+choices it makes at low and high load, and exactness in the engine whatever k it picks per step."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backend.engine.draft_policy import (
+    EWMA_WEIGHT,
+    PRIOR_ACCEPTANCE,
+    PROBE_EVERY,
+    DraftPolicy,
+    StepLoad,
+)
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.models.loader import load_model
+from tests.backend.engine.test_speculative import OracleDrafts, engine_for, prompts
+from tests.backend.engine_helpers import Result, collect, request, run_all
+from tests.backend.speculative_toy import MarkovModel
+from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
+
+
+def policy(k: int = 3, acceptance: float | None = None, **kw: Any) -> DraftPolicy:
+    p = DraftPolicy(
+        k, saturation_rows=kw.pop("saturation_rows", 64), draft_cost=kw.pop("draft_cost", 0.25), **kw
+    )
+    if acceptance is not None:
+        p.acceptance = [acceptance] * k
+    return p
+
+
+def test_cost_model_by_hand() -> None:
+    p = policy(3, saturation_rows=8, draft_cost=0.5)
+    p.acceptance = [0.8, 0.5, 0.25]
+    assert p.expected_tokens(0) == 1.0
+    assert p.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    load = StepLoad(num_rows=4, num_drafting=4)
+    # k = 2: verify 4 + 8 = 12 rows (1.5 units); depth 1 over 4 · 2.2 = 8.8 rows (1.1), depth 2 over 4 (1)
+    assert p.step_cost(load, 2) == pytest.approx(1.5 + 0.5 * (1.1 + 1.0))
+    assert p.rate(load, 2) == pytest.approx(4 * 2.2 / (1.5 + 0.5 * 2.1))
+    assert p.step_cost(load, 0) == 1.0 and p.rate(load, 0) == 4.0
+
+
+def test_one_user_with_good_acceptance_drafts_the_most() -> None:
+    p = policy(3, acceptance=0.8)
+    assert p.choose(StepLoad(num_rows=1, num_drafting=1)) == 3
+    assert p.last_k == 3
+
+
+@pytest.mark.parametrize("batch", [64, 128])
+def test_high_concurrency_turns_drafting_off(batch: int) -> None:
+    """Past the rows where a forward saturates, drafting loses even with every draft accepted."""
+    p = policy(3, acceptance=1.0)
+    assert p.choose(StepLoad(num_rows=batch, num_drafting=batch)) == 0
+    assert [p.choose(StepLoad(num_rows=b, num_drafting=b)) for b in (1, 8, 16)] == [3, 3, 3]
+    assert p.choose(StepLoad(num_rows=32, num_drafting=32)) in (1, 2)  # in between: shorter drafts
+
+
+def test_the_draft_length_falls_with_load() -> None:
+    p = policy(3, acceptance=0.85)
+    ks = [p.choose(StepLoad(num_rows=b, num_drafting=b)) for b in range(1, 129)]
+    assert ks[0] == 3 and ks[-1] == 0
+    assert all(a >= b for a, b in itertools.pairwise(ks)), ks
+
+
+def test_acceptance_is_measured_per_depth() -> None:
+    p = policy(3)
+    assert p.acceptance == [PRIOR_ACCEPTANCE] * 3
+    for _ in range(400):
+        p.observe(3, 0)  # depth 1 rejected: depths 2 and 3 never judged
+    assert p.acceptance[0] < 0.01 and p.acceptance[1:] == [PRIOR_ACCEPTANCE] * 2
+    for _ in range(400):
+        p.observe(2, 2)  # both judged, both accepted
+    assert p.acceptance[0] > 0.99 and p.acceptance[1] > 0.99 and p.acceptance[2] == PRIOR_ACCEPTANCE
+    assert p.acceptance_length == pytest.approx(1 + p.acceptance[0] * (1 + p.acceptance[1] * (1 + 0.8)))
+
+
+def test_poor_acceptance_turns_drafting_off_but_probes() -> None:
+    p = policy(3, acceptance=0.02, draft_cost=0.5)
+    load = StepLoad(num_rows=1, num_drafting=1)
+    ks = [p.choose(load) for _ in range(3 * PROBE_EVERY)]
+    assert ks.count(1) == 3 and set(ks) == {0, 1}
+    assert [i for i, k in enumerate(ks) if k] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1, 3 * PROBE_EVERY - 1]
+    # load, not acceptance, keeps it off: no probes
+    busy = policy(3, acceptance=0.02, draft_cost=0.5)
+    assert not any(busy.choose(StepLoad(num_rows=256, num_drafting=256)) for _ in range(3 * PROBE_EVERY))
+
+
+def test_draft_cost_is_measured_from_step_times() -> None:
+    """Verify forwards of 10 ms per cost unit, draft forwards of 4 ms each (one row: 1 unit): m
+    converges to 0.4, and with it drafting turns off for one user whose drafts are rarely right."""
+    p = policy(3, acceptance=0.8, draft_cost=0.05, is_calibrated=True)
+    for _ in range(200):
+        p.observe_timing(0.010, 4, 3 * 0.004, [1, 1, 1])
+    assert p.draft_cost == pytest.approx(0.4, rel=1e-3)
+    p.observe_timing(0.040, 128, 0.008, [128])  # 128 rows: 2 units each; 20 ms a unit, drafts 4 ms
+    assert p.draft_cost == pytest.approx(0.4 + 0.1 * (0.2 - 0.4), rel=1e-3)
+    p.acceptance = [0.3] * 3  # E(1) = 1.3 < the 1 + m a draft costs
+    assert p.choose(StepLoad(num_rows=1, num_drafting=1)) == 0
+    fixed = policy(3, draft_cost=0.05)  # a configured m is not measured
+    fixed.observe_timing(0.010, 4, 0.012, [1, 1, 1])
+    assert fixed.draft_cost == 0.05
+
+
+def test_engine_measures_its_draft_cost() -> None:
+    """Drafts made to cost 5 ms more each than the toy's verify: m climbs from its start, and the
+    draft length falls from K."""
+    engine = toy(3, speculative_draft_cost=None)
+    model: Any = engine.runner.model
+    forward_mtp = model.forward_mtp
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.005)
+        return forward_mtp(*args)
+
+    model.forward_mtp = slow
+    spec = engine.spec
+    assert spec is not None and spec.policy.is_calibrated and spec.policy.draft_cost == 1.0  # no layers: 1
+    spec.policy.draft_cost = 0.01
+    got = run_all(engine, [request("a", [1], max_tokens=40)])
+    assert spec.policy.draft_cost > 0.3  # each draft forward far slower than the verify
+    assert spec.policy.choose(StepLoad(num_rows=1, num_drafting=1)) < 3
+    plain = run_all(toy(0), [request("a", [1], max_tokens=40)])
+    assert got["a"].token_ids == plain["a"].token_ids
+
+
+def test_fixed_policy_always_drafts_k() -> None:
+    p = policy(2, acceptance=0.0, is_adaptive=False)
+    assert p.choose(StepLoad(num_rows=512, num_drafting=512)) == 2
+    assert p.choose(StepLoad(num_rows=0, num_drafting=0)) == 0  # nobody can draft
+
+
+# ---- in the engine ------------------------------------------------------------------------------
+
+
+def toy(k: int, **config: Any) -> Engine:
+    V = 16
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
+    values = dict(num_pages=512, page_size=4, max_num_batched_tokens=512, max_num_seqs=64)
+    values |= dict(num_speculative_tokens=k, speculative_max_seqs=64, speculative_draft_cost=0.25) | config
+    return Engine(MarkovModel(target, target), EngineConfig.build(**values), vocab_size=V, context_window=512)
+
+
+def test_engine_drafts_k_for_one_user_and_none_for_many() -> None:
+    one = toy(3)
+    got = run_all(one, [request("a", [1], max_tokens=1 + 4 * 10)])  # the prefill's token, 10 verifies
+    assert [len(o.token_ids) for o in got["a"].outputs if o.token_ids] == [1] + [4] * 10  # K + the bonus
+    assert one.stats.spec_draft_length == 3 and one.stats.spec_verifies == 10
+    a = 1 - (1 - PRIOR_ACCEPTANCE) * (1 - EWMA_WEIGHT) ** 10  # every depth accepted 10 times
+    assert one.stats.spec_acceptance_length == pytest.approx(1 + a + a**2 + a**3)
+
+    many = toy(3)
+    reqs = [request(f"r{i}", [i % 16], max_tokens=8) for i in range(64)]
+    got = run_all(many, reqs)
+    plain = run_all(toy(0), reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert many.stats.spec_verifies == 0 and many.stats.spec_draft_length == 0
+    assert many.runner.spec_forwards is not None
+
+
+def test_speculative_and_plain_requests_share_one_forward() -> None:
+    """A request with a grammar (never drafts) beside drafting ones: one verify forward holds them all."""
+    from tests.backend.engine.test_engine import EvenTokensOnly
+
+    engine = toy(2)
+    model: Any = engine.runner.model
+    seen: list[tuple[int, int]] = []
+    forward_spec = model.forward_spec
+
+    def recording(batch: Any) -> Any:
+        seen.append((batch.num_seqs, batch.num_tokens))
+        return forward_spec(batch)
+
+    model.forward_spec = recording
+    engine.add_request(request("c", [1], max_tokens=6, temperature=1.0, seed=3), constraint=EvenTokensOnly())
+    engine.add_request(request("d1", [2], max_tokens=9))
+    engine.add_request(request("d2", [3], max_tokens=9))
+    results: dict[str, Result] = {}
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    # three sequences, the drafting two with 2 drafts each: 1 + 3 + 3 rows in one forward
+    assert (3, 7) in seen
+    assert all(len(o.token_ids) <= 1 for o in results["c"].outputs)
+
+
+class ScriptedK:
+    """The draft policy's choice replaced by a seeded random k in 0 … K per step (or `cycle`'s)."""
+
+    def __init__(self, engine: Engine, seed: int = 0, cycle: list[int] | None = None) -> None:
+        spec = engine.spec
+        assert spec is not None
+        self.rng = torch.Generator().manual_seed(seed)
+        self.chosen: list[int] = []
+        K = spec.K
+        ks = itertools.cycle(cycle or [0])
+
+        def choose(load: StepLoad) -> int:
+            k = int(torch.randint(0, K + 1, (1,), generator=self.rng)) if cycle is None else next(ks)
+            k = k if load.num_drafting else 0
+            self.chosen.append(k)
+            return k
+
+        spec.policy.choose = choose  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("policy")
+    return {
+        arch: load_model(add_mtp_layers(make_tiny(arch, root / arch)), dtype=torch.float32, num_mtp_layers=1)
+        for arch in ("deepseek_v3", "glm_moe_dsa")
+    }
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_greedy_identical_when_k_changes_every_step(tiny: dict[str, Any], arch: str) -> None:
+    """k drawn anew each step (0 … 3; a step verifies a prefix of last step's drafts, or none):
+    the outputs stay those of plain decoding, and no page leaks."""
+    model = tiny[arch]
+    reqs = [
+        request(f"r{i}", p, max_tokens=6 + i % 17, logprobs=True)
+        for i, p in enumerate(prompts(12, model.config.vocab_size, seed=21))
+    ]
+    plain = run_all(engine_for(model, 0), reqs)
+    engine = engine_for(model, 3)
+    OracleDrafts(engine, plain, p_wrong=0.2)
+    scripted = ScriptedK(engine, seed=5)
+    spec = run_all(engine, reqs)
+    for r in reqs:
+        assert spec[r.request_id].token_ids == plain[r.request_id].token_ids, r.request_id
+        for a, b in zip(spec[r.request_id].logprobs, plain[r.request_id].logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert set(scripted.chosen) == {0, 1, 2, 3}
+    s = engine.stats
+    assert s.spec_accepted_tokens > 0 and s.spec_verifies > 0
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+def test_adaptive_engine_is_exact_on_a_real_model(tmp_path: Path) -> None:
+    """The policy's own choices (random MTP layer: acceptance falls, drafting goes off, probes)."""
+    model = load_model(
+        add_mtp_layers(make_tiny("deepseek_v3", tmp_path / "m")), dtype=torch.float32, num_mtp_layers=1
+    )
+    reqs = [
+        request(f"r{i}", p, max_tokens=40) for i, p in enumerate(prompts(2, model.config.vocab_size, seed=3))
+    ]
+    plain = run_all(engine_for(model, 0), reqs)
+    engine = engine_for(model, 3)
+    got = run_all(engine, reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert engine.stats.spec_drafted_tokens > 0
+
+
+def test_fresh_pages_carry_no_stale_draft_kv(tiny: dict[str, Any]) -> None:
+    """Steps without drafts write no MTP KV: a page's MTP slot is zeroed when the page is allocated,
+    so a later draft never reads what an earlier owner left there (the target's slots untouched)."""
+    model = tiny["deepseek_v3"]
+    engine = engine_for(model, 2)
+    ScriptedK(engine, cycle=[0])  # never drafts
+    kv = engine.runner.kv_cache
+    mtp, target = kv.layers[-1], kv.layers[0]
+    for cache in mtp.values():
+        cache.fill_(7.0)  # an earlier owner's MTP KV
+    engine.add_request(request("r", prompts(1, model.config.vocab_size, seed=2)[0] * 3, max_tokens=9))
+    while engine.has_unfinished:
+        engine.step()
+    bm = engine.block_manager
+    pages = [p for p in range(bm.num_pages) if bm.tags[p] > 0]  # every page ever allocated (tags from 1)
+    assert len(pages) >= 3
+    for cache in mtp.values():
+        assert (cache[pages] == 0).all()
+        others = [p for p in range(kv.num_pages) if p not in pages]
+        assert (cache[others] == 7.0).all()
+    assert all(cache[pages].abs().sum() > 0 for cache in target.values())

@@ -1,0 +1,66 @@
+"""`kumo bench engine mtp` end to end at --tiny scale on the CPU (a subprocess: the projection joins a
+local process group): A/B/B/A rounds whose ratios are the runs' own figures, identical greedy outputs
+on both sides, and a projection whose numbers follow from its measured step times."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("mtp") / "rec.json"
+    argv = ["--tiny", "--models", "models/kimi-k2.6-nano", "--tasks", "tool-call", "--c64", "4"]
+    argv += ["--depths", "2,3", "--budget-s", "400", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "benchmarks.cli", "engine", "mtp", *argv]
+    subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_rounds_and_ratios(record: dict[str, Any]) -> None:
+    m = record["models"]["kimi-k2.6-nano"]
+    for part, metric in (
+        (m["speedup_c1"]["tool-call"], "decode_tok_s_per_user"),
+        (m["throughput_c64"], "output_tok_s"),
+    ):
+        assert part["metric"] == metric and part["greedy_outputs_identical"] is True
+        assert part["order"] == ["A", "B", "B", "A"] and part["rounds_skipped"] == 0
+        (r,) = part["rounds"]
+        a = [run[metric] for run in r["runs"] if run["side"] == "A"]
+        b = [run[metric] for run in r["runs"] if run["side"] == "B"]
+        assert r["ratio"] == pytest.approx(sum(a) / sum(b))
+        assert part["summary"]["value"] == r["ratio"]
+        for run in r["runs"]:  # speculation on drafted and verified; off never did
+            assert (run["verify_steps"] > 0) == (run["side"] == "A")
+            assert run["output_tokens"] > 0
+            assert sum(run["steps_by_draft_length"].values()) == run["steps"]
+        fixed = part["fixed_k_run"]  # the policy off: K drafts whenever a sequence can draft
+        assert fixed["verify_steps"] > 0 and set(fixed["steps_by_draft_length"]) <= {"0", "3"}
+        b = [run[metric] for run in r["runs"] if run["side"] == "B"]
+        assert fixed["over_B_of_last_round"] == pytest.approx(fixed[metric] / (sum(b) / 2))
+    assert record["summary"]["speedup_c1 kimi-k2.6-nano tool-call"] == m["speedup_c1"]["tool-call"]["summary"]
+
+
+def test_projection_follows_from_its_step_times(record: dict[str, Any]) -> None:
+    p = record["projection_glm_5.2"]
+    assert p["label"].startswith("projection") and p["rank_of"] == 2 and p["full_depth"] == 78
+    d1, d2 = p["depths_measured"]
+    t1, t2 = p["step_ms_measured"][str(d1)], p["step_ms_measured"][str(d2)]
+    assert set(t2) == {"plain", "spec_k1", "spec_k2", "spec_k3"}
+    for key, full in p["step_ms_full_depth"].items():
+        assert full == pytest.approx(t2[key] + (t2[key] - t1[key]) / (d2 - d1) * (78 - d2))
+    e = p["acceptance_length_used"]
+    assert e["GLM 5.2 published (3 drafts)"] == 2.69 and e["glm-5.2-nano tool-call"] == 2.4642
+    full = p["step_ms_full_depth"]
+    for name, value in p["projected_speedup_c1"].items():
+        assert value == pytest.approx(e[name] * full["plain"] / full["spec_k3"])
