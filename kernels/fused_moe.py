@@ -209,6 +209,7 @@ def _fused_moe_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
+    LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
 ):
     """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32), topk_w
     [P]; grid (P or blocks, cdiv(N, BN), splits of K). Per pair (topk_ids outside [0, E): not on this
@@ -248,7 +249,7 @@ def _fused_moe_gemv_kernel(
     accs = ()
     for _ in tl.static_range(NUM_ACC):
         accs = accs + (tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32),)
-    for t in range(t0, t1):
+    for t in tl.range(t0, t1, num_stages=LOOP_STAGES):
         r = t * BK8 + tl.arange(0, BK8)
         if GROUPED:
             wp, sc = load_int4_tile(
@@ -346,7 +347,7 @@ def fused_moe(
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
             GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LOOP_STAGES=cfg.loop_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(

@@ -72,6 +72,7 @@ def _w4a16_gemv_kernel(
     LIFTED: tl.constexpr,  # x is `lift_rows(x)` (fp32 [M, lifted width]), else the raw rows
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
     EVEN_N: tl.constexpr,  # N a multiple of BLOCK_N
+    LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
 ):
     """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G] (G >= 32), out [M, N];
     grid (N/BN, M, splits of K). The dot products are `kernels/triton_lib.py`'s."""
@@ -86,7 +87,7 @@ def _w4a16_gemv_kernel(
     t0 = pid_k * per_split
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
-    for t in range(t0, tl.minimum(t0 + per_split, k_tiles)):
+    for t in tl.range(t0, tl.minimum(t0 + per_split, k_tiles), num_stages=LOOP_STAGES):
         r = t * BK8 + tl.arange(0, BK8)
         ys, xs = x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
         acc += int4_tile_dot(
@@ -202,6 +203,8 @@ class W4A16Config:
     group_m: int = 8
     dense: bool = False
     lift: bool = False  # GEMV: activations lifted by a separate launch (`lift_rows`), not in the kernel
+    # GEMV: >1 pipelines its K loop (`tl.range` stages: word tiles in flight through cp.async)
+    loop_stages: int = 1
 
 
 # Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
@@ -306,6 +309,7 @@ def w4a16_gemm(
             LIFTED=cfg.lift,
             EVEN_K=K % cfg.block_k == 0,
             EVEN_N=N % cfg.block_n == 0,
+            LOOP_STAGES=cfg.loop_stages,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

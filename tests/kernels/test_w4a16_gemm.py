@@ -78,6 +78,8 @@ CASES = [
     (1, 200, 384, 128, W4A16Config(0, 64, 256, split_k=2)),  # GEMV + split-K, group > BLOCK_K/8 rows
     (2, 56, 160, 32, W4A16Config(0, 32, 64, split_k=3)),  # GEMV, two rows, uneven split
     (1, 56, 320, 32, W4A16Config(0, 32, 64, split_k=2, lift=True)),  # GEMV on lifted rows (a launch before)
+    (1, 72, 448, 32, W4A16Config(0, 32, 64, split_k=1, loop_stages=3)),  # pipelined K loop, 7 tiles, N edge
+    (2, 56, 320, 64, W4A16Config(0, 32, 64, split_k=2, loop_stages=4, lift=True)),  # pipelined, uneven split
     (3, 72, 96, 32, None),  # tensor-core path, M below the tile
     (17, 40, 256, 64, W4A16Config(16, 32, 32, split_k=4)),  # BLOCK_K < group, split-K
     (33, 48, 192, 32, W4A16Config(32, 16, 128, split_k=1)),  # BLOCK_K > group
@@ -164,6 +166,7 @@ def test_int4_kernels_compile_for_sm90() -> None:
 @pytest.mark.parametrize(
     ("M", "config"),
     [(1, None), (1, W4A16Config(0, 64, 256, split_k=3, lift=True)), (2, W4A16Config(0, 64, 256, split_k=7)),
+     (1, W4A16Config(0, 128, 256, split_k=4, loop_stages=3)), (1, W4A16Config(0, 64, 512, split_k=2, loop_stages=4)),
      (5, None), (16, None), (64, None), (300, None), (2048, None)],
 )  # fmt: skip
 @pytest.mark.parametrize(("N", "K", "group"), [(4096, 7168, 32), (2048, 4096, 128)])
