@@ -8,7 +8,8 @@ consecutive words along K and unpacks them into eight consecutive k per word.
 Two kernels:
 - `_w4a16_gemv_kernel` (M of 1-2, decode, G >= 32): no tensor cores, `kernels/triton_lib.py`'s dot
   products (one LOP3 and one FFMA per weight; the -8 zero point once per word, the group scale
-  once per 32 k), K split across enough programs to keep HBM busy at one token.
+  once per 32 k), K split across enough programs to keep HBM busy at one token; `loop_stages` > 1
+  pipelines its K loop (cp.async word tiles in flight, as in `kernels/fused_moe.py`).
 - `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`.
 - prefill (M > 64): `dequantize_int4` once, then cuBLAS (twice as fast as the fused tiles on H200).
 The GEMV and the tiles split K across programs when there are too few output tiles to fill the GPU; partial sums go to

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.kernels.bench_fused_moe import G, Shape, make_experts, routing
+from benchmarks.kernels.bench_fused_moe import G, Shape
 from benchmarks.kernels.common import graph_ms, measure_ceilings, num_copies, rel_err
 from kernels.formats.int4 import repack_int4
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, pick_moe_config
@@ -39,7 +39,9 @@ from kernels.w4a16_gemm import (
     with_split_k,
 )
 
+DEV = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny shapes) sets "cpu"
 REPEATS = 3
+ACT = torch.bfloat16  # activations (the smoke run: float32, which the interpreter computes exactly)
 ROUTINGS = 4  # routings per graph replay: up to 32 experts at M=1 (Kimi 0.8 GB, >> L2)
 SHAPES = [
     Shape("kimi-k2", 384, 7168, 2048, 8, (1, 8, 16, 64)),
@@ -65,6 +67,23 @@ W4A16_CANDIDATES = {  # label -> (config, programs per SM its split aims for)
     "gemv 64x256 s3 8/SM": (W4A16Config(0, 64, 256, loop_stages=3), 8),
     "gemv 256x256 w8 s3 4/SM": (W4A16Config(0, 256, 256, num_warps=8, loop_stages=3), 4),
 }
+
+
+def make_experts(shape: Shape) -> tuple[torch.Tensor, ...]:
+    """Random words (every nibble value) and bf16 scales sized so activations stay O(1)."""
+    E, H, I = shape.num_experts, shape.hidden, shape.inter
+    w13 = torch.randint(-(2**31), 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, device=DEV)
+    s13 = (torch.rand(E, 2 * I, H // G, device=DEV) * 0.004 + 0.001).bfloat16()
+    w2 = torch.randint(-(2**31), 2**31 - 1, (E, H, I // 8), dtype=torch.int32, device=DEV)
+    s2 = (torch.rand(E, H, I // G, device=DEV) * 0.004 + 0.001).bfloat16()
+    return w13, s13, w2, s2
+
+
+def routing(shape: Shape, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [M, H] bf16, ids [M, k] distinct experts per token, weights [M, k] fp32)."""
+    x = torch.randn(M, shape.hidden, device=DEV).to(ACT)
+    ids = torch.rand(M, shape.num_experts, device=DEV).topk(shape.top_k, dim=-1).indices
+    return x, ids, torch.rand(M, shape.top_k, device=DEV) + 0.1
 
 
 def rounds(calls: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
@@ -117,10 +136,10 @@ def w4a16_case(N: int, K: int, group: int, copy: float, sms: int) -> list[dict[s
     nbytes = N * K // 2 + N * (K // group) * 2 + 2 * K + 2 * N
     copies = []
     for _ in range(num_copies(nbytes)):
-        packed = torch.randint(-(2**31), 2**31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
-        scale = (torch.rand(N, K // group, device="cuda") * 0.02 + 0.002).to(torch.bfloat16)
+        packed = torch.randint(-(2**31), 2**31 - 1, (N, K // 8), dtype=torch.int32, device=DEV)
+        scale = (torch.rand(N, K // group, device=DEV) * 0.02 + 0.002).to(torch.bfloat16)
         copies.append(repack_int4(packed, scale)[:2])
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, K, device=DEV).to(ACT)
     ref = w4a16_gemm_ref(x.float(), copies[0][0], copies[0][1].float())
     cands = {"old (launcher)": pick_config(1, N, K, sms, group)}
     for name, (cfg, per_sm) in W4A16_CANDIDATES.items():
@@ -133,9 +152,9 @@ def w4a16_case(N: int, K: int, group: int, copy: float, sms: int) -> list[dict[s
             return graph_ms([lambda w=w, s=s: w4a16_gemm(x, w, s, group, config=cfg) for w, s in copies])
 
         calls[name] = run
-    fp8 = [torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn).t() for _ in range(num_copies(N * K))]
-    x8 = torch.randn(16, K, device="cuda").to(torch.float8_e4m3fn)
-    one = torch.ones((), device="cuda")
+    fp8 = [torch.randn(N, K, device=DEV).to(torch.float8_e4m3fn).t() for _ in range(num_copies(N * K))]
+    x8 = torch.randn(16, K, device=DEV).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV)
     calls["peer: scaled_mm fp8 (M padded to 16)"] = lambda: graph_ms(
         [lambda b=b: torch._scaled_mm(x8, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for b in fp8]
     )
@@ -190,23 +209,27 @@ def main() -> None:
     copy = ceil0["copy_GBps"]
     print(f"copy {copy:.0f} GB/s (GEMV_PROGRAMS_PER_SM was {GEMV_PROGRAMS_PER_SM})", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    record: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": [copy], "ceilings": ceil0}
     rows: list[dict[str, Any]] = []
+
+    def save(done: str) -> None:  # after every case: a timeout keeps what ran
+        print(f"{done} done at {time.time() - start:.0f}s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({**record, "rows": rows}, f, indent=1)
+
     for N, K, group in W4A16_SHAPES:
         rows += w4a16_case(N, K, group, copy, sms)
-        print(f"w4a16 {N}x{K} g{group} done at {time.time() - start:.0f}s", flush=True)
+        save(f"w4a16 {N}x{K} g{group}")
         torch.cuda.empty_cache()
     for shape in SHAPES:
         experts = make_experts(shape)
         for M in (1,) if args.quick else shape.ms:
             rows += moe_case(shape, M, experts, copy)
-            print(f"moe {shape.name} M={M} done at {time.time() - start:.0f}s", flush=True)
+            save(f"moe {shape.name} M={M}")
         del experts
         torch.cuda.empty_cache()
-    copy_end = measure_ceilings()["copy_GBps"]
-    print(f"copy at the end {copy_end:.0f} GB/s (start {copy:.0f})")
-    with open(args.out, "w") as f:
-        json.dump({"copy_GBps": [copy, copy_end], "ceilings": ceil0, "rows": rows,
-                   "device": torch.cuda.get_device_name()}, f, indent=1)  # fmt: skip
+    record["copy_GBps"].append(measure_ceilings()["copy_GBps"])
+    save(f"copy at the end {record['copy_GBps'][1]:.0f} GB/s (start {copy:.0f})")
     table(rows)
 
 

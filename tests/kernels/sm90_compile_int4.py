@@ -133,16 +133,19 @@ def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
     cases, seen = [], set()
     for cfg in W4A16_GEMVS:
         cases.append(
-            (f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(cfg, 32))
+            (
+                f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} s{cfg.loop_stages}",
+                gemm_case(cfg, 32),
+            )
         )
     for cfg in QUICK_GEMVS + QUICK_GROUPED:
-        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift, cfg.grouped)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift, cfg.grouped, cfg.loop_stages)
         if key in seen:
             continue  # the same kernels at another split
         seen.add(key)
         for gate_up in (True, False):
             kind = f"grouped{cfg.block_m}" if cfg.grouped else "gemv"
-            name = f"int4 moe {kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} {'gate_up' if gate_up else 'down'}"
+            name = f"int4 moe {kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} s{cfg.loop_stages} {'gate_up' if gate_up else 'down'}"
             cases.append((name, moe_case(cfg, gate_up)))
     return cases
 

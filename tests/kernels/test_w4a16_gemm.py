@@ -154,12 +154,13 @@ def test_leading_dims_and_shape_errors() -> None:
 def test_int4_kernels_compile_for_sm90() -> None:
     """The W4A16 and INT4 MoE kernels (and the MoE alignment) compile for the H200 at the launchers' defaults (Triton +
     ptxas + cuobjdump, no GPU; a process without TRITON_INTERPRET): no spills, and the GEMVs' K loop
-    has no barrier and stays near two instructions per weight (`kernels/triton_lib.py`)."""
+    stays near two instructions per weight (`kernels/triton_lib.py`) and either loads its words into
+    registers with no barrier (the plain loop) or only through cp.async (`loop_stages` > 1)."""
     lines = compiled_lines("tests.kernels.sm90_compile_int4")
     assert len(lines) == 14 and all(" 0 bytes spill stores" in line for line in lines), lines
     for line in (line for line in lines if "| loop" in line):
         per_nibble = float(line.split("| loop ")[1].split()[0])
-        assert per_nibble < 4.0 and "BAR 0 LDS 0" in line, line
+        assert per_nibble < 4.0 and ("BAR 0 LDS 0" in line or "LDG.E.128 0 " in line), line
 
 
 @pytest.mark.gpu
