@@ -29,7 +29,8 @@ token's k slots meet in `moe_gemv_finish`, where the last program to arrive adds
 fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
 its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
 on, `_fused_moe_gemv_kernel` with GROUPED (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
-expert and unpacks each word once for all of them. With `MoEConfig.loop_stages` > 1 the K loop is a
+expert and unpacks each word once for all of them; blocks of one pair (`block_m=1`) only put the pairs
+in expert order, so those of one expert run side by side and the repeats read from L2. With `MoEConfig.loop_stages` > 1 the K loop is a
 pipelined `tl.range`: Triton streams the word tiles through shared memory with cp.async, several in
 flight per program, where the plain loop loads a tile and waits on it before unpacking (at M=1 the
 plain loop's loads and its ~2.9 instructions per weight alternate instead of overlapping).

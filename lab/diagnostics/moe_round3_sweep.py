@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -54,6 +55,14 @@ MOE_CANDIDATES = {  # label -> config; "old" is the launcher's pick before this 
     "gemv 64x256 s3 12/SM": MoEConfig(0, 64, 256, loop_stages=3),
     "gemv 128x256 w8 s3 4/SM": MoEConfig(0, 128, 256, num_warps=8, loop_stages=3, programs_per_sm=4),
     "gemv 64x256 s3 4/SM lift": MoEConfig(0, 64, 256, loop_stages=3, programs_per_sm=4, lift=True),
+}
+MOE_SORTED = {  # from M = 8: one pair a program in moe_align's expert order (blocks of one pair), so
+    # the pairs of one expert run side by side and all but the first read its words from L2 (by pair
+    # id, they are far apart: at M=64 the GEMV reads 512 experts' bytes for 285 touched)
+    "sorted1 64x256": MoEConfig(1, 64, 256, lift=True, grouped=True),
+    "sorted1 64x256 s3 4/SM": MoEConfig(
+        1, 64, 256, lift=True, grouped=True, loop_stages=3, programs_per_sm=4
+    ),
 }
 MOE_GROUPED = {  # from M = 16 (two pairs of one expert begin to meet)
     "grouped2 32x256": MoEConfig(2, 32, 256, lift=True, grouped=True),
@@ -113,13 +122,15 @@ def moe_case(shape: Shape, M: int, experts: tuple[torch.Tensor, ...], copy: floa
     x0, ids0, wts0 = sets[0]
     ref = fused_moe_ref(x0.float(), ids0, wts0, *experts, G)
     old = pick_moe_config(M * shape.top_k, shape.num_experts)
-    cands = {"old (launcher)": old, **MOE_CANDIDATES, **(MOE_GROUPED if M >= 16 else {})}
+    cands = {
+        "old (launcher)": old, **MOE_CANDIDATES, **(MOE_SORTED if M >= 8 else {}), **(MOE_GROUPED if M >= 16 else {})
+    }  # fmt: skip
     errs, calls = {}, {}
     for name, cfg in cands.items():
         try:
             errs[name] = rel_err(fused_moe(x0, ids0, wts0, *experts, G, config=cfg).float(), ref)
         except Exception as exc:  # a candidate that fails to compile is a result, not the end of the run
-            print(f"  {name}: {repr(exc)[:200]}", flush=True)
+            print(f"  {name}: {repr(exc)[:200]}\n{traceback.format_exc()[-1500:]}", flush=True)
             continue
 
         def run(cfg: MoEConfig = cfg) -> float:

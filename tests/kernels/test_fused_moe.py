@@ -180,6 +180,9 @@ CASES = [  # M, config (None: the launcher's choice, the GEMV when P <= E), dtyp
     (3, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2, loop_stages=4, lift=True), F16),
     (3, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=4, loop_stages=2), F16),
     (17, MoEConfig(block_m=4, block_n=32, block_k=32, lift=True, grouped=True, loop_stages=3), F32),
+    # one pair a program in expert order (blocks of one pair): plain and pipelined
+    (17, MoEConfig(block_m=1, block_n=64, block_k=64, lift=True, grouped=True), F16),
+    (9, MoEConfig(block_m=1, block_n=32, block_k=32, split_k=2, lift=True, grouped=True, loop_stages=3), F32),
 ]
 
 
@@ -331,6 +334,7 @@ def test_real_shapes_bf16(shape: tuple[int, int, int], M: int) -> None:
         MoEConfig(0, 128, 256, programs_per_sm=2, loop_stages=4, lift=True),
         MoEConfig(2, 32, 256, lift=True, grouped=True),
         MoEConfig(2, 32, 256, lift=True, grouped=True, loop_stages=3),
+        MoEConfig(1, 64, 256, lift=True, grouped=True, loop_stages=3, programs_per_sm=4),
         MoEConfig(16, 64, 128),
     ):
         out = fused_moe(x, ids, wts, *weights, G, config=cfg)
