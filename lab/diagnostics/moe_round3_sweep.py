@@ -42,6 +42,7 @@ from kernels.w4a16_gemm import (
 
 DEV = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny shapes) sets "cpu"
 REPEATS = 3
+REP_MS = 60  # do_bench's timing window per measurement (x REPEATS, alternating)
 ACT = torch.bfloat16  # activations (the smoke run: float32, which the interpreter computes exactly)
 ROUTINGS = 4  # routings per graph replay: up to 32 experts at M=1 (Kimi 0.8 GB, >> L2)
 SHAPES = [
@@ -134,7 +135,9 @@ def moe_case(shape: Shape, M: int, experts: tuple[torch.Tensor, ...], copy: floa
             continue
 
         def run(cfg: MoEConfig = cfg) -> float:
-            return graph_ms([lambda s=s: fused_moe(s[0], s[1], s[2], *experts, G, config=cfg) for s in sets])
+            return graph_ms(
+                [lambda s=s: fused_moe(s[0], s[1], s[2], *experts, G, config=cfg) for s in sets], REP_MS
+            )
 
         calls[name] = run
     touched = sum(len(torch.unique(s[1])) for s in sets) / len(sets)
@@ -160,14 +163,20 @@ def w4a16_case(N: int, K: int, group: int, copy: float, sms: int) -> list[dict[s
         errs[name] = rel_err(w4a16_gemm(x, *copies[0], group, config=cfg).float(), ref)
 
         def run(cfg: W4A16Config = cfg) -> float:
-            return graph_ms([lambda w=w, s=s: w4a16_gemm(x, w, s, group, config=cfg) for w, s in copies])
+            return graph_ms(
+                [lambda w=w, s=s: w4a16_gemm(x, w, s, group, config=cfg) for w, s in copies], REP_MS
+            )
 
         calls[name] = run
     fp8 = [torch.randn(N, K, device=DEV).to(torch.float8_e4m3fn).t() for _ in range(num_copies(N * K))]
     x8 = torch.randn(16, K, device=DEV).to(torch.float8_e4m3fn)
     one = torch.ones((), device=DEV)
     calls["peer: scaled_mm fp8 (M padded to 16)"] = lambda: graph_ms(
-        [lambda b=b: torch._scaled_mm(x8, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for b in fp8]
+        [
+            lambda b=b: torch._scaled_mm(x8, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            for b in fp8
+        ],
+        REP_MS,
     )
     errs["peer: scaled_mm fp8 (M padded to 16)"] = float("nan")
     case = f"w4a16 M=1 N={N} K={K} g={group}"
@@ -179,13 +188,16 @@ def w4a16_case(N: int, K: int, group: int, copy: float, sms: int) -> list[dict[s
     return out
 
 
+HEADER = f"{'case':<34} {'candidate':<36} {'us':>8} {'spread':>6} {'GB/s':>6} {'copy':>5} {'err':>8}"
+
+
 def table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'case':<34} {'candidate':<36} {'us':>8} {'spread':>6} {'GB/s':>6} {'copy':>5} {'err':>8}")
+    """Each case's candidates and its winner (printed as each case ends), then the MoE summary."""
     for case in dict.fromkeys(r["case"] for r in rows):
         same = [r for r in rows if r["case"] == case]
         ours = [r for r in same if not r["candidate"].startswith("peer")]
         best = min(ours, key=lambda r: r["ms"])
-        old = next(r for r in same if r["candidate"].startswith("old"))
+        old = next((r for r in same if r["candidate"].startswith("old")), best)
         for r in same:
             mark = " <- best" if r is best else ""
             print(
@@ -195,6 +207,9 @@ def table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{case:<34} => best {best['candidate']}: {old['ms'] / best['ms']:.2f}x the old, {best['copy_fraction']:.2f} of copy\n"
         )
+
+
+def moe_summary(rows: list[dict[str, Any]]) -> None:
     totals: dict[str, float] = {}
     for r in rows:
         if r["case"].startswith("moe"):
@@ -202,7 +217,8 @@ def table(rows: list[dict[str, Any]]) -> None:
                 q["ms"] for q in rows if q["case"] == r["case"]
             )
     n = len({r["case"] for r in rows if r["case"].startswith("moe")})
-    full = {k: v / n for k, v in totals.items() if sum(1 for r in rows if r["candidate"] == k) == n}
+    moe = [r for r in rows if r["case"].startswith("moe")]
+    full = {k: v / n for k, v in totals.items() if sum(1 for r in moe if r["candidate"] == k) == n}
     if full:
         print("MoE, mean time over the best of each case (candidates run at every M):")
         for k, v in sorted(full.items(), key=lambda kv: kv[1]):
@@ -218,30 +234,33 @@ def main() -> None:
     start = time.time()
     ceil0 = measure_ceilings()
     copy = ceil0["copy_GBps"]
-    print(f"copy {copy:.0f} GB/s (GEMV_PROGRAMS_PER_SM was {GEMV_PROGRAMS_PER_SM})", flush=True)
+    print(f"copy {copy:.0f} GB/s (GEMV_PROGRAMS_PER_SM was {GEMV_PROGRAMS_PER_SM})\n{HEADER}", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     record: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_GBps": [copy], "ceilings": ceil0}
     rows: list[dict[str, Any]] = []
 
-    def save(done: str) -> None:  # after every case: a timeout keeps what ran
-        print(f"{done} done at {time.time() - start:.0f}s", flush=True)
+    def save(done: str, new: list[dict[str, Any]] = ()) -> None:  # a timeout keeps what ran
+        table(list(new))
+        print(f"{done} done at {time.time() - start:.0f}s\n", flush=True)
         with open(args.out, "w") as f:
             json.dump({**record, "rows": rows}, f, indent=1)
 
     for N, K, group in W4A16_SHAPES:
-        rows += w4a16_case(N, K, group, copy, sms)
-        save(f"w4a16 {N}x{K} g{group}")
+        new = w4a16_case(N, K, group, copy, sms)
+        rows += new
+        save(f"w4a16 {N}x{K} g{group}", new)
         torch.cuda.empty_cache()
     for shape in SHAPES:
         experts = make_experts(shape)
         for M in (1,) if args.quick else shape.ms:
-            rows += moe_case(shape, M, experts, copy)
-            save(f"moe {shape.name} M={M}")
+            new = moe_case(shape, M, experts, copy)
+            rows += new
+            save(f"moe {shape.name} M={M}", new)
         del experts
         torch.cuda.empty_cache()
     record["copy_GBps"].append(measure_ceilings()["copy_GBps"])
     save(f"copy at the end {record['copy_GBps'][1]:.0f} GB/s (start {copy:.0f})")
-    table(rows)
+    moe_summary(rows)
 
 
 if __name__ == "__main__":
