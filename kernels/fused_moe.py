@@ -29,7 +29,11 @@ token's k slots meet in `moe_gemv_finish`, where the last program to arrive adds
 fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
 its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
 on, `_fused_moe_gemv_kernel` with GROUPED (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
-expert and unpacks each word once for all of them.
+expert and unpacks each word once for all of them; blocks of one pair (`block_m=1`) only put the pairs
+in expert order, so those of one expert run side by side and the repeats read from L2. With `MoEConfig.loop_stages` > 1 the K loop is a
+pipelined `tl.range`: Triton streams the word tiles through shared memory with cp.async, several in
+flight per program, where the plain loop loads a tile and waits on it before unpacking (at M=1 the
+plain loop's loads and its ~2.9 instructions per weight alternate instead of overlapping).
 
 Tiles and the GEMV/tiles switch are `kernels/moe_routing.py`'s table, which
 `benchmarks/kernels/bench_fused_moe.py --quick` measures the alternatives for.
@@ -209,6 +213,7 @@ def _fused_moe_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
+    LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
 ):
     """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32), topk_w
     [P]; grid (P or blocks, cdiv(N, BN), splits of K). Per pair (topk_ids outside [0, E): not on this
@@ -248,7 +253,7 @@ def _fused_moe_gemv_kernel(
     accs = ()
     for _ in tl.static_range(NUM_ACC):
         accs = accs + (tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32),)
-    for t in range(t0, t1):
+    for t in tl.range(t0, t1, num_stages=LOOP_STAGES):
         r = t * BK8 + tl.arange(0, BK8)
         if GROUPED:
             wp, sc = load_int4_tile(
@@ -346,7 +351,7 @@ def fused_moe(
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
             GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LOOP_STAGES=cfg.loop_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_align", "moe_align_ref", "num_align_blocks"]
+__all__ = ["align_chunk", "moe_align", "moe_align_ref", "num_align_blocks"]
 
 
 @triton.jit
@@ -35,10 +35,13 @@ def _buckets(ids_ptr, p0, P, num_experts, BLOCK_P: tl.constexpr):
     return tl.where((e >= 0) & (e < num_experts), e, num_experts).to(tl.int32), ok
 
 
-# P and num_blocks follow the step's token count: unspecialised, so the warm-up's shapes cover every
-# step (Triton would otherwise compile a variant per divisibility by 16 of each size and alignment of each
-# pointer, a view at an odd offset among them; the H200 warm-up test
-# saw one compiled after the warm-up, 2026-12-04)
+# Everything that follows the step's token count is a run-time value or one of two chunk sizes, so
+# the warm-up's shapes compile every variant a workload can meet: P and num_blocks unspecialised
+# (Triton would otherwise compile a variant per divisibility by 16 of each size and alignment of each
+# pointer, a view at an odd offset among them), BLOCK_M a run-time argument (the tile config picks it
+# from pairs per expert, so a token count between the warm-up's could pair a BLOCK_M with a chunk
+# size no warm-up step did), and BLOCK_P two sizes (`align_chunk`). The H200 warm-up test saw one
+# variant compiled after the warm-up (2026-12-04) before these.
 @triton.jit(
     do_not_specialize=[
         "ids_ptr",
@@ -47,6 +50,7 @@ def _buckets(ids_ptr, p0, P, num_experts, BLOCK_P: tl.constexpr):
         "num_padded_ptr",
         "P",
         "num_blocks",
+        "block_m",
     ]
 )
 def _moe_align_kernel(
@@ -57,7 +61,7 @@ def _moe_align_kernel(
     P,
     num_experts,
     num_blocks,
-    BLOCK_M: tl.constexpr,
+    block_m,  # rows of a block (BM)
     NUM_BINS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -67,18 +71,18 @@ def _moe_align_kernel(
     for p0 in range(0, P, BLOCK_P):
         bucket, ok = _buckets(ids_ptr, p0, P, num_experts, BLOCK_P)
         counts += tl.histogram(bucket, NUM_BINS, mask=ok)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = (counts + block_m - 1) // block_m * block_m
     end = tl.cumsum(padded, 0)  # [NB] one past each bucket's last slot
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     for b0 in range(0, num_blocks, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
-        bucket = tl.sum((end[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), 1)  # [BLOCK_B]
+        bucket = tl.sum((end[None, :] <= (blk * block_m)[:, None]).to(tl.int32), 1)  # [BLOCK_B]
         tl.store(
             block_expert_ids_ptr + blk, tl.where(bucket < num_experts, bucket, -1), mask=blk < num_blocks
         )
-    for s0 in range(0, num_blocks * BLOCK_M, BLOCK_P):
+    for s0 in range(0, num_blocks * block_m, BLOCK_P):
         slots = s0 + tl.arange(0, BLOCK_P)
-        tl.store(sorted_ids_ptr + slots, tl.full((BLOCK_P,), P, tl.int32), mask=slots < num_blocks * BLOCK_M)
+        tl.store(sorted_ids_ptr + slots, tl.full((BLOCK_P,), P, tl.int32), mask=slots < num_blocks * block_m)
     tl.debug_barrier()  # the padding lands before the pair ids
     nxt = end - padded  # [NB] each bucket's next free slot
     rank = tl.arange(0, BLOCK_P)  # position in the chunk's sorted order
@@ -92,6 +96,13 @@ def _moe_align_kernel(
         dest = tl.gather(nxt, sb, 0) + rank - tl.gather(before, sb, 0)
         tl.store(sorted_ids_ptr + dest, p0 + key % BLOCK_P, mask=live)
         nxt += hist
+
+
+def align_chunk(num_pairs: int) -> int:
+    """Pairs per chunk of `_moe_align_kernel` (BLOCK_P): 128 up to 128 pairs (decode), else 1024 (one
+    chunk up to 128 tokens of top-8, then several). Two sizes, not the next power of two, so that the
+    variants are few and fixed (see the note above the kernel)."""
+    return 128 if num_pairs <= 128 else 1024
 
 
 def num_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -118,9 +129,8 @@ def moe_align(
     block_expert_ids = torch.empty((num_blocks,), dtype=torch.int32, device=flat.device)
     num_padded = torch.empty((1,), dtype=torch.int32, device=flat.device)
     _moe_align_kernel[(1,)](
-        flat, sorted_ids, block_expert_ids, num_padded, P, num_experts, num_blocks,
-        BLOCK_M=block_m, NUM_BINS=triton.next_power_of_2(num_experts + 1),
-        BLOCK_P=min(1024, max(16, triton.next_power_of_2(P))), BLOCK_B=32, num_warps=4,
+        flat, sorted_ids, block_expert_ids, num_padded, P, num_experts, num_blocks, block_m,
+        NUM_BINS=triton.next_power_of_2(num_experts + 1), BLOCK_P=align_chunk(P), BLOCK_B=32, num_warps=4,
     )  # fmt: skip
     return sorted_ids, block_expert_ids, num_padded
 

@@ -46,6 +46,8 @@ class MoEConfig:
     programs_per_sm: int = 0
     lift: bool = False
     grouped: bool = False  # INT4: the GEMV over `moe_align` blocks of block_m pairs of one expert
+    # INT4 GEMV: >1 pipelines its K loop (`tl.range` stages: word tiles in flight through cp.async)
+    loop_stages: int = 1
 
 
 # Launcher defaults, from `bench_fused_moe --quick` on the H200 (update from its printed table): the

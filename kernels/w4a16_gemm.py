@@ -8,7 +8,8 @@ consecutive words along K and unpacks them into eight consecutive k per word.
 Two kernels:
 - `_w4a16_gemv_kernel` (M of 1-2, decode, G >= 32): no tensor cores, `kernels/triton_lib.py`'s dot
   products (one LOP3 and one FFMA per weight; the -8 zero point once per word, the group scale
-  once per 32 k), K split across enough programs to keep HBM busy at one token.
+  once per 32 k), K split across enough programs to keep HBM busy at one token; `loop_stages` > 1
+  pipelines its K loop (cp.async word tiles in flight, as in `kernels/fused_moe.py`).
 - `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`.
 - prefill (M > 64): `dequantize_int4` once, then cuBLAS (twice as fast as the fused tiles on H200).
 The GEMV and the tiles split K across programs when there are too few output tiles to fill the GPU; partial sums go to
@@ -72,6 +73,7 @@ def _w4a16_gemv_kernel(
     LIFTED: tl.constexpr,  # x is `lift_rows(x)` (fp32 [M, lifted width]), else the raw rows
     EVEN_K: tl.constexpr,  # K a multiple of BLOCK_K: no masks along K
     EVEN_N: tl.constexpr,  # N a multiple of BLOCK_N
+    LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
 ):
     """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G] (G >= 32), out [M, N];
     grid (N/BN, M, splits of K). The dot products are `kernels/triton_lib.py`'s."""
@@ -86,7 +88,7 @@ def _w4a16_gemv_kernel(
     t0 = pid_k * per_split
     x_row = x_ptr + pid_m * stride_xm
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
-    for t in range(t0, tl.minimum(t0 + per_split, k_tiles)):
+    for t in tl.range(t0, tl.minimum(t0 + per_split, k_tiles), num_stages=LOOP_STAGES):
         r = t * BK8 + tl.arange(0, BK8)
         ys, xs = x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
         acc += int4_tile_dot(
@@ -202,6 +204,8 @@ class W4A16Config:
     group_m: int = 8
     dense: bool = False
     lift: bool = False  # GEMV: activations lifted by a separate launch (`lift_rows`), not in the kernel
+    # GEMV: >1 pipelines its K loop (`tl.range` stages: word tiles in flight through cp.async)
+    loop_stages: int = 1
 
 
 # Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
@@ -306,6 +310,7 @@ def w4a16_gemm(
             LIFTED=cfg.lift,
             EVEN_K=K % cfg.block_k == 0,
             EVEN_N=N % cfg.block_n == 0,
+            LOOP_STAGES=cfg.loop_stages,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

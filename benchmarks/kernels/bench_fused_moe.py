@@ -84,6 +84,8 @@ QUICK_GEMVS = [
     MoEConfig(0, 64, 128, lift=True),
     MoEConfig(0, 64, 256, programs_per_sm=6, lift=True),
     MoEConfig(0, 64, 256, programs_per_sm=24, lift=True),
+    MoEConfig(0, 64, 256, loop_stages=3, programs_per_sm=4),  # the pipelined K loop (issue 24)
+    MoEConfig(0, 64, 256, loop_stages=3, programs_per_sm=8),
 ]
 QUICK_GROUPED = [  # timed from one pair per expert up (M = 64 in --quick)
     MoEConfig(2, 32, 256, lift=True, grouped=True),
@@ -309,7 +311,8 @@ def label(cfg: MoEConfig) -> str:
     if cfg.block_m:
         return f"bm{cfg.block_m} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     split = f"split{cfg.split_k}" if cfg.split_k else f"{cfg.programs_per_sm or GEMV_PROGRAMS_PER_SM}/SM"
-    return f"gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} {split}{' lift' if cfg.lift else ''}"
+    stages = f" s{cfg.loop_stages}" if cfg.loop_stages > 1 else ""
+    return f"gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} {split}{' lift' if cfg.lift else ''}{stages}"
 
 
 def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:

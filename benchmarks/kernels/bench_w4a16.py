@@ -45,6 +45,7 @@ QUICK_GEMVS = [
     W4A16Config(0, 64, 256),
     W4A16Config(0, 64, 256, lift=True),
     W4A16Config(0, 256, 256, num_warps=8),
+    W4A16Config(0, 128, 256, loop_stages=3),  # the pipelined K loop (issue 24)
 ]
 Trial = tuple[W4A16Config, int]  # split_k 0: `with_split_k` at that many programs per SM
 
@@ -77,6 +78,7 @@ def variants(M: int, quick: bool) -> list[Trial]:
 def label(cfg: W4A16Config, per_sm: int) -> str:
     kind = "dense" if cfg.dense else ("gemv" if cfg.block_m == 0 else f"bm{cfg.block_m}")
     extra = (" lift" if cfg.lift else "") + (f" {per_sm}/SM" if cfg.block_m == 0 and not cfg.dense else "")
+    extra += f" s{cfg.loop_stages}" if cfg.loop_stages > 1 else ""
     return f"{kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} split{cfg.split_k}{extra}"
 
 

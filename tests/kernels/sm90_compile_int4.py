@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import triton
 from triton.compiler import ASTSource
 
 from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
-from kernels.moe_align import _moe_align_kernel
+from kernels.moe_align import _moe_align_kernel, align_chunk
 from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
 from kernels.w4a16_gemm import GEMV_DEFAULT, W4A16Config, _w4a16_gemv_kernel, _w4a16_kernel, pick_config
 from tests.kernels.sm90_compile import compile_args, compile_sm90
@@ -48,7 +47,7 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
     ptrs = {"w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32"}
     consts: dict[str, Any] = dict(GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     if cfg.block_m == 0:
-        consts.update(LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True)
+        consts.update(LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True, LOOP_STAGES=cfg.loop_stages)
         src = _source(
             _w4a16_gemv_kernel,
             {"x_ptr": "fp32" if cfg.lift else "bf16", **ptrs},
@@ -80,7 +79,7 @@ def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
         consts: dict[str, Any] = dict(
             A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUPED=cfg.grouped,
             GROUP_SIZE=32, BLOCK_M=max(cfg.block_m, 1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=True, EVEN_N=True,
+            EVEN_K=True, EVEN_N=True, LOOP_STAGES=cfg.loop_stages,
         )  # fmt: skip
         nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
         src = _source(_fused_moe_gemv_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)
@@ -103,11 +102,9 @@ def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
 
 
 def align_case(num_pairs: int) -> tuple[ASTSource, int, int, int]:
-    """`moe_align`'s kernel for Kimi's 384 experts, BM 16, at `num_pairs`' chunk size."""
+    """`moe_align`'s kernel for Kimi's 384 experts at `num_pairs`' chunk size."""
     ptrs = {"ids_ptr": "i64", "sorted_ids_ptr": "i32", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32"}
-    consts = dict(
-        BLOCK_M=16, NUM_BINS=512, BLOCK_P=min(1024, max(16, triton.next_power_of_2(num_pairs))), BLOCK_B=32
-    )
+    consts = dict(NUM_BINS=512, BLOCK_P=align_chunk(num_pairs), BLOCK_B=32)
     return _source(_moe_align_kernel, ptrs, consts, div16=(), unit=()), 4, 2, 0
 
 
@@ -136,16 +133,19 @@ def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
     cases, seen = [], set()
     for cfg in W4A16_GEMVS:
         cases.append(
-            (f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift}", gemm_case(cfg, 32))
+            (
+                f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} s{cfg.loop_stages}",
+                gemm_case(cfg, 32),
+            )
         )
     for cfg in QUICK_GEMVS + QUICK_GROUPED:
-        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift, cfg.grouped)
+        key = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.lift, cfg.grouped, cfg.loop_stages)
         if key in seen:
             continue  # the same kernels at another split
         seen.add(key)
         for gate_up in (True, False):
             kind = f"grouped{cfg.block_m}" if cfg.grouped else "gemv"
-            name = f"int4 moe {kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} {'gate_up' if gate_up else 'down'}"
+            name = f"int4 moe {kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} s{cfg.loop_stages} {'gate_up' if gate_up else 'down'}"
             cases.append((name, moe_case(cfg, gate_up)))
     return cases
 

@@ -109,6 +109,22 @@ def test_align_groups_pairs_by_expert() -> None:
     assert set(block_expert[: int(num_padded) // BM].tolist()) == {0, 1, 2, 3, 4, 5, -1}  # 6, 7 unused
 
 
+@pytest.mark.gpu
+def test_align_compiles_two_variants_whatever_the_token_count() -> None:
+    """The warm-up (`backend/server/warmup.py`) cannot reach every token count, so nothing the
+    kernel compiles may depend on one beyond `align_chunk`'s two sizes: every (tokens, BM) here,
+    views at odd offsets included, shares two compiled variants."""
+    from kernels.moe_align import _moe_align_kernel
+
+    dev = torch.cuda.current_device()
+    _moe_align_kernel.device_caches[dev][0].clear()  # other tests' variants (int32 ids) aside
+    for M in (1, 3, 16, 17, 100, 129, 700, 1000, 2047):
+        for BM in (1, 16, 32, 64):
+            ids = torch.randint(-1, 386, (M + 1, 8), device="cuda")[1:]  # a view at an odd offset
+            moe_align(ids, 384, BM)
+    assert len(_moe_align_kernel.device_caches[dev][0]) == 2
+
+
 @pytest.mark.parametrize(
     ("M", "k", "num_experts", "BM", "dtype"),
     [
@@ -117,6 +133,9 @@ def test_align_groups_pairs_by_expert() -> None:
         (64, 8, 384, 16, torch.int64),
         (150, 8, 16, 64, torch.int32),  # 1200 pairs: two chunks of the sort, many blocks per expert
         (7, 3, 5, 4, torch.int64),
+        (16, 8, 8, 16, torch.int64),  # 128 pairs: the small chunk's last size
+        (17, 8, 8, 16, torch.int64),  # 136 pairs: the first on the large chunk
+        (300, 8, 16, 32, torch.int64),  # 2400 pairs: three chunks, the last partial
     ],
 )
 def test_align_kernel_equals_torch_reference(
@@ -155,6 +174,15 @@ CASES = [  # M, config (None: the launcher's choice, the GEMV when P <= E), dtyp
     (64, MoEConfig(block_m=32, block_n=64, block_k=32), F32),  # BLOCK_K == group, N tile wider than I
     (17, GROUPED, F32),  # blocks of 4 pairs of one expert, one unpacking for all
     (5, MoEConfig(block_m=2, block_n=32, block_k=64, split_k=2, lift=True, grouped=True), F16),
+    # the pipelined K loop (`loop_stages`): all of K (3 tiles, 2 for down) in one split, uneven splits,
+    # splits with no K tile
+    (1, MoEConfig(block_m=0, block_n=32, block_k=32, split_k=1, loop_stages=3), F32),
+    (3, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=2, loop_stages=4, lift=True), F16),
+    (3, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=4, loop_stages=2), F16),
+    (17, MoEConfig(block_m=4, block_n=32, block_k=32, lift=True, grouped=True, loop_stages=3), F32),
+    # one pair a program in expert order (blocks of one pair): plain and pipelined
+    (17, MoEConfig(block_m=1, block_n=64, block_k=64, lift=True, grouped=True), F16),
+    (9, MoEConfig(block_m=1, block_n=32, block_k=32, split_k=2, lift=True, grouped=True, loop_stages=3), F32),
 ]
 
 
@@ -302,7 +330,11 @@ def test_real_shapes_bf16(shape: tuple[int, int, int], M: int) -> None:
         MoEConfig(0, 32, 256, split_k=1),
         MoEConfig(0, 32, 128, split_k=4),
         MoEConfig(0, 64, 256, lift=True),
+        MoEConfig(0, 64, 256, programs_per_sm=4, loop_stages=3),
+        MoEConfig(0, 128, 256, programs_per_sm=2, loop_stages=4, lift=True),
         MoEConfig(2, 32, 256, lift=True, grouped=True),
+        MoEConfig(2, 32, 256, lift=True, grouped=True, loop_stages=3),
+        MoEConfig(1, 64, 256, lift=True, grouped=True, loop_stages=3, programs_per_sm=4),
         MoEConfig(16, 64, 128),
     ):
         out = fused_moe(x, ids, wts, *weights, G, config=cfg)
