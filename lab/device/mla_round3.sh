@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 24, MLA decode rows (round 3, 2026-12-04): one H200 call per stage, each inside the 10-minute limit;
 # carry [".whl"] when the checkout has it (pytest-xdist for -n; nothing else is needed).
-#   run(command="bash lab/device/mla_round3.sh all", carry=[".whl"])   # ~6-7 min: tests, then the A/B
-#   run(command="bash lab/device/mla_round3.sh ab")      # ~4 min: lab.diagnostics.mla_ab alone (its docstring)
-#   run(command="bash lab/device/mla_round3.sh tests")   # ~2 min: the MLA kernels' gpu tests
+#   run(command="bash lab/device/mla_round3.sh all", carry=[".whl"])   # <= 8 min: tests, then the A/B
+#   run(command="bash lab/device/mla_round3.sh ab")      # <= 5 min: lab.diagnostics.mla_ab alone (its docstring;
+#       no case starts after AB_BUDGET s, default 240: batch 64 first, then 8, then 1)
+#   run(command="bash lab/device/mla_round3.sh tests")   # <= 3 min: the MLA kernels' gpu tests
 #   run(command="bash lab/device/mla_round3.sh bench")   # ~3 min: the product bench (--no-sweep, decode),
 #       after a winner is pasted into kernels.mla_tiles.TILES: the rows for benchmarks/results
 #   run(command="bash lab/device/mla_round3.sh tagcheck")  # ~2 min: the tag check's A/B rows (7 pairs)
@@ -25,14 +26,14 @@ workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6" || echo "")
 
 gpu_tests() {
   # -p no:benchmark: the image's pytest-benchmark warns under xdist (an INTERNALERROR with filterwarnings=error)
-  timeout 240 python3 -m pytest -m gpu $workers -p no:cacheprovider -p no:benchmark --tb=short -rfE -q \
+  timeout 180 python3 -m pytest -m gpu $workers -p no:cacheprovider -p no:benchmark --tb=short -rfE -q \
     tests/kernels/test_mla_decode.py tests/kernels/test_mla_prefill.py tests/kernels/test_tag_check_off.py \
     tests/kernels/test_paged_decode_gqa.py > "$OUT/pytest_gpu_mla.log" 2>&1
   grep -E "passed|failed|FAILED|^ERROR" "$OUT/pytest_gpu_mla.log" | tail -20
 }
 
 ab() {
-  timeout 420 python3 -m lab.diagnostics.mla_ab --out "$OUT/mla_ab.json" 2>&1 | grep -v Warning > "$OUT/mla_ab.log"
+  timeout 330 python3 -m lab.diagnostics.mla_ab --budget-s "${AB_BUDGET:-240}" --out "$OUT/mla_ab.json" 2>&1 | grep -v Warning > "$OUT/mla_ab.log"
   grep -vE "^timed |^ceilings" "$OUT/mla_ab.log" | tail -40
 }
 

@@ -2,8 +2,9 @@
 FP8 latent caches, on the H200, in one call (~3-4 min). Run from the repo root:
 
     python3 -m lab.diagnostics.mla_ab [--rounds 3] [--heads 8,16,64] [--batches 1,8,64]
-        [--contexts 4096,32768] [--out $OUT/mla_ab.json]
+        [--contexts 4096,32768] [--budget-s 300] [--out $OUT/mla_ab.json]
 
+Cases run batch 64 first, then 8, then 1 (long context first); none starts after `--budget-s`.
 Per case (heads x batch x context, Kimi K2's 512 + 64 line, page 16, pages shuffled) and cache dtype:
 `old` = the tiles of `benchmarks/results/kernels-h200.json` (2026-12-02) with that day's slice count
 (`old_splits`); `new` = today's `TILES` entry with `pick_mla_splits`; then every `VARIANTS` entry of
@@ -173,10 +174,9 @@ def ab_case(H: int, B: int, ctx: int, ceil: dict[str, float], rounds: int) -> li
 
 
 def best(rows: list[dict[str, Any]], kv: str) -> dict[str, Any]:
-    """The fastest correct row of a case for `kv` other than `old`."""
-    return min(
-        (r for r in rows if r["kv"] == kv and r["ok"] and r["variant"] != "old"), key=lambda r: r["ms"]
-    )
+    """The fastest correct row of a case for `kv` other than `old` (else `old`: nothing new passed)."""
+    new = [r for r in rows if r["kv"] == kv and r["ok"] and r["variant"] != "old"]
+    return min(new, key=lambda r: r["ms"]) if new else next(r for r in rows if r["kv"] == kv)
 
 
 def summary(cases: list[list[dict[str, Any]]]) -> None:
@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--heads", default="8,16,64")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="4096,32768")
+    ap.add_argument("--budget-s", type=float, default=300, help="no new case after this many seconds")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "mla_ab.json"))
     args = ap.parse_args()
     start = time.monotonic()
@@ -236,19 +237,24 @@ def main() -> None:
     ceil = measure_ceilings()
     print("ceilings", ceil, flush=True)
     cases: list[list[dict[str, Any]]] = []
-    for H in map(int, args.heads.split(",")):
-        for B in map(int, args.batches.split(",")):
-            for ctx in map(int, args.contexts.split(",")):
-                cases.append(ab_case(H, B, ctx, ceil, args.rounds))
-                r = cases[-1]
-                print(
-                    f"timed {r[0]['case']}: " + " ".join(f"{x['kv']}:{x['variant']} {x['ms'] * 1e3:.1f}us" for x in r)
-                    + f"  [{time.monotonic() - start:.0f} s]",
-                    flush=True,
-                )  # fmt: skip
-                write_record(
-                    args.out, [x for c in cases for x in c], ceil, {"notes": "lab.diagnostics.mla_ab"}
-                )
+    todo = [
+        (H, B, ctx)
+        for B in sorted(map(int, args.batches.split(",")), reverse=True)  # the goals' batch 64 first
+        for ctx in sorted(map(int, args.contexts.split(",")), reverse=True)
+        for H in map(int, args.heads.split(","))
+    ]
+    for H, B, ctx in todo:
+        if time.monotonic() - start > args.budget_s:
+            print(f"budget spent: heads={H} batch={B} context={ctx} and later cases not timed", flush=True)
+            break
+        cases.append(ab_case(H, B, ctx, ceil, args.rounds))
+        r = cases[-1]
+        print(
+            f"timed {r[0]['case']}: " + " ".join(f"{x['kv']}:{x['variant']} {x['ms'] * 1e3:.1f}us" for x in r)
+            + f"  [{time.monotonic() - start:.0f} s]",
+            flush=True,
+        )  # fmt: skip
+        write_record(args.out, [x for c in cases for x in c], ceil, {"notes": "lab.diagnostics.mla_ab"})
     end_copy = measure_ceilings()["copy_GBps"]
     print(
         f"copy bandwidth at the start {ceil['copy_GBps']:.0f} GB/s, at the end {end_copy:.0f} GB/s",
