@@ -247,8 +247,16 @@ def main() -> None:
         if time.monotonic() - start > args.budget_s:
             print(f"budget spent: heads={H} batch={B} context={ctx} and later cases not timed", flush=True)
             break
-        cases.append(ab_case(H, B, ctx, ceil, args.rounds))
-        r = cases[-1]
+        try:
+            r = ab_case(H, B, ctx, ceil, args.rounds)
+        except Exception as exc:  # out of memory, say: the other cases still run
+            print(
+                f"heads={H} batch={B} context={ctx} failed: {type(exc).__name__}: {str(exc)[-300:]}",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+            continue
+        cases.append(r)
         print(
             f"timed {r[0]['case']}: " + " ".join(f"{x['kv']}:{x['variant']} {x['ms'] * 1e3:.1f}us" for x in r)
             + f"  [{time.monotonic() - start:.0f} s]",
