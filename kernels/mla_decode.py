@@ -21,10 +21,20 @@ another: page ids, then tags, then lines, each a synchronous load on the H200):
   [64, 512] holds 128 registers a thread. Under 64 rows mma.sync holds whole operands in registers,
   so the latent goes in NUM_RC chunks (64 columns by default: then the latent and rope chunks share
   one layout and the page ids are fetched in one, not one per chunk width).
-- FP8 lines are converted once to fp16 (`e4m3_to_f16`) and stored for both dots; the layer's single
+- FP8 lines are converted once to fp16 (`e4m3_to_f16`, or with `MlaTiles.fp8_shift` by moving bits,
+  `e4m3_to_f16_shifted`, whose 2^-8 joins the scales) and stored for both dots; the layer's single
   scale folds into the softmax scale and the output. q is cast to fp16 (|q| > 65504 would overflow).
   At 64 heads that is 242 FLOP per FP8 byte: tensor cores, not HBM, bound it; 8 or 16 heads are
   HBM-bound.
+- Why FP8 was slower than BF16 (sm90 SASS of the 16-row tiles, 2026-12-04): both kernels spend
+  ~75-86 SM cycles a token (0.59 / 0.69 ms for 2.1M tokens on 132 SMs); BF16 needs 72 to match HBM,
+  FP8 would need 36. Per token FP8 issues 78 warp instructions against BF16's 56 (9 conversions, the
+  lines' round trip cp.async -> registers -> fp16 in shared memory, 10 barriers a 32-token step
+  against 9 a 64-token one), at two CTAs of 4 warps an SM: the step is latency-bound, and halving
+  the bytes did not halve it. 8 heads run the 16-row tile (tl.dot's least), so they cost what 16 do.
+- `MlaTiles.swap` computes the transposed products (`attend_slice`): tokens are the MMA's rows, so a
+  64-token step runs wgmma whatever the head count; the candidates are timed by
+  `lab/diagnostics/mla_ab.py` against the committed configuration.
 
 Page-tag check, fused but out of the token loop: each program first checks the pages its slice uses
 in one vectorised pass and sets `tag_mismatch[b]` on a wrong tag. A slice that holds a bad page (its
@@ -51,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.mla_tiles import MlaTiles, pick_mla_splits, resolve_tiles
+from kernels.mla_tiles import MAX_SPLITS, MlaTiles, pick_mla_splits, resolve_tiles, slice_cost_items
 from kernels.paged_gather import check_tag_inputs
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 from kernels.triton_lib import QueryTiles, query_tile
@@ -119,23 +129,54 @@ def e4m3_to_f16(x):
 
 
 @triton.jit
+def e4m3_to_f16_shifted(x):
+    """fp8 e4m3 -> fp16 times 2^-8, exact, by moving bits (a byte permute, two logic ops and a shift
+    per pair: the integer pipes, not the conversion unit `e4m3_to_f16` uses): the sign stays on top,
+    exponent and mantissa shift into fp16's, whose exponent bias is 8 more (subnormals stay exact; the
+    NaN byte reads as 1.875). The launcher folds 2^8 into the scales. Impure, as `e4m3_to_f16`."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; "
+        "prmt.b32 a, $2, 0, 0x1404; prmt.b32 b, $2, 0, 0x3424; "
+        "shr.b32 $0, a, 1; and.b32 $0, $0, 0x3F803F80; lop3.b32 $0, a, 0x80008000, $0, 0xEA; "
+        "shr.b32 $1, b, 1; and.b32 $1, $1, 0x3F803F80; lop3.b32 $1, b, 0x80008000, $1, 0xEA; }",
+        "=r,=r,r",
+        [x],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def e4m3_bits_to_f16_shifted(x):
+    """`e4m3_to_f16_shifted` in plain Triton ops, for the interpreter (which runs no inline asm)."""
+    u = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    return (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def tile_lines(
     cache_ptr, page, tok, ok, R, DR, stride_cp, stride_cs, PAGE_SIZE: tl.constexpr, BLOCK_RC: tl.constexpr,
     NUM_RC: tl.constexpr, BLOCK_DR: tl.constexpr, COMPUTE: tl.constexpr, FP8_ASM: tl.constexpr,
+    FP8_SHIFT: tl.constexpr,
 ):  # fmt: skip
     """Tokens `tok [BN]`' latent lines in NUM_RC chunks `[BN, BLOCK_RC]` and rope parts `[BN, BLOCK_DR]`
-    (COMPUTE), zero where not `ok`."""
+    (COMPUTE), zero where not `ok`; FP8_SHIFT: FP8 lines times 2^-8 (`e4m3_to_f16_shifted`)."""
     line = cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs  # [BN]
     offs = tl.arange(0, BLOCK_RC)
     cs = ()
     for k in tl.static_range(NUM_RC):
         r = k * BLOCK_RC + offs
         c = tl.load(line[:, None] + r[None, :], mask=ok[:, None] & (r < R)[None, :], other=0.0)
-        if FP8_ASM:
+        if FP8_SHIFT:
+            c = e4m3_to_f16_shifted(c) if FP8_ASM else e4m3_bits_to_f16_shifted(c)
+        elif FP8_ASM:
             c = e4m3_to_f16(c)
         cs = cs + (c.to(COMPUTE),)
     offs_dr = tl.arange(0, BLOCK_DR)
     pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=ok[:, None] & (offs_dr < DR)[None, :], other=0.0)
+    if FP8_SHIFT:
+        pe = e4m3_to_f16_shifted(pe) if FP8_ASM else e4m3_bits_to_f16_shifted(pe)
     return cs, pe.to(COMPUTE)
 
 
@@ -145,18 +186,28 @@ def attend_slice(
     stride_cs, stride_ptb, stride_tkt, PAGE_SIZE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_RC: tl.constexpr, NUM_RC: tl.constexpr, BLOCK_DR: tl.constexpr, VARLEN: tl.constexpr,
     SPARSE: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FP8_ASM: tl.constexpr,
+    FP8_ASM: tl.constexpr, FP8_SHIFT: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the tile's rows (q chunks `q_cs`: NUM_RC x [BM, BLOCK_RC], `q_pe [BM, BLOCK_DR]`,
     COMPUTE) over items [start, end) of sequence b, reading page ids from `table_ptr` (-1: drop the
     page); row r sees tokens below `row_limit[r]` (VARLEN). Returns (max, sum, NUM_RC unnormalised acc
-    chunks [BM, BLOCK_RC]), log2 domain. Every load is masked with other = 0, so one zero-filled tile
-    is both key and value: an item past the end, an empty sparse slot, a dropped page read 0, not NaN."""
+    chunks [BM, BLOCK_RC]; SWAP: [BLOCK_RC, BM]), log2 domain. Every load is masked with other = 0, so
+    one zero-filled tile is both key and value: an item past the end, an empty sparse slot, a dropped
+    page read 0, not NaN.
+
+    SWAP computes the transposed products, tokens as the MMA's rows and the tile's rows (heads) as its
+    columns: scores `[BN, BM] = lines · q^T`, acc chunks `[BLOCK_RC, BM] += lines^T · p`. Both dots
+    then have 64+ rows (a wgmma warpgroup's M) whatever the head count, the lines are the A operand
+    read from shared memory, and q and p the small B operand."""
+    AXIS: tl.constexpr = 0 if SWAP else 1  # the scores' token axis
     m = tl.full((BM,), float("-inf"), dtype=tl.float32)
     l = tl.zeros((BM,), dtype=tl.float32)
     accs = ()
     for _ in tl.static_range(NUM_RC):
-        accs = accs + (tl.zeros((BM, BLOCK_RC), dtype=tl.float32),)
+        if SWAP:
+            accs = accs + (tl.zeros((BLOCK_RC, BM), dtype=tl.float32),)
+        else:
+            accs = accs + (tl.zeros((BM, BLOCK_RC), dtype=tl.float32),)
     for i0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
         i = i0 + tl.arange(0, BLOCK_N)
         ok = i < end
@@ -170,24 +221,36 @@ def attend_slice(
         ok = ok & (page >= 0)
         cs, pe = tile_lines(
             cache_ptr, page, tok, ok, R, DR, stride_cp, stride_cs, PAGE_SIZE, BLOCK_RC, NUM_RC, BLOCK_DR,
-            COMPUTE, FP8_ASM,
+            COMPUTE, FP8_ASM, FP8_SHIFT,
         )  # fmt: skip
-        s = tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)  # [BM, BN]
-        for k in tl.static_range(NUM_RC):
-            s = tl.dot(q_cs[k], tl.trans(cs[k]), s, input_precision=DOT_PRECISION)
-        seen = ok[None, :]
-        if VARLEN:
-            seen = seen & (tok[None, :] < row_limit[:, None])
+        if SWAP:  # [BN, BM]: a column per row of the tile
+            s = tl.dot(pe, tl.trans(q_pe), input_precision=DOT_PRECISION)
+            for k in tl.static_range(NUM_RC):
+                s = tl.dot(cs[k], tl.trans(q_cs[k]), s, input_precision=DOT_PRECISION)
+            seen = ok[:, None]
+            if VARLEN:
+                seen = seen & (tok[:, None] < row_limit[None, :])
+        else:  # [BM, BN]
+            s = tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
+            for k in tl.static_range(NUM_RC):
+                s = tl.dot(q_cs[k], tl.trans(cs[k]), s, input_precision=DOT_PRECISION)
+            seen = ok[None, :]
+            if VARLEN:
+                seen = seen & (tok[None, :] < row_limit[:, None])
         s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.max(s, axis=AXIS))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
         alpha = tl.exp2(m - m_base)
-        p = tl.exp2(s - m_base[:, None])  # [BM, BN]
-        l = l * alpha + tl.sum(p, axis=1)
+        p = tl.exp2(s - tl.expand_dims(m_base, AXIS))
+        l = l * alpha + tl.sum(p, axis=AXIS)
         p = p.to(COMPUTE)
         rescaled = ()
         for k in tl.static_range(NUM_RC):
-            rescaled = rescaled + (tl.dot(p, cs[k], accs[k] * alpha[:, None], input_precision=DOT_PRECISION),)
+            if SWAP:
+                acc = tl.dot(tl.trans(cs[k]), p, accs[k] * alpha[None, :], input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(p, cs[k], accs[k] * alpha[:, None], input_precision=DOT_PRECISION)
+            rescaled = rescaled + (acc,)
         accs = rescaled
         m = m_new
     return m, l, accs
@@ -212,8 +275,8 @@ def _mla_paged_kernel(
     part_o_ptr,  # [T, H, NS, R] fp32 (unused when DIRECT)
     part_lse_ptr,  # [T, H, NS] fp32, log2 domain (unused when DIRECT)
     out_ptr,  # [T, H, R] q's dtype (DIRECT only)
-    qk_scale,  # softmax_scale * latent_scale * log2(e)
-    v_scale,  # latent_scale (DIRECT only)
+    qk_scale,  # softmax_scale * latent_scale * log2(e) (FP8_SHIFT: * 2^8)
+    v_scale,  # latent_scale (FP8_SHIFT: * 2^8; DIRECT only)
     num_seqs, num_splits, num_heads, R, DR, topk,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ptb, stride_etb, stride_tkt, stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr,
@@ -232,6 +295,8 @@ def _mla_paged_kernel(
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # the token loop's pipeline depth
     FP8_ASM: tl.constexpr,  # an FP8 cache on the GPU: convert with `e4m3_to_f16` (no asm in the interpreter)
+    FP8_SHIFT: tl.constexpr,  # an FP8 cache converted by `e4m3_to_f16_shifted` (x 2^-8, in the scales)
+    SWAP: tl.constexpr,  # tokens as the dots' rows (`attend_slice`)
 ):  # fmt: skip
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -293,21 +358,27 @@ def _mla_paged_kernel(
     m, l, accs = attend_slice(
         q_cs, q_pe.to(COMPUTE), first_pos + qi + 1, cache_ptr, table_ptr, topk_ptr, b, t, L, start, end,
         qk_scale, R, DR, stride_cp, stride_cs, stride_ptb, stride_tkt, PAGE_SIZE, BM, BLOCK_N, BLOCK_RC,
-        NUM_RC, BLOCK_DR, VARLEN, SPARSE, COMPUTE, DOT_PRECISION, NUM_STAGES, FP8_ASM,
+        NUM_RC, BLOCK_DR, VARLEN, SPARSE, COMPUTE, DOT_PRECISION, NUM_STAGES, FP8_ASM, FP8_SHIFT, SWAP,
     )  # fmt: skip
 
     l_safe = tl.where(l > 0.0, l, 1.0)
     part_row = (t_row * num_heads + heads) * num_splits + split  # [BM] index into [T, H, NS]
     for k in tl.static_range(NUM_RC):
         r = k * BLOCK_RC + offs_rc
-        store_ok = row_ok[:, None] & (r < R)[None, :]
-        if DIRECT:  # no visible token: 0
-            out = out_ptr + t_row[:, None] * stride_ot + heads[:, None] * stride_oh + r[None, :]
-            tl.store(out, (accs[k] / l_safe[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=store_ok)
+        if SWAP:  # acc chunks [BLOCK_RC, BM]: stored through transposed pointers
+            store_ok = row_ok[None, :] & (r < R)[:, None]
+            o = accs[k] / l_safe[None, :]
+            out = out_ptr + t_row[None, :] * stride_ot + heads[None, :] * stride_oh + r[:, None]
+            part = part_o_ptr + part_row[None, :] * R + r[:, None]
         else:
-            tl.store(
-                part_o_ptr + part_row[:, None] * R + r[None, :], accs[k] / l_safe[:, None], mask=store_ok
-            )
+            store_ok = row_ok[:, None] & (r < R)[None, :]
+            o = accs[k] / l_safe[:, None]
+            out = out_ptr + t_row[:, None] * stride_ot + heads[:, None] * stride_oh + r[None, :]
+            part = part_o_ptr + part_row[:, None] * R + r[None, :]
+        if DIRECT:  # no visible token: 0
+            tl.store(out, (o * v_scale).to(out_ptr.dtype.element_ty), mask=store_ok)
+        else:
+            tl.store(part, o, mask=store_ok)
     if not DIRECT:
         tl.store(part_lse_ptr + part_row, tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
@@ -401,9 +472,13 @@ def launch_mla_paged(
     num_tiles = T if query_tiles is None else query_tiles.tile_seq.shape[0]
     head_blocks = triton.cdiv(H, tiles.block_h)
     max_items = K if sparse else page_table.shape[1] * S
+    line_bytes = C * latent_cache.element_size()
     splits = num_splits or pick_mla_splits(
-        num_tiles, head_blocks, max_items, num_sms(q.device), tiles.ctas_per_sm
-    )
+        num_tiles, head_blocks, max_items, num_sms(q.device), tiles.ctas_per_sm,
+        slice_cost_items(block_q * tiles.block_h, R, line_bytes),
+    )  # fmt: skip
+    if splits > MAX_SPLITS:
+        raise ValueError(f"at most {MAX_SPLITS} slices, got {splits}")
     direct = splits == 1
     if direct:
         part_o = part_lse = out  # not read: the kernel writes `out` itself
@@ -423,11 +498,13 @@ def launch_mla_paged(
         else (query_tiles.query_start, query_tiles.tile_seq, query_tiles.tile_q0)
     )
     fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    shift = fp8 and tiles.fp8_shift
+    line_scale = latent_scale * 256.0 if shift else latent_scale  # shifted lines read 2^-8 of their value
     block_p = 512 if sparse else 1024  # the tag check of a 16k-token slice in one step (sparse: registers)
     _mla_paged_kernel[(head_blocks, splits, num_tiles)](
         q, latent_cache, page_table, clean_table, expected_tags, page_tags, seq_lens, query_start, tile_seq,
         tile_q0, topk_arg, tag_mismatch.view(torch.uint8), part_o, part_lse, out,
-        softmax_scale * latent_scale * math.log2(math.e), latent_scale, seq_lens.shape[0], splits, H, R, C - R,
+        softmax_scale * line_scale * math.log2(math.e), line_scale, seq_lens.shape[0], splits, H, R, C - R,
         K,
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), page_table.stride(0),
         expected_tags.stride(0), topk_arg.stride(0), out.stride(0), out.stride(1),
@@ -437,10 +514,11 @@ def launch_mla_paged(
         COMPUTE=tl.float16 if fp8 else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_STAGES=tiles.num_stages, FP8_ASM=fp8 and q.is_cuda,  # the interpreter runs no inline asm
+        FP8_SHIFT=shift, SWAP=tiles.swap,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if not direct:
-        merge_splits(part_o, part_lse, out, latent_scale)
+        merge_splits(part_o, part_lse, out, line_scale)
     return out
 
 
@@ -464,11 +542,13 @@ def mla_decode(
     block_rc: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tiles: MlaTiles | None = None,
 ) -> torch.Tensor:  # [B, H, R] in q's dtype
     """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring.
 
-    Tile defaults (None): `kernels.mla_tiles.TILES` for the heads (a 64-row tile from 33 heads on),
-    the cache dtype and the mode.
+    Tile defaults (None): `tiles` if given (a whole config, as the benchmark's sweep passes them), else
+    `kernels.mla_tiles.TILES` for the heads (a 64-row tile from 33 heads on), the cache dtype and the
+    mode; any of block_h ... num_stages given replaces that field.
     """
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(
@@ -476,7 +556,7 @@ def mla_decode(
         )
     tiles = resolve_tiles(
         "decode" if topk_indices is None else "sparse", block_h or q.shape[1],
-        latent_cache.dtype == torch.float8_e4m3fn, block_h, block_n, block_rc, num_warps, num_stages,
+        latent_cache.dtype == torch.float8_e4m3fn, block_h, block_n, block_rc, num_warps, num_stages, tiles,
     )  # fmt: skip
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,

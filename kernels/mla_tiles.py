@@ -24,7 +24,9 @@ import triton
 @dataclass(frozen=True, slots=True)
 class MlaTiles:
     """Heads per program, tokens per step, latent columns per chunk, warps, pipeline depth, and the
-    CTAs an SM holds at once (registers and shared memory allowing), which the slice count aims at."""
+    CTAs an SM holds at once (registers and shared memory allowing), which the slice count aims at;
+    `swap`: tokens as the dots' rows (wgmma's 64 whatever the heads); `fp8_shift`: FP8 lines converted
+    by moving bits (`e4m3_to_f16_shifted`) rather than by the conversion unit."""
 
     block_h: int
     block_n: int
@@ -32,6 +34,8 @@ class MlaTiles:
     num_warps: int
     num_stages: int
     ctas_per_sm: int
+    swap: bool = False
+    fp8_shift: bool = False
 
 
 # (mode, rows, FP8 cache) -> tiles; mode "decode" (dense), "sparse" (decode or prefill), "prefill".
@@ -64,12 +68,21 @@ VARIANTS: dict[tuple[str, int, bool], list[MlaTiles]] = {
     ],
     ("decode", 64, True): [
         MlaTiles(64, 64, 64, 8, 3, 1), MlaTiles(64, 32, 64, 8, 7, 1), MlaTiles(64, 32, 64, 8, 4, 1),
+        MlaTiles(64, 32, 64, 8, 5, 1, fp8_shift=True),
     ],
     ("decode", 16, False): [
         MlaTiles(16, 32, 64, 4, 5, 2), MlaTiles(16, 64, 64, 4, 5, 1), MlaTiles(16, 64, 128, 4, 3, 2),
+        MlaTiles(16, 32, 64, 8, 5, 2), MlaTiles(16, 64, 64, 4, 3, 1, swap=True),
+        MlaTiles(16, 64, 128, 8, 3, 1, swap=True),
     ],
+    # round 3 (2026-12-04, sm90 compile: registers -> CTAs an SM): shifted conversion 16x32/64 w4 152 -> 2,
+    # w8 127 -> 2, 16x32/128 w4 155 -> 3, 16x16 157 / 150 -> 3; swapped w4 224 -> 2, w8 218 -> 1
     ("decode", 16, True): [
         MlaTiles(16, 64, 64, 4, 3, 1), MlaTiles(16, 64, 64, 4, 5, 1), MlaTiles(16, 32, 64, 4, 7, 2),
+        MlaTiles(16, 32, 64, 4, 5, 2, fp8_shift=True), MlaTiles(16, 32, 64, 8, 5, 2, fp8_shift=True),
+        MlaTiles(16, 32, 128, 4, 4, 3, fp8_shift=True), MlaTiles(16, 16, 64, 4, 6, 3, fp8_shift=True),
+        MlaTiles(16, 16, 128, 4, 5, 3, fp8_shift=True), MlaTiles(16, 32, 64, 4, 4, 2, swap=True, fp8_shift=True),
+        MlaTiles(16, 64, 128, 8, 3, 1, swap=True, fp8_shift=True),
     ],
     ("sparse", 64, False): [MlaTiles(64, 32, 64, 8, 5, 1), MlaTiles(64, 16, 64, 8, 7, 1)],
     ("sparse", 64, True): [MlaTiles(64, 32, 64, 8, 5, 1), MlaTiles(64, 16, 64, 8, 7, 1)],
@@ -92,25 +105,41 @@ def resolve_tiles(
     block_rc: int | None,
     num_warps: int | None,
     num_stages: int | None,
+    base: MlaTiles | None = None,
 ) -> MlaTiles:
-    """TILES' entry for `mode` and a tile of `rows` (a prefill tile under 64 rows: decode's), with any
-    of its fields given explicitly."""
-    d = TILES.get((mode, tile_rows(rows), fp8)) or TILES[("decode", tile_rows(rows), fp8)]
+    """`base`, or else TILES' entry for `mode` and a tile of `rows` (a prefill tile under 64 rows:
+    decode's), with any of its fields given explicitly."""
+    d = base or TILES.get((mode, tile_rows(rows), fp8)) or TILES[("decode", tile_rows(rows), fp8)]
     return MlaTiles(
         block_h or d.block_h, block_n or d.block_n, block_rc or d.block_rc, num_warps or d.num_warps,
-        num_stages or d.num_stages, d.ctas_per_sm,
+        num_stages or d.num_stages, d.ctas_per_sm, d.swap, d.fp8_shift,
     )  # fmt: skip
 
 
-def pick_mla_splits(num_tiles: int, head_blocks: int, max_items: int, num_sms: int, ctas_per_sm: int) -> int:
-    """Slices per tile: the fewest whose programs fill at least 85% of the CTA slots of the waves they
-    take (the 64-head tile fits one CTA per SM: batch 64 in one slice would leave half the SMs idle,
-    in three a third of the last wave), each slice at least 512 items, at most 64."""
+MAX_SPLITS = 128  # the merge reads every slice's LSE at once
+SLICE_FIXED_ITEMS = 64  # a slice's own cost (q, the tag check's pass, the epilogue), in items read
+
+
+def slice_cost_items(rows: int, kv_lora_rank: int, line_bytes: int) -> int:
+    """What one more slice costs, in items read: its fixed work and its partial output, written and read
+    back by the merge (`rows` x R fp32 each way: 114 FP8 lines for a 16-row tile, 455 for 64 rows)."""
+    return SLICE_FIXED_ITEMS + rows * kv_lora_rank * 8 // line_bytes
+
+
+def pick_mla_splits(
+    num_tiles: int, head_blocks: int, max_items: int, num_sms: int, ctas_per_sm: int, slice_cost: int
+) -> int:
+    """Slices per tile minimising the modelled time of the last wave of programs: waves x (items a
+    slice + `slice_cost`), waves counted in the CTA slots of the device (`ctas_per_sm` an SM); ties go
+    to fewer slices. At batch 64 that is the fewest slices that fill the slots (64 heads, one CTA an
+    SM: 2 slices, 128 of 132); at batch 1 to 8, more, each slice at least `slice_cost` items (its
+    partials then move no more bytes than its lines), so that a short context still spreads over the
+    SMs rather than one program walking it alone."""
     slots = num_sms * ctas_per_sm
     base = max(num_tiles * head_blocks, 1)
-    most = max(1, min(64, max_items // 512))
-    for splits in range(1, most + 1):
-        programs = base * splits
-        if programs >= 0.85 * triton.cdiv(programs, slots) * slots:
-            return splits
-    return most
+    most = max(1, min(MAX_SPLITS, max_items // max(slice_cost, 1)))
+
+    def cost(splits: int) -> int:
+        return triton.cdiv(base * splits, slots) * (triton.cdiv(max_items, splits) + slice_cost)
+
+    return min(range(1, most + 1), key=cost)

@@ -60,26 +60,32 @@ def _merge_kernel(
     R,
     stride_ob,
     stride_oh,
-    BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits: the LSEs at once
+    CHUNK_S: tl.constexpr,  # slices' outputs a step (registers: CHUNK_S x BLOCK_R fp32)
+    BLOCK_R: tl.constexpr,  # output columns a program (grid axis 2)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
     offs_s = tl.arange(0, BLOCK_S)
-    offs_r = tl.arange(0, BLOCK_R)
-    s_ok = offs_s < num_splits
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
-    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))  # [BS]
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # 0 for empty slices
-    o = tl.load(
-        part_o_ptr + (row * num_splits + offs_s)[:, None] * R + offs_r[None, :],
-        mask=s_ok[:, None] & r_ok[None, :],
-        other=0.0,
-    )  # [BS, R]
-    den = tl.sum(w, axis=0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
+    top = tl.where(top == float("-inf"), 0.0, top)
+    den = tl.sum(tl.exp2(lse - top), axis=0)  # 0 for empty slices
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        s = s0 + tl.arange(0, CHUNK_S)
+        s_ok = s < num_splits
+        w = tl.exp2(tl.load(part_lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf")) - top)
+        o = tl.load(
+            part_o_ptr + (row * num_splits + s)[:, None] * R + offs_r[None, :],
+            mask=s_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )  # [CHUNK_S, R]
+        acc += tl.sum(w[:, None] * o, axis=0)
+    res = acc / tl.where(den > 0.0, den, 1.0) * v_scale  # no tokens: 0
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_r, res.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
@@ -92,7 +98,8 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         )
     if out.stride(-1) != 1 or not part_o.is_contiguous() or not part_lse.is_contiguous():
         raise ValueError("merge_splits: partials must be contiguous and out unit-stride in its last dim")
-    _merge_kernel[(B, H)](
+    block_r = min(128, triton.next_power_of_2(R))  # more programs at small batch (MLA: R = 512)
+    _merge_kernel[(B, H, triton.cdiv(R, block_r))](
         part_o,
         part_lse,
         out,
@@ -102,6 +109,7 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         out.stride(0),
         out.stride(1),
         BLOCK_S=max(2, triton.next_power_of_2(NS)),
-        BLOCK_R=triton.next_power_of_2(R),
+        CHUNK_S=min(8, max(2, triton.next_power_of_2(NS))),
+        BLOCK_R=block_r,
         num_warps=4,
     )

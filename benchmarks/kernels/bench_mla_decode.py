@@ -52,7 +52,7 @@ from benchmarks.kernels.common import (
 from kernels.mla_attention import mla_attention_ref, mla_decode_ref
 from kernels.mla_decode import mla_decode
 from kernels.mla_prefill import mla_prefill
-from kernels.mla_tiles import TILES, VARIANTS, MlaTiles, pick_mla_splits, tile_rows
+from kernels.mla_tiles import TILES, VARIANTS, MlaTiles, pick_mla_splits, slice_cost_items, tile_rows
 from kernels.split_k_merge import num_sms
 
 R, DR, PAGE = 512, 64, 16
@@ -84,7 +84,8 @@ def entry(mode: str, heads: int, kv: str) -> tuple[str, int, bool]:
 
 
 def label(t: MlaTiles) -> str:
-    return f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}"
+    flags = (" swap" if t.swap else "") + (" shift" if t.fp8_shift else "")
+    return f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}{flags}"
 
 
 def case_name(H: int, B: int, ctx: int, topk: int | None) -> str:
@@ -111,17 +112,17 @@ def make_case(H: int, B: int, ctx: int, topk: int | None) -> dict[str, Any]:
     return case
 
 
-def tile_kwargs(t: MlaTiles | None, num_tiles: int, heads: int, items: int) -> dict[str, Any]:
+def tile_kwargs(
+    t: MlaTiles | None, num_tiles: int, heads: int, items: int, line_bytes: int
+) -> dict[str, Any]:
     """The launcher's knobs for tiles `t` (None: its defaults), slices as it would pick them for t."""
     if t is None:
         return {}
     splits = pick_mla_splits(
-        num_tiles, -(-heads // t.block_h), items, num_sms(torch.device("cuda")), t.ctas_per_sm
-    )
-    return dict(
-        block_h=t.block_h, block_n=t.block_n, block_rc=t.block_rc, num_warps=t.num_warps,
-        num_stages=t.num_stages, num_splits=splits,
+        num_tiles, -(-heads // t.block_h), items, num_sms(torch.device("cuda")), t.ctas_per_sm,
+        slice_cost_items(t.block_h, R, line_bytes),
     )  # fmt: skip
+    return dict(tiles=t, num_splits=splits)
 
 
 def run(case: dict[str, Any], kv: str, check: bool = True, tiles: MlaTiles | None = None) -> torch.Tensor:
@@ -131,7 +132,7 @@ def run(case: dict[str, Any], kv: str, check: bool = True, tiles: MlaTiles | Non
     return mla_decode(
         case["q"], cache, scale, R, case["seq_lens"], case["page_table"], case["expected_tags"],
         case["page_tags"], case["flags"], SOFTMAX_SCALE, case["topk"], check_tags=check,
-        **tile_kwargs(tiles, B, H, items),
+        **tile_kwargs(tiles, B, H, items, cache.shape[2] * cache.element_size()),
     )  # fmt: skip
 
 

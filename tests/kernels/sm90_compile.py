@@ -48,7 +48,7 @@ def mla_source(
         NUM_RC=512 // tiles.block_rc, BLOCK_DR=64, BLOCK_P=512 if sparse else 1024, VARLEN=varlen, SPARSE=sparse,
         CHECK_TAGS=check,
         DIRECT=direct, COMPUTE=tl.float16 if fp8 else _TL[q], DOT_PRECISION="ieee" if q == "fp32" else "tf32",
-        NUM_STAGES=tiles.num_stages, FP8_ASM=fp8,
+        NUM_STAGES=tiles.num_stages, FP8_ASM=fp8, FP8_SHIFT=fp8 and tiles.fp8_shift, SWAP=tiles.swap,
     )  # fmt: skip
     return _source(fn, ptrs, consts, {"qk_scale", "v_scale"})
 
@@ -76,7 +76,7 @@ def merge_source(out: str = "bf16") -> ASTSource:
     return _source(
         fn,
         {"part_o_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": out},
-        {"BLOCK_S": 4, "BLOCK_R": 512},
+        {"BLOCK_S": 128, "CHUNK_S": 8, "BLOCK_R": 128},
         {"v_scale"},
     )
 
@@ -198,7 +198,8 @@ def mla_configs(
         if mode == "prefill":
             kw.update(varlen=True, block_q=rows // entries[0].block_h)
         for t in entries:
-            tile = f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}"
+            flags = (" swap" if t.swap else "") + (" shift" if t.fp8_shift else "")
+            tile = f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}{flags}"
             name = f"mla {mode} {kw['cache']} {rows} rows {tile}"
             out.append((name, kw, t))
     return out

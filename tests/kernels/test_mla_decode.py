@@ -21,9 +21,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kernels.mla_attention import mla_decode_ref  # noqa: E402
-from kernels.mla_decode import mla_decode  # noqa: E402
-from kernels.mla_tiles import VARIANTS, pick_mla_splits  # noqa: E402
+from kernels.mla_decode import e4m3_bits_to_f16_shifted, e4m3_to_f16_shifted, mla_decode  # noqa: E402
+from kernels.mla_tiles import MAX_SPLITS, VARIANTS, MlaTiles, pick_mla_splits, slice_cost_items  # noqa: E402
 from kernels.split_k_merge import pick_num_splits  # noqa: E402
 from tests.kernels.paged_layout import lay_out, poison_allocator, tag_input_misfits  # noqa: E402
 
@@ -86,6 +89,17 @@ def test_matches_reference(L: int, q_dtype: torch.dtype) -> None:
     assert not flags.any() and not ref_flags.any()
 
 
+@pytest.mark.parametrize("splits", [9, 20])
+def test_many_slices_merge_in_chunks(splits: int) -> None:
+    """More slices than the merge reads a step (8): slices of 16 tokens, most of the short sequences'
+    slices empty (LSE -inf), merged chunk by chunk."""
+    batch, _ = make_batch(
+        [200, 40, 7], H=16, R=32, Dr=8, S=16, cache_dtype=torch.float32, q_dtype=torch.float32, seed=4
+    )
+    out, ref, _, _ = run_both(batch, num_splits=splits, block_n=16)
+    assert rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_real_latent_width(splits: int) -> None:
     """Kimi's 512 + 64 line, page size 16, one slice (direct output) and two (merge)."""
@@ -115,6 +129,78 @@ def test_fp8_cache_matches_reference(splits: int) -> None:
     assert batch["latent_scale"] != 1.0
     out, ref, _, _ = run_both(batch, num_splits=splits)
     assert rel_err(out, ref) < 2e-3  # the fp8 values are exact in fp16; q and p are rounded
+
+
+SWAPPED = MlaTiles(16, 16, 16, 4, 2, 1, swap=True)
+SHIFTED = MlaTiles(16, 16, 16, 4, 2, 1, fp8_shift=True)
+BOTH = MlaTiles(16, 16, 16, 4, 2, 1, swap=True, fp8_shift=True)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "tiles", "splits"),
+    [(torch.float32, SWAPPED, 1), (torch.float32, SWAPPED, 3), (FP8, SWAPPED, 2), (FP8, SHIFTED, 1),
+     (FP8, SHIFTED, 3), (FP8, BOTH, 1), (FP8, BOTH, 2)],
+)  # fmt: skip
+def test_swapped_dots_and_shifted_fp8(cache_dtype: torch.dtype, tiles: MlaTiles, splits: int) -> None:
+    """Tokens as the dots' rows (`swap`: transposed scores and accumulators, stored through transposed
+    pointers) and FP8 lines converted by moving bits (`fp8_shift`: 2^-8 of their value, the launcher's
+    scales times 2^8, in the direct store and the merge alike); 20 heads = a full and a partial head
+    block, lengths around page edges."""
+    q_dtype = torch.float32 if cache_dtype == torch.float32 else torch.float16
+    batch, _ = make_batch(
+        [45, 3, 70], H=20, R=32, Dr=16, S=16, cache_dtype=cache_dtype, q_dtype=q_dtype, seed=11
+    )
+    out, ref, flags, _ = run_both(batch, num_splits=splits, tiles=tiles)
+    assert out.shape == (3, 20, 32) and not flags.any()
+    assert rel_err(out, ref) < TOL[q_dtype]
+
+
+@pytest.mark.parametrize("tiles", [SWAPPED, BOTH])
+def test_swapped_dots_drop_a_tampered_page(tiles: MlaTiles) -> None:
+    """The sanitised page list and the flag, as `test_tampered_tag_flags_sequence_and_drops_page`,
+    through the swapped dots (FP8: also the shifted conversion)."""
+    S = 8
+    batch, paged = make_batch(
+        [40, 40, 23], H=6, R=32, Dr=16, S=S, cache_dtype=FP8, q_dtype=torch.float16, seed=5
+    )
+    batch["page_tags"][paged.pages[1][2]] += 1
+    out, ref, flags, ref_flags = run_both(batch, num_splits=2, tiles=tiles)
+    assert flags.tolist() == [False, True, False] == ref_flags.tolist()
+    keep = torch.ones(40, dtype=torch.bool)
+    keep[2 * S : 3 * S] = False
+    assert rel_err(out, ref) < 2e-3 and rel_err(out[1], softmax_over(batch, 1, keep)) < 2e-3
+
+
+def test_swapped_dots_in_sparse_mode() -> None:
+    seq_lens = [100, 9, 57]
+    batch, _ = make_batch(
+        seq_lens, H=20, R=32, Dr=8, S=16, cache_dtype=torch.float32, q_dtype=torch.float32, seed=8
+    )
+    topk = sparse_topk(seq_lens, K=24, seed=1)
+    out, ref, flags, _ = run_both(batch, topk, num_splits=2, tiles=SWAPPED)
+    assert rel_err(out, ref) < 1e-5 and not flags.any()
+
+
+@triton.jit
+def _convert_kernel(x_ptr, y_ptr, N: tl.constexpr, ASM: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    y = e4m3_to_f16_shifted(x) if ASM else e4m3_bits_to_f16_shifted(x)
+    tl.store(y_ptr + offs, y)
+
+
+def test_shifted_conversion_is_exact_on_every_byte() -> None:
+    """Every e4m3 byte but the two NaNs: fp16 bits = its value x 2^-8, exactly (subnormals included);
+    on the GPU the inline-asm form, in the interpreter the plain-op one."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    x = codes.view(FP8)
+    y = torch.empty(256, dtype=torch.float16, device=DEV)
+    xs = torch.zeros(256, dtype=torch.uint8)
+    xs[: codes.numel()] = codes
+    # one warp: 8 bytes a thread, whole 4-byte groups for the asm's pack=4
+    _convert_kernel[(1,)](xs.view(FP8).to(DEV), y, N=256, ASM=DEV == "cuda", num_warps=1)
+    expected = x.to(torch.float32) * 2.0**-8
+    assert torch.equal(y[: codes.numel()].cpu().float(), expected)
 
 
 def softmax_over(batch: dict, b: int, keep: torch.Tensor) -> torch.Tensor:
@@ -253,13 +339,17 @@ def test_kernels_compile_for_sm90() -> None:
 
 
 def test_pick_mla_splits() -> None:
-    assert pick_mla_splits(64, 1, 32768, 132, 1) == 2  # 64 heads, one CTA per SM: 128 of 132 slots
-    assert pick_mla_splits(64, 1, 32768, 132, 2) == 4  # 16 heads, two CTAs per SM: 256 of 264
-    assert pick_mla_splits(8, 1, 32768, 132, 1) == 15  # 120 programs: the first count that fills 85%
-    assert pick_mla_splits(1, 1, 32768, 132, 1) == 64  # batch 1, long context: as many as allowed
-    assert pick_mla_splits(1, 1, 700, 132, 1) == 1  # short context: one slice, no merge
-    assert pick_mla_splits(64, 1, 2048, 132, 1) == 2  # sparse top-2048
-    assert pick_mla_splits(4096, 1, 12288, 132, 1) == 1  # prefill: enough tiles already
+    fp8_64, fp8_16 = slice_cost_items(64, 512, 576), slice_cost_items(16, 512, 576)
+    assert (fp8_64, fp8_16) == (519, 177)  # 64 + a slice's partials (rows x 512 fp32, both ways) in lines
+    assert pick_mla_splits(64, 1, 32768, 132, 1, fp8_64) == 2  # 64 heads, one CTA per SM: 128 of 132 slots
+    assert pick_mla_splits(64, 1, 32768, 132, 2, fp8_16) == 4  # 16 heads, two CTAs per SM: 256 of 264
+    assert pick_mla_splits(8, 1, 32768, 132, 1, fp8_64) == 16  # 128 programs: one wave
+    assert pick_mla_splits(8, 1, 32768, 132, 2, fp8_16) == 33  # 264 programs: every slot
+    assert pick_mla_splits(1, 1, 32768, 132, 2, fp8_16) == MAX_SPLITS  # batch 1: as many as the merge takes
+    assert pick_mla_splits(1, 1, 4096, 132, 2, fp8_16) == 23  # short: each slice >= its cost (177 lines)
+    assert pick_mla_splits(1, 1, 700, 132, 1, fp8_64) == 1  # shorter than a 64-row slice's cost: no merge
+    assert pick_mla_splits(64, 1, 2048, 132, 1, fp8_64) == 2  # sparse top-2048
+    assert pick_mla_splits(4096, 1, 12288, 132, 1, fp8_64) == 1  # prefill: enough tiles already
 
 
 def test_pick_num_splits() -> None:
