@@ -25,7 +25,9 @@ from benchmarks.engine.offline import engine_config, run_offline
 from benchmarks.engine.weights import build_random_model
 
 
-def profile_format(fmt: str, layers: int, steps: int, input_len: int, graphs: bool, device: str = "cuda") -> dict:
+def profile_format(
+    fmt: str, layers: int, steps: int, input_len: int, graphs: bool, device: str = "cuda"
+) -> dict:
     tiny = device == "cpu"
     geometry = make_geometry("glm-5.2", layers, tiny=tiny)
     config = geometry.model_config
@@ -40,6 +42,7 @@ def profile_format(fmt: str, layers: int, steps: int, input_len: int, graphs: bo
     weights = sum(token_bytes(model, int(geometry.text["num_experts_per_tok"])).values())
     run_offline(engine, variant="warm", concurrency=1, input_len=input_len, output_len=32,
                 vocab_size=config.vocab_size)  # fmt: skip
+
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()

@@ -7,6 +7,7 @@ constants and specialisation instead of only failing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -26,10 +27,8 @@ def entries(cache: Path) -> dict[str, dict]:
     for p in cache.rglob("*.json"):
         if p.name.startswith("__grp__"):
             continue
-        try:
+        with contextlib.suppress(OSError, ValueError):
             found[str(p.relative_to(cache))] = json.loads(p.read_text())
-        except (OSError, ValueError):
-            pass
     return found
 
 
@@ -50,10 +49,20 @@ def main() -> None:
     new = {k: v for k, v in after.items() if k not in before}
     print(f"warm-up compiled {len(before)} kernels; the workload {len(new)} more")
     for k, meta in new.items():
-        print("NEW", k, {key: meta.get(key) for key in ("name", "constants", "attrs", "signature", "num_warps", "num_stages")})
+        print(
+            "NEW",
+            k,
+            {
+                key: meta.get(key)
+                for key in ("name", "constants", "attrs", "signature", "num_warps", "num_stages")
+            },
+        )
         same = [m for m in before.values() if m.get("name") == meta.get("name")]
         for m in same:
-            print("   warm variant:", {key: m.get(key) for key in ("constants", "attrs", "signature", "num_warps")})
+            print(
+                "   warm variant:",
+                {key: m.get(key) for key in ("constants", "attrs", "signature", "num_warps")},
+            )
 
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 
 from benchmarks.client import spawn_serve
+
+if TYPE_CHECKING:  # the SDK is imported where a client is made: the GPU image has no openai
+    import openai
 
 ROOT = Path(__file__).resolve().parents[2]
 LEGACY = "@cf/kumo/glm-4.5"
@@ -118,6 +121,8 @@ def sdk_client(kumo: Kumo, timeout: float = 180) -> openai.OpenAI:
     """The `openai` SDK's client on the OpenAI-compatible routes, closed after the test by
     `close_sdk_clients` (an unclosed one leaves its pooled sockets to the garbage collector: a
     ResourceWarning, an error, in whichever later test it happens to run)."""
+    import openai
+
     made = openai.OpenAI(api_key=kumo.token, base_url=kumo.path("/ai/v1"), max_retries=0, timeout=timeout)
     _sdk_clients.append(made)
     return made
