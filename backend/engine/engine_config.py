@@ -74,6 +74,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     speculative_adaptive: bool = True
     speculative_saturation_rows: TokenBudget = 64
     speculative_draft_cost: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    # verify and draft steps from CUDA graphs (backend/engine/verify_graphs.py): off until their capture
+    # works on the GPU (on the H200, 2026-12-04, the first capture hit a device-side index assert; the CPU
+    # tests run them through the `eager_capture` seam)
+    speculative_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:

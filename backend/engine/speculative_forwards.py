@@ -65,6 +65,8 @@ class SpecForwards:
         max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
         sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
         graphs = None
+        if not config.speculative_graphs:
+            capture = None
         if capture is not None and sizes:
             with torch.inference_mode():
                 graphs = VerifyGraphs(

@@ -17,7 +17,11 @@ from benchmarks.engine.geometry import make_geometry
 from benchmarks.engine.rank_of import ring_sent, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+ENV = dict(
+    os.environ,
+    OMP_NUM_THREADS="1",
+    PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+)
 
 LOCAL_OPS = """
 import torch, torch.distributed as dist

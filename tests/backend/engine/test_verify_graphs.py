@@ -42,7 +42,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def engine(model: Any, k: int, *, graphs: bool, **config: Any) -> Engine:
     values = dict(num_pages=NUM_PAGES, page_size=8, max_num_batched_tokens=64, max_num_seqs=8)
     values |= dict(num_speculative_tokens=k, speculative_max_seqs=8, speculative_adaptive=False)
-    values |= dict(cuda_graph_batch_sizes=(1, 2, 4, 8)) | config
+    values |= dict(cuda_graph_batch_sizes=(1, 2, 4, 8), speculative_graphs=True) | config
     c = EngineConfig.build(**values)
     return Engine.from_prepared(prepare_model(model, c), c, graph_capture=eager_capture if graphs else None)
 
