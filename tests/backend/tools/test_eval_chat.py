@@ -57,7 +57,7 @@ def memorised(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     (root / "data" / "train.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
     with pytest.MonkeyPatch.context() as mp:  # the micro DSA keeps every key, as the nano one does
         mp.setitem(nano.SIZES["micro"]["dsa"], "index_topk", 2048)
-        train(family, root / "data", root / "ckpt", size="micro", steps=240 if family == "glm" else 80,
+        train(family, root / "data", root / "ckpt", size="micro", steps=240 if family == "glm" else 160,
               batch_tokens=4096, lr=1e-2, warmup=5, max_len=600, log_every=100, device="cpu", workers=1)  # fmt: skip
     for task in _tasks(family):
         rows = [eval_row(it) for it in items if it["task"] == task]
