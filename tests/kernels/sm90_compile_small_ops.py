@@ -24,9 +24,9 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
         ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),
-        ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1}, set()), 4),
-        ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64}, set()), 4),
-        ("rope NeoX partial", _source(_rope_kernel, rope, {"INTERLEAVED": False, "BLOCK_H": 16, "BLOCK_F": 32, "BLOCK_R": 64}, set()), 4),
+        ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1, "EXACT": True}, set()), 4),
+        ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
+        ("rope NeoX partial", _source(_rope_kernel, rope, {"INTERLEAVED": False, "BLOCK_H": 16, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
         ("route 256 experts top-8", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("route 8 x 32 groups top-4", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 8, "TOPK_GROUP": 4, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("selection keys", _source(_selection_keys_kernel, {"scores_ptr": "fp32", "keys_ptr": "i64"}, {"BLOCK": 1024}, set()), 4),

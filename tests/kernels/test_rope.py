@@ -1,11 +1,10 @@
-"""Triton rotary embedding against rope_ref: the same values (each product and sum rounds to the
+"""Triton rotary embedding against rope_ref: the same bytes (each product and sum rounds to the
 dtype on both sides), interleaved and NeoX, with and without dims passed through, strided input,
 a slice of a larger buffer as `out`.
 
 CPU CI runs the kernel under TRITON_INTERPRET=1, whose float32 -> bfloat16 cast truncates where the
 GPU's rounds to nearest even: there bf16 results may differ by one unit in the last place, so they
-are compared within a few (three truncations, then a difference), fp16 to the byte. On the H200
-(2026-12-04) bf16 and fp16 came within one unit in the last place of torch, not to the byte."""
+are compared within a few (three truncations, then a difference), fp16 and every GPU run to the byte."""
 
 from __future__ import annotations
 
@@ -24,15 +23,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET_BF16_TOL = 2**-5  # 4 bf16 units in the last place, relative
 
 
-# on the H200 (2026-12-04) the kernel's bf16/fp16 outputs differ from torch's in at most one unit in
-# the last place (not byte for byte, as hoped): one unit of the dtype is the bound there
-CUDA_ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10}
-
-
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
-    if DEV == "cuda" and a.dtype in CUDA_ULP:
-        torch.testing.assert_close(a, b, rtol=CUDA_ULP[a.dtype], atol=CUDA_ULP[a.dtype])
-    elif DEV == "cuda" or a.dtype != torch.bfloat16:
+    if DEV == "cuda" or a.dtype != torch.bfloat16:
         assert torch.equal(a, b)
     else:
         torch.testing.assert_close(a, b, rtol=INTERPRET_BF16_TOL, atol=2**-5)
