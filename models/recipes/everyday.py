@@ -381,6 +381,11 @@ def word_problem(rng: random.Random, tier: int, people: list[str]) -> dict:
         value = result
     sentences.append(rng.choice(QUESTIONS).format(t=thing, w=w))
     question = " ".join(sentences)
+    return word_problem_item(question, steps, value)
+
+
+def word_problem_item(question: str, steps: list[str], value: int) -> dict:
+    """A gsm-nano item: the question, the steps as the reasoning, "The answer is N." after it."""
     answer = str(value)
     return {
         "task": "gsm-nano",

@@ -77,20 +77,7 @@ def classic_arithmetic(rng: random.Random, tier: int, world: World) -> dict:
             step(f"finds {n} more", "+", n, value + n)
             value += n
     question = " ".join(sentences) + f" How many {thing} does {who} have now?"
-    answer = str(value)
-    return {
-        "task": "gsm-nano",
-        "prompt": question,
-        "answer": answer,
-        "messages": [
-            {"role": "user", "content": question},
-            {
-                "role": "assistant",
-                "reasoning_content": ". ".join(steps) + ".",
-                "content": f"The answer is {answer}.",
-            },
-        ],
-    }
+    return everyday.word_problem_item(question, steps, value)
 
 
 LETTERS = "ABCDEFGH"
