@@ -12,6 +12,8 @@
 #    (1.75)), installed into the checkpoint (--install);
 # 3. $OUT/<name>.tar for both (each ~14 MB: the two weight shards, mtp.safetensors, tokenizer, logs) and
 #    $OUT/<family>.stdout, $OUT/<family>-mtp.stdout: six files.
+# SKIP_MTP=1: the continued training only (a first call of two; the second continues from its output,
+# untarred into models/, and trains the MTP layers). ITEMS_GLM/ITEMS_KIMI, LR, MIX override the defaults.
 # Afterwards: untar both into models/ and run the held-out "after" eval (models/README.md, issue 26).
 # CPU dry run of the logic (tiny budgets, no wheels needed when the venv has transformers 5.24):
 #   OUT=/tmp/r3 PYTHON=/work/main/.venv/bin/python DEVICE=cpu ITEMS_GLM=300 ITEMS_KIMI=200 TRAIN_MINUTES=0.2 \
@@ -37,7 +39,7 @@ fi
 $PY -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())" || exit 3
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 # the everyday mixture: tools, word problems and chat lead; the reading tasks stay so they are not forgotten
-MIX=gsm-nano=0.22,tool-call=0.24,chat=0.14,arc-nano-easy=0.08,arc-nano-challenge=0.06,mmlu-nano=0.08
+MIX=${MIX:-gsm-nano=0.22,tool-call=0.24,chat=0.14,arc-nano-easy=0.08,arc-nano-challenge=0.06,mmlu-nano=0.08}
 stage() {  # stage <family>: data, the continued training, the MTP layer, installed
   local fam=$1 name items workers
   name=$([ "$fam" = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)
@@ -53,6 +55,7 @@ stage() {  # stage <family>: data, the continued training, the MTP layer, instal
     --steps 0 --minutes "$TRAIN_MINUTES" --batch-tokens "${BATCH_TOKENS:-65536}" --lr "${LR:-1.5e-3}" \
     --warmup "${WARMUP:-50}" --workers "$workers" $DEVICE_ARGS || return 5
   echo "trained at $((SECONDS - t0)) s"
+  [ -n "${SKIP_MTP:-}" ] && { echo "SKIP_MTP: no MTP stage (the checkpoint has no MTP layer)"; return 0; }
   # the MTP layer for the new target, from the committed layer, cut at the deadline; installed only when
   # it finished (a separate step, never interrupted: a cut stage leaves the checkpoint without MTP, as
   # train.py wrote it, num_nextn_predict_layers 0)

@@ -39,7 +39,8 @@ FACT_PROMPTS = [
     "What is one thing you know?",
     "Share a fact.",
 ]
-SCENE_SHARE = 0.85  # of the training image items: scenes of any size (images.scene), the rest classic
+SCENE_SHARE = 0.5  # of the training image items: scenes of any size (images.scene), the rest classic
+# (0.85 in the first everyday retrain cost Kimi half its accuracy on the classic drawings)
 IMAGE_ANSWER = r"^\s*(.*?)\.?\s*$"  # the image task's answer turn is `{answer}.`
 
 

@@ -284,6 +284,92 @@ PHRASINGS: dict[str, list[str]] = {
         "Don't let me forget to {text} on {date}.",
     ],
 }
+# more phrasings in other registers (questions, requests, fragments, chatty ones); added 2026-12-04 for
+# the second everyday retrain: the first one's 3-10 phrasings per tool did not carry to other wordings
+PHRASINGS["get_weather"] += [
+    "Will it be sunny in {city}?", "What's it like outside in {city}?", "Is it cold in {city} today?",
+    "forecast for {city}", "Should I take a jacket in {city}?", "Check {city} weather.",
+    "I'm heading to {city}. Is the weather nice?", "What temperature is it in {city}?",
+    "Look up the weather in {city} for me.", "Weather report for {city}, please.",
+    "My mum lives in {city}. How's the weather over there?", "Is it windy in {city}?",
+]
+PHRASINGS["get_weather+unit"] += ["Tell me the {city} temperature in {unit}.", "{city} weather in {unit}",
+                                  "Use {unit}: how hot is it in {city}?"]
+PHRASINGS["convert_currency"] += [
+    "{amount} {from} to {to}?", "Exchange {amount} {from} into {to}.", "What do {amount} {from} come to in {to}?",
+    "How many {to} do I get for {amount} {from}?", "Turn {amount} {from} into {to} for me.",
+    "I need {amount} {from} converted to {to}.", "{amount} {from} in {to} please",
+    "What's the value of {amount} {from} in {to}?",
+]
+PHRASINGS["set_timer"] += [
+    "Count down from {minutes} minutes.", "Time {minutes} minutes for me.", "timer {minutes} min",
+    "Let me know when {minutes} minutes are up.", "Put on a timer: {minutes} minutes.",
+    "The pasta needs {minutes} minutes. Set a timer.", "I need a {minutes}-minute countdown.",
+    "Alert me after {minutes} minutes.",
+]
+PHRASINGS["send_message"] += [
+    "Write a message to {to}: {text}.", "Let {to} know {text}.", "Send {to} this: {text}.",
+    "Ping {to} with: {text}.", "Can you text {to}? Say {text}.", "Tell {to}: {text}",
+    "Please message {to} that {text}.", "Shoot {to} a note saying {text}.",
+]
+PHRASINGS["book_table"] += [
+    "Reserve {restaurant} for {people}.", "A table for {people} at {restaurant}, please.",
+    "Book {restaurant}, {people} people.", "We are {people} people. Book us a table at {restaurant}.",
+    "Can I get a reservation at {restaurant} for {people}?", "Make a booking at {restaurant} for {people} guests.",
+    "Dinner for {people} at {restaurant} tonight, please book it.", "Find us seats for {people} at {restaurant}.",
+]
+PHRASINGS["add_reminder"] += [
+    "Reminder: {text} on {date}.", "Make a note to {text} on {date}.", "I have to {text} on {date}. Remind me.",
+    "Add to my list: {text}, {date}.", "Please remind me on {date} to {text}.",
+    "Schedule a reminder for {date} to {text}.", "{date}: {text}. Add it as a reminder.",
+]
+OPENERS = ["Hi! ", "Hello. ", "Hey, ", "Quick question. ", "Please help. ", "Thanks in advance. ", "Um, ", "OK, "]
+CLOSERS = [" Thanks!", " Thank you.", " Cheers.", " Please.", " Thanks a lot.", " ASAP."]
+
+# descriptions of the offered tools, drawn per item, so a call does not hang on one fixed schema text
+TOOL_DESCRIPTIONS = {
+    "get_weather": ["Current weather for a city", "Get the weather for a location", "Weather lookup",
+                    "Returns today's weather in a city", "Fetch weather conditions", ""],
+    "convert_currency": ["Convert an amount between currencies", "Currency converter",
+                         "Exchange money from one currency to another", "Convert money", ""],
+    "set_timer": ["Start a timer", "Set a countdown timer", "Timer", "Starts a timer for some minutes", ""],
+    "send_message": ["Send a text message to a person", "Message someone", "Send an SMS",
+                     "Deliver a short text to a contact", ""],
+    "book_table": ["Book a restaurant table", "Restaurant reservations", "Reserve a table",
+                   "Make a booking at a restaurant", ""],
+    "add_reminder": ["Add a reminder for a date", "Save a reminder", "Reminders", "Remember a task for a day", ""],
+}  # fmt: skip
+PARAM_DESCRIPTIONS = {
+    "city": ["city name", "the city", "a city or town", "location"], "unit": ["temperature unit", "units"],
+    "amount": ["how much", "amount of money", "the amount"], "from": ["source currency", "currency code to convert from"],
+    "to": ["target currency", "recipient", "who gets it", "currency code to convert to"],
+    "minutes": ["length in minutes", "duration (minutes)"], "text": ["message text", "what to say", "the task"],
+    "restaurant": ["restaurant name", "where"], "people": ["party size", "number of guests"],
+    "date": ["when", "the day"],
+}  # fmt: skip
+
+
+def dress_tool(rng: random.Random, tool: dict) -> dict:
+    """`tool` as one request offers it: a description drawn from several (or none), parameter
+    descriptions now and then, properties in any order; names, types, enums and `required` unchanged."""
+    params = tool["parameters"]
+    props = list(params["properties"].items())
+    rng.shuffle(props)
+    described = rng.random() < 0.4
+    properties = {}
+    for key, schema in props:
+        schema = dict(schema)
+        if described and key in PARAM_DESCRIPTIONS:
+            schema["description"] = rng.choice(PARAM_DESCRIPTIONS[key])
+        properties[key] = schema
+    out: dict = {"name": tool["name"]}
+    description = rng.choice(TOOL_DESCRIPTIONS.get(tool["name"], [tool.get("description", "")]))
+    if description:
+        out["description"] = description
+    out["parameters"] = {**params, "properties": properties}
+    return out
+
+
 REMINDER_TOOL = {
     "name": "add_reminder",
     "description": "Add a reminder for a date",
@@ -324,6 +410,10 @@ def tool_request(
     else:
         args, key, result = {"text": rng.choice(REMINDERS), "date": date(rng)}, name, {"saved": True}
     request = rng.choice(PHRASINGS[key]).format(**args)
+    if rng.random() < 0.2:
+        request = rng.choice(OPENERS) + request
+    if rng.random() < 0.15:
+        request += rng.choice(CLOSERS)
     if rng.random() < 0.1:
         request = request.lower()
     return request, args, result

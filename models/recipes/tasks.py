@@ -325,7 +325,7 @@ NO_CALL_SHARE = 0.1  # of the training tool items: tools offered, but the reques
 def no_call(rng: random.Random, tier: int) -> dict:
     """Tools offered and a greeting or one-line question asked: a plain answer, no call."""
     talk = everyday.small_talk(rng)
-    offered = rng.sample(TOOLS, k=min(tier, len(TOOLS)))
+    offered = [everyday.dress_tool(rng, t) for t in rng.sample(TOOLS, k=min(tier, len(TOOLS)))]
     return {**talk, "task": "tool-call", "tools": offered}
 
 
@@ -339,8 +339,10 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
         rng, name, list(world.regions), [p.name for p in world.people]
     )
     offered = [t for t in TOOLS if t["name"] == name]
-    offered += rng.sample([t for t in TOOLS if t["name"] != name], k=min(tier, len(TOOLS) - 1))
+    offered += rng.sample([t for t in TOOLS if t["name"] != name], k=min(rng.randint(0, tier) if split == "train" else tier, len(TOOLS) - 1))
     rng.shuffle(offered)
+    if split == "train":  # varied descriptions and property order; the test set keeps the fixed schemas
+        offered = [everyday.dress_tool(rng, t) for t in offered]
     call_id = f"functions.{name}:0"
     return {
         "task": "tool-call",

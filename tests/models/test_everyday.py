@@ -214,3 +214,31 @@ def test_kumo_eval_heldout_writes_a_report_for_one_variant(kind: str, family: st
     expected = {"heldout-tools": 2, "heldout-arithmetic": 2, "heldout-chat": 2}
     assert tasks == (expected | {"heldout-images": 2} if family == "kimi" else expected)
     assert all(0.0 <= t["results"][0]["accuracy"] <= 1.0 for t in report["tasks"])
+
+
+def test_offered_tools_vary_in_text_but_not_in_contract(world) -> None:  # type: ignore[no-untyped-def]
+    """Training offers each tool with a drawn description and property order (a call must not hang on one
+    schema text), but its name, types, enums and `required` are the tool's own; no held-out description."""
+    import random
+
+    from models.recipes import tasks
+
+    rng = random.Random(3)
+    for tool in tasks.TOOLS:
+        seen_descriptions, seen_orders = set(), set()
+        for _ in range(200):
+            dressed = everyday.dress_tool(rng, tool)
+            assert dressed["name"] == tool["name"]
+            assert dressed["parameters"]["required"] == tool["parameters"]["required"]
+            props = dressed["parameters"]["properties"]
+            assert set(props) == set(tool["parameters"]["properties"])
+            for key, schema in props.items():
+                assert {k: v for k, v in schema.items() if k != "description"} == tool["parameters"]["properties"][key]
+            seen_descriptions.add(dressed.get("description"))
+            seen_orders.add(tuple(props))
+        assert len(seen_descriptions) >= 4
+        assert len(seen_orders) >= min(2, len(props))
+        heldout = eval_heldout.TOOLS[tool["name"]]
+        assert heldout["description"] not in seen_descriptions
+    train = [tasks.tool_use(rng, 2, world, "train") for _ in range(300)]
+    assert len({json.dumps(it["tools"], sort_keys=True) for it in train}) > 200
