@@ -51,11 +51,16 @@ stage() {  # stage <family>: data, the continued training, the MTP layer, instal
   $PY -m models.recipes.build --out "/tmp/r3-$fam" --family "$fam" --train-items "$items" --test-items 10 \
     --first-item "$FIRST_ITEM" --mixture "$mix" || return 4
   echo "data built in $((SECONDS - t0)) s"
-  $PY -m models.recipes.train --family "$fam" --data "/tmp/r3-$fam" --out "$OUT/$name" --init "models/$name" \
+  # bounded: a hung stage (a rendering pool that died, 2026-12-04) must not take the other family's result
+  timeout $((DEADLINE_S - ($(date +%s) - START))) $PY -m models.recipes.train --family "$fam" --data "/tmp/r3-$fam" --out "$OUT/$name" --init "models/$name" \
     --steps 0 --minutes "$TRAIN_MINUTES" --batch-tokens "${BATCH_TOKENS:-65536}" --lr "${LR:-1.5e-3}" \
     --warmup "${WARMUP:-50}" --workers "$workers" $DEVICE_ARGS || return 5
   echo "trained at $((SECONDS - t0)) s"
-  [ -n "${SKIP_MTP:-}" ] && { echo "SKIP_MTP: no MTP stage (the checkpoint has no MTP layer)"; return 0; }
+  if [ -n "${SKIP_MTP:-}" ]; then  # packed now, so the other family's stage cannot lose it
+    echo "SKIP_MTP: no MTP stage (the checkpoint has no MTP layer)"
+    tar -C "$OUT" -cf "$OUT/$name.tar" "$name" && rm -rf "${OUT:?}/$name"
+    return 0
+  fi
   # the MTP layer for the new target, from the committed layer, cut at the deadline; installed only when
   # it finished (a separate step, never interrupted: a cut stage leaves the checkpoint without MTP, as
   # train.py wrote it, num_nextn_predict_layers 0)

@@ -43,6 +43,15 @@ class ImageInput:
     grid_h: int
     grid_w: int
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # pickled by value: a tensor crossing a process pool by torch's default (a file descriptor per
+        # storage) ran out of descriptors at 150,000 Kimi items ("received 0 items of ancdata") and hung
+        return _image_input, (self.patches.numpy(), self.grid_h, self.grid_w)
+
+
+def _image_input(patches: Any, grid_h: int, grid_w: int) -> ImageInput:
+    return ImageInput(torch.from_numpy(patches), grid_h, grid_w)
+
 
 @dataclass(slots=True)
 class Example:
