@@ -28,7 +28,9 @@ warning). Routed quantized experts (INT4, FP8 per channel or in blocks) run as o
 and capture; a quantized layer with no fused kernel (a non-SiLU activation, INT4 with partial groups)
 raises inside `sync_free()` on CUDA, naming its scheme, so the warning says which layer kept decode
 eager. Warm-up and capture run inside `backend.engine.sync_free.sync_free()`, where layers take their
-fixed-shape paths.
+fixed-shape paths. A graph reads what its step read by address: every such tensor is a buffer its
+owner keeps (a tensor made for one capture and dropped would hand its memory to the next tensor made,
+and replays would index with that one's values), and the replay holds the step as well.
 `capture` is injectable: `eager_capture` keeps the static buffers and padding but no graph, which is
 how the CPU tests check bucketing and padding against the plain eager path.
 
@@ -93,12 +95,22 @@ class CudaGraphCapture:
             out = step()
         if self.pool is None:
             self.pool = graph.pool()
+        return CudaGraphReplay(graph, step, out)
 
-        def replay() -> torch.Tensor:
-            graph.replay()
-            return out
 
-        return replay
+class CudaGraphReplay:
+    """A captured step. Its graph reads the tensors the step read at capture by their addresses, so
+    it keeps the step (and through it those tensors) alive: freed, their memory would go to the next
+    tensor the allocator makes, and every replay would read that one."""
+
+    def __init__(
+        self, graph: torch.cuda.CUDAGraph, step: Callable[[], torch.Tensor], out: torch.Tensor
+    ) -> None:
+        self.graph, self.step, self.out = graph, step, out
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
 
 
 class DecodeGraphs:

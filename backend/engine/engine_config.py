@@ -74,9 +74,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     speculative_adaptive: bool = True
     speculative_saturation_rows: TokenBudget = 64
     speculative_draft_cost: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    # verify and draft steps from CUDA graphs (backend/engine/verify_graphs.py): off until their capture
-    # works on the GPU (on the H200, 2026-12-04, the first capture hit a device-side index assert; the CPU
-    # tests run them through the `eager_capture` seam)
+    # verify and draft steps from CUDA graphs (backend/engine/verify_graphs.py): off until their replays
+    # pass on the GPU (test_speculative_cuda.py). On the H200, 2026-12-04, the first replay hit a
+    # device-side index assert: the graphs read index tensors freed after capture (fixed since; the CPU
+    # tests run them through the `eager_capture` seam and check what they read outlives the capture)
     speculative_graphs: bool = False
 
     def __post_init__(self) -> None:

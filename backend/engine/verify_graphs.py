@@ -16,6 +16,11 @@ the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts pa
 through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
 forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
 
+Every tensor a graph reads is the object's own: the buffers refilled before each replay, and per k
+the row layout no replay changes (each sequence's first row, each row's sequence, the logits rows).
+A layout made afresh for each capture and dropped with its step was what the H200 replays read on
+2026-12-04, after the allocator had reused its memory: an `IndexKernel.cu` index assert.
+
 Shapes: B sequences, Bk bucket, L = k + 1 rows per sequence, Mp max pages, V vocab, H hidden.
 """
 
@@ -66,6 +71,13 @@ class VerifyGraphs:
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
         self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
+        self.rows = torch.arange(n * L, dtype=i64, device=dev)  # [n·L] logits rows: every row is one
+        # per k, what a replay never changes: each sequence's first row [n+1] and each row's sequence
+        # [n·(k+1)]. Held here, not by the steps: a graph keeps only the addresses it read
+        self._layouts = {
+            k: (torch.arange(n + 1, dtype=i32, device=dev) * (k + 1), self.rows[: n * (k + 1)] // (k + 1))
+            for k in self.draft_lengths
+        }
         self._written_width = 0
         self._replays: dict[tuple[int, int], VerifyReplay] = {}
         try:
@@ -147,23 +159,24 @@ class VerifyGraphs:
         return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
 
     def _batch(self, k: int, size: int) -> ForwardBatch:
-        """The ForwardBatch the (k, size) graph reads: views of the buffers' first rows."""
-        L, dev = k + 1, self._vectors.device
-        rows = torch.arange(size * L, dtype=torch.int64, device=dev)
+        """The ForwardBatch the (k, size) graph reads: views of the buffers' first rows, every one of
+        them owned by `self` (the graph reads them at replay, long after this batch is gone)."""
+        L = k + 1
+        query_start, seq_index = self._layouts[k]
         return ForwardBatch(
             input_ids=self.input_ids[: size * L],
             positions=self.positions[: size * L],
-            query_start=torch.arange(size + 1, dtype=torch.int32, device=dev) * L,
+            query_start=query_start[: size + 1],
             seq_lens=self.seq_lens[:size],
             page_table=self.page_table[:size],
             expected_tags=self.expected_tags[:size],
             slot_mapping=self.slot_mapping[: size * L],
-            logits_indices=rows,
+            logits_indices=self.rows[: size * L],
             kv_cache=self.kv_cache,
             tag_mismatch=self.tag_mismatch[:size],
             is_decode_only=False,
             check_tags=self.check_tags,
-            seq_index=rows // L,
+            seq_index=seq_index[: size * L],
         )
 
     @staticmethod

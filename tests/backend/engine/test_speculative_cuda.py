@@ -47,10 +47,6 @@ def test_greedy_identical_on_cuda(tmp_path: Path, arch: str) -> None:
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
 
 
-@pytest.mark.skip(
-    reason="verify/draft graphs are off (EngineConfig.speculative_graphs): on the H200 (2026-12-04) the first "
-    "capture hit a device-side index assert, which poisons the process for every later test"
-)
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
     """Uniform verify steps (every sequence verifying k drafts) replay the captured (k, bucket)

@@ -21,6 +21,7 @@ from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import HostBatch
 from backend.engine.verify_graphs import VerifyGraphs
 from backend.models.loader import load_model, prepare_model
+from tests.backend.capture_probe import AddressCapture
 from tests.backend.engine.test_draft_policy import ScriptedK
 from tests.backend.engine.test_speculative import OracleDrafts, prompts
 from tests.backend.engine_helpers import Result, collect, request, run_all
@@ -211,3 +212,27 @@ def test_capture_warm_up_runs_valid_padding_rows(tiny: dict[str, Any]) -> None:
     assert sorted(calls) == sorted((b * (k + 1), b * (k + 1)) for k in (1, 2, 3) for b in (1, 2, 4))
     assert not graphs.tag_mismatch.any()
     assert graphs.seq_lens.tolist() == [2, 2, 2, 2]  # the last capture's (k = 1): last position + 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_captured_steps_read_only_tensors_that_outlive_them(tiny: dict[str, Any], arch: str) -> None:
+    """A graph keeps the addresses its step read, not the step (tests/backend/capture_probe.py): every
+    tensor a captured decode, verify or draft step reads from outside itself must live on without the
+    step (the graphs' static buffers, the model's weights, the KV cache), or a replay reads memory the
+    allocator has handed to another tensor since."""
+    capture = AddressCapture()
+    model = tiny[arch]
+    c = EngineConfig.build(
+        num_pages=NUM_PAGES, page_size=8, max_num_batched_tokens=64, max_num_seqs=8, num_speculative_tokens=3,
+        speculative_max_seqs=8, cuda_graph_batch_sizes=(1, 2, 4, 8), speculative_graphs=True,
+    )  # fmt: skip
+    e = Engine.from_prepared(prepare_model(model, c), c, graph_capture=capture)
+    graphs, forwards = verify_graphs(e), e.runner.spec_forwards
+    assert forwards is not None and len(forwards.draft_graphs) == 1
+    assert graphs.disabled_reason is None and len(graphs._replays) == 3 * 4
+    assert len(capture.steps) == 4 + 3 * 4 + 4  # decode, verify (k = 1 … 3), draft depths
+    for buffer in (graphs.positions, graphs.page_table, graphs.seq_lens, forwards._hidden_in):
+        assert capture.read(buffer)  # the probe sees the static buffers the steps read
+    capture.release()
+    freed = capture.freed()
+    assert freed == [], "\n".join(freed)
