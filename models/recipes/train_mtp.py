@@ -227,8 +227,8 @@ def mtp_losses(
 
 class HiddenCache:
     """The frozen target's hidden states per batch, kept from the first visit up to `limit_bytes` (the
-    target runs once per batch, not once per epoch; bf16 on CUDA, where autocast feeds the layer bf16
-    anyway, float32 elsewhere). Past the limit a batch's states are recomputed at each visit."""
+    target runs once per batch, not once per epoch; held in bf16 on CUDA, where autocast feeds the layer's
+    matmuls bf16 anyway, float32 elsewhere). Past the limit a batch's states are recomputed at each visit."""
 
     def __init__(self, target: Target, limit_bytes: int, dtype: torch.dtype) -> None:
         self.target, self.limit, self.dtype = target, limit_bytes, dtype
@@ -236,14 +236,15 @@ class HiddenCache:
         self.num_bytes = 0
 
     def __call__(self, index: int, batch: Batch) -> torch.Tensor:
-        if index in self.held:
-            return self.held[index]
-        hidden = self.target.hidden(batch.ids).to(self.dtype)  # [B, L, H]
-        size = hidden.numel() * hidden.element_size()
-        if self.num_bytes + size <= self.limit:
-            self.held[index] = hidden
-            self.num_bytes += size
-        return hidden
+        """[B, L, H] float32 (the layer's norms take float32, as their weights), the same on every visit."""
+        hidden = self.held.get(index)
+        if hidden is None:
+            hidden = self.target.hidden(batch.ids).to(self.dtype)
+            size = hidden.numel() * hidden.element_size()
+            if self.num_bytes + size <= self.limit:
+                self.held[index] = hidden
+                self.num_bytes += size
+        return hidden.float()
 
 
 def start_from(mtp: Mtp, target: Target) -> None:
