@@ -8,8 +8,10 @@
 #    city/name/number/date, word problems in everyday settings, greetings and one-liners, Kimi scenes of
 #    48-512 px, GLM thinking traces with 15% thinking-off requests), fresh items past every index the
 #    earlier stages used (--first-item), TRAIN_MINUTES (5.0) of training;
-# 2. the MTP layer retrained on each new target (train_mtp.py, from the committed layer, MTP_MINUTES
-#    (1.75)), installed into the checkpoint (--install);
+# 2. the MTP layer retrained on each new target (train_mtp.py on the GPU, from the committed layer:
+#    MTP_ITEMS (60,000) text items, MTP_BATCH_TOKENS (65,536), MTP_LR (1e-3), MTP_MINUTES (2.5) of
+#    training after its data prep (~30-40 s, logged), cut to the time left before DEADLINE_S less 60 s),
+#    installed into the checkpoint;
 # 3. $OUT/<name>.tar for both (each ~14 MB: the two weight shards, mtp.safetensors, tokenizer, logs) and
 #    $OUT/<family>.stdout, $OUT/<family>-mtp.stdout: six files.
 # SKIP_MTP=1: the continued training only (a first call of two; the second continues from its output,
@@ -22,7 +24,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 PY=${PYTHON:-python3}
 TRAIN_MINUTES=${TRAIN_MINUTES:-5.0}
-MTP_MINUTES=${MTP_MINUTES:-1.75}
+MTP_MINUTES=${MTP_MINUTES:-2.5}
 FIRST_ITEM=${FIRST_ITEM:-300000}  # the reading stages used items up to ~210,000 of each task
 DEVICE_ARGS=${DEVICE:+--device $DEVICE}
 START=$(date +%s)
@@ -66,11 +68,14 @@ stage() {  # stage <family>: data, the continued training, the MTP layer, instal
   # train.py wrote it, num_nextn_predict_layers 0)
   local left=$((DEADLINE_S - ($(date +%s) - START)))
   echo "MTP stage: $left s left before the deadline"
-  [ "$left" -gt 30 ] || { echo "no time left for the MTP stage (the checkpoint has no MTP layer)"; return 6; }
+  [ "$left" -gt 90 ] || { echo "no time left for the MTP stage (the checkpoint has no MTP layer)"; return 6; }
+  # the training clock starts after the start-up and data prep (~30-40 s, logged); the save takes ~1 s
+  local minutes; minutes=$(awk -v l="$left" -v m="$MTP_MINUTES" 'BEGIN { x = (l - 60) / 60; printf "%.2f", x < m ? x : m }')
+  echo "MTP stage: $minutes minutes of training"
   timeout "$left" $PY -m models.recipes.train_mtp --family "$fam" --data "/tmp/r3-$fam" --checkpoint "$OUT/$name" \
-    --out "/tmp/r3-mtp-$fam" --init "models/$name" --minutes "$MTP_MINUTES" --max-items "${MTP_ITEMS:-20000}" \
-    --batch-tokens "${MTP_BATCH_TOKENS:-16384}" --lr 7e-4 --warmup 10 --workers "$workers" \
-    > "$OUT/$fam-mtp.stdout" 2>&1 || { echo "MTP stage failed or cut (the checkpoint has no MTP layer)"; return 6; }
+    --out "/tmp/r3-mtp-$fam" --init "models/$name" --minutes "$minutes" --max-items "${MTP_ITEMS:-60000}" \
+    --batch-tokens "${MTP_BATCH_TOKENS:-65536}" --lr "${MTP_LR:-1e-3}" --warmup 20 --workers "$workers" \
+    $DEVICE_ARGS > "$OUT/$fam-mtp.stdout" 2>&1 || { echo "MTP stage failed or cut (the checkpoint has no MTP layer)"; return 6; }
   $PY -c "import sys; from pathlib import Path; from models.recipes.train_mtp import install; install(Path(sys.argv[1]), Path(sys.argv[2]))" \
     "/tmp/r3-mtp-$fam" "$OUT/$name" || return 7
   local n=1; while [ -e "$OUT/$name/train_mtp.$n.log" ]; do n=$((n + 1)); done

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -82,6 +83,25 @@ def test_installed_layer_loads_only_when_asked(staged: dict[str, object]) -> Non
     assert with_mtp.num_mtp_layers == 1
     n = int(text_config(family, root / "ckpt")["num_hidden_layers"])  # type: ignore[arg-type]
     assert all(f"model.layers.{n}." in name for name in load_file(str(installed / MTP_FILE)))
+
+
+def test_held_target_states_train_as_recomputed(staged: dict[str, object], tmp_path: Path) -> None:
+    """The target's hidden states kept from each batch's first visit (`--cache-gib`, HiddenCache) give
+    the very losses of recomputing them at every step, over more than one pass of the batches."""
+    family, root = staged["family"], staged["root"]
+    assert isinstance(root, Path) and family in ("glm", "kimi")
+    runs = {
+        gib: train_mtp(family, root / "data", root / "ckpt", tmp_path / f"gib-{gib}", max_steps=7, batch_tokens=512,
+                       lr=3e-3, warmup=2, max_len=400, max_items=6, log_every=1, device="cpu", cache_gib=gib)
+        for gib in (0.0, 1.0)
+    }  # fmt: skip
+    assert len(runs[1.0]) == 7 and runs[1.0] == runs[0.0]
+    for gib, num_held in ((0.0, 0), (1.0, None)):
+        stop = re.search(r"([\d.]+) epochs of (\d+) batches, the target's states of (\d+) held",
+                         (tmp_path / f"gib-{gib}" / "train.log").read_text())  # fmt: skip
+        assert stop is not None
+        assert float(stop[1]) > 1.0  # batches visited again: read back from the cache when on
+        assert int(stop[3]) == (int(stop[2]) if num_held is None else num_held)
 
 
 @torch.no_grad()
