@@ -15,7 +15,8 @@ Per context and cache dtype, dense (the step within index_topk, as GLM-5 now run
 count, timed as CUDA-graph replays over copies of the case that span 4x the L2 (the engine streams
 ~0.5 GB of weights between two layers' MLA, so the lines come from HBM), stage 1 and the merge
 together; each output checked against the reference op (rel. err < 1e-2). The table gives µs per
-call and the speed-up over `auto`: the figures to re-fit `pick_mla_splits` for a mostly idle GPU.
+call and the speed-up over `auto`, and that of `proposed_splits`, a candidate model for a mostly
+idle GPU: the figures to re-fit `pick_mla_splits` with.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from benchmarks.kernels.bench_mla_decode import FP8, PAGE, SOFTMAX_SCALE, R, mak
 from benchmarks.kernels.common import graph_ms, num_copies, rel_err, write_record
 from kernels.mla_attention import mla_decode_ref
 from kernels.mla_decode import mla_decode
-from kernels.mla_tiles import TILES, pick_mla_splits, slice_cost_items, tile_rows
+from kernels.mla_tiles import (
+    MAX_SPLITS,
+    SLICE_FIXED_ITEMS,
+    TILES,
+    pick_mla_splits,
+    slice_cost_items,
+    tile_rows,
+)
 from kernels.split_k_merge import num_sms
 
 HEADS = 64
@@ -66,15 +74,41 @@ def auto_splits(case: dict[str, Any], kv: str) -> int:
     )  # fmt: skip
 
 
+def proposed_splits(case: dict[str, Any], kv: str) -> int:
+    """A candidate for a mostly idle GPU (one wave of the launcher's choice fills under half the
+    slots): slices of at least two token steps, each slice's time its items plus a fixed cost, and
+    the merge's partials (written and read back) spread over every slot rather than charged to each
+    slice; otherwise the launcher's choice. BF16 at 2,048 tokens: 32 slices, FP8: 24."""
+    sparse = case["topk"] is not None
+    tiles = TILES[("sparse" if sparse else "decode", tile_rows(HEADS), kv == "fp8")]
+    items = case["topk"].shape[1] if sparse else case["page_table"].shape[1] * PAGE
+    slots = num_sms(case["q"].device) * tiles.ctas_per_sm
+    base = -(-HEADS // tiles.block_h)  # one sequence: its head blocks
+    auto = auto_splits(case, kv)
+    if 2 * base * auto >= slots:
+        return auto
+    partial_items = tiles.block_h * R * 8 / (576 * (1 if kv == "fp8" else 2))
+
+    def cost(n: int) -> float:
+        waves = -(-base * n // slots)
+        return waves * (-(-items // n) + SLICE_FIXED_ITEMS) + n * base * partial_items / slots
+
+    return min(range(1, max(1, min(MAX_SPLITS, items // (2 * tiles.block_n))) + 1), key=cost)
+
+
 def sweep(ctx: int, topk: int | None, kv: str) -> dict[str, Any]:
     line_bytes = 576 * (1 if kv == "fp8" else 2)
     copies = [make_case(HEADS, 1, ctx, topk) for _ in range(num_copies(ctx * line_bytes))]
     for c in copies:  # one of the two caches is timed: drop the other's memory
         c.pop("fp8" if kv == "bf16" else "bf16")
     ref = reference(copies[0], kv)
-    row: dict[str, Any] = {"context": ctx, "topk": topk, "kv": kv, "auto_splits": auto_splits(copies[0], kv)}
+    proposed = proposed_splits(copies[0], kv)
+    row: dict[str, Any] = {
+        "context": ctx, "topk": topk, "kv": kv, "auto_splits": auto_splits(copies[0], kv),
+        "proposed_splits": proposed,
+    }  # fmt: skip
     times: dict[str, float] = {}
-    for splits in (None, *SPLITS):
+    for splits in (None, *sorted({*SPLITS, proposed})):
         name = "auto" if splits is None else str(splits)
         err = rel_err(call(copies[0], kv, splits).float(), ref)
         if err > 1e-2:
@@ -87,7 +121,8 @@ def sweep(ctx: int, topk: int | None, kv: str) -> dict[str, Any]:
     cells = "  ".join(f"{k}:{v:6.1f}" for k, v in times.items())
     print(
         f"ctx={ctx:6} {'sparse' if topk else 'dense '} {kv:4} auto={row['auto_splits']:3}  {cells}  "
-        f"best {best} ({times['auto'] / times[best]:.2f}x auto)",
+        f"best {best} ({times['auto'] / times[best]:.2f}x auto); proposed {proposed}: "
+        f"{times['auto'] / times.get(str(proposed), float('nan')):.2f}x auto",
         flush=True,
     )
     return row
