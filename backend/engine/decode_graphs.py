@@ -20,6 +20,12 @@ when a step is narrower than the widest written since the last scrub (two fills,
 host at capture, never from a device read. The tag-mismatch flags are zeroed inside the graph; the
 logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
 
+Narrow graphs (`narrow_pages`): each bucket is also captured over the buffers' first `narrow_pages`
+columns only, and a step no wider replays that graph. A model whose path depends on the longest
+context bakes its short path into it and its long path into the full width's: GLM-5's DSA runs
+dense MLA and no indexer where every sequence is within `index_topk` tokens (`Step.table_tokens`).
+The split counts of the short graph's kernels then follow its width too.
+
 Capture (`CudaGraphCapture`): largest bucket first, every graph in one memory pool. Each bucket
 first runs once eagerly with torch's sync debug mode at "error", so a host sync anywhere in the
 forward (`.item()`, `.tolist()`, `int(tensor)`, a data-dependent shape) raises there, before any
@@ -126,9 +132,11 @@ class DecodeGraphs:
         check_tags: bool,
         capture: Capture,
         staging: StagingBuffer | None = None,
+        narrow_pages: int | None = None,
     ) -> None:
         """`staging`: the buffer the step's inputs cross to the device in (the runner's, shared
-        with the page-tag updates of the same step; None: one of its own)."""
+        with the page-tag updates of the same step; None: one of its own). `narrow_pages`: a second
+        graph per bucket over that many columns (None, or not under `max_pages`: none)."""
         self.kv_cache = kv_cache
         self.batch_sizes = sorted(batch_sizes)
         self.max_pages = max_pages
@@ -149,13 +157,18 @@ class DecodeGraphs:
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         self.rows = torch.arange(n, dtype=i64, device=dev)  # logits rows, and the sequence of each row
         self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
-        self._replays: dict[int, Replay] = {}
+        # the captured widths, narrowest first: a step replays the first that holds its table
+        self.widths = [max_pages]
+        if narrow_pages is not None and 0 < narrow_pages < max_pages:
+            self.widths.insert(0, narrow_pages)
+        self._replays: dict[tuple[int, int], Replay] = {}  # (bucket, width) -> replay
         self._staged: tuple[int, int, list[int]] = (0, 0, [])  # (bucket, width, staging handles)
         self._written_width = 0  # columns [0, this) of some row may hold a real (page, tag) pair
         try:
             for size in reversed(self.batch_sizes):  # largest first: the pool is sized by the first
-                batch = self._batch(size)
-                self._replays[size] = capture(partial(self._step, forward, batch))
+                for width in reversed(self.widths):
+                    batch = self._batch(size, width)
+                    self._replays[size, width] = capture(partial(self._step, forward, batch))
         except Exception as exc:  # a capture-unsafe op on the decode path: every step stays eager
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
@@ -220,19 +233,20 @@ class DecodeGraphs:
         self._written_width = width
         self.page_table[:bucket, :width].copy_(pages)
         self.expected_tags[:bucket, :width].copy_(tags)
-        logits = self._replays[bucket]()
+        logits = self._replays[bucket, next(w for w in self.widths if w >= width)]()
         self.num_replays += 1
         return logits[:num_seqs], self.tag_mismatch[:num_seqs]
 
-    def _batch(self, size: int) -> ForwardBatch:
-        """The ForwardBatch a bucket's graph reads: views of the buffers' first `size` rows."""
+    def _batch(self, size: int, width: int) -> ForwardBatch:
+        """The ForwardBatch a bucket's graph reads: views of the buffers' first `size` rows (and
+        `width` columns)."""
         return ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
             query_start=self.query_start[: size + 1],
             seq_lens=self.seq_lens[:size],
-            page_table=self.page_table[:size],
-            expected_tags=self.expected_tags[:size],
+            page_table=self.page_table[:size, :width],
+            expected_tags=self.expected_tags[:size, :width],
             slot_mapping=self.slot_mapping[:size],
             logits_indices=self.rows[:size],
             kv_cache=self.kv_cache,

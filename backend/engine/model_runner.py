@@ -102,6 +102,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graph_capture is not None and config.graph_batch_sizes():
             S = config.page_size
+            # a model with a cheaper path at short contexts (GLM-5's DSA: `dense_context`) gets a
+            # graph per bucket over the pages a context that short spans
+            dense_context = getattr(model, "dense_context", None)
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
                     model.forward,
@@ -111,6 +114,7 @@ class ModelRunner:
                     check_tags=config.check_page_tags,
                     capture=graph_capture,
                     staging=self.staging,
+                    narrow_pages=dense_context // S if dense_context else None,
                 )
             # the ranks replay together or not at all: their captured collectives pair up
             if ranks is not None and not ranks.agree(self.graphs.is_enabled):

@@ -7,6 +7,13 @@ interleaved RoPE on the first rope dims, keys cached in pages ("index_k"), and i
 attention then reads only the chosen tokens. The indexer is small and replicated on every rank; under
 DCP its key cache is sharded by token like the latent cache (backend/models/layers/context_parallel.py).
 
+A step whose sequences are all at most `index_topk` tokens long (`Step.table_tokens`, known on the
+host) keeps every visible key, as the reference's top-k does: its layers cache their indexer keys
+but score nothing and select nothing, and MLA runs dense (the same keys; the sum in another order:
+the sparse kernel's slices and tiles differ, so the outputs agree to rounding, not to the bit). The
+top-k alone was 0.37 ms of a 3.9 ms decode step at concurrency 1 and ~2k tokens (H200, 2026-12-04).
+The decode graphs capture a narrow page table for these steps (`GlmMoeDsaForCausalLM.dense_context`).
+
 Shape letters: T tokens, Hi indexer heads, Di indexer head dim, Q q_lora_rank, K index_topk.
 """
 
@@ -41,12 +48,17 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.Di, eps=INDEXER_NORM_EPS, dtype=dtype)
         self.weights_proj = Linear(config.hidden_size, self.Hi, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, step: Step, rotary: Rotary) -> torch.Tensor:
-        """x [T, H], q_resid [T, Q] → chosen token indices [T, K] (-1 = none)."""
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, step: Step, rotary: Rotary
+    ) -> torch.Tensor | None:
+        """x [T, H], q_resid [T, Q] → chosen token indices [T, K] (-1 = none); None: every visible
+        token (no sequence of the step is longer than K)."""
         T = x.shape[0]
-        q = rotary.rotate(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
         k = rotary.rotate(self.k_norm(self.wk(x)).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
-        step.write(self.layer_idx, "index_k", k)
+        step.write(self.layer_idx, "index_k", k)  # later, longer steps score these keys
+        if step.table_tokens <= self.topk:
+            return None
+        q = rotary.rotate(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
         weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
         kv = step.batch.kv_cache
         if step.dcp is not None:  # each rank scores its key shard; the shards' top-k merged
@@ -66,6 +78,8 @@ class DSAAttention(MLAAttention):
         self.is_full = layer_idx >= config.num_hidden_layers or config.indexer_types[layer_idx] == "full"
         if self.is_full:
             self.indexer = Indexer(config, layer_idx, dtype=dtype)
+        elif "full" not in config.indexer_types[:layer_idx]:
+            raise CheckpointError(f"layer {layer_idx} shares top-k but no earlier layer runs the indexer")
 
     def cache_specs(self) -> list[CacheSpec]:
         specs = super().cache_specs()
@@ -73,16 +87,18 @@ class DSAAttention(MLAAttention):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         q, q_resid = self.absorbed_query(x, step)
-        if self.is_full:
+        if self.is_full:  # a shared layer reuses the choice (None: dense, for every layer of the step)
             assert q_resid is not None
             step.topk_indices = self.indexer(x, q_resid, step, self.rotary[0])
-        elif step.topk_indices is None:
-            raise CheckpointError(
-                f"layer {self.layer_idx} shares top-k but no earlier layer runs the indexer"
-            )
         return self.attend(q, step, step.topk_indices)
 
 
 class GlmMoeDsaForCausalLM(CausalLM):
+    @property
+    def dense_context(self) -> int:
+        """The longest context attended in full (the indexer keeps every key): a step whose
+        sequences are no longer runs dense MLA and scores nothing (the decode graphs' narrow width)."""
+        return self.config.index_topk
+
     def make_attention(self, layer_idx: int) -> nn.Module:
         return DSAAttention(self.config, layer_idx, self.shard, self.rotary, dtype=self.dtype)

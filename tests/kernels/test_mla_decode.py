@@ -278,6 +278,24 @@ def test_sparse_mode_matches_reference(splits: int) -> None:
     assert rel_err(out[0], dense[0]) > 1e-2  # the sparse result really is a different attention
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
+def test_selecting_every_key_is_dense_attention_to_rounding(q_dtype: torch.dtype) -> None:
+    """What the DSA indexer hands sparse MLA at a context within index_topk: every position, in the
+    GPU top-k's arbitrary order, then -1s (GLM-5 now runs dense mode there instead). The reference
+    gives the two bit for bit; the kernel sums the same keys in another order (shuffled, and slices
+    of the K list rather than of the tokens), so both agree with it to rounding only."""
+    seq_lens, K = [40, 9, 33], 48
+    batch, _ = make_batch(seq_lens, H=20, R=32, Dr=8, S=16, cache_dtype=q_dtype, q_dtype=q_dtype, seed=21)
+    g = torch.Generator().manual_seed(5)
+    topk = torch.full((len(seq_lens), K), -1, dtype=torch.int64)
+    for b, L in enumerate(seq_lens):
+        topk[b, torch.randperm(K, generator=g)[:L]] = torch.randperm(L, generator=g)
+    sparse, sparse_ref, _, _ = run_both(batch, topk, num_splits=2)
+    dense, dense_ref, _, _ = run_both(batch, num_splits=3)
+    assert torch.equal(sparse_ref, dense_ref)
+    assert rel_err(sparse, dense_ref) < TOL[q_dtype] and rel_err(dense, dense_ref) < TOL[q_dtype]
+
+
 def test_sparse_mode_flags_pages_it_did_not_choose() -> None:
     """int32 indices, fp16; sequence 0's tampered page holds a chosen token (dropped, flagged);
     sequence 1's tampered page holds none of its chosen tokens (flagged all the same, as the

@@ -24,6 +24,9 @@ class Step:
     cos: torch.Tensor  # [T, Dr]
     sin: torch.Tensor  # [T, Dr]
     pages: PagedBatch  # what every page-reading kernel op reads of this step
+    # tokens the page table's columns span, known on the host: no sequence of the step is longer (a
+    # graph's table is its capture's width, an eager step's its widest sequence's)
+    table_tokens: int
     topk_indices: torch.Tensor | None = None  # DSA: the last full indexer layer's choice, [T, K]
     # the MLA cache sharded by token over a DCP group (backend/models/layers/context_parallel.py)
     dcp: DcpGroup | None = None
@@ -50,9 +53,11 @@ class Step:
             is_decode=batch.is_decode_only,
             check_tags=batch.check_tags,
         )
+        # a column stands for a page of S tokens, or under DCP for S on each rank of the group
+        table_tokens = batch.page_table.shape[1] * batch.kv_cache.page_size * (dcp.size if dcp else 1)
         if dcp is not None:  # each rank writes only its own tokens, at its own slots
             slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
-            return cls(batch, token_seq, expected, cos, sin, pages, dcp=dcp, slot_mapping=slots)
+            return cls(batch, token_seq, expected, cos, sin, pages, table_tokens, dcp=dcp, slot_mapping=slots)
         expected = None  # the tag check off: no tag is read
         if batch.check_tags:
             # index of each new token within its sequence: the cached prefix length plus its offset
@@ -60,9 +65,7 @@ class Step:
             token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
             page_col = token_idx // batch.kv_cache.page_size
             expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
-        return cls(
-            batch=batch, token_seq=token_seq, token_expected_tags=expected, cos=cos, sin=sin, pages=pages
-        )
+        return cls(batch, token_seq, expected, cos, sin, pages, table_tokens)
 
     def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
         """Store this step's new `values [T, *shape]` for `layer_idx`/`name` into the paged cache."""

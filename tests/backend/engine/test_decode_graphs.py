@@ -99,6 +99,34 @@ def test_graph_path_equals_eager(
     assert graphed.stats.tag_check_aborts == 0
 
 
+def test_dsa_steps_within_index_topk_replay_the_narrow_graphs(tmp_path: Path) -> None:
+    """GLM-5 with index_topk 32 (two pages of 16): each bucket is captured at two widths; steps whose
+    sequences are all within 32 tokens replay the narrow graph (dense MLA, no indexer), longer ones
+    the full width's (selection), and both give the eager engine's tokens and log-probs."""
+    from backend.models.loader import load_model
+    from tests.backend.tiny_checkpoints import make_tiny
+
+    model = load_model(make_tiny("glm_moe_dsa", tmp_path / "dsa", index_topk=32), dtype=torch.float32)
+    assert model.model.dense_context == 32
+    plain, graphed = engines(model)
+    graphs = graphed.runner.graphs
+    assert graphs is not None and graphs.widths == [2, graphs.max_pages] and graphs.max_pages > 2
+    assert sorted(graphs._replays) == [(b, w) for b in BUCKETS for w in graphs.widths]
+    widths: list[int] = []
+    for key, replay in list(graphs._replays.items()):
+        graphs._replays[key] = lambda key=key, replay=replay: widths.append(key[1]) or replay()
+    # prompts of 5, 12, 19 and 26 tokens, 12 more each: the longest crosses 32 tokens mid-decode
+    want = run_all(plain, batch_of(4, vocab_of(model)))
+    got = run_checking_padding(graphed, batch_of(4, vocab_of(model)))
+    assert set(widths) == set(graphs.widths), widths
+    for rid, w in want.items():
+        g = got[rid]
+        assert (g.token_ids, g.finish_reason, g.error) == (w.token_ids, w.finish_reason, w.error), rid
+        torch.testing.assert_close(
+            [lp.logprob for lp in g.logprobs], [lp.logprob for lp in w.logprobs], atol=1e-4, rtol=1e-4
+        )
+
+
 def test_more_seqs_than_the_largest_bucket_run_eagerly() -> None:
     plain, graphed = engines(TinyPagedModel(), max_num_seqs=8, cuda_graph_batch_sizes=(1, 2, 4))
     want = run_all(plain, batch_of(6, 97))

@@ -77,8 +77,10 @@ class CountingCapture:
 
         return replay
 
-    def by_bucket(self) -> dict[int, int]:
-        return dict(zip(sorted(BUCKETS, reverse=True), self.counts, strict=False))
+    def by_bucket(self, num_widths: int = 1) -> dict[int, int]:
+        """Replays per bucket, over its `num_widths` captures (one per page-table width, in a row)."""
+        per_bucket = [sum(self.counts[i : i + num_widths]) for i in range(0, len(self.counts), num_widths)]
+        return dict(zip(sorted(BUCKETS, reverse=True), per_bucket, strict=False))
 
 
 def _serve(engine: Engine, path: str, arch: str) -> dict[str, list[EngineOutput]]:
@@ -139,7 +141,7 @@ def _rank_main(
         if capture is not None:
             g = engine.runner.graphs
             assert g is not None
-            state = (g.is_enabled, g.num_replays, capture.by_bucket(), g.disabled_reason)
+            state = (g.is_enabled, g.num_replays, capture.by_bucket(len(g.widths)), g.disabled_reason)
             (Path(tmp) / f"graphs-{rank}.pkl").write_bytes(pickle.dumps(state))
     finally:
         dist.destroy_process_group()

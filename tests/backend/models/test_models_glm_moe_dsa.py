@@ -108,3 +108,89 @@ def test_transformers_as_released_is_not_causal_and_the_test_reference_is(tmp_pa
             float((reference_logits(ref, tokens[:n]) - full[:n]).abs().max()) for n in range(8, 40, 4)
         )
         assert (worst <= 1e-5) == worst_ok, (as_released, worst)
+
+
+def spied_indexer(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the page-table width (in tokens) of every step whose indexer scores its keys."""
+    import backend.models.glm_moe_dsa as dsa
+
+    widths: list[int] = []
+    real = dsa.dsa_indexer
+
+    def scoring(args: dsa.DsaIndexerArgs) -> torch.Tensor:
+        widths.append(int(args.batch.page_table.shape[1]))
+        return real(args)
+
+    monkeypatch.setattr(dsa, "dsa_indexer", scoring)
+    return widths
+
+
+def short_and_long(path: Path) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Page size 4, index_topk 8: a 5- and a 29-token prompt prefilled together in chunks of 3 (steps
+    of short sequences only, then mixed ones), then 6 greedy decode steps; (prefill logits, tokens)."""
+    loaded = load_model(path, dtype=torch.float32)
+    ps = prompts(loaded.config.vocab_size, (5, 29), seed=4)
+    driver = PagedDriver(loaded.model, page_size=4)
+    _, logits = driver.prefill(ps, 3)
+    assert not driver.last_mismatch.any()
+    return logits, PagedDriver(loaded.model, page_size=4).greedy(ps, 6, 3)
+
+
+def test_steps_within_index_topk_skip_the_indexer_and_match_transformers(
+    dsa_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps whose page table spans at most index_topk (8) tokens score nothing (two full layers:
+    two indexer calls a scored step) and attend densely; later steps choose among keys the skipped
+    steps cached. Every position matches the transformers reference, which selects at every step."""
+    from tests.backend.conformance import reference_greedy, reference_logits
+    from tests.backend.tiny_checkpoints import load_reference
+
+    widths = spied_indexer(monkeypatch)
+    logits, tokens = short_and_long(dsa_path)
+    ref = load_reference("glm_moe_dsa", dsa_path)
+    ps = prompts(256, (5, 29), seed=4)
+    assert ref.config.vocab_size == 256
+    for ours, p in zip(logits, ps, strict=True):
+        assert float((ours - reference_logits(ref, p)).abs().max()) <= MAX_ABS_DIFF
+    assert tokens == [reference_greedy(ref, p, 6) for p in ps]
+    # each prefill: 10 steps (the longest sequence 3, 6, 9, ..., 27, 29 tokens), the first two dense;
+    # then 5 decode steps over 30-34 tokens; two full layers score a step (the shared one reuses)
+    assert min(widths) == 3 and len(widths) == 2 * (8 + 8 + 5), widths
+
+
+def test_the_dense_path_equals_selecting_every_key(dsa_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU (torch references) attending every key densely is the sparse path bit for bit: the
+    same model with every step forced through the indexer (as before the skip) gives equal logits."""
+    from backend.models.layers import step as step_module
+
+    dense_logits, dense_tokens = short_and_long(dsa_path)
+    build = step_module.Step.build.__func__  # type: ignore[attr-defined]
+
+    def always_selecting(cls: type, *args: object, **kwargs: object) -> step_module.Step:
+        s = build(cls, *args, **kwargs)
+        s.table_tokens = 1 << 30  # as wide as no sequence: the indexer always runs
+        return s
+
+    monkeypatch.setattr(step_module.Step, "build", classmethod(always_selecting))
+    widths = spied_indexer(monkeypatch)
+    sparse_logits, sparse_tokens = short_and_long(dsa_path)
+    assert min(widths) == 1  # the first chunk was scored this time
+    assert sparse_tokens == dense_tokens
+    for a, b in zip(dense_logits, sparse_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_shared_layer_with_no_full_layer_before_it_is_refused(dsa_path: Path) -> None:
+    """Checked when the model is built: a step that skips the indexer leaves no choice to check."""
+    import dataclasses
+
+    from backend.errors import CheckpointError
+    from backend.models.glm_moe_dsa import GlmMoeDsaForCausalLM
+
+    config = load_model(dsa_path, dtype=torch.float32).config
+    bad = dataclasses.replace(config, indexer_types=("shared", "full", "full"))
+    with pytest.raises(CheckpointError, match="layer 0 shares top-k"):
+        GlmMoeDsaForCausalLM(bad, dtype=torch.float32)
+    GlmMoeDsaForCausalLM(
+        dataclasses.replace(config, indexer_types=("full", "shared", "shared")), dtype=torch.float32
+    )

@@ -94,10 +94,17 @@ def _rank_main(rank: int, world: int, arch: str, path: str, init_file: str, out_
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm_moe_dsa", "glm4_moe", "kimi_k25"])
+# GLM-5 twice: index_topk 8 selects at every step; at 32 the first step (pages of 32 tokens under DCP
+# 2, two of 16 on one rank) runs dense MLA without the indexer, the later ones select
+@pytest.fixture(
+    scope="module",
+    params=[("deepseek_v3", 0), ("glm_moe_dsa", 0), ("glm_moe_dsa", 32), ("glm4_moe", 0), ("kimi_k25", 0)],
+    ids=["deepseek_v3", "glm_moe_dsa", "glm_moe_dsa-topk32", "glm4_moe", "kimi_k25"],
+)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    arch = request.param
-    return arch, make_tiny(arch, tmp_path_factory.mktemp(arch) / "ckpt", vocab_size=VOCAB)
+    arch, index_topk = request.param
+    overrides = {"index_topk": index_topk} if index_topk else {}
+    return arch, make_tiny(arch, tmp_path_factory.mktemp(arch) / "ckpt", vocab_size=VOCAB, **overrides)
 
 
 @pytest.mark.parametrize("world", [2, 4])
