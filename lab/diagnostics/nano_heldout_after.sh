@@ -11,7 +11,7 @@ FILES=${1:?the folder holding glm-5.2-nano.tar and kimi-k2.6-nano.tar}
 PY=${PYTHON:-/work/main/.venv/bin/python}
 ITEMS=${ITEMS:-200}
 OLD=${OLD:-/tmp/nano-old}  # the replaced checkpoints, kept for the paired comparison
-RES=lab/results/2026-12-04-heldout
+RES=${RES:-lab/results/2026-12-04-heldout}
 export PYTHONPATH=$PWD OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p "$RES"
 for name in glm-5.2-nano kimi-k2.6-nano; do
