@@ -123,7 +123,15 @@ class ModelRunner:
                 log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
         # speculative decoding's verify and draft forwards (backend/engine/speculative_forwards.py)
         self.spec_forwards = (
-            SpecForwards.build(model, self.kv_cache, config, capture=graph_capture, max_seq_len=max_seq_len)
+            SpecForwards.build(
+                model,
+                self.kv_cache,
+                config,
+                # no decode graphs (none captured, or a rank failed them): no verify or draft graphs either
+                capture=graph_capture if self.graphs is not None and self.graphs.is_enabled else None,
+                max_seq_len=max_seq_len,
+                ranks=ranks,
+            )
             if config.num_speculative_tokens
             else None
         )

@@ -57,10 +57,13 @@ class SpecForwards:
         *,
         capture: Capture | None,
         max_seq_len: int | None,
+        ranks: Any = None,
     ) -> SpecForwards:
         """With verify and draft graphs when the runner captures decode graphs (`capture`): k = 1 … K,
         the decode graphs' batch sizes up to `speculative_max_seqs`, page tables as wide as theirs
-        (`max_seq_len` tokens; None: the whole pool)."""
+        (`max_seq_len` tokens; None: the whole pool). `ranks` (a StepChannel): the tensor-parallel ranks
+        agree on each kind of graph, as on the decode graphs: one rank replaying a captured step beside
+        another running it eagerly would pair collectives of different sizes."""
         S = config.page_size
         max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
         sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
@@ -78,11 +81,17 @@ class SpecForwards:
                     check_tags=config.check_page_tags,
                     capture=capture,
                 )
+            if ranks is not None and not ranks.agree(graphs.is_enabled):
+                graphs.disable("verify graphs failed to capture on another rank")
             if graphs.disabled_reason is not None:  # at start-up, once
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
         forwards = cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
         if capture is not None and sizes and config.num_speculative_tokens > 1 and hasattr(model, "config"):
             forwards.capture_drafts(sizes, max_pages, capture)
+            if ranks is not None and not ranks.agree(bool(forwards.draft_graphs)):
+                if forwards.draft_graphs:
+                    log.warning("draft steps run eagerly: their graphs failed to capture on another rank")
+                forwards.draft_graphs = []
         return forwards
 
     def capture_drafts(self, batch_sizes: list[int], max_pages: int, capture: Capture) -> None:

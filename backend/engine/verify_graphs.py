@@ -105,6 +105,11 @@ class VerifyGraphs:
     def is_enabled(self) -> bool:
         return bool(self._replays)
 
+    def disable(self, reason: str) -> None:
+        """Every verify eager from now on (the ranks did not all capture: `reason` says why)."""
+        self._replays.clear()
+        self.disabled_reason = self.disabled_reason or reason
+
     def shape_of(self, host: HostBatch) -> tuple[int, int] | None:
         """(k, bucket) of a uniform verify step that fits a captured graph, else None."""
         B, T = host.num_seqs, len(host.input_ids)

@@ -241,3 +241,39 @@ def test_captured_steps_read_only_tensors_that_outlive_them(tiny: dict[str, Any]
     capture.release()
     freed = capture.freed()
     assert freed == [], "\n".join(freed)
+
+
+class Ranks:
+    """The tensor-parallel ranks' start-up vote (backend/engine/ranks.py `agree`): another rank's
+    answer is `others`; the votes this rank cast are kept."""
+
+    def __init__(self, others: bool) -> None:
+        self.others, self.votes = others, []  # type: list[bool]
+
+    def agree(self, is_ok: bool) -> bool:
+        self.votes.append(is_ok)
+        return is_ok and self.others
+
+
+@pytest.mark.parametrize("others", [True, False])
+def test_ranks_replay_verify_and_draft_graphs_together_or_not_at_all(
+    tiny: dict[str, Any], others: bool
+) -> None:
+    """As with decode graphs: one rank replaying a captured verify (its collectives sized for the
+    padded bucket) beside another running it eagerly would pair collectives of different sizes. Each
+    kind of graph is voted on; a rank that captured drops its graphs when another did not."""
+    from backend.engine.speculative_forwards import SpecForwards
+
+    e = engine(tiny["deepseek_v3"], 3, graphs=True)
+    ranks = Ranks(others)
+    forwards = SpecForwards.build(
+        e.runner.model, e.runner.kv_cache, e.config, capture=eager_capture, max_seq_len=None, ranks=ranks
+    )
+    assert ranks.votes == [True, True]  # this rank captured its verify and its draft graphs
+    assert forwards.graphs is not None and forwards.graphs.is_enabled == others
+    assert bool(forwards.draft_graphs) == others
+    if not others:
+        assert forwards.graphs.disabled_reason == "verify graphs failed to capture on another rank"
+        reqs = [request(f"r{i}", p, max_tokens=8) for i, p in enumerate(prompts(2, 64, seed=5))]
+        e.runner.spec_forwards = forwards  # the eager path serves every verify and draft step
+        assert all(r.token_ids for r in run_all(e, reqs).values())
