@@ -54,7 +54,9 @@ stage() {  # stage <family>: data, the continued training, the MTP layer, instal
     --first-item "$FIRST_ITEM" --mixture "$mix" || return 4
   echo "data built in $((SECONDS - t0)) s"
   # bounded: a hung stage (a rendering pool that died, 2026-12-04) must not take the other family's result
-  timeout $((DEADLINE_S - ($(date +%s) - START))) $PY -m models.recipes.train --family "$fam" --data "/tmp/r3-$fam" --out "$OUT/$name" --init "models/$name" \
+  local bound=$((DEADLINE_S - ($(date +%s) - START)))
+  [ "$bound" -gt 0 ] || { echo "no time left to train"; return 5; }  # (timeout 0 would mean no bound)
+  timeout "$bound" $PY -m models.recipes.train --family "$fam" --data "/tmp/r3-$fam" --out "$OUT/$name" --init "models/$name" \
     --steps 0 --minutes "$TRAIN_MINUTES" --batch-tokens "${BATCH_TOKENS:-65536}" --lr "${LR:-1.5e-3}" \
     --warmup "${WARMUP:-50}" --workers "$workers" $DEVICE_ARGS || return 5
   echo "trained at $((SECONDS - t0)) s"

@@ -1,6 +1,6 @@
 """Print what a nano model answers to held-out items (issue 26): request, raw output, parsed answer.
 
-    PYTHONPATH=. .venv/bin/python lab/diagnostics/heldout_samples.py models/glm-5.2-nano glm heldout-tools 12
+PYTHONPATH=. .venv/bin/python lab/diagnostics/heldout_samples.py models/glm-5.2-nano glm heldout-tools 12
 """
 
 import sys
@@ -18,9 +18,13 @@ _, items = load_items(path)
 ev = Evaluator([Variant("m", model)], 96, batch_size=64)
 requests = [ev.prompts.generation(it) for it in items]
 outs = ev.runners[0].generate([r[0].prompt for r in requests], 96, ev.prompts.stop_ids)
-for it, r, out in zip(items, requests, outs):
+for it, r, out in zip(items, requests, outs, strict=True):
     ans = ev.prompts.read(r[0], out)
-    ok = call_matches(ans.calls, it.expected) if isinstance(it, ToolItem) else generation_correct(ans.content, it)
+    ok = (
+        call_matches(ans.calls, it.expected)
+        if isinstance(it, ToolItem)
+        else generation_correct(ans.content, it)
+    )
     ask = it.messages[-1].content if getattr(it, "messages", None) else it.prompt
     if not isinstance(ask, str):
         ask = [c for c in ask if getattr(c, "type", "") == "text"]
