@@ -287,43 +287,83 @@ PHRASINGS: dict[str, list[str]] = {
 # more phrasings in other registers (questions, requests, fragments, chatty ones); added 2026-12-04 for
 # the second everyday retrain: the first one's 3-10 phrasings per tool did not carry to other wordings
 PHRASINGS["get_weather"] += [
-    "Will it be sunny in {city}?", "What's it like outside in {city}?", "Is it cold in {city} today?",
-    "forecast for {city}", "Should I take a jacket in {city}?", "Check {city} weather.",
-    "I'm heading to {city}. Is the weather nice?", "What temperature is it in {city}?",
-    "Look up the weather in {city} for me.", "Weather report for {city}, please.",
-    "My mum lives in {city}. How's the weather over there?", "Is it windy in {city}?",
+    "Will it be sunny in {city}?",
+    "What's it like outside in {city}?",
+    "Is it cold in {city} today?",
+    "forecast for {city}",
+    "Should I take a jacket in {city}?",
+    "Check {city} weather.",
+    "I'm heading to {city}. Is the weather nice?",
+    "What temperature is it in {city}?",
+    "Look up the weather in {city} for me.",
+    "Weather report for {city}, please.",
+    "My mum lives in {city}. How's the weather over there?",
+    "Is it windy in {city}?",
 ]
-PHRASINGS["get_weather+unit"] += ["Tell me the {city} temperature in {unit}.", "{city} weather in {unit}",
-                                  "Use {unit}: how hot is it in {city}?"]
+PHRASINGS["get_weather+unit"] += [
+    "Tell me the {city} temperature in {unit}.",
+    "{city} weather in {unit}",
+    "Use {unit}: how hot is it in {city}?",
+]
 PHRASINGS["convert_currency"] += [
-    "{amount} {from} to {to}?", "Exchange {amount} {from} into {to}.", "What do {amount} {from} come to in {to}?",
-    "How many {to} do I get for {amount} {from}?", "Turn {amount} {from} into {to} for me.",
-    "I need {amount} {from} converted to {to}.", "{amount} {from} in {to} please",
+    "{amount} {from} to {to}?",
+    "Exchange {amount} {from} into {to}.",
+    "What do {amount} {from} come to in {to}?",
+    "How many {to} do I get for {amount} {from}?",
+    "Turn {amount} {from} into {to} for me.",
+    "I need {amount} {from} converted to {to}.",
+    "{amount} {from} in {to} please",
     "What's the value of {amount} {from} in {to}?",
 ]
 PHRASINGS["set_timer"] += [
-    "Count down from {minutes} minutes.", "Time {minutes} minutes for me.", "timer {minutes} min",
-    "Let me know when {minutes} minutes are up.", "Put on a timer: {minutes} minutes.",
-    "The pasta needs {minutes} minutes. Set a timer.", "I need a {minutes}-minute countdown.",
+    "Count down from {minutes} minutes.",
+    "Time {minutes} minutes for me.",
+    "timer {minutes} min",
+    "Let me know when {minutes} minutes are up.",
+    "Put on a timer: {minutes} minutes.",
+    "The pasta needs {minutes} minutes. Set a timer.",
+    "I need a {minutes}-minute countdown.",
     "Alert me after {minutes} minutes.",
 ]
 PHRASINGS["send_message"] += [
-    "Write a message to {to}: {text}.", "Let {to} know {text}.", "Send {to} this: {text}.",
-    "Ping {to} with: {text}.", "Can you text {to}? Say {text}.", "Tell {to}: {text}",
-    "Please message {to} that {text}.", "Shoot {to} a note saying {text}.",
+    "Write a message to {to}: {text}.",
+    "Let {to} know {text}.",
+    "Send {to} this: {text}.",
+    "Ping {to} with: {text}.",
+    "Can you text {to}? Say {text}.",
+    "Tell {to}: {text}",
+    "Please message {to} that {text}.",
+    "Shoot {to} a note saying {text}.",
 ]
 PHRASINGS["book_table"] += [
-    "Reserve {restaurant} for {people}.", "A table for {people} at {restaurant}, please.",
-    "Book {restaurant}, {people} people.", "We are {people} people. Book us a table at {restaurant}.",
-    "Can I get a reservation at {restaurant} for {people}?", "Make a booking at {restaurant} for {people} guests.",
-    "Dinner for {people} at {restaurant} tonight, please book it.", "Find us seats for {people} at {restaurant}.",
+    "Reserve {restaurant} for {people}.",
+    "A table for {people} at {restaurant}, please.",
+    "Book {restaurant}, {people} people.",
+    "We are {people} people. Book us a table at {restaurant}.",
+    "Can I get a reservation at {restaurant} for {people}?",
+    "Make a booking at {restaurant} for {people} guests.",
+    "Dinner for {people} at {restaurant} tonight, please book it.",
+    "Find us seats for {people} at {restaurant}.",
 ]
 PHRASINGS["add_reminder"] += [
-    "Reminder: {text} on {date}.", "Make a note to {text} on {date}.", "I have to {text} on {date}. Remind me.",
-    "Add to my list: {text}, {date}.", "Please remind me on {date} to {text}.",
-    "Schedule a reminder for {date} to {text}.", "{date}: {text}. Add it as a reminder.",
+    "Reminder: {text} on {date}.",
+    "Make a note to {text} on {date}.",
+    "I have to {text} on {date}. Remind me.",
+    "Add to my list: {text}, {date}.",
+    "Please remind me on {date} to {text}.",
+    "Schedule a reminder for {date} to {text}.",
+    "{date}: {text}. Add it as a reminder.",
 ]
-OPENERS = ["Hi! ", "Hello. ", "Hey, ", "Quick question. ", "Please help. ", "Thanks in advance. ", "Um, ", "OK, "]
+OPENERS = [
+    "Hi! ",
+    "Hello. ",
+    "Hey, ",
+    "Quick question. ",
+    "Please help. ",
+    "Thanks in advance. ",
+    "Um, ",
+    "OK, ",
+]
 CLOSERS = [" Thanks!", " Thank you.", " Cheers.", " Please.", " Thanks a lot.", " ASAP."]
 
 # descriptions of the offered tools, drawn per item, so a call does not hang on one fixed schema text

@@ -339,7 +339,10 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
         rng, name, list(world.regions), [p.name for p in world.people]
     )
     offered = [t for t in TOOLS if t["name"] == name]
-    offered += rng.sample([t for t in TOOLS if t["name"] != name], k=min(rng.randint(0, tier) if split == "train" else tier, len(TOOLS) - 1))
+    offered += rng.sample(
+        [t for t in TOOLS if t["name"] != name],
+        k=min(rng.randint(0, tier) if split == "train" else tier, len(TOOLS) - 1),
+    )
     rng.shuffle(offered)
     if split == "train":  # varied descriptions and property order; the test set keeps the fixed schemas
         offered = [everyday.dress_tool(rng, t) for t in offered]
