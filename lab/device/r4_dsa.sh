@@ -6,14 +6,7 @@
 # 2. the A/B of the skip at a context within index_topk (input 1,920 + 128 out), one build per arm;
 # 3. the decode-c1 record as recorded (input 2,048: past the top-k, expected unchanged: 3.92 ms);
 # 4. the MLA slice-count sweep at batch 1 (64 heads; 2,048 / 2,176 / 8,192 tokens), what time is left.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-START=$(date +%s)
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
-rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/preamble.sh"
 timeout 170 python3 -m pytest -n 8 -p no:cacheprovider -p no:benchmark --tb=line --timeout 150 -rfE \
   tests/backend/engine/test_decode_graphs_cuda.py tests/kernels/test_mla_decode.py \
   tests/kernels/test_dsa_indexer_triton.py tests/backend/models/test_models_cuda.py > "$OUT/pytest_dsa.log" 2>&1

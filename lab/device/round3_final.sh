@@ -6,14 +6,7 @@
 # 2. the c=1 decode profile (kernels per step; was 1,540 and 5.46 ms of device time);
 # 3. the decode-c1 record, all four formats (A/B/B/A against the copy probe);
 # 4. the INT4 MoE / W4A16 candidate sweep (lab/diagnostics/moe_round3_sweep.py), what time is left.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-START=$(date +%s)
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
-rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source "$(dirname "$0")/preamble.sh"
 timeout 150 python3 -m pytest -n 8 -p no:cacheprovider -p no:benchmark --tb=line --timeout 130 -rfE \
   tests/kernels/test_rms_norm.py tests/kernels/test_rope.py tests/kernels/test_router.py \
   tests/kernels/test_selection_triton.py tests/kernels/test_query_tiles.py tests/kernels/test_dsa_indexer_triton.py \
