@@ -5,5 +5,6 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
-rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+SITE=${SITE:-/tmp/site}
+rm -rf "$SITE" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$PWD
