@@ -185,16 +185,18 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((s for s in self.batch_sizes if s >= num_seqs), None) if self.is_enabled else None
 
-    def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(
+        self, host: HostBatch, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(logits [B, V], tag_mismatch [B])` of a pure-decode step, or None when no bucket fits
         (more sequences than the largest bucket, or a sequence wider than the page-table buffers).
         `stage`, the staging buffer's send and `replay` in one (the runner sends once per step, the
-        page-tag updates with it)."""
+        page-tag updates with it). `input_ids` [B] on the device, if given, replace the host's."""
         self.staging.start()
         if self.stage(host) is None:
             return None
         self.staging.send()
-        return self.replay(host.num_seqs)
+        return self.replay(host.num_seqs, input_ids)
 
     def stage(self, host: HostBatch) -> int | None:
         """Stage the step's rows, padded to its bucket (rows B..bucket get the padding values);
@@ -222,11 +224,16 @@ class DecodeGraphs:
         self._staged = (bucket, width, [h_vectors, h_pages, h_tags])
         return bucket
 
-    def replay(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the static buffers from the sent staging buffer (`stage`), replay the bucket's graph."""
+    def replay(
+        self, num_seqs: int, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the static buffers from the sent staging buffer (`stage`), replay the bucket's graph.
+        `input_ids` [num_seqs] on the device, if given, replace the staged ones."""
         bucket, width, handles = self._staged
         vectors, pages, tags = (self.staging.view(h) for h in handles)
         self._vectors[:, :bucket].copy_(vectors)
+        if input_ids is not None:
+            self.input_ids[:num_seqs].copy_(input_ids)
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(self.scratch_page)
             self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)

@@ -28,6 +28,16 @@ sizes in cost units (c of each forward's rows); (draft seconds per unit) / (veri
 is a sample of m (EWMA). On a device where the draft forwards cost more than the model says (eager
 launches, host work between them), m grows and drafting turns off at lower load, or at any load.
 
+The model prices forwards, not the host work around them, and a speculative step has more of that
+than a plain one (planning the verify rows, accepting, the draft depths' plans). So when `m` is
+measured, the choice is also checked against measured throughput: per load (the step's sequences,
+rounded up to a power of two), the engine reports every decode-only step's tokens and seconds
+(`observe_step`), plain steps and steps that verified drafts kept apart (EWMA of tokens per second);
+a load with no plain measurement runs plain steps first, then drafts for `SPEC_PROBE_STEPS` (the
+first of them only proposes), and from then on drafts only while its measured rate beats the plain
+one. Every `REPROBE_EVERY` steps at a load the losing side runs again, so that a change (acceptance
+falling, the draft graphs warming up) is seen.
+
 Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
 proposes k for the next (backend/engine/speculative.py).
 """
@@ -40,6 +50,34 @@ PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts
 EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estimate
 PROBE_EVERY = 16
 TIMING_WEIGHT = 0.1  # per timed step
+RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
+MIN_RATE_SAMPLES = 3  # steps of a kind measured at a load before its rate is trusted
+SPEC_PROBE_STEPS = MIN_RATE_SAMPLES + 1  # the first drafting step after plain ones verifies nothing
+REPROBE_EVERY = 64
+
+
+@dataclass(slots=True)
+class _Rates:
+    """One load's measured output tokens per second: plain steps, and steps that verified drafts."""
+
+    plain: float = 0.0
+    spec: float = 0.0
+    num_plain: int = 0
+    num_spec: int = 0
+    since_probe: int = 0
+
+    def add(self, is_spec: bool, rate: float) -> None:
+        if is_spec:
+            self.spec = rate if not self.num_spec else self.spec + RATE_WEIGHT * (rate - self.spec)
+            self.num_spec += 1
+        else:
+            self.plain = rate if not self.num_plain else self.plain + RATE_WEIGHT * (rate - self.plain)
+            self.num_plain += 1
+
+
+def load_bucket(num_seqs: int) -> int:
+    """The power of two at or above `num_seqs`: loads measured together."""
+    return 1 << max(num_seqs - 1, 0).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +111,8 @@ class DraftPolicy:
         self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts  # a_1 … a_K
         self.last_k = 0  # the draft length the last drafting-capable step chose
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
+        self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
+        self._probe_left = 0  # drafting steps left in a probe of the speculative rate
 
     # ---- the model ---------------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -120,8 +160,35 @@ class DraftPolicy:
                 k = 1  # low acceptance, not load, keeps drafting off: measure it again
         else:
             self._num_starved = 0
+        if k and self.is_calibrated:
+            k = self._measured_gate(load, k)
         self.last_k = k
         return k
+
+    def _measured_gate(self, load: StepLoad, k: int) -> int:
+        """k, or 0 where plain steps have been measured to emit more tokens per second at this load."""
+        rates = self._rates.setdefault(load_bucket(load.num_drafting + load.num_other_samples), _Rates())
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return k
+        if rates.num_plain < MIN_RATE_SAMPLES:
+            return 0
+        rates.since_probe += 1
+        is_due = rates.since_probe >= REPROBE_EVERY
+        if rates.num_spec < MIN_RATE_SAMPLES or (is_due and rates.spec < rates.plain):
+            rates.since_probe = 0
+            self._probe_left = SPEC_PROBE_STEPS - 1
+            return k
+        if is_due:  # drafting wins: one plain step refreshes the rate it is compared with
+            rates.since_probe = 0
+            return 0
+        return k if rates.spec >= rates.plain else 0
+
+    def observe_step(self, num_seqs: int, is_spec: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`, plain or
+        verifying drafts (`is_spec`; a step that only proposed is neither: not reported)."""
+        if self.is_calibrated and seconds > 0:
+            self._rates.setdefault(load_bucket(num_seqs), _Rates()).add(is_spec, num_tokens / seconds)
 
     def observe_timing(
         self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]

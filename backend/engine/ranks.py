@@ -69,10 +69,12 @@ class SpecForward:
     """Which forward of a speculative step a `StepInputs` is (backend/engine/speculative_forwards.py).
     `depth` VERIFY: the target, keeping every row's hidden state; 0: the MTP layer over `rows` of the
     verify's hidden states (the positions just accepted); d > 0: over `rows` of the previous depth's
-    proposing rows."""
+    proposing rows; with `chain`, its input tokens are the previous depth's drafts, on the device
+    (the host batch's are placeholders)."""
 
     depth: int
     rows: np.ndarray | None = None  # [T] int64 (drafts only)
+    chain: bool = False
 
 
 @dataclass(slots=True)

@@ -96,6 +96,7 @@ class SpecDecoder:
             is_calibrated=config.speculative_draft_cost is None,  # None: measured from step times
         )
         self.k = 0  # this step's draft length (the policy's choice)
+        self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}
@@ -152,6 +153,7 @@ class SpecDecoder:
         runner = self.runner
         start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
+        self.did_verify = any(r.drafts for r in rows)
         host, prompt = self._plan_target(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
         logits, flags = self._forward(StepInputs(host, updates, SpecForward(VERIFY)))  # [N, V], [B]
@@ -301,6 +303,8 @@ class SpecDecoder:
 
     def _scores(self, logits: torch.Tensor, r: _Row, tokens: list[int]) -> list[TokenScore]:
         row = r.sched.seq.sample_row
+        if not row.params.logprobs:  # nothing to compute: no copies to the device either
+            return [TokenScore(t, None, []) for t in tokens]
         rows = [row] * len(tokens)
         index = torch.tensor(r.logits_rows[: len(tokens)], device=logits.device)
         chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
@@ -308,56 +312,71 @@ class SpecDecoder:
 
     # ---- propose ---------------------------------------------------------------------------------
     def _propose(self, rows: list[_Row], results: list[SeqResult], emitted: list[list[int]]) -> None:
-        """Run the MTP layer over each drafting sequence's new positions and chain its drafts."""
-        items: list[tuple[Sequence, int, list[int]]] = []
-        owners: list[int] = []
-        hidden_rows: list[int] = []
-        logits_indices: list[int] = []
-        proposing = []  # (b, drafts to propose, the last position the MTP layer ran at)
+        """Run the MTP layer over each drafting sequence's new positions and chain its drafts: depth 0
+        over the accepted positions (every verify row, padded, when each sequence verified k drafts:
+        one graph's shape), depths 1 … k−1 one row each, their input tokens the previous depth's
+        drafts on the device; then one copy back of every depth's drafts and tag flags."""
+        accepted = []  # (b, first position, m: target rows whose next token is now known, the tokens after)
         for b, r in enumerate(rows):
             seq, tokens = r.sched.seq, emitted[b]
             self._drafts.pop(seq.request_id, None)
             if not r.is_drafting or results[b].is_tag_mismatch or not tokens:
                 continue
-            start = seq.num_computed_tokens
-            m = results[b].num_new_tokens  # target rows whose next token is now known
+            start, m = seq.num_computed_tokens, results[b].num_new_tokens
             # the tokens after positions start … start+m-1: the chunk's own, then what was emitted
-            after = (seq.token_ids[start + 1 : start + m] + tokens)[:m]
-            remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + len(tokens))
+            accepted.append((b, start, m, (seq.token_ids[start + 1 : start + m] + tokens)[:m]))
+        if not accepted:
+            return
+        # each verified k drafts: its k + 1 verify rows exist, and depth 0 runs over all of them
+        width = self.k + 1 if self.k and all(len(rows[b].drafts) == self.k for b, *_ in accepted) else 0
+        items: list[tuple[Sequence, int, list[int]]] = []
+        owners: list[int] = []
+        hidden_rows: list[int] = []
+        logits_indices: list[int] = []
+        proposing = []  # (b, drafts to propose, the last position the MTP layer ran at)
+        for b, start, m, after in accepted:
+            r = rows[b]
+            seq = r.sched.seq
+            remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + len(emitted[b]))
             num_drafts = min(self.k, remaining - 1)
             if num_drafts > 0:
                 proposing.append((b, num_drafts, start + m - 1))
                 logits_indices.append(len(hidden_rows) + m - 1)
-            items.append((seq, start, after))
+            n = width or m
+            items.append((seq, start, after + [0] * (n - m)))  # padding rows: rewritten before read
             owners.append(b)
-            hidden_rows += range(r.base, r.base + m)
-        if not items:
-            return
+            hidden_rows += range(r.base, r.base + n)
         host = self._host(items, logits_indices)
-        rows0 = SpecForward(0, np.array(hidden_rows, dtype=np.int64))  # the verify rows it reads
         self._draft_rows.append(len(hidden_rows))
-        draft_logits, flags = self._forward(StepInputs(host, spec=rows0))  # [P, V], [B]
-        drafts = [[t] for t in draft_logits.argmax(dim=-1).tolist()]
-        for b, bad in zip(owners, flags.tolist(), strict=True):
-            if bad:  # a draft read or write of a page that changed owner
-                results[b].is_tag_mismatch = True
+        _, flags = self._forward(StepInputs(host, spec=SpecForward(0, np.array(hidden_rows, dtype=np.int64))))
+        flagged = [(owners, flags)]  # (sequences, their flags [n]) per forward
+        depth_rows = [list(range(len(proposing)))]  # per depth, the proposing rows it drafted for
         for depth in range(1, self.k):
             live = [i for i, (_, n, _) in enumerate(proposing) if n > depth]
             if not live:
                 break
-            chain = [
-                (rows[proposing[i][0]].sched.seq, proposing[i][2] + depth, [drafts[i][-1]]) for i in live
-            ]
-            host_k = self._host(chain, list(range(len(live))))
+            chain = [(rows[proposing[i][0]].sched.seq, proposing[i][2] + depth, [0]) for i in live]
+            host_k = self._host(chain, list(range(len(live))))  # input tokens: on the device
             self._draft_rows.append(len(live))
-            logits_k, flags_k = self._forward(
-                StepInputs(host_k, spec=SpecForward(depth, np.array(live, dtype=np.int64)))
-            )
-            for i, t in zip(live, logits_k.argmax(dim=-1).tolist(), strict=True):
-                drafts[i].append(t)
-            for j, bad in zip(live, flags_k.tolist(), strict=True):
-                if bad:
-                    results[proposing[j][0]].is_tag_mismatch = True
+            spec = SpecForward(depth, np.array(live, dtype=np.int64), chain=True)
+            _, flags_k = self._forward(StepInputs(host_k, spec=spec))
+            flagged.append(([proposing[i][0] for i in live], flags_k))
+            depth_rows.append(live)
+        assert self.runner.spec_forwards is not None
+        drafted = self.runner.spec_forwards.drafted  # per depth [len(depth_rows[d])], on this rank
+        values = torch.cat([t.to(torch.int64) for t in (*drafted, *(f for _, f in flagged))]).tolist()
+        drafts: list[list[int]] = [[] for _ in proposing]
+        at = 0
+        for live in depth_rows:
+            for i in live:
+                drafts[i].append(values[at])
+                at += 1
+        for seqs, _ in flagged:
+            for b in seqs:
+                results[b].is_tag_mismatch |= bool(
+                    values[at]
+                )  # a draft read or write of a page that changed owner
+                at += 1
         for i, (b, _, _) in enumerate(proposing):
             if not results[b].is_tag_mismatch:
                 seq = rows[b].sched.seq

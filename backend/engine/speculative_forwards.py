@@ -9,15 +9,22 @@ their rows, never ships them (under tensor parallelism every rank holds the whol
 
 Verify steps where every sequence verifies the same number of drafts k replay a CUDA graph of their
 (k, batch-size bucket) when the runner captures graphs (backend/engine/verify_graphs.py); any other
-verify runs eagerly. Draft depths 1 … K−1 (one row per sequence: decode-shaped) replay decode graphs
-of the MTP layer (`DecodeGraphs` over a forward that reads its hidden states from a static buffer and
-writes the new ones to another); depth 0 (the accepted rows: as many as were accepted) runs eagerly.
+verify runs eagerly. Depth 0 after such a verify has the same layout: each sequence's k + 1 verify
+rows, the tokens after its accepted ones padded (rows past them write MTP KV at positions that are
+rewritten before any query reads them, as rejected drafts' are), so it replays a graph of the same
+kind over the MTP layer (`propose_graphs`) and keeps each sequence's row of its last accepted token.
+Draft depths 1 … K−1 (one row per sequence: decode-shaped) replay decode graphs of the MTP layer
+(`DecodeGraphs` over a forward that reads its hidden states from a static buffer and writes the new
+ones to another). A depth d > 0 whose `SpecForward.chain` is set reads its input tokens from the
+previous depth's argmax on the device, not from the host batch, so a step's draft depths run back
+to back without a round trip to the host; `drafted` holds each depth's tokens until rank 0 reads them.
 
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
@@ -28,7 +35,7 @@ import torch
 from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
-from backend.engine.ranks import VERIFY, StepInputs
+from backend.engine.ranks import VERIFY, SpecForward, StepInputs
 from backend.engine.verify_graphs import VerifyGraphs
 
 log = logging.getLogger("kumo.engine")
@@ -43,10 +50,16 @@ class SpecForwards:
         self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
         self.graphs = graphs
         self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
+        self.propose_graphs: VerifyGraphs | None = (
+            None  # depth 0 after a uniform verify (`capture_proposals`)
+        )
+        self._propose_hidden = torch.empty(0)  # [n·(K+1), H] the propose graphs' static input
         self._hidden_in = self._hidden_out = torch.empty(0)  # [n, H] the draft graphs' static buffers
         self.device = kv_cache.page_tags.device
         self.hidden: torch.Tensor | None = None  # the verify's [T, H]
         self._last: torch.Tensor | None = None  # the last depth's proposing rows [P, H]
+        self._ids: torch.Tensor | None = None  # [P] each proposing row's newest draft (argmax)
+        self.drafted: list[torch.Tensor] = []  # this step's draft tokens, per depth: [P], then [live]
 
     @classmethod
     def build(
@@ -86,6 +99,12 @@ class SpecForwards:
             if graphs.disabled_reason is not None:  # at start-up, once
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
         forwards = cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
+        if capture is not None and graphs is not None and graphs.is_enabled:
+            forwards.capture_proposals(sizes, max_pages, capture, config)
+            if ranks is not None and not ranks.agree(forwards.propose_graphs is not None):
+                if forwards.propose_graphs is not None:
+                    log.warning("depth-0 drafts run eagerly: their graphs failed to capture on another rank")
+                forwards.propose_graphs = None
         if capture is not None and sizes and config.num_speculative_tokens > 1 and hasattr(model, "config"):
             forwards.capture_drafts(sizes, max_pages, capture)
             if ranks is not None and not ranks.agree(bool(forwards.draft_graphs)):
@@ -93,6 +112,34 @@ class SpecForwards:
                     log.warning("draft steps run eagerly: their graphs failed to capture on another rank")
                 forwards.draft_graphs = []
         return forwards
+
+    def capture_proposals(
+        self, batch_sizes: list[int], max_pages: int, capture: Capture, config: EngineConfig
+    ) -> None:
+        """Graphs of depth 0 over a uniform verify's rows, one per (k, bucket) as the verify's."""
+        K, H = config.num_speculative_tokens, self.model.config.hidden_size
+        rows = max(batch_sizes) * (K + 1)
+        self._propose_hidden = torch.zeros(rows, H, dtype=self.model.dtype, device=self.device)
+        with torch.inference_mode():
+            graphs = VerifyGraphs(
+                self._propose_step,
+                self.kv_cache,
+                max_drafts=K,
+                batch_sizes=batch_sizes,
+                max_pages=max_pages,
+                check_tags=self.check_tags,
+                capture=capture,
+            )
+        if graphs.disabled_reason is not None:
+            log.warning("depth-0 drafts run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
+            return
+        self.propose_graphs = graphs
+
+    def _propose_step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A captured depth 0: every row a logits row, hidden states in through the static buffer."""
+        T = batch.input_ids.shape[0]
+        out: tuple[torch.Tensor, torch.Tensor] = self.model.forward_mtp(batch, self._propose_hidden[:T], 0)
+        return out
 
     def capture_drafts(self, batch_sizes: list[int], max_pages: int, capture: Capture) -> None:
         """Decode graphs of each MTP layer, for draft depths d > 0 (layer d mod L)."""
@@ -150,25 +197,61 @@ class SpecForwards:
             return logits, batch.tag_mismatch
         assert spec.rows is not None, "a draft names the hidden-state rows it reads"
         index = torch.from_numpy(spec.rows).to(self.device)
-        source = self.hidden if spec.depth == 0 else self._last
-        assert source is not None, "a draft follows the verify (and depth d > 0 follows depth d - 1)"
-        if spec.depth > 0 and self.draft_graphs:
+        if spec.depth == 0:
+            logits, mismatch = self._depth0(host, index)
+        else:
+            logits, mismatch = self._chained(host, index, spec)
+        ids = logits.argmax(dim=-1)  # [P] or [live]: the next depth's input, and the drafts
+        if spec.depth == 0:
+            self._ids, self.drafted = ids, [ids]
+        else:
+            assert self._ids is not None
+            self._ids = self._ids.index_copy(0, index, ids)
+            self.drafted.append(ids)
+        return logits, mismatch
+
+    def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth 0 over the verify's hidden rows `index`: from a propose graph when the rows are a
+        uniform verify's (every row given, `host.logits_indices` picking each sequence's last)."""
+        assert self.hidden is not None, "a draft follows the verify"
+        source = self.hidden[index]  # [T, H]
+        if self.propose_graphs is not None:
+            T = len(host.input_ids)
+            whole = dataclasses.replace(host, logits_indices=np.arange(T, dtype=np.int64))
+            if self.propose_graphs.shape_of(whole) is not None:
+                self._propose_hidden[:T].copy_(source)
+                replayed = self.propose_graphs.run(whole)
+                assert replayed is not None
+                logits, g, mismatch = replayed
+                pick = torch.from_numpy(host.logits_indices).to(self.device)
+                self._last = g[pick]
+                return logits[pick], mismatch
+        batch = self.batch(host)
+        logits, g = self.model.forward_mtp(batch, source, 0)  # [P, V], [T, H]
+        self._last = g[batch.logits_indices]
+        return logits, batch.tag_mismatch
+
+    def _chained(
+        self, host: HostBatch, index: torch.Tensor, spec: SpecForward
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth d > 0: one row per live sequence, reading its previous depth's hidden state (and,
+        with `spec.chain`, its previous draft as the input token)."""
+        assert self._last is not None and self._ids is not None, "depth d > 0 follows depth d - 1"
+        ids = self._ids[index] if spec.chain else None
+        if self.draft_graphs:
             graphs = self.draft_graphs[spec.depth % len(self.draft_graphs)]
-            P = len(spec.rows)
+            P = len(spec.rows) if spec.rows is not None else 0
             if graphs.bucket_for(P) is not None:
-                self._hidden_in[:P].copy_(source[index])
-                drafted = graphs.run(host)  # (logits [P, V], tag_mismatch [P]), or None: no fit
+                self._hidden_in[:P].copy_(self._last[index])
+                drafted = graphs.run(host, input_ids=ids)  # (logits [P, V], tag_mismatch [P]), or None
                 if drafted is not None:
-                    assert self._last is not None
                     self._last = self._last.index_copy(0, index, self._hidden_out[:P])
                     return drafted
         batch = self.batch(host)
-        logits, g = self.model.forward_mtp(batch, source[index], spec.depth)  # [P, V], [T, H]
-        if spec.depth == 0:
-            self._last = g[batch.logits_indices]
-        else:  # one row per live sequence: its new hidden state replaces its last one
-            assert self._last is not None
-            self._last = self._last.index_copy(0, index, g)
+        if ids is not None:
+            batch.input_ids = ids
+        logits, g = self.model.forward_mtp(batch, self._last[index], spec.depth)  # [P, V], [P, H]
+        self._last = self._last.index_copy(0, index, g)  # its new hidden state replaces its last one
         return logits, batch.tag_mismatch
 
     def batch(self, h: HostBatch) -> ForwardBatch:

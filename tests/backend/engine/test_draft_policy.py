@@ -13,10 +13,14 @@ import torch
 
 from backend.engine.draft_policy import (
     EWMA_WEIGHT,
+    MIN_RATE_SAMPLES,
     PRIOR_ACCEPTANCE,
     PROBE_EVERY,
+    REPROBE_EVERY,
+    SPEC_PROBE_STEPS,
     DraftPolicy,
     StepLoad,
+    load_bucket,
 )
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
@@ -129,6 +133,68 @@ def test_engine_measures_its_draft_cost() -> None:
     assert spec.policy.choose(StepLoad(num_rows=1, num_drafting=1)) < 3
     plain = run_all(toy(0), [request("a", [1], max_tokens=40)])
     assert got["a"].token_ids == plain["a"].token_ids
+
+
+def drive(p: DraftPolicy, steps: int, plain_rate: float, spec_rate: float, num_seqs: int = 1) -> list[int]:
+    """`steps` decisions at one load, each step reported at the rate its kind is made to have (a
+    drafting step right after a plain one only proposes: not reported, as the engine does)."""
+    load, ks, last = StepLoad(num_rows=num_seqs, num_drafting=num_seqs), [], 0
+    for _ in range(steps):
+        k = p.choose(load)
+        if k == 0:
+            p.observe_step(num_seqs, False, num_seqs, num_seqs / plain_rate)
+        elif last:
+            p.observe_step(num_seqs, True, 3 * num_seqs, 3 * num_seqs / spec_rate)
+        ks.append(k)
+        last = k
+    return ks
+
+
+def test_measured_rates_gate_drafting() -> None:
+    """With m measured, a load first runs plain steps, then a probe of drafting ones, then keeps the
+    side measured faster, and every REPROBE_EVERY steps tries the other side again."""
+    wins = policy(3, acceptance=0.9, is_calibrated=True)
+    ks = drive(
+        wins, 2 + MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + REPROBE_EVERY, plain_rate=100.0, spec_rate=250.0
+    )
+    assert ks[:MIN_RATE_SAMPLES] == [0] * MIN_RATE_SAMPLES  # plain first
+    assert all(ks[MIN_RATE_SAMPLES : MIN_RATE_SAMPLES + SPEC_PROBE_STEPS])  # the probe
+    steady = ks[MIN_RATE_SAMPLES + SPEC_PROBE_STEPS :]
+    assert steady.count(0) == 1 and all(steady[: REPROBE_EVERY - 1])  # one plain step refreshes its rate
+
+    loses = policy(3, acceptance=0.9, is_calibrated=True)
+    ks = drive(
+        loses, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 2 * REPROBE_EVERY, plain_rate=100.0, spec_rate=60.0
+    )
+    steady = ks[MIN_RATE_SAMPLES + SPEC_PROBE_STEPS :]
+    assert sum(1 for k in steady if k) == SPEC_PROBE_STEPS  # off, but for one probe per REPROBE_EVERY
+
+    # loads are measured apart: one user's drafting does not decide 64 users'
+    assert load_bucket(1) == 1 and load_bucket(3) == 4 and load_bucket(64) == 64 and load_bucket(65) == 128
+    assert wins.choose(StepLoad(num_rows=64, num_drafting=64)) in (0, wins.last_k)
+    fixed = policy(3, acceptance=0.9)  # a configured m: the cost model alone decides
+    assert drive(fixed, 5, plain_rate=100.0, spec_rate=1.0) == [3] * 5
+
+
+def test_engine_turns_drafting_off_where_it_measures_slower() -> None:
+    """A verify made 20 ms slower on the host (accepting: work the cost model does not price, and
+    that leaves m, a ratio of forward times, low): after its probe the engine decodes plainly, and
+    the output is plain decoding's."""
+    engine = toy(3, speculative_draft_cost=None)
+    spec = engine.spec
+    assert spec is not None
+    choose = spec._choose
+
+    def slow(*args: Any) -> Any:
+        time.sleep(0.02)
+        return choose(*args)
+
+    spec._choose = slow  # type: ignore[method-assign]
+    spec.policy.draft_cost = 0.01  # the model's start: drafting pays
+    got = run_all(engine, [request("a", [1], max_tokens=60)])
+    assert got["a"].token_ids == run_all(toy(0), [request("a", [1], max_tokens=60)])["a"].token_ids
+    assert 0 < engine.stats.spec_verifies < SPEC_PROBE_STEPS * 2  # the probe, then plain steps
+    assert spec.policy.choose(StepLoad(num_rows=1, num_drafting=1)) == 0
 
 
 def test_fixed_policy_always_drafts_k() -> None:

@@ -27,6 +27,9 @@ from backend.engine.ranks import StepChannel, follow_steps
 from backend.models.loader import load_model
 from backend.tools.random_checkpoint import KINDS, write_random_checkpoint
 from tests.backend.engine.test_decode_graphs_cuda import NUM_TOKENS, assert_same_greedy, requests, run_timed
+from tests.backend.engine.test_speculative import OracleDrafts, assert_same_or_tied, prompts
+from tests.backend.engine_helpers import request, run_all
+from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,8 +39,9 @@ pytestmark = [
 BATCHES = (1, 3, 8)  # 3: a padded bucket (4), its padding row through the collectives too
 
 
-def _engine(loaded: Any, device: torch.device, channel: StepChannel, graphs: bool) -> Engine:
+def _engine(loaded: Any, device: torch.device, channel: StepChannel, graphs: bool, **spec: Any) -> Engine:
     config = EngineConfig.build(
+        **spec,
         num_pages=256,
         page_size=16,
         max_num_seqs=8,  # buckets 1, 2, 4, 8
@@ -51,7 +55,7 @@ def _engine(loaded: Any, device: torch.device, channel: StepChannel, graphs: boo
         config,
         vocab_size=loaded.config.vocab_size,
         context_window=loaded.config.max_position_embeddings,
-        model_dtype=torch.bfloat16,
+        model_dtype=loaded.model.dtype,
         device=device,
         ranks=channel,
     )
@@ -101,3 +105,63 @@ def test_nccl_decode_graphs_match_eager(kind: str, tmp_path: Path) -> None:
         rows.append(f"{kind:10} tp=2 B={num_seqs}: eager {eager_ms:7.2f} ms/step, graphs {graph_ms:7.2f} "
                     f"ms/step; tokens agreed {sum(agreed)}/{NUM_TOKENS * num_seqs}")  # fmt: skip
     print("\n" + "\n".join(rows))
+
+
+def _spec_rank_main(rank: int, path: str, tmp: str) -> None:
+    """Plain decoding, then speculative (mtp:3, graphs on) over the same fp32 slices, both TP2."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
+    try:
+        loaded = load_model(
+            path, dtype=torch.float32, device=device, rank=rank, world_size=2, num_mtp_layers=1
+        )
+        channel = StepChannel(rank, 2, device)
+        spec = dict(num_speculative_tokens=3, speculative_max_seqs=8, speculative_draft_cost=0.25)
+        plain, drafting = (
+            _engine(loaded, device, channel, True),
+            _engine(loaded, device, channel, True, **spec),
+        )
+        forwards = drafting.runner.spec_forwards
+        assert forwards is not None and forwards.graphs is not None and forwards.propose_graphs is not None
+        out: dict[str, Any] = {}
+        if rank == 0:
+            vocab = loaded.config.vocab_size
+            reqs = [
+                request(f"r{i}", p, max_tokens=12 + 5 * i, logprobs=True, top_logprobs=2)
+                for i, p in enumerate(prompts(6, vocab, seed=4))
+            ]
+            out["plain"] = run_all(plain, reqs)
+            channel.send(None)
+            OracleDrafts(drafting, out["plain"], p_wrong=0.3)
+            out["spec"] = run_all(drafting, reqs)
+            channel.send(None)
+            out["accepted"] = drafting.stats.spec_accepted_tokens
+            out["aborts"] = drafting.stats.tag_check_aborts
+        else:
+            follow_steps(plain.runner, channel)
+            follow_steps(drafting.runner, channel)
+        out["replays"] = (
+            forwards.graphs.num_replays,
+            forwards.propose_graphs.num_replays,
+            sum(g.num_replays for g in forwards.draft_graphs),
+        )
+        (Path(tmp) / f"spec{rank}.pkl").write_bytes(pickle.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_nccl_speculative_equals_plain(arch: str, tmp_path: Path) -> None:
+    """Speculative decoding across two GPUs: the verify, depth-0 and draft-depth graphs (collectives
+    inside) replay on both ranks alike, the draft chain runs on each rank's own argmax, and greedy
+    outputs are plain TP2 decoding's (near-ties aside, fp32)."""
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    mp.start_processes(_spec_rank_main, args=(str(path), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [pickle.loads((tmp_path / f"spec{r}.pkl").read_bytes()) for r in (0, 1)]
+    assert ranks[0]["replays"] == ranks[1]["replays"] and all(n > 0 for n in ranks[0]["replays"])
+    plain, spec = ranks[0]["plain"], ranks[0]["spec"]
+    ties = sum(assert_same_or_tied(spec[r], plain[r], r) for r in plain)
+    assert ties <= 1 and ranks[0]["accepted"] > 0 and ranks[0]["aborts"] == 0

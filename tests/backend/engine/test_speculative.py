@@ -36,7 +36,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def engine_for(model: Any, k: int, **config: Any) -> Engine:
     values = dict(num_pages=96, page_size=8, max_num_batched_tokens=64, max_num_seqs=16)
-    values |= dict(num_speculative_tokens=k, speculative_max_seqs=16) | config
+    # a configured draft cost: drafting as the cost model says, not as this host's step times do
+    values |= dict(num_speculative_tokens=k, speculative_max_seqs=16, speculative_draft_cost=0.25) | config
     config = EngineConfig.build(**values)
     return Engine.from_prepared(prepare_model(model, config), config)
 

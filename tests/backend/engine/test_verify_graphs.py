@@ -85,6 +85,7 @@ def test_verify_graph_path_equals_eager(tiny: dict[str, Any], arch: str, num_seq
     forwards = graphed.runner.spec_forwards
     assert forwards is not None and len(forwards.draft_graphs) == 1  # draft depths 1, 2: the MTP layer's
     assert forwards.draft_graphs[0].num_replays > 0
+    assert forwards.propose_graphs is not None and forwards.propose_graphs.num_replays > 0  # depth 0
     for rid, w in want.items():
         g = got[rid]
         assert g.token_ids == w.token_ids == plain[rid].token_ids, rid
@@ -233,10 +234,14 @@ def test_captured_steps_read_only_tensors_that_outlive_them(tiny: dict[str, Any]
     decode = e.runner.graphs
     assert decode is not None
     # decode (a second, narrow width for DSA models: backend/engine/decode_graphs.py), verify (k = 1 … 3),
-    # draft depths (over the draft graphs' own widths)
+    # depth 0 (k = 1 … 3), draft depths (over the draft graphs' own widths)
     draft_widths = sum(len(g.widths) for g in forwards.draft_graphs)
-    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 4 * draft_widths
+    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 3 * 4 + 4 * draft_widths
+    proposals = forwards.propose_graphs
+    assert proposals is not None
     for buffer in (graphs.positions, graphs.page_table, graphs.seq_lens, forwards._hidden_in):
+        assert capture.read(buffer)  # the probe sees the static buffers the steps read
+    for buffer in (proposals.positions, proposals.page_table, forwards._propose_hidden):
         assert capture.read(buffer)  # the probe sees the static buffers the steps read
     capture.release()
     freed = capture.freed()
@@ -269,8 +274,10 @@ def test_ranks_replay_verify_and_draft_graphs_together_or_not_at_all(
     forwards = SpecForwards.build(
         e.runner.model, e.runner.kv_cache, e.config, capture=eager_capture, max_seq_len=None, ranks=ranks
     )
-    assert ranks.votes == [True, True]  # this rank captured its verify and its draft graphs
+    # this rank captured its verify graphs, then (when every rank did) its depth-0 graphs, and its draft graphs
+    assert ranks.votes == ([True, True, True] if others else [True, True])
     assert forwards.graphs is not None and forwards.graphs.is_enabled == others
+    assert (forwards.propose_graphs is not None) == others
     assert bool(forwards.draft_graphs) == others
     if not others:
         assert forwards.graphs.disabled_reason == "verify graphs failed to capture on another rank"
