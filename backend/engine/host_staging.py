@@ -97,3 +97,11 @@ def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+def array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device`; on CUDA through pinned memory, non-blocking (`to_device`'s reason)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -43,6 +43,7 @@ import torch
 from backend.engine.block_manager import BlockManager
 from backend.engine.draft_policy import DraftPolicy, StepLoad
 from backend.engine.forward_batch import HostBatch
+from backend.engine.host_staging import to_device
 from backend.engine.model_runner import ModelRunner, SeqResult
 from backend.engine.ranks import VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import SampleRow, TokenScore
@@ -176,7 +177,7 @@ class SpecDecoder:
             res.accepted, res.sample = scores[:-1], scores[-1]
         for b, (prompt_rows, targets) in prompt.items():
             if not results[b].is_tag_mismatch:
-                index = torch.tensor(prompt_rows, dtype=torch.int64, device=logits.device)
+                index = to_device(prompt_rows, torch.int64, logits.device)
                 results[b].prompt_scores = runner.sampler.score(
                     logits[index], targets, out.scheduled[b].seq.request.sampling.top_logprobs
                 )
@@ -276,14 +277,14 @@ class SpecDecoder:
         plain = [b for b, r in enumerate(rows) if r.logits_rows and not r.drafts]
         if plain:
             sample_rows = [self._sample_row(rows[b].sched.seq) for b in plain]
-            index = torch.tensor([rows[b].logits_rows[0] for b in plain], device=logits.device)
+            index = to_device([rows[b].logits_rows[0] for b in plain], torch.int64, logits.device)
             for b, t in zip(
                 plain, self.runner.sampler.draw(logits[index], sample_rows).tolist(), strict=True
             ):
                 emitted[b] = [t]
         greedy = [b for b, r in enumerate(rows) if r.drafts and r.sched.seq.sample_row.is_argmax]
         if greedy:  # one argmax over every verify row of the greedy sequences, one copy back
-            index = torch.tensor([i for b in greedy for i in rows[b].logits_rows], device=logits.device)
+            index = to_device([i for b in greedy for i in rows[b].logits_rows], torch.int64, logits.device)
             targets = logits[index].argmax(dim=-1).tolist()
             at = 0
             for b in greedy:
@@ -306,8 +307,8 @@ class SpecDecoder:
         if not row.params.logprobs:  # nothing to compute: no copies to the device either
             return [TokenScore(t, None, []) for t in tokens]
         rows = [row] * len(tokens)
-        index = torch.tensor(r.logits_rows[: len(tokens)], device=logits.device)
-        chosen = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        index = to_device(r.logits_rows[: len(tokens)], torch.int64, logits.device)
+        chosen = to_device(tokens, torch.int64, logits.device)
         return self.runner.sampler.scores(logits[index], rows, chosen, tokens)
 
     # ---- propose ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
+from backend.engine.host_staging import array_to_device, to_device
 from backend.engine.ranks import VERIFY, SpecForward, StepInputs
 from backend.engine.verify_graphs import VerifyGraphs
 
@@ -175,7 +176,7 @@ class SpecForwards:
         every rank). A position computed in a step without drafts gets no MTP KV; a sequence drafting
         later reads zeros there, never what an earlier owner of the page left (the tag check cannot
         tell: the page is the sequence's own by then)."""
-        index = torch.from_numpy(pages).to(self.device)
+        index = array_to_device(pages, self.device)
         for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
             for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
                 cache.view(torch.uint8).index_fill_(0, index, 0)
@@ -185,7 +186,7 @@ class SpecForwards:
         spec, host = inputs.spec, inputs.host
         assert spec is not None, "a speculative forward names its kind"
         if inputs.tag_updates is not None:  # [U, 2] (page, tag): before any page is read
-            updates = torch.from_numpy(inputs.tag_updates).to(self.device)
+            updates = array_to_device(inputs.tag_updates, self.device)
             self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
         if spec.depth == VERIFY:
             replayed = self.graphs.run(host) if self.graphs is not None else None
@@ -196,7 +197,7 @@ class SpecForwards:
             logits, self.hidden = self.model.forward_spec(batch)  # [N, V], [T, H]
             return logits, batch.tag_mismatch
         assert spec.rows is not None, "a draft names the hidden-state rows it reads"
-        index = torch.from_numpy(spec.rows).to(self.device)
+        index = array_to_device(spec.rows, self.device)
         if spec.depth == 0:
             logits, mismatch = self._depth0(host, index)
         else:
@@ -223,7 +224,7 @@ class SpecForwards:
                 replayed = self.propose_graphs.run(whole)
                 assert replayed is not None
                 logits, g, mismatch = replayed
-                pick = torch.from_numpy(host.logits_indices).to(self.device)
+                pick = array_to_device(host.logits_indices, self.device)
                 self._last = g[pick]
                 return logits[pick], mismatch
         batch = self.batch(host)
@@ -259,12 +260,12 @@ class SpecForwards:
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+            return array_to_device(a, dev)
 
         image_embeds = None
         if h.image_rows:
             image_embeds = ImageEmbeds(
-                token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
+                token_indices=to_device(h.image_rows, torch.int64, dev),
                 embeds=torch.cat(h.image_parts).to(dev),
             )
         return ForwardBatch(

@@ -35,6 +35,7 @@ import torch
 
 from backend.engine.decode_graphs import SCRATCH_TAG, Capture
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
+from backend.engine.host_staging import array_to_device
 from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
@@ -152,13 +153,13 @@ class VerifyGraphs:
         tags = np.full((bucket, width), SCRATCH_TAG, dtype=np.int64)
         tags[:B] = np.where(past, SCRATCH_TAG, host.expected_tags)
         dev = self._vectors.device
-        self._vectors[:, : bucket * L].copy_(torch.from_numpy(vectors).to(dev))
+        self._vectors[:, : bucket * L].copy_(array_to_device(vectors, dev))
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(scratch)
             self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
         self._written_width = width
-        self.page_table[:bucket, :width].copy_(torch.from_numpy(pages).to(dev))
-        self.expected_tags[:bucket, :width].copy_(torch.from_numpy(tags).to(dev))
+        self.page_table[:bucket, :width].copy_(array_to_device(pages, dev))
+        self.expected_tags[:bucket, :width].copy_(array_to_device(tags, dev))
         logits, hidden = self._replays[k, bucket]()
         self.num_replays += 1
         return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]

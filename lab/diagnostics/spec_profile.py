@@ -1,0 +1,106 @@
+"""Where a speculative step's time goes (issue 28), on the GPU, one nano model at concurrency 1:
+
+    python3 -m lab.diagnostics.spec_profile [--model models/glm-5.2-nano] [--prompts 6] [--max-tokens 96]
+
+Three engines over one loaded copy (`benchmarks.engine.mtp_gpu.nano_engines`): plain (B), always K
+drafts (F). Each is warmed on the prompts, then run again with every phase of a step wrapped in a
+wall-clock timer (scheduling, the verify's planning / forward / acceptance, the draft depths, trim,
+postprocess) and, separately, under torch.profiler: the CPU ops that wait for the device
+(cudaStreamSynchronize, cudaMemcpy…), and the device's busy time per step. Printed: ms per step per
+phase, device-busy ms per step, and the profiler's top CPU and CUDA tables (also in --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def timed(obj: Any, name: str, totals: dict[str, float], label: str | None = None) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            totals[label or name] += time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
+def run(engine: Any, prompts: list[list[int]], stops: list[int], max_tokens: int) -> int:
+    from benchmarks.engine.mtp_gpu import run_prompts
+
+    r = run_prompts(engine, prompts, stops, max_tokens, 1)
+    return int(r["steps"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, default=Path("models/glm-5.2-nano"))
+    ap.add_argument("--task", default="chat")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    from benchmarks.engine.mtp_acceptance import held_out_prompts, stop_ids
+    from benchmarks.engine.mtp_gpu import Options, nano_engines
+
+    opts = Options(
+        device=args.device, models=(args.model,), tasks=(args.task,), num_prompts=args.prompts,
+        max_tokens=args.max_tokens, k=3, num_rounds=1, c64=64, c64_rounds=1, rank_of=8, depths=(4, 8),
+        projection_tokens=32, acceptance_record=Path("/dev/null"), deadline=time.monotonic() + 600, tiny=False,
+    )  # fmt: skip
+    engines = nano_engines(args.model, opts, 1)
+    prompts = held_out_prompts(args.model, args.task, args.prompts)
+    stops = stop_ids(args.model)
+    lines = []
+    for side in ("B", "F"):
+        engine = engines[side]
+        run(engine, prompts, stops, args.max_tokens)  # warm
+        totals: dict[str, float] = collections.defaultdict(float)
+        timed(engine, "step", totals)
+        timed(engine.scheduler, "schedule", totals)
+        timed(engine, "_postprocess", totals)
+        timed(engine.runner, "run", totals, "runner.run (plain step)")
+        if engine.spec is not None and side == "F":
+            spec = engine.spec
+            for name in ("drafting", "run", "_plan_target", "_choose", "_scores", "_propose", "trim"):
+                timed(spec, name, totals, f"spec.{name}")
+            forwards = engine.runner.spec_forwards
+            timed(forwards, "run", totals, "forwards.run (all)")
+            timed(forwards, "_depth0", totals, "forwards._depth0")
+            timed(forwards, "_chained", totals, "forwards._chained")
+            if forwards.graphs is not None:
+                timed(forwards.graphs, "run", totals, "verify graphs.run")
+        steps = run(engine, prompts, stops, args.max_tokens)
+        lines.append(f"== side {side}: {steps} steps, ms per step:")
+        for name, s in sorted(totals.items(), key=lambda kv: -kv[1]):
+            lines.append(f"   {name:32} {1e3 * s / steps:8.3f}")
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        acts += [torch.profiler.ProfilerActivity.CUDA] if args.device.startswith("cuda") else []
+        with torch.profiler.profile(activities=acts) as prof:
+            steps = run(engine, prompts[:2], stops, args.max_tokens)
+        ka = prof.key_averages()
+        cuda_us = sum(e.self_device_time_total for e in ka)
+        lines.append(
+            f"   device busy (sum of kernel self time) {cuda_us / 1e3 / steps:8.3f} ms/step over {steps} steps"
+        )
+        lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        lines.append(ka.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
