@@ -475,7 +475,7 @@ def launch_mla_paged(
     line_bytes = C * latent_cache.element_size()
     splits = num_splits or pick_mla_splits(
         num_tiles, head_blocks, max_items, num_sms(q.device), tiles.ctas_per_sm,
-        slice_cost_items(block_q * tiles.block_h, R, line_bytes),
+        slice_cost_items(block_q * tiles.block_h, R, line_bytes), tiles.block_n,
     )  # fmt: skip
     if splits > MAX_SPLITS:
         raise ValueError(f"at most {MAX_SPLITS} slices, got {splits}")

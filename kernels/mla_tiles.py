@@ -118,6 +118,8 @@ def resolve_tiles(
 
 MAX_SPLITS = 128  # the merge reads every slice's LSE at once
 SLICE_FIXED_ITEMS = 64  # a slice's own cost (q, the tag check's pass, the epilogue), in items read
+IDLE_SLICE_ITEMS = 1  # what one more slice costs a mostly idle GPU, in items of one program's walk
+IDLE_SHARE = 8  # the tiles alone occupy at most 1/IDLE_SHARE of the SMs: the GPU is mostly idle
 
 
 def slice_cost_items(rows: int, kv_lora_rank: int, line_bytes: int) -> int:
@@ -127,19 +129,57 @@ def slice_cost_items(rows: int, kv_lora_rank: int, line_bytes: int) -> int:
 
 
 def pick_mla_splits(
-    num_tiles: int, head_blocks: int, max_items: int, num_sms: int, ctas_per_sm: int, slice_cost: int
+    num_tiles: int,
+    head_blocks: int,
+    max_items: int,
+    num_sms: int,
+    ctas_per_sm: int,
+    slice_cost: int,
+    block_n: int,
 ) -> int:
-    """Slices per tile minimising the modelled time of the last wave of programs: waves x (items a
-    slice + `slice_cost`), waves counted in the CTA slots of the device (`ctas_per_sm` an SM); ties go
-    to fewer slices. At batch 64 that is the fewest slices that fill the slots (64 heads, one CTA an
-    SM: 2 slices, 128 of 132); at batch 1 to 8, more, each slice at least `slice_cost` items (its
-    partials then move no more bytes than its lines), so that a short context still spreads over the
-    SMs rather than one program walking it alone."""
+    """Slices per tile, by how much of the device the tiles alone (`num_tiles` x `head_blocks`
+    programs) occupy.
+
+    Busy (more than an eighth of the SMs): the slices minimise the modelled time of the last wave of
+    programs, waves x (items a slice + `slice_cost`), waves counted in CTA slots (`ctas_per_sm` an SM),
+    ties to fewer slices. At batch 64 that is the fewest slices that fill the slots (64 heads, one CTA
+    an SM: 2 slices, 128 of 132).
+
+    Mostly idle (up to 16 sequences of 64 heads on the H200): `idle_splits`. For a long context both
+    models fill the slots in one wave and agree (batch 8 or 16 at 32k tokens); they part where the
+    busy one's floor of `slice_cost` items a slice binds first: few sequences, or a short context.
+    """
     slots = num_sms * ctas_per_sm
     base = max(num_tiles * head_blocks, 1)
+    if IDLE_SHARE * base <= num_sms:
+        return idle_splits(base, max_items, slots, block_n)
     most = max(1, min(MAX_SPLITS, max_items // max(slice_cost, 1)))
 
     def cost(splits: int) -> int:
         return triton.cdiv(base * splits, slots) * (triton.cdiv(max_items, splits) + slice_cost)
+
+    return min(range(1, most + 1), key=cost)
+
+
+def idle_splits(num_programs: int, max_items: int, slots: int, block_n: int) -> int:
+    """Slices per tile when `num_programs` tiles leave most of the `slots` idle. A program walking its
+    slice alone is latency-bound: each step of `block_n` items waits on its loads (a 32-token BF16 step,
+    37 KB, takes 2.9 µs: 132 SMs so would draw a third of HBM's rate), while one more slice only adds
+    partials that an otherwise idle SM writes and the merge reads back in parallel. The H200 sweep at
+    batch 1, 64 heads (`lab/diagnostics/mla_c1_splits.py`, 2026-12-04: 4 to 128 slices, 2,048 to
+    8,192 items, dense and top-2,048, BF16 and FP8 caches) fits
+
+        µs = a + b x steps a slice + 0.113 x slices  (0.34 µs rms, 1.5 µs at worst)
+
+    with b = 2.9 µs a 32-token step (dense BF16), 4.2 (FP8), 3.9 / 4.8 (sparse): a slice costs what
+    0.76 to 1.25 items cost the walk (`IDLE_SLICE_ITEMS`). So the slices minimise steps x `block_n` +
+    slices x `IDLE_SLICE_ITEMS`, at least one step a slice and every program in one wave, ties to
+    fewer slices. 2,048 items (GLM-5's top-k and its dense reach) in 32-token steps: 32 slices (the
+    busy model: 7 with a BF16 cache, 3 with FP8, 39 / 103 µs; 32: 20 / 22 µs); 2,176: 34; 8,192: 86."""
+    steps = triton.cdiv(max_items, block_n)  # of the whole context; a slice walks cdiv(steps, n)
+    most = max(1, min(MAX_SPLITS, slots // max(num_programs, 1), steps))
+
+    def cost(splits: int) -> int:
+        return triton.cdiv(steps, splits) * block_n + splits * IDLE_SLICE_ITEMS
 
     return min(range(1, most + 1), key=cost)

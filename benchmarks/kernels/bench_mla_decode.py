@@ -120,7 +120,7 @@ def tile_kwargs(
         return {}
     splits = pick_mla_splits(
         num_tiles, -(-heads // t.block_h), items, num_sms(torch.device("cuda")), t.ctas_per_sm,
-        slice_cost_items(t.block_h, R, line_bytes),
+        slice_cost_items(t.block_h, R, line_bytes), t.block_n,
     )  # fmt: skip
     return dict(tiles=t, num_splits=splits)
 

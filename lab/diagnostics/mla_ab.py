@@ -90,7 +90,7 @@ def variants(H: int, B: int, ctx: int, kv: str) -> list[tuple[str, MlaTiles, int
 
     def new_splits(t: MlaTiles) -> int:
         cost = slice_cost_items(t.block_h, R, line)
-        return pick_mla_splits(B, triton.cdiv(H, t.block_h), ctx, sms, t.ctas_per_sm, cost)
+        return pick_mla_splits(B, triton.cdiv(H, t.block_h), ctx, sms, t.ctas_per_sm, cost, t.block_n)
 
     old = OLD_TILES[(rows, fp8)]
     new = TILES[("decode", rows, fp8)]

@@ -4,19 +4,21 @@ on the H200, in one call (~1 min). Run from the repo root:
     python3 -m lab.diagnostics.mla_c1_splits [--contexts 2048,2176,8192] [--kv bf16,fp8] [--out $OUT/mla_c1_splits.json]
 
 Why: one sequence, 64 heads (GLM 5.2 at one rank), is one 64-row head block, so the grid is
-`(1, splits, 1)`. The cost model caps the slices at `items // slice_cost_items` (each slice's fp32
-partials, rows x 512 x 8 bytes, no more than its lines): at 2,048 tokens that is 7 programs with a
-BF16 cache and 3 with FP8, on 132 SMs, each walking 293 / 683 tokens in steps of 32 one after another;
-the c=1 profile (2026-12-04) had MLA at ~48 µs a layer for 2.3 MB of lines (~50 GB/s). At that
-occupancy the step is latency-bound, and the partials (128 KB a slice) stay in the L2 for the merge.
+`(1, splits, 1)`. Until 2026-12-05 the cost model capped the slices at `items // slice_cost_items`
+(each slice's fp32 partials, rows x 512 x 8 bytes, no more than its lines): at 2,048 tokens that was
+7 programs with a BF16 cache and 3 with FP8, on 132 SMs, each walking 293 / 683 tokens in steps of
+32 one after another; the c=1 profile (2026-12-04) had MLA at ~48 µs a layer for 2.3 MB of lines
+(~50 GB/s). At that occupancy the step is latency-bound, and the partials (128 KB a slice) stay in
+the L2 for the merge. The sweep of 2026-12-04 (lab/results/2026-12-04-r5/mla_c1_splits.log) re-fit
+it: `kernels.mla_tiles.idle_splits` is the model now used where the tiles leave most SMs idle.
 
 Per context and cache dtype, dense (the step within index_topk, as GLM-5 now runs it) and sparse
-(2,048 chosen of the context, when longer): the launcher's own choice (`auto`) and each fixed slice
-count, timed as CUDA-graph replays over copies of the case that span 4x the L2 (the engine streams
-~0.5 GB of weights between two layers' MLA, so the lines come from HBM), stage 1 and the merge
-together; each output checked against the reference op (rel. err < 1e-2). The table gives µs per
-call and the speed-up over `auto`, and that of `proposed_splits`, a candidate model for a mostly
-idle GPU: the figures to re-fit `pick_mla_splits` with.
+(2,048 chosen of the context, when longer): the launcher's own choice (`auto`), the one it made
+before (`before`, timed as a fixed count) and each fixed slice count, timed as CUDA-graph replays
+over copies of the case that span 4x the L2 (the engine streams ~0.5 GB of weights between two
+layers' MLA, so the lines come from HBM), stage 1 and the merge together; each output checked
+against the reference op (rel. err < 1e-2). The table gives µs per call, the best count's speed-up
+over `auto` (1.00x: the chooser found it) and `auto`'s over `before`.
 """
 
 from __future__ import annotations
@@ -31,14 +33,7 @@ from benchmarks.kernels.bench_mla_decode import FP8, PAGE, SOFTMAX_SCALE, R, mak
 from benchmarks.kernels.common import graph_ms, num_copies, rel_err, write_record
 from kernels.mla_attention import mla_decode_ref
 from kernels.mla_decode import mla_decode
-from kernels.mla_tiles import (
-    MAX_SPLITS,
-    SLICE_FIXED_ITEMS,
-    TILES,
-    pick_mla_splits,
-    slice_cost_items,
-    tile_rows,
-)
+from kernels.mla_tiles import MAX_SPLITS, TILES, pick_mla_splits, slice_cost_items, tile_rows
 from kernels.split_k_merge import num_sms
 
 HEADS = 64
@@ -70,30 +65,20 @@ def auto_splits(case: dict[str, Any], kv: str) -> int:
     line = 576 * (1 if kv == "fp8" else 2)
     return pick_mla_splits(
         1, -(-HEADS // tiles.block_h), items, num_sms(case["q"].device), tiles.ctas_per_sm,
-        slice_cost_items(tiles.block_h, R, line),
+        slice_cost_items(tiles.block_h, R, line), tiles.block_n,
     )  # fmt: skip
 
 
-def proposed_splits(case: dict[str, Any], kv: str) -> int:
-    """A candidate for a mostly idle GPU (one wave of the launcher's choice fills under half the
-    slots): slices of at least two token steps, each slice's time its items plus a fixed cost, and
-    the merge's partials (written and read back) spread over every slot rather than charged to each
-    slice; otherwise the launcher's choice. BF16 at 2,048 tokens: 32 slices, FP8: 24."""
+def previous_splits(case: dict[str, Any], kv: str) -> int:
+    """What the launcher picked before the idle model: `pick_mla_splits`' busy model at any grid (one
+    tile here), each slice at least `slice_cost_items`."""
     sparse = case["topk"] is not None
     tiles = TILES[("sparse" if sparse else "decode", tile_rows(HEADS), kv == "fp8")]
     items = case["topk"].shape[1] if sparse else case["page_table"].shape[1] * PAGE
     slots = num_sms(case["q"].device) * tiles.ctas_per_sm
-    base = -(-HEADS // tiles.block_h)  # one sequence: its head blocks
-    auto = auto_splits(case, kv)
-    if 2 * base * auto >= slots:
-        return auto
-    partial_items = tiles.block_h * R * 8 / (576 * (1 if kv == "fp8" else 2))
-
-    def cost(n: int) -> float:
-        waves = -(-base * n // slots)
-        return waves * (-(-items // n) + SLICE_FIXED_ITEMS) + n * base * partial_items / slots
-
-    return min(range(1, max(1, min(MAX_SPLITS, items // (2 * tiles.block_n))) + 1), key=cost)
+    cost = slice_cost_items(tiles.block_h, R, 576 * (1 if kv == "fp8" else 2))
+    most = max(1, min(MAX_SPLITS, items // cost))
+    return min(range(1, most + 1), key=lambda n: -(-n // slots) * (-(-items // n) + cost))
 
 
 def sweep(ctx: int, topk: int | None, kv: str) -> dict[str, Any]:
@@ -102,13 +87,13 @@ def sweep(ctx: int, topk: int | None, kv: str) -> dict[str, Any]:
     for c in copies:  # one of the two caches is timed: drop the other's memory
         c.pop("fp8" if kv == "bf16" else "bf16")
     ref = reference(copies[0], kv)
-    proposed = proposed_splits(copies[0], kv)
+    before = previous_splits(copies[0], kv)
     row: dict[str, Any] = {
         "context": ctx, "topk": topk, "kv": kv, "auto_splits": auto_splits(copies[0], kv),
-        "proposed_splits": proposed,
+        "before_splits": before,
     }  # fmt: skip
     times: dict[str, float] = {}
-    for splits in (None, *sorted({*SPLITS, proposed})):
+    for splits in (None, *sorted({*SPLITS, before})):
         name = "auto" if splits is None else str(splits)
         err = rel_err(call(copies[0], kv, splits).float(), ref)
         if err > 1e-2:
@@ -120,9 +105,9 @@ def sweep(ctx: int, topk: int | None, kv: str) -> dict[str, Any]:
     row["best"] = best
     cells = "  ".join(f"{k}:{v:6.1f}" for k, v in times.items())
     print(
-        f"ctx={ctx:6} {'sparse' if topk else 'dense '} {kv:4} auto={row['auto_splits']:3}  {cells}  "
-        f"best {best} ({times['auto'] / times[best]:.2f}x auto); proposed {proposed}: "
-        f"{times['auto'] / times.get(str(proposed), float('nan')):.2f}x auto",
+        f"ctx={ctx:6} {'sparse' if topk else 'dense '} {kv:4} auto={row['auto_splits']:3} "
+        f"before={before:3}  {cells}  best {best} ({times['auto'] / times[best]:.2f}x auto); auto "
+        f"{times.get(str(before), float('nan')) / times['auto']:.2f}x before",
         flush=True,
     )
     return row

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import kernels.mla_decode  # noqa: E402
 from kernels.mla_attention import mla_decode_ref  # noqa: E402
 from kernels.mla_decode import e4m3_bits_to_f16_shifted, e4m3_to_f16_shifted, mla_decode  # noqa: E402
 from kernels.mla_tiles import MAX_SPLITS, VARIANTS, MlaTiles, pick_mla_splits, slice_cost_items  # noqa: E402
@@ -316,6 +317,39 @@ def test_sparse_mode_flags_pages_it_did_not_choose() -> None:
     assert rel_err(out, ref) < 2e-3
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
+def test_slices_the_h200_chooser_gives_a_few_sequences(
+    cache_dtype: torch.dtype, sparse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's own slice count as on the H200's 132 SMs, GLM-5's 64 heads (one 64-row tile, 32-
+    token steps) and two sequences, the page table 64 pages wide as a decode graph's (1,024 items; sparse:
+    1,024 top-k slots): 32 slices of one step, so the 600-token sequence leaves 13 slices without a
+    token (sparse: with only -1s, or the out-of-range position) and the 40-token one 30. The float16
+    cache stands in for BF16 (the interpreter's bf16 dots are broken)."""
+    seq_lens, width = [600, 40], 64
+    batch, _ = make_batch(
+        seq_lens, H=64, R=32, Dr=8, S=16, cache_dtype=cache_dtype, q_dtype=torch.float16, seed=31
+    )
+    pad = width - batch["page_table"].shape[1]
+    batch["page_table"] = torch.nn.functional.pad(batch["page_table"], (0, pad))  # page 0, never read
+    batch["expected_tags"] = torch.nn.functional.pad(batch["expected_tags"], (0, pad), value=-1)
+    topk = sparse_topk(seq_lens, K=1024, seed=3) if sparse else None
+    slices: list[int] = []
+    real_merge = kernels.mla_decode.merge_splits
+
+    def merge(part_o: torch.Tensor, *args: object) -> None:
+        slices.append(part_o.shape[2])
+        real_merge(part_o, *args)
+
+    monkeypatch.setattr(kernels.mla_decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(kernels.mla_decode, "merge_splits", merge)
+    out, ref, flags, _ = run_both(batch, topk)
+    assert slices == [32]
+    assert out.shape == (2, 64, 32) and not flags.any()
+    assert rel_err(out, ref) < 2e-3  # FP8 lines are exact in fp16; q and p are rounded
+
+
 def test_launcher_rejects_bad_inputs() -> None:
     batch, _ = make_batch(
         [5], H=4, R=16, Dr=16, S=4, cache_dtype=torch.float32, q_dtype=torch.float32, seed=1
@@ -356,18 +390,37 @@ def test_kernels_compile_for_sm90() -> None:
     assert len(lines) == 16 and all(" 0 bytes spill stores" in line for line in lines), run.stdout
 
 
-def test_pick_mla_splits() -> None:
+def test_pick_mla_splits_on_a_busy_grid() -> None:
+    """Tiles that fill more than an eighth of the SMs: the busy model, each slice at least its cost."""
     fp8_64, fp8_16 = slice_cost_items(64, 512, 576), slice_cost_items(16, 512, 576)
     assert (fp8_64, fp8_16) == (519, 177)  # 64 + a slice's partials (rows x 512 fp32, both ways) in lines
-    assert pick_mla_splits(64, 1, 32768, 132, 1, fp8_64) == 2  # 64 heads, one CTA per SM: 128 of 132 slots
-    assert pick_mla_splits(64, 1, 32768, 132, 2, fp8_16) == 4  # 16 heads, two CTAs per SM: 256 of 264
-    assert pick_mla_splits(8, 1, 32768, 132, 1, fp8_64) == 16  # 128 programs: one wave
-    assert pick_mla_splits(8, 1, 32768, 132, 2, fp8_16) == 33  # 264 programs: every slot
-    assert pick_mla_splits(1, 1, 32768, 132, 2, fp8_16) == MAX_SPLITS  # batch 1: as many as the merge takes
-    assert pick_mla_splits(1, 1, 4096, 132, 2, fp8_16) == 23  # short: each slice >= its cost (177 lines)
-    assert pick_mla_splits(1, 1, 700, 132, 1, fp8_64) == 1  # shorter than a 64-row slice's cost: no merge
-    assert pick_mla_splits(64, 1, 2048, 132, 1, fp8_64) == 2  # sparse top-2048
-    assert pick_mla_splits(4096, 1, 12288, 132, 1, fp8_64) == 1  # prefill: enough tiles already
+    assert pick_mla_splits(64, 1, 32768, 132, 1, fp8_64, 32) == 2  # 64 heads, one CTA an SM: 128 of 132
+    assert pick_mla_splits(64, 1, 32768, 132, 2, fp8_16, 32) == 4  # 16 heads, two CTAs an SM: 256 of 264
+    assert pick_mla_splits(64, 1, 2048, 132, 1, fp8_64, 32) == 2  # sparse top-2048
+    assert pick_mla_splits(17, 1, 2048, 132, 1, fp8_64, 32) == 3  # each slice >= its cost (519 lines)
+    assert pick_mla_splits(4096, 1, 12288, 132, 1, fp8_64, 32) == 1  # prefill: enough tiles already
+
+
+def test_pick_mla_splits_spreads_few_tiles_over_the_sms() -> None:
+    """Up to 16 tiles on the H200's 132 SMs (GLM-5 at one rank: 64 heads, one 64-row tile a sequence,
+    one CTA an SM, 32-token steps): the idle model, whatever the slice's partials cost, where the busy
+    one took 7 slices (BF16) or 3 (FP8) at 2,048 items, and 39 / 103 µs at batch 1 (the sweep's best,
+    32 / 64 slices: 20 / 21 µs)."""
+    for cost in (slice_cost_items(64, 512, 1152), slice_cost_items(64, 512, 576)):  # BF16, FP8 lines
+        assert pick_mla_splits(1, 1, 2048, 132, 1, cost, 32) == 32  # two steps a slice
+        assert pick_mla_splits(1, 1, 2176, 132, 1, cost, 32) == 34  # 68 steps: two a slice
+        assert pick_mla_splits(1, 1, 8192, 132, 1, cost, 32) == 86  # 256 steps: three a slice
+        assert pick_mla_splits(1, 1, 700, 132, 1, cost, 32) == 22  # short: one step a slice
+        assert pick_mla_splits(1, 1, 32, 132, 1, cost, 32) == 1  # one step: no merge
+        assert pick_mla_splits(4, 1, 2048, 132, 1, cost, 32) == 32  # 128 programs
+        assert pick_mla_splits(16, 1, 2048, 132, 1, cost, 32) == 8  # one wave: 128 of 132
+    assert pick_mla_splits(1, 1, 32768, 132, 2, slice_cost_items(16, 512, 576), 32) == MAX_SPLITS
+    for tiles in (1, 2, 3, 5, 8, 16):
+        for items in (1, 31, 33, 500, 2048, 2049, 8192, 131072):
+            for ctas in (1, 2):
+                splits = pick_mla_splits(tiles, 1, items, 132, ctas, 519, 32)
+                assert 1 <= splits <= min(MAX_SPLITS, -(-items // 32))  # at least one step a slice
+                assert tiles * splits <= 132 * ctas  # one wave
 
 
 def test_pick_num_splits() -> None:
@@ -435,6 +488,26 @@ def test_gpu_tensor_parallel_shards(heads: int, cache_dtype: torch.dtype) -> Non
     ref = mla_decode_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
     assert out.shape == (5, heads, 512) and out.isfinite().all()
     assert rel_err(out.float(), ref.float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_one_sequence_spreads_over_the_sms(cache_dtype: torch.dtype) -> None:
+    """Batch 1 at 64 heads, the launcher's own slice count (`idle_splits`: 32 to 34 slices of two
+    steps): 2,048 and 2,176 tokens dense, the top-2,048 of 2,176, and 700 tokens in a page table 2,048
+    tokens wide (a decode graph's narrow width: 10 of the 32 slices without a token)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for ctx, sparse, width in ((2048, False, 128), (2176, False, 136), (2176, True, 136), (700, False, 128)):
+        batch = gpu_batch(1, [ctx], cache_dtype)
+        pad = width - batch["page_table"].shape[1]
+        batch["page_table"] = torch.nn.functional.pad(batch["page_table"], (0, pad))
+        batch["expected_tags"] = torch.nn.functional.pad(batch["expected_tags"], (0, pad), value=-1)
+        topk = torch.randperm(ctx, device="cuda", generator=g)[None, :2048] if sparse else None
+        poison_allocator()
+        out = mla_decode(**batch, topk_indices=topk)
+        ref = mla_decode_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()}, topk_indices=topk)
+        assert not batch["tag_mismatch"].any() and out.isfinite().all(), (ctx, sparse)
+        assert rel_err(out.float(), ref.float()) < 1e-2, (ctx, sparse)
 
 
 @pytest.mark.gpu
