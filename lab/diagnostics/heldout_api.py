@@ -5,9 +5,12 @@
 function tools (so tool calls are grammar-constrained, as a user gets them), images as data URLs,
 greedy, and scores the replies with the same checks (`call_matches`, `generation_correct`).
 
-    .venv/bin/kumo serve --data-dir /tmp/kumo-api &      # wait for the credentials block
+    OMP_NUM_THREADS=1 .venv/bin/kumo serve --data-dir /tmp/kumo-api &      # wait for the credentials block
     PYTHONPATH=. .venv/bin/python lab/diagnostics/heldout_api.py --data-dir /tmp/kumo-api \
-        --family glm --items 60 --out lab/results/2026-12-04-heldout-2/api-glm.json
+        --family glm --items 60 --out lab/results/2026-12-04-heldout-api/after-glm.json
+
+`kumo serve` serves the catalog's models as INT4 routed experts with an FP8 KV cache; `--model NAME`
+asks a `kumo serve --model NAME=PATH` entry instead (the checkpoint as it is, float32 on the CPU).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import httpx
 import msgspec
 
 from backend.tools.eval_heldout import write_sets
-from backend.tools.eval_tasks import GenItem, ToolItem, call_matches, generation_correct, load_items
+from backend.tools.eval_tasks import MARKUP, GenItem, ToolItem, call_matches, generation_correct, load_items
 from gateway.dev_credentials import FILE_NAME, DevCredentials
 from schemas.backend import ToolCallDelta
 
@@ -69,7 +72,8 @@ def ask(client: httpx.Client, url: str, model: str, item: GenItem | ToolItem) ->
     if r.status_code != 200:
         reply["error"] = r.text[:300]
         return reply
-    message = r.json()["choices"][0]["message"]
+    choice = r.json()["choices"][0]
+    message = choice["message"]
     calls = [
         ToolCallDelta(
             index=i, id=c.get("id"), name=c["function"]["name"], arguments=c["function"]["arguments"]
@@ -77,7 +81,7 @@ def ask(client: httpx.Client, url: str, model: str, item: GenItem | ToolItem) ->
         for i, c in enumerate(message.get("tool_calls") or [])
     ]
     reply.update(content=message.get("content") or "", reasoning=message.get("reasoning_content"),
-                 calls=[(c.name, c.arguments) for c in calls])  # fmt: skip
+                 calls=[(c.name, c.arguments) for c in calls], finish_reason=choice.get("finish_reason"))  # fmt: skip
     if isinstance(item, ToolItem):
         reply["correct"] = call_matches(calls, item.expected)
     else:
@@ -89,33 +93,35 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", type=Path, required=True, help="the running kumo serve's data dir")
     ap.add_argument("--url", default="http://127.0.0.1:8787")
-    ap.add_argument("--family", choices=sorted(MODELS), required=True)
+    ap.add_argument("--family", choices=sorted(MODELS), required=True, help="which held-out sets")
+    ap.add_argument("--model", help="the model name asked (default: the family's catalog name)")
     ap.add_argument("--items", type=int, default=60)
-    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
+    model = a.model or MODELS[a.family]
     creds = msgspec.json.decode((a.data_dir / FILE_NAME).read_bytes(), type=DevCredentials)
     url = f"{a.url}/client/v4/accounts/{creds.account_id}/ai/v1/chat/completions"
     report: dict[str, Any] = {
-        "command": " ".join(["heldout_api.py", *argv]),
-        "model": MODELS[a.family],
+        "command": " ".join(["lab/diagnostics/heldout_api.py", *argv]),
+        "model": model,
         "sets": {},
     }
-    with httpx.Client(headers={"Authorization": f"Bearer {creds.api_token}"}) as client:
+    headers = {"Authorization": f"Bearer {creds.api_token}"}
+    with httpx.Client(headers=headers, trust_env=False) as client:
         for path in write_sets(Path(tempfile.mkdtemp()), a.family, a.items):
             _, items = load_items(path)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(a.concurrency) as pool:
-                replies = list(pool.map(lambda it: ask(client, url, MODELS[a.family], it), items))
+                replies = list(pool.map(lambda it: ask(client, url, model, it), items))
+            seconds = time.perf_counter() - t0
             right = sum(bool(r.get("correct")) for r in replies)
             errors = sum(r["status"] != 200 for r in replies)
-            markup = sum("<" in (r.get("content") or "") and "|" in (r.get("content") or "") for r in replies)
-            print(
-                f"{path.stem}: {right}/{len(items)} right, {errors} errors, {time.perf_counter() - t0:.0f} s"
-            )
+            markup = sum(bool(MARKUP.search(r.get("content") or "")) for r in replies)
+            print(f"{path.stem}: {right}/{len(items)} right, {errors} errors, {seconds:.0f} s", flush=True)
             report["sets"][path.stem] = {
-                "accuracy": right / len(items), "items": len(items), "http_errors": errors,
-                "replies_with_special_token_markup": markup,
+                "accuracy": right / len(items), "items": len(items), "http_errors": errors, "seconds": round(seconds, 1),
+                "replies_with_markup": markup,
                 "samples": [
                     {"ask": openai_messages(it)[-1]["content"] if isinstance(openai_messages(it)[-1]["content"], str)
                      else "[image] " + openai_messages(it)[-1]["content"][-1]["text"],
