@@ -15,6 +15,7 @@ collective.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import socket
 import subprocess
@@ -208,6 +209,10 @@ def _main() -> int:
         follow_steps(engine.runner, engine.runner.ranks)
     except RanksDown:
         return 1
+    # NCCL destroys a communicator only once every CUDA graph that captured its collectives is
+    # gone (the H200 pair, 2026-12-04: `destroy_process_group` waited forever with them alive)
+    del engine
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -10,6 +10,9 @@ compared as in test_decode_graphs_cuda.py (equal up to a near-tie). Run with `-s
 
 from __future__ import annotations
 
+import faulthandler
+import gc
+import os
 import pickle
 import statistics
 from datetime import timedelta
@@ -61,32 +64,52 @@ def _engine(loaded: Any, device: torch.device, channel: StepChannel, graphs: boo
     )
 
 
-def _rank_main(rank: int, path: str, tmp: str) -> None:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+def _watchdog() -> None:
+    """A rank stuck in a collective dumps every thread's stack and exits (the test then fails with
+    where it was, not with pytest's timeout over the parent's wait)."""
+    faulthandler.dump_traceback_later(float(os.environ.get("KUMO_RANK_DUMP_S", "240")), exit=True)
+
+
+def _in_group(work: Any, rank: int, path: str, tmp: str) -> None:
+    """Run `work` in a two-rank NCCL group, then leave it. NCCL destroys a communicator only once
+    every CUDA graph that captured its collectives is gone (else `destroy_process_group` waits
+    forever), so `work`'s engines (and their graphs) are collected first."""
+    _watchdog()
+    torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=2, timeout=timedelta(seconds=120)
     )
     try:
-        loaded = load_model(path, dtype=torch.bfloat16, device=device, rank=rank, world_size=2)
-        channel = StepChannel(rank, 2, device)
-        engines = {graphs: _engine(loaded, device, channel, graphs) for graphs in (False, True)}
-        graphs = engines[True].runner.graphs
-        assert engines[False].runner.graphs is None and graphs is not None
-        out: dict[str, Any] = {"enabled": graphs.is_enabled, "why": graphs.disabled_reason}
-        vocab = loaded.config.vocab_size
-        for is_graphed, engine in engines.items():
-            if rank == 0:
-                for num_seqs in BATCHES:
-                    tag = f"{'graph' if is_graphed else 'eager'}{num_seqs}"
-                    out[tag] = run_timed(engine, requests(num_seqs, vocab, tag))
-                channel.send(None)
-            else:
-                follow_steps(engine.runner, channel)
-        out["replays"] = graphs.num_replays
-        (Path(tmp) / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
+        work(rank, path, tmp)
     finally:
+        gc.collect()
+        torch.cuda.synchronize()
         dist.destroy_process_group()
+
+
+def _rank_main(rank: int, path: str, tmp: str) -> None:
+    _in_group(_decode_graphs_work, rank, path, tmp)
+
+
+def _decode_graphs_work(rank: int, path: str, tmp: str) -> None:
+    device = torch.device("cuda", rank)
+    loaded = load_model(path, dtype=torch.bfloat16, device=device, rank=rank, world_size=2)
+    channel = StepChannel(rank, 2, device)
+    engines = {graphs: _engine(loaded, device, channel, graphs) for graphs in (False, True)}
+    graphs = engines[True].runner.graphs
+    assert engines[False].runner.graphs is None and graphs is not None
+    out: dict[str, Any] = {"enabled": graphs.is_enabled, "why": graphs.disabled_reason}
+    vocab = loaded.config.vocab_size
+    for is_graphed, engine in engines.items():
+        if rank == 0:
+            for num_seqs in BATCHES:
+                tag = f"{'graph' if is_graphed else 'eager'}{num_seqs}"
+                out[tag] = run_timed(engine, requests(num_seqs, vocab, tag))
+            channel.send(None)
+        else:
+            follow_steps(engine.runner, channel)
+    out["replays"] = graphs.num_replays
+    (Path(tmp) / f"rank{rank}.pkl").write_bytes(pickle.dumps(out))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -108,49 +131,44 @@ def test_nccl_decode_graphs_match_eager(kind: str, tmp_path: Path) -> None:
 
 
 def _spec_rank_main(rank: int, path: str, tmp: str) -> None:
+    _in_group(_spec_work, rank, path, tmp)
+
+
+def _spec_work(rank: int, path: str, tmp: str) -> None:
     """Plain decoding, then speculative (mtp:3, graphs on) over the same fp32 slices, both TP2."""
     device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    loaded = load_model(path, dtype=torch.float32, device=device, rank=rank, world_size=2, num_mtp_layers=1)
+    channel = StepChannel(rank, 2, device)
+    spec = dict(num_speculative_tokens=3, speculative_max_seqs=8, speculative_draft_cost=0.25)
+    plain, drafting = (
+        _engine(loaded, device, channel, True),
+        _engine(loaded, device, channel, True, **spec),
     )
-    try:
-        loaded = load_model(
-            path, dtype=torch.float32, device=device, rank=rank, world_size=2, num_mtp_layers=1
-        )
-        channel = StepChannel(rank, 2, device)
-        spec = dict(num_speculative_tokens=3, speculative_max_seqs=8, speculative_draft_cost=0.25)
-        plain, drafting = (
-            _engine(loaded, device, channel, True),
-            _engine(loaded, device, channel, True, **spec),
-        )
-        forwards = drafting.runner.spec_forwards
-        assert forwards is not None and forwards.graphs is not None and forwards.propose_graphs is not None
-        out: dict[str, Any] = {}
-        if rank == 0:
-            vocab = loaded.config.vocab_size
-            reqs = [
-                request(f"r{i}", p, max_tokens=12 + 5 * i, logprobs=True, top_logprobs=2)
-                for i, p in enumerate(prompts(6, vocab, seed=4))
-            ]
-            out["plain"] = run_all(plain, reqs)
-            channel.send(None)
-            OracleDrafts(drafting, out["plain"], p_wrong=0.3)
-            out["spec"] = run_all(drafting, reqs)
-            channel.send(None)
-            out["accepted"] = drafting.stats.spec_accepted_tokens
-            out["aborts"] = drafting.stats.tag_check_aborts
-        else:
-            follow_steps(plain.runner, channel)
-            follow_steps(drafting.runner, channel)
-        out["replays"] = (
-            forwards.graphs.num_replays,
-            forwards.propose_graphs.num_replays,
-            sum(g.num_replays for g in forwards.draft_graphs),
-        )
-        (Path(tmp) / f"spec{rank}.pkl").write_bytes(pickle.dumps(out))
-    finally:
-        dist.destroy_process_group()
+    forwards = drafting.runner.spec_forwards
+    assert forwards is not None and forwards.graphs is not None and forwards.propose_graphs is not None
+    out: dict[str, Any] = {}
+    if rank == 0:
+        vocab = loaded.config.vocab_size
+        reqs = [
+            request(f"r{i}", p, max_tokens=12 + 5 * i, logprobs=True, top_logprobs=2)
+            for i, p in enumerate(prompts(6, vocab, seed=4))
+        ]
+        out["plain"] = run_all(plain, reqs)
+        channel.send(None)
+        OracleDrafts(drafting, out["plain"], p_wrong=0.3)
+        out["spec"] = run_all(drafting, reqs)
+        channel.send(None)
+        out["accepted"] = drafting.stats.spec_accepted_tokens
+        out["aborts"] = drafting.stats.tag_check_aborts
+    else:
+        follow_steps(plain.runner, channel)
+        follow_steps(drafting.runner, channel)
+    out["replays"] = (
+        forwards.graphs.num_replays,
+        forwards.propose_graphs.num_replays,
+        sum(g.num_replays for g in forwards.draft_graphs),
+    )
+    (Path(tmp) / f"spec{rank}.pkl").write_bytes(pickle.dumps(out))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
