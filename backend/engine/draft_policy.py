@@ -36,7 +36,9 @@ rounded up to a power of two), the engine reports every decode-only step's token
 a load with no plain measurement runs plain steps first, then drafts for `SPEC_PROBE_STEPS` (the
 first of them only proposes), and from then on drafts only while its measured rate beats the plain
 one. Every `REPROBE_EVERY` steps at a load the losing side runs again, so that a change (acceptance
-falling, the draft graphs warming up) is seen.
+falling, the draft graphs warming up) is seen; a probe that confirms drafting still loses doubles
+that load's interval (up to `MAX_REPROBE_EVERY`): at 64 sequences a drafting step can cost several
+plain ones, so frequent probes would cost more than they can find.
 
 Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
 proposes k for the next (backend/engine/speculative.py).
@@ -54,6 +56,7 @@ RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
 MIN_RATE_SAMPLES = 3  # steps of a kind measured at a load before its rate is trusted
 SPEC_PROBE_STEPS = MIN_RATE_SAMPLES + 1  # the first drafting step after plain ones verifies nothing
 REPROBE_EVERY = 64
+MAX_REPROBE_EVERY = 4096
 
 
 @dataclass(slots=True)
@@ -65,6 +68,8 @@ class _Rates:
     num_plain: int = 0
     num_spec: int = 0
     since_probe: int = 0
+    reprobe_every: int = REPROBE_EVERY  # doubles while probes find drafting still slower
+    spec_at_probe: int = -1  # num_spec when the last drafting probe began (-1: none pending)
 
     def add(self, is_spec: bool, rate: float) -> None:
         if is_spec:
@@ -173,10 +178,17 @@ class DraftPolicy:
             return k
         if rates.num_plain < MIN_RATE_SAMPLES:
             return 0
+        if rates.spec_at_probe >= 0 and rates.num_spec > rates.spec_at_probe:  # a drafting probe ended
+            is_losing = rates.spec < rates.plain
+            rates.reprobe_every = (
+                min(2 * rates.reprobe_every, MAX_REPROBE_EVERY) if is_losing else REPROBE_EVERY
+            )
+            rates.spec_at_probe = -1
         rates.since_probe += 1
-        is_due = rates.since_probe >= REPROBE_EVERY
+        is_due = rates.since_probe >= rates.reprobe_every
         if rates.num_spec < MIN_RATE_SAMPLES or (is_due and rates.spec < rates.plain):
             rates.since_probe = 0
+            rates.spec_at_probe = rates.num_spec if rates.num_spec >= MIN_RATE_SAMPLES else -1
             self._probe_left = SPEC_PROBE_STEPS - 1
             return k
         if is_due:  # drafting wins: one plain step refreshes the rate it is compared with

@@ -297,7 +297,7 @@ def test_required_allows_parallel_calls_numbered_on(
     grammar = grammar_for(request, family, _markers(tok))
     assert grammar is not None
     counts = set()
-    for seed in range(6):
+    for seed in range(16):
         ids = _walk(
             build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed
         )
@@ -449,3 +449,42 @@ def test_tool_choice_none_keeps_every_marker_out(
         constraint.accept(token)
     assert not constraint.is_finished()
     assert lazy_tool_grammar_for(_request(), family, _markers(tok), MARKERS[family]) is None  # no tools
+
+
+@pytest.mark.parametrize(
+    ("arguments", "is_allowed"),
+    [('{"city": "Paris", "unit": "c"}', True), ('{"city":"Paris","unit":"c"}', False)],
+)
+def test_forced_kimi_arguments_are_written_as_templates_write_them(
+    tmp_path_factory: pytest.TempPathFactory, arguments: str, is_allowed: bool
+) -> None:
+    """Tool arguments take json.dumps' separators (", " and ": "), the form the chat templates render
+    and the models learnt; compact JSON is not what a model trained on them writes."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    tool = Tool(
+        name="get_weather",
+        parameters={
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["city", "unit"],
+        },
+    )
+    request = _request(tools=[tool], tool_choice=ToolChoice(mode="function", name="get_weather"))
+    ids = {m: tok.token_to_id(m) for m in TOOL_MARKERS}
+    n = tok.vocab_size
+    constraint = build_constraint(
+        grammar_for(request, "kimi", ids), tok.ll_tokenizer(n, [tok.token_to_id("[EOS]")])
+    )
+    call = [ids["<|tool_calls_section_begin|>"], ids["<|tool_call_begin|>"]]
+    call += (
+        tok.encode("functions.get_weather:0") + [ids["<|tool_call_argument_begin|>"]] + tok.encode(arguments)
+    )
+    call += [ids["<|tool_call_end|>"], ids["<|tool_calls_section_end|>"]]
+    accepted = 0
+    for token in call:
+        mask = constraint.allowed_tokens(n)
+        if mask is None or not mask[token]:
+            break
+        constraint.accept(token)
+        accepted += 1
+    assert (accepted == len(call) and constraint.is_finished()) == is_allowed
