@@ -188,15 +188,20 @@ def _logprobs(items: list[b.TokenLogprob]) -> o.ChoiceLogprobs:
             o.TokenLogprobOut(
                 token=t.token,
                 logprob=t.logprob,
-                bytes=list(t.token.encode()),
+                bytes=_bytes(t),
                 top_logprobs=[
-                    o.TopLogprobOut(token=x.token, logprob=x.logprob, bytes=list(x.token.encode()))
-                    for x in t.top
+                    o.TopLogprobOut(token=x.token, logprob=x.logprob, bytes=_bytes(x)) for x in t.top
                 ],
             )
             for t in items
         ]
     )
+
+
+def _bytes(t: b.TokenLogprob | b.TopLogprob) -> list[int]:
+    """The token's own bytes, so that a client joining consecutive tokens' rebuilds a character they
+    split (the token's text alone is U+FFFD there); a backend that sends none: its text's."""
+    return list(t.token.encode() if t.token_bytes is None else t.token_bytes)
 
 
 # ---- streaming -----------------------------------------------------------------------------------------

@@ -137,16 +137,23 @@ class GenerateRequest(Base):
 
 # ---- events (NDJSON lines) --------------------------------------------------------------------------
 class TopLogprob(Base):
+    """`token` is the token's text decoded alone (U+FFFD where it holds part of a character);
+    `token_bytes` its own bytes (base64 in JSON), which joined over consecutive tokens give the text."""
+
     token: str
     token_id: int
     logprob: float
+    token_bytes: bytes | None = None  # None: not filled (an older backend); the gateway encodes `token`
 
 
 class TokenLogprob(Base):
+    """A sampled (or prompt) token's log-prob and the best alternatives; fields as in `TopLogprob`."""
+
     token: str
     token_id: int
     logprob: float
     top: list[TopLogprob] = msgspec.field(default_factory=list)
+    token_bytes: bytes | None = None
 
 
 class TextDelta(Base, tag="text", tag_field="type"):

@@ -13,6 +13,10 @@ with reason `stop` (the caller aborts the engine side).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import msgspec
+
 from backend.text.detokenizer import Detokenizer
 from backend.text.reasoning import Channel, ReasoningParser
 from backend.text.tokenizer import Tokenizer
@@ -27,8 +31,11 @@ from schemas.backend import (
     TextDelta,
     TokenLogprob,
     ToolCallDelta,
+    TopLogprob,
     Usage,
 )
+
+_Logprob = TypeVar("_Logprob", TokenLogprob, TopLogprob)
 
 
 class StopMatcher:
@@ -92,7 +99,7 @@ class OutputProcessor:
         """Events for one engine output, ending with usage + finish (or an error) on the last one."""
         events: list[Event] = []
         if out.prompt_logprobs is not None:
-            self._prompt_logprobs = out.prompt_logprobs
+            self._prompt_logprobs = [lp if lp is None else self._named(lp) for lp in out.prompt_logprobs]
         if not self.is_stopped:
             runs = (
                 self._reasoning.split(out.token_ids)
@@ -150,17 +157,17 @@ class OutputProcessor:
             events.append(ReasoningDelta(text=text))
 
     def _named(self, lp: TokenLogprob) -> TokenLogprob:
-        """Logprobs carry token text; fill it where the engine left it empty."""
-        if lp.token:
-            return lp
-        top = [
-            t
-            if t.token
-            else type(t)(token=self._tokenizer.decode([t.token_id]), token_id=t.token_id, logprob=t.logprob)
-            for t in lp.top
-        ]
-        return TokenLogprob(
-            token=self._tokenizer.decode([lp.token_id]), token_id=lp.token_id, logprob=lp.logprob, top=top
+        """Logprobs carry each token's text and bytes; fill what the engine left out. The bytes are the
+        token's own, so joining them rebuilds a character split over tokens (whose text alone is
+        U+FFFD)."""
+        return msgspec.structs.replace(self._spelled(lp), top=[self._spelled(t) for t in lp.top])
+
+    def _spelled(self, lp: _Logprob) -> _Logprob:
+        tokenizer = self._tokenizer
+        return msgspec.structs.replace(
+            lp,
+            token=lp.token or tokenizer.decode([lp.token_id]),
+            token_bytes=tokenizer.token_bytes(lp.token_id) if lp.token_bytes is None else lp.token_bytes,
         )
 
     def _finish(self, out: EngineOutput) -> list[Event]:

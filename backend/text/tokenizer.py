@@ -24,7 +24,7 @@ import tiktoken.load
 import tokenizers
 
 from backend.errors import CheckpointError
-from backend.text.tokenizer_files import KIMI_PAT_STR
+from backend.text.tokenizer_files import KIMI_PAT_STR, byte_decoder
 
 # llguidance is imported when constrained decoding first needs it (the training recipe runs without it)
 if TYPE_CHECKING:
@@ -51,6 +51,12 @@ class Tokenizer(ABC):
     def decode(self, token_ids: list[int]) -> str:
         """Text of `token_ids`, special tokens spelled out; incomplete UTF-8 becomes U+FFFD. Ids past
         the tokenizer (a model's padded embedding rows) have no text."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for, even where they are only part of a character (what
+        `decode([token_id])` turns into U+FFFD); a special token's are its spelling's. An id past the
+        tokenizer has none."""
 
     @abstractmethod
     def token_to_id(self, token: str) -> int | None:
@@ -98,6 +104,8 @@ class HFTokenizer(Tokenizer):
         ]
         if missing:
             self._tok.add_special_tokens(missing)
+        # a byte-level BPE spells each byte of a token as one character of GPT-2's byte alphabet
+        self._byte_of = byte_decoder() if _is_byte_level(self._tok.decoder) else None
 
     @property
     def vocab_size(self) -> int:
@@ -116,6 +124,17 @@ class HFTokenizer(Tokenizer):
         known = [i for i in token_ids if 0 <= i < self.vocab_size]
         return str(self._tok.decode(known, skip_special_tokens=False))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        added = self._added_spellings.get(token_id)
+        if added is not None:  # added tokens are stored as their text, not in the byte alphabet
+            return added.encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_of is not None and all(ch in self._byte_of for ch in piece):
+            return bytes(self._byte_of[ch] for ch in piece)
+        return self.decode([token_id]).encode()  # not byte-level: the token's text is all there is
+
     def token_to_id(self, token: str) -> int | None:
         found = self._tok.token_to_id(token)
         return None if found is None else int(found)
@@ -127,7 +146,11 @@ class HFTokenizer(Tokenizer):
     @cached_property
     def special_spellings(self) -> tuple[str, ...]:
         # the library matches every added token in text, special-flagged or not
-        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values())
+        return tuple(self._added_spellings.values())
+
+    @cached_property
+    def _added_spellings(self) -> dict[int, str]:
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     def _build_ll_tokenizer(self, n_vocab: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
         import llguidance
@@ -175,6 +198,12 @@ class TiktokenTokenizer(Tokenizer):
         known = [i for i in token_ids if 0 <= i < self.vocab_size]
         return self._enc.decode(known, errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            return self._enc.decode_single_token_bytes(token_id)  # a special token's: its spelling's
+        except KeyError:
+            return b""
+
     def token_to_id(self, token: str) -> int | None:
         if token in self._specials:
             return self._specials[token]
@@ -195,6 +224,14 @@ class TiktokenTokenizer(Tokenizer):
         from llguidance.tiktoken import lltokenizer_from_encoding
 
         return lltokenizer_from_encoding(self._enc, n_vocab=n_vocab, eos_token=eos_ids)
+
+
+def _is_byte_level(decoder: tokenizers.decoders.Decoder | None) -> bool:
+    """Whether the decoder maps GPT-2's byte alphabet back to bytes (alone or inside a sequence)."""
+    if decoder is None:
+        return False
+    state = json.loads(decoder.__getstate__())
+    return "ByteLevel" in {state.get("type"), *(d.get("type") for d in state.get("decoders", []))}
 
 
 def _split_keep(text: str, spellings: list[str]) -> list[str]:

@@ -137,7 +137,7 @@ def _bpe_tokenizer(pat_str: str, vocab_size: int, corpus: Iterable[str] | None =
     return tok
 
 
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes→unicode table, used by byte-level BPE vocabularies."""
     bs = (
         list(range(ord("!"), ord("~") + 1))
@@ -156,7 +156,7 @@ def _byte_decoder() -> dict[str, int]:
 
 def _mergeable_ranks(tok: Tokenizer) -> dict[bytes, int]:
     """tiktoken ranks from a trained byte-level BPE: the 256 bytes, then each merge in training order."""
-    decoder = _byte_decoder()
+    decoder = byte_decoder()
     vocab = tok.get_vocab(with_added_tokens=False)
     ranks: dict[bytes, int] = {bytes([b]): b for b in range(256)}
     for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):

@@ -122,6 +122,33 @@ def test_openai_package_stream_tools_json_and_n(kumo: Kumo) -> None:
         assert 0 <= json.loads(choice.message.content or "")["n"] <= 9
 
 
+def test_logprob_bytes_rebuild_characters_split_over_tokens(kumo: Kumo) -> None:
+    """Through the `openai` package: a reply (forced by a schema) whose characters the trained GLM's
+    tokenizer splits over tokens; the logprobs' `bytes`, joined, are the reply's UTF-8, streamed or not,
+    while those tokens' text alone is U+FFFD."""
+    client = sdk_client(kumo, timeout=120)
+    schema = {"type": "string", "enum": ["日本語 €"]}
+    request = {
+        "model": GLM,
+        "messages": [{"role": "user", "content": "Say it"}],
+        "max_tokens": 30,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    whole = client.chat.completions.create(**request)  # type: ignore[call-overload]
+    content = whole.choices[0].message.content
+    assert json.loads(content) == "日本語 €"
+    tokens = whole.choices[0].logprobs.content
+    assert sum(t.token == "\ufffd" for t in tokens) >= 2
+    assert bytes(x for t in tokens for x in t.bytes) == content.encode()
+    streamed = [c for c in client.chat.completions.create(**request, stream=True) if c.choices]  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == content
+    pieces = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert bytes(x for t in pieces for x in t.bytes) == content.encode()
+
+
 def test_legacy_json_mode_returns_an_object(kumo: Kumo) -> None:
     schema = {
         "type": "object",

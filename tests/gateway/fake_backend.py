@@ -163,9 +163,11 @@ class FakeBackend:
                 ]
                 lp = b.TokenLogprob(token=p, token_id=1, logprob=-0.1, top=top[: req.sampling.top_logprobs])
                 events.append(b.TextDelta(text=p, logprobs=[lp] if req.sampling.logprobs else None))
-            # a token whose text the detokenizer holds back (the first bytes of a character)
-            held = b.TokenLogprob(token="\ufffd", token_id=3, logprob=-0.7, top=[])
-            events.append(b.TextDelta(text="", logprobs=[held] if req.sampling.logprobs else None))
+            # "€" over two tokens, as a real backend sends them (text alone U+FFFD, bytes their own; the
+            # tokens above carry no bytes, as from an older backend): the first token's text is held back
+            for i, (raw, text_after) in enumerate([(b"\xe2\x82", ""), (b"\xac", "€")]):
+                lp = b.TokenLogprob(token="\ufffd", token_id=3 + i, logprob=-0.7, token_bytes=raw)
+                events.append(b.TextDelta(text=text_after, logprobs=[lp] if req.sampling.logprobs else None))
         else:
             reply = f"echo[{req.sampling.seed}]: {text}" if req.sampling.seed is not None else f"echo: {text}"
             events += [b.TextDelta(text=p) for p in pieces(reply)]

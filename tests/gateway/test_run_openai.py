@@ -212,9 +212,14 @@ async def test_stop_seed_logprobs_and_penalties_are_honoured(harness: Harness) -
         sent.sampling.temperature,
         sent.sampling.top_p,
     ) == (2, 0.5, 0.3, 0.9)
-    content = r.json()["result"]["choices"][0]["logprobs"]["content"]
-    assert [c["token"] for c in content] == ["abc", "def", "\ufffd"]  # the last one's text held back
+    choice = r.json()["result"]["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["abc", "def", "\ufffd", "\ufffd"]  # "€" over two tokens
     assert content[0]["bytes"] == list(b"abc") and len(content[0]["top_logprobs"]) == 2
+    assert content[0]["top_logprobs"][1]["bytes"] == list(b"zz")
+    # each token's own bytes: joined, they rebuild the character its tokens split, as OpenAI's do
+    assert bytes(x for c in content for x in c["bytes"]) == choice["message"]["content"].encode()
+    assert choice["message"]["content"] == "abcdef€"
     body = {"messages": msgs("logprobs"), "logprobs": True, "top_logprobs": 2, "stream": True}
     streamed = await post(harness, body)
     chunks: list[Any] = sse_events(streamed.text)

@@ -140,6 +140,26 @@ async def test_json_schema_on_random_weights_validates(client: httpx.AsyncClient
         assert isinstance(events[-1], Finish) and events[-1].reason == "stop"
 
 
+async def test_logprob_bytes_rebuild_characters_split_over_tokens(client: httpx.AsyncClient) -> None:
+    """A reply (forced by a schema on random weights) whose characters the tokenizer splits over
+    tokens: each such token's text alone is U+FFFD, but the logprobs' bytes, joined, are the reply's."""
+    reply = "日本語 €"
+    events = await generate(
+        client,
+        body(
+            "lp-bytes",
+            reasoning={"enabled": False},
+            response_format={"type": "json_schema", "json_schema": {"type": "string", "enum": [reply]}},
+            sampling={"max_tokens": 40, "logprobs": True, "top_logprobs": 2},
+        ),
+    )
+    text = text_of(events)
+    assert json.loads(text) == reply
+    logprobs = [lp for e in events if isinstance(e, TextDelta) and e.logprobs for lp in e.logprobs]
+    assert sum(lp.token == "\ufffd" for lp in logprobs) >= 2
+    assert b"".join(lp.token_bytes or b"" for lp in logprobs) == text.encode()
+
+
 async def test_forced_tool_call(client: httpx.AsyncClient) -> None:
     tool = {
         "name": "get_weather",

@@ -40,6 +40,7 @@ from schemas.backend import (
     TokenLogprob,
     Tool,
     ToolCallDelta,
+    TopLogprob,
     Usage,
 )
 from tests.backend.server_checkpoints import SECRET, TENANT
@@ -158,6 +159,32 @@ def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hi"
     logprobs = next(e.logprobs for e in events if isinstance(e, TextDelta) and e.logprobs)
     assert logprobs[0].token == tok.decode(hello[:1])
+
+
+@pytest.mark.parametrize("layout", ["glm", "kimi-tiktoken"])
+def test_logprob_bytes_join_into_the_text_of_each_channel(
+    tmp_path_factory: pytest.TempPathFactory, layout: str
+) -> None:
+    """The engine sends ids; each logprob (and top logprob) leaves with its token's own bytes, so that
+    joined they give the reasoning's and the answer's text, characters split over tokens included
+    (those tokens' text alone is U+FFFD)."""
+    tok = load(tmp_path_factory, layout)
+    thoughts, answer = ordinary_ids(tok, "plan 🌍"), ordinary_ids(tok, "Sure, 日本語 €.")
+    assert any("\ufffd" in tok.decode([i]) for i in answer)
+    ids = tok.encode("<think>") + thoughts + tok.encode("</think>") + answer
+    outputs = _outputs([[i] for i in ids])
+    for out in outputs:
+        top = [TopLogprob(token="", token_id=out.token_ids[0], logprob=-0.5)]
+        out.logprobs = [TokenLogprob(token="", token_id=out.token_ids[0], logprob=-0.5, top=top)]
+    events = _run(_processor(tok, layout.split("-")[0]), outputs)
+    logprobs = [lp for e in events if isinstance(e, TextDelta) and e.logprobs for lp in e.logprobs]
+    assert [lp.token_id for lp in logprobs] == ids
+    joined = [lp.token_bytes or b"" for lp in logprobs]
+    assert b"".join(joined[1 : 1 + len(thoughts)]) == "plan 🌍".encode()
+    assert b"".join(joined[-len(answer) :]) == "Sure, 日本語 €.".encode()
+    assert joined[0] == b"<think>" and joined[1 + len(thoughts)] == b"</think>"
+    assert [t.token_bytes for lp in logprobs for t in lp.top] == joined
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Sure, 日本語 €."
 
 
 def test_engine_error_becomes_an_error_event(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -424,4 +451,5 @@ def test_prompt_logprobs_reach_usage_when_the_answer_has_many_tokens(
     outputs[0].prompt_logprobs = scored
     events = _run(_processor(tok, "glm"), outputs)
     usage = next(e for e in events if isinstance(e, Usage))
-    assert usage.prompt_logprobs == scored
+    named = TokenLogprob(token=tok.decode(ids[:1]), token_id=ids[0], logprob=-1.5, token_bytes=b"The")
+    assert usage.prompt_logprobs == [None, named]

@@ -10,9 +10,11 @@ import tiktoken.load
 from transformers import PreTrainedTokenizerFast
 
 from backend.errors import CheckpointError
-from backend.text.tokenizer import TiktokenTokenizer, load_tokenizer
-from backend.text.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, _byte_decoder
+from backend.text.tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer
+from backend.text.tokenizer_files import GLM_SPECIAL_TOKENS, KIMI_SPECIAL_TOKENS, byte_decoder
 from tests.backend.server_tokenizers import load, tokenizer_dir
+
+MODELS = Path(__file__).resolve().parents[3] / "models"
 
 TEXTS = [
     "Hello, world! It's 2026 and we're testing.",
@@ -64,7 +66,7 @@ def test_tiktoken_layout_splits_like_the_bpe_it_came_from(
     hf = PreTrainedTokenizerFast(
         tokenizer_file=str(tokenizer_dir(tmp_path_factory, "kimi-json") / "tokenizer.json")
     )
-    byte_of = _byte_decoder()
+    byte_of = byte_decoder()
     assert isinstance(tik, TiktokenTokenizer)
     tik_pieces = [tik._enc.decode_single_token_bytes(i) for i in tik.encode(text)]
     hf_pieces = [
@@ -72,6 +74,33 @@ def test_tiktoken_layout_splits_like_the_bpe_it_came_from(
         for t in hf.convert_ids_to_tokens(hf.encode(text, add_special_tokens=False))
     ]
     assert tik_pieces == hf_pieces
+    kimi_json = load(tmp_path_factory, "kimi-json")
+    assert [kimi_json.token_bytes(i) for i in kimi_json.encode(text)] == tik_pieces
+
+
+def split_characters(tok: Tokenizer) -> str:
+    """The characters among a few candidates that `tok` splits over tokens: each of those tokens
+    decodes alone to U+FFFD."""
+    found = "".join(c for c in "🙂🚀你好€Ωéß" if any("\ufffd" in tok.decode([i]) for i in tok.encode(c)))
+    assert found, "the candidates are all whole tokens: pick others"
+    return found
+
+
+@pytest.mark.parametrize(
+    ("model", "kind"), [("glm-5.2-nano", HFTokenizer), ("kimi-k2.6-nano", TiktokenTokenizer)]
+)
+def test_token_bytes_join_into_characters_split_over_tokens(model: str, kind: type[Tokenizer]) -> None:
+    """A token's bytes are its own (not those of U+FFFD, its text alone): joined over the tokens of a
+    text they give the text's UTF-8, as OpenAI's logprob `bytes` do."""
+    tok = load_tokenizer(MODELS / model)
+    assert isinstance(tok, kind)
+    text = f"Emoji {split_characters(tok)} and text"
+    ids = tok.encode(text)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    for spelling in tok.special_spellings:  # special tokens: their spelling
+        token_id = tok.token_to_id(spelling)
+        assert token_id is not None and tok.token_bytes(token_id) == spelling.encode()
+    assert tok.token_bytes(tok.vocab_size + 3) == b""  # a padded embedding row: no text, no bytes
 
 
 def test_tiktoken_without_declared_pattern_uses_kimis(
