@@ -69,7 +69,9 @@ class RequestResult:
 
     @property
     def is_ok(self) -> bool:
-        return self.error is None and self.ttft_ms is not None and self.output_tokens is not None
+        """Answered to the end. An answer with no text (its tokens all markup or an end token: seen
+        from the nano Kimi on the H200, 1 of 368) is an answer, not an error; it has no TTFT."""
+        return self.error is None and self.e2e_ms is not None and self.output_tokens is not None
 
 
 def prompt_of(num_words: int, seed: int) -> str:
@@ -210,7 +212,8 @@ def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | 
     """Both SLOs that are set hold for a successful request (no TPOT: a one-token answer meets it)."""
     if not r.is_ok:
         return False
-    ttft_ok = slo_ttft_ms is None or (r.ttft_ms is not None and r.ttft_ms <= slo_ttft_ms)
+    first_ms = r.ttft_ms if r.ttft_ms is not None else r.e2e_ms  # no text: all of it came at the end
+    ttft_ok = slo_ttft_ms is None or (first_ms is not None and first_ms <= slo_ttft_ms)
     tpot_ok = slo_tpot_ms is None or r.tpot_ms is None or r.tpot_ms <= slo_tpot_ms
     return ttft_ok and tpot_ok
 

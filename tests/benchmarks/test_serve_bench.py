@@ -73,6 +73,10 @@ def test_goodput_counts_only_requests_meeting_every_slo_set() -> None:
         result(3, 150.0, None, 1),  # one token: no TPOT to miss
         result(4, None, None, 0, error="http 503"),  # failed: never good, not in the figures
     ]
+    empty = result(5, None, None, 3)  # answered with no text: ok, no TTFT, the whole answer as its first
+    empty.e2e_ms = 120.0
+    assert empty.is_ok and meets_slo(empty, 200.0, 50.0) and not meets_slo(empty, 100.0, None)
+    assert summarize([empty], 1.0, None, None)["num_errors"] == 0
     both = summarize(results, 2.0, 200.0, 50.0)
     assert [meets_slo(r, 200.0, 50.0) for r in results] == [True, False, False, True, False]
     assert both["num_meeting_slo"] == 2 and both["goodput_requests_per_s"] == 1.0
