@@ -124,6 +124,16 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": TOOL_JSON_OPTIONS}, ensure_ascii=False)
 
 
+def _closed(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters with no keys of the model's own: an object schema that lists its
+    `properties` and says nothing of others gets `additionalProperties: false` (the held-out run
+    through the API, 2026-12-04: a call `set_timer {"minutes": 0, "from": "Januappy"}`, which a tool
+    would reject). A schema that allows other keys, or names none, is kept as written."""
+    if schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
+
+
 def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -177,7 +187,9 @@ def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int,
     call_begin, arg_begin, call_end = (
         _token(ids[m]) for m in ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
     )
-    rules = [f"args_{i}: {_lark_json(t.parameters or {'type': 'object'})}" for i, t in enumerate(tools)]
+    rules = [
+        f"args_{i}: {_lark_json(_closed(t.parameters or {'type': 'object'}))}" for i, t in enumerate(tools)
+    ]
     for k in range(max_calls):
         names = " | ".join(
             f"{_lark_string(f'functions.{t.name}:{first_index + k}')} {arg_begin} args_{i}"

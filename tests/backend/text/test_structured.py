@@ -488,3 +488,35 @@ def test_forced_kimi_arguments_are_written_as_templates_write_them(
         constraint.accept(token)
         accepted += 1
     assert (accepted == len(call) and constraint.is_finished()) == is_allowed
+
+
+@pytest.mark.parametrize(
+    ("extra", "is_allowed"), [({}, False), ({"additionalProperties": True}, True)], ids=["closed", "open"]
+)
+def test_forced_kimi_arguments_add_no_keys_of_their_own(
+    tmp_path_factory: pytest.TempPathFactory, extra: dict[str, object], is_allowed: bool
+) -> None:
+    """A key the tool did not declare is refused, unless its schema says other keys are welcome."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    properties = {"minutes": {"type": "integer"}}
+    tool = Tool(name="set_timer", parameters={"type": "object", "properties": properties, **extra})
+    request = _request(tools=[tool], tool_choice=ToolChoice(mode="function", name="set_timer"))
+    ids = {m: tok.token_to_id(m) for m in TOOL_MARKERS}
+    n = tok.vocab_size
+    constraint = build_constraint(
+        grammar_for(request, "kimi", ids), tok.ll_tokenizer(n, [tok.token_to_id("[EOS]")])
+    )
+    call = [ids["<|tool_calls_section_begin|>"], ids["<|tool_call_begin|>"]]
+    call += tok.encode("functions.set_timer:0") + [ids["<|tool_call_argument_begin|>"]]
+    call += tok.encode('{"minutes": 3, "from": "x"}') + [
+        ids["<|tool_call_end|>"],
+        ids["<|tool_calls_section_end|>"],
+    ]
+    accepted = 0
+    for token in call:
+        mask = constraint.allowed_tokens(n)
+        if mask is None or not mask[token]:
+            break
+        constraint.accept(token)
+        accepted += 1
+    assert (accepted == len(call) and constraint.is_finished()) == is_allowed
