@@ -194,6 +194,18 @@ def _layers(record: dict[str, Any]) -> int:
 
 
 # ---- Markdown --------------------------------------------------------------------------------------
+def _short_warm_up(warm: dict[str, Any]) -> str:
+    """How a warm-up shorter than the workload reached the timed shapes (`benchmarks.engine.warm_plan`)."""
+    if "lengths" not in warm:
+        return ""
+    text = f": the workload at {warm['lengths'][0]} / {warm['lengths'][1]} tokens"
+    if "probed_shapes" in warm:
+        matched = {True: "it matched", False: "it did NOT match"}[warm.get("plan_matched_timed", False)]
+        text += (f", then a probe of each of the {len(warm['probed_shapes'])} timed shapes the scheduler "
+                 f"planned that it had not run (the plan: {matched} the timed runs)")  # fmt: skip
+    return text
+
+
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return "-" if x is None or x != x else fmt.format(x)
 
@@ -332,7 +344,8 @@ def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
         lines.append(
             "Warm-up: "
             + ", ".join(
-                f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes)" for k, v in warm.items()
+                f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes{_short_warm_up(v)})"
+                for k, v in warm.items()
             )
             + (
                 f"; timed step shapes it missed: {missed}"
