@@ -355,6 +355,15 @@ def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
         )
     else:
         lines.append(f"No warm-up (a cold measurement): timed step shapes it missed: {missed}.")
+    graphs = {k: side.get("decode_graphs") for k, side in e["sides"].items() if side.get("decode_graphs")}
+    if graphs:  # whether pure-decode steps replayed CUDA graphs, and how many of the timed ones did
+        replays = {k: sum(run.get("graph_replays", 0) for r in e["rounds"] for run in r["runs"] if run["side"] == k)
+                   for k in graphs}  # fmt: skip
+        lines.append(
+            "Decode graphs: "
+            + ", ".join(f"{k} {state} ({replays[k]} timed replays)" for k, state in graphs.items())
+            + "."
+        )
     for field, entry in (e.get("beside") or {}).items():
         if isinstance(entry, dict):
             lines.append(

@@ -153,6 +153,7 @@ class Bench:
         self.models: dict[WeightFormat, torch.nn.Module] = {}
         self.engines: dict[str, Engine] = {}
         self.peer: Any = None
+        self.peer_chunk: int | None = None  # the peer's prefill chunk that fit (None: the whole prefill)
         self.described: dict[str, dict[str, Any]] = {}
         for key, side in sides.items():
             start = time.perf_counter()
@@ -244,10 +245,12 @@ class Bench:
         if self.sides[key].is_transformers:
             from benchmarks.engine.hf_peer import run_mode
 
-            return run_mode(
+            r = run_mode(
                 self.peer, opts.hf_mode, concurrency=opts.concurrency, input_len=opts.input_len,
-                output_len=opts.output_len, vocab=self.vocab, device=opts.device,
-            ) | {"variant": variant, "is_complete": True}  # fmt: skip
+                output_len=opts.output_len, vocab=self.vocab, device=opts.device, first_chunk=self.peer_chunk,
+            )  # fmt: skip
+            self.peer_chunk = r.get("prefill_chunk_size")  # later runs start where this one fit
+            return r | {"variant": variant, "is_complete": True}
         graphs = self.engines[key].runner.graphs
         replays0 = graphs.num_replays if graphs is not None else 0  # the decode steps replayed: the delta
         r = run_offline(
