@@ -202,7 +202,7 @@ def make_random_geometry(
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m backend.tools.random_geometry",
         description="Write a random checkpoint of a published geometry, truncated to a few layers.",
@@ -212,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, required=True, help="the first N layers of the published depth")
     ap.add_argument("--device", default="cpu", help="where the values are drawn (cuda: seconds, not minutes)")
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     r = make_random_geometry(a.kind, a.path, num_layers=a.layers, device=a.device, seed=a.seed)
     print(f"wrote {a.kind}, {a.layers} layers, to {a.path}: {r['bytes'] / 1e9:.2f} GB in {r['tensors']} tensors, "
