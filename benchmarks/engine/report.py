@@ -155,8 +155,11 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
 def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per scenario, its rounds pooled over the records that ran it on the same geometry, depth and
     workload (calls that split the rounds of one measurement); where records differ there, the group
-    measured deepest (the largest share of the full depth) is kept, then the one with the most rounds,
-    then the newest, and the others are named in `not_pooled`."""
+    at the scenario's own workload (its concurrency and lengths: a cut workload measures something
+    else) is kept, then the one measured deepest (the largest share of the full depth), then the one
+    with the most rounds, then the newest, and the others are named in `not_pooled`."""
+    from benchmarks.engine.scenarios import SCENARIOS  # torch, only when there are scenarios to merge
+
     groups: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {}
     for r in records:
         for name, entry in (r.get("scenarios") or {}).items():
@@ -165,7 +168,9 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
             groups.setdefault(name, {}).setdefault(key, []).append((r, entry))
     out: dict[str, Any] = {}
     for name, by_key in groups.items():
-        best = max(by_key.values(), key=_preference)
+        scenario = SCENARIOS.get(name)
+        point = None if scenario is None else [scenario.concurrency, scenario.input_len, scenario.output_len]
+        best = max(by_key.values(), key=lambda group: _preference(group, point))
         pooled = dict(best[0][1])
         pooled["rounds"] = [x for _, e in best for x in e["rounds"]]
         pooled["order"] = [s for _, e in best for s in e["order"]]
@@ -183,10 +188,14 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _preference(group: list[tuple[dict[str, Any], dict[str, Any]]]) -> tuple[float, int, str]:
-    first = group[0][0]
+def _preference(
+    group: list[tuple[dict[str, Any], dict[str, Any]]], point: list[int] | None
+) -> tuple[bool, float, int, str]:
+    first, entry = group[0]
+    w = entry["workload"]
+    is_point = [w["concurrency"], w["input_len"], w["output_len"]] == point
     depth = _layers(first) / int(first["geometry"]["full_num_layers"])
-    return depth, sum(len(e["rounds"]) for _, e in group), max(r["date"] for r, _ in group)
+    return is_point, depth, sum(len(e["rounds"]) for _, e in group), max(r["date"] for r, _ in group)
 
 
 def _layers(record: dict[str, Any]) -> int:

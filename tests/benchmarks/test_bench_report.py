@@ -244,3 +244,21 @@ def test_where_records_of_a_key_differ_in_depth_the_deepest_is_the_summary(recor
     same_depth["scenarios"]["fp8kv_vs_bf16kv_c1"]["workload"]["output_len"] += 1  # not poolable with it
     merged = merge([shallow, same_depth])  # at one depth: the most rounds
     assert merged["summary"]["fp8kv_vs_bf16kv_c1"] == shallow["summary"]["fp8kv_vs_bf16kv_c1"]
+
+
+def test_a_record_at_the_scenarios_own_workload_wins_over_a_deeper_cut_one(records: list[Path]) -> None:
+    """The long scenario measured at 4 layers with its output cut to 1,024 tokens, and at 2 layers at
+    its own 64 x 16,384 / 4,096: the summary is the latter's, the former named as not pooled."""
+    cut = json.loads(records[0].read_text())
+    own = json.loads(records[0].read_text())
+    for record, layers, output_len, value in ((cut, 4, 1024, 1.01), (own, 2, 4096, 1.4)):
+        entry = record["scenarios"].pop("fp8kv_vs_bf16kv_c1")
+        entry["workload"] |= {"concurrency": 64, "input_len": 16384, "output_len": output_len}
+        entry["rounds"], entry["summary"] = entry["rounds"][:1], summary_entry([value])
+        record["scenarios"]["fp8kv_vs_bf16kv_long_c64"] = entry
+        record["geometry"]["num_layers"] = layers
+        record["command"] += f" --layers {layers} --output-len {output_len}"
+    for order in ([cut, own], [own, cut]):
+        merged = merge(order)
+        assert merged["summary"]["fp8kv_vs_bf16kv_long_c64"]["samples"] == [1.4]
+        assert merged["scenarios"]["fp8kv_vs_bf16kv_long_c64"]["not_pooled"] == [cut["command"]]
