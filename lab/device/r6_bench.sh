@@ -49,7 +49,8 @@ case $stage in
     geometry() {  # KIND LAYERS FOLDER: a full-geometry random checkpoint, drawn on the GPU
       local cmd=("$PYTHON" -m backend.tools.random_geometry "$1" "$3" --layers "$2" --device cuda)
       if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return; fi
-      [ -f "$3/config.json" ] || timeout 240 "${cmd[@]}" >> "$LOGS/geometry.log" 2>&1
+      local limit=$(left); [ "$limit" -gt 240 ] && limit=240
+      [ -f "$3/config.json" ] || timeout "$limit" "${cmd[@]}" >> "$LOGS/geometry.log" 2>&1
       echo "== $1 $2 layers at ${SECONDS}s: $(tail -1 "$LOGS/geometry.log")"
     }
     bench() {  # MODEL CONCURRENCY: one point, 3 repeats, its record in $LOGS
@@ -81,7 +82,7 @@ case $stage in
     "${server_cmd[@]}" > "$LOGS/serve.stdout" 2> "$LOGS/serve.stderr" &
     server=$!
     until grep -q "API token:" "$LOGS/serve.stdout" 2>/dev/null; do
-      if ! kill -0 "$server" 2>/dev/null || [ $((SECONDS - start)) -gt "${READY_S:-300}" ]; then
+      if ! kill -0 "$server" 2>/dev/null || [ $((SECONDS - start)) -gt "${READY_S:-300}" ] || [ "$(left)" -lt "$point_s" ]; then
         echo "== kumo serve not ready after $((SECONDS - start))s"; tail -20 "$LOGS/serve.stdout" "$LOGS/serve.stderr"
         tail -20 "$data"/logs/*.log; kill -TERM "$server" 2>/dev/null; wait "$server"
         cp "$data"/logs/*.log "$LOGS/" 2>/dev/null; archive; exit 1
