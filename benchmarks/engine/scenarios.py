@@ -368,10 +368,10 @@ def measure_side(
     (`benchmarks.engine.x8.combine`): for the sides that do not fit one device together."""
     side = bench.sides[key]
     is_fill = scenario.metric == "kv_tokens_held"
-    go: Callable[..., dict[str, Any]] = (
-        (lambda variant, **_: bench.fill(key, variant=variant))
+    go: Callable[[str], dict[str, Any]] = (
+        (lambda variant: bench.fill(key, variant=variant))
         if is_fill
-        else (lambda variant, **lengths: bench.run(key, variant=variant, **lengths))
+        else (lambda variant: bench.run(key, variant=variant))
     )
     warm = _warm_up(name, scenario, opts, bench, key) if opts.is_warm_up else None
     is_short_warm_up = _is_short_warm_up(scenario, opts)
