@@ -172,7 +172,8 @@ async def calibrate(
     }
 
 
-async def drive(args: argparse.Namespace) -> tuple[list[RequestResult], float, dict[str, Any]]:
+async def drive(args: argparse.Namespace) -> tuple[list[tuple[list[RequestResult], float]], dict[str, Any]]:
+    """Calibrate, warm up, then `args.repeats` measured windows back to back: (results, wall) each."""
     url = f"{args.url.rstrip('/')}/client/v4/accounts/{args.account}/ai/run/{args.model}"
     extra = json.loads(args.extra) if args.extra else {}
     limits = httpx.Limits(
@@ -189,23 +190,33 @@ async def drive(args: argparse.Namespace) -> tuple[list[RequestResult], float, d
                 http, url, body_of(prompt_of(words, args.seed + 10**6 + i), args.output_len, extra),
                 RequestResult(-1, -1, 0.0, words), 0.0,
             )  # fmt: skip
-        results: list[RequestResult] = []
-        next_index = 0
-        t0 = time.perf_counter()
-        deadline = t0 + args.duration if args.duration else None
+        windows = [  # each repeat its own prompts: seeds 10**5 apart
+            await window(http, url, args, words, extra, args.seed + 10**5 * k) for k in range(args.repeats)
+        ]
+    return windows, calibration
 
-        async def client(c: int) -> None:
-            nonlocal next_index
-            while (deadline is None and next_index < args.requests) or (
-                deadline is not None and time.perf_counter() < deadline
-            ):
-                i, next_index = next_index, next_index + 1
-                body = body_of(prompt_of(words, args.seed + i), args.output_len, extra)
-                results.append(await one_request(http, url, body, RequestResult(i, c, 0.0, words), t0))
 
-        await asyncio.gather(*(client(c) for c in range(args.concurrency)))
-        wall = time.perf_counter() - t0
-    return sorted(results, key=lambda r: r.index), wall, calibration
+async def window(
+    http: httpx.AsyncClient, url: str, args: argparse.Namespace, words: int, extra: dict[str, Any], seed: int
+) -> tuple[list[RequestResult], float]:
+    """One measured window: `args.concurrency` clients, each sending its next request when the last
+    ends, for `args.requests` requests or `args.duration` seconds; the results and the wall time."""
+    results: list[RequestResult] = []
+    next_index = 0
+    t0 = time.perf_counter()
+    deadline = t0 + args.duration if args.duration else None
+
+    async def client(c: int) -> None:
+        nonlocal next_index
+        while (deadline is None and next_index < args.requests) or (
+            deadline is not None and time.perf_counter() < deadline
+        ):
+            i, next_index = next_index, next_index + 1
+            body = body_of(prompt_of(words, seed + i), args.output_len, extra)
+            results.append(await one_request(http, url, body, RequestResult(i, c, 0.0, words), t0))
+
+    await asyncio.gather(*(client(c) for c in range(args.concurrency)))
+    return sorted(results, key=lambda r: r.index), time.perf_counter() - t0
 
 
 def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -250,6 +261,40 @@ def summarize(
     }
 
 
+REPEATED = {  # the figures each repeat gives one sample of: record key -> path in a summary
+    "output_tok_s": ("output_tok_s",),
+    "requests_per_s": ("requests_per_s",),
+    "goodput_requests_per_s": ("goodput_requests_per_s",),
+    "ttft_ms_p50": ("ttft_ms", "p50"),
+    "ttft_ms_p99": ("ttft_ms", "p99"),
+    "tpot_ms_p50": ("tpot_ms", "p50"),
+    "tpot_ms_p99": ("tpot_ms", "p99"),
+}
+
+
+def per_repeat(repeats: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """Each repeated figure as `{"value": median, "samples": [one per repeat], "spread": [min, max]}`
+    (None where a repeat has no value: no SLO set, no request with a TPOT)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for key, path in REPEATED.items():
+        samples = []
+        for s in repeats:
+            x: Any = s
+            for part in path:
+                x = x[part]
+            samples.append(x)
+        out[key] = (
+            None
+            if any(x is None for x in samples)
+            else {
+                "value": statistics.median(samples),
+                "samples": samples,
+                "spread": [min(samples), max(samples)],
+            }
+        )
+    return out
+
+
 def markdown_line(config: dict[str, Any], s: dict[str, Any]) -> str:
     def f(x: float | None, fmt: str = "{:.1f}") -> str:
         return "-" if x is None else fmt.format(x)
@@ -285,6 +330,10 @@ def parser() -> argparse.ArgumentParser:
     stop.add_argument("--requests", type=int, default=None, help="requests in all (default 8 x concurrency)")
     stop.add_argument("--duration", type=float, default=None, help="seconds of sending")
     ap.add_argument("--warmup", type=int, default=1, help="full-length requests before the clock starts")
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="measured windows back to back (each --requests or --duration); per_repeat: median, spread",
+    )  # fmt: skip
     ap.add_argument("--extra", default="", help="JSON merged into every request body")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=600.0)
@@ -298,12 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(args_list)
     if args.requests is None and args.duration is None:
         args.requests = 8 * args.concurrency
-    results, wall, calibration = asyncio.run(drive(args))
+    windows, calibration = asyncio.run(drive(args))
     config = {k: v for k, v in vars(args).items() if k not in ("token", "out", "machine")} | {
         "calibration": calibration,
         "prompt_words": calibration["words"],
     }
-    summary = summarize(results, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+    results = [r for window, _ in windows for r in window]
+    summary = summarize(results, sum(wall for _, wall in windows), args.slo_ttft_ms, args.slo_tpot_ms)
+    repeats = [summarize(window, wall, args.slo_ttft_ms, args.slo_tpot_ms) for window, wall in windows]
     line = markdown_line(config, summary)
     shown = [
         a if prev != "--token" else "TOKEN" for prev, a in zip(["", *args_list[:-1]], args_list, strict=True)
@@ -314,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(args.machine),
         "config": config,
         "summary": summary,
+        "repeats": repeats,
+        "per_repeat": per_repeat(repeats),
         "markdown": line,
-        "requests": [asdict(r) for r in results],
+        "requests": [asdict(r) | {"repeat": k} for k, (window, _) in enumerate(windows) for r in window],
     }
     text = json.dumps(record, indent=1)
     if args.out is not None:

@@ -18,8 +18,9 @@ import argparse
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import save_file
@@ -32,6 +33,7 @@ from backend.text.tokenizer_files import Family, TokenizerFormat, write_tokenize
 PUBLISHED_CONFIGS = Path(__file__).resolve().parents[2] / "models" / "configs"
 KINDS = ("kimi-k2.6", "glm-5.2", "glm-4.5")
 INIT_STD = 0.02
+T = TypeVar("T")
 
 SMALL_TEXT: dict[str, Any] = dict(
     hidden_size=128,
@@ -178,15 +180,22 @@ def make_random_checkpoint(
     target = Path(path)
     if target.exists():
         raise FileExistsError(f"{target} already exists")
+    write_whole(target, lambda staging: write_random_checkpoint(kind, staging, seed=seed, dtype=dtype))
+    return target
+
+
+def write_whole(target: Path, write: Callable[[Path], T]) -> T:
+    """`write(folder)` into a staging folder beside `target`, renamed to it once complete: a folder
+    with a config.json is never half written (`kumo serve` takes one to mean ready)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_random_checkpoint(kind, staging, seed=seed, dtype=dtype)
+        out = write(staging)
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,8 +89,18 @@ def _sync(device: str) -> None:
 
 
 def run_mode(
-    model: Any, mode: str, *, concurrency: int, input_len: int, output_len: int, vocab: int, device: str
+    model: Any,
+    mode: str,
+    *,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    device: str,
+    first_chunk: int | None = None,
 ) -> dict[str, Any]:
+    """One timed run of `mode`. `first_chunk`: the prefill chunk to try first (a repeat of a run that
+    ran out of memory with a larger one starts where that run succeeded)."""
     prompts = random_prompts(concurrency, input_len, vocab, seed=1)
     row: dict[str, Any] = {
         "mode": mode,
@@ -127,7 +137,8 @@ def run_mode(
     ids = torch.tensor(prompts, device=device)
     static = mode == "generate-static"
     timing, chunk = None, None
-    for chunk in PREFILL_CHUNKS:  # the whole prefill at once first, then transformers' own chunking
+    # the whole prefill at once first, then transformers' own chunking
+    for chunk in PREFILL_CHUNKS[PREFILL_CHUNKS.index(first_chunk) :]:
         oom = None
         try:
             timing = _timed_generate(model, ids, output_len, static, device, chunk)

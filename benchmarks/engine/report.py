@@ -155,8 +155,11 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
 def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Per scenario, its rounds pooled over the records that ran it on the same geometry, depth and
     workload (calls that split the rounds of one measurement); where records differ there, the group
-    measured deepest (the largest share of the full depth) is kept, then the one with the most rounds,
-    then the newest, and the others are named in `not_pooled`."""
+    at the scenario's own workload (its concurrency and lengths: a cut workload measures something
+    else) is kept, then the one measured deepest (the largest share of the full depth), then the one
+    with the most rounds, then the newest, and the others are named in `not_pooled`."""
+    from benchmarks.engine.scenarios import SCENARIOS  # torch, only when there are scenarios to merge
+
     groups: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {}
     for r in records:
         for name, entry in (r.get("scenarios") or {}).items():
@@ -165,7 +168,9 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
             groups.setdefault(name, {}).setdefault(key, []).append((r, entry))
     out: dict[str, Any] = {}
     for name, by_key in groups.items():
-        best = max(by_key.values(), key=_preference)
+        scenario = SCENARIOS.get(name)
+        point = None if scenario is None else [scenario.concurrency, scenario.input_len, scenario.output_len]
+        best = max(by_key.values(), key=lambda group: _preference(group, point))
         pooled = dict(best[0][1])
         pooled["rounds"] = [x for _, e in best for x in e["rounds"]]
         pooled["order"] = [s for _, e in best for s in e["order"]]
@@ -183,10 +188,14 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _preference(group: list[tuple[dict[str, Any], dict[str, Any]]]) -> tuple[float, int, str]:
-    first = group[0][0]
+def _preference(
+    group: list[tuple[dict[str, Any], dict[str, Any]]], point: list[int] | None
+) -> tuple[bool, float, int, str]:
+    first, entry = group[0]
+    w = entry["workload"]
+    is_point = [w["concurrency"], w["input_len"], w["output_len"]] == point
     depth = _layers(first) / int(first["geometry"]["full_num_layers"])
-    return depth, sum(len(e["rounds"]) for _, e in group), max(r["date"] for r, _ in group)
+    return is_point, depth, sum(len(e["rounds"]) for _, e in group), max(r["date"] for r, _ in group)
 
 
 def _layers(record: dict[str, Any]) -> int:
@@ -194,6 +203,18 @@ def _layers(record: dict[str, Any]) -> int:
 
 
 # ---- Markdown --------------------------------------------------------------------------------------
+def _short_warm_up(warm: dict[str, Any]) -> str:
+    """How a warm-up shorter than the workload reached the timed shapes (`benchmarks.engine.warm_plan`)."""
+    if "lengths" not in warm:
+        return ""
+    text = f": the workload at {warm['lengths'][0]} / {warm['lengths'][1]} tokens"
+    if "probed_shapes" in warm:
+        matched = {True: "it matched", False: "it did NOT match"}[warm.get("plan_matched_timed", False)]
+        text += (f", then a probe of each of the {len(warm['probed_shapes'])} timed shapes the scheduler "
+                 f"planned that it had not run (the plan: {matched} the timed runs)")  # fmt: skip
+    return text
+
+
 def _f(x: Any, fmt: str = "{:.1f}") -> str:
     return "-" if x is None or x != x else fmt.format(x)
 
@@ -332,7 +353,8 @@ def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
         lines.append(
             "Warm-up: "
             + ", ".join(
-                f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes)" for k, v in warm.items()
+                f"{k} {v['s']:.1f} s ({v.get('num_step_shapes', 0)} step shapes{_short_warm_up(v)})"
+                for k, v in warm.items()
             )
             + (
                 f"; timed step shapes it missed: {missed}"
@@ -342,6 +364,15 @@ def _scenario_lines(name: str, e: dict[str, Any]) -> list[str]:
         )
     else:
         lines.append(f"No warm-up (a cold measurement): timed step shapes it missed: {missed}.")
+    graphs = {k: side.get("decode_graphs") for k, side in e["sides"].items() if side.get("decode_graphs")}
+    if graphs:  # whether pure-decode steps replayed CUDA graphs, and how many of the timed ones did
+        replays = {k: sum(run.get("graph_replays", 0) for r in e["rounds"] for run in r["runs"] if run["side"] == k)
+                   for k in graphs}  # fmt: skip
+        lines.append(
+            "Decode graphs: "
+            + ", ".join(f"{k} {state} ({replays[k]} timed replays)" for k, state in graphs.items())
+            + "."
+        )
     for field, entry in (e.get("beside") or {}).items():
         if isinstance(entry, dict):
             lines.append(

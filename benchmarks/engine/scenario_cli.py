@@ -2,6 +2,7 @@
 measured warm, A/B/B/A, `--rounds` times; a record with its summary entry, Markdown and PNGs.
 
     kumo bench engine scenario fp8kv_vs_bf16kv_long_c64 [--layers 4] [--rounds 3] [--budget-s 540]
+    kumo bench engine scenario fp8kv_vs_bf16kv_long_c64 --rank-of 8 --layers 2 --warm-up-lengths 16384 1024
     kumo bench engine scenario int4_vs_fp8_decode_c1 --rank-of 8   # rank 0 of 8, full depth
     kumo bench engine scenario integrity_overhead --tp 8           # a real group of 8 ranks, full depth
     kumo bench engine scenario int4_vs_fp8_decode_c1 --tp 8 --side A   # one side (they do not fit together)
@@ -77,8 +78,8 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--warm-up-lengths", type=int, nargs=2, metavar=("INPUT", "OUTPUT"), default=None,
-        help="with --side: warm up on these lengths (a long workload's warm-up inside 10 minutes); "
-        "the record lists the timed step shapes it missed",
+        help="warm up on these lengths (a long workload's warm-up inside 10 minutes), then probe each "
+        "step shape the scheduler plans for the timed runs that this pass missed (warm_plan.py)",
     )  # fmt: skip
     ap.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # the ranks > 0 (tp_group.py)
     ap.add_argument("--tp-port", type=int, default=0, help=argparse.SUPPRESS)

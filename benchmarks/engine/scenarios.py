@@ -33,7 +33,7 @@ import torch
 
 from backend.engine.engine import Engine
 from backend.quant.kv_scales import calibrate
-from benchmarks.engine import method
+from benchmarks.engine import method, warm_plan
 from benchmarks.engine.geometry import Geometry, Kind, KvDtype, WeightFormat
 from benchmarks.engine.offline import SALT, engine_config, random_prompts, run_offline
 from benchmarks.engine.weights import build_random_model, weight_bytes
@@ -153,6 +153,7 @@ class Bench:
         self.models: dict[WeightFormat, torch.nn.Module] = {}
         self.engines: dict[str, Engine] = {}
         self.peer: Any = None
+        self.peer_chunk: int | None = None  # the peer's prefill chunk that fit (None: the whole prefill)
         self.described: dict[str, dict[str, Any]] = {}
         for key, side in sides.items():
             start = time.perf_counter()
@@ -244,10 +245,12 @@ class Bench:
         if self.sides[key].is_transformers:
             from benchmarks.engine.hf_peer import run_mode
 
-            return run_mode(
+            r = run_mode(
                 self.peer, opts.hf_mode, concurrency=opts.concurrency, input_len=opts.input_len,
-                output_len=opts.output_len, vocab=self.vocab, device=opts.device,
-            ) | {"variant": variant, "is_complete": True}  # fmt: skip
+                output_len=opts.output_len, vocab=self.vocab, device=opts.device, first_chunk=self.peer_chunk,
+            )  # fmt: skip
+            self.peer_chunk = r.get("prefill_chunk_size")  # later runs start where this one fit
+            return r | {"variant": variant, "is_complete": True}
         graphs = self.engines[key].runner.graphs
         replays0 = graphs.num_replays if graphs is not None else 0  # the decode steps replayed: the delta
         r = run_offline(
@@ -338,19 +341,17 @@ def measure(name: str, geometry: Geometry, opts: ScenarioOptions) -> dict[str, A
         )
         warm: dict[str, Any] = {}
         for key in ("A", "B") if opts.is_warm_up else ():  # the same run untimed: the same step shapes
-            start = time.perf_counter()
-            r = go(key, f"{name}/{sides[key].label}/warm-up")
-            warm[key] = {
-                "s": time.perf_counter() - start,
-                "step_shapes": r.get("extra", {}).get("step_shapes", []),
-            }
+            warm[key] = _warm_up(name, scenario, opts, bench, key)
         count = iter(range(1 << 30))
         rounds = method.interleave(
             lambda key: go(key, f"{name}/{sides[key].label}/{next(count)}"),
             lambda r: float(r[scenario.metric]),
             num_rounds=opts.num_rounds,
             time_left=opts.time_left,
-            first_round_s=2.0 * sum(w["s"] for w in warm.values()),  # each side twice, as warmed
+            # each side twice, as warmed (a shorter warm-up: the round starts; its deadline cuts it)
+            first_round_s=0.0
+            if _is_short_warm_up(scenario, opts)
+            else 2.0 * sum(w["s"] for w in warm.values()),
         )
         return _entry(name, scenario, opts, bench, warm, rounds)
     finally:
@@ -367,19 +368,13 @@ def measure_side(
     (`benchmarks.engine.x8.combine`): for the sides that do not fit one device together."""
     side = bench.sides[key]
     is_fill = scenario.metric == "kv_tokens_held"
-    go: Callable[..., dict[str, Any]] = (
-        (lambda variant, **_: bench.fill(key, variant=variant))
+    go: Callable[[str], dict[str, Any]] = (
+        (lambda variant: bench.fill(key, variant=variant))
         if is_fill
-        else (lambda variant, **lengths: bench.run(key, variant=variant, **lengths))
+        else (lambda variant: bench.run(key, variant=variant))
     )
-    warm: dict[str, Any] | None = None
-    is_short_warm_up = not is_fill and (opts.warm_input_len or opts.warm_output_len) is not None
-    if opts.is_warm_up:
-        start = time.perf_counter()
-        r = go(f"{name}/{side.label}/warm-up", input_len=opts.warm_input_len, output_len=opts.warm_output_len)
-        warm = {"s": time.perf_counter() - start, "step_shapes": r.get("extra", {}).get("step_shapes", [])}
-        if is_short_warm_up:
-            warm["lengths"] = [opts.warm_input_len or opts.input_len, opts.warm_output_len or opts.output_len]
+    warm = _warm_up(name, scenario, opts, bench, key) if opts.is_warm_up else None
+    is_short_warm_up = _is_short_warm_up(scenario, opts)
     runs: list[dict[str, Any]] = []
     # the first run starts if two warm-ups' time is left (a shorter warm-up: it starts; its deadline cuts it)
     last_s = 2.0 * warm["s"] if warm and not is_short_warm_up else 0.0
@@ -389,6 +384,8 @@ def measure_side(
         last_s = time.perf_counter() - start
     timed = [s for run in runs for s in run.get("extra", {}).get("step_shapes", [])]
     missed = method.missing_shapes(warm["step_shapes"], timed) if warm else []
+    if warm:
+        _check_plan(warm, runs)
     for extra in [run.get("extra", {}) for run in runs] + ([warm] if warm else []):
         if "step_shapes" in extra:
             extra["num_step_shapes"] = len(extra.pop("step_shapes"))
@@ -417,6 +414,53 @@ def measure_side(
     }  # fmt: skip
 
 
+def _is_short_warm_up(scenario: Scenario, opts: ScenarioOptions) -> bool:
+    return scenario.metric != "kv_tokens_held" and (opts.warm_input_len or opts.warm_output_len) is not None
+
+
+def _warm_up(name: str, scenario: Scenario, opts: ScenarioOptions, bench: Bench, key: str) -> dict[str, Any]:
+    """Side `key` run once untimed: the workload itself, or (`opts.warm_input_len` / `warm_output_len`)
+    the workload at those lengths, then a probe of each step shape the scheduler plans for the timed
+    run that this shorter pass did not run (`benchmarks.engine.warm_plan`)."""
+    side = bench.sides[key]
+    variant = f"{name}/{side.label}/warm-up"
+    start = time.perf_counter()
+    if scenario.metric == "kv_tokens_held":
+        bench.fill(key, variant=variant)
+        return {"s": time.perf_counter() - start, "step_shapes": []}
+    r = bench.run(key, variant=variant, input_len=opts.warm_input_len, output_len=opts.warm_output_len)
+    shapes = [list(s) for s in r.get("extra", {}).get("step_shapes", [])]
+    warm: dict[str, Any] = {"step_shapes": shapes}
+    if _is_short_warm_up(scenario, opts):
+        warm["lengths"] = [opts.warm_input_len or opts.input_len, opts.warm_output_len or opts.output_len]
+    if _is_short_warm_up(scenario, opts) and not side.is_transformers:
+        config = bench.engines[key].config
+        plan = warm_plan.planned_shapes(
+            num_pages=config.num_pages, page_size=config.page_size, concurrency=opts.concurrency,
+            chunk=config.max_num_batched_tokens, input_len=opts.input_len, output_len=opts.output_len,
+        )  # fmt: skip
+        probed = method.missing_shapes(shapes, plan)
+        for num_prefill, num_decode in probed:
+            shapes += [
+                list(s)
+                for s in warm_plan.probe(bench.engines[key], (num_prefill, num_decode), variant=variant)
+            ]
+        warm |= {"planned_shapes": plan, "probed_shapes": probed}
+    return {"s": time.perf_counter() - start} | warm
+
+
+def _check_plan(warm: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+    """A planned warm-up: whether every complete timed run took exactly the planned step shapes."""
+    plan = warm.pop("planned_shapes", None)
+    if plan is not None:
+        timed = [
+            {tuple(x) for x in run.get("extra", {}).get("step_shapes", [])}
+            for run in runs
+            if run["is_complete"]
+        ]
+        warm["plan_matched_timed"] = all(t == {tuple(x) for x in plan} for t in timed)
+
+
 def _entry(
     name: str,
     scenario: Scenario,
@@ -437,6 +481,8 @@ def _entry(
             for s in run.get("extra", {}).get("step_shapes", [])
         ]
         missed[key] = method.missing_shapes(warm.get(key, {}).get("step_shapes", []), timed)
+    for key, w in warm.items():
+        _check_plan(w, [run for r in rounds for run in r["runs"] if run["side"] == key])
     for run in [run for r in rounds for run in r["runs"]] + list(warm.values()):
         extra = run.get("extra", run)  # the shapes are compared above; the record keeps their count
         if "step_shapes" in extra:

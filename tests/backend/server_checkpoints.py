@@ -3,9 +3,15 @@ and chat template), and an in-process backend over one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
+
+from backend.server.app import build_backend, create_app
+from backend.server.settings import build_settings
 from backend.text.tokenizer import load_tokenizer
 from backend.text.tokenizer_files import write_tokenizer_files
 from tests.backend.tiny_checkpoints import make_tiny
@@ -40,3 +46,24 @@ def make_served_checkpoint(arch: str, path: Path, *, context: int = 1024, **conf
     make_tiny(arch, path, **overrides, **config_overrides)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     return path
+
+
+@contextlib.asynccontextmanager
+async def served(path: Path, *args: str) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process backend over the checkpoint at `path` (float32, a small pool; `args` on top), and
+    a client of it that sends the backend's secret."""
+    settings = build_settings(
+        ["--model", str(path), "--port", "0", "--dtype", "float32", "--max-pages", "32", *args],
+        {"KUMO_BACKEND_SECRET": SECRET},
+    )
+    backend, engine = build_backend(settings)
+    engine.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(backend))
+        headers = {"authorization": f"Bearer {SECRET}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://b", timeout=60, headers=headers
+        ) as client:
+            yield client
+    finally:
+        engine.stop()

@@ -26,7 +26,7 @@ from benchmarks.report import (
     is_met,
     tables,
 )
-from benchmarks.serve import RequestResult, summarize
+from benchmarks.serve import RequestResult, per_repeat, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -165,8 +165,29 @@ def test_a_results_folder_gives_its_scenario_and_serve_records(results_dir: Path
     rows = [line for line in serve_table.splitlines() if line.startswith("| @cf/")]
     c16 = [c.strip() for c in rows[1].split("|")[1:-1]]
     assert c16[1] == "16" and c16[4] == "4/4" and c16[7] == "250 / 350"  # nearest-rank p50, p99 of the TTFTs
-    assert c16[10] == "1.00" and c16[11] == "200 / -"  # 2 of 4 within TTFT 200 ms over 2 s
+    assert c16[10] == "1.00" and c16[12] == "200 / -"  # 2 of 4 within TTFT 200 ms over 2 s
+    assert c16[11] == "1 sample"  # one measured window, no --repeats
     assert "NVIDIA H200, kumo serve --device cuda" in serve_table
+
+
+def test_a_repeated_serve_record_in_a_run_folder_shows_its_median_and_spread(tmp_path: Path) -> None:
+    """`kumo bench serve --repeats 3` records, kept in one run's folder: the row gives each repeated
+    figure as the median of the repeats with their range, and a single window says it is one sample."""
+    windows = [[50.0, 60.0], [90.0, 95.0], [70.0, 75.0]]  # TTFTs of each repeat's two requests
+    repeats = [serve_record("@cf/moonshotai/kimi-k2.6", 2, ttfts)["summary"] for ttfts in windows]
+    for s, wall in zip(repeats, (2.0, 4.0, 1.0), strict=True):  # out tok/s 9, 4.5, 18 (2 x 9 tokens)
+        s["output_tok_s"] = 18 / wall
+    record = serve_record("@cf/moonshotai/kimi-k2.6", 2, [t for w in windows for t in w])
+    record |= {"repeats": repeats, "per_repeat": per_repeat(repeats)}
+    (tmp_path / "2026-12-05-serve-h200").mkdir()
+    (tmp_path / "2026-12-05-serve-h200" / "serve-kimi-c2.json").write_text(json.dumps(record))
+    (tmp_path / "serve-c1.json").write_text(json.dumps(serve_record("@cf/zai-org/glm-5.2", 1, [50.0])))
+    engine, serve = find_records(tmp_path)
+    assert [n for n, _ in serve] == ["2026-12-05-serve-h200/serve-kimi-c2.json", "serve-c1.json"]
+    rows = [line for line in tables(engine, serve)[1].splitlines() if line.startswith("| @cf/")]
+    # nearest-rank p50 of each repeat's two TTFTs (the upper one): 60, 95, 75 -> median 75 [60, 95]
+    assert "| 3 x: 9.0 [4.5, 18.0]; 75 [60, 95]; 10.0 [10.0, 10.0] |" in rows[0]
+    assert "| 1 sample |" in rows[1]
 
 
 def test_named_records_and_a_folder_give_the_same_tables(results_dir: Path, tmp_path: Path) -> None:
@@ -223,3 +244,21 @@ def test_where_records_of_a_key_differ_in_depth_the_deepest_is_the_summary(recor
     same_depth["scenarios"]["fp8kv_vs_bf16kv_c1"]["workload"]["output_len"] += 1  # not poolable with it
     merged = merge([shallow, same_depth])  # at one depth: the most rounds
     assert merged["summary"]["fp8kv_vs_bf16kv_c1"] == shallow["summary"]["fp8kv_vs_bf16kv_c1"]
+
+
+def test_a_record_at_the_scenarios_own_workload_wins_over_a_deeper_cut_one(records: list[Path]) -> None:
+    """The long scenario measured at 4 layers with its output cut to 1,024 tokens, and at 2 layers at
+    its own 64 x 16,384 / 4,096: the summary is the latter's, the former named as not pooled."""
+    cut = json.loads(records[0].read_text())
+    own = json.loads(records[0].read_text())
+    for record, layers, output_len, value in ((cut, 4, 1024, 1.01), (own, 2, 4096, 1.4)):
+        entry = record["scenarios"].pop("fp8kv_vs_bf16kv_c1")
+        entry["workload"] |= {"concurrency": 64, "input_len": 16384, "output_len": output_len}
+        entry["rounds"], entry["summary"] = entry["rounds"][:1], summary_entry([value])
+        record["scenarios"]["fp8kv_vs_bf16kv_long_c64"] = entry
+        record["geometry"]["num_layers"] = layers
+        record["command"] += f" --layers {layers} --output-len {output_len}"
+    for order in ([cut, own], [own, cut]):
+        merged = merge(order)
+        assert merged["summary"]["fp8kv_vs_bf16kv_long_c64"]["samples"] == [1.4]
+        assert merged["scenarios"]["fp8kv_vs_bf16kv_long_c64"]["not_pooled"] == [cut["command"]]

@@ -97,6 +97,22 @@ def test_a_run_without_warm_up_is_caught_cold(tmp_path: Path, cache: Path) -> No
     assert "timed step shapes it missed" in path.with_suffix(".md").read_text()
 
 
+def test_a_shorter_warm_up_probes_the_planned_shapes_it_missed(tmp_path: Path) -> None:
+    """The long workload warmed on 2 output tokens (the device run's 1,024 of 4,096): the shorter pass
+    misses decode widths and recompute chunks, the probes run them, and the check stays true."""
+    path = tmp_path / "long.json"
+    args = ["engine", "scenario", "fp8kv_vs_bf16kv_long_c64", "--tiny", *POOL, "--warm-up-lengths", "24", "2"]
+    assert (
+        bench_main([*args, "--rounds", "1", "--compile-cache", str(tmp_path / "c"), "--out", str(path)]) == 0
+    )
+    entry = json.loads(path.read_text())["scenarios"]["fp8kv_vs_bf16kv_long_c64"]
+    assert entry["warm_up_missed_shapes"] == {"A": [], "B": []}
+    for warm in entry["warm_up"].values():
+        assert warm["lengths"] == [24, 2] and warm["probed_shapes"] and warm["plan_matched_timed"]
+    assert len(entry["rounds"]) == 1 and entry["rounds_incomplete"] == 0
+    assert "timed shapes the scheduler planned" in path.with_suffix(".md").read_text()
+
+
 def test_only_the_first_process_on_the_compile_cache_is_fresh(records: dict[str, dict[str, Any]]) -> None:
     fresh = [rec["machine"]["is_fresh"] for rec in records.values()]
     assert fresh == [True] + [False] * (len(fresh) - 1)

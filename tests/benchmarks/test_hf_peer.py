@@ -74,3 +74,22 @@ def test_a_run_that_never_fits_says_so_for_every_attempt(model: Any, monkeypatch
 def test_a_run_that_fits_is_not_chunked(model: Any) -> None:
     row = _small_run(model)
     assert "prefill_chunk_size" not in row
+
+
+def test_a_repeat_starts_at_the_chunk_that_fit(model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scenario's later runs pass the chunk the first run fitted with: no attempt that runs out
+    of memory again before each timed run."""
+    calls: list[int | None] = []
+    real = hf_peer._generate
+
+    def spy(m: Any, ids: torch.Tensor, new: int, static: bool, prefill_chunk: int | None = None) -> Any:
+        calls.append(prefill_chunk)
+        return real(m, ids, new, static, prefill_chunk)
+
+    monkeypatch.setattr(hf_peer, "_generate", spy)
+    chunk = hf_peer.PREFILL_CHUNKS[1]
+    row = hf_peer.run_mode(
+        model, "generate", concurrency=2, input_len=16, output_len=3, vocab=model.config.vocab_size,
+        device="cpu", first_chunk=chunk,
+    )  # fmt: skip
+    assert calls == [chunk, chunk] and row["prefill_chunk_size"] == chunk and "out_of_memory" not in row

@@ -55,6 +55,25 @@ def test_duration_mode_sends_until_the_deadline(kumo: Any, tmp_path: Path) -> No
     assert s["num_meeting_slo"] == 0 and s["goodput_requests_per_s"] == 0.0 < s["requests_per_s"]
 
 
+def test_repeats_measure_windows_apart_each_a_sample_of_the_median_and_spread(
+    kumo: Any, tmp_path: Path
+) -> None:
+    rec = bench(kumo, tmp_path / "serve.json", "--requests", "3", "--repeats", "3", "--slo-ttft-ms", "1e9")
+    assert len(rec["repeats"]) == 3 and [s["num_ok"] for s in rec["repeats"]] == [3, 3, 3]
+    reqs = rec["requests"]
+    assert [r["repeat"] for r in reqs] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for k, s in enumerate(rec["repeats"]):  # each repeat's figures are its own requests'
+        mine = [r for r in reqs if r["repeat"] == k]
+        assert s["output_tok_s"] == pytest.approx(sum(r["output_tokens"] for r in mine) / s["wall_s"])
+    tok_s = [s["output_tok_s"] for s in rec["repeats"]]
+    entry = rec["per_repeat"]["output_tok_s"]
+    assert entry["samples"] == pytest.approx(tok_s) and entry["value"] == pytest.approx(sorted(tok_s)[1])
+    assert entry["spread"] == pytest.approx([min(tok_s), max(tok_s)])
+    assert rec["per_repeat"]["tpot_ms_p99"] is None or len(rec["per_repeat"]["tpot_ms_p99"]["samples"]) == 3
+    assert rec["summary"]["num_ok"] == 9  # the pooled summary: every repeat's requests
+    assert rec["summary"]["wall_s"] == pytest.approx(sum(s["wall_s"] for s in rec["repeats"]))
+
+
 def result(
     i: int, ttft: float | None, tpot: float | None, tokens: int, error: str | None = None
 ) -> RequestResult:

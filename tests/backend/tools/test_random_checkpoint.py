@@ -7,16 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import msgspec
 import pytest
 import torch
 
-from backend.server.app import build_backend, create_app
-from backend.server.settings import build_settings
 from backend.tools.random_checkpoint import make_random_checkpoint
 from schemas.backend import Event, Finish, ModelCard, Usage
-from tests.backend.server_checkpoints import SECRET, TENANT
+from tests.backend.server_checkpoints import TENANT, served
 
 ROOT = Path(__file__).resolve().parents[3]
 EXPECTED = {"kimi-k2.6": ("kimi", True), "glm-5.2": ("glm", False), "glm-4.5": ("glm", False)}
@@ -25,37 +22,23 @@ EXPECTED = {"kimi-k2.6": ("kimi", True), "glm-5.2": ("glm", False), "glm-4.5": (
 @pytest.mark.parametrize("kind", list(EXPECTED))
 async def test_random_checkpoint_serves(tmp_path: Path, kind: str) -> None:
     path = make_random_checkpoint(kind, tmp_path / kind, dtype=torch.float32)
-    settings = build_settings(
-        ["--model", str(path), "--port", "0", "--dtype", "float32", "--max-pages", "32"],
-        {"KUMO_BACKEND_SECRET": SECRET},
-    )
-    backend, engine = build_backend(settings)
-    engine.start()
-    try:
-        transport = httpx.ASGITransport(app=create_app(backend))
-        async with httpx.AsyncClient(transport=transport, base_url="http://b", timeout=60) as client:
-            headers = {"authorization": f"Bearer {SECRET}"}
-            card = msgspec.json.decode(
-                (await client.get("/v1/model", headers=headers)).content, type=ModelCard
-            )
-            family, has_vision = EXPECTED[kind]
-            assert (card.family, card.capabilities.vision) == (family, has_vision)
-            assert card.capabilities.tools and card.capabilities.reasoning
-            response = await client.post(
-                "/v1/generate",
-                headers=headers,
-                json={
-                    "request_id": "r",
-                    "tenant_salt": TENANT,
-                    "messages": [{"role": "user", "content": "Hi"}],
-                    "sampling": {"max_tokens": 3, "temperature": 0.0},
-                },
-            )
-            events = [msgspec.json.decode(line, type=Event) for line in response.text.splitlines()]
-            assert isinstance(events[-2], Usage) and events[-2].completion_tokens == 3
-            assert isinstance(events[-1], Finish) and events[-1].reason == "length"
-    finally:
-        engine.stop()
+    async with served(path) as client:
+        card = msgspec.json.decode((await client.get("/v1/model")).content, type=ModelCard)
+        family, has_vision = EXPECTED[kind]
+        assert (card.family, card.capabilities.vision) == (family, has_vision)
+        assert card.capabilities.tools and card.capabilities.reasoning
+        response = await client.post(
+            "/v1/generate",
+            json={
+                "request_id": "r",
+                "tenant_salt": TENANT,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "sampling": {"max_tokens": 3, "temperature": 0.0},
+            },
+        )
+        events = [msgspec.json.decode(line, type=Event) for line in response.text.splitlines()]
+        assert isinstance(events[-2], Usage) and events[-2].completion_tokens == 3
+        assert isinstance(events[-1], Finish) and events[-1].reason == "length"
 
 
 def test_command_line_writes_whole_folder_once(tmp_path: Path) -> None:
