@@ -96,6 +96,9 @@ class SpecDecoder:
             is_adaptive=config.speculative_adaptive,
             is_calibrated=config.speculative_draft_cost is None,  # None: measured from step times
         )
+        # past this many running sequences no draft length can pay (the cost model, every draft
+        # accepted): those steps are plain ones, the policy not even asked (no probes either)
+        self.max_drafting_seqs = self.policy.max_paying_seqs(self.max_seqs)
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
@@ -106,10 +109,11 @@ class SpecDecoder:
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
         """Which scheduled sequences draft this step (their pages reserved), and with how many
         drafts (`self.k`, the draft policy's choice for this step's load); all False past
-        `speculative_max_seqs` running, or when the policy says drafting does not pay."""
+        `max_drafting_seqs` running (`speculative_max_seqs` or fewer), or when the policy says
+        drafting does not pay."""
         flags = [False] * len(out.scheduled)
         self.k = 0
-        if num_running > self.max_seqs:
+        if num_running > self.max_drafting_seqs:
             return flags
         can_draft = [
             s.needs_sample

@@ -171,15 +171,14 @@ class SpecForwards:
         out: torch.Tensor = logits
         return out
 
-    def clear_draft_kv(self, pages: np.ndarray) -> None:
+    def clear_draft_kv(self, pages: torch.Tensor) -> None:
         """Zero the MTP layers' cache slots of newly allocated `pages` (each step's tag updates, on
         every rank). A position computed in a step without drafts gets no MTP KV; a sequence drafting
         later reads zeros there, never what an earlier owner of the page left (the tag check cannot
-        tell: the page is the sequence's own by then)."""
-        index = array_to_device(pages, self.device)
+        tell: the page is the sequence's own by then). `pages` [U] on the device."""
         for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
             for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
-                cache.view(torch.uint8).index_fill_(0, index, 0)
+                cache.view(torch.uint8).index_fill_(0, pages, 0)
 
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
@@ -188,6 +187,7 @@ class SpecForwards:
         if inputs.tag_updates is not None:  # [U, 2] (page, tag): before any page is read
             updates = array_to_device(inputs.tag_updates, self.device)
             self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
+            self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
         if spec.depth == VERIFY:
             replayed = self.graphs.run(host) if self.graphs is not None else None
             if replayed is not None:
