@@ -45,7 +45,7 @@ from backend.engine.draft_policy import DraftPolicy, StepLoad
 from backend.engine.forward_batch import HostBatch
 from backend.engine.host_staging import to_device
 from backend.engine.model_runner import ModelRunner, SeqResult
-from backend.engine.ranks import VERIFY, SpecForward, StepInputs
+from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import SampleRow, TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.sequence import Sequence
@@ -102,6 +102,8 @@ class SpecDecoder:
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
+        self.is_greedy_enabled = True  # whole greedy steps on the device where they apply (tests: off)
+        self.num_greedy_steps = 0
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}
 
@@ -159,6 +161,8 @@ class SpecDecoder:
         start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         self.did_verify = any(r.drafts for r in rows)
+        if self.is_greedy_enabled and self._is_greedy(rows):
+            return self._run_greedy(rows, tag_updates)
         host, prompt = self._plan_target(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
         logits, flags = self._forward(StepInputs(host, updates, SpecForward(VERIFY)))  # [N, V], [B]
@@ -191,6 +195,59 @@ class SpecDecoder:
         self.policy.observe_timing(
             verified - start, len(host.input_ids), time.perf_counter() - verified, self._draft_rows
         )
+        return results
+
+    # ---- a whole greedy step on the device (backend/engine/speculative_greedy.py) ---------------
+    def _is_greedy(self, rows: list[_Row]) -> bool:
+        """Every sequence verifies this step's k drafts greedily, wants no logprobs, and has pages
+        for the chained drafts after any accepted run (its window not cut by `max_tokens`)."""
+        k = self.k
+        for r in rows:
+            seq = r.sched.seq
+            row = seq.sample_row
+            if (
+                len(r.drafts) != k
+                or not row.is_argmax
+                or row.params.logprobs
+                or seq.wants_prompt_logprobs
+                or seq.num_tokens + 2 * k - 1 > seq.num_prompt_tokens + seq.request.sampling.max_tokens
+            ):
+                return False
+        return k > 0
+
+    def _run_greedy(self, rows: list[_Row], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
+        """The step as one device function: verify, accept, propose; one copy back."""
+        k, L = self.k, self.k + 1
+        items = [
+            (r.sched.seq, r.sched.seq.num_computed_tokens, [r.sched.seq.token_ids[-1], *r.drafts])
+            for r in rows
+        ]
+        host = self._host(items, list(range(len(rows) * L)), extra_tokens=k - 1)
+        updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
+        packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 2 + 2k], [B]
+        values = torch.cat([packed.reshape(-1), flags.to(torch.int64)]).tolist()  # the step's one copy back
+        width = 2 + 2 * k
+        self.num_greedy_steps += 1
+        results = []
+        for b, r in enumerate(rows):
+            seq = r.sched.seq
+            self._drafts.pop(seq.request_id, None)
+            res = SeqResult(seq, 1, bool(values[len(rows) * width + b]))
+            results.append(res)
+            if res.is_tag_mismatch:
+                continue
+            a, *rest = values[b * width : (b + 1) * width]
+            tokens, drafts = rest[: a + 1], rest[L:]
+            res.num_new_tokens = a + 1  # the verify rows of the accepted tokens hold valid KV
+            self.stats.verifies += 1
+            self.stats.drafted_tokens += k
+            self.stats.accepted_tokens += a
+            self.policy.observe(k, a)
+            scores = [TokenScore(t, None, []) for t in tokens]
+            res.accepted, res.sample = scores[:-1], scores[-1]
+            remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + a + 1)
+            if min(k, remaining - 1) > 0:
+                self._drafts[seq.request_id] = (seq.num_tokens + a + 1, drafts[: min(k, remaining - 1)])
         return results
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +303,11 @@ class SpecDecoder:
         host.image_rows, host.image_parts = image_rows, image_parts
         return host, prompt
 
-    def _host(self, items: list[tuple[Sequence, int, list[int]]], logits_indices: list[int]) -> HostBatch:
-        """A HostBatch of `(sequence, first position, tokens)` chunks over the sequences' pages."""
+    def _host(
+        self, items: list[tuple[Sequence, int, list[int]]], logits_indices: list[int], extra_tokens: int = 0
+    ) -> HostBatch:
+        """A HostBatch of `(sequence, first position, tokens)` chunks over the sequences' pages (and
+        the pages of `extra_tokens` more in its page tables: a greedy step's chained drafts)."""
         S = self.block_manager.page_size
         counts = np.array([len(t) for _, _, t in items], dtype=np.int64)  # [B]
         starts = np.array([p for _, p, _ in items], dtype=np.int64)
@@ -259,7 +319,9 @@ class SpecDecoder:
         seq_lens = starts + counts
         tables = [seq.page_table for seq, _, _ in items]
         ids, tags = self.block_manager.page_tables.gather(
-            np.array([t.row for t in tables]), np.array([t.length for t in tables]), -(-seq_lens // S)
+            np.array([t.row for t in tables]),
+            np.array([t.length for t in tables]),
+            -(-(seq_lens + extra_tokens) // S),
         )
         return HostBatch(
             input_ids=np.array([x for _, _, t in items for x in t], dtype=np.int64),

@@ -36,7 +36,8 @@ from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
 from backend.engine.host_staging import array_to_device, to_device
-from backend.engine.ranks import VERIFY, SpecForward, StepInputs
+from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
+from backend.engine.speculative_greedy import greedy_step
 from backend.engine.verify_graphs import VerifyGraphs
 
 log = logging.getLogger("kumo.engine")
@@ -46,9 +47,17 @@ class SpecForwards:
     """Runs a speculative step's forwards on one rank, and keeps the hidden states between them."""
 
     def __init__(
-        self, model: Any, kv_cache: KVCache, *, check_tags: bool, graphs: VerifyGraphs | None = None
+        self,
+        model: Any,
+        kv_cache: KVCache,
+        *,
+        check_tags: bool,
+        page_size: int,
+        graphs: VerifyGraphs | None = None,
     ) -> None:
+        """`page_size`: the block manager's (the unit of the host's slots and page tables)."""
         self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
+        self.page_size = page_size
         self.graphs = graphs
         self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
         self.propose_graphs: VerifyGraphs | None = (
@@ -94,12 +103,17 @@ class SpecForwards:
                     max_pages=max_pages,
                     check_tags=config.check_page_tags,
                     capture=capture,
+                    greedy=functools.partial(_greedy, model, S),
                 )
             if ranks is not None and not ranks.agree(graphs.is_enabled):
                 graphs.disable("verify graphs failed to capture on another rank")
+            if ranks is not None and graphs.is_enabled and not ranks.agree(graphs.has_greedy):
+                graphs.disable_greedy("greedy step graphs failed to capture on another rank")
             if graphs.disabled_reason is not None:  # at start-up, once
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
-        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
+            elif graphs.greedy_disabled_reason is not None:
+                log.warning("greedy speculative steps run eagerly: %s", graphs.greedy_disabled_reason)
+        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, page_size=S, graphs=graphs)
         if capture is not None and graphs is not None and graphs.is_enabled:
             forwards.capture_proposals(sizes, max_pages, capture, config)
             if ranks is not None and not ranks.agree(forwards.propose_graphs is not None):
@@ -188,6 +202,8 @@ class SpecForwards:
             updates = array_to_device(inputs.tag_updates, self.device)
             self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
             self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
+        if spec.depth == GREEDY:
+            return self._greedy(host)
         if spec.depth == VERIFY:
             replayed = self.graphs.run(host) if self.graphs is not None else None
             if replayed is not None:
@@ -210,6 +226,18 @@ class SpecForwards:
             self._ids = self._ids.index_copy(0, index, ids)
             self.drafted.append(ids)
         return logits, mismatch
+
+    def _greedy(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole greedy step: (`[B, 2 + 2k]` int64, tag_mismatch [B]), from its graph when one
+        fits, else eagerly (the same function)."""
+        B, S = host.num_seqs, self.page_size
+        k = len(host.input_ids) // B - 1
+        num_pages = (host.seq_lens.astype(np.int64) + k - 1 + S - 1) // S  # the chained drafts' too
+        replayed = self.graphs.run_greedy(host, num_pages) if self.graphs is not None else None
+        if replayed is not None:
+            return replayed
+        batch = self.batch(host)
+        return greedy_step(self.model, batch, k, S), batch.tag_mismatch
 
     def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Depth 0 over the verify's hidden rows `index`: from a propose graph when the rows are a
@@ -284,3 +312,8 @@ class SpecForwards:
             image_embeds=image_embeds,
             seq_index=t(h.seq_index),
         )
+
+
+def _greedy(model: Any, page_size: int, batch: ForwardBatch, k: int) -> torch.Tensor:
+    """`greedy_step` as the verify graphs capture it: (batch, k)."""
+    return greedy_step(model, batch, k, page_size)

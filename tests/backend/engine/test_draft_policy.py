@@ -138,6 +138,7 @@ def test_engine_measures_its_draft_cost() -> None:
     model.forward_mtp = slow
     spec = engine.spec
     assert spec is not None and spec.policy.is_calibrated and spec.policy.draft_cost == 1.0  # no layers: 1
+    spec.is_greedy_enabled = False  # m is timed between the forwards of the host path's steps
     spec.policy.draft_cost = 0.01
     spec.max_drafting_seqs = spec.policy.max_paying_seqs(spec.max_seqs)
     got = run_all(engine, [request("a", [1], max_tokens=40)])
@@ -248,19 +249,19 @@ def test_a_cap_from_the_cost_model() -> None:
 
 @pytest.mark.usefixtures("quick_probes")
 def test_engine_turns_drafting_off_where_it_measures_slower() -> None:
-    """A verify made 20 ms slower on the host (accepting: work the cost model does not price, and
+    """A speculative step made 20 ms slower on the host (work the cost model does not price, and
     that leaves m, a ratio of forward times, low): after its probe the engine decodes plainly, and
     the output is plain decoding's."""
     engine = toy(3, speculative_draft_cost=None)
     spec = engine.spec
     assert spec is not None
-    choose = spec._choose
+    run = spec.run
 
     def slow(*args: Any) -> Any:
         time.sleep(0.02)
-        return choose(*args)
+        return run(*args)
 
-    spec._choose = slow  # type: ignore[method-assign]
+    spec.run = slow  # type: ignore[method-assign]
     spec.policy.draft_cost = 0.01  # the model's start: drafting pays
     spec.max_drafting_seqs = spec.policy.max_paying_seqs(spec.max_seqs)
     got = run_all(engine, [request("a", [1], max_tokens=60)])
