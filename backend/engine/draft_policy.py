@@ -62,7 +62,9 @@ TIMING_WEIGHT = 0.1  # per timed step
 RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
 MIN_RATE_SAMPLES = 3  # steps of a kind measured at a load before its rate is trusted
 SPEC_PROBE_STEPS = MIN_RATE_SAMPLES + 1  # the first drafting step after plain ones verifies nothing
-REPROBE_EVERY = 64  # drafting steps at a load where drafting wins, between plain refreshes
+# drafting steps at a load where drafting wins, between plain refreshes: a refresh costs a plain
+# step and then a drafting one that only proposes (host path, several ms on the H200 in 2026-12)
+REPROBE_EVERY = 256
 PROBE_SHARE = 0.05  # of a load's plain-step time, the most its later probes may cost
 DRAFT_STEP_GUESS = 4.0  # a drafting step's cost in plain steps, before one is measured at a load
 

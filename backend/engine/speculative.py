@@ -13,6 +13,12 @@ One speculative step, for every drafting sequence (one with no grammar, while at
    tokens that follow them), which also keeps its own KV complete, and its last row's argmax is the
    next d_1; depths 2 … K chain one token each on the MTP's own hidden state.
 
+A step where every sequence verifies this step's k drafts greedily (argmax sampling, no logprobs,
+pages for the chained drafts: `_is_greedy`) runs as ONE device function instead, verify to next
+drafts (backend/engine/speculative_greedy.py; one CUDA graph per (k, bucket)), and the host reads one
+small tensor back: the accepted counts, tokens, next drafts and tag flags. Every other step (sampled
+rows, logprobs, chunks, a row with fewer drafts) takes the host path above.
+
 The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/draft_policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
@@ -102,7 +108,10 @@ class SpecDecoder:
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
-        self.is_greedy_enabled = True  # whole greedy steps on the device where they apply (tests: off)
+        # whole greedy steps on the device where they apply: from their graphs, or eagerly where
+        # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
+        graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
+        self.is_greedy_enabled = graphs is None or not graphs.is_enabled or graphs.has_greedy
         self.num_greedy_steps = 0
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}

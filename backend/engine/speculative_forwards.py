@@ -19,6 +19,9 @@ ones to another). A depth d > 0 whose `SpecForward.chain` is set reads its input
 previous depth's argmax on the device, not from the host batch, so a step's draft depths run back
 to back without a round trip to the host; `drafted` holds each depth's tokens until rank 0 reads them.
 
+`SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative_greedy.py): from the verify
+graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike.
+
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
 """
 

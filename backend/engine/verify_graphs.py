@@ -16,6 +16,10 @@ the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts pa
 through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
 forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
 
+Beside each verify graph, a graph of the whole greedy step over the same buffers (`run_greedy`:
+backend/engine/speculative_greedy.py), when the caller gives one; its page tables' columns hold the
+pages of the chained drafts too (`num_pages`). All of a step's host values cross in one copy.
+
 Every tensor a graph reads is the object's own: the buffers refilled before each replay, and per k
 the row layout no replay changes (each sequence's first row, each row's sequence, the logits rows).
 A layout made afresh for each capture and dropped with its step was what the H200 replays read on

@@ -182,3 +182,15 @@ def test_logprobs_and_sampling_keep_the_host_path(loaded: dict[str, Any]) -> Non
     assert engine.stats.spec_verifies > 0 and engine.spec.num_greedy_steps == 0
     run_all(engine, [request(f"g{i}", p, max_tokens=30) for i, p in enumerate(ps)])
     assert engine.spec.num_greedy_steps > 0
+
+
+def test_no_eager_greedy_steps_beside_verify_graphs(loaded: dict[str, Any]) -> None:
+    """Greedy steps that failed to capture while the verify graphs did: the host path (its verify,
+    depth-0 and draft graphs) serves them, not an eager greedy step."""
+    model = loaded["deepseek_v3"]
+    engine = graphed(model, 3)
+    assert engine.spec is not None and engine.spec.is_greedy_enabled
+    forwards = engine.runner.spec_forwards
+    assert forwards is not None and forwards.graphs is not None and forwards.graphs.has_greedy
+    forwards.graphs.disable_greedy("test")
+    assert not type(engine.spec)(engine.runner, engine.block_manager, can_match_stops=False).is_greedy_enabled
