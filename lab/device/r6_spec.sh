@@ -9,7 +9,7 @@
 # Everything lands in $OUT/r6_spec.tgz, summaries printed.
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r6 && rm -rf $W && mkdir -p $W
-timeout 150 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 140 -rfE -s \
+timeout 180 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 170 -rfE -s \
   "tests/backend/engine/test_ranks_cuda.py::test_nccl_speculative_equals_plain" > $W/nccl.log 2>&1
 echo "== nccl at $(( $(date +%s) - START ))s"; grep -E "passed|failed|FAILED|^ERROR|^E |Timeout" $W/nccl.log | tail -15
 ( CUDA_VISIBLE_DEVICES=0 timeout $(( ${BUDGET:-300} + 60 )) python3 -m benchmarks.cli engine mtp --budget-s "${BUDGET:-300}" \
