@@ -35,10 +35,17 @@ rounded up to a power of two), the engine reports every decode-only step's token
 (`observe_step`), plain steps and steps that verified drafts kept apart (EWMA of tokens per second);
 a load with no plain measurement runs plain steps first, then drafts for `SPEC_PROBE_STEPS` (the
 first of them only proposes), and from then on drafts only while its measured rate beats the plain
-one. Every `REPROBE_EVERY` steps at a load the losing side runs again, so that a change (acceptance
-falling, the draft graphs warming up) is seen; a probe that confirms drafting still loses doubles
-that load's interval (up to `MAX_REPROBE_EVERY`): at 64 sequences a drafting step can cost several
-plain ones, so frequent probes would cost more than they can find.
+one. Where drafting wins, every `REPROBE_EVERY` drafting steps one plain step refreshes the rate it is
+compared with. Where it loses (or its probe measured too little), it is probed again only once the
+plain steps at that load have taken `1 / PROBE_SHARE` times what the probe is expected to cost (its
+drafting steps' measured seconds there): at 64 sequences a drafting step can cost ten plain ones, and
+a load seen for a few dozen steps (a burst of short requests) must not pay for probes it cannot
+amortize. A load's first probe is priced from the dearest drafting step (in plain steps) measured at
+any load, or `DRAFT_STEP_GUESS` before any.
+
+Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
+the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
+(backend/engine/speculative.py `drafting`).
 
 Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
 proposes k for the next (backend/engine/speculative.py).
@@ -55,29 +62,52 @@ TIMING_WEIGHT = 0.1  # per timed step
 RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
 MIN_RATE_SAMPLES = 3  # steps of a kind measured at a load before its rate is trusted
 SPEC_PROBE_STEPS = MIN_RATE_SAMPLES + 1  # the first drafting step after plain ones verifies nothing
-REPROBE_EVERY = 64
-MAX_REPROBE_EVERY = 4096
+# drafting steps at a load where drafting wins, between plain refreshes: a refresh costs a plain
+# step and then a drafting one that only proposes (host path, several ms on the H200 in 2026-12)
+REPROBE_EVERY = 256
+PROBE_SHARE = 0.05  # of a load's plain-step time, the most its later probes may cost
+DRAFT_STEP_GUESS = 4.0  # a drafting step's cost in plain steps, before one is measured at a load
 
 
 @dataclass(slots=True)
 class _Rates:
-    """One load's measured output tokens per second: plain steps, and steps that verified drafts."""
+    """One load's measured output tokens per second (plain steps, steps that verified drafts), its
+    steps' seconds, and its probes."""
 
     plain: float = 0.0
     spec: float = 0.0
     num_plain: int = 0
     num_spec: int = 0
-    since_probe: int = 0
-    reprobe_every: int = REPROBE_EVERY  # doubles while probes find drafting still slower
-    spec_at_probe: int = -1  # num_spec when the last drafting probe began (-1: none pending)
+    plain_step_s: float = 0.0  # EWMA seconds of a plain step
+    draft_step_s: float = 0.0  # EWMA seconds of a drafting step (verifying or only proposing)
+    plain_s_since_probe: float = 0.0  # plain steps' seconds since its last probe began
+    num_probes: int = 0
+    since_refresh: int = 0  # drafting steps since a plain one refreshed `plain`
 
-    def add(self, is_spec: bool, rate: float) -> None:
+    def add_rate(self, is_spec: bool, rate: float) -> None:
         if is_spec:
             self.spec = rate if not self.num_spec else self.spec + RATE_WEIGHT * (rate - self.spec)
             self.num_spec += 1
         else:
             self.plain = rate if not self.num_plain else self.plain + RATE_WEIGHT * (rate - self.plain)
             self.num_plain += 1
+
+    def add_seconds(self, is_drafting: bool, seconds: float) -> None:
+        if is_drafting:
+            self.draft_step_s = _ewma(self.draft_step_s, seconds)
+        else:
+            self.plain_step_s = _ewma(self.plain_step_s, seconds)
+            self.plain_s_since_probe += seconds
+
+    def can_afford_probe(self, draft_over_plain: float) -> bool:
+        """A probe's expected cost is within `PROBE_SHARE` of the plain time since the last one (a
+        drafting step here as measured, else `draft_over_plain` plain steps)."""
+        step_s = self.draft_step_s or draft_over_plain * self.plain_step_s
+        return PROBE_SHARE * self.plain_s_since_probe >= SPEC_PROBE_STEPS * step_s
+
+
+def _ewma(value: float, sample: float) -> float:
+    return sample if not value else value + RATE_WEIGHT * (sample - value)
 
 
 def load_bucket(num_seqs: int) -> int:
@@ -118,6 +148,7 @@ class DraftPolicy:
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
         self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
         self._probe_left = 0  # drafting steps left in a probe of the speculative rate
+        self.num_probes = 0  # probes of the speculative rate begun (any load)
 
     # ---- the model ---------------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -171,36 +202,47 @@ class DraftPolicy:
         return k
 
     def _measured_gate(self, load: StepLoad, k: int) -> int:
-        """k, or 0 where plain steps have been measured to emit more tokens per second at this load."""
+        """k, or 0 where plain steps have been measured to emit more tokens per second at this load
+        (or a probe of drafting there would cost more than `PROBE_SHARE` of its plain time)."""
         rates = self._rates.setdefault(load_bucket(load.num_drafting + load.num_other_samples), _Rates())
         if self._probe_left > 0:
             self._probe_left -= 1
             return k
         if rates.num_plain < MIN_RATE_SAMPLES:
             return 0
-        if rates.spec_at_probe >= 0 and rates.num_spec > rates.spec_at_probe:  # a drafting probe ended
-            is_losing = rates.spec < rates.plain
-            rates.reprobe_every = (
-                min(2 * rates.reprobe_every, MAX_REPROBE_EVERY) if is_losing else REPROBE_EVERY
-            )
-            rates.spec_at_probe = -1
-        rates.since_probe += 1
-        is_due = rates.since_probe >= rates.reprobe_every
-        if rates.num_spec < MIN_RATE_SAMPLES or (is_due and rates.spec < rates.plain):
-            rates.since_probe = 0
-            rates.spec_at_probe = rates.num_spec if rates.num_spec >= MIN_RATE_SAMPLES else -1
+        if rates.num_spec < MIN_RATE_SAMPLES or rates.spec < rates.plain:  # unmeasured, or losing
+            if not rates.can_afford_probe(self._draft_over_plain()):
+                return 0
+            rates.num_probes += 1
+            rates.plain_s_since_probe = 0.0
+            self.num_probes += 1
             self._probe_left = SPEC_PROBE_STEPS - 1
             return k
-        if is_due:  # drafting wins: one plain step refreshes the rate it is compared with
-            rates.since_probe = 0
+        rates.since_refresh += 1
+        if rates.since_refresh >= REPROBE_EVERY:  # drafting wins: one plain step refreshes its rival
+            rates.since_refresh = 0
             return 0
-        return k if rates.spec >= rates.plain else 0
+        return k
 
-    def observe_step(self, num_seqs: int, is_spec: bool, num_tokens: int, seconds: float) -> None:
-        """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`, plain or
-        verifying drafts (`is_spec`; a step that only proposed is neither: not reported)."""
-        if self.is_calibrated and seconds > 0:
-            self._rates.setdefault(load_bucket(num_seqs), _Rates()).add(is_spec, num_tokens / seconds)
+    def _draft_over_plain(self) -> float:
+        """A drafting step's cost in plain steps: the most measured at any load, else a guess."""
+        measured = [
+            r.draft_step_s / r.plain_step_s for r in self._rates.values() if r.draft_step_s and r.plain_step_s
+        ]
+        return max(measured, default=DRAFT_STEP_GUESS)
+
+    def observe_step(
+        self, num_seqs: int, is_drafting: bool, is_verified: bool, num_tokens: int, seconds: float
+    ) -> None:
+        """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`: plain, or
+        drafting (`is_drafting`) and verifying drafts (`is_verified`; a drafting step that only
+        proposed counts towards the cost of probes, not towards the rates)."""
+        if not self.is_calibrated or seconds <= 0:
+            return
+        rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
+        rates.add_seconds(is_drafting, seconds)
+        if is_verified or not is_drafting:
+            rates.add_rate(is_verified, num_tokens / seconds)
 
     def observe_timing(
         self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]
@@ -219,10 +261,19 @@ class DraftPolicy:
             hit = 1.0 if j < num_accepted else 0.0
             self.acceptance[j] += EWMA_WEIGHT * (hit - self.acceptance[j])
 
+    def max_paying_seqs(self, limit: int) -> int:
+        """The most sequences (up to `limit`) at which a decode step could gain from drafting under
+        the cost model with every draft accepted and the current m; past it no k pays. A fixed
+        policy (not adaptive) always drafts: `limit`."""
+        if not self.is_adaptive:
+            return limit
+        loads = (StepLoad(num_rows=b, num_drafting=b) for b in range(limit, 0, -1))
+        return next((load.num_rows for load in loads if self._would_pay_if_accepted(load)), 0)
+
     def _would_pay_if_accepted(self, load: StepLoad) -> bool:
         saved = self.acceptance
         self.acceptance = [1.0] * self.max_drafts
         try:
-            return self.rate(load, 1) > self.rate(load, 0)
+            return max(self.rate(load, k) for k in range(1, self.max_drafts + 1)) > self.rate(load, 0)
         finally:
             self.acceptance = saved

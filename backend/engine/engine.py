@@ -206,10 +206,11 @@ class Engine:
             spec.trim([s.seq for s, d in zip(scheduled.scheduled, drafting, strict=True) if d])
         elapsed = time.perf_counter() - start
         if spec is not None and scheduled.num_tokens == len(results):  # decode only: measure the step
-            verified = any(drafting) and spec.did_verify
-            if verified or not any(drafting):
-                emitted = sum(len(r.accepted) + 1 for r in results if r.sample is not None)
-                spec.policy.observe_step(len(results), verified, emitted, elapsed)
+            is_drafting = any(drafting)
+            emitted = sum(len(r.accepted) + 1 for r in results if r.sample is not None)
+            spec.policy.observe_step(
+                len(results), is_drafting, is_drafting and spec.did_verify, emitted, elapsed
+            )
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
         self._stats.last_step_s = elapsed

@@ -187,8 +187,6 @@ class ModelRunner:
         [B], OR-reduced over the ranks). Every rank runs this for every step, and for each forward
         of a speculative step (`inputs.spec`)."""
         forward = self._forward
-        if self.spec_forwards is not None and inputs.tag_updates is not None:  # fresh pages: no stale MTP KV
-            self.spec_forwards.clear_draft_kv(inputs.tag_updates[:, 0])
         if inputs.spec is not None:
             assert self.spec_forwards is not None, "speculative forwards need num_speculative_tokens > 0"
             forward = self.spec_forwards.run
@@ -208,7 +206,10 @@ class ModelRunner:
         staged = self._stage_eager(host) if bucket is None else []
         st.send()  # the step's one copy to the device
         if tags is not None:
-            self.kv_cache.page_tags.index_copy_(0, st.view(tags[0]), st.view(tags[1]))
+            pages = st.view(tags[0])
+            self.kv_cache.page_tags.index_copy_(0, pages, st.view(tags[1]))
+            if self.spec_forwards is not None:  # fresh pages: no stale MTP KV
+                self.spec_forwards.clear_draft_kv(pages)
         if graphs is not None and bucket is not None:
             logits, mismatch = graphs.replay(host.num_seqs)
         else:

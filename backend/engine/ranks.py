@@ -62,12 +62,14 @@ from backend.errors import RanksDown
 from backend.server.settings import BackendSettings
 
 VERIFY = -1  # SpecForward.depth of a speculative step's verify forward
+GREEDY = -2  # SpecForward.depth of a whole greedy speculative step (backend/engine/speculative_greedy.py)
 
 
 @dataclass(frozen=True, slots=True)
 class SpecForward:
     """Which forward of a speculative step a `StepInputs` is (backend/engine/speculative_forwards.py).
-    `depth` VERIFY: the target, keeping every row's hidden state; 0: the MTP layer over `rows` of the
+    `depth` GREEDY: the whole step (verify, acceptance and drafts) on the device; VERIFY: the
+    target, keeping every row's hidden state; 0: the MTP layer over `rows` of the
     verify's hidden states (the positions just accepted); d > 0: over `rows` of the previous depth's
     proposing rows; with `chain`, its input tokens are the previous depth's drafts, on the device
     (the host batch's are placeholders)."""

@@ -13,6 +13,12 @@ One speculative step, for every drafting sequence (one with no grammar, while at
    tokens that follow them), which also keeps its own KV complete, and its last row's argmax is the
    next d_1; depths 2 … K chain one token each on the MTP's own hidden state.
 
+A step where every sequence verifies this step's k drafts greedily (argmax sampling, no logprobs,
+pages for the chained drafts: `_is_greedy`) runs as ONE device function instead, verify to next
+drafts (backend/engine/speculative_greedy.py; one CUDA graph per (k, bucket)), and the host reads one
+small tensor back: the accepted counts, tokens, next drafts and tag flags. Every other step (sampled
+rows, logprobs, chunks, a row with fewer drafts) takes the host path above.
+
 The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/draft_policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
@@ -45,7 +51,7 @@ from backend.engine.draft_policy import DraftPolicy, StepLoad
 from backend.engine.forward_batch import HostBatch
 from backend.engine.host_staging import to_device
 from backend.engine.model_runner import ModelRunner, SeqResult
-from backend.engine.ranks import VERIFY, SpecForward, StepInputs
+from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import SampleRow, TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.sequence import Sequence
@@ -96,9 +102,17 @@ class SpecDecoder:
             is_adaptive=config.speculative_adaptive,
             is_calibrated=config.speculative_draft_cost is None,  # None: measured from step times
         )
+        # past this many running sequences no draft length can pay (the cost model, every draft
+        # accepted): those steps are plain ones, the policy not even asked (no probes either)
+        self.max_drafting_seqs = self.policy.max_paying_seqs(self.max_seqs)
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self._draft_rows: list[int] = []  # this step's draft forwards' rows (for the policy's timing)
+        # whole greedy steps on the device where they apply: from their graphs, or eagerly where
+        # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
+        graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
+        self.is_greedy_enabled = graphs is None or not graphs.is_enabled or graphs.has_greedy
+        self.num_greedy_steps = 0
         # request id -> (its number of tokens when they were proposed, the drafts)
         self._drafts: dict[str, tuple[int, list[int]]] = {}
 
@@ -106,10 +120,11 @@ class SpecDecoder:
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
         """Which scheduled sequences draft this step (their pages reserved), and with how many
         drafts (`self.k`, the draft policy's choice for this step's load); all False past
-        `speculative_max_seqs` running, or when the policy says drafting does not pay."""
+        `max_drafting_seqs` running (`speculative_max_seqs` or fewer), or when the policy says
+        drafting does not pay."""
         flags = [False] * len(out.scheduled)
         self.k = 0
-        if num_running > self.max_seqs:
+        if num_running > self.max_drafting_seqs:
             return flags
         can_draft = [
             s.needs_sample
@@ -155,6 +170,8 @@ class SpecDecoder:
         start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         self.did_verify = any(r.drafts for r in rows)
+        if self.is_greedy_enabled and self._is_greedy(rows):
+            return self._run_greedy(rows, tag_updates)
         host, prompt = self._plan_target(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
         logits, flags = self._forward(StepInputs(host, updates, SpecForward(VERIFY)))  # [N, V], [B]
@@ -187,6 +204,59 @@ class SpecDecoder:
         self.policy.observe_timing(
             verified - start, len(host.input_ids), time.perf_counter() - verified, self._draft_rows
         )
+        return results
+
+    # ---- a whole greedy step on the device (backend/engine/speculative_greedy.py) ---------------
+    def _is_greedy(self, rows: list[_Row]) -> bool:
+        """Every sequence verifies this step's k drafts greedily, wants no logprobs, and has pages
+        for the chained drafts after any accepted run (its window not cut by `max_tokens`)."""
+        k = self.k
+        for r in rows:
+            seq = r.sched.seq
+            row = seq.sample_row
+            if (
+                len(r.drafts) != k
+                or not row.is_argmax
+                or row.params.logprobs
+                or seq.wants_prompt_logprobs
+                or seq.num_tokens + 2 * k - 1 > seq.num_prompt_tokens + seq.request.sampling.max_tokens
+            ):
+                return False
+        return k > 0
+
+    def _run_greedy(self, rows: list[_Row], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
+        """The step as one device function: verify, accept, propose; one copy back."""
+        k, L = self.k, self.k + 1
+        items = [
+            (r.sched.seq, r.sched.seq.num_computed_tokens, [r.sched.seq.token_ids[-1], *r.drafts])
+            for r in rows
+        ]
+        host = self._host(items, list(range(len(rows) * L)), extra_tokens=k - 1)
+        updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
+        packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 2 + 2k], [B]
+        values = torch.cat([packed.reshape(-1), flags.to(torch.int64)]).tolist()  # the step's one copy back
+        width = 2 + 2 * k
+        self.num_greedy_steps += 1
+        results = []
+        for b, r in enumerate(rows):
+            seq = r.sched.seq
+            self._drafts.pop(seq.request_id, None)
+            res = SeqResult(seq, 1, bool(values[len(rows) * width + b]))
+            results.append(res)
+            if res.is_tag_mismatch:
+                continue
+            a, *rest = values[b * width : (b + 1) * width]
+            tokens, drafts = rest[: a + 1], rest[L:]
+            res.num_new_tokens = a + 1  # the verify rows of the accepted tokens hold valid KV
+            self.stats.verifies += 1
+            self.stats.drafted_tokens += k
+            self.stats.accepted_tokens += a
+            self.policy.observe(k, a)
+            scores = [TokenScore(t, None, []) for t in tokens]
+            res.accepted, res.sample = scores[:-1], scores[-1]
+            remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + a + 1)
+            if min(k, remaining - 1) > 0:
+                self._drafts[seq.request_id] = (seq.num_tokens + a + 1, drafts[: min(k, remaining - 1)])
         return results
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,8 +312,11 @@ class SpecDecoder:
         host.image_rows, host.image_parts = image_rows, image_parts
         return host, prompt
 
-    def _host(self, items: list[tuple[Sequence, int, list[int]]], logits_indices: list[int]) -> HostBatch:
-        """A HostBatch of `(sequence, first position, tokens)` chunks over the sequences' pages."""
+    def _host(
+        self, items: list[tuple[Sequence, int, list[int]]], logits_indices: list[int], extra_tokens: int = 0
+    ) -> HostBatch:
+        """A HostBatch of `(sequence, first position, tokens)` chunks over the sequences' pages (and
+        the pages of `extra_tokens` more in its page tables: a greedy step's chained drafts)."""
         S = self.block_manager.page_size
         counts = np.array([len(t) for _, _, t in items], dtype=np.int64)  # [B]
         starts = np.array([p for _, p, _ in items], dtype=np.int64)
@@ -255,7 +328,9 @@ class SpecDecoder:
         seq_lens = starts + counts
         tables = [seq.page_table for seq, _, _ in items]
         ids, tags = self.block_manager.page_tables.gather(
-            np.array([t.row for t in tables]), np.array([t.length for t in tables]), -(-seq_lens // S)
+            np.array([t.row for t in tables]),
+            np.array([t.length for t in tables]),
+            -(-(seq_lens + extra_tokens) // S),
         )
         return HostBatch(
             input_ids=np.array([x for _, _, t in items for x in t], dtype=np.int64),

@@ -19,6 +19,9 @@ ones to another). A depth d > 0 whose `SpecForward.chain` is set reads its input
 previous depth's argmax on the device, not from the host batch, so a step's draft depths run back
 to back without a round trip to the host; `drafted` holds each depth's tokens until rank 0 reads them.
 
+`SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative_greedy.py): from the verify
+graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike.
+
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
 """
 
@@ -36,7 +39,8 @@ from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
 from backend.engine.host_staging import array_to_device, to_device
-from backend.engine.ranks import VERIFY, SpecForward, StepInputs
+from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
+from backend.engine.speculative_greedy import greedy_step
 from backend.engine.verify_graphs import VerifyGraphs
 
 log = logging.getLogger("kumo.engine")
@@ -46,9 +50,17 @@ class SpecForwards:
     """Runs a speculative step's forwards on one rank, and keeps the hidden states between them."""
 
     def __init__(
-        self, model: Any, kv_cache: KVCache, *, check_tags: bool, graphs: VerifyGraphs | None = None
+        self,
+        model: Any,
+        kv_cache: KVCache,
+        *,
+        check_tags: bool,
+        page_size: int,
+        graphs: VerifyGraphs | None = None,
     ) -> None:
+        """`page_size`: the block manager's (the unit of the host's slots and page tables)."""
         self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
+        self.page_size = page_size
         self.graphs = graphs
         self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
         self.propose_graphs: VerifyGraphs | None = (
@@ -94,12 +106,17 @@ class SpecForwards:
                     max_pages=max_pages,
                     check_tags=config.check_page_tags,
                     capture=capture,
+                    greedy=functools.partial(_greedy, model, S),
                 )
             if ranks is not None and not ranks.agree(graphs.is_enabled):
                 graphs.disable("verify graphs failed to capture on another rank")
+            if ranks is not None and graphs.is_enabled and not ranks.agree(graphs.has_greedy):
+                graphs.disable_greedy("greedy step graphs failed to capture on another rank")
             if graphs.disabled_reason is not None:  # at start-up, once
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
-        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, graphs=graphs)
+            elif graphs.greedy_disabled_reason is not None:
+                log.warning("greedy speculative steps run eagerly: %s", graphs.greedy_disabled_reason)
+        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, page_size=S, graphs=graphs)
         if capture is not None and graphs is not None and graphs.is_enabled:
             forwards.capture_proposals(sizes, max_pages, capture, config)
             if ranks is not None and not ranks.agree(forwards.propose_graphs is not None):
@@ -171,15 +188,14 @@ class SpecForwards:
         out: torch.Tensor = logits
         return out
 
-    def clear_draft_kv(self, pages: np.ndarray) -> None:
+    def clear_draft_kv(self, pages: torch.Tensor) -> None:
         """Zero the MTP layers' cache slots of newly allocated `pages` (each step's tag updates, on
         every rank). A position computed in a step without drafts gets no MTP KV; a sequence drafting
         later reads zeros there, never what an earlier owner of the page left (the tag check cannot
-        tell: the page is the sequence's own by then)."""
-        index = array_to_device(pages, self.device)
+        tell: the page is the sequence's own by then). `pages` [U] on the device."""
         for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
             for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
-                cache.view(torch.uint8).index_fill_(0, index, 0)
+                cache.view(torch.uint8).index_fill_(0, pages, 0)
 
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
@@ -188,6 +204,9 @@ class SpecForwards:
         if inputs.tag_updates is not None:  # [U, 2] (page, tag): before any page is read
             updates = array_to_device(inputs.tag_updates, self.device)
             self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
+            self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
+        if spec.depth == GREEDY:
+            return self._greedy(host)
         if spec.depth == VERIFY:
             replayed = self.graphs.run(host) if self.graphs is not None else None
             if replayed is not None:
@@ -210,6 +229,18 @@ class SpecForwards:
             self._ids = self._ids.index_copy(0, index, ids)
             self.drafted.append(ids)
         return logits, mismatch
+
+    def _greedy(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole greedy step: (`[B, 2 + 2k]` int64, tag_mismatch [B]), from its graph when one
+        fits, else eagerly (the same function)."""
+        B, S = host.num_seqs, self.page_size
+        k = len(host.input_ids) // B - 1
+        num_pages = (host.seq_lens.astype(np.int64) + k - 1 + S - 1) // S  # the chained drafts' too
+        replayed = self.graphs.run_greedy(host, num_pages) if self.graphs is not None else None
+        if replayed is not None:
+            return replayed
+        batch = self.batch(host)
+        return greedy_step(self.model, batch, k, S), batch.tag_mismatch
 
     def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Depth 0 over the verify's hidden rows `index`: from a propose graph when the rows are a
@@ -284,3 +315,8 @@ class SpecForwards:
             image_embeds=image_embeds,
             seq_index=t(h.seq_index),
         )
+
+
+def _greedy(model: Any, page_size: int, batch: ForwardBatch, k: int) -> torch.Tensor:
+    """`greedy_step` as the verify graphs capture it: (batch, k)."""
+    return greedy_step(model, batch, k, page_size)

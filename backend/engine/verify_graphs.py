@@ -16,6 +16,10 @@ the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts pa
 through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
 forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
 
+Beside each verify graph, a graph of the whole greedy step over the same buffers (`run_greedy`:
+backend/engine/speculative_greedy.py), when the caller gives one; its page tables' columns hold the
+pages of the chained drafts too (`num_pages`). All of a step's host values cross in one copy.
+
 Every tensor a graph reads is the object's own: the buffers refilled before each replay, and per k
 the row layout no replay changes (each sequence's first row, each row's sequence, the logits rows).
 A layout made afresh for each capture and dropped with its step was what the H200 replays read on
@@ -40,6 +44,7 @@ from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
 VerifyReplay = Callable[[], SpecOutput]
+GreedyStep = Callable[[ForwardBatch, int], torch.Tensor]  # (verify batch, k) -> [B, 2 + 2k] int64
 
 
 class VerifyGraphs:
@@ -55,14 +60,19 @@ class VerifyGraphs:
         max_pages: int,
         check_tags: bool,
         capture: Capture,
+        greedy: GreedyStep | None = None,
     ) -> None:
+        """`greedy`: a whole greedy step over the verify's batch (backend/engine/speculative_greedy.py),
+        captured too per (k, bucket) for `run_greedy`; one that fails to capture leaves only that
+        path eager (`greedy_disabled_reason`)."""
         self.kv_cache, self.max_pages, self.check_tags = kv_cache, max_pages, check_tags
         self.batch_sizes = sorted(batch_sizes)
         S = kv_cache.page_size
         self.draft_lengths = [k for k in range(1, max_drafts + 1) if k + 1 <= S]
         self.scratch_page = kv_cache.num_pages - 1
-        self.num_replays = 0
+        self.num_replays = self.num_greedy_replays = 0
         self.disabled_reason: str | None = None
+        self.greedy_disabled_reason: str | None = None if greedy is not None else "no greedy step"
         n, L, dev = self.batch_sizes[-1], max_drafts + 1, kv_cache.page_tags.device
         i64, i32 = torch.int64, torch.int32
         # input ids, positions and slots: rows of one buffer
@@ -81,6 +91,7 @@ class VerifyGraphs:
         }
         self._written_width = 0
         self._replays: dict[tuple[int, int], VerifyReplay] = {}
+        self._greedy_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         try:
             for k in reversed(self.draft_lengths):  # largest first: the pool is sized by the first
                 self._fill_padding(k)  # a capture's warm-up runs: every row a valid padding row
@@ -92,6 +103,19 @@ class VerifyGraphs:
         except Exception as exc:  # a capture-unsafe op on the verify path: every verify stays eager
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
+        if greedy is not None and self._replays:
+            self._capture_greedy(greedy, capture)
+
+    def _capture_greedy(self, greedy: GreedyStep, capture: Capture) -> None:
+        try:
+            for k in reversed(self.draft_lengths):
+                self._fill_padding(k)
+                for size in reversed(self.batch_sizes):
+                    step = partial(self._greedy_step, greedy, self._batch(k, size), k)
+                    self._greedy_replays[k, size] = capture(step)
+        except Exception as exc:  # the verify graphs stand; greedy steps run eagerly
+            self._greedy_replays.clear()
+            self.greedy_disabled_reason = f"{type(exc).__name__}: {exc}"
 
     def _fill_padding(self, k: int) -> None:
         """Every sequence of the buffers a padding one for k drafts: positions 0 … k of the scratch page."""
@@ -106,13 +130,24 @@ class VerifyGraphs:
     def is_enabled(self) -> bool:
         return bool(self._replays)
 
+    @property
+    def has_greedy(self) -> bool:
+        return bool(self._greedy_replays)
+
     def disable(self, reason: str) -> None:
         """Every verify eager from now on (the ranks did not all capture: `reason` says why)."""
         self._replays.clear()
+        self._greedy_replays.clear()
         self.disabled_reason = self.disabled_reason or reason
 
-    def shape_of(self, host: HostBatch) -> tuple[int, int] | None:
-        """(k, bucket) of a uniform verify step that fits a captured graph, else None."""
+    def disable_greedy(self, reason: str) -> None:
+        """Every greedy step eager from now on (another rank did not capture them)."""
+        self._greedy_replays.clear()
+        self.greedy_disabled_reason = self.greedy_disabled_reason or reason
+
+    def shape_of(self, host: HostBatch, *, greedy: bool = False) -> tuple[int, int] | None:
+        """(k, bucket) of a uniform verify step that fits a captured graph (a greedy step's with
+        `greedy`), else None."""
         B, T = host.num_seqs, len(host.input_ids)
         if not self.is_enabled or B == 0 or T % B or host.image_rows:
             return None
@@ -120,7 +155,7 @@ class VerifyGraphs:
         bucket = next((s for s in self.batch_sizes if s >= B), None)
         if (
             bucket is None
-            or (k, bucket) not in self._replays
+            or (k, bucket) not in (self._greedy_replays if greedy else self._replays)
             or host.page_table.shape[1] > self.max_pages
             or len(host.logits_indices) != T
             or not np.array_equal(np.diff(host.query_start), np.full(B, k + 1))
@@ -136,33 +171,50 @@ class VerifyGraphs:
         if shape is None:
             return None
         k, bucket = shape
+        S = self.kv_cache.page_size
+        self._stage(host, k, bucket, (host.seq_lens.astype(np.int64) + (S - 1)) // S)
+        logits, hidden = self._replays[k, bucket]()
+        self.num_replays += 1
+        B, L = host.num_seqs, k + 1
+        return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
+
+    def run_greedy(self, host: HostBatch, num_pages: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`[B, 2 + 2k]` int64, tag_mismatch [B]) of a greedy step from its graph, its page tables'
+        first `num_pages` [B] columns in use (the verify's and the chained drafts'); None when no
+        graph fits (the caller runs it eagerly)."""
+        shape = self.shape_of(host, greedy=True)
+        if shape is None:
+            return None
+        k, bucket = shape
+        self._stage(host, k, bucket, num_pages)
+        out = self._greedy_replays[k, bucket]()
+        self.num_greedy_replays += 1
+        return out[: host.num_seqs], self.tag_mismatch[: host.num_seqs]
+
+    def _stage(self, host: HostBatch, k: int, bucket: int, num_pages: np.ndarray) -> None:
+        """Fill the buffers with `host`'s rows, padded to `bucket`, in one copy to the device; page
+        table columns past each sequence's `num_pages` hold the scratch page."""
         B, L, width = host.num_seqs, k + 1, host.page_table.shape[1]
         scratch, S = self.scratch_page, self.kv_cache.page_size
-        vectors = np.zeros((3, bucket * L), dtype=np.int64)  # ids, positions, slots
-        vectors[0, : B * L], vectors[1, : B * L], vectors[2, : B * L] = (
-            host.input_ids,
-            host.positions,
-            host.slots,
-        )
+        n = bucket * L
+        staged = np.empty(3 * n + 2 * bucket * width, dtype=np.int64)  # ids, positions, slots, pages, tags
+        vectors = staged[: 3 * n].reshape(3, n)
+        vectors[:, : B * L] = host.input_ids, host.positions, host.slots
         pad = np.tile(np.arange(L), bucket - B)  # padding sequences: positions 0 … k of the scratch page
-        vectors[1, B * L :], vectors[2, B * L :] = pad, scratch * S + pad
-        num_pages = (host.seq_lens.astype(np.int64) + (S - 1)) // S  # [B]
+        vectors[0, B * L :], vectors[1, B * L :], vectors[2, B * L :] = 0, pad, scratch * S + pad
         past = np.arange(width)[None, :] >= num_pages[:, None]  # [B, width] columns past its pages
-        pages = np.full((bucket, width), scratch, dtype=np.int32)
-        pages[:B] = np.where(past, scratch, host.page_table)
-        tags = np.full((bucket, width), SCRATCH_TAG, dtype=np.int64)
-        tags[:B] = np.where(past, SCRATCH_TAG, host.expected_tags)
-        dev = self._vectors.device
-        self._vectors[:, : bucket * L].copy_(array_to_device(vectors, dev))
+        pages = staged[3 * n : 3 * n + bucket * width].reshape(bucket, width)
+        pages[B:], pages[:B] = scratch, np.where(past, scratch, host.page_table)
+        tags = staged[3 * n + bucket * width :].reshape(bucket, width)
+        tags[B:], tags[:B] = SCRATCH_TAG, np.where(past, SCRATCH_TAG, host.expected_tags)
+        device = array_to_device(staged, self._vectors.device)  # the step's one copy
+        self._vectors[:, :n].copy_(device[: 3 * n].view(3, n))
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(scratch)
             self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
         self._written_width = width
-        self.page_table[:bucket, :width].copy_(array_to_device(pages, dev))
-        self.expected_tags[:bucket, :width].copy_(array_to_device(tags, dev))
-        logits, hidden = self._replays[k, bucket]()
-        self.num_replays += 1
-        return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
+        self.page_table[:bucket, :width].copy_(device[3 * n : 3 * n + bucket * width].view(bucket, width))
+        self.expected_tags[:bucket, :width].copy_(device[3 * n + bucket * width :].view(bucket, width))
 
     def _batch(self, k: int, size: int) -> ForwardBatch:
         """The ForwardBatch the (k, size) graph reads: views of the buffers' first rows, every one of
@@ -188,7 +240,17 @@ class VerifyGraphs:
     @staticmethod
     def _step(forward_spec: Callable[[ForwardBatch], SpecOutput], batch: ForwardBatch, k: int) -> SpecOutput:
         with sync_free():
-            batch.tag_mismatch.zero_()
-            last = batch.positions.view(-1, k + 1)[:, k]  # [Bk] each sequence's last row
-            torch.add(last, 1, out=batch.seq_lens)  # its length after the step
+            VerifyGraphs._prepare(batch, k)
             return forward_spec(batch)
+
+    @staticmethod
+    def _greedy_step(greedy: GreedyStep, batch: ForwardBatch, k: int) -> torch.Tensor:
+        with sync_free():
+            VerifyGraphs._prepare(batch, k)
+            return greedy(batch, k)
+
+    @staticmethod
+    def _prepare(batch: ForwardBatch, k: int) -> None:
+        batch.tag_mismatch.zero_()
+        last = batch.positions.view(-1, k + 1)[:, k]  # [Bk] each sequence's last row
+        torch.add(last, 1, out=batch.seq_lens)  # its length after the step

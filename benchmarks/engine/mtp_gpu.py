@@ -110,6 +110,8 @@ def run_prompts(
         s0.spec_accepted_tokens,
         s0.steps,
     )
+    probes = engine.spec.policy.num_probes if engine.spec is not None else 0
+    greedy = engine.spec.num_greedy_steps if engine.spec is not None else 0
     tokens: dict[int, list[int]] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -155,6 +157,11 @@ def run_prompts(
         "drafted_tokens": s.spec_drafted_tokens - drafted,
         # the draft policy's measured m after the run: one MTP forward's cost / one target forward's
         "policy_draft_cost": engine.spec.policy.draft_cost if engine.spec is not None else None,
+        # probes of drafting the rate gate began in the run, and the load past which it never drafts
+        "policy_probes": engine.spec.policy.num_probes - probes if engine.spec is not None else 0,
+        "max_drafting_seqs": engine.spec.max_drafting_seqs if engine.spec is not None else 0,
+        # steps run whole on the device (backend/engine/speculative_greedy.py)
+        "greedy_steps": engine.spec.num_greedy_steps - greedy if engine.spec is not None else 0,
     }
 
 

@@ -3,11 +3,14 @@
     python3 -m lab.diagnostics.spec_profile [--model models/glm-5.2-nano] [--prompts 6] [--max-tokens 96]
 
 Three engines over one loaded copy (`benchmarks.engine.mtp_gpu.nano_engines`): plain (B), always K
-drafts (F). Each is warmed on the prompts, then run again with every phase of a step wrapped in a
-wall-clock timer (scheduling, the verify's planning / forward / acceptance, the draft depths, trim,
-postprocess) and, separately, under torch.profiler: the CPU ops that wait for the device
-(cudaStreamSynchronize, cudaMemcpy…), and the device's busy time per step. Printed: ms per step per
-phase, device-busy ms per step, and the profiler's top CPU and CUDA tables (also in --out).
+drafts (F: whole greedy steps on the device, backend/engine/speculative_greedy.py), and F again on
+the host path (F-host: acceptance and draft planning on the host between forwards). Each is warmed
+on the prompts, then run again with every phase of a step wrapped in a wall-clock timer (scheduling,
+the verify's planning / forward / acceptance, the draft depths, trim, postprocess), the host's reads
+of device values (`.tolist()`, `.item()`) and its host-to-device copies counted, and, separately,
+under torch.profiler: the CPU ops that wait for the device (cudaStreamSynchronize, cudaMemcpy…), and
+the device's busy time per step. Printed: ms per step per phase, device-busy ms per step, and the
+profiler's top CPU and CUDA tables (also in --out). `--device cpu` gives the host-work proxy.
 """
 
 from __future__ import annotations
@@ -32,6 +35,43 @@ def timed(obj: Any, name: str, totals: dict[str, float], label: str | None = Non
             totals[label or name] += time.perf_counter() - t
 
     setattr(obj, name, wrapper)
+
+
+_ORIGINALS: list[tuple[Any, str, Any]] = []
+
+
+def count_transfers() -> dict[str, int]:
+    """Count the host's reads of device values and its host-to-device copies (wrapped until
+    `restore_transfers`)."""
+    import backend.engine.host_staging as staging
+    from backend.engine import model_runner, speculative, speculative_forwards, verify_graphs
+
+    counts: dict[str, int] = collections.Counter()
+
+    def counting(obj: Any, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        _ORIGINALS.append((obj, name, fn))
+
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            counts[label] += 1
+            return fn(*args, **kw)
+
+        setattr(obj, name, wrapper)
+
+    counting(torch.Tensor, "tolist", "reads: .tolist()")
+    counting(torch.Tensor, "item", "reads: .item()")
+    counting(staging.StagingBuffer, "send", "copies: staged send")
+    for module in (model_runner, speculative, speculative_forwards, verify_graphs):
+        for name in ("to_device", "array_to_device"):
+            if hasattr(module, name):
+                counting(module, name, f"copies: {name}")
+    return counts
+
+
+def restore_transfers() -> None:
+    while _ORIGINALS:
+        obj, name, fn = _ORIGINALS.pop()
+        setattr(obj, name, fn)
 
 
 def run(engine: Any, prompts: list[list[int]], stops: list[int], max_tokens: int) -> int:
@@ -62,28 +102,49 @@ def main(argv: list[str] | None = None) -> int:
     prompts = held_out_prompts(args.model, args.task, args.prompts)
     stops = stop_ids(args.model)
     lines = []
-    for side in ("B", "F"):
-        engine = engines[side]
+    for side in ("B", "F", "F-host"):
+        engine = engines[side[0]]
+        if engine.spec is not None:
+            engine.spec.is_greedy_enabled = side == "F"
         run(engine, prompts, stops, args.max_tokens)  # warm
         totals: dict[str, float] = collections.defaultdict(float)
+        counts = count_transfers()
         timed(engine, "step", totals)
         timed(engine.scheduler, "schedule", totals)
         timed(engine, "_postprocess", totals)
         timed(engine.runner, "run", totals, "runner.run (plain step)")
-        if engine.spec is not None and side == "F":
+        if engine.spec is not None:
             spec = engine.spec
-            for name in ("drafting", "run", "_plan_target", "_choose", "_scores", "_propose", "trim"):
+            names = (
+                "drafting",
+                "run",
+                "_plan_target",
+                "_choose",
+                "_scores",
+                "_propose",
+                "trim",
+                "_run_greedy",
+            )
+            for name in names:
                 timed(spec, name, totals, f"spec.{name}")
             forwards = engine.runner.spec_forwards
             timed(forwards, "run", totals, "forwards.run (all)")
             timed(forwards, "_depth0", totals, "forwards._depth0")
             timed(forwards, "_chained", totals, "forwards._chained")
+            timed(forwards, "_greedy", totals, "forwards._greedy")
             if forwards.graphs is not None:
                 timed(forwards.graphs, "run", totals, "verify graphs.run")
+                timed(forwards.graphs, "run_greedy", totals, "verify graphs.run_greedy")
+        counts.clear()
         steps = run(engine, prompts, stops, args.max_tokens)
         lines.append(f"== side {side}: {steps} steps, ms per step:")
         for name, s in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"   {name:32} {1e3 * s / steps:8.3f}")
+        for name, n in sorted(counts.items()):
+            lines.append(f"   {name:32} {n / steps:8.2f} per step")
+        if engine.spec is not None:
+            lines.append(f"   greedy steps                     {engine.spec.num_greedy_steps}")
+        restore_transfers()
         acts = [torch.profiler.ProfilerActivity.CPU]
         acts += [torch.profiler.ProfilerActivity.CUDA] if args.device.startswith("cuda") else []
         with torch.profiler.profile(activities=acts) as prof:

@@ -40,12 +40,15 @@ def test_rounds_and_ratios(record: dict[str, Any]) -> None:
         b = [run[metric] for run in r["runs"] if run["side"] == "B"]
         assert r["ratio"] == pytest.approx(sum(a) / sum(b))
         assert part["summary"]["value"] == r["ratio"]
-        for run in r["runs"]:  # speculation on drafted and verified; off never did
-            assert (run["verify_steps"] > 0) == (run["side"] == "A")
+        for run in r["runs"]:  # off never drafted; on (adaptive) probes only within a share of the
+            # plain time at a load (backend/engine/draft_policy.py): none in runs this short
+            assert run["verify_steps"] == 0 and run["policy_probes"] == 0
+            assert run["max_drafting_seqs"] > 0 if run["side"] == "A" else run["max_drafting_seqs"] == 0
             assert run["output_tokens"] > 0
             assert sum(run["steps_by_draft_length"].values()) == run["steps"]
         fixed = part["fixed_k_run"]  # the policy off: K drafts whenever a sequence can draft
         assert fixed["verify_steps"] > 0 and set(fixed["steps_by_draft_length"]) <= {"0", "3"}
+        assert fixed["greedy_steps"] > 0  # greedy rows without logprobs: whole steps on the device
         b = [run[metric] for run in r["runs"] if run["side"] == "B"]
         assert fixed["over_B_of_last_round"] == pytest.approx(fixed[metric] / (sum(b) / 2))
     assert record["summary"]["speedup_c1 kimi-k2.6-nano tool-call"] == m["speedup_c1"]["tool-call"]["summary"]

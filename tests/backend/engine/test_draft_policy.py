@@ -4,6 +4,7 @@ choices it makes at low and high load, and exactness in the engine whatever k it
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from backend.engine import draft_policy
 from backend.engine.draft_policy import (
+    DRAFT_STEP_GUESS,
     EWMA_WEIGHT,
     MIN_RATE_SAMPLES,
     PRIOR_ACCEPTANCE,
     PROBE_EVERY,
+    PROBE_SHARE,
     REPROBE_EVERY,
     SPEC_PROBE_STEPS,
     DraftPolicy,
@@ -113,6 +117,13 @@ def test_draft_cost_is_measured_from_step_times() -> None:
     assert fixed.draft_cost == 0.05
 
 
+@pytest.fixture
+def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe as soon as the plain steps have taken as long as it is expected to (short requests)."""
+    monkeypatch.setattr(draft_policy, "PROBE_SHARE", 1.0)
+
+
+@pytest.mark.usefixtures("quick_probes")
 def test_engine_measures_its_draft_cost() -> None:
     """Drafts made to cost 5 ms more each than the toy's verify: m climbs from its start, and the
     draft length falls from K."""
@@ -127,7 +138,9 @@ def test_engine_measures_its_draft_cost() -> None:
     model.forward_mtp = slow
     spec = engine.spec
     assert spec is not None and spec.policy.is_calibrated and spec.policy.draft_cost == 1.0  # no layers: 1
+    spec.is_greedy_enabled = False  # m is timed between the forwards of the host path's steps
     spec.policy.draft_cost = 0.01
+    spec.max_drafting_seqs = spec.policy.max_paying_seqs(spec.max_seqs)
     got = run_all(engine, [request("a", [1], max_tokens=40)])
     assert spec.policy.draft_cost > 0.3  # each draft forward far slower than the verify
     assert spec.policy.choose(StepLoad(num_rows=1, num_drafting=1)) < 3
@@ -135,39 +148,43 @@ def test_engine_measures_its_draft_cost() -> None:
     assert got["a"].token_ids == plain["a"].token_ids
 
 
-def drive(p: DraftPolicy, steps: int, plain_rate: float, spec_rate: float, num_seqs: int = 1) -> list[int]:
+def drive(
+    p: DraftPolicy, steps: int, plain_rate: float, spec_rate: float, num_seqs: int = 1, tokens: int = 3
+) -> list[int]:
     """`steps` decisions at one load, each step reported at the rate its kind is made to have (a
-    drafting step right after a plain one only proposes: not reported, as the engine does)."""
+    drafting step right after a plain one only proposes: one token per sequence, as the engine)."""
     load, ks, last = StepLoad(num_rows=num_seqs, num_drafting=num_seqs), [], 0
     for _ in range(steps):
         k = p.choose(load)
-        if k == 0:
-            p.observe_step(num_seqs, False, num_seqs, num_seqs / plain_rate)
-        elif last:
-            p.observe_step(num_seqs, True, 3 * num_seqs, 3 * num_seqs / spec_rate)
+        n = tokens * num_seqs if k and last else num_seqs
+        p.observe_step(num_seqs, bool(k), bool(k and last), n, n / (spec_rate if k else plain_rate))
         ks.append(k)
         last = k
     return ks
 
 
 def test_measured_rates_gate_drafting() -> None:
-    """With m measured, a load first runs plain steps, then a probe of drafting ones, then keeps the
-    side measured faster, and every REPROBE_EVERY steps tries the other side again."""
+    """With m measured, a load first runs plain steps until a probe of drafting ones fits in
+    PROBE_SHARE of their time, then keeps the side measured faster: where drafting wins, one plain
+    step every REPROBE_EVERY refreshes the plain rate; where it loses, probes stay within the share."""
     wins = policy(3, acceptance=0.9, is_calibrated=True)
+    plain_steps = math.ceil(SPEC_PROBE_STEPS * DRAFT_STEP_GUESS / PROBE_SHARE)  # before the probe
     ks = drive(
-        wins, 2 + MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + REPROBE_EVERY, plain_rate=100.0, spec_rate=250.0
+        wins, plain_steps + 1 + SPEC_PROBE_STEPS + REPROBE_EVERY + 2, plain_rate=100.0, spec_rate=250.0
     )
-    assert ks[:MIN_RATE_SAMPLES] == [0] * MIN_RATE_SAMPLES  # plain first
-    assert all(ks[MIN_RATE_SAMPLES : MIN_RATE_SAMPLES + SPEC_PROBE_STEPS])  # the probe
-    steady = ks[MIN_RATE_SAMPLES + SPEC_PROBE_STEPS :]
+    first = ks.index(3)
+    assert first >= MIN_RATE_SAMPLES and first in (plain_steps, plain_steps + 1)  # plain first (± rounding)
+    assert all(ks[first : first + SPEC_PROBE_STEPS])  # the probe
+    steady = ks[first + SPEC_PROBE_STEPS :]
     assert steady.count(0) == 1 and all(steady[: REPROBE_EVERY - 1])  # one plain step refreshes its rate
+    assert wins.num_probes == 1
 
     loses = policy(3, acceptance=0.9, is_calibrated=True)
-    ks = drive(
-        loses, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 2 * REPROBE_EVERY, plain_rate=100.0, spec_rate=60.0
-    )
-    steady = ks[MIN_RATE_SAMPLES + SPEC_PROBE_STEPS :]
-    assert sum(1 for k in steady if k) == SPEC_PROBE_STEPS  # off, but for one probe per REPROBE_EVERY
+    ks = drive(loses, 3000, plain_rate=100.0, spec_rate=60.0)  # a verifying step: 3 / 60 s, 5 plain ones
+    probe_s = (1 + 3 * (SPEC_PROBE_STEPS - 1)) / 60.0  # the first drafting step only proposes
+    assert loses.num_probes >= 2  # it does look again
+    assert loses.num_probes * probe_s <= PROBE_SHARE * ks.count(0) / 100.0
+    assert sum(1 for k in ks if k) == SPEC_PROBE_STEPS * loses.num_probes
 
     # loads are measured apart: one user's drafting does not decide 64 users'
     assert load_bucket(1) == 1 and load_bucket(3) == 4 and load_bucket(64) == 64 and load_bucket(65) == 128
@@ -176,21 +193,77 @@ def test_measured_rates_gate_drafting() -> None:
     assert drive(fixed, 5, plain_rate=100.0, spec_rate=1.0) == [3] * 5
 
 
+def burst(
+    p: DraftPolicy, lengths: list[int], plain_s: float, draft_s: float, *, cap: int
+) -> tuple[float, int]:
+    """One burst of requests started together (the bench's c = 64 part), each finished after its
+    `lengths` tokens, through the policy as the engine asks it (nothing past `cap` sequences); a
+    verifying step emits 2.5 tokens per sequence. (seconds, drafting steps)."""
+    left, seconds, num_drafting, last = [float(n) for n in lengths], 0.0, 0, 0
+    while left:
+        B = len(left)
+        k = p.choose(StepLoad(num_rows=B, num_drafting=B)) if cap >= B else 0
+        n = 2.5 if k and last else 1.0
+        step_s = draft_s if k else plain_s
+        p.observe_step(B, bool(k), bool(k and last), int(n * B), step_s)
+        seconds, num_drafting, last = seconds + step_s, num_drafting + bool(k), k
+        left = [x - n for x in left if x - n > 0]
+    return seconds, num_drafting
+
+
+def test_bursts_where_drafting_loses_cost_at_most_the_probe_share() -> None:
+    """64 short requests at once, again and again (a drafting step costs 8 plain ones: it loses at
+    every load): the bursts take at most PROBE_SHARE longer than plain decoding's and almost every
+    step is the plain one. (The gate of 2026-12-04 probed each load after 3 plain steps and re-probed
+    a load whose probe measured too few steps, every burst: 0.5x plain throughput on the H200.)"""
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, 40, (64,), generator=rng).tolist()
+    p = policy(3, acceptance=0.8, is_calibrated=True)
+    cap = p.max_paying_seqs(64)
+    assert 16 <= cap < 64  # the cost model: no draft length pays near 64 sequences
+    plain, _ = burst(policy(3, is_calibrated=True), lengths, 0.0015, 0.012, cap=0)
+    runs = [burst(p, lengths, 0.0015, 0.012, cap=cap) for _ in range(100)]
+    assert sum(s for s, _ in runs) <= (1 + PROBE_SHARE) * 100 * plain
+    assert p.num_probes >= 1 and sum(n for _, n in runs) <= 0.01 * 100 * 40
+
+
+def test_one_user_drafts_where_it_wins() -> None:
+    """One long request (drafting steps 1.5 plain ones, 2.5 tokens each): after its probe almost
+    every step drafts."""
+    p = policy(3, acceptance=0.8, is_calibrated=True)
+    _, num_drafting = burst(p, [3000], 0.001, 0.0015, cap=1)
+    assert p.num_probes == 1 and num_drafting * 2.5 > 0.85 * 3000
+
+
+def test_a_cap_from_the_cost_model() -> None:
+    """`max_paying_seqs`: the largest load where some k beats plain decoding with every draft
+    accepted; loads past it never do, whatever the acceptance."""
+    p = policy(3, acceptance=0.3)
+    cap = p.max_paying_seqs(256)
+    perfect = policy(3, acceptance=1.0)
+    paying = [b for b in range(1, 257) if perfect.choose(StepLoad(num_rows=b, num_drafting=b))]
+    assert paying == list(range(1, cap + 1))
+    assert p.max_paying_seqs(8) == 8  # within a smaller limit
+    assert policy(3, draft_cost=1.0).max_paying_seqs(64) == 0  # a draft as dear as the target: never
+
+
+@pytest.mark.usefixtures("quick_probes")
 def test_engine_turns_drafting_off_where_it_measures_slower() -> None:
-    """A verify made 20 ms slower on the host (accepting: work the cost model does not price, and
+    """A speculative step made 20 ms slower on the host (work the cost model does not price, and
     that leaves m, a ratio of forward times, low): after its probe the engine decodes plainly, and
     the output is plain decoding's."""
     engine = toy(3, speculative_draft_cost=None)
     spec = engine.spec
     assert spec is not None
-    choose = spec._choose
+    run = spec.run
 
     def slow(*args: Any) -> Any:
         time.sleep(0.02)
-        return choose(*args)
+        return run(*args)
 
-    spec._choose = slow  # type: ignore[method-assign]
+    spec.run = slow  # type: ignore[method-assign]
     spec.policy.draft_cost = 0.01  # the model's start: drafting pays
+    spec.max_drafting_seqs = spec.policy.max_paying_seqs(spec.max_seqs)
     got = run_all(engine, [request("a", [1], max_tokens=60)])
     assert got["a"].token_ids == run_all(toy(0), [request("a", [1], max_tokens=60)])["a"].token_ids
     assert 0 < engine.stats.spec_verifies < SPEC_PROBE_STEPS * 2  # the probe, then plain steps

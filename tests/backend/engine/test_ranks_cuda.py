@@ -158,23 +158,34 @@ def _spec_work(rank: int, path: str, tmp: str) -> None:
         OracleDrafts(drafting, out["plain"], p_wrong=0.3)
         out["spec"] = run_all(drafting, reqs)
         channel.send(None)
+        # without logprobs: whole greedy steps (backend/engine/speculative_greedy.py), one graph each
+        greedy = [
+            request(f"gr{i}", p, max_tokens=12 + 5 * i) for i, p in enumerate(prompts(6, vocab, seed=4))
+        ]
+        assert drafting.spec is not None
+        drafting.spec.run = type(drafting.spec).run.__get__(drafting.spec)  # type: ignore[method-assign]
+        OracleDrafts(drafting, {f"g{r}": v for r, v in out["plain"].items()}, p_wrong=0.3)
+        out["greedy"] = run_all(drafting, greedy)
+        channel.send(None)
         out["accepted"] = drafting.stats.spec_accepted_tokens
         out["aborts"] = drafting.stats.tag_check_aborts
     else:
         follow_steps(plain.runner, channel)
         follow_steps(drafting.runner, channel)
+        follow_steps(drafting.runner, channel)
     out["replays"] = (
         forwards.graphs.num_replays,
         forwards.propose_graphs.num_replays,
         sum(g.num_replays for g in forwards.draft_graphs),
+        forwards.graphs.num_greedy_replays,
     )
     (Path(tmp) / f"spec{rank}.pkl").write_bytes(pickle.dumps(out))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_nccl_speculative_equals_plain(arch: str, tmp_path: Path) -> None:
-    """Speculative decoding across two GPUs: the verify, depth-0 and draft-depth graphs (collectives
-    inside) replay on both ranks alike, the draft chain runs on each rank's own argmax, and greedy
+    """Speculative decoding across two GPUs: the verify, depth-0, draft-depth and greedy-step graphs
+    (collectives inside) replay on both ranks alike, the draft chain runs on each rank's own argmax, and greedy
     outputs are plain TP2 decoding's (near-ties aside, fp32)."""
     path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
     mp.start_processes(_spec_rank_main, args=(str(path), str(tmp_path)), nprocs=2, start_method="spawn")
@@ -183,3 +194,6 @@ def test_nccl_speculative_equals_plain(arch: str, tmp_path: Path) -> None:
     plain, spec = ranks[0]["plain"], ranks[0]["spec"]
     ties = sum(assert_same_or_tied(spec[r], plain[r], r) for r in plain)
     assert ties <= 1 and ranks[0]["accepted"] > 0 and ranks[0]["aborts"] == 0
+    greedy = ranks[0]["greedy"]
+    ties = sum(greedy[f"g{r}"].token_ids != plain[r].token_ids for r in plain)
+    assert ties <= 1  # the same near-ties of fp32 (the host path's comparison above checks them)

@@ -79,3 +79,33 @@ def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
     assert ties <= 1
     assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_greedy_steps_replay_one_graph_each(tmp_path: Path, arch: str) -> None:
+    """Greedy rows without logprobs: each uniform speculative step is one captured graph (verify,
+    acceptance, depth 0 and the chained drafts) and one read back; outputs plain decoding's (fp32,
+    near-ties aside), and the pool as it was."""
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    model = load_model(path, dtype=torch.float32, device="cuda", num_mtp_layers=1)
+    reqs = [
+        request(f"r{i}", p, max_tokens=32 + i)
+        for i, p in enumerate(prompts(6, model.config.vocab_size, seed=13))
+    ]
+    plain = run_all(_engine(model, 0), reqs)
+    config = EngineConfig.build(
+        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
+        num_speculative_tokens=3, speculative_adaptive=False,
+    )  # fmt: skip
+    engine = Engine.from_prepared(prepare_model(model, config), config)
+    forwards = engine.runner.spec_forwards
+    assert forwards is not None and forwards.graphs is not None
+    assert forwards.graphs.has_greedy, forwards.graphs.greedy_disabled_reason
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    spec = run_all(engine, reqs)
+    assert engine.spec is not None and engine.spec.num_greedy_steps > 5
+    assert forwards.graphs.num_greedy_replays == engine.spec.num_greedy_steps
+    ties = sum(assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in reqs)
+    assert ties <= 1
+    assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages

@@ -50,15 +50,22 @@ def _engine(path: str, rank: int, world: int, k: int, channel: StepChannel | Non
     )
 
 
-def _requests() -> list[Any]:
+def _requests(logprobs: bool = True) -> list[Any]:
+    """With logprobs the host path; without, longer, mostly whole greedy steps on the device."""
     lengths = (29, 13, 21, 6)
+    if not logprobs:
+        return [
+            request(f"r{i}", prompt_of(i + 1, n, VOCAB), max_tokens=24 + i) for i, n in enumerate(lengths)
+        ]
     return [
         request(f"r{i}", prompt_of(i + 1, n, VOCAB), max_tokens=5 + 3 * i, logprobs=True, top_logprobs=2)
         for i, n in enumerate(lengths)
     ]
 
 
-def _rank_main(rank: int, world: int, path: str, dcp: int, plain: dict[str, Result] | None, tmp: str) -> None:
+def _rank_main(
+    rank: int, world: int, path: str, dcp: int, plain: dict[str, Result] | None, tmp: str, logprobs: bool
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp}/rdzv", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -69,11 +76,15 @@ def _rank_main(rank: int, world: int, path: str, dcp: int, plain: dict[str, Resu
         if rank == 0:
             if plain is not None:
                 OracleDrafts(engine, plain, p_wrong=0.25)
-            outputs = run_all(engine, _requests())
+            outputs = run_all(engine, _requests(logprobs))
             channel.send(None)
             stats = engine.stats
+            assert engine.spec is not None
+            greedy = engine.spec.num_greedy_steps
             (Path(tmp) / "outputs.pkl").write_bytes(
-                pickle.dumps((outputs, engine.load(), stats.spec_drafted_tokens, stats.spec_accepted_tokens))
+                pickle.dumps(
+                    (outputs, engine.load(), stats.spec_drafted_tokens, stats.spec_accepted_tokens, greedy)
+                )
             )
         else:
             assert follow_steps(engine.runner, channel) > 3
@@ -81,21 +92,27 @@ def _rank_main(rank: int, world: int, path: str, dcp: int, plain: dict[str, Resu
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("dcp", "oracle"), [(1, False), (1, True), (2, True)])
-def test_two_ranks_speculate_what_one_decodes(tmp_path: Path, dcp: int, oracle: bool) -> None:
+@pytest.mark.parametrize(
+    ("dcp", "oracle", "logprobs"),
+    [(1, False, True), (1, True, True), (2, True, True), (1, True, False), (2, True, False)],
+)
+def test_two_ranks_speculate_what_one_decodes(tmp_path: Path, dcp: int, oracle: bool, logprobs: bool) -> None:
+    """Without logprobs the steps are whole greedy ones (backend/engine/speculative_greedy.py): the
+    ranks run the same function (from its graph or not) and OR their tag flags."""
     path = add_mtp_layers(make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB))
-    plain = run_all(_engine(str(path), 0, 1, 0, None), _requests())
+    plain = run_all(_engine(str(path), 0, 1, 0, None), _requests(logprobs))
     one_rank = _engine(str(path), 0, 1, 3, None)
     if oracle:
         OracleDrafts(one_rank, plain, p_wrong=0.25)
-    want = run_all(one_rank, _requests())
+    want = run_all(one_rank, _requests(logprobs))
     mp.start_processes(
         _rank_main,
-        args=(2, str(path), dcp, plain if oracle else None, str(tmp_path)),
+        args=(2, str(path), dcp, plain if oracle else None, str(tmp_path), logprobs),
         nprocs=2,
         start_method="fork",
     )
-    got, load, drafted, accepted = pickle.loads((tmp_path / "outputs.pkl").read_bytes())
+    got, load, drafted, accepted, greedy = pickle.loads((tmp_path / "outputs.pkl").read_bytes())
+    assert (greedy > 0) == (not logprobs)
     assert got.keys() == want.keys() == plain.keys()
     for rid, w in want.items():
         g = got[rid]

@@ -119,9 +119,13 @@ def test_every_draft_length_replays_its_own_graph(tiny: dict[str, Any], arch: st
     replay = graphs._replays.copy()
     for key, fn in replay.items():
         graphs._replays[key] = lambda key=key, fn=fn: (seen.append(key), fn())[1]
+    greedy_seen: list[tuple[int, int]] = []  # greedy rows without logprobs: whole steps in one graph
+    for key, fn in graphs._greedy_replays.copy().items():
+        graphs._greedy_replays[key] = lambda key=key, fn=fn: (greedy_seen.append(key), fn())[1]
     got = run_checking_padding(graphed, reqs)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
-    assert {k for k, _ in seen} == {1, 2, 3}
+    assert {k for k, _ in seen + greedy_seen} == {1, 2, 3}
+    assert {k for k, _ in greedy_seen} == {1, 2, 3} and graphs.num_greedy_replays == len(greedy_seen)
 
 
 def host(k: int, num_seqs: int, *, logits_rows: int | None = None, images: bool = False) -> HostBatch:
@@ -236,7 +240,8 @@ def test_captured_steps_read_only_tensors_that_outlive_them(tiny: dict[str, Any]
     # decode (a second, narrow width for DSA models: backend/engine/decode_graphs.py), verify (k = 1 … 3),
     # depth 0 (k = 1 … 3), draft depths (over the draft graphs' own widths)
     draft_widths = sum(len(g.widths) for g in forwards.draft_graphs)
-    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 3 * 4 + 4 * draft_widths
+    # ... and the greedy steps (k = 1 … 3, over the verify's buffers)
+    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 3 * 4 + 3 * 4 + 4 * draft_widths
     proposals = forwards.propose_graphs
     assert proposals is not None
     for buffer in (graphs.positions, graphs.page_table, graphs.seq_lens, forwards._hidden_in):
@@ -274,9 +279,11 @@ def test_ranks_replay_verify_and_draft_graphs_together_or_not_at_all(
     forwards = SpecForwards.build(
         e.runner.model, e.runner.kv_cache, e.config, capture=eager_capture, max_seq_len=None, ranks=ranks
     )
-    # this rank captured its verify graphs, then (when every rank did) its depth-0 graphs, and its draft graphs
-    assert ranks.votes == ([True, True, True] if others else [True, True])
+    # this rank captured its verify graphs, then (when every rank did) its greedy-step and depth-0
+    # graphs, and its draft graphs
+    assert ranks.votes == ([True, True, True, True] if others else [True, True])
     assert forwards.graphs is not None and forwards.graphs.is_enabled == others
+    assert forwards.graphs.has_greedy == others
     assert (forwards.propose_graphs is not None) == others
     assert bool(forwards.draft_graphs) == others
     if not others:
