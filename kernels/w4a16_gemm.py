@@ -88,14 +88,13 @@ def _gemv_slice(N, K8, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on):
-    """A GEMV program's end, grid (N/BN, M, splits of K): its [C, BN] chunk sums (units of 2^-72) to
-    out row `program_id(1)`, through the split-K workspace when K is split."""
-    pid_m = tl.program_id(1)
+def _gemv_finish(acc, row, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on):
+    """A GEMV program's end, grid (N/BN, row groups, splits of K): its [C, BN] chunk sums (units of
+    2^-72) of output row `row` to out, through the split-K workspace when K is split."""
     acc_n = tl.sum(acc, axis=0) * LIFT_SCALE  # [BN]
     split_k_finish(
-        acc_n[None, :], out_ptr, ws_ptr, cnt_ptr, pid_m + tl.arange(0, 1), offs_n, M, N, stride_om, stride_on,
-        pid_m * tl.num_programs(0) + tl.program_id(0), tl.program_id(2), tl.num_programs(2),
+        acc_n[None, :], out_ptr, ws_ptr, cnt_ptr, row + tl.arange(0, 1), offs_n, M, N, stride_om, stride_on,
+        row * tl.num_programs(0) + tl.program_id(0), tl.program_id(2), tl.num_programs(2),
     )  # fmt: skip
 
 
@@ -153,7 +152,7 @@ def _w4a16_gemv_kernel(
                 w_ptr, s_ptr, offs_n, n_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg, ys, xs,
                 GROUP_SIZE, BLOCK_K, LIFTED, EVEN_K, EVEN_N,
             )  # fmt: skip
-    _gemv_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
+    _gemv_finish(acc, tl.program_id(1), out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.jit
@@ -179,16 +178,20 @@ def _w4a16_gemv_tma_kernel(
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
     STAGES: tl.constexpr,  # word tiles the TMA engine keeps in flight per program (shared memory)
+    ROWS: tl.constexpr,  # 1 or 2 activation rows against one word stream (their LOP3s shared)
 ):
     """`_w4a16_gemv_kernel` with the word tiles streamed by TMA into a `STAGES`-deep shared-memory
     ring (no registers and no per-thread addresses for the bytes in flight; the dots read the
     tiles back K-major). Scales and activations are plain loads (L1/L2 hits: a scale line serves
-    several tiles). grid (N/BN, M, splits of K)."""
+    several tiles). grid (N/BN, M/ROWS, splits of K)."""
     BK8: tl.constexpr = BLOCK_K // 8
     C: tl.constexpr = BLOCK_K // 32
     offs_n, n_ok, t0, t1 = _gemv_slice(N, K8, BLOCK_N, BLOCK_K)
-    x_row = x_ptr + tl.program_id(1) * stride_xm
+    row = tl.program_id(1) * ROWS
+    x_row = x_ptr + row * stride_xm
+    x_row1 = x_ptr + tl.minimum(row + 1, M - 1) * stride_xm  # ROWS = 2 (past M: a real row, not stored)
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     for t in tl.range(t0, t1, num_stages=STAGES):
         wp = tl.trans(w_desc.load([tl.program_id(0) * BLOCK_N, t * BK8]))  # [BK8, BN] int32
         c = t * C + tl.arange(0, C)
@@ -200,7 +203,12 @@ def _w4a16_gemv_tma_kernel(
         r = t * BK8 + tl.arange(0, BK8)
         ys, xs = x_planes(x_row, r, r < K8, stride_xk, False, EVEN_K)
         acc += int4_chunk_dots(wp, sc, ys, xs, False)
-    _gemv_finish(acc, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
+        if ROWS == 2:
+            ys, xs = x_planes(x_row1, r, r < K8, stride_xk, False, EVEN_K)
+            acc1 += int4_chunk_dots(wp, sc, ys, xs, False)
+    _gemv_finish(acc, row, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
+    if ROWS == 2 and row + 1 < M:
+        _gemv_finish(acc1, row + 1, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
 
 
 @triton.jit
@@ -301,6 +309,7 @@ class W4A16Config:
     prefetch: bool = False
     # GEMV: > 1 streams the word tiles by TMA through a ring of that many stages (`_w4a16_gemv_tma_kernel`)
     tma_stages: int = 0
+    gemv_rows: int = 1  # TMA GEMV: activation rows (1 or 2) a program runs against one word stream
 
 
 # Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
@@ -327,11 +336,12 @@ PREFILL_DEFAULT = W4A16Config(block_m=0, block_n=32, block_k=256, num_warps=4, d
 def pick_config(M: int, N: int, K: int, num_sms: int, group_size: int = 32) -> W4A16Config:
     """By M from the tables above: the GEMV (by N, narrow or not), the first tiles whose bound holds,
     else prefill."""
-    if M <= GEMV_MAX_M and group_size >= 32:  # decode
-        cfg = with_split_k(GEMV_DEFAULT, M, N, K, num_sms)
+    if M <= GEMV_MAX_M and group_size >= 32:  # decode: both rows of M = 2 against one word stream
+        rows = min(M, 2)
+        cfg = with_split_k(replace(GEMV_DEFAULT, gemv_rows=rows), M, N, K, num_sms)
         wave = TMA_PROGRAMS_PER_SM * num_sms * 4 // cfg.num_warps
-        if cfg.tma_stages > 1 and 2 * M * triton.cdiv(N, cfg.block_n) * cfg.split_k < wave:
-            return with_split_k(GEMV_NARROW[0], M, N, K, num_sms, GEMV_NARROW[1])
+        if cfg.tma_stages > 1 and 2 * triton.cdiv(N, cfg.block_n) * cfg.split_k < wave:
+            return with_split_k(replace(GEMV_NARROW[0], gemv_rows=rows), M, N, K, num_sms, GEMV_NARROW[1])
         return cfg
     cfg = next((cfg for bound, cfg in TILE_DEFAULTS if bound >= M), None)
     return PREFILL_DEFAULT if cfg is None else with_split_k(cfg, M, N, K, num_sms)
@@ -343,7 +353,11 @@ def with_split_k(
     """Split K until there are about `per_sm` programs per SM (default: 4, the GEMV
     `GEMV_PROGRAMS_PER_SM` of 4 warps, the TMA GEMV `TMA_PROGRAMS_PER_SM`), to the nearest split (at
     most 16, of 4+ K tiles each; GEMV 2+; every split with work)."""
-    rows = M if cfg.block_m == 0 else triton.cdiv(M, cfg.block_m)
+    rows = (
+        triton.cdiv(M, cfg.gemv_rows if cfg.tma_stages > 1 else 1)
+        if cfg.block_m == 0
+        else triton.cdiv(M, cfg.block_m)
+    )
     tiles = triton.cdiv(N, cfg.block_n) * rows
     k_tiles = triton.cdiv(K, cfg.block_k)
     if cfg.block_m == 0:
@@ -397,8 +411,10 @@ def w4a16_gemm(
             )
         grid = (triton.cdiv(N, cfg.block_n), M, cfg.split_k)
         cnt = split_k_counters(x.device, grid[0] * M)
+        if cfg.gemv_rows not in (1, 2):
+            raise ValueError(f"the GEMV runs 1 or 2 rows a program, got {cfg}")
         if cfg.tma_stages > 1 and not cfg.lift and tma_fits(w_repacked, cfg):
-            _w4a16_gemv_tma_kernel[grid](
+            _w4a16_gemv_tma_kernel[(grid[0], triton.cdiv(M, cfg.gemv_rows), cfg.split_k)](
                 x2,
                 TensorDescriptor.from_tensor(w_repacked, [cfg.block_n, cfg.block_k // 8]),
                 scales,
@@ -416,6 +432,7 @@ def w4a16_gemm(
                 EVEN_K=K % cfg.block_k == 0,
                 EVEN_N=N % cfg.block_n == 0,
                 STAGES=cfg.tma_stages,
+                ROWS=cfg.gemv_rows,
                 num_warps=cfg.num_warps,
                 num_stages=1,
             )

@@ -64,6 +64,9 @@ CANDIDATES: dict[str, tuple[W4A16Config, int]] = {  # label -> (config, programs
     "prefetch 128x256 8/SM": (W4A16Config(0, 128, 256, prefetch=True), 8),
     "prefetch 64x256 12/SM": (W4A16Config(0, 64, 256, prefetch=True), 12),
 }
+M2_CANDIDATES = {  # at M = 2 only: a program a row (the launcher runs both rows against one stream)
+    "tma 128x256 s4 4/SM a row each": (W4A16Config(0, 128, 256, tma_stages=4), 4),
+}
 PEER_FP8 = "peer: scaled_mm fp8 (M padded to 16)"
 PEER_BF16 = "peer: cublas bf16"
 
@@ -91,6 +94,10 @@ def case_rows(name: str, M: int, N: int, K: int, group: int, copy: float, sms: i
         "old 128x256 12/SM": with_split_k(OLD[0], M, N, K, sms, OLD[1]),
         "new (launcher)": pick_config(M, N, K, sms, group),
         **{label: with_split_k(cfg, M, N, K, sms, per_sm) for label, (cfg, per_sm) in CANDIDATES.items()},
+        **{
+            label: with_split_k(cfg, M, N, K, sms, per_sm)
+            for label, (cfg, per_sm) in (M2_CANDIDATES.items() if M == 2 else ())
+        },
     }
     errs: dict[str, float] = {}
     calls: dict[str, Callable[[], float]] = {}

@@ -59,7 +59,7 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
             _tma_gemv_source(cfg, group, ptrs),
             cfg.num_warps,
             1,
-            cfg.block_n * cfg.block_k // (32 * cfg.num_warps),
+            cfg.gemv_rows * cfg.block_n * cfg.block_k // (32 * cfg.num_warps),  # per nibble and row
         )
     if cfg.block_m == 0:
         consts.update(
@@ -90,7 +90,7 @@ def _tma_gemv_source(cfg: W4A16Config, group: int, ptrs: dict[str, str]) -> ASTS
     names = fn.arg_names
     consts: dict[str, Any] = dict(
         GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
-        STAGES=cfg.tma_stages, **{n: 1 for n in GEMM_UNIT if n in names},
+        STAGES=cfg.tma_stages, ROWS=cfg.gemv_rows, **{n: 1 for n in GEMM_UNIT if n in names},
     )  # fmt: skip
     sig = {
         n: "constexpr"
@@ -161,6 +161,7 @@ def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
                 (f"w4a16 M={M} g{group} {'gemv' if cfg.block_m == 0 else 'tiles'}", gemm_case(cfg, group))
             )
     cases.append(("w4a16 M=1 g32 narrow gemv", gemm_case(GEMV_NARROW[0], 32)))
+    cases.append(("w4a16 M=2 g32 gemv", gemm_case(pick_config(2, 8192, 8192, 132, 32), 32)))
     for tokens, experts in ((1, 384), (64, 384), (64, 128)):  # Kimi decode and M=64, GLM-4.5-Air M=64
         cfg = pick_moe_config(tokens * 8, experts)
         kind = "tiles" if cfg.block_m and not cfg.grouped else "gemv"

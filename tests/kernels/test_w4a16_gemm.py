@@ -98,6 +98,8 @@ CASES = [
     ),  # TMA, two rows, ring deeper than the loop
     (3, 40, 256, 128, W4A16Config(0, 16, 128, split_k=2, tma_stages=2)),  # TMA, three rows, group = BLOCK_K
     (1, 24, 96, 32, W4A16Config(0, 32, 64, split_k=1, tma_stages=3)),  # TMA boxes past N and past K
+    (2, 72, 448, 32, None),  # the launcher's decode pick at two rows: one word stream for both
+    (3, 40, 384, 64, W4A16Config(0, 16, 64, split_k=2, tma_stages=3, gemv_rows=2)),  # a pair, then one row
     (3, 72, 96, 32, None),  # tensor-core path, M below the tile
     (17, 40, 256, 64, W4A16Config(16, 32, 32, split_k=4)),  # BLOCK_K < group, split-K
     (33, 48, 192, 32, W4A16Config(32, 16, 128, split_k=1)),  # BLOCK_K > group
@@ -167,6 +169,7 @@ def test_decode_gemv_by_shape() -> None:
     target = w4a16_module.TMA_PROGRAMS_PER_SM * 132 * 4 // cfg.num_warps
     assert programs <= 2 * target and (cfg.split_k == 16 or programs * 2 >= target)
     assert w4a16_module.pick_config(16, 8192, 8192, 132, 128).block_m == 16  # tiles from M = 3
+    assert w4a16_module.pick_config(2, 8192, 8192, 132, 128).gemv_rows == 2
     narrow = w4a16_module.pick_config(1, 576, 6144, 132, 32)  # GLM's kv_a: 5 tiles of 128 rows
     assert narrow.block_n < cfg.block_n and narrow.tma_stages > 1
     assert 576 // narrow.block_n * narrow.split_k > 5 * 16 and 6144 // narrow.block_k >= 2 * narrow.split_k
@@ -206,7 +209,7 @@ def test_int4_kernels_compile_for_sm90() -> None:
     registers with no barrier (the plain loop) or only through shared memory (cp.async with
     `loop_stages` > 1, TMA with `tma_stages` > 1)."""
     lines = compiled_lines("tests.kernels.sm90_compile_int4")
-    assert len(lines) == 15 and all(" 0 bytes spill stores" in line for line in lines), lines
+    assert len(lines) == 16 and all(" 0 bytes spill stores" in line for line in lines), lines
     for line in (line for line in lines if "| loop" in line):
         per_nibble = float(line.split("| loop ")[1].split()[0])
         assert per_nibble < 4.0 and ("BAR 0 LDS 0" in line or "LDG.128 0 " in line), line
@@ -220,6 +223,7 @@ def test_int4_kernels_compile_for_sm90() -> None:
      (1, W4A16Config(0, 128, 256, split_k=5, tma_stages=4)), (2, W4A16Config(0, 64, 256, split_k=3, tma_stages=6)),
      (1, W4A16Config(0, 256, 256, num_warps=8, split_k=2, tma_stages=3)), (1, W4A16Config(0, 128, 256, split_k=3, prefetch=True)),
      (1, W4A16Config(0, 128, 256, split_k=13, tma_stages=6)),  # splits shorter than the ring, empty ones at K=4096
+     (2, W4A16Config(0, 64, 256, split_k=5, tma_stages=4, gemv_rows=2)), (2, W4A16Config(0, 128, 256, split_k=1, prefetch=True)),
      (5, None), (16, None), (64, None), (300, None), (2048, None)],
 )  # fmt: skip
 @pytest.mark.parametrize(("N", "K", "group"), [(4096, 7168, 32), (2048, 4096, 128)])
