@@ -241,6 +241,7 @@ def _w4a16_kernel(
     GROUP_M: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SWAP_XW: tl.constexpr,  # the transposed tile: the dequantized weights are the dot's first operand
 ):
     """x [M, K], w [N, K/8] int32, s [N, K/G], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
     pid_k = tl.program_id(1)
@@ -257,7 +258,10 @@ def _w4a16_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t0 = pid_k * per_split
     t1 = tl.minimum(t0 + per_split, k_tiles)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_XW:  # wgmma takes its first operand from registers: no shared-memory pass for w
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t0, t1):
         kk = t * BLOCK_K + offs_k
         x = tl.load(
@@ -281,7 +285,12 @@ def _w4a16_kernel(
             tl.broadcast_to(sc[:, :, None], (BLOCK_N, SCALE_ROWS, BK8 // SCALE_ROWS)), (BLOCK_N, BK8)
         )  # [BN, BK8] scale of each packed word
         w = unpack_tile(wp, sc, magic_2_23, x.dtype)  # [BN, BK]
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWAP_XW:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)  # [BN, BM]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # [BM, BN]
+    if SWAP_XW:
+        acc = tl.trans(acc)
     tile_id = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
     split_k_finish(
         acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, M, N, stride_om, stride_on, tile_id, pid_k, SPLIT_K
@@ -310,6 +319,7 @@ class W4A16Config:
     # GEMV: > 1 streams the word tiles by TMA through a ring of that many stages (`_w4a16_gemv_tma_kernel`)
     tma_stages: int = 0
     gemv_rows: int = 1  # TMA GEMV: activation rows (1 or 2) a program runs against one word stream
+    swap_xw: bool = False  # tiles: out^T = w x^T, the dequantized w straight from registers into wgmma
 
 
 # Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
@@ -487,6 +497,7 @@ def w4a16_gemm(
             GROUP_M=cfg.group_m,
             SCALE_ROWS=scale_rows,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            SWAP_XW=cfg.swap_xw,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

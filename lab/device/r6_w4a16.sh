@@ -6,7 +6,8 @@
 #    the sm90 compile check) and the quantized decode step on CUDA (int4-all through the kernels);
 # 2. the decode sweep (lab/diagnostics/w4a16_decode_sweep.py): old vs new alternated A B .. B A over
 #    4 rounds, the TMA / prefetch candidates, FP8 `_scaled_mm`, cuBLAS bf16 and copy in the same run,
-#    on the benchmark's matrices and one GLM 5.2 layer's (µs per candidate: sets the launcher table);
+#    on the benchmark's matrices and one GLM 5.2 layer's (µs per candidate: sets the launcher table),
+#    then M = 16 with the transposed tiles (`swap_xw`: w as wgmma's register operand, the stretch row);
 # 3. if time is left, the c=1 decode step with every Linear INT4 (was 3.90 ms a step, 10 layers).
 # Everything in $OUT/r6_w4a16.tgz.
 source "$(dirname "$0")/preamble.sh"
@@ -16,7 +17,7 @@ timeout 110 python3 -m pytest -n 8 -p no:cacheprovider -p no:benchmark --tb=shor
 echo "== tests rc=$? at $(( $(date +%s) - START ))s"; grep -E "passed|failed|FAILED|^ERROR|Timeout" $W/pytest_w4a16.log | tail -12
 timeout 150 python3 -m lab.diagnostics.w4a16_decode_sweep --budget-s 105 --out $W/w4a16_decode.json \
   > $W/w4a16_decode.log 2>&1
-echo "== sweep rc=$? at $(( $(date +%s) - START ))s"; grep -E "=>|<- best|^copy|^candidate|^old|^new|^tma|^prefetch|^peer|^->|budget|Error" $W/w4a16_decode.log | grep -v "^M=" | tail -30
+echo "== sweep rc=$? at $(( $(date +%s) - START ))s"; grep -E "=>|<- best|^copy|^candidate|^old|^new|^tma|^prefetch|^swap|^peer|^->|budget|Error" $W/w4a16_decode.log | grep -v "^M=" | tail -30
 grep -E "=>" $W/w4a16_decode.log
 left=$(( 285 - ($(date +%s) - START) ))
 if [ "$left" -gt 75 ]; then

@@ -29,6 +29,7 @@ import torch
 from benchmarks.kernels.common import graph_ms, measure_ceilings, num_copies, rel_err
 from kernels.w4a16_gemm import (
     GEMV_DEFAULT,
+    GEMV_NARROW,
     TMA_PROGRAMS_PER_SM,
     W4A16Config,
     pick_config,
@@ -37,9 +38,12 @@ from kernels.w4a16_gemm import (
     with_split_k,
 )
 
+DEV = "cuda"  # a CPU smoke run of this script's logic (TRITON_INTERPRET=1, tiny shapes) sets "cpu"
+ACT = torch.bfloat16  # activations (the smoke run: float16, which the interpreter's tl.dot computes)
 REPEATS = 4  # A B .. B A B A ..: old and new each timed first twice
 REP_MS = 40
 OLD = (W4A16Config(0, 128, 256), 12)  # the launcher's GEMV before issue 24's round 6, at 12 programs/SM
+# (from M = 3 the launcher's tiles are unchanged: "old (launcher before)" is its pick there)
 # name, N, K, group: the benchmark's rows, then one GLM 5.2 layer's decode products at c=1 (g=32)
 SHAPES = [
     ("dense", 8192, 8192, 128),
@@ -67,6 +71,13 @@ CANDIDATES: dict[str, tuple[W4A16Config, int]] = {  # label -> (config, programs
 M2_CANDIDATES = {  # at M = 2 only: a program a row (the launcher runs both rows against one stream)
     "tma 128x256 s4 4/SM a row each": (W4A16Config(0, 128, 256, tma_stages=4), 4),
 }
+M16_SHAPES = [("dense", 8192, 8192, 128), ("glm o_proj", 6144, 16384, 32)]  # the tiles at M = 16 (stretch)
+TILE_CANDIDATES = {  # M = 16: the transposed tile (dequantized w as wgmma's register operand)
+    "swap bm16 64x128 w4": (W4A16Config(16, 64, 128, num_stages=4, swap_xw=True), 4),
+    "swap bm16 128x128 w8": (W4A16Config(16, 128, 128, num_warps=8, num_stages=4, swap_xw=True), 4),
+    "swap bm16 64x256 w4 st3": (W4A16Config(16, 64, 256, num_stages=3, swap_xw=True), 4),
+    "swap bm16 64x128 w4 8/SM": (W4A16Config(16, 64, 128, num_stages=4, swap_xw=True), 8),
+}
 PEER_FP8 = "peer: scaled_mm fp8 (M padded to 16)"
 PEER_BF16 = "peer: cublas bf16"
 
@@ -85,25 +96,25 @@ def case_rows(name: str, M: int, N: int, K: int, group: int, copy: float, sms: i
     nbytes = N * K // 2 + N * (K // group) * 2 + 2 * M * K + 2 * M * N
     copies = []
     for _ in range(num_copies(nbytes)):
-        packed = torch.randint(-(2**31), 2**31 - 1, (N, K // 8), dtype=torch.int32, device="cuda")
-        scale = (torch.rand(N, K // group, device="cuda") * 0.02 + 0.002).to(torch.bfloat16)
+        packed = torch.randint(-(2**31), 2**31 - 1, (N, K // 8), dtype=torch.int32, device=DEV)
+        scale = (torch.rand(N, K // group, device=DEV) * 0.02 + 0.002).to(torch.bfloat16)
         copies.append((packed, scale))
-    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    x = torch.randn(M, K, device=DEV).to(ACT)
     ref = w4a16_gemm_ref(x.float(), copies[0][0], copies[0][1].float())
-    cands = {
-        "old 128x256 12/SM": with_split_k(OLD[0], M, N, K, sms, OLD[1]),
-        "new (launcher)": pick_config(M, N, K, sms, group),
-        **{label: with_split_k(cfg, M, N, K, sms, per_sm) for label, (cfg, per_sm) in CANDIDATES.items()},
-        **{
-            label: with_split_k(cfg, M, N, K, sms, per_sm)
-            for label, (cfg, per_sm) in (M2_CANDIDATES.items() if M == 2 else ())
-        },
-    }
+    if M <= 2:  # the GEMVs
+        trials = {**CANDIDATES, **(M2_CANDIDATES if M == 2 else {})}
+        cands = {
+            "old (launcher before)": with_split_k(OLD[0], M, N, K, sms, OLD[1]),
+            "new (launcher)": pick_config(M, N, K, sms, group),
+        }
+    else:  # the tiles: the launcher's pick is unchanged
+        trials, cands = TILE_CANDIDATES, {"old (launcher before)": pick_config(M, N, K, sms, group)}
+    cands |= {label: with_split_k(cfg, M, N, K, sms, per_sm) for label, (cfg, per_sm) in trials.items()}
     errs: dict[str, float] = {}
     calls: dict[str, Callable[[], float]] = {}
     for label, cfg in cands.items():
         try:
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
+            out = torch.full((M, N), float("nan"), device=DEV, dtype=ACT)  # poisoned
             w4a16_gemm(x, *copies[0], group, config=cfg, out=out)
             errs[label] = rel_err(out.float(), ref)
         except Exception as exc:  # noqa: BLE001 (a candidate that fails is a result, not the end of the run)
@@ -115,9 +126,9 @@ def case_rows(name: str, M: int, N: int, K: int, group: int, copy: float, sms: i
         calls[label] = lambda cfg=cfg: graph_ms(
             [lambda w=w, s=s: w4a16_gemm(x, w, s, group, config=cfg) for w, s in copies], REP_MS
         )
-    one = torch.ones((), device="cuda")
-    fp8 = [torch.randn(N, K, device="cuda").to(torch.float8_e4m3fn).t() for _ in range(num_copies(N * K))]
-    x8 = torch.randn(-(-M // 16) * 16, K, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV)
+    fp8 = [torch.randn(N, K, device=DEV).to(torch.float8_e4m3fn).t() for _ in range(num_copies(N * K))]
+    x8 = torch.randn(-(-M // 16) * 16, K, device=DEV).to(torch.float8_e4m3fn)
     calls[PEER_FP8] = lambda: graph_ms(
         [
             lambda b=b: torch._scaled_mm(x8, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
@@ -125,7 +136,7 @@ def case_rows(name: str, M: int, N: int, K: int, group: int, copy: float, sms: i
         ],
         REP_MS,
     )
-    bf16 = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(num_copies(2 * N * K))]
+    bf16 = [torch.randn(N, K, device=DEV, dtype=ACT) for _ in range(num_copies(2 * N * K))]
     calls[PEER_BF16] = lambda: graph_ms([lambda w=w: x @ w.t() for w in bf16], REP_MS)
     peer_bytes = {PEER_FP8: N * K + x8.numel() + 2 * x8.shape[0] * N, PEER_BF16: 2 * N * K + 2 * M * (K + N)}
     case = f"M={M} N={N} K={K} g={group} {name}"
@@ -146,6 +157,9 @@ def case_rows(name: str, M: int, N: int, K: int, group: int, copy: float, sms: i
 
 def print_case(rows: list[dict[str, Any]]) -> None:
     ours = [r for r in rows if not r["candidate"].startswith("peer")]
+    if not ours:
+        print(f"{rows[0]['case']:<44} => no candidate passed its check\n", flush=True)
+        return
     best = min(ours, key=lambda r: r["ms"])
     by = {r["candidate"]: r for r in rows}
     for r in rows:
@@ -154,19 +168,20 @@ def print_case(rows: list[dict[str, Any]]) -> None:
             f"{r['case']:<44} {r['candidate']:<36} {r['ms'] * 1e3:7.1f}us {r['spread']:6.1%} "
             f"{r['GBps']:6.0f} {r['copy_fraction']:5.2f} {r['rel_err']:8.1e}{mark}"
         )
-    old, new, fp8 = by.get("old 128x256 12/SM"), by.get("new (launcher)"), by[PEER_FP8]
-    if old and new:
-        print(
-            f"{rows[0]['case']:<44} => new {new['ms'] * 1e3:.1f}us = {old['ms'] / new['ms']:.2f}x old, "
-            f"{new['copy_fraction']:.2f} of copy, {fp8['ms'] / new['ms']:.2f}x fp8; best {best['candidate']} "
-            f"{best['ms'] * 1e3:.1f}us = {old['ms'] / best['ms']:.2f}x old, {fp8['ms'] / best['ms']:.2f}x fp8\n",
-            flush=True,
-        )
+    old, fp8 = by.get("old (launcher before)", best), by[PEER_FP8]
+    new = by.get("new (launcher)", old)
+    print(
+        f"{rows[0]['case']:<44} => new {new['ms'] * 1e3:.1f}us = {old['ms'] / new['ms']:.2f}x old, "
+        f"{new['copy_fraction']:.2f} of copy, {fp8['ms'] / new['ms']:.2f}x fp8; best {best['candidate']} "
+        f"{best['ms'] * 1e3:.1f}us = {old['ms'] / best['ms']:.2f}x old, {fp8['ms'] / best['ms']:.2f}x fp8\n",
+        flush=True,
+    )
 
 
 def summary(rows: list[dict[str, Any]]) -> None:
-    """Per candidate: total µs over the GLM decode matrices at M=1 (what the c=1 step pays, per layer)
-    and the mean of time / best time over every case (the launcher's one table entry)."""
+    """Per GEMV candidate: total µs over the GLM decode matrices at M=1 (what the c=1 step pays, per
+    layer) and the mean of time / best time over the M = 1, 2 cases (the launcher's one table entry)."""
+    rows = [r for r in rows if r["case"].startswith(("M=1 ", "M=2 "))]  # the GEMV's table
     cases = list(dict.fromkeys(r["case"] for r in rows))
     ours = [r for r in rows if not r["candidate"].startswith("peer")]
     best = {c: min(r["ms"] for r in ours if r["case"] == c) for c in cases}
@@ -178,7 +193,7 @@ def summary(rows: list[dict[str, Any]]) -> None:
         rel = statistics.mean(r["ms"] / best[r["case"]] for r in mine)
         print(f"{label:<36} {glm:12.1f} {rel:9.3f} {len(mine)}/{len(cases)}")
     print(
-        f"-> GEMV_DEFAULT (now {GEMV_DEFAULT}), TMA_PROGRAMS_PER_SM (now {TMA_PROGRAMS_PER_SM}) in "
+        f"-> GEMV_DEFAULT (now {GEMV_DEFAULT}), GEMV_NARROW (now {GEMV_NARROW}), TMA_PROGRAMS_PER_SM (now {TMA_PROGRAMS_PER_SM}) in "
         "kernels/w4a16_gemm.py: the candidate with the least GLM layer time and mean/best"
     )
 
@@ -199,7 +214,9 @@ def main() -> None:
         "command": "python3 -m lab.diagnostics.w4a16_decode_sweep", "repeats": REPEATS, "rep_ms": REP_MS,
     }  # fmt: skip
     rows: list[dict[str, Any]] = []
-    todo = [(1, s) for s in SHAPES] + [(2, s) for s in SHAPES if s in M2_SHAPES]
+    todo = (
+        [(1, s) for s in SHAPES] + [(2, s) for s in SHAPES if s in M2_SHAPES] + [(16, s) for s in M16_SHAPES]
+    )
     for M, (name, N, K, group) in todo:
         if time.time() - start > args.budget_s:
             print(f"budget: skipped M={M} {name} {N}x{K} g{group}", flush=True)

@@ -79,6 +79,7 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
         GROUP_M=cfg.group_m,
         SCALE_ROWS=max(cfg.block_k // group, 1),
         DOT_PRECISION="tf32",
+        SWAP_XW=cfg.swap_xw,
     )
     src = _source(_w4a16_kernel, {"x_ptr": "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
     return src, cfg.num_warps, cfg.num_stages, 0

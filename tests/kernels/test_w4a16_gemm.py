@@ -103,6 +103,7 @@ CASES = [
     (3, 72, 96, 32, None),  # tensor-core path, M below the tile
     (17, 40, 256, 64, W4A16Config(16, 32, 32, split_k=4)),  # BLOCK_K < group, split-K
     (33, 48, 192, 32, W4A16Config(32, 16, 128, split_k=1)),  # BLOCK_K > group
+    (17, 72, 256, 64, W4A16Config(16, 64, 64, split_k=2, swap_xw=True)),  # transposed tile, N and M edges
     (70, 24, 64, 32, None),  # prefill default: dequantize + matmul
     (65, 40, 192, 64, W4A16Config(0, 16, 128, dense=True)),  # dequant tiles across N and K edges
     (130, 40, 64, 32, W4A16Config(128, 32, 64, num_warps=8)),  # the fused tensor-core tiles at large M
@@ -224,7 +225,9 @@ def test_int4_kernels_compile_for_sm90() -> None:
      (1, W4A16Config(0, 256, 256, num_warps=8, split_k=2, tma_stages=3)), (1, W4A16Config(0, 128, 256, split_k=3, prefetch=True)),
      (1, W4A16Config(0, 128, 256, split_k=13, tma_stages=6)),  # splits shorter than the ring, empty ones at K=4096
      (2, W4A16Config(0, 64, 256, split_k=5, tma_stages=4, gemv_rows=2)), (2, W4A16Config(0, 128, 256, split_k=1, prefetch=True)),
-     (5, None), (16, None), (64, None), (300, None), (2048, None)],
+     (5, None), (16, None), (64, None), (300, None), (2048, None),
+     (16, W4A16Config(16, 64, 128, split_k=4, num_stages=4, swap_xw=True)),
+     (40, W4A16Config(64, 64, 128, split_k=2, num_stages=4, swap_xw=True))],
 )  # fmt: skip
 @pytest.mark.parametrize(("N", "K", "group"), [(4096, 7168, 32), (2048, 4096, 128)])
 def test_bf16_on_gpu(M: int, config: W4A16Config | None, N: int, K: int, group: int) -> None:
