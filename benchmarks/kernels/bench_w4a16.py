@@ -3,7 +3,7 @@
 Peers, same run, same shapes: cuBLAS bf16 (`x @ w.T`), tinygemm (`torch._weight_int4pack_mm`) at the
 same group size (full run only), and `torch._scaled_mm` with FP8 e4m3 weights and activations (M
 padded to 16). Ours is timed with the launcher's own config choice and with alternative tile shapes,
-so the defaults in `kernels/w4a16_gemm.py` (`GEMV_DEFAULT`, `GEMV_PROGRAMS_PER_SM`, `GEMV_MAX_M`,
+so the defaults in `kernels/w4a16_gemm.py` (`GEMV_DEFAULT`, `TMA_PROGRAMS_PER_SM`, `GEMV_MAX_M`,
 `TILE_DEFAULTS`) can be set from the best; `--quick` (M = 1, 16, 64 on 8192² and Kimi's expert shapes, ~40 s) ends
 with a table of the best candidates and the values to put there.
 
@@ -67,6 +67,7 @@ def variants(M: int, quick: bool) -> list[Trial]:
     if M <= 64:
         bm = min(64, max(16, triton.next_power_of_2(M)))
         tiles = [D(bm, 64, 256, 0, num_stages=3), D(bm, 64, 128, 0, num_warps=2, num_stages=4)]
+        tiles.append(D(bm, 64, 128, 0, num_stages=4, swap_xw=True))  # w as wgmma's register operand
         more = [D(bm, 32, 256, 0, num_warps=2, num_stages=4), D(bm, 128, 128, 0, num_warps=8, num_stages=4)]
         gemv = [(replace(GEMV_DEFAULT, split_k=0), TMA_PROGRAMS_PER_SM)] if M <= 16 else []  # GEMV_MAX_M
         return [(c, 4) for c in tiles + ([] if quick else [*more, D(0, 32, 256, dense=True)])] + gemv
@@ -87,6 +88,8 @@ def label(cfg: W4A16Config, per_sm: int) -> str:
     extra += f" s{cfg.loop_stages}" if cfg.loop_stages > 1 else ""
     extra += f" tma{cfg.tma_stages}" if cfg.tma_stages > 1 else ""
     extra += " prefetch" if cfg.prefetch else ""
+    extra += f" rows{cfg.gemv_rows}" if cfg.gemv_rows > 1 else ""
+    extra += " swap" if cfg.swap_xw else ""
     return f"{kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} split{cfg.split_k}{extra}"
 
 
@@ -220,7 +223,7 @@ def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
         pick = min(totals, key=totals.__getitem__)
         print(f"M={M}: least total {totals[pick] * 1e3:.1f}us over {len(same)} shapes: {pick}")
     print(
-        "-> GEMV_DEFAULT, GEMV_PROGRAMS_PER_SM (M=1), GEMV_MAX_M and TILE_DEFAULTS (M=16, 64) in kernels/w4a16_gemm.py"
+        "-> GEMV_DEFAULT, TMA_PROGRAMS_PER_SM (M=1), GEMV_MAX_M and TILE_DEFAULTS (M=16, 64) in kernels/w4a16_gemm.py"
     )
 
 
