@@ -156,6 +156,18 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
+def _scales(s_ptr, rows, rows_ok, t, c_end, stride_sn, stride_sg, GROUP_SIZE: tl.constexpr, C: tl.constexpr,
+            EVEN_N: tl.constexpr):  # fmt: skip
+    """fp32 scales [C, BN] of K tile t's chunks (C of 32 k) for `rows`; zero from chunk `c_end`."""
+    c = t * C + tl.arange(0, C)
+    ok = (c < c_end)[:, None]
+    if not EVEN_N:
+        ok = ok & rows_ok[None, :]
+    sptrs = s_ptr + rows[None, :] * stride_sn + (c * 32 // GROUP_SIZE)[:, None] * stride_sg
+    return tl.load(sptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _w4a16_gemv_tma_kernel(
     x_ptr,
     w_desc,  # TMA descriptor of w [N, K/8] int32, blocks [BLOCK_N, BLOCK_K/8] (zero past the edges)
@@ -183,7 +195,7 @@ def _w4a16_gemv_tma_kernel(
     """`_w4a16_gemv_kernel` with the word tiles streamed by TMA into a `STAGES`-deep shared-memory
     ring (no registers and no per-thread addresses for the bytes in flight; the dots read the
     tiles back K-major). Scales and activations are plain loads (L1/L2 hits: a scale line serves
-    several tiles). grid (N/BN, M/ROWS, splits of K)."""
+    several tiles; the next tile's scales are loaded before this one's dots). grid (N/BN, M/ROWS, splits of K)."""
     BK8: tl.constexpr = BLOCK_K // 8
     C: tl.constexpr = BLOCK_K // 32
     offs_n, n_ok, t0, t1 = _gemv_slice(N, K8, BLOCK_N, BLOCK_K)
@@ -192,20 +204,18 @@ def _w4a16_gemv_tma_kernel(
     x_row1 = x_ptr + tl.minimum(row + 1, M - 1) * stride_xm  # ROWS = 2 (past M: a real row, not stored)
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    c_end = tl.minimum(t1 * C, K8 // 4)  # the split's chunks end here: the scale prefetch past it loads none
+    sc = _scales(s_ptr, offs_n, n_ok, t0, c_end, stride_sn, stride_sg, GROUP_SIZE, C, EVEN_N)
     for t in tl.range(t0, t1, num_stages=STAGES):
         wp = tl.trans(w_desc.load([tl.program_id(0) * BLOCK_N, t * BK8]))  # [BK8, BN] int32
-        c = t * C + tl.arange(0, C)
-        sptrs = s_ptr + offs_n[None, :] * stride_sn + (c * 32 // GROUP_SIZE)[:, None] * stride_sg
-        if EVEN_K and EVEN_N:
-            sc = tl.load(sptrs).to(tl.float32)
-        else:
-            sc = tl.load(sptrs, mask=n_ok[None, :] & (c < K8 // 4)[:, None], other=0.0).to(tl.float32)
+        sc_next = _scales(s_ptr, offs_n, n_ok, t + 1, c_end, stride_sn, stride_sg, GROUP_SIZE, C, EVEN_N)
         r = t * BK8 + tl.arange(0, BK8)
         ys, xs = x_planes(x_row, r, r < K8, stride_xk, False, EVEN_K)
         acc += int4_chunk_dots(wp, sc, ys, xs, False)
         if ROWS == 2:
             ys, xs = x_planes(x_row1, r, r < K8, stride_xk, False, EVEN_K)
             acc1 += int4_chunk_dots(wp, sc, ys, xs, False)
+        sc = sc_next
     _gemv_finish(acc, row, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
     if ROWS == 2 and row + 1 < M:
         _gemv_finish(acc1, row + 1, out_ptr, ws_ptr, cnt_ptr, offs_n, M, N, stride_om, stride_on)
