@@ -11,13 +11,15 @@ Kernels:
   per word, the group scale once per 32 k); the word tiles stream in by TMA through a ring of
   `tma_stages` shared-memory buffers, so each program keeps `tma_stages - 1` tiles (16 KB each at
   128x256) in flight without registers or per-thread addresses; about one wave of programs
-  (`TMA_PROGRAMS_PER_SM`), each with several K tiles. (The plain GEMV keeps one tile in flight per program between its dots and needs
-  several waves of short programs to cover HBM's latency: 0.46 of copy at 8192².)
+  (`TMA_PROGRAMS_PER_SM`), each with several K tiles; `gemv_rows = 2` runs both rows of M = 2
+  against one word stream. (The plain GEMV keeps one tile in flight per program between its dots
+  and needs several waves of short programs to cover HBM's latency: 0.46 of copy at 8192².)
 - `_w4a16_gemv_kernel`: the same dots on 16-byte register loads (weights TMA cannot take, `lift`,
   A/B runs); `loop_stages` > 1 pipelines its K loop through cp.async, `prefetch` loads the next
   K tile into registers before this one's dots (ptxas tends to sink those loads towards the end of
   the loop body).
-- `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`.
+- `_w4a16_kernel` (M 3-64): tiles dequantized to the activation dtype in registers, then `tl.dot`
+  (`swap_xw`: the transposed product, the dequantized tile as wgmma's register operand).
 - prefill (M > 64): `dequantize_int4` once, then cuBLAS (twice as fast as the fused tiles on H200).
 The GEMV and the tiles split K across programs when there are too few output tiles to fill the GPU; partial sums go to
 an fp32 workspace and the last program of each tile (an atomic counter that resets itself) adds them
@@ -135,8 +137,8 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
     if PREFETCH:
         k8_end = tl.minimum(t1 * BK8, K8)  # this split's words end here: the prefetch past it loads nothing
-        wp, sc = _tile_upto(w_ptr, s_ptr, offs_n, n_ok, t0, k8_end, stride_wn, stride_wk, stride_sn, stride_sg,
-                            GROUP_SIZE, BLOCK_K, EVEN_N)  # fmt: skip
+        wp, sc = _tile_upto(w_ptr, s_ptr, offs_n, n_ok, t0, k8_end, stride_wn, stride_wk, stride_sn,
+                            stride_sg, GROUP_SIZE, BLOCK_K, EVEN_N)  # fmt: skip
         for t in tl.range(t0, t1, num_stages=1):  # no cp.async pipeline: the tile in flight is in registers
             wn, sn = _tile_upto(w_ptr, s_ptr, offs_n, n_ok, t + 1, k8_end, stride_wn, stride_wk, stride_sn,
                                 stride_sg, GROUP_SIZE, BLOCK_K, EVEN_N)  # fmt: skip
@@ -195,7 +197,7 @@ def _w4a16_gemv_tma_kernel(
     """`_w4a16_gemv_kernel` with the word tiles streamed by TMA into a `STAGES`-deep shared-memory
     ring (no registers and no per-thread addresses for the bytes in flight; the dots read the
     tiles back K-major). Scales and activations are plain loads (L1/L2 hits: a scale line serves
-    several tiles; the next tile's scales are loaded before this one's dots). grid (N/BN, M/ROWS, splits of K)."""
+    several tiles; the next tile's scales load before this one's dots). grid (N/BN, M/ROWS, K splits)."""
     BK8: tl.constexpr = BLOCK_K // 8
     C: tl.constexpr = BLOCK_K // 32
     offs_n, n_ok, t0, t1 = _gemv_slice(N, K8, BLOCK_N, BLOCK_K)

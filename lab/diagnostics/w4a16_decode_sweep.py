@@ -148,7 +148,8 @@ def case_rows(name: str, M: int, N: int, K: int, group: int, copy: float, sms: i
         rows.append(
             {
                 "case": case, "candidate": label, "ms": med, "samples_ms": ts,
-                "spread": (max(ts) - min(ts)) / med, "GBps": b / med / 1e6, "copy_fraction": b / med / 1e6 / copy,
+                "spread": (max(ts) - min(ts)) / med, "GBps": b / med / 1e6,
+                "copy_fraction": b / med / 1e6 / copy,
                 "rel_err": errs.get(label, float("nan")), "config": asdict(cfg) if cfg else None,
             }
         )  # fmt: skip
@@ -193,7 +194,8 @@ def summary(rows: list[dict[str, Any]]) -> None:
         rel = statistics.mean(r["ms"] / best[r["case"]] for r in mine)
         print(f"{label:<36} {glm:12.1f} {rel:9.3f} {len(mine)}/{len(cases)}")
     print(
-        f"-> GEMV_DEFAULT (now {GEMV_DEFAULT}), GEMV_NARROW (now {GEMV_NARROW}), TMA_PROGRAMS_PER_SM (now {TMA_PROGRAMS_PER_SM}) in "
+        f"-> GEMV_DEFAULT (now {GEMV_DEFAULT}), GEMV_NARROW (now {GEMV_NARROW}), "
+        f"TMA_PROGRAMS_PER_SM (now {TMA_PROGRAMS_PER_SM}) in "
         "kernels/w4a16_gemm.py: the candidate with the least GLM layer time and mean/best"
     )
 
