@@ -50,6 +50,7 @@ __all__ = [
     "QueryTiles",
     "group_dots",
     "grouped_tile",
+    "int4_chunk_dots",
     "int4_tile_dot",
     "lift_rows",
     "lifted_width",
@@ -209,6 +210,13 @@ def int4_tile_dot(w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, 
         w_ptr, s_ptr, rows, rows_ok, t, K8, KG, stride_wn, stride_wk, stride_sn, stride_sg,
         GROUP_SIZE, BLOCK_K, EVEN_K, EVEN_N,
     )  # fmt: skip
+    return int4_chunk_dots(wp, sc, ys, xs, LIFTED)
+
+
+@triton.jit
+def int4_chunk_dots(wp, sc, ys, xs, LIFTED: tl.constexpr):
+    """Words wp [BK8, BN] with their scales sc [C, BN] against the activation planes: [C, BN] fp32,
+    group scales applied (units of 2^-72); for callers that load the words themselves."""
     return _chunk_dots(wp, ys, xs, LIFTED) * sc
 
 

@@ -3,7 +3,7 @@
 Peers, same run, same shapes: cuBLAS bf16 (`x @ w.T`), tinygemm (`torch._weight_int4pack_mm`) at the
 same group size (full run only), and `torch._scaled_mm` with FP8 e4m3 weights and activations (M
 padded to 16). Ours is timed with the launcher's own config choice and with alternative tile shapes,
-so the defaults in `kernels/w4a16_gemm.py` (`GEMV_DEFAULT`, `GEMV_PROGRAMS_PER_SM`, `GEMV_MAX_M`,
+so the defaults in `kernels/w4a16_gemm.py` (`GEMV_DEFAULT`, `TMA_PROGRAMS_PER_SM`, `GEMV_MAX_M`,
 `TILE_DEFAULTS`) can be set from the best; `--quick` (M = 1, 16, 64 on 8192² and Kimi's expert shapes, ~40 s) ends
 with a table of the best candidates and the values to put there.
 
@@ -23,6 +23,7 @@ from kernels.formats.int4 import repack_int4
 from kernels.w4a16_gemm import (
     GEMV_DEFAULT,
     GEMV_PROGRAMS_PER_SM,
+    TMA_PROGRAMS_PER_SM,
     W4A16Config,
     pick_config,
     w4a16_gemm,
@@ -42,10 +43,11 @@ QUICK_MS = [1, 16, 64]
 # by `python -m tests.kernels.sm90_compile_int4 --all`
 QUICK_GEMVS = [
     GEMV_DEFAULT,
-    W4A16Config(0, 64, 256),
+    W4A16Config(0, 128, 256),  # the plain GEMV (the default before the TMA ring)
     W4A16Config(0, 64, 256, lift=True),
-    W4A16Config(0, 256, 256, num_warps=8),
-    W4A16Config(0, 128, 256, loop_stages=3),  # the pipelined K loop (issue 24)
+    W4A16Config(0, 256, 256, num_warps=8, tma_stages=3),
+    W4A16Config(0, 64, 256, tma_stages=4),
+    W4A16Config(0, 128, 256, prefetch=True),  # the next K tile in registers
 ]
 Trial = tuple[W4A16Config, int]  # split_k 0: `with_split_k` at that many programs per SM
 
@@ -54,15 +56,20 @@ def variants(M: int, quick: bool) -> list[Trial]:
     """Alternatives timed beside the default."""
     per_sm = GEMV_PROGRAMS_PER_SM
     if M <= 2:
-        gemvs = [*QUICK_GEMVS, *([] if quick else [W4A16Config(0, 64, 512)])]
-        spread = [(GEMV_DEFAULT, per_sm // 2), (GEMV_DEFAULT, 2 * per_sm)]
-        return [(replace(c, split_k=0), n) for c, n in [(c, per_sm) for c in gemvs] + spread]
+        gemvs = [
+            *QUICK_GEMVS,
+            *([] if quick else [W4A16Config(0, 64, 256), W4A16Config(0, 128, 256, tma_stages=6)]),
+        ]
+        spread = [(GEMV_DEFAULT, 2), (GEMV_DEFAULT, 8)]  # the TMA default at other programs per SM
+        trials = [(c, TMA_PROGRAMS_PER_SM if c.tma_stages > 1 else per_sm) for c in gemvs] + spread
+        return [(replace(c, split_k=0), n) for c, n in trials]
     D = W4A16Config
     if M <= 64:
         bm = min(64, max(16, triton.next_power_of_2(M)))
         tiles = [D(bm, 64, 256, 0, num_stages=3), D(bm, 64, 128, 0, num_warps=2, num_stages=4)]
+        tiles.append(D(bm, 64, 128, 0, num_stages=4, swap_xw=True))  # w as wgmma's register operand
         more = [D(bm, 32, 256, 0, num_warps=2, num_stages=4), D(bm, 128, 128, 0, num_warps=8, num_stages=4)]
-        gemv = [(replace(GEMV_DEFAULT, split_k=0), per_sm)] if M <= 16 else []  # where GEMV_MAX_M ends
+        gemv = [(replace(GEMV_DEFAULT, split_k=0), TMA_PROGRAMS_PER_SM)] if M <= 16 else []  # GEMV_MAX_M
         return [(c, 4) for c in tiles + ([] if quick else [*more, D(0, 32, 256, dense=True)])] + gemv
     return [
         (c, 4)
@@ -79,6 +86,10 @@ def label(cfg: W4A16Config, per_sm: int) -> str:
     kind = "dense" if cfg.dense else ("gemv" if cfg.block_m == 0 else f"bm{cfg.block_m}")
     extra = (" lift" if cfg.lift else "") + (f" {per_sm}/SM" if cfg.block_m == 0 and not cfg.dense else "")
     extra += f" s{cfg.loop_stages}" if cfg.loop_stages > 1 else ""
+    extra += f" tma{cfg.tma_stages}" if cfg.tma_stages > 1 else ""
+    extra += " prefetch" if cfg.prefetch else ""
+    extra += f" rows{cfg.gemv_rows}" if cfg.gemv_rows > 1 else ""
+    extra += " swap" if cfg.swap_xw else ""
     return f"{kind} {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} split{cfg.split_k}{extra}"
 
 
@@ -123,7 +134,9 @@ def bench_shape(
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         # correctness: fresh data, poisoned output, fp32 reference on the checkpoint layout
         ref = w4a16_gemm_ref(x.float(), copies[0][0], copies[0][1].float())
-        trials = [(pick_config(M, N, K, sms, group), GEMV_PROGRAMS_PER_SM), *variants(M, quick)]
+        picked = pick_config(M, N, K, sms, group)
+        trials = [(picked, TMA_PROGRAMS_PER_SM if picked.tma_stages > 1 else GEMV_PROGRAMS_PER_SM)]
+        trials += variants(M, quick)
         resolved = {}  # config -> label, the default first, each config once
         for c, per_sm in trials:
             c = c if c.split_k else with_split_k(c, M, N, K, sms, per_sm)
@@ -210,7 +223,7 @@ def summary(rows: list[dict[str, Any]], copy_GBps: float) -> None:
         pick = min(totals, key=totals.__getitem__)
         print(f"M={M}: least total {totals[pick] * 1e3:.1f}us over {len(same)} shapes: {pick}")
     print(
-        "-> GEMV_DEFAULT, GEMV_PROGRAMS_PER_SM (M=1), GEMV_MAX_M and TILE_DEFAULTS (M=16, 64) in kernels/w4a16_gemm.py"
+        "-> GEMV_DEFAULT, TMA_PROGRAMS_PER_SM (M=1), GEMV_MAX_M and TILE_DEFAULTS (M=16, 64) in kernels/w4a16_gemm.py"
     )
 
 

@@ -162,7 +162,7 @@ def compile_args() -> argparse.Namespace:
 
 def loop_stats(sass: str, nibbles: int) -> str:
     """The longest backward-branch loop of `cuobjdump -sass` output: instructions per nibble, and
-    counts of the ones that matter to the INT4 GEMVs (LOP3/FFMA per nibble, LDG.E.128, BAR, LDS)."""
+    counts of the ones that matter to the INT4 GEMVs (LOP3/FFMA per nibble, 16-byte LDGs, BAR, LDS)."""
     ops = []  # (address, opcode)
     for text in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", text)
@@ -175,15 +175,21 @@ def loop_stats(sass: str, nibbles: int) -> str:
             loops.append((int(target.group(1), 16), addr))
     if not loops:
         return "no loop"
+    # a branch back across an EXIT is not the K loop (TMA kernels retry their barrier wait from code
+    # placed after the epilogue, jumping back into the loop)
+    exits = [addr for addr, op, _ in ops if op == "EXIT"]
+    loops = [b for b in loops if not any(b[0] <= e <= b[1] for e in exits)] or loops
     lo, hi = max(loops, key=lambda b: b[1] - b[0])
     body = [op for addr, op, _ in ops if lo <= addr <= hi]
 
     def count(prefix: str) -> int:
         return sum(op.startswith(prefix) for op in body)
 
+    wide_loads = sum(op.startswith("LDG") and op.endswith(".128") for op in body)  # any cache hint
+
     return (
         f"loop {len(body) / nibbles:.2f} instr/nibble (LOP3 {count('LOP3') / nibbles:.2f}, "
-        f"FFMA {count('FFMA') / nibbles:.2f}) LDG.E.128 {count('LDG.E.128')} BAR {count('BAR')} LDS {count('LDS')}"
+        f"FFMA {count('FFMA') / nibbles:.2f}) LDG.128 {wide_loads} BAR {count('BAR')} LDS {count('LDS')}"
     )
 
 

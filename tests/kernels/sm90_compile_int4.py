@@ -21,7 +21,15 @@ from triton.compiler import ASTSource
 from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
 from kernels.moe_align import _moe_align_kernel, align_chunk
 from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
-from kernels.w4a16_gemm import GEMV_DEFAULT, W4A16Config, _w4a16_gemv_kernel, _w4a16_kernel, pick_config
+from kernels.w4a16_gemm import (
+    GEMV_DEFAULT,
+    GEMV_NARROW,
+    W4A16Config,
+    _w4a16_gemv_kernel,
+    _w4a16_gemv_tma_kernel,
+    _w4a16_kernel,
+    pick_config,
+)
 from tests.kernels.sm90_compile import compile_args, compile_sm90
 from tests.kernels.sm90_compile_w4a8 import _source
 
@@ -46,8 +54,17 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
     """(source, warps, stages, nibbles per thread per K trip) of the W4A16 kernel `cfg` selects."""
     ptrs = {"w_ptr": "i32", "s_ptr": "bf16", "out_ptr": "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32"}
     consts: dict[str, Any] = dict(GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    if cfg.block_m == 0 and cfg.tma_stages > 1:
+        return (
+            _tma_gemv_source(cfg, group, ptrs),
+            cfg.num_warps,
+            1,
+            cfg.gemv_rows * cfg.block_n * cfg.block_k // (32 * cfg.num_warps),  # per nibble and row
+        )
     if cfg.block_m == 0:
-        consts.update(LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True, LOOP_STAGES=cfg.loop_stages)
+        consts.update(
+            LIFTED=cfg.lift, EVEN_K=True, EVEN_N=True, LOOP_STAGES=cfg.loop_stages, PREFETCH=cfg.prefetch
+        )
         src = _source(
             _w4a16_gemv_kernel,
             {"x_ptr": "fp32" if cfg.lift else "bf16", **ptrs},
@@ -62,9 +79,37 @@ def gemm_case(cfg: W4A16Config, group: int) -> tuple[ASTSource, int, int, int]:
         GROUP_M=cfg.group_m,
         SCALE_ROWS=max(cfg.block_k // group, 1),
         DOT_PRECISION="tf32",
+        SWAP_XW=cfg.swap_xw,
     )
     src = _source(_w4a16_kernel, {"x_ptr": "bf16", **ptrs}, consts, div16=GEMM_DIV16, unit=GEMM_UNIT)
     return src, cfg.num_warps, cfg.num_stages, 0
+
+
+def _tma_gemv_source(cfg: W4A16Config, group: int, ptrs: dict[str, str]) -> ASTSource:
+    """The TMA GEMV: the weight comes as a TMA descriptor of [block_n, block_k / 8] int32 boxes."""
+    fn = _w4a16_gemv_tma_kernel
+    names = fn.arg_names
+    consts: dict[str, Any] = dict(
+        GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
+        STAGES=cfg.tma_stages, ROWS=cfg.gemv_rows, **{n: 1 for n in GEMM_UNIT if n in names},
+    )  # fmt: skip
+    sig = {
+        n: "constexpr"
+        if n in consts
+        else (
+            f"tensordesc<i32[{cfg.block_n},{cfg.block_k // 8}]>"
+            if n == "w_desc"
+            else ("*bf16" if n == "x_ptr" else ("*" + ptrs[n] if n in ptrs else "i32"))
+        )
+        for n in names
+    }
+    aligned = [n for n in names if n.endswith("_ptr") or n in GEMM_DIV16]
+    return ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
 
 
 def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
@@ -116,6 +161,8 @@ def default_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
             cases.append(
                 (f"w4a16 M={M} g{group} {'gemv' if cfg.block_m == 0 else 'tiles'}", gemm_case(cfg, group))
             )
+    cases.append(("w4a16 M=1 g32 narrow gemv", gemm_case(GEMV_NARROW[0], 32)))
+    cases.append(("w4a16 M=2 g32 gemv", gemm_case(pick_config(2, 8192, 8192, 132, 32), 32)))
     for tokens, experts in ((1, 384), (64, 384), (64, 128)):  # Kimi decode and M=64, GLM-4.5-Air M=64
         cfg = pick_moe_config(tokens * 8, experts)
         kind = "tiles" if cfg.block_m and not cfg.grouped else "gemv"
@@ -134,7 +181,8 @@ def candidate_cases() -> list[tuple[str, tuple[ASTSource, int, int, int]]]:
     for cfg in W4A16_GEMVS:
         cases.append(
             (
-                f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} s{cfg.loop_stages}",
+                f"w4a16 gemv {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} lift={cfg.lift} s{cfg.loop_stages}"
+                f" tma{cfg.tma_stages} prefetch={cfg.prefetch}",
                 gemm_case(cfg, 32),
             )
         )

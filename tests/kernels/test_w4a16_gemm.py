@@ -80,9 +80,30 @@ CASES = [
     (1, 56, 320, 32, W4A16Config(0, 32, 64, split_k=2, lift=True)),  # GEMV on lifted rows (a launch before)
     (1, 72, 448, 32, W4A16Config(0, 32, 64, split_k=1, loop_stages=3)),  # pipelined K loop, 7 tiles, N edge
     (2, 56, 320, 64, W4A16Config(0, 32, 64, split_k=2, loop_stages=4, lift=True)),  # pipelined, uneven split
+    (
+        1,
+        72,
+        448,
+        32,
+        W4A16Config(0, 32, 64, split_k=2, prefetch=True),
+    ),  # register prefetch, uneven split, N edge
+    (2, 40, 384, 128, W4A16Config(0, 16, 64, split_k=2, prefetch=True)),  # prefetch, group > BLOCK_K, 6 tiles
+    (1, 72, 448, 32, W4A16Config(0, 32, 64, split_k=3, tma_stages=3)),  # TMA ring, N edge, uneven split
+    (
+        2,
+        56,
+        320,
+        64,
+        W4A16Config(0, 16, 64, split_k=1, tma_stages=4),
+    ),  # TMA, two rows, ring deeper than the loop
+    (3, 40, 256, 128, W4A16Config(0, 16, 128, split_k=2, tma_stages=2)),  # TMA, three rows, group = BLOCK_K
+    (1, 24, 96, 32, W4A16Config(0, 32, 64, split_k=1, tma_stages=3)),  # TMA boxes past N and past K
+    (2, 72, 448, 32, None),  # the launcher's decode pick at two rows: one word stream for both
+    (3, 40, 384, 64, W4A16Config(0, 16, 64, split_k=2, tma_stages=3, gemv_rows=2)),  # a pair, then one row
     (3, 72, 96, 32, None),  # tensor-core path, M below the tile
     (17, 40, 256, 64, W4A16Config(16, 32, 32, split_k=4)),  # BLOCK_K < group, split-K
     (33, 48, 192, 32, W4A16Config(32, 16, 128, split_k=1)),  # BLOCK_K > group
+    (17, 72, 256, 64, W4A16Config(16, 64, 64, split_k=2, swap_xw=True)),  # transposed tile, N and M edges
     (70, 24, 64, 32, None),  # prefill default: dequantize + matmul
     (65, 40, 192, 64, W4A16Config(0, 16, 128, dense=True)),  # dequant tiles across N and K edges
     (130, 40, 64, 32, W4A16Config(128, 32, 64, num_warps=8)),  # the fused tensor-core tiles at large M
@@ -122,17 +143,48 @@ def test_dense_product_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rel_err(out.cpu(), expected(x, q, scale)) < 1e-5
 
 
-def test_split_k_counters_reset_and_results_repeat() -> None:
+@pytest.mark.parametrize(
+    "cfg", [W4A16Config(0, 32, 64, split_k=4), W4A16Config(0, 32, 64, split_k=4, tma_stages=3)]
+)
+def test_split_k_counters_reset_and_results_repeat(cfg: W4A16Config) -> None:
     """A second call with the same split-K tiles must see reset counters and give identical bits."""
     gen = torch.Generator().manual_seed(7)
     packed, scale, q = make_checkpoint(64, 256, 32, gen)
     w, s, g = repack_int4(packed, scale)
     x = torch.randn(1, 256, generator=gen, dtype=torch.float32).to(DEV)
-    cfg = W4A16Config(0, 32, 64, split_k=4)
     first = w4a16_gemm(x, w.to(DEV), s.to(DEV), g, config=cfg)
     second = w4a16_gemm(x, w.to(DEV), s.to(DEV), g, config=cfg)
     assert torch.equal(first, second)
     assert rel_err(first.cpu(), expected(x.cpu(), q, scale)) < 1e-5
+
+
+def test_decode_gemv_by_shape() -> None:
+    """Decode rows take the TMA GEMV, its K split aiming at `TMA_PROGRAMS_PER_SM` programs per SM
+    with two or more K tiles each, narrower tiles for a narrow weight; a weight TMA cannot stream (a
+    strided view) takes the plain GEMV."""
+    cfg = w4a16_module.pick_config(1, 8192, 8192, 132, 128)
+    assert cfg.block_m == 0 and cfg.tma_stages > 1
+    programs = 8192 // cfg.block_n * cfg.split_k
+    k_tiles = 8192 // cfg.block_k
+    assert -(-k_tiles // cfg.split_k) >= 2
+    target = w4a16_module.TMA_PROGRAMS_PER_SM * 132 * 4 // cfg.num_warps
+    assert programs <= 2 * target and (cfg.split_k == 16 or programs * 2 >= target)
+    assert w4a16_module.pick_config(16, 8192, 8192, 132, 128).block_m == 16  # tiles from M = 3
+    assert w4a16_module.pick_config(2, 8192, 8192, 132, 128).gemv_rows == 2
+    narrow = w4a16_module.pick_config(1, 576, 6144, 132, 32)  # GLM's kv_a: 5 tiles of 128 rows
+    assert narrow.block_n < cfg.block_n and narrow.tma_stages > 1
+    assert 576 // narrow.block_n * narrow.split_k > 5 * 16 and 6144 // narrow.block_k >= 2 * narrow.split_k
+    gen = torch.Generator().manual_seed(8)
+    packed, scale, q = make_checkpoint(48, 256, 32, gen)
+    wide = torch.zeros(48, 2 * packed.shape[1], dtype=torch.int32)
+    wide[:, ::2] = packed  # every other word: a strided view the descriptor cannot take
+    view = wide[:, ::2]
+    assert not w4a16_module.tma_fits(view, W4A16Config(0, 32, 64, tma_stages=3))
+    x = torch.randn(1, 256, generator=gen, dtype=torch.float32)
+    out = w4a16_gemm(
+        x.to(DEV), view.to(DEV), scale.to(DEV), 32, config=W4A16Config(0, 32, 64, split_k=2, tma_stages=3)
+    )
+    assert rel_err(out.cpu(), expected(x, q, scale)) < 1e-5
 
 
 def test_leading_dims_and_shape_errors() -> None:
@@ -155,12 +207,13 @@ def test_int4_kernels_compile_for_sm90() -> None:
     """The W4A16 and INT4 MoE kernels (and the MoE alignment) compile for the H200 at the launchers' defaults (Triton +
     ptxas + cuobjdump, no GPU; a process without TRITON_INTERPRET): no spills, and the GEMVs' K loop
     stays near two instructions per weight (`kernels/triton_lib.py`) and either loads its words into
-    registers with no barrier (the plain loop) or only through cp.async (`loop_stages` > 1)."""
+    registers with no barrier (the plain loop) or only through shared memory (cp.async with
+    `loop_stages` > 1, TMA with `tma_stages` > 1)."""
     lines = compiled_lines("tests.kernels.sm90_compile_int4")
-    assert len(lines) == 14 and all(" 0 bytes spill stores" in line for line in lines), lines
+    assert len(lines) == 16 and all(" 0 bytes spill stores" in line for line in lines), lines
     for line in (line for line in lines if "| loop" in line):
         per_nibble = float(line.split("| loop ")[1].split()[0])
-        assert per_nibble < 4.0 and ("BAR 0 LDS 0" in line or "LDG.E.128 0 " in line), line
+        assert per_nibble < 4.0 and ("BAR 0 LDS 0" in line or "LDG.128 0 " in line), line
 
 
 @pytest.mark.gpu
@@ -168,7 +221,13 @@ def test_int4_kernels_compile_for_sm90() -> None:
     ("M", "config"),
     [(1, None), (1, W4A16Config(0, 64, 256, split_k=3, lift=True)), (2, W4A16Config(0, 64, 256, split_k=7)),
      (1, W4A16Config(0, 128, 256, split_k=4, loop_stages=3)), (1, W4A16Config(0, 64, 512, split_k=2, loop_stages=4)),
-     (5, None), (16, None), (64, None), (300, None), (2048, None)],
+     (1, W4A16Config(0, 128, 256, split_k=5, tma_stages=4)), (2, W4A16Config(0, 64, 256, split_k=3, tma_stages=6)),
+     (1, W4A16Config(0, 256, 256, num_warps=8, split_k=2, tma_stages=3)), (1, W4A16Config(0, 128, 256, split_k=3, prefetch=True)),
+     (1, W4A16Config(0, 128, 256, split_k=13, tma_stages=6)),  # splits shorter than the ring, empty ones at K=4096
+     (2, W4A16Config(0, 64, 256, split_k=5, tma_stages=4, gemv_rows=2)), (2, W4A16Config(0, 128, 256, split_k=1, prefetch=True)),
+     (5, None), (16, None), (64, None), (300, None), (2048, None),
+     (16, W4A16Config(16, 64, 128, split_k=4, num_stages=4, swap_xw=True)),
+     (40, W4A16Config(64, 64, 128, split_k=2, num_stages=4, swap_xw=True))],
 )  # fmt: skip
 @pytest.mark.parametrize(("N", "K", "group"), [(4096, 7168, 32), (2048, 4096, 128)])
 def test_bf16_on_gpu(M: int, config: W4A16Config | None, N: int, K: int, group: int) -> None:
