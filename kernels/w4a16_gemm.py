@@ -337,7 +337,12 @@ class W4A16Config:
 # Launcher defaults (from `bench_w4a16 --quick` on the H200; update them from its printed table): the
 # GEMV's tiles, how many of its programs split K aims for per SM and the rows up to which it runs;
 # the tensor-core tiles by the largest M they serve (split K at 4 programs per SM); the prefill path.
-GEMV_DEFAULT = W4A16Config(block_m=0, block_n=128, block_k=256, num_warps=4, tma_stages=4)
+# The TMA GEMV (`tma_stages` > 1) lost to the plain one on every decode shape of the H200 sweep
+# (`lab.diagnostics.w4a16_decode_sweep`, 2026-12-04, lab/results/2026-12-04-r6/w4a16_decode.log: one
+# GLM 5.2 layer's matrices 74.2 vs 68.3 us), so the default stays the plain GEMV; the TMA ring is a
+# sweep candidate (GEMV_TMA)
+GEMV_DEFAULT = W4A16Config(block_m=0, block_n=128, block_k=256, num_warps=4)
+GEMV_TMA = replace(GEMV_DEFAULT, tma_stages=4)
 GEMV_PROGRAMS_PER_SM = 12  # the plain GEMV: several waves (a last wave of a few runs latency-bound)
 # the TMA GEMV's programs hold their bytes in flight in shared memory (48 KB at 128x256, 4 stages:
 # 4 fit an SM): about one wave of them, each with several K tiles to stream

@@ -23,6 +23,7 @@ from kernels.formats.int4 import repack_int4
 from kernels.w4a16_gemm import (
     GEMV_DEFAULT,
     GEMV_PROGRAMS_PER_SM,
+    GEMV_TMA,
     TMA_PROGRAMS_PER_SM,
     W4A16Config,
     pick_config,
@@ -42,8 +43,8 @@ QUICK_MS = [1, 16, 64]
 # the GEMV candidates at M <= 2 (split_k 0: the launcher's, at `GEMV_PROGRAMS_PER_SM`); also compiled
 # by `python -m tests.kernels.sm90_compile_int4 --all`
 QUICK_GEMVS = [
-    GEMV_DEFAULT,
-    W4A16Config(0, 128, 256),  # the plain GEMV (the default before the TMA ring)
+    GEMV_DEFAULT,  # the plain GEMV
+    GEMV_TMA,  # the same tiles streamed by TMA (slower on the 2026-12-04 sweep)
     W4A16Config(0, 64, 256, lift=True),
     W4A16Config(0, 256, 256, num_warps=8, tma_stages=3),
     W4A16Config(0, 64, 256, tma_stages=4),
@@ -60,7 +61,7 @@ def variants(M: int, quick: bool) -> list[Trial]:
             *QUICK_GEMVS,
             *([] if quick else [W4A16Config(0, 64, 256), W4A16Config(0, 128, 256, tma_stages=6)]),
         ]
-        spread = [(GEMV_DEFAULT, 2), (GEMV_DEFAULT, 8)]  # the TMA default at other programs per SM
+        spread = [(GEMV_TMA, 2), (GEMV_TMA, 8)]  # the TMA GEMV at other programs per SM
         trials = [(c, TMA_PROGRAMS_PER_SM if c.tma_stages > 1 else per_sm) for c in gemvs] + spread
         return [(replace(c, split_k=0), n) for c, n in trials]
     D = W4A16Config
@@ -69,7 +70,7 @@ def variants(M: int, quick: bool) -> list[Trial]:
         tiles = [D(bm, 64, 256, 0, num_stages=3), D(bm, 64, 128, 0, num_warps=2, num_stages=4)]
         tiles.append(D(bm, 64, 128, 0, num_stages=4, swap_xw=True))  # w as wgmma's register operand
         more = [D(bm, 32, 256, 0, num_warps=2, num_stages=4), D(bm, 128, 128, 0, num_warps=8, num_stages=4)]
-        gemv = [(replace(GEMV_DEFAULT, split_k=0), TMA_PROGRAMS_PER_SM)] if M <= 16 else []  # GEMV_MAX_M
+        gemv = [(replace(GEMV_DEFAULT, split_k=0), GEMV_PROGRAMS_PER_SM)] if M <= 16 else []  # GEMV_MAX_M
         return [(c, 4) for c in tiles + ([] if quick else [*more, D(0, 32, 256, dense=True)])] + gemv
     return [
         (c, 4)

@@ -56,6 +56,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_packing_matches_compressed_tensors() -> None:
+    pytest.importorskip("compressed_tensors")  # an independent reference; the H200 image lacks it
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     gen = torch.Generator().manual_seed(0)
@@ -158,10 +159,15 @@ def test_split_k_counters_reset_and_results_repeat(cfg: W4A16Config) -> None:
     assert rel_err(first.cpu(), expected(x.cpu(), q, scale)) < 1e-5
 
 
-def test_decode_gemv_by_shape() -> None:
-    """Decode rows take the TMA GEMV, its K split aiming at `TMA_PROGRAMS_PER_SM` programs per SM
-    with two or more K tiles each, narrower tiles for a narrow weight; a weight TMA cannot stream (a
-    strided view) takes the plain GEMV."""
+def test_decode_gemv_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows take the plain GEMV (the TMA ring lost the H200 sweep); with the TMA GEMV as the
+    default, its K split aims at `TMA_PROGRAMS_PER_SM` programs per SM with two or more K tiles each,
+    narrower tiles for a narrow weight; a weight TMA cannot stream (a strided view) takes the plain
+    GEMV."""
+    plain = w4a16_module.pick_config(1, 8192, 8192, 132, 128)
+    assert plain.block_m == 0 and plain.tma_stages == 0 and plain.split_k >= 1
+    assert w4a16_module.pick_config(1, 576, 6144, 132, 32).tma_stages == 0
+    monkeypatch.setattr(w4a16_module, "GEMV_DEFAULT", w4a16_module.GEMV_TMA)
     cfg = w4a16_module.pick_config(1, 8192, 8192, 132, 128)
     assert cfg.block_m == 0 and cfg.tma_stages > 1
     programs = 8192 // cfg.block_n * cfg.split_k
