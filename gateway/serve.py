@@ -196,16 +196,19 @@ def plan(
     to_create: list[tuple[Path, Path]] = []
     backends: list[BackendProcess] = []
     models: list[ModelSpec] = []
+    models_dir: Path = args.models_dir or TRAINED
     for entry in file.models:
         trained = DEFAULT_MODELS.get(entry.pool)
         if trained is None:
             raise ServeError(f"the catalog's {entry.name} has no checkpoint kumo serve can create")
+        if not (models_dir / trained / "config.json").is_file():
+            raise ServeError(f"the trained checkpoint {models_dir / trained} is missing (no config.json)")
         folder = settings.data_dir / "checkpoints" / f"{trained}-{SERVED_WEIGHTS}"
-        to_create.append((TRAINED / trained, folder))
+        to_create.append((models_dir / trained, folder))
         backends.append(
             BackendProcess(
                 entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV,
-                max_pages=pages_for_window(TRAINED / trained),
+                max_pages=pages_for_window(models_dir / trained),
             )
         )  # fmt: skip
     extra = [(n, p, "openai") for n, p in parse_named(args.model, "--model")]
@@ -338,6 +341,14 @@ def main(argv: list[str]) -> int:
         default=[],
         metavar="NAME=PATH",
         help="serve a checkpoint with the legacy Workers AI family",
+    )
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"where the default models' trained checkpoints are ({', '.join(DEFAULT_MODELS.values())}; "
+        "default: models/ in the repository), e.g. a retrained pair to try before committing it",
     )
     parser.add_argument("--device", default="cpu", help="where the backends run: cpu (default) or cuda[:N]")
     parser.add_argument("--tp", type=int, default=1, help="ranks per backend, one process per device")

@@ -16,7 +16,7 @@ from gateway.settings import GatewaySettings
 
 
 def args(model: list[str] | None = None, legacy: list[str] | None = None) -> argparse.Namespace:
-    return argparse.Namespace(model=model or [], legacy_model=legacy or [])
+    return argparse.Namespace(model=model or [], legacy_model=legacy or [], models_dir=None)
 
 
 def checkpoint(path: Path, architecture: str, **extra: object) -> Path:
@@ -140,3 +140,25 @@ def test_the_announcement_is_one_block_with_every_credential(
         GatewaySettings(data_dir=tmp_path, admin_token="x"), DevCredentials(account, token), catalog
     )
     assert "Admin token: the value of KUMO_ADMIN_TOKEN\n" in capsys.readouterr().out
+
+
+def test_models_dir_picks_the_trained_checkpoints(tmp_path: Path) -> None:
+    """`--models-dir DIR`: the default models come from DIR (a retrained pair, tried before it is
+    committed); their windows are read there; a DIR without them is refused before anything starts."""
+    other = tmp_path / "retrained"
+    for name in serve.DEFAULT_MODELS.values():
+        src = json.loads((serve.TRAINED / name / "config.json").read_text())
+        text = src.get("text_config", src)
+        text["max_position_embeddings"] = 4096  # a window only this copy has
+        checkpoint(
+            other / name, src["architectures"][0], **{k: v for k, v in src.items() if k != "architectures"}
+        )
+    settings = GatewaySettings(data_dir=tmp_path / "data")
+    namespace = args()
+    namespace.models_dir = other
+    _, backends, to_create = plan(namespace, settings)
+    assert [src for src, _ in to_create] == [other / "kimi-k2.6-nano", other / "glm-5.2-nano"]
+    assert [b.max_pages for b in backends] == [4096 // 16, 4096 // 16]
+    namespace.models_dir = tmp_path / "empty"
+    with pytest.raises(ServeError, match="empty/kimi-k2.6-nano is missing"):
+        plan(namespace, settings)
