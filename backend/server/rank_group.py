@@ -85,6 +85,7 @@ def build_engine(
         speculative_max_seqs=settings.speculative_max_seqs,
         speculative_adaptive=settings.speculative_adaptive,
         speculative_saturation_rows=settings.speculative_saturation_rows,
+        speculative_graphs=settings.speculative_graphs,
     )
     # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
     prepared = prepare_model(loaded, config, model_dtype=dtype)

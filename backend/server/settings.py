@@ -2,7 +2,7 @@
 
 `kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
 [--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]
-[--speculative mtp:K]
+[--speculative mtp:K] [--no-speculative-graphs]
 [--tp N] [--ep N] [--dcp N] [--rank-timeout-s S]`
 
 `--tp N` serves the model on N ranks, one process per device (backend/engine/ranks.py); `--ep` expert
@@ -58,6 +58,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     speculative_adaptive: bool = True  # the draft length per step from load and acceptance (draft_policy.py)
     speculative_saturation_rows: Annotated[int, Meta(ge=1, le=1 << 20)] = 64  # its cost model's knee
     speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
+    speculative_graphs: bool = True  # verify and draft steps from CUDA graphs (with --cuda-graphs)
     tp: Annotated[int, Meta(ge=1, le=64)] = 1
     ep: Annotated[int, Meta(ge=0, le=64)] = 0  # 0: = tp
     dcp: Annotated[int, Meta(ge=1, le=64)] = 1
@@ -155,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="choose the draft length per step from load and measured acceptance (default on; off: always K)",
+    )
+    p.add_argument(
+        "--speculative-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay verify and draft steps from CUDA graphs (default on; off: eager, decode graphs kept)",
     )
     p.add_argument(
         "--speculative-saturation-rows",

@@ -213,6 +213,11 @@ def test_settings(tmp_path: Path) -> None:
         build_settings(["--model", "m", "--port", "1", "--secret", "from-the-flag-0"], env).secret
         == "from-the-flag-0"
     )
+    flags = ["--model", "m", "--port", "1", "--secret", "long-enough"]
+    assert build_settings(flags, {}).speculative_graphs  # on by default, eager only when asked
+    assert not build_settings(
+        [*flags, "--speculative", "mtp:2", "--no-speculative-graphs"], {}
+    ).speculative_graphs
     for argv in (
         ["--model", "m", "--port", "1"],
         ["--model", "m", "--port", "99999", "--secret", "long-enough"],
