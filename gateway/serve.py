@@ -175,6 +175,22 @@ async def stop_backends(backends: list[BackendProcess]) -> None:
             await b.process.wait()
 
 
+def shares_latent_cache(folder: Path) -> bool:
+    """Whether the checkpoint's attention is MLA (a `kv_lora_rank` latent cache that `--dcp` ranks
+    can share by token); GQA models (GLM-4.5) have none, and their backends refuse `--dcp` > 1."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return True  # let the backend say what is wrong with the checkpoint
+    return bool(config.get("text_config", config).get("kv_lora_rank"))
+
+
+def parallel_flags(args: argparse.Namespace, folder: Path) -> tuple[str, ...]:
+    """The `--tp/--ep/--dcp` flags of one backend: `--dcp` only where the checkpoint is MLA."""
+    dcp = args.dcp if shares_latent_cache(folder) else 1
+    return ("--tp", str(args.tp), "--ep", str(args.ep), "--dcp", str(dcp))
+
+
 def pages_for_window(src: Path) -> int:
     """KV pages for one request as long as the checkpoint's context window (config.json's
     `max_position_embeddings`), so a replica admits everything the catalog advertises. The nano
@@ -228,7 +244,6 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     catalog, backends, to_create = plan(args, settings)
     for b in backends:
         b.speculative = args.speculative
-    parallel = ("--tp", str(args.tp), "--ep", str(args.ep), "--dcp", str(args.dcp))
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -241,12 +256,15 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
             *(ensure_checkpoint(src, dst, logs / "checkpoints.log") for src, dst in to_create)
         )
         for b in backends:
+            group = parallel_flags(args, b.folder)
+            if group[-1] != str(args.dcp):
+                print(f"{b.name}: --dcp {args.dcp} applies to MLA models only; this one runs with --dcp 1")
             await start_backend(
                 b,
                 args.dtype or ("float32" if args.device == "cpu" else "bfloat16"),
                 args.device,
                 logs,
-                parallel,
+                group,
             )
         print(f"Starting {len(backends)} backend(s) (logs in {logs})…", flush=True)
         ready = asyncio.create_task(wait_ready(backends, logs))
@@ -264,7 +282,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
 
         async def restart(b: Supervised) -> None:
             assert isinstance(b, BackendProcess)
-            await start_backend(b, dtype, args.device, logs, parallel)
+            await start_backend(b, dtype, args.device, logs, parallel_flags(args, b.folder))
 
         supervisor = Supervisor(backends, restart)
         supervisor.start()

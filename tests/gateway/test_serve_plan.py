@@ -162,3 +162,19 @@ def test_models_dir_picks_the_trained_checkpoints(tmp_path: Path) -> None:
     namespace.models_dir = tmp_path / "empty"
     with pytest.raises(ServeError, match="empty/kimi-k2.6-nano is missing"):
         plan(namespace, settings)
+
+
+def test_dcp_applies_to_mla_checkpoints_only(tmp_path: Path) -> None:
+    """`kumo serve --dcp 2` beside a GQA model: the MLA backends share their latent cache, the GQA
+    one (which would refuse `--dcp 2` and stop the start) runs without it."""
+    mla = checkpoint(tmp_path / "kimi", "DeepseekV3ForCausalLM", kv_lora_rank=512)
+    wrapped = checkpoint(
+        tmp_path / "k25", "KimiK25ForConditionalGeneration", text_config={"kv_lora_rank": 64}
+    )
+    gqa = checkpoint(tmp_path / "glm45", "Glm4MoeForCausalLM", num_key_value_heads=8)
+    assert serve.shares_latent_cache(mla) and serve.shares_latent_cache(wrapped)
+    assert not serve.shares_latent_cache(gqa)
+    assert all(serve.shares_latent_cache(serve.TRAINED / n) for n in serve.DEFAULT_MODELS.values())
+    flags = argparse.Namespace(tp=2, ep=0, dcp=2)
+    assert serve.parallel_flags(flags, mla) == ("--tp", "2", "--ep", "0", "--dcp", "2")
+    assert serve.parallel_flags(flags, gqa) == ("--tp", "2", "--ep", "0", "--dcp", "1")
