@@ -2,6 +2,7 @@
 the two ways they give a scenario's ratio.
 
     kumo bench engine combine RECORD|DIR … [--scenario NAME] --out X.json   # X.json + X.md
+    kumo bench engine combine RECORD|DIR … --out-dir DIR                   # DIR/NAME.json a scenario
 
 By process (`combine`, issue 25's full depth on one GPU): the processes, in the order they started,
 ran A, B, B, A, A, B, B, A, … each built its side, warmed it on every step shape, then timed its runs.
@@ -229,16 +230,29 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kumo bench engine combine", description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+", type=Path, help="one-side records, or folders of them")
     ap.add_argument("--scenario", default=None, help="only that scenario's records")
-    ap.add_argument("--out", type=Path, required=True, help="the scenario record (.json; .md beside it)")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="the scenario record (.json; .md beside it)")
+    where.add_argument("--out-dir", type=Path, help="one record per scenario there, DIR/NAME.json")
     a = ap.parse_args(argv)
-    try:
-        record = combine(load(a.records, a.scenario))
-    except ValueError as exc:
-        raise SystemExit(f"kumo bench engine combine: {exc}") from exc
-    paths = report.write(record, a.out)
-    print(report.markdown(record))
-    print(summary_line(record))
-    print("wrote " + ", ".join(paths))
+    records = load(a.records, a.scenario)
+    by_name: dict[str, list[Record]] = {}
+    for r in records:
+        by_name.setdefault((side_entry(r) or {})["scenario"], []).append(r)
+    if a.out is not None and len(by_name) > 1:
+        ap.error(
+            f"records of {len(by_name)} scenarios ({', '.join(sorted(by_name))}): --scenario or --out-dir"
+        )
+    lines = []
+    for name, group in by_name.items() or [("", [])]:
+        try:
+            record = combine(group)
+        except ValueError as exc:
+            raise SystemExit(f"kumo bench engine combine: {exc}") from exc
+        paths = report.write(record, a.out or a.out_dir / f"{name}.json")
+        print(report.markdown(record))
+        print("wrote " + ", ".join(paths))
+        lines.append(summary_line(record))
+    print("\n".join(lines))  # the combined keys last, one line each
     return 0
 
 
