@@ -119,25 +119,18 @@ def combine(records: Sequence[Record]) -> Record:
     values = [process_value(e, scenario.metric) for e in entries]
     rounds_idx, unpaired = process_rounds(sides, values)
     labels = [f"{s}{i + 1}" for i, s in enumerate(sides)]  # a process: its side and place in the order
-    rounds = []
-    for idx in rounds_idx:
-        a = [values[j] or 0.0 for j in idx if sides[j] == "A"]
-        b = [values[j] or 0.0 for j in idx if sides[j] == "B"]
-        rounds.append({
-            "order": [sides[j] for j in idx], "processes": [labels[j] for j in idx],
-            "runs": [run for j in idx for run in entries[j]["runs"]], "ratio": method.round_ratio(a, b),
-        })  # fmt: skip
-    ratios = [r["ratio"] - 1.0 if scenario.is_overhead else r["ratio"] for r in rounds]
+    per_round = [_round_ratio(idx, sides, values) for idx in rounds_idx]  # a paired process has a value
+    rounds = [
+        {"order": [sides[j] for j in idx], "processes": [labels[j] for j in idx],
+         "runs": [run for j in idx for run in entries[j]["runs"]], "ratio": x}
+        for idx, x in zip(rounds_idx, per_round, strict=True)
+    ]  # fmt: skip
+    ratios = [x - 1.0 if scenario.is_overhead else x for x in per_round if x is not None]
     beside: dict[str, Any] = {}
-    for field in scenario.beside:
-        per_round = []
-        for idx in rounds_idx:
-            got = {j: process_value(entries[j], field, extra=True) for j in idx}
-            if all(v is not None for v in got.values()):
-                per_round.append(method.round_ratio(
-                    [got[j] or 0.0 for j in idx if sides[j] == "A"], [got[j] or 0.0 for j in idx if sides[j] == "B"]
-                ))  # fmt: skip
-        beside[f"{field}_ratio"] = method.summary_entry(per_round) if per_round else None
+    for field in scenario.beside:  # the same rounds' ratio of a figure the runs carry beside the metric
+        extra = [process_value(e, field, extra=True) for e in entries]
+        field_ratios = [x for x in (_round_ratio(idx, sides, extra) for idx in rounds_idx) if x is not None]
+        beside[f"{field}_ratio"] = method.summary_entry(field_ratios) if field_ratios else None
     described = {s: next(e["sides"][s] for e in entries if e["side"] == s) for s in ("A", "B") if s in sides}
     if len(described) == 2:
         beside |= weights_beside(scenario, described["A"], described["B"])
@@ -156,8 +149,6 @@ def combine(records: Sequence[Record]) -> Record:
         "processes": [_process(ordered[j], entries[j], labels[j], values[j], j in paired) for j in range(len(entries))],
         "rounds": rounds,
         "unpaired": [labels[j] for j in unpaired],
-        "rounds_incomplete": 0,
-        "rounds_skipped": 0,
         "summary": method.summary_entry(ratios) if ratios else None,
         "beside": beside,
     }  # fmt: skip
@@ -185,6 +176,14 @@ def combine(records: Sequence[Record]) -> Record:
         "wall_s": sum(float(r.get("wall_s") or 0.0) for r in ordered),
     }
     return report.finish(record)
+
+
+def _round_ratio(idx: Sequence[int], sides: Sequence[str], values: Sequence[float | None]) -> float | None:
+    """(a1 + a2) / (b1 + b2) over a round's processes `idx` (None: one of them has no value)."""
+    got = {j: values[j] for j in idx}
+    a = [v for j, v in got.items() if sides[j] == "A" and v is not None]
+    b = [v for j, v in got.items() if sides[j] == "B" and v is not None]
+    return method.round_ratio(a, b) if len(a) + len(b) == len(idx) else None
 
 
 def _process(

@@ -166,3 +166,20 @@ def test_the_report_takes_the_full_depth_record_over_the_truncated_one(tmp_path:
     table = bench_report.summary_table(report.merge([r for _, r in engine]), [n for n, _ in engine])
     (row,) = [line for line in table.splitlines() if line.startswith(f"| `{NAME}`")]
     assert "glm-5.2, 78 of 78 layers (rank 0 of 8), 1 x 2,048 / 256 tokens" in row and "| 1.05x |" in row
+
+
+def test_a_figure_beside_the_metric_gets_the_same_rounds() -> None:
+    """fp8kv_vs_bf16kv_long_c64 records its steady-decode ratio beside the end-to-end one."""
+    long = "fp8kv_vs_bf16kv_long_c64"
+    steady = {"A": [6.0, 6.4], "B": [4.0, 4.4]}
+    records = processes(("A", [3.0]), ("B", [2.0]), ("B", [2.0]), ("A", [3.0]))
+    for r in records:
+        entry = r["scenarios"].pop(NAME)
+        entry["scenario"] = long
+        for run in entry["runs"]:
+            run["extra"] = {"steady_decode_tok_s": steady[entry["side"]].pop(0)}
+        r["scenarios"][long] = entry
+    entry = side_records.combine(records)["scenarios"][long]
+    assert entry["summary"]["samples"] == pytest.approx([6.0 / 4.0])
+    assert entry["beside"]["steady_decode_tok_s_ratio"]["samples"] == pytest.approx([12.4 / 8.4])
+    assert "bytes_ceiling" not in entry["beside"]  # both sides INT4 experts: no weight bytes to compare
