@@ -8,6 +8,7 @@
     scenario      one of Cloudflare's scenarios, warm and A/B/B/A: the summary's ratios (`scenario_cli.py`)
     decode-c1     the decode step at concurrency 1 over its bytes, every weight format (`decode_c1.py`)
     report        merge records of several commands: `report A.json B.json … --out X.json`
+    combine       one-side records (`scenario … --side A|B`), processes A, B, B, A: the scenario's record
     host          the engine's host time per decode step, model excluded (`benchmarks/engine/host_overhead.py`)
     mtp           speculative decoding: speedup at c=1, c=64 on vs off, GLM 5.2 projection (`mtp_gpu.py`)
 
@@ -124,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.engine import mtp_gpu
 
         return mtp_gpu.main(args[1:])
+    if args[:1] == ["combine"]:  # its own options: one-side records, processes A, B, B, A, into one
+        from benchmarks.engine import side_records
+
+        return side_records.main(args[1:])
     if args[:1] == ["scenario"]:  # its own options: the scenario's sizes
         from benchmarks.engine import scenario_cli
 

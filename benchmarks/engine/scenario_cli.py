@@ -11,7 +11,8 @@ Sizes default to the scenario's own; `--tiny` (the CPU tests) swaps in the small
 lengths. `--compile-cache DIR` is where Triton compiles to (default: Triton's own `~/.triton/cache`);
 the record's `machine.is_fresh` says whether this was the first benchmark process on it. Records of
 the same scenario from several calls merge with `kumo bench engine report A.json B.json --out X.json`
-(their rounds pooled into one summary entry).
+(their rounds pooled into one summary entry). One-side records (`--side`) run as processes A, B, B, A
+combine into the scenario's record with `kumo bench engine combine` (benchmarks/engine/side_records.py).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit("kumo bench engine scenario: --tp and --rank-of exclude each other")
     if a.dcp > 1 and a.tp % a.dcp:
         raise SystemExit(f"kumo bench engine scenario: --dcp {a.dcp} must divide --tp {a.tp}")
-    start = time.monotonic()
+    start, started_unix_s = time.monotonic(), time.time()
     cache_dir = a.compile_cache or method.default_cache_dir()
     method.compile_cache_env(cache_dir)  # before anything can compile
     machine = method.machine_state(cache_dir)
@@ -146,6 +147,7 @@ def main(argv: list[str]) -> int:
         {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}, f"scenario:{a.name}",
     )  # fmt: skip
     record["machine"] = machine
+    record["started_unix_s"] = started_unix_s  # the order of one-side processes (side_records.py)
     record["parallel"] = {
         "tp": a.tp, "ep": a.ep or max(a.tp, a.rank_of), "dcp": a.dcp,
         "layout": f"a real group of {a.tp} ranks" if a.tp > 1

@@ -487,7 +487,7 @@ def _entry(
         extra = run.get("extra", run)  # the shapes are compared above; the record keeps their count
         if "step_shapes" in extra:
             extra["num_step_shapes"] = len(extra.pop("step_shapes"))
-    beside = {}
+    beside: dict[str, Any] = {}
     for field in scenario.beside:
         per_round = [
             method.round_ratio(
@@ -497,12 +497,7 @@ def _entry(
         ]
         beside[f"{field}_ratio"] = method.summary_entry(per_round) if per_round else None
     a, b = bench.described["A"], bench.described["B"]
-    if scenario.a.weights != scenario.b.weights and not scenario.b.is_transformers:
-        beside["bytes_ceiling"] = b["weight_bytes"] / a["weight_bytes"]  # at this depth: what decode reads
-        beside["bytes_ceiling_full_depth"] = (
-            b["full_depth_weight_bytes_per_gpu"] / a["full_depth_weight_bytes_per_gpu"]
-        )
-        beside["int4_checkpoint_over_fp8"] = 1.0 / beside["bytes_ceiling_full_depth"]
+    beside |= weights_beside(scenario, a, b)
     return {
         "scenario": name,
         "definition": scenario.definition,
@@ -518,3 +513,16 @@ def _entry(
         "summary": method.summary_entry(ratios) if ratios else None,
         "beside": beside,
     }  # fmt: skip
+
+
+def weights_beside(scenario: Scenario, a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    """Where the sides differ in weight format: B's weight bytes over A's (what a decode step reads),
+    at this depth and at full depth, and A's checkpoint as a share of B's; else nothing."""
+    if scenario.a.weights == scenario.b.weights or scenario.b.is_transformers:
+        return {}
+    full = b["full_depth_weight_bytes_per_gpu"] / a["full_depth_weight_bytes_per_gpu"]
+    return {
+        "bytes_ceiling": b["weight_bytes"] / a["weight_bytes"],
+        "bytes_ceiling_full_depth": full,
+        "int4_checkpoint_over_fp8": 1.0 / full,
+    }

@@ -6,7 +6,9 @@ Each stage record is a `kumo bench engine scenario … --tp 8` record named `<st
 them). A stage that runs one side a process (`--side A` / `--side B`: the GLM variants do not fit
 together, and the Kimi sides each take the whole KV pool) gives its ratio here: the i-th timed run
 of A over the i-th of B, in the order they ran (A's processes, then B's, each in order), one sample
-each; `{"value": median, "samples": [...], "spread": [min, max]}` as the benchmark issue's summary.
+each (`benchmarks.engine.side_records.paired_ratio`); `{"value": median, "samples": [...], "spread":
+[min, max]}` as the benchmark issue's summary. (One GPU, processes A, B, B, A by rounds: `kumo bench
+engine combine`, the same module.)
 
     glm-decode        int4_vs_fp8_decode_c1: tok/s per user at c=1, INT4 / FP8 (every Linear)
     glm-prefill       int4_vs_fp8_prefill: prefill tok/s of one 8,192-token prompt, INT4 / FP8
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine import method
+from benchmarks.engine.side_records import paired_ratio
 
 RATIO_STAGES = {  # stage → (summary key, the metric's run field)
     "glm-decode": ("int4_vs_fp8_decode_c1", "output_tok_s_per_user"),
@@ -78,18 +81,6 @@ def load(folder: Path) -> list[tuple[str, dict[str, Any]]]:
 def _entry(record: dict[str, Any]) -> dict[str, Any]:
     (entry,) = record["scenarios"].values()
     return dict(entry)
-
-
-def paired_ratio(entries: list[dict[str, Any]], field: str, *, extra: bool = False) -> dict[str, Any] | None:
-    """A / B of `field`, the i-th complete run of side A over the i-th of B, in the order they ran."""
-    values: dict[str, list[float]] = {"A": [], "B": []}
-    for e in entries:
-        for run in e["runs"]:
-            v = (run.get("extra") or {}).get(field) if extra else run.get(field)
-            if run["is_complete"] and v:
-                values[e["side"]].append(float(v))
-    samples = [a / b for a, b in zip(values["A"], values["B"], strict=False)]
-    return method.summary_entry(samples) | {"A": values["A"], "B": values["B"]} if samples else None
 
 
 def _pct(values: list[float], q: float) -> float | None:

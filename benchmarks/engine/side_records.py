@@ -1,0 +1,259 @@
+"""Records of one side each (`kumo bench engine scenario NAME --side A|B`, one process a side), and
+the two ways they give a scenario's ratio.
+
+    kumo bench engine combine RECORD|DIR … [--scenario NAME] --out X.json   # X.json + X.md
+    kumo bench engine combine RECORD|DIR … --out-dir DIR                   # DIR/NAME.json a scenario
+
+By process (`combine`, issue 25's full depth on one GPU): the processes, in the order they started,
+ran A, B, B, A, A, B, B, A, … each built its side, warmed it on every step shape, then timed its runs.
+A process's value is the mean of its complete runs' metric; each run of four processes A, B, B, A is a
+round, its ratio (a1 + a2) / (b1 + b2) as the method's (`benchmarks.engine.method.round_ratio`). A
+process that wrote no complete run, or four that do not read A, B, B, A, leave their round out: those
+processes are named under `unpaired` (a missing one never shifts the pairs after it). The result is a
+scenario record like one process's, so `kumo bench report` takes it beside the others; its
+`measured_on` is the processes' geometry (78 of 78 layers at `--rank-of 8` for GLM 5.2).
+
+By run (`paired_ratio`, the 8-GPU run's parts, `benchmarks.engine.x8`): the i-th complete run of A
+over the i-th of B, in the order they ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.engine import method, report
+
+Record = dict[str, Any]
+
+
+def side_entry(record: Record) -> dict[str, Any] | None:
+    """The record's one-side scenario entry (None: the record is something else)."""
+    entries = [e for e in (record.get("scenarios") or {}).values() if e is not None]
+    return dict(entries[0]) if len(entries) == 1 and "side" in entries[0] else None
+
+
+def started(record: Record) -> float:
+    """When the record's process started (its clock; records before it: its date, to the second)."""
+    if "started_unix_s" in record:
+        return float(record["started_unix_s"])
+    return datetime.datetime.fromisoformat(record["date"]).timestamp()
+
+
+def in_order(records: Sequence[Record]) -> list[Record]:
+    """The one-side records in the order their processes started (ties: the order given)."""
+    ranked = sorted(enumerate(records), key=lambda ir: (started(ir[1]), ir[0]))
+    return [r for _, r in ranked if side_entry(r) is not None]
+
+
+def paired_ratio(entries: list[dict[str, Any]], field: str, *, extra: bool = False) -> dict[str, Any] | None:
+    """A / B of `field`, the i-th complete run of side A over the i-th of B, in the order they ran."""
+    values: dict[str, list[float]] = {"A": [], "B": []}
+    for e in entries:
+        for run in e["runs"]:
+            v = (run.get("extra") or {}).get(field) if extra else run.get(field)
+            if run["is_complete"] and v:
+                values[e["side"]].append(float(v))
+    samples = [a / b for a, b in zip(values["A"], values["B"], strict=False)]
+    return method.summary_entry(samples) | {"A": values["A"], "B": values["B"]} if samples else None
+
+
+def process_value(entry: dict[str, Any], field: str, *, extra: bool = False) -> float | None:
+    """The mean of `field` over the process's complete runs (None: it completed none)."""
+    values = [
+        float((run.get("extra") or {})[field] if extra else run[field])
+        for run in entry["runs"]
+        if run["is_complete"]
+    ]
+    return statistics.fmean(values) if values else None
+
+
+def process_rounds(sides: Sequence[str], values: Sequence[float | None]) -> tuple[list[list[int]], list[int]]:
+    """The processes (indices, in the order they ran) grouped into rounds of A, B, B, A with a value
+    each, and the ones left out: a window that is not such a round gives up its first process and
+    the search goes on from the next, so one missing process costs its own round only."""
+    rounds: list[list[int]] = []
+    unpaired: list[int] = []
+    i = 0
+    while i < len(sides):
+        window = list(range(i, i + len(method.ROUND)))
+        if (
+            window[-1] < len(sides)
+            and [sides[j] for j in window] == list(method.ROUND)
+            and all(values[j] is not None for j in window)
+        ):
+            rounds.append(window)
+            i += len(window)
+        else:
+            unpaired.append(i)
+            i += 1
+    return rounds, unpaired
+
+
+def _group_key(record: Record, entry: dict[str, Any]) -> str:
+    g = record["geometry"]
+    return json.dumps([entry["scenario"], g["kind"], g["num_layers"], g.get("rank_of", 1), entry["workload"]])
+
+
+def combine(records: Sequence[Record]) -> Record:
+    """One scenario record from one-side records of that scenario, geometry and workload, their
+    processes paired by rounds (module docstring)."""
+    from benchmarks.engine.scenarios import SCENARIOS, weights_beside  # torch: only when combining
+
+    ordered = in_order(records)
+    if not ordered:
+        raise ValueError("no one-side scenario record (`kumo bench engine scenario NAME --side A|B`)")
+    keys = {_group_key(r, side_entry(r) or {}) for r in ordered}
+    if len(keys) > 1:
+        raise ValueError(f"records of more than one scenario, geometry or workload: {sorted(keys)}")
+    entries = [side_entry(r) or {} for r in ordered]
+    name = entries[0]["scenario"]
+    scenario = SCENARIOS[name]
+    sides = [e["side"] for e in entries]
+    values = [process_value(e, scenario.metric) for e in entries]
+    rounds_idx, unpaired = process_rounds(sides, values)
+    labels = [f"{s}{i + 1}" for i, s in enumerate(sides)]  # a process: its side and place in the order
+    per_round = [_round_ratio(idx, sides, values) for idx in rounds_idx]  # a paired process has a value
+    rounds = [
+        {"order": [sides[j] for j in idx], "processes": [labels[j] for j in idx],
+         "runs": [run for j in idx for run in entries[j]["runs"]], "ratio": x}
+        for idx, x in zip(rounds_idx, per_round, strict=True)
+    ]  # fmt: skip
+    ratios = [x - 1.0 if scenario.is_overhead else x for x in per_round if x is not None]
+    beside: dict[str, Any] = {}
+    for field in scenario.beside:  # the same rounds' ratio of a figure the runs carry beside the metric
+        extra = [process_value(e, field, extra=True) for e in entries]
+        field_ratios = [x for x in (_round_ratio(idx, sides, extra) for idx in rounds_idx) if x is not None]
+        beside[f"{field}_ratio"] = method.summary_entry(field_ratios) if field_ratios else None
+    described = {s: next(e["sides"][s] for e in entries if e["side"] == s) for s in ("A", "B") if s in sides}
+    if len(described) == 2:
+        beside |= weights_beside(scenario, described["A"], described["B"])
+    paired = {j for idx in rounds_idx for j in idx}
+    entry = {
+        "scenario": name,
+        "definition": scenario.definition,
+        "method": "one side a process (build, warm-up on every step shape, timed runs), processes A, B, B, A; "
+        "a round's ratio (a1 + a2) / (b1 + b2) of the processes' mean metric",
+        "metric": scenario.metric,
+        "workload": entries[0]["workload"],
+        "sides": described,
+        "warm_up": {label: e["warm_up"] for label, e in zip(labels, entries, strict=True) if e["warm_up"]} or None,
+        "warm_up_missed_shapes": {label: e["warm_up_missed_shapes"] for label, e in zip(labels, entries, strict=True)},
+        "order": [sides[j] for idx in rounds_idx for j in idx],
+        "processes": [_process(ordered[j], entries[j], labels[j], values[j], j in paired) for j in range(len(entries))],
+        "rounds": rounds,
+        "unpaired": [labels[j] for j in unpaired],
+        "summary": method.summary_entry(ratios) if ratios else None,
+        "beside": beside,
+    }  # fmt: skip
+    first = ordered[0]
+    machines = [r.get("machine") or {} for r in ordered]
+    record = {
+        "command": "kumo bench engine combine: " + "; ".join(r["command"] for r in ordered),
+        "date": first["date"],
+        "started_unix_s": started(first),
+        "device": first["device"],
+        "torch": first.get("torch"),
+        "geometry": first["geometry"],
+        "comparisons": [f"scenario:{name}"],
+        "options": first.get("options"),
+        "variants": [],
+        "runs": [],
+        "integrity": None,
+        "transformers": None,
+        "machine": {  # fresh: any process was the first benchmark process on its machine
+            "is_fresh": any(m.get("is_fresh", False) for m in machines),
+            "processes_fresh": [m.get("is_fresh") for m in machines],
+        },
+        "parallel": first.get("parallel"),
+        "scenarios": {name: entry},
+        "wall_s": sum(float(r.get("wall_s") or 0.0) for r in ordered),
+    }
+    return report.finish(record)
+
+
+def _round_ratio(idx: Sequence[int], sides: Sequence[str], values: Sequence[float | None]) -> float | None:
+    """(a1 + a2) / (b1 + b2) over a round's processes `idx` (None: one of them has no value)."""
+    got = {j: values[j] for j in idx}
+    a = [v for j, v in got.items() if sides[j] == "A" and v is not None]
+    b = [v for j, v in got.items() if sides[j] == "B" and v is not None]
+    return method.round_ratio(a, b) if len(a) + len(b) == len(idx) else None
+
+
+def _process(
+    record: Record, entry: dict[str, Any], label: str, value: float | None, is_paired: bool
+) -> dict[str, Any]:
+    return {
+        "process": label, "side": entry["side"], "date": record["date"], "started_unix_s": started(record),
+        "wall_s": record.get("wall_s"), "build_s": entry["sides"][entry["side"]].get("build_s"),
+        "value": value, "runs": len(entry["runs"]), "runs_incomplete": entry.get("runs_incomplete", 0),
+        "is_paired": is_paired, "is_fresh": (record.get("machine") or {}).get("is_fresh"),
+        "command": record["command"],
+    }  # fmt: skip
+
+
+def summary_line(record: Record) -> str:
+    """The combined key in one line: median [spread], the rounds, the depth, what was left out."""
+    (name, entry), g = next(iter(record["scenarios"].items())), record["geometry"]
+    s = entry["summary"]
+    value = "no complete round" if s is None else (
+        f"{s['value']:.3f} [{s['spread'][0]:.3f}, {s['spread'][1]:.3f}] from {len(s['samples'])} rounds "
+        f"({', '.join(f'{x:.3f}' for x in s['samples'])})"
+    )  # fmt: skip
+    return (
+        f"{name}: {value}; processes {' '.join(p['process'] for p in entry['processes'])}, unpaired "
+        f"{entry['unpaired'] or 'none'}; {g['kind']} {g['num_layers']} of {g['full_num_layers']} layers "
+        f"(rank 0 of {g.get('rank_of', 1)})"
+    )
+
+
+def load(paths: Sequence[Path], scenario: str | None = None) -> list[Record]:
+    """The one-side records among `paths` (a folder: its *.json), of `scenario` if named."""
+    files = [f for p in paths for f in (sorted(p.glob("*.json")) if p.is_dir() else [p])]
+    out = []
+    for f in files:
+        record = json.loads(f.read_text())
+        entry = side_entry(record) if isinstance(record, dict) else None
+        if entry is not None and scenario in (None, entry["scenario"]):
+            out.append(record)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kumo bench engine combine", description=__doc__.splitlines()[0])
+    ap.add_argument("records", nargs="+", type=Path, help="one-side records, or folders of them")
+    ap.add_argument("--scenario", default=None, help="only that scenario's records")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="the scenario record (.json; .md beside it)")
+    where.add_argument("--out-dir", type=Path, help="one record per scenario there, DIR/NAME.json")
+    a = ap.parse_args(argv)
+    records = load(a.records, a.scenario)
+    by_name: dict[str, list[Record]] = {}
+    for r in records:
+        by_name.setdefault((side_entry(r) or {})["scenario"], []).append(r)
+    if a.out is not None and len(by_name) > 1:
+        ap.error(
+            f"records of {len(by_name)} scenarios ({', '.join(sorted(by_name))}): --scenario or --out-dir"
+        )
+    lines = []
+    for name, group in by_name.items() or [("", [])]:
+        try:
+            record = combine(group)
+        except ValueError as exc:
+            raise SystemExit(f"kumo bench engine combine: {exc}") from exc
+        paths = report.write(record, a.out or a.out_dir / f"{name}.json")
+        print(report.markdown(record))
+        print("wrote " + ", ".join(paths))
+        lines.append(summary_line(record))
+    print("\n".join(lines))  # the combined keys last, one line each
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
