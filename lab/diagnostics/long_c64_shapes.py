@@ -26,7 +26,9 @@ def run(pool_tokens: int, output_len: int) -> dict:
     model = NullModel(vocab_size=64)
     config = engine_config(pool_tokens // 16, 16, "bf16", 64, 2048, cuda_graphs=False)
     engine = Engine(model, config, vocab_size=64, context_window=262_144)  # type: ignore[arg-type]
-    r = run_offline(engine, variant="sim", concurrency=64, input_len=16384, output_len=output_len, vocab_size=64)
+    r = run_offline(
+        engine, variant="sim", concurrency=64, input_len=16384, output_len=output_len, vocab_size=64
+    )
     return r.to_dict()
 
 

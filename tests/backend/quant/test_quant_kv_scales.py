@@ -309,7 +309,9 @@ def test_mtp_layers_get_measured_fp8_scales_and_speculate_with_fp8_kv(arch: str,
     )
     runs = {}
     for k in (0, 3):
-        engine_config = EngineConfig.build(**config, num_speculative_tokens=k, speculative_max_seqs=8)
+        engine_config = EngineConfig.build(  # always k drafts: this checks exactness while drafting
+            **config, num_speculative_tokens=k, speculative_max_seqs=8, speculative_adaptive=False
+        )
         loaded = load_model(path, dtype=torch.float32, num_mtp_layers=1)
         engine = Engine.from_prepared(prepare_model(loaded, engine_config), engine_config)
         reqs = [request(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
