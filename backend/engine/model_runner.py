@@ -131,6 +131,7 @@ class ModelRunner:
                 capture=graph_capture if self.graphs is not None and self.graphs.is_enabled else None,
                 max_seq_len=max_seq_len,
                 ranks=ranks,
+                staging=self.staging,
             )
             if config.num_speculative_tokens
             else None

@@ -227,11 +227,7 @@ class SpecDecoder:
     def _run_greedy(self, rows: list[_Row], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
         """The step as one device function: verify, accept, propose; one copy back."""
         k, L = self.k, self.k + 1
-        items = [
-            (r.sched.seq, r.sched.seq.num_computed_tokens, [r.sched.seq.token_ids[-1], *r.drafts])
-            for r in rows
-        ]
-        host = self._host(items, list(range(len(rows) * L)), extra_tokens=k - 1)
+        host = self._plan_greedy(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
         packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 2 + 2k], [B]
         values = torch.cat([packed.reshape(-1), flags.to(torch.int64)]).tolist()  # the step's one copy back
@@ -279,6 +275,36 @@ class SpecDecoder:
         return _Row(s, is_drafting, list(drafts))
 
     # ---- planning --------------------------------------------------------------------------------
+    def _plan_greedy(self, rows: list[_Row]) -> HostBatch:
+        """A greedy step's verify, vectorised: each sequence's newest token and its k drafts at
+        positions n-1 … n-1+k, its page table as wide as the chained drafts need (n + 2k - 1
+        tokens)."""
+        k, L, S, B = self.k, self.k + 1, self.block_manager.page_size, len(rows)
+        seqs = [r.sched.seq for r in rows]
+        tokens = np.array(
+            [[seq.token_ids[-1], *r.drafts] for seq, r in zip(seqs, rows, strict=True)], dtype=np.int64
+        )  # [B, L]
+        starts, table_rows, lengths = np.array(
+            [(seq.num_computed_tokens, seq.page_table.row, seq.page_table.length) for seq in seqs],
+            dtype=np.int64,
+        ).T  # [B] each
+        positions = starts[:, None] + np.arange(L)  # [B, L]
+        ids, tags = self.block_manager.page_tables.gather(table_rows, lengths, (starts + L + k - 2) // S + 1)
+        slots = ids[np.arange(B)[:, None], positions // S] * np.int64(S) + positions % S  # [B, L]
+        rows_of = np.arange(B * L)  # [B·L] every row a logits row
+        return HostBatch(
+            input_ids=tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            slots=slots.reshape(-1),
+            seq_index=rows_of // L,
+            query_start=np.arange(0, B * L + 1, L, dtype=np.int32),
+            seq_lens=(starts + L).astype(np.int32),
+            logits_indices=rows_of,
+            page_table=ids,
+            expected_tags=tags,
+            rows_per_seq=L,
+        )
+
     def _plan_target(self, rows: list[_Row]) -> tuple[HostBatch, dict[int, tuple[list[int], list[int]]]]:
         """The verify forward's inputs: each sequence's chunk, a drafting decode's drafts after its
         newest token; the logits rows of every verify position, sample row and prompt row."""

@@ -38,7 +38,7 @@ import torch
 from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
-from backend.engine.host_staging import array_to_device, to_device
+from backend.engine.host_staging import StagingBuffer, array_to_device, to_device
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.speculative_greedy import greedy_step
 from backend.engine.verify_graphs import VerifyGraphs
@@ -62,6 +62,7 @@ class SpecForwards:
         self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
         self.page_size = page_size
         self.graphs = graphs
+        self.staging = graphs.staging if graphs is not None else None  # a greedy step's one copy
         self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
         self.propose_graphs: VerifyGraphs | None = (
             None  # depth 0 after a uniform verify (`capture_proposals`)
@@ -84,12 +85,14 @@ class SpecForwards:
         capture: Capture | None,
         max_seq_len: int | None,
         ranks: Any = None,
+        staging: StagingBuffer | None = None,
     ) -> SpecForwards:
         """With verify and draft graphs when the runner captures decode graphs (`capture`): k = 1 … K,
         the decode graphs' batch sizes up to `speculative_max_seqs`, page tables as wide as theirs
         (`max_seq_len` tokens; None: the whole pool). `ranks` (a StepChannel): the tensor-parallel ranks
         agree on each kind of graph, as on the decode graphs: one rank replaying a captured step beside
-        another running it eagerly would pair collectives of different sizes."""
+        another running it eagerly would pair collectives of different sizes. `staging`: the runner's
+        staging buffer, which the verify graphs' steps cross in (None: their own)."""
         S = config.page_size
         max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
         sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
@@ -107,6 +110,7 @@ class SpecForwards:
                     check_tags=config.check_page_tags,
                     capture=capture,
                     greedy=functools.partial(_greedy, model, S),
+                    staging=staging,
                 )
             if ranks is not None and not ranks.agree(graphs.is_enabled):
                 graphs.disable("verify graphs failed to capture on another rank")
@@ -201,12 +205,9 @@ class SpecForwards:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
         spec, host = inputs.spec, inputs.host
         assert spec is not None, "a speculative forward names its kind"
-        if inputs.tag_updates is not None:  # [U, 2] (page, tag): before any page is read
-            updates = array_to_device(inputs.tag_updates, self.device)
-            self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
-            self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
         if spec.depth == GREEDY:
-            return self._greedy(host)
+            return self._greedy(host, inputs.tag_updates)
+        self._update_tags(inputs.tag_updates)
         if spec.depth == VERIFY:
             replayed = self.graphs.run(host) if self.graphs is not None else None
             if replayed is not None:
@@ -230,17 +231,34 @@ class SpecForwards:
             self.drafted.append(ids)
         return logits, mismatch
 
-    def _greedy(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _update_tags(self, tag_updates: np.ndarray | None) -> None:
+        """Write the step's [U, 2] (page, tag) pairs into the cache before any page is read."""
+        if tag_updates is not None:
+            updates = array_to_device(tag_updates, self.device)
+            self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
+            self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
+
+    def _greedy(self, host: HostBatch, tag_updates: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole greedy step: (`[B, 2 + 2k]` int64, tag_mismatch [B]), from its graph when one
-        fits, else eagerly (the same function)."""
+        fits (its inputs and the tag updates in one copy), else eagerly (the same function)."""
         B, S = host.num_seqs, self.page_size
         k = len(host.input_ids) // B - 1
+        graphs, st = self.graphs, self.staging
+        shape = graphs.shape_of(host, greedy=True) if graphs is not None else None
+        if graphs is None or st is None or shape is None:
+            self._update_tags(tag_updates)
+            batch = self.batch(host)
+            return greedy_step(self.model, batch, k, S), batch.tag_mismatch
+        st.start()
+        tags = (st.add(tag_updates[:, 0]), st.add(tag_updates[:, 1])) if tag_updates is not None else None
         num_pages = (host.seq_lens.astype(np.int64) + k - 1 + S - 1) // S  # the chained drafts' too
-        replayed = self.graphs.run_greedy(host, num_pages) if self.graphs is not None else None
-        if replayed is not None:
-            return replayed
-        batch = self.batch(host)
-        return greedy_step(self.model, batch, k, S), batch.tag_mismatch
+        graphs.stage(host, shape, num_pages)
+        st.send()  # the step's one copy to the device
+        if tags is not None:
+            pages = st.view(tags[0])
+            self.kv_cache.page_tags.index_copy_(0, pages, st.view(tags[1]))
+            self.clear_draft_kv(pages)  # fresh pages: no stale MTP KV
+        return graphs.replay_greedy(shape, B)
 
     def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Depth 0 over the verify's hidden rows `index`: from a propose graph when the rows are a

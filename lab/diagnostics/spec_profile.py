@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             timed(forwards, "_greedy", totals, "forwards._greedy")
             if forwards.graphs is not None:
                 timed(forwards.graphs, "run", totals, "verify graphs.run")
-                timed(forwards.graphs, "run_greedy", totals, "verify graphs.run_greedy")
+                timed(forwards.graphs, "replay_greedy", totals, "verify graphs.replay_greedy")
         counts.clear()
         steps = run(engine, prompts, stops, args.max_tokens)
         lines.append(f"== side {side}: {steps} steps, ms per step:")
