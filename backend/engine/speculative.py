@@ -284,12 +284,21 @@ class SpecDecoder:
         tokens = np.array(
             [[seq.token_ids[-1], *r.drafts] for seq, r in zip(seqs, rows, strict=True)], dtype=np.int64
         )  # [B, L]
-        starts, table_rows, lengths = np.array(
-            [(seq.num_computed_tokens, seq.page_table.row, seq.page_table.length) for seq in seqs],
+        # per sequence: its first position n-1, its table's row and length, its pages for n + 2k - 1 tokens
+        starts, table_rows, lengths, num_pages = np.array(
+            [
+                (
+                    seq.num_computed_tokens,
+                    seq.page_table.row,
+                    seq.page_table.length,
+                    (seq.num_computed_tokens + L + k - 2) // S + 1,
+                )
+                for seq in seqs
+            ],
             dtype=np.int64,
         ).T  # [B] each
         positions = starts[:, None] + np.arange(L)  # [B, L]
-        ids, tags = self.block_manager.page_tables.gather(table_rows, lengths, (starts + L + k - 2) // S + 1)
+        ids, tags = self.block_manager.page_tables.gather(table_rows, lengths, num_pages)
         slots = ids[np.arange(B)[:, None], positions // S] * np.int64(S) + positions % S  # [B, L]
         rows_of = np.arange(B * L)  # [B·L] every row a logits row
         return HostBatch(
