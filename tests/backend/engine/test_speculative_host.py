@@ -24,19 +24,32 @@ __all__ = ["loaded"]  # the fixture
 
 
 class Transfers:
-    """Counts, while installed: copies to the device (`h2d`: a staging buffer's send, the
+    """Counts, while installed and outside `model`'s forwards (an eager forward's own work is the
+    model's, as a graph's is): copies to the device (`h2d`: a staging buffer's send, the
     `to_device` helpers, `torch.tensor(..., device=)`), tensors made from host data (`host_tensors`)
     and reads of device values (`reads`)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
         self.counts: Counter[str] = Counter()
+        self.inside = 0
 
         def counted(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
             def wrapper(*args: Any, **kw: Any) -> Any:
-                self.counts[label] += 1
-                if label == "host_tensors" and kw.get("device") is not None:
-                    self.counts["h2d"] += 1
+                if not self.inside:
+                    self.counts[label] += 1
+                    if label == "host_tensors" and kw.get("device") is not None:
+                        self.counts["h2d"] += 1
                 return fn(*args, **kw)
+
+            return wrapper
+
+        def forward(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                self.inside += 1
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    self.inside -= 1
 
             return wrapper
 
@@ -51,6 +64,8 @@ class Transfers:
             monkeypatch.setattr(torch, name, counted(getattr(torch, name), "host_tensors"))
         for name in ("tolist", "item", "cpu"):
             monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name), "reads"))
+        for name in ("forward", "forward_spec", "forward_mtp"):
+            monkeypatch.setattr(model, name, forward(getattr(model, name)))
 
 
 def steps(
@@ -86,23 +101,28 @@ def steps(
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("k", [3, 0], ids=["greedy", "plain"])
+@pytest.mark.parametrize("kind", ["greedy", "greedy-eager", "plain"])
 def test_a_decode_step_sends_once_and_reads_once(
-    loaded: dict[str, Any], arch: str, k: int, monkeypatch: pytest.MonkeyPatch
+    loaded: dict[str, Any], arch: str, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every greedy step with k = 3 drafts (and, the bar it is held to, every plain decode step):
-    one copy to the device, the page-tag updates in it too, one read back, no tensor from host data;
-    greedy outputs those of plain decoding."""
+    """Every greedy step with k = 3 drafts, from the graphs' buffers or eager (no graphs: the CPU's
+    path), and, the bar they are held to, every plain decode step: one copy to the device, the
+    page-tag updates in it too, one read back, no tensor from host data; greedy outputs those of
+    plain decoding."""
     model = loaded[arch]
     reqs = [request("r0", prompts(1, model.config.vocab_size, seed=4)[0], max_tokens=40)]
     plain = run_all(engine_for(model, 0), reqs)
-    engine = graphed(model, k)
-    records, results = steps(engine, reqs, Transfers(monkeypatch))
+    k = 0 if kind == "plain" else 3
+    engine = engine_for(model, k, speculative_adaptive=False) if kind == "greedy-eager" else graphed(model, k)
+    records, results = steps(engine, reqs, Transfers(monkeypatch, engine.runner.model))
     assert results["r0"].token_ids == plain["r0"].token_ids
     kept = [r for r in records if (r["greedy"] if k else r["decode"])]
     assert len(kept) >= 5 and any(r["tag_updates"] for r in kept)  # some steps carried new pages' tags
-    if k:
-        graphs = engine.runner.spec_forwards.graphs  # type: ignore[union-attr]
-        assert graphs is not None and graphs.num_greedy_replays == len(kept)
+    forwards = engine.runner.spec_forwards
+    if kind == "greedy":
+        assert forwards is not None and forwards.graphs is not None
+        assert forwards.graphs.num_greedy_replays == len(kept)
+    if kind == "greedy-eager":
+        assert forwards is not None and forwards.graphs is None
     for r in kept:
         assert (r.get("h2d", 0), r.get("reads", 0), r.get("host_tensors", 0)) == (1, 1, 0), r
