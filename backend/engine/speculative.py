@@ -229,19 +229,19 @@ class SpecDecoder:
         k, L = self.k, self.k + 1
         host = self._plan_greedy(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
-        packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 2 + 2k], [B]
-        values = torch.cat([packed.reshape(-1), flags.to(torch.int64)]).tolist()  # the step's one copy back
-        width = 2 + 2 * k
+        packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 3 + 2k], [B]
+        if self.runner.ranks is not None:  # the flags OR-reduced over the ranks, for this rank's own
+            packed[:, -1].copy_(flags)
+        values = packed.tolist()  # the step's one copy back
         self.num_greedy_steps += 1
         results = []
-        for b, r in enumerate(rows):
+        for r, (a, *rest, flag) in zip(rows, values, strict=True):
             seq = r.sched.seq
             self._drafts.pop(seq.request_id, None)
-            res = SeqResult(seq, 1, bool(values[len(rows) * width + b]))
+            res = SeqResult(seq, 1, bool(flag))
             results.append(res)
             if res.is_tag_mismatch:
                 continue
-            a, *rest = values[b * width : (b + 1) * width]
             tokens, drafts = rest[: a + 1], rest[L:]
             res.num_new_tokens = a + 1  # the verify rows of the accepted tokens hold valid KV
             self.stats.verifies += 1

@@ -246,7 +246,7 @@ class SpecForwards:
             self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
 
     def _greedy(self, host: HostBatch, tag_updates: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole greedy step: (`[B, 2 + 2k]` int64, tag_mismatch [B]), from its graph when one
+        """A whole greedy step: (`[B, 3 + 2k]` int64, tag_mismatch [B]), from its graph when one
         fits, else eagerly (the same function); its inputs and the tag updates in one copy."""
         B, S, graphs = host.num_seqs, self.page_size, self.graphs
         k = len(host.input_ids) // B - 1

@@ -44,7 +44,7 @@ from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
 VerifyReplay = Callable[[], SpecOutput]
-GreedyStep = Callable[[ForwardBatch, int], torch.Tensor]  # (verify batch, k) -> [B, 2 + 2k] int64
+GreedyStep = Callable[[ForwardBatch, int], torch.Tensor]  # (verify batch, k) -> [B, 3 + 2k] int64
 
 
 class VerifyGraphs:
@@ -192,7 +192,7 @@ class VerifyGraphs:
 
     def replay_greedy(self, shape: tuple[int, int], num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the buffers from the sent staging buffer (`stage`), replay the greedy graph of
-        `shape` (k, bucket): (`[B, 2 + 2k]` int64, tag_mismatch [B])."""
+        `shape` (k, bucket): (`[B, 3 + 2k]` int64, tag_mismatch [B])."""
         self._fill()
         out = self._greedy_replays[shape]()
         self.num_greedy_replays += 1
