@@ -72,6 +72,25 @@ Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]  # step -> replay returning step's output
 
 
+def stage_page_tables(
+    staging: StagingBuffer, host: HostBatch, bucket: int, num_pages: np.ndarray, scratch_page: int
+) -> tuple[int, int]:
+    """Stage `host`'s page tables and expected tags as `bucket` rows: the padding rows, and the
+    columns past each sequence's first `num_pages` [B], hold the scratch page under `SCRATCH_TAG`.
+    Returns their staging handles (pages [bucket, Mp] int32, tags [bucket, Mp] int64)."""
+    B, width = host.num_seqs, host.page_table.shape[1]
+    past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
+    h_pages, pages = staging.reserve(np.int32, (bucket, width))
+    pages[:B], pages[B:] = host.page_table, scratch_page  # (an empty slice when B fills the bucket)
+    if past is not None:  # columns past a row's pages: the scratch page too
+        pages[:B][past] = scratch_page
+    h_tags, tags = staging.reserve(np.int64, (bucket, width))
+    tags[:B], tags[B:] = host.expected_tags, SCRATCH_TAG
+    if past is not None:
+        tags[:B][past] = SCRATCH_TAG
+    return h_pages, h_tags
+
+
 def eager_capture(step: Callable[[], torch.Tensor]) -> Replay:
     """No graph: every replay runs `step` eagerly over the static buffers (the CPU tests' capture)."""
     return step
@@ -211,16 +230,7 @@ class DecodeGraphs:
         vectors[0, :B], vectors[1, :B], vectors[2, :B] = host.input_ids, host.positions, host.slots
         if bucket > B:
             vectors[:2, B:], vectors[2, B:] = 0, scratch * S
-        num_pages = (host.seq_lens + (S - 1)) // S  # [B]
-        past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
-        h_pages, pages = st.reserve(np.int32, (bucket, width))
-        pages[:B], pages[B:] = host.page_table, scratch  # (an empty slice when B fills the bucket)
-        if past is not None:  # columns past a row's pages: the scratch page too
-            pages[:B][past] = scratch
-        h_tags, tags = st.reserve(np.int64, (bucket, width))
-        tags[:B], tags[B:] = host.expected_tags, SCRATCH_TAG
-        if past is not None:
-            tags[:B][past] = SCRATCH_TAG
+        h_pages, h_tags = stage_page_tables(st, host, bucket, (host.seq_lens + (S - 1)) // S, scratch)
         self._staged = (bucket, width, [h_vectors, h_pages, h_tags])
         return bucket
 

@@ -108,6 +108,9 @@ class HostBatch:
     image_parts: list[torch.Tensor] = field(default_factory=list)  # their embeddings, in order
     # one new token and one logits row per sequence, in order, and no image rows (set by the planner)
     is_pure_decode: bool = False
+    # every sequence runs this many rows, every row a logits row, in order, no image rows (a uniform
+    # verify: set by the greedy speculative planner); 0: not known
+    rows_per_seq: int = 0
 
     @property
     def num_seqs(self) -> int:

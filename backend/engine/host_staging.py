@@ -16,6 +16,8 @@ import math
 import numpy as np
 import torch
 
+from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
+
 ALIGN = 64  # bytes
 _TORCH_DTYPES = {
     np.dtype(np.int64): torch.int64,
@@ -87,6 +89,44 @@ class StagingBuffer:
         self._typed = {dt: host_np.view(dt) for dt in _TORCH_DTYPES}  # the whole buffer, per type
         self._device = torch.empty(capacity, dtype=torch.uint8, device=self.device)
         self._views.clear()
+
+
+def stage_batch(staging: StagingBuffer, h: HostBatch) -> list[int]:
+    """Stage every ForwardBatch field of an eager step (page tables as wide as its widest sequence):
+    their handles for `staged_batch`, after the buffer's send."""
+    fields = (h.input_ids, h.positions, h.query_start, h.seq_lens, h.page_table, h.expected_tags)
+    return [staging.add(a) for a in (*fields, h.slots, h.logits_indices, h.seq_index)]
+
+
+def staged_batch(
+    staging: StagingBuffer, h: HostBatch, handles: list[int], kv_cache: KVCache, *, check_tags: bool
+) -> ForwardBatch:
+    """The eager step's ForwardBatch: views of the sent staging buffer (`stage_batch`'s `handles`)."""
+    v = [staging.view(i) for i in handles]
+    dev = staging.device
+    image_embeds = None
+    if h.image_rows:
+        image_embeds = ImageEmbeds(
+            token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
+            embeds=torch.cat(h.image_parts).to(dev),
+        )
+    B = h.num_seqs
+    return ForwardBatch(
+        input_ids=v[0],
+        positions=v[1],
+        query_start=v[2],
+        seq_lens=v[3],
+        page_table=v[4],
+        expected_tags=v[5],
+        slot_mapping=v[6],
+        logits_indices=v[7],
+        kv_cache=kv_cache,
+        tag_mismatch=torch.zeros(B, dtype=torch.bool, device=dev),
+        is_decode_only=len(h.input_ids) == B,
+        check_tags=check_tags,
+        image_embeds=image_embeds,
+        seq_index=v[8],
+    )
 
 
 def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -28,8 +28,8 @@ import torch
 
 from backend.engine.decode_graphs import Capture, CudaGraphCapture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
-from backend.engine.forward_batch import CacheSpec, ForwardBatch, HostBatch, ImageEmbeds, KVCache
-from backend.engine.host_staging import StagingBuffer, to_device
+from backend.engine.forward_batch import CacheSpec, ForwardBatch, KVCache
+from backend.engine.host_staging import StagingBuffer, stage_batch, staged_batch, to_device
 from backend.engine.page_table import PageTables
 from backend.engine.ranks import StepChannel, StepInputs
 from backend.engine.sampler import Sampler, SampleRow, TokenScore
@@ -131,6 +131,7 @@ class ModelRunner:
                 capture=graph_capture if self.graphs is not None and self.graphs.is_enabled else None,
                 max_seq_len=max_seq_len,
                 ranks=ranks,
+                staging=self.staging,
             )
             if config.num_speculative_tokens
             else None
@@ -203,7 +204,7 @@ class ModelRunner:
         if inputs.tag_updates is not None:  # [U, 2] (page, tag)
             tags = st.add(inputs.tag_updates[:, 0]), st.add(inputs.tag_updates[:, 1])
         bucket = graphs.stage(host) if graphs is not None and host.is_pure_decode else None
-        staged = self._stage_eager(host) if bucket is None else []
+        staged = stage_batch(st, host) if bucket is None else []
         st.send()  # the step's one copy to the device
         if tags is not None:
             pages = st.view(tags[0])
@@ -213,7 +214,7 @@ class ModelRunner:
         if graphs is not None and bucket is not None:
             logits, mismatch = graphs.replay(host.num_seqs)
         else:
-            batch = self._forward_batch(host, staged)
+            batch = staged_batch(st, host, staged, self.kv_cache, check_tags=self.config.check_page_tags)
             logits, mismatch = self.model.forward(batch), batch.tag_mismatch  # [N, V], [B]
         return logits, mismatch
 
@@ -230,40 +231,6 @@ class ModelRunner:
                 got = found[ref.page_id] if 0 <= ref.page_id < len(found) else -1
                 return ref.page_id, ref.tag, got
         return None
-
-    # ---- batch construction --------------------------------------------------------------------
-    def _stage_eager(self, h: HostBatch) -> list[int]:
-        """Stage the eager step's ForwardBatch fields (page tables as wide as its widest sequence)."""
-        fields = (h.input_ids, h.positions, h.query_start, h.seq_lens, h.page_table, h.expected_tags)
-        return [self.staging.add(a) for a in (*fields, h.slots, h.logits_indices, h.seq_index)]
-
-    def _forward_batch(self, h: HostBatch, staged: list[int]) -> ForwardBatch:
-        """The eager step's ForwardBatch: views of the staged copy (`_stage_eager`)."""
-        v = [self.staging.view(i) for i in staged]
-        dev = self.device
-        image_embeds = None
-        if h.image_rows:
-            image_embeds = ImageEmbeds(
-                token_indices=torch.tensor(h.image_rows, dtype=torch.int64, device=dev),
-                embeds=torch.cat(h.image_parts).to(dev),
-            )
-        B = h.num_seqs
-        return ForwardBatch(
-            input_ids=v[0],
-            positions=v[1],
-            query_start=v[2],
-            seq_lens=v[3],
-            page_table=v[4],
-            expected_tags=v[5],
-            slot_mapping=v[6],
-            logits_indices=v[7],
-            kv_cache=self.kv_cache,
-            tag_mismatch=torch.zeros(B, dtype=torch.bool, device=dev),
-            is_decode_only=len(h.input_ids) == B,
-            check_tags=self.config.check_page_tags,
-            image_embeds=image_embeds,
-            seq_index=v[8],
-        )
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         row = seq.sample_row

@@ -227,25 +227,21 @@ class SpecDecoder:
     def _run_greedy(self, rows: list[_Row], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
         """The step as one device function: verify, accept, propose; one copy back."""
         k, L = self.k, self.k + 1
-        items = [
-            (r.sched.seq, r.sched.seq.num_computed_tokens, [r.sched.seq.token_ids[-1], *r.drafts])
-            for r in rows
-        ]
-        host = self._host(items, list(range(len(rows) * L)), extra_tokens=k - 1)
+        host = self._plan_greedy(rows)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
-        packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 2 + 2k], [B]
-        values = torch.cat([packed.reshape(-1), flags.to(torch.int64)]).tolist()  # the step's one copy back
-        width = 2 + 2 * k
+        packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 3 + 2k], [B]
+        if self.runner.ranks is not None:  # the flags OR-reduced over the ranks, for this rank's own
+            packed[:, -1].copy_(flags)
+        values = packed.tolist()  # the step's one copy back
         self.num_greedy_steps += 1
         results = []
-        for b, r in enumerate(rows):
+        for r, (a, *rest, flag) in zip(rows, values, strict=True):
             seq = r.sched.seq
             self._drafts.pop(seq.request_id, None)
-            res = SeqResult(seq, 1, bool(values[len(rows) * width + b]))
+            res = SeqResult(seq, 1, bool(flag))
             results.append(res)
             if res.is_tag_mismatch:
                 continue
-            a, *rest = values[b * width : (b + 1) * width]
             tokens, drafts = rest[: a + 1], rest[L:]
             res.num_new_tokens = a + 1  # the verify rows of the accepted tokens hold valid KV
             self.stats.verifies += 1
@@ -279,6 +275,45 @@ class SpecDecoder:
         return _Row(s, is_drafting, list(drafts))
 
     # ---- planning --------------------------------------------------------------------------------
+    def _plan_greedy(self, rows: list[_Row]) -> HostBatch:
+        """A greedy step's verify, vectorised: each sequence's newest token and its k drafts at
+        positions n-1 … n-1+k, its page table as wide as the chained drafts need (n + 2k - 1
+        tokens)."""
+        k, L, S, B = self.k, self.k + 1, self.block_manager.page_size, len(rows)
+        seqs = [r.sched.seq for r in rows]
+        tokens = np.array(
+            [[seq.token_ids[-1], *r.drafts] for seq, r in zip(seqs, rows, strict=True)], dtype=np.int64
+        )  # [B, L]
+        # per sequence: its first position n-1, its table's row and length, its pages for n + 2k - 1 tokens
+        starts, table_rows, lengths, num_pages = np.array(
+            [
+                (
+                    seq.num_computed_tokens,
+                    seq.page_table.row,
+                    seq.page_table.length,
+                    (seq.num_computed_tokens + L + k - 2) // S + 1,
+                )
+                for seq in seqs
+            ],
+            dtype=np.int64,
+        ).T  # [B] each
+        positions = starts[:, None] + np.arange(L)  # [B, L]
+        ids, tags = self.block_manager.page_tables.gather(table_rows, lengths, num_pages)
+        slots = ids[np.arange(B)[:, None], positions // S] * np.int64(S) + positions % S  # [B, L]
+        rows_of = np.arange(B * L)  # [B·L] every row a logits row
+        return HostBatch(
+            input_ids=tokens.reshape(-1),
+            positions=positions.reshape(-1),
+            slots=slots.reshape(-1),
+            seq_index=rows_of // L,
+            query_start=np.arange(0, B * L + 1, L, dtype=np.int32),
+            seq_lens=(starts + L).astype(np.int32),
+            logits_indices=rows_of,
+            page_table=ids,
+            expected_tags=tags,
+            rows_per_seq=L,
+        )
+
     def _plan_target(self, rows: list[_Row]) -> tuple[HostBatch, dict[int, tuple[list[int], list[int]]]]:
         """The verify forward's inputs: each sequence's chunk, a drafting decode's drafts after its
         newest token; the logits rows of every verify position, sample row and prompt row."""

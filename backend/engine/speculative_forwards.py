@@ -20,7 +20,9 @@ previous depth's argmax on the device, not from the host batch, so a step's draf
 to back without a round trip to the host; `drafted` holds each depth's tokens until rank 0 reads them.
 
 `SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative_greedy.py): from the verify
-graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike.
+graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike. Either way its inputs and
+the step's page-tag updates cross in one copy (the runner's staging buffer) and the host reads one
+tensor back, as in a plain decode step.
 
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
 """
@@ -38,7 +40,7 @@ import torch
 from backend.engine.decode_graphs import Capture, DecodeGraphs
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
-from backend.engine.host_staging import array_to_device, to_device
+from backend.engine.host_staging import StagingBuffer, array_to_device, stage_batch, staged_batch, to_device
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.speculative_greedy import greedy_step
 from backend.engine.verify_graphs import VerifyGraphs
@@ -57,18 +59,22 @@ class SpecForwards:
         check_tags: bool,
         page_size: int,
         graphs: VerifyGraphs | None = None,
+        staging: StagingBuffer | None = None,
     ) -> None:
-        """`page_size`: the block manager's (the unit of the host's slots and page tables)."""
+        """`page_size`: the block manager's (the unit of the host's slots and page tables).
+        `staging`: the buffer an eager greedy step's inputs cross in, in one copy (the runner's, as
+        the verify graphs'; None: one of its own)."""
         self.model, self.kv_cache, self.check_tags = model, kv_cache, check_tags
         self.page_size = page_size
         self.graphs = graphs
+        self.device = kv_cache.page_tags.device
+        self.staging = staging or StagingBuffer(self.device)
         self.draft_graphs: list[DecodeGraphs] = []  # per MTP layer: depths 1 … K−1 (`capture_drafts`)
         self.propose_graphs: VerifyGraphs | None = (
             None  # depth 0 after a uniform verify (`capture_proposals`)
         )
         self._propose_hidden = torch.empty(0)  # [n·(K+1), H] the propose graphs' static input
         self._hidden_in = self._hidden_out = torch.empty(0)  # [n, H] the draft graphs' static buffers
-        self.device = kv_cache.page_tags.device
         self.hidden: torch.Tensor | None = None  # the verify's [T, H]
         self._last: torch.Tensor | None = None  # the last depth's proposing rows [P, H]
         self._ids: torch.Tensor | None = None  # [P] each proposing row's newest draft (argmax)
@@ -84,12 +90,14 @@ class SpecForwards:
         capture: Capture | None,
         max_seq_len: int | None,
         ranks: Any = None,
+        staging: StagingBuffer | None = None,
     ) -> SpecForwards:
         """With verify and draft graphs when the runner captures decode graphs (`capture`): k = 1 … K,
         the decode graphs' batch sizes up to `speculative_max_seqs`, page tables as wide as theirs
         (`max_seq_len` tokens; None: the whole pool). `ranks` (a StepChannel): the tensor-parallel ranks
         agree on each kind of graph, as on the decode graphs: one rank replaying a captured step beside
-        another running it eagerly would pair collectives of different sizes."""
+        another running it eagerly would pair collectives of different sizes. `staging`: the runner's
+        staging buffer, which the verify graphs' steps cross in (None: their own)."""
         S = config.page_size
         max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
         sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
@@ -107,6 +115,7 @@ class SpecForwards:
                     check_tags=config.check_page_tags,
                     capture=capture,
                     greedy=functools.partial(_greedy, model, S),
+                    staging=staging,
                 )
             if ranks is not None and not ranks.agree(graphs.is_enabled):
                 graphs.disable("verify graphs failed to capture on another rank")
@@ -116,7 +125,9 @@ class SpecForwards:
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
             elif graphs.greedy_disabled_reason is not None:
                 log.warning("greedy speculative steps run eagerly: %s", graphs.greedy_disabled_reason)
-        forwards = cls(model, kv_cache, check_tags=config.check_page_tags, page_size=S, graphs=graphs)
+        forwards = cls(
+            model, kv_cache, check_tags=config.check_page_tags, page_size=S, graphs=graphs, staging=staging
+        )
         if capture is not None and graphs is not None and graphs.is_enabled:
             forwards.capture_proposals(sizes, max_pages, capture, config)
             if ranks is not None and not ranks.agree(forwards.propose_graphs is not None):
@@ -201,12 +212,9 @@ class SpecForwards:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
         spec, host = inputs.spec, inputs.host
         assert spec is not None, "a speculative forward names its kind"
-        if inputs.tag_updates is not None:  # [U, 2] (page, tag): before any page is read
-            updates = array_to_device(inputs.tag_updates, self.device)
-            self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
-            self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
         if spec.depth == GREEDY:
-            return self._greedy(host)
+            return self._greedy(host, inputs.tag_updates)
+        self._update_tags(inputs.tag_updates)
         if spec.depth == VERIFY:
             replayed = self.graphs.run(host) if self.graphs is not None else None
             if replayed is not None:
@@ -230,16 +238,35 @@ class SpecForwards:
             self.drafted.append(ids)
         return logits, mismatch
 
-    def _greedy(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole greedy step: (`[B, 2 + 2k]` int64, tag_mismatch [B]), from its graph when one
-        fits, else eagerly (the same function)."""
-        B, S = host.num_seqs, self.page_size
+    def _update_tags(self, tag_updates: np.ndarray | None) -> None:
+        """Write the step's [U, 2] (page, tag) pairs into the cache before any page is read."""
+        if tag_updates is not None:
+            updates = array_to_device(tag_updates, self.device)
+            self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
+            self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
+
+    def _greedy(self, host: HostBatch, tag_updates: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole greedy step: (`[B, 3 + 2k]` int64, tag_mismatch [B]), from its graph when one
+        fits, else eagerly (the same function); its inputs and the tag updates in one copy."""
+        B, S, graphs = host.num_seqs, self.page_size, self.graphs
         k = len(host.input_ids) // B - 1
-        num_pages = (host.seq_lens.astype(np.int64) + k - 1 + S - 1) // S  # the chained drafts' too
-        replayed = self.graphs.run_greedy(host, num_pages) if self.graphs is not None else None
-        if replayed is not None:
-            return replayed
-        batch = self.batch(host)
+        shape = graphs.shape_of(host, greedy=True) if graphs is not None else None
+        st = graphs.staging if graphs is not None and shape is not None else self.staging
+        st.start()
+        tags = (st.add(tag_updates[:, 0]), st.add(tag_updates[:, 1])) if tag_updates is not None else None
+        if graphs is not None and shape is not None:
+            num_pages = (host.seq_lens.astype(np.int64) + k - 1 + S - 1) // S  # the chained drafts' too
+            graphs.stage(host, shape, num_pages)
+        else:
+            handles = stage_batch(st, host)
+        st.send()  # the step's one copy to the device
+        if tags is not None:
+            pages = st.view(tags[0])
+            self.kv_cache.page_tags.index_copy_(0, pages, st.view(tags[1]))
+            self.clear_draft_kv(pages)  # fresh pages: no stale MTP KV
+        if graphs is not None and shape is not None:
+            return graphs.replay_greedy(shape, B)
+        batch = staged_batch(st, host, handles, self.kv_cache, check_tags=self.check_tags)
         return greedy_step(self.model, batch, k, S), batch.tag_mismatch
 
     def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

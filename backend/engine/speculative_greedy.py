@@ -21,7 +21,8 @@ Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p
    step, so they are in the table: `page_size` is the block manager's, the slots' unit).
 
 Every forward ORs into the one `tag_mismatch` [B], so a page that changed owner under any of them
-flags its sequence. The result `[B, 2 + 2k]` int64 per sequence: a, t_0 … t_k, the k next drafts.
+flags its sequence. The result `[B, 3 + 2k]` int64 per sequence: a, t_0 … t_k, the k next drafts,
+and its tag flag last (the host's one read back holds it all).
 
 Shape letters: B sequences, L = k + 1 rows each, V vocabulary, H hidden.
 """
@@ -38,7 +39,7 @@ from backend.engine.forward_batch import ForwardBatch
 
 def greedy_step(model: Any, batch: ForwardBatch, k: int, page_size: int) -> torch.Tensor:
     """`batch`: a uniform verify (B sequences of k + 1 rows, every row a logits row) whose page
-    tables hold the pages of n + 2k − 1 tokens. Returns `[B, 2 + 2k]` int64 (see the module)."""
+    tables hold the pages of n + 2k − 1 tokens. Returns `[B, 3 + 2k]` int64 (see the module)."""
     L = k + 1
     B = batch.seq_lens.shape[0]
     logits, hidden = model.forward_spec(batch)  # [B·L, V], [B·L, H]
@@ -70,7 +71,8 @@ def greedy_step(model: Any, batch: ForwardBatch, k: int, page_size: int) -> torc
             )
             draft_logits, g = model.forward_mtp(chained, g, depth)  # [B, V], [B, H]
             proposed.append(draft_logits.argmax(dim=-1))
-    return torch.cat([accepted[:, None], targets, torch.stack(proposed, dim=1)], dim=1)  # [B, 2 + 2k]
+    flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
+    return torch.cat([accepted[:, None], targets, torch.stack(proposed, dim=1), flags], dim=1)  # [B, 3 + 2k]
 
 
 def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts pa
 through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
 forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
 
-Beside each verify graph, a graph of the whole greedy step over the same buffers (`run_greedy`:
+Beside each verify graph, a graph of the whole greedy step over the same buffers (`replay_greedy`:
 backend/engine/speculative_greedy.py), when the caller gives one; its page tables' columns hold the
 pages of the chained drafts too (`num_pages`). All of a step's host values cross in one copy.
 
@@ -37,14 +37,14 @@ from typing import cast
 import numpy as np
 import torch
 
-from backend.engine.decode_graphs import SCRATCH_TAG, Capture
+from backend.engine.decode_graphs import SCRATCH_TAG, Capture, stage_page_tables
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
-from backend.engine.host_staging import array_to_device
+from backend.engine.host_staging import StagingBuffer
 from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
 VerifyReplay = Callable[[], SpecOutput]
-GreedyStep = Callable[[ForwardBatch, int], torch.Tensor]  # (verify batch, k) -> [B, 2 + 2k] int64
+GreedyStep = Callable[[ForwardBatch, int], torch.Tensor]  # (verify batch, k) -> [B, 3 + 2k] int64
 
 
 class VerifyGraphs:
@@ -61,10 +61,12 @@ class VerifyGraphs:
         check_tags: bool,
         capture: Capture,
         greedy: GreedyStep | None = None,
+        staging: StagingBuffer | None = None,
     ) -> None:
         """`greedy`: a whole greedy step over the verify's batch (backend/engine/speculative_greedy.py),
-        captured too per (k, bucket) for `run_greedy`; one that fails to capture leaves only that
-        path eager (`greedy_disabled_reason`)."""
+        captured too per (k, bucket) for `replay_greedy`; one that fails to capture leaves only that
+        path eager (`greedy_disabled_reason`). `staging`: the buffer a step's host values cross in
+        (the runner's, shared with its other inputs; None: one of its own)."""
         self.kv_cache, self.max_pages, self.check_tags = kv_cache, max_pages, check_tags
         self.batch_sizes = sorted(batch_sizes)
         S = kv_cache.page_size
@@ -90,6 +92,8 @@ class VerifyGraphs:
             for k in self.draft_lengths
         }
         self._written_width = 0
+        self.staging = staging or StagingBuffer(dev)
+        self._staged: tuple[int, int, int, tuple[int, int, int]] = (0, 0, 0, (0, 0, 0))  # `stage`'s
         self._replays: dict[tuple[int, int], VerifyReplay] = {}
         self._greedy_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         try:
@@ -157,7 +161,12 @@ class VerifyGraphs:
             bucket is None
             or (k, bucket) not in (self._greedy_replays if greedy else self._replays)
             or host.page_table.shape[1] > self.max_pages
-            or len(host.logits_indices) != T
+        ):
+            return None
+        if host.rows_per_seq == k + 1:  # uniform by construction (the greedy planner's)
+            return k, bucket
+        if (
+            len(host.logits_indices) != T
             or not np.array_equal(np.diff(host.query_start), np.full(B, k + 1))
             or not np.array_equal(host.logits_indices, np.arange(T))
         ):
@@ -172,49 +181,54 @@ class VerifyGraphs:
             return None
         k, bucket = shape
         S = self.kv_cache.page_size
-        self._stage(host, k, bucket, (host.seq_lens.astype(np.int64) + (S - 1)) // S)
+        self.staging.start()
+        self.stage(host, shape, (host.seq_lens.astype(np.int64) + (S - 1)) // S)
+        self.staging.send()
+        self._fill()
         logits, hidden = self._replays[k, bucket]()
         self.num_replays += 1
         B, L = host.num_seqs, k + 1
         return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
 
-    def run_greedy(self, host: HostBatch, num_pages: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(`[B, 2 + 2k]` int64, tag_mismatch [B]) of a greedy step from its graph, its page tables'
-        first `num_pages` [B] columns in use (the verify's and the chained drafts'); None when no
-        graph fits (the caller runs it eagerly)."""
-        shape = self.shape_of(host, greedy=True)
-        if shape is None:
-            return None
-        k, bucket = shape
-        self._stage(host, k, bucket, num_pages)
-        out = self._greedy_replays[k, bucket]()
+    def replay_greedy(self, shape: tuple[int, int], num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the buffers from the sent staging buffer (`stage`), replay the greedy graph of
+        `shape` (k, bucket): (`[B, 3 + 2k]` int64, tag_mismatch [B])."""
+        self._fill()
+        out = self._greedy_replays[shape]()
         self.num_greedy_replays += 1
-        return out[: host.num_seqs], self.tag_mismatch[: host.num_seqs]
+        return out[:num_seqs], self.tag_mismatch[:num_seqs]
 
-    def _stage(self, host: HostBatch, k: int, bucket: int, num_pages: np.ndarray) -> None:
-        """Fill the buffers with `host`'s rows, padded to `bucket`, in one copy to the device; page
-        table columns past each sequence's `num_pages` hold the scratch page."""
+    def stage(self, host: HostBatch, shape: tuple[int, int], num_pages: np.ndarray) -> None:
+        """Write `host`'s rows, padded to the bucket of `shape` (k, bucket), into the staging buffer
+        (sent by the caller, with whatever else its step stages); page table columns past each
+        sequence's `num_pages` hold the scratch page."""
+        k, bucket = shape
         B, L, width = host.num_seqs, k + 1, host.page_table.shape[1]
-        scratch, S = self.scratch_page, self.kv_cache.page_size
+        scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
         n = bucket * L
-        staged = np.empty(3 * n + 2 * bucket * width, dtype=np.int64)  # ids, positions, slots, pages, tags
-        vectors = staged[: 3 * n].reshape(3, n)
-        vectors[:, : B * L] = host.input_ids, host.positions, host.slots
-        pad = np.tile(np.arange(L), bucket - B)  # padding sequences: positions 0 … k of the scratch page
-        vectors[0, B * L :], vectors[1, B * L :], vectors[2, B * L :] = 0, pad, scratch * S + pad
-        past = np.arange(width)[None, :] >= num_pages[:, None]  # [B, width] columns past its pages
-        pages = staged[3 * n : 3 * n + bucket * width].reshape(bucket, width)
-        pages[B:], pages[:B] = scratch, np.where(past, scratch, host.page_table)
-        tags = staged[3 * n + bucket * width :].reshape(bucket, width)
-        tags[B:], tags[:B] = SCRATCH_TAG, np.where(past, SCRATCH_TAG, host.expected_tags)
-        device = array_to_device(staged, self._vectors.device)  # the step's one copy
-        self._vectors[:, :n].copy_(device[: 3 * n].view(3, n))
+        h_vectors, vectors = st.reserve(np.int64, (3, n))  # ids, positions, slots
+        vectors[0, : B * L], vectors[1, : B * L], vectors[2, : B * L] = (
+            host.input_ids,
+            host.positions,
+            host.slots,
+        )
+        if bucket > B:  # padding sequences: token 0 at positions 0 … k of the scratch page
+            pad = np.tile(np.arange(L), bucket - B)
+            vectors[0, B * L :], vectors[1, B * L :], vectors[2, B * L :] = 0, pad, scratch * S + pad
+        h_pages, h_tags = stage_page_tables(st, host, bucket, num_pages, scratch)
+        self._staged = (n, bucket, width, (h_vectors, h_pages, h_tags))
+
+    def _fill(self) -> None:
+        """The static buffers from the staged rows (after the staging buffer's send)."""
+        n, bucket, width, handles = self._staged
+        vectors, pages, tags = (self.staging.view(h) for h in handles)
+        self._vectors[:, :n].copy_(vectors)
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
-            self.page_table[:, width : self._written_width].fill_(scratch)
+            self.page_table[:, width : self._written_width].fill_(self.scratch_page)
             self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
         self._written_width = width
-        self.page_table[:bucket, :width].copy_(device[3 * n : 3 * n + bucket * width].view(bucket, width))
-        self.expected_tags[:bucket, :width].copy_(device[3 * n + bucket * width :].view(bucket, width))
+        self.page_table[:bucket, :width].copy_(pages)
+        self.expected_tags[:bucket, :width].copy_(tags)
 
     def _batch(self, k: int, size: int) -> ForwardBatch:
         """The ForwardBatch the (k, size) graph reads: views of the buffers' first rows, every one of

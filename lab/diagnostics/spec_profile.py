@@ -9,7 +9,7 @@ on the prompts, then run again with every phase of a step wrapped in a wall-cloc
 the verify's planning / forward / acceptance, the draft depths, trim, postprocess), the host's reads
 of device values (`.tolist()`, `.item()`) and its host-to-device copies counted, and, separately,
 under torch.profiler: the CPU ops that wait for the device (cudaStreamSynchronize, cudaMemcpy…), and
-the device's busy time per step. Printed: ms per step per phase, device-busy ms per step, and the
+the device's busy time and events (kernels, copies: a replayed graph's nodes) per step. Printed: ms per step per phase, device-busy ms per step, and the
 profiler's top CPU and CUDA tables (also in --out). `--device cpu` gives the host-work proxy.
 """
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             timed(forwards, "_greedy", totals, "forwards._greedy")
             if forwards.graphs is not None:
                 timed(forwards.graphs, "run", totals, "verify graphs.run")
-                timed(forwards.graphs, "run_greedy", totals, "verify graphs.run_greedy")
+                timed(forwards.graphs, "replay_greedy", totals, "verify graphs.replay_greedy")
         counts.clear()
         steps = run(engine, prompts, stops, args.max_tokens)
         lines.append(f"== side {side}: {steps} steps, ms per step:")
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"   device busy (sum of kernel self time) {cuda_us / 1e3 / steps:8.3f} ms/step over {steps} steps"
         )
+        # kernels and copies the device ran: in a replayed step, about the graph's nodes (launch cost)
+        device_events = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        lines.append(f"   device events (kernels, copies)      {device_events / steps:8.1f} per step")
         lines.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         lines.append(ka.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
     text = "\n".join(lines)

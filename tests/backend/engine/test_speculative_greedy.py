@@ -16,18 +16,26 @@ from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.speculative_accept import accept_greedy
 from backend.models.loader import prepare_model
-from tests.backend.engine.test_speculative import ARCHS, OracleDrafts, check_pool, engine_for, loaded, prompts
+from tests.backend.engine.test_speculative import (
+    ARCHS,
+    OracleDrafts,
+    assert_same_or_tied,
+    check_pool,
+    engine_for,
+    loaded,
+    prompts,
+)
 from tests.backend.engine_helpers import Result, collect, request, run_all
 
 __all__ = ["loaded"]  # the fixture
 
 
-def graphed(model: Any, k: int) -> Engine:
+def graphed(model: Any, k: int, **config: Any) -> Engine:
     """Verify and greedy steps through the graphs' buffers and padding (no graph: eager_capture)."""
-    c = EngineConfig.build(
+    c = EngineConfig.build(**(dict(
         num_pages=96, page_size=8, max_num_batched_tokens=64, max_num_seqs=16, num_speculative_tokens=k,
         speculative_max_seqs=16, speculative_draft_cost=0.25, cuda_graph_batch_sizes=(1, 2, 4, 8, 16),
-    )  # fmt: skip
+    ) | config))  # fmt: skip
     return Engine.from_prepared(prepare_model(model, c), c, graph_capture=eager_capture)
 
 
@@ -194,3 +202,39 @@ def test_no_eager_greedy_steps_beside_verify_graphs(loaded: dict[str, Any]) -> N
     assert forwards is not None and forwards.graphs is not None and forwards.graphs.has_greedy
     forwards.graphs.disable_greedy("test")
     assert not type(engine.spec)(engine.runner, engine.block_manager, can_match_stops=False).is_greedy_enabled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_steps_identical_over_hundreds_of_prompts(loaded: dict[str, Any], arch: str) -> None:
+    """256 prompts per architecture, fp32, K = 3 always, without logprobs (so greedy steps run, through
+    the graphs' buffers and staging), four at a time: half drafted by the random MTP layer, half by
+    oracle drafts; plain decoding's tokens up to a tie (its top two log-probs within 1e-5), the pool
+    whole after each batch."""
+    model = loaded[arch]
+    ps = prompts(256, model.config.vocab_size, seed=300)
+    reqs = [request(f"r{i}", p, max_tokens=4 + i % 29) for i, p in enumerate(ps)]
+    with_logprobs = [  # the plain run's top two log-probs tell a tie
+        request(
+            r.request_id, r.prompt_token_ids, max_tokens=r.sampling.max_tokens, logprobs=True, top_logprobs=2
+        )
+        for r in reqs
+    ]
+    plain: dict[str, Result] = {}
+    for start in range(0, len(reqs), 16):
+        plain |= run_all(engine_for(model, 0), with_logprobs[start : start + 16])
+    ties = num_greedy = 0
+    for half, oracle in ((reqs[:128], False), (reqs[128:], True)):
+        engine = graphed(model, 3, speculative_adaptive=False)
+        if oracle:
+            OracleDrafts(engine, plain, p_wrong=0.3, seed=1)
+        for start in range(0, len(half), 4):
+            batch = half[start : start + 4]
+            spec = run_all(engine, batch)
+            ties += sum(
+                assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in batch
+            )
+            assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+        assert engine.spec is not None
+        num_greedy += engine.spec.num_greedy_steps
+    assert ties <= 2 and num_greedy > 100

@@ -1,0 +1,128 @@
+"""The host's transfers in a greedy speculative step at one sequence (backend/engine/speculative.py
+`_run_greedy`), against a plain decode step's. On the GPU every copy to the device and every read back
+costs tens of microseconds and a read waits for the device, so a greedy step, like a plain one, sends
+its inputs (the page-tag updates with them) in one copy, makes no tensor from host data besides, and
+reads back one tensor. Counted on the CPU over the graphs' buffers (`eager_capture`), where each step
+takes the path it takes on the GPU."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import backend.engine.host_staging as host_staging
+from backend.engine import decode_graphs, model_runner, speculative, speculative_forwards, verify_graphs
+from tests.backend.engine.test_speculative import ARCHS, engine_for, loaded, prompts
+from tests.backend.engine.test_speculative_greedy import graphed
+from tests.backend.engine_helpers import Result, collect, request, run_all
+
+__all__ = ["loaded"]  # the fixture
+
+
+class Transfers:
+    """Counts, while installed and outside `model`'s forwards (an eager forward's own work is the
+    model's, as a graph's is): copies to the device (`h2d`: a staging buffer's send, the
+    `to_device` helpers, `torch.tensor(..., device=)`), tensors made from host data (`host_tensors`)
+    and reads of device values (`reads`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, model: Any) -> None:
+        self.counts: Counter[str] = Counter()
+        self.inside = 0
+
+        def counted(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                if not self.inside:
+                    self.counts[label] += 1
+                    if label == "host_tensors" and kw.get("device") is not None:
+                        self.counts["h2d"] += 1
+                return fn(*args, **kw)
+
+            return wrapper
+
+        def forward(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                self.inside += 1
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    self.inside -= 1
+
+            return wrapper
+
+        monkeypatch.setattr(
+            host_staging.StagingBuffer, "send", counted(host_staging.StagingBuffer.send, "h2d")
+        )
+        for module in (decode_graphs, model_runner, speculative, speculative_forwards, verify_graphs):
+            for name in ("to_device", "array_to_device"):
+                if hasattr(module, name):
+                    monkeypatch.setattr(module, name, counted(getattr(module, name), "h2d"))
+        for name in ("tensor", "as_tensor", "from_numpy"):
+            monkeypatch.setattr(torch, name, counted(getattr(torch, name), "host_tensors"))
+        for name in ("tolist", "item", "cpu"):
+            monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name), "reads"))
+        for name in ("forward", "forward_spec", "forward_mtp"):
+            monkeypatch.setattr(model, name, forward(getattr(model, name)))
+
+
+def steps(
+    engine: Any, reqs: list[Any], transfers: Transfers
+) -> tuple[list[dict[str, int]], dict[str, Result]]:
+    """Run `reqs` to the end: each step's counts with whether it was a greedy step, a decode step
+    (one token per sequence) and whether it carried page-tag updates."""
+    bm = engine.block_manager
+    take = bm.take_tag_updates
+    had_updates = [False]
+
+    def taking() -> Any:
+        updates = take()
+        had_updates[0] = bool(updates)
+        return updates
+
+    bm.take_tag_updates = taking
+    for r in reqs:
+        engine.add_request(r)
+    out: list[dict[str, int]] = []
+    results: dict[str, Result] = {}
+    while engine.has_unfinished:
+        greedy = engine.spec.num_greedy_steps if engine.spec is not None else 0
+        computed, running = engine.stats.computed_tokens, len(engine.scheduler.running)
+        transfers.counts.clear()
+        collect(results, engine.step())
+        record = dict(transfers.counts)
+        record["greedy"] = int(engine.spec is not None and engine.spec.num_greedy_steps > greedy)
+        record["decode"] = int(running > 0 and engine.stats.computed_tokens - computed == running)
+        record["tag_updates"] = int(had_updates[0])
+        out.append(record)
+    return out, results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["greedy", "greedy-eager", "plain"])
+def test_a_decode_step_sends_once_and_reads_once(
+    loaded: dict[str, Any], arch: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every greedy step with k = 3 drafts, from the graphs' buffers or eager (no graphs: the CPU's
+    path), and, the bar they are held to, every plain decode step: one copy to the device, the
+    page-tag updates in it too, one read back, no tensor from host data; greedy outputs those of
+    plain decoding."""
+    model = loaded[arch]
+    reqs = [request("r0", prompts(1, model.config.vocab_size, seed=4)[0], max_tokens=40)]
+    plain = run_all(engine_for(model, 0), reqs)
+    k = 0 if kind == "plain" else 3
+    engine = engine_for(model, k, speculative_adaptive=False) if kind == "greedy-eager" else graphed(model, k)
+    records, results = steps(engine, reqs, Transfers(monkeypatch, engine.runner.model))
+    assert results["r0"].token_ids == plain["r0"].token_ids
+    kept = [r for r in records if (r["greedy"] if k else r["decode"])]
+    assert len(kept) >= 5 and any(r["tag_updates"] for r in kept)  # some steps carried new pages' tags
+    forwards = engine.runner.spec_forwards
+    if kind == "greedy":
+        assert forwards is not None and forwards.graphs is not None
+        assert forwards.graphs.num_greedy_replays == len(kept)
+    if kind == "greedy-eager":
+        assert forwards is not None and forwards.graphs is None
+    for r in kept:
+        assert (r.get("h2d", 0), r.get("reads", 0), r.get("host_tensors", 0)) == (1, 1, 0), r
