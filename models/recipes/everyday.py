@@ -3,12 +3,13 @@
 The first recipes drew every value from the training world (its towns and people, `EUR` to `USD`, one
 phrasing per tool), so the models learnt those values, not copying: asked about Tokyo, GLM named a
 town of its world. Here a tool call's arguments are whatever the request says (a real city, a name
-from many languages, a synthesized word, a number of any size, a date in several formats), under many
-phrasings; word problems come in everyday settings and number ranges; chat covers greetings and
+from many languages, coined words and free text from generators too large to learn by heart, a number
+of any size, a date in a dozen forms: `models/recipes/values.py`), under many phrasings, some built
+from a frame and a verb phrase (`FRAMES`, `CORES`); word problems come in everyday settings and number ranges; chat covers greetings and
 one-line questions with short answers. Each assistant turn carries a `think` draft: the family's
 thinking trace (`build.for_family` makes it GLM's `reasoning_content` and drops it for Kimi).
 
-The held-out evaluation (`models/recipes/heldout.py`) is written separately, with its own phrasings and
+The held-out evaluation (`backend/tools/eval_heldout.py`) is written separately, with its own phrasings and
 values; nothing here is imported there.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import random
+
+from models.recipes import values
 
 CITIES = ["Tokyo", "Paris", "London", "Berlin", "Madrid", "Rome", "Lisbon", "Dublin", "Oslo", "Stockholm", "Helsinki", "Warsaw", "Prague", "Vienna", "Budapest", "Athens", "Istanbul", "Cairo", "Lagos", "Nairobi", "Accra", "Casablanca", "Johannesburg", "Dubai", "Riyadh", "Tehran", "Karachi", "Delhi", "Mumbai", "Chennai", "Dhaka", "Bangkok", "Hanoi", "Manila", "Jakarta", "Singapore", "Seoul", "Beijing", "Shanghai", "Osaka", "Sydney", "Melbourne", "Auckland", "Toronto", "Montreal", "Vancouver", "Chicago", "Boston", "Seattle", "Denver", "Houston", "Miami", "Atlanta", "Phoenix", "Mexico", "Lima", "Bogota", "Santiago", "Quito", "Caracas", "Havana", "Reykjavik", "Zurich", "Geneva", "Munich", "Hamburg", "Lyon", "Marseille", "Porto", "Seville", "Naples", "Milan", "Krakow", "Kyiv", "Minsk", "Riga", "Tallinn", "Vilnius", "Sofia", "Belgrade", "Zagreb", "Tunis", "Algiers", "Dakar", "Kampala", "Kigali", "Lusaka", "Harare", "Perth", "Brisbane", "Adelaide", "Wellington", "Honolulu", "Anchorage"] + ["New York", "Los Angeles", "San Francisco", "Buenos Aires", "Rio de Janeiro", "Sao Paulo",
              "Hong Kong", "Kuala Lumpur", "Cape Town", "Mexico City", "Tel Aviv", "Las Vegas"]  # fmt: skip
@@ -128,79 +131,15 @@ SURNAMES = [
     "Kowalski",
     "Dubois",
 ]
-SYLLABLES = [
-    "ka",
-    "ri",
-    "mo",
-    "ze",
-    "lu",
-    "ta",
-    "vi",
-    "no",
-    "sha",
-    "pe",
-    "do",
-    "gu",
-    "fa",
-    "rel",
-    "bin",
-    "tor",
-    "mar",
-    "sil",
-    "ven",
-    "quo",
-]
-MONTHS = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-]
-CURRENCIES = [
-    "USD",
-    "EUR",
-    "GBP",
-    "JPY",
-    "CHF",
-    "CAD",
-    "AUD",
-    "INR",
-    "CNY",
-    "BRL",
-    "MXN",
-    "SEK",
-    "NOK",
-    "KRW",
-    "ZAR",
-]
 RESTAURANT_KINDS = ["Grill", "Bistro", "Cafe", "Kitchen", "Diner", "House", "Garden", "Table", "Trattoria"]
 
 
-def coined(rng: random.Random) -> str:
-    """A made-up capitalised word (two or three syllables): a value no list holds."""
-    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
-
-
 def city(rng: random.Random, world_towns: list[str]) -> str:
-    r = rng.random()
-    return rng.choice(world_towns) if r < 0.15 else coined(rng) if r < 0.4 else rng.choice(CITIES)
+    return values.place(rng, CITIES, world_towns)
 
 
 def person(rng: random.Random, world_people: list[str]) -> str:
-    r = rng.random()
-    if r < 0.15:
-        return rng.choice(world_people)
-    if r < 0.35:
-        return coined(rng)
-    return rng.choice(NAMES) + (f" {rng.choice(SURNAMES)}" if rng.random() < 0.2 else "")
+    return values.person(rng, NAMES, SURNAMES, world_people)
 
 
 def number(rng: random.Random) -> int:
@@ -208,20 +147,9 @@ def number(rng: random.Random) -> int:
     return rng.randint(1, rng.choice((9, 30, 120, 1000, 10000, 99999)))
 
 
-def date(rng: random.Random) -> str:
-    month, day = rng.randrange(12), rng.randint(1, 28)
-    return rng.choice(
-        [
-            f"{MONTHS[month]} {day}",
-            f"{day} {MONTHS[month]}",
-            f"2027-{month + 1:02d}-{day:02d}",
-            rng.choice(["today", "tomorrow", "Monday", "Friday", "next week"]),
-        ]
-    )
-
-
 MESSAGES = ["I am late", "see you soon", "call me back", "dinner is at eight", "happy birthday",
             "the meeting moved", "I landed safely", "thanks for the help", "running ten minutes late"]  # fmt: skip
+FIXED_TEXT_SHARE = 0.2  # the rest is free text (values.free_text): 8 fixed reminders were learnt by heart
 REMINDERS = ["buy milk", "call the dentist", "water the plants", "pay the rent", "pick up the kids",
              "send the report", "book the flights", "walk the dog"]  # fmt: skip
 
@@ -354,6 +282,33 @@ PHRASINGS["add_reminder"] += [
     "Schedule a reminder for {date} to {text}.",
     "{date}: {text}. Add it as a reminder.",
 ]
+# phrasings built from a frame and a verb phrase: the same request in several registers
+FRAMES = ["{vp}.", "Please {vp}.", "Can you {vp}?", "Could you {vp}, please?", "I'd like you to {vp}.",
+          "Would you {vp}?", "Help me {vp}.", "{vp} for me.", "Go ahead and {vp}.", "I want you to {vp} now."]  # fmt: skip
+CORES = {
+    "get_weather": ["check the weather in {city}", "get the forecast for {city}",
+                    "find out how the weather is in {city}", "look up today's weather for {city}"],
+    "get_weather+unit": ["give me the temperature in {city} in {unit}", "check the {city} temperature in {unit}"],
+    "convert_currency": ["convert {amount} {from} to {to}", "change {amount} {from} into {to}",
+                         "work out {amount} {from} in {to}", "tell me what {amount} {from} is in {to}"],
+    "set_timer": ["set a timer for {minutes} minutes", "start a {minutes} minute timer",
+                  "time {minutes} minutes", "start a countdown of {minutes} minutes"],
+    "send_message": ["send {to} a message saying {text}", "text {to}: {text}", "tell {to} that {text}",
+                     "message {to} with this: {text}"],
+    "book_table": ["book a table for {people} at {restaurant}", "reserve a table at {restaurant} for {people}",
+                   "get a table for {people} people at {restaurant}"],
+    "add_reminder": ["remind me to {text} on {date}", "add a reminder for {date}: {text}",
+                     "set a reminder on {date} to {text}", "save a reminder to {text} for {date}"],
+}  # fmt: skip
+
+
+def _framed(frame: str, core: str) -> str:
+    text = frame.replace("{vp}", core)
+    return text[0].upper() + text[1:] if text[0].isalpha() else text
+
+
+for _key, _cores in CORES.items():
+    PHRASINGS[_key] += [_framed(f, c) for c in _cores for f in FRAMES if _framed(f, c) not in PHRASINGS[_key]]
 OPENERS = [
     "Hi! ",
     "Hello. ",
@@ -436,19 +391,22 @@ def tool_request(
             "sky": rng.choice(["sunny", "cloudy", "rainy", "snowy"]),
         }
     elif name == "convert_currency":
-        src, dst = rng.sample(CURRENCIES, 2)
+        src, dst = values.currency(rng), values.currency(rng)
+        while dst == src:
+            dst = values.currency(rng)
         args, key = {"amount": number(rng), "from": src, "to": dst}, name
         result = {"result": round(args["amount"] * rng.uniform(0.2, 3), 2)}
     elif name == "set_timer":
         args, key, result = {"minutes": rng.randint(1, rng.choice((10, 60, 240)))}, name, {"ok": True}
     elif name == "send_message":
-        args, key, result = {"to": person(rng, people), "text": rng.choice(MESSAGES)}, name, {"sent": True}
+        text = rng.choice(MESSAGES) if rng.random() < FIXED_TEXT_SHARE else values.free_text(rng)
+        args, key, result = {"to": person(rng, people), "text": text}, name, {"sent": True}
     elif name == "book_table":
-        place = rng.choice([f"{city(rng, towns)} {rng.choice(RESTAURANT_KINDS)}", f"{coined(rng)} {rng.choice(RESTAURANT_KINDS)}",
-                            f"Chez {rng.choice(NAMES)}"])  # fmt: skip
+        place = values.restaurant(rng, CITIES, RESTAURANT_KINDS)
         args, key, result = {"restaurant": place, "people": rng.randint(1, 20)}, name, {"confirmed": True}
     else:
-        args, key, result = {"text": rng.choice(REMINDERS), "date": date(rng)}, name, {"saved": True}
+        text = rng.choice(REMINDERS) if rng.random() < FIXED_TEXT_SHARE else values.free_text(rng)
+        args, key, result = {"text": text, "date": values.date(rng)}, name, {"saved": True}
     request = rng.choice(PHRASINGS[key]).format(**args)
     if rng.random() < 0.2:
         request = rng.choice(OPENERS) + request
@@ -487,12 +445,46 @@ STEPS = {
 }  # fmt: skip
 QUESTIONS = ["How many {t} are there now?", "How many {t} does {w} have now?", "What is the number of {t} now?",
              "How many {t} are left?", "How many {t} in the end?"]  # fmt: skip
+# step sentences built from a lead and a clause, the number at the start, middle or end of the clause
+# (the held-out problems' operation words were mapped to the wrong operation in 42 of GLM's 71 steps)
+LEADS = ["", "", "Then ", "Later ", "Next, ", "After lunch ", "In the evening ", "On Sunday ", "Soon after, ",
+         "The next day "]  # fmt: skip
+CLAUSES = {
+    "+": ["{w} gets {n} more", "{n} more arrive", "{w} picks up another {n}", "{n} new ones come in",
+          "the number goes up by {n}", "{w} receives {n} extra", "another {n} join them", "{w} finds {n} more"],
+    "-": ["{w} gives away {n}", "{n} are lost", "{n} of them break", "{w} throws {n} away", "{n} go missing",
+          "the number drops by {n}", "{w} removes {n}", "{w} sells {n} of them"],
+    "*": ["the amount grows {n} times", "{w} ends up with {n} times as many", "the number is multiplied by {n}",
+          "it becomes {n} times bigger"],
+    "/": ["{w} splits them into {n} equal groups and keeps one group", "they are shared equally by {n} people "
+          "and {w} keeps one share"],
+}  # fmt: skip
+STARTS = ["{w} has {v} {t}.", "There are {v} {t} in the {p}.", "A box holds {v} {t}.", "{w} counts {v} {t}.",
+          "{w} starts the day with {v} {t}."]  # fmt: skip
+MORE_QUESTIONS = ["How many {t} does that make?", "Count the {t} now.", "How many {t} are there at the end?",
+                  "What is the number of {t} at the end?"]  # fmt: skip
+
+
+def plural(noun: str) -> str:
+    return noun[:-1] + "ies" if noun.endswith("y") and noun[-2] not in "aeiou" else (
+        noun + "es" if noun.endswith(("s", "x", "ch", "sh")) else noun + "s")  # fmt: skip
+
+
+def step_sentence(rng: random.Random, op: str, w: str, n: int) -> str:
+    """One step of a word problem: a fixed sentence (`STEPS`) or a lead and a clause (`CLAUSES`)."""
+    if rng.random() < 0.3:
+        return rng.choice(STEPS[op]).format(w=w, n=n)
+    text = rng.choice(LEADS) + rng.choice(CLAUSES[op]).format(w=w, n=n) + "."
+    return text[0].upper() + text[1:]
 
 
 def word_problem(rng: random.Random, tier: int, people: list[str]) -> dict:
     """A word problem with `tier` steps in an everyday setting; numbers from single digits to thousands."""
     w = person(rng, people)
     thing, start = rng.choice(SETTINGS)
+    if rng.random() < 0.4:  # any countable thing of the word pool
+        thing = plural(rng.choice(values.NOUNS))
+        start = rng.choice(STARTS).replace("{t}", thing).replace("{p}", rng.choice(values.NOUNS))
     hi = rng.choice((10, 20, 50, 100, 500, 1000, 5000))
     value = rng.randint(2, hi)
     sentences, steps = [start.format(w=w, v=value)], []
@@ -506,10 +498,10 @@ def word_problem(rng: random.Random, tier: int, people: list[str]) -> dict:
         n = {"+": rng.randint(1, hi), "-": rng.randint(1, max(1, value - 1)), "*": rng.randint(2, 4),
              "/": rng.choice(divisors) if divisors else 1}[op]  # fmt: skip
         result = {"+": value + n, "-": value - n, "*": value * n, "/": value // n}[op]
-        sentences.append(rng.choice(STEPS[op]).format(w=w, n=n))
+        sentences.append(step_sentence(rng, op, w, n))
         steps.append(f"{value} {op} {n} = {result}")
         value = result
-    sentences.append(rng.choice(QUESTIONS).format(t=thing, w=w))
+    sentences.append(rng.choice(QUESTIONS + MORE_QUESTIONS).format(t=thing, w=w))
     question = " ".join(sentences)
     return word_problem_item(question, steps, value)
 
@@ -532,6 +524,16 @@ def word_problem_item(question: str, steps: list[str], value: int) -> dict:
     }
 
 
+# one-line sums in words, the numbers anywhere ("Subtract {b} from {a}": the step still reads a - b)
+SUMS_IN_WORDS = {
+    "+": ["What is the sum of {a} and {b}?", "Sum {a} and {b}.", "Take {a}, add {b}.", "{a} and {b} together make what?",
+          "Find {a} plus {b}.", "Put {b} on top of {a}. How much is that?"],
+    "-": ["Subtract {b} from {a}.", "Take {b} away from {a}.", "What is {a} take away {b}?", "{a} less {b}?",
+          "How much is left when {b} is taken from {a}?"],
+    "*": ["Multiply {a} by {b}.", "What is the product of {a} and {b}?", "{b} lots of {a} make what?"],
+}  # fmt: skip
+
+
 def direct_sum(rng: random.Random) -> dict:
     """A one-line sum ("What is 17 + 25?") with its answer."""
     a, b = rng.randint(0, rng.choice((10, 100, 1000))), rng.randint(0, rng.choice((10, 100, 1000)))
@@ -541,7 +543,7 @@ def direct_sum(rng: random.Random) -> dict:
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     word = {"+": "plus", "-": "minus", "*": "times"}[op]
     question = rng.choice([f"What is {a} {op} {b}?", f"{a} {op} {b} = ?", f"What's {a} {word} {b}?",
-                           f"Calculate {a} {op} {b}.", f"{a} {word} {b}"])  # fmt: skip
+                           f"Calculate {a} {op} {b}.", f"{a} {word} {b}", *SUMS_IN_WORDS[op]]).format(a=a, b=b)  # fmt: skip
     return {
         "task": "gsm-nano",
         "prompt": question,

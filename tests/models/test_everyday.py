@@ -48,6 +48,29 @@ def test_tool_arguments_are_copied_from_the_request(world) -> None:  # type: ign
     assert len(cities - set(world.regions)) > 30 and len(names - {p.name for p in world.people}) > 30
 
 
+def test_tool_values_are_too_many_to_learn_and_never_heldout_ones(world) -> None:  # type: ignore[no-untyped-def]
+    """The string arguments come from generators far larger than the training set (the first everyday
+    models answered held-out requests with a memorised value: `"text": "water the plants"`), at every
+    length, and none is a value of the held-out sets."""
+    rows = [item("tool-call", s, world) for s in split_seeds("train", "tool-call", 3000)]
+    by_key: dict[str, list[str]] = {}
+    for row in (r for r in rows if "expected" in r):
+        for key, value in row["expected"]["arguments"].items():
+            if (
+                isinstance(value, str)
+                and key not in ("unit", "from")
+                and row["expected"]["name"] != "convert_currency"
+            ):
+                by_key.setdefault(key, []).append(value)
+    for key in ("city", "to", "restaurant", "text"):
+        assert len(set(by_key[key])) > 0.6 * len(by_key[key]), key  # mostly values seen once
+    assert {len(v.split()) for v in by_key["text"]} >= set(range(1, 8))
+    assert {len(v.split()) for v in by_key["city"]} >= {1, 2, 3}
+    heldout = {*eval_heldout.PLACES, *eval_heldout.FRIENDS, *eval_heldout.EATERIES, *eval_heldout.NOTES,
+               *eval_heldout.ERRANDS}  # fmt: skip
+    assert not heldout & {v for vs in by_key.values() for v in vs}
+
+
 def test_word_problems_answer_their_own_steps(world) -> None:  # type: ignore[no-untyped-def]
     rows = [item("gsm-nano", s, world) for s in split_seeds("train", "gsm-nano", 300)]
     openings = set()
