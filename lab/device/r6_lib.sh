@@ -21,7 +21,8 @@ fi
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 
-left() { echo $((LIMIT - SECONDS - EXIT_S)); }
+# DRY=1 prints the plan as if at the call's start (its budgets do not drift with this shell's clock)
+left() { if [ "$DRY" = 1 ]; then echo $((LIMIT - EXIT_S)); else echo $((LIMIT - SECONDS - EXIT_S)); fi; }
 
 archive() { [ "$DRY" = 1 ] || tar -czf "$OUT/$TAG.tgz" -C "$LOGS" .; }
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -93,16 +92,12 @@ def test_a_scenario_that_no_longer_fits_is_skipped_and_said_so(tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     budgets = {line.split()[5]: line.split()[-3] for line in done.stdout.splitlines() if "--budget-s" in line}
-    # the peer: what is left (280 s, a second less when the script's clock ticks on a loaded machine)
-    assert set(budgets) == {"int4_vs_fp8_decode_c1", "vs_transformers_c64"}
-    assert budgets["int4_vs_fp8_decode_c1"] == "150" and 275 <= int(budgets["vs_transformers_c64"]) <= 280
+    assert budgets == {"int4_vs_fp8_decode_c1": "150", "vs_transformers_c64": "280"}  # the peer: what is left
     done = subprocess.run(
         ["bash", str(DEVICE / "r6_bench.sh"), "engine"], cwd=ROOT, capture_output=True, text=True,
         env=dict(os.environ, DRY="1", LIMIT="200", OUT=str(tmp_path), LOGS=str(tmp_path / "logs")),
     )  # fmt: skip
-    assert re.search(
-        r"== vs_transformers_c64: skipped, 1(7[5-9]|80)s left of the call \(it needs 250s\)", done.stdout
-    )
+    assert "== vs_transformers_c64: skipped, 180s left of the call (it needs 250s)" in done.stdout
 
 
 def test_the_serve_call_writes_both_geometries_and_benches_every_model_three_times(tmp_path: Path) -> None:
