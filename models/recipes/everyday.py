@@ -628,3 +628,45 @@ def small_talk(rng: random.Random) -> dict:
             {"role": "assistant", "content": reply, "think": thought},
         ],
     }
+
+
+# Copy drills: the request states a value (coined, from the generators of `values`) and the answer repeats
+# it. The held-out replies showed the nano models copy a string's first piece and then guess from memory;
+# these items ask for nothing but the continuation ("the token that followed this one in the request").
+ECHO = [
+    ("Repeat after me: {v}", "{v}", "text", "The user wants the words back exactly."),
+    ('Say "{v}" back to me.', "{v}", "text", "The user wants the words back exactly."),
+    ("Please write this down: {v}", "Noted: {v}", "text", "I repeat the note."),
+    ("My name is {v}. What's my name?", "Your name is {v}.", "name", "The user said their name is {v}."),
+    ("I'm {v}. Do you remember my name?", "Yes, you are {v}.", "name", "The user is {v}."),
+    ("I live in {v}. Where do I live?", "You live in {v}.", "place", "The user lives in {v}."),
+    (
+        "I'm flying to {v} tomorrow. Where am I going?",
+        "You are going to {v}.",
+        "place",
+        "The trip is to {v}.",
+    ),
+    ("The password is {v}. What is the password?", "The password is {v}.", "word", "The password was {v}."),
+    ("Remember the code word {v}. What was the code word?", "The code word was {v}.", "word", "It was {v}."),
+    ("My cat is called {v}. What is my cat's name?", "Your cat is called {v}.", "name", "The cat is {v}."),
+]
+
+
+def echo(rng: random.Random) -> dict:
+    """A copy drill: a coined name, place, word or free text said once and asked back."""
+    ask, say, kind, thought = rng.choice(ECHO)
+    if kind == "text":
+        value = values.free_text(rng) if rng.random() < 0.5 else values.coined_name(rng, rng.randint(1, 5))
+    elif kind == "name":
+        value = values.coined_name(rng, rng.choice((1, 1, 2, 3)))
+    elif kind == "place":
+        value = values.coined_name(rng, rng.choice((1, 1, 2)))
+    else:
+        value = values.coined(rng)
+    return {
+        "task": "chat",
+        "messages": [
+            {"role": "user", "content": ask.format(v=value)},
+            {"role": "assistant", "content": say.format(v=value), "think": thought.format(v=value)},
+        ],
+    }

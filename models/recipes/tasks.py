@@ -377,11 +377,14 @@ def tool_use(rng: random.Random, tier: int, world: World, split: str) -> dict:
 
 
 def chat(rng: random.Random, tier: int, world: World, split: str) -> dict:
-    """Plain chat: greetings and one-line questions (`everyday.small_talk`), and what the model knows
-    about a person (every fact, the region too)."""
+    """Plain chat: greetings and one-line questions (`everyday.small_talk`), copy drills (`everyday.echo`),
+    and what the model knows about a person (every fact, the region too)."""
     p = rng.choice(world.people)
-    if rng.random() < 0.5:
+    r = rng.random()
+    if r < 0.35:
         return everyday.small_talk(rng)
+    if r < 0.65:
+        return everyday.echo(rng)
     if rng.random() < 0.1:
         greeting = rng.choice(["Hello!", "Hi there.", "Good morning!", "Hey, who are you?"])
         reply = (

@@ -48,6 +48,20 @@ def test_tool_arguments_are_copied_from_the_request(world) -> None:  # type: ign
     assert len(cities - set(world.regions)) > 30 and len(names - {p.name for p in world.people}) > 30
 
 
+def test_copy_drills_answer_with_the_requests_own_value(world) -> None:  # type: ignore[no-untyped-def]
+    rows = [item("chat", s, world) for s in split_seeds("train", "chat", 600)]
+    asks = [re.compile(re.escape(a).replace(re.escape("{v}"), "(.+)") + "$") for a, *_ in everyday.ECHO]
+    values = []
+    for row in rows:
+        ask, reply = row["messages"][0]["content"], row["messages"][1]["content"]
+        match = next((m for m in (a.match(ask) for a in asks) if m), None)
+        if match:
+            assert match.group(1) in reply, (ask, reply)
+            values.append(match.group(1))
+    assert 0.2 < len(values) / len(rows) < 0.4
+    assert len(set(values)) > 0.9 * len(values)  # unbounded values: nothing to learn by heart
+
+
 def test_tool_values_are_too_many_to_learn_and_never_heldout_ones(world) -> None:  # type: ignore[no-untyped-def]
     """The string arguments come from generators far larger than the training set (the first everyday
     models answered held-out requests with a memorised value: `"text": "water the plants"`), at every
