@@ -35,8 +35,9 @@ from gateway.observability import configure_logging
 from gateway.server import uvicorn_config
 from gateway.services import open_services
 from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
-from gateway.supervisor import Supervised, Supervisor, die_with_parent
+from gateway.supervisor import Supervised, Supervisor
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
+from schemas.child_process import die_with_parent
 
 DEFAULT_PORT = 8787
 TRAINED = Path(__file__).resolve().parents[1] / "models"

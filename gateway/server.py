@@ -14,19 +14,19 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.catalog import Catalog, CatalogError, load_catalog_file
-from gateway.http_protocol import ConnectionLimits, ServerConfig
 from gateway.lifecycle import ABORT_GRACE_S, DrainingServer
 from gateway.observability import configure_logging
 from gateway.pools import read_pools_file
 from gateway.services import Services, open_services
 from gateway.settings import GatewaySettings, add_common_arguments, settings_from
+from schemas.http_protocol import ConnectionLimits, ServerConfig
 
 DEFAULT_PORT = 8787
 
 
 def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
     """The HTTP server: connections capped, request heads bounded in time and size, keep-alive
-    capped (`gateway.http_protocol`), no access log (the app logs one line per request)."""
+    capped (`schemas.http_protocol`), no access log (the app logs one line per request)."""
     limits = ConnectionLimits(
         header_timeout_s=settings.header_timeout_s,
         max_header_bytes=settings.max_header_bytes,

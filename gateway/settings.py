@@ -41,7 +41,7 @@ class GatewaySettings:
     backend_connect_timeout_s: float = 5.0
     backend_read_timeout_s: float = 600.0
     body_read_timeout_s: float = 30.0
-    # connection limits, enforced before any request reaches the app (gateway/http_protocol.py)
+    # connection limits, enforced before any request reaches the app (schemas/http_protocol.py)
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (else 408, closed)
     max_header_bytes: int = 32 * 1024  # request line + headers (else 431)
     max_connections: int = 1024  # open connections per gateway process (more: 503, closed at once)

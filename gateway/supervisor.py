@@ -6,40 +6,23 @@ replica, so its requests get 503/3040 with `Retry-After`; the health loop brings
 new process is ready.
 
 Each child asks the kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`), so even a
-`kumo serve` killed with SIGKILL leaves no backend behind.
+`kumo serve` killed with SIGKILL leaves no backend behind (`schemas.child_process.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
-import signal
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import structlog
 
 log = structlog.get_logger("kumo.supervisor")
-PR_SET_PDEATHSIG = 1
 
 
 class Supervised(Protocol):
     name: str
     process: asyncio.subprocess.Process | None
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """A `preexec_fn`: SIGKILL this child when the process that spawned it exits. Linux only; a
-    no-op elsewhere. If the parent is already gone (it died between fork and here), exit now."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        os._exit(70)  # the guarantee cannot be given: refuse to run without it
-    if os.getppid() != parent_pid:
-        os._exit(0)
 
 
 class Supervisor:

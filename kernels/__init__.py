@@ -13,7 +13,7 @@ where the op has a decode and a prefill kernel).
 | `paged_attention` (`PagedAttentionArgs`)     | `paged_attention.py` | `paged_decode_gqa.py`, `paged_prefill_gqa.py`, `gqa_slice.py` |
 | `dsa_indexer` (`DsaIndexerArgs`)             | `dsa_indexer.py`     | `dsa_indexer_triton.py`                     |
 | `kv_write` (`KvWriteArgs`)                   | `kv_write.py`        | `kv_write_triton.py`                        |
-| `int4_linear` (`Int4LinearArgs`)             | `int4_linear.py`     | `w4a16_gemm.py` (GEMV, tiles, dequant + cuBLAS) |
+| `int4_linear` (`Int4LinearArgs`)             | `int4_linear.py`     | `w4a16_gemm.py` (tiles, dequant + cuBLAS), `w4a16_gemv.py`, `w4a16_config.py` |
 | `fp8_linear` (`Fp8LinearArgs`)               | `fp8_linear.py`      | `fp8_gemm.py` (weight-only GEMV and tiles, M ≤ 64) |
 
 GPU-only ops (kernel, launcher and reference in one file; `backend/quant` calls them on CUDA and

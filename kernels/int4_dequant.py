@@ -18,7 +18,7 @@ from kernels.triton_lib import MAGIC_2_23, unpack_tile
 
 
 class DequantTiles(Protocol):
-    """The tile sizes the launch takes (`kernels.w4a16_gemm.W4A16Config` is one)."""
+    """The tile sizes the launch takes (`kernels.w4a16_config.W4A16Config` is one)."""
 
     @property
     def block_n(self) -> int: ...

@@ -4,7 +4,7 @@
     y [..., N] = x [..., K] @ dequant(weight_packed [N, K/8], weight_scale [N, K/G]).T
 
 CUDA, whole groups (K a multiple of a power-of-two group of 8+): `kernels/w4a16_gemm.py`, which
-picks by M its GEMV (1-2 rows; word tiles streamed by TMA), tensor-core tiles (3-64) or, for
+picks by M (`kernels/w4a16_config.py`) its GEMV (1-2 rows, `kernels/w4a16_gemv.py`), tensor-core tiles (3-64) or, for
 prefill, one Triton dequantizing pass and cuBLAS. Every other case: the reference, dequantize to the activation dtype then matmul.
 (`backend.quant.linear.Int4Linear` may instead send prefill to FP8 tensor cores: `set_int4_prefill`.)
 """

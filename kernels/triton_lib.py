@@ -1,6 +1,6 @@
 """The `@triton.jit` device functions more than one op uses (ops import them from here, never from
 each other), in three parts:
-- INT4 decode dot products on the CUDA cores (the W4A16 GEMV `kernels/w4a16_gemm.py`, the fused
+- INT4 decode dot products on the CUDA cores (the W4A16 GEMV `kernels/w4a16_gemv.py`, the fused
   MoE's sparse-decode GEMV `kernels/fused_moe.py`), described below, and INT4 tile unpacking for the
   tensor-core GEMMs (W4A16, W4A8, the fused MoE's tiles, `kernels/int4_dequant.py`);
 - the fused MoE's tile rows, epilogues and split-K GEMV finish (INT4 and FP8, `kernels/moe_routing.py`

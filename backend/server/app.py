@@ -38,8 +38,8 @@ from backend.server.model_card import ServedModel
 from backend.server.rank_group import RankFailure, RankGroup, build_engine, free_port
 from backend.server.settings import BackendSettings, build_settings
 from backend.server.warmup import warm_up
-from gateway.http_protocol import ConnectionLimits, ServerConfig
 from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
+from schemas.http_protocol import ConnectionLimits, ServerConfig
 
 log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode

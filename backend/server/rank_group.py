@@ -35,6 +35,7 @@ from backend.engine.ranks import StepChannel, follow_steps, join_group
 from backend.errors import CheckpointError, RanksDown
 from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
 from backend.server.settings import BackendSettings
+from schemas.child_process import die_with_parent
 
 if TYPE_CHECKING:
     from backend.engine.async_engine import AsyncEngine
@@ -120,8 +121,6 @@ class RankGroup:
         self.on_lost = on_lost
         self._is_stopping = False
         self.processes: list[subprocess.Popen[bytes]] = []
-        from gateway.supervisor import die_with_parent
-
         for rank in range(1, settings.tp):
             process = subprocess.Popen(
                 [sys.executable, "-m", "backend.server.rank_group"],

@@ -13,8 +13,7 @@ processes are named under `unpaired` (a missing one never shifts the pairs after
 scenario record like one process's, so `kumo bench report` takes it beside the others; its
 `measured_on` is the processes' geometry (78 of 78 layers at `--rank-of 8` for GLM 5.2).
 
-By run (`paired_ratio`, the 8-GPU run's parts, `benchmarks.engine.x8`): the i-th complete run of A
-over the i-th of B, in the order they ran.
+The 8-GPU run's parts (`benchmarks.engine.x8`) pair their one-side processes the same way (`Pairing`).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,18 +50,6 @@ def in_order(records: Sequence[Record]) -> list[Record]:
     """The one-side records in the order their processes started (ties: the order given)."""
     ranked = sorted(enumerate(records), key=lambda ir: (started(ir[1]), ir[0]))
     return [r for _, r in ranked if side_entry(r) is not None]
-
-
-def paired_ratio(entries: list[dict[str, Any]], field: str, *, extra: bool = False) -> dict[str, Any] | None:
-    """A / B of `field`, the i-th complete run of side A over the i-th of B, in the order they ran."""
-    values: dict[str, list[float]] = {"A": [], "B": []}
-    for e in entries:
-        for run in e["runs"]:
-            v = (run.get("extra") or {}).get(field) if extra else run.get(field)
-            if run["is_complete"] and v:
-                values[e["side"]].append(float(v))
-    samples = [a / b for a, b in zip(values["A"], values["B"], strict=False)]
-    return method.summary_entry(samples) | {"A": values["A"], "B": values["B"]} if samples else None
 
 
 def process_value(entry: dict[str, Any], field: str, *, extra: bool = False) -> float | None:
@@ -96,6 +84,50 @@ def process_rounds(sides: Sequence[str], values: Sequence[float | None]) -> tupl
     return rounds, unpaired
 
 
+@dataclass(frozen=True)
+class Pairing:
+    """One-side processes, in the order they started, paired by rounds of A, B, B, A on a value each
+    (`process_rounds`): each round's process indices, and those left out."""
+
+    sides: list[str]
+    values: list[float | None]
+    rounds: list[list[int]]
+    unpaired: list[int]
+
+    @classmethod
+    def of(cls, entries: Sequence[dict[str, Any]], field: str, *, extra: bool = False) -> Pairing:
+        """The processes' `entries` (in the order they started) paired on their mean of `field`."""
+        sides = [e["side"] for e in entries]
+        values = [process_value(e, field, extra=extra) for e in entries]
+        return cls(sides, values, *process_rounds(sides, values))
+
+    @property
+    def labels(self) -> list[str]:
+        """Each process by its side and place in the order: A1, B2, B3, A4, …"""
+        return [f"{s}{i + 1}" for i, s in enumerate(self.sides)]
+
+    def ratios(self, values: Sequence[float | None] | None = None) -> list[float | None]:
+        """Each round's (a1 + a2) / (b1 + b2) of `values`, the processes' figures (default: the ones
+        paired on); None where a process of the round has none."""
+        got = self.values if values is None else values
+        return [_round_ratio(idx, self.sides, got) for idx in self.rounds]
+
+    def summary(self, values: Sequence[float | None] | None = None) -> dict[str, Any] | None:
+        """The rounds' ratios of `values` as a summary entry, with the paired processes' figures by side
+        and each round's processes (None: no round has a ratio)."""
+        got = self.values if values is None else values
+        ratios = [x for x in self.ratios(got) if x is not None]
+        if not ratios:
+            return None
+        paired = [j for idx in self.rounds for j in idx]
+        by_side = {s: [got[j] for j in paired if self.sides[j] == s] for s in ("A", "B")}
+        return (
+            method.summary_entry(ratios)
+            | by_side
+            | {"rounds": [[self.labels[j] for j in idx] for idx in self.rounds]}
+        )
+
+
 def _group_key(record: Record, entry: dict[str, Any]) -> str:
     g = record["geometry"]
     return json.dumps([entry["scenario"], g["kind"], g["num_layers"], g.get("rank_of", 1), entry["workload"]])
@@ -115,26 +147,24 @@ def combine(records: Sequence[Record]) -> Record:
     entries = [side_entry(r) or {} for r in ordered]
     name = entries[0]["scenario"]
     scenario = SCENARIOS[name]
-    sides = [e["side"] for e in entries]
-    values = [process_value(e, scenario.metric) for e in entries]
-    rounds_idx, unpaired = process_rounds(sides, values)
-    labels = [f"{s}{i + 1}" for i, s in enumerate(sides)]  # a process: its side and place in the order
-    per_round = [_round_ratio(idx, sides, values) for idx in rounds_idx]  # a paired process has a value
+    pairing = Pairing.of(entries, scenario.metric)
+    sides, values, labels = pairing.sides, pairing.values, pairing.labels
+    per_round = pairing.ratios()  # a paired process has a value
     rounds = [
         {"order": [sides[j] for j in idx], "processes": [labels[j] for j in idx],
          "runs": [run for j in idx for run in entries[j]["runs"]], "ratio": x}
-        for idx, x in zip(rounds_idx, per_round, strict=True)
+        for idx, x in zip(pairing.rounds, per_round, strict=True)
     ]  # fmt: skip
     ratios = [x - 1.0 if scenario.is_overhead else x for x in per_round if x is not None]
     beside: dict[str, Any] = {}
     for field in scenario.beside:  # the same rounds' ratio of a figure the runs carry beside the metric
         extra = [process_value(e, field, extra=True) for e in entries]
-        field_ratios = [x for x in (_round_ratio(idx, sides, extra) for idx in rounds_idx) if x is not None]
+        field_ratios = [x for x in pairing.ratios(extra) if x is not None]
         beside[f"{field}_ratio"] = method.summary_entry(field_ratios) if field_ratios else None
     described = {s: next(e["sides"][s] for e in entries if e["side"] == s) for s in ("A", "B") if s in sides}
     if len(described) == 2:
         beside |= weights_beside(scenario, described["A"], described["B"])
-    paired = {j for idx in rounds_idx for j in idx}
+    paired = {j for idx in pairing.rounds for j in idx}
     entry = {
         "scenario": name,
         "definition": scenario.definition,
@@ -145,10 +175,10 @@ def combine(records: Sequence[Record]) -> Record:
         "sides": described,
         "warm_up": {label: e["warm_up"] for label, e in zip(labels, entries, strict=True) if e["warm_up"]} or None,
         "warm_up_missed_shapes": {label: e["warm_up_missed_shapes"] for label, e in zip(labels, entries, strict=True)},
-        "order": [sides[j] for idx in rounds_idx for j in idx],
+        "order": [sides[j] for idx in pairing.rounds for j in idx],
         "processes": [_process(ordered[j], entries[j], labels[j], values[j], j in paired) for j in range(len(entries))],
         "rounds": rounds,
-        "unpaired": [labels[j] for j in unpaired],
+        "unpaired": [labels[j] for j in pairing.unpaired],
         "summary": method.summary_entry(ratios) if ratios else None,
         "beside": beside,
     }  # fmt: skip

@@ -94,7 +94,7 @@ def join(rank: int, world_size: int, port: int, device: torch.device) -> None:
 def start_followers(argv: list[str], world_size: int, port: int) -> list[subprocess.Popen[bytes]]:
     """Ranks 1..N−1: this command again (`python -m benchmarks.cli engine scenario ARGV`) with its
     rank and the store's port, each killed by the kernel when this process dies."""
-    from gateway.supervisor import die_with_parent
+    from schemas.child_process import die_with_parent
 
     return [
         subprocess.Popen(

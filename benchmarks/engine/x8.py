@@ -4,11 +4,12 @@
 
 Each stage record is a `kumo bench engine scenario … --tp 8` record named `<stage>-…json` (x8.sh names
 them). A stage that runs one side a process (`--side A` / `--side B`: the GLM variants do not fit
-together, and the Kimi sides each take the whole KV pool) gives its ratio here: the i-th timed run
-of A over the i-th of B, in the order they ran (A's processes, then B's, each in order), one sample
-each (`benchmarks.engine.side_records.paired_ratio`); `{"value": median, "samples": [...], "spread":
-[min, max]}` as the benchmark issue's summary. (One GPU, processes A, B, B, A by rounds: `kumo bench
-engine combine`, the same module.)
+together, and the Kimi sides each take the whole KV pool) gives its ratio here as `kumo bench engine
+combine` does (`benchmarks.engine.side_records.Pairing`): its processes, in the order they started,
+paired by rounds A, B, B, A, a round's ratio (a1 + a2) / (b1 + b2) of the processes' mean metric, one
+sample a round; `{"value": median, "samples": [...], "spread": [min, max]}` as the benchmark issue's
+summary. A process missing, or without a complete run, costs its own round only: the processes left
+out are named under `unpaired`, by stage.
 
     glm-decode        int4_vs_fp8_decode_c1: tok/s per user at c=1, INT4 / FP8 (every Linear)
     glm-prefill       int4_vs_fp8_prefill: prefill tok/s of one 8,192-token prompt, INT4 / FP8
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.engine import method
-from benchmarks.engine.side_records import paired_ratio
+from benchmarks.engine.side_records import Pairing, in_order, process_value, side_entry
 
 RATIO_STAGES = {  # stage → (summary key, the metric's run field)
     "glm-decode": ("int4_vs_fp8_decode_c1", "output_tok_s_per_user"),
@@ -142,15 +143,18 @@ def combine(stage_records: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         by_stage.setdefault(stage, []).append(record)
     summary: dict[str, Any] = dict.fromkeys(SUMMARY_KEYS)
     beside: dict[str, Any] = {}
+    unpaired: dict[str, list[str]] = {}
     for stage, (key, field) in RATIO_STAGES.items():
-        entries = [_entry(r) for r in by_stage.get(stage, [])]
-        if entries:
-            summary[key] = paired_ratio(entries, field)
-    long = [_entry(r) for r in by_stage.get("kv-long", [])]
-    if long:
-        beside["fp8kv_vs_bf16kv_long_c64_steady_decode"] = paired_ratio(
-            long, "steady_decode_tok_s", extra=True
-        )
+        entries = [side_entry(r) or {} for r in in_order(by_stage.get(stage, []))]
+        if not entries:
+            continue
+        pairing = Pairing.of(entries, field)
+        summary[key] = pairing.summary()
+        if pairing.unpaired:
+            unpaired[stage] = [pairing.labels[j] for j in pairing.unpaired]
+        if stage == "kv-long":  # the same rounds' ratio of steady decode
+            steady = [process_value(e, "steady_decode_tok_s", extra=True) for e in entries]
+            beside["fp8kv_vs_bf16kv_long_c64_steady_decode"] = pairing.summary(steady)
     tags = [_entry(r) for r in by_stage.get("tags", [])]
     if tags:  # A/B/B/A in-process: the rounds of every call pooled
         samples = [s for e in tags if e.get("summary") for s in e["summary"]["samples"]]
@@ -161,6 +165,7 @@ def combine(stage_records: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "summary": {k: summary.get(k) for k in SUMMARY_KEYS},
         "beside": beside | {"capacity_fp8_over_bf16_dcp8": summary.get("capacity_fp8_over_bf16_dcp8")},
+        "unpaired": unpaired,  # stage → its processes in no A, B, B, A round (A1, B2, …: side, place)
         "load": load_rows(load_entries),
         "comms": comms_rows([_entry(r) for r in by_stage.get("comms", [])]),
         "sources": [
@@ -202,6 +207,8 @@ def markdown(x8: dict[str, Any]) -> str:
                 f"| {key} | {_f(v['value'])} | [{_f(v['spread'][0])}, {_f(v['spread'][1])}] "
                 f"| {len(v['samples'])} | {seed} | {goal} |"
             )
+    for stage, labels in x8["unpaired"].items():
+        lines.append(f"\n{stage}: processes {', '.join(labels)} in no A, B, B, A round, left out.")
     for key in ("capacity_fp8_over_bf16", "capacity_fp8_over_bf16_dcp8"):
         v = x8["summary"].get(key) or x8["beside"].get(key)
         if v:

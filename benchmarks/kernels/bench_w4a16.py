@@ -20,17 +20,16 @@ import triton
 
 from benchmarks.kernels.common import num_copies, rel_err, rotating, run_cases
 from kernels.formats.int4 import repack_int4
-from kernels.w4a16_gemm import (
+from kernels.w4a16_config import (
     GEMV_DEFAULT,
     GEMV_PROGRAMS_PER_SM,
     GEMV_TMA,
     TMA_PROGRAMS_PER_SM,
     W4A16Config,
     pick_config,
-    w4a16_gemm,
-    w4a16_gemm_ref,
     with_split_k,
 )
+from kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
 
 SHAPES = [  # name, N, K, group
     ("dense", 8192, 8192, 128),

@@ -122,7 +122,8 @@ def int4_words(N: int, K: int, gen: torch.Generator) -> torch.Tensor:
 def check_b() -> None:
     from kernels.formats.int4 import unpack
     from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref
-    from kernels.w4a16_gemm import W4A16Config, w4a16_gemm, with_split_k
+    from kernels.w4a16_config import W4A16Config, with_split_k
+    from kernels.w4a16_gemm import w4a16_gemm
 
     gen = torch.Generator().manual_seed(3)
     N, K = (64, 512) if SMALL else (4096, 7168)

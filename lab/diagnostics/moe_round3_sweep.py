@@ -31,14 +31,8 @@ from benchmarks.kernels.bench_fused_moe import G, Shape
 from benchmarks.kernels.common import graph_ms, measure_ceilings, num_copies, rel_err
 from kernels.formats.int4 import repack_int4
 from kernels.fused_moe import MoEConfig, fused_moe, fused_moe_ref, pick_moe_config
-from kernels.w4a16_gemm import (
-    GEMV_PROGRAMS_PER_SM,
-    W4A16Config,
-    pick_config,
-    w4a16_gemm,
-    w4a16_gemm_ref,
-    with_split_k,
-)
+from kernels.w4a16_config import GEMV_PROGRAMS_PER_SM, W4A16Config, pick_config, with_split_k
+from kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
 
 DEV = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny shapes) sets "cpu"
 REPEATS = 3

@@ -27,16 +27,15 @@ from typing import Any
 import torch
 
 from benchmarks.kernels.common import graph_ms, measure_ceilings, num_copies, rel_err
-from kernels.w4a16_gemm import (
+from kernels.w4a16_config import (
     GEMV_DEFAULT,
     GEMV_NARROW,
     TMA_PROGRAMS_PER_SM,
     W4A16Config,
     pick_config,
-    w4a16_gemm,
-    w4a16_gemm_ref,
     with_split_k,
 )
+from kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
 
 DEV = "cuda"  # a CPU smoke run of this script's logic (TRITON_INTERPRET=1, tiny shapes) sets "cpu"
 ACT = torch.bfloat16  # activations (the smoke run: float16, which the interpreter's tl.dot computes)

@@ -1,5 +1,6 @@
-"""The backend's package layout, read statically: the engine never imports quantization, and no
-module of `backend/` imports itself back, directly or round a loop of others.
+"""The backend's package layout, read statically: the backend never imports the gateway (what both
+need lives in `schemas/`, DESIGN §1), the engine never imports quantization, and no module of
+`backend/` imports itself back, directly or round a loop of others.
 
 Every import counts, wherever it sits (module top, function body, `if TYPE_CHECKING:`), because a
 function-local import that only breaks a cycle at run time still leaves the cycle in the design. An
@@ -93,5 +94,21 @@ def test_engine_never_imports_quant() -> None:
     assert len(engine) > 10
     offenders = {
         module_name(p): sorted(n for n in imported_names(p) if n.startswith("backend.quant")) for p in engine
+    }
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_the_scan_sees_an_import_inside_a_function(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from gateway.supervisor import Supervisor\n    import gateway.app\n")
+    assert {"gateway.supervisor", "gateway.app"} <= imported_names(module)
+
+
+def test_backend_never_imports_gateway() -> None:
+    modules = backend_modules()
+    assert "backend.server.app" in modules and "backend.server.rank_group" in modules
+    offenders = {
+        name: sorted(n for n in imported_names(p) if n == "gateway" or n.startswith("gateway."))
+        for name, p in modules.items()
     }
     assert {m: names for m, names in offenders.items() if names} == {}

@@ -80,16 +80,18 @@ def test_the_combined_record_divides_each_side_s_runs_in_order(rehearsal: Path) 
     assert path.with_suffix(".md").exists()
     assert set(combined["summary"]) == set(x8.SUMMARY_KEYS)
     records = _stage_records(rehearsal)
-    for stage, (key, field) in x8.RATIO_STAGES.items():
-        sides: dict[str, list[float]] = {"A": [], "B": []}
-        for p, r in records:
-            if x8.stage_of(p) == stage:
-                (entry,) = r["scenarios"].values()
-                sides[entry["side"]] += [run[field] for run in entry["runs"] if run["is_complete"]]
-        expected = [a / b for a, b in zip(sides["A"], sides["B"], strict=False)]
+    for stage, (key, field) in x8.RATIO_STAGES.items():  # one round a stage: A, B, B, A
+        ran = sorted((r["started_unix_s"], r) for p, r in records if x8.stage_of(p) == stage)
+        means: dict[str, list[float]] = {"A": [], "B": []}
+        for _, r in ran:
+            (entry,) = r["scenarios"].values()
+            done = [run[field] for run in entry["runs"] if run["is_complete"]]
+            means[entry["side"]].append(sum(done) / len(done))
+        assert [next(iter(r["scenarios"].values()))["side"] for _, r in ran] == ["A", "B", "B", "A"], stage
         got = combined["summary"].get(key) or combined["beside"].get(key)
-        assert expected and got["samples"] == pytest.approx(expected), key
-        assert got["value"] == pytest.approx(sorted(expected)[len(expected) // 2])
+        assert got["samples"] == pytest.approx([sum(means["A"]) / sum(means["B"])]), key
+        assert got["rounds"] == [["A1", "B2", "B3", "A4"]]
+    assert combined["unpaired"] == {}
     (tags,) = [r for p, r in records if x8.stage_of(p) == "tags"]
     (entry,) = tags["scenarios"].values()
     assert combined["summary"]["integrity_overhead"]["samples"] == pytest.approx(
@@ -143,19 +145,60 @@ def test_tp_and_rank_of_exclude_each_other() -> None:
         main(["integrity_overhead", "--tp", "8", "--dcp", "3"])
 
 
-def test_paired_ratio_pairs_the_runs_in_the_order_they_ran() -> None:
-    def entry(side: str, values: list[float], complete: bool = True) -> dict[str, Any]:
-        return {"side": side, "runs": [{"m": v, "is_complete": complete} for v in values]}
+def _side_record(stage: str, side: str, values: list[float], start: float) -> tuple[str, dict[str, Any]]:
+    """(stage, record) as `x8.sh STAGE SIDE` writes one: a one-side scenario record, its timed runs."""
+    key, field = x8.RATIO_STAGES[stage]
+    runs = [{"is_complete": True, field: v, "extra": {"steady_decode_tok_s": 2 * v}} for v in values]
+    entry = {"scenario": key, "side": side, "runs": runs, "workload": {"concurrency": 1}}
+    record = {"command": f"{stage} {side}", "date": "2026-12-05T10:00:00+00:00", "device": "cpu",
+              "started_unix_s": 1_800_000_000.0 + start, "scenarios": {key: entry}}  # fmt: skip
+    return stage, record
 
-    got = x8.paired_ratio(
-        [entry("A", [10.0, 12.0]), entry("B", [5.0]), entry("B", [4.0, 99.0], complete=False),
-         entry("B", [3.0]), entry("A", [9.0])],
-        "m",
-    )  # fmt: skip
-    assert got is not None
-    assert got["samples"] == pytest.approx([2.0, 4.0])  # A 10, 12, 9 over B 5, 3 (the cut run left out)
-    assert got["value"] == pytest.approx(3.0) and got["spread"] == pytest.approx([2.0, 4.0])
-    assert x8.paired_ratio([entry("A", [1.0])], "m") is None
+
+def test_the_ratio_stages_pair_their_processes_by_rounds() -> None:
+    """Processes A, B, B, A, A, B, B, A by when they started (not the order given): a round's ratio
+    is the sum of A's process means over B's."""
+    specs = [("A", [10.0, 12.0]), ("B", [5.0]), ("B", [6.0]), ("A", [11.0]),
+             ("A", [30.0]), ("B", [10.0]), ("B", [20.0]), ("A", [30.0])]  # fmt: skip
+    records = [_side_record("glm-decode", side, v, 60.0 * i) for i, (side, v) in enumerate(specs)]
+    got = x8.combine(records[::-1])["summary"]["int4_vs_fp8_decode_c1"]
+    expected = [(11.0 + 11.0) / (5.0 + 6.0), (30.0 + 30.0) / (10.0 + 20.0)]
+    assert got["samples"] == pytest.approx(expected)
+    assert got["value"] == pytest.approx(2.0) and got["spread"] == pytest.approx([2.0, 2.0])
+    assert got["A"] == pytest.approx([11.0, 11.0, 30.0, 30.0]) and got["B"] == pytest.approx([5, 6, 10, 20])
+    assert got["rounds"] == [["A1", "B2", "B3", "A4"], ["A5", "B6", "B7", "A8"]]
+
+
+def test_a_missing_run_costs_its_own_round_only() -> None:
+    """Round 2's first A never wrote a record: rounds 1 and 3 keep their pairs, round 2's other three
+    are named unpaired (pairing the i-th A with the i-th B would have shifted every later pair)."""
+    specs = [("A", [10.0]), ("B", [5.0]), ("B", [5.0]), ("A", [10.0]),
+             ("A", [99.0]), ("B", [9.0]), ("B", [9.0]), ("A", [12.0]),
+             ("A", [30.0]), ("B", [10.0]), ("B", [10.0]), ("A", [30.0])]  # fmt: skip
+    records = [_side_record("kv-long", side, v, 60.0 * i) for i, (side, v) in enumerate(specs)]
+    del records[4]
+    combined = x8.combine(records)
+    got = combined["summary"]["fp8kv_vs_bf16kv_long_c64"]
+    assert got["samples"] == pytest.approx([20.0 / 10.0, 60.0 / 20.0])
+    assert got["rounds"] == [["A1", "B2", "B3", "A4"], ["A8", "B9", "B10", "A11"]]
+    steady = combined["beside"]["fp8kv_vs_bf16kv_long_c64_steady_decode"]  # the same rounds
+    assert steady["samples"] == pytest.approx([40.0 / 20.0, 120.0 / 40.0])
+    assert combined["unpaired"] == {"kv-long": ["B5", "B6", "A7"]}
+    assert "kv-long: processes B5, B6, A7 in no A, B, B, A round, left out." in x8.markdown(combined)
+
+
+def test_a_stage_with_no_whole_round_is_not_measured_and_says_why() -> None:
+    records = [
+        _side_record("kv-capacity", side, [v], 60.0 * i)
+        for i, (side, v) in enumerate([("A", 4.0), ("B", 2.0)])
+    ]
+    combined = x8.combine(records)
+    assert combined["summary"]["capacity_fp8_over_bf16"] is None
+    assert combined["unpaired"] == {"kv-capacity": ["A1", "B2"]}
+    assert "| capacity_fp8_over_bf16 | not measured |" in x8.markdown(combined)
+
+
+def test_stage_of_takes_the_longest_stage_name() -> None:
     assert x8.stage_of(Path("kv-capacity-dcp8-A-101010.json")) == "kv-capacity-dcp8"
     assert x8.stage_of(Path("kv-capacity-B-101010.json")) == "kv-capacity"
     assert x8.stage_of(Path("2026-12-04-x8.json")) == ""

@@ -178,7 +178,7 @@ def test_children_die_with_their_parent(tmp_path: Path) -> None:
     """A parent spawns a child with `die_with_parent` and is SIGKILLed: the kernel kills the child."""
     script = (
         "import functools, os, subprocess, sys, time\n"
-        "from gateway.supervisor import die_with_parent\n"
+        "from schemas.child_process import die_with_parent\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
         " preexec_fn=functools.partial(die_with_parent, os.getpid()))\n"
         "print(child.pid, flush=True)\n"

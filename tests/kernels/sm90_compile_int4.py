@@ -21,15 +21,9 @@ from triton.compiler import ASTSource
 from kernels.fused_moe import _fused_moe_gemv_kernel, _fused_moe_kernel
 from kernels.moe_align import _moe_align_kernel, align_chunk
 from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
-from kernels.w4a16_gemm import (
-    GEMV_DEFAULT,
-    GEMV_NARROW,
-    W4A16Config,
-    _w4a16_gemv_kernel,
-    _w4a16_gemv_tma_kernel,
-    _w4a16_kernel,
-    pick_config,
-)
+from kernels.w4a16_config import GEMV_DEFAULT, GEMV_NARROW, W4A16Config, pick_config
+from kernels.w4a16_gemm import _w4a16_kernel
+from kernels.w4a16_gemv import _w4a16_gemv_kernel, _w4a16_gemv_tma_kernel
 from tests.kernels.sm90_compile import compile_args, compile_sm90
 from tests.kernels.sm90_compile_w4a8 import _source
 

@@ -16,10 +16,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import kernels.w4a16_config as w4a16_config  # noqa: E402
 import kernels.w4a16_gemm as w4a16_module  # noqa: E402
 from kernels.formats.int4 import repack_int4, unpack  # noqa: E402
 from kernels.int4_dequant import int4_dequant_triton  # noqa: E402
-from kernels.w4a16_gemm import W4A16Config, w4a16_gemm, w4a16_gemm_ref  # noqa: E402
+from kernels.w4a16_config import W4A16Config  # noqa: E402
+from kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref  # noqa: E402
+from kernels.w4a16_gemv import tma_fits  # noqa: E402
 from tests.kernels.sm90_compile import compiled_lines  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,20 +167,20 @@ def test_decode_gemv_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     default, its K split aims at `TMA_PROGRAMS_PER_SM` programs per SM with two or more K tiles each,
     narrower tiles for a narrow weight; a weight TMA cannot stream (a strided view) takes the plain
     GEMV."""
-    plain = w4a16_module.pick_config(1, 8192, 8192, 132, 128)
+    plain = w4a16_config.pick_config(1, 8192, 8192, 132, 128)
     assert plain.block_m == 0 and plain.tma_stages == 0 and plain.split_k >= 1
-    assert w4a16_module.pick_config(1, 576, 6144, 132, 32).tma_stages == 0
-    monkeypatch.setattr(w4a16_module, "GEMV_DEFAULT", w4a16_module.GEMV_TMA)
-    cfg = w4a16_module.pick_config(1, 8192, 8192, 132, 128)
+    assert w4a16_config.pick_config(1, 576, 6144, 132, 32).tma_stages == 0
+    monkeypatch.setattr(w4a16_config, "GEMV_DEFAULT", w4a16_config.GEMV_TMA)
+    cfg = w4a16_config.pick_config(1, 8192, 8192, 132, 128)
     assert cfg.block_m == 0 and cfg.tma_stages > 1
     programs = 8192 // cfg.block_n * cfg.split_k
     k_tiles = 8192 // cfg.block_k
     assert -(-k_tiles // cfg.split_k) >= 2
-    target = w4a16_module.TMA_PROGRAMS_PER_SM * 132 * 4 // cfg.num_warps
+    target = w4a16_config.TMA_PROGRAMS_PER_SM * 132 * 4 // cfg.num_warps
     assert programs <= 2 * target and (cfg.split_k == 16 or programs * 2 >= target)
-    assert w4a16_module.pick_config(16, 8192, 8192, 132, 128).block_m == 16  # tiles from M = 3
-    assert w4a16_module.pick_config(2, 8192, 8192, 132, 128).gemv_rows == 2
-    narrow = w4a16_module.pick_config(1, 576, 6144, 132, 32)  # GLM's kv_a: 5 tiles of 128 rows
+    assert w4a16_config.pick_config(16, 8192, 8192, 132, 128).block_m == 16  # tiles from M = 3
+    assert w4a16_config.pick_config(2, 8192, 8192, 132, 128).gemv_rows == 2
+    narrow = w4a16_config.pick_config(1, 576, 6144, 132, 32)  # GLM's kv_a: 5 tiles of 128 rows
     assert narrow.block_n < cfg.block_n and narrow.tma_stages > 1
     assert 576 // narrow.block_n * narrow.split_k > 5 * 16 and 6144 // narrow.block_k >= 2 * narrow.split_k
     gen = torch.Generator().manual_seed(8)
@@ -185,7 +188,7 @@ def test_decode_gemv_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     wide = torch.zeros(48, 2 * packed.shape[1], dtype=torch.int32)
     wide[:, ::2] = packed  # every other word: a strided view the descriptor cannot take
     view = wide[:, ::2]
-    assert not w4a16_module.tma_fits(view, W4A16Config(0, 32, 64, tma_stages=3))
+    assert not tma_fits(view, W4A16Config(0, 32, 64, tma_stages=3))
     x = torch.randn(1, 256, generator=gen, dtype=torch.float32)
     out = w4a16_gemm(
         x.to(DEV), view.to(DEV), scale.to(DEV), 32, config=W4A16Config(0, 32, 64, split_k=2, tma_stages=3)

@@ -1,6 +1,7 @@
-"""The HTTP/1.1 connection protocol of the gateway's (and the backend's) uvicorn server: uvicorn's
+"""The HTTP/1.1 connection protocol of the gateway's and the backend's uvicorn servers: uvicorn's
 httptools protocol plus three limits that hold before any application code, authentication
-included, sees a request.
+included, sees a request. (Here, in the package both sides share, so the backend never imports the
+gateway; the one module of `schemas/` that is not Structs, it leans on uvicorn, as both servers do.)
 
 - **Header deadline.** A request's line and headers must be complete `header_timeout_s` after the
   connection opened, or after the first byte following the previous response. Otherwise the

@@ -1,0 +1,24 @@
+"""A child process that never outlives its parent: `kumo serve`'s backends (gateway/serve.py), a
+backend's ranks 1..N−1 (backend/server/rank_group.py) and the benchmark's follower ranks. Here, in
+the package both sides share, so the backend never imports the gateway; standard library only."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A `preexec_fn`: SIGKILL this child when the process that spawned it exits. Linux only; a
+    no-op elsewhere. If the parent is already gone (it died between fork and here), exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(70)  # the guarantee cannot be given: refuse to run without it
+    if os.getppid() != parent_pid:
+        os._exit(0)
