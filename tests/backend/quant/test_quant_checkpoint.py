@@ -103,7 +103,7 @@ def test_checkpoint_on_disk_equals_quantizing_in_memory(arch: str, weights: str,
     main([str(src), str(tmp_path / "dst"), "--weights", weights, "--all-linear"])
     from_disk = logits(tmp_path / "dst")
     method = {"int4-g32": "int4", "fp8-block": "fp8-block", "fp8-channel": "fp8-channel"}[weights]
-    model = load_model(src, dtype=torch.float32).model
+    model = load_model(src, dtype=torch.float32, fuse_projections=False).model  # as quantized: unfused
     quantize_model(model, QuantScheme.build(method, all_linear=True))  # type: ignore[arg-type]
     assert torch.equal(from_disk, logits(model))
     ref = logits(src)
