@@ -6,6 +6,8 @@ one latent per token `kv_a_proj_with_mqa(x) = [c (R) | k_pe (Dr)]`, `c` RMS-norm
 dims only (interleaved pairs). The cache keeps `[c | rotated k_pe]` (R + Dr = 576 for Kimi). Queries
 are absorbed into latent space (`q_nope · W_UK`), attention runs MQA over the latent lines, and the
 latent output goes back through `W_UV` before o_proj; W_UK / W_UV are views of kv_b_proj.
+The Linears reading the layer's input (`x_readers`: q_a_proj or q_proj, kv_a_proj_with_mqa) are one
+`fused_qkv_a_proj` product once the loaded model is fused (backend/models/layers/fused.py).
 Heads split over ranks (tensor parallel); the latent cache is replicated on every rank, or sharded
 by token over a DCP group (backend/models/layers/context_parallel.py).
 
@@ -21,6 +23,7 @@ from torch import nn
 from backend.engine.forward_batch import CacheSpec
 from backend.models.causal_lm import CausalLM
 from backend.models.layers.context_parallel import dcp_mla_attention
+from backend.models.layers.fused import FusedLinear, fuse_group
 from backend.models.layers.linear import Linear, Shard
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import Rotary
@@ -45,6 +48,7 @@ class MLAAttention(nn.Module):
         self.N, self.Dr, self.V, self.R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         qk = self.N + self.Dr
         heads = (self.h0 * qk, self.h1 * qk)
+        self.q_lora_rank = c.q_lora_rank
         if c.q_lora_rank is None:
             self.q_proj = Linear(c.hidden_size, c.num_attention_heads * qk, dtype=dtype, out_range=heads)
         else:
@@ -66,23 +70,44 @@ class MLAAttention(nn.Module):
             shard=shard,
         )
         self.softmax_scale = c.softmax_scale
+        self.fused_qkv_a_proj: FusedLinear | None = None  # `fuse_projections`: x_readers as one product
+
+    def x_readers(self) -> list[str]:
+        """The Linears reading the layer's input x, in `project_x`'s order (q's first Linear, then the
+        latent's)."""
+        return ["q_proj" if self.q_lora_rank is None else "q_a_proj", "kv_a_proj_with_mqa"]
+
+    def fuse_projections(self) -> bool:
+        return fuse_group(self, self.x_readers(), "fused_qkv_a_proj")
+
+    def project_x(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, H] → each of `x_readers`' outputs, in order (views of one product once fused)."""
+        if self.fused_qkv_a_proj is not None:
+            return self.fused_qkv_a_proj(x)
+        return tuple(self.get_submodule(name)(x) for name in self.x_readers())
 
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("latent", (self.R + self.Dr,))]
 
-    def project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, H] → (q [T, Hl, N + Dr], the normed q LoRA activation [T, Q] or None)."""
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x).view(x.shape[0], self.num_local_heads, -1), None
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        return self.q_b_proj(q_resid).view(x.shape[0], self.num_local_heads, -1), q_resid
+    def project_q(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q's first Linear's output [T, Q] (q_a_proj; q_proj's [T, Hl·(N + Dr)] without a q LoRA) →
+        (q [T, Hl, N + Dr], the normed q LoRA activation [T, Q] or None)."""
+        T = q_a.shape[0]
+        if self.q_lora_rank is None:
+            return q_a.view(T, self.num_local_heads, -1), None
+        q_resid = self.q_a_layernorm(q_a)
+        return self.q_b_proj(q_resid).view(T, self.num_local_heads, -1), q_resid
 
-    def absorbed_query(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Write this step's latents; return (absorbed q [T, Hl, R + Dr], q LoRA activation)."""
+    def absorbed_query(
+        self, x: torch.Tensor, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """Write this step's latents; return (absorbed q [T, Hl, R + Dr], q LoRA activation, the
+        outputs of the `x_readers` past the first two)."""
         T = x.shape[0]
-        q, q_resid = self.project_q(x)
+        q_a, kv_a, *more = self.project_x(x)
+        q, q_resid = self.project_q(q_a)
         q_nope, q_pe = torch.split(q, [self.N, self.Dr], dim=-1)  # [T, Hl, N], [T, Hl, Dr]
-        c, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
+        c, k_pe = torch.split(kv_a, [self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
         rotary = self.rotary[0]
         # the norm and the rotation write their halves of the cache line: no concatenation
         latent = torch.empty(T, self.R + self.Dr, dtype=x.dtype, device=x.device)  # [T, R + Dr]
@@ -95,7 +120,7 @@ class MLAAttention(nn.Module):
         # bmm over the views: cuBLAS takes their strides and the transpose as they are (an einsum may
         # copy a non-contiguous weight operand on every call), the output's too (ldc = Hl·(R + Dr))
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_abs[..., : self.R].transpose(0, 1))  # [Hl, T, R]
-        return q_abs, q_resid
+        return q_abs, q_resid, more
 
     def w_kv(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.num_local_heads, self.N + self.V, self.R)  # [Hl, N+V, R]
@@ -116,7 +141,7 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.reshape(q.shape[0], -1))
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        q, _ = self.absorbed_query(x, step)
+        q, _, _ = self.absorbed_query(x, step)
         return self.attend(q, step, None)
 
 

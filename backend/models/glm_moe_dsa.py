@@ -49,12 +49,13 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(config.hidden_size, self.Hi, dtype=torch.float32)
 
     def forward(
-        self, x: torch.Tensor, q_resid: torch.Tensor, step: Step, rotary: Rotary
+        self, x: torch.Tensor, q_resid: torch.Tensor, wk_x: torch.Tensor, step: Step, rotary: Rotary
     ) -> torch.Tensor | None:
-        """x [T, H], q_resid [T, Q] → chosen token indices [T, K] (-1 = none); None: every visible
-        token (no sequence of the step is longer than K)."""
+        """x [T, H], q_resid [T, Q], wk_x = wk(x) [T, Di] (the attention computes it with its other
+        Linears reading x) → chosen token indices [T, K] (-1 = none); None: every visible token (no
+        sequence of the step is longer than K)."""
         T = x.shape[0]
-        k = rotary.rotate(self.k_norm(self.wk(x)).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
+        k = rotary.rotate(self.k_norm(wk_x).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
         step.write(self.layer_idx, "index_k", k)  # later, longer steps score these keys
         if step.table_tokens <= self.topk:
             return None
@@ -81,15 +82,20 @@ class DSAAttention(MLAAttention):
         elif "full" not in config.indexer_types[:layer_idx]:
             raise CheckpointError(f"layer {layer_idx} shares top-k but no earlier layer runs the indexer")
 
+    def x_readers(self) -> list[str]:
+        """MLA's, then the indexer's `wk` (its `weights_proj` reads x too, but in float32, and only
+        when a step scores: it is not fused)."""
+        return [*super().x_readers(), *(["indexer.wk"] if self.is_full else [])]
+
     def cache_specs(self) -> list[CacheSpec]:
         specs = super().cache_specs()
         return [*specs, CacheSpec("index_k", (self.indexer.Di,))] if self.is_full else specs
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        q, q_resid = self.absorbed_query(x, step)
+        q, q_resid, more = self.absorbed_query(x, step)
         if self.is_full:  # a shared layer reuses the choice (None: dense, for every layer of the step)
             assert q_resid is not None
-            step.topk_indices = self.indexer(x, q_resid, step, self.rotary[0])
+            step.topk_indices = self.indexer(x, q_resid, more[0], step, self.rotary[0])
         return self.attend(q, step, step.topk_indices)
 
 

@@ -18,6 +18,7 @@ from backend.engine.engine_config import EngineConfig
 from backend.errors import CheckpointError
 from backend.models import ARCHITECTURES
 from backend.models.checkpoint import iter_tensors
+from backend.models.layers import fused
 from backend.models.model_config import ModelConfig
 from backend.quant.kv_scales import scales_for_serving, without_kv_scales
 from backend.quant.linear import set_int4_prefill
@@ -53,6 +54,7 @@ def load_model(
     dcp: int = 1,
     num_mtp_layers: int = 0,
     draft: str | Path | None = None,
+    fuse_projections: bool = True,
 ) -> LoadedModel:
     """`rank` of `world_size` tensor-parallel ranks; `ep` expert groups (0: = world_size) and `dcp`
     ranks sharing one MLA latent cache by token, as backend/models/layers/parallel.py lays them out. With
@@ -60,7 +62,9 @@ def load_model(
     the checkpoint's MTP layers to load too (speculative decoding; backend/models/mtp.py). `draft`: a
     folder shipping them apart from the checkpoint (Kimi K2 ships none): their tensors under the
     names they would have in it (`model.layers.{num_hidden_layers + i}.*`, in the same format), and a
-    config.json giving `num_nextn_predict_layers`."""
+    config.json giving `num_nextn_predict_layers`. `fuse_projections`: once loaded, the Linears that
+    read the same input run as one product (backend/models/layers/fused.py; False: as the checkpoint
+    names them, e.g. to measure what the fusion saves, or to read a layer's weights by its name)."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     if draft is not None:
@@ -96,6 +100,8 @@ def load_model(
     model.load_weights(without_kv_scales(weights))  # type: ignore[operator]
     if scheme is not None:
         dequantize_after_load(model)
+    if fuse_projections:
+        fused.fuse_projections(model)
     return LoadedModel(model=model.eval(), config=config, path=path)
 
 

@@ -19,14 +19,15 @@ at least `prefill_min_tokens` tokens on CUDA on FP8 tensor cores instead (`kerne
 from __future__ import annotations
 
 import math
-from typing import TypedDict, Unpack
+from collections.abc import Hashable, Sequence
+from typing import Self, TypedDict, Unpack
 
 import torch
 from torch import nn
 
 from backend.engine.engine_config import Int4Prefill
 from backend.errors import CheckpointError
-from backend.models.layers.linear import Range, Shard
+from backend.models.layers.linear import Range, Shard, has_bias, stacked_bias
 from kernels.formats.fp8 import (
     FP8,
     dequantize_fp8_block,
@@ -101,6 +102,34 @@ class _QuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return self.shard.all_reduce(y) if self.is_row_parallel else y
 
+    # ---- stacking (backend/models/layers/fused.py): Linears reading the same input as one product
+    @property
+    def row_block(self) -> int:
+        """A part's rows must be a multiple of this for another part to follow it in a stack."""
+        return 1
+
+    def stack_key(self) -> Hashable | None:
+        """Layers with equal keys stack into one (`stacked`); None: never (row-parallel)."""
+        if self.is_row_parallel:
+            return None
+        return (type(self), self.in_local, self.dense_dtype, self._format(), next(self.buffers()).device)
+
+    def _format(self) -> Hashable:
+        raise NotImplementedError
+
+    @classmethod
+    def _empty_stack(cls, parts: Sequence[Self], **fmt: object) -> Self:
+        """An empty (meta) layer of the parts' format whose rows are theirs stacked; its bias filled."""
+        first = parts[0]
+        rows = [p.out_local for p in parts]
+        geometry = Geometry(bias=has_bias(parts), bias_dtype=first.dense_dtype)
+        with torch.device("meta"):
+            out = cls(first.in_local, sum(rows), **fmt, **geometry)
+        if out.bias is not None:
+            out.bias = nn.Parameter(stacked_bias(parts, rows), requires_grad=False)
+        out.checkpoint_name = "+".join(p.checkpoint_name for p in parts)
+        return out
+
     def _rows(self, full: torch.Tensor, per: int = 1) -> torch.Tensor:
         o0, o1 = self.out_range
         return full[o0 // per : math.ceil(o1 / per)]
@@ -167,6 +196,23 @@ class Int4Linear(_QuantLinear):
         if bias is not None:
             mod.bias.copy_(bias.detach())  # type: ignore[union-attr]
         return mod
+
+    def _format(self) -> Hashable:
+        return self.group_size
+
+    @classmethod
+    def stacked(cls, parts: Sequence[Int4Linear]) -> Int4Linear:
+        """One layer whose output is the parts' outputs side by side: rows and their group scales
+        stacked (exact: a row's product reads only its own row and scales)."""
+        first = parts[0]
+        out = cls._empty_stack(parts, group_size=first.group_size)
+        out.weight_packed = torch.cat([p.weight_packed for p in parts])
+        out.weight_scale = torch.cat([p.weight_scale for p in parts])
+        out.weight_shape = torch.tensor(
+            [out.out_features, out.in_features], dtype=torch.int32, device=out.weight_packed.device
+        )
+        out.prefill, out.prefill_min_tokens = first.prefill, first.prefill_min_tokens
+        return out
 
     def load_param(self, name: str, full: torch.Tensor) -> int:
         if name == "weight_packed":
@@ -263,6 +309,29 @@ class Fp8Linear(_QuantLinear):
         if bias is not None:
             mod.bias.copy_(bias.detach())  # type: ignore[union-attr]
         return mod
+
+    def _format(self) -> Hashable:
+        return (self.block, self.block_scale_name)
+
+    @property
+    def row_block(self) -> int:
+        return 1 if self.block is None else self.block[0]
+
+    @classmethod
+    def stacked(cls, parts: Sequence[Fp8Linear]) -> Fp8Linear:
+        """One layer whose output is the parts' outputs side by side: rows and their scales stacked.
+        Exact per channel; with blocks only when every part but the last fills whole blocks of rows
+        (`row_block`: the caller orders them so), else one block would mix two parts' scales."""
+        first = parts[0]
+        if any(p.out_local % p.row_block for p in parts[:-1]):
+            raise ValueError("FP8 block rows: only the last stacked part may end inside a block")
+        out = cls._empty_stack(parts, block=first.block, block_scale_name=first.block_scale_name)
+        out.weight = torch.cat([p.weight for p in parts])
+        if first.block is None:
+            out.weight_scale = torch.cat([p.weight_scale for p in parts])
+        else:
+            setattr(out, first.block_scale_name, torch.cat([p.block_scale for p in parts]))
+        return out
 
     def load_param(self, name: str, full: torch.Tensor) -> int:
         if name == "weight":

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from backend.errors import CheckpointError
+from backend.models.layers.fused import FusedLinear
 from backend.models.layers.linear import Linear
 from backend.models.layers.moe import Experts
 from backend.models.layers.rotary import Rotary
@@ -163,7 +164,11 @@ def dequantize_after_load(model: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: QuantScheme) -> list[str]:
-    """Quantize the float weights a single-rank model holds, in place; return the swapped names."""
+    """Quantize the float weights a single-rank model holds, in place; return the swapped names.
+    The model's Linears as the checkpoint names them: not yet fused (a stack of several would be
+    quantized as one, its FP8 blocks straddling parts)."""
+    if any(isinstance(m, FusedLinear) for m in model.modules()):
+        raise ValueError("quantize_model takes an unfused model: load_model(..., fuse_projections=False)")
     names = []
     for name, m in _targets(model, scheme):
         new: QuantExperts | Int4Linear | Fp8Linear

@@ -139,6 +139,7 @@ class Variant:
     def __init__(
         self, name: str, spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> None:
+        from backend.models.layers.fused import fuse_projections
         from backend.models.loader import load_model
         from backend.quant import kv_scales
         from backend.quant.linear import set_int4_prefill
@@ -149,7 +150,8 @@ class Variant:
         self.name, self.spec = name, spec
         path, options = parse_variant(spec)
         device = options.device or device
-        loaded = load_model(path, dtype=dtype, device=device)
+        # fused once quantized (below): each Linear quantized on its own, as `kumo quantize` writes it
+        loaded = load_model(path, dtype=dtype, device=device, fuse_projections=False)
         self.dtype, self.device = dtype, device
         self.model, self.path, self.config = loaded.model, Path(path), loaded.config
         self.kv_dtype, self.scales = None, None
@@ -168,6 +170,7 @@ class Variant:
             quantize_model(
                 self.model, QuantScheme.build(method, group_size=group, all_linear=options.all_linear)
             )
+        fuse_projections(self.model)
         if options.int4_prefill != "w4a16":
             if not str(device).startswith("cuda"):
                 raise ValueError(f"variant {spec!r}: int4-prefill={options.int4_prefill} runs only on CUDA")

@@ -18,6 +18,7 @@ A, B, B, A with A the format's decode run (its median pure-decode step, `decode_
 the copy (the bytes over its bandwidth): a round's ratio is (a1 + a2) / (b1 + b2).
 
     kumo bench engine decode-c1 [--layers 10] [--bf16-layers 6] [--formats int4,fp8,int4-all,fp8-all,bf16]
+                                [--no-fuse-projections]   (the before side of the same-input fusion)
     kumo bench engine decode-c1 --merge A.json B.json --out X.json
 """
 
@@ -54,6 +55,7 @@ class Options:
     tiny: bool = False
     fp8_method: str = "fp8-block"
     cuda_graphs: bool = True
+    fuse_projections: bool = True
     seed: int = 0
     copy_bytes: int = COPY_BYTES
 
@@ -150,7 +152,10 @@ def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -
     layers = opts.bf16_layers if fmt == "bf16" else opts.layers
     geometry = make_geometry("glm-5.2", layers, tiny=opts.tiny)
     config = geometry.model_config
-    model = build_random_model(geometry, fmt, device=opts.device, seed=opts.seed, fp8_method=opts.fp8_method)  # type: ignore[arg-type]
+    model = build_random_model(
+        geometry, fmt, device=opts.device, seed=opts.seed, fp8_method=opts.fp8_method,  # type: ignore[arg-type]
+        fuse_projections=opts.fuse_projections,
+    )  # fmt: skip
     num_pages = -(-(opts.input_len + opts.output_len) // opts.page_size) + 1
     engine = Engine(
         model,  # type: ignore[arg-type]
@@ -314,6 +319,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=int, default=2048, help="prefill tokens per step")
     ap.add_argument("--fp8-method", choices=("fp8-block", "fp8-channel"), default="fp8-block")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--fuse-projections",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Linears reading the same input as one product (backend/models/layers/fused.py); "
+        "--no-fuse-projections: each its own, to measure what the fusion saves",
+    )
     ap.add_argument("--tiny", action="store_true", help="small geometry and lengths (CPU tests)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--budget-s", type=float, default=500.0, help="no round starts that would end after this")
@@ -350,7 +362,8 @@ def main(argv: list[str]) -> int:
         input_len=24 if a.tiny and a.input_len == 2048 else a.input_len,
         output_len=6 if a.tiny and a.output_len == 128 else a.output_len, num_rounds=a.rounds,
         page_size=a.page_size, chunk=32 if a.tiny and a.chunk == 2048 else a.chunk, deadline=start + a.budget_s,
-        tiny=a.tiny, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs, seed=a.seed,
+        tiny=a.tiny, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs,
+        fuse_projections=a.fuse_projections, seed=a.seed,
         copy_bytes=8 * 2**20 if a.tiny else COPY_BYTES,
     )  # fmt: skip
     record = {

@@ -10,7 +10,8 @@ storage is given on the device, and every tensor is filled in place there:
 
 so every format has weights of about the same spread, and the router (float32, N(0, 0.02) over
 N(0, 1)-normed inputs) picks experts near uniformly. MLA's kv_b_proj is then made dense, as after
-a checkpoint load (`dequantize_after_load`).
+a checkpoint load (`dequantize_after_load`), and the Linears reading the same input fused as the
+loader fuses them (`fuse_projections`, unless told not to).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from backend.models import ARCHITECTURES
+from backend.models.layers import fused
 from backend.quant.scheme import QuantScheme
 from backend.quant.walker import dequantize_after_load, prepare_for_checkpoint
 from benchmarks.engine.geometry import INT4_GROUP, Geometry, WeightFormat
@@ -49,6 +51,7 @@ def build_random_model(
     num_mtp_layers: int = 0,
     rank: int = 0,
     ep: int = 0,
+    fuse_projections: bool = True,
 ) -> nn.Module:
     """The truncated model of `geometry` in `fmt`, random, on `device`, in eval mode; with
     `num_mtp_layers` random MTP layers (speculative decoding's cost, not its acceptance); with
@@ -74,6 +77,8 @@ def build_random_model(
     gen = torch.Generator(device=device).manual_seed(seed)
     fill_random(model, gen)
     dequantize_after_load(model)
+    if fuse_projections:
+        fused.fuse_projections(model)
     return model.eval()
 
 

@@ -7,9 +7,9 @@ On one rank every range is the whole tensor and no collective runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,32 @@ class Linear(nn.Module):
 
         def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    # ---- stacking (backend/models/layers/fused.py): Linears reading the same input as one product
+    def stack_key(self) -> Hashable | None:
+        """Layers with equal keys stack into one (`stacked`); None: never (a row-parallel layer's
+        output is a partial sum)."""
+        if self.is_row_parallel:
+            return None
+        return (Linear, self.weight.shape[1], self.weight.dtype, self.weight.device)
+
+    @property
+    def row_block(self) -> int:
+        """A part's rows must be a multiple of this for another part to follow it in a stack."""
+        return 1
+
+    @classmethod
+    def stacked(cls, parts: Sequence[Linear]) -> Linear:
+        """One layer whose output is the parts' outputs side by side: their (local) rows stacked."""
+        weight = torch.cat([p.weight for p in parts])  # [sum of the parts' rows, K]
+        with torch.device("meta"):  # storage comes from the parts
+            out = cls(weight.shape[1], weight.shape[0], dtype=weight.dtype, bias=has_bias(parts))
+        out.weight = nn.Parameter(weight, requires_grad=False)
+        if out.bias is not None:
+            out.bias = nn.Parameter(
+                stacked_bias(parts, [p.weight.shape[0] for p in parts]), requires_grad=False
+            )
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         return self.shard.all_reduce(y) if self.is_row_parallel else y
@@ -121,6 +147,17 @@ def row(
         in_range=shard.split(in_features, "in"),
         shard=shard,
     )
+
+
+def has_bias(parts: Sequence[nn.Module]) -> bool:
+    return any(p.bias is not None for p in parts)
+
+
+def stacked_bias(parts: Sequence[nn.Module], rows: list[int]) -> torch.Tensor:
+    """The parts' biases end to end (each of `rows` entries), zeros for a part without one."""
+    biases: list[torch.Tensor | None] = [cast(torch.Tensor | None, p.bias) for p in parts]
+    like = next(b for b in biases if b is not None)
+    return torch.cat([like.new_zeros(n) if b is None else b for b, n in zip(biases, rows, strict=True)])
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

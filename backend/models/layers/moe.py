@@ -20,6 +20,7 @@ from torch import nn
 
 from backend.engine.sync_free import is_sync_free
 from backend.errors import CheckpointError
+from backend.models.layers.fused import FusedLinear, fuse_group
 from backend.models.layers.linear import Shard, _copy, activation, column, row
 from backend.models.layers.parallel import Parallel
 from backend.models.model_config import ModelConfig
@@ -27,15 +28,26 @@ from kernels.router import RouteArgs, route
 
 
 class DenseMLP(nn.Module):
+    """`down(act(gate(x)) · up(x))`; gate and up are one `gate_up_proj` product once the loaded model
+    is fused (backend/models/layers/fused.py): this rank's gate rows, then its up rows."""
+
     def __init__(self, hidden: int, intermediate: int, act: str, shard: Shard, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_proj = column(hidden, intermediate, shard, dtype=dtype)
         self.up_proj = column(hidden, intermediate, shard, dtype=dtype)
         self.down_proj = row(intermediate, hidden, shard, dtype=dtype)
         self.act = activation(act)
+        self.gate_up_proj: FusedLinear | None = None
+
+    def fuse_projections(self) -> bool:
+        return fuse_group(self, ["gate_proj", "up_proj"], "gate_up_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x)  # [T, I] each, views of one product
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Router(nn.Module):

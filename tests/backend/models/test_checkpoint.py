@@ -172,7 +172,7 @@ def test_world_size_2_ranks_keep_their_slices(ds_path: Path) -> None:
     c = ModelConfig.from_pretrained(ds_path)
     H, qk, kv, V = c.num_attention_heads, c.head_dim, c.qk_nope_head_dim + c.v_head_dim, c.v_head_dim
     for rank in (0, 1):
-        m = load_model(ds_path, dtype=torch.float32, rank=rank, world_size=2).model
+        m = load_model(ds_path, dtype=torch.float32, rank=rank, world_size=2, fuse_projections=False).model
         h = slice(rank * H // 2, (rank + 1) * H // 2)
         attn = m.model.layers[1].self_attn
         assert torch.equal(
@@ -258,7 +258,8 @@ def test_other_routing_schemes_are_refused(ds_path: Path) -> None:
 def test_a_rank_does_not_read_other_ranks_experts(ds_path: Path) -> None:
     from backend.models.checkpoint import iter_tensors
 
-    model = load_model(ds_path, dtype=torch.float32, rank=1, world_size=2).model
+    # unfused: loaded again below by the checkpoint's names
+    model = load_model(ds_path, dtype=torch.float32, rank=1, world_size=2, fuse_projections=False).model
     names = [n for n, _ in iter_tensors(ds_path, keep=model.wants_tensor)]
     experts = [int(m.group(2)) for n in names if (m := _EXPERT.match(n))]
     assert experts and all(4 <= e < 8 for e in experts)

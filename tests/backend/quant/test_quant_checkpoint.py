@@ -103,7 +103,7 @@ def test_checkpoint_on_disk_equals_quantizing_in_memory(arch: str, weights: str,
     main([str(src), str(tmp_path / "dst"), "--weights", weights, "--all-linear"])
     from_disk = logits(tmp_path / "dst")
     method = {"int4-g32": "int4", "fp8-block": "fp8-block", "fp8-channel": "fp8-channel"}[weights]
-    model = load_model(src, dtype=torch.float32).model
+    model = load_model(src, dtype=torch.float32, fuse_projections=False).model  # as quantized: unfused
     quantize_model(model, QuantScheme.build(method, all_linear=True))  # type: ignore[arg-type]
     assert torch.equal(from_disk, logits(model))
     ref = logits(src)
@@ -227,8 +227,12 @@ def test_tensor_parallel_ranks_hold_their_slices_of_the_quantized_weights(
     )
     dst = tmp_path / "q"
     main([str(src), str(dst), "--weights", weights, "--all-linear"])
-    full = load_model(dst, dtype=torch.float32).model
-    ranks = [load_model(dst, dtype=torch.float32, rank=r, world_size=2).model for r in (0, 1)]
+    # the checkpoint's modules (fused ones stack each rank's own rows: no longer slices of one tensor)
+    full = load_model(dst, dtype=torch.float32, fuse_projections=False).model
+    ranks = [
+        load_model(dst, dtype=torch.float32, rank=r, world_size=2, fuse_projections=False).model
+        for r in (0, 1)
+    ]
     checked = 0
     for name, m in full.named_modules():
         if not isinstance(m, Int4Linear | Fp8Linear):
