@@ -13,6 +13,13 @@ sequence rather than per page) is folded into each of its pages when it lets the
 step is the latest over every holder it had. (The scheduler gives a sequence pages only in a step
 that schedules it, admission or decode, so no page a holder lets go is newer than its last step.)
 
+Speculative decoding reserves pages past a sequence's tokens for its drafts (`reserve_tokens`). A
+sequence that keeps drafting keeps them from step to step, under their tags (a page dropped after
+each step and reserved again would come back with a new tag, and the step would carry its update):
+they are its spare pages, dropped when it stops drafting (`drop_spare_pages`), finishes or is
+preempted (`release`), or when the pool runs short: a decode's next page or an admission takes
+every sequence's spare pages before it fails (and before the scheduler preempts anyone).
+
 The manager holds no tensors: the sequences' page tables are rows of its host `PageTables`
 (`backend.engine.page_table`), which the model runner gathers, and the runner copies `take_tag_updates()`
 into `KVCache.page_tags`.
@@ -51,6 +58,7 @@ class BlockManager:
         self._seq_steps: dict[str, int] = {}  # request id -> last step that scheduled it
         self.page_tables = PageTables()
         self._tag_updates: dict[int, int] = {}
+        self._spares: dict[str, Sequence] = {}  # request id -> a sequence holding pages past its tokens
 
     # ---- counts --------------------------------------------------------------------------------
     @property
@@ -67,6 +75,13 @@ class BlockManager:
         evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
         return len(self._free) + evictable
 
+    @property
+    def num_spare_pages(self) -> int:
+        """Pages held past their sequences' tokens (draft pages kept between steps)."""
+        return sum(
+            max(0, len(s.page_table) - self.num_pages_for(s.num_tokens)) for s in self._spares.values()
+        )
+
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -78,12 +93,18 @@ class BlockManager:
     def admit(self, seq: Sequence) -> bool:
         """Give `seq` pages for all of its tokens, reusing cached full pages of its prefix.
 
-        Returns False, changing nothing, when the pool cannot hold it now.
+        Returns False, changing nothing (but perhaps taking the spare pages), when the pool cannot
+        hold it now.
         """
         assert not seq.page_table, "admit() on a sequence that still holds pages"
         plan = self._plan(seq)
         if plan is None:
             return False
+        if plan[2] > self.num_available_pages - sum(1 for p in plan[1] if self.refcounts[p] == 0):
+            self.drop_all_spare_pages()  # it fits only with them (`_plan` counts them)
+            plan = self._plan(seq)
+            if plan is None:  # they went to quarantine: their holders' last step is still running
+                return False
         keys, hits, num_new = plan
         self.page_tables.attach(seq.page_table)
         if self.prefix_cache is not None and not seq.wants_prompt_logprobs:
@@ -109,7 +130,7 @@ class BlockManager:
                 hits.append(page_id)
         num_new = self.num_pages_for(seq.num_tokens) - len(hits)
         num_hits_evictable = sum(1 for p in hits if self.refcounts[p] == 0)
-        if num_new > self.num_available_pages - num_hits_evictable:
+        if num_new > self.num_available_pages + self.num_spare_pages - num_hits_evictable:
             return None
         return keys, hits, num_new
 
@@ -118,22 +139,42 @@ class BlockManager:
         if seq.page_table.length * self.page_size > seq.num_computed_tokens:
             return True
         if self.num_available_pages == 0:
-            return False
+            self.drop_all_spare_pages()
+            if self.num_available_pages == 0:
+                return False
         self._allocate(seq)
         return True
 
     def reserve_tokens(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` pages for its first `num_tokens` tokens (speculative decoding's draft and
-        verify positions); False, changing nothing, when the pool cannot."""
+        verify positions); False, changing nothing, when the pool cannot. Pages past its tokens are
+        its spare pages: kept, under their tags, until `drop_spare_pages` or `release`."""
         num_new = self.num_pages_for(num_tokens) - seq.page_table.length
         if num_new > self.num_available_pages:
             return False
         for _ in range(num_new):
             self._allocate(seq)
+        if seq.page_table.length > self.num_pages_for(seq.num_tokens):
+            self._spares[seq.request_id] = seq
         return True
 
+    @property
+    def spare_holders(self) -> dict[str, Sequence]:
+        """Request id -> sequence, for every sequence that may hold spare pages (read only)."""
+        return self._spares
+
+    def drop_spare_pages(self, seq: Sequence) -> None:
+        """Drop the pages of `seq` past its tokens (it stops drafting), by the ledger."""
+        if self._spares.pop(seq.request_id, None) is not None:
+            self.truncate(seq, self.num_pages_for(seq.num_tokens))
+
+    def drop_all_spare_pages(self) -> None:
+        """Every sequence's spare pages back to the pool (it is short of pages)."""
+        for seq in list(self._spares.values()):
+            self.drop_spare_pages(seq)
+
     def truncate(self, seq: Sequence, num_pages: int) -> None:
-        """Drop the pages of `seq` past its first `num_pages` (a rejected draft's), by the ledger,
+        """Drop the pages of `seq` past its first `num_pages` (spare draft pages), by the ledger,
         as `release` drops them: quarantined until the step that last touched them completes."""
         ledger = self._ledger.get(seq.request_id, [])
         if len(ledger) <= num_pages:
@@ -147,6 +188,7 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         """Drop every page `seq` holds (finish, abort, preemption), by the ledger."""
         step = self._seq_steps.pop(seq.request_id, -1)
+        self._spares.pop(seq.request_id, None)
         for ref in self._ledger.pop(seq.request_id, []):
             self._drop(ref, step)
         self.page_tables.detach(seq.page_table)

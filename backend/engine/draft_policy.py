@@ -35,13 +35,17 @@ rounded up to a power of two), the engine reports every decode-only step's token
 (`observe_step`), plain steps and steps that verified drafts kept apart (EWMA of tokens per second);
 a load with no plain measurement runs plain steps first, then drafts for `SPEC_PROBE_STEPS` (the
 first of them only proposes), and from then on drafts only while its measured rate beats the plain
-one. Where drafting wins, every `REPROBE_EVERY` drafting steps one plain step refreshes the rate it is
-compared with. Where it loses (or its probe measured too little), it is probed again only once the
-plain steps at that load have taken `1 / PROBE_SHARE` times what the probe is expected to cost (its
-drafting steps' measured seconds there): at 64 sequences a drafting step can cost ten plain ones, and
-a load seen for a few dozen steps (a burst of short requests) must not pay for probes it cannot
-amortize. A load's first probe is priced from the dearest drafting step (in plain steps) measured at
-any load, or `DRAFT_STEP_GUESS` before any.
+one. A load's first probe starts from a prior: where it says drafting pays (the cost model chose
+k > 0, and E(k) beats the dearest drafting step, in plain steps, measured at any load: none measured
+yet, the cost model alone) the probe begins right after those `MIN_RATE_SAMPLES` plain steps, so
+drafting starts within a load's first few steps; then the measured rates decide. Where drafting
+wins, every `REPROBE_EVERY` drafting steps one plain step refreshes the rate it is compared with.
+Where it loses (or its probe measured too little), or where the prior says it does not pay, it is
+probed only once the plain steps at that load have taken `1 / PROBE_SHARE` times what the probe is
+expected to cost (its drafting steps' measured seconds there): at 64 sequences a drafting step can
+cost ten plain ones, and a load seen for a few dozen steps (a burst of short requests) must not pay
+for probes it cannot amortize. Such a probe is priced from the dearest drafting step (in plain
+steps) measured at any load, or `DRAFT_STEP_GUESS` before any.
 
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
@@ -190,6 +194,7 @@ class DraftPolicy:
             return self.max_drafts
         rates = [self.rate(load, k) for k in range(self.max_drafts + 1)]
         k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
+        is_modelled = k > 0  # the cost model, at the measured acceptance, says k pays
         if k == 0 and self._would_pay_if_accepted(load):
             self._num_starved += 1
             if self._num_starved % PROBE_EVERY == 0:
@@ -197,13 +202,14 @@ class DraftPolicy:
         else:
             self._num_starved = 0
         if k and self.is_calibrated:
-            k = self._measured_gate(load, k)
+            k = self._measured_gate(load, k, is_modelled)
         self.last_k = k
         return k
 
-    def _measured_gate(self, load: StepLoad, k: int) -> int:
+    def _measured_gate(self, load: StepLoad, k: int, is_modelled: bool) -> int:
         """k, or 0 where plain steps have been measured to emit more tokens per second at this load
-        (or a probe of drafting there would cost more than `PROBE_SHARE` of its plain time)."""
+        (or a probe of drafting there would cost more than `PROBE_SHARE` of its plain time, unless
+        it is the load's first and the prior says drafting pays)."""
         rates = self._rates.setdefault(load_bucket(load.num_drafting + load.num_other_samples), _Rates())
         if self._probe_left > 0:
             self._probe_left -= 1
@@ -211,7 +217,8 @@ class DraftPolicy:
         if rates.num_plain < MIN_RATE_SAMPLES:
             return 0
         if rates.num_spec < MIN_RATE_SAMPLES or rates.spec < rates.plain:  # unmeasured, or losing
-            if not rates.can_afford_probe(self._draft_over_plain()):
+            is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k)
+            if not is_prior and not rates.can_afford_probe(self._draft_over_plain()):
                 return 0
             rates.num_probes += 1
             rates.plain_s_since_probe = 0.0
@@ -226,10 +233,20 @@ class DraftPolicy:
 
     def _draft_over_plain(self) -> float:
         """A drafting step's cost in plain steps: the most measured at any load, else a guess."""
+        return self._measured_draft_over_plain() or DRAFT_STEP_GUESS
+
+    def _measured_draft_over_plain(self) -> float:
+        """A drafting step's cost in plain steps, the most measured at any load (0: none yet)."""
         measured = [
             r.draft_step_s / r.plain_step_s for r in self._rates.values() if r.draft_step_s and r.plain_step_s
         ]
-        return max(measured, default=DRAFT_STEP_GUESS)
+        return max(measured, default=0.0)
+
+    def _prior_pays(self, k: int) -> bool:
+        """A verify of k drafts is expected to emit more tokens than a drafting step costs plain
+        steps, as measured at the dearest load (before any measurement: the cost model's word)."""
+        measured = self._measured_draft_over_plain()
+        return not measured or self.expected_tokens(k) > measured
 
     def observe_step(
         self, num_seqs: int, is_drafting: bool, is_verified: bool, num_tokens: int, seconds: float

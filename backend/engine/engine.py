@@ -202,8 +202,6 @@ class Engine:
             raise
         self.block_manager.complete_step(scheduled.step)
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
-        if spec is not None and any(drafting):  # the pages past each drafting sequence's tokens
-            spec.trim([s.seq for s, d in zip(scheduled.scheduled, drafting, strict=True) if d])
         elapsed = time.perf_counter() - start
         if spec is not None and scheduled.num_tokens == len(results):  # decode only: measure the step
             is_drafting = any(drafting)

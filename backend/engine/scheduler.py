@@ -247,8 +247,10 @@ class _Shares:
         num_pages: Counter[str] = Counter()
         num_seqs: Counter[str] = Counter()
         page_size = scheduler.block_manager.page_size
-        for seq in scheduler.running:  # pages held, or about to be: a decode's next token may need one
-            num_pages[_tenant(seq)] += max(seq.page_table.length, -(-seq.num_tokens // page_size))
+        # pages held, or about to be (a decode's next token may need one); not a drafting sequence's
+        # spare pages, which the pool takes back before anyone waits for them (BlockManager)
+        for seq in scheduler.running:
+            num_pages[_tenant(seq)] += -(-seq.num_tokens // page_size)
             num_seqs[_tenant(seq)] += 1
         return cls(
             max_pages=max(1, int(share * scheduler.block_manager.num_pages)),
@@ -283,6 +285,6 @@ class _Shares:
 
     def remove(self, seq: Sequence) -> None:
         tenant = _tenant(seq)
-        self.num_pages[tenant] -= seq.page_table.length
+        self.num_pages[tenant] -= -(-seq.num_tokens // self.page_size)  # as `of` counted it
         self.num_seqs[tenant] -= 1
         self.waiting[tenant] += 1

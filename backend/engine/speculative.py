@@ -27,9 +27,12 @@ verify forward: a plain decode is a one-row chunk beside them. Every forward of 
 every tensor-parallel rank (backend/engine/speculative_forwards.py).
 
 Pages: before the step a drafting sequence gets pages for every position the step may write (the
-verify rows and the chained drafts); after it, the pages past its accepted tokens are dropped
-(`BlockManager.truncate`). KV written at rejected positions is never read: a position's KV is
-always rewritten (verify for the target, propose for the MTP layer) before any query can see it.
+verify rows and the chained drafts). It keeps those past its accepted tokens while it drafts, under
+their tags (its spare pages, `BlockManager.reserve_tokens`): the next step needs them again, and a
+page given back and reserved anew would carry a new tag and a tag update into that step. It gives
+them back when a step does not draft it (`drafting`), when it finishes or is preempted, or when the
+pool runs short. KV written at rejected positions is never read: a position's KV is always
+rewritten (verify for the target, propose for the MTP layer) before any query can see it.
 The prefix cache only takes pages below `num_computed_tokens`, which counts accepted tokens only.
 Every forward here reads and writes through the tag-checked ops, so a draft or verify read of a
 page that changed owner flags its sequence, which the engine then aborts alone.
@@ -78,7 +81,7 @@ class _Row:
 
 
 class SpecDecoder:
-    """Decides which sequences draft, reserves and trims their pages, runs the speculative step."""
+    """Decides which sequences draft, reserves and gives back their draft pages, runs the step."""
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, *, can_match_stops: bool) -> None:
         """`can_match_stops`: the engine matches stop strings itself, token by token (it was given a
@@ -124,8 +127,17 @@ class SpecDecoder:
         drafting does not pay."""
         flags = [False] * len(out.scheduled)
         self.k = 0
-        if num_running > self.max_drafting_seqs:
-            return flags
+        if num_running <= self.max_drafting_seqs:
+            self._reserve(out, flags)
+        spares = self.block_manager.spare_holders
+        if spares:  # a sequence that does not draft this step gives its draft pages back
+            keep = {s.seq.request_id for s, d in zip(out.scheduled, flags, strict=True) if d}
+            for seq in [seq for rid, seq in spares.items() if rid not in keep]:
+                self.block_manager.drop_spare_pages(seq)
+        return flags
+
+    def _reserve(self, out: SchedulerOutput, flags: list[bool]) -> None:
+        """Choose this step's k and set `flags` for the sequences whose draft pages fit."""
         can_draft = [
             s.needs_sample
             and s.seq.constraint is None
@@ -137,7 +149,7 @@ class SpecDecoder:
         load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
         k = self.k = self.policy.choose(load)
         if k == 0:
-            return flags
+            return
         budget = self.runner.config.max_num_batched_tokens - out.num_tokens  # the verify rows count
         for b, s in enumerate(out.scheduled):
             seq = s.seq
@@ -150,13 +162,6 @@ class SpecDecoder:
             window = seq.num_prompt_tokens + seq.request.sampling.max_tokens
             flags[b] = self.block_manager.reserve_tokens(seq, min(seq.num_tokens + 2 * k - 1, window))
             budget -= num_drafts if flags[b] else 0
-        return flags
-
-    def trim(self, seqs: list[Sequence]) -> None:
-        """After the step: drop the drafting sequences' pages past their tokens."""
-        for seq in seqs:
-            if not seq.is_finished and seq.page_table:
-                self.block_manager.truncate(seq, self.block_manager.num_pages_for(seq.num_tokens))
 
     def forget(self, request_id: str) -> None:
         self._drafts.pop(request_id, None)

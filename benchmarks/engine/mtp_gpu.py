@@ -112,6 +112,8 @@ def run_prompts(
     )
     probes = engine.spec.policy.num_probes if engine.spec is not None else 0
     greedy = engine.spec.num_greedy_steps if engine.spec is not None else 0
+    allocations = engine.block_manager.stats.num_allocations
+    first_drafting = -1  # the run's first step with drafts (-1: none)
     tokens: dict[int, list[int]] = {}
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -128,6 +130,8 @@ def run_prompts(
             outputs = engine.step()
             now = time.perf_counter()
             k = engine.spec.k if engine.spec is not None else 0
+            if k and first_drafting < 0:
+                first_drafting = sum(k_steps.values())
             k_steps[k] = k_steps.get(k, 0) + 1
             for out in outputs:
                 if out.error is not None:
@@ -151,6 +155,9 @@ def run_prompts(
         "steps": s.steps - steps,
         "step_ms_mean": wall / max(s.steps - steps, 1) * 1e3,
         "drafting_steps": sum(n for k, n in k_steps.items() if k),
+        "first_drafting_step": first_drafting,  # the draft policy's start (its prior, then rates)
+        # pages reserved: each page of a request's window once, a drafting request's kept between steps
+        "page_allocations": engine.block_manager.stats.num_allocations - allocations,
         "steps_by_draft_length": {str(k): n for k, n in sorted(k_steps.items())},
         "verify_steps": v,
         "acceptance_length": 1 + (s.spec_accepted_tokens - accepted) / v if v else None,

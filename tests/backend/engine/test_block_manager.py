@@ -155,3 +155,35 @@ def test_a_cached_page_shared_and_dropped_twice_while_quarantined_is_freed_once(
         taken.append(s.page_table[0].page_id)
     assert sorted(taken) == [0, 1, 2, 3]  # no page handed out twice
     assert not bm.admit(seq("more", 16, first_token=900))
+
+
+def test_spare_pages_are_kept_until_dropped_and_taken_when_the_pool_runs_short() -> None:
+    """Draft pages past a sequence's tokens stay with it, under their tags, until it drops them or
+    is released; a decode's next page or an admission that would not fit otherwise takes them."""
+    bm = BlockManager(num_pages=4, page_size=4, enable_prefix_cache=False)
+    a, b = seq("a", 3), seq("b", 5)
+    assert bm.admit(a) and bm.admit(b)  # 1 + 2 pages
+    assert bm.reserve_tokens(a, 8) and len(a.page_table) == 2 and bm.num_free_pages == 0
+    spare = a.page_table[1]
+    assert bm.num_spare_pages == 1 and set(bm.spare_holders) == {"a"}
+    assert bm.reserve_tokens(a, 8) and a.page_table[1] == spare  # a later step: the same page, tag
+    assert bm.stats.num_allocations == 4
+    bm.drop_spare_pages(a)
+    assert len(a.page_table) == 1 and bm.num_free_pages == 1 and not bm.spare_holders
+    assert bm.reserve_tokens(a, 8) and bm.tags[a.page_table[1].page_id] > spare.tag  # anew: new tag
+
+    b.token_ids.extend([9, 9, 9])  # b decodes into a third page: only a's spare page is left
+    b.num_computed_tokens = 8
+    assert bm.reserve_next_slot(b) and len(b.page_table) == 3 and len(a.page_table) == 1
+    assert bm.num_spare_pages == 0 and bm.num_free_pages == 0
+
+    bm.release(b)  # 3 pages free; a drafts again, and c needs all 3
+    assert bm.reserve_tokens(a, 8) and bm.num_free_pages == 2
+    c = seq("c", 12)
+    assert bm.can_admit(c) and bm.admit(c) and len(a.page_table) == 1 and len(c.page_table) == 3
+    assert not bm.admit(seq("d", 1))  # nothing spare left to take
+
+    assert bm.reserve_tokens(a, 5) is False and len(a.page_table) == 1  # the pool is full
+    bm.release(a)
+    bm.release(c)
+    assert bm.num_free_pages == 4 and not bm.spare_holders and bm.num_spare_pages == 0

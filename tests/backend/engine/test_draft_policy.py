@@ -164,16 +164,16 @@ def drive(
 
 
 def test_measured_rates_gate_drafting() -> None:
-    """With m measured, a load first runs plain steps until a probe of drafting ones fits in
-    PROBE_SHARE of their time, then keeps the side measured faster: where drafting wins, one plain
-    step every REPROBE_EVERY refreshes the plain rate; where it loses, probes stay within the share."""
+    """With m measured, a load runs MIN_RATE_SAMPLES plain steps, then (the prior, the cost model,
+    says drafting pays) probes drafting ones, then keeps the side measured faster: where drafting
+    wins, one plain step every REPROBE_EVERY refreshes the plain rate; where it loses, later probes
+    wait until they fit in PROBE_SHARE of the plain time."""
     wins = policy(3, acceptance=0.9, is_calibrated=True)
-    plain_steps = math.ceil(SPEC_PROBE_STEPS * DRAFT_STEP_GUESS / PROBE_SHARE)  # before the probe
     ks = drive(
-        wins, plain_steps + 1 + SPEC_PROBE_STEPS + REPROBE_EVERY + 2, plain_rate=100.0, spec_rate=250.0
+        wins, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + REPROBE_EVERY + 2, plain_rate=100.0, spec_rate=250.0
     )
     first = ks.index(3)
-    assert first >= MIN_RATE_SAMPLES and first in (plain_steps, plain_steps + 1)  # plain first (± rounding)
+    assert first == MIN_RATE_SAMPLES  # plain first: the rate drafting is compared with
     assert all(ks[first : first + SPEC_PROBE_STEPS])  # the probe
     steady = ks[first + SPEC_PROBE_STEPS :]
     assert steady.count(0) == 1 and all(steady[: REPROBE_EVERY - 1])  # one plain step refreshes its rate
@@ -181,9 +181,12 @@ def test_measured_rates_gate_drafting() -> None:
 
     loses = policy(3, acceptance=0.9, is_calibrated=True)
     ks = drive(loses, 3000, plain_rate=100.0, spec_rate=60.0)  # a verifying step: 3 / 60 s, 5 plain ones
+    assert ks[: MIN_RATE_SAMPLES + SPEC_PROBE_STEPS] == [0] * MIN_RATE_SAMPLES + [3] * SPEC_PROBE_STEPS
     probe_s = (1 + 3 * (SPEC_PROBE_STEPS - 1)) / 60.0  # the first drafting step only proposes
+    # a later probe (4 drafting steps, each measured at 3.3 plain ones) waits for 263 plain steps
+    assert ks[MIN_RATE_SAMPLES + SPEC_PROBE_STEPS :][:250] == [0] * 250
     assert loses.num_probes >= 2  # it does look again
-    assert loses.num_probes * probe_s <= PROBE_SHARE * ks.count(0) / 100.0
+    assert (loses.num_probes - 1) * probe_s <= PROBE_SHARE * ks.count(0) / 100.0  # after the prior's
     assert sum(1 for k in ks if k) == SPEC_PROBE_STEPS * loses.num_probes
 
     # loads are measured apart: one user's drafting does not decide 64 users'
@@ -225,6 +228,34 @@ def test_bursts_where_drafting_loses_cost_at_most_the_probe_share() -> None:
     runs = [burst(p, lengths, 0.0015, 0.012, cap=cap) for _ in range(100)]
     assert sum(s for s, _ in runs) <= (1 + PROBE_SHARE) * 100 * plain
     assert p.num_probes >= 1 and sum(n for _, n in runs) <= 0.01 * 100 * 40
+
+
+def test_drafting_starts_from_the_prior_and_measurements_take_over() -> None:
+    """A fresh engine's first load: the prior (the cost model) says drafting pays, so it drafts
+    after MIN_RATE_SAMPLES plain steps, not after the ~320 a probe budget of PROBE_SHARE would
+    wait. Past the cost model's cap it never drafts. Once a drafting step has been measured to cost
+    more plain steps than its tokens (4.9 against E(3) = 3.44), the prior at a new load says drafting
+    does not pay: its probe waits for the budget."""
+    p = policy(3, acceptance=0.9, is_calibrated=True)
+    ks = drive(p, 40, plain_rate=100.0, spec_rate=250.0)
+    assert ks.index(3) == MIN_RATE_SAMPLES and all(ks[MIN_RATE_SAMPLES:])  # within the first 4 steps
+    budgeted = math.ceil(SPEC_PROBE_STEPS * DRAFT_STEP_GUESS / PROBE_SHARE)  # the old wait: 320 steps
+    assert budgeted >= 300
+
+    cap = p.max_paying_seqs(256)
+    assert 0 < cap < 256
+    above = policy(3, acceptance=0.9, is_calibrated=True)
+    load = StepLoad(num_rows=cap + 1, num_drafting=cap + 1)
+    assert all(above.choose(load) == 0 for _ in range(500))  # the cost model: no k pays here
+    assert above.num_probes == 0
+
+    loses = policy(3, acceptance=0.9, is_calibrated=True)
+    ks = drive(loses, 60, plain_rate=100.0, spec_rate=40.0)  # load 1: drafting measured to lose
+    assert ks.count(3) == SPEC_PROBE_STEPS and ks[-40:] == [0] * 40  # probed once, then plain
+    assert loses.expected_tokens(3) == pytest.approx(3.439)
+    ks = drive(loses, 300, plain_rate=200.0, spec_rate=80.0, num_seqs=2)  # a new load (bucket 2)
+    assert ks == [0] * 300 and loses.num_probes == 1  # its prior does not pay: no free probe
+    assert loses.choose(StepLoad(num_rows=1, num_drafting=1)) == 0
 
 
 def test_one_user_drafts_where_it_wins() -> None:

@@ -227,3 +227,20 @@ def test_queued_batch_work_does_not_make_an_interactive_reject_if_busy_request_b
         engine.add_request(same)
     results = run_all(engine, [])
     assert {r.finish_reason for r in results.values()} == {"length"}
+
+
+def test_spare_draft_pages_do_not_count_against_a_tenant_share() -> None:
+    """A drafting sequence's spare pages (past its tokens) go back to the pool before anyone waits
+    for them, so a tenant's share counts only the pages of its tokens (and a decode's next one)."""
+    from backend.engine.scheduler import _Shares
+    from tests.backend.engine_helpers import TENANT_A
+
+    engine = make_engine(num_pages=8, page_size=4, tenant_share=0.5)
+    engine.add_request(request("a", prompt_of(1, 8), max_tokens=20))
+    engine.step()  # prefill, and its first token: 9 tokens
+    seq = engine.scheduler.running[0]
+    bm = engine.block_manager
+    assert seq.num_tokens == 9 and bm.reserve_tokens(seq, 20)  # 5 pages: 2 of them spare
+    assert len(seq.page_table) == 5 and bm.num_spare_pages == 2
+    shares = _Shares.of(engine.scheduler)
+    assert shares.max_pages == 4 and shares.num_pages[TENANT_A] == 3 and not shares.is_over(TENANT_A)

@@ -49,13 +49,19 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def check_pool(engine: Engine) -> None:
-    """Every running sequence holds only the pages of its tokens, each under its current tag, and
-    the cache's tags are the allocator's."""
+    """Every running sequence holds only the pages of its tokens, or, while it drafts, those of its
+    next step's drafts too (its spare pages, kept between steps), each under its current tag, and
+    the cache's tags are the allocator's. (Every test also checks the pool is whole at the end.)"""
     bm = engine.block_manager
+    K = engine.spec.K if engine.spec is not None else 0
+    spares = bm.spare_holders
+    assert set(spares) <= {seq.request_id for seq in engine.scheduler.running}
     for seq in engine.scheduler.running:
-        # a drafting sequence's are trimmed to its tokens; a plain decode's newest token gets its
-        # page when it is scheduled
-        assert bm.num_pages_for(seq.num_tokens - 1) <= len(seq.page_table) <= bm.num_pages_for(seq.num_tokens)
+        # a plain decode's newest token gets its page when it is scheduled; a drafting sequence
+        # keeps the pages of the chained drafts its last step reserved (n_then + 2K - 1 tokens)
+        window = seq.num_prompt_tokens + seq.request.sampling.max_tokens
+        most = min(seq.num_tokens + 2 * K - 2, window) if seq.request_id in spares else seq.num_tokens
+        assert bm.num_pages_for(seq.num_tokens - 1) <= len(seq.page_table) <= bm.num_pages_for(most)
         assert [(r.page_id, r.tag) for r in seq.page_table] == [
             (r.page_id, r.tag) for r in bm._ledger[seq.request_id]
         ]

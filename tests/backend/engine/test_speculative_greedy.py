@@ -238,3 +238,45 @@ def test_greedy_steps_identical_over_hundreds_of_prompts(loaded: dict[str, Any],
         assert engine.spec is not None
         num_greedy += engine.spec.num_greedy_steps
     assert ties <= 2 and num_greedy > 100
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_spare_draft_page_handed_away_between_steps_aborts_only_its_holder(
+    loaded: dict[str, Any], arch: str
+) -> None:
+    """Between two greedy steps the page r0 keeps for its next drafts (past its tokens) is handed to
+    another request: the next step's draft writes into it fail the tag check, r0 alone is aborted,
+    the others decode as plain decoding, and no page leaks."""
+    from tests.backend.engine_faults import FaultInjector
+
+    model = loaded[arch]
+    reqs = [
+        request(f"r{i}", p, max_tokens=30) for i, p in enumerate(prompts(3, model.config.vocab_size, seed=11))
+    ]
+    plain = run_all(engine_for(model, 0), reqs)
+    engine = engine_for(model, 3, speculative_adaptive=False)
+    bm, injector = engine.block_manager, FaultInjector(engine)
+    for r in reqs:
+        engine.add_request(r)
+    results: dict[str, Result] = {}
+    spec = engine.spec
+    assert spec is not None
+    stolen = -1
+    while engine.has_unfinished:
+        collect(results, engine.step())
+        victim = engine._seqs.get("r0")
+        if (
+            stolen < 0
+            and spec.num_greedy_steps > 0
+            and victim is not None
+            and len(victim.page_table) > bm.num_pages_for(victim.num_tokens)
+        ):
+            assert "r0" in bm.spare_holders
+            stolen = victim.page_table[-1].page_id
+            injector._give(stolen, injector.seq("r1"))
+    assert stolen >= 0
+    assert results["r0"].error is not None and results["r0"].error.code == "integrity_abort"
+    for rid in ("r1", "r2"):
+        assert results[rid].error is None and results[rid].token_ids == plain[rid].token_ids
+    assert engine.stats.tag_check_aborts == 1
+    assert bm.num_available_pages == bm.num_pages and not bm.spare_holders
