@@ -29,6 +29,9 @@ from tests.backend.engine_helpers import Result, collect, request, run_all
 
 __all__ = ["loaded"]  # the fixture
 
+# the engine modules that copy host values to the device (`to_device`, `array_to_device`)
+COPIERS = (decode_graphs, model_runner, speculative, speculative_accept, speculative_forwards, verify_graphs)
+
 
 class Transfers:
     """Counts, while installed and outside `model`'s forwards (an eager forward's own work is the
@@ -63,14 +66,7 @@ class Transfers:
         monkeypatch.setattr(
             host_staging.StagingBuffer, "send", counted(host_staging.StagingBuffer.send, "h2d")
         )
-        for module in (
-            decode_graphs,
-            model_runner,
-            speculative,
-            speculative_accept,
-            speculative_forwards,
-            verify_graphs,
-        ):
+        for module in COPIERS:
             for name in ("to_device", "array_to_device"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, counted(getattr(module, name), "h2d"))
