@@ -157,7 +157,7 @@ class ModelRunner:
         # every row that wants a token is sampled, flagged or not (a flagged one's token is dropped),
         # so the tokens and the flags come back in one copy
         n = len(rows.sampled)
-        sample_rows = [self._sample_row(out.scheduled[b].seq) for b in rows.sampled]
+        sample_rows = [self.sample_row(out.scheduled[b].seq) for b in rows.sampled]
         if rows.is_sample_rows_first:
             picked = logits[:n]
         else:
@@ -232,7 +232,8 @@ class ModelRunner:
                 return ref.page_id, ref.tag, got
         return None
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def sample_row(self, seq: Sequence) -> SampleRow:
+        """`seq`'s sample row, with this step's grammar mask where it has one."""
         row = seq.sample_row
         if seq.constraint is not None:  # this step's mask
             row.allowed = seq.constraint.allowed_tokens(self.vocab_size)

@@ -9,7 +9,10 @@ distribution (`backend.engine.sampler`: penalties over the context with the acce
 top-k, top-p). Either way the first rejection emits the target's token, and with every draft
 accepted the last row gives one more (the bonus token).
 
-Shape letters: k drafts, V vocabulary.
+`choose_tokens` applies the rule to every row of a verify step (a plain row samples its one token),
+and `token_scores` gives the emitted tokens' log-probs where the request asks for them.
+
+Shape letters: k drafts, N logits rows, V vocabulary.
 """
 
 from __future__ import annotations
@@ -18,7 +21,46 @@ from typing import Any
 
 import torch
 
-from backend.engine.sampler import SampleRow, apply_penalties, apply_top_k, apply_top_p
+from backend.engine.host_staging import to_device
+from backend.engine.model_runner import ModelRunner
+from backend.engine.sampler import Sampler, SampleRow, TokenScore, apply_penalties, apply_top_k, apply_top_p
+from backend.engine.speculative_plan import SpecRow
+
+
+def choose_tokens(rows: list[SpecRow], logits: torch.Tensor, runner: ModelRunner) -> list[list[int]]:
+    """The tokens each sequence emits this step, from the verify's `logits [N, V]`: one sampled,
+    or its accepted drafts and the target's next token; [] for a row that samples nothing."""
+    emitted: list[list[int]] = [[] for _ in rows]
+    plain = [b for b, r in enumerate(rows) if r.logits_rows and not r.drafts]
+    if plain:
+        sample_rows = [runner.sample_row(rows[b].sched.seq) for b in plain]
+        index = to_device([rows[b].logits_rows[0] for b in plain], torch.int64, logits.device)
+        for b, t in zip(plain, runner.sampler.draw(logits[index], sample_rows).tolist(), strict=True):
+            emitted[b] = [t]
+    greedy = [b for b, r in enumerate(rows) if r.drafts and r.sched.seq.sample_row.is_argmax]
+    if greedy:  # one argmax over every verify row of the greedy sequences, one copy back
+        index = to_device([i for b in greedy for i in rows[b].logits_rows], torch.int64, logits.device)
+        targets = logits[index].argmax(dim=-1).tolist()
+        at = 0
+        for b in greedy:
+            drafts = rows[b].drafts
+            emitted[b] = accept_greedy(drafts, targets[at : at + len(drafts) + 1])
+            at += len(drafts) + 1
+    for b, r in enumerate(rows):
+        if r.drafts and not r.sched.seq.sample_row.is_argmax:
+            emitted[b] = accept_sampled(logits[r.logits_rows], r.drafts, r.sched.seq.sample_row)
+    return emitted
+
+
+def token_scores(logits: torch.Tensor, r: SpecRow, tokens: list[int], sampler: Sampler) -> list[TokenScore]:
+    """The scores of the tokens `r` emitted, from its logits rows (log-probs where it asks)."""
+    row = r.sched.seq.sample_row
+    if not row.params.logprobs:  # nothing to compute: no copies to the device either
+        return [TokenScore(t, None, []) for t in tokens]
+    rows = [row] * len(tokens)
+    index = to_device(r.logits_rows[: len(tokens)], torch.int64, logits.device)
+    chosen = to_device(tokens, torch.int64, logits.device)
+    return sampler.scores(logits[index], rows, chosen, tokens)
 
 
 def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from backend.engine import speculative
+
 
 def timed(obj: Any, name: str, totals: dict[str, float], label: str | None = None) -> None:
     fn = getattr(obj, name)
@@ -115,18 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         timed(engine.runner, "run", totals, "runner.run (plain step)")
         if engine.spec is not None:
             spec = engine.spec
-            names = (
-                "drafting",
-                "run",
-                "_plan_target",
-                "_choose",
-                "_scores",
-                "_propose",
-                "trim",
-                "_run_greedy",
-            )
-            for name in names:
+            for name in ("drafting", "run", "_run_greedy"):
                 timed(spec, name, totals, f"spec.{name}")
+            # the host path's stages: module functions, looked up in speculative.py's namespace
+            for name in ("plan_target", "choose_tokens", "token_scores", "propose"):
+                timed(speculative, name, totals, f"speculative.{name}")
             forwards = engine.runner.spec_forwards
             timed(forwards, "run", totals, "forwards.run (all)")
             timed(forwards, "_depth0", totals, "forwards._depth0")

@@ -105,12 +105,12 @@ class OracleDrafts:
 
         def oracle_run(*args: Any) -> Any:
             results = run(*args)
-            for rid, (num_tokens, drafts) in list(spec._drafts.items()):
+            for rid, (num_tokens, drafts) in list(spec.book.proposed.items()):
                 seq = engine._seqs[rid]
                 at = num_tokens - seq.num_prompt_tokens  # output index of the first draft
                 truth = plain[rid].token_ids[at : at + len(drafts)]
                 wrong = torch.rand(len(truth), generator=self.rng) < p_wrong
-                spec._drafts[rid] = (
+                spec.book.proposed[rid] = (
                     num_tokens,
                     [(t + 1) % 256 if w else t for t, w in zip(truth, wrong.tolist(), strict=True)],
                 )

@@ -57,8 +57,8 @@ def lockstep(fast: Engine, slow: Engine, reqs: list[Any]) -> tuple[dict[str, Res
         assert {rid: [t.token_ids for t in v.outputs] for rid, v in got.items()} == {
             rid: [t.token_ids for t in v.outputs] for rid, v in want.items()
         }
-        num_differing += fast.spec._drafts != slow.spec._drafts
-        fast.spec._drafts = dict(slow.spec._drafts)  # the next step verifies the same drafts
+        num_differing += fast.spec.book.proposed != slow.spec.book.proposed
+        fast.spec.book.proposed = dict(slow.spec.book.proposed)  # the next step verifies the same drafts
     assert fast.spec.num_greedy_steps > 0 and slow.spec.num_greedy_steps == 0
     assert fast.stats.spec_verifies == slow.stats.spec_verifies
     assert fast.stats.spec_accepted_tokens == slow.stats.spec_accepted_tokens

@@ -15,12 +15,22 @@ import pytest
 import torch
 
 import backend.engine.host_staging as host_staging
-from backend.engine import decode_graphs, model_runner, speculative, speculative_forwards, verify_graphs
+from backend.engine import (
+    decode_graphs,
+    model_runner,
+    speculative,
+    speculative_accept,
+    speculative_forwards,
+    verify_graphs,
+)
 from tests.backend.engine.test_speculative import ARCHS, engine_for, loaded, prompts
 from tests.backend.engine.test_speculative_greedy import graphed
 from tests.backend.engine_helpers import Result, collect, request, run_all
 
 __all__ = ["loaded"]  # the fixture
+
+# the engine modules that copy host values to the device (`to_device`, `array_to_device`)
+COPIERS = (decode_graphs, model_runner, speculative, speculative_accept, speculative_forwards, verify_graphs)
 
 
 class Transfers:
@@ -56,7 +66,7 @@ class Transfers:
         monkeypatch.setattr(
             host_staging.StagingBuffer, "send", counted(host_staging.StagingBuffer.send, "h2d")
         )
-        for module in (decode_graphs, model_runner, speculative, speculative_forwards, verify_graphs):
+        for module in COPIERS:
             for name in ("to_device", "array_to_device"):
                 if hasattr(module, name):
                     monkeypatch.setattr(module, name, counted(getattr(module, name), "h2d"))
