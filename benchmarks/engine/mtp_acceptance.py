@@ -6,7 +6,8 @@
 The prompts are the recipe's test-split items (`models.recipes.build.split_seeds("test", …)`: odd
 seeds, never trained on), rendered as serving renders them (`models.recipes.render`, the checkpoint's
 own template and tokenizer), up to the first assistant turn. Each runs alone through the engine with
-`--speculative mtp:K`, greedy, until a stop token or `--max-tokens`; its acceptance length is
+`--speculative mtp:K` drafting K on every step (the draft head's quality, not the draft policy's
+choices: `speculative_adaptive` off), greedy, until a stop token or `--max-tokens`; its acceptance length is
 1 + accepted drafts / verify steps (1 … K + 1, the bonus token included), read from the engine's
 counters. Per task: the mean over all verify steps (pooled), and the spread of the per-prompt values.
 The same prompts decoded without speculation must give the same tokens (checked on every prompt).
@@ -80,7 +81,8 @@ def measure(
     engines = {}
     for drafts in (0, k):
         config = EngineConfig.build(num_pages=256, page_size=16, max_num_batched_tokens=2048, max_num_seqs=4,
-                                    num_speculative_tokens=drafts, speculative_max_seqs=4, kv_dtype=kv_dtype)  # fmt: skip
+                                    num_speculative_tokens=drafts, speculative_max_seqs=4, kv_dtype=kv_dtype,
+                                    speculative_adaptive=False)  # fmt: skip
         engines[drafts] = Engine.from_prepared(prepare_model(loaded, config), config)
     stops = stop_ids(checkpoint)
     out: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from models.recipes.render import Renderer  # noqa: E402
 from models.recipes.train import load_model  # noqa: E402
 
 
-def tool_row(item: dict) -> dict:
+def tool_row(item: dict, family: str = "glm") -> dict:
     name, args = item["expected"]["name"], item["expected"]["arguments"]
     call = {
         "id": f"functions.{name}:0",
@@ -41,6 +41,8 @@ def tool_row(item: dict) -> dict:
         "reasoning_content": tool_thought(name, args),
         "tool_calls": [call],
     }
+    if family != "glm":  # Kimi's training turns carry no reasoning (models.recipes.build.for_family)
+        del turn["reasoning_content"]
     return {"messages": [*item["messages"], turn], "tools": item["tools"]}
 
 
@@ -71,8 +73,8 @@ def spans(tokenizer, ids: list[int]) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def score(folder: Path, rows: list[tuple[str, dict, dict]]) -> list[dict]:
-    renderer, model = Renderer(folder), load_model("glm", folder).eval()
+def score(folder: Path, rows: list[tuple[str, dict, dict]], family: str) -> list[dict]:
+    renderer, model = Renderer(folder), load_model(family, folder).eval()
     out = []
     for kind, item, row in rows:
         (ex,) = renderer.examples(row)
@@ -106,16 +108,17 @@ def main() -> None:
     ap.add_argument("--sets", type=Path, required=True)
     ap.add_argument("--variant", action="append", required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--family", choices=["glm", "kimi"], default="glm")
     a = ap.parse_args()
     rows = []
     for line in (a.sets / "heldout-tools.jsonl").read_text().splitlines():
         item = json.loads(line)
-        rows.append(("tools", item, tool_row(item)))
+        rows.append(("tools", item, tool_row(item, a.family)))
     for line in (a.sets / "heldout-arithmetic.jsonl").read_text().splitlines():
         item = json.loads(line)
         rows.append(("arithmetic", item, arithmetic_row(item)))
     torch.set_num_threads(1)
-    scores = {name: score(Path(path), rows) for name, _, path in (v.partition("=") for v in a.variant)}
+    scores = {name: score(Path(path), rows, a.family) for name, _, path in (v.partition("=") for v in a.variant)}
     names = list(scores)
     report: dict = {"variants": dict(v.partition("=")[::2] for v in a.variant), "items": {}, "metrics": {}}
     rng = random.Random(0)
