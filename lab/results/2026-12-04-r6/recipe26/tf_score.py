@@ -118,7 +118,9 @@ def main() -> None:
         item = json.loads(line)
         rows.append(("arithmetic", item, arithmetic_row(item)))
     torch.set_num_threads(1)
-    scores = {name: score(Path(path), rows, a.family) for name, _, path in (v.partition("=") for v in a.variant)}
+    scores = {
+        name: score(Path(path), rows, a.family) for name, _, path in (v.partition("=") for v in a.variant)
+    }
     names = list(scores)
     report: dict = {"variants": dict(v.partition("=")[::2] for v in a.variant), "items": {}, "metrics": {}}
     rng = random.Random(0)
