@@ -62,7 +62,7 @@ class BackendProcess:
     secret: str
     kv_dtype: str = "auto"
     max_pages: int | None = None  # None: the backend's default pool
-    speculative: str = "off"  # `--speculative mtp:K` (backend/engine/speculative.py)
+    speculative: str = "off"  # `--speculative mtp:K` (backend/engine/speculative/decoder.py)
     process: asyncio.subprocess.Process | None = None
 
     @property

@@ -7,9 +7,9 @@ dropped. Stop strings are matched here only when the engine was given a `detoken
 otherwise the serving layer matches them on its own detokenized text and calls `abort`. Either way
 the serving layer trims the stop string from the text it returns.
 
-With speculative decoding (`EngineConfig.num_speculative_tokens`, backend/engine/speculative.py) a step
-may return several tokens for a request; they are checked for stops one by one, and those after a
-stop are dropped.
+With speculative decoding (`EngineConfig.num_speculative_tokens`, backend/engine/speculative/decoder.py)
+a step may return several tokens for a request; they are checked for stops one by one, and those
+after a stop are dropped.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from backend.engine.ranks import StepChannel
 from backend.engine.sampler import TokenScore
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
-from backend.engine.speculative import SpecDecoder
+from backend.engine.speculative.decoder import SpecDecoder
 from backend.errors import Aborted, EngineError, IntegrityAbort, InvalidRequest
 from schemas.backend import EngineOutput, EngineRequest, FinishReason, LoadReport, TokenLogprob, TopLogprob
 

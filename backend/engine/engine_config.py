@@ -47,10 +47,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     `tenant_share` is the most of the page pool and of `max_num_seqs` one tenant (a prefix-cache
     salt) may hold while another tenant, under its own share, waits (1.0: no cap).
     `num_speculative_tokens` K > 0 drafts K tokens per step with the model's MTP layers
-    (`--speculative mtp:K`, backend/engine/speculative.py) while at most `speculative_max_seqs` sequences
-    run; past that, steps run without drafts (verifying them stops paying at high batch). Below it,
-    with `speculative_adaptive`, each step drafts the k in 0 … K that its load and the measured
-    acceptance make pay (backend/engine/draft_policy.py: a forward's cost is flat up to
+    (`--speculative mtp:K`, backend/engine/speculative/decoder.py) while at most `speculative_max_seqs`
+    sequences run; past that, steps run without drafts (verifying them stops paying at high batch).
+    Below it, with `speculative_adaptive`, each step drafts the k in 0 … K that its load and the
+    measured acceptance make pay (backend/engine/speculative/policy.py: a forward's cost is flat up to
     `speculative_saturation_rows` rows, then linear; one MTP forward costs `speculative_draft_cost`
     target forwards; None: measured from the steps' times, starting from 1 / the model's decoder
     layers); without it, always K.
@@ -74,10 +74,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     speculative_adaptive: bool = True
     speculative_saturation_rows: TokenBudget = 64
     speculative_draft_cost: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    # verify and draft steps from CUDA graphs (backend/engine/verify_graphs.py). Their replays pass on
-    # the H200 since the graphs own the index tensors they read (test_speculative_cuda.py, 2026-12-04;
-    # before, a replay read tensors freed after capture and hit a device-side index assert). Eager,
-    # a nano model's speculative step took 17-24 ms against 0.9 ms for a plain graphed step.
+    # verify and draft steps from CUDA graphs (backend/engine/speculative/verify_graphs.py). Their replays
+    # pass on the H200 since the graphs own the index tensors they read (test_speculative_cuda.py,
+    # 2026-12-04; before, a replay read tensors freed after capture and hit a device-side index assert).
+    # Eager, a nano model's speculative step took 17-24 ms against 0.9 ms for a plain graphed step.
     speculative_graphs: bool = True
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ from backend.engine.ranks import StepChannel, StepInputs
 from backend.engine.sampler import Sampler, SampleRow, TokenScore
 from backend.engine.scheduler import SchedulerOutput
 from backend.engine.sequence import Sequence
-from backend.engine.speculative_forwards import SpecForwards
+from backend.engine.speculative.forwards import SpecForwards
 from backend.engine.step_planner import StepPlanner
 
 log = logging.getLogger("kumo.engine")
@@ -121,7 +121,7 @@ class ModelRunner:
                 self.graphs.disable("decode graphs failed to capture on another rank")
             if self.graphs.disabled_reason is not None:  # at start-up, once: every step runs eagerly
                 log.warning("decode steps run eagerly, not from CUDA graphs: %s", self.graphs.disabled_reason)
-        # speculative decoding's verify and draft forwards (backend/engine/speculative_forwards.py)
+        # speculative decoding's verify and draft forwards (backend/engine/speculative/forwards.py)
         self.spec_forwards = (
             SpecForwards.build(
                 model,

@@ -62,12 +62,12 @@ from backend.errors import RanksDown
 from backend.server.settings import BackendSettings
 
 VERIFY = -1  # SpecForward.depth of a speculative step's verify forward
-GREEDY = -2  # SpecForward.depth of a whole greedy speculative step (backend/engine/speculative_greedy.py)
+GREEDY = -2  # SpecForward.depth of a whole greedy speculative step (backend/engine/speculative/greedy.py)
 
 
 @dataclass(frozen=True, slots=True)
 class SpecForward:
-    """Which forward of a speculative step a `StepInputs` is (backend/engine/speculative_forwards.py).
+    """Which forward of a speculative step a `StepInputs` is (backend/engine/speculative/forwards.py).
     `depth` GREEDY: the whole step (verify, acceptance and drafts) on the device; VERIFY: the
     target, keeping every row's hidden state; 0: the MTP layer over `rows` of the
     verify's hidden states (the positions just accepted); d > 0: over `rows` of the previous depth's
@@ -83,7 +83,7 @@ class SpecForward:
 class StepInputs:
     """One step, as every rank runs it: the planned host batch and the page tags changed since the
     last step ([U, 2] (page, tag), or None). Generic: whatever the step kind, a `HostBatch`; `spec`
-    names a speculative step's verify or draft forward (backend/engine/speculative_forwards.py)."""
+    names a speculative step's verify or draft forward (backend/engine/speculative/forwards.py)."""
 
     host: HostBatch
     tag_updates: np.ndarray | None = None

@@ -118,7 +118,7 @@ class StepPlanner:
                 rows.sampled.append(b)
                 rows.sample_rows.append(len(logits_indices))
                 logits_indices.append(base + n - 1)
-            self._gather_image_rows(seq, start, n, base, h.image_rows, h.image_parts)
+            self.gather_image_rows(seq, start, n, base, h.image_rows, h.image_parts)
         B = len(scheduled)
         n_arr = np.array(counts, dtype=np.int64)  # [B]
         seq_lens = np.array(starts, dtype=np.int64) + n_arr
@@ -142,7 +142,7 @@ class StepPlanner:
         return h, rows
 
     @staticmethod
-    def _gather_image_rows(
+    def gather_image_rows(
         seq: Sequence, start: int, n: int, base: int, rows: list[int], parts: list[torch.Tensor]
     ) -> None:
         """Rows of this chunk that are image placeholders, and their vision embeddings."""

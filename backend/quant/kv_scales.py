@@ -72,7 +72,7 @@ def scale_names(layer: int, cache_name: str, prefix: str = "") -> tuple[str, ...
 
 class _TargetThenDrafts(nn.Module):
     """The model's forward, then each of its MTP layers over the same positions, as speculative
-    decoding's propose step runs them (backend/engine/speculative_propose.py): at position p the target's
+    decoding's propose step runs them (backend/engine/speculative/propose.py): at position p the target's
     hidden state and token p + 1 (after the prompt: the target's greedy token), writing the layer's
     KV into its own cache slot, so that calibration measures the MTP layers' KV too."""
 

@@ -55,7 +55,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     data_dir: str | None = None
     speculative: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0  # `--speculative mtp:K`: K drafts
     speculative_max_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 16  # no drafts past this many running
-    speculative_adaptive: bool = True  # the draft length per step from load and acceptance (draft_policy.py)
+    speculative_adaptive: bool = True  # draft length per step from load, acceptance (speculative/policy.py)
     speculative_saturation_rows: Annotated[int, Meta(ge=1, le=1 << 20)] = 64  # its cost model's knee
     speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
     speculative_graphs: bool = True  # verify and draft steps from CUDA graphs (with --cuda-graphs)

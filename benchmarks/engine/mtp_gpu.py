@@ -167,7 +167,7 @@ def run_prompts(
         # probes of drafting the rate gate began in the run, and the load past which it never drafts
         "policy_probes": engine.spec.policy.num_probes - probes if engine.spec is not None else 0,
         "max_drafting_seqs": engine.spec.max_drafting_seqs if engine.spec is not None else 0,
-        # steps run whole on the device (backend/engine/speculative_greedy.py)
+        # steps run whole on the device (backend/engine/speculative/greedy.py)
         "greedy_steps": engine.spec.num_greedy_steps - greedy if engine.spec is not None else 0,
     }
 

@@ -106,7 +106,8 @@ class AtenCounter(TorchDispatchMode):
 def instrument(meter: Meter, models: list[Any]) -> Callable[[], None]:
     """Wrap what is counted; returns the undo."""
     import backend.engine.host_staging as staging
-    from backend.engine import decode_graphs, model_runner, speculative, speculative_forwards, verify_graphs
+    from backend.engine import decode_graphs, model_runner
+    from backend.engine.speculative import decoder, forwards, verify_graphs
 
     undo: list[tuple[Any, str, Any]] = []
 
@@ -148,7 +149,7 @@ def instrument(meter: Meter, models: list[Any]) -> Callable[[], None]:
         wrap(torch, name, counted("host_tensors", device_kw="device"))
     wrap(torch, "from_numpy", counted("host_tensors"))
     wrap(staging.StagingBuffer, "send", counted("h2d"))
-    for module in (staging, decode_graphs, model_runner, speculative, speculative_forwards, verify_graphs):
+    for module in (staging, decode_graphs, model_runner, decoder, forwards, verify_graphs):
         for name in ("to_device", "array_to_device"):
             if hasattr(module, name):
                 wrap(module, name, counted("h2d", helper=True))

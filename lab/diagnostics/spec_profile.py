@@ -3,7 +3,7 @@
     python3 -m lab.diagnostics.spec_profile [--model models/glm-5.2-nano] [--prompts 6] [--max-tokens 96]
 
 Three engines over one loaded copy (`benchmarks.engine.mtp_gpu.nano_engines`): plain (B), always K
-drafts (F: whole greedy steps on the device, backend/engine/speculative_greedy.py), and F again on
+drafts (F: whole greedy steps on the device, backend/engine/speculative/greedy.py), and F again on
 the host path (F-host: acceptance and draft planning on the host between forwards). Each is warmed
 on the prompts, then run again with every phase of a step wrapped in a wall-clock timer (scheduling,
 the verify's planning / forward / acceptance, the draft depths, trim, postprocess), the host's reads
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from backend.engine import speculative
+from backend.engine.speculative import decoder
 
 
 def timed(obj: Any, name: str, totals: dict[str, float], label: str | None = None) -> None:
@@ -46,7 +46,8 @@ def count_transfers() -> dict[str, int]:
     """Count the host's reads of device values and its host-to-device copies (wrapped until
     `restore_transfers`)."""
     import backend.engine.host_staging as staging
-    from backend.engine import model_runner, speculative, speculative_forwards, verify_graphs
+    from backend.engine import model_runner
+    from backend.engine.speculative import decoder, forwards, verify_graphs
 
     counts: dict[str, int] = collections.Counter()
 
@@ -63,7 +64,7 @@ def count_transfers() -> dict[str, int]:
     counting(torch.Tensor, "tolist", "reads: .tolist()")
     counting(torch.Tensor, "item", "reads: .item()")
     counting(staging.StagingBuffer, "send", "copies: staged send")
-    for module in (model_runner, speculative, speculative_forwards, verify_graphs):
+    for module in (model_runner, decoder, forwards, verify_graphs):
         for name in ("to_device", "array_to_device"):
             if hasattr(module, name):
                 counting(module, name, f"copies: {name}")
@@ -119,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             spec = engine.spec
             for name in ("drafting", "run", "_run_greedy"):
                 timed(spec, name, totals, f"spec.{name}")
-            # the host path's stages: module functions, looked up in speculative.py's namespace
+            # the host path's stages: module functions, looked up in speculative/decoder.py's namespace
             for name in ("plan_target", "choose_tokens", "token_scores", "propose"):
-                timed(speculative, name, totals, f"speculative.{name}")
+                timed(decoder, name, totals, f"speculative.{name}")
             forwards = engine.runner.spec_forwards
             timed(forwards, "run", totals, "forwards.run (all)")
             timed(forwards, "_depth0", totals, "forwards._depth0")

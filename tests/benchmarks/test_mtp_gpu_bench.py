@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from backend.engine.draft_policy import SPEC_PROBE_STEPS
+from backend.engine.speculative.policy import SPEC_PROBE_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_rounds_and_ratios(record: dict[str, Any]) -> None:
         assert part["summary"]["value"] == r["ratio"]
         for run in r["runs"]:  # off never drafted; on (adaptive) probes a load first where its prior
             # says drafting pays, later only within a share of its plain time
-            # (backend/engine/draft_policy.py): at most the first probe of each load (1, 2, 4
+            # (backend/engine/speculative/policy.py): at most the first probe of each load (1, 2, 4
             # sequences) in runs this short, begun here or in the warm-up
             if run["side"] == "B":
                 assert run["verify_steps"] == 0 and run["drafting_steps"] == 0 and run["policy_probes"] == 0

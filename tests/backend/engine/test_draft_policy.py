@@ -1,4 +1,4 @@
-"""The adaptive draft length (backend/engine/draft_policy.py): its cost model against a hand count, the
+"""The adaptive draft length (backend/engine/speculative/policy.py): its cost model against a hand count, the
 choices it makes at low and high load, and exactness in the engine whatever k it picks per step."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from backend.engine import draft_policy
-from backend.engine.draft_policy import (
+import backend.engine.speculative.policy as draft_policy
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.engine.speculative.policy import (
     DRAFT_STEP_GUESS,
     EWMA_WEIGHT,
     MIN_RATE_SAMPLES,
@@ -26,8 +28,6 @@ from backend.engine.draft_policy import (
     StepLoad,
     load_bucket,
 )
-from backend.engine.engine import Engine
-from backend.engine.engine_config import EngineConfig
 from backend.models.loader import load_model
 from tests.backend.engine.test_speculative import OracleDrafts, engine_for, prompts
 from tests.backend.engine_helpers import Result, collect, request, run_all

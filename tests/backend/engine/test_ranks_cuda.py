@@ -158,7 +158,7 @@ def _spec_work(rank: int, path: str, tmp: str) -> None:
         OracleDrafts(drafting, out["plain"], p_wrong=0.3)
         out["spec"] = run_all(drafting, reqs)
         channel.send(None)
-        # without logprobs: whole greedy steps (backend/engine/speculative_greedy.py), one graph each
+        # without logprobs: whole greedy steps (backend/engine/speculative/greedy.py), one graph each
         greedy = [
             request(f"gr{i}", p, max_tokens=12 + 5 * i) for i, p in enumerate(prompts(6, vocab, seed=4))
         ]

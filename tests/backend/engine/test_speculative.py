@@ -1,4 +1,4 @@
-"""Speculative decoding with MTP drafts (backend/engine/speculative.py): exact outputs, pages, tags.
+"""Speculative decoding with MTP drafts (backend/engine/speculative/decoder.py): exact outputs, pages, tags.
 
 Greedy outputs with speculation must equal those without, token for token, on tiny random
 checkpoints given random MTP layers (few drafts are accepted: exactness must not depend on them).

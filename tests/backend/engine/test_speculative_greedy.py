@@ -1,4 +1,4 @@
-"""Whole greedy speculative steps on the device (backend/engine/speculative_greedy.py), on the CPU:
+"""Whole greedy speculative steps on the device (backend/engine/speculative/greedy.py), on the CPU:
 the same function the verify graphs capture on CUDA, run eagerly here (and over the graphs' static
 buffers with `eager_capture`). Its reference is the host path (acceptance and drafts planned on the
 host, forward by forward), and plain decoding's outputs."""
@@ -14,7 +14,7 @@ import torch
 from backend.engine.decode_graphs import eager_capture
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
-from backend.engine.speculative_accept import accept_greedy
+from backend.engine.speculative.accept import accept_greedy
 from backend.models.loader import prepare_model
 from tests.backend.engine.test_speculative import (
     ARCHS,
@@ -118,7 +118,7 @@ def test_greedy_steps_accept_runs_of_every_length(loaded: dict[str, Any], arch: 
 
 def test_acceptance_on_the_device_is_the_host_rule() -> None:
     """The device's accepted count against `accept_greedy` over random drafts and targets."""
-    from backend.engine.speculative_greedy import accepted_count
+    from backend.engine.speculative.greedy import accepted_count
 
     g = torch.Generator().manual_seed(0)
     for k in (1, 2, 3):

@@ -1,4 +1,4 @@
-"""The host's transfers in a greedy speculative step at one sequence (backend/engine/speculative.py
+"""The host's transfers in a greedy speculative step at one sequence (backend/engine/speculative/decoder.py
 `_run_greedy`), against a plain decode step's. On the GPU every copy to the device and every read back
 costs tens of microseconds and a read waits for the device, so a greedy step, like a plain one, sends
 its inputs (the page-tag updates with them) in one copy, makes no tensor from host data besides, and
@@ -15,14 +15,8 @@ import pytest
 import torch
 
 import backend.engine.host_staging as host_staging
-from backend.engine import (
-    decode_graphs,
-    model_runner,
-    speculative,
-    speculative_accept,
-    speculative_forwards,
-    verify_graphs,
-)
+from backend.engine import decode_graphs, model_runner
+from backend.engine.speculative import accept, decoder, forwards, verify_graphs
 from tests.backend.engine.test_speculative import ARCHS, engine_for, loaded, prompts
 from tests.backend.engine.test_speculative_greedy import graphed
 from tests.backend.engine_helpers import Result, collect, request, run_all
@@ -30,7 +24,7 @@ from tests.backend.engine_helpers import Result, collect, request, run_all
 __all__ = ["loaded"]  # the fixture
 
 # the engine modules that copy host values to the device (`to_device`, `array_to_device`)
-COPIERS = (decode_graphs, model_runner, speculative, speculative_accept, speculative_forwards, verify_graphs)
+COPIERS = (decode_graphs, model_runner, decoder, accept, forwards, verify_graphs)
 
 
 class Transfers:

@@ -97,7 +97,7 @@ def _rank_main(
     [(1, False, True), (1, True, True), (2, True, True), (1, True, False), (2, True, False)],
 )
 def test_two_ranks_speculate_what_one_decodes(tmp_path: Path, dcp: int, oracle: bool, logprobs: bool) -> None:
-    """Without logprobs the steps are whole greedy ones (backend/engine/speculative_greedy.py): the
+    """Without logprobs the steps are whole greedy ones (backend/engine/speculative/greedy.py): the
     ranks run the same function (from its graph or not) and OR their tag flags."""
     path = add_mtp_layers(make_tiny("deepseek_v3", tmp_path / "ckpt", vocab_size=VOCAB))
     plain = run_all(_engine(str(path), 0, 1, 0, None), _requests(logprobs))

@@ -1,5 +1,5 @@
 """Verify steps over the verify graphs' static buffers, and draft depths over the MTP layer's decode
-graphs, on the CPU (backend/engine/verify_graphs.py, backend/engine/speculative_forwards.py).
+graphs, on the CPU (backend/engine/speculative/verify_graphs.py, backend/engine/speculative/forwards.py).
 
 `eager_capture` runs the static buffers and padding rows without a graph, so bucketing, padding and
 the (k, bucket) choice are checked against the eager speculative engine: the same tokens, logprobs
@@ -19,7 +19,7 @@ from backend.engine.decode_graphs import eager_capture
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import HostBatch
-from backend.engine.verify_graphs import VerifyGraphs
+from backend.engine.speculative.verify_graphs import VerifyGraphs
 from backend.models.loader import load_model, prepare_model
 from tests.backend.capture_probe import AddressCapture
 from tests.backend.engine.test_draft_policy import ScriptedK
@@ -272,7 +272,7 @@ def test_ranks_replay_verify_and_draft_graphs_together_or_not_at_all(
     """As with decode graphs: one rank replaying a captured verify (its collectives sized for the
     padded bucket) beside another running it eagerly would pair collectives of different sizes. Each
     kind of graph is voted on; a rank that captured drops its graphs when another did not."""
-    from backend.engine.speculative_forwards import SpecForwards
+    from backend.engine.speculative.forwards import SpecForwards
 
     e = engine(tiny["deepseek_v3"], 3, graphs=True)
     ranks = Ranks(others)

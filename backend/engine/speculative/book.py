@@ -1,6 +1,6 @@
 """The drafts each sequence carries from one speculative step to the next, and their pages.
 
-A step proposes up to k drafts per drafting sequence (backend/engine/speculative_propose.py); the
+A step proposes up to k drafts per drafting sequence (backend/engine/speculative/propose.py); the
 book keeps them, under the number of tokens the sequence had then, until the next step verifies
 them (a prefix of them: exact whatever k was then). Drafts no longer for a sequence's newest token
 are never handed out.

@@ -1,4 +1,5 @@
-"""The forwards of a speculative step, as every rank runs them (backend/engine/speculative.py decides them).
+"""The forwards of a speculative step, as every rank runs them (backend/engine/speculative/decoder.py
+decides them).
 
 A speculative step is several forwards: the verify (the target over every chunk and the drafts) and
 the draft depths (the MTP layer). Rank 0 plans each one as a `HostBatch` and sends it to the other
@@ -8,8 +9,8 @@ over the ranks). The hidden states a draft depth reads stay on each rank's devic
 their rows, never ships them (under tensor parallelism every rank holds the whole hidden state).
 
 Verify steps where every sequence verifies the same number of drafts k replay a CUDA graph of their
-(k, batch-size bucket) when the runner captures graphs (backend/engine/verify_graphs.py); any other
-verify runs eagerly. Depth 0 after such a verify has the same layout: each sequence's k + 1 verify
+(k, batch-size bucket) when the runner captures graphs (backend/engine/speculative/verify_graphs.py); any
+other verify runs eagerly. Depth 0 after such a verify has the same layout: each sequence's k + 1 verify
 rows, the tokens after its accepted ones padded (rows past them write MTP KV at positions that are
 rewritten before any query reads them, as rejected drafts' are), so it replays a graph of the same
 kind over the MTP layer (`propose_graphs`) and keeps each sequence's row of its last accepted token.
@@ -19,7 +20,7 @@ ones to another). A depth d > 0 whose `SpecForward.chain` is set reads its input
 previous depth's argmax on the device, not from the host batch, so a step's draft depths run back
 to back without a round trip to the host; `drafted` holds each depth's tokens until rank 0 reads them.
 
-`SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative_greedy.py): from the verify
+`SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative/greedy.py): from the verify
 graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike. Either way its inputs and
 the step's page-tag updates cross in one copy (the runner's staging buffer) and the host reads one
 tensor back, as in a plain decode step.
@@ -42,8 +43,8 @@ from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
 from backend.engine.host_staging import StagingBuffer, array_to_device, stage_batch, staged_batch, to_device
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
-from backend.engine.speculative_greedy import greedy_step
-from backend.engine.verify_graphs import VerifyGraphs
+from backend.engine.speculative.greedy import greedy_step
+from backend.engine.speculative.verify_graphs import VerifyGraphs
 
 log = logging.getLogger("kumo.engine")
 

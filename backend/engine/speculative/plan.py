@@ -4,7 +4,7 @@ A step's rows (`SpecRow`, one per scheduled sequence) carry the drafts it verifi
 where its rows sit in the verify forward. `plan_target` lays out the verify forward (each sequence's
 chunk, a drafting decode's drafts after its newest token), `plan_greedy` the same for a whole greedy
 step, vectorised, and `host_batch` any forward of `(sequence, first position, tokens)` chunks over
-the sequences' pages (the propose step's too: backend/engine/speculative_propose.py).
+the sequences' pages (the propose step's too: backend/engine/speculative/propose.py).
 
 Shape letters: B sequences, T tokens of a forward, L = k + 1 verify rows per sequence, S page size.
 """
@@ -103,7 +103,7 @@ def plan_target(
         if r.sched.needs_sample:
             r.logits_rows = list(range(len(logits_indices), len(logits_indices) + len(tokens) - n + 1))
             logits_indices += range(T + n - 1, T + len(tokens))
-        StepPlanner._gather_image_rows(seq, start, n, T, image_rows, image_parts)
+        StepPlanner.gather_image_rows(seq, start, n, T, image_rows, image_parts)
         items.append((seq, start, tokens))
         T += len(tokens)
     host = host_batch(block_manager, items, logits_indices)
@@ -115,10 +115,8 @@ def host_batch(
     block_manager: BlockManager,
     items: list[tuple[Sequence, int, list[int]]],
     logits_indices: list[int],
-    extra_tokens: int = 0,
 ) -> HostBatch:
-    """A HostBatch of `(sequence, first position, tokens)` chunks over the sequences' pages (and
-    the pages of `extra_tokens` more in its page tables: a greedy step's chained drafts)."""
+    """A HostBatch of `(sequence, first position, tokens)` chunks over the sequences' pages."""
     S = block_manager.page_size
     counts = np.array([len(t) for _, _, t in items], dtype=np.int64)  # [B]
     starts = np.array([p for _, p, _ in items], dtype=np.int64)
@@ -132,7 +130,7 @@ def host_batch(
     ids, tags = block_manager.page_tables.gather(
         np.array([t.row for t in tables]),
         np.array([t.length for t in tables]),
-        -(-(seq_lens + extra_tokens) // S),
+        -(-seq_lens // S),
     )
     return HostBatch(
         input_ids=np.array([x for _, _, t in items for x in t], dtype=np.int64),

@@ -11,13 +11,13 @@ past a sequence's pages hold the scratch page, scrubbed when a step is narrower 
 written since (as decode graphs do). The graph returns the logits `[Bk·(k+1), V]` and the hidden
 states `[Bk·(k+1), H]` the draft depths read; both stay in the graph's memory.
 
-The k captured are 1 … K (the draft policy may pick any, backend/engine/draft_policy.py), the buckets
+The k captured are 1 … K (the draft policy may pick any, backend/engine/speculative/policy.py), the buckets
 the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts past it). Capture goes
 through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
 forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
 
 Beside each verify graph, a graph of the whole greedy step over the same buffers (`replay_greedy`:
-backend/engine/speculative_greedy.py), when the caller gives one; its page tables' columns hold the
+backend/engine/speculative/greedy.py), when the caller gives one; its page tables' columns hold the
 pages of the chained drafts too (`num_pages`). All of a step's host values cross in one copy.
 
 Every tensor a graph reads is the object's own: the buffers refilled before each replay, and per k
@@ -63,7 +63,7 @@ class VerifyGraphs:
         greedy: GreedyStep | None = None,
         staging: StagingBuffer | None = None,
     ) -> None:
-        """`greedy`: a whole greedy step over the verify's batch (backend/engine/speculative_greedy.py),
+        """`greedy`: a whole greedy step over the verify's batch (backend/engine/speculative/greedy.py),
         captured too per (k, bucket) for `replay_greedy`; one that fails to capture leaves only that
         path eager (`greedy_disabled_reason`). `staging`: the buffer a step's host values cross in
         (the runner's, shared with its other inputs; None: one of its own)."""

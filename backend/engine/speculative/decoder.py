@@ -6,32 +6,32 @@ One speculative step, for every drafting sequence (one with no grammar, while at
 1. Verify: the target runs `[newest token, d_1 … d_k]` (the drafts proposed last step) at positions
    n-1 … n-1+k in ONE forward, batched with every other sequence's decode or prefill chunk. Row i's
    logits give the target's next token after `d_1 … d_i`.
-2. Accept (backend/engine/speculative_accept.py): the first rejected draft is replaced by the target's
+2. Accept (backend/engine/speculative/accept.py): the first rejected draft is replaced by the target's
    token; with all k accepted row k gives one more (the bonus token). So a step emits 1 … k+1
    tokens, distributed exactly as decoding one at a time, with the target's raw log-probs.
-3. Propose (backend/engine/speculative_propose.py): the MTP layer runs over the positions just
+3. Propose (backend/engine/speculative/propose.py): the MTP layer runs over the positions just
    accepted (their target hidden states and the tokens that follow them), which also keeps its own
    KV complete, and its last row's argmax is the next d_1; depths 2 … K chain one token each on the
-   MTP's own hidden state. The drafts wait in the draft book (backend/engine/draft_book.py) for the
+   MTP's own hidden state. The drafts wait in the draft book (backend/engine/speculative/book.py) for the
    next step.
 
-The forwards' host inputs are planned in backend/engine/speculative_plan.py.
+The forwards' host inputs are planned in backend/engine/speculative/plan.py.
 
 A step where every sequence verifies this step's k drafts greedily (argmax sampling, no logprobs,
 pages for the chained drafts: `_is_greedy`) runs as ONE device function instead, verify to next
-drafts (backend/engine/speculative_greedy.py; one CUDA graph per (k, bucket)), and the host reads one
+drafts (backend/engine/speculative/greedy.py; one CUDA graph per (k, bucket)), and the host reads one
 small tensor back: the accepted counts, tokens, next drafts and tag flags. Every other step (sampled
 rows, logprobs, chunks, a row with fewer drafts) takes the host path above.
 
-The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/draft_policy.py)
+The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/speculative/policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
 drafts and the step is a plain one (graph-replayed decode). Plain and drafting sequences share one
 verify forward: a plain decode is a one-row chunk beside them. Every forward of the step goes to
-every tensor-parallel rank (backend/engine/speculative_forwards.py).
+every tensor-parallel rank (backend/engine/speculative/forwards.py).
 
 Pages: before the step a drafting sequence gets pages for every position the step may write (the
-verify rows and the chained drafts), and keeps them while it drafts (backend/engine/draft_book.py
+verify rows and the chained drafts), and keeps them while it drafts (backend/engine/speculative/book.py
 says when they go back, and why KV written at rejected positions is never read). Every forward here
 reads and writes through the tag-checked ops, so a draft or verify read of a page that changed owner
 flags its sequence, which the engine then aborts alone.
@@ -49,16 +49,16 @@ import numpy as np
 import torch
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.draft_book import DraftBook
-from backend.engine.draft_policy import DraftPolicy, StepLoad
 from backend.engine.host_staging import to_device
 from backend.engine.model_runner import ModelRunner, SeqResult
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
-from backend.engine.speculative_accept import choose_tokens, token_scores
-from backend.engine.speculative_plan import SpecRow, plan_greedy, plan_target
-from backend.engine.speculative_propose import propose
+from backend.engine.speculative.accept import choose_tokens, token_scores
+from backend.engine.speculative.book import DraftBook
+from backend.engine.speculative.plan import SpecRow, plan_greedy, plan_target
+from backend.engine.speculative.policy import DraftPolicy, StepLoad
+from backend.engine.speculative.propose import propose
 
 
 @dataclass(slots=True)
@@ -184,7 +184,7 @@ class SpecDecoder:
         )
         return results
 
-    # ---- a whole greedy step on the device (backend/engine/speculative_greedy.py) ---------------
+    # ---- a whole greedy step on the device (backend/engine/speculative/greedy.py) ---------------
     def _is_greedy(self, rows: list[SpecRow]) -> bool:
         """Every sequence verifies this step's k drafts greedily, wants no logprobs, and has pages
         for the chained drafts after any accepted run (its window not cut by `max_tokens`)."""

@@ -49,10 +49,10 @@ steps) measured at any load, or `DRAFT_STEP_GUESS` before any.
 
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
-(backend/engine/speculative.py `drafting`).
+(backend/engine/speculative/decoder.py `drafting`).
 
 Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
-proposes k for the next (backend/engine/speculative.py).
+proposes k for the next (backend/engine/speculative/decoder.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A whole greedy speculative step on the device: verify, accept, propose, one result tensor.
 
 When every sequence of a speculative step verifies the same k drafts greedily (no sampling, no
-penalties, no logprobs: backend/engine/speculative.py decides), nothing between its forwards needs
-the host: the acceptance is an argmax and a comparison, and the next forwards' inputs follow from
-the accepted length. `greedy_step` runs it all as one function of device tensors, so that a CUDA
-graph per (k, batch-size bucket) replays it (backend/engine/verify_graphs.py) and the host reads one
-small tensor back; on the CPU (or wherever no graph was captured) the same function runs eagerly.
+penalties, no logprobs: backend/engine/speculative/decoder.py decides), nothing between its forwards
+needs the host: the acceptance is an argmax and a comparison, and the next forwards' inputs follow
+from the accepted length. `greedy_step` runs it all as one function of device tensors, so that a CUDA
+graph per (k, batch-size bucket) replays it (backend/engine/speculative/verify_graphs.py) and the host
+reads one small tensor back; on the CPU (or wherever no graph was captured) the same function runs eagerly.
 
 Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p+k, p its newest token's):
 
@@ -77,6 +77,6 @@ def greedy_step(model: Any, batch: ForwardBatch, k: int, page_size: int) -> torc
 
 def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     """[B] int64: how many leading drafts `[B, k]` equal the target's tokens `[B, k + 1]` before
-    them (backend/engine/speculative_accept.py `accept_greedy`, on the device)."""
+    them (backend/engine/speculative/accept.py `accept_greedy`, on the device)."""
     k = drafts.shape[1]
     return (targets[:, :k] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)

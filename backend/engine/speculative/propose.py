@@ -20,7 +20,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.model_runner import ModelRunner, SeqResult
 from backend.engine.ranks import SpecForward, StepInputs
 from backend.engine.sequence import Sequence
-from backend.engine.speculative_plan import SpecRow, host_batch
+from backend.engine.speculative.plan import SpecRow, host_batch
 
 Forward = Callable[[StepInputs], tuple[torch.Tensor, torch.Tensor]]  # (logits, tag flags [B])
 

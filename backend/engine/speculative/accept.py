@@ -24,7 +24,7 @@ import torch
 from backend.engine.host_staging import to_device
 from backend.engine.model_runner import ModelRunner
 from backend.engine.sampler import Sampler, SampleRow, TokenScore, apply_penalties, apply_top_k, apply_top_p
-from backend.engine.speculative_plan import SpecRow
+from backend.engine.speculative.plan import SpecRow
 
 
 def choose_tokens(rows: list[SpecRow], logits: torch.Tensor, runner: ModelRunner) -> list[list[int]]:
