@@ -17,8 +17,23 @@ output lengths: every step shape, every CUDA-graph bucket) and of the copy, then
 A, B, B, A with A the format's decode run (its median pure-decode step, `decode_step_ms_p50`) and B
 the copy (the bytes over its bandwidth): a round's ratio is (a1 + a2) / (b1 + b2).
 
+`--rank-of N`: rank 0's slice of N ranks (benchmarks/engine/rank_of.py), at the full depth unless
+`--layers` truncates it, alone on one device with its collectives local. Its bytes are rank 0's: 1/N
+of the attention heads (q_b / kv_b / o_proj; q_a, kv_a and the indexer replicated), of the dense and
+shared MLPs and of lm_head's vocabulary, the replicated routers and norms, one embedding row, and its
+whole KV (the MLA latent and indexer keys are replicated per rank: no DCP here). The routed experts
+are split by contiguous id range, E/N whole experts a rank (ep = N), and the fused MoE kernels skip
+other ranks' pairs without reading a weight, so rank 0 reads the token's experts that fall in its
+range: with the k experts distinct and near uniform over all E (random routers), k·(E/N)/E of them a
+MoE layer on average (GLM 5.2 at N = 8: 1 of its 32), counted as that share of its experts' bytes; the
+record gives the share its routers picked in the collective probe's step beside it. Beside the ratio,
+the collectives' time at c=1 as `collective_probe` models it (ring over NVLink, labelled modelled),
+and the ratio with it added to the step. The summary key is `decode_c1_bytes_ratio_rank_of_N`; a
+format whose slice leaves no room on one H200 by `kumo plan` (BF16 at full depth) is skipped, said so.
+
     kumo bench engine decode-c1 [--layers 10] [--bf16-layers 6] [--formats int4,fp8,int4-all,fp8-all,bf16]
                                 [--no-fuse-projections]   (the before side of the same-input fusion)
+    kumo bench engine decode-c1 --rank-of 8 --formats int4-all,fp8-all   (rank 0 of 8, 78 of 78 layers)
     kumo bench engine decode-c1 --merge A.json B.json --out X.json
 """
 
@@ -31,11 +46,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and the planner, only where a command needs them
+    from benchmarks.engine.geometry import Geometry
+    from benchmarks.engine.rank_of import LocalCollectives
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SUMMARY_KEY = "decode_c1_bytes_ratio"
 GOAL = "<= 1.3x at 10 layers"
+GOAL_RANK_OF = "<= 2.5x at rank-of-8"
 FORMATS = ("int4", "fp8", "int4-all", "fp8-all", "bf16")
 COPY_BYTES = 2**30  # each way; the tiny CPU run copies 8 MiB
 
@@ -58,18 +78,29 @@ class Options:
     fuse_projections: bool = True
     seed: int = 0
     copy_bytes: int = COPY_BYTES
+    rank_of: int = 1  # > 1: rank 0's slice of `rank_of` ranks (its collectives local, their time modelled)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
 
-def token_bytes(model: Any, top_k: int) -> dict[str, int]:
-    """Weight bytes one token reads at concurrency 1, by part (see the module docstring)."""
+def summary_key(rank_of: int) -> str:
+    """`decode_c1_bytes_ratio`, or for rank 0 of N `decode_c1_bytes_ratio_rank_of_N` (never the same key)."""
+    return SUMMARY_KEY if rank_of == 1 else f"{SUMMARY_KEY}_rank_of_{rank_of}"
+
+
+def goal(rank_of: int) -> str:
+    return GOAL if rank_of == 1 else GOAL_RANK_OF
+
+
+def token_bytes(model: Any, top_k: int, num_experts: int) -> dict[str, int]:
+    """Weight bytes one token reads at concurrency 1, by part (see the module docstring). The routed
+    experts: `top_k / num_experts` of the local experts' bytes, the expected share of the token's
+    experts that are this rank's (all k on one rank; k·El/E on a rank of El of the E experts)."""
     from backend.models.layers.moe import Experts
     from backend.quant.experts import QuantExperts
 
     routed = {name for name, m in model.named_modules() if isinstance(m, Experts | QuantExperts)}
-    local = {name: m.e1 - m.e0 for name, m in model.named_modules() if isinstance(m, Experts | QuantExperts)}
     parts: dict[str, int] = {}
     for name, t in model.state_dict().items():
         if name.endswith("weight_shape"):  # checkpoint metadata, never read by a step
@@ -77,7 +108,7 @@ def token_bytes(model: Any, top_k: int) -> dict[str, int]:
         nbytes = t.numel() * t.element_size()
         owner = name.rpartition(".")[0]
         if owner in routed:
-            part, nbytes = "routed_experts_touched", nbytes * min(top_k, local[owner]) // local[owner]
+            part, nbytes = "routed_experts_touched", nbytes * top_k // num_experts
         elif "embed_tokens" in name:
             part, nbytes = "embedding_row", t.shape[-1] * t.element_size()
         elif "lm_head" in name:
@@ -138,8 +169,79 @@ class CopyProbe:
         return 2 * self.nbytes / statistics.median(times)
 
 
-def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -> dict[str, Any]:
-    """One format: build, warm, A/B/B/A rounds; its entry (summary over the complete rounds)."""
+def no_room(geometry: Geometry, fmt: str, fp8_method: str) -> str | None:
+    """Why rank 0's slice in `fmt` cannot run on one H200 (`kumo plan` at tp = rank_of, this depth,
+    leaves no KV pool: BF16 at GLM 5.2's full depth, 190 GB), else None; the tiny geometry always runs."""
+    if geometry.is_tiny or geometry.rank_of == 1:
+        return None
+    from backend.tools.plan import make_plan
+    from benchmarks.engine.geometry import H200_MEM, plan_weights
+
+    weights, all_linear = plan_weights(fmt, fp8_method)  # type: ignore[arg-type]
+    plan = make_plan(
+        geometry.text, model=geometry.kind, gpu_mem=H200_MEM, tp=geometry.rank_of, weights=weights,  # type: ignore[arg-type]
+        all_linear=all_linear,
+    )  # fmt: skip
+    if plan.kv_tokens > 0:
+        return None
+    return (
+        f"skipped: rank 0 of {geometry.rank_of} in {fmt} at {geometry.num_layers} of {geometry.full_num_layers} "
+        f"layers holds {plan.weights_per_gpu / 1e9:.0f} GB of weights (kumo plan): no room on one H200; "
+        "--layers / --bf16-layers truncate it"
+    )
+
+
+def modelled_collectives(
+    model: Any, collectives: LocalCollectives, config: Any, device: str
+) -> dict[str, Any]:
+    """`rank_of.collective_probe` at c = 1 (the NVLink time modelled), and beside it how many of the
+    routed experts its step picked were rank 0's (the bytes count the expected share, El / E)."""
+    from backend.models.layers.moe import Experts
+    from backend.quant.experts import QuantExperts
+    from benchmarks.engine.rank_of import collective_probe
+
+    experts = [m for m in model.modules() if isinstance(m, Experts | QuantExperts)]
+    picks: list[tuple[Any, int]] = []  # (rank 0's picks as a tensor: no host sync in the step, all picks)
+
+    def count(m: Any, args: tuple[Any, ...]) -> None:
+        ids = args[2]  # forward(x, weights, ids [T, k])
+        picks.append((((ids >= m.e0) & (ids < m.e1)).sum(), ids.numel()))
+
+    hooks = [m.register_forward_pre_hook(count) for m in experts]
+    try:
+        probe = collective_probe(
+            model, collectives, vocab=config.vocab_size, context_window=config.max_position_embeddings,
+            concurrency=1, device=device,
+        )  # fmt: skip
+    finally:
+        for hook in hooks:
+            hook.remove()
+    local = experts[0].e1 - experts[0].e0 if experts else 0
+    return probe | {
+        "routed_local_share_assumed": local / config.num_routed_experts,
+        "routed_local_share_in_probe": sum(int(n) for n, _ in picks) / max(sum(t for _, t in picks), 1),
+        "modelled_ms": probe["per_decode_step"]["c1"]["total"]["modelled_s"] * 1e3,
+    }
+
+
+def with_nvlink(rounds: list[dict[str, Any]], modelled_ms: float) -> list[float]:
+    """Each round's ratio with the modelled collective time added to each A step."""
+    from benchmarks.engine import method
+
+    ratios = []
+    for r in rounds:
+        a = [run["step_ms"] + modelled_ms for run in r["runs"] if run["side"] == "A"]
+        b = [run["bytes_ms"] for run in r["runs"] if run["side"] == "B"]
+        r["ratio_with_modelled_nvlink"] = method.round_ratio(a, b)
+        ratios.append(r["ratio_with_modelled_nvlink"])
+    return ratios
+
+
+def measure_format(
+    fmt: str, opts: Options, probe: CopyProbe, deadline: float, collectives: LocalCollectives | None = None
+) -> dict[str, Any]:
+    """One format: build, warm, A/B/B/A rounds; its entry (summary over the complete rounds). With
+    `collectives` (`--rank-of`): the collectives' modelled time and the ratio with it beside."""
     import torch
 
     from backend.engine.engine import Engine
@@ -150,7 +252,11 @@ def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -
 
     start = time.perf_counter()
     layers = opts.bf16_layers if fmt == "bf16" else opts.layers
-    geometry = make_geometry("glm-5.2", layers, tiny=opts.tiny)
+    geometry = make_geometry("glm-5.2", layers, tiny=opts.tiny, rank_of=opts.rank_of)
+    if reason := no_room(geometry, fmt, opts.fp8_method):
+        print(f"decode-c1 {fmt}: {reason}")
+        return {"weights": fmt, "layers": layers, "geometry": geometry.describe(), "skipped": reason,
+                "rounds": [], "summary": None}  # fmt: skip
     config = geometry.model_config
     model = build_random_model(
         geometry, fmt, device=opts.device, seed=opts.seed, fp8_method=opts.fp8_method,  # type: ignore[arg-type]
@@ -165,11 +271,13 @@ def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -
         model_dtype=torch.bfloat16,
         device=opts.device,
     )
-    weights = token_bytes(model, int(geometry.text["num_experts_per_tok"]))
+    top_k = config.num_experts_per_tok
+    weights = token_bytes(model, top_k, config.num_routed_experts)
     context = opts.input_len + opts.output_len / 2  # the mean context of the decode steps
     kv_per_token = kv_bytes_per_token(engine)
     kv = kv_per_token * context
     read = sum(weights.values()) + kv
+    modelled = modelled_collectives(model, collectives, config, opts.device) if collectives else None
     count = iter(range(1 << 30))
 
     def run(side: str) -> dict[str, Any]:
@@ -203,7 +311,7 @@ def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -
     for run in [run for r in rounds for run in r["runs"]] + [warm["A"]]:
         if "extra" in run:
             run["extra"]["num_step_shapes"] = len(run["extra"].pop("step_shapes"))
-    return {
+    entry = {
         "weights": fmt,
         "layers": layers,
         "geometry": geometry.describe(),
@@ -221,12 +329,24 @@ def measure_format(fmt: str, opts: Options, probe: CopyProbe, deadline: float) -
         "rounds_skipped": opts.num_rounds - len(rounds),
         "summary": method.summary_entry([r["ratio"] for r in complete]) if complete else None,
     }
+    if modelled is not None:
+        nvlink = with_nvlink(complete, modelled["modelled_ms"])
+        entry |= {
+            "routed_experts_per_moe_layer": top_k * modelled["routed_local_share_assumed"],
+            "collectives": modelled,
+            "summary_with_modelled_nvlink": method.summary_entry(nvlink) if nvlink else None,
+        }
+    return entry
 
 
-def measure(opts: Options, on_format: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def measure(
+    opts: Options,
+    on_format: Callable[[dict[str, Any]], None] | None = None,
+    collectives: LocalCollectives | None = None,
+) -> dict[str, Any]:
     """Every format in turn (each gets an even share of the time left), then the summary entry;
     `on_format` sees the formats measured so far after each (the CLI writes them: a call cut off by
-    its device time keeps what it finished)."""
+    its device time keeps what it finished). `collectives`: the `--rank-of` group (rank_of.join_alone)."""
     import gc
 
     import torch
@@ -235,63 +355,109 @@ def measure(opts: Options, on_format: Callable[[dict[str, Any]], None] | None = 
     formats: dict[str, Any] = {}
     for i, fmt in enumerate(opts.formats):
         share = opts.time_left() / (len(opts.formats) - i)
-        formats[fmt] = measure_format(fmt, opts, probe, time.monotonic() + share)
+        formats[fmt] = measure_format(fmt, opts, probe, time.monotonic() + share, collectives)
         gc.collect()  # the format's model, engine and CUDA graphs, before the next one is built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if on_format is not None:
-            on_format(summarize(formats))
-    return summarize(formats)
+            on_format(summarize(formats, opts.rank_of))
+    return summarize(formats, opts.rank_of)
 
 
-def summarize(formats: dict[str, Any]) -> dict[str, Any]:
-    """The formats' entries and the summary key: the worst (largest) ratio's entry; beside it the
-    worst quantized format's (BF16's routed experts have no fused kernel: a captured decode step runs
-    every expert, `Experts.forward_every_expert`, so BF16 reads E / k times its experts' bytes)."""
+def summarize(formats: dict[str, Any], rank_of: int = 1) -> dict[str, Any]:
+    """The formats' entries and the summary key (`summary_key(rank_of)`): the worst (largest) ratio's
+    entry; beside it the worst quantized format's (BF16's routed experts have no fused kernel: a
+    captured decode step runs every expert, `Experts.forward_every_expert`, so BF16 reads E / k times
+    its experts' bytes); for rank 0 of N also the worst ratio with the modelled NVLink time added."""
+    key = summary_key(rank_of)
     measured = {f: e["summary"] for f, e in formats.items() if e["summary"]}
     worst = max(measured, key=lambda f: measured[f]["value"]) if measured else None
     quantized = [f for f in measured if f != "bf16"]
     worst_quantized = max(quantized, key=lambda f: measured[f]["value"]) if quantized else None
-    return {
+    out = {
+        "rank_of": rank_of,
         "formats": formats,
         "worst_format": worst,
         "worst_quantized_format": worst_quantized,
         "worst_quantized": measured[worst_quantized] if worst_quantized else None,
-        "summary": {SUMMARY_KEY: measured[worst] if worst else None},
+        "summary": {key: measured[worst] if worst else None},
         "summary_detail": {
-            SUMMARY_KEY: "decode step at concurrency 1 / (bytes a token reads / copy bandwidth), the worst of "
+            key: "decode step at concurrency 1 / (bytes a token reads / copy bandwidth), the worst of "
             + ", ".join(f"{f} {e['value']:.2f}x" for f, e in measured.items())
+            + (f"; rank 0 of {rank_of}, its collectives local" if rank_of > 1 else "")
         },
+        "goal": goal(rank_of),
     }
+    if rank_of > 1:  # modelled, not measured: beside the summary, never in it
+        nvlink = {
+            f: e["summary_with_modelled_nvlink"]
+            for f, e in formats.items()
+            if e.get("summary_with_modelled_nvlink")
+        }
+        worst_nvlink = max(nvlink, key=lambda f: nvlink[f]["value"]) if nvlink else None
+        out["with_modelled_nvlink"] = {
+            "label": "modelled: each step plus the collectives' time by rank_of.collective_probe (ring over NVLink)",
+            "worst_format": worst_nvlink,
+            f"{key}_with_modelled_nvlink": nvlink[worst_nvlink] if worst_nvlink else None,
+        }  # fmt: skip
+    return out
 
 
 def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Records of several calls (formats split over 10-minute device calls) as one: every format's
     entry (a later record's wins), the summary over them all, each call under `sources`."""
+    ranks = {r.get("rank_of", 1) for r in records}
+    if len(ranks) > 1:
+        raise SystemExit(
+            f"kumo bench engine decode-c1 --merge: records of different --rank-of {sorted(ranks)}"
+        )
     formats = {f: e for r in records for f, e in r["formats"].items()}
     sources = [{k: r[k] for k in ("command", "date", "device", "machine", "wall_s")} for r in records]
-    return dict(records[-1]) | {"sources": sources} | summarize(formats)
+    return dict(records[-1]) | {"sources": sources} | summarize(formats, ranks.pop())
 
 
 def markdown(record: dict[str, Any]) -> str:
+    rank_of = record.get("rank_of", 1)
+    key = summary_key(rank_of)
+    where = ""
+    if rank_of > 1:
+        g = record["geometry"]
+        where = f" at rank 0 of {rank_of}, {g['layers']} of {g['full_num_layers']} layers (collectives local)"
     lines = [
-        f"# Decode step at concurrency 1 against its bytes ({record['date']}, {record['device']})",
+        f"# Decode step at concurrency 1 against its bytes{where} ({record['date']}, {record['device']})",
         "",
-        f"`{SUMMARY_KEY}` = {_entry_text(record['summary'][SUMMARY_KEY])} (worst format: "
-        f"{record['worst_format']}; goal {GOAL}); worst quantized format "
+        f"`{key}` = {_entry_text(record['summary'][key])} (worst format: "
+        f"{record['worst_format']}; goal {goal(rank_of)}); worst quantized format "
         f"{record.get('worst_quantized_format')}: {_entry_text(record.get('worst_quantized'))}.",
+    ]
+    if rank_of > 1:
+        nvlink = record["with_modelled_nvlink"]
+        lines.append(
+            f"With the collectives' time modelled (NVLink, `rank_of.collective_probe`): "
+            f"{_entry_text(nvlink[f'{key}_with_modelled_nvlink'])} (worst format: {nvlink['worst_format']})."
+        )
+    extra = " modelled NVLink ms | ratio with it |" if rank_of > 1 else ""
+    lines += [
         "",
-        "| weights | layers | step ms | bytes read MB | copy GB/s | ratio [spread] | rounds |",
-        "|---|---|---|---|---|---|---|",
+        f"| weights | layers | step ms | bytes read MB | copy GB/s | ratio [spread] | rounds |{extra}",
+        "|---|---|---|---|---|---|---|" + "---|---|" * (rank_of > 1),
     ]
     for fmt, e in record["formats"].items():
+        if "skipped" in e:
+            lines.append(f"| {fmt} | {e['layers']} | {e['skipped']} |")
+            continue
         runs = [run for r in e["rounds"] for run in r["runs"]]
         steps = [run["step_ms"] for run in runs if run["side"] == "A"]
         bws = [run["copy_GBps"] for run in runs if run["side"] == "B"]
-        lines.append(
+        row = (
             f"| {fmt} | {e['layers']} | {_median(steps):.3f} | {e['bytes_read'] / 1e6:.1f} | {_median(bws):.0f} "
             f"| {_entry_text(e['summary'])} | {len(e['rounds'])} |"
         )
+        if rank_of > 1:
+            row += (
+                f" {e['collectives']['modelled_ms']:.3f} | {_entry_text(e['summary_with_modelled_nvlink'])} |"
+            )
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -310,8 +476,18 @@ def _median(xs: list[float]) -> float:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kumo bench engine decode-c1", description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, of " + ", ".join(FORMATS))
-    ap.add_argument("--layers", type=int, default=10, help="truncated depth of the quantized formats")
-    ap.add_argument("--bf16-layers", type=int, default=6, help="truncated depth of BF16 (what fits one GPU)")
+    ap.add_argument(
+        "--layers", type=int, default=None,
+        help="truncated depth of the quantized formats (default 10; with --rank-of the full depth)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--bf16-layers", type=int, default=None,
+        help="truncated depth of BF16, what fits one GPU (default 6; with --rank-of as --layers)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--rank-of", type=int, default=1,
+        help="rank 0's slice of N ranks, collectives local (their time modelled beside)",
+    )  # fmt: skip
     ap.add_argument("--input-len", type=int, default=2048, help="the context the decode steps run at")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="A/B/B/A rounds per format")
@@ -356,15 +532,20 @@ def main(argv: list[str]) -> int:
     if unknown := set(formats) - set(FORMATS):
         raise SystemExit(f"unknown formats {sorted(unknown)}: choose from {', '.join(FORMATS)}")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    layers, bf16_layers, full_depth = depths(a)
+    collectives = None
+    if a.rank_of > 1:  # before any model is built: the slice's layers take the group's size
+        from benchmarks.engine.rank_of import join_alone
+
+        collectives = join_alone(a.rank_of)
     opts = Options(
-        device=device, formats=formats, layers=2 if a.tiny and a.layers == 10 else a.layers,
-        bf16_layers=2 if a.tiny and a.bf16_layers == 6 else a.bf16_layers,
+        device=device, formats=formats, layers=layers, bf16_layers=bf16_layers,
         input_len=24 if a.tiny and a.input_len == 2048 else a.input_len,
         output_len=6 if a.tiny and a.output_len == 128 else a.output_len, num_rounds=a.rounds,
         page_size=a.page_size, chunk=32 if a.tiny and a.chunk == 2048 else a.chunk, deadline=start + a.budget_s,
         tiny=a.tiny, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs,
         fuse_projections=a.fuse_projections, seed=a.seed,
-        copy_bytes=8 * 2**20 if a.tiny else COPY_BYTES,
+        copy_bytes=8 * 2**20 if a.tiny else COPY_BYTES, rank_of=a.rank_of,
     )  # fmt: skip
     record = {
         "command": "kumo bench engine decode-c1 " + " ".join(argv),
@@ -374,15 +555,39 @@ def main(argv: list[str]) -> int:
         "machine": machine,
         "options": {k: v for k, v in asdict(opts).items() if k != "deadline"},
         "definition": __doc__.split("\n\n")[1].strip(),
-    }
-    out = a.out or RESULTS / f"{datetime.date.today().isoformat()}-decode-c1{'-tiny' if a.tiny else ''}.json"
+        "geometry": {"kind": "glm-5.2", "rank_of": a.rank_of, "layers": layers, "bf16_layers": bf16_layers,
+                     "full_num_layers": full_depth, "is_tiny": a.tiny},
+    }  # fmt: skip
+    if a.rank_of > 1:
+        record["parallel"] = {
+            "rank_of": a.rank_of, "tp": a.rank_of, "ep": a.rank_of, "dcp": 1,
+            "layout": f"rank 0 of {a.rank_of}, alone (collectives local)",
+        }  # fmt: skip
+        record["rank_of_bytes"] = next(p for p in __doc__.split("\n\n") if p.startswith("`--rank-of N`"))
+    rank = f"-rank-of-{a.rank_of}" if a.rank_of > 1 else ""
+    out = (
+        a.out
+        or RESULTS / f"{datetime.date.today().isoformat()}-decode-c1{rank}{'-tiny' if a.tiny else ''}.json"
+    )
 
     def write_so_far(measured: dict[str, Any]) -> None:
         _write(record | measured | {"wall_s": time.monotonic() - start}, out, quiet=True)
 
-    record |= measure(opts, write_so_far)
+    record |= measure(opts, write_so_far, collectives)
     record["wall_s"] = time.monotonic() - start
     return _write(record, out)
+
+
+def depths(a: argparse.Namespace) -> tuple[int, int, int]:
+    """(quantized formats' depth, BF16's, the full depth): the flags, else 10 and 6 (tiny: 2); with
+    `--rank-of` the full depth (tiny: 2) and BF16 at the quantized formats' depth (so a full-depth BF16
+    slice is skipped: `no_room`)."""
+    from benchmarks.engine.geometry import make_geometry
+
+    full = make_geometry("glm-5.2", None, tiny=a.tiny, rank_of=a.rank_of).num_layers
+    layers = a.layers if a.layers is not None else 2 if a.tiny else full if a.rank_of > 1 else 10
+    bf16 = a.bf16_layers if a.bf16_layers is not None else layers if a.rank_of > 1 else 2 if a.tiny else 6
+    return layers, bf16, full
 
 
 def _write(record: dict[str, Any], out: Path, *, quiet: bool = False) -> int:

@@ -39,7 +39,7 @@ def profile_format(
         vocab_size=config.vocab_size, context_window=config.max_position_embeddings,
         model_dtype=torch.bfloat16, device=device,
     )  # fmt: skip
-    weights = sum(token_bytes(model, int(geometry.text["num_experts_per_tok"])).values())
+    weights = sum(token_bytes(model, config.num_experts_per_tok, config.num_routed_experts).values())
     run_offline(engine, variant="warm", concurrency=1, input_len=input_len, output_len=32,
                 vocab_size=config.vocab_size)  # fmt: skip
 

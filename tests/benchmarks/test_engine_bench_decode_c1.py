@@ -1,19 +1,28 @@
 """`kumo bench engine decode-c1` end to end at --tiny scale on the CPU: per format A/B/B/A rounds of
 the decode step against the copy of the bytes a token reads, the summary the worst format's entry,
-and the bytes themselves against a count from the geometry's own numbers."""
+and the bytes themselves against a count from the geometry's own numbers; `--rank-of 2` (a
+subprocess: joining the local process group is for the life of a process) on rank 0's share of them,
+under its own summary key, with the collectives' modelled time beside."""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.cli import main as bench_main
-from benchmarks.engine.decode_c1 import FORMATS, SUMMARY_KEY
+from benchmarks.engine.decode_c1 import FORMATS, SUMMARY_KEY, depths, markdown, no_room, parser, summarize
 from benchmarks.engine.geometry import make_geometry
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 2  # the tiny model's 4 heads split 2 ways (not 8)
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +104,102 @@ def test_bytes_a_token_reads_from_the_geometry(record: dict[str, Any]) -> None:
     # INT4 routed experts: 4 bits and a bf16 scale per 32 weights
     int4 = record["formats"]["int4"]["token_weight_bytes"]["routed_experts_touched"]
     assert int4 == k * 3 * H * I * (4 + 16 / 32) // 8
+
+
+# ---- --rank-of N --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rank_of(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("decode_c1_rank_of") / "rec.json"
+    cache = tmp_path_factory.mktemp("triton")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "benchmarks.cli", "engine", "decode-c1", "--tiny", "--rank-of", str(N)]
+    done = subprocess.run(
+        [*cmd, "--compile-cache", str(cache), "--out", str(out)], env=env, cwd=ROOT, timeout=300,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_rank_of_writes_its_own_key_beside_the_modelled_collectives(rank_of: dict[str, Any]) -> None:
+    key = f"{SUMMARY_KEY}_rank_of_{N}"
+    worst = rank_of["worst_format"]
+    assert rank_of["summary"] == {key: rank_of["formats"][worst]["summary"]}  # never the 10-layer key
+    assert rank_of["goal"] == "<= 2.5x at rank-of-8"
+    assert rank_of["parallel"] == {
+        "rank_of": N, "tp": N, "ep": N, "dcp": 1, "layout": f"rank 0 of {N}, alone (collectives local)"
+    }  # fmt: skip
+    assert (rank_of["geometry"]["layers"], rank_of["geometry"]["full_num_layers"]) == (2, 78)
+    for fmt, e in rank_of["formats"].items():
+        assert e["geometry"]["rank_of"] == N and e["rounds_incomplete"] == e["rounds_skipped"] == 0, fmt
+        c = e["collectives"]
+        assert c["label"].startswith("modelled") and c["world_size"] == N
+        assert c["modelled_ms"] == pytest.approx(c["per_decode_step"]["c1"]["total"]["modelled_s"] * 1e3)
+        assert c["modelled_ms"] > 0
+        for r in e["rounds"]:  # each A step plus the modelled time, over the same copies
+            a = [run["step_ms"] + c["modelled_ms"] for run in r["runs"] if run["side"] == "A"]
+            b = [run["bytes_ms"] for run in r["runs"] if run["side"] == "B"]
+            assert r["ratio_with_modelled_nvlink"] == pytest.approx(sum(a) / sum(b))
+            assert r["ratio_with_modelled_nvlink"] > r["ratio"]
+        assert e["summary_with_modelled_nvlink"]["value"] > e["summary"]["value"]
+    nvlink = rank_of["with_modelled_nvlink"]
+    assert nvlink["label"].startswith("modelled")
+    by_format = {f: e["summary_with_modelled_nvlink"] for f, e in rank_of["formats"].items()}
+    assert nvlink[f"{key}_with_modelled_nvlink"] == by_format[nvlink["worst_format"]]
+    assert max(v["value"] for v in by_format.values()) == by_format[nvlink["worst_format"]]["value"]
+
+
+def test_rank_of_reads_rank_0s_share_of_the_bytes(record: dict[str, Any], rank_of: dict[str, Any]) -> None:
+    """Heads, dense and shared MLPs split N ways; E/N whole experts on rank 0, which reads the token's
+    k experts that fall there (k·(E/N)/E expected); ⌈V/N⌉ rows of lm_head; routers, norms, the
+    embedding row and the KV (latent and indexer keys) replicated. BF16 exactly; every format's
+    total to within what the quantized attention's split share moves."""
+    t = make_geometry("glm-5.2", 2, tiny=True, rank_of=N).text
+    E, k, V, H = t["n_routed_experts"], t["num_experts_per_tok"], t["vocab_size"], t["hidden_size"]
+    heads, R, Dn, Dr, Dv = (
+        t["num_attention_heads"], t["kv_lora_rank"], t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"],
+    )  # fmt: skip
+    local = E // N
+    # q_b_proj, kv_b_proj (dense after load), o_proj: the head-split Linears, bf16, 2 layers
+    split = 2 * 2 * (t["q_lora_rank"] * heads * (Dn + Dr) + R * heads * (Dn + Dv) + heads * Dv * H)
+    share = {"routed_experts_touched": local / E, "lm_head": math.ceil(V / N) / V, "dense_mlp": 1 / N,
+             "shared_experts": 1 / N, "router": 1, "norms": 1, "embedding_row": 1}  # fmt: skip
+    one, bf16 = (
+        record["formats"]["bf16"]["token_weight_bytes"],
+        rank_of["formats"]["bf16"]["token_weight_bytes"],
+    )
+    assert bf16 == {p: one[p] * share[p] for p in share} | {
+        "attention": one["attention"] - split * (1 - 1 / N)
+    }
+    attention_share = bf16["attention"] / one["attention"]
+    for fmt, e in rank_of["formats"].items():
+        full = record["formats"][fmt]
+        parts = full["token_weight_bytes"]
+        assert e["kv_bytes_per_token"] == full["kv_bytes_per_token"]  # replicated: no DCP
+        assert e["collectives"]["routed_local_share_assumed"] == local / E
+        assert e["routed_experts_per_moe_layer"] == k * local / E
+        assert 0 <= e["collectives"]["routed_local_share_in_probe"] <= 1
+        expected = sum(parts[p] * share[p] for p in share) + parts["attention"] * attention_share
+        assert e["bytes_read"] < full["bytes_read"]
+        assert e["bytes_read"] == pytest.approx(expected + e["kv_bytes"], rel=0.08), fmt
+
+
+def test_rank_of_depths_and_what_does_not_fit_one_h200() -> None:
+    """--rank-of: the full depth by default and BF16 with it, which no H200 holds (190 GB at rank 0
+    of 8, `kumo plan`): skipped, said so; INT4 and FP8 every Linear fit (54, 96 GB)."""
+    assert depths(parser().parse_args([])) == (10, 6, 78)
+    assert depths(parser().parse_args(["--rank-of", "8"])) == (78, 78, 78)
+    assert depths(parser().parse_args(["--rank-of", "8", "--layers", "10"])) == (10, 10, 78)
+    assert depths(parser().parse_args(["--rank-of", "2", "--tiny"]))[:2] == (2, 2)
+    full = make_geometry("glm-5.2", None, rank_of=8)
+    assert "skipped" in (no_room(full, "bf16", "fp8-block") or "")
+    assert no_room(full, "int4-all", "fp8-block") is no_room(full, "fp8-all", "fp8-block") is None
+    assert no_room(make_geometry("glm-5.2", 6, rank_of=8), "bf16", "fp8-block") is None
+
+
+def test_a_skipped_format_is_a_row_and_no_sample(rank_of: dict[str, Any]) -> None:
+    formats = dict(rank_of["formats"], bf16={"weights": "bf16", "layers": 78, "skipped": "skipped: no room",
+                                              "rounds": [], "summary": None})  # fmt: skip
+    summary = summarize(formats, N)
+    assert "bf16" not in summary["summary_detail"][f"{SUMMARY_KEY}_rank_of_{N}"]
+    assert "| bf16 | 78 | skipped: no room |" in markdown(rank_of | summary)
