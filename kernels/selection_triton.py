@@ -13,7 +13,7 @@ Two paths, one entry (`top_positions_triton`):
   `cumsum` a trip, counts carried between trips). Columns past the last whole BLOCK go TAIL at a
   time (2,176 columns read 2,304, not 4,096). Nine reads of the row (from L2 at decode sizes),
   32-bit keys, no int64 buffer.
-- keys + topk (longer rows, CPU tensors, or `KUMO_SELECT=topk`): `_selection_keys_kernel` writes the reference's
+- keys + topk (longer rows, CPU tensors, or after `set_select_method("topk")`): `_selection_keys_kernel` writes the reference's
   int64 keys, `topk` picks the k largest unsorted, and the picks' own keys say which were -inf. The
   same positions in the same order as the reference on the same device.
 
@@ -23,8 +23,8 @@ there, `should_use_multiblock` in ATen's TensorTopK.cu), against 8 passes over 3
 16,384 is the largest power of two under it; past it one program per row would race torch's
 whole-GPU select at decode's few rows. `benchmarks/kernels/bench_selection.py` times both paths.
 
-`KUMO_SELECT=topk` in the environment (read once, at import) sends every row to keys + topk: the
-engine-level A/B of the two paths. Both paths are CUDA-graph safe: shapes from R, L and k only, no
+`set_select_method("topk")` sends every row to keys + topk: the engine-level A/B of the two paths
+(`lab/diagnostics/decode_c1_profile.py --select topk`), set before any graph is captured. Both paths are CUDA-graph safe: shapes from R, L and k only, no
 host sync.
 
 Shapes: R rows, L columns, k picks.
@@ -32,14 +32,13 @@ Shapes: R rows, L columns, k picks.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 __all__ = [
     "RADIX_MAX_COLS",
+    "set_select_method",
     "top_positions_keys",
     "top_positions_radix",
     "top_positions_triton",
@@ -51,9 +50,8 @@ RADIX_MAX_COLS = 16384  # rows up to this many columns go to the radix kernel (m
 # keys + topk and the tests call `top_positions_radix` themselves
 RADIX_DEVICES = ("cuda",)
 RADIX_MAX_BLOCK = 2048  # columns a radix trip holds (4 a thread at 16 warps: no spills on sm90)
-SELECT_METHOD = os.environ.get("KUMO_SELECT", "radix")  # "topk": keys + topk for every row
-if SELECT_METHOD not in ("radix", "topk"):
-    raise ValueError(f"KUMO_SELECT must be radix or topk, got {SELECT_METHOD!r}")
+SELECT_METHODS = ("radix", "topk")
+SELECT_METHOD = "radix"  # "topk": keys + topk for every row (`set_select_method`)
 
 # keys below this are -inf scores: -inf's order-preserving bits are 0xFF800000 ^ 0x7FFFFFFF
 NEG_INF_KEY_END = (-(2**31) + 0x7FFFFF + 1) << 32
@@ -221,7 +219,7 @@ def top_positions_keys(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def top_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores [R, L] float32 (-inf: not visible) → [R, k] int64 positions, unsorted, -1 for -inf:
-    the reference's set. Radix for CUDA rows up to RADIX_MAX_COLS (unless KUMO_SELECT=topk), keys +
+    the reference's set. Radix for CUDA rows up to RADIX_MAX_COLS (unless `set_select_method("topk")`), keys +
     topk otherwise."""
     _check(scores, k)
     L = scores.shape[1]
@@ -230,6 +228,14 @@ def top_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     if uses_radix(scores):
         return top_positions_radix(scores, k)
     return top_positions_keys(scores, k)
+
+
+def set_select_method(method: str) -> None:
+    """ "radix" (the default) or "topk": every row to keys + topk, to measure the radix path's effect."""
+    global SELECT_METHOD
+    if method not in SELECT_METHODS:
+        raise ValueError(f"select method must be one of {SELECT_METHODS}, got {method!r}")
+    SELECT_METHOD = method
 
 
 def uses_radix(scores: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
 """top_positions_triton against the reference's top_positions: the same chosen set per row (the radix
 path writes it in column order), ties, -0.0 and -inf included; the keys + topk path (rows past
-RADIX_MAX_COLS, KUMO_SELECT=topk, or off CUDA) the same positions in the same order.
+RADIX_MAX_COLS, `set_select_method("topk")`, or off CUDA) the same positions in the same order.
 
 CPU CI runs the kernels under TRITON_INTERPRET=1, where `top_positions_triton` takes keys + topk:
 these tests call the radix path themselves, with small `block`s so that it loops over several
@@ -154,9 +154,10 @@ def test_rows_past_the_bound_take_keys_and_topk(monkeypatch: pytest.MonkeyPatch)
     assert radix == [64] and keys == [65]
 
 
-def test_kumo_select_topk_takes_keys_and_topk(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_select_method_topk_takes_keys_and_topk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(selection, "RADIX_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(selection, "SELECT_METHOD", "topk")
+    monkeypatch.setattr(selection, "SELECT_METHOD", "radix")  # restored after the test
+    selection.set_select_method("topk")
     keys, radix = spy(monkeypatch, "top_positions_keys"), spy(monkeypatch, "top_positions_radix")
     top_positions_triton(tied_scores(1, 40, 3), 7)
     assert keys == [40] and not radix
@@ -169,3 +170,5 @@ def test_bad_arguments_raise() -> None:
         top_positions_triton(torch.zeros(1, 4, device=DEV).half(), 2)
     with pytest.raises(ValueError, match="block"):
         top_positions_radix(torch.zeros(1, 40, device=DEV), 2, block=48)
+    with pytest.raises(ValueError, match="select method"):
+        selection.set_select_method("sort")
