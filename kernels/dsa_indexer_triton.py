@@ -17,12 +17,13 @@ check, or a row past the tile's queries), so `torch.topk` over the buffer needs 
 buffer needs no fill. Tiles past a tile's last visible token read nothing.
 
 Selection: the reference's `top_positions` over each row (equal scores to the earlier token, -inf
-picks → -1; it runs `topk` on int64 keys, so the buffer's bound counts them too), in
-`kernels/selection_triton.py`'s fewer launches, unsorted: the same
-set as the reference's, in `topk`'s order, and no selection at all where the row has no more
-columns than k; rows scattered to their queries (idle rows to a spare row). GLM-5 asks for 2048 of
-up to ~200k tokens; a Triton radix top-k could avoid the score buffer's round trip through HBM, if the H200 benchmark says
-topk dominates. The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
+picks → -1) as a set, unsorted (`top_positions_triton`, kernels/selection_triton.py): on CUDA a radix
+select, one program a row, for rows up to RADIX_MAX_COLS (16,384) columns; past them the reference's
+int64 keys and `topk` (which the buffer's bound counts: SELECT_BYTES); no selection at all where the row
+has no more columns than k; rows scattered to their queries (idle rows to a spare row). GLM-5 asks for
+2048 of up to ~200k tokens, and a decode graph's rows are the table's full width (the longest context
+admitted), so a long-context engine still selects with `topk` (`benchmarks/kernels/bench_selection.py`).
+The buffer is bounded by `max_score_bytes` (long chunks go in groups of tiles), and
 everything is sized on the host from T, B and the page table's width: no host sync, so a step can
 be captured in a CUDA graph.
 
@@ -268,7 +269,8 @@ def tag_pages(span: int, page_size: int) -> int:
     return max(2, triton.next_power_of_2(pages))
 
 
-# bytes a score holds while it is selected: fp32 score, int32 bits, int64 key (`top_positions`)
+# bytes a score holds while it is selected by keys + topk: fp32 score, int32 bits, int64 key (the radix
+# path, rows up to RADIX_MAX_COLS on CUDA, holds only the score; the bound keeps the larger)
 SELECT_BYTES = 16
 
 

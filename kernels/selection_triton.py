@@ -1,8 +1,31 @@
-"""`top_positions(scores, k, best_first=False)` (kernels/selection.py) on the GPU with fewer
-launches: one kernel turns the scores into their int64 keys (what torch built in ten elementwise
-ops), `topk` picks the k largest unsorted, and the picks' own keys say which scores were -inf (no
-gather of the scores back). Same keys, same `topk`: the same positions in the same order as the
-reference on the same device.
+"""`top_positions(scores, k, best_first=False)` (kernels/selection.py) on the GPU: the reference's
+chosen SET per row (by score, equal scores to the earlier column, -1 for a chosen -inf), unsorted.
+
+Two paths, one entry (`top_positions_triton`):
+- radix (CUDA rows of at most RADIX_MAX_COLS columns): `_radix_select_kernel`, one program a row,
+  no `torch.topk`. Each score becomes an int32 whose signed order is the float order (-0.0 → +0.0 first,
+  as the reference's `+ 0.0`). The k-th largest key t is found 4 bits a round from the top: a round
+  bins the row's keys at or above `base` into 16 bins 2^shift keys wide (past the last: bin 15),
+  BLOCK columns at a time (two 16-bit counts a word, so 8 reductions a trip, not 16), and moves
+  `base` to the highest bin with at least k keys at or above it; after 8 rounds `base` is t, and the
+  count above its last window is the number of keys > t. The last pass writes the columns > t and
+  the first `k − #(> t)` equal to t, in column order, into the row's k slots (a packed exclusive
+  `cumsum` a trip, counts carried between trips). Columns past the last whole BLOCK go TAIL at a
+  time (2,176 columns read 2,304, not 4,096). Nine reads of the row (from L2 at decode sizes),
+  32-bit keys, no int64 buffer.
+- keys + topk (longer rows, CPU tensors, or after `set_select_method("topk")`): `_selection_keys_kernel` writes the reference's
+  int64 keys, `topk` picks the k largest unsorted, and the picks' own keys say which were -inf. The
+  same positions in the same order as the reference on the same device.
+
+The bound: under 20,000 columns at up to 20 rows torch's `topk` runs one block per row too
+(`sbtopk::gatherTopK`, a radix over the 64-bit keys 2 bits a pass; its multi-block select starts
+there, `should_use_multiblock` in ATen's TensorTopK.cu), against 8 passes over 32-bit keys here.
+16,384 is the largest power of two under it; past it one program per row would race torch's
+whole-GPU select at decode's few rows. `benchmarks/kernels/bench_selection.py` times both paths.
+
+`set_select_method("topk")` sends every row to keys + topk: the engine-level A/B of the two paths
+(`lab/diagnostics/decode_c1_profile.py --select topk`), set before any graph is captured. Both paths are CUDA-graph safe: shapes from R, L and k only, no
+host sync.
 
 Shapes: R rows, L columns, k picks.
 """
@@ -13,10 +36,33 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["top_positions_triton"]
+__all__ = [
+    "RADIX_MAX_COLS",
+    "set_select_method",
+    "top_positions_keys",
+    "top_positions_radix",
+    "top_positions_triton",
+    "uses_radix",
+]
+
+RADIX_MAX_COLS = 16384  # rows up to this many columns go to the radix kernel (module docstring)
+# where the radix kernel runs: the interpreter (CPU CI) takes ~70 ms a row of it, so there rows take
+# keys + topk and the tests call `top_positions_radix` themselves
+RADIX_DEVICES = ("cuda",)
+RADIX_MAX_BLOCK = 2048  # columns a radix trip holds (4 a thread at 16 warps: no spills on sm90)
+SELECT_METHODS = ("radix", "topk")
+SELECT_METHOD = "radix"  # "topk": keys + topk for every row (`set_select_method`)
 
 # keys below this are -inf scores: -inf's order-preserving bits are 0xFF800000 ^ 0x7FFFFFFF
 NEG_INF_KEY_END = (-(2**31) + 0x7FFFFF + 1) << 32
+
+
+@triton.jit
+def _ordered_bits(s):
+    """fp32 → int32 whose signed order is the float order (-0.0 taken as +0.0)."""
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -(2**31), 0, bits)  # -0.0 → +0.0, as the reference's `+ 0.0`
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
@@ -32,24 +78,135 @@ def _selection_keys_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < L
     s = tl.load(scores_ptr + row * stride_s + cols, mask=mask, other=0.0)
-    bits = s.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -(2**31), 0, bits)  # -0.0 → +0.0, as the reference's `+ 0.0`
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order = float order
-    key = ordered.to(tl.int64) * 4294967296 + (4294967295 - cols.to(tl.int64))
+    key = _ordered_bits(s).to(tl.int64) * 4294967296 + (4294967295 - cols.to(tl.int64))
     tl.store(keys_ptr + row * stride_k + cols, key, mask=mask)
 
 
-def top_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [R, L] float32 (-inf: not visible) → [R, k] int64 positions, unsorted, -1 for -inf."""
+@triton.jit
+def _row_keys(row_ptr, cols, L):
+    """The ordered int32 keys of columns `cols` of one row (past L the least int32) and their mask."""
+    mask = cols < L
+    s = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    return tl.where(mask, _ordered_bits(s), -(2**31)), mask
+
+
+@triton.jit
+def _window_histogram(row_ptr, start, end, L, base, shift, h_lo, h_hi, BLOCK: tl.constexpr):
+    """h_lo, h_hi [8] plus the keys of columns [start, end) at or above `base` by bin: bin
+    (key − base) >> shift, 15 for all past it; bins 2j count in h_lo[j], 2j + 1 in h_hi[j]."""
+    w = tl.arange(0, 8)
+    for c0 in range(start, end, BLOCK):
+        keys, mask = _row_keys(row_ptr, c0 + tl.arange(0, BLOCK), L)
+        dist = keys.to(tl.uint32, bitcast=True) - base.to(tl.uint32, bitcast=True)  # exact at >= base
+        b = tl.minimum(dist >> shift, 15).to(tl.int32)  # [BLOCK] bin
+        one = tl.where((keys >= base) & mask, tl.where((b & 1) == 1, 65536, 1), 0)  # its field
+        # one word per pair of bins, two 16-bit counts in it (< 2^16 a chunk): 8 reductions, not 16
+        packed = tl.sum(tl.where(w[:, None] == (b >> 1)[None, :], one[None, :], 0), axis=1)  # [8]
+        h_lo += packed & 0xFFFF
+        h_hi += packed >> 16
+    return h_lo, h_hi
+
+
+@triton.jit
+def _write_chosen(row_ptr, out_row_ptr, start, end, L, t, need, n_gt, n_eq, BLOCK: tl.constexpr):
+    """Columns [start, end): write those > t and those == t while fewer than `need` came before, at
+    their rank among the chosen (n_gt, n_eq: the ones > t and == t before `start`); returns the
+    counts after `end`."""
+    for c0 in range(start, end, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        keys, mask = _row_keys(row_ptr, cols, L)
+        is_gt = keys > t
+        is_eq = (keys == t) & mask
+        packed = is_gt.to(tl.int32) + (is_eq.to(tl.int32) << 16)  # two counts < 2^16 a chunk
+        before = tl.cumsum(packed, axis=0) - packed  # exclusive
+        eq_before = n_eq + (before >> 16)
+        take = is_gt | (is_eq & (eq_before < need))
+        slot = n_gt + (before & 0xFFFF) + tl.minimum(eq_before, need)  # chosen columns before it
+        pos = tl.where(keys == -(2**31) + 0x7FFFFF, -1, cols.to(tl.int64))  # -inf's key: -1
+        tl.store(out_row_ptr + slot, pos, mask=take)
+        total = tl.sum(packed)
+        n_gt += total & 0xFFFF
+        n_eq += total >> 16
+    return n_gt, n_eq
+
+
+@triton.jit
+def _radix_select_kernel(
+    scores_ptr,  # [R, L] fp32
+    out_ptr,  # [R, k] int64 chosen columns, column order, -1 for a chosen -inf
+    L,
+    k,
+    stride_s,
+    stride_o,
+    BLOCK: tl.constexpr,  # columns a trip, up to the last whole block
+    TAIL: tl.constexpr,  # columns a trip after it (less padding: 2,176 columns read 2,304, not 4,096)
+):
+    row = tl.program_id(0).to(tl.int64)  # rows on axis 0: a long prefill chunk may have > 65535
+    row_ptr = scores_ptr + row * stride_s
+    L_main = L // BLOCK * BLOCK
+    c_lo = 2 * tl.arange(0, 8)  # [8] bins 0, 2, .., 14 (bin c starts at base + c << shift)
+    c_hi = c_lo + 1  # [8] bins 1, 3, .., 15
+    # invariant: at least k keys >= base; n_above keys >= the window's end, base + 16 << shift
+    base = tl.full((), -(2**31), tl.int64)
+    n_above = tl.zeros((), tl.int32)
+    for r in range(8):
+        shift = 28 - 4 * r  # a bin of the window is 2^28 .. 2^0 keys wide
+        base32 = base.to(tl.int32)
+        h_lo = tl.zeros([8], tl.int32)
+        h_hi = tl.zeros([8], tl.int32)
+        h_lo, h_hi = _window_histogram(row_ptr, 0, L_main, L, base32, shift, h_lo, h_hi, BLOCK)
+        h_lo, h_hi = _window_histogram(row_ptr, L_main, L, L, base32, shift, h_lo, h_hi, TAIL)
+        pair = h_lo + h_hi
+        n_lo = tl.sum(pair) - tl.cumsum(pair, axis=0) + pair  # [8] keys in bins >= 2j
+        n_hi = n_lo - h_lo  # [8] keys in bins >= 2j + 1
+        # counts fall with the bin and bin 0 holds by the invariant: the number of bins 1..15
+        # with at least k keys at or above them is the highest one
+        pick = tl.sum(((n_lo >= k) & (c_lo > 0)).to(tl.int32)) + tl.sum((n_hi >= k).to(tl.int32))
+        above = tl.sum(tl.where(c_lo == pick + 1, n_lo, 0) + tl.where(c_hi == pick + 1, n_hi, 0))
+        n_above = tl.where(pick == 15, n_above, above)  # bin 15: the window keeps its end
+        base += pick.to(tl.int64) << shift
+    t = base.to(tl.int32)  # the k-th largest key; n_above keys are > t
+    need = k - n_above  # >= 1 columns equal to t, the earliest
+    out_row_ptr = out_ptr + row * stride_o
+    n_gt = tl.zeros((), tl.int32)
+    n_eq = tl.zeros((), tl.int32)
+    n_gt, n_eq = _write_chosen(row_ptr, out_row_ptr, 0, L_main, L, t, need, n_gt, n_eq, BLOCK)
+    _write_chosen(row_ptr, out_row_ptr, L_main, L, L, t, need, n_gt, n_eq, TAIL)
+
+
+def _check(scores: torch.Tensor, k: int) -> None:
     if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
         raise ValueError(
             f"scores must be float32 [R, L] with unit-stride rows, got {scores.dtype} {tuple(scores.shape)}"
         )
+    if not 0 < k <= scores.shape[1]:
+        raise ValueError(f"k must be in [1, {scores.shape[1]}], got {k}")
+
+
+def top_positions_radix(scores: torch.Tensor, k: int, *, block: int | None = None) -> torch.Tensor:
+    """scores [R, L] float32 → [R, k] int64 positions in column order, -1 for -inf: the radix path
+    (any L; `top_positions_triton` sends it rows up to RADIX_MAX_COLS). `block`: columns a trip, a
+    power of two (default: the largest up to L and RADIX_MAX_BLOCK, at least 16); the columns past
+    its last whole block go block / 8 at a time."""
+    _check(scores, k)
     R, L = scores.shape
-    if not 0 < k <= L:
-        raise ValueError(f"k must be in [1, {L}], got {k}")
-    if k == L:  # every column chosen: -1 where not visible
-        return torch.where(scores == float("-inf"), -1, torch.arange(L, device=scores.device))
+    out = torch.empty((R, k), dtype=torch.int64, device=scores.device)
+    block = block or min(RADIX_MAX_BLOCK, max(16, 1 << (L.bit_length() - 1)))
+    if block & (block - 1) or not 16 <= block <= 8192:  # and the packed counts need < 2^16 a chunk
+        raise ValueError(f"block must be a power of two in [16, 8192], got {block}")
+    if R:
+        _radix_select_kernel[(R,)](
+            scores, out, L, k, scores.stride(0), out.stride(0), BLOCK=block, TAIL=max(16, block // 8),
+            num_warps=min(16, max(1, block // 128)),
+        )  # fmt: skip
+    return out
+
+
+def top_positions_keys(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, L] float32 → [R, k] int64 positions, -1 for -inf: the keys + topk path, the
+    reference's positions in its order."""
+    _check(scores, k)
+    R, L = scores.shape
     keys = torch.empty((R, L), dtype=torch.int64, device=scores.device)
     if R:
         block = 1024
@@ -58,3 +215,33 @@ def top_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
         )
     values, chosen = keys.topk(k, dim=-1, sorted=False)
     return torch.where(values < NEG_INF_KEY_END, -1, chosen)
+
+
+def top_positions_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [R, L] float32 (-inf: not visible) → [R, k] int64 positions, unsorted, -1 for -inf:
+    the reference's set. Radix for CUDA rows up to RADIX_MAX_COLS (unless `set_select_method("topk")`), keys +
+    topk otherwise."""
+    _check(scores, k)
+    L = scores.shape[1]
+    if k == L:  # every column chosen: -1 where not visible
+        return torch.where(scores == float("-inf"), -1, torch.arange(L, device=scores.device))
+    if uses_radix(scores):
+        return top_positions_radix(scores, k)
+    return top_positions_keys(scores, k)
+
+
+def set_select_method(method: str) -> None:
+    """ "radix" (the default) or "topk": every row to keys + topk, to measure the radix path's effect."""
+    global SELECT_METHOD
+    if method not in SELECT_METHODS:
+        raise ValueError(f"select method must be one of {SELECT_METHODS}, got {method!r}")
+    SELECT_METHOD = method
+
+
+def uses_radix(scores: torch.Tensor) -> bool:
+    """Whether `top_positions_triton` takes the radix path for these scores."""
+    return (
+        SELECT_METHOD == "radix"
+        and scores.device.type in RADIX_DEVICES
+        and scores.shape[-1] <= RADIX_MAX_COLS
+    )

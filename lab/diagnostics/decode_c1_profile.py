@@ -23,6 +23,7 @@ from benchmarks.engine.decode_c1 import token_bytes
 from benchmarks.engine.geometry import make_geometry
 from benchmarks.engine.offline import engine_config, run_offline
 from benchmarks.engine.weights import build_random_model
+from kernels.selection_triton import set_select_method
 
 
 def profile_format(
@@ -98,7 +99,9 @@ def main() -> None:
     ap.add_argument("--graphs", default="1")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--select", choices=("radix", "topk"), default="radix", help="the DSA selection's path")
     args = ap.parse_args()
+    set_select_method(args.select)
     results = []
     for fmt in args.formats.split(","):
         for g in args.graphs.split(","):

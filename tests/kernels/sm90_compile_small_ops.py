@@ -1,4 +1,4 @@
-"""Compile issue 24's small decode ops (RMSNorm, rotary, MoE routing, DSA selection keys) for sm90
+"""Compile issue 24's small decode ops (RMSNorm, rotary, MoE routing, DSA selection) for sm90
 (H200) without a GPU, at GLM-5's shapes; prints ptxas's registers and spills per kernel. Run
 without TRITON_INTERPRET (the interpreter never lowers a kernel):
 
@@ -16,11 +16,12 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     from kernels.rms_norm_triton import _rms_norm_kernel
     from kernels.rope_triton import _rope_kernel
     from kernels.router_triton import _route_kernel
-    from kernels.selection_triton import _selection_keys_kernel
+    from kernels.selection_triton import _radix_select_kernel, _selection_keys_kernel
 
     bf16 = {"x_ptr": "bf16", "r_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "h_ptr": "bf16"}
     rope = {"x_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16", "out_ptr": "bf16"}
     route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
+    radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
         ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),
@@ -30,6 +31,8 @@ def builds() -> list[tuple[str, ASTSource, int]]:
         ("route 256 experts top-8", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("route 8 x 32 groups top-4", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 8, "TOPK_GROUP": 4, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("selection keys", _source(_selection_keys_kernel, {"scores_ptr": "fp32", "keys_ptr": "i64"}, {"BLOCK": 1024}, set()), 4),
+        ("selection radix 2176 columns", _source(_radix_select_kernel, radix, {"BLOCK": 2048, "TAIL": 256}, set()), 16),
+        ("selection radix 1500 columns", _source(_radix_select_kernel, radix, {"BLOCK": 1024, "TAIL": 128}, set()), 8),
     ]  # fmt: skip
 
 

@@ -1,11 +1,15 @@
-"""top_positions_triton against the reference's unsorted top_positions: the same positions in the
-same order (the same int64 keys into the same `topk`), ties, -0.0 and -inf included.
+"""top_positions_triton against the reference's top_positions: the same chosen set per row (the radix
+path writes it in column order), ties, -0.0 and -inf included; the keys + topk path (rows past
+RADIX_MAX_COLS, `set_select_method("topk")`, or off CUDA) the same positions in the same order.
 
-CPU CI runs the key kernel under TRITON_INTERPRET=1."""
+CPU CI runs the kernels under TRITON_INTERPRET=1, where `top_positions_triton` takes keys + topk:
+these tests call the radix path themselves, with small `block`s so that it loops over several
+chunks and its tail on short rows."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -13,25 +17,72 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import kernels.selection_triton as selection  # noqa: E402
 from kernels.selection import top_positions  # noqa: E402
-from kernels.selection_triton import top_positions_triton  # noqa: E402
+from kernels.selection_triton import (  # noqa: E402
+    top_positions_keys,
+    top_positions_radix,
+    top_positions_triton,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
-@pytest.mark.parametrize(("R", "L", "k"), [(1, 2100, 2048), (3, 40, 7), (4, 1500, 1500), (2, 9, 1)])
-def test_same_positions_as_the_reference(R: int, L: int, k: int) -> None:
-    g = torch.Generator().manual_seed(L + k)
-    scores = torch.randint(-4, 5, (R, L), generator=g).float() * 0.5  # many exact ties
+def tied_scores(R: int, L: int, seed: int) -> torch.Tensor:
+    """[R, L]: many exact ties, -inf, -0.0 beside 0.0, and a third of distinct values."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-4, 5, (R, L), generator=g).float() * 0.5
     scores[scores == -2.0] = float("-inf")
-    scores[scores == 0.5] = -0.0  # -0.0 ties with 0.0
+    scores[scores == 0.5] = -0.0
     n = L // 3
-    scores[:, L - n :] += torch.randn(R, n, generator=g)  # and distinct ones
+    scores[:, L - n :] += torch.randn(R, n, generator=g)
+    return scores.to(DEV)
+
+
+def same_set(got: torch.Tensor, scores: torch.Tensor, k: int) -> bool:
+    return torch.equal(got.sort(dim=1).values, top_positions(scores, k).sort(dim=1).values)
+
+
+@pytest.mark.parametrize("path", [top_positions_triton, top_positions_radix])
+@pytest.mark.parametrize(("R", "L", "k"), [(1, 2100, 2048), (3, 40, 7), (4, 1500, 1500), (2, 9, 1)])
+def test_same_set_as_the_reference(
+    path: Callable[[torch.Tensor, int], torch.Tensor], R: int, L: int, k: int
+) -> None:
+    scores = tied_scores(R, L, L + k)
+    assert same_set(path(scores, k), scores, k)
+
+
+@pytest.mark.parametrize(("R", "L", "k"), [(1, 2100, 2048), (3, 40, 7)])
+def test_keys_path_same_positions_as_the_reference(R: int, L: int, k: int) -> None:
+    scores = tied_scores(R, L, L + k)
+    assert torch.equal(top_positions_keys(scores, k), top_positions(scores, k, best_first=False))
+
+
+@pytest.mark.parametrize(("L", "k"), [(64 * 3 + 37, 100), (64 * 3 + 37, 1), (64 * 2, 128 - 5), (50, 49)])
+def test_chunked_rows_with_ties_across_chunks(L: int, k: int) -> None:
+    """block 64 (tail 16): the threshold's ties span chunk boundaries and the tail; which of them are
+    chosen (the earliest) depends on the counts carried between chunks."""
+    g = torch.Generator().manual_seed(L * k)
+    scores = torch.full((3, L), 1.5)
+    scores[0, torch.randperm(L, generator=g)[: k // 2]] = 7.0  # half of k above, the rest tied
+    scores[1, ::3] = -0.0  # a third tied at the threshold, the rest above it
+    scores[1, 1::3] = 2.0
+    scores[2] = torch.randint(0, 3, (L,), generator=g).float()  # three values, every one tied
     scores = scores.to(DEV)
-    got = top_positions_triton(scores, k)
-    assert torch.equal(got, top_positions(scores, k, best_first=False))
-    assert torch.equal(got.sort(dim=1).values, top_positions(scores, k).sort(dim=1).values)
+    assert same_set(top_positions_radix(scores, k, block=64), scores, k)
+
+
+def test_radix_writes_exactly_k_slots_a_row() -> None:
+    """Into rows wider than k: the slots past k keep what was there (one tie too many would land
+    in the next row's first slot, which that row's program overwrites)."""
+    scores = tied_scores(3, 229, 4)
+    k = 100
+    out = torch.full((3, k + 8), -7, dtype=torch.int64, device=DEV)
+    selection._radix_select_kernel[(3,)](
+        scores, out, 229, k, scores.stride(0), out.stride(0), BLOCK=64, TAIL=16
+    )
+    assert same_set(out[:, :k], scores, k) and (out[:, k:] == -7).all()
 
 
 def test_rows_with_few_visible_tokens_get_minus_one() -> None:
@@ -41,8 +92,83 @@ def test_rows_with_few_visible_tokens_get_minus_one() -> None:
     assert sorted(got[0].tolist()) == [-1, -1, -1, 3, 17] and (got[1] == -1).all()
 
 
+@pytest.mark.parametrize("k", [1, 33])
+def test_all_minus_inf_rows_choose_only_minus_one(k: int) -> None:
+    scores = torch.full((2, 70), float("-inf"), device=DEV)
+    assert (top_positions_radix(scores, k, block=32) == -1).all()
+
+
+def test_any_bit_pattern_matches_the_reference() -> None:
+    """Every float32 bit pattern (NaNs of both signs, denormals, infinities): the key order is the
+    reference's, so NaN is chosen where its key says, as there."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(-(2**31), 2**31, (3, 300), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[0, :40] = bits[0, 40]  # a run of one pattern
+    scores = bits.view(torch.float32).to(DEV)
+    for k in (1, 150, 299):
+        assert same_set(top_positions_radix(scores, k, block=64), scores, k), k
+
+
+def test_no_rows() -> None:
+    for path in (top_positions_triton, top_positions_radix):
+        assert path(torch.zeros(0, 40, device=DEV), 7).shape == (0, 7)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_rows_and_the_bound() -> None:
+    """Thousands of rows (a prefill chunk's), GLM-5's k, the widest row the radix path takes, and
+    the decode row of issue 24's profile: the reference's sets."""
+    for R, L, k in [(5000, 3000, 2048), (3, 16384, 2048), (1, 2176, 2048)]:
+        scores = tied_scores(R, L, R + L)
+        assert selection.uses_radix(scores) == (selection.SELECT_METHOD == "radix")
+        assert same_set(top_positions_triton(scores, k), scores, k), (R, L)
+
+
+def test_radix_only_on_cuda() -> None:
+    """The interpreter takes ~70 ms a row of the radix kernel (the DSA indexer's tests: minutes), so
+    CPU rows take keys + topk."""
+    assert not selection.uses_radix(torch.zeros(1, 40))
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Count the calls of `kernels.selection_triton.<name>` made through top_positions_triton."""
+    calls: list[int] = []
+    path: Callable[..., torch.Tensor] = getattr(selection, name)
+
+    def counted(scores: torch.Tensor, k: int) -> torch.Tensor:
+        calls.append(scores.shape[1])
+        return path(scores, k)
+
+    monkeypatch.setattr(selection, name, counted)
+    return calls
+
+
+def test_rows_past_the_bound_take_keys_and_topk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(selection, "RADIX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(selection, "RADIX_MAX_COLS", 64)
+    keys, radix = spy(monkeypatch, "top_positions_keys"), spy(monkeypatch, "top_positions_radix")
+    short, long = tied_scores(2, 64, 1), tied_scores(2, 65, 2)
+    assert same_set(top_positions_triton(short, 9), short, 9)
+    got = top_positions_triton(long, 9)
+    assert torch.equal(got, top_positions(long, 9, best_first=False))
+    assert radix == [64] and keys == [65]
+
+
+def test_select_method_topk_takes_keys_and_topk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(selection, "RADIX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(selection, "SELECT_METHOD", "radix")  # restored after the test
+    selection.set_select_method("topk")
+    keys, radix = spy(monkeypatch, "top_positions_keys"), spy(monkeypatch, "top_positions_radix")
+    top_positions_triton(tied_scores(1, 40, 3), 7)
+    assert keys == [40] and not radix
+
+
 def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError, match="k must"):
         top_positions_triton(torch.zeros(1, 4, device=DEV), 5)
     with pytest.raises(ValueError, match="float32"):
         top_positions_triton(torch.zeros(1, 4, device=DEV).half(), 2)
+    with pytest.raises(ValueError, match="block"):
+        top_positions_radix(torch.zeros(1, 40, device=DEV), 2, block=48)
+    with pytest.raises(ValueError, match="select method"):
+        selection.set_select_method("sort")

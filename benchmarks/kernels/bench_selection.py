@@ -1,0 +1,150 @@
+"""The DSA indexer's top-k selection on the GPU: the radix kernel (`top_positions_radix`) against
+keys + `torch.topk` (`top_positions_keys`), the two paths of `kernels/selection_triton.py`, in one
+run (issue 24: torch's one-block radix select, `sbtopk::gatherTopK`, was 0.366 ms of GLM 5.2's
+3.58 ms decode step at concurrency 1, 37 µs a layer on a row of ~2,176 keys).
+
+Cases, k = 2048 of L columns: one decode row at L = 2,176 (the profile's), 4,096 (a page table
+wider than the sequence: -inf past 2,176) and 16,384 (RADIX_MAX_COLS); 64 decode rows at 8,192;
+4,096 prefill rows at 8,192 (causal: row i sees 4,097 + i columns). Scores: normal, -inf where not
+visible. Each case times the two paths in alternating pairs (CUDA-graph replays, `graph_ms`; odd
+pairs time keys + topk first), `speedup` = the median of keys_ms / radix_ms over the pairs (> 1:
+radix faster); `variants` times the radix kernel at other `block`s once each; `same_set` checks
+that both paths chose the same positions. `fraction_of_ceiling`: the scores read once over the copy
+ceiling.
+
+    python3 -m benchmarks.kernels.bench_selection --out selection.json [--quick]   # H200, ~30 s
+    python3 -m benchmarks.kernels.bench_selection --dry-run   # CPU: tiny cases in the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():  # the CPU dry run: kernels in the interpreter (set before they load)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.kernels.common import graph_ms, measure_ceilings, write_record  # noqa: E402
+from kernels.selection_triton import top_positions_keys, top_positions_radix  # noqa: E402
+
+K = 2048
+CASES = [  # (phase, rows, columns, visible columns of the first row)
+    ("decode", 1, 2176, 2176),
+    ("decode", 1, 4096, 2176),
+    ("decode", 1, 16384, 16384),
+    ("decode", 64, 8192, 8192),
+    ("prefill", 4096, 8192, 4097),
+]
+DRY_CASES = [("decode", 1, 300, 280), ("prefill", 5, 200, 196)]  # k = 64
+VARIANT_BLOCKS = (512, 1024, 4096)
+PAIRS, QUICK_PAIRS = 5, 3
+
+
+def make_scores(phase: str, R: int, L: int, visible: int, dev: str) -> torch.Tensor:
+    """[R, L] normal scores, -inf past each row's visible columns (prefill: one more a row)."""
+    scores = torch.randn(R, L, device=dev)
+    seen = visible + (torch.arange(R, device=dev)[:, None] if phase == "prefill" else 0)
+    return scores.masked_fill(torch.arange(L, device=dev)[None, :] >= seen, float("-inf"))
+
+
+def same_set(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+
+
+def alternating(
+    new: Callable[[], Any], old: Callable[[], Any], pairs: int, rep_ms: int
+) -> tuple[list[float], list[float]]:
+    """`pairs` graph timings of each, interleaved (odd pairs time `old` first: an order effect
+    cancels instead of adding to one side)."""
+    new_ms, old_ms = [], []
+    for i in range(pairs):
+        if i % 2:
+            old_ms.append(graph_ms([old], rep_ms))
+            new_ms.append(graph_ms([new], rep_ms))
+        else:
+            new_ms.append(graph_ms([new], rep_ms))
+            old_ms.append(graph_ms([old], rep_ms))
+    return new_ms, old_ms
+
+
+def bench_case(
+    phase: str, R: int, L: int, visible: int, ceil: dict[str, float], pairs: int, rep_ms: int
+) -> dict[str, Any]:
+    scores = make_scores(phase, R, L, visible, "cuda")
+    ok = same_set(top_positions_radix(scores, K), top_positions_keys(scores, K))
+    radix_ms, keys_ms = alternating(
+        lambda: top_positions_radix(scores, K), lambda: top_positions_keys(scores, K), pairs, rep_ms
+    )
+    variants = {
+        f"block={b}": graph_ms([lambda b=b: top_positions_radix(scores, K, block=b)], rep_ms)
+        for b in VARIANT_BLOCKS
+        if b <= L
+    }
+    ms = statistics.median(radix_ms)
+    return {
+        "kernel": "selection",
+        "case": f"{phase} rows={R} columns={L} visible={visible} k={K}",
+        "goal": None,
+        "ms": ms,
+        "fraction_of_ceiling": R * L * 4 / ms / 1e6 / ceil["copy_GBps"],
+        "peers": {"keys_topk": statistics.median(keys_ms)},
+        "speedup": statistics.median(o / n for o, n in zip(keys_ms, radix_ms, strict=True)),
+        "radix_ms": radix_ms,
+        "keys_topk_ms": keys_ms,
+        "variants": variants,
+        "same_set": ok,
+    }
+
+
+def dry_run() -> list[dict[str, Any]]:
+    """The tiny cases on the CPU (interpreter): both paths run and agree; nothing is timed."""
+    rows = []
+    for phase, R, L, visible in DRY_CASES:
+        scores = make_scores(phase, R, L, visible, "cpu")
+        ok = same_set(top_positions_radix(scores, 64, block=128), top_positions_keys(scores, 64))
+        rows.append({"kernel": "selection", "case": f"{phase} rows={R} columns={L} k=64", "same_set": ok})
+        print(f"dry run {rows[-1]['case']}: same_set {ok}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="JSON record (required on the GPU)")
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK_PAIRS} pairs a case, shorter timings")
+    ap.add_argument("--dry-run", action="store_true", help="the CPU check: tiny cases, no timing")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run()
+    if not torch.cuda.is_available() or not args.out:
+        sys.exit("needs a CUDA device and --out (on the CPU: --dry-run)")
+    start = time.monotonic()
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    print("ceilings", ceil, flush=True)
+    pairs, rep_ms = (QUICK_PAIRS, 50) if args.quick else (PAIRS, 100)
+    rows: list[dict[str, Any]] = []
+    for case in CASES:
+        rows.append(bench_case(*case, ceil, pairs, rep_ms))
+        r = rows[-1]
+        variants = " ".join(f"{n} {t * 1e3:.1f}us" for n, t in r["variants"].items())
+        print(
+            f"{r['case']:<52} radix {r['ms'] * 1e3:8.1f}us keys+topk {r['peers']['keys_topk'] * 1e3:8.1f}us "
+            f"speedup {r['speedup']:.2f}x same_set {r['same_set']} | {variants}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+        notes = "speedup: median over alternating pairs of keys+topk ms / radix ms"
+        write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran
+    print(f"done in {time.monotonic() - start:.0f} s", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
