@@ -115,9 +115,10 @@ def test_no_rows() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_rows_and_the_bound() -> None:
+def test_gpu_prefill_rows_and_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """Thousands of rows (a prefill chunk's), GLM-5's k, the widest row the radix path takes, and
     the decode row of issue 24's profile: the reference's sets."""
+    monkeypatch.setattr(selection, "SELECT_METHOD", "radix")
     for R, L, k in [(5000, 3000, 2048), (3, 16384, 2048), (1, 2176, 2048)]:
         scores = tied_scores(R, L, R + L)
         assert selection.uses_radix(scores) == (selection.SELECT_METHOD == "radix")
@@ -145,6 +146,7 @@ def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
 
 def test_rows_past_the_bound_take_keys_and_topk(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(selection, "RADIX_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(selection, "SELECT_METHOD", "radix")
     monkeypatch.setattr(selection, "RADIX_MAX_COLS", 64)
     keys, radix = spy(monkeypatch, "top_positions_keys"), spy(monkeypatch, "top_positions_radix")
     short, long = tied_scores(2, 64, 1), tied_scores(2, 65, 2)
