@@ -23,10 +23,12 @@ there, `should_use_multiblock` in ATen's TensorTopK.cu), against 8 passes over 3
 16,384 is the largest power of two under it; past it one program per row would race torch's
 whole-GPU select at decode's few rows. `benchmarks/kernels/bench_selection.py` times both paths.
 
-The default is keys + topk for every row until the radix kernel has run on the H200 (it has
-compiled for sm90 and matched the reference under the interpreter only). `set_select_method` chooses
-the path, before any graph is captured: the engine-level A/B of the two
-(`lab/diagnostics/decode_c1_profile.py --select radix|topk`). Both paths are CUDA-graph safe: shapes
+On the H200 (2026-12-05, `bench_selection`, alternating pairs, the same sets on both paths) radix
+over keys + topk: 1 row × 2,176 columns 20.4 vs 27.4 µs (1.35×), 1 × 4,096 (2,176 visible) 1.19×,
+1 × 16,384 1.04×, 64 × 8,192 2.10×, a 4,096-row prefill chunk × 8,192 1.13×; a 4,096-column block
+was faster on the wide rows and a 512-column one on the prefill chunk (not yet tuned:
+lab/results/2026-12-05-r9/selection.json). `set_select_method` chooses the path, before any graph is
+captured: the engine-level A/B of the two (`lab/diagnostics/decode_c1_profile.py --select radix|topk`). Both paths are CUDA-graph safe: shapes
 from R, L and k only, no host sync.
 
 Shapes: R rows, L columns, k picks.
@@ -53,8 +55,7 @@ RADIX_MAX_COLS = 16384  # rows up to this many columns go to the radix kernel (m
 RADIX_DEVICES = ("cuda",)
 RADIX_MAX_BLOCK = 2048  # columns a radix trip holds (4 a thread at 16 warps: no spills on sm90)
 SELECT_METHODS = ("radix", "topk")
-# "topk" (every row to keys + topk) until the radix kernel is measured on the H200 (lab/device/r9_first.sh)
-SELECT_METHOD = "topk"
+SELECT_METHOD = "radix"  # "topk": every row to keys + topk (`set_select_method`)
 
 # keys below this are -inf scores: -inf's order-preserving bits are 0xFF800000 ^ 0x7FFFFFFF
 NEG_INF_KEY_END = (-(2**31) + 0x7FFFFF + 1) << 32
