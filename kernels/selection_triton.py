@@ -25,9 +25,11 @@ whole-GPU select at decode's few rows. `benchmarks/kernels/bench_selection.py` t
 
 On the H200 (2026-12-05, `bench_selection`, alternating pairs, the same sets on both paths) radix
 over keys + topk: 1 row × 2,176 columns 20.4 vs 27.4 µs (1.35×), 1 × 4,096 (2,176 visible) 1.19×,
-1 × 16,384 1.04×, 64 × 8,192 2.10×, a 4,096-row prefill chunk × 8,192 1.13×; a 4,096-column block
-was faster on the wide rows and a 512-column one on the prefill chunk (not yet tuned:
-lab/results/2026-12-05-r9/selection.json). `set_select_method` chooses the path, before any graph is
+1 × 16,384 1.04×, 64 × 8,192 2.10×, a 4,096-row prefill chunk × 8,192 1.13×, all at a 2,048-column
+block. The same run's other blocks (lab/results/2026-12-05-r9/selection.json, one timing each) pick
+the default: decode's few rows want the widest trip (4,096 columns: 1 × 16,384 69.9 µs, 64 × 8,192
+39.1 µs, 1 × 4,096 22.9 µs) and a prefill chunk's thousands of rows a narrow one (512: 743 µs against
+964 at 2,048, several programs an SM). `set_select_method` chooses the path, before any graph is
 captured: the engine-level A/B of the two (`lab/diagnostics/decode_c1_profile.py --select radix|topk`). Both paths are CUDA-graph safe: shapes
 from R, L and k only, no host sync.
 
@@ -42,6 +44,7 @@ import triton.language as tl
 
 __all__ = [
     "RADIX_MAX_COLS",
+    "radix_block",
     "set_select_method",
     "top_positions_keys",
     "top_positions_radix",
@@ -53,7 +56,9 @@ RADIX_MAX_COLS = 16384  # rows up to this many columns go to the radix kernel (m
 # where the radix kernel runs: the interpreter (CPU CI) takes ~70 ms a row of it, so there rows take
 # keys + topk and the tests call `top_positions_radix` themselves
 RADIX_DEVICES = ("cuda",)
-RADIX_MAX_BLOCK = 2048  # columns a radix trip holds (4 a thread at 16 warps: no spills on sm90)
+RADIX_MAX_BLOCK = 4096  # columns a radix trip holds at most (8 a thread at 16 warps)
+RADIX_MANY_ROWS = 512  # from this many rows (~4 a multiprocessor) trips of RADIX_ROWS_BLOCK columns
+RADIX_ROWS_BLOCK = 512
 SELECT_METHODS = ("radix", "topk")
 SELECT_METHOD = "radix"  # "topk": every row to keys + topk (`set_select_method`)
 
@@ -190,12 +195,12 @@ def _check(scores: torch.Tensor, k: int) -> None:
 def top_positions_radix(scores: torch.Tensor, k: int, *, block: int | None = None) -> torch.Tensor:
     """scores [R, L] float32 → [R, k] int64 positions in column order, -1 for -inf: the radix path
     (any L; `top_positions_triton` sends it rows up to RADIX_MAX_COLS). `block`: columns a trip, a
-    power of two (default: the largest up to L and RADIX_MAX_BLOCK, at least 16); the columns past
-    its last whole block go block / 8 at a time."""
+    power of two (default: `radix_block(R, L)`); the columns past its last whole block go block / 8
+    at a time."""
     _check(scores, k)
     R, L = scores.shape
     out = torch.empty((R, k), dtype=torch.int64, device=scores.device)
-    block = block or min(RADIX_MAX_BLOCK, max(16, 1 << (L.bit_length() - 1)))
+    block = block or radix_block(R, L)
     if block & (block - 1) or not 16 <= block <= 8192:  # and the packed counts need < 2^16 a chunk
         raise ValueError(f"block must be a power of two in [16, 8192], got {block}")
     if R:
@@ -204,6 +209,14 @@ def top_positions_radix(scores: torch.Tensor, k: int, *, block: int | None = Non
             num_warps=min(16, max(1, block // 128)),
         )  # fmt: skip
     return out
+
+
+def radix_block(R: int, L: int) -> int:
+    """The default trip width for R rows of L columns: the largest power of two up to L and
+    RADIX_MAX_BLOCK (at least 16) for decode's few rows; RADIX_ROWS_BLOCK (or less, for short rows)
+    from RADIX_MANY_ROWS rows, where programs a multiprocessor matter more than trips a row."""
+    cap = RADIX_ROWS_BLOCK if R >= RADIX_MANY_ROWS else RADIX_MAX_BLOCK
+    return min(cap, max(16, 1 << (L.bit_length() - 1)))
 
 
 def top_positions_keys(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ if not torch.cuda.is_available():  # the CPU dry run: kernels in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.kernels.common import graph_ms, measure_ceilings, write_record  # noqa: E402
-from kernels.selection_triton import top_positions_keys, top_positions_radix  # noqa: E402
+from kernels.selection_triton import radix_block, top_positions_keys, top_positions_radix  # noqa: E402
 
 K = 2048
 CASES = [  # (phase, rows, columns, visible columns of the first row)
@@ -43,7 +43,7 @@ CASES = [  # (phase, rows, columns, visible columns of the first row)
     ("prefill", 4096, 8192, 4097),
 ]
 DRY_CASES = [("decode", 1, 300, 280), ("prefill", 5, 200, 196)]  # k = 64
-VARIANT_BLOCKS = (512, 1024, 4096)
+VARIANT_BLOCKS = (512, 1024, 2048, 4096)  # beside the default (`radix_block`)
 PAIRS, QUICK_PAIRS = 5, 3
 
 
@@ -85,7 +85,7 @@ def bench_case(
     variants = {
         f"block={b}": graph_ms([lambda b=b: top_positions_radix(scores, K, block=b)], rep_ms)
         for b in VARIANT_BLOCKS
-        if b <= L
+        if b <= L and b != radix_block(R, L)
     }
     ms = statistics.median(radix_ms)
     return {

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 9's second call, one H200, ≤ ~560 s (the speculative and decode-graph GPU tests passed in
 # r9_first.sh, so they are not rerun):
+# 0. the radix selection's default blocks since 2026-12-05 (4,096 columns for few rows, 512 from 512
+#    rows; `radix_block`): its GPU tests and the DSA indexer's, then `bench_selection` again;
 # 1. `decode-c1` int4-all at 10 layers with the radix selection now the default (the fused step of
 #    r9_first.sh read 3.473 ms with keys + topk);
 # 2. the speculative step profile, nano GLM and Kimi (lab/diagnostics/spec_profile.py);
@@ -12,6 +14,12 @@ source "$(dirname "$0")/preamble.sh"
 W=/tmp/r9s && rm -rf $W && mkdir -p $W
 el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r9_second.tgz" -C $W .; }
+timeout 120 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 100 -rfE \
+  tests/kernels/test_selection_triton.py tests/kernels/test_dsa_indexer_triton.py > $W/pytest.log 2>&1
+echo "== GPU tests rc=$? at $(el)s"; grep -E "passed|failed|FAILED|^ERROR|^E " $W/pytest.log | tail -8
+timeout 90 python3 -m benchmarks.kernels.bench_selection --out $W/selection.json > $W/bench_selection.log 2>&1
+echo "== bench_selection rc=$? at $(el)s"; grep -v Warning $W/bench_selection.log | tail -8
+pack
 timeout 150 python3 -m benchmarks.cli engine decode-c1 --formats int4-all --rounds 3 --budget-s 100 \
   --out "$W/decode-c1-radix.json" > "$W/decode-c1-radix.log" 2>&1
 echo "== decode-c1 radix rc=$? at $(el)s"; grep -E "^\| int4-all " "$W/decode-c1-radix.log"

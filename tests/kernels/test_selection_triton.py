@@ -119,10 +119,19 @@ def test_gpu_prefill_rows_and_the_bound(monkeypatch: pytest.MonkeyPatch) -> None
     """Thousands of rows (a prefill chunk's), GLM-5's k, the widest row the radix path takes, and
     the decode row of issue 24's profile: the reference's sets."""
     monkeypatch.setattr(selection, "SELECT_METHOD", "radix")
-    for R, L, k in [(5000, 3000, 2048), (3, 16384, 2048), (1, 2176, 2048)]:
+    for R, L, k in [(5000, 3000, 2048), (3, 16384, 2048), (64, 8192, 2048), (1, 2176, 2048)]:
         scores = tied_scores(R, L, R + L)
         assert selection.uses_radix(scores) == (selection.SELECT_METHOD == "radix")
         assert same_set(top_positions_triton(scores, k), scores, k), (R, L)
+
+
+def test_default_block_wide_for_few_rows_narrow_for_many() -> None:
+    """The default trips of the H200 timings (module docstring), and the widest one on the reference:
+    one 4,096-column trip and its 512-column tail over a 4,700-column row."""
+    assert [selection.radix_block(1, L) for L in (9, 40, 2176, 4096, 16384)] == [16, 32, 2048, 4096, 4096]
+    assert [selection.radix_block(4096, L) for L in (40, 3000, 8192)] == [32, 512, 512]
+    scores = tied_scores(1, 4700, 11)
+    assert same_set(top_positions_radix(scores, 2048), scores, 2048)
 
 
 def test_radix_only_on_cuda() -> None:
