@@ -5,9 +5,10 @@
 #    rows; `radix_block`): its GPU tests and the DSA indexer's, then `bench_selection` again;
 # 1. `decode-c1` int4-all at 10 layers with the radix selection now the default (the fused step of
 #    r9_first.sh read 3.473 ms with keys + topk);
-# 2. the speculative step profile, nano GLM and Kimi (lab/diagnostics/spec_profile.py);
-# 3. `kumo bench engine mtp` (BUDGET s): fixed_k_run step ms against 3.39, speedup_c1,
-#    page_allocations, first_drafting_step.
+# 2. `kumo bench engine mtp` (BUDGET s): fixed_k_run step ms against 3.39, speedup_c1,
+#    page_allocations, first_drafting_step;
+# 3. the speculative step profile, nano GLM and Kimi (lab/diagnostics/spec_profile.py), last: a cut
+#    call keeps what came before (each stage packs).
 # Everything in $OUT/r9_second.tgz.
 #   run(command="bash lab/device/r9_second.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
@@ -20,17 +21,17 @@ echo "== GPU tests rc=$? at $(el)s"; grep -E "passed|failed|FAILED|^ERROR|^E " $
 timeout 90 python3 -m benchmarks.kernels.bench_selection --out $W/selection.json > $W/bench_selection.log 2>&1
 echo "== bench_selection rc=$? at $(el)s"; grep -v Warning $W/bench_selection.log | tail -8
 pack
-timeout 150 python3 -m benchmarks.cli engine decode-c1 --formats int4-all --rounds 3 --budget-s 100 \
+timeout 150 python3 -m benchmarks.cli engine decode-c1 --formats int4-all --rounds 3 --budget-s ${C1_BUDGET:-100} \
   --out "$W/decode-c1-radix.json" > "$W/decode-c1-radix.log" 2>&1
 echo "== decode-c1 radix rc=$? at $(el)s"; grep -E "^\| int4-all " "$W/decode-c1-radix.log"
+pack
+BUDGET=${BUDGET:-180}
+timeout $(( BUDGET + 60 )) python3 -m benchmarks.cli engine mtp --budget-s "$BUDGET" --out $W/mtp-gpu.json > $W/mtp-gpu.log 2>&1
+echo "== mtp bench rc=$? at $(el)s"; grep -v Warning $W/mtp-gpu.log | grep -E "speedup|c64|step_ms|acceptance|page_alloc|first_drafting" | head -40
 pack
 for m in glm-5.2-nano kimi-k2.6-nano; do
   timeout 120 python3 -m lab.diagnostics.spec_profile --model models/$m --out $W/spec_profile-$m.txt > $W/spec_profile-$m.log 2>&1
   echo "== profile $m rc=$? at $(el)s"; grep -A14 "== side" $W/spec_profile-$m.txt | grep -v "^---" | head -40
   pack
 done
-BUDGET=${BUDGET:-180}
-timeout $(( BUDGET + 60 )) python3 -m benchmarks.cli engine mtp --budget-s "$BUDGET" --out $W/mtp-gpu.json > $W/mtp-gpu.log 2>&1
-echo "== mtp bench rc=$? at $(el)s"; grep -v Warning $W/mtp-gpu.log | grep -E "speedup|c64|step_ms|acceptance|page_alloc|first_drafting" | head -40
-pack
 echo "== done at $(el)s"
