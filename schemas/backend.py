@@ -273,8 +273,19 @@ class ImageSpan(Base):
     image_hash: str  # hex SHA-256 over the image bytes and its shape; part of the prefix-cache key
 
 
+class ReasoningMarkers(Base):
+    """The reasoning block's marker ids, for the engine's reasoning guard: while the block is open
+    the request's `eos_token_ids` are masked, so the model closes it before it ends its turn.
+    `is_open`: the prompt leaves the block open (the template opened it)."""
+
+    start_id: int
+    end_id: int
+    is_open: bool = False
+
+
 class EngineRequest(Base):
-    """One sequence for the engine: prompt token ids and how to sample the rest."""
+    """One sequence for the engine: prompt token ids and how to sample the rest. `reasoning_markers`
+    is set when the request reasons freely (reasoning on, no grammar)."""
 
     request_id: RequestId
     prompt_token_ids: list[int]
@@ -282,6 +293,7 @@ class EngineRequest(Base):
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     image_spans: list[ImageSpan] = msgspec.field(default_factory=list)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    reasoning_markers: ReasoningMarkers | None = None
     reject_if_busy: bool = False
     priority: Priority = 0
 

@@ -1,7 +1,8 @@
 """The hook through which constrained decoding (JSON mode, forced tool calls) reaches the sampler.
 
 The engine keeps one `TokenConstraint` per constrained request; the batched sampler asks each for the
-allowed-token mask of the next step, so constrained and free requests share a batch.
+allowed-token mask of the next step, so constrained and free requests share a batch. Beside it a
+request that reasons has a `ReasoningGuard`, which keeps it from stopping inside its reasoning block.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from schemas.backend import EngineRequest
 
 
 class TokenConstraint(Protocol):
@@ -27,3 +30,77 @@ class TokenConstraint(Protocol):
     def rollback(self, num_tokens: int) -> None:
         """Undo the last accepted tokens (preemption by recompute replays them)."""
         ...
+
+
+class ReasoningGuard:
+    """Keeps a request from ending its turn inside an open reasoning block (issue 26).
+
+    While the block is open (its start marker was the last marker seen, in the prompt or the output)
+    the request's end-of-turn ids are banned, so the model has to write the end marker before it can
+    stop; once the block is closed nothing is banned, until a start marker opens one again (as
+    `backend.text.reasoning.ReasoningParser` reads them). It only masks, never forces a token, so
+    `max_tokens` still ends a request inside the block ("length").
+
+    The engine holds it beside the request's `TokenConstraint` rather than as one: its state follows
+    from the marker ids alone, so a speculative step masks each verify row along the drafts
+    (`banned_along`) and the request keeps drafting, and its mask is a few ids, not a vocabulary-wide
+    host tensor per step. It still answers the `TokenConstraint` protocol.
+    """
+
+    def __init__(self, start_id: int, end_id: int, stop_ids: list[int], *, is_open: bool) -> None:
+        self.start_id, self.end_id = start_id, end_id
+        self.stop_ids = tuple(stop_ids)
+        self._was_open = is_open  # before the first accepted token
+        self._num_tokens = 0
+        self._markers: list[tuple[int, bool]] = []  # (token index, opens) of each accepted marker
+        self._mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, request: EngineRequest) -> ReasoningGuard | None:
+        """The guard of a request that reasons, or None: no markers, or no end-of-turn id that
+        would stop it (`ignore_eos`). Its own `stop_token_ids` stay allowed, as the caller's choice."""
+        markers = request.reasoning_markers
+        if markers is None or request.sampling.ignore_eos or not request.eos_token_ids:
+            return None
+        return cls(markers.start_id, markers.end_id, request.eos_token_ids, is_open=markers.is_open)
+
+    @property
+    def is_open(self) -> bool:
+        return self._markers[-1][1] if self._markers else self._was_open
+
+    def banned_ids(self) -> tuple[int, ...]:
+        """The ids masked for the next token: the stop ids while the block is open, else none."""
+        return self.stop_ids if self.is_open else ()
+
+    def banned_along(self, token_ids: list[int]) -> list[tuple[int, ...]]:
+        """`banned_ids` before each of `token_ids` and after the last (a verify step's rows, the
+        drafts as `token_ids`); the guard's state is left as it was."""
+        banned = [self.banned_ids()]
+        for token_id in token_ids:
+            self.accept(token_id)
+            banned.append(self.banned_ids())
+        self.rollback(len(token_ids))
+        return banned
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        if not self.is_open:
+            return None
+        if self._mask is None or self._mask.shape[0] != vocab_size:
+            mask = torch.ones(vocab_size, dtype=torch.bool)  # [vocab]
+            mask[[i for i in self.stop_ids if i < vocab_size]] = False
+            self._mask = mask
+        return self._mask
+
+    def accept(self, token_id: int) -> None:
+        if token_id == self.start_id or token_id == self.end_id:
+            self._markers.append((self._num_tokens, token_id == self.start_id))
+        self._num_tokens += 1
+
+    def is_finished(self) -> bool:
+        return False  # it never ends a request: the model, its stop ids or max_tokens do
+
+    def rollback(self, num_tokens: int) -> None:
+        assert 0 <= num_tokens <= self._num_tokens, "rolled back past the first accepted token"
+        self._num_tokens -= num_tokens
+        while self._markers and self._markers[-1][0] >= self._num_tokens:
+            self._markers.pop()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.constraint import TokenConstraint
+from backend.engine.constraint import ReasoningGuard, TokenConstraint
 from backend.engine.decode_graphs import Capture
 from backend.engine.engine_config import EngineConfig
 from backend.engine.model_runner import ModelRunner, PagedModel, SeqResult
@@ -159,6 +159,7 @@ class Engine:
             request=request,
             generator=torch.Generator(device=self.runner.device).manual_seed(seed),
             constraint=constraint,
+            guard=ReasoningGuard.of(request),
             image_embeds=image_embeds,
         )
         num_image_tokens = sum(s.length for s in request.image_spans)
@@ -297,6 +298,8 @@ class Engine:
                 logprobs.append(self._logprob(score, token))
             if seq.constraint is not None:
                 seq.constraint.accept(token)
+            if seq.guard is not None:
+                seq.guard.accept(token)
             reason = self._stop_reason(seq, token, len(seq.token_ids) - seq.num_prompt_tokens)
             if reason is not None:
                 break

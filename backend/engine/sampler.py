@@ -33,6 +33,7 @@ class SampleRow:
     token_ids: list[int]
     num_prompt_tokens: int
     allowed: torch.Tensor | None = None  # [V] bool from a TokenConstraint, None = anything
+    banned_ids: tuple[int, ...] = ()  # from a ReasoningGuard: its end-of-turn ids inside the block
     is_argmax: bool = field(init=False)  # greedy with no penalty: the argmax of the (masked) logits
 
     def __post_init__(self) -> None:
@@ -66,10 +67,10 @@ class Sampler:
         """`[N]` chosen ids, left on the logits' device: no host sync, so the caller can bring them
         back together with whatever else the step reads (the model runner's one copy per step)."""
         logits = logits.float()
-        if all(r.is_argmax and r.allowed is None for r in rows):  # the common greedy batch
+        if all(r.is_argmax and r.allowed is None and not r.banned_ids for r in rows):  # plain greedy
             return logits.argmax(dim=-1)
         x = apply_penalties(logits, rows)  # a new tensor when any penalty applies
-        if any(r.allowed is not None for r in rows):
+        if any(r.allowed is not None or r.banned_ids for r in rows):
             x = self._mask_disallowed(x.clone() if x is logits else x, rows)
         return self._draw(x, rows)
 
@@ -98,11 +99,16 @@ class Sampler:
     @staticmethod
     def _mask_disallowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """-inf at the tokens the constrained rows' grammars disallow: their host masks stacked and sent in
-        one copy (on CUDA pinned and non-blocking, so it does not wait for the step's graph), one fill."""
-        constrained = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+        one copy (on CUDA pinned and non-blocking, so it does not wait for the step's graph), one fill;
+        and at the ids reasoning guards ban (see `mask_banned`)."""
+        V = x.shape[1]
+        x = mask_banned(x, [() if r.allowed is not None else r.banned_ids for r in rows])
+        constrained = [
+            (i, with_banned(r.allowed[:V], r.banned_ids)) for i, r in enumerate(rows) if r.allowed is not None
+        ]
         if not constrained:
             return x
-        allowed = torch.stack([mask[: x.shape[1]] for _, mask in constrained])  # [n, V] bool
+        allowed = torch.stack([mask for _, mask in constrained])  # [n, V] bool
         if x.device.type == "cuda" and allowed.device.type == "cpu":
             allowed = allowed.pin_memory().to(x.device, non_blocking=True)
         else:
@@ -151,6 +157,27 @@ class Sampler:
                 top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
             out.append(TokenScore(int(chosen[i]), picked[i], top))
         return out
+
+
+def mask_banned(x: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    """`x [N, V]` with -inf at each row's `banned` ids (a reasoning guard's: a few per row), in place:
+    one small index copy to the device, one fill."""
+    pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if t < x.shape[1]]
+    if pairs:
+        index = to_device([p for pair in pairs for p in pair], torch.int64, x.device).view(-1, 2)  # [n, 2]
+        x[index[:, 0], index[:, 1]] = float("-inf")
+    return x
+
+
+def with_banned(allowed: torch.Tensor, banned_ids: tuple[int, ...]) -> torch.Tensor:
+    """A grammar's host mask `[V]` with a guard's `banned_ids` taken out too, unless that leaves
+    nothing allowed (the grammar then decides: it may only let the request end)."""
+    banned = [t for t in banned_ids if t < allowed.shape[0]]
+    if not banned:
+        return allowed
+    both = allowed.clone()
+    both[banned] = False
+    return both if bool(both.any()) else allowed
 
 
 def apply_top_k(x: torch.Tensor, k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:

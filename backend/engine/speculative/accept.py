@@ -23,7 +23,15 @@ import torch
 
 from backend.engine.host_staging import to_device
 from backend.engine.model_runner import ModelRunner
-from backend.engine.sampler import Sampler, SampleRow, TokenScore, apply_penalties, apply_top_k, apply_top_p
+from backend.engine.sampler import (
+    Sampler,
+    SampleRow,
+    TokenScore,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    mask_banned,
+)
 from backend.engine.speculative.plan import SpecRow
 
 
@@ -40,7 +48,8 @@ def choose_tokens(rows: list[SpecRow], logits: torch.Tensor, runner: ModelRunner
     greedy = [b for b, r in enumerate(rows) if r.drafts and r.sched.seq.sample_row.is_argmax]
     if greedy:  # one argmax over every verify row of the greedy sequences, one copy back
         index = to_device([i for b in greedy for i in rows[b].logits_rows], torch.int64, logits.device)
-        targets = logits[index].argmax(dim=-1).tolist()
+        banned = [ids for b in greedy for ids in banned_rows(rows[b])]
+        targets = mask_banned(logits[index], banned).argmax(dim=-1).tolist()
         at = 0
         for b in greedy:
             drafts = rows[b].drafts
@@ -48,8 +57,17 @@ def choose_tokens(rows: list[SpecRow], logits: torch.Tensor, runner: ModelRunner
             at += len(drafts) + 1
     for b, r in enumerate(rows):
         if r.drafts and not r.sched.seq.sample_row.is_argmax:
-            emitted[b] = accept_sampled(logits[r.logits_rows], r.drafts, r.sched.seq.sample_row)
+            emitted[b] = accept_sampled(
+                logits[r.logits_rows], r.drafts, r.sched.seq.sample_row, banned_rows(r)
+            )
     return emitted
+
+
+def banned_rows(r: SpecRow) -> list[tuple[int, ...]]:
+    """The ids banned at each of `r`'s verify rows: its reasoning guard's, along its drafts (row i
+    follows d_1 … d_i, which may open or close the block), as one-at-a-time decoding would ban them."""
+    guard = r.sched.seq.guard
+    return guard.banned_along(r.drafts) if guard is not None else [()] * (len(r.drafts) + 1)
 
 
 def token_scores(logits: torch.Tensor, r: SpecRow, tokens: list[int], sampler: Sampler) -> list[TokenScore]:
@@ -69,14 +87,19 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     return drafts[:a] + [targets[a]]
 
 
-def accept_sampled(logits: torch.Tensor, drafts: list[int], row: SampleRow) -> list[int]:
+def accept_sampled(
+    logits: torch.Tensor, drafts: list[int], row: SampleRow, banned: list[tuple[int, ...]] | None = None
+) -> list[int]:
     """The tokens emitted, row by row over `logits [k + 1, V]`, drawing with `row`'s generator
-    (`row.token_ids`: the context before the first row; temperature 0 with penalties is greedy)."""
+    (`row.token_ids`: the context before the first row; temperature 0 with penalties is greedy).
+    `banned`: per row, the ids a reasoning guard masks there (`banned_rows`)."""
     params, gen = row.params, row.generator
     out: list[int] = []
     for i in range(len(drafts) + 1):
         context = SampleRow(params, gen, row.token_ids + drafts[:i], row.num_prompt_tokens)
         x = apply_penalties(logits[i : i + 1].float(), [context])  # [1, V]
+        if banned is not None and banned[i]:
+            x = mask_banned(x.clone(), [banned[i]])  # a copy: `x` may be a view of the verify's logits
         draft = drafts[i] if i < len(drafts) else None
         if params.temperature == 0:
             t = int(x.argmax())

@@ -1,0 +1,361 @@
+"""The reasoning guard (backend/engine/constraint.py `ReasoningGuard`, issue 26): a request that reasons
+cannot end its turn inside an open `<think>` block, with or without speculative decoding.
+
+The guard's state is checked against the reasoning parser's own reading of the markers
+(`ThinkMarkers.is_open_after`); the engine's outputs against a Markov toy whose next-token
+logits are known (tests/backend/speculative_toy.py), so the tokens a guarded request must emit
+are written out here; and nano GLM's empty answers (the issue's symptom) through the serving layer.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from backend.engine.constraint import ReasoningGuard
+from backend.engine.engine import Engine
+from backend.engine.sampler import Sampler, SampleRow
+from backend.text.reasoning import ThinkMarkers
+from schemas.backend import EngineRequest, ReasoningMarkers, SamplingParams
+from tests.backend.engine.test_engine import EvenTokensOnly
+from tests.backend.engine.test_speculative import (
+    ARCHS,
+    OracleDrafts,
+    chi2_p_value,
+    engine_for,
+    loaded,
+    prompts,
+    toy_engine,
+)
+from tests.backend.engine_helpers import Result, request, run_all
+from tests.backend.speculative_toy import MarkovModel
+
+__all__ = ["loaded"]  # the fixture
+
+EOS, START, END = 0, 1, 2  # the toy's end of turn, `<think>`, `</think>`
+MARKERS = ThinkMarkers(START, END)
+
+
+def guarded(req: EngineRequest, *, is_open: bool, eos: list[int] | None = None) -> EngineRequest:
+    return msgspec.structs.replace(
+        req,
+        eos_token_ids=[EOS] if eos is None else eos,
+        reasoning_markers=ReasoningMarkers(start_id=MARKERS.start_id, end_id=MARKERS.end_id, is_open=is_open),
+    )
+
+
+# ---- the guard alone ---------------------------------------------------------------------------
+def test_stop_ids_are_banned_only_while_the_block_is_open() -> None:
+    guard = ReasoningGuard(START, END, [EOS, 7], is_open=True)  # the prompt ended in <think>
+    assert guard.banned_ids() == (EOS, 7)
+    mask = guard.allowed_tokens(10)
+    assert mask is not None and mask.tolist() == [i not in (EOS, 7) for i in range(10)]
+    guard.accept(5)
+    assert guard.banned_ids() == (EOS, 7)
+    guard.accept(END)
+    assert guard.banned_ids() == () and guard.allowed_tokens(10) is None
+    guard.accept(EOS)  # an ordinary id once closed
+    assert guard.banned_ids() == ()
+    guard.accept(START)  # the model opens a block of its own
+    assert guard.banned_ids() == (EOS, 7)
+    assert not guard.is_finished()
+
+
+def test_a_block_the_prompt_did_not_open_bans_nothing_until_the_model_opens_one() -> None:
+    guard = ReasoningGuard(START, END, [EOS], is_open=False)
+    assert guard.banned_ids() == () and guard.allowed_tokens(10) is None
+    guard.accept(START)
+    assert guard.banned_ids() == (EOS,)
+    guard.rollback(1)
+    assert guard.banned_ids() == ()
+
+
+def test_a_request_gets_a_guard_only_when_it_reasons_and_eos_would_stop_it() -> None:
+    req = request("r", [3, START])
+    assert ReasoningGuard.of(msgspec.structs.replace(req, eos_token_ids=[EOS])) is None  # no markers
+    guard = ReasoningGuard.of(guarded(req, is_open=True, eos=[EOS, 9]))
+    assert guard is not None and guard.banned_ids() == (EOS, 9)
+    ignoring = guarded(request("r", [3, START], ignore_eos=True), is_open=True)
+    assert ReasoningGuard.of(ignoring) is None  # eos does not end it: nothing to ban
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rollback_is_exact_across_opens_and_closes(seed: int) -> None:
+    """Random accepts and rollbacks over ids rich in markers: the guard's state is always the
+    parser's reading of the prompt and the tokens still kept; `banned_along` leaves it as it was."""
+    rng = random.Random(seed)
+    prompt = rng.choice([[3, START], [3, START, 4, END], [3]])
+    guard = ReasoningGuard(START, END, [EOS], is_open=MARKERS.is_open_after(prompt))
+    kept: list[int] = []
+    for _ in range(400):
+        if kept and rng.random() < 0.35:
+            n = rng.randint(1, min(4, len(kept)))
+            guard.rollback(n)
+            del kept[len(kept) - n :]
+        else:
+            token = rng.choice([START, END, 3, 4, EOS])
+            guard.accept(token)
+            kept.append(token)
+        assert guard.is_open == MARKERS.is_open_after(prompt + kept)
+        drafts = [rng.choice([START, END, 5]) for _ in range(3)]
+        along = guard.banned_along(drafts)
+        assert along == [
+            (EOS,) if MARKERS.is_open_after(prompt + kept + drafts[:i]) else () for i in range(4)
+        ]
+        assert guard.is_open == MARKERS.is_open_after(prompt + kept)
+
+
+def test_the_sampler_masks_banned_ids_beside_a_grammar() -> None:
+    """Greedy and sampled rows, free or under a grammar (even ids only): the guard's ids never
+    come out; a grammar that allows nothing else keeps its say (the request may end)."""
+    V = 10
+    x = torch.full((4, V), -5.0)
+    x[:, EOS] = 9.0  # everything wants to stop
+    x[:, 4] = 5.0
+    x[:, 3] = 6.0
+    even = EvenTokensOnly().allowed_tokens(V)
+    only_eos = torch.zeros(V, dtype=torch.bool)
+    only_eos[EOS] = True
+
+    def row(temperature: float, allowed: torch.Tensor | None, banned: tuple[int, ...]) -> SampleRow:
+        params = SamplingParams(temperature=temperature)
+        r = SampleRow(params, torch.Generator().manual_seed(0), [], 0, allowed=allowed)
+        r.banned_ids = banned
+        return r
+
+    rows = [row(0.0, None, (EOS,)), row(0.0, even, (EOS,)), row(0.0, only_eos, (EOS,)), row(0.0, None, ())]
+    assert [s.token_id for s in Sampler().sample(x.clone(), rows)] == [3, 4, EOS, EOS]
+    for seed in range(20):
+        r = row(2.0, even, (EOS,))
+        r.generator.manual_seed(seed)
+        assert Sampler().sample(x[:1].clone(), [r])[0].token_id in {2, 4, 6, 8}
+
+
+# ---- the engine -------------------------------------------------------------------------------
+V = 16
+
+
+def toy_target() -> torch.Tensor:
+    """After `<think>`: 5, 6, then eos is the favourite (the bug) and `</think>` the runner-up;
+    after `</think>`: 7, 8, eos. Every other id is far behind."""
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0))
+    for x, nxt in ((START, 5), (5, 6), (6, EOS), (END, 7), (7, 8), (8, EOS)):
+        target[x, nxt] += 12.0
+    target[6, END] += 10.0
+    return target
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_a_model_that_would_stop_inside_the_block_closes_it_first(k: int) -> None:
+    """Greedy, plain and speculative (the head proposes eos inside the block: verify must reject it,
+    and no whole greedy step on the device may take it): the guarded request writes `</think>` where
+    it would have stopped; without the guard it ends inside the block. max_tokens still cuts."""
+    target = toy_target()
+    bare = request("bare", [3, START], max_tokens=12)
+    results = run_all(toy_engine(MarkovModel(target, target), k), [
+        msgspec.structs.replace(bare, eos_token_ids=[EOS]),
+        guarded(msgspec.structs.replace(bare, request_id="open"), is_open=True),
+        guarded(request("cut", [3, START], max_tokens=2), is_open=True),
+        # the prompt closed its block: nothing to guard, it stops where the model does
+        guarded(request("closed", [START, 5, END, 6], max_tokens=12), is_open=False),
+    ])  # fmt: skip
+    assert results["bare"].token_ids == [5, 6, EOS] and results["bare"].finish_reason == "stop"
+    assert results["open"].token_ids == [5, 6, END, 7, 8, EOS] and results["open"].finish_reason == "stop"
+    assert results["cut"].token_ids == [5, 6] and results["cut"].finish_reason == "length"
+    assert results["closed"].token_ids == [EOS]
+
+
+def test_a_block_the_model_opens_itself_is_guarded_too() -> None:
+    target = toy_target()
+    target[3, START] += 12.0  # the prompt's last token leads into <think>
+    results = run_all(
+        toy_engine(MarkovModel(target, target), 2), [guarded(request("r", [3], max_tokens=12), is_open=False)]
+    )
+    assert results["r"].token_ids == [START, 5, 6, END, 7, 8, EOS]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_output_equals_plain_with_the_guard_on(loaded: dict[str, Any], arch: str, k: int) -> None:
+    """Tiny random checkpoints, oracle drafts (runs of every length accepted). Each request's eos is
+    an id its free run emits early, its end marker one its guarded run emits while the block stays
+    open, so the guard bites and blocks close inside verify steps: a guarded request differs from
+    the unguarded one exactly from an eos it may not take, and with drafts its tokens equal the
+    plain run's, token for token."""
+    model = loaded[arch]
+    ps = prompts(12, model.config.vocab_size, seed=30 + k)
+    free = [request(f"r{i}", p, max_tokens=32) for i, p in enumerate(ps)]
+    outs = run_all(engine_for(model, 0), free)
+    start = int(torch.bincount(torch.tensor([t for r in outs.values() for t in r.token_ids])).argmax())
+    eos_of = {r.request_id: next(t for t in outs[r.request_id].token_ids[1:] if t != start) for r in free}
+
+    def with_markers(end_of: dict[str, int]) -> list[EngineRequest]:
+        return [
+            msgspec.structs.replace(
+                r,
+                eos_token_ids=[eos_of[r.request_id]],
+                reasoning_markers=ReasoningMarkers(
+                    start_id=start, end_id=end_of[r.request_id], is_open=i % 3 != 0
+                ),
+            )
+            for i, r in enumerate(free)
+        ]
+
+    never_closed = run_all(engine_for(model, 0), with_markers({r.request_id: -1 for r in free}))
+    reqs = with_markers({
+        rid: next((t for t in r.token_ids[4:] if t not in (start, eos_of[rid])), -1)
+        for rid, r in never_closed.items()
+    })  # fmt: skip
+    unguarded = run_all(
+        engine_for(model, 0), [msgspec.structs.replace(r, reasoning_markers=None) for r in reqs]
+    )
+    plain = run_all(engine_for(model, 0), reqs)
+    engine = engine_for(model, k)
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    spec = run_all(engine, reqs)
+    num_changed = num_closed = 0
+    for r in reqs:
+        assert r.reasoning_markers is not None
+        rid, eos, end = r.request_id, r.eos_token_ids[0], r.reasoning_markers.end_id
+        got, want, before = spec[rid].token_ids, plain[rid].token_ids, unguarded[rid].token_ids
+        assert got == want, rid
+        assert spec[rid].finish_reason == plain[rid].finish_reason
+        opened = [start] if r.reasoning_markers.is_open else []
+        for i, t in enumerate(want):  # eos only where the block is closed
+            assert t != eos or not ThinkMarkers(start, end).is_open_after(opened + want[:i]), rid
+        num_closed += end in want
+        n = next((i for i, (a, b) in enumerate(zip(before, want, strict=False)) if a != b), None)
+        if n is not None:  # the first difference: where the unguarded run stopped inside the block
+            num_changed += 1
+            assert before[n:] == [eos] and want[n] != eos
+    assert num_changed >= 4 and num_closed >= 4
+    s = engine.stats
+    assert (
+        s.spec_accepted_tokens > 0
+        and engine.block_manager.num_available_pages == engine.block_manager.num_pages
+    )
+
+
+def test_sampled_speculative_outputs_follow_the_guarded_target() -> None:
+    """χ² on whole outputs of four tokens drawn by a verify of two drafts from a noisy head: the
+    distribution is the target's with eos taken out while the block is open, and ends at eos once
+    it is closed."""
+    n_vocab, N = 6, 3000
+    g = torch.Generator().manual_seed(2)
+    target = torch.randn(n_vocab, n_vocab, generator=g)
+    target[:, EOS] += 1.0  # eos is likely everywhere: the guard has work to do
+    draft = target + torch.randn(n_vocab, n_vocab, generator=g)
+    engine = toy_engine(MarkovModel(target, draft), 2)
+    reqs = [
+        guarded(request(f"r{i}", [3, START], max_tokens=4, temperature=1.0, seed=i), is_open=True)
+        for i in range(N)
+    ]
+    counts: dict[tuple[int, ...], int] = {}
+    for batch in range(0, N, 64):
+        for r in run_all(engine, reqs[batch : batch + 64]).values():
+            counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    expected: dict[tuple[int, ...], float] = {}
+
+    def walk(tokens: tuple[int, ...], p: float) -> None:
+        if len(tokens) == 4 or (tokens and tokens[-1] == EOS):
+            expected[tokens] = p
+            return
+        x = target[tokens[-1] if tokens else START].double()
+        if MARKERS.is_open_after([START, *tokens]):
+            x = x.clone()
+            x[EOS] = float("-inf")
+        for t, q in enumerate(torch.softmax(x, dim=-1).tolist()):
+            if q > 0:
+                walk((*tokens, t), p * q)
+
+    walk((), 1.0)
+    assert set(counts) <= set(expected)  # no eos inside the block, ever
+    keys = sorted(expected)
+    observed = torch.tensor([counts.get(key, 0) for key in keys], dtype=torch.float64)
+    assert chi2_p_value(observed, torch.tensor([expected[key] for key in keys], dtype=torch.float64)) > 1e-3
+    s = engine.stats
+    assert 0.2 < s.spec_accepted_tokens / s.spec_drafted_tokens < 0.9  # accepts and rejects both ran
+
+
+# ---- nano GLM through the serving layer (the issue's symptom) ------------------------------------
+GLM = Path("models/glm-5.2-nano")
+EVERYDAY = [
+    "Hi!", "Good morning!", "What is the capital of France?", "What is 2 + 2?", "Who wrote Romeo and Juliet?",
+    "How many legs does a spider have?", "Tom has 3 apples and buys 5 more. How many apples does he have?",
+    "Sara had 12 cookies and ate 4. How many are left?",
+    "A pizza has 8 slices shared by 4 friends. How many slices each?",
+    "Half of 48 is what?", "Tell me a short joke.", "Give me a synonym for happy.", "What's a healthy snack?",
+    "Describe a sunset in five words.", "Anna is 9 and her brother is 4 years older. How old is he?",
+    "If a pen costs 2 dollars, how much do 6 pens cost?",
+]  # fmt: skip
+
+
+@pytest.mark.skipif(not (GLM / "model.safetensors.index.json").exists(), reason="nano GLM not in models/")
+def test_nano_glm_no_longer_ends_its_turn_inside_think() -> None:
+    """Greedy, reasoning on by default (the prompt ends in `<think>`): unguarded, some answers are
+    empty, the turn ended inside the block; guarded, none is, and each output is the unguarded one
+    up to the eos the guard took away."""
+    from backend.server.generation import Serving
+    from backend.server.model_card import ServedModel
+    from backend.server.rank_group import build_engine
+    from backend.server.settings import BackendSettings
+    from schemas.backend import GenerateRequest, Message
+
+    served = ServedModel.from_checkpoint(GLM)
+    engine: Engine = build_engine(BackendSettings(model=str(GLM), port=1, secret="x" * 32, dtype="float32"))
+    serving = Serving(served, engine)  # type: ignore[arg-type]  # only `prepare` is used
+    reqs = [
+        serving.prepare(GenerateRequest(
+            request_id=f"p{i}", tenant_salt="a" * 32, messages=[Message(role="user", content=text)],
+            sampling=SamplingParams(temperature=0.0, max_tokens=96),
+        )).engine_request
+        for i, text in enumerate(EVERYDAY)
+    ]  # fmt: skip
+    think = served.think
+    assert think is not None and all(
+        r.reasoning_markers is not None and r.reasoning_markers.is_open for r in reqs
+    )
+    before = run_all(engine, [msgspec.structs.replace(r, reasoning_markers=None) for r in reqs])
+    after = run_all(engine, reqs)
+
+    def ends_inside(r: EngineRequest, result: Result) -> bool:
+        return result.finish_reason == "stop" and think.is_open_after(r.prompt_token_ids + result.token_ids)
+
+    assert sum(ends_inside(r, before[r.request_id]) for r in reqs) >= 2
+    for r in reqs:
+        got, was = after[r.request_id], before[r.request_id]
+        assert not ends_inside(r, got), r.request_id
+        if ends_inside(r, was):
+            assert got.token_ids[: len(was.token_ids) - 1] == was.token_ids[:-1]
+            assert got.token_ids[len(was.token_ids) - 1] not in r.eos_token_ids
+        else:
+            assert got.token_ids == was.token_ids
+
+
+@pytest.mark.skipif(not (GLM / "tokenizer.json").exists(), reason="nano GLM not in models/")
+def test_only_a_request_that_reasons_freely_carries_the_markers() -> None:
+    """Reasoning on (GLM's default: the prompt opens the block), off, or a JSON answer (a grammar
+    turns reasoning off): the guard's markers come with the first only."""
+    from backend.server.generation import Serving
+    from backend.server.model_card import ServedModel
+    from schemas.backend import GenerateRequest, Message, Reasoning, ResponseFormat
+
+    served = ServedModel.from_checkpoint(GLM)
+    serving = Serving(served, None)  # type: ignore[arg-type]  # `prepare` never reaches the engine
+
+    def markers(**fields: Any) -> ReasoningMarkers | None:
+        request = GenerateRequest(
+            request_id="r", tenant_salt="a" * 32, messages=[Message(role="user", content="Hi!")], **fields
+        )
+        return serving.prepare(request).engine_request.reasoning_markers
+
+    think = served.think
+    assert think is not None
+    assert markers() == ReasoningMarkers(start_id=think.start_id, end_id=think.end_id, is_open=True)
+    assert markers(reasoning=Reasoning(enabled=False)) is None
+    assert markers(response_format=ResponseFormat(type="json_object")) is None
