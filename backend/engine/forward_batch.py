@@ -111,6 +111,9 @@ class HostBatch:
     # every sequence runs this many rows, every row a logits row, in order, no image rows (a uniform
     # verify: set by the greedy speculative planner); 0: not known
     rows_per_seq: int = 0
+    # a whole greedy speculative step's reasoning guards, [B, 3 + S] int64
+    # (backend/engine/speculative/greedy.py `guard_rows`); None in every other step
+    guards: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -145,14 +145,17 @@ def main() -> None:
         serving = Serving(served, engine)  # type: ignore[arg-type]  # only `prepare` is used
         for guard in (False, True):
             start = time.perf_counter()
+            greedy_steps = engine.spec.num_greedy_steps if engine.spec is not None else 0
             counts, outputs[mode, guard] = run(serving, engine, temperature, max_tokens, guard=guard)
+            if engine.spec is not None:  # whole greedy steps on the device (greedy.py), this run's
+                greedy_steps = engine.spec.num_greedy_steps - greedy_steps
             label = "after " if guard else "before"
             print(
                 f"{mode:9s} {label}: empty answers {counts['empty']}/{len(PROMPTS)}: "
                 f"turn ended inside <think> {counts['empty_inside']}, after </think> "
                 f"{counts['empty_closed']}, cut by max_tokens {counts['empty_cut']}; "
-                f"finish {dict(sorted((k, v) for k, v in counts.items() if k.startswith('finish')))} "
-                f"[{time.perf_counter() - start:.0f} s]",
+                f"finish {dict(sorted((k, v) for k, v in counts.items() if k.startswith('finish')))}; "
+                f"greedy device steps {greedy_steps} [{time.perf_counter() - start:.0f} s]",
                 flush=True,
             )
         if num_drafts:

@@ -20,10 +20,11 @@ The forwards' host inputs are planned in backend/engine/speculative/plan.py.
 A step where every sequence verifies this step's k drafts greedily (argmax sampling, no logprobs,
 pages for the chained drafts: `_is_greedy`) runs as ONE device function instead, verify to next
 drafts (backend/engine/speculative/greedy.py; one CUDA graph per (k, bucket)), and the host reads one
-small tensor back: the accepted counts, tokens, next drafts and tag flags. Every other step (sampled
-rows, logprobs, chunks, a row with fewer drafts, a reasoning guard banning ids at a verify row: the
-device's argmax is unmasked) takes the host path above, which masks each verify row as the
-sampler would (accept.py `banned_rows`).
+small tensor back: the accepted counts, tokens, next drafts and tag flags. A reasoning guard's bans
+go with it: the device masks each verify row along the drafts as the host path does. Every other
+step (sampled rows, logprobs, chunks, a row with fewer drafts, a guard banning more ids than the
+device's rows hold) takes the host path above, which masks each verify row as the sampler would
+(accept.py `banned_rows`).
 
 The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/speculative/policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
@@ -58,6 +59,7 @@ from backend.engine.sampler import TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.speculative.accept import choose_tokens, token_scores
 from backend.engine.speculative.book import DraftBook
+from backend.engine.speculative.greedy import MAX_BANNED
 from backend.engine.speculative.plan import SpecRow, plan_greedy, plan_target
 from backend.engine.speculative.policy import DraftPolicy, StepLoad
 from backend.engine.speculative.propose import propose
@@ -188,9 +190,9 @@ class SpecDecoder:
 
     # ---- a whole greedy step on the device (backend/engine/speculative/greedy.py) ---------------
     def _is_greedy(self, rows: list[SpecRow]) -> bool:
-        """Every sequence verifies this step's k drafts greedily, wants no logprobs, bans nothing at
-        any verify row (a reasoning guard's block closed, no draft opening it), and has pages for
-        the chained drafts after any accepted run (its window not cut by `max_tokens`)."""
+        """Every sequence verifies this step's k drafts greedily, wants no logprobs, has a reasoning
+        guard the device can apply (at most `MAX_BANNED` ids) or none, and has pages for the chained
+        drafts after any accepted run (its window not cut by `max_tokens`)."""
         k = self.k
         for r in rows:
             seq = r.sched.seq
@@ -201,7 +203,7 @@ class SpecDecoder:
                 or row.params.logprobs
                 or seq.wants_prompt_logprobs
                 or seq.num_tokens + 2 * k - 1 > seq.num_prompt_tokens + seq.request.sampling.max_tokens
-                or (seq.guard is not None and any(seq.guard.banned_along(r.drafts)))
+                or (seq.guard is not None and len(seq.guard.stop_ids) > MAX_BANNED)
             ):
                 return False
         return k > 0

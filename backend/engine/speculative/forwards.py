@@ -22,8 +22,8 @@ to back without a round trip to the host; `drafted` holds each depth's tokens un
 
 `SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative/greedy.py): from the verify
 graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike. Either way its inputs and
-the step's page-tag updates cross in one copy (the runner's staging buffer) and the host reads one
-tensor back, as in a plain decode step.
+the step's page-tag updates (and its reasoning guards' rows) cross in one copy (the runner's staging
+buffer) and the host reads one tensor back, as in a plain decode step.
 
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.
 """
@@ -251,6 +251,7 @@ class SpecForwards:
         fits, else eagerly (the same function); its inputs and the tag updates in one copy."""
         B, S, graphs = host.num_seqs, self.page_size, self.graphs
         k = len(host.input_ids) // B - 1
+        assert host.guards is not None, "a greedy step carries its guard rows"
         shape = graphs.shape_of(host, greedy=True) if graphs is not None else None
         st = graphs.staging if graphs is not None and shape is not None else self.staging
         st.start()
@@ -260,6 +261,7 @@ class SpecForwards:
             graphs.stage(host, shape, num_pages)
         else:
             handles = stage_batch(st, host)
+            guards = st.add(host.guards)
         st.send()  # the step's one copy to the device
         if tags is not None:
             pages = st.view(tags[0])
@@ -268,7 +270,7 @@ class SpecForwards:
         if graphs is not None and shape is not None:
             return graphs.replay_greedy(shape, B)
         batch = staged_batch(st, host, handles, self.kv_cache, check_tags=self.check_tags)
-        return greedy_step(self.model, batch, k, S), batch.tag_mismatch
+        return greedy_step(self.model, batch, st.view(guards), k, S), batch.tag_mismatch
 
     def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Depth 0 over the verify's hidden rows `index`: from a propose graph when the rows are a
@@ -345,6 +347,6 @@ class SpecForwards:
         )
 
 
-def _greedy(model: Any, page_size: int, batch: ForwardBatch, k: int) -> torch.Tensor:
-    """`greedy_step` as the verify graphs capture it: (batch, k)."""
-    return greedy_step(model, batch, k, page_size)
+def _greedy(model: Any, page_size: int, batch: ForwardBatch, guards: torch.Tensor, k: int) -> torch.Tensor:
+    """`greedy_step` as the verify graphs capture it: (batch, guard rows, k)."""
+    return greedy_step(model, batch, guards, k, page_size)

@@ -9,7 +9,10 @@ reads one small tensor back; on the CPU (or wherever no graph was captured) the 
 
 Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p+k, p its newest token's):
 
-1. Verify: the target over `[newest, d_1 … d_k]`; row i's argmax t_i is its token after d_1 … d_i.
+1. Verify: the target over `[newest, d_1 … d_k]`; row i's argmax t_i is its token after d_1 … d_i,
+   its reasoning guard's end-of-turn ids masked first where the block is open at row i (`mask_guarded`:
+   open before row 0 as the guard is now, each draft a marker opening or closing it, as
+   `ReasoningGuard.banned_along`), so the targets are the host path's (accept.py `banned_rows`).
 2. Accept: a = the number of leading drafts equal to the target's (d_{i+1} == t_i); the step emits
    t_0 … t_a (the accepted drafts are the targets they equal, then the target's own token).
 3. Depth 0: the MTP layer over the same L rows, its input tokens t_0 … t_k (row i's input is the
@@ -24,6 +27,12 @@ Every forward ORs into the one `tag_mismatch` [B], so a page that changed owner 
 flags its sequence. The result `[B, 3 + 2k]` int64 per sequence: a, t_0 … t_k, the k next drafts,
 and its tag flag last (the host's one read back holds it all).
 
+The guard's inputs are one row per sequence, `guard_rows` (`[B, 3 + MAX_BANNED]` int64: is the block
+open, its start and end marker ids, the banned ids padded with -1), staged with the step's other
+inputs; a sequence without a guard has a closed block and no markers. The drafts are proposals and
+stay unmasked (exactness needs only the targets masked; an end-of-turn draft inside the block is
+rejected like any other wrong one).
+
 Shape letters: B sequences, L = k + 1 rows each, V vocabulary, H hidden.
 """
 
@@ -32,19 +41,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
+from backend.engine.constraint import ReasoningGuard
 from backend.engine.forward_batch import ForwardBatch
 
+# the most end-of-turn ids a guard may ban on the device (GLM's are 3, Kimi K2's 2); a request with
+# more runs its speculative steps on the host path
+MAX_BANNED = 4
+GUARD_WIDTH = 3 + MAX_BANNED  # a guard row: is open, start id, end id, MAX_BANNED banned ids (-1: none)
 
-def greedy_step(model: Any, batch: ForwardBatch, k: int, page_size: int) -> torch.Tensor:
+
+def greedy_step(
+    model: Any, batch: ForwardBatch, guards: torch.Tensor, k: int, page_size: int
+) -> torch.Tensor:
     """`batch`: a uniform verify (B sequences of k + 1 rows, every row a logits row) whose page
-    tables hold the pages of n + 2k − 1 tokens. Returns `[B, 3 + 2k]` int64 (see the module)."""
+    tables hold the pages of n + 2k − 1 tokens; `guards` `[B, GUARD_WIDTH]` its sequences'
+    `guard_rows`. Returns `[B, 3 + 2k]` int64 (see the module)."""
     L = k + 1
     B = batch.seq_lens.shape[0]
     logits, hidden = model.forward_spec(batch)  # [B·L, V], [B·L, H]
-    targets = logits.argmax(dim=-1).view(B, L)  # [B, L]
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
+    targets = mask_guarded(logits, drafts, guards).argmax(dim=-1).view(B, L)  # [B, L]
     accepted = accepted_count(targets, drafts)  # [B] a
     rows = torch.arange(B, device=targets.device)  # [B]
     last = rows * L + accepted  # [B] each sequence's row of its last accepted position
@@ -80,3 +99,39 @@ def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     them (backend/engine/speculative/accept.py `accept_greedy`, on the device)."""
     k = drafts.shape[1]
     return (targets[:, :k] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def guard_rows(guards: list[ReasoningGuard | None]) -> np.ndarray:
+    """`[B, GUARD_WIDTH]` int64, the device's view of each sequence's guard now: is its block open,
+    its start and end marker ids, its banned ids padded with -1 (no guard: closed, no markers)."""
+    rows = np.full((len(guards), GUARD_WIDTH), -1, dtype=np.int64)
+    rows[:, 0] = 0
+    for b, guard in enumerate(guards):
+        if guard is not None:
+            assert len(guard.stop_ids) <= MAX_BANNED, "more banned ids than a guard row holds"
+            rows[b, :3] = guard.is_open, guard.start_id, guard.end_id
+            rows[b, 3 : 3 + len(guard.stop_ids)] = guard.stop_ids
+    return rows
+
+
+def mask_guarded(logits: torch.Tensor, drafts: torch.Tensor, guards: torch.Tensor) -> torch.Tensor:
+    """`logits [B·L, V]` of a uniform verify with -inf at each row's banned ids where its block is
+    open, in place (`ReasoningGuard.banned_along` over `drafts [B, k]`, on the device and without
+    a sync). `guards [B, GUARD_WIDTH]`: `guard_rows`. Ids outside the vocabulary are skipped, as
+    the sampler's `mask_banned` skips them."""
+    B, k = drafts.shape
+    L, V = k + 1, logits.shape[1]
+    start, end = guards[:, 1], guards[:, 2]  # [B] each
+    is_open = [guards[:, 0] != 0]  # per row i: [B], open after d_1 … d_i
+    for i in range(k):  # `ReasoningGuard.accept`: a start marker opens, else an end marker closes
+        d = drafts[:, i]
+        is_open.append((d == start) | ((d != end) & is_open[-1]))
+    open_rows = torch.stack(is_open, dim=1).reshape(B * L)  # [B·L]
+    ids = guards[:, None, 3:].expand(B, L, MAX_BANNED).reshape(B * L, MAX_BANNED)  # [B·L, S]
+    is_banned = (ids >= 0) & (ids < V)  # [B·L, S]
+    index = ids.clamp(0, V - 1)  # [B·L, S] every entry a column (padding lands on some column)
+    # one value per column written: a padding entry on a banned id's column writes -inf there too
+    same = index[:, :, None] == index[:, None, :]  # [B·L, S, S]
+    is_banned = open_rows[:, None] & (same & is_banned[:, None, :]).any(dim=2)  # [B·L, S]
+    values = torch.where(is_banned, float("-inf"), logits.gather(1, index))  # [B·L, S]
+    return logits.scatter_(1, index, values)

@@ -20,6 +20,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.forward_batch import HostBatch
 from backend.engine.scheduler import ScheduledSeq
 from backend.engine.sequence import Sequence
+from backend.engine.speculative.greedy import guard_rows
 from backend.engine.step_planner import StepPlanner
 
 
@@ -37,7 +38,7 @@ class SpecRow:
 def plan_greedy(rows: list[SpecRow], k: int, block_manager: BlockManager) -> HostBatch:
     """A greedy step's verify, vectorised: each sequence's newest token and its k drafts at
     positions n-1 … n-1+k, its page table as wide as the chained drafts need (n + 2k - 1
-    tokens)."""
+    tokens), and its reasoning guard's row."""
     L, S, B = k + 1, block_manager.page_size, len(rows)
     seqs = [r.sched.seq for r in rows]
     tokens = np.array(
@@ -71,6 +72,7 @@ def plan_greedy(rows: list[SpecRow], k: int, block_manager: BlockManager) -> Hos
         page_table=ids,
         expected_tags=tags,
         rows_per_seq=L,
+        guards=guard_rows([seq.guard for seq in seqs]),
     )
 
 

@@ -18,7 +18,8 @@ forward that cannot be captured leaves every verify eager and `disabled_reason` 
 
 Beside each verify graph, a graph of the whole greedy step over the same buffers (`replay_greedy`:
 backend/engine/speculative/greedy.py), when the caller gives one; its page tables' columns hold the
-pages of the chained drafts too (`num_pages`). All of a step's host values cross in one copy.
+pages of the chained drafts too (`num_pages`), and it reads one more buffer, each sequence's reasoning
+guard row (`guards`; padding sequences' closed, no markers). All of a step's host values cross in one copy.
 
 Every tensor a graph reads is the object's own: the buffers refilled before each replay, and per k
 the row layout no replay changes (each sequence's first row, each row's sequence, the logits rows).
@@ -40,11 +41,13 @@ import torch
 from backend.engine.decode_graphs import SCRATCH_TAG, Capture, stage_page_tables
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
 from backend.engine.host_staging import StagingBuffer
+from backend.engine.speculative.greedy import GUARD_WIDTH
 from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
 VerifyReplay = Callable[[], SpecOutput]
-GreedyStep = Callable[[ForwardBatch, int], torch.Tensor]  # (verify batch, k) -> [B, 3 + 2k] int64
+# (verify batch, guard rows, k) -> [B, 3 + 2k] int64
+GreedyStep = Callable[[ForwardBatch, torch.Tensor, int], torch.Tensor]
 
 
 class VerifyGraphs:
@@ -84,6 +87,8 @@ class VerifyGraphs:
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
         self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
+        self.guards = torch.full((n, GUARD_WIDTH), -1, dtype=i64, device=dev)  # [n, 3 + S] greedy.py's rows
+        self.guards[:, 0] = 0  # closed: no sequence's guard bans anything until one is staged
         self.rows = torch.arange(n * L, dtype=i64, device=dev)  # [n·L] logits rows: every row is one
         # per k, what a replay never changes: each sequence's first row [n+1] and each row's sequence
         # [n·(k+1)]. Held here, not by the steps: a graph keeps only the addresses it read
@@ -93,7 +98,7 @@ class VerifyGraphs:
         }
         self._written_width = 0
         self.staging = staging or StagingBuffer(dev)
-        self._staged: tuple[int, int, int, tuple[int, int, int]] = (0, 0, 0, (0, 0, 0))  # `stage`'s
+        self._staged: tuple[int, int, int, tuple[int, int, int], int | None] = (0, 0, 0, (0, 0, 0), None)
         self._replays: dict[tuple[int, int], VerifyReplay] = {}
         self._greedy_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         try:
@@ -115,7 +120,7 @@ class VerifyGraphs:
             for k in reversed(self.draft_lengths):
                 self._fill_padding(k)
                 for size in reversed(self.batch_sizes):
-                    step = partial(self._greedy_step, greedy, self._batch(k, size), k)
+                    step = partial(self._greedy_step, greedy, self._batch(k, size), self.guards[:size], k)
                     self._greedy_replays[k, size] = capture(step)
         except Exception as exc:  # the verify graphs stand; greedy steps run eagerly
             self._greedy_replays.clear()
@@ -201,7 +206,7 @@ class VerifyGraphs:
     def stage(self, host: HostBatch, shape: tuple[int, int], num_pages: np.ndarray) -> None:
         """Write `host`'s rows, padded to the bucket of `shape` (k, bucket), into the staging buffer
         (sent by the caller, with whatever else its step stages); page table columns past each
-        sequence's `num_pages` hold the scratch page."""
+        sequence's `num_pages` hold the scratch page. A greedy step's guard rows too (`host.guards`)."""
         k, bucket = shape
         B, L, width = host.num_seqs, k + 1, host.page_table.shape[1]
         scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
@@ -216,12 +221,19 @@ class VerifyGraphs:
             pad = np.tile(np.arange(L), bucket - B)
             vectors[0, B * L :], vectors[1, B * L :], vectors[2, B * L :] = 0, pad, scratch * S + pad
         h_pages, h_tags = stage_page_tables(st, host, bucket, num_pages, scratch)
-        self._staged = (n, bucket, width, (h_vectors, h_pages, h_tags))
+        h_guards = None
+        if host.guards is not None:
+            h_guards, guards = st.reserve(np.int64, (bucket, GUARD_WIDTH))
+            guards[:B], guards[B:] = host.guards, -1
+            guards[B:, 0] = 0  # padding sequences: closed, no markers
+        self._staged = (n, bucket, width, (h_vectors, h_pages, h_tags), h_guards)
 
     def _fill(self) -> None:
         """The static buffers from the staged rows (after the staging buffer's send)."""
-        n, bucket, width, handles = self._staged
+        n, bucket, width, handles, h_guards = self._staged
         vectors, pages, tags = (self.staging.view(h) for h in handles)
+        if h_guards is not None:
+            self.guards[:bucket].copy_(self.staging.view(h_guards))
         self._vectors[:, :n].copy_(vectors)
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(self.scratch_page)
@@ -258,10 +270,10 @@ class VerifyGraphs:
             return forward_spec(batch)
 
     @staticmethod
-    def _greedy_step(greedy: GreedyStep, batch: ForwardBatch, k: int) -> torch.Tensor:
+    def _greedy_step(greedy: GreedyStep, batch: ForwardBatch, guards: torch.Tensor, k: int) -> torch.Tensor:
         with sync_free():
             VerifyGraphs._prepare(batch, k)
-            return greedy(batch, k)
+            return greedy(batch, guards, k)
 
     @staticmethod
     def _prepare(batch: ForwardBatch, k: int) -> None:

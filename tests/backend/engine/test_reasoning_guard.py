@@ -19,7 +19,11 @@ import torch
 
 from backend.engine.constraint import ReasoningGuard
 from backend.engine.engine import Engine
+from backend.engine.model_runner import SeqResult
 from backend.engine.sampler import Sampler, SampleRow
+from backend.engine.speculative.accept import banned_rows
+from backend.engine.speculative.greedy import MAX_BANNED, guard_rows, mask_guarded
+from backend.engine.speculative.plan import SpecRow
 from backend.text.reasoning import ThinkMarkers
 from schemas.backend import EngineRequest, ReasoningMarkers, SamplingParams
 from tests.backend.engine.test_engine import EvenTokensOnly
@@ -32,6 +36,7 @@ from tests.backend.engine.test_speculative import (
     prompts,
     toy_engine,
 )
+from tests.backend.engine.test_speculative_greedy import graphed, lockstep
 from tests.backend.engine_helpers import Result, request, run_all
 from tests.backend.speculative_toy import MarkovModel
 
@@ -153,8 +158,8 @@ def toy_target() -> torch.Tensor:
 @pytest.mark.parametrize("k", [0, 1, 3])
 def test_a_model_that_would_stop_inside_the_block_closes_it_first(k: int) -> None:
     """Greedy, plain and speculative (the head proposes eos inside the block: verify must reject it,
-    and no whole greedy step on the device may take it): the guarded request writes `</think>` where
-    it would have stopped; without the guard it ends inside the block. max_tokens still cuts."""
+    in whole greedy steps on the device too): the guarded request writes `</think>` where it would
+    have stopped; without the guard it ends inside the block. max_tokens still cuts."""
     target = toy_target()
     bare = request("bare", [3, START], max_tokens=12)
     results = run_all(toy_engine(MarkovModel(target, target), k), [
@@ -186,7 +191,8 @@ def test_speculative_output_equals_plain_with_the_guard_on(loaded: dict[str, Any
     an id its free run emits early, its end marker one its guarded run emits while the block stays
     open, so the guard bites and blocks close inside verify steps: a guarded request differs from
     the unguarded one exactly from an eos it may not take, and with drafts its tokens equal the
-    plain run's, token for token."""
+    plain run's, token for token: on the host path, in whole greedy steps on the device (which a
+    guard banning ids no longer keeps off it), and in those over the verify graphs' buffers."""
     model = loaded[arch]
     ps = prompts(12, model.config.vocab_size, seed=30 + k)
     free = [request(f"r{i}", p, max_tokens=32) for i, p in enumerate(ps)]
@@ -215,9 +221,23 @@ def test_speculative_output_equals_plain_with_the_guard_on(loaded: dict[str, Any
         engine_for(model, 0), [msgspec.structs.replace(r, reasoning_markers=None) for r in reqs]
     )
     plain = run_all(engine_for(model, 0), reqs)
-    engine = engine_for(model, k)
+    host = engine_for(model, k)
+    assert host.spec is not None
+    host.spec.is_greedy_enabled = False
+    OracleDrafts(host, plain, p_wrong=0.3)
+    assert outputs(run_all(host, reqs)) == outputs(plain)  # the host path's verify masks each row
+    buffered = graphed(model, k)  # whole greedy steps through the verify graphs' buffers and padding
+    num_guarded = guarded_greedy_steps(buffered)
+    OracleDrafts(buffered, plain, p_wrong=0.3)
+    assert outputs(run_all(buffered, reqs)) == outputs(plain)
+    forwards = buffered.runner.spec_forwards
+    assert forwards is not None and forwards.graphs is not None and buffered.spec is not None
+    assert num_guarded[0] > 0 and forwards.graphs.num_greedy_replays == buffered.spec.num_greedy_steps
+    engine = engine_for(model, k)  # whole greedy steps, eager
+    num_guarded = guarded_greedy_steps(engine)
     OracleDrafts(engine, plain, p_wrong=0.3)
     spec = run_all(engine, reqs)
+    assert num_guarded[0] > 0  # a guard banned ids at verify rows of whole greedy steps
     num_changed = num_closed = 0
     for r in reqs:
         assert r.reasoning_markers is not None
@@ -239,6 +259,118 @@ def test_speculative_output_equals_plain_with_the_guard_on(loaded: dict[str, Any
         s.spec_accepted_tokens > 0
         and engine.block_manager.num_available_pages == engine.block_manager.num_pages
     )
+
+
+def outputs(results: dict[str, Result]) -> dict[str, tuple[list[int], str | None]]:
+    return {rid: (r.token_ids, r.finish_reason) for rid, r in results.items()}
+
+
+def guarded_greedy_steps(engine: Engine) -> list[int]:
+    """A counter, in a list, of `engine`'s whole greedy steps on the device in which some sequence's
+    guard bans ids at a verify row (`_is_greedy` kept them all off it before)."""
+    spec = engine.spec
+    assert spec is not None
+    run_greedy, count = spec._run_greedy, [0]
+
+    def counting(rows: list[SpecRow], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
+        count[0] += any(ids for r in rows for ids in banned_rows(r))
+        return run_greedy(rows, tag_updates)
+
+    spec._run_greedy = counting  # type: ignore[method-assign]
+    return count
+
+
+class EosDrafts:
+    """After each step, the drafts are the plain run's next tokens, each replaced by eos with
+    probability `p_wrong`: markers open and close blocks inside verify steps, and eos is proposed
+    where a guard must take it away."""
+
+    def __init__(self, engine: Engine, plain: dict[str, Result], p_wrong: float, seed: int = 0) -> None:
+        spec = engine.spec
+        assert spec is not None
+        rng, run = random.Random(seed), spec.run
+
+        def oracle_run(*args: Any) -> list[SeqResult]:
+            results = run(*args)
+            for rid, (num_tokens, drafts) in list(spec.book.proposed.items()):
+                at = num_tokens - engine._seqs[rid].num_prompt_tokens  # output index of the first draft
+                truth = plain[rid].token_ids[at : at + len(drafts)]
+                spec.book.proposed[rid] = (num_tokens, [EOS if rng.random() < p_wrong else t for t in truth])
+            return results
+
+        spec.run = oracle_run  # type: ignore[method-assign,assignment]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_whole_greedy_steps_on_the_device_keep_the_guard(k: int) -> None:
+    """The toy that would stop inside its block, looping through blocks it opens itself
+    (`<think>` 5 6 `</think>` 7 8 `<think>` …): drafts the plain run's tokens or eos, so blocks open and
+    close inside verify steps and eos is proposed inside them. Step by step the whole greedy steps
+    on the device give the host path's tokens (and drafts, pool, acceptance), both plain decoding's,
+    and they ran while guards banned ids."""
+    target = toy_target()
+    target[8, START] += 14.0  # after 8 the next block, not the end of the turn
+    target[3, START] += 12.0
+    reqs = [
+        msgspec.structs.replace(request("bare", [3, START], max_tokens=32), eos_token_ids=[EOS]),
+        guarded(request("open", [3, START], max_tokens=32 + k), is_open=True),
+        guarded(request("opens", [3], max_tokens=31), is_open=False),
+        guarded(request("closed", [START, 5, END, 6], max_tokens=32), is_open=False),
+        guarded(request("two", [4, START], max_tokens=33), is_open=True, eos=[EOS, 9]),
+    ]
+    plain = run_all(toy_engine(MarkovModel(target, target), 0), reqs)
+    loop = [5, 6, END, 7, 8, START]
+    assert plain["bare"].token_ids == [5, 6, EOS]
+    assert plain["open"].token_ids == (loop * 6)[: 32 + k]
+    assert plain["opens"].token_ids == [START, *loop * 5][:31]
+    assert plain["closed"].token_ids == [EOS]
+    fast, slow = (toy_engine(MarkovModel(target, target), k) for _ in range(2))
+    num_guarded = guarded_greedy_steps(fast)
+    EosDrafts(slow, plain, p_wrong=0.3)  # `lockstep` hands the slow engine's drafts to the fast one
+    got, _ = lockstep(fast, slow, reqs)
+    assert outputs(got) == outputs(plain)
+    assert num_guarded[0] >= 5
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_the_device_mask_is_the_guard_along_the_drafts(k: int) -> None:
+    """`mask_guarded` against `ReasoningGuard.banned_along` on random guards (open or closed, with
+    a history, start and end ids that may coincide, stop ids repeated, 0 or past the vocabulary)
+    and random drafts rich in their markers: -inf exactly at the banned ids in the vocabulary of
+    each verify row, every other logit as it was; a sequence without a guard masks nothing."""
+    rng = random.Random(k)
+    V, L = 12, k + 1
+    guards: list[ReasoningGuard | None] = [
+        ReasoningGuard(START, END, [0], is_open=True),  # the padding's clamp lands on id 0 too
+        ReasoningGuard(START, END, [V - 1, V + 1], is_open=True),
+        None,
+    ]
+    for _ in range(61):
+        start, end = rng.randrange(V), rng.randrange(V)
+        if rng.random() < 0.1:
+            end = start
+        stop_ids = [rng.randrange(V + 2) for _ in range(rng.randint(1, MAX_BANNED))]
+        g = ReasoningGuard(start, end, stop_ids, is_open=rng.random() < 0.5)
+        for _ in range(rng.randrange(4)):
+            g.accept(rng.choice([start, end, rng.randrange(V)]))
+        guards.append(g)
+    drafts = [
+        [rng.choice([g.start_id, g.end_id, rng.randrange(V)]) if g else rng.randrange(V) for _ in range(k)]
+        for g in guards
+    ]
+    logits = torch.randn(len(guards) * L, V)
+    masked = mask_guarded(logits.clone(), torch.tensor(drafts), torch.from_numpy(guard_rows(guards)))
+    num_banned_rows = 0
+    for b, (maybe, ds) in enumerate(zip(guards, drafts, strict=True)):
+        along = maybe.banned_along(ds) if maybe is not None else [()] * L
+        for i in range(L):
+            row = b * L + i
+            want = {t for t in along[i] if t < V}
+            is_inf = masked[row] == float("-inf")
+            assert set(torch.nonzero(is_inf)[:, 0].tolist()) == want, (b, i)
+            assert torch.equal(masked[row][~is_inf], logits[row][~is_inf])
+            num_banned_rows += bool(want)
+    assert num_banned_rows > len(guards) * L // 4
 
 
 def test_sampled_speculative_outputs_follow_the_guarded_target() -> None:

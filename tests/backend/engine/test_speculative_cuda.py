@@ -7,12 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
+from backend.engine.model_runner import SeqResult
+from backend.engine.speculative.accept import banned_rows
+from backend.engine.speculative.plan import SpecRow
 from backend.models.loader import load_model, prepare_model
+from schemas.backend import ReasoningMarkers
 from tests.backend.engine.test_speculative import OracleDrafts, assert_same_or_tied, prompts
 from tests.backend.engine_helpers import request, run_all
 from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
@@ -108,4 +113,57 @@ def test_greedy_steps_replay_one_graph_each(tmp_path: Path, arch: str) -> None:
     ties = sum(assert_same_or_tied(spec[r.request_id], plain[r.request_id], r.request_id) for r in reqs)
     assert ties <= 1
     assert engine.stats.spec_accepted_tokens > 0 and engine.stats.tag_check_aborts == 0
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_guarded_greedy_steps_replay_their_graphs(tmp_path: Path, arch: str) -> None:
+    """Requests inside an open reasoning block (issue 26's guard): each one's eos is the token its
+    free run emits third, so the guard takes it away, and its end marker one its never-closed run
+    emits later, so blocks close inside verify steps. The whole greedy steps still replay their
+    graphs, each sequence's guard row staged with the step's inputs, and the tokens are plain
+    decoding's with the guard on (fp32, near-ties aside)."""
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    model = load_model(path, dtype=torch.float32, device="cuda", num_mtp_layers=1)
+    V = model.config.vocab_size
+    free = [request(f"r{i}", p, max_tokens=40) for i, p in enumerate(prompts(6, V, seed=14))]
+    free_out = run_all(_engine(model, 0), free)
+
+    def guarded(end_of: dict[str, int], **sampling: Any) -> list[Any]:
+        return [
+            msgspec.structs.replace(
+                r,
+                sampling=msgspec.structs.replace(r.sampling, **sampling),
+                eos_token_ids=[free_out[r.request_id].token_ids[2]],
+                reasoning_markers=ReasoningMarkers(start_id=V - 1, end_id=end_of[r.request_id], is_open=True),
+            )
+            for r in free
+        ]
+
+    never_closed = run_all(_engine(model, 0), guarded({r.request_id: -1 for r in free}))
+    end_of = {rid: r.token_ids[24] for rid, r in never_closed.items()}
+    plain = run_all(_engine(model, 0), guarded(end_of, logprobs=True, top_logprobs=2))
+    assert sum(plain[rid].token_ids[:3] != free_out[rid].token_ids[:3] for rid in plain) >= 4  # it bites
+    config = EngineConfig.build(
+        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
+        num_speculative_tokens=3, speculative_adaptive=False,
+    )  # fmt: skip
+    engine = Engine.from_prepared(prepare_model(model, config), config)
+    forwards = engine.runner.spec_forwards
+    assert forwards is not None and forwards.graphs is not None and engine.spec is not None
+    assert forwards.graphs.has_greedy, forwards.graphs.greedy_disabled_reason
+    spec = engine.spec
+    run_greedy, num_banning = spec._run_greedy, [0]
+
+    def counting(rows: list[SpecRow], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
+        num_banning[0] += any(ids for r in rows for ids in banned_rows(r))
+        return run_greedy(rows, tag_updates)
+
+    spec._run_greedy = counting  # type: ignore[method-assign]
+    OracleDrafts(engine, plain, p_wrong=0.3)
+    got = run_all(engine, guarded(end_of))
+    assert num_banning[0] > 5 and forwards.graphs.num_greedy_replays == spec.num_greedy_steps
+    ties = sum(assert_same_or_tied(got[rid], plain[rid], rid) for rid in plain)
+    assert ties <= 1
+    assert engine.stats.tag_check_aborts == 0
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
