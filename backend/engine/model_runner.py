@@ -143,6 +143,8 @@ class ModelRunner:
             pages, tags = zip(*updates, strict=True)
             index = torch.tensor(pages, dtype=torch.int64, device=self.device)
             self.kv_cache.page_tags[index] = torch.tensor(tags, dtype=torch.int64, device=self.device)
+            if self.spec_forwards is not None:  # fresh pages: their MTP KV cleared before a draft
+                self.spec_forwards.defer_clear(np.array(pages, dtype=np.int64))
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, tag_updates: list[tuple[int, int]] | None = None) -> list[SeqResult]:
@@ -198,19 +200,18 @@ class ModelRunner:
             return logits, self.ranks.reduce_flags(mismatch)
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        host, st, graphs = inputs.host, self.staging, self.graphs
+        host, st, graphs, updates = inputs.host, self.staging, self.graphs, inputs.tag_updates
         st.start()
         tags = None
-        if inputs.tag_updates is not None:  # [U, 2] (page, tag)
-            tags = st.add(inputs.tag_updates[:, 0]), st.add(inputs.tag_updates[:, 1])
+        if updates is not None:  # [U, 2] (page, tag)
+            tags = st.add(updates[:, 0]), st.add(updates[:, 1])
         bucket = graphs.stage(host) if graphs is not None and host.is_pure_decode else None
         staged = stage_batch(st, host) if bucket is None else []
         st.send()  # the step's one copy to the device
-        if tags is not None:
-            pages = st.view(tags[0])
-            self.kv_cache.page_tags.index_copy_(0, pages, st.view(tags[1]))
-            if self.spec_forwards is not None:  # fresh pages: no stale MTP KV
-                self.spec_forwards.clear_draft_kv(pages)
+        if updates is not None and tags is not None:
+            self.kv_cache.page_tags.index_copy_(0, st.view(tags[0]), st.view(tags[1]))
+            if self.spec_forwards is not None:  # fresh pages: their MTP KV cleared before a draft
+                self.spec_forwards.defer_clear(updates[:, 0])
         if graphs is not None and bucket is not None:
             logits, mismatch = graphs.replay(host.num_seqs)
         else:

@@ -80,6 +80,9 @@ class SpecForwards:
         self._last: torch.Tensor | None = None  # the last depth's proposing rows [P, H]
         self._ids: torch.Tensor | None = None  # [P] each proposing row's newest draft (argmax)
         self.drafted: list[torch.Tensor] = []  # this step's draft tokens, per depth: [P], then [live]
+        # pages allocated by plain steps, their MTP KV not cleared yet (`defer_clear`) [num_pages]
+        self._stale = np.zeros(kv_cache.num_pages, dtype=np.bool_)
+        self._has_stale = False
 
     @classmethod
     def build(
@@ -201,13 +204,31 @@ class SpecForwards:
         return out
 
     def clear_draft_kv(self, pages: torch.Tensor) -> None:
-        """Zero the MTP layers' cache slots of newly allocated `pages` (each step's tag updates, on
-        every rank). A position computed in a step without drafts gets no MTP KV; a sequence drafting
-        later reads zeros there, never what an earlier owner of the page left (the tag check cannot
-        tell: the page is the sequence's own by then). `pages` [U] on the device."""
+        """Zero the MTP layers' cache slots of newly allocated `pages` (each speculative step's tag
+        updates, and those `defer_clear` kept from plain steps; on every rank). A position computed
+        in a step without drafts gets no MTP KV; a sequence drafting later reads zeros there, never
+        what an earlier owner of the page left (the tag check cannot tell: the page is the
+        sequence's own by then). `pages` [U] on the device."""
         for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
             for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
                 cache.view(torch.uint8).index_fill_(0, pages, 0)
+
+    def defer_clear(self, pages: np.ndarray) -> None:
+        """The newly allocated `pages` [U] (host) of a step without drafts: the next speculative
+        forward clears their MTP KV (`clear_draft_kv`), before any MTP layer runs. Until then no MTP
+        layer reads or writes a page (a plain step runs none), so the clear comes in time, and a step
+        that drafts nothing launches nothing a step with speculation off would not."""
+        self._stale[pages] = True
+        self._has_stale = True
+
+    def _take_deferred(self) -> np.ndarray | None:
+        """The pages `defer_clear` kept since the last speculative forward [D] int64, now forgotten."""
+        if not self._has_stale:
+            return None
+        pages = np.flatnonzero(self._stale).astype(np.int64)
+        self._stale[pages] = False
+        self._has_stale = False
+        return pages
 
     def run(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [N, V], tag_mismatch [B]) of the forward `inputs.spec` names."""
@@ -240,11 +261,20 @@ class SpecForwards:
         return logits, mismatch
 
     def _update_tags(self, tag_updates: np.ndarray | None) -> None:
-        """Write the step's [U, 2] (page, tag) pairs into the cache before any page is read."""
-        if tag_updates is not None:
-            updates = array_to_device(tag_updates, self.device)
+        """Write the step's [U, 2] (page, tag) pairs into the cache before any page is read; clear
+        the MTP KV of its fresh pages and of those deferred by plain steps. One copy."""
+        deferred = self._take_deferred()
+        parts = [a.reshape(-1) for a in (tag_updates, deferred) if a is not None]
+        if not parts:
+            return
+        sent = array_to_device(np.concatenate(parts), self.device)  # [2U + D]
+        U = 0 if tag_updates is None else len(tag_updates)
+        if U:
+            updates = sent[: 2 * U].view(U, 2)
             self.kv_cache.page_tags.index_copy_(0, updates[:, 0], updates[:, 1])
             self.clear_draft_kv(updates[:, 0])  # fresh pages: no stale MTP KV
+        if deferred is not None:
+            self.clear_draft_kv(sent[2 * U :])
 
     def _greedy(self, host: HostBatch, tag_updates: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole greedy step: (`[B, 3 + 2k]` int64, tag_mismatch [B]), from its graph when one
@@ -256,6 +286,8 @@ class SpecForwards:
         st = graphs.staging if graphs is not None and shape is not None else self.staging
         st.start()
         tags = (st.add(tag_updates[:, 0]), st.add(tag_updates[:, 1])) if tag_updates is not None else None
+        deferred = self._take_deferred()
+        stale = st.add(deferred) if deferred is not None else None
         if graphs is not None and shape is not None:
             num_pages = (host.seq_lens.astype(np.int64) + k - 1 + S - 1) // S  # the chained drafts' too
             graphs.stage(host, shape, num_pages)
@@ -267,6 +299,8 @@ class SpecForwards:
             pages = st.view(tags[0])
             self.kv_cache.page_tags.index_copy_(0, pages, st.view(tags[1]))
             self.clear_draft_kv(pages)  # fresh pages: no stale MTP KV
+        if stale is not None:
+            self.clear_draft_kv(st.view(stale))
         if graphs is not None and shape is not None:
             return graphs.replay_greedy(shape, B)
         batch = staged_batch(st, host, handles, self.kv_cache, check_tags=self.check_tags)
