@@ -3,7 +3,8 @@ summary table, the serving table and their plots, regenerated from the JSON reco
 hand).
 
 The records are the ones named, or with `--results DIR` every committed record there that a summary is
-made of (`find_records`): engine scenario records (a ratio measured, not `--tiny`, not one side alone)
+made of (`find_records`; `NAME.json` or gzip-compressed `NAME.json.gz`, as the large serve records with
+every request's timings are committed, to keep the tree small): engine scenario records (a ratio measured, not `--tiny`, not one side alone)
 and `kumo bench serve` records. Engine records are merged as `kumo bench engine report` merges them:
 one summary entry per key, rounds pooled over the calls that split one scenario. Written to DIR:
 
@@ -26,6 +27,7 @@ extra): without it they are skipped, and the command says so.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import sys
@@ -52,12 +54,18 @@ def is_serve_record(record: dict[str, Any]) -> bool:
     return str(record.get("command", "")).startswith("kumo bench serve ")
 
 
+def read_record(path: Path) -> Any:
+    """A record's JSON, from `NAME.json` or its gzip-compressed `NAME.json.gz`."""
+    return json.loads(gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes())
+
+
 def find_records(results: Path) -> tuple[Records, Records]:
     """The engine scenario records and the `kumo bench serve` records in `results`, by file name."""
     engine: Records = []
     serve: Records = []
-    for path in sorted(results.rglob("*.json")):  # a folder of one run's records too
-        record = json.loads(path.read_text())
+    paths = [*results.rglob("*.json"), *results.rglob("*.json.gz")]  # a folder of one run's records too
+    for path in sorted(paths):
+        record = read_record(path)
         if not isinstance(record, dict):
             continue
         if is_scenario_record(record):
@@ -339,7 +347,7 @@ def main(argv: list[str]) -> int:
     if a.results is not None:
         engine, serve = find_records(a.results)
     else:
-        loaded = [(p.name, json.loads(p.read_text())) for p in a.records]
+        loaded = [(p.name, read_record(p)) for p in a.records]
         engine = [(n, r) for n, r in loaded if not is_serve_record(r)]
         serve = [(n, r) for n, r in loaded if is_serve_record(r)]
     if not engine:

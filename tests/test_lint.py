@@ -155,3 +155,21 @@ def test_import_cycles_finds_a_cycle() -> None:
 def test_no_import_cycles() -> None:
     cycles = import_cycles(import_graph(_modules()))
     assert not cycles, "import cycles:\n" + "\n".join(" → ".join(c) for c in cycles)
+
+
+TREE_BUDGET = (
+    40 * 2**20
+)  # the developers' guide: the tracked tree stays under 40 MiB (a device call carries it)
+
+
+def test_the_tracked_tree_stays_under_its_budget() -> None:
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    if done.returncode != 0:
+        pytest.skip("not a git checkout")
+    sizes = {
+        name: (ROOT / name).stat().st_size
+        for name in done.stdout.decode().split("\0")
+        if (ROOT / name).is_file()
+    }
+    largest = sorted(sizes, key=sizes.__getitem__, reverse=True)[:5]
+    assert sum(sizes.values()) < TREE_BUDGET, [(n, sizes[n]) for n in largest]

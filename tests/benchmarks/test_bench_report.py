@@ -3,6 +3,7 @@ from records; the committed tables are what the generator writes for the committ
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import sys
@@ -24,6 +25,7 @@ from benchmarks.report import (
     block,
     find_records,
     is_met,
+    serve_table,
     tables,
 )
 from benchmarks.serve import RequestResult, per_repeat, summarize
@@ -188,6 +190,24 @@ def test_a_repeated_serve_record_in_a_run_folder_shows_its_median_and_spread(tmp
     # nearest-rank p50 of each repeat's two TTFTs (the upper one): 60, 95, 75 -> median 75 [60, 95]
     assert "| 3 x: 9.0 [4.5, 18.0]; 75 [60, 95]; 10.0 [10.0, 10.0] |" in rows[0]
     assert "| 1 sample |" in rows[1]
+
+
+def test_a_gzipped_serve_record_reads_as_its_json(results_dir: Path, tmp_path: Path) -> None:
+    """Serve records with every request's timings are committed as `NAME.json.gz`: found in a folder and
+    named alike, they give the rows the plain JSON gives."""
+    record = serve_record("@cf/zai-org/glm-5.2", 2, [50.0, 60.0, 70.0])
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir(), packed.mkdir()
+    (plain / "serve-c2.json").write_text(json.dumps(record))
+    (packed / "serve-c2.json.gz").write_bytes(gzip.compress(json.dumps(record).encode()))
+    _, serve_plain = find_records(plain)
+    _, serve_packed = find_records(packed)
+    assert [n for n, _ in serve_packed] == ["serve-c2.json.gz"]
+    assert serve_packed[0][1] == serve_plain[0][1] == json.loads(json.dumps(record))
+    assert serve_table(serve_packed) == serve_table(serve_plain).replace("serve-c2.json", "serve-c2.json.gz")
+    named = [str(results_dir / "fp8kv_vs_bf16kv_c1.json"), str(packed / "serve-c2.json.gz")]
+    assert bench_main(["report", *named, "--out-dir", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "serve-summary.md").read_text() == serve_table(serve_packed)
 
 
 def test_named_records_and_a_folder_give_the_same_tables(results_dir: Path, tmp_path: Path) -> None:
