@@ -17,14 +17,15 @@ One speculative step, for every drafting sequence (one with no grammar, while at
 
 The forwards' host inputs are planned in backend/engine/speculative/plan.py.
 
-A step where every sequence verifies this step's k drafts greedily (argmax sampling, no logprobs,
-pages for the chained drafts: `_is_greedy`) runs as ONE device function instead, verify to next
-drafts (backend/engine/speculative/greedy.py; one CUDA graph per (k, bucket)), and the host reads one
-small tensor back: the accepted counts, tokens, next drafts and tag flags. A reasoning guard's bans
-go with it: the device masks each verify row along the drafts as the host path does. Every other
-step (sampled rows, logprobs, chunks, a row with fewer drafts, a guard banning more ids than the
-device's rows hold) takes the host path above, which masks each verify row as the sampler would
-(accept.py `banned_rows`).
+A step where every sequence verifies this step's k drafts, samples without penalties or logprobs and
+has pages for the chained drafts (`_is_whole`) runs as ONE device function instead, verify to next
+drafts (backend/engine/speculative/greedy.py, or sampled.py when any sequence samples: rejection
+sampling on the device, its uniforms drawn on the host and sent with the step's inputs; one CUDA
+graph per (k, bucket)), and the host reads one small tensor back: the accepted counts, tokens, next
+drafts and tag flags. A reasoning guard's bans go with it: the device masks each verify row along
+the drafts as the host path does. Every other step (penalties, logprobs, chunks, a row with fewer
+drafts, a guard banning more ids than the device's rows hold, a window cut by `max_tokens`) takes the host path above, which masks each
+verify row as the sampler would (accept.py `banned_rows`).
 
 The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/speculative/policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
@@ -57,12 +58,18 @@ from backend.engine.model_runner import ModelRunner, SeqResult
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.sampler import TokenScore
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
+from backend.engine.sequence import Sequence
 from backend.engine.speculative.accept import choose_tokens, token_scores
 from backend.engine.speculative.book import DraftBook
 from backend.engine.speculative.greedy import MAX_BANNED
 from backend.engine.speculative.plan import SpecRow, plan_greedy, plan_target
 from backend.engine.speculative.policy import DraftPolicy, StepLoad
 from backend.engine.speculative.propose import propose
+from backend.engine.speculative.sampled import can_sample_on_device, draw_rows
+
+# a request's host generator for a device step's uniforms (its own generator lives on the device) is
+# seeded with its seed XOR this: a stream apart from the device generator's, reproducible per seed
+HOST_SEED_SALT = 0x5DEECE66D
 
 
 @dataclass(slots=True)
@@ -108,7 +115,10 @@ class SpecDecoder:
         # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
         graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
         self.is_greedy_enabled = graphs is None or not graphs.is_enabled or graphs.has_greedy
-        self.num_greedy_steps = 0
+        self.is_sampled_enabled = graphs is None or not graphs.is_enabled or graphs.has_sampled
+        self.num_greedy_steps = 0  # whole steps on the device, greedy or sampled
+        self.num_sampled_steps = 0  # of which sampled
+        self._host_generators: dict[str, torch.Generator] = {}
 
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
@@ -130,6 +140,7 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self.book.forget(request_id)
+        self._host_generators.pop(request_id, None)
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -140,7 +151,7 @@ class SpecDecoder:
         start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         self.did_verify = any(r.drafts for r in rows)
-        if self.is_greedy_enabled and self._is_greedy(rows):
+        if self._is_whole(rows):
             return self._run_greedy(rows, tag_updates)
         host, prompt = plan_target(rows, self.block_manager)
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
@@ -188,19 +199,20 @@ class SpecDecoder:
         )
         return results
 
-    # ---- a whole greedy step on the device (backend/engine/speculative/greedy.py) ---------------
-    def _is_greedy(self, rows: list[SpecRow]) -> bool:
-        """Every sequence verifies this step's k drafts greedily, wants no logprobs, has a reasoning
-        guard the device can apply (at most `MAX_BANNED` ids) or none, and has pages for the chained
-        drafts after any accepted run (its window not cut by `max_tokens`)."""
+    # ---- a whole step on the device (backend/engine/speculative/greedy.py, sampled.py) -----------
+    def _is_whole(self, rows: list[SpecRow]) -> bool:
+        """Every sequence verifies this step's k drafts, samples without penalties (greedy, or
+        sampled where `is_sampled_enabled`), wants no logprobs, has a reasoning guard the device can
+        apply (at most `MAX_BANNED` ids) or none, and has pages for the chained drafts after any
+        accepted run (its window not cut by `max_tokens`)."""
         k = self.k
         for r in rows:
             seq = r.sched.seq
             row = seq.sample_row
             if (
                 len(r.drafts) != k
-                or not row.is_argmax
-                or row.params.logprobs
+                or not can_sample_on_device(row)
+                or not (self.is_greedy_enabled if row.is_argmax else self.is_sampled_enabled)
                 or seq.wants_prompt_logprobs
                 or seq.num_tokens + 2 * k - 1 > seq.num_prompt_tokens + seq.request.sampling.max_tokens
                 or (seq.guard is not None and len(seq.guard.stop_ids) > MAX_BANNED)
@@ -212,6 +224,11 @@ class SpecDecoder:
         """The step as one device function: verify, accept, propose; one copy back."""
         k, L = self.k, self.k + 1
         host = plan_greedy(rows, k, self.block_manager)
+        seqs = [r.sched.seq for r in rows]
+        if not all(seq.sample_row.is_argmax for seq in seqs):
+            gens = [self._host_generator(seq) for seq in seqs]
+            host.draws = draw_rows([seq.sample_row for seq in seqs], gens, k)
+            self.num_sampled_steps += 1
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
         packed, flags = self._forward(StepInputs(host, updates, SpecForward(GREEDY)))  # [B, 3 + 2k], [B]
         if self.runner.ranks is not None:  # the flags OR-reduced over the ranks, for this rank's own
@@ -238,6 +255,17 @@ class SpecDecoder:
             if min(k, remaining - 1) > 0:
                 self.book.keep(seq, seq.num_tokens + a + 1, drafts[: min(k, remaining - 1)])
         return results
+
+    def _host_generator(self, seq: Sequence) -> torch.Generator:
+        """Where a device step's uniforms for `seq` are drawn: its own generator when that is on
+        the host, else one of the host's seeded from it (see `HOST_SEED_SALT`)."""
+        if seq.generator.device.type == "cpu":
+            return seq.generator
+        gen = self._host_generators.get(seq.request_id)
+        if gen is None:
+            seed = seq.generator.initial_seed() ^ HOST_SEED_SALT
+            gen = self._host_generators[seq.request_id] = torch.Generator().manual_seed(seed)
+        return gen
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the step, on every rank: (logits [N, V], tag flags [B])."""

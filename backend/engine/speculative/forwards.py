@@ -20,8 +20,9 @@ ones to another). A depth d > 0 whose `SpecForward.chain` is set reads its input
 previous depth's argmax on the device, not from the host batch, so a step's draft depths run back
 to back without a round trip to the host; `drafted` holds each depth's tokens until rank 0 reads them.
 
-`SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative/greedy.py): from the verify
-graphs' greedy graph of its (k, bucket), else eagerly, on every rank alike. Either way its inputs and
+`SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative/greedy.py), or a whole sampled
+one when its batch carries draw rows (backend/engine/speculative/sampled.py): from the verify graphs'
+graph of its kind and (k, bucket), else eagerly, on every rank alike. Either way its inputs and
 the step's page-tag updates (and its reasoning guards' rows) cross in one copy (the runner's staging
 buffer) and the host reads one tensor back, as in a plain decode step.
 
@@ -44,6 +45,7 @@ from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, K
 from backend.engine.host_staging import StagingBuffer, array_to_device, stage_batch, staged_batch, to_device
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.speculative.greedy import greedy_step
+from backend.engine.speculative.sampled import sampled_step
 from backend.engine.speculative.verify_graphs import VerifyGraphs
 
 log = logging.getLogger("kumo.engine")
@@ -119,16 +121,23 @@ class SpecForwards:
                     check_tags=config.check_page_tags,
                     capture=capture,
                     greedy=functools.partial(_greedy, model, S),
+                    sampled=functools.partial(_sampled, model, S),
                     staging=staging,
                 )
             if ranks is not None and not ranks.agree(graphs.is_enabled):
                 graphs.disable("verify graphs failed to capture on another rank")
             if ranks is not None and graphs.is_enabled and not ranks.agree(graphs.has_greedy):
                 graphs.disable_greedy("greedy step graphs failed to capture on another rank")
+            if ranks is not None and graphs.is_enabled and not ranks.agree(graphs.has_sampled):
+                graphs.disable_sampled("sampled step graphs failed to capture on another rank")
             if graphs.disabled_reason is not None:  # at start-up, once
                 log.warning("verify steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
             elif graphs.greedy_disabled_reason is not None:
                 log.warning("greedy speculative steps run eagerly: %s", graphs.greedy_disabled_reason)
+            elif graphs.sampled_disabled_reason is not None:
+                log.warning(
+                    "sampled speculative steps take the host path: %s", graphs.sampled_disabled_reason
+                )
         forwards = cls(
             model, kv_cache, check_tags=config.check_page_tags, page_size=S, graphs=graphs, staging=staging
         )
@@ -277,8 +286,9 @@ class SpecForwards:
             self.clear_draft_kv(sent[2 * U :])
 
     def _greedy(self, host: HostBatch, tag_updates: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A whole greedy step: (`[B, 3 + 2k]` int64, tag_mismatch [B]), from its graph when one
-        fits, else eagerly (the same function); its inputs and the tag updates in one copy."""
+        """A whole greedy step, or sampled one (`host.draws`): (`[B, 3 + 2k]` int64, tag_mismatch
+        [B]), from its graph when one fits, else eagerly (the same function); its inputs and the tag
+        updates in one copy."""
         B, S, graphs = host.num_seqs, self.page_size, self.graphs
         k = len(host.input_ids) // B - 1
         assert host.guards is not None, "a greedy step carries its guard rows"
@@ -294,6 +304,7 @@ class SpecForwards:
         else:
             handles = stage_batch(st, host)
             guards = st.add(host.guards)
+            draws = st.add(host.draws) if host.draws is not None else None
         st.send()  # the step's one copy to the device
         if tags is not None:
             pages = st.view(tags[0])
@@ -302,8 +313,10 @@ class SpecForwards:
         if stale is not None:
             self.clear_draft_kv(st.view(stale))
         if graphs is not None and shape is not None:
-            return graphs.replay_greedy(shape, B)
+            return graphs.replay_greedy(shape, B, is_sampled=host.draws is not None)
         batch = staged_batch(st, host, handles, self.kv_cache, check_tags=self.check_tags)
+        if draws is not None:
+            return sampled_step(self.model, batch, st.view(guards), st.view(draws), k, S), batch.tag_mismatch
         return greedy_step(self.model, batch, st.view(guards), k, S), batch.tag_mismatch
 
     def _depth0(self, host: HostBatch, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,3 +397,10 @@ class SpecForwards:
 def _greedy(model: Any, page_size: int, batch: ForwardBatch, guards: torch.Tensor, k: int) -> torch.Tensor:
     """`greedy_step` as the verify graphs capture it: (batch, guard rows, k)."""
     return greedy_step(model, batch, guards, k, page_size)
+
+
+def _sampled(
+    model: Any, page_size: int, batch: ForwardBatch, guards: torch.Tensor, draws: torch.Tensor, k: int
+) -> torch.Tensor:
+    """`sampled_step` as the verify graphs capture it: (batch, guard rows, draw rows, k)."""
+    return sampled_step(model, batch, guards, draws, k, page_size)

@@ -65,9 +65,27 @@ def greedy_step(
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
     targets = mask_guarded(logits, drafts, guards).argmax(dim=-1).view(B, L)  # [B, L]
     accepted = accepted_count(targets, drafts)  # [B] a
-    rows = torch.arange(B, device=targets.device)  # [B]
+    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size)  # [B, k]
+    flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
+    return torch.cat([accepted[:, None], targets, proposed, flags], dim=1)  # [B, 3 + 2k]
+
+
+def draft_on_device(
+    model: Any,
+    batch: ForwardBatch,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    accepted: torch.Tensor,
+    page_size: int,
+) -> torch.Tensor:
+    """Steps 3 and 4 of the module: the next k drafts `[B, k]` after a verify `batch` of B
+    sequences of k + 1 rows, its hidden states `hidden [B·L, H]`, each row's next token `tokens
+    [B, L]` (exact up to row a) and the accepted counts `accepted [B]` (a)."""
+    B, L = tokens.shape
+    k = L - 1
+    rows = torch.arange(B, device=tokens.device)  # [B]
     last = rows * L + accepted  # [B] each sequence's row of its last accepted position
-    depth0 = dataclasses.replace(batch, input_ids=targets.reshape(-1), logits_indices=last)
+    depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
     draft_logits, g = model.forward_mtp(depth0, hidden, 0)  # [B, V], [B·L, H]
     g = g[last]  # [B, H]
     proposed = [draft_logits.argmax(dim=-1)]  # per depth [B]
@@ -90,8 +108,7 @@ def greedy_step(
             )
             draft_logits, g = model.forward_mtp(chained, g, depth)  # [B, V], [B, H]
             proposed.append(draft_logits.argmax(dim=-1))
-    flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
-    return torch.cat([accepted[:, None], targets, torch.stack(proposed, dim=1), flags], dim=1)  # [B, 3 + 2k]
+    return torch.stack(proposed, dim=1)
 
 
 def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

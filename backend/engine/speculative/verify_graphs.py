@@ -19,7 +19,10 @@ forward that cannot be captured leaves every verify eager and `disabled_reason` 
 Beside each verify graph, a graph of the whole greedy step over the same buffers (`replay_greedy`:
 backend/engine/speculative/greedy.py), when the caller gives one; its page tables' columns hold the
 pages of the chained drafts too (`num_pages`), and it reads one more buffer, each sequence's reasoning
-guard row (`guards`; padding sequences' closed, no markers). All of a step's host values cross in one copy.
+guard row (`guards`; padding sequences' closed, no markers). Beside those, when the caller gives one,
+a graph of the whole sampled step (backend/engine/speculative/sampled.py) that reads one buffer more,
+each sequence's sampling parameters and uniforms (`draws`; padding sequences' greedy). All of a step's
+host values cross in one copy.
 
 Every tensor a graph reads is the object's own: the buffers refilled before each replay, and per k
 the row layout no replay changes (each sequence's first row, each row's sequence, the logits rows).
@@ -42,12 +45,15 @@ from backend.engine.decode_graphs import SCRATCH_TAG, Capture, stage_page_tables
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
 from backend.engine.host_staging import StagingBuffer
 from backend.engine.speculative.greedy import GUARD_WIDTH
+from backend.engine.speculative.sampled import draw_width
 from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
 VerifyReplay = Callable[[], SpecOutput]
 # (verify batch, guard rows, k) -> [B, 3 + 2k] int64
 GreedyStep = Callable[[ForwardBatch, torch.Tensor, int], torch.Tensor]
+# (verify batch, guard rows, draw rows, k) -> [B, 3 + 2k] int64
+SampledStep = Callable[[ForwardBatch, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class VerifyGraphs:
@@ -64,12 +70,14 @@ class VerifyGraphs:
         check_tags: bool,
         capture: Capture,
         greedy: GreedyStep | None = None,
+        sampled: SampledStep | None = None,
         staging: StagingBuffer | None = None,
     ) -> None:
         """`greedy`: a whole greedy step over the verify's batch (backend/engine/speculative/greedy.py),
-        captured too per (k, bucket) for `replay_greedy`; one that fails to capture leaves only that
-        path eager (`greedy_disabled_reason`). `staging`: the buffer a step's host values cross in
-        (the runner's, shared with its other inputs; None: one of its own)."""
+                captured too per (k, bucket) for `replay_greedy`; one that fails to capture leaves only that
+                path eager (`greedy_disabled_reason`). `sampled`: a whole sampled step, likewise (`replay_greedy`
+        with `sampled`; `sampled_disabled_reason`). `staging`: the buffer a step's host values cross in
+                (the runner's, shared with its other inputs; None: one of its own)."""
         self.kv_cache, self.max_pages, self.check_tags = kv_cache, max_pages, check_tags
         self.batch_sizes = sorted(batch_sizes)
         S = kv_cache.page_size
@@ -78,6 +86,7 @@ class VerifyGraphs:
         self.num_replays = self.num_greedy_replays = 0
         self.disabled_reason: str | None = None
         self.greedy_disabled_reason: str | None = None if greedy is not None else "no greedy step"
+        self.sampled_disabled_reason: str | None = None if sampled is not None else "no sampled step"
         n, L, dev = self.batch_sizes[-1], max_drafts + 1, kv_cache.page_tags.device
         i64, i32 = torch.int64, torch.int32
         # input ids, positions and slots: rows of one buffer
@@ -89,6 +98,9 @@ class VerifyGraphs:
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         self.guards = torch.full((n, GUARD_WIDTH), -1, dtype=i64, device=dev)  # [n, 3 + S] greedy.py's rows
         self.guards[:, 0] = 0  # closed: no sequence's guard bans anything until one is staged
+        self.draws = torch.zeros(
+            (n, draw_width(max_drafts)), dtype=torch.float32, device=dev
+        )  # [n, W] greedy
         self.rows = torch.arange(n * L, dtype=i64, device=dev)  # [n·L] logits rows: every row is one
         # per k, what a replay never changes: each sequence's first row [n+1] and each row's sequence
         # [n·(k+1)]. Held here, not by the steps: a graph keeps only the addresses it read
@@ -98,9 +110,18 @@ class VerifyGraphs:
         }
         self._written_width = 0
         self.staging = staging or StagingBuffer(dev)
-        self._staged: tuple[int, int, int, tuple[int, int, int], int | None] = (0, 0, 0, (0, 0, 0), None)
+        # (rows, bucket, page-table width, (vectors, pages, tags), guards, draws): staging handles
+        self._staged: tuple[int, int, int, tuple[int, int, int], int | None, int | None] = (
+            0,
+            0,
+            0,
+            (0, 0, 0),
+            None,
+            None,
+        )
         self._replays: dict[tuple[int, int], VerifyReplay] = {}
         self._greedy_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self._sampled_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         try:
             for k in reversed(self.draft_lengths):  # largest first: the pool is sized by the first
                 self._fill_padding(k)  # a capture's warm-up runs: every row a valid padding row
@@ -113,18 +134,36 @@ class VerifyGraphs:
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
         if greedy is not None and self._replays:
-            self._capture_greedy(greedy, capture)
+            self.greedy_disabled_reason = self._capture_whole(
+                lambda b, size, k: partial(greedy, b, self.guards[:size], k), self._greedy_replays, capture
+            )
+        if sampled is not None and self._replays:
+            self.sampled_disabled_reason = self._capture_whole(
+                lambda b, size, k: partial(
+                    sampled, b, self.guards[:size], self.draws[:size, : draw_width(k)], k
+                ),
+                self._sampled_replays,
+                capture,
+            )
 
-    def _capture_greedy(self, greedy: GreedyStep, capture: Capture) -> None:
+    def _capture_whole(
+        self,
+        step_of: Callable[[ForwardBatch, int, int], Callable[[], torch.Tensor]],
+        replays: dict[tuple[int, int], Callable[[], torch.Tensor]],
+        capture: Capture,
+    ) -> str | None:
+        """Capture a whole step (`step_of(batch, size, k)`: its function over the buffers) per (k,
+        bucket) into `replays`; the reason it failed (those steps then run eagerly), or None."""
         try:
             for k in reversed(self.draft_lengths):
                 self._fill_padding(k)
                 for size in reversed(self.batch_sizes):
-                    step = partial(self._greedy_step, greedy, self._batch(k, size), self.guards[:size], k)
-                    self._greedy_replays[k, size] = capture(step)
-        except Exception as exc:  # the verify graphs stand; greedy steps run eagerly
-            self._greedy_replays.clear()
-            self.greedy_disabled_reason = f"{type(exc).__name__}: {exc}"
+                    batch = self._batch(k, size)
+                    replays[k, size] = capture(partial(self._whole_step, step_of(batch, size, k), batch, k))
+        except Exception as exc:  # the verify graphs stand; these steps run eagerly
+            replays.clear()
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _fill_padding(self, k: int) -> None:
         """Every sequence of the buffers a padding one for k drafts: positions 0 … k of the scratch page."""
@@ -143,10 +182,15 @@ class VerifyGraphs:
     def has_greedy(self) -> bool:
         return bool(self._greedy_replays)
 
+    @property
+    def has_sampled(self) -> bool:
+        return bool(self._sampled_replays)
+
     def disable(self, reason: str) -> None:
         """Every verify eager from now on (the ranks did not all capture: `reason` says why)."""
         self._replays.clear()
         self._greedy_replays.clear()
+        self._sampled_replays.clear()
         self.disabled_reason = self.disabled_reason or reason
 
     def disable_greedy(self, reason: str) -> None:
@@ -154,9 +198,14 @@ class VerifyGraphs:
         self._greedy_replays.clear()
         self.greedy_disabled_reason = self.greedy_disabled_reason or reason
 
+    def disable_sampled(self, reason: str) -> None:
+        """Every sampled whole step eager from now on (another rank did not capture them)."""
+        self._sampled_replays.clear()
+        self.sampled_disabled_reason = self.sampled_disabled_reason or reason
+
     def shape_of(self, host: HostBatch, *, greedy: bool = False) -> tuple[int, int] | None:
-        """(k, bucket) of a uniform verify step that fits a captured graph (a greedy step's with
-        `greedy`), else None."""
+        """(k, bucket) of a uniform verify step that fits a captured graph (with `greedy`, a whole
+        step's: the sampled one's when `host.draws` is set), else None."""
         B, T = host.num_seqs, len(host.input_ids)
         if not self.is_enabled or B == 0 or T % B or host.image_rows:
             return None
@@ -164,7 +213,7 @@ class VerifyGraphs:
         bucket = next((s for s in self.batch_sizes if s >= B), None)
         if (
             bucket is None
-            or (k, bucket) not in (self._greedy_replays if greedy else self._replays)
+            or (k, bucket) not in self._whole_replays(host.draws is not None if greedy else None)
             or host.page_table.shape[1] > self.max_pages
         ):
             return None
@@ -195,18 +244,27 @@ class VerifyGraphs:
         B, L = host.num_seqs, k + 1
         return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
 
-    def replay_greedy(self, shape: tuple[int, int], num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the buffers from the sent staging buffer (`stage`), replay the greedy graph of
-        `shape` (k, bucket): (`[B, 3 + 2k]` int64, tag_mismatch [B])."""
+    def _whole_replays(self, is_sampled: bool | None) -> dict[tuple[int, int], Callable[[], torch.Tensor]]:
+        """The verify replays (None), the greedy steps' or the sampled steps'."""
+        if is_sampled is None:
+            return cast(dict[tuple[int, int], Callable[[], torch.Tensor]], self._replays)
+        return self._sampled_replays if is_sampled else self._greedy_replays
+
+    def replay_greedy(
+        self, shape: tuple[int, int], num_seqs: int, *, is_sampled: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the buffers from the sent staging buffer (`stage`), replay the whole-step graph of
+        `shape` (k, bucket), the sampled one with `is_sampled`: (`[B, 3 + 2k]` int64, tag_mismatch [B])."""
         self._fill()
-        out = self._greedy_replays[shape]()
+        out = self._whole_replays(is_sampled)[shape]()
         self.num_greedy_replays += 1
         return out[:num_seqs], self.tag_mismatch[:num_seqs]
 
     def stage(self, host: HostBatch, shape: tuple[int, int], num_pages: np.ndarray) -> None:
         """Write `host`'s rows, padded to the bucket of `shape` (k, bucket), into the staging buffer
         (sent by the caller, with whatever else its step stages); page table columns past each
-        sequence's `num_pages` hold the scratch page. A greedy step's guard rows too (`host.guards`)."""
+        sequence's `num_pages` hold the scratch page. A whole step's guard rows too (`host.guards`),
+        and a sampled one's draw rows (`host.draws`)."""
         k, bucket = shape
         B, L, width = host.num_seqs, k + 1, host.page_table.shape[1]
         scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
@@ -226,14 +284,21 @@ class VerifyGraphs:
             h_guards, guards = st.reserve(np.int64, (bucket, GUARD_WIDTH))
             guards[:B], guards[B:] = host.guards, -1
             guards[B:, 0] = 0  # padding sequences: closed, no markers
-        self._staged = (n, bucket, width, (h_vectors, h_pages, h_tags), h_guards)
+        h_draws = None
+        if host.draws is not None:
+            h_draws, draws = st.reserve(np.float32, (bucket, host.draws.shape[1]))
+            draws[:B], draws[B:] = host.draws, 0.0  # padding sequences: greedy
+        self._staged = (n, bucket, width, (h_vectors, h_pages, h_tags), h_guards, h_draws)
 
     def _fill(self) -> None:
         """The static buffers from the staged rows (after the staging buffer's send)."""
-        n, bucket, width, handles, h_guards = self._staged
+        n, bucket, width, handles, h_guards, h_draws = self._staged
         vectors, pages, tags = (self.staging.view(h) for h in handles)
         if h_guards is not None:
             self.guards[:bucket].copy_(self.staging.view(h_guards))
+        if h_draws is not None:
+            draws = self.staging.view(h_draws)
+            self.draws[:bucket, : draws.shape[1]].copy_(draws)
         self._vectors[:, :n].copy_(vectors)
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(self.scratch_page)
@@ -270,10 +335,10 @@ class VerifyGraphs:
             return forward_spec(batch)
 
     @staticmethod
-    def _greedy_step(greedy: GreedyStep, batch: ForwardBatch, guards: torch.Tensor, k: int) -> torch.Tensor:
+    def _whole_step(step: Callable[[], torch.Tensor], batch: ForwardBatch, k: int) -> torch.Tensor:
         with sync_free():
             VerifyGraphs._prepare(batch, k)
-            return greedy(batch, guards, k)
+            return step()
 
     @staticmethod
     def _prepare(batch: ForwardBatch, k: int) -> None:

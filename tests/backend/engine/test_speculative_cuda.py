@@ -167,3 +167,35 @@ def test_guarded_greedy_steps_replay_their_graphs(tmp_path: Path, arch: str) -> 
     assert ties <= 1
     assert engine.stats.tag_check_aborts == 0
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def test_sampled_steps_replay_one_graph_each(tmp_path: Path, arch: str) -> None:
+    """Sampled rows (temperature, top-k, top-p, no penalties, no logprobs): each uniform
+    speculative step is one replay of the sampled whole-step graph (backend/engine/speculative/
+    sampled.py) with one read back; seeded requests repeat their tokens on a second engine."""
+    path = add_mtp_layers(make_tiny(arch, tmp_path / arch))
+    model = load_model(path, dtype=torch.float32, device="cuda", num_mtp_layers=1)
+    reqs = [
+        request(f"r{i}", p, max_tokens=32 + i, temperature=0.8, top_k=20, top_p=0.95, seed=i)
+        for i, p in enumerate(prompts(6, model.config.vocab_size, seed=14))
+    ]
+    outputs = []
+    for _ in range(2):
+        config = EngineConfig.build(
+            num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
+            num_speculative_tokens=3, speculative_adaptive=False, speculative_graphs=True,
+        )  # fmt: skip
+        engine = Engine.from_prepared(prepare_model(model, config), config)
+        forwards = engine.runner.spec_forwards
+        assert forwards is not None and forwards.graphs is not None and engine.spec is not None
+        graphs = forwards.graphs
+        assert graphs.has_sampled, graphs.sampled_disabled_reason
+        out = run_all(engine, reqs)
+        assert engine.spec.num_sampled_steps > 0
+        assert graphs.num_greedy_replays == engine.spec.num_greedy_steps  # every whole step replayed
+        assert all(out[f"r{i}"].error is None and len(out[f"r{i}"].token_ids) == 32 + i for i in range(6))
+        outputs.append({rid: r.token_ids for rid, r in out.items()})
+        bm = engine.block_manager
+        assert bm.num_available_pages == bm.num_pages
+    assert outputs[0] == outputs[1]  # the uniforms come from each request's seed

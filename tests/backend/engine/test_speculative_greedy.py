@@ -179,19 +179,6 @@ def test_a_tag_fault_in_a_greedy_step_aborts_only_that_request(loaded: dict[str,
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
 
 
-def test_logprobs_and_sampling_keep_the_host_path(loaded: dict[str, Any]) -> None:
-    """A drafting row wanting logprobs (or sampled) takes the host path: no greedy step."""
-    model = loaded["deepseek_v3"]
-    ps = prompts(4, model.config.vocab_size, seed=2)
-    engine = engine_for(model, 3, speculative_adaptive=False)  # K drafts whatever the acceptance
-    assert engine.spec is not None
-    run_all(engine, [request(f"r{i}", p, max_tokens=10, logprobs=True) for i, p in enumerate(ps)])
-    run_all(engine, [request(f"s{i}", p, max_tokens=10, temperature=0.8, seed=i) for i, p in enumerate(ps)])
-    assert engine.stats.spec_verifies > 0 and engine.spec.num_greedy_steps == 0
-    run_all(engine, [request(f"g{i}", p, max_tokens=30) for i, p in enumerate(ps)])
-    assert engine.spec.num_greedy_steps > 0
-
-
 def test_no_eager_greedy_steps_beside_verify_graphs(loaded: dict[str, Any]) -> None:
     """Greedy steps that failed to capture while the verify graphs did: the host path (its verify,
     depth-0 and draft graphs) serves them, not an eager greedy step."""

@@ -240,11 +240,11 @@ def test_captured_steps_read_only_tensors_that_outlive_them(tiny: dict[str, Any]
     # decode (a second, narrow width for DSA models: backend/engine/decode_graphs.py), verify (k = 1 … 3),
     # depth 0 (k = 1 … 3), draft depths (over the draft graphs' own widths)
     draft_widths = sum(len(g.widths) for g in forwards.draft_graphs)
-    # ... and the greedy steps (k = 1 … 3, over the verify's buffers)
-    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 3 * 4 + 3 * 4 + 4 * draft_widths
+    # ... and the greedy and sampled steps (k = 1 … 3 each, over the verify's buffers)
+    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 3 * 4 + 3 * 4 + 3 * 4 + 4 * draft_widths
     proposals = forwards.propose_graphs
     assert proposals is not None
-    for buffer in (graphs.positions, graphs.page_table, graphs.seq_lens, forwards._hidden_in):
+    for buffer in (graphs.positions, graphs.page_table, graphs.seq_lens, graphs.draws, forwards._hidden_in):
         assert capture.read(buffer)  # the probe sees the static buffers the steps read
     for buffer in (proposals.positions, proposals.page_table, forwards._propose_hidden):
         assert capture.read(buffer)  # the probe sees the static buffers the steps read
@@ -279,11 +279,12 @@ def test_ranks_replay_verify_and_draft_graphs_together_or_not_at_all(
     forwards = SpecForwards.build(
         e.runner.model, e.runner.kv_cache, e.config, capture=eager_capture, max_seq_len=None, ranks=ranks
     )
-    # this rank captured its verify graphs, then (when every rank did) its greedy-step and depth-0
-    # graphs, and its draft graphs
-    assert ranks.votes == ([True, True, True, True] if others else [True, True])
+    # this rank captured its verify graphs, then (when every rank did) its greedy-step, sampled-step
+    # and depth-0 graphs, and its draft graphs
+    assert ranks.votes == ([True, True, True, True, True] if others else [True, True])
     assert forwards.graphs is not None and forwards.graphs.is_enabled == others
     assert forwards.graphs.has_greedy == others
+    assert forwards.graphs.has_sampled == others
     assert (forwards.propose_graphs is not None) == others
     assert bool(forwards.draft_graphs) == others
     if not others:
