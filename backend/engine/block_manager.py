@@ -115,6 +115,7 @@ class BlockManager:
             self._allocate(seq)
         seq.page_hashes = [digest for digest, _ in keys[: len(hits)]]
         seq.num_computed_tokens = len(hits) * self.page_size
+        seq.num_draft_kv_tokens = seq.num_computed_tokens  # a hit's MTP KV: as its writer left it
         return True
 
     def _plan(self, seq: Sequence) -> tuple[list[tuple[bytes, PageKey]], list[int], int] | None:

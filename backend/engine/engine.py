@@ -207,9 +207,12 @@ class Engine:
         if spec is not None and scheduled.num_tokens == len(results):  # decode only: measure the step
             is_drafting = any(drafting)
             emitted = sum(len(r.accepted) + 1 for r in results if r.sample is not None)
-            spec.policy.observe_step(
-                len(results), is_drafting, is_drafting and spec.did_verify, emitted, elapsed
-            )
+            if is_drafting and spec.did_catch_up:  # mostly a prefill of MTP KV: a probe's price
+                spec.policy.observe_catch_up(len(results), elapsed)
+            else:
+                spec.policy.observe_step(
+                    len(results), is_drafting, is_drafting and spec.did_verify, emitted, elapsed
+                )
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
         self._stats.last_step_s = elapsed
@@ -306,6 +309,7 @@ class Engine:
         self._stats.generated_tokens += len(tokens)
         # a stop inside an accepted run: the KV past the kept tokens is not theirs to publish
         seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
+        seq.num_draft_kv_tokens = min(seq.num_draft_kv_tokens, seq.num_computed_tokens)
         self.block_manager.publish_full_pages(seq)  # after the tokens: their KV is computed
         out = EngineOutput(
             request_id=seq.request_id,

@@ -50,6 +50,9 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    # speculative decoding: positions below it hold MTP KV of their accepted tokens
+    # (backend/engine/speculative/book.py says who writes it and how a gap is caught up)
+    num_draft_kv_tokens: int = 0
     page_table: PageTable = field(default_factory=PageTable)
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages held, in order
     page_keys: list[tuple[bytes, PageKey]] = field(default_factory=list)  # prefix-cache keys computed so far

@@ -96,6 +96,7 @@ class Counters(TorchDispatchMode):
             def wrapper(*args: Any, **kw: Any) -> Any:
                 self.inside += 1
                 self.counts["model forwards"] += 1
+                self.counts[f"forwards: {fn.__name__}"] += 1  # forward_mtp: the MTP layer ran
                 try:
                     return fn(*args, **kw)
                 finally:
@@ -276,6 +277,73 @@ def host_ms_per_step(
     return wall / steps * 1e3, (wall - clock.seconds) / steps * 1e3
 
 
+def resume_run(
+    checkpoint: Path, prompts: list[list[int]], stops: list[int], max_tokens: int, num_idle: int, device: str
+) -> dict[str, Any]:
+    """mtp:3, drafting every step (not adaptive) once the policy is let: off for the first
+    `num_idle` steps (plain steps, no MTP layer), then on. Per step: wall ms, whether it drafted, and
+    the MTP KV gap (positions computed by plain steps, not yet given MTP KV) before and after it;
+    the catch-up is the first drafting step's share of closing it."""
+    from backend.engine.engine import Engine
+    from backend.engine.engine_config import EngineConfig
+    from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    loaded = load_model(checkpoint, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers_in(checkpoint))
+    c = len(prompts)
+    config = EngineConfig.build(
+        num_pages=max(64, c * (-(-(2048 + max_tokens) // 16))), page_size=16, max_num_batched_tokens=4096,
+        max_num_seqs=c, enable_prefix_cache=False, num_speculative_tokens=3, speculative_max_seqs=c,
+        speculative_adaptive=False,
+    )  # fmt: skip
+    engine = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
+    assert engine.spec is not None
+    choose, calls = engine.spec.policy.choose, [0]
+
+    def idle_first(load: Any) -> int:
+        calls[0] += 1
+        return 0 if calls[0] <= num_idle else choose(load)
+
+    engine.spec.policy.choose = idle_first
+
+    def gap() -> int:
+        return sum(s.num_computed_tokens - s.num_draft_kv_tokens for s in engine.scheduler.running)
+
+    steps: list[dict[str, Any]] = []
+
+    def on_step(e: Any, before: tuple[int, int]) -> None:
+        now = time.perf_counter()
+        steps.append({"ms": (now - last[0]) * 1e3, "drafting": bool(e.spec.k), "gap_after": gap()})
+        last[0] = now
+
+    last = [time.perf_counter()]
+    tokens, _, _, _ = run(engine, prompts, stops, max_tokens, on_step)
+    s = engine.stats
+    return {
+        "tokens": tokens,
+        "steps": steps,
+        "accepted_per_verify": s.spec_accepted_tokens / max(s.spec_verifies, 1),
+    }
+
+
+def report_resume(args: Any, prompts: list[list[int]], stops: list[int]) -> None:
+    r = resume_run(args.model, prompts, stops, args.max_tokens, args.resume, args.device)
+    steps = r["steps"]
+    first = next((i for i, st in enumerate(steps) if st["drafting"]), None)
+    idle = [st["ms"] for st in steps[: args.resume] if not st["drafting"]]
+    print(f"\n[resume] {args.resume} plain steps, then mtp:3 every step: {len(steps)} steps, "
+          f"accepted per verify {r['accepted_per_verify']:.3f}")  # fmt: skip
+    if first is None:
+        print("  drafting never resumed (every request finished during the plain steps)")
+        return
+    before = steps[first - 1]["gap_after"] if first else 0
+    later = [st["ms"] for st in steps[first + 1 :] if st["drafting"]]
+    print(f"  MTP KV gap when drafting resumed: {before} positions; after the first drafting step "
+          f"{steps[first]['gap_after']}; all caught up by step {next((i for i, st in enumerate(steps) if i >= first and not st['gap_after']), None)}")  # fmt: skip
+    print(f"  wall ms: plain steps median {statistics.median(idle or [0.0]):.3f}; the first drafting step "
+          f"(catch-up) {steps[first]['ms']:.3f}; later drafting steps median {statistics.median(later or [0.0]):.3f}")  # fmt: skip
+
+
 def main() -> None:
     from benchmarks.engine.mtp_acceptance import held_out_prompts, stop_ids
 
@@ -289,6 +357,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu", help="cuda: the ops counted are those outside the graphs")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument(
+        "--resume", type=int, default=0, help="also: N plain steps, then drafting (the catch-up's cost)"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     pool = [p for task in ("chat", "tool-call") for p in held_out_prompts(args.model, task, 8)]
@@ -328,6 +399,8 @@ def main() -> None:
               f"runs {[round(x, 3) for x in h]}")  # fmt: skip
     for name, v in (("wall", walls), ("host", hosts)):
         print(f"A / B {name} per step (medians): {statistics.median(v['A']) / statistics.median(v['B']):.3f}")
+    if args.resume:
+        report_resume(args, prompts, stops)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,18 @@ them back when a step does not draft it (`release_spares`), when it finishes or 
 when the pool runs short. KV written at rejected positions is never read: a position's KV is always
 rewritten (verify for the target, propose for the MTP layer) before any query can see it.
 The prefix cache only takes pages below `num_computed_tokens`, which counts accepted tokens only.
+
+MTP KV: a step without drafts runs no MTP layer (it is a plain step, exactly what speculation off
+runs), so the positions it computes get none; each sequence's `num_draft_kv_tokens` says up to where
+its MTP KV is whole. A speculative step runs the MTP layer over every chunk of a sequence that can
+ever draft and whose MTP KV is whole up to the chunk (drafting or not: a mid-prompt chunk, a plain
+row). A drafting sequence behind (its gap: positions computed by plain steps) catches up before its
+first draft: its verify chunk starts at the gap, so the target recomputes the gap's hidden states
+(rewriting its KV there with what it held) and depth 0 runs the MTP layer over them and the accepted
+positions in one prefill-shaped forward. The gap's rows count in the step's token budget; a gap that
+does not fit waits for a later step, one that can never fit (`MAX_GAP_SHARE`) is left as zeros (the
+draft reads them: fewer drafts accepted, never a wrong token). Prefix-cache hits keep the MTP KV
+their writer left (whole, or zeros where it ran plain steps).
 """
 
 from __future__ import annotations
@@ -20,6 +32,8 @@ from __future__ import annotations
 from backend.engine.block_manager import BlockManager
 from backend.engine.scheduler import SchedulerOutput
 from backend.engine.sequence import Sequence
+
+MAX_GAP_SHARE = 2  # a gap over max_num_batched_tokens / this is not caught up (see the docstring)
 
 
 class DraftBook:
@@ -54,17 +68,25 @@ class DraftBook:
 
     def can_draft(self, out: SchedulerOutput) -> list[bool]:
         """Per scheduled sequence, whether it may draft this step at all."""
-        return [
-            s.needs_sample
-            and s.seq.constraint is None
-            and not (s.seq.request.sampling.stop and not self.can_match_stops)
-            for s in out.scheduled
-        ]  # a grammar masks each position by the accepted text (not drafted); a mid-prompt chunk
-        # samples nothing and proposes nothing (its MTP KV is filled when its prompt ends)
+        return [s.needs_sample and self.can_ever_draft(s.seq) for s in out.scheduled]
+        # a mid-prompt chunk samples nothing and proposes nothing (its MTP KV is written all the same)
+
+    def can_ever_draft(self, seq: Sequence) -> bool:
+        """`seq` may draft on some step (its MTP KV is worth keeping): a grammar masks each
+        position by the accepted text (not drafted)."""
+        return seq.constraint is None and not (seq.request.sampling.stop and not self.can_match_stops)
+
+    def gap(self, seq: Sequence) -> int:
+        """The positions before `seq`'s next chunk whose MTP KV a plain step left unwritten, to catch
+        up before it drafts; a gap too long to ever fit a step is given up (left as zeros): 0."""
+        gap = seq.num_computed_tokens - seq.num_draft_kv_tokens
+        if gap > self.max_num_batched_tokens // MAX_GAP_SHARE:
+            seq.num_draft_kv_tokens, gap = seq.num_computed_tokens, 0
+        return gap
 
     def reserve(self, out: SchedulerOutput, can_draft: list[bool], k: int) -> list[bool]:
-        """Which scheduled sequences draft k this step: those that can, whose verify rows fit the
-        step's token budget and whose draft pages fit the pool (now reserved)."""
+        """Which scheduled sequences draft k this step: those that can, whose verify rows (drafts
+        and MTP KV gap) fit the step's token budget and whose draft pages fit the pool (now reserved)."""
         flags = [False] * len(out.scheduled)
         budget = self.max_num_batched_tokens - out.num_tokens  # the verify rows count
         for b, s in enumerate(out.scheduled):
@@ -72,12 +94,13 @@ class DraftBook:
             if not can_draft[b]:
                 continue
             num_drafts = len(self.drafts_for(seq)[:k]) if seq.num_uncomputed_tokens == 1 else 0
-            if num_drafts > budget:
+            num_rows = num_drafts + self.gap(seq)  # its catch-up rows too
+            if num_rows > budget:
                 continue
             # verify rows reach n-1+k; chained drafts after up to k+1 accepted reach n+2k-2
             window = seq.num_prompt_tokens + seq.request.sampling.max_tokens
             flags[b] = self.block_manager.reserve_tokens(seq, min(seq.num_tokens + 2 * k - 1, window))
-            budget -= num_drafts if flags[b] else 0
+            budget -= num_rows if flags[b] else 0
         return flags
 
     def release_spares(self, out: SchedulerOutput, is_drafting: list[bool]) -> None:

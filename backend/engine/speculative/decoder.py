@@ -11,9 +11,10 @@ One speculative step, for every drafting sequence (one with no grammar, while at
    tokens, distributed exactly as decoding one at a time, with the target's raw log-probs.
 3. Propose (backend/engine/speculative/propose.py): the MTP layer runs over the positions just
    accepted (their target hidden states and the tokens that follow them), which also keeps its own
-   KV complete, and its last row's argmax is the next d_1; depths 2 … K chain one token each on the
-   MTP's own hidden state. The drafts wait in the draft book (backend/engine/speculative/book.py) for the
-   next step.
+   KV complete (a sequence that plain steps left behind catches up first, its gap recomputed in
+   the verify: backend/engine/speculative/book.py), and its last row's argmax is the next d_1;
+   depths 2 … K chain one token each on the MTP's own hidden state. The drafts wait in the draft
+   book (backend/engine/speculative/book.py) for the next step.
 
 The forwards' host inputs are planned in backend/engine/speculative/plan.py.
 
@@ -111,6 +112,7 @@ class SpecDecoder:
         self.max_drafting_seqs = self.policy.max_paying_seqs(self.max_seqs)
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
+        self.did_catch_up = False  # the last step's verify recomputed a gap (MTP KV caught up)
         # whole greedy steps on the device where they apply: from their graphs, or eagerly where
         # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
         graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
@@ -127,7 +129,7 @@ class SpecDecoder:
         `max_drafting_seqs` running (`speculative_max_seqs` or fewer), or when the policy says
         drafting does not pay. A sequence that does not draft gives its draft pages back."""
         flags = [False] * len(out.scheduled)
-        self.k = 0
+        self.k, self.did_catch_up = 0, False
         if num_running <= self.max_drafting_seqs:
             can_draft = self.book.can_draft(out)
             num_samples = sum(s.needs_sample for s in out.scheduled)
@@ -151,6 +153,7 @@ class SpecDecoder:
         start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         self.did_verify = any(r.drafts for r in rows)
+        self.did_catch_up = any(r.gap for r in rows)
         if self._is_whole(rows):
             return self._run_greedy(rows, tag_updates)
         host, prompt = plan_target(rows, self.block_manager)
@@ -190,27 +193,30 @@ class SpecDecoder:
             runner=runner,
             block_manager=self.block_manager,
             forward=self._forward,
+            keeps_draft_kv=[self.book.can_ever_draft(r.sched.seq) for r in rows],
         )
         for b, drafts in proposed.items():
             seq = rows[b].sched.seq
             self.book.keep(seq, seq.num_tokens + len(emitted[b]), drafts)
-        self.policy.observe_timing(
-            verified - start, len(host.input_ids), time.perf_counter() - verified, draft_rows
-        )
+        if not self.did_catch_up:  # m is a decode step's ratio: a gap's prefill is not a sample of it
+            self.policy.observe_timing(
+                verified - start, len(host.input_ids), time.perf_counter() - verified, draft_rows
+            )
         return results
 
     # ---- a whole step on the device (backend/engine/speculative/greedy.py, sampled.py) -----------
     def _is_whole(self, rows: list[SpecRow]) -> bool:
         """Every sequence verifies this step's k drafts, samples without penalties (greedy, or
         sampled where `is_sampled_enabled`), wants no logprobs, has a reasoning guard the device can
-        apply (at most `MAX_BANNED` ids) or none, and has pages for the chained drafts after any
-        accepted run (its window not cut by `max_tokens`)."""
+        apply (at most `MAX_BANNED` ids) or none, has pages for the chained drafts after any accepted
+        run (its window not cut by `max_tokens`) and no MTP KV to catch up."""
         k = self.k
         for r in rows:
             seq = r.sched.seq
             row = seq.sample_row
             if (
                 len(r.drafts) != k
+                or r.gap
                 or not can_sample_on_device(row)
                 or not (self.is_greedy_enabled if row.is_argmax else self.is_sampled_enabled)
                 or seq.wants_prompt_logprobs
@@ -245,6 +251,7 @@ class SpecDecoder:
                 continue
             tokens, drafts = rest[: a + 1], rest[L:]
             res.num_new_tokens = a + 1  # the verify rows of the accepted tokens hold valid KV
+            seq.num_draft_kv_tokens = seq.num_computed_tokens + a + 1  # depth 0 ran over them
             self.stats.verifies += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += a
@@ -277,4 +284,4 @@ class SpecDecoder:
         seq = s.seq
         is_decode = s.num_new_tokens == 1 and seq.num_uncomputed_tokens == 1
         drafts = self.book.drafts_for(seq)[: self.k] if is_drafting and is_decode else []
-        return SpecRow(s, is_drafting, list(drafts))
+        return SpecRow(s, is_drafting, list(drafts), gap=self.book.gap(seq) if is_drafting else 0)

@@ -215,9 +215,10 @@ class SpecForwards:
     def clear_draft_kv(self, pages: torch.Tensor) -> None:
         """Zero the MTP layers' cache slots of newly allocated `pages` (each speculative step's tag
         updates, and those `defer_clear` kept from plain steps; on every rank). A position computed
-        in a step without drafts gets no MTP KV; a sequence drafting later reads zeros there, never
-        what an earlier owner of the page left (the tag check cannot tell: the page is the
-        sequence's own by then). `pages` [U] on the device."""
+        in a step without drafts gets no MTP KV until its sequence catches up (backend/engine/
+        speculative/book.py; a gap given up stays zeros); a draft never reads what an earlier owner
+        of the page left (the tag check cannot tell: the page is the sequence's own by then).
+        `pages` [U] on the device."""
         for layer in self.kv_cache.layers[len(self.kv_cache.layers) - self.model.num_mtp_layers :]:
             for cache in layer.values():  # as bytes: FP8 caches have no index_fill; zero bits are 0.0
                 cache.view(torch.uint8).index_fill_(0, pages, 0)

@@ -31,7 +31,8 @@ class SpecRow:
     sched: ScheduledSeq
     is_drafting: bool
     drafts: list[int] = field(default_factory=list)  # verified this step
-    base: int = 0  # its first row of T
+    gap: int = 0  # MTP KV catch-up: positions before its chunk that the verify recomputes
+    base: int = 0  # its first row of T (its gap's first position)
     logits_rows: list[int] = field(default_factory=list)  # verify rows, or [sample row]
 
 
@@ -80,8 +81,9 @@ def plan_target(
     rows: list[SpecRow], block_manager: BlockManager
 ) -> tuple[HostBatch, dict[int, tuple[list[int], list[int]]]]:
     """The verify forward's inputs: each sequence's chunk, a drafting decode's drafts after its
-    newest token; the logits rows of every verify position, sample row and prompt row. Sets each
-    row's `base` and `logits_rows`; returns the prompt rows and their targets by sequence index."""
+    newest token, a catching-up sequence's gap before its chunk; the logits rows of every verify
+    position, sample row and prompt row. Sets each row's `base` and `logits_rows`; returns the
+    prompt rows and their targets by sequence index."""
     items: list[tuple[Sequence, int, list[int]]] = []
     logits_indices: list[int] = []
     prompt: dict[int, tuple[list[int], list[int]]] = {}
@@ -89,9 +91,10 @@ def plan_target(
     image_parts: list[torch.Tensor] = []
     T = 0
     for b, r in enumerate(rows):
-        seq, n = r.sched.seq, r.sched.num_new_tokens
+        seq, n, g = r.sched.seq, r.sched.num_new_tokens, r.gap
         start = seq.num_computed_tokens
-        tokens = seq.token_ids[start : start + n] + r.drafts
+        at = start - g  # the position of its first row: the gap's rows give no logits
+        tokens = seq.token_ids[at : start + n] + r.drafts
         r.base = T
         if seq.wants_prompt_logprobs:
             first = max(start, len(seq.prompt_logprobs) - 1)
@@ -101,12 +104,12 @@ def plan_target(
                     list(range(len(logits_indices), len(logits_indices) + last - first)),
                     seq.token_ids[first + 1 : last + 1],
                 )
-                logits_indices += range(T + first - start, T + last - start)
+                logits_indices += range(T + first - at, T + last - at)
         if r.sched.needs_sample:
-            r.logits_rows = list(range(len(logits_indices), len(logits_indices) + len(tokens) - n + 1))
-            logits_indices += range(T + n - 1, T + len(tokens))
-        StepPlanner.gather_image_rows(seq, start, n, T, image_rows, image_parts)
-        items.append((seq, start, tokens))
+            r.logits_rows = list(range(len(logits_indices), len(logits_indices) + len(r.drafts) + 1))
+            logits_indices += range(T + g + n - 1, T + len(tokens))
+        StepPlanner.gather_image_rows(seq, at, g + n, T, image_rows, image_parts)
+        items.append((seq, at, tokens))
         T += len(tokens)
     host = host_batch(block_manager, items, logits_indices)
     host.image_rows, host.image_parts = image_rows, image_parts

@@ -45,7 +45,10 @@ probed only once the plain steps at that load have taken `1 / PROBE_SHARE` times
 expected to cost (its drafting steps' measured seconds there): at 64 sequences a drafting step can
 cost ten plain ones, and a load seen for a few dozen steps (a burst of short requests) must not pay
 for probes it cannot amortize. Such a probe is priced from the dearest drafting step (in plain
-steps) measured at any load, or `DRAFT_STEP_GUESS` before any.
+steps) measured at any load, or `DRAFT_STEP_GUESS` before any. A probe's first step also catches up
+the MTP KV of the positions plain steps computed (backend/engine/speculative/book.py), a prefill:
+that step stays out of the rates and of m, and is charged to the load's probe budget
+(`observe_catch_up`).
 
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
@@ -260,6 +263,16 @@ class DraftPolicy:
         rates.add_seconds(is_drafting, seconds)
         if is_verified or not is_drafting:
             rates.add_rate(is_verified, num_tokens / seconds)
+
+    def observe_catch_up(self, num_seqs: int, seconds: float) -> None:
+        """A decode-only step of `num_seqs` sequences that began drafting again took `seconds`,
+        most of them catching up MTP KV (a prefill of the positions plain steps computed: backend/
+        engine/speculative/book.py). Not a drafting step's cost (kept out of the rates and of
+        `draft_step_s`), but paid from the load's probe budget: the next probe waits until plain
+        steps have run `1 / PROBE_SHARE` times as long again."""
+        if not self.is_calibrated or seconds <= 0:
+            return
+        self._rates.setdefault(load_bucket(num_seqs), _Rates()).plain_s_since_probe -= seconds / PROBE_SHARE
 
     def observe_timing(
         self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]

@@ -230,6 +230,34 @@ def test_bursts_where_drafting_loses_cost_at_most_the_probe_share() -> None:
     assert p.num_probes >= 1 and sum(n for _, n in runs) <= 0.01 * 100 * 40
 
 
+def test_catch_up_steps_are_paid_from_the_probe_budget() -> None:
+    """Where drafting loses, each probe's first step also catches up the MTP KV of the positions
+    plain steps computed (a prefill; here 20 plain steps' time): it stays out of the drafting step's
+    measured cost, and later probes wait until probes and their catch-ups together fit in
+    PROBE_SHARE of the plain time."""
+    p = policy(3, acceptance=0.9, is_calibrated=True)
+    load = StepLoad(num_rows=8, num_drafting=8)
+    plain_s, draft_s, catch_up_s = 0.001, 0.003, 0.020  # a verifying step emits 1 token a sequence
+    plain_total = probe_total = 0.0
+    last = 0
+    for _ in range(20_000):
+        k = p.choose(load)
+        if k and not last:  # the probe's first step: catches up, proposes
+            p.observe_catch_up(8, catch_up_s)
+            probe_total += catch_up_s
+        elif k:
+            p.observe_step(8, True, True, 8, draft_s)
+            probe_total += draft_s
+        else:
+            p.observe_step(8, False, False, 8, plain_s)
+            plain_total += plain_s
+        last = k
+    assert p._rates[8].draft_step_s == pytest.approx(draft_s)  # no catch-up in it
+    first = catch_up_s + (SPEC_PROBE_STEPS - 1) * draft_s  # the prior's probe: not from the budget
+    assert p.num_probes >= 3
+    assert probe_total - first <= PROBE_SHARE * plain_total
+
+
 def test_drafting_starts_from_the_prior_and_measurements_take_over() -> None:
     """A fresh engine's first load: the prior (the cost model) says drafting pays, so it drafts
     after MIN_RATE_SAMPLES plain steps, not after the ~320 a probe budget of PROBE_SHARE would
