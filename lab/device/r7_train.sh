@@ -12,10 +12,12 @@
 #    cut to the time left before MTP_END_S (455 s) less its ~60 s of start-up and data prep, installed;
 # 3. the held-out everyday sets (backend/tools/eval_heldout.py, HELDOUT_ITEMS (300) a set, seed 26) on the
 #    GPU, before (the committed folder) against after, paired, cut at EVAL_END_S (560 s);
-# 4. ONE tarball, $OUT/r7_train.tar: both checkpoint folders (with train.log, train_mtp.log), the stdout
-#    logs and heldout-<family>.json. A stage cut short leaves what it had (a checkpoint without its MTP
-#    layer: num_nextn_predict_layers 0, then train_mtp.py runs on its own).
-# Afterwards, on the CPU: tar -xf r7_train.tar; bash lab/diagnostics/nano_heldout_after.sh (untarred folders).
+# 4. one tarball a checkpoint folder (with train.log, train_mtp.log), $OUT/<name>.tar (~13 MB: a file
+#    comes back only under 16 MiB, so the 27.6 MB tarball of both that session 11 wrote was lost), and
+#    $OUT/r7_train-logs.tar (the stdout logs and heldout-<family>.json). FAMILIES ("kimi glm") picks.
+#    A stage cut short leaves what it had (a checkpoint without its MTP layer: num_nextn_predict_layers
+#    0, then train_mtp.py runs on its own).
+# Afterwards, on the CPU: bash lab/diagnostics/nano_heldout_after.sh <files_at> (the folder of the <name>.tar).
 # CPU dry run of the logic (tiny budgets; the venv's own packages):
 #   OUT=/tmp/r7 NO_WHL=1 PYTHON=/work/main/.venv/bin/python DEVICE=cpu ITEMS_GLM=300 ITEMS_KIMI=200 \
 #     TRAIN_MINUTES=0.2 MTP_ITEMS=100 BATCH_TOKENS=2048 MTP_BATCH_TOKENS=1024 WORKERS=1 HELDOUT_ITEMS=4 \
@@ -24,7 +26,7 @@ set -uo pipefail
 if [ -z "${NO_WHL:-}" ]; then
   source "$(dirname "$0")/preamble.sh"  # $OUT, START, the carried wheels on the path
 else
-  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD; START=$(date +%s)
+  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD; START=$(date +%s)
 fi
 PY=${PYTHON:-python3}
 TRAIN_MINUTES=${TRAIN_MINUTES:-3.6}
@@ -82,15 +84,19 @@ stage() {  # stage <family>: data, the continued training, the MTP layer (instal
     && echo "held-out eval done at $(el) s" || echo "held-out eval failed or cut at $(el) s"
 }
 pids=()
-for fam in kimi glm; do
+FAMILIES=${FAMILIES:-kimi glm}
+for fam in $FAMILIES; do
   stage $fam > "$W/$fam.stdout" 2>&1 &
   pids+=($!)
 done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 rm -rf "$W"/.*.staging
-tar -C "$W" -cf "$OUT/r7_train.tar" . && echo "r7_train.tar at $(el) s"
-for fam in kimi glm; do
+for name in kimi-k2.6-nano glm-5.2-nano; do
+  [ -d "$W/$name" ] && tar -C "$W" -cf "$OUT/$name.tar" "$name" && echo "$name.tar at $(el) s"
+done
+tar -C "$W" -cf "$OUT/r7_train-logs.tar" --exclude='*-nano' . && echo "r7_train-logs.tar at $(el) s"
+for fam in $FAMILIES; do
   echo "== $fam"; grep -vE "step [0-9]+ " "$W/$fam.stdout" | tail -10
   grep -E "step [0-9]+ " "$W/$fam.stdout" | awk 'NR%20==1' | tail -6
   echo "-- mtp"; tail -3 "$W/$fam-mtp.stdout" 2>/dev/null

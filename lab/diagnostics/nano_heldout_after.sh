@@ -7,18 +7,21 @@
 # 3. the classic test sets of models/recipes/build.py, first ITEMS (200) items a task (the regression check)
 #    -> lab/results/2026-12-04-heldout/classic-<fam>.json.
 set -euo pipefail
-FILES=${1:?the folder holding glm-5.2-nano.tar and kimi-k2.6-nano.tar}
+FILES=${1:?the folder holding glm-5.2-nano.tar and/or kimi-k2.6-nano.tar}
 PY=${PYTHON:-/work/main/.venv/bin/python}
 ITEMS=${ITEMS:-200}
 OLD=${OLD:-/tmp/nano-old}  # the replaced checkpoints, kept for the paired comparison
 RES=${RES:-lab/results/2026-12-04-heldout}
 export PYTHONPATH=$PWD OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p "$RES"
+NAMES=()
 for name in glm-5.2-nano kimi-k2.6-nano; do
+  [ -e "$FILES/$name.tar" ] || continue  # a call may retrain one family
+  NAMES+=("$name")
   [ -d "$OLD/$name" ] || { mkdir -p "$OLD" && cp -r "models/$name" "$OLD/$name"; }
   rm -rf "models/$name" && tar -C models -xf "$FILES/$name.tar"
 done
-for name in glm-5.2-nano kimi-k2.6-nano; do
+for name in "${NAMES[@]}"; do
   fam=${name%%-*}
   $PY -m backend.tools.eval --heldout "$fam" --heldout-items "${HELDOUT_ITEMS:-40}" --device cpu --batch-size 64 \
     --variant before="$OLD/$name" --variant after="models/$name" --out "$RES/after-$fam.json"
