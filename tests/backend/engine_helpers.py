@@ -116,3 +116,19 @@ def run_all(engine: Engine, requests: list[EngineRequest], *, max_steps: int = 2
             return results
         collect(results, engine.step())
     raise AssertionError("requests did not finish")
+
+
+def spy_tag_updates(engine: Engine) -> list[bool]:
+    """A one-element list that says, after each `engine.step()`, whether that step carried page-tag
+    updates (the block manager's `take_tag_updates`, wrapped)."""
+    bm = engine.block_manager
+    take = bm.take_tag_updates
+    had_updates = [False]
+
+    def taking() -> Any:
+        updates = take()
+        had_updates[0] = bool(updates)
+        return updates
+
+    bm.take_tag_updates = taking  # type: ignore[method-assign]
+    return had_updates

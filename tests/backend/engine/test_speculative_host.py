@@ -19,7 +19,7 @@ from backend.engine import decode_graphs, model_runner
 from backend.engine.speculative import accept, decoder, forwards, verify_graphs
 from tests.backend.engine.test_speculative import ARCHS, engine_for, loaded, prompts
 from tests.backend.engine.test_speculative_greedy import graphed
-from tests.backend.engine_helpers import Result, collect, request, run_all
+from tests.backend.engine_helpers import Result, collect, request, run_all, spy_tag_updates
 
 __all__ = ["loaded"]  # the fixture
 
@@ -77,16 +77,7 @@ def steps(
 ) -> tuple[list[dict[str, int]], dict[str, Result]]:
     """Run `reqs` to the end: each step's counts with whether it was a greedy step, a decode step
     (one token per sequence) and whether it carried page-tag updates."""
-    bm = engine.block_manager
-    take = bm.take_tag_updates
-    had_updates = [False]
-
-    def taking() -> Any:
-        updates = take()
-        had_updates[0] = bool(updates)
-        return updates
-
-    bm.take_tag_updates = taking
+    had_updates = spy_tag_updates(engine)
     for r in reqs:
         engine.add_request(r)
     out: list[dict[str, int]] = []

@@ -20,7 +20,7 @@ from backend.engine.engine import Engine
 from tests.backend.engine.test_speculative import ARCHS, loaded, prompts
 from tests.backend.engine.test_speculative_greedy import graphed
 from tests.backend.engine.test_speculative_host import Transfers
-from tests.backend.engine_helpers import Result, collect, request
+from tests.backend.engine_helpers import Result, collect, request, spy_tag_updates
 
 __all__ = ["loaded"]  # the fixture
 
@@ -43,16 +43,7 @@ def step_by_step(
     engine: Engine, reqs: list[Any], transfers: Transfers
 ) -> tuple[list[dict[str, Any]], dict[str, Result]]:
     """Run `reqs` to the end: per step its ops, its transfers, how many ran and whether it drafted."""
-    bm = engine.block_manager
-    take = bm.take_tag_updates
-    had_updates = [False]
-
-    def taking() -> Any:
-        updates = take()
-        had_updates[0] = bool(updates)
-        return updates
-
-    bm.take_tag_updates = taking  # type: ignore[method-assign]
+    had_updates = spy_tag_updates(engine)
     for r in reqs:
         engine.add_request(r)
     records: list[dict[str, Any]] = []
