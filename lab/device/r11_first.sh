@@ -8,7 +8,7 @@
 #    one device graph; MTP KV catch-up) and of the reasoning guards inside the greedy graph.
 #   run(command="bash lab/device/r11_first.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
-FAMILIES=glm TRAIN_MINUTES=${TRAIN_MINUTES:-3.6} EVAL_END_S=${EVAL_END_S:-530} NO_WHL=1 OUT=$OUT \
+FAMILIES=glm TRAIN_MINUTES=${TRAIN_MINUTES:-3.6} MTP_END_S=${MTP_END_S:-455} EVAL_END_S=${EVAL_END_S:-530} NO_WHL=1 OUT=$OUT \
   bash lab/device/r7_train.sh > "$OUT/r7_train.stdout" 2>&1 &
 train=$!
 timeout 300 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 200 -rfE \
