@@ -68,9 +68,23 @@ def draw_rows(rows: list[SampleRow], generators: list[torch.Generator], k: int) 
         p = row.params
         out[b, :PARAMS_WIDTH] = np.array([p.temperature, p.top_k, p.top_p], dtype=np.float32)
         if p.temperature > 0:
-            uniforms = torch.from_numpy(out[b, PARAMS_WIDTH:])
-            torch.rand(2 * k + 1, generator=gen, dtype=torch.float64, out=uniforms)  # [0, 1)
+            out[b, PARAMS_WIDTH:] = draw_uniforms(gen, k).numpy()
     return out
+
+
+def draw_uniforms(gen: torch.Generator, k: int) -> torch.Tensor:
+    """`[2k + 1]` float64 in [0, 1) from the host generator `gen`: one sampled sequence's u's and
+    v's for a verify of k drafts. The host path (accept.py `accept_sampled`) draws the same ones
+    as a whole step here, so a seeded request's tokens do not depend on which path a step took."""
+    return torch.rand(2 * k + 1, generator=gen, dtype=torch.float64)
+
+
+def draw_inverse_cdf(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`[N]` ids: per row of `weights [N, V]` (float64, not normalised), the first id whose
+    cumulative weight exceeds `v [N]` (in [0, 1)) times the row's total; an id of weight 0 never."""
+    cdf = weights.cumsum(dim=-1)  # [N, V]
+    drawn = torch.searchsorted(cdf, v[:, None] * cdf[:, -1:], right=True)[:, 0]  # [N]
+    return torch.where(drawn < weights.shape[1], drawn, weights.argmax(dim=-1))  # v·total rounded up
 
 
 def sampled_step(
@@ -105,10 +119,7 @@ def sampled_step(
     rejected = torch.nn.functional.pad(drafts, (0, 1))[seqs, accepted]  # [B] d_{a+1} (0 past d_k)
     kept = torch.where(accepted < k, 0.0, residual.gather(1, rejected[:, None])[:, 0])  # [B]
     residual.scatter_(1, rejected[:, None], kept[:, None])
-    cdf = residual.cumsum(dim=-1)  # [B, V] float64
-    point = v.gather(1, accepted[:, None]) * cdf[:, -1:]  # [B, 1]
-    drawn = torch.searchsorted(cdf, point, right=True)[:, 0]  # [B]
-    drawn = torch.where(drawn < V, drawn, residual.argmax(dim=-1))  # v·total rounded up to the total
+    drawn = draw_inverse_cdf(residual, v.gather(1, accepted[:, None])[:, 0])  # [B]
     final = torch.where(is_sampled[:, None], drawn[:, None], targets)  # [B, L] row a's token if a stops there
     before = torch.arange(L, device=drafts.device)[None, :] < accepted[:, None]  # [B, L] rows < a
     tokens = torch.where(before, torch.nn.functional.pad(drafts, (0, 1)), final)  # [B, L]

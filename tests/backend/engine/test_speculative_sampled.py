@@ -218,3 +218,22 @@ def test_a_residual_or_bonus_draw_resolves_a_long_tail() -> None:
         out = sampled_step(model, batch, guards, torch.from_numpy(draws), 1, 8)
         a = int(u == 0.0)
         assert out[0, 0].item() == a and out[0, 1 : 2 + a].tolist() == [draft] * a + [want]
+
+
+def test_a_seeded_request_draws_alike_on_the_host_path(loaded: dict[str, Any]) -> None:
+    """A step takes the host path when any of its rows needs it (here another request's logprobs):
+    a seeded request's tokens do not depend on which path its steps took, so on what shares them."""
+    model = loaded["deepseek_v3"]
+    ps = prompts(2, model.config.vocab_size, seed=4)
+    seeded = request("s", ps[0], max_tokens=24, temperature=1.0, top_p=0.9, seed=11)
+
+    def run(*others: Any) -> tuple[list[int], int]:
+        engine = graphed(model, 2, speculative_adaptive=False)
+        out = run_all(engine, [seeded, *others])
+        assert engine.spec is not None
+        return out["s"].token_ids, engine.spec.num_sampled_steps
+
+    alone, num_whole = run()
+    shared, num_shared_whole = run(request("l", ps[1], max_tokens=24, logprobs=True))
+    assert num_whole > 0 and num_shared_whole < num_whole  # its steps beside "l": the host path
+    assert shared == alone
