@@ -114,7 +114,7 @@ class HostBatch:
     # a whole greedy speculative step's reasoning guards, [B, 3 + S] int64
     # (backend/engine/speculative/greedy.py `guard_rows`); None in every other step
     guards: np.ndarray | None = None
-    # a whole sampled speculative step's sampling parameters and uniforms, [B, 3 + 2k + 1] float32
+    # a whole sampled speculative step's sampling parameters and uniforms, [B, 3 + 2k + 1] float64
     # (backend/engine/speculative/sampled.py `draw_rows`); None in every other step
     draws: np.ndarray | None = None
 

@@ -23,6 +23,7 @@ _TORCH_DTYPES = {
     np.dtype(np.int64): torch.int64,
     np.dtype(np.int32): torch.int32,
     np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
     np.dtype(np.bool_): torch.bool,
 }
 

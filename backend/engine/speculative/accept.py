@@ -7,7 +7,9 @@ probability p_i(d_{i+1}), else draw from p_i with d_{i+1} taken out: the specula
 exactly as p_i, p(d)·1[t=d] + (1 - p(d))·p(t)/(1 - p(d))·1[t≠d] = p(t). p_i is the sampler's own
 distribution (`backend.engine.sampler`: penalties over the context with the accepted drafts, temperature,
 top-k, top-p). Either way the first rejection emits the target's token, and with every draft
-accepted the last row gives one more (the bonus token).
+accepted the last row gives one more (the bonus token). A sampled row's random numbers are the
+whole step's (backend/engine/speculative/sampled.py `draw_uniforms`, from the request's host
+generator, used alike), so a seeded request draws the same tokens whichever path its steps take.
 
 `choose_tokens` applies the rule to every row of a verify step (a plain row samples its one token),
 and `token_scores` gives the emitted tokens' log-probs where the request asks for them.
@@ -17,6 +19,7 @@ Shape letters: k drafts, N logits rows, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,12 +35,20 @@ from backend.engine.sampler import (
     apply_top_p,
     mask_banned,
 )
+from backend.engine.sequence import Sequence
 from backend.engine.speculative.plan import SpecRow
+from backend.engine.speculative.sampled import draw_inverse_cdf, draw_uniforms
 
 
-def choose_tokens(rows: list[SpecRow], logits: torch.Tensor, runner: ModelRunner) -> list[list[int]]:
+def choose_tokens(
+    rows: list[SpecRow],
+    logits: torch.Tensor,
+    runner: ModelRunner,
+    generator_of: Callable[[Sequence], torch.Generator],
+) -> list[list[int]]:
     """The tokens each sequence emits this step, from the verify's `logits [N, V]`: one sampled,
-    or its accepted drafts and the target's next token; [] for a row that samples nothing."""
+    or its accepted drafts and the target's next token; [] for a row that samples nothing.
+    `generator_of`: a sequence's host generator, for its drafts' random numbers (`accept_sampled`)."""
     emitted: list[list[int]] = [[] for _ in rows]
     plain = [b for b, r in enumerate(rows) if r.logits_rows and not r.drafts]
     if plain:
@@ -57,8 +68,9 @@ def choose_tokens(rows: list[SpecRow], logits: torch.Tensor, runner: ModelRunner
             at += len(drafts) + 1
     for b, r in enumerate(rows):
         if r.drafts and not r.sched.seq.sample_row.is_argmax:
+            seq = r.sched.seq
             emitted[b] = accept_sampled(
-                logits[r.logits_rows], r.drafts, r.sched.seq.sample_row, banned_rows(r)
+                logits[r.logits_rows], r.drafts, seq.sample_row, generator_of(seq), banned_rows(r)
             )
     return emitted
 
@@ -88,15 +100,22 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
 
 
 def accept_sampled(
-    logits: torch.Tensor, drafts: list[int], row: SampleRow, banned: list[tuple[int, ...]] | None = None
+    logits: torch.Tensor,
+    drafts: list[int],
+    row: SampleRow,
+    gen: torch.Generator,
+    banned: list[tuple[int, ...]] | None = None,
 ) -> list[int]:
-    """The tokens emitted, row by row over `logits [k + 1, V]`, drawing with `row`'s generator
-    (`row.token_ids`: the context before the first row; temperature 0 with penalties is greedy).
-    `banned`: per row, the ids a reasoning guard masks there (`banned_rows`)."""
-    params, gen = row.params, row.generator
+    """The tokens emitted, row by row over `logits [k + 1, V]` (`row.token_ids`: the context before
+    the first row; temperature 0 with penalties is greedy), with the random numbers a whole step
+    would draw from the host generator `gen` (sampled.py: u_i accepts d_{i+1}, v_a draws the token
+    at the row a where it stops, by inverse CDF in float64). `banned`: per row, the ids a reasoning
+    guard masks there (`banned_rows`)."""
+    params, k = row.params, len(drafts)
+    uniforms = draw_uniforms(gen, k) if params.temperature != 0 else None  # [2k + 1]: u's, then v's
     out: list[int] = []
-    for i in range(len(drafts) + 1):
-        context = SampleRow(params, gen, row.token_ids + drafts[:i], row.num_prompt_tokens)
+    for i in range(k + 1):
+        context = SampleRow(params, row.generator, row.token_ids + drafts[:i], row.num_prompt_tokens)
         x = apply_penalties(logits[i : i + 1].float(), [context])  # [1, V]
         if banned is not None and banned[i]:
             x = mask_banned(x.clone(), [banned[i]])  # a copy: `x` may be a view of the verify's logits
@@ -107,16 +126,15 @@ def accept_sampled(
                 return [*out, t]
             out.append(t)
             continue
-        probs = target_probs(x, params)[0]  # [V]
+        assert uniforms is not None
+        probs = target_probs(x, params)[0].double()  # [V]
         if draft is not None:
-            u = torch.rand((), generator=gen, device=probs.device)
-            if bool(u < probs[draft]):
+            if float(uniforms[i]) < float(probs[draft]):
                 out.append(draft)
                 continue
-            probs = probs.clone()
-            probs[draft] = 0.0
-        noise = torch.empty_like(probs).exponential_(generator=gen)
-        return [*out, int((probs / noise).argmax())]  # the Gumbel-max draw, as the sampler's
+            probs[draft] = 0.0  # the residual
+        v = uniforms[k + i : k + i + 1].to(probs.device)  # [1]
+        return [*out, int(draw_inverse_cdf(probs[None], v)[0])]
     raise AssertionError("the last row always emits")
 
 

@@ -20,8 +20,8 @@ its MTP KV is whole. A speculative step runs the MTP layer over every chunk of a
 ever draft and whose MTP KV is whole up to the chunk (drafting or not: a mid-prompt chunk, a plain
 row). A drafting sequence behind (its gap: positions computed by plain steps) catches up before its
 first draft: its verify chunk starts at the gap, so the target recomputes the gap's hidden states
-(rewriting its KV there with what it held) and depth 0 runs the MTP layer over them and the accepted
-positions in one prefill-shaped forward. The gap's rows count in the step's token budget; a gap that
+(its rows write no target KV: they read what the plain steps wrote, `plan.plan_target`) and depth
+0 runs the MTP layer over them and the accepted positions in one prefill-shaped forward. The gap's rows count in the step's token budget; a gap that
 does not fit waits for a later step, one that can never fit (`MAX_GAP_SHARE`) is left as zeros (the
 draft reads them: fewer drafts accepted, never a wrong token). Prefix-cache hits keep the MTP KV
 their writer left (whole, or zeros where it ran plain steps).

@@ -68,8 +68,8 @@ from backend.engine.speculative.policy import DraftPolicy, StepLoad
 from backend.engine.speculative.propose import propose
 from backend.engine.speculative.sampled import can_sample_on_device, draw_rows
 
-# a request's host generator for a device step's uniforms (its own generator lives on the device) is
-# seeded with its seed XOR this: a stream apart from the device generator's, reproducible per seed
+# a request's host generator for its drafts' uniforms, on either path (its own generator lives on the
+# device) is seeded with its seed XOR this: a stream apart from the device generator's, reproducible
 HOST_SEED_SALT = 0x5DEECE66D
 
 
@@ -160,7 +160,7 @@ class SpecDecoder:
         updates = np.array(tag_updates, dtype=np.int64) if tag_updates else None
         logits, flags = self._forward(StepInputs(host, updates, SpecForward(VERIFY)))  # [N, V], [B]
         results = [SeqResult(r.sched.seq, r.sched.num_new_tokens, False) for r in rows]
-        emitted = choose_tokens(rows, logits, runner)  # tokens per sequence (host), [] when none
+        emitted = choose_tokens(rows, logits, runner, self._host_generator)  # per sequence, [] when none
         mismatch = flags.tolist()
         for b, r in enumerate(rows):
             res = results[b]
@@ -264,8 +264,8 @@ class SpecDecoder:
         return results
 
     def _host_generator(self, seq: Sequence) -> torch.Generator:
-        """Where a device step's uniforms for `seq` are drawn: its own generator when that is on
-        the host, else one of the host's seeded from it (see `HOST_SEED_SALT`)."""
+        """Where the uniforms of `seq`'s drafts are drawn (whole step or host path alike): its own
+        generator when that is on the host, else one of the host's seeded from it (`HOST_SEED_SALT`)."""
         if seq.generator.device.type == "cpu":
             return seq.generator
         gen = self._host_generators.get(seq.request_id)

@@ -83,12 +83,16 @@ def plan_target(
     """The verify forward's inputs: each sequence's chunk, a drafting decode's drafts after its
     newest token, a catching-up sequence's gap before its chunk; the logits rows of every verify
     position, sample row and prompt row. Sets each row's `base` and `logits_rows`; returns the
-    prompt rows and their targets by sequence index."""
+    prompt rows and their targets by sequence index. A gap's rows write no KV (slot -1): its
+    attention reads the KV the plain steps wrote, which stays as it was (a recompute in another
+    batch shape differs in the last bits, and a published page is other sequences' context too).
+    Under DCP each rank derives its slots from the page table, and the gap is rewritten."""
     items: list[tuple[Sequence, int, list[int]]] = []
     logits_indices: list[int] = []
     prompt: dict[int, tuple[list[int], list[int]]] = {}
     image_rows: list[int] = []
     image_parts: list[torch.Tensor] = []
+    gap_rows: list[int] = []  # rows of T whose KV is already in the cache
     T = 0
     for b, r in enumerate(rows):
         seq, n, g = r.sched.seq, r.sched.num_new_tokens, r.gap
@@ -110,8 +114,10 @@ def plan_target(
             logits_indices += range(T + g + n - 1, T + len(tokens))
         StepPlanner.gather_image_rows(seq, at, g + n, T, image_rows, image_parts)
         items.append((seq, at, tokens))
+        gap_rows += range(T, T + g)
         T += len(tokens)
     host = host_batch(block_manager, items, logits_indices)
+    host.slots[gap_rows] = -1  # kv_write skips them
     host.image_rows, host.image_parts = image_rows, image_parts
     return host, prompt
 

@@ -13,13 +13,15 @@ softmax: `accept.target_probs`):
 1. d_{i+1} is accepted when u_i < p_i(d_{i+1}); a = the number of leading accepted drafts.
 2. The token at row a is drawn from p_a with d_{a+1} taken out (the residual; with a = k, from p_k:
    the bonus token), by inverse CDF: the first id whose cumulative mass exceeds v_a times the total.
-   Every emitted token is then distributed exactly as the target's (accept.py's module).
+   Every emitted token is then distributed exactly as the target's (accept.py's module). The CDF
+   and the uniforms are float64: in float32 both are spaced 6e-8 near 1, coarser than a large
+   vocabulary's tail (tokens of 1e-9 each), which would then be drawn by the wrong weights.
 3. The drafts after it: `greedy.draft_on_device`, over the tokens d_1 … d_a and the drawn one.
 
 The random numbers u_0 … u_{k−1} and v_0 … v_k are drawn on the host from the request's generator
 (`draw_rows`) and cross with the step's other inputs in its one copy: a replay reads fresh ones
 from its static buffer, every tensor-parallel rank reads the same, and nothing in the graph touches
-an RNG state. A row of `draw_rows`, `[3 + 2k + 1]` float32: temperature (0: the greedy rule), top-k
+an RNG state. A row of `draw_rows`, `[3 + 2k + 1]` float64: temperature (0: the greedy rule), top-k
 (0: off), top-p, the k u's, the k + 1 v's.
 
 Shape letters: B sequences, L = k + 1 rows each, V vocabulary.
@@ -58,15 +60,31 @@ def can_sample_on_device(row: SampleRow) -> bool:
 
 
 def draw_rows(rows: list[SampleRow], generators: list[torch.Generator], k: int) -> np.ndarray:
-    """`[B, draw_width(k)]` float32: each sequence's sampling parameters and this step's uniforms,
-    drawn from its host generator (a greedy row draws none: its uniforms stay 0)."""
-    out = np.zeros((len(rows), draw_width(k)), dtype=np.float32)
+    """`[B, draw_width(k)]` float64: each sequence's sampling parameters (float32 values, as the
+    host sampler uses them) and this step's uniforms, drawn from its host generator (a greedy row
+    draws none: its uniforms stay 0)."""
+    out = np.zeros((len(rows), draw_width(k)), dtype=np.float64)
     for b, (row, gen) in enumerate(zip(rows, generators, strict=True)):
         p = row.params
-        out[b, :PARAMS_WIDTH] = p.temperature, p.top_k, p.top_p
+        out[b, :PARAMS_WIDTH] = np.array([p.temperature, p.top_k, p.top_p], dtype=np.float32)
         if p.temperature > 0:
-            torch.rand(2 * k + 1, generator=gen, out=torch.from_numpy(out[b, PARAMS_WIDTH:]))  # [0, 1)
+            out[b, PARAMS_WIDTH:] = draw_uniforms(gen, k).numpy()
     return out
+
+
+def draw_uniforms(gen: torch.Generator, k: int) -> torch.Tensor:
+    """`[2k + 1]` float64 in [0, 1) from the host generator `gen`: one sampled sequence's u's and
+    v's for a verify of k drafts. The host path (accept.py `accept_sampled`) draws the same ones
+    as a whole step here, so a seeded request's tokens do not depend on which path a step took."""
+    return torch.rand(2 * k + 1, generator=gen, dtype=torch.float64)
+
+
+def draw_inverse_cdf(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`[N]` ids: per row of `weights [N, V]` (float64, not normalised), the first id whose
+    cumulative weight exceeds `v [N]` (in [0, 1)) times the row's total; an id of weight 0 never."""
+    cdf = weights.cumsum(dim=-1)  # [N, V]
+    drawn = torch.searchsorted(cdf, v[:, None] * cdf[:, -1:], right=True)[:, 0]  # [N]
+    return torch.where(drawn < weights.shape[1], drawn, weights.argmax(dim=-1))  # v·total rounded up
 
 
 def sampled_step(
@@ -82,25 +100,27 @@ def sampled_step(
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
     x = mask_guarded(logits, drafts, guards).float()  # [B·L, V]
     targets = x.argmax(dim=-1).view(B, L)  # [B, L] the greedy rule's
-    temperature, top_k, top_p = (draws[:, i : i + 1].expand(B, L).reshape(B * L) for i in range(3))
-    is_sampled = draws[:, 0] > 0  # [B]
+    params = draws[:, :PARAMS_WIDTH].float()  # [B, 3] as the host sampler's (float32)
+    temperature, top_k, top_p = (params[:, i : i + 1].expand(B, L).reshape(B * L) for i in range(3))
+    is_sampled = params[:, 0] > 0  # [B]
     xs = x / torch.where(temperature > 0, temperature, 1.0)[:, None]  # [B·L, V]
     xs = apply_top_k(xs, top_k.to(torch.int64))  # top-k 0 (off) keeps every id
     xs = apply_top_p(xs, top_p)
     probs = torch.softmax(xs, dim=-1).view(B, L, V)
-    u = draws[:, PARAMS_WIDTH : PARAMS_WIDTH + k].to(probs.dtype)  # [B, k]
-    v = draws[:, PARAMS_WIDTH + k :].to(probs.dtype)  # [B, L]
-    is_accepted = u < probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0]  # [B, k]
-    residual = probs.clone()
-    residual[:, :k].scatter_(2, drafts[:, :, None], 0.0)  # [B, L, V] row i without d_{i+1}
-    cdf = residual.cumsum(dim=-1)  # [B, L, V]
-    point = (v * cdf[:, :, -1])[:, :, None]  # [B, L, 1]
-    drawn = torch.searchsorted(cdf, point, right=True)[:, :, 0]  # [B, L]
-    drawn = torch.where(drawn < V, drawn, residual.argmax(dim=-1))  # v·total rounded up to the total
+    u = draws[:, PARAMS_WIDTH : PARAMS_WIDTH + k]  # [B, k] float64
+    v = draws[:, PARAMS_WIDTH + k :]  # [B, L] float64
+    is_accepted = u < probs[:, :k].gather(2, drafts[:, :, None])[:, :, 0].double()  # [B, k]
     accepted = torch.where(
         is_sampled, is_accepted.to(torch.int64).cumprod(dim=1).sum(dim=1), accepted_count(targets, drafts)
     )  # [B] a
-    final = torch.where(is_sampled[:, None], drawn, targets)  # [B, L] each row's token if a stops there
+    # row a's residual: p_a without d_{a+1} (a < k), or p_k (the bonus)
+    seqs = torch.arange(B, device=drafts.device)  # [B]
+    residual = probs[seqs, accepted].double()  # [B, V]
+    rejected = torch.nn.functional.pad(drafts, (0, 1))[seqs, accepted]  # [B] d_{a+1} (0 past d_k)
+    kept = torch.where(accepted < k, 0.0, residual.gather(1, rejected[:, None])[:, 0])  # [B]
+    residual.scatter_(1, rejected[:, None], kept[:, None])
+    drawn = draw_inverse_cdf(residual, v.gather(1, accepted[:, None])[:, 0])  # [B]
+    final = torch.where(is_sampled[:, None], drawn[:, None], targets)  # [B, L] row a's token if a stops there
     before = torch.arange(L, device=drafts.device)[None, :] < accepted[:, None]  # [B, L] rows < a
     tokens = torch.where(before, torch.nn.functional.pad(drafts, (0, 1)), final)  # [B, L]
     proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size)  # [B, k]

@@ -99,7 +99,7 @@ class VerifyGraphs:
         self.guards = torch.full((n, GUARD_WIDTH), -1, dtype=i64, device=dev)  # [n, 3 + S] greedy.py's rows
         self.guards[:, 0] = 0  # closed: no sequence's guard bans anything until one is staged
         self.draws = torch.zeros(
-            (n, draw_width(max_drafts)), dtype=torch.float32, device=dev
+            (n, draw_width(max_drafts)), dtype=torch.float64, device=dev
         )  # [n, W] greedy
         self.rows = torch.arange(n * L, dtype=i64, device=dev)  # [n·L] logits rows: every row is one
         # per k, what a replay never changes: each sequence's first row [n+1] and each row's sequence
@@ -286,7 +286,7 @@ class VerifyGraphs:
             guards[B:, 0] = 0  # padding sequences: closed, no markers
         h_draws = None
         if host.draws is not None:
-            h_draws, draws = st.reserve(np.float32, (bucket, host.draws.shape[1]))
+            h_draws, draws = st.reserve(np.float64, (bucket, host.draws.shape[1]))
             draws[:B], draws[B:] = host.draws, 0.0  # padding sequences: greedy
         self._staged = (n, bucket, width, (h_vectors, h_pages, h_tags), h_guards, h_draws)
 

@@ -5,13 +5,15 @@ tokens they emit are distributed as the target's."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import torch
 
+from backend.engine.forward_batch import ForwardBatch, KVCache
 from backend.engine.sampler import SampleRow
-from backend.engine.speculative.sampled import draw_rows, draw_width
+from backend.engine.speculative.greedy import guard_rows
+from backend.engine.speculative.sampled import draw_rows, draw_width, sampled_step
 from schemas.backend import ReasoningMarkers, SamplingParams
 from tests.backend.engine.test_speculative import chi2_p_value, engine_for, loaded, prompts, toy_engine
 from tests.backend.engine.test_speculative_greedy import graphed
@@ -117,7 +119,7 @@ def test_draw_rows_hold_parameters_and_fresh_uniforms() -> None:
     greedy = SampleRow(SamplingParams(temperature=0.0), g, [1], 1)
     first = draw_rows([sampled, greedy], [g, g], 3)
     again = draw_rows([sampled, greedy], [g, g], 3)
-    assert first.shape == (2, draw_width(3)) and first.dtype.name == "float32"
+    assert first.shape == (2, draw_width(3)) and first.dtype.name == "float64"
     assert first[0, :3].tolist() == [0.5, 7.0, torch.tensor(0.9).item()]
     assert (first[0, 3:] >= 0).all() and (first[0, 3:] < 1).all()
     assert (first[0, 3:] != again[0, 3:]).all()  # each step draws anew
@@ -160,3 +162,78 @@ def test_sampled_device_steps_follow_the_target() -> None:
     s = engine.stats
     assert 0.2 < s.spec_accepted_tokens / s.spec_drafted_tokens < 0.9  # accepts and rejects both ran
     assert chi2_p_value(counts.flatten(), expected.flatten()) > 1e-3
+
+
+class OneRowModel(torch.nn.Module):
+    """Every verify row's next-token logits are `logits [V]`; the MTP head proposes token 0."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward_spec(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        T = batch.input_ids.shape[0]
+        return self.logits.expand(T, -1).clone(), torch.zeros(T, 1)
+
+    def forward_mtp(
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(batch.logits_indices.shape[0], 2), hidden
+
+
+def test_a_residual_or_bonus_draw_resolves_a_long_tail() -> None:
+    """The inverse-CDF draw of a whole sampled step keeps tokens far below 2^-24 apart: a uniform
+    inside one tail token's interval of the target's CDF (behind a head of 0.9) draws that token,
+    after a rejection (the residual) and after an acceptance (the bonus). A float32 uniform or CDF
+    rounds such a point by dozens of tokens (its spacing near 0.9: 6e-8, the tokens' 1e-9), and
+    drops mass beyond what the host sampler's Gumbel draw would."""
+    V, tail = 8192, 1e-9
+    p = torch.full((V,), tail, dtype=torch.float64)
+    p[0], p[-1] = 0.9, 0.1 - tail * (V - 2)  # the head first, the tail behind it, then the rest
+    logits = p.log().float()
+    model = OneRowModel(logits)
+    probs = torch.softmax(logits.expand(2, -1), dim=-1)[0].double()  # [V] the step's own
+    cdf = probs.cumsum(0)
+    draft, want = 5000, 3000  # a tail draft: p(draft) = 1e-9, and the token each uniform aims at
+    residual = cdf - probs[draft] * (torch.arange(V) >= draft)  # without the rejected draft
+    gen = torch.Generator().manual_seed(0)
+    row = SampleRow(SamplingParams(temperature=1.0), gen, [0], 1)
+    for u, cdf_at in ((0.999, residual), (0.0, cdf)):  # rejected: the residual; accepted: the bonus
+        draws = draw_rows([row], [gen], 1)
+        draws[0, 3] = u
+        draws[0, 4:] = (cdf_at[want - 1] + cdf_at[want]) / 2 / cdf_at[-1]  # the v's, mid-interval
+        batch = ForwardBatch(
+            input_ids=torch.tensor([7, draft]),
+            positions=torch.tensor([4, 5]),
+            query_start=torch.tensor([0, 2], dtype=torch.int32),
+            seq_lens=torch.tensor([6], dtype=torch.int32),
+            page_table=torch.zeros((1, 1), dtype=torch.int32),
+            expected_tags=torch.zeros((1, 1), dtype=torch.int64),
+            slot_mapping=torch.tensor([4, 5]),
+            logits_indices=torch.arange(2),
+            kv_cache=cast(KVCache, None),
+            tag_mismatch=torch.zeros(1, dtype=torch.bool),
+        )
+        guards = torch.from_numpy(guard_rows([None]))
+        out = sampled_step(model, batch, guards, torch.from_numpy(draws), 1, 8)
+        a = int(u == 0.0)
+        assert out[0, 0].item() == a and out[0, 1 : 2 + a].tolist() == [draft] * a + [want]
+
+
+def test_a_seeded_request_draws_alike_on_the_host_path(loaded: dict[str, Any]) -> None:
+    """A step takes the host path when any of its rows needs it (here another request's logprobs):
+    a seeded request's tokens do not depend on which path its steps took, so on what shares them."""
+    model = loaded["deepseek_v3"]
+    ps = prompts(2, model.config.vocab_size, seed=4)
+    seeded = request("s", ps[0], max_tokens=24, temperature=1.0, top_p=0.9, seed=11)
+
+    def run(*others: Any) -> tuple[list[int], int]:
+        engine = graphed(model, 2, speculative_adaptive=False)
+        out = run_all(engine, [seeded, *others])
+        assert engine.spec is not None
+        return out["s"].token_ids, engine.spec.num_sampled_steps
+
+    alone, num_whole = run()
+    shared, num_shared_whole = run(request("l", ps[1], max_tokens=24, logprobs=True))
+    assert num_whole > 0 and num_shared_whole < num_whole  # its steps beside "l": the host path
+    assert shared == alone
