@@ -14,6 +14,8 @@ source "$(dirname "$0")/preamble.sh"
 W=/tmp/r11s && rm -rf $W && mkdir -p $W
 el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r11_second.tgz" -C $W .; }
+LIMIT=${LIMIT:-540}  # a stage starts only if its timeout ends before LIMIT s (the call's own limit less a margin)
+fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
 if [ -n "${TESTS:-}" ]; then
   timeout 200 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 150 -rfE \
     tests/backend/engine/test_speculative_cuda.py tests/backend/engine/test_verify_graphs.py \
@@ -24,14 +26,15 @@ if [ -n "${TESTS:-}" ]; then
 fi
 BUDGET=${BUDGET:-200}
 timeout $(( BUDGET + 80 )) python3 -m benchmarks.cli engine mtp --models models/glm-5.2-nano,models/kimi-k2.6-nano \
-  --c64-rounds 4 --budget-s "$BUDGET" --out $W/mtp-gpu.json > $W/mtp-gpu.log 2>&1
+  --c64-rounds ${C64_ROUNDS:-4} --budget-s "$BUDGET" ${MTP_ARGS:-} --out $W/mtp-gpu.json > $W/mtp-gpu.log 2>&1
 echo "== mtp bench rc=$? at $(el)s"; grep -v Warning $W/mtp-gpu.log | grep -E "speedup|c64|step_ms|acceptance|first_drafting" | head -30
 pack
-timeout 100 python3 -m lab.diagnostics.c64_idle_spec --device cuda --max-tokens 128 --rounds 4 --resume 32 --top 0 \
+fits 100 c64_idle_spec && timeout 100 python3 -m lab.diagnostics.c64_idle_spec --device cuda --max-tokens 128 --rounds 4 --resume 32 --top 0 \
   > $W/c64_idle_spec.log 2>&1
-echo "== c64 idle rc=$? at $(el)s"; tail -20 $W/c64_idle_spec.log
+echo "== c64 idle rc=$? at $(el)s"; tail -20 $W/c64_idle_spec.log 2>/dev/null
 pack
 for m in glm-5.2-nano kimi-k2.6-nano; do
+  fits 100 "profile $m" || break
   timeout 100 python3 -m lab.diagnostics.spec_profile --model models/$m --out $W/spec_profile-$m.txt > $W/spec_profile-$m.log 2>&1
   echo "== profile $m rc=$? at $(el)s"; grep -A14 "== side" $W/spec_profile-$m.txt | grep -v "^---" | head -30
   pack
