@@ -20,6 +20,16 @@ they are its spare pages, dropped when it stops drafting (`drop_spare_pages`), f
 preempted (`release`), or when the pool runs short: a decode's next page or an admission takes
 every sequence's spare pages before it fails (and before the scheduler preempts anyone).
 
+MTP KV (speculative decoding's draft layer, backend/engine/speculative/book.py): a page computed by
+plain steps is published with none (zeros, or a rejected draft's). The cache holds which pages'
+MTP KV is whole; a holder tells it (`publish_full_pages`) once its `num_whole_draft_kv_tokens` covers
+a page, whether it computed the page or caught it up over a hit. A hit trusts the MTP KV of the hits
+whose MTP KV is whole, from the first; past them a drafting sequence catches up as after plain steps
+(its depth-0 rows write the MTP KV of shared pages: the same tokens' MTP KV, equal up to a batch
+shape's last bits, read only by drafts, so acceptance alone can change by it, never a token).
+A page's last position is the one exception: its MTP KV reads the token after the page, which the
+page's key does not hold, so a hit whose next page differs reads that one entry as its writer left it.
+
 The manager holds no tensors: the sequences' page tables are rows of its host `PageTables`
 (`backend.engine.page_table`), which the model runner gathers, and the runner copies `take_tag_updates()`
 into `KVCache.page_tags`.
@@ -115,7 +125,10 @@ class BlockManager:
             self._allocate(seq)
         seq.page_hashes = [digest for digest, _ in keys[: len(hits)]]
         seq.num_computed_tokens = len(hits) * self.page_size
-        seq.num_draft_kv_tokens = seq.num_computed_tokens  # a hit's MTP KV: as its writer left it
+        # MTP KV: trusted over the hits whose MTP KV is whole; past them a drafting sequence catches up
+        num_whole = self._num_whole_draft_kv_pages(hits)
+        seq.num_draft_kv_tokens = seq.num_whole_draft_kv_tokens = num_whole * self.page_size
+        seq.num_whole_draft_kv_pages = num_whole
         return True
 
     def _plan(self, seq: Sequence) -> tuple[list[tuple[bytes, PageKey]], list[int], int] | None:
@@ -193,7 +206,7 @@ class BlockManager:
         for ref in self._ledger.pop(seq.request_id, []):
             self._drop(ref, step)
         self.page_tables.detach(seq.page_table)
-        seq.page_hashes = []
+        seq.page_hashes, seq.num_whole_draft_kv_pages = [], 0
 
     def distrust(self, seq: Sequence) -> None:
         """Take every page of `seq` out of the prefix cache: one of them failed the tag check, on
@@ -204,18 +217,22 @@ class BlockManager:
                 self.prefix_cache.forget(ref.page_id)
 
     def publish_full_pages(self, seq: Sequence) -> None:
-        """Offer the prefix cache every full page of `seq` whose KV is now computed."""
+        """Offer the prefix cache every full page of `seq` whose KV is now computed, and tell it
+        which of its pages' MTP KV is now whole (the module doc: MTP KV)."""
         if self.prefix_cache is None:
             return
         num_full = seq.num_computed_tokens // self.page_size
-        if num_full <= len(seq.page_hashes):
-            return
-        keys = self._full_page_keys(seq, num_full * self.page_size)
-        for i in range(len(seq.page_hashes), num_full):
-            digest, key = keys[i]
-            ref = seq.page_table[i]
-            self.prefix_cache.insert(digest, key, ref.page_id, ref.tag)
-            seq.page_hashes.append(digest)
+        if num_full > len(seq.page_hashes):
+            keys = self._full_page_keys(seq, num_full * self.page_size)
+            for i in range(len(seq.page_hashes), num_full):
+                digest, key = keys[i]
+                ref = seq.page_table[i]
+                self.prefix_cache.insert(digest, key, ref.page_id, ref.tag)
+                seq.page_hashes.append(digest)
+        num_whole = min(len(seq.page_hashes), seq.num_whole_draft_kv_tokens // self.page_size)
+        for i in range(seq.num_whole_draft_kv_pages, num_whole):
+            self.prefix_cache.mark_draft_kv_whole(seq.page_table[i].page_id)
+        seq.num_whole_draft_kv_pages = max(seq.num_whole_draft_kv_pages, num_whole)
 
     # ---- steps ---------------------------------------------------------------------------------
     def touch(self, page_ids: list[int], step: int) -> None:
@@ -251,6 +268,13 @@ class BlockManager:
         return updates
 
     # ---- internals -----------------------------------------------------------------------------
+    def _num_whole_draft_kv_pages(self, hits: list[int]) -> int:
+        """How many of the hit pages, from the first, the prefix cache holds as MTP KV whole."""
+        cache, n = self.prefix_cache, 0
+        while n < len(hits) and cache is not None and cache.is_draft_kv_whole(hits[n]):
+            n += 1
+        return n
+
     def _full_page_keys(self, seq: Sequence, num_tokens: int) -> list[tuple[bytes, PageKey]]:
         """Chained keys of the full pages among the first `num_tokens` tokens, extending the ones
         `seq` already has (its tokens only ever grow, so they stay valid)."""

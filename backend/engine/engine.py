@@ -309,7 +309,7 @@ class Engine:
         self._stats.generated_tokens += len(tokens)
         # a stop inside an accepted run: the KV past the kept tokens is not theirs to publish
         seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq.token_ids) - 1)
-        seq.num_draft_kv_tokens = min(seq.num_draft_kv_tokens, seq.num_computed_tokens)
+        seq.clamp_draft_kv(seq.num_computed_tokens)
         self.block_manager.publish_full_pages(seq)  # after the tokens: their KV is computed
         out = EngineOutput(
             request_id=seq.request_id,

@@ -60,6 +60,7 @@ class PrefixCache:
         self._page_by_hash: dict[bytes, int] = {}
         self._entry_by_page: dict[int, tuple[bytes, PageKey, int]] = {}  # page -> (hash, key, tag)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refcount-0 cached pages, LRU first
+        self._whole_draft_kv: set[int] = set()  # cached pages whose MTP KV is whole
 
     @staticmethod
     def key(
@@ -94,6 +95,14 @@ class PrefixCache:
     def is_cached(self, page_id: int) -> bool:
         return page_id in self._entry_by_page
 
+    def mark_draft_kv_whole(self, page_id: int) -> None:
+        """A holder of `page_id` has written the MTP KV of its every position (if it is cached)."""
+        if page_id in self._entry_by_page:
+            self._whole_draft_kv.add(page_id)
+
+    def is_draft_kv_whole(self, page_id: int) -> bool:
+        return page_id in self._whole_draft_kv
+
     def mark_unreferenced(self, page_id: int) -> None:
         self._evictable[page_id] = None
         self._evictable.move_to_end(page_id)
@@ -124,3 +133,4 @@ class PrefixCache:
         if entry is not None:
             del self._page_by_hash[entry[0]]
         self._evictable.pop(page_id, None)
+        self._whole_draft_kv.discard(page_id)

@@ -207,7 +207,7 @@ class Scheduler:
         self.block_manager.release(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
-        seq.num_computed_tokens = seq.num_draft_kv_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_kv_tokens = seq.num_whole_draft_kv_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

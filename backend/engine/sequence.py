@@ -50,11 +50,14 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
-    # speculative decoding: positions below it hold MTP KV of their accepted tokens
-    # (backend/engine/speculative/book.py says who writes it and how a gap is caught up)
+    # speculative decoding: positions below it hold MTP KV of their accepted tokens, or a gap given
+    # up (zeros); below `num_whole_draft_kv_tokens`, MTP KV only (backend/engine/speculative/book.py
+    # says who writes it, how a gap is caught up and what the prefix cache is told)
     num_draft_kv_tokens: int = 0
+    num_whole_draft_kv_tokens: int = 0
     page_table: PageTable = field(default_factory=PageTable)
     page_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full pages held, in order
+    num_whole_draft_kv_pages: int = 0  # of those, the first ones told to the cache as MTP KV whole
     page_keys: list[tuple[bytes, PageKey]] = field(default_factory=list)  # prefix-cache keys computed so far
     status: Status = Status.WAITING
     arrival: int = field(default_factory=lambda: next(_arrival))
@@ -114,3 +117,15 @@ class Sequence:
         return [
             s.image_hash for s in self.request.image_spans if s.offset < end and s.offset + s.length > start
         ]
+
+    def wrote_draft_kv(self, end: int) -> None:
+        """The MTP layer wrote the KV of positions `num_draft_kv_tokens` … `end`-1: whole up to `end`
+        unless a gap given up lies below them."""
+        if self.num_whole_draft_kv_tokens == self.num_draft_kv_tokens:
+            self.num_whole_draft_kv_tokens = end
+        self.num_draft_kv_tokens = end
+
+    def clamp_draft_kv(self, num_tokens: int) -> None:
+        """Its MTP KV counts below `num_tokens` only (a stop inside an accepted run)."""
+        self.num_draft_kv_tokens = min(self.num_draft_kv_tokens, num_tokens)
+        self.num_whole_draft_kv_tokens = min(self.num_whole_draft_kv_tokens, num_tokens)

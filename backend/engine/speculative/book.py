@@ -23,8 +23,9 @@ first draft: its verify chunk starts at the gap, so the target recomputes the ga
 (its rows write no target KV: they read what the plain steps wrote, `plan.plan_target`) and depth
 0 runs the MTP layer over them and the accepted positions in one prefill-shaped forward. The gap's rows count in the step's token budget; a gap that
 does not fit waits for a later step, one that can never fit (`MAX_GAP_SHARE`) is left as zeros (the
-draft reads them: fewer drafts accepted, never a wrong token). Prefix-cache hits keep the MTP KV
-their writer left (whole, or zeros where it ran plain steps).
+draft reads them: fewer drafts accepted, never a wrong token; `num_whole_draft_kv_tokens` stays at the
+gap's start). A prefix-cache hit trusts the MTP KV of its hit pages only as far as the cache holds
+it whole, and catches up the rest (backend/engine/block_manager.py, the module doc).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class DraftBook:
 
     def gap(self, seq: Sequence) -> int:
         """The positions before `seq`'s next chunk whose MTP KV a plain step left unwritten, to catch
-        up before it drafts; a gap too long to ever fit a step is given up (left as zeros): 0."""
+        up before it drafts; a gap too long to ever fit a step is given up (left as zeros, its MTP
+        KV no longer whole past the gap's start: `num_whole_draft_kv_tokens` stays): 0."""
         gap = seq.num_computed_tokens - seq.num_draft_kv_tokens
         if gap > self.max_num_batched_tokens // MAX_GAP_SHARE:
             seq.num_draft_kv_tokens, gap = seq.num_computed_tokens, 0

@@ -251,7 +251,7 @@ class SpecDecoder:
                 continue
             tokens, drafts = rest[: a + 1], rest[L:]
             res.num_new_tokens = a + 1  # the verify rows of the accepted tokens hold valid KV
-            seq.num_draft_kv_tokens = seq.num_computed_tokens + a + 1  # depth 0 ran over them
+            seq.wrote_draft_kv(seq.num_computed_tokens + a + 1)  # depth 0 ran over them
             self.stats.verifies += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += a

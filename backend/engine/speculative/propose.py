@@ -116,6 +116,6 @@ def propose(
             at += 1
     for b, start, m, _ in accepted:
         if not results[b].is_tag_mismatch:
-            rows[b].sched.seq.num_draft_kv_tokens = start + m
+            rows[b].sched.seq.wrote_draft_kv(start + m)
     proposed = {b: drafts[i] for i, (b, _, _) in enumerate(proposing) if not results[b].is_tag_mismatch}
     return proposed, draft_rows

@@ -187,3 +187,51 @@ def test_spare_pages_are_kept_until_dropped_and_taken_when_the_pool_runs_short()
     bm.release(a)
     bm.release(c)
     assert bm.num_free_pages == 4 and not bm.spare_holders and bm.num_spare_pages == 0
+
+
+def test_a_hit_trusts_the_mtp_kv_of_its_hits_only_as_far_as_it_is_whole() -> None:
+    """A page published by plain steps carries no MTP KV: a hit on it starts its MTP KV at the page
+    (to catch up), and once a holder's MTP KV covers the page, later hits trust it. A gap given up
+    (the cursor moved, nothing written) never makes a page whole."""
+    bm = BlockManager(num_pages=12, page_size=16)
+    owner = seq("owner", 50)  # 3 full pages
+    assert bm.admit(owner)
+    owner.num_computed_tokens = 50
+    owner.wrote_draft_kv(16)  # a speculative first chunk, then plain steps
+    bm.publish_full_pages(owner)
+    reader = seq("reader", 50)
+    assert bm.admit(reader) and reader.num_computed_tokens == 48
+    assert reader.num_draft_kv_tokens == reader.num_whole_draft_kv_tokens == 16
+    reader.num_draft_kv_tokens = 48  # its gap given up (backend/engine/speculative/book.py)
+    reader.wrote_draft_kv(50)
+    bm.publish_full_pages(reader)
+    late = seq("late", 50)
+    assert bm.admit(late) and late.num_draft_kv_tokens == 16 and reader.num_whole_draft_kv_tokens == 16
+    owner.wrote_draft_kv(50)  # the owner catches up over its own published pages
+    bm.publish_full_pages(owner)
+    assert owner.num_whole_draft_kv_pages == 3
+    again = seq("again", 50)
+    assert bm.admit(again) and again.num_draft_kv_tokens == again.num_whole_draft_kv_tokens == 48
+    assert again.num_whole_draft_kv_pages == 3
+    for s in (owner, reader, late, again):
+        bm.release(s)
+    assert bm.num_available_pages == 12 and owner.num_whole_draft_kv_pages == 0
+
+
+def test_a_catch_up_over_hit_pages_makes_them_whole_and_eviction_forgets_it() -> None:
+    bm = BlockManager(num_pages=4, page_size=16)
+    owner = seq("owner", 20)  # plain steps only: page 0 published without MTP KV
+    assert bm.admit(owner)
+    owner.num_computed_tokens = 20
+    bm.publish_full_pages(owner)
+    reader = seq("reader", 20)
+    assert bm.admit(reader) and reader.num_draft_kv_tokens == 0
+    reader.num_computed_tokens = 20
+    reader.wrote_draft_kv(20)  # it drafts: its verify caught up the shared page
+    bm.publish_full_pages(reader)
+    page = owner.page_table[0].page_id
+    assert bm.prefix_cache is not None and bm.prefix_cache.is_draft_kv_whole(page)
+    bm.release(owner)
+    bm.release(reader)
+    big = seq("big", 64, first_token=50)  # every page: evicts the cached one
+    assert bm.admit(big) and not bm.prefix_cache.is_draft_kv_whole(page)

@@ -205,3 +205,47 @@ def test_a_catch_up_leaves_the_target_kv_of_its_gap_as_it_was(loaded: dict[str, 
         n = kv[0].shape[0]
         for was, now in zip(kv, target_kv(engine, rid, n), strict=True):
             assert torch.equal(was, now), rid
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_hit_on_pages_of_plain_steps_catches_up_their_mtp_kv(loaded: dict[str, Any], arch: str) -> None:
+    """A writer that ran plain steps only publishes pages without MTP KV; a drafting request that
+    hits them catches up over them (it does not count zeros as its MTP KV): after its first step its
+    MTP KV there equals (fp32) what a run drafting from the start wrote, the pages are then whole
+    for a later hit, which catches up nothing; greedy outputs equal speculation off's."""
+    model = loaded[arch]
+    system = (prompts(1, model.config.vocab_size, seed=5)[0] * 24)[:24]  # 3 pages of 8
+    tails = prompts(3, model.config.vocab_size, seed=6)
+    reqs = [request(f"r{i}", system + t[:5], max_tokens=8, ignore_eos=True) for i, t in enumerate(tails)]
+    config = dict(speculative_adaptive=False, max_num_batched_tokens=96)
+    plain = run_all(engine_for(model, 0, **config), reqs)
+    engine, always = engine_for(model, 3, **config), engine_for(model, 3, **config)
+    spec = engine.spec
+    assert spec is not None
+    choose = spec.policy.choose
+    spec.policy.choose = lambda load: 0  # type: ignore[method-assign]  # the writer: plain steps
+    got: dict[str, Result] = {}
+    engine.add_request(reqs[0])
+    while engine.has_unfinished:
+        collect(got, engine.step())
+    assert engine.stats.spec_drafted_tokens == 0
+    spec.policy.choose = choose  # type: ignore[method-assign]
+    engine.add_request(reqs[1])
+    collect(got, engine.step())  # its prompt: 24 tokens hit, 5 computed, the 24 caught up
+    hitter = engine._seqs["r1"]
+    assert hitter.num_cached_tokens == 24 and spec.did_catch_up
+    assert hitter.num_draft_kv_tokens == hitter.num_whole_draft_kv_tokens == hitter.num_computed_tokens
+    always.add_request(reqs[1])
+    collect({}, always.step())
+    for have, want in zip(draft_kv(engine, "r1", 29), draft_kv(always, "r1", 29), strict=True):
+        assert have.abs().sum() > 0
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    engine.add_request(reqs[2])
+    collect(got, engine.step())  # a later hit: the 24 tokens' MTP KV is whole now
+    assert engine._seqs["r2"].num_cached_tokens == 24 and not spec.did_catch_up
+    while engine.has_unfinished:
+        collect(got, engine.step())
+    assert engine.stats.spec_drafted_tokens > 0 and engine.stats.tag_check_aborts == 0
+    assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
+    for r in reqs:
+        assert got[r.request_id].token_ids == plain[r.request_id].token_ids, r.request_id
