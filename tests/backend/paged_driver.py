@@ -56,8 +56,8 @@ class PagedDriver:
             for i in range(s.num_cached, end):
                 ids.append(s.tokens[i])
                 pos.append(i)
-                # under DCP each rank finds its own slots from the page table; none is given here
-                slots.append(s.pages[i // S] * S + i % S if self.dcp == 1 else -1)
+                # under DCP each rank finds its own slots from the page table: 0 is ignored (-1 skips)
+                slots.append(s.pages[i // S] * S + i % S if self.dcp == 1 else 0)
             starts.append(starts[-1] + n)
         Mp = max(len(s.pages) for s in seqs)
         table = torch.zeros(len(seqs), Mp, dtype=torch.int32)

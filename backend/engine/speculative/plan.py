@@ -85,8 +85,8 @@ def plan_target(
     position, sample row and prompt row. Sets each row's `base` and `logits_rows`; returns the
     prompt rows and their targets by sequence index. A gap's rows write no KV (slot -1): its
     attention reads the KV the plain steps wrote, which stays as it was (a recompute in another
-    batch shape differs in the last bits, and a published page is other sequences' context too).
-    Under DCP each rank derives its slots from the page table, and the gap is rewritten."""
+    batch shape differs in the last bits, and a published page is other sequences' context too),
+    under DCP as well (each rank derives its slots from the page table but skips the rows marked -1)."""
     items: list[tuple[Sequence, int, list[int]]] = []
     logits_indices: list[int] = []
     prompt: dict[int, tuple[list[int], list[int]]] = {}

@@ -50,8 +50,10 @@ def local_lens(seq_lens: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 def local_writes(
     batch: ForwardBatch, token_seq: torch.Tensor, rank: int, size: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(slot_mapping [T], this rank's slot or -1 for other ranks' tokens; the tag each destination
-    page must carry [T], or None with the tag check off)."""
+    """(slot_mapping [T], this rank's slot or -1 for other ranks' tokens and for rows the batch's
+    own `slot_mapping` marks -1 (rows whose KV is already cached, a speculative catch-up's gap: they
+    write nothing); the tag each destination page must carry [T], or None with the tag check off).
+    Any other value of the batch's slot is ignored: each rank derives its slot from the page table."""
     qs = batch.query_start.long()
     q_lens = qs[1:] - qs[:-1]
     offset = torch.arange(batch.num_tokens, device=qs.device) - qs[token_seq]
@@ -60,7 +62,7 @@ def local_writes(
     local = token_idx // size
     col = (local // S).clamp(max=batch.page_table.shape[1] - 1)
     slots = batch.page_table[token_seq, col].long() * S + local % S
-    slots = torch.where(token_idx % size == rank, slots, -1)
+    slots = torch.where((token_idx % size == rank) & (batch.slot_mapping >= 0), slots, -1)
     expected = batch.expected_tags[token_seq, col] if batch.check_tags else None
     return slots, expected
 

@@ -3,12 +3,15 @@ merged, equal the single-rank reference ops over the whole cache (no process gro
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from backend.models.layers.context_parallel import (
     dsa_indexer_shard_ref,
     local_lens,
+    local_writes,
     merge_partials,
     merge_topk,
     mla_attention_shard_ref,
@@ -163,3 +166,38 @@ def test_with_the_tag_check_off_no_tag_is_read() -> None:
     assert not flags.any()
     merged = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     torch.testing.assert_close(merged, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_rows_marked_minus_one_write_nothing_on_any_rank(size: int) -> None:
+    """A speculative catch-up marks its gap's rows -1 (their KV is cached, maybe in pages another
+    sequence shares): under DCP no rank writes them; every other row is written by exactly the rank
+    that holds its token, at the slot its page table gives, whatever the batch's own slot says."""
+    q_lens, seq_lens = [3, 6], [7, 10]  # sequence 1's first 4 new rows are a gap
+    T = sum(q_lens)
+    table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    marked = torch.tensor([0, 0, 0, -1, -1, -1, -1, 0, 0])
+    batch = SimpleNamespace(
+        query_start=torch.tensor([0, 3, 9], dtype=torch.int32),
+        num_tokens=T,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        kv_cache=SimpleNamespace(page_size=S),
+        page_table=table,
+        expected_tags=torch.tensor([[10, 20], [30, 40]]),
+        check_tags=True,
+        slot_mapping=marked,
+    )
+    token_seq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1])
+    token_idx = [4, 5, 6, 4, 5, 6, 7, 8, 9]  # within its sequence
+    written: list[int] = []
+    for rank in range(size):
+        slots, expected = local_writes(batch, token_seq, rank, size)  # type: ignore[arg-type]
+        assert expected is not None
+        for t in range(T):
+            local = token_idx[t] // size
+            if marked[t] < 0 or token_idx[t] % size != rank:
+                assert slots[t] == -1, (rank, t)
+            else:
+                assert slots[t] == int(table[token_seq[t], local // S]) * S + local % S
+                written.append(t)
+    assert sorted(written) == [0, 1, 2, 7, 8]
