@@ -190,6 +190,18 @@ def test_every_draft_accepted_when_the_head_is_the_target(k: int) -> None:
     assert 1 + s.spec_accepted_tokens / s.spec_verifies == k + 1  # tokens per verify: the most there are
 
 
+def trigram_counts(engine: Engine, x0: int, n: int, vocab: int, params: dict[str, Any]) -> torch.Tensor:
+    """`[V, V, V]` float64: how often `n` seeded requests (seeds 0 … n−1, 64 a batch) from the prompt
+    `[x0]` generated each run of tokens 2 … 4 (the χ² tests' counts)."""
+    counts = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    for batch in range(n // 64 + 1):
+        ids = range(batch * 64, min(n, (batch + 1) * 64))
+        results = run_all(engine, [request(f"r{i}", [x0], seed=i, **params) for i in ids])
+        for r in results.values():
+            counts[tuple(r.token_ids[1:])] += 1
+    return counts
+
+
 def chi2_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
     """P(χ² ≥ the statistic) over the cells expected ≥ 5 times (the rest pooled into one)."""
     n = observed.sum()
@@ -232,12 +244,7 @@ def test_sampled_outputs_follow_the_target(temperature: float, top_k: int, rep: 
     draft = target + torch.randn(V, V, generator=g)
     engine = toy_engine(MarkovModel(target, draft), 2)
     params = dict(temperature=temperature, top_k=top_k, repetition_penalty=rep, max_tokens=4)
-    counts = torch.zeros(V, V, V, dtype=torch.float64)
-    for batch in range(N // 64 + 1):
-        ids = range(batch * 64, min(N, (batch + 1) * 64))
-        results = run_all(engine, [request(f"r{i}", [x0], seed=i, **params) for i in ids])
-        for r in results.values():
-            counts[tuple(r.token_ids[1:])] += 1
+    counts = trigram_counts(engine, x0, N, V, params)
     expected = torch.zeros(V, V, V, dtype=torch.float64)
     for t1, t2, t3, t4 in itertools.product(range(V), repeat=4):
         p = reference_probs(target[x0], {x0}, temperature, top_k, rep)[t1]

@@ -34,6 +34,15 @@ def _engine(model: Any, k: int) -> Engine:
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
+def _fixed_k3(model: Any, **options: Any) -> Engine:
+    """An engine that always drafts 3 tokens (no adaptive policy), `options` beside."""
+    config = EngineConfig.build(
+        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
+        num_speculative_tokens=3, speculative_adaptive=False, **options,
+    )  # fmt: skip
+    return Engine.from_prepared(prepare_model(model, config), config)
+
+
 def test_greedy_identical_on_cuda(tmp_path: Path, arch: str) -> None:
     """fp32: the verify rows run the prefill-shaped kernels, plain decodes the decode kernels (from
     CUDA graphs); only a near-tie (1e-5) may then pick the other token."""
@@ -65,11 +74,7 @@ def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
         for i, p in enumerate(prompts(6, model.config.vocab_size, seed=12))
     ]
     plain = run_all(_engine(model, 0), reqs)
-    config = EngineConfig.build(
-        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
-        num_speculative_tokens=3, speculative_adaptive=False, speculative_graphs=True,
-    )  # fmt: skip
-    engine = Engine.from_prepared(prepare_model(model, config), config)
+    engine = _fixed_k3(model, speculative_graphs=True)
     forwards = engine.runner.spec_forwards
     assert forwards is not None and forwards.graphs is not None
     graphs = forwards.graphs
@@ -98,11 +103,7 @@ def test_greedy_steps_replay_one_graph_each(tmp_path: Path, arch: str) -> None:
         for i, p in enumerate(prompts(6, model.config.vocab_size, seed=13))
     ]
     plain = run_all(_engine(model, 0), reqs)
-    config = EngineConfig.build(
-        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
-        num_speculative_tokens=3, speculative_adaptive=False,
-    )  # fmt: skip
-    engine = Engine.from_prepared(prepare_model(model, config), config)
+    engine = _fixed_k3(model)
     forwards = engine.runner.spec_forwards
     assert forwards is not None and forwards.graphs is not None
     assert forwards.graphs.has_greedy, forwards.graphs.greedy_disabled_reason
@@ -144,11 +145,7 @@ def test_guarded_greedy_steps_replay_their_graphs(tmp_path: Path, arch: str) -> 
     end_of = {rid: r.token_ids[24] for rid, r in never_closed.items()}
     plain = run_all(_engine(model, 0), guarded(end_of, logprobs=True, top_logprobs=2))
     assert sum(plain[rid].token_ids[:3] != free_out[rid].token_ids[:3] for rid in plain) >= 4  # it bites
-    config = EngineConfig.build(
-        num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
-        num_speculative_tokens=3, speculative_adaptive=False,
-    )  # fmt: skip
-    engine = Engine.from_prepared(prepare_model(model, config), config)
+    engine = _fixed_k3(model)
     forwards = engine.runner.spec_forwards
     assert forwards is not None and forwards.graphs is not None and engine.spec is not None
     assert forwards.graphs.has_greedy, forwards.graphs.greedy_disabled_reason
@@ -182,11 +179,7 @@ def test_sampled_steps_replay_one_graph_each(tmp_path: Path, arch: str) -> None:
     ]
     outputs = []
     for _ in range(2):
-        config = EngineConfig.build(
-            num_pages=256, page_size=16, max_num_batched_tokens=256, max_num_seqs=32,
-            num_speculative_tokens=3, speculative_adaptive=False, speculative_graphs=True,
-        )  # fmt: skip
-        engine = Engine.from_prepared(prepare_model(model, config), config)
+        engine = _fixed_k3(model, speculative_graphs=True)
         forwards = engine.runner.spec_forwards
         assert forwards is not None and forwards.graphs is not None and engine.spec is not None
         graphs = forwards.graphs

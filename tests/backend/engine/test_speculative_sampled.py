@@ -15,7 +15,14 @@ from backend.engine.sampler import SampleRow
 from backend.engine.speculative.greedy import guard_rows
 from backend.engine.speculative.sampled import draw_rows, draw_width, sampled_step
 from schemas.backend import ReasoningMarkers, SamplingParams
-from tests.backend.engine.test_speculative import chi2_p_value, engine_for, loaded, prompts, toy_engine
+from tests.backend.engine.test_speculative import (
+    chi2_p_value,
+    engine_for,
+    loaded,
+    prompts,
+    toy_engine,
+    trigram_counts,
+)
 from tests.backend.engine.test_speculative_greedy import graphed
 from tests.backend.engine_helpers import request, run_all
 from tests.backend.speculative_toy import MarkovModel
@@ -148,12 +155,7 @@ def test_sampled_device_steps_follow_the_target() -> None:
     draft = target + torch.randn(V, V, generator=g)
     engine = toy_engine(MarkovModel(target, draft), 2)
     params = dict(temperature=0.8, top_k=5, top_p=0.9, max_tokens=4)
-    counts = torch.zeros(V, V, V, dtype=torch.float64)
-    for batch in range(N // 64 + 1):
-        ids = range(batch * 64, min(N, (batch + 1) * 64))
-        results = run_all(engine, [request(f"r{i}", [x0], seed=i, **params) for i in ids])
-        for r in results.values():
-            counts[tuple(r.token_ids[1:])] += 1
+    counts = trigram_counts(engine, x0, N, V, params)
     probs = [top_p_probs(target[t], 0.8, 5, 0.9) for t in range(V)]
     expected = torch.zeros(V, V, V, dtype=torch.float64)
     for t1, t2, t3, t4 in itertools.product(range(V), repeat=4):
