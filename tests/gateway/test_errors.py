@@ -163,7 +163,12 @@ async def test_requests_go_to_the_least_loaded_replica(harness: Harness) -> None
     a, b = harness.backends["kimi-k2.6"]
     a.num_waiting = 50
     try:
-        await asyncio.sleep(0.5)  # the next health rounds read the new load
+        replica = harness.services.router.pools["kimi-k2.6"].replicas[0]  # a's (the pools file's order)
+        for _ in range(200):  # a health round reads the new load (a fixed sleep lost this race under load)
+            if replica.load is not None and replica.load.waiting == 50:
+                break
+            await asyncio.sleep(0.05)
+        assert replica.load is not None and replica.load.waiting == 50
         before = (len(a.requests), len(b.requests))
         for i in range(6):
             r = await harness.http.post(
