@@ -33,7 +33,6 @@ def _engine(model: Any, k: int) -> Engine:
     return Engine.from_prepared(prepare_model(model, config), config)
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def _fixed_k3(model: Any, **options: Any) -> Engine:
     """An engine that always drafts 3 tokens (no adaptive policy), `options` beside."""
     config = EngineConfig.build(
@@ -43,6 +42,7 @@ def _fixed_k3(model: Any, **options: Any) -> Engine:
     return Engine.from_prepared(prepare_model(model, config), config)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm_moe_dsa"])
 def test_greedy_identical_on_cuda(tmp_path: Path, arch: str) -> None:
     """fp32: the verify rows run the prefill-shaped kernels, plain decodes the decode kernels (from
     CUDA graphs); only a near-tie (1e-5) may then pick the other token."""
