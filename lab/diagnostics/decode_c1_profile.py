@@ -2,6 +2,7 @@
 context, CUDA graphs as served; `torch.profiler` over N decode steps after a warm run.
 
     python -m lab.diagnostics.decode_c1_profile --formats int4-all,fp8 --layers 10 --steps 20
+    python -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8   # rank 0 of 8
 
 Prints, per format: wall ms per step, device ms per step (sum of kernel time), kernels per step, and
 the top kernels by own device time with their count per step. A gap between wall and device time is
@@ -27,10 +28,10 @@ from kernels.selection_triton import set_select_method
 
 
 def profile_format(
-    fmt: str, layers: int, steps: int, input_len: int, graphs: bool, device: str = "cuda"
+    fmt: str, layers: int, steps: int, input_len: int, graphs: bool, device: str = "cuda", rank_of: int = 1
 ) -> dict:
     tiny = device == "cpu"
-    geometry = make_geometry("glm-5.2", layers, tiny=tiny)
+    geometry = make_geometry("glm-5.2", layers, tiny=tiny, rank_of=rank_of)
     config = geometry.model_config
     model = build_random_model(geometry, fmt, device=device, seed=0, fp8_method="fp8-block")
     out_len = 64 + steps
@@ -79,7 +80,7 @@ def profile_format(
         for e in events[:30] if e.self_device_time_total > 0
     ]  # fmt: skip
     result = {
-        "format": fmt, "layers": layers, "graphs": graphs, "wall_ms_per_step": state["wall"],
+        "format": fmt, "layers": layers, "rank_of": rank_of, "graphs": graphs, "wall_ms_per_step": state["wall"],
         "decode_step_ms_p50": r["extra"]["decode_step_ms_p50"], "device_ms_per_step": device_total,
         "kernels_per_step": num_kernels, "weight_bytes": weights, "top": top,
     }  # fmt: skip
@@ -100,12 +101,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--select", choices=("radix", "topk"), default="radix", help="the DSA selection's path")
+    ap.add_argument(
+        "--rank-of", type=int, default=1, help="> 1: rank 0's slice of N ranks, collectives local"
+    )
     args = ap.parse_args()
     set_select_method(args.select)
+    if args.rank_of > 1:
+        from benchmarks.engine.rank_of import join_alone
+
+        join_alone(args.rank_of)
     results = []
     for fmt in args.formats.split(","):
         for g in args.graphs.split(","):
-            res = profile_format(fmt, args.layers, args.steps, args.input_len, g == "1", args.device)
+            res = profile_format(fmt, args.layers, args.steps, args.input_len, g == "1", args.device,
+                                args.rank_of)  # fmt: skip
             results.append(res)
             print(f"== {fmt} graphs={g}: wall {res['wall_ms_per_step']:.3f} ms/step, p50 {res['decode_step_ms_p50']:.3f}, "
                   f"device {res['device_ms_per_step']:.3f} ms/step, kernels/step {res['kernels_per_step']:.0f}, "
