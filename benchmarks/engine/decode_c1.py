@@ -170,23 +170,28 @@ class CopyProbe:
 
 
 def no_room(geometry: Geometry, fmt: str, fp8_method: str) -> str | None:
-    """Why rank 0's slice in `fmt` cannot run on one H200 (`kumo plan` at tp = rank_of, this depth,
-    leaves no KV pool: BF16 at GLM 5.2's full depth, 190 GB), else None; the tiny geometry always runs."""
+    """Why rank 0's slice in `fmt` cannot run on this GPU (an H200 off CUDA): `kumo plan` at tp =
+    rank_of, this depth, leaves no KV pool (BF16 at GLM 5.2's full depth, 190 GB; FP8 every Linear,
+    ~96 GB, on an 80 GB H100), else None; the tiny geometry always runs."""
     if geometry.is_tiny or geometry.rank_of == 1:
         return None
+    import torch
+
     from backend.tools.plan import make_plan
     from benchmarks.engine.geometry import H200_MEM, plan_weights
 
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else H200_MEM
     weights, all_linear = plan_weights(fmt, fp8_method)  # type: ignore[arg-type]
     plan = make_plan(
-        geometry.text, model=geometry.kind, gpu_mem=H200_MEM, tp=geometry.rank_of, weights=weights,  # type: ignore[arg-type]
+        geometry.text, model=geometry.kind, gpu_mem=gpu_mem, tp=geometry.rank_of, weights=weights,  # type: ignore[arg-type]
         all_linear=all_linear,
     )  # fmt: skip
     if plan.kv_tokens > 0:
         return None
     return (
         f"skipped: rank 0 of {geometry.rank_of} in {fmt} at {geometry.num_layers} of {geometry.full_num_layers} "
-        f"layers holds {plan.weights_per_gpu / 1e9:.0f} GB of weights (kumo plan): no room on one H200; "
+        f"layers holds {plan.weights_per_gpu / 1e9:.0f} GB of weights (kumo plan): no room on "
+        f"one {gpu_mem / 1e9:.0f} GB GPU; "
         "--layers / --bf16-layers truncate it"
     )
 
