@@ -424,6 +424,9 @@ EVERYDAY = [
     "Half of 48 is what?", "Tell me a short joke.", "Give me a synonym for happy.", "What's a healthy snack?",
     "Describe a sunset in five words.", "Anna is 9 and her brother is 4 years older. How old is he?",
     "If a pen costs 2 dollars, how much do 6 pens cost?",
+    # the two of lab/diagnostics/think_guard_e2e.py's 60 that the retrained GLM nano (2026-12-05) still
+    # ends inside the block, unguarded (9 of 60 before it)
+    "What is the largest planet?", "Give me a tip for sleeping better.",
 ]  # fmt: skip
 
 
