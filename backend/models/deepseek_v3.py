@@ -137,8 +137,11 @@ class MLAAttention(nn.Module):
             args = MlaAttentionArgs(q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices)
             o_latent = mla_attention(args)  # [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, Hl, V]
-        return self.o_proj(o.reshape(q.shape[0], -1))
+        T = q.shape[0]
+        # written through its transposed view (as q_abs is): o_proj reads [T, Hl·V] with no copy
+        o = torch.empty(T, self.num_local_heads, self.V, dtype=o_latent.dtype, device=o_latent.device)
+        torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))  # [Hl, T, V]
+        return self.o_proj(o.view(T, -1))
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         q, _, _ = self.absorbed_query(x, step)

@@ -1,4 +1,4 @@
-"""Compile issue 24's small decode ops (RMSNorm, rotary, MoE routing, DSA selection) for sm90
+"""Compile issue 24's small decode ops (RMSNorm, SiLU · up, rotary, MoE routing, DSA selection) for sm90
 (H200) without a GPU, at GLM-5's shapes; prints ptxas's registers and spills per kernel. Run
 without TRITON_INTERPRET (the interpreter never lowers a kernel):
 
@@ -13,6 +13,7 @@ from tests.kernels.sm90_compile import _source, compile_sm90
 
 
 def builds() -> list[tuple[str, ASTSource, int]]:
+    from kernels.act_mul_triton import _silu_mul_kernel
     from kernels.rms_norm_triton import _rms_norm_kernel
     from kernels.rope_triton import _rope_kernel
     from kernels.router_triton import _route_kernel
@@ -22,8 +23,10 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     rope = {"x_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16", "out_ptr": "bf16"}
     route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
     radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
+    silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16"}
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
+        ("silu_mul shared expert", _source(_silu_mul_kernel, silu, {"BLOCK": 1024}, set()), 4),
         ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),
         ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1, "EXACT": True}, set()), 4),
         ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),

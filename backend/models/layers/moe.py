@@ -24,6 +24,7 @@ from backend.models.layers.fused import FusedLinear, fuse_group
 from backend.models.layers.linear import Shard, _copy, activation, column, row
 from backend.models.layers.parallel import Parallel
 from backend.models.model_config import ModelConfig
+from kernels.act_mul import ActMulArgs, act_mul
 from kernels.router import RouteArgs, route
 
 
@@ -47,7 +48,7 @@ class DenseMLP(nn.Module):
             gate, up = self.gate_up_proj(x)  # [T, I] each, views of one product
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(act_mul(ActMulArgs(gate, up, self.act)))  # one launch on CUDA
 
 
 class Router(nn.Module):
