@@ -23,7 +23,8 @@ keeps its own torch path elsewhere): `w4a8_gemm.py`, `w4a8_expand.py`,
 `moe_align.py`, `split_k_merge.py` (the split-K attention merge and the launchers' device facts).
 
 Shared, not ops: `triton_lib.py` (every `@triton.jit` function more than one op uses; ops never
-import each other's private names), `paged_gather.py` (the page-tag check and gather every reference
+import each other's private names; the Programmatic Dependent Launch rules and switch every decode
+kernel's launcher follows), `paged_gather.py` (the page-tag check and gather every reference
 reads through, and `PagedBatch`, the step's pages as every page-reading op's struct carries them),
 and `formats/` (the INT4 and FP8 weight formats, shared with `backend/quant`).
 """

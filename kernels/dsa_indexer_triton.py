@@ -62,7 +62,7 @@ import triton.language as tl
 from kernels.paged_gather import check_tag_inputs
 from kernels.selection_triton import top_positions_triton
 from kernels.split_k_merge import TL_DTYPES
-from kernels.triton_lib import QueryTiles, query_tile, query_tiles
+from kernels.triton_lib import QueryTiles, pdl_args, pdl_enter, query_tile, query_tiles
 
 __all__ = ["dsa_indexer_scores", "dsa_indexer_triton"]
 
@@ -106,7 +106,9 @@ def _dsa_scores_kernel(
     DOT_PRECISION: tl.constexpr,
     STEPS: tl.constexpr,  # key tiles per program (q and w are loaded once for all)
     TAG_PAGES: tl.constexpr,  # a power of two >= the pages a program's tokens can touch
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):
+    pdl_enter(PDL)
     nb = tl.program_id(0)
     local = tl.program_id(1)
     tile = tile_base + local
@@ -407,6 +409,7 @@ def dsa_indexer_scores(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STEPS=cfg.steps,
         TAG_PAGES=tag_pages(cfg.block_n * cfg.steps, k_cache.shape[1]),
+        **pdl_args(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

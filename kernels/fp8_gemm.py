@@ -17,6 +17,8 @@ dequantize + cuBLAS, where the dequantization is amortised over the rows):
   `dequantize_fp8` rounds them (`(q · s)` in fp32, then the cast), then `tl.dot`.
 Both split K across programs when there are too few output tiles to fill the GPU: partial sums go
 to an fp32 workspace and the last program of a tile adds them in a fixed order (`split_k_finish`).
+Under PDL (`kernels/triton_lib.py`) the GEMV asks L2 for its first weight tile before the wait, and
+the tiles load their per-channel scales there.
 
 Shape letters: M rows, N out features, K in features, Sn/Sk the scale block (1 / K: per channel).
 """
@@ -31,7 +33,7 @@ import triton.language as tl
 
 from kernels.formats.fp8 import FP8
 from kernels.split_k_merge import num_sms, split_k_counters
-from kernels.triton_lib import split_k_finish
+from kernels.triton_lib import pdl_args, pdl_launch_dependents, pdl_wait, prefetch_l2, split_k_finish
 
 __all__ = ["Fp8GemmConfig", "fp8_gemm", "pick_config"]
 
@@ -60,9 +62,11 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: the first weight tile goes to L2 before the wait
 ):
     """x [M, K], w [N, K] e4m3, s per channel [N, 1] or per block [N/Sn, K/Sk], out [M, N];
     grid (N/BN, M, splits of K). Blocks: BN divides Sn and BK divides Sk."""
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -72,8 +76,15 @@ def _fp8_gemv_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, tl.num_programs(2))
     t0 = pid_k * per_split
+    t1 = tl.minimum(t0 + per_split, k_tiles)
+    if PDL:  # the first K tile's rows (BK bytes each, 128 a line) on their way to L2: constant (rule 2)
+        LINES: tl.constexpr = (BLOCK_K + 127) // 128
+        lines = t0 * BLOCK_K + tl.arange(0, LINES) * 128
+        ok = n_ok[:, None] & (lines < K)[None, :] & (t0 < t1)
+        prefetch_l2(w_ptr + offs_n[:, None] * stride_wn + lines[None, :] * stride_wk, ok)
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for t in range(t0, tl.minimum(t0 + per_split, k_tiles)):
+    for t in range(t0, t1):
         kk = t * BLOCK_K + offs_k
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + kk[None, :] * stride_wk
         x_ptrs = x_ptr + pid_m * stride_xm + kk * stride_xk
@@ -124,8 +135,10 @@ def _fp8_tile_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: per-channel scales load before the wait
 ):
     """x [M, K], w [N, K] e4m3, scales as the GEMV's, out [M, N]; grid (N/BN, M/BM, SPLIT_K)."""
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -138,7 +151,8 @@ def _fp8_tile_kernel(
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t0 = pid_k * per_split
     if SCALE_BK == 0:
-        row_scale = tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)  # [BN]
+        row_scale = tl.load(s_ptr + offs_n * stride_sn, mask=n_ok, other=0.0)  # [BN], constant (rule 2)
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(t0, tl.minimum(t0 + per_split, k_tiles)):
         kk = t * BLOCK_K + offs_k
@@ -244,12 +258,13 @@ def fp8_gemm(
     if cfg.block_m == 0:
         _fp8_gemv_kernel[grid](
             *args, SCALE_BN=scale_bn, SCALE_BK=scale_bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EVEN_K=K % cfg.block_k == 0, **pdl_args(x.device), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
     else:
         _fp8_tile_kernel[grid](
             *args, SCALE_BN=scale_bn, SCALE_BK=scale_bk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_args(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out.reshape(*lead, N)

@@ -68,6 +68,8 @@ from kernels.triton_lib import (
     moe_gemv_finish,
     moe_pair_expert,
     moe_tile_epilogue,
+    pdl_args,
+    pdl_enter,
     unpack_tile,
     x_planes,
 )
@@ -139,10 +141,12 @@ def _fused_moe_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): the blocks are read after the wait
 ):
     """a [M or P, K], w [E, N or 2N, K/8] int32, s [E, N or 2N, K/G], out [P, N], topk_w [P],
     sorted_ids [num_blocks·BM] int32 (pair ids, padding = P), block_expert_ids [num_blocks] int32
     (-1: not on this rank), num_padded [1] int32; grid (num_blocks · cdiv(N, BN),)."""
+    pdl_enter(PDL)
     expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = moe_block_rows(
         tl.program_id(0), N, num_pairs, sorted_ids_ptr, block_expert_ids_ptr, num_padded_ptr, out_ptr,
         stride_om, stride_on, GATE_UP, BLOCK_M, BLOCK_N,
@@ -214,6 +218,7 @@ def _fused_moe_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
     LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
+    PDL: tl.constexpr,  # launched with PDL: nothing before the wait (the experts are the router's output)
 ):
     """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32), topk_w
     [P]; grid (P or blocks, cdiv(N, BN), splits of K). Per pair (topk_ids outside [0, E): not on this
@@ -222,6 +227,7 @@ def _fused_moe_gemv_kernel(
     (`group_dots`; padding pairs are num_pairs, a block of expert -1 another rank's pairs). out:
     GATE_UP: act [P, lifted N] fp32; else [M, N], the k-sum done (`moe_gemv_finish`, with the fp32
     workspace ws and the counters cnt)."""
+    pdl_enter(PDL)
     if GROUPED:
         blk = tl.program_id(0)
         if blk * BLOCK_M >= tl.load(num_padded_ptr):
@@ -351,7 +357,7 @@ def fused_moe(
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
             GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
-            LOOP_STAGES=cfg.loop_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LOOP_STAGES=cfg.loop_stages, **pdl_args(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(
@@ -364,7 +370,7 @@ def fused_moe(
             g.K // group_size, topk_w.numel(), *g.a.stride(), *w.stride(), *s.stride(), *g.out.stride(), MAGIC_2_23,
             A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, GROUP_SIZE=group_size,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SCALE_ROWS=scale_rows,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_args(x.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

@@ -43,7 +43,14 @@ from kernels.moe_routing import (
     pick_moe_config,
     run_moe,
 )
-from kernels.triton_lib import moe_block_rows, moe_gemv_finish, moe_pair_expert, moe_tile_epilogue
+from kernels.triton_lib import (
+    moe_block_rows,
+    moe_gemv_finish,
+    moe_pair_expert,
+    moe_tile_epilogue,
+    pdl_args,
+    pdl_enter,
+)
 
 __all__ = ["fused_moe_fp8", "fused_moe_fp8_ref", "pick_fp8_moe_config"]
 
@@ -96,9 +103,11 @@ def _fused_moe_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): the blocks are read after the wait
 ):
     """a [M or P, K], w [E, N or 2N, K] e4m3, s / s_up [E, N or ⌈N/bn⌉, 1 or ⌈K/bk⌉] fp32, out [P, N],
     topk_w [P], sorted_ids / block_expert_ids / num_padded from `moe_align`; grid (num_blocks · cdiv(N, BN),)."""
+    pdl_enter(PDL)
     expert, pair, m_ok, offs_n, n_ok, out_ptrs, out_mask = moe_block_rows(
         tl.program_id(0), N, num_pairs, sorted_ids_ptr, block_expert_ids_ptr, num_padded_ptr, out_ptr,
         stride_om, stride_on, GATE_UP, BLOCK_M, BLOCK_N,
@@ -178,10 +187,12 @@ def _fused_moe_fp8_gemv_kernel(
     SCALE_BK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL: nothing before the wait (the experts are the router's output)
 ):
     """Sparse decode: a, w, s, s_up as `_fused_moe_fp8_kernel`, topk_w [P], topk_ids [P] (outside [0, E):
     not on this rank); grid (P, cdiv(N, BN), splits of K). out: GATE_UP: act [P, N]; else [M, N], the
     k-sum done (`moe_gemv_finish`, with the fp32 workspace ws and the counters cnt)."""
+    pdl_enter(PDL)
     pair = tl.program_id(0)
     expert, is_local = moe_pair_expert(pair, num_experts, topk_ids_ptr)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -303,7 +314,7 @@ def fused_moe_fp8(
         _fused_moe_fp8_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
             g.a, w, s, su, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K, *g.a.stride(), *w.stride(),
             *s.stride(), g.out.stride(0),
-            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, **consts,
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, **consts, **pdl_args(x.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
@@ -316,7 +327,7 @@ def fused_moe_fp8(
             g.a, w, s, su, g.out, topk_w, sorted_ids, block_expert_ids, num_padded, g.N, g.K, topk_w.numel(),
             *g.a.stride(), *w.stride(), *s.stride(), *g.out.stride(),
             A_ROW_DIV=g.a_row_div, GATE_UP=g.gate_up, MUL_WEIGHT=g.mul_weight, BLOCK_M=cfg.block_m, **consts,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_args(x.device),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 

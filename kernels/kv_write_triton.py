@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats.fp8 import FP8
+from kernels.triton_lib import pdl_args, pdl_enter
 
 __all__ = ["kv_write_triton"]
 
@@ -50,7 +51,9 @@ def _kv_write_kernel(
     QUANT: tl.constexpr,  # FP8 cache: divide, saturate to ±FMAX, convert
     FMAX: tl.constexpr,
     CHECK_TAGS: tl.constexpr,  # False: no tag is loaded (token_expected_ptr is then a placeholder)
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     wb = tl.program_id(1)
     offs = wb * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -148,5 +151,6 @@ def kv_write_triton(
         QUANT=is_fp8,
         FMAX=torch.finfo(cache.dtype).max if is_fp8 else 0.0,
         CHECK_TAGS=check_tags,
+        **pdl_args(cache.device),
         num_warps=4,
     )

@@ -64,7 +64,7 @@ import triton.language as tl
 from kernels.mla_tiles import MAX_SPLITS, MlaTiles, pick_mla_splits, resolve_tiles, slice_cost_items
 from kernels.paged_gather import check_tag_inputs
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
-from kernels.triton_lib import QueryTiles, query_tile
+from kernels.triton_lib import QueryTiles, pdl_args, pdl_enter, query_tile
 
 
 @triton.jit
@@ -297,7 +297,9 @@ def _mla_paged_kernel(
     FP8_ASM: tl.constexpr,  # an FP8 cache on the GPU: convert with `e4m3_to_f16` (no asm in the interpreter)
     FP8_SHIFT: tl.constexpr,  # an FP8 cache converted by `e4m3_to_f16_shifted` (x 2^-8, in the scales)
     SWAP: tl.constexpr,  # tokens as the dots' rows (`attend_slice`)
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):  # fmt: skip
+    pdl_enter(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
     tile = tl.program_id(2)
@@ -514,7 +516,7 @@ def launch_mla_paged(
         COMPUTE=tl.float16 if fp8 else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_STAGES=tiles.num_stages, FP8_ASM=fp8 and q.is_cuda,  # the interpreter runs no inline asm
-        FP8_SHIFT=shift, SWAP=tiles.swap,
+        FP8_SHIFT=shift, SWAP=tiles.swap, **pdl_args(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if not direct:

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lib import pdl_args, pdl_enter
+
 __all__ = ["align_chunk", "moe_align", "moe_align_ref", "num_align_blocks"]
 
 
@@ -65,8 +67,10 @@ def _moe_align_kernel(
     NUM_BINS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):
     """Grid (1,): see the module docstring for the four steps."""
+    pdl_enter(PDL)
     counts = tl.zeros((NUM_BINS,), dtype=tl.int32)
     for p0 in range(0, P, BLOCK_P):
         bucket, ok = _buckets(ids_ptr, p0, P, num_experts, BLOCK_P)
@@ -130,7 +134,8 @@ def moe_align(
     num_padded = torch.empty((1,), dtype=torch.int32, device=flat.device)
     _moe_align_kernel[(1,)](
         flat, sorted_ids, block_expert_ids, num_padded, P, num_experts, num_blocks, block_m,
-        NUM_BINS=triton.next_power_of_2(num_experts + 1), BLOCK_P=align_chunk(P), BLOCK_B=32, num_warps=4,
+        NUM_BINS=triton.next_power_of_2(num_experts + 1), BLOCK_P=align_chunk(P), BLOCK_B=32,
+        **pdl_args(flat.device), num_warps=4,
     )  # fmt: skip
     return sorted_ids, block_expert_ids, num_padded
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lib import pdl_args, pdl_launch_dependents, pdl_wait
+
 __all__ = ["rms_norm_triton"]
 
 
@@ -28,10 +30,14 @@ def _rms_norm_kernel(
     stride_h,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): the norm's weight loads before the wait
 ):
+    pdl_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: constant (rule 2)
+    pdl_wait(PDL)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -40,7 +46,6 @@ def _rms_norm_kernel(
     hf = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
     y = (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference casts back before the weight
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -73,6 +78,7 @@ def rms_norm_triton(
     _rms_norm_kernel[(N,)](
         x, residual if residual is not None else x, weight, out, h, D, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), h.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block, num_warps=max(1, min(16, block // 512)),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block, **pdl_args(x.device),
+        num_warps=max(1, min(16, block // 512)),
     )  # fmt: skip
     return out, h

@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.triton_lib import pdl_args, pdl_enter
+
 __all__ = ["rope_triton"]
 
 
@@ -34,7 +36,9 @@ def _rope_kernel(
     BLOCK_F: tl.constexpr,  # >= HALF
     BLOCK_R: tl.constexpr,  # >= REST (>= 1)
     EXACT: tl.constexpr,  # on the GPU: libdevice's round-to-nearest arithmetic (see below)
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): cos and sin are the step's, read after the wait
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     f = tl.arange(0, BLOCK_F)
@@ -107,6 +111,6 @@ def rope_triton(
     _rope_kernel[(T, triton.cdiv(Hx, block_h))](
         x, cos, sin, out, Hx, half, rest, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
         out.stride(0), out.stride(1), INTERLEAVED=is_interleaved, BLOCK_H=block_h, BLOCK_F=block_f,
-        BLOCK_R=triton.next_power_of_2(max(rest, 1)), EXACT=x.is_cuda, num_warps=4,
+        BLOCK_R=triton.next_power_of_2(max(rest, 1)), EXACT=x.is_cuda, **pdl_args(x.device), num_warps=4,
     )  # fmt: skip
     return out

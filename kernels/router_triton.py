@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lib import pdl_args, pdl_launch_dependents, pdl_wait
+
 __all__ = ["route_triton"]
 
 
@@ -31,13 +33,17 @@ def _route_kernel(
     TOPK_GROUP: tl.constexpr,
     NORM: tl.constexpr,
     BLOCK_E: tl.constexpr,  # >= E; = E when N_GROUP > 1
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): the bias loads before the wait
 ):
+    pdl_launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < E
+    bias = tl.load(bias_ptr + e, mask=valid, other=0.0)  # a weight: constant (rule 2)
+    pdl_wait(PDL)
     logit = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=0.0)
     scores = 1.0 / (1.0 + tl.exp(-logit))  # [BLOCK_E]
-    biased = tl.where(valid, scores + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    biased = tl.where(valid, scores + bias, float("-inf"))
     if N_GROUP > 1:
         EG: tl.constexpr = BLOCK_E // N_GROUP
         grouped = tl.reshape(biased, (N_GROUP, EG))
@@ -105,6 +111,6 @@ def route_triton(
     _route_kernel[(T,)](
         logits, bias, weights, ids, E, logits.stride(0), weights.stride(0), ids.stride(0), scaling,
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), N_GROUP=max(n_group, 1), TOPK_GROUP=topk_group,
-        NORM=norm_topk_prob, BLOCK_E=block_e, num_warps=4 if block_e <= 512 else 8,
+        NORM=norm_topk_prob, BLOCK_E=block_e, **pdl_args(logits.device), num_warps=4 if block_e <= 512 else 8,
     )  # fmt: skip
     return weights, ids

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lib import pdl_args, pdl_enter
+
 __all__ = [
     "RADIX_MAX_COLS",
     "radix_block",
@@ -82,7 +84,9 @@ def _selection_keys_kernel(
     stride_s,
     stride_k,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # rows on axis 0: a long prefill chunk may have > 65535
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < L
@@ -149,7 +153,9 @@ def _radix_select_kernel(
     stride_o,
     BLOCK: tl.constexpr,  # columns a trip, up to the last whole block
     TAIL: tl.constexpr,  # columns a trip after it (less padding: 2,176 columns read 2,304, not 4,096)
+    PDL: tl.constexpr,  # launched with PDL: it reads nothing before the wait
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # rows on axis 0: a long prefill chunk may have > 65535
     row_ptr = scores_ptr + row * stride_s
     L_main = L // BLOCK * BLOCK
@@ -206,7 +212,7 @@ def top_positions_radix(scores: torch.Tensor, k: int, *, block: int | None = Non
     if R:
         _radix_select_kernel[(R,)](
             scores, out, L, k, scores.stride(0), out.stride(0), BLOCK=block, TAIL=max(16, block // 8),
-            num_warps=min(16, max(1, block // 128)),
+            **pdl_args(scores.device), num_warps=min(16, max(1, block // 128)),
         )  # fmt: skip
     return out
 
@@ -228,7 +234,14 @@ def top_positions_keys(scores: torch.Tensor, k: int) -> torch.Tensor:
     if R:
         block = 1024
         _selection_keys_kernel[(R, triton.cdiv(L, block))](
-            scores, keys, L, scores.stride(0), keys.stride(0), BLOCK=block, num_warps=4
+            scores,
+            keys,
+            L,
+            scores.stride(0),
+            keys.stride(0),
+            BLOCK=block,
+            **pdl_args(scores.device),
+            num_warps=4,
         )
     values, chosen = keys.topk(k, dim=-1, sorted=False)
     return torch.where(values < NEG_INF_KEY_END, -1, chosen)

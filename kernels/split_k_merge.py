@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lib import pdl_args, pdl_enter
+
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -63,7 +65,9 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,  # >= num_splits: the LSEs at once
     CHUNK_S: tl.constexpr,  # slices' outputs a step (registers: CHUNK_S x BLOCK_R fp32)
     BLOCK_R: tl.constexpr,  # output columns a program (grid axis 2)
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * tl.num_programs(1) + h
@@ -111,5 +115,6 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         BLOCK_S=max(2, triton.next_power_of_2(NS)),
         CHUNK_S=min(8, max(2, triton.next_power_of_2(NS))),
         BLOCK_R=block_r,
+        **pdl_args(out.device),
         num_warps=4,
     )

@@ -1,5 +1,7 @@
 """The `@triton.jit` device functions more than one op uses (ops import them from here, never from
-each other), in three parts:
+each other), in four parts:
+- Programmatic Dependent Launch on the decode path (`pdl_args`, `pdl_wait`, ...): the rules every
+  PDL kernel follows are written once, at that section;
 - INT4 decode dot products on the CUDA cores (the W4A16 GEMV `kernels/w4a16_gemv.py`, the fused
   MoE's sparse-decode GEMV `kernels/fused_moe.py`), described below, and INT4 tile unpacking for the
   tensor-core GEMMs (W4A16, W4A8, the fused MoE's tiles, `kernels/int4_dequant.py`);
@@ -37,16 +39,19 @@ Why it is fast (sm_90a SASS per nibble: one LOP3, one FFMA; `tests/kernels/sm90_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = [
     "LIFTED_ROW",
     "LIFT_SCALE",
     "MAGIC_2_23",
+    "PDL_MIN_CAPABILITY",
     "QueryTiles",
     "group_dots",
     "grouped_tile",
@@ -59,12 +64,117 @@ __all__ = [
     "moe_gemv_finish",
     "moe_pair_expert",
     "moe_tile_epilogue",
+    "pdl_args",
+    "pdl_enter",
+    "pdl_launch_dependents",
+    "pdl_wait",
+    "prefetch_l2",
     "query_tile",
     "query_tiles",
+    "set_pdl",
     "split_k_finish",
     "unpack_tile",
     "x_planes",
 ]
+
+# Programmatic Dependent Launch (PDL). A decode step at concurrency 1 is ~470 small kernels (issue 24),
+# each paying a fixed cost before its first useful byte: its launch, its programs' ramp-up, the DRAM
+# latency of its first loads, on top of the tail of the kernel before it. A kernel launched with PDL
+# (Triton's `launch_pdl=True`: the launch attribute "programmatic stream serialization", sm_90+) may
+# start while the kernel before it in the stream still runs, so that cost overlaps the other's tail.
+# The rules every PDL kernel here keeps:
+# 1. It calls `pdl_wait` (PTX griddepcontrol.wait: returns once the kernels it depends on have
+#    completed and their writes are visible) before it reads anything a kernel may have written
+#    (activations, the router's ids and weights, KV lines, page tags and tables, sequence lengths,
+#    split-K counters) and before it writes or atomically updates anything (an earlier kernel may still read
+#    or write that buffer).
+# 2. Before the wait it reads only data constant for the whole graph: weights and their scales, a
+#    norm's weight, a router's bias, written at load time and never by a kernel of a step. The W4A16
+#    and FP8 GEMVs load their first weight tile there; the fused MoE cannot (its experts are the
+#    router's output). "Written long enough ago" is not enough: see rule 4. (Eagerly, as in a test,
+#    a weight written by the kernel just before is in memory once that kernel's programs have all
+#    exited, which is when a launch after a kernel without the trigger starts; only the wait promises it.)
+# 3. Every program waits, unconditionally, before any early return. The kernel then completes only
+#    after the one before it did, so completion stays ordered down the stream.
+# 4. It calls `pdl_launch_dependents` (griddepcontrol.launch_dependents) first: the next PDL kernel
+#    is scheduled once every program of this one has started, and waits in rule 1. So a kernel may be
+#    running while two or more kernels before it have not completed.
+# 5. Only a kernel that contains the wait is launched with the attribute. Anything else (torch and
+#    cuBLAS kernels, copies, NCCL, the Triton kernels off the GLM-5 / Kimi decode path: GQA attention,
+#    W4A8, the INT4 dequantizing pass, `lift_rows`) is launched normally and starts after everything
+#    before it completed, so the two kinds mix freely.
+# 6. The wait is inline PTX: not under TRITON_INTERPRET=1 (the CPU CI) nor before sm_90. A PDL kernel
+#    takes `PDL: tl.constexpr` and its launcher passes `**pdl_args(device)`, true for both the
+#    constexpr and `launch_pdl` only on a CUDA device of compute capability >= 9 while the process's
+#    switch is on (`set_pdl`; `kumo backend --no-pdl`, `kumo bench engine decode-c1 --no-pdl`).
+# CUDA graphs: stream capture (CUDA >= 12.3) records a PDL launch as a programmatic edge, so a replay
+# keeps the overlap, and the setting the graph was captured with: set the switch before an engine is
+# built. Profiles: a kernel that starts early counts its wait in its time, so under PDL the sum of
+# kernel times overstates the device time (compare steps' wall time). Checked by
+# `tests/kernels/sm90_compile_pdl.py` (every PDL kernel's PTX and SASS: the wait, no store before it,
+# loads before it only in the kernels of rule 2), `tests/kernels/test_pdl.py` (a captured graph's
+# programmatic edges) and `tests/backend/engine/test_pdl_decode_cuda.py` (decode on = off, bit for bit).
+
+PDL_MIN_CAPABILITY = 9  # griddepcontrol: Hopper and later
+PDL_ENABLED = True  # the process's switch (`set_pdl`)
+
+
+def set_pdl(enabled: bool) -> None:
+    """Turn PDL on (the default) or off for every launch from now on (the A/B of its effect); a CUDA
+    graph keeps the setting it was captured with."""
+    global PDL_ENABLED
+    PDL_ENABLED = enabled
+
+
+@functools.cache
+def _can_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= PDL_MIN_CAPABILITY
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """A PDL kernel's launch arguments on `device`: its `PDL` constexpr and Triton's `launch_pdl`, both
+    true on CUDA at compute capability >= 9 while `set_pdl` leaves PDL on (rule 6 above)."""
+    on = PDL_ENABLED and _can_pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Rule 4: the next PDL kernel may be scheduled once every program has passed here."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Rule 1: every kernel this one depends on has completed, its writes visible."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first line when it reads nothing before the wait: rules 4 then 1."""
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Ask L2 for the line (128 bytes) holding each of `ptrs` where `mask`: PTX prefetch.global.L2, no
+    register held and nothing waited for (rule 2: a GEMV's first weight tile before its wait, where a
+    load into registers would cost the whole kernel occupancy). Inline PTX: GPU only."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } // dummy $0",
+        "=r,l,r",
+        [ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+# INT4 decode dot products
 
 LIFT_SCALE: tl.constexpr = tl.constexpr(2.0**72)  # the dots come out in units of 2^-72
 # fp32 per chunk of 32 k in a lifted row: plane j = 0..7 of its 4 words (4 each), then their 4 xs

@@ -24,7 +24,7 @@ import triton.language as tl
 from kernels.formats.int4 import check_int4_operands, dequantize_int4
 from kernels.int4_dequant import int4_dequant_triton
 from kernels.split_k_merge import num_sms, split_k_counters
-from kernels.triton_lib import MAGIC_2_23, grouped_tile, split_k_finish, unpack_tile
+from kernels.triton_lib import MAGIC_2_23, grouped_tile, pdl_args, pdl_enter, split_k_finish, unpack_tile
 from kernels.w4a16_config import W4A16Config, pick_config
 from kernels.w4a16_gemv import w4a16_gemv
 
@@ -62,8 +62,10 @@ def _w4a16_kernel(
     SCALE_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SWAP_XW: tl.constexpr,  # the transposed tile: the dequantized weights are the dot's first operand
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):
     """x [M, K], w [N, K/8] int32, s [N, K/G], out [M, N]; grid (tiles of M×N, SPLIT_K)."""
+    pdl_enter(PDL)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     BK8: tl.constexpr = BLOCK_K // 8
@@ -179,6 +181,7 @@ def w4a16_gemm(
             SCALE_ROWS=max(cfg.block_k // group_size, 1),
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             SWAP_XW=cfg.swap_xw,
+            **pdl_args(x.device),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

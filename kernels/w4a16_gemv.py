@@ -15,6 +15,11 @@ dequant(w)[K, N]` on the CUDA cores, weights in the checkpoint layout (`weight_p
   cp.async, `prefetch` loads the next K tile into registers before this one's dots (ptxas tends to
   sink those loads towards the end of the loop body).
 Both split K across programs when there are too few output tiles to fill the GPU (`split_k_finish`).
+Under PDL (`kernels/triton_lib.py`) a program's first weights are on their way before its wait, as
+the kernel before finishes: the plain GEMV asks L2 for its first K tile (words and scales; loaded
+into registers instead, held across the wait, its sm90 build went from 96 to 126 registers a thread,
+5 to 4 programs an SM, 2026-12-05), the `prefetch` variant and the TMA GEMV load their first words or
+scales into registers, as they already did before the loop.
 """
 
 from __future__ import annotations
@@ -25,7 +30,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.split_k_merge import split_k_counters
-from kernels.triton_lib import LIFT_SCALE, int4_chunk_dots, int4_tile_dot, lift_rows, split_k_finish, x_planes
+from kernels.triton_lib import (
+    LIFT_SCALE,
+    int4_chunk_dots,
+    int4_tile_dot,
+    lift_rows,
+    pdl_args,
+    pdl_launch_dependents,
+    pdl_wait,
+    prefetch_l2,
+    split_k_finish,
+    x_planes,
+)
 from kernels.w4a16_config import W4A16Config
 
 __all__ = ["tma_fits", "w4a16_gemv"]
@@ -49,6 +65,20 @@ def _tile_upto(w_ptr, s_ptr, rows, rows_ok, t, k8_end, stride_wn, stride_wk, str
     sptrs = s_ptr + rows[None, :] * stride_sn + (c * 32 // GROUP_SIZE)[:, None] * stride_sg
     wp = tl.load(wptrs, mask=w_ok, other=0, eviction_policy="evict_first")
     return wp, tl.load(sptrs, mask=s_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _prefetch_tile(w_ptr, s_ptr, rows, rows_ok, t, k8_end, stride_wn, stride_wk, stride_sn, stride_sg,
+                   GROUP_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """K tile t of weight rows `rows` [BN] on its way to L2 (`prefetch_l2`), words and scales: a
+    row's words are BK/2 bytes, one prefetch per 128 (32 words); its scales one (BK/G of them)."""
+    LINES: tl.constexpr = (BLOCK_K // 2 + 127) // 128
+    r = t * (BLOCK_K // 8) + tl.arange(0, LINES) * 32  # [LINES] first word of each line
+    prefetch_l2(
+        w_ptr + rows[None, :] * stride_wn + r[:, None] * stride_wk, rows_ok[None, :] & (r < k8_end)[:, None]
+    )
+    g = t * BLOCK_K // GROUP_SIZE
+    prefetch_l2(s_ptr + rows * stride_sn + g * stride_sg, rows_ok & (t * (BLOCK_K // 8) < k8_end))
 
 
 @triton.jit
@@ -101,17 +131,20 @@ def _w4a16_gemv_kernel(
     EVEN_N: tl.constexpr,  # N a multiple of BLOCK_N
     LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
     PREFETCH: tl.constexpr,  # the next K tile's words and scales loaded into registers before this one's dots
+    PDL: tl.constexpr,  # launched with PDL: the first K tile goes to L2 (PREFETCH: registers) before the wait
 ):
     """x [M, K] (one row per program), w [N, K/8] int32, s [N, K/G] (G >= 32), out [M, N];
     grid (N/BN, M, splits of K). The dot products are `kernels/triton_lib.py`'s."""
+    pdl_launch_dependents(PDL)
     BK8: tl.constexpr = BLOCK_K // 8
     offs_n, n_ok, t0, t1 = _gemv_slice(N, K8, BLOCK_N, BLOCK_K)
     x_row = x_ptr + tl.program_id(1) * stride_xm
     acc = tl.zeros((BLOCK_K // 32, BLOCK_N), dtype=tl.float32)  # [C, BN], reduced over C at the end
+    k8_end = tl.minimum(t1 * BK8, K8)  # this split's words end here: a tile past it loads nothing
     if PREFETCH:
-        k8_end = tl.minimum(t1 * BK8, K8)  # this split's words end here: the prefetch past it loads nothing
         wp, sc = _tile_upto(w_ptr, s_ptr, offs_n, n_ok, t0, k8_end, stride_wn, stride_wk, stride_sn,
                             stride_sg, GROUP_SIZE, BLOCK_K, EVEN_N)  # fmt: skip
+        pdl_wait(PDL)  # the weights are constant (rule 2): the first tile is in flight across the wait
         for t in tl.range(t0, t1, num_stages=1):  # no cp.async pipeline: the tile in flight is in registers
             wn, sn = _tile_upto(w_ptr, s_ptr, offs_n, n_ok, t + 1, k8_end, stride_wn, stride_wk, stride_sn,
                                 stride_sg, GROUP_SIZE, BLOCK_K, EVEN_N)  # fmt: skip
@@ -120,6 +153,10 @@ def _w4a16_gemv_kernel(
             acc += int4_chunk_dots(wp, sc, ys, xs, LIFTED)
             wp, sc = wn, sn
     else:
+        if PDL:  # constant (rule 2), and in L2 by the time the loop asks
+            _prefetch_tile(w_ptr, s_ptr, offs_n, n_ok, t0, k8_end, stride_wn, stride_wk, stride_sn, stride_sg,
+                           GROUP_SIZE, BLOCK_K)  # fmt: skip
+        pdl_wait(PDL)
         for t in tl.range(t0, t1, num_stages=LOOP_STAGES):
             r = t * BK8 + tl.arange(0, BK8)
             ys, xs = x_planes(x_row, r, r < K8, stride_xk, LIFTED, EVEN_K)
@@ -166,11 +203,13 @@ def _w4a16_gemv_tma_kernel(
     EVEN_N: tl.constexpr,
     STAGES: tl.constexpr,  # word tiles the TMA engine keeps in flight per program (shared memory)
     ROWS: tl.constexpr,  # 1 or 2 activation rows against one word stream (their LOP3s shared)
+    PDL: tl.constexpr,  # launched with PDL: the first scales load before the wait
 ):
     """`_w4a16_gemv_kernel` with the word tiles streamed by TMA into a `STAGES`-deep shared-memory
     ring (no registers and no per-thread addresses for the bytes in flight; the dots read the
     tiles back K-major). Scales and activations are plain loads (L1/L2 hits: a scale line serves
     several tiles; the next tile's scales load before this one's dots). grid (N/BN, M/ROWS, K splits)."""
+    pdl_launch_dependents(PDL)
     BK8: tl.constexpr = BLOCK_K // 8
     C: tl.constexpr = BLOCK_K // 32
     offs_n, n_ok, t0, t1 = _gemv_slice(N, K8, BLOCK_N, BLOCK_K)
@@ -181,6 +220,7 @@ def _w4a16_gemv_tma_kernel(
     acc1 = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     c_end = tl.minimum(t1 * C, K8 // 4)  # the split's chunks end here: the scale prefetch past it loads none
     sc = _scales(s_ptr, offs_n, n_ok, t0, c_end, stride_sn, stride_sg, GROUP_SIZE, C, EVEN_N)
+    pdl_wait(PDL)  # the scales are constant (rule 2); the word tiles stream in after it
     for t in tl.range(t0, t1, num_stages=STAGES):
         wp = tl.trans(w_desc.load([tl.program_id(0) * BLOCK_N, t * BK8]))  # [BK8, BN] int32
         sc_next = _scales(s_ptr, offs_n, n_ok, t + 1, c_end, stride_sn, stride_sg, GROUP_SIZE, C, EVEN_N)
@@ -236,6 +276,7 @@ def w4a16_gemv(
             EVEN_N=N % cfg.block_n == 0,
             STAGES=cfg.tma_stages,
             ROWS=cfg.gemv_rows,
+            **pdl_args(x.device),
             num_warps=cfg.num_warps,
             num_stages=1,
         )
@@ -266,6 +307,7 @@ def w4a16_gemv(
         EVEN_N=N % cfg.block_n == 0,
         LOOP_STAGES=cfg.loop_stages,
         PREFETCH=cfg.prefetch,
+        **pdl_args(x.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

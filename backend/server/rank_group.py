@@ -54,6 +54,10 @@ def build_engine(
     Every rank of a tensor-parallel group builds the same engine (backend/engine/ranks.py); rank 0's
     steps reach the others through its `StepChannel`, whose failure calls `on_rank_failure`."""
     device = device if device is not None else torch.device(settings.device)
+    if device.type == "cuda":  # before any kernel launches or graph captures (triton: CUDA only)
+        from kernels.triton_lib import set_pdl
+
+        set_pdl(settings.pdl)
     dtype = getattr(torch, settings.dtype)
     draft = settings.speculative_draft
     num_mtp = num_mtp_layers_in(settings.model, draft) if settings.speculative else 0

@@ -2,7 +2,7 @@
 
 `kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
 [--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]
-[--speculative mtp:K] [--no-speculative-graphs]
+[--speculative mtp:K] [--no-speculative-graphs] [--no-pdl]
 [--tp N] [--ep N] [--dcp N] [--rank-timeout-s S]`
 
 `--tp N` serves the model on N ranks, one process per device (backend/engine/ranks.py); `--ep` expert
@@ -52,6 +52,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     name: str | None = None
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA devices only)
+    pdl: bool = True  # Programmatic Dependent Launch of the Triton kernels (sm_90+; kernels/triton_lib.py)
     data_dir: str | None = None
     speculative: Annotated[int, Meta(ge=0, le=MAX_DRAFT_TOKENS)] = 0  # `--speculative mtp:K`: K drafts
     speculative_max_seqs: Annotated[int, Meta(ge=1, le=1 << 14)] = 16  # no drafts past this many running
@@ -132,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="replay decode steps from CUDA graphs per batch size (CUDA devices only; default on)",
+    )
+    p.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="launch the Triton kernels with Programmatic Dependent Launch, each overlapping the tail of "
+        "the one before (Hopper and later; default on; off: to measure what it saves)",
     )
     p.add_argument(
         "--speculative",

@@ -31,8 +31,16 @@ the collectives' time at c=1 as `collective_probe` models it (ring over NVLink, 
 and the ratio with it added to the step. The summary key is `decode_c1_bytes_ratio_rank_of_N`; a
 format whose slice leaves no room on one H200 by `kumo plan` (BF16 at full depth) is skipped, said so.
 
+`--pdl-ab`: after a format's rounds, A/B/B/A rounds of its step with Programmatic Dependent Launch
+(`kernels/triton_lib.py`: the Triton kernels overlap each other's launch and tail) against the same
+step without (a second engine on the same weights, its graphs captured with PDL off), recorded under
+the format's `pdl_ab`: `step_ratio` = on / off (< 1: PDL saves time), each side's median step beside.
+The format's own rounds run with PDL as `--pdl/--no-pdl` sets it (on by default; off where the GPU
+predates sm_90), recorded as `options.pdl` and `pdl_active`.
+
     kumo bench engine decode-c1 [--layers 10] [--bf16-layers 6] [--formats int4,fp8,int4-all,fp8-all,bf16]
                                 [--no-fuse-projections]   (the before side of the same-input fusion)
+                                [--no-pdl | --pdl-ab]     (PDL off, or on against off)
     kumo bench engine decode-c1 --rank-of 8 --formats int4-all,fp8-all   (rank 0 of 8, 78 of 78 layers)
     kumo bench engine decode-c1 --merge A.json B.json --out X.json
 """
@@ -79,6 +87,8 @@ class Options:
     seed: int = 0
     copy_bytes: int = COPY_BYTES
     rank_of: int = 1  # > 1: rank 0's slice of `rank_of` ranks (its collectives local, their time modelled)
+    pdl: bool = True  # the kernels' PDL switch for the format's rounds (`kernels/triton_lib.py`)
+    pdl_ab: bool = False  # then A/B/B/A rounds of the step with PDL on against off
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -268,14 +278,18 @@ def measure_format(
         fuse_projections=opts.fuse_projections,
     )  # fmt: skip
     num_pages = -(-(opts.input_len + opts.output_len) // opts.page_size) + 1
-    engine = Engine(
-        model,  # type: ignore[arg-type]
-        engine_config(num_pages, opts.page_size, "bf16", 1, opts.chunk, cuda_graphs=opts.cuda_graphs),
-        vocab_size=config.vocab_size,
-        context_window=config.max_position_embeddings,
-        model_dtype=torch.bfloat16,
-        device=opts.device,
-    )
+
+    def build() -> Engine:
+        return Engine(
+            model,  # type: ignore[arg-type]
+            engine_config(num_pages, opts.page_size, "bf16", 1, opts.chunk, cuda_graphs=opts.cuda_graphs),
+            vocab_size=config.vocab_size,
+            context_window=config.max_position_embeddings,
+            model_dtype=torch.bfloat16,
+            device=opts.device,
+        )
+
+    engine = build()
     top_k = config.num_experts_per_tok
     weights = token_bytes(model, top_k, config.num_routed_experts)
     context = opts.input_len + opts.output_len / 2  # the mean context of the decode steps
@@ -284,19 +298,24 @@ def measure_format(
     read = sum(weights.values()) + kv
     modelled = modelled_collectives(model, collectives, config, opts.device) if collectives else None
     count = iter(range(1 << 30))
+    # with --pdl-ab, about half the format's time for the step-over-bytes rounds, the rest for PDL's
+    rounds_deadline = deadline - (deadline - time.monotonic()) / 2 if opts.pdl_ab else deadline
 
-    def run(side: str) -> dict[str, Any]:
-        if side == "B":
-            bw = probe.bandwidth()
-            return {"copy_GBps": bw / 1e9, "bytes_ms": read / bw * 1e3, "is_complete": True}
+    def decode(on: Engine) -> dict[str, Any]:
         r = run_offline(
-            engine, variant=f"{fmt}/{next(count)}", concurrency=1, input_len=opts.input_len,
+            on, variant=f"{fmt}/{next(count)}", concurrency=1, input_len=opts.input_len,
             output_len=opts.output_len, vocab_size=config.vocab_size, seed=1,
             time_limit_s=max(deadline - time.monotonic(), 1.0),
         ).to_dict()  # fmt: skip
         r["is_complete"] = r["output_tokens"] == opts.output_len and r["extra"].get("decode_steps", 0) > 0
         r["step_ms"] = r["extra"].get("decode_step_ms_p50", float("nan"))
         return r
+
+    def run(side: str) -> dict[str, Any]:
+        if side == "B":
+            bw = probe.bandwidth()
+            return {"copy_GBps": bw / 1e9, "bytes_ms": read / bw * 1e3, "is_complete": True}
+        return decode(engine)
 
     warm_start = time.perf_counter()
     warm = {"A": run("A"), "B": run("B")}
@@ -305,7 +324,7 @@ def measure_format(
         run,
         lambda r: float(r["step_ms"] if "step_ms" in r else r["bytes_ms"]),
         num_rounds=opts.num_rounds,
-        time_left=lambda: deadline - time.monotonic(),
+        time_left=lambda: rounds_deadline - time.monotonic(),
         first_round_s=2.0 * warm_s,
     )
     complete = [r for r in rounds if all(run["is_complete"] for run in r["runs"])]
@@ -334,6 +353,8 @@ def measure_format(
         "rounds_skipped": opts.num_rounds - len(rounds),
         "summary": method.summary_entry([r["ratio"] for r in complete]) if complete else None,
     }
+    if opts.pdl_ab:
+        entry["pdl_ab"] = pdl_ab(engine, build, decode, opts.num_rounds, deadline)
     if modelled is not None:
         nvlink = with_nvlink(complete, modelled["modelled_ms"])
         entry |= {
@@ -342,6 +363,56 @@ def measure_format(
             "summary_with_modelled_nvlink": method.summary_entry(nvlink) if nvlink else None,
         }
     return entry
+
+
+def pdl_ab(
+    on: Any,
+    build: Callable[[], Any],
+    decode: Callable[[Any], dict[str, Any]],
+    num_rounds: int,
+    deadline: float,
+) -> dict[str, Any]:
+    """`--pdl-ab`: A = the format's engine (its graphs captured with PDL), B = `build()` run with PDL
+    off from its capture on; a warm run of each, then A/B/B/A rounds of `decode` until `deadline`.
+    The switch is set before each run, so each side's eager steps (the prefill) launch as its graphs
+    were captured; it is back on after."""
+    from benchmarks.engine import method
+    from kernels.triton_lib import set_pdl
+
+    engines = {"A": on}
+
+    def run(side: str) -> dict[str, Any]:
+        set_pdl(side == "A")
+        r = decode(engines[side])
+        r["extra"]["num_step_shapes"] = len(r["extra"].pop("step_shapes"))
+        return r
+
+    try:
+        set_pdl(False)
+        engines["B"] = build()
+        warm_start = time.perf_counter()
+        warm = {"A": run("A"), "B": run("B")}
+        rounds = method.interleave(
+            run, lambda r: float(r["step_ms"]), num_rounds=num_rounds, time_left=lambda: deadline - time.monotonic(),
+            first_round_s=2.0 * (time.perf_counter() - warm_start),
+        )  # fmt: skip
+    finally:
+        set_pdl(True)
+    complete = [r for r in rounds if all(run["is_complete"] for run in r["runs"])]
+    steps = {
+        side: [run["step_ms"] for r in complete for run in r["runs"] if run["side"] == side] for side in "AB"
+    }
+    return {
+        "A": "PDL on",
+        "B": "PDL off (its decode graphs captured without it)",
+        "warm_up": warm,
+        "order": method.order(len(rounds)),
+        "rounds": rounds,
+        "rounds_incomplete": len(rounds) - len(complete),
+        "rounds_skipped": num_rounds - len(rounds),
+        "step_ms": {side: _median(v) for side, v in steps.items()},
+        "step_ratio": method.summary_entry([r["ratio"] for r in complete]) if complete else None,
+    }
 
 
 def measure(
@@ -463,6 +534,13 @@ def markdown(record: dict[str, Any]) -> str:
                 f" {e['collectives']['modelled_ms']:.3f} | {_entry_text(e['summary_with_modelled_nvlink'])} |"
             )
         lines.append(row)
+    for fmt, e in record["formats"].items():
+        if "pdl_ab" in e:
+            ab = e["pdl_ab"]
+            lines.append(
+                f"\nPDL on / off ({fmt}, `--pdl-ab`): step {ab['step_ms']['A']:.3f} / {ab['step_ms']['B']:.3f} ms, "
+                f"{_entry_text(ab['step_ratio'])} over {len(ab['rounds'])} rounds."
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -507,6 +585,15 @@ def parser() -> argparse.ArgumentParser:
         help="Linears reading the same input as one product (backend/models/layers/fused.py); "
         "--no-fuse-projections: each its own, to measure what the fusion saves",
     )
+    ap.add_argument(
+        "--pdl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Programmatic Dependent Launch of the Triton kernels (kernels/triton_lib.py; Hopper and later)",
+    )
+    ap.add_argument(
+        "--pdl-ab", action="store_true", help="then per format the step with PDL on against off, A/B/B/A"
+    )
     ap.add_argument("--tiny", action="store_true", help="small geometry and lengths (CPU tests)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--budget-s", type=float, default=500.0, help="no round starts that would end after this")
@@ -532,8 +619,13 @@ def main(argv: list[str]) -> int:
     import torch
 
     from benchmarks.engine.report import device_name
+    from kernels.triton_lib import pdl_args, set_pdl
 
     formats = tuple(f for f in a.formats.split(",") if f)
+    if a.pdl_ab and not a.pdl:
+        raise SystemExit(
+            "kumo bench engine decode-c1: --pdl-ab measures PDL on against off, not with --no-pdl"
+        )
     if unknown := set(formats) - set(FORMATS):
         raise SystemExit(f"unknown formats {sorted(unknown)}: choose from {', '.join(FORMATS)}")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -550,8 +642,9 @@ def main(argv: list[str]) -> int:
         page_size=a.page_size, chunk=32 if a.tiny and a.chunk == 2048 else a.chunk, deadline=start + a.budget_s,
         tiny=a.tiny, fp8_method=a.fp8_method, cuda_graphs=a.cuda_graphs,
         fuse_projections=a.fuse_projections, seed=a.seed,
-        copy_bytes=8 * 2**20 if a.tiny else COPY_BYTES, rank_of=a.rank_of,
+        copy_bytes=8 * 2**20 if a.tiny else COPY_BYTES, rank_of=a.rank_of, pdl=a.pdl, pdl_ab=a.pdl_ab,
     )  # fmt: skip
+    set_pdl(a.pdl)  # before any engine captures its graphs
     record = {
         "command": "kumo bench engine decode-c1 " + " ".join(argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -559,6 +652,7 @@ def main(argv: list[str]) -> int:
         "torch": torch.__version__,
         "machine": machine,
         "options": {k: v for k, v in asdict(opts).items() if k != "deadline"},
+        "pdl_active": pdl_args(torch.device(device))["PDL"],  # launches use it: the switch, CUDA, sm_90+
         "definition": __doc__.split("\n\n")[1].strip(),
         "geometry": {"kind": "glm-5.2", "rank_of": a.rank_of, "layers": layers, "bf16_layers": bf16_layers,
                      "full_num_layers": full_depth, "is_tiny": a.tiny},

@@ -2,9 +2,10 @@
 context, CUDA graphs as served; `torch.profiler` over N decode steps after a warm run.
 
     python -m lab.diagnostics.decode_c1_profile --formats int4-all,fp8 --layers 10 --steps 20
+    python -m lab.diagnostics.decode_c1_profile --formats int4-all --pdl on,off   (one model, two engines)
     python -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8   # rank 0 of 8
 
-Prints, per format: wall ms per step, device ms per step (sum of kernel time), kernels per step, and
+Prints, per format (and PDL setting: `kernels/triton_lib.py`, set before each engine is built): wall ms per step, device ms per step (sum of kernel time), kernels per step, and
 the top kernels by own device time with their count per step. A gap between wall and device time is
 host or launch time; device time far above the bytes is a slow kernel.
 """
@@ -20,20 +21,25 @@ import time
 import torch
 
 from backend.engine.engine import Engine
+from backend.models.model_config import ModelConfig
 from benchmarks.engine.decode_c1 import token_bytes
 from benchmarks.engine.geometry import make_geometry
 from benchmarks.engine.offline import engine_config, run_offline
 from benchmarks.engine.weights import build_random_model
 from kernels.selection_triton import set_select_method
+from kernels.triton_lib import pdl_args, set_pdl
 
 
 def profile_format(
-    fmt: str, layers: int, steps: int, input_len: int, graphs: bool, device: str = "cuda", rank_of: int = 1
+    fmt: str,
+    model: torch.nn.Module,
+    config: ModelConfig,
+    steps: int,
+    input_len: int,
+    graphs: bool,
+    device: str = "cuda",
+    rank_of: int = 1,
 ) -> dict:
-    tiny = device == "cpu"
-    geometry = make_geometry("glm-5.2", layers, tiny=tiny, rank_of=rank_of)
-    config = geometry.model_config
-    model = build_random_model(geometry, fmt, device=device, seed=0, fp8_method="fp8-block")
     out_len = 64 + steps
     engine = Engine(
         model,
@@ -80,11 +86,12 @@ def profile_format(
         for e in events[:30] if e.self_device_time_total > 0
     ]  # fmt: skip
     result = {
-        "format": fmt, "layers": layers, "rank_of": rank_of, "graphs": graphs, "wall_ms_per_step": state["wall"],
+        "format": fmt, "layers": config.num_hidden_layers, "rank_of": rank_of, "graphs": graphs,
+        "pdl": pdl_args(torch.device(device))["PDL"], "wall_ms_per_step": state["wall"],
         "decode_step_ms_p50": r["extra"]["decode_step_ms_p50"], "device_ms_per_step": device_total,
         "kernels_per_step": num_kernels, "weight_bytes": weights, "top": top,
     }  # fmt: skip
-    del engine, model
+    del engine
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -101,6 +108,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--select", choices=("radix", "topk"), default="radix", help="the DSA selection's path")
+    ap.add_argument("--pdl", default="on", help="PDL settings to profile in turn: on, off or on,off")
+    ap.add_argument("--top", type=int, default=30, help="kernels listed per profile")
     ap.add_argument(
         "--rank-of", type=int, default=1, help="> 1: rank 0's slice of N ranks, collectives local"
     )
@@ -112,15 +121,24 @@ def main() -> None:
         join_alone(args.rank_of)
     results = []
     for fmt in args.formats.split(","):
+        geometry = make_geometry("glm-5.2", args.layers, tiny=args.device == "cpu", rank_of=args.rank_of)
+        model = build_random_model(geometry, fmt, device=args.device, seed=0, fp8_method="fp8-block")
         for g in args.graphs.split(","):
-            res = profile_format(fmt, args.layers, args.steps, args.input_len, g == "1", args.device,
-                                args.rank_of)  # fmt: skip
-            results.append(res)
-            print(f"== {fmt} graphs={g}: wall {res['wall_ms_per_step']:.3f} ms/step, p50 {res['decode_step_ms_p50']:.3f}, "
-                  f"device {res['device_ms_per_step']:.3f} ms/step, kernels/step {res['kernels_per_step']:.0f}, "
-                  f"weights {res['weight_bytes'] / 1e6:.0f} MB")  # fmt: skip
-            for t in res["top"]:
-                print(f"   {t['ms_per_step']:8.3f} ms  x{t['per_step']:6.1f}  {t['name']}")
+            for pdl in args.pdl.split(","):
+                set_pdl(pdl == "on")  # before the engine captures its graphs
+                res = profile_format(
+                    fmt, model, geometry.model_config, args.steps, args.input_len, g == "1", args.device,
+                    args.rank_of,
+                )  # fmt: skip
+                results.append(res)
+                print(f"== {fmt} graphs={g} pdl={pdl} (active {res['pdl']}): wall {res['wall_ms_per_step']:.3f} ms/step, "
+                      f"p50 {res['decode_step_ms_p50']:.3f}, device {res['device_ms_per_step']:.3f} ms/step, "
+                      f"kernels/step {res['kernels_per_step']:.0f}, weights {res['weight_bytes'] / 1e6:.0f} MB")  # fmt: skip
+                for t in res["top"][: args.top]:
+                    print(f"   {t['ms_per_step']:8.3f} ms  x{t['per_step']:6.1f}  {t['name']}")
+        del model
+        gc.collect()
+    set_pdl(True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

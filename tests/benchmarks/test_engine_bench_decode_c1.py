@@ -203,3 +203,36 @@ def test_a_skipped_format_is_a_row_and_no_sample(rank_of: dict[str, Any]) -> Non
     summary = summarize(formats, N)
     assert "bf16" not in summary["summary_detail"][f"{SUMMARY_KEY}_rank_of_{N}"]
     assert "| bf16 | 78 | skipped: no room |" in markdown(rank_of | summary)
+
+
+def test_pdl_ab_runs_rounds_of_the_step_with_pdl_on_against_off(tmp_path: Path) -> None:
+    """`--pdl-ab`: after the format's rounds, A/B/B/A rounds of PDL on (A) against a second engine with
+    it off (B), the ratio on / off per round and their summary; the switch and whether launches used
+    it (never on the CPU) recorded; and it refuses `--no-pdl`."""
+    out = tmp_path / "rec.json"
+    argv = [
+        "engine",
+        "decode-c1",
+        "--tiny",
+        "--formats",
+        "int4",
+        "--rounds",
+        "2",
+        "--compile-cache",
+        str(tmp_path),
+    ]
+    assert bench_main([*argv, "--pdl-ab", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["options"]["pdl"] and record["options"]["pdl_ab"] and record["pdl_active"] is False
+    entry = record["formats"]["int4"]
+    ab = entry["pdl_ab"]
+    assert ab["order"] == ["A", "B", "B", "A"] * 2 and ab["rounds_incomplete"] == ab["rounds_skipped"] == 0
+    for r in ab["rounds"]:
+        a = [run["step_ms"] for run in r["runs"] if run["side"] == "A"]
+        b = [run["step_ms"] for run in r["runs"] if run["side"] == "B"]
+        assert r["ratio"] == pytest.approx(sum(a) / sum(b)) and min(a + b) > 0
+    assert ab["step_ratio"]["samples"] == pytest.approx([r["ratio"] for r in ab["rounds"]])
+    assert entry["summary"] is not None and len(entry["rounds"]) == 2  # the step-over-bytes rounds too
+    assert "PDL on / off (int4, `--pdl-ab`)" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="--no-pdl"):
+        bench_main([*argv, "--pdl-ab", "--no-pdl", "--out", str(out)])

@@ -81,8 +81,15 @@ def merge_source(out: str = "bf16") -> ASTSource:
     )
 
 
+def launch_consts(fn: Any, consts: dict[str, Any]) -> dict[str, Any]:
+    """`consts` with PDL off where `fn` takes the constexpr (`kernels/triton_lib.py`), as every
+    launch before sm_90 or with the switch off compiles it; `sm90_compile_pdl` turns it on."""
+    return {"PDL": False, **consts} if "PDL" in fn.arg_names else consts
+
+
 def _source(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], floats: set[str]) -> ASTSource:
     names = fn.arg_names
+    consts = launch_consts(fn, consts)
     sig = {}
     for n in names:
         if n in consts:

@@ -12,7 +12,7 @@ from typing import Any
 from triton.compiler import ASTSource
 
 from kernels.fp8_gemm import GEMV_DEFAULT, TILE_DEFAULTS, Fp8GemmConfig
-from tests.kernels.sm90_compile import compile_args, compile_sm90
+from tests.kernels.sm90_compile import compile_args, compile_sm90, launch_consts
 
 STRIDES = ("stride_xm", "stride_wn", "stride_om", "K")  # 16-byte multiples, as the launchers' tensors
 
@@ -30,6 +30,7 @@ def source(cfg: Fp8GemmConfig, x: str, block: bool) -> ASTSource:
         consts |= {"BLOCK_M": cfg.block_m, "SPLIT_K": cfg.split_k,
                    "DOT_PRECISION": "ieee" if x == "fp32" else "tf32"}  # fmt: skip
     names = fn.arg_names
+    consts = launch_consts(fn, consts)
     sig = {n: "constexpr" if n in consts else ("*" + ptrs[n] if n in ptrs else "i32") for n in names}
     ones = {"stride_xk", "stride_wk"}  # K-contiguous rows: specialised to 1 as at launch
     aligned = [(names.index(n),) for n in names if n.endswith("_ptr") or n in STRIDES]

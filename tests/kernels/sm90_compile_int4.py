@@ -24,7 +24,7 @@ from kernels.moe_routing import GEMV_CONFIG, MoEConfig, pick_moe_config
 from kernels.w4a16_config import GEMV_DEFAULT, GEMV_NARROW, W4A16Config, pick_config
 from kernels.w4a16_gemm import _w4a16_kernel
 from kernels.w4a16_gemv import _w4a16_gemv_kernel, _w4a16_gemv_tma_kernel
-from tests.kernels.sm90_compile import compile_args, compile_sm90
+from tests.kernels.sm90_compile import compile_args, compile_sm90, launch_consts
 from tests.kernels.sm90_compile_w4a8 import _source
 
 GEMM_DIV16 = ("N", "K", "K8", "KG", "stride_xm", "stride_wn", "stride_sn", "stride_om")
@@ -83,10 +83,10 @@ def _tma_gemv_source(cfg: W4A16Config, group: int, ptrs: dict[str, str]) -> ASTS
     """The TMA GEMV: the weight comes as a TMA descriptor of [block_n, block_k / 8] int32 boxes."""
     fn = _w4a16_gemv_tma_kernel
     names = fn.arg_names
-    consts: dict[str, Any] = dict(
+    consts: dict[str, Any] = launch_consts(fn, dict(
         GROUP_SIZE=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, EVEN_N=True,
         STAGES=cfg.tma_stages, ROWS=cfg.gemv_rows, **{n: 1 for n in GEMM_UNIT if n in names},
-    )  # fmt: skip
+    ))  # fmt: skip
     sig = {
         n: "constexpr"
         if n in consts

@@ -17,7 +17,7 @@ from typing import Any
 
 from triton.compiler import ASTSource
 
-from tests.kernels.sm90_compile import compile_sm90
+from tests.kernels.sm90_compile import compile_sm90, launch_consts
 
 DIV16 = ("N", "K", "K8", "KG", "stride_xm", "stride_qm", "stride_wn", "stride_sn", "stride_om")
 UNIT = ("stride_xk", "stride_wk", "stride_sg", "stride_on")  # 1 at launch: Triton specialises them
@@ -33,7 +33,7 @@ def _source(
 ) -> ASTSource:
     """`fn`'s signature with the `unit` strides as constants 1 and pointers and `div16` marked 16-divisible."""
     names = fn.arg_names
-    consts = {**consts, **{n: 1 for n in unit if n in names}}
+    consts = launch_consts(fn, {**consts, **{n: 1 for n in unit if n in names}})
     sig = {
         n: "constexpr"
         if n in consts

@@ -218,6 +218,7 @@ def test_settings(tmp_path: Path) -> None:
     assert not build_settings(
         [*flags, "--speculative", "mtp:2", "--no-speculative-graphs"], {}
     ).speculative_graphs
+    assert build_settings(flags, {}).pdl and not build_settings([*flags, "--no-pdl"], {}).pdl
     for argv in (
         ["--model", "m", "--port", "1"],
         ["--model", "m", "--port", "99999", "--secret", "long-enough"],
