@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_lib import pdl_args, pdl_enter
+
 __all__ = ["silu_mul_triton"]
 
 BLOCK = 1024  # columns a program: one 16-byte load a thread at 4 warps in bf16 (I is 2,048-18,432 here)
@@ -24,7 +26,9 @@ def _silu_mul_kernel(
     stride_g,
     stride_u,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): reads nothing before the wait
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -46,6 +50,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, I), dtype=gate.dtype, device=gate.device)
     if T and I:
         _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](
-            gate, up, out, I, gate.stride(0), up.stride(0), BLOCK=BLOCK, num_warps=4
+            gate, up, out, I, gate.stride(0), up.stride(0), BLOCK=BLOCK, num_warps=4, **pdl_args(gate.device)
         )
     return out
