@@ -14,6 +14,7 @@
 #    time there: compare wall and p50;
 # 4. with the time left: the GPU tests of every kernel PDL touched (on by default, so their eager
 #    launches run with it).
+# R8_S=N adds, after 2, the same A/B at rank 0 of 8, 78 layers (`--rank-of 8`), N s; PROFILE_S=0 drops 3.
 # Everything in $OUT/r12_pdl.tgz, packed after each stage (a cut call keeps what came before).
 #
 #   run(command="bash lab/device/r12_pdl.sh", carry=[".whl"], timeout_s=600)
@@ -53,13 +54,15 @@ summary() { grep -E "passed|failed|skipped|FAILED|^ERROR|^E " "$1" | tail -8; }
 
 if fits 170 "PDL tests"; then
   timeout 170 "$PYTHON" -m pytest -p no:cacheprovider -p no:benchmark --tb=short -rfEs \
-    tests/kernels/test_pdl.py tests/backend/engine/test_pdl_decode_cuda.py > "$W/pytest-pdl.log" 2>&1
+    tests/kernels/test_pdl.py tests/backend/engine/test_pdl_decode_cuda.py tests/kernels/test_act_mul.py \
+    > "$W/pytest-pdl.log" 2>&1
   echo "== PDL tests rc=$? at $(el)s"; summary "$W/pytest-pdl.log"
   pack
 fi
 
-PROFILE_S=130  # kept for stage 3
-C1_BUDGET=$(( LIMIT - $(el) - PROFILE_S - 50 ))  # 50: the process past its budget (a run cut, the record written)
+PROFILE_S=${PROFILE_S:-130}  # kept for stage 3 (0: no profile)
+R8_S=${R8_S:-0}  # > 0: stage 2b, rank 0 of 8 at 78 layers with --pdl-ab, this budget (s)
+C1_BUDGET=$(( LIMIT - $(el) - PROFILE_S - R8_S - 50 ))  # 50: the process past its budget (a run cut, the record written)
 [ "$C1_BUDGET" -gt 160 ] && C1_BUDGET=160
 if [ "$C1_BUDGET" -ge 90 ]; then
   timeout $(( C1_BUDGET + 50 )) "$PYTHON" -m benchmarks.cli engine decode-c1 "${bench[@]}" --rounds 3 --pdl-ab \
@@ -71,7 +74,15 @@ else
   echo "== skipped: decode-c1 (${C1_BUDGET}s of budget at $(el)s)"
 fi
 
-if fits "$PROFILE_S" "profile"; then
+if [ "$R8_S" -gt 0 ] && [ "$TINY" = 0 ] && fits $(( R8_S + 40 )) "rank-of-8 --pdl-ab"; then
+  timeout $(( R8_S + 40 )) "$PYTHON" -m benchmarks.cli engine decode-c1 --formats int4-all --rank-of 8 --rounds 2 \
+    --pdl-ab --budget-s "$R8_S" --out "$W/decode-c1-rank-of-8-pdl.json" > "$W/decode-c1-rank-of-8-pdl.log" 2>&1
+  echo "== decode-c1 --rank-of 8 --pdl-ab rc=$? at $(el)s (budget ${R8_S}s)"
+  grep -E "^\| int4-all |^PDL on|^\`decode_c1" "$W/decode-c1-rank-of-8-pdl.log" | sed 's/^/   /'
+  pack
+fi
+
+if [ "$PROFILE_S" -gt 0 ] && fits "$PROFILE_S" "profile"; then
   timeout "$PROFILE_S" "$PYTHON" -m lab.diagnostics.decode_c1_profile "${profile[@]}" --pdl on,off --top 12 \
     --out "$W/profile.json" > "$W/profile.log" 2>&1
   echo "== profile rc=$? at $(el)s"; grep -v -E "Warning|warn|USDT|profiler" "$W/profile.log" | head -30
