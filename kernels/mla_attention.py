@@ -30,6 +30,7 @@ class MlaAttentionArgs:
     softmax_scale: float
     batch: PagedBatch
     topk_indices: torch.Tensor | None = None  # [T, K] int64 DSA's chosen tokens; None: all visible
+    fp8_dot: bool = False  # an FP8 cache on CUDA: e4m3 dots, q and p rounded (`mla_decode`); not a default
 
 
 def mla_attention(args: MlaAttentionArgs) -> torch.Tensor:  # [T, H, R]
@@ -42,11 +43,19 @@ def mla_attention(args: MlaAttentionArgs) -> torch.Tensor:  # [T, H, R]
         return mla_decode(
             a.q, a.latent_cache, a.latent_scale, a.kv_lora_rank, b.seq_lens, b.page_table, b.expected_tags,
             b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk_indices, check_tags=b.check_tags,
+            fp8_dot=a.fp8_dot,
         )  # fmt: skip
-    run = mla_attention_ref
     if a.q.is_cuda:  # prefill chunks (and mixed steps)
-        from kernels.mla_prefill import mla_prefill as run
-    return run(
+        from kernels.mla_prefill import mla_prefill
+
+        return mla_prefill(
+            a.q, a.latent_cache, a.latent_scale, a.kv_lora_rank, b.query_start, b.seq_lens, b.page_table,
+            b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk_indices,
+            check_tags=b.check_tags, fp8_dot=a.fp8_dot,
+        )  # fmt: skip
+    if a.fp8_dot:
+        raise ValueError("fp8_dot runs the CUDA kernels only: the reference has no e4m3 dots")
+    return mla_attention_ref(
         a.q, a.latent_cache, a.latent_scale, a.kv_lora_rank, b.query_start, b.seq_lens, b.page_table,
         b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk_indices, check_tags=b.check_tags,
     )  # fmt: skip

@@ -35,6 +35,14 @@ another: page ids, then tags, then lines, each a synchronous load on the H200):
 - `MlaTiles.swap` computes the transposed products (`attend_slice`): tokens are the MMA's rows, so a
   64-token step runs wgmma whatever the head count; the candidates are timed by
   `lab/diagnostics/mla_ab.py` against the committed configuration.
+- `MlaTiles.fp8_dot` (issue 24; other numerics, so no default before `kumo eval`'s gate): the lines
+  feed e4m3 dots as they are, q rounded to e4m3 per (token, head) row (`e4m3_rows`, its scale in the
+  scores), the weights as codes of p * 448 with their sum taken over the rounded codes (`attend_slice`).
+  Triton 3.6 on sm90 runs an 8-bit dot under 64 rows as fp16 mma.sync, so 8-32 heads need the swapped
+  products; and fp8 wgmma takes K-major operands only, so the value dot's tile (tokens x latent,
+  latent-major in the cache) is transposed in shared memory every step, one byte at a time (LDS.U8 and
+  PRMT: `lab/results/2026-12-05-mla-fp8-dot-sass.md`), which replaces the conversion's round trip
+  rather than removing it.
 
 Page-tag check, fused but out of the token loop: each program first checks the pages its slice uses
 in one vectorised pass and sets `tag_mismatch[b]` on a wrong tag. A slice that holds a bad page (its
@@ -155,13 +163,58 @@ def e4m3_bits_to_f16_shifted(x):
 
 
 @triton.jit
+def e4m3_pinned(x):
+    """e4m3 `x` unchanged, through an impure `mov` (as `e4m3_to_f16`): the latent chunk then has one
+    user, so Triton pipelines its load into shared memory (cp.async, `num_stages`) and reads it back once
+    for both dots. Without it the two users (the score dot's operand as loaded, the value dot's
+    transposed: fp8 wgmma takes K-major operands only) make Triton load the chunk with plain loads, a
+    step at a time, into registers (sm90 SASS of the 16-row swapped tile: LDG.128, no LDGSTS)."""
+    return tl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float8e4nv, is_pure=False, pack=4
+    )
+
+
+# e4m3's largest finite value: each q row's absmax maps to it, and p = 1 (the running max)
+E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
+
+@triton.jit
+def to_e4m3(x, HW: tl.constexpr):
+    """fp32 `x` (|x| <= 448) -> e4m3, round to nearest even, subnormals included. HW: the GPU's cast
+    (`cvt.rn.satfinite`); else (the interpreter, whose cast neither carries its rounding into the
+    exponent nor rounds subnormals) `x` is first rounded in fp32 to a multiple of its e4m3 quantum
+    (2^(e - 3), at least 2^-9) by adding and subtracting 1.5 * 2^23 quanta, so the cast is exact."""
+    if HW:
+        return x.to(tl.float8e4nv)
+    e = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased; subnormals: 2^-6's
+    magic = ((e + 20) << 23).to(tl.float32, bitcast=True) * 1.5  # 1.5 * 2^23 * 2^(e - 127 - 3)
+    return ((x + magic) - magic).to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_rows(q_cs, q_pe, NUM_RC: tl.constexpr, HW: tl.constexpr):
+    """fp32 q chunks (NUM_RC x [BM, BLOCK_RC]) and rope part [BM, BLOCK_DR] -> their e4m3 codes and each
+    row's scale [BM] (q ~ codes x scale): absmax / 448 over the whole row, `q / scale` rounded (IEEE
+    divisions: the formula and the bits of `kernels.w4a8_gemm.quantize_fp8_rows_ref`)."""
+    amax = tl.max(tl.abs(q_pe), axis=1)
+    for k in tl.static_range(NUM_RC):
+        amax = tl.maximum(amax, tl.max(tl.abs(q_cs[k]), axis=1))
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), E4M3_MAX)  # [BM]
+    codes = ()
+    for k in tl.static_range(NUM_RC):
+        codes = codes + (to_e4m3(tl.math.div_rn(q_cs[k], scale[:, None]), HW),)
+    return codes, to_e4m3(tl.math.div_rn(q_pe, scale[:, None]), HW), scale
+
+
+@triton.jit
 def tile_lines(
     cache_ptr, page, tok, ok, R, DR, stride_cp, stride_cs, PAGE_SIZE: tl.constexpr, BLOCK_RC: tl.constexpr,
     NUM_RC: tl.constexpr, BLOCK_DR: tl.constexpr, COMPUTE: tl.constexpr, FP8_ASM: tl.constexpr,
-    FP8_SHIFT: tl.constexpr,
+    FP8_SHIFT: tl.constexpr, FP8_DOT: tl.constexpr,
 ):  # fmt: skip
     """Tokens `tok [BN]`' latent lines in NUM_RC chunks `[BN, BLOCK_RC]` and rope parts `[BN, BLOCK_DR]`
-    (COMPUTE), zero where not `ok`; FP8_SHIFT: FP8 lines times 2^-8 (`e4m3_to_f16_shifted`)."""
+    (COMPUTE), zero where not `ok`; FP8_SHIFT: FP8 lines times 2^-8 (`e4m3_to_f16_shifted`); FP8_DOT:
+    the e4m3 codes as they are (on the GPU the latent chunks `e4m3_pinned`)."""
     line = cache_ptr + page.to(tl.int64) * stride_cp + (tok % PAGE_SIZE) * stride_cs  # [BN]
     offs = tl.arange(0, BLOCK_RC)
     cs = ()
@@ -171,7 +224,7 @@ def tile_lines(
         if FP8_SHIFT:
             c = e4m3_to_f16_shifted(c) if FP8_ASM else e4m3_bits_to_f16_shifted(c)
         elif FP8_ASM:
-            c = e4m3_to_f16(c)
+            c = e4m3_pinned(c) if FP8_DOT else e4m3_to_f16(c)
         cs = cs + (c.to(COMPUTE),)
     offs_dr = tl.arange(0, BLOCK_DR)
     pe = tl.load(line[:, None] + R + offs_dr[None, :], mask=ok[:, None] & (offs_dr < DR)[None, :], other=0.0)
@@ -186,7 +239,7 @@ def attend_slice(
     stride_cs, stride_ptb, stride_tkt, PAGE_SIZE: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_RC: tl.constexpr, NUM_RC: tl.constexpr, BLOCK_DR: tl.constexpr, VARLEN: tl.constexpr,
     SPARSE: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FP8_ASM: tl.constexpr, FP8_SHIFT: tl.constexpr, SWAP: tl.constexpr,
+    FP8_ASM: tl.constexpr, FP8_SHIFT: tl.constexpr, SWAP: tl.constexpr, FP8_DOT: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the tile's rows (q chunks `q_cs`: NUM_RC x [BM, BLOCK_RC], `q_pe [BM, BLOCK_DR]`,
     COMPUTE) over items [start, end) of sequence b, reading page ids from `table_ptr` (-1: drop the
@@ -194,6 +247,12 @@ def attend_slice(
     chunks [BM, BLOCK_RC]; SWAP: [BLOCK_RC, BM]), log2 domain. Every load is masked with other = 0, so
     one zero-filled tile is both key and value: an item past the end, an empty sparse slot, a dropped
     page read 0, not NaN.
+
+    FP8_DOT: q and the lines are e4m3 codes, `qk_scale` a [BM] vector (each row's q scale in it); the
+    weights go to the value dot as e4m3 codes of p * 448 and the sum counts those rounded weights, so the
+    output is their exact weighted mean (sum and acc both 448x theirs). Each step's value dot starts
+    from zero and is added in fp32: Hopper's fp8 MMA keeps ~14 bits of a sum it accumulates, and the
+    running acc of 32k tokens would lose the later ones' share.
 
     SWAP computes the transposed products, tokens as the MMA's rows and the tile's rows (heads) as its
     columns: scores `[BN, BM] = lines · q^T`, acc chunks `[BLOCK_RC, BM] += lines^T · p`. Both dots
@@ -221,7 +280,7 @@ def attend_slice(
         ok = ok & (page >= 0)
         cs, pe = tile_lines(
             cache_ptr, page, tok, ok, R, DR, stride_cp, stride_cs, PAGE_SIZE, BLOCK_RC, NUM_RC, BLOCK_DR,
-            COMPUTE, FP8_ASM, FP8_SHIFT,
+            COMPUTE, FP8_ASM, FP8_SHIFT, FP8_DOT,
         )  # fmt: skip
         if SWAP:  # [BN, BM]: a column per row of the tile
             s = tl.dot(pe, tl.trans(q_pe), input_precision=DOT_PRECISION)
@@ -237,16 +296,27 @@ def attend_slice(
             seen = ok[None, :]
             if VARLEN:
                 seen = seen & (tok[None, :] < row_limit[:, None])
-        s = tl.where(seen, s * qk_scale, float("-inf"))
+        if FP8_DOT:
+            s = tl.where(seen, s * tl.expand_dims(qk_scale, AXIS), float("-inf"))
+        else:
+            s = tl.where(seen, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=AXIS))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
         alpha = tl.exp2(m - m_base)
         p = tl.exp2(s - tl.expand_dims(m_base, AXIS))
-        l = l * alpha + tl.sum(p, axis=AXIS)
-        p = p.to(COMPUTE)
+        if FP8_DOT:
+            p = to_e4m3(p * E4M3_MAX, FP8_ASM)
+            l = l * alpha + tl.sum(p.to(tl.float32), axis=AXIS)
+        else:
+            l = l * alpha + tl.sum(p, axis=AXIS)
+            p = p.to(COMPUTE)
         rescaled = ()
         for k in tl.static_range(NUM_RC):
-            if SWAP:
+            if FP8_DOT and SWAP:
+                acc = accs[k] * alpha[None, :] + tl.dot(tl.trans(cs[k]), p)
+            elif FP8_DOT:
+                acc = accs[k] * alpha[:, None] + tl.dot(p, cs[k])
+            elif SWAP:
                 acc = tl.dot(tl.trans(cs[k]), p, accs[k] * alpha[None, :], input_precision=DOT_PRECISION)
             else:
                 acc = tl.dot(p, cs[k], accs[k] * alpha[:, None], input_precision=DOT_PRECISION)
@@ -275,7 +345,7 @@ def _mla_paged_kernel(
     part_o_ptr,  # [T, H, NS, R] fp32 (unused when DIRECT)
     part_lse_ptr,  # [T, H, NS] fp32, log2 domain (unused when DIRECT)
     out_ptr,  # [T, H, R] q's dtype (DIRECT only)
-    qk_scale,  # softmax_scale * latent_scale * log2(e) (FP8_SHIFT: * 2^8)
+    qk_scale,  # softmax_scale * latent_scale * log2(e) (FP8_SHIFT: * 2^8; FP8_DOT: each row's q scale too)
     v_scale,  # latent_scale (FP8_SHIFT: * 2^8; DIRECT only)
     num_seqs, num_splits, num_heads, R, DR, topk,
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ptb, stride_etb, stride_tkt, stride_ot, stride_oh,
@@ -291,12 +361,14 @@ def _mla_paged_kernel(
     SPARSE: tl.constexpr,
     CHECK_TAGS: tl.constexpr,
     DIRECT: tl.constexpr,  # one slice: write the final output, skip the partials
-    COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches, else q's
+    COMPUTE: tl.constexpr,  # dot operand dtype: fp16 for FP8 caches (FP8_DOT: e4m3), else q's
     DOT_PRECISION: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # the token loop's pipeline depth
-    FP8_ASM: tl.constexpr,  # an FP8 cache on the GPU: convert with `e4m3_to_f16` (no asm in the interpreter)
+    FP8_ASM: tl.constexpr,  # an FP8 cache on the GPU: convert with `e4m3_to_f16` (no asm in the interpreter),
+    # FP8_DOT: round to e4m3 by the GPU's cast (`to_e4m3`)
     FP8_SHIFT: tl.constexpr,  # an FP8 cache converted by `e4m3_to_f16_shifted` (x 2^-8, in the scales)
     SWAP: tl.constexpr,  # tokens as the dots' rows (`attend_slice`)
+    FP8_DOT: tl.constexpr,  # an FP8 cache read by e4m3 dots: q rounded to e4m3 per row, p too (`attend_slice`)
     PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -335,9 +407,13 @@ def _mla_paged_kernel(
     for k in tl.static_range(NUM_RC):
         r = k * BLOCK_RC + offs_rc
         q_c = tl.load(q_row + r[None, :], mask=row_ok[:, None] & (r < R)[None, :], other=0.0)
-        q_cs = q_cs + (q_c.to(COMPUTE),)
+        q_cs = q_cs + (q_c.to(tl.float32 if FP8_DOT else COMPUTE),)
     offs_dr = tl.arange(0, BLOCK_DR)
     q_pe = tl.load(q_row + R + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr < DR)[None, :], other=0.0)
+    row_scale = qk_scale
+    if FP8_DOT:
+        q_cs, q_pe, q_scale = e4m3_rows(q_cs, q_pe.to(tl.float32), NUM_RC, FP8_ASM)
+        row_scale = q_scale * qk_scale
 
     # the tag check, out of the token loop: one vectorised pass over the pages the slice uses. A slice
     # with a bad page (its sequence is about to be aborted) writes a sanitised copy of its part of the
@@ -359,8 +435,9 @@ def _mla_paged_kernel(
 
     m, l, accs = attend_slice(
         q_cs, q_pe.to(COMPUTE), first_pos + qi + 1, cache_ptr, table_ptr, topk_ptr, b, t, L, start, end,
-        qk_scale, R, DR, stride_cp, stride_cs, stride_ptb, stride_tkt, PAGE_SIZE, BM, BLOCK_N, BLOCK_RC,
+        row_scale, R, DR, stride_cp, stride_cs, stride_ptb, stride_tkt, PAGE_SIZE, BM, BLOCK_N, BLOCK_RC,
         NUM_RC, BLOCK_DR, VARLEN, SPARSE, COMPUTE, DOT_PRECISION, NUM_STAGES, FP8_ASM, FP8_SHIFT, SWAP,
+        FP8_DOT,
     )  # fmt: skip
 
     l_safe = tl.where(l > 0.0, l, 1.0)
@@ -382,7 +459,8 @@ def _mla_paged_kernel(
         else:
             tl.store(part, o, mask=store_ok)
     if not DIRECT:
-        tl.store(part_lse_ptr + part_row, tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf")), mask=row_ok)
+        lse = m + tl.log2(l_safe / E4M3_MAX) if FP8_DOT else m + tl.log2(l_safe)  # FP8_DOT: l is 448x the sum
+        tl.store(part_lse_ptr + part_row, tl.where(l > 0.0, lse, float("-inf")), mask=row_ok)
 
     if CHECK_TAGS and SPARSE and (hb == 0) & is_last:
         # the flag covers every page in use, chosen or not (as the reference's): swept by the first
@@ -468,7 +546,12 @@ def launch_mla_paged(
         raise ValueError("block_q * block_h must be at least 16 (the rows of a tl.dot tile)")
     if tiles.block_rc < 16 or tiles.block_rc & (tiles.block_rc - 1):
         raise ValueError(f"block_rc must be a power of two >= 16, got {tiles.block_rc}")
-    block_rc = min(tiles.block_rc, max(16, triton.next_power_of_2(R)))
+    fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    fp8_dot = fp8 and tiles.fp8_dot
+    least_k = 32 if fp8_dot else 16  # an 8-bit dot's K: the latent and rope chunks, and the tokens of a step
+    if fp8_dot and tiles.block_n < least_k:
+        raise ValueError(f"fp8_dot tiles need block_n >= 32 (the value dot's K), got {tiles.block_n}")
+    block_rc = min(tiles.block_rc, max(least_k, triton.next_power_of_2(R)))
     sparse = topk_indices is not None
     K = topk_indices.shape[1] if topk_indices is not None else 0
     num_tiles = T if query_tiles is None else query_tiles.tile_seq.shape[0]
@@ -499,8 +582,7 @@ def launch_mla_paged(
         if query_tiles is None
         else (query_tiles.query_start, query_tiles.tile_seq, query_tiles.tile_q0)
     )
-    fp8 = latent_cache.dtype == torch.float8_e4m3fn
-    shift = fp8 and tiles.fp8_shift
+    shift = fp8 and tiles.fp8_shift and not fp8_dot
     line_scale = latent_scale * 256.0 if shift else latent_scale  # shifted lines read 2^-8 of their value
     block_p = 512 if sparse else 1024  # the tag check of a 16k-token slice in one step (sparse: registers)
     _mla_paged_kernel[(head_blocks, splits, num_tiles)](
@@ -511,12 +593,12 @@ def launch_mla_paged(
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), page_table.stride(0),
         expected_tags.stride(0), topk_arg.stride(0), out.stride(0), out.stride(1),
         PAGE_SIZE=S, BLOCK_Q=block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_RC=block_rc,
-        NUM_RC=triton.cdiv(R, block_rc), BLOCK_DR=max(16, triton.next_power_of_2(C - R)), BLOCK_P=block_p,
-        VARLEN=query_tiles is not None, SPARSE=sparse, CHECK_TAGS=check_tags, DIRECT=direct,
-        COMPUTE=tl.float16 if fp8 else TL_DTYPES[q.dtype],
+        NUM_RC=triton.cdiv(R, block_rc), BLOCK_DR=max(least_k, triton.next_power_of_2(C - R)),
+        BLOCK_P=block_p, VARLEN=query_tiles is not None, SPARSE=sparse, CHECK_TAGS=check_tags, DIRECT=direct,
+        COMPUTE=tl.float8e4nv if fp8_dot else tl.float16 if fp8 else TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_STAGES=tiles.num_stages, FP8_ASM=fp8 and q.is_cuda,  # the interpreter runs no inline asm
-        FP8_SHIFT=shift, SWAP=tiles.swap, **pdl_args(q.device),
+        FP8_SHIFT=shift, SWAP=tiles.swap, FP8_DOT=fp8_dot, **pdl_args(q.device),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if not direct:
@@ -545,12 +627,14 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     tiles: MlaTiles | None = None,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:  # [B, H, R] in q's dtype
     """`mla_attention_ref` for one query per sequence (query_start = 0..B); see the module docstring.
 
     Tile defaults (None): `tiles` if given (a whole config, as the benchmark's sweep passes them), else
     `kernels.mla_tiles.TILES` for the heads (a 64-row tile from 33 heads on), the cache dtype and the
-    mode; any of block_h ... num_stages given replaces that field.
+    mode (`fp8_dot` with an FP8 cache: `FP8_DOT_TILES`, e4m3 dots, other numerics); any of block_h ...
+    num_stages given replaces that field.
     """
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(
@@ -559,6 +643,7 @@ def mla_decode(
     tiles = resolve_tiles(
         "decode" if topk_indices is None else "sparse", block_h or q.shape[1],
         latent_cache.dtype == torch.float8_e4m3fn, block_h, block_n, block_rc, num_warps, num_stages, tiles,
+        fp8_dot,
     )  # fmt: skip
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,

@@ -56,11 +56,13 @@ def mla_prefill(
     block_rc: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
     """`mla_attention_ref` on the GPU; see the module docstring.
 
     Tile defaults (None): 64 rows, the wgmma tile (1 query × 64 heads, 8 × 8 where H = 8, ...; sparse:
-    1 × 64, or 1 × 16 where H <= 16), the rest `kernels.mla_tiles.TILES`' for that many rows.
+    1 × 64, or 1 × 16 where H <= 16), the rest `kernels.mla_tiles.TILES`' for that many rows
+    (`fp8_dot` with an FP8 cache: `FP8_DOT_TILES`', e4m3 dots as `mla_decode`'s).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, R + Dr], got {tuple(q.shape)}")
@@ -76,7 +78,7 @@ def mla_prefill(
         raise ValueError("block_q must be a power of two")
     tiles = resolve_tiles(
         "sparse" if sparse else "prefill", block_q * block_h, latent_cache.dtype == torch.float8_e4m3fn,
-        block_h, block_n, block_rc, num_warps, num_stages,
+        block_h, block_n, block_rc, num_warps, num_stages, fp8_dot=fp8_dot,
     )  # fmt: skip
     check_mla_inputs(
         q, latent_cache, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags, tag_mismatch,

@@ -26,7 +26,9 @@ class MlaTiles:
     """Heads per program, tokens per step, latent columns per chunk, warps, pipeline depth, and the
     CTAs an SM holds at once (registers and shared memory allowing), which the slice count aims at;
     `swap`: tokens as the dots' rows (wgmma's 64 whatever the heads); `fp8_shift`: FP8 lines converted
-    by moving bits (`e4m3_to_f16_shifted`) rather than by the conversion unit."""
+    by moving bits (`e4m3_to_f16_shifted`) rather than by the conversion unit; `fp8_dot`: FP8 lines
+    read as they are by e4m3 dots, q and the softmax weights rounded to e4m3 (a change of numerics:
+    not a default before `kumo eval` passes it)."""
 
     block_h: int
     block_n: int
@@ -36,6 +38,13 @@ class MlaTiles:
     ctas_per_sm: int
     swap: bool = False
     fp8_shift: bool = False
+    fp8_dot: bool = False
+
+    def label(self) -> str:
+        """`16x64/64 w4 s3 swap dot8`: heads x tokens / latent columns, warps, stages, flags."""
+        flags = (" swap" if self.swap else "") + (" shift" if self.fp8_shift else "")
+        flags += " dot8" if self.fp8_dot else ""
+        return f"{self.block_h}x{self.block_n}/{self.block_rc} w{self.num_warps} s{self.num_stages}{flags}"
 
 
 # (mode, rows, FP8 cache) -> tiles; mode "decode" (dense), "sparse" (decode or prefill), "prefill".
@@ -60,6 +69,27 @@ TILES: dict[tuple[str, int, bool], MlaTiles] = {
     ("prefill", 64, True): MlaTiles(64, 32, 64, 8, 5, 1),
 }
 
+# The FP8-dot path (`MlaTiles.fp8_dot`, issue 24's "QK and PV on FP8 tensor cores"): a change of
+# numerics, so not in TILES; these are the tiles `resolve_tiles(fp8_dot=True)` gives (`kumo eval`'s
+# `mla=fp8-dot`), and they are VARIANTS of the FP8 keys for the H200 A/B. The sm90 compile
+# (`python -m tests.kernels.sm90_compile --fp8-dot`, lab/results/2026-12-05-mla-fp8-dot-sass.md): under
+# 64 rows Triton 3.6 runs an e4m3 dot on mma.sync as fp16 (sm90 has no 8-bit mma.sync in Triton), so
+# 8-32 heads take the swapped dots (tokens as wgmma's 64 rows); an 8-row swapped tile (8 heads, N = 8)
+# falls back the same way. fp8 wgmma takes K-major operands only, so the value dot's tile (tokens x
+# latent, latent-major in the cache) is transposed through shared memory every step, by Triton one byte
+# at a time (LDS.U8 + PRMT, ~16 + 12 warp instructions a token): the round trip the FP8 lines'
+# conversion paid, in another form. 64 rows spill (~170 bytes at 255 registers: each step's value dot
+# takes its own fp32 accumulator).
+FP8_DOT_TILES: dict[tuple[str, int], MlaTiles] = {
+    ("decode", 64): MlaTiles(64, 64, 64, 8, 3, 1, fp8_dot=True),
+    ("decode", 32): MlaTiles(32, 64, 64, 8, 3, 1, swap=True, fp8_dot=True),
+    ("decode", 16): MlaTiles(16, 64, 64, 4, 3, 2, swap=True, fp8_dot=True),
+    ("sparse", 64): MlaTiles(64, 64, 64, 8, 3, 1, fp8_dot=True),
+    ("sparse", 32): MlaTiles(32, 64, 64, 8, 3, 1, swap=True, fp8_dot=True),
+    ("sparse", 16): MlaTiles(16, 64, 64, 4, 3, 2, swap=True, fp8_dot=True),
+    ("prefill", 64): MlaTiles(64, 64, 64, 8, 3, 1, fp8_dot=True),
+}
+
 # what the benchmark's sweep times after the default (block_h is the rows' for decode; prefill tiles
 # take 64 // block_h queries)
 VARIANTS: dict[tuple[str, int, bool], list[MlaTiles]] = {
@@ -68,7 +98,8 @@ VARIANTS: dict[tuple[str, int, bool], list[MlaTiles]] = {
     ],
     ("decode", 64, True): [
         MlaTiles(64, 64, 64, 8, 3, 1), MlaTiles(64, 32, 64, 8, 7, 1), MlaTiles(64, 32, 64, 8, 4, 1),
-        MlaTiles(64, 32, 64, 8, 5, 1, fp8_shift=True),
+        MlaTiles(64, 32, 64, 8, 5, 1, fp8_shift=True), FP8_DOT_TILES[("decode", 64)],
+        MlaTiles(64, 32, 64, 8, 5, 1, fp8_dot=True),
     ],
     ("decode", 16, False): [
         MlaTiles(16, 32, 64, 4, 5, 2), MlaTiles(16, 64, 64, 4, 5, 1), MlaTiles(16, 64, 128, 4, 3, 2),
@@ -82,7 +113,8 @@ VARIANTS: dict[tuple[str, int, bool], list[MlaTiles]] = {
         MlaTiles(16, 32, 64, 4, 5, 2, fp8_shift=True), MlaTiles(16, 32, 64, 8, 5, 2, fp8_shift=True),
         MlaTiles(16, 32, 128, 4, 4, 3, fp8_shift=True), MlaTiles(16, 16, 64, 4, 6, 3, fp8_shift=True),
         MlaTiles(16, 16, 128, 4, 5, 3, fp8_shift=True), MlaTiles(16, 32, 64, 4, 4, 2, swap=True, fp8_shift=True),
-        MlaTiles(16, 64, 128, 8, 3, 1, swap=True, fp8_shift=True),
+        MlaTiles(16, 64, 128, 8, 3, 1, swap=True, fp8_shift=True), FP8_DOT_TILES[("decode", 16)],
+        MlaTiles(16, 128, 64, 8, 3, 1, swap=True, fp8_dot=True),
     ],
     ("sparse", 64, False): [MlaTiles(64, 32, 64, 8, 5, 1), MlaTiles(64, 16, 64, 8, 7, 1)],
     ("sparse", 64, True): [MlaTiles(64, 32, 64, 8, 5, 1), MlaTiles(64, 16, 64, 8, 7, 1)],
@@ -106,13 +138,17 @@ def resolve_tiles(
     num_warps: int | None,
     num_stages: int | None,
     base: MlaTiles | None = None,
+    fp8_dot: bool = False,
 ) -> MlaTiles:
     """`base`, or else TILES' entry for `mode` and a tile of `rows` (a prefill tile under 64 rows:
-    decode's), with any of its fields given explicitly."""
-    d = base or TILES.get((mode, tile_rows(rows), fp8)) or TILES[("decode", tile_rows(rows), fp8)]
+    decode's; `fp8_dot` with an FP8 cache: FP8_DOT_TILES'), with any of its fields given explicitly."""
+    key = tile_rows(rows)
+    if base is None and fp8 and fp8_dot:
+        base = FP8_DOT_TILES.get((mode, key)) or FP8_DOT_TILES[("decode", key)]
+    d = base or TILES.get((mode, key, fp8)) or TILES[("decode", key, fp8)]
     return MlaTiles(
         block_h or d.block_h, block_n or d.block_n, block_rc or d.block_rc, num_warps or d.num_warps,
-        num_stages or d.num_stages, d.ctas_per_sm, d.swap, d.fp8_shift,
+        num_stages or d.num_stages, d.ctas_per_sm, d.swap, d.fp8_shift, d.fp8_dot,
     )  # fmt: skip
 
 

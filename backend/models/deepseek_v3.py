@@ -71,6 +71,7 @@ class MLAAttention(nn.Module):
         )
         self.softmax_scale = c.softmax_scale
         self.fused_qkv_a_proj: FusedLinear | None = None  # `fuse_projections`: x_readers as one product
+        self.fp8_dot = False  # `set_mla_fp8_dot`: an FP8 cache read by e4m3 dots (`kumo eval`'s A/B only)
 
     def x_readers(self) -> list[str]:
         """The Linears reading the layer's input x, in `project_x`'s order (q's first Linear, then the
@@ -134,7 +135,9 @@ class MLAAttention(nn.Module):
                 q, step.batch, self.layer_idx, self.R, self.softmax_scale, topk_indices, step.dcp
             )
         else:
-            args = MlaAttentionArgs(q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices)
+            args = MlaAttentionArgs(
+                q, cache, scale, self.R, self.softmax_scale, step.pages, topk_indices, fp8_dot=self.fp8_dot
+            )
             o_latent = mla_attention(args)  # [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
         T = q.shape[0]
@@ -146,6 +149,16 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         q, _, _ = self.absorbed_query(x, step)
         return self.attend(q, step, None)
+
+
+def set_mla_fp8_dot(model: nn.Module, on: bool) -> int:
+    """Every MLA layer of `model` reads an FP8 latent cache by e4m3 dots (`kernels.mla_tiles.FP8_DOT_TILES`,
+    q and the softmax weights rounded to e4m3) in decode and prefill alike, or not; returns how many
+    layers that is (0: no MLA). The DCP path (a sharded cache) keeps its own kernels."""
+    layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    for m in layers:
+        m.fp8_dot = on
+    return len(layers)
 
 
 class DeepseekV3ForCausalLM(CausalLM):

@@ -8,7 +8,9 @@ scales, else calibrates with a warning), `weights=int4-g32|int4-g128|fp8-channel
 `all-linear` (quantize the loaded weights in memory, to try a format before writing it), and
 `int4-prefill=w4a16|w4a8|expand-fp8` (CUDA only: how the INT4 Linears multiply; here every product,
 decode steps included, so the accuracy cost measured bounds serving's, which uses it only for
-prefill chunks of `PREFILL_MIN_TOKENS`+ tokens). All
+prefill chunks of `PREFILL_MIN_TOKENS`+ tokens), and `mla=exact|fp8-dot` (with `kv=fp8`, CUDA only: MLA
+reads the FP8 latent cache by e4m3 dots, q and the softmax weights rounded to e4m3, in prefill and
+decode alike, so multiple-choice tasks, which only prefill, measure it too; issue 24's accuracy gate). All
 variants are held in memory together; items run in batches (`--batch-size` sequences over one page
 pool, prefill steps of at most `--step-tokens` tokens, greedy decoding of the whole batch at once),
 every batch through each variant (`backend/engine/prompt_runner.py`), on `--device` (CUDA when there
@@ -80,10 +82,15 @@ class EvalReport(msgspec.Struct, kw_only=True):
 
 
 EvalKv = Literal["fp8", "bf16"]
+EvalMla = Literal["exact", "fp8-dot"]
 
 
 def _is_kv(value: str) -> TypeGuard[EvalKv]:
     return value in get_args(EvalKv)
+
+
+def _is_mla(value: str) -> TypeGuard[EvalMla]:
+    return value in get_args(EvalMla)
 
 
 def _is_int4_prefill(value: str) -> TypeGuard[Int4Prefill]:
@@ -92,24 +99,28 @@ def _is_int4_prefill(value: str) -> TypeGuard[Int4Prefill]:
 
 class VariantOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What follows a variant's folder: `:kv=fp8|bf16`, `:weights=FORMAT`, `:all-linear`,
-    `:int4-prefill=w4a16|w4a8|expand-fp8`, `:device=cpu|cuda` (default `--device`: a CPU variant
-    beside CUDA ones compares the GPU kernels with the CPU path's torch references, same dtype)."""
+    `:int4-prefill=w4a16|w4a8|expand-fp8`, `:mla=exact|fp8-dot`, `:device=cpu|cuda` (default `--device`:
+    a CPU variant beside CUDA ones compares the GPU kernels with the CPU path's torch references, same
+    dtype)."""
 
     kv: EvalKv = "bf16"
     weights: str | None = None  # one of `kumo quantize --weights`
     all_linear: bool = False
     int4_prefill: Int4Prefill = "w4a16"
+    mla: EvalMla = "exact"
     device: str | None = None
 
 
 def parse_variant(spec: str) -> tuple[str, VariantOptions]:
-    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear][:int4-prefill=MODE][:device=DEV]` -> (DIR, options);
-    ValueError naming what is wrong (an option ignored would run a variant other than the one asked for)."""
+    """`DIR[:kv=fp8|bf16][:weights=FORMAT][:all-linear][:int4-prefill=MODE][:mla=MODE][:device=DEV]` ->
+    (DIR, options); ValueError naming what is wrong (an option ignored would run a variant other than the
+    one asked for)."""
     from backend.tools.quantize import WEIGHTS
 
     path, *opts = spec.split(":")
     kv: EvalKv = "bf16"
     prefill: Int4Prefill = "w4a16"
+    mla: EvalMla = "exact"
     weights, all_linear, device = None, False, None
     for opt in opts:
         key, _, value = opt.partition("=")
@@ -121,17 +132,22 @@ def parse_variant(spec: str) -> tuple[str, VariantOptions]:
             all_linear = True
         elif key == "int4-prefill" and _is_int4_prefill(value):
             prefill = value
+        elif key == "mla" and _is_mla(value):
+            mla = value
         elif key == "device" and value in ("cpu", "cuda"):
             device = value
         else:
             raise ValueError(
                 f"variant {spec!r}: unknown option {opt!r} (kv=fp8|bf16, weights={'|'.join(WEIGHTS)}, "
-                f"all-linear, int4-prefill={'|'.join(get_args(Int4Prefill))}, device=cpu|cuda)"
+                f"all-linear, int4-prefill={'|'.join(get_args(Int4Prefill))}, "
+                f"mla={'|'.join(get_args(EvalMla))}, device=cpu|cuda)"
             )
     if all_linear and weights is None:
         raise ValueError(f"variant {spec!r}: all-linear needs weights=FORMAT")
+    if mla != "exact" and kv != "fp8":
+        raise ValueError(f"variant {spec!r}: mla={mla} reads an FP8 latent cache: it needs kv=fp8")
     return path, VariantOptions(
-        kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill, device=device
+        kv=kv, weights=weights, all_linear=all_linear, int4_prefill=prefill, mla=mla, device=device
     )
 
 
@@ -139,6 +155,7 @@ class Variant:
     def __init__(
         self, name: str, spec: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> None:
+        from backend.models.deepseek_v3 import set_mla_fp8_dot
         from backend.models.layers.fused import fuse_projections
         from backend.models.loader import load_model
         from backend.quant import kv_scales
@@ -178,6 +195,11 @@ class Variant:
                 raise ValueError(
                     f"variant {spec!r}: int4-prefill needs INT4 Linears (weights=int4-*:all-linear)"
                 )
+        if options.mla != "exact":
+            if not str(device).startswith("cuda"):
+                raise ValueError(f"variant {spec!r}: mla={options.mla} runs only on CUDA")
+            if not set_mla_fp8_dot(self.model, True):
+                raise ValueError(f"variant {spec!r}: mla={options.mla} needs an MLA model")
 
     def runner(self, step_tokens: int) -> PromptRunner:
         """Whole prompts per prefill step (chunk None), as the engine prefills prompts under its budget."""

@@ -84,8 +84,7 @@ def entry(mode: str, heads: int, kv: str) -> tuple[str, int, bool]:
 
 
 def label(t: MlaTiles) -> str:
-    flags = (" swap" if t.swap else "") + (" shift" if t.fp8_shift else "")
-    return f"{t.block_h}x{t.block_n}/{t.block_rc} w{t.num_warps} s{t.num_stages}{flags}"
+    return t.label()
 
 
 def case_name(H: int, B: int, ctx: int, topk: int | None) -> str:
@@ -376,7 +375,8 @@ def suggest_tiles(rows: list[dict[str, Any]]) -> None:
             continue
         per = ratios.setdefault(tuple(r["table_entry"]), {})
         for name, ms in r["variants"].items():
-            if r["variant_errors"][name] < 1e-2:  # a wrong config is never suggested
+            # a wrong config is never suggested, nor an FP8-dot one (other numerics: `kumo eval` first)
+            if r["variant_errors"][name] < 1e-2 and not name.endswith(" dot8"):
                 per.setdefault(name, []).append(ms / r["variants"]["default"])
     print("suggested kernels.mla_tiles.TILES entries (geometric mean of time / default):", flush=True)
     for key, per in ratios.items():

@@ -235,6 +235,7 @@ def test_variant_options_are_checked_before_anything_loads() -> None:
         VariantOptions(kv="fp8", weights="int4-g128", all_linear=True),
     )
     assert parse_variant("d:kv=fp8:device=cpu") == ("d", VariantOptions(kv="fp8", device="cpu"))
+    assert parse_variant("d:kv=fp8:mla=fp8-dot") == ("d", VariantOptions(kv="fp8", mla="fp8-dot"))
     for spec, word in (
         ("d:weight=int4-g32", "weight"),
         ("d:weights=fp8", "fp8"),
@@ -242,6 +243,8 @@ def test_variant_options_are_checked_before_anything_loads() -> None:
         ("d:kv=fp16", "fp16"),
         ("d:all-linear", "all-linear"),
         ("d:device=tpu", "device=tpu"),
+        ("d:mla=fp8-dot", "kv=fp8"),  # the FP8-dot path reads an FP8 cache: with BF16 it would not run
+        ("d:kv=fp8:mla=fp8", "mla=fp8"),
     ):
         with pytest.raises(ValueError, match=word):
             parse_variant(spec)
@@ -355,3 +358,19 @@ def test_fp8_kv_scales_of_an_in_memory_quantized_variant_come_from_the_unquantiz
         src, plain.model, model_dtype=torch.float32, vocab_size=plain.config.vocab_size
     )
     assert variant.scales == expected
+
+
+def test_mla_fp8_dot_variant_switches_every_mla_layer_on_cuda_only(tmp_path: Path) -> None:
+    """`mla=fp8-dot` sets each MLA layer's `fp8_dot` (what `kernels.mla_attention` reads) and is
+    refused off CUDA, where the op has only the exact reference."""
+    from backend.models.deepseek_v3 import MLAAttention, set_mla_fp8_dot
+    from backend.models.loader import load_model
+    from backend.tools.eval import Variant
+
+    src = make_tiny("kimi_k2", tmp_path / "src", initializer_range=0.02)
+    with pytest.raises(ValueError, match="only on CUDA"):
+        Variant("d", f"{src}:kv=fp8:mla=fp8-dot")
+    model = load_model(src, dtype=torch.float32).model
+    layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    assert layers and not any(m.fp8_dot for m in layers)
+    assert set_mla_fp8_dot(model, True) == len(layers) and all(m.fp8_dot for m in layers)
