@@ -44,13 +44,19 @@ def dsa_indexer(args: DsaIndexerArgs) -> torch.Tensor:  # [T, K] int64, a set pe
     """The op: the Triton scores on CUDA (triton is the gpu extra: imported only there), the
     reference elsewhere."""
     a, b = args, args.batch
-    run = dsa_indexer_ref
-    if a.q.is_cuda:
-        from kernels.dsa_indexer_triton import dsa_indexer_triton as run
-    return run(
+    inputs = (
         a.q, a.weights, a.k_cache, a.k_scale, b.query_start, b.seq_lens, b.page_table, b.expected_tags,
-        b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk, check_tags=b.check_tags,
+        b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk,
     )  # fmt: skip
+    if not a.q.is_cuda:
+        return dsa_indexer_ref(*inputs, check_tags=b.check_tags)
+    from kernels.dsa_indexer_triton import dsa_indexer_triton, indexer_tiles
+
+    T, Hi = a.q.shape[:2]
+    key = ("dsa_indexer_tiles", T, Hi)  # the same for every indexer layer of the step: made once
+    if key not in b.memo:
+        b.memo[key] = indexer_tiles(b.query_start, T, b.seq_lens.shape[0], Hi)
+    return dsa_indexer_triton(*inputs, check_tags=b.check_tags, tiles=b.memo[key])
 
 
 def dsa_indexer_ref(

@@ -362,8 +362,8 @@ def dsa_indexer_scores(
     elif out.shape != (rows, W) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {W}] float32 with unit-stride rows")
     # the query row of each score row; rows past a tile's queries (and idle tiles) map to T
-    if is_query_per_tile(tiles, T):  # decode: score row i is query t0 + i
-        q_row = torch.arange(t0, t1, device=q.device)
+    if is_query_per_tile(tiles, T):  # decode: score row i is query t0 + i (tile_q0 is 0..T-1: no launch)
+        q_row = tiles.tile_q0[t0:t1]
     else:
         seq = tiles.tile_seq[t0:t1].long()
         ends = tiles.query_start.long()[(seq + 1).clamp(max=B)]
@@ -434,6 +434,7 @@ def dsa_indexer_triton(
     block_q: int | None = None,
     config: str | IndexerTiles | None = None,  # an INDEXER_TILES name or entry; None: the default
     max_score_bytes: int = 2**30,  # the selection's bound (scores + keys): long chunks go in groups of tiles
+    tiles: QueryTiles | None = None,  # `indexer_tiles` of these queries, made once a step (the entry's memo)
 ) -> torch.Tensor:  # [T, K] int64 positions, in no particular order, -1 padded
     """`dsa_indexer_ref`'s choice (as a set) on the GPU; see the module docstring. Query tiles: 1
     query (decode) or 2 (GLM-5's 32 heads: 64 dot rows); key tiles from INDEXER_TILES."""
@@ -445,7 +446,7 @@ def dsa_indexer_triton(
     k_eff = min(topk, W)
     if T == 0 or k_eff == 0:
         return torch.full((T, topk), -1, dtype=torch.int64, device=q.device)
-    tiles = indexer_tiles(query_start, T, seq_lens.shape[0], Hi, block_q)
+    tiles = tiles or indexer_tiles(query_start, T, seq_lens.shape[0], Hi, block_q)
     num_tiles = tiles.tile_seq.shape[0]
     group = max(1, max_score_bytes // (SELECT_BYTES * W * tiles.block_q))  # tiles per launch
     if is_query_per_tile(tiles, T) and group >= num_tiles:  # decode: one launch, rows in query order

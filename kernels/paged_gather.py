@@ -11,7 +11,8 @@ Shapes: P pages, S page size, B sequences, Mp max pages per sequence, L tokens o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -76,6 +77,9 @@ class PagedBatch:
     tag_mismatch: torch.Tensor  # [B] bool, OR-ed in place where a page's tag is wrong
     is_decode: bool = False  # one query per sequence (query_start = 0..B): the decode kernels
     check_tags: bool = True  # False only to measure the check's cost (no tag is read)
+    # what the ops derive from these tensors alike in every layer of the step (the DSA indexer's query
+    # tiles: 3 launches a layer otherwise), made by the first layer's op and reused
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def check_tags_ref(
