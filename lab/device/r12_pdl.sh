@@ -14,7 +14,8 @@
 #    time there: compare wall and p50;
 # 4. with the time left: the GPU tests of every kernel PDL touched (on by default, so their eager
 #    launches run with it).
-# R8_S=N adds, after 2, the same A/B at rank 0 of 8, 78 layers (`--rank-of 8`), N s; PROFILE_S=0 drops 3.
+# R8_S=N adds, after 2, the profile at rank 0 of 8, 78 layers (`--rank-of 8`), PDL on then off, within N s
+# (~100: build ~30 s, two engines); PROFILE_S=0 drops 3.
 # Everything in $OUT/r12_pdl.tgz, packed after each stage (a cut call keeps what came before).
 #
 #   run(command="bash lab/device/r12_pdl.sh", carry=[".whl"], timeout_s=600)
@@ -61,7 +62,7 @@ if fits 170 "PDL tests"; then
 fi
 
 PROFILE_S=${PROFILE_S:-130}  # kept for stage 3 (0: no profile)
-R8_S=${R8_S:-0}  # > 0: stage 2b, rank 0 of 8 at 78 layers with --pdl-ab, this budget (s)
+R8_S=${R8_S:-0}  # > 0: stage 2b, the rank-of-8 profile, this budget (s)
 C1_BUDGET=$(( LIMIT - $(el) - PROFILE_S - R8_S - 50 ))  # 50: the process past its budget (a run cut, the record written)
 [ "$C1_BUDGET" -gt 160 ] && C1_BUDGET=160
 if [ "$C1_BUDGET" -ge 90 ]; then
@@ -74,11 +75,10 @@ else
   echo "== skipped: decode-c1 (${C1_BUDGET}s of budget at $(el)s)"
 fi
 
-if [ "$R8_S" -gt 0 ] && [ "$TINY" = 0 ] && fits $(( R8_S + 40 )) "rank-of-8 --pdl-ab"; then
-  timeout $(( R8_S + 40 )) "$PYTHON" -m benchmarks.cli engine decode-c1 --formats int4-all --rank-of 8 --rounds 2 \
-    --pdl-ab --budget-s "$R8_S" --out "$W/decode-c1-rank-of-8-pdl.json" > "$W/decode-c1-rank-of-8-pdl.log" 2>&1
-  echo "== decode-c1 --rank-of 8 --pdl-ab rc=$? at $(el)s (budget ${R8_S}s)"
-  grep -E "^\| int4-all |^PDL on|^\`decode_c1" "$W/decode-c1-rank-of-8-pdl.log" | sed 's/^/   /'
+if [ "$R8_S" -gt 0 ] && [ "$TINY" = 0 ] && fits "$R8_S" "rank-of-8 profile"; then
+  timeout "$R8_S" "$PYTHON" -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8 \
+    --steps 10 --pdl on,off --top 25 --out "$W/profile-rank-of-8.json" > "$W/profile-rank-of-8.log" 2>&1
+  echo "== rank-of-8 profile rc=$? at $(el)s"; grep -v -E "Warning|warn|USDT|profiler" "$W/profile-rank-of-8.log" | head -56
   pack
 fi
 
