@@ -15,7 +15,7 @@
 # 4. with the time left: the GPU tests of every kernel PDL touched (on by default, so their eager
 #    launches run with it).
 # R8_S=N adds, after 2, the profile at rank 0 of 8, 78 layers (`--rank-of 8`), PDL on then off, within N s
-# (~100: build ~30 s, two engines); PROFILE_S=0 drops 3.
+# or what 2 left (~100 s: build ~30 s, two engines; skipped under 80); PROFILE_S=0 drops 3.
 # Everything in $OUT/r12_pdl.tgz, packed after each stage (a cut call keeps what came before).
 #
 #   run(command="bash lab/device/r12_pdl.sh", carry=[".whl"], timeout_s=600)
@@ -63,7 +63,7 @@ fi
 
 PROFILE_S=${PROFILE_S:-130}  # kept for stage 3 (0: no profile)
 R8_S=${R8_S:-0}  # > 0: stage 2b, the rank-of-8 profile, this budget (s)
-C1_BUDGET=$(( LIMIT - $(el) - PROFILE_S - R8_S - 50 ))  # 50: the process past its budget (a run cut, the record written)
+C1_BUDGET=$(( LIMIT - $(el) - PROFILE_S - 50 ))  # 50: the process past its budget (a run cut, the record written)
 [ "$C1_BUDGET" -gt 160 ] && C1_BUDGET=160
 if [ "$C1_BUDGET" -ge 90 ]; then
   timeout $(( C1_BUDGET + 50 )) "$PYTHON" -m benchmarks.cli engine decode-c1 "${bench[@]}" --rounds 3 --pdl-ab \
@@ -75,7 +75,9 @@ else
   echo "== skipped: decode-c1 (${C1_BUDGET}s of budget at $(el)s)"
 fi
 
-if [ "$R8_S" -gt 0 ] && [ "$TINY" = 0 ] && fits "$R8_S" "rank-of-8 profile"; then
+R8_LEFT=$(( LIMIT - $(el) - 5 ))
+[ "$R8_S" -gt "$R8_LEFT" ] && R8_S=$R8_LEFT  # what the decode-c1 stage left
+if [ "$R8_S" -ge 80 ] && [ "$TINY" = 0 ]; then
   timeout "$R8_S" "$PYTHON" -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8 \
     --steps 10 --pdl on,off --top 25 --out "$W/profile-rank-of-8.json" > "$W/profile-rank-of-8.log" 2>&1
   echo "== rank-of-8 profile rc=$? at $(el)s"; grep -v -E "Warning|warn|USDT|profiler" "$W/profile-rank-of-8.log" | head -56
