@@ -64,7 +64,7 @@ fi
 PROFILE_S=${PROFILE_S:-130}  # kept for stage 3 (0: no profile)
 R8_S=${R8_S:-0}  # > 0: stage 2b, the rank-of-8 profile, this budget (s)
 C1_BUDGET=$(( LIMIT - $(el) - PROFILE_S - 50 ))  # 50: the process past its budget (a run cut, the record written)
-[ "$C1_BUDGET" -gt 160 ] && C1_BUDGET=160
+C1_MAX=${C1_MAX:-160}; [ "$C1_BUDGET" -gt "$C1_MAX" ] && C1_BUDGET=$C1_MAX
 if [ "$C1_BUDGET" -ge 90 ]; then
   timeout $(( C1_BUDGET + 50 )) "$PYTHON" -m benchmarks.cli engine decode-c1 "${bench[@]}" --rounds 3 --pdl-ab \
     --budget-s "$C1_BUDGET" --out "$W/decode-c1-pdl.json" > "$W/decode-c1-pdl.log" 2>&1
