@@ -161,33 +161,54 @@ class CausalLM(nn.Module):
         return self._logits(self.model.norm(x[batch.logits_indices]))
 
     @torch.no_grad()
-    def forward_spec(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_spec(
+        self, batch: ForwardBatch, step: Step | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s logits, and every row's hidden state after the final norm `[T, H]` (what the
-        MTP layers read)."""
-        x = self.model.norm(self._decode_layers(batch))  # [T, H]
+        MTP layers read). `step`: `batch`'s, when the caller built it (`build_step`) to share it."""
+        x = self.model.norm(self._decode_layers(batch, step))  # [T, H]
         return self._logits(x[batch.logits_indices]), x
 
     @torch.no_grad()
     def forward_mtp(
-        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: Step | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft depth `depth` (0-based): `batch.input_ids` are the tokens after the positions whose
         hidden states `hidden [T, H]` are given. Returns (float32 draft logits of
-        `batch.logits_indices`, the MTP hidden states [T, H] the next depth reads)."""
+        `batch.logits_indices`, the MTP hidden states [T, H] the next depth reads). `step`: the
+        layers' facts of `batch`'s positions and pages when the caller has them (a whole step's depth
+        0 shares its verify's: the same rows; `build_step`), else built here."""
         layer: Any = self.mtp[depth % len(self.mtp)]
         embeds = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's DeepSeek MTP
-        cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
-        g = layer.draft(embeds, hidden.to(embeds.dtype), Step.build(batch, cos, sin, self.dcp))
+        if depth == 0:  # a depth d > 0 runs past its depth-0 row, never at position 0
+            embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's DeepSeek MTP
+        g = layer.draft(embeds, hidden.to(embeds.dtype), step if step is not None else self.build_step(batch))
         return self._logits(layer.shared_head.norm(g[batch.logits_indices])), g
 
-    def _decode_layers(self, batch: ForwardBatch) -> torch.Tensor:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos, sin `[T, Dr]` of `positions [T]`, in the activations' dtype."""
+        return self.rotary.cos_sin(positions, self.model.embed_tokens.weight.dtype)
+
+    def build_step(
+        self,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        expected_tags: torch.Tensor | None = None,
+    ) -> Step:
+        """The facts every layer of a forward over `batch` reads (backend/models/layers/step.py):
+        forwards over the same positions and pages may share one. `cos_sin` (`cos_sin` of
+        `batch.positions`) and `expected_tags` (`[T]`, the tag each new token's page carries) when
+        the caller has them, e.g. sliced from one computation for several draft depths; else
+        computed here."""
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(batch.positions)
+        return Step.build(batch, cos, sin, self.dcp, expected_tags)
+
+    def _decode_layers(self, batch: ForwardBatch, step: Step | None = None) -> torch.Tensor:
         """The hidden states after the last decoder layer, before the final norm `[T, H]`."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, H]
         if batch.image_embeds is not None:
             x[batch.image_embeds.token_indices] = batch.image_embeds.embeds.to(x.dtype)
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        step = Step.build(batch, cos, sin, self.dcp)
+        step = step if step is not None else self.build_step(batch)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, step)

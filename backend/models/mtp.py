@@ -52,7 +52,15 @@ class MtpLayer(nn.Module):
 
     def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step) -> torch.Tensor:
         """embeds [T, H] (of the next tokens), hidden [T, H] → the layer's hidden state [T, H]."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [T, H]
-        x = x + self.self_attn(self.input_layernorm(x), step)  # the decoder block, as DecoderLayer's
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        T, H = embeds.shape
+        dtype = torch.promote_types(self.enorm.weight.dtype, embeds.dtype)  # the norms' output dtype
+        both = torch.empty(T, 2 * H, dtype=dtype, device=embeds.device)  # [T, 2H]
+        self.enorm(embeds, out=both[:, :H])  # the norms write their halves: no concatenation
+        self.hnorm(hidden, out=both[:, H:])
+        x = self.eh_proj(both)  # [T, H]
+        # the decoder block, as DecoderLayer's: the residual add inside the norm after it (one launch)
+        normed, x = self.post_attention_layernorm.add_forward(
+            self.self_attn(self.input_layernorm(x), step), x
+        )
+        out: torch.Tensor = x + self.mlp(normed)
         return out

@@ -23,6 +23,14 @@ Three parts, one command:
    drafts (always k: random drafts are rejected, so each step verifies k and drafts k), at two
    truncated depths, extrapolated linearly to the full depth; then
        projected speedup_c1(K) = E(K) · t_plain / t_spec(K)
+   Each (depth, k) engine first runs the timed work twice (every step shape: the prompt, the first
+   drafting step, the whole steps, the window's end), then `PROJECTION_RUNS` timed runs; its time is
+   the median over those runs' steady steps (plain decode steps, or whole speculative steps), and the
+   record says how its steps ran (graphs captured, or why not). A projection whose step times are not
+   monotonic (more layers or more drafts costing less) or grow per layer faster than k + 1 plain
+   rows', or whose speculative steps did not replay their graphs, is refused (`refusals`): the record keeps the times and says why, and projects nothing (2026-12-05:
+   k = 3 at 8 layers took 20.7 ms against 2.4 at 4, its verify graphs having failed to capture, and
+   projected 0.06x).
    with E(K) the tokens per verify step, from the nano GLM's measured acceptance (per task, the
    record `--acceptance`) and from GLM 5.2's published MTP figure (2.69 with 3 drafts). Labelled a
    projection: acceptance is not measured on GLM 5.2's weights, the collectives are not run, and a
@@ -34,6 +42,7 @@ Three parts, one command:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -47,6 +56,7 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 ROOT = Path(__file__).resolve().parents[2]
 GLM52_PUBLISHED_ACCEPTANCE = 2.69  # GLM 5.2's MTP, 3 drafts (issue 28's anchor)
+PROJECTION_RUNS = 3  # timed runs per (depth, k), after two warm-up runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,22 +250,23 @@ def measure_nano(checkpoint: Path, opts: Options) -> dict[str, Any]:
 
 
 # ---- 3: the projection for GLM 5.2 --------------------------------------------------------------------
-def step_times(depth: int, opts: Options) -> dict[str, float]:
-    """Median c = 1 decode step (ms) at `depth` layers of rank 0 of `opts.rank_of`: plain, and
-    speculative with k = 1 … K drafts every step."""
+def step_times(depth: int, opts: Options) -> dict[str, dict[str, Any]]:
+    """Per kind of step ("plain", "spec_k1" … "spec_kK": k drafts every step) at `depth` layers of
+    rank 0 of `opts.rank_of`: `ms`, the median c = 1 steady step (ms) over `PROJECTION_RUNS` timed
+    runs after two warm-up runs of the same work; `steps`, how many steps that median is over;
+    `graphs`, "captured" or why its steps ran eagerly."""
     import torch
 
     from backend.engine.engine import Engine
     from backend.engine.engine_config import EngineConfig
     from benchmarks.engine.geometry import make_geometry
-    from benchmarks.engine.offline import run_offline
     from benchmarks.engine.weights import build_random_model
 
     geometry = make_geometry("glm-5.2", depth, tiny=opts.tiny, rank_of=opts.rank_of)
     config = geometry.model_config
     model = build_random_model(geometry, "int4", device=opts.device, num_mtp_layers=1)
     dtype = torch.bfloat16
-    times: dict[str, float] = {}
+    times: dict[str, dict[str, Any]] = {}
     input_len = 16 if opts.tiny else 512
     for k in range(opts.k + 1):
         engine_config = EngineConfig.build(
@@ -267,21 +278,118 @@ def step_times(depth: int, opts: Options) -> dict[str, float]:
             model, engine_config, vocab_size=config.vocab_size, context_window=config.max_position_embeddings,  # type: ignore[arg-type]
             model_dtype=dtype, device=opts.device,
         )  # fmt: skip
-        runs = [
-            run_offline(
-                engine,
-                variant=f"k{k}-{i}",
-                concurrency=1,
-                input_len=input_len,
-                output_len=opts.projection_tokens,
-                vocab_size=config.vocab_size,
-                seed=1 + i,
-            )  # fmt: skip
-            for i in range(2)  # the first warms (compiles, captures)
-        ]
-        times["plain" if k == 0 else f"spec_k{k}"] = float(runs[-1].extra["decode_step_ms_p50"])
+        times["plain" if k == 0 else f"spec_k{k}"] = timed_steps(
+            engine, k, input_len, config.vocab_size, opts
+        )
         del engine
     return times
+
+
+def timed_steps(engine: Any, k: int, input_len: int, vocab_size: int, opts: Options) -> dict[str, Any]:
+    """`step_times`' entry for one engine: warm-up runs, then the timed runs' steady steps (with k
+    drafts, the whole speculative steps: verify, acceptance and drafts in one device function)."""
+    from benchmarks.engine.offline import run_offline
+
+    steady: list[float] = []
+
+    def work(seed: int, timed: bool) -> None:
+        def around(step: int, decode_rows: int) -> Any:
+            return _StepTimer(engine, k, steady) if timed and decode_rows == 1 else contextlib.nullcontext()
+
+        run_offline(
+            engine, variant=f"k{k}-{seed}", concurrency=1, input_len=input_len,
+            output_len=opts.projection_tokens, vocab_size=vocab_size, seed=seed, around_step=around,
+        )  # fmt: skip
+
+    for seed in (101, 102):  # every shape the timed runs take: compiles and first launches here
+        work(seed, timed=False)
+    for seed in range(1, PROJECTION_RUNS + 1):
+        work(seed, timed=True)
+    return {
+        "ms": statistics.median(steady) if steady else None,
+        "steps": len(steady),
+        "graphs": _graph_status(engine, k),
+    }
+
+
+class _StepTimer:
+    """Times one engine step into `steady` when it is a steady one: a plain decode step (k = 0), or
+    a whole speculative step (`SpecDecoder.num_greedy_steps` counts it)."""
+
+    def __init__(self, engine: Any, k: int, steady: list[float]) -> None:
+        self.engine, self.k, self.steady = engine, k, steady
+
+    def __enter__(self) -> None:
+        self.greedy0 = self.engine.spec.num_greedy_steps if self.k else 0
+        _synchronize(self.engine)
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        _synchronize(self.engine)
+        ms = (time.perf_counter() - self.start) * 1e3
+        if not self.k or self.engine.spec.num_greedy_steps > self.greedy0:
+            self.steady.append(ms)
+
+
+def _synchronize(engine: Any) -> None:
+    import torch
+
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+
+
+def _graph_status(engine: Any, k: int) -> str:
+    """The word "captured" when the engine's steady steps replay graphs (decode graphs; with drafts,
+    the whole greedy steps'), else the reason they run eagerly (the start-up warning's)."""
+    runner = engine.runner
+    if runner.device.type != "cuda":
+        return "eager: no CUDA graphs on the CPU"
+    graphs = runner.graphs
+    if graphs is None or not graphs.is_enabled:
+        return f"eager decode: {graphs.disabled_reason if graphs is not None else 'no decode graphs'}"
+    if not k:
+        return "captured"
+    verify = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
+    if verify is None or not verify.is_enabled:
+        return f"eager verify: {verify.disabled_reason if verify is not None else 'no verify graphs'}"
+    if not verify.has_greedy:
+        return f"eager greedy steps: {verify.greedy_disabled_reason}"
+    return "captured"
+
+
+def refusals(measured: dict[int, dict[str, dict[str, Any]]], extrapolated: dict[str, float]) -> list[str]:
+    """Why a projection from these step times would mislead (none: it stands): a kind of step that
+    did not replay its graphs or timed no step; times not monotonic, measured or extrapolated (more
+    layers, or more drafts, costing less); or a speculative step whose cost per layer grows faster
+    than k + 1 plain rows' (its verify runs k + 1 rows through each layer, which never costs more
+    than k + 1 one-row steps do: a faster growth is a fault of the measurement, not of the model)."""
+    reasons = []
+    for depth, kinds in measured.items():
+        for key, t in kinds.items():
+            if t["ms"] is None:
+                reasons.append(f"{key} at {depth} layers: no steady step timed")
+            elif t["graphs"] != "captured" and not t["graphs"].startswith("eager: no CUDA graphs"):
+                reasons.append(f"{key} at {depth} layers ran eagerly ({t['graphs'][:160]})")
+    if reasons:
+        return reasons
+    d1, d2 = sorted(measured)
+    ms = {d: {key: t["ms"] for key, t in measured[d].items()} for d in (d1, d2)}
+    for key in ms[d2]:
+        if ms[d2][key] <= ms[d1][key]:
+            reasons.append(f"{key}: {ms[d2][key]:.3f} ms at {d2} layers, not above {ms[d1][key]:.3f} at {d1}")
+    order = list(extrapolated)  # plain, spec_k1, …: each costs more than the one before
+    for name, times in (*((f"{d} layers", ms[d]) for d in (d1, d2)), ("the full depth", extrapolated)):
+        for a, b in zip(order, order[1:], strict=False):
+            if times[b] <= times[a]:
+                reasons.append(f"at {name}, {b} ({times[b]:.3f} ms) not above {a} ({times[a]:.3f} ms)")
+    plain = (ms[d2]["plain"] - ms[d1]["plain"]) / (d2 - d1)  # ms per layer
+    for k, key in enumerate(order[1:], start=1):
+        slope = (ms[d2][key] - ms[d1][key]) / (d2 - d1)
+        if plain > 0 and slope > (k + 1) * plain:
+            reasons.append(
+                f"{key}: {slope:.3f} ms per layer, over {k + 1} × plain's {plain:.3f} (its verify's {k + 1} rows)"
+            )
+    return reasons
 
 
 def nano_glm_acceptance(record: Path) -> dict[str, float]:
@@ -303,25 +411,38 @@ def project(opts: Options) -> dict[str, Any]:
     d1, d2 = opts.depths
     measured = {d: step_times(d, opts) for d in (d1, d2)}
     extrapolated = {
-        key: measured[d2][key] + (measured[d2][key] - measured[d1][key]) / (d2 - d1) * (full - d2)
+        key: t2 + (t2 - t1) / (d2 - d1) * (full - d2)
         for key in measured[d2]
+        if (t1 := measured[d1][key]["ms"]) is not None and (t2 := measured[d2][key]["ms"]) is not None
     }
     acceptance = nano_glm_acceptance(opts.acceptance_record) | {
         "GLM 5.2 published (3 drafts)": GLM52_PUBLISHED_ACCEPTANCE
     }
-    t_plain, t_spec = extrapolated["plain"], extrapolated[f"spec_k{opts.k}"]
+    refused = refusals(measured, extrapolated)
+    projected = None
+    if not refused:
+        t_plain, t_spec = extrapolated["plain"], extrapolated[f"spec_k{opts.k}"]
+        projected = {name: e * t_plain / t_spec for name, e in acceptance.items()}
     return {
         "label": "projection, not a measurement of GLM 5.2",
         "how": "step times measured at two truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
-        "a random MTP layer, CUDA graphs), extrapolated linearly to the full depth; speedup = E(K) · t_plain / t_spec(K)",
+        "a random MTP layer, CUDA graphs), each the median steady step of "
+        f"{PROJECTION_RUNS} runs after two warm-up runs of the same work, extrapolated linearly to the full "
+        "depth; speedup = E(K) · t_plain / t_spec(K); refused where the times are not monotonic in depth and "
+        "in drafts, grow per layer faster than k + 1 plain rows', or a step ran eagerly",
         "rank_of": opts.rank_of,
         "full_depth": full,
         "depths_measured": [d1, d2],
-        "step_ms_measured": {str(d): v for d, v in measured.items()},
+        "step_ms_measured": {str(d): {key: t["ms"] for key, t in v.items()} for d, v in measured.items()},
+        "steps_timed": {str(d): {key: t["steps"] for key, t in v.items()} for d, v in measured.items()},
+        "graphs": {str(d): {key: t["graphs"] for key, t in v.items()} for d, v in measured.items()},
         "step_ms_full_depth": extrapolated,
-        "draft_and_verify_over_plain": {k: v / t_plain for k, v in extrapolated.items()},
+        "draft_and_verify_over_plain": {k: v / extrapolated["plain"] for k, v in extrapolated.items()}
+        if extrapolated.get("plain")
+        else None,
         "acceptance_length_used": acceptance,
-        "projected_speedup_c1": {name: e * t_plain / t_spec for name, e in acceptance.items()},
+        "refused": refused,
+        "projected_speedup_c1": projected,
         "caveats": [
             "acceptance from the nano GLM (undertrained MTP layer) or GLM 5.2's published figure, not measured on GLM 5.2",
             "collectives local (rank_of.py): NVLink time not included on either side",
@@ -358,8 +479,12 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         if m["throughput_c64"] is not None:
             out[f"c64_on_over_off {name}"] = m["throughput_c64"]["summary"]
     if "projection_glm_5.2" in record:
-        for name, v in record["projection_glm_5.2"]["projected_speedup_c1"].items():
-            out[f"projected speedup_c1 GLM 5.2 ({name})"] = round(v, 3)
+        p = record["projection_glm_5.2"]
+        if p["projected_speedup_c1"] is None:
+            out["projected speedup_c1 GLM 5.2"] = "refused: " + "; ".join(p["refused"])
+        else:
+            for name, v in p["projected_speedup_c1"].items():
+                out[f"projected speedup_c1 GLM 5.2 ({name})"] = round(v, 3)
     return out
 
 
@@ -415,7 +540,8 @@ def main(argv: list[str]) -> int:
             min(a.c64, 4),
             1,
         )
-        a.rank_of, a.projection_tokens = min(a.rank_of, 2), min(a.projection_tokens, 4)
+        # 12 tokens: a whole step of K = 3 drafts needs 2K − 1 tokens of window left
+        a.rank_of, a.projection_tokens = min(a.rank_of, 2), min(a.projection_tokens, 12)
     opts = Options(
         device=device, models=tuple(ROOT / m if not Path(m).is_absolute() else Path(m) for m in a.models.split(",") if m),
         tasks=tuple(a.tasks.split(",")), num_prompts=a.prompts, max_tokens=a.max_tokens,

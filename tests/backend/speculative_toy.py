@@ -28,11 +28,20 @@ class MarkovModel(torch.nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.target[batch.input_ids[batch.logits_indices]]  # [N, V]
 
-    def forward_spec(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_spec(self, batch: ForwardBatch, step: object = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = torch.nn.functional.one_hot(batch.input_ids, self.vocab_size).float()  # [T, V]
         return self.forward(batch), hidden
 
     def forward_mtp(
-        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: object = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.draft[batch.input_ids[batch.logits_indices]], hidden
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """No rotary: zero-width cos, sin `[T, 0]` (the whole steps slice them per draft depth)."""
+        empty = positions.new_zeros(positions.shape[0], 0, dtype=torch.float32)
+        return empty, empty
+
+    def build_step(self, batch: ForwardBatch, cos_sin: object = None, expected_tags: object = None) -> None:
+        """No layers read a step's facts."""
+        return None

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from backend.engine.speculative.policy import SPEC_PROBE_STEPS
+from benchmarks.engine.mtp_gpu import refusals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +68,8 @@ def test_projection_follows_from_its_step_times(record: dict[str, Any]) -> None:
     d1, d2 = p["depths_measured"]
     t1, t2 = p["step_ms_measured"][str(d1)], p["step_ms_measured"][str(d2)]
     assert set(t2) == {"plain", "spec_k1", "spec_k2", "spec_k3"}
+    # medians over the timed runs' steady steps (several runs of a few steps each at --tiny)
+    assert all(n >= 3 for depth in p["steps_timed"].values() for n in depth.values())
     for key, full in p["step_ms_full_depth"].items():
         assert full == pytest.approx(t2[key] + (t2[key] - t1[key]) / (d2 - d1) * (78 - d2))
     e = p["acceptance_length_used"]
@@ -75,5 +78,49 @@ def test_projection_follows_from_its_step_times(record: dict[str, Any]) -> None:
     tool_call = committed["models"]["glm-5.2-nano"]["tool-call"]["acceptance_length"]
     assert e["GLM 5.2 published (3 drafts)"] == 2.69 and e["glm-5.2-nano tool-call"] == tool_call
     full = p["step_ms_full_depth"]
+    # CPU times at two tiny depths may well not be monotonic: then the record refuses, saying why
+    assert p["refused"] == refusals(
+        {
+            int(d): {k: {"ms": ms, "graphs": p["graphs"][d][k]} for k, ms in v.items()}
+            for d, v in p["step_ms_measured"].items()
+        },
+        full,
+    )
+    if p["refused"]:
+        assert p["projected_speedup_c1"] is None
+        assert record["summary"]["projected speedup_c1 GLM 5.2"].startswith("refused: ")
+        return
     for name, value in p["projected_speedup_c1"].items():
         assert value == pytest.approx(e[name] * full["plain"] / full["spec_k3"])
+
+
+def times(ms: dict[int, list[float]], graphs: str = "captured") -> dict[int, dict[str, dict[str, Any]]]:
+    keys = ("plain", "spec_k1", "spec_k2", "spec_k3")
+    return {d: {k: {"ms": t, "graphs": graphs} for k, t in zip(keys, v, strict=True)} for d, v in ms.items()}
+
+
+def test_a_projection_from_non_monotonic_or_eager_steps_is_refused() -> None:
+    """2026-12-05's H100 record: k = 3 took 20.7 ms at 8 layers against 2.4 at 4 (its verify graphs
+    had failed to capture), and the projection said 0.06x. Such times are refused, with the reason."""
+    r12 = times({4: [0.816, 1.554, 1.997, 2.379], 8: [1.341, 2.321, 2.779, 20.687]})
+    full = {"plain": 10.54, "spec_k1": 15.74, "spec_k2": 16.47, "spec_k3": 341.08}
+    # 4.577 ms per layer for a verify of 4 rows, where a plain row costs 0.131
+    assert refusals(r12, full) == [
+        "spec_k3: 4.577 ms per layer, over 4 × plain's 0.131 (its verify's 4 rows)"
+    ]
+    r12[8]["spec_k3"]["graphs"] = "eager verify: AcceleratorError: CUDA error: operation failed"
+    assert refusals(r12, full) == [
+        "spec_k3 at 8 layers ran eagerly (eager verify: AcceleratorError: CUDA error: operation failed)"
+    ]
+    sound = times({4: [0.8, 1.5, 2.0, 2.4], 8: [1.3, 2.3, 2.8, 3.3]})
+    assert refusals(sound, {"plain": 10.0, "spec_k1": 15.0, "spec_k2": 16.0, "spec_k3": 17.0}) == []
+    shallower = times({4: [0.8, 1.5, 2.0, 2.4], 8: [1.3, 2.3, 2.8, 2.3]})
+    reasons = refusals(shallower, {"plain": 10.0, "spec_k1": 15.0, "spec_k2": 16.0, "spec_k3": 1.0})
+    assert reasons == [
+        "spec_k3: 2.300 ms at 8 layers, not above 2.400 at 4",
+        "at 8 layers, spec_k3 (2.300 ms) not above spec_k2 (2.800 ms)",
+        "at the full depth, spec_k3 (1.000 ms) not above spec_k2 (16.000 ms)",
+    ]
+    untimed = times({4: [0.8, 1.5, 2.0, 2.4], 8: [1.3, 2.3, 2.8, 3.3]})
+    untimed[4]["spec_k2"]["ms"] = None
+    assert refusals(untimed, {}) == ["spec_k2 at 4 layers: no steady step timed"]

@@ -9,8 +9,9 @@ over the ranks). The hidden states a draft depth reads stay on each rank's devic
 their rows, never ships them (under tensor parallelism every rank holds the whole hidden state).
 
 Verify steps where every sequence verifies the same number of drafts k replay a CUDA graph of their
-(k, batch-size bucket) when the runner captures graphs (backend/engine/speculative/verify_graphs.py); any
-other verify runs eagerly. Depth 0 after such a verify has the same layout: each sequence's k + 1 verify
+(k, batch-size bucket, page-table width) when the runner captures graphs (backend/engine/speculative/
+verify_graphs.py; every kind of graph here is captured at the decode graphs' widths, a narrow one
+for a model with a cheaper path at short contexts: GLM-5's DSA); any other verify runs eagerly. Depth 0 after such a verify has the same layout: each sequence's k + 1 verify
 rows, the tokens after its accepted ones padded (rows past them write MTP KV at positions that are
 rewritten before any query reads them, as rejected drafts' are), so it replays a graph of the same
 kind over the MTP layer (`propose_graphs`) and keeps each sequence's row of its last accepted token.
@@ -106,6 +107,10 @@ class SpecForwards:
         staging buffer, which the verify graphs' steps cross in (None: their own)."""
         S = config.page_size
         max_pages = min(-(-(max_seq_len or config.num_pages * S) // S), config.num_pages)
+        # a model with a cheaper path at short contexts (GLM-5's DSA) gets narrow graphs of every
+        # kind, as the decode graphs (backend/engine/model_runner.py)
+        dense_context = getattr(model, "dense_context", None)
+        narrow = dense_context // S if dense_context else None
         sizes = [s for s in config.graph_batch_sizes() if s <= config.speculative_max_seqs]
         graphs = None
         if not config.speculative_graphs:
@@ -123,6 +128,7 @@ class SpecForwards:
                     greedy=functools.partial(_greedy, model, S),
                     sampled=functools.partial(_sampled, model, S),
                     staging=staging,
+                    narrow_pages=narrow,
                 )
             if ranks is not None and not ranks.agree(graphs.is_enabled):
                 graphs.disable("verify graphs failed to capture on another rank")
@@ -142,13 +148,13 @@ class SpecForwards:
             model, kv_cache, check_tags=config.check_page_tags, page_size=S, graphs=graphs, staging=staging
         )
         if capture is not None and graphs is not None and graphs.is_enabled:
-            forwards.capture_proposals(sizes, max_pages, capture, config)
+            forwards.capture_proposals(sizes, max_pages, capture, config, narrow)
             if ranks is not None and not ranks.agree(forwards.propose_graphs is not None):
                 if forwards.propose_graphs is not None:
                     log.warning("depth-0 drafts run eagerly: their graphs failed to capture on another rank")
                 forwards.propose_graphs = None
         if capture is not None and sizes and config.num_speculative_tokens > 1 and hasattr(model, "config"):
-            forwards.capture_drafts(sizes, max_pages, capture)
+            forwards.capture_drafts(sizes, max_pages, capture, narrow)
             if ranks is not None and not ranks.agree(bool(forwards.draft_graphs)):
                 if forwards.draft_graphs:
                     log.warning("draft steps run eagerly: their graphs failed to capture on another rank")
@@ -156,9 +162,14 @@ class SpecForwards:
         return forwards
 
     def capture_proposals(
-        self, batch_sizes: list[int], max_pages: int, capture: Capture, config: EngineConfig
+        self,
+        batch_sizes: list[int],
+        max_pages: int,
+        capture: Capture,
+        config: EngineConfig,
+        narrow_pages: int | None = None,
     ) -> None:
-        """Graphs of depth 0 over a uniform verify's rows, one per (k, bucket) as the verify's."""
+        """Graphs of depth 0 over a uniform verify's rows, one per (k, bucket, width) as the verify's."""
         K, H = config.num_speculative_tokens, self.model.config.hidden_size
         rows = max(batch_sizes) * (K + 1)
         self._propose_hidden = torch.zeros(rows, H, dtype=self.model.dtype, device=self.device)
@@ -171,6 +182,7 @@ class SpecForwards:
                 max_pages=max_pages,
                 check_tags=self.check_tags,
                 capture=capture,
+                narrow_pages=narrow_pages,
             )
         if graphs.disabled_reason is not None:
             log.warning("depth-0 drafts run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)
@@ -183,8 +195,11 @@ class SpecForwards:
         out: tuple[torch.Tensor, torch.Tensor] = self.model.forward_mtp(batch, self._propose_hidden[:T], 0)
         return out
 
-    def capture_drafts(self, batch_sizes: list[int], max_pages: int, capture: Capture) -> None:
-        """Decode graphs of each MTP layer, for draft depths d > 0 (layer d mod L)."""
+    def capture_drafts(
+        self, batch_sizes: list[int], max_pages: int, capture: Capture, narrow_pages: int | None = None
+    ) -> None:
+        """Decode graphs of each MTP layer, for draft depths d > 0 (layer d mod L), at the decode
+        graphs' widths (`narrow_pages`)."""
         n, H = max(batch_sizes), self.model.config.hidden_size
         self._hidden_in = torch.zeros(n, H, dtype=self.model.dtype, device=self.device)
         self._hidden_out = torch.zeros_like(self._hidden_in)
@@ -197,6 +212,7 @@ class SpecForwards:
                     max_pages=max_pages,
                     check_tags=self.check_tags,
                     capture=capture,
+                    narrow_pages=narrow_pages,
                 )
                 if graphs.disabled_reason is not None:
                     log.warning("draft steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)

@@ -23,6 +23,12 @@ Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p
    read from the page table on the device (pages for n + 2k − 1 tokens are reserved before the
    step, so they are in the table: `page_size` is the block manager's, the slots' unit).
 
+Depth 0 runs over the verify's rows, so it shares the verify's per-forward facts (`Step`: rotary
+cos/sin, each row's page tag; `model.build_step`), and the depths 1 … k−1 get theirs for all depths
+at once (positions, slots, tags, cos/sin: one op each, not one per depth): a captured step is a graph
+node per launch, and these were 22 of a depth's ~86 (GLM nano, k = 3: 532 launches, 176 of a plain
+decode step's 177, 2026-12-05).
+
 Every forward ORs into the one `tag_mismatch` [B], so a page that changed owner under any of them
 flags its sequence. The result `[B, 3 + 2k]` int64 per sequence: a, t_0 … t_k, the k next drafts,
 and its tag flag last (the host's one read back holds it all).
@@ -39,13 +45,16 @@ Shape letters: B sequences, L = k + 1 rows each, V vocabulary, H hidden.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from backend.engine.constraint import ReasoningGuard
 from backend.engine.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from backend.models.layers.step import Step
 
 # the most end-of-turn ids a guard may ban on the device (GLM's are 3, Kimi K2's 2); a request with
 # more runs its speculative steps on the host path
@@ -61,11 +70,12 @@ def greedy_step(
     `guard_rows`. Returns `[B, 3 + 2k]` int64 (see the module)."""
     L = k + 1
     B = batch.seq_lens.shape[0]
-    logits, hidden = model.forward_spec(batch)  # [B·L, V], [B·L, H]
+    step = model.build_step(batch)  # the verify's, and depth 0's (the same rows)
+    logits, hidden = model.forward_spec(batch, step)  # [B·L, V], [B·L, H]
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
     targets = mask_guarded(logits, drafts, guards).argmax(dim=-1).view(B, L)  # [B, L]
     accepted = accepted_count(targets, drafts)  # [B] a
-    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size)  # [B, k]
+    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size, step)  # [B, k]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
     return torch.cat([accepted[:, None], targets, proposed, flags], dim=1)  # [B, 3 + 2k]
 
@@ -77,36 +87,45 @@ def draft_on_device(
     tokens: torch.Tensor,
     accepted: torch.Tensor,
     page_size: int,
+    step: Step | None = None,
 ) -> torch.Tensor:
     """Steps 3 and 4 of the module: the next k drafts `[B, k]` after a verify `batch` of B
     sequences of k + 1 rows, its hidden states `hidden [B·L, H]`, each row's next token `tokens
-    [B, L]` (exact up to row a) and the accepted counts `accepted [B]` (a)."""
+    [B, L]` (exact up to row a) and the accepted counts `accepted [B]` (a). `step`: the verify's
+    `model.build_step(batch)`, which depth 0 shares (None: built for it)."""
     B, L = tokens.shape
     k = L - 1
     rows = torch.arange(B, device=tokens.device)  # [B]
     last = rows * L + accepted  # [B] each sequence's row of its last accepted position
     depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
-    draft_logits, g = model.forward_mtp(depth0, hidden, 0)  # [B, V], [B·L, H]
+    draft_logits, g = model.forward_mtp(depth0, hidden, 0, step)  # [B, V], [B·L, H]
     g = g[last]  # [B, H]
     proposed = [draft_logits.argmax(dim=-1)]  # per depth [B]
     if k > 1:
+        # depths 1 … k−1 at once, depth-major [k−1, B]: depth d's row at position p + a + d
         first = batch.positions.view(B, L)[:, 0] + accepted  # [B] the last accepted position
+        positions = first + torch.arange(1, k, device=rows.device)[:, None]  # [k−1, B]
+        columns = positions // page_size  # [k−1, B] the page-table column of each
+        slots = batch.page_table[rows, columns].to(torch.int64) * page_size + positions % page_size
+        tags = batch.expected_tags[rows, columns] if batch.check_tags else None  # [k−1, B]
+        seq_lens = (positions + 1).to(batch.seq_lens.dtype)  # [k−1, B]
+        cos, sin = (t.view(k - 1, B, -1) for t in model.cos_sin(positions.view(-1)))  # [k−1, B, Dr]
         query_start = torch.arange(B + 1, dtype=batch.query_start.dtype, device=rows.device)
         for depth in range(1, k):
-            positions = first + depth  # [B]
-            page = batch.page_table.gather(1, (positions // page_size)[:, None])[:, 0].to(torch.int64)
+            i = depth - 1
             chained = dataclasses.replace(
                 batch,
                 input_ids=proposed[-1],
-                positions=positions,
+                positions=positions[i],
                 query_start=query_start,
-                seq_lens=(positions + 1).to(batch.seq_lens.dtype),
-                slot_mapping=page * page_size + positions % page_size,
+                seq_lens=seq_lens[i],
+                slot_mapping=slots[i],
                 logits_indices=rows,
                 seq_index=rows,
                 is_decode_only=True,
             )
-            draft_logits, g = model.forward_mtp(chained, g, depth)  # [B, V], [B, H]
+            chained_step = model.build_step(chained, (cos[i], sin[i]), None if tags is None else tags[i])
+            draft_logits, g = model.forward_mtp(chained, g, depth, chained_step)  # [B, V], [B, H]
             proposed.append(draft_logits.argmax(dim=-1))
     return torch.stack(proposed, dim=1)
 
@@ -138,17 +157,19 @@ def mask_guarded(logits: torch.Tensor, drafts: torch.Tensor, guards: torch.Tenso
     the sampler's `mask_banned` skips them."""
     B, k = drafts.shape
     L, V = k + 1, logits.shape[1]
-    start, end = guards[:, 1], guards[:, 2]  # [B] each
+    opens = drafts == guards[:, 1:2]  # [B, k] a start marker
+    keeps = drafts != guards[:, 2:3]  # [B, k] not an end marker
     is_open = [guards[:, 0] != 0]  # per row i: [B], open after d_1 … d_i
     for i in range(k):  # `ReasoningGuard.accept`: a start marker opens, else an end marker closes
-        d = drafts[:, i]
-        is_open.append((d == start) | ((d != end) & is_open[-1]))
-    open_rows = torch.stack(is_open, dim=1).reshape(B * L)  # [B·L]
-    ids = guards[:, None, 3:].expand(B, L, MAX_BANNED).reshape(B * L, MAX_BANNED)  # [B·L, S]
-    is_banned = (ids >= 0) & (ids < V)  # [B·L, S]
-    index = ids.clamp(0, V - 1)  # [B·L, S] every entry a column (padding lands on some column)
-    # one value per column written: a padding entry on a banned id's column writes -inf there too
-    same = index[:, :, None] == index[:, None, :]  # [B·L, S, S]
-    is_banned = open_rows[:, None] & (same & is_banned[:, None, :]).any(dim=2)  # [B·L, S]
-    values = torch.where(is_banned, float("-inf"), logits.gather(1, index))  # [B·L, S]
-    return logits.scatter_(1, index, values)
+        is_open.append(opens[:, i] | (keeps[:, i] & is_open[-1]))
+    open_rows = torch.stack(is_open, dim=1)  # [B, L]
+    ids = guards[:, 3:]  # [B, S] banned ids, -1 padded
+    is_banned = open_rows[:, :, None] & ((ids >= 0) & (ids < V))[:, None, :]  # [B, L, S]
+    # -inf added at a banned id, 0 at any other entry (padding lands on some column): a column
+    # with several entries gets -inf if any bans it, else keeps its value (x + 0 = x; a -0.0
+    # becomes 0.0, the same to argmax and softmax). Seven launches; a gather, where and scatter of
+    # one value per column took eleven.
+    penalty = torch.where(is_banned, float("-inf"), 0.0)  # [B, L, S] float32
+    index = ids.clamp(0, V - 1)[:, None, :].expand(B, L, MAX_BANNED)  # [B, L, S]
+    logits.view(B, L, V).scatter_add_(2, index, penalty.to(logits.dtype))
+    return logits

@@ -95,7 +95,8 @@ def sampled_step(
     tag flag."""
     L = k + 1
     B = batch.seq_lens.shape[0]
-    logits, hidden = model.forward_spec(batch)  # [B·L, V], [B·L, H]
+    step = model.build_step(batch)  # the verify's, and depth 0's (the same rows)
+    logits, hidden = model.forward_spec(batch, step)  # [B·L, V], [B·L, H]
     V = logits.shape[1]
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
     x = mask_guarded(logits, drafts, guards).float()  # [B·L, V]
@@ -123,6 +124,6 @@ def sampled_step(
     final = torch.where(is_sampled[:, None], drawn[:, None], targets)  # [B, L] row a's token if a stops there
     before = torch.arange(L, device=drafts.device)[None, :] < accepted[:, None]  # [B, L] rows < a
     tokens = torch.where(before, torch.nn.functional.pad(drafts, (0, 1)), final)  # [B, L]
-    proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size)  # [B, k]
+    proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size, step)  # [B, k]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
     return torch.cat([accepted[:, None], tokens, proposed, flags], dim=1)  # [B, 3 + 2k]

@@ -12,7 +12,11 @@ written since (as decode graphs do). The graph returns the logits `[Bk·(k+1), V
 states `[Bk·(k+1), H]` the draft depths read; both stay in the graph's memory.
 
 The k captured are 1 … K (the draft policy may pick any, backend/engine/speculative/policy.py), the buckets
-the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts past it). Capture goes
+the decode graphs' sizes up to `EngineConfig.speculative_max_seqs` (no drafts past it). As the decode
+graphs, each (k, bucket) is also captured over the buffers' first `narrow_pages` columns when given
+(GLM-5's DSA: every sequence within `index_topk` tokens runs dense MLA and no indexer, whose top-k
+alone was 7 × 16 µs of a 3-draft greedy step's 1.4 ms on an H100); a step no wider replays that graph,
+so its path is the decode graphs' at the same length. Replays are keyed (k, bucket, width). Capture goes
 through the runner's `Capture` (the decode graphs' memory pool; `eager_capture` in the CPU tests); a
 forward that cannot be captured leaves every verify eager and `disabled_reason` says why.
 
@@ -49,6 +53,7 @@ from backend.engine.speculative.sampled import draw_width
 from backend.engine.sync_free import sync_free
 
 SpecOutput = tuple[torch.Tensor, torch.Tensor]  # (logits [N, V], hidden [T, H])
+Shape = tuple[int, int, int]  # a captured graph's (k, bucket, page-table width)
 VerifyReplay = Callable[[], SpecOutput]
 # (verify batch, guard rows, k) -> [B, 3 + 2k] int64
 GreedyStep = Callable[[ForwardBatch, torch.Tensor, int], torch.Tensor]
@@ -72,12 +77,14 @@ class VerifyGraphs:
         greedy: GreedyStep | None = None,
         sampled: SampledStep | None = None,
         staging: StagingBuffer | None = None,
+        narrow_pages: int | None = None,
     ) -> None:
         """`greedy`: a whole greedy step over the verify's batch (backend/engine/speculative/greedy.py),
                 captured too per (k, bucket) for `replay_greedy`; one that fails to capture leaves only that
                 path eager (`greedy_disabled_reason`). `sampled`: a whole sampled step, likewise (`replay_greedy`
         with `sampled`; `sampled_disabled_reason`). `staging`: the buffer a step's host values cross in
-                (the runner's, shared with its other inputs; None: one of its own)."""
+                (the runner's, shared with its other inputs; None: one of its own). `narrow_pages`: a second
+                graph of each kind per (k, bucket) over that many columns (None, or not under `max_pages`: none)."""
         self.kv_cache, self.max_pages, self.check_tags = kv_cache, max_pages, check_tags
         self.batch_sizes = sorted(batch_sizes)
         S = kv_cache.page_size
@@ -109,6 +116,11 @@ class VerifyGraphs:
             for k in self.draft_lengths
         }
         self._written_width = 0
+        # the captured widths, narrowest first: a step replays the first that holds its table
+        self.widths = [max_pages]
+        # a padding sequence's chained drafts (a whole step's) reach position 2K − 1 of its table
+        if narrow_pages is not None and 0 < narrow_pages < max_pages and narrow_pages * S >= 2 * max_drafts:
+            self.widths.insert(0, narrow_pages)
         self.staging = staging or StagingBuffer(dev)
         # (rows, bucket, page-table width, (vectors, pages, tags), guards, draws): staging handles
         self._staged: tuple[int, int, int, tuple[int, int, int], int | None, int | None] = (
@@ -119,17 +131,18 @@ class VerifyGraphs:
             None,
             None,
         )
-        self._replays: dict[tuple[int, int], VerifyReplay] = {}
-        self._greedy_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
-        self._sampled_replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self._replays: dict[Shape, VerifyReplay] = {}
+        self._greedy_replays: dict[Shape, Callable[[], torch.Tensor]] = {}
+        self._sampled_replays: dict[Shape, Callable[[], torch.Tensor]] = {}
         try:
             for k in reversed(self.draft_lengths):  # largest first: the pool is sized by the first
                 self._fill_padding(k)  # a capture's warm-up runs: every row a valid padding row
                 for size in reversed(self.batch_sizes):
-                    step = partial(self._step, forward_spec, self._batch(k, size), k)
-                    self._replays[k, size] = cast(
-                        VerifyReplay, capture(cast(Callable[[], torch.Tensor], step))
-                    )
+                    for width in reversed(self.widths):
+                        step = partial(self._step, forward_spec, self._batch(k, size, width), k)
+                        self._replays[k, size, width] = cast(
+                            VerifyReplay, capture(cast(Callable[[], torch.Tensor], step))
+                        )
         except Exception as exc:  # a capture-unsafe op on the verify path: every verify stays eager
             self._replays.clear()
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
@@ -149,17 +162,20 @@ class VerifyGraphs:
     def _capture_whole(
         self,
         step_of: Callable[[ForwardBatch, int, int], Callable[[], torch.Tensor]],
-        replays: dict[tuple[int, int], Callable[[], torch.Tensor]],
+        replays: dict[Shape, Callable[[], torch.Tensor]],
         capture: Capture,
     ) -> str | None:
         """Capture a whole step (`step_of(batch, size, k)`: its function over the buffers) per (k,
-        bucket) into `replays`; the reason it failed (those steps then run eagerly), or None."""
+        bucket, width) into `replays`; the reason it failed (those steps then run eagerly), or None."""
         try:
             for k in reversed(self.draft_lengths):
                 self._fill_padding(k)
                 for size in reversed(self.batch_sizes):
-                    batch = self._batch(k, size)
-                    replays[k, size] = capture(partial(self._whole_step, step_of(batch, size, k), batch, k))
+                    for width in reversed(self.widths):
+                        batch = self._batch(k, size, width)
+                        replays[k, size, width] = capture(
+                            partial(self._whole_step, step_of(batch, size, k), batch, k)
+                        )
         except Exception as exc:  # the verify graphs stand; these steps run eagerly
             replays.clear()
             return f"{type(exc).__name__}: {exc}"
@@ -203,29 +219,31 @@ class VerifyGraphs:
         self._sampled_replays.clear()
         self.sampled_disabled_reason = self.sampled_disabled_reason or reason
 
-    def shape_of(self, host: HostBatch, *, greedy: bool = False) -> tuple[int, int] | None:
-        """(k, bucket) of a uniform verify step that fits a captured graph (with `greedy`, a whole
-        step's: the sampled one's when `host.draws` is set), else None."""
+    def shape_of(self, host: HostBatch, *, greedy: bool = False) -> Shape | None:
+        """(k, bucket, width) of a uniform verify step that fits a captured graph (with `greedy`, a
+        whole step's: the sampled one's when `host.draws` is set), else None. `width`: the narrowest
+        captured one that holds the step's page table."""
         B, T = host.num_seqs, len(host.input_ids)
         if not self.is_enabled or B == 0 or T % B or host.image_rows:
             return None
         k = T // B - 1
         bucket = next((s for s in self.batch_sizes if s >= B), None)
+        width = next((w for w in self.widths if w >= host.page_table.shape[1]), None)
         if (
             bucket is None
-            or (k, bucket) not in self._whole_replays(host.draws is not None if greedy else None)
-            or host.page_table.shape[1] > self.max_pages
+            or width is None
+            or (k, bucket, width) not in self._whole_replays(host.draws is not None if greedy else None)
         ):
             return None
         if host.rows_per_seq == k + 1:  # uniform by construction (the greedy planner's)
-            return k, bucket
+            return k, bucket, width
         if (
             len(host.logits_indices) != T
             or not np.array_equal(np.diff(host.query_start), np.full(B, k + 1))
             or not np.array_equal(host.logits_indices, np.arange(T))
         ):
             return None
-        return k, bucket
+        return k, bucket, width
 
     def run(self, host: HostBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(logits [T, V], hidden [T, H], tag_mismatch [B]) of a uniform verify step from its graph;
@@ -233,39 +251,40 @@ class VerifyGraphs:
         shape = self.shape_of(host)
         if shape is None:
             return None
-        k, bucket = shape
+        k = shape[0]
         S = self.kv_cache.page_size
         self.staging.start()
         self.stage(host, shape, (host.seq_lens.astype(np.int64) + (S - 1)) // S)
         self.staging.send()
         self._fill()
-        logits, hidden = self._replays[k, bucket]()
+        logits, hidden = self._replays[shape]()
         self.num_replays += 1
         B, L = host.num_seqs, k + 1
         return logits[: B * L], hidden[: B * L], self.tag_mismatch[:B]
 
-    def _whole_replays(self, is_sampled: bool | None) -> dict[tuple[int, int], Callable[[], torch.Tensor]]:
+    def _whole_replays(self, is_sampled: bool | None) -> dict[Shape, Callable[[], torch.Tensor]]:
         """The verify replays (None), the greedy steps' or the sampled steps'."""
         if is_sampled is None:
-            return cast(dict[tuple[int, int], Callable[[], torch.Tensor]], self._replays)
+            return cast(dict[Shape, Callable[[], torch.Tensor]], self._replays)
         return self._sampled_replays if is_sampled else self._greedy_replays
 
     def replay_greedy(
-        self, shape: tuple[int, int], num_seqs: int, *, is_sampled: bool = False
+        self, shape: Shape, num_seqs: int, *, is_sampled: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the buffers from the sent staging buffer (`stage`), replay the whole-step graph of
-        `shape` (k, bucket), the sampled one with `is_sampled`: (`[B, 3 + 2k]` int64, tag_mismatch [B])."""
+        `shape` (k, bucket, width), the sampled one with `is_sampled`: (`[B, 3 + 2k]` int64,
+        tag_mismatch [B])."""
         self._fill()
         out = self._whole_replays(is_sampled)[shape]()
         self.num_greedy_replays += 1
         return out[:num_seqs], self.tag_mismatch[:num_seqs]
 
-    def stage(self, host: HostBatch, shape: tuple[int, int], num_pages: np.ndarray) -> None:
-        """Write `host`'s rows, padded to the bucket of `shape` (k, bucket), into the staging buffer
+    def stage(self, host: HostBatch, shape: Shape, num_pages: np.ndarray) -> None:
+        """Write `host`'s rows, padded to the bucket of `shape` (k, bucket, width), into the staging buffer
         (sent by the caller, with whatever else its step stages); page table columns past each
         sequence's `num_pages` hold the scratch page. A whole step's guard rows too (`host.guards`),
         and a sampled one's draw rows (`host.draws`)."""
-        k, bucket = shape
+        k, bucket, _ = shape
         B, L, width = host.num_seqs, k + 1, host.page_table.shape[1]
         scratch, S, st = self.scratch_page, self.kv_cache.page_size, self.staging
         n = bucket * L
@@ -307,9 +326,10 @@ class VerifyGraphs:
         self.page_table[:bucket, :width].copy_(pages)
         self.expected_tags[:bucket, :width].copy_(tags)
 
-    def _batch(self, k: int, size: int) -> ForwardBatch:
-        """The ForwardBatch the (k, size) graph reads: views of the buffers' first rows, every one of
-        them owned by `self` (the graph reads them at replay, long after this batch is gone)."""
+    def _batch(self, k: int, size: int, width: int) -> ForwardBatch:
+        """The ForwardBatch the (k, size, width) graph reads: views of the buffers' first rows (and
+        `width` columns), every one of them owned by `self` (the graph reads them at replay, long
+        after this batch is gone)."""
         L = k + 1
         query_start, seq_index = self._layouts[k]
         return ForwardBatch(
@@ -317,8 +337,8 @@ class VerifyGraphs:
             positions=self.positions[: size * L],
             query_start=query_start[: size + 1],
             seq_lens=self.seq_lens[:size],
-            page_table=self.page_table[:size],
-            expected_tags=self.expected_tags[:size],
+            page_table=self.page_table[:size, :width],
+            expected_tags=self.expected_tags[:size, :width],
             slot_mapping=self.slot_mapping[: size * L],
             logits_indices=self.rows[: size * L],
             kv_cache=self.kv_cache,

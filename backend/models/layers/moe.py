@@ -95,6 +95,7 @@ class Experts(nn.Module):
     ) -> None:
         super().__init__()
         self.e0, self.e1 = shard.split(config.num_routed_experts, "routed experts")
+        self.is_every_expert_local = (self.e0, self.e1) == (0, config.num_routed_experts)
         self.full_intermediate = config.moe_intermediate_size
         self.i0, self.i1 = (width or Shard()).split(self.full_intermediate, "expert intermediate size")
         El, H, I = self.e1 - self.e0, config.hidden_size, self.i1 - self.i0
@@ -161,9 +162,13 @@ class Experts(nn.Module):
         times the work of the loop; for decode-sized T (unquantized experts only: INT4 ones go
         through the fused MoE kernel)."""
         T, El = x.shape[0], self.e1 - self.e0
-        local = ids - self.e0  # [T, k]
         route = torch.zeros(T, El + 1, dtype=torch.float32, device=x.device)  # column El: other ranks'
-        route.scatter_add_(1, torch.where((local >= 0) & (local < El), local, El), weights.float())
+        if self.is_every_expert_local:  # every id is a local column: no shift, no mask (5 launches)
+            columns = ids  # [T, k]
+        else:
+            local = ids - self.e0  # [T, k]
+            columns = torch.where((local >= 0) & (local < El), local, El)
+        route.scatter_add_(1, columns, weights.float())
         gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [El, T, I] each
         act = (self.act(gate) * up).float() * route[:, :El].T[:, :, None]  # [El, T, I], weighted
         y = torch.bmm(act.to(x.dtype), self.down_proj.transpose(1, 2))  # [El, T, H]

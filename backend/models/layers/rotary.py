@@ -62,9 +62,10 @@ class Rotary(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] → cos, sin [T, dim/2] (already scaled by the attention factor)."""
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(
-            dtype
-        )
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # YaRN's (a factor of 1 would cost two launches a step)
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
     def rotate(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None

@@ -34,14 +34,22 @@ class Step:
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor, dcp: DcpGroup | None = None
+        cls,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        dcp: DcpGroup | None = None,
+        expected_tags: torch.Tensor | None = None,
     ) -> Step:
-        qs = batch.query_start.long()
-        q_lens = qs[1:] - qs[:-1]  # [B]
+        """`expected_tags` [T] int64: the tag each new token's destination page carries, when the
+        caller has it (gathered once for several forwards); None, or under DCP (each rank's own
+        writes): derived from the batch here."""
         T = batch.num_tokens
         if batch.seq_index.numel() == T:
             token_seq = batch.seq_index.long()
         else:
+            qs = batch.query_start.long()
+            q_lens = qs[1:] - qs[:-1]  # [B]
             token_seq = torch.repeat_interleave(torch.arange(batch.num_seqs, device=qs.device), q_lens)
         pages = PagedBatch(
             query_start=batch.query_start,
@@ -59,11 +67,12 @@ class Step:
             slots, expected = local_writes(batch, token_seq, dcp.rank, dcp.size)
             return cls(batch, token_seq, expected, cos, sin, pages, table_tokens, dcp=dcp, slot_mapping=slots)
         expected = None  # the tag check off: no tag is read
-        if batch.check_tags:
-            # index of each new token within its sequence: the cached prefix length plus its offset
-            offset = torch.arange(T, device=qs.device) - qs[token_seq]
-            token_idx = (batch.seq_lens.long() - q_lens)[token_seq] + offset
-            page_col = token_idx // batch.kv_cache.page_size
+        if batch.check_tags and expected_tags is not None:
+            expected = expected_tags
+        elif batch.check_tags:
+            # a token's position is its index in its sequence: its page is column position // S, the
+            # one its slot is in (three launches; a graph node each)
+            page_col = batch.positions // batch.kv_cache.page_size
             expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
         return cls(batch, token_seq, expected, cos, sin, pages, table_tokens)
 

@@ -321,15 +321,26 @@ def test_a_tag_fault_mid_decode_is_caught_on_the_graph_path(models: ModelShelf, 
     assert graphed.stats.tag_check_aborts == 1
 
 
-def test_every_expert_path_equals_the_loop(models: ModelShelf) -> None:
+@pytest.mark.parametrize("is_sharded", [False, True])
+def test_every_expert_path_equals_the_loop(models: ModelShelf, is_sharded: bool) -> None:
+    """The fixed-shape path (captured decode steps) sums what the loop does. Holding every expert,
+    every id is a column of its own; a rank holding some (`is_sharded`: ids >= E stand for another
+    rank's) drops the others' through the extra column."""
     experts = next(m for m in models["deepseek_v3"].model.modules() if isinstance(m, Experts))
+    assert experts.is_every_expert_local  # one rank: ids only in [0, E)
     E, H = experts.e1 - experts.e0, experts.gate_up_proj.shape[2]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, H, generator=g)
-    ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])  # >= E: another rank's
+    ids = torch.tensor([[0, E - 2], [1, E - 1], [3, 2], [E - 1, 0], [2, 1]])
+    if is_sharded:
+        ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])  # >= E: another rank's
     weights = torch.rand(5, 2, generator=g)
-    want = experts(x, weights, ids)
-    with sync_free():
-        got = experts(x, weights, ids)
+    experts.is_every_expert_local = not is_sharded
+    try:
+        want = experts(x, weights, ids)
+        with sync_free():
+            got = experts(x, weights, ids)
+    finally:
+        experts.is_every_expert_local = True
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert got[2].abs().max() == 0 and want[0].abs().max() > 0
+    assert want[0].abs().max() > 0 and (got[2].abs().max() == 0) == is_sharded

@@ -13,10 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import backend.engine.host_staging as host_staging
 from backend.engine import decode_graphs, model_runner
+from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
 from backend.engine.speculative import accept, decoder, forwards, verify_graphs
+from backend.models.loader import prepare_model
 from tests.backend.engine.test_speculative import ARCHS, engine_for, loaded, prompts
 from tests.backend.engine.test_speculative_greedy import graphed
 from tests.backend.engine_helpers import Result, collect, request, run_all, spy_tag_updates
@@ -148,3 +152,93 @@ def test_a_drafting_request_reserves_each_page_once(
     assert len(greedy) >= 30
     assert 0 < sum(r["tag_updates"] for r in greedy) <= window_pages - prompt_pages
     assert not bm.spare_holders and bm.num_available_pages == bm.num_pages
+
+
+# views, allocations and metadata: no launch on the device
+NO_LAUNCH = {
+    "view", "_unsafe_view", "slice", "select", "alias", "as_strided", "unsqueeze", "squeeze", "expand",
+    "t", "transpose", "permute", "detach", "unbind", "split", "split_with_sizes", "narrow", "resolve_conj",
+    "resolve_neg", "empty", "empty_strided", "lift_fresh", "_reshape_alias", "reshape",
+}  # fmt: skip
+# what a greedy step may launch outside its graph: the static buffers' fills from the staged copy, and
+# on a step that reserves pages their tags and their MTP KV's clearing
+BUFFER_FILLS = {"copy_", "fill_", "index_copy_", "index_fill_"}
+
+
+class OutsideReplays(TorchDispatchMode):
+    """The aten ops that launch (by name) dispatched outside a replay, and the replays and rotary
+    cos/sin computations inside them; `capture` is the engine's (`eager_capture`, marked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = 0
+        self.ops: Counter[str] = Counter()
+        self.replays = self.cos_sin = 0
+
+    def capture(self, step: Callable[[], Any]) -> Callable[[], Any]:
+        def replay() -> Any:
+            self.replays += 1
+            self.inside += 1
+            try:
+                return step()
+            finally:
+                self.inside -= 1
+
+        return replay
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func.overloadpacket.__name__)
+        if not self.inside and name not in NO_LAUNCH:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_greedy_step_launches_only_buffer_fills_outside_its_graph(
+    loaded: dict[str, Any], arch: str, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole greedy step with fixed k, over the graphs' buffers: one replay, and outside it only
+    the copies that fill the static buffers from the one staged copy (and a new page's tag and MTP
+    KV clearing): no eager forward, no eager op of the step's own. Inside it, the verify and depth 0
+    share one `Step` (their rows are the same) and the chained depths get theirs at once: the rotary
+    cos/sin are computed once for k = 1 and twice otherwise (each forward computed its own until
+    2026-12-05: k + 1 times)."""
+    from backend.models.layers.rotary import Rotary
+
+    model = loaded[arch]
+    reqs = [request("r0", prompts(1, model.config.vocab_size, seed=4)[0], max_tokens=40)]
+    plain = run_all(engine_for(model, 0), reqs)
+    counter = OutsideReplays()
+    c = EngineConfig.build(
+        num_pages=96, page_size=8, max_num_batched_tokens=64, max_num_seqs=16, num_speculative_tokens=k,
+        speculative_max_seqs=16, speculative_adaptive=False, cuda_graph_batch_sizes=(1, 2, 4, 8, 16),
+    )  # fmt: skip
+    engine = Engine.from_prepared(prepare_model(model, c), c, graph_capture=counter.capture)
+    cos_sin = Rotary.cos_sin
+
+    def counted_cos_sin(self: Rotary, *args: Any) -> Any:
+        counter.cos_sin += counter.inside > 0
+        return cos_sin(self, *args)
+
+    monkeypatch.setattr(Rotary, "cos_sin", counted_cos_sin)
+    transfers = Transfers(monkeypatch, engine.runner.model)
+    assert engine.spec is not None
+    results: dict[str, Result] = {}
+    engine.add_request(reqs[0])
+    kept = []
+    with counter:
+        while engine.has_unfinished:
+            greedy = engine.spec.num_greedy_steps
+            counter.ops.clear()
+            transfers.counts.clear()
+            counter.replays = counter.cos_sin = 0
+            collect(results, engine.step())
+            if engine.spec.num_greedy_steps > greedy:
+                kept.append((dict(counter.ops), counter.replays, counter.cos_sin, dict(transfers.counts)))
+    assert results["r0"].token_ids == plain["r0"].token_ids
+    assert len(kept) >= 5
+    for ops, replays, cos_sin_calls, counts in kept:
+        assert replays == 1 and cos_sin_calls == min(k, 2), (replays, cos_sin_calls)
+        assert set(ops) <= BUFFER_FILLS and ops.get("copy_", 0) <= 5, ops  # vectors, table, tags, guards
+        assert (counts.get("h2d", 0), counts.get("reads", 0)) == (1, 1), counts

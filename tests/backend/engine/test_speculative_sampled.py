@@ -173,14 +173,17 @@ class OneRowModel(torch.nn.Module):
         super().__init__()
         self.logits = logits
 
-    def forward_spec(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_spec(self, batch: ForwardBatch, step: object = None) -> tuple[torch.Tensor, torch.Tensor]:
         T = batch.input_ids.shape[0]
         return self.logits.expand(T, -1).clone(), torch.zeros(T, 1)
 
     def forward_mtp(
-        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: object = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(batch.logits_indices.shape[0], 2), hidden
+
+    def build_step(self, batch: ForwardBatch) -> None:
+        return None
 
 
 def test_a_residual_or_bonus_draw_resolves_a_long_tail() -> None:

@@ -115,17 +115,17 @@ def test_every_draft_length_replays_its_own_graph(tiny: dict[str, Any], arch: st
     OracleDrafts(graphed, plain, p_wrong=0.2)
     ScriptedK(graphed, cycle=[3, 3, 2, 2, 1, 1, 0])
     graphs = verify_graphs(graphed)
-    seen: list[tuple[int, int]] = []
+    seen: list[tuple[int, int, int]] = []
     replay = graphs._replays.copy()
     for key, fn in replay.items():
         graphs._replays[key] = lambda key=key, fn=fn: (seen.append(key), fn())[1]
-    greedy_seen: list[tuple[int, int]] = []  # greedy rows without logprobs: whole steps in one graph
+    greedy_seen: list[tuple[int, int, int]] = []  # greedy rows without logprobs: whole steps in one graph
     for key, fn in graphs._greedy_replays.copy().items():
         graphs._greedy_replays[key] = lambda key=key, fn=fn: (greedy_seen.append(key), fn())[1]
     got = run_checking_padding(graphed, reqs)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
-    assert {k for k, _ in seen + greedy_seen} == {1, 2, 3}
-    assert {k for k, _ in greedy_seen} == {1, 2, 3} and graphs.num_greedy_replays == len(greedy_seen)
+    assert {k for k, _, _ in seen + greedy_seen} == {1, 2, 3}
+    assert {k for k, _, _ in greedy_seen} == {1, 2, 3} and graphs.num_greedy_replays == len(greedy_seen)
 
 
 def host(k: int, num_seqs: int, *, logits_rows: int | None = None, images: bool = False) -> HostBatch:
@@ -148,7 +148,9 @@ def test_only_uniform_verify_steps_take_a_graph(tiny: dict[str, Any]) -> None:
     e = engine(tiny["deepseek_v3"], 3, graphs=True, page_size=4, num_pages=32)
     graphs = verify_graphs(e)
     assert graphs.draft_lengths == [1, 2, 3]  # k + 1 rows fit a page of 4
-    assert graphs.shape_of(host(3, 3)) == (3, 4) and graphs.shape_of(host(1, 8)) == (1, 8)
+    width = graphs.max_pages  # no narrow graphs: DeepSeek-V3 reads every key at any length
+    assert graphs.widths == [width]
+    assert graphs.shape_of(host(3, 3)) == (3, 4, width) and graphs.shape_of(host(1, 8)) == (1, 8, width)
     assert graphs.shape_of(host(0, 2)) is None  # no drafts: a decode step (the decode graphs')
     assert graphs.shape_of(host(2, 9)) is None  # more sequences than the largest bucket
     assert graphs.shape_of(host(2, 2, logits_rows=5)) is None  # a prompt-logprobs row or a chunk
@@ -172,10 +174,10 @@ def test_mixed_steps_run_eagerly(tmp_path: Path, tiny: dict[str, Any]) -> None:
     forward_spec = graphed.runner.model.forward_spec  # type: ignore[attr-defined]
     num_eager = 0
 
-    def counting(batch: Any) -> Any:
+    def counting(batch: Any, step: Any = None) -> Any:
         nonlocal num_eager
         num_eager += batch.tag_mismatch.data_ptr() != graphs.tag_mismatch.data_ptr()
-        return forward_spec(batch)
+        return forward_spec(batch, step)
 
     graphed.runner.model.forward_spec = counting  # type: ignore[attr-defined]
     # the graph steps were captured over the original forward: rebuild them over the counting one
@@ -188,7 +190,10 @@ def test_mixed_steps_run_eagerly(tmp_path: Path, tiny: dict[str, Any]) -> None:
         check_tags=True,
         capture=eager_capture,
     )
-    got = run_all(graphed, reqs)
+    try:
+        got = run_all(graphed, reqs)
+    finally:
+        del graphed.runner.model.forward_spec  # type: ignore[attr-defined]  # the module's model
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
     assert num_eager > 0 and verify_graphs(graphed).num_replays > 0
 
@@ -234,16 +239,22 @@ def test_captured_steps_read_only_tensors_that_outlive_them(tiny: dict[str, Any]
     e = Engine.from_prepared(prepare_model(model, c), c, graph_capture=capture)
     graphs, forwards = verify_graphs(e), e.runner.spec_forwards
     assert forwards is not None and len(forwards.draft_graphs) == 1
-    assert graphs.disabled_reason is None and len(graphs._replays) == 3 * 4
+    widths = len(graphs.widths)  # two for DSA (a narrow one: backend/engine/decode_graphs.py)
+    assert graphs.disabled_reason is None and len(graphs._replays) == 3 * 4 * widths
     decode = e.runner.graphs
     assert decode is not None
     # decode (a second, narrow width for DSA models: backend/engine/decode_graphs.py), verify (k = 1 … 3),
     # depth 0 (k = 1 … 3), draft depths (over the draft graphs' own widths)
     draft_widths = sum(len(g.widths) for g in forwards.draft_graphs)
     # ... and the greedy and sampled steps (k = 1 … 3 each, over the verify's buffers)
-    assert len(capture.steps) == 4 * len(decode.widths) + 3 * 4 + 3 * 4 + 3 * 4 + 3 * 4 + 4 * draft_widths
+    assert len(capture.steps) == 4 * len(decode.widths) + 4 * (3 * 4 * widths) + 4 * draft_widths
     proposals = forwards.propose_graphs
     assert proposals is not None
+    # every kind of graph at the decode graphs' widths: a step takes the same path (dense at short
+    # contexts, for DSA) whichever forward it is
+    assert graphs.widths == proposals.widths == decode.widths
+    assert all(g.widths == decode.widths for g in forwards.draft_graphs)
+    assert len(decode.widths) == (2 if arch == "glm_moe_dsa" else 1)
     for buffer in (graphs.positions, graphs.page_table, graphs.seq_lens, graphs.draws, forwards._hidden_in):
         assert capture.read(buffer)  # the probe sees the static buffers the steps read
     for buffer in (proposals.positions, proposals.page_table, forwards._propose_hidden):
@@ -292,3 +303,34 @@ def test_ranks_replay_verify_and_draft_graphs_together_or_not_at_all(
         reqs = [request(f"r{i}", p, max_tokens=8) for i, p in enumerate(prompts(2, 64, seed=5))]
         e.runner.spec_forwards = forwards  # the eager path serves every verify and draft step
         assert all(r.token_ids for r in run_all(e, reqs).values())
+
+
+def test_dsa_whole_steps_within_index_topk_replay_the_narrow_graphs(tmp_path: Path) -> None:
+    """GLM-5 with index_topk 32 (four pages of 8): the verify, whole-step and depth-0 graphs are
+    captured at the decode graphs' two widths; greedy steps whose page tables (the chained drafts'
+    pages included) fit 32 tokens replay the narrow graph (dense MLA, no indexer: the decode graphs'
+    path at that length), longer ones the full width's, and outputs are plain decoding's."""
+    model = load_model(
+        add_mtp_layers(make_tiny("glm_moe_dsa", tmp_path / "dsa", index_topk=32)),
+        dtype=torch.float32,
+        num_mtp_layers=1,
+    )
+    graphed = engine(model, 3, graphs=True)
+    forwards = graphed.runner.spec_forwards
+    decode = graphed.runner.graphs
+    assert forwards is not None and forwards.propose_graphs is not None and decode is not None
+    graphs = verify_graphs(graphed)
+    assert graphs.widths == decode.widths == forwards.propose_graphs.widths == [4, graphs.max_pages]
+    assert sorted(graphs._greedy_replays) == [
+        (k, b, w) for k in (1, 2, 3) for b in (1, 2, 4, 8) for w in graphs.widths
+    ]
+    widths: list[int] = []
+    for key, fn in graphs._greedy_replays.copy().items():
+        graphs._greedy_replays[key] = lambda key=key, fn=fn: (widths.append(key[2]), fn())[1]
+    # a prompt of 10 tokens and 30 new ones: its table crosses 32 tokens mid-decode
+    reqs = [request("r0", prompts(1, model.config.vocab_size, seed=3)[0][:10] * 2, max_tokens=30)]
+    plain = run_all(engine(model, 0, graphs=False), reqs)
+    OracleDrafts(graphed, plain, p_wrong=0.2)
+    got = run_checking_padding(graphed, reqs)
+    assert set(widths) == set(graphs.widths), widths
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
