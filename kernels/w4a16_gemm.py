@@ -125,23 +125,31 @@ def w4a16_gemm(
     scales: torch.Tensor,  # [N, K/G] float
     group_size: int,
     config: W4A16Config | None = None,
-    out: torch.Tensor | None = None,  # [M, N] contiguous, x's dtype: for preallocated (graph) buffers
+    out: torch.Tensor | None = None,  # [M, N] contiguous, out_dtype: for preallocated (graph) buffers
+    out_dtype: torch.dtype | None = None,  # None: x's; float32 for a narrower x: widened exactly
 ) -> torch.Tensor:
-    """`x @ dequant(w)` in x's dtype; [..., N]."""
+    """`x @ dequant(w)` in `out_dtype` (x's by default); [..., N]. A float32 product of a bf16 / fp16 x
+    is `x.float() @ dequant(w)` to the bit: the GEMV widens each x as it loads it (every path reads x
+    into float32), the tiles and prefill, whose operands are x's dtype, read the widened copy."""
     if group_size % 8 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
     check_int4_operands(x, w_repacked, scales, group_size)
+    dtype = out_dtype or x.dtype
+    if dtype != x.dtype and dtype != torch.float32:
+        raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or float32, got {dtype}")
     K, N = x.shape[-1], w_repacked.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    elif out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {x.dtype} [{M}, {N}]")
+        out = torch.empty((M, N), dtype=dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {dtype} [{M}, {N}]")
     if M == 0:
         return out.reshape(*lead, N)
     cfg = config or pick_config(M, N, K, num_sms(x.device), group_size)
+    if dtype != x.dtype and (cfg.dense or cfg.block_m > 0):  # operands in x's dtype: widen it first
+        x2 = x2.to(dtype)
     ws = torch.empty((cfg.split_k, M, N) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     if cfg.dense:  # prefill
         _dense_product(x2, w_repacked, scales, group_size, cfg, out)
@@ -179,7 +187,7 @@ def w4a16_gemm(
             SPLIT_K=cfg.split_k,
             GROUP_M=cfg.group_m,
             SCALE_ROWS=max(cfg.block_k // group_size, 1),
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
             SWAP_XW=cfg.swap_xw,
             **pdl_args(x.device),
             num_warps=cfg.num_warps,

@@ -60,14 +60,26 @@ class Indexer(nn.Module):
         if step.table_tokens <= self.topk:
             return None
         q = rotary.rotate(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
-        weights = self.weights_proj(x.float()) * self.Hi**-0.5  # [T, Hi]
+        # [T, Hi] float32, the reference's weights before `* Hi**-0.5`: the float32 layer widens x
+        # itself (an INT4 one in its decode GEMV's loads: no cast launch)
+        weights = self.weights_proj(x)
         kv = step.batch.kv_cache
         if step.dcp is not None:  # each rank scores its key shard; the shards' top-k merged
             return dcp_indexer_topk(
-                q, weights, step.batch, self.layer_idx, self.Di**-0.5, self.topk, step.dcp
+                q, weights, step.batch, self.layer_idx, self.score_scale, self.topk, step.dcp
             )
         k_cache, k_scale = kv.layers[self.layer_idx]["index_k"], kv.scales[self.layer_idx]["index_k"]
-        return dsa_indexer(DsaIndexerArgs(q, weights, k_cache, k_scale, self.Di**-0.5, self.topk, step.pages))
+        return dsa_indexer(
+            DsaIndexerArgs(q, weights, k_cache, k_scale, self.score_scale, self.topk, step.pages)
+        )
+
+    @property
+    def score_scale(self) -> float:
+        """The op's `softmax_scale`: the reference's Di^-0.5, times the `Hi^-0.5` it puts on the head
+        weights, which relu lets through (`w · relu(s·q·k) · c = w · relu(c·s·q·k)` for c > 0): the
+        scoring kernel folds it into its per-head weight, and the step loses one launch a layer
+        (2^-6 for GLM-5's 32 heads of 128: the kernel's weight rounds once, not twice)."""
+        return float((self.Di * self.Hi) ** -0.5)
 
 
 class DSAAttention(MLAAttention):

@@ -93,8 +93,13 @@ class _QuantLinear(nn.Module):
         raise NotImplementedError
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ the weight's [N, K] transpose, in x's dtype, without the bias."""
+        """x [..., K] @ the weight's [N, K] transpose, without the bias, in `out_dtype(x)`."""
         raise NotImplementedError
+
+    def out_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """x's dtype, or the layer's wider one: a bf16 x into a float32 layer (the DSA indexer's
+        `weights_proj`) is widened exactly, as `Linear` does."""
+        return torch.promote_types(x.dtype, self.dense_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.product(x)
@@ -227,9 +232,13 @@ class Int4Linear(_QuantLinear):
         return dequantize_int4(self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.prefill == "w4a16" or not self._runs_fp8_prefill(x):
-            args = Int4LinearArgs(x, self.weight_packed, self.weight_scale, self.in_local, self.group_size)
-            return int4_linear(args)
+        dtype = self.out_dtype(x)
+        # a widened product (float32 out of a bf16 x) stays W4A16: the FP8 paths answer in x's dtype
+        if self.prefill == "w4a16" or dtype != x.dtype or not self._runs_fp8_prefill(x):
+            args = Int4LinearArgs(
+                x, self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype
+            )
+            return int4_linear(args)  # a widened x's decode GEMV reads x as it is: no cast launch
         # prefill on CUDA: FP8 tensor cores (triton is the gpu extra: imported only here)
         if self.prefill == "w4a8":
             from kernels.w4a8_gemm import w4a8_gemm
@@ -357,7 +366,7 @@ class Fp8Linear(_QuantLinear):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.weight_scale if self.block is None else self.block_scale
-        return fp8_linear(Fp8LinearArgs(x, self.weight, scale, self.block))
+        return fp8_linear(Fp8LinearArgs(x.to(self.out_dtype(x)), self.weight, scale, self.block))
 
     @property
     def block_scale(self) -> torch.Tensor:

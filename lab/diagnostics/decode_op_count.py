@@ -66,7 +66,7 @@ def kernel_ops_opaque() -> Iterator[None]:
     patches = [
         (mla, "mla_attention"), (indexer, "dsa_indexer_ref"), (step, "kv_write"),
         (Linear, "forward"), (_QuantLinear, "forward"), (Experts, "forward"), (QuantExperts, "forward"),
-        (norm, "rms_norm"), (rotary, "rope"), (moe, "route"), (moe, "act_mul"),  # one Triton launch each on CUDA (absent before issue 24's fusions)
+        (norm, "rms_norm"), (rotary, "rope"), (moe, "route"), (moe, "act_mul"), (moe, "router_logits"),  # one Triton launch each on CUDA (absent before issue 24's fusions)
     ]  # fmt: skip
     saved = [(obj, name, getattr(obj, name)) for obj, name in patches if hasattr(obj, name)]
     for obj, name, fn in saved:

@@ -34,7 +34,7 @@ from tests.kernels.sm90_compile import TARGET, compile_args
 
 # the kernels that read constants before their wait (rule 2): a GEMV's first weight tile (into L2, or
 # registers; the TMA GEMV: its first scales), a norm's weight, the router's bias, the FP8 tiles'
-# per-channel scales
+# per-channel scales, the gate's GEMV's first weight tile
 PREFETCH = (
     "w4a16 gemv",
     "w4a16 gemv prefetch",
@@ -43,6 +43,7 @@ PREFETCH = (
     "fp8 tiles channel",
     "rms_norm",
     "route",
+    "router_logits",
 )
 _READ = re.compile(r"\b(ld\.global|cp\.async|prefetch\.global)")
 _STORE = re.compile(r"\b(st|atom|red)\.global\b")
@@ -108,6 +109,7 @@ def cases() -> list[tuple[str, Callable[[], tuple[ASTSource, int, int]]]]:
         ("rope", lambda: small("rope q_pe")),
         ("silu_mul", lambda: small("silu_mul")),
         ("route", lambda: small("route 256")),
+        ("router_logits", lambda: small("router_logits")),
         ("selection keys", lambda: small("selection keys")),
         ("selection radix", lambda: small("selection radix 2176")),
         ("kv_write", lambda: (kv_write_source(), 4, 1)),

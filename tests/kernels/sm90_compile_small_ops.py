@@ -1,4 +1,4 @@
-"""Compile issue 24's small decode ops (RMSNorm, SiLU · up, rotary, MoE routing, DSA selection) for sm90
+"""Compile issue 24's small decode ops (RMSNorm, SiLU · up, rotary, the MoE gate's GEMV and routing, DSA selection) for sm90
 (H200) without a GPU, at GLM-5's shapes; prints ptxas's registers and spills per kernel. Run
 without TRITON_INTERPRET (the interpreter never lowers a kernel):
 
@@ -16,6 +16,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     from kernels.act_mul_triton import _silu_mul_kernel
     from kernels.rms_norm_triton import _rms_norm_kernel
     from kernels.rope_triton import _rope_kernel
+    from kernels.router_logits_triton import _router_logits_kernel
     from kernels.router_triton import _route_kernel
     from kernels.selection_triton import _radix_select_kernel, _selection_keys_kernel
 
@@ -24,6 +25,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
     radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
     silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16"}
+    gate = {"x_ptr": "bf16", "w_ptr": "fp32", "out_ptr": "fp32"}
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
         ("silu_mul shared expert", _source(_silu_mul_kernel, silu, {"BLOCK": 1024}, set()), 4),
@@ -33,6 +35,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
         ("rope NeoX partial", _source(_rope_kernel, rope, {"INTERLEAVED": False, "BLOCK_H": 16, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
         ("route 256 experts top-8", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("route 8 x 32 groups top-4", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 8, "TOPK_GROUP": 4, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
+        ("router_logits 256 experts x 6144", _source(_router_logits_kernel, gate, {"BLOCK_E": 2, "BLOCK_H": 1024, "NUM_STAGES": 3}, set()), 4),
         ("selection keys", _source(_selection_keys_kernel, {"scores_ptr": "fp32", "keys_ptr": "i64"}, {"BLOCK": 1024}, set()), 4),
         ("selection radix 2176 columns", _source(_radix_select_kernel, radix, {"BLOCK": 2048, "TAIL": 256}, set()), 16),
         ("selection radix 1500 columns", _source(_radix_select_kernel, radix, {"BLOCK": 1024, "TAIL": 128}, set()), 8),

@@ -130,6 +130,35 @@ def test_kernel_matches_reference(
     assert rel_err(out.cpu(), expected(x, q, scale)) < tol
 
 
+WIDEN_CASES = [
+    (1, 72, 448, 32, W4A16Config(0, 32, 64, split_k=3)),  # plain GEMV, N edge, uneven split
+    (2, 56, 320, 64, W4A16Config(0, 32, 64, split_k=2, lift=True)),  # lifted rows
+    (1, 72, 448, 32, W4A16Config(0, 32, 64, split_k=2, prefetch=True)),  # register prefetch
+    (1, 72, 448, 32, W4A16Config(0, 32, 64, split_k=3, tma_stages=3)),  # TMA ring
+    (3, 72, 96, 32, None),  # tiles: the launcher widens x first
+    (70, 24, 64, 32, None),  # prefill: the same
+]
+
+
+@pytest.mark.parametrize(("M", "N", "K", "group", "config"), WIDEN_CASES)
+def test_a_float32_product_of_a_narrow_x_is_the_widened_x_product(
+    M: int, N: int, K: int, group: int, config: W4A16Config | None
+) -> None:
+    """`out_dtype=float32` with an fp16 x (bf16 on the device: the DSA indexer's weights_proj) is
+    `x.float()`'s product to the bit: the GEMV widens x as it loads it, the other paths widen x
+    before they run."""
+    gen = torch.Generator().manual_seed(M * 100 + N + K)
+    packed, scale, q = make_checkpoint(N, K, group, gen)
+    w, s = (t.to(DEV) for t in repack_int4(packed, scale)[:2])
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16 if DEV == "cuda" else torch.float16).to(DEV)
+    out = w4a16_gemm(x, w, s, group, config=config, out_dtype=torch.float32)
+    widened = w4a16_gemm(x.float(), w, s, group, config=config)
+    assert out.dtype == torch.float32 and torch.equal(out, widened)
+    assert rel_err(out.cpu(), expected(x.cpu(), q, scale)) < 1e-5
+    with pytest.raises(ValueError):
+        w4a16_gemm(x.float(), w, s, group, config=config, out_dtype=torch.float16)
+
+
 def test_dequantize_matches_unpacked_weights() -> None:
     gen = torch.Generator().manual_seed(4)
     packed, scale, q = make_checkpoint(20, 160, 32, gen)

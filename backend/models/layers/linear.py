@@ -119,6 +119,13 @@ class Linear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] → y [..., N] in the weight's dtype; a narrower x (bf16 into the DSA indexer's
+        float32 `weights_proj`) is widened first, exactly."""
+        if (
+            x.dtype != self.weight.dtype
+            and torch.promote_types(x.dtype, self.weight.dtype) == self.weight.dtype
+        ):
+            x = x.to(self.weight.dtype)
         y = F.linear(x, self.weight, self.bias)
         return self.shard.all_reduce(y) if self.is_row_parallel else y
 

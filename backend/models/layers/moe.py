@@ -26,6 +26,7 @@ from backend.models.layers.parallel import Parallel
 from backend.models.model_config import ModelConfig
 from kernels.act_mul import ActMulArgs, act_mul
 from kernels.router import RouteArgs, route
+from kernels.router_logits import RouterLogitsArgs, router_logits
 
 
 class DenseMLP(nn.Module):
@@ -69,9 +70,10 @@ class Router(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] → (weights [T, k] float32, expert ids [T, k] int64): the gate's GEMV, then the
-        selection in one launch on CUDA (`kernels/router.py`)."""
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        """x [T, H] → (weights [T, k] float32, expert ids [T, k] int64): the gate's GEMV (decode on
+        CUDA: one launch that widens x as it reads it, `kernels/router_logits.py`), then the selection
+        in one launch on CUDA (`kernels/router.py`)."""
+        logits = router_logits(RouterLogitsArgs(x, self.weight))  # [T, E] float32
         return route(
             RouteArgs(
                 logits,

@@ -286,3 +286,42 @@ def test_unsupported_compressed_tensors_weights_are_refused_by_name(change: dict
     raw["config_groups"]["group_0"]["weights"].update(change)
     with pytest.raises(ValueError, match=words):
         scheme_from_config(parse_config(raw))
+
+
+def _float32_layers(gen: torch.Generator) -> list[nn.Module]:
+    """The DSA indexer's `weights_proj` shape class: a float32 layer, dense and quantized."""
+    from backend.models.layers.linear import Linear
+
+    w = torch.randn(32, H, generator=gen) * 0.05
+    dense = Linear(H, 32, dtype=torch.float32)
+    dense.weight.data.copy_(w)
+    # as the walker builds them for a float32 Linear (`_empty_linear`): the dense dtype is the bias's
+    int4, fp8 = Int4Linear.from_weight(w, group_size=32), Fp8Linear.from_weight(w)
+    int4_32 = Int4Linear(H, 32, group_size=32, bias_dtype=torch.float32)
+    int4_32.weight_packed.copy_(int4.weight_packed)
+    int4_32.weight_scale.copy_(int4.weight_scale)
+    fp8_32 = Fp8Linear(H, 32, bias_dtype=torch.float32)
+    fp8_32.weight.copy_(fp8.weight)
+    fp8_32.weight_scale.copy_(fp8.weight_scale)
+    return [dense, int4_32, fp8_32]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_a_float32_layer_widens_a_bf16_x_as_x_float_would(index: int) -> None:
+    """The indexer hands its bf16 hidden state to the float32 `weights_proj`: the product is x.float()'s,
+    to the bit, in float32 (on CUDA the INT4 decode GEMV widens x in its loads: no cast launch)."""
+    gen = torch.Generator().manual_seed(index)
+    layer = _float32_layers(gen)[index]
+    x = torch.randn(1, H, generator=gen).to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.float32 and torch.equal(y, layer(x.float()))
+
+
+@pytest.mark.gpu
+def test_int4_float32_layer_widens_in_the_decode_gemv_on_gpu() -> None:
+    gen = torch.Generator().manual_seed(5)
+    layer = _float32_layers(gen)[1].cuda()
+    for M in (1, 2, 5, 80):  # GEMV rows, tiles, prefill
+        x = torch.randn(M, H, generator=gen).to(torch.bfloat16).cuda()
+        y = layer(x)
+        assert y.dtype == torch.float32 and torch.equal(y, layer(x.float()))
