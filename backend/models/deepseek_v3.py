@@ -141,8 +141,8 @@ class MLAAttention(nn.Module):
             o_latent = mla_attention(args)  # [T, Hl, R]
         w_uv = self.w_kv()[:, self.N :]  # [Hl, V, R]
         T = q.shape[0]
-        # written through its transposed view, as q_abs is, so o_proj reads [T, Hl·V] as a view; the H200
-        # profile's copies a step did not fall with it (2026-12-05): ATen may still stage the strided out
+        # written through its transposed view, as q_abs is (at decode, T = 1, cuBLAS takes that strided out as it is), so
+        # o_proj reads [T, Hl·V] as a view, not a copy of the transposed product
         o = torch.empty(T, self.num_local_heads, self.V, dtype=o_latent.dtype, device=o_latent.device)
         torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))  # [Hl, T, V]
         return self.o_proj(o.view(T, -1))
