@@ -2,7 +2,7 @@
 # The wheels the device scripts carry (`carry=[".whl"]`; preamble.sh installs them on the machine, whose image has
 # torch, triton, pytest, numpy, safetensors, jinja2 and pillow but not these). A fresh checkout has no .whl/:
 #   bash lab/device/wheels.sh     # ~18 MB, cp312 manylinux, the versions of this machine's .venv
-# compressed-tensors is left out on purpose (its tests skip there); never huggingface_hub 2.x (needs httpx2).
+# compressed-tensors is left out on purpose (its deps: pydantic, loguru, psutil): keep tests/backend/quant/ out of device runs; never huggingface_hub 2.x (needs httpx2).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
