@@ -20,17 +20,22 @@ Three parts, one command:
 3. A projection for GLM 5.2's full geometry at one rank of 8 (`--rank-of 8`: rank 0's slice, its
    collectives local, benchmarks/engine/rank_of.py), random INT4-expert weights and a random MTP
    layer: the median c = 1 step time of plain decoding and of a speculative step with k = 1 … K
-   drafts (always k: random drafts are rejected, so each step verifies k and drafts k), at two
-   truncated depths, extrapolated linearly to the full depth; then
+   drafts (always k: random drafts are rejected, so each step verifies k and drafts k), at two or more
+   truncated depths (`--depths`, default 8, 16, 24), a least-squares line through them extrapolated
+   to the full depth; then
        projected speedup_c1(K) = E(K) · t_plain / t_spec(K)
    Each (depth, k) engine first runs the timed work twice (every step shape: the prompt, the first
    drafting step, the whole steps, the window's end), then `PROJECTION_RUNS` timed runs; its time is
    the median over those runs' steady steps (plain decode steps, or whole speculative steps), and the
    record says how its steps ran (graphs captured, or why not). A projection whose step times are not
-   monotonic (more layers or more drafts costing less) or grow per layer faster than k + 1 plain
-   rows', or whose speculative steps did not replay their graphs, is refused (`refusals`): the record keeps the times and says why, and projects nothing (2026-12-05:
-   k = 3 at 8 layers took 20.7 ms against 2.4 at 4, its verify graphs having failed to capture, and
-   projected 0.06x).
+   monotonic (more layers or more drafts costing less), grow per layer faster than k + 1 plain
+   rows', cost per layer between neighbouring depths more than `SLOPE_TOLERANCE` apart (a step bound
+   by the host at the shallow depths and by the device at the deep ones: its slope then understates
+   the device's cost a layer), or whose speculative steps did not replay their graphs, is refused
+   (`refusals`): the record keeps the times and says why, and projects nothing (2026-12-05: k = 3 at
+   8 layers took 20.7 ms against 2.4 at 4, its verify graphs having failed to capture, and projected
+   0.06x; session 13: at 4 and 8 layers k = 3 grew 0.195 ms a layer against k = 1's 0.242, its
+   4-layer step bound by the host's ~2 ms).
    with E(K) the tokens per verify step, from the nano GLM's measured acceptance (per task, the
    record `--acceptance`) and from GLM 5.2's published MTP figure (2.69 with 3 drafts). Labelled a
    projection: acceptance is not measured on GLM 5.2's weights, the collectives are not run, and a
@@ -57,6 +62,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 ROOT = Path(__file__).resolve().parents[2]
 GLM52_PUBLISHED_ACCEPTANCE = 2.69  # GLM 5.2's MTP, 3 drafts (issue 28's anchor)
 PROJECTION_RUNS = 3  # timed runs per (depth, k), after two warm-up runs
+SLOPE_TOLERANCE = 0.25  # ms a layer between neighbouring depths differing this much (relative): refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +77,7 @@ class Options:
     c64: int
     c64_rounds: int
     rank_of: int
-    depths: tuple[int, int]
+    depths: tuple[int, ...]  # two or more, increasing
     projection_tokens: int
     acceptance_record: Path
     deadline: float
@@ -357,12 +363,30 @@ def _graph_status(engine: Any, k: int) -> str:
     return "captured"
 
 
+def fit_lines(ms: dict[int, dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """Per kind of step, the least-squares line through its times at the measured depths: (ms per
+    layer, ms at no layer)."""
+    depths = sorted(ms)
+    return {
+        key: tuple(statistics.linear_regression(depths, [ms[d][key] for d in depths]))  # type: ignore[misc]
+        for key in ms[depths[-1]]
+    }
+
+
+def extrapolate(measured: dict[int, dict[str, dict[str, Any]]], full: int) -> dict[str, float]:
+    """Each kind's fitted line (`fit_lines`) at `full` layers; kinds with an untimed depth left out."""
+    return {key: slope * full + at_zero for key, (slope, at_zero) in _lines(measured).items()}
+
+
 def refusals(measured: dict[int, dict[str, dict[str, Any]]], extrapolated: dict[str, float]) -> list[str]:
     """Why a projection from these step times would mislead (none: it stands): a kind of step that
     did not replay its graphs or timed no step; times not monotonic, measured or extrapolated (more
-    layers, or more drafts, costing less); or a speculative step whose cost per layer grows faster
+    layers, or more drafts, costing less); a speculative step whose cost per layer grows faster
     than k + 1 plain rows' (its verify runs k + 1 rows through each layer, which never costs more
-    than k + 1 one-row steps do: a faster growth is a fault of the measurement, not of the model)."""
+    than k + 1 one-row steps do: a faster growth is a fault of the measurement, not of the model);
+    or, with three depths or more, a kind whose ms per layer between neighbouring depths differ by
+    more than `SLOPE_TOLERANCE` (the slope of a step bound by the host at some depths is not the
+    device's cost a layer)."""
     reasons = []
     for depth, kinds in measured.items():
         for key, t in kinds.items():
@@ -372,24 +396,46 @@ def refusals(measured: dict[int, dict[str, dict[str, Any]]], extrapolated: dict[
                 reasons.append(f"{key} at {depth} layers ran eagerly ({t['graphs'][:160]})")
     if reasons:
         return reasons
-    d1, d2 = sorted(measured)
-    ms = {d: {key: t["ms"] for key, t in measured[d].items()} for d in (d1, d2)}
-    for key in ms[d2]:
-        if ms[d2][key] <= ms[d1][key]:
-            reasons.append(f"{key}: {ms[d2][key]:.3f} ms at {d2} layers, not above {ms[d1][key]:.3f} at {d1}")
+    depths = sorted(measured)
+    ms = {d: {key: t["ms"] for key, t in measured[d].items()} for d in depths}
+    for d1, d2 in zip(depths, depths[1:], strict=False):
+        for key in ms[d2]:
+            if ms[d2][key] <= ms[d1][key]:
+                reasons.append(
+                    f"{key}: {ms[d2][key]:.3f} ms at {d2} layers, not above {ms[d1][key]:.3f} at {d1}"
+                )
     order = list(extrapolated)  # plain, spec_k1, …: each costs more than the one before
-    for name, times in (*((f"{d} layers", ms[d]) for d in (d1, d2)), ("the full depth", extrapolated)):
+    for name, times in (*((f"{d} layers", ms[d]) for d in depths), ("the full depth", extrapolated)):
         for a, b in zip(order, order[1:], strict=False):
             if times[b] <= times[a]:
                 reasons.append(f"at {name}, {b} ({times[b]:.3f} ms) not above {a} ({times[a]:.3f} ms)")
-    plain = (ms[d2]["plain"] - ms[d1]["plain"]) / (d2 - d1)  # ms per layer
+    lines = fit_lines(ms)
+    plain = lines["plain"][0]  # ms per layer
     for k, key in enumerate(order[1:], start=1):
-        slope = (ms[d2][key] - ms[d1][key]) / (d2 - d1)
+        slope = lines[key][0]
         if plain > 0 and slope > (k + 1) * plain:
             reasons.append(
                 f"{key}: {slope:.3f} ms per layer, over {k + 1} × plain's {plain:.3f} (its verify's {k + 1} rows)"
             )
+    if len(depths) >= 3:
+        for key in lines:
+            slopes = [(ms[b][key] - ms[a][key]) / (b - a) for a, b in zip(depths, depths[1:], strict=False)]
+            if min(slopes) > 0 and max(slopes) > (1 + SLOPE_TOLERANCE) * min(slopes):
+                steps = ", ".join(
+                    f"{x:.3f} from {a} to {b}" for x, a, b in zip(slopes, depths, depths[1:], strict=False)
+                )
+                reasons.append(
+                    f"{key}: ms per layer {steps}: not one line (bound by the host at some depths?)"
+                )
     return reasons
+
+
+def _lines(measured: dict[int, dict[str, dict[str, Any]]]) -> dict[str, tuple[float, float]]:
+    # plain, spec_k1, …: in the measured order (`refusals` compares neighbours)
+    timed = [
+        key for key in measured[max(measured)] if all(measured[d][key]["ms"] is not None for d in measured)
+    ]
+    return fit_lines({d: {key: kinds[key]["ms"] for key in timed} for d, kinds in measured.items()})
 
 
 def nano_glm_acceptance(record: Path) -> dict[str, float]:
@@ -408,13 +454,8 @@ def project(opts: Options) -> dict[str, Any]:
 
     join_alone(opts.rank_of)
     full = make_geometry("glm-5.2", None, tiny=opts.tiny, rank_of=opts.rank_of).full_num_layers
-    d1, d2 = opts.depths
-    measured = {d: step_times(d, opts) for d in (d1, d2)}
-    extrapolated = {
-        key: t2 + (t2 - t1) / (d2 - d1) * (full - d2)
-        for key in measured[d2]
-        if (t1 := measured[d1][key]["ms"]) is not None and (t2 := measured[d2][key]["ms"]) is not None
-    }
+    measured = {d: step_times(d, opts) for d in opts.depths}
+    extrapolated = extrapolate(measured, full)
     acceptance = nano_glm_acceptance(opts.acceptance_record) | {
         "GLM 5.2 published (3 drafts)": GLM52_PUBLISHED_ACCEPTANCE
     }
@@ -425,18 +466,20 @@ def project(opts: Options) -> dict[str, Any]:
         projected = {name: e * t_plain / t_spec for name, e in acceptance.items()}
     return {
         "label": "projection, not a measurement of GLM 5.2",
-        "how": "step times measured at two truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
+        "how": "step times measured at truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
         "a random MTP layer, CUDA graphs), each the median steady step of "
-        f"{PROJECTION_RUNS} runs after two warm-up runs of the same work, extrapolated linearly to the full "
-        "depth; speedup = E(K) · t_plain / t_spec(K); refused where the times are not monotonic in depth and "
-        "in drafts, grow per layer faster than k + 1 plain rows', or a step ran eagerly",
+        f"{PROJECTION_RUNS} runs after two warm-up runs of the same work, a least-squares line through the "
+        "depths extrapolated to the full depth; speedup = E(K) · t_plain / t_spec(K); refused where the times "
+        "are not monotonic in depth and in drafts, grow per layer faster than k + 1 plain rows', change "
+        f"their cost per layer between depths by more than {SLOPE_TOLERANCE:.0%}, or a step ran eagerly",
         "rank_of": opts.rank_of,
         "full_depth": full,
-        "depths_measured": [d1, d2],
+        "depths_measured": list(opts.depths),
         "step_ms_measured": {str(d): {key: t["ms"] for key, t in v.items()} for d, v in measured.items()},
         "steps_timed": {str(d): {key: t["steps"] for key, t in v.items()} for d, v in measured.items()},
         "graphs": {str(d): {key: t["graphs"] for key, t in v.items()} for d, v in measured.items()},
         "step_ms_full_depth": extrapolated,
+        "fitted_ms_per_layer": {key: line[0] for key, line in _lines(measured).items()},
         "draft_and_verify_over_plain": {k: v / extrapolated["plain"] for k, v in extrapolated.items()}
         if extrapolated.get("plain")
         else None,
@@ -512,9 +555,11 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--c64-rounds", type=int, default=2)
     ap.add_argument("--rank-of", type=int, default=8, help="the projection's ranks (0: skip the projection)")
-    ap.add_argument("--depths", default="4,8", help="the projection's two truncated depths")
+    ap.add_argument(
+        "--depths", default="8,16,24", help="the projection's truncated depths (two or more, increasing)"
+    )
     ap.add_argument("--projection-tokens", type=int, default=64, help="decode steps per projection run")
-    ap.add_argument("--acceptance", type=Path, default=RESULTS / "2026-12-04-mtp.json")
+    ap.add_argument("--acceptance", type=Path, default=RESULTS / "2026-12-05-mtp.json")
     ap.add_argument("--budget-s", type=float, default=450.0, help="no round starts after this many seconds")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument(
@@ -542,11 +587,16 @@ def main(argv: list[str]) -> int:
         )
         # 12 tokens: a whole step of K = 3 drafts needs 2K − 1 tokens of window left
         a.rank_of, a.projection_tokens = min(a.rank_of, 2), min(a.projection_tokens, 12)
+    depths = tuple(int(x) for x in a.depths.split(",") if x)
+    if len(depths) < 2 or list(depths) != sorted(set(depths)) or depths[0] < 1:
+        raise SystemExit(
+            f"kumo bench engine mtp: --depths must be two or more increasing layer counts, not {a.depths!r}"
+        )
     opts = Options(
         device=device, models=tuple(ROOT / m if not Path(m).is_absolute() else Path(m) for m in a.models.split(",") if m),
         tasks=tuple(a.tasks.split(",")), num_prompts=a.prompts, max_tokens=a.max_tokens,
         k=parse_speculative(a.speculative), num_rounds=a.rounds, c64=a.c64, c64_rounds=a.c64_rounds,
-        rank_of=a.rank_of, depths=tuple(int(x) for x in a.depths.split(",")),  # type: ignore[arg-type]
+        rank_of=a.rank_of, depths=depths,
         projection_tokens=a.projection_tokens, acceptance_record=a.acceptance, deadline=start + a.budget_s,
         tiny=a.tiny,
     )  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -65,16 +66,20 @@ def test_rounds_and_ratios(record: dict[str, Any]) -> None:
 def test_projection_follows_from_its_step_times(record: dict[str, Any]) -> None:
     p = record["projection_glm_5.2"]
     assert p["label"].startswith("projection") and p["rank_of"] == 2 and p["full_depth"] == 78
-    d1, d2 = p["depths_measured"]
-    t1, t2 = p["step_ms_measured"][str(d1)], p["step_ms_measured"][str(d2)]
-    assert set(t2) == {"plain", "spec_k1", "spec_k2", "spec_k3"}
+    depths = p["depths_measured"]
+    assert depths == [2, 3]
+    t = {d: p["step_ms_measured"][str(d)] for d in depths}
+    assert set(t[3]) == {"plain", "spec_k1", "spec_k2", "spec_k3"}
     # medians over the timed runs' steady steps (several runs of a few steps each at --tiny)
     assert all(n >= 3 for depth in p["steps_timed"].values() for n in depth.values())
-    for key, full in p["step_ms_full_depth"].items():
-        assert full == pytest.approx(t2[key] + (t2[key] - t1[key]) / (d2 - d1) * (78 - d2))
+    for key, full in p["step_ms_full_depth"].items():  # the least-squares line through the depths
+        slope, at_zero = statistics.linear_regression(depths, [t[d][key] for d in depths])
+        assert full == pytest.approx(slope * 78 + at_zero)
+        assert p["fitted_ms_per_layer"][key] == pytest.approx(slope)
+        assert full == pytest.approx(t[3][key] + (t[3][key] - t[2][key]) * (78 - 3))  # two depths: their line
     e = p["acceptance_length_used"]
     # the nano GLM's acceptance comes from the committed CPU record (benchmarks/engine/mtp_acceptance.py)
-    committed = json.loads((Path(__file__).parents[2] / "benchmarks/results/2026-12-04-mtp.json").read_text())
+    committed = json.loads((Path(__file__).parents[2] / "benchmarks/results/2026-12-05-mtp.json").read_text())
     tool_call = committed["models"]["glm-5.2-nano"]["tool-call"]["acceptance_length"]
     assert e["GLM 5.2 published (3 drafts)"] == 2.69 and e["glm-5.2-nano tool-call"] == tool_call
     full = p["step_ms_full_depth"]
@@ -124,3 +129,33 @@ def test_a_projection_from_non_monotonic_or_eager_steps_is_refused() -> None:
     untimed = times({4: [0.8, 1.5, 2.0, 2.4], 8: [1.3, 2.3, 2.8, 3.3]})
     untimed[4]["spec_k2"]["ms"] = None
     assert refusals(untimed, {}) == ["spec_k2 at 4 layers: no steady step timed"]
+
+
+def test_a_step_bound_by_the_host_at_shallow_depths_is_refused() -> None:
+    """Session 13's H100 record at 4 and 8 layers: k = 3 grew 0.195 ms a layer against k = 1's 0.242,
+    its 4-layer step bound by the host (~2 ms of it a step) rather than by the device. Two depths
+    cannot tell; a third, deeper one shows the bend, and the projection is refused."""
+    bent = times(
+        {
+            4: [0.828, 1.490, 1.873, 2.492],
+            8: [1.560, 2.459, 2.913, 3.273],
+            16: [3.024, 4.400, 4.990, 5.600],
+        }
+    )
+    depths = [4, 8, 16]
+    full = {key: 0.0 for key in ("plain", "spec_k1", "spec_k2", "spec_k3")}
+    for key in full:
+        slope, at_zero = statistics.linear_regression(depths, [bent[d][key]["ms"] for d in depths])
+        full[key] = slope * 78 + at_zero
+    reasons = refusals(bent, full)
+    assert reasons == [
+        "spec_k3: ms per layer 0.195 from 4 to 8, 0.291 from 8 to 16: not one line (bound by the host at some depths?)"
+    ]
+    straight = times(  # every kind's cost a layer within a few percent: it stands
+        {d: [0.1 + 0.183 * d, 1.0 + 0.2 * d, 1.2 + 0.21 * d * 1.01, 1.5 + 0.22 * d] for d in depths}
+    )
+    full = {key: 0.0 for key in ("plain", "spec_k1", "spec_k2", "spec_k3")}
+    for key in full:
+        slope, at_zero = statistics.linear_regression(depths, [straight[d][key]["ms"] for d in depths])
+        full[key] = slope * 78 + at_zero
+    assert refusals(straight, full) == []
