@@ -114,6 +114,7 @@ def cases() -> list[tuple[str, Callable[[], tuple[ASTSource, int, int]]]]:
         ("selection keys", lambda: small("selection keys")),
         ("selection radix", lambda: small("selection radix 2176")),
         ("kv_write", lambda: (kv_write_source(), 4, 1)),
+        ("kv_write two caches", lambda: (kv_write_source(two=True), 4, 1)),
         ("mla decode", lambda: (mla_source(mla), mla.num_warps, mla.num_stages)),
         ("mla sparse fp8", lambda: (mla_source(sparse, cache="fp8e4nv", sparse=True), sparse.num_warps, sparse.num_stages)),
         ("mla merge", lambda: (merge_source(), 4, 1)),
