@@ -106,6 +106,7 @@ def cases() -> list[tuple[str, Callable[[], tuple[ASTSource, int, int]]]]:
         ("fp8 moe gemv gate_up", lambda: sm90_compile_fused_moe.gemv_source(True, True)),
         ("fp8 moe tiles down", lambda: sm90_compile_fused_moe.tiles_source(False, True, 64 * 8)),
         ("rms_norm", lambda: small("rms_norm hidden")),
+        ("row_norms", lambda: small("row_norms")),
         ("rope", lambda: small("rope q_pe")),
         ("rope 4 tensors", lambda: small("rope DSA layer")),
         ("silu_mul", lambda: small("silu_mul")),
