@@ -189,6 +189,7 @@ def _fused_moe_gemv_kernel(
     ws_ptr,
     cnt_ptr,
     topk_w_ptr,
+    add_ptr,  # ADD: [M, N] added to down's rows (out's strides), else a placeholder
     ids_ptr,  # topk_ids [P] int32/int64, or GROUPED: moe_align's sorted_ids [blocks · BM]
     block_expert_ids_ptr,  # GROUPED: moe_align's [blocks] (else unused)
     num_padded_ptr,  # GROUPED: moe_align's [1] (else unused)
@@ -218,6 +219,7 @@ def _fused_moe_gemv_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0
     LOOP_STAGES: tl.constexpr,  # >1: the K loop pipelined (cp.async word tiles in flight), 1: plain
+    ADD: tl.constexpr,  # down: add's rows added to the finished sums (`moe_gemv_finish`)
     PDL: tl.constexpr,  # launched with PDL: nothing before the wait (the experts are the router's output)
 ):
     """Sparse decode: a [M, H] x or [P, lifted I] act, w/s as `_fused_moe_kernel` (G >= 32), topk_w
@@ -296,7 +298,8 @@ def _fused_moe_gemv_kernel(
         if pairs[i] < num_pairs:
             moe_gemv_finish(
                 tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE,
-                pairs[i], offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, GATE_UP, TOP_K,
+                pairs[i], offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr, GATE_UP, GATE_UP,
+                TOP_K, ADD,
             )  # fmt: skip
 
 
@@ -321,8 +324,10 @@ def fused_moe(
     s2: torch.Tensor,  # [E, H, I/G]
     group_size: int,
     config: MoEConfig | None = None,
+    add: torch.Tensor | None = None,  # [M, H] x's dtype, contiguous: added to the sum (the shared experts)
 ) -> torch.Tensor:
-    """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts; [M, H] in x's dtype."""
+    """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts (`+ add`, the sum rounded
+    to x's dtype first, as torch adds two tensors); [M, H] in x's dtype."""
     check_routing(x, topk_ids, topk_weights, w13, s13, w2, s2)
     if group_size % 8 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two and a multiple of 8, got {group_size}")
@@ -352,12 +357,13 @@ def fused_moe(
         a = lift_rows(g.a) if g.gate_up and cfg.lift else g.a
         ids = blocks or (flat_ids, flat_ids, flat_ids)  # the grouped kernel's blocks, or the pairs' ids
         _fused_moe_gemv_kernel[(ids[1].numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            a, w, s, g.out, ws, cnt, topk_w, *ids, E, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
+            a, w, s, g.out, ws, cnt, topk_w, g.add if g.add is not None else g.out, *ids, E, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
             *a.stride(), *w.stride(), *s.stride(), g.out.stride(0),
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
             GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=g.K % cfg.block_k == 0, EVEN_N=g.N % cfg.block_n == 0,
-            LOOP_STAGES=cfg.loop_stages, **pdl_args(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            LOOP_STAGES=cfg.loop_stages, ADD=g.add is not None, **pdl_args(x.device), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(
@@ -374,7 +380,7 @@ def fused_moe(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, lifted_act=True)
+    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, lifted_act=True, add=add)
 
 
 def fused_moe_ref(

@@ -167,6 +167,7 @@ def _fused_moe_fp8_gemv_kernel(
     ws_ptr,
     cnt_ptr,
     topk_w_ptr,
+    add_ptr,  # ADD: [M, N] added to down's rows (out's strides), else a placeholder
     topk_ids_ptr,
     num_experts,
     N,
@@ -187,6 +188,7 @@ def _fused_moe_fp8_gemv_kernel(
     SCALE_BK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ADD: tl.constexpr,  # down: add's rows added to the finished sums (`moe_gemv_finish`)
     PDL: tl.constexpr,  # launched with PDL: nothing before the wait (the experts are the router's output)
 ):
     """Sparse decode: a, w, s, s_up as `_fused_moe_fp8_kernel`, topk_w [P], topk_ids [P] (outside [0, E):
@@ -229,8 +231,8 @@ def _fused_moe_fp8_gemv_kernel(
         if GATE_UP:
             acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
     moe_gemv_finish(
-        acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, GATE_UP, False,
-        TOP_K,
+        acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr, GATE_UP, False,
+        TOP_K, ADD,
     )  # fmt: skip
 
 
@@ -277,8 +279,10 @@ def fused_moe_fp8(
     down_scale: torch.Tensor,  # [E, H, 1] or [E, ⌈H/bn⌉, ⌈I/bk⌉]
     block: tuple[int, int] | None = None,  # None: per-channel scales; (bn, bk): block scales
     config: MoEConfig | None = None,
+    add: torch.Tensor | None = None,  # [M, H] x's dtype, contiguous: added to the sum (the shared experts)
 ) -> torch.Tensor:
-    """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts; [M, H] in x's dtype."""
+    """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts (`+ add`, the sum rounded
+    to x's dtype first, as torch adds two tensors); [M, H] in x's dtype."""
     check_routing(x, topk_ids, topk_weights, w13, w2, gate_scale, up_scale, down_scale)
     if block is not None and (block[1] < 16 or block[1] & (block[1] - 1)):
         raise ValueError(f"block scales need a power-of-two K block >= 16, got {block}")
@@ -312,10 +316,10 @@ def fused_moe_fp8(
     ) -> None:  # fmt: skip
         w, s, su = weights[g.which]
         _fused_moe_fp8_gemv_kernel[(flat_ids.numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            g.a, w, s, su, g.out, ws, cnt, topk_w, flat_ids, E, g.N, g.K, *g.a.stride(), *w.stride(),
-            *s.stride(), g.out.stride(0),
-            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, **consts, **pdl_args(x.device),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            g.a, w, s, su, g.out, ws, cnt, topk_w, g.add if g.add is not None else g.out, flat_ids, E, g.N, g.K,
+            *g.a.stride(), *w.stride(), *s.stride(), g.out.stride(0),
+            A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, ADD=g.add is not None, **consts,
+            **pdl_args(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     def tiles(
@@ -331,7 +335,7 @@ def fused_moe_fp8(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles)
+    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, add=add)
 
 
 def fused_moe_fp8_ref(

@@ -8,7 +8,8 @@ destination page does not carry the tag its sequence expects is not written, and
 flagged in `tag_mismatch` (the engine aborts it): a late or misrouted write can never land in a page
 that now belongs to someone else. A negative slot is padding and is skipped. With
 `token_expected_tags` None (the engine's tag check switched off, to measure its cost) every live
-slot is written and no tag is read.
+slot is written and no tag is read. A second cache of the same pages (`KvLines`: the DSA indexer's
+keys beside the MLA latent) may ride on the same call: the same slots and checks, one launch on CUDA.
 
 Shapes: T new tokens, P pages, S page size, B sequences.
 """
@@ -25,6 +26,15 @@ FP8_DTYPES = (FP8,)
 
 
 @dataclass(frozen=True, slots=True)
+class KvLines:
+    """Another cache of the same pool written by the same call, at the same slots under the same tags."""
+
+    cache: torch.Tensor  # [P, S, *shape2]
+    values: torch.Tensor  # [T, *shape2]
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
 class KvWriteArgs:
     cache: torch.Tensor  # [P, S, *shape]
     values: torch.Tensor  # [T, *shape]
@@ -34,6 +44,7 @@ class KvWriteArgs:
     token_expected_tags: torch.Tensor | None  # [T] int64 tag each destination page must carry; None: off
     token_seq: torch.Tensor  # [T] int64 sequence of token t
     tag_mismatch: torch.Tensor  # [B] bool, OR-ed in place
+    second: KvLines | None = None  # a second cache written in the same launch
 
 
 def kv_write(args: KvWriteArgs) -> None:
@@ -51,6 +62,7 @@ def kv_write(args: KvWriteArgs) -> None:
         a.token_expected_tags,
         a.token_seq,
         a.tag_mismatch,
+        a.second,
     )
 
 
@@ -70,6 +82,7 @@ def kv_write_ref(
     token_expected_tags: torch.Tensor | None,  # [T] int64 tag token t's destination page should carry
     token_seq: torch.Tensor,  # [T] int64 sequence of token t
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
+    second: KvLines | None = None,  # another cache of the pool, written at the same slots
 ) -> None:
     S = cache.shape[1]
     slots = slot_mapping.long()
@@ -83,3 +96,8 @@ def kv_write_ref(
         write = write & tag_ok
     flat = cache.view(cache.shape[0] * S, *cache.shape[2:])
     flat[slots[write]] = quantize_for_cache(values[write], cache.dtype, scale)
+    if second is not None:  # the same checks: the same tokens written, the same flags raised
+        kv_write_ref(
+            second.cache, second.values, slot_mapping, second.scale, page_tags, token_expected_tags, token_seq,
+            tag_mismatch,
+        )  # fmt: skip

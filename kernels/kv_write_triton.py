@@ -1,7 +1,9 @@
 """Writing new tokens' KV into the paged cache on the GPU: `kv_write_ref`'s Triton op, same signature.
 
 One kernel (`_kv_write_kernel`, grid `(T, cdiv(W, BLOCK_W))` over the W values of a token's line:
-576 for an MLA latent, Hkv·D for GQA K or V, Di for indexer keys). Each program checks its token's
+576 for an MLA latent, Hkv·D for GQA K or V, Di for indexer keys; with a second cache of the pool
+(`KvLines`: a DSA layer's indexer keys beside its latent, GQA's V beside K) its blocks follow the
+first's on the same grid axis, one launch for both). Each program checks its token's
 destination tag beside the value load and stores only where the slot is live (>= 0) and the tag
 matches; the first program of a token raises its sequence's flag on a mismatch, so a late or
 misrouted write never lands in a page that now belongs to someone else. A slot past the pool is
@@ -26,42 +28,38 @@ import triton
 import triton.language as tl
 
 from kernels.formats.fp8 import FP8
+from kernels.kv_write import KvLines
 from kernels.triton_lib import pdl_args, pdl_enter
 
 __all__ = ["kv_write_triton"]
 
 
 @triton.jit
-def _kv_write_kernel(
-    cache_ptr,  # [P, S, W] (trailing dims flattened)
+def _write_lines(
+    cache_ptr,  # [P, S, W]
     values_ptr,  # [T, W]
-    slot_ptr,  # [T] int64 page * S + offset, < 0 = skip
     page_tags_ptr,  # [P] int64
     token_expected_ptr,  # [T] int64
-    token_seq_ptr,  # [T] int64
-    mismatch_ptr,  # [B] uint8 (the bool flags, viewed)
-    scale,  # FP8 only: stored = value / scale
+    t,
+    wb,  # this program's block of the line
+    slot,
+    live,
+    in_pool,
+    page,
+    scale,
     W,
-    num_slots,  # P * S
     stride_vt,
     stride_cp,
     stride_cs,
     PAGE_SIZE: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    QUANT: tl.constexpr,  # FP8 cache: divide, saturate to ±FMAX, convert
+    QUANT: tl.constexpr,
     FMAX: tl.constexpr,
-    CHECK_TAGS: tl.constexpr,  # False: no tag is loaded (token_expected_ptr is then a placeholder)
-    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
+    CHECK_TAGS: tl.constexpr,
 ):
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    wb = tl.program_id(1)
+    """Block `wb` of token t's line into its slot where live and the tag matches → the tag's verdict."""
     offs = wb * BLOCK_W + tl.arange(0, BLOCK_W)
     w_ok = offs < W
-    slot = tl.load(slot_ptr + t)
-    live = slot >= 0
-    in_pool = slot < num_slots  # a slot past the pool is never written (the reference would raise)
-    page = tl.where(live & in_pool, slot // PAGE_SIZE, 0)
     # the value load does not wait for the tag loads
     x = tl.load(values_ptr + t.to(tl.int64) * stride_vt + offs, mask=w_ok & live, other=0.0)
     if CHECK_TAGS:
@@ -73,10 +71,65 @@ def _kv_write_kernel(
         x = tl.minimum(tl.maximum(x, -FMAX), FMAX)  # NaN stays NaN, as torch's clamp leaves it
     dst = cache_ptr + page * stride_cp + (slot % PAGE_SIZE) * stride_cs + offs
     tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=w_ok & live & tag_ok)
-    if CHECK_TAGS:
-        bad = live & (tag_ok == 0) & (wb == 0)
-        seq = tl.load(token_seq_ptr + t, mask=bad, other=0)
-        tl.store(mismatch_ptr + seq, 1, mask=bad)
+    return tag_ok
+
+
+@triton.jit
+def _kv_write_kernel(
+    cache_ptr,  # [P, S, W] (trailing dims flattened)
+    values_ptr,  # [T, W]
+    cache2_ptr,  # [P, S, W2] the second cache (TWO), else a placeholder
+    values2_ptr,  # [T, W2]
+    slot_ptr,  # [T] int64 page * S + offset, < 0 = skip
+    page_tags_ptr,  # [P] int64
+    token_expected_ptr,  # [T] int64
+    token_seq_ptr,  # [T] int64
+    mismatch_ptr,  # [B] uint8 (the bool flags, viewed)
+    scale,  # FP8 only: stored = value / scale
+    scale2,
+    W,
+    W2,
+    num_slots,  # P * S
+    stride_vt,
+    stride_cp,
+    stride_cs,
+    stride_v2t,
+    stride_c2p,
+    stride_c2s,
+    num_blocks,  # program_id(1) below it: the first cache's blocks; from it: the second's
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_W2: tl.constexpr,
+    QUANT: tl.constexpr,  # FP8 cache: divide, saturate to ±FMAX, convert
+    FMAX: tl.constexpr,
+    QUANT2: tl.constexpr,
+    FMAX2: tl.constexpr,
+    TWO: tl.constexpr,  # a second cache of the pool, written at the same slots under the same checks
+    CHECK_TAGS: tl.constexpr,  # False: no tag is loaded (token_expected_ptr is then a placeholder)
+    PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
+):
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    wb = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    live = slot >= 0
+    in_pool = slot < num_slots  # a slot past the pool is never written (the reference would raise)
+    page = tl.where(live & in_pool, slot // PAGE_SIZE, 0)
+    if wb < num_blocks:
+        tag_ok = _write_lines(
+            cache_ptr, values_ptr, page_tags_ptr, token_expected_ptr, t, wb, slot, live, in_pool, page, scale, W,
+            stride_vt, stride_cp, stride_cs, PAGE_SIZE, BLOCK_W, QUANT, FMAX, CHECK_TAGS,
+        )  # fmt: skip
+        if CHECK_TAGS:  # the first program of a token raises its sequence's flag
+            bad = live & (tag_ok == 0) & (wb == 0)
+            seq = tl.load(token_seq_ptr + t, mask=bad, other=0)
+            tl.store(mismatch_ptr + seq, 1, mask=bad)
+    if TWO:  # noqa: SIM102 (a constexpr: one cache compiles no second branch)
+        if wb >= num_blocks:
+            _write_lines(
+                cache2_ptr, values2_ptr, page_tags_ptr, token_expected_ptr, t, wb - num_blocks, slot, live, in_pool,
+                page, scale2, W2, stride_v2t, stride_c2p, stride_c2s, PAGE_SIZE, BLOCK_W2, QUANT2, FMAX2, CHECK_TAGS,
+            )  # fmt: skip
 
 
 _CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8)
@@ -92,6 +145,18 @@ def _trailing_contiguous(t: torch.Tensor, first: int) -> bool:
     return True
 
 
+def _rows(cache: torch.Tensor, values: torch.Tensor, T: int) -> torch.Tensor:
+    """`values` as [T, W] rows with unit stride in W, after checking it fits `cache`."""
+    if values.shape[0] != T or values.shape[1:] != cache.shape[2:]:
+        raise ValueError(f"values {tuple(values.shape)} do not fit cache {tuple(cache.shape)}")
+    if cache.dtype not in _CACHE_DTYPES or values.dtype not in _CACHE_DTYPES[:3]:
+        raise TypeError(f"cache {cache.dtype} / values {values.dtype} not supported")
+    if not _trailing_contiguous(cache, 2):
+        raise ValueError("the cache's per-token dims must be contiguous")
+    rows = values.reshape(T, math.prod(cache.shape[2:]))  # a view where the per-token dims are contiguous
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
 def kv_write_triton(
     cache: torch.Tensor,  # [P, S, *shape] fp16 / bf16 / fp32 / float8_e4m3fn
     values: torch.Tensor,  # [T, *shape] fp16 / bf16 / fp32
@@ -101,16 +166,12 @@ def kv_write_triton(
     token_expected_tags: torch.Tensor | None,  # [T] int64 tag token t's destination page should carry
     token_seq: torch.Tensor,  # [T] int64 sequence of token t
     tag_mismatch: torch.Tensor,  # [B] bool, OR-ed in place
+    second: KvLines | None = None,  # [P, S, *shape2] another cache of the pool, in the same launch
 ) -> None:
     """`kv_write_ref` on the GPU (same signature, same bytes); see the module docstring."""
     P, S = cache.shape[:2]
     T = values.shape[0]
-    if values.shape[1:] != cache.shape[2:]:
-        raise ValueError(f"values {tuple(values.shape)} do not fit cache {tuple(cache.shape)}")
-    if cache.dtype not in _CACHE_DTYPES or values.dtype not in _CACHE_DTYPES[:3]:
-        raise TypeError(f"cache {cache.dtype} / values {values.dtype} not supported")
-    if not _trailing_contiguous(cache, 2):
-        raise ValueError("the cache's per-token dims must be contiguous")
+    rows = _rows(cache, values, T)
     check_tags = token_expected_tags is not None
     expected = token_expected_tags if token_expected_tags is not None else slot_mapping  # unread when off
     for name, x in (
@@ -124,33 +185,26 @@ def kv_write_triton(
         raise ValueError("page_tags must be a contiguous int64 [P]")
     if tag_mismatch.dim() != 1 or tag_mismatch.dtype != torch.bool:
         raise ValueError("tag_mismatch must be bool [B]")
-    W = math.prod(cache.shape[2:])
-    if T == 0 or W == 0:
-        return
-    rows = values.reshape(T, W)  # a view where the per-token dims are contiguous, else a copy
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    block_w = min(1024, triton.next_power_of_2(W))
-    is_fp8 = cache.dtype == FP8
-    _kv_write_kernel[(T, triton.cdiv(W, block_w))](
-        cache,
-        rows,
-        slot_mapping,
-        page_tags,
-        expected,
-        token_seq,
-        tag_mismatch.view(torch.uint8),
-        scale,
-        W,
-        P * S,
-        rows.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        PAGE_SIZE=S,
-        BLOCK_W=block_w,
-        QUANT=is_fp8,
-        FMAX=torch.finfo(cache.dtype).max if is_fp8 else 0.0,
-        CHECK_TAGS=check_tags,
-        **pdl_args(cache.device),
-        num_warps=4,
+    cache2, rows2, scale2 = cache, rows, scale  # placeholders the one-cache kernel never reads
+    if second is not None:
+        if second.cache.shape[:2] != (P, S):
+            raise ValueError(f"the second cache must be [{P}, {S}, ...], got {tuple(second.cache.shape)}")
+        cache2, rows2, scale2 = second.cache, _rows(second.cache, second.values, T), second.scale
+    W, W2 = rows.shape[1], rows2.shape[1]
+    block_w, block_w2 = (
+        min(1024, triton.next_power_of_2(max(W, 1))),
+        min(1024, triton.next_power_of_2(max(W2, 1))),
     )
+    num_blocks = triton.cdiv(W, block_w)
+    num_blocks2 = triton.cdiv(W2, block_w2) if second is not None else 0
+    if T == 0 or num_blocks + num_blocks2 == 0:
+        return
+    quant, quant2 = cache.dtype == FP8, cache2.dtype == FP8
+    _kv_write_kernel[(T, num_blocks + num_blocks2)](
+        cache, rows, cache2, rows2, slot_mapping, page_tags, expected, token_seq, tag_mismatch.view(torch.uint8),
+        scale, scale2, W, W2, P * S, rows.stride(0), cache.stride(0), cache.stride(1), rows2.stride(0),
+        cache2.stride(0), cache2.stride(1), num_blocks,
+        PAGE_SIZE=S, BLOCK_W=block_w, BLOCK_W2=block_w2, QUANT=quant, FMAX=torch.finfo(cache.dtype).max if quant else 0.0,
+        QUANT2=quant2, FMAX2=torch.finfo(cache2.dtype).max if quant2 else 0.0, TWO=second is not None,
+        CHECK_TAGS=check_tags, **pdl_args(cache.device), num_warps=4,
+    )  # fmt: skip

@@ -122,6 +122,7 @@ class MoEGemm:
     a_row_div: int  # a row = pair // a_row_div: k for x, 1 for act
     gate_up: bool  # weight rows n and N + n, silu(gate) * up in the epilogue
     mul_weight: bool  # scale each output row by its pair's routing weight
+    add: torch.Tensor | None = None  # down, GEMV: [M, N] added to the finished rows (out's strides)
 
 
 # gemv(g, split, flat_ids [P], topk_w [P], ws fp32, cnt int32, blocks): grid (P or blocks, cdiv(N, BN),
@@ -144,14 +145,19 @@ def run_moe(
     gemv: GemvLaunch,
     tiles: TilesLaunch,
     lifted_act: bool = False,  # the GEMV's act in `kernels/triton_lib.py`'s lifted rows (INT4)
+    add: torch.Tensor | None = None,  # [M, H] x's dtype: added to the routed sum
 ) -> torch.Tensor:
     """Both GEMMs through the format's kernels and the k-sum in a fixed order (deterministic, no
-    float atomics): in the GEMV's down epilogue (two launches in all), after the tiles by torch."""
+    float atomics): in the GEMV's down epilogue (two launches in all, `add` added there too), after
+    the tiles by torch (then `add` by torch)."""
     M, H = x.shape
     k = topk_ids.shape[1]
     P, I = M * k, inter
+    if add is not None and (add.shape != x.shape or add.dtype != x.dtype):
+        raise ValueError(f"add must be {x.dtype} {tuple(x.shape)}, got {add.dtype} {tuple(add.shape)}")
+    add = add.contiguous() if add is not None else None  # the epilogue reads it with out's strides
     if P == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     topk_w = topk_weights.reshape(-1).contiguous()  # [P]
     if cfg.block_m == 0 or cfg.grouped:  # decode: a few pairs per expert; no torch op between
         flat_ids = topk_ids.reshape(-1).contiguous()  # [P]
@@ -160,7 +166,7 @@ def run_moe(
         act = torch.empty(act_shape, dtype=act_dtype, device=x.device)
         out = torch.empty((M, H), dtype=x.dtype, device=x.device)
         rows = triton.cdiv(P, cfg.block_m) if cfg.grouped else P  # programs along the first grid axis, about
-        for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, out, H, I, 1, False, True)):
+        for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, out, H, I, 1, False, True, add)):
             split = cfg.split_k or gemv_split_k(rows, g.N, g.K, cfg, num_sms(x.device))
             arrivals = split if g.gate_up else k * split
             ws_shape = (P, split, 2 * g.N if g.gate_up else g.N) if arrivals > 1 else (1,)
@@ -173,4 +179,5 @@ def run_moe(
     sorted_ids, block_expert_ids, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
     for g in (MoEGemm(0, x, act, I, H, k, True, False), MoEGemm(1, act, y, H, I, 1, False, True)):
         tiles(g, sorted_ids, block_expert_ids, num_padded, topk_w)
-    return y.view(M, k, H).sum(dim=1)  # fixed-order reduction over each token's k slots
+    routed = y.view(M, k, H).sum(dim=1)  # fixed-order reduction over each token's k slots
+    return routed if add is None else routed + add

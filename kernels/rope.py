@@ -1,6 +1,7 @@
 """Rotary position embedding of the first `dim` dims of each head: the op's public entry
 `rope(args)` (the Triton kernel of `kernels/rope_triton.py` on CUDA, one launch for what torch runs
-as ~8: four products, a difference, a sum and two concatenations), the torch reference `rope_ref`
+as ~8: four products, a difference, a sum and two concatenations, and for up to four tensors at the
+same positions: a DSA layer's four rotations are one launch), the torch reference `rope_ref`
 elsewhere.
 
 Interleaved pairs (x0, x1), (x2, x3)… (DeepSeek-style MLA) or NeoX halves (GLM-4.5); either way the
@@ -21,21 +22,28 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class RopeArgs:
-    x: torch.Tensor  # [T, Hx, Dx]
-    cos: torch.Tensor  # [T, dim/2] x's dtype
+    xs: tuple[torch.Tensor, ...]  # 1 to 4 tensors [T, Hx, Dx] of one dtype (each its own Hx, Dx)
+    cos: torch.Tensor  # [T, dim/2] the xs' dtype
     sin: torch.Tensor  # [T, dim/2]
-    dim: int  # rotated dims per head, even, <= Dx
+    dim: int  # rotated dims per head, even, <= every Dx
     is_interleaved: bool
-    out: torch.Tensor | None = None  # [T, Hx, Dx] x's dtype, any strides but unit in Dx; None: new
+    # each x's [T, Hx, Dx] in its dtype, any strides but unit in Dx, overlapping no other tensor of the
+    # call; None (all, or one): a new tensor
+    outs: tuple[torch.Tensor | None, ...] | None = None
 
 
-def rope(args: RopeArgs) -> torch.Tensor:  # [T, Hx, Dx]
-    """The op: Triton on CUDA (triton is the gpu extra: imported only there), the reference elsewhere."""
+def rope(args: RopeArgs) -> list[torch.Tensor]:  # each [T, Hx, Dx]
+    """The op → each x rotated, in order. Triton on CUDA, one launch (triton is the gpu extra: imported
+    only there), the reference elsewhere."""
     a = args
-    run = rope_ref
-    if a.x.is_cuda:
-        from kernels.rope_triton import rope_triton as run
-    return run(a.x, a.cos, a.sin, a.dim, a.is_interleaved, a.out)
+    outs = list(a.outs) if a.outs is not None else [None] * len(a.xs)
+    if a.xs[0].is_cuda:
+        from kernels.rope_triton import rope_many_triton
+
+        return rope_many_triton(list(a.xs), a.cos, a.sin, a.dim, a.is_interleaved, outs)
+    return [
+        rope_ref(x, a.cos, a.sin, a.dim, a.is_interleaved, out) for x, out in zip(a.xs, outs, strict=True)
+    ]
 
 
 def rope_ref(

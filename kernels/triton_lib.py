@@ -538,17 +538,23 @@ def _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT: tl.constexpr):
 
 
 @triton.jit
-def _row_value(acc, acc_up, GATE_UP: tl.constexpr):
-    """A finished row: silu(gate)·up (GATE_UP), else the sum itself."""
+def _row_value(
+    acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, GATE_UP: tl.constexpr, ADD: tl.constexpr
+):
+    """A finished row: silu(gate)·up (GATE_UP), else the sum itself; ADD: the sum rounded to out's
+    dtype plus add's row, as torch's `out + add` of the two (the store rounds once more)."""
     if GATE_UP:
         return _silu(acc) * acc_up
+    elif ADD:
+        more = tl.load(add_ptr + row.to(tl.int64) * stride_om + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        return acc.to(out_ptr.dtype.element_ty).to(tl.float32) + more
     else:
         return acc
 
 
 @triton.jit
-def moe_gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
-                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
+def moe_gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr,
+                 GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
     """GEMV programs' end (grid (P, N tiles, S splits of K)), from acc / acc_up [BN] fp32, this program's sums.
 
     GATE_UP: act row `pair` = silu(gate)·up of the whole K; down: out row `pair // TOP_K` = the sum
@@ -556,6 +562,8 @@ def moe_gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_p
     for down also the k slots): each parks its partial in the fp32 workspace (`[P, S, 2N]`,
     gate | up; `[P, S, N]`) and the last to arrive (an atomic counter per output tile that
     resets itself) adds them in (slot, split) order: deterministic, and no torch op after the kernel.
+    ADD (down): the row plus add's [M, N] row (out's strides; the MoE's shared experts), added after the
+    sum is rounded to out's dtype: the bytes of torch's `routed + shared`, one launch fewer.
     """
     num_splits = tl.num_programs(2)
     if GATE_UP:
@@ -569,7 +577,8 @@ def moe_gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_p
         width = N
     row_ptr = out_ptr + row.to(tl.int64) * stride_om
     if arrivals == 1:
-        _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
+        v = _row_value(acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, GATE_UP, ADD)
+        _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
     else:
         ws = ws_ptr + offs_n
         part = ws + (pair * num_splits + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
@@ -586,7 +595,8 @@ def moe_gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_p
                 acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
                 if GATE_UP:
                     acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            _store_row(_row_value(acc, acc_up, GATE_UP), row_ptr, offs_n, n_ok, LIFT_OUT)
+            v = _row_value(acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, GATE_UP, ADD)
+            _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 

@@ -8,6 +8,9 @@ are absorbed into latent space (`q_nope · W_UK`), attention runs MQA over the l
 latent output goes back through `W_UV` before o_proj; W_UK / W_UV are views of kv_b_proj.
 The Linears reading the layer's input (`x_readers`: q_a_proj or q_proj, kv_a_proj_with_mqa) are one
 `fused_qkv_a_proj` product once the loaded model is fused (backend/models/layers/fused.py).
+On CUDA the layer's small ops before attention are three launches (issue 24): the q_a and kv_a
+RMSNorms one (`kernels/row_norms.py`), the q_pe and k_pe rotations one (`kernels/rope.py`), the latent
+write one; the DSA layer (glm_moe_dsa.py) adds its indexer's norm, rotations and key line to them.
 Heads split over ranks (tensor parallel); the latent cache is replicated on every rank, or sharded
 by token over a DCP group (backend/models/layers/context_parallel.py).
 
@@ -30,6 +33,7 @@ from backend.models.layers.rotary import Rotary
 from backend.models.layers.step import Step
 from backend.models.model_config import ModelConfig
 from kernels.mla_attention import MlaAttentionArgs, mla_attention
+from kernels.row_norms import RowNorm, RowNormsArgs, row_norms
 
 # transformers and the original DeepSeek code build q_a_layernorm / kv_a_layernorm with their
 # default eps, not config.rms_norm_eps
@@ -90,38 +94,58 @@ class MLAAttention(nn.Module):
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("latent", (self.R + self.Dr,))]
 
-    def project_q(self, q_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """q's first Linear's output [T, Q] (q_a_proj; q_proj's [T, Hl·(N + Dr)] without a q LoRA) →
-        (q [T, Hl, N + Dr], the normed q LoRA activation [T, Q] or None)."""
-        T = q_a.shape[0]
+    def lora_norms(
+        self, q_a: torch.Tensor, kv_a: torch.Tensor, *more: RowNorm
+    ) -> tuple[torch.Tensor | None, torch.Tensor, list[torch.Tensor]]:
+        """q's first Linear's output [T, Q] (q_a_proj; q_proj's without a q LoRA) and the latent
+        projection [T, R + Dr] → (the normed q LoRA activation [T, Q] or None, a new latent line
+        [T, R + Dr] holding the normed c (its rope half still to fill), the outputs of `more`: norms of
+        the same rows riding on the launch, the DSA indexer's key). One launch on CUDA."""
+        T = kv_a.shape[0]
+        latent = torch.empty(T, self.R + self.Dr, dtype=kv_a.dtype, device=kv_a.device)  # [T, R + Dr]
+        kv_norm = self.kv_a_layernorm
+        norms = [RowNorm(kv_a[:, : self.R], kv_norm.weight, kv_norm.eps, out=latent[:, : self.R]), *more]
+        if self.q_lora_rank is not None:
+            norms.insert(0, RowNorm(q_a, self.q_a_layernorm.weight, self.q_a_layernorm.eps))
+        normed = row_norms(RowNormsArgs(tuple(norms)))
         if self.q_lora_rank is None:
-            return q_a.view(T, self.num_local_heads, -1), None
-        q_resid = self.q_a_layernorm(q_a)
-        return self.q_b_proj(q_resid).view(T, self.num_local_heads, -1), q_resid
+            return None, latent, normed[1:]
+        return normed[0], latent, normed[2:]
 
-    def absorbed_query(
-        self, x: torch.Tensor, step: Step
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """Write this step's latents; return (absorbed q [T, Hl, R + Dr], q LoRA activation, the
-        outputs of the `x_readers` past the first two)."""
-        T = x.shape[0]
-        q_a, kv_a, *more = self.project_x(x)
-        q, q_resid = self.project_q(q_a)
-        q_nope, q_pe = torch.split(q, [self.N, self.Dr], dim=-1)  # [T, Hl, N], [T, Hl, Dr]
-        c, k_pe = torch.split(kv_a, [self.R, self.Dr], dim=-1)  # [T, R], [T, Dr]
-        rotary = self.rotary[0]
-        # the norm and the rotation write their halves of the cache line: no concatenation
-        latent = torch.empty(T, self.R + self.Dr, dtype=x.dtype, device=x.device)  # [T, R + Dr]
-        self.kv_a_layernorm(c, out=latent[:, : self.R])
-        rotary.rotate(k_pe.view(T, 1, self.Dr), step.cos, step.sin, out=latent[:, None, self.R :])
-        step.write(self.layer_idx, "latent", latent)
+    def query(self, q_a: torch.Tensor, q_resid: torch.Tensor | None) -> torch.Tensor:
+        """q [T, Hl, N + Dr]: q_b_proj of the normed LoRA activation, or q_proj's output as it is."""
+        q = q_a if q_resid is None else self.q_b_proj(q_resid)
+        return q.view(q.shape[0], self.num_local_heads, -1)
+
+    def rope_pairs(
+        self, q: torch.Tensor, kv_a: torch.Tensor, latent: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """(a new absorbed query [T, Hl, R + Dr], the (x, out) pairs `Rotary.rotate_many` rotates into
+        its last Dr dims and into the latent's): the rotations write their halves, no concatenation."""
+        T = q.shape[0]
         q_abs = torch.empty(T, self.num_local_heads, self.R + self.Dr, dtype=q.dtype, device=q.device)
-        rotary.rotate(q_pe, step.cos, step.sin, out=q_abs[..., self.R :])
+        k_pe = kv_a[:, None, self.R :]  # [T, 1, Dr]
+        return q_abs, [(k_pe, latent[:, None, self.R :]), (q[..., self.N :], q_abs[..., self.R :])]
+
+    def absorb(self, q: torch.Tensor, q_abs: torch.Tensor) -> None:
+        """q_nope [T, Hl, N] · W_UK into q_abs's first R dims."""
         w_uk = self.w_kv()[:, : self.N]  # [Hl, N, R]
         # bmm over the views: cuBLAS takes their strides and the transpose as they are (an einsum may
         # copy a non-contiguous weight operand on every call), the output's too (ldc = Hl·(R + Dr))
+        q_nope = q[..., : self.N]
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_abs[..., : self.R].transpose(0, 1))  # [Hl, T, R]
-        return q_abs, q_resid, more
+
+    def absorbed_query(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """Write this step's latents; return the absorbed q [T, Hl, R + Dr]. The norms are one launch,
+        the rotations another (`DSAAttention.forward` adds its indexer's to each)."""
+        q_a, kv_a = self.project_x(x)
+        q_resid, latent, _ = self.lora_norms(q_a, kv_a)
+        q = self.query(q_a, q_resid)
+        q_abs, pairs = self.rope_pairs(q, kv_a, latent)
+        self.rotary[0].rotate_many(pairs, step.cos, step.sin)
+        step.write(self.layer_idx, "latent", latent)
+        self.absorb(q, q_abs)
+        return q_abs
 
     def w_kv(self) -> torch.Tensor:
         return self.kv_b_proj.weight.view(self.num_local_heads, self.N + self.V, self.R)  # [Hl, N+V, R]
@@ -148,8 +172,7 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.view(T, -1))
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        q, _, _ = self.absorbed_query(x, step)
-        return self.attend(q, step, None)
+        return self.attend(self.absorbed_query(x, step), step, None)
 
 
 def set_mla_fp8_dot(model: nn.Module, on: bool) -> int:

@@ -58,9 +58,8 @@ class GQAAttention(nn.Module):
         if self.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         rotary = self.rotary[0]
-        q, k = rotary.rotate(q, step.cos, step.sin), rotary.rotate(k, step.cos, step.sin)
-        step.write(self.layer_idx, "k", k)
-        step.write(self.layer_idx, "v", v)
+        q, k = rotary.rotate_many([(q, None), (k, None)], step.cos, step.sin)  # one launch on CUDA
+        step.write(self.layer_idx, "k", k, also=("v", v))  # one launch for both caches
         kv = step.batch.kv_cache
         k_cache, v_cache = kv.layers[self.layer_idx]["k"], kv.layers[self.layer_idx]["v"]
         k_scale, v_scale = kv.scales[self.layer_idx]["k"], kv.scales[self.layer_idx]["v"]

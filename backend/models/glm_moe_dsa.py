@@ -6,6 +6,9 @@ interleaved RoPE on the first rope dims, keys cached in pages ("index_k"), and i
 `index_topk` visible tokens per query. A "shared" layer reuses the last full layer's choice. MLA
 attention then reads only the chosen tokens. The indexer is small and replicated on every rank; under
 DCP its key cache is sharded by token like the latent cache (backend/models/layers/context_parallel.py).
+Its key's LayerNorm rides on MLA's LoRA norms' launch, its key and query rotations on MLA's rope
+launch, its key line on the latent's kv_write launch: a full layer launches those three where it
+launched nine (three norms, four rotations, two writes).
 
 A step whose sequences are all at most `index_topk` tokens long (`Step.table_tokens`, known on the
 host) keeps every visible key, as the reference's top-k does: its layers cache their indexer keys
@@ -32,6 +35,7 @@ from backend.models.layers.rotary import Rotary
 from backend.models.layers.step import Step
 from backend.models.model_config import ModelConfig
 from kernels.dsa_indexer import DsaIndexerArgs, dsa_indexer
+from kernels.row_norms import RowNorm
 
 INDEXER_NORM_EPS = 1e-6  # the reference LayerNorm's eps; not in config.json
 
@@ -48,18 +52,33 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.Di, eps=INDEXER_NORM_EPS, dtype=dtype)
         self.weights_proj = Linear(config.hidden_size, self.Hi, dtype=torch.float32)
 
-    def forward(
-        self, x: torch.Tensor, q_resid: torch.Tensor, wk_x: torch.Tensor, step: Step, rotary: Rotary
-    ) -> torch.Tensor | None:
-        """x [T, H], q_resid [T, Q], wk_x = wk(x) [T, Di] (the attention computes it with its other
-        Linears reading x) → chosen token indices [T, K] (-1 = none); None: every visible token (no
-        sequence of the step is longer than K)."""
-        T = x.shape[0]
-        k = rotary.rotate(self.k_norm(wk_x).view(T, 1, self.Di), step.cos, step.sin).view(T, self.Di)
-        step.write(self.layer_idx, "index_k", k)  # later, longer steps score these keys
-        if step.table_tokens <= self.topk:
+    def key_norm(self, wk_x: torch.Tensor) -> RowNorm:
+        """wk(x) [T, Di] (the attention computes it with its other Linears reading x) → its LayerNorm,
+        run in the attention's LoRA norms' launch."""
+        n = self.k_norm
+        return RowNorm(wk_x, n.weight, n.eps, n.bias, is_layer_norm=True)
+
+    def rope_pairs(
+        self, k_normed: torch.Tensor, q_resid: torch.Tensor, step: Step
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The (x, None) pairs the attention's rope launch rotates for the indexer: the normed key
+        [T, 1, Di], and the query [T, Hi, Di] when the step scores (`is_scoring`)."""
+        T = k_normed.shape[0]
+        pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(k_normed.view(T, 1, self.Di), None)]
+        if self.is_scoring(step):
+            pairs.append((self.wq_b(q_resid).view(T, self.Hi, self.Di), None))
+        return pairs
+
+    def is_scoring(self, step: Step) -> bool:
+        """False when no sequence of the step is longer than K: every visible token is kept, nothing
+        scored (the keys are still cached, for later, longer steps)."""
+        return step.table_tokens > self.topk
+
+    def choose(self, x: torch.Tensor, q: torch.Tensor | None, step: Step) -> torch.Tensor | None:
+        """x [T, H], the rotated query [T, Hi, Di] (None: the step does not score) → chosen token
+        indices [T, K] (-1 = none); None: every visible token."""
+        if q is None:
             return None
-        q = rotary.rotate(self.wq_b(q_resid).view(T, self.Hi, self.Di), step.cos, step.sin)  # [T, Hi, Di]
         # [T, Hi] float32, the reference's weights before `* Hi**-0.5`: the float32 layer widens x
         # itself (an INT4 one in its decode GEMV's loads: no cast launch)
         weights = self.weights_proj(x)
@@ -104,11 +123,27 @@ class DSAAttention(MLAAttention):
         return [*specs, CacheSpec("index_k", (self.indexer.Di,))] if self.is_full else specs
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        q, q_resid, more = self.absorbed_query(x, step)
-        if self.is_full:  # a shared layer reuses the choice (None: dense, for every layer of the step)
-            assert q_resid is not None
-            step.topk_indices = self.indexer(x, q_resid, more[0], step, self.rotary[0])
-        return self.attend(q, step, step.topk_indices)
+        if not self.is_full:  # a shared layer reuses the choice (None: dense, for every layer of the step)
+            return self.attend(self.absorbed_query(x, step), step, step.topk_indices)
+        # MLA's absorbed query with the indexer's key and query riding on its launches: one for the
+        # three norms, one for the four rotations (three when the step scores nothing), one for the
+        # two cache lines
+        q_a, kv_a, wk_x = self.project_x(x)
+        q_resid, latent, (k_normed,) = self.lora_norms(q_a, kv_a, self.indexer.key_norm(wk_x))
+        assert q_resid is not None
+        q = self.query(q_a, q_resid)
+        q_abs, pairs = self.rope_pairs(q, kv_a, latent)
+        rotated = self.rotary[0].rotate_many(
+            [*pairs, *self.indexer.rope_pairs(k_normed, q_resid, step)], step.cos, step.sin
+        )
+        # the indexer's key [T, 1, Di], and its query [T, Hi, Di] when the step scores
+        k_idx, q_idx = rotated[len(pairs)], rotated[len(pairs) + 1 :]
+        T = x.shape[0]
+        # later, longer steps score these keys
+        step.write(self.layer_idx, "latent", latent, also=("index_k", k_idx.view(T, self.indexer.Di)))
+        self.absorb(q, q_abs)
+        step.topk_indices = self.indexer.choose(x, q_idx[0] if q_idx else None, step)
+        return self.attend(q_abs, step, step.topk_indices)
 
 
 class GlmMoeDsaForCausalLM(CausalLM):

@@ -158,11 +158,14 @@ class QuantExperts(nn.Module):
             down = dequantize_fp8_block(self.down_proj[e], self.down_scale_inv[e], b, dtype)
         return gate_up, down
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> this rank's share of the routed sum [T, H]."""
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] -> this rank's share of the routed sum [T, H], `+ add` [T, H]
+        when given (the shared experts' output: in the fused MoE's last epilogue on CUDA's decode path)."""
         if x.is_cuda and self._can_fuse():  # one fused MoE, no host sync (CUDA-graph safe)
             local_ids = ids - self.e0 if self.e0 else ids  # other ranks' experts fall outside [0, El)
-            return self._fused(x, weights, local_ids)
+            return self._fused(x, weights, local_ids, add)
         if x.is_cuda and is_sync_free():  # a decode-graph capture: the loop below syncs; the log says why
             raise RuntimeError(f"routed {self.scheme.method} experts with {self.act} have no fused kernel")
         out = torch.zeros_like(x)
@@ -173,9 +176,11 @@ class QuantExperts(nn.Module):
             gate, up = F.linear(x[tok], w_gate_up).chunk(2, dim=-1)  # [n, I] each
             y = F.linear(self.act(gate) * up, w_down)  # [n, H]
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        return out
+        return out if add is None else out + add
 
-    def _fused(self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    def _fused(
+        self, x: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The fused kernel of this scheme (triton is the gpu extra: imported only here)."""
         m, I = self.scheme.method, self.intermediate
         if m == "int4":
@@ -183,17 +188,19 @@ class QuantExperts(nn.Module):
 
             return fused_moe(
                 x, local_ids, weights, self.gate_up_packed, self.gate_up_scale, self.down_packed, self.down_scale,
-                self.scheme.group_size,
+                self.scheme.group_size, add=add,
             )  # fmt: skip
         from kernels.fused_moe_fp8 import fused_moe_fp8
 
         w13, w2 = self.gate_up_proj, self.down_proj
         if m == "fp8-channel":  # [El, 2I, 1] halves: views with equal strides
             s13 = self.gate_up_scale
-            return fused_moe_fp8(x, local_ids, weights, w13, w2, s13[:, :I], s13[:, I:], self.down_scale)
+            return fused_moe_fp8(
+                x, local_ids, weights, w13, w2, s13[:, :I], s13[:, I:], self.down_scale, add=add
+            )
         return fused_moe_fp8(
             x, local_ids, weights, w13, w2, self.gate_scale_inv, self.up_scale_inv, self.down_scale_inv,
-            block=self.scheme.block,
+            block=self.scheme.block, add=add,
         )  # fmt: skip
 
     def _can_fuse(self) -> bool:

@@ -60,21 +60,23 @@ def mla_source(
     return _source(fn, ptrs, consts, {"qk_scale", "v_scale"})
 
 
-def kv_write_source(cache: str = "fp8e4nv", values: str = "bf16", check: bool = True) -> ASTSource:
+def kv_write_source(
+    cache: str = "fp8e4nv", values: str = "bf16", check: bool = True, two: bool = False
+) -> ASTSource:
+    """The kv_write kernel for one cache line of 576 (`two`: and a second cache's line of 128, the DSA
+    indexer's keys, in the same launch)."""
     from kernels.kv_write_triton import _kv_write_kernel as fn
 
     ptrs = {
-        "cache_ptr": cache, "values_ptr": values, "slot_ptr": "i64", "page_tags_ptr": "i64",
-        "token_expected_ptr": "i64", "token_seq_ptr": "i64", "mismatch_ptr": "u8",
+        "cache_ptr": cache, "values_ptr": values, "cache2_ptr": cache, "values2_ptr": values, "slot_ptr": "i64",
+        "page_tags_ptr": "i64", "token_expected_ptr": "i64", "token_seq_ptr": "i64", "mismatch_ptr": "u8",
     }  # fmt: skip
+    quant = cache == "fp8e4nv"
     consts = dict(
-        PAGE_SIZE=16,
-        BLOCK_W=1024,
-        QUANT=cache == "fp8e4nv",
-        FMAX=448.0 if cache == "fp8e4nv" else 0.0,
-        CHECK_TAGS=check,
-    )
-    return _source(fn, ptrs, consts, {"scale"})
+        PAGE_SIZE=16, BLOCK_W=1024, BLOCK_W2=128, QUANT=quant, FMAX=448.0 if quant else 0.0, QUANT2=quant,
+        FMAX2=448.0 if quant else 0.0, TWO=two, CHECK_TAGS=check,
+    )  # fmt: skip
+    return _source(fn, ptrs, consts, {"scale", "scale2"})
 
 
 def merge_source(out: str = "bf16") -> ASTSource:
@@ -294,6 +296,10 @@ def main() -> None:
     print(f"{'kv_write fp8 <- bf16':<48} {compile_sm90(kv_write_source(), 4)}", flush=True)
     print(
         f"{'kv_write fp8 <- bf16, tag check off':<48} {compile_sm90(kv_write_source(check=False), 4)}",
+        flush=True,
+    )
+    print(
+        f"{'kv_write fp8 <- bf16, latent + indexer keys':<48} {compile_sm90(kv_write_source(two=True), 4)}",
         flush=True,
     )
     if overbooked:

@@ -42,11 +42,11 @@ def gemv_source(gate_up: bool, block: bool) -> tuple[ASTSource, int, int]:
     cfg = pick_fp8_moe_config(8, 384, BLOCK if block else None)  # one token, Kimi
     ptrs = {
         "a_ptr": "bf16", "w_ptr": "fp8e4nv", "s_ptr": "fp32", "s_up_ptr": "fp32", "out_ptr": "bf16",
-        "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i64",
+        "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32", "topk_ids_ptr": "i64", "add_ptr": "bf16",
     }  # fmt: skip
     consts = dict(
         A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, **_scale_consts(block),
+        BLOCK_K=cfg.block_k, ADD=not gate_up, **_scale_consts(block),  # down: the shared experts' add
     )  # fmt: skip
     return _source(fn, ptrs, consts), cfg.num_warps, cfg.num_stages
 

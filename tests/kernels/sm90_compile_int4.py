@@ -114,11 +114,12 @@ def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
             "a_ptr": "fp32" if lifted else "bf16", "w_ptr": "i32", "s_ptr": "bf16",
             "out_ptr": "fp32" if gate_up else "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32",
             "ids_ptr": "i32" if cfg.grouped else "i64", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32",
+            "add_ptr": "bf16",
         }  # fmt: skip
         consts: dict[str, Any] = dict(
             A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUPED=cfg.grouped,
             GROUP_SIZE=32, BLOCK_M=max(cfg.block_m, 1), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=True, EVEN_N=True, LOOP_STAGES=cfg.loop_stages,
+            EVEN_K=True, EVEN_N=True, LOOP_STAGES=cfg.loop_stages, ADD=not gate_up,  # down: the shared experts' add
         )  # fmt: skip
         nibbles = (2 if gate_up else 1) * cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
         src = _source(_fused_moe_gemv_kernel, ptrs, consts, div16=MOE_DIV16, unit=MOE_UNIT)

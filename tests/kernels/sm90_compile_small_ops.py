@@ -1,4 +1,4 @@
-"""Compile issue 24's small decode ops (RMSNorm, SiLU · up, rotary, the MoE gate's GEMV and routing, DSA selection) for sm90
+"""Compile issue 24's small decode ops (RMSNorm, the LoRA row norms, SiLU · up, rotary, the MoE gate's GEMV and routing, DSA selection) for sm90
 (H200) without a GPU, at GLM-5's shapes; prints ptxas's registers and spills per kernel. Run
 without TRITON_INTERPRET (the interpreter never lowers a kernel):
 
@@ -18,21 +18,38 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     from kernels.rope_triton import _rope_kernel
     from kernels.router_logits_triton import _router_logits_kernel
     from kernels.router_triton import _route_kernel
+    from kernels.row_norms_triton import _row_norms_kernel
     from kernels.selection_triton import _radix_select_kernel, _selection_keys_kernel
 
     bf16 = {"x_ptr": "bf16", "r_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "h_ptr": "bf16"}
-    rope = {"x_ptr": "bf16", "cos_ptr": "bf16", "sin_ptr": "bf16", "out_ptr": "bf16"}
+    rope = {
+        "cos_ptr": "bf16",
+        "sin_ptr": "bf16",
+        **{f"{p}{i}_ptr": "bf16" for p in ("x", "out") for i in range(4)},
+    }
+    norms = {f"{p}{i}_ptr": "bf16" for p in ("x", "w", "b", "out") for i in range(3)}
+    lora = {
+        "NUM": 3,
+        "BLOCK_D0": 2048,
+        "BLOCK_D1": 512,
+        "BLOCK_D2": 128,
+        "LAYER0": False,
+        "LAYER1": False,
+        "LAYER2": True,
+    }
     route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
     radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
     silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16"}
     gate = {"x_ptr": "bf16", "w_ptr": "fp32", "out_ptr": "fp32"}
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
+        ("row_norms q_a 2048 + kv_a 512 + indexer key 128", _source(_row_norms_kernel, norms, lora, {"eps0", "eps1", "eps2"}), 4),
         ("silu_mul shared expert", _source(_silu_mul_kernel, silu, {"BLOCK": 1024}, set()), 4),
         ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),
-        ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1, "EXACT": True}, set()), 4),
-        ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
-        ("rope NeoX partial", _source(_rope_kernel, rope, {"INTERLEAVED": False, "BLOCK_H": 16, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
+        ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"NUM_X": 1, "INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1, "EXACT": True}, set()), 4),
+        ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"NUM_X": 1, "INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
+        ("rope NeoX partial", _source(_rope_kernel, rope, {"NUM_X": 1, "INTERLEAVED": False, "BLOCK_H": 16, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
+        ("rope DSA layer 4 tensors", _source(_rope_kernel, rope, {"NUM_X": 4, "INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),
         ("route 256 experts top-8", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 1, "TOPK_GROUP": 1, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("route 8 x 32 groups top-4", _source(_route_kernel, route, {"TOP_K": 8, "BLOCK_K": 8, "N_GROUP": 8, "TOPK_GROUP": 4, "NORM": True, "BLOCK_E": 256}, {"scaling"}), 4),
         ("router_logits 256 experts x 6144", _source(_router_logits_kernel, gate, {"BLOCK_E": 2, "BLOCK_H": 1024, "NUM_STAGES": 3}, set()), 4),

@@ -394,3 +394,22 @@ def test_layer_on_cuda_matches_its_cpu_loop() -> None:
     want = layer(x, wts, ids)
     got = layer.cuda()(x.cuda(), wts.cuda(), ids.cuda())
     assert rel_err(got, want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize(
+    "config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), TILES, GROUPED]
+)
+def test_add_is_torchs_add_of_the_routed_sum(config: MoEConfig) -> None:
+    """`add` (the shared experts' output) comes out as torch's `routed + add`, byte for byte: the GEMV
+    adds it in its down epilogue after rounding the sum (split K or not, grouped or not), the tiles
+    by torch after theirs; one token's k slots all another rank's (nothing routed) still gets it."""
+    gen = torch.Generator().manual_seed(7)
+    ex = Experts(E, H, I, gen)
+    x = torch.randn(3, H, generator=gen).to(torch.float16).to(DEV)
+    ids, wts = routing(3, gen)
+    ids[2] = E + 1  # another rank's experts only
+    ids, wts = ids.to(DEV), wts.to(DEV)
+    add = (torch.randn(3, H, generator=gen) * 0.05).to(torch.float16).to(DEV)
+    routed = fused_moe(x, ids, wts, *ex.tensors(), G, config=config)
+    assert torch.equal(fused_moe(x, ids, wts, *ex.tensors(), G, config=config, add=add), routed + add)
+    assert torch.equal(routed[2], torch.zeros_like(routed[2]))

@@ -167,6 +167,11 @@ def test_layer_kernel_matches_its_cpu_loop(method: str) -> None:
     with poisoned():
         got = layer._fused(x.to(DEV), wts.to(DEV), (ids - 2).to(DEV))
     assert rel_err(got.cpu(), want) < TOL[torch.float32]
+    add = torch.randn(5, H, generator=gen)  # the shared experts' output: both paths add it as torch does
+    assert torch.equal(
+        layer._fused(x.to(DEV), wts.to(DEV), (ids - 2).to(DEV), add.to(DEV)), got + add.to(DEV)
+    )
+    assert torch.equal(layer.cpu()(x, wts, ids, add=add), want + add)
 
 
 def test_layer_fuses_fp8_with_silu_and_power_of_two_k_blocks() -> None:
@@ -329,3 +334,22 @@ def test_layer_is_capture_safe_on_cuda(method: str) -> None:
         layer.act = F.gelu
         with pytest.raises(RuntimeError, match=f"{method} experts .* no fused kernel"):
             layer(x, wts, ids)
+
+
+@pytest.mark.parametrize("block", [None, BLOCK], ids=["channel", "block"])
+@pytest.mark.parametrize(("M", "config"), [(3, GEMV), (3, GEMV_SPLIT), (17, TILES)])
+def test_add_is_torchs_add_of_the_routed_sum(
+    block: tuple[int, int] | None, M: int, config: MoEConfig
+) -> None:
+    """`add` (the shared experts' output) comes out as torch's `routed + add`, byte for byte: in the
+    GEMV's down epilogue after the sum is rounded (token 1, no local expert, gets `add` alone), after
+    the tiles by torch."""
+    gen = torch.Generator().manual_seed(M + 40)
+    ex = _to(make_experts(E, H, I, block, gen), DEV)
+    x = torch.randn(M, H, generator=gen).half().to(DEV)
+    ids, wts = (t.to(DEV) for t in routing(M, gen))
+    add = (torch.randn(M, H, generator=gen) * 0.05).half().to(DEV)
+    routed = fused_moe_fp8(x, ids, wts, *ex, block=block, config=config)
+    with poisoned():
+        got = fused_moe_fp8(x, ids, wts, *ex, block=block, config=config, add=add)
+    assert torch.equal(got, routed + add) and torch.equal(got[1], add[1])

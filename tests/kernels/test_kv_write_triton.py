@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.kv_write import kv_write_ref  # noqa: E402
+from kernels.kv_write import KvLines, kv_write_ref  # noqa: E402
 from kernels.kv_write_triton import kv_write_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,6 +184,44 @@ def test_non_contiguous_values_and_empty_step() -> None:
     kv_write_triton(**empty)
 
 
+@pytest.mark.parametrize("check_tags", [True, False])
+@pytest.mark.parametrize(("second_dtype", "block"), [(torch.float16, 1), (FP8, 2.0**-4)])
+def test_second_cache_in_the_same_launch(check_tags: bool, second_dtype: torch.dtype, block: float) -> None:
+    """A DSA layer's two lines at shrunken shapes: a latent of 40 (fp32) and indexer keys of 24 (fp16, or
+    FP8 at its own scale: e4m3 numbers times a power of two, exact in the interpreter) written by one
+    launch at the same slots. Both caches' bytes and the flags equal the reference's (which writes
+    them one after the other) and two single-cache launches': three misrouted tokens write neither
+    line and flag their sequences once."""
+    step = make_step(
+        P=6, S=4, shape=(40,), T=14, cache_dtype=torch.float32, values_dtype=torch.float32, seed=9
+    )
+    g = torch.Generator().manual_seed(10)
+    cache2 = (torch.randn(6, 4, 24, generator=g) * 20).to(second_dtype)
+    values2 = (torch.randn(14, 24, generator=g) * 30).to(FP8).float().mul(block).half()
+    live = (step["slot_mapping"] >= 0).nonzero().flatten()[:3]
+    step["token_expected_tags"][live] += 1  # three misrouted writes
+    if not check_tags:
+        step["token_expected_tags"] = None
+    ref = {**step, "cache": step["cache"].clone(), "tag_mismatch": step["tag_mismatch"].clone()}
+    ref_second = KvLines(cache2.clone(), values2, block)
+    kv_write_ref(**ref, second=ref_second)
+    dev = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+    dev_second = KvLines(cache2.to(DEV, copy=True), values2.to(DEV), block)
+    kv_write_triton(**dev, second=dev_second)
+    assert same_bytes(dev["cache"].cpu(), ref["cache"]) and same_bytes(
+        dev_second.cache.cpu(), ref_second.cache
+    )
+    assert torch.equal(dev["tag_mismatch"].cpu(), ref["tag_mismatch"])
+    assert bool(ref["tag_mismatch"].any()) == check_tags
+    one = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+    kv_write_triton(**one)
+    kv_write_triton(**{**one, "cache": cache2.to(DEV, copy=True), "values": values2.to(DEV), "scale": block})
+    assert same_bytes(one["cache"].cpu(), ref["cache"]) and torch.equal(
+        one["tag_mismatch"].cpu(), ref["tag_mismatch"]
+    )
+    assert not same_bytes(ref_second.cache, cache2)  # something was written
+
+
 def test_launcher_rejects_bad_inputs() -> None:
     step = make_step(P=4, S=4, shape=(8,), T=5, cache_dtype=torch.float32, values_dtype=torch.float32, seed=6)
     with pytest.raises(ValueError):
@@ -199,6 +237,8 @@ def test_launcher_rejects_bad_inputs() -> None:
         kv_write_triton(**{**step, "page_tags": torch.stack([tags, tags], dim=1)[:, 0]})
     with pytest.raises(ValueError):
         kv_write_triton(**{**step, "page_tags": tags.int()})
+    with pytest.raises(ValueError, match="second cache"):  # another pool's pages
+        kv_write_triton(**step, second=KvLines(torch.zeros(5, 4, 3), torch.zeros(5, 3), 1.0))
 
 
 @pytest.mark.gpu
@@ -214,3 +254,29 @@ def test_gpu_real_shapes(shape: tuple[int, ...], cache_dtype: torch.dtype) -> No
         step["token_expected_tags"][:3] += 1  # three misrouted writes
         out, ref, flags, ref_flags = run_both(step)
         assert same_bytes(out, ref) and torch.equal(flags, ref_flags)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
+def test_gpu_dsa_layer_lines_in_one_launch(cache_dtype: torch.dtype) -> None:
+    """A GLM-5 layer's latent (576) and indexer keys (128), bf16 values, in one launch on a 4096-page
+    pool: the bytes and flags of the reference's two writes."""
+    for T in (1, 64):
+        step = make_step(
+            P=4096, S=64, shape=(576,), T=T, cache_dtype=cache_dtype, values_dtype=torch.bfloat16, seed=T
+        )
+        step["scale"] = 0.02 if cache_dtype == FP8 else 1.0
+        step["token_expected_tags"][: T // 8] += 1
+        g = torch.Generator().manual_seed(T + 1)
+        cache2 = (torch.randn(4096, 64, 128, generator=g) * 5).to(cache_dtype)
+        values2 = torch.randn(T, 128, generator=g).bfloat16()
+        ref = {**step, "cache": step["cache"].clone(), "tag_mismatch": step["tag_mismatch"].clone()}
+        ref_second = KvLines(cache2.clone(), values2, 0.01)
+        kv_write_ref(**ref, second=ref_second)
+        dev = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+        dev_second = KvLines(cache2.to(DEV), values2.to(DEV), 0.01)
+        kv_write_triton(**dev, second=dev_second)
+        assert same_bytes(dev["cache"].cpu(), ref["cache"]) and same_bytes(
+            dev_second.cache.cpu(), ref_second.cache
+        )
+        assert torch.equal(dev["tag_mismatch"].cpu(), ref["tag_mismatch"])

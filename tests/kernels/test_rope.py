@@ -16,8 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.rope import rope_ref  # noqa: E402
-from kernels.rope_triton import rope_triton  # noqa: E402
+from kernels.rope import RopeArgs, rope, rope_ref  # noqa: E402
+from kernels.rope_triton import rope_many_triton, rope_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRET_BF16_TOL = 2**-5  # 4 bf16 units in the last place, relative
@@ -63,6 +63,40 @@ def test_strided_input_into_a_slice() -> None:
     assert torch.all(buf[..., :R] == 9.0)
 
 
+@pytest.mark.parametrize("is_interleaved", [True, False])
+def test_many_tensors_in_one_launch(is_interleaved: bool) -> None:
+    """A DSA layer's four rotations at shrunken shapes: the latent's k_pe [T, 1, Dr] into a slice of the
+    cache line, q_pe (a column slice of q) into the absorbed query's last Dr dims, the indexer's key
+    [T, 1, Di] and query [T, Hi, Di] with dims past Dr passed through; each as rope_ref, the buffers
+    around the slices untouched. Heads 1, 5 and 3 under one BLOCK_H: the masks of each tensor's blocks."""
+    g = torch.Generator().manual_seed(11 + is_interleaved)
+    T, H, N, Dr, R, Hi, Di = 3, 5, 8, 16, 24, 3, 40
+    cos, sin = cos_sin(T, Dr // 2, torch.bfloat16, g)
+    kv_a = torch.randn(T, R + Dr, generator=g).bfloat16().to(DEV)
+    q = torch.randn(T, H, N + Dr, generator=g).bfloat16().to(DEV)
+    k_idx = torch.randn(T, 1, Di, generator=g).bfloat16().to(DEV)
+    q_idx = torch.randn(T, Hi, Di, generator=g).bfloat16().to(DEV)
+    latent = torch.full((T, R + Dr), 7.0, dtype=torch.bfloat16, device=DEV)
+    q_abs = torch.full((T, H, R + Dr), 9.0, dtype=torch.bfloat16, device=DEV)
+    k_pe, q_pe = kv_a[:, None, R:], q[..., N:]
+    outs = rope_many_triton(
+        [k_pe, q_pe, k_idx, q_idx],
+        cos,
+        sin,
+        Dr,
+        is_interleaved,
+        [latent[:, None, R:], q_abs[..., R:], None, None],
+    )
+    for x, out in zip([k_pe, q_pe, k_idx, q_idx], outs, strict=True):
+        same(out, rope_ref(x, cos, sin, Dr, is_interleaved))
+    assert outs[0].data_ptr() == latent[:, None, R:].data_ptr() and torch.all(latent[:, :R] == 7.0)
+    assert torch.all(q_abs[..., :R] == 9.0)
+    # the op's entry takes the same tensors (the reference on the CPU, the kernel on CUDA)
+    again = rope(RopeArgs((k_pe, q_pe, k_idx, q_idx), cos, sin, Dr, is_interleaved))
+    for a, b in zip(again, outs, strict=True):
+        same(a, b)
+
+
 def test_bad_arguments_raise() -> None:
     x = torch.randn(2, 1, 8, device=DEV)
     cos = torch.ones(2, 4, device=DEV)
@@ -70,3 +104,7 @@ def test_bad_arguments_raise() -> None:
         rope_triton(x, cos, cos, 10, True)
     with pytest.raises(ValueError, match="cos"):
         rope_triton(x, cos.half(), cos, 8, True)
+    with pytest.raises(ValueError, match="tokens"):
+        rope_many_triton([x, torch.randn(3, 1, 8, device=DEV)], cos, cos, 8, True, [None, None])
+    with pytest.raises(ValueError, match="1 to 4"):
+        rope_many_triton([x] * 5, cos, cos, 8, True, [None] * 5)

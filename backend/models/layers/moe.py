@@ -145,10 +145,14 @@ class Experts(nn.Module):
             raise CheckpointError(f"unexpected expert projection {proj!r}")
         return 1
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] → this rank's share of the routed sum [T, H]."""
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] → this rank's share of the routed sum [T, H], `+ add` [T, H]
+        when given (the shared experts' output, as the quantized experts' fused kernel adds it)."""
         if is_sync_free():  # a captured decode step: no loop sized by the experts in use
-            return self.forward_every_expert(x, weights, ids)
+            routed = self.forward_every_expert(x, weights, ids)
+            return routed if add is None else routed + add
         out = torch.zeros_like(x)
         local = ids - self.e0  # [T, k]
         for e in torch.unique(local[(local >= 0) & (local < self.e1 - self.e0)]).tolist():
@@ -156,7 +160,7 @@ class Experts(nn.Module):
             gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
             y = F.linear(self.act(gate) * up, self.down_proj[e])  # [n, H]
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        return out
+        return out if add is None else out + add
 
     def forward_every_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`forward` with fixed shapes (no host sync, so a CUDA graph can hold it): every local expert
@@ -198,7 +202,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # dispatch: x [T, H] and the routing are the same on every rank; combine: one all-reduce
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.shard.all_reduce(out)
+        # the shared experts first: the routed experts add their output (INT4 / FP8 on CUDA: in the
+        # fused MoE's down epilogue at decode, no add launch; the same bytes as `routed + shared`)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.shard.all_reduce(self.experts(x, weights, ids, add=shared))

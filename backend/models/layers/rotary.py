@@ -73,4 +73,12 @@ class Rotary(nn.Module):
         """x [T, heads, >= dim]; rotates the first `dim` dims of each head, passes the rest through
         (one launch on CUDA, `kernels/rope.py`); into `out` (e.g. a slice of a wider buffer) when given.
         Interleaved pairs (x0, x1), (x2, x3)… come out de-interleaved (evens then odds), the same for q and k."""
-        return rope(RopeArgs(x, cos, sin, self.dim, self.is_interleaved, out))
+        return rope(RopeArgs((x,), cos, sin, self.dim, self.is_interleaved, (out,)))[0]
+
+    def rotate_many(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor | None]], cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """`rotate` of each (x, out) pair (up to four tensors at the same positions, one dtype), in one
+        launch on CUDA: a DSA layer's latent and query rope dims and its indexer's key and query."""
+        xs, outs = tuple(x for x, _ in pairs), tuple(out for _, out in pairs)
+        return rope(RopeArgs(xs, cos, sin, self.dim, self.is_interleaved, outs))

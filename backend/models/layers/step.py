@@ -12,7 +12,7 @@ import torch
 from backend.engine.forward_batch import ForwardBatch
 from backend.models.layers.context_parallel import local_writes
 from backend.models.layers.parallel import DcpGroup
-from kernels.kv_write import KvWriteArgs, kv_write
+from kernels.kv_write import KvLines, KvWriteArgs, kv_write
 from kernels.paged_gather import PagedBatch
 
 
@@ -76,9 +76,16 @@ class Step:
             expected = batch.expected_tags[token_seq, page_col.clamp(max=batch.expected_tags.shape[1] - 1)]
         return cls(batch, token_seq, expected, cos, sin, pages, table_tokens)
 
-    def write(self, layer_idx: int, name: str, values: torch.Tensor) -> None:
-        """Store this step's new `values [T, *shape]` for `layer_idx`/`name` into the paged cache."""
+    def write(
+        self, layer_idx: int, name: str, values: torch.Tensor, also: tuple[str, torch.Tensor] | None = None
+    ) -> None:
+        """Store this step's new `values [T, *shape]` for `layer_idx`/`name` into the paged cache; and
+        `also` = (name2, values2 [T, *shape2]), another of the layer's caches, in the same launch (a DSA
+        layer's latent and indexer keys, GQA's K and V)."""
         kv = self.batch.kv_cache
+        second = None
+        if also is not None:
+            second = KvLines(kv.layers[layer_idx][also[0]], also[1], kv.scales[layer_idx][also[0]])
         kv_write(
             KvWriteArgs(
                 kv.layers[layer_idx][name],
@@ -89,5 +96,6 @@ class Step:
                 self.token_expected_tags,
                 self.token_seq,
                 self.batch.tag_mismatch,
+                second,
             )
         )
