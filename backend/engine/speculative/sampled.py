@@ -99,7 +99,7 @@ def sampled_step(
     logits, hidden = model.forward_spec(batch, step)  # [B·L, V], [B·L, H]
     V = logits.shape[1]
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
-    x = mask_guarded(logits, drafts, guards).float()  # [B·L, V]
+    x = mask_guarded(logits, guards).float()  # [B·L, V]
     targets = x.argmax(dim=-1).view(B, L)  # [B, L] the greedy rule's
     params = draws[:, :PARAMS_WIDTH].float()  # [B, 3] as the host sampler's (float32)
     temperature, top_k, top_p = (params[:, i : i + 1].expand(B, L).reshape(B * L) for i in range(3))
