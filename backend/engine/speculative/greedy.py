@@ -89,13 +89,14 @@ def draft_on_device(
     step: Step | None = None,
 ) -> torch.Tensor:
     """Steps 3 and 4 of the module: the next k drafts `[B, k]` after a verify `batch` of B
-    sequences of k + 1 rows, its hidden states `hidden [B·L, H]`, each row's next token `tokens
-    [B, L]` (exact up to row a) and the accepted counts `accepted [B]` (a). `step`: the verify's
-    `model.build_step(batch)`, which depth 0 shares (None: built for it)."""
+    sequences of k + 1 rows (uniform: `query_start` b·L, `logits_indices` every row in order), its
+    hidden states `hidden [B·L, H]`, each row's next token `tokens [B, L]` (exact up to row a) and
+    the accepted counts `accepted [B]` (a). `step`: the verify's `model.build_step(batch)`, which
+    depth 0 shares (None: built for it)."""
     B, L = tokens.shape
     k = L - 1
-    rows = torch.arange(B, device=tokens.device)  # [B]
-    last = rows * L + accepted  # [B] each sequence's row of its last accepted position
+    rows = batch.logits_indices[:B]  # [B] 0 … B−1: the uniform verify's first rows (no launch)
+    last = batch.query_start[:B] + accepted  # [B] each sequence's row of its last accepted position
     depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
     draft_logits, g = model.forward_mtp(depth0, hidden, 0, step)  # [B, V], [B·L, H]
     g = g[last]  # [B, H]
@@ -103,7 +104,7 @@ def draft_on_device(
     if k > 1:
         # depths 1 … k−1 at once, depth-major [k−1, B]: depth d's row at position p + a + d
         first = batch.positions.view(B, L)[:, 0] + accepted  # [B] the last accepted position
-        positions = first + torch.arange(1, k, device=rows.device)[:, None]  # [k−1, B]
+        positions = first + batch.logits_indices[1:k, None]  # [k−1, B] (rows 1 … k−1: 1 … k−1)
         columns = positions // page_size  # [k−1, B] the page-table column of each
         slots = batch.page_table[rows, columns].to(torch.int64) * page_size + positions % page_size
         tags = batch.expected_tags[rows, columns] if batch.check_tags else None  # [k−1, B]
