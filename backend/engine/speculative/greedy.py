@@ -74,9 +74,9 @@ def greedy_step(
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
     targets = mask_guarded(logits, guards).argmax(dim=-1).view(B, L)  # [B, L]
     accepted = accepted_count(targets, drafts)  # [B] a
-    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size, step)  # [B, k]
+    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size, step)  # k × [B, 1]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
-    return torch.cat([accepted[:, None], targets, proposed, flags], dim=1)  # [B, 3 + 2k]
+    return torch.cat([accepted[:, None], targets, *proposed, flags], dim=1)  # [B, 3 + 2k]
 
 
 def draft_on_device(
@@ -87,8 +87,9 @@ def draft_on_device(
     accepted: torch.Tensor,
     page_size: int,
     step: Step | None = None,
-) -> torch.Tensor:
-    """Steps 3 and 4 of the module: the next k drafts `[B, k]` after a verify `batch` of B
+) -> list[torch.Tensor]:
+    """Steps 3 and 4 of the module: the next k drafts, per depth `[B, 1]` (columns of the step's
+    result: one concatenation, no stack first), after a verify `batch` of B
     sequences of k + 1 rows (uniform: `query_start` b·L, `logits_indices` every row in order), its
     hidden states `hidden [B·L, H]`, each row's next token `tokens [B, L]` (exact up to row a) and
     the accepted counts `accepted [B]` (a). `step`: the verify's `model.build_step(batch)`, which
@@ -100,13 +101,14 @@ def draft_on_device(
     depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
     draft_logits, g = model.forward_mtp(depth0, hidden, 0, step)  # [B, V], [B·L, H]
     g = g[last]  # [B, H]
-    proposed = [draft_logits.argmax(dim=-1)]  # per depth [B]
+    proposed = [draft_logits.argmax(dim=-1, keepdim=True)]  # per depth [B, 1]
     if k > 1:
         # depths 1 … k−1 at once, depth-major [k−1, B]: depth d's row at position p + a + d
         first = batch.positions.view(B, L)[:, 0] + accepted  # [B] the last accepted position
         positions = first + batch.logits_indices[1:k, None]  # [k−1, B] (rows 1 … k−1: 1 … k−1)
         columns = positions // page_size  # [k−1, B] the page-table column of each
-        slots = batch.page_table[rows, columns].to(torch.int64) * page_size + positions % page_size
+        # page · S + position mod S, as position + (page − column) · S: one launch fewer
+        slots = positions + (batch.page_table[rows, columns] - columns) * page_size  # [k−1, B] int64
         tags = batch.expected_tags[rows, columns] if batch.check_tags else None  # [k−1, B]
         seq_lens = (positions + 1).to(batch.seq_lens.dtype)  # [k−1, B]
         cos, sin = (t.view(k - 1, B, -1) for t in model.cos_sin(positions.view(-1)))  # [k−1, B, Dr]
@@ -115,7 +117,7 @@ def draft_on_device(
             i = depth - 1
             chained = dataclasses.replace(
                 batch,
-                input_ids=proposed[-1],
+                input_ids=proposed[-1].view(B),
                 positions=positions[i],
                 query_start=query_start,
                 seq_lens=seq_lens[i],
@@ -126,8 +128,8 @@ def draft_on_device(
             )
             chained_step = model.build_step(chained, (cos[i], sin[i]), None if tags is None else tags[i])
             draft_logits, g = model.forward_mtp(chained, g, depth, chained_step)  # [B, V], [B, H]
-            proposed.append(draft_logits.argmax(dim=-1))
-    return torch.stack(proposed, dim=1)
+            proposed.append(draft_logits.argmax(dim=-1, keepdim=True))
+    return proposed
 
 
 def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

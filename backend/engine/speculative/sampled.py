@@ -124,6 +124,6 @@ def sampled_step(
     final = torch.where(is_sampled[:, None], drawn[:, None], targets)  # [B, L] row a's token if a stops there
     before = torch.arange(L, device=drafts.device)[None, :] < accepted[:, None]  # [B, L] rows < a
     tokens = torch.where(before, torch.nn.functional.pad(drafts, (0, 1)), final)  # [B, L]
-    proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size, step)  # [B, k]
+    proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size, step)  # k × [B, 1]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
-    return torch.cat([accepted[:, None], tokens, proposed, flags], dim=1)  # [B, 3 + 2k]
+    return torch.cat([accepted[:, None], tokens, *proposed, flags], dim=1)  # [B, 3 + 2k]
