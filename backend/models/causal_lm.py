@@ -174,8 +174,10 @@ class CausalLM(nn.Module):
         self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: Step | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft depth `depth` (0-based): `batch.input_ids` are the tokens after the positions whose
-        hidden states `hidden [T, H]` are given. Returns (float32 draft logits of
-        `batch.logits_indices`, the MTP hidden states [T, H] the next depth reads). `step`: the
+        hidden states `hidden [T, H]` are given. Returns (the draft logits of `batch.logits_indices`
+        in the model's dtype, the MTP hidden states [T, H] the next depth reads): a draft is their
+        argmax, which widening them to float32 (exact) would not change: one launch fewer a depth,
+        three of a whole greedy step's at k = 3. `step`: the
         layers' facts of `batch`'s positions and pages when the caller has them (a whole step's depth
         0 shares its verify's: the same rows; `build_step`), else built here."""
         layer: Any = self.mtp[depth % len(self.mtp)]
@@ -183,7 +185,8 @@ class CausalLM(nn.Module):
         if depth == 0:  # a depth d > 0 runs past its depth-0 row, never at position 0
             embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's DeepSeek MTP
         g = layer.draft(embeds, hidden.to(embeds.dtype), step if step is not None else self.build_step(batch))
-        return self._logits(layer.shared_head.norm(g[batch.logits_indices])), g
+        logits = self.lm_head(layer.shared_head.norm(g[batch.logits_indices]))
+        return gather_vocab(logits, self.shard, self.config.vocab_size), g
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary cos, sin `[T, Dr]` of `positions [T]`, in the activations' dtype."""

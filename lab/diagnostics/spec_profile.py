@@ -11,6 +11,11 @@ of device values (`.tolist()`, `.item()`) and its host-to-device copies counted,
 under torch.profiler: the CPU ops that wait for the device (cudaStreamSynchronize, cudaMemcpy…), and
 the device's busy time and events (kernels, copies: a replayed graph's nodes) per step. Printed: ms per step per phase, device-busy ms per step, and the
 profiler's top CPU and CUDA tables (also in --out). `--device cpu` gives the host-work proxy.
+
+Steps are also timed by kind (a whole greedy step, a step with a prompt's prefill, any other), and the
+profiler leaves each prompt's first step out: the prefill is eager (the torch MoE's per-expert loop,
+its `nonzero` syncs, the MTP layer over the prompt besides the target), and in the per-step averages
+of 2026-12-05 its ops read as the speculative step's (lab/results/2026-12-05-r13-spechost/).
 """
 
 from __future__ import annotations
@@ -84,6 +89,53 @@ def run(engine: Any, prompts: list[list[int]], stops: list[int], max_tokens: int
     return int(r["steps"])
 
 
+def step_kinds(engine: Any, totals: dict[str, float]) -> dict[str, list[Any]]:
+    """Wrap `engine.step` (already timed) to time each step by kind: a whole greedy step on the
+    device, a prompt's first step (its prefill), or any other (a plain step, or the host path)."""
+    kinds: dict[str, list[Any]] = collections.defaultdict(lambda: [0, 0.0])
+    fn = engine.step
+
+    def wrapper() -> Any:
+        spec = engine.spec
+        greedy = spec.num_greedy_steps if spec is not None else 0
+        sched = engine.scheduler
+        is_prefill = bool(sched.waiting) or any(s.num_uncomputed_tokens > 1 for s in sched.running)
+        t = time.perf_counter()
+        out = fn()
+        if spec is not None and spec.num_greedy_steps > greedy:
+            kind = "step kind: whole greedy"
+        else:
+            kind = "step kind: with a prefill" if is_prefill else "step kind: other"
+        kinds[kind][0] += 1
+        kinds[kind][1] += time.perf_counter() - t
+        return out
+
+    engine.step = wrapper
+    return kinds
+
+
+def decode_steps(
+    engine: Any, prompt: list[int], stops: list[int], max_tokens: int, rid: str, prof: Any
+) -> int:
+    """One greedy request's steps after its first, under `prof` (paused over the first): their count."""
+    from schemas.backend import EngineRequest, SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops)
+    engine.add_request(
+        EngineRequest(request_id=rid, prompt_token_ids=prompt, tenant_salt="a" * 32, sampling=sampling)
+    )
+    prof.toggle_collection_dynamic(False, prof.activities)
+    engine.step()  # the prompt's step
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # its kernels done before collection resumes
+    prof.toggle_collection_dynamic(True, prof.activities)
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, default=Path("models/glm-5.2-nano"))
@@ -113,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         totals: dict[str, float] = collections.defaultdict(float)
         counts = count_transfers()
         timed(engine, "step", totals)
+        kinds = step_kinds(engine, totals)
         timed(engine.scheduler, "schedule", totals)
         timed(engine, "_postprocess", totals)
         timed(engine.runner, "run", totals, "runner.run (plain step)")
@@ -136,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"== side {side}: {steps} steps, ms per step:")
         for name, s in sorted(totals.items(), key=lambda kv: -kv[1]):
             lines.append(f"   {name:32} {1e3 * s / steps:8.3f}")
+        for kind, (n, s) in sorted(kinds.items()):
+            lines.append(f"   {kind:32} {1e3 * s / max(n, 1):8.3f} ms each, {n} steps")
         for name, n in sorted(counts.items()):
             lines.append(f"   {name:32} {n / steps:8.2f} per step")
         if engine.spec is not None:
@@ -143,12 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         restore_transfers()
         acts = [torch.profiler.ProfilerActivity.CPU]
         acts += [torch.profiler.ProfilerActivity.CUDA] if args.device.startswith("cuda") else []
+        # the decode steps of two prompts, each prompt's first step (its eager prefill: the target's
+        # and, speculating, the MTP layer's over the prompt, with the torch MoE's per-expert loop and
+        # its syncs) left out: until 2026-12-05 it was in, and its eager ops read as the step's
+        steps = 0
         with torch.profiler.profile(activities=acts) as prof:
-            steps = run(engine, prompts[:2], stops, args.max_tokens)
+            for i, prompt in enumerate(prompts[:2]):
+                steps += decode_steps(engine, prompt, stops, args.max_tokens, f"p{i}", prof)
         ka = prof.key_averages()
         cuda_us = sum(e.self_device_time_total for e in ka)
         lines.append(
-            f"   device busy (sum of kernel self time) {cuda_us / 1e3 / steps:8.3f} ms/step over {steps} steps"
+            f"   device busy (sum of kernel self time) {cuda_us / 1e3 / steps:8.3f} ms/step over {steps} "
+            "decode steps (prefills left out)"
         )
         # kernels and copies the device ran: in a replayed step, about the graph's nodes (launch cost)
         device_events = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -229,7 +229,7 @@ class SpecDecoder:
     def _run_greedy(self, rows: list[SpecRow], tag_updates: list[tuple[int, int]]) -> list[SeqResult]:
         """The step as one device function: verify, accept, propose; one copy back."""
         k, L = self.k, self.k + 1
-        host = plan_greedy(rows, k, self.block_manager)
+        host = plan_greedy(rows, k, self.block_manager, self.runner.vocab_size)
         seqs = [r.sched.seq for r in rows]
         if not all(seq.sample_row.is_argmax for seq in seqs):
             gens = [self._host_generator(seq) for seq in seqs]

@@ -10,9 +10,9 @@ reads one small tensor back; on the CPU (or wherever no graph was captured) the 
 Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p+k, p its newest token's):
 
 1. Verify: the target over `[newest, d_1 … d_k]`; row i's argmax t_i is its token after d_1 … d_i,
-   its reasoning guard's end-of-turn ids masked first where the block is open at row i (`mask_guarded`:
-   open before row 0 as the guard is now, each draft a marker opening or closing it, as
-   `ReasoningGuard.banned_along`), so the targets are the host path's (accept.py `banned_rows`).
+   its reasoning guard's end-of-turn ids masked first where the block is open at row i (`mask_guarded`
+   with the ids `ReasoningGuard.banned_along` the drafts bans at each row, `guard_rows`: the host
+   knows the drafts), so the targets are the host path's (accept.py `banned_rows`).
 2. Accept: a = the number of leading drafts equal to the target's (d_{i+1} == t_i); the step emits
    t_0 … t_a (the accepted drafts are the targets they equal, then the target's own token).
 3. Depth 0: the MTP layer over the same L rows, its input tokens t_0 … t_k (row i's input is the
@@ -33,11 +33,11 @@ Every forward ORs into the one `tag_mismatch` [B], so a page that changed owner 
 flags its sequence. The result `[B, 3 + 2k]` int64 per sequence: a, t_0 … t_k, the k next drafts,
 and its tag flag last (the host's one read back holds it all).
 
-The guard's inputs are one row per sequence, `guard_rows` (`[B, 3 + MAX_BANNED]` int64: is the block
-open, its start and end marker ids, the banned ids padded with -1), staged with the step's other
-inputs; a sequence without a guard has a closed block and no markers. The drafts are proposals and
-stay unmasked (exactness needs only the targets masked; an end-of-turn draft inside the block is
-rejected like any other wrong one).
+The guard's input is each verify row's banned ids, `guard_rows` (`[B, L, MAX_BANNED]` int64, -1
+padded), staged with the step's other inputs: the host walks the guard along the drafts it sent
+(four launches in the graph; walking it there from the markers took seventeen at k = 3). The drafts
+are proposals and stay unmasked (exactness needs only the targets masked; an end-of-turn draft inside
+the block is rejected like any other wrong one).
 
 Shape letters: B sequences, L = k + 1 rows each, V vocabulary, H hidden.
 """
@@ -59,25 +59,24 @@ if TYPE_CHECKING:
 # the most end-of-turn ids a guard may ban on the device (GLM's are 3, Kimi K2's 2); a request with
 # more runs its speculative steps on the host path
 MAX_BANNED = 4
-GUARD_WIDTH = 3 + MAX_BANNED  # a guard row: is open, start id, end id, MAX_BANNED banned ids (-1: none)
 
 
 def greedy_step(
     model: Any, batch: ForwardBatch, guards: torch.Tensor, k: int, page_size: int
 ) -> torch.Tensor:
     """`batch`: a uniform verify (B sequences of k + 1 rows, every row a logits row) whose page
-    tables hold the pages of n + 2k − 1 tokens; `guards` `[B, GUARD_WIDTH]` its sequences'
+    tables hold the pages of n + 2k − 1 tokens; `guards` `[B, k + 1, MAX_BANNED]` its rows'
     `guard_rows`. Returns `[B, 3 + 2k]` int64 (see the module)."""
     L = k + 1
     B = batch.seq_lens.shape[0]
     step = model.build_step(batch)  # the verify's, and depth 0's (the same rows)
     logits, hidden = model.forward_spec(batch, step)  # [B·L, V], [B·L, H]
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
-    targets = mask_guarded(logits, drafts, guards).argmax(dim=-1).view(B, L)  # [B, L]
+    targets = mask_guarded(logits, guards).argmax(dim=-1).view(B, L)  # [B, L]
     accepted = accepted_count(targets, drafts)  # [B] a
-    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size, step)  # [B, k]
+    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size, step)  # k × [B, 1]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
-    return torch.cat([accepted[:, None], targets, proposed, flags], dim=1)  # [B, 3 + 2k]
+    return torch.cat([accepted[:, None], targets, *proposed, flags], dim=1)  # [B, 3 + 2k]
 
 
 def draft_on_device(
@@ -88,25 +87,28 @@ def draft_on_device(
     accepted: torch.Tensor,
     page_size: int,
     step: Step | None = None,
-) -> torch.Tensor:
-    """Steps 3 and 4 of the module: the next k drafts `[B, k]` after a verify `batch` of B
-    sequences of k + 1 rows, its hidden states `hidden [B·L, H]`, each row's next token `tokens
-    [B, L]` (exact up to row a) and the accepted counts `accepted [B]` (a). `step`: the verify's
-    `model.build_step(batch)`, which depth 0 shares (None: built for it)."""
+) -> list[torch.Tensor]:
+    """Steps 3 and 4 of the module: the next k drafts, per depth `[B, 1]` (columns of the step's
+    result: one concatenation, no stack first), after a verify `batch` of B
+    sequences of k + 1 rows (uniform: `query_start` b·L, `logits_indices` every row in order), its
+    hidden states `hidden [B·L, H]`, each row's next token `tokens [B, L]` (exact up to row a) and
+    the accepted counts `accepted [B]` (a). `step`: the verify's `model.build_step(batch)`, which
+    depth 0 shares (None: built for it)."""
     B, L = tokens.shape
     k = L - 1
-    rows = torch.arange(B, device=tokens.device)  # [B]
-    last = rows * L + accepted  # [B] each sequence's row of its last accepted position
+    rows = batch.logits_indices[:B]  # [B] 0 … B−1: the uniform verify's first rows (no launch)
+    last = batch.query_start[:B] + accepted  # [B] each sequence's row of its last accepted position
     depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
     draft_logits, g = model.forward_mtp(depth0, hidden, 0, step)  # [B, V], [B·L, H]
     g = g[last]  # [B, H]
-    proposed = [draft_logits.argmax(dim=-1)]  # per depth [B]
+    proposed = [draft_logits.argmax(dim=-1, keepdim=True)]  # per depth [B, 1]
     if k > 1:
         # depths 1 … k−1 at once, depth-major [k−1, B]: depth d's row at position p + a + d
         first = batch.positions.view(B, L)[:, 0] + accepted  # [B] the last accepted position
-        positions = first + torch.arange(1, k, device=rows.device)[:, None]  # [k−1, B]
+        positions = first + batch.logits_indices[1:k, None]  # [k−1, B] (rows 1 … k−1: 1 … k−1)
         columns = positions // page_size  # [k−1, B] the page-table column of each
-        slots = batch.page_table[rows, columns].to(torch.int64) * page_size + positions % page_size
+        # page · S + position mod S, as position + (page − column) · S: one launch fewer
+        slots = positions + (batch.page_table[rows, columns] - columns) * page_size  # [k−1, B] int64
         tags = batch.expected_tags[rows, columns] if batch.check_tags else None  # [k−1, B]
         seq_lens = (positions + 1).to(batch.seq_lens.dtype)  # [k−1, B]
         cos, sin = (t.view(k - 1, B, -1) for t in model.cos_sin(positions.view(-1)))  # [k−1, B, Dr]
@@ -115,7 +117,7 @@ def draft_on_device(
             i = depth - 1
             chained = dataclasses.replace(
                 batch,
-                input_ids=proposed[-1],
+                input_ids=proposed[-1].view(B),
                 positions=positions[i],
                 query_start=query_start,
                 seq_lens=seq_lens[i],
@@ -126,8 +128,8 @@ def draft_on_device(
             )
             chained_step = model.build_step(chained, (cos[i], sin[i]), None if tags is None else tags[i])
             draft_logits, g = model.forward_mtp(chained, g, depth, chained_step)  # [B, V], [B, H]
-            proposed.append(draft_logits.argmax(dim=-1))
-    return torch.stack(proposed, dim=1)
+            proposed.append(draft_logits.argmax(dim=-1, keepdim=True))
+    return proposed
 
 
 def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -137,39 +139,30 @@ def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return (targets[:, :k] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def guard_rows(guards: list[ReasoningGuard | None]) -> np.ndarray:
-    """`[B, GUARD_WIDTH]` int64, the device's view of each sequence's guard now: is its block open,
-    its start and end marker ids, its banned ids padded with -1 (no guard: closed, no markers)."""
-    rows = np.full((len(guards), GUARD_WIDTH), -1, dtype=np.int64)
-    rows[:, 0] = 0
-    for b, guard in enumerate(guards):
-        if guard is not None:
-            assert len(guard.stop_ids) <= MAX_BANNED, "more banned ids than a guard row holds"
-            rows[b, :3] = guard.is_open, guard.start_id, guard.end_id
-            rows[b, 3 : 3 + len(guard.stop_ids)] = guard.stop_ids
+def guard_rows(guards: list[ReasoningGuard | None], drafts: list[list[int]], vocab_size: int) -> np.ndarray:
+    """`[B, k + 1, MAX_BANNED]` int64: the ids each sequence's guard bans at each of its verify
+    rows (`ReasoningGuard.banned_along` its k `drafts`, the host path's `banned_rows`), -1 padded;
+    ids past the vocabulary dropped, as the sampler's `mask_banned` skips them (no guard: none)."""
+    L = len(drafts[0]) + 1 if drafts else 1
+    rows = np.full((len(guards), L, MAX_BANNED), -1, dtype=np.int64)
+    for b, (guard, ds) in enumerate(zip(guards, drafts, strict=True)):
+        if guard is None:
+            continue
+        assert len(guard.stop_ids) <= MAX_BANNED, "more banned ids than a guard row holds"
+        for i, banned in enumerate(guard.banned_along(ds)):
+            ids = [t for t in banned if 0 <= t < vocab_size]
+            rows[b, i, : len(ids)] = ids
     return rows
 
 
-def mask_guarded(logits: torch.Tensor, drafts: torch.Tensor, guards: torch.Tensor) -> torch.Tensor:
-    """`logits [B·L, V]` of a uniform verify with -inf at each row's banned ids where its block is
-    open, in place (`ReasoningGuard.banned_along` over `drafts [B, k]`, on the device and without
-    a sync). `guards [B, GUARD_WIDTH]`: `guard_rows`. Ids outside the vocabulary are skipped, as
-    the sampler's `mask_banned` skips them."""
-    B, k = drafts.shape
-    L, V = k + 1, logits.shape[1]
-    opens = drafts == guards[:, 1:2]  # [B, k] a start marker
-    keeps = drafts != guards[:, 2:3]  # [B, k] not an end marker
-    is_open = [guards[:, 0] != 0]  # per row i: [B], open after d_1 … d_i
-    for i in range(k):  # `ReasoningGuard.accept`: a start marker opens, else an end marker closes
-        is_open.append(opens[:, i] | (keeps[:, i] & is_open[-1]))
-    open_rows = torch.stack(is_open, dim=1)  # [B, L]
-    ids = guards[:, 3:]  # [B, S] banned ids, -1 padded
-    is_banned = open_rows[:, :, None] & ((ids >= 0) & (ids < V))[:, None, :]  # [B, L, S]
-    # -inf added at a banned id, 0 at any other entry (padding lands on some column): a column
-    # with several entries gets -inf if any bans it, else keeps its value (x + 0 = x; a -0.0
-    # becomes 0.0, the same to argmax and softmax). Seven launches; a gather, where and scatter of
-    # one value per column took eleven.
-    penalty = torch.where(is_banned, float("-inf"), 0.0)  # [B, L, S] float32
-    index = ids.clamp(0, V - 1)[:, None, :].expand(B, L, MAX_BANNED)  # [B, L, S]
-    logits.view(B, L, V).scatter_add_(2, index, penalty.to(logits.dtype))
+def mask_guarded(logits: torch.Tensor, guards: torch.Tensor) -> torch.Tensor:
+    """`logits [B·L, V]` of a uniform verify with -inf at each row's banned ids, in place, without a
+    sync. `guards [B, L, MAX_BANNED]`: `guard_rows`."""
+    B, L, S = guards.shape
+    V = logits.shape[1]
+    # -inf added at a banned id, 0 at any other entry (padding lands on column 0): a column with
+    # several entries gets -inf if any bans it, else keeps its value (x + 0 = x; a -0.0 becomes 0.0,
+    # the same to argmax and softmax). Four launches.
+    penalty = torch.where(guards >= 0, float("-inf"), 0.0)  # [B, L, S] float32
+    logits.view(B, L, V).scatter_add_(2, guards.clamp(min=0), penalty.to(logits.dtype))
     return logits

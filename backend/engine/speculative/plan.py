@@ -36,10 +36,10 @@ class SpecRow:
     logits_rows: list[int] = field(default_factory=list)  # verify rows, or [sample row]
 
 
-def plan_greedy(rows: list[SpecRow], k: int, block_manager: BlockManager) -> HostBatch:
+def plan_greedy(rows: list[SpecRow], k: int, block_manager: BlockManager, vocab_size: int) -> HostBatch:
     """A greedy step's verify, vectorised: each sequence's newest token and its k drafts at
     positions n-1 … n-1+k, its page table as wide as the chained drafts need (n + 2k - 1
-    tokens), and its reasoning guard's row."""
+    tokens), and the ids its reasoning guard bans at each row (those under `vocab_size`)."""
     L, S, B = k + 1, block_manager.page_size, len(rows)
     seqs = [r.sched.seq for r in rows]
     tokens = np.array(
@@ -73,7 +73,7 @@ def plan_greedy(rows: list[SpecRow], k: int, block_manager: BlockManager) -> Hos
         page_table=ids,
         expected_tags=tags,
         rows_per_seq=L,
-        guards=guard_rows([seq.guard for seq in seqs]),
+        guards=guard_rows([seq.guard for seq in seqs], [r.drafts for r in rows], vocab_size),
     )
 
 

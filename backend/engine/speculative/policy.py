@@ -156,6 +156,7 @@ class DraftPolicy:
         self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
         self._probe_left = 0  # drafting steps left in a probe of the speculative rate
         self.num_probes = 0  # probes of the speculative rate begun (any load)
+        self._pays_if_accepted: dict[tuple[StepLoad, float], bool] = {}  # `_would_pay_if_accepted`
 
     # ---- the model ---------------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -187,6 +188,28 @@ class DraftPolicy:
         tokens = load.num_other_samples + load.num_drafting * self.expected_tokens(k)
         return tokens / self.step_cost(load, k)
 
+    def rates(self, load: StepLoad, acceptance: list[float]) -> list[float]:
+        """`rate(load, k)` for k = 0 … K under `acceptance` (a_1 … a_K), in one pass: the same
+        arithmetic in the same order (equal floats), without ~8 calls per k. It runs before every
+        step, plain ones included: as calls it was 15 µs a step, 3% of a nano model's 0.44 ms."""
+        B, N, R, sat, m = (
+            load.num_drafting,
+            load.num_other_samples,
+            load.num_rows,
+            self.saturation_rows,
+            self.draft_cost,
+        )
+        one_row = max(1.0, B / sat)  # forward_cost(B): a chained depth
+        out = [(N + B * 1.0) / max(1.0, R / sat)]
+        total, p = 1.0, 1.0
+        for k in range(1, self.max_drafts + 1):
+            p *= acceptance[k - 1]
+            total += p  # E(k)
+            cost = max(1.0, (R + B * k) / sat)
+            cost += m * (max(1.0, B * total / sat) + (k - 1) * one_row)
+            out.append((N + B * total) / cost)
+        return out
+
     # ---- per step ----------------------------------------------------------------------------
     def choose(self, load: StepLoad) -> int:
         """The draft length for this step (0: no drafts)."""
@@ -195,7 +218,7 @@ class DraftPolicy:
         if not self.is_adaptive:
             self.last_k = self.max_drafts
             return self.max_drafts
-        rates = [self.rate(load, k) for k in range(self.max_drafts + 1)]
+        rates = self.rates(load, self.acceptance)
         k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
         is_modelled = k > 0  # the cost model, at the measured acceptance, says k pays
         if k == 0 and self._would_pay_if_accepted(load):
@@ -301,9 +324,12 @@ class DraftPolicy:
         return next((load.num_rows for load in loads if self._would_pay_if_accepted(load)), 0)
 
     def _would_pay_if_accepted(self, load: StepLoad) -> bool:
-        saved = self.acceptance
-        self.acceptance = [1.0] * self.max_drafts
-        try:
-            return max(self.rate(load, k) for k in range(1, self.max_drafts + 1)) > self.rate(load, 0)
-        finally:
-            self.acceptance = saved
+        """Some k > 0 beats k = 0 with every draft accepted (per load and m: remembered)."""
+        key = (load, self.draft_cost)
+        pays = self._pays_if_accepted.get(key)
+        if pays is None:
+            if len(self._pays_if_accepted) > 1024:  # loads and measured m vary: keep it bounded
+                self._pays_if_accepted.clear()
+            rates = self.rates(load, [1.0] * self.max_drafts)
+            pays = self._pays_if_accepted[key] = max(rates[1:]) > rates[0]
+        return pays

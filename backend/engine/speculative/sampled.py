@@ -99,7 +99,7 @@ def sampled_step(
     logits, hidden = model.forward_spec(batch, step)  # [B·L, V], [B·L, H]
     V = logits.shape[1]
     drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
-    x = mask_guarded(logits, drafts, guards).float()  # [B·L, V]
+    x = mask_guarded(logits, guards).float()  # [B·L, V]
     targets = x.argmax(dim=-1).view(B, L)  # [B, L] the greedy rule's
     params = draws[:, :PARAMS_WIDTH].float()  # [B, 3] as the host sampler's (float32)
     temperature, top_k, top_p = (params[:, i : i + 1].expand(B, L).reshape(B * L) for i in range(3))
@@ -124,6 +124,6 @@ def sampled_step(
     final = torch.where(is_sampled[:, None], drawn[:, None], targets)  # [B, L] row a's token if a stops there
     before = torch.arange(L, device=drafts.device)[None, :] < accepted[:, None]  # [B, L] rows < a
     tokens = torch.where(before, torch.nn.functional.pad(drafts, (0, 1)), final)  # [B, L]
-    proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size, step)  # [B, k]
+    proposed = draft_on_device(model, batch, hidden, tokens, accepted, page_size, step)  # k × [B, 1]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
-    return torch.cat([accepted[:, None], tokens, proposed, flags], dim=1)  # [B, 3 + 2k]
+    return torch.cat([accepted[:, None], tokens, *proposed, flags], dim=1)  # [B, 3 + 2k]

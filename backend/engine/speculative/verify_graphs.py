@@ -22,8 +22,8 @@ forward that cannot be captured leaves every verify eager and `disabled_reason` 
 
 Beside each verify graph, a graph of the whole greedy step over the same buffers (`replay_greedy`:
 backend/engine/speculative/greedy.py), when the caller gives one; its page tables' columns hold the
-pages of the chained drafts too (`num_pages`), and it reads one more buffer, each sequence's reasoning
-guard row (`guards`; padding sequences' closed, no markers). Beside those, when the caller gives one,
+pages of the chained drafts too (`num_pages`), and it reads one more buffer, the ids each row's reasoning
+guard bans (`guards`; padding sequences' none). Beside those, when the caller gives one,
 a graph of the whole sampled step (backend/engine/speculative/sampled.py) that reads one buffer more,
 each sequence's sampling parameters and uniforms (`draws`; padding sequences' greedy). All of a step's
 host values cross in one copy.
@@ -48,7 +48,7 @@ import torch
 from backend.engine.decode_graphs import SCRATCH_TAG, Capture, stage_page_tables
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
 from backend.engine.host_staging import StagingBuffer
-from backend.engine.speculative.greedy import GUARD_WIDTH
+from backend.engine.speculative.greedy import MAX_BANNED
 from backend.engine.speculative.sampled import draw_width
 from backend.engine.sync_free import sync_free
 
@@ -103,8 +103,8 @@ class VerifyGraphs:
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
         self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
-        self.guards = torch.full((n, GUARD_WIDTH), -1, dtype=i64, device=dev)  # [n, 3 + S] greedy.py's rows
-        self.guards[:, 0] = 0  # closed: no sequence's guard bans anything until one is staged
+        # [n, L, MAX_BANNED] greedy.py's `guard_rows`: nothing banned until a step stages its own
+        self.guards = torch.full((n, L, MAX_BANNED), -1, dtype=i64, device=dev)
         self.draws = torch.zeros(
             (n, draw_width(max_drafts)), dtype=torch.float64, device=dev
         )  # [n, W] greedy
@@ -148,12 +148,14 @@ class VerifyGraphs:
             self.disabled_reason = f"{type(exc).__name__}: {exc}"
         if greedy is not None and self._replays:
             self.greedy_disabled_reason = self._capture_whole(
-                lambda b, size, k: partial(greedy, b, self.guards[:size], k), self._greedy_replays, capture
+                lambda b, size, k: partial(greedy, b, self.guards[:size, : k + 1], k),
+                self._greedy_replays,
+                capture,
             )
         if sampled is not None and self._replays:
             self.sampled_disabled_reason = self._capture_whole(
                 lambda b, size, k: partial(
-                    sampled, b, self.guards[:size], self.draws[:size, : draw_width(k)], k
+                    sampled, b, self.guards[:size, : k + 1], self.draws[:size, : draw_width(k)], k
                 ),
                 self._sampled_replays,
                 capture,
@@ -300,9 +302,8 @@ class VerifyGraphs:
         h_pages, h_tags = stage_page_tables(st, host, bucket, num_pages, scratch)
         h_guards = None
         if host.guards is not None:
-            h_guards, guards = st.reserve(np.int64, (bucket, GUARD_WIDTH))
-            guards[:B], guards[B:] = host.guards, -1
-            guards[B:, 0] = 0  # padding sequences: closed, no markers
+            h_guards, guards = st.reserve(np.int64, (bucket, L, MAX_BANNED))
+            guards[:B], guards[B:] = host.guards, -1  # padding sequences: nothing banned
         h_draws = None
         if host.draws is not None:
             h_draws, draws = st.reserve(np.float64, (bucket, host.draws.shape[1]))
@@ -314,7 +315,8 @@ class VerifyGraphs:
         n, bucket, width, handles, h_guards, h_draws = self._staged
         vectors, pages, tags = (self.staging.view(h) for h in handles)
         if h_guards is not None:
-            self.guards[:bucket].copy_(self.staging.view(h_guards))
+            guards = self.staging.view(h_guards)  # [bucket, L, MAX_BANNED]
+            self.guards[:bucket, : guards.shape[1]].copy_(guards)
         if h_draws is not None:
             draws = self.staging.view(h_draws)
             self.draws[:bucket, : draws.shape[1]].copy_(draws)

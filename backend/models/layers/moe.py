@@ -87,6 +87,13 @@ class Router(nn.Module):
         )
 
 
+# the most multiply-adds (tokens × local experts × 3 · I · H) the every-expert path may spend where the
+# loop would run on CUDA: up to it, an eager forward (a prefill, a speculative step's host-path or
+# catch-up forward) runs without the loop's host syncs and per-expert launches (nano models: ~5,400
+# tokens; 2026-12-05's H100 profiles had 8 syncs and ~80 launches per MoE layer of a nano prefill)
+EVERY_EXPERT_MACS = 1 << 32
+
+
 class Experts(nn.Module):
     """Local experts `[e0, e1)` as fused tensors: gate_up_proj [El, 2I, H], down_proj [El, H, I],
     where I is this rank's intermediate range `[i0, i1)` of each expert (all of it unless `width`
@@ -149,8 +156,13 @@ class Experts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] → this rank's share of the routed sum [T, H], `+ add` [T, H]
-        when given (the shared experts' output, as the quantized experts' fused kernel adds it)."""
-        if is_sync_free():  # a captured decode step: no loop sized by the experts in use
+        when given (the shared experts' output, as the quantized experts' fused kernel adds it): the
+        loop over the experts in use, or on CUDA while the work is small (`EVERY_EXPERT_MACS`) and in
+        a captured step, the every-expert path (no host sync: the loop's `unique().tolist()` and
+        `where` each wait for the device)."""
+        T, El = x.shape[0], self.e1 - self.e0
+        macs = T * El * 3 * self.intermediate * x.shape[1]
+        if is_sync_free() or (x.is_cuda and macs <= EVERY_EXPERT_MACS):
             routed = self.forward_every_expert(x, weights, ids)
             return routed if add is None else routed + add
         out = torch.zeros_like(x)
@@ -165,8 +177,8 @@ class Experts(nn.Module):
     def forward_every_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """`forward` with fixed shapes (no host sync, so a CUDA graph can hold it): every local expert
         runs on every token and the routing weights, zero for unchosen experts, pick the sum. El/k
-        times the work of the loop; for decode-sized T (unquantized experts only: INT4 ones go
-        through the fused MoE kernel)."""
+        times the work of the loop; for decode-sized T, or small work (unquantized experts only:
+        INT4 and FP8 ones go through the fused MoE kernels)."""
         T, El = x.shape[0], self.e1 - self.e0
         route = torch.zeros(T, El + 1, dtype=torch.float32, device=x.device)  # column El: other ranks'
         if self.is_every_expert_local:  # every id is a local column: no shift, no mask (5 launches)

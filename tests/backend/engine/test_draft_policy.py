@@ -56,6 +56,20 @@ def test_cost_model_by_hand() -> None:
     assert p.step_cost(load, 0) == 1.0 and p.rate(load, 0) == 4.0
 
 
+def test_rates_in_one_pass_equal_the_model_exactly() -> None:
+    """`rates` (what `choose` asks before every step) gives `rate(load, k)` for every k, equal
+    floats: it is the same arithmetic, not an approximation, so the choices are unchanged."""
+    rng = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        K = int(torch.randint(1, 6, (1,), generator=rng))
+        p = policy(K, saturation_rows=int(torch.randint(1, 128, (1,), generator=rng)))
+        p.draft_cost = float(torch.rand(1, generator=rng))
+        p.acceptance = torch.rand(K, generator=rng, dtype=torch.float64).tolist()
+        rows, drafting, others = (int(x) for x in torch.randint(0, 300, (3,), generator=rng))
+        load = StepLoad(num_rows=rows + drafting + others, num_drafting=drafting, num_other_samples=others)
+        assert p.rates(load, p.acceptance) == [p.rate(load, k) for k in range(K + 1)]
+
+
 def test_one_user_with_good_acceptance_drafts_the_most() -> None:
     p = policy(3, acceptance=0.8)
     assert p.choose(StepLoad(num_rows=1, num_drafting=1)) == 3

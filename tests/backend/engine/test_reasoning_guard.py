@@ -334,10 +334,11 @@ def test_whole_greedy_steps_on_the_device_keep_the_guard(k: int) -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_the_device_mask_is_the_guard_along_the_drafts(k: int) -> None:
-    """`mask_guarded` against `ReasoningGuard.banned_along` on random guards (open or closed, with
-    a history, start and end ids that may coincide, stop ids repeated, 0 or past the vocabulary)
-    and random drafts rich in their markers: -inf exactly at the banned ids in the vocabulary of
-    each verify row, every other logit as it was; a sequence without a guard masks nothing."""
+    """`mask_guarded` over `guard_rows` against `ReasoningGuard.banned_along` on random guards (open
+    or closed, with a history, start and end ids that may coincide, stop ids repeated, 0 or past the
+    vocabulary) and random drafts rich in their markers: -inf exactly at the banned ids in the
+    vocabulary of each verify row, every other logit as it was; a sequence without a guard masks
+    nothing; the guards are left as they were."""
     rng = random.Random(k)
     V, L = 12, k + 1
     guards: list[ReasoningGuard | None] = [
@@ -359,7 +360,12 @@ def test_the_device_mask_is_the_guard_along_the_drafts(k: int) -> None:
         for g in guards
     ]
     logits = torch.randn(len(guards) * L, V)
-    masked = mask_guarded(logits.clone(), torch.tensor(drafts), torch.from_numpy(guard_rows(guards)))
+    was_open = [g.is_open if g else None for g in guards]
+    rows = guard_rows(guards, drafts, V)
+    assert (
+        rows.shape == (len(guards), L, MAX_BANNED) and [g.is_open if g else None for g in guards] == was_open
+    )
+    masked = mask_guarded(logits.clone(), torch.from_numpy(rows))
     num_banned_rows = 0
     for b, (maybe, ds) in enumerate(zip(guards, drafts, strict=True)):
         along = maybe.banned_along(ds) if maybe is not None else [()] * L
@@ -371,6 +377,37 @@ def test_the_device_mask_is_the_guard_along_the_drafts(k: int) -> None:
             assert torch.equal(masked[row][~is_inf], logits[row][~is_inf])
             num_banned_rows += bool(want)
     assert num_banned_rows > len(guards) * L // 4
+
+
+def test_the_device_mask_is_four_launches() -> None:
+    """The whole step's masking, a node each in its graph: a compare, a select, a clamp and the
+    scatter, at any k (walking the guard along the drafts there took 17 at k = 3: the host knows
+    the drafts, `guard_rows` walks it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.backend.engine.test_speculative_host import NO_LAUNCH
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = str(func.overloadpacket.__name__)
+            # scalar_tensor: a 0-dim host wrapper of where's scalars, no launch
+            if name not in {*NO_LAUNCH, "scalar_tensor"} and not (name == "to" and out is args[0]):
+                self.names.append(name)
+            return out
+
+    guard = ReasoningGuard(START, END, [1, 2], is_open=True)
+    for k in (1, 3, 5):
+        rows = torch.from_numpy(guard_rows([guard, None], [[END, *[3] * (k - 1)], [3] * k], 12))
+        logits = torch.randn(2 * (k + 1), 12)
+        with Ops() as ops:
+            mask_guarded(logits, rows)
+        assert sorted(ops.names) == ["clamp", "ge", "scatter_add_", "where"], (k, ops.names)
+        assert torch.isinf(logits[0, [1, 2]]).all() and not torch.isinf(logits[1:]).any()  # END closes it
 
 
 def test_sampled_speculative_outputs_follow_the_guarded_target() -> None:

@@ -79,7 +79,12 @@ def test_verify_steps_replay_cuda_graphs(tmp_path: Path, arch: str) -> None:
     assert forwards is not None and forwards.graphs is not None
     graphs = forwards.graphs
     assert graphs.is_enabled, graphs.disabled_reason
-    assert sorted(graphs._replays) == [(k, b) for k in (1, 2, 3) for b in (1, 2, 4, 8, 16)]
+    # keyed (k, bucket, page-table width) at the decode graphs' widths: here only the full one (128
+    # tokens, 8 pages), the tiny DSA's index_topk (8) being under a page (a narrow graph: a DSA model's
+    # pages within index_topk, backend/engine/speculative/verify_graphs.py; test_verify_graphs.py)
+    decode = engine.runner.graphs
+    assert decode is not None and graphs.widths == decode.widths == [graphs.max_pages] == [8]
+    assert sorted(graphs._replays) == [(k, b, 8) for k in (1, 2, 3) for b in (1, 2, 4, 8, 16)]
     OracleDrafts(engine, plain, p_wrong=0.3)
     spec = run_all(engine, reqs)
     assert graphs.num_replays >= 6  # the steps after the prompts, until requests near max_tokens

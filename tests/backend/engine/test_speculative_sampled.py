@@ -219,7 +219,7 @@ def test_a_residual_or_bonus_draw_resolves_a_long_tail() -> None:
             kv_cache=cast(KVCache, None),
             tag_mismatch=torch.zeros(1, dtype=torch.bool),
         )
-        guards = torch.from_numpy(guard_rows([None]))
+        guards = torch.from_numpy(guard_rows([None], [[draft]], V))
         out = sampled_step(model, batch, guards, torch.from_numpy(draws), 1, 8)
         a = int(u == 0.0)
         assert out[0, 0].item() == a and out[0, 1 : 2 + a].tolist() == [draft] * a + [want]
