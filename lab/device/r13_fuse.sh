@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13's launch fusions on the decode path (issue 24, branch r13-fuse), one H100 or H200, <= ~420 s,
+# Session 13's launch fusions on the decode path (issue 24, branch r13-fuse), one H100 or H200, <= ~560 s,
 # never run on a GPU: rope for up to four tensors (kernels/rope*.py), kv_write of two caches
 # (kernels/kv_write*.py, KvLines), the LoRA norms + the indexer key's LayerNorm as one launch
 # (kernels/row_norms*.py), the shared experts' add in the fused MoE's down epilogue (moe_gemv_finish ADD).
@@ -8,9 +8,11 @@
 # 2. the rank-of-8 profile, PDL on: 2,521 kernels a step before (rank 0 of 8, 78 full DSA layers, 75 MoE
 #    layers); expect 2,521 - 78 x 6 - 75 = 1,978, no vectorized_layer_norm and no CUDAFunctor_add<bf16> rows
 #    but the one after the last layer, _rope_kernel / _kv_write_kernel / _row_norms_kernel 78 each,
-#    _rms_norm_kernel 157 (the residual norms and the final norm).
+#    _rms_norm_kernel 157 (the residual norms and the final norm);
+# 3. `decode_c1_bytes_ratio_rank_of_8` int4-all, 3 rounds (session 13 before the fusions: 12.004 ms, 7.29x on
+#    an H100): copy $W/decode-c1-rank-of-8.{json,md} to benchmarks/results/<date>-decode-c1-rank-of-8.*.
 # Everything in $OUT/r13_fuse.tgz, packed after each stage.
-#   run(command="bash lab/device/r13_fuse.sh", carry=[".whl"], timeout_s=480)
+#   run(command="timeout -s KILL 580 bash lab/device/r13_fuse.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r13f && rm -rf $W && mkdir -p $W
 el() { echo $(( $(date +%s) - START )); }
@@ -25,5 +27,9 @@ pack
 timeout 150 python3 -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8 --steps 10 \
   --pdl on --top 30 --out $W/profile-rank-of-8.json > $W/profile-rank-of-8.log 2>&1
 echo "== rank-of-8 profile rc=$? at $(el)s"; grep -v -E "Warning|warn|USDT|profiler" $W/profile-rank-of-8.log | head -34
+pack
+timeout 150 python3 -m benchmarks.cli engine decode-c1 --formats int4-all --rank-of 8 --rounds 3 --budget-s 100 \
+  --out $W/decode-c1-rank-of-8.json > $W/decode-c1.log 2>&1
+echo "== decode-c1 rank-of-8 rc=$? at $(el)s"; grep -E "^\`decode|^\| int4|PDL" $W/decode-c1.log | head -6
 pack
 echo "== done at $(el)s"
