@@ -18,7 +18,9 @@ load measured, plain steps winning, no probe affordable, so `choose` walks its w
 
 Each round runs one greedy request of `--steps` decode steps on each side, A and B alternating
 (A, B, B, A, ...); a round's figure is the median host µs of its decode steps; the report gives each
-side's median over rounds and their difference. `--profile`: one more cProfile'd run per side, the
+side's median over rounds and their difference, of all host time and of the critical path's: less
+the work the engine does between the step's launch and its read back (`SpecDecoder.while_plain_step`,
+timed by `Overlap`), which on a GPU runs beside the device's ~0.4 ms of work. `--profile`: one more cProfile'd run per side, the
 functions by own time outside the model (what A does that B does not).
 """
 
@@ -58,6 +60,27 @@ def engines(checkpoint: Path, meter: Meter) -> dict[str, Any]:
     return out
 
 
+class Overlap:
+    """Times the host work a plain step does between its launch and its read back
+    (`SpecDecoder.while_plain_step`, where the engine has it): on a GPU it runs beside the device's
+    work, off the step's critical path, so the critical host time is the host time less this."""
+
+    def __init__(self, engine: Any) -> None:
+        self.s = 0.0
+        spec = engine.spec
+        fn = getattr(spec, "while_plain_step", None) if spec is not None else None
+        if fn is not None:
+
+            def timed() -> None:
+                start = time.perf_counter()
+                try:
+                    fn()
+                finally:
+                    self.s += time.perf_counter() - start
+
+            spec.while_plain_step = timed
+
+
 def gate_off(engine: Any) -> None:
     """The policy's state in the GPU bench's non-drafting runs: at one sequence, plain steps measured
     faster than drafting ones, a probe already spent and none affordable again (a drafting step
@@ -72,9 +95,15 @@ def gate_off(engine: Any) -> None:
 
 
 def run(
-    engine: Any, meter: Meter, prompt: list[int], steps: int, prof: cProfile.Profile | None = None
+    engine: Any,
+    meter: Meter,
+    prompt: list[int],
+    steps: int,
+    prof: cProfile.Profile | None = None,
+    overlap: Overlap | None = None,
 ) -> dict:
-    """One greedy request of `steps` decode steps: per decode step its host seconds; its tokens."""
+    """One greedy request of `steps` decode steps: per decode step its host seconds (all, and
+    those on the critical path: less `overlap`'s); its tokens."""
     from schemas.backend import EngineRequest, SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
@@ -84,11 +113,14 @@ def run(
     )
     host: list[float] = []
     cpu: list[float] = []
+    critical: list[float] = []
     tokens: list[int] = []
     drafted = 0
     while engine.has_unfinished:
         computed0 = engine.stats.computed_tokens
         meter.device_s = meter.device_cpu_s = 0.0
+        if overlap is not None:
+            overlap.s = 0.0
         if prof is not None:
             prof.enable()
         start, start_cpu = time.perf_counter(), time.thread_time()
@@ -102,7 +134,8 @@ def run(
         if engine.stats.computed_tokens - computed0 == 1:  # a decode step (the prompt's left out)
             host.append(wall - meter.device_s)
             cpu.append(thread - meter.device_cpu_s)
-    return {"host_s": host, "cpu_s": cpu, "tokens": tokens, "drafted": drafted}
+            critical.append(host[-1] - (overlap.s if overlap is not None else 0.0))
+    return {"host_s": host, "cpu_s": cpu, "critical_s": critical, "tokens": tokens, "drafted": drafted}
 
 
 def profile_table(prof: cProfile.Profile, num_steps: int) -> dict[str, tuple[float, float]]:
@@ -142,34 +175,44 @@ def main(argv: list[str] | None = None) -> int:
         meter = Meter()
         built = engines(MODELS[name], meter)
         gate_off(built["A"])
+        overlaps = {side: Overlap(e) for side, e in built.items()}
         vocab = built["B"].runner.vocab_size
         prompt = torch.randint(0, vocab, (48,), generator=torch.Generator().manual_seed(0)).tolist()
         warm = {side: run(e, meter, prompt, 16) for side, e in built.items()}
         assert warm["A"]["tokens"] == warm["B"]["tokens"], "greedy outputs differ"
         medians: dict[str, list[float]] = {"A": [], "B": []}
         cpu_medians: dict[str, list[float]] = {"A": [], "B": []}
+        critical: dict[str, list[float]] = {"A": [], "B": []}
         for r in range(args.rounds):
             for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                got = run(built[side], meter, prompt, args.steps)
+                got = run(built[side], meter, prompt, args.steps, overlap=overlaps[side])
                 if got["drafted"]:
                     raise SystemExit(
                         f"side A drafted on {got['drafted']} steps: not a plain-step measurement"
                     )
                 medians[side].append(1e6 * statistics.median(got["host_s"]))
                 cpu_medians[side].append(1e6 * statistics.median(got["cpu_s"]))
+                critical[side].append(1e6 * statistics.median(got["critical_s"]))
         a, b = statistics.median(medians["A"]), statistics.median(medians["B"])
         ca, cb = statistics.median(cpu_medians["A"]), statistics.median(cpu_medians["B"])
+        xa, xb = statistics.median(critical["A"]), statistics.median(critical["B"])
         entry: dict[str, Any] = {
             "host_us_A": a, "host_us_B": b, "extra_us": a - b,
             "cpu_us_A": ca, "cpu_us_B": cb, "extra_cpu_us": ca - cb,
+            "critical_us_A": xa, "critical_us_B": xb, "extra_critical_us": xa - xb,
             "rounds_A": medians["A"], "rounds_B": medians["B"],
+            "critical_rounds_A": critical["A"], "critical_rounds_B": critical["B"],
         }  # fmt: skip
         print(
             f"== {name}: host us per plain step A (mtp:3, k = 0) {a:.1f}, B (off) {b:.1f}: "
             f"+{a - b:.1f} us; thread CPU {ca:.1f} vs {cb:.1f}: +{ca - cb:.1f}"
         )
+        print(
+            f"   critical path (less the work beside the device): A {xa:.1f}, B {xb:.1f}: +{xa - xb:.1f} us"
+        )
         print("   rounds A " + " ".join(f"{x:.1f}" for x in medians["A"]))
         print("   rounds B " + " ".join(f"{x:.1f}" for x in medians["B"]))
+        print("   critical A " + " ".join(f"{x:.1f}" for x in critical["A"]))
         if args.profile:
             tables = {}
             for side in ("A", "B"):
