@@ -104,42 +104,69 @@ def _row_keys(row_ptr, cols, L):
 
 
 @triton.jit
-def _window_histogram(row_ptr, start, end, L, base, shift, h_lo, h_hi, BLOCK: tl.constexpr):
-    """h_lo, h_hi [8] plus the keys of columns [start, end) at or above `base` by bin: bin
+def _keys_histogram(keys, mask, base, shift, h_lo, h_hi):
+    """h_lo, h_hi [8] plus `keys` [BLOCK] (where `mask`) at or above `base` by bin: bin
     (key − base) >> shift, 15 for all past it; bins 2j count in h_lo[j], 2j + 1 in h_hi[j]."""
     w = tl.arange(0, 8)
+    dist = keys.to(tl.uint32, bitcast=True) - base.to(tl.uint32, bitcast=True)  # exact at >= base
+    b = tl.minimum(dist >> shift, 15).to(tl.int32)  # [BLOCK] bin
+    one = tl.where((keys >= base) & mask, tl.where((b & 1) == 1, 65536, 1), 0)  # its field
+    # one word per pair of bins, two 16-bit counts in it (< 2^16 a chunk): 8 reductions, not 16
+    packed = tl.sum(tl.where(w[:, None] == (b >> 1)[None, :], one[None, :], 0), axis=1)  # [8]
+    return h_lo + (packed & 0xFFFF), h_hi + (packed >> 16)
+
+
+@triton.jit
+def _window_histogram(row_ptr, start, end, L, base, shift, h_lo, h_hi, BLOCK: tl.constexpr):
+    """`_keys_histogram` over columns [start, end) of the row, BLOCK a trip."""
     for c0 in range(start, end, BLOCK):
         keys, mask = _row_keys(row_ptr, c0 + tl.arange(0, BLOCK), L)
-        dist = keys.to(tl.uint32, bitcast=True) - base.to(tl.uint32, bitcast=True)  # exact at >= base
-        b = tl.minimum(dist >> shift, 15).to(tl.int32)  # [BLOCK] bin
-        one = tl.where((keys >= base) & mask, tl.where((b & 1) == 1, 65536, 1), 0)  # its field
-        # one word per pair of bins, two 16-bit counts in it (< 2^16 a chunk): 8 reductions, not 16
-        packed = tl.sum(tl.where(w[:, None] == (b >> 1)[None, :], one[None, :], 0), axis=1)  # [8]
-        h_lo += packed & 0xFFFF
-        h_hi += packed >> 16
+        h_lo, h_hi = _keys_histogram(keys, mask, base, shift, h_lo, h_hi)
     return h_lo, h_hi
 
 
 @triton.jit
+def _next_base(h_lo, h_hi, k, base, n_above, shift):
+    """One round's move (invariant: at least k keys >= base; n_above keys >= the window's end,
+    base + 16 << shift): `base` to the highest bin with at least k keys at or above it."""
+    c_lo = 2 * tl.arange(0, 8)  # [8] bins 0, 2, .., 14 (bin c starts at base + c << shift)
+    c_hi = c_lo + 1  # [8] bins 1, 3, .., 15
+    pair = h_lo + h_hi
+    n_lo = tl.sum(pair) - tl.cumsum(pair, axis=0) + pair  # [8] keys in bins >= 2j
+    n_hi = n_lo - h_lo  # [8] keys in bins >= 2j + 1
+    # counts fall with the bin and bin 0 holds by the invariant: the number of bins 1..15
+    # with at least k keys at or above them is the highest one
+    pick = tl.sum(((n_lo >= k) & (c_lo > 0)).to(tl.int32)) + tl.sum((n_hi >= k).to(tl.int32))
+    above = tl.sum(tl.where(c_lo == pick + 1, n_lo, 0) + tl.where(c_hi == pick + 1, n_hi, 0))
+    n_above = tl.where(pick == 15, n_above, above)  # bin 15: the window keeps its end
+    return base + (pick.to(tl.int64) << shift), n_above
+
+
+@triton.jit
+def _write_keys(out_row_ptr, keys, mask, cols, t, need, n_gt, n_eq):
+    """Columns `cols` [BLOCK] with their `keys`: write those > t and those == t while fewer than
+    `need` came before, at their rank among the chosen (n_gt, n_eq: the ones > t and == t before
+    them); returns the counts after them."""
+    is_gt = keys > t
+    is_eq = (keys == t) & mask
+    packed = is_gt.to(tl.int32) + (is_eq.to(tl.int32) << 16)  # two counts < 2^16 a chunk
+    before = tl.cumsum(packed, axis=0) - packed  # exclusive
+    eq_before = n_eq + (before >> 16)
+    take = is_gt | (is_eq & (eq_before < need))
+    slot = n_gt + (before & 0xFFFF) + tl.minimum(eq_before, need)  # chosen columns before it
+    pos = tl.where(keys == -(2**31) + 0x7FFFFF, -1, cols.to(tl.int64))  # -inf's key: -1
+    tl.store(out_row_ptr + slot, pos, mask=take)
+    total = tl.sum(packed)
+    return n_gt + (total & 0xFFFF), n_eq + (total >> 16)
+
+
+@triton.jit
 def _write_chosen(row_ptr, out_row_ptr, start, end, L, t, need, n_gt, n_eq, BLOCK: tl.constexpr):
-    """Columns [start, end): write those > t and those == t while fewer than `need` came before, at
-    their rank among the chosen (n_gt, n_eq: the ones > t and == t before `start`); returns the
-    counts after `end`."""
+    """`_write_keys` over columns [start, end) of the row, BLOCK a trip."""
     for c0 in range(start, end, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         keys, mask = _row_keys(row_ptr, cols, L)
-        is_gt = keys > t
-        is_eq = (keys == t) & mask
-        packed = is_gt.to(tl.int32) + (is_eq.to(tl.int32) << 16)  # two counts < 2^16 a chunk
-        before = tl.cumsum(packed, axis=0) - packed  # exclusive
-        eq_before = n_eq + (before >> 16)
-        take = is_gt | (is_eq & (eq_before < need))
-        slot = n_gt + (before & 0xFFFF) + tl.minimum(eq_before, need)  # chosen columns before it
-        pos = tl.where(keys == -(2**31) + 0x7FFFFF, -1, cols.to(tl.int64))  # -inf's key: -1
-        tl.store(out_row_ptr + slot, pos, mask=take)
-        total = tl.sum(packed)
-        n_gt += total & 0xFFFF
-        n_eq += total >> 16
+        n_gt, n_eq = _write_keys(out_row_ptr, keys, mask, cols, t, need, n_gt, n_eq)
     return n_gt, n_eq
 
 
@@ -159,8 +186,6 @@ def _radix_select_kernel(
     row = tl.program_id(0).to(tl.int64)  # rows on axis 0: a long prefill chunk may have > 65535
     row_ptr = scores_ptr + row * stride_s
     L_main = L // BLOCK * BLOCK
-    c_lo = 2 * tl.arange(0, 8)  # [8] bins 0, 2, .., 14 (bin c starts at base + c << shift)
-    c_hi = c_lo + 1  # [8] bins 1, 3, .., 15
     # invariant: at least k keys >= base; n_above keys >= the window's end, base + 16 << shift
     base = tl.full((), -(2**31), tl.int64)
     n_above = tl.zeros((), tl.int32)
@@ -171,15 +196,7 @@ def _radix_select_kernel(
         h_hi = tl.zeros([8], tl.int32)
         h_lo, h_hi = _window_histogram(row_ptr, 0, L_main, L, base32, shift, h_lo, h_hi, BLOCK)
         h_lo, h_hi = _window_histogram(row_ptr, L_main, L, L, base32, shift, h_lo, h_hi, TAIL)
-        pair = h_lo + h_hi
-        n_lo = tl.sum(pair) - tl.cumsum(pair, axis=0) + pair  # [8] keys in bins >= 2j
-        n_hi = n_lo - h_lo  # [8] keys in bins >= 2j + 1
-        # counts fall with the bin and bin 0 holds by the invariant: the number of bins 1..15
-        # with at least k keys at or above them is the highest one
-        pick = tl.sum(((n_lo >= k) & (c_lo > 0)).to(tl.int32)) + tl.sum((n_hi >= k).to(tl.int32))
-        above = tl.sum(tl.where(c_lo == pick + 1, n_lo, 0) + tl.where(c_hi == pick + 1, n_hi, 0))
-        n_above = tl.where(pick == 15, n_above, above)  # bin 15: the window keeps its end
-        base += pick.to(tl.int64) << shift
+        base, n_above = _next_base(h_lo, h_hi, k, base, n_above, shift)
     t = base.to(tl.int32)  # the k-th largest key; n_above keys are > t
     need = k - n_above  # >= 1 columns equal to t, the earliest
     out_row_ptr = out_ptr + row * stride_o
