@@ -54,7 +54,8 @@ RESIDENT = partial(top_positions_radix, resident=True)
     "path", [top_positions_triton, STREAMED, RESIDENT], ids=["entry", "streamed", "resident"]
 )
 @pytest.mark.parametrize(
-    ("R", "L", "k"), [(1, 2100, 2048), (3, 40, 7), (4, 1500, 1500), (2, 9, 1), (2, 64, 64), (3, 229, 1)]
+    ("R", "L", "k"),
+    [(1, 2100, 2048), (3, 40, 7), (4, 1500, 1500), (2, 9, 1), (2, 64, 64), (3, 229, 1), (1, 8000, 2048)],
 )
 def test_same_set_as_the_reference(
     path: Callable[[torch.Tensor, int], torch.Tensor], R: int, L: int, k: int
