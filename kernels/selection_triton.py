@@ -13,7 +13,7 @@ Two paths, one entry (`top_positions_triton`), the first in two kernels:
   `cumsum` a trip, counts carried between trips). Columns past the last whole BLOCK go TAIL at a
   time (2,176 columns read 2,304, not 4,096). Nine reads of the row (from L2 at decode sizes),
   32-bit keys, no int64 buffer.
-- radix, resident (fewer than RADIX_MANY_ROWS rows of at most RADIX_RESIDENT_COLS columns):
+- radix, resident (up to RADIX_RESIDENT_ROWS rows of at most RADIX_RESIDENT_COLS columns):
   `_radix_resident_kernel`, the same rounds and write on the row's keys loaded once into registers
   (one trip of the next power of two, up to 16 keys a thread at 16 warps, no spills at 8,192): at
   decode's one row the streamed kernel's 9 to 18 dependent L2 round trips (two a round at 2,176
@@ -68,6 +68,10 @@ RADIX_MAX_COLS = 16384  # rows up to this many columns go to the radix kernel (m
 RADIX_DEVICES = ("cuda",)
 RADIX_MAX_BLOCK = 4096  # columns a radix trip holds at most (8 a thread at 16 warps)
 RADIX_RESIDENT_COLS = 8192  # rows up to this many columns held in registers (16 a thread at 16 warps)
+# the resident path by default up to this many rows: decode at low concurrency, the latency-bound case
+# it was written for; at 64+ rows one 16-warp program an SM (103 registers at 8,192) is untimed against
+# the streamed trips' several (raise it once `bench_selection --resident` says 64 x 8,192 gains)
+RADIX_RESIDENT_ROWS = 16
 RADIX_MANY_ROWS = 512  # from this many rows (~4 a multiprocessor) trips of RADIX_ROWS_BLOCK columns
 RADIX_ROWS_BLOCK = 512
 SELECT_METHODS = ("radix", "topk")
@@ -287,10 +291,10 @@ def top_positions_radix(
 
 
 def radix_resident(R: int, L: int) -> bool:
-    """Whether R rows of L columns take the resident path by default: decode's few rows (under
-    RADIX_MANY_ROWS) that fit registers; a prefill chunk's thousands of rows keep the narrow
+    """Whether R rows of L columns take the resident path by default: decode's few rows (up to
+    RADIX_RESIDENT_ROWS) that fit registers; more rows, up to a prefill chunk's thousands, keep the
     streamed trips (`radix_block`), several programs a multiprocessor."""
-    return R < RADIX_MANY_ROWS and L <= RADIX_RESIDENT_COLS
+    return R <= RADIX_RESIDENT_ROWS and L <= RADIX_RESIDENT_COLS
 
 
 def resident_block(L: int) -> int:

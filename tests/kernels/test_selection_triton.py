@@ -175,7 +175,7 @@ def test_resident_for_few_rows_that_fit() -> None:
     """Decode's few rows up to RADIX_RESIDENT_COLS held in registers, one trip of the next power of
     two; a prefill chunk's rows and longer rows streamed; an explicit `block` streams."""
     assert [selection.radix_resident(1, L) for L in (9, 2176, 8192, 8193)] == [True, True, True, False]
-    assert [selection.radix_resident(R, 2176) for R in (64, 511, 512)] == [True, True, False]
+    assert [selection.radix_resident(R, 2176) for R in (16, 17, 64, 512)] == [True, False, False, False]
     assert [selection.resident_block(L) for L in (1, 9, 16, 17, 2176, 4096, 8192)] == [
         16,
         16,
