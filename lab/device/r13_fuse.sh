@@ -21,7 +21,7 @@ el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r13_fuse.tgz" -C $W .; }
 LIMIT=${LIMIT:-560}  # a stage starts only if its timeout ends before LIMIT s
 fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
-timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
   tests/kernels/test_rope.py tests/kernels/test_row_norms.py tests/kernels/test_rms_norm.py \
   tests/kernels/test_kv_write_triton.py tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_fp8.py \
   tests/kernels/test_pdl.py tests/backend/models/test_models_cuda.py \
@@ -32,12 +32,12 @@ pack
 fits 60 "bench_selection" && timeout 60 python3 -m benchmarks.kernels.bench_selection --resident --out $W/resident.json > $W/resident.log 2>&1
 echo "== bench_selection --resident rc=$? at $(el)s"; grep -v Warn $W/resident.log | tail -8
 pack
-fits 150 "profile" && timeout 150 python3 -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8 --steps 10 \
-  --pdl on --top 30 --out $W/profile-rank-of-8.json > $W/profile-rank-of-8.log 2>&1
-echo "== rank-of-8 profile rc=$? at $(el)s"; grep -v -E "Warning|warn|USDT|profiler" $W/profile-rank-of-8.log | head -34
-pack
 fits 120 "decode-c1" && timeout 120 python3 -m benchmarks.cli engine decode-c1 --formats int4-all --rank-of 8 --rounds 3 --budget-s 80 \
   --out $W/decode-c1-rank-of-8.json > $W/decode-c1.log 2>&1
 echo "== decode-c1 rank-of-8 rc=$? at $(el)s"; grep -E "^\`decode|^\| int4|PDL" $W/decode-c1.log | head -6
+pack
+fits 150 "profile" && timeout 150 python3 -m lab.diagnostics.decode_c1_profile --formats int4-all --layers 78 --rank-of 8 --steps 10 \
+  --pdl on --top 30 --out $W/profile-rank-of-8.json > $W/profile-rank-of-8.log 2>&1
+echo "== rank-of-8 profile rc=$? at $(el)s"; grep -v -E "Warning|warn|USDT|profiler" $W/profile-rank-of-8.log | head -34
 pack
 echo "== done at $(el)s"
