@@ -1,7 +1,7 @@
 """`top_positions(scores, k, best_first=False)` (kernels/selection.py) on the GPU: the reference's
 chosen SET per row (by score, equal scores to the earlier column, -1 for a chosen -inf), unsorted.
 
-Two paths, one entry (`top_positions_triton`):
+Two paths, one entry (`top_positions_triton`), the first in two kernels:
 - radix (CUDA rows of at most RADIX_MAX_COLS columns): `_radix_select_kernel`, one program a row,
   no `torch.topk`. Each score becomes an int32 whose signed order is the float order (-0.0 → +0.0 first,
   as the reference's `+ 0.0`). The k-th largest key t is found 4 bits a round from the top: a round
@@ -13,6 +13,12 @@ Two paths, one entry (`top_positions_triton`):
   `cumsum` a trip, counts carried between trips). Columns past the last whole BLOCK go TAIL at a
   time (2,176 columns read 2,304, not 4,096). Nine reads of the row (from L2 at decode sizes),
   32-bit keys, no int64 buffer.
+- radix, resident (up to RADIX_RESIDENT_ROWS rows of at most RADIX_RESIDENT_COLS columns):
+  `_radix_resident_kernel`, the same rounds and write on the row's keys loaded once into registers
+  (one trip of the next power of two, up to 16 keys a thread at 16 warps, no spills at 8,192): at
+  decode's one row the streamed kernel's 9 to 18 dependent L2 round trips (two a round at 2,176
+  columns: a 2,048 trip and its tail) become one. The same output, column for column. Not yet
+  timed on a GPU (2026-12-05): `bench_selection` times it against the streamed kernel.
 - keys + topk (longer rows, CPU tensors, or after `set_select_method("topk")`): `_selection_keys_kernel` writes the reference's
   int64 keys, `topk` picks the k largest unsorted, and the picks' own keys say which were -inf. The
   same positions in the same order as the reference on the same device.
@@ -47,6 +53,8 @@ from kernels.triton_lib import pdl_args, pdl_enter
 __all__ = [
     "RADIX_MAX_COLS",
     "radix_block",
+    "radix_resident",
+    "resident_block",
     "set_select_method",
     "top_positions_keys",
     "top_positions_radix",
@@ -59,6 +67,11 @@ RADIX_MAX_COLS = 16384  # rows up to this many columns go to the radix kernel (m
 # keys + topk and the tests call `top_positions_radix` themselves
 RADIX_DEVICES = ("cuda",)
 RADIX_MAX_BLOCK = 4096  # columns a radix trip holds at most (8 a thread at 16 warps)
+RADIX_RESIDENT_COLS = 8192  # rows up to this many columns held in registers (16 a thread at 16 warps)
+# the resident path by default up to this many rows: decode at low concurrency, the latency-bound case
+# it was written for; at 64+ rows one 16-warp program an SM (103 registers at 8,192) is untimed against
+# the streamed trips' several (raise it once `bench_selection --resident` says 64 x 8,192 gains)
+RADIX_RESIDENT_ROWS = 16
 RADIX_MANY_ROWS = 512  # from this many rows (~4 a multiprocessor) trips of RADIX_ROWS_BLOCK columns
 RADIX_ROWS_BLOCK = 512
 SELECT_METHODS = ("radix", "topk")
@@ -104,42 +117,69 @@ def _row_keys(row_ptr, cols, L):
 
 
 @triton.jit
-def _window_histogram(row_ptr, start, end, L, base, shift, h_lo, h_hi, BLOCK: tl.constexpr):
-    """h_lo, h_hi [8] plus the keys of columns [start, end) at or above `base` by bin: bin
+def _keys_histogram(keys, mask, base, shift, h_lo, h_hi):
+    """h_lo, h_hi [8] plus `keys` [BLOCK] (where `mask`) at or above `base` by bin: bin
     (key − base) >> shift, 15 for all past it; bins 2j count in h_lo[j], 2j + 1 in h_hi[j]."""
     w = tl.arange(0, 8)
+    dist = keys.to(tl.uint32, bitcast=True) - base.to(tl.uint32, bitcast=True)  # exact at >= base
+    b = tl.minimum(dist >> shift, 15).to(tl.int32)  # [BLOCK] bin
+    one = tl.where((keys >= base) & mask, tl.where((b & 1) == 1, 65536, 1), 0)  # its field
+    # one word per pair of bins, two 16-bit counts in it (< 2^16 a chunk): 8 reductions, not 16
+    packed = tl.sum(tl.where(w[:, None] == (b >> 1)[None, :], one[None, :], 0), axis=1)  # [8]
+    return h_lo + (packed & 0xFFFF), h_hi + (packed >> 16)
+
+
+@triton.jit
+def _window_histogram(row_ptr, start, end, L, base, shift, h_lo, h_hi, BLOCK: tl.constexpr):
+    """`_keys_histogram` over columns [start, end) of the row, BLOCK a trip."""
     for c0 in range(start, end, BLOCK):
         keys, mask = _row_keys(row_ptr, c0 + tl.arange(0, BLOCK), L)
-        dist = keys.to(tl.uint32, bitcast=True) - base.to(tl.uint32, bitcast=True)  # exact at >= base
-        b = tl.minimum(dist >> shift, 15).to(tl.int32)  # [BLOCK] bin
-        one = tl.where((keys >= base) & mask, tl.where((b & 1) == 1, 65536, 1), 0)  # its field
-        # one word per pair of bins, two 16-bit counts in it (< 2^16 a chunk): 8 reductions, not 16
-        packed = tl.sum(tl.where(w[:, None] == (b >> 1)[None, :], one[None, :], 0), axis=1)  # [8]
-        h_lo += packed & 0xFFFF
-        h_hi += packed >> 16
+        h_lo, h_hi = _keys_histogram(keys, mask, base, shift, h_lo, h_hi)
     return h_lo, h_hi
 
 
 @triton.jit
+def _next_base(h_lo, h_hi, k, base, n_above, shift):
+    """One round's move (invariant: at least k keys >= base; n_above keys >= the window's end,
+    base + 16 << shift): `base` to the highest bin with at least k keys at or above it."""
+    c_lo = 2 * tl.arange(0, 8)  # [8] bins 0, 2, .., 14 (bin c starts at base + c << shift)
+    c_hi = c_lo + 1  # [8] bins 1, 3, .., 15
+    pair = h_lo + h_hi
+    n_lo = tl.sum(pair) - tl.cumsum(pair, axis=0) + pair  # [8] keys in bins >= 2j
+    n_hi = n_lo - h_lo  # [8] keys in bins >= 2j + 1
+    # counts fall with the bin and bin 0 holds by the invariant: the number of bins 1..15
+    # with at least k keys at or above them is the highest one
+    pick = tl.sum(((n_lo >= k) & (c_lo > 0)).to(tl.int32)) + tl.sum((n_hi >= k).to(tl.int32))
+    above = tl.sum(tl.where(c_lo == pick + 1, n_lo, 0) + tl.where(c_hi == pick + 1, n_hi, 0))
+    n_above = tl.where(pick == 15, n_above, above)  # bin 15: the window keeps its end
+    return base + (pick.to(tl.int64) << shift), n_above
+
+
+@triton.jit
+def _write_keys(out_row_ptr, keys, mask, cols, t, need, n_gt, n_eq):
+    """Columns `cols` [BLOCK] with their `keys`: write those > t and those == t while fewer than
+    `need` came before, at their rank among the chosen (n_gt, n_eq: the ones > t and == t before
+    them); returns the counts after them."""
+    is_gt = keys > t
+    is_eq = (keys == t) & mask
+    packed = is_gt.to(tl.int32) + (is_eq.to(tl.int32) << 16)  # two counts < 2^16 a chunk
+    before = tl.cumsum(packed, axis=0) - packed  # exclusive
+    eq_before = n_eq + (before >> 16)
+    take = is_gt | (is_eq & (eq_before < need))
+    slot = n_gt + (before & 0xFFFF) + tl.minimum(eq_before, need)  # chosen columns before it
+    pos = tl.where(keys == -(2**31) + 0x7FFFFF, -1, cols.to(tl.int64))  # -inf's key: -1
+    tl.store(out_row_ptr + slot, pos, mask=take)
+    total = tl.sum(packed)
+    return n_gt + (total & 0xFFFF), n_eq + (total >> 16)
+
+
+@triton.jit
 def _write_chosen(row_ptr, out_row_ptr, start, end, L, t, need, n_gt, n_eq, BLOCK: tl.constexpr):
-    """Columns [start, end): write those > t and those == t while fewer than `need` came before, at
-    their rank among the chosen (n_gt, n_eq: the ones > t and == t before `start`); returns the
-    counts after `end`."""
+    """`_write_keys` over columns [start, end) of the row, BLOCK a trip."""
     for c0 in range(start, end, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         keys, mask = _row_keys(row_ptr, cols, L)
-        is_gt = keys > t
-        is_eq = (keys == t) & mask
-        packed = is_gt.to(tl.int32) + (is_eq.to(tl.int32) << 16)  # two counts < 2^16 a chunk
-        before = tl.cumsum(packed, axis=0) - packed  # exclusive
-        eq_before = n_eq + (before >> 16)
-        take = is_gt | (is_eq & (eq_before < need))
-        slot = n_gt + (before & 0xFFFF) + tl.minimum(eq_before, need)  # chosen columns before it
-        pos = tl.where(keys == -(2**31) + 0x7FFFFF, -1, cols.to(tl.int64))  # -inf's key: -1
-        tl.store(out_row_ptr + slot, pos, mask=take)
-        total = tl.sum(packed)
-        n_gt += total & 0xFFFF
-        n_eq += total >> 16
+        n_gt, n_eq = _write_keys(out_row_ptr, keys, mask, cols, t, need, n_gt, n_eq)
     return n_gt, n_eq
 
 
@@ -159,8 +199,6 @@ def _radix_select_kernel(
     row = tl.program_id(0).to(tl.int64)  # rows on axis 0: a long prefill chunk may have > 65535
     row_ptr = scores_ptr + row * stride_s
     L_main = L // BLOCK * BLOCK
-    c_lo = 2 * tl.arange(0, 8)  # [8] bins 0, 2, .., 14 (bin c starts at base + c << shift)
-    c_hi = c_lo + 1  # [8] bins 1, 3, .., 15
     # invariant: at least k keys >= base; n_above keys >= the window's end, base + 16 << shift
     base = tl.full((), -(2**31), tl.int64)
     n_above = tl.zeros((), tl.int32)
@@ -171,15 +209,7 @@ def _radix_select_kernel(
         h_hi = tl.zeros([8], tl.int32)
         h_lo, h_hi = _window_histogram(row_ptr, 0, L_main, L, base32, shift, h_lo, h_hi, BLOCK)
         h_lo, h_hi = _window_histogram(row_ptr, L_main, L, L, base32, shift, h_lo, h_hi, TAIL)
-        pair = h_lo + h_hi
-        n_lo = tl.sum(pair) - tl.cumsum(pair, axis=0) + pair  # [8] keys in bins >= 2j
-        n_hi = n_lo - h_lo  # [8] keys in bins >= 2j + 1
-        # counts fall with the bin and bin 0 holds by the invariant: the number of bins 1..15
-        # with at least k keys at or above them is the highest one
-        pick = tl.sum(((n_lo >= k) & (c_lo > 0)).to(tl.int32)) + tl.sum((n_hi >= k).to(tl.int32))
-        above = tl.sum(tl.where(c_lo == pick + 1, n_lo, 0) + tl.where(c_hi == pick + 1, n_hi, 0))
-        n_above = tl.where(pick == 15, n_above, above)  # bin 15: the window keeps its end
-        base += pick.to(tl.int64) << shift
+        base, n_above = _next_base(h_lo, h_hi, k, base, n_above, shift)
     t = base.to(tl.int32)  # the k-th largest key; n_above keys are > t
     need = k - n_above  # >= 1 columns equal to t, the earliest
     out_row_ptr = out_ptr + row * stride_o
@@ -187,6 +217,36 @@ def _radix_select_kernel(
     n_eq = tl.zeros((), tl.int32)
     n_gt, n_eq = _write_chosen(row_ptr, out_row_ptr, 0, L_main, L, t, need, n_gt, n_eq, BLOCK)
     _write_chosen(row_ptr, out_row_ptr, L_main, L, L, t, need, n_gt, n_eq, TAIL)
+
+
+@triton.jit
+def _radix_resident_kernel(
+    scores_ptr,  # [R, L] fp32
+    out_ptr,  # [R, k] int64 chosen columns, column order, -1 for a chosen -inf
+    L,
+    k,
+    stride_s,
+    stride_o,
+    BLOCK: tl.constexpr,  # >= L: the whole row in one trip, its keys held in registers
+    PDL: tl.constexpr,  # launched with PDL: it reads nothing before the wait
+):
+    """`_radix_select_kernel` for rows of at most BLOCK columns: the row read once, the 8 rounds
+    and the write on its keys in registers (decode: one L2 round trip, not 9 to 18)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    keys, mask = _row_keys(scores_ptr + row * stride_s, cols, L)  # [BLOCK], the row's one read
+    base = tl.full((), -(2**31), tl.int64)  # the invariant of `_next_base`
+    n_above = tl.zeros((), tl.int32)
+    for r in range(8):
+        shift = 28 - 4 * r
+        h_lo = tl.zeros([8], tl.int32)
+        h_hi = tl.zeros([8], tl.int32)
+        h_lo, h_hi = _keys_histogram(keys, mask, base.to(tl.int32), shift, h_lo, h_hi)
+        base, n_above = _next_base(h_lo, h_hi, k, base, n_above, shift)
+    zero = tl.zeros((), tl.int32)
+    t = base.to(tl.int32)
+    _write_keys(out_ptr + row * stride_o, keys, mask, cols, t, k - n_above, zero, zero)
 
 
 def _check(scores: torch.Tensor, k: int) -> None:
@@ -198,23 +258,48 @@ def _check(scores: torch.Tensor, k: int) -> None:
         raise ValueError(f"k must be in [1, {scores.shape[1]}], got {k}")
 
 
-def top_positions_radix(scores: torch.Tensor, k: int, *, block: int | None = None) -> torch.Tensor:
+def top_positions_radix(
+    scores: torch.Tensor, k: int, *, block: int | None = None, resident: bool | None = None
+) -> torch.Tensor:
     """scores [R, L] float32 → [R, k] int64 positions in column order, -1 for -inf: the radix path
-    (any L; `top_positions_triton` sends it rows up to RADIX_MAX_COLS). `block`: columns a trip, a
-    power of two (default: `radix_block(R, L)`); the columns past its last whole block go block / 8
-    at a time."""
+    (any L; `top_positions_triton` sends it rows up to RADIX_MAX_COLS). `resident`: the row read
+    once into registers (`_radix_resident_kernel`, rows up to RADIX_RESIDENT_COLS; default: for
+    fewer than RADIX_MANY_ROWS rows that fit), or streamed every round (`_radix_select_kernel`).
+    `block`: columns a trip of the streamed path, a power of two (default: `radix_block(R, L)`);
+    the columns past its last whole block go block / 8 at a time."""
     _check(scores, k)
     R, L = scores.shape
     out = torch.empty((R, k), dtype=torch.int64, device=scores.device)
-    block = block or radix_block(R, L)
+    if resident is None:
+        resident = block is None and radix_resident(R, L)
+    if resident and L > RADIX_RESIDENT_COLS:
+        raise ValueError(f"resident rows hold at most {RADIX_RESIDENT_COLS} columns, got {L}")
+    block = resident_block(L) if resident else block or radix_block(R, L)
     if block & (block - 1) or not 16 <= block <= 8192:  # and the packed counts need < 2^16 a chunk
         raise ValueError(f"block must be a power of two in [16, 8192], got {block}")
-    if R:
+    if R and resident:
+        _radix_resident_kernel[(R,)](
+            scores, out, L, k, scores.stride(0), out.stride(0), BLOCK=block,
+            **pdl_args(scores.device), num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    elif R:
         _radix_select_kernel[(R,)](
             scores, out, L, k, scores.stride(0), out.stride(0), BLOCK=block, TAIL=max(16, block // 8),
             **pdl_args(scores.device), num_warps=min(16, max(1, block // 128)),
         )  # fmt: skip
     return out
+
+
+def radix_resident(R: int, L: int) -> bool:
+    """Whether R rows of L columns take the resident path by default: decode's few rows (up to
+    RADIX_RESIDENT_ROWS) that fit registers; more rows, up to a prefill chunk's thousands, keep the
+    streamed trips (`radix_block`), several programs a multiprocessor."""
+    return R <= RADIX_RESIDENT_ROWS and L <= RADIX_RESIDENT_COLS
+
+
+def resident_block(L: int) -> int:
+    """The resident path's one trip: the least power of two >= L (at least 16)."""
+    return max(16, 1 << (L - 1).bit_length())
 
 
 def radix_block(R: int, L: int) -> int:

@@ -8,11 +8,18 @@ wider than the sequence: -inf past 2,176) and 16,384 (RADIX_MAX_COLS); 64 decode
 4,096 prefill rows at 8,192 (causal: row i sees 4,097 + i columns). Scores: normal, -inf where not
 visible. Each case times the two paths in alternating pairs (CUDA-graph replays, `graph_ms`; odd
 pairs time keys + topk first), `speedup` = the median of keys_ms / radix_ms over the pairs (> 1:
-radix faster); `variants` times the radix kernel at other `block`s once each; `same_set` checks
-that both paths chose the same positions. `fraction_of_ceiling`: the scores read once over the copy
-ceiling.
+radix faster; decode's rows up to 8,192 columns take the resident-row kernel); `variants` times
+the streamed radix kernel at other `block`s once each; `same_set` checks that both paths chose the
+same positions. `fraction_of_ceiling`: the scores read once over the copy ceiling.
+
+`--resident` times the radix path's two kernels instead, in alternating pairs on the same device:
+the resident-row kernel (the row's keys loaded once into registers, `radix_resident`'s rows) against
+the streamed one (the row re-read every round, `resident=False`) at 1 × 2,176, 1 × 4,096 (2,176
+visible), 1 × 8,192 and 64 × 8,192; `speedup` = the median of streamed_ms / resident_ms (> 1:
+resident faster), `same_out` = the two outputs equal column for column.
 
     python3 -m benchmarks.kernels.bench_selection --out selection.json [--quick]   # H200, ~30 s
+    python3 -m benchmarks.kernels.bench_selection --resident --out resident.json   # ~10 s
     python3 -m benchmarks.kernels.bench_selection --dry-run   # CPU: tiny cases in the interpreter
 """
 
@@ -32,7 +39,12 @@ if not torch.cuda.is_available():  # the CPU dry run: kernels in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.kernels.common import graph_ms, measure_ceilings, write_record  # noqa: E402
-from kernels.selection_triton import radix_block, top_positions_keys, top_positions_radix  # noqa: E402
+from kernels.selection_triton import (  # noqa: E402
+    radix_block,
+    radix_resident,
+    top_positions_keys,
+    top_positions_radix,
+)
 
 K = 2048
 CASES = [  # (phase, rows, columns, visible columns of the first row)
@@ -41,6 +53,12 @@ CASES = [  # (phase, rows, columns, visible columns of the first row)
     ("decode", 1, 16384, 16384),
     ("decode", 64, 8192, 8192),
     ("prefill", 4096, 8192, 4097),
+]
+RESIDENT_CASES = [
+    ("decode", 1, 2176, 2176),
+    ("decode", 1, 4096, 2176),
+    ("decode", 1, 8192, 8192),
+    ("decode", 64, 8192, 8192),
 ]
 DRY_CASES = [("decode", 1, 300, 280), ("prefill", 5, 200, 196)]  # k = 64
 VARIANT_BLOCKS = (512, 1024, 2048, 4096)  # beside the default (`radix_block`)
@@ -74,6 +92,24 @@ def alternating(
     return new_ms, old_ms
 
 
+def timed_row(
+    kernel: str, case: tuple[str, int, int, int], new_ms: list[float], peer: str, old_ms: list[float],
+    ceil: dict[str, float],
+) -> dict[str, Any]:  # fmt: skip
+    """The record row of `alternating`'s timings: the median, `peer`'s, and the median ratio old / new."""
+    phase, R, L, visible = case
+    ms = statistics.median(new_ms)
+    return {
+        "kernel": kernel,
+        "case": f"{phase} rows={R} columns={L} visible={visible} k={K}",
+        "goal": None,
+        "ms": ms,
+        "fraction_of_ceiling": R * L * 4 / ms / 1e6 / ceil["copy_GBps"],
+        "peers": {peer: statistics.median(old_ms)},
+        "speedup": statistics.median(o / n for o, n in zip(old_ms, new_ms, strict=True)),
+    }
+
+
 def bench_case(
     phase: str, R: int, L: int, visible: int, ceil: dict[str, float], pairs: int, rep_ms: int
 ) -> dict[str, Any]:
@@ -85,17 +121,10 @@ def bench_case(
     variants = {
         f"block={b}": graph_ms([lambda b=b: top_positions_radix(scores, K, block=b)], rep_ms)
         for b in VARIANT_BLOCKS
-        if b <= L and b != radix_block(R, L)
+        if b <= L and (radix_resident(R, L) or b != radix_block(R, L))  # resident: every block streamed
     }
-    ms = statistics.median(radix_ms)
     return {
-        "kernel": "selection",
-        "case": f"{phase} rows={R} columns={L} visible={visible} k={K}",
-        "goal": None,
-        "ms": ms,
-        "fraction_of_ceiling": R * L * 4 / ms / 1e6 / ceil["copy_GBps"],
-        "peers": {"keys_topk": statistics.median(keys_ms)},
-        "speedup": statistics.median(o / n for o, n in zip(keys_ms, radix_ms, strict=True)),
+        **timed_row("selection", (phase, R, L, visible), radix_ms, "keys_topk", keys_ms, ceil),
         "radix_ms": radix_ms,
         "keys_topk_ms": keys_ms,
         "variants": variants,
@@ -103,12 +132,37 @@ def bench_case(
     }
 
 
+def bench_resident_case(
+    phase: str, R: int, L: int, visible: int, ceil: dict[str, float], pairs: int, rep_ms: int
+) -> dict[str, Any]:
+    """The resident-row kernel against the streamed one (its default `block`) on the same rows."""
+    scores = make_scores(phase, R, L, visible, "cuda")
+    resident = top_positions_radix(scores, K, resident=True)
+    ok = torch.equal(resident, top_positions_radix(scores, K, resident=False))
+    resident_ms, streamed_ms = alternating(
+        lambda: top_positions_radix(scores, K, resident=True),
+        lambda: top_positions_radix(scores, K, resident=False),
+        pairs,
+        rep_ms,
+    )
+    peer = f"streamed block={radix_block(R, L)}"
+    return {
+        **timed_row("selection resident", (phase, R, L, visible), resident_ms, peer, streamed_ms, ceil),
+        "resident_ms": resident_ms,
+        "streamed_ms": streamed_ms,
+        "same_out": ok and same_set(resident, top_positions_keys(scores, K)),
+    }
+
+
 def dry_run() -> list[dict[str, Any]]:
-    """The tiny cases on the CPU (interpreter): both paths run and agree; nothing is timed."""
+    """The tiny cases on the CPU (interpreter): both paths run and agree (the radix path's two
+    kernels column for column); nothing is timed."""
     rows = []
     for phase, R, L, visible in DRY_CASES:
         scores = make_scores(phase, R, L, visible, "cpu")
-        ok = same_set(top_positions_radix(scores, 64, block=128), top_positions_keys(scores, 64))
+        streamed = top_positions_radix(scores, 64, block=128)
+        ok = same_set(streamed, top_positions_keys(scores, 64))
+        ok = ok and torch.equal(top_positions_radix(scores, 64, resident=True), streamed)
         rows.append({"kernel": "selection", "case": f"{phase} rows={R} columns={L} k=64", "same_set": ok})
         print(f"dry run {rows[-1]['case']}: same_set {ok}", flush=True)
     return rows
@@ -119,6 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--out", default=None, help="JSON record (required on the GPU)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_PAIRS} pairs a case, shorter timings")
     ap.add_argument("--dry-run", action="store_true", help="the CPU check: tiny cases, no timing")
+    ap.add_argument("--resident", action="store_true", help="resident-row kernel against streamed")
     args = ap.parse_args(argv)
     if args.dry_run:
         return dry_run()
@@ -130,17 +185,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print("ceilings", ceil, flush=True)
     pairs, rep_ms = (QUICK_PAIRS, 50) if args.quick else (PAIRS, 100)
     rows: list[dict[str, Any]] = []
-    for case in CASES:
-        rows.append(bench_case(*case, ceil, pairs, rep_ms))
-        r = rows[-1]
-        variants = " ".join(f"{n} {t * 1e3:.1f}us" for n, t in r["variants"].items())
-        print(
-            f"{r['case']:<52} radix {r['ms'] * 1e3:8.1f}us keys+topk {r['peers']['keys_topk'] * 1e3:8.1f}us "
-            f"speedup {r['speedup']:.2f}x same_set {r['same_set']} | {variants}",
-            flush=True,
-        )
+    for case in RESIDENT_CASES if args.resident else CASES:
+        if args.resident:
+            rows.append(bench_resident_case(*case, ceil, pairs, rep_ms))
+            r = rows[-1]
+            ((peer, peer_ms),) = r["peers"].items()
+            print(
+                f"{r['case']:<52} resident {r['ms'] * 1e3:8.1f}us {peer} {peer_ms * 1e3:8.1f}us "
+                f"speedup {r['speedup']:.2f}x same_out {r['same_out']}",
+                flush=True,
+            )
+            notes = "speedup: median over alternating pairs of streamed ms / resident ms"
+        else:
+            rows.append(bench_case(*case, ceil, pairs, rep_ms))
+            r = rows[-1]
+            variants = " ".join(f"{n} {t * 1e3:.1f}us" for n, t in r["variants"].items())
+            print(
+                f"{r['case']:<52} radix {r['ms'] * 1e3:8.1f}us keys+topk {r['peers']['keys_topk'] * 1e3:8.1f}us "
+                f"speedup {r['speedup']:.2f}x same_set {r['same_set']} | {variants}",
+                flush=True,
+            )
+            notes = "speedup: median over alternating pairs of keys+topk ms / radix ms"
         torch.cuda.empty_cache()
-        notes = "speedup: median over alternating pairs of keys+topk ms / radix ms"
         write_record(args.out, rows, ceil, {"notes": notes})  # after every case: a timeout keeps what ran
     print(f"done in {time.monotonic() - start:.0f} s", flush=True)
     return rows

@@ -1,5 +1,6 @@
 """`benchmarks/kernels/bench_selection.py --dry-run` on the CPU: both selection paths run through the
-interpreter on the tiny cases and choose the same positions (the GPU run times them)."""
+interpreter on the tiny cases and choose the same positions, the radix path's resident and streamed
+kernels the same output (the GPU run times them)."""
 
 from __future__ import annotations
 

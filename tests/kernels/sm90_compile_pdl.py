@@ -114,6 +114,7 @@ def cases() -> list[tuple[str, Callable[[], tuple[ASTSource, int, int]]]]:
         ("router_logits", lambda: small("router_logits")),
         ("selection keys", lambda: small("selection keys")),
         ("selection radix", lambda: small("selection radix 2176")),
+        ("selection radix resident", lambda: small("selection radix resident 2176")),
         ("kv_write", lambda: (kv_write_source(), 4, 1)),
         ("kv_write two caches", lambda: (kv_write_source(two=True), 4, 1)),
         ("mla decode", lambda: (mla_source(mla), mla.num_warps, mla.num_stages)),

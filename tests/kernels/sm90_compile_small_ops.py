@@ -19,7 +19,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     from kernels.router_logits_triton import _router_logits_kernel
     from kernels.router_triton import _route_kernel
     from kernels.row_norms_triton import _row_norms_kernel
-    from kernels.selection_triton import _radix_select_kernel, _selection_keys_kernel
+    from kernels.selection_triton import _radix_resident_kernel, _radix_select_kernel, _selection_keys_kernel
 
     bf16 = {"x_ptr": "bf16", "r_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "h_ptr": "bf16"}
     rope = {
@@ -56,6 +56,8 @@ def builds() -> list[tuple[str, ASTSource, int]]:
         ("selection keys", _source(_selection_keys_kernel, {"scores_ptr": "fp32", "keys_ptr": "i64"}, {"BLOCK": 1024}, set()), 4),
         ("selection radix 2176 columns", _source(_radix_select_kernel, radix, {"BLOCK": 2048, "TAIL": 256}, set()), 16),
         ("selection radix 1500 columns", _source(_radix_select_kernel, radix, {"BLOCK": 1024, "TAIL": 128}, set()), 8),
+        ("selection radix resident 2176 columns", _source(_radix_resident_kernel, radix, {"BLOCK": 4096}, set()), 16),
+        ("selection radix resident 8192 columns", _source(_radix_resident_kernel, radix, {"BLOCK": 8192}, set()), 16),
     ]  # fmt: skip
 
 

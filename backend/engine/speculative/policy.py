@@ -32,18 +32,27 @@ The model prices forwards, not the host work around them, and a speculative step
 than a plain one (planning the verify rows, accepting, the draft depths' plans). So when `m` is
 measured, the choice is also checked against measured throughput: per load (the step's sequences,
 rounded up to a power of two), the engine reports every decode-only step's tokens and seconds
-(`observe_step`), plain steps and steps that verified drafts kept apart (EWMA of tokens per second);
-a load with no plain measurement runs plain steps first, then drafts for `SPEC_PROBE_STEPS` (the
-first of them only proposes), and from then on drafts only while its measured rate beats the plain
-one. A load's first probe starts from a prior: where it says drafting pays (the cost model chose
+(`observe_step`), plain steps and steps that verified drafts kept apart (plain: an EWMA of tokens
+per second; drafting: tokens over seconds of the recent verifying steps, `SPEC_RATE_WEIGHT`). A load
+with no plain measurement runs plain steps first, then probes drafting: it drafts until it has
+measured `probe_verifies` verifying steps (`PROBE_VERIFIES` sequences' verifies, at least
+`MIN_RATE_SAMPLES` steps: one user's tokens per verify range over 1 … K + 1, a batch's vary less; the
+first drafting step only proposes, and prefill steps are not measured), or only `MIN_RATE_SAMPLES`
+where they measured under `CLEAR_LOSS` of the plain rate. Each probe measures afresh. Where it
+measured drafting at least as fast as plain steps, the load drafts until its drafting rate falls
+`RATE_MARGIN` below the plain one: a few poor verifies in a row are not a loss. (Before 2026-12-05 a
+probe measured 3 verifies and an EWMA of each step's rate, weighted 0.2, decided every step: at one
+user on the H100, where drafting K every step ran 1.07-1.28x on tool calls, it drafted in ~3% of
+the steps and ran 0.89-0.94x; tests/backend/engine/test_draft_policy_replay.py replays that.)
+A load's first probe starts from a prior: where it says drafting pays (the cost model chose
 k > 0, and E(k) beats the dearest drafting step, in plain steps, measured at any load: none measured
 yet, the cost model alone) the probe begins right after those `MIN_RATE_SAMPLES` plain steps, so
 drafting starts within a load's first few steps; then the measured rates decide. Where drafting
 wins, every `REPROBE_EVERY` drafting steps one plain step refreshes the rate it is compared with.
 Where it loses (or its probe measured too little), or where the prior says it does not pay, it is
 probed only once the plain steps at that load have taken `1 / PROBE_SHARE` times what the probe is
-expected to cost (its drafting steps' measured seconds there): at 64 sequences a drafting step can
-cost ten plain ones, and a load seen for a few dozen steps (a burst of short requests) must not pay
+expected to cost (`probe_verifies` + 1 drafting steps at their measured seconds there): at 64
+sequences a drafting step can cost ten plain ones, and a load seen for a few dozen steps (a burst of short requests) must not pay
 for probes it cannot amortize. Such a probe is priced from the dearest drafting step (in plain
 steps) measured at any load, or `DRAFT_STEP_GUESS` before any. A probe's first step also catches up
 the MTP KV of the positions plain steps computed (backend/engine/speculative/book.py), a prefill:
@@ -67,8 +76,14 @@ EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estim
 PROBE_EVERY = 16
 TIMING_WEIGHT = 0.1  # per timed step
 RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
+SPEC_RATE_WEIGHT = 0.05  # per verifying step, in a load's drafting rate: ~20 steps make it
 MIN_RATE_SAMPLES = 3  # steps of a kind measured at a load before its rate is trusted
-SPEC_PROBE_STEPS = MIN_RATE_SAMPLES + 1  # the first drafting step after plain ones verifies nothing
+# sequences' verifies a probe measures (at least MIN_RATE_SAMPLES steps): one user's tokens per
+# verify vary from 1 to K + 1 (sd ~1.2 at E(3) ~2.8), so 16 of them put its rate within ~11%
+PROBE_VERIFIES = 16
+SPEC_PROBE_STEPS = PROBE_VERIFIES + 1  # one user's probe: the first drafting step verifies nothing
+RATE_MARGIN = 0.1  # drafting that won its probe stops once measured this far below plain steps
+CLEAR_LOSS = 1 / 3  # a probe measured at under this share of the plain rate has lost: it ends early
 # drafting steps at a load where drafting wins, between plain refreshes: a refresh costs a plain
 # step and then a drafting one that only proposes (host path, several ms on the H200 in 2026-12)
 REPROBE_EVERY = 256
@@ -82,22 +97,45 @@ class _Rates:
     steps' seconds, and its probes."""
 
     plain: float = 0.0
-    spec: float = 0.0
+    spec: float = 0.0  # spec_tokens / spec_s
+    spec_tokens: float = 0.0  # verifying steps' tokens and seconds, decayed by SPEC_RATE_WEIGHT
+    spec_s: float = 0.0
     num_plain: int = 0
-    num_spec: int = 0
+    num_spec: int = 0  # verifying steps measured since the load's last probe began
     plain_step_s: float = 0.0  # EWMA seconds of a plain step
     draft_step_s: float = 0.0  # EWMA seconds of a drafting step (verifying or only proposing)
     plain_s_since_probe: float = 0.0  # plain steps' seconds since its last probe began
     num_probes: int = 0
+    is_probing: bool = False  # a probe began here and has not been judged yet
+    is_winning: bool = False  # its last probe measured drafting faster, and nothing since slower
     since_refresh: int = 0  # drafting steps since a plain one refreshed `plain`
 
-    def add_rate(self, is_spec: bool, rate: float) -> None:
-        if is_spec:
-            self.spec = rate if not self.num_spec else self.spec + RATE_WEIGHT * (rate - self.spec)
-            self.num_spec += 1
-        else:
-            self.plain = rate if not self.num_plain else self.plain + RATE_WEIGHT * (rate - self.plain)
-            self.num_plain += 1
+    def add_plain(self, rate: float) -> None:
+        self.plain = rate if not self.num_plain else self.plain + RATE_WEIGHT * (rate - self.plain)
+        self.num_plain += 1
+
+    def add_spec(self, num_tokens: int, seconds: float) -> None:
+        """Tokens over seconds of the recent verifying steps (not a mean of each step's rate: the
+        tokens vary, the seconds hardly do)."""
+        self.spec_tokens += num_tokens - SPEC_RATE_WEIGHT * self.spec_tokens
+        self.spec_s += seconds - SPEC_RATE_WEIGHT * self.spec_s
+        self.spec = self.spec_tokens / self.spec_s
+        self.num_spec += 1
+
+    def has_clearly_lost(self) -> bool:
+        """Drafting measured (`MIN_RATE_SAMPLES` verifies) at under `CLEAR_LOSS` of the plain rate:
+        further verifies of its probe would not turn that round (where drafting wins at E(3) ~2.8,
+        three verifies average under a third of its rate only if each emits one token: ~0.3%)."""
+        return self.num_spec >= MIN_RATE_SAMPLES and self.spec < CLEAR_LOSS * self.plain
+
+    def begin_probe(self) -> None:
+        """A fresh measurement of drafting: the last one's (an unlucky run, older conditions) is
+        dropped, as is the plain time that paid for it."""
+        self.spec = self.spec_tokens = self.spec_s = 0.0
+        self.num_spec = 0
+        self.num_probes += 1
+        self.is_probing = True
+        self.plain_s_since_probe = 0.0
 
     def add_seconds(self, is_drafting: bool, seconds: float) -> None:
         if is_drafting:
@@ -106,11 +144,12 @@ class _Rates:
             self.plain_step_s = _ewma(self.plain_step_s, seconds)
             self.plain_s_since_probe += seconds
 
-    def can_afford_probe(self, draft_over_plain: float) -> bool:
-        """A probe's expected cost is within `PROBE_SHARE` of the plain time since the last one (a
-        drafting step here as measured, else `draft_over_plain` plain steps)."""
+    def can_afford_probe(self, num_steps: int, draft_over_plain: float) -> bool:
+        """A probe of `num_steps` drafting steps is expected to cost within `PROBE_SHARE` of the
+        plain time since the last one (a drafting step here as measured, else `draft_over_plain`
+        plain steps)."""
         step_s = self.draft_step_s or draft_over_plain * self.plain_step_s
-        return PROBE_SHARE * self.plain_s_since_probe >= SPEC_PROBE_STEPS * step_s
+        return PROBE_SHARE * self.plain_s_since_probe >= num_steps * step_s
 
 
 def _ewma(value: float, sample: float) -> float:
@@ -120,6 +159,12 @@ def _ewma(value: float, sample: float) -> float:
 def load_bucket(num_seqs: int) -> int:
     """The power of two at or above `num_seqs`: loads measured together."""
     return 1 << max(num_seqs - 1, 0).bit_length()
+
+
+def probe_verifies(bucket: int) -> int:
+    """Verifying steps a probe at `bucket` sequences measures: `PROBE_VERIFIES` sequences' verifies
+    (a step's tokens are a sum over its sequences: the more of them, the less it varies)."""
+    return max(MIN_RATE_SAMPLES, -(-PROBE_VERIFIES // bucket))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +199,8 @@ class DraftPolicy:
         self.last_k = 0  # the draft length the last drafting-capable step chose
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
         self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
-        self._probe_left = 0  # drafting steps left in a probe of the speculative rate
+        self._probe_left = 0  # drafting steps a probe of the speculative rate may still take
+        self._probe_bucket = 0  # the load it measures
         self.num_probes = 0  # probes of the speculative rate begun (any load)
         self._pays_if_accepted: dict[tuple[StepLoad, float], bool] = {}  # `_would_pay_if_accepted`
 
@@ -236,20 +282,31 @@ class DraftPolicy:
         """k, or 0 where plain steps have been measured to emit more tokens per second at this load
         (or a probe of drafting there would cost more than `PROBE_SHARE` of its plain time, unless
         it is the load's first and the prior says drafting pays)."""
-        rates = self._rates.setdefault(load_bucket(load.num_drafting + load.num_other_samples), _Rates())
-        if self._probe_left > 0:
-            self._probe_left -= 1
-            return k
+        bucket = load_bucket(load.num_drafting + load.num_other_samples)
+        rates = self._rates.setdefault(bucket, _Rates())
+        num_verifies = probe_verifies(bucket)
+        if self._probe_left > 0:  # a probe drafts until its load has measured enough
+            is_measuring = rates.num_spec < num_verifies and not rates.has_clearly_lost()
+            if bucket != self._probe_bucket or is_measuring:
+                self._probe_left -= 1
+                return k
+            self._probe_left = 0
+        if rates.is_probing:  # its verdict: measured (not only begun) and at least as fast
+            rates.is_probing = False
+            rates.is_winning = rates.num_spec >= MIN_RATE_SAMPLES and rates.spec >= rates.plain
+        elif rates.is_winning and rates.spec < (1 - RATE_MARGIN) * rates.plain:
+            rates.is_winning = False  # slower by more than a run of short verifies explains
         if rates.num_plain < MIN_RATE_SAMPLES:
             return 0
-        if rates.num_spec < MIN_RATE_SAMPLES or rates.spec < rates.plain:  # unmeasured, or losing
+        if not rates.is_winning:  # unmeasured, or losing
             is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k)
-            if not is_prior and not rates.can_afford_probe(self._draft_over_plain()):
+            num_steps = num_verifies + 1  # the first drafting step after plain ones only proposes
+            if not is_prior and not rates.can_afford_probe(num_steps, self._draft_over_plain()):
                 return 0
-            rates.num_probes += 1
-            rates.plain_s_since_probe = 0.0
+            rates.begin_probe()
             self.num_probes += 1
-            self._probe_left = SPEC_PROBE_STEPS - 1
+            self._probe_left = 2 * num_steps  # at most: steps that verify nothing (prefills) too
+            self._probe_bucket = bucket
             return k
         rates.since_refresh += 1
         if rates.since_refresh >= REPROBE_EVERY:  # drafting wins: one plain step refreshes its rival
@@ -284,8 +341,10 @@ class DraftPolicy:
             return
         rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
         rates.add_seconds(is_drafting, seconds)
-        if is_verified or not is_drafting:
-            rates.add_rate(is_verified, num_tokens / seconds)
+        if is_verified:
+            rates.add_spec(num_tokens, seconds)
+        elif not is_drafting:
+            rates.add_plain(num_tokens / seconds)
 
     def observe_catch_up(self, num_seqs: int, seconds: float) -> None:
         """A decode-only step of `num_seqs` sequences that began drafting again took `seconds`,

@@ -1,0 +1,176 @@
+"""The draft policy (backend/engine/speculative/policy.py) replayed against one user's steps shaped
+like the H100's of 2026-12-05 (benchmarks/results/2026-12-05-mtp-gpu.json, speedup_c1): short
+requests one after another, each step observed as the engine observes it (backend/engine/engine.py
+`step`). There the adaptive policy drafted in a few dozen of ~1,200 decode steps (0.89-0.94x plain)
+while drafting K = 3 every step ran 1.28x on tool calls (E(3) ~3.1): its probe's three verifies
+and a per-step EWMA of each step's rate (1 to 4 tokens a step) called a 10-30% win a loss, after
+which a probe of a short-request load waited for ~5 runs' plain time."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from backend.engine.speculative.policy import (
+    MIN_RATE_SAMPLES,
+    PROBE_VERIFIES,
+    DraftPolicy,
+    StepLoad,
+)
+
+PLAIN_S = 0.000435  # a plain decode step (graph replayed)
+VERIFY_S, DRAFT_S = 0.00075, 0.0001  # a whole greedy step of k drafts: VERIFY_S + k · DRAFT_S
+CATCH_UP_S = 0.003  # a step that catches up MTP KV (host path), then proposes
+TOOL_CALL = [0.85, 0.8, 0.75]  # acceptance per depth: E(3) = 3.04
+CHAT = [0.5, 0.4, 0.3]  # E(3) = 1.76
+
+
+@dataclass
+class Run:
+    """One bench run's decode: its tokens and seconds, and the draft length of each decode step."""
+
+    num_tokens: int = 0
+    seconds: float = 0.0
+    ks: list[int] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.num_tokens / self.seconds
+
+    @property
+    def num_drafting(self) -> int:
+        return sum(1 for k in self.ks if k)
+
+
+def replay(
+    p: DraftPolicy | None,
+    acceptance: list[float],
+    rng: random.Random,
+    *,
+    num_requests: int = 8,
+    length: int = 25,
+    prompt: int = 300,
+    fixed_k: int = 0,
+) -> Run:
+    """One user's `num_requests` requests of `length` tokens, one after another, through `p` (None:
+    `fixed_k` drafts every step). A prefill step drafts or not as asked (its MTP KV then written, or
+    left as a gap), unobserved (not decode-only); a decode step after a plain one catches the gap
+    up (`observe_catch_up`), later ones verify: `observe` and `observe_step`."""
+    run = Run()
+    for _ in range(num_requests):
+        k = p.choose(StepLoad(num_rows=prompt, num_drafting=1)) if p is not None else fixed_k
+        num_drafts, gap, left = k, 0 if k else prompt, length - 1
+        while left > 0:
+            k = p.choose(StepLoad(num_rows=1, num_drafting=1)) if p is not None else fixed_k
+            jitter = rng.uniform(0.95, 1.05)
+            if not k:  # plain: its MTP KV left unwritten
+                n, seconds = 1, PLAIN_S * jitter
+                num_drafts, gap = 0, gap + 1
+                if p is not None:
+                    p.observe_step(1, False, False, n, seconds)
+            elif gap:  # catches up, proposes
+                n, seconds = 1, CATCH_UP_S * jitter
+                num_drafts, gap = k, 0
+                if p is not None:
+                    p.observe_catch_up(1, seconds)
+            else:  # verifies, proposes
+                num_verified, num_accepted = min(k, num_drafts), 0
+                while num_accepted < num_verified and rng.random() < acceptance[num_accepted]:
+                    num_accepted += 1
+                n, seconds = min(num_accepted + 1, left), (VERIFY_S + DRAFT_S * k) * jitter
+                num_drafts = k
+                if p is not None:
+                    p.observe(num_verified, num_accepted)
+                    p.observe_step(1, True, True, n, seconds)
+            run.num_tokens, run.seconds, left = run.num_tokens + n, run.seconds + seconds, left - n
+            run.ks.append(k)
+    return run
+
+
+def calibrated() -> DraftPolicy:
+    return DraftPolicy(3, saturation_rows=64, draft_cost=0.25, is_calibrated=True)
+
+
+def bench(acceptance: list[float], seed: int, num_runs: int = 7) -> tuple[float, float, list[Run]]:
+    """The bench's speedup_c1 shape: plain and fixed-k rates, then `num_runs` runs (a warm-up and
+    six) through one engine's policy."""
+    rng = random.Random(seed)
+    plain = replay(None, acceptance, rng).rate
+    fixed = replay(None, acceptance, rng, fixed_k=3).rate
+    p = calibrated()
+    return plain, fixed, [replay(p, acceptance, rng) for _ in range(num_runs)]
+
+
+def test_one_user_keeps_drafting_where_it_pays() -> None:
+    """Tool calls (E(3) ~3.0, drafting K every step 1.10-1.26x here): after the warm-up run, every
+    run drafts in most of its decode steps, none is slower than plain decoding and they average
+    over 1.08x. (Before 2026-12-05 most runs drafted in no step at all: 0.95-1.0x.)"""
+    for seed in range(5):
+        plain, fixed, runs = bench(TOOL_CALL, seed)
+        assert fixed > 1.05 * plain
+        for run in runs[1:]:
+            assert run.num_drafting > 0.25 * len(run.ks), seed  # ~3 tokens a drafting step
+            assert run.rate > plain, seed
+        assert sum(r.rate for r in runs[1:]) / len(runs[1:]) > 1.08 * plain, seed
+
+
+def test_one_user_stops_drafting_where_it_loses() -> None:
+    """Chat (E(3) ~1.8, drafting K every step 0.7x here): probes only, within a few percent of
+    plain decoding over the runs."""
+    for seed in range(5):
+        plain, fixed, runs = bench(CHAT, seed)
+        assert fixed < 0.8 * plain
+        ks = [k for run in runs for k in run.ks]
+        assert sum(1 for k in ks if k) < 0.05 * len(ks), seed
+        assert sum(r.num_tokens for r in runs) / sum(r.seconds for r in runs) > 0.97 * plain, seed
+
+
+def drive_tokens(p: DraftPolicy, num_steps: int, tokens: list[int]) -> list[int]:
+    """`num_steps` steps of one user: plain ones of PLAIN_S, drafting ones that verify in 1 ms and
+    emit the next of `tokens` (cycled; the first drafting step after a plain one catches up and
+    proposes). The draft lengths."""
+    load, ks, last, i = StepLoad(num_rows=1, num_drafting=1), [], 0, 0
+    for _ in range(num_steps):
+        k = p.choose(load)
+        if k and not last:
+            p.observe_catch_up(1, CATCH_UP_S)
+        elif k:
+            p.observe_step(1, True, True, tokens[i % len(tokens)], 0.001)
+            i += 1
+        else:
+            p.observe_step(1, False, False, 1, PLAIN_S)
+        ks.append(k)
+        last = k
+    return ks
+
+
+def test_a_short_run_of_poor_verifies_does_not_end_a_win() -> None:
+    """Drafting measured at 3 tokens a 1 ms step (1.3x plain) keeps drafting through four verifies
+    of one token each (four in a row: ~1 in 2,000 verifies at a_1 = 0.85), and stops within ~20
+    verifies once it truly emits fewer tokens than plain steps would (1.5 a step)."""
+    p = calibrated()
+    ks = drive_tokens(p, 45, [3])
+    first = ks.index(3)
+    assert first == MIN_RATE_SAMPLES and all(ks[first:])  # the probe, then drafting
+    assert all(drive_tokens(p, 4, [1]) + drive_tokens(p, 40, [3]))
+    assert p.num_probes == 1
+    ks = drive_tokens(p, 60, [1, 2])
+    assert 0 < ks.index(0) <= 20 and not any(ks[20:])
+
+
+def test_a_probe_measures_its_verifies_across_requests() -> None:
+    """A probe ends after PROBE_VERIFIES verifies at one user, however many prefill steps (asked,
+    not measured) fall within it."""
+    p = calibrated()
+    load, prefill = StepLoad(num_rows=1, num_drafting=1), StepLoad(num_rows=300, num_drafting=1)
+    for _ in range(MIN_RATE_SAMPLES):
+        assert p.choose(load) == 0
+        p.observe_step(1, False, False, 1, PLAIN_S)
+    assert p.choose(load) and p.num_probes == 1
+    p.observe_catch_up(1, CATCH_UP_S)
+    for i in range(PROBE_VERIFIES):
+        if i % 4 == 0:
+            assert p.choose(prefill)  # a new request's prefill: drafts, unobserved
+        assert p.choose(load)
+        p.observe_step(1, True, True, 2, 0.001)  # 2000 tokens/s: under plain's 2300, within its noise
+    assert p.choose(load) == 0 and p.num_probes == 1  # measured whole: it lost
