@@ -31,9 +31,11 @@ verify row as the sampler would (accept.py `banned_rows`).
 The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/speculative/policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
-drafts and the step is a plain one (graph-replayed decode). Plain and drafting sequences share one
-verify forward: a plain decode is a one-row chunk beside them. Every forward of the step goes to
-every tensor-parallel rank (backend/engine/speculative/forwards.py).
+drafts and the step is a plain one (graph-replayed decode). While a plain decode step runs on the
+device, the policy is told the last step's time and chooses the next step's k for this load
+(`while_plain_step`): its per-step host work is then off a plain step's critical path. Plain and
+drafting sequences share one verify forward: a plain decode is a one-row chunk beside them. Every
+forward of the step goes to every tensor-parallel rank (backend/engine/speculative/forwards.py).
 
 Pages: before the step a drafting sequence gets pages for every position the step may write (the
 verify rows and the chained drafts), and keeps them while it drafts (backend/engine/speculative/book.py
