@@ -188,12 +188,15 @@ class Engine:
             return outputs
         spec = self.spec
         drafting = spec.drafting(scheduled, len(self.scheduler.running)) if spec is not None else []
+        is_drafting = spec is not None and spec.k > 0 and any(drafting)
         tag_updates = self.block_manager.take_tag_updates()
         try:
-            if spec is not None and any(drafting):
+            if spec is not None and is_drafting:
                 results = spec.run(scheduled, drafting, tag_updates)
             else:
-                results = self.runner.run(scheduled, tag_updates)
+                results = self.runner.run(
+                    scheduled, tag_updates, spec.while_plain_step if spec is not None else None
+                )
         except Exception:
             # a failed step is over too, once the device is idle; else its pages stay quarantined
             # forever and a request needing them waits while the engine spins on empty steps
@@ -205,14 +208,8 @@ class Engine:
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
         elapsed = time.perf_counter() - start
         if spec is not None and scheduled.num_tokens == len(results):  # decode only: measure the step
-            is_drafting = any(drafting)
-            emitted = sum(len(r.accepted) + 1 for r in results if r.sample is not None)
-            if is_drafting and spec.did_catch_up:  # mostly a prefill of MTP KV: a probe's price
-                spec.policy.observe_catch_up(len(results), elapsed)
-            else:
-                spec.policy.observe_step(
-                    len(results), is_drafting, is_drafting and spec.did_verify, emitted, elapsed
-                )
+            emitted = sum([len(r.accepted) + 1 for r in results if r.sample is not None])
+            spec.measured(len(results), is_drafting, emitted, elapsed)
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
         self._stats.last_step_s = elapsed

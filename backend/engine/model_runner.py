@@ -20,6 +20,7 @@ Shape letters: T = new tokens this step, B = sequences, Mp = most pages of one s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -147,10 +148,16 @@ class ModelRunner:
                 self.spec_forwards.defer_clear(np.array(pages, dtype=np.int64))
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, tag_updates: list[tuple[int, int]] | None = None) -> list[SeqResult]:
+    def run(
+        self,
+        out: SchedulerOutput,
+        tag_updates: list[tuple[int, int]] | None = None,
+        while_device: Callable[[], None] | None = None,
+    ) -> list[SeqResult]:
         """Run one step. `tag_updates`: the block manager's (page, new tag) pairs since the last
         step, written into `KVCache.page_tags` before the model reads a page (one copy with the
-        step's inputs)."""
+        step's inputs). `while_device`: host work to do once the step is launched, before its
+        result is read back (on a GPU it overlaps the step's device time)."""
         host, rows = self.planner.plan(out.scheduled)
         inputs = StepInputs(host, np.array(tag_updates, dtype=np.int64) if tag_updates else None)
         if self.ranks is not None:  # the other ranks run the same step (backend/engine/ranks.py)
@@ -165,7 +172,10 @@ class ModelRunner:
         else:
             picked = logits[to_device(rows.sample_rows, torch.int64, logits.device)]
         chosen = self.sampler.draw(picked, sample_rows) if n else mismatch.new_zeros(0, dtype=torch.int64)
-        back = torch.cat([chosen, mismatch]).tolist()  # the step's one copy back (flags promoted to int64)
+        packed = torch.cat([chosen, mismatch])  # flags promoted to int64
+        if while_device is not None:
+            while_device()
+        back = packed.tolist()  # the step's one copy back
         tokens, flags = back[:n], back[n:]
         results = [
             SeqResult(s.seq, s.num_new_tokens, f != 0) for s, f in zip(out.scheduled, flags, strict=True)

@@ -31,9 +31,11 @@ verify row as the sampler would (accept.py `banned_rows`).
 The draft length k (0 … K) is chosen per step by the draft policy (backend/engine/speculative/policy.py)
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
-drafts and the step is a plain one (graph-replayed decode). Plain and drafting sequences share one
-verify forward: a plain decode is a one-row chunk beside them. Every forward of the step goes to
-every tensor-parallel rank (backend/engine/speculative/forwards.py).
+drafts and the step is a plain one (graph-replayed decode). While a plain decode step runs on the
+device, the policy is told the last step's time and chooses the next step's k for this load
+(`while_plain_step`): its per-step host work is then off a plain step's critical path. Plain and
+drafting sequences share one verify forward: a plain decode is a one-row chunk beside them. Every
+forward of the step goes to every tensor-parallel rank (backend/engine/speculative/forwards.py).
 
 Pages: before the step a drafting sequence gets pages for every position the step may write (the
 verify rows and the chained drafts), and keeps them while it drafts (backend/engine/speculative/book.py
@@ -121,6 +123,13 @@ class SpecDecoder:
         self.num_greedy_steps = 0  # whole steps on the device, greedy or sampled
         self.num_sampled_steps = 0  # of which sampled
         self._host_generators: dict[str, torch.Generator] = {}
+        self._loads: dict[tuple[int, int, int], StepLoad] = {}  # `_load`
+        # the policy's per-step work moved into a plain step's device time (`while_plain_step`):
+        # the last step's measurement not yet told, the load of a plain step and the draft length
+        # chosen for the next step at that load
+        self._measured: tuple[int, bool, bool, bool, int, float] | None = None
+        self._plain_load: StepLoad | None = None
+        self._ahead: tuple[StepLoad, int] | None = None
 
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
@@ -130,15 +139,71 @@ class SpecDecoder:
         drafting does not pay. A sequence that does not draft gives its draft pages back."""
         flags = [False] * len(out.scheduled)
         self.k, self.did_catch_up = 0, False
+        ahead, self._ahead, self._plain_load = self._ahead, None, None
         if num_running <= self.max_drafting_seqs:
-            can_draft = self.book.can_draft(out)
-            num_samples = sum(s.needs_sample for s in out.scheduled)
-            load = StepLoad(out.num_tokens, sum(can_draft), num_samples - sum(can_draft))
-            self.k = self.policy.choose(load)
+            num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
+            num_drafting = can_draft.count(True)
+            num_samples = sum([s.needs_sample for s in out.scheduled])
+            load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
+            if ahead is not None and ahead[0] is load:
+                self.k = ahead[1]  # chosen while the last step ran, for this load
+            else:
+                self.settle()
+                self.k = self.policy.choose(load)
             if self.k:
                 flags = self.book.reserve(out, can_draft, self.k)
+            elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
+                self._plain_load = load  # a plain decode step: the next one's choice while it runs
+        if any(flags):
+            self.settle()  # a drafting step's device waits are its own
         self.book.release_spares(out, flags)
         return flags
+
+    def measured(self, num_seqs: int, is_drafting: bool, num_tokens: int, seconds: float) -> None:
+        """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`: for the
+        policy, told at the next `settle` (see `while_plain_step`)."""
+        self._measured = (
+            num_seqs,
+            is_drafting,
+            is_drafting and self.did_verify,
+            self.did_catch_up,
+            num_tokens,
+            seconds,
+        )
+
+    def settle(self) -> None:
+        """Tell the policy the last step's measurement, if it has not been told."""
+        m, self._measured = self._measured, None
+        if m is None:
+            return
+        num_seqs, is_drafting, is_verified, did_catch_up, num_tokens, seconds = m
+        if is_drafting and did_catch_up:  # mostly a prefill of MTP KV: a probe's price
+            self.policy.observe_catch_up(num_seqs, seconds)
+        else:
+            self.policy.observe_step(num_seqs, is_drafting, is_verified, num_tokens, seconds)
+
+    def while_plain_step(self) -> None:
+        """The policy's work while a plain step runs on the device (`ModelRunner.run`): the last
+        step's measurement, and, after a plain decode step, the draft length for the next step,
+        used if its load is this one's (a decode stream's is, but for arrivals and finishes; else
+        the next step chooses anew). Done before the launch and after the read back, this was ~20
+        of the ~25 us by which a c = 1 plain step with speculation on trailed one with it off (the
+        H100 measured ~29: issue 28, lab/diagnostics/plain_step_host.py). A choice made ahead has
+        not seen the measurement of the step it runs beside: the policy's view lags one step."""
+        self.settle()
+        if self._plain_load is not None:
+            self._ahead = (self._plain_load, self.policy.choose(self._plain_load))
+
+    def _load(self, num_rows: int, num_drafting: int, num_other_samples: int) -> StepLoad:
+        """The step's load, one object per distinct load: a decode stream repeats a few, and a frozen
+        dataclass's construction (a setattr per field) was ~1 us of every plain step."""
+        key = (num_rows, num_drafting, num_other_samples)
+        load = self._loads.get(key)
+        if load is None:
+            if len(self._loads) > 4096:  # loads vary with prefill chunks: keep it bounded
+                self._loads.clear()
+            load = self._loads[key] = StepLoad(num_rows, num_drafting, num_other_samples)
+        return load
 
     def forget(self, request_id: str) -> None:
         self.book.forget(request_id)

@@ -101,3 +101,77 @@ def test_a_step_that_drafts_nothing_is_a_plain_step(
         extra = Counter(a["ops"])
         extra.subtract(b["ops"])
         assert a["ops"] == b["ops"], (step, {name: n for name, n in extra.items() if n})
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any], arch: str) -> None:
+    """One sequence, the adaptive policy choosing no drafts: after the first decode step the policy
+    is asked once a step, for the next step, while the plain step runs on the device (between its
+    launch and its read back: `SpecDecoder.while_plain_step`), and told each step's measurement
+    there too; a load that changes (a second request) is chosen for anew. When a choice made ahead
+    drafts, the next step drafts. Greedy outputs as with speculation off (issue 28: a c = 1 plain
+    step's host time, lab/diagnostics/plain_step_host.py)."""
+    model = loaded[arch]
+    engine = graphed(model, 3)
+    spec = engine.spec
+    assert spec is not None and spec.policy.is_adaptive
+    beside = [False]
+    calls: list[tuple[str, bool]] = []  # (what, whether beside the device)
+    plain_step = spec.while_plain_step
+
+    def while_plain_step() -> None:
+        beside[0] = True
+        try:
+            plain_step()
+        finally:
+            beside[0] = False
+
+    num_chosen = [0]
+
+    def choose(load: Any) -> int:
+        calls.append(("choose", beside[0]))
+        num_chosen[0] += 1
+        return 1 if num_chosen[0] == 14 else 0  # the 14th choice drafts
+
+    observe_step = spec.policy.observe_step
+
+    def observed(*args: Any) -> None:
+        calls.append(("observe", beside[0]))
+        observe_step(*args)
+
+    spec.while_plain_step = while_plain_step  # type: ignore[method-assign]
+    spec.policy.choose = choose  # type: ignore[method-assign]
+    spec.policy.observe_step = observed  # type: ignore[method-assign]
+    steps: list[tuple[list[tuple[str, bool]], int]] = []  # per step: its calls, the draft length it ran
+
+    def drive(engine: Engine) -> dict[str, Result]:
+        """a alone, b joining at the 7th step."""
+        first, second = prompts(2, model.config.vocab_size, seed=5)
+        engine.add_request(request("a", first, max_tokens=20, ignore_eos=True))
+        results: dict[str, Result] = {}
+        num_steps = 0
+        while engine.has_unfinished:
+            calls.clear()
+            collect(results, engine.step())
+            steps.append((list(calls), engine.spec.k if engine.spec is not None else 0))
+            num_steps += 1
+            if num_steps == 6:
+                engine.add_request(request("b", second, max_tokens=4, ignore_eos=True))
+        return results
+
+    got = drive(engine)
+    assert steps[0][0] == [("choose", False)]  # the prompt's step (not measured, nothing chosen ahead)
+    assert steps[1][0] == [("choose", False), ("choose", True)]  # the first decode step, then ahead
+    for at in (2, 3, 4, 5):
+        assert steps[at] == ([("observe", True), ("choose", True)], 0), at
+    assert steps[6][0] == [("observe", False), ("choose", False)]  # b's prompt joins: a new load
+    choices = [
+        (at, is_beside) for at, (c, _) in enumerate(steps) for what, is_beside in c if what == "choose"
+    ]
+    at, is_beside = choices[13]
+    assert is_beside and 6 < at < len(steps) - 2  # the 14th choice was made ahead, a's alone again
+    assert [n for n, (_, k) in enumerate(steps) if k] == [at + 1]  # and the next step drafted
+    assert steps[at + 1][0] == [("observe", False)]  # a drafting step: told at once, nothing ahead
+    assert steps[at + 2][0][0] == ("choose", False)  # after it the policy chooses before the step
+    want = drive(graphed(model, 0))
+    assert {r: v.token_ids for r, v in got.items()} == {r: v.token_ids for r, v in want.items()}
