@@ -21,17 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.formats.fp8 import FP8
+from kernels.op_args import KvLines
 
 FP8_DTYPES = (FP8,)
-
-
-@dataclass(frozen=True, slots=True)
-class KvLines:
-    """Another cache of the same pool written by the same call, at the same slots under the same tags."""
-
-    cache: torch.Tensor  # [P, S, *shape2]
-    values: torch.Tensor  # [T, *shape2]
-    scale: float
 
 
 @dataclass(frozen=True, slots=True)

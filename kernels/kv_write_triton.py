@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats.fp8 import FP8
-from kernels.kv_write import KvLines
+from kernels.op_args import KvLines
 from kernels.triton_lib import pdl_args, pdl_enter
 
 __all__ = ["kv_write_triton"]

@@ -18,20 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.op_args import RowNorm
 from kernels.rms_norm import rms_norm_ref
-
-MAX_NORMS = 3  # the kernel's slots: a DSA layer's q_a, kv_a and indexer key norms
-
-
-@dataclass(frozen=True, slots=True)
-class RowNorm:
-    x: torch.Tensor  # [N, D], any row stride, unit stride in D
-    weight: torch.Tensor  # [D]
-    eps: float
-    bias: torch.Tensor | None = None  # [D] LayerNorm only
-    is_layer_norm: bool = False  # LayerNorm (mean removed, weight and bias), else RMSNorm
-    # [N, D], any row stride, unit in D: RMSNorm promote(weight, x) dtype, LayerNorm x's; None: a new tensor
-    out: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.row_norms import MAX_NORMS, RowNorm
+from kernels.op_args import MAX_NORMS, RowNorm
 from kernels.triton_lib import pdl_args, pdl_enter
 
 __all__ = ["row_norms_triton"]

@@ -33,7 +33,8 @@ from backend.models.layers.rotary import Rotary
 from backend.models.layers.step import Step
 from backend.models.model_config import ModelConfig
 from kernels.mla_attention import MlaAttentionArgs, mla_attention
-from kernels.row_norms import RowNorm, RowNormsArgs, row_norms
+from kernels.op_args import RowNorm
+from kernels.row_norms import RowNormsArgs, row_norms
 
 # transformers and the original DeepSeek code build q_a_layernorm / kv_a_layernorm with their
 # default eps, not config.rms_norm_eps

@@ -35,7 +35,7 @@ from backend.models.layers.rotary import Rotary
 from backend.models.layers.step import Step
 from backend.models.model_config import ModelConfig
 from kernels.dsa_indexer import DsaIndexerArgs, dsa_indexer
-from kernels.row_norms import RowNorm
+from kernels.op_args import RowNorm
 
 INDEXER_NORM_EPS = 1e-6  # the reference LayerNorm's eps; not in config.json
 

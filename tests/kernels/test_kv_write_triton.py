@@ -15,8 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.kv_write import KvLines, kv_write_ref  # noqa: E402
+from kernels.kv_write import kv_write_ref  # noqa: E402
 from kernels.kv_write_triton import kv_write_triton  # noqa: E402
+from kernels.op_args import KvLines  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")

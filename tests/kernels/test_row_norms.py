@@ -17,8 +17,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from kernels.op_args import RowNorm  # noqa: E402
 from kernels.rms_norm import rms_norm_ref  # noqa: E402
-from kernels.row_norms import RowNorm, RowNormsArgs, row_norms  # noqa: E402
+from kernels.row_norms import RowNormsArgs, row_norms  # noqa: E402
 from kernels.row_norms_triton import row_norms_triton  # noqa: E402
 from tests.kernels.test_rms_norm import DEV, close, pytestmark  # noqa: E402, F401 (RMSNorm's tolerances)
 

@@ -12,7 +12,8 @@ import torch
 from backend.engine.forward_batch import ForwardBatch
 from backend.models.layers.context_parallel import local_writes
 from backend.models.layers.parallel import DcpGroup
-from kernels.kv_write import KvLines, KvWriteArgs, kv_write
+from kernels.kv_write import KvWriteArgs, kv_write
+from kernels.op_args import KvLines
 from kernels.paged_gather import PagedBatch
 
 

@@ -1,0 +1,38 @@
+"""Argument types shared by an op's dispatcher (`kernels/<op>.py`, importable without triton) and its
+Triton module (`kernels/<op>_triton.py`, imported only on CUDA): here, so that neither imports the other
+at its top (the dispatcher imports the Triton module lazily; the Triton module reads these types).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MAX_NORMS", "KvLines", "RowNorm"]
+
+
+@dataclass(frozen=True, slots=True)
+class KvLines:
+    """Another cache of the same pool written by the same `kv_write` call, at the same slots under the
+    same tags."""
+
+    cache: torch.Tensor  # [P, S, *shape2]
+    values: torch.Tensor  # [T, *shape2]
+    scale: float
+
+
+MAX_NORMS = 3  # `row_norms`' kernel slots: a DSA layer's q_a, kv_a and indexer key norms
+
+
+@dataclass(frozen=True, slots=True)
+class RowNorm:
+    """One norm of a `row_norms` call."""
+
+    x: torch.Tensor  # [N, D], any row stride, unit stride in D
+    weight: torch.Tensor  # [D]
+    eps: float
+    bias: torch.Tensor | None = None  # [D] LayerNorm only
+    is_layer_norm: bool = False  # LayerNorm (mean removed, weight and bias), else RMSNorm
+    # [N, D], any row stride, unit in D: RMSNorm promote(weight, x) dtype, LayerNorm x's; None: a new tensor
+    out: torch.Tensor | None = None
