@@ -20,9 +20,9 @@ source "$(dirname "$0")/preamble.sh"
 W=/tmp/r12s && rm -rf $W && mkdir -p $W
 el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r12_spec.tgz" -C $W .; }
-LIMIT=${LIMIT:-420}  # a stage starts only if its timeout ends before LIMIT s
+LIMIT=${LIMIT:-430}  # a stage starts only if its timeout ends before LIMIT s
 fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
-timeout 110 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 90 -rfE \
+timeout 170 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 120 -rfE \
   tests/backend/engine/test_speculative_cuda.py tests/backend/engine/test_decode_graphs_cuda.py \
   tests/backend/models/test_models_cuda.py tests/backend/engine/test_verify_graphs.py \
   tests/backend/engine/test_speculative_sampled.py tests/backend/engine/test_speculative_host.py > $W/pytest.log 2>&1
