@@ -38,26 +38,12 @@ from typing import Any
 import torch
 
 from lab.diagnostics.spec_host import MODELS, Meter
+from lab.diagnostics.spec_host import engines as spec_engines
 
 
 def engines(checkpoint: Path, meter: Meter) -> dict[str, Any]:
-    from backend.engine.engine import Engine
-    from backend.engine.engine_config import EngineConfig
-    from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
-
-    loaded = load_model(
-        checkpoint, dtype=torch.float32, device="cpu", num_mtp_layers=num_mtp_layers_in(checkpoint)
-    )
-    out = {}
-    for side, k in (("A", 3), ("B", 0)):
-        config = EngineConfig.build(
-            num_pages=256, page_size=16, max_num_batched_tokens=4096, max_num_seqs=1,
-            enable_prefix_cache=False, num_speculative_tokens=k, speculative_max_seqs=1,
-            speculative_adaptive=True,
-        )  # fmt: skip
-        prepared = prepare_model(loaded, config, model_dtype=torch.float32)
-        out[side] = Engine.from_prepared(prepared, config, graph_capture=meter.capture)
-    return out
+    """A: speculation on (mtp:3, the adaptive policy), B: off."""
+    return spec_engines(checkpoint, meter, sides=(("A", 3), ("B", 0)), adaptive=True)
 
 
 class Overlap:

@@ -181,7 +181,14 @@ def instrument(meter: Meter, models: list[Any]) -> Callable[[], None]:
     return restore
 
 
-def engines(checkpoint: Path, meter: Meter) -> dict[str, Any]:
+def engines(
+    checkpoint: Path,
+    meter: Meter,
+    sides: tuple[tuple[str, int], ...] = (("plain", 0), ("greedy", 3)),
+    adaptive: bool = False,
+) -> dict[str, Any]:
+    """An engine per (side, drafts) over one fp32 CPU load of the checkpoint (`adaptive`: the draft
+    policy on)."""
     from backend.engine.engine import Engine
     from backend.engine.engine_config import EngineConfig
     from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
@@ -190,11 +197,11 @@ def engines(checkpoint: Path, meter: Meter) -> dict[str, Any]:
         checkpoint, dtype=torch.float32, device="cpu", num_mtp_layers=num_mtp_layers_in(checkpoint)
     )
     out = {}
-    for side, k in (("plain", 0), ("greedy", 3)):
+    for side, k in sides:
         config = EngineConfig.build(
             num_pages=256, page_size=16, max_num_batched_tokens=4096, max_num_seqs=1,
             enable_prefix_cache=False, num_speculative_tokens=k, speculative_max_seqs=1,
-            speculative_adaptive=False,
+            speculative_adaptive=adaptive,
         )  # fmt: skip
         prepared = prepare_model(loaded, config, model_dtype=torch.float32)
         out[side] = Engine.from_prepared(prepared, config, graph_capture=meter.capture)
