@@ -26,7 +26,10 @@ the CUDA cores with `kernels/triton_lib.py`'s dot products (one LOP3 and one FFM
 reads the router's ids directly: no align step, two launches in all. Gate/up writes act as lifted
 fp32 rows (the down GEMV's activation format, so down does no lifting); K splits and, for down, the
 token's k slots meet in `moe_gemv_finish`, where the last program to arrive adds the fp32 partials in a
-fixed order (deterministic) and writes act, or the token's output row. Two pairs of one expert read
+fixed order (deterministic) and writes act, or the token's output row. A pair routed to another
+rank's expert (expert parallel: ids outside [0, E), read on the device, so no host sync) loads no
+weights and takes no part there: no act row, no partial, no atomic; a token none of whose slots is
+local gets zeros (the shared experts' `add`) from one program per N tile. Two pairs of one expert read
 its weights twice, the second time mostly from L2, and unpack them twice: from a few pairs per expert
 on, `_fused_moe_gemv_kernel` with GROUPED (`MoEConfig.grouped`) takes `moe_align` blocks of 2-8 pairs of one
 expert and unpacks each word once for all of them; blocks of one pair (`block_m=1`) only put the pairs
@@ -191,6 +194,7 @@ def _fused_moe_gemv_kernel(
     topk_w_ptr,
     add_ptr,  # ADD: [M, N] added to down's rows (out's strides), else a placeholder
     ids_ptr,  # topk_ids [P] int32/int64, or GROUPED: moe_align's sorted_ids [blocks · BM]
+    topk_ids_ptr,  # [P] int32/int64: which of a token's slots are local (the down finish)
     block_expert_ids_ptr,  # GROUPED: moe_align's [blocks] (else unused)
     num_padded_ptr,  # GROUPED: moe_align's [1] (else unused)
     num_experts,
@@ -298,8 +302,8 @@ def _fused_moe_gemv_kernel(
         if pairs[i] < num_pairs:
             moe_gemv_finish(
                 tl.sum(accs[i], axis=0) * LIFT_SCALE, tl.sum(accs[(BLOCK_M + i) % NUM_ACC], axis=0) * LIFT_SCALE,
-                pairs[i], offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr, GATE_UP, GATE_UP,
-                TOP_K, ADD,
+                pairs[i], is_local, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr,
+                topk_ids_ptr, num_experts, GATE_UP, GATE_UP, TOP_K, ADD,
             )  # fmt: skip
 
 
@@ -357,7 +361,8 @@ def fused_moe(
         a = lift_rows(g.a) if g.gate_up and cfg.lift else g.a
         ids = blocks or (flat_ids, flat_ids, flat_ids)  # the grouped kernel's blocks, or the pairs' ids
         _fused_moe_gemv_kernel[(ids[1].numel(), triton.cdiv(g.N, cfg.block_n), split)](
-            a, w, s, g.out, ws, cnt, topk_w, g.add if g.add is not None else g.out, *ids, E, flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
+            a, w, s, g.out, ws, cnt, topk_w, g.add if g.add is not None else g.out, ids[0], flat_ids, *ids[1:], E,
+            flat_ids.numel(), g.N, g.K // 8, g.K // group_size,
             *a.stride(), *w.stride(), *s.stride(), g.out.stride(0),
             A_ROW_DIV=g.a_row_div, TOP_K=topk_ids.shape[1], GATE_UP=g.gate_up, LIFTED=not g.gate_up or cfg.lift,
             GROUPED=blocks is not None, GROUP_SIZE=group_size, BLOCK_M=cfg.block_m if blocks else 1,

@@ -226,13 +226,13 @@ def _fused_moe_fp8_gemv_kernel(
             )  # fmt: skip
     acc = tl.sum(acc2, axis=1)  # [BN]
     acc_up = tl.sum(acc2_up, axis=1)
-    if SCALE_BK == 0:
-        acc = acc * tl.load(s_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
+    if SCALE_BK == 0:  # another rank's pair loads nothing
+        acc = acc * tl.load(s_e + s_rows, mask=n_ok & is_local, other=0.0).to(tl.float32)
         if GATE_UP:
-            acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok, other=0.0).to(tl.float32)
+            acc_up = acc_up * tl.load(su_e + s_rows, mask=n_ok & is_local, other=0.0).to(tl.float32)
     moe_gemv_finish(
-        acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr, GATE_UP, False,
-        TOP_K, ADD,
+        acc, acc_up, pair, is_local, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr,
+        topk_ids_ptr, num_experts, GATE_UP, False, TOP_K, ADD,
     )  # fmt: skip
 
 

@@ -513,7 +513,7 @@ def moe_tile_epilogue(acc, acc_up, topk_w_ptr, pair, m_ok, out_ptrs, out_mask,
 @triton.jit
 def moe_pair_expert(pair, num_experts, topk_ids_ptr):
     """GEMV programs: (expert clamped into [0, E), is_local) of `pair`; ids outside [0, E) are another
-    rank's, whose programs run no K loop (their sums stay 0) but still take part in the reductions."""
+    rank's, whose programs run no K loop and take no part in the reductions (`moe_gemv_finish`)."""
     expert = tl.load(topk_ids_ptr + pair)
     is_local = (expert >= 0) & (expert < num_experts)
     return tl.where(is_local, expert, 0).to(tl.int64), is_local  # ids may be int32 or int64
@@ -553,51 +553,80 @@ def _row_value(
 
 
 @triton.jit
-def moe_gemv_finish(acc, acc_up, pair, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr, add_ptr,
+def moe_gemv_finish(acc, acc_up, pair, is_local, offs_n, n_ok, N, out_ptr, stride_om, ws_ptr, cnt_ptr, topk_w_ptr,
+                 add_ptr, topk_ids_ptr, num_experts,
                  GATE_UP: tl.constexpr, LIFT_OUT: tl.constexpr, TOP_K: tl.constexpr, ADD: tl.constexpr):  # fmt: skip
     """GEMV programs' end (grid (P, N tiles, S splits of K)), from acc / acc_up [BN] fp32, this program's sums.
 
     GATE_UP: act row `pair` = silu(gate)·up of the whole K; down: out row `pair // TOP_K` = the sum
-    over the token's TOP_K slots of routing weight · acc. Several programs make one row (K splits;
-    for down also the k slots): each parks its partial in the fp32 workspace (`[P, S, 2N]`,
-    gate | up; `[P, S, N]`) and the last to arrive (an atomic counter per output tile that
-    resets itself) adds them in (slot, split) order: deterministic, and no torch op after the kernel.
+    over the token's local slots (`topk_ids` [P] in [0, E)) of routing weight · acc. Several programs
+    make one row (K splits; for down also the local slots): each parks its partial in the fp32
+    workspace (`[P, S, 2N]`, gate | up; `[P, S, N]`) and the last to arrive (an atomic counter per
+    output tile that resets itself) adds them in (slot, split) order: deterministic, and no torch op
+    after the kernel. A pair of another rank (`is_local` false) takes no part: its act row is never
+    written (down skips it) and its down programs park nothing and count nothing, so a rank none of
+    whose pairs is local pays no workspace traffic or atomics (expert parallel: most ranks at M = 1);
+    a token with no local slot gets its row from its first slot's first split, zeros (+ add).
     ADD (down): the row plus add's [M, N] row (out's strides; the MoE's shared experts), added after the
     sum is rounded to out's dtype: the bytes of torch's `routed + shared`, one launch fewer.
     """
     num_splits = tl.num_programs(2)
     if GATE_UP:
-        arrivals = num_splits
-        row = pair
-        width = 2 * N
+        if is_local:
+            row_ptr = out_ptr + pair.to(tl.int64) * stride_om
+            if num_splits == 1:
+                _store_row(_silu(acc) * acc_up, row_ptr, offs_n, n_ok, LIFT_OUT)
+            else:
+                # pair-major: a row's partials adjoin
+                part = ws_ptr + offs_n + (pair * num_splits + tl.program_id(2)) * 2 * N
+                tl.store(part, acc, mask=n_ok)
+                tl.store(part + N, acc_up, mask=n_ok)
+                tl.debug_barrier()
+                tile = pair * tl.num_programs(1) + tl.program_id(1)
+                if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
+                    first = ws_ptr + offs_n + pair * num_splits * 2 * N
+                    acc = tl.zeros_like(acc)
+                    acc_up = tl.zeros_like(acc)
+                    for q in range(num_splits):  # fixed order whichever program came last
+                        acc += tl.load(first + q * 2 * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                        acc_up += tl.load(first + q * 2 * N + N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    _store_row(_silu(acc) * acc_up, row_ptr, offs_n, n_ok, LIFT_OUT)
+                    tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
-        arrivals = TOP_K * num_splits
-        acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
         row = pair // TOP_K
-        width = N
-    row_ptr = out_ptr + row.to(tl.int64) * stride_om
-    if arrivals == 1:
-        v = _row_value(acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, GATE_UP, ADD)
-        _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
-    else:
-        ws = ws_ptr + offs_n
-        part = ws + (pair * num_splits + tl.program_id(2)) * width  # pair-major: a row's partials adjoin
-        tl.store(part, acc, mask=n_ok)
-        if GATE_UP:
-            tl.store(part + N, acc_up, mask=n_ok)
-        tl.debug_barrier()
-        tile = row * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == arrivals - 1:
-            first = ws + row * arrivals * width
-            acc = tl.zeros_like(acc)
-            acc_up = tl.zeros_like(acc)
-            for q in range(arrivals):  # fixed order whichever program came last
-                acc += tl.load(first + q * width, mask=n_ok, other=0.0, cache_modifier=".cg")
-                if GATE_UP:
-                    acc_up += tl.load(first + q * width + N, mask=n_ok, other=0.0, cache_modifier=".cg")
-            v = _row_value(acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, GATE_UP, ADD)
+        row_ptr = out_ptr + row.to(tl.int64) * stride_om
+        slot_is_local = ()  # the token's slots on this rank (the ids are the router's, in L2)
+        num_local = 0
+        for s in tl.static_range(TOP_K):
+            e = tl.load(topk_ids_ptr + row * TOP_K + s)
+            slot_is_local = slot_is_local + ((e >= 0) & (e < num_experts),)
+            num_local += slot_is_local[s].to(tl.int32)
+        arrivals = num_local * num_splits
+        if is_local:
+            acc = acc * tl.load(topk_w_ptr + pair).to(tl.float32)
+            if arrivals == 1:
+                v = _row_value(acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, False, ADD)
+                _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
+            else:
+                part = ws_ptr + offs_n + (pair * num_splits + tl.program_id(2)) * N  # pair-major
+                tl.store(part, acc, mask=n_ok)
+                tl.debug_barrier()
+                tile = row * tl.num_programs(1) + tl.program_id(1)
+                if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == arrivals - 1:
+                    first = ws_ptr + offs_n + row * TOP_K * num_splits * N
+                    acc = tl.zeros_like(acc)
+                    for s in tl.static_range(TOP_K):  # fixed order whichever program came last
+                        if slot_is_local[s]:
+                            slot = first + s * num_splits * N
+                            for q in range(num_splits):
+                                acc += tl.load(slot + q * N, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    v = _row_value(acc, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, False, ADD)
+                    _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
+                    tl.atomic_xchg(cnt_ptr + tile, 0)
+        elif (num_local == 0) & (pair % TOP_K == 0) & (tl.program_id(2) == 0):  # nothing routed here
+            zero = tl.zeros_like(acc)
+            v = _row_value(zero, acc_up, row, offs_n, n_ok, out_ptr, stride_om, add_ptr, False, ADD)
             _store_row(v, row_ptr, offs_n, n_ok, LIFT_OUT)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 # prefill query tiles (MLA, GQA, the DSA indexer)

@@ -26,7 +26,7 @@ from torch import nn
 from backend.engine.forward_batch import CacheSpec
 from backend.models.causal_lm import CausalLM
 from backend.models.layers.context_parallel import dcp_mla_attention
-from backend.models.layers.fused import FusedLinear, fuse_group
+from backend.models.layers.fused import FusedLinear, fuse_group, project
 from backend.models.layers.linear import Linear, Shard
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.rotary import Rotary
@@ -83,14 +83,12 @@ class MLAAttention(nn.Module):
         latent's)."""
         return ["q_proj" if self.q_lora_rank is None else "q_a_proj", "kv_a_proj_with_mqa"]
 
-    def fuse_projections(self) -> bool:
+    def fuse_projections(self) -> int:
         return fuse_group(self, self.x_readers(), "fused_qkv_a_proj")
 
     def project_x(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, H] → each of `x_readers`' outputs, in order (views of one product once fused)."""
-        if self.fused_qkv_a_proj is not None:
-            return self.fused_qkv_a_proj(x)
-        return tuple(self.get_submodule(name)(x) for name in self.x_readers())
+        return project(self, self.x_readers(), self.fused_qkv_a_proj, x)
 
     def cache_specs(self) -> list[CacheSpec]:
         return [CacheSpec("latent", (self.R + self.Dr,))]

@@ -8,7 +8,10 @@ attention then reads only the chosen tokens. The indexer is small and replicated
 DCP its key cache is sharded by token like the latent cache (backend/models/layers/context_parallel.py).
 Its key's LayerNorm rides on MLA's LoRA norms' launch, its key and query rotations on MLA's rope
 launch, its key line on the latent's kv_write launch: a full layer launches those three where it
-launched nine (three norms, four rotations, two writes).
+launched nine (three norms, four rotations, two writes). Its indexer's `wq_b` and MLA's `q_b_proj`
+read the same normed q LoRA activation: once the model is fused (backend/models/layers/fused.py) they
+are one product (`fused_q_b_proj`, one GEMV where a scoring step ran two), and a step that scores
+nothing reads q_b_proj's rows of it alone (a row-prefix view: no wq_b bytes, no extra launch).
 
 A step whose sequences are all at most `index_topk` tokens long (`Step.table_tokens`, known on the
 host) keeps every visible key, as the reference's top-k does: its layers cache their indexer keys
@@ -30,6 +33,7 @@ from backend.errors import CheckpointError
 from backend.models.causal_lm import CausalLM
 from backend.models.deepseek_v3 import MLAAttention
 from backend.models.layers.context_parallel import dcp_indexer_topk
+from backend.models.layers.fused import FusedLinear, fuse_group, project
 from backend.models.layers.linear import Linear, Shard
 from backend.models.layers.rotary import Rotary
 from backend.models.layers.step import Step
@@ -59,14 +63,15 @@ class Indexer(nn.Module):
         return RowNorm(wk_x, n.weight, n.eps, n.bias, is_layer_norm=True)
 
     def rope_pairs(
-        self, k_normed: torch.Tensor, q_resid: torch.Tensor, step: Step
+        self, k_normed: torch.Tensor, wq_b_q: torch.Tensor | None
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The (x, None) pairs the attention's rope launch rotates for the indexer: the normed key
-        [T, 1, Di], and the query [T, Hi, Di] when the step scores (`is_scoring`)."""
+        [T, 1, Di], and `wq_b(q_resid)` [T, Hi·Di] as the query [T, Hi, Di] when the step scores
+        (the attention computes it with q_b_proj: `DSAAttention.q_resid_readers`)."""
         T = k_normed.shape[0]
         pairs: list[tuple[torch.Tensor, torch.Tensor | None]] = [(k_normed.view(T, 1, self.Di), None)]
-        if self.is_scoring(step):
-            pairs.append((self.wq_b(q_resid).view(T, self.Hi, self.Di), None))
+        if wq_b_q is not None:
+            pairs.append((wq_b_q.view(T, self.Hi, self.Di), None))
         return pairs
 
     def is_scoring(self, step: Step) -> bool:
@@ -112,11 +117,21 @@ class DSAAttention(MLAAttention):
             self.indexer = Indexer(config, layer_idx, dtype=dtype)
         elif "full" not in config.indexer_types[:layer_idx]:
             raise CheckpointError(f"layer {layer_idx} shares top-k but no earlier layer runs the indexer")
+        self.fused_q_b_proj: FusedLinear | None = None  # `fuse_projections`: q_resid_readers as one product
 
     def x_readers(self) -> list[str]:
         """MLA's, then the indexer's `wk` (its `weights_proj` reads x too, but in float32, and only
         when a step scores: it is not fused)."""
         return [*super().x_readers(), *(["indexer.wk"] if self.is_full else [])]
+
+    def q_resid_readers(self) -> list[str]:
+        """A full layer's Linears reading the normed q LoRA activation: q_b_proj (this rank's heads),
+        then the indexer's wq_b (replicated), asked only when the step scores."""
+        return ["q_b_proj", "indexer.wq_b"]
+
+    def fuse_projections(self) -> int:
+        fused = super().fuse_projections()
+        return fused + (self.is_full and fuse_group(self, self.q_resid_readers(), "fused_q_b_proj"))
 
     def cache_specs(self) -> list[CacheSpec]:
         specs = super().cache_specs()
@@ -131,14 +146,18 @@ class DSAAttention(MLAAttention):
         q_a, kv_a, wk_x = self.project_x(x)
         q_resid, latent, (k_normed,) = self.lora_norms(q_a, kv_a, self.indexer.key_norm(wk_x))
         assert q_resid is not None
-        q = self.query(q_a, q_resid)
+        T = x.shape[0]
+        # q_b_proj's q [T, Hl·(N + Dr)], and the indexer's wq_b [T, Hi·Di] when the step scores: one
+        # product once fused; a step scoring nothing reads only q_b_proj's rows of it
+        num_parts = None if self.indexer.is_scoring(step) else 1
+        q_b, *wq_b = project(self, self.q_resid_readers(), self.fused_q_b_proj, q_resid, num_parts)
+        q = q_b.view(T, self.num_local_heads, -1)
         q_abs, pairs = self.rope_pairs(q, kv_a, latent)
         rotated = self.rotary[0].rotate_many(
-            [*pairs, *self.indexer.rope_pairs(k_normed, q_resid, step)], step.cos, step.sin
+            [*pairs, *self.indexer.rope_pairs(k_normed, wq_b[0] if wq_b else None)], step.cos, step.sin
         )
         # the indexer's key [T, 1, Di], and its query [T, Hi, Di] when the step scores
         k_idx, q_idx = rotated[len(pairs)], rotated[len(pairs) + 1 :]
-        T = x.shape[0]
         # later, longer steps score these keys
         step.write(self.layer_idx, "latent", latent, also=("index_k", k_idx.view(T, self.indexer.Di)))
         self.absorb(q, q_abs)

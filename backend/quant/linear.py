@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import Self, TypedDict, Unpack
+from typing import TYPE_CHECKING, Self, TypedDict, Unpack
 
 import torch
 from torch import nn
@@ -92,8 +92,9 @@ class _QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] @ the weight's [N, K] transpose, without the bias, in `out_dtype(x)`."""
+    def product(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """x [..., K] @ the weight's [N, K] transpose, without the bias, in `out_dtype(x)`; `rows`:
+        only the first columns [..., rows], from a row-prefix view of the weight and its scales."""
         raise NotImplementedError
 
     def out_dtype(self, x: torch.Tensor) -> torch.dtype:
@@ -101,10 +102,16 @@ class _QuantLinear(nn.Module):
         `weights_proj`) is widened exactly, as `Linear` does."""
         return torch.promote_types(x.dtype, self.dense_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.product(x)
+    if TYPE_CHECKING:  # nn.Module types every call `(...) -> Any`
+
+        def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor: ...
+
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """x [..., K] → y [..., N]; `rows`: only y's first columns [..., rows], reading only those
+        rows of the weight and their scales (a stack's leading parts: `FusedLinear`; no copy)."""
+        y = self.product(x, rows)
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+            y = y + (self.bias if rows is None else self.bias[:rows]).to(y.dtype)
         return self.shard.all_reduce(y) if self.is_row_parallel else y
 
     # ---- stacking (backend/models/layers/fused.py): Linears reading the same input as one product
@@ -231,27 +238,28 @@ class Int4Linear(_QuantLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_int4(self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype)
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         dtype = self.out_dtype(x)
+        packed, scale = self.weight_packed, self.weight_scale  # [N, K/8], [N, K/G]
+        if rows is not None:  # a row's product reads only its own row and scales
+            packed, scale = packed[:rows], scale[:rows]
         # a widened product (float32 out of a bf16 x) stays W4A16: the FP8 paths answer in x's dtype
-        if self.prefill == "w4a16" or dtype != x.dtype or not self._runs_fp8_prefill(x):
-            args = Int4LinearArgs(
-                x, self.weight_packed, self.weight_scale, self.in_local, self.group_size, dtype
-            )
+        if self.prefill == "w4a16" or dtype != x.dtype or not self._runs_fp8_prefill(x, packed.shape[0]):
+            args = Int4LinearArgs(x, packed, scale, self.in_local, self.group_size, dtype)
             return int4_linear(args)  # a widened x's decode GEMV reads x as it is: no cast launch
         # prefill on CUDA: FP8 tensor cores (triton is the gpu extra: imported only here)
         if self.prefill == "w4a8":
             from kernels.w4a8_gemm import w4a8_gemm
 
-            return w4a8_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
+            return w4a8_gemm(x, packed, scale, self.group_size)
         from kernels.w4a8_expand import w4a8_expand_gemm
 
-        return w4a8_expand_gemm(x, self.weight_packed, self.weight_scale, self.group_size)
+        return w4a8_expand_gemm(x, packed, scale, self.group_size)
 
-    def _runs_fp8_prefill(self, x: torch.Tensor) -> bool:
+    def _runs_fp8_prefill(self, x: torch.Tensor, N: int) -> bool:
         """CUDA, enough tokens, bf16/fp16 activations and a geometry the FP8 kernels take (whole
         groups of 32+ inputs, a power of two; `_scaled_mm` wants N and K multiples of 16)."""
-        g, K, N = self.group_size, self.in_local, self.out_local
+        g, K = self.group_size, self.in_local
         return (
             x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
@@ -364,9 +372,12 @@ class Fp8Linear(_QuantLinear):
             return dequantize_fp8_channel(self.weight, self.weight_scale, dtype)
         return dequantize_fp8_block(self.weight, self.block_scale, self.block, dtype)
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight_scale if self.block is None else self.block_scale
-        return fp8_linear(Fp8LinearArgs(x.to(self.out_dtype(x)), self.weight, scale, self.block))
+    def product(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        weight, scale = self.weight, self.weight_scale if self.block is None else self.block_scale
+        if rows is not None:  # per channel: the rows' scales; per block: whole blocks of rows only
+            assert self.block is None or rows % self.block[0] == 0, (rows, self.block)
+            weight, scale = weight[:rows], scale[: rows if self.block is None else rows // self.block[0]]
+        return fp8_linear(Fp8LinearArgs(x.to(self.out_dtype(x)), weight, scale, self.block))
 
     @property
     def block_scale(self) -> torch.Tensor:

@@ -114,7 +114,7 @@ def moe_case(cfg: MoEConfig, gate_up: bool) -> tuple[ASTSource, int, int, int]:
             "a_ptr": "fp32" if lifted else "bf16", "w_ptr": "i32", "s_ptr": "bf16",
             "out_ptr": "fp32" if gate_up else "bf16", "ws_ptr": "fp32", "cnt_ptr": "i32", "topk_w_ptr": "fp32",
             "ids_ptr": "i32" if cfg.grouped else "i64", "block_expert_ids_ptr": "i32", "num_padded_ptr": "i32",
-            "add_ptr": "bf16",
+            "add_ptr": "bf16", "topk_ids_ptr": "i64",
         }  # fmt: skip
         consts: dict[str, Any] = dict(
             A_ROW_DIV=8 if gate_up else 1, TOP_K=8, GATE_UP=gate_up, LIFTED=lifted, GROUPED=cfg.grouped,

@@ -413,3 +413,40 @@ def test_add_is_torchs_add_of_the_routed_sum(config: MoEConfig) -> None:
     routed = fused_moe(x, ids, wts, *ex.tensors(), G, config=config)
     assert torch.equal(fused_moe(x, ids, wts, *ex.tensors(), G, config=config, add=add), routed + add)
     assert torch.equal(routed[2], torch.zeros_like(routed[2]))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        GEMV,
+        MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3),
+        GROUPED,
+        MoEConfig(block_m=2, block_n=32, block_k=64, split_k=2, lift=True, grouped=True),
+    ],
+)
+def test_pairs_of_other_ranks_take_no_part(config: MoEConfig) -> None:
+    """Expert parallel: a rank none of whose pairs is local (ids -1 and E: another rank's) writes
+    zeros, or add's rows, though its programs park and count nothing; with token 0 routed elsewhere
+    only, token 1 half here, tokens 2-4 all here, the sum is the torch reference's over the local
+    slots (+ add). The launcher's buffers start as NaN: a row left unwritten, or a partial or act row
+    read that no program wrote, shows."""
+    from tests.kernels.test_fused_moe_fp8 import poisoned
+
+    gen = torch.Generator().manual_seed(13)
+    ex = Experts(E, H, I, gen)
+    M = 5
+    x = torch.randn(M, H, generator=gen)
+    ids, wts = routing(M, gen)
+    add = torch.randn(M, H, generator=gen) * 0.05
+    elsewhere = torch.tensor([-1, E]).repeat(M, 1)
+    some = ids.clone()
+    some[0], some[1, 0] = elsewhere[0], E + 3
+    for a in (None, add):
+        with poisoned():
+            got = fused_moe(x.to(DEV), elsewhere.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config, add=a)
+        assert torch.equal(got.cpu(), torch.zeros_like(x) if a is None else a)
+        with poisoned():
+            got = fused_moe(x.to(DEV), some.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config, add=a)
+        want = fused_moe_ref(x, some, wts, *ex.tensors(), G) + (0 if a is None else a)
+        assert rel_err(got, want) < TOL[torch.float32]
+        assert torch.equal(got[0].cpu(), want[0])  # nothing routed here: zeros (+ add) exactly

@@ -90,7 +90,7 @@ class Linear(nn.Module):
 
     if TYPE_CHECKING:  # nn.Module types every call `(...) -> Any`; at run time its hooks apply
 
-        def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+        def __call__(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor: ...
 
     # ---- stacking (backend/models/layers/fused.py): Linears reading the same input as one product
     def stack_key(self) -> Hashable | None:
@@ -118,15 +118,17 @@ class Linear(nn.Module):
             )
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """x [..., K] → y [..., N] in the weight's dtype; a narrower x (bf16 into the DSA indexer's
-        float32 `weights_proj`) is widened first, exactly."""
-        if (
-            x.dtype != self.weight.dtype
-            and torch.promote_types(x.dtype, self.weight.dtype) == self.weight.dtype
-        ):
-            x = x.to(self.weight.dtype)
-        y = F.linear(x, self.weight, self.bias)
+        float32 `weights_proj`) is widened first, exactly. `rows`: only y's first columns
+        [..., rows], from a row-prefix view of the weight (a stack's leading parts: `FusedLinear`)."""
+        w: torch.Tensor = self.weight
+        b: torch.Tensor | None = self.bias
+        if rows is not None:
+            w, b = w[:rows], None if b is None else b[:rows]
+        if x.dtype != w.dtype and torch.promote_types(x.dtype, w.dtype) == w.dtype:
+            x = x.to(w.dtype)
+        y = F.linear(x, w, b)
         return self.shard.all_reduce(y) if self.is_row_parallel else y
 
 

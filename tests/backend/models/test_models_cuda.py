@@ -70,3 +70,19 @@ def test_an_eager_moe_forward_on_cuda_waits_for_nothing(tmp_path: Path) -> None:
         torch.cuda.set_sync_debug_mode(0)
     assert not seen.names & {"nonzero", "_unique2", "unique_dim", "_local_scalar_dense"}, seen.names
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("index_topk", [64, 4], ids=["dense", "scoring"])
+@pytest.mark.parametrize(
+    ("fmt", "fp8_method"), [("bf16", "fp8-block"), ("int4-all", "fp8-block"), ("fp8-all", "fp8-channel")]
+)
+def test_fused_glm5_matches_the_unfused_one_on_cuda(fmt: str, fp8_method: str, index_topk: int) -> None:
+    """The fused model's products on the GPU kernels (q_b_proj with the indexer's wq_b as one
+    product, or q_b_proj's row prefix alone when the step scores nothing) against the unfused one's:
+    a wider product may reduce in another order, so to float32 rounding, not to the bit."""
+    from tests.backend.models.test_models_fused import decode_and_draft, models
+
+    plain, fused = models(fmt, fp8_method, index_topk, device="cuda")
+    a, b = decode_and_draft(plain, "cuda"), decode_and_draft(fused, "cuda")
+    for x, y in [*zip(a[0], b[0], strict=True), (a[1], b[1]), (a[2], b[2])]:
+        torch.testing.assert_close(y, x, atol=1e-3, rtol=1e-3)

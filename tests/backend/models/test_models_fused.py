@@ -23,6 +23,8 @@ from backend.models.layers.linear import Linear
 from backend.quant.linear import Fp8Linear, Int4Linear
 from benchmarks.engine.geometry import make_geometry
 from benchmarks.engine.weights import build_random_model
+from kernels.formats.fp8 import dequantize_fp8, quantize_fp8_block, quantize_fp8_channel
+from kernels.formats.int4 import dequantize_int4, quantize_int4
 from tests.backend.paged_driver import PagedDriver
 
 FORMATS = [
@@ -36,26 +38,35 @@ MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 
 
 class MatmulCount(TorchDispatchMode):
-    """Counts the matmul kernels (aten mm / addmm / bmm / baddbmm) a region dispatches."""
+    """Counts the matmul kernels (aten mm / addmm / bmm / baddbmm) a region dispatches, and the
+    output widths of its 2-D products (mm / addmm: a Linear's rows read)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter[str] = Counter()
+        self.widths: Counter[int] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
         if name in MATMULS:
             self.calls[name] += 1
-        return func(*args, **(kwargs or {}))
+        if name in ("mm", "addmm"):
+            self.widths[out.shape[-1]] += 1
+        return out
 
 
-def models(fmt: str, fp8_method: str) -> tuple[nn.Module, nn.Module]:
+def models(
+    fmt: str, fp8_method: str, index_topk: int = 64, device: str = "cpu"
+) -> tuple[nn.Module, nn.Module]:
+    """The unfused and the fused tiny GLM-5 (random weights, one MTP layer) in `fmt`."""
     g = make_geometry("glm-5.2", 3, tiny=True)  # one dense layer, two MoE layers, every layer "full"
+    g = dataclasses.replace(g, text=g.text | {"index_topk": index_topk})
     return tuple(  # type: ignore[return-value]
         build_random_model(
             g,
             fmt,
-            device="cpu",
+            device=device,
             dtype=torch.float32,
             fp8_method=fp8_method,
             num_mtp_layers=1,
@@ -66,10 +77,12 @@ def models(fmt: str, fp8_method: str) -> tuple[nn.Module, nn.Module]:
     )
 
 
-def decode_and_draft(model: nn.Module) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Counter[str]]:
+def decode_and_draft(
+    model: nn.Module, device: str = "cpu"
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, MatmulCount]:
     """Prefill logits, then one decode step's target and MTP draft logits, and the decode forward's
-    matmul count."""
-    driver = PagedDriver(model)
+    matmuls."""
+    driver = PagedDriver(model, device=device)
     seqs, logits = driver.prefill(PROMPTS, 4)
     for s, lg in zip(seqs, logits, strict=True):
         s.tokens.append(int(lg[-1].argmax()))
@@ -79,22 +92,41 @@ def decode_and_draft(model: nn.Module) -> tuple[list[torch.Tensor], torch.Tensor
     # the draft reads the tokens after the decoded positions (their hidden states) at those positions
     after = dataclasses.replace(batch, input_ids=target.argmax(-1))
     draft, _ = model.forward_mtp(after, hidden, 0)  # type: ignore[operator]
-    return logits, target, draft, count.calls
+    return logits, target, draft, count
 
 
+def num_linears(model: nn.Module) -> int:
+    return sum(isinstance(m, Linear | Int4Linear | Fp8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize("index_topk", [64, 4], ids=["dense", "scoring"])
 @pytest.mark.parametrize(("fmt", "fp8_method"), FORMATS)
-def test_fused_model_equals_the_unfused_one_and_runs_fewer_matmuls(fmt: str, fp8_method: str) -> None:
-    plain, fused = models(fmt, fp8_method)
+def test_fused_model_equals_the_unfused_one_and_runs_fewer_matmuls(
+    fmt: str, fp8_method: str, index_topk: int
+) -> None:
+    """Contexts of 6-8 tokens: index_topk 64 keeps every key (no step scores, q_b_proj alone is
+    asked of its stack with wq_b), 4 scores the decode step and the prefill's later chunks."""
+    plain, fused = models(fmt, fp8_method, index_topk)
     a, b = decode_and_draft(plain), decode_and_draft(fused)
     for x, y in zip(a[0], b[0], strict=True):
         assert torch.equal(x, y)
     assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])  # target decode, MTP draft
-    # per decoder layer: q_a + kv_a + wk → 1 (three "full" DSA layers), and gate + up → 1 in the
-    # dense layer's MLP and in both MoE layers' shared experts
-    saved = 3 * 2 + 3 * 1
-    assert sum(a[3].values()) - sum(b[3].values()) == saved, (a[3], b[3])
+    # per decoder layer: q_a + kv_a + wk → 1, and when the step scores q_b + wq_b → 1 (three "full"
+    # DSA layers); gate + up → 1 in the dense layer's MLP and in both MoE layers' shared experts
+    is_scoring = index_topk < min(map(len, PROMPTS)) + 1
+    saved = 3 * 2 + 3 * 1 + (3 if is_scoring else 0)
+    assert a[3].calls.total() - b[3].calls.total() == saved, (a[3].calls, b[3].calls)
+    # q_b_proj's rows [Hl·(N + Dr)], stacked with wq_b's [Hi·Di]: a step scoring nothing reads q_b's alone
+    c = fused.config  # type: ignore[union-attr]
+    q_b = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+    both = q_b + c.index_n_heads * c.index_head_dim
+    assert b[3].widths[both] == (3 if is_scoring else 0) and a[3].widths[both] == 0
+    assert b[3].widths[q_b] == a[3].widths[q_b] - (3 if is_scoring else 0)
+    # Linears gone in each of four layers (three decoder, one MTP): qkv_a 3 → 1, q_b 2 → 1, gate_up 2 → 1
+    assert num_linears(plain) - num_linears(fused) == 4 * (2 + 1 + 1)
     mtp = fused.mtp[0]  # type: ignore[index]
     assert mtp.self_attn.fused_qkv_a_proj is not None and not hasattr(mtp.self_attn, "q_a_proj")
+    assert mtp.self_attn.fused_q_b_proj is not None and not hasattr(mtp.self_attn.indexer, "wq_b")
     assert mtp.mlp.shared_experts.gate_up_proj is not None
 
 
@@ -151,3 +183,47 @@ def test_parts_of_different_formats_stack_by_format() -> None:
 def test_row_parallel_linears_never_stack() -> None:
     parts = [Linear(64, 16, dtype=torch.float32, in_range=(0, 32)) for _ in range(2)]
     assert FusedLinear.of(list(parts)).num_products == 2
+
+
+def column_part(fmt: str, full: torch.Tensor, out_range: tuple[int, int]) -> tuple[nn.Module, torch.Tensor]:
+    """`full` [N, K]'s rows `out_range` as a column-parallel Linear of `fmt`, and the dense weight
+    those rows stand for (dequantized from the whole tensor's quantization, as a checkpoint's)."""
+    N, K = full.shape
+    if fmt == "bf16":
+        part: Any = Linear(K, N, dtype=torch.float32, out_range=out_range)
+        part.load_param("weight", full)
+        return part, full[out_range[0] : out_range[1]]
+    if fmt == "int4":
+        part = Int4Linear(K, N, group_size=32, out_range=out_range)
+        packed, scale = quantize_int4(full, 32)
+        part.load_param("weight_packed", packed)
+        part.load_param("weight_scale", scale)
+        dense = dequantize_int4(packed, scale, K, 32, torch.float32)
+    else:
+        block = (128, 128) if fmt == "fp8-block" else None
+        part = Fp8Linear(K, N, block=block, out_range=out_range)
+        q, s = quantize_fp8_channel(full) if block is None else quantize_fp8_block(full, block)
+        part.load_param("weight", q)
+        part.load_param("weight_scale" if block is None else part.block_scale_name, s)
+        dense = dequantize_fp8(q, s, block, torch.float32)
+    part.dense_dtype = torch.float32  # as a loaded model's
+    return part, dense[out_range[0] : out_range[1]]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "fp8-channel", "fp8-block"])
+def test_a_column_parallel_part_stacks_with_a_replicated_one_and_is_asked_alone(fmt: str) -> None:
+    """q_b_proj's rows of rank 1 of 2 (256 of 512) stacked with a replicated wq_b (128 rows): both
+    outputs from one product; the first alone reads its own rows only (a row-prefix view)."""
+    gen = torch.Generator().manual_seed(3)
+    (q_b, w_q), (wq_b, w_i) = (column_part(fmt, torch.randn(n, 256, generator=gen) * 0.05, r) for n, r in
+                               ((512, (256, 512)), (128, (0, 128))))  # fmt: skip
+    fused = FusedLinear.of([q_b, wq_b])
+    assert fused.num_products == 1 and fused.rows == [[256, 128]]
+    x = torch.randn(3, 256, generator=gen)
+    both = fused(x)
+    with MatmulCount() as count:
+        (alone,) = fused(x, num_parts=1)
+    assert count.widths == Counter({256: 1})
+    assert torch.equal(both[0], q_b(x)) and torch.equal(both[1], wq_b(x)) and torch.equal(alone, q_b(x))
+    for out, w in ((alone, w_q), (both[1], w_i)):  # against the dense weights the rows stand for
+        torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-5)

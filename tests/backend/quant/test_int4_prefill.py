@@ -56,7 +56,7 @@ def test_dispatch_runs_the_fp8_product(mode: str, monkeypatch: pytest.MonkeyPatc
     x = torch.randn(7, 128, generator=gen)
     dense = layer(x)
     set_int4_prefill(layer, mode)  # type: ignore[arg-type]
-    monkeypatch.setattr(Int4Linear, "_runs_fp8_prefill", lambda self, x: True)
+    monkeypatch.setattr(Int4Linear, "_runs_fp8_prefill", lambda self, x, N: True)
     y = layer(x)
     fp8 = (w4a8_gemm if mode == "w4a8" else w4a8_expand_gemm)(x, layer.weight_packed, layer.weight_scale, 32)
     assert torch.equal(y, fp8 + layer.bias)
