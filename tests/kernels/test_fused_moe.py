@@ -442,11 +442,14 @@ def test_pairs_of_other_ranks_take_no_part(config: MoEConfig) -> None:
     some = ids.clone()
     some[0], some[1, 0] = elsewhere[0], E + 3
     for a in (None, add):
+        on_dev = None if a is None else a.to(DEV)
         with poisoned():
-            got = fused_moe(x.to(DEV), elsewhere.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config, add=a)
+            got = fused_moe(
+                x.to(DEV), elsewhere.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config, add=on_dev
+            )
         assert torch.equal(got.cpu(), torch.zeros_like(x) if a is None else a)
         with poisoned():
-            got = fused_moe(x.to(DEV), some.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config, add=a)
-        want = fused_moe_ref(x, some, wts, *ex.tensors(), G) + (0 if a is None else a)
+            got = fused_moe(x.to(DEV), some.to(DEV), wts.to(DEV), *ex.tensors(), G, config=config, add=on_dev)
+        want = fused_moe_ref(x, some, wts, *ex.tensors("cpu"), G) + (0 if a is None else a)
         assert rel_err(got, want) < TOL[torch.float32]
         assert torch.equal(got[0].cpu(), want[0])  # nothing routed here: zeros (+ add) exactly
