@@ -52,6 +52,7 @@ Shapes: B sequences this step, Bk bucket, Mp = max_pages, S page size, V vocab.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -116,8 +117,17 @@ class CudaGraphCapture:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = step()
+        # no garbage collection while capturing: a finalizer it runs may free a CUDA resource
+        # mid-capture, and the process aborts (seen on an H100: a verify-graph capture died in a
+        # collection inside a Triton launch); torch no longer collects before a capture by default
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = step()
+        finally:
+            if collecting:
+                gc.enable()
         if self.pool is None:
             self.pool = graph.pool()
         return CudaGraphReplay(graph, step, out)

@@ -173,3 +173,25 @@ def test_tag_fault_mid_decode_is_caught_with_graphs(shelf: Shelf, kind: str) -> 
     while engine.has_unfinished:
         collect(results, engine.step())
     assert_same_greedy(clean["r0"], results["fault-r0"], f"{kind} r0 beside the fault")
+
+
+def test_capture_runs_without_garbage_collection() -> None:
+    """A collection mid-capture may run a finalizer that frees a CUDA resource and aborts the process
+    (a verify-graph capture died so on an H100): the capture holds the collector off, warm-up and
+    replay do not, and it is back on afterwards."""
+    import gc
+
+    from backend.engine.decode_graphs import CudaGraphCapture
+
+    seen: list[bool] = []
+    x = torch.ones(4, device="cuda")
+
+    def step() -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return x * 2
+
+    assert gc.isenabled()
+    replay = CudaGraphCapture(torch.device("cuda"))(step)
+    assert seen == [True, False]  # the warm-up collects as usual, the capture does not
+    assert gc.isenabled()
+    assert torch.equal(replay(), torch.full((4,), 2.0, device="cuda"))
