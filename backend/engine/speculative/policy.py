@@ -63,12 +63,21 @@ Past `max_paying_seqs` (the most sequences at which the cost model, with every d
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
 (backend/engine/speculative/decoder.py `drafting`).
 
+A fresh engine's first drafting steps compile kernels: a step over `COLD_RATIO` times its kind's
+estimate at its load is cold, not a rate (its seconds enter the estimate at that bound), and a
+sample of m enters at most `M_SAMPLE_RATIO` times m. Acceptance-starved probing asks whether drafting
+could pay at the smaller of the measured and the starting m, since m is only measured by drafting:
+a high m must not end its own measurement (on the H100 in 2026-12, a warm-up's compiles measured m at
+27.8, after which no draft length paid and nothing drafted again: speedup_c1 0.96x where drafting K
+every step ran 1.22-1.33x).
+
 Any k is exact: a step verifies a prefix of the drafts proposed the step before (k may shrink), and
 proposes k for the next (backend/engine/speculative/decoder.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
@@ -89,6 +98,11 @@ CLEAR_LOSS = 1 / 3  # a probe measured at under this share of the plain rate has
 REPROBE_EVERY = 256
 PROBE_SHARE = 0.05  # of a load's plain-step time, the most its later probes may cost
 DRAFT_STEP_GUESS = 4.0  # a drafting step's cost in plain steps, before one is measured at a load
+# a step this many times its kind's estimate is cold (kernels compiled, the host stalled): not a
+# rate the next steps run at, and its seconds enter the estimate at this many times it at most
+# (the H100's first drafting steps, 2026-12-05, measured m at 27.8: no draft length paid again)
+COLD_RATIO = 4.0
+M_SAMPLE_RATIO = 16.0  # a sample of m enters at most this many times m: m grows 2.5x a sample at most
 
 
 @dataclass(slots=True)
@@ -136,6 +150,16 @@ class _Rates:
         self.num_probes += 1
         self.is_probing = True
         self.plain_s_since_probe = 0.0
+
+    def cold_limit(self, is_drafting: bool) -> float:
+        """The seconds past which a step of the kind is cold here: `COLD_RATIO` times its estimate
+        (a drafting step's before one is measured: `DRAFT_STEP_GUESS` plain steps); inf before
+        any."""
+        if is_drafting:
+            estimate = self.draft_step_s or DRAFT_STEP_GUESS * self.plain_step_s
+        else:
+            estimate = self.plain_step_s
+        return COLD_RATIO * estimate if estimate else math.inf
 
     def add_seconds(self, is_drafting: bool, seconds: float) -> None:
         if is_drafting:
@@ -193,6 +217,7 @@ class DraftPolicy:
         self.max_drafts = max_drafts
         self.saturation_rows = saturation_rows
         self.draft_cost = draft_cost
+        self.prior_draft_cost = draft_cost  # m before any measurement
         self.is_adaptive = is_adaptive
         self.is_calibrated = is_calibrated
         self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts  # a_1 … a_K
@@ -234,17 +259,12 @@ class DraftPolicy:
         tokens = load.num_other_samples + load.num_drafting * self.expected_tokens(k)
         return tokens / self.step_cost(load, k)
 
-    def rates(self, load: StepLoad, acceptance: list[float]) -> list[float]:
+    def rates(self, load: StepLoad, acceptance: list[float], m: float | None = None) -> list[float]:
         """`rate(load, k)` for k = 0 … K under `acceptance` (a_1 … a_K), in one pass: the same
         arithmetic in the same order (equal floats), without ~8 calls per k. It runs before every
         step, plain ones included: as calls it was 15 µs a step, 3% of a nano model's 0.44 ms."""
-        B, N, R, sat, m = (
-            load.num_drafting,
-            load.num_other_samples,
-            load.num_rows,
-            self.saturation_rows,
-            self.draft_cost,
-        )
+        B, N, R, sat = load.num_drafting, load.num_other_samples, load.num_rows, self.saturation_rows
+        m = self.draft_cost if m is None else m
         one_row = max(1.0, B / sat)  # forward_cost(B): a chained depth
         out = [(N + B * 1.0) / max(1.0, R / sat)]
         total, p = 1.0, 1.0
@@ -267,7 +287,7 @@ class DraftPolicy:
         rates = self.rates(load, self.acceptance)
         k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
         is_modelled = k > 0  # the cost model, at the measured acceptance, says k pays
-        if k == 0 and self._would_pay_if_accepted(load):
+        if k == 0 and self._would_pay_if_accepted(load, min(self.draft_cost, self.prior_draft_cost)):
             self._num_starved += 1
             if self._num_starved % PROBE_EVERY == 0:
                 k = 1  # low acceptance, not load, keeps drafting off: measure it again
@@ -340,7 +360,10 @@ class DraftPolicy:
         if not self.is_calibrated or seconds <= 0:
             return
         rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
-        rates.add_seconds(is_drafting, seconds)
+        limit = rates.cold_limit(is_drafting)
+        rates.add_seconds(is_drafting, min(seconds, limit))  # an estimate grows, but 1.6x a step at most
+        if seconds > limit:  # cold (kernels compiled, the host stalled): not a rate the next steps run at
+            return
         if is_verified:
             rates.add_spec(num_tokens, seconds)
         elif not is_drafting:
@@ -354,7 +377,10 @@ class DraftPolicy:
         steps have run `1 / PROBE_SHARE` times as long again."""
         if not self.is_calibrated or seconds <= 0:
             return
-        self._rates.setdefault(load_bucket(num_seqs), _Rates()).plain_s_since_probe -= seconds / PROBE_SHARE
+        rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
+        if rates.plain_step_s:  # a cold one (kernels compiled) is not what the next will cost
+            seconds = min(seconds, COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s)
+        rates.plain_s_since_probe -= seconds / PROBE_SHARE
 
     def observe_timing(
         self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]
@@ -365,6 +391,7 @@ class DraftPolicy:
             return
         unit_s = verify_s / self.forward_cost(verify_rows)
         sample = draft_s / unit_s / sum(self.forward_cost(n) for n in draft_rows)
+        sample = min(sample, M_SAMPLE_RATIO * self.draft_cost)
         self.draft_cost += TIMING_WEIGHT * (sample - self.draft_cost)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
@@ -382,13 +409,15 @@ class DraftPolicy:
         loads = (StepLoad(num_rows=b, num_drafting=b) for b in range(limit, 0, -1))
         return next((load.num_rows for load in loads if self._would_pay_if_accepted(load)), 0)
 
-    def _would_pay_if_accepted(self, load: StepLoad) -> bool:
-        """Some k > 0 beats k = 0 with every draft accepted (per load and m: remembered)."""
-        key = (load, self.draft_cost)
+    def _would_pay_if_accepted(self, load: StepLoad, m: float | None = None) -> bool:
+        """Some k > 0 beats k = 0 with every draft accepted, at m (default: the measured one; per
+        load and m: remembered)."""
+        m = self.draft_cost if m is None else m
+        key = (load, m)
         pays = self._pays_if_accepted.get(key)
         if pays is None:
             if len(self._pays_if_accepted) > 1024:  # loads and measured m vary: keep it bounded
                 self._pays_if_accepted.clear()
-            rates = self.rates(load, [1.0] * self.max_drafts)
+            rates = self.rates(load, [1.0] * self.max_drafts, m)
             pays = self._pays_if_accepted[key] = max(rates[1:]) > rates[0]
         return pays

@@ -131,6 +131,29 @@ def test_draft_cost_is_measured_from_step_times() -> None:
     assert fixed.draft_cost == 0.05
 
 
+def test_cold_samples_neither_stick_nor_end_drafting() -> None:
+    """A draft forward that compiled its kernels (1 s against a 1 ms verify: a sample of m ~1,000)
+    moves m 2.5x at most; several leave no draft length paying at one user even with every draft
+    accepted, yet the policy still probes (one draft every PROBE_EVERY starved steps, once the
+    probe fits in its share of the plain time) and the probe's steady samples bring m back down."""
+    p = policy(3, acceptance=0.9, draft_cost=0.25, is_calibrated=True)
+    p.observe_timing(0.001, 4, 1.0, [1])
+    assert p.draft_cost == pytest.approx(0.25 + 0.1 * (16 * 0.25 - 0.25))
+    for _ in range(3):
+        p.observe_timing(0.001, 4, 1.0, [1])
+    load = StepLoad(num_rows=1, num_drafting=1)
+    assert p.draft_cost > 5 and not p._would_pay_if_accepted(load)
+    ks = drive(p, 2000, plain_rate=2000.0, spec_rate=3000.0)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert first < 1500 and p.num_probes >= 1
+    for _ in range(40):  # the probe's drafting steps: drafts at a tenth of a verify
+        p.observe_timing(0.001, 4, 0.0001, [1])
+    assert p.draft_cost < 0.25
+    # a cold drafting step (0.5 s where steps take ~1 ms) is not a rate: drafting keeps winning
+    p.observe_step(1, True, True, 1, 0.5)
+    assert all(drive(p, 50, plain_rate=2000.0, spec_rate=3000.0)[-40:])
+
+
 @pytest.fixture
 def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe as soon as the plain steps have taken as long as it is expected to (short requests)."""
