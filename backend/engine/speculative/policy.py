@@ -57,7 +57,8 @@ for probes it cannot amortize. Such a probe is priced from the dearest drafting 
 steps) measured at any load, or `DRAFT_STEP_GUESS` before any. A probe's first step also catches up
 the MTP KV of the positions plain steps computed (backend/engine/speculative/book.py), a prefill:
 that step stays out of the rates and of m, and is charged to the load's probe budget
-(`observe_catch_up`).
+(`observe_catch_up`); a load that has never caught up prices its first probe's catch-up ahead, at the
+dearest catch-up per sequence measured at any load times its sequences.
 
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
@@ -119,6 +120,7 @@ class _Rates:
     plain_step_s: float = 0.0  # EWMA seconds of a plain step
     draft_step_s: float = 0.0  # EWMA seconds of a drafting step (verifying or only proposing)
     plain_s_since_probe: float = 0.0  # plain steps' seconds since its last probe began
+    catch_up_s: float = 0.0  # EWMA seconds of a step that caught up MTP KV (`observe_catch_up`)
     num_probes: int = 0
     is_probing: bool = False  # a probe began here and has not been judged yet
     is_winning: bool = False  # its last probe measured drafting faster, and nothing since slower
@@ -168,12 +170,12 @@ class _Rates:
             self.plain_step_s = _ewma(self.plain_step_s, seconds)
             self.plain_s_since_probe += seconds
 
-    def can_afford_probe(self, num_steps: int, draft_over_plain: float) -> bool:
-        """A probe of `num_steps` drafting steps is expected to cost within `PROBE_SHARE` of the
-        plain time since the last one (a drafting step here as measured, else `draft_over_plain`
-        plain steps)."""
+    def can_afford_probe(self, num_steps: int, draft_over_plain: float, catch_up_s: float = 0.0) -> bool:
+        """A probe of `num_steps` drafting steps (and a catch-up of `catch_up_s` where it is not paid
+        after the fact) is expected to cost within `PROBE_SHARE` of the plain time since the last
+        one (a drafting step here as measured, else `draft_over_plain` plain steps)."""
         step_s = self.draft_step_s or draft_over_plain * self.plain_step_s
-        return PROBE_SHARE * self.plain_s_since_probe >= num_steps * step_s
+        return PROBE_SHARE * self.plain_s_since_probe >= num_steps * step_s + catch_up_s
 
 
 def _ewma(value: float, sample: float) -> float:
@@ -321,7 +323,8 @@ class DraftPolicy:
         if not rates.is_winning:  # unmeasured, or losing
             is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k)
             num_steps = num_verifies + 1  # the first drafting step after plain ones only proposes
-            if not is_prior and not rates.can_afford_probe(num_steps, self._draft_over_plain()):
+            catch_up_s = self._catch_up_guess(bucket, rates)
+            if not is_prior and not rates.can_afford_probe(num_steps, self._draft_over_plain(), catch_up_s):
                 return 0
             rates.begin_probe()
             self.num_probes += 1
@@ -333,6 +336,17 @@ class DraftPolicy:
             rates.since_refresh = 0
             return 0
         return k
+
+    def _catch_up_guess(self, bucket: int, rates: _Rates) -> float:
+        """The catch-up a probe at `bucket` sequences that never caught up is priced at ahead: the
+        dearest per sequence measured at any load, times its sequences (0: none measured; a load
+        that has measured its own pays each after the fact, `observe_catch_up`). On the H100 a
+        probe at 64 Kimi users, priced at four drafting steps, caught 64 sequences up: ~40-80 ms,
+        a third of a c=64 bench run (0.61x that round, 2026-12-05)."""
+        if rates.catch_up_s:
+            return 0.0
+        per_seq = max((r.catch_up_s / b for b, r in self._rates.items() if r.catch_up_s), default=0.0)
+        return per_seq * bucket
 
     def _draft_over_plain(self) -> float:
         """A drafting step's cost in plain steps: the most measured at any load, else a guess."""
@@ -379,7 +393,8 @@ class DraftPolicy:
             return
         rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
         if rates.plain_step_s:  # a cold one (kernels compiled) is not what the next will cost
-            seconds = min(seconds, COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s)
+            seconds = min(seconds, COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs)
+        rates.catch_up_s = _ewma(rates.catch_up_s, seconds)
         rates.plain_s_since_probe -= seconds / PROBE_SHARE
 
     def observe_timing(

@@ -295,6 +295,30 @@ def test_catch_up_steps_are_paid_from_the_probe_budget() -> None:
     assert probe_total - first <= PROBE_SHARE * plain_total
 
 
+def test_a_load_that_never_caught_up_prices_its_first_catch_up() -> None:
+    """One user measured its catch-up (3 ms) and a drafting step at 4 plain ones (more than E(3)
+    emits: no prior elsewhere). At 64 users a first probe would catch 64 sequences up: it is priced at
+    64 x 3 ms beside its drafting steps, so it waits for ~4 s of plain steps there, not ~0.2 s (on the
+    H100 such a probe, priced at its four drafting steps alone, took a third of a c=64 bench run)."""
+    p = policy(3, acceptance=0.85, saturation_rows=512, is_calibrated=True)
+    for _ in range(MIN_RATE_SAMPLES):
+        p.observe_step(1, False, False, 1, 0.0005)
+    p.observe_catch_up(1, 0.003)
+    for _ in range(3):
+        p.observe_step(1, True, True, 3, 0.002)
+    load, plain_s = StepLoad(num_rows=64, num_drafting=64), 0.00073
+    ks = []
+    for _ in range(7000):
+        k = p.choose(load)
+        ks.append(k)
+        if k:
+            break
+        p.observe_step(64, False, False, 64, plain_s)
+    first = ks.index(next(k for k in ks if k)) if any(ks) else len(ks)
+    expected = (4 * 4 * plain_s + 64 * 0.003) / PROBE_SHARE / plain_s  # plain steps that pay for it
+    assert 0.95 * expected <= first <= 1.05 * expected + MIN_RATE_SAMPLES
+
+
 def test_drafting_starts_from_the_prior_and_measurements_take_over() -> None:
     """A fresh engine's first load: the prior (the cost model) says drafting pays, so it drafts
     after MIN_RATE_SAMPLES plain steps, not after the ~320 a probe budget of PROBE_SHARE would
