@@ -20,7 +20,8 @@ cost grows with k faster than E(k) does, and k = 0 (no drafts: the plain, graph-
 step) wins: that is "off past the concurrency where it stops paying".
 
 Acceptance is only measured while drafting, so when low acceptance (not load) turns drafting off,
-every `PROBE_EVERY`-th such step drafts one token anyway, to notice when acceptance comes back.
+every `PROBE_EVERY`-th such step starts `STARVED_RUN` steps that draft one token anyway, to notice
+when acceptance comes back.
 
 `m` is measured too when the configuration leaves it unset (`is_calibrated`): each speculative step
 reports how long its verify (planning, forward, acceptance) and its draft forwards took, and their
@@ -58,7 +59,8 @@ steps) measured at any load, or `DRAFT_STEP_GUESS` before any. A probe's first s
 the MTP KV of the positions plain steps computed (backend/engine/speculative/book.py), a prefill:
 that step stays out of the rates and of m, and is charged to the load's probe budget
 (`observe_catch_up`); a load that has never caught up prices its first probe's catch-up ahead, at the
-dearest catch-up per sequence measured at any load times its sequences.
+dearest catch-up per sequence measured at any load (less a drafting step's cost there) times its
+sequences.
 
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
@@ -84,6 +86,10 @@ from dataclasses import dataclass
 PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
 EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estimate
 PROBE_EVERY = 16
+# a starved probe drafts this many steps in a row: the first after plain ones only proposes (and
+# catches up), the rest verify, so acceptance (and m) are measured again; one lone drafting step
+# measured neither (it proposed, and the plain steps after it threw its drafts away)
+STARVED_RUN = 4
 TIMING_WEIGHT = 0.1  # per timed step
 RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
 SPEC_RATE_WEIGHT = 0.05  # per verifying step, in a load's drafting rate: ~20 steps make it
@@ -225,6 +231,7 @@ class DraftPolicy:
         self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts  # a_1 … a_K
         self.last_k = 0  # the draft length the last drafting-capable step chose
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
+        self._starved_left = 0  # steps left of a starved probe's run of drafting steps
         self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
         self._probe_left = 0  # drafting steps a probe of the speculative rate may still take
         self._probe_bucket = 0  # the load it measures
@@ -289,14 +296,18 @@ class DraftPolicy:
         rates = self.rates(load, self.acceptance)
         k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
         is_modelled = k > 0  # the cost model, at the measured acceptance, says k pays
-        if k == 0 and self._would_pay_if_accepted(load, min(self.draft_cost, self.prior_draft_cost)):
+        if k == 0 and self._starved_left > 0:  # a starved probe's run: verifies, not one lone proposal
+            self._starved_left -= 1
+            k = 1
+        elif k == 0 and self._would_pay_if_accepted(load, min(self.draft_cost, self.prior_draft_cost)):
             self._num_starved += 1
             if self._num_starved % PROBE_EVERY == 0:
-                k = 1  # low acceptance, not load, keeps drafting off: measure it again
+                k = 1  # low acceptance (or a high m), not load, keeps drafting off: measure it again
+                self._starved_left = STARVED_RUN - 1
         else:
-            self._num_starved = 0
-        if k and self.is_calibrated:
-            k = self._measured_gate(load, k, is_modelled)
+            self._num_starved = self._starved_left = 0
+        if self.is_calibrated and (k or self._probe_left > 0):  # a probe under way drafts to its end
+            k = self._measured_gate(load, k or 1, is_modelled)
         self.last_k = k
         return k
 
@@ -339,13 +350,17 @@ class DraftPolicy:
 
     def _catch_up_guess(self, bucket: int, rates: _Rates) -> float:
         """The catch-up a probe at `bucket` sequences that never caught up is priced at ahead: the
-        dearest per sequence measured at any load, times its sequences (0: none measured; a load
+        dearest per sequence measured at any load (less that load's drafting step), times its sequences (0: none measured; a load
         that has measured its own pays each after the fact, `observe_catch_up`). On the H100 a
         probe at 64 Kimi users, priced at four drafting steps, caught 64 sequences up: ~40-80 ms,
         a third of a c=64 bench run (0.61x that round, 2026-12-05)."""
         if rates.catch_up_s:
             return 0.0
-        per_seq = max((r.catch_up_s / b for b, r in self._rates.items() if r.catch_up_s), default=0.0)
+        # a catch-up step also proposes: a drafting step's own cost comes off before the division
+        per_seq = max(
+            (max(0.0, r.catch_up_s - r.draft_step_s) / b for b, r in self._rates.items() if r.catch_up_s),
+            default=0.0,
+        )
         return per_seq * bucket
 
     def _draft_over_plain(self) -> float:
@@ -375,7 +390,9 @@ class DraftPolicy:
             return
         rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
         limit = rates.cold_limit(is_drafting)
-        rates.add_seconds(is_drafting, min(seconds, limit))  # an estimate grows, but 1.6x a step at most
+        # an estimate grows 1.6x a step at most; a cold first drafting step enters at the guess
+        first_cold = is_drafting and not rates.draft_step_s and seconds > limit
+        rates.add_seconds(is_drafting, min(seconds, limit / COLD_RATIO if first_cold else limit))
         if seconds > limit:  # cold (kernels compiled, the host stalled): not a rate the next steps run at
             return
         if is_verified:
@@ -392,10 +409,10 @@ class DraftPolicy:
         if not self.is_calibrated or seconds <= 0:
             return
         rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
-        if rates.plain_step_s:  # a cold one (kernels compiled) is not what the next will cost
-            seconds = min(seconds, COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs)
-        rates.catch_up_s = _ewma(rates.catch_up_s, seconds)
-        rates.plain_s_since_probe -= seconds / PROBE_SHARE
+        bound = COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs or math.inf
+        if seconds <= bound:  # a cold one (kernels compiled) is not what the next will cost
+            rates.catch_up_s = _ewma(rates.catch_up_s, seconds)
+        rates.plain_s_since_probe -= min(seconds, bound) / PROBE_SHARE
 
     def observe_timing(
         self, verify_s: float, verify_rows: int, draft_s: float, draft_rows: list[int]
@@ -417,7 +434,8 @@ class DraftPolicy:
 
     def max_paying_seqs(self, limit: int) -> int:
         """The most sequences (up to `limit`) at which a decode step could gain from drafting under
-        the cost model with every draft accepted and the current m; past it no k pays. A fixed
+        the cost model with every draft accepted and the current m (the decoder asks once, at the
+        start: the starting m); past it no k pays. A fixed
         policy (not adaptive) always drafts: `limit`."""
         if not self.is_adaptive:
             return limit
