@@ -53,7 +53,8 @@ Shapes: B sequences this step, Bk bucket, Mp = max_pages, S page size, V vocab.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,21 @@ def eager_capture(step: Callable[[], torch.Tensor]) -> Replay:
     return step
 
 
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """No garbage collection inside: one during a CUDA graph capture may run a finalizer that frees a
+    CUDA resource mid-capture, and the process aborts (seen on an H100: a verify-graph capture died in
+    a collection inside a Triton launch); torch no longer collects before a capture by default. The
+    collector is on again afterwards, exceptions included, unless it was off before."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class CudaGraphCapture:
     """Sync-checked warm-up, then capture into the pool shared by every bucket captured so far."""
 
@@ -117,17 +133,8 @@ class CudaGraphCapture:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        # no garbage collection while capturing: a finalizer it runs may free a CUDA resource
-        # mid-capture, and the process aborts (seen on an H100: a verify-graph capture died in a
-        # collection inside a Triton launch); torch no longer collects before a capture by default
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = step()
-        finally:
-            if collecting:
-                gc.enable()
+        with no_collection(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = step()
         if self.pool is None:
             self.pool = graph.pool()
         return CudaGraphReplay(graph, step, out)

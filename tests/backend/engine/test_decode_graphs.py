@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture
+from backend.engine.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture, no_collection
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
@@ -344,3 +344,24 @@ def test_every_expert_path_equals_the_loop(models: ModelShelf, is_sharded: bool)
         experts.is_every_expert_local = True
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert want[0].abs().max() > 0 and (got[2].abs().max() == 0) == is_sharded
+
+
+def test_captures_hold_the_collector_off_and_restore_it() -> None:
+    """`no_collection` (around every CUDA graph capture): off inside, on again after, an exception
+    included; left off where it was off (a caller's own `gc.disable`)."""
+    import gc
+
+    assert gc.isenabled()
+    with no_collection():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
