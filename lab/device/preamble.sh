@@ -1,9 +1,14 @@
-# Sourced by the device scripts: $OUT, START, the GPU's state, the carried wheels on the path.
+# Sourced by the device scripts: $OUT, START, the GPU's state, the carried wheels on the path
+# (NO_WHL=1: $OUT and START only, the caller's packages, as the scripts' CPU dry runs use).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
+if [ -n "${NO_WHL:-}" ]; then  # a CPU dry run (or wheels already installed): the venv's own packages
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+  return 0
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv,noheader
 SITE=${SITE:-/tmp/site}
 rm -rf "$SITE" && python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || exit 1

@@ -18,11 +18,7 @@
 # CPU dry run: OUT=/tmp/r14 NO_WHL=1 PYTHON=/work/main/.venv/bin/python DEVICE=cpu MTP_ITEMS=100 \
 #   MTP_MINUTES=0.1 MTP_BATCH_TOKENS=1024 WORKERS=1 END_S=300 bash lab/device/r14_mtp.sh
 set -uo pipefail
-if [ -z "${NO_WHL:-}" ]; then
-  source "$(dirname "$0")/preamble.sh"  # $OUT, START, the carried wheels on the path
-else
-  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD; START=$(date +%s)
-fi
+source "$(dirname "$0")/preamble.sh"  # $OUT, START, the carried wheels on the path (NO_WHL: not)
 PY=${PYTHON:-python3}
 MTP_MINUTES=${MTP_MINUTES:-3.0}
 FIRST_ITEM=${FIRST_ITEM:-1000000}

@@ -23,11 +23,7 @@
 #     TRAIN_MINUTES=0.2 MTP_ITEMS=100 BATCH_TOKENS=2048 MTP_BATCH_TOKENS=1024 WORKERS=1 HELDOUT_ITEMS=4 \
 #     MTP_END_S=400 EVAL_END_S=560 bash lab/device/r7_train.sh
 set -uo pipefail
-if [ -z "${NO_WHL:-}" ]; then
-  source "$(dirname "$0")/preamble.sh"  # $OUT, START, the carried wheels on the path
-else
-  OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD; START=$(date +%s)
-fi
+source "$(dirname "$0")/preamble.sh"  # $OUT, START, the carried wheels on the path (NO_WHL: not)
 PY=${PYTHON:-python3}
 TRAIN_MINUTES=${TRAIN_MINUTES:-3.6}
 MTP_MINUTES=${MTP_MINUTES:-1.5}
