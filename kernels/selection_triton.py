@@ -72,6 +72,9 @@ RADIX_RESIDENT_COLS = 8192  # rows up to this many columns held in registers (16
 # it was written for; at 64+ rows one 16-warp program an SM (103 registers at 8,192) is untimed against
 # the streamed trips' several (raise it once `bench_selection --resident` says 64 x 8,192 gains)
 RADIX_RESIDENT_ROWS = 16
+# bits of the key a resident round settles: 4 (8 rounds of packed 16-bin counts) or 8 (4 rounds of
+# `tl.histogram`'s 256 bins); `bench_selection --resident` times 8 against 4 (not yet on a GPU)
+RESIDENT_DIGIT_BITS = 4
 RADIX_MANY_ROWS = 512  # from this many rows (~4 a multiprocessor) trips of RADIX_ROWS_BLOCK columns
 RADIX_ROWS_BLOCK = 512
 SELECT_METHODS = ("radix", "topk")
@@ -156,6 +159,23 @@ def _next_base(h_lo, h_hi, k, base, n_above, shift):
 
 
 @triton.jit
+def _next_base256(keys, mask, k, base, n_above, shift):
+    """`_next_base` after a histogram of 256 bins (`tl.histogram`): the keys at or above `base`
+    binned by (key − base) >> shift, 255 for all past it; `base` moves to the highest bin with at
+    least k keys at or above it, `n_above` to the keys past that bin (bin 255: the window's end)."""
+    base32 = base.to(tl.int32)
+    dist = keys.to(tl.uint32, bitcast=True) - base32.to(tl.uint32, bitcast=True)  # exact at >= base
+    b = tl.minimum(dist >> shift, 255).to(tl.int32)
+    h = tl.histogram(b, 256, mask=(keys >= base32) & mask)  # [256]
+    bins = tl.arange(0, 256)
+    n_ge = tl.sum(h) - tl.cumsum(h, axis=0) + h  # [256] keys in bins >= j
+    pick = tl.sum(((n_ge >= k) & (bins > 0)).to(tl.int32))  # counts fall with the bin; bin 0 holds
+    above = tl.sum(tl.where(bins == pick + 1, n_ge, 0))
+    n_above = tl.where(pick == 255, n_above, above)
+    return base + (pick.to(tl.int64) << shift), n_above
+
+
+@triton.jit
 def _write_keys(out_row_ptr, keys, mask, cols, t, need, n_gt, n_eq):
     """Columns `cols` [BLOCK] with their `keys`: write those > t and those == t while fewer than
     `need` came before, at their rank among the chosen (n_gt, n_eq: the ones > t and == t before
@@ -229,21 +249,28 @@ def _radix_resident_kernel(
     stride_o,
     BLOCK: tl.constexpr,  # >= L: the whole row in one trip, its keys held in registers
     PDL: tl.constexpr,  # launched with PDL: it reads nothing before the wait
+    DIGIT_BITS: tl.constexpr = 4,  # bits of the key a round settles: 4 or 8
 ):
-    """`_radix_select_kernel` for rows of at most BLOCK columns: the row read once, the 8 rounds
-    and the write on its keys in registers (decode: one L2 round trip, not 9 to 18)."""
+    """`_radix_select_kernel` for rows of at most BLOCK columns: the row read once, the rounds
+    and the write on its keys in registers (decode: one L2 round trip, not 9 to 18). DIGIT_BITS 4:
+    8 rounds of 16 bins (`_keys_histogram`'s packed reductions); 8: 4 rounds of 256 bins by
+    `tl.histogram` (half the rounds, each a chain of CTA-wide steps: the kernel is latency-bound)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     keys, mask = _row_keys(scores_ptr + row * stride_s, cols, L)  # [BLOCK], the row's one read
     base = tl.full((), -(2**31), tl.int64)  # the invariant of `_next_base`
     n_above = tl.zeros((), tl.int32)
-    for r in range(8):
-        shift = 28 - 4 * r
-        h_lo = tl.zeros([8], tl.int32)
-        h_hi = tl.zeros([8], tl.int32)
-        h_lo, h_hi = _keys_histogram(keys, mask, base.to(tl.int32), shift, h_lo, h_hi)
-        base, n_above = _next_base(h_lo, h_hi, k, base, n_above, shift)
+    if DIGIT_BITS == 8:
+        for r in range(4):
+            base, n_above = _next_base256(keys, mask, k, base, n_above, 24 - 8 * r)
+    else:
+        for r in range(8):
+            shift = 28 - 4 * r
+            h_lo = tl.zeros([8], tl.int32)
+            h_hi = tl.zeros([8], tl.int32)
+            h_lo, h_hi = _keys_histogram(keys, mask, base.to(tl.int32), shift, h_lo, h_hi)
+            base, n_above = _next_base(h_lo, h_hi, k, base, n_above, shift)
     zero = tl.zeros((), tl.int32)
     t = base.to(tl.int32)
     _write_keys(out_ptr + row * stride_o, keys, mask, cols, t, k - n_above, zero, zero)
@@ -259,14 +286,20 @@ def _check(scores: torch.Tensor, k: int) -> None:
 
 
 def top_positions_radix(
-    scores: torch.Tensor, k: int, *, block: int | None = None, resident: bool | None = None
+    scores: torch.Tensor,
+    k: int,
+    *,
+    block: int | None = None,
+    resident: bool | None = None,
+    digit_bits: int | None = None,
 ) -> torch.Tensor:
     """scores [R, L] float32 → [R, k] int64 positions in column order, -1 for -inf: the radix path
     (any L; `top_positions_triton` sends it rows up to RADIX_MAX_COLS). `resident`: the row read
     once into registers (`_radix_resident_kernel`, rows up to RADIX_RESIDENT_COLS; default: for
     fewer than RADIX_MANY_ROWS rows that fit), or streamed every round (`_radix_select_kernel`).
     `block`: columns a trip of the streamed path, a power of two (default: `radix_block(R, L)`);
-    the columns past its last whole block go block / 8 at a time."""
+    the columns past its last whole block go block / 8 at a time. `digit_bits`: the resident
+    kernel's bits a round, 4 or 8 (default RESIDENT_DIGIT_BITS)."""
     _check(scores, k)
     R, L = scores.shape
     out = torch.empty((R, k), dtype=torch.int64, device=scores.device)
@@ -275,12 +308,15 @@ def top_positions_radix(
     if resident and L > RADIX_RESIDENT_COLS:
         raise ValueError(f"resident rows hold at most {RADIX_RESIDENT_COLS} columns, got {L}")
     block = resident_block(L) if resident else block or radix_block(R, L)
+    if digit_bits not in (None, 4, 8):
+        raise ValueError(f"digit_bits must be 4 or 8, got {digit_bits}")
     if block & (block - 1) or not 16 <= block <= 8192:  # and the packed counts need < 2^16 a chunk
         raise ValueError(f"block must be a power of two in [16, 8192], got {block}")
     if R and resident:
         _radix_resident_kernel[(R,)](
             scores, out, L, k, scores.stride(0), out.stride(0), BLOCK=block,
-            **pdl_args(scores.device), num_warps=min(16, max(1, block // 256)),
+            DIGIT_BITS=digit_bits or RESIDENT_DIGIT_BITS, **pdl_args(scores.device),
+            num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     elif R:
         _radix_select_kernel[(R,)](

@@ -16,7 +16,8 @@ same positions. `fraction_of_ceiling`: the scores read once over the copy ceilin
 the resident-row kernel (the row's keys loaded once into registers, `radix_resident`'s rows) against
 the streamed one (the row re-read every round, `resident=False`) at 1 × 2,176, 1 × 4,096 (2,176
 visible), 1 × 8,192 and 64 × 8,192; `speedup` = the median of streamed_ms / resident_ms (> 1:
-resident faster), `same_out` = the two outputs equal column for column.
+resident faster), `same_out` = the two outputs equal column for column; and the resident kernel
+with 8-bit digits (4 rounds of `tl.histogram`) against its 4-bit default, `digits8_speedup`.
 
     python3 -m benchmarks.kernels.bench_selection --out selection.json [--quick]   # H200, ~30 s
     python3 -m benchmarks.kernels.bench_selection --resident --out resident.json   # ~10 s
@@ -146,11 +147,23 @@ def bench_resident_case(
         rep_ms,
     )
     peer = f"streamed block={radix_block(R, L)}"
+    # 8 bits a round (4 rounds of tl.histogram's 256 bins) against the default digits, same rows
+    ok8 = torch.equal(top_positions_radix(scores, K, resident=True, digit_bits=8), resident)
+    r8_ms, r4_ms = alternating(
+        lambda: top_positions_radix(scores, K, resident=True, digit_bits=8),
+        lambda: top_positions_radix(scores, K, resident=True, digit_bits=4),
+        pairs,
+        rep_ms,
+    )
     return {
         **timed_row("selection resident", (phase, R, L, visible), resident_ms, peer, streamed_ms, ceil),
         "resident_ms": resident_ms,
         "streamed_ms": streamed_ms,
         "same_out": ok and same_set(resident, top_positions_keys(scores, K)),
+        "digits8_ms": r8_ms,
+        "digits4_ms": r4_ms,
+        "digits8_speedup": statistics.median(o / n for o, n in zip(r4_ms, r8_ms, strict=True)),
+        "digits8_same_out": ok8,
     }
 
 
@@ -163,6 +176,7 @@ def dry_run() -> list[dict[str, Any]]:
         streamed = top_positions_radix(scores, 64, block=128)
         ok = same_set(streamed, top_positions_keys(scores, 64))
         ok = ok and torch.equal(top_positions_radix(scores, 64, resident=True), streamed)
+        ok = ok and torch.equal(top_positions_radix(scores, 64, resident=True, digit_bits=8), streamed)
         rows.append({"kernel": "selection", "case": f"{phase} rows={R} columns={L} k=64", "same_set": ok})
         print(f"dry run {rows[-1]['case']}: same_set {ok}", flush=True)
     return rows
@@ -192,7 +206,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             ((peer, peer_ms),) = r["peers"].items()
             print(
                 f"{r['case']:<52} resident {r['ms'] * 1e3:8.1f}us {peer} {peer_ms * 1e3:8.1f}us "
-                f"speedup {r['speedup']:.2f}x same_out {r['same_out']}",
+                f"speedup {r['speedup']:.2f}x same_out {r['same_out']} | 8-bit digits "
+                f"{statistics.median(r['digits8_ms']) * 1e3:.1f}us vs 4-bit "
+                f"{statistics.median(r['digits4_ms']) * 1e3:.1f}us: {r['digits8_speedup']:.2f}x "
+                f"same_out {r['digits8_same_out']}",
                 flush=True,
             )
             notes = "speedup: median over alternating pairs of streamed ms / resident ms"

@@ -48,10 +48,13 @@ def same_set(got: torch.Tensor, scores: torch.Tensor, k: int) -> bool:
 
 STREAMED = partial(top_positions_radix, resident=False)
 RESIDENT = partial(top_positions_radix, resident=True)
+RESIDENT8 = partial(top_positions_radix, resident=True, digit_bits=8)  # 4 rounds of 256 bins
 
 
 @pytest.mark.parametrize(
-    "path", [top_positions_triton, STREAMED, RESIDENT], ids=["entry", "streamed", "resident"]
+    "path",
+    [top_positions_triton, STREAMED, RESIDENT, RESIDENT8],
+    ids=["entry", "streamed", "resident", "resident8"],
 )
 @pytest.mark.parametrize(
     ("R", "L", "k"),
@@ -70,9 +73,9 @@ def test_keys_path_same_positions_as_the_reference(R: int, L: int, k: int) -> No
     assert torch.equal(top_positions_keys(scores, k), top_positions(scores, k, best_first=False))
 
 
-@pytest.mark.parametrize("resident", [False, True], ids=["block64", "resident"])
+@pytest.mark.parametrize("resident", [False, True, 8], ids=["block64", "resident", "resident8"])
 @pytest.mark.parametrize(("L", "k"), [(64 * 3 + 37, 100), (64 * 3 + 37, 1), (64 * 2, 128 - 5), (50, 49)])
-def test_chunked_rows_with_ties_across_chunks(L: int, k: int, resident: bool) -> None:
+def test_chunked_rows_with_ties_across_chunks(L: int, k: int, resident: bool | int) -> None:
     """block 64 (tail 16): the threshold's ties span chunk boundaries and the tail; which of them are
     chosen (the earliest) depends on the counts carried between chunks. Resident: one trip, the
     same earliest ties."""
@@ -83,11 +86,12 @@ def test_chunked_rows_with_ties_across_chunks(L: int, k: int, resident: bool) ->
     scores[1, 1::3] = 2.0
     scores[2] = torch.randint(0, 3, (L,), generator=g).float()  # three values, every one tied
     scores = scores.to(DEV)
-    got = (
-        top_positions_radix(scores, k, resident=True)
-        if resident
-        else top_positions_radix(scores, k, block=64)
-    )
+    if resident == 8:
+        got = RESIDENT8(scores, k)
+    elif resident:
+        got = top_positions_radix(scores, k, resident=True)
+    else:
+        got = top_positions_radix(scores, k, block=64)
     assert same_set(got, scores, k)
 
 
@@ -113,9 +117,9 @@ def test_resident_writes_in_column_order_as_streamed() -> None:
     was): the same tensor, not only the same set."""
     scores = tied_scores(3, 229, 8)
     for k in (1, 100, 229):
-        assert torch.equal(
-            top_positions_radix(scores, k, resident=True), top_positions_radix(scores, k, block=64)
-        )
+        streamed = top_positions_radix(scores, k, block=64)
+        assert torch.equal(top_positions_radix(scores, k, resident=True), streamed)
+        assert torch.equal(RESIDENT8(scores, k), streamed)
 
 
 def test_rows_with_few_visible_tokens_get_minus_one() -> None:
@@ -130,6 +134,7 @@ def test_all_minus_inf_rows_choose_only_minus_one(k: int) -> None:
     scores = torch.full((2, 70), float("-inf"), device=DEV)
     assert (top_positions_radix(scores, k, block=32) == -1).all()
     assert (top_positions_radix(scores, k, resident=True) == -1).all()
+    assert (RESIDENT8(scores, k) == -1).all()
 
 
 def test_any_bit_pattern_matches_the_reference() -> None:
@@ -142,6 +147,7 @@ def test_any_bit_pattern_matches_the_reference() -> None:
     for k in (1, 150, 299):
         assert same_set(top_positions_radix(scores, k, block=64), scores, k), k
         assert same_set(top_positions_radix(scores, k, resident=True), scores, k), k
+        assert same_set(RESIDENT8(scores, k), scores, k), k
 
 
 def test_no_rows() -> None:
@@ -160,6 +166,7 @@ def test_gpu_prefill_rows_and_the_bound(monkeypatch: pytest.MonkeyPatch) -> None
         assert same_set(top_positions_triton(scores, k), scores, k), (R, L)
         if selection.radix_resident(R, L):  # the path not taken, on the same rows
             assert same_set(top_positions_radix(scores, k, resident=False), scores, k), (R, L)
+            assert same_set(RESIDENT8(scores, k), scores, k), (R, L)
 
 
 def test_default_block_wide_for_few_rows_narrow_for_many() -> None:
