@@ -46,7 +46,8 @@ probe measured 3 verifies and an EWMA of each step's rate, weighted 0.2, decided
 user on the H100, where drafting K every step ran 1.07-1.28x on tool calls, it drafted in ~3% of
 the steps and ran 0.89-0.94x; tests/backend/engine/test_draft_policy_replay.py replays that.)
 A load's first probe starts from a prior: where it says drafting pays (the cost model chose
-k > 0, and E(k) beats the dearest drafting step, in plain steps, measured at any load: none measured
+k > 0, and E(k) beats a drafting step's cost in plain steps as measured at the nearest load within
+`NEAR_DOUBLINGS` doublings of its sequences, else at the dearest load measured: none measured
 yet, the cost model alone) the probe begins right after those `MIN_RATE_SAMPLES` plain steps, so
 drafting starts within a load's first few steps; then the measured rates decide. Where drafting
 wins, every `REPROBE_EVERY` drafting steps one plain step refreshes the rate it is compared with.
@@ -54,8 +55,8 @@ Where it loses (or its probe measured too little), or where the prior says it do
 probed only once the plain steps at that load have taken `1 / PROBE_SHARE` times what the probe is
 expected to cost (`probe_verifies` + 1 drafting steps at their measured seconds there): at 64
 sequences a drafting step can cost ten plain ones, and a load seen for a few dozen steps (a burst of short requests) must not pay
-for probes it cannot amortize. Such a probe is priced from the dearest drafting step (in plain
-steps) measured at any load, or `DRAFT_STEP_GUESS` before any. A probe's first step also catches up
+for probes it cannot amortize. Such a probe is priced from a drafting step (in plain steps) as
+measured nearby (else at the dearest load), or `DRAFT_STEP_GUESS` before any. A probe's first step also catches up
 the MTP KV of the positions plain steps computed (backend/engine/speculative/book.py), a prefill:
 that step stays out of the rates and of m, and is charged to the load's probe budget
 (`observe_catch_up`); a load that has never caught up prices its first probe's catch-up ahead, at the
@@ -67,7 +68,7 @@ the starting m, lets any k pay) the engine does not ask: those steps are plain, 
 (backend/engine/speculative/decoder.py `drafting`).
 
 A fresh engine's first drafting steps compile kernels: a step over `COLD_RATIO` times its kind's
-estimate at its load is cold, not a rate (its seconds enter the estimate at that bound), and a
+estimate at its load (a load with none yet: a neighbour's, as above) is cold, not a rate (its seconds enter the estimate at that bound), and a
 sample of m enters at most `M_SAMPLE_RATIO` times m. Acceptance-starved probing asks whether drafting
 could pay at the smaller of the measured and the starting m, since m is only measured by drafting:
 a high m must not end its own measurement (on the H100 in 2026-12, a warm-up's compiles measured m at
@@ -81,6 +82,7 @@ proposes k for the next (backend/engine/speculative/decoder.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
@@ -109,6 +111,10 @@ DRAFT_STEP_GUESS = 4.0  # a drafting step's cost in plain steps, before one is m
 # rate the next steps run at, and its seconds enter the estimate at this many times it at most
 # (the H100's first drafting steps, 2026-12-05, measured m at 27.8: no draft length paid again)
 COLD_RATIO = 4.0
+# a load's missing estimates (a drafting step's cost in plain steps, a step's seconds for the cold
+# bound) come from the nearest measured load within this many doublings of its sequences (steps of
+# 2-4x the sequences cost about the same while weights bound them), else from the dearest measured
+NEAR_DOUBLINGS = 2
 M_SAMPLE_RATIO = 16.0  # a sample of m enters at most this many times m: m grows 2.5x a sample at most
 
 
@@ -332,10 +338,11 @@ class DraftPolicy:
         if rates.num_plain < MIN_RATE_SAMPLES:
             return 0
         if not rates.is_winning:  # unmeasured, or losing
-            is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k)
+            is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k, bucket)
             num_steps = num_verifies + 1  # the first drafting step after plain ones only proposes
             catch_up_s = self._catch_up_guess(bucket, rates)
-            if not is_prior and not rates.can_afford_probe(num_steps, self._draft_over_plain(), catch_up_s):
+            over_plain = self._draft_over_plain(bucket)
+            if not is_prior and not rates.can_afford_probe(num_steps, over_plain, catch_up_s):
                 return 0
             rates.begin_probe()
             self.num_probes += 1
@@ -363,21 +370,40 @@ class DraftPolicy:
         )
         return per_seq * bucket
 
-    def _draft_over_plain(self) -> float:
-        """A drafting step's cost in plain steps: the most measured at any load, else a guess."""
-        return self._measured_draft_over_plain() or DRAFT_STEP_GUESS
+    def _draft_over_plain(self, bucket: int) -> float:
+        """A drafting step's cost in plain steps at `bucket`: as measured nearby, else a guess."""
+        return self._measured_draft_over_plain(bucket) or DRAFT_STEP_GUESS
 
-    def _measured_draft_over_plain(self) -> float:
-        """A drafting step's cost in plain steps, the most measured at any load (0: none yet)."""
-        measured = [
-            r.draft_step_s / r.plain_step_s for r in self._rates.values() if r.draft_step_s and r.plain_step_s
-        ]
+    def _measured_draft_over_plain(self, bucket: int) -> float:
+        """A drafting step's cost in plain steps at `bucket`: at the nearest load that measured both
+        within `NEAR_DOUBLINGS`, else the most measured at any load (0: none yet). Not the most
+        everywhere: a dear ratio at 64 sequences (~10 plain steps) must not price a probe for one
+        user once a load near it has measured its own (~2.7)."""
+
+        def has_both(r: _Rates) -> bool:
+            return r.draft_step_s > 0 and r.plain_step_s > 0
+
+        near = self._near(bucket, has_both)
+        if near is not None:
+            return near.draft_step_s / near.plain_step_s
+        measured = [r.draft_step_s / r.plain_step_s for r in self._rates.values() if has_both(r)]
         return max(measured, default=0.0)
 
-    def _prior_pays(self, k: int) -> bool:
+    def _near(self, bucket: int, has: Callable[[_Rates], bool]) -> _Rates | None:
+        """The measured load (`has`) nearest `bucket` within `NEAR_DOUBLINGS` doublings (itself
+        first; ties: the smaller load), or None."""
+        found = [
+            (abs(b.bit_length() - bucket.bit_length()), b, r)
+            for b, r in self._rates.items()
+            if has(r) and abs(b.bit_length() - bucket.bit_length()) <= NEAR_DOUBLINGS
+        ]
+        return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
+
+    def _prior_pays(self, k: int, bucket: int) -> bool:
         """A verify of k drafts is expected to emit more tokens than a drafting step costs plain
-        steps, as measured at the dearest load (before any measurement: the cost model's word)."""
-        measured = self._measured_draft_over_plain()
+        steps, as measured at or near `bucket` (else at the dearest load; before any measurement:
+        the cost model's word)."""
+        measured = self._measured_draft_over_plain(bucket)
         return not measured or self.expected_tokens(k) > measured
 
     def observe_step(
@@ -388,8 +414,12 @@ class DraftPolicy:
         proposed counts towards the cost of probes, not towards the rates)."""
         if not self.is_calibrated or seconds <= 0:
             return
-        rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
+        bucket = load_bucket(num_seqs)
+        rates = self._rates.setdefault(bucket, _Rates())
         limit = rates.cold_limit(is_drafting)
+        if math.isinf(limit):  # none of its kind here yet: a neighbour's bound (a probe that moved here)
+            near = self._near(bucket, lambda r: r.plain_step_s > 0)
+            limit = near.cold_limit(is_drafting) if near is not None else limit
         # an estimate grows 1.6x a step at most; a cold first drafting step enters at the guess
         first_cold = is_drafting and not rates.draft_step_s and seconds > limit
         rates.add_seconds(is_drafting, min(seconds, limit / COLD_RATIO if first_cold else limit))

@@ -343,6 +343,34 @@ def test_a_load_that_never_caught_up_prices_its_first_catch_up() -> None:
     assert 0.95 * expected <= first <= 1.05 * expected + MIN_RATE_SAMPLES
 
 
+def test_a_cold_drafting_step_at_a_new_load_is_bounded_by_its_neighbour() -> None:
+    """A probe begun at one user drafts on when a second request joins (bucket 2, no step of either
+    kind measured there yet). That load's first drafting step compiled kernels (0.5 s against ~2 ms
+    drafting steps next door): it is cold by the neighbour's bound, so it enters the estimate at that
+    bound and is no rate; and a dear ratio measured far away (64 sequences) does not price a
+    one-user probe once a load near it has measured its own."""
+    p = policy(3, acceptance=0.9, is_calibrated=True)
+    for _ in range(MIN_RATE_SAMPLES):
+        p.observe_step(1, False, False, 1, 0.001)
+    for _ in range(3):
+        p.observe_step(1, True, True, 3, 0.002)
+    p.observe_step(2, True, True, 2, 0.5)  # the new load's first drafting step: cold
+    two = p._rates[2]
+    assert two.draft_step_s == pytest.approx(0.002)  # the neighbour's estimate, not 0.5 s
+    assert two.num_spec == 0  # not a rate
+    assert p._measured_draft_over_plain(2) == pytest.approx(2.0)  # load 1's, not 0.5 s over nothing
+
+    for _ in range(MIN_RATE_SAMPLES):
+        p.observe_step(64, False, False, 64, 0.001)
+    for _ in range(3):
+        p.observe_step(64, True, True, 64, 0.010)  # 10 plain steps a drafting step at 64 sequences
+    assert p._measured_draft_over_plain(1) == pytest.approx(2.0)  # its own load's
+    assert p._measured_draft_over_plain(32) == pytest.approx(10.0)  # 64's: within two doublings
+    assert p._measured_draft_over_plain(4) == pytest.approx(2.0)  # the nearer of 1 and 64
+    assert p._measured_draft_over_plain(8) == pytest.approx(10.0)  # none near: the dearest
+    assert p._prior_pays(3, 1) and not p._prior_pays(3, 32)
+
+
 def test_drafting_starts_from_the_prior_and_measurements_take_over() -> None:
     """A fresh engine's first load: the prior (the cost model) says drafting pays, so it drafts
     after MIN_RATE_SAMPLES plain steps, not after the ~320 a probe budget of PROBE_SHARE would
