@@ -13,6 +13,11 @@ processes are named under `unpaired` (a missing one never shifts the pairs after
 scenario record like one process's, so `kumo bench report` takes it beside the others; its
 `measured_on` is the processes' geometry (78 of 78 layers at `--rank-of 8` for GLM 5.2).
 
+`--pairs` (a device call that holds two processes a round, not four: GLM 5.2's full depth, where a
+process is ~40-55 s of building and warming for ~10 s of timing): the same order A, B, B, A, A, B, …
+taken two at a time, rounds (A, B), (B, A), (A, B), … each its a / b. Within a round a drift in time is
+not cancelled, but its sign alternates from round to round.
+
 The 8-GPU run's parts (`benchmarks.engine.x8`) pair their one-side processes the same way (`Pairing`).
 """
 
@@ -62,20 +67,22 @@ def process_value(entry: dict[str, Any], field: str, *, extra: bool = False) -> 
     return statistics.fmean(values) if values else None
 
 
-def process_rounds(sides: Sequence[str], values: Sequence[float | None]) -> tuple[list[list[int]], list[int]]:
-    """The processes (indices, in the order they ran) grouped into rounds of A, B, B, A with a value
-    each, and the ones left out: a window that is not such a round gives up its first process and
-    the search goes on from the next, so one missing process costs its own round only."""
+def process_rounds(
+    sides: Sequence[str], values: Sequence[float | None], *, pairs: bool = False
+) -> tuple[list[list[int]], list[int]]:
+    """The processes (indices, in the order they ran) grouped into rounds of A, B, B, A (`pairs`:
+    of one A and one B, either order) with a value each, and the ones left out: a window that is not
+    such a round gives up its first process and the search goes on from the next, so one missing
+    process costs its own round only."""
     rounds: list[list[int]] = []
     unpaired: list[int] = []
+    size = 2 if pairs else len(method.ROUND)
     i = 0
     while i < len(sides):
-        window = list(range(i, i + len(method.ROUND)))
-        if (
-            window[-1] < len(sides)
-            and [sides[j] for j in window] == list(method.ROUND)
-            and all(values[j] is not None for j in window)
-        ):
+        window = list(range(i, i + size))
+        in_window = [sides[j] for j in window] if window[-1] < len(sides) else []
+        is_round = sorted(in_window) == ["A", "B"] if pairs else in_window == list(method.ROUND)
+        if is_round and all(values[j] is not None for j in window):
             rounds.append(window)
             i += len(window)
         else:
@@ -95,11 +102,14 @@ class Pairing:
     unpaired: list[int]
 
     @classmethod
-    def of(cls, entries: Sequence[dict[str, Any]], field: str, *, extra: bool = False) -> Pairing:
-        """The processes' `entries` (in the order they started) paired on their mean of `field`."""
+    def of(
+        cls, entries: Sequence[dict[str, Any]], field: str, *, extra: bool = False, pairs: bool = False
+    ) -> Pairing:
+        """The processes' `entries` (in the order they started) paired on their mean of `field`
+        (`pairs`: rounds of two processes)."""
         sides = [e["side"] for e in entries]
         values = [process_value(e, field, extra=extra) for e in entries]
-        return cls(sides, values, *process_rounds(sides, values))
+        return cls(sides, values, *process_rounds(sides, values, pairs=pairs))
 
     @property
     def labels(self) -> list[str]:
@@ -133,9 +143,9 @@ def _group_key(record: Record, entry: dict[str, Any]) -> str:
     return json.dumps([entry["scenario"], g["kind"], g["num_layers"], g.get("rank_of", 1), entry["workload"]])
 
 
-def combine(records: Sequence[Record]) -> Record:
+def combine(records: Sequence[Record], *, pairs: bool = False) -> Record:
     """One scenario record from one-side records of that scenario, geometry and workload, their
-    processes paired by rounds (module docstring)."""
+    processes paired by rounds (module docstring; `pairs`: rounds of two)."""
     from benchmarks.engine.scenarios import SCENARIOS, weights_beside  # torch: only when combining
 
     ordered = in_order(records)
@@ -147,7 +157,7 @@ def combine(records: Sequence[Record]) -> Record:
     entries = [side_entry(r) or {} for r in ordered]
     name = entries[0]["scenario"]
     scenario = SCENARIOS[name]
-    pairing = Pairing.of(entries, scenario.metric)
+    pairing = Pairing.of(entries, scenario.metric, pairs=pairs)
     sides, values, labels = pairing.sides, pairing.values, pairing.labels
     per_round = pairing.ratios()  # a paired process has a value
     rounds = [
@@ -169,7 +179,12 @@ def combine(records: Sequence[Record]) -> Record:
         "scenario": name,
         "definition": scenario.definition,
         "method": "one side a process (build, warm-up on every step shape, timed runs), processes A, B, B, A; "
-        "a round's ratio (a1 + a2) / (b1 + b2) of the processes' mean metric",
+        + (
+            "rounds of two processes (A, B), (B, A), …, a round's ratio a / b of the processes' mean metric "
+            "(a drift within a round not cancelled; its sign alternates between rounds)"
+            if pairs
+            else "a round's ratio (a1 + a2) / (b1 + b2) of the processes' mean metric"
+        ),
         "metric": scenario.metric,
         "workload": entries[0]["workload"],
         "sides": described,
@@ -259,6 +274,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kumo bench engine combine", description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="+", type=Path, help="one-side records, or folders of them")
     ap.add_argument("--scenario", default=None, help="only that scenario's records")
+    ap.add_argument("--pairs", action="store_true", help="rounds of two processes, (A, B), (B, A), …")
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", type=Path, help="the scenario record (.json; .md beside it)")
     where.add_argument("--out-dir", type=Path, help="one record per scenario there, DIR/NAME.json")
@@ -274,7 +290,7 @@ def main(argv: list[str]) -> int:
     lines = []
     for name, group in by_name.items() or [("", [])]:
         try:
-            record = combine(group)
+            record = combine(group, pairs=a.pairs)
         except ValueError as exc:
             raise SystemExit(f"kumo bench engine combine: {exc}") from exc
         paths = report.write(record, a.out or a.out_dir / f"{name}.json")

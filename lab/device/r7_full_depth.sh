@@ -25,6 +25,9 @@
 #   call 1: decode rounds 1-2                                                           ~420 s
 #   call 2: decode round 3, prefill rounds 1-2                                          ~480-500 s
 #   (a round over its estimate leaves the next for a third call: prefill round 3 and what is left)
+# PAIRS=1: rounds of two processes, A B | B A | A B (the same process order, taken two at a time;
+# `kumo bench engine combine --pairs`): half the processes a round, so 3 decode and 3 prefill rounds
+# fit one call (~95 + ~65 s a round at the estimates above), each round's ratio a / b.
 # DRY=1 prints the commands as planned by the estimates; TINY=1 runs them on the CPU at --tiny scale
 # (rank 0 of 2: the tiny model's 4 heads do not split 8 ways). Env: ROUNDS (3), ONLY (the scenarios),
 # PRIOR (lab/device/r7-prior), EST_DECODE / EST_PREFILL (s a round), LIMIT (540), PYTHON.
@@ -36,6 +39,8 @@ TINY=${TINY:-0}
 DRY=${DRY:-0}
 LIMIT=${LIMIT:-540}
 ROUNDS=${ROUNDS:-3}
+PAIRS=${PAIRS:-0}
+PER_ROUND=$([ "$PAIRS" = 1 ] && echo 2 || echo 4)
 ONLY=${ONLY:-"int4_vs_fp8_decode_c1 int4_vs_fp8_prefill"}
 PRIOR=${PRIOR:-lab/device/r7-prior}
 EXIT_S=20     # a process past its deadline: the run in flight cut, the record written
@@ -49,12 +54,14 @@ fi
 mkdir -p "$OUT" "$REC" "$LOGS/partial"
 export PYTHONUNBUFFERED=1
 declare -A RUNS=([int4_vs_fp8_decode_c1]=1 [int4_vs_fp8_prefill]=3)
-declare -A EST=([int4_vs_fp8_decode_c1]=${EST_DECODE:-200} [int4_vs_fp8_prefill]=${EST_PREFILL:-140})
+declare -A EST=([int4_vs_fp8_decode_c1]=${EST_DECODE:-$((200 * PER_ROUND / 4))}
+               [int4_vs_fp8_prefill]=${EST_PREFILL:-$((140 * PER_ROUND / 4))})
 SIDES=(A B B A)
 layout=(--rank-of 8 --pool-scale 0.1)  # the pool: c=1 needs 2,304 tokens; 0.1 as the 50-layer records
 if [ "$TINY" = 1 ]; then
   layout=(--rank-of 2 --pool-scale 0.1 --tiny --device cpu ${COMPILE_CACHE:+--compile-cache "$COMPILE_CACHE"})
-  EST=([int4_vs_fp8_decode_c1]=${EST_DECODE:-20} [int4_vs_fp8_prefill]=${EST_PREFILL:-20})
+  EST=([int4_vs_fp8_decode_c1]=${EST_DECODE:-$((20 * PER_ROUND / 4))}
+       [int4_vs_fp8_prefill]=${EST_PREFILL:-$((20 * PER_ROUND / 4))})
 fi
 dry_s=$PREAMBLE_S
 
@@ -67,14 +74,22 @@ if [ -d "$PRIOR/records" ]; then  # the records of earlier calls: their rounds c
   echo "== prior: $(ls "$PRIOR"/records/*.json 2>/dev/null | wc -l) records from $PRIOR"
 fi
 
-rounds_done() {  # NAME: the highest round number with all four processes' records
+rounds_done() {  # NAME: the highest round number with all its processes' records
   local name=$1 r last=0
-  for f in "$REC/$name"-r*-p1-A.json; do
+  for f in "$REC/$name"-r*-p1-*.json; do
     [ -e "$f" ] || continue
     r=${f##*/"$name"-r}; r=${r%%-*}
-    [ "$(ls "$REC/$name-r$r"-p*.json 2>/dev/null | wc -l)" -eq 4 ] && [ "$r" -gt "$last" ] && last=$r
+    [ "$(ls "$REC/$name-r$r"-p*.json 2>/dev/null | wc -l)" -eq "$PER_ROUND" ] && [ "$r" -gt "$last" ] && last=$r
   done
   echo "$last"
+}
+
+side_of() {  # ROUND K: the side of the round's k-th process (A, B, B, A; pairs: A, B then B, A)
+  if [ "$PAIRS" = 1 ]; then
+    if [ $(( $1 % 2 )) = 1 ]; then echo "AB" | cut -c"$2"; else echo "BA" | cut -c"$2"; fi
+  else
+    echo "${SIDES[$(($2 - 1))]}"
+  fi
 }
 
 process() {  # NAME ROUND K SIDE: one side in its own process, its budget what is left
@@ -85,7 +100,7 @@ process() {  # NAME ROUND K SIDE: one side in its own process, its budget what i
              "${layout[@]}" --budget-s "$budget" --out "$REC/$stem.json")
   if [ "$DRY" = 1 ]; then
     echo "${cmd[*]}"
-    dry_s=$((dry_s + EST[$name] / 4))
+    dry_s=$((dry_s + EST[$name] / PER_ROUND))
     return 0
   fi
   timeout $((budget + 45)) "${cmd[@]}" > "$LOGS/$stem.log" 2>&1
@@ -106,8 +121,8 @@ for name in $ONLY; do
     r=$((r + 1))
     start=$(elapsed)
     ok=1
-    for k in 1 2 3 4; do
-      process "$name" "$r" "$k" "${SIDES[$((k - 1))]}" || { ok=0; break; }
+    for k in $(seq 1 "$PER_ROUND"); do
+      process "$name" "$r" "$k" "$(side_of "$r" "$k")" || { ok=0; break; }
     done
     if [ $ok = 0 ]; then  # never paired: its records aside, this scenario stops for this call
       mv "$REC/$name-r$r"-p* "$LOGS/partial/" 2>/dev/null
@@ -121,6 +136,7 @@ for name in $ONLY; do
 done
 
 combine=("$PYTHON" -m benchmarks.cli engine combine "$REC" --out-dir "$LOGS/combined")
+[ "$PAIRS" = 1 ] && combine+=(--pairs)
 if [ "$DRY" = 1 ]; then
   echo "${combine[*]}"
 elif ls "$REC"/*.json > /dev/null 2>&1; then

@@ -59,6 +59,20 @@ def test_the_first_call_runs_two_decode_rounds_of_processes_a_b_b_a_at_full_dept
     assert combine[3:5] == ["engine", "combine"]
 
 
+def test_pairs_run_two_processes_a_round_and_combine_by_pairs(tmp_path: Path) -> None:
+    """PAIRS=1: the same process order (A, B, B, A, A, B), two a round, so the three decode rounds and
+    two prefill rounds are planned in one call; the combine is told `--pairs`."""
+    *processes, combine = planned(tmp_path, PAIRS="1")
+    parsed = [scenario_parser().parse_args(argv[5:]) for argv in processes]
+    assert [(a.name, a.side) for a in parsed] == [(DECODE, s) for s in "ABBAAB"] + [
+        (PREFILL, s) for s in "ABBA"
+    ]
+    assert [Path(a.out).name for a in parsed][:3] == [
+        f"{DECODE}-r1-p1-A.json", f"{DECODE}-r1-p2-B.json", f"{DECODE}-r2-p1-B.json"
+    ]  # fmt: skip
+    assert combine[3:5] == ["engine", "combine"] and combine[-1] == "--pairs"
+
+
 def test_a_second_call_starts_at_the_next_round_then_prefill(tmp_path: Path) -> None:
     prior = tmp_path / "prior" / "records"
     prior.mkdir(parents=True)

@@ -136,6 +136,24 @@ def test_process_rounds_find_every_a_b_b_a_run() -> None:
     assert side_records.process_rounds(sides, values)[0] == [[4, 5, 6, 7], [11, 12, 13, 14]]
 
 
+def test_pairs_take_the_same_order_two_processes_a_round() -> None:
+    """`--pairs` (one call's worth of GLM 5.2 processes): A, B, B, A, A, B is three rounds, (A, B),
+    (B, A), (A, B), each a / b; a process without a value costs its own pair only."""
+    records = processes(("A", [40.0, 42.0]), ("B", [20.0]), ("B", [21.0]), ("A", [44.0]),
+                        ("A", [30.0]), ("B", [10.0]))  # fmt: skip
+    entry = side_records.combine(records, pairs=True)["scenarios"][NAME]
+    assert [r["processes"] for r in entry["rounds"]] == [["A1", "B2"], ["B3", "A4"], ["A5", "B6"]]
+    assert entry["summary"]["samples"] == pytest.approx([41.0 / 20.0, 44.0 / 21.0, 3.0])
+    assert "rounds of two processes" in entry["method"]
+    sides = list("ABBAABAA")
+    values: list[float | None] = [1.0] * len(sides)
+    values[2] = None
+    rounds, unpaired = side_records.process_rounds(sides, values, pairs=True)
+    assert rounds == [[0, 1], [4, 5]]
+    assert unpaired == [2, 3, 6, 7]  # no value; then A, A twice (and the last alone)
+    assert side_records.process_rounds(sides, [1.0] * 8)[0] == [[0, 1, 2, 3]]  # A, B, B, A rounds unchanged
+
+
 def test_records_of_two_workloads_do_not_combine() -> None:
     records = processes(("A", [1.0]), ("B", [1.0]))
     records[1]["scenarios"][NAME]["workload"]["input_len"] = 1024
