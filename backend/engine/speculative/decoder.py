@@ -127,7 +127,7 @@ class SpecDecoder:
         # the policy's per-step work moved into a plain step's device time (`while_plain_step`):
         # the last step's measurement not yet told, the load of a plain step and the draft length
         # chosen for the next step at that load
-        self._measured: tuple[int, bool, bool, bool, int, float] | None = None
+        self._measured: tuple[int, bool, bool, bool, int, float, int] | None = None
         self._plain_load: StepLoad | None = None
         self._ahead: tuple[StepLoad, int] | None = None
 
@@ -169,6 +169,7 @@ class SpecDecoder:
             self.did_catch_up,
             num_tokens,
             seconds,
+            self.k,
         )
 
     def settle(self) -> None:
@@ -176,11 +177,11 @@ class SpecDecoder:
         m, self._measured = self._measured, None
         if m is None:
             return
-        num_seqs, is_drafting, is_verified, did_catch_up, num_tokens, seconds = m
+        num_seqs, is_drafting, is_verified, did_catch_up, num_tokens, seconds, k = m
         if is_drafting and did_catch_up:  # mostly a prefill of MTP KV: a probe's price
             self.policy.observe_catch_up(num_seqs, seconds)
         else:
-            self.policy.observe_step(num_seqs, is_drafting, is_verified, num_tokens, seconds)
+            self.policy.observe_step(num_seqs, is_drafting, is_verified, num_tokens, seconds, k)
 
     def while_plain_step(self) -> None:
         """The policy's work while a plain step runs on the device (`ModelRunner.run`): the last

@@ -29,6 +29,19 @@ sizes in cost units (c of each forward's rows); (draft seconds per unit) / (veri
 is a sample of m (EWMA). On a device where the draft forwards cost more than the model says (eager
 launches, host work between them), m grows and drafting turns off at lower load, or at any load.
 
+The model prices forwards, not what a drafting step costs whatever its k: the verify graph's and
+the MTP layer's launches over the draft rows, acceptance, the host's planning. Measured, that is a
+large part of a small model's drafting step (H100, 2026-12-06, GLM nano tool calls: ~1.9 plain steps
+at k = 1, ~2.2 at k = 3, where the model with its measured m of 0.37 said 1.37 and 2.11), and left
+out it makes k = 1 look cheap: the adaptive policy drafted one token a step and ran 0.99x where
+three drafts a step ran 1.52x. So each verifying step's seconds, over the load's plain step, less
+the model's cost of its k, is a sample of a load's `overhead` (EWMA, at least 0), which every k >= 1
+pays in the rates the draft length is chosen by; and once a load has measured verifying steps of a
+k (`step_s_by_k`), every k there is priced from the measured seconds over the load's plain step (a
+measured k as measured, the others on the line through the measured ones: `_costs`), so a wrong
+slope m (measured on the host path, where drafts run eagerly) cannot hold the choice at a short k
+the measurements say is slower.
+
 The model prices forwards, not the host work around them, and a speculative step has more of that
 than a plain one (planning the verify rows, accepting, the draft depths' plans). So when `m` is
 measured, the choice is also checked against measured throughput: per load (the step's sequences,
@@ -83,7 +96,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
 EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estimate
@@ -116,6 +129,7 @@ COLD_RATIO = 4.0
 # 2-4x the sequences cost about the same while weights bound them), else from the dearest measured
 NEAR_DOUBLINGS = 2
 M_SAMPLE_RATIO = 16.0  # a sample of m enters at most this many times m: m grows 2.5x a sample at most
+OVERHEAD_WEIGHT = 0.1  # per verifying step, in a load's measured overhead of a drafting step
 
 
 @dataclass(slots=True)
@@ -133,6 +147,12 @@ class _Rates:
     draft_step_s: float = 0.0  # EWMA seconds of a drafting step (verifying or only proposing)
     plain_s_since_probe: float = 0.0  # plain steps' seconds since its last probe began
     catch_up_s: float = 0.0  # EWMA seconds of a step that caught up MTP KV (`observe_catch_up`)
+    # EWMA of a verifying step's cost beyond the cost model's, in plain steps (`observe_step`): the
+    # fixed part of a drafting step the model does not price (module docstring), >= 0
+    overhead: float = 0.0
+    num_overhead: int = 0
+    # EWMA seconds of a verifying step by its draft length (`observe_step`): a measured k's cost
+    step_s_by_k: dict[int, float] = field(default_factory=dict)
     num_probes: int = 0
     is_probing: bool = False  # a probe began here and has not been judged yet
     is_winning: bool = False  # its last probe measured drafting faster, and nothing since slower
@@ -274,10 +294,20 @@ class DraftPolicy:
         tokens = load.num_other_samples + load.num_drafting * self.expected_tokens(k)
         return tokens / self.step_cost(load, k)
 
-    def rates(self, load: StepLoad, acceptance: list[float], m: float | None = None) -> list[float]:
+    def rates(
+        self,
+        load: StepLoad,
+        acceptance: list[float],
+        m: float | None = None,
+        overhead: float = 0.0,
+        measured: dict[int, float] | None = None,
+    ) -> list[float]:
         """`rate(load, k)` for k = 0 … K under `acceptance` (a_1 … a_K), in one pass: the same
         arithmetic in the same order (equal floats), without ~8 calls per k. It runs before every
-        step, plain ones included: as calls it was 15 µs a step, 3% of a nano model's 0.44 ms."""
+        step, plain ones included: as calls it was 15 µs a step, 3% of a nano model's 0.44 ms.
+        `overhead`: plain steps every drafting step costs beyond the model (a load's measured one);
+        `measured`: a drafting step's cost in plain steps by its k, where measured (the model's
+        cost, and the overhead, only for the others)."""
         B, N, R, sat = load.num_drafting, load.num_other_samples, load.num_rows, self.saturation_rows
         m = self.draft_cost if m is None else m
         one_row = max(1.0, B / sat)  # forward_cost(B): a chained depth
@@ -286,9 +316,12 @@ class DraftPolicy:
         for k in range(1, self.max_drafts + 1):
             p *= acceptance[k - 1]
             total += p  # E(k)
+            if measured and k in measured:
+                out.append((N + B * total) / measured[k])
+                continue
             cost = max(1.0, (R + B * k) / sat)
             cost += m * (max(1.0, B * total / sat) + (k - 1) * one_row)
-            out.append((N + B * total) / cost)
+            out.append((N + B * total) / (cost + overhead))
         return out
 
     # ---- per step ----------------------------------------------------------------------------
@@ -299,7 +332,7 @@ class DraftPolicy:
         if not self.is_adaptive:
             self.last_k = self.max_drafts
             return self.max_drafts
-        rates = self.rates(load, self.acceptance)
+        rates = self.rates(load, self.acceptance, overhead=self._overhead(load), measured=self._costs(load))
         k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
         is_modelled = k > 0  # the cost model, at the measured acceptance, says k pays
         if k == 0 and self._starved_left > 0:  # a starved probe's run: verifies, not one lone proposal
@@ -316,6 +349,42 @@ class DraftPolicy:
             k = self._measured_gate(load, k or 1, is_modelled)
         self.last_k = k
         return k
+
+    def _overhead(self, load: StepLoad) -> float:
+        """The plain steps a drafting step at `load` costs beyond the cost model, as measured there
+        or at the nearest load within `NEAR_DOUBLINGS` (0: none measured, or not calibrated)."""
+        if not self.is_calibrated:
+            return 0.0
+        bucket = load_bucket(load.num_drafting + load.num_other_samples)
+        own = self._rates.get(bucket)
+        if own is not None and own.num_overhead:  # the common case, before every step: no search
+            return own.overhead
+        near = self._near(bucket, lambda r: r.num_overhead > 0)
+        return near.overhead if near is not None else 0.0
+
+    def _costs(self, load: StepLoad) -> dict[int, float] | None:
+        """A drafting step's cost in plain steps for every k at this load once one k has been
+        measured there (its own load: seconds differ between loads; None: none, or not calibrated):
+        a measured k at its measured cost; another on the line through the cheapest and the dearest
+        measured k (its slope at least 0), or, with one k measured, at that k's cost plus the
+        model's per-depth cost at the lesser of the measured and the starting m for each depth
+        more or fewer (optimistic, so that an unmeasured k gets tried and measured)."""
+        if not self.is_calibrated:
+            return None
+        rates = self._rates.get(load_bucket(load.num_drafting + load.num_other_samples))
+        if rates is None or not rates.step_s_by_k or not rates.plain_step_s:
+            return None
+        got = {k: s / rates.plain_step_s for k, s in rates.step_s_by_k.items()}
+        lo, hi = min(got), max(got)
+        if hi > lo:
+            slope = max(0.0, (got[hi] - got[lo]) / (hi - lo))
+        else:
+            slope = min(self.draft_cost, self.prior_draft_cost) * self.forward_cost(load.num_drafting)
+        for k in range(1, self.max_drafts + 1):
+            if k not in got:
+                base = lo if k < lo else hi
+                got[k] = max(got[base] + slope * (k - base), 1.0)
+        return got
 
     def _measured_gate(self, load: StepLoad, k: int, is_modelled: bool) -> int:
         """k, or 0 where plain steps have been measured to emit more tokens per second at this load
@@ -407,11 +476,18 @@ class DraftPolicy:
         return not measured or self.expected_tokens(k) > measured
 
     def observe_step(
-        self, num_seqs: int, is_drafting: bool, is_verified: bool, num_tokens: int, seconds: float
+        self,
+        num_seqs: int,
+        is_drafting: bool,
+        is_verified: bool,
+        num_tokens: int,
+        seconds: float,
+        num_drafts: int = 0,
     ) -> None:
         """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`: plain, or
-        drafting (`is_drafting`) and verifying drafts (`is_verified`; a drafting step that only
-        proposed counts towards the cost of probes, not towards the rates)."""
+        drafting (`is_drafting`, `num_drafts` a sequence) and verifying drafts (`is_verified`; a
+        drafting step that only proposed counts towards the cost of probes, not towards the rates,
+        nor the overhead)."""
         if not self.is_calibrated or seconds <= 0:
             return
         bucket = load_bucket(num_seqs)
@@ -427,6 +503,12 @@ class DraftPolicy:
             return
         if is_verified:
             rates.add_spec(num_tokens, seconds)
+            if num_drafts and rates.plain_step_s:
+                load = StepLoad(num_rows=num_seqs, num_drafting=num_seqs)
+                beyond = max(0.0, seconds / rates.plain_step_s - self.step_cost(load, num_drafts))
+                rates.overhead += (beyond - rates.overhead) * (OVERHEAD_WEIGHT if rates.num_overhead else 1.0)
+                rates.num_overhead += 1
+                rates.step_s_by_k[num_drafts] = _ewma(rates.step_s_by_k.get(num_drafts, 0.0), seconds)
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
 

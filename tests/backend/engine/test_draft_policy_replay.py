@@ -85,7 +85,7 @@ def replay(
                 num_drafts = k
                 if p is not None:
                     p.observe(num_verified, num_accepted)
-                    p.observe_step(1, True, True, n, seconds)
+                    p.observe_step(1, True, True, n, seconds, k)
                     p.observe_timing(
                         VERIFY_S * jitter, 1 + num_verified, DRAFT_S * k * jitter + extra, [1] * k
                     )
@@ -201,3 +201,54 @@ def test_a_probe_measures_its_verifies_across_requests() -> None:
         assert p.choose(load)
         p.observe_step(1, True, True, 2, 0.001)  # 2000 tokens/s: under plain's 2300, within its noise
     assert p.choose(load) == 0 and p.num_probes == 1  # measured whole: it lost
+
+
+# The H100 of 2026-12-06 (lab/results/2026-12-06-r15/validate/mtp-gpu.json), GLM nano tool calls: whole
+# greedy steps on the device (no host timing of the draft forwards, so m stays where the host path left
+# it), a drafting step ~1.79 + 0.145 k plain steps; per-depth acceptance with E(1) 1.93, E(3) 3.38
+GREEDY_TOOL_CALL = [0.93, 0.85, 0.84]
+
+
+def drive_whole_steps(p: DraftPolicy, num_steps: int, rng: random.Random) -> Run:
+    """One long request of whole greedy steps: plain ones of PLAIN_S; a drafting one (after the first,
+    which catches up) of (1.785 + 0.145 k) plain steps, emitting its accepted drafts and one more.
+    As the engine reports them: `observe`, `observe_step` with its k; never `observe_timing`."""
+    run, last, num_drafts = Run(), 0, 0
+    load = StepLoad(num_rows=1, num_drafting=1)
+    for _ in range(num_steps):
+        k = p.choose(load)
+        jitter = rng.uniform(0.97, 1.03)
+        if not k:
+            n, seconds = 1, PLAIN_S * jitter
+            p.observe_step(1, False, False, n, seconds)
+        elif not last:
+            n, seconds = 1, CATCH_UP_S * jitter
+            p.observe_catch_up(1, seconds)
+        else:
+            num_verified, a = min(k, num_drafts), 0
+            while a < num_verified and rng.random() < GREEDY_TOOL_CALL[a]:
+                a += 1
+            n, seconds = a + 1, (1.785 + 0.145 * k) * PLAIN_S * jitter
+            p.observe(num_verified, a)
+            p.observe_step(1, True, True, n, seconds, k)
+        num_drafts, last = k, k
+        run.num_tokens, run.seconds = run.num_tokens + n, run.seconds + seconds
+        run.ks.append(k)
+    return run
+
+
+def test_measured_step_costs_choose_the_draft_length() -> None:
+    """m left at 0.7 by the host path prices k = 1 at 1.7 plain steps and k = 3 at 3.1, so the cost
+    model alone drafts one token a step (E(1) 1.93 in ~1.93 plain steps: no gain; the H100 ran
+    0.99x there). Measured verifying steps price each k at its seconds (a k not yet measured at
+    the measured one's plus the starting m a depth: tried, then measured): after the start the
+    policy drafts three a step (E(3) ~3.4 in ~2.2 plain steps, ~1.5x)."""
+    for seed in range(3):
+        p = DraftPolicy(3, saturation_rows=64, draft_cost=0.25, is_calibrated=True)  # 1 / 4 layers
+        p.draft_cost = 0.7  # as host-path steps (eager drafts) measured it
+        rng = random.Random(seed)
+        drive_whole_steps(p, 200, rng)  # the start: plain steps, the probe, the first verifies
+        run = drive_whole_steps(p, 1000, rng)
+        assert run.ks.count(3) > 0.9 * len(run.ks), seed
+        assert run.rate > 1.35 / PLAIN_S, seed  # plain decoding: 1 / PLAIN_S
+        assert p.draft_cost == 0.7  # never timed on this path: the measured step costs decided
