@@ -329,6 +329,7 @@ def fused_moe(
     group_size: int,
     config: MoEConfig | None = None,
     add: torch.Tensor | None = None,  # [M, H] x's dtype, contiguous: added to the sum (the shared experts)
+    local_share: float = 1.0,  # expert parallel: E local / E in all (`run_moe` sizes the GEMV's splits)
 ) -> torch.Tensor:
     """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts (`+ add`, the sum rounded
     to x's dtype first, as torch adds two tensors); [M, H] in x's dtype."""
@@ -385,7 +386,9 @@ def fused_moe(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, lifted_act=True, add=add)
+    return run_moe(
+        x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, lifted_act=True, add=add, local_share=local_share
+    )
 
 
 def fused_moe_ref(

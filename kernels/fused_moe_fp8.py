@@ -280,6 +280,7 @@ def fused_moe_fp8(
     block: tuple[int, int] | None = None,  # None: per-channel scales; (bn, bk): block scales
     config: MoEConfig | None = None,
     add: torch.Tensor | None = None,  # [M, H] x's dtype, contiguous: added to the sum (the shared experts)
+    local_share: float = 1.0,  # expert parallel: E local / E in all (`run_moe` sizes the GEMV's splits)
 ) -> torch.Tensor:
     """`sum_j w[:, j] · down(silu(gate(x)) * up(x))` over each token's experts (`+ add`, the sum rounded
     to x's dtype first, as torch adds two tensors); [M, H] in x's dtype."""
@@ -335,7 +336,7 @@ def fused_moe_fp8(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
-    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, add=add)
+    return run_moe(x, topk_ids, topk_weights, E, I, cfg, gemv, tiles, add=add, local_share=local_share)
 
 
 def fused_moe_fp8_ref(

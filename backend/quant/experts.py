@@ -54,9 +54,13 @@ class QuantExperts(nn.Module):
         hidden: int,
         intermediate: int,
         act: Callable[[torch.Tensor], torch.Tensor],
+        num_global_experts: int | None = None,  # every rank's (None: all of them here)
     ) -> None:
         super().__init__()
         self.scheme, self.e0, self.e1 = scheme, e0, e1
+        # the share of a token's experts expected here under expert parallelism: the fused kernels
+        # size their work for the pairs that are (`kernels/moe_routing.py` `run_moe`)
+        self.local_share = (e1 - e0) / num_global_experts if num_global_experts else 1.0
         self.hidden, self.intermediate, self.act = hidden, intermediate, act
         El, H, I = e1 - e0, hidden, intermediate
         shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
@@ -188,7 +192,7 @@ class QuantExperts(nn.Module):
 
             return fused_moe(
                 x, local_ids, weights, self.gate_up_packed, self.gate_up_scale, self.down_packed, self.down_scale,
-                self.scheme.group_size, add=add,
+                self.scheme.group_size, add=add, local_share=self.local_share,
             )  # fmt: skip
         from kernels.fused_moe_fp8 import fused_moe_fp8
 
@@ -196,11 +200,12 @@ class QuantExperts(nn.Module):
         if m == "fp8-channel":  # [El, 2I, 1] halves: views with equal strides
             s13 = self.gate_up_scale
             return fused_moe_fp8(
-                x, local_ids, weights, w13, w2, s13[:, :I], s13[:, I:], self.down_scale, add=add
-            )
+                x, local_ids, weights, w13, w2, s13[:, :I], s13[:, I:], self.down_scale, add=add,
+                local_share=self.local_share,
+            )  # fmt: skip
         return fused_moe_fp8(
             x, local_ids, weights, w13, w2, self.gate_scale_inv, self.up_scale_inv, self.down_scale_inv,
-            block=self.scheme.block, add=add,
+            block=self.scheme.block, add=add, local_share=self.local_share,
         )  # fmt: skip
 
     def _can_fuse(self) -> bool:

@@ -73,8 +73,9 @@ def _empty_experts(scheme: QuantScheme, m: Experts) -> QuantExperts:
     if m.is_width_split:
         raise CheckpointError("quantized routed experts are split by whole experts only: ep must equal tp")
     return QuantExperts(
-        scheme, e0=m.e0, e1=m.e1, hidden=m.down_proj.shape[1], intermediate=m.intermediate, act=m.act
-    )
+        scheme, e0=m.e0, e1=m.e1, hidden=m.down_proj.shape[1], intermediate=m.intermediate, act=m.act,
+        num_global_experts=m.num_global_experts,
+    )  # fmt: skip
 
 
 def _targets(model: nn.Module, scheme: QuantScheme) -> list[tuple[str, Linear | nn.Linear | Experts]]:

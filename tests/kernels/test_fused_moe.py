@@ -453,3 +453,36 @@ def test_pairs_of_other_ranks_take_no_part(config: MoEConfig) -> None:
         want = fused_moe_ref(x, some, wts, *ex.tensors("cpu"), G) + (0 if a is None else a)
         assert rel_err(got, want) < TOL[torch.float32]
         assert torch.equal(got[0].cpu(), want[0])  # nothing routed here: zeros (+ add) exactly
+
+
+def test_splits_sized_for_the_pairs_on_this_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert parallel, one rank of 8: `local_share` 1/8 sizes the GEMV's K splits for the ~1 pair in
+    8 whose expert is here (the other ranks' pairs load nothing), not for all of them; the sum is the
+    reference's either way, and the layer passes its share (E local / E in all)."""
+    from kernels import moe_routing
+
+    gen = torch.Generator().manual_seed(17)
+    ex = Experts(E, H, I, gen)
+    M = 2
+    x = torch.randn(M, H, generator=gen)
+    ids, wts = routing(M, gen)
+    ids[:, 1:] = E + 5  # one slot a token here, the rest another rank's
+    splits: list[tuple[int, int]] = []
+    real = moe_routing.gemv_split_k
+
+    def spy(num_pairs: int, N: int, K: int, cfg: MoEConfig, num_sms: int) -> int:
+        splits.append((num_pairs, real(num_pairs, N, K, cfg, num_sms)))
+        return splits[-1][1]
+
+    monkeypatch.setattr(moe_routing, "gemv_split_k", spy)
+    want = fused_moe_ref(x, ids, wts, *ex.tensors("cpu"), G)
+    for share in (1.0, 1 / 8):
+        splits.clear()
+        got = fused_moe(x.to(DEV), ids.to(DEV), wts.to(DEV), *ex.tensors(), G, config=GEMV, local_share=share)
+        assert rel_err(got, want) < TOL[torch.float32], share
+        assert [n for n, _ in splits] == [M * 2 if share == 1.0 else 1] * 2  # gate/up, down
+    experts = QuantExperts(
+        QuantScheme.build("int4", group_size=G), e0=8, e1=16, hidden=H, intermediate=I, act=F.silu,
+        num_global_experts=64,
+    )  # fmt: skip
+    assert experts.local_share == 1 / 8

@@ -105,6 +105,7 @@ class Experts(nn.Module):
         super().__init__()
         self.e0, self.e1 = shard.split(config.num_routed_experts, "routed experts")
         self.is_every_expert_local = (self.e0, self.e1) == (0, config.num_routed_experts)
+        self.num_global_experts = config.num_routed_experts
         self.full_intermediate = config.moe_intermediate_size
         self.i0, self.i1 = (width or Shard()).split(self.full_intermediate, "expert intermediate size")
         El, H, I = self.e1 - self.e0, config.hidden_size, self.i1 - self.i0
