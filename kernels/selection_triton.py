@@ -17,8 +17,10 @@ Two paths, one entry (`top_positions_triton`), the first in two kernels:
   `_radix_resident_kernel`, the same rounds and write on the row's keys loaded once into registers
   (one trip of the next power of two, up to 16 keys a thread at 16 warps, no spills at 8,192): at
   decode's one row the streamed kernel's 9 to 18 dependent L2 round trips (two a round at 2,176
-  columns: a 2,048 trip and its tail) become one. The same output, column for column. Not yet
-  timed on a GPU (2026-12-05): `bench_selection` times it against the streamed kernel.
+  columns: a 2,048 trip and its tail) become one. The same output, column for column. By default
+  8 bits a round (4 rounds of `tl.histogram`, RESIDENT_DIGIT_BITS). H100 (2026-12-06): 1.00x the
+  streamed kernel at 1 x 2,176, 1.12x at 1 x 4,096, 1.25x at 8,192 columns; 8-bit digits 1.05-1.08x
+  over 4. Latency-bound (~19 us for one row: a chain of CTA-wide steps, not bytes).
 - keys + topk (longer rows, CPU tensors, or after `set_select_method("topk")`): `_selection_keys_kernel` writes the reference's
   int64 keys, `topk` picks the k largest unsorted, and the picks' own keys say which were -inf. The
   same positions in the same order as the reference on the same device.
@@ -73,8 +75,10 @@ RADIX_RESIDENT_COLS = 8192  # rows up to this many columns held in registers (16
 # the streamed trips' several (raise it once `bench_selection --resident` says 64 x 8,192 gains)
 RADIX_RESIDENT_ROWS = 16
 # bits of the key a resident round settles: 4 (8 rounds of packed 16-bin counts) or 8 (4 rounds of
-# `tl.histogram`'s 256 bins); `bench_selection --resident` times 8 against 4 (not yet on a GPU)
-RESIDENT_DIGIT_BITS = 4
+# `tl.histogram`'s 256 bins). H100, 2026-12-06 (`bench_selection --resident`, 5 alternating pairs a
+# case, lab/results/2026-12-06-r15/more/resident.json): 8 bits 19.0 vs 20.5 us at 1 x 2,176 (1.08x),
+# 1.08x at 1 x 4,096, 1.06x at 1 x 8,192, 1.05x at 64 x 8,192, the same outputs
+RESIDENT_DIGIT_BITS = 8
 RADIX_MANY_ROWS = 512  # from this many rows (~4 a multiprocessor) trips of RADIX_ROWS_BLOCK columns
 RADIX_ROWS_BLOCK = 512
 SELECT_METHODS = ("radix", "topk")
