@@ -114,6 +114,7 @@ class SpecDecoder:
         self.max_drafting_seqs = self.policy.max_paying_seqs(self.max_seqs)
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
+        self.num_verified = 0
         self.did_catch_up = False  # the last step's verify recomputed a gap (MTP KV caught up)
         # whole greedy steps on the device where they apply: from their graphs, or eagerly where
         # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
@@ -169,7 +170,7 @@ class SpecDecoder:
             self.did_catch_up,
             num_tokens,
             seconds,
-            self.k,
+            self.k if self.num_verified == self.k else 0,  # a step of one k throughout, else unpriced
         )
 
     def settle(self) -> None:
@@ -219,6 +220,8 @@ class SpecDecoder:
         start = time.perf_counter()
         rows = [self._row(s, d) for s, d in zip(out.scheduled, is_drafting, strict=True)]
         self.did_verify = any(r.drafts for r in rows)
+        # drafts verified a sequence: a step after a shorter k verifies only the ones proposed then
+        self.num_verified = max((len(r.drafts) for r in rows), default=0)
         self.did_catch_up = any(r.gap for r in rows)
         if self._is_whole(rows):
             return self._run_greedy(rows, tag_updates)

@@ -151,8 +151,10 @@ class _Rates:
     # fixed part of a drafting step the model does not price (module docstring), >= 0
     overhead: float = 0.0
     num_overhead: int = 0
-    # EWMA seconds of a verifying step by its draft length (`observe_step`): a measured k's cost
-    step_s_by_k: dict[int, float] = field(default_factory=dict)
+    # by draft length, a verifying step's EWMA seconds, its samples and the load's verifying step
+    # it was last taken at (`observe_step`): a k's measured cost while fresh (`_costs`)
+    step_s_by_k: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    num_verifying: int = 0  # verifying steps measured at this load
     num_probes: int = 0
     is_probing: bool = False  # a probe began here and has not been judged yet
     is_winning: bool = False  # its last probe measured drafting faster, and nothing since slower
@@ -374,7 +376,15 @@ class DraftPolicy:
         rates = self._rates.get(load_bucket(load.num_drafting + load.num_other_samples))
         if rates is None or not rates.step_s_by_k or not rates.plain_step_s:
             return None
-        got = {k: s / rates.plain_step_s for k, s in rates.step_s_by_k.items()}
+        # fresh only: a k priced dear (one noisy step can) and so never chosen again falls back to
+        # the line or the model once its entry is REPROBE_EVERY verifying steps old, and is tried again
+        got = {
+            k: s / rates.plain_step_s
+            for k, (s, _, at) in rates.step_s_by_k.items()
+            if rates.num_verifying - at <= REPROBE_EVERY
+        }
+        if not got:
+            return None
         lo, hi = min(got), max(got)
         if hi > lo:
             slope = max(0.0, (got[hi] - got[lo]) / (hi - lo))
@@ -508,7 +518,9 @@ class DraftPolicy:
                 beyond = max(0.0, seconds / rates.plain_step_s - self.step_cost(load, num_drafts))
                 rates.overhead += (beyond - rates.overhead) * (OVERHEAD_WEIGHT if rates.num_overhead else 1.0)
                 rates.num_overhead += 1
-                rates.step_s_by_k[num_drafts] = _ewma(rates.step_s_by_k.get(num_drafts, 0.0), seconds)
+                s, n, _ = rates.step_s_by_k.get(num_drafts, (0.0, 0, 0))
+                rates.step_s_by_k[num_drafts] = (_ewma(s, seconds), n + 1, rates.num_verifying)
+            rates.num_verifying += 1
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
 

@@ -371,6 +371,27 @@ def test_a_cold_drafting_step_at_a_new_load_is_bounded_by_its_neighbour() -> Non
     assert p._prior_pays(3, 1) and not p._prior_pays(3, 32)
 
 
+def test_a_k_priced_dear_once_is_priced_again_when_its_measure_is_old() -> None:
+    """One noisy verifying step of 3 drafts (10 plain steps) prices k = 3 dear; drafting goes on at
+    k = 1 (1.5 plain steps a step). Once k = 3's entry is REPROBE_EVERY verifying steps old it is
+    priced from k = 1's measure again (plus the starting m a depth), so it is tried and measured anew."""
+    p = policy(3, acceptance=0.9, is_calibrated=True)
+    load = StepLoad(num_rows=1, num_drafting=1)
+    for _ in range(MIN_RATE_SAMPLES):
+        p.observe_step(1, False, False, 1, 0.001)
+    p.observe_step(1, True, True, 4, 0.010, 3)
+    for _ in range(3):
+        p.observe_step(1, True, True, 2, 0.0015, 1)
+    costs = p._costs(load)
+    assert costs is not None and costs[3] == pytest.approx(10.0) and costs[1] == pytest.approx(1.5)
+    assert max(range(4), key=lambda k: p.rates(load, p.acceptance, measured=costs)[k]) == 1
+    for _ in range(REPROBE_EVERY):
+        p.observe_step(1, True, True, 2, 0.0015, 1)
+    costs = p._costs(load)
+    assert costs is not None and costs[3] == pytest.approx(1.5 + 2 * 0.25)  # k = 1's, plus m a depth
+    assert max(range(4), key=lambda k: p.rates(load, p.acceptance, measured=costs)[k]) == 3
+
+
 def test_drafting_starts_from_the_prior_and_measurements_take_over() -> None:
     """A fresh engine's first load: the prior (the cost model) says drafting pays, so it drafts
     after MIN_RATE_SAMPLES plain steps, not after the ~320 a probe budget of PROBE_SHARE would
