@@ -12,10 +12,8 @@
 #   run(command="bash lab/device/r11_second.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r11s && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r11_second.tgz" -C $W .; }
 LIMIT=${LIMIT:-540}  # a stage starts only if its timeout ends before LIMIT s (the call's own limit less a margin)
-fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
 if [ -n "${TESTS:-}" ]; then
   timeout 200 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 150 -rfE \
     tests/backend/engine/test_speculative_cuda.py tests/backend/engine/test_verify_graphs.py \

@@ -12,7 +12,6 @@
 #   run(command="bash lab/device/r12_diet.sh", carry=[".whl"], timeout_s=400)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r12d && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r12_diet.tgz" -C $W .; }
 timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
   tests/kernels/test_router_logits.py tests/kernels/test_w4a16_gemm.py tests/kernels/test_int4_linear.py \

@@ -18,10 +18,8 @@
 # mtp-gpu.json to benchmarks/results/<date>-mtp-gpu.json and the profiles to lab/results/.
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r12s && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r12_spec.tgz" -C $W .; }
 LIMIT=${LIMIT:-430}  # a stage starts only if its timeout ends before LIMIT s
-fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
 timeout 170 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 120 -rfE \
   tests/backend/engine/test_speculative_cuda.py tests/backend/engine/test_decode_graphs_cuda.py \
   tests/backend/models/test_models_cuda.py tests/backend/engine/test_verify_graphs.py \

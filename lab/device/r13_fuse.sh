@@ -17,10 +17,8 @@
 #   run(command="timeout -s KILL 580 bash lab/device/r13_fuse.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r13f && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r13_fuse.tgz" -C $W .; }
 LIMIT=${LIMIT:-560}  # a stage starts only if its timeout ends before LIMIT s
-fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
 timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
   tests/kernels/test_rope.py tests/kernels/test_row_norms.py tests/kernels/test_rms_norm.py \
   tests/kernels/test_kv_write_triton.py tests/kernels/test_fused_moe.py tests/kernels/test_fused_moe_fp8.py \

@@ -26,7 +26,6 @@ END_S=${END_S:-360}
 DEVICE_ARGS=${DEVICE:+--device $DEVICE}
 MIX=${MIX:-chat=0.36,tool-call=0.36,gsm-nano=0.14,mmlu-nano=0.06,arc-nano-easy=0.04,arc-nano-challenge=0.04}
 W=/tmp/r14m && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 stage() {  # stage <family>
   local fam=$1 name workers mix=$MIX
   name=$([ "$fam" = kimi ] && echo kimi-k2.6-nano || echo glm-5.2-nano)

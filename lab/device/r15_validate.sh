@@ -17,10 +17,8 @@
 #   run(command="timeout -s KILL 580 bash lab/device/r15_validate.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r15 && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r15.tgz" -C $W .; }
 LIMIT=${LIMIT:-560}  # a stage starts only if its timeout ends before LIMIT s
-fits() { [ $(( $(el) + $1 )) -le "$LIMIT" ] || { echo "== skipped: $2 (${1} s would pass ${LIMIT} s at $(el) s)"; return 1; }; }
 BUDGET=${BUDGET:-120}
 timeout $(( BUDGET + 90 )) python3 -m benchmarks.cli engine mtp \
   --models models/glm-5.2-nano,models/kimi-k2.6-nano --c64-rounds ${C64_ROUNDS:-2} --budget-s "$BUDGET" \

@@ -6,7 +6,6 @@
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r6f && rm -rf $W && mkdir -p $W
 LIMIT=${LIMIT:-370}
-el() { echo $(( $(date +%s) - START )); }
 ( timeout 130 python3 -m pytest -n 6 -p no:cacheprovider -p no:benchmark --tb=short --timeout 120 -rfE \
     tests/kernels/test_w4a16_gemm.py tests/backend/quant/test_quant_decode_cuda.py > $W/pytest_w4a16.log 2>&1 ) &
 ( timeout 130 python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark --tb=short --timeout 120 -rfE \

@@ -32,7 +32,6 @@ MTP_END_S=${MTP_END_S:-455}   # the MTP stages end here, leaving the held-out ev
 EVAL_END_S=${EVAL_END_S:-560} # then the tarball
 DEVICE_ARGS=${DEVICE:+--device $DEVICE}
 W=/tmp/r7w && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 $PY -c "import transformers, torch; print('transformers', transformers.__version__, 'torch', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())" || exit 3
 # the mixture of the second everyday retrain: tools, word problems and chat lead; reading stays
 MIX=${MIX:-gsm-nano=0.22,tool-call=0.24,chat=0.14,arc-nano-easy=0.08,arc-nano-challenge=0.06,mmlu-nano=0.08}

@@ -10,7 +10,6 @@
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r8fp && rm -rf $W && mkdir -p $W
 LIMIT=${LIMIT:-560}
-el() { echo $(( $(date +%s) - START )); }
 timeout 200 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 150 -rfE \
   tests/backend/quant/test_quant_decode_cuda.py tests/backend/models/test_models_cuda.py \
   tests/backend/engine/test_decode_graphs_cuda.py tests/backend/engine/test_speculative_cuda.py \

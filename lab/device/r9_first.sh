@@ -9,7 +9,6 @@
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r9f && rm -rf $W && mkdir -p $W
 LIMIT=${LIMIT:-570}
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r9_first.tgz" -C $W .; }
 timeout 230 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 150 -rfE \
   tests/kernels/test_selection_triton.py tests/kernels/test_dsa_indexer_triton.py \

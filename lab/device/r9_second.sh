@@ -13,7 +13,6 @@
 #   run(command="bash lab/device/r9_second.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r9s && rm -rf $W && mkdir -p $W
-el() { echo $(( $(date +%s) - START )); }
 pack() { tar czf "$OUT/r9_second.tgz" -C $W .; }
 timeout 120 python3 -m pytest -p no:cacheprovider -p no:benchmark --tb=short --timeout 100 -rfE \
   tests/kernels/test_selection_triton.py tests/kernels/test_dsa_indexer_triton.py > $W/pytest.log 2>&1
