@@ -151,9 +151,9 @@ class _Rates:
     # fixed part of a drafting step the model does not price (module docstring), >= 0
     overhead: float = 0.0
     num_overhead: int = 0
-    # by draft length, a verifying step's EWMA seconds, its samples and the load's verifying step
-    # it was last taken at (`observe_step`): a k's measured cost while fresh (`_costs`)
-    step_s_by_k: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    # by draft length, a verifying step's EWMA seconds and the load's verifying step it was last
+    # taken at (`observe_step`): a k's measured cost while fresh (`_costs`)
+    step_s_by_k: dict[int, tuple[float, int]] = field(default_factory=dict)
     num_verifying: int = 0  # verifying steps measured at this load
     num_probes: int = 0
     is_probing: bool = False  # a probe began here and has not been judged yet
@@ -308,8 +308,8 @@ class DraftPolicy:
         arithmetic in the same order (equal floats), without ~8 calls per k. It runs before every
         step, plain ones included: as calls it was 15 µs a step, 3% of a nano model's 0.44 ms.
         `overhead`: plain steps every drafting step costs beyond the model (a load's measured one);
-        `measured`: a drafting step's cost in plain steps by its k, where measured (the model's
-        cost, and the overhead, only for the others)."""
+        `measured`: a drafting step's cost in plain steps for every k 1 … K (`_costs`), in place of
+        the model's and the overhead."""
         B, N, R, sat = load.num_drafting, load.num_other_samples, load.num_rows, self.saturation_rows
         m = self.draft_cost if m is None else m
         one_row = max(1.0, B / sat)  # forward_cost(B): a chained depth
@@ -318,7 +318,7 @@ class DraftPolicy:
         for k in range(1, self.max_drafts + 1):
             p *= acceptance[k - 1]
             total += p  # E(k)
-            if measured and k in measured:
+            if measured is not None:  # `_costs`: every k priced
                 out.append((N + B * total) / measured[k])
                 continue
             cost = max(1.0, (R + B * k) / sat)
@@ -380,7 +380,7 @@ class DraftPolicy:
         # the line or the model once its entry is REPROBE_EVERY verifying steps old, and is tried again
         got = {
             k: s / rates.plain_step_s
-            for k, (s, _, at) in rates.step_s_by_k.items()
+            for k, (s, at) in rates.step_s_by_k.items()
             if rates.num_verifying - at <= REPROBE_EVERY
         }
         if not got:
@@ -518,8 +518,8 @@ class DraftPolicy:
                 beyond = max(0.0, seconds / rates.plain_step_s - self.step_cost(load, num_drafts))
                 rates.overhead += (beyond - rates.overhead) * (OVERHEAD_WEIGHT if rates.num_overhead else 1.0)
                 rates.num_overhead += 1
-                s, n, _ = rates.step_s_by_k.get(num_drafts, (0.0, 0, 0))
-                rates.step_s_by_k[num_drafts] = (_ewma(s, seconds), n + 1, rates.num_verifying)
+                s, _ = rates.step_s_by_k.get(num_drafts, (0.0, 0))
+                rates.step_s_by_k[num_drafts] = (_ewma(s, seconds), rates.num_verifying)
             rates.num_verifying += 1
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)

@@ -203,7 +203,7 @@ def test_a_probe_measures_its_verifies_across_requests() -> None:
     assert p.choose(load) == 0 and p.num_probes == 1  # measured whole: it lost
 
 
-# The H100 of 2026-12-06 (lab/results/2026-12-06-r15/validate/mtp-gpu.json), GLM nano tool calls: whole
+# The H100 of 2026-12-06 (benchmarks/results/2026-12-06-mtp-gpu.json), GLM nano tool calls: whole
 # greedy steps on the device (no host timing of the draft forwards, so m stays where the host path left
 # it), a drafting step ~1.79 + 0.145 k plain steps; per-depth acceptance with E(1) 1.93, E(3) 3.38
 GREEDY_TOOL_CALL = [0.93, 0.85, 0.84]
