@@ -185,7 +185,9 @@ def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("quick_probes")
 def test_engine_measures_its_draft_cost() -> None:
     """Drafts made to cost 5 ms more each than the toy's verify: m climbs from its start, and the
-    draft length falls from K."""
+    draft length falls from K. The engine drafts K every step while it measures (a fixed policy): the
+    adaptive one stops drafting once its measured step costs say drafting loses, after a timing-
+    dependent handful of samples, and m is only timed on drafting steps."""
     engine = toy(3, speculative_draft_cost=None)
     model: Any = engine.runner.model
     forward_mtp = model.forward_mtp
@@ -199,9 +201,11 @@ def test_engine_measures_its_draft_cost() -> None:
     assert spec is not None and spec.policy.is_calibrated and spec.policy.draft_cost == 1.0  # no layers: 1
     spec.is_greedy_enabled = False  # m is timed between the forwards of the host path's steps
     spec.policy.draft_cost = 0.01
+    spec.policy.is_adaptive = False  # K drafts every step: each one a sample of m
     spec.max_drafting_seqs = spec.policy.max_paying_seqs(spec.max_seqs)
     got = run_all(engine, [request("a", [1], max_tokens=40)])
     assert spec.policy.draft_cost > 0.3  # each draft forward far slower than the verify
+    spec.policy.is_adaptive = True
     assert spec.policy.choose(StepLoad(num_rows=1, num_drafting=1)) < 3
     plain = run_all(toy(0), [request("a", [1], max_tokens=40)])
     assert got["a"].token_ids == plain["a"].token_ids
