@@ -58,6 +58,7 @@ class UsageLedger:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._is_stopping = False
+        self._writing = asyncio.Lock()  # one flush at a time: see `flush`
 
     def record(self, record: UsageRecord) -> None:
         """Queue one record; returns at once. Past `max_pending` queued records (the database has
@@ -91,15 +92,21 @@ class UsageLedger:
         self._is_stopping = False
 
     async def flush(self) -> None:
-        """Write every queued record now, in batches; records of a failed batch stay queued."""
-        while self._pending:
-            batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
-            try:
-                await self._store.add_usage(batch)
-            except Exception as exc:
-                self._pending[:0] = batch
-                log.error("usage flush failed; will retry", error=repr(exc), pending=len(self._pending))
-                return
+        """Write every queued record now, in batches; records of a failed batch stay queued.
+
+        On return, every record queued before the call is in the store (or queued again after a
+        failed write): a batch the background task has in flight is waited for, not skipped as
+        already taken, so usage read right after a flush is never short.
+        """
+        async with self._writing:
+            while self._pending:
+                batch, self._pending = self._pending[: self._max_batch], self._pending[self._max_batch :]
+                try:
+                    await self._store.add_usage(batch)
+                except Exception as exc:
+                    self._pending[:0] = batch
+                    log.error("usage flush failed; will retry", error=repr(exc), pending=len(self._pending))
+                    return
 
     async def _run(self) -> None:
         while not self._is_stopping:

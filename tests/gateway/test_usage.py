@@ -121,6 +121,40 @@ async def test_a_failed_write_is_retried_without_loss_or_duplicates(sqlite_store
     assert await sqlite_store.neurons_on(tenant_id, dt.datetime.now(dt.UTC).date()) == pytest.approx(1.5)
 
 
+class SlowStore(Store):
+    """A store whose writes wait until the test lets them through."""
+
+    def __init__(self, real: Store) -> None:
+        super().__init__()
+        self._real = real
+        self.writing = asyncio.Event()
+        self.proceed = asyncio.Event()
+
+    async def add_usage(self, records: Sequence[UsageRecord]) -> None:
+        self.writing.set()
+        await self.proceed.wait()
+        await self._real.add_usage(records)
+
+
+async def test_a_flush_waits_for_the_batch_the_background_task_is_writing(sqlite_store: Store) -> None:
+    # the neuron-budget test read usage short under load: its flush found the queue empty while the
+    # background task's batch was still being written, and returned at once
+    tenant_id = uuid.uuid4().hex
+    store = SlowStore(sqlite_store)
+    ledger = UsageLedger(store, flush_seconds=0.01)
+    await ledger.start()
+    ledger.record(record(tenant_id, 0, neurons=2.0))
+    await asyncio.wait_for(store.writing.wait(), 5)  # the background task holds the batch
+    assert ledger.num_pending == 0
+    flushing = asyncio.create_task(ledger.flush())
+    await asyncio.sleep(0.05)
+    assert not flushing.done()  # before: returned here with nothing written
+    store.proceed.set()
+    await asyncio.wait_for(flushing, 5)
+    assert await sqlite_store.neurons_on(tenant_id, dt.datetime.now(dt.UTC).date()) == pytest.approx(2.0)
+    await ledger.stop()
+
+
 async def test_a_free_tenant_spends_its_daily_neurons_on_kimi(sqlite_store: Store) -> None:
     """Admit → serve → price → settle → ledger, as the inference path does it, until the free
     plan's 10,000 neurons are gone; the ledger then shows exactly what was spent."""
