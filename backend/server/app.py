@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
+from backend.engine import heap
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.ranks import join_group, rank_device
 from backend.errors import Aborted, EngineError, InvalidRequest, RanksDown, Unauthorized
@@ -275,6 +276,7 @@ def main(argv: list[str]) -> int:
             failure.group.kill()
         return 1
     failure.async_engine = async_engine
+    heap.freeze()  # start-up's heap out of every later full collection (backend/engine/heap.py)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

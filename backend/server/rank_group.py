@@ -29,6 +29,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from backend.engine import heap
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.ranks import StepChannel, follow_steps, join_group
@@ -209,6 +210,7 @@ def _main() -> int:
     device = join_group(launch.settings, launch.rank, launch.port)
     engine = build_engine(launch.settings, rank=launch.rank, device=device)
     assert engine.runner.ranks is not None
+    heap.freeze()  # start-up's heap out of every later full collection (backend/engine/heap.py)
     try:
         follow_steps(engine.runner, engine.runner.ranks)
     except RanksDown:

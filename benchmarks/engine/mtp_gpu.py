@@ -58,6 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from backend.engine import heap
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 ROOT = Path(__file__).resolve().parents[2]
 GLM52_PUBLISHED_ACCEPTANCE = 2.69  # GLM 5.2's MTP, 3 drafts (issue 28's anchor)
@@ -109,6 +111,7 @@ def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str,
             num_speculative_tokens=k, speculative_max_seqs=max(concurrency, 1), speculative_adaptive=side != "F",
         )  # fmt: skip
         engines[side] = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
+    heap.freeze()  # as a backend does once started: the model out of full collections (`measure_nano` thaws)
     return engines
 
 
@@ -135,28 +138,32 @@ def run_prompts(
     last: dict[int, float] = {}
     k_steps: dict[int, int] = {}  # steps by the draft length chosen
     start = time.perf_counter()
-    for at in range(0, len(prompts), concurrency):
-        for i in range(at, min(at + concurrency, len(prompts))):
-            engine.add_request(
-                EngineRequest(
-                    request_id=str(i), prompt_token_ids=prompts[i], tenant_salt="a" * 32, sampling=sampling
+    with heap.Collections() as collections:
+        for at in range(0, len(prompts), concurrency):
+            for i in range(at, min(at + concurrency, len(prompts))):
+                engine.add_request(
+                    EngineRequest(
+                        request_id=str(i),
+                        prompt_token_ids=prompts[i],
+                        tenant_salt="a" * 32,
+                        sampling=sampling,
+                    )
                 )
-            )
-        while engine.has_unfinished:
-            outputs = engine.step()
-            now = time.perf_counter()
-            k = engine.spec.k if engine.spec is not None else 0
-            if k and first_drafting < 0:
-                first_drafting = sum(k_steps.values())
-            k_steps[k] = k_steps.get(k, 0) + 1
-            for out in outputs:
-                if out.error is not None:
-                    raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
-                if out.token_ids:
-                    i = int(out.request_id)
-                    first.setdefault(i, now)
-                    last[i] = now
-                    tokens.setdefault(i, []).extend(out.token_ids)
+            while engine.has_unfinished:
+                outputs = engine.step()
+                now = time.perf_counter()
+                k = engine.spec.k if engine.spec is not None else 0
+                if k and first_drafting < 0:
+                    first_drafting = sum(k_steps.values())
+                k_steps[k] = k_steps.get(k, 0) + 1
+                for out in outputs:
+                    if out.error is not None:
+                        raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
+                    if out.token_ids:
+                        i = int(out.request_id)
+                        first.setdefault(i, now)
+                        last[i] = now
+                        tokens.setdefault(i, []).extend(out.token_ids)
     wall = time.perf_counter() - start
     decode_s = sum(last[i] - first[i] for i in tokens)
     num_tokens = sum(len(t) for t in tokens.values())
@@ -185,6 +192,7 @@ def run_prompts(
         "max_drafting_seqs": engine.spec.max_drafting_seqs if engine.spec is not None else 0,
         # steps run whole on the device (backend/engine/speculative/greedy.py)
         "greedy_steps": engine.spec.num_greedy_steps - greedy if engine.spec is not None else 0,
+        "gc": collections.summary(),  # a slow run with a full collection in it says so
     }
 
 
@@ -244,6 +252,7 @@ def measure_nano(checkpoint: Path, opts: Options) -> dict[str, Any]:
             opts,
         )
     del engines
+    heap.thaw()
     if opts.c64 and opts.time_left() > 0:
         pool = [p for task in opts.tasks for p in prompts[task]]
         many = [pool[i % len(pool)] for i in range(opts.c64)]
@@ -252,6 +261,8 @@ def measure_nano(checkpoint: Path, opts: Options) -> dict[str, Any]:
             engines, lambda e: run_prompts(e, many, stops, opts.max_tokens, opts.c64), "output_tok_s",
             opts.c64_rounds, opts,
         )  # fmt: skip
+        del engines
+        heap.thaw()
     return out
 
 

@@ -23,7 +23,6 @@ times `pool_scale`.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from backend.engine import heap
 from backend.engine.engine import Engine
 from backend.quant.kv_scales import calibrate
 from benchmarks.engine import method, warm_plan
@@ -165,6 +165,7 @@ class Bench:
                 continue
             self.engines[key] = self._engine(key, side)
             self.described[key] = self._describe(side, self.engines[key], time.perf_counter() - start)
+        heap.freeze()  # as a backend does once started: the built models out of full collections
 
     def _engine(self, key: str, side: Side) -> Engine:
         opts = self.opts
@@ -253,11 +254,13 @@ class Bench:
             return r | {"variant": variant, "is_complete": True}
         graphs = self.engines[key].runner.graphs
         replays0 = graphs.num_replays if graphs is not None else 0  # the decode steps replayed: the delta
-        r = run_offline(
-            self.engines[key], variant=variant, concurrency=opts.concurrency, input_len=opts.input_len,
-            output_len=opts.output_len, vocab_size=self.vocab, seed=seed, time_limit_s=max(opts.time_left(), 1.0),
-            around_step=around_step,
-        ).to_dict()  # fmt: skip
+        with heap.Collections() as collections:
+            r = run_offline(
+                self.engines[key], variant=variant, concurrency=opts.concurrency, input_len=opts.input_len,
+                output_len=opts.output_len, vocab_size=self.vocab, seed=seed,
+                time_limit_s=max(opts.time_left(), 1.0), around_step=around_step,
+            ).to_dict()  # fmt: skip
+        r["gc"] = collections.summary()  # a slow run with a full collection in it says so
         r["graph_replays"] = graphs.num_replays - replays0 if graphs is not None else 0
         r["is_complete"] = r["output_tokens"] == opts.concurrency * opts.output_len
         if opts.output_len == 1 and r["ttft_ms_p50"]:  # one prompt: its prefill rate
@@ -301,7 +304,7 @@ class Bench:
         self.engines.clear()
         self.models.clear()
         self.peer = None
-        gc.collect()
+        heap.thaw()  # collects: the next scenario's models replace these
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -116,6 +116,8 @@ class SpecDecoder:
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self.num_verified = 0
         self.did_catch_up = False  # the last step's verify recomputed a gap (MTP KV caught up)
+        self.num_gap_rows = 0  # the positions it recomputed so
+        self.did_draft = False  # the last step drafted (after a plain one, drafting catches up first)
         # whole greedy steps on the device where they apply: from their graphs, or eagerly where
         # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
         graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
@@ -128,7 +130,7 @@ class SpecDecoder:
         # the policy's per-step work moved into a plain step's device time (`while_plain_step`):
         # the last step's measurement not yet told, the load of a plain step and the draft length
         # chosen for the next step at that load
-        self._measured: tuple[int, bool, bool, bool, int, float, int] | None = None
+        self._measured: tuple[int, bool, bool, int, int, float, int] | None = None
         self._plain_load: StepLoad | None = None
         self._ahead: tuple[StepLoad, int] | None = None
 
@@ -139,7 +141,7 @@ class SpecDecoder:
         `max_drafting_seqs` running (`speculative_max_seqs` or fewer), or when the policy says
         drafting does not pay. A sequence that does not draft gives its draft pages back."""
         flags = [False] * len(out.scheduled)
-        self.k, self.did_catch_up = 0, False
+        self.k, self.did_catch_up, self.num_gap_rows = 0, False, 0
         ahead, self._ahead, self._plain_load = self._ahead, None, None
         if num_running <= self.max_drafting_seqs:
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
@@ -151,6 +153,10 @@ class SpecDecoder:
             else:
                 self.settle()
                 self.k = self.policy.choose(load)
+            if self.k and not self.did_draft and self.policy.is_calibrated:
+                gap_rows, tokens_left = self.book.catch_up_need(out, can_draft)
+                if not self.policy.pays_to_catch_up(load, gap_rows, tokens_left):
+                    self.k = 0  # its catch-up would cost more than drafting can still save
             if self.k:
                 flags = self.book.reserve(out, can_draft, self.k)
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
@@ -158,6 +164,7 @@ class SpecDecoder:
         if any(flags):
             self.settle()  # a drafting step's device waits are its own
         self.book.release_spares(out, flags)
+        self.did_draft = any(flags)
         return flags
 
     def measured(self, num_seqs: int, is_drafting: bool, num_tokens: int, seconds: float) -> None:
@@ -167,7 +174,7 @@ class SpecDecoder:
             num_seqs,
             is_drafting,
             is_drafting and self.did_verify,
-            self.did_catch_up,
+            self.num_gap_rows,
             num_tokens,
             seconds,
             self.k if self.num_verified == self.k else 0,  # a step of one k throughout, else unpriced
@@ -178,9 +185,9 @@ class SpecDecoder:
         m, self._measured = self._measured, None
         if m is None:
             return
-        num_seqs, is_drafting, is_verified, did_catch_up, num_tokens, seconds, k = m
-        if is_drafting and did_catch_up:  # mostly a prefill of MTP KV: a probe's price
-            self.policy.observe_catch_up(num_seqs, seconds)
+        num_seqs, is_drafting, is_verified, num_gap_rows, num_tokens, seconds, k = m
+        if is_drafting and num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
+            self.policy.observe_catch_up(num_seqs, seconds, num_gap_rows)
         else:
             self.policy.observe_step(num_seqs, is_drafting, is_verified, num_tokens, seconds, k)
 
@@ -222,7 +229,8 @@ class SpecDecoder:
         self.did_verify = any(r.drafts for r in rows)
         # drafts verified a sequence: a step after a shorter k verifies only the ones proposed then
         self.num_verified = max((len(r.drafts) for r in rows), default=0)
-        self.did_catch_up = any(r.gap for r in rows)
+        self.num_gap_rows = sum(r.gap for r in rows)
+        self.did_catch_up = self.num_gap_rows > 0
         if self._is_whole(rows):
             return self._run_greedy(rows, tag_updates)
         host, prompt = plan_target(rows, self.block_manager)

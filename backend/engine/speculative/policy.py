@@ -147,6 +147,7 @@ class _Rates:
     draft_step_s: float = 0.0  # EWMA seconds of a drafting step (verifying or only proposing)
     plain_s_since_probe: float = 0.0  # plain steps' seconds since its last probe began
     catch_up_s: float = 0.0  # EWMA seconds of a step that caught up MTP KV (`observe_catch_up`)
+    catch_up_row_s: float = 0.0  # EWMA seconds a caught-up position cost beyond a drafting step
     # EWMA of a verifying step's cost beyond the cost model's, in plain steps (`observe_step`): the
     # fixed part of a drafting step the model does not price (module docstring), >= 0
     overhead: float = 0.0
@@ -524,7 +525,29 @@ class DraftPolicy:
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
 
-    def observe_catch_up(self, num_seqs: int, seconds: float) -> None:
+    def pays_to_catch_up(self, load: StepLoad, gap_rows: int, tokens_left: int) -> bool:
+        """Whether a load that drafting wins should start drafting again after plain steps, whose
+        first drafting steps catch up `gap_rows` positions of MTP KV (the target recomputes them
+        too): what drafting can still save over the `tokens_left` its sequences may still emit (at
+        the measured plain and drafting rates) beats the catch-up at its measured seconds a position
+        (here or at the nearest load within `NEAR_DOUBLINGS`). True where anything is unmeasured, and
+        during a probe (its catch-up is priced with it). On the H100 (2026-12-06) a burst of 64 nano
+        requests drafted once 51 were left, each with ~10 tokens to go: its catch-up was a second
+        prefill of every prompt, and the burst ran 0.78x plain steps."""
+        if not self.is_calibrated or not gap_rows or self._probe_left > 0:
+            return True
+        rates = self._rates.get(load_bucket(load.num_drafting + load.num_other_samples))
+        if rates is None or rates.is_probing or not (rates.plain and rates.spec):
+            return True
+        near = self._near(
+            load_bucket(load.num_drafting + load.num_other_samples), lambda r: r.catch_up_row_s > 0
+        )
+        if near is None:
+            return True
+        saving = tokens_left * max(0.0, 1.0 / rates.plain - 1.0 / rates.spec)
+        return saving > near.catch_up_row_s * gap_rows
+
+    def observe_catch_up(self, num_seqs: int, seconds: float, gap_rows: int = 0) -> None:
         """A decode-only step of `num_seqs` sequences that began drafting again took `seconds`,
         most of them catching up MTP KV (a prefill of the positions plain steps computed: backend/
         engine/speculative/book.py). Not a drafting step's cost (kept out of the rates and of
@@ -536,6 +559,9 @@ class DraftPolicy:
         bound = COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs or math.inf
         if seconds <= bound:  # a cold one (kernels compiled) is not what the next will cost
             rates.catch_up_s = _ewma(rates.catch_up_s, seconds)
+            if gap_rows:  # a drafting step's own seconds off: what its positions cost
+                row_s = max(0.0, seconds - rates.draft_step_s) / gap_rows
+                rates.catch_up_row_s = _ewma(rates.catch_up_row_s, row_s)
         rates.plain_s_since_probe -= min(seconds, bound) / PROBE_SHARE
 
     def observe_timing(

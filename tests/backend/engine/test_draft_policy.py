@@ -634,3 +634,28 @@ def test_fresh_pages_carry_no_stale_draft_kv(tiny: dict[str, Any], monkeypatch: 
     (pages, is_zeroed, others_kept, target_written), *_ = seen
     assert len(pages) > num_plain_pages >= 3
     assert is_zeroed and others_kept and target_written
+
+
+def test_a_winning_load_does_not_catch_up_what_it_cannot_save() -> None:
+    """Drafting wins at 8 sequences (250 tokens/s against 100). After plain steps, drafting again
+    first catches up their MTP KV: once a catch-up has been measured (0.5 s for 800 positions, a
+    drafting step's 0.096 s of it its own), a step with 800 positions to catch up drafts only if its
+    sequences may still emit enough tokens for drafting's saving (6 ms a token) to pay for them: not
+    40 (the tail of a burst: 0.24 s saved for ~0.4 s), yes 1,000. Unmeasured, it drafts."""
+    p = policy(3, acceptance=0.9, is_calibrated=True)
+    drive(p, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 5, plain_rate=100.0, spec_rate=250.0, num_seqs=8)
+    load = StepLoad(num_rows=8, num_drafting=8)
+    assert p._rates[8].is_winning and not p._rates[8].is_probing
+    assert p.pays_to_catch_up(load, gap_rows=800, tokens_left=40)  # no catch-up measured yet
+    p.observe_catch_up(8, 0.5, gap_rows=800)
+    assert p._rates[8].catch_up_row_s == pytest.approx((0.5 - p._rates[8].draft_step_s) / 800)
+    assert not p.pays_to_catch_up(load, gap_rows=800, tokens_left=40)
+    assert p.pays_to_catch_up(load, gap_rows=800, tokens_left=1000)
+    assert p.pays_to_catch_up(load, gap_rows=0, tokens_left=1)  # nothing to catch up: nothing to price
+    # a load two doublings away prices its catch-up from this one's; one that drafting does not win
+    # (no drafting rate measured) is left to its probe's pricing
+    far = StepLoad(num_rows=32, num_drafting=32)
+    drive(p, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 5, plain_rate=100.0, spec_rate=250.0, num_seqs=32)
+    assert not p.pays_to_catch_up(far, gap_rows=3200, tokens_left=160)
+    fresh = policy(3, acceptance=0.9, is_calibrated=True)
+    assert fresh.pays_to_catch_up(load, gap_rows=800, tokens_left=1)
