@@ -187,7 +187,8 @@ class Engine:
         if not scheduled.scheduled:
             return outputs
         spec = self.spec
-        drafting = spec.drafting(scheduled, len(self.scheduler.running)) if spec is not None else []
+        num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+        drafting = spec.drafting(scheduled, num_requests) if spec is not None else []
         is_drafting = spec is not None and spec.k > 0 and any(drafting)
         tag_updates = self.block_manager.take_tag_updates()
         try:

@@ -3,17 +3,19 @@
 A backend's heap after start-up is large and lives as long as the process: the model, its loaders'
 and kernels' modules, Triton's compiled kernels, the CUDA graphs' objects. CPython's collector still
 scans all of it in every full (generation-2) collection, and the allocations of serving (sequences,
-outputs, per-step dicts) trigger one every few hundred thousand objects: on the H100 in 2026-12, an
-engine bench's runs were 0.15-0.5 s slower every few runs (nano models: 0.2 s runs; the integrity
-overhead's every eighth run), where a CPU engine's process alone holds ~170k objects and a full
-collection of them takes 30-45 ms. `freeze` moves what is alive once start-up is done into the
+outputs, per-step dicts) trigger one now and then: a CPU engine's process alone holds ~170k objects
+after start-up, and a full collection of them takes 30-45 ms, a pause in every running request's
+stream. `freeze` moves what is alive once start-up is done into the
 permanent generation (`gc.freeze`), which collections skip: a full collection then scans only what
 serving allocated since. Garbage is still collected as before; only objects alive at the freeze
 that later die in a reference cycle are kept until `thaw` (a process that builds several engines in
 turn, a benchmark, thaws between them).
 
 `Collections` counts the collections and their seconds by generation while it is open
-(`gc.callbacks`), for benchmark records: a slow run with a full collection in it is named as one.
+(`gc.callbacks`), for benchmark records. On the H100 (2026-12-06, heap frozen) the engine benches'
+slow runs (0.3-1 s more in a 0.3 s nano run; the integrity scenario's first run) had no full
+collection but 3-26 young ones where others had 0-1: an allocation burst (compiling, capturing)
+inside the run, not the collector; full collections there took 4-23 ms, once in ~6 runs.
 """
 
 from __future__ import annotations

@@ -135,15 +135,17 @@ class SpecDecoder:
         self._ahead: tuple[StepLoad, int] | None = None
 
     # ---- around the step -----------------------------------------------------------------------
-    def drafting(self, out: SchedulerOutput, num_running: int) -> list[bool]:
+    def drafting(self, out: SchedulerOutput, num_requests: int) -> list[bool]:
         """Which scheduled sequences draft this step (their pages reserved), and with how many
         drafts (`self.k`, the draft policy's choice for this step's load); all False past
-        `max_drafting_seqs` running (`speculative_max_seqs` or fewer), or when the policy says
-        drafting does not pay. A sequence that does not draft gives its draft pages back."""
+        `max_drafting_seqs` requests (running and waiting: a burst's first steps admit a few prompts
+        at a time, and a probe at the few running then measured a load about to grow, a third of a
+        c=64 bench run on the H100 in 2026-12), or when the policy says drafting does not pay. A
+        sequence that does not draft gives its draft pages back."""
         flags = [False] * len(out.scheduled)
         self.k, self.did_catch_up, self.num_gap_rows = 0, False, 0
         ahead, self._ahead, self._plain_load = self._ahead, None, None
-        if num_running <= self.max_drafting_seqs:
+        if num_requests <= self.max_drafting_seqs:
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
             num_drafting = can_draft.count(True)
             num_samples = sum([s.needs_sample for s in out.scheduled])

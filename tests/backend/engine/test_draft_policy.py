@@ -659,3 +659,28 @@ def test_a_winning_load_does_not_catch_up_what_it_cannot_save() -> None:
     assert not p.pays_to_catch_up(far, gap_rows=3200, tokens_left=160)
     fresh = policy(3, acceptance=0.9, is_calibrated=True)
     assert fresh.pays_to_catch_up(load, gap_rows=800, tokens_left=1)
+
+
+def test_no_drafts_while_a_burst_is_still_being_admitted() -> None:
+    """A burst of more requests than drafting pays for, admitted a few prompts a step (the token
+    budget): no step drafts while requests wait, even when only a few run yet; once the burst has
+    drained below the cap, the last ones draft, and the outputs are plain decoding's."""
+    many = toy(3, max_num_batched_tokens=64)
+    assert many.spec is not None
+    cap = many.spec.max_drafting_seqs
+    assert 4 <= cap < 64
+    reqs = [request(f"r{i}", [i % 16] * 16, max_tokens=4 + (i % 12)) for i in range(cap + 8)]
+    for r in reqs:
+        many.add_request(r)
+    waiting_when_drafting, first_steps_running = [], []
+    while many.has_unfinished:
+        many.step()
+        if len(first_steps_running) < 3:
+            first_steps_running.append(len(many.scheduler.running))
+        if many.spec.k:
+            waiting_when_drafting.append(len(many.scheduler.waiting))
+    assert first_steps_running[0] < cap  # the burst's first steps run fewer than the cap
+    assert waiting_when_drafting and not any(waiting_when_drafting)
+    got = run_all(toy(3, max_num_batched_tokens=64), reqs)
+    plain = run_all(toy(0, max_num_batched_tokens=64), reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
