@@ -52,7 +52,10 @@ def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) 
     return max(1, min(want, triton.cdiv(max_items, 256), 64))
 
 
-@triton.jit
+MERGE_BLOCK_S = 128  # LSEs the merge reads at once: every slice count a launcher picks (MLA's MAX_SPLITS)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_o_ptr,  # [B, H, NS, R] fp32
     part_lse_ptr,  # [B, H, NS] fp32, log2 domain
@@ -62,7 +65,7 @@ def _merge_kernel(
     R,
     stride_ob,
     stride_oh,
-    BLOCK_S: tl.constexpr,  # >= num_splits: the LSEs at once
+    BLOCK_S: tl.constexpr,  # >= num_splits: the LSEs at once (`MERGE_BLOCK_S`, see `merge_splits`)
     CHUNK_S: tl.constexpr,  # slices' outputs a step (registers: CHUNK_S x BLOCK_R fp32)
     BLOCK_R: tl.constexpr,  # output columns a program (grid axis 2)
     PDL: tl.constexpr,  # launched with PDL (`kernels/triton_lib.py`): it reads nothing before the wait
@@ -94,7 +97,13 @@ def _merge_kernel(
 
 
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, v_scale: float) -> None:
-    """part_o `[B, H, NS, R]` fp32, part_lse `[B, H, NS]` fp32 → out `[B, H, R]` (written in place)."""
+    """part_o `[B, H, NS, R]` fp32, part_lse `[B, H, NS]` fp32 → out `[B, H, R]` (written in place).
+
+    One compiled kernel for every slice count up to `MERGE_BLOCK_S` (neither a block sized to NS nor
+    NS itself specialises it): the slices follow the sequences' lengths, and a kernel per power of
+    two compiled inside serving whenever a length crossed one (H100, 2026-12-06: a 230-260 ms stall
+    inside GLM nano's speculative runs of 0.3-0.8 s). Reading 128 LSEs where a few are used costs a
+    masked 512-byte load a row."""
     B, H, NS, R = part_o.shape
     if part_lse.shape != (B, H, NS) or out.shape[:2] != (B, H) or out.shape[-1] != R:
         raise ValueError(
@@ -112,8 +121,8 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         R,
         out.stride(0),
         out.stride(1),
-        BLOCK_S=max(2, triton.next_power_of_2(NS)),
-        CHUNK_S=min(8, max(2, triton.next_power_of_2(NS))),
+        BLOCK_S=max(MERGE_BLOCK_S, triton.next_power_of_2(NS)),
+        CHUNK_S=8,
         BLOCK_R=block_r,
         **pdl_args(out.device),
         num_warps=4,

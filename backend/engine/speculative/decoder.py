@@ -155,9 +155,9 @@ class SpecDecoder:
             else:
                 self.settle()
                 self.k = self.policy.choose(load)
-            if self.k and not self.did_draft and self.policy.is_calibrated:
+            if self.k and not self.did_draft and self.policy.is_adaptive:
                 gap_rows, tokens_left = self.book.catch_up_need(out, can_draft)
-                if not self.policy.pays_to_catch_up(load, gap_rows, tokens_left):
+                if not self.policy.pays_to_catch_up(load, self.k, gap_rows, tokens_left):
                     self.k = 0  # its catch-up would cost more than drafting can still save
             if self.k:
                 flags = self.book.reserve(out, can_draft, self.k)

@@ -525,27 +525,30 @@ class DraftPolicy:
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
 
-    def pays_to_catch_up(self, load: StepLoad, gap_rows: int, tokens_left: int) -> bool:
-        """Whether a load that drafting wins should start drafting again after plain steps, whose
-        first drafting steps catch up `gap_rows` positions of MTP KV (the target recomputes them
-        too): what drafting can still save over the `tokens_left` its sequences may still emit (at
-        the measured plain and drafting rates) beats the catch-up at its measured seconds a position
-        (here or at the nearest load within `NEAR_DOUBLINGS`). True where anything is unmeasured, and
-        during a probe (its catch-up is priced with it). On the H100 (2026-12-06) a burst of 64 nano
-        requests drafted once 51 were left, each with ~10 tokens to go: its catch-up was a second
-        prefill of every prompt, and the burst ran 0.78x plain steps."""
-        if not self.is_calibrated or not gap_rows or self._probe_left > 0:
+    def pays_to_catch_up(self, load: StepLoad, k: int, gap_rows: int, tokens_left: int) -> bool:
+        """Whether drafting k should start after plain steps, whose first drafting steps catch up
+        `gap_rows` positions of MTP KV (the target recomputes them too), given the `tokens_left` its
+        sequences may still emit. Measured (a load drafting has a rate at, a catch-up's seconds a
+        position here or within `NEAR_DOUBLINGS`): what drafting saves over those tokens at the
+        measured rates beats the catch-up's seconds. Else the cost model, in plain steps: the steps
+        drafting saves, (tokens_left / B)(1 - 1 / E(k)) with each drafting step priced as one plain
+        step (optimistic), beat a forward over the gap in the target and the MTP layer,
+        `forward_cost(gap_rows) (1 + m)`, and the step that only proposes. On the H100 (2026-12-06) a
+        burst of 64 nano requests drafted once 51 were left, each with ~10 tokens to go: its catch-up
+        was a second prefill of every prompt (0.78x plain steps); then, with measured rates there,
+        its last 2-4 sequences still drafted a step or two (a probe's prior) and finished before a
+        verify, 40-90 ms of a 0.14 s run."""
+        if not self.is_adaptive or not gap_rows:
             return True
-        rates = self._rates.get(load_bucket(load.num_drafting + load.num_other_samples))
-        if rates is None or rates.is_probing or not (rates.plain and rates.spec):
-            return True
-        near = self._near(
-            load_bucket(load.num_drafting + load.num_other_samples), lambda r: r.catch_up_row_s > 0
-        )
-        if near is None:
-            return True
-        saving = tokens_left * max(0.0, 1.0 / rates.plain - 1.0 / rates.spec)
-        return saving > near.catch_up_row_s * gap_rows
+        bucket = load_bucket(load.num_drafting + load.num_other_samples)
+        rates = self._rates.get(bucket)
+        if self.is_calibrated and rates is not None and rates.plain and rates.spec:
+            near = self._near(bucket, lambda r: r.catch_up_row_s > 0)
+            if near is not None:
+                saving = tokens_left * max(0.0, 1.0 / rates.plain - 1.0 / rates.spec)
+                return saving > near.catch_up_row_s * gap_rows
+        steps_saved = tokens_left / max(load.num_drafting, 1) * (1.0 - 1.0 / self.expected_tokens(k))
+        return steps_saved > self.forward_cost(gap_rows) * (1.0 + self.draft_cost) + 1.0
 
     def observe_catch_up(self, num_seqs: int, seconds: float, gap_rows: int = 0) -> None:
         """A decode-only step of `num_seqs` sequences that began drafting again took `seconds`,

@@ -641,24 +641,31 @@ def test_a_winning_load_does_not_catch_up_what_it_cannot_save() -> None:
     first catches up their MTP KV: once a catch-up has been measured (0.5 s for 800 positions, a
     drafting step's 0.096 s of it its own), a step with 800 positions to catch up drafts only if its
     sequences may still emit enough tokens for drafting's saving (6 ms a token) to pay for them: not
-    40 (the tail of a burst: 0.24 s saved for ~0.4 s), yes 1,000. Unmeasured, it drafts."""
+    40 (the tail of a burst: 0.24 s saved for ~0.4 s), yes 1,000. Before that, the cost model
+    decides: 5 tokens a sequence save 3.5 plain steps at E(3) = 3.44, less than a forward over 800
+    rows (12.5 plain steps, and the MTP layer's 0.25 of it); 125 save 89."""
     p = policy(3, acceptance=0.9, is_calibrated=True)
     drive(p, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 5, plain_rate=100.0, spec_rate=250.0, num_seqs=8)
     load = StepLoad(num_rows=8, num_drafting=8)
     assert p._rates[8].is_winning and not p._rates[8].is_probing
-    assert p.pays_to_catch_up(load, gap_rows=800, tokens_left=40)  # no catch-up measured yet
+    assert not p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=40)  # the model: 3.5 < 16.6 steps
+    assert p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=1000)
     p.observe_catch_up(8, 0.5, gap_rows=800)
     assert p._rates[8].catch_up_row_s == pytest.approx((0.5 - p._rates[8].draft_step_s) / 800)
-    assert not p.pays_to_catch_up(load, gap_rows=800, tokens_left=40)
-    assert p.pays_to_catch_up(load, gap_rows=800, tokens_left=1000)
-    assert p.pays_to_catch_up(load, gap_rows=0, tokens_left=1)  # nothing to catch up: nothing to price
-    # a load two doublings away prices its catch-up from this one's; one that drafting does not win
-    # (no drafting rate measured) is left to its probe's pricing
+    assert not p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=40)
+    assert p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=1000)
+    assert p.pays_to_catch_up(load, 3, gap_rows=0, tokens_left=1)  # nothing to catch up: nothing to price
+    # a load two doublings away prices its catch-up from this one's measured seconds a position
     far = StepLoad(num_rows=32, num_drafting=32)
     drive(p, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 5, plain_rate=100.0, spec_rate=250.0, num_seqs=32)
-    assert not p.pays_to_catch_up(far, gap_rows=3200, tokens_left=160)
+    assert not p.pays_to_catch_up(far, 3, gap_rows=3200, tokens_left=160)  # 0.96 s saved, 1.6 s spent
+    assert p.pays_to_catch_up(far, 3, gap_rows=3200, tokens_left=1000)
+    # one user, unmeasured: 50 positions behind, it drafts again unless it is about to finish
+    one = StepLoad(num_rows=1, num_drafting=1)
     fresh = policy(3, acceptance=0.9, is_calibrated=True)
-    assert fresh.pays_to_catch_up(load, gap_rows=800, tokens_left=1)
+    assert fresh.pays_to_catch_up(one, 3, gap_rows=50, tokens_left=100)
+    assert not fresh.pays_to_catch_up(one, 3, gap_rows=50, tokens_left=3)  # 2.1 steps saved for 2.25
+    assert policy(3, acceptance=0.9, is_adaptive=False).pays_to_catch_up(one, 3, 50, 1)  # fixed: always
 
 
 def test_no_drafts_while_a_burst_is_still_being_admitted() -> None:
@@ -669,7 +676,7 @@ def test_no_drafts_while_a_burst_is_still_being_admitted() -> None:
     assert many.spec is not None
     cap = many.spec.max_drafting_seqs
     assert 4 <= cap < 64
-    reqs = [request(f"r{i}", [i % 16] * 16, max_tokens=4 + (i % 12)) for i in range(cap + 8)]
+    reqs = [request(f"r{i}", [i % 16] * 16, max_tokens=8 + 8 * (i % 12)) for i in range(cap + 8)]
     for r in reqs:
         many.add_request(r)
     waiting_when_drafting, first_steps_running = [], []
