@@ -13,6 +13,15 @@ launchers specialise on powers of two and on divisibility by 16):
                     these replay them, or run eagerly when graphs are off)
     mixed           a prompt chunk of budget - B tokens beside B decode rows, for each bucket B below
                     `max_num_seqs`
+    speculative     (an engine with `--speculative mtp:K`) one request at a time, greedy and sampled,
+                    prompts of 16 tokens and of every power of two from 256 up to 8,192 (and the
+                    window), each decoding through a fixed pattern of draft lengths: every k in
+                    1 … K, k growing and shrinking between steps, a plain step and the catch-up after
+                    it, and the request's tail at `max_tokens`. The whole-step graphs were captured
+                    when the engine was built; the steps that run outside them (a catch-up, drafts
+                    fewer than k, a tail) launch attention whose slices, and so its kernels'
+                    specialisations, follow the sequence's length (H100, 2026-12-06: a 0.9 s MLA compile
+                    inside a GLM nano run after two full passes over the same prompts)
 A shape the pool cannot hold is skipped. Every warm-up request ends before `warm_up` returns: the
 pool is empty again, and the steps count in the engine's stats like any other.
 The CPU runs one step of one two-token prompt: its torch references compile nothing, so start-up
@@ -22,7 +31,7 @@ stays fast.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from backend.engine.engine import Engine
 from schemas.backend import EngineRequest, SamplingParams
@@ -30,23 +39,38 @@ from schemas.backend import EngineRequest, SamplingParams
 SALT = "f" * 32  # no tenant's: the gateway derives tenant salts, this one is fixed and never sent
 
 
+# the speculative sweep's draft length a step (0: a plain step, whose positions the next catches up)
+SPEC_PATTERN = ("K", 1, "K", 0, "K", 2, 1, 0, 1, "K")
+SPEC_SHORT, SPEC_LONG = 16, (256, 8192)  # prompt lengths: one short, powers of two between these
+
+
 @dataclass(frozen=True, slots=True)
 class WarmUp:
     seconds: float
     num_steps: int
     num_requests: int
+    # the speculative sweep's steps by draft length (-1: a drafting step that caught MTP KV up)
+    spec_steps: dict[int, int] = field(default_factory=dict)
 
 
 def warm_up(engine: Engine, *, is_full: bool) -> WarmUp:
     """Run the shapes above (`is_full`, a GPU) or one tiny step (the CPU); every request finishes."""
     start, steps0 = time.perf_counter(), engine.stats.steps
     plan = _Plan(engine)
-    if is_full:
-        plan.prefills()
-        plan.decodes_and_mixed()
-    else:
-        plan.run([(2, 1)])
-    return WarmUp(time.perf_counter() - start, engine.stats.steps - steps0, plan.num_requests)
+    learned = engine.spec.policy_state() if engine.spec is not None else None
+    try:
+        if is_full:
+            plan.prefills()
+            plan.decodes_and_mixed()
+            plan.speculative()
+        else:
+            plan.run([(2, 1)])
+    finally:  # the draft policy starts serving from its priors, not from the warm-up's random prompts
+        if engine.spec is not None and learned is not None:
+            engine.spec.restore_policy(learned)
+    return WarmUp(
+        time.perf_counter() - start, engine.stats.steps - steps0, plan.num_requests, plan.spec_steps
+    )
 
 
 class _Plan:
@@ -58,6 +82,7 @@ class _Plan:
         self.buckets = config.graph_batch_sizes()
         self.window, self.vocab_size = engine.scheduler.context_window, engine.scheduler.vocab_size
         self.num_requests = 0
+        self.spec_steps: dict[int, int] = {}
 
     def pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -73,7 +98,10 @@ class _Plan:
         """Per bucket B: B short requests decode alone, then a prompt of the budget arrives beside them."""
         for rows in self.buckets:
             decoding = [(2, 6)] * rows
-            prompt = [(self.budget, 1)] if rows < self.engine.config.max_num_seqs else []
+            # (no prompt longer than the window: one request cannot fill a budget past it)
+            prompt = (
+                [(min(self.budget, self.window - 1), 1)] if rows < self.engine.config.max_num_seqs else []
+            )
             if rows * self.pages(8) + sum(self.pages(t + 1) for t, _ in prompt) > self.num_pages:
                 continue
             self.add(decoding)
@@ -81,18 +109,53 @@ class _Plan:
                 self.step()
             self.run(prompt)  # decode first, then the chunk fills the rest of the budget
 
+    def speculative(self) -> None:
+        """The speculative sweep (module docstring): the policy forced through `SPEC_PATTERN`, then
+        left to itself again."""
+        spec = self.engine.spec
+        if spec is None or spec.max_drafting_seqs < 1:
+            return
+        K, policy = spec.K, spec.policy
+        pattern = [K if k == "K" else min(int(k), K) for k in SPEC_PATTERN]
+        lengths = [SPEC_SHORT] + [
+            2**e for e in range(SPEC_LONG[0].bit_length() - 1, SPEC_LONG[1].bit_length())
+        ]
+        lengths.append(self.window - 4 * len(pattern) * (K + 1))  # the window's longest prompt that fits
+        max_tokens = 2 * len(pattern) * (K + 1)  # outlasts the pattern; its tail runs past it
+        try:
+            for length in sorted({t for t in lengths if t > 0}):
+                if self.pages(length + max_tokens) > self.num_pages or length + max_tokens > self.window:
+                    continue
+                for temperature in (0.0, 1.0):
+                    self.add([(length, max_tokens)], temperature=temperature)
+                    at = 0  # the pattern's step: decode steps only (a long prompt's chunks first)
+                    while self.engine.has_unfinished:
+                        running = self.engine.scheduler.running
+                        is_decoding = bool(running) and running[0].num_output_tokens > 0
+                        policy.forced_k = (pattern[at] if at < len(pattern) else None) if is_decoding else K
+                        self.step()
+                        k = spec.k
+                        self.spec_steps[k] = self.spec_steps.get(k, 0) + 1
+                        if k and spec.did_catch_up:
+                            self.spec_steps[-1] = self.spec_steps.get(-1, 0) + 1
+                        at += is_decoding
+        finally:
+            policy.forced_k = None
+
     def run(self, requests: list[tuple[int, int]]) -> None:
         """Add (prompt tokens, output tokens) requests, then step until every request has finished."""
         self.add(requests)
         while self.engine.has_unfinished:
             self.step()
 
-    def add(self, requests: list[tuple[int, int]]) -> None:
+    def add(self, requests: list[tuple[int, int]], *, temperature: float = 0.0) -> None:
         for length, max_tokens in requests:
             request_id = f"warm-up-{self.num_requests}"
             self.num_requests += 1
             prompt = [(self.num_requests * 7919 + i) % (self.vocab_size - 1) + 1 for i in range(length)]
-            sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            sampling = SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=self.num_requests
+            )
             request = EngineRequest(
                 request_id=request_id, prompt_token_ids=prompt, tenant_salt=SALT, sampling=sampling
             )

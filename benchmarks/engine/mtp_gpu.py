@@ -10,7 +10,8 @@ Three parts, one command:
    held-out test items (`benchmarks.engine.mtp_acceptance.held_out_prompts`), run one at a time,
    greedy, to a stop token or `--max-tokens`; a run's rate is Σ(tokens − 1) / Σ(last − first token
    time) over its prompts. Both sides give the same tokens (checked). Method
-   (`benchmarks.engine.method`): each side warmed on the same prompts, then `--rounds` rounds of
+   (`benchmarks.engine.method`): each engine built as a GPU backend starts (its start-up warm-up,
+   backend/server/warmup.py), each side warmed on the same prompts, then `--rounds` rounds of
    A, B, B, A (A = on); a round's ratio (a1 + a2) / (b1 + b2); median and spread.
 2. c = 64 throughput, per nano model: `--c64` requests at once (the held-out prompts, cycled), output
    tok/s on ÷ off, A/B/B/A as above, `speculative_max_seqs` = 64 so that the draft policy, not the
@@ -98,6 +99,7 @@ def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str,
     from backend.engine.engine import Engine
     from backend.engine.engine_config import EngineConfig
     from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
+    from backend.server.warmup import warm_up
 
     dtype = torch.bfloat16 if opts.device.startswith("cuda") else torch.float32
     loaded = load_model(
@@ -111,6 +113,8 @@ def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str,
             num_speculative_tokens=k, speculative_max_seqs=max(concurrency, 1), speculative_adaptive=side != "F",
         )  # fmt: skip
         engines[side] = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
+        # as served: a GPU backend's start-up warm-up (every step shape and draft length it will take)
+        warm_up(engines[side], is_full=opts.device.startswith("cuda"))
     heap.freeze()  # as a backend does once started: the model out of full collections (`measure_nano` thaws)
     return engines
 

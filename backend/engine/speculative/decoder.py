@@ -48,6 +48,7 @@ Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,17 @@ class SpecDecoder:
         self._plain_load: StepLoad | None = None
         self._ahead: tuple[StepLoad, int] | None = None
 
+    def policy_state(self) -> dict[str, Any]:
+        """A copy of what the draft policy has learned (acceptance, m, each load's rates)."""
+        return copy.deepcopy(self.policy.__dict__)
+
+    def restore_policy(self, state: dict[str, Any]) -> None:
+        """The policy as `state` found it, and no measurement of a step since left to tell it: the
+        warm-up's steps (random prompts, forced draft lengths, compiles) must not be what serving's
+        first choices start from."""
+        self.policy.__dict__.update(copy.deepcopy(state))
+        self._measured = self._ahead = self._plain_load = None
+
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_requests: int) -> list[bool]:
         """Which scheduled sequences draft this step (their pages reserved), and with how many
@@ -150,12 +162,12 @@ class SpecDecoder:
             num_drafting = can_draft.count(True)
             num_samples = sum([s.needs_sample for s in out.scheduled])
             load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
-            if ahead is not None and ahead[0] is load:
+            if ahead is not None and ahead[0] is load and self.policy.forced_k is None:
                 self.k = ahead[1]  # chosen while the last step ran, for this load
             else:
                 self.settle()
                 self.k = self.policy.choose(load)
-            if self.k and not self.did_draft and self.policy.is_adaptive:
+            if self.k and not self.did_draft and self.policy.is_adaptive and self.policy.forced_k is None:
                 gap_rows, tokens_left = self.book.catch_up_need(out, can_draft)
                 if not self.policy.pays_to_catch_up(load, self.k, gap_rows, tokens_left):
                     self.k = 0  # its catch-up would cost more than drafting can still save

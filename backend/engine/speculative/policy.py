@@ -259,6 +259,7 @@ class DraftPolicy:
         self.is_calibrated = is_calibrated
         self.acceptance = [PRIOR_ACCEPTANCE] * max_drafts  # a_1 … a_K
         self.last_k = 0  # the draft length the last drafting-capable step chose
+        self.forced_k: int | None = None  # set: every step drafts this many, nothing measured or gated
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
         self._starved_left = 0  # steps left of a starved probe's run of drafting steps
         self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
@@ -332,6 +333,9 @@ class DraftPolicy:
         """The draft length for this step (0: no drafts)."""
         if load.num_drafting == 0:
             return 0
+        if self.forced_k is not None:  # the warm-up's sweep of every draft length (backend/server/warmup.py)
+            self.last_k = self.forced_k
+            return self.forced_k
         if not self.is_adaptive:
             self.last_k = self.max_drafts
             return self.max_drafts

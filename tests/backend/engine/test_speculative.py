@@ -77,7 +77,8 @@ def test_greedy_identical(loaded: dict[str, Any], arch: str, k: int) -> None:
     ps = prompts(24, model.config.vocab_size, seed=k)
     reqs = [request(f"r{i}", p, max_tokens=1 + i % 13) for i, p in enumerate(ps)]
     plain = run_all(engine_for(model, 0), reqs)
-    engine = engine_for(model, k)
+    # drafting from the first step: the cap counts waiting requests too, and 24 arrive at once
+    engine = engine_for(model, k, speculative_max_seqs=24)
     for r in reqs:
         engine.add_request(r)
     spec: dict[str, Result] = {}

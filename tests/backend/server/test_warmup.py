@@ -132,3 +132,29 @@ def test_on_cuda_a_workload_after_the_warm_up_compiles_no_kernel(
     run_offline(engine, variant="v", concurrency=12, input_len=300, output_len=40, vocab_size=vocab)
     torch.cuda.synchronize()
     assert sorted(p.name for p in cache.rglob("*")) == compiled
+
+
+def test_a_speculative_warm_up_sweeps_every_draft_length_and_catch_up() -> None:
+    """With `--speculative mtp:3`, the full warm-up also decodes one request at a time, greedy and
+    sampled, short and long prompts, through every draft length 1 … 3, plain steps and the catch-ups
+    after them (the steps outside the whole-step graphs, whose kernels follow the length); the pool
+    is empty after, the policy free again, and the outputs of a later workload are plain decoding's."""
+    from backend.engine.speculative.policy import PRIOR_ACCEPTANCE
+    from tests.backend.engine.test_draft_policy import toy
+    from tests.backend.engine_helpers import request, run_all
+
+    engine = toy(3)
+    warm = warm_up(engine, is_full=True)
+    assert engine.spec is not None and engine.spec.policy.forced_k is None
+    # what the policy learned from random prompts and forced lengths is dropped: serving starts from
+    # the priors (the sweep's verifies of random tokens accepted few drafts)
+    assert engine.spec.policy.acceptance == [PRIOR_ACCEPTANCE] * 3 and engine.spec.policy.num_probes == 0
+    assert engine.stats.spec_verifies > 0
+    assert {0, 1, 2, 3} <= set(warm.spec_steps) and warm.spec_steps[-1] >= 2  # catch-ups, each prompt
+    assert not engine.has_unfinished
+    load = engine.load()  # nothing left behind: no page, no draft page
+    assert (load.running, load.waiting, load.free_pages) == (0, 0, load.total_pages)
+    reqs = [request(f"r{i}", [i % 16] * 5, max_tokens=20) for i in range(6)]
+    got, plain = run_all(engine, reqs), run_all(toy(0), reqs)
+    assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+    assert warm_up(toy(0), is_full=True).spec_steps == {}
