@@ -80,11 +80,18 @@ def prompt_of(num_words: int, seed: int) -> str:
 
 
 def text_of(event: dict[str, Any]) -> str:
-    """The text a streamed event carries: OpenAI chunk content or reasoning, or a legacy `response`."""
+    """The text a streamed event carries: OpenAI chunk content, reasoning or a tool call's name and
+    arguments, or a legacy `response`. (A call cut by `max_tokens` streams nothing at all: its
+    request has no first token.)"""
     choices = event.get("choices")
     if choices:
         delta = choices[0].get("delta") or {}
-        return str(delta.get("content") or "") + str(delta.get("reasoning_content") or "")
+        calls = "".join(
+            str((c.get("function") or {}).get("name") or "")
+            + str((c.get("function") or {}).get("arguments") or "")
+            for c in delta.get("tool_calls") or []
+        )
+        return str(delta.get("content") or "") + str(delta.get("reasoning_content") or "") + calls
     return str(event.get("response") or "") if "usage" not in event else ""
 
 

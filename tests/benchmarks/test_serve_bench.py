@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks.cli import main as bench_main
-from benchmarks.serve import RequestResult, meets_slo, summarize
+from benchmarks.serve import RequestResult, meets_slo, summarize, text_of
 
 KIMI = "@cf/moonshotai/kimi-k2.6"
 
@@ -29,7 +29,12 @@ def test_figures_are_consistent_with_each_request(kumo: Any, tmp_path: Path) -> 
     assert {"command", "date", "machine", "config", "summary", "requests"} <= set(rec)
     reqs, s = rec["requests"], rec["summary"]
     assert [r["index"] for r in reqs] == list(range(5)) and s["num_ok"] == 5 and s["num_errors"] == 0
+    streamed = [r for r in reqs if r["num_chunks"]]
+    assert streamed  # sampled answers: one may be a tool call cut by max_tokens, which streams nothing
     for r in reqs:
+        if not r["num_chunks"]:  # nothing streamed (a tool call cut by max_tokens): no first token
+            assert r["ttft_ms"] is None and r["tpot_ms"] is None and r["itl_ms"] == []
+            continue
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
         assert 1 <= r["num_chunks"] <= r["output_tokens"] <= 4  # max_tokens holds; a chunk has >= 1 token
         assert len(r["itl_ms"]) == r["num_chunks"] - 1
@@ -105,3 +110,16 @@ def test_goodput_counts_only_requests_meeting_every_slo_set() -> None:
     assert summarize(results, 2.0, None, 50.0)["num_meeting_slo"] == 3  # TPOT only
     assert summarize(results, 2.0, None, None)["goodput_requests_per_s"] is None
     assert both["ttft_ms"]["p50"] == 150.0 and both["tpot_ms"]["p99"] == 60.0
+
+
+def test_a_streamed_tool_call_is_output_text() -> None:
+    """A chunk of a tool call counts as output (its first one is the first token the user sees)."""
+    call = {"index": 0, "id": "functions.get_weather:0", "type": "function"}
+    first = {
+        "choices": [
+            {"delta": {"tool_calls": [call | {"function": {"name": "get_weather", "arguments": ""}}]}}
+        ]
+    }
+    more = {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city"'}}]}}]}
+    assert text_of(first) == "get_weather" and text_of(more) == '{"city"'
+    assert text_of({"choices": [{"delta": {"content": "hi"}}]}) == "hi" and text_of({"usage": {}}) == ""
