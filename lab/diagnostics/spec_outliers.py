@@ -98,10 +98,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--ratio", type=float, default=4.0)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run")
+    ap.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True, help="the backend's")
     args = ap.parse_args()
     engine = engine_for(args.model, args.max_tokens, args.device)
     stops = stop_ids(args.model)
     _hook()
+    if args.warm_up:  # as a backend starts: the start-up warm-up, then the runs
+        from backend.server.warmup import warm_up
+
+        warm = warm_up(engine, is_full=args.device == "cuda")
+        kinds = [e[0] for e in EVENTS]
+        print(
+            f"== warm-up: {warm.seconds:.1f} s, {warm.num_steps} steps, draft lengths {warm.spec_steps}; "
+            f"compiles {kinds.count('triton')}, captures {kinds.count('capture')}"
+        )
     for r in range(args.runs):
         for task in ("chat", "tool-call"):
             steps = run(engine, held_out_prompts(args.model, task, args.prompts), stops, args.max_tokens)
