@@ -11,7 +11,7 @@ source "$(dirname "$0")/preamble.sh"
 W=/tmp/r16c && rm -rf $W && mkdir -p $W
 pack() { tar czf "$OUT/r16c.tgz" -C $W .; }
 LIMIT=${LIMIT:-560}
-timeout 120 python3 -m lab.diagnostics.spec_outliers --model models/glm-5.2-nano --runs 3 > $W/outliers.log 2>&1
+timeout 170 python3 -m lab.diagnostics.spec_outliers --model models/glm-5.2-nano --runs 3 > $W/outliers.log 2>&1
 echo "== spec_outliers rc=$? at $(el)s"; grep -v -i warn $W/outliers.log | grep -E "^== |triton|capture" | head -30
 pack
 fits 200 "GLM mtp" && timeout 200 python3 -m benchmarks.cli engine mtp --models models/glm-5.2-nano \
