@@ -187,7 +187,10 @@ class Engine:
         if not scheduled.scheduled:
             return outputs
         spec = self.spec
-        num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+        # the load about to run: a burst still being admitted counts whole (as many as can run)
+        num_requests = min(
+            len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs
+        )
         drafting = spec.drafting(scheduled, num_requests) if spec is not None else []
         is_drafting = spec is not None and spec.k > 0 and any(drafting)
         tag_updates = self.block_manager.take_tag_updates()

@@ -86,17 +86,6 @@ class DraftBook:
             seq.num_draft_kv_tokens, gap = seq.num_computed_tokens, 0
         return gap
 
-    def catch_up_need(self, out: SchedulerOutput, can_draft: list[bool]) -> tuple[int, int]:
-        """Over the sequences that may draft this step: the positions their MTP KV lacks (`gap`), and
-        the tokens they may still emit (to `max_tokens`; stop tokens may end them sooner)."""
-        gap_rows = tokens_left = 0
-        for s, can in zip(out.scheduled, can_draft, strict=True):
-            if can:
-                seq = s.seq
-                gap_rows += self.gap(seq)
-                tokens_left += seq.request.sampling.max_tokens - seq.num_output_tokens
-        return gap_rows, tokens_left
-
     def reserve(self, out: SchedulerOutput, can_draft: list[bool], k: int) -> list[bool]:
         """Which scheduled sequences draft k this step: those that can, whose verify rows (drafts
         and MTP KV gap) fit the step's token budget and whose draft pages fit the pool (now reserved)."""

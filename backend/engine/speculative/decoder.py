@@ -119,6 +119,7 @@ class SpecDecoder:
         self.did_catch_up = False  # the last step's verify recomputed a gap (MTP KV caught up)
         self.num_gap_rows = 0  # the positions it recomputed so
         self.did_draft = False  # the last step drafted (after a plain one, drafting catches up first)
+        self._behind: set[str] = set()  # sequences whose catch-up does not pay: they no longer draft
         # whole greedy steps on the device where they apply: from their graphs, or eagerly where
         # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
         graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
@@ -145,20 +146,24 @@ class SpecDecoder:
         first choices start from."""
         self.policy.__dict__.update(copy.deepcopy(state))
         self._measured = self._ahead = self._plain_load = None
+        self.did_draft, self._behind = False, set()
 
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_requests: int) -> list[bool]:
         """Which scheduled sequences draft this step (their pages reserved), and with how many
         drafts (`self.k`, the draft policy's choice for this step's load); all False past
-        `max_drafting_seqs` requests (running and waiting: a burst's first steps admit a few prompts
-        at a time, and a probe at the few running then measured a load about to grow, a third of a
-        c=64 bench run on the H100 in 2026-12), or when the policy says drafting does not pay. A
-        sequence that does not draft gives its draft pages back."""
+        `max_drafting_seqs` requests (running and waiting, at most as many as can run: a burst's
+        first steps admit a few prompts at a time, and a probe at the few running then measured a
+        load about to grow, a third of a c=64 bench run on the H100 in 2026-12), or when the policy
+        says drafting does not pay; none for a sequence whose catch-up does not pay
+        (`_catch_up_worth`). A sequence that does not draft gives its draft pages back."""
         flags = [False] * len(out.scheduled)
         self.k, self.did_catch_up, self.num_gap_rows = 0, False, 0
         ahead, self._ahead, self._plain_load = self._ahead, None, None
         if num_requests <= self.max_drafting_seqs:
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
+            if (not self.did_draft or self._behind) and self.policy.forced_k is None:
+                self._catch_up_worth(out, can_draft)  # before the policy: its load counts who may draft
             num_drafting = can_draft.count(True)
             num_samples = sum([s.needs_sample for s in out.scheduled])
             load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
@@ -167,10 +172,6 @@ class SpecDecoder:
             else:
                 self.settle()
                 self.k = self.policy.choose(load)
-            if self.k and not self.did_draft and self.policy.is_adaptive and self.policy.forced_k is None:
-                gap_rows, tokens_left = self.book.catch_up_need(out, can_draft)
-                if not self.policy.pays_to_catch_up(load, self.k, gap_rows, tokens_left):
-                    self.k = 0  # its catch-up would cost more than drafting can still save
             if self.k:
                 flags = self.book.reserve(out, can_draft, self.k)
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
@@ -228,7 +229,27 @@ class SpecDecoder:
             load = self._loads[key] = StepLoad(num_rows, num_drafting, num_other_samples)
         return load
 
+    def _catch_up_worth(self, out: SchedulerOutput, can_draft: list[bool]) -> None:
+        """Clear `can_draft` for sequences whose catch-up would cost more than drafting can still
+        save them (`DraftPolicy.pays_to_catch_up`), asked once per sequence: the answer only gets
+        worse while it runs plain steps, so a sequence refused stays refused (`_behind`) until it
+        finishes. Only after a step that did not draft (a drafting step leaves no gap but these)."""
+        behind, num_seqs = self._behind, len(out.scheduled)
+        for b, s in enumerate(out.scheduled):
+            if not can_draft[b]:
+                continue
+            seq = s.seq
+            if seq.request_id in behind:
+                can_draft[b] = False
+            elif not self.did_draft:
+                gap = self.book.gap(seq)
+                left = seq.request.sampling.max_tokens - seq.num_output_tokens
+                if gap and not self.policy.pays_to_catch_up(num_seqs, gap, left):
+                    behind.add(seq.request_id)
+                    can_draft[b] = False
+
     def forget(self, request_id: str) -> None:
+        self._behind.discard(request_id)
         self.book.forget(request_id)
         self._host_generators.pop(request_id, None)
 

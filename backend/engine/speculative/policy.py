@@ -529,30 +529,32 @@ class DraftPolicy:
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
 
-    def pays_to_catch_up(self, load: StepLoad, k: int, gap_rows: int, tokens_left: int) -> bool:
-        """Whether drafting k should start after plain steps, whose first drafting steps catch up
-        `gap_rows` positions of MTP KV (the target recomputes them too), given the `tokens_left` its
-        sequences may still emit. Measured (a load drafting has a rate at, a catch-up's seconds a
-        position here or within `NEAR_DOUBLINGS`): what drafting saves over those tokens at the
-        measured rates beats the catch-up's seconds. Else the cost model, in plain steps: the steps
-        drafting saves, (tokens_left / B)(1 - 1 / E(k)) with each drafting step priced as one plain
-        step (optimistic), beat a forward over the gap in the target and the MTP layer,
-        `forward_cost(gap_rows) (1 + m)`, and the step that only proposes. On the H100 (2026-12-06) a
-        burst of 64 nano requests drafted once 51 were left, each with ~10 tokens to go: its catch-up
-        was a second prefill of every prompt (0.78x plain steps); then, with measured rates there,
-        its last 2-4 sequences still drafted a step or two (a probe's prior) and finished before a
-        verify, 40-90 ms of a 0.14 s run."""
-        if not self.is_adaptive or not gap_rows:
+    def pays_to_catch_up(self, num_seqs: int, gap: int, tokens_left: int) -> bool:
+        """Whether a sequence that plain steps left `gap` positions behind (MTP KV its first drafting
+        step must catch up, the target recomputing them too) should draft again, given the
+        `tokens_left` it may still emit, in a step of `num_seqs` sequences. Measured (its load has a
+        drafting rate, a catch-up's seconds a position is known here or within `NEAR_DOUBLINGS`):
+        what drafting saves over those tokens at the measured rates beats the catch-up's seconds.
+        Else the cost model, in plain steps: the steps drafting K saves it, tokens_left (1 - 1/E(K))
+        with each drafting step priced as one plain step (optimistic), beat its share of a forward
+        over the gaps in the target and the MTP layer, max(gap / R_sat, 1 / num_seqs) (1 + m). It
+        only gets worse while the sequence runs plain steps (the gap grows, the tokens left shrink),
+        so the engine asks once (backend/engine/speculative/decoder.py). On the H100 (2026-12-06) a
+        burst of 64 nano requests drafted once 51 were left, each with ~10 tokens to go: its
+        catch-up was a second prefill of every prompt (0.78x plain steps); then its last 2-4
+        sequences still drafted and finished before a verify (40-90 ms of a 0.14 s run)."""
+        if not self.is_adaptive or not gap:
             return True
-        bucket = load_bucket(load.num_drafting + load.num_other_samples)
+        bucket = load_bucket(num_seqs)
         rates = self._rates.get(bucket)
         if self.is_calibrated and rates is not None and rates.plain and rates.spec:
             near = self._near(bucket, lambda r: r.catch_up_row_s > 0)
             if near is not None:
-                saving = tokens_left * max(0.0, 1.0 / rates.plain - 1.0 / rates.spec)
-                return saving > near.catch_up_row_s * gap_rows
-        steps_saved = tokens_left / max(load.num_drafting, 1) * (1.0 - 1.0 / self.expected_tokens(k))
-        return steps_saved > self.forward_cost(gap_rows) * (1.0 + self.draft_cost) + 1.0
+                return (
+                    tokens_left * max(0.0, 1.0 / rates.plain - 1.0 / rates.spec) > near.catch_up_row_s * gap
+                )
+        steps_saved = tokens_left * (1.0 - 1.0 / self.expected_tokens(self.max_drafts))
+        return steps_saved > max(gap / self.saturation_rows, 1.0 / max(num_seqs, 1)) * (1.0 + self.draft_cost)
 
     def observe_catch_up(self, num_seqs: int, seconds: float, gap_rows: int = 0) -> None:
         """A decode-only step of `num_seqs` sequences that began drafting again took `seconds`,

@@ -636,36 +636,68 @@ def test_fresh_pages_carry_no_stale_draft_kv(tiny: dict[str, Any], monkeypatch: 
     assert is_zeroed and others_kept and target_written
 
 
-def test_a_winning_load_does_not_catch_up_what_it_cannot_save() -> None:
-    """Drafting wins at 8 sequences (250 tokens/s against 100). After plain steps, drafting again
-    first catches up their MTP KV: once a catch-up has been measured (0.5 s for 800 positions, a
-    drafting step's 0.096 s of it its own), a step with 800 positions to catch up drafts only if its
-    sequences may still emit enough tokens for drafting's saving (6 ms a token) to pay for them: not
-    40 (the tail of a burst: 0.24 s saved for ~0.4 s), yes 1,000. Before that, the cost model
-    decides: 5 tokens a sequence save 3.5 plain steps at E(3) = 3.44, less than a forward over 800
-    rows (12.5 plain steps, and the MTP layer's 0.25 of it); 125 save 89."""
+def test_a_sequence_catches_up_only_what_drafting_can_still_save_it() -> None:
+    """After plain steps, a sequence's first drafting step catches up its MTP KV (its gap, the target
+    recomputing it too). Before any catch-up is measured the cost model decides, per sequence, in
+    plain steps: at E(3) = 3.44, 5 tokens left save 3.5 steps, more than a 100-position gap's share
+    of a forward (1.56 x 1.25) but less than a 400-position one's (7.8); 100 tokens left save 71.
+    Once drafting wins at 8 sequences (250 tokens/s against 100: 6 ms a token) and a catch-up has
+    been measured (0.5 s for 800 positions, a drafting step's 0.096 s of it its own: 0.5 ms a
+    position), seconds decide: 40 tokens left pay for 100 positions, 5 do not; a load two doublings
+    away prices positions from this one."""
     p = policy(3, acceptance=0.9, is_calibrated=True)
     drive(p, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 5, plain_rate=100.0, spec_rate=250.0, num_seqs=8)
-    load = StepLoad(num_rows=8, num_drafting=8)
     assert p._rates[8].is_winning and not p._rates[8].is_probing
-    assert not p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=40)  # the model: 3.5 < 16.6 steps
-    assert p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=1000)
+    assert p.pays_to_catch_up(8, gap=100, tokens_left=5)  # the model: 3.5 > 1.95 plain steps
+    assert not p.pays_to_catch_up(8, gap=400, tokens_left=5)  # 3.5 < 9.8
+    assert p.pays_to_catch_up(8, gap=400, tokens_left=100)
     p.observe_catch_up(8, 0.5, gap_rows=800)
     assert p._rates[8].catch_up_row_s == pytest.approx((0.5 - p._rates[8].draft_step_s) / 800)
-    assert not p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=40)
-    assert p.pays_to_catch_up(load, 3, gap_rows=800, tokens_left=1000)
-    assert p.pays_to_catch_up(load, 3, gap_rows=0, tokens_left=1)  # nothing to catch up: nothing to price
-    # a load two doublings away prices its catch-up from this one's measured seconds a position
-    far = StepLoad(num_rows=32, num_drafting=32)
+    assert p.pays_to_catch_up(8, gap=100, tokens_left=40)  # 0.24 s saved for 0.05 s
+    assert not p.pays_to_catch_up(8, gap=100, tokens_left=5)  # 0.03 s for 0.05 s
+    assert p.pays_to_catch_up(8, gap=0, tokens_left=1)  # nothing to catch up: nothing to price
     drive(p, MIN_RATE_SAMPLES + SPEC_PROBE_STEPS + 5, plain_rate=100.0, spec_rate=250.0, num_seqs=32)
-    assert not p.pays_to_catch_up(far, 3, gap_rows=3200, tokens_left=160)  # 0.96 s saved, 1.6 s spent
-    assert p.pays_to_catch_up(far, 3, gap_rows=3200, tokens_left=1000)
+    assert not p.pays_to_catch_up(32, gap=400, tokens_left=20)  # 0.12 s saved for 0.2 s
+    assert p.pays_to_catch_up(32, gap=400, tokens_left=100)
     # one user, unmeasured: 50 positions behind, it drafts again unless it is about to finish
-    one = StepLoad(num_rows=1, num_drafting=1)
     fresh = policy(3, acceptance=0.9, is_calibrated=True)
-    assert fresh.pays_to_catch_up(one, 3, gap_rows=50, tokens_left=100)
-    assert not fresh.pays_to_catch_up(one, 3, gap_rows=50, tokens_left=3)  # 2.1 steps saved for 2.25
-    assert policy(3, acceptance=0.9, is_adaptive=False).pays_to_catch_up(one, 3, 50, 1)  # fixed: always
+    assert fresh.pays_to_catch_up(1, gap=50, tokens_left=100)
+    assert not fresh.pays_to_catch_up(1, gap=50, tokens_left=1)  # 0.71 steps saved for 1.25
+    assert policy(3, acceptance=0.9, is_adaptive=False).pays_to_catch_up(1, 50, 1)  # fixed: always
+
+
+def test_sequences_near_their_end_stay_plain_after_plain_steps() -> None:
+    """Plain steps (forced) leave every sequence behind; once drafting may start again, the sequences
+    with few tokens left before max_tokens no longer draft (they would catch up more than drafting
+    saves them), the others catch up and draft, and the outputs are plain decoding's."""
+    engine = toy(3)
+    assert engine.spec is not None
+    reqs = [request(f"r{i}", [i % 16] * 200, max_tokens=(10 if i % 2 else 60)) for i in range(6)]
+    for r in reqs:
+        engine.add_request(r)
+    results: dict[str, Result] = {}
+    engine.spec.policy.forced_k = 0
+    running = engine.scheduler.running
+    while engine.scheduler.waiting or min(s.num_output_tokens for s in running) < 6:  # prompts, 6 tokens each
+        collect(results, engine.step())
+    engine.spec.policy.forced_k = None
+    drafted: set[str] = set()
+    drafting = engine.spec.drafting
+
+    def spy(out: Any, num_requests: int) -> list[bool]:
+        flags = drafting(out, num_requests)
+        drafted.update(s.seq.request_id for s, f in zip(out.scheduled, flags, strict=True) if f)
+        return flags
+
+    engine.spec.drafting = spy  # type: ignore[method-assign]
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    # 4 tokens left save 2.6 plain steps (E(3) = 2.95 at the prior acceptance), less than 205 positions'
+    # share of a forward (3.2 x 1.25); 54 left save 36
+    assert {f"r{i}" for i in range(6) if i % 2} & drafted == set()
+    assert {f"r{i}" for i in range(6) if not i % 2} <= drafted
+    plain = run_all(toy(0), reqs)
+    assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
 
 
 def test_no_drafts_while_a_burst_is_still_being_admitted() -> None:
