@@ -23,18 +23,16 @@ def bench(kumo: Any, out: Path, *extra: str) -> dict[str, Any]:
 
 
 def test_figures_are_consistent_with_each_request(kumo: Any, tmp_path: Path) -> None:
+    # greedy: a sampled answer may stream no text at all (markup the server withholds, cut by
+    # max_tokens: CI once drew one), and then has no first token to time
     rec = bench(
-        kumo, tmp_path / "serve.json", "--requests", "5", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9"
-    )
+        kumo, tmp_path / "serve.json", "--requests", "5", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9",
+        "--extra", '{"temperature": 0}',
+    )  # fmt: skip
     assert {"command", "date", "machine", "config", "summary", "requests"} <= set(rec)
     reqs, s = rec["requests"], rec["summary"]
     assert [r["index"] for r in reqs] == list(range(5)) and s["num_ok"] == 5 and s["num_errors"] == 0
-    streamed = [r for r in reqs if r["num_chunks"]]
-    assert streamed  # sampled answers: one may be a tool call cut by max_tokens, which streams nothing
     for r in reqs:
-        if not r["num_chunks"]:  # nothing streamed (a tool call cut by max_tokens): no first token
-            assert r["ttft_ms"] is None and r["tpot_ms"] is None and r["itl_ms"] == []
-            continue
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
         assert 1 <= r["num_chunks"] <= r["output_tokens"] <= 4  # max_tokens holds; a chunk has >= 1 token
         assert len(r["itl_ms"]) == r["num_chunks"] - 1
