@@ -116,8 +116,7 @@ class SpecDecoder:
         self.k = 0  # this step's draft length (the policy's choice)
         self.did_verify = False  # the last `run` verified drafts (a step after a plain one only proposes)
         self.num_verified = 0
-        self.did_catch_up = False  # the last step's verify recomputed a gap (MTP KV caught up)
-        self.num_gap_rows = 0  # the positions it recomputed so
+        self.num_gap_rows = 0  # the positions the last step's verify recomputed (MTP KV caught up)
         self.did_draft = False  # the last step drafted (after a plain one, drafting catches up first)
         self._behind: set[str] = set()  # sequences whose catch-up does not pay: they no longer draft
         # whole greedy steps on the device where they apply: from their graphs, or eagerly where
@@ -148,6 +147,11 @@ class SpecDecoder:
         self._measured = self._ahead = self._plain_load = None
         self.did_draft, self._behind = False, set()
 
+    @property
+    def did_catch_up(self) -> bool:
+        """The last step's verify recomputed a gap (MTP KV caught up)."""
+        return self.num_gap_rows > 0
+
     # ---- around the step -----------------------------------------------------------------------
     def drafting(self, out: SchedulerOutput, num_requests: int) -> list[bool]:
         """Which scheduled sequences draft this step (their pages reserved), and with how many
@@ -158,7 +162,7 @@ class SpecDecoder:
         says drafting does not pay; none for a sequence whose catch-up does not pay
         (`_catch_up_worth`). A sequence that does not draft gives its draft pages back."""
         flags = [False] * len(out.scheduled)
-        self.k, self.did_catch_up, self.num_gap_rows = 0, False, 0
+        self.k, self.num_gap_rows = 0, 0
         ahead, self._ahead, self._plain_load = self._ahead, None, None
         if num_requests <= self.max_drafting_seqs:
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
@@ -265,7 +269,6 @@ class SpecDecoder:
         # drafts verified a sequence: a step after a shorter k verifies only the ones proposed then
         self.num_verified = max((len(r.drafts) for r in rows), default=0)
         self.num_gap_rows = sum(r.gap for r in rows)
-        self.did_catch_up = self.num_gap_rows > 0
         if self._is_whole(rows):
             return self._run_greedy(rows, tag_updates)
         host, prompt = plan_target(rows, self.block_manager)
