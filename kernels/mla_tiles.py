@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import triton
 
+from kernels.split_k_merge import MERGE_BLOCK_S
+
 
 @dataclass(frozen=True, slots=True)
 class MlaTiles:
@@ -152,7 +154,7 @@ def resolve_tiles(
     )  # fmt: skip
 
 
-MAX_SPLITS = 128  # the merge reads every slice's LSE at once
+MAX_SPLITS = MERGE_BLOCK_S  # the merge reads every slice's LSE at once, in one compiled kernel
 SLICE_FIXED_ITEMS = 64  # a slice's own cost (q, the tag check's pass, the epilogue), in items read
 IDLE_SLICE_ITEMS = 1  # what one more slice costs a mostly idle GPU, in items of one program's walk
 IDLE_SHARE = 8  # the tiles alone occupy at most 1/IDLE_SHARE of the SMs: the GPU is mostly idle

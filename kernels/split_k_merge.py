@@ -52,7 +52,7 @@ def pick_num_splits(batch: int, head_blocks: int, max_items: int, num_sms: int) 
     return max(1, min(want, triton.cdiv(max_items, 256), 64))
 
 
-MERGE_BLOCK_S = 128  # LSEs the merge reads at once: every slice count a launcher picks (MLA's MAX_SPLITS)
+MERGE_BLOCK_S = 128  # LSEs the merge reads at once: every slice count a launcher picks (mla_tiles.MAX_SPLITS)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
