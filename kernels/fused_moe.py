@@ -247,11 +247,10 @@ def _fused_moe_gemv_kernel(
     else:
         pairs = (tl.program_id(0),)
         expert, is_local = moe_pair_expert(pairs[0], num_experts, ids_ptr)
-    x_rows = ()
-    for i in tl.static_range(BLOCK_M):
-        x_rows = x_rows + (
-            a_ptr + (tl.minimum(pairs[i], num_pairs - 1) // A_ROW_DIV).to(tl.int64) * stride_am,
-        )
+    x_rows = ()  # a padding pair (num_pairs) reads its block's first pair, a row its expert wrote (another
+    for i in tl.static_range(BLOCK_M):  # rank's pairs' act rows are never written: garbage, maybe NaN)
+        row = tl.where(pairs[i] < num_pairs, pairs[i], pairs[0]) // A_ROW_DIV
+        x_rows = x_rows + (a_ptr + row.to(tl.int64) * stride_am,)
     BK8: tl.constexpr = BLOCK_K // 8
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N

@@ -415,6 +415,35 @@ def test_add_is_torchs_add_of_the_routed_sum(config: MoEConfig) -> None:
     assert torch.equal(routed[2], torch.zeros_like(routed[2]))
 
 
+@pytest.mark.parametrize("config", [GEMV, MoEConfig(block_m=0, block_n=64, block_k=32, split_k=3), GROUPED])
+def test_no_kernel_reads_what_nobody_wrote(config: MoEConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer `run_moe` allocates starts as +inf here (torch.empty's garbage made loud): the answer is
+    unchanged and, interpreted, no lane multiplies an unwritten element (inf · 0 warns, and warnings are
+    errors). The grouped down GEMV's padding lanes once read another rank's pair's act row, never written
+    (CI, 2026-12-06: a NaN in that garbage failed the run); padding now reads its block's first pair."""
+    import kernels.moe_routing as routing_mod
+
+    real_empty = torch.empty
+
+    def loud_empty(*shape: object, **kw: object) -> torch.Tensor:
+        t = real_empty(*shape, **kw)  # type: ignore[call-overload]
+        return t.fill_(float("inf")) if t.is_floating_point() else t
+
+    gen = torch.Generator().manual_seed(11)
+    ex = Experts(E, H, I, gen)
+    x = torch.randn(5, H, generator=gen).to(torch.float16).to(DEV)
+    ids, wts = routing(5, gen)
+    ids[4] = E + 1  # the last pairs another rank's: the grouped blocks' padding pointed at them
+    ids[1, 0] = -1
+    ids, wts = ids.to(DEV), wts.to(DEV)
+    want = fused_moe(x, ids, wts, *ex.tensors(), G, config=config)
+    monkeypatch.setattr(routing_mod.torch, "empty", loud_empty)
+    got = fused_moe(x, ids, wts, *ex.tensors(), G, config=config)
+    monkeypatch.undo()
+    assert torch.equal(got, want)
+    assert torch.isfinite(got).all()
+
+
 @pytest.mark.parametrize(
     "config",
     [
