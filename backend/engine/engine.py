@@ -115,6 +115,7 @@ class Engine:
         self.spec = None
         if config.num_speculative_tokens:
             self.spec = SpecDecoder(self.runner, self.block_manager, can_match_stops=detokenize is not None)
+            self.scheduler.draft_rows = self.spec.book.num_pending
         self.detokenize = detokenize
         self._stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
@@ -187,15 +188,14 @@ class Engine:
         if not scheduled.scheduled:
             return outputs
         spec = self.spec
-        # the load about to run: a burst still being admitted counts whole (as many as can run)
-        num_requests = min(
-            len(self.scheduler.running) + len(self.scheduler.waiting), self.config.max_num_seqs
-        )
-        drafting = spec.drafting(scheduled, num_requests) if spec is not None else []
+        if spec is not None:
+            for seq in scheduled.preempted:
+                spec.preempted(seq.request_id)
+        drafting = spec.drafting(scheduled, self._num_requests()) if spec is not None else []
         is_drafting = spec is not None and spec.k > 0 and any(drafting)
         tag_updates = self.block_manager.take_tag_updates()
         try:
-            if spec is not None and is_drafting:
+            if spec is not None and (is_drafting or spec.fills_draft_kv):
                 results = spec.run(scheduled, drafting, tag_updates)
             else:
                 results = self.runner.run(
@@ -213,12 +213,23 @@ class Engine:
         elapsed = time.perf_counter() - start
         if spec is not None and scheduled.num_tokens == len(results):  # decode only: measure the step
             emitted = sum([len(r.accepted) + 1 for r in results if r.sample is not None])
-            spec.measured(len(results), is_drafting, emitted, elapsed)
+            spec.measured(len(results), sum(drafting) if is_drafting else 0, emitted, elapsed)
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0
         self._stats.last_step_s = elapsed
         self._stats.total_step_s += elapsed
         return outputs
+
+    def _num_requests(self) -> int:
+        """The load about to run, for the draft policy: a burst still being admitted counts whole (as
+        many as can run), but not a queue the pool cannot admit from now (its requests wait for pages
+        while the same sequences run: counted, they kept drafting off for as long as it lasted)."""
+        scheduler = self.scheduler
+        num_running, waiting = len(scheduler.running), scheduler.waiting
+        room = self.config.max_num_seqs - num_running
+        if room <= 0 or not waiting or not self.block_manager.can_admit(waiting[0]):
+            return num_running
+        return num_running + min(len(waiting), room)
 
     def fail_all(self, error: EngineError) -> list[EngineOutput]:
         """End every request with `error` (after a step raised) and free all their pages."""

@@ -18,6 +18,7 @@ recomputed later).
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.engine.block_manager import BlockManager
@@ -60,6 +61,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._next_step = 0
+        # speculative decoding: the verify rows a decode's pending drafts add, kept out of the prefill
+        # budget (backend/engine/speculative/book.py `num_pending`); else a prefill backlog fills every
+        # step to the budget and no drafting sequence ever verifies
+        self.draft_rows: Callable[[Sequence], int] | None = None
 
     @property
     def has_work(self) -> bool:
@@ -112,6 +117,7 @@ class Scheduler:
         # decode: one token each, oldest first; preempt the newest when a page is missing
         prefilling = []
         reserve = self.block_manager.reserve_next_slot
+        draft_rows = self.draft_rows
         for seq in running:
             if seq.status is not Status.RUNNING:
                 continue
@@ -121,7 +127,7 @@ class Scheduler:
             if not reserve(seq) and not self._preempt_until_reserved(seq, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, 1))
-            budget -= 1
+            budget -= 1 + (draft_rows(seq) if draft_rows is not None else 0)
         # prefill: the next chunk of requests already running (in order), then newly admitted ones
         for seq in prefilling:
             if budget <= 0:

@@ -118,7 +118,7 @@ class SpecDecoder:
         self.num_verified = 0
         self.num_gap_rows = 0  # the positions the last step's verify recomputed (MTP KV caught up)
         self.did_draft = False  # the last step drafted (after a plain one, drafting catches up first)
-        self._behind: set[str] = set()  # sequences whose catch-up does not pay: they no longer draft
+        self.fills_draft_kv = False  # this step drafts nothing but runs the MTP layer over prompt chunks
         # whole greedy steps on the device where they apply: from their graphs, or eagerly where
         # nothing is captured (the CPU); never eagerly beside captured verify graphs (tests: off)
         graphs = runner.spec_forwards.graphs if runner.spec_forwards is not None else None
@@ -131,7 +131,7 @@ class SpecDecoder:
         # the policy's per-step work moved into a plain step's device time (`while_plain_step`):
         # the last step's measurement not yet told, the load of a plain step and the draft length
         # chosen for the next step at that load
-        self._measured: tuple[int, bool, bool, int, int, float, int] | None = None
+        self._measured: tuple[int, int, bool, int, int, float, int] | None = None
         self._plain_load: StepLoad | None = None
         self._ahead: tuple[StepLoad, int] | None = None
 
@@ -145,7 +145,7 @@ class SpecDecoder:
         first choices start from."""
         self.policy.__dict__.update(copy.deepcopy(state))
         self._measured = self._ahead = self._plain_load = None
-        self.did_draft, self._behind = False, set()
+        self.did_draft = self.fills_draft_kv = False
 
     @property
     def did_catch_up(self) -> bool:
@@ -160,14 +160,16 @@ class SpecDecoder:
         first steps admit a few prompts at a time, and a probe at the few running then measured a
         load about to grow, a third of a c=64 bench run on the H100 in 2026-12), or when the policy
         says drafting does not pay; none for a sequence whose catch-up does not pay
-        (`_catch_up_worth`). A sequence that does not draft gives its draft pages back."""
+        (`_catch_up_worth`). A sequence that does not draft gives its draft pages back. A step at
+        such a load that drafts nothing but holds prompt chunks runs the MTP layer over them
+        (`fills_draft_kv`): their MTP KV written as the prompt is, so drafting starts without a
+        catch-up (a second prefill of the prompt), and a prompt longer than a step's budget does not
+        leave a gap too long to ever catch up."""
         flags = [False] * len(out.scheduled)
-        self.k, self.num_gap_rows = 0, 0
+        self.k, self.num_gap_rows, self.fills_draft_kv = 0, 0, False
         ahead, self._ahead, self._plain_load = self._ahead, None, None
         if num_requests <= self.max_drafting_seqs:
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
-            if (not self.did_draft or self._behind) and self.policy.forced_k is None:
-                self._catch_up_worth(out, can_draft)  # before the policy: its load counts who may draft
             num_drafting = can_draft.count(True)
             num_samples = sum([s.needs_sample for s in out.scheduled])
             load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
@@ -177,21 +179,26 @@ class SpecDecoder:
                 self.settle()
                 self.k = self.policy.choose(load)
             if self.k:
+                self._catch_up_worth(out, can_draft)
                 flags = self.book.reserve(out, can_draft, self.k)
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
                 self._plain_load = load  # a plain decode step: the next one's choice while it runs
+            self.fills_draft_kv = (
+                not any(flags) and self.policy.forced_k != 0 and self.book.has_chunk_to_fill(out)
+            )
         if any(flags):
             self.settle()  # a drafting step's device waits are its own
         self.book.release_spares(out, flags)
         self.did_draft = any(flags)
         return flags
 
-    def measured(self, num_seqs: int, is_drafting: bool, num_tokens: int, seconds: float) -> None:
-        """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`: for the
-        policy, told at the next `settle` (see `while_plain_step`)."""
+    def measured(self, num_seqs: int, num_drafting: int, num_tokens: int, seconds: float) -> None:
+        """A decode-only step of `num_seqs` sequences, `num_drafting` of them drafting, emitted
+        `num_tokens` in `seconds`: for the policy, told at the next `settle` (see `while_plain_step`)."""
+        is_drafting = num_drafting > 0
         self._measured = (
             num_seqs,
-            is_drafting,
+            num_drafting,
             is_drafting and self.did_verify,
             self.num_gap_rows,
             num_tokens,
@@ -204,11 +211,13 @@ class SpecDecoder:
         m, self._measured = self._measured, None
         if m is None:
             return
-        num_seqs, is_drafting, is_verified, num_gap_rows, num_tokens, seconds, k = m
-        if is_drafting and num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
+        num_seqs, num_drafting, is_verified, num_gap_rows, num_tokens, seconds, k = m
+        if num_drafting and num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
             self.policy.observe_catch_up(num_seqs, seconds, num_gap_rows)
         else:
-            self.policy.observe_step(num_seqs, is_drafting, is_verified, num_tokens, seconds, k)
+            self.policy.observe_step(
+                num_seqs, num_drafting > 0, is_verified, num_tokens, seconds, k, num_drafting
+            )
 
     def while_plain_step(self) -> None:
         """The policy's work while a plain step runs on the device (`ModelRunner.run`): the last
@@ -235,27 +244,31 @@ class SpecDecoder:
 
     def _catch_up_worth(self, out: SchedulerOutput, can_draft: list[bool]) -> None:
         """Clear `can_draft` for sequences whose catch-up would cost more than drafting can still
-        save them (`DraftPolicy.pays_to_catch_up`), asked once per sequence: the answer only gets
-        worse while it runs plain steps, so a sequence refused stays refused (`_behind`) until it
-        finishes. Only after a step that did not draft (a drafting step leaves no gap but these)."""
-        behind, num_seqs = self._behind, len(out.scheduled)
+        save them (`DraftPolicy.pays_to_catch_up`; not under a forced draft length), and for those
+        whose gap has just been given up (`DraftBook.gap`: too long for any step). Asked on every
+        step that would draft, not once: the answer depends on the load's measured rates too, which
+        change (a refresh's plain step once left every sequence of a winning load a one-position gap
+        while its measured saving read nothing, and a refusal kept for good then stopped them all)."""
+        num_seqs, asks = len(out.scheduled), self.policy.forced_k is None
         for b, s in enumerate(out.scheduled):
             if not can_draft[b]:
                 continue
             seq = s.seq
-            if seq.request_id in behind:
+            gap = self.book.gap(seq)
+            if not self.book.can_ever_draft(seq):  # its gap given up just now
                 can_draft[b] = False
-            elif not self.did_draft:
-                gap = self.book.gap(seq)
+            elif gap and asks:
                 left = seq.request.sampling.max_tokens - seq.num_output_tokens
-                if gap and not self.policy.pays_to_catch_up(num_seqs, gap, left):
-                    behind.add(seq.request_id)
-                    can_draft[b] = False
+                can_draft[b] = self.policy.pays_to_catch_up(num_seqs, gap, left)
 
     def forget(self, request_id: str) -> None:
-        self._behind.discard(request_id)
         self.book.forget(request_id)
         self._host_generators.pop(request_id, None)
+
+    def preempted(self, request_id: str) -> None:
+        """The request lost its pages and will recompute: its drafts are for KV that is gone (its
+        host generator stays: the draws its recompute makes continue the stream)."""
+        self.book.forget(request_id)
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -313,7 +326,8 @@ class SpecDecoder:
         for b, drafts in proposed.items():
             seq = rows[b].sched.seq
             self.book.keep(seq, seq.num_tokens + len(emitted[b]), drafts)
-        if not self.did_catch_up:  # m is a decode step's ratio: a gap's prefill is not a sample of it
+        # m is a decode step's ratio: neither a gap's prefill nor a step that only fills prompt chunks
+        if any(is_drafting) and not self.did_catch_up:
             self.policy.observe_timing(
                 verified - start, len(host.input_ids), time.perf_counter() - verified, draft_rows
             )

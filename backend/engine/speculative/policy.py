@@ -315,7 +315,8 @@ class DraftPolicy:
         B, N, R, sat = load.num_drafting, load.num_other_samples, load.num_rows, self.saturation_rows
         m = self.draft_cost if m is None else m
         one_row = max(1.0, B / sat)  # forward_cost(B): a chained depth
-        out = [(N + B * 1.0) / max(1.0, R / sat)]
+        # measured costs are in plain steps at this load, so k = 0 costs one (not R / sat model units)
+        out = [(N + B * 1.0) / (1.0 if measured is not None else max(1.0, R / sat))]
         total, p = 1.0, 1.0
         for k in range(1, self.max_drafts + 1):
             p *= acceptance[k - 1]
@@ -498,11 +499,15 @@ class DraftPolicy:
         num_tokens: int,
         seconds: float,
         num_drafts: int = 0,
+        num_drafting: int | None = None,
     ) -> None:
         """A decode-only step of `num_seqs` sequences emitted `num_tokens` in `seconds`: plain, or
-        drafting (`is_drafting`, `num_drafts` a sequence) and verifying drafts (`is_verified`; a
-        drafting step that only proposed counts towards the cost of probes, not towards the rates,
-        nor the overhead)."""
+        drafting (`is_drafting`, `num_drafts` a sequence, `num_drafting` of the sequences: all when
+        None) and verifying drafts (`is_verified`; a drafting step that only proposed counts towards
+        the cost of probes, not towards the rates, nor the overhead). The rates compare what the load
+        emitted either way; a k's measured cost and the overhead (priced for every sequence drafting)
+        come only from steps where every sequence drafted: one of eight drafting costs a step about
+        what eight do for an eighth of the tokens, and priced as eight it made drafting look dear."""
         if not self.is_calibrated or seconds <= 0:
             return
         bucket = load_bucket(num_seqs)
@@ -518,7 +523,7 @@ class DraftPolicy:
             return
         if is_verified:
             rates.add_spec(num_tokens, seconds)
-            if num_drafts and rates.plain_step_s:
+            if num_drafts and rates.plain_step_s and (num_drafting is None or num_drafting == num_seqs):
                 load = StepLoad(num_rows=num_seqs, num_drafting=num_seqs)
                 beyond = max(0.0, seconds / rates.plain_step_s - self.step_cost(load, num_drafts))
                 rates.overhead += (beyond - rates.overhead) * (OVERHEAD_WEIGHT if rates.num_overhead else 1.0)
@@ -532,14 +537,16 @@ class DraftPolicy:
     def pays_to_catch_up(self, num_seqs: int, gap: int, tokens_left: int) -> bool:
         """Whether a sequence that plain steps left `gap` positions behind (MTP KV its first drafting
         step must catch up, the target recomputing them too) should draft again, given the
-        `tokens_left` it may still emit, in a step of `num_seqs` sequences. Measured (its load has a
-        drafting rate, a catch-up's seconds a position is known here or within `NEAR_DOUBLINGS`):
-        what drafting saves over those tokens at the measured rates beats the catch-up's seconds.
-        Else the cost model, in plain steps: the steps drafting K saves it, tokens_left (1 - 1/E(K))
-        with each drafting step priced as one plain step (optimistic), beat its share of a forward
-        over the gaps in the target and the MTP layer, max(gap / R_sat, 1 / num_seqs) (1 + m). It
-        only gets worse while the sequence runs plain steps (the gap grows, the tokens left shrink),
-        so the engine asks once (backend/engine/speculative/decoder.py). On the H100 (2026-12-06) a
+        `tokens_left` it may still emit, in a step of `num_seqs` sequences. Measured (its load drafts
+        faster than plain steps run, and a catch-up's seconds a position is known here or within
+        `NEAR_DOUBLINGS`): what drafting saves over those tokens at the measured rates beats the
+        catch-up's seconds. Else (drafting not measured faster here: a probe, or a winning load's
+        rate within `RATE_MARGIN` below the plain one, where the measured saving would be nothing
+        and one refresh step would stop every sequence drafting) the cost model, in plain steps: the
+        steps drafting K saves it, tokens_left (1 - 1/E(K)) with each drafting step priced as one
+        plain step (optimistic), beat its share of a forward over the gaps in the target and the MTP
+        layer, max(gap / R_sat, 1 / num_seqs) (1 + m). The engine asks on every step that would draft
+        (backend/engine/speculative/decoder.py): the rates and the load change. On the H100 (2026-12-06) a
         burst of 64 nano requests drafted once 51 were left, each with ~10 tokens to go: its
         catch-up was a second prefill of every prompt (0.78x plain steps); then its last 2-4
         sequences still drafted and finished before a verify (40-90 ms of a 0.14 s run)."""
@@ -547,7 +554,7 @@ class DraftPolicy:
             return True
         bucket = load_bucket(num_seqs)
         rates = self._rates.get(bucket)
-        if self.is_calibrated and rates is not None and rates.plain and rates.spec:
+        if self.is_calibrated and rates is not None and rates.plain and rates.spec > rates.plain:
             near = self._near(bucket, lambda r: r.catch_up_row_s > 0)
             if near is not None:
                 return (
@@ -568,7 +575,10 @@ class DraftPolicy:
         bound = COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs or math.inf
         if seconds <= bound:  # a cold one (kernels compiled) is not what the next will cost
             rates.catch_up_s = _ewma(rates.catch_up_s, seconds)
-            if gap_rows:  # a drafting step's own seconds off: what its positions cost
+            # a drafting step's own seconds off: what its positions cost. Only from gaps past the
+            # saturation rows: below them a forward costs the same whatever its rows, and a refresh's
+            # one-position gaps divided a step's fixed excess by a handful of rows (far too dear)
+            if gap_rows >= self.saturation_rows:
                 row_s = max(0.0, seconds - rates.draft_step_s) / gap_rows
                 rates.catch_up_row_s = _ewma(rates.catch_up_row_s, row_s)
         rates.plain_s_since_probe -= min(seconds, bound) / PROBE_SHARE

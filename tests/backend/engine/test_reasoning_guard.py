@@ -226,14 +226,15 @@ def test_speculative_output_equals_plain_with_the_guard_on(loaded: dict[str, Any
     host.spec.is_greedy_enabled = False
     OracleDrafts(host, plain, p_wrong=0.3)
     assert outputs(run_all(host, reqs)) == outputs(plain)  # the host path's verify masks each row
-    buffered = graphed(model, k)  # whole greedy steps through the verify graphs' buffers and padding
+    # every prompt in the first step, so that the guards bite in whole steps (not beside prompt chunks)
+    buffered = graphed(model, k, max_num_batched_tokens=256)  # through the verify graphs' buffers and padding
     num_guarded = guarded_greedy_steps(buffered)
     OracleDrafts(buffered, plain, p_wrong=0.3)
     assert outputs(run_all(buffered, reqs)) == outputs(plain)
     forwards = buffered.runner.spec_forwards
     assert forwards is not None and forwards.graphs is not None and buffered.spec is not None
     assert num_guarded[0] > 0 and forwards.graphs.num_greedy_replays == buffered.spec.num_greedy_steps
-    engine = engine_for(model, k)  # whole greedy steps, eager
+    engine = engine_for(model, k, max_num_batched_tokens=256)  # whole greedy steps, eager
     num_guarded = guarded_greedy_steps(engine)
     OracleDrafts(engine, plain, p_wrong=0.3)
     spec = run_all(engine, reqs)

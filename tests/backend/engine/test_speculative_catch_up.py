@@ -23,24 +23,26 @@ NUM_IDLE = 6  # plain steps before drafting turns on: the prompts' chunks and a 
 
 
 class IdleFirst:
-    """The draft policy says 0 for the first `num_idle` steps, then K; counts the MTP forwards."""
+    """The first `num_idle` steps are plain (the draft length forced to 0: not even the MTP layer over
+    prompt chunks), then the policy's; counts the MTP forwards."""
 
     def __init__(self, engine: Engine, num_idle: int) -> None:
         spec = engine.spec
         assert spec is not None
         self.num_steps = 0
         self.num_mtp_forwards = 0
-        choose, forward_mtp = spec.policy.choose, engine.runner.model.forward_mtp
+        drafting, forward_mtp = spec.drafting, engine.runner.model.forward_mtp
 
-        def chosen(load: Any) -> int:
+        def idle_first(out: Any, num_requests: int) -> list[bool]:
             self.num_steps += 1
-            return 0 if self.num_steps <= num_idle else choose(load)
+            spec.policy.forced_k = 0 if self.num_steps <= num_idle else None
+            return drafting(out, num_requests)
 
         def counted(*args: Any, **kw: Any) -> Any:
             self.num_mtp_forwards += 1
             return forward_mtp(*args, **kw)
 
-        spec.policy.choose = chosen  # type: ignore[method-assign]
+        spec.drafting = idle_first  # type: ignore[method-assign]
         engine.runner.model.forward_mtp = counted
 
 
@@ -100,25 +102,30 @@ def test_drafting_resumes_with_the_mtp_kv_of_an_always_on_run(loaded: dict[str, 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_gap_too_long_for_any_step_is_left_as_zeros(loaded: dict[str, Any], arch: str) -> None:
-    """A sequence whose gap could never fit a step's token budget drafts without catching up (its
-    gap's MTP KV stays zero); outputs stay exact and the pool whole."""
+def test_a_gap_too_long_for_any_step_is_given_up(loaded: dict[str, Any], arch: str) -> None:
+    """A sequence whose gap could never fit a step's token budget is not caught up and drafts no more
+    (its gap's MTP KV stays zero: drafts read over it were accepted less and pulled the shared
+    acceptance down); outputs stay exact and the pool whole."""
     model = loaded[arch]
     reqs = [request("r", prompts(1, model.config.vocab_size, seed=4)[0] * 4, max_tokens=24, ignore_eos=True)]
     config = dict(speculative_adaptive=False, max_num_batched_tokens=16)  # MAX_GAP_SHARE: a gap over 8
     plain = run_all(engine_for(model, 0, **config), reqs)
     engine = engine_for(model, 3, **config)
-    IdleFirst(engine, 12)
+    idle = IdleFirst(engine, 12)
+    assert engine.spec is not None
     got: dict[str, Result] = {}
     engine.add_request(reqs[0])
-    while engine.stats.spec_drafted_tokens == 0:  # 12 plain steps, then the first drafting steps
+    while idle.num_steps < 12:
         collect(got, engine.step())
     (seq,) = engine.scheduler.running
-    assert seq.num_draft_kv_tokens == seq.num_computed_tokens > 8
-    assert all(bool((kv == 0).all()) for kv in draft_kv(engine, "r", 8))  # the gap given up
+    assert seq.num_computed_tokens - seq.num_draft_kv_tokens > 8  # the prompt's chunks and decodes, plain
+    collect(got, engine.step())  # would draft: the gap given up instead
+    assert seq.num_draft_kv_tokens == seq.num_computed_tokens - 1 and not engine.spec.book.can_ever_draft(seq)
+    assert all(bool((kv == 0).all()) for kv in draft_kv(engine, "r", 8))
     while engine.has_unfinished:
         collect(got, engine.step())
     assert got["r"].token_ids == plain["r"].token_ids
+    assert engine.stats.spec_drafted_tokens == 0 and idle.num_mtp_forwards == 0
     assert engine.block_manager.num_available_pages == engine.block_manager.num_pages
 
 
@@ -222,14 +229,13 @@ def test_a_hit_on_pages_of_plain_steps_catches_up_their_mtp_kv(loaded: dict[str,
     engine, always = engine_for(model, 3, **config), engine_for(model, 3, **config)
     spec = engine.spec
     assert spec is not None
-    choose = spec.policy.choose
-    spec.policy.choose = lambda load: 0  # type: ignore[method-assign]  # the writer: plain steps
+    spec.policy.forced_k = 0  # the writer: plain steps (not even the MTP layer over its prompt)
     got: dict[str, Result] = {}
     engine.add_request(reqs[0])
     while engine.has_unfinished:
         collect(got, engine.step())
     assert engine.stats.spec_drafted_tokens == 0
-    spec.policy.choose = choose  # type: ignore[method-assign]
+    spec.policy.forced_k = None
     engine.add_request(reqs[1])
     collect(got, engine.step())  # its prompt: 24 tokens hit, 5 computed, the 24 caught up
     hitter = engine._seqs["r1"]
