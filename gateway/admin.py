@@ -73,7 +73,7 @@ def _int_query(request: Request, name: str, default: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= high:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or not 1 <= int(raw) <= high:
         raise InvalidAdminRequest(f"Query parameter {name} must be an integer from 1 to {high}")
     return int(raw)
 

@@ -93,7 +93,7 @@ def routes(services: Services) -> list[Route | Mount]:
         Route("/models", catalog_routes.models_page, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/healthz", health, methods=["GET"]),
-        Route("/openapi.json", openapi.openapi_json, methods=["GET"]),
+        Route("/openapi.json", openapi.Published(services.catalog.models).respond, methods=["GET"]),
         Mount("/admin/v1", routes=admin_routes(services)),
     ]
 

@@ -96,6 +96,13 @@ def poll_id(raw: bytes) -> str | None:
 
 def _checked(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
     """One queued request, validated now with the model's decoder (a 400 names `$.requests[i]`)."""
+    try:
+        return _checked_item(raw, i, model)
+    except RecursionError as exc:  # decoding, re-encoding or reading its whole floats
+        raise BadInput(f"Bad input: `$.requests[{i}]` is nested too deeply") from exc
+
+
+def _checked_item(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
     value = msgspec.json.decode(raw)
     if not isinstance(value, dict):
         raise BadInput(f"Bad input: Expected `object` - at `$.requests[{i}]`")

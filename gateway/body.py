@@ -22,7 +22,13 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """The body, refused with 413/3006 as soon as it passes `limit` (never read whole first), and
     408 when a slow client has not sent it within `timeout_s`."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    # ASCII digits only (`isdigit` takes '²', which `int` refuses); too many for `int` are too large
+    if (
+        declared
+        and declared.isascii()
+        and declared.isdigit()
+        and (len(declared) > 18 or int(declared) > limit)
+    ):
         raise TooLarge("Request is too large")
     body = bytearray()
     try:

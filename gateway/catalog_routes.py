@@ -34,9 +34,15 @@ def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
-    if not raw.lstrip("-").isdigit() or not low <= int(raw) <= high:
+    if not _is_decimal(raw.removeprefix("-")) or not low <= int(raw) <= high:
         raise BadInput(f"Bad input: '{name}' must be an integer from {low} to {high}")
     return int(raw)
+
+
+def _is_decimal(text: str) -> bool:
+    """ASCII digits that `int` takes: `str.isdigit` alone admits '²', and `int` refuses more than
+    4,300 digits; either would be a 500 rather than the 400 a malformed parameter is."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
 
 
 def _bool(request: Request, name: str) -> bool:
@@ -50,7 +56,7 @@ def rendered(services: Services, request: Request) -> list[ModelObject]:
     """Catalog objects matching the query's filters, with what each pool reports."""
     q = request.query_params
     source = q.get("source")
-    if source is not None and not source.isdigit():
+    if source is not None and not _is_decimal(source):
         raise BadInput("Bad input: 'source' must be a number")
     models = services.catalog.search(
         search=q.get("search") or None,

@@ -161,7 +161,11 @@ class ImageFetcher:
             if encoding not in ("", "identity"):
                 raise ImageRejected(f"image URL answered with content encoding {encoding}")
             declared = response.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > self._limits.max_bytes:
+            if (
+                declared.isascii()
+                and declared.isdigit()
+                and (len(declared) > 18 or int(declared) > self._limits.max_bytes)
+            ):
                 raise ImageRejected(f"image is larger than {self._limits.max_bytes} bytes")
             body = bytearray()
             async for chunk in response.aiter_raw():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -25,14 +24,22 @@ from gateway.auth import TenantContext
 from gateway.backend_client import tenant_salt, to_gateway_error
 from gateway.catalog import Catalog
 from gateway.errors import (
+    Aborted,
     KumoError,
     ModelNotAllowed,
     PaidModelOnFreePlan,
+    Timeout,
 )
 from gateway.images import ImageFetcher
 from gateway.lifecycle import Lifecycle
 from gateway.normalize import Context, Normalized, from_legacy
-from gateway.normalize_openai import from_openai, max_tokens_of, num_choices_of, num_images_of
+from gateway.normalize_openai import (
+    from_openai,
+    image_urls_of,
+    max_tokens_of,
+    num_choices_of,
+    num_images_of,
+)
 from gateway.observability import RequestInfo
 from gateway.pools import Router
 from gateway.quotas import Admission, Limiter
@@ -51,7 +58,6 @@ log = structlog.get_logger("kumo.inference")
 # capped image costs (the backend's 16,384 patches per image, 130 × 130 once padded, merged 2×2)
 IMAGE_TOKENS_ESTIMATE = 65 * 65
 PROMPT_SCAFFOLD_TOKENS = 64  # a template's own text beyond the body (a default system prompt, BOS)
-_DATA_URI = re.compile(rb'"data:[^"]*"')
 _legacy_decoder = msgspec.json.Decoder(LegacyInput)
 _openai_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
@@ -125,6 +131,15 @@ class InferenceService:
         return await _Call(self, tenant, model, surface, meta).handle(prompt)
 
 
+@dataclass(frozen=True)
+class _Reserved:
+    """What admission reserved for one call (trued up when it settles), and the prompt tokens it
+    estimated: what a choice cut before the backend's usage came is billed for its prompt."""
+
+    admission: Admission
+    prompt_tokens: int
+
+
 @dataclass
 class _Call:
     """One inference request of an authenticated tenant for a resolved model, from its decoded
@@ -139,29 +154,27 @@ class _Call:
     async def handle(self, prompt: Prompt) -> Answer | Stream:
         """Admit against the quotas (step 1), then normalise (step 2), which may fetch images, so a
         tenant over its limits costs no outbound fetch; then route and render."""
-        body = prompt.body
         admission = await self.service.limiter.admit(
             self.tenant, self.model.name, self._estimate(prompt), self._worst_neurons(prompt)
         )
+        # a cut answer's prompt: the estimate with the template's own tokens (the body alone
+        # undercounts a short prompt), still within the worst case reserved
+        reserved = _Reserved(admission, self._prompt_estimate(prompt) + PROMPT_SCAFFOLD_TOKENS)
         try:
             async with self.service.lifecycle.bounded():  # image fetches end at the drain deadline
-                normalized = await self._normalize(body)
+                normalized = await self._normalize(prompt.body)
         except BaseException as exc:
-            await self._abandon(admission, [], [], exc)
+            await self._abandon(reserved, [], [], exc)
             raise
-        return await self._respond(admission, normalized)
+        return await self._respond(reserved, normalized)
 
     def _text_bytes_and_images(self, prompt: Prompt) -> tuple[int, int]:
-        """The body's text bytes (images' bytes are not text) and its images, each counted at a capped
-        image's tokens, fetched from a URL or not (a URL is not fetched before admission)."""
-        raw, body = prompt.raw, prompt.body
-        text_bytes = len(_DATA_URI.sub(b'""', raw))
+        """The body's text bytes (inline images' bytes are not text) and its images, each counted at
+        a capped image's tokens, fetched from a URL or not (a URL is not fetched before admission)."""
+        body = prompt.body
+        text_bytes = len(prompt.raw) - _inline_image_bytes(body)
         if isinstance(body, LegacyInput):
-            if body.image is None:
-                return text_bytes, 0
-            if not (isinstance(body.image, str) and body.image.startswith("data:")):
-                text_bytes -= len(msgspec.json.encode(body.image))  # bytes or base64: not text
-            return text_bytes, 1
+            return text_bytes, int(body.image is not None)
         return text_bytes, num_images_of(body)
 
     def _choices_and_max_tokens(self, body: ModelInput) -> tuple[int, int]:
@@ -169,12 +182,17 @@ class _Call:
             return 1, body.max_tokens
         return min(num_choices_of(body), self.service.settings.max_choices), max_tokens_of(body, self.model)
 
-    def _estimate(self, prompt: Prompt) -> int:
-        """Tokens reserved at admission (trued up after): ~4 bytes a text token, a capped image's
-        tokens per image, plus every choice's max tokens."""
+    def _prompt_estimate(self, prompt: Prompt) -> int:
+        """The prompt's tokens as admission sees them: ~4 bytes a text token, a capped image's
+        tokens per image."""
         text_bytes, images = self._text_bytes_and_images(prompt)
+        return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE
+
+    def _estimate(self, prompt: Prompt) -> int:
+        """Tokens reserved at admission (trued up after): the prompt's estimate plus every choice's
+        max tokens."""
         num_choices, max_tokens = self._choices_and_max_tokens(prompt.body)
-        return text_bytes // 4 + images * IMAGE_TOKENS_ESTIMATE + max_tokens * num_choices
+        return self._prompt_estimate(prompt) + max_tokens * num_choices
 
     def _worst_neurons(self, prompt: Prompt) -> float:
         """The most the request can cost, reserved from the daily budget at admission (the unused
@@ -200,35 +218,38 @@ class _Call:
             return await from_legacy(body, self.model, ctx)
         return await from_openai(body, self.model, ctx, allow_prompt=self.surface == "run")
 
-    async def _respond(self, admission: Admission, normalized: Normalized) -> Answer | Stream:
+    async def _respond(self, reserved: _Reserved, normalized: Normalized) -> Answer | Stream:
         """Steps 3 and 8: route every choice, render; settle and record usage at the end."""
         done = [render.Completion() for _ in normalized.requests]
         affinity = self.meta.affinity
-        if affinity is None and len(normalized.requests) > 1 and _has_images(normalized.requests[0]):
-            affinity = self.meta.info.request_id  # one replica encodes the choices' images once
+        if affinity is None and len(normalized.requests) > 1:
+            # one replica takes every choice: its prefix cache shares their prompt (and encodes
+            # their images once), which is what `Totals.of` bills
+            affinity = self.meta.info.request_id
         # every choice is routed at once; any failure before the first byte closes the others
         started = await asyncio.gather(
-            *(self._started(r, affinity) for r in normalized.requests), return_exceptions=True
+            *(self._started(r, c, affinity) for r, c in zip(normalized.requests, done, strict=True)),
+            return_exceptions=True,
         )
         streams = [s for s in started if not isinstance(s, BaseException)]
         failure = next((s for s in started if isinstance(s, BaseException)), None)
         if failure is not None:
-            await self._abandon(admission, done, streams, failure)
+            await self._abandon(reserved, done, streams, failure)
             raise failure
         if normalized.stream:
-            return Stream(self._stream(admission, normalized, streams, done))
+            return Stream(self._stream(reserved, normalized, streams, done))
         try:
             await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, done, strict=True)))
         except BaseException as exc:
-            await self._abandon(admission, done, streams, exc)
+            await self._abandon(reserved, done, streams, exc)
             raise
         totals = render.Totals.of(done)
         try:
             body = self._body(done, totals, normalized)
         except KumoError as exc:  # JSON mode not met: the tokens were spent, the answer is a 400
-            await self._settle(admission, done, status=exc.status)
+            await self._settle(reserved, done, status=exc.status)
             raise
-        await self._settle(admission, done, status=200)
+        await self._settle(reserved, done, status=200)
         return Answer(body)
 
     def _body(
@@ -249,10 +270,12 @@ class _Call:
         return f"chatcmpl-{self.meta.info.request_id}"
 
     async def _started(
-        self, generate: b.GenerateRequest, affinity: str | None
+        self, generate: b.GenerateRequest, into: render.Completion, affinity: str | None
     ) -> AsyncGenerator[b.Event, None]:
         """Route one choice and wait for its first event, so that routing failures and immediate
-        backend errors (context window, busy) become a proper HTTP error before any byte is sent."""
+        backend errors (context window, busy) become a proper HTTP error before any byte is sent.
+        A wait cut by the deadline, the drain or the caller leaves the choice `is_started`: the
+        backend was working on its prompt."""
         timeout_s = self.meta.timeout_s
         events = self.service.lifecycle.guard(
             self.service.router.generate(self.model, generate, affinity=affinity),
@@ -262,10 +285,14 @@ class _Call:
             url, first = await anext(events)
         except StopAsyncIteration as exc:
             raise KumoError("Unknown internal error") from exc
+        except (Timeout, Aborted, asyncio.CancelledError):
+            into.is_started = True
+            raise
         self.meta.info.replica = url
         if isinstance(first, b.Error):
             await events.aclose()
             raise to_gateway_error(first)
+        into.is_started = True
 
         async def rest() -> AsyncGenerator[b.Event, None]:
             try:
@@ -284,7 +311,7 @@ class _Call:
 
     async def _stream(
         self,
-        admission: Admission,
+        reserved: _Reserved,
         normalized: Normalized,
         streams: list[AsyncGenerator[b.Event, None]],
         done: list[render.Completion],
@@ -324,22 +351,24 @@ class _Call:
             with anyio.CancelScope(shield=True):
                 await merged.aclose()
                 await self._settle(
-                    admission, done, status=status if status != 200 or all(c.finish for c in done) else 499
+                    reserved, done, status=status if status != 200 or all(c.finish for c in done) else 499
                 )
 
     async def _abandon(
         self,
-        admission: Admission,
+        reserved: _Reserved,
         done: list[render.Completion],
         streams: list[AsyncGenerator[b.Event, None]],
         exc: BaseException,
     ) -> None:
         for stream in streams:
             await stream.aclose()
-        await self._settle(admission, done, status=exc.status if isinstance(exc, KumoError) else 500)
+        await self._settle(reserved, done, status=exc.status if isinstance(exc, KumoError) else 500)
 
-    async def _settle(self, admission: Admission, done: list[render.Completion], *, status: int) -> None:
-        totals = render.Totals.of(done)
+    async def _settle(self, reserved: _Reserved, done: list[render.Completion], *, status: int) -> None:
+        """True up the quotas and record the usage: the backend's, or for choices cut before it
+        came, the lower bound of `render.Completion.consumed`."""
+        totals = render.Totals.of(done, reserved.prompt_tokens)
         spent = neurons(
             self.model.price, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens
         )
@@ -350,7 +379,7 @@ class _Call:
             totals.completion_tokens,
         )
         await self.service.limiter.settle(
-            admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
+            reserved.admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
         )
         self.service.ledger.record(
             UsageRecord(
@@ -366,13 +395,15 @@ class _Call:
         )
 
 
-def _has_images(request: b.GenerateRequest) -> bool:
-    return any(
-        isinstance(part, b.ImagePart)
-        for m in request.messages or []
-        if isinstance(m.content, list)
-        for part in m.content
-    )
+def _inline_image_bytes(body: ModelInput) -> int:
+    """The JSON bytes of the body's inline images (image parts' data: URIs, the legacy `image`
+    field), which admission counts as images rather than text. Taken from the decoded body, never
+    from a pattern over the raw bytes, so that text which merely looks like a data: URI is counted
+    as text. Each is measured as msgspec writes it, never longer than the same value in the body
+    (which may escape more), so the text left over is never undercounted."""
+    if isinstance(body, LegacyInput):
+        return 0 if body.image is None else len(msgspec.json.encode(body.image))
+    return sum(len(msgspec.json.encode(url)) for url in image_urls_of(body) if url.startswith("data:"))
 
 
 async def merge(streams: list[AsyncGenerator[b.Event, None]]) -> AsyncGenerator[tuple[int, b.Event], None]:

@@ -89,9 +89,10 @@ class Lifecycle:
 
 def request_timeout_s(headers: Mapping[str, str], limit_s: float) -> float:
     """The wall-clock limit of one request: the configured one, or less when the caller asks for
-    less with `cf-aig-request-timeout` (ms). A malformed header is ignored."""
+    less with `cf-aig-request-timeout` (ms). A malformed header is ignored: anything but ASCII
+    digits (`str.isdigit` takes '²', which `int` refuses), or more of them than any limit needs."""
     value = headers.get(REQUEST_TIMEOUT_HEADER, "")
-    if value.isdigit() and int(value) > 0:
+    if value.isascii() and value.isdigit() and len(value) <= 12 and int(value) > 0:
         return min(limit_s, int(value) / 1000)
     return limit_s
 

@@ -136,14 +136,24 @@ def num_images_of(inp: ChatCompletionRequest) -> int:
     return _num_images(inp.messages or [])
 
 
+def image_urls_of(inp: ChatCompletionRequest) -> list[str]:
+    """The image parts' URLs (data: URIs or http(s) URLs), in input order, before any is fetched."""
+    return [part.image_url.url for part in _image_parts(inp.messages or [])]
+
+
 def _num_images(messages: list[MessageIn]) -> int:
     """Image parts in the input, counted before any of them is fetched."""
-    return sum(
-        isinstance(part, ImagePartIn)
+    return len(_image_parts(messages))
+
+
+def _image_parts(messages: list[MessageIn]) -> list[ImagePartIn]:
+    return [
+        part
         for m in messages
         if not isinstance(m, FunctionMessage) and isinstance(m.content, list)
         for part in m.content
-    )
+        if isinstance(part, ImagePartIn)
+    ]
 
 
 async def _message(m: MessageIn, field: str, ctx: Context) -> b.Message:

@@ -64,8 +64,12 @@ class Completion:
     logprobs: list[b.TokenLogprob] = field(default_factory=list)
     usage: b.Usage | None = None
     finish: o.FinishReasonOut | None = None
+    is_started: bool = False  # the backend took the choice on (an event came, or the wait for one was cut)
+    num_pieces: int = 0  # delta events fed: each carries at least one generated token
 
     def feed(self, event: b.Event) -> None:
+        if isinstance(event, b.TextDelta | b.ReasoningDelta | b.ToolCallDelta):
+            self.num_pieces += 1
         if isinstance(event, b.TextDelta):
             self.text += event.text
             self.logprobs.extend(event.logprobs or [])
@@ -84,6 +88,18 @@ class Completion:
         else:
             raise to_gateway_error(event)
 
+    def consumed(self, prompt_tokens: int) -> b.Usage:
+        """What the choice cost: the backend's usage, which it sends only at the end. A choice cut
+        before then (the client gone, a timeout, a drain, an error mid-stream) is billed instead,
+        once the backend took it on, `prompt_tokens` (admission's estimate of the prompt) and a
+        token per piece delivered (a lower bound), so that ending a stream early never makes it free."""
+        if self.usage is not None:
+            return self.usage
+        if not self.is_started:  # refused or never routed: no work done
+            return b.Usage(prompt_tokens=0, completion_tokens=0)
+        completion_tokens = max(self.num_pieces, len(self.logprobs))
+        return b.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+
     def check_finished(self) -> None:
         """A backend stream that ended without a finish event was cut short: an error, not an answer."""
         if self.finish is None:
@@ -97,13 +113,19 @@ class Totals:
     completion_tokens: int
 
     @classmethod
-    def of(cls, completions: list[Completion]) -> Totals:
-        """The prompt is counted once (choice 0), completions are summed over choices."""
-        first = completions[0].usage if completions else None
+    def of(cls, completions: list[Completion], prompt_estimate: int = 0) -> Totals:
+        """Every choice is its own backend request on one replica: choice 0's prompt is counted
+        whole, each later choice's only where the replica's prefix cache did not serve it (choices
+        prefilled at once compute it again). Completions are summed over choices. A choice cut
+        before its usage came counts `Completion.consumed`, the prompt estimate on choice 0 only
+        (a later one shares its prompt)."""
+        if not completions:
+            return cls(prompt_tokens=0, cached_tokens=0, completion_tokens=0)
+        first, *rest = (c.consumed(prompt_estimate if i == 0 else 0) for i, c in enumerate(completions))
         return cls(
-            prompt_tokens=first.prompt_tokens if first else 0,
-            cached_tokens=first.cached_tokens if first else 0,
-            completion_tokens=sum(c.usage.completion_tokens for c in completions if c.usage),
+            prompt_tokens=first.prompt_tokens + sum(u.prompt_tokens - u.cached_tokens for u in rest),
+            cached_tokens=first.cached_tokens,
+            completion_tokens=first.completion_tokens + sum(u.completion_tokens for u in rest),
         )
 
     def legacy(self, neurons: float | None = None) -> LegacyUsage:

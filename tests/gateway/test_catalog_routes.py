@@ -12,7 +12,7 @@ import pytest
 from gateway_harness import GLM, KIMI, LEGACY, MISMATCH, Harness, harness  # noqa: F401  (fixture)
 from sqlalchemy.exc import OperationalError
 
-from gateway.catalog import Catalog, CatalogError, load_catalog_file
+from gateway.catalog import Catalog, CatalogError, family_schema, load_catalog_file
 from schemas.admin import TokenCreate
 from schemas.backend import Capabilities, ModelCard
 
@@ -77,6 +77,15 @@ async def test_filters_and_paging_end(harness: Harness) -> None:
     for value in ("lots", ""):  # an empty value is no integer either
         bad = await get(harness, "/ai/models/search", per_page=value)
         assert bad.status_code == 400 and "per_page" in bad.json()["errors"][0]["message"]
+
+
+async def test_a_schema_is_generated_once_and_answered_the_same(harness: Harness) -> None:
+    family_schema.cache_clear()
+    answers = [await get(harness, "/ai/models/schema", model=model) for model in (KIMI, GLM, KIMI, GLM)]
+    assert all(r.status_code == 200 for r in answers)
+    assert answers[0].content == answers[1].content == answers[2].content == answers[3].content
+    info = family_schema.cache_info()
+    assert (info.misses, info.hits) == (1, 3)  # Kimi and GLM share the OpenAI family's
 
 
 async def test_schema_tasks_authors_memberships(harness: Harness) -> None:

@@ -4,11 +4,17 @@ served, and the document itself valid OpenAPI 3.1 whose schemas accept what the 
 
 from __future__ import annotations
 
+from typing import Any
+
+import httpx
 import jsonschema_rs
+import pytest
 import schemathesis
 from gateway_harness import GLM, LEGACY, Harness, harness  # noqa: F401  (fixture)
+from starlette.applications import Starlette
 from starlette.routing import Mount, Route
 
+from gateway import openapi
 from gateway.app import routes
 from gateway.openapi import OPERATIONS, document, openapi_path
 
@@ -52,6 +58,24 @@ async def test_the_document_is_served_and_valid(harness: Harness) -> None:
     loaded = schemathesis.openapi.from_dict(doc)  # parses every operation, its parameters and bodies
     operations = [result.ok() for result in loaded.get_all_operations()]
     assert len(operations) == sum(len(ops) for ops in doc["paths"].values()) >= len(OPERATIONS)
+
+
+async def test_the_document_is_built_once_and_served_as_the_same_bytes(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`/openapi.json` needs no credentials: each call must not rebuild the document (~19 ms of CPU)."""
+    builds: list[int] = []
+
+    def counted(models: Any, server_url: str | None = None) -> dict[str, Any]:
+        builds.append(1)
+        return document(models, server_url)
+
+    monkeypatch.setattr(openapi, "document", counted)
+    app = Starlette(routes=routes(harness.services))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kumo") as http:
+        first, second = [await http.get("/openapi.json") for _ in range(2)]
+    assert first.status_code == second.status_code == 200
+    assert first.content == second.content and len(builds) == 1
 
 
 async def test_answers_match_the_documented_schemas(harness: Harness) -> None:

@@ -1,0 +1,54 @@
+"""Security review, item 4: with `n` choices the prompt was billed once (choice 0's usage) though
+each choice is its own backend request, and a text-only request spread its choices over replicas,
+so no prefix cache could share the prompt between them. Every choice of one request now goes to
+one replica, and each later choice adds the prompt tokens its replica's cache did not serve."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from gateway_harness import KIMI, Harness, _tenant
+
+from gateway.usage import neurons
+
+PROMPT = "share this prompt"
+PROMPT_TOKENS = 7 + len(PROMPT)  # the fake backend's count for it, of which 4 come from its cache
+CACHED_TOKENS = 4
+
+
+async def test_the_choices_of_a_text_request_go_to_one_replica(harness: Harness) -> None:
+    kimi = harness.backends["kimi-k2.6"]
+    for stream in (False, True, False, True):
+        before = [len(b.requests) for b in kimi]
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{KIMI}"),
+            headers=harness.auth(),
+            json={"messages": [{"role": "user", "content": PROMPT}], "n": 4, "stream": stream},
+        )
+        assert r.status_code == 200, r.text
+        got = [len(b.requests) - n for b, n in zip(kimi, before, strict=True)]
+        print(f"tried n=4 text-only (stream={stream}) over 2 replicas: choices per replica {got}")
+        assert sorted(got) == [0, 4]
+
+
+async def test_each_choice_pays_the_prompt_its_replica_did_not_cache(harness: Harness) -> None:
+    account, token = await _tenant(harness.services, "four-choices", "paid")
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}", account),
+        headers=harness.auth(token),
+        json={"messages": [{"role": "user", "content": PROMPT}], "n": 4},
+    )
+    usage = r.json()["result"]["usage"]
+    # choice 0's prompt whole; choices 1-3 only what the cache did not serve
+    prompt_tokens = PROMPT_TOKENS + 3 * (PROMPT_TOKENS - CACHED_TOKENS)
+    assert usage["prompt_tokens"] == prompt_tokens
+    assert usage["prompt_tokens_details"]["cached_tokens"] == CACHED_TOKENS
+    await harness.services.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    [row] = await harness.services.store.usage(account, since=today, until=today, group_by="model")
+    price = harness.services.catalog.get(KIMI).price
+    print(
+        f"n=4: billed {row.prompt_tokens} prompt tokens ({row.cached_tokens} cached), {row.neurons:.4f} neurons"
+    )
+    assert (row.prompt_tokens, row.cached_tokens) == (prompt_tokens, CACHED_TOKENS)
+    assert row.neurons == neurons(price, prompt_tokens, CACHED_TOKENS, usage["completion_tokens"])

@@ -1,0 +1,91 @@
+"""Security review, item 2: an answer that ended early was free. The backend reports usage only at
+the end, so a stream the client cut after its first chunk, one cut by `cf-aig-request-timeout`, or
+a whole answer that timed out (408) billed 0 tokens and refunded its whole reservation, though the
+backend had read the prompt and generated tokens. Such an answer is now billed at least its
+prompt (admission's estimate) and a token per piece delivered; a finished one as before."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+
+from gateway_harness import GLM, Harness, _tenant
+
+from gateway.usage import neurons
+from schemas.admin import UsageGroup
+
+SLOW_PROMPT_TOKENS = 7 + len("slow")  # what the fake backend reports for the "slow" script's prompt
+
+
+async def _usage(h: Harness, account: str) -> UsageGroup:
+    """The tenant's usage today, once every stream it opened on the GLM backend has been closed."""
+    backend = h.backends["glm-5.2"][0]
+    for _ in range(60):
+        if backend.num_open_streams == 0:
+            break
+        await asyncio.sleep(0.05)
+    await h.services.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    rows = await h.services.store.usage(account, since=today, until=today, group_by="model")
+    assert [r.model for r in rows] == [GLM], rows
+    return rows[0]
+
+
+def _assert_billed_for_its_prompt(usage: UsageGroup, what: str) -> None:
+    print(
+        f"{what}: billed {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
+        f"{usage.neurons:.5f} neurons"
+    )
+    assert usage.requests == 1
+    assert usage.prompt_tokens >= SLOW_PROMPT_TOKENS and usage.completion_tokens >= 1
+    assert usage.neurons > 0
+
+
+async def test_a_stream_the_client_cuts_is_billed_what_it_consumed(harness: Harness) -> None:
+    account, token = await _tenant(harness.services, "cuts-streams", "paid")
+    async with harness.http.stream(
+        "POST",
+        harness.path(f"/ai/run/{GLM}", account),
+        headers=harness.auth(token),
+        json={"prompt": "slow", "stream": True},
+    ) as r:
+        async for line in r.aiter_lines():
+            if '"content":"ech' in line:
+                break
+    _assert_billed_for_its_prompt(await _usage(harness, account), "stream cut after its first piece")
+
+
+async def test_an_answer_cut_by_its_request_timeout_is_billed_what_it_consumed(harness: Harness) -> None:
+    # the "slow" script sends an event every 0.3 s: 0.7 s lets two pieces out, 0.5 s one
+    for stream, limit_ms in ((True, "700"), (False, "500")):
+        account, token = await _tenant(harness.services, f"times-out-{stream}", "paid")
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}", account),
+            headers={"cf-aig-request-timeout": limit_ms, **harness.auth(token)},
+            json={"messages": [{"role": "user", "content": "slow"}], "stream": stream},
+        )
+        if stream:
+            assert r.status_code == 200 and '"code":3046' in r.text, r.text
+        else:
+            assert r.status_code == 408 and r.json()["errors"][0]["code"] == 3046, r.text
+        what = f"{'stream' if stream else 'answer'} cut by a {limit_ms} ms request timeout"
+        _assert_billed_for_its_prompt(await _usage(harness, account), what)
+
+
+async def test_a_finished_stream_is_billed_exactly_its_usage(harness: Harness) -> None:
+    account, token = await _tenant(harness.services, "finishes", "paid")
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}", account),
+        headers=harness.auth(token),
+        json={"prompt": "slow", "stream": True},
+    )
+    frames = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+    trailer = frames[-1]["usage"]
+    # the fake backend's own count: the prompt, 4 of it cached, one token per piece of "echo: slow"
+    assert (trailer["prompt_tokens"], trailer["prompt_tokens_details"]["cached_tokens"]) == (11, 4)
+    assert trailer["completion_tokens"] == 4
+    usage = await _usage(harness, account)
+    price = harness.services.catalog.get(GLM).price
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (11, 4, 4)
+    assert usage.neurons == neurons(price, 11, 4, 4) and round(usage.neurons, 4) == trailer["neurons"]
