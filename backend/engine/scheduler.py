@@ -62,8 +62,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_step = 0
         # speculative decoding: the verify rows a decode's pending drafts add, kept out of the prefill
-        # budget (backend/engine/speculative/book.py `num_pending`); else a prefill backlog fills every
-        # step to the budget and no drafting sequence ever verifies
+        # budget (backend/engine/speculative/book.py `num_pending`), at most half of what the decodes
+        # leave: else a prefill backlog fills every step and no drafting sequence ever verifies, or
+        # (drafts kept whole) drafting decodes take every row and a new prompt waits for them to end
         self.draft_rows: Callable[[Sequence], int] | None = None
 
     @property
@@ -117,7 +118,7 @@ class Scheduler:
         # decode: one token each, oldest first; preempt the newest when a page is missing
         prefilling = []
         reserve = self.block_manager.reserve_next_slot
-        draft_rows = self.draft_rows
+        draft_rows, num_draft_rows = self.draft_rows, 0
         for seq in running:
             if seq.status is not Status.RUNNING:
                 continue
@@ -127,7 +128,9 @@ class Scheduler:
             if not reserve(seq) and not self._preempt_until_reserved(seq, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, 1))
-            budget -= 1 + (draft_rows(seq) if draft_rows is not None else 0)
+            budget -= 1
+            num_draft_rows += draft_rows(seq) if draft_rows is not None else 0
+        budget -= min(num_draft_rows, max(budget, 0) // 2)
         # prefill: the next chunk of requests already running (in order), then newly admitted ones
         for seq in prefilling:
             if budget <= 0:

@@ -71,10 +71,10 @@ def gate_off(engine: Any) -> None:
     """The policy's state in the GPU bench's non-drafting runs: at one sequence, plain steps measured
     faster than drafting ones, a probe already spent and none affordable again (a drafting step
     priced far above the plain time since)."""
-    from backend.engine.speculative.policy import MIN_RATE_SAMPLES, _Rates
+    from backend.engine.speculative.load_rates import MIN_RATE_SAMPLES, LoadRates
 
     policy = engine.spec.policy
-    policy._rates[1] = _Rates(
+    policy._rates[1] = LoadRates(
         plain=1000.0, spec=1.0, num_plain=MIN_RATE_SAMPLES, num_spec=MIN_RATE_SAMPLES,
         plain_step_s=1e-3, draft_step_s=1e9, num_probes=1,
     )  # fmt: skip

@@ -33,13 +33,9 @@ async def _usage(h: Harness, account: str) -> UsageGroup:
 
 
 def _assert_billed_for_its_prompt(usage: UsageGroup, what: str) -> None:
-    print(
-        f"{what}: billed {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens, "
-        f"{usage.neurons:.5f} neurons"
-    )
-    assert usage.requests == 1
-    assert usage.prompt_tokens >= SLOW_PROMPT_TOKENS and usage.completion_tokens >= 1
-    assert usage.neurons > 0
+    assert usage.requests == 1, what
+    assert usage.prompt_tokens >= SLOW_PROMPT_TOKENS and usage.completion_tokens >= 1, (what, usage)
+    assert usage.neurons > 0, what
 
 
 async def test_a_stream_the_client_cuts_is_billed_what_it_consumed(harness: Harness) -> None:

@@ -23,12 +23,13 @@ first draft: its verify chunk starts at the gap, so the target recomputes the ga
 (its rows write no target KV: they read what the plain steps wrote, `plan.plan_target`) and depth
 0 runs the MTP layer over them and the accepted positions in one prefill-shaped forward. The gap's rows count in the step's token budget; a gap that
 does not fit waits for a later step, one that can never fit (`MAX_GAP_SHARE`) is given up: its MTP KV
-stays zeros (`num_whole_draft_kv_tokens` at the gap's start) and the sequence drafts no more (drafts
-read over zeros were accepted less, and their verifies pulled the acceptance every sequence's draft
-length is chosen by). Prompts do not leave such gaps where drafting may run: a step at such a load
-that drafts nothing runs the MTP layer over its prompt chunks (decoder.py `fills_draft_kv`). The
-scheduler keeps each decode's pending drafts' rows out of the prefill budget (`num_pending`), so a
-prefill backlog does not crowd every verify out of the steps. A prefix-cache hit trusts the MTP KV of its hit pages only as far as the cache holds
+stays zeros (`num_whole_draft_kv_tokens` at the gap's start, `has_hole`) and the draft reads them
+(fewer drafts accepted, never a wrong token; such a sequence's verifies stay out of the acceptance
+every sequence's draft length is chosen by). Prompts do not leave such gaps where drafting may run: a
+step at such a load that drafts nothing runs the MTP layer over its prompt chunks (decoder.py
+`fills_draft_kv`); prefix-cache hits on pages without MTP KV and sequences that ran plain steps above
+the draft cap still can. The scheduler keeps each decode's pending drafts' rows out of the prefill
+budget (`num_pending`, at most half of it), so a prefill backlog does not crowd every verify out. A prefix-cache hit trusts the MTP KV of its hit pages only as far as the cache holds
 it whole, and catches up the rest (backend/engine/block_manager.py, the module doc).
 """
 
@@ -78,12 +79,13 @@ class DraftBook:
 
     def can_ever_draft(self, seq: Sequence) -> bool:
         """`seq` may draft on some step (its MTP KV is worth keeping): a grammar masks each
-        position by the accepted text (not drafted); a gap given up (`gap`) is never caught up."""
-        return (
-            seq.constraint is None
-            and not (seq.request.sampling.stop and not self.can_match_stops)
-            and seq.num_whole_draft_kv_tokens >= seq.num_draft_kv_tokens
-        )
+        position by the accepted text (not drafted)."""
+        return seq.constraint is None and not (seq.request.sampling.stop and not self.can_match_stops)
+
+    @staticmethod
+    def has_hole(seq: Sequence) -> bool:
+        """A gap of `seq`'s was given up (`gap`): its drafts read zeros there."""
+        return seq.num_whole_draft_kv_tokens < seq.num_draft_kv_tokens
 
     def num_pending(self, seq: Sequence) -> int:
         """The verify rows `seq`'s drafts would add to its next decode (the scheduler keeps them
@@ -108,8 +110,7 @@ class DraftBook:
     def gap(self, seq: Sequence) -> int:
         """The positions before `seq`'s next chunk whose MTP KV a plain step left unwritten, to catch
         up before it drafts; a gap too long to ever fit a step is given up (left as zeros, its MTP
-        KV no longer whole past the gap's start: `num_whole_draft_kv_tokens` stays, and the
-        sequence no longer drafts, `can_ever_draft`): 0."""
+        KV no longer whole past the gap's start: `num_whole_draft_kv_tokens` stays, `has_hole`): 0."""
         gap = seq.num_computed_tokens - seq.num_draft_kv_tokens
         if gap > self.max_num_batched_tokens // MAX_GAP_SHARE:
             seq.num_draft_kv_tokens, gap = seq.num_computed_tokens, 0

@@ -244,20 +244,19 @@ class SpecDecoder:
 
     def _catch_up_worth(self, out: SchedulerOutput, can_draft: list[bool]) -> None:
         """Clear `can_draft` for sequences whose catch-up would cost more than drafting can still
-        save them (`DraftPolicy.pays_to_catch_up`; not under a forced draft length), and for those
-        whose gap has just been given up (`DraftBook.gap`: too long for any step). Asked on every
+        save them (`DraftPolicy.pays_to_catch_up`; not under a forced draft length). Asked on every
         step that would draft, not once: the answer depends on the load's measured rates too, which
         change (a refresh's plain step once left every sequence of a winning load a one-position gap
         while its measured saving read nothing, and a refusal kept for good then stopped them all)."""
-        num_seqs, asks = len(out.scheduled), self.policy.forced_k is None
+        if self.policy.forced_k is not None:
+            return
+        num_seqs = len(out.scheduled)
         for b, s in enumerate(out.scheduled):
             if not can_draft[b]:
                 continue
             seq = s.seq
             gap = self.book.gap(seq)
-            if not self.book.can_ever_draft(seq):  # its gap given up just now
-                can_draft[b] = False
-            elif gap and asks:
+            if gap:
                 left = seq.request.sampling.max_tokens - seq.num_output_tokens
                 can_draft[b] = self.policy.pays_to_catch_up(num_seqs, gap, left)
 
@@ -301,7 +300,8 @@ class SpecDecoder:
                 self.stats.verifies += 1
                 self.stats.drafted_tokens += len(r.drafts)
                 self.stats.accepted_tokens += len(tokens) - 1
-                self.policy.observe(len(r.drafts), len(tokens) - 1)
+                if not self.book.has_hole(r.sched.seq):  # drafts over a given-up gap's zeros: not the load's
+                    self.policy.observe(len(r.drafts), len(tokens) - 1)
             scores = token_scores(logits, r, tokens, runner.sampler)
             res.accepted, res.sample = scores[:-1], scores[-1]
         for b, (prompt_rows, targets) in prompt.items():
@@ -384,7 +384,8 @@ class SpecDecoder:
             self.stats.verifies += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += a
-            self.policy.observe(k, a)
+            if not self.book.has_hole(seq):
+                self.policy.observe(k, a)
             scores = [TokenScore(t, None, []) for t in tokens]
             res.accepted, res.sample = scores[:-1], scores[-1]
             remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + a + 1)

@@ -95,8 +95,20 @@ proposes k for the next (backend/engine/speculative/decoder.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from backend.engine.speculative.load_rates import (
+    COLD_RATIO,
+    DRAFT_STEP_GUESS,
+    MIN_RATE_SAMPLES,
+    PROBE_SHARE,
+    PROBE_VERIFIES,
+    LoadRates,
+    Loads,
+    ewma,
+    load_bucket,
+    probe_verifies,
+)
 
 PRIOR_ACCEPTANCE = 0.8  # before any verify: optimistic, so that drafting starts and gets measured
 EWMA_WEIGHT = 0.05  # per observed draft: ~20 verifies of a depth make its estimate
@@ -106,126 +118,13 @@ PROBE_EVERY = 16
 # measured neither (it proposed, and the plain steps after it threw its drafts away)
 STARVED_RUN = 4
 TIMING_WEIGHT = 0.1  # per timed step
-RATE_WEIGHT = 0.2  # per measured step, in a load's tokens-per-second estimates
-SPEC_RATE_WEIGHT = 0.05  # per verifying step, in a load's drafting rate: ~20 steps make it
-MIN_RATE_SAMPLES = 3  # steps of a kind measured at a load before its rate is trusted
-# sequences' verifies a probe measures (at least MIN_RATE_SAMPLES steps): one user's tokens per
-# verify vary from 1 to K + 1 (sd ~1.2 at E(3) ~2.8), so 16 of them put its rate within ~11%
-PROBE_VERIFIES = 16
 SPEC_PROBE_STEPS = PROBE_VERIFIES + 1  # one user's probe: the first drafting step verifies nothing
 RATE_MARGIN = 0.1  # drafting that won its probe stops once measured this far below plain steps
-CLEAR_LOSS = 1 / 3  # a probe measured at under this share of the plain rate has lost: it ends early
 # drafting steps at a load where drafting wins, between plain refreshes: a refresh costs a plain
 # step and then a drafting one that only proposes (host path, several ms on the H200 in 2026-12)
 REPROBE_EVERY = 256
-PROBE_SHARE = 0.05  # of a load's plain-step time, the most its later probes may cost
-DRAFT_STEP_GUESS = 4.0  # a drafting step's cost in plain steps, before one is measured at a load
-# a step this many times its kind's estimate is cold (kernels compiled, the host stalled): not a
-# rate the next steps run at, and its seconds enter the estimate at this many times it at most
-# (the H100's first drafting steps, 2026-12-05, measured m at 27.8: no draft length paid again)
-COLD_RATIO = 4.0
-# a load's missing estimates (a drafting step's cost in plain steps, a step's seconds for the cold
-# bound) come from the nearest measured load within this many doublings of its sequences (steps of
-# 2-4x the sequences cost about the same while weights bound them), else from the dearest measured
-NEAR_DOUBLINGS = 2
 M_SAMPLE_RATIO = 16.0  # a sample of m enters at most this many times m: m grows 2.5x a sample at most
 OVERHEAD_WEIGHT = 0.1  # per verifying step, in a load's measured overhead of a drafting step
-
-
-@dataclass(slots=True)
-class _Rates:
-    """One load's measured output tokens per second (plain steps, steps that verified drafts), its
-    steps' seconds, and its probes."""
-
-    plain: float = 0.0
-    spec: float = 0.0  # spec_tokens / spec_s
-    spec_tokens: float = 0.0  # verifying steps' tokens and seconds, decayed by SPEC_RATE_WEIGHT
-    spec_s: float = 0.0
-    num_plain: int = 0
-    num_spec: int = 0  # verifying steps measured since the load's last probe began
-    plain_step_s: float = 0.0  # EWMA seconds of a plain step
-    draft_step_s: float = 0.0  # EWMA seconds of a drafting step (verifying or only proposing)
-    plain_s_since_probe: float = 0.0  # plain steps' seconds since its last probe began
-    catch_up_s: float = 0.0  # EWMA seconds of a step that caught up MTP KV (`observe_catch_up`)
-    catch_up_row_s: float = 0.0  # EWMA seconds a caught-up position cost beyond a drafting step
-    # EWMA of a verifying step's cost beyond the cost model's, in plain steps (`observe_step`): the
-    # fixed part of a drafting step the model does not price (module docstring), >= 0
-    overhead: float = 0.0
-    num_overhead: int = 0
-    # by draft length, a verifying step's EWMA seconds and the load's verifying step it was last
-    # taken at (`observe_step`): a k's measured cost while fresh (`_costs`)
-    step_s_by_k: dict[int, tuple[float, int]] = field(default_factory=dict)
-    num_verifying: int = 0  # verifying steps measured at this load
-    num_probes: int = 0
-    is_probing: bool = False  # a probe began here and has not been judged yet
-    is_winning: bool = False  # its last probe measured drafting faster, and nothing since slower
-    since_refresh: int = 0  # drafting steps since a plain one refreshed `plain`
-
-    def add_plain(self, rate: float) -> None:
-        self.plain = rate if not self.num_plain else self.plain + RATE_WEIGHT * (rate - self.plain)
-        self.num_plain += 1
-
-    def add_spec(self, num_tokens: int, seconds: float) -> None:
-        """Tokens over seconds of the recent verifying steps (not a mean of each step's rate: the
-        tokens vary, the seconds hardly do)."""
-        self.spec_tokens += num_tokens - SPEC_RATE_WEIGHT * self.spec_tokens
-        self.spec_s += seconds - SPEC_RATE_WEIGHT * self.spec_s
-        self.spec = self.spec_tokens / self.spec_s
-        self.num_spec += 1
-
-    def has_clearly_lost(self) -> bool:
-        """Drafting measured (`MIN_RATE_SAMPLES` verifies) at under `CLEAR_LOSS` of the plain rate:
-        further verifies of its probe would not turn that round (where drafting wins at E(3) ~2.8,
-        three verifies average under a third of its rate only if each emits one token: ~0.3%)."""
-        return self.num_spec >= MIN_RATE_SAMPLES and self.spec < CLEAR_LOSS * self.plain
-
-    def begin_probe(self) -> None:
-        """A fresh measurement of drafting: the last one's (an unlucky run, older conditions) is
-        dropped, as is the plain time that paid for it."""
-        self.spec = self.spec_tokens = self.spec_s = 0.0
-        self.num_spec = 0
-        self.num_probes += 1
-        self.is_probing = True
-        self.plain_s_since_probe = 0.0
-
-    def cold_limit(self, is_drafting: bool) -> float:
-        """The seconds past which a step of the kind is cold here: `COLD_RATIO` times its estimate
-        (a drafting step's before one is measured: `DRAFT_STEP_GUESS` plain steps); inf before
-        any."""
-        if is_drafting:
-            estimate = self.draft_step_s or DRAFT_STEP_GUESS * self.plain_step_s
-        else:
-            estimate = self.plain_step_s
-        return COLD_RATIO * estimate if estimate else math.inf
-
-    def add_seconds(self, is_drafting: bool, seconds: float) -> None:
-        if is_drafting:
-            self.draft_step_s = _ewma(self.draft_step_s, seconds)
-        else:
-            self.plain_step_s = _ewma(self.plain_step_s, seconds)
-            self.plain_s_since_probe += seconds
-
-    def can_afford_probe(self, num_steps: int, draft_over_plain: float, catch_up_s: float = 0.0) -> bool:
-        """A probe of `num_steps` drafting steps (and a catch-up of `catch_up_s` where it is not paid
-        after the fact) is expected to cost within `PROBE_SHARE` of the plain time since the last
-        one (a drafting step here as measured, else `draft_over_plain` plain steps)."""
-        step_s = self.draft_step_s or draft_over_plain * self.plain_step_s
-        return PROBE_SHARE * self.plain_s_since_probe >= num_steps * step_s + catch_up_s
-
-
-def _ewma(value: float, sample: float) -> float:
-    return sample if not value else value + RATE_WEIGHT * (sample - value)
-
-
-def load_bucket(num_seqs: int) -> int:
-    """The power of two at or above `num_seqs`: loads measured together."""
-    return 1 << max(num_seqs - 1, 0).bit_length()
-
-
-def probe_verifies(bucket: int) -> int:
-    """Verifying steps a probe at `bucket` sequences measures: `PROBE_VERIFIES` sequences' verifies
-    (a step's tokens are a sum over its sequences: the more of them, the less it varies)."""
-    return max(MIN_RATE_SAMPLES, -(-PROBE_VERIFIES // bucket))
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +161,7 @@ class DraftPolicy:
         self.forced_k: int | None = None  # set: every step drafts this many, nothing measured or gated
         self._num_starved = 0  # steps in a row that acceptance alone kept from drafting
         self._starved_left = 0  # steps left of a starved probe's run of drafting steps
-        self._rates: dict[int, _Rates] = {}  # load bucket -> measured rates (`observe_step`)
+        self._rates = Loads()  # load bucket -> measured rates (`observe_step`)
         self._probe_left = 0  # drafting steps a probe of the speculative rate may still take
         self._probe_bucket = 0  # the load it measures
         self.num_probes = 0  # probes of the speculative rate begun (any load)
@@ -367,7 +266,7 @@ class DraftPolicy:
         own = self._rates.get(bucket)
         if own is not None and own.num_overhead:  # the common case, before every step: no search
             return own.overhead
-        near = self._near(bucket, lambda r: r.num_overhead > 0)
+        near = self._rates.near(bucket, lambda r: r.num_overhead > 0)
         return near.overhead if near is not None else 0.0
 
     def _costs(self, load: StepLoad) -> dict[int, float] | None:
@@ -407,7 +306,7 @@ class DraftPolicy:
         (or a probe of drafting there would cost more than `PROBE_SHARE` of its plain time, unless
         it is the load's first and the prior says drafting pays)."""
         bucket = load_bucket(load.num_drafting + load.num_other_samples)
-        rates = self._rates.setdefault(bucket, _Rates())
+        rates = self._rates.setdefault(bucket, LoadRates())
         num_verifies = probe_verifies(bucket)
         if self._probe_left > 0:  # a probe drafts until its load has measured enough
             is_measuring = rates.num_spec < num_verifies and not rates.has_clearly_lost()
@@ -425,8 +324,8 @@ class DraftPolicy:
         if not rates.is_winning:  # unmeasured, or losing
             is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k, bucket)
             num_steps = num_verifies + 1  # the first drafting step after plain ones only proposes
-            catch_up_s = self._catch_up_guess(bucket, rates)
-            over_plain = self._draft_over_plain(bucket)
+            catch_up_s = self._rates.catch_up_guess(bucket, rates)
+            over_plain = self._rates.draft_over_plain(bucket)
             if not is_prior and not rates.can_afford_probe(num_steps, over_plain, catch_up_s):
                 return 0
             rates.begin_probe()
@@ -440,55 +339,11 @@ class DraftPolicy:
             return 0
         return k
 
-    def _catch_up_guess(self, bucket: int, rates: _Rates) -> float:
-        """The catch-up a probe at `bucket` sequences that never caught up is priced at ahead: the
-        dearest per sequence measured at any load (less that load's drafting step), times its sequences (0: none measured; a load
-        that has measured its own pays each after the fact, `observe_catch_up`). On the H100 a
-        probe at 64 Kimi users, priced at four drafting steps, caught 64 sequences up: ~40-80 ms,
-        a third of a c=64 bench run (0.61x that round, 2026-12-05)."""
-        if rates.catch_up_s:
-            return 0.0
-        # a catch-up step also proposes: a drafting step's own cost comes off before the division
-        per_seq = max(
-            (max(0.0, r.catch_up_s - r.draft_step_s) / b for b, r in self._rates.items() if r.catch_up_s),
-            default=0.0,
-        )
-        return per_seq * bucket
-
-    def _draft_over_plain(self, bucket: int) -> float:
-        """A drafting step's cost in plain steps at `bucket`: as measured nearby, else a guess."""
-        return self._measured_draft_over_plain(bucket) or DRAFT_STEP_GUESS
-
-    def _measured_draft_over_plain(self, bucket: int) -> float:
-        """A drafting step's cost in plain steps at `bucket`: at the nearest load that measured both
-        within `NEAR_DOUBLINGS`, else the most measured at any load (0: none yet). Not the most
-        everywhere: a dear ratio at 64 sequences (~10 plain steps) must not price a probe for one
-        user once a load near it has measured its own (~2.7)."""
-
-        def has_both(r: _Rates) -> bool:
-            return r.draft_step_s > 0 and r.plain_step_s > 0
-
-        near = self._near(bucket, has_both)
-        if near is not None:
-            return near.draft_step_s / near.plain_step_s
-        measured = [r.draft_step_s / r.plain_step_s for r in self._rates.values() if has_both(r)]
-        return max(measured, default=0.0)
-
-    def _near(self, bucket: int, has: Callable[[_Rates], bool]) -> _Rates | None:
-        """The measured load (`has`) nearest `bucket` within `NEAR_DOUBLINGS` doublings (itself
-        first; ties: the smaller load), or None."""
-        found = [
-            (abs(b.bit_length() - bucket.bit_length()), b, r)
-            for b, r in self._rates.items()
-            if has(r) and abs(b.bit_length() - bucket.bit_length()) <= NEAR_DOUBLINGS
-        ]
-        return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
-
     def _prior_pays(self, k: int, bucket: int) -> bool:
         """A verify of k drafts is expected to emit more tokens than a drafting step costs plain
         steps, as measured at or near `bucket` (else at the dearest load; before any measurement:
         the cost model's word)."""
-        measured = self._measured_draft_over_plain(bucket)
+        measured = self._rates.measured_draft_over_plain(bucket)
         return not measured or self.expected_tokens(k) > measured
 
     def observe_step(
@@ -511,10 +366,10 @@ class DraftPolicy:
         if not self.is_calibrated or seconds <= 0:
             return
         bucket = load_bucket(num_seqs)
-        rates = self._rates.setdefault(bucket, _Rates())
+        rates = self._rates.setdefault(bucket, LoadRates())
         limit = rates.cold_limit(is_drafting)
         if math.isinf(limit):  # none of its kind here yet: a neighbour's bound (a probe that moved here)
-            near = self._near(bucket, lambda r: r.plain_step_s > 0)
+            near = self._rates.near(bucket, lambda r: r.plain_step_s > 0)
             limit = near.cold_limit(is_drafting) if near is not None else limit
         # an estimate grows 1.6x a step at most; a cold first drafting step enters at the guess
         first_cold = is_drafting and not rates.draft_step_s and seconds > limit
@@ -529,7 +384,7 @@ class DraftPolicy:
                 rates.overhead += (beyond - rates.overhead) * (OVERHEAD_WEIGHT if rates.num_overhead else 1.0)
                 rates.num_overhead += 1
                 s, _ = rates.step_s_by_k.get(num_drafts, (0.0, 0))
-                rates.step_s_by_k[num_drafts] = (_ewma(s, seconds), rates.num_verifying)
+                rates.step_s_by_k[num_drafts] = (ewma(s, seconds), rates.num_verifying)
             rates.num_verifying += 1
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
@@ -555,7 +410,7 @@ class DraftPolicy:
         bucket = load_bucket(num_seqs)
         rates = self._rates.get(bucket)
         if self.is_calibrated and rates is not None and rates.plain and rates.spec > rates.plain:
-            near = self._near(bucket, lambda r: r.catch_up_row_s > 0)
+            near = self._rates.near(bucket, lambda r: r.catch_up_row_s > 0)
             if near is not None:
                 return (
                     tokens_left * max(0.0, 1.0 / rates.plain - 1.0 / rates.spec) > near.catch_up_row_s * gap
@@ -571,16 +426,16 @@ class DraftPolicy:
         steps have run `1 / PROBE_SHARE` times as long again."""
         if not self.is_calibrated or seconds <= 0:
             return
-        rates = self._rates.setdefault(load_bucket(num_seqs), _Rates())
+        rates = self._rates.setdefault(load_bucket(num_seqs), LoadRates())
         bound = COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs or math.inf
         if seconds <= bound:  # a cold one (kernels compiled) is not what the next will cost
-            rates.catch_up_s = _ewma(rates.catch_up_s, seconds)
+            rates.catch_up_s = ewma(rates.catch_up_s, seconds)
             # a drafting step's own seconds off: what its positions cost. Only from gaps past the
             # saturation rows: below them a forward costs the same whatever its rows, and a refresh's
             # one-position gaps divided a step's fixed excess by a handful of rows (far too dear)
             if gap_rows >= self.saturation_rows:
                 row_s = max(0.0, seconds - rates.draft_step_s) / gap_rows
-                rates.catch_up_row_s = _ewma(rates.catch_up_row_s, row_s)
+                rates.catch_up_row_s = ewma(rates.catch_up_row_s, row_s)
         rates.plain_s_since_probe -= min(seconds, bound) / PROBE_SHARE
 
     def observe_timing(

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import backend.engine.speculative.policy as draft_policy
+import backend.engine.speculative.load_rates as load_rates
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.speculative.policy import (
@@ -179,7 +179,7 @@ def test_cold_samples_neither_stick_nor_end_drafting() -> None:
 @pytest.fixture
 def quick_probes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A probe as soon as the plain steps have taken as long as it is expected to (short requests)."""
-    monkeypatch.setattr(draft_policy, "PROBE_SHARE", 1.0)
+    monkeypatch.setattr(load_rates, "PROBE_SHARE", 1.0)  # `LoadRates.can_afford_probe`
 
 
 @pytest.mark.usefixtures("quick_probes")
@@ -362,16 +362,16 @@ def test_a_cold_drafting_step_at_a_new_load_is_bounded_by_its_neighbour() -> Non
     two = p._rates[2]
     assert two.draft_step_s == pytest.approx(0.002)  # the neighbour's estimate, not 0.5 s
     assert two.num_spec == 0  # not a rate
-    assert p._measured_draft_over_plain(2) == pytest.approx(2.0)  # load 1's, not 0.5 s over nothing
+    assert p._rates.measured_draft_over_plain(2) == pytest.approx(2.0)  # load 1's, not 0.5 s over nothing
 
     for _ in range(MIN_RATE_SAMPLES):
         p.observe_step(64, False, False, 64, 0.001)
     for _ in range(3):
         p.observe_step(64, True, True, 64, 0.010)  # 10 plain steps a drafting step at 64 sequences
-    assert p._measured_draft_over_plain(1) == pytest.approx(2.0)  # its own load's
-    assert p._measured_draft_over_plain(32) == pytest.approx(10.0)  # 64's: within two doublings
-    assert p._measured_draft_over_plain(4) == pytest.approx(2.0)  # the nearer of 1 and 64
-    assert p._measured_draft_over_plain(8) == pytest.approx(10.0)  # none near: the dearest
+    assert p._rates.measured_draft_over_plain(1) == pytest.approx(2.0)  # its own load's
+    assert p._rates.measured_draft_over_plain(32) == pytest.approx(10.0)  # 64's: within two doublings
+    assert p._rates.measured_draft_over_plain(4) == pytest.approx(2.0)  # the nearer of 1 and 64
+    assert p._rates.measured_draft_over_plain(8) == pytest.approx(10.0)  # none near: the dearest
     assert p._prior_pays(3, 1) and not p._prior_pays(3, 32)
 
 

@@ -5,8 +5,8 @@ gate and the draft cap found, each as the engine or the policy now behaves.
 - A winning load's refresh step (one plain step) does not stop its sequences drafting.
 - Steps where only some sequences drafted do not price a draft length for all of them.
 - A queue the pool cannot admit from does not count towards the draft cap.
-- Pending drafts keep their verify rows out of the prefill budget: a prefill backlog does not crowd
-  every verify out.
+- Pending drafts keep their verify rows out of the prefill budget (at most half of it): a prefill
+  backlog does not crowd every verify out, nor drafting decodes every prompt.
 - Prompt chunks get their MTP KV as they are prefilled where drafting may run: no catch-up later, and
   a prompt longer than a step's budget does not leave a gap too long to catch up.
 - A preempted sequence's drafts are forgotten with its KV.
@@ -219,4 +219,56 @@ def test_a_preempted_sequence_forgets_its_drafts() -> None:
                 assert seq.request_id not in spec.book.proposed
     assert seen_preempted and engine.stats.spec_verifies > 0
     plain = run_all(toy(0, **config), reqs)
+    assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
+def test_drafting_decodes_leave_prefill_half_the_budget() -> None:
+    """Four users draft three tokens a step in a budget of 16 rows: their drafts would take every row
+    but their own four. A new prompt still gets half of what the decodes leave, and its first token
+    comes within a few steps (it waited for the users to finish: 74 steps)."""
+    config = dict(max_num_batched_tokens=16, max_num_seqs=16, speculative_max_seqs=16)
+    engine = toy(3, **config)
+    assert engine.spec is not None
+    users = [request(f"u{i}", [i + 1], max_tokens=300) for i in range(4)]
+    for r in users:
+        engine.add_request(r)
+    results: dict[str, Result] = {}
+    while engine.stats.spec_verifies < 8:
+        collect(results, engine.step())
+    late = request("late", [7] * 8, max_tokens=4)
+    engine.add_request(late)
+    steps = 0
+    while "late" not in results or not results["late"].token_ids:
+        collect(results, engine.step())
+        steps += 1
+    assert steps <= 3
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    plain = run_all(toy(0, **config), [*users, late])
+    assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
+def test_a_prefix_hit_without_mtp_kv_still_drafts() -> None:
+    """A long prompt computed by plain steps (forced) is cached without MTP KV; a request that hits it
+    has a gap too long to catch up: it drafts over zeros there (fewer accepted, never a wrong token),
+    as before the gap rule changed, and the outputs are plain decoding's."""
+    engine = toy(3, max_num_batched_tokens=64)
+    spec = engine.spec
+    assert spec is not None
+    prefix = [3, 1, 4, 1, 5, 9, 2, 6] * 12  # 96 tokens, over half a step's budget
+    spec.policy.forced_k = 0
+    results: dict[str, Result] = {}
+    writer = request("writer", prefix + [2], max_tokens=4)
+    engine.add_request(writer)
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    spec.policy.forced_k = None
+    hitter = request("hitter", prefix + [7], max_tokens=40)
+    engine.add_request(hitter)
+    seq = engine._seqs["hitter"]
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert seq.num_cached_tokens == 96 and spec.book.has_hole(seq)
+    assert engine.stats.spec_verifies > 0
+    plain = run_all(toy(0, max_num_batched_tokens=64), [writer, hitter])
     assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
