@@ -227,10 +227,15 @@ class _Call:
             # their images once), which is what `Totals.of` bills
             affinity = self.meta.info.request_id
         # every choice is routed at once; any failure before the first byte closes the others
-        started = await asyncio.gather(
-            *(self._started(r, c, affinity) for r, c in zip(normalized.requests, done, strict=True)),
-            return_exceptions=True,
-        )
+        try:
+            started = await asyncio.gather(
+                *(self._started(r, c, affinity) for r, c in zip(normalized.requests, done, strict=True)),
+                return_exceptions=True,
+            )
+        except BaseException as exc:  # cancelled while routing (a batch job handed back, a shutdown)
+            with anyio.CancelScope(shield=True):  # else its worst case stays reserved for the day
+                await self._abandon(reserved, done, [], exc)
+            raise
         streams = [s for s in started if not isinstance(s, BaseException)]
         failure = next((s for s in started if isinstance(s, BaseException)), None)
         if failure is not None:

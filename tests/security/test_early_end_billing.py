@@ -10,8 +10,12 @@ import asyncio
 import datetime as dt
 import json
 
+import pytest
 from gateway_harness import GLM, Harness, _tenant
 
+from gateway import batch
+from gateway.body import decode
+from gateway.inference import CallMeta, Prompt, input_decoder
 from gateway.usage import neurons
 from schemas.admin import UsageGroup
 
@@ -85,3 +89,24 @@ async def test_a_finished_stream_is_billed_exactly_its_usage(harness: Harness) -
     price = harness.services.catalog.get(GLM).price
     assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (11, 4, 4)
     assert usage.neurons == neurons(price, 11, 4, 4) and round(usage.neurons, 4) == trailer["neurons"]
+
+
+async def test_a_call_cancelled_while_routing_settles(harness: Harness) -> None:
+    """A call cancelled while it waits for its first event (a batch job handed back, a shutdown)
+    settles like any cut answer: billed its prompt, the rest of its worst case given back (it stayed
+    reserved for the day)."""
+    account, _ = await _tenant(harness.services, "cancelled-while-routing", "paid")
+    tenant = await batch._tenant(harness.services, account)
+    inference = harness.services.inference
+    meta = CallMeta()
+    model = inference.resolve_model(tenant, GLM, meta.info)
+    raw = json.dumps({"prompt": "slow"}).encode()  # its first event comes after 0.3 s
+    call = asyncio.create_task(
+        inference.run(tenant, model, Prompt(decode(raw, input_decoder(model, "run")), raw), "run", meta)
+    )
+    await asyncio.sleep(0.1)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    usage = await _usage(harness, account)
+    assert usage.requests == 1 and usage.prompt_tokens >= SLOW_PROMPT_TOKENS and usage.neurons > 0
