@@ -111,6 +111,7 @@ class Totals:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    reasoning_tokens: int = 0  # of the completion tokens, the reasoning block's (every choice's)
 
     @classmethod
     def of(cls, completions: list[Completion], prompt_estimate: int = 0) -> Totals:
@@ -126,6 +127,7 @@ class Totals:
             prompt_tokens=first.prompt_tokens + sum(u.prompt_tokens - u.cached_tokens for u in rest),
             cached_tokens=first.cached_tokens,
             completion_tokens=first.completion_tokens + sum(u.completion_tokens for u in rest),
+            reasoning_tokens=first.reasoning_tokens + sum(u.reasoning_tokens for u in rest),
         )
 
     def legacy(self, neurons: float | None = None) -> LegacyUsage:
@@ -143,6 +145,11 @@ class Totals:
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            completion_tokens_details=(
+                o.CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
+                if self.reasoning_tokens
+                else UNSET
+            ),
         )
 
 

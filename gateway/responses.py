@@ -194,8 +194,10 @@ class Echo:
         )
 
 
-def _usage(usage: CompletionUsage, reasoning_tokens: int, model: ModelSpec) -> r.ResponseUsage:
+def _usage(usage: CompletionUsage, model: ModelSpec) -> r.ResponseUsage:
     cached = usage.prompt_tokens_details.cached_tokens or 0
+    details = usage.completion_tokens_details
+    reasoning_tokens = 0 if details is UNSET else details.reasoning_tokens
     return r.ResponseUsage(
         input_tokens=usage.prompt_tokens,
         input_tokens_details=r.InputTokensDetails(cached_tokens=cached),
@@ -247,7 +249,7 @@ def response_of(answer: Answer, model: ModelSpec, echo: Echo, id: str) -> r.Resp
                 arguments=call.function.arguments, status="completed",
             )
         )  # fmt: skip
-    usage = _usage(completion.usage, 0, model)
+    usage = _usage(completion.usage, model)
     return _response(id, completion.created, model, echo, output, status=status, finish=finish, usage=usage)
 
 
@@ -413,5 +415,5 @@ async def events_of(stream: Stream, model: ModelSpec, echo: Echo, id: str) -> As
             status = "incomplete" if finish == _FINISHED_AT_LIMIT else "completed"
             for event in writer.close(status):
                 yield event
-            done = writer.snapshot(status, finish, _usage(chunk.usage, 0, model))
+            done = writer.snapshot(status, finish, _usage(chunk.usage, model))
             yield writer.event(f"response.{status}", response=done)

@@ -179,6 +179,7 @@ class Usage(Base, tag="usage", tag_field="type"):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, those inside the reasoning block (markers aside)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
@@ -276,11 +277,14 @@ class ImageSpan(Base):
 class ReasoningMarkers(Base):
     """The reasoning block's marker ids, for the engine's reasoning guard: while the block is open
     the request's `eos_token_ids` are masked, so the model closes it before it ends its turn.
-    `is_open`: the prompt leaves the block open (the template opened it)."""
+    `is_open`: the prompt leaves the block open (the template opened it). `call_start_id`: the
+    family's tool-call opening marker when tools are offered: a call ends the block, as the reasoning
+    parser reads it (backend/text/reasoning.py)."""
 
     start_id: int
     end_id: int
     is_open: bool = False
+    call_start_id: int | None = None
 
 
 class EngineRequest(Base):

@@ -47,8 +47,17 @@ class ReasoningGuard:
     host tensor per step. It still answers the `TokenConstraint` protocol.
     """
 
-    def __init__(self, start_id: int, end_id: int, stop_ids: list[int], *, is_open: bool) -> None:
-        self.start_id, self.end_id = start_id, end_id
+    def __init__(
+        self,
+        start_id: int,
+        end_id: int,
+        stop_ids: list[int],
+        *,
+        is_open: bool,
+        call_start_id: int | None = None,
+    ) -> None:
+        """`call_start_id`: a tool call's opening marker, which closes the block too (tools offered)."""
+        self.start_id, self.end_id, self.call_start_id = start_id, end_id, call_start_id
         self.stop_ids = tuple(stop_ids)
         self._was_open = is_open  # before the first accepted token
         self._num_tokens = 0
@@ -62,7 +71,13 @@ class ReasoningGuard:
         markers = request.reasoning_markers
         if markers is None or request.sampling.ignore_eos or not request.eos_token_ids:
             return None
-        return cls(markers.start_id, markers.end_id, request.eos_token_ids, is_open=markers.is_open)
+        return cls(
+            markers.start_id,
+            markers.end_id,
+            request.eos_token_ids,
+            is_open=markers.is_open,
+            call_start_id=markers.call_start_id,
+        )
 
     @property
     def is_open(self) -> bool:
@@ -92,7 +107,7 @@ class ReasoningGuard:
         return self._mask
 
     def accept(self, token_id: int) -> None:
-        if token_id == self.start_id or token_id == self.end_id:
+        if token_id == self.start_id or token_id == self.end_id or token_id == self.call_start_id:
             self._markers.append((self._num_tokens, token_id == self.start_id))
         self._num_tokens += 1
 

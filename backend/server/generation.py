@@ -167,15 +167,30 @@ class Serving:
         if think is None or not _reasons(request, is_free):
             return None
         return ReasoningMarkers(
-            start_id=think.start_id, end_id=think.end_id, is_open=think.is_open_after(prompt_ids)
+            start_id=think.start_id,
+            end_id=think.end_id,
+            is_open=think.is_open_after(prompt_ids),
+            call_start_id=self._call_start_id(request),
         )
+
+    def _call_start_id(self, request: GenerateRequest) -> int | None:
+        """The family's tool-call opening marker when tools are offered (and not refused): it ends an
+        open reasoning block (backend/text/reasoning.py)."""
+        if not request.tools or (request.tool_choice is not None and request.tool_choice.mode == "none"):
+            return None
+        return self.model.marker_ids.get(TOOL_MARKERS_OF[self.model.family][0])
 
     def _processor(self, request: GenerateRequest, prompt_ids: list[int], is_free: bool) -> OutputProcessor:
         model = self.model
         reasoning = None
         if model.think is not None:
             enabled = _reasons(request, is_free)
-            reasoning = ReasoningParser(model.think, prompt_token_ids=prompt_ids, enabled=enabled)
+            reasoning = ReasoningParser(
+                model.think,
+                prompt_token_ids=prompt_ids,
+                enabled=enabled,
+                call_start_id=self._call_start_id(request),
+            )
         wants_tools = bool(request.tools) and (
             request.tool_choice is None or request.tool_choice.mode != "none"
         )

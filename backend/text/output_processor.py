@@ -134,6 +134,11 @@ class OutputProcessor:
                 self._text(self._detok["content"].flush() + piece.text, events)
             elif isinstance(piece, ParsedCall):
                 self._text(self._detok["content"].flush(), events)
+                if self.is_stopped:
+                    return
+                held = self._stops.flush()  # no stop string spans a call: what waited goes before it
+                if held:
+                    events.append(TextDelta(text=held))
                 events.append(
                     ToolCallDelta(index=piece.index, id=piece.id, name=piece.name, arguments=piece.arguments)
                 )
@@ -188,6 +193,7 @@ class OutputProcessor:
                 prompt_tokens=out.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
                 cached_tokens=out.num_cached_tokens,
+                reasoning_tokens=self._reasoning.num_reasoning_tokens if self._reasoning else 0,
                 prompt_logprobs=self._prompt_logprobs,
             )
         )

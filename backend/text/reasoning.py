@@ -10,6 +10,11 @@ starts from the prompt: inside reasoning iff the prompt's last marker is an open
 
 With reasoning switched off no reasoning is produced: whatever the model still writes inside the
 markers is dropped, never shown as answer text.
+
+When tools are offered, the family's call-opening marker ends an open block and goes to the answer
+(`call_start_id`): Kimi K2 Thinking and GLM-5 call tools from inside their reasoning, and read as
+reasoning the call was shown as markup in `reasoning_content` and never parsed (or, with reasoning
+off, dropped), the turn ending "stop". The engine's reasoning guard reads the marker the same way.
 """
 
 from __future__ import annotations
@@ -47,10 +52,20 @@ class ReasoningParser:
     """Routes each generated id to the reasoning or the content channel; markers themselves go to
     neither."""
 
-    def __init__(self, markers: ThinkMarkers, *, prompt_token_ids: list[int], enabled: bool) -> None:
+    def __init__(
+        self,
+        markers: ThinkMarkers,
+        *,
+        prompt_token_ids: list[int],
+        enabled: bool,
+        call_start_id: int | None = None,
+    ) -> None:
+        """`call_start_id`: the tool-call opening marker, when tools are offered (module docstring)."""
         self._markers = markers
         self._enabled = enabled
+        self._call_start_id = call_start_id
         self._in_reasoning = markers.is_open_after(prompt_token_ids)
+        self.num_reasoning_tokens = 0  # ids inside the block (shown or not), for usage
 
     @property
     def in_reasoning(self) -> bool:
@@ -66,7 +81,10 @@ class ReasoningParser:
             if token_id == self._markers.end_id:
                 self._in_reasoning = False
                 continue
+            if token_id == self._call_start_id:  # a call ends the block; the marker is the call's
+                self._in_reasoning = False
             channel: Channel = "reasoning" if self._in_reasoning else "content"
+            self.num_reasoning_tokens += channel == "reasoning"
             if channel == "reasoning" and not self._enabled:
                 continue
             if runs and runs[-1][0] == channel:

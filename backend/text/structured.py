@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from backend.errors import InvalidRequest
+from backend.text.tool_parsers.glm import is_nullable, is_string_typed
 from schemas.backend import GenerateRequest, Tool
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
@@ -215,6 +216,24 @@ def _glm_string(schema: dict[str, Any], where: str) -> str:
     return f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
 
 
+def _glm_value(schema: dict[str, Any], where: str) -> str:
+    """A value as GLM writes it: raw for a string or a nullable string (the parser's own test,
+    `is_string_typed`; JSON there wrote `"celsius"` with its quotes into the string), `null` for
+    null; JSON for anything else."""
+    if not is_string_typed(schema):
+        return _lark_json(schema)
+    if not is_nullable(schema):
+        return _glm_string(schema, where)
+    if "const" in schema or "enum" in schema:  # null among the values: the rest are strings
+        values = [schema["const"]] if "const" in schema else schema["enum"]
+        if not isinstance(values, list):
+            raise InvalidRequest(f"{where}: a string's enum must be a non-empty list of strings")
+        strings = {k: v for k, v in schema.items() if k not in ("const", "enum")}
+        strings["enum"] = [v for v in values if v is not None]
+        return f'{_glm_string(strings, where)} | "null"' if strings["enum"] else '"null"'
+    return _glm_string(schema, where)  # a raw line, `null` among them
+
+
 def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) -> str:
     """Arguments in schema order, the required ones always, the others optional."""
     rules: list[str] = []
@@ -223,7 +242,7 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) ->
         pairs: list[str] = []
         for j, (key, sub) in enumerate(properties.items()):
             where = f"tools[{tool.name!r}].parameters.properties.{key}"
-            value = _glm_string(sub, where) if sub.get("type") == "string" else _lark_json(sub)
+            value = _glm_value(sub, where)
             rules.append(f"value_{i}_{j}: {value}")
             pair = (
                 f'{_token(ids["<arg_key>"])} {_lark_string(key)} {_token(ids["</arg_key>"])} "\\n" '

@@ -73,8 +73,11 @@ def test_reasoning_comes_back_as_a_reasoning_item_and_goes_back_in(kumo: Kumo) -
     kinds = [o.type for o in first.output]
     assert kinds and set(kinds) <= {"reasoning", "message"}
     reasoning = [o for o in first.output if o.type == "reasoning"]
+    assert first.usage is not None and first.usage.output_tokens_details is not None
     if reasoning:  # the nano model may open no thinking block at all
         assert reasoning[0].content and reasoning[0].content[0].text
+        # counted by the backend (they were always 0)
+        assert 0 < first.usage.output_tokens_details.reasoning_tokens <= first.usage.output_tokens
     again = api.responses.create(
         model=GLM,
         input=[{"role": "user", "content": "Hi"}, *(o.model_dump(exclude_none=True) for o in first.output),

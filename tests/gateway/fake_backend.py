@@ -172,8 +172,14 @@ class FakeBackend:
             reply = f"echo[{req.sampling.seed}]: {text}" if req.sampling.seed is not None else f"echo: {text}"
             events += [b.TextDelta(text=p) for p in pieces(reply)]
         num_prompt = 7 + len(text)
+        num_reasoning = sum(isinstance(e, b.ReasoningDelta) for e in events)  # a token an event
         events.append(
-            b.Usage(prompt_tokens=num_prompt, completion_tokens=len(events), cached_tokens=min(num_prompt, 4))
+            b.Usage(
+                prompt_tokens=num_prompt,
+                completion_tokens=len(events),
+                cached_tokens=min(num_prompt, 4),
+                reasoning_tokens=num_reasoning,
+            )
         )
         events.append(b.Finish(reason=finish))
         return events

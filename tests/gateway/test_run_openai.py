@@ -34,6 +34,7 @@ async def test_chat_completion_inside_the_envelope(harness: Harness) -> None:
     assert message["role"] == "assistant" and message["refusal"] is None
     assert result["choices"][0]["finish_reason"] == "stop"
     assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+    assert result["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}  # "Let me think." in 5
     assert harness.last.sampling.max_tokens == 64
 
 

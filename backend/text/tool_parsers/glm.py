@@ -35,18 +35,25 @@ class _State(Enum):
     BETWEEN = auto()
 
 
-def _is_string_typed(schema: dict[str, Any]) -> bool:
+def is_string_typed(schema: dict[str, Any]) -> bool:
+    """A string, or a string or null: GLM writes the value raw (unquoted)."""
     kind = schema.get("type")
     return kind == "string" or (
         isinstance(kind, list) and all(k in ("string", "null") for k in kind) and "string" in kind
     )
 
 
+def is_nullable(schema: dict[str, Any]) -> bool:
+    kind = schema.get("type")
+    return isinstance(kind, list) and "null" in kind
+
+
 def typed_value(text: str, schema: Any) -> Any:
-    """A value as the template would have written it back: raw for strings, else JSON if it parses.
-    A schema that is not an object (`true`, or a malformed one) types nothing."""
-    if isinstance(schema, dict) and _is_string_typed(schema):
-        return text
+    """A value as the template would have written it back: raw for strings (`null`, as the template
+    writes None, is null where the schema allows it), else JSON if it parses. A schema that is not an
+    object (`true`, or a malformed one) types nothing."""
+    if isinstance(schema, dict) and is_string_typed(schema):
+        return None if text == "null" and is_nullable(schema) else text
     try:
         return json.loads(text)
     except json.JSONDecodeError:

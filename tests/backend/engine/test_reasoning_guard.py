@@ -532,3 +532,28 @@ def test_only_a_request_that_reasons_freely_carries_the_markers() -> None:
     assert markers() == ReasoningMarkers(start_id=think.start_id, end_id=think.end_id, is_open=True)
     assert markers(reasoning=Reasoning(enabled=False)) is None
     assert markers(response_format=ResponseFormat(type="json_object")) is None
+
+
+def test_a_tool_call_marker_closes_the_block_for_the_guard() -> None:
+    """With tools offered the family's call-opening marker closes the block, as the reasoning parser
+    reads it: after it the end-of-turn ids are allowed again (a call made from inside the reasoning
+    may end the turn), and a rollback past it opens the block again."""
+    START, END, CALL, EOS = 5, 6, 7, 2
+    guard = ReasoningGuard(START, END, [EOS], is_open=True, call_start_id=CALL)
+    assert guard.banned_ids() == (EOS,)
+    guard.accept(11)
+    guard.accept(CALL)
+    assert guard.banned_ids() == () and not guard.is_open
+    guard.rollback(1)
+    assert guard.banned_ids() == (EOS,)
+    assert guard.banned_along([CALL, 12]) == [(EOS,), (), ()]
+    without = ReasoningGuard(START, END, [EOS], is_open=True)
+    without.accept(CALL)
+    assert without.banned_ids() == (EOS,)
+    req = msgspec.structs.replace(
+        request("r", [1], max_tokens=4),
+        eos_token_ids=[EOS],
+        reasoning_markers=ReasoningMarkers(start_id=START, end_id=END, is_open=True, call_start_id=CALL),
+    )
+    of = ReasoningGuard.of(req)
+    assert of is not None and of.call_start_id == CALL

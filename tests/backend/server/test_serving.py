@@ -25,6 +25,7 @@ from backend.server.settings import build_settings
 from backend.text.output_processor import OutputProcessor, StopMatcher
 from backend.text.reasoning import ReasoningParser, ThinkMarkers
 from backend.text.tokenizer import Tokenizer
+from backend.text.tool_parsers import MARKERS as TOOL_MARKERS_OF
 from backend.text.tool_parsers import parser_for
 from schemas.backend import (
     EngineOutput,
@@ -57,17 +58,27 @@ def _outputs(chunks: list[list[int]], reason: str = "stop") -> list[EngineOutput
 
 
 def _processor(
-    tok: Tokenizer, family: str, *, stops: list[str] = (), tools: list[Tool] | None = None, prompt: str = ""
+    tok: Tokenizer,
+    family: str,
+    *,
+    stops: list[str] = (),
+    tools: list[Tool] | None = None,
+    prompt: str = "",
+    enabled: bool = True,
 ) -> OutputProcessor:
+    """As `Serving` builds it: with tools, the family's call-opening marker ends a reasoning block."""
     think = ThinkMarkers.of(tok)
     assert think is not None
     parser = parser_for(family, tok, tools) if tools else None
     kept = {think.start_id, think.end_id}
     if parser is not None:
         kept |= {i for i in (tok.token_to_id(m) for m in TOOL_MARKERS) if i is not None}
+    call_start = tok.token_to_id(TOOL_MARKERS_OF[family][0]) if parser is not None else None
     return OutputProcessor(
         tok,
-        reasoning=ReasoningParser(think, prompt_token_ids=tok.encode(prompt), enabled=True),
+        reasoning=ReasoningParser(
+            think, prompt_token_ids=tok.encode(prompt), enabled=enabled, call_start_id=call_start
+        ),
         tools=parser,
         stops=list(stops),
         skip_ids=tok.special_ids - kept,
@@ -459,3 +470,63 @@ def test_prompt_logprobs_reach_usage_when_the_answer_has_many_tokens(
     usage = next(e for e in events if isinstance(e, Usage))
     named = TokenLogprob(token=tok.decode(ids[:1]), token_id=ids[0], logprob=-1.5, token_bytes=b"The")
     assert usage.prompt_logprobs == [None, named]
+
+
+KIMI_WEATHER = Tool(
+    name="get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}}
+)
+
+
+def _kimi_section(tok: Tokenizer) -> list[int]:
+    return (
+        tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>")
+        + ordinary_ids(tok, "functions.get_weather:0")
+        + tok.encode("<|tool_call_argument_begin|>")
+        + ordinary_ids(tok, '{"city": "Paris"}')
+        + tok.encode("<|tool_call_end|><|tool_calls_section_end|>")
+    )
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_tool_call_made_inside_the_reasoning_block_is_a_call(
+    tmp_path_factory: pytest.TempPathFactory, enabled: bool
+) -> None:
+    """Kimi K2.5's prompt ends in `<think>`, and Kimi K2 Thinking calls tools from inside its reasoning.
+    The call's opening marker ends the block: the call is parsed and the turn ends "tool_calls", with
+    no markup in the reasoning or the answer (it was all reasoning text and "stop"; with reasoning off,
+    dropped), streamed token by token or not."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    ids = ordinary_ids(tok, "I will call it. ") + _kimi_section(tok)
+    prompt = "<|im_assistant|>assistant<|im_middle|><think>"
+    for chunks in ([[i] for i in ids], [ids]):
+        processor = _processor(tok, "kimi", tools=[KIMI_WEATHER], prompt=prompt, enabled=enabled)
+        events = _run(processor, _outputs(chunks))
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        assert reasoning == ("I will call it. " if enabled else "")
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == ""
+        calls = [e for e in events if isinstance(e, ToolCallDelta)]
+        assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+            ("functions.get_weather:0", "get_weather", {"city": "Paris"})
+        ]
+        assert events[-1] == Finish(reason="tool_calls")
+        usage = events[-2]  # the reasoning's tokens counted, shown or not
+        assert isinstance(usage, Usage) and usage.reasoning_tokens == len(
+            ordinary_ids(tok, "I will call it. ")
+        )
+
+
+def test_text_held_for_a_stop_string_goes_out_before_the_call(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`stop: ["\n\n"]` holds back a trailing newline (it may begin the stop string); a call comes
+    next, and no stop string spans a call: the held text is sent before the call, not after it."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    ids = ordinary_ids(tok, "Let me check.\n") + _kimi_section(tok)
+    events = _run(_processor(tok, "kimi", stops=["\n\n"], tools=[KIMI_WEATHER]), _outputs([[i] for i in ids]))
+    kinds = [
+        type(e).__name__
+        for e in events
+        if isinstance(e, TextDelta | ToolCallDelta) and not (isinstance(e, TextDelta) and not e.text)
+    ]
+    assert kinds[-1] == "ToolCallDelta" and "ToolCallDelta" not in kinds[:-1], kinds
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Let me check.\n"

@@ -60,3 +60,24 @@ def test_marker_text_in_the_answer_is_not_a_marker(tmp_path_factory: pytest.Temp
     output = tok.encode("<think>a</think>") + ordinary_ids(tok, "Use <think> tags like </think> this.")
     got = _run(tok, "<|assistant|>", output, enabled=True, chunk=1)
     assert got == {"reasoning": "a", "content": "Use <think> tags like </think> this."}
+
+
+def test_a_tool_call_marker_ends_the_block_when_tools_are_offered(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """With tools offered the family's call-opening marker ends an open block and goes to the answer
+    (the tool parser's); without, it is reasoning like any other id."""
+    tok = load(tmp_path_factory, "glm")
+    markers = ThinkMarkers.of(tok)
+    assert markers is not None
+    call = tok.encode("<tool_call>")
+    output = ordinary_ids(tok, "plan") + call + ordinary_ids(tok, "search")
+    prompt = tok.encode("<|assistant|><think>")
+    parser = ReasoningParser(markers, prompt_token_ids=prompt, enabled=True, call_start_id=call[0])
+    assert parser.split(output) == [
+        ("reasoning", ordinary_ids(tok, "plan")),
+        ("content", output[-1 - len(ordinary_ids(tok, "search")) :]),
+    ]
+    assert not parser.in_reasoning
+    plain = ReasoningParser(markers, prompt_token_ids=prompt, enabled=True)
+    assert plain.split(output) == [("reasoning", output)]

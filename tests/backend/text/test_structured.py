@@ -504,3 +504,36 @@ def test_forced_kimi_arguments_add_no_keys_of_their_own(
     tok = load(tmp_path_factory, "kimi-tiktoken")
     assert _kimi_call_is_allowed(tok, tool, '{"minutes": 3, "from": "x"}') == is_allowed
     assert _kimi_call_is_allowed(tok, tool, '{"minutes": 3}')  # its own key always
+
+
+UNITS = Tool(
+    name="set_units",
+    parameters={
+        "type": "object",
+        "properties": {"units": {"type": ["string", "null"], "enum": ["celsius", "fahrenheit", None]}},
+        "required": ["units"],
+    },
+)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_glm_nullable_strings_come_back_as_strings_or_null(
+    tmp_path_factory: pytest.TempPathFactory, seed: int
+) -> None:
+    """GLM writes strings raw; a nullable string's grammar was JSON (`"celsius"`, quotes and all, which the
+    parser kept inside the string) and `null` came back as the string "null". Now the grammar writes it
+    as the parser reads it: the value raw, or `null` for null."""
+    tok = load(tmp_path_factory, "glm")
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    grammar = grammar_for(
+        _request(tools=[UNITS], tool_choice=ToolChoice(mode="required")), "glm", _markers(tok)
+    )
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed)
+    parser = parser_for("glm", tok, [UNITS])
+    assert parser is not None
+    calls = [p for p in parser.feed(ids) + parser.finish() if isinstance(p, ParsedCall)]
+    assert calls
+    for call in calls:
+        assert json.loads(call.arguments)["units"] in ("celsius", "fahrenheit", None), call.arguments

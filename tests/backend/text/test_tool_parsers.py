@@ -143,7 +143,7 @@ def test_glm_calls_typed_by_schema(tmp_path_factory: pytest.TempPathFactory, chu
     assert json.loads(calls[0].arguments) == {
         "city": "42",
         "days": 3,
-        "units": "null",
+        "units": None,  # a nullable string: `null` is null, as the template writes None
         "hourly": True,
         "spots": ["a", 1],
     }
