@@ -224,17 +224,25 @@ class _Call:
         affinity = self.meta.affinity
         if affinity is None and len(normalized.requests) > 1:
             # one replica takes every choice: its prefix cache shares their prompt (and encodes
-            # their images once), which is what `Totals.of` bills
+            # their images once); `Totals.of` bills what it did not serve
             affinity = self.meta.info.request_id
-        # every choice is routed at once; any failure before the first byte closes the others
+        # the first choice alone, then the others at once: by its first event the replica holds its
+        # prompt's pages in the prefix cache, and the others start from them (routed at once, each
+        # prefilled the whole prompt); any failure before the first byte closes the others
+        choices = list(zip(normalized.requests, done, strict=True))
+        started: list[AsyncGenerator[b.Event, None] | BaseException] = []
+        since = time.monotonic()  # the later choices' deadline is the first one's
         try:
-            started = await asyncio.gather(
-                *(self._started(r, c, affinity) for r, c in zip(normalized.requests, done, strict=True)),
-                return_exceptions=True,
-            )
+            started += await asyncio.gather(self._started(*choices[0], affinity), return_exceptions=True)
+            if len(choices) > 1 and not isinstance(started[0], BaseException):
+                late_s = time.monotonic() - since
+                started += await asyncio.gather(
+                    *(self._started(r, c, affinity, late_s) for r, c in choices[1:]), return_exceptions=True
+                )
         except BaseException as exc:  # cancelled while routing (a batch job handed back, a shutdown)
             with anyio.CancelScope(shield=True):  # else its worst case stays reserved for the day
-                await self._abandon(reserved, done, [], exc)
+                opened = [s for s in started if not isinstance(s, BaseException)]
+                await self._abandon(reserved, done, opened, exc)
             raise
         streams = [s for s in started if not isinstance(s, BaseException)]
         failure = next((s for s in started if isinstance(s, BaseException)), None)
@@ -275,16 +283,17 @@ class _Call:
         return f"chatcmpl-{self.meta.info.request_id}"
 
     async def _started(
-        self, generate: b.GenerateRequest, into: render.Completion, affinity: str | None
+        self, generate: b.GenerateRequest, into: render.Completion, affinity: str | None, late_s: float = 0.0
     ) -> AsyncGenerator[b.Event, None]:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent.
         A wait cut by the deadline, the drain or the caller leaves the choice `is_started`: the
-        backend was working on its prompt."""
+        backend was working on its prompt. `late_s`: how long after the call's first choice this one
+        starts (its deadline is the call's)."""
         timeout_s = self.meta.timeout_s
+        limit_s = self.service.settings.request_timeout_s if timeout_s is None else timeout_s
         events = self.service.lifecycle.guard(
-            self.service.router.generate(self.model, generate, affinity=affinity),
-            self.service.settings.request_timeout_s if timeout_s is None else timeout_s,
+            self.service.router.generate(self.model, generate, affinity=affinity), max(limit_s - late_s, 0.0)
         )
         try:
             url, first = await anext(events)

@@ -218,6 +218,18 @@ def test_prefix_cache_hits_with_session_affinity(kumo: Kumo) -> None:
     assert second["prompt_tokens_details"]["cached_tokens"] >= 16
 
 
+def test_the_choices_of_one_request_share_its_prompt(kumo: Kumo) -> None:
+    """n = 3: the first choice goes alone, the others once it has its first token, from its cached
+    prompt pages. Billed: the prompt once, plus what each later choice's cache did not serve (less
+    than a page each), not three prompts (routed at once, each prefilled the whole prompt)."""
+    long = "Name the rivers, bridges and harbours of an old port city, one by one, in order. " * 4
+    one = run(kumo, GLM, {"messages": [{"role": "user", "content": long + "(a)"}], "max_tokens": 2})
+    three = run(kumo, GLM, {"messages": [{"role": "user", "content": long + "(b)"}], "max_tokens": 2, "n": 3})
+    single, shared = one.json()["result"]["usage"], three.json()["result"]["usage"]
+    assert len(three.json()["result"]["choices"]) == 3 and single["prompt_tokens"] > 48
+    assert shared["prompt_tokens"] < single["prompt_tokens"] + 2 * 32, (single, shared)
+
+
 def test_kimi_with_an_image(kumo: Kumo) -> None:
     import base64
     import io

@@ -5,9 +5,10 @@ one replica, and each later choice adds the prompt tokens its replica's cache di
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 
-from gateway_harness import KIMI, Harness, _tenant
+from gateway_harness import GLM, KIMI, Harness, _tenant
 
 from gateway.usage import neurons
 
@@ -52,3 +53,24 @@ async def test_each_choice_pays_the_prompt_its_replica_did_not_cache(harness: Ha
     )
     assert (row.prompt_tokens, row.cached_tokens) == (prompt_tokens, CACHED_TOKENS)
     assert row.neurons == neurons(price, prompt_tokens, CACHED_TOKENS, usage["completion_tokens"])
+
+
+async def test_later_choices_start_once_the_first_has_its_prompt(harness: Harness) -> None:
+    """Routed at once, every choice prefilled the whole prompt (none could hit the others' pages).
+    The first choice now goes alone and the others follow its first event, by when its prompt's pages
+    are in the replica's prefix cache: the "slow" script's first event comes after 0.3 s, and until
+    then the replica has one request of the three."""
+    glm = harness.backends["glm-5.2"][0]
+    before = len(glm.requests)
+    call = asyncio.create_task(
+        harness.http.post(
+            harness.path(f"/ai/run/{GLM}"),
+            headers=harness.auth(),
+            json={"messages": [{"role": "user", "content": "slow"}], "n": 3},
+        )
+    )
+    await asyncio.sleep(0.15)
+    assert len(glm.requests) - before <= 1
+    r = await call
+    assert r.status_code == 200, r.text
+    assert len(r.json()["result"]["choices"]) == 3 and len(glm.requests) - before == 3
