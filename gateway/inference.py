@@ -230,7 +230,7 @@ class _Call:
         # prompt's pages in the prefix cache, and the others start from them (routed at once, each
         # prefilled the whole prompt); any failure before the first byte closes the others
         choices = list(zip(normalized.requests, done, strict=True))
-        started: list[AsyncGenerator[b.Event, None] | BaseException] = []
+        started: list[ChoiceEvents | BaseException] = []
         since = time.monotonic()  # the later choices' deadline is the first one's
         try:
             started += await asyncio.gather(self._started(*choices[0], affinity), return_exceptions=True)
@@ -284,7 +284,7 @@ class _Call:
 
     async def _started(
         self, generate: b.GenerateRequest, into: render.Completion, affinity: str | None, late_s: float = 0.0
-    ) -> AsyncGenerator[b.Event, None]:
+    ) -> ChoiceEvents:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent.
         A wait cut by the deadline, the drain or the caller leaves the choice `is_started`: the
@@ -307,16 +307,7 @@ class _Call:
             await events.aclose()
             raise to_gateway_error(first)
         into.is_started = True
-
-        async def rest() -> AsyncGenerator[b.Event, None]:
-            try:
-                yield first
-                async for _, event in events:
-                    yield event
-            finally:
-                await events.aclose()
-
-        return rest()
+        return ChoiceEvents(first, events)
 
     async def _collect(self, events: AsyncIterator[b.Event], into: render.Completion) -> None:
         async for event in events:
@@ -327,7 +318,7 @@ class _Call:
         self,
         reserved: _Reserved,
         normalized: Normalized,
-        streams: list[AsyncGenerator[b.Event, None]],
+        streams: list[ChoiceEvents],
         done: list[render.Completion],
     ) -> AsyncIterator[bytes]:
         status = 200
@@ -372,7 +363,7 @@ class _Call:
         self,
         reserved: _Reserved,
         done: list[render.Completion],
-        streams: list[AsyncGenerator[b.Event, None]],
+        streams: list[ChoiceEvents],
         exc: BaseException,
     ) -> None:
         for stream in streams:
@@ -420,7 +411,30 @@ def _inline_image_bytes(body: ModelInput) -> int:
     return sum(len(msgspec.json.encode(url)) for url in image_urls_of(body) if url.startswith("data:"))
 
 
-async def merge(streams: list[AsyncGenerator[b.Event, None]]) -> AsyncGenerator[tuple[int, b.Event], None]:
+class ChoiceEvents:
+    """A routed choice's events from its first (already read); `aclose` closes its backend stream
+    whether or not they were read (a generator closed before its first step ran none of its body,
+    so an error path that closed a choice never read left the backend generating it)."""
+
+    def __init__(self, first: b.Event, events: AsyncGenerator[tuple[str, b.Event], None]) -> None:
+        self._first: b.Event | None = first
+        self._events = events
+
+    def __aiter__(self) -> ChoiceEvents:
+        return self
+
+    async def __anext__(self) -> b.Event:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        _, event = await anext(self._events)  # StopAsyncIteration at the end
+        return event
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+
+
+async def merge(streams: list[ChoiceEvents]) -> AsyncGenerator[tuple[int, b.Event], None]:
     """Interleave the choices' event streams as they arrive, tagging each event with its index.
     Closing the merged stream cancels every producer (closing their backend connections)."""
     if len(streams) == 1:
@@ -430,7 +444,7 @@ async def merge(streams: list[AsyncGenerator[b.Event, None]]) -> AsyncGenerator[
         return
     queue: asyncio.Queue[tuple[int, b.Event | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncGenerator[b.Event, None]) -> None:
+    async def pump(i: int, stream: ChoiceEvents) -> None:
         try:
             async for event in stream:
                 await queue.put((i, event))

@@ -36,6 +36,7 @@ from schemas.backend import (
     Message,
     Reasoning,
     ReasoningMarkers,
+    TextDelta,
 )
 
 
@@ -122,13 +123,22 @@ class Serving:
         )
 
     async def events(self, prepared: Prepared) -> AsyncGenerator[Event, None]:
-        """Events of a prepared request. Raises the engine's refusal (busy, too large) before any event."""
+        """Events of a prepared request. Raises the engine's refusal (busy, too large) before any event.
+        The first engine output always makes an event (an empty text where the processor holds its
+        tokens back: a tool call, hidden reasoning, a possible stop string): it says the prompt is
+        in, which the gateway waits for before it routes a request's other choices, so that they
+        start from its cached prompt pages."""
         stream = self.engine.generate(
             prepared.engine_request, constraint=prepared.constraint, image_embeds=prepared.image_embeds
         )
+        is_first = True
         async with aclosing(stream):
             async for out in stream:
-                for event in prepared.processor.process(out):
+                events = prepared.processor.process(out)
+                if is_first and not events:
+                    events = [TextDelta(text="")]
+                is_first = False
+                for event in events:
                     yield event
                 if prepared.processor.is_stopped or out.finish_reason is not None:
                     return
@@ -178,7 +188,8 @@ class Serving:
         open reasoning block (backend/text/reasoning.py)."""
         if not request.tools or (request.tool_choice is not None and request.tool_choice.mode == "none"):
             return None
-        return self.model.marker_ids.get(TOOL_MARKERS_OF[self.model.family][0])
+        ids = [self.model.marker_ids.get(m) for m in TOOL_MARKERS_OF[self.model.family]]
+        return None if None in ids else ids[0]  # a tokenizer without every marker parses no calls
 
     def _processor(self, request: GenerateRequest, prompt_ids: list[int], is_free: bool) -> OutputProcessor:
         model = self.model

@@ -231,7 +231,7 @@ def _glm_value(schema: dict[str, Any], where: str) -> str:
         strings = {k: v for k, v in schema.items() if k not in ("const", "enum")}
         strings["enum"] = [v for v in values if v is not None]
         return f'{_glm_string(strings, where)} | "null"' if strings["enum"] else '"null"'
-    return _glm_string(schema, where)  # a raw line, `null` among them
+    return f'{_glm_string(schema, where)} | "null"'  # length bounds may leave `null` out of the line
 
 
 def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) -> str:

@@ -74,3 +74,21 @@ async def test_later_choices_start_once_the_first_has_its_prompt(harness: Harnes
     r = await call
     assert r.status_code == 200, r.text
     assert len(r.json()["result"]["choices"]) == 3 and len(glm.requests) - before == 3
+
+
+async def test_a_later_choice_that_times_out_closes_the_first(harness: Harness) -> None:
+    """The first choice's stream is open while the others are routed; when one of them fails (here
+    the call's deadline: 0.45 s, the "slow" script's first event after 0.3 s each), the answer is a
+    408 and the first choice's backend stream is closed, not left generating."""
+    glm = harness.backends["glm-5.2"][0]
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}"),
+        headers={"cf-aig-request-timeout": "450", **harness.auth()},
+        json={"messages": [{"role": "user", "content": "slow"}], "n": 2},
+    )
+    assert r.status_code == 408, r.text
+    for _ in range(40):
+        if glm.num_open_streams == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert glm.num_open_streams == 0

@@ -530,3 +530,27 @@ def test_text_held_for_a_stop_string_goes_out_before_the_call(
     ]
     assert kinds[-1] == "ToolCallDelta" and "ToolCallDelta" not in kinds[:-1], kinds
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Let me check.\n"
+
+
+async def test_the_first_output_always_makes_an_event(scripted: tuple[Starlette, ScriptedEngine]) -> None:
+    """The first engine output's text is held back (it may begin a stop string): an empty text event
+    still goes out with it, saying the prompt is in (the gateway routes a request's other choices on
+    it, to start from its cached prompt pages); the text follows as before."""
+    app, _ = scripted
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://b") as client:
+        r = await client.post(
+            "/v1/generate",
+            headers={"authorization": f"Bearer {SECRET}"},
+            json={
+                "request_id": "held",
+                "tenant_salt": TENANT,
+                "messages": [{"role": "user", "content": "held"}],
+                "reasoning": {"enabled": False},
+                "sampling": {"stop": ["partial!"]},
+            },
+        )
+    events = [msgspec.json.decode(line, type=Event) for line in r.text.splitlines()]
+    assert events[0] == TextDelta(text="")
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "partial ok"
+    assert isinstance(events[-1], Finish)

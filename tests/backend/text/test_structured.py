@@ -32,7 +32,7 @@ from schemas.backend import (
     ToolCallFunction,
     ToolChoice,
 )
-from tests.backend.server_tokenizers import load
+from tests.backend.server_tokenizers import load, ordinary_ids
 
 SCHEMA = {
     "type": "object",
@@ -537,3 +537,40 @@ def test_glm_nullable_strings_come_back_as_strings_or_null(
     assert calls
     for call in calls:
         assert json.loads(call.arguments)["units"] in ("celsius", "fahrenheit", None), call.arguments
+
+
+@pytest.mark.parametrize("bounds", [{"minLength": 5}, {"maxLength": 3}, {}])
+def test_a_bounded_nullable_string_can_still_be_null(
+    tmp_path_factory: pytest.TempPathFactory, bounds: dict
+) -> None:  # type: ignore[type-arg]
+    """`null` is four characters: a nullable string whose length bounds leave it out of the raw line
+    still takes `null` (the grammar once only allowed the line), and the parser reads it as None."""
+    tok = load(tmp_path_factory, "glm")
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    tool = Tool(
+        name="pick",
+        parameters={
+            "type": "object",
+            "properties": {"v": {"type": ["string", "null"], **bounds}},
+            "required": ["v"],
+        },
+    )
+    grammar = grammar_for(
+        _request(tools=[tool], tool_choice=ToolChoice(mode="required")), "glm", _markers(tok)
+    )
+    assert grammar is not None
+    constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
+    ids = (
+        tok.encode("<tool_call>") + ordinary_ids(tok, "pick\n") + tok.encode("<arg_key>") + ordinary_ids(tok, "v")
+        + tok.encode("</arg_key>") + ordinary_ids(tok, "\n") + tok.encode("<arg_value>") + ordinary_ids(tok, "null")
+        + tok.encode("</arg_value>") + ordinary_ids(tok, "\n") + tok.encode("</tool_call>")
+    )  # fmt: skip
+    for token_id in ids:
+        assert constraint.error is None
+        constraint.accept(token_id)
+    assert constraint.error is None
+    parser = parser_for("glm", tok, [tool])
+    assert parser is not None
+    (call,) = [p for p in parser.feed(ids) + parser.finish() if isinstance(p, ParsedCall)]
+    assert json.loads(call.arguments) == {"v": None}
