@@ -159,7 +159,7 @@ NeuronsOf = Callable[[Totals], float]  # prices totals for the usage trailer (th
 # ---- non-streaming -------------------------------------------------------------------------------------
 def legacy_result(c: Completion, totals: Totals, *, json_mode: bool) -> LegacyResult:
     response: object = c.text
-    if json_mode:
+    if json_mode and not c.tool_calls:  # an answer that calls tools has no JSON to give
         try:
             response = msgspec.json.decode(c.text)
         except msgspec.DecodeError as exc:

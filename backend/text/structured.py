@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from backend.errors import InvalidRequest
+from backend.text.tool_parsers import MARKERS as TOOL_MARKERS
 from backend.text.tool_parsers.glm import is_nullable, is_string_typed
 from schemas.backend import GenerateRequest, Tool
 
@@ -256,6 +257,25 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) ->
     return "\n".join([start, *rules])
 
 
+def _tool_lark(
+    request: GenerateRequest,
+    tools: list[Tool],
+    family: str,
+    marker_ids: dict[str, int | None],
+    *,
+    is_parallel: bool,
+) -> str:
+    """The family's tool-call grammar in Lark, its `start` rule the calls."""
+    ids = {k: v for k, v in marker_ids.items() if v is not None}
+    max_calls = MAX_PARALLEL_CALLS if is_parallel and request.parallel_tool_calls else 1
+    try:
+        if family == "kimi":
+            return _kimi_tool_grammar(tools, ids, _num_previous_calls(request), max_calls)
+        return _glm_tool_grammar(tools, ids, max_calls)
+    except KeyError as exc:
+        raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
+
+
 def _tool_grammar(
     request: GenerateRequest,
     tools: list[Tool],
@@ -264,21 +284,28 @@ def _tool_grammar(
     *,
     is_parallel: bool,
 ) -> str:
-    ids = {k: v for k, v in marker_ids.items() if v is not None}
-    max_calls = MAX_PARALLEL_CALLS if is_parallel and request.parallel_tool_calls else 1
+    lark = _tool_lark(request, tools, family, marker_ids, is_parallel=is_parallel)
+    return str(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def _answer_or_calls(
+    request: GenerateRequest, schema: dict[str, Any], family: str, marker_ids: dict[str, int | None]
+) -> str:
+    """A JSON answer (`schema`) or tool calls, from the first token: `tool_choice: auto` beside a JSON
+    `response_format` (the JSON grammar alone left no way to call a tool)."""
+    calls = _tool_lark(request, request.tools or [], family, marker_ids, is_parallel=True)
+    answer = "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    lark = "start: answer | calls\nanswer: " + answer + "\n" + re.sub(r"^start:", "calls:", calls, count=1)
     try:
-        if family == "kimi":
-            grammar = _kimi_tool_grammar(tools, ids, _num_previous_calls(request), max_calls)
-        else:
-            grammar = _glm_tool_grammar(tools, ids, max_calls)
-    except KeyError as exc:
-        raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
-    return str(llguidance.LLMatcher.grammar_from_lark(grammar))
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    except ValueError as exc:
+        raise InvalidRequest(f"response_format.json_schema: {public_reason(str(exc))}") from exc
 
 
 def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int | None]) -> str | None:
     """The llguidance grammar constraining `request`'s output from its first token, or None when
-    it starts free (tools offered with `tool_choice` auto get `lazy_tool_grammar_for`)."""
+    it starts free (tools offered with `tool_choice` auto get `lazy_tool_grammar_for`; beside a JSON
+    `response_format`, a JSON answer or calls from the first token)."""
     forced = _forced_tools(request)
     if forced:
         is_parallel = request.tool_choice is not None and request.tool_choice.mode == "required"
@@ -287,10 +314,15 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return _json_grammar({"type": "object"})
-    if fmt.json_schema is None:
+        schema: dict[str, Any] = {"type": "object"}
+    elif fmt.json_schema is None:
         raise InvalidRequest("response_format.json_schema is required when type is json_schema")
-    return _json_grammar(fmt.json_schema)
+    else:
+        schema = fmt.json_schema
+    is_auto = request.tool_choice is None or request.tool_choice.mode == "auto"
+    if request.tools and is_auto and all(marker_ids.get(m) is not None for m in TOOL_MARKERS[family]):
+        return _answer_or_calls(request, schema, family, marker_ids)
+    return _json_grammar(schema)
 
 
 def lazy_tool_grammar_for(

@@ -128,6 +128,19 @@ async def test_json_mode_returns_the_parsed_object_and_refuses_to_stream(harness
     assert broken.status_code == 400 and "JSON Mode couldn't be met" in broken.json()["errors"][0]["message"]
 
 
+async def test_json_mode_beside_tools_answers_a_call_with_the_call(harness: Harness) -> None:
+    """JSON mode and tools offered: a model that calls a tool has no JSON to give; the answer is the
+    call (it was a 400, "JSON Mode couldn't be met"), and a JSON answer is still parsed."""
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"name": "get_weather", "description": "Weather", "parameters": params}]
+    body = {"tools": tools, "response_format": {"type": "json_object"}}
+    r = await post(harness, {"messages": [{"role": "user", "content": "tool:"}], **body})
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["tool_calls"][0] == {"name": "get_weather", "arguments": {"city": "Lisbon"}}
+    answered = await post(harness, {"messages": [{"role": "user", "content": "json:"}], **body})
+    assert answered.status_code == 200 and answered.json()["result"]["response"] == {"answer": 42, "ok": True}
+
+
 async def test_invalid_fields_are_refused_naming_them(harness: Harness) -> None:
     cases = {
         "max_tokens": {"prompt": "x", "max_tokens": 0},

@@ -574,3 +574,57 @@ def test_a_bounded_nullable_string_can_still_be_null(
     assert parser is not None
     (call,) = [p for p in parser.feed(ids) + parser.finish() if isinstance(p, ParsedCall)]
     assert json.loads(call.arguments) == {"v": None}
+
+
+@pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
+def test_a_json_format_beside_offered_tools_allows_a_json_answer_or_a_call(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    """`tool_choice: auto` with a JSON `response_format`: the answer is JSON of the schema or tool calls
+    (the JSON grammar alone applied from the first token, so no tool could be called); forced tools
+    keep their call grammar, and a model without markers the JSON grammar."""
+    tok = load(tmp_path_factory, layout)
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = ResponseFormat(type="json_schema", json_schema=schema)
+    grammar = grammar_for(_request(tools=[WEATHER], response_format=fmt), family, _markers(tok))
+    assert grammar is not None
+    if family == "kimi":
+        call = (
+            tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>") + ordinary_ids(tok, "functions.get_weather:0")
+            + tok.encode("<|tool_call_argument_begin|>") + ordinary_ids(tok, '{"city": "Oslo", "days": 2}')
+            + tok.encode("<|tool_call_end|><|tool_calls_section_end|>")
+        )  # fmt: skip
+    else:
+        call = tok.encode("<tool_call>") + ordinary_ids(tok, "get_weather\n")
+        for key, value in (("city", "Oslo"), ("days", "2")):
+            call += (
+                tok.encode("<arg_key>")
+                + ordinary_ids(tok, key)
+                + tok.encode("</arg_key>")
+                + ordinary_ids(tok, "\n")
+            )
+            call += (
+                tok.encode("<arg_value>")
+                + ordinary_ids(tok, value)
+                + tok.encode("</arg_value>")
+                + ordinary_ids(tok, "\n")
+            )
+        call += tok.encode("</tool_call>")
+    for ids in (call, ordinary_ids(tok, '{"n":7}')):  # compact, as JSON mode writes it
+        constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
+        for token_id in ids:
+            constraint.accept(token_id)
+            assert constraint.error is None, tok.decode(ids)
+        mask = constraint.allowed_tokens(tok.vocab_size)
+        assert mask is not None and bool(mask[eos]), tok.decode(ids)  # complete: it may end there
+    text_only = ordinary_ids(tok, "Sure, ")
+    constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
+    mask = constraint.allowed_tokens(tok.vocab_size)
+    assert mask is not None and not bool(mask[text_only[0]])  # neither JSON nor a call
+    forced = _request(tools=[WEATHER], response_format=fmt, tool_choice=ToolChoice(mode="required"))
+    assert grammar_for(forced, family, _markers(tok)) != grammar
+    assert grammar_for(_request(tools=[WEATHER], response_format=fmt), family, {}) == grammar_for(
+        _request(response_format=fmt), family, {}
+    )
