@@ -33,6 +33,7 @@ from schemas.backend import (
     ToolChoice,
 )
 from tests.backend.server_tokenizers import load, ordinary_ids
+from tests.backend.text.test_tool_parsers import _glm_call, _kimi_call
 
 SCHEMA = {
     "type": "object",
@@ -561,11 +562,7 @@ def test_a_bounded_nullable_string_can_still_be_null(
     )
     assert grammar is not None
     constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
-    ids = (
-        tok.encode("<tool_call>") + ordinary_ids(tok, "pick\n") + tok.encode("<arg_key>") + ordinary_ids(tok, "v")
-        + tok.encode("</arg_key>") + ordinary_ids(tok, "\n") + tok.encode("<arg_value>") + ordinary_ids(tok, "null")
-        + tok.encode("</arg_value>") + ordinary_ids(tok, "\n") + tok.encode("</tool_call>")
-    )  # fmt: skip
+    ids = _glm_call(tok, "pick", [("v", "null")])
     for token_id in ids:
         assert constraint.error is None
         constraint.accept(token_id)
@@ -592,26 +589,12 @@ def test_a_json_format_beside_offered_tools_allows_a_json_answer_or_a_call(
     assert grammar is not None
     if family == "kimi":
         call = (
-            tok.encode("<|tool_calls_section_begin|><|tool_call_begin|>") + ordinary_ids(tok, "functions.get_weather:0")
-            + tok.encode("<|tool_call_argument_begin|>") + ordinary_ids(tok, '{"city": "Oslo", "days": 2}')
-            + tok.encode("<|tool_call_end|><|tool_calls_section_end|>")
-        )  # fmt: skip
+            tok.encode("<|tool_calls_section_begin|>")
+            + _kimi_call(tok, "functions.get_weather:0", '{"city": "Oslo", "days": 2}')
+            + tok.encode("<|tool_calls_section_end|>")
+        )
     else:
-        call = tok.encode("<tool_call>") + ordinary_ids(tok, "get_weather\n")
-        for key, value in (("city", "Oslo"), ("days", "2")):
-            call += (
-                tok.encode("<arg_key>")
-                + ordinary_ids(tok, key)
-                + tok.encode("</arg_key>")
-                + ordinary_ids(tok, "\n")
-            )
-            call += (
-                tok.encode("<arg_value>")
-                + ordinary_ids(tok, value)
-                + tok.encode("</arg_value>")
-                + ordinary_ids(tok, "\n")
-            )
-        call += tok.encode("</tool_call>")
+        call = _glm_call(tok, "get_weather", [("city", "Oslo"), ("days", "2")])
     for ids in (call, ordinary_ids(tok, '{"n":7}')):  # compact, as JSON mode writes it
         constraint = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos]))
         for token_id in ids:
