@@ -276,18 +276,6 @@ def _tool_lark(
         raise InvalidRequest(f"this model's tokenizer has no tool-call marker {exc}") from exc
 
 
-def _tool_grammar(
-    request: GenerateRequest,
-    tools: list[Tool],
-    family: str,
-    marker_ids: dict[str, int | None],
-    *,
-    is_parallel: bool,
-) -> str:
-    lark = _tool_lark(request, tools, family, marker_ids, is_parallel=is_parallel)
-    return str(llguidance.LLMatcher.grammar_from_lark(lark))
-
-
 def _answer_or_calls(
     request: GenerateRequest, schema: dict[str, Any], family: str, marker_ids: dict[str, int | None]
 ) -> str:
@@ -309,7 +297,8 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
     forced = _forced_tools(request)
     if forced:
         is_parallel = request.tool_choice is not None and request.tool_choice.mode == "required"
-        return _tool_grammar(request, forced, family, marker_ids, is_parallel=is_parallel)
+        lark = _tool_lark(request, forced, family, marker_ids, is_parallel=is_parallel)
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
     fmt = request.response_format
     if fmt is None or fmt.type == "text":
         return None
@@ -338,7 +327,8 @@ def lazy_tool_grammar_for(
     known = [i for i in ids if i is not None]
     if request.tool_choice is not None and request.tool_choice.mode == "none":
         return None, None, known
-    grammar = _tool_grammar(request, request.tools, family, marker_ids, is_parallel=True)
+    lark = _tool_lark(request, request.tools, family, marker_ids, is_parallel=True)
+    grammar = str(llguidance.LLMatcher.grammar_from_lark(lark))
     return grammar, known[0], known[1:]
 
 
