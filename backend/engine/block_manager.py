@@ -211,10 +211,14 @@ class BlockManager:
     def distrust(self, seq: Sequence) -> None:
         """Take every page of `seq` out of the prefix cache: one of them failed the tag check, on
         this rank or another (which cannot say which), so no later request may be given it again.
-        Its holders keep it until they let go; then it is free, and its next owner gets a new tag."""
+        Its holders keep it until they let go; then it is free, and its next owner gets a new tag.
+        By the ledger, not the page table the check read: a page the table names that `seq` does not
+        hold under its tag (the table gone wrong) is another holder's, or cached and held by no one,
+        and dropping it from the cache took another tenant's entry and left it in no pool for good."""
         if self.prefix_cache is not None:
-            for ref in seq.page_table:
-                self.prefix_cache.forget(ref.page_id)
+            for ref in self._ledger.get(seq.request_id, []):
+                if self.tags[ref.page_id] == ref.tag:
+                    self.prefix_cache.forget(ref.page_id)
 
     def publish_full_pages(self, seq: Sequence) -> None:
         """Offer the prefix cache every full page of `seq` whose KV is now computed, and tell it

@@ -227,12 +227,16 @@ class DecodeGraphs:
         """`(logits [B, V], tag_mismatch [B])` of a pure-decode step, or None when no bucket fits
         (more sequences than the largest bucket, or a sequence wider than the page-table buffers).
         `stage`, the staging buffer's send and `replay` in one (the runner sends once per step, the
-        page-tag updates with it). `input_ids` [B] on the device, if given, replace the host's."""
+        page-tag updates with it). `input_ids` [B] on the device, if given, replace the host's.
+        The flags are a copy: the next replay clears the graph's own (a speculative step's chained
+        draft depths read theirs only after the last depth ran: a depth's flag was lost, or landed on
+        the next depth's row of another sequence)."""
         self.staging.start()
         if self.stage(host) is None:
             return None
         self.staging.send()
-        return self.replay(host.num_seqs, input_ids)
+        logits, flags = self.replay(host.num_seqs, input_ids)
+        return logits, flags.clone()
 
     def stage(self, host: HostBatch) -> int | None:
         """Stage the step's rows, padded to its bucket (rows B..bucket get the padding values);

@@ -365,3 +365,32 @@ def test_captures_hold_the_collector_off_and_restore_it() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_runs_flags_survive_the_next_run() -> None:
+    """A speculative step's chained draft depths replay the same graphs one after another and read
+    every depth's flags after the last: a depth's flags must not be the buffer the next replay
+    clears and rewrites (a flagged row was lost, or a later depth's flag blamed another sequence)."""
+
+    def checking(batch: ForwardBatch) -> torch.Tensor:
+        tags = batch.kv_cache.page_tags[batch.page_table[:, 0].long()]
+        batch.tag_mismatch |= tags != batch.expected_tags[:, 0]
+        return batch.positions.float()[:, None].expand(-1, 4).contiguous()
+
+    graphs = graphs_over(checking)
+    # depth 1: X reads page 3 under a stale tag, Y page 9 under its own (tags are page + 1)
+    depth1 = host_batch(
+        input_ids=[0, 0],
+        positions=[5, 7],
+        slots=[12, 36],
+        seq_lens=[6, 8],
+        page_ids=[[3], [9]],
+        expected_tags=[[999], [10]],
+    )
+    depth2 = host_batch(
+        input_ids=[0], positions=[8], slots=[36], seq_lens=[9], page_ids=[[9]], expected_tags=[[10]]
+    )
+    _, flags1 = graphs.run(depth1) or (None, None)
+    _, flags2 = graphs.run(depth2) or (None, None)
+    assert flags1 is not None and flags2 is not None
+    assert flags1.tolist() == [True, False] and flags2.tolist() == [False]

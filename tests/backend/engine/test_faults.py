@@ -170,3 +170,36 @@ def test_clean_runs_never_abort(model_name: str, models: ModelShelf) -> None:
         else:
             assert engine.stats.prefix_hits > 0
     assert num_checked > 300
+
+
+def test_an_abort_distrusts_only_the_pages_its_request_holds() -> None:
+    """A table gone wrong names a page its request does not hold (here: a page the prefix cache
+    keeps for another tenant, held by no one). The abort drops from the cache only what the aborted
+    request holds under its tags: the other tenant's entry stays (its prompt hits again), and no
+    page ends up in no pool."""
+    from backend.engine.sequence import PageRef
+
+    engine = make_engine(num_pages=16)
+    bm = engine.block_manager
+    assert bm.prefix_cache is not None
+    a = prompt_of(1, 40, 64)
+    results: dict[str, Result] = {}
+    engine.add_request(request("a", a, tenant=TENANT_A, max_tokens=2))
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    cached = [p for p in range(bm.num_pages) if bm.prefix_cache.is_cached(p) and bm.refcounts[p] == 0]
+    assert len(cached) == 2  # a's two full prompt pages, held by no one
+    available = bm.num_available_pages
+    engine.add_request(request("b", prompt_of(2, 40, 64), tenant=TENANT_B, max_tokens=8))
+    collect(results, engine.step())  # b admitted and prefilled
+    b = engine._seqs["b"]
+    b.page_table[1] = PageRef(cached[0], b.page_table[1].tag)  # a bug writes into b's table
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert results["b"].error is not None and results["b"].error.code == "integrity_abort"
+    assert all(bm.prefix_cache.is_cached(p) for p in cached)
+    assert bm.num_available_pages == available
+    engine.add_request(request("a2", a, tenant=TENANT_A, max_tokens=2))
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert results["a2"].error is None and results["a2"].num_cached_tokens == 32
