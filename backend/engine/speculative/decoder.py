@@ -67,7 +67,7 @@ from backend.engine.speculative.accept import choose_tokens, token_scores
 from backend.engine.speculative.book import DraftBook
 from backend.engine.speculative.greedy import MAX_BANNED
 from backend.engine.speculative.plan import SpecRow, plan_greedy, plan_target
-from backend.engine.speculative.policy import DraftPolicy, StepLoad
+from backend.engine.speculative.policy import OWN_MAX_SEQS, DraftPolicy, StepLoad
 from backend.engine.speculative.propose import propose
 from backend.engine.speculative.sampled import can_sample_on_device, draw_rows
 
@@ -132,8 +132,8 @@ class SpecDecoder:
         # the last step's measurement not yet told, the load of a plain step and the draft length
         # chosen for the next step at that load
         self._measured: tuple[int, int, bool, int, int, float, int] | None = None
-        self._plain_load: StepLoad | None = None
-        self._ahead: tuple[StepLoad, int] | None = None
+        self._plain_load: tuple[StepLoad, tuple[str, ...]] | None = None
+        self._ahead: tuple[StepLoad, tuple[str, ...], int] | None = None
 
     def policy_state(self) -> dict[str, Any]:
         """A copy of what the draft policy has learned (acceptance, m, each load's rates)."""
@@ -173,16 +173,17 @@ class SpecDecoder:
             num_drafting = can_draft.count(True)
             num_samples = sum([s.needs_sample for s in out.scheduled])
             load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
-            if ahead is not None and ahead[0] is load and self.policy.forced_k is None:
-                self.k = ahead[1]  # chosen while the last step ran, for this load
+            ids = self._drafting_ids(out, can_draft, num_drafting)
+            if ahead is not None and ahead[0] is load and ahead[1] == ids and self.policy.forced_k is None:
+                self.k = ahead[2]  # chosen while the last step ran, for this load and these requests
             else:
                 self.settle()
-                self.k = self.policy.choose(load)
+                self.k = self.policy.choose(load, ids)
             if self.k:
                 self._catch_up_worth(out, can_draft)
                 flags = self.book.reserve(out, can_draft, self.k)
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
-                self._plain_load = load  # a plain decode step: the next one's choice while it runs
+                self._plain_load = (load, ids)  # a plain decode step: the next one's choice while it runs
             self.fills_draft_kv = (
                 not any(flags) and self.policy.forced_k != 0 and self.book.has_chunk_to_fill(out)
             )
@@ -229,7 +230,16 @@ class SpecDecoder:
         not seen the measurement of the step it runs beside: the policy's view lags one step."""
         self.settle()
         if self._plain_load is not None:
-            self._ahead = (self._plain_load, self.policy.choose(self._plain_load))
+            load, ids = self._plain_load
+            self._ahead = (load, ids, self.policy.choose(load, ids))
+
+    @staticmethod
+    def _drafting_ids(out: SchedulerOutput, can_draft: list[bool], num_drafting: int) -> tuple[str, ...]:
+        """The requests that could draft this step, whose own acceptance the policy prices it at
+        (`DraftPolicy.choose`); none past `OWN_MAX_SEQS` (the shared estimate then)."""
+        if not num_drafting or num_drafting > OWN_MAX_SEQS:
+            return ()
+        return tuple([s.seq.request_id for s, c in zip(out.scheduled, can_draft, strict=True) if c])
 
     def _load(self, num_rows: int, num_drafting: int, num_other_samples: int) -> StepLoad:
         """The step's load, one object per distinct load: a decode stream repeats a few, and a frozen
@@ -262,6 +272,7 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self.book.forget(request_id)
+        self.policy.forget(request_id)
         self._host_generators.pop(request_id, None)
 
     def preempted(self, request_id: str) -> None:
@@ -301,7 +312,7 @@ class SpecDecoder:
                 self.stats.drafted_tokens += len(r.drafts)
                 self.stats.accepted_tokens += len(tokens) - 1
                 if not self.book.has_hole(r.sched.seq):  # drafts over a given-up gap's zeros: not the load's
-                    self.policy.observe(len(r.drafts), len(tokens) - 1)
+                    self.policy.observe(len(r.drafts), len(tokens) - 1, r.sched.seq.request_id)
             scores = token_scores(logits, r, tokens, runner.sampler)
             res.accepted, res.sample = scores[:-1], scores[-1]
         for b, (prompt_rows, targets) in prompt.items():
@@ -385,7 +396,7 @@ class SpecDecoder:
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += a
             if not self.book.has_hole(seq):
-                self.policy.observe(k, a)
+                self.policy.observe(k, a, seq.request_id)
             scores = [TokenScore(t, None, []) for t in tokens]
             res.accepted, res.sample = scores[:-1], scores[-1]
             remaining = seq.request.sampling.max_tokens - (seq.num_output_tokens + a + 1)

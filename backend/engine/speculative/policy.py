@@ -76,6 +76,19 @@ that step stays out of the rates and of m, and is charged to the load's probe bu
 dearest catch-up per sequence measured at any load (less a drafting step's cost there) times its
 sequences.
 
+Acceptance is a request's as much as a load's: tool calls copy their arguments (E(3) ~3 on the nano
+models), chat does not (~2), so one shared estimate and one verdict per load, both measured over
+whatever ran before, kept one kind of request from drafting after another kind lost (H100, 2026-12-06:
+Kimi tool calls 0.93x plain after its chat runs, where drafted they ran 1.15x). So the engine names the
+requests that could draft (`choose(load, request_ids)`, at most `OWN_MAX_SEQS`; more: the shared
+estimate, whose mean theirs would be), and a step is priced at their mean acceptance, each request's
+its own verifies over `OWN_PRIOR_WEIGHT` pseudo-verifies at the recent requests' (`recent`: each
+finished request's own, `RECENT_WEIGHT`). Once the load has measured step costs (`_costs`) that price
+decides, the load's measured verdict not asked (a plain refresh every `REPROBE_EVERY` drafting steps
+kept); and one in `EXPLORE_EVERY` new lone requests that it keeps plain drafts K for `OWN_VERIFIES`
+verifies anyway, where K drafts all accepted would pay, to measure its own (`_explores`): a request
+that never drafts never shows that its kind has changed.
+
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
 (backend/engine/speculative/decoder.py `drafting`).
@@ -125,6 +138,15 @@ RATE_MARGIN = 0.1  # drafting that won its probe stops once measured this far be
 REPROBE_EVERY = 256
 M_SAMPLE_RATIO = 16.0  # a sample of m enters at most this many times m: m grows 2.5x a sample at most
 OVERHEAD_WEIGHT = 0.1  # per verifying step, in a load's measured overhead of a drafting step
+# per-request acceptance (`_step_acceptance`): a request's own verifies of a depth, over this many
+# pseudo-verifies at the recent requests' acceptance; steps of more drafting requests than
+# OWN_MAX_SEQS use the shared estimate (their mean would be it, at O(B) host work a step)
+OWN_PRIOR_WEIGHT = 4.0
+OWN_MAX_SEQS = 8
+RECENT_WEIGHT = 0.5  # per finished request with verifies, in the recent requests' acceptance
+RECENT_TRIALS = 8  # a depth's verifies of a request that weigh RECENT_WEIGHT (fewer: less)
+OWN_VERIFIES = 3  # verifies an exploring request makes (`_explores`)
+EXPLORE_EVERY = 4  # of the new requests the model would keep plain, one drafts to measure its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +188,14 @@ class DraftPolicy:
         self._probe_bucket = 0  # the load it measures
         self.num_probes = 0  # probes of the speculative rate begun (any load)
         self._pays_if_accepted: dict[tuple[StepLoad, float], bool] = {}  # `_would_pay_if_accepted`
+        # per request: its own verifies of each depth and the accepted ones (`observe`), the
+        # acceptance of the recent requests (`forget`), and the exploring requests (`_explores`)
+        self._own: dict[str, tuple[list[int], list[int]]] = {}
+        self.recent = list(self.acceptance)
+        self._num_new = 0  # new requests the model kept plain (every EXPLORE_EVERY-th explores)
+        self._seen: set[str] = set()  # requests counted in `_num_new`
+        self._exploring: dict[str, int] = {}  # request id -> drafting steps left of its exploration
+        self.num_explorations = 0
 
     # ---- the model ---------------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
@@ -229,8 +259,10 @@ class DraftPolicy:
         return out
 
     # ---- per step ----------------------------------------------------------------------------
-    def choose(self, load: StepLoad) -> int:
-        """The draft length for this step (0: no drafts)."""
+    def choose(self, load: StepLoad, request_ids: tuple[str, ...] = ()) -> int:
+        """The draft length for this step (0: no drafts). `request_ids`: the requests that could
+        draft (`load.num_drafting` of them), whose own acceptance prices the step (the module doc:
+        per-request acceptance); none given: the shared estimate, measured gate and all."""
         if load.num_drafting == 0:
             return 0
         if self.forced_k is not None:  # the warm-up's sweep of every draft length (backend/server/warmup.py)
@@ -239,8 +271,18 @@ class DraftPolicy:
         if not self.is_adaptive:
             self.last_k = self.max_drafts
             return self.max_drafts
-        rates = self.rates(load, self.acceptance, overhead=self._overhead(load), measured=self._costs(load))
+        costs = self._costs(load)
+        acceptance, is_own = self._step_acceptance(request_ids)
+        rates = self.rates(load, acceptance, overhead=self._overhead(load), measured=costs)
         k = max(range(len(rates)), key=lambda i: (rates[i], -i))  # ties: the shorter draft
+        if is_own and costs is not None and self._probe_left == 0:
+            # its requests' acceptance at this load's measured step costs decides: the load's
+            # measured verdict came from whatever requests ran before (a plain refresh kept)
+            is_exploring = k == 0 and self._explores(request_ids, costs)
+            k = self.max_drafts if is_exploring else self._refresh(load, k)
+            self._num_starved = self._starved_left = 0
+            self.last_k = k
+            return k
         is_modelled = k > 0  # the cost model, at the measured acceptance, says k pays
         if k == 0 and self._starved_left > 0:  # a starved probe's run: verifies, not one lone proposal
             self._starved_left -= 1
@@ -256,6 +298,79 @@ class DraftPolicy:
             k = self._measured_gate(load, k or 1, is_modelled)
         self.last_k = k
         return k
+
+    def _step_acceptance(self, request_ids: tuple[str, ...]) -> tuple[list[float], bool]:
+        """The acceptance a step of `request_ids` drafts at, and whether it is theirs: per depth,
+        the mean over them of their own verifies with `OWN_PRIOR_WEIGHT` pseudo-verifies at the
+        recent requests' acceptance. None given, or more than `OWN_MAX_SEQS`: the shared estimate."""
+        if not request_ids or len(request_ids) > OWN_MAX_SEQS:
+            return self.acceptance, False
+        K, w = self.max_drafts, OWN_PRIOR_WEIGHT
+        total = [0.0] * K
+        for rid in request_ids:
+            own = self._own.get(rid)
+            if own is None:
+                for j in range(K):
+                    total[j] += self.recent[j]
+                continue
+            trials, hits = own
+            for j in range(K):
+                total[j] += (w * self.recent[j] + hits[j]) / (w + trials[j])
+        n = len(request_ids)
+        return [t / n for t in total], True
+
+    def _explores(self, request_ids: tuple[str, ...], costs: dict[int, float]) -> bool:
+        """A lone request the model keeps plain drafts K to measure its own acceptance, for its first
+        `OWN_VERIFIES` verifies (one drafting step more: the first only proposes), if K drafts all
+        accepted would beat a plain step at this load's measured costs: every `EXPLORE_EVERY`-th new
+        such request. The recent requests' acceptance is only measured while they draft: one kind
+        of request after another (chat, then tool calls) would otherwise never draft again."""
+        if len(request_ids) != 1:
+            return False
+        rid = request_ids[0]
+        left = self._exploring.get(rid)
+        if left is None:
+            if rid in self._seen or rid in self._own:
+                return False
+            self._seen.add(rid)
+            if len(self._seen) > 4096:
+                self._seen.clear()
+            self._num_new += 1
+            if self._num_new % EXPLORE_EVERY or self.max_drafts + 1 <= costs[self.max_drafts]:
+                return False
+            left = OWN_VERIFIES + 1
+            self.num_explorations += 1
+        own = self._own.get(rid)
+        if left <= 0 or (own is not None and own[0][0] >= OWN_VERIFIES):
+            self._exploring.pop(rid, None)
+            return False
+        self._exploring[rid] = left - 1
+        return True
+
+    def _refresh(self, load: StepLoad, k: int) -> int:
+        """k, but every `REPROBE_EVERY`-th drafting step at this load a plain one, which refreshes
+        the plain step's seconds the measured costs are relative to."""
+        if not k:
+            return 0
+        rates = self._rates.setdefault(load_bucket(load.num_drafting + load.num_other_samples), LoadRates())
+        rates.since_refresh += 1
+        if rates.since_refresh >= REPROBE_EVERY:
+            rates.since_refresh = 0
+            return 0
+        return k
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` finished: its own acceptance joins the recent requests' (`RECENT_WEIGHT`)."""
+        own = self._own.pop(request_id, None)
+        self._exploring.pop(request_id, None)
+        self._seen.discard(request_id)
+        if own is None:
+            return
+        trials, hits = own
+        for j in range(self.max_drafts):
+            if trials[j]:  # a few verifies move it less than a request's worth
+                weight = RECENT_WEIGHT * min(1.0, trials[j] / RECENT_TRIALS)
+                self.recent[j] += weight * (hits[j] / trials[j] - self.recent[j])
 
     def _overhead(self, load: StepLoad) -> float:
         """The plain steps a drafting step at `load` costs beyond the cost model, as measured there
@@ -450,11 +565,20 @@ class DraftPolicy:
         sample = min(sample, M_SAMPLE_RATIO * self.draft_cost)
         self.draft_cost += TIMING_WEIGHT * (sample - self.draft_cost)
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """One sequence's verify: of `num_drafts` drafts, the first `num_accepted` were accepted."""
+    def observe(self, num_drafts: int, num_accepted: int, request_id: str | None = None) -> None:
+        """One sequence's verify: of `num_drafts` drafts, the first `num_accepted` were accepted
+        (`request_id`'s: its own acceptance too)."""
+        own = None
+        if request_id is not None:
+            own = self._own.get(request_id)
+            if own is None:
+                own = self._own[request_id] = ([0] * self.max_drafts, [0] * self.max_drafts)
         for j in range(min(num_accepted + 1, num_drafts)):  # depths whose draft was judged
             hit = 1.0 if j < num_accepted else 0.0
             self.acceptance[j] += EWMA_WEIGHT * (hit - self.acceptance[j])
+            if own is not None:
+                own[0][j] += 1
+                own[1][j] += j < num_accepted
 
     def max_paying_seqs(self, limit: int) -> int:
         """The most sequences (up to `limit`) at which a decode step could gain from drafting under

@@ -537,7 +537,7 @@ class ScriptedK:
         K = spec.K
         ks = itertools.cycle(cycle or [0])
 
-        def choose(load: StepLoad) -> int:
+        def choose(load: StepLoad, request_ids: tuple[str, ...] = ()) -> int:
             k = int(torch.randint(0, K + 1, (1,), generator=self.rng)) if cycle is None else next(ks)
             k = k if load.num_drafting else 0
             self.chosen.append(k)
