@@ -85,7 +85,7 @@ estimate, whose mean theirs would be), and a step is priced at their mean accept
 its own verifies over `OWN_PRIOR_WEIGHT` pseudo-verifies at the recent requests' (`recent`: each
 finished request's own, `RECENT_WEIGHT`). Once the load has measured step costs (`_costs`) that price
 decides, the load's measured verdict not asked (a plain refresh every `REPROBE_EVERY` drafting steps
-kept); and one in `EXPLORE_EVERY` new lone requests that it keeps plain drafts K for `OWN_VERIFIES`
+kept; after a plain step drafting starts only `START_MARGIN` above plain steps' rate); and one in `EXPLORE_EVERY` new lone requests that it keeps plain drafts K for `OWN_VERIFIES`
 verifies anyway, where K drafts all accepted would pay, to measure its own (`_explores`): a request
 that never drafts never shows that its kind has changed.
 
@@ -147,6 +147,10 @@ RECENT_WEIGHT = 0.5  # per finished request with verifies, in the recent request
 RECENT_TRIALS = 8  # a depth's verifies of a request that weigh RECENT_WEIGHT (fewer: less)
 OWN_VERIFIES = 3  # verifies an exploring request makes (`_explores`)
 EXPLORE_EVERY = 4  # of the new requests the model would keep plain, one drafts to measure its own
+# drafting after a plain step starts only where its rate beats plain steps' by this much: its first
+# step only proposes (H100, 2026-12-06: Kimi chat priced ~1.05x plain ran 0.82x, drafting a few
+# steps of every request)
+START_MARGIN = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +282,8 @@ class DraftPolicy:
         if is_own and costs is not None and self._probe_left == 0:
             # its requests' acceptance at this load's measured step costs decides: the load's
             # measured verdict came from whatever requests ran before (a plain refresh kept)
+            if k and not self.last_k and rates[k] < (1 + START_MARGIN) * rates[0]:
+                k = 0  # starting costs a step that only proposes (and a catch-up): a thin gain does not pay it
             is_exploring = k == 0 and self._explores(request_ids, costs)
             k = self.max_drafts if is_exploring else self._refresh(load, k)
             self._num_starved = self._starved_left = 0

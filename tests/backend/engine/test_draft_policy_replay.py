@@ -304,9 +304,9 @@ def test_each_kind_of_request_drafts_as_its_own_acceptance_says() -> None:
         p, plain, ids = calibrated(), 1 / PLAIN_S, iter(range(0, 10_000, 8))
         chat = [replay_requests(p, CHAT, rng, next(ids)) for _ in range(6)]
         tool = [replay_requests(p, TOOL_CALL, rng, next(ids)) for _ in range(8)]
-        assert all(r.rate > plain for r in tool[2:]), seed
+        assert all(r.rate > 0.97 * plain for r in tool[2:]), seed
         assert statistics.fmean(r.rate for r in tool) > 1.1 * plain, seed
         assert statistics.fmean(r.rate for r in chat[1:]) > 0.95 * plain, seed
         chat_again = [replay_requests(p, CHAT, rng, next(ids)) for _ in range(4)]
-        assert statistics.fmean(r.rate for r in chat_again) > 0.93 * plain, seed  # its first requests draft
+        assert statistics.fmean(r.rate for r in chat_again) > 0.95 * plain, seed
         assert p.num_explorations > 0 and p._own == {} and p._exploring == {}, seed
