@@ -147,6 +147,7 @@ RECENT_WEIGHT = 0.5  # per finished request with verifies, in the recent request
 RECENT_TRIALS = 8  # a depth's verifies of a request that weigh RECENT_WEIGHT (fewer: less)
 OWN_VERIFIES = 3  # verifies an exploring request makes (`_explores`)
 EXPLORE_EVERY = 4  # of the new requests the model would keep plain, one drafts to measure its own
+EXPLORE_MAX_EVERY = 8  # ... or fewer, down to one in this many, while explorations find no gain
 # drafting after a plain step starts only where its rate beats plain steps' by this much: its first
 # step only proposes (H100, 2026-12-06: Kimi chat priced ~1.05x plain ran 0.82x, drafting a few
 # steps of every request)
@@ -196,9 +197,11 @@ class DraftPolicy:
         # acceptance of the recent requests (`forget`), and the exploring requests (`_explores`)
         self._own: dict[str, tuple[list[int], list[int]]] = {}
         self.recent = list(self.acceptance)
-        self._num_new = 0  # new requests the model kept plain (every EXPLORE_EVERY-th explores)
-        self._seen: set[str] = set()  # requests counted in `_num_new`
+        self.explore_every = EXPLORE_EVERY  # doubles after each exploration that found no gain
+        self._until_explore = EXPLORE_EVERY  # new requests kept plain until the next explores
+        self._seen: set[str] = set()  # new requests counted towards `_until_explore`
         self._exploring: dict[str, int] = {}  # request id -> drafting steps left of its exploration
+        self._explored: dict[str, bool] = {}  # request id -> it drafted after its exploration
         self.num_explorations = 0
 
     # ---- the model ---------------------------------------------------------------------------
@@ -285,6 +288,8 @@ class DraftPolicy:
             if k and not self.last_k and rates[k] < (1 + START_MARGIN) * rates[0]:
                 k = 0  # starting costs a step that only proposes (and a catch-up): a thin gain does not pay it
             is_exploring = k == 0 and self._explores(request_ids, costs)
+            if k and request_ids[0] in self._explored:
+                self._explored[request_ids[0]] = True  # its own acceptance says drafting pays
             k = self.max_drafts if is_exploring else self._refresh(load, k)
             self._num_starved = self._starved_left = 0
             self.last_k = k
@@ -328,8 +333,10 @@ class DraftPolicy:
     def _explores(self, request_ids: tuple[str, ...], costs: dict[int, float]) -> bool:
         """A lone request the model keeps plain drafts K to measure its own acceptance, for its first
         `OWN_VERIFIES` verifies (one drafting step more: the first only proposes), if K drafts all
-        accepted would beat a plain step at this load's measured costs: every `EXPLORE_EVERY`-th new
-        such request. The recent requests' acceptance is only measured while they draft: one kind
+        accepted would beat a plain step at this load's measured costs: every `explore_every`-th new
+        such request (`EXPLORE_EVERY`, doubling up to `EXPLORE_MAX_EVERY` while the explored ones do
+        not go on drafting: each costs a few drafting steps, ~9% of Kimi nano's chat on the H100 at
+        one in four). The recent requests' acceptance is only measured while they draft: one kind
         of request after another (chat, then tool calls) would otherwise never draft again."""
         if len(request_ids) != 1:
             return False
@@ -341,10 +348,12 @@ class DraftPolicy:
             self._seen.add(rid)
             if len(self._seen) > 4096:
                 self._seen.clear()
-            self._num_new += 1
-            if self._num_new % EXPLORE_EVERY or self.max_drafts + 1 <= costs[self.max_drafts]:
+            self._until_explore -= 1
+            if self._until_explore > 0 or self.max_drafts + 1 <= costs[self.max_drafts]:
                 return False
+            self._until_explore = self.explore_every
             left = OWN_VERIFIES + 1
+            self._explored[rid] = False
             self.num_explorations += 1
         own = self._own.get(rid)
         if left <= 0 or (own is not None and own[0][0] >= OWN_VERIFIES):
@@ -352,6 +361,18 @@ class DraftPolicy:
             return False
         self._exploring[rid] = left - 1
         return True
+
+    def _own_tokens(self, trials: list[int], hits: list[int]) -> float:
+        """E(K) at a request's own acceptance (its verifies alone; a depth it never reached: 0)."""
+        return self.expected_tokens_at([h / t if t else 0.0 for t, h in zip(trials, hits, strict=True)])
+
+    def expected_tokens_at(self, acceptance: list[float]) -> float:
+        """E(K) at `acceptance` (a_1 … a_K)."""
+        total, p = 1.0, 1.0
+        for a in acceptance:
+            p *= a
+            total += p
+        return total
 
     def _refresh(self, load: StepLoad, k: int) -> int:
         """k, but every `REPROBE_EVERY`-th drafting step at this load a plain one, which refreshes
@@ -370,9 +391,15 @@ class DraftPolicy:
         own = self._own.pop(request_id, None)
         self._exploring.pop(request_id, None)
         self._seen.discard(request_id)
+        explored = self._explored.pop(request_id, None)
         if own is None:
             return
         trials, hits = own
+        if explored is not None:  # found a gain: drafted on, or accepted well above the recent requests
+            found = explored or self._own_tokens(trials, hits) > (1 + START_MARGIN) * self.expected_tokens_at(
+                self.recent
+            )
+            self.explore_every = EXPLORE_EVERY if found else min(2 * self.explore_every, EXPLORE_MAX_EVERY)
         for j in range(self.max_drafts):
             if trials[j]:  # a few verifies move it less than a request's worth
                 weight = RECENT_WEIGHT * min(1.0, trials[j] / RECENT_TRIALS)
