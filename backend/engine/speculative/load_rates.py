@@ -131,6 +131,14 @@ def probe_verifies(bucket: int) -> int:
 class Loads(dict[int, LoadRates]):
     """Load bucket -> its `LoadRates`, and the estimates one load borrows from another."""
 
+    def at(self, bucket: int) -> LoadRates:
+        """`bucket`'s rates, made empty the first time (not `setdefault`: that builds a LoadRates
+        on every call, a few µs of every plain step)."""
+        rates = self.get(bucket)
+        if rates is None:
+            rates = self[bucket] = LoadRates()
+        return rates
+
     def catch_up_guess(self, bucket: int, rates: LoadRates) -> float:
         """The catch-up a probe at `bucket` sequences that never caught up is priced at ahead: the
         dearest per sequence measured at any load (less that load's drafting step), times its sequences (0: none measured; a load

@@ -116,7 +116,6 @@ from backend.engine.speculative.load_rates import (
     MIN_RATE_SAMPLES,
     PROBE_SHARE,
     PROBE_VERIFIES,
-    LoadRates,
     Loads,
     ewma,
     load_bucket,
@@ -379,7 +378,7 @@ class DraftPolicy:
         the plain step's seconds the measured costs are relative to."""
         if not k:
             return 0
-        rates = self._rates.setdefault(load_bucket(load.num_drafting + load.num_other_samples), LoadRates())
+        rates = self._rates.at(load_bucket(load.num_drafting + load.num_other_samples))
         rates.since_refresh += 1
         if rates.since_refresh >= REPROBE_EVERY:
             rates.since_refresh = 0
@@ -454,7 +453,7 @@ class DraftPolicy:
         (or a probe of drafting there would cost more than `PROBE_SHARE` of its plain time, unless
         it is the load's first and the prior says drafting pays)."""
         bucket = load_bucket(load.num_drafting + load.num_other_samples)
-        rates = self._rates.setdefault(bucket, LoadRates())
+        rates = self._rates.at(bucket)
         num_verifies = probe_verifies(bucket)
         if self._probe_left > 0:  # a probe drafts until its load has measured enough
             is_measuring = rates.num_spec < num_verifies and not rates.has_clearly_lost()
@@ -472,10 +471,15 @@ class DraftPolicy:
         if not rates.is_winning:  # unmeasured, or losing
             is_prior = rates.num_probes == 0 and is_modelled and self._prior_pays(k, bucket)
             num_steps = num_verifies + 1  # the first drafting step after plain ones only proposes
-            catch_up_s = self._rates.catch_up_guess(bucket, rates)
-            over_plain = self._rates.draft_over_plain(bucket)
-            if not is_prior and not rates.can_afford_probe(num_steps, over_plain, catch_up_s):
-                return 0
+            if not is_prior:
+                # a load that measured its drafting steps and has not saved their cost: refused
+                # without the estimates borrowed from other loads (a plain step asks every time)
+                if PROBE_SHARE * rates.plain_s_since_probe < num_steps * rates.draft_step_s:
+                    return 0
+                catch_up_s = self._rates.catch_up_guess(bucket, rates)
+                over_plain = self._rates.draft_over_plain(bucket)
+                if not rates.can_afford_probe(num_steps, over_plain, catch_up_s):
+                    return 0
             rates.begin_probe()
             self.num_probes += 1
             self._probe_left = 2 * num_steps  # at most: steps that verify nothing (prefills) too
@@ -514,7 +518,7 @@ class DraftPolicy:
         if not self.is_calibrated or seconds <= 0:
             return
         bucket = load_bucket(num_seqs)
-        rates = self._rates.setdefault(bucket, LoadRates())
+        rates = self._rates.at(bucket)
         limit = rates.cold_limit(is_drafting)
         if math.isinf(limit):  # none of its kind here yet: a neighbour's bound (a probe that moved here)
             near = self._rates.near(bucket, lambda r: r.plain_step_s > 0)
@@ -574,7 +578,7 @@ class DraftPolicy:
         steps have run `1 / PROBE_SHARE` times as long again."""
         if not self.is_calibrated or seconds <= 0:
             return
-        rates = self._rates.setdefault(load_bucket(num_seqs), LoadRates())
+        rates = self._rates.at(load_bucket(num_seqs))
         bound = COLD_RATIO * DRAFT_STEP_GUESS * rates.plain_step_s * num_seqs or math.inf
         if seconds <= bound:  # a cold one (kernels compiled) is not what the next will cost
             rates.catch_up_s = ewma(rates.catch_up_s, seconds)
