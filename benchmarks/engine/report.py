@@ -153,8 +153,9 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per scenario, its rounds pooled over the records that ran it on the same geometry, depth and
-    workload (calls that split the rounds of one measurement); where records differ there, the group
+    """Per scenario, its rounds pooled over the records that ran it on the same device, geometry, depth
+    and workload (calls that split the rounds of one measurement; an H100's rounds pooled with an
+    H200's were reported as the H200's); where records differ there, the group
     at the scenario's own workload (its concurrency and lengths: a cut workload measures something
     else) is kept, then the one measured deepest (the largest share of the full depth), then the one
     with the most rounds, then the newest, and the others are named in `not_pooled`."""
@@ -163,8 +164,8 @@ def _merge_scenarios(records: list[dict[str, Any]]) -> dict[str, Any]:
     groups: dict[str, dict[str, list[tuple[dict[str, Any], dict[str, Any]]]]] = {}
     for r in records:
         for name, entry in (r.get("scenarios") or {}).items():
-            key = json.dumps([r["geometry"]["kind"], _layers(r), entry["workload"], entry["sides"]["A"]["label"],
-                              entry["sides"]["B"]["label"]], sort_keys=True)  # fmt: skip
+            key = json.dumps([r.get("device"), r["geometry"]["kind"], _layers(r), entry["workload"],
+                              entry["sides"]["A"]["label"], entry["sides"]["B"]["label"]], sort_keys=True)  # fmt: skip
             groups.setdefault(name, {}).setdefault(key, []).append((r, entry))
     out: dict[str, Any] = {}
     for name, by_key in groups.items():

@@ -282,3 +282,21 @@ def test_a_record_at_the_scenarios_own_workload_wins_over_a_deeper_cut_one(recor
         merged = merge(order)
         assert merged["summary"]["fp8kv_vs_bf16kv_long_c64"]["samples"] == [1.4]
         assert merged["scenarios"]["fp8kv_vs_bf16kv_long_c64"]["not_pooled"] == [cut["command"]]
+
+
+def test_rounds_of_one_key_on_another_device_are_not_pooled(records: list[Path]) -> None:
+    """One key measured at one depth and workload on an H200 and on an H100: the rounds are not one
+    measurement (the summary once read "H200" over both); the one with more rounds is the summary
+    and the other is named as not pooled."""
+    h200 = json.loads(records[0].read_text())
+    h100 = json.loads(records[0].read_text())
+    h100["device"] = "NVIDIA H100 80GB HBM3"
+    assert h100["device"] != h200["device"]
+    entry = h100["scenarios"]["fp8kv_vs_bf16kv_c1"]
+    entry["rounds"], entry["summary"] = entry["rounds"][:1], summary_entry([0.5])
+    h100["command"] += " --on-an-h100"
+    for order in ([h200, h100], [h100, h200]):
+        merged = merge(order)
+        assert merged["summary"]["fp8kv_vs_bf16kv_c1"] == h200["summary"]["fp8kv_vs_bf16kv_c1"]
+        assert merged["scenarios"]["fp8kv_vs_bf16kv_c1"]["not_pooled"] == [h100["command"]]
+        assert merged["scenarios"]["fp8kv_vs_bf16kv_c1"]["measured_on"]["device"] == h200["device"]
