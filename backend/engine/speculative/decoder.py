@@ -178,7 +178,7 @@ class SpecDecoder:
                 self.k = ahead[2]  # chosen while the last step ran, for this load and these requests
             else:
                 self.settle()
-                self.k = self.policy.choose(load, ids)
+                self.k = self.policy.choose(load, ids, not self._has_drafts(out, can_draft))
             if self.k:
                 self._catch_up_worth(out, can_draft)
                 flags = self.book.reserve(out, can_draft, self.k)
@@ -232,6 +232,11 @@ class SpecDecoder:
         if self._plain_load is not None:
             load, ids = self._plain_load
             self._ahead = (load, ids, self.policy.choose(load, ids))
+
+    def _has_drafts(self, out: SchedulerOutput, can_draft: list[bool]) -> bool:
+        """Some sequence that could draft has drafts from the last step (drafting goes on, rather
+        than starting with a step that only proposes)."""
+        return any([self.book.num_pending(s.seq) for s, c in zip(out.scheduled, can_draft, strict=True) if c])
 
     @staticmethod
     def _drafting_ids(out: SchedulerOutput, can_draft: list[bool], num_drafting: int) -> tuple[str, ...]:

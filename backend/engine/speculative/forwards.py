@@ -41,9 +41,16 @@ import numpy as np
 import torch
 
 from backend.engine.decode_graphs import Capture, DecodeGraphs
-from backend.engine.engine_config import EngineConfig
+from backend.engine.engine_config import MAX_DRAFT_TOKENS, EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
-from backend.engine.host_staging import StagingBuffer, array_to_device, stage_batch, staged_batch, to_device
+from backend.engine.host_staging import (
+    NUM_HOST_BUFFERS,
+    StagingBuffer,
+    array_to_device,
+    stage_batch,
+    staged_batch,
+    to_device,
+)
 from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.speculative.greedy import greedy_step
 from backend.engine.speculative.sampled import sampled_step
@@ -205,6 +212,11 @@ class SpecForwards:
         self._hidden_out = torch.zeros_like(self._hidden_in)
         with torch.inference_mode():
             for layer in range(self.model.num_mtp_layers):
+                # depths 1 ... K-1 of a step replay one layer's graphs back to back: a host buffer
+                # each, so that none waits for an earlier depth's copy (backend/engine/host_staging.py)
+                staging = StagingBuffer(
+                    self.device, num_host_buffers=max(NUM_HOST_BUFFERS, MAX_DRAFT_TOKENS - 1)
+                )
                 graphs = DecodeGraphs(
                     functools.partial(self._draft_step, layer),
                     self.kv_cache,
@@ -213,6 +225,7 @@ class SpecForwards:
                     check_tags=self.check_tags,
                     capture=capture,
                     narrow_pages=narrow_pages,
+                    staging=staging,
                 )
                 if graphs.disabled_reason is not None:
                     log.warning("draft steps run eagerly, not from CUDA graphs: %s", graphs.disabled_reason)

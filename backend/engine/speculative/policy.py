@@ -81,13 +81,15 @@ models), chat does not (~2), so one shared estimate and one verdict per load, bo
 whatever ran before, kept one kind of request from drafting after another kind lost (H100, 2026-12-06:
 Kimi tool calls 0.93x plain after its chat runs, where drafted they ran 1.15x). So the engine names the
 requests that could draft (`choose(load, request_ids)`, at most `OWN_MAX_SEQS`; more: the shared
-estimate, whose mean theirs would be), and a step is priced at their mean acceptance, each request's
+estimate, whose mean theirs would be), and a step is priced at the mean of their E(k), each request's
 its own verifies over `OWN_PRIOR_WEIGHT` pseudo-verifies at the recent requests' (`recent`: each
 finished request's own, `RECENT_WEIGHT`). Once the load has measured step costs (`_costs`) that price
 decides, the load's measured verdict not asked (a plain refresh every `REPROBE_EVERY` drafting steps
-kept; after a plain step drafting starts only `START_MARGIN` above plain steps' rate); and one in `EXPLORE_EVERY` new lone requests that it keeps plain drafts K for `OWN_VERIFIES`
-verifies anyway, where K drafts all accepted would pay, to measure its own (`_explores`): a request
-that never drafts never shows that its kind has changed.
+kept; drafting that would start after plain steps, not after a refresh, starts only `START_MARGIN`
+above plain steps' rate); and one in `EXPLORE_EVERY` new lone requests that it keeps plain (one in up
+to `EXPLORE_MAX_EVERY` while explorations find no gain) drafts K for `OWN_VERIFIES` verifies anyway,
+where K drafts all accepted would pay, to measure its own (`_explores`): a request that never drafts
+never shows that its kind has changed.
 
 Past `max_paying_seqs` (the most sequences at which the cost model, with every draft accepted and
 the starting m, lets any k pay) the engine does not ask: those steps are plain, with no probe
@@ -201,6 +203,7 @@ class DraftPolicy:
         self._seen: set[str] = set()  # new requests counted towards `_until_explore`
         self._exploring: dict[str, int] = {}  # request id -> drafting steps left of its exploration
         self._explored: dict[str, bool] = {}  # request id -> it drafted after its exploration
+        self._is_refreshed = False  # the last step was a refresh's plain one (`_refresh`)
         self.num_explorations = 0
 
     # ---- the model ---------------------------------------------------------------------------
@@ -265,10 +268,11 @@ class DraftPolicy:
         return out
 
     # ---- per step ----------------------------------------------------------------------------
-    def choose(self, load: StepLoad, request_ids: tuple[str, ...] = ()) -> int:
+    def choose(self, load: StepLoad, request_ids: tuple[str, ...] = (), is_starting: bool = True) -> int:
         """The draft length for this step (0: no drafts). `request_ids`: the requests that could
         draft (`load.num_drafting` of them), whose own acceptance prices the step (the module doc:
-        per-request acceptance); none given: the shared estimate, measured gate and all."""
+        per-request acceptance); none given: the shared estimate, measured gate and all.
+        `is_starting`: none of them has drafts from the last step (drafting would start here)."""
         if load.num_drafting == 0:
             return 0
         if self.forced_k is not None:  # the warm-up's sweep of every draft length (backend/server/warmup.py)
@@ -284,10 +288,11 @@ class DraftPolicy:
         if is_own and costs is not None and self._probe_left == 0:
             # its requests' acceptance at this load's measured step costs decides: the load's
             # measured verdict came from whatever requests ran before (a plain refresh kept)
-            if k and not self.last_k and rates[k] < (1 + START_MARGIN) * rates[0]:
+            is_refreshed, self._is_refreshed = self._is_refreshed, False
+            if k and is_starting and not is_refreshed and rates[k] < (1 + START_MARGIN) * rates[0]:
                 k = 0  # starting costs a step that only proposes (and a catch-up): a thin gain does not pay it
             is_exploring = k == 0 and self._explores(request_ids, costs)
-            if k and request_ids[0] in self._explored:
+            if k and len(request_ids) == 1 and request_ids[0] in self._explored:
                 self._explored[request_ids[0]] = True  # its own acceptance says drafting pays
             k = self.max_drafts if is_exploring else self._refresh(load, k)
             self._num_starved = self._starved_left = 0
@@ -310,24 +315,26 @@ class DraftPolicy:
         return k
 
     def _step_acceptance(self, request_ids: tuple[str, ...]) -> tuple[list[float], bool]:
-        """The acceptance a step of `request_ids` drafts at, and whether it is theirs: per depth,
-        the mean over them of their own verifies with `OWN_PRIOR_WEIGHT` pseudo-verifies at the
-        recent requests' acceptance. None given, or more than `OWN_MAX_SEQS`: the shared estimate."""
+        """The acceptance a step of `request_ids` drafts at, and whether it is theirs: the one whose
+        E(k) is the mean of theirs (a step emits the sum of each request's E(k), not E(k) at their
+        mean acceptance), each request's per depth its own verifies with `OWN_PRIOR_WEIGHT`
+        pseudo-verifies at the recent requests' acceptance. None given, or more than `OWN_MAX_SEQS`:
+        the shared estimate."""
         if not request_ids or len(request_ids) > OWN_MAX_SEQS:
             return self.acceptance, False
         K, w = self.max_drafts, OWN_PRIOR_WEIGHT
-        total = [0.0] * K
+        reach = [0.0] * K  # the mean over the requests of P(draft j accepted) = a_1 ... a_j
         for rid in request_ids:
-            own = self._own.get(rid)
-            if own is None:
-                for j in range(K):
-                    total[j] += self.recent[j]
-                continue
-            trials, hits = own
+            own, p = self._own.get(rid), 1.0
             for j in range(K):
-                total[j] += (w * self.recent[j] + hits[j]) / (w + trials[j])
-        n = len(request_ids)
-        return [t / n for t in total], True
+                p *= self.recent[j] if own is None else (w * self.recent[j] + own[1][j]) / (w + own[0][j])
+                reach[j] += p
+        # back to per-depth acceptance: E(k) = 1 + reach_1 + ... + reach_k, so a_j = reach_j / reach_{j-1}
+        out, last = [], float(len(request_ids))
+        for r in reach:
+            out.append(r / last if last > 0 else 0.0)
+            last = r
+        return out, True
 
     def _explores(self, request_ids: tuple[str, ...], costs: dict[int, float]) -> bool:
         """A lone request the model keeps plain drafts K to measure its own acceptance, for its first
@@ -351,7 +358,7 @@ class DraftPolicy:
             if self._until_explore > 0 or self.max_drafts + 1 <= costs[self.max_drafts]:
                 return False
             self._until_explore = self.explore_every
-            left = OWN_VERIFIES + 1
+            left = 2 * (OWN_VERIFIES + 1)  # a cap: it ends at OWN_VERIFIES verifies (asks may be discarded)
             self._explored[rid] = False
             self.num_explorations += 1
         own = self._own.get(rid)
@@ -382,6 +389,7 @@ class DraftPolicy:
         rates.since_refresh += 1
         if rates.since_refresh >= REPROBE_EVERY:
             rates.since_refresh = 0
+            self._is_refreshed = True  # the next step resumes drafting without `START_MARGIN`
             return 0
         return k
 
@@ -394,10 +402,11 @@ class DraftPolicy:
         if own is None:
             return
         trials, hits = own
-        if explored is not None:  # found a gain: drafted on, or accepted well above the recent requests
-            found = explored or self._own_tokens(trials, hits) > (1 + START_MARGIN) * self.expected_tokens_at(
-                self.recent
-            )
+        # an exploration that measured what it set out to (an abort may end one early: not judged)
+        # found a gain if it drafted on, or accepted well above the recent requests
+        if explored is not None and (explored or trials[0] >= OWN_VERIFIES):
+            recent = self.expected_tokens_at(self.recent)
+            found = explored or self._own_tokens(trials, hits) > (1 + START_MARGIN) * recent
             self.explore_every = EXPLORE_EVERY if found else min(2 * self.explore_every, EXPLORE_MAX_EVERY)
         for j in range(self.max_drafts):
             if trials[j]:  # a few verifies move it less than a request's worth

@@ -537,7 +537,7 @@ class ScriptedK:
         K = spec.K
         ks = itertools.cycle(cycle or [0])
 
-        def choose(load: StepLoad, request_ids: tuple[str, ...] = ()) -> int:
+        def choose(load: StepLoad, request_ids: tuple[str, ...] = (), is_starting: bool = True) -> int:
             k = int(torch.randint(0, K + 1, (1,), generator=self.rng)) if cycle is None else next(ks)
             k = k if load.num_drafting else 0
             self.chosen.append(k)
@@ -726,3 +726,46 @@ def test_no_drafts_while_a_burst_is_still_being_admitted() -> None:
     got = run_all(toy(3, max_num_batched_tokens=64), reqs)
     plain = run_all(toy(0, max_num_batched_tokens=64), reqs)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
+def test_a_step_of_several_requests_is_priced_at_the_mean_of_their_expected_tokens() -> None:
+    """A step emits the sum of each request's E(k): one request that accepts every draft beside one
+    that accepts none emits (4 + 1) / 2 = 2.5 a request at k = 3, not E(3) at their mean acceptance
+    (2.37 here, which kept mixed steps plain where they paid)."""
+    p = DraftPolicy(3, saturation_rows=64, draft_cost=0.25, is_calibrated=True)
+    for _ in range(200):
+        p.observe(3, 3, "tool")
+        p.observe(3, 0, "chat")
+    each = [p.expected_tokens_at(p._step_acceptance((rid,))[0]) for rid in ("tool", "chat")]
+    both, is_own = p._step_acceptance(("tool", "chat"))
+    assert is_own and p.expected_tokens_at(both) == pytest.approx(sum(each) / 2)
+    assert each[0] > 3.8 and each[1] < 1.1
+
+
+def test_drafting_resumes_after_a_refresh_at_a_thin_gain() -> None:
+    """A lone request drafting K at ~1.08x plain (measured step costs, its own acceptance) goes on
+    drafting after the plain step a refresh takes every REPROBE_EVERY drafting steps: the start
+    margin is for drafting that starts after plain steps, not for one measurement step (it once kept
+    every later step plain)."""
+    from backend.engine.speculative.policy import REPROBE_EVERY
+
+    p = DraftPolicy(3, saturation_rows=64, draft_cost=0.25, is_calibrated=True)
+    costs = {1: 10.0, 2: 10.0, 3: p.expected_tokens_at(p.recent) / 1.08}  # K at 1.08x plain
+    p._costs = lambda load: costs  # type: ignore[method-assign]
+    p._own["a"] = ([10] * 3, [round(10 * x) for x in p.recent])  # drafting already, its own verifies
+    load = StepLoad(num_rows=1, num_drafting=1)
+    ks = [p.choose(load, ("a",), is_starting=False) for _ in range(REPROBE_EVERY + 40)]
+    assert ks.count(0) == 1 and ks.index(0) == REPROBE_EVERY - 1  # the refresh, then drafting again
+    assert p.choose(load, ("a",), is_starting=True) == 0  # the same gain from plain steps: not started
+
+
+def test_an_exploration_ended_early_is_not_judged() -> None:
+    """An exploring request aborted after one verify leaves the exploration interval as it was (one
+    verify is not a finding either way)."""
+    from backend.engine.speculative.policy import EXPLORE_EVERY
+
+    p = DraftPolicy(3, saturation_rows=64, draft_cost=0.25, is_calibrated=True)
+    p._explored["x"] = False
+    p.observe(3, 0, "x")
+    p.forget("x")
+    assert p.explore_every == EXPLORE_EVERY and p._explored == {} and p._own == {}

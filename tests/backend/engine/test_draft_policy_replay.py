@@ -268,7 +268,7 @@ def replay_requests(p: DraftPolicy, acceptance: list[float], rng: random.Random,
         rid = (f"r{first_id + i}",)
         num_drafts, gap, left = p.choose(StepLoad(num_rows=300, num_drafting=1), rid), 0, 24  # unobserved
         while left > 0:
-            k = p.choose(StepLoad(num_rows=1, num_drafting=1), rid)
+            k = p.choose(StepLoad(num_rows=1, num_drafting=1), rid, not num_drafts)
             jitter = rng.uniform(0.95, 1.05)
             n, seconds = 1, (VERIFY_S + DRAFT_S * k) * jitter
             if not k:

@@ -128,7 +128,7 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
 
     num_chosen = [0]
 
-    def choose(load: Any, request_ids: tuple[str, ...] = ()) -> int:
+    def choose(load: Any, request_ids: tuple[str, ...] = (), is_starting: bool = True) -> int:
         calls.append(("choose", beside[0]))
         num_chosen[0] += 1
         return 1 if num_chosen[0] == 14 else 0  # the 14th choice drafts

@@ -272,3 +272,31 @@ def test_a_prefix_hit_without_mtp_kv_still_drafts() -> None:
     assert engine.stats.spec_verifies > 0
     plain = run_all(toy(0, max_num_batched_tokens=64), [writer, hitter])
     assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
+def test_requests_leave_no_policy_state_behind_however_they_end() -> None:
+    """The policy keeps per-request state (its own verifies, explorations): every way a request
+    ends — finished, aborted mid-decode, every request failed at once — takes it away."""
+    engine = toy(3)
+    policy_ = engine.spec.policy if engine.spec is not None else None
+    assert policy_ is not None
+    for i in range(3):
+        engine.add_request(request(f"r{i}", [i + 1] * 5, max_tokens=30))
+    results: dict[str, Result] = {}
+    for _ in range(6):
+        collect(results, engine.step())
+    assert policy_._own  # drafting: their own verifies
+    engine.abort("r1")
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert results["r1"].error is not None and results["r0"].error is None
+    for i in range(3, 5):
+        engine.add_request(request(f"r{i}", [i + 1] * 5, max_tokens=30))
+    for _ in range(6):
+        collect(results, engine.step())
+    assert policy_._own
+    from backend.errors import Aborted
+
+    engine.fail_all(Aborted("the step failed"))
+    assert not engine.has_unfinished
+    assert (policy_._own, policy_._seen, policy_._exploring, policy_._explored) == ({}, set(), {}, {})
