@@ -251,10 +251,17 @@ class _Call:
             raise failure
         if normalized.stream:
             return Stream(self._stream(reserved, normalized, streams, done))
+        collecting = [asyncio.ensure_future(self._collect(s, c)) for s, c in zip(streams, done, strict=True)]
         try:
-            await asyncio.gather(*(self._collect(s, c) for s, c in zip(streams, done, strict=True)))
+            await asyncio.gather(*collecting)
         except BaseException as exc:
-            await self._abandon(reserved, done, streams, exc)
+            # a choice failed (or the caller left): gather leaves the others running, and a stream
+            # still being read cannot be closed, so they are cancelled and awaited first
+            with anyio.CancelScope(shield=True):
+                for task in collecting:
+                    task.cancel()
+                await asyncio.gather(*collecting, return_exceptions=True)
+                await self._abandon(reserved, done, streams, exc)
             raise
         totals = render.Totals.of(done)
         try:
@@ -366,9 +373,14 @@ class _Call:
         streams: list[ChoiceEvents],
         exc: BaseException,
     ) -> None:
-        for stream in streams:
-            await stream.aclose()
-        await self._settle(reserved, done, status=exc.status if isinstance(exc, KumoError) else 500)
+        try:
+            for stream in streams:
+                try:
+                    await stream.aclose()
+                except Exception as close_exc:  # one that will not close must not skip the settlement
+                    log.warning("choice_close_failed", exc_info=close_exc)
+        finally:
+            await self._settle(reserved, done, status=exc.status if isinstance(exc, KumoError) else 500)
 
     async def _settle(self, reserved: _Reserved, done: list[render.Completion], *, status: int) -> None:
         """True up the quotas and record the usage: the backend's, or for choices cut before it

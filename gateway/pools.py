@@ -85,28 +85,39 @@ class Router:
         *,
         health_interval_s: float = 2.0,
         eject_after_failures: int = 2,
+        health_timeout_s: float | None = None,
     ) -> None:
+        """`health_timeout_s`: the most one replica's check may take before it counts as failed
+        (default: twice the interval, at least a second)."""
         self.pools = pools
         self.client = client
         self._interval = health_interval_s
         self._eject_after = eject_after_failures
-        self._task: asyncio.Task[None] | None = None
+        self._timeout = health_timeout_s if health_timeout_s is not None else max(1.0, 2 * health_interval_s)
+        self._tasks: list[asyncio.Task[None]] = []
 
     # ---- health --------------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.check_all()
-        self._task = asyncio.create_task(self._loop(), name="kumo-health")
+        self._tasks = [
+            asyncio.create_task(self._loop(pool, replica), name=f"kumo-health {replica.url}")
+            for pool in self.pools.values()
+            for replica in pool.replicas
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
 
-    async def _loop(self) -> None:
+    async def _loop(self, pool: Pool, replica: Replica) -> None:
+        """One replica's checks, on its own: a replica that never answers (a stopped process, a
+        wedged event loop) once held every other replica's check for the backend read timeout
+        (600 s) and was never ejected."""
         while True:
             await asyncio.sleep(self._interval)
-            await self.check_all()
+            await self._check(pool, replica)
 
     async def check_all(self) -> None:
         checks = [self._check(pool, r) for pool in self.pools.values() for r in pool.replicas]
@@ -114,10 +125,14 @@ class Router:
 
     async def _check(self, pool: Pool, replica: Replica) -> None:
         try:
-            health = await self.client.health(replica.url)
-            replica.load = await self.client.load(replica.url)
-            if replica.card is None and health.status == "ok":
-                replica.card = await self.client.model_card(replica.url)
+            async with asyncio.timeout(self._timeout):
+                health = await self.client.health(replica.url)
+                replica.load = await self.client.load(replica.url)
+                if replica.card is None and health.status == "ok":
+                    replica.card = await self.client.model_card(replica.url)
+        except TimeoutError:
+            self._failed(pool, replica, f"no answer in {self._timeout:g} s", eject_now=False)
+            return
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
             self._failed(pool, replica, type(exc).__name__, eject_now=False)
             return

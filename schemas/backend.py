@@ -262,7 +262,7 @@ class LoadReport(Base):
 
 
 class Health(Base):
-    status: Literal["ok", "starting", "draining"]
+    status: Literal["ok", "starting", "draining", "failed"]  # failed: the engine thread died
 
 
 # ---- engine level (token ids; the serving layer sits above) -----------------------------------------

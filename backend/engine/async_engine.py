@@ -44,6 +44,7 @@ class AsyncEngine:
         self._stream_numbers = itertools.count()
         self._thread: threading.Thread | None = None
         self._is_stopping = False
+        self._is_dead = False  # the thread died of a bug: every stream ended, new ones refused
         self._load = engine.load()
 
     def start(self) -> None:
@@ -62,6 +63,12 @@ class AsyncEngine:
     def load(self) -> LoadReport:
         """The engine's load as of its last step (read without waiting for the engine thread)."""
         return self._load
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine thread has died (`/v1/health` then says so: the gateway ejects the
+        replica rather than send it requests no thread will ever step)."""
+        return not self._is_dead and (self._thread is None or self._thread.is_alive())
 
     async def generate(
         self,
@@ -113,11 +120,12 @@ class AsyncEngine:
 
     def _submit(self, command: tuple[Any, ...]) -> None:
         with self._lock:
-            is_refused = self._is_stopping and command[0] == "add"
+            is_refused = (self._is_stopping or self._is_dead) and command[0] == "add"
             if not is_refused:
                 self._commands.append(command)
         if is_refused:  # no engine thread will ever take it: answer now rather than hang the caller
-            self._deliver(command[1].request_id, Aborted("The engine is shutting down."))
+            reason = "has failed" if self._is_dead else "is shutting down"
+            self._deliver(command[1].request_id, Aborted(f"The engine {reason}."))
             return
         self._wake.set()
 
@@ -142,12 +150,28 @@ class AsyncEngine:
                     self._submit(("abort", engine_id))
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug outside a step: every caller answered, none left waiting
+            log.exception("the engine thread died")
+            with self._lock:
+                self._is_dead = True
+                commands, self._commands = self._commands, []
+            self.fail_streams(EngineError(f"The engine thread died: {exc!r}"))
+            for command in commands:
+                if command[0] == "add":
+                    self._deliver(command[1].request_id, Aborted("The engine has failed."))
+
+    def _serve(self) -> None:
         while not self._is_stopping:
             with self._lock:
                 commands, self._commands = self._commands, []
             for command in commands:
                 if command[0] == "abort":
-                    self.engine.abort(command[1])
+                    try:
+                        self.engine.abort(command[1])
+                    except Exception:  # a bug in one abort: the others, and the steps, go on
+                        log.exception("aborting request %s failed", command[1])
                     continue
                 _, request, constraint, image_embeds = command
                 try:

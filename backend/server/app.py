@@ -181,6 +181,8 @@ class Backend:
         return _json(self.card)
 
     async def health(self, request: Request) -> Response:
+        if not getattr(self.serving.engine, "is_alive", True):
+            return _json(Health(status="failed"))
         return _json(Health(status="ok" if self.is_ready else "starting"))
 
     async def prometheus(self, request: Request) -> Response:

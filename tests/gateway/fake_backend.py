@@ -2,7 +2,8 @@
 
 Used only for what a real backend cannot be made to do on demand: crash mid-stream, be slow, be
 busy, overflow its context, disagree with the catalog. The last user message picks the script
-(`tool:`, `think:`, `json:`, `crash`, `slow`, `overflow`, `busy`, `garbage`, `truncated`, `logprobs`; anything else is
+(`tool:`, `think:`, `json:`, `crash`, `slow`, `crash-one` (the first such stream crashes after its first
+piece, later ones are slow), `overflow`, `busy`, `garbage`, `truncated`, `logprobs`; anything else is
 echoed back in pieces). Every request it receives is kept for assertions.
 """
 
@@ -51,6 +52,7 @@ class FakeBackend:
         default_factory=list
     )  # shared by a harness's backends, in arrival order
     num_open_streams: int = 0
+    num_crash_one: int = 0  # `crash-one` streams begun
 
     def card(self) -> b.ModelCard:
         return b.ModelCard(
@@ -126,9 +128,14 @@ class FakeBackend:
             if text == "garbage":
                 yield b'{"type": "text", "text": "ok"}\n{not json\n'
                 return
-            for event in self._script(req, text):
-                if text == "slow":
+            crashes = False
+            if text == "crash-one":
+                crashes, self.num_crash_one = self.num_crash_one == 0, self.num_crash_one + 1
+            for i, event in enumerate(self._script(req, text)):
+                if text == "slow" or (text == "crash-one" and not crashes):
                     await asyncio.sleep(0.3)
+                if crashes and i == 1:
+                    raise ConnectionResetError("scripted crash mid-stream, beside a slow choice")
                 if text == "crash" and isinstance(event, b.Usage):
                     raise ConnectionResetError("scripted crash mid-stream")
                 yield msgspec.json.encode(event) + b"\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+
 from gateway.catalog import load_catalog_file
 from gateway.pools import Pool, Replica, Router
 from schemas.backend import Capabilities, Health, LoadReport, ModelCard
@@ -52,7 +54,46 @@ async def test_an_unexpected_error_in_one_check_does_not_end_the_health_loop() -
             if client.num_checks >= 5:
                 break
         assert client.num_checks >= 5  # the loop went on after the failing round
-        assert router._task is not None and not router._task.done()
+        assert router._tasks and not any(t.done() for t in router._tasks)
         assert replica.is_servable  # one failed check does not eject (two in a row would)
+    finally:
+        await router.stop()
+
+
+async def test_a_replica_that_never_answers_is_ejected_and_holds_no_one_else() -> None:
+    """Replica a accepts its health check and never answers (a stopped process); then b dies for
+    real. a's check counts as failed after the health timeout, so a is ejected, and b's checks go on
+    beside it: b is ejected as fast as it would be alone (one slow check once held every replica's
+    for the backend read timeout, 600 s, and never ejected a)."""
+    kimi = next(m for m in load_catalog_file(None).models if m.name == KIMI)
+
+    class Client(ScriptedClient):
+        hung: set[str] = set()
+        down: set[str] = set()
+
+        async def health(self, url: str) -> Health:
+            if url in self.hung:
+                await asyncio.sleep(600)
+            if url in self.down:
+                raise httpx.ConnectError("refused")
+            return Health(status="ok")
+
+    client = Client(kimi.architecture)
+    a, b = Replica(url="http://a"), Replica(url="http://b")
+    pool = Pool(kimi.pool, kimi, [a, b])
+    router = Router({kimi.pool: pool}, client, health_interval_s=0.02, health_timeout_s=1.0)  # type: ignore[arg-type]
+    await router.start()
+    try:
+        assert a.is_servable and b.is_servable
+        client.hung.add("http://a")
+        await asyncio.sleep(0.05)
+        client.down.add("http://b")
+        start = asyncio.get_running_loop().time()
+        while b.is_servable and asyncio.get_running_loop().time() - start < 0.9:
+            await asyncio.sleep(0.01)
+        assert not b.is_servable and a.is_servable  # b's checks did not wait for a's (1 s each)
+        while a.is_servable and asyncio.get_running_loop().time() - start < 10:
+            await asyncio.sleep(0.05)
+        assert not a.is_servable and a.num_failures >= 2  # two checks without an answer
     finally:
         await router.stop()

@@ -90,3 +90,27 @@ async def test_many_streams_with_disconnects_leave_nothing_behind(harness: Harne
     assert backend.num_open_streams == 0
     assert all(r.num_in_flight == 0 for r in harness.services.router.pools["glm-5.2"].replicas)
     assert harness.services.metrics.registry.get_sample_value("kumo_gateway_requests_in_flight") == 0
+
+
+async def test_a_choice_failing_beside_a_running_one_ends_both_and_is_billed_once(harness: Harness) -> None:
+    """n = 2 without streaming: the first choice's backend crashes mid-answer while the second is
+    still generating. The caller gets the API's error (not a RuntimeError from closing a stream still
+    being read), the second choice's backend request is closed at once, and the call is settled and
+    recorded exactly once (it once skipped the settlement: the worst case stayed reserved all day)."""
+    backends = harness.backends["kimi-k2.6"]  # both choices go to one of them (the call's affinity)
+    before = await usage_by_model(harness, harness.account)
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}"), headers=harness.auth(), json={"prompt": "crash-one", "n": 2}
+    )
+    assert r.status_code == 500 and r.json()["errors"][0]["code"] == 3000
+    assert r.json()["success"] is False
+    assert sorted(b.num_crash_one for b in backends)[-1] == 2
+    for _ in range(20):
+        if all(b.num_open_streams == 0 for b in backends):
+            break
+        await asyncio.sleep(0.05)
+    assert all(b.num_open_streams == 0 for b in backends)  # the slow choice did not run on (~2 s)
+    after = await usage_by_model(harness, harness.account)
+    assert after[KIMI][0] == before.get(KIMI, (0, 0))[0] + 1
+    replicas = harness.services.router.pools["kimi-k2.6"].replicas
+    assert all(rep.num_in_flight == 0 for rep in replicas)

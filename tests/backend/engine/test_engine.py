@@ -424,3 +424,34 @@ def test_unseeded_requests_differ_across_engine_restarts_unless_the_engine_is_se
 
     assert sampled() != sampled()  # 24 draws of the tiny model's near-flat distribution
     assert sampled(seed=7) == sampled(seed=7)
+
+
+async def test_an_engine_thread_that_dies_ends_every_stream_and_says_so() -> None:
+    """A bug outside a step (here: the load report after it raises) once killed the engine thread
+    silently: `/v1/health` still said ok and every stream, old or new, waited forever. Now each
+    live stream ends with an error, a new request is refused at once, and `is_alive` turns False
+    (the backend's health then reports `failed`, and the gateway ejects the replica)."""
+    engine = make_engine(num_pages=16)
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        stream = front.generate(request("a", prompt_of(1, 12), max_tokens=50))
+        first = await anext(stream)
+        assert first.error is None and front.is_alive
+
+        def broken_load() -> object:
+            raise RuntimeError("a bug in the load report")
+
+        engine.load = broken_load  # type: ignore[method-assign]
+        outs = [first]
+        async with asyncio.timeout(10):
+            async for out in stream:
+                outs.append(out)
+        assert outs[-1].finish_reason == "abort" and outs[-1].error is not None
+        assert not front.is_alive
+        with pytest.raises(Aborted, match="failed"):
+            async with asyncio.timeout(10):
+                async for _ in front.generate(request("b", prompt_of(2, 12), max_tokens=5)):
+                    pass
+    finally:
+        front.stop()

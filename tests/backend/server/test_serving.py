@@ -554,3 +554,15 @@ async def test_the_first_output_always_makes_an_event(scripted: tuple[Starlette,
     assert events[0] == TextDelta(text="")
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "partial ok"
     assert isinstance(events[-1], Finish)
+
+
+async def test_health_says_failed_once_the_engine_thread_died(
+    scripted: tuple[Starlette, ScriptedEngine],
+) -> None:
+    """A backend whose engine can no longer step answers `failed` (the gateway ejects it) instead of
+    ok while every request it takes waits forever."""
+    app, engine = scripted
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://b") as client:
+        assert (await client.get("/v1/health")).json() == {"status": "ok"}
+        engine.is_alive = False  # type: ignore[attr-defined]
+        assert (await client.get("/v1/health")).json() == {"status": "failed"}
