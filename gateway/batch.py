@@ -63,6 +63,35 @@ class QueuedRequest(msgspec.Struct, forbid_unknown_fields=True):
 _stored = msgspec.json.Decoder(list[QueuedRequest])
 
 
+class Answered(msgspec.Struct, forbid_unknown_fields=True):
+    """One request of a running job, answered (and billed): kept in the job's `progress` when the
+    job is handed back or its lease renewed, so the gateway that takes it over runs only the rest
+    (it once ran, and billed, the whole job again)."""
+
+    index: int
+    item: BatchItem
+    prompt_tokens: int
+    completion_tokens: int
+
+
+_progress = msgspec.json.Decoder(list[Answered])
+
+
+def _decode_progress(data: bytes | None, num_requests: int) -> dict[int, Answered]:
+    """The answered requests a job's earlier attempts kept (none when unreadable: run them again)."""
+    if not data:
+        return {}
+    try:
+        return {a.index: a for a in _progress.decode(data) if 0 <= a.index < num_requests}
+    except msgspec.DecodeError:
+        log.warning("batch_progress_unreadable")
+        return {}
+
+
+def _encode_progress(answered: dict[int, Answered]) -> bytes:
+    return msgspec.json.encode(sorted(answered.values(), key=lambda a: a.index))
+
+
 class BatchServices(Protocol):
     """What batches need of `gateway.services.Services` (a protocol, so that batch need not import
     it: `Services` holds the `BatchWorker`)."""
@@ -268,8 +297,15 @@ class BatchWorker:
         """Run `job` while renewing its lease; hand it back if this gateway stops or drains."""
         assert self._services is not None
         settings, lifecycle = self._services.settings, self._services.lifecycle
-        log.info("batch_started", request_id=job.id, attempt=job.attempts, num_requests=job.num_requests)
-        work = asyncio.create_task(self._execute(job))
+        answered = _decode_progress(job.progress, job.num_requests)
+        log.info(
+            "batch_started",
+            request_id=job.id,
+            attempt=job.attempts,
+            num_requests=job.num_requests,
+            num_answered=len(answered),
+        )
+        work = asyncio.create_task(self._execute(job, answered))
         loop = asyncio.get_running_loop()
         renew_at = loop.time() + settings.batch_lease_s / 3
         try:
@@ -277,28 +313,32 @@ class BatchWorker:
                 await asyncio.wait({work}, timeout=min(1.0, settings.batch_lease_s / 3))
                 if not work.done() and loop.time() >= renew_at:
                     renew_at = loop.time() + settings.batch_lease_s / 3
-                    if not await self.queue.renew(job.id, self.worker_id, settings.batch_lease_s):
+                    kept = _encode_progress(answered)  # a gateway that dies loses a lease's worth at most
+                    if not await self.queue.renew(job.id, self.worker_id, settings.batch_lease_s, kept):
                         log.warning("batch_lease_lost", request_id=job.id)
                         await _cancel(work)
                         return
         except asyncio.CancelledError:  # this gateway is stopping
-            await self._hand_back(job, work)
+            await self._hand_back(job, work, answered)
             raise
         if not work.done():  # draining: another gateway takes the job over now
-            await self._hand_back(job, work)
+            await self._hand_back(job, work, answered)
             return
         finished = await self.queue.finish(job.id, self.worker_id, work.result(), settings.batch_result_ttl_s)
         self.num_jobs_done += finished
         log.info("batch_done", request_id=job.id, stored=finished)
 
-    async def _hand_back(self, job: BatchJob, work: asyncio.Task[bytes]) -> None:
+    async def _hand_back(
+        self, job: BatchJob, work: asyncio.Task[bytes], answered: dict[int, Answered]
+    ) -> None:
         await _cancel(work)
         with contextlib.suppress(SQLAlchemyError, OSError):
-            await asyncio.shield(self.queue.release(job.id, self.worker_id))
-        log.info("batch_released", request_id=job.id)
+            await asyncio.shield(self.queue.release(job.id, self.worker_id, _encode_progress(answered)))
+        log.info("batch_released", request_id=job.id, num_answered=len(answered))
 
-    async def _execute(self, job: BatchJob) -> bytes:
-        """Every request of the job, a few at a time; the encoded `BatchDone`."""
+    async def _execute(self, job: BatchJob, answered: dict[int, Answered]) -> bytes:
+        """Every request of the job not in `answered` (those earlier attempts answered), a few at a
+        time, each added to `answered` as it ends; the encoded `BatchDone` of them all."""
         services = self._services
         assert services is not None and job.requests is not None
         items = _stored.decode(job.requests)
@@ -311,23 +351,28 @@ class BatchWorker:
                 inference, router=PriorityRouter(inference.router, services.settings.batch_priority)
             )
         except KumoError as exc:
-            failed = [_failure(i, item, exc) for i, item in enumerate(items)]
-            return msgspec.json.encode(
-                BatchDone(
-                    responses=failed, usage=BatchUsage(prompt_tokens=0, completion_tokens=0, total_tokens=0)
-                )
-            )
+            for i, item in enumerate(items):
+                if i not in answered:
+                    answered[i] = Answered(i, _failure(i, item, exc), 0, 0)
+            return _done(answered)
         slots = self._slots
         assert slots is not None
-        done = await asyncio.gather(
-            *(_run_one(inference, slots, tenant, job.model, i, item) for i, item in enumerate(items))
-        )
-        prompt = sum(p for _, p, _ in done)
-        completion = sum(c for _, _, c in done)
-        usage = BatchUsage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-        )
-        return msgspec.json.encode(BatchDone(responses=[item for item, _, _ in done], usage=usage))
+
+        async def one(i: int, item: QueuedRequest) -> None:
+            result, prompt, completion = await _run_one(inference, slots, tenant, job.model, i, item)
+            answered[i] = Answered(i, result, prompt, completion)
+
+        await asyncio.gather(*(one(i, item) for i, item in enumerate(items) if i not in answered))
+        return _done(answered)
+
+
+def _done(answered: dict[int, Answered]) -> bytes:
+    """The encoded `BatchDone`: every request's item in order, and the usage of them all."""
+    ordered = [answered[i] for i in sorted(answered)]
+    prompt = sum(a.prompt_tokens for a in ordered)
+    completion = sum(a.completion_tokens for a in ordered)
+    usage = BatchUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return msgspec.json.encode(BatchDone(responses=[a.item for a in ordered], usage=usage))
 
 
 async def _cancel(task: asyncio.Task[bytes]) -> None:

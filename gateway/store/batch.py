@@ -43,6 +43,7 @@ class BatchJob:
     attempts: int
     requests: bytes | None = None  # only on a claimed job
     responses: bytes | None = None  # only on a finished job
+    progress: bytes | None = None  # only on a claimed job: its requests answered by earlier attempts
 
 
 class BatchQueue:
@@ -166,17 +167,21 @@ class BatchQueue:
             return None
         row = await s.get(BatchJobRow, job_id, populate_existing=True)
         assert row is not None
-        return _job(row, requests=row.requests)
+        return _job(row, requests=row.requests, progress=row.progress)
 
-    async def renew(self, job_id: str, worker: str, lease_s: float) -> bool:
-        """Extend the lease; False when the job is no longer this worker's."""
+    async def renew(self, job_id: str, worker: str, lease_s: float, progress: bytes | None = None) -> bool:
+        """Extend the lease (and keep `progress`, the requests answered so far, when given); False
+        when the job is no longer this worker's."""
+        values: dict[str, Any] = {"lease_expires_at": now() + dt.timedelta(seconds=lease_s)}
+        if progress is not None:
+            values["progress"] = progress
         async with self._session() as s, s.begin():
             result = await s.execute(
                 update(BatchJobRow)
                 .where(
                     BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
                 )
-                .values(lease_expires_at=now() + dt.timedelta(seconds=lease_s))
+                .values(**values)
             )
             return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
@@ -196,19 +201,24 @@ class BatchQueue:
                     expires_at=at + dt.timedelta(seconds=keep_s),
                     lease_expires_at=None,
                     requests=b"",  # the inputs are no longer needed; keep the table small
+                    progress=None,
                 )
             )
             return bool(result.rowcount == 1)  # type: ignore[attr-defined]
 
-    async def release(self, job_id: str, worker: str) -> None:
-        """Hand a job back to the queue (this gateway is stopping): another takes it at once."""
+    async def release(self, job_id: str, worker: str, progress: bytes | None = None) -> None:
+        """Hand a job back to the queue (this gateway is stopping): another takes it at once, and
+        runs only what `progress` (the requests answered so far, when given) does not hold."""
+        values: dict[str, Any] = {"status": QUEUED, "claimed_by": None, "lease_expires_at": None}
+        if progress is not None:
+            values["progress"] = progress
         async with self._session() as s, s.begin():
             await s.execute(
                 update(BatchJobRow)
                 .where(
                     BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
                 )
-                .values(status=QUEUED, claimed_by=None, lease_expires_at=None)
+                .values(**values)
             )
 
     async def purge(self) -> int:
@@ -224,7 +234,13 @@ def _same(column: Any, value: str | None) -> Any:
     return column.is_(None) if value is None else column == value
 
 
-def _job(row: BatchJobRow, *, requests: bytes | None = None, responses: bytes | None = None) -> BatchJob:
+def _job(
+    row: BatchJobRow,
+    *,
+    requests: bytes | None = None,
+    responses: bytes | None = None,
+    progress: bytes | None = None,
+) -> BatchJob:
     return BatchJob(
         id=row.id,
         tenant_id=row.tenant_id,
@@ -234,4 +250,5 @@ def _job(row: BatchJobRow, *, requests: bytes | None = None, responses: bytes | 
         attempts=row.attempts,
         requests=requests,
         responses=responses,
+        progress=progress,
     )

@@ -134,6 +134,8 @@ class BatchJobRow(Table):
     requests: Mapped[bytes] = mapped_column(LargeBinary)  # the submitted JSON array
     num_requests: Mapped[int] = mapped_column(Integer)
     responses: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # the result JSON
+    # the requests of a running job already answered (revision 0005): JSON, `gateway.batch.Progress`
+    progress: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer)
     claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)

@@ -249,6 +249,59 @@ async def test_a_stopping_gateway_hands_its_job_to_another(harness: Harness) -> 
     assert job is not None and job.attempts == 2 and other.num_jobs_done == 0
 
 
+async def billed_glm(harness: Harness) -> tuple[int, int]:
+    """(requests, completion tokens) in the usage ledger today for GLM."""
+    await harness.services.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    rows = await harness.services.store.usage(harness.account, since=today, until=today, group_by="model")
+    return next(((r.requests, r.completion_tokens) for r in rows if r.model == GLM), (0, 0))
+
+
+async def test_a_job_handed_back_runs_only_what_was_not_answered(harness: Harness) -> None:
+    """A job of one fast and one slow request is handed back once the fast one is answered (and
+    billed): the gateway that takes it over runs only the slow one, and the job's usage is what the
+    ledger billed (it once ran and billed the whole job again)."""
+    services = harness.services
+    await services.batch.stop()  # only the other worker may take the job at first
+    other = BatchWorker()
+    before = await billed_glm(harness)
+    try:
+        body = {
+            "requests": [
+                {"messages": [{"role": "user", "content": "fast"}], "external_reference": "fast"},
+                {"messages": [{"role": "user", "content": "slow"}], "external_reference": "slow"},
+            ]
+        }
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        job_id = r.json()["result"]["request_id"]
+        await other.start(services)
+        for _ in range(100):
+            if (await billed_glm(harness))[0] > before[0]:  # "fast" answered and billed
+                break
+            await asyncio.sleep(0.05)
+        await other.stop()  # "slow" is still under way (~0.3 s a piece)
+        job = await services.batch.queue.get(job_id, harness.account)
+        assert job is not None and job.status == QUEUED
+    finally:
+        await other.stop()
+        await services.batch.start(services)
+    glm = harness.backends["glm-5.2"]
+    num_fast = sum(1 for b in glm for req in b.requests if req.messages[-1].content == "fast")
+    result = await wait_done(harness, GLM, job_id)
+    assert [x["external_reference"] for x in result["responses"]] == ["fast", "slow"]
+    assert all(x["success"] for x in result["responses"])
+    after = await billed_glm(harness)
+    # billed: "fast" once, "slow" cut short once (what it had computed) and once whole
+    assert after[0] - before[0] == 3
+    assert (
+        sum(1 for req in harness.backends["glm-5.2"][0].requests if req.messages[-1].content == "fast")
+        == num_fast
+    )
+    assert result["usage"]["completion_tokens"] <= after[1] - before[1]
+
+
 async def test_a_job_whose_gateways_keep_dying_is_failed_not_retried_forever(harness: Harness) -> None:
     services = harness.services
     await services.batch.stop()
