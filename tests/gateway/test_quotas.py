@@ -221,3 +221,41 @@ async def test_a_burst_larger_than_the_redis_pool_waits_instead_of_failing(
     results = await outcomes(limiter, tenant(requests_per_minute=450), 600)
     assert results.count("ok") == 450 and results.count("429") == 150
     await limiter.close()
+
+
+async def test_a_settlement_the_counters_refused_is_made_once_they_answer(sqlite_store: Store) -> None:
+    """A response's neurons settled while the counters were unreachable: its worst case stays
+    reserved (so a request that fits what is really left is refused meanwhile), and the settlement
+    is made before the next admit once they answer, not never (it once held for the rest of the
+    day). Made once: a later settle does not apply it again."""
+    from gateway.quotas import MemoryCounters
+
+    clock = Clock()
+    memory = MemoryCounters(clock)
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.is_down = False
+
+        def __getattr__(self, name: str) -> object:
+            method = getattr(memory, name)
+
+            async def call(*args: object, **kwargs: object) -> object:
+                if self.is_down and name != "close":
+                    raise ConnectionError("redis went away")
+                return await method(*args, **kwargs)
+
+            return call
+
+    flaky = Flaky()
+    limiter = Limiter(flaky, sqlite_store, clock=clock)  # type: ignore[arg-type]
+    who = tenant(daily_neurons=150)
+    first = await limiter.admit(who, "@cf/m", 1, worst_neurons=100)
+    flaky.is_down = True
+    await limiter.settle(first, tokens=1, neurons=10.0)  # the response cost 10; 100 stay reserved
+    flaky.is_down = False
+    second = await limiter.admit(who, "@cf/m", 1, worst_neurons=100)  # 10 + 100 <= 150: admitted
+    await limiter.settle(second, tokens=1, neurons=20.0)
+    key = limiter._neurons_key(who.tenant_id, first.day)
+    assert memory._get(key) == 30.0  # 10 + 20, each settled once
+    await limiter.close()
