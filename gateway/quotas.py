@@ -75,7 +75,6 @@ return 1
 ADMITTED, OVER_REQUESTS, OVER_TOKENS, OVER_NEURONS, UNSEEDED, OVER_NEURONS_LEFT = 0, 1, 2, 3, 4, 5
 # what a counter backend (Redis) or the ledger's store raise when they cannot be reached
 BACKEND_ERRORS = (RedisError, OSError, SQLAlchemyError)
-MAX_UNSETTLED = 10_000  # neuron settlements the counters refused, kept to try again (`Limiter.settle`)
 
 log = structlog.get_logger("kumo.quotas")
 
@@ -254,10 +253,6 @@ class Limiter:
         self._store = store
         self._prefix = prefix
         self._clock = clock
-        # settlements of the day's neurons the counters refused (an unreachable Redis or database),
-        # tried again before the next admit and settle: else the worst case reserved stayed in the
-        # day's counter, and a tenant could be refused for the rest of the day
-        self._unsettled: list[tuple[Admission, float]] = []
 
     def _key(self, tenant_id: str, kind: str, window: str) -> str:
         # `{tenant}` is a Redis Cluster hash tag: one tenant's keys share a slot, so the script may touch them
@@ -293,7 +288,6 @@ class Limiter:
                 f"{limits[1]} tokens per minute"
             )
         day = self._day(now)
-        await self._settle_again()
         keys = (
             self._key(tenant.tenant_id, "requests", str(minute)),
             self._key(tenant.tenant_id, "tokens", str(minute)),
@@ -342,47 +336,19 @@ class Limiter:
     async def settle(self, admission: Admission, *, tokens: int, neurons: float) -> None:
         """True up the token reservation, and the neuron reservation of the admission's day to what
         the response cost (refunding the unused part of its worst case). Never raises for an
-        unreachable backend: the response is already served and the ledger still records it; the
-        day's neurons are trued up later then (`_settle_again`)."""
-        await self._settle_again()
+        unreachable backend: the response is already served and the ledger still records it."""
         try:
-            if tokens != admission.estimated_tokens:  # a minute's window: not worth keeping for later
+            if tokens != admission.estimated_tokens:
                 key = self._key(admission.tenant_id, "tokens", str(admission.minute))
                 await self._counters.add(key, tokens - admission.estimated_tokens, MINUTE_TTL)
+            if neurons != admission.reserved_neurons:
+                key = self._neurons_key(admission.tenant_id, admission.day)
+                if not await self._counters.add_existing(key, neurons - admission.reserved_neurons, DAY_TTL):
+                    # the counter was lost since admission: seeded from the ledger, it lacks this response
+                    await self._seed(admission.tenant_id, admission.day)
+                    await self._counters.add_existing(key, neurons, DAY_TTL)
         except BACKEND_ERRORS as exc:
             log.warning("quota settle failed", tenant_id=admission.tenant_id, error=repr(exc))
-        if neurons == admission.reserved_neurons:
-            return
-        try:
-            await self._settle_neurons(admission, neurons)
-        except BACKEND_ERRORS as exc:
-            log.warning("quota settle failed", tenant_id=admission.tenant_id, error=repr(exc), kept=True)
-            if len(self._unsettled) < MAX_UNSETTLED:
-                self._unsettled.append((admission, neurons))
-
-    async def _settle_neurons(self, admission: Admission, neurons: float) -> None:
-        key = self._neurons_key(admission.tenant_id, admission.day)
-        if not await self._counters.add_existing(key, neurons - admission.reserved_neurons, DAY_TTL):
-            # the counter was lost since admission: seeded from the ledger, it lacks this response
-            await self._seed(admission.tenant_id, admission.day)
-            await self._counters.add_existing(key, neurons, DAY_TTL)
-
-    async def _settle_again(self) -> None:
-        """The neuron settlements the counters refused, in order, until one fails again (kept with
-        those after it); those of an earlier day are dropped (that counter has expired, and the
-        ledger has every response)."""
-        if not self._unsettled:
-            return
-        pending, self._unsettled = self._unsettled, []
-        today = self._day(self._clock())
-        for i, (admission, neurons) in enumerate(pending):
-            if admission.day != today:
-                continue
-            try:
-                await self._settle_neurons(admission, neurons)
-            except BACKEND_ERRORS:
-                self._unsettled += [p for p in pending[i:] if p[0].day == today]
-                return
 
     async def close(self) -> None:
         await self._counters.close()
