@@ -318,8 +318,8 @@ class BatchWorker:
                         log.warning("batch_lease_lost", request_id=job.id)
                         await _cancel(work)
                         return
-        except asyncio.CancelledError:  # this gateway is stopping
-            await self._hand_back(job, work, answered)
+        except BaseException:  # this gateway is stopping, or the store failed a renewal: no orphan
+            await self._hand_back(job, work, answered)  # work left running unowned, billing twice
             raise
         if not work.done():  # draining: another gateway takes the job over now
             await self._hand_back(job, work, answered)
@@ -357,13 +357,25 @@ class BatchWorker:
             return _done(answered)
         slots = self._slots
         assert slots is not None
+        results = dict(answered)
 
         async def one(i: int, item: QueuedRequest) -> None:
-            result, prompt, completion = await _run_one(inference, slots, tenant, job.model, i, item)
-            answered[i] = Answered(i, result, prompt, completion)
+            result, prompt, completion, is_final = await _run_one(
+                inference, slots, tenant, job.model, i, item
+            )
+            results[i] = Answered(i, result, prompt, completion)
+            if is_final:  # a failure that may pass (a timeout, no capacity) is tried again on take-over
+                answered[i] = results[i]
 
         await asyncio.gather(*(one(i, item) for i, item in enumerate(items) if i not in answered))
-        return _done(answered)
+        return _done(results)
+
+
+def is_final(exc: KumoError) -> bool:
+    """A request's failure that another attempt would meet again: a refusal of the request itself
+    (a 4xx, but a timeout, or a 429 worth retrying). The others (no capacity, a timeout, an internal
+    error) are not kept in a job's progress: the gateway that takes the job over tries them again."""
+    return 400 <= exc.status < 500 and exc.status != 408 and (exc.status != 429 or not exc.can_retry)
 
 
 def _done(answered: dict[int, Answered]) -> bytes:
@@ -406,10 +418,11 @@ async def _run_one(
     model_name: str,
     i: int,
     item: QueuedRequest,
-) -> tuple[BatchItem, int, int]:
+) -> tuple[BatchItem, int, int, bool]:
     """One queued request through the service `/ai/run` calls, in one of the shared slots once it
     is the tenant's turn; waits out 429/503 (but a spent daily allowance) as often as
-    `MAX_ITEM_RETRIES`, without holding a slot. Returns the item and its prompt/completion tokens."""
+    `MAX_ITEM_RETRIES`, without holding a slot. Returns the item, its prompt/completion tokens and
+    whether the outcome is final (an answer, or a refusal of the request itself: a 4xx but 408/429)."""
     raw = bytes(item.input)
     for attempt in range(MAX_ITEM_RETRIES + 1):
         meta = CallMeta()  # each attempt has its own request id; no affinity, the default deadline
@@ -420,12 +433,12 @@ async def _run_one(
                 answer = await inference.run(tenant, model, prompt, "run", meta)
         except (RateLimited, Busy, Unavailable) as exc:
             if attempt == MAX_ITEM_RETRIES:
-                return _failure(i, item, exc), 0, 0
+                return _failure(i, item, exc), 0, 0, False
             await asyncio.sleep(min(exc.retry_after or 1, 30))
             continue
         except KumoError as exc:
-            return _failure(i, item, exc), 0, 0
+            return _failure(i, item, exc), 0, 0, is_final(exc)
         assert isinstance(answer, Answer), "queued requests are stored without `stream`"
         result = BatchItem(id=i, result=answer.body, success=True, external_reference=item.external_reference)
-        return result, meta.info.prompt_tokens, meta.info.completion_tokens
+        return result, meta.info.prompt_tokens, meta.info.completion_tokens, True
     raise AssertionError("unreachable")

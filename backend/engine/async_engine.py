@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -45,10 +45,14 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._is_stopping = False
         self._is_dead = False  # the thread died of a bug: every stream ended, new ones refused
+        # called (from the dying thread) once it has died: the backend's `main` exits, so that its
+        # supervisor starts it again (backend/server/rank_group.py `RankFailure`)
+        self.on_death: Callable[[str], None] | None = None
         self._load = engine.load()
 
     def start(self) -> None:
         self._is_stopping = False
+        self._is_dead = False
         self._thread = threading.Thread(target=self._run, name="kumo-engine", daemon=True)
         self._thread.start()
 
@@ -121,7 +125,7 @@ class AsyncEngine:
     def _submit(self, command: tuple[Any, ...]) -> None:
         with self._lock:
             is_refused = (self._is_stopping or self._is_dead) and command[0] == "add"
-            if not is_refused:
+            if not is_refused and not self._is_dead:  # no thread takes an abort either: nothing to end
                 self._commands.append(command)
         if is_refused:  # no engine thread will ever take it: answer now rather than hang the caller
             reason = "has failed" if self._is_dead else "is shutting down"
@@ -161,6 +165,8 @@ class AsyncEngine:
             for command in commands:
                 if command[0] == "add":
                     self._deliver(command[1].request_id, Aborted("The engine has failed."))
+            if self.on_death is not None:
+                self.on_death(f"the engine thread died: {exc!r}")
 
     def _serve(self) -> None:
         while not self._is_stopping:

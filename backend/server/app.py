@@ -278,6 +278,7 @@ def main(argv: list[str]) -> int:
             failure.group.kill()
         return 1
     failure.async_engine = async_engine
+    async_engine.on_death = failure  # a dead engine thread: exit, the supervisor starts it again
     heap.freeze()  # start-up's heap out of every later full collection (backend/engine/heap.py)
 
     @asynccontextmanager

@@ -167,9 +167,10 @@ class RankGroup:
 
 
 class RankFailure:
-    """What rank 0 does when a rank of its group dies or hangs: end every request in flight with
-    `RanksDown` (retryable), give the event loop a moment to send those events, stop the other
-    ranks and exit, so that the supervisor starts the whole group again. Once, from any thread."""
+    """What rank 0 does when a rank of its group dies or hangs, or its own engine thread dies
+    (`AsyncEngine.on_death`): end every request in flight with `RanksDown` (retryable), give the
+    event loop a moment to send those events, stop the other ranks and exit, so that the supervisor
+    starts the whole group again. Once, from any thread."""
 
     GRACE_S = 1.0
 
@@ -187,7 +188,8 @@ class RankFailure:
         threading.Thread(target=self._go_down, args=(reason,), name="kumo-ranks-down", daemon=True).start()
 
     def _go_down(self, reason: str) -> None:
-        print(f"kumo backend: the rank group failed ({reason}); exiting", file=sys.stderr, flush=True)
+        what = reason if reason.startswith("the engine thread") else f"the rank group failed ({reason})"
+        print(f"kumo backend: {what}; exiting", file=sys.stderr, flush=True)
         if self.async_engine is not None:
             self.async_engine.fail_streams(
                 RanksDown("A rank of this backend failed; it restarts, please retry.")

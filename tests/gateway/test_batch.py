@@ -391,3 +391,50 @@ async def test_the_pending_cap_counts_queued_and_running_jobs_only(store: Store)
     assert await queue.submit(tenant, "m", b"[]", 0, max_pending=2)
     async with store.engine.begin() as c:
         await c.execute(delete(BatchJobRow).where(BatchJobRow.tenant_id == tenant))
+
+
+async def test_a_store_error_while_renewing_leaves_no_work_running_unowned(harness: Harness) -> None:
+    """The store fails the lease renewal (SQLite busy, a PostgreSQL failover): the job's requests stop
+    with it (it once ran on without a lease, while its lease expired and another worker ran and
+    billed the same requests again)."""
+    from sqlalchemy.exc import OperationalError
+
+    services = harness.services
+    await services.batch.stop()
+    settings = services.settings
+    services.settings = dataclasses.replace(settings, batch_lease_s=0.6)
+    other = BatchWorker()
+    try:
+        body = {"requests": [{"messages": [{"role": "user", "content": "slow"}]} for _ in range(2)]}
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        assert r.status_code == 200, r.text
+        await other.start(services)
+
+        async def broken_renew(*args: object, **kwargs: object) -> bool:
+            raise OperationalError("UPDATE", {}, Exception("database is locked"))
+
+        other.queue.renew = broken_renew  # type: ignore[method-assign]
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if not other._jobs:
+                break
+        running = [t for t in asyncio.all_tasks() if "_execute" in repr(t.get_coro()) and not t.done()]
+        for task in running:
+            task.cancel()
+        assert not other._jobs and not running
+    finally:
+        await other.stop()
+        services.settings = settings
+        await services.batch.start(services)
+
+
+def test_only_failures_another_attempt_would_meet_again_are_kept_as_answered() -> None:
+    from gateway.batch import is_final
+    from gateway.errors import BadInput, Busy, KumoError, OverTokenLimit, RateLimited, Timeout, Unavailable
+
+    assert is_final(BadInput("bad input")) and is_final(OverTokenLimit("never fits"))
+    assert not is_final(Timeout("too slow")) and not is_final(RateLimited("later", retry_after=1))
+    assert not is_final(Busy("full")) and not is_final(Unavailable("no capacity", retry_after=5))
+    assert not is_final(KumoError("internal"))

@@ -433,6 +433,8 @@ async def test_an_engine_thread_that_dies_ends_every_stream_and_says_so() -> Non
     (the backend's health then reports `failed`, and the gateway ejects the replica)."""
     engine = make_engine(num_pages=16)
     front = AsyncEngine(engine)
+    deaths: list[str] = []
+    front.on_death = deaths.append  # the backend's main exits there (its supervisor restarts it)
     front.start()
     try:
         stream = front.generate(request("a", prompt_of(1, 12), max_tokens=50))
@@ -449,6 +451,11 @@ async def test_an_engine_thread_that_dies_ends_every_stream_and_says_so() -> Non
                 outs.append(out)
         assert outs[-1].finish_reason == "abort" and outs[-1].error is not None
         assert not front.is_alive
+        for _ in range(100):
+            if deaths:
+                break
+            await asyncio.sleep(0.01)
+        assert len(deaths) == 1 and "a bug in the load report" in deaths[0]
         with pytest.raises(Aborted, match="failed"):
             async with asyncio.timeout(10):
                 async for _ in front.generate(request("b", prompt_of(2, 12), max_tokens=5)):
