@@ -36,6 +36,9 @@ _ERRORS: dict[str, type[errors.KumoError]] = {
 }
 
 
+PROBE_TIMEOUT_S = 5.0  # a health-loop request (`BackendClient._get`)
+
+
 class ReplicaFailed(Exception):
     """A replica could not take the request (down, 5xx, busy) before sending anything; retryable."""
 
@@ -78,7 +81,10 @@ class BackendClient:
         return {"authorization": f"Bearer {self._secret_for[url]}"}
 
     async def _get(self, url: str, path: str, decoder: type) -> object:
-        response = await self._http.get(f"{url}{path}", headers=self._headers(url))
+        """A health-loop probe (health, load, card): it gives up after `PROBE_TIMEOUT_S` (httpx closes
+        the connection), not the generation read timeout (600 s: a replica that accepts and never
+        answers held its checks that long)."""
+        response = await self._http.get(f"{url}{path}", headers=self._headers(url), timeout=PROBE_TIMEOUT_S)
         response.raise_for_status()
         return msgspec.json.decode(response.content, type=decoder)
 

@@ -88,12 +88,14 @@ class Router:
         health_timeout_s: float | None = None,
     ) -> None:
         """`health_timeout_s`: the most one replica's check may take before it counts as failed
-        (default: twice the interval, at least a second)."""
+        (default: five intervals, at least 10 s; each request of it gives up sooner, after
+        `backend_client.PROBE_TIMEOUT_S`, closing its connection: a check cut short by this guard,
+        a server trickling bytes, leaves its socket to the collector)."""
         self.pools = pools
         self.client = client
         self._interval = health_interval_s
         self._eject_after = eject_after_failures
-        self._timeout = health_timeout_s if health_timeout_s is not None else max(1.0, 2 * health_interval_s)
+        self._timeout = health_timeout_s if health_timeout_s is not None else max(10.0, 5 * health_interval_s)
         self._tasks: list[asyncio.Task[None]] = []
 
     # ---- health --------------------------------------------------------------------------------------
