@@ -209,11 +209,7 @@ class DraftPolicy:
     # ---- the model ---------------------------------------------------------------------------
     def expected_tokens(self, k: int) -> float:
         """E(k): tokens a verify of k drafts emits, expected under the measured acceptance."""
-        total, p = 1.0, 1.0
-        for a in self.acceptance[:k]:
-            p *= a
-            total += p
-        return total
+        return self.expected_tokens_at(self.acceptance[:k])
 
     @property
     def acceptance_length(self) -> float:
