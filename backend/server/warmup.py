@@ -22,6 +22,15 @@ launchers specialise on powers of two and on divisibility by 16):
                     fewer than k, a tail) launch attention whose slices, and so its kernels'
                     specialisations, follow the sequence's length (H100, 2026-12-06: a 0.9 s MLA compile
                     inside a GLM nano run after two full passes over the same prompts)
+    calibration     (an adaptive, measuring `--speculative` policy) for each load the policy tells
+                    apart (1, 2, 4, … sequences up to `max_drafting_seqs`), that many requests decode
+                    through plain steps, then each draft length: twice, the first pass compiling
+                    (verify and draft shapes of many sequences), the second timed. The policy starts
+                    serving with the timed pass's step costs per load (`DraftPolicy.adopt_step_costs`;
+                    not its acceptance: the prompts are random), so it prices drafting at a load from
+                    its first step there instead of probing it, and a burst that passes each load for
+                    a few steps pays no probes (H100, 2026-12-06: speculation on ran 0.73x off at
+                    c = 64 on GLM nano, a third of its steps probes and their compiles)
 A shape the pool cannot hold is skipped. Every warm-up request ends before `warm_up` returns: the
 pool is empty again, and the steps count in the engine's stats like any other.
 The CPU runs one step of one two-token prompt: its torch references compile nothing, so start-up
@@ -32,8 +41,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from backend.engine.engine import Engine
+from backend.engine.speculative.decoder import SpecDecoder
+from backend.engine.speculative.load_rates import LoadRates
 from schemas.backend import EngineRequest, SamplingParams
 
 SALT = "f" * 32  # no tenant's: the gateway derives tenant salts, this one is fixed and never sent
@@ -42,6 +54,9 @@ SALT = "f" * 32  # no tenant's: the gateway derives tenant salts, this one is fi
 # the speculative sweep's draft length a step (0: a plain step, whose positions the next catches up)
 SPEC_PATTERN = ("K", 1, "K", 0, "K", 2, 1, 0, 1, "K")
 SPEC_SHORT, SPEC_LONG = 16, (256, 8192)  # prompt lengths: one short, powers of two between these
+# the calibration's steps of each kind at a load (the first drafting step after plain ones only
+# proposes and catches up, and the first of a new draft length is priced at neither): its prompts
+CALIBRATION_STEPS, CALIBRATION_PROMPT = 4, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,21 +68,27 @@ class WarmUp:
     spec_steps: dict[int, int] = field(default_factory=dict)
 
 
-def warm_up(engine: Engine, *, is_full: bool) -> WarmUp:
-    """Run the shapes above (`is_full`, a GPU) or one tiny step (the CPU); every request finishes."""
+def warm_up(engine: Engine, *, is_full: bool, calibrate: bool = True) -> WarmUp:
+    """Run the shapes above (`is_full`, a GPU) or one tiny step (the CPU); every request finishes.
+    `calibrate` False: no calibration passes (the draft policy starts from its priors alone, as
+    before 2026-12-06: for benchmarks that compare the two)."""
     start, steps0 = time.perf_counter(), engine.stats.steps
     plan = _Plan(engine)
     learned = engine.spec.policy_state() if engine.spec is not None else None
+    costs = None
     try:
         if is_full:
             plan.prefills()
             plan.decodes_and_mixed()
             plan.speculative()
+            costs = plan.calibrate(learned) if calibrate else None
         else:
             plan.run([(2, 1)])
     finally:  # the draft policy starts serving from its priors, not from the warm-up's random prompts
         if engine.spec is not None and learned is not None:
             engine.spec.restore_policy(learned)
+    if engine.spec is not None and costs is not None:  # ... and from the step costs it timed
+        engine.spec.policy.adopt_step_costs(*costs)
     return WarmUp(
         time.perf_counter() - start, engine.stats.steps - steps0, plan.num_requests, plan.spec_steps
     )
@@ -141,6 +162,66 @@ class _Plan:
                         at += is_decoding
         finally:
             policy.forced_k = None
+
+    def calibrate(self, learned: dict[str, Any] | None) -> tuple[dict[int, LoadRates], float] | None:
+        """The calibration passes (module docstring): the timed pass's step costs per load and m,
+        measured from the policy's priors (`learned`); None without an adaptive, measuring policy."""
+        spec = self.engine.spec
+        if spec is None or learned is None or spec.max_drafting_seqs < 1:
+            return None
+        policy = spec.policy
+        if not (policy.is_adaptive and policy.is_calibrated):
+            return None
+        K = spec.K
+        pattern = [0] * CALIBRATION_STEPS
+        for k in (K, *range(1, K)):  # K first: the step after plain ones proposes K for the next
+            pattern += [k] * CALIBRATION_STEPS
+        max_tokens = (len(pattern) + 2) * (K + 1)  # outlasts the pattern (ended by aborts)
+        limit = min(spec.max_drafting_seqs, self.engine.config.max_num_seqs)
+        loads, bucket = [], 1
+        while True:  # each load bucket (a power of two) the policy measures apart, at most `limit`
+            loads.append(min(bucket, limit))
+            if bucket >= limit:
+                break
+            bucket *= 2
+        length = CALIBRATION_PROMPT
+        fits = [
+            n
+            for n in loads
+            if n * self.pages(length + max_tokens) <= self.num_pages and length + max_tokens <= self.window
+        ]
+        try:
+            for is_timed in (False, True):
+                if is_timed:  # measured from the priors: nothing of the compiling pass
+                    spec.restore_policy(learned)
+                for n in fits:
+                    self._calibrate_load(spec, n, length, max_tokens, pattern)
+        finally:
+            policy.forced_k = None
+        return policy.step_costs()
+
+    def _calibrate_load(
+        self, spec: SpecDecoder, n: int, length: int, max_tokens: int, pattern: list[int]
+    ) -> None:
+        """`n` requests of `length` tokens: their prompts (the MTP KV written beside them, as
+        `speculative` forces), then `pattern`'s draft lengths a step, then aborted."""
+        engine, policy = self.engine, spec.policy
+        first = self.num_requests
+        self.add([(length, max_tokens)] * n)
+        ids = [f"warm-up-{i}" for i in range(first, self.num_requests)]
+        at = 0
+        while engine.has_unfinished and at < len(pattern):
+            running = engine.scheduler.running
+            is_decoding = len(running) == n and all(s.num_output_tokens > 0 for s in running)
+            policy.forced_k = pattern[at] if is_decoding else spec.K
+            self.step()
+            at += is_decoding
+        for request_id in ids:
+            engine.abort(request_id)
+        while engine.has_unfinished:
+            for out in engine.step():  # each ends "aborted", as asked
+                if out.error is not None and out.finish_reason != "abort":
+                    raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error.message}")
 
     def run(self, requests: list[tuple[int, int]]) -> None:
         """Add (prompt tokens, output tokens) requests, then step until every request has finished."""

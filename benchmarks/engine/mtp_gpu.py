@@ -85,6 +85,7 @@ class Options:
     acceptance_record: Path
     deadline: float
     tiny: bool
+    calibrate: bool = True  # the warm-up's calibration passes (backend/server/warmup.py)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -114,7 +115,7 @@ def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str,
         )  # fmt: skip
         engines[side] = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
         # as served: a GPU backend's start-up warm-up (every step shape and draft length it will take)
-        warm_up(engines[side], is_full=opts.device.startswith("cuda"))
+        warm_up(engines[side], is_full=opts.device.startswith("cuda"), calibrate=opts.calibrate)
     heap.freeze()  # as a backend does once started: the model out of full collections (`measure_nano` thaws)
     return engines
 
@@ -580,6 +581,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tiny", action="store_true", help="CPU-sized: 2 prompts, 6 tokens, 1 round, --rank-of 2"
     )
+    ap.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="warm up without the draft policy's calibration passes (backend/server/warmup.py)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     return ap
 
@@ -613,7 +620,7 @@ def main(argv: list[str]) -> int:
         k=parse_speculative(a.speculative), num_rounds=a.rounds, c64=a.c64, c64_rounds=a.c64_rounds,
         rank_of=a.rank_of, depths=depths,
         projection_tokens=a.projection_tokens, acceptance_record=a.acceptance, deadline=start + a.budget_s,
-        tiny=a.tiny,
+        tiny=a.tiny, calibrate=a.calibrate,
     )  # fmt: skip
     if opts.k == 0:
         raise SystemExit("kumo bench engine mtp: --speculative must be mtp:K")
@@ -625,6 +632,7 @@ def main(argv: list[str]) -> int:
         else f"{platform.machine()} CPU",
         "torch": torch.__version__,
         "speculative": a.speculative,
+        "calibrated": a.calibrate,
         "method": "A = speculation on (adaptive draft policy, as served), B = off; warm-up of each side on the same "
         "work, then A/B/B/A rounds, ratio (a1 + a2) / (b1 + b2) per round, median and spread (benchmarks/engine/method.py)",
         "weights": "nano checkpoints as committed (bf16 on CUDA, fp32 on the CPU), KV cache in the model dtype",

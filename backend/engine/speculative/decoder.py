@@ -164,7 +164,9 @@ class SpecDecoder:
         such a load that drafts nothing but holds prompt chunks runs the MTP layer over them
         (`fills_draft_kv`): their MTP KV written as the prompt is, so drafting starts without a
         catch-up (a second prefill of the prompt), and a prompt longer than a step's budget does not
-        leave a gap too long to ever catch up."""
+        leave a gap too long to ever catch up; unless the load the prompts join is one where the
+        policy's measured step costs say drafting does not pay (`DraftPolicy.may_draft`: on the
+        H100 a prompt's fill step cost 1.5x its prefill, and a c = 64 burst paid it for every prompt)."""
         flags = [False] * len(out.scheduled)
         self.k, self.num_gap_rows, self.fills_draft_kv = 0, 0, False
         ahead, self._ahead, self._plain_load = self._ahead, None, None
@@ -185,7 +187,10 @@ class SpecDecoder:
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
                 self._plain_load = (load, ids)  # a plain decode step: the next one's choice while it runs
             self.fills_draft_kv = (
-                not any(flags) and self.policy.forced_k != 0 and self.book.has_chunk_to_fill(out)
+                not any(flags)
+                and self.policy.forced_k != 0
+                and self.book.has_chunk_to_fill(out)
+                and self.policy.may_draft(num_requests)
             )
         if any(flags):
             self.settle()  # a drafting step's device waits are its own

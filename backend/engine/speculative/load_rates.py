@@ -73,6 +73,25 @@ class LoadRates:
         self.spec = self.spec_tokens / self.spec_s
         self.num_spec += 1
 
+    def step_costs(self) -> LoadRates:
+        """A copy with what this load's steps cost and nothing of what they emitted: the plain rate
+        and step seconds, the drafting step's seconds by draft length (fresh for the next
+        `REPROBE_EVERY` verifying steps), the overhead and the catch-ups' seconds. The warm-up's
+        timed pass (backend/server/warmup.py `calibrate`) keeps these: its prompts are random, so
+        its acceptance and drafting rates are not the served requests', but a step's seconds at a
+        load hardly depend on what the tokens are."""
+        return LoadRates(
+            plain=self.plain,
+            num_plain=self.num_plain,
+            plain_step_s=self.plain_step_s,
+            draft_step_s=self.draft_step_s,
+            catch_up_s=self.catch_up_s,
+            catch_up_row_s=self.catch_up_row_s,
+            overhead=self.overhead,
+            num_overhead=self.num_overhead,
+            step_s_by_k={k: (s, 0) for k, (s, _) in self.step_s_by_k.items()},
+        )
+
     def has_clearly_lost(self) -> bool:
         """Drafting measured (`MIN_RATE_SAMPLES` verifies) at under `CLEAR_LOSS` of the plain rate:
         further verifies of its probe would not turn that round (where drafting wins at E(3) ~2.8,

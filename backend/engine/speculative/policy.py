@@ -118,6 +118,7 @@ from backend.engine.speculative.load_rates import (
     MIN_RATE_SAMPLES,
     PROBE_SHARE,
     PROBE_VERIFIES,
+    LoadRates,
     Loads,
     ewma,
     load_bucket,
@@ -621,6 +622,43 @@ class DraftPolicy:
             if own is not None:
                 own[0][j] += 1
                 own[1][j] += j < num_accepted
+
+    def step_costs(self) -> tuple[dict[int, LoadRates], float]:
+        """What the steps measured so far cost, per load (`LoadRates.step_costs`), and m: for
+        `adopt_step_costs` once the policy is back to its priors (the warm-up's timed pass)."""
+        return {b: r.step_costs() for b, r in self._rates.items() if r.plain_step_s}, self.draft_cost
+
+    def adopt_step_costs(self, costs: dict[int, LoadRates], draft_cost: float) -> None:
+        """Start from measured step costs (`step_costs`): each load prices drafting at its own
+        measured seconds from its first step (`_costs`, `_prior_pays`), rather than at the cost
+        model's until probes have paid to measure them. A burst of 64 nano requests passes each
+        load for a few steps only, and probing there on the H100 (2026-12-06) made speculation
+        on 0.73x off at c = 64. Acceptance stays the prior's: the timed pass's prompts were random."""
+        if not self.is_calibrated:
+            return
+        for bucket, rates in costs.items():
+            self._rates[bucket] = rates.step_costs()
+        self.draft_cost = draft_cost
+
+    def may_draft(self, num_seqs: int) -> bool:
+        """Whether `num_seqs` decoding sequences (all able to draft) may draft, as far as is known
+        before they run: no load measured there (its probe will tell), drafting measured winning,
+        or some k beating a plain step at the load's measured step costs and the acceptance the
+        policy would price them at (the recent requests' up to `OWN_MAX_SEQS`, else the shared
+        estimate). A prompt joining a load where none of that holds is not worth the MTP layer
+        over its chunks (decoder.py `fills_draft_kv`): a catch-up pays for it if drafting comes."""
+        if self.forced_k is not None or not self.is_adaptive:
+            return self.forced_k != 0
+        load = StepLoad(num_rows=num_seqs, num_drafting=num_seqs)
+        rates = self._rates.get(load_bucket(num_seqs))
+        if rates is not None and rates.is_winning:
+            return True
+        costs = self._costs(load)
+        if costs is None:
+            return True
+        acceptance = self.recent if num_seqs <= OWN_MAX_SEQS else self.acceptance
+        by_k = self.rates(load, acceptance, measured=costs)
+        return max(by_k[1:]) > by_k[0]
 
     def max_paying_seqs(self, limit: int) -> int:
         """The most sequences (up to `limit`) at which a decode step could gain from drafting under
