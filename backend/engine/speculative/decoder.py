@@ -66,11 +66,16 @@ from backend.engine.sequence import Sequence
 from backend.engine.speculative.accept import choose_tokens, token_scores
 from backend.engine.speculative.book import DraftBook
 from backend.engine.speculative.greedy import MAX_BANNED
+from backend.engine.speculative.load_rates import load_bucket
 from backend.engine.speculative.plan import SpecRow, plan_greedy, plan_target
 from backend.engine.speculative.policy import OWN_MAX_SEQS, DraftPolicy, StepLoad
 from backend.engine.speculative.propose import propose
 from backend.engine.speculative.sampled import can_sample_on_device, draw_rows
 
+# steps a refused catch-up stands at the same load before the sequence is asked again: a refusal
+# only turns while the load's rates or acceptance move (the gap grows, the tokens left shrink), and
+# asking each sequence every step cost a c = 64 burst's tail ~0.1 ms a step on the H100 (2026-12-06)
+CATCH_UP_REASK = 16
 # a request's host generator for its drafts' uniforms, on either path (its own generator lives on the
 # device) is seeded with its seed XOR this: a stream apart from the device generator's, reproducible
 HOST_SEED_SALT = 0x5DEECE66D
@@ -128,6 +133,9 @@ class SpecDecoder:
         self.num_sampled_steps = 0  # of which sampled
         self._host_generators: dict[str, torch.Generator] = {}
         self._loads: dict[tuple[int, int, int], StepLoad] = {}  # `_load`
+        # request id -> (load bucket, step) of its last refused catch-up (`_catch_up_worth`)
+        self._refused: dict[str, tuple[int, int]] = {}
+        self._num_steps = 0
         # the policy's per-step work moved into a plain step's device time (`while_plain_step`):
         # the last step's measurement not yet told, the load of a plain step and the draft length
         # chosen for the next step at that load
@@ -170,8 +178,11 @@ class SpecDecoder:
         flags = [False] * len(out.scheduled)
         self.k, self.num_gap_rows, self.fills_draft_kv = 0, 0, False
         ahead, self._ahead, self._plain_load = self._ahead, None, None
+        self._num_steps += 1
         if num_requests <= self.max_drafting_seqs:
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
+            if self._refused:
+                self._skip_refused(out, can_draft)
             num_drafting = can_draft.count(True)
             num_samples = sum([s.needs_sample for s in out.scheduled])
             load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
@@ -184,6 +195,8 @@ class SpecDecoder:
             if self.k:
                 self._catch_up_worth(out, can_draft)
                 flags = self.book.reserve(out, can_draft, self.k)
+                if not any(flags):
+                    self.k = 0  # every sequence refused: a plain step (and counted as one)
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
                 self._plain_load = (load, ids)  # a plain decode step: the next one's choice while it runs
             self.fills_draft_kv = (
@@ -279,9 +292,26 @@ class SpecDecoder:
             if gap:
                 left = seq.request.sampling.max_tokens - seq.num_output_tokens
                 can_draft[b] = self.policy.pays_to_catch_up(num_seqs, gap, left)
+                if not can_draft[b]:
+                    self._refused[seq.request_id] = (load_bucket(num_seqs), self._num_steps)
+
+    def _skip_refused(self, out: SchedulerOutput, can_draft: list[bool]) -> None:
+        """Clear `can_draft` for sequences refused a catch-up fewer than `CATCH_UP_REASK` steps ago
+        at this load: not priced as drafting (`choose`), nor asked again yet."""
+        bucket, now, refused = load_bucket(len(out.scheduled)), self._num_steps, self._refused
+        for b, s in enumerate(out.scheduled):
+            if can_draft[b]:
+                rid = s.seq.request_id
+                got = refused.get(rid)
+                if got is not None:
+                    if got[0] == bucket and now - got[1] < CATCH_UP_REASK:
+                        can_draft[b] = False
+                    else:
+                        del refused[rid]
 
     def forget(self, request_id: str) -> None:
         self.book.forget(request_id)
+        self._refused.pop(request_id, None)
         self.policy.forget(request_id)
         self._host_generators.pop(request_id, None)
 
@@ -289,6 +319,7 @@ class SpecDecoder:
         """The request lost its pages and will recompute: its drafts are for KV that is gone (its
         host generator stays: the draws its recompute makes continue the stream)."""
         self.book.forget(request_id)
+        self._refused.pop(request_id, None)
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -118,6 +118,44 @@ def test_a_refused_sequence_is_asked_again() -> None:
     assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
 
 
+def test_a_refused_catch_up_stands_for_a_while_and_the_step_is_plain() -> None:
+    """A burst's tail (H100, 2026-12-06): the policy chose k = 3 for 60 steps in which every
+    sequence's catch-up was refused, each sequence asked on every step (~0.1 ms a step) and every
+    step counted as drafting. A refusal now stands `CATCH_UP_REASK` steps at its load, and a step in
+    which nothing drafts is a plain one (k = 0)."""
+    from backend.engine.speculative.decoder import CATCH_UP_REASK
+
+    engine = toy(3)
+    spec = engine.spec
+    assert spec is not None
+    reqs = [request(f"r{i}", [i % 16] * 40, max_tokens=60) for i in range(4)]
+    for r in reqs:
+        engine.add_request(r)
+    results: dict[str, Result] = {}
+    spec.policy.forced_k = 0
+    for _ in range(6):  # the prompts and 5 decodes, plain: every sequence behind
+        collect(results, engine.step())
+    spec.policy.forced_k = None
+    asks: dict[str, int] = {}
+    pays = spec.policy.pays_to_catch_up
+
+    def refuse(num_seqs: int, gap: int, tokens_left: int) -> bool:
+        asks[str(len(asks))] = 1
+        return False
+
+    spec.policy.pays_to_catch_up = refuse  # type: ignore[method-assign]
+    steps, ks = 0, []
+    while engine.has_unfinished:
+        collect(results, engine.step())
+        steps += 1
+        ks.append(spec.k)
+    assert steps >= 50 and set(ks) == {0} and engine.stats.spec_verifies == 0
+    assert 0 < len(asks) <= len(reqs) * (steps // CATCH_UP_REASK + 1)
+    spec.policy.pays_to_catch_up = pays  # type: ignore[method-assign]
+    plain = run_all(toy(0), reqs)
+    assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
 def test_a_queue_the_pool_cannot_admit_does_not_count_towards_the_draft_cap() -> None:
     """Two long requests fill the pool; more than the draft cap wait for pages. The waiting ones
     cannot run before a running one finishes, so the two draft meanwhile (counted, the queue kept
