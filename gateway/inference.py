@@ -84,7 +84,9 @@ class CallMeta:
 
     info: RequestInfo = field(default_factory=RequestInfo)
     affinity: str | None = None
-    timeout_s: float | None = None  # None: the settings' `request_timeout_s`
+    # loop time at which the call ends with 408/3046, taken as its HTTP handler starts (so it covers
+    # reading the body too); None: the settings' `request_timeout_s` from the call's start
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,10 @@ class InferenceService:
         self, tenant: TenantContext, model: ModelSpec, prompt: Prompt, surface: Surface, meta: CallMeta
     ) -> Answer | Stream:
         """Run `prompt` for `tenant` on `model`; `surface` says which wire format answers."""
-        return await _Call(self, tenant, model, surface, meta).handle(prompt)
+        deadline = meta.deadline
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
+        return await _Call(self, tenant, model, surface, meta, deadline).handle(prompt)
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,7 @@ class _Call:
     model: ModelSpec
     surface: Surface
     meta: CallMeta
+    deadline: float  # loop time: every wait of the call ends with 408/3046 then
 
     async def handle(self, prompt: Prompt) -> Answer | Stream:
         """Admit against the quotas (step 1), then normalise (step 2), which may fetch images, so a
@@ -161,7 +167,8 @@ class _Call:
         # undercounts a short prompt), still within the worst case reserved
         reserved = _Reserved(admission, self._prompt_estimate(prompt) + PROMPT_SCAFFOLD_TOKENS)
         try:
-            async with self.service.lifecycle.bounded():  # image fetches end at the drain deadline
+            # image fetches end at the request's deadline (their own limit may be longer) or the drain's
+            async with self.service.lifecycle.bounded(self.deadline):
                 normalized = await self._normalize(prompt.body)
         except BaseException as exc:
             await self._abandon(reserved, [], [], exc)
@@ -231,13 +238,11 @@ class _Call:
         # prefilled the whole prompt); any failure before the first byte closes the others
         choices = list(zip(normalized.requests, done, strict=True))
         started: list[ChoiceEvents | BaseException] = []
-        since = time.monotonic()  # the later choices' deadline is the first one's
         try:
             started += await asyncio.gather(self._started(*choices[0], affinity), return_exceptions=True)
             if len(choices) > 1 and not isinstance(started[0], BaseException):
-                late_s = time.monotonic() - since
                 started += await asyncio.gather(
-                    *(self._started(r, c, affinity, late_s) for r, c in choices[1:]), return_exceptions=True
+                    *(self._started(r, c, affinity) for r, c in choices[1:]), return_exceptions=True
                 )
         except BaseException as exc:  # cancelled while routing (a batch job handed back, a shutdown)
             with anyio.CancelScope(shield=True):  # else its worst case stays reserved for the day
@@ -290,17 +295,14 @@ class _Call:
         return f"chatcmpl-{self.meta.info.request_id}"
 
     async def _started(
-        self, generate: b.GenerateRequest, into: render.Completion, affinity: str | None, late_s: float = 0.0
+        self, generate: b.GenerateRequest, into: render.Completion, affinity: str | None
     ) -> ChoiceEvents:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent.
         A wait cut by the deadline, the drain or the caller leaves the choice `is_started`: the
-        backend was working on its prompt. `late_s`: how long after the call's first choice this one
-        starts (its deadline is the call's)."""
-        timeout_s = self.meta.timeout_s
-        limit_s = self.service.settings.request_timeout_s if timeout_s is None else timeout_s
+        backend was working on its prompt."""
         events = self.service.lifecycle.guard(
-            self.service.router.generate(self.model, generate, affinity=affinity), max(limit_s - late_s, 0.0)
+            self.service.router.generate(self.model, generate, affinity=affinity), self.deadline
         )
         try:
             url, first = await anext(events)

@@ -6,11 +6,15 @@ ones; a request that still arrives on an open connection is refused with 503/304
 still running then is ended with the 3008 abort error: a JSON answer, or an error frame on a
 stream. Nothing accepted is dropped without an answer.
 
-An image fetch before the generation is bounded by the drain deadline the same way
-(`Lifecycle.bounded`). The same guard (`Lifecycle.guard`) ends a generation that runs past its wall-clock limit with the
-timeout error (408/3046). It wraps the router's event stream, so every wait for the backend's next
-event is bounded by `min(request deadline, drain deadline)`; leaving the wrapped stream closes the
-backend connection, which aborts the request in the engine.
+A request's wall-clock limit (`request_timeout_s`: the configured one, or less with
+`cf-aig-request-timeout`) runs from the moment its handler starts, and every wait of the request is
+bounded by `min(request deadline, drain deadline)` (`Lifecycle.bounded`): reading the body,
+fetching image URLs, routing to a replica and each of the backend's events (`Lifecycle.guard`
+wraps the router's event stream). Past the request deadline the wait ends with the timeout error
+(408/3046), past the drain deadline with the abort error; a wait whose deadline has already passed
+is not begun. Leaving the wrapped stream closes the backend connection, which aborts the request in
+the engine. Admission is not cut (a reservation cut half-way could not be settled): a deadline that
+passes during it ends the next wait.
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ class Lifecycle:
             if when is None or when > self._abort_at:
                 wait.reschedule(self._abort_at)
 
-    async def guard(self, events: AsyncGenerator[T, None], timeout_s: float) -> AsyncGenerator[T, None]:
-        """`events`, ended with `Timeout` after `timeout_s` or with `Aborted` at the drain deadline."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+    async def guard(self, events: AsyncGenerator[T, None], deadline: float) -> AsyncGenerator[T, None]:
+        """`events`, ended with `Timeout` at `deadline` (loop time) or with `Aborted` at the drain
+        deadline."""
         async with contextlib.aclosing(events):
             while True:
                 try:
@@ -70,10 +74,13 @@ class Lifecycle:
 
     @contextlib.asynccontextmanager
     async def bounded(self, deadline: float | None = None) -> AsyncIterator[None]:
-        """A wait (a backend's next event, an image fetch) ended with `Timeout` at `deadline` (loop
-        time; None: none) or with `Aborted` at the drain deadline, also one set while it waits."""
+        """A wait (the body, an image fetch, a backend's next event) ended with `Timeout` at
+        `deadline` (loop time; None: none) or with `Aborted` at the drain deadline, also one set
+        while it waits; not begun at all when one of them has passed already."""
         loop = asyncio.get_running_loop()
         when = deadline if self._abort_at is None else min(deadline or self._abort_at, self._abort_at)
+        if when is not None and when <= loop.time():
+            raise self._expired(loop.time())
         try:
             async with asyncio.timeout_at(when) as wait:
                 self._waits.add(wait)
@@ -82,9 +89,17 @@ class Lifecycle:
                 finally:
                     self._waits.discard(wait)
         except TimeoutError as exc:
-            if self._abort_at is not None and loop.time() >= self._abort_at:
-                raise Aborted("Request was aborted") from exc
-            raise Timeout("Request timeout") from exc
+            raise self._expired(loop.time()) from exc
+
+    def _expired(self, now: float) -> Aborted | Timeout:
+        if self._abort_at is not None and now >= self._abort_at:
+            return Aborted("Request was aborted")
+        return Timeout("Request timeout")
+
+
+def request_deadline(headers: Mapping[str, str], limit_s: float) -> float:
+    """The loop time at which a request starting now runs out (`request_timeout_s`)."""
+    return asyncio.get_running_loop().time() + request_timeout_s(headers, limit_s)
 
 
 def request_timeout_s(headers: Mapping[str, str], limit_s: float) -> float:

@@ -13,10 +13,19 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway import responses
-from gateway.body import decode, read_body
+from gateway.body import decode
 from gateway.errors import BadInput
 from gateway.inference import Prompt, Stream
-from gateway.run import SSE_HEADERS, account_of, authenticate, meta_of, resolve_model, respond, services_of
+from gateway.run import (
+    SSE_HEADERS,
+    account_of,
+    authenticate,
+    meta_of,
+    read_input,
+    resolve_model,
+    respond,
+    services_of,
+)
 from schemas.catalog import ModelSpec
 from schemas.openai import ChatCompletionRequest, ModelList, ModelOut
 from schemas.responses import ResponsesRequest
@@ -38,9 +47,10 @@ async def chat_completions(request: Request) -> Response:
     """`POST …/ai/v1/chat/completions`: the model named in the body (5007 unknown, 403 not allowed)
     is checked before the rest of the body, whose errors come after."""
     services = services_of(request)
+    meta = meta_of(services, request)
     account_id = account_of(request)
     tenant = await authenticate(services, request, account_id)
-    raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
+    raw = await read_input(services, request, meta)
     try:
         body = decode(raw, _chat_decoder)
     except BadInput:
@@ -48,9 +58,7 @@ async def chat_completions(request: Request) -> Response:
         resolve_model(services, request, tenant, _required(head.model))
         raise
     model = resolve_model(services, request, tenant, _required(body.model))
-    answer = await services.inference.run(
-        tenant, model, Prompt(body, raw), "openai", meta_of(services, request)
-    )
+    answer = await services.inference.run(tenant, model, Prompt(body, raw), "openai", meta)
     return respond(answer, "openai")
 
 
@@ -58,9 +66,10 @@ async def create_response(request: Request) -> Response:
     """`POST …/ai/v1/responses`: the Responses API, stateless; checked in the same order as chat
     completions (the model first, then the rest of the body)."""
     services = services_of(request)
+    meta = meta_of(services, request)
     account_id = account_of(request)
     tenant = await authenticate(services, request, account_id)
-    raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
+    raw = await read_input(services, request, meta)
     try:
         body = decode(raw, _responses_decoder)
     except BadInput:
@@ -69,7 +78,6 @@ async def create_response(request: Request) -> Response:
         raise
     model = resolve_model(services, request, tenant, _required(body.model))
     chat = responses.to_chat(body)
-    meta = meta_of(services, request)
     answer = await services.inference.run(tenant, model, Prompt(chat, raw), "openai", meta)
     echo, id = responses.Echo.of(body), f"resp_{meta.info.request_id}"
     if isinstance(answer, Stream):

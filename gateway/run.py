@@ -18,7 +18,7 @@ from gateway.auth import TenantContext
 from gateway.body import decode, read_body
 from gateway.errors import BadInput, NoRoute
 from gateway.inference import Answer, CallMeta, ModelInput, Prompt, Stream, Surface, input_decoder
-from gateway.lifecycle import request_timeout_s
+from gateway.lifecycle import request_deadline
 from gateway.observability import info_of
 from gateway.services import Services
 from schemas.catalog import ModelSpec
@@ -55,12 +55,20 @@ def resolve_model(services: Services, request: Request, tenant: TenantContext, n
 
 
 def meta_of(services: Services, request: Request) -> CallMeta:
-    """The request's record, `x-session-affinity`, and its deadline (`cf-aig-request-timeout`)."""
+    """The request's record, `x-session-affinity`, and its deadline (`cf-aig-request-timeout`, or the
+    configured limit) from now: taken as the handler starts, it covers the whole request."""
     return CallMeta(
         info=info_of(request.scope),
         affinity=request.headers.get("x-session-affinity"),
-        timeout_s=request_timeout_s(request.headers, services.settings.request_timeout_s),
+        deadline=request_deadline(request.headers, services.settings.request_timeout_s),
     )
+
+
+async def read_input(services: Services, request: Request, meta: CallMeta) -> bytes:
+    """The body (`read_body`), by the request's deadline too: 408/3046 whichever comes first."""
+    s = services.settings
+    async with services.lifecycle.bounded(meta.deadline):
+        return await read_body(request, s.max_body_bytes, s.body_read_timeout_s)
 
 
 def respond(answer: Answer | Stream, surface: Surface) -> Response:
@@ -74,29 +82,37 @@ def respond(answer: Answer | Stream, surface: Surface) -> Response:
 async def run_model(request: Request) -> Response:
     """`/ai/run/{model}`: the body is the model's input."""
     services = services_of(request)
+    meta = meta_of(services, request)
     account_id = account_of(request)
     name = str(request.path_params["model"])
     name = unquote(name) if "%" in name else name
     tenant = await authenticate(services, request, account_id)
     model = resolve_model(services, request, tenant, name)
-    raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
-    return await _run(request, tenant, model, raw)
+    raw = await read_input(services, request, meta)
+    return await _run(request, meta, tenant, model, raw)
 
 
 async def run_envelope(request: Request) -> Response:
     """`/ai/run` with `{model, input}` (`cf-aig-gateway-id` accepted, not required)."""
     services = services_of(request)
+    meta = meta_of(services, request)
     account_id = account_of(request)
     tenant = await authenticate(services, request, account_id)
-    raw = await read_body(request, services.settings.max_body_bytes, services.settings.body_read_timeout_s)
+    raw = await read_input(services, request, meta)
     envelope = decode(raw, _envelope_decoder)
     model = resolve_model(services, request, tenant, envelope.model)
     reject_if_busy = envelope.options is not None and envelope.options.rejectIfBusy
-    return await _run(request, tenant, model, bytes(envelope.input), reject_if_busy=reject_if_busy)
+    return await _run(request, meta, tenant, model, bytes(envelope.input), reject_if_busy=reject_if_busy)
 
 
 async def _run(
-    request: Request, tenant: TenantContext, model: ModelSpec, raw: bytes, *, reject_if_busy: bool = False
+    request: Request,
+    meta: CallMeta,
+    tenant: TenantContext,
+    model: ModelSpec,
+    raw: bytes,
+    *,
+    reject_if_busy: bool = False,
 ) -> Response:
     """The model's input run now, or (reference §1.6) a batch queued (`?queueRequest=true` with
     `{requests}`) or polled (`{request_id}`): the same for `/ai/run/{model}` and `/ai/run`'s input."""
@@ -107,7 +123,7 @@ async def _run(
     if job_id is not None:
         return await batch.poll(services, tenant, model, job_id)
     body = _model_input(raw, model, reject_if_busy=reject_if_busy)
-    answer = await services.inference.run(tenant, model, Prompt(body, raw), "run", meta_of(services, request))
+    answer = await services.inference.run(tenant, model, Prompt(body, raw), "run", meta)
     return respond(answer, "run")
 
 

@@ -5,23 +5,29 @@ the drain gate, retry headers, and children that die with their parent."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from gateway_harness import GLM, KIMI, Harness, harness, standalone_gateway  # noqa: F401  (fixture)
+from gateway_harness import GLM, KIMI, Harness, _tenant, harness, standalone_gateway  # noqa: F401  (fixture)
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gateway.errors import Busy, NeuronsExhausted, RateLimited, Unavailable, retry_headers
+from gateway.errors import Busy, NeuronsExhausted, RateLimited, Timeout, Unavailable, retry_headers
 from gateway.lifecycle import DrainGate, Lifecycle, request_timeout_s
+from gateway.quotas import Admission, Limiter
+from gateway.services import image_fetcher
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "kumo_admin_for_the_lifecycle_test_0123456789"
@@ -54,6 +60,107 @@ async def test_a_generation_past_its_wall_clock_limit_ends_with_3046(harness: Ha
     assert r.status_code == 200 and r.json()["result"]["choices"][0]["message"]["content"] == "echo: slow"
     await asyncio.sleep(0.1)
     assert all(b.num_open_streams == 0 for b in harness.backends["glm-5.2"])  # backend requests closed
+
+
+@pytest.fixture
+async def never_answering_site() -> AsyncIterator[str]:
+    """An image server that accepts connections and never answers: its URL."""
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the gateway hangs up
+        writer.close()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/cat.png"
+
+
+async def test_the_request_deadline_bounds_its_image_fetches(
+    harness: Harness, never_answering_site: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 500 ms `cf-aig-request-timeout` with an image URL that never answers is the generation's
+    408/3046 at the deadline, not a 400 at the fetch limit (10 s): billed nothing, its reservation
+    given back whole."""
+    services = harness.services
+    settings = replace(
+        services.settings, image_fetch_timeout_s=10.0, allowed_image_networks=("127.0.0.1/32",)
+    )
+    http, images = image_fetcher(settings)
+    monkeypatch.setattr(services, "images", images)
+    settled = spy_on_settle(services.limiter, monkeypatch)
+    account, token = await _tenant(services, "image-deadline", "paid")
+    image = {"type": "image_url", "image_url": {"url": never_answering_site}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}]}
+    started = time.monotonic()
+    async with http:
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{KIMI}", account),
+            headers={"cf-aig-request-timeout": "500", **harness.auth(token)},
+            json=body,
+        )
+    assert r.status_code == 408 and r.json()["errors"][0] == {
+        "code": 3046,
+        "message": "AiError: Request timeout",
+    }
+    assert 0.4 < time.monotonic() - started < 3, r.text
+    [(reserved, spent)] = settled
+    assert reserved > 0 and spent == 0  # the worst case reserved at admission, all of it refunded
+    await services.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    [row] = await services.store.usage(account, since=today, until=today, group_by="model")
+    assert (row.requests, row.prompt_tokens, row.completion_tokens, row.neurons) == (1, 0, 0, 0)
+
+
+async def test_the_request_deadline_bounds_reading_its_body(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body still unfinished when a 300 ms deadline passes is answered 408/3046 then, though the
+    body's own read limit is longer (10 s here). A raw connection, which reads the answer while the
+    body is unsent (an HTTP client would finish sending first)."""
+    settings = replace(harness.services.settings, body_read_timeout_s=10.0)
+    monkeypatch.setattr(harness.services, "settings", settings)
+    url = urlsplit(harness.path(f"/ai/run/{KIMI}"))
+    body = b'{"prompt": "x"}'
+    head = (
+        f"POST {url.path} HTTP/1.1\r\nhost: {url.netloc}\r\n"
+        f"authorization: {harness.auth()['authorization']}\r\ncf-aig-request-timeout: 300\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        writer.write(head.encode() + body[:5])  # the rest never comes
+        started = time.monotonic()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        elapsed = time.monotonic() - started
+        answer = await asyncio.wait_for(reader.readuntil(b"3046"), 5)
+    finally:
+        writer.close()
+    assert status.startswith(b"HTTP/1.1 408 ") and b'"code":3046' in answer, (status, answer)
+    assert elapsed < 2
+
+
+async def test_a_wait_whose_deadline_has_passed_is_not_begun() -> None:
+    """A deadline that passed while nothing waited (admission, say) ends the next wait before it
+    begins: no replica is dialled for a request already out of time."""
+    lifecycle = Lifecycle()
+    began = False
+    with pytest.raises(Timeout):
+        async with lifecycle.bounded(asyncio.get_running_loop().time()):
+            began = True
+    assert not began
+
+
+def spy_on_settle(limiter: Limiter, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
+    """Every settlement from now on: (neurons reserved at admission, neurons spent)."""
+    settled: list[tuple[float, float]] = []
+    settle = limiter.settle
+
+    async def spy(admission: Admission, *, tokens: int, neurons: float) -> None:
+        settled.append((admission.reserved_neurons, neurons))
+        await settle(admission, tokens=tokens, neurons=neurons)
+
+    monkeypatch.setattr(limiter, "settle", spy)
+    return settled
 
 
 def test_request_timeout_header_only_lowers_the_limit() -> None:
