@@ -3,7 +3,9 @@
 It sends the shared secret, decodes NDJSON `Event`s with one msgspec decoder, and translates what
 a backend says into the gateway's error tree at this edge: a connection failure or 5xx before the
 first byte is a `ReplicaFailed` (the router retries it elsewhere), a backend `Error` becomes the
-matching `KumoError`.
+matching `KumoError`. A backend answers nothing before its first event, which comes once the prompt
+is in (`backend/server/app.py`): until then, all the gateway knows is whether the replica has the
+request (`Dispatch`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import httpx
@@ -46,6 +48,16 @@ class ReplicaFailed(Exception):
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.error = error
+
+
+class Dispatch:
+    """Whether a replica holds one backend request: set once the request's whole body has been sent
+    to it, cleared when the replica refuses it (an error answer) or the connection fails. Read at a
+    cut before the first event (the deadline, a drain, the caller gone): a replica that held the
+    request may have been prefilling it, and the pages it computed stay in its prefix cache."""
+
+    def __init__(self) -> None:
+        self.is_held = False
 
 
 def to_gateway_error(error: Error) -> errors.KumoError:
@@ -104,14 +116,27 @@ class BackendClient:
         return health
 
     @asynccontextmanager
-    async def generate(self, url: str, request: GenerateRequest) -> AsyncIterator[AsyncIterator[Event]]:
+    async def generate(
+        self, url: str, request: GenerateRequest, dispatch: Dispatch | None = None
+    ) -> AsyncIterator[AsyncIterator[Event]]:
         """Open `POST /v1/generate`; yields an iterator of events. Leaving the context closes the
-        connection, which aborts the request in the engine (DESIGN §3)."""
+        connection, which aborts the request in the engine (DESIGN §3). `dispatch` is told when the
+        replica has the whole request (httpx's `trace` extension) and when it gives it back."""
         body = msgspec.json.encode(request)
         headers = {**self._headers(url), "content-type": "application/json"}
+        held = dispatch if dispatch is not None else Dispatch()
+
+        async def trace(event: str, info: Mapping[str, object]) -> None:
+            if event.endswith(".send_request_body.complete"):  # http11. or http2.
+                held.is_held = True
+
+        extensions = {"trace": trace}
         try:
-            async with self._http.stream("POST", f"{url}/v1/generate", content=body, headers=headers) as resp:
+            async with self._http.stream(
+                "POST", f"{url}/v1/generate", content=body, headers=headers, extensions=extensions
+            ) as resp:
                 if resp.status_code != 200:
+                    held.is_held = False
                     raw = await resp.aread()
                     error = self._decode_error(raw, resp.status_code)
                     if resp.status_code >= 500 or error.code == "busy":
@@ -119,6 +144,7 @@ class BackendClient:
                     raise to_gateway_error(error)
                 yield self._lines(resp)
         except httpx.TransportError as exc:
+            held.is_held = False
             raise ReplicaFailed(url, type(exc).__name__) from exc
 
     def _decode_error(self, raw: bytes, status: int) -> Error:

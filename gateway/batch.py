@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth import TenantContext
+from gateway.backend_client import Dispatch
 from gateway.body import decode, decode_json
 from gateway.errors import BadInput, Busy, KumoError, NotFound, RateLimited, Unavailable
 from gateway.fair_slots import FairSlots
@@ -202,9 +203,19 @@ class PriorityRouter(Router):
         super().__init__(base.pools, base.client)
         self._priority = priority
 
-    def generate(self, model: ModelSpec, request: b.GenerateRequest, *, affinity: str | None = None):  # type: ignore[no-untyped-def]
+    def generate(  # type: ignore[no-untyped-def]
+        self,
+        model: ModelSpec,
+        request: b.GenerateRequest,
+        *,
+        affinity: str | None = None,
+        dispatch: Dispatch | None = None,
+    ):
         return super().generate(
-            model, msgspec.structs.replace(request, priority=self._priority), affinity=affinity
+            model,
+            msgspec.structs.replace(request, priority=self._priority),
+            affinity=affinity,
+            dispatch=dispatch,
         )
 
 

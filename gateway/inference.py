@@ -21,7 +21,7 @@ import structlog
 
 from gateway import render
 from gateway.auth import TenantContext
-from gateway.backend_client import tenant_salt, to_gateway_error
+from gateway.backend_client import Dispatch, tenant_salt, to_gateway_error
 from gateway.catalog import Catalog
 from gateway.errors import (
     Aborted,
@@ -299,17 +299,21 @@ class _Call:
     ) -> ChoiceEvents:
         """Route one choice and wait for its first event, so that routing failures and immediate
         backend errors (context window, busy) become a proper HTTP error before any byte is sent.
-        A wait cut by the deadline, the drain or the caller leaves the choice `is_started`: the
-        backend was working on its prompt."""
+        A wait cut by the deadline, the drain or the caller leaves the choice `is_started` if a
+        replica held it then: the backend may have been prefilling its prompt (nothing comes before
+        the first event to say how far it got). One cut before any replica had it (routing, a
+        connection) or after the replica gave it back (refused, failed) cost no backend work."""
+        dispatch = Dispatch()
         events = self.service.lifecycle.guard(
-            self.service.router.generate(self.model, generate, affinity=affinity), self.deadline
+            self.service.router.generate(self.model, generate, affinity=affinity, dispatch=dispatch),
+            self.deadline,
         )
         try:
             url, first = await anext(events)
         except StopAsyncIteration as exc:
             raise KumoError("Unknown internal error") from exc
         except (Timeout, Aborted, asyncio.CancelledError):
-            into.is_started = True
+            into.is_started = dispatch.is_held
             raise
         self.meta.info.replica = url
         if isinstance(first, b.Error):

@@ -21,7 +21,7 @@ import msgspec
 import structlog
 
 from gateway import errors
-from gateway.backend_client import BackendClient, ReplicaFailed
+from gateway.backend_client import BackendClient, Dispatch, ReplicaFailed
 from gateway.catalog import CatalogError
 from schemas.backend import Error, Event, GenerateRequest, LoadReport, ModelCard
 from schemas.catalog import ModelSpec, PoolsFile
@@ -181,18 +181,24 @@ class Router:
         return sorted(live, key=Replica.load_score)
 
     async def generate(
-        self, model: ModelSpec, request: GenerateRequest, *, affinity: str | None = None
+        self,
+        model: ModelSpec,
+        request: GenerateRequest,
+        *,
+        affinity: str | None = None,
+        dispatch: Dispatch | None = None,
     ) -> AsyncGenerator[tuple[str, Event], None]:
         """Events of one request, each with the replica url that produced it. Retries on the next
         candidate while nothing has been received; after that, a failure ends the stream with a
-        backend `Error` event mapped by the caller."""
+        backend `Error` event mapped by the caller. `dispatch` says whether a replica holds the
+        request (the one being tried, once it has the whole body)."""
         pool = self.pool_for(model)
         last: errors.KumoError | None = None
         for replica in self.candidates(pool, affinity):
             started = False
             replica.num_in_flight += 1
             try:
-                async with self.client.generate(replica.url, request) as events:
+                async with self.client.generate(replica.url, request, dispatch) as events:
                     async for event in events:
                         started = True
                         yield replica.url, event

@@ -64,7 +64,9 @@ class Completion:
     logprobs: list[b.TokenLogprob] = field(default_factory=list)
     usage: b.Usage | None = None
     finish: o.FinishReasonOut | None = None
-    is_started: bool = False  # the backend took the choice on (an event came, or the wait for one was cut)
+    # the backend took the choice on: an event came, or the wait for one was cut while a replica held
+    # it (`backend_client.Dispatch`)
+    is_started: bool = False
     num_pieces: int = 0  # delta events fed: each carries at least one generated token
 
     def feed(self, event: b.Event) -> None:
@@ -92,10 +94,13 @@ class Completion:
         """What the choice cost: the backend's usage, which it sends only at the end. A choice cut
         before then (the client gone, a timeout, a drain, an error mid-stream) is billed instead,
         once the backend took it on, `prompt_tokens` (admission's estimate of the prompt) and a
-        token per piece delivered (a lower bound), so that ending a stream early never makes it free."""
+        token per piece delivered (a lower bound), so that ending a stream early never makes it free.
+        Cut before its first event, it is billed the prompt if a replica held it then: a backend
+        says nothing until its prompt is in, and the pages it prefilled stay in the tenant's prefix
+        cache, so a deadline set just short of the first event must not buy the prefill for free."""
         if self.usage is not None:
             return self.usage
-        if not self.is_started:  # refused or never routed: no work done
+        if not self.is_started:  # refused, never routed, or cut before a replica had it: no work done
             return b.Usage(prompt_tokens=0, completion_tokens=0)
         completion_tokens = max(self.num_pieces, len(self.logprobs))
         return b.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)

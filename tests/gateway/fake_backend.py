@@ -3,8 +3,9 @@
 Used only for what a real backend cannot be made to do on demand: crash mid-stream, be slow, be
 busy, overflow its context, disagree with the catalog. The last user message picks the script
 (`tool:`, `think:`, `json:`, `crash`, `slow`, `crash-one` (the first such stream crashes after its first
-piece, later ones are slow), `overflow`, `busy`, `garbage`, `truncated`, `logprobs`; anything else is
-echoed back in pieces). Every request it receives is kept for assertions.
+piece, later ones are slow), `prefill` (nothing at all, not even the status, for 1.5 s: a real
+backend prefilling a long prompt; then an echo), `overflow`, `busy`, `garbage`, `truncated`,
+`logprobs`; anything else is echoed back in pieces). Every request it receives is kept for assertions.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class FakeBackend:
             if text == "busy":
                 body = b.ErrorBody(error=b.Error(code="busy", message="full", status=429))
                 return Response(msgspec.json.encode(body), status_code=429)
+            if text == "prefill":
+                await asyncio.sleep(1.5)
             if text == "overflow":
                 body = b.ErrorBody(
                     error=b.Error(

@@ -2,21 +2,32 @@
 the end, so a stream the client cut after its first chunk, one cut by `cf-aig-request-timeout`, or
 a whole answer that timed out (408) billed 0 tokens and refunded its whole reservation, though the
 backend had read the prompt and generated tokens. Such an answer is now billed at least its
-prompt (admission's estimate) and a token per piece delivered; a finished one as before."""
+prompt (admission's estimate) and a token per piece delivered; a finished one as before.
+
+Cut before its first event, a call is billed its prompt only if a replica held the request then (it
+may have been prefilling: a backend says nothing before its first event): a deadline set just short
+of the first event buys no free prefill, and one that passed before any replica had the request
+(waiting for a connection) costs nothing, as no backend work was done."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 
+import httpx
 import pytest
 from gateway_harness import GLM, Harness, _tenant
 
 from gateway import batch
+from gateway.backend_client import BackendClient
 from gateway.body import decode
-from gateway.inference import CallMeta, Prompt, input_decoder
+from gateway.errors import Timeout
+from gateway.inference import PROMPT_SCAFFOLD_TOKENS, CallMeta, Prompt, input_decoder
+from gateway.pools import Router
 from gateway.usage import neurons
+from schemas import backend as b
 from schemas.admin import UsageGroup
 
 SLOW_PROMPT_TOKENS = 7 + len("slow")  # what the fake backend reports for the "slow" script's prompt
@@ -110,3 +121,43 @@ async def test_a_call_cancelled_while_routing_settles(harness: Harness) -> None:
         await call
     usage = await _usage(harness, account)
     assert usage.requests == 1 and usage.prompt_tokens >= SLOW_PROMPT_TOKENS and usage.neurons > 0
+
+
+async def test_a_call_cut_while_its_replica_prefills_is_billed_its_prompt(harness: Harness) -> None:
+    """The replica has the request and answers nothing yet (a long prefill) when a 1 s deadline
+    passes: 408/3046, billed the prompt estimate, as the pages it prefilled stay in the tenant's
+    prefix cache for the next call."""
+    account, token = await _tenant(harness.services, "cut-while-prefilling", "paid")
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}", account),
+        headers={"cf-aig-request-timeout": "1000", **harness.auth(token)},
+        json={"prompt": "prefill"},  # nothing for 1.5 s
+    )
+    assert r.status_code == 408 and r.json()["errors"][0]["code"] == 3046, r.text
+    usage = await _usage(harness, account)
+    assert usage.requests == 1 and usage.prompt_tokens >= PROMPT_SCAFFOLD_TOKENS, usage
+    assert usage.completion_tokens == 0 and usage.neurons > 0, usage
+
+
+async def test_a_call_cut_before_any_replica_had_it_is_not_billed(harness: Harness) -> None:
+    """The gateway's connections to the replicas are all busy (one here, held by another request)
+    when a 300 ms deadline passes: 408/3046 with no replica ever having the request, so no backend
+    work was done and nothing is billed (it was billed its prompt estimate, as if prefilled)."""
+    services = harness.services
+    secrets = {r.url: "fake-secret" for pool in services.router.pools.values() for r in pool.replicas}
+    account, _ = await _tenant(services, "cut-waiting-for-a-connection", "paid")
+    tenant = await batch._tenant(services, account)
+    meta = CallMeta()
+    model = services.inference.resolve_model(tenant, GLM, meta.info)
+    raw = json.dumps({"prompt": "hello"}).encode()
+    prompt = Prompt(decode(raw, input_decoder(model, "run")), raw)
+    async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=1)) as http:
+        client = BackendClient(http, secrets)
+        inference = dataclasses.replace(services.inference, router=Router(services.router.pools, client))
+        other = b.GenerateRequest(request_id="holds-the-connection", tenant_salt="0" * 16, prompt="slow")
+        async with client.generate(services.router.pools["glm-5.2"].replicas[0].url, other):
+            meta = dataclasses.replace(meta, deadline=asyncio.get_running_loop().time() + 0.3)
+            with pytest.raises(Timeout):
+                await inference.run(tenant, model, prompt, "run", meta)
+    usage = await _usage(harness, account)
+    assert (usage.requests, usage.prompt_tokens, usage.completion_tokens, usage.neurons) == (1, 0, 0, 0)
