@@ -49,6 +49,7 @@ QUEUE_PARAM = "queueRequest"
 MAX_ATTEMPTS = 5  # a job whose gateways keep dying is failed, not retried forever
 MAX_ITEM_RETRIES = 30  # 429/503 on one request: wait as told, this many times
 PURGE_INTERVAL_S = 60.0
+HAND_BACK_TIMEOUT_S = 10.0  # a stopping gateway waits this long for its requests, then for the store
 
 _submit_decoder = msgspec.json.Decoder(BatchSubmit)
 _poll_decoder = msgspec.json.Decoder(BatchPoll)
@@ -248,9 +249,12 @@ class BatchWorker:
         self._task = asyncio.create_task(self._loop(), name="kumo-batch")
 
     async def stop(self) -> None:
+        """Stop taking jobs and hand every running one back, its answers kept. Returns once they are
+        handed back (each within `HAND_BACK_TIMEOUT_S`), even when the caller is cancelled meanwhile
+        (uvicorn giving up on the shutdown): the cancellation is raised then."""
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await _outlast_cancels(asyncio.gather(self._task, return_exceptions=True))
             self._task = None
 
     def wake(self) -> None:
@@ -288,7 +292,7 @@ class BatchWorker:
         except asyncio.CancelledError:  # this gateway is stopping: every job hands itself back
             for task in self._jobs:
                 task.cancel()
-            await asyncio.gather(*self._jobs, return_exceptions=True)
+            await _outlast_cancels(asyncio.gather(*self._jobs, return_exceptions=True))
             raise
         await asyncio.gather(*self._jobs, return_exceptions=True)  # draining: they hand back
 
@@ -342,9 +346,21 @@ class BatchWorker:
     async def _hand_back(
         self, job: BatchJob, work: asyncio.Task[bytes], answered: dict[int, Answered]
     ) -> None:
-        await _cancel(work)
-        with contextlib.suppress(SQLAlchemyError, OSError):
-            await asyncio.shield(self.queue.release(job.id, self.worker_id, _encode_progress(answered)))
+        """Cancel the job's requests in flight and hand it back with its answers. This runs to its
+        end however often this task is cancelled meanwhile (a shutdown may cancel it twice: the
+        worker's stop and the lifespan's, or uvicorn's timeout): cut short, it left the job leased and
+        its answers unkept, to be run and billed again."""
+        await _outlast_cancels(asyncio.create_task(self._release(job, work, answered)))
+
+    async def _release(self, job: BatchJob, work: asyncio.Task[bytes], answered: dict[int, Answered]) -> None:
+        if not await _cancel(work):
+            log.warning("batch_requests_outlived_cancel", request_id=job.id)
+        try:
+            async with asyncio.timeout(HAND_BACK_TIMEOUT_S):
+                await self.queue.release(job.id, self.worker_id, _encode_progress(answered))
+        except (SQLAlchemyError, OSError, TimeoutError) as exc:  # its lease runs out; it is retried
+            log.warning("batch_release_failed", request_id=job.id, error=type(exc).__name__)
+            return
         log.info("batch_released", request_id=job.id, num_answered=len(answered))
 
     async def _execute(self, job: BatchJob, answered: dict[int, Answered]) -> bytes:
@@ -398,9 +414,33 @@ def _done(answered: dict[int, Answered]) -> bytes:
     return msgspec.json.encode(BatchDone(responses=[a.item for a in ordered], usage=usage))
 
 
-async def _cancel(task: asyncio.Task[bytes]) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+async def _cancel(work: asyncio.Task[bytes]) -> bool:
+    """Cancel a job's requests, once (a second cancel would cut their own clean-up short: the
+    billing of what was computed), and wait for them, at most `HAND_BACK_TIMEOUT_S`; whether they ended."""
+    if not work.cancelling():
+        work.cancel()
+    done, _ = await asyncio.wait({work}, timeout=HAND_BACK_TIMEOUT_S)
+    if done and not work.cancelled() and (exc := work.exception()) is not None:
+        log.warning("batch_requests_failed", error=repr(exc))
+    return bool(done)
+
+
+async def _outlast_cancels(future: asyncio.Future[Any]) -> None:
+    """Wait until `future` is done, without cancelling it, however often this task is cancelled
+    meanwhile; then raise the cancellation, if any. (`asyncio.shield` gives up at the first cancel
+    and leaves `future` running unawaited, while the shutdown goes on and closes the store under it.)
+    `future` must bound its own time."""
+    is_cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait({future})
+        except asyncio.CancelledError:
+            is_cancelled = True
+    try:
+        future.result()  # its failure goes on, as the cancellation's context if there is one
+    finally:
+        if is_cancelled:
+            raise asyncio.CancelledError
 
 
 async def _tenant(services: BatchServices, tenant_id: str) -> TenantContext:

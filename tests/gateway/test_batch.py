@@ -8,7 +8,9 @@ import asyncio
 import dataclasses
 import datetime as dt
 import uuid
+from typing import Any
 
+import pytest
 from gateway_harness import GLM, LEGACY, Harness, _tenant, harness  # noqa: F401  (fixture)
 from sqlalchemy import delete, insert, update
 from tenancy_db import store_fixture  # noqa: F401  (fixture)
@@ -300,6 +302,61 @@ async def test_a_job_handed_back_runs_only_what_was_not_answered(harness: Harnes
         == num_fast
     )
     assert result["usage"]["completion_tokens"] <= after[1] - before[1]
+
+
+@pytest.mark.parametrize("second_cancel", ["the worker's task", "stop's caller"])
+async def test_a_second_cancel_does_not_cut_the_hand_back_short(harness: Harness, second_cancel: str) -> None:
+    """The gateway stops while a job's first request is answered (and billed) and its second is under
+    way, and the stopping worker is cancelled a second time while it hands the job back (the lifespan
+    cancelling the worker's task too, or uvicorn giving up on the shutdown): the hand-back still ends,
+    its requests in flight cancelled and the answered one kept, so the gateway that takes the job over
+    runs only the rest (a second cancel once left the job leased, its answer lost and billed again)."""
+    services = harness.services
+    await services.batch.stop()
+    other = BatchWorker()
+    before = await billed_glm(harness)
+    try:
+        body = {
+            "requests": [
+                {"messages": [{"role": "user", "content": "fast"}], "external_reference": "fast"},
+                {"messages": [{"role": "user", "content": "slow"}], "external_reference": "slow"},
+            ]
+        }
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        job_id = r.json()["result"]["request_id"]
+        await other.start(services)
+        release = other.queue.release
+
+        async def slow_release(*args: Any, **kwargs: Any) -> None:  # a database slow to answer
+            await asyncio.sleep(0.3)
+            await release(*args, **kwargs)
+
+        other.queue.release = slow_release  # type: ignore[method-assign]
+        for _ in range(100):
+            if (await billed_glm(harness))[0] > before[0]:  # "fast" answered and billed
+                break
+            await asyncio.sleep(0.05)
+        worker_task = other._task
+        assert worker_task is not None
+        stopping = asyncio.create_task(other.stop())
+        await asyncio.sleep(0.1)  # handing the job back
+        (worker_task if second_cancel == "the worker's task" else stopping).cancel()
+        await asyncio.gather(stopping, return_exceptions=True)
+        assert worker_task.done()
+        running = [t for t in asyncio.all_tasks() if "_execute" in repr(t.get_coro()) and not t.done()]
+        assert not running  # the requests in flight were cancelled, and awaited
+        job = await services.batch.queue.get(job_id, harness.account)
+        assert job is not None and job.status == QUEUED
+    finally:
+        await other.stop()
+        await services.batch.start(services)
+    glm = harness.backends["glm-5.2"]
+    num_fast = sum(1 for b in glm for req in b.requests if req.messages[-1].content == "fast")
+    result = await wait_done(harness, GLM, job_id)
+    assert [x["external_reference"] for x in result["responses"]] == ["fast", "slow"]
+    assert sum(1 for b in glm for req in b.requests if req.messages[-1].content == "fast") == num_fast
 
 
 async def test_a_job_whose_gateways_keep_dying_is_failed_not_retried_forever(harness: Harness) -> None:
