@@ -5,11 +5,11 @@ and the job's usage.
 
 Jobs live in the store (`gateway.store.batch`), so any gateway sharing the database may run one,
 exactly one does, and a job survives its gateway: a stopping gateway hands its job back, a dead
-one's lease expires and another takes it over. Each gateway runs one `BatchWorker`; it runs
-several jobs at once, at most one per tenant, their requests through the same path as `/ai/run`
-(quotas, normalisation, routing, metering) a few at a time, shared round-robin by tenant, at a
-lower engine priority than interactive requests. Results are kept for
-`batch_result_ttl_s`, then purged.
+one's lease expires and another takes it over, running only the requests not answered yet. Each
+gateway runs one `BatchWorker`; it runs several jobs at once, at most one per tenant, their requests
+through the same path as `/ai/run` (quotas, normalisation, routing, metering) a few at a time,
+shared round-robin by tenant, at a lower engine priority than interactive requests. Results are
+kept for `batch_result_ttl_s`, then purged.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.pools import Router
 from gateway.settings import GatewaySettings
 from gateway.store import Store
-from gateway.store.batch import DONE, BatchJob, BatchQueue
+from gateway.store.batch import DONE, BatchJob, BatchQueue, KeptAnswer
 from schemas import backend as b
 from schemas.batch import BatchDone, BatchItem, BatchPoll, BatchStatus, BatchSubmit, BatchUsage
 from schemas.catalog import ModelSpec
@@ -66,9 +66,7 @@ _stored = msgspec.json.Decoder(list[QueuedRequest])
 
 
 class Answered(msgspec.Struct, forbid_unknown_fields=True):
-    """One request of a running job, answered (and billed): kept in the job's `progress` when the
-    job is handed back or its lease renewed, so the gateway that takes it over runs only the rest
-    (it once ran, and billed, the whole job again)."""
+    """One request of a running job, answered (and billed)."""
 
     index: int
     item: BatchItem
@@ -76,22 +74,40 @@ class Answered(msgspec.Struct, forbid_unknown_fields=True):
     completion_tokens: int
 
 
-_progress = msgspec.json.Decoder(list[Answered])
+_item_decoder = msgspec.json.Decoder(BatchItem)
 
 
-def _decode_progress(data: bytes | None, num_requests: int) -> dict[int, Answered]:
-    """The answered requests a job's earlier attempts kept (none when unreadable: run them again)."""
-    if not data:
-        return {}
-    try:
-        return {a.index: a for a in _progress.decode(data) if 0 <= a.index < num_requests}
-    except msgspec.DecodeError:
-        log.warning("batch_progress_unreadable")
-        return {}
+class Progress:
+    """A running job's requests answered for good (`is_final`): those its earlier attempts kept in
+    the store, and those answered since. The next lease renewal, or the hand-back, writes those not
+    written yet, and only those, so the gateway that takes the job over runs only the rest (it once
+    ran, and billed, the whole job again) and a job's writes grow with its answers, not their square."""
 
+    def __init__(self, job: BatchJob) -> None:
+        self.answered: dict[int, Answered] = {}
+        self._unwritten: dict[int, KeptAnswer] = {}
+        for kept in job.answers:
+            if not 0 <= kept.index < job.num_requests:
+                continue
+            try:
+                item = _item_decoder.decode(kept.item)
+            except msgspec.DecodeError:  # unreadable: the request runs again
+                log.warning("batch_answer_unreadable", request_id=job.id, index=kept.index)
+                continue
+            self.answered[kept.index] = Answered(kept.index, item, kept.prompt_tokens, kept.completion_tokens)
 
-def _encode_progress(answered: dict[int, Answered]) -> bytes:
-    return msgspec.json.encode(sorted(answered.values(), key=lambda a: a.index))
+    def add(self, answer: Answered) -> None:
+        self.answered[answer.index] = answer
+        self._unwritten[answer.index] = KeptAnswer(
+            answer.index, msgspec.json.encode(answer.item), answer.prompt_tokens, answer.completion_tokens
+        )
+
+    def unwritten(self) -> list[KeptAnswer]:
+        return list(self._unwritten.values())
+
+    def written(self, answers: list[KeptAnswer]) -> None:
+        for answer in answers:
+            self._unwritten.pop(answer.index, None)
 
 
 class BatchServices(Protocol):
@@ -312,15 +328,15 @@ class BatchWorker:
         """Run `job` while renewing its lease; hand it back if this gateway stops or drains."""
         assert self._services is not None
         settings, lifecycle = self._services.settings, self._services.lifecycle
-        answered = _decode_progress(job.progress, job.num_requests)
+        progress = Progress(job)
         log.info(
             "batch_started",
             request_id=job.id,
             attempt=job.attempts,
             num_requests=job.num_requests,
-            num_answered=len(answered),
+            num_answered=len(progress.answered),
         )
-        work = asyncio.create_task(self._execute(job, answered))
+        work = asyncio.create_task(self._execute(job, progress))
         loop = asyncio.get_running_loop()
         renew_at = loop.time() + settings.batch_lease_s / 3
         try:
@@ -328,47 +344,47 @@ class BatchWorker:
                 await asyncio.wait({work}, timeout=min(1.0, settings.batch_lease_s / 3))
                 if not work.done() and loop.time() >= renew_at:
                     renew_at = loop.time() + settings.batch_lease_s / 3
-                    kept = _encode_progress(answered)  # a gateway that dies loses a lease's worth at most
-                    if not await self.queue.renew(job.id, self.worker_id, settings.batch_lease_s, kept):
+                    new = progress.unwritten()  # a gateway that dies loses a lease's worth at most
+                    if not await self.queue.renew(job.id, self.worker_id, settings.batch_lease_s, new):
                         log.warning("batch_lease_lost", request_id=job.id)
                         await _cancel(work)
                         return
+                    progress.written(new)
         except BaseException:  # this gateway is stopping, or the store failed a renewal: no orphan
-            await self._hand_back(job, work, answered)  # work left running unowned, billing twice
+            await self._hand_back(job, work, progress)  # work left running unowned, billing twice
             raise
         if not work.done():  # draining: another gateway takes the job over now
-            await self._hand_back(job, work, answered)
+            await self._hand_back(job, work, progress)
             return
         finished = await self.queue.finish(job.id, self.worker_id, work.result(), settings.batch_result_ttl_s)
         self.num_jobs_done += finished
         log.info("batch_done", request_id=job.id, stored=finished)
 
-    async def _hand_back(
-        self, job: BatchJob, work: asyncio.Task[bytes], answered: dict[int, Answered]
-    ) -> None:
+    async def _hand_back(self, job: BatchJob, work: asyncio.Task[bytes], progress: Progress) -> None:
         """Cancel the job's requests in flight and hand it back with its answers. This runs to its
         end however often this task is cancelled meanwhile (a shutdown may cancel it twice: the
         worker's stop and the lifespan's, or uvicorn's timeout): cut short, it left the job leased and
         its answers unkept, to be run and billed again."""
-        await _outlast_cancels(asyncio.create_task(self._release(job, work, answered)))
+        await _outlast_cancels(asyncio.create_task(self._release(job, work, progress)))
 
-    async def _release(self, job: BatchJob, work: asyncio.Task[bytes], answered: dict[int, Answered]) -> None:
+    async def _release(self, job: BatchJob, work: asyncio.Task[bytes], progress: Progress) -> None:
         if not await _cancel(work):
             log.warning("batch_requests_outlived_cancel", request_id=job.id)
         try:
             async with asyncio.timeout(HAND_BACK_TIMEOUT_S):
-                await self.queue.release(job.id, self.worker_id, _encode_progress(answered))
+                await self.queue.release(job.id, self.worker_id, progress.unwritten())
         except (SQLAlchemyError, OSError, TimeoutError) as exc:  # its lease runs out; it is retried
             log.warning("batch_release_failed", request_id=job.id, error=type(exc).__name__)
             return
-        log.info("batch_released", request_id=job.id, num_answered=len(answered))
+        log.info("batch_released", request_id=job.id, num_answered=len(progress.answered))
 
-    async def _execute(self, job: BatchJob, answered: dict[int, Answered]) -> bytes:
-        """Every request of the job not in `answered` (those earlier attempts answered), a few at a
-        time, each added to `answered` as it ends; the encoded `BatchDone` of them all."""
+    async def _execute(self, job: BatchJob, progress: Progress) -> bytes:
+        """Every request of the job not answered yet (earlier attempts kept some), a few at a
+        time, each added to `progress` as it ends for good; the encoded `BatchDone` of them all."""
         services = self._services
         assert services is not None and job.requests is not None
         items = _stored.decode(job.requests)
+        answered = progress.answered
         try:
             if job.attempts > MAX_ATTEMPTS:
                 raise KumoError("Unknown internal error")
@@ -378,10 +394,8 @@ class BatchWorker:
                 inference, router=PriorityRouter(inference.router, services.settings.batch_priority)
             )
         except KumoError as exc:
-            for i, item in enumerate(items):
-                if i not in answered:
-                    answered[i] = Answered(i, _failure(i, item, exc), 0, 0)
-            return _done(answered)
+            failed = {i: Answered(i, _failure(i, item, exc), 0, 0) for i, item in enumerate(items)}
+            return _done(failed | answered)
         slots = self._slots
         assert slots is not None
         results = dict(answered)
@@ -392,7 +406,7 @@ class BatchWorker:
             )
             results[i] = Answered(i, result, prompt, completion)
             if is_final:  # a failure that may pass (a timeout, no capacity) is tried again on take-over
-                answered[i] = results[i]
+                progress.add(results[i])
 
         await asyncio.gather(*(one(i, item) for i, item in enumerate(items) if i not in answered))
         return _done(results)

@@ -6,21 +6,27 @@ PostgreSQL, then takes it with a compare-and-set `UPDATE … WHERE status/lease 
 is also what makes it atomic on SQLite (one writer at a time). The holder renews its lease while
 it works; `finish` only lands while the lease is still its own, so a gateway that lost its job
 (paused past the lease) cannot overwrite the result of the one that took it over.
+
+A running job's answered requests are kept a row each (`batch_answers`): each renewal, and the
+hand-back, adds those answered since the one before, in the same transaction as (and only with) the
+lease it holds; `claim` hands them to the next holder, and `finish` deletes them.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, delete, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.store.rows import now
-from gateway.store.tables import BatchJobRow
+from gateway.store.tables import BatchAnswerRow, BatchJobRow
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
@@ -34,6 +40,16 @@ def _is_job_id(value: str) -> bool:
 
 
 @dataclass(frozen=True)
+class KeptAnswer:
+    """One request of a running job answered for good, as kept in the store."""
+
+    index: int
+    item: bytes  # the `schemas.batch.BatchItem`, JSON
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
 class BatchJob:
     id: str
     tenant_id: str
@@ -43,7 +59,7 @@ class BatchJob:
     attempts: int
     requests: bytes | None = None  # only on a claimed job
     responses: bytes | None = None  # only on a finished job
-    progress: bytes | None = None  # only on a claimed job: its requests answered by earlier attempts
+    answers: tuple[KeptAnswer, ...] = ()  # only on a claimed job: those earlier attempts kept
 
 
 class BatchQueue:
@@ -167,23 +183,20 @@ class BatchQueue:
             return None
         row = await s.get(BatchJobRow, job_id, populate_existing=True)
         assert row is not None
-        return _job(row, requests=row.requests, progress=row.progress)
+        kept = await s.execute(select(BatchAnswerRow).where(BatchAnswerRow.job_id == job_id))
+        answers = tuple(
+            KeptAnswer(a.request_index, a.item, a.prompt_tokens, a.completion_tokens) for a in kept.scalars()
+        )
+        return _job(row, requests=row.requests, answers=answers)
 
-    async def renew(self, job_id: str, worker: str, lease_s: float, progress: bytes | None = None) -> bool:
-        """Extend the lease (and keep `progress`, the requests answered so far, when given); False
-        when the job is no longer this worker's."""
-        values: dict[str, Any] = {"lease_expires_at": now() + dt.timedelta(seconds=lease_s)}
-        if progress is not None:
-            values["progress"] = progress
+    async def renew(
+        self, job_id: str, worker: str, lease_s: float, answers: Sequence[KeptAnswer] = ()
+    ) -> bool:
+        """Extend the lease and keep `answers` (those since the last renewal); False, keeping
+        nothing, when the job is no longer this worker's."""
+        values = {"lease_expires_at": now() + dt.timedelta(seconds=lease_s)}
         async with self._session() as s, s.begin():
-            result = await s.execute(
-                update(BatchJobRow)
-                .where(
-                    BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
-                )
-                .values(**values)
-            )
-            return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+            return await self._update_owned(s, job_id, worker, values, answers)
 
     async def finish(self, job_id: str, worker: str, responses: bytes, keep_s: float) -> bool:
         """Store the result (kept `keep_s` seconds); False when the job is no longer this worker's."""
@@ -201,25 +214,46 @@ class BatchQueue:
                     expires_at=at + dt.timedelta(seconds=keep_s),
                     lease_expires_at=None,
                     requests=b"",  # the inputs are no longer needed; keep the table small
-                    progress=None,
                 )
             )
-            return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                return False
+            await s.execute(delete(BatchAnswerRow).where(BatchAnswerRow.job_id == job_id))
+            return True
 
-    async def release(self, job_id: str, worker: str, progress: bytes | None = None) -> None:
-        """Hand a job back to the queue (this gateway is stopping): another takes it at once, and
-        runs only what `progress` (the requests answered so far, when given) does not hold."""
-        values: dict[str, Any] = {"status": QUEUED, "claimed_by": None, "lease_expires_at": None}
-        if progress is not None:
-            values["progress"] = progress
+    async def release(self, job_id: str, worker: str, answers: Sequence[KeptAnswer] = ()) -> None:
+        """Hand a job back to the queue (this gateway is stopping), keeping `answers` (those since
+        the last renewal): another gateway takes it at once, and runs only what is not kept."""
+        values = {"status": QUEUED, "claimed_by": None, "lease_expires_at": None}
         async with self._session() as s, s.begin():
-            await s.execute(
-                update(BatchJobRow)
-                .where(
-                    BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING
-                )
-                .values(**values)
-            )
+            await self._update_owned(s, job_id, worker, values, answers)
+
+    async def _update_owned(
+        self, s: AsyncSession, job_id: str, worker: str, values: dict[str, Any], answers: Sequence[KeptAnswer]
+    ) -> bool:
+        """Update the job if it is still `worker`'s, and add `answers` to those it keeps; whether it was."""
+        owned = await s.execute(
+            update(BatchJobRow)
+            .where(BatchJobRow.id == job_id, BatchJobRow.claimed_by == worker, BatchJobRow.status == RUNNING)
+            .values(**values)
+        )
+        if owned.rowcount != 1:  # type: ignore[attr-defined]
+            return False
+        if answers:
+            # a renewal whose commit was cut short is written again: the copy already there stays
+            insert = pg_insert if self._engine.dialect.name == "postgresql" else sqlite_insert
+            rows = [
+                {
+                    "job_id": job_id,
+                    "request_index": a.index,
+                    "item": a.item,
+                    "prompt_tokens": a.prompt_tokens,
+                    "completion_tokens": a.completion_tokens,
+                }
+                for a in answers
+            ]
+            await s.execute(insert(BatchAnswerRow).on_conflict_do_nothing(), rows)
+        return True
 
     async def purge(self) -> int:
         """Delete finished jobs past their retention; returns how many."""
@@ -239,7 +273,7 @@ def _job(
     *,
     requests: bytes | None = None,
     responses: bytes | None = None,
-    progress: bytes | None = None,
+    answers: tuple[KeptAnswer, ...] = (),
 ) -> BatchJob:
     return BatchJob(
         id=row.id,
@@ -250,5 +284,5 @@ def _job(
         attempts=row.attempts,
         requests=requests,
         responses=responses,
-        progress=progress,
+        answers=answers,
     )

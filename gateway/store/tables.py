@@ -134,14 +134,26 @@ class BatchJobRow(Table):
     requests: Mapped[bytes] = mapped_column(LargeBinary)  # the submitted JSON array
     num_requests: Mapped[int] = mapped_column(Integer)
     responses: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # the result JSON
-    # the requests of a running job already answered (revision 0005): JSON, `gateway.batch.Progress`
-    progress: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     attempts: Mapped[int] = mapped_column(Integer)
     claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTC())
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+
+
+class BatchAnswerRow(Table):
+    """One request of a running batch job, answered for good (revision 0006): written once, by the
+    lease renewal or hand-back that follows its answer, so the gateway that takes the job over runs
+    (and bills) only the others. Deleted when the job finishes: its result holds them all."""
+
+    __tablename__ = "batch_answers"
+
+    job_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    request_index: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    item: Mapped[bytes] = mapped_column(LargeBinary)  # the `schemas.batch.BatchItem`, JSON
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
 
 
 class CounterRow(Table):

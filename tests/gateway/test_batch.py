@@ -7,18 +7,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
 from gateway_harness import GLM, LEGACY, Harness, _tenant, harness  # noqa: F401  (fixture)
-from sqlalchemy import delete, insert, update
-from tenancy_db import store_fixture  # noqa: F401  (fixture)
+from sqlalchemy import delete, event, func, insert, select, text, update
+from sqlalchemy.ext.asyncio import create_async_engine
+from tenancy_db import DIALECTS, create_database, drop_database, store_fixture  # noqa: F401  (fixture)
 
 from gateway.batch import MAX_ATTEMPTS, BatchWorker
 from gateway.store import Store
-from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue
-from gateway.store.tables import BatchJobRow
+from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue, KeptAnswer
+from gateway.store.migrate import alembic_config
+from gateway.store.tables import BatchAnswerRow, BatchJobRow
 
 
 async def wait_done(
@@ -213,6 +218,86 @@ async def test_released_jobs_go_back_and_results_expire(store: Store) -> None:
     assert await queue.purge() >= 1
 
 
+async def test_a_jobs_answers_are_kept_with_its_lease_and_dropped_when_it_finishes(store: Store) -> None:
+    """Each renewal and the hand-back add the answers given since (written again after a renewal
+    whose commit was cut short, they stay as first written); a worker that lost the job keeps none;
+    the next holder gets them all with the job; the result replaces them."""
+    queue = BatchQueue(store.engine)
+    job_id = await queue.submit("d" * 32, "m", b"[1,2,3]", 3)
+    claimed = None
+    while (claimed := await queue.claim("w", 60)) is not None and claimed.id != job_id:
+        await queue.finish(claimed.id, "w", b"{}", 60)
+    assert claimed is not None and claimed.answers == ()
+    first, second, third = (KeptAnswer(i, b'{"id":%d}' % i, 10 + i, 20 + i) for i in range(3))
+    assert await queue.renew(job_id, "w", 60, [first])
+    assert await queue.renew(job_id, "w", 60, [first, second])  # `first` again: kept as it was
+    assert not await queue.renew(job_id, "not-w", 60, [third])  # not its job: nothing kept
+    await queue.release(job_id, "not-w", [third])
+    await queue.release(job_id, "w", [third])
+    again = await queue.claim("w2", 60)
+    assert again is not None and again.id == job_id
+    assert sorted(again.answers, key=lambda a: a.index) == [first, second, third]
+    assert await queue.finish(job_id, "w2", b"{}", 60)
+    async with store.engine.connect() as c:
+        left = await c.scalar(
+            select(func.count()).select_from(BatchAnswerRow).where(BatchAnswerRow.job_id == job_id)
+        )
+    assert left == 0
+
+
+@pytest.mark.parametrize("kind", DIALECTS)
+async def test_answers_kept_by_revision_0005_survive_the_upgrade(kind: str, tmp_path: Path) -> None:
+    """A job handed back before the upgrade kept its answers in `batch_jobs.progress`: after it,
+    the gateway that takes the job gets them (and runs only the rest); a downgrade puts them back."""
+    url, name = await create_database(kind, tmp_path)
+    engine = create_async_engine(url)
+    old_progress = [
+        {"index": 2, "item": {"id": 2, "result": {"response": "two"}, "success": True}, "prompt_tokens": 3,
+         "completion_tokens": 4},
+        {"index": 0, "item": {"id": 0, "result": None, "success": False, "errors": [{"code": 5021,
+         "message": "too long"}]}, "prompt_tokens": 0, "completion_tokens": 0},
+        {"index": 9, "item": {"id": 9, "result": None, "success": True}, "prompt_tokens": 1,
+         "completion_tokens": 1},  # past the job's end: dropped, as the worker did
+    ]  # fmt: skip
+    jobs = {"kept": json.dumps(old_progress).encode(), "unreadable": b"[{", "none": None}
+    try:
+        async with engine.begin() as c:
+            await c.run_sync(lambda sync: command.upgrade(alembic_config(sync), "0005"))
+            for tenant, progress in jobs.items():
+                await c.execute(
+                    text(
+                        "INSERT INTO batch_jobs (id, tenant_id, model, status, requests, num_requests, attempts,"
+                        " created_at, progress) VALUES (:id, :tenant, 'm', 'queued', :requests, 3, 1, :at,"
+                        " :progress)"
+                    ),
+                    {"id": str(uuid.uuid4()), "tenant": tenant, "requests": b"[1,2,3]", "at": dt.datetime(2026, 1, 1),
+                     "progress": progress},
+                )  # fmt: skip
+        store = Store()
+        await store.open(url)  # migrates to head
+        try:
+            queue = BatchQueue(store.engine)
+            claimed = {}
+            while (job := await queue.claim("w", 60)) is not None:
+                claimed[job.tenant_id] = job
+        finally:
+            await store.close()
+        assert set(claimed) == set(jobs)
+        assert claimed["unreadable"].answers == () and claimed["none"].answers == ()
+        kept = sorted(claimed["kept"].answers, key=lambda a: a.index)
+        assert [(a.index, json.loads(a.item), a.prompt_tokens, a.completion_tokens) for a in kept] == [
+            (0, old_progress[1]["item"], 0, 0),
+            (2, old_progress[0]["item"], 3, 4),
+        ]
+        async with engine.begin() as c:
+            await c.run_sync(lambda sync: command.downgrade(alembic_config(sync), "0005"))
+            progress = await c.scalar(text("SELECT progress FROM batch_jobs WHERE tenant_id = 'kept'"))
+        assert json.loads(progress) == sorted(old_progress[:2], key=lambda a: a["index"])
+    finally:
+        await engine.dispose()
+        await drop_database(name)
+
+
 async def test_a_stopping_gateway_hands_its_job_to_another(harness: Harness) -> None:
     """Worker A takes a job of slow requests and stops mid-job (a gateway restart): the job goes
     back to the queue, and the other worker runs it to the end."""
@@ -357,6 +442,54 @@ async def test_a_second_cancel_does_not_cut_the_hand_back_short(harness: Harness
     result = await wait_done(harness, GLM, job_id)
     assert [x["external_reference"] for x in result["responses"]] == ["fast", "slow"]
     assert sum(1 for b in glm for req in b.requests if req.messages[-1].content == "fast") == num_fast
+
+
+async def test_each_renewal_writes_only_what_was_answered_since_the_last(harness: Harness) -> None:
+    """A job's answered requests are kept with its lease renewals (every `batch_lease_s / 3`): each
+    renewal writes the answers that came since the one before, so the bytes written over a job's
+    life stay those of its answers, once (it once rewrote them all each time: quadratic in the job)."""
+    services = harness.services
+    await services.batch.stop()
+    settings = services.settings
+    services.settings = dataclasses.replace(settings, batch_lease_s=0.15, batch_concurrency=1)
+    written: list[int] = []  # bytes of answers written, per statement
+
+    def count(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, many: bool) -> None:
+        sql = " ".join(statement.split()).lower()
+        if "responses" in sql or not sql.startswith(("insert into batch_answers", "update batch_jobs")):
+            return  # not a renewal nor a hand-back (`finish` writes the result, once)
+        rows = parameters if many else [parameters]
+        blobs = [
+            p
+            for row in rows
+            for p in (row.values() if isinstance(row, dict) else row)
+            if isinstance(p, bytes | bytearray | memoryview)
+        ]
+        if blobs:
+            written.append(sum(len(p) for p in blobs))
+
+    engine = services.store.engine.sync_engine
+    event.listen(engine, "before_cursor_execute", count)
+    other = BatchWorker()
+    try:
+        num_requests = 200
+        body = {"requests": [{"prompt": f"item {i} " + "x" * 200} for i in range(num_requests)]}
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{LEGACY}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        job_id = r.json()["result"]["request_id"]
+        await other.start(services)
+        result = await wait_done(harness, LEGACY, job_id, timeout_s=60)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+        services.settings = settings
+        await other.stop()
+        await services.batch.start(services)
+    assert len(result["responses"]) == num_requests and all(x["success"] for x in result["responses"])
+    answers = sum(len(json.dumps(x, separators=(",", ":"))) for x in result["responses"])
+    assert len(written) >= 3, written  # the job outlasted a few renewals
+    assert sum(written) <= 1.2 * answers, (sum(written), answers, written)
+    assert max(written) <= answers / 2, (answers, written)  # the last renewals no bigger than the first
 
 
 async def test_a_job_whose_gateways_keep_dying_is_failed_not_retried_forever(harness: Harness) -> None:
