@@ -4,7 +4,7 @@ Used only for what a real backend cannot be made to do on demand: crash mid-stre
 busy, overflow its context, disagree with the catalog. The last user message picks the script
 (`tool:`, `think:`, `json:`, `crash`, `slow`, `crash-one` (the first such stream crashes after its first
 piece, later ones are slow), `prefill` (nothing at all, not even the status, for 1.5 s: a real
-backend prefilling a long prompt; then an echo), `overflow`, `busy`, `garbage`, `truncated`,
+backend prefilling a long prompt; then an echo), `pause:` (10 ms, then an echo), `overflow`, `busy`, `garbage`, `truncated`,
 `logprobs`; anything else is echoed back in pieces). Every request it receives is kept for assertions.
 """
 
@@ -134,6 +134,8 @@ class FakeBackend:
             crashes = False
             if text == "crash-one":
                 crashes, self.num_crash_one = self.num_crash_one == 0, self.num_crash_one + 1
+            if text.startswith("pause:"):  # a short real wait, then the echo: work that takes time
+                await asyncio.sleep(0.01)
             for i, event in enumerate(self._script(req, text)):
                 if text == "slow" or (text == "crash-one" and not crashes):
                     await asyncio.sleep(0.3)

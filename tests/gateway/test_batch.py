@@ -472,8 +472,8 @@ async def test_each_renewal_writes_only_what_was_answered_since_the_last(harness
     event.listen(engine, "before_cursor_execute", count)
     other = BatchWorker()
     try:
-        num_requests = 200
-        body = {"requests": [{"prompt": f"item {i} " + "x" * 200} for i in range(num_requests)]}
+        num_requests = 200  # 10 ms each (`pause:`): ~2 s, a dozen renewals however fast the host
+        body = {"requests": [{"prompt": f"pause: item {i} " + "x" * 200} for i in range(num_requests)]}
         r = await harness.http.post(
             harness.path(f"/ai/run/{LEGACY}?queueRequest=true"), headers=harness.auth(), json=body
         )
