@@ -401,6 +401,7 @@ class _Call:
             totals.cached_tokens,
             totals.completion_tokens,
         )
+        # settled before the ledger has it: a day counter seeded since admission lacks this response
         await self.service.limiter.settle(
             reserved.admission, tokens=totals.prompt_tokens + totals.completion_tokens, neurons=spent
         )

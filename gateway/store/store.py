@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import hmac
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -302,17 +302,25 @@ class Store:
             return await ledger.neurons_on(s, tenant_id, day)
 
     # ---- quota counters without a Redis (gateway.store.counters) -----------------------------------
-    async def reserve_counter(self, key: str, amount: float, limit: float) -> counters.Verdict:
+    async def reserve_counter(self, key: str, amount: float, limit: float) -> tuple[counters.Verdict, str]:
         async with self._session() as s, s.begin():
             return await counters.reserve(s, key, amount, limit)
 
-    async def add_to_counter(self, key: str, amount: float) -> bool:
+    async def settle_counter(
+        self, key: str, marker: str, amounts: Mapping[str, float], marker_ttl_s: int
+    ) -> tuple[counters.Settled, str]:
         async with self._session() as s, s.begin():
-            return await counters.add_existing(s, key, amount)
+            return await counters.settle(s, key, marker, amounts, marker_ttl_s)
 
-    async def seed_counter(self, key: str, value: float, ttl_s: int) -> None:
+    async def seed_counter(self, key: str, value: float, ttl_s: int, generation: str) -> str:
         async with self._session() as s, s.begin():
-            await counters.seed(s, key, value, ttl_s, is_postgresql=self.engine.dialect.name == "postgresql")
+            return await counters.seed(
+                s, key, value, ttl_s, generation, is_postgresql=self.engine.dialect.name == "postgresql"
+            )
+
+    async def sweep_counters(self) -> None:
+        async with self._session() as s, s.begin():
+            await counters.sweep(s)
 
     async def list_audit(
         self, *, page: int, per_page: int, tenant_id: str | None = None

@@ -158,10 +158,12 @@ class BatchAnswerRow(Table):
 
 class CounterRow(Table):
     """A quota counter shared by gateways that have PostgreSQL and no Redis (revision 0004): today
-    each tenant's day of neurons, reserved under a row lock (`gateway.store.counters`)."""
+    each tenant's day of neurons, reserved under a row lock (`gateway.store.counters`), with the
+    generation it was seeded with (revision 0006); and the markers of settlements made."""
 
     __tablename__ = "quota_counters"
 
     key: Mapped[str] = mapped_column(String(200), primary_key=True)
     value: Mapped[float] = mapped_column(Float)
     expires_at: Mapped[dt.datetime] = mapped_column(UTC())
+    generation: Mapped[str | None] = mapped_column(String(32), nullable=True)  # none: a marker, or older

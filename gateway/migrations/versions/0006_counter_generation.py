@@ -1,0 +1,26 @@
+"""A quota counter's generation, set when it is seeded from the ledger: a settlement refunds a
+reservation only on the counter it was made on, never on one seeded since (which lacks it).
+
+Revision ID: 0006
+Revises: 0005
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("quota_counters") as batch:
+        batch.add_column(sa.Column("generation", sa.String(32), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("quota_counters") as batch:
+        batch.drop_column("generation")
