@@ -65,6 +65,7 @@ REDIS_WAIT_SECONDS = 5.0
 SETTLE_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 SETTLE_GIVE_UP_S = 120.0
 SETTLED_TTL = 300
+MAX_SETTLING = 10_000  # settlements retried at once: a long outage at a high rate holds no more in memory
 
 # KEYS: requests, tokens, neurons, the neurons' generation. ARGV: request limit, token limit, neuron
 # limit, tokens, minute ttl, worst-case neurons, day ttl. Returns {verdict, generation}: 0 admitted (on
@@ -461,6 +462,9 @@ class Limiter:
                     generation = await self._seed(admission.tenant_id, admission.day)
             except BACKEND_ERRORS as exc:
                 log.warning("quota settle failed; retrying", tenant_id=admission.tenant_id, error=repr(exc))
+                if len(self._settling) >= MAX_SETTLING:
+                    log.error("quota settle not retried: too many retrying", tenant_id=admission.tenant_id)
+                    return
                 task = asyncio.create_task(self._settle_later(admission.tenant_id, settlement))
                 self._settling.add(task)
                 task.add_done_callback(self._forget)

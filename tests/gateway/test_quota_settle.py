@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import delete, select
 from tenancy_db import create_database, drop_database, sqlite_store_fixture  # noqa: F401  (fixture)
 
+from gateway import quotas
 from gateway.auth import TenantContext
 from gateway.quotas import (
     RESEEDED,
@@ -268,13 +269,16 @@ async def test_a_settle_gives_up_after_its_retries(sqlite_store: Store) -> None:
     await gateway.limiter.close()
 
 
-async def test_closing_abandons_the_settlements_still_retried(sqlite_store: Store) -> None:
+async def test_retries_are_bounded_and_closing_abandons_them(
+    sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(quotas, "MAX_SETTLING", 2)
     flaky = Flaky(MemoryCounters(time.time))
     limiter = Limiter(flaky, sqlite_store, settle_retry_delays_s=(3600.0,))
     flaky.is_down = True
-    await limiter.settle(
-        Admission(tenant_id="t", model="@cf/m", minute=0, estimated_tokens=1), tokens=1, neurons=1.0
-    )
-    assert limiter.num_settling == 1
+    for _ in range(3):
+        admission = Admission(tenant_id="t", model="@cf/m", minute=0, estimated_tokens=1)
+        await limiter.settle(admission, tokens=1, neurons=1.0)
+    assert limiter.num_settling == 2  # the third stays reserved, as without retries
     await limiter.close()
     assert limiter.num_settling == 0
