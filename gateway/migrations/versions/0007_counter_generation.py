@@ -1,8 +1,8 @@
 """A quota counter's generation, set when it is seeded from the ledger: a settlement refunds a
 reservation only on the counter it was made on, never on one seeded since (which lacks it).
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
