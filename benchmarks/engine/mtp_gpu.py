@@ -16,6 +16,7 @@ Three parts, one command:
 2. c = 64 throughput, per nano model: `--c64` requests at once (the held-out prompts, cycled), output
    tok/s on ÷ off, A/B/B/A as above, `speculative_max_seqs` = 64 so that the draft policy, not the
    cap, decides (it should turn drafting down: the record counts the steps by draft length).
+   `--c64-waves N`: each run N such bursts one after another (a burst lasts ~0.1 s on the H100).
    Beside the rounds of both parts, one run with the policy off (always K drafts: `fixed_k_run`),
    and in every run the policy's measured draft cost, to tell what it chose from.
 3. A projection for GLM 5.2's full geometry at one rank of 8 (`--rank-of 8`: rank 0's slice, its
@@ -86,6 +87,7 @@ class Options:
     deadline: float
     tiny: bool
     calibrate: bool = True  # the warm-up's calibration passes (backend/server/warmup.py)
+    c64_waves: int = 1  # bursts of `c64` requests a run, one after another
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -260,7 +262,7 @@ def measure_nano(checkpoint: Path, opts: Options) -> dict[str, Any]:
     heap.thaw()
     if opts.c64 and opts.time_left() > 0:
         pool = [p for task in opts.tasks for p in prompts[task]]
-        many = [pool[i % len(pool)] for i in range(opts.c64)]
+        many = [pool[i % len(pool)] for i in range(opts.c64 * opts.c64_waves)]  # waves of c64
         engines = nano_engines(checkpoint, opts, opts.c64)
         out["throughput_c64"] = ab_rounds(
             engines, lambda e: run_prompts(e, many, stops, opts.max_tokens, opts.c64), "output_tok_s",
@@ -570,6 +572,12 @@ def parser() -> argparse.ArgumentParser:
         "--c64", type=int, default=64, help="concurrent requests of the throughput part (0: skip)"
     )
     ap.add_argument("--c64-rounds", type=int, default=2)
+    ap.add_argument(
+        "--c64-waves",
+        type=int,
+        default=1,
+        help="bursts of --c64 requests a run, one after another (a burst of 64 nano requests lasts ~0.1 s on the H100)",
+    )
     ap.add_argument("--rank-of", type=int, default=8, help="the projection's ranks (0: skip the projection)")
     ap.add_argument(
         "--depths", default="8,16,24", help="the projection's truncated depths (two or more, increasing)"
@@ -620,7 +628,7 @@ def main(argv: list[str]) -> int:
         k=parse_speculative(a.speculative), num_rounds=a.rounds, c64=a.c64, c64_rounds=a.c64_rounds,
         rank_of=a.rank_of, depths=depths,
         projection_tokens=a.projection_tokens, acceptance_record=a.acceptance, deadline=start + a.budget_s,
-        tiny=a.tiny, calibrate=a.calibrate,
+        tiny=a.tiny, calibrate=a.calibrate, c64_waves=max(1, a.c64_waves),
     )  # fmt: skip
     if opts.k == 0:
         raise SystemExit("kumo bench engine mtp: --speculative must be mtp:K")

@@ -9,10 +9,11 @@ W=/tmp/r19 && rm -rf $W && mkdir -p $W
 pack() { tar czf "$OUT/r19.tgz" -C $W .; }
 LIMIT=${LIMIT:-560}
 BUDGET=${BUDGET:-190}
+WAVES=${WAVES:-1}
 for variant in nocal cal; do
   flag=""; [ "$variant" = nocal ] && flag="--no-calibrate"
   fits $(( BUDGET + 50 )) "mtp bench $variant" && timeout $(( BUDGET + 80 )) python3 -m benchmarks.cli engine mtp \
-    --models models/glm-5.2-nano,models/kimi-k2.6-nano --c64-rounds ${C64_ROUNDS:-2} --budget-s "$BUDGET" $flag \
+    --models models/glm-5.2-nano,models/kimi-k2.6-nano --c64-rounds ${C64_ROUNDS:-2} --budget-s "$BUDGET" --c64-waves "$WAVES" $flag \
     --out $W/mtp-$variant.json > $W/mtp-$variant.log 2>&1
   echo "== mtp bench $variant rc=$? at $(el)s"; grep -v Warning $W/mtp-$variant.log | grep -E "speedup|c64|refused|Error|error" | head -12
   python3 -m lab.diagnostics.mtp_runs $W/mtp-$variant.json 2>&1 | head -40
