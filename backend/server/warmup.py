@@ -185,10 +185,12 @@ class _Plan:
                 break
             bucket *= 2
         length = CALIBRATION_PROMPT
-        fits = [
+        fits = [  # the pool holds them; their prompts are one step, and so are their verify rows
             n
             for n in loads
-            if n * self.pages(length + max_tokens) <= self.num_pages and length + max_tokens <= self.window
+            if n * self.pages(length + max_tokens) <= self.num_pages
+            and length + max_tokens <= self.window
+            and n * max(length, K + 1) <= self.budget
         ]
         try:
             for is_timed in (False, True):

@@ -93,15 +93,19 @@ class DraftBook:
         entry = self.proposed.get(seq.request_id)
         return len(entry[1]) if entry is not None and entry[0] == seq.num_tokens else 0
 
-    def has_chunk_to_fill(self, out: SchedulerOutput) -> bool:
+    def has_chunk_to_fill(self, out: SchedulerOutput, *, must: bool = False) -> bool:
         """The step holds a prompt chunk of a sequence that may draft later and whose MTP KV is whole
         up to it: the MTP layer can write the chunk's MTP KV in this step (decoder.py
-        `fills_draft_kv`)."""
+        `fills_draft_kv`). `must`: of a prompt too long to catch up later with room to spare (over
+        a quarter of a step's budget: a gap over half of it is given up, `gap`), whose MTP KV is
+        written now or never whole."""
+        longest = self.max_num_batched_tokens // (2 * MAX_GAP_SHARE) if must else 0
         for s in out.scheduled:
             seq = s.seq
             if (
                 seq.num_uncomputed_tokens > 1
                 and seq.num_draft_kv_tokens == seq.num_computed_tokens
+                and seq.num_prompt_tokens > longest
                 and self.can_ever_draft(seq)
             ):
                 return True

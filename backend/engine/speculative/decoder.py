@@ -174,7 +174,9 @@ class SpecDecoder:
         catch-up (a second prefill of the prompt), and a prompt longer than a step's budget does not
         leave a gap too long to ever catch up; unless the load the prompts join is one where the
         policy's measured step costs say drafting does not pay (`DraftPolicy.may_draft`: on the
-        H100 a prompt's fill step cost 1.5x its prefill, and a c = 64 burst paid it for every prompt)."""
+        H100 a prompt's fill step cost 1.5x its prefill, and a c = 64 burst paid it for every prompt)
+        and every prompt could still be caught up later (`DraftBook.has_chunk_to_fill(must=True)`:
+        a longer one skipped would be a hole for good)."""
         flags = [False] * len(out.scheduled)
         self.k, self.num_gap_rows, self.fills_draft_kv = 0, 0, False
         ahead, self._ahead, self._plain_load = self._ahead, None, None
@@ -195,15 +197,16 @@ class SpecDecoder:
             if self.k:
                 self._catch_up_worth(out, can_draft)
                 flags = self.book.reserve(out, can_draft, self.k)
-                if not any(flags):
-                    self.k = 0  # every sequence refused: a plain step (and counted as one)
+                if not any(flags):  # every sequence refused: a plain step (and counted as one)
+                    self.k = 0
+                    self.policy.drafted_nothing()
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
                 self._plain_load = (load, ids)  # a plain decode step: the next one's choice while it runs
             self.fills_draft_kv = (
                 not any(flags)
                 and self.policy.forced_k != 0
                 and self.book.has_chunk_to_fill(out)
-                and self.policy.may_draft(num_requests)
+                and (self.policy.may_draft(num_requests) or self.book.has_chunk_to_fill(out, must=True))
             )
         if any(flags):
             self.settle()  # a drafting step's device waits are its own

@@ -76,7 +76,10 @@ class LoadRates:
     def step_costs(self) -> LoadRates:
         """A copy with what this load's steps cost and nothing of what they emitted: the plain rate
         and step seconds, the drafting step's seconds by draft length (fresh for the next
-        `REPROBE_EVERY` verifying steps), the overhead and the catch-ups' seconds. The warm-up's
+        `REPROBE_EVERY` verifying steps) and the overhead; not the catch-ups' seconds (the warm-up
+        times its one catch-up before any drafting step there, so the whole step's seconds would
+        price each position: 3-5x too dear, and a probe's catch-up would no longer be priced ahead,
+        `Loads.catch_up_guess`). The warm-up's
         timed pass (backend/server/warmup.py `calibrate`) keeps these: its prompts are random, so
         its acceptance and drafting rates are not the served requests', but a step's seconds at a
         load hardly depend on what the tokens are."""
@@ -85,8 +88,6 @@ class LoadRates:
             num_plain=self.num_plain,
             plain_step_s=self.plain_step_s,
             draft_step_s=self.draft_step_s,
-            catch_up_s=self.catch_up_s,
-            catch_up_row_s=self.catch_up_row_s,
             overhead=self.overhead,
             num_overhead=self.num_overhead,
             step_s_by_k={k: (s, 0) for k, (s, _) in self.step_s_by_k.items()},

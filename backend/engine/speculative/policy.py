@@ -623,6 +623,17 @@ class DraftPolicy:
                 own[0][j] += 1
                 own[1][j] += j < num_accepted
 
+    def drafted_nothing(self) -> None:
+        """The step `choose` gave k > 0 drafted nothing (every sequence's catch-up refused, or no
+        room): a plain step. A probe that choice began ends unmeasured: left open, it sent the next
+        load that asked down the probe path (drafting k there whatever its own pricing said)."""
+        self.last_k = 0
+        if self._probe_left > 0:
+            self._probe_left = 0
+            rates = self._rates.get(self._probe_bucket)
+            if rates is not None:
+                rates.is_probing = False
+
     def step_costs(self) -> tuple[dict[int, LoadRates], float]:
         """What the steps measured so far cost, per load (`LoadRates.step_costs`), and m: for
         `adopt_step_costs` once the policy is back to its priors (the warm-up's timed pass)."""
@@ -644,8 +655,8 @@ class DraftPolicy:
         """Whether `num_seqs` decoding sequences (all able to draft) may draft, as far as is known
         before they run: no load measured there (its probe will tell), drafting measured winning,
         or some k beating a plain step at the load's measured step costs and the acceptance the
-        policy would price them at (the recent requests' up to `OWN_MAX_SEQS`, else the shared
-        estimate). A prompt joining a load where none of that holds is not worth the MTP layer
+        policy would price them at (the recent requests' up to `OWN_MAX_SEQS`, with the
+        `START_MARGIN` drafting must clear to start there, else the shared estimate). A prompt joining a load where none of that holds is not worth the MTP layer
         over its chunks (decoder.py `fills_draft_kv`): a catch-up pays for it if drafting comes."""
         if self.forced_k is not None or not self.is_adaptive:
             return self.forced_k != 0
@@ -656,8 +667,10 @@ class DraftPolicy:
         costs = self._costs(load)
         if costs is None:
             return True
-        acceptance = self.recent if num_seqs <= OWN_MAX_SEQS else self.acceptance
-        by_k = self.rates(load, acceptance, measured=costs)
+        if num_seqs <= OWN_MAX_SEQS:  # priced at their own acceptance, and drafting starts here
+            by_k = self.rates(load, self.recent, measured=costs)
+            return max(by_k[1:]) > (1 + START_MARGIN) * by_k[0]
+        by_k = self.rates(load, self.acceptance, measured=costs)
         return max(by_k[1:]) > by_k[0]
 
     def max_paying_seqs(self, limit: int) -> int:
