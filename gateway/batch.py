@@ -356,7 +356,13 @@ class BatchWorker:
         if not work.done():  # draining: another gateway takes the job over now
             await self._hand_back(job, work, progress)
             return
-        finished = await self.queue.finish(job.id, self.worker_id, work.result(), settings.batch_result_ttl_s)
+        # the result stored however often a shutdown cancels meanwhile (cut short, the job stayed
+        # leased and ran, and billed, again once its lease ran out); the store bounds its own time
+        storing = asyncio.create_task(
+            self.queue.finish(job.id, self.worker_id, work.result(), settings.batch_result_ttl_s)
+        )
+        await _outlast_cancels(storing)
+        finished = storing.result()
         self.num_jobs_done += finished
         log.info("batch_done", request_id=job.id, stored=finished)
 

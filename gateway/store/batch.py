@@ -9,7 +9,9 @@ it works; `finish` only lands while the lease is still its own, so a gateway tha
 
 A running job's answered requests are kept a row each (`batch_answers`): each renewal, and the
 hand-back, adds those answered since the one before, in the same transaction as (and only with) the
-lease it holds; `claim` hands them to the next holder, and `finish` deletes them.
+lease it holds; `claim` hands them to the next holder, and `finish` deletes them. During a rolling
+upgrade from revision 0005, gateways of the release before keep a job's answers in its `progress`
+column instead (the whole list, rewritten each renewal): `claim` reads those too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -47,6 +50,34 @@ class KeptAnswer:
     item: bytes  # the `schemas.batch.BatchItem`, JSON
     prompt_tokens: int
     completion_tokens: int
+
+
+class _LegacyAnswer(msgspec.Struct):
+    """One entry of revision 0005's `progress` list, as gateways before 0006 write it."""
+
+    index: int
+    item: msgspec.Raw
+    prompt_tokens: int
+    completion_tokens: int
+
+
+_legacy = msgspec.json.Decoder(list[_LegacyAnswer])
+
+
+def _legacy_answers(progress: bytes | None, num_requests: int) -> list[KeptAnswer]:
+    """The answers a gateway before revision 0006 kept in `progress` (an unreadable list: none, its
+    requests run again, as such a gateway treated it)."""
+    if not progress:
+        return []
+    try:
+        entries = _legacy.decode(progress)
+    except msgspec.DecodeError:
+        return []
+    return [
+        KeptAnswer(a.index, bytes(a.item), a.prompt_tokens, a.completion_tokens)
+        for a in entries
+        if 0 <= a.index < num_requests
+    ]
 
 
 @dataclass(frozen=True)
@@ -184,10 +215,13 @@ class BatchQueue:
         row = await s.get(BatchJobRow, job_id, populate_existing=True)
         assert row is not None
         kept = await s.execute(select(BatchAnswerRow).where(BatchAnswerRow.job_id == job_id))
-        answers = tuple(
-            KeptAnswer(a.request_index, a.item, a.prompt_tokens, a.completion_tokens) for a in kept.scalars()
-        )
-        return _job(row, requests=row.requests, answers=answers)
+        answers = {
+            a.request_index: KeptAnswer(a.request_index, a.item, a.prompt_tokens, a.completion_tokens)
+            for a in kept.scalars()
+        }
+        for a in _legacy_answers(row.progress, row.num_requests):  # an older gateway's (rolling upgrade)
+            answers.setdefault(a.index, a)
+        return _job(row, requests=row.requests, answers=tuple(answers.values()))
 
     async def renew(
         self, job_id: str, worker: str, lease_s: float, answers: Sequence[KeptAnswer] = ()
@@ -214,6 +248,7 @@ class BatchQueue:
                     expires_at=at + dt.timedelta(seconds=keep_s),
                     lease_expires_at=None,
                     requests=b"",  # the inputs are no longer needed; keep the table small
+                    progress=None,
                 )
             )
             if result.rowcount != 1:  # type: ignore[attr-defined]

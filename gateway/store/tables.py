@@ -140,6 +140,9 @@ class BatchJobRow(Table):
     created_at: Mapped[dt.datetime] = mapped_column(UTC())
     finished_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
     expires_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    # revision 0005's answers (one JSON list), written only by gateways of the release before 0006
+    # during a rolling upgrade: read when a job is claimed, cleared when it finishes
+    progress: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
 
 
 class BatchAnswerRow(Table):
@@ -159,9 +162,11 @@ class BatchAnswerRow(Table):
 class CounterRow(Table):
     """A quota counter shared by gateways that have PostgreSQL and no Redis (revision 0004): today
     each tenant's day of neurons, reserved under a row lock (`gateway.store.counters`), with the
-    generation it was seeded with (revision 0006); and the markers of settlements made."""
+    generation it was seeded with (revision 0007); and the markers of settlements made, one a
+    request for a few minutes, swept by `expires_at` (indexed: the sweep runs on seeding)."""
 
     __tablename__ = "quota_counters"
+    __table_args__ = (Index("ix_quota_counters_expires_at", "expires_at"),)
 
     key: Mapped[str] = mapped_column(String(200), primary_key=True)
     value: Mapped[float] = mapped_column(Float)

@@ -276,6 +276,10 @@ async def test_answers_kept_by_revision_0005_survive_the_upgrade(kind: str, tmp_
         store = Store()
         await store.open(url)  # migrates to head
         try:
+            async with store.engine.connect() as c:  # the column stays, emptied: older gateways use it
+                assert (await c.execute(text("SELECT progress FROM batch_jobs"))).scalars().all() == [
+                    None
+                ] * 3
             queue = BatchQueue(store.engine)
             claimed = {}
             while (job := await queue.claim("w", 60)) is not None:
@@ -295,6 +299,51 @@ async def test_answers_kept_by_revision_0005_survive_the_upgrade(kind: str, tmp_
         assert json.loads(progress) == sorted(old_progress[:2], key=lambda a: a["index"])
     finally:
         await engine.dispose()
+        await drop_database(name)
+
+
+@pytest.mark.parametrize("kind", DIALECTS)
+async def test_a_gateway_of_the_release_before_keeps_working_after_the_upgrade(
+    kind: str, tmp_path: Path
+) -> None:
+    """A rolling upgrade: once a new gateway has migrated the shared database, one of the release
+    before (revision 0005's queries: `progress` read and written whole) still polls, renews and
+    finishes; and a job it handed back with answers in `progress` is taken over by a new gateway
+    with those answers (it runs only the rest)."""
+    url, name = await create_database(kind, tmp_path)
+    store = Store()
+    try:
+        await store.open(url)  # head
+        queue = BatchQueue(store.engine)
+        job_id = await queue.submit("t", "m", b"[1,2,3]", 3)
+        old_progress = [{"index": 1, "item": {"id": 1, "result": {"response": "one"}, "success": True},
+                         "prompt_tokens": 5, "completion_tokens": 6}]  # fmt: skip
+        async with store.engine.begin() as c:  # the older gateway's claim, renewal with progress, hand-back
+            await c.execute(
+                text(
+                    "UPDATE batch_jobs SET status = 'running', claimed_by = 'old', progress = :p WHERE id = :id"
+                ),
+                {"p": json.dumps(old_progress).encode(), "id": job_id},
+            )
+            got = await c.execute(
+                text("SELECT progress, status FROM batch_jobs WHERE id = :id"), {"id": job_id}
+            )
+            assert got.one()[1] == "running"
+            await c.execute(
+                text("UPDATE batch_jobs SET status = 'queued', claimed_by = NULL WHERE id = :id"),
+                {"id": job_id},
+            )
+        job = await queue.claim("new", 60)
+        assert job is not None and job.id == job_id
+        assert [(a.index, json.loads(a.item), a.prompt_tokens) for a in job.answers] == [
+            (1, old_progress[0]["item"], 5)
+        ]
+        assert await queue.finish(job_id, "new", b"[]", 60)
+        async with store.engine.connect() as c:
+            progress = await c.scalar(text("SELECT progress FROM batch_jobs WHERE id = :id"), {"id": job_id})
+        assert progress is None
+    finally:
+        await store.close()
         await drop_database(name)
 
 
@@ -442,6 +491,39 @@ async def test_a_second_cancel_does_not_cut_the_hand_back_short(harness: Harness
     result = await wait_done(harness, GLM, job_id)
     assert [x["external_reference"] for x in result["responses"]] == ["fast", "slow"]
     assert sum(1 for b in glm for req in b.requests if req.messages[-1].content == "fast") == num_fast
+
+
+async def test_a_stop_while_the_result_is_stored_does_not_leave_the_job_leased(harness: Harness) -> None:
+    """The gateway stops while a finished job's result is being stored (a slow database): the store
+    still completes, so the job is done, not left running until its lease expires and then run (and
+    billed) again by another gateway."""
+    services = harness.services
+    await services.batch.stop()
+    other = BatchWorker()
+    try:
+        await other.start(services)
+        storing = asyncio.Event()
+        finish = other.queue.finish
+
+        async def slow_finish(*args: Any, **kwargs: Any) -> bool:  # a database slow to answer
+            storing.set()
+            await asyncio.sleep(0.3)
+            return await finish(*args, **kwargs)
+
+        other.queue.finish = slow_finish  # type: ignore[method-assign]
+        body = {"requests": [{"messages": [{"role": "user", "content": "fast"}], "external_reference": "a"}]}
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+        )
+        job_id = r.json()["result"]["request_id"]
+        other.wake()
+        await asyncio.wait_for(storing.wait(), 10)
+        await other.stop()
+        job = await services.batch.queue.get(job_id, harness.account)
+        assert job is not None and job.status == DONE
+    finally:
+        await other.stop()
+        await services.batch.start(services)
 
 
 async def test_each_renewal_writes_only_what_was_answered_since_the_last(harness: Harness) -> None:

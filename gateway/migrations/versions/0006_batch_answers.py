@@ -2,7 +2,10 @@
 at every lease renewal: quadratic in the job) to a row each, written once.
 
 The answers that jobs kept in `progress` are copied into rows, so a job handed back before the
-upgrade is taken over without running (and billing) them again; then the column goes.
+upgrade is taken over without running (and billing) them again. The column stays (emptied): gateways
+of the release before, still running during a rolling upgrade, read and write it on every batch
+query (dropped, their polls, renewals and finishes all failed), and a job they keep there is read
+back by the new ones when they claim it (`gateway/store/batch.py`). A later revision drops it.
 
 Revision ID: 0006
 Revises: 0005
@@ -76,13 +79,10 @@ def upgrade() -> None:
                     for a in entries.values()
                 ],
             )
-    with op.batch_alter_table("batch_jobs") as batch:
-        batch.drop_column("progress")
+    bind.execute(jobs.update().where(jobs.c.progress.is_not(None)).values(progress=None))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("batch_jobs") as batch:
-        batch.add_column(sa.Column("progress", sa.LargeBinary(), nullable=True))
     bind = op.get_bind()
     job_ids = bind.execute(sa.select(answers.c.job_id).distinct()).scalars().all()
     for job_id in job_ids:
