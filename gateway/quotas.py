@@ -274,6 +274,9 @@ class RedisCounters:
     async def seed(self, key: str, value: float, ttl: int) -> str:
         return _text(await self._seed(keys=[key, _generation_key(key)], args=[value, new_generation(), ttl]))
 
+    async def ping(self) -> None:
+        await self._client.ping()
+
     async def close(self) -> None:
         await self._client.aclose()
 
@@ -336,6 +339,20 @@ class PostgresCounters:
 
 class Limiter:
     """Admits requests against the tenant's quotas (carried by its `TenantContext`)."""
+
+    async def check(self, timeout_s: float = 2.0) -> str | None:
+        """Why the counters cannot be reached now (None: they can, or they live in this process or
+        the store, which the start has opened): a gateway whose Redis is down answers every
+        request 503/3040, so its start says so rather than announcing itself ready in silence."""
+        ping = getattr(self._counters, "ping", None)
+        if ping is None:
+            return None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await ping()
+        except (*BACKEND_ERRORS, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def __init__(
         self,

@@ -314,11 +314,13 @@ def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Ca
     url = f"http://{settings.host}:{settings.port}"
     models = ", ".join(m.name for m in catalog.models)
     admin = credentials.admin_token
-    if admin is None:
+    export_admin = f"    export KUMO_ADMIN_TOKEN={admin}\n" if admin is not None else ""
+    if admin is None and settings.admin_token is not None:
+        admin = "the value of KUMO_ADMIN_TOKEN"
+    elif admin is None:  # chosen on an earlier start (its hash alone is stored): it still works
         admin = (
-            "the value of KUMO_ADMIN_TOKEN"
-            if settings.admin_token is not None
-            else "not kept in the data dir: set KUMO_ADMIN_TOKEN and restart to choose one"
+            "the one chosen earlier with KUMO_ADMIN_TOKEN (never written down; to replace it, start "
+            "with KUMO_ADMIN_TOKEN set to a new one)"
         )
     kumo = Path(sys.executable).with_name("kumo")
     rule = "-" * 78
@@ -333,7 +335,7 @@ def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Ca
         f"    export ACCOUNT={credentials.account_id}\n"
         f"    export TOKEN={credentials.api_token}\n"
         f"    export KUMO_URL={url}\n"
-        f"    export KUMO_ADMIN_TOKEN={credentials.admin_token or '<the admin token>'}\n"
+        f"{export_admin}"
         f"    curl -s $KUMO_URL/client/v4/accounts/$ACCOUNT/ai/run/{catalog.models[0].name} \\\n"
         f'      -H "Authorization: Bearer $TOKEN" -d \'{{"prompt": "Hello"}}\'\n'
         f"    {kumo if kumo.is_file() else 'kumo'} admin tenants list   # also: tokens, quotas, models, usage\n"

@@ -10,6 +10,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 import httpx
+import structlog
 
 from gateway.auth import Authenticator
 from gateway.backend_client import BackendClient
@@ -25,6 +26,8 @@ from gateway.settings import GatewaySettings
 from gateway.store import Store
 from gateway.usage import UsageLedger
 from schemas.catalog import PoolsFile
+
+log = structlog.get_logger("kumo.services")
 
 
 @dataclass
@@ -111,13 +114,21 @@ async def open_services(settings: GatewaySettings, catalog: Catalog, pools: Pool
         eject_after_failures=settings.eject_after_failures,
     )
     http, images = image_fetcher(settings)
+    limiter = make_limiter(settings.redis_url, store)
+    problem = await limiter.check()
+    if problem is not None:  # served anyway (it may come back), but not in silence
+        log.warning(
+            "quota_redis_unreachable",
+            error=problem,
+            consequence="every request is refused 503/3040 until the Redis at KUMO_REDIS_URL answers",
+        )
     return Services(
         settings=settings,
         catalog=catalog,
         router=router,
         store=store,
         authenticator=Authenticator(store),
-        limiter=make_limiter(settings.redis_url, store),
+        limiter=limiter,
         ledger=UsageLedger(store),
         images=images,
         metrics=Metrics(),

@@ -102,10 +102,12 @@ class Serving:
             request, model.family, model.marker_ids, TOOL_MARKERS_OF[model.family]
         )  # fmt: skip
         if grammar is not None:
-            constraint = build_constraint(grammar, self._ll_tokenizer())
+            what = "response format" if not request.tools else "response format or tool parameters"
+            constraint = build_constraint(grammar, self._ll_tokenizer(), what)
         elif lazy is not None:
             tool_grammar, trigger_id, banned_ids = lazy
-            matcher = build_constraint(tool_grammar, self._ll_tokenizer()) if tool_grammar else None
+            tools = "tool parameters"
+            matcher = build_constraint(tool_grammar, self._ll_tokenizer(), tools) if tool_grammar else None
             constraint = LazyToolConstraint(matcher, trigger_id, banned_ids)
         engine_request = EngineRequest(
             request_id=request.request_id,

@@ -332,15 +332,17 @@ def lazy_tool_grammar_for(
     return grammar, known[0], known[1:]
 
 
-def build_constraint(grammar: str, tokenizer: llguidance.LLTokenizer) -> GrammarConstraint:
-    """Compile `grammar` for `tokenizer`; a grammar llguidance refuses is a 400 that gives its
-    reason but none of the grammar (see `public_reason`)."""
+def build_constraint(
+    grammar: str, tokenizer: llguidance.LLTokenizer, what: str = "response format"
+) -> GrammarConstraint:
+    """Compile `grammar` for `tokenizer`; a grammar llguidance refuses is a 400 that names `what`
+    it was built from and gives its reason but none of the grammar (see `public_reason`)."""
     message = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
     if message and not message.startswith("WARNING"):
-        raise InvalidRequest(f"response format cannot be compiled: {public_reason(message)}")
+        raise InvalidRequest(f"{what} cannot be compiled: {public_reason(message)}")
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
-        raise InvalidRequest(f"response format cannot be compiled: {public_reason(matcher.get_error())}")
+        raise InvalidRequest(f"{what} cannot be compiled: {public_reason(matcher.get_error())}")
     return GrammarConstraint(matcher)
 
 

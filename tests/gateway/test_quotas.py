@@ -214,6 +214,21 @@ async def test_an_unreachable_redis_fails_closed_and_settle_never_raises(sqlite_
     await limiter.close()
 
 
+async def test_the_start_tells_an_unreachable_redis(sqlite_store: Store) -> None:
+    """`Limiter.check`, asked as the gateway starts (gateway/services.py logs what it says): a Redis
+    that does not answer is named; one that does, or counters in the process, are fine."""
+    down = make_limiter("redis://127.0.0.1:1/0", sqlite_store, prefix="unused:")
+    problem = await down.check()
+    assert problem is not None and "Connection" in problem
+    await down.close()
+    up = make_limiter(REDIS_URL, sqlite_store, prefix="unused:")
+    assert await up.check() is None
+    await up.close()
+    here = make_limiter(None, sqlite_store)
+    assert await here.check() is None
+    await here.close()
+
+
 async def test_a_burst_larger_than_the_redis_pool_waits_instead_of_failing(
     sqlite_store: Store, redis_prefix: str
 ) -> None:

@@ -139,7 +139,15 @@ def test_the_announcement_is_one_block_with_every_credential(
     serve.announce(
         GatewaySettings(data_dir=tmp_path, admin_token="x"), DevCredentials(account, token), catalog
     )
-    assert "Admin token: the value of KUMO_ADMIN_TOKEN\n" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert (
+        "Admin token: the value of KUMO_ADMIN_TOKEN\n" in printed and "export KUMO_ADMIN_TOKEN" not in printed
+    )
+    # chosen on an earlier start, not set now: it still works, and no line to paste that bash rejects
+    serve.announce(GatewaySettings(data_dir=tmp_path), DevCredentials(account, token), catalog)
+    printed = capsys.readouterr().out
+    assert "Admin token: the one chosen earlier with KUMO_ADMIN_TOKEN" in printed
+    assert "export KUMO_ADMIN_TOKEN" not in printed and "<" not in printed
 
 
 def test_models_dir_picks_the_trained_checkpoints(tmp_path: Path) -> None:
