@@ -11,7 +11,9 @@ attention), so the encoder bounds them (`ImageBudget`): the patches of one reque
 together, counted from their headers before anything is decoded (413 past the cap); how many
 requests encode at once, and how many more may wait (429 when full). The `n` choices of one
 request carry the same images and arrive together: they share one encoding (by the images'
-digest), so a request's images are prepared, and counted, once.
+digest within the tenant's salt), so a request's images are prepared, and counted, once. Never
+across tenants: a hit skips the encoder (and its queue), and the time to a first token would tell
+a tenant whether another had just sent the same picture.
 """
 
 from __future__ import annotations
@@ -95,13 +97,14 @@ class VisionEncoder:
         return cls(tower.eval(), pad_token_id, budget=budget)
 
     def expand(
-        self, token_ids: list[int], images: list[ImagePart]
+        self, token_ids: list[int], images: list[ImagePart], scope: str = ""
     ) -> tuple[list[int], list[ImageSpan], torch.Tensor]:
-        """(ids with each placeholder widened, one span per image, `[sum of span lengths, hidden]` embeddings)."""
+        """(ids with each placeholder widened, one span per image, `[sum of span lengths, hidden]`
+        embeddings). `scope`: whose encodings this one may share (the request's tenant salt)."""
         slots = [i for i, t in enumerate(token_ids) if t == self._pad_id]
         if len(slots) != len(images):
             raise InvalidRequest(f"{len(images)} images but {len(slots)} image placeholders in the prompt.")
-        processed, embeds = self._shared(images)
+        processed, embeds = self._shared(images, scope)
         grids = [(p.grid_h, p.grid_w) for p in processed]
         ids: list[int] = []
         spans: list[ImageSpan] = []
@@ -125,10 +128,10 @@ class VisionEncoder:
             "max_side": self._max_side,
         }
 
-    def _shared(self, images: list[ImagePart]) -> Encoded:
-        """The images' encoding: made here, or taken from a choice of the same request that is
-        making (or just made) it."""
-        digest = hashlib.sha256()
+    def _shared(self, images: list[ImagePart], scope: str) -> Encoded:
+        """The images' encoding: made here, or taken from a choice of the same request (the same
+        `scope`) that is making (or just made) it."""
+        digest = hashlib.sha256(scope.encode())
         for img in images:
             digest.update(hashlib.sha256(img.data).digest())
         key = digest.hexdigest()

@@ -61,7 +61,7 @@ class ImageEncoder(Protocol):
     placeholder spans (with image hashes, for the prefix-cache key) and their embeddings."""
 
     def expand(
-        self, token_ids: list[int], images: list[ImagePart]
+        self, token_ids: list[int], images: list[ImagePart], scope: str = ""
     ) -> tuple[list[int], list[ImageSpan], torch.Tensor]: ...
 
 
@@ -93,7 +93,9 @@ class Serving:
         if images:
             if self._images is None:
                 raise Unsupported(f"{model.name} does not accept images.")
-            token_ids, spans, embeds = self._images.expand(token_ids, images)
+            # encodings shared by one tenant's requests alone (the `n` choices of one): never a hit
+            # another tenant could time
+            token_ids, spans, embeds = self._images.expand(token_ids, images, request.tenant_salt)
         num_requested = len(token_ids) + request.sampling.max_tokens
         if num_requested > model.context_window:
             raise ContextWindowExceeded(num_requested, model.context_window)

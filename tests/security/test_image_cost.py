@@ -99,6 +99,19 @@ def test_the_choices_of_one_request_share_one_encoding() -> None:
     assert len(runs) == 1
 
 
+def test_another_tenant_never_shares_an_encoding() -> None:
+    """The same picture from two tenants (their salts) is encoded twice: a shared encoding skips the
+    encoder, and the time to a first token would tell the second tenant that the first had just sent
+    that picture. The choices of one tenant's request still share theirs."""
+    encoder, runs = _encoder(ImageBudget())
+    images = [ImagePart(data=_png(120, 90, 3))]
+    a = encoder.expand([1, PAD, 2], images, "a" * 32)
+    encoder.expand([1, PAD, 2], images, "a" * 32)
+    assert len(runs) == 1
+    b = encoder.expand([1, PAD, 2], images, "b" * 32)
+    assert len(runs) == 2 and b[2] is not a[2] and torch.equal(b[2], a[2])
+
+
 def test_the_encoder_takes_a_bounded_number_of_requests_and_429s_the_rest() -> None:
     encoder, runs = _encoder(ImageBudget(max_concurrent=1, max_waiting=1))
     entered, release = threading.Event(), threading.Event()

@@ -7,6 +7,7 @@ import base64
 import io
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -191,3 +192,28 @@ async def test_images(arch_client: tuple[str, httpx.AsyncClient, Path]) -> None:
     template_ids = len(served.tokenizer.encode(prompt))
     assert usage.prompt_tokens == template_ids - 2 + 6 + 24
     assert isinstance(events[-1], Finish)
+
+
+def test_image_encodings_are_shared_within_one_tenant_only(tmp_path: Path) -> None:
+    """Serving hands the image encoder the request's tenant salt as the scope of its shared
+    encodings (the `n` choices of one request share one; another tenant's same picture must not hit
+    it: the time to a first token would tell)."""
+    from schemas.backend import ImagePart, TextPart
+
+    scopes: list[str] = []
+
+    class Spy:
+        def expand(self, token_ids: list[int], images: list[ImagePart], scope: str = "") -> Any:
+            scopes.append(scope)
+            raise InvalidRequest("stop here")
+
+    path = make_served_checkpoint("kimi_k25", tmp_path)
+    serving = Serving(ServedModel.from_checkpoint(path), engine=None, images=Spy())  # type: ignore[arg-type]
+    for salt in ("a" * 32, "b" * 32):
+        content = [ImagePart(data=_png(28, 28, 1)), TextPart(text="what colour?")]
+        request = GenerateRequest(
+            request_id="x", tenant_salt=salt, messages=[Message(role="user", content=content)]
+        )
+        with pytest.raises(InvalidRequest, match="stop here"):
+            serving.prepare(request)
+    assert scopes == ["a" * 32, "b" * 32]
