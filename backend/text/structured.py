@@ -165,6 +165,9 @@ def _object_schema(tool: Tool) -> tuple[dict[str, Any], set[str]]:
     schema = tool.parameters or {}
     properties, required = schema.get("properties", {}), schema.get("required", [])
     where = f"tools[{tool.name!r}].parameters"
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise InvalidRequest(f'{where}.type must be "object": a call\'s arguments are a JSON object')
     if not isinstance(properties, dict) or not all(isinstance(s, dict | bool) for s in properties.values()):
         raise InvalidRequest(f"{where}.properties must map each argument name to a schema")
     if not isinstance(required, list) or not all(isinstance(name, str) for name in required):

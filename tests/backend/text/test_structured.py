@@ -611,3 +611,20 @@ def test_a_json_format_beside_offered_tools_allows_a_json_answer_or_a_call(
     assert grammar_for(_request(tools=[WEATHER], response_format=fmt), family, {}) == grammar_for(
         _request(response_format=fmt), family, {}
     )
+
+
+@pytest.mark.parametrize(("layout", "family"), [("glm", "glm"), ("kimi-tiktoken", "kimi")])
+def test_tool_parameters_that_are_not_an_object_schema_are_a_400(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
+) -> None:
+    """A call's arguments are a JSON object: `parameters: {"type": "banana"}` is refused (GLM's call
+    grammar reads only the properties, and took it silently)."""
+    tok = load(tmp_path_factory, layout)
+    bad = Tool(name="t", parameters={"type": "banana"})
+    request = _request(tools=[bad], tool_choice=ToolChoice(mode="required"))
+    with pytest.raises(InvalidRequest) as info:
+        grammar = grammar_for(request, family, _markers(tok))
+        assert grammar is not None
+        build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]), "tool parameters")
+    message = info.value.message
+    assert info.value.status == 400 and ("banana" in message or '"object"' in message)
