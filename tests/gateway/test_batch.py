@@ -393,6 +393,28 @@ async def billed_glm(harness: Harness) -> tuple[int, int]:
     return next(((r.requests, r.completion_tokens) for r in rows if r.model == GLM), (0, 0))
 
 
+async def submit_fast_and_slow(harness: Harness) -> str:
+    """A GLM batch job of a fast request, then a slow one (~0.3 s a piece): its id."""
+    body = {
+        "requests": [
+            {"messages": [{"role": "user", "content": "fast"}], "external_reference": "fast"},
+            {"messages": [{"role": "user", "content": "slow"}], "external_reference": "slow"},
+        ]
+    }
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
+    )
+    return str(r.json()["result"]["request_id"])
+
+
+async def until_billed(harness: Harness, before: tuple[int, int]) -> None:
+    """Wait (5 s at most) until the ledger has billed a GLM request more than `before`."""
+    for _ in range(100):
+        if (await billed_glm(harness))[0] > before[0]:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_a_job_handed_back_runs_only_what_was_not_answered(harness: Harness) -> None:
     """A job of one fast and one slow request is handed back once the fast one is answered (and
     billed): the gateway that takes it over runs only the slow one, and the job's usage is what the
@@ -402,21 +424,9 @@ async def test_a_job_handed_back_runs_only_what_was_not_answered(harness: Harnes
     other = BatchWorker()
     before = await billed_glm(harness)
     try:
-        body = {
-            "requests": [
-                {"messages": [{"role": "user", "content": "fast"}], "external_reference": "fast"},
-                {"messages": [{"role": "user", "content": "slow"}], "external_reference": "slow"},
-            ]
-        }
-        r = await harness.http.post(
-            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
-        )
-        job_id = r.json()["result"]["request_id"]
+        job_id = await submit_fast_and_slow(harness)
         await other.start(services)
-        for _ in range(100):
-            if (await billed_glm(harness))[0] > before[0]:  # "fast" answered and billed
-                break
-            await asyncio.sleep(0.05)
+        await until_billed(harness, before)  # "fast" answered and billed
         await other.stop()  # "slow" is still under way (~0.3 s a piece)
         job = await services.batch.queue.get(job_id, harness.account)
         assert job is not None and job.status == QUEUED
@@ -450,16 +460,7 @@ async def test_a_second_cancel_does_not_cut_the_hand_back_short(harness: Harness
     other = BatchWorker()
     before = await billed_glm(harness)
     try:
-        body = {
-            "requests": [
-                {"messages": [{"role": "user", "content": "fast"}], "external_reference": "fast"},
-                {"messages": [{"role": "user", "content": "slow"}], "external_reference": "slow"},
-            ]
-        }
-        r = await harness.http.post(
-            harness.path(f"/ai/run/{GLM}?queueRequest=true"), headers=harness.auth(), json=body
-        )
-        job_id = r.json()["result"]["request_id"]
+        job_id = await submit_fast_and_slow(harness)
         await other.start(services)
         release = other.queue.release
 
@@ -468,10 +469,7 @@ async def test_a_second_cancel_does_not_cut_the_hand_back_short(harness: Harness
             await release(*args, **kwargs)
 
         other.queue.release = slow_release  # type: ignore[method-assign]
-        for _ in range(100):
-            if (await billed_glm(harness))[0] > before[0]:  # "fast" answered and billed
-                break
-            await asyncio.sleep(0.05)
+        await until_billed(harness, before)  # "fast" answered and billed
         worker_task = other._task
         assert worker_task is not None
         stopping = asyncio.create_task(other.stop())

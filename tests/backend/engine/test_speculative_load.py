@@ -77,21 +77,29 @@ def test_a_short_catch_up_does_not_price_positions() -> None:
     assert p._rates[8].catch_up_row_s > 0
 
 
-def test_a_refused_sequence_is_asked_again() -> None:
-    """Plain steps leave every sequence behind; the first steps that would draft refuse each
-    sequence's catch-up (the policy's answer, scripted), later ones accept it: every sequence
-    drafts again, and the outputs are plain decoding's."""
+def behind() -> tuple[Any, list[Any], dict[str, Result]]:
+    """Four requests of 40-token prompts whose prompts and first 5 decodes ran as plain steps: every
+    sequence behind (MTP KV to catch up before it drafts). The engine, the requests, their results."""
     engine = toy(3)
-    spec = engine.spec
-    assert spec is not None
+    assert engine.spec is not None
     reqs = [request(f"r{i}", [i % 16] * 40, max_tokens=60) for i in range(4)]
     for r in reqs:
         engine.add_request(r)
     results: dict[str, Result] = {}
-    spec.policy.forced_k = 0
-    for _ in range(6):  # the prompts and 5 decodes, plain
+    engine.spec.policy.forced_k = 0
+    for _ in range(6):
         collect(results, engine.step())
-    spec.policy.forced_k = None
+    engine.spec.policy.forced_k = None
+    return engine, reqs, results
+
+
+def test_a_refused_sequence_is_asked_again() -> None:
+    """Plain steps leave every sequence behind; the first steps that would draft refuse each
+    sequence's catch-up (the policy's answer, scripted), later ones accept it: every sequence
+    drafts again, and the outputs are plain decoding's."""
+    engine, reqs, results = behind()
+    spec = engine.spec
+    assert spec is not None
     asked: dict[str, int] = {}  # steps that found each sequence behind
     ask = spec.policy.pays_to_catch_up
     drafted: set[str] = set()
@@ -125,17 +133,9 @@ def test_a_refused_catch_up_stands_for_a_while_and_the_step_is_plain() -> None:
     which nothing drafts is a plain one (k = 0)."""
     from backend.engine.speculative.decoder import CATCH_UP_REASK
 
-    engine = toy(3)
+    engine, reqs, results = behind()
     spec = engine.spec
     assert spec is not None
-    reqs = [request(f"r{i}", [i % 16] * 40, max_tokens=60) for i in range(4)]
-    for r in reqs:
-        engine.add_request(r)
-    results: dict[str, Result] = {}
-    spec.policy.forced_k = 0
-    for _ in range(6):  # the prompts and 5 decodes, plain: every sequence behind
-        collect(results, engine.step())
-    spec.policy.forced_k = None
     asks: dict[str, int] = {}
     pays = spec.policy.pays_to_catch_up
 
