@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import statistics
@@ -160,8 +161,7 @@ async def slowloris(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool]
             if r.at_eof():
                 closed_at[i] = time.monotonic() - start
         await asyncio.sleep(1.0)
-    for _, w in conns:
-        w.close()
+    await asyncio.gather(*(_drop(w) for _, w in conns))
     got = f"{len(closed_at)} of {num} closed by the server within {limit_s:.0f} s"
     return f"{num} connections trickling header lines", got, len(closed_at) == num
 
@@ -346,7 +346,16 @@ async def _raw(t: Target, data: bytes, *, timeout_s: float) -> str:
     except (ConnectionError, OSError) as exc:
         return f"closed ({type(exc).__name__})"
     finally:
-        writer.close()
+        await _drop(writer)
+
+
+async def _drop(writer: asyncio.StreamWriter) -> None:
+    """Close a raw connection now and wait until its socket is closed: `close()` alone keeps a
+    transport (and its socket) open until its unsent bytes are written, which a server that stopped
+    reading never lets happen; such a socket would outlive the attack."""
+    writer.transport.abort()
+    with contextlib.suppress(ConnectionError, OSError):
+        await writer.wait_closed()
 
 
 def rss_mb(pid: int) -> float:

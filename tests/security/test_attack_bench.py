@@ -6,11 +6,15 @@ what it tried and got, and holds; a victim request of another tenant succeeds du
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import os
+import socket
 
 from gateway_harness import GLM, KIMI, Harness, _tenant
 
-from benchmarks.attack import ATTACKS, Outcome, Target, goal_met, run
+from benchmarks.attack import ATTACKS, Outcome, Target, _raw, goal_met, run
 from benchmarks.cli import main as bench_main
 
 CI_SUBSET = [
@@ -58,3 +62,43 @@ def test_the_goal_bounds_the_victim_ratio_and_each_process_rss() -> None:
     assert not goal_met(outcome(0.1, gateway=100, glm=4096), unloaded=0.1)  # a backend's 4 GB
     assert not goal_met(outcome(0.1, gateway=float("nan")), unloaded=0.1)  # unreadable is not under
     assert not goal_met(Outcome("a", "tried", "got", False, 1.0, 0.1), unloaded=0.1)  # did not hold
+
+
+async def test_a_raw_attack_closes_its_socket_even_when_the_server_stopped_reading() -> None:
+    # A server that accepts and never reads: the attack's unsent megabytes stay in its transport's
+    # buffer, and a plain `close()` keeps the socket open until they are written (never), to be found
+    # unclosed by whichever later test collects it.
+    accepted: list[asyncio.Transport] = []
+
+    class Deaf(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            transport.pause_reading()
+            accepted.append(transport)
+
+    server = await asyncio.get_running_loop().create_server(Deaf, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    t = Target(url=f"http://127.0.0.1:{port}", account="a", token="t", victim_account="v",
+               victim_token="vt", model="m", vision_model="m", quick=True)  # fmt: skip
+    try:
+        got = await _raw(t, b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (32 << 20), timeout_s=0.5)
+        assert got.startswith("no answer"), got
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert _open_sockets_to(port) == []
+    finally:
+        for transport in accepted:
+            transport.abort()
+        server.close()
+        await server.wait_closed()
+
+
+def _open_sockets_to(port: int) -> list[socket.socket]:
+    """This process's client sockets still open to `port`."""
+    found = []
+    for obj in gc.get_objects():
+        if type(obj) is socket.socket and obj.family == socket.AF_INET and obj.fileno() != -1:
+            with contextlib.suppress(OSError):
+                if obj.getpeername()[1] == port:
+                    found.append(obj)
+    return found
