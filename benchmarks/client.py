@@ -60,13 +60,15 @@ def spawn_serve(
     stderr: IO[Any] | int | None,
     cwd: Path | None = None,
     timeout_s: float = 600,
+    new_session: bool = False,
 ) -> tuple[subprocess.Popen[str], str]:
     """`kumo serve ARGS` in a subprocess, returned with what it printed up to its announcement (the URL,
     account id and token). A thread keeps reading its stdout afterwards, so the pipe never fills.
-    RuntimeError (the process killed) if it exits or has not announced itself within `timeout_s`."""
+    RuntimeError (the process killed) if it exits or has not announced itself within `timeout_s`.
+    `new_session`: its own process group, as a terminal's foreground job (Ctrl-C is `killpg` SIGINT)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-        stderr=stderr, text=True,
+        stderr=stderr, text=True, start_new_session=new_session,
     )  # fmt: skip
     printed: list[str] = []
     ready = threading.Event()

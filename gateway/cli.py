@@ -33,8 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"kumo: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[command])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: stopped as asked; a key press is not a crash to trace
+        return 130
 
 
 if __name__ == "__main__":

@@ -135,6 +135,9 @@ async def start_backend(
         "--speculative", b.speculative,
         stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
         preexec_fn=functools.partial(die_with_parent, os.getpid()),
+        # its own process group: a terminal's Ctrl-C reaches `kumo serve` alone, which stops it (and
+        # drains it) by SIGTERM, instead of interrupting it mid-request with a traceback in its log
+        start_new_session=True,
     )  # fmt: skip
     log.close()
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.serve_process import LEGACY, Kumo
+from benchmarks.client import spawn_serve
+from tests.e2e.serve_process import LEGACY, ROOT, Kumo, _children, _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +60,32 @@ def test_a_killed_backend_is_restarted_and_meanwhile_503(kumo: Kumo) -> None:
         time.sleep(0.5)
     assert r.status_code == 200, r.text
     assert backend_pid(kumo, LEGACY) != old
+
+
+def test_ctrl_c_stops_serve_and_its_backends_without_tracebacks(tmp_path: Path) -> None:
+    # A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the backends must not get
+    # it (each would log a KeyboardInterrupt traceback); `kumo serve` stops them itself.
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("KUMO_ADMIN_TOKEN", None)
+    with (tmp_path / "serve.log").open("wb") as log:
+        process, _ = spawn_serve(
+            ["--port", str(port), "--data-dir", str(tmp_path)],
+            cwd=ROOT, env=env, stderr=log, timeout_s=300, new_session=True,
+        )  # fmt: skip
+        try:
+            children = _children(process.pid)
+            assert len(children) == 2  # GLM 5.2 and Kimi K2.6
+            os.killpg(process.pid, signal.SIGINT)
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "backends outlived kumo serve"
+    logs = sorted((tmp_path / "logs").glob("*.log"))
+    assert {p.name for p in logs} >= {"glm-5.2.log", "kimi-k2.6.log"}
+    for path in [*logs, tmp_path / "serve.log"]:
+        assert "Traceback" not in path.read_text(), path.read_text()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from gateway_harness import GLM, Harness, harness, standalone_gateway  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +48,16 @@ async def test_a_standalone_gateway_serves_the_pools_file(harness: Harness, tmp_
         assert r.json()["result"]["choices"][0]["message"]["content"] == "echo: standalone"
         g.proc.terminate()
         await g.proc.wait()
+
+
+def test_ctrl_c_is_an_exit_code_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gateway import cli, server
+
+    def interrupted(argv: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "main", interrupted)
+    assert cli.main(["gateway", "--pools", "x"]) == 130  # what a shell reports for SIGINT
+    assert "Traceback" not in capsys.readouterr().err
