@@ -32,6 +32,17 @@ as it is, and a missing one will be seeded with it. After that the worst case st
 What a re-seed can still miss is a response settled but not yet written by the ledger (it writes
 about once a second), or one whose first settle failed on a counter already re-seeded: the ledger
 bills it, the new counter does not count it.
+
+A Redis restored from a snapshot, or a replica promoted behind its primary, brings back an older
+counter under the same generation, which lacks the reservations made since. So in Redis each
+admission also leaves a hold (a key holding its worst case, set by the reservation's script), and
+its settlement deletes it: a counter of the admission's generation without the hold never held the
+reservation, and is given the whole cost rather than the refund (which could have taken it below
+what was spent). What a restored counter still lacks is what was admitted and settled between the
+snapshot and the restore (the ledger bills it, the counter does not count it); a hold it brings back
+whose settlement ran before the restore keeps that worst case reserved for the day, as does a hold
+lost otherwise (evicted). Counters in this process cannot be restored; PostgreSQL loses a committed
+reservation only with committed transactions, the ledger's among them.
 """
 
 from __future__ import annotations
@@ -67,10 +78,11 @@ SETTLE_GIVE_UP_S = 120.0
 SETTLED_TTL = 300
 MAX_SETTLING = 10_000  # settlements retried at once: a long outage at a high rate holds no more in memory
 
-# KEYS: requests, tokens, neurons, the neurons' generation. ARGV: request limit, token limit, neuron
-# limit, tokens, minute ttl, worst-case neurons, day ttl. Returns {verdict, generation}: 0 admitted (on
-# the counter of that generation), 1 requests per minute, 2 tokens per minute, 3 daily neurons used
-# up, 4 neurons unseeded, 5 the request's worst case exceeds the neurons left.
+# KEYS: requests, tokens, neurons, the neurons' generation, the admission's hold. ARGV: request limit,
+# token limit, neuron limit, tokens, minute ttl, worst-case neurons, day ttl. Returns {verdict,
+# generation}: 0 admitted (on the counter of that generation; the hold set to the worst case unless it
+# is 0), 1 requests per minute, 2 tokens per minute, 3 daily neurons used up, 4 neurons unseeded, 5
+# the request's worst case exceeds the neurons left.
 RESERVE_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 0 then return {4, ''} end
 local rpm, tpm, daily, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -86,6 +98,7 @@ redis.call('INCRBY', KEYS[2], tokens)
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('INCRBYFLOAT', KEYS[3], worst)
 redis.call('EXPIRE', KEYS[3], ARGV[7])
+if worst > 0 then redis.call('SET', KEYS[5], ARGV[6], 'EX', ARGV[7]) end
 return {0, redis.call('GET', KEYS[4]) or ''}
 """
 # KEYS: a counter, its generation. ARGV: value, a new generation, ttl. Creates the counter with that
@@ -97,21 +110,26 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[3]) then
 end
 return redis.call('GET', KEYS[2]) or ''
 """
-# KEYS: a counter, its generation, a settlement's marker. ARGV: day ttl, marker ttl, then pairs of a
-# generation and the amount to add to a counter of that generation. Returns {verdict, the counter's
-# generation}: 0 settled, 1 settled before (the marker is there), 2 no counter, 3 a generation not listed.
+# KEYS: a counter, its generation, a settlement's marker, the admission's hold. ARGV: day ttl, marker
+# ttl, the whole cost, then pairs of a generation and the amount to add to a counter of that generation
+# while the hold is there; the whole cost is added instead once it is gone (the counter never held the
+# reservation). Returns {verdict, the counter's generation}: 0 settled, 1 settled before (the marker is
+# there), 2 no counter, 3 a generation not listed (a counter seeded since admission: the hold goes too).
 SETTLE_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {1, ''} end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {2, ''} end
 local generation = redis.call('GET', KEYS[2]) or ''
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   if ARGV[i] == generation then
-    redis.call('INCRBYFLOAT', KEYS[1], ARGV[i + 1])
+    local amount = ARGV[i + 1]
+    if redis.call('DEL', KEYS[4]) == 0 then amount = ARGV[3] end
+    redis.call('INCRBYFLOAT', KEYS[1], amount)
     redis.call('EXPIRE', KEYS[1], ARGV[1])
     redis.call('SET', KEYS[3], '1', 'EX', ARGV[2])
     return {0, generation}
   end
 end
+redis.call('DEL', KEYS[4])
 return {3, generation}
 """
 ADMITTED, OVER_REQUESTS, OVER_TOKENS, OVER_NEURONS, UNSEEDED, OVER_NEURONS_LEFT = 0, 1, 2, 3, 4, 5
@@ -133,16 +151,20 @@ class Admission:
     day: dt.date = dt.date.min  # UTC day the neurons were reserved on
     reserved_neurons: float = 0.0  # the request's worst case, reserved at admission
     generation: str = ""  # of the day's counter the neurons were reserved on
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names its settlement's marker
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)  # names its hold and its settlement's marker
 
 
 @dataclass(frozen=True)
 class Settlement:
     """A response's neurons to settle on the day's counter, at most once (`marker`): the amount to
-    add to a counter of each listed generation. A counter of any other generation is left as it is."""
+    add to a counter of each listed generation while the admission's `hold` is there, else `cost`
+    (Redis only: a counter restored from before the admission lacks its reservation and its hold).
+    A counter of any other generation is left as it is."""
 
     key: str
     marker: str
+    hold: str
+    cost: float  # what the response cost: all of it goes to a counter that never held the reservation
     amounts: Mapping[str, float]  # a counter's generation → the neurons to add to it
 
     def adding(self, generation: str, amount: float) -> Settlement:
@@ -153,7 +175,12 @@ class Counters(Protocol):
     """Where the windows' counters live: this process, or a Redis shared by replicas."""
 
     async def reserve(
-        self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int, neurons: float
+        self,
+        keys: tuple[str, str, str],
+        limits: tuple[int, int, float],
+        tokens: int,
+        neurons: float,
+        hold: str,
     ) -> tuple[int, str]: ...  # the verdict, and the generation of the neuron counter reserved on
     async def add(self, key: str, amount: float, ttl: int) -> None: ...
     async def settle(self, settlement: Settlement) -> tuple[int, str]: ...  # the verdict, the generation
@@ -190,9 +217,15 @@ class MemoryCounters:
             self._next_prune = now + MINUTE_TTL
 
     async def reserve(
-        self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int, neurons: float
+        self,
+        keys: tuple[str, str, str],
+        limits: tuple[int, int, float],
+        tokens: int,
+        neurons: float,
+        hold: str,
     ) -> tuple[int, str]:
-        # no `await` in here: the check and the reservation are one step for this process's requests
+        # no `await` in here: the check and the reservation are one step for this process's requests;
+        # no hold: counters in this process are never brought back from a snapshot
         (rk, tk, nk), (rpm, tpm, daily) = keys, limits
         if not self._exists(nk):
             return UNSEEDED, ""
@@ -252,10 +285,15 @@ class RedisCounters:
         self._settle = client.register_script(SETTLE_LUA)
 
     async def reserve(
-        self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int, neurons: float
+        self,
+        keys: tuple[str, str, str],
+        limits: tuple[int, int, float],
+        tokens: int,
+        neurons: float,
+        hold: str,
     ) -> tuple[int, str]:
         args = [*limits, tokens, MINUTE_TTL, neurons, DAY_TTL]
-        verdict, generation = await self._reserve(keys=[*keys, _generation_key(keys[2])], args=args)
+        verdict, generation = await self._reserve(keys=[*keys, _generation_key(keys[2]), hold], args=args)
         return int(verdict), _text(generation)
 
     async def add(self, key: str, amount: float, ttl: int) -> None:
@@ -265,9 +303,9 @@ class RedisCounters:
             await pipe.execute()
 
     async def settle(self, settlement: Settlement) -> tuple[int, str]:
-        keys = [settlement.key, _generation_key(settlement.key), settlement.marker]
+        keys = [settlement.key, _generation_key(settlement.key), settlement.marker, settlement.hold]
         pairs = [part for generation, amount in settlement.amounts.items() for part in (generation, amount)]
-        args = [DAY_TTL, SETTLED_TTL, *pairs]
+        args = [DAY_TTL, SETTLED_TTL, settlement.cost, *pairs]
         verdict, generation = await self._settle(keys=keys, args=args)
         return int(verdict), _text(generation)
 
@@ -301,8 +339,16 @@ class PostgresCounters:
         self._next_sweep = 0.0  # settlements' markers are rows too: expired ones are deleted now and then
 
     async def reserve(
-        self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int, neurons: float
+        self,
+        keys: tuple[str, str, str],
+        limits: tuple[int, int, float],
+        tokens: int,
+        neurons: float,
+        hold: str,
     ) -> tuple[int, str]:
+        # no hold (it would be a row written and deleted per request): PostgreSQL loses a committed
+        # reservation only with committed transactions (restored, a lagging standby promoted), and
+        # then the ledger's with it
         (rk, tk, nk), (rpm, tpm, daily) = keys, limits
         verdict = self._minutes.reserve_minute(rk, tk, rpm, tpm, tokens)
         if verdict != ADMITTED:
@@ -380,6 +426,9 @@ class Limiter:
     def _neurons_key(self, tenant_id: str, day: dt.date) -> str:
         return self._key(tenant_id, "neurons", day.isoformat())
 
+    def _hold_key(self, tenant_id: str, admission_id: str) -> str:
+        return self._key(tenant_id, "held", admission_id)
+
     async def _seed(self, tenant_id: str, day: dt.date) -> str:
         """Start the day's neuron counter from the ledger (a no-op if another replica just did);
         returns the generation of the counter there now."""
@@ -410,12 +459,16 @@ class Limiter:
             self._key(tenant.tenant_id, "tokens", str(minute)),
             self._neurons_key(tenant.tenant_id, day),
         )
+        admission_id = uuid.uuid4().hex
+        hold = self._hold_key(tenant.tenant_id, admission_id)
         try:
-            verdict, generation = await self._counters.reserve(keys, limits, estimated_tokens, worst_neurons)
+            verdict, generation = await self._counters.reserve(
+                keys, limits, estimated_tokens, worst_neurons, hold
+            )
             if verdict == UNSEEDED:
                 await self._seed(tenant.tenant_id, day)
                 verdict, generation = await self._counters.reserve(
-                    keys, limits, estimated_tokens, worst_neurons
+                    keys, limits, estimated_tokens, worst_neurons, hold
                 )
         except BACKEND_ERRORS as exc:  # fail closed: quotas that cannot be checked are not granted
             raise Unavailable("Rate limiter unavailable, please try again.", retry_after=1) from exc
@@ -451,6 +504,7 @@ class Limiter:
             day=day,
             reserved_neurons=worst_neurons,
             generation=generation,
+            id=admission_id,
         )
 
     async def settle(self, admission: Admission, *, tokens: int, neurons: float) -> None:
@@ -470,6 +524,8 @@ class Limiter:
         settlement = Settlement(
             key=self._neurons_key(admission.tenant_id, admission.day),
             marker=self._key(admission.tenant_id, "settled", admission.id),
+            hold=self._hold_key(admission.tenant_id, admission.id),
+            cost=neurons,
             amounts={admission.generation: neurons - admission.reserved_neurons},
         )
         for _ in range(3):  # more only if the day's counter keeps vanishing as it is seeded

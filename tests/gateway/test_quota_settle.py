@@ -2,7 +2,8 @@
 settle that fails is tried again in the background until the reservation is released; an attempt
 whose reply was lost after it ran is not applied again; and a counter re-seeded from the ledger
 between admission and settle (a flushed or restarted Redis) neither takes a refund of a reservation
-it never held nor counts a response twice.
+it never held nor counts a response twice; nor does a Redis counter brought back from a snapshot
+taken before the admission (its hold is not there).
 
 The counters fail through `Flaky`, which wraps the real ones: what cannot be made on demand is a
 reply lost after the command ran."""
@@ -23,6 +24,7 @@ from tenancy_db import create_database, drop_database, sqlite_store_fixture  # n
 
 from gateway import quotas
 from gateway.auth import TenantContext
+from gateway.errors import NeuronsExhausted
 from gateway.quotas import (
     RESEEDED,
     SETTLED,
@@ -62,10 +64,15 @@ class Flaky:
             raise ConnectionError("the counters went away")
 
     async def reserve(
-        self, keys: tuple[str, str, str], limits: tuple[int, int, float], tokens: int, neurons: float
+        self,
+        keys: tuple[str, str, str],
+        limits: tuple[int, int, float],
+        tokens: int,
+        neurons: float,
+        hold: str,
     ) -> tuple[int, str]:
         self._fail_if_down()
-        return await self.counters.reserve(keys, limits, tokens, neurons)
+        return await self.counters.reserve(keys, limits, tokens, neurons, hold)
 
     async def add(self, key: str, amount: float, ttl: int) -> None:
         self._fail_if_down()
@@ -121,6 +128,15 @@ class Gateway:
                 await connection.scalar(select(CounterRow.value).where(CounterRow.key == key)) or 0.0
             )
 
+    async def holds(self) -> list[bytes]:
+        """The admissions' holds left in Redis (the other counters keep none)."""
+        if self.kind != "redis":
+            return []
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [k async for k in client.scan_iter(match=f"{self.prefix}*:held:*")]
+        await client.aclose()
+        return keys
+
     async def lose_counters(self) -> None:
         """As a Redis restarted empty does (or the counters' rows deleted)."""
         if self.kind == "memory":
@@ -159,6 +175,31 @@ def tenant(daily_neurons: float) -> TenantContext:
         token_id=uuid.uuid4().hex,
         quotas=Quotas(daily_neurons=daily_neurons),
     )
+
+
+async def redis_snapshot(gateway: Gateway) -> dict[bytes, tuple[bytes, int]]:
+    """The gateway's keys as a snapshot of the Redis holds them: each one's DUMP and milliseconds
+    to live."""
+    client = aioredis.Redis.from_url(REDIS_URL)
+    snapshot: dict[bytes, tuple[bytes, int]] = {}
+    for key in [k async for k in client.scan_iter(match=f"{gateway.prefix}*")]:
+        dumped = await client.dump(key)
+        assert dumped is not None  # none of them expires within a test
+        snapshot[key] = (dumped, await client.pttl(key))
+    await client.aclose()
+    return snapshot
+
+
+async def redis_restore(gateway: Gateway, snapshot: dict[bytes, tuple[bytes, int]]) -> None:
+    """What a Redis brought back from the snapshot holds: its keys as they were, and none written
+    since (the holds of later admissions among them)."""
+    client = aioredis.Redis.from_url(REDIS_URL)
+    for key in [k async for k in client.scan_iter(match=f"{gateway.prefix}*")]:
+        if key not in snapshot:
+            await client.delete(key)
+    for key, (dumped, ttl_ms) in snapshot.items():
+        await client.restore(key, max(ttl_ms, 0), dumped, replace=True)
+    await client.aclose()
 
 
 @pytest.fixture(name="postgres_store", scope="module")
@@ -217,7 +258,7 @@ async def test_a_retry_after_a_lost_reply_applies_once(gateway: Gateway) -> None
     gateway.flaky.is_down, gateway.flaky.num_lost_replies = False, 1
     await limiter.wait_settled()
     assert await gateway.spent(who) == 10.0
-    assert gateway.flaky.verdicts == [SETTLED, SETTLED_BEFORE]
+    assert gateway.flaky.verdicts == [SETTLED, SETTLED_BEFORE] and await gateway.holds() == []
 
 
 async def test_a_counter_reseeded_between_admission_and_settle_counts_each_response_once(
@@ -243,6 +284,45 @@ async def test_a_counter_reseeded_between_admission_and_settle_counts_each_respo
     await limiter.settle(b, tokens=1, neurons=5.0)
     assert await gateway.spent(who) == 10.0 + 20.0 + 5.0
     assert flaky.verdicts == [RESEEDED, RESEEDED, SETTLED]  # A's retry; B's refund, then its cost
+    if gateway.kind == "redis":  # A's retry and B's settle dropped their holds; C is in flight
+        assert await gateway.holds() == [limiter._hold_key(who.tenant_id, c.id).encode()]
+
+
+@pytest.mark.parametrize("gateway", ["redis"], indirect=True)
+async def test_a_counter_restored_from_before_an_admission_is_given_its_whole_cost(gateway: Gateway) -> None:
+    """A Redis restored from a snapshot (or a lagging replica promoted) brings the day's counter
+    back as it was before A was admitted, under the same generation and without A's hold: A's
+    settle adds all it cost, 50 + 10. Refunding A's unused 90 there, as it used to, left
+    50 + 10 - 100 = -40: the tenant could spend A's worst case past its allowance.
+    B, reserved before the snapshot, still gets its refund (its hold came back with the counter)."""
+    limiter, who = gateway.limiter, tenant(daily_neurons=1000)
+    await gateway.record(who, 30.0)  # spent earlier today
+    b = await limiter.admit(who, "@cf/m", 1, worst_neurons=20)  # seeds the counter: 30 + 20
+    snapshot = await redis_snapshot(gateway)
+    a = await limiter.admit(who, "@cf/m", 1, worst_neurons=100)
+    assert await gateway.spent(who) == 150.0
+    await redis_restore(gateway, snapshot)
+    assert await gateway.spent(who) == 50.0
+    await limiter.settle(a, tokens=1, neurons=10.0)
+    assert await gateway.spent(who) == 50.0 + 10.0
+    await limiter.settle(b, tokens=1, neurons=5.0)
+    assert await gateway.spent(who) == 30.0 + 10.0 + 5.0
+    assert gateway.flaky.verdicts == [SETTLED, SETTLED] and await gateway.holds() == []
+
+
+@pytest.mark.parametrize("gateway", ["redis"], indirect=True)
+async def test_holds_last_only_while_an_admission_is_unsettled(gateway: Gateway) -> None:
+    """One key per request for the day would fill Redis: a settle deletes its admission's hold, a
+    refused admission leaves none, and neither does one that reserves no neurons."""
+    limiter, who = gateway.limiter, tenant(daily_neurons=150)
+    first = await limiter.admit(who, "@cf/m", 1, worst_neurons=100)
+    with pytest.raises(NeuronsExhausted):
+        await limiter.admit(who, "@cf/m", 1, worst_neurons=100)  # 100 + 100 does not fit in 150
+    free = await limiter.admit(who, "@cf/m", 1, worst_neurons=0)
+    assert await gateway.holds() == [limiter._hold_key(who.tenant_id, first.id).encode()]
+    await limiter.settle(first, tokens=1, neurons=10.0)
+    await limiter.settle(free, tokens=1, neurons=0.0)
+    assert await gateway.holds() == [] and await gateway.spent(who) == 10.0
 
 
 async def test_a_counter_lost_while_a_request_runs_is_seeded_and_given_all_it_cost(gateway: Gateway) -> None:
