@@ -115,7 +115,7 @@ class Engine:
         self.spec = None
         if config.num_speculative_tokens:
             self.spec = SpecDecoder(self.runner, self.block_manager, can_match_stops=detokenize is not None)
-            self.scheduler.draft_rows = self.spec.book.num_pending
+            self.scheduler.draft_rows = self.spec.book.num_pending_rows
         self.detokenize = detokenize
         self._stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
@@ -169,6 +169,8 @@ class Engine:
                 f"{image_embeds.shape[0]} image embeddings for {num_image_tokens} image placeholder tokens."
             )
         self.scheduler.add(seq)
+        if self.spec is not None:
+            self.spec.add(seq)
         self._seqs[request.request_id] = seq
 
     def abort(self, request_id: str) -> None:
@@ -209,10 +211,14 @@ class Engine:
             self.block_manager.complete_step(scheduled.step)
             raise
         self.block_manager.complete_step(scheduled.step)
+        num_generated = self._stats.generated_tokens
         outputs += [o for r in results if (o := self._postprocess(r)) is not None]
         elapsed = time.perf_counter() - start
         if spec is not None and scheduled.num_tokens == len(results):  # decode only: measure the step
-            emitted = sum([len(r.accepted) + 1 for r in results if r.sample is not None])
+            if is_drafting:  # a verify emits its accepted run and one more, a stop inside it or not
+                emitted = sum([len(r.accepted) + 1 for r in results if r.sample is not None])
+            else:  # one token a sampled sequence, each counted as generated: no pass over them
+                emitted = self._stats.generated_tokens - num_generated
             spec.measured(len(results), sum(drafting) if is_drafting else 0, emitted, elapsed)
         self._stats.steps += 1
         self._stats.checked_seqs += len(results) if self.config.check_page_tags else 0

@@ -43,10 +43,26 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # the first `num_decodes` of `scheduled` are decodes: one token each, the newest (so sampled)
+    num_decodes: int = 0
+
+    @property
+    def is_decodes_only(self) -> bool:
+        """Every scheduled chunk is a decode: the sums below need no pass over the sequences."""
+        return self.num_decodes == len(self.scheduled)
 
     @property
     def num_tokens(self) -> int:
+        if self.is_decodes_only:
+            return self.num_decodes
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_samples(self) -> int:
+        """Chunks that reach their sequence's newest token (`ScheduledSeq.needs_sample`)."""
+        if self.is_decodes_only:
+            return self.num_decodes
+        return sum([s.needs_sample for s in self.scheduled])
 
 
 class Scheduler:
@@ -62,10 +78,11 @@ class Scheduler:
         self.num_preemptions = 0
         self._next_step = 0
         # speculative decoding: the verify rows a decode's pending drafts add, kept out of the prefill
-        # budget (backend/engine/speculative/book.py `num_pending`), at most half of what the decodes
-        # leave: else a prefill backlog fills every step and no drafting sequence ever verifies, or
-        # (drafts kept whole) drafting decodes take every row and a new prompt waits for them to end
-        self.draft_rows: Callable[[Sequence], int] | None = None
+        # budget (backend/engine/speculative/book.py `num_pending_rows`, asked once a step with the
+        # decodes), at most half of what the decodes leave: else a prefill backlog fills every step
+        # and no drafting sequence ever verifies, or (drafts kept whole) drafting decodes take every
+        # row and a new prompt waits for them to end
+        self.draft_rows: Callable[[list[ScheduledSeq]], int] | None = None
 
     @property
     def has_work(self) -> bool:
@@ -118,7 +135,6 @@ class Scheduler:
         # decode: one token each, oldest first; preempt the newest when a page is missing
         prefilling = []
         reserve = self.block_manager.reserve_next_slot
-        draft_rows, num_draft_rows = self.draft_rows, 0
         for seq in running:
             if seq.status is not Status.RUNNING:
                 continue
@@ -129,7 +145,8 @@ class Scheduler:
                 continue
             out.scheduled.append(ScheduledSeq(seq, 1))
             budget -= 1
-            num_draft_rows += draft_rows(seq) if draft_rows is not None else 0
+        out.num_decodes = len(out.scheduled)
+        num_draft_rows = self.draft_rows(out.scheduled) if self.draft_rows is not None else 0
         budget -= min(num_draft_rows, max(budget, 0) // 2)
         # prefill: the next chunk of requests already running (in order), then newly admitted ones
         for seq in prefilling:

@@ -29,14 +29,14 @@ every sequence's draft length is chosen by). Prompts do not leave such gaps wher
 step at such a load that drafts nothing runs the MTP layer over its prompt chunks (decoder.py
 `fills_draft_kv`); prefix-cache hits on pages without MTP KV and sequences that ran plain steps above
 the draft cap still can. The scheduler keeps each decode's pending drafts' rows out of the prefill
-budget (`num_pending`, at most half of it), so a prefill backlog does not crowd every verify out. A prefix-cache hit trusts the MTP KV of its hit pages only as far as the cache holds
+budget (`num_pending_rows`, at most half of it), so a prefill backlog does not crowd every verify out. A prefix-cache hit trusts the MTP KV of its hit pages only as far as the cache holds
 it whole, and catches up the rest (backend/engine/block_manager.py, the module doc).
 """
 
 from __future__ import annotations
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.scheduler import SchedulerOutput
+from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.sequence import Sequence
 
 MAX_GAP_SHARE = 2  # a gap over max_num_batched_tokens / this is not caught up (see the docstring)
@@ -57,6 +57,9 @@ class DraftBook:
         self.can_match_stops = can_match_stops
         # request id -> (its number of tokens when they were proposed, the drafts)
         self.proposed: dict[str, tuple[int, list[int]]] = {}
+        # the live requests that may never draft (`add`): none, and a step of decodes alone can
+        # draft every sequence, none asked (`can_draft`)
+        self.never_drafting_ids: set[str] = set()
 
     def drafts_for(self, seq: Sequence) -> list[int]:
         """The drafts proposed for `seq`'s newest token, if they are still for it."""
@@ -72,8 +75,21 @@ class DraftBook:
     def forget(self, request_id: str) -> None:
         self.proposed.pop(request_id, None)
 
+    def add(self, seq: Sequence) -> None:
+        """`seq` was queued: noted if it may never draft (`can_ever_draft`, fixed for its life)."""
+        if not self.can_ever_draft(seq):
+            self.never_drafting_ids.add(seq.request_id)
+
+    def finish(self, request_id: str) -> None:
+        """The request ended: nothing of it is kept."""
+        self.proposed.pop(request_id, None)
+        self.never_drafting_ids.discard(request_id)
+
     def can_draft(self, out: SchedulerOutput) -> list[bool]:
-        """Per scheduled sequence, whether it may draft this step at all."""
+        """Per scheduled sequence, whether it may draft this step at all: in a step of decodes alone
+        (each one sampled) with no live request that may never draft, every one, none asked."""
+        if out.is_decodes_only and not self.never_drafting_ids:
+            return [True] * out.num_decodes
         return [s.needs_sample and self.can_ever_draft(s.seq) for s in out.scheduled]
         # a mid-prompt chunk samples nothing and proposes nothing (its MTP KV is written all the same)
 
@@ -88,10 +104,29 @@ class DraftBook:
         return seq.num_whole_draft_kv_tokens < seq.num_draft_kv_tokens
 
     def num_pending(self, seq: Sequence) -> int:
-        """The verify rows `seq`'s drafts would add to its next decode (the scheduler keeps them
-        out of the prefill budget)."""
+        """The verify rows `seq`'s drafts would add to its next decode."""
         entry = self.proposed.get(seq.request_id)
         return len(entry[1]) if entry is not None and entry[0] == seq.num_tokens else 0
+
+    def num_pending_rows(self, decodes: list[ScheduledSeq]) -> int:
+        """The verify rows the drafts of the step's `decodes` would add (the scheduler keeps them out
+        of the prefill budget). Drafts for a token a sequence has moved past (a plain step ran it:
+        its tokens only grow) are dropped as they are met, so from a load's second plain step on
+        the book is empty and no sequence is asked."""
+        proposed = self.proposed
+        if not proposed:
+            return 0
+        num_rows = 0
+        for s in decodes:
+            seq = s.seq
+            entry = proposed.get(seq.request_id)
+            if entry is None:
+                continue
+            if entry[0] == seq.num_tokens:
+                num_rows += len(entry[1])
+            elif entry[0] < seq.num_tokens:
+                del proposed[seq.request_id]
+        return num_rows
 
     def has_chunk_to_fill(self, out: SchedulerOutput, *, must: bool = False) -> bool:
         """The step holds a prompt chunk of a sequence that may draft later and whose MTP KV is whole
@@ -99,6 +134,8 @@ class DraftBook:
         `fills_draft_kv`). `must`: of a prompt too long to catch up later with room to spare (over
         a quarter of a step's budget: a gap over half of it is given up, `gap`), whose MTP KV is
         written now or never whole."""
+        if out.is_decodes_only:  # a decode's chunk is its newest token
+            return False
         longest = self.max_num_batched_tokens // (2 * MAX_GAP_SHARE) if must else 0
         for s in out.scheduled:
             seq = s.seq

@@ -33,9 +33,14 @@ from the step's load and the measured acceptance; a step verifies at most k of t
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
 drafts and the step is a plain one (graph-replayed decode). While a plain decode step runs on the
 device, the policy is told the last step's time and chooses the next step's k for this load
-(`while_plain_step`): its per-step host work is then off a plain step's critical path. Plain and
-drafting sequences share one verify forward: a plain decode is a one-row chunk beside them. Every
-forward of the step goes to every tensor-parallel rank (backend/engine/speculative/forwards.py).
+(`while_plain_step`): its per-step host work is then off a plain step's critical path. What is left
+on it makes no pass over the sequences in a step of decodes alone: its load comes from the
+scheduler's count of decodes (`SchedulerOutput.is_decodes_only`) and the book's requests that may
+never draft, and the book is empty once a load has stopped drafting (issue 28: at 16-64 sequences
+those passes were most of what a plain step with speculation on cost over one with it off,
+lab/diagnostics/spec_plain_host.py). Plain and drafting sequences share one verify forward: a
+plain decode is a one-row chunk beside them. Every forward of the step goes to every
+tensor-parallel rank (backend/engine/speculative/forwards.py).
 
 Pages: before the step a drafting sequence gets pages for every position the step may write (the
 verify rows and the chained drafts), and keeps them while it drafts (backend/engine/speculative/book.py
@@ -182,12 +187,12 @@ class SpecDecoder:
         ahead, self._ahead, self._plain_load = self._ahead, None, None
         self._num_steps += 1
         if num_requests <= self.max_drafting_seqs:
+            # a step of decodes alone (a decode stream's) counts its load with no pass over them
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
             if self._refused:
                 self._skip_refused(out, can_draft)
             num_drafting = can_draft.count(True)
-            num_samples = sum([s.needs_sample for s in out.scheduled])
-            load = self._load(num_tokens, num_drafting, num_samples - num_drafting)
+            load = self._load(num_tokens, num_drafting, out.num_samples - num_drafting)
             ids = self._drafting_ids(out, can_draft, num_drafting)
             if ahead is not None and ahead[0] is load and ahead[1] == ids and self.policy.forced_k is None:
                 self.k = ahead[2]  # chosen while the last step ran, for this load and these requests
@@ -208,10 +213,11 @@ class SpecDecoder:
                 and self.book.has_chunk_to_fill(out)
                 and (self.policy.may_draft(num_requests) or self.book.has_chunk_to_fill(out, must=True))
             )
-        if any(flags):
+        is_drafting = any(flags)
+        if is_drafting:
             self.settle()  # a drafting step's device waits are its own
         self.book.release_spares(out, flags)
-        self.did_draft = any(flags)
+        self.did_draft = is_drafting
         return flags
 
     def measured(self, num_seqs: int, num_drafting: int, num_tokens: int, seconds: float) -> None:
@@ -257,6 +263,8 @@ class SpecDecoder:
     def _has_drafts(self, out: SchedulerOutput, can_draft: list[bool]) -> bool:
         """Some sequence that could draft has drafts from the last step (drafting goes on, rather
         than starting with a step that only proposes)."""
+        if not self.book.proposed:
+            return False
         return any([self.book.num_pending(s.seq) for s, c in zip(out.scheduled, can_draft, strict=True) if c])
 
     @staticmethod
@@ -312,8 +320,12 @@ class SpecDecoder:
                     else:
                         del refused[rid]
 
+    def add(self, seq: Sequence) -> None:
+        """`seq` was queued (the book notes whether it may ever draft)."""
+        self.book.add(seq)
+
     def forget(self, request_id: str) -> None:
-        self.book.forget(request_id)
+        self.book.finish(request_id)
         self._refused.pop(request_id, None)
         self.policy.forget(request_id)
         self._host_generators.pop(request_id, None)

@@ -4,7 +4,9 @@ plain one (backend/engine/speculative/decoder.py `drafting`); such a step must l
 with speculation off launches: the same torch ops, the same copies to the device and reads back. On
 the GPU each op outside the decode graph is a launch and host time on the step's critical path
 (lab/results/2026-12-05-c64-idle: before, every step that allocated pages also zeroed the MTP layer's
-cache slots of those pages, one more launch per cache tensor).
+cache slots of those pages, one more launch per cache tensor). Below it, at a load where drafting is
+priced to lose, the speculative work of a step of decodes is the policy's alone: no pass over the
+sequences (lab/diagnostics/spec_plain_host.py), and the same decisions as with one.
 
 Counted on the CPU over the decode graphs' buffers (`eager_capture`: the GPU's path, no graph)."""
 
@@ -14,13 +16,21 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backend.engine.engine import Engine
+from backend.engine.engine_config import EngineConfig
+from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
+from backend.engine.speculative.book import DraftBook
+from backend.engine.speculative.load_rates import MIN_RATE_SAMPLES, LoadRates
+from tests.backend.engine.test_draft_policy import toy
+from tests.backend.engine.test_engine import EvenTokensOnly
 from tests.backend.engine.test_speculative import ARCHS, loaded, prompts
 from tests.backend.engine.test_speculative_greedy import graphed
 from tests.backend.engine.test_speculative_host import Transfers
-from tests.backend.engine_helpers import Result, collect, request, spy_tag_updates
+from tests.backend.engine_helpers import Result, collect, request, run_all, spy_tag_updates
+from tests.backend.speculative_toy import MarkovModel
 
 __all__ = ["loaded"]  # the fixture
 
@@ -175,3 +185,155 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
     assert steps[at + 2][0][0] == ("choose", False)  # after it the policy chooses before the step
     want = drive(graphed(model, 0))
     assert {r: v.token_ids for r, v in got.items()} == {r: v.token_ids for r, v in want.items()}
+
+
+# ---- a load priced to lose: the decoder's work a step, not a pass over its sequences --------------
+
+
+def losing(engine: Engine) -> None:
+    """A measuring policy (m as a nano model's) whose every load has measured its plain steps and
+    every draft length far dearer, with no probe affordable: it is asked every step and says k = 0
+    (lab/diagnostics/spec_plain_host.py `priced_to_lose`)."""
+    spec = engine.spec
+    assert spec is not None and spec.policy.is_calibrated
+    policy = spec.policy
+    policy.draft_cost = policy.prior_draft_cost = 0.25
+    spec.max_drafting_seqs = policy.max_paying_seqs(spec.max_seqs)
+    for n in range(spec.max_seqs.bit_length() + 1):
+        policy._rates[1 << n] = LoadRates(
+            plain=1.0, num_plain=MIN_RATE_SAMPLES, plain_step_s=1e-3, draft_step_s=1e9, num_probes=1,
+            step_s_by_k={k: (1e9, 0) for k in range(1, policy.max_drafts + 1)},
+        )  # fmt: skip
+
+
+def test_a_decode_stream_priced_to_lose_asks_no_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 sequences decode at a load where drafting loses (issue 28: such plain steps ran 3-5% slower
+    than speculation off on the H100, host-bound): once their prompts have run, each step's
+    speculative work is the policy's and no pass over the sequences (whether each one samples, may
+    ever draft, has drafts pending). A request that may never draft (a grammar) makes the steps it
+    runs in ask each sequence again; once it ends they ask none. Outputs as with speculation off."""
+    engine = toy(3, speculative_draft_cost=None)
+    losing(engine)
+    spec = engine.spec
+    assert spec is not None and spec.max_drafting_seqs >= 17
+    asked: Counter[str] = Counter()
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            asked[name] += 1
+            return fn(*args, **kw)
+
+        return wrapper
+
+    needs_sample = ScheduledSeq.needs_sample.fget
+    assert needs_sample is not None
+    monkeypatch.setattr(ScheduledSeq, "needs_sample", property(counted("needs_sample", needs_sample)))
+    monkeypatch.setattr(DraftBook, "can_ever_draft", counted("can_ever_draft", DraftBook.can_ever_draft))
+    monkeypatch.setattr(DraftBook, "num_pending", counted("num_pending", DraftBook.num_pending))
+    monkeypatch.setattr(spec.policy, "choose", counted("choose", spec.policy.choose))
+    reqs = [request(f"r{i}", [i % 16] * 3, max_tokens=30) for i in range(16)]
+    for r in reqs:
+        engine.add_request(r)
+    results: dict[str, Result] = {}
+    steps: list[tuple[bool, Counter[str]]] = []  # per step: a never-drafting request live, the asks
+    while engine.has_unfinished:
+        if len(steps) == 10:
+            engine.add_request(
+                request("g", [5], max_tokens=6, temperature=1.0, seed=1), constraint=EvenTokensOnly()
+            )
+        asked.clear()
+        is_guarded = "g" in engine._seqs  # live, so the book knows a request that may never draft
+        collect(results, engine.step())
+        assert spec.k == 0
+        steps.append((is_guarded, Counter(asked)))
+    per_sequence = ("needs_sample", "can_ever_draft", "num_pending")
+    assert all(counts["choose"] for _, counts in steps)  # the policy decides every step
+    for at, (is_guarded, counts) in enumerate(steps[1:], start=1):  # after the prompts' step
+        if not is_guarded:
+            assert not any(counts[name] for name in per_sequence), (at, counts)
+    assert all(counts["can_ever_draft"] >= 16 for is_guarded, counts in steps if is_guarded)
+    plain = run_all(toy(0), reqs)
+    assert {r.request_id: results[r.request_id].token_ids for r in reqs} == {
+        k: v.token_ids for k, v in plain.items()
+    }
+
+
+@pytest.mark.parametrize("is_accepted", [True, False], ids=["accepted", "rejected"])
+def test_a_step_counted_without_a_pass_decides_as_one_with_it(
+    monkeypatch: pytest.MonkeyPatch, is_accepted: bool
+) -> None:
+    """A scripted run (a few requests drafting, a burst past the draft cap, its tail back under it
+    with catch-ups and a long prompt in chunks; a grammar and stop strings among them; drafts all
+    accepted or mostly rejected, so the policy drafts and stops at every kind of step): every step chooses
+    the same k, drafts the same sequences, fills the same prompt chunks and measures the same tokens
+    whether its load is counted without a pass over the sequences (as served) or with one
+    (`SchedulerOutput.is_decodes_only` never true, each decode's pending drafts asked and none
+    dropped: as before), and the policy ends in the same state. A plain step's tokens are its
+    outputs' tokens."""
+    V = 16
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
+    draft = target if is_accepted else torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 3
+
+    def run(is_pass: bool) -> tuple[list[tuple[Any, ...]], dict[str, list[int]], dict[str, Any]]:
+        with monkeypatch.context() as m:
+            if is_pass:
+                m.setattr(SchedulerOutput, "is_decodes_only", property(lambda self: False))
+                m.setattr(
+                    DraftBook, "num_pending_rows", lambda self, d: sum(self.num_pending(s.seq) for s in d)
+                )
+            config = EngineConfig.build(
+                num_pages=1024, page_size=4, max_num_batched_tokens=96, max_num_seqs=64,
+                num_speculative_tokens=3, speculative_max_seqs=64, speculative_draft_cost=0.25,
+            )  # fmt: skip
+            engine = Engine(MarkovModel(target, draft), config, vocab_size=V, context_window=512)
+            spec = engine.spec
+            assert spec is not None and 4 < spec.max_drafting_seqs < 60
+            measured: list[tuple[int, int, int]] = []
+            tell = spec.measured
+
+            def measure(num_seqs: int, num_drafting: int, num_tokens: int, seconds: float) -> None:
+                measured.append((num_seqs, num_drafting, num_tokens))
+                tell(num_seqs, num_drafting, num_tokens, seconds)
+
+            chosen: list[tuple[int, list[str], bool]] = []  # k, the drafting requests, chunks filled
+            choose = spec.drafting
+
+            def drafting(out: SchedulerOutput, num_requests: int) -> list[bool]:
+                flags = choose(out, num_requests)
+                ids = [s.seq.request_id for s, f in zip(out.scheduled, flags, strict=True) if f]
+                chosen.append((spec.k, ids, spec.fills_draft_kv))
+                return flags
+
+            spec.measured = measure  # type: ignore[method-assign]
+            spec.drafting = drafting  # type: ignore[method-assign]
+            for i in range(4):
+                engine.add_request(request(f"a{i}", [i] * (3 + 40 * (i % 2)), max_tokens=80))
+            records: list[tuple[Any, ...]] = []
+            results: dict[str, Result] = {}
+            while engine.has_unfinished:
+                if len(records) == 12:
+                    for i in range(56):
+                        sampling: dict[str, Any] = {"stop": ["x"]} if i % 9 == 0 else {}
+                        engine.add_request(
+                            request(f"b{i}", [i % V] * (2 + i % 7), max_tokens=4 + i, **sampling)
+                        )
+                    engine.add_request(request("g", [5], max_tokens=8, seed=3), constraint=EvenTokensOnly())
+                if len(records) == 60:  # the tail: a prompt over a step's budget
+                    engine.add_request(request("late", [7] * 150, max_tokens=6))
+                chosen.clear()
+                measured.clear()
+                outputs = engine.step()
+                collect(results, outputs)
+                records.append((list(chosen), list(measured)))
+                if measured and not measured[0][1]:  # a plain decode step: a token a sampled sequence
+                    assert measured[0][2] == sum(len(o.token_ids) for o in outputs)
+            state = spec.policy_state()
+            return records, {r: v.token_ids for r, v in results.items()}, state
+
+    fast, fast_tokens, fast_state = run(is_pass=False)
+    slow, slow_tokens, slow_state = run(is_pass=True)
+    assert fast == slow
+    assert fast_tokens == slow_tokens
+    assert fast_state == slow_state
+    ks = [chosen[0][0] for chosen, _ in fast if chosen]
+    assert any(ks) and not all(ks)  # drafting and plain steps both
