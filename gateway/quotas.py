@@ -40,9 +40,13 @@ its settlement deletes it: a counter of the admission's generation without the h
 reservation, and is given the whole cost rather than the refund (which could have taken it below
 what was spent). What a restored counter still lacks is what was admitted and settled between the
 snapshot and the restore (the ledger bills it, the counter does not count it); a hold it brings back
-whose settlement ran before the restore keeps that worst case reserved for the day, as does a hold
-lost otherwise (evicted). Counters in this process cannot be restored; PostgreSQL loses a committed
-reservation only with committed transactions, the ledger's among them.
+whose settlement ran before the restore keeps that worst case reserved for the day, and so does a hold
+evicted before its settlement (the quota Redis is meant to run with `maxmemory-policy noeviction`).
+Counters in this process cannot be restored. PostgreSQL keeps no holds (a row written and deleted per
+request): a database restored to a point in time, or an asynchronous standby promoted behind its
+primary, brings back counters that lack reservations made since, whose refunds can then exceed what
+they hold; after such a restore delete the counters' rows (`quota_counters`: they are re-seeded from
+the ledger), or run a synchronous standby.
 """
 
 from __future__ import annotations
@@ -114,10 +118,14 @@ return redis.call('GET', KEYS[2]) or ''
 # ttl, the whole cost, then pairs of a generation and the amount to add to a counter of that generation
 # while the hold is there; the whole cost is added instead once it is gone (the counter never held the
 # reservation). Returns {verdict, the counter's generation}: 0 settled, 1 settled before (the marker is
-# there), 2 no counter, 3 a generation not listed (a counter seeded since admission: the hold goes too).
+# there), 2 no counter, 3 a generation not listed (a counter seeded since admission); but for 1, the hold
+# goes (a counter seeded after 2 or 3 never held the reservation: it is given the whole cost either way).
 SETTLE_LUA = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {1, ''} end
-if redis.call('EXISTS', KEYS[1]) == 0 then return {2, ''} end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[4])
+  return {2, ''}
+end
 local generation = redis.call('GET', KEYS[2]) or ''
 for i = 4, #ARGV, 2 do
   if ARGV[i] == generation then
@@ -346,9 +354,8 @@ class PostgresCounters:
         neurons: float,
         hold: str,
     ) -> tuple[int, str]:
-        # no hold (it would be a row written and deleted per request): PostgreSQL loses a committed
-        # reservation only with committed transactions (restored, a lagging standby promoted), and
-        # then the ledger's with it
+        # no hold (a row written and deleted per request): a database restored behind its last
+        # reservations is not covered (the module docstring says what to do then)
         (rk, tk, nk), (rpm, tpm, daily) = keys, limits
         verdict = self._minutes.reserve_minute(rk, tk, rpm, tpm, tokens)
         if verdict != ADMITTED:

@@ -325,6 +325,24 @@ async def test_holds_last_only_while_an_admission_is_unsettled(gateway: Gateway)
     assert await gateway.holds() == [] and await gateway.spent(who) == 10.0
 
 
+async def test_a_retried_settle_that_finds_no_counter_drops_its_hold(gateway: Gateway) -> None:
+    """The day's counter vanished (evicted, deleted by hand) but not the hold, while the settle was
+    being retried in the background: the retry ends there (the ledger has the response by then), and
+    its hold must not stay for two days."""
+    if gateway.kind != "redis":
+        pytest.skip("only Redis keeps holds")
+    limiter, who = gateway.limiter, tenant(daily_neurons=1000)
+    first = await limiter.admit(who, "@cf/m", 1, worst_neurons=100)
+    gateway.flaky.are_settles_down = True
+    await limiter.settle(first, tokens=1, neurons=10.0)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    await client.delete(limiter._neurons_key(who.tenant_id, _today()))
+    await client.aclose()
+    gateway.flaky.are_settles_down = False
+    await limiter.wait_settled()
+    assert gateway.flaky.verdicts == [quotas.NO_COUNTER] and await gateway.holds() == []
+
+
 async def test_a_counter_lost_while_a_request_runs_is_seeded_and_given_all_it_cost(gateway: Gateway) -> None:
     limiter, who = gateway.limiter, tenant(daily_neurons=1000)
     await gateway.record(who, 7.0)  # spent earlier today
