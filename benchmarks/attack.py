@@ -144,24 +144,28 @@ async def big_header(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool
 async def slowloris(t: Target, http: httpx.AsyncClient) -> tuple[str, str, bool]:
     num, limit_s = (20, 15.0) if t.quick else (200, 60.0)
     host, port = _address(t)
-    conns = [await asyncio.open_connection(host, port) for _ in range(num)]
-    start = time.monotonic()
-    for _, w in conns:
-        w.write(f"GET /healthz HTTP/1.1\r\nHost: {_host(t)}\r\n".encode())
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     closed_at: dict[int, float] = {}
-    while time.monotonic() - start < limit_s and len(closed_at) < num:
-        for i, (r, w) in enumerate(conns):
-            if i in closed_at:
-                continue
-            try:
-                w.write(b"X-Trickle: 1\r\n")
-                await w.drain()
-            except (ConnectionError, OSError):
-                closed_at[i] = time.monotonic() - start
-            if r.at_eof():
-                closed_at[i] = time.monotonic() - start
-        await asyncio.sleep(1.0)
-    await asyncio.gather(*(_drop(w) for _, w in conns))
+    try:  # whatever fails, every connection opened is dropped (none outlives the attack)
+        for _ in range(num):
+            conns.append(await asyncio.open_connection(host, port))
+        start = time.monotonic()
+        for _, w in conns:
+            w.write(f"GET /healthz HTTP/1.1\r\nHost: {_host(t)}\r\n".encode())
+        while time.monotonic() - start < limit_s and len(closed_at) < num:
+            for i, (r, w) in enumerate(conns):
+                if i in closed_at:
+                    continue
+                try:
+                    w.write(b"X-Trickle: 1\r\n")
+                    await w.drain()
+                except (ConnectionError, OSError):
+                    closed_at[i] = time.monotonic() - start
+                if r.at_eof():
+                    closed_at[i] = time.monotonic() - start
+            await asyncio.sleep(1.0)
+    finally:
+        await asyncio.gather(*(_drop(w) for _, w in conns))
     got = f"{len(closed_at)} of {num} closed by the server within {limit_s:.0f} s"
     return f"{num} connections trickling header lines", got, len(closed_at) == num
 

@@ -7,6 +7,8 @@ import the backend (and torch) only when called, so the gateway runs on machines
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 
 # command → module with a `main(argv: list[str]) -> int`
@@ -37,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(COMMANDS[command])
         return int(module.main(rest) or 0)
     except KeyboardInterrupt:  # Ctrl-C: stopped as asked; a key press is not a crash to trace
-        return 130
+        # die by SIGINT, as an untraced interrupt would: a calling shell script then stops too
+        # (an exit code of 130 would tell it the command handled the signal, and the script goes on)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130  # not reached
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ SERVED_WEIGHTS = "int4-g32"  # the served configuration: INT4 routed experts …
 SERVED_KV = "fp8"  # … and an FP8 KV cache (scales calibrated by `kumo quantize --kv-scales`)
 SOURCE_STAMP = "kumo-source.sha256"
 READY_TIMEOUT_S = 900.0
+STOP_GRACE_S = 15.0  # a stopping backend's time to drain before it is killed
 PAGE_SIZE = 16  # the backend's default page size, in tokens
 
 
@@ -166,17 +167,19 @@ async def wait_ready(backends: list[BackendProcess], logs: Path) -> None:
 
 
 async def stop_backends(backends: list[BackendProcess]) -> None:
-    for b in backends:
-        if b.process is not None and b.process.returncode is None:
-            b.process.terminate()
-    for b in backends:
-        if b.process is None:
-            continue
-        try:
-            await asyncio.wait_for(b.process.wait(), 15)
-        except TimeoutError:
-            b.process.kill()
-            await b.process.wait()
+    """SIGTERM every backend (each drains), then SIGKILL those still running after one shared
+    `STOP_GRACE_S` (not one each: a stop with several hung backends takes no longer than with one)."""
+    processes = [b.process for b in backends if b.process is not None]
+    for process in processes:
+        if process.returncode is None:
+            process.terminate()
+    waits = [asyncio.create_task(process.wait()) for process in processes]
+    if waits:
+        await asyncio.wait(waits, timeout=STOP_GRACE_S)
+    for process, wait in zip(processes, waits, strict=True):
+        if not wait.done():
+            process.kill()
+            await wait
 
 
 def shares_latent_cache(folder: Path) -> bool:

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +189,22 @@ def test_dcp_applies_to_mla_checkpoints_only(tmp_path: Path) -> None:
     flags = argparse.Namespace(tp=2, ep=0, dcp=2)
     assert serve.parallel_flags(flags, mla) == ("--tp", "2", "--ep", "0", "--dcp", "2")
     assert serve.parallel_flags(flags, gqa) == ("--tp", "2", "--ep", "0", "--dcp", "1")
+
+
+async def test_stopping_hung_backends_takes_one_grace_not_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    # three backends that ignore SIGTERM: each is killed once one shared grace has passed
+    monkeypatch.setattr(serve, "STOP_GRACE_S", 1.0)
+    hang = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    backends = []
+    for i in range(3):
+        b = serve.BackendProcess(f"m{i}", Path("."), f"p{i}", 0, "s")
+        b.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", hang, stdout=asyncio.subprocess.PIPE
+        )
+        assert b.process.stdout is not None
+        await b.process.stdout.readline()  # its SIGTERM handler is in place
+        backends.append(b)
+    start = time.monotonic()
+    await serve.stop_backends(backends)
+    assert time.monotonic() - start < 2.5  # one after another: >= 3 s
+    assert [b.process.returncode for b in backends if b.process] == [-9, -9, -9]
