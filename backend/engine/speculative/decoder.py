@@ -34,7 +34,8 @@ the step before (a prefix of them: exact whatever k was then) and proposes k. Wi
 drafts and the step is a plain one (graph-replayed decode). While a plain decode step runs on the
 device, the policy is told the last step's time and chooses the next step's k for this load
 (`while_plain_step`): its per-step host work is then off a plain step's critical path. What is left
-on it makes no pass over the sequences in a step of decodes alone: its load comes from the
+on it asks no sequence anything in a step of decodes alone (a few cheap walks remain: the drafting
+ids when 1-8 may draft, the refused catch-ups, the pages touched): its load comes from the
 scheduler's count of decodes (`SchedulerOutput.is_decodes_only`) and the book's requests that may
 never draft, and the book is empty once a load has stopped drafting (issue 28: at 16-64 sequences
 those passes were most of what a plain step with speculation on cost over one with it off,
