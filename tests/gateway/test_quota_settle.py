@@ -25,18 +25,18 @@ from tenancy_db import create_database, drop_database, sqlite_store_fixture  # n
 from gateway import quotas
 from gateway.auth import TenantContext
 from gateway.errors import NeuronsExhausted
-from gateway.quotas import (
+from gateway.quota_counters import (
+    NO_COUNTER,
     RESEEDED,
     SETTLED,
     SETTLED_BEFORE,
-    Admission,
     Counters,
-    Limiter,
     MemoryCounters,
     PostgresCounters,
     RedisCounters,
     Settlement,
 )
+from gateway.quotas import Admission, Limiter
 from gateway.store import Store
 from gateway.store.tables import CounterRow
 from schemas.admin import Quotas, UsageRecord
@@ -340,7 +340,7 @@ async def test_a_retried_settle_that_finds_no_counter_drops_its_hold(gateway: Ga
     await client.aclose()
     gateway.flaky.are_settles_down = False
     await limiter.wait_settled()
-    assert gateway.flaky.verdicts == [quotas.NO_COUNTER] and await gateway.holds() == []
+    assert gateway.flaky.verdicts == [NO_COUNTER] and await gateway.holds() == []
 
 
 async def test_a_counter_lost_while_a_request_runs_is_seeded_and_given_all_it_cost(gateway: Gateway) -> None:
