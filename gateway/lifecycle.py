@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from types import FrameType
 from typing import TypeVar
@@ -146,9 +147,9 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def serve(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)  # type: ignore[arg-type]
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

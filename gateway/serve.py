@@ -6,6 +6,11 @@ dir (cached; redone when the source bytes change). It spawns one `kumo backend` 
 loopback with a generated secret, waits until every backend is ready, and only then listens; it
 prints the URL, a development (paid) tenant's account id and token and the admin token (kept in
 the data dir, `gateway.dev_credentials`), and stops everything on Ctrl-C or SIGTERM.
+
+Ports are held from the moment they are chosen (schemas/listen.py): the gateway's `--port` is bound
+first (a port in use is an error before anything loads), and each backend's loopback port is bound
+here and handed to the backend as its socket (`--listen-fd`), so no other process can take it while
+the backend loads; a restarted backend binds the same port again.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from gateway.settings import GatewaySettings, add_common_arguments, child_enviro
 from gateway.supervisor import Supervised, Supervisor
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 from schemas.child_process import die_with_parent
+from schemas.listen import bind, port_of
 
 DEFAULT_PORT = 8787
 TRAINED = Path(__file__).resolve().parents[1] / "models"
@@ -65,16 +71,21 @@ class BackendProcess:
     max_pages: int | None = None  # None: the backend's default pool
     speculative: str = "off"  # `--speculative mtp:K` (backend/engine/speculative/decoder.py)
     process: asyncio.subprocess.Process | None = None
+    listener: socket.socket | None = None  # its port's bound socket, held until the process takes it
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def reserve_port(self) -> None:
+        """Bind a loopback port the kernel picks (`listener`): it stays taken while the socket is open."""
+        sockets = bind("127.0.0.1", 0)
+        self.port, self.listener = port_of(sockets), sockets[0]
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
 
 def parse_named(values: list[str], flag: str) -> list[tuple[str, Path]]:
@@ -126,21 +137,29 @@ async def ensure_checkpoint(src: Path, folder: Path, log: Path) -> None:
 async def start_backend(
     b: BackendProcess, dtype: str, device: str, logs: Path, parallel: tuple[str, ...] = ()
 ) -> None:
-    """`parallel`: the `--tp/--ep/--dcp` arguments (each backend is a group of that many ranks)."""
-    log = (logs / f"{b.pool}.log").open("ab")
-    b.process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
-        "--name", b.name, "--dtype", dtype, "--device", device, "--kv-dtype", b.kv_dtype, *parallel,
-        "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
-        *(["--max-pages", str(b.max_pages)] if b.max_pages is not None else []),
-        "--speculative", b.speculative,
-        stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),
-        # its own process group: a terminal's Ctrl-C reaches `kumo serve` alone, which stops it (and
-        # drains it) by SIGTERM, instead of interrupting it mid-request with a traceback in its log
-        start_new_session=True,
-    )  # fmt: skip
-    log.close()
+    """`parallel`: the `--tp/--ep/--dcp` arguments (each backend is a group of that many ranks).
+    The backend serves on `b.listener` (bound again to `b.port` for a restart: OSError if it was
+    taken meanwhile), which it holds from then on."""
+    listener = b.listener if b.listener is not None else bind("127.0.0.1", b.port)[0]
+    b.listener = None
+    fd = listener.fileno()
+    try:
+        with (logs / f"{b.pool}.log").open("ab") as log:
+            b.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gateway.cli", "backend", "--model", str(b.folder), "--port", str(b.port),
+                "--listen-fd", str(fd), "--name", b.name, "--dtype", dtype, "--device", device,
+                "--kv-dtype", b.kv_dtype, *parallel,
+                "--data-dir", str(logs.parent),  # the data dir: its compile cache outlives restarts
+                *(["--max-pages", str(b.max_pages)] if b.max_pages is not None else []),
+                "--speculative", b.speculative,
+                stdout=log, stderr=log, env=child_environment({"KUMO_BACKEND_SECRET": b.secret}),
+                pass_fds=(fd,), preexec_fn=functools.partial(die_with_parent, os.getpid()),
+                # its own process group: a terminal's Ctrl-C reaches `kumo serve` alone, which stops it (and
+                # drains it) by SIGTERM, instead of interrupting it mid-request with a traceback in its log
+                start_new_session=True,
+            )  # fmt: skip
+    finally:
+        listener.close()  # the backend's copy is the one that serves
 
 
 async def wait_ready(backends: list[BackendProcess], logs: Path) -> None:
@@ -230,7 +249,7 @@ def plan(
         to_create.append((models_dir / trained, folder))
         backends.append(
             BackendProcess(
-                entry.name, folder, entry.pool, free_port(), secrets.token_hex(24), kv_dtype=SERVED_KV,
+                entry.name, folder, entry.pool, 0, secrets.token_hex(24), kv_dtype=SERVED_KV,
                 max_pages=pages_for_window(models_dir / trained),
             )
         )  # fmt: skip
@@ -239,7 +258,7 @@ def plan(
     for i, (name, folder, family) in enumerate(extra):
         pool = f"local-{i}"
         models.append(local_model_spec(name, folder, pool, family=family))
-        backends.append(BackendProcess(name, folder, pool, free_port(), secrets.token_hex(24)))
+        backends.append(BackendProcess(name, folder, pool, 0, secrets.token_hex(24)))
     try:
         catalog = Catalog.from_file(file, models)
     except CatalogError as exc:
@@ -248,9 +267,35 @@ def plan(
 
 
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
-    catalog, backends, to_create = plan(args, settings)
-    for b in backends:
-        b.speculative = args.speculative
+    try:  # first, so a port in use fails now, and no backend's port can be this one
+        sockets = bind(settings.host, settings.port)
+    except OSError as exc:
+        raise ServeError(
+            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}): another server "
+            "holds it? Choose another with --port."
+        ) from None
+    backends: list[BackendProcess] = []
+    try:
+        catalog, backends, to_create = plan(args, settings)
+        for b in backends:
+            b.speculative = args.speculative
+            b.reserve_port()
+        return await _serve(args, settings, sockets, catalog, backends, to_create)
+    finally:
+        for b in backends:  # (those never started)
+            b.close()
+        for sock in sockets:  # (uvicorn closed them if it served)
+            sock.close()
+
+
+async def _serve(
+    args: argparse.Namespace,
+    settings: GatewaySettings,
+    sockets: list[socket.socket],
+    catalog: Catalog,
+    backends: list[BackendProcess],
+    to_create: list[tuple[Path, Path]],
+) -> int:
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop = asyncio.Event()
@@ -301,7 +346,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
         # uvicorn takes the signals while it serves and re-raises the one that stopped it after;
         # our handlers stay installed beneath, so that re-raise lands here, not in the default
         # action that would kill this process before it stops the backends
-        serving = asyncio.create_task(server.serve())
+        serving = asyncio.create_task(server.serve(sockets))
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:

@@ -1,7 +1,8 @@
 """`kumo serve`'s backend processes: restarted when they die, and never outliving `kumo serve`.
 
 A backend that exits while `kumo serve` runs is started again after a backoff (1 s, doubling to
-30 s; back to 1 s once a process has stayed up for a minute). Meanwhile the router ejects the dead
+30 s; back to 1 s once a process has stayed up for a minute); a start that fails (its port taken,
+no process could be forked) is tried again after the next backoff. Meanwhile the router ejects the dead
 replica, so its requests get 503/3040 with `Retry-After`; the health loop brings it back when the
 new process is ready.
 
@@ -67,6 +68,12 @@ class Supervisor:
             log.warning("backend_exited", model=child.name, code=code, restart_in_s=backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max)
-            await self._restart(child)
+            try:
+                await self._restart(child)
+            except (
+                OSError
+            ) as exc:  # (its port taken meanwhile, no process left to fork): after the next backoff
+                log.error("backend_restart_failed", model=child.name, error=str(exc))
+                continue  # the old process's wait() returns at once
             self.num_restarts += 1
             log.info("backend_restarted", model=child.name, pid=child.process.pid if child.process else None)

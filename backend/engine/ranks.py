@@ -169,20 +169,28 @@ def rank_device(settings: BackendSettings, rank: int) -> torch.device:
 STARTUP_TIMEOUT_S = 600.0  # the ranks meet once each has imported torch and found its device
 
 
-def join_group(settings: BackendSettings, rank: int, port: int) -> torch.device:
-    """Join the rank group (every rank calls this; rank 0 hosts the store on loopback `port`): NCCL
-    on CUDA, gloo on the CPU. Collectives time out after `--rank-timeout-s`, so that a hung rank
-    fails the group rather than stall it forever; meeting at start-up may take longer."""
+def rank_store(settings: BackendSettings, port: int | None = None) -> dist.TCPStore:  # type: ignore[name-defined]
+    """The rank group's store on loopback. Rank 0 (`port` None) hosts it on a port the kernel picks,
+    bound here, before any rank > 0 is started (`store.port` is what they are given): a port chosen
+    free and bound later could be taken in between (schemas/listen.py). Ranks > 0 connect to `port`.
+    Meeting at start-up may take longer than a collective."""
+    return dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
+        "127.0.0.1",
+        port or 0,
+        settings.tp,
+        is_master=port is None,
+        timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
+        wait_for_workers=False,  # rank 0's: the others start after it; they meet in init_process_group
+    )
+
+
+def join_group(settings: BackendSettings, rank: int, store: dist.Store) -> torch.device:  # type: ignore[name-defined]
+    """Join the rank group through `store` (`rank_store`; every rank calls this): NCCL on CUDA, gloo
+    on the CPU. Collectives time out after `--rank-timeout-s`, so that a hung rank fails the group
+    rather than stall it forever."""
     device = rank_device(settings, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
-        "127.0.0.1",
-        port,
-        settings.tp,
-        is_master=rank == 0,
-        timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
-    )
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=store,

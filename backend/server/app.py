@@ -30,17 +30,18 @@ from starlette.types import Lifespan, Receive, Scope, Send
 
 from backend.engine import heap
 from backend.engine.async_engine import AsyncEngine
-from backend.engine.ranks import join_group, rank_device
+from backend.engine.ranks import join_group, rank_device, rank_store
 from backend.errors import Aborted, EngineError, InvalidRequest, RanksDown, Unauthorized
 from backend.models.image_encoder import MEDIA_PAD, ImageBudget, VisionEncoder
 from backend.server.generation import Serving
 from backend.server.metrics import BackendMetrics
 from backend.server.model_card import ServedModel
-from backend.server.rank_group import RankFailure, RankGroup, build_engine, free_port
+from backend.server.rank_group import RankFailure, RankGroup, build_engine
 from backend.server.settings import BackendSettings, build_settings
 from backend.server.warmup import warm_up
 from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
 from schemas.http_protocol import ConnectionLimits, ServerConfig
+from schemas.listen import bind, inherit
 
 log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode
@@ -265,12 +266,22 @@ def build_backend(
 
 def main(argv: list[str]) -> int:
     settings = build_settings(argv)
+    try:  # first: the port is this process's from now on, and one in use is an error at once
+        sockets = (
+            [inherit(settings.listen_fd)]
+            if settings.listen_fd is not None
+            else bind(settings.host, settings.port)
+        )
+    except OSError as exc:
+        print(f"kumo backend: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 1
     failure = RankFailure()
     try:
         if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
-            port = free_port()
-            failure.group = RankGroup(settings, port, lambda r, code: failure(f"rank {r} exited with {code}"))
-            join_group(settings, 0, port)
+            store = rank_store(settings)
+            group = RankGroup(settings, store.port, lambda r, code: failure(f"rank {r} exited with {code}"))
+            failure.group = group
+            join_group(settings, 0, store)
         backend, async_engine = build_backend(settings, on_rank_failure=failure)
     except (EngineError, OSError, ValueError, RuntimeError) as exc:  # cannot be served: say why, exit
         print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
@@ -301,5 +312,5 @@ def main(argv: list[str]) -> int:
     config = ServerConfig(
         app, limits, host=settings.host, port=settings.port, log_level="warning", access_log=False
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=sockets)
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from backend.engine import heap
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
-from backend.engine.ranks import StepChannel, follow_steps, join_group
+from backend.engine.ranks import StepChannel, follow_steps, join_group, rank_store
 from backend.errors import CheckpointError, RanksDown
 from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
 from backend.server.settings import BackendSettings
@@ -200,16 +199,10 @@ class RankFailure:
         os._exit(RANKS_DOWN_EXIT)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _main() -> int:
     """A rank > 0: join the group, load its slice, build the engine, follow rank 0's steps."""
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=_Launch)
-    device = join_group(launch.settings, launch.rank, launch.port)
+    device = join_group(launch.settings, launch.rank, rank_store(launch.settings, launch.port))
     engine = build_engine(launch.settings, rank=launch.rank, device=device)
     assert engine.runner.ranks is not None
     heap.freeze()  # start-up's heap out of every later full collection (backend/engine/heap.py)

@@ -1,6 +1,6 @@
 """The backend process's settings: one frozen object built once from argv and the environment.
 
-`kumo backend --model DIR --port N [--host 127.0.0.1] [--dtype float32|bfloat16]
+`kumo backend --model DIR --port N [--host 127.0.0.1] [--listen-fd FD] [--dtype float32|bfloat16]
 [--kv-dtype auto|bf16|fp8] [--max-pages N] [--name NAME] [--secret S] [--data-dir DIR]
 [--speculative mtp:K] [--no-speculative-graphs] [--no-pdl]
 [--tp N] [--ep N] [--dcp N] [--rank-timeout-s S]`
@@ -15,7 +15,10 @@ page holds page_size·dcp tokens of a sequence.
 
 The shared secret comes from `--secret` or `KUMO_BACKEND_SECRET`; without one the backend refuses
 to start, so no one can reach it without the gateway's secret (and pick a tenant salt, or skip
-metering). It binds loopback unless told otherwise.
+metering). It binds loopback unless told otherwise, and binds first, before it loads anything: a port
+in use is an error at once, and no other process takes the port while the model loads.
+`--listen-fd` (what `kumo serve` passes): serve on a socket the parent bound (schemas/listen.py)
+instead of binding `--host`/`--port`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     port: Port
     secret: Secret
     host: str = "127.0.0.1"
+    listen_fd: Annotated[int, Meta(ge=0)] | None = None  # a bound socket inherited from the parent
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     kv_dtype: Literal["auto", "bf16", "fp8"] = "auto"
     max_pages: NumPages = 1024
@@ -102,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint folder")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="serve on this inherited bound socket instead of binding --host/--port (kumo serve's)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--kv-dtype", choices=list(KV_DTYPES), default="auto")
     p.add_argument("--max-pages", type=int, default=1024, help="KV pages in the pool")

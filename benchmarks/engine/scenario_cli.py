@@ -113,14 +113,11 @@ def main(argv: list[str]) -> int:
     if a.tp > 1:  # every rank runs this; rank 0 starts the others (benchmarks/engine/tp_group.py)
         from benchmarks.engine import tp_group
 
-        port = a.tp_port
+        group_store = tp_group.store(a.tp_rank, a.tp, a.tp_port)
         if a.tp_rank == 0:
-            from backend.server.rank_group import free_port
-
-            port = free_port()
-            followers = tp_group.start_followers(argv, a.tp, port)
+            followers = tp_group.start_followers(argv, a.tp, group_store.port)
         rank_device = tp_group.rank_device(device, a.tp_rank)
-        tp_group.join(a.tp_rank, a.tp, port, rank_device)
+        tp_group.join(a.tp_rank, a.tp, group_store, rank_device)
         device = str(rank_device)
     # the one place a geometry is chosen: "one rank of N" (`--rank-of N`) is the full depth at 1/N width
     collectives = None

@@ -75,16 +75,27 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if torch.device(device).type == "cuda" else torch.device("cpu")
 
 
-def join(rank: int, world_size: int, port: int, device: torch.device) -> None:
-    """Join the group of `world_size` ranks (rank 0 hosts the store on loopback `port`)."""
+def store(rank: int, world_size: int, port: int = 0) -> dist.TCPStore:  # type: ignore[name-defined]
+    """The group's store on loopback: rank 0 hosts it on a port the kernel picks and binds now
+    (`.port`: what the followers are given; backend.engine.ranks.rank_store says why), the others
+    connect to `port`."""
+    return dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+        wait_for_workers=False,
+    )
+
+
+def join(rank: int, world_size: int, group_store: dist.Store, device: torch.device) -> None:  # type: ignore[name-defined]
+    """Join the group of `world_size` ranks through `group_store` (`store`)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
-        "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
-    )
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        store=store,
+        store=group_store,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=STEP_TIMEOUT_S),

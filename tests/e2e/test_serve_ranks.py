@@ -220,8 +220,11 @@ def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
     with (data_dir / "serve.log").open("wb") as log:
         try:
             process, printed = spawn_serve(args, cwd=ROOT, env=env, stderr=log, timeout_s=300)
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}{(data_dir / 'serve.log').read_text()}") from None
+        except RuntimeError as exc:  # with every backend's log: a rank's failure is printed only there
+            logs = "".join(
+                f"\n--- {p.name}\n{p.read_text()[-6000:]}" for p in sorted(data_dir.glob("logs/*.log"))
+            )
+            raise RuntimeError(f"{exc}{(data_dir / 'serve.log').read_text()}{logs}") from None
     try:
         account = re.search(r"Account ID: ([0-9a-f]{32})", printed)
         token = re.search(r"API token:  (\S+)", printed)

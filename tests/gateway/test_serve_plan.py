@@ -51,7 +51,14 @@ def test_defaults_and_added_models(tmp_path: Path) -> None:
         "@cf/acme/kimi-local",
         "@cf/kumo/glm-4.5",
     ]
-    assert len({b.port for b in backends}) == 4 and len({b.secret for b in backends}) == 4
+    assert len({b.secret for b in backends}) == 4
+    try:  # each backend's port is bound when `kumo serve` starts them (tests/gateway/test_ports.py)
+        for b in backends:
+            b.reserve_port()
+        assert len({b.port for b in backends}) == 4 and all(b.port > 0 for b in backends)
+    finally:
+        for b in backends:
+            b.close()
     local = catalog.get("@cf/acme/kimi-local")
     assert (local.family, local.architecture, local.author, local.vision) == (
         "openai",

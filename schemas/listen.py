@@ -1,0 +1,49 @@
+"""Ports held from the moment they are chosen: the gateway's, and each backend's.
+
+Choosing a free port by binding port 0 and closing the socket again (and binding it later, in
+another process) leaves a window in which any other process may take it: `kumo serve --tp 2` on
+two CPU cores gave two backends the same port about once in five starts (2026-12-06; its four
+backends each loading for seconds before they bound, besides their ranks' stores). So the port is
+bound when it is chosen and the bound socket itself is what serves: `bind` binds without listening
+(a connection is refused until the server listens, as before it had bound), the uvicorn server takes
+the sockets (`uvicorn.Server.serve(sockets=...)`), and a child process inherits its socket
+(`inherit`) instead of being told a number. Standard library only: the gateway and the backend both
+use it.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """One socket bound to `port` for each address `host` resolves to (as asyncio's `create_server`
+    binds them: SO_REUSEADDR, IPv6 sockets IPv6-only), not yet listening. Port 0: the kernel picks
+    one (for a host with one address). OSError (the port in use, an unknown host) with none left open."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # (getaddrinfo may repeat one)
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+def port_of(sockets: list[socket.socket]) -> int:
+    return int(sockets[0].getsockname()[1])
+
+
+def inherit(fd: int) -> socket.socket:
+    """The socket a parent passed as descriptor `fd` (`subprocess`'s `pass_fds`), not passed on to
+    this process's own children."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    return sock
