@@ -43,7 +43,7 @@ from gateway.settings import GatewaySettings, add_common_arguments, child_enviro
 from gateway.supervisor import Supervised, Supervisor
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 from schemas.child_process import die_with_parent
-from schemas.listen import bind, port_of
+from schemas.listen import bind, in_use, port_of
 
 DEFAULT_PORT = 8787
 TRAINED = Path(__file__).resolve().parents[1] / "models"
@@ -77,9 +77,11 @@ class BackendProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def reserve_port(self) -> None:
-        """Bind a loopback port the kernel picks (`listener`): it stays taken while the socket is open."""
-        sockets = bind("127.0.0.1", 0)
+    def reserve_port(self, port: int = 0) -> None:
+        """Bind loopback `port` (0: one the kernel picks, which no other socket may share; a given one,
+        a restart's, with SO_REUSEADDR past the last run's TIME_WAIT) as `listener`: taken while open."""
+        self.close()
+        sockets = bind("127.0.0.1", port, reuse_address=port != 0)
         self.port, self.listener = port_of(sockets), sockets[0]
 
     def close(self) -> None:
@@ -138,10 +140,12 @@ async def start_backend(
     b: BackendProcess, dtype: str, device: str, logs: Path, parallel: tuple[str, ...] = ()
 ) -> None:
     """`parallel`: the `--tp/--ep/--dcp` arguments (each backend is a group of that many ranks).
-    The backend serves on `b.listener` (bound again to `b.port` for a restart: OSError if it was
-    taken meanwhile), which it holds from then on."""
-    listener = b.listener if b.listener is not None else bind("127.0.0.1", b.port)[0]
-    b.listener = None
+    The backend serves on `b.listener` (bound now if it is not: OSError if `b.port` was taken
+    meanwhile), which it holds from then on."""
+    if b.listener is None:
+        b.reserve_port(b.port)
+    listener, b.listener = b.listener, None
+    assert listener is not None
     fd = listener.fileno()
     try:
         with (logs / f"{b.pool}.log").open("ab") as log:
@@ -266,20 +270,22 @@ def plan(
     return catalog, backends, to_create
 
 
+def cannot_listen(settings: GatewaySettings, exc: OSError) -> ServeError:
+    hint = ": another server holds it? Choose another with --port." if in_use(exc) else "."
+    return ServeError(f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}){hint}")
+
+
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> int:
     try:  # first, so a port in use fails now, and no backend's port can be this one
         sockets = bind(settings.host, settings.port)
     except OSError as exc:
-        raise ServeError(
-            f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}): another server "
-            "holds it? Choose another with --port."
-        ) from None
+        raise cannot_listen(settings, exc) from None
     backends: list[BackendProcess] = []
     try:
         catalog, backends, to_create = plan(args, settings)
         for b in backends:
             b.speculative = args.speculative
-            b.reserve_port()
+            b.reserve_port()  # (SO_REUSEADDR off: no socket can share it)
         return await _serve(args, settings, sockets, catalog, backends, to_create)
     finally:
         for b in backends:  # (those never started)
@@ -336,7 +342,11 @@ async def _serve(
             assert isinstance(b, BackendProcess)
             await start_backend(b, dtype, args.device, logs, parallel_flags(args, b.folder))
 
-        supervisor = Supervisor(backends, restart)
+        def hold_port(b: Supervised) -> None:  # the moment it exited: its port, held through the backoff
+            assert isinstance(b, BackendProcess)
+            b.reserve_port(b.port)
+
+        supervisor = Supervisor(backends, restart, on_exit=hold_port)
         supervisor.start()
         server = DrainingServer(
             uvicorn_config(create_app(settings, services), settings),
@@ -351,7 +361,10 @@ async def _serve(
             await asyncio.sleep(0.05)
         if server.started:
             announce(settings, credentials, catalog)
-        await serving
+        try:
+            await serving
+        except OSError as exc:  # its listen: another server bound --port too, and listened first
+            raise cannot_listen(settings, exc) from None
         return 0
     finally:
         if supervisor is not None:

@@ -13,6 +13,7 @@ Each child asks the kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEAT
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -34,12 +35,17 @@ class Supervisor:
         children: Sequence[Supervised],
         restart: Callable[[Supervised], Awaitable[None]],
         *,
+        on_exit: Callable[[Supervised], None] | None = None,
         first_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         stable_after_s: float = 60.0,
     ) -> None:
+        """`on_exit(child)`: called the moment a child's exit is seen, before the backoff (`kumo serve`
+        binds the backend's port again there, so nothing takes it meanwhile); an OSError it raises is
+        logged, and the restart does without."""
         self._children = list(children)
         self._restart = restart
+        self._on_exit = on_exit
         self._first, self._max, self._stable = first_backoff_s, max_backoff_s, stable_after_s
         self._tasks: list[asyncio.Task[None]] = []
         self.num_restarts = 0
@@ -66,14 +72,18 @@ class Supervisor:
             if loop.time() - started >= self._stable:
                 backoff = self._first
             log.warning("backend_exited", model=child.name, code=code, restart_in_s=backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._max)
-            try:
-                await self._restart(child)
-            except (
-                OSError
-            ) as exc:  # (its port taken meanwhile, no process left to fork): after the next backoff
-                log.error("backend_restart_failed", model=child.name, error=str(exc))
-                continue  # the old process's wait() returns at once
+            if self._on_exit is not None:
+                try:
+                    self._on_exit(child)
+                except OSError as exc:
+                    log.error("backend_exit_hook_failed", model=child.name, error=str(exc))
+            while True:  # until a start succeeds: each failed one waits the next backoff
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max)
+                try:
+                    await self._restart(child)
+                    break
+                except (OSError, subprocess.SubprocessError) as exc:  # its port taken, no process forked
+                    log.error("backend_restart_failed", model=child.name, error=str(exc), retry_in_s=backoff)
             self.num_restarts += 1
             log.info("backend_restarted", model=child.name, pid=child.process.pid if child.process else None)

@@ -7,34 +7,52 @@ backends each loading for seconds before they bound, besides their ranks' stores
 bound when it is chosen and the bound socket itself is what serves: `bind` binds without listening
 (a connection is refused until the server listens, as before it had bound), the uvicorn server takes
 the sockets (`uvicorn.Server.serve(sockets=...)`), and a child process inherits its socket
-(`inherit`) instead of being told a number. Standard library only: the gateway and the backend both
-use it.
+(`inherit`) instead of being told a number. A server's `listen` can still fail (`in_use`) where
+another process bound the same port with SO_REUSEADDR before either listened. Standard library
+only: the gateway and the backend both use it.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
-def bind(host: str, port: int) -> list[socket.socket]:
+def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.socket]:
     """One socket bound to `port` for each address `host` resolves to (as asyncio's `create_server`
-    binds them: SO_REUSEADDR, IPv6 sockets IPv6-only), not yet listening. Port 0: the kernel picks
-    one (for a host with one address). OSError (the port in use, an unknown host) with none left open."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    binds them: IPv6 sockets IPv6-only, a family this kernel lacks skipped; host "": every
+    interface), not yet listening. Port 0: the kernel picks one (for a host with one address).
+
+    Held: the kernel's own picks (port 0, what any other process asking for a free port gets) skip
+    a bound port. `reuse_address` (SO_REUSEADDR, what a server sets to bind a port its last run left
+    connections in TIME_WAIT on) lets another such socket bind the same port too, until one listens:
+    leave it off for a port just picked, which no earlier run used. OSError (the port in use, an
+    unknown host) with none left open."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     bound: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):  # (getaddrinfo may repeat one)
-            sock = socket.socket(family, kind, proto)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:  # a family this kernel lacks (IPv6 off, `::1` in /etc/hosts)
+                continue
             bound.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_address:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+        if not bound:
+            raise OSError(f"no address of {host!r} can be bound on this machine")
     except OSError:
         for sock in bound:
             sock.close()
         raise
     return bound
+
+
+def in_use(exc: OSError) -> bool:
+    return exc.errno == errno.EADDRINUSE
 
 
 def port_of(sockets: list[socket.socket]) -> int:

@@ -170,27 +170,33 @@ STARTUP_TIMEOUT_S = 600.0  # the ranks meet once each has imported torch and fou
 
 
 def rank_store(settings: BackendSettings, port: int | None = None) -> dist.TCPStore:  # type: ignore[name-defined]
-    """The rank group's store on loopback. Rank 0 (`port` None) hosts it on a port the kernel picks,
-    bound here, before any rank > 0 is started (`store.port` is what they are given): a port chosen
-    free and bound later could be taken in between (schemas/listen.py). Ranks > 0 connect to `port`.
-    Meeting at start-up may take longer than a collective."""
+    """The rank group's store. Rank 0 (`port` None) hosts it on a port the kernel picks, bound here,
+    before any rank > 0 is started (`store.port` is what they are given): a port chosen free and
+    bound later could be taken in between (schemas/listen.py). Ranks > 0 connect to it on loopback."""
     return dist.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
         "127.0.0.1",
         port or 0,
         settings.tp,
         is_master=port is None,
         timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
-        wait_for_workers=False,  # rank 0's: the others start after it; they meet in init_process_group
+        wait_for_workers=False,  # rank 0's: the others start after it (`join_group` waits for them)
     )
 
 
 def join_group(settings: BackendSettings, rank: int, store: dist.Store) -> torch.device:  # type: ignore[name-defined]
     """Join the rank group through `store` (`rank_store`; every rank calls this): NCCL on CUDA, gloo
     on the CPU. Collectives time out after `--rank-timeout-s`, so that a hung rank fails the group
-    rather than stall it forever."""
+    rather than stall it forever; the meeting at start-up waits longer (`STARTUP_TIMEOUT_S`: rank 0
+    is there first, the others import torch before they come), and only then joins the group,
+    whose own set-up is bound by the shorter timeout."""
     device = rank_device(settings, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if rank == 0:
+        arrived = [f"kumo/arrived/{r}" for r in range(1, settings.tp)]
+        store.wait(arrived, timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)))
+    else:
+        store.set(f"kumo/arrived/{rank}", b"")
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=store,

@@ -287,6 +287,8 @@ def main(argv: list[str]) -> int:
         print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
         if failure.group is not None:
             failure.group.kill()
+        for sock in sockets:
+            sock.close()
         return 1
     failure.async_engine = async_engine
     async_engine.on_death = failure  # a dead engine thread: exit, the supervisor starts it again
@@ -312,5 +314,11 @@ def main(argv: list[str]) -> int:
     config = ServerConfig(
         app, limits, host=settings.host, port=settings.port, log_level="warning", access_log=False
     )
-    uvicorn.Server(config).run(sockets=sockets)
+    try:
+        uvicorn.Server(config).run(sockets=sockets)
+    except OSError as exc:  # its listen: another server bound the port too, and listened first
+        print(f"kumo backend: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        if failure.group is not None:
+            failure.group.kill()
+        return 1
     return 0

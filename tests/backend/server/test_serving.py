@@ -410,7 +410,8 @@ _GLM_CONFIG = {
 def test_unservable_checkpoint_exits_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert server_main(["--model", str(tmp_path / "nope"), "--port", "1", "--secret", SECRET]) == 1
+    # (its port bound first, then closed again: a leaked socket would fail this test)
+    assert server_main(["--model", str(tmp_path / "nope"), "--port", "0", "--secret", SECRET]) == 1
     assert "config.json" in capsys.readouterr().err
 
 
