@@ -43,7 +43,7 @@ from gateway.settings import GatewaySettings, add_common_arguments, child_enviro
 from gateway.supervisor import Supervised, Supervisor
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 from schemas.child_process import die_with_parent
-from schemas.listen import bind, in_use, port_of
+from schemas.listen import bind, in_use, listen, port_of
 
 DEFAULT_PORT = 8787
 TRAINED = Path(__file__).resolve().parents[1] / "models"
@@ -141,7 +141,7 @@ async def start_backend(
 ) -> None:
     """`parallel`: the `--tp/--ep/--dcp` arguments (each backend is a group of that many ranks).
     The backend serves on `b.listener` (bound now if it is not: OSError if `b.port` was taken
-    meanwhile), which it holds from then on."""
+    meanwhile), which it holds from then on (kept in `b` if the process could not be started)."""
     if b.listener is None:
         b.reserve_port(b.port)
     listener, b.listener = b.listener, None
@@ -162,8 +162,10 @@ async def start_backend(
                 # drains it) by SIGTERM, instead of interrupting it mid-request with a traceback in its log
                 start_new_session=True,
             )  # fmt: skip
-    finally:
-        listener.close()  # the backend's copy is the one that serves
+    except BaseException:
+        b.listener = listener  # still held: for the next try, or closed by `run` (cancelled)
+        raise
+    listener.close()  # the backend's copy is the one that serves
 
 
 async def wait_ready(backends: list[BackendProcess], logs: Path) -> None:
@@ -356,15 +358,16 @@ async def _serve(
         # uvicorn takes the signals while it serves and re-raises the one that stopped it after;
         # our handlers stay installed beneath, so that re-raise lands here, not in the default
         # action that would kill this process before it stops the backends
+        try:
+            listen(sockets, server.config.backlog)
+        except OSError as exc:  # another server bound --port too (SO_REUSEADDR), and listened first
+            raise cannot_listen(settings, exc) from None
         serving = asyncio.create_task(server.serve(sockets))
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
             announce(settings, credentials, catalog)
-        try:
-            await serving
-        except OSError as exc:  # its listen: another server bound --port too, and listened first
-            raise cannot_listen(settings, exc) from None
+        await serving
         return 0
     finally:
         if supervisor is not None:

@@ -13,7 +13,6 @@ Each child asks the kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEAT
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -83,7 +82,7 @@ class Supervisor:
                 try:
                     await self._restart(child)
                     break
-                except (OSError, subprocess.SubprocessError) as exc:  # its port taken, no process forked
-                    log.error("backend_restart_failed", model=child.name, error=str(exc), retry_in_s=backoff)
+                except Exception as exc:  # its port taken, no process forked, no thread to watch it
+                    log.error("backend_restart_failed", model=child.name, error=repr(exc), retry_in_s=backoff)
             self.num_restarts += 1
             log.info("backend_restarted", model=child.name, pid=child.process.pid if child.process else None)

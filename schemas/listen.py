@@ -34,7 +34,7 @@ def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.soc
         for family, kind, proto, _, address in dict.fromkeys(infos):  # (getaddrinfo may repeat one)
             try:
                 sock = socket.socket(family, kind, proto)
-            except OSError:  # a family this kernel lacks (IPv6 off, `::1` in /etc/hosts)
+            except OSError:  # a family this kernel was built without
                 continue
             bound.append(sock)
             if reuse_address:
@@ -53,6 +53,16 @@ def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.soc
 
 def in_use(exc: OSError) -> bool:
     return exc.errno == errno.EADDRINUSE
+
+
+def listen(sockets: list[socket.socket], backlog: int) -> None:
+    """Start listening (before the server takes the sockets: a failure here is the caller's clear
+    error, not one inside the server's start-up), with SO_REUSEADDR from now on: the connections a
+    socket accepts inherit it, and so do the TIME_WAIT entries they leave, which is what lets the
+    next run bind the port again at once (a port picked without it: a restart failed for a minute)."""
+    for sock in sockets:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.listen(backlog)
 
 
 def port_of(sockets: list[socket.socket]) -> int:

@@ -41,7 +41,7 @@ from backend.server.settings import BackendSettings, build_settings
 from backend.server.warmup import warm_up
 from schemas.backend import ErrorBody, Event, GenerateRequest, Health, ModelCard
 from schemas.http_protocol import ConnectionLimits, ServerConfig
-from schemas.listen import bind, inherit
+from schemas.listen import bind, inherit, listen
 
 log = logging.getLogger("kumo.backend")
 _decode_request = msgspec.json.Decoder(GenerateRequest).decode
@@ -315,10 +315,11 @@ def main(argv: list[str]) -> int:
         app, limits, host=settings.host, port=settings.port, log_level="warning", access_log=False
     )
     try:
-        uvicorn.Server(config).run(sockets=sockets)
-    except OSError as exc:  # its listen: another server bound the port too, and listened first
+        listen(sockets, config.backlog)
+    except OSError as exc:  # another server bound the port too (SO_REUSEADDR), and listened first
         print(f"kumo backend: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         if failure.group is not None:
             failure.group.kill()
         return 1
+    uvicorn.Server(config).run(sockets=sockets)
     return 0

@@ -60,6 +60,10 @@ def test_a_killed_backend_is_restarted_and_meanwhile_503(kumo: Kumo) -> None:
         time.sleep(0.5)
     assert r.status_code == 200, r.text
     assert backend_pid(kumo, LEGACY) != old
+    # its port bound again the moment it died (past its closed connections' TIME_WAIT), and the first
+    # start after the backoff took it (tests/gateway/test_ports.py)
+    log = (kumo.data_dir / "serve.log").read_text()
+    assert "backend_exit_hook_failed" not in log and "backend_restart_failed" not in log, log[-3000:]
 
 
 def test_ctrl_c_stops_serve_and_its_backends_without_tracebacks(tmp_path: Path) -> None:

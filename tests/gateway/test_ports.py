@@ -23,7 +23,7 @@ from backend.engine.ranks import rank_store
 from backend.server.settings import BackendSettings
 from gateway.serve import BackendProcess
 from gateway.supervisor import Supervisor
-from schemas.listen import bind, in_use, port_of
+from schemas.listen import bind, in_use, listen, port_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,6 +71,26 @@ def test_a_backends_reserved_port_is_its_own_until_closed() -> None:
     finally:
         b.close()
     assert b.listener is None and not _is_held(b.port)
+
+
+def test_a_served_port_can_be_bound_again_the_moment_its_server_is_gone() -> None:
+    """What `kumo serve` does when a backend dies: bind its port again at once (held through the
+    backoff), past the TIME_WAIT entries of the connections the dead backend had closed."""
+    b = BackendProcess("m", Path("."), "p", 0, "secret00")
+    b.reserve_port()  # picked: bound without SO_REUSEADDR
+    server, b.listener = b.listener, None
+    assert server is not None
+    listen([server], 8)  # as the backend does before serving
+    with socket.create_connection(("127.0.0.1", b.port), timeout=5) as client:
+        accepted, _ = server.accept()
+        accepted.close()  # the server closes first: its side of the connection waits in TIME_WAIT
+        assert client.recv(1) == b""
+    server.close()  # the backend is gone
+    try:
+        b.reserve_port(b.port)
+        assert b.listener is not None and _is_held(b.port)
+    finally:
+        b.close()
 
 
 def test_a_child_serves_on_the_socket_it_inherits() -> None:
