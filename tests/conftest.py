@@ -1,12 +1,8 @@
-"""Suite-wide settings: one torch thread (CI has 2 cores), gpu tests skipped without CUDA, leaked
-sockets found at the end of the module that made them."""
+"""Suite-wide settings: one torch thread (CI has 2 cores), gpu tests skipped without CUDA."""
 
 from __future__ import annotations
 
-import gc
-import inspect
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -46,20 +42,6 @@ def _one_torch_thread() -> None:
     except ImportError:
         return
     torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _leaks_found_where_they_are_made(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A socket, transport or event loop left open by a module that uses them fails the module's own
-    last test (filterwarnings = error: the ResourceWarning of its finaliser), collected here at the
-    module's end rather than by whichever later collection meets it: the project's CI once failed a
-    SQLite migration test on a dozen transports some earlier module had dropped (2026-12-06)."""
-    yield
-    names = vars(request.module)
-    if any(n in names for n in ("asyncio", "httpx", "uvicorn", "socket")) or any(
-        inspect.iscoroutinefunction(v) for k, v in names.items() if k.startswith("test")
-    ):
-        gc.collect()
 
 
 # One embedded `kumo serve` for the whole session, shared by every test that asks for `kumo`
