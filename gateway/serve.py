@@ -366,7 +366,7 @@ async def _serve(
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
         if server.started:
-            announce(settings, credentials, catalog)
+            announce(settings, credentials, catalog, port_of(sockets))
         await serving
         return 0
     finally:
@@ -375,10 +375,21 @@ async def _serve(
         await stop_backends(backends)
 
 
-def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Catalog) -> None:
-    """The block a user copies from: the URL, the development account and token, the admin token,
-    and the shell lines that put them where `curl` and `kumo admin` look."""
-    url = f"http://{settings.host}:{settings.port}"
+def _reachable(host: str) -> str:
+    """The host a client on this machine connects to: loopback for a wildcard, an IPv6 literal in
+    brackets."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Catalog, port: int) -> None:
+    """The block a user copies from: the URL (on `port`, the one bound: `--port 0` picks one),
+    the development account and token, the admin token, and the shell lines that put them where
+    `curl` and `kumo admin` look."""
+    url = f"http://{_reachable(settings.host)}:{port}"
     models = ", ".join(m.name for m in catalog.models)
     admin = credentials.admin_token
     export_admin = f"    export KUMO_ADMIN_TOKEN={admin}\n" if admin is not None else ""

@@ -21,7 +21,9 @@ import socket
 def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.socket]:
     """One socket bound to `port` for each address `host` resolves to (as asyncio's `create_server`
     binds them: IPv6 sockets IPv6-only, a family this kernel lacks skipped; host "": every
-    interface), not yet listening. Port 0: the kernel picks one (for a host with one address).
+    interface), not yet listening. Port 0: the kernel picks one for the first address, and the
+    others take the same. An address this machine cannot bind (`localhost`'s ::1 where IPv6 is
+    turned off) is skipped while another binds.
 
     Held: the kernel's own picks (port 0, what any other process asking for a free port gets) skip
     a bound port. `reuse_address` (SO_REUSEADDR, what a server sets to bind a port its last run left
@@ -30,20 +32,30 @@ def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.soc
     unknown host) with none left open."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     bound: list[socket.socket] = []
+    unavailable: OSError | None = None
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):  # (getaddrinfo may repeat one)
             try:
                 sock = socket.socket(family, kind, proto)
             except OSError:  # a family this kernel was built without
                 continue
+            if bound and port == 0:  # the port the first one got
+                address = (address[0], port_of(bound), *address[2:])
+            try:
+                if reuse_address:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            except OSError as exc:
+                sock.close()
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                unavailable = exc
+                continue
             bound.append(sock)
-            if reuse_address:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
         if not bound:
-            raise OSError(f"no address of {host!r} can be bound on this machine")
+            raise unavailable or OSError(f"no address of {host!r} can be bound on this machine")
     except OSError:
         for sock in bound:
             sock.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -60,17 +59,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def served_url(printed: str) -> str:
+    """The URL `kumo serve` announced (started with `--port 0`: the port it bound and holds, where a
+    port picked here and passed in could be taken by another process before it binds)."""
+    url = re.search(r"Kumo is ready at (http://\S+)", printed)
+    assert url, printed
+    return url.group(1)
 
 
 @pytest.fixture(scope="session")
 def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     data_dir = tmp_path_factory.mktemp("kumo-serve")
     legacy = data_dir / "glm-4.5"
-    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     subprocess.run(
         [sys.executable, "-m", "backend.tools.random_checkpoint", "glm-4.5", str(legacy)],
@@ -82,7 +82,7 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     log = (data_dir / "serve.log").open("wb")
     try:
         process, text = spawn_serve(
-            ["--port", str(port), "--data-dir", str(data_dir), "--legacy-model", f"{LEGACY}={legacy}"],
+            ["--port", "0", "--data-dir", str(data_dir), "--legacy-model", f"{LEGACY}={legacy}"],
             cwd=ROOT, env=env, stderr=log, timeout_s=300,
         )  # fmt: skip
     except RuntimeError as exc:
@@ -92,7 +92,7 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
     assert account and token, text
     admin = re.search(r"Admin token: (kumo_admin_\S+)", text)
     yield Kumo(
-        f"http://127.0.0.1:{port}",
+        served_url(text),
         account.group(1),
         token.group(1),
         data_dir,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from benchmarks.client import spawn_serve
-from tests.e2e.serve_process import LEGACY, ROOT, Kumo, _children, _free_port
+from tests.e2e.serve_process import LEGACY, ROOT, Kumo, _children
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +69,11 @@ def test_a_killed_backend_is_restarted_and_meanwhile_503(kumo: Kumo) -> None:
 def test_ctrl_c_stops_serve_and_its_backends_without_tracebacks(tmp_path: Path) -> None:
     # A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the backends must not get
     # it (each would log a KeyboardInterrupt traceback); `kumo serve` stops them itself.
-    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("KUMO_ADMIN_TOKEN", None)
     with (tmp_path / "serve.log").open("wb") as log:
         process, _ = spawn_serve(
-            ["--port", str(port), "--data-dir", str(tmp_path)],
+            ["--port", "0", "--data-dir", str(tmp_path)],
             cwd=ROOT, env=env, stderr=log, timeout_s=300, new_session=True,
         )  # fmt: skip
         try:

@@ -38,7 +38,7 @@ from PIL import Image
 from benchmarks.client import spawn_serve
 from tests.backend.server import rank_probe
 from tests.backend.server_checkpoints import make_served_checkpoint
-from tests.e2e.serve_process import GLM, KIMI, ROOT, Kumo, _children, _free_port
+from tests.e2e.serve_process import GLM, KIMI, ROOT, Kumo, _children, served_url
 
 pytestmark = pytest.mark.slow
 
@@ -209,13 +209,12 @@ def _fault(kumo: Kumo, http: httpx.Client) -> Fault:
 
 
 def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
-    port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if tp == 2:  # rank 1 of every backend gets the stale page; only the DeepSeek one is asked for it
         env |= rank_probe.environment(fault_seq_len=LONG)
     env.pop("KUMO_ADMIN_TOKEN", None)
     models = [a for name, path in checkpoints.items() for a in ("--model", f"{name}={path}")]
-    args = ["--port", str(port), "--data-dir", str(data_dir), "--device", "cpu", "--tp", str(tp), *models]
+    args = ["--port", "0", "--data-dir", str(data_dir), "--device", "cpu", "--tp", str(tp), *models]
     data_dir.mkdir(parents=True, exist_ok=True)
     with (data_dir / "serve.log").open("wb") as log:
         try:
@@ -229,7 +228,7 @@ def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
         account = re.search(r"Account ID: ([0-9a-f]{32})", printed)
         token = re.search(r"API token:  (\S+)", printed)
         assert account and token, printed
-        kumo = Kumo(f"http://127.0.0.1:{port}", account.group(1), token.group(1), data_dir)
+        kumo = Kumo(served_url(printed), account.group(1), token.group(1), data_dir)
         served = Served()
         backends = _children(process.pid)
         served.ranks_per_backend = [

@@ -260,3 +260,43 @@ async def test_a_restart_that_cannot_bind_is_tried_again_after_the_next_backoff(
     assert supervisor.num_restarts >= 2  # the watcher lived through the failed hook and start
     # each exit seen once, at once; the failed start tried again without a second "exit"
     assert events[:5] == ["exit", "start", "start", "exit", "start"]
+
+
+def _resolves_to(monkeypatch: pytest.MonkeyPatch, *hosts: str) -> None:
+    """`getaddrinfo` answering with these IPv4 addresses, in this order (as `localhost` gives ::1 and
+    127.0.0.1)."""
+
+    def getaddrinfo(host: object, port: int, *args: object, **kwargs: object) -> list[tuple]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (h, port)) for h in hosts]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_an_address_this_machine_lacks_is_skipped_while_another_binds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--host localhost` where IPv6 is turned off (::1 cannot be bound): served on 127.0.0.1, not an
+    error. 192.0.2.1 (TEST-NET-1) is no address of this machine, as ::1 is none of such a one."""
+    _resolves_to(monkeypatch, "192.0.2.1", "127.0.0.1")
+    sockets = bind("localhost", 0)
+    try:
+        assert [s.getsockname()[0] for s in sockets] == ["127.0.0.1"]
+    finally:
+        for sock in sockets:
+            sock.close()
+    _resolves_to(monkeypatch, "192.0.2.1")  # none bindable: the kernel's error, not an empty list
+    with pytest.raises(OSError) as none:
+        bind("nowhere", 0)
+    assert none.value.errno == errno.EADDRNOTAVAIL
+
+
+def test_port_0_gives_every_address_of_a_host_the_same_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `--port 0` announces is one URL: a host of two addresses is served on one port."""
+    _resolves_to(monkeypatch, "127.0.0.1", "127.0.0.2")
+    sockets = bind("two", 0)
+    try:
+        assert [s.getsockname()[0] for s in sockets] == ["127.0.0.1", "127.0.0.2"]
+        assert len({s.getsockname()[1] for s in sockets}) == 1
+    finally:
+        for sock in sockets:
+            sock.close()

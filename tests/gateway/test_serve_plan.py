@@ -138,7 +138,7 @@ def test_the_announcement_is_one_block_with_every_credential(
     settings = GatewaySettings(data_dir=tmp_path)
     catalog, _, _ = plan(args(), settings)
     account, token, admin = "a" * 32, "kumo_" + "b" * 40, "kumo_admin_" + "c" * 43
-    serve.announce(settings, DevCredentials(account, token, admin), catalog)
+    serve.announce(settings, DevCredentials(account, token, admin), catalog, 8787)
     printed = capsys.readouterr().out
     rule = "-" * 78
     assert printed.count(rule) == 2 and printed.strip().startswith(rule) and printed.strip().endswith(rule)
@@ -146,15 +146,28 @@ def test_the_announcement_is_one_block_with_every_credential(
     assert f"Admin token: {admin}\n" in printed
     assert f"export TOKEN={token}\n" in printed and f"export KUMO_ADMIN_TOKEN={admin}\n" in printed
     assert " admin tenants list" in printed and str(tmp_path / "dev-credentials.json") in printed
+    assert (
+        "Kumo is ready at http://127.0.0.1:8787 " in printed
+        and "export KUMO_URL=http://127.0.0.1:8787\n" in printed
+    )
+    for host, url in [
+        ("0.0.0.0", "http://127.0.0.1:41234"),
+        ("::", "http://[::1]:41234"),
+        ("::1", "http://[::1]:41234"),
+    ]:
+        serve.announce(
+            GatewaySettings(data_dir=tmp_path, host=host), DevCredentials(account, token), catalog, 41234
+        )
+        assert f"export KUMO_URL={url}\n" in capsys.readouterr().out  # the port bound (--port 0), reachable
     serve.announce(
-        GatewaySettings(data_dir=tmp_path, admin_token="x"), DevCredentials(account, token), catalog
+        GatewaySettings(data_dir=tmp_path, admin_token="x"), DevCredentials(account, token), catalog, 8787
     )
     printed = capsys.readouterr().out
     assert (
         "Admin token: the value of KUMO_ADMIN_TOKEN\n" in printed and "export KUMO_ADMIN_TOKEN" not in printed
     )
     # chosen on an earlier start, not set now: it still works, and no line to paste that bash rejects
-    serve.announce(GatewaySettings(data_dir=tmp_path), DevCredentials(account, token), catalog)
+    serve.announce(GatewaySettings(data_dir=tmp_path), DevCredentials(account, token), catalog, 8787)
     printed = capsys.readouterr().out
     assert "Admin token: the one chosen earlier with KUMO_ADMIN_TOKEN" in printed
     assert "export KUMO_ADMIN_TOKEN" not in printed and "<" not in printed
