@@ -5,6 +5,7 @@ their outputs, and never waits on a step (DESIGN.md §3: a closed connection abo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -189,7 +190,9 @@ class AsyncEngine:
                     self._deliver(request.request_id, EngineError(f"internal error: {exc!r}"))
             if not self.engine.has_unfinished:
                 self._load = self.engine.load()
-                self._wake.wait()
+                if not self._wake.wait(self.engine.keep_alive_s):  # idle this long, with other ranks
+                    with contextlib.suppress(EngineError):  # RanksDown: their failure is handled already
+                        self.engine.keep_alive()
                 self._wake.clear()
                 continue
             try:

@@ -182,6 +182,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    @property
+    def keep_alive_s(self) -> float | None:
+        """With other ranks: the longest this rank may go without a step (`keep_alive` then); None:
+        as long as it likes."""
+        ranks = self.runner.ranks
+        return ranks.keep_alive_s if ranks is not None else None
+
+    def keep_alive(self) -> None:
+        """Idle with other ranks: they wait for the next step in a collective that must not time out
+        (backend/engine/ranks.py `KeepAlive`). `RanksDown` if one of them is gone."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.keep_alive()
+
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         start = time.perf_counter()

@@ -25,7 +25,10 @@ Failure: a step that fails on a rank (a peer died, or a collective got no answer
 `--rank-timeout-s`: the process group's timeout) raises `RanksDown`, a retryable error (503,
 "busy"); rank 0 also watches its children (backend/server/rank_group.py). Either way rank 0 ends every
 request in flight with `RanksDown`, stops the other ranks and exits, and the supervisor (`kumo
-serve`'s) starts the whole group again.
+serve`'s) starts the whole group again. The other ranks wait for the next step in such a
+collective: an idle rank 0 broadcasts a `KeepAlive` every quarter of the timeout, and the ranks meet
+in the group's store (`meet`, with the start-up's timeout) before the first one, however much
+longer rank 0's set-up takes than theirs.
 
 CUDA graphs (issue 22, deliverable 4): pure-decode steps replay a graph per batch-size bucket on
 every rank (backend/engine/decode_graphs.py), the model forward's collectives (the embedding, o_proj
@@ -90,10 +93,22 @@ class StepInputs:
     spec: SpecForward | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """Rank 0's broadcast while it has no step to send (`StepChannel.keep_alive`): the others wait
+    for the next step in a collective, which fails after `--rank-timeout-s` like any other, so an
+    idle group would go down (and restart) once per timeout without it."""
+
+
+KEEP_ALIVES_PER_TIMEOUT = 4  # an idle rank 0 broadcasts a `KeepAlive` this often per `--rank-timeout-s`
+
+
 class StepChannel:
     """The per-step collectives of the runtime: rank 0's broadcast of `StepInputs`, and the OR of
     the tag-mismatch flags over all ranks. A failed collective raises `RanksDown` (retryable) and
-    calls `on_failure` once, so the backend goes down rather than serve with a missing rank."""
+    calls `on_failure` once, so the backend goes down rather than serve with a missing rank.
+    `keep_alive_s`: how long rank 0 may go without a broadcast (its engine thread's longest idle
+    wait: a `KeepAlive` after it), a fraction of the group's collective timeout."""
 
     def __init__(
         self,
@@ -101,9 +116,12 @@ class StepChannel:
         world_size: int,
         device: torch.device,
         on_failure: Callable[[str], None] | None = None,
+        *,
+        timeout_s: float = 120.0,
     ) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.on_failure = on_failure
+        self.keep_alive_s = timeout_s / KEEP_ALIVES_PER_TIMEOUT
 
     def send(self, inputs: StepInputs | None) -> None:
         """Rank 0: the step's inputs to every other rank (None: they stop). Image embeddings go as
@@ -111,13 +129,20 @@ class StepChannel:
         if inputs is not None and inputs.host.image_parts:
             host = dataclasses.replace(inputs.host, image_parts=[p.cpu() for p in inputs.host.image_parts])
             inputs = dataclasses.replace(inputs, host=host)
-        self._broadcast([inputs])
+        box: list[StepInputs | KeepAlive | None] = [inputs]
+        self._broadcast(box)
 
     def recv(self) -> StepInputs | None:
-        """Ranks > 0: the next step's inputs, or None to stop."""
-        box: list[StepInputs | None] = [None]
-        self._broadcast(box)
-        return box[0]
+        """Ranks > 0: the next step's inputs, or None to stop (past rank 0's keep-alives)."""
+        while True:
+            box: list[StepInputs | KeepAlive | None] = [None]
+            self._broadcast(box)
+            if not isinstance(box[0], KeepAlive):
+                return box[0]
+
+    def keep_alive(self) -> None:
+        """Rank 0, idle: the others' wait for the next step starts again (`KeepAlive`)."""
+        self._broadcast([KeepAlive()])
 
     def reduce_flags(self, mismatch: torch.Tensor) -> torch.Tensor:
         """[B] bool on each rank → [B] bool, set where any rank set it."""
@@ -148,7 +173,7 @@ class StepChannel:
         except Exception as exc:
             raise self._failed(exc) from exc
 
-    def _broadcast(self, box: list[StepInputs | None]) -> None:
+    def _broadcast(self, box: list[StepInputs | KeepAlive | None]) -> None:
         try:
             dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         except RuntimeError as exc:
@@ -181,6 +206,16 @@ def rank_store(settings: BackendSettings, port: int | None = None) -> dist.TCPSt
         timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
         wait_for_workers=False,  # rank 0's: the others start after it (`join_group` waits for them)
     )
+
+
+def meet(settings: BackendSettings, rank: int, store: dist.Store, stage: str) -> None:  # type: ignore[name-defined]
+    """Every rank waits until every rank has reached `stage`, through the group's store, for as long as
+    start-up may take (`STARTUP_TIMEOUT_S`): the ranks' set-up differs (rank 0 alone loads the
+    tokenizer and the vision tower), and the first collective after it would time out after the
+    shorter `--rank-timeout-s` (build_engine meets at "built", before the first)."""
+    store.set(f"kumo/{stage}/{rank}", b"")
+    keys = [f"kumo/{stage}/{r}" for r in range(settings.tp)]
+    store.wait(keys, timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)))
 
 
 def join_group(settings: BackendSettings, rank: int, store: dist.Store) -> torch.device:  # type: ignore[name-defined]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import anyio
 import msgspec
 import torch
+import torch.distributed as dist
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -208,7 +209,10 @@ def create_app(backend: Backend, *, lifespan: Lifespan[Starlette] | None = None)
 
 
 def build_backend(
-    settings: BackendSettings, *, on_rank_failure: Callable[[str], None] | None = None
+    settings: BackendSettings,
+    *,
+    on_rank_failure: Callable[[str], None] | None = None,
+    store: dist.Store | None = None,  # type: ignore[name-defined]
 ) -> tuple[Backend, AsyncEngine]:
     """Load the checkpoint, build engine + serving and warm them up (`backend.server.warmup`: on a GPU every
     step shape, before the server answers `/v1/health`); returns the backend and the `AsyncEngine`.
@@ -232,7 +236,7 @@ def build_backend(
         ),
     )
     served.has_vision = vision is not None
-    engine = build_engine(settings, device=device, on_rank_failure=on_rank_failure)
+    engine = build_engine(settings, device=device, on_rank_failure=on_rank_failure, store=store)
     warm = warm_up(engine, is_full=engine.runner.device.type == "cuda")
     async_engine = AsyncEngine(engine)
     kv_dtype = {"auto": settings.dtype, "bf16": "bfloat16", "fp8": "fp8_e4m3"}[settings.kv_dtype]
@@ -276,13 +280,14 @@ def main(argv: list[str]) -> int:
         print(f"kumo backend: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 1
     failure = RankFailure()
+    store = None
     try:
         if settings.tp > 1:  # ranks 1..N-1 first: rank 0's join waits for them
             store = rank_store(settings)
             group = RankGroup(settings, store.port, lambda r, code: failure(f"rank {r} exited with {code}"))
             failure.group = group
             join_group(settings, 0, store)
-        backend, async_engine = build_backend(settings, on_rank_failure=failure)
+        backend, async_engine = build_backend(settings, on_rank_failure=failure, store=store)
     except (EngineError, OSError, ValueError, RuntimeError) as exc:  # cannot be served: say why, exit
         print(f"kumo backend: cannot serve {settings.model}: {exc}", file=sys.stderr)
         if failure.group is not None:

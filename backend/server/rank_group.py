@@ -31,7 +31,7 @@ import torch.distributed as dist
 from backend.engine import heap
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
-from backend.engine.ranks import StepChannel, follow_steps, join_group, rank_store
+from backend.engine.ranks import StepChannel, follow_steps, join_group, meet, rank_store
 from backend.errors import CheckpointError, RanksDown
 from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
 from backend.server.settings import BackendSettings
@@ -49,10 +49,12 @@ def build_engine(
     rank: int = 0,
     device: torch.device | None = None,
     on_rank_failure: Callable[[str], None] | None = None,
+    store: dist.Store | None = None,  # type: ignore[name-defined]
 ) -> Engine:
     """Load rank `rank`'s slice of the checkpoint (all of it with `--tp 1`) and build its engine.
     Every rank of a tensor-parallel group builds the same engine (backend/engine/ranks.py); rank 0's
-    steps reach the others through its `StepChannel`, whose failure calls `on_rank_failure`."""
+    steps reach the others through its `StepChannel`, whose failure calls `on_rank_failure`. With
+    `--tp N` the ranks meet in the group's `store` once loaded, before the engine's first collective."""
     device = device if device is not None else torch.device(settings.device)
     if device.type == "cuda":  # before any kernel launches or graph captures (triton: CUDA only)
         from kernels.triton_lib import set_pdl
@@ -94,7 +96,11 @@ def build_engine(
     )
     # with an FP8 cache: the checkpoint's calibrated scales, else calibrated now with a warning
     prepared = prepare_model(loaded, config, model_dtype=dtype)
-    ranks = StepChannel(rank, settings.tp, device, on_rank_failure) if settings.tp > 1 else None
+    ranks = None
+    if settings.tp > 1:
+        assert store is not None, "a rank of a group builds its engine with the group's store"
+        meet(settings, rank, store, "built")
+        ranks = StepChannel(rank, settings.tp, device, on_rank_failure, timeout_s=settings.rank_timeout_s)
     return Engine(
         prepared.model,
         config,
@@ -202,8 +208,9 @@ class RankFailure:
 def _main() -> int:
     """A rank > 0: join the group, load its slice, build the engine, follow rank 0's steps."""
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=_Launch)
-    device = join_group(launch.settings, launch.rank, rank_store(launch.settings, launch.port))
-    engine = build_engine(launch.settings, rank=launch.rank, device=device)
+    store = rank_store(launch.settings, launch.port)
+    device = join_group(launch.settings, launch.rank, store)
+    engine = build_engine(launch.settings, rank=launch.rank, device=device, store=store)
     assert engine.runner.ranks is not None
     heap.freeze()  # start-up's heap out of every later full collection (backend/engine/heap.py)
     try:

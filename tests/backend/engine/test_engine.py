@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine_config import EngineConfig
-from backend.errors import Aborted, Busy, EngineError, InvalidRequest
+from backend.errors import Aborted, Busy, EngineError, InvalidRequest, RanksDown
 from schemas.backend import EngineOutput, ImageSpan
 from tests.backend.engine_helpers import (
     MODELS,
@@ -203,6 +204,39 @@ async def test_async_engine_streams_and_aborts_when_the_caller_leaves() -> None:
         with pytest.raises(InvalidRequest):
             async for _ in front.generate(request("empty", [])):
                 pass
+    finally:
+        front.stop()
+
+
+async def test_an_idle_engine_with_other_ranks_keeps_them_from_timing_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `--tp N` the other ranks wait for rank 0's next step in a collective that fails after
+    `--rank-timeout-s`: an idle engine thread sends them a keep-alive every `keep_alive_s` (without
+    it an idle group went down once a timeout, 2026-12-06), and one that fails (a rank is gone:
+    handled by the group's failure callback) does not kill the thread."""
+    engine = make_engine(num_pages=16)
+    assert engine.keep_alive_s is None  # one rank: it waits as long as it likes
+    sent: list[float] = []
+
+    def keep_alive() -> None:
+        sent.append(time.monotonic())
+        if len(sent) == 3:
+            raise RanksDown("a rank of this backend failed")
+
+    monkeypatch.setattr(type(engine), "keep_alive_s", property(lambda self: 0.05))
+    monkeypatch.setattr(engine, "keep_alive", keep_alive)
+    front = AsyncEngine(engine)
+    front.start()
+    try:
+        await asyncio.sleep(0.6)
+        assert 6 <= len(sent) <= 14 and front.is_alive  # ~one per 0.05 s of idleness
+        tokens = [
+            t
+            async for out in front.generate(request("after", prompt_of(1, 12), max_tokens=5))
+            for t in out.token_ids
+        ]
+        assert len(tokens) == 5
     finally:
         front.stop()
 

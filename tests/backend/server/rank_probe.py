@@ -11,12 +11,15 @@ rank_hook/sitecustomize.py when `environment()` put that folder on the backend's
   one it is filling: never shared through the prefix cache) gets a tag in rank 1's cache that the
   block manager never gave it (as `_FaultOnFirstDecode` in
   tests/backend/engine/test_ranks_engine.py does in-process). Rank 0's pages stay as they are.
+- `build_delay_s`: rank 0 starts building its engine this much later than it would (as a large
+  tokenizer or vision tower, which rank 0 alone loads, makes it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,17 @@ ROOT = Path(__file__).resolve().parents[3]
 HOOK = Path(__file__).resolve().parent / "rank_hook"
 DUMP = "KUMO_TEST_RANK_DUMP"
 FAULT = "KUMO_TEST_RANK_FAULT_SEQ_LEN"
+DELAY = "KUMO_TEST_RANK0_BUILD_DELAY_S"
 STALE = 1_000_003  # added to the page's tag: a tag the block manager never handed out
 
 
-def environment(*, dump: Path | None = None, fault_seq_len: int | None = None) -> dict[str, str]:
+def environment(
+    *, dump: Path | None = None, fault_seq_len: int | None = None, build_delay_s: float | None = None
+) -> dict[str, str]:
     """Environment variables for a backend with the probes (on top of the test's own)."""
     env = {"PYTHONPATH": f"{HOOK}{os.pathsep}{ROOT}"}
+    if build_delay_s is not None:
+        env[DELAY] = str(build_delay_s)
     if dump is not None:
         env[DUMP] = str(dump)
     if fault_seq_len is not None:
@@ -84,6 +92,7 @@ def install(rank: int | None) -> None:
     build, send = rank_group.build_engine, ranks.StepChannel.send
 
     def build_engine(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(float(os.environ.get(DELAY) or 0))
         engines.append(build(*args, **kwargs))
         return engines[-1]
 

@@ -353,6 +353,27 @@ async def _kill_and_restart(model: Path, tmp_path: Path) -> None:
             await b.process.wait()
 
 
+def test_an_idle_group_and_a_slow_rank_0_outlast_the_rank_timeout(
+    tmp_path: Path, backends: list[Backend]
+) -> None:
+    """The other ranks wait for rank 0 in collectives that fail after `--rank-timeout-s` (2 s here):
+    rank 0 building its engine 5 s after them (the tokenizer and vision tower are its alone) meets
+    them in the group's store first, and an idle rank 0 sends keep-alives, so the group neither
+    fails to start nor goes down (and restarts) when no request comes for a while (2026-12-06: it
+    did, once a timeout, 120 s by default)."""
+    two = Backend(
+        make_served_checkpoint("deepseek_v3", tmp_path / "ds"), tmp_path, "--tp", "2", "--rank-timeout-s", "2",
+        env=rank_probe.environment(build_delay_s=5),
+    )  # fmt: skip
+    backends.append(two)
+    (rank1,) = _children(two.process.pid)
+    time.sleep(7)  # idle, past three timeouts
+    assert two.process.poll() is None and _children(two.process.pid) == [rank1], two.log.read_text()
+    events = _generate(two.url, "after-idle", "a long story")
+    assert isinstance(events[-1], Finish) and events[-1].reason == "length"
+    assert "rank group failed" not in two.log.read_text()
+
+
 def test_a_hung_rank_is_found_by_the_timeout(tmp_path: Path, backends: list[Backend]) -> None:
     """A rank that stops answering (SIGSTOP: alive, silent) fails the next collective after
     `--rank-timeout-s`; the request in flight gets the retryable error and the backend exits."""
