@@ -273,7 +273,7 @@ def plan(
 
 
 def cannot_listen(settings: GatewaySettings, exc: OSError) -> ServeError:
-    hint = ": another server holds it? Choose another with --port." if in_use(exc) else "."
+    hint = ": another server holds it? Choose another with --port." if in_use(exc) and settings.port else "."
     return ServeError(f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}){hint}")
 
 
@@ -382,7 +382,7 @@ def _reachable(host: str) -> str:
         return "127.0.0.1"
     if host == "::":
         return "[::1]"
-    return f"[{host}]" if ":" in host else host
+    return f"[{host.replace('%', '%25')}]" if ":" in host else host  # (a zone: fe80::1%eth0)
 
 
 def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Catalog, port: int) -> None:

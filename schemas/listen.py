@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import errno
 import socket
+from typing import Any
+
+PICK_TRIES = 16  # port 0 on a host of several addresses: picks tried until one is free on all of them
 
 
 def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.socket]:
     """One socket bound to `port` for each address `host` resolves to (as asyncio's `create_server`
     binds them: IPv6 sockets IPv6-only, a family this kernel lacks skipped; host "": every
-    interface), not yet listening. Port 0: the kernel picks one for the first address, and the
-    others take the same. An address this machine cannot bind (`localhost`'s ::1 where IPv6 is
-    turned off) is skipped while another binds.
+    interface), not yet listening. Port 0: the kernel picks one for the first address and the
+    others take the same (picked again where another address has it in use). An address this
+    machine cannot bind (`localhost`'s ::1 where IPv6 is turned off) is skipped while another binds.
 
     Held: the kernel's own picks (port 0, what any other process asking for a free port gets) skip
     a bound port. `reuse_address` (SO_REUSEADDR, what a server sets to bind a port its last run left
@@ -31,15 +34,33 @@ def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.soc
     leave it off for a port just picked, which no earlier run used. OSError (the port in use, an
     unknown host) with none left open."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys(infos))  # (getaddrinfo may repeat one)
+    for attempt in range(PICK_TRIES):
+        try:
+            return _bind_all(addresses, host, port, reuse_address)
+        except _PickTaken:
+            if attempt == PICK_TRIES - 1:
+                raise OSError(errno.EADDRINUSE, f"no port free on every address of {host!r}") from None
+    raise AssertionError("unreachable")
+
+
+class _PickTaken(Exception):
+    """Port 0: the port picked for the first address is in use on another."""
+
+
+def _bind_all(
+    addresses: list[tuple[Any, ...]], host: str, port: int, reuse_address: bool
+) -> list[socket.socket]:
     bound: list[socket.socket] = []
     unavailable: OSError | None = None
     try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):  # (getaddrinfo may repeat one)
+        for family, kind, proto, _, address in addresses:
             try:
                 sock = socket.socket(family, kind, proto)
             except OSError:  # a family this kernel was built without
                 continue
-            if bound and port == 0:  # the port the first one got
+            is_picked = bool(bound) and port == 0
+            if is_picked:  # the port the first one got
                 address = (address[0], port_of(bound), *address[2:])
             try:
                 if reuse_address:
@@ -49,6 +70,8 @@ def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.soc
                 sock.bind(address)
             except OSError as exc:
                 sock.close()
+                if is_picked and in_use(exc):
+                    raise _PickTaken from exc
                 if exc.errno != errno.EADDRNOTAVAIL:
                     raise
                 unavailable = exc
@@ -56,7 +79,7 @@ def bind(host: str, port: int, *, reuse_address: bool = True) -> list[socket.soc
             bound.append(sock)
         if not bound:
             raise unavailable or OSError(f"no address of {host!r} can be bound on this machine")
-    except OSError:
+    except (OSError, _PickTaken):
         for sock in bound:
             sock.close()
         raise

@@ -190,7 +190,7 @@ class AsyncEngine:
                     self._deliver(request.request_id, EngineError(f"internal error: {exc!r}"))
             if not self.engine.has_unfinished:
                 self._load = self.engine.load()
-                if not self._wake.wait(self.engine.keep_alive_s):  # idle this long, with other ranks
+                if not self._wake.wait(self.engine.keep_alive_in):  # idle this long, with other ranks
                     with contextlib.suppress(EngineError):  # RanksDown: their failure is handled already
                         self.engine.keep_alive()
                 self._wake.clear()

@@ -183,11 +183,11 @@ class Engine:
         return bool(self._seqs)
 
     @property
-    def keep_alive_s(self) -> float | None:
-        """With other ranks: the longest this rank may go without a step (`keep_alive` then); None:
-        as long as it likes."""
+    def keep_alive_in(self) -> float | None:
+        """With other ranks: how much longer this rank may go without a step (`keep_alive` then);
+        None: as long as it likes."""
         ranks = self.runner.ranks
-        return ranks.keep_alive_s if ranks is not None else None
+        return ranks.keep_alive_in() if ranks is not None else None
 
     def keep_alive(self) -> None:
         """Idle with other ranks: they wait for the next step in a collective that must not time out

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -107,8 +108,8 @@ class StepChannel:
     """The per-step collectives of the runtime: rank 0's broadcast of `StepInputs`, and the OR of
     the tag-mismatch flags over all ranks. A failed collective raises `RanksDown` (retryable) and
     calls `on_failure` once, so the backend goes down rather than serve with a missing rank.
-    `keep_alive_s`: how long rank 0 may go without a broadcast (its engine thread's longest idle
-    wait: a `KeepAlive` after it), a fraction of the group's collective timeout."""
+    `keep_alive_s`: how long rank 0 may go without a broadcast (`keep_alive_in`: its engine thread's
+    longest idle wait, a `KeepAlive` after it), a fraction of the group's collective timeout."""
 
     def __init__(
         self,
@@ -122,6 +123,12 @@ class StepChannel:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.on_failure = on_failure
         self.keep_alive_s = timeout_s / KEEP_ALIVES_PER_TIMEOUT
+        self._last_broadcast = time.monotonic()
+
+    def keep_alive_in(self) -> float:
+        """Seconds until rank 0 must broadcast again (0: now), counted from its last broadcast: the
+        others have waited since then (after the warm-up's last step, through the server's start)."""
+        return max(0.0, self._last_broadcast + self.keep_alive_s - time.monotonic())
 
     def send(self, inputs: StepInputs | None) -> None:
         """Rank 0: the step's inputs to every other rank (None: they stop). Image embeddings go as
@@ -174,6 +181,7 @@ class StepChannel:
             raise self._failed(exc) from exc
 
     def _broadcast(self, box: list[StepInputs | KeepAlive | None]) -> None:
+        self._last_broadcast = time.monotonic()
         try:
             dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
         except RuntimeError as exc:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backend.engine.ranks import StepChannel, StepInputs
+from backend.engine.ranks import KeepAlive, StepChannel, StepInputs
 
 STARTUP_TIMEOUT_S = 900.0  # the ranks meet once each has imported torch and found its device
 STEP_TIMEOUT_S = 900.0  # a collective that waits longer fails the run (a rank died or hung)
@@ -65,6 +65,8 @@ def follow(engines: dict[str, Any], channel: StepChannel) -> int:
         if box[0] is None:
             print(f"kumo bench engine scenario: rank {channel.rank} followed {num_steps} steps", flush=True)
             return num_steps
+        if isinstance(box[0], KeepAlive):  # an idle rank 0 (backend/engine/ranks.py)
+            continue
         key, inputs = box[0]
         engines[key].runner.forward_step(inputs)
         num_steps += 1

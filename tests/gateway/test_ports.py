@@ -300,3 +300,26 @@ def test_port_0_gives_every_address_of_a_host_the_same_port(monkeypatch: pytest.
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_port_0_picks_again_where_another_address_has_the_pick_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel picks port 0 for the first address alone: where the second has that port in use,
+    `bind` picks again rather than fail (review of 692bfa8: 41 failures in 200 with 3,000 ports held)."""
+    _resolves_to(monkeypatch, "127.0.0.1", "127.0.0.2")
+    real_bind, taken = socket.socket.bind, []
+
+    def bind_once_taken(sock: socket.socket, address: tuple) -> None:
+        if address[0] == "127.0.0.2" and not taken:  # the first pick: in use on the second address
+            taken.append(address[1])
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        real_bind(sock, address)
+
+    monkeypatch.setattr(socket.socket, "bind", bind_once_taken)
+    sockets = bind("two", 0)
+    try:
+        assert len(taken) == 1 and len({s.getsockname()[1] for s in sockets}) == 1 and len(sockets) == 2
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -12,6 +12,7 @@ import torch
 
 from backend.engine.async_engine import AsyncEngine
 from backend.engine.engine_config import EngineConfig
+from backend.engine.ranks import StepChannel
 from backend.errors import Aborted, Busy, EngineError, InvalidRequest, RanksDown
 from schemas.backend import EngineOutput, ImageSpan
 from tests.backend.engine_helpers import (
@@ -212,11 +213,17 @@ async def test_an_idle_engine_with_other_ranks_keeps_them_from_timing_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With `--tp N` the other ranks wait for rank 0's next step in a collective that fails after
-    `--rank-timeout-s`: an idle engine thread sends them a keep-alive every `keep_alive_s` (without
+    `--rank-timeout-s`: an idle engine thread sends them a keep-alive when `keep_alive_in` is up (without
     it an idle group went down once a timeout, 2026-12-06), and one that fails (a rank is gone:
     handled by the group's failure callback) does not kill the thread."""
     engine = make_engine(num_pages=16)
-    assert engine.keep_alive_s is None  # one rank: it waits as long as it likes
+    assert engine.keep_alive_in is None  # one rank: it waits as long as it likes
+    channel = StepChannel(0, 2, torch.device("cpu"), timeout_s=4.0)  # counted from its last broadcast
+    assert 0.9 < channel.keep_alive_in() <= 1.0
+    channel._last_broadcast -= 0.7
+    assert 0.2 < channel.keep_alive_in() <= 0.3
+    channel._last_broadcast -= 5  # overdue (the server's start after the warm-up's last step): at once
+    assert channel.keep_alive_in() == 0.0
     sent: list[float] = []
 
     def keep_alive() -> None:
@@ -224,7 +231,7 @@ async def test_an_idle_engine_with_other_ranks_keeps_them_from_timing_out(
         if len(sent) == 3:
             raise RanksDown("a rank of this backend failed")
 
-    monkeypatch.setattr(type(engine), "keep_alive_s", property(lambda self: 0.05))
+    monkeypatch.setattr(type(engine), "keep_alive_in", property(lambda self: 0.05))
     monkeypatch.setattr(engine, "keep_alive", keep_alive)
     front = AsyncEngine(engine)
     front.start()
