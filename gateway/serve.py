@@ -362,12 +362,19 @@ async def _serve(
             listen(sockets, server.config.backlog)
         except OSError as exc:  # another server bound --port too (SO_REUSEADDR), and listened first
             raise cannot_listen(settings, exc) from None
+        # a Ctrl-C since the backends were ready (opening the store, migrations) or before uvicorn's
+        # own handlers are in: the server stops as soon as it runs, rather than the signal being lost
+        stopping = asyncio.create_task(stop.wait())
+        stopping.add_done_callback(lambda _: setattr(server, "should_exit", True))
         serving = asyncio.create_task(server.serve(sockets))
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            announce(settings, credentials, catalog, port_of(sockets))
-        await serving
+        try:
+            while not server.started and not serving.done():
+                await asyncio.sleep(0.05)
+            if server.started and not stop.is_set():
+                announce(settings, credentials, catalog, port_of(sockets))
+            await serving
+        finally:
+            stopping.cancel()
         return 0
     finally:
         if supervisor is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,3 +94,27 @@ def test_ctrl_c_stops_serve_and_its_backends_without_tracebacks(tmp_path: Path) 
     assert {p.name for p in logs} >= {"glm-5.2.log", "kimi-k2.6.log"}
     for path in [*logs, tmp_path / "serve.log"]:
         assert "Traceback" not in path.read_text(), path.read_text()
+
+
+def test_a_ctrl_c_before_the_server_runs_is_not_lost(tmp_path: Path) -> None:
+    """SIGINT after the backends are ready, before uvicorn's handlers are in (sigint_hook: the moment
+    the store is open): `kumo serve` stops, its backends with it, rather than serve on with the
+    signal swallowed (2026-12-06: it did)."""
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'tests/e2e/sigint_hook'}{os.pathsep}{ROOT}"
+    )
+    env.pop("KUMO_ADMIN_TOKEN", None)
+    with (tmp_path / "serve.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--data-dir", str(tmp_path)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = process.communicate(timeout=150)  # ready in ~15 s here; swallowed: it serves on
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert b"Kumo is ready" not in out  # stopped before it announced anything
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
