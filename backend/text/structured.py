@@ -33,7 +33,7 @@ import torch
 
 from backend.errors import InvalidRequest
 from backend.text.tool_parsers import MARKERS as TOOL_MARKERS
-from backend.text.tool_parsers.glm import is_nullable, is_string_typed
+from backend.text.tool_parsers.glm import is_nullable, is_string_typed, resolved
 from schemas.backend import GenerateRequest, Tool
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
@@ -105,6 +105,10 @@ class LazyToolConstraint:
 
     def is_finished(self) -> bool:
         return self._grammar is not None and self.is_triggered and self._grammar.is_finished()
+
+    @property
+    def error(self) -> str | None:
+        return self._grammar.error if self._grammar is not None and self.is_triggered else None
 
     def rollback(self, num_tokens: int) -> None:
         undo = min(num_tokens, self._num_constrained)  # free tokens before the trigger hold no state
@@ -206,9 +210,20 @@ def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int,
     return "\n".join([start, *rules])
 
 
-def _glm_string(schema: dict[str, Any], where: str) -> str:
+def _full_match(pattern: str) -> str:
+    """A JSON Schema `pattern` (found anywhere in the string, unless anchored by `^` / `$`) as a
+    regex the whole line must match, as llguidance's JSON strings read it."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and not pattern.endswith("\\$")
+    core = pattern[1 if start else 0 : len(pattern) - 1 if end else len(pattern)]
+    anywhere = "[^\\n]*"
+    return f"{'' if start else anywhere}(?:{core}){'' if end else anywhere}"
+
+
+def _glm_string(schema: dict[str, Any], where: str, tokens: list[str] | None = None) -> str:
     """A raw string value (GLM writes strings unquoted): one of the schema's `enum` / its `const` when it
-    names them, else one line within its length bounds."""
+    names them, else one line within its length bounds matching its `pattern` (a token rule added to
+    `tokens`: lark intersects regexes only there)."""
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"]
         if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
@@ -217,17 +232,25 @@ def _glm_string(schema: dict[str, Any], where: str) -> str:
             raise InvalidRequest(f"{where}: a string value the model writes raw cannot hold a newline")
         return " | ".join(_lark_string(v) for v in values)
     low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    return f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
+    line = f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
+    pattern = schema.get("pattern")
+    if pattern is None:
+        return line
+    if not isinstance(pattern, str) or tokens is None:
+        raise InvalidRequest(f"{where}.pattern must be a string")
+    name = f"PATTERN_{len(tokens)}"
+    tokens.append(f"{name}: /{_full_match(pattern).replace('/', chr(92) + '/')}/ & {line}")
+    return name
 
 
-def _glm_value(schema: dict[str, Any], where: str) -> str:
+def _glm_value(schema: dict[str, Any], where: str, tokens: list[str] | None = None) -> str:
     """A value as GLM writes it: raw for a string or a nullable string (the parser's own test,
     `is_string_typed`; JSON there wrote `"celsius"` with its quotes into the string), `null` for
-    null; JSON for anything else."""
+    null; JSON for anything else. `tokens`: where a `pattern`'s token rule goes."""
     if not is_string_typed(schema):
         return _lark_json(schema)
     if not is_nullable(schema):
-        return _glm_string(schema, where)
+        return _glm_string(schema, where, tokens)
     if "const" in schema or "enum" in schema:  # null among the values: the rest are strings
         values = [schema["const"]] if "const" in schema else schema["enum"]
         if not isinstance(values, list):
@@ -235,7 +258,7 @@ def _glm_value(schema: dict[str, Any], where: str) -> str:
         strings = {k: v for k, v in schema.items() if k not in ("const", "enum")}
         strings["enum"] = [v for v in values if v is not None]
         return f'{_glm_string(strings, where)} | "null"' if strings["enum"] else '"null"'
-    return f'{_glm_string(schema, where)} | "null"'  # length bounds may leave `null` out of the line
+    return f'{_glm_string(schema, where, tokens)} | "null"'  # length bounds may leave `null` out of the line
 
 
 def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) -> str:
@@ -246,7 +269,7 @@ def _glm_tool_grammar(tools: list[Tool], ids: dict[str, int], max_calls: int) ->
         pairs: list[str] = []
         for j, (key, sub) in enumerate(properties.items()):
             where = f"tools[{tool.name!r}].parameters.properties.{key}"
-            value = _glm_value(sub, where)
+            value = _glm_value(resolved(sub, tool.parameters or {}, where), where, rules)
             rules.append(f"value_{i}_{j}: {value}")
             pair = (
                 f'{_token(ids["<arg_key>"])} {_lark_string(key)} {_token(ids["</arg_key>"])} "\\n" '
@@ -346,6 +369,9 @@ def build_constraint(
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidRequest(f"{what} cannot be compiled: {public_reason(matcher.get_error())}")
+    matcher.compute_bitmask()  # a schema no value satisfies (`{"$ref": "#"}`) fails on its first token
+    if matcher.is_error():  # (its error is the matcher's state dump, grammar included: not the caller's)
+        raise InvalidRequest(f"{what} cannot be satisfied: no output matches it")
     return GrammarConstraint(matcher)
 
 

@@ -19,6 +19,7 @@ import uuid
 from enum import Enum, auto
 from typing import Any
 
+from backend.errors import InvalidRequest
 from backend.text.tokenizer import Tokenizer
 from backend.text.tool_parsers.base import ToolParser, marker_ids
 from schemas.backend import Tool
@@ -41,6 +42,46 @@ def is_string_typed(schema: dict[str, Any]) -> bool:
     return kind == "string" or (
         isinstance(kind, list) and all(k in ("string", "null") for k in kind) and "string" in kind
     )
+
+
+def resolved(schema: Any, root: dict[str, Any], where: str | None = None) -> Any:
+    """An argument's schema as GLM types it, alone: its local `$ref` followed into the tool's
+    parameters `root` (pydantic's nested models: `{"$ref": "#/$defs/City"}`, a string; the probe of
+    2026-12-07: GLM's grammar refused it, "Pointer '/$defs/City' does not exist"), with the
+    parameters' definitions carried beside it for the refs further in. A ref loop stays a ref; a
+    ref naming nothing is the caller's 400 (`where`: the argument, for the message), or where
+    `where` is None (the parser: the grammar has refused it already) left as written."""
+    seen: set[str] = set()
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
+        ref = schema["$ref"]
+        if ref in seen:
+            break
+        seen.add(ref)
+        target = _pointer(root, ref)
+        if target is None:
+            if where is None:
+                return schema
+            raise InvalidRequest(f"{where}: $ref {ref!r}: Pointer {ref[1:]!r} does not exist")
+        if not isinstance(target, dict):
+            return target
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    if not isinstance(schema, dict):
+        return schema
+    return {**{k: root[k] for k in ("$defs", "definitions") if k in root}, **schema}
+
+
+def _pointer(root: dict[str, Any], ref: str) -> Any:
+    """The part of `root` a local `$ref` (`#`, `#/$defs/City`) names, or None."""
+    node: Any = root
+    for part in ref[1:].split("/")[1:]:
+        key = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return None
+    return node
 
 
 def is_nullable(schema: dict[str, Any]) -> bool:
@@ -143,13 +184,15 @@ class GlmToolParser(ToolParser):
 
     def _close_call(self) -> None:
         name = self._tokenizer.decode(self._name_ids).strip()
-        properties = self._tools.get(name, {}).get("properties", {})
+        parameters = self._tools.get(name, {})
+        properties = parameters.get("properties", {})
         if not isinstance(properties, dict):  # the caller's malformed schema: values typed as JSON
             properties = {}
         arguments: dict[str, Any] = {}
         for key_ids, value_ids in self._pairs:
             key = self._tokenizer.decode(key_ids).strip()
-            arguments[key] = typed_value(self._tokenizer.decode(value_ids), properties.get(key))
+            schema = resolved(properties.get(key), parameters)
+            arguments[key] = typed_value(self._tokenizer.decode(value_ids), schema)
         call = self._checked(None, name, json.dumps(arguments, ensure_ascii=False))
         if call is None:
             self._raw(self._raw_ids)

@@ -628,3 +628,79 @@ def test_tool_parameters_that_are_not_an_object_schema_are_a_400(
         build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]), "tool parameters")
     message = info.value.message
     assert info.value.status == 400 and ("banana" in message or '"object"' in message)
+
+
+def _forced(parameters: dict[str, object]) -> GenerateRequest:
+    return _request(
+        tools=[Tool(name="get_weather", parameters=parameters)],
+        tool_choice=ToolChoice(mode="function", name="get_weather"),
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_glm_arguments_follow_refs_and_patterns(tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+    """GLM compiles each argument alone: a `$ref` into the parameters' `$defs` (pydantic's nested
+    models) is followed there, and a string's `pattern` holds (JSON Schema's: found anywhere unless
+    anchored), as for Kimi, whose arguments are one JSON schema (the probe of 2026-12-07: a 400
+    "Pointer '/$defs/City' does not exist", and `"city": "Tokyo"` for `^[0-9]{3}$`)."""
+    tok = load(tmp_path_factory, "glm")
+    eos = tok.named_id("eos_token")
+    assert eos is not None
+    parameters = {
+        "type": "object",
+        "$defs": {
+            "Code": {"type": "string", "pattern": "^[0-9]{3}$"},
+            "Where": {
+                "type": "object",
+                "properties": {"n": {"$ref": "#/$defs/Count"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+            "Count": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "properties": {
+            "code": {"$ref": "#/$defs/Code"},
+            "tag": {"type": "string", "pattern": "a/b", "maxLength": 8},
+            "where": {"$ref": "#/$defs/Where"},
+        },
+        "required": ["code", "tag", "where"],
+    }
+    grammar = grammar_for(_forced(parameters), "glm", _markers(tok))
+    assert grammar is not None
+    ids = _walk(build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), tok.vocab_size, eos, seed)
+    parser = parser_for("glm", tok, [Tool(name="get_weather", parameters=parameters)])
+    assert parser is not None
+    calls = [p for p in parser.feed(ids) + parser.finish() if isinstance(p, ParsedCall)]
+    assert len(calls) == 1, tok.decode(ids)
+    arguments = json.loads(calls[0].arguments)
+    jsonschema_rs.validate(parameters, arguments)  # an independent validator: refs, pattern and all
+    assert "\n" not in arguments["tag"]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "reason"),
+    [
+        ({"type": "object", "properties": {"city": {"type": "string", "pattern": "(("}}}, "invalid regex"),
+        ({"type": "object", "properties": {"city": {"$ref": "#/$defs/Nope"}}}, "does not exist"),
+    ],
+)
+def test_a_glm_argument_schema_that_cannot_hold_is_a_400(
+    tmp_path_factory: pytest.TempPathFactory, parameters: dict[str, object], reason: str
+) -> None:
+    tok = load(tmp_path_factory, "glm")
+    with pytest.raises(InvalidRequest, match=reason) as info:
+        grammar = grammar_for(_forced(parameters), "glm", _markers(tok))
+        assert grammar is not None
+        build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]), "tool parameters")
+    assert info.value.status == 400 and "<[" not in str(info.value)
+
+
+def test_a_format_no_value_satisfies_is_a_400(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`{"$ref": "#"}` (the probe of 2026-12-07: a 200 with empty content and `finish_reason: stop`)."""
+    tok = load(tmp_path_factory, "glm")
+    request = _request(response_format=ResponseFormat(type="json_schema", json_schema={"$ref": "#"}))
+    grammar = grammar_for(request, "glm", {})
+    assert grammar is not None
+    with pytest.raises(InvalidRequest, match="cannot be satisfied") as info:
+        build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]))
+    assert "grammar" not in str(info.value) and "state" not in str(info.value)
