@@ -195,9 +195,12 @@ async def poll(services: BatchServices, tenant: TenantContext, model: ModelSpec,
 
     A poll is a request: it goes through the rate limiter (one request against the tenant's
     requests per minute, no tokens), so polling cannot read the database without bound. A spent
-    daily neuron allowance does not stop a tenant from collecting the results it has paid for."""
+    daily neuron allowance or tokens-per-minute window does not stop a tenant from collecting the
+    results it has paid for (a probe, 2026-12-07: a finished job's poll was a 429 "inference tokens
+    per min rate reached" while the tenant's other work used the minute's tokens)."""
     limiter = services.inference.limiter
-    reads_only = replace(tenant, quotas=msgspec.structs.replace(tenant.quotas, daily_neurons=None))
+    quotas = msgspec.structs.replace(tenant.quotas, daily_neurons=None, tokens_per_minute=None)
+    reads_only = replace(tenant, quotas=quotas)
     await limiter.settle(await limiter.admit(reads_only, model.name, 0), tokens=0, neurons=0.0)
     job = await services.batch.queue.get(job_id, tenant.tenant_id)
     if job is None or job.model != model.name:

@@ -160,9 +160,17 @@ class ChatTemplate:
             return self._template.render(
                 dicts, tools=tool_dicts, add_generation_prompt=add_generation_prompt, variables=variables
             )
-        except jinja2.exceptions.TemplateError as exc:
-            raise InvalidRequest(f"chat template: {exc}") from exc
-        except (TypeError, ValueError, LookupError) as exc:
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, LookupError) as exc:
+            # GLM's template reads a call's arguments as a mapping (`arguments.items()`): say which
+            # call's are not one, not the template's "'str object' has no attribute 'items'"
+            for i, m in enumerate(messages):
+                for j, c in enumerate(m.tool_calls or []):
+                    if not isinstance(_arguments(c.function.arguments), dict):
+                        raise InvalidRequest(
+                            f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object"
+                        ) from exc
+            if isinstance(exc, jinja2.exceptions.TemplateError):
+                raise InvalidRequest(f"chat template: {exc}") from exc
             raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc
 
 

@@ -39,3 +39,30 @@ async def test_polling_a_job_goes_through_the_rate_limiter(harness: Harness) -> 
     )
     print(f"tried the same job id from another tenant: got {r.status_code}")
     assert r.status_code == 404
+
+
+async def test_a_spent_token_window_does_not_stop_a_poll(harness: Harness) -> None:
+    """A poll carries no tokens: a tenant whose minute of tokens is spent by its other requests still
+    collects its job's state and results (a probe, 2026-12-07: a 429 "tokens per min rate reached")."""
+    services = harness.services
+    account, token = await _tenant(services, "poll-tokens", "paid")
+    await services.store.set_quotas(account, Quotas(tokens_per_minute=60), actor="test")
+    url = harness.path(f"/ai/run/{LEGACY}", account)
+    r = await harness.http.post(
+        f"{url}?queueRequest=true", headers=harness.auth(token), json={"requests": [{"prompt": "p"}]}
+    )
+    assert r.status_code == 200, r.text
+    job_id = r.json()["result"]["request_id"]
+    statuses = []
+    for _ in range(
+        12
+    ):  # spend the minute's tokens: each answer outruns its estimate (the echo ignores max_tokens)
+        r = await harness.http.post(
+            url, headers=harness.auth(token), json={"prompt": "a few more words", "max_tokens": 1}
+        )
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            break
+    assert statuses[-1] == 429 and "tokens per min" in r.text, statuses
+    r = await harness.http.post(url, headers=harness.auth(token), json={"request_id": job_id})
+    assert r.status_code == 200, r.text

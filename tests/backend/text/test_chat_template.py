@@ -167,3 +167,27 @@ def test_template_kwargs_pass_through_but_cannot_replace_the_conversation(
         CONVERSATION[1:2], reasoning=Reasoning(enabled=True), extra={"enable_thinking": False}
     )
     assert "/nothink" not in on
+
+
+@pytest.mark.parametrize("arguments", ["{not json", "", "5", "[1, 2]", "null"])
+def test_call_arguments_that_are_no_object_name_the_call(
+    tmp_path_factory: pytest.TempPathFactory, arguments: str
+) -> None:
+    """GLM's template reads a past call's arguments as a mapping: arguments that are no JSON object
+    are the client's 400 naming the call (the probe of 2026-12-07 got the template's own "'str object'
+    has no attribute 'items'"); Kimi's template writes them as given."""
+    call = ToolCall(id="c0", function=ToolCallFunction(name="get_weather", arguments=arguments))
+    messages = [
+        Message(role="user", content="Weather?"),
+        Message(role="assistant", content="", tool_calls=[call]),
+        Message(role="tool", tool_call_id="c0", content="sunny"),
+    ]
+    glm5 = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, "glm"))
+    assert glm5 is not None
+    with pytest.raises(
+        InvalidRequest, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments must be a JSON object"
+    ):
+        glm5.render(messages)
+    kimi = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, "kimi-json"))
+    assert kimi is not None
+    assert "Weather?" in kimi.render(messages)
