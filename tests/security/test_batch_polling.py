@@ -10,16 +10,20 @@ from schemas.admin import Quotas
 NUM_POLLS = 12  # bounded: a burst well past the limit
 
 
-async def test_polling_a_job_goes_through_the_rate_limiter(harness: Harness) -> None:
-    services = harness.services
-    account, token = await _tenant(services, "poll-burst", "paid")
-    await services.store.set_quotas(account, Quotas(requests_per_minute=4), actor="test")
+async def _queued_job(harness: Harness, name: str, quotas: Quotas) -> tuple[str, str, str]:
+    """A new tenant with `quotas` and one queued job: (its run URL, its token, the job's id)."""
+    account, token = await _tenant(harness.services, name, "paid")
+    await harness.services.store.set_quotas(account, quotas, actor="test")
     url = harness.path(f"/ai/run/{LEGACY}", account)
     r = await harness.http.post(
         f"{url}?queueRequest=true", headers=harness.auth(token), json={"requests": [{"prompt": "p"}]}
     )
     assert r.status_code == 200, r.text
-    job_id = r.json()["result"]["request_id"]
+    return url, token, r.json()["result"]["request_id"]
+
+
+async def test_polling_a_job_goes_through_the_rate_limiter(harness: Harness) -> None:
+    url, token, job_id = await _queued_job(harness, "poll-burst", Quotas(requests_per_minute=4))
     statuses = []
     for _ in range(NUM_POLLS):
         r = await harness.http.post(url, headers=harness.auth(token), json={"request_id": job_id})
@@ -44,19 +48,9 @@ async def test_polling_a_job_goes_through_the_rate_limiter(harness: Harness) -> 
 async def test_a_spent_token_window_does_not_stop_a_poll(harness: Harness) -> None:
     """A poll carries no tokens: a tenant whose minute of tokens is spent by its other requests still
     collects its job's state and results (a probe, 2026-12-07: a 429 "tokens per min rate reached")."""
-    services = harness.services
-    account, token = await _tenant(services, "poll-tokens", "paid")
-    await services.store.set_quotas(account, Quotas(tokens_per_minute=60), actor="test")
-    url = harness.path(f"/ai/run/{LEGACY}", account)
-    r = await harness.http.post(
-        f"{url}?queueRequest=true", headers=harness.auth(token), json={"requests": [{"prompt": "p"}]}
-    )
-    assert r.status_code == 200, r.text
-    job_id = r.json()["result"]["request_id"]
+    url, token, job_id = await _queued_job(harness, "poll-tokens", Quotas(tokens_per_minute=60))
     statuses = []
-    for _ in range(
-        12
-    ):  # spend the minute's tokens: each answer outruns its estimate (the echo ignores max_tokens)
+    for _ in range(12):  # spend the minute's tokens: each answer outruns its estimate (the echo's)
         r = await harness.http.post(
             url, headers=harness.auth(token), json={"prompt": "a few more words", "max_tokens": 1}
         )
