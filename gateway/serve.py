@@ -218,9 +218,19 @@ def shares_latent_cache(folder: Path) -> bool:
 
 
 def parallel_flags(args: argparse.Namespace, folder: Path) -> tuple[str, ...]:
-    """The `--tp/--ep/--dcp` flags of one backend: `--dcp` only where the checkpoint is MLA."""
+    """The `--tp/--ep/--dcp/--rank-timeout-s` flags of one backend: `--dcp` only where the checkpoint
+    is MLA."""
     dcp = args.dcp if shares_latent_cache(folder) else 1
-    return ("--tp", str(args.tp), "--ep", str(args.ep), "--dcp", str(dcp))
+    return (
+        "--tp",
+        str(args.tp),
+        "--ep",
+        str(args.ep),
+        "--dcp",
+        str(dcp),
+        "--rank-timeout-s",
+        str(args.rank_timeout_s),
+    )
 
 
 def pages_for_window(src: Path) -> int:
@@ -317,7 +327,7 @@ async def _serve(
         )
         for b in backends:
             group = parallel_flags(args, b.folder)
-            if group[-1] != str(args.dcp):
+            if group[group.index("--dcp") + 1] != str(args.dcp):
                 print(f"{b.name}: --dcp {args.dcp} applies to MLA models only; this one runs with --dcp 1")
             await start_backend(
                 b,
@@ -460,6 +470,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tp", type=int, default=1, help="ranks per backend, one process per device")
     parser.add_argument("--ep", type=int, default=0, help="expert-parallel groups (default: = --tp)")
     parser.add_argument("--dcp", type=int, default=1, help="ranks sharing one MLA latent cache by token")
+    parser.add_argument(
+        "--rank-timeout-s",
+        type=float,
+        default=120.0,
+        help="with --tp: a rank silent this long fails its backend's group, which restarts",
+    )
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],

@@ -193,9 +193,16 @@ class Served:
     answers: dict[str, list[Answer]] = field(default_factory=dict)
     catalog: list[dict[str, Any]] = field(default_factory=list)
     ranks_per_backend: list[int] = field(default_factory=list)  # rank processes each backend started
+    rank_timeouts: list[str] = field(default_factory=list)  # each backend's --rank-timeout-s
     victim: Answer | None = None
     fault: Fault | None = None
     killed: Killed | None = None
+
+
+def _flag(pid: int, name: str) -> str:
+    """The value of `name` on process `pid`'s command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index(name) + 1]
 
 
 def _fault(kumo: Kumo, http: httpx.Client) -> Fault:
@@ -214,7 +221,19 @@ def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
         env |= rank_probe.environment(fault_seq_len=LONG)
     env.pop("KUMO_ADMIN_TOKEN", None)
     models = [a for name, path in checkpoints.items() for a in ("--model", f"{name}={path}")]
-    args = ["--port", "0", "--data-dir", str(data_dir), "--device", "cpu", "--tp", str(tp), *models]
+    args = [
+        "--port",
+        "0",
+        "--data-dir",
+        str(data_dir),
+        "--device",
+        "cpu",
+        "--tp",
+        str(tp),
+        "--rank-timeout-s",
+        "90",
+        *models,
+    ]
     data_dir.mkdir(parents=True, exist_ok=True)
     with (data_dir / "serve.log").open("wb") as log:
         try:
@@ -231,6 +250,7 @@ def _serve(data_dir: Path, checkpoints: dict[str, Path], tp: int) -> Served:
         kumo = Kumo(served_url(printed), account.group(1), token.group(1), data_dir)
         served = Served()
         backends = _children(process.pid)
+        served.rank_timeouts = [_flag(b, "--rank-timeout-s") for b in backends]
         served.ranks_per_backend = [
             sum(b"backend.server.rank_group" in Path(f"/proc/{c}/cmdline").read_bytes() for c in _children(b))
             for b in backends
@@ -278,6 +298,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Serve
 def test_every_backend_of_serve_tp_2_is_a_group_of_two_ranks(served: dict[int, Served]) -> None:
     assert served[1].ranks_per_backend == [0] * len(MODELS)
     assert served[2].ranks_per_backend == [1] * len(MODELS)  # rank 0 is the backend process itself
+    assert served[2].rank_timeouts == ["90.0"] * len(MODELS)  # kumo serve passes its own on
 
 
 @pytest.mark.parametrize("model", MODELS)

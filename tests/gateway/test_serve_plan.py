@@ -206,9 +206,27 @@ def test_dcp_applies_to_mla_checkpoints_only(tmp_path: Path) -> None:
     assert serve.shares_latent_cache(mla) and serve.shares_latent_cache(wrapped)
     assert not serve.shares_latent_cache(gqa)
     assert all(serve.shares_latent_cache(serve.TRAINED / n) for n in serve.DEFAULT_MODELS.values())
-    flags = argparse.Namespace(tp=2, ep=0, dcp=2)
-    assert serve.parallel_flags(flags, mla) == ("--tp", "2", "--ep", "0", "--dcp", "2")
-    assert serve.parallel_flags(flags, gqa) == ("--tp", "2", "--ep", "0", "--dcp", "1")
+    flags = argparse.Namespace(tp=2, ep=0, dcp=2, rank_timeout_s=30.0)  # (serve passes its own on)
+    assert serve.parallel_flags(flags, mla) == (
+        "--tp",
+        "2",
+        "--ep",
+        "0",
+        "--dcp",
+        "2",
+        "--rank-timeout-s",
+        "30.0",
+    )
+    assert serve.parallel_flags(flags, gqa) == (
+        "--tp",
+        "2",
+        "--ep",
+        "0",
+        "--dcp",
+        "1",
+        "--rank-timeout-s",
+        "30.0",
+    )
 
 
 async def test_stopping_hung_backends_takes_one_grace_not_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
