@@ -210,14 +210,49 @@ def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int,
     return "\n".join([start, *rules])
 
 
+def _alternatives(pattern: str) -> list[str]:
+    """A regex's top-level alternatives (split at `|` outside groups, classes and escapes)."""
+    parts, depth, start, i, in_class = [], 0, 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            parts.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    return [*parts, pattern[start:]]
+
+
+def _is_end_anchor(alternative: str) -> bool:
+    """Ends in an unescaped `$` (`a\\$`: an escaped backslash, then the anchor)."""
+    if not alternative.endswith("$"):
+        return False
+    backslashes = len(alternative[:-1]) - len(alternative[:-1].rstrip("\\"))
+    return backslashes % 2 == 0
+
+
 def _full_match(pattern: str) -> str:
     """A JSON Schema `pattern` (found anywhere in the string, unless anchored by `^` / `$`) as a
-    regex the whole line must match, as llguidance's JSON strings read it."""
-    start = pattern.startswith("^")
-    end = pattern.endswith("$") and not pattern.endswith("\\$")
-    core = pattern[1 if start else 0 : len(pattern) - 1 if end else len(pattern)]
+    regex the whole line must match, as llguidance's JSON strings read it: each top-level
+    alternative anchored or not on its own (`^a|b$`), slashes escaped for a lark regex."""
     anywhere = "[^\\n]*"
-    return f"{'' if start else anywhere}(?:{core}){'' if end else anywhere}"
+    alternatives = []
+    for alt in _alternatives(pattern):
+        start, end = alt.startswith("^"), _is_end_anchor(alt)
+        core = alt[1 if start else 0 : len(alt) - 1 if end else len(alt)]
+        alternatives.append(f"{'' if start else anywhere}(?:{core}){'' if end else anywhere}")
+    regex = "|".join(alternatives)
+    return re.sub(r"(\\*)/", lambda m: m[1] + ("/" if len(m[1]) % 2 else "\\/"), regex)
 
 
 def _glm_string(schema: dict[str, Any], where: str, tokens: list[str] | None = None) -> str:
@@ -231,15 +266,18 @@ def _glm_string(schema: dict[str, Any], where: str, tokens: list[str] | None = N
         if any("\n" in v for v in values):
             raise InvalidRequest(f"{where}: a string value the model writes raw cannot hold a newline")
         return " | ".join(_lark_string(v) for v in values)
-    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    line = f"/[^\\n]{{{low},{'' if high is None else int(high)}}}/"
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    for bound, value in (("minLength", low), ("maxLength", high)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise InvalidRequest(f"{where}.{bound} must be a non-negative integer")  # (a $ref's target too)
+    line = f"/[^\\n]{{{low},{'' if high is None else high}}}/"
     pattern = schema.get("pattern")
     if pattern is None:
         return line
     if not isinstance(pattern, str) or tokens is None:
         raise InvalidRequest(f"{where}.pattern must be a string")
     name = f"PATTERN_{len(tokens)}"
-    tokens.append(f"{name}: /{_full_match(pattern).replace('/', chr(92) + '/')}/ & {line}")
+    tokens.append(f"{name}: /{_full_match(pattern)}/ & {line}")
     return name
 
 

@@ -48,9 +48,10 @@ def resolved(schema: Any, root: dict[str, Any], where: str | None = None) -> Any
     """An argument's schema as GLM types it, alone: its local `$ref` followed into the tool's
     parameters `root` (pydantic's nested models: `{"$ref": "#/$defs/City"}`, a string; the probe of
     2026-12-07: GLM's grammar refused it, "Pointer '/$defs/City' does not exist"), with the
-    parameters' definitions carried beside it for the refs further in. A ref loop stays a ref; a
-    ref naming nothing is the caller's 400 (`where`: the argument, for the message), or where
-    `where` is None (the parser: the grammar has refused it already) left as written."""
+    parameters' definitions carried beside it where a ref remains further in. A ref loop stays a
+    ref. A ref naming nothing, or naming no schema, is the caller's 400 (`where`: the argument, for
+    the message); where `where` is None (the parser: the grammar has refused it already) the
+    schema is left as written (a ref to `true`: any value, `{}`)."""
     seen: set[str] = set()
     while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and schema["$ref"].startswith("#"):
         ref = schema["$ref"]
@@ -58,16 +59,25 @@ def resolved(schema: Any, root: dict[str, Any], where: str | None = None) -> Any
             break
         seen.add(ref)
         target = _pointer(root, ref)
-        if target is None:
+        if target is True:
+            target = {}
+        if not isinstance(target, dict):
             if where is None:
                 return schema
-            raise InvalidRequest(f"{where}: $ref {ref!r}: Pointer {ref[1:]!r} does not exist")
-        if not isinstance(target, dict):
-            return target
+            if target is None:
+                raise InvalidRequest(f"{where}: $ref {ref!r}: Pointer {ref[1:]!r} does not exist")
+            if target is False:
+                raise InvalidRequest(
+                    f"{where}: $ref {ref!r} names `false`: an argument that can never be given"
+                )
+            raise InvalidRequest(f"{where}: $ref {ref!r} names no schema")
         schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or '"$ref"' not in json.dumps(schema):
         return schema
-    return {**{k: root[k] for k in ("$defs", "definitions") if k in root}, **schema}
+    defs = {
+        k: {**root[k], **schema.get(k, {})} for k in ("$defs", "definitions") if isinstance(root.get(k), dict)
+    }
+    return {**schema, **defs}
 
 
 def _pointer(root: dict[str, Any], ref: str) -> Any:

@@ -4,6 +4,7 @@ and forced tool calls come out in the family's syntax that its parser reads back
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 import jsonschema_rs
@@ -17,6 +18,7 @@ from backend.text.structured import (
     MAX_PARALLEL_CALLS,
     GrammarConstraint,
     LazyToolConstraint,
+    _full_match,
     build_constraint,
     grammar_for,
     lazy_tool_grammar_for,
@@ -704,3 +706,59 @@ def test_a_format_no_value_satisfies_is_a_400(tmp_path_factory: pytest.TempPathF
     with pytest.raises(InvalidRequest, match="cannot be satisfied") as info:
         build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]))
     assert "grammar" not in str(info.value) and "state" not in str(info.value)
+
+
+PATTERNS = [
+    r"^a|b$",
+    r"^ab|cd",
+    r"a\\$",
+    r"^https?:\/\/",
+    "a/b",
+    r"x(y|z)",
+    r"^[0-9]{3}$",
+    r"[|]q",
+    r"\d+\/\d+",
+]
+SAMPLES = ["a", "axyz", "zzb", "b", "ab", "xcd", "a\\", "https://x", "http:/", "a/b", "xa/by", "xy", "xz!", "123",
+           "1234", "|q", "q", "12/34", "12-34", ""]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_glm_pattern_matches_what_json_schema_finds(pattern: str) -> None:
+    """JSON Schema's `pattern` is found anywhere unless anchored, alternative by alternative; GLM's raw
+    strings must match it whole, so `_full_match` rewrites it (the review of 09e35e7: `^a|b$` read as
+    `^(a|b)$`, `\\/` escaped twice into a lexer error, `a\\\\$` taken for a literal `$`). Python's
+    `re.search` is the reference (these patterns mean the same in ECMA and Python regexes)."""
+    full = _full_match(pattern)
+    for sample in SAMPLES:
+        assert bool(re.fullmatch(full, sample)) == bool(re.search(pattern, sample)), (pattern, sample, full)
+
+
+def test_glm_refs_to_no_schema_are_400s_and_plain_arguments_carry_no_definitions(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    tok = load(tmp_path_factory, "glm")
+    defs = {f"D{i}": {"type": "object", "properties": {"x": {"type": "integer"}}} for i in range(50)}
+    defs |= {"Any": True, "Never": False, "Bad": {"type": "string", "minLength": "x"}}
+    for target, reason in [("Never", "can never be given"), ("Bad", "minLength"), ("nope", "does not exist")]:
+        parameters = {"type": "object", "$defs": defs, "properties": {"a": {"$ref": f"#/$defs/{target}"}}}
+        with pytest.raises(InvalidRequest, match=reason):
+            grammar_for(_forced(parameters), "glm", _markers(tok))
+    with pytest.raises(InvalidRequest, match="names no schema"):
+        grammar_for(_forced({"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/required"}}}), "glm", _markers(tok))  # fmt: skip
+    plain = {
+        "type": "object",
+        "$defs": defs,
+        "properties": {"a": {"$ref": "#/$defs/Any"}, "n": {"type": "integer"}},
+    }
+    grammar = grammar_for(_forced(plain), "glm", _markers(tok))
+    assert grammar is not None and "D49" not in grammar  # no ref left: no definitions copied in
+    build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]), "tool parameters")
+    url = {
+        "type": "object",
+        "properties": {"u": {"type": "string", "pattern": r"^https?:\/\/"}},
+        "required": ["u"],
+    }
+    grammar = grammar_for(_forced(url), "glm", _markers(tok))
+    assert grammar is not None
+    build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [0]), "tool parameters")  # compiles
