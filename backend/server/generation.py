@@ -117,10 +117,7 @@ class Serving:
             tenant_salt=request.tenant_salt,
             sampling=request.sampling,
             image_spans=spans,
-            eos_token_ids=[
-                *model.eos_token_ids,
-                *self._unoffered_calls(request, grammar is None and lazy is None),
-            ],
+            eos_token_ids=model.eos_token_ids,
             reasoning_markers=self._reasoning_markers(request, token_ids, grammar is None),
             reject_if_busy=request.reject_if_busy,
             priority=request.priority,
@@ -189,18 +186,6 @@ class Serving:
             is_open=think.is_open_after(prompt_ids),
             call_start_id=self._call_start_id(request),
         )
-
-    def _unoffered_calls(self, request: GenerateRequest, is_free: bool) -> list[int]:
-        """The family's tool-call opening marker, as one more end of the turn where a chat offers no
-        tool (and nothing else constrains the output): a call nobody can take ends the answer there,
-        rather than reach `content` as text (a probe, 2026-12-07: GLM asked about the weather without
-        tools answered `get_weather\ncity\nTokyo…`, its markers stripped). An end id, not a ban: a
-        ban is a mask on every step of every such request, and keeps it off the plain sampling path.
-        A raw prompt is the caller's to steer."""
-        opener = self.model.marker_ids.get(TOOL_MARKERS_OF[self.model.family][0])
-        if request.raw or request.tools or not is_free or opener is None:
-            return []
-        return [opener]
 
     def _call_start_id(self, request: GenerateRequest) -> int | None:
         """The family's tool-call opening marker when tools are offered (and not refused): it ends an
