@@ -202,6 +202,11 @@ def rank_device(settings: BackendSettings, rank: int) -> torch.device:
 STARTUP_TIMEOUT_S = 600.0  # the ranks meet once each has imported torch and found its device
 
 
+def _startup_timeout(settings: BackendSettings) -> timedelta:
+    """How long the ranks' start-up may take (`STARTUP_TIMEOUT_S`, or the collectives' if longer)."""
+    return timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s))
+
+
 def rank_store(settings: BackendSettings, port: int | None = None) -> dist.TCPStore:  # type: ignore[name-defined]
     """The rank group's store. Rank 0 (`port` None) hosts it on a port the kernel picks, bound here,
     before any rank > 0 is started (`store.port` is what they are given): a port chosen free and
@@ -211,7 +216,7 @@ def rank_store(settings: BackendSettings, port: int | None = None) -> dist.TCPSt
         port or 0,
         settings.tp,
         is_master=port is None,
-        timeout=timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)),
+        timeout=_startup_timeout(settings),
         wait_for_workers=False,  # rank 0's: the others start after it (`join_group` waits for them)
     )
 
@@ -223,7 +228,7 @@ def meet(settings: BackendSettings, rank: int, store: dist.Store, stage: str) ->
     shorter `--rank-timeout-s` (build_engine meets at "built", before the first)."""
     store.set(f"kumo/{stage}/{rank}", b"")
     keys = [f"kumo/{stage}/{r}" for r in range(settings.tp)]
-    store.wait(keys, timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)))
+    store.wait(keys, _startup_timeout(settings))
 
 
 def join_group(settings: BackendSettings, rank: int, store: dist.Store) -> torch.device:  # type: ignore[name-defined]
@@ -237,7 +242,7 @@ def join_group(settings: BackendSettings, rank: int, store: dist.Store) -> torch
         torch.cuda.set_device(device)
     if rank == 0:
         arrived = [f"kumo/arrived/{r}" for r in range(1, settings.tp)]
-        store.wait(arrived, timedelta(seconds=max(STARTUP_TIMEOUT_S, settings.rank_timeout_s)))
+        store.wait(arrived, _startup_timeout(settings))
     else:
         store.set(f"kumo/arrived/{rank}", b"")
     dist.init_process_group(
