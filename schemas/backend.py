@@ -289,7 +289,8 @@ class ReasoningMarkers(Base):
 
 class EngineRequest(Base):
     """One sequence for the engine: prompt token ids and how to sample the rest. `reasoning_markers`
-    is set when the request reasons freely (reasoning on, no grammar)."""
+    is set when the request reasons freely (reasoning on, no grammar); `banned_token_ids` are never
+    sampled (the family's tool-call markers in a chat where no tool may be called)."""
 
     request_id: RequestId
     prompt_token_ids: list[int]
@@ -298,6 +299,7 @@ class EngineRequest(Base):
     image_spans: list[ImageSpan] = msgspec.field(default_factory=list)
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
     reasoning_markers: ReasoningMarkers | None = None
+    banned_token_ids: list[int] = msgspec.field(default_factory=list)
     reject_if_busy: bool = False
     priority: Priority = 0
 

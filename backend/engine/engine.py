@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.constraint import ReasoningGuard, TokenConstraint
+from backend.engine.constraint import TokenConstraint, TokenGuard
 from backend.engine.decode_graphs import Capture
 from backend.engine.engine_config import EngineConfig
 from backend.engine.model_runner import ModelRunner, PagedModel, SeqResult
@@ -168,7 +168,7 @@ class Engine:
             request=request,
             generator=torch.Generator(device=self.runner.device).manual_seed(seed),
             constraint=constraint,
-            guard=ReasoningGuard.of(request),
+            guard=TokenGuard.of(request),
             image_embeds=image_embeds,
         )
         num_image_tokens = sum(s.length for s in request.image_spans)

@@ -111,7 +111,7 @@ class HostBatch:
     # every sequence runs this many rows, every row a logits row, in order, no image rows (a uniform
     # verify: set by the greedy speculative planner); 0: not known
     rows_per_seq: int = 0
-    # a whole greedy speculative step's ids banned by reasoning guards, [B, L, S] int64 -1 padded
+    # a whole greedy speculative step's ids banned by token guards, [B, L, S] int64 -1 padded
     # (backend/engine/speculative/greedy.py `guard_rows`); None in every other step
     guards: np.ndarray | None = None
     # a whole sampled speculative step's sampling parameters and uniforms, [B, 3 + 2k + 1] float64

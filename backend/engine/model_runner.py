@@ -244,7 +244,7 @@ class ModelRunner:
         return None
 
     def sample_row(self, seq: Sequence) -> SampleRow:
-        """`seq`'s sample row, with this step's grammar mask and reasoning guard's bans where it has them."""
+        """`seq`'s sample row, with this step's grammar mask and token guard's bans where it has them."""
         row = seq.sample_row
         if seq.constraint is not None:  # this step's mask
             row.allowed = seq.constraint.allowed_tokens(self.vocab_size)

@@ -33,7 +33,9 @@ class SampleRow:
     token_ids: list[int]
     num_prompt_tokens: int
     allowed: torch.Tensor | None = None  # [V] bool from a TokenConstraint, None = anything
-    banned_ids: tuple[int, ...] = ()  # from a ReasoningGuard: its end-of-turn ids inside the block
+    banned_ids: tuple[
+        int, ...
+    ] = ()  # from a TokenGuard: end-of-turn ids inside a reasoning block, unoffered markers
     is_argmax: bool = field(init=False)  # greedy with no penalty: the argmax of the (masked) logits
 
     def __post_init__(self) -> None:
@@ -100,7 +102,7 @@ class Sampler:
     def _mask_disallowed(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """-inf at the tokens the constrained rows' grammars disallow: their host masks stacked and sent in
         one copy (on CUDA pinned and non-blocking, so it does not wait for the step's graph), one fill;
-        and at the ids reasoning guards ban (see `mask_banned`)."""
+        and at the ids token guards ban (see `mask_banned`)."""
         V = x.shape[1]
         x = mask_banned(x, [() if r.allowed is not None else r.banned_ids for r in rows])
         constrained = [
@@ -160,7 +162,7 @@ class Sampler:
 
 
 def mask_banned(x: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
-    """`x [N, V]` with -inf at each row's `banned` ids (a reasoning guard's: a few per row), in place:
+    """`x [N, V]` with -inf at each row's `banned` ids (a token guard's: a few per row), in place:
     one small index copy to the device, one fill."""
     pairs = [(i, t) for i, ids in enumerate(banned) for t in ids if t < x.shape[1]]
     if pairs:

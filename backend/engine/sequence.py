@@ -20,7 +20,7 @@ from schemas.backend import EngineRequest, Error, FinishReason, TokenLogprob
 if TYPE_CHECKING:
     import torch
 
-    from backend.engine.constraint import ReasoningGuard, TokenConstraint
+    from backend.engine.constraint import TokenConstraint, TokenGuard
     from backend.engine.prefix_cache import PageKey
 
 _arrival = itertools.count()
@@ -44,7 +44,7 @@ class Sequence:
     request: EngineRequest
     generator: torch.Generator
     constraint: TokenConstraint | None = None
-    guard: ReasoningGuard | None = None  # bans its end-of-turn ids inside an open reasoning block
+    guard: TokenGuard | None = None  # keeps a few ids out of its output (see TokenGuard)
     image_embeds: torch.Tensor | None = None  # [sum of image span lengths, hidden]
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0

@@ -22,7 +22,13 @@ from backend.server.model_card import ServedModel
 from backend.text.chat_template import images_of
 from backend.text.output_processor import OutputProcessor
 from backend.text.reasoning import ReasoningParser
-from backend.text.structured import LazyToolConstraint, build_constraint, grammar_for, lazy_tool_grammar_for
+from backend.text.structured import (
+    LazyToolConstraint,
+    build_constraint,
+    grammar_for,
+    lazy_tool_grammar_for,
+    unoffered_markers,
+)
 from backend.text.tool_parsers import MARKERS as TOOL_MARKERS_OF
 from backend.text.tool_parsers import parser_for
 from schemas.backend import (
@@ -108,8 +114,7 @@ class Serving:
             constraint = build_constraint(grammar, self._ll_tokenizer(), what)
         elif lazy is not None:
             tool_grammar, trigger_id, banned_ids = lazy
-            tools = "tool parameters"
-            matcher = build_constraint(tool_grammar, self._ll_tokenizer(), tools) if tool_grammar else None
+            matcher = build_constraint(tool_grammar, self._ll_tokenizer(), "tool parameters")
             constraint = LazyToolConstraint(matcher, trigger_id, banned_ids)
         engine_request = EngineRequest(
             request_id=request.request_id,
@@ -119,6 +124,11 @@ class Serving:
             image_spans=spans,
             eos_token_ids=model.eos_token_ids,
             reasoning_markers=self._reasoning_markers(request, token_ids, grammar is None),
+            banned_token_ids=(
+                unoffered_markers(request, model.marker_ids, TOOL_MARKERS_OF[model.family])
+                if grammar is None
+                else []
+            ),
             reject_if_busy=request.reject_if_busy,
             priority=request.priority,
         )

@@ -18,7 +18,8 @@ With tools offered and `tool_choice` auto (or absent) the same grammar is lazy (
 as llama.cpp's lazy grammars and llguidance's tool-call use): the model writes freely, and reasoning
 stays on, until it opens a call with the family's first marker; from that token on the grammar holds,
 so a call names an offered tool and its arguments follow that tool's schema. The other markers are
-kept out of the free text, and with `tool_choice: none` all of them are.
+kept out of the free text. Where no tool may be called (none offered, or `tool_choice: none`) the
+engine's token guard keeps all of them out (`unoffered_markers`).
 """
 
 from __future__ import annotations
@@ -74,13 +75,11 @@ class GrammarConstraint:
 
 class LazyToolConstraint:
     """Free until `trigger_id`, then the tool-call grammar's matcher (fed the trigger first). Before
-    the trigger `banned_ids` are masked out; without a grammar nothing ever triggers."""
+    the trigger `banned_ids` are masked out."""
 
-    def __init__(
-        self, grammar: GrammarConstraint | None, trigger_id: int | None, banned_ids: list[int]
-    ) -> None:
+    def __init__(self, grammar: GrammarConstraint, trigger_id: int, banned_ids: list[int]) -> None:
         self._grammar = grammar
-        self._trigger_id = trigger_id if grammar is not None else None
+        self._trigger_id = trigger_id
         self._banned_ids = banned_ids
         self._free_mask: torch.Tensor | None = None
         self._num_constrained = 0  # tokens the matcher consumed, the trigger first
@@ -90,7 +89,7 @@ class LazyToolConstraint:
         return self._num_constrained > 0
 
     def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
-        if self._grammar is not None and self.is_triggered:
+        if self.is_triggered:
             return self._grammar.allowed_tokens(vocab_size)
         if self._free_mask is None or self._free_mask.shape[0] != vocab_size:
             mask = torch.ones(vocab_size, dtype=torch.bool)  # [vocab]
@@ -99,20 +98,20 @@ class LazyToolConstraint:
         return self._free_mask
 
     def accept(self, token_id: int) -> None:
-        if self._grammar is not None and (self.is_triggered or token_id == self._trigger_id):
+        if self.is_triggered or token_id == self._trigger_id:
             self._grammar.accept(token_id)
             self._num_constrained += 1
 
     def is_finished(self) -> bool:
-        return self._grammar is not None and self.is_triggered and self._grammar.is_finished()
+        return self.is_triggered and self._grammar.is_finished()
 
     @property
     def error(self) -> str | None:
-        return self._grammar.error if self._grammar is not None and self.is_triggered else None
+        return self._grammar.error if self.is_triggered else None
 
     def rollback(self, num_tokens: int) -> None:
         undo = min(num_tokens, self._num_constrained)  # free tokens before the trigger hold no state
-        if self._grammar is not None and undo:
+        if undo:
             self._grammar.rollback(undo)
             self._num_constrained -= undo
 
@@ -380,20 +379,34 @@ def grammar_for(request: GenerateRequest, family: str, marker_ids: dict[str, int
 
 def lazy_tool_grammar_for(
     request: GenerateRequest, family: str, marker_ids: dict[str, int | None], markers: tuple[str, ...]
-) -> tuple[str | None, int | None, list[int]] | None:
-    """For a request with tools and no forced call: (the tool-call grammar, or None under
-    `tool_choice: none`; the marker that switches it on; the markers kept out of free text).
-    None when there is nothing to constrain (no tools offered, or a tokenizer without markers).
-    `markers` is the family's, the call-opening one first."""
+) -> tuple[str, int, list[int]] | None:
+    """For a request with tools and no forced call: (the tool-call grammar; the marker that
+    switches it on; the markers kept out of free text). None when there is nothing to constrain:
+    no tools offered or `tool_choice: none` (the engine's guard keeps every marker out: see
+    `unoffered_markers`), or a tokenizer without markers. `markers` is the family's, the
+    call-opening one first."""
     ids = [marker_ids.get(m) for m in markers]
-    if not request.tools or any(i is None for i in ids):
+    if not request.tools or any(i is None for i in ids) or _refuses_tools(request):
         return None
     known = [i for i in ids if i is not None]
-    if request.tool_choice is not None and request.tool_choice.mode == "none":
-        return None, None, known
     lark = _tool_lark(request, request.tools, family, marker_ids, is_parallel=True)
     grammar = str(llguidance.LLMatcher.grammar_from_lark(lark))
     return grammar, known[0], known[1:]
+
+
+def unoffered_markers(
+    request: GenerateRequest, marker_ids: dict[str, int | None], markers: tuple[str, ...]
+) -> list[int]:
+    """The family's tool-call marker ids a chat may not write: all of them where no tool is
+    offered or `tool_choice` is none (the model's call would otherwise reach the text, its markup
+    stripped or not: issue 26), none where a call may be made or the prompt is raw."""
+    if request.messages is None or (request.tools and not _refuses_tools(request)):
+        return []
+    return [i for i in (marker_ids.get(m) for m in markers) if i is not None]
+
+
+def _refuses_tools(request: GenerateRequest) -> bool:
+    return request.tool_choice is not None and request.tool_choice.mode == "none"
 
 
 def build_constraint(

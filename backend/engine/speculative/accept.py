@@ -76,7 +76,7 @@ def choose_tokens(
 
 
 def banned_rows(r: SpecRow) -> list[tuple[int, ...]]:
-    """The ids banned at each of `r`'s verify rows: its reasoning guard's, along its drafts (row i
+    """The ids banned at each of `r`'s verify rows: its token guard's, along its drafts (row i
     follows d_1 … d_i, which may open or close the block), as one-at-a-time decoding would ban them."""
     guard = r.sched.seq.guard
     return guard.banned_along(r.drafts) if guard is not None else [()] * (len(r.drafts) + 1)

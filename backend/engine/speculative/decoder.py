@@ -23,7 +23,7 @@ has pages for the chained drafts (`_is_whole`) runs as ONE device function inste
 drafts (backend/engine/speculative/greedy.py, or sampled.py when any sequence samples: rejection
 sampling on the device, its uniforms drawn on the host and sent with the step's inputs; one CUDA
 graph per (k, bucket)), and the host reads one small tensor back: the accepted counts, tokens, next
-drafts and tag flags. A reasoning guard's bans go with it: the device masks each verify row along
+drafts and tag flags. A token guard's bans go with it: the device masks each verify row along
 the drafts as the host path does. Every other step (penalties, logprobs, chunks, a row with fewer
 drafts, a guard banning more ids than the device's rows hold, a window cut by `max_tokens`) takes the host path above, which masks each
 verify row as the sampler would (accept.py `banned_rows`).
@@ -404,7 +404,7 @@ class SpecDecoder:
     # ---- a whole step on the device (backend/engine/speculative/greedy.py, sampled.py) -----------
     def _is_whole(self, rows: list[SpecRow]) -> bool:
         """Every sequence verifies this step's k drafts, samples without penalties (greedy, or
-        sampled where `is_sampled_enabled`), wants no logprobs, has a reasoning guard the device can
+        sampled where `is_sampled_enabled`), wants no logprobs, has a token guard the device can
         apply (at most `MAX_BANNED` ids) or none, has pages for the chained drafts after any accepted
         run (its window not cut by `max_tokens`) and no MTP KV to catch up."""
         k = self.k
@@ -418,7 +418,7 @@ class SpecDecoder:
                 or not (self.is_greedy_enabled if row.is_argmax else self.is_sampled_enabled)
                 or seq.wants_prompt_logprobs
                 or seq.num_tokens + 2 * k - 1 > seq.num_prompt_tokens + seq.request.sampling.max_tokens
-                or (seq.guard is not None and len(seq.guard.stop_ids) > MAX_BANNED)
+                or (seq.guard is not None and seq.guard.max_banned > MAX_BANNED)
             ):
                 return False
         return k > 0

@@ -24,7 +24,7 @@ to back without a round trip to the host; `drafted` holds each depth's tokens un
 `SpecForward(GREEDY)` is a whole greedy step (backend/engine/speculative/greedy.py), or a whole sampled
 one when its batch carries draw rows (backend/engine/speculative/sampled.py): from the verify graphs'
 graph of its kind and (k, bucket), else eagerly, on every rank alike. Either way its inputs and
-the step's page-tag updates (and its reasoning guards' rows) cross in one copy (the runner's staging
+the step's page-tag updates (and its token guards' rows) cross in one copy (the runner's staging
 buffer) and the host reads one tensor back, as in a plain decode step.
 
 Shape letters: T tokens of a forward, N logits rows, V vocabulary, H hidden, P proposing sequences.

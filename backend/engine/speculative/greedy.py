@@ -10,8 +10,8 @@ reads one small tensor back; on the CPU (or wherever no graph was captured) the 
 Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p+k, p its newest token's):
 
 1. Verify: the target over `[newest, d_1 … d_k]`; row i's argmax t_i is its token after d_1 … d_i,
-   its reasoning guard's end-of-turn ids masked first where the block is open at row i (`mask_guarded`
-   with the ids `ReasoningGuard.banned_along` the drafts bans at each row, `guard_rows`: the host
+   its token guard's ids masked first (end-of-turn ones where the block is open at row i; `mask_guarded`
+   with the ids `TokenGuard.banned_along` the drafts bans at each row, `guard_rows`: the host
    knows the drafts), so the targets are the host path's (accept.py `banned_rows`).
 2. Accept: a = the number of leading drafts equal to the target's (d_{i+1} == t_i); the step emits
    t_0 … t_a (the accepted drafts are the targets they equal, then the target's own token).
@@ -50,15 +50,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from backend.engine.constraint import ReasoningGuard
+from backend.engine.constraint import TokenGuard
 from backend.engine.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from backend.models.layers.step import Step
 
-# the most end-of-turn ids a guard may ban on the device (GLM's are 3, Kimi K2's 2); a request with
-# more runs its speculative steps on the host path
-MAX_BANNED = 4
+# the most ids a guard may ban on the device: end-of-turn (GLM's are 3, Kimi K2's 2) and unoffered
+# tool-call markers (GLM's 6, Kimi's 5); a request with more runs its speculative steps on the host path
+MAX_BANNED = 12
 
 
 def greedy_step(
@@ -139,16 +139,16 @@ def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return (targets[:, :k] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def guard_rows(guards: list[ReasoningGuard | None], drafts: list[list[int]], vocab_size: int) -> np.ndarray:
+def guard_rows(guards: list[TokenGuard | None], drafts: list[list[int]], vocab_size: int) -> np.ndarray:
     """`[B, k + 1, MAX_BANNED]` int64: the ids each sequence's guard bans at each of its verify
-    rows (`ReasoningGuard.banned_along` its k `drafts`, the host path's `banned_rows`), -1 padded;
+    rows (`TokenGuard.banned_along` its k `drafts`, the host path's `banned_rows`), -1 padded;
     ids past the vocabulary dropped, as the sampler's `mask_banned` skips them (no guard: none)."""
     L = len(drafts[0]) + 1 if drafts else 1
     rows = np.full((len(guards), L, MAX_BANNED), -1, dtype=np.int64)
     for b, (guard, ds) in enumerate(zip(guards, drafts, strict=True)):
         if guard is None:
             continue
-        assert len(guard.stop_ids) <= MAX_BANNED, "more banned ids than a guard row holds"
+        assert guard.max_banned <= MAX_BANNED, "more banned ids than a guard row holds"
         for i, banned in enumerate(guard.banned_along(ds)):
             ids = [t for t in banned if 0 <= t < vocab_size]
             rows[b, i, : len(ids)] = ids

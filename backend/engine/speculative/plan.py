@@ -39,7 +39,7 @@ class SpecRow:
 def plan_greedy(rows: list[SpecRow], k: int, block_manager: BlockManager, vocab_size: int) -> HostBatch:
     """A greedy step's verify, vectorised: each sequence's newest token and its k drafts at
     positions n-1 … n-1+k, its page table as wide as the chained drafts need (n + 2k - 1
-    tokens), and the ids its reasoning guard bans at each row (those under `vocab_size`)."""
+    tokens), and the ids its token guard bans at each row (those under `vocab_size`)."""
     L, S, B = k + 1, block_manager.page_size, len(rows)
     seqs = [r.sched.seq for r in rows]
     tokens = np.array(

@@ -7,7 +7,7 @@ graph replay per (k, bucket) (backend/engine/speculative/verify_graphs.py) and o
 greedy step is. Greedy sequences in the same step keep the greedy rule (argmax), bit for bit.
 
 Per sequence b, row i of its verify (after drafts d_1 … d_i), with p_i the sampler's distribution
-there (its reasoning guard's bans as `mask_guarded` sets them, then temperature, top-k, top-p,
+there (its token guard's bans as `mask_guarded` sets them, then temperature, top-k, top-p,
 softmax: `accept.target_probs`):
 
 1. d_{i+1} is accepted when u_i < p_i(d_{i+1}); a = the number of leading accepted drafts.

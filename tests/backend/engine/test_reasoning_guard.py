@@ -1,4 +1,4 @@
-"""The reasoning guard (backend/engine/constraint.py `ReasoningGuard`, issue 26): a request that reasons
+"""The reasoning guard (backend/engine/constraint.py `TokenGuard`, issue 26): a request that reasons
 cannot end its turn inside an open `<think>` block, with or without speculative decoding.
 
 The guard's state is checked against the reasoning parser's own reading of the markers
@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 
-from backend.engine.constraint import ReasoningGuard
+from backend.engine.constraint import TokenGuard
 from backend.engine.engine import Engine
 from backend.engine.model_runner import SeqResult
 from backend.engine.sampler import Sampler, SampleRow
@@ -56,7 +56,7 @@ def guarded(req: EngineRequest, *, is_open: bool, eos: list[int] | None = None) 
 
 # ---- the guard alone ---------------------------------------------------------------------------
 def test_stop_ids_are_banned_only_while_the_block_is_open() -> None:
-    guard = ReasoningGuard(START, END, [EOS, 7], is_open=True)  # the prompt ended in <think>
+    guard = TokenGuard(START, END, [EOS, 7], is_open=True)  # the prompt ended in <think>
     assert guard.banned_ids() == (EOS, 7)
     mask = guard.allowed_tokens(10)
     assert mask is not None and mask.tolist() == [i not in (EOS, 7) for i in range(10)]
@@ -72,7 +72,7 @@ def test_stop_ids_are_banned_only_while_the_block_is_open() -> None:
 
 
 def test_a_block_the_prompt_did_not_open_bans_nothing_until_the_model_opens_one() -> None:
-    guard = ReasoningGuard(START, END, [EOS], is_open=False)
+    guard = TokenGuard(START, END, [EOS], is_open=False)
     assert guard.banned_ids() == () and guard.allowed_tokens(10) is None
     guard.accept(START)
     assert guard.banned_ids() == (EOS,)
@@ -82,11 +82,33 @@ def test_a_block_the_prompt_did_not_open_bans_nothing_until_the_model_opens_one(
 
 def test_a_request_gets_a_guard_only_when_it_reasons_and_eos_would_stop_it() -> None:
     req = request("r", [3, START])
-    assert ReasoningGuard.of(msgspec.structs.replace(req, eos_token_ids=[EOS])) is None  # no markers
-    guard = ReasoningGuard.of(guarded(req, is_open=True, eos=[EOS, 9]))
+    assert TokenGuard.of(msgspec.structs.replace(req, eos_token_ids=[EOS])) is None  # no markers
+    guard = TokenGuard.of(guarded(req, is_open=True, eos=[EOS, 9]))
     assert guard is not None and guard.banned_ids() == (EOS, 9)
     ignoring = guarded(request("r", [3, START], ignore_eos=True), is_open=True)
-    assert ReasoningGuard.of(ignoring) is None  # eos does not end it: nothing to ban
+    assert TokenGuard.of(ignoring) is None  # eos does not end it: nothing to ban
+
+
+def test_ids_kept_out_always_are_banned_open_or_closed() -> None:
+    """`always` (a chat's unoffered tool-call markers): banned at every token, beside the stop ids
+    while a block is open; a request without markers gets a guard for them alone, and under
+    `ignore_eos` too (only the stop ids depend on eos)."""
+    guard = TokenGuard(START, END, [EOS], is_open=True, always=(11, 12, EOS))
+    assert guard.banned_ids() == (EOS, 11, 12) and guard.max_banned == 3
+    guard.accept(END)
+    assert guard.banned_ids() == (11, 12, EOS)
+    mask = guard.allowed_tokens(16)
+    assert mask is not None and mask.tolist() == [i not in (11, 12, EOS) for i in range(16)]
+    guard.accept(START)
+    mask = guard.allowed_tokens(16)
+    assert mask is not None and not mask[EOS] and not mask[11]
+    alone = TokenGuard.of(
+        msgspec.structs.replace(request("r", [3], ignore_eos=True), banned_token_ids=[11, 12, 11])
+    )
+    assert alone is not None and alone.banned_ids() == (11, 12) and alone.max_banned == 2
+    alone.accept(START)  # no block to open: the markers mean nothing to it
+    assert alone.banned_ids() == (11, 12) and alone.banned_along([START, END]) == [(11, 12)] * 3
+    assert TokenGuard.of(request("r", [3])) is None
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -95,7 +117,7 @@ def test_rollback_is_exact_across_opens_and_closes(seed: int) -> None:
     parser's reading of the prompt and the tokens still kept; `banned_along` leaves it as it was."""
     rng = random.Random(seed)
     prompt = rng.choice([[3, START], [3, START, 4, END], [3]])
-    guard = ReasoningGuard(START, END, [EOS], is_open=MARKERS.is_open_after(prompt))
+    guard = TokenGuard(START, END, [EOS], is_open=MARKERS.is_open_after(prompt))
     kept: list[int] = []
     for _ in range(400):
         if kept and rng.random() < 0.35:
@@ -182,6 +204,42 @@ def test_a_block_the_model_opens_itself_is_guarded_too() -> None:
         toy_engine(MarkovModel(target, target), 2), [guarded(request("r", [3], max_tokens=12), is_open=False)]
     )
     assert results["r"].token_ids == [START, 5, 6, END, 7, 8, EOS]
+
+
+def greedy_chain(target: torch.Tensor, last: int, banned: set[int], max_tokens: int) -> list[int]:
+    """The Markov toy's greedy output after `last` with `banned` masked at every step (the reference)."""
+    out: list[int] = []
+    while len(out) < max_tokens:
+        row = target[last].clone()
+        row[list(banned)] = float("-inf")
+        last = int(row.argmax())
+        out.append(last)
+        if last == EOS:
+            break
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_ids_banned_always_never_come_out_plain_or_speculative(k: int) -> None:
+    """Issue 26: a chat offered no tools whose model opens a call anyway (the toy's favourite after
+    3 and after 7 is the "marker" 12): with the family's markers banned it writes its next best
+    instead, plain or speculative (drafts propose 12: verify takes it away, on the device too), as
+    the masked greedy chain says; beside an open reasoning block's guard as well. Unbanned, 12
+    comes out."""
+    target = toy_target()
+    target[3, 12] += 30.0
+    target[7, 12] += 30.0
+    bare = msgspec.structs.replace(request("bare", [4, 3], max_tokens=10), eos_token_ids=[EOS])
+    banned = msgspec.structs.replace(bare, request_id="banned", banned_token_ids=[12, 13])
+    both = guarded(
+        msgspec.structs.replace(banned, request_id="both", prompt_token_ids=[3, START]), is_open=True
+    )
+    results = run_all(toy_engine(MarkovModel(target, target), k), [bare, banned, both])
+    assert results["bare"].token_ids[0] == 12
+    assert results["banned"].token_ids == greedy_chain(target, 3, {12, 13}, 10)
+    assert results["both"].token_ids[:4] == [5, 6, END, 7]  # the block closed, not ended
+    assert results["both"].token_ids == [5, 6, END, 7, *greedy_chain(target, 7, {12, 13}, 6)]
+    assert not {12, 13} & {*results["banned"].token_ids, *results["both"].token_ids}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -335,16 +393,16 @@ def test_whole_greedy_steps_on_the_device_keep_the_guard(k: int) -> None:
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_the_device_mask_is_the_guard_along_the_drafts(k: int) -> None:
-    """`mask_guarded` over `guard_rows` against `ReasoningGuard.banned_along` on random guards (open
+    """`mask_guarded` over `guard_rows` against `TokenGuard.banned_along` on random guards (open
     or closed, with a history, start and end ids that may coincide, stop ids repeated, 0 or past the
     vocabulary) and random drafts rich in their markers: -inf exactly at the banned ids in the
     vocabulary of each verify row, every other logit as it was; a sequence without a guard masks
     nothing; the guards are left as they were."""
     rng = random.Random(k)
     V, L = 12, k + 1
-    guards: list[ReasoningGuard | None] = [
-        ReasoningGuard(START, END, [0], is_open=True),  # the padding's clamp lands on id 0 too
-        ReasoningGuard(START, END, [V - 1, V + 1], is_open=True),
+    guards: list[TokenGuard | None] = [
+        TokenGuard(START, END, [0], is_open=True),  # the padding's clamp lands on id 0 too
+        TokenGuard(START, END, [V - 1, V + 1], is_open=True),
         None,
     ]
     for _ in range(61):
@@ -352,7 +410,7 @@ def test_the_device_mask_is_the_guard_along_the_drafts(k: int) -> None:
         if rng.random() < 0.1:
             end = start
         stop_ids = [rng.randrange(V + 2) for _ in range(rng.randint(1, MAX_BANNED))]
-        g = ReasoningGuard(start, end, stop_ids, is_open=rng.random() < 0.5)
+        g = TokenGuard(start, end, stop_ids, is_open=rng.random() < 0.5)
         for _ in range(rng.randrange(4)):
             g.accept(rng.choice([start, end, rng.randrange(V)]))
         guards.append(g)
@@ -401,7 +459,7 @@ def test_the_device_mask_is_four_launches() -> None:
                 self.names.append(name)
             return out
 
-    guard = ReasoningGuard(START, END, [1, 2], is_open=True)
+    guard = TokenGuard(START, END, [1, 2], is_open=True)
     for k in (1, 3, 5):
         rows = torch.from_numpy(guard_rows([guard, None], [[END, *[3] * (k - 1)], [3] * k], 12))
         logits = torch.randn(2 * (k + 1), 12)
@@ -539,7 +597,7 @@ def test_a_tool_call_marker_closes_the_block_for_the_guard() -> None:
     reads it: after it the end-of-turn ids are allowed again (a call made from inside the reasoning
     may end the turn), and a rollback past it opens the block again."""
     START, END, CALL, EOS = 5, 6, 7, 2
-    guard = ReasoningGuard(START, END, [EOS], is_open=True, call_start_id=CALL)
+    guard = TokenGuard(START, END, [EOS], is_open=True, call_start_id=CALL)
     assert guard.banned_ids() == (EOS,)
     guard.accept(11)
     guard.accept(CALL)
@@ -547,7 +605,7 @@ def test_a_tool_call_marker_closes_the_block_for_the_guard() -> None:
     guard.rollback(1)
     assert guard.banned_ids() == (EOS,)
     assert guard.banned_along([CALL, 12]) == [(EOS,), (), ()]
-    without = ReasoningGuard(START, END, [EOS], is_open=True)
+    without = TokenGuard(START, END, [EOS], is_open=True)
     without.accept(CALL)
     assert without.banned_ids() == (EOS,)
     req = msgspec.structs.replace(
@@ -555,5 +613,55 @@ def test_a_tool_call_marker_closes_the_block_for_the_guard() -> None:
         eos_token_ids=[EOS],
         reasoning_markers=ReasoningMarkers(start_id=START, end_id=END, is_open=True, call_start_id=CALL),
     )
-    of = ReasoningGuard.of(req)
+    of = TokenGuard.of(req)
     assert of is not None and of.call_start_id == CALL
+
+
+KIMI = Path("models/kimi-k2.6-nano")
+# everyday questions offered no tools that the nano models answer with a call (markup and all) when
+# nothing keeps its markers out (found by lab probes, 2026-12-07: 5 of 14 for GLM, 1 for Kimi)
+UNOFFERED = {
+    KIMI: ["What time is it in London?"],
+    GLM: ["What's the weather in Paris?", "Is it raining in Madrid?", "Send an email to Bob saying hi."],
+}
+
+
+@pytest.mark.parametrize("path", [KIMI, GLM], ids=["kimi", "glm"])
+def test_nano_models_offered_no_tools_write_no_call_markup(path: Path) -> None:
+    """Issue 26: a chat that offers no tools (or `tool_choice: none`) bans every tool-call marker
+    of the family; with tools offered none is banned. Greedy, the nano models open calls to these
+    prompts when the ban is lifted; with it, no marker comes out and the text is plain."""
+    if not (path / "model.safetensors.index.json").exists():
+        pytest.skip(f"{path} not in models/")
+    from backend.server.generation import Serving
+    from backend.server.model_card import ServedModel
+    from backend.server.rank_group import build_engine
+    from backend.server.settings import BackendSettings
+    from backend.text.tool_parsers import MARKERS as TOOL_MARKERS_OF
+    from schemas.backend import GenerateRequest, Message, Tool, ToolChoice
+
+    served = ServedModel.from_checkpoint(path)
+    markers = {served.marker_ids[m] for m in TOOL_MARKERS_OF[served.family]}
+    assert None not in markers
+    engine: Engine = build_engine(BackendSettings(model=str(path), port=1, secret="x" * 32, dtype="float32"))
+    serving = Serving(served, engine)  # type: ignore[arg-type]  # only `prepare` is used
+
+    def prepared(i: int, text: str, **fields: Any) -> EngineRequest:
+        return serving.prepare(GenerateRequest(
+            request_id=f"p{i}", tenant_salt="a" * 32, messages=[Message(role="user", content=text)],
+            sampling=SamplingParams(temperature=0.0, max_tokens=64), **fields,
+        )).engine_request  # fmt: skip
+
+    weather = Tool(
+        name="get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}}
+    )
+    assert prepared(0, "Hi", tools=[weather]).banned_token_ids == []
+    refused = prepared(0, "Hi", tools=[weather], tool_choice=ToolChoice(mode="none"))
+    assert set(refused.banned_token_ids) == markers
+    reqs = [prepared(i, text) for i, text in enumerate(UNOFFERED[path])]
+    assert all(set(r.banned_token_ids) == markers for r in reqs)
+    unbanned = run_all(engine, [msgspec.structs.replace(r, banned_token_ids=[]) for r in reqs])
+    banned = run_all(engine, reqs)
+    for r in reqs:
+        assert markers & set(unbanned[r.request_id].token_ids), r.request_id  # the ban is what holds
+        assert not markers & set(banned[r.request_id].token_ids), r.request_id

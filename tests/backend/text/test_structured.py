@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import torch
 
+from backend.engine.constraint import TokenGuard
 from backend.errors import InvalidRequest
 from backend.server.model_card import TOOL_MARKERS
 from backend.text.structured import (
@@ -22,10 +23,12 @@ from backend.text.structured import (
     build_constraint,
     grammar_for,
     lazy_tool_grammar_for,
+    unoffered_markers,
 )
 from backend.text.tokenizer import Tokenizer
 from backend.text.tool_parsers import MARKERS, ParsedCall, parser_for
 from schemas.backend import (
+    EngineRequest,
     GenerateRequest,
     Message,
     ResponseFormat,
@@ -358,8 +361,9 @@ def _lazy(request: GenerateRequest, tok: Tokenizer, family: str, eos: int) -> La
     lazy = lazy_tool_grammar_for(request, family, _markers(tok), MARKERS[family])
     assert lazy is not None
     grammar, trigger_id, banned_ids = lazy
-    matcher = build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])) if grammar else None
-    return LazyToolConstraint(matcher, trigger_id, banned_ids)
+    return LazyToolConstraint(
+        build_constraint(grammar, tok.ll_tokenizer(tok.vocab_size, [eos])), trigger_id, banned_ids
+    )
 
 
 @pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
@@ -439,20 +443,32 @@ def test_auto_rolls_back_across_the_marker(tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.parametrize(("layout", "family"), [("kimi-tiktoken", "kimi"), ("glm", "glm")])
-def test_tool_choice_none_keeps_every_marker_out(
+def test_a_chat_that_may_call_no_tool_keeps_every_marker_out(
     tmp_path_factory: pytest.TempPathFactory, layout: str, family: str
 ) -> None:
+    """No tools offered, or `tool_choice: none`: no grammar, the engine's token guard bans every
+    marker of the family (an unoffered call would reach the text, issue 26); plain text and the
+    end of turn stay allowed. Tools offered, or a raw prompt: nothing banned."""
     tok = load(tmp_path_factory, layout)
     eos = tok.named_id("eos_token")
     assert eos is not None
-    constraint = _lazy(_request(tools=[WEATHER], tool_choice=ToolChoice(mode="none")), tok, family, eos)
-    for token in tok.encode("plain words", allow_special=False):
-        mask = constraint.allowed_tokens(tok.vocab_size)
-        assert mask is not None and mask[token] and mask[eos]
-        assert not any(mask[tok.token_to_id(m)] for m in MARKERS[family])
-        constraint.accept(token)
-    assert not constraint.is_finished()
-    assert lazy_tool_grammar_for(_request(), family, _markers(tok), MARKERS[family]) is None  # no tools
+    every = [tok.token_to_id(m) for m in MARKERS[family]]
+    assert None not in every
+    for request in (_request(), _request(tools=[WEATHER], tool_choice=ToolChoice(mode="none"))):
+        assert lazy_tool_grammar_for(request, family, _markers(tok), MARKERS[family]) is None
+        banned = unoffered_markers(request, _markers(tok), MARKERS[family])
+        assert sorted(banned) == sorted(every)
+        guard = TokenGuard.of(EngineRequest(request_id="r", prompt_token_ids=[1], tenant_salt="0" * 16,
+                                            eos_token_ids=[eos], banned_token_ids=banned))  # fmt: skip
+        assert guard is not None
+        for token in tok.encode("plain words", allow_special=False):
+            mask = guard.allowed_tokens(tok.vocab_size)
+            assert mask is not None and mask[token] and mask[eos]
+            assert not any(mask[t] for t in every)
+            guard.accept(token)
+    assert unoffered_markers(_request(tools=[WEATHER]), _markers(tok), MARKERS[family]) == []
+    raw = GenerateRequest(request_id="r", tenant_salt="0" * 16, prompt="hi", raw=True)
+    assert unoffered_markers(raw, _markers(tok), MARKERS[family]) == []
 
 
 def _kimi_call_is_allowed(tok: Tokenizer, tool: Tool, arguments: str) -> bool:
