@@ -63,6 +63,7 @@ async def from_openai(
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
     check_choices(num_choices_of(inp), ctx)  # this and the images' checks before any image is fetched
     check_images(model, _num_images(inp.messages or []), ctx.max_images)
+    check_tool_results(inp.messages or [])
     messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
     for i, m in enumerate(inp.messages or []):
         messages.append(await _message(m, f"messages[{i}]", ctx))
@@ -139,6 +140,24 @@ def num_images_of(inp: ChatCompletionRequest) -> int:
 def image_urls_of(inp: ChatCompletionRequest) -> list[str]:
     """The image parts' URLs (data: URIs or http(s) URLs), in input order, before any is fetched."""
     return [part.image_url.url for part in _image_parts(inp.messages or [])]
+
+
+def check_tool_results(messages: list[MessageIn]) -> None:
+    """OpenAI's rule: a `tool` message answers a call of the assistant message before it (its other
+    results between them). A result for no call would reach the model as a transcript it never
+    wrote (the chat templates render results by their call's id)."""
+    calls: set[str] | None = None  # the ids the latest assistant message called, while results follow
+    for i, m in enumerate(messages):
+        if isinstance(m, AssistantMessage):
+            calls = {c.id for c in m.tool_calls or []}
+        elif isinstance(m, ToolMessage):
+            if calls is None or m.tool_call_id not in calls:
+                raise BadInput(
+                    f"Bad input: 'messages[{i}].tool_call_id' ({m.tool_call_id!r}) answers no tool call of "
+                    "the assistant message before it"
+                )
+        elif not isinstance(m, FunctionMessage):
+            calls = None
 
 
 def _num_images(messages: list[MessageIn]) -> int:

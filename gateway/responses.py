@@ -92,6 +92,7 @@ def _messages(items: list[r.InputItem]) -> list[dict[str, Any]]:
     item rides on the assistant turn after it."""
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None
+    called: set[str] = set()
     for i, item in enumerate(items):
         where = f"$.input[{i}]"
         if item.type == "reasoning":
@@ -102,6 +103,7 @@ def _messages(items: list[r.InputItem]) -> list[dict[str, Any]]:
                 raise BadInput(f"Bad input: {where} (function_call) needs call_id, name and arguments")
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            called.add(item.call_id)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)
@@ -111,6 +113,9 @@ def _messages(items: list[r.InputItem]) -> list[dict[str, Any]]:
         elif item.type == "function_call_output":
             if item.call_id is None or item.output is None:
                 raise BadInput(f"Bad input: {where} (function_call_output) needs call_id and output")
+            if item.call_id not in called:
+                raise BadInput(f"Bad input: {where} (function_call_output): no function_call before it has call_id "
+                               f"{item.call_id!r}")  # fmt: skip
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:

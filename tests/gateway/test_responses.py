@@ -93,6 +93,24 @@ def test_text_input_is_one_user_message() -> None:
             "$.input[0] (function_call)",
         ),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f1"}]}]}, "file_id"),
+        (  # a result for a call the input never made (OpenAI: "No tool call found for … call_id")
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c2", "output": "x"},
+                ]
+            },
+            "$.input[1] (function_call_output): no function_call before it has call_id 'c2'",
+        ),
+        (
+            {
+                "input": [
+                    {"type": "function_call_output", "call_id": "c1", "output": "x"},
+                    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                ]
+            },
+            "$.input[0] (function_call_output)",
+        ),
     ],
 )
 def test_what_cannot_be_served_is_a_400_saying_why(body: dict, message: str) -> None:  # type: ignore[type-arg]

@@ -133,6 +133,21 @@ async def test_tool_calls_parallel_and_tool_choice(harness: Harness) -> None:
     assert (await post(harness, {"messages": history, "tools": tools})).status_code == 200
     sent = harness.last
     assert sent.messages[1].tool_calls[0].id == "call_1" and sent.messages[2].tool_call_id == "call_1"
+    # a result must answer a call of the assistant message before it, as OpenAI requires
+    for bad_history, index in (
+        ([*history[:2], {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}], 2),  # no such call
+        ([history[0], {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], 1),  # no call at all
+        ([*history, {"role": "user", "content": "and?"}, history[2]], 4),  # the calls were answered
+    ):
+        r = await post(harness, {"messages": bad_history, "tools": tools})
+        message = r.json()["errors"][0]["message"]
+        assert r.status_code == 400 and f"'messages[{index}].tool_call_id'" in message, r.text
+    two = {
+        **history[1],
+        "tool_calls": [*history[1]["tool_calls"], {**history[1]["tool_calls"][0], "id": "call_2"}],
+    }
+    answered = [history[0], two, {"role": "tool", "tool_call_id": "call_2", "content": "rain"}, history[2]]
+    assert (await post(harness, {"messages": answered, "tools": tools})).status_code == 200
 
 
 async def test_n_fans_out_with_distinct_seeds_and_is_capped(harness: Harness) -> None:
