@@ -21,7 +21,8 @@ from starlette.routing import Route
 
 from gateway.auth import Authenticator
 from gateway.body import decode_json
-from gateway.errors import InvalidAdminRequest, NotFound
+from gateway.catalog import Catalog
+from gateway.errors import InvalidAdminRequest, NotFound, UnknownModel
 from gateway.observability import info_of
 from gateway.store import Store
 from schemas.admin import ModelsIn, Quotas, QuotasIn, TenantCreate, TenantPatch, TokenCreate
@@ -41,6 +42,7 @@ class AdminServices(Protocol):
 
     store: Store
     authenticator: Authenticator
+    catalog: Catalog
 
 
 TENANT_CREATE = msgspec.json.Decoder(TenantCreate)
@@ -176,11 +178,21 @@ class AdminApi:
 
     async def set_models(self, request: Request, actor: str) -> Envelope:
         tenant_id = _id(request, "tenant_id")
-        tenant = await self.store.set_models(
-            tenant_id, (await _body(request, MODELS)).allow, actor=actor, request_id=_request_id(request)
-        )
+        allow = (await _body(request, MODELS)).allow
+        if allow is not None:
+            allow = [self._model_id(name, f"allow[{i}]") for i, name in enumerate(allow)]
+        tenant = await self.store.set_models(tenant_id, allow, actor=actor, request_id=_request_id(request))
         self.services.authenticator.forget(tenant_id=tenant_id)
         return _ok(tenant.models)
+
+    def _model_id(self, name: str, field: str) -> str:
+        """A catalog model's id for an allow-list entry (its id or an alias, which requests are
+        served under the id of: an alias kept as written would never match). An unknown name is
+        refused: a typo would deny the tenant the model it was meant to allow."""
+        try:
+            return self.services.catalog.get(name).name
+        except UnknownModel:
+            raise InvalidAdminRequest(f"{field}: no model {name!r} in the catalog") from None
 
     # ---- tokens -------------------------------------------------------------------------------------
     async def create_token(self, request: Request, actor: str) -> Envelope:

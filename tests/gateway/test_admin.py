@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -19,6 +19,7 @@ from tenancy_db import store_fixture  # noqa: F401  (fixture)
 from gateway.admin import MAX_BODY_BYTES, admin_routes
 from gateway.app import render_error, render_http_error
 from gateway.auth import Authenticator
+from gateway.catalog import Catalog, load_catalog_file
 from gateway.errors import KumoError, Unauthenticated
 from gateway.store import Store
 from gateway.usage import UsageLedger
@@ -32,6 +33,7 @@ AUTH = {"authorization": f"Bearer {ADMIN_TOKEN}"}
 class AdminOnlyServices:
     store: Store
     authenticator: Authenticator
+    catalog: Catalog = field(default_factory=lambda: Catalog.from_file(load_catalog_file(None)))
 
 
 @dataclass
@@ -232,6 +234,15 @@ async def test_quotas_and_models(admin: Admin) -> None:
     assert ctx.allowed_models == frozenset({"@cf/zai-org/glm-5.2"})
     assert await admin.ok("PUT", f"/tenants/{tid}/models", {"allow": None}) == {"allow": None}
     assert error_of(await admin.call("PUT", f"/tenants/{tid}/models", {"allow": "x"}))[:2] == (400, 6007)
+    # a name the catalog lacks (a typo would deny the model it meant to allow) is refused; an alias
+    # is kept as the model's id, which requests are authorised under
+    typo = error_of(
+        await admin.call("PUT", f"/tenants/{tid}/models", {"allow": ["@cf/zai-org/glm-5.2", "@cf/zai/glm"]})
+    )
+    assert typo == (400, 6007, "allow[1]: no model '@cf/zai/glm' in the catalog"), typo
+    assert (await admin.ok("GET", f"/tenants/{tid}"))["models"] == {"allow": None}  # unchanged
+    alias = {"allow": ["@cf/moonshotai/kimi-k2.5"]}
+    assert await admin.ok("PUT", f"/tenants/{tid}/models", alias) == {"allow": ["@cf/moonshotai/kimi-k2.6"]}
 
 
 async def test_usage_by_day_and_model_through_the_ledger(admin: Admin) -> None:
@@ -285,7 +296,7 @@ async def test_audit_lists_every_mutation_with_who_and_when(admin: Admin) -> Non
     token = await admin.ok("POST", f"/tenants/{tid}/tokens", {"name": "k"})
     await admin.ok("PUT", f"/tenants/{tid}/quotas", {"requests_per_minute": 1, "tokens_per_minute": None,
                                                       "daily_neurons": 5})  # fmt: skip
-    await admin.ok("PUT", f"/tenants/{tid}/models", {"allow": ["@cf/a"]})
+    await admin.ok("PUT", f"/tenants/{tid}/models", {"allow": ["@cf/zai-org/glm-5.2"]})
     await admin.ok("PATCH", f"/tenants/{tid}", {"name": "audited2"})
     await admin.ok("DELETE", f"/tenants/{tid}/tokens/{token['id']}")
     await admin.ok("DELETE", f"/tenants/{tid}")

@@ -23,6 +23,7 @@ from gateway.admin import admin_routes
 from gateway.admin_cli import main
 from gateway.app import render_error, render_http_error
 from gateway.auth import Authenticator
+from gateway.catalog import Catalog, load_catalog_file
 from gateway.cli import main as kumo
 from gateway.errors import KumoError
 from gateway.store import Store
@@ -34,11 +35,14 @@ TOKEN = "cli-admin-token-0123456789abcdef"
 class Services:
     store: Store
     authenticator: Authenticator
+    catalog: Catalog
 
 
 def admin_app(db: Path) -> Starlette:
     store = Store()
-    services = Services(store=store, authenticator=Authenticator(store))
+    services = Services(
+        store=store, authenticator=Authenticator(store), catalog=Catalog.from_file(load_catalog_file(None))
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -100,7 +104,8 @@ def test_a_tenants_whole_life_from_the_shell(url: str, capsys: pytest.CaptureFix
         "tokens_per_minute": None,
         "daily_neurons": 2500.5,
     }
-    assert run(url, capsys, "models", tid, "--allow", "@cf/b", "@cf/a")[1] == {"allow": ["@cf/a", "@cf/b"]}
+    models = ["@cf/zai-org/glm-5.2", "@cf/moonshotai/kimi-k2.6"]
+    assert run(url, capsys, "models", tid, "--allow", *models)[1] == {"allow": sorted(models)}
     assert run(url, capsys, "models", tid, "--all")[1] == {"allow": None}
     assert run(url, capsys, "usage", tid, "--group-by", "model", "--since", "2026-01-01")[1] == []
 
