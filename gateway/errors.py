@@ -15,6 +15,7 @@
     ├── MethodNotAllowed (405, 7001)
     ├── Timeout (408, 3046) / Aborted (408, 3008)
     ├── TooLarge (413, 3006) / ContextWindowExceeded (413, 5021)
+    │   └── HeadersTooLarge (431, 3006)  request line and headers over the limit (before the app)
     ├── RateLimited (429, 3021) / NeuronsExhausted (429, 3036) / Busy (429, 3040)
     │   └── OverTokenLimit (429, 3021)   one request over the tokens-per-minute limit: no retry
     └── Unavailable (503, 3040)         no healthy replica
@@ -110,6 +111,10 @@ class Aborted(KumoError):
 
 class TooLarge(KumoError):
     status, code = 413, 3006
+
+
+class HeadersTooLarge(TooLarge):
+    status = 431
 
 
 class ContextWindowExceeded(KumoError):

@@ -7,13 +7,15 @@ import argparse
 import asyncio
 import math
 import sys
+from http import HTTPStatus
 from pathlib import Path
 
 import msgspec
 import uvicorn
 
-from gateway.app import create_app
+from gateway.app import create_app, error_response
 from gateway.catalog import Catalog, CatalogError, load_catalog_file
+from gateway.errors import HeadersTooLarge, KumoError, Timeout, Unavailable
 from gateway.lifecycle import ABORT_GRACE_S, DrainingServer
 from gateway.observability import configure_logging
 from gateway.pools import read_pools_file
@@ -22,6 +24,20 @@ from gateway.settings import GatewaySettings, add_common_arguments, settings_fro
 from schemas.http_protocol import ConnectionLimits, ServerConfig
 
 DEFAULT_PORT = 8787
+
+
+_REFUSALS: dict[HTTPStatus, type[KumoError]] = {
+    HTTPStatus.REQUEST_TIMEOUT: Timeout,
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: HeadersTooLarge,
+    HTTPStatus.SERVICE_UNAVAILABLE: Unavailable,
+}
+
+
+def refusal(status: HTTPStatus, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The connection limits' answers (408, 431, 503: before the app) in the API's error envelope,
+    with the same retry headers as the app's own."""
+    response = error_response(_REFUSALS[status](message))
+    return [(k, v) for k, v in response.raw_headers if k != b"content-length"], bytes(response.body)
 
 
 def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
@@ -35,6 +51,7 @@ def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
     return ServerConfig(
         app,
         limits,
+        refusal=refusal,
         host=settings.host,
         port=settings.port,
         log_level="warning",

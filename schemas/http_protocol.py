@@ -20,7 +20,8 @@ that send nothing are never refused, so they pile up until descriptors run out (
 module answers), and while they are there every request on every other connection gets 503. The
 cap here acts when a connection is accepted, and the header deadline empties idle ones.
 
-A 408 or 431 is written, the sending side is shut (FIN), and whatever the client still sends is
+The answers are plain text unless the server says how to write them (`ServerConfig.refusal`: the
+gateway answers in the API's error envelope). A 408 or 431 is written, the sending side is shut (FIN), and whatever the client still sends is
 read and dropped for up to `LINGER_S` before the socket closes: closing with unread data would send
 an RST that can destroy the answer before the client reads it.
 """
@@ -28,6 +29,7 @@ an RST that can destroy the answer before the client reads it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -46,12 +48,24 @@ class ConnectionLimits:
     max_connections: int = 1024
 
 
-class ServerConfig(uvicorn.Config):
-    """uvicorn's configuration serving HTTP/1.1 through `GuardedHttpProtocol` with `limits`."""
+# a limit's answer: (status, message) -> (headers but content-length, body)
+Refusal = Callable[[HTTPStatus, str], tuple[list[tuple[bytes, bytes]], bytes]]
 
-    def __init__(self, app: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
+
+def plain_refusal(status: HTTPStatus, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    return [(b"content-type", b"text/plain; charset=utf-8")], message.encode()
+
+
+class ServerConfig(uvicorn.Config):
+    """uvicorn's configuration serving HTTP/1.1 through `GuardedHttpProtocol` with `limits`;
+    `refusal` writes the limits' answers."""
+
+    def __init__(
+        self, app: Any, limits: ConnectionLimits, *, refusal: Refusal = plain_refusal, **kwargs: Any
+    ) -> None:
         super().__init__(app, http=GuardedHttpProtocol, **kwargs)
         self.limits = limits
+        self.refusal = refusal
 
 
 class _HeadTooLarge(Exception):
@@ -71,6 +85,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         assert isinstance(config, ServerConfig)
         self.limits = config.limits
+        self._refusal = config.refusal
         self._head_deadline: asyncio.TimerHandle | None = None  # set while a request head is awaited
         self._num_head_bytes = 0  # bytes received since the awaited head began
         self._is_refused = False
@@ -137,10 +152,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         `linger_s`."""
         self._stop_waiting()
         self._is_refused = True
-        body = message.encode()
+        headers, body = self._refusal(status, message)
+        head = b"".join(b"%s: %s\r\n" % (name, value) for name, value in headers)
         self.transport.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (status.value, status.phrase.encode(), len(body), body)
+            b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (status.value, status.phrase.encode(), head, len(body), body)
         )
         if linger_s <= 0:
             self.transport.close()

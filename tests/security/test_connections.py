@@ -10,6 +10,7 @@ connections, 32 KiB of request head.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -110,6 +111,17 @@ async def big_header(url: str, size: int) -> tuple[bytes | None, float]:
         writer.close()
 
 
+def _error(answer: bytes | None) -> tuple[int, str]:
+    """The (code, message) of a refusal's body: the Workers AI error envelope, as JSON."""
+    assert answer is not None
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    envelope = json.loads(body)
+    assert envelope["success"] is False and envelope["result"] is None, envelope
+    [error] = envelope["errors"]
+    return error["code"], error["message"]
+
+
 def _status(answer: bytes | None) -> str:
     if answer is None:
         return "still open"
@@ -144,6 +156,7 @@ async def test_slowloris_and_idle_connections_are_closed_while_traffic_goes_on(g
         assert longest < HEADER_TIMEOUT_S + 1.5
     assert all(answer == b"" for answer, _ in results[:num_each])  # idle: closed, nothing to answer
     assert all(_status(answer) == "HTTP/1.1 408 Request Timeout" for answer, _ in results[num_each:])
+    assert _error(results[num_each][0]) == (3046, "AiError: Request headers not received in time.")
     assert health.status_code == 200 and health_s < 2.0
     assert run.status_code == 200 and run_s < 3.0, run.text
 
@@ -188,6 +201,9 @@ async def test_connections_over_the_cap_are_refused_at_once(gateway: Standalone)
     )
     assert len(refused) + len(timed_out) == num_attack
     assert len(refused) >= num_attack - MAX_CONNECTIONS  # the test client's own pool may hold one more
+    refusal = next(answer for answer, _ in results if _status(answer).startswith("HTTP/1.1 503"))
+    assert _error(refusal) == (3040, "AiError: Too many open connections, try again.")
+    assert b"retry-after:" in refusal.lower()
     assert max(refused) < 2.0
     async with httpx.AsyncClient(timeout=5) as fresh:
         assert (await fresh.get(f"{gateway.url}/healthz")).status_code == 200  # served again once they left
@@ -202,6 +218,7 @@ async def test_oversized_headers_are_refused_early_with_bounded_memory(gateway: 
     answer, elapsed = await big_header(gateway.url, 1024 * 1024)
     print(f"tried one 1 MiB header: {_status(answer)} after {elapsed * 1000:.0f} ms")
     assert _status(answer) == "HTTP/1.1 431 Request Header Fields Too Large" and elapsed < 2.0
+    assert _error(answer) == (3006, "AiError: Request header fields too large.")  # the API's envelope, before the app
     answer, _ = await big_header(gateway.url, 40 * 1024)  # whole head in one read: the exact count
     print(f"tried one 40 KiB header: {_status(answer)}")
     assert _status(answer) == "HTTP/1.1 431 Request Header Fields Too Large"
