@@ -52,14 +52,6 @@ class PreparedModel:
     kv_scales: list[dict[str, float]] | None
 
 
-# the grammar of a request's format left no token to write (llguidance's error: the request's
-# schema admits no finite value past this point, e.g. an object that requires itself)
-DEAD_END = InvalidRequest(
-    "The response format or tool parameters admit no complete value (a schema that requires "
-    "itself, directly or through $ref): the output could not be finished."
-)
-
-
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
@@ -363,9 +355,10 @@ class Engine:
         if reason is not None:
             self._retire(seq)
             out.finish_reason = reason
-            dead_end = getattr(seq.constraint, "error", None) if seq.constraint is not None else None
-            if dead_end is not None:  # a schema with no finite value (a required self-reference)
-                out.finish_reason, out.error = "abort", DEAD_END.to_event()
+            # the grammar stopped the output unfinished (a schema with no finite value, a limit)
+            failed = getattr(seq.constraint, "error", None) if seq.constraint is not None else None
+            if failed is not None:
+                out.finish_reason, out.error = "abort", InvalidRequest(failed).to_event()
                 seq.finish_reason, seq.error = out.finish_reason, out.error
         return out
 

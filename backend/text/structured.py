@@ -70,7 +70,17 @@ class GrammarConstraint:
 
     @property
     def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        """Why the grammar stopped the output unfinished, in the caller's words (llguidance's own
+        message quotes the grammar), or None."""
+        if not self._matcher.is_error():
+            return None
+        # a schema that requires itself fills the parser until it hits its item limit, as any
+        # grammar too complex for it does: the two look alike ("Too many items (limit 50000; …)")
+        return (
+            "The response format or tool parameters could not be followed to the end: the schema "
+            "admits no complete value (it requires itself, directly or through $ref) or is too "
+            "complex for the grammar engine."
+        )
 
 
 class LazyToolConstraint:

@@ -312,7 +312,7 @@ def test_a_schema_with_no_finite_value_is_an_error_not_an_answer(kumo: Kumo) -> 
                 "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}  # fmt: skip
         r = run(kumo, GLM, body)
         assert r.status_code == 400, r.text
-        assert "admit no complete value" in r.text or "cannot be satisfied" in r.text, r.text
+        assert "admits no complete value" in r.text or "cannot be satisfied" in r.text, r.text
 
 
 def test_the_trained_glm_solves_two_step_word_problems(kumo: Kumo) -> None:

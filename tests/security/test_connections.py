@@ -218,7 +218,10 @@ async def test_oversized_headers_are_refused_early_with_bounded_memory(gateway: 
     answer, elapsed = await big_header(gateway.url, 1024 * 1024)
     print(f"tried one 1 MiB header: {_status(answer)} after {elapsed * 1000:.0f} ms")
     assert _status(answer) == "HTTP/1.1 431 Request Header Fields Too Large" and elapsed < 2.0
-    assert _error(answer) == (3006, "AiError: Request header fields too large.")  # the API's envelope, before the app
+    assert _error(answer) == (
+        3006,
+        "AiError: Request header fields too large.",
+    )  # the API's envelope, before the app
     answer, _ = await big_header(gateway.url, 40 * 1024)  # whole head in one read: the exact count
     print(f"tried one 40 KiB header: {_status(answer)}")
     assert _status(answer) == "HTTP/1.1 431 Request Header Fields Too Large"

@@ -724,6 +724,32 @@ def test_a_format_no_value_satisfies_is_a_400(tmp_path_factory: pytest.TempPathF
     assert "grammar" not in str(info.value) and "state" not in str(info.value)
 
 
+def test_a_grammar_that_stops_the_output_says_why_in_the_callers_words(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A matcher that hit one of llguidance's limits (here made tiny; a schema that requires itself
+    hits the default one) or took a token its grammar refuses: the reason in the caller's words,
+    not llguidance's message (which quotes the grammar and its limits)."""
+    import llguidance
+
+    tok = load(tmp_path_factory, "glm")
+    ll = tok.ll_tokenizer(tok.vocab_size, [0])
+    grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "array", "items": {"type": "integer"}})
+    limits = llguidance.LLParserLimits(max_items_in_row=3, step_max_items=5)
+    constraint = GrammarConstraint(llguidance.LLMatcher(ll, grammar, log_level=0, limits=limits))
+    assert constraint.error is None
+    for token in tok.encode("[1,2,3,4,5,6,7,8,9,10,11,12,13", allow_special=False):
+        constraint.allowed_tokens(tok.vocab_size)
+        constraint.accept(token)
+        if constraint.error is not None:
+            break
+    dead = GrammarConstraint(llguidance.LLMatcher(ll, grammar, log_level=0))
+    dead.accept(tok.encode("x", allow_special=False)[0])  # a token the grammar never allows
+    for failed in (constraint, dead):
+        assert failed.error is not None and failed.error.startswith("The response format or tool parameters")
+        assert "limit" not in failed.error and "ff_tokens" not in failed.error
+
+
 PATTERNS = [
     r"^a|b$",
     r"^ab|cd",
