@@ -27,6 +27,7 @@ import shutil
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from gateway.server import uvicorn_config
 from gateway.services import open_services
 from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
 from gateway.supervisor import Supervised, Supervisor
+from schemas.backend import parse_speculative
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 from schemas.child_process import die_with_parent
 from schemas.listen import bind, in_use, listen, port_of
@@ -439,6 +441,38 @@ def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Ca
     )
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _speculative(text: str) -> str:
+    """`off` or `mtp:K`, checked as the backends check it (they get the text as given)."""
+    try:
+        parse_speculative(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--speculative ")) from None
+    return text
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kumo serve", description="The gateway plus one CPU/GPU backend per model."
@@ -467,12 +501,16 @@ def main(argv: list[str]) -> int:
         "default: models/ in the repository), e.g. a retrained pair to try before committing it",
     )
     parser.add_argument("--device", default="cpu", help="where the backends run: cpu (default) or cuda[:N]")
-    parser.add_argument("--tp", type=int, default=1, help="ranks per backend, one process per device")
-    parser.add_argument("--ep", type=int, default=0, help="expert-parallel groups (default: = --tp)")
-    parser.add_argument("--dcp", type=int, default=1, help="ranks sharing one MLA latent cache by token")
+    parser.add_argument(
+        "--tp", type=_at_least(1), default=1, help="ranks per backend, one process per device"
+    )
+    parser.add_argument("--ep", type=_at_least(0), default=0, help="expert-parallel groups (default: = --tp)")
+    parser.add_argument(
+        "--dcp", type=_at_least(1), default=1, help="ranks sharing one MLA latent cache by token"
+    )
     parser.add_argument(
         "--rank-timeout-s",
-        type=float,
+        type=_positive_seconds,
         default=120.0,
         help="with --tp: a rank silent this long fails its backend's group, which restarts",
     )
@@ -484,11 +522,16 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--speculative",
+        type=_speculative,
         default="off",
         metavar="mtp:K",
         help="speculative decoding with the checkpoints' MTP layers, K = 1..3 drafts per step (default off)",
     )
     args = parser.parse_args(argv)
+    for name in ("ep", "dcp"):  # checked here, not by each backend after the models are prepared
+        size = getattr(args, name) or args.tp
+        if args.tp % size:
+            parser.error(f"--{name} ({size}) must divide --tp ({args.tp})")
     settings = settings_from(args)
     configure_logging(json=settings.log_json)
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ Wire (DESIGN.md §3):
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -27,6 +28,20 @@ StopList = Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], M
 Priority = Annotated[int, Meta(ge=0, le=10)]
 TenantSalt = Annotated[str, Meta(pattern=r"^[0-9a-f]{16,128}$")]
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+MAX_DRAFT_TOKENS = 3  # the most tokens `--speculative mtp:K` drafts per step (kumo serve checks it too)
+_SPECULATIVE = re.compile(r"^mtp:([1-9]\d*)$")
+
+
+def parse_speculative(text: str | None) -> int:
+    """`--speculative`: `mtp:K` → K draft tokens (1 … MAX_DRAFT_TOKENS); None, "" or "off" → 0."""
+    if text is None or text in ("", "off"):
+        return 0
+    match = _SPECULATIVE.match(text)
+    if match is None or not 1 <= int(match.group(1)) <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative takes mtp:K with K in 1..{MAX_DRAFT_TOKENS} (or off), got {text!r}")
+    return int(match.group(1))
 
 
 class Base(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

@@ -6,11 +6,12 @@ Limits are `Annotated[..., Meta(...)]` aliases, validated by `EngineConfig.build
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
+
+from schemas.backend import MAX_DRAFT_TOKENS
 
 PageSize = Annotated[int, Meta(ge=1, le=1024)]
 NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
@@ -24,8 +25,6 @@ KVDtype = Literal["auto", "bfloat16", "float8_e4m3fn"]
 # kernels/w4a8_gemm.py) or expand-fp8 (weights re-quantized to per-channel FP8 in scratch, then
 # `torch._scaled_mm`: kernels/w4a8_expand.py)
 Int4Prefill = Literal["w4a16", "w4a8", "expand-fp8"]
-MAX_DRAFT_TOKENS = 3
-_SPECULATIVE = re.compile(r"^mtp:([1-9]\d*)$")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -111,13 +110,3 @@ def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16, up to and including `max_num_seqs`."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return [*sizes, max_num_seqs]
-
-
-def parse_speculative(text: str | None) -> int:
-    """`--speculative`: `mtp:K` → K draft tokens (1 … MAX_DRAFT_TOKENS); None, "" or "off" → 0."""
-    if text is None or text in ("", "off"):
-        return 0
-    match = _SPECULATIVE.match(text)
-    if match is None or not 1 <= int(match.group(1)) <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"--speculative takes mtp:K with K in 1..{MAX_DRAFT_TOKENS} (or off), got {text!r}")
-    return int(match.group(1))

@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from backend.engine.engine_config import MAX_DRAFT_TOKENS, parse_speculative
+from schemas.backend import MAX_DRAFT_TOKENS, parse_speculative
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
 NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]

@@ -34,7 +34,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from backend.engine.engine_config import parse_speculative
 from backend.quant.scheme import READ_AS_MATRIX, QuantScheme, parse_config, scheme_from_config
 from backend.tools.tensor_inventory import (
     FP32,
@@ -47,6 +46,7 @@ from backend.tools.tensor_inventory import (
     tensor_class,
     text_config,
 )
+from schemas.backend import parse_speculative
 
 WeightFormat = Literal["native", "bf16", "fp8-channel", "fp8-block", "int4-g32", "int4-g128"]
 KvDtype = Literal["bf16", "fp8"]

@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         _defaults_for_tiny(a, ap)
     import torch
 
-    from backend.engine.engine_config import parse_speculative
     from benchmarks.engine.geometry import make_geometry
     from benchmarks.engine.suite import Options, measure_integrity, measure_variant
+    from schemas.backend import parse_speculative
 
     start = time.monotonic()
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from backend.engine.engine import Engine
-from backend.engine.engine_config import EngineConfig, parse_speculative
+from backend.engine.engine_config import EngineConfig
 from backend.models.loader import load_model, num_mtp_layers_in, prepare_model
 from models.recipes.build import item, split_seeds
 from models.recipes.render import Renderer
 from models.recipes.world import make_world
-from schemas.backend import EngineRequest, SamplingParams
+from schemas.backend import EngineRequest, SamplingParams, parse_speculative
 
 
 def held_out_prompts(checkpoint: Path, task: str, count: int) -> list[list[int]]:

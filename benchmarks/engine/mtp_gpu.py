@@ -602,7 +602,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     import torch
 
-    from backend.engine.engine_config import parse_speculative
+    from schemas.backend import parse_speculative
 
     start = time.monotonic()
     a = parser().parse_args(argv)

@@ -82,6 +82,36 @@ def test_mistakes_are_refused_before_anything_starts(tmp_path: Path) -> None:
         plan(args([f"@cf/zai-org/glm-5.2={glm}"]), settings)
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--tp", "0"], "argument --tp: must be at least 1, got 0"),
+        (["--tp", "two"], "argument --tp: not a whole number: 'two'"),
+        (["--dcp", "0"], "argument --dcp: must be at least 1"),
+        (["--ep", "-1"], "argument --ep: must be at least 0"),
+        (["--tp", "2", "--ep", "3"], "--ep (3) must divide --tp (2)"),
+        (["--tp", "4", "--dcp", "3"], "--dcp (3) must divide --tp (4)"),
+        (["--rank-timeout-s", "0"], "argument --rank-timeout-s: must be more than 0, got 0"),
+        (["--rank-timeout-s", "nan"], "argument --rank-timeout-s: must be more than 0"),
+        (
+            ["--speculative", "mtp:9"],
+            "argument --speculative: takes mtp:K with K in 1..3 (or off), got 'mtp:9'",
+        ),
+        (["--speculative", "eagle"], "argument --speculative: takes mtp:K"),
+    ],
+)
+def test_backend_flags_kumo_serve_cannot_serve_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """Checked as the backends check them, before any model is converted or started (they used
+    to start and exit 2, the reason in their logs)."""
+    with pytest.raises(SystemExit) as exit_:
+        serve.main(["--data-dir", str(tmp_path / "data"), "--port", "0", *flags])
+    assert exit_.value.code == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # nothing prepared
+
+
 async def test_the_conversion_is_cached_by_the_source_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from backend.engine.decode_graphs import Capture, DecodeGraphs
-from backend.engine.engine_config import MAX_DRAFT_TOKENS, EngineConfig
+from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, ImageEmbeds, KVCache
 from backend.engine.host_staging import (
     NUM_HOST_BUFFERS,
@@ -55,6 +55,7 @@ from backend.engine.ranks import GREEDY, VERIFY, SpecForward, StepInputs
 from backend.engine.speculative.greedy import greedy_step
 from backend.engine.speculative.sampled import sampled_step
 from backend.engine.speculative.verify_graphs import VerifyGraphs
+from schemas.backend import MAX_DRAFT_TOKENS
 
 log = logging.getLogger("kumo.engine")
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from backend.engine.engine import Engine
-from backend.engine.engine_config import EngineConfig, parse_speculative
+from backend.engine.engine_config import EngineConfig
 from backend.models.loader import load_model, prepare_model
+from schemas.backend import parse_speculative
 from tests.backend.engine_helpers import Result, collect, request, run_all
 from tests.backend.speculative_toy import MarkovModel
 from tests.backend.tiny_checkpoints import add_mtp_layers, make_tiny
