@@ -68,12 +68,14 @@ class Sampler:
     def draw(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """`[N]` chosen ids, left on the logits' device: no host sync, so the caller can bring them
         back together with whatever else the step reads (the model runner's one copy per step)."""
-        logits = logits.float()
+        given, logits = logits, logits.float()
         if all(r.is_argmax and r.allowed is None and not r.banned_ids for r in rows):  # plain greedy
             return logits.argmax(dim=-1)
         x = apply_penalties(logits, rows)  # a new tensor when any penalty applies
         if any(r.allowed is not None or r.banned_ids for r in rows):
-            x = self._mask_disallowed(x.clone() if x is logits else x, rows)
+            # masked in place: a copy only where `x` is still the caller's tensor (float32 logits,
+            # no penalty), whose raw values the log-probs read
+            x = self._mask_disallowed(x.clone() if x is given else x, rows)
         return self._draw(x, rows)
 
     def scores(

@@ -156,3 +156,21 @@ def test_top_p_one_keeps_the_whole_vocabulary_whatever_its_neighbours_ask() -> N
     kept = apply_top_p(x, torch.tensor([1.0, 0.5]))
     assert torch.equal(kept[0], x[0])
     assert torch.isinf(kept[1]).any()
+
+
+def test_banned_ids_are_masked_without_touching_the_callers_logits() -> None:
+    """A guard's banned ids (a few per row) mask the draw in place, on the sampler's own float32
+    copy of bf16 logits or on a clone of float32 ones: the caller's logits, which the log-probs
+    read, keep their values."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = logits(2, seed=9).to(dtype)
+        before = x.clone()
+        best = [int(x[i].float().argmax()) for i in range(2)]
+        rows = [row(temperature=0.0, logprobs=True), row(seed=3, temperature=0.7, logprobs=True)]
+        for r, b in zip(rows, best, strict=True):
+            r.banned_ids = (b,)
+        greedy, drawn = Sampler().sample(x, rows)
+        assert torch.equal(x, before), dtype
+        assert greedy.token_id == int(x[0].float().topk(2).indices[1]) and drawn.token_id != best[1]
+        raw = torch.log_softmax(x.float(), dim=-1)
+        assert abs(greedy.logprob - float(raw[0, greedy.token_id])) < 1e-6
