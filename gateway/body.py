@@ -44,12 +44,24 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return bytes(body)
 
 
+# what a failing path most likely means, where a common mistake has one answer
+_HINTS = {
+    # Workers AI's JSON-mode page puts the schema itself there, as the older models take it; the
+    # OpenAI-compatible models (Kimi, GLM) take OpenAI's wrapper
+    "$.response_format.json_schema": (
+        ' (this model takes {"name": ..., "schema": <the JSON Schema>}, as OpenAI\'s API does)'
+    ),
+}
+
+
 def decode(raw: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     """Typed decode (`decode_json`); the 400 names the failing path (`$.messages[0].content`)."""
     try:
         return decode_json(raw, decoder)
     except msgspec.ValidationError as exc:
-        raise BadInput(f"Bad input: {exc}") from exc
+        message = str(exc)
+        hint = next((h for path, h in _HINTS.items() if message.endswith(f"- at `{path}`")), "")
+        raise BadInput(f"Bad input: {message}{hint}") from exc
     except msgspec.DecodeError as exc:
         raise BadInput("Bad input: the body is not valid JSON") from exc
     except RecursionError as exc:

@@ -59,6 +59,8 @@ async def from_openai(
         raise BadInput("Bad input: 'top_logprobs' requires 'logprobs' to be true")
     if inp.prompt is not None and not allow_prompt:
         raise refuse("prompt", "is not a Chat Completions field; send 'messages'")
+    if not allow_prompt and inp.messages is None:
+        raise BadInput("Bad input: 'messages' is required")
     if (inp.prompt is None) == (inp.messages is None):
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
     check_choices(num_choices_of(inp), ctx)  # this and the images' checks before any image is fetched

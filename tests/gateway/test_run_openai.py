@@ -355,3 +355,24 @@ async def test_image_bytes_do_not_count_as_prompt_tokens_at_admission(harness: H
         json={"messages": [{"role": "user", "content": content}], "max_tokens": 16},
     )
     assert r.status_code == 200, r.text
+
+
+async def test_mistakes_a_newcomer_makes_get_errors_that_say_what_to_send(harness: Harness) -> None:
+    """Workers AI's JSON-mode page puts a bare schema in `json_schema` (the older models' form);
+    these models take OpenAI's `{name, schema}`: the 400 says so. The OpenAI route asks for
+    `messages` alone (it takes no `prompt`)."""
+    bare = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    r = await post(
+        harness, {"messages": msgs("json"), "response_format": {"type": "json_schema", "json_schema": bare}}
+    )
+    message = r.json()["errors"][0]["message"]
+    assert r.status_code == 400 and '{"name": ..., "schema": <the JSON Schema>}' in message, message
+    wrapped = {"type": "json_schema", "json_schema": {"name": "a", "schema": bare}}
+    assert (await post(harness, {"messages": msgs("json"), "response_format": wrapped})).status_code == 200
+    r = await harness.http.post(
+        harness.path("/ai/v1/chat/completions"), headers=harness.auth(), json={"model": KIMI}
+    )
+    assert (
+        r.status_code == 400
+        and r.json()["errors"][0]["message"] == "AiError: Bad input: 'messages' is required"
+    )
