@@ -25,7 +25,7 @@ from gateway.catalog import Catalog
 from gateway.errors import InvalidAdminRequest, NotFound, UnknownModel
 from gateway.observability import info_of
 from gateway.store import Store
-from schemas.admin import ModelsIn, Quotas, QuotasIn, TenantCreate, TenantPatch, TokenCreate
+from schemas.admin import ModelsIn, Quotas, QuotasIn, QuotasPatch, TenantCreate, TenantPatch, TokenCreate
 from schemas.workers_ai import Envelope, PagedEnvelope, ResultInfo
 
 T = TypeVar("T")
@@ -49,6 +49,7 @@ TENANT_CREATE = msgspec.json.Decoder(TenantCreate)
 TENANT_PATCH = msgspec.json.Decoder(TenantPatch)
 TOKEN_CREATE = msgspec.json.Decoder(TokenCreate)
 QUOTAS = msgspec.json.Decoder(QuotasIn)
+QUOTAS_PATCH = msgspec.json.Decoder(QuotasPatch)
 MODELS = msgspec.json.Decoder(ModelsIn)
 
 
@@ -176,6 +177,13 @@ class AdminApi:
         self.services.authenticator.forget(tenant_id=tenant_id)
         return _ok(tenant.quotas)
 
+    async def patch_quotas(self, request: Request, actor: str) -> Envelope:
+        tenant_id = _id(request, "tenant_id")
+        body = await _body(request, QUOTAS_PATCH)
+        tenant = await self.store.set_quotas(tenant_id, body, actor=actor, request_id=_request_id(request))
+        self.services.authenticator.forget(tenant_id=tenant_id)
+        return _ok(tenant.quotas)
+
     async def set_models(self, request: Request, actor: str) -> Envelope:
         tenant_id = _id(request, "tenant_id")
         allow = (await _body(request, MODELS)).allow
@@ -259,6 +267,7 @@ def admin_routes(services: AdminServices) -> list[Route]:
         Route(f"{tenant}/tokens", e(api.list_tokens), methods=["GET"]),
         Route(f"{tenant}/tokens/{{token_id}}", e(api.revoke_token), methods=["DELETE"]),
         Route(f"{tenant}/quotas", e(api.set_quotas), methods=["PUT"]),
+        Route(f"{tenant}/quotas", e(api.patch_quotas), methods=["PATCH"]),
         Route(f"{tenant}/models", e(api.set_models), methods=["PUT"]),
         Route(f"{tenant}/usage", e(api.usage), methods=["GET"]),
         Route("/audit", e(api.audit), methods=["GET"]),

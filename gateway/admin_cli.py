@@ -19,6 +19,7 @@ import httpx
 import msgspec
 
 DEFAULT_URL = "http://127.0.0.1:8787"
+QUOTA_KEYS = ("requests_per_minute", "tokens_per_minute", "daily_neurons")
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,13 @@ def parser() -> argparse.ArgumentParser:
     k_revoke.add_argument("tenant_id")
     k_revoke.add_argument("token_id")
 
-    quotas = sub.add_parser("quotas", parents=[url], help="set a tenant's quotas ('none' = unlimited)")
+    quotas = sub.add_parser(
+        "quotas", parents=[url], help="change a tenant's quotas ('none' = unlimited; the others are kept)"
+    )
     quotas.add_argument("tenant_id")
-    quotas.add_argument("--requests-per-minute", type=_limit, required=True)
-    quotas.add_argument("--tokens-per-minute", type=_limit, required=True)
-    quotas.add_argument("--daily-neurons", type=_neurons, required=True)
+    quotas.add_argument("--requests-per-minute", type=_limit, default=argparse.SUPPRESS)
+    quotas.add_argument("--tokens-per-minute", type=_limit, default=argparse.SUPPRESS)
+    quotas.add_argument("--daily-neurons", type=_neurons, default=argparse.SUPPRESS)
 
     models = sub.add_parser("models", parents=[url], help="set a tenant's model allow-list")
     models.add_argument("tenant_id")
@@ -119,12 +122,8 @@ def request_of(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | Non
         case "tokens", "revoke":
             return "DELETE", f"{tenant}/tokens/{args.token_id}", None, {}
         case "quotas", _:
-            body = {
-                "requests_per_minute": args.requests_per_minute,
-                "tokens_per_minute": args.tokens_per_minute,
-                "daily_neurons": args.daily_neurons,
-            }
-            return "PUT", f"{tenant}/quotas", body, {}
+            body = {k: getattr(args, k) for k in QUOTA_KEYS if hasattr(args, k)}
+            return "PATCH", f"{tenant}/quotas", body, {}
         case "models", _:
             return "PUT", f"{tenant}/models", {"allow": None if args.all else list(args.allow)}, {}
         case "usage", _:
@@ -139,7 +138,10 @@ def request_of(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | Non
 def main(
     argv: list[str], env: Mapping[str, str] | None = None, transport: httpx.BaseTransport | None = None
 ) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "quotas" and not any(hasattr(args, k) for k in QUOTA_KEYS):
+        p.error("quotas: give at least one of --requests-per-minute, --tokens-per-minute, --daily-neurons")
     env = os.environ if env is None else env
     token = env.get("KUMO_ADMIN_TOKEN")
     if not token:

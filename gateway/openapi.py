@@ -28,6 +28,7 @@ from schemas.admin import (
     ModelsIn,
     Quotas,
     QuotasIn,
+    QuotasPatch,
     Tenant,
     TenantCreate,
     TenantPatch,
@@ -161,8 +162,10 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", f"{T}/tokens", "A tenant's tokens", "admin", result=list[Token], security="admin"),
     Operation("DELETE", f"{T}/tokens/{{token_id}}", "Revoke a token", "admin", result=Token, security="admin"),
     Operation("PUT", f"{T}/quotas", "Set a tenant's quotas", "admin", body=QuotasIn, result=Quotas, security="admin"),
+    Operation("PATCH", f"{T}/quotas", "Change some of a tenant's quotas, keeping the others", "admin",
+              body=QuotasPatch, result=Quotas, security="admin"),
     Operation("PUT", f"{T}/models", "Set a tenant's model allow-list", "admin", body=ModelsIn, result=Models,
-              security="admin"),
+              security="admin", bad_request="a name that is no catalog model's id or alias (6007)"),
     Operation(
         "GET", f"{T}/usage", "A tenant's usage per day or model", "admin", result=list[UsageGroup], security="admin",
         params=(

@@ -62,6 +62,18 @@ class QuotasIn(AdminIn):
     daily_neurons: DailyNeurons | None
 
 
+class QuotasPatch(AdminIn):
+    """`PATCH .../quotas`: the keys given change (null = unlimited), the others stay."""
+
+    requests_per_minute: PerMinute | None | msgspec.UnsetType = msgspec.UNSET
+    tokens_per_minute: PerMinute | None | msgspec.UnsetType = msgspec.UNSET
+    daily_neurons: DailyNeurons | None | msgspec.UnsetType = msgspec.UNSET
+
+    def applied_to(self, quotas: Quotas) -> Quotas:
+        changes = {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not msgspec.UNSET}
+        return msgspec.structs.replace(quotas, **changes)
+
+
 class ModelsIn(AdminIn):
     allow: ModelAllowList | None
 

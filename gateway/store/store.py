@@ -41,6 +41,7 @@ from schemas.admin import (
     AuditEntry,
     Plan,
     Quotas,
+    QuotasPatch,
     Tenant,
     TenantCreate,
     TenantPatch,
@@ -155,11 +156,14 @@ class Store:
             )
 
     async def set_quotas(
-        self, tenant_id: str, quotas: Quotas, *, actor: str, request_id: str | None = None
+        self, tenant_id: str, quotas: Quotas | QuotasPatch, *, actor: str, request_id: str | None = None
     ) -> Tenant:
+        """All three quotas (`Quotas`), or those a `QuotasPatch` gives, the others kept (merged
+        under the tenant's row lock: two patches of different keys both hold)."""
         async with self._session() as s, s.begin():
             row = await live_tenant(s, tenant_id, lock=True)
             before = tenant_of(row).quotas
+            quotas = quotas.applied_to(before) if isinstance(quotas, QuotasPatch) else quotas
             apply_quotas(row, quotas)
             audit(
                 s,
@@ -241,8 +245,9 @@ class Store:
             audit(s, actor, request_id, "token.revoke", tenant_id, token_id, {"name": row.name})
             return token_of(row)
 
-    async def resolve_token(self, value: str) -> Credential | None:
-        """The live tenant a token value belongs to, or None; records the token's last use."""
+    async def resolve_token(self, value: str, *, is_use: bool = True) -> Credential | None:
+        """The live tenant a token value belongs to, or None; records the token's last use unless
+        `is_use` is false (a check that is not a request: `kumo serve` finding its saved dev token)."""
         token_id = value[len(TOKEN_PREFIX) : len(TOKEN_PREFIX) + 32] if value.startswith(TOKEN_PREFIX) else ""
         at = now()
         async with self._session() as s, s.begin():
@@ -265,7 +270,8 @@ class Store:
                 return None
             if token.expires_at is not None and token.expires_at <= at:
                 return None
-            token.last_used_at = at
+            if is_use:
+                token.last_used_at = at
             return Credential(tenant=tenant_of(tenant), token_id=token.id, expires_at=token.expires_at)
 
     # ---- admin tokens (gateway.store.admin_tokens) ----------------------------------------------------
@@ -350,7 +356,7 @@ class Store:
             if existing
             else await self.create_tenant(TenantCreate(name=name, plan=plan), actor=actor)
         )
-        kept = await self.resolve_token(keep) if keep is not None else None
+        kept = await self.resolve_token(keep, is_use=False) if keep is not None else None
         tokens = await self.list_tokens(tenant.id)
         kept_id = next(
             (t.id for t in tokens if kept is not None and t.id == kept.token_id and t.name == DEV_TOKEN_NAME),

@@ -222,6 +222,15 @@ async def test_quotas_and_models(admin: Admin) -> None:
     for bad in ({"requests_per_minute": 60}, {**quotas, "requests_per_minute": -1}, {**quotas, "burst": 3},
                 {**quotas, "requests_per_minute": 60.5}):  # fmt: skip
         assert error_of(await admin.call("PUT", f"/tenants/{tid}/quotas", bad))[:2] == (400, 6007)
+    # PATCH changes the keys it gives (null: unlimited) and keeps the others
+    patched = await admin.ok("PATCH", f"/tenants/{tid}/quotas", {"daily_neurons": 500})
+    assert patched == {**quotas, "daily_neurons": 500}
+    patched = await admin.ok("PATCH", f"/tenants/{tid}/quotas", {"tokens_per_minute": None})
+    assert patched == {**quotas, "daily_neurons": 500, "tokens_per_minute": None}
+    assert await admin.ok("PATCH", f"/tenants/{tid}/quotas", {}) == patched
+    for bad in ({"requests_per_minute": -1}, {"burst": 3}):
+        assert error_of(await admin.call("PATCH", f"/tenants/{tid}/quotas", bad))[:2] == (400, 6007)
+    assert await admin.ok("PUT", f"/tenants/{tid}/quotas", quotas) == quotas
 
     token = await admin.ok("POST", f"/tenants/{tid}/tokens", {"name": "k"})
     auth = admin.services.authenticator

@@ -104,13 +104,20 @@ def test_a_tenants_whole_life_from_the_shell(url: str, capsys: pytest.CaptureFix
         "tokens_per_minute": None,
         "daily_neurons": 2500.5,
     }
+    # one quota at a time: the others are kept
+    assert run(url, capsys, "quotas", tid, "--tokens-per-minute", "9000")[1] == {
+        "requests_per_minute": 30,
+        "tokens_per_minute": 9000,
+        "daily_neurons": 2500.5,
+    }
+    assert run(url, capsys, "quotas", tid, "--requests-per-minute", "none")[1]["requests_per_minute"] is None
     models = ["@cf/zai-org/glm-5.2", "@cf/moonshotai/kimi-k2.6"]
     assert run(url, capsys, "models", tid, "--allow", *models)[1] == {"allow": sorted(models)}
     assert run(url, capsys, "models", tid, "--all")[1] == {"allow": None}
     assert run(url, capsys, "usage", tid, "--group-by", "model", "--since", "2026-01-01")[1] == []
 
     actions = [e["action"] for e in run(url, capsys, "audit", "--tenant-id", tid)[1]]
-    assert actions[0] == "tenant.models" and actions[-1] == "tenant.create" and len(actions) == 7
+    assert actions[0] == "tenant.models" and actions[-1] == "tenant.create" and len(actions) == 9
 
     assert run(url, capsys, "tenants", "delete", tid)[1] == {"id": tid}
     code, _, err = run(url, capsys, "tenants", "show", tid)
@@ -126,6 +133,9 @@ def test_errors_reach_the_shell(url: str, capsys: pytest.CaptureFixture[str]) ->
     assert "KUMO_ADMIN_TOKEN" in capsys.readouterr().err
     code, _, err = run("http://127.0.0.1:9", capsys, "audit")
     assert code == 1 and "cannot reach" in err
+    with pytest.raises(SystemExit) as exit_:
+        run(url, capsys, "quotas", "0" * 32)  # nothing to change
+    assert exit_.value.code == 2 and "give at least one of --requests-per-minute" in capsys.readouterr().err
 
 
 def test_the_kumo_dispatcher_runs_admin(

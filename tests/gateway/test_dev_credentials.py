@@ -37,6 +37,9 @@ async def test_a_restart_keeps_the_account_and_both_tokens(tmp_path: Path) -> No
         assert first.admin_token is not None and first.admin_token.startswith("kumo_admin_")
     async with started(tmp_path) as (store, second):
         assert second == first
+        # finding the saved token is no use of it: `kumo admin tokens list` shows when it was used
+        [token] = await store.list_tokens(first.account_id)
+        assert token.last_used_at is None
         credential = await store.resolve_token(second.api_token)
         assert credential is not None and credential.tenant.id == first.account_id
         assert credential.tenant.plan == "paid"
