@@ -285,7 +285,11 @@ def plan(
 
 
 def cannot_listen(settings: GatewaySettings, exc: OSError) -> ServeError:
-    hint = ": another server holds it? Choose another with --port." if in_use(exc) and settings.port else "."
+    hint = (
+        ': another server holds it? Choose another with --port N (make serve ARGS="--port N"), or 0 for any.'
+        if in_use(exc) and settings.port
+        else "."
+    )
     return ServeError(f"cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}){hint}")
 
 

@@ -197,6 +197,7 @@ def test_serve_on_a_port_in_use_says_so_before_it_loads_anything(tmp_path: Path)
         done = _serve(["serve", "--port", str(port_of([held])), "--data-dir", str(tmp_path)], tmp_path)
         assert done.returncode == 2, done.stderr
         assert f"kumo serve: cannot listen on 127.0.0.1:{port_of([held])}" in done.stderr
+        assert 'make serve ARGS="--port N"' in done.stderr  # the README starts it with make
         assert "--port" in done.stderr and "Traceback" not in done.stderr
         assert not (tmp_path / "checkpoints").exists()  # nothing converted, no backend started
         assert time.monotonic() - started < 30
