@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.errors import Forbidden, OtherAccount, Unauthenticated, Unavailable
 from gateway.store import Credential, Store, sha256_hex
 from schemas.admin import Quotas
+from schemas.catalog import ModelSpec
 
 log = structlog.get_logger("kumo.auth")
 AUTH_ERROR = "Authentication error"  # Workers AI's message for 10000 (reference §6)
@@ -40,8 +41,11 @@ class TenantContext:
     token_id: str
     quotas: Quotas = field(default_factory=Quotas)
 
-    def can_use(self, model: str) -> bool:
-        return self.allowed_models is None or model in self.allowed_models
+    def can_use(self, model: ModelSpec) -> bool:
+        """The allow-list names the model by its id or an alias (lists stored before aliases were
+        resolved on the way in hold them as written)."""
+        allowed = self.allowed_models
+        return allowed is None or model.name in allowed or any(a in allowed for a in model.aliases)
 
     @classmethod
     def from_credential(cls, credential: Credential) -> TenantContext:

@@ -46,9 +46,9 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 # what a failing path most likely means, where a common mistake has one answer
 _HINTS = {
-    # Workers AI's JSON-mode page puts the schema itself there, as the older models take it; the
-    # OpenAI-compatible models (Kimi, GLM) take OpenAI's wrapper
-    "$.response_format.json_schema": (
+    # Workers AI's JSON-mode page puts the schema itself there, as the older models take it (any
+    # object: they never fail so); the OpenAI-compatible models (Kimi, GLM) take OpenAI's wrapper
+    ("$.response_format.json_schema", "Object "): (
         ' (this model takes {"name": ..., "schema": <the JSON Schema>}, as OpenAI\'s API does)'
     ),
 }
@@ -60,7 +60,8 @@ def decode(raw: bytes, decoder: msgspec.json.Decoder[T]) -> T:
         return decode_json(raw, decoder)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        hint = next((h for path, h in _HINTS.items() if message.endswith(f"- at `{path}`")), "")
+        hint = next((h for (path, what), h in _HINTS.items() if message.endswith(f"- at `{path}`")
+                     and message.startswith(what)), "")  # fmt: skip
         raise BadInput(f"Bad input: {message}{hint}") from exc
     except msgspec.DecodeError as exc:
         raise BadInput("Bad input: the body is not valid JSON") from exc

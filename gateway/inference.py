@@ -120,7 +120,7 @@ class InferenceService:
         """The catalog checks: model known (5007), allowed for the tenant (403), plan (5035)."""
         model = self.catalog.get(name)
         info.model = model.name
-        if not tenant.can_use(model.name):
+        if not tenant.can_use(model):
             raise ModelNotAllowed("The account is not allowed to access this model")
         if model.require_workers_paid and tenant.plan == "free":
             raise PaidModelOnFreePlan(f"Model {model.name} is not available on the Workers Free plan")

@@ -98,7 +98,7 @@ async def list_models(request: Request) -> Response:
     """`GET …/ai/v1/models`: the tenant's servable text-generation models as an OpenAI list."""
     services = services_of(request)
     tenant = await authenticate(services, request, account_of(request))
-    models: list[ModelSpec] = [m for m in services.catalog.models if tenant.can_use(m.name)]
+    models: list[ModelSpec] = [m for m in services.catalog.models if tenant.can_use(m)]
     data = [ModelOut(id=m.name, created=_created(m.created_at), owned_by=m.author) for m in models]
     return Response(msgspec.json.encode(ModelList(data=data)), media_type="application/json")
 

@@ -105,7 +105,11 @@ def _messages(items: list[r.InputItem]) -> list[dict[str, Any]]:
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
             called.add(item.call_id)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and reasoning is None:
+            if (turn := _awaiting_outputs(messages)) is not None:
+                _fold_reasoning(turn, reasoning)
+                reasoning = None
+                turn["tool_calls"].append(call)
+            elif last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append(_assistant(None, reasoning, [call]))
@@ -121,12 +125,32 @@ def _messages(items: list[r.InputItem]) -> list[dict[str, Any]]:
         else:
             if item.role is None or item.content is None:
                 raise BadInput(f"Bad input: {where} (message) needs role and content")
-            if item.role == "assistant":
+            if item.role == "assistant" and (turn := _awaiting_outputs(messages)) is not None:
+                _fold_reasoning(turn, reasoning)
+                reasoning = None
+                turn["content"] = (turn["content"] or "") + _text_of(item.content)
+            elif item.role == "assistant":
                 messages.append(_assistant(_text_of(item.content), reasoning, None))
                 reasoning = None
             else:
                 messages.append({"role": item.role, "content": _content(item.content, where)})
     return messages
+
+
+def _awaiting_outputs(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last message when it is an assistant turn whose calls await their outputs: the items a
+    response writes after a call (its text, more reasoning and calls: `[rs, fc, rs, fc]`,
+    `[fc, message]`) belong to that turn, as a chat's one assistant message holds them, so that the
+    outputs answer the turn before them."""
+    last = messages[-1] if messages else None
+    return last if last is not None and last["role"] == "assistant" and last.get("tool_calls") else None
+
+
+def _fold_reasoning(turn: dict[str, Any], reasoning: str | None) -> None:
+    """`reasoning` (a reasoning item's text, pending) added to `turn`'s."""
+    if reasoning is not None:
+        turn["reasoning_content"] = (turn.get("reasoning_content") or "") + reasoning
+    return None
 
 
 def _assistant(text: str | None, reasoning: str | None, calls: list[dict[str, Any]] | None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from gateway.server import uvicorn_config
 from gateway.services import open_services
 from gateway.settings import GatewaySettings, add_common_arguments, child_environment, settings_from
 from gateway.supervisor import Supervised, Supervisor
-from schemas.backend import parse_speculative
+from schemas.backend import MAX_RANKS, parse_speculative
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
 from schemas.child_process import die_with_parent
 from schemas.listen import bind, in_use, listen, port_of
@@ -445,14 +445,16 @@ def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Ca
     )
 
 
-def _at_least(low: int) -> Callable[[str], int]:
+def _ranks(low: int) -> Callable[[str], int]:
+    """A count of ranks from `low` to 64 (what a backend takes)."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if not low <= value <= MAX_RANKS:
+            raise argparse.ArgumentTypeError(f"must be {low} to {MAX_RANKS}, got {value}")
         return value
 
     return parse
@@ -505,12 +507,10 @@ def main(argv: list[str]) -> int:
         "default: models/ in the repository), e.g. a retrained pair to try before committing it",
     )
     parser.add_argument("--device", default="cpu", help="where the backends run: cpu (default) or cuda[:N]")
+    parser.add_argument("--tp", type=_ranks(1), default=1, help="ranks per backend, one process per device")
+    parser.add_argument("--ep", type=_ranks(0), default=0, help="expert-parallel groups (default: = --tp)")
     parser.add_argument(
-        "--tp", type=_at_least(1), default=1, help="ranks per backend, one process per device"
-    )
-    parser.add_argument("--ep", type=_at_least(0), default=0, help="expert-parallel groups (default: = --tp)")
-    parser.add_argument(
-        "--dcp", type=_at_least(1), default=1, help="ranks sharing one MLA latent cache by token"
+        "--dcp", type=_ranks(1), default=1, help="ranks sharing one MLA latent cache by token"
     )
     parser.add_argument(
         "--rank-timeout-s",

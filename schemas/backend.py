@@ -30,6 +30,7 @@ TenantSalt = Annotated[str, Meta(pattern=r"^[0-9a-f]{16,128}$")]
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 
 
+MAX_RANKS = 64  # the most `--tp`, `--ep` and `--dcp` ranks a backend takes (kumo serve checks it too)
 MAX_DRAFT_TOKENS = 3  # the most tokens `--speculative mtp:K` drafts per step (kumo serve checks it too)
 _SPECULATIVE = re.compile(r"^mtp:([1-9]\d*)$")
 

@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from schemas.backend import MAX_DRAFT_TOKENS, parse_speculative
+from schemas.backend import MAX_DRAFT_TOKENS, MAX_RANKS, parse_speculative
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
 NumPages = Annotated[int, Meta(ge=1, le=1 << 24)]
@@ -64,9 +64,9 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     speculative_saturation_rows: Annotated[int, Meta(ge=1, le=1 << 20)] = 64  # its cost model's knee
     speculative_draft: str | None = None  # MTP layers shipped apart from the checkpoint (a folder)
     speculative_graphs: bool = True  # verify and draft steps from CUDA graphs (with --cuda-graphs)
-    tp: Annotated[int, Meta(ge=1, le=64)] = 1
-    ep: Annotated[int, Meta(ge=0, le=64)] = 0  # 0: = tp
-    dcp: Annotated[int, Meta(ge=1, le=64)] = 1
+    tp: Annotated[int, Meta(ge=1, le=MAX_RANKS)] = 1
+    ep: Annotated[int, Meta(ge=0, le=MAX_RANKS)] = 0  # 0: = tp
+    dcp: Annotated[int, Meta(ge=1, le=MAX_RANKS)] = 1
     rank_timeout_s: Annotated[float, Meta(gt=0)] = 120.0  # a collective waiting longer fails
 
     def __post_init__(self) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 
+import msgspec
 import pytest
 from sqlalchemy.exc import OperationalError
 from tenancy_db import sqlite_store_fixture  # noqa: F401  (fixture)
 
 from gateway.auth import Authenticator, TenantContext
+from gateway.catalog import Catalog, load_catalog_file
 from gateway.errors import Forbidden, Unauthenticated, Unavailable
 from gateway.store import Credential, Store
 from schemas.admin import TenantCreate, TokenCreate
@@ -45,7 +48,13 @@ async def test_a_valid_token_resolves_to_its_tenant(sqlite_store: Store) -> None
         quotas=ctx.quotas,
     )
     assert ctx.quotas.daily_neurons == 10_000
-    assert ctx.can_use("@cf/a") and not ctx.can_use("@cf/b")
+    kimi, glm = (m for m in Catalog.from_file(load_catalog_file(None)).models)
+    assert kimi.aliases  # K2.5, served by K2.6
+    a = msgspec.structs.replace(kimi, name="@cf/a", aliases=[])
+    assert ctx.can_use(a) and not ctx.can_use(glm)
+    # a list stored holding an alias (as written, before the admin API resolved them) still allows
+    old = dataclasses.replace(ctx, allowed_models=frozenset(kimi.aliases))
+    assert old.can_use(kimi) and not old.can_use(glm)
     assert (await auth.authenticate(f"bearer   {value} ", tenant_id)).tenant_id == tenant_id
 
 

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from gateway.errors import BadInput
+from gateway.normalize_openai import check_tool_results
 from gateway.responses import to_chat
 from schemas.responses import ResponsesRequest
 
@@ -117,3 +118,39 @@ def test_what_cannot_be_served_is_a_400_saying_why(body: dict, message: str) -> 
     with pytest.raises(BadInput) as info:
         chat_of({"model": "m", **body})
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        # a response that reasoned, called, reasoned, called (as the gateway's own output lists them)
+        [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "One. "}]},
+         {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Two."}]},
+         {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"}],
+        # one that called, then wrote text
+        [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+         {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}],
+    ],
+)  # fmt: skip
+def test_a_responses_own_output_sent_back_with_its_results_is_one_turn(items: list[dict]) -> None:  # type: ignore[type-arg]
+    """OpenAI accepts a response's output items back as input with each call's output after them;
+    the chat they become has one assistant turn holding the reasoning, text and calls, answered by
+    the results after it (the chat rule the gateway checks too)."""
+    outputs = [{"type": "function_call_output", "call_id": c, "output": c.upper()} for c in ("b", "a")]
+    request = msgspec.convert({"model": "m", "input": [{"role": "user", "content": "Hi"}, *items, *outputs]},
+                              ResponsesRequest)  # fmt: skip
+    chat = to_chat(request)
+    assert chat.messages is not None
+    check_tool_results(chat.messages)  # no 400
+    assert [type(m).__name__ for m in chat.messages] == [
+        "UserMessage",
+        "AssistantMessage",
+        "ToolMessage",
+        "ToolMessage",
+    ]
+    turn = chat.messages[1]
+    assert [c.id for c in turn.tool_calls or []] == ["a", "b"]  # type: ignore[union-attr]
+    assert turn.reasoning_content == ("One. Two." if items[0]["type"] == "reasoning" else None)  # type: ignore[union-attr]
+    assert turn.content == (None if items[0]["type"] == "reasoning" else "Checking.")  # type: ignore[union-attr]

@@ -85,10 +85,11 @@ def test_mistakes_are_refused_before_anything_starts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "said"),
     [
-        (["--tp", "0"], "argument --tp: must be at least 1, got 0"),
+        (["--tp", "0"], "argument --tp: must be 1 to 64, got 0"),
+        (["--tp", "65"], "argument --tp: must be 1 to 64, got 65"),
         (["--tp", "two"], "argument --tp: not a whole number: 'two'"),
-        (["--dcp", "0"], "argument --dcp: must be at least 1"),
-        (["--ep", "-1"], "argument --ep: must be at least 0"),
+        (["--dcp", "0"], "argument --dcp: must be 1 to 64"),
+        (["--ep", "-1"], "argument --ep: must be 0 to 64"),
         (["--tp", "2", "--ep", "3"], "--ep (3) must divide --tp (2)"),
         (["--tp", "4", "--dcp", "3"], "--dcp (3) must divide --tp (4)"),
         (["--rank-timeout-s", "0"], "argument --rank-timeout-s: must be more than 0, got 0"),
