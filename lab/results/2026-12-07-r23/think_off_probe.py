@@ -1,41 +1,27 @@
-import sys
-from pathlib import Path
+"""Session 23: with reasoning off, how often the nano models still write a think marker
+(`PYTHONPATH=.:lab/results/2026-12-07-r23 python think_off_probe.py glm-5.2-nano kimi-k2.6-nano`)."""
 
-from backend.server.generation import Serving
-from backend.server.model_card import ServedModel
-from backend.server.rank_group import build_engine
-from backend.server.settings import BackendSettings
-from schemas.backend import GenerateRequest, Message, Reasoning, SamplingParams
+import sys
+
+from unoffered_probe import prepared
+
+from schemas.backend import Reasoning
 from tests.backend.engine.test_reasoning_guard import EVERYDAY
 from tests.backend.engine_helpers import run_all
 
-PROMPTS = EVERYDAY + [
+PROMPTS = [
+    *EVERYDAY,
     "What's the weather in Paris?",
     "Explain why the sky is blue.",
     "Think step by step: what is 17+25?",
 ]
+
 for name in sys.argv[1:]:
-    path = Path(f"models/{name}")
-    served = ServedModel.from_checkpoint(path)
-    engine = build_engine(BackendSettings(model=str(path), port=1, secret="x" * 32, dtype="float32"))
-    serving = Serving(served, engine)
+    served, engine, reqs = prepared(name, PROMPTS, reasoning=Reasoning(enabled=False))
     think = served.think
-    print(name, "think", think)
-    reqs = [
-        serving.prepare(
-            GenerateRequest(
-                request_id=f"p{i}",
-                tenant_salt="a" * 32,
-                messages=[Message(role="user", content=t)],
-                reasoning=Reasoning(enabled=False),
-                sampling=SamplingParams(temperature=0.0, max_tokens=64),
-            )
-        ).engine_request
-        for i, t in enumerate(PROMPTS)
-    ]
     res = run_all(engine, reqs)
     n = 0
-    for r, t in zip(reqs, PROMPTS, strict=False):
+    for r, t in zip(reqs, PROMPTS, strict=True):
         ids = res[r.request_id].token_ids
         if think and (think.start_id in ids or think.end_id in ids):
             n += 1
