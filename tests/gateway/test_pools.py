@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import socket
+import time
 
 import httpx
 
@@ -97,3 +101,47 @@ async def test_a_replica_that_never_answers_is_ejected_and_holds_no_one_else() -
         assert not a.is_servable and a.num_failures >= 2  # two checks without an answer
     finally:
         await router.stop()
+
+
+async def test_a_check_cut_by_its_deadline_leaves_no_connection_open() -> None:
+    """A CI run failed on an unclosed socket collected in a later test (session 22). A health check whose
+    deadline fell while httpx's pool closed its expired keep-alive connections stopped that close
+    after the first (asyncio's cancellation inside httpcore's `_close_connections`): the others
+    left the pool still open. Replicas with expired connections, a check with no time left: every
+    connection the pool held is closed (anyio's deadline, which httpcore's close is shielded from)."""
+    from fake_backend import FakeBackend, serve
+
+    from gateway.backend_client import BackendClient
+
+    kimi = next(m for m in load_catalog_file(None).models if m.name == "@cf/moonshotai/kimi-k2.6")
+    served = [await serve(FakeBackend(f"k{i}").app()) for i in range(4)]
+    limits = httpx.Limits(keepalive_expiry=0.2)
+    try:
+        async with httpx.AsyncClient(trust_env=False, limits=limits) as http:
+            replicas = [Replica(s.url) for s in served]
+            pool = Pool(kimi.pool, kimi, replicas)
+            secrets = {s.url: "fake-secret" for s in served}
+            router = Router({kimi.pool: pool}, BackendClient(http, secrets), health_interval_s=3600)
+            await router.check_all()  # a keep-alive connection to each replica
+            ports = {int(s.url.rsplit(":", 1)[1]) for s in served}
+            assert len(_client_sockets_to(ports)) == 4
+            time.sleep(0.3)  # the loop stopped (sync tests) past the keep-alive expiry
+            router._timeout = 0  # and the check's deadline with it
+            await router._check(pool, replicas[0])
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert _client_sockets_to(ports) == []
+    finally:
+        for s in served:
+            await s.stop()
+
+
+def _client_sockets_to(ports: set[int]) -> list[socket.socket]:
+    """This process's open client sockets whose peer is one of `ports`."""
+    found = []
+    for obj in gc.get_objects():
+        if type(obj) is socket.socket and obj.family == socket.AF_INET and obj.fileno() != -1:
+            with contextlib.suppress(OSError):
+                if obj.getpeername()[1] in ports:
+                    found.append(obj)
+    return found
