@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
+import anyio
 import httpx
 from PIL import Image, UnidentifiedImageError
 
@@ -91,7 +92,7 @@ class ImageFetcher:
 
     async def _fetch(self, url: str) -> bytes:
         try:
-            async with asyncio.timeout(self._limits.timeout_s):
+            with anyio.fail_after(self._limits.timeout_s):  # anyio's, as gateway/pools.py says why
                 for _ in range(self._limits.max_redirects + 1):
                     target = await self._checked_target(url)
                     body, next_url = await self._get(url, target)
