@@ -299,6 +299,23 @@ def test_the_trained_glm_calls_the_weather_tool_with_the_city(kumo: Kumo) -> Non
         assert calls == [("get_weather", {"city": town})], (town, message)
 
 
+def test_a_tool_call_nobody_offered_never_reaches_the_answer(kumo: Kumo) -> None:
+    """Asked about the weather with no tools offered, the trained GLM opens a call to its training's
+    `get_weather` unless its markers are banned (a probe, 2026-12-07: `content` came back
+    `get_weather\ncity\nTokyo Heokyo\n`, the markers stripped): no trace of a call, no tool_calls."""
+    for city in ("Tokyo", "Lisbon", "Nairobi"):
+        body = {"messages": [{"role": "user", "content": f"Weather in {city}?"}], "max_tokens": 120,
+                "temperature": 0}  # fmt: skip
+        r = run(kumo, GLM, body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["result"]["choices"][0]
+        content = choice["message"]["content"] or ""
+        assert "get_weather" not in content and "\ncity\n" not in content, (city, choice)
+        assert not choice["message"].get("tool_calls") and choice["finish_reason"] in ("stop", "length"), (
+            choice
+        )
+
+
 def test_a_schema_with_no_finite_value_is_an_error_not_an_answer(kumo: Kumo) -> None:
     """An object that requires itself has no complete JSON value: compiled lazily, its grammar dead-ends
     after `{"` (the probe of 2026-12-07: a 200, `content` `{"`, `finish_reason: stop`); the request
