@@ -5,8 +5,9 @@
     ├── InvalidRequest (400, invalid_request)
     │   └── Unsupported (400, unsupported)          images without a vision tower, bad schema, …
     ├── Unauthorized (401, unauthorized)
-    ├── ContextWindowExceeded (413, context_window_exceeded)  names both numbers
-    ├── TooLargeForPool (413, too_large_for_pool)   could never fit the page pool
+    ├── ContextWindowExceeded (413, context_window_exceeded)  names both numbers; the window is
+    │                                               the model's, or the page pool's where smaller
+    ├── TooLargeForPool (413, too_large_for_pool)   what could never fit besides the window:
     │   └── TooManyImagePatches                     the request's images past the patch cap
     ├── Busy (429, busy)                            reject_if_busy and no room this step
     ├── IntegrityAbort (500, integrity_abort)       a KV page tag mismatch

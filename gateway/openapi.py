@@ -89,9 +89,8 @@ _TASKS = list[TaskOut]
 AI = f"{ACCOUNT}/ai"
 T = "/admin/v1/tenants/{tenant_id}"
 RUN_RESULT = LegacyResult | ChatCompletion | BatchStatus | BatchDone
-CONTEXT_WINDOW = "the input's tokens plus its maximum output tokens over the model's context window"
 RUN_400 = (
-    f"Bad input (5006) the schema cannot state: {CONTEXT_WINDOW}; a field this model refuses (`lora`, "
+    "Bad input (5006) the schema cannot state: a field this model refuses (`lora`, "
     "`functions`, `audio`, `logit_bias`, non-text `modalities`, custom tools, a tool without a name, "
     "`tool_choice` naming tools not given, a `reasoning_effort` the model does not offer); JSON mode "
     "with `stream`; `raw` without `prompt`; more images or choices than the gateway serves; "
@@ -311,6 +310,11 @@ def _operation(
         out["responses"]["400"] = _error(op.bad_request)
     if op.streams:  # a generation
         out["responses"]["408"] = _error("The wall-clock limit (`cf-aig-request-timeout`) ended it (3046)")
+        out["responses"]["413"] = _error(
+            "The input's tokens plus its maximum output tokens over the context window a replica admits "
+            "(the catalog's `context_window`: the model's, or less where its KV page pool is smaller) (5021); "
+            "a body or its images past the gateway's limits (3006)"
+        )
     return out
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from backend.engine.block_manager import BlockManager
 from backend.engine.engine_config import EngineConfig
 from backend.engine.sequence import Sequence, Status
-from backend.errors import Busy, ContextWindowExceeded, InvalidRequest, TooLargeForPool
+from backend.errors import Busy, ContextWindowExceeded, InvalidRequest
 
 
 @dataclass(slots=True)
@@ -112,14 +112,11 @@ class Scheduler:
         for span in request.image_spans:
             if span.offset < 0 or span.length < 1 or span.offset + span.length > num_prompt:
                 raise InvalidRequest(f"Image span [{span.offset}, +{span.length}) is outside the prompt.")
-        if num_prompt + max_tokens > self.context_window:
-            raise ContextWindowExceeded(num_prompt + max_tokens, self.context_window)
-        num_pages = self.block_manager.num_pages_for(num_prompt + max_tokens)
-        if num_pages > self.block_manager.num_pages:
-            raise TooLargeForPool(
-                f"The request needs {num_pages} KV pages ({num_prompt} input + {max_tokens} output tokens) "
-                f"but this replica's pool has {self.block_manager.num_pages}."
-            )
+        # the replica's window is the model's or its page pool's, whichever is smaller: what its card's
+        # `max_request_tokens` and so the catalog's `context_window` advertise
+        pool_tokens = self.block_manager.num_pages * self.block_manager.page_size
+        if num_prompt + max_tokens > min(self.context_window, pool_tokens):
+            raise ContextWindowExceeded(num_prompt + max_tokens, min(self.context_window, pool_tokens))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(step=self._next_step)

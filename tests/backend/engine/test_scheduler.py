@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.errors import Busy, ContextWindowExceeded, InvalidRequest, TooLargeForPool
+from backend.errors import Busy, ContextWindowExceeded, InvalidRequest
 from tests.backend.engine_helpers import Result, collect, make_engine, prompt_of, request, run_all
 
 
@@ -121,12 +121,17 @@ def test_context_window_error_names_both_numbers_and_uses_the_override() -> None
     assert info.value.to_event().code == "context_window_exceeded" and info.value.status == 413
 
 
-def test_a_request_bigger_than_the_pool_is_refused_at_once() -> None:
+def test_a_request_bigger_than_the_pool_is_over_the_replicas_window() -> None:
+    """The pool bounds what a replica admits, and its card (so the catalog) advertises that bound as
+    the context window: a request over it is refused at once as over that window, naming it."""
     engine = make_engine(num_pages=4)
-    with pytest.raises(TooLargeForPool) as info:
-        engine.add_request(request("huge", prompt_of(1, 60), max_tokens=10))  # 5 pages > 4
-    assert info.value.to_event().code == "too_large_for_pool"
-    assert not engine.has_unfinished
+    window = 4 * engine.block_manager.page_size
+    engine.add_request(request("fits", prompt_of(1, window - 10), max_tokens=10))  # exactly the pool
+    with pytest.raises(ContextWindowExceeded) as info:
+        engine.add_request(request("huge", prompt_of(2, window - 9), max_tokens=10))  # a token over
+    assert info.value.to_event().code == "context_window_exceeded"
+    assert (info.value.num_requested, info.value.context_window) == (window + 1, window)
+    assert [s.request.request_id for s in engine.scheduler.waiting] == ["fits"]
 
 
 def test_reject_if_busy_is_refused_at_once_only_when_it_could_not_start_now() -> None:

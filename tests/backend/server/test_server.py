@@ -282,8 +282,11 @@ async def test_refusals_are_structured(client: httpx.AsyncClient) -> None:
     requested, window = (int(n) for n in re.findall(r"\((\d+)\)", error.message))
     assert error.code == "context_window_exceeded" and requested > 5000 and window == 1024
     pool = await client.post("/v1/generate", json=body("pool", sampling={"max_tokens": 1000}), headers=AUTH)
-    assert pool.status_code == 413  # fits the 1024-token window, not the 96 pages of 8 tokens
-    assert msgspec.json.decode(pool.content, type=ErrorBody).error.code == "too_large_for_pool"
+    assert pool.status_code == 413  # fits the model's 1024-token window, not the 96 pages of 8 tokens
+    error = msgspec.json.decode(pool.content, type=ErrorBody).error
+    requested, window = (int(n) for n in re.findall(r"\((\d+)\)", error.message))
+    card = msgspec.json.decode((await client.get("/v1/model", headers=AUTH)).content, type=ModelCard)
+    assert error.code == "context_window_exceeded" and window == card.max_request_tokens == 96 * 8
     image = body("img") | {
         "messages": [
             {
