@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from types import FrameType
 from typing import TypeVar
 
+import anyio
 import msgspec
 import structlog
 import uvicorn
@@ -47,7 +49,7 @@ class Lifecycle:
     def __init__(self) -> None:
         self.is_draining = False
         self._abort_at: float | None = None  # loop time at which running requests are aborted
-        self._waits: set[asyncio.Timeout] = set()
+        self._waits: set[anyio.CancelScope] = set()
 
     def begin_drain(self, timeout_s: float) -> None:
         """Refuse new requests from now on; abort those still running after `timeout_s`."""
@@ -57,9 +59,7 @@ class Lifecycle:
         self._abort_at = asyncio.get_running_loop().time() + timeout_s
         log.info("drain_started", deadline_s=timeout_s, num_waiting=len(self._waits))
         for wait in self._waits:
-            when = wait.when()
-            if when is None or when > self._abort_at:
-                wait.reschedule(self._abort_at)
+            wait.deadline = min(wait.deadline, self._abort_at)
 
     async def guard(self, events: AsyncGenerator[T, None], deadline: float) -> AsyncGenerator[T, None]:
         """`events`, ended with `Timeout` at `deadline` (loop time) or with `Aborted` at the drain
@@ -82,15 +82,18 @@ class Lifecycle:
         when = deadline if self._abort_at is None else min(deadline or self._abort_at, self._abort_at)
         if when is not None and when <= loop.time():
             raise self._expired(loop.time())
+        # anyio's scope, not `asyncio.timeout`: what the wait runs (httpx closing a pool's connections)
+        # shields its cleanup from anyio's cancellation only (encode/httpcore#830); anyio's clock on
+        # asyncio is the loop's
+        scope = anyio.CancelScope(deadline=math.inf if when is None else when)
+        self._waits.add(scope)
         try:
-            async with asyncio.timeout_at(when) as wait:
-                self._waits.add(wait)
-                try:
-                    yield
-                finally:
-                    self._waits.discard(wait)
-        except TimeoutError as exc:
-            raise self._expired(loop.time()) from exc
+            with scope:
+                yield
+        finally:
+            self._waits.discard(scope)
+        if scope.cancelled_caught:
+            raise self._expired(loop.time())
 
     def _expired(self, now: float) -> Aborted | Timeout:
         if self._abort_at is not None and now >= self._abort_at:

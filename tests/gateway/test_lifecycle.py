@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import anyio
 import httpx
 import pytest
 from gateway_harness import GLM, KIMI, Harness, _tenant, harness, standalone_gateway  # noqa: F401  (fixture)
@@ -24,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from gateway.errors import Busy, NeuronsExhausted, RateLimited, Timeout, Unavailable, retry_headers
+from gateway.errors import Aborted, Busy, NeuronsExhausted, RateLimited, Timeout, Unavailable, retry_headers
 from gateway.lifecycle import DrainGate, Lifecycle, request_timeout_s
 from gateway.quotas import Admission, Limiter
 from gateway.services import image_fetcher
@@ -148,6 +149,29 @@ async def test_a_wait_whose_deadline_has_passed_is_not_begun() -> None:
         async with lifecycle.bounded(asyncio.get_running_loop().time()):
             began = True
     assert not began
+
+
+async def test_a_deadline_waits_for_shielded_cleanup_and_the_drain_moves_it() -> None:
+    """A deadline falling while the wait closes connections under anyio's shield (httpx's pool
+    does: encode/httpcore#830) ends the wait after the shielded part, not inside it, which would
+    leave the pool's other connections open; a drain starting later pulls the deadline in."""
+    lifecycle = Lifecycle()
+    loop = asyncio.get_running_loop()
+    closed: list[int] = []
+    with pytest.raises(Timeout):
+        async with lifecycle.bounded(loop.time() + 0.02):
+            with anyio.CancelScope(shield=True):
+                for connection in range(3):
+                    await asyncio.sleep(0.02)  # the deadline falls in the first close
+                    closed.append(connection)
+            await asyncio.sleep(10)
+    assert closed == [0, 1, 2]
+    start = loop.time()
+    with pytest.raises(Aborted):
+        async with lifecycle.bounded(loop.time() + 10):
+            loop.call_later(0.01, lifecycle.begin_drain, 0.05)
+            await asyncio.sleep(10)
+    assert loop.time() - start < 1
 
 
 def spy_on_settle(limiter: Limiter, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, float]]:
