@@ -10,8 +10,14 @@ pay gets no MTP layer over its chunks (a fill step cost 1.5x its prefill on the 
 
 from __future__ import annotations
 
+import itertools
+import types
 from typing import Any
 
+import pytest
+
+from backend.engine import engine as engine_module
+from backend.engine.speculative import decoder as decoder_module
 from backend.engine.speculative.load_rates import LoadRates
 from backend.engine.speculative.policy import PRIOR_ACCEPTANCE, StepLoad
 from backend.server.warmup import warm_up
@@ -25,6 +31,17 @@ def costs(plain_s: float, over_plain: dict[int, float]) -> LoadRates:
     rates.step_s_by_k = {k: (r * plain_s, 0) for k, r in over_plain.items()}
     rates.draft_step_s = max(rates.step_s_by_k.values())[0]
     return rates
+
+
+@pytest.fixture(autouse=True)
+def ticking_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's step timer reads a clock that ticks 0.5 ms a reading: a plain step measures
+    1 ms, as the adopted costs below price it. On the wall clock the measured steps of a loaded
+    machine (a test run beside another) priced plain decoding dear and drafting won where it loses."""
+    ticks = itertools.count()
+    clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.0005)
+    monkeypatch.setattr(engine_module, "time", clock)
+    monkeypatch.setattr(decoder_module, "time", clock)
 
 
 CHEAP = {1: 1.3, 2: 1.5, 3: 1.7}  # a drafting step: E(3) ~2.95 at the prior acceptance beats it
