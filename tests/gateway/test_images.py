@@ -83,6 +83,16 @@ async def sites() -> AsyncIterator[tuple[Site, Served, Site, Served]]:
     await b.stop()
 
 
+_CLIENTS: list[httpx.AsyncClient] = []  # the fetchers' clients, closed after each test
+
+
+@pytest.fixture(autouse=True)
+async def close_fetchers() -> AsyncIterator[None]:
+    yield
+    while _CLIENTS:
+        await _CLIENTS.pop().aclose()
+
+
 def fetcher(*, allowed: str | None = None, max_bytes: int = 4096, timeout_s: float = 1.0) -> ImageFetcher:
     nets = (ipaddress.ip_network(allowed),) if allowed else ()
     limits = ImageLimits(
@@ -93,7 +103,8 @@ def fetcher(*, allowed: str | None = None, max_bytes: int = 4096, timeout_s: flo
         allow_private=False,
         allowed_networks=nets,
     )
-    return ImageFetcher(httpx.AsyncClient(follow_redirects=False, trust_env=False), limits)
+    _CLIENTS.append(httpx.AsyncClient(follow_redirects=False, trust_env=False))
+    return ImageFetcher(_CLIENTS[-1], limits)
 
 
 async def test_data_uris_are_decoded_and_checked() -> None:
