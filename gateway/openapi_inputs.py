@@ -2,8 +2,8 @@
 JSON Schema can state and a Struct cannot (exactly one of `prompt` and `messages`; no `prompt` on
 the OpenAI route). `/ai/run/{model}` is documented as one path per catalog model so each carries
 its own input, as Cloudflare's own document does; `/ai/run` takes `{model, input}` with the input
-that model's. What JSON Schema cannot state (a context window, fields a model refuses) is the
-operation's documented 400.
+that model's. What JSON Schema cannot state (fields a model refuses) is the operation's documented
+400; a request over the context window is its documented 413 (5021, as Workers AI answers it).
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ def build_backend(
         flush=True,
     )
     backend = Backend(
-        serving=Serving(served, async_engine, images=vision),
+        serving=Serving(served, async_engine, images=vision, max_request_tokens=card.max_request_tokens),
         card=card,
         secret=settings.secret,
         metrics=BackendMetrics(lambda: engine.stats, async_engine.load),

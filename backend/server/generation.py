@@ -81,11 +81,19 @@ class Prepared:
 
 class Serving:
     def __init__(
-        self, model: ServedModel, engine: GenerationEngine, *, images: ImageEncoder | None = None
+        self,
+        model: ServedModel,
+        engine: GenerationEngine,
+        *,
+        images: ImageEncoder | None = None,
+        max_request_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.engine = engine
         self._images = images
+        # the replica's window: the model's, or its page pool's where smaller (the card's, which the
+        # catalog advertises and the scheduler enforces): a refusal names that one
+        self.max_request_tokens = min(model.context_window, max_request_tokens or model.context_window)
 
     def prepare(self, request: GenerateRequest) -> Prepared:
         """Everything up to the engine; raises the `EngineError` refusing the request."""
@@ -103,8 +111,8 @@ class Serving:
             # another tenant could time
             token_ids, spans, embeds = self._images.expand(token_ids, images, request.tenant_salt)
         num_requested = len(token_ids) + request.sampling.max_tokens
-        if num_requested > model.context_window:
-            raise ContextWindowExceeded(num_requested, model.context_window)
+        if num_requested > self.max_request_tokens:
+            raise ContextWindowExceeded(num_requested, self.max_request_tokens)
         constraint: TokenConstraint | None = None
         lazy = None if grammar is not None else lazy_tool_grammar_for(
             request, model.family, model.marker_ids, TOOL_MARKERS_OF[model.family]

@@ -35,9 +35,10 @@ def costs(plain_s: float, over_plain: dict[int, float]) -> LoadRates:
 
 @pytest.fixture(autouse=True)
 def ticking_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's step timer reads a clock that ticks 0.5 ms a reading: a plain step measures
-    1 ms, as the adopted costs below price it. On the wall clock the measured steps of a loaded
-    machine (a test run beside another) priced plain decoding dear and drafting won where it loses."""
+    """The engine's step timer reads a clock that ticks 0.5 ms a reading: a plain step (two
+    readings) measures 0.5 ms, under the 1 ms the adopted costs below price it at, a drafting step
+    1-2 ms (more readings). On the wall clock the measured steps of a loaded machine (a test run
+    beside another) priced plain decoding dear and drafting won where it loses."""
     ticks = itertools.count()
     clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 0.0005)
     monkeypatch.setattr(engine_module, "time", clock)
