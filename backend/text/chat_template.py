@@ -135,13 +135,12 @@ class ChatTemplate:
         special-token spelling the client typed is encoded as plain text (see the module docstring)."""
         quoter = _Quoter(tokenizer.special_spellings)
         text = self._render(messages, tools, reasoning, extra, True, quoter)
-        ids: list[int] = []
+        segments: list[tuple[str, bool]] = []
         start = 0
         for found in quoter.markers.finditer(text):
-            ids += tokenizer.encode(text[start : found.start()])
-            ids += tokenizer.encode(quoter.quoted[int(found.group(1))], allow_special=False)
+            segments += [(text[start : found.start()], True), (quoter.quoted[int(found.group(1))], False)]
             start = found.end()
-        return ids + tokenizer.encode(text[start:])
+        return tokenizer.encode_segments([*segments, (text[start:], True)])
 
     def _render(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,18 @@ class Tokenizer(ABC):
     @abstractmethod
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token spellings in it map to their ids iff `allow_special`."""
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """The ids of the `(text, allow_special)` segments, one after the other, as `encode` gives
+        each: a rendered prompt, its client-typed special-token spellings quoted."""
+        return [i for text, allow_special in segments for i in self.encode(text, allow_special=allow_special)]
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes an ordinary (not special) token stands for: a text of C characters is at
+        least C / max_token_bytes tokens, whatever its tokenization (each character one byte or more)."""
+        specials = self.special_ids
+        return max((len(self.token_bytes(i)) for i in range(self.vocab_size) if i not in specials), default=1)
 
     @abstractmethod
     def decode(self, token_ids: list[int]) -> str:
@@ -112,13 +125,29 @@ class HFTokenizer(Tokenizer):
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
-        if allow_special:
-            return list(self._tok.encode(text, add_special_tokens=False).ids)
-        # spell special tokens as plain text: encode the pieces between their spellings separately
-        ids: list[int] = []
-        for piece in _split_keep(text, list(self.special_spellings)):
-            ids.extend(self._tok.encode(piece, add_special_tokens=False).ids if piece else [])
-        return ids
+        return self.encode_segments([(text, allow_special)])
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """As the base class says, times 4 where a normalizer runs first: one that composes
+        characters (NFC: a letter and two marks become one) shortens the text the tokens cover."""
+        return super().max_token_bytes * (1 if self._tok.normalizer is None else 4)
+
+    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """One `encode_batch` call for every piece: `tokenizers` holds the GIL through `encode` (a
+        9 MB prompt stopped the backend's event loop, its health checks with it, for 10 s) and
+        releases it through `encode_batch`; and a prompt of many quoted spellings is one call, not
+        two a spelling (38 s for 9 MB of `<sop>`). Special tokens allowed or not, the pieces between
+        their spellings are encoded separately (`_split_keep`), so a quoted one is plain text."""
+        spellings = list(self.special_spellings)
+        pieces: list[str] = []
+        for text, allow_special in segments:
+            pieces += [text] if allow_special else _split_keep(text, spellings)
+        pieces = [p for p in pieces if p]
+        if not pieces:
+            return []
+        encoded = self._tok.encode_batch_fast(pieces, add_special_tokens=False)
+        return [i for e in encoded for i in e.ids]
 
     def decode(self, token_ids: list[int]) -> str:
         known = [i for i in token_ids if 0 <= i < self.vocab_size]

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from starlette.applications import Starlette
 
-from backend.errors import Busy
+from backend.errors import Busy, ContextWindowExceeded
 from backend.server.app import Backend, create_app
 from backend.server.app import main as server_main
 from backend.server.generation import Serving
@@ -34,9 +34,12 @@ from schemas.backend import (
     ErrorBody,
     Event,
     Finish,
+    GenerateRequest,
     LoadReport,
+    Message,
     ModelCard,
     ReasoningDelta,
+    SamplingParams,
     TextDelta,
     TokenLogprob,
     Tool,
@@ -567,3 +570,47 @@ async def test_health_says_failed_once_the_engine_thread_died(
         assert (await client.get("/v1/health")).json() == {"status": "ok"}
         engine.is_alive = False  # type: ignore[attr-defined]
         assert (await client.get("/v1/health")).json() == {"status": "failed"}
+
+
+def test_a_prompt_over_the_window_by_its_length_is_refused_untokenized(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token stands for `max_token_bytes` characters at most, so a text longer than the window
+    times that is refused before it is tokenized (a 9 MB prompt took 7-32 s to refuse after). The
+    bound never refuses what fits: a raw prompt's specials are read whole, many characters a token."""
+    folder = tmp_path_factory.mktemp("window")
+    shutil.copytree(tokenizer_dir(tmp_path_factory, "glm"), folder, dirs_exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Glm4MoeForCausalLM"], **_GLM_CONFIG}))
+    served = ServedModel.from_checkpoint(folder)
+    serving = Serving(served, ScriptedEngine(served.tokenizer), max_request_tokens=512)
+    tok = served.tokenizer
+    sampling = SamplingParams(max_tokens=16)
+
+    def chat(text: str) -> GenerateRequest:
+        return GenerateRequest(
+            request_id="w",
+            tenant_salt="a" * 32,
+            sampling=sampling,
+            messages=[Message(role="user", content=text)],
+        )
+
+    tokenized = tok.encode_segments
+    monkeypatch.setattr(tok, "encode_segments", lambda segments: pytest.fail("tokenized"))
+    with pytest.raises(ContextWindowExceeded) as info:
+        serving.prepare(chat("x" * (512 - 16) * tok.max_token_bytes + "x"))
+    assert info.value.context_window == 512 and info.value.num_requested == 512 + 1
+    monkeypatch.setattr(tok, "encode_segments", tokenized)
+    with pytest.raises(ContextWindowExceeded) as info:  # under the bound, over by its tokens
+        serving.prepare(chat("word " * 600))
+    assert info.value.num_requested >= 600 + 16  # counted: the bound says 3,000 / max_token_bytes
+    # a vocabulary whose ordinary tokens are shorter than its specials' spellings (the cached value)
+    monkeypatch.setitem(tok.__dict__, "max_token_bytes", 4)
+    serving = Serving(served, ScriptedEngine(tok), max_request_tokens=512)
+    longest = max(tok.special_spellings, key=len)
+    count = 512 - 16 - 8
+    with pytest.raises(ContextWindowExceeded):  # as chat text, `count` spellings are over the bound
+        serving.prepare(chat(longest * count))
+    raw = GenerateRequest(
+        request_id="r", tenant_salt="a" * 32, sampling=sampling, prompt=longest * count, raw=True
+    )
+    assert len(serving.prepare(raw).engine_request.prompt_token_ids) == count  # fits: admitted

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,50 @@ def test_llguidance_view_agrees(tmp_path_factory: pytest.TempPathFactory) -> Non
         assert ll.vocab_size == tok.vocab_size + 7
         ids = tok.encode(TEXTS[2])
         assert ll.decode_str(ids) == TEXTS[2]
+
+
+@pytest.mark.parametrize("layout", ["kimi-tiktoken", "kimi-json", "glm"])
+def test_encoding_a_long_prompt_lets_the_event_loop_run(
+    tmp_path_factory: pytest.TempPathFactory, layout: str
+) -> None:
+    """`tokenizers`' `encode` holds the GIL: a 9 MB prompt encoded in the backend's worker thread
+    stopped its event loop, health checks included, and the gateway ejected the replica. While a
+    long text is encoded, another thread keeps running (with the GIL held it ran once)."""
+    tok = load(tmp_path_factory, layout)
+    text = "word, " * 300_000 + "<|user|>" * 20_000
+    for allow_special in (True, False):
+        done = threading.Event()
+
+        def encode(special: bool = allow_special, finished: threading.Event = done) -> None:
+            tok.encode(text, allow_special=special)
+            finished.set()
+
+        worker = threading.Thread(target=encode)
+        worker.start()
+        ticks = 0
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks += 1
+        worker.join()
+        assert ticks >= 10
+
+
+@pytest.mark.parametrize("layout", ["kimi-tiktoken", "kimi-json", "glm"])
+def test_segments_encode_as_their_texts_one_by_one(
+    tmp_path_factory: pytest.TempPathFactory, layout: str
+) -> None:
+    """A rendered prompt's segments, the client's special-token spellings among them quoted: the ids
+    are each segment's own `encode`, and a quoted spelling is plain text, never its special id."""
+    tok = load(tmp_path_factory, layout)
+    spelling = "<|im_end|>" if layout.startswith("kimi") else "<|user|>"
+    segments = [
+        ("<|im_start|>system: hi", True),
+        (f"say {spelling}{spelling} now", False),
+        ("", True),
+        (spelling, True),
+        (TEXTS[1], False),
+    ]
+    ids = tok.encode_segments(segments)
+    assert ids == [i for text, special in segments for i in tok.encode(text, allow_special=special)]
+    special_id = tok.token_to_id(spelling)
+    assert ids.count(special_id) == 1 and tok.decode(ids).count(spelling) == 3
