@@ -15,7 +15,7 @@ import uvicorn
 
 from gateway.app import create_app, error_response
 from gateway.catalog import Catalog, CatalogError, load_catalog_file
-from gateway.errors import HeadersTooLarge, KumoError, Timeout, Unavailable
+from gateway.errors import BadInput, HeadersTooLarge, KumoError, Timeout, Unavailable
 from gateway.lifecycle import ABORT_GRACE_S, DrainingServer
 from gateway.observability import configure_logging
 from gateway.pools import read_pools_file
@@ -27,6 +27,7 @@ DEFAULT_PORT = 8787
 
 
 _REFUSALS: dict[HTTPStatus, type[KumoError]] = {
+    HTTPStatus.BAD_REQUEST: BadInput,
     HTTPStatus.REQUEST_TIMEOUT: Timeout,
     HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: HeadersTooLarge,
     HTTPStatus.SERVICE_UNAVAILABLE: Unavailable,
@@ -34,7 +35,7 @@ _REFUSALS: dict[HTTPStatus, type[KumoError]] = {
 
 
 def refusal(status: HTTPStatus, message: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    """The connection limits' answers (408, 431, 503: before the app) in the API's error envelope,
+    """The connection limits' answers (400, 408, 431, 503: before the app) in the API's error envelope,
     with the same retry headers as the app's own."""
     response = error_response(_REFUSALS[status](message))
     return [(k, v) for k, v in response.raw_headers if k != b"content-length"], bytes(response.body)
@@ -47,6 +48,7 @@ def uvicorn_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
         header_timeout_s=settings.header_timeout_s,
         max_header_bytes=settings.max_header_bytes,
         max_connections=settings.max_connections,
+        max_connections_per_client=settings.max_connections_per_client,
     )
     return ServerConfig(
         app,

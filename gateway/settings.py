@@ -45,6 +45,8 @@ class GatewaySettings:
     header_timeout_s: float = 10.0  # request line + headers must arrive within this (else 408, closed)
     max_header_bytes: int = 32 * 1024  # request line + headers (else 431)
     max_connections: int = 1024  # open connections per gateway process (more: 503, closed at once)
+    # of which one client (IPv4 address, IPv6 /64) may hold (0: no cap; behind a proxy, set 0)
+    max_connections_per_client: int = 512
     keep_alive_timeout_s: int = 15  # an idle connection after a response is closed after this
     log_json: bool = True
     request_timeout_s: float = 600.0  # wall-clock limit of one generation (408/3046)
@@ -111,7 +113,13 @@ def settings_from(
             n.strip() for n in env["KUMO_ALLOWED_IMAGE_NETWORKS"].split(",") if n.strip()
         )
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
-    for name in ("max_body_bytes", "max_header_bytes", "max_connections", "keep_alive_timeout_s"):
+    for name in (
+        "max_body_bytes",
+        "max_header_bytes",
+        "max_connections",
+        "max_connections_per_client",
+        "keep_alive_timeout_s",
+    ):
         if env.get(f"KUMO_{name.upper()}"):
             values[name] = int(env[f"KUMO_{name.upper()}"])
     for name in (

@@ -12,7 +12,11 @@ gateway; the one module of `schemas/` that is not Structs, it leans on uvicorn, 
   Bytes are counted as they arrive, so a huge header costs at most the limit plus one socket read
   of memory, never the header's size (httptools itself has no limit).
 - **Connection cap.** A connection that would make more than `max_connections` open ones is
-  answered 503 and closed at once, so its descriptor is freed immediately.
+  answered 503 and closed at once, so its descriptor is freed immediately; so is one that would
+  give its client (an IPv4 address, an IPv6 /64) more than `max_connections_per_client`: one
+  client holding connections open without a request could otherwise lock every other one out
+  for as long as it reconnects (a red-team helper's 1,100 half-sent heads did, session 24).
+- **Malformed requests** (what the parser refuses) get the same written answer, a 400.
 
 Why not uvicorn's `limit_concurrency`: it refuses *requests* (a 503 once a request's headers are in)
 while connections or tasks are over the limit, and never the connections themselves. Connections
@@ -29,6 +33,8 @@ an RST that can destroy the answer before the client reads it.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -46,6 +52,7 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0
     max_header_bytes: int = 32 * 1024  # request line + headers (Cloudflare's own limit is 32 KB)
     max_connections: int = 1024
+    max_connections_per_client: int = 512  # (0: no per-client cap, as behind a proxy that is one client)
 
 
 # a limit's answer: (status, message) -> (headers but content-length, body)
@@ -66,6 +73,23 @@ class ServerConfig(uvicorn.Config):
         super().__init__(app, http=GuardedHttpProtocol, **kwargs)
         self.limits = limits
         self.refusal = refusal
+        self.connections_by_client: Counter[str] = Counter()  # open connections by `client_key`
+
+
+def client_key(peer: object) -> str | None:
+    """The client a peer address (`peername`) counts against: its IPv4 address (an IPv4-mapped
+    IPv6 one's too), or its IPv6 /64, which one host commonly holds whole; None for a Unix socket."""
+    if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
+        return None
+    try:
+        address = ipaddress.ip_address(peer[0].split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class _HeadTooLarge(Exception):
@@ -86,20 +110,36 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         assert isinstance(config, ServerConfig)
         self.limits = config.limits
         self._refusal = config.refusal
+        self._by_client = config.connections_by_client
+        self._client_key: str | None = None  # set while this connection counts against its client
         self._head_deadline: asyncio.TimerHandle | None = None  # set while a request head is awaited
         self._num_head_bytes = 0  # bytes received since the awaited head began
         self._is_refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # closed at once, not lingering: a flood of refused connections must not hold descriptors
         if len(self.connections) > self.limits.max_connections:
-            # closed at once, not lingering: a flood of refused connections must not hold descriptors
             self._refuse(HTTPStatus.SERVICE_UNAVAILABLE, "Too many open connections, try again.", linger_s=0)
             return
+        key = client_key(transport.get_extra_info("peername"))
+        per_client = self.limits.max_connections_per_client
+        if key is not None and per_client > 0:
+            if self._by_client[key] >= per_client:
+                message = "Too many open connections from this client, try again."
+                self._refuse(HTTPStatus.SERVICE_UNAVAILABLE, message, linger_s=0)
+                return
+            self._by_client[key] += 1
+            self._client_key = key
         self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
+        if self._client_key is not None:
+            self._by_client[self._client_key] -= 1
+            if self._by_client[self._client_key] <= 0:
+                del self._by_client[self._client_key]
+            self._client_key = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -125,7 +165,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self._is_refused:
             return  # already answered by a limit
-        super().send_400_response(msg)
+        self._refuse(HTTPStatus.BAD_REQUEST, msg)  # the parser's refusal, written as the limits' are
 
     # ---- limits -------------------------------------------------------------------------------------
     def _await_head(self) -> None:

@@ -315,7 +315,8 @@ def main(argv: list[str]) -> int:
 
     app = create_app(backend, lifespan=lifespan)
     # the gateway's connection guard (header deadline and size); the cap is high, for many gateways' pools
-    limits = ConnectionLimits(max_connections=BACKEND_MAX_CONNECTIONS)
+    # its clients are gateways, each many streams from one address: no per-client cap
+    limits = ConnectionLimits(max_connections=BACKEND_MAX_CONNECTIONS, max_connections_per_client=0)
     config = ServerConfig(
         app, limits, host=settings.host, port=settings.port, log_level="warning", access_log=False
     )

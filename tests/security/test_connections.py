@@ -4,7 +4,8 @@ traffic goes on; connections over the cap are refused at once (503, closed); an 
 refused with 431 quickly, and the gateway's memory does not grow with the header's size.
 
 The gateway runs with small limits so the attacks stay short: a 1.5 s header deadline, at most 60
-connections, 32 KiB of request head.
+connections, 40 of them from one client, 32 KiB of request head. Clients are told apart by their
+source address: loopback's 127.0.0.0/8 gives the tests as many as they need.
 """
 
 from __future__ import annotations
@@ -19,14 +20,21 @@ import httpx
 import pytest
 from gateway_harness import GLM, Harness, Standalone, standalone_gateway
 
+from schemas.http_protocol import client_key
+
 HEADER_TIMEOUT_S = 1.5
 MAX_CONNECTIONS = 60
+MAX_PER_CLIENT = 40
 ATTACK_BOUND_S = 10.0  # no attack connection is kept longer than this, whatever the gateway does
 
 
 @pytest.fixture(scope="module")
 async def gateway(harness: Harness, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Standalone]:
-    env = {"KUMO_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "KUMO_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
+    env = {
+        "KUMO_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "KUMO_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        "KUMO_MAX_CONNECTIONS_PER_CLIENT": str(MAX_PER_CLIENT),
+    }
     tmp: Path = tmp_path_factory.mktemp("limits")
     async with standalone_gateway(harness, tmp, admin_token="limits-admin", **env) as g:
         yield g
@@ -58,20 +66,23 @@ async def _read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> 
     return received
 
 
-async def idle(url: str) -> tuple[bytes | None, float]:
-    """Connect and send nothing: what the server answered (None: still open) and after how long."""
+async def idle(url: str, source: str | None = None) -> tuple[bytes | None, float]:
+    """Connect (from the `source` address) and send nothing: what the server answered (None: still
+    open) and after how long."""
     started = time.monotonic()
-    reader, writer = await asyncio.open_connection(*_host_port(url))
+    local = None if source is None else (source, 0)
+    reader, writer = await asyncio.open_connection(*_host_port(url), local_addr=local)
     try:
         return await _read_until_closed(reader, ATTACK_BOUND_S), time.monotonic() - started
     finally:
         writer.close()
 
 
-async def trickle(url: str) -> tuple[bytes | None, float]:
+async def trickle(url: str, source: str | None = None) -> tuple[bytes | None, float]:
     """Slowloris: a request line, then one header byte every 0.1 s, never finishing the head."""
     started = time.monotonic()
-    reader, writer = await asyncio.open_connection(*_host_port(url))
+    local = None if source is None else (source, 0)
+    reader, writer = await asyncio.open_connection(*_host_port(url), local_addr=local)
     try:
         writer.write(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\nx-slow: ")
         while time.monotonic() - started < ATTACK_BOUND_S:
@@ -130,8 +141,8 @@ def _status(answer: bytes | None) -> str:
 
 async def test_slowloris_and_idle_connections_are_closed_while_traffic_goes_on(gateway: Standalone) -> None:
     num_each = 20
-    attacks = [asyncio.create_task(idle(gateway.url)) for _ in range(num_each)]
-    attacks += [asyncio.create_task(trickle(gateway.url)) for _ in range(num_each)]
+    attacks = [asyncio.create_task(idle(gateway.url, "127.0.0.4")) for _ in range(num_each)]
+    attacks += [asyncio.create_task(trickle(gateway.url, "127.0.0.5")) for _ in range(num_each)]
     await asyncio.sleep(0.5)  # all connected and trickling
     async with httpx.AsyncClient(timeout=5) as fresh:
         started = time.monotonic()
@@ -190,8 +201,8 @@ async def test_the_deadline_applies_again_after_each_response(gateway: Standalon
 
 
 async def test_connections_over_the_cap_are_refused_at_once(gateway: Standalone) -> None:
-    num_attack = MAX_CONNECTIONS + 30
-    attacks = [asyncio.create_task(idle(gateway.url)) for _ in range(num_attack)]
+    num_attack = MAX_CONNECTIONS + 30  # from three clients, none over its own cap
+    attacks = [asyncio.create_task(idle(gateway.url, f"127.0.0.{10 + i % 3}")) for i in range(num_attack)]
     results = await asyncio.gather(*attacks)
     refused = [elapsed for answer, elapsed in results if _status(answer).startswith("HTTP/1.1 503")]
     timed_out = [elapsed for answer, elapsed in results if answer == b""]
@@ -207,6 +218,42 @@ async def test_connections_over_the_cap_are_refused_at_once(gateway: Standalone)
     assert max(refused) < 2.0
     async with httpx.AsyncClient(timeout=5) as fresh:
         assert (await fresh.get(f"{gateway.url}/healthz")).status_code == 200  # served again once they left
+
+
+async def test_one_client_cannot_take_every_connection(gateway: Standalone) -> None:
+    """A client holding connections open (half-sent heads, reconnecting as they are cut) gets at
+    most its share: past it, 503 at once; another client is served meanwhile (a red-team helper's
+    1,100 connections locked every other client out before)."""
+    num_attack = MAX_PER_CLIENT + 15
+    attacks = [asyncio.create_task(idle(gateway.url, "127.0.0.2")) for _ in range(num_attack)]
+    await asyncio.sleep(0.5)  # all connected
+    reader, writer = await asyncio.open_connection(*_host_port(gateway.url), local_addr=("127.0.0.3", 0))
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    finally:
+        writer.close()
+    results = await asyncio.gather(*attacks)
+    refused = [answer for answer, _ in results if _status(answer).startswith("HTTP/1.1 503")]
+    print(
+        f"tried {num_attack} idle connections from one client: {len(refused)} refused; another client: {head[:15]!r}"
+    )
+    assert head.startswith(b"HTTP/1.1 200")
+    assert len(refused) == num_attack - MAX_PER_CLIENT
+    assert _error(refused[0]) == (3040, "AiError: Too many open connections from this client, try again.")
+
+
+async def test_a_malformed_request_is_answered_in_the_error_envelope(gateway: Standalone) -> None:
+    reader, writer = await asyncio.open_connection(*_host_port(gateway.url))
+    try:
+        writer.write(
+            b"POST /healthz HTTP/1.1\r\nhost: localhost\r\ncontent-length: 99999999999999999999999\r\n\r\n"
+        )
+        answer = await _read_until_closed(reader, 5)
+    finally:
+        writer.close()
+    assert _status(answer) == "HTTP/1.1 400 Bad Request"
+    assert _error(answer) == (5006, "AiError: Invalid HTTP request received.")
 
 
 async def test_oversized_headers_are_refused_early_with_bounded_memory(gateway: Standalone) -> None:
@@ -237,3 +284,11 @@ async def test_oversized_headers_are_refused_early_with_bounded_memory(gateway: 
     assert after - before < 32  # a few socket reads per connection, not the 192 MiB sent
     async with httpx.AsyncClient(timeout=5) as fresh:
         assert (await fresh.get(f"{gateway.url}/healthz")).status_code == 200
+
+
+def test_a_client_is_an_ipv4_address_or_an_ipv6_64() -> None:
+    assert client_key(("10.0.0.1", 5)) == client_key(("::ffff:10.0.0.1", 5, 0, 0)) == "10.0.0.1"
+    assert client_key(("2001:db8::1", 5, 0, 0)) == client_key(("2001:db8::ff:1", 6, 0, 0)) == "2001:db8::/64"
+    assert client_key(("2001:db8:0:1::1", 5, 0, 0)) == "2001:db8:0:1::/64"
+    assert client_key(("fe80::1%eth0", 5, 0, 2)) == "fe80::/64"
+    assert client_key("/run/kumo.sock") is None and client_key(None) is None
