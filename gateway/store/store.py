@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hmac
+import os
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -57,6 +58,22 @@ DEV_TOKEN_NAME = "kumo serve"
 _DUMMY_SHA256 = "0" * 64
 
 
+def owner_only(database: Path) -> None:
+    """The SQLite file readable by its owner alone: it holds tenants' batch prompts and answers, usage
+    and the audit log (the umask left it 0644 in a 0755 data dir). Created so before SQLite opens it
+    (SQLite gives its -wal and -shm files the database's mode); one made by an earlier version is
+    narrowed, its -wal and -shm too."""
+    if not database.exists():
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT, 0o600))  # empty: SQLite makes it a database
+    for path in (
+        database,
+        database.with_name(database.name + "-wal"),
+        database.with_name(database.name + "-shm"),
+    ):
+        if path.exists() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+
+
 class Store:
     """Open with `await store.open(url)`; migrations run there. Safe to share across tasks."""
 
@@ -73,6 +90,7 @@ class Store:
             database = engine.url.database
             if database and database != ":memory:" and not database.startswith("file:"):
                 Path(database).parent.mkdir(parents=True, exist_ok=True)
+                owner_only(Path(database))
         await upgrade_to_head(engine)
         self._engine, self._sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
 

@@ -291,3 +291,26 @@ async def test_the_default_sqlite_file_is_created_with_its_data_dir(tmp_path: Pa
         assert (await store.resolve_token(token)) is not None
     finally:
         await store.close()
+
+
+async def test_the_sqlite_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """It holds tenants' batch prompts and answers, usage and the audit log: 0600, its -wal too,
+    and a file an earlier version left 0644 is narrowed when the store opens it."""
+    path = tmp_path / "data" / "kumo.db"
+    store = Store()
+    await store.open(f"sqlite:///{path}")
+    try:
+        await store.create_tenant(TenantCreate(name="acme"), actor="test")
+    finally:
+        await store.close()
+    wal = path.with_name("kumo.db-wal")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert not wal.exists() or wal.stat().st_mode & 0o777 == 0o600
+    path.chmod(0o644)
+    store = Store()
+    await store.open(f"sqlite:///{path}")
+    try:
+        assert [t.name for t in (await store.list_tenants(page=1, per_page=10))[0]] == ["acme"]
+    finally:
+        await store.close()
+    assert path.stat().st_mode & 0o777 == 0o600
