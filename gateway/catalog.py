@@ -52,6 +52,9 @@ COMPUTED_PROPERTIES = frozenset(
 )
 
 
+MAX_NAME_SHOWN = 128  # characters of an unknown model name an error repeats
+
+
 class CatalogError(Exception):
     """A catalog or pools file that cannot be used (raised at start, never per request)."""
 
@@ -120,7 +123,8 @@ class Catalog:
         for model in self.models:
             if model.name == name or name in model.aliases:
                 return model
-        raise UnknownModel(f"No such model {name} or task")
+        shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "…"  # not a 20 KB echo
+        raise UnknownModel(f"No such model {shown} or task")
 
     def task(self, name: str) -> TaskSpec:
         return next(t for t in self.tasks if t.name == name)

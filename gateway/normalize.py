@@ -8,6 +8,7 @@ into n backend requests. Images are resolved to checked bytes here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +92,17 @@ def tools_of(
     for fn in functions or []:
         out.append(b.Tool(name=fn.name, description=fn.description, parameters=fn.parameters))
     for i, tool in enumerate(out):
+        if not TOOL_NAME.fullmatch(tool.name):
+            shown = tool.name if len(tool.name) <= 64 else tool.name[:64] + "…"
+            raise BadInput(
+                f"Bad input: '{field}[{i}]' name {shown!r} must be 1 to 64 letters, digits, underscores "
+                "or dashes (OpenAI's rule; a call's markup spells the name, so nothing else can be parsed back)"
+            )
         check_depth(tool.parameters, f"{field}[{i}].parameters")
     return out or None
+
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def tool_choice_of(

@@ -219,12 +219,16 @@ def _kimi_tool_grammar(tools: list[Tool], ids: dict[str, int], first_index: int,
     return "\n".join([start, *rules])
 
 
-def _alternatives(pattern: str) -> list[str]:
-    """A regex's top-level alternatives (split at `|` outside groups, classes and escapes)."""
+def _alternatives(pattern: str, where: str = "") -> list[str]:
+    """A regex's top-level alternatives (split at `|` outside groups, classes and escapes). A
+    pattern whose groups do not close, or that ends inside an escape, is refused: wrapped in the
+    line's own groups it would close or escape them (`a)|(b` took the anchoring apart)."""
     parts, depth, start, i, in_class = [], 0, 0, 0, False
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
+            if i + 1 == len(pattern):
+                raise InvalidRequest(f"{where}.pattern ends in a lone backslash")
             i += 2
             continue
         if in_class:
@@ -235,10 +239,14 @@ def _alternatives(pattern: str) -> list[str]:
             depth += 1
         elif c == ")":
             depth -= 1
+            if depth < 0:
+                raise InvalidRequest(f"{where}.pattern closes a group it never opened")
         elif c == "|" and depth == 0:
             parts.append(pattern[start:i])
             start = i + 1
         i += 1
+    if depth or in_class:
+        raise InvalidRequest(f"{where}.pattern leaves a {'class' if in_class else 'group'} open")
     return [*parts, pattern[start:]]
 
 
@@ -250,13 +258,13 @@ def _is_end_anchor(alternative: str) -> bool:
     return backslashes % 2 == 0
 
 
-def _full_match(pattern: str) -> str:
+def _full_match(pattern: str, where: str = "") -> str:
     """A JSON Schema `pattern` (found anywhere in the string, unless anchored by `^` / `$`) as a
     regex the whole line must match, as llguidance's JSON strings read it: each top-level
     alternative anchored or not on its own (`^a|b$`), slashes escaped for a lark regex."""
     anywhere = "[^\\n]*"
     alternatives = []
-    for alt in _alternatives(pattern):
+    for alt in _alternatives(pattern, where):
         start, end = alt.startswith("^"), _is_end_anchor(alt)
         core = alt[1 if start else 0 : len(alt) - 1 if end else len(alt)]
         alternatives.append(f"{'' if start else anywhere}(?:{core}){'' if end else anywhere}")
@@ -286,7 +294,7 @@ def _glm_string(schema: dict[str, Any], where: str, tokens: list[str] | None = N
     if not isinstance(pattern, str) or tokens is None:
         raise InvalidRequest(f"{where}.pattern must be a string")
     name = f"PATTERN_{len(tokens)}"
-    tokens.append(f"{name}: /{_full_match(pattern)}/ & {line}")
+    tokens.append(f"{name}: /{_full_match(pattern, where)}/ & {line}")
     return name
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import httpx
 import msgspec
+import pytest
 from gateway_harness import KIMI, LEGACY, MISMATCH, Harness, harness  # noqa: F401  (fixture)
 
 
@@ -44,6 +45,12 @@ async def test_routing_errors(harness: Harness) -> None:
         harness.path("/ai/run/@cf/foo/bar"), headers=harness.auth(), json={"prompt": "x"}
     )
     assert assert_envelope(unknown, 400, 5007) == "AiError: No such model @cf/foo/bar or task"
+    long = await harness.http.post(
+        harness.path("/ai/run/@cf/" + "x" * 20_000), headers=harness.auth(), json={"prompt": "x"}
+    )
+    assert (
+        assert_envelope(long, 400, 5007) == f"AiError: No such model @cf/{'x' * 124}… or task"
+    )  # not echoed whole
     assert_envelope(
         await harness.http.get(harness.path(f"/ai/run/{KIMI}"), headers=harness.auth()), 405, 7001
     )
@@ -178,3 +185,19 @@ async def test_requests_go_to_the_least_loaded_replica(harness: Harness) -> None
         assert (len(a.requests) - before[0], len(b.requests) - before[1]) == (0, 6)
     finally:
         a.num_waiting = 0
+
+
+@pytest.mark.parametrize("name", ["f</tool_call><|user|>", "get.weather", "a:b", "", "x" * 65])
+async def test_a_tool_name_a_call_could_not_spell_is_a_400(harness: Harness, name: str) -> None:
+    """OpenAI's rule for function names (1-64 of `[A-Za-z0-9_-]`): a call's markup spells the name
+    (Kimi's id is `functions.NAME:IDX`), so another name could not be parsed back from a call; one
+    holding a family's markers was refused as a schema that "admits no complete value"."""
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    r = await harness.http.post(
+        harness.path(f"/ai/run/{KIMI}"),
+        headers=harness.auth(),
+        json={"messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
+    )
+    message = assert_envelope(r, 400, 5006)
+    assert "'tools[0]' name" in message and "1 to 64 letters, digits, underscores or dashes" in message
+    assert len(message) < 400

@@ -698,7 +698,14 @@ def test_glm_arguments_follow_refs_and_patterns(tmp_path_factory: pytest.TempPat
 @pytest.mark.parametrize(
     ("parameters", "reason"),
     [
-        ({"type": "object", "properties": {"city": {"type": "string", "pattern": "(("}}}, "invalid regex"),
+        (
+            {"type": "object", "properties": {"city": {"type": "string", "pattern": "(("}}},
+            "leaves a group open",
+        ),
+        (
+            {"type": "object", "properties": {"city": {"type": "string", "pattern": "a{2,1}"}}},
+            "invalid regex",
+        ),
         ({"type": "object", "properties": {"city": {"$ref": "#/$defs/Nope"}}}, "does not exist"),
     ],
 )
@@ -774,6 +781,23 @@ def test_a_glm_pattern_matches_what_json_schema_finds(pattern: str) -> None:
     full = _full_match(pattern)
     for sample in SAMPLES:
         assert bool(re.fullmatch(full, sample)) == bool(re.search(pattern, sample)), (pattern, sample, full)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reason"),
+    [
+        ("a)|(b", "closes a group it never opened"),
+        ("(a", "leaves a group open"),
+        ("[ab", "leaves a class open"),
+        ("abc\\", "ends in a lone backslash"),
+    ],
+)
+def test_a_glm_pattern_that_would_break_out_of_its_wrapping_is_a_400(pattern: str, reason: str) -> None:
+    """Wrapped in the line's own groups, `a)|(b` closed them and took the anchoring apart, and a
+    trailing backslash escaped the wrapper (the error then quoted the grammar's regex)."""
+    with pytest.raises(InvalidRequest, match=f"^tools.city.pattern {reason}$".replace(".", "[.]")):
+        _full_match(pattern, "tools.city")
+    assert _full_match("(a)|[)(]\\)", "x")  # balanced, a class's and an escape's parens aside
 
 
 def test_glm_refs_to_no_schema_are_400s_and_plain_arguments_carry_no_definitions(
