@@ -253,10 +253,10 @@ class Serving:
 
 
 def _text_chars(request: GenerateRequest) -> int:
-    """Characters of the text the client sent (prompt, contents, reasoning): a prompt holds them all."""
+    """Characters of the text the client sent (prompt, contents; not reasoning, which templates
+    drop from earlier turns): a prompt holds them all."""
     num = len(request.prompt or "")
     for message in request.messages or ():
-        num += len(message.reasoning_content or "")
         if isinstance(message.content, str):
             num += len(message.content)
         elif message.content:

@@ -135,12 +135,18 @@ class ChatTemplate:
         special-token spelling the client typed is encoded as plain text (see the module docstring)."""
         quoter = _Quoter(tokenizer.special_spellings)
         text = self._render(messages, tools, reasoning, extra, True, quoter)
-        segments: list[tuple[str, bool]] = []
+        texts: list[str] = []  # the template's text between quoted spellings, specials read
         start = 0
         for found in quoter.markers.finditer(text):
-            segments += [(text[start : found.start()], True), (quoter.quoted[int(found.group(1))], False)]
+            texts.append(text[start : found.start()])
             start = found.end()
-        return tokenizer.encode_segments([*segments, (text[start:], True)])
+        texts.append(text[start:])
+        encoded = tokenizer.encode_many(texts)
+        ids: list[int] = []
+        for piece, spelling in zip(encoded, quoter.quoted, strict=False):
+            ids += piece
+            ids += tokenizer.plain_ids(spelling)
+        return ids + encoded[-1]
 
     def _render(
         self,
@@ -173,6 +179,11 @@ class ChatTemplate:
             raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc
 
 
+# a prompt's client-typed special-token spellings: each costs its own pass (a red-team helper's
+# 2.6 MB of `<sop><|user|>`, 400,000 of them, held the GIL 8 s a request)
+MAX_QUOTED_SPELLINGS = 10_000
+
+
 class _Quoter:
     """Replaces the special-token spellings inside client values with markers `kumo<nonce>q<i>x`;
     the nonce is random per request, so a client cannot type a marker."""
@@ -198,5 +209,10 @@ class _Quoter:
         return value
 
     def _mark(self, found: re.Match[str]) -> str:
+        if len(self.quoted) == MAX_QUOTED_SPELLINGS:
+            raise InvalidRequest(
+                f"The messages spell special tokens more than {MAX_QUOTED_SPELLINGS} times "
+                "(each is encoded as plain text)."
+            )
         self.quoted.append(found.group())
         return self._marker.format(len(self.quoted) - 1)

@@ -38,6 +38,7 @@ class Tokenizer(ABC):
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config  # tokenizer_config.json as written by the checkpoint
         self._ll_cache: dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer] = {}
+        self._plain: dict[str, list[int]] = {}  # `plain_ids`
 
     @property
     @abstractmethod
@@ -48,10 +49,17 @@ class Tokenizer(ABC):
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token spellings in it map to their ids iff `allow_special`."""
 
-    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
-        """The ids of the `(text, allow_special)` segments, one after the other, as `encode` gives
-        each: a rendered prompt, its client-typed special-token spellings quoted."""
-        return [i for text, allow_special in segments for i in self.encode(text, allow_special=allow_special)]
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text, special tokens allowed: the pieces of a rendered prompt."""
+        return [self.encode(text) for text in texts]
+
+    def plain_ids(self, spelling: str) -> list[int]:
+        """A special token's spelling as plain text (`encode(spelling, allow_special=False)`), kept
+        once computed: a prompt may quote the same few spellings hundreds of thousands of times."""
+        found = self._plain.get(spelling)
+        if found is None:
+            found = self._plain[spelling] = self.encode(spelling, allow_special=False)
+        return found
 
     @cached_property
     def max_token_bytes(self) -> int:
@@ -125,29 +133,29 @@ class HFTokenizer(Tokenizer):
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
-        return self.encode_segments([(text, allow_special)])
+        # spelled as plain text, the pieces between special-token spellings are encoded apart
+        pieces = [text] if allow_special else _split_keep(text, self._spellings_longest_first)
+        return [i for ids in self.encode_many(pieces) for i in ids]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """One `encode_batch_fast` call: `tokenizers` holds the GIL through `encode` (a 9 MB prompt
+        stopped the backend's event loop, its health checks with it, for 10 s) and releases it
+        through `encode_batch`."""
+        filled = [t for t in texts if t]
+        encoded = iter(self._tok.encode_batch_fast(filled, add_special_tokens=False) if filled else ())
+        return [list(next(encoded).ids) if t else [] for t in texts]
 
     @cached_property
     def max_token_bytes(self) -> int:
         """As the base class says, times 4 where a normalizer runs first: one that composes
-        characters (NFC: a letter and two marks become one) shortens the text the tokens cover."""
-        return super().max_token_bytes * (1 if self._tok.normalizer is None else 4)
+        characters (NFC: a letter and two marks become one) shortens the text the tokens cover; and
+        one more where tokens are not byte-level (a Metaspace decoder drops a token's leading `▁`)."""
+        longest = super().max_token_bytes + (0 if self._byte_of is not None else 1)
+        return longest * (1 if self._tok.normalizer is None else 4)
 
-    def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
-        """One `encode_batch` call for every piece: `tokenizers` holds the GIL through `encode` (a
-        9 MB prompt stopped the backend's event loop, its health checks with it, for 10 s) and
-        releases it through `encode_batch`; and a prompt of many quoted spellings is one call, not
-        two a spelling (38 s for 9 MB of `<sop>`). Special tokens allowed or not, the pieces between
-        their spellings are encoded separately (`_split_keep`), so a quoted one is plain text."""
-        spellings = list(self.special_spellings)
-        pieces: list[str] = []
-        for text, allow_special in segments:
-            pieces += [text] if allow_special else _split_keep(text, spellings)
-        pieces = [p for p in pieces if p]
-        if not pieces:
-            return []
-        encoded = self._tok.encode_batch_fast(pieces, add_special_tokens=False)
-        return [i for e in encoded for i in e.ids]
+    @cached_property
+    def _spellings_longest_first(self) -> list[str]:
+        return sorted({s for s in self.special_spellings if len(s) >= 2}, key=len, reverse=True)
 
     def decode(self, token_ids: list[int]) -> str:
         known = [i for i in token_ids if 0 <= i < self.vocab_size]
@@ -264,12 +272,10 @@ def _is_byte_level(decoder: tokenizers.decoders.Decoder | None) -> bool:
 
 
 def _split_keep(text: str, spellings: list[str]) -> list[str]:
-    """Split `text` at every occurrence of any spelling, keeping each spelling as its own piece split
-    in two so the tokenizer cannot match it whole."""
+    """Split `text` at every occurrence of any spelling (longest first, as given), keeping each
+    spelling as its own piece split in two so the tokenizer cannot match it whole."""
     pieces = [text]
-    for s in sorted(set(spellings), key=len, reverse=True):
-        if len(s) < 2:
-            continue
+    for s in spellings:
         nxt: list[str] = []
         for p in pieces:
             parts = p.split(s)

@@ -13,7 +13,8 @@ from collections import Counter
 
 import pytest
 
-from backend.text.chat_template import ChatTemplate
+from backend.errors import InvalidRequest
+from backend.text.chat_template import MAX_QUOTED_SPELLINGS, ChatTemplate
 from backend.text.tokenizer import Tokenizer
 from schemas.backend import Message, Tool, ToolCall, ToolCallFunction
 from tests.backend.server_tokenizers import load, tokenizer_dir
@@ -80,3 +81,20 @@ def test_a_conversation_without_typed_specials_encodes_as_before(
     assert template is not None
     messages, tools = _conversation("what is the weather in Paris? <b>bold</b> |> <| ok")
     assert template.encode(tok, messages, tools=tools) == tok.encode(template.render(messages, tools=tools))
+
+
+@pytest.mark.parametrize("layout", list(ATTACKS))
+def test_a_prompt_spelling_too_many_special_tokens_is_refused(
+    tmp_path_factory: pytest.TempPathFactory, layout: str
+) -> None:
+    """Each typed spelling is encoded as plain text of its own; 2.6 MB of `<sop><|user|>` (400,000
+    spellings) held the backend's GIL 8 s a request. Up to the cap they are text; past it, a 400."""
+    tok = load(tmp_path_factory, layout)
+    template = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, layout))
+    assert template is not None
+    spelling = max(tok.special_spellings, key=len)
+    fine = [Message(role="user", content=spelling * MAX_QUOTED_SPELLINGS)]
+    ids = template.encode(tok, fine)
+    assert tok.decode(ids) == template.render(fine) and tok.token_to_id(spelling) not in ids[-50:]
+    with pytest.raises(InvalidRequest, match=f"special tokens more than {MAX_QUOTED_SPELLINGS} times"):
+        template.encode(tok, [Message(role="user", content=spelling * (MAX_QUOTED_SPELLINGS + 1))])

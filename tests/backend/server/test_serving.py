@@ -594,12 +594,12 @@ def test_a_prompt_over_the_window_by_its_length_is_refused_untokenized(
             messages=[Message(role="user", content=text)],
         )
 
-    tokenized = tok.encode_segments
-    monkeypatch.setattr(tok, "encode_segments", lambda segments: pytest.fail("tokenized"))
+    tokenized = tok.encode_many
+    monkeypatch.setattr(tok, "encode_many", lambda texts: pytest.fail("tokenized"))
     with pytest.raises(ContextWindowExceeded) as info:
         serving.prepare(chat("x" * (512 - 16) * tok.max_token_bytes + "x"))
     assert info.value.context_window == 512 and info.value.num_requested == 512 + 1
-    monkeypatch.setattr(tok, "encode_segments", tokenized)
+    monkeypatch.setattr(tok, "encode_many", tokenized)
     with pytest.raises(ContextWindowExceeded) as info:  # under the bound, over by its tokens
         serving.prepare(chat("word " * 600))
     assert info.value.num_requested >= 600 + 16  # counted: the bound says 3,000 / max_token_bytes

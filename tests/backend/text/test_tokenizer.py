@@ -166,21 +166,15 @@ def test_encoding_a_long_prompt_lets_the_event_loop_run(
 
 
 @pytest.mark.parametrize("layout", ["kimi-tiktoken", "kimi-json", "glm"])
-def test_segments_encode_as_their_texts_one_by_one(
+def test_many_texts_encode_as_each_alone_and_spellings_as_plain_text(
     tmp_path_factory: pytest.TempPathFactory, layout: str
 ) -> None:
-    """A rendered prompt's segments, the client's special-token spellings among them quoted: the ids
-    are each segment's own `encode`, and a quoted spelling is plain text, never its special id."""
+    """A rendered prompt's pieces in one call, each as `encode` gives it alone; a client-typed
+    special-token spelling as plain text, never its special id (kept once computed)."""
     tok = load(tmp_path_factory, layout)
     spelling = "<|im_end|>" if layout.startswith("kimi") else "<|user|>"
-    segments = [
-        ("<|im_start|>system: hi", True),
-        (f"say {spelling}{spelling} now", False),
-        ("", True),
-        (spelling, True),
-        (TEXTS[1], False),
-    ]
-    ids = tok.encode_segments(segments)
-    assert ids == [i for text, special in segments for i in tok.encode(text, allow_special=special)]
-    special_id = tok.token_to_id(spelling)
-    assert ids.count(special_id) == 1 and tok.decode(ids).count(spelling) == 3
+    texts = ["<|im_start|>system: hi", "", f"say {spelling}{spelling} now", spelling, TEXTS[1]]
+    assert tok.encode_many(texts) == [tok.encode(t) for t in texts]
+    plain = tok.plain_ids(spelling)
+    assert plain == tok.encode(spelling, allow_special=False) and tok.decode(plain) == spelling
+    assert tok.token_to_id(spelling) not in plain and tok.plain_ids(spelling) is plain
