@@ -91,9 +91,11 @@ T = "/admin/v1/tenants/{tenant_id}"
 RUN_RESULT = LegacyResult | ChatCompletion | BatchStatus | BatchDone
 RUN_400 = (
     "Bad input (5006) the schema cannot state: a field this model refuses (`lora`, "
-    "`functions`, `audio`, `logit_bias`, non-text `modalities`, custom tools, a tool without a name, "
+    "`functions`, `audio`, `logit_bias`, non-text `modalities`, custom tools, a tool without a name or "
+    "one past OpenAI's rule (1-64 of `[A-Za-z0-9_-]`), a string `pattern` whose groups do not close, "
     "`tool_choice` naming tools not given, a `reasoning_effort` the model does not offer); JSON mode "
-    "with `stream`; `raw` without `prompt`; more images or choices than the gateway serves; "
+    "with `stream`; `raw` without `prompt`; more images or choices than the gateway serves; messages "
+    "spelling special tokens more than 10,000 times; "
     "`queueRequest=true` without `{requests}`, or `{requests}` without it; a queued request that is not "
     "the model's input."
 )
