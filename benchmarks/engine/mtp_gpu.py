@@ -144,6 +144,7 @@ def run_prompts(
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     k_steps: dict[int, int] = {}  # steps by the draft length chosen
+    kind_s: dict[str, list[float]] = {}  # each step's seconds (engine.step's own), by `step_kind`
     start = time.perf_counter()
     with heap.Collections() as collections:
         for at in range(0, len(prompts), concurrency):
@@ -157,8 +158,12 @@ def run_prompts(
                     )
                 )
             while engine.has_unfinished:
+                computed, generated = engine.stats.computed_tokens, engine.stats.generated_tokens
                 outputs = engine.step()
                 now = time.perf_counter()
+                s = engine.stats
+                kind = step_kind(engine, s.computed_tokens - computed, s.generated_tokens - generated)
+                kind_s.setdefault(kind, []).append(s.last_step_s)
                 k = engine.spec.k if engine.spec is not None else 0
                 if k and first_drafting < 0:
                     first_drafting = sum(k_steps.values())
@@ -200,7 +205,24 @@ def run_prompts(
         # steps run whole on the device (backend/engine/speculative/greedy.py)
         "greedy_steps": engine.spec.num_greedy_steps - greedy if engine.spec is not None else 0,
         "gc": collections.summary(),  # a slow run with a full collection in it says so
+        # where a side's time goes: steps of each kind, their median and summed ms (`step_kind`)
+        "step_ms_by_kind": {
+            kind: {"steps": len(v), "median_ms": statistics.median(v) * 1e3, "sum_ms": sum(v) * 1e3}
+            for kind, v in sorted(kind_s.items())
+        },
     }
+
+
+def step_kind(engine: Any, num_computed: int, num_generated: int) -> str:
+    """What the step just run was: "drafting" (it drafted or verified), "fill" (no drafts, the MTP
+    layer over prompt chunks), "prompt" (prompt tokens, plain), or "decode" (one token a sequence,
+    plain). A plain step's computed tokens beyond those it generated are prompt tokens."""
+    spec = engine.spec
+    if spec is not None and spec.did_draft:
+        return "drafting"
+    if spec is not None and spec.fills_draft_kv:
+        return "fill"
+    return "prompt" if num_computed > num_generated else "decode"
 
 
 def ab_rounds(

@@ -19,6 +19,14 @@ def _gc(run: dict[str, Any]) -> str:
     return f"full {g['full']} ({g['full_ms']} ms), young {g['young']} ({g['young_ms']} ms)" if g else "-"
 
 
+def _kinds(run: dict[str, Any]) -> str:
+    """Steps by kind: count x median ms (sum ms); runs recorded before `step_ms_by_kind`: nothing."""
+    kinds = run.get("step_ms_by_kind") or {}
+    return "".join(
+        f"  {kind} {x['steps']}x{x['median_ms']:.3f} ({x['sum_ms']:.1f})" for kind, x in kinds.items()
+    )
+
+
 def mtp_lines(record: dict[str, Any]) -> list[str]:
     lines = []
     for model, m in record["models"].items():
@@ -30,6 +38,7 @@ def mtp_lines(record: dict[str, Any]) -> list[str]:
                 ks = r["steps_by_draft_length"]
                 lines.append(
                     f"  {r['side']} {r['wall_s']:.3f} s  {r['step_ms_mean']:.3f} ms/step  k {ks}  gc {_gc(r)}"
+                    + _kinds(r)
                 )
     return lines
 

@@ -55,6 +55,13 @@ def test_rounds_and_ratios(record: dict[str, Any]) -> None:
             assert run["max_drafting_seqs"] > 0 if run["side"] == "A" else run["max_drafting_seqs"] == 0
             assert run["output_tokens"] > 0
             assert sum(run["steps_by_draft_length"].values()) == run["steps"]
+            kinds = run["step_ms_by_kind"]  # every step in one kind; prompts prefilled, decodes after
+            assert sum(x["steps"] for x in kinds.values()) == run["steps"]
+            assert kinds.get("drafting", {}).get("steps", 0) == run["drafting_steps"]
+            if run["side"] == "B":  # plain: its prompts' steps, then decodes
+                assert set(kinds) == {"decode", "prompt"}
+            for x in kinds.values():
+                assert 0 < x["median_ms"] <= x["sum_ms"] < run["wall_s"] * 1e3
         fixed = part["fixed_k_run"]  # the policy off: K drafts whenever a sequence can draft
         assert fixed["verify_steps"] > 0 and set(fixed["steps_by_draft_length"]) <= {"0", "3"}
         assert fixed["greedy_steps"] > 0  # greedy rows without logprobs: whole steps on the device
