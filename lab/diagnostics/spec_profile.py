@@ -2,7 +2,8 @@
 
     python3 -m lab.diagnostics.spec_profile [--model models/glm-5.2-nano] [--prompts 6] [--max-tokens 96]
 
-Three engines over one loaded copy (`benchmarks.engine.mtp_gpu.nano_engines`): plain (B), always K
+Engines over one loaded copy (`benchmarks.engine.mtp_gpu.nano_engines`): plain (B), speculation on
+with its policy held at k = 0 (A0: what a spec engine's plain step costs beyond B's), always K
 drafts (F: whole greedy steps on the device, backend/engine/speculative/greedy.py), and F again on
 the host path (F-host: acceptance and draft planning on the host between forwards). Each is warmed
 on the prompts, then run again with every phase of a step wrapped in a wall-clock timer (scheduling,
@@ -157,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = held_out_prompts(args.model, args.task, args.prompts)
     stops = stop_ids(args.model)
     lines = []
-    for side in ("B", "F", "F-host"):
+    for side in ("B", "A0", "F", "F-host"):
         engine = engines[side[0]]
         if engine.spec is not None:
             engine.spec.is_greedy_enabled = side == "F"
+            # A0: speculation on, its policy held at k = 0: a spec engine's plain steps against B's
+            engine.spec.policy.forced_k = 0 if side == "A0" else None
         run(engine, prompts, stops, args.max_tokens)  # warm
         totals: dict[str, float] = collections.defaultdict(float)
         counts = count_transfers()
