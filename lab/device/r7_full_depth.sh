@@ -30,7 +30,8 @@
 # fit one call (~95 + ~65 s a round at the estimates above), each round's ratio a / b.
 # DRY=1 prints the commands as planned by the estimates; TINY=1 runs them on the CPU at --tiny scale
 # (rank 0 of 2: the tiny model's 4 heads do not split 8 ways). Env: ROUNDS (3), ONLY (the scenarios),
-# PRIOR (lab/device/r7-prior), EST_DECODE / EST_PREFILL (s a round), LIMIT (540), PYTHON.
+# PRIOR (lab/device/r7-prior), EST_DECODE / EST_PREFILL (s a round), LIMIT (540), PYTHON, LAYERS (a
+# truncated depth, e.g. 50 on an H100 as the 2026-12-04 H200 records; default the full 78).
 set -uo pipefail
 TAG=r7_full_depth
 OUT=${OUT:-/tmp/out}
@@ -58,6 +59,7 @@ declare -A EST=([int4_vs_fp8_decode_c1]=${EST_DECODE:-$((200 * PER_ROUND / 4))}
                [int4_vs_fp8_prefill]=${EST_PREFILL:-$((140 * PER_ROUND / 4))})
 SIDES=(A B B A)
 layout=(--rank-of 8 --pool-scale 0.1)  # the pool: c=1 needs 2,304 tokens; 0.1 as the 50-layer records
+[ -n "${LAYERS:-}" ] && layout+=(--layers "$LAYERS")  # a truncation (an H100: FP8 at 78 layers is 96 GB)
 if [ "$TINY" = 1 ]; then
   layout=(--rank-of 2 --pool-scale 0.1 --tiny --device cpu ${COMPILE_CACHE:+--compile-cache "$COMPILE_CACHE"})
   EST=([int4_vs_fp8_decode_c1]=${EST_DECODE:-$((20 * PER_ROUND / 4))}
