@@ -16,6 +16,10 @@ gateway; the one module of `schemas/` that is not Structs, it leans on uvicorn, 
   give its client (an IPv4 address, an IPv6 /64) more than `max_connections_per_client`: one
   client holding connections open without a request could otherwise lock every other one out
   for as long as it reconnects (a red-team helper's 1,100 half-sent heads did, session 24).
+  Past three quarters of `max_connections` (`crowded_at`) a client may open more only while it
+  holds fewer than an eighth of them (`crowded_share`): the last quarter is kept for clients with
+  few connections, so that two addresses at their cap (half each) no longer fill the server; a
+  client with many connections is served as before while there is room.
 - **Malformed requests** (what the parser refuses) get the same written answer, a 400.
 
 Why not uvicorn's `limit_concurrency`: it refuses *requests* (a 503 once a request's headers are in)
@@ -53,6 +57,15 @@ class ConnectionLimits:
     max_header_bytes: int = 32 * 1024  # request line + headers (Cloudflare's own limit is 32 KB)
     max_connections: int = 1024
     max_connections_per_client: int = 512  # (0: no per-client cap, as behind a proxy that is one client)
+
+    @property
+    def crowded_at(self) -> int:
+        """Open connections past which a client holding `crowded_share` or more may open no more."""
+        return self.max_connections * 3 // 4
+
+    @property
+    def crowded_share(self) -> int:
+        return max(1, self.max_connections // 8)
 
 
 # a limit's answer: (status, message) -> (headers but content-length, body)
@@ -125,7 +138,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         key = client_key(transport.get_extra_info("peername"))
         per_client = self.limits.max_connections_per_client
         if key is not None and per_client > 0:
-            if self._by_client[key] >= per_client:
+            held, limits = self._by_client[key], self.limits
+            if held >= per_client or (
+                held >= limits.crowded_share and len(self.connections) > limits.crowded_at
+            ):
                 message = "Too many open connections from this client, try again."
                 self._refuse(HTTPStatus.SERVICE_UNAVAILABLE, message, linger_s=0)
                 return
