@@ -174,6 +174,8 @@ class TokenLogprob(Base):
 
 class TextDelta(Base, tag="text", tag_field="type"):
     text: str
+    # the logprobs of the answer's tokens this delta's output brought (reasoning, markers, special
+    # tokens and parsed tool calls have none: backend/text/output_processor.py), possibly with "" text
     logprobs: list[TokenLogprob] | None = None
 
 

@@ -6,6 +6,12 @@ text. Each channel has its own detokenizer, so a character is never split and ma
 into text. Special tokens other than markers (a stray `<|im_end|>`) are not text, and neither are the
 newlines before the answer's first character (GLM's `</think>\n`).
 
+Logprobs, when asked for, are the answer's: `logprobs.content` as OpenAI defines it, one entry per
+token of the content (a token whose text is held back, part of a character or of a possible stop
+string, included). Reasoning tokens, the think and tool-call markers, other special tokens and the
+tokens of a parsed tool call have none (a malformed call that comes back as text has its tokens'),
+so that the entries' bytes, joined, are the content's (sglang#25055 is the bug where they are not).
+
 String stops: the engine speaks ids, so stop strings are matched here. Text that could still turn
 into a stop string is held back; once one matches, the text before it is sent and the request ends
 with reason `stop` (the caller aborts the engine side).
@@ -21,6 +27,7 @@ from backend.text.detokenizer import Detokenizer
 from backend.text.reasoning import Channel, ReasoningParser
 from backend.text.tokenizer import Tokenizer
 from backend.text.tool_parsers import ContentIds, ParsedCall, RawText, ToolParser
+from backend.text.tool_parsers.base import CALL, CONTENT, HELD, RAW
 from schemas.backend import (
     EngineOutput,
     Error,
@@ -94,18 +101,25 @@ class OutputProcessor:
         self._is_answer_started = False  # newlines before the answer's first character are dropped
         # the engine sends prompt log-probs with the first token; usage goes out with the last
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._fates: list[int] = []  # this output's content ids, in order: what the tool parser did
+        self._held: list[TokenLogprob] = []  # logprobs of the ids an open tool call holds
+        self._special_ids = tokenizer.special_ids
+        self._released: list[TokenLogprob] = []  # `_finish`: held logprobs whose call came back as text
 
     def process(self, out: EngineOutput) -> list[Event]:
         """Events for one engine output, ending with usage + finish (or an error) on the last one."""
         events: list[Event] = []
         if out.prompt_logprobs is not None:
             self._prompt_logprobs = [lp if lp is None else self._named(lp) for lp in out.prompt_logprobs]
+        self._fates = []
+        channels: list[Channel | None] = []
         if not self.is_stopped:
             runs = (
                 self._reasoning.split(out.token_ids)
                 if self._reasoning
                 else [("content", list(out.token_ids))]
             )
+            channels = self._reasoning.channels if self._reasoning else ["content"] * len(out.token_ids)
             for channel, ids in runs:
                 ids = [i for i in ids if i not in self._skip_ids]
                 if channel == "reasoning":
@@ -114,19 +128,55 @@ class OutputProcessor:
                     self._content(ids, events)
                 if self.is_stopped:
                     break
-        if out.logprobs:
-            logprobs = [self._named(lp) for lp in out.logprobs]
+        logprobs = self._answer_logprobs(out, channels) if out.logprobs else []
+        last_two: list[Event] = []  # usage, then finish or error: after the answer and its logprobs
+        if out.finish_reason is not None or self.is_stopped:
+            *events_, usage, end = self._finish(out)
+            events += events_
+            last_two = [usage, end]
+            if out.logprobs:
+                logprobs += self._released  # a call left open at the end, back as text
+        if logprobs:
+            named = [self._named(lp) for lp in logprobs]
             last = events[-1] if events else None
             if isinstance(last, TextDelta) and last.logprobs is None:
-                events[-1] = TextDelta(text=last.text, logprobs=logprobs)
+                events[-1] = TextDelta(text=last.text, logprobs=named)
             else:
-                events.append(TextDelta(text="", logprobs=logprobs))
-        if out.finish_reason is None and not self.is_stopped:
-            return events
-        return events + self._finish(out)
+                events.append(TextDelta(text="", logprobs=named))
+        return events + last_two
+
+    def _answer_logprobs(self, out: EngineOutput, channels: list[Channel | None]) -> list[TokenLogprob]:
+        """The logprobs of this output's answer tokens (the module docstring): the content channel's
+        ids, less the special ones, as the tool parser passed them to the text."""
+        assert out.logprobs is not None
+        by_position = out.logprobs  # the engine's, one per generated id (a test may send fewer)
+        fates = iter(self._fates)
+        kept: list[TokenLogprob] = []
+        for i, token_id in enumerate(out.token_ids):
+            if i >= len(channels) or channels[i] != "content" or token_id in self._skip_ids:
+                continue
+            fate = next(fates, None)  # None: after a stop string, never parsed
+            lp = by_position[i] if i < len(by_position) else None
+            if fate == CONTENT and lp is not None:
+                kept.append(lp)
+            elif fate == HELD and lp is not None:
+                self._held.append(lp)
+            elif fate == CALL:
+                self._held = []
+            elif fate == RAW:
+                if lp is not None:
+                    self._held.append(lp)
+                kept += [x for x in self._held if x.token_id not in self._special_ids]
+                self._held = []
+        return kept
 
     def _content(self, ids: list[int], events: list[Event]) -> None:
-        pieces = self._tools.feed(ids) if self._tools else [ContentIds(ids)]
+        if self._tools:
+            pieces = self._tools.feed(ids)
+            self._fates += self._tools.fates
+        else:
+            pieces = [ContentIds(ids)]
+            self._fates += [CONTENT] * len(ids)
         for piece in pieces:
             if isinstance(piece, ContentIds):
                 self._text(self._detok["content"].push(piece.token_ids), events)
@@ -177,12 +227,14 @@ class OutputProcessor:
 
     def _finish(self, out: EngineOutput) -> list[Event]:
         events: list[Event] = []
+        self._released = []
         if not self.is_stopped:
             self._reasoning_text(self._detok["reasoning"].flush(), events)
             if self._tools:
                 for piece in self._tools.finish():
                     if isinstance(piece, RawText):
                         self._text(self._detok["content"].flush() + piece.text, events)
+                        self._released = [x for x in self._held if x.token_id not in self._special_ids]
             self._text(self._detok["content"].flush(), events)
             if not self.is_stopped:
                 tail = self._stops.flush()

@@ -66,6 +66,8 @@ class ReasoningParser:
         self._call_start_id = call_start_id
         self._in_reasoning = markers.is_open_after(prompt_token_ids)
         self.num_reasoning_tokens = 0  # ids inside the block (shown or not), for usage
+        # per id of the last `split`: its channel, None for a marker (or reasoning left out)
+        self.channels: list[Channel | None] = []
 
     @property
     def in_reasoning(self) -> bool:
@@ -74,19 +76,24 @@ class ReasoningParser:
     def split(self, token_ids: list[int]) -> list[tuple[Channel, list[int]]]:
         """Consecutive runs of ids by channel, in order. Reasoning runs are left out when disabled."""
         runs: list[tuple[Channel, list[int]]] = []
+        channels = self.channels = []
         for token_id in token_ids:
             if token_id == self._markers.start_id:
                 self._in_reasoning = True
+                channels.append(None)
                 continue
             if token_id == self._markers.end_id:
                 self._in_reasoning = False
+                channels.append(None)
                 continue
             if token_id == self._call_start_id:  # a call ends the block; the marker is the call's
                 self._in_reasoning = False
             channel: Channel = "reasoning" if self._in_reasoning else "content"
             self.num_reasoning_tokens += channel == "reasoning"
             if channel == "reasoning" and not self._enabled:
+                channels.append(None)
                 continue
+            channels.append(channel)
             if runs and runs[-1][0] == channel:
                 runs[-1][1].append(token_id)
             else:

@@ -45,6 +45,11 @@ class RawText:
 
 Piece = ParsedCall | ContentIds | RawText
 
+# What became of each id `ToolParser.feed` took (`ToolParser.fates`): answer text at once; held (inside
+# a call, or a stray marker); or the id that ended a call, the held ids with it, as a parsed call or as
+# text (a malformed call: its ids other than markers are answer text after all)
+CONTENT, HELD, CALL, RAW = 0, 1, 2, 3
+
 
 def marker_ids(tokenizer: Tokenizer, spellings: tuple[str, ...]) -> tuple[int, ...] | None:
     """The single-token ids of `spellings`, or None if the tokenizer lacks any of them."""
@@ -68,16 +73,29 @@ class ToolParser(ABC):
         self._num_calls = 0
         self._pieces: list[Piece] = []
         self._special_ids = tokenizer.special_ids  # markers out of place are not text either
+        self._num_content = 0  # ids passed to answer text so far
+        self.fates: list[int] = []  # per id of the last `feed`: CONTENT, HELD, CALL or RAW
 
     @property
     def num_calls(self) -> int:
         return self._num_calls
 
     def feed(self, token_ids: list[int]) -> list[Piece]:
-        """Pieces completed by these ids, in order."""
+        """Pieces completed by these ids, in order; what became of each id in `fates`."""
+        fates = self.fates = []
         for token_id in token_ids:
+            num_pieces, num_content = len(self._pieces), self._num_content
             self._step(token_id)
+            fates.append(self._fate(num_pieces, num_content))
         return self._take()
+
+    def _fate(self, num_pieces: int, num_content: int) -> int:
+        if self._num_content > num_content:
+            return CONTENT
+        new = self._pieces[num_pieces:]
+        if any(isinstance(p, ParsedCall) for p in new):
+            return CALL
+        return RAW if any(isinstance(p, RawText) for p in new) else HELD
 
     def finish(self) -> list[Piece]:
         """At the end of the output: a call cut short (by `max_tokens`) is dropped, never shown as
@@ -92,6 +110,7 @@ class ToolParser(ABC):
     def _content(self, token_id: int) -> None:
         if token_id in self._special_ids:  # a stray closing marker outside a call
             return
+        self._num_content += 1
         last = self._pieces[-1] if self._pieces else None
         if isinstance(last, ContentIds):
             last.token_ids.append(token_id)

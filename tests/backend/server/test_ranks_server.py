@@ -31,7 +31,17 @@ from PIL import Image
 from backend.server.rank_group import RANKS_DOWN_EXIT
 from gateway.serve import BackendProcess, start_backend
 from gateway.supervisor import Supervisor
-from schemas.backend import Error, ErrorBody, Event, Finish, LoadReport, ModelCard, TextDelta
+from schemas.backend import (
+    Error,
+    ErrorBody,
+    Event,
+    Finish,
+    LoadReport,
+    ModelCard,
+    ReasoningDelta,
+    TextDelta,
+    Usage,
+)
 from tests.backend.server import rank_probe
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
 from tests.backend.server_process import _free_port
@@ -120,8 +130,12 @@ def _generate(url: str, request_id: str, prompt: str | bytes, **sampling: object
 
 
 def _text_and_logprobs(events: list[Event]) -> tuple[str, list[int], list[float]]:
+    """The answer (reasoning, then content, as one text), and the ids and logprobs of its content's
+    tokens (`logprobs.content`)."""
     text, ids, logprobs = "", [], []
     for e in events:
+        if isinstance(e, ReasoningDelta):
+            text += e.text
         if isinstance(e, TextDelta):
             text += e.text
             for lp in e.logprobs or []:
@@ -129,6 +143,10 @@ def _text_and_logprobs(events: list[Event]) -> tuple[str, list[int], list[float]
                 logprobs.append(lp.logprob)
     assert isinstance(events[-1], Finish), events
     return text, ids, logprobs
+
+
+def _completion_tokens(events: list[Event]) -> int:
+    return next(e.completion_tokens for e in events if isinstance(e, Usage))
 
 
 def _png(width: int, height: int, seed: int) -> bytes:
@@ -169,9 +187,11 @@ def test_two_ranks_answer_what_one_answers(
     backends.append(two)
     prompts: list[str | bytes] = [*PROMPTS, _png(70, 56, 1)] if arch == "kimi_k25" else [*PROMPTS]
     for i, prompt in enumerate(prompts):
-        e_text, e_ids, e_logprobs = _text_and_logprobs(_generate(one.url, f"r{i}", prompt))
-        g_text, g_ids, g_logprobs = _text_and_logprobs(_generate(two.url, f"r{i}", prompt))
-        assert g_ids == e_ids and g_text == e_text and len(e_ids) == 8
+        e_events, g_events = _generate(one.url, f"r{i}", prompt), _generate(two.url, f"r{i}", prompt)
+        e_text, e_ids, e_logprobs = _text_and_logprobs(e_events)
+        g_text, g_ids, g_logprobs = _text_and_logprobs(g_events)
+        assert g_ids == e_ids and g_text == e_text
+        assert _completion_tokens(e_events) == _completion_tokens(g_events) == 8
         assert g_logprobs == pytest.approx(e_logprobs, abs=1e-5)
     card = msgspec.json.decode(httpx.get(f"{two.url}/v1/model", headers=AUTH).content, type=ModelCard)
     named = dict(zip(args[::2], args[1::2], strict=True))

@@ -175,30 +175,90 @@ def test_stray_special_tokens_are_not_text_and_logprobs_carry_text(
     assert logprobs[0].token == tok.decode(hello[:1])
 
 
+def _with_logprobs(outputs: list[EngineOutput]) -> list[EngineOutput]:
+    """Each output's ids with a logprob each (a top logprob too), as the engine sends them."""
+    for out in outputs:
+        out.logprobs = [
+            TokenLogprob(
+                token="", token_id=i, logprob=-0.5, top=[TopLogprob(token="", token_id=i, logprob=-0.5)]
+            )
+            for i in out.token_ids
+        ]
+    return outputs
+
+
+def _answer_logprobs(events: list[Event]) -> list[TokenLogprob]:
+    return [lp for e in events if isinstance(e, TextDelta) and e.logprobs for lp in e.logprobs]
+
+
 @pytest.mark.parametrize("layout", ["glm", "kimi-tiktoken"])
-def test_logprob_bytes_join_into_the_text_of_each_channel(
-    tmp_path_factory: pytest.TempPathFactory, layout: str
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_logprobs_are_the_answers_tokens_and_join_into_its_text(
+    tmp_path_factory: pytest.TempPathFactory, layout: str, chunk: int
 ) -> None:
-    """The engine sends ids; each logprob (and top logprob) leaves with its token's own bytes, so that
-    joined they give the reasoning's and the answer's text, characters split over tokens included
-    (those tokens' text alone is U+FFFD)."""
+    """OpenAI's `logprobs.content`: one entry per token of the answer, each with its own bytes, so that
+    joined they give the content, characters split over tokens included (those tokens' text alone is
+    U+FFFD); the reasoning, the think markers and the end-of-turn token have none (they had, reading
+    apart from `content`: sglang#25055)."""
     tok = load(tmp_path_factory, layout)
     thoughts, answer = ordinary_ids(tok, "plan 🌍"), ordinary_ids(tok, "Sure, 日本語 €.")
     assert any("\ufffd" in tok.decode([i]) for i in answer)
-    ids = tok.encode("<think>") + thoughts + tok.encode("</think>") + answer
-    outputs = _outputs([[i] for i in ids])
-    for out in outputs:
-        top = [TopLogprob(token="", token_id=out.token_ids[0], logprob=-0.5)]
-        out.logprobs = [TokenLogprob(token="", token_id=out.token_ids[0], logprob=-0.5, top=top)]
+    end = tok.encode("<|user|>" if layout == "glm" else "<|im_end|>")
+    ids = tok.encode("<think>") + thoughts + tok.encode("</think>") + answer + end
+    outputs = _with_logprobs(_outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)]))
     events = _run(_processor(tok, layout.split("-")[0]), outputs)
-    logprobs = [lp for e in events if isinstance(e, TextDelta) and e.logprobs for lp in e.logprobs]
-    assert [lp.token_id for lp in logprobs] == ids
-    joined = [lp.token_bytes or b"" for lp in logprobs]
-    assert b"".join(joined[1 : 1 + len(thoughts)]) == "plan 🌍".encode()
-    assert b"".join(joined[-len(answer) :]) == "Sure, 日本語 €.".encode()
-    assert joined[0] == b"<think>" and joined[1 + len(thoughts)] == b"</think>"
-    assert [t.token_bytes for lp in logprobs for t in lp.top] == joined
+    logprobs = _answer_logprobs(events)
+    assert [lp.token_id for lp in logprobs] == answer
+    assert b"".join(lp.token_bytes or b"" for lp in logprobs) == "Sure, 日本語 €.".encode()
+    assert [t.token_bytes for lp in logprobs for t in lp.top] == [lp.token_bytes for lp in logprobs]
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Sure, 日本語 €."
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_a_tool_calls_tokens_have_no_logprobs_and_a_malformed_ones_have(
+    tmp_path_factory: pytest.TempPathFactory, chunk: int
+) -> None:
+    """The text around a parsed call keeps its tokens' logprobs, the call's own tokens (markers,
+    name, arguments) have none; a call naming no offered tool comes back as text, its tokens'
+    logprobs with it (markers left out, as from the text)."""
+    tok = load(tmp_path_factory, "glm")
+    tools = [Tool(name="search", parameters={"type": "object", "properties": {"q": {"type": "string"}}})]
+
+    def call(name: str) -> list[int]:
+        return (
+            tok.encode("<tool_call>")
+            + ordinary_ids(tok, f"{name}\n")
+            + tok.encode("<arg_key>")
+            + ordinary_ids(tok, "q")
+            + tok.encode("</arg_key><arg_value>")
+            + ordinary_ids(tok, "café")
+            + tok.encode("</arg_value></tool_call>")
+        )
+
+    before, between = ordinary_ids(tok, "Sure."), ordinary_ids(tok, " Then")
+    ids = before + call("search") + between + call("nosuch") + tok.encode("<|observation|>")
+    outputs = _with_logprobs(_outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)]))
+    events = _run(_processor(tok, "glm", tools=tools), outputs)
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert [(c.name, json.loads(c.arguments)) for c in events if isinstance(c, ToolCallDelta)] == [
+        ("search", {"q": "café"})
+    ]
+    bad = [i for i in call("nosuch") if i not in tok.special_ids]
+    assert [lp.token_id for lp in _answer_logprobs(events)] == before + between + bad
+    assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == text.encode()
+
+
+def test_no_logprobs_after_a_stop_string(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tok = load(tmp_path_factory, "glm")
+    ids = ordinary_ids(tok, "The quick brown fox jumps over")
+    events = _run(_processor(tok, "glm", stops=["fox"]), _with_logprobs(_outputs([ids], "length")))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "The quick brown "
+    assert [lp.token_id for lp in _answer_logprobs(events)] == ids  # the output that stopped: all of it
+    events = _run(
+        _processor(tok, "glm", stops=["fox"]), _with_logprobs(_outputs([[i] for i in ids], "length"))
+    )
+    got = [lp.token_id for lp in _answer_logprobs(events)]
+    assert got == ids[: len(got)] and len(got) < len(ids)  # one token at a time: none after the stop
 
 
 def test_engine_error_becomes_an_error_event(tmp_path_factory: pytest.TempPathFactory) -> None:
