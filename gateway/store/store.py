@@ -177,11 +177,14 @@ class Store:
         self, tenant_id: str, quotas: Quotas | QuotasPatch, *, actor: str, request_id: str | None = None
     ) -> Tenant:
         """All three quotas (`Quotas`), or those a `QuotasPatch` gives, the others kept (merged
-        under the tenant's row lock: two patches of different keys both hold)."""
+        under the tenant's row lock: two patches of different keys both hold). Quotas that change
+        nothing (an empty patch, the values already set) write nothing, the audit log included."""
         async with self._session() as s, s.begin():
             row = await live_tenant(s, tenant_id, lock=True)
             before = tenant_of(row).quotas
             quotas = quotas.applied_to(before) if isinstance(quotas, QuotasPatch) else quotas
+            if quotas == before:
+                return tenant_of(row)
             apply_quotas(row, quotas)
             audit(
                 s,

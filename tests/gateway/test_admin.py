@@ -228,6 +228,10 @@ async def test_quotas_and_models(admin: Admin) -> None:
     patched = await admin.ok("PATCH", f"/tenants/{tid}/quotas", {"tokens_per_minute": None})
     assert patched == {**quotas, "daily_neurons": 500, "tokens_per_minute": None}
     assert await admin.ok("PATCH", f"/tenants/{tid}/quotas", {}) == patched
+    assert await admin.ok("PATCH", f"/tenants/{tid}/quotas", {"daily_neurons": 500}) == patched
+    audit = await admin.ok("GET", "/audit", params={"tenant_id": tid, "per_page": 100})
+    changes = [e["detail"]["after"] for e in audit if e["action"] == "tenant.quotas"]
+    assert changes == [patched, {**quotas, "daily_neurons": 500}, quotas]  # newest first: no-ops left out
     for bad in ({"requests_per_minute": -1}, {"burst": 3}):
         assert error_of(await admin.call("PATCH", f"/tenants/{tid}/quotas", bad))[:2] == (400, 6007)
     assert await admin.ok("PUT", f"/tenants/{tid}/quotas", quotas) == quotas
