@@ -27,7 +27,7 @@ from backend.text.detokenizer import Detokenizer
 from backend.text.reasoning import Channel, ReasoningParser
 from backend.text.tokenizer import Tokenizer
 from backend.text.tool_parsers import ContentIds, ParsedCall, RawText, ToolParser
-from backend.text.tool_parsers.base import CALL, CONTENT, HELD, RAW
+from backend.text.tool_parsers.base import Fed, Piece
 from schemas.backend import (
     EngineOutput,
     Error,
@@ -101,17 +101,17 @@ class OutputProcessor:
         self._is_answer_started = False  # newlines before the answer's first character are dropped
         # the engine sends prompt log-probs with the first token; usage goes out with the last
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
-        self._fates: list[int] = []  # this output's content ids, in order: what the tool parser did
+        self._fed: list[Fed | None] = []  # this output's content ids, in order: what each did (None: text)
         self._held: list[TokenLogprob] = []  # logprobs of the ids an open tool call holds
-        self._special_ids = tokenizer.special_ids
         self._released: list[TokenLogprob] = []  # `_finish`: held logprobs whose call came back as text
+        self._is_logprob_started = False  # an answer token with a logprob kept (`_answer_logprobs`)
 
     def process(self, out: EngineOutput) -> list[Event]:
         """Events for one engine output, ending with usage + finish (or an error) on the last one."""
         events: list[Event] = []
         if out.prompt_logprobs is not None:
             self._prompt_logprobs = [lp if lp is None else self._named(lp) for lp in out.prompt_logprobs]
-        self._fates = []
+        self._fed = []
         channels: list[Channel | None] = []
         if not self.is_stopped:
             runs = (
@@ -134,8 +134,7 @@ class OutputProcessor:
             *events_, usage, end = self._finish(out)
             events += events_
             last_two = [usage, end]
-            if out.logprobs:
-                logprobs += self._released  # a call left open at the end, back as text
+            logprobs += self._released  # a call left open at the end, back as text
         if logprobs:
             named = [self._named(lp) for lp in logprobs]
             last = events[-1] if events else None
@@ -147,36 +146,62 @@ class OutputProcessor:
 
     def _answer_logprobs(self, out: EngineOutput, channels: list[Channel | None]) -> list[TokenLogprob]:
         """The logprobs of this output's answer tokens (the module docstring): the content channel's
-        ids, less the special ones, as the tool parser passed them to the text."""
+        ids, less the special ones, as the tool parser passed them to the text, less the newlines
+        before the answer's first character (`_text` drops them)."""
         assert out.logprobs is not None
         by_position = out.logprobs  # the engine's, one per generated id (a test may send fewer)
-        fates = iter(self._fates)
+        fed = iter(self._fed)
         kept: list[TokenLogprob] = []
         for i, token_id in enumerate(out.token_ids):
             if i >= len(channels) or channels[i] != "content" or token_id in self._skip_ids:
                 continue
-            fate = next(fates, None)  # None: after a stop string, never parsed
+            try:
+                what = next(fed)
+            except StopIteration:  # after a stop string: never parsed
+                break
             lp = by_position[i] if i < len(by_position) else None
-            if fate == CONTENT and lp is not None:
-                kept.append(lp)
-            elif fate == HELD and lp is not None:
+            if what is None or what.is_content:
+                if lp is not None and (self._is_logprob_started or not self._is_newlines(token_id)):
+                    self._is_logprob_started = True
+                    kept.append(lp)
+                continue
+            if lp is not None:
                 self._held.append(lp)
-            elif fate == CALL:
-                self._held = []
-            elif fate == RAW:
-                if lp is not None:
-                    self._held.append(lp)
-                kept += [x for x in self._held if x.token_id not in self._special_ids]
+            kept += self._settle(what.pieces)
+            if what.is_idle:  # what it held and did not return as text (layout, markers) is gone
                 self._held = []
         return kept
+
+    def _settle(self, pieces: list[ParsedCall | RawText] | list[Piece]) -> list[TokenLogprob]:
+        """The held logprobs that `pieces` (calls and texts completed by one id) return as text: a
+        malformed call's text takes those of its `source_ids`, in order (held ids between them,
+        layout and markers, are dropped); a parsed call takes everything held before it."""
+        kept: list[TokenLogprob] = []
+        for piece in pieces:
+            if isinstance(piece, ParsedCall):
+                self._held = []
+            elif isinstance(piece, RawText):
+                held, at = self._held, 0
+                for source_id in piece.source_ids:
+                    match = next((j for j in range(at, len(held)) if held[j].token_id == source_id), None)
+                    if match is not None:
+                        kept.append(held[match])
+                        at = match + 1
+                self._held = held[at:]
+        return kept
+
+    def _is_newlines(self, token_id: int) -> bool:
+        """A token of newlines alone, which `_text` drops before the answer's first character."""
+        spelled = self._tokenizer.token_bytes(token_id)
+        return bool(spelled) and not spelled.strip(b"\n")
 
     def _content(self, ids: list[int], events: list[Event]) -> None:
         if self._tools:
             pieces = self._tools.feed(ids)
-            self._fates += self._tools.fates
+            self._fed += self._tools.trace
         else:
             pieces = [ContentIds(ids)]
-            self._fates += [CONTENT] * len(ids)
+            self._fed += [None] * len(ids)
         for piece in pieces:
             if isinstance(piece, ContentIds):
                 self._text(self._detok["content"].push(piece.token_ids), events)
@@ -231,10 +256,11 @@ class OutputProcessor:
         if not self.is_stopped:
             self._reasoning_text(self._detok["reasoning"].flush(), events)
             if self._tools:
-                for piece in self._tools.finish():
+                finished = self._tools.finish()
+                self._released = self._settle(finished)
+                for piece in finished:
                     if isinstance(piece, RawText):
                         self._text(self._detok["content"].flush() + piece.text, events)
-                        self._released = [x for x in self._held if x.token_id not in self._special_ids]
             self._text(self._detok["content"].flush(), events)
             if not self.is_stopped:
                 tail = self._stops.flush()

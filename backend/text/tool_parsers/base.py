@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backend.text.tokenizer import Tokenizer
@@ -41,14 +41,24 @@ class RawText:
     """A malformed call, returned verbatim (markers spelled out) as answer text."""
 
     text: str
+    # the ids the text was decoded from (markers left out), in order: whose logprobs go with it
+    source_ids: list[int] = field(default_factory=list, compare=False)
 
 
 Piece = ParsedCall | ContentIds | RawText
 
-# What became of each id `ToolParser.feed` took (`ToolParser.fates`): answer text at once; held (inside
-# a call, or a stray marker); or the id that ended a call, the held ids with it, as a parsed call or as
-# text (a malformed call: its ids other than markers are answer text after all)
-CONTENT, HELD, CALL, RAW = 0, 1, 2, 3
+
+@dataclass(frozen=True, slots=True)
+class Fed:
+    """What one id `ToolParser.feed` took did (`ToolParser.trace`): passed to the answer text at once
+    (`is_content`), else held; the calls and texts it completed (`pieces`: a parsed call takes the
+    ids held before it, a malformed call's text those of its `source_ids`); and whether the parser
+    holds nothing after it (`is_idle`: what it held and did not return as text is gone, layout
+    between calls and the markers)."""
+
+    is_content: bool
+    pieces: list[ParsedCall | RawText]
+    is_idle: bool
 
 
 def marker_ids(tokenizer: Tokenizer, spellings: tuple[str, ...]) -> tuple[int, ...] | None:
@@ -74,28 +84,26 @@ class ToolParser(ABC):
         self._pieces: list[Piece] = []
         self._special_ids = tokenizer.special_ids  # markers out of place are not text either
         self._num_content = 0  # ids passed to answer text so far
-        self.fates: list[int] = []  # per id of the last `feed`: CONTENT, HELD, CALL or RAW
+        self.trace: list[Fed] = []  # per id of the last `feed`
 
     @property
     def num_calls(self) -> int:
         return self._num_calls
 
     def feed(self, token_ids: list[int]) -> list[Piece]:
-        """Pieces completed by these ids, in order; what became of each id in `fates`."""
-        fates = self.fates = []
+        """Pieces completed by these ids, in order; what each id did in `trace`."""
+        trace = self.trace = []
         for token_id in token_ids:
             num_pieces, num_content = len(self._pieces), self._num_content
             self._step(token_id)
-            fates.append(self._fate(num_pieces, num_content))
+            done = [p for p in self._pieces[num_pieces:] if not isinstance(p, ContentIds)]
+            trace.append(Fed(self._num_content > num_content, done, self.is_idle))
         return self._take()
 
-    def _fate(self, num_pieces: int, num_content: int) -> int:
-        if self._num_content > num_content:
-            return CONTENT
-        new = self._pieces[num_pieces:]
-        if any(isinstance(p, ParsedCall) for p in new):
-            return CALL
-        return RAW if any(isinstance(p, RawText) for p in new) else HELD
+    @property
+    @abstractmethod
+    def is_idle(self) -> bool:
+        """No call (or section of calls) is open: nothing is held."""
 
     def finish(self) -> list[Piece]:
         """At the end of the output: a call cut short (by `max_tokens`) is dropped, never shown as
@@ -119,9 +127,10 @@ class ToolParser(ABC):
 
     def _raw(self, token_ids: list[int]) -> None:
         """A malformed call as plain text: what the model wrote, its markers (special tokens) left out."""
-        text = self._tokenizer.decode([t for t in token_ids if t not in self._special_ids])
+        source = [t for t in token_ids if t not in self._special_ids]
+        text = self._tokenizer.decode(source)
         if text:
-            self._pieces.append(RawText(text))
+            self._pieces.append(RawText(text, source))
 
     def _checked(self, call_id: str | None, name: str, arguments: str) -> ParsedCall | None:
         """The call with the next index if it is well formed (a known tool, arguments a JSON object)."""

@@ -136,6 +136,10 @@ class GlmToolParser(ToolParser):
     def supports(cls, tokenizer: Tokenizer) -> bool:
         return marker_ids(tokenizer, MARKERS) is not None
 
+    @property
+    def is_idle(self) -> bool:
+        return self._state is _State.TEXT
+
     def _new_id(self, name: str, index: int) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 

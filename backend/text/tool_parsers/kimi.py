@@ -61,6 +61,10 @@ class KimiToolParser(ToolParser):
     def supports(cls, tokenizer: Tokenizer) -> bool:
         return marker_ids(tokenizer, MARKERS) is not None
 
+    @property
+    def is_idle(self) -> bool:
+        return self._state is _State.TEXT
+
     def _step(self, t: int) -> None:
         if self._state is _State.TEXT:
             if t == self._section_begin:

@@ -248,6 +248,91 @@ def test_a_tool_calls_tokens_have_no_logprobs_and_a_malformed_ones_have(
     assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == text.encode()
 
 
+def _kimi_call(tok: Tokenizer, name: str, arguments: str, index: int) -> list[int]:
+    return (
+        tok.encode("<|tool_call_begin|>")
+        + ordinary_ids(tok, f"functions.{name}:{index}")
+        + tok.encode("<|tool_call_argument_begin|>")
+        + ordinary_ids(tok, arguments)
+        + tok.encode("<|tool_call_end|>")
+    )
+
+
+KIMI_SECTIONS = {  # (what the model writes, between the marker lists) -> the answer text
+    "a bad call held, then a good one": (
+        lambda tok: (
+            ordinary_ids(tok, "Hi.")
+            + tok.encode("<|tool_calls_section_begin|>")
+            + _kimi_call(tok, "nosuch", '{"a": 1}', 0)
+            + _kimi_call(tok, "f", '{"a": 2}', 1)
+            + tok.encode("<|tool_calls_section_end|>")
+        ),
+        'Hi.functions.nosuch:0{"a": 1}',
+    ),
+    "layout between a good call and a bad one": (
+        lambda tok: (
+            ordinary_ids(tok, "Hi.")
+            + tok.encode("<|tool_calls_section_begin|>")
+            + _kimi_call(tok, "f", '{"a": 2}', 0)
+            + ordinary_ids(tok, "\n  ")
+            + _kimi_call(tok, "nosuch", '{"a": 1}', 1)
+            + tok.encode("<|tool_calls_section_end|>")
+        ),
+        'Hi.functions.nosuch:1{"a": 1}',
+    ),
+    "layout of a closed section, then a bare bad call": (
+        lambda tok: (
+            tok.encode("<|tool_calls_section_begin|>")
+            + _kimi_call(tok, "f", '{"a": 2}', 0)
+            + ordinary_ids(tok, "\nLAYOUT\n")
+            + tok.encode("<|tool_calls_section_end|>")
+            + ordinary_ids(tok, " ok ")
+            + _kimi_call(tok, "nosuch", '{"a": 1}', 1)
+        ),
+        ' ok functions.nosuch:1{"a": 1}',
+    ),
+    "a section open at the end": (
+        lambda tok: (
+            ordinary_ids(tok, "Hi.")
+            + tok.encode("<|tool_calls_section_begin|>")
+            + ordinary_ids(tok, " no call")
+        ),
+        "Hi. no call",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KIMI_SECTIONS))
+@pytest.mark.parametrize("chunk", [1, 1000])
+def test_kimi_sections_logprobs_join_into_the_text(
+    tmp_path_factory: pytest.TempPathFactory, case: str, chunk: int
+) -> None:
+    """Kimi's calls come in sections: a bad call held until a good one commits the section comes
+    back as text with its tokens' logprobs; layout between calls and after them has none. (A review
+    found each of these out of line with the text.) An empty last output, as an abort sends, too."""
+    tok = load(tmp_path_factory, "kimi-tiktoken")
+    tools = [Tool(name="f", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})]
+    write, text = KIMI_SECTIONS[case]
+    ids = write(tok)
+    for tail in ([], [[]]):
+        chunks = [ids[i : i + chunk] for i in range(0, len(ids), chunk)] + tail
+        events = _run(_processor(tok, "kimi", tools=tools), _with_logprobs(_outputs(chunks)))
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text
+        assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == text.encode()
+
+
+@pytest.mark.parametrize("chunk", [1, 1000])
+def test_the_newlines_before_glms_answer_have_no_logprobs(
+    tmp_path_factory: pytest.TempPathFactory, chunk: int
+) -> None:
+    tok = load(tmp_path_factory, "glm")
+    ids = ordinary_ids(tok, "think") + tok.encode("</think>") + ordinary_ids(tok, "\n\nAnswer.\n")
+    outputs = _with_logprobs(_outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)]))
+    events = _run(_processor(tok, "glm", prompt="<|assistant|><think>"), outputs)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Answer.\n"
+    assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == b"Answer.\n"
+
+
 def test_no_logprobs_after_a_stop_string(tmp_path_factory: pytest.TempPathFactory) -> None:
     tok = load(tmp_path_factory, "glm")
     ids = ordinary_ids(tok, "The quick brown fox jumps over")
