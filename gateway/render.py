@@ -291,8 +291,8 @@ async def openai_stream(
         c = done[i]
         c.feed(event)
         if isinstance(event, b.TextDelta) and (event.text or (logprobs and event.logprobs)):
-            # a token whose text is held back (part of a character) or went to reasoning still has
-            # its logprob, as in the whole answer
+            # logprobs may come without text (the backend sends a token's once its text is out,
+            # which can be in an earlier delta): a chunk for them, as in the whole answer
             yield chunk(
                 i, o.Delta(content=event.text), lp=_logprobs(event.logprobs or []) if logprobs else None
             )

@@ -7,10 +7,12 @@ into text. Special tokens other than markers (a stray `<|im_end|>`) are not text
 newlines before the answer's first character (GLM's `</think>\n`).
 
 Logprobs, when asked for, are the answer's: `logprobs.content` as OpenAI defines it, one entry per
-token of the content (a token whose text is held back, part of a character or of a possible stop
-string, included). Reasoning tokens, the think and tool-call markers, other special tokens and the
-tokens of a parsed tool call have none (a malformed call that comes back as text has its tokens'),
-so that the entries' bytes, joined, are the content's (sglang#25055 is the bug where they are not).
+token of the content, sent once the token's text is (a token whose text is held back, part of a
+character or of a possible stop string, waits; one past a stop string never goes). Reasoning
+tokens, the think and tool-call markers, other special tokens, the newlines dropped before the
+answer and the tokens of a parsed tool call have none (a malformed call that comes back as text
+has its tokens'), so that the entries' bytes, joined, are the content's (sglang#25055 is the bug
+where they are not).
 
 String stops: the engine speaks ids, so stop strings are matched here. Text that could still turn
 into a stop string is held back; once one matches, the text before it is sent and the request ends
@@ -104,7 +106,10 @@ class OutputProcessor:
         self._fed: list[Fed | None] = []  # this output's content ids, in order: what each did (None: text)
         self._held: list[TokenLogprob] = []  # logprobs of the ids an open tool call holds
         self._released: list[TokenLogprob] = []  # `_finish`: held logprobs whose call came back as text
-        self._is_logprob_started = False  # an answer token with a logprob kept (`_answer_logprobs`)
+        self._is_logprob_started = False  # an answer token's logprob kept (`_past_leading_newlines`)
+        self._queued: list[TokenLogprob] = []  # kept logprobs whose text has not gone out yet
+        self._text_bytes = 0  # UTF-8 bytes of the answer text sent so far
+        self._logprob_bytes = 0  # and of the tokens whose logprobs were sent
 
     def process(self, out: EngineOutput) -> list[Event]:
         """Events for one engine output, ending with usage + finish (or an error) on the last one."""
@@ -130,24 +135,54 @@ class OutputProcessor:
                     break
         logprobs = self._answer_logprobs(out, channels) if out.logprobs else []
         last_two: list[Event] = []  # usage, then finish or error: after the answer and its logprobs
-        if out.finish_reason is not None or self.is_stopped:
+        is_last = out.finish_reason is not None or self.is_stopped
+        if is_last:
             *events_, usage, end = self._finish(out)
             events += events_
             last_two = [usage, end]
             logprobs += self._released  # a call left open at the end, back as text
-        if logprobs:
-            named = [self._named(lp) for lp in logprobs]
+        self._queued += [self._named(lp) for lp in self._past_leading_newlines(logprobs)]
+        self._text_bytes += sum(len(e.text.encode()) for e in events if isinstance(e, TextDelta))
+        ready = self._ready_logprobs(is_last)
+        if ready:
             last = events[-1] if events else None
             if isinstance(last, TextDelta) and last.logprobs is None:
-                events[-1] = TextDelta(text=last.text, logprobs=named)
+                events[-1] = TextDelta(text=last.text, logprobs=ready)
             else:
-                events.append(TextDelta(text="", logprobs=named))
+                events.append(TextDelta(text="", logprobs=ready))
         return events + last_two
+
+    def _past_leading_newlines(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+        """`logprobs` (in the text's order) less the newline tokens before the answer's first
+        character, which `_text` drops, whichever way they came (at once, or in a call back as text)."""
+        if self._is_logprob_started:
+            return logprobs
+        kept = []
+        for lp in logprobs:
+            if self._is_logprob_started or not self._is_newlines(lp.token_id):
+                self._is_logprob_started = True
+                kept.append(lp)
+        return kept
+
+    def _ready_logprobs(self, is_last: bool) -> list[TokenLogprob]:
+        """The queued logprobs whose tokens' bytes the text sent so far covers: a token whose text is
+        held back (part of a character, or of what may be a stop string) waits for it, and one past
+        a stop string never goes (its text never does). At the end, without a stop, the rest go."""
+        ready: list[TokenLogprob] = []
+        queued = self._queued
+        while queued:
+            size = len(queued[0].token_bytes or b"")
+            if self._logprob_bytes + size > self._text_bytes and not (is_last and not self.is_stopped):
+                break
+            self._logprob_bytes += size
+            ready.append(queued.pop(0))
+        if is_last:
+            self._queued = []
+        return ready
 
     def _answer_logprobs(self, out: EngineOutput, channels: list[Channel | None]) -> list[TokenLogprob]:
         """The logprobs of this output's answer tokens (the module docstring): the content channel's
-        ids, less the special ones, as the tool parser passed them to the text, less the newlines
-        before the answer's first character (`_text` drops them)."""
+        ids, less the special ones, as the tool parser passed them to the text."""
         assert out.logprobs is not None
         by_position = out.logprobs  # the engine's, one per generated id (a test may send fewer)
         fed = iter(self._fed)
@@ -161,8 +196,7 @@ class OutputProcessor:
                 break
             lp = by_position[i] if i < len(by_position) else None
             if what is None or what.is_content:
-                if lp is not None and (self._is_logprob_started or not self._is_newlines(token_id)):
-                    self._is_logprob_started = True
+                if lp is not None:
                     kept.append(lp)
                 continue
             if lp is not None:

@@ -321,6 +321,44 @@ def test_kimi_sections_logprobs_join_into_the_text(
         assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == text.encode()
 
 
+CALL_TEXT_FIRST = {  # (family, what the model writes): a malformed call back as text opens the answer
+    "glm: a call's newline then text": ("glm", ["<tool_call>", "\n", "x", "</tool_call>"]),
+    "glm: a call's text, then a newline": ("glm", ["<tool_call>", "x", "</tool_call>", "\n", "y"]),
+    "kimi: a section of layout alone": (
+        "kimi",
+        ["<|tool_calls_section_begin|>", "\n", "<|tool_calls_section_end|>", "y"],
+    ),
+    "kimi: a bare call's text, then a newline": (
+        "kimi",
+        ["<|tool_call_begin|>", "x", "<|tool_call_end|>", "\n", "y"],
+    ),
+    "kimi: a section open at the end": ("kimi", ["<|tool_calls_section_begin|>", "\n", "x"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CALL_TEXT_FIRST))
+@pytest.mark.parametrize("chunk", [1, 1000])
+def test_newlines_around_a_call_back_as_text_follow_the_text(
+    tmp_path_factory: pytest.TempPathFactory, case: str, chunk: int
+) -> None:
+    """The newlines dropped before the answer's first character are dropped from its logprobs
+    whichever way they come, a malformed call's text included, and kept once the answer began
+    (a second review's cases)."""
+    family, pieces = CALL_TEXT_FIRST[case]
+    tok = load(tmp_path_factory, "glm" if family == "glm" else "kimi-tiktoken")
+    tools = [Tool(name="f", parameters={"type": "object", "properties": {"a": {"type": "integer"}}})]
+    ids = [
+        i
+        for piece in pieces
+        for i in (tok.encode(piece) if piece.startswith("<") else ordinary_ids(tok, piece))
+    ]
+    outputs = _with_logprobs(_outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)], "length"))
+    events = _run(_processor(tok, family, tools=tools), outputs)
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    assert text and not text.startswith("\n")
+    assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == text.encode()
+
+
 @pytest.mark.parametrize("chunk", [1, 1000])
 def test_the_newlines_before_glms_answer_have_no_logprobs(
     tmp_path_factory: pytest.TempPathFactory, chunk: int
@@ -333,17 +371,17 @@ def test_the_newlines_before_glms_answer_have_no_logprobs(
     assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == b"Answer.\n"
 
 
-def test_no_logprobs_after_a_stop_string(tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("chunk", [1, 2, 1000])
+def test_no_logprobs_past_a_stop_string(tmp_path_factory: pytest.TempPathFactory, chunk: int) -> None:
+    """A token's logprob goes with its text: while the text may be the start of a stop string it
+    waits, and past the stop string (the output that stopped included) none goes; a token the stop
+    string cuts (" brown": its space is text, "brown" the stop's) has none either."""
     tok = load(tmp_path_factory, "glm")
     ids = ordinary_ids(tok, "The quick brown fox jumps over")
-    events = _run(_processor(tok, "glm", stops=["fox"]), _with_logprobs(_outputs([ids], "length")))
-    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "The quick brown "
-    assert [lp.token_id for lp in _answer_logprobs(events)] == ids  # the output that stopped: all of it
-    events = _run(
-        _processor(tok, "glm", stops=["fox"]), _with_logprobs(_outputs([[i] for i in ids], "length"))
-    )
-    got = [lp.token_id for lp in _answer_logprobs(events)]
-    assert got == ids[: len(got)] and len(got) < len(ids)  # one token at a time: none after the stop
+    outputs = _with_logprobs(_outputs([ids[i : i + chunk] for i in range(0, len(ids), chunk)], "length"))
+    events = _run(_processor(tok, "glm", stops=["brown f"]), outputs)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "The quick "
+    assert b"".join(lp.token_bytes or b"" for lp in _answer_logprobs(events)) == b"The quick"
 
 
 def test_engine_error_becomes_an_error_event(tmp_path_factory: pytest.TempPathFactory) -> None:
