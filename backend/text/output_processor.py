@@ -21,6 +21,7 @@ with reason `stop` (the caller aborts the engine side).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeVar
 
 import msgspec
@@ -155,8 +156,6 @@ class OutputProcessor:
     def _past_leading_newlines(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
         """`logprobs` (in the text's order) less the newline tokens before the answer's first
         character, which `_text` drops, whichever way they came (at once, or in a call back as text)."""
-        if self._is_logprob_started:
-            return logprobs
         kept = []
         for lp in logprobs:
             if self._is_logprob_started or not self._is_newlines(lp.token_id):
@@ -168,16 +167,16 @@ class OutputProcessor:
         """The queued logprobs whose tokens' bytes the text sent so far covers: a token whose text is
         held back (part of a character, or of what may be a stop string) waits for it, and one past
         a stop string never goes (its text never does). At the end, without a stop, the rest go."""
-        ready: list[TokenLogprob] = []
-        queued = self._queued
-        while queued:
-            size = len(queued[0].token_bytes or b"")
-            if self._logprob_bytes + size > self._text_bytes and not (is_last and not self.is_stopped):
+        sends_all = is_last and not self.is_stopped
+        n = 0
+        for lp in self._queued:
+            size = len(lp.token_bytes or b"")
+            if self._logprob_bytes + size > self._text_bytes and not sends_all:
                 break
             self._logprob_bytes += size
-            ready.append(queued.pop(0))
-        if is_last:
-            self._queued = []
+            n += 1
+        ready, rest = self._queued[:n], self._queued[n:]
+        self._queued = [] if is_last else rest
         return ready
 
     def _answer_logprobs(self, out: EngineOutput, channels: list[Channel | None]) -> list[TokenLogprob]:
@@ -206,7 +205,7 @@ class OutputProcessor:
                 self._held = []
         return kept
 
-    def _settle(self, pieces: list[ParsedCall | RawText] | list[Piece]) -> list[TokenLogprob]:
+    def _settle(self, pieces: Sequence[Piece]) -> list[TokenLogprob]:
         """The held logprobs that `pieces` (calls and texts completed by one id) return as text: a
         malformed call's text takes those of its `source_ids`, in order (held ids between them,
         layout and markers, are dropped); a parsed call takes everything held before it."""
