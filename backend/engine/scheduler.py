@@ -144,7 +144,8 @@ class Scheduler:
             budget -= 1
         out.num_decodes = len(out.scheduled)
         num_draft_rows = self.draft_rows(out.scheduled) if self.draft_rows is not None else 0
-        budget -= min(num_draft_rows, max(budget, 0) // 2)
+        if num_draft_rows:
+            budget -= min(num_draft_rows, max(budget, 0) // 2)
         # prefill: the next chunk of requests already running (in order), then newly admitted ones
         for seq in prefilling:
             if budget <= 0:

@@ -200,6 +200,7 @@ class _Plan:
                     self._calibrate_load(spec, n, length, max_tokens, pattern)
         finally:
             policy.forced_k = None
+        spec.settle()  # the last steps' measurements, not yet told
         return policy.step_costs()
 
     def _calibrate_load(

@@ -82,6 +82,13 @@ from backend.engine.speculative.sampled import can_sample_on_device, draw_rows
 # only turns while the load's rates or acceptance move (the gap grows, the tokens left shrink), and
 # asking each sequence every step cost a c = 64 burst's tail ~0.1 ms a step on the H100 (2026-12-06)
 CATCH_UP_REASK = 16
+# a plain decode stream (an unchanged load and requests) asks the draft policy once every this many
+# steps: its choice of k = 0 stands for the steps between (a probe, a starved run or an exploration
+# starts up to PLAIN_REASK - 1 steps later), and their measurements are told in one pass before the
+# next ask. Asked and told every step, a c = 1 plain step on the H100 (2026-12-07,
+# lab/diagnostics/spec_plain_gpu.py) spent 20 µs of its 0.42 ms on it: run between the step's launch
+# and its read back, it was on the critical path all the same (the graph's launch returns late)
+PLAIN_REASK = 8
 # a request's host generator for its drafts' uniforms, on either path (its own generator lives on the
 # device) is seeded with its seed XOR this: a stream apart from the device generator's, reproducible
 HOST_SEED_SALT = 0x5DEECE66D
@@ -143,11 +150,12 @@ class SpecDecoder:
         self._refused: dict[str, tuple[int, int]] = {}
         self._num_steps = 0
         # the policy's per-step work moved into a plain step's device time (`while_plain_step`):
-        # the last step's measurement not yet told, the load of a plain step and the draft length
-        # chosen for the next step at that load
-        self._measured: tuple[int, int, bool, int, int, float, int] | None = None
+        # the steps' measurements not yet told, the load of a plain step and the draft length
+        # chosen for the next step at that load, and the steps that choice has stood for since
+        self._measured: list[tuple[int, int, bool, int, int, float, int]] = []
         self._plain_load: tuple[StepLoad, tuple[str, ...]] | None = None
         self._ahead: tuple[StepLoad, tuple[str, ...], int] | None = None
+        self._held = 0
 
     def policy_state(self) -> dict[str, Any]:
         """A copy of what the draft policy has learned (acceptance, m, each load's rates)."""
@@ -158,7 +166,9 @@ class SpecDecoder:
         warm-up's steps (random prompts, forced draft lengths, compiles) must not be what serving's
         first choices start from."""
         self.policy.__dict__.update(copy.deepcopy(state))
-        self._measured = self._ahead = self._plain_load = None
+        self._measured = []
+        self._ahead = self._plain_load = None
+        self._held = 0
         self.did_draft = self.fills_draft_kv = False
 
     @property
@@ -187,6 +197,10 @@ class SpecDecoder:
         self.k, self.num_gap_rows, self.fills_draft_kv = 0, 0, False
         ahead, self._ahead, self._plain_load = self._ahead, None, None
         self._num_steps += 1
+        if ahead is not None and self._holds(ahead, out, num_requests):
+            self._ahead, self._held = ahead, self._held + 1  # the plain stream's choice stands
+            self.did_draft = False
+            return flags
         if num_requests <= self.max_drafting_seqs:
             # a step of decodes alone (a decode stream's) counts its load with no pass over them
             num_tokens, can_draft = out.num_tokens, self.book.can_draft(out)
@@ -196,8 +210,9 @@ class SpecDecoder:
             load = self._load(num_tokens, num_drafting, out.num_samples - num_drafting)
             ids = self._drafting_ids(out, can_draft, num_drafting)
             if ahead is not None and ahead[0] is load and ahead[1] == ids and self.policy.forced_k is None:
-                self.k = ahead[2]  # chosen while the last step ran, for this load and these requests
+                self.k = ahead[2]  # chosen while a recent step ran, for this load and these requests
             else:
+                ahead, self._held = None, 0
                 self.settle()
                 self.k = self.policy.choose(load, ids, not self._has_drafts(out, can_draft))
             if self.k:
@@ -207,7 +222,12 @@ class SpecDecoder:
                     self.k = 0
                     self.policy.drafted_nothing()
             elif self.policy.is_adaptive and num_drafting and num_tokens == len(out.scheduled):
-                self._plain_load = (load, ids)  # a plain decode step: the next one's choice while it runs
+                # a plain decode step: the choice made ahead stands for the next step too, up to
+                # `PLAIN_REASK` steps; then the next one's choice is made while this one runs
+                if ahead is not None and self._held < PLAIN_REASK - 1:
+                    self._ahead, self._held = ahead, self._held + 1
+                else:
+                    self._plain_load = (load, ids)
             self.fills_draft_kv = (
                 not any(flags)
                 and self.policy.forced_k != 0
@@ -221,45 +241,76 @@ class SpecDecoder:
         self.did_draft = is_drafting
         return flags
 
+    def _holds(
+        self, ahead: tuple[StepLoad, tuple[str, ...], int], out: SchedulerOutput, num_requests: int
+    ) -> bool:
+        """This step is the next of a plain decode stream whose choice (k = 0, made ahead) stands
+        (`PLAIN_REASK`): decodes alone, the same requests as the choice's, each able to draft, none
+        refused a catch-up and no spare draft pages to give back. What `drafting`'s full path
+        would decide then, without its passes (each a few µs of a step's host time)."""
+        load, ids, k = ahead
+        n = len(out.scheduled)
+        if (
+            k
+            or self._held >= PLAIN_REASK - 1
+            or self.policy.forced_k is not None
+            or num_requests > self.max_drafting_seqs
+            or not out.is_decodes_only
+            or load.num_rows != n
+            or load.num_drafting != n
+            or load.num_other_samples
+            or self._refused
+            or self.book.never_drafting_ids
+            or self.block_manager.spare_holders
+        ):
+            return False
+        if not ids:  # more than OWN_MAX_SEQS: the load decides alone
+            return n > OWN_MAX_SEQS
+        return len(ids) == n and all([s.seq.request_id == r for s, r in zip(out.scheduled, ids, strict=True)])
+
     def measured(self, num_seqs: int, num_drafting: int, num_tokens: int, seconds: float) -> None:
         """A decode-only step of `num_seqs` sequences, `num_drafting` of them drafting, emitted
         `num_tokens` in `seconds`: for the policy, told at the next `settle` (see `while_plain_step`)."""
         is_drafting = num_drafting > 0
-        self._measured = (
-            num_seqs,
-            num_drafting,
-            is_drafting and self.did_verify,
-            self.num_gap_rows,
-            num_tokens,
-            seconds,
-            self.k if self.num_verified == self.k else 0,  # a step of one k throughout, else unpriced
+        self._measured.append(
+            (
+                num_seqs,
+                num_drafting,
+                is_drafting and self.did_verify,
+                self.num_gap_rows,
+                num_tokens,
+                seconds,
+                self.k if self.num_verified == self.k else 0,  # a step of one k throughout, else unpriced
+            )
         )
 
     def settle(self) -> None:
-        """Tell the policy the last step's measurement, if it has not been told."""
-        m, self._measured = self._measured, None
-        if m is None:
-            return
-        num_seqs, num_drafting, is_verified, num_gap_rows, num_tokens, seconds, k = m
-        if num_drafting and num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
-            self.policy.observe_catch_up(num_seqs, seconds, num_gap_rows)
-        else:
-            self.policy.observe_step(
-                num_seqs, num_drafting > 0, is_verified, num_tokens, seconds, k, num_drafting
-            )
+        """Tell the policy the measurements of the steps since it was last told, in their order."""
+        pending, self._measured = self._measured, []
+        policy = self.policy
+        for num_seqs, num_drafting, is_verified, num_gap_rows, num_tokens, seconds, k in pending:
+            if num_drafting and num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
+                policy.observe_catch_up(num_seqs, seconds, num_gap_rows)
+            else:
+                policy.observe_step(
+                    num_seqs, num_drafting > 0, is_verified, num_tokens, seconds, k, num_drafting
+                )
 
     def while_plain_step(self) -> None:
-        """The policy's work while a plain step runs on the device (`ModelRunner.run`): the last
-        step's measurement, and, after a plain decode step, the draft length for the next step,
-        used if its load is this one's (a decode stream's is, but for arrivals and finishes; else
-        the next step chooses anew). Done before the launch and after the read back, this was ~20
-        of the ~25 us by which a c = 1 plain step with speculation on trailed one with it off (the
-        H100 measured ~29: issue 28, lab/diagnostics/plain_step_host.py). A choice made ahead has
-        not seen the measurement of the step it runs beside: the policy's view lags one step."""
-        self.settle()
+        """The policy's work while a plain step runs on the device (`ModelRunner.run`), once every
+        `PLAIN_REASK` steps of a decode stream: the measurements of the steps since it was last told,
+        and the draft length for the next steps, used while their load is this one's (a decode
+        stream's is, but for arrivals and finishes; else the next step chooses anew), standing for
+        the steps since the last choice. Past the loads the policy is asked at, the measurements
+        are told every `PLAIN_REASK` steps. A choice made ahead has not seen the measurement of the
+        step it runs beside: the policy's view lags a step."""
         if self._plain_load is not None:
+            self.settle()
             load, ids = self._plain_load
-            self._ahead = (load, ids, self.policy.choose(load, ids))
+            num_steps, self._held = self._held + 1, 0
+            self._ahead = (load, ids, self.policy.choose(load, ids, num_steps=num_steps))
+        elif len(self._measured) >= PLAIN_REASK:
+            self.settle()
 
     def _has_drafts(self, out: SchedulerOutput, can_draft: list[bool]) -> bool:
         """Some sequence that could draft has drafts from the last step (drafting goes on, rather

@@ -265,11 +265,16 @@ class DraftPolicy:
         return out
 
     # ---- per step ----------------------------------------------------------------------------
-    def choose(self, load: StepLoad, request_ids: tuple[str, ...] = (), is_starting: bool = True) -> int:
+    def choose(
+        self, load: StepLoad, request_ids: tuple[str, ...] = (), is_starting: bool = True, num_steps: int = 1
+    ) -> int:
         """The draft length for this step (0: no drafts). `request_ids`: the requests that could
         draft (`load.num_drafting` of them), whose own acceptance prices the step (the module doc:
         per-request acceptance); none given: the shared estimate, measured gate and all.
-        `is_starting`: none of them has drafts from the last step (drafting would start here)."""
+        `is_starting`: none of them has drafts from the last step (drafting would start here).
+        `num_steps`: the steps this choice stands for, where a plain decode stream asks once in a
+        while (backend/engine/speculative/decoder.py `PLAIN_REASK`): acceptance-starved probing
+        counts them as asked."""
         if load.num_drafting == 0:
             return 0
         if self.forced_k is not None:  # the warm-up's sweep of every draft length (backend/server/warmup.py)
@@ -300,8 +305,8 @@ class DraftPolicy:
             self._starved_left -= 1
             k = 1
         elif k == 0 and self._would_pay_if_accepted(load, min(self.draft_cost, self.prior_draft_cost)):
-            self._num_starved += 1
-            if self._num_starved % PROBE_EVERY == 0:
+            self._num_starved += num_steps
+            if self._num_starved // PROBE_EVERY != (self._num_starved - num_steps) // PROBE_EVERY:
                 k = 1  # low acceptance (or a high m), not load, keeps drafting off: measure it again
                 self._starved_left = STARVED_RUN - 1
         else:

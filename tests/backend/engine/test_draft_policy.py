@@ -113,6 +113,11 @@ def test_poor_acceptance_turns_drafting_off_but_probes() -> None:
     starts = [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1 + STARVED_RUN - 1]  # the run counts once
     assert [i for i, k in enumerate(ks) if k] == [s + j for s in starts for j in range(STARVED_RUN)]
     assert set(ks) == {0, 1}
+    # a plain decode stream asks once every few steps (decoder.py `PLAIN_REASK`), each choice standing
+    # for its steps: the starved probes come after as many steps as when asked every step
+    held = policy(3, acceptance=0.02, draft_cost=0.5)
+    asks = [held.choose(load, num_steps=8) for _ in range(3 * PROBE_EVERY // 8)]
+    assert asks == [0, 1] + [1] * (STARVED_RUN - 1) + [0]  # the run: drafting steps, asked each step
     # load, not acceptance, keeps it off: no probes
     busy = policy(3, acceptance=0.02, draft_cost=0.5)
     assert not any(busy.choose(StepLoad(num_rows=256, num_drafting=256)) for _ in range(3 * PROBE_EVERY))
@@ -537,7 +542,9 @@ class ScriptedK:
         K = spec.K
         ks = itertools.cycle(cycle or [0])
 
-        def choose(load: StepLoad, request_ids: tuple[str, ...] = (), is_starting: bool = True) -> int:
+        def choose(
+            load: StepLoad, request_ids: tuple[str, ...] = (), is_starting: bool = True, num_steps: int = 1
+        ) -> int:
             k = int(torch.randint(0, K + 1, (1,), generator=self.rng)) if cycle is None else next(ks)
             k = k if load.num_drafting else 0
             self.chosen.append(k)
@@ -601,7 +608,8 @@ def test_fresh_pages_carry_no_stale_draft_kv(tiny: dict[str, Any], monkeypatch: 
     (backend/engine/speculative/forwards.py `defer_clear`): they launch nothing for the MTP layers."""
     model = tiny["deepseek_v3"]
     engine = engine_for(model, 2, max_num_batched_tokens=512)  # the plain steps' gap caught up, not given up
-    ScriptedK(engine, cycle=[0] * 12 + [2])  # plain steps first (pages allocated), then a draft
+    # plain steps first (pages allocated; a plain stream asks every PLAIN_REASK steps), then a draft
+    ScriptedK(engine, cycle=[0] * 4 + [2])
     kv = engine.runner.kv_cache
     mtp, target = kv.layers[-1], kv.layers[0]
     for cache in mtp.values():

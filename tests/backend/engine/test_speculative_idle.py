@@ -12,6 +12,7 @@ Counted on the CPU over the decode graphs' buffers (`eager_capture`: the GPU's p
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from typing import Any
 
@@ -23,6 +24,7 @@ from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.scheduler import ScheduledSeq, SchedulerOutput
 from backend.engine.speculative.book import DraftBook
+from backend.engine.speculative.decoder import PLAIN_REASK
 from backend.engine.speculative.load_rates import MIN_RATE_SAMPLES, LoadRates
 from tests.backend.engine.test_draft_policy import toy
 from tests.backend.engine.test_engine import EvenTokensOnly
@@ -116,11 +118,12 @@ def test_a_step_that_drafts_nothing_is_a_plain_step(
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any], arch: str) -> None:
     """One sequence, the adaptive policy choosing no drafts: after the first decode step the policy
-    is asked once a step, for the next step, while the plain step runs on the device (between its
-    launch and its read back: `SpecDecoder.while_plain_step`), and told each step's measurement
-    there too; a load that changes (a second request) is chosen for anew. When a choice made ahead
-    drafts, the next step drafts. Greedy outputs as with speculation off (issue 28: a c = 1 plain
-    step's host time, lab/diagnostics/plain_step_host.py)."""
+    is asked once every `PLAIN_REASK` steps, for the steps ahead, while a plain step runs on the
+    device (between its launch and its read back: `SpecDecoder.while_plain_step`), and told the
+    measurements of every step since then, in their order; the steps between ask and tell nothing.
+    A load that changes (a second request) is chosen for anew at once, told what was measured
+    first. When a choice made ahead drafts, the next step drafts. Greedy outputs as with speculation
+    off (issue 28: a c = 1 plain step's host time, lab/diagnostics/spec_plain_gpu.py)."""
     model = loaded[arch]
     engine = graphed(model, 3)
     spec = engine.spec
@@ -136,32 +139,55 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
         finally:
             beside[0] = False
 
-    num_chosen = [0]
+    now = [0]  # the step running
+    drafts_at: list[int] = []  # the step whose choice (made ahead) drafted
 
-    def choose(load: Any, request_ids: tuple[str, ...] = (), is_starting: bool = True) -> int:
+    def choose(
+        load: Any, request_ids: tuple[str, ...] = (), is_starting: bool = True, num_steps: int = 1
+    ) -> int:
         calls.append(("choose", beside[0]))
-        num_chosen[0] += 1
-        return 1 if num_chosen[0] == 14 else 0  # the 14th choice drafts
+        if beside[0] and now[0] >= 14 and not drafts_at:  # a's alone again: the first choice ahead drafts
+            drafts_at.append(now[0])
+            return 1
+        return 0
 
     observe_step = spec.policy.observe_step
+    told: list[float] = []  # the seconds told, in the order told
 
     def observed(*args: Any) -> None:
         calls.append(("observe", beside[0]))
+        told.append(args[4])
         observe_step(*args)
 
+    observe_catch_up = spec.policy.observe_catch_up
+
+    def caught_up(*args: Any) -> None:
+        told.append(args[1])
+        observe_catch_up(*args)
+
+    measured: list[float] = []  # each measured step's seconds, in step order
+    measure = spec.measured
+
+    def measuring(num_seqs: int, num_drafting: int, num_tokens: int, seconds: float) -> None:
+        measured.append(seconds)
+        measure(num_seqs, num_drafting, num_tokens, seconds)
+
     spec.while_plain_step = while_plain_step  # type: ignore[method-assign]
+    spec.measured = measuring  # type: ignore[method-assign]
     spec.policy.choose = choose  # type: ignore[method-assign]
     spec.policy.observe_step = observed  # type: ignore[method-assign]
+    spec.policy.observe_catch_up = caught_up  # type: ignore[method-assign]
     steps: list[tuple[list[tuple[str, bool]], int]] = []  # per step: its calls, the draft length it ran
 
     def drive(engine: Engine) -> dict[str, Result]:
         """a alone, b joining at the 7th step."""
         first, second = prompts(2, model.config.vocab_size, seed=5)
-        engine.add_request(request("a", first, max_tokens=20, ignore_eos=True))
+        engine.add_request(request("a", first, max_tokens=40, ignore_eos=True))
         results: dict[str, Result] = {}
         num_steps = 0
         while engine.has_unfinished:
             calls.clear()
+            now[0] = num_steps
             collect(results, engine.step())
             steps.append((list(calls), engine.spec.k if engine.spec is not None else 0))
             num_steps += 1
@@ -170,19 +196,26 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
         return results
 
     got = drive(engine)
+    R = PLAIN_REASK
     assert steps[0][0] == [("choose", False)]  # the prompt's step (not measured, nothing chosen ahead)
     assert steps[1][0] == [("choose", False), ("choose", True)]  # the first decode step, then ahead
-    for at in (2, 3, 4, 5):
-        assert steps[at] == ([("observe", True), ("choose", True)], 0), at
-    assert steps[6][0] == [("observe", False), ("choose", False)]  # b's prompt joins: a new load
-    choices = [
-        (at, is_beside) for at, (c, _) in enumerate(steps) for what, is_beside in c if what == "choose"
-    ]
-    at, is_beside = choices[13]
-    assert is_beside and 6 < at < len(steps) - 2  # the 14th choice was made ahead, a's alone again
-    assert [n for n, (_, k) in enumerate(steps) if k] == [at + 1]  # and the next step drafted
-    assert steps[at + 1][0] == [("observe", False)]  # a drafting step: told at once, nothing ahead
-    assert steps[at + 2][0][0] == ("choose", False)  # after it the policy chooses before the step
+    for at in (2, 3, 4, 5):  # the choice made ahead stands
+        assert steps[at] == ([], 0), at
+    assert steps[6][0] == [("observe", False)] * 5 + [("choose", False)]  # b's prompt joins: a new load
+    # a alone again: a choice before its first step, one ahead, then one ahead every R steps, each
+    # after the measurements of the steps since the last
+    assert steps[7][0] == [("choose", False), ("choose", True)]  # a and b decode
+    alone = next(at for at in range(8, len(steps)) if ("choose", False) in steps[at][0])  # b has ended
+    assert steps[alone][0] == [("observe", False)] * (alone - 7) + [("choose", False), ("choose", True)]
+    asks = [at for at in range(alone, len(steps)) if ("choose", True) in steps[at][0]]
+    assert asks[:2] == [alone, alone + R], asks
+    assert steps[alone + R][0] == [("observe", True)] * R + [("choose", True)]
+    assert all(steps[at] == ([], 0) for at in range(alone + 1, alone + R))
+    assert drafts_at == [asks[1]]
+    assert [n for n, (_, k) in enumerate(steps) if k] == [asks[1] + 1]  # the step after drafted
+    assert steps[asks[1] + 1][0] == [("observe", False)]  # a drafting step: told at once, nothing ahead
+    assert steps[asks[1] + 2][0][0] == ("choose", False)  # after it the policy chooses before the step
+    assert told == measured[: len(told)] and len(measured) - len(told) <= R  # every one, in order
     want = drive(graphed(model, 0))
     assert {r: v.token_ids for r, v in got.items()} == {r: v.token_ids for r, v in want.items()}
 
@@ -247,7 +280,8 @@ def test_a_decode_stream_priced_to_lose_asks_no_sequence(monkeypatch: pytest.Mon
         assert spec.k == 0
         steps.append((is_guarded, Counter(asked)))
     per_sequence = ("needs_sample", "can_ever_draft", "num_pending")
-    assert all(counts["choose"] for _, counts in steps)  # the policy decides every step
+    gaps = [b - a for a, b in itertools.pairwise([at for at, (_, c) in enumerate(steps) if c["choose"]])]
+    assert max(gaps) <= PLAIN_REASK  # the policy decides every PLAIN_REASK steps at most
     for at, (is_guarded, counts) in enumerate(steps[1:], start=1):  # after the prompts' step
         if not is_guarded:
             assert not any(counts[name] for name in per_sequence), (at, counts)
