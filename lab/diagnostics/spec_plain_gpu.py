@@ -8,13 +8,12 @@
 Engines as the mtp bench builds them (`benchmarks.engine.mtp_gpu.nano_engines`: bf16, the GPU
 backend's warm-up, calibrated), A = `mtp:3` adaptive, B = off. A's policy is then priced to lose at
 every load (`spec_plain_host.priced_to_lose`), so every step of A is a plain one taking the whole
-decision path. Variants, alternated per round (A, Z, B, B, Z, A, ...):
-- A: as served;
-- Z: the same engine with the decoder's per-step work cut out (`drafting` returns no drafts at once,
-  no work while the step runs, no measurement): what is left of A - B is not the decoder's.
-Per variant and load, each round's median wall µs of `Engine.step` over decode-only steps; and in A,
-the µs of each of the decoder's hooks a step (`drafting` before the launch, `while_plain_step`
-between the launch and the read back, `measured` after).
+decision path. The variants (`LABELS`), run in `ORDER` and back (A O T Z Y B B Y Z T O A ...), all but
+B on A's engine: O asks the policy every step as before the plain stream's hold; T times each hook
+(`drafting` before the launch, `while_plain_step` between the launch and the read back, `measured`
+after); Z cuts them out; Y unplugs speculation from the engine (what is left of Y - B is the runner's,
+the graphs' or the model's). Per variant and load, each run's median wall µs of `Engine.step` over
+decode-only steps, the median over runs and the range; the cost of the clock the hooks are timed by.
 """
 
 from __future__ import annotations
@@ -27,40 +26,60 @@ from pathlib import Path
 from typing import Any
 
 MODELS = {"glm": Path("models/glm-5.2-nano"), "kimi": Path("models/kimi-k2.6-nano")}
+ORDER = ("A", "O", "T", "Z", "Y", "B")  # a round; the next runs it backwards
+LABELS = {
+    "A": "mtp:3 as served (priced to lose: k = 0)",
+    "O": "A asking the policy every step (PLAIN_REASK = 1: before 2026-12-07)",
+    "T": "A with each hook timed",
+    "Z": "A without the decoder's hooks",
+    "Y": "A's engine with speculation unplugged (its runner, graphs and model as A's)",
+    "B": "off",
+}
 
 
-class Hooks:
-    """Times (or cuts out) the decoder's three per-step hooks on one engine."""
+class Variants:
+    """Switches one speculative engine between the variants (module docstring)."""
 
     def __init__(self, engine: Any) -> None:
-        spec = engine.spec
-        self.spec = spec
+        import backend.engine.speculative.decoder as decoder
+
+        self.engine, self.spec, self.decoder = engine, engine.spec, decoder
+        self.reask = decoder.PLAIN_REASK
+        self.draft_rows = engine.scheduler.draft_rows
+        spec = self.spec
         self.orig = {name: getattr(spec, name) for name in ("drafting", "while_plain_step", "measured")}
         self.s = dict.fromkeys(self.orig, 0.0)
-        self.mode = "A"
 
-        def wrap(name: str) -> Any:
-            fn = self.orig[name]
+    def set(self, variant: str) -> None:
+        spec, engine = self.spec, self.engine
+        for name, fn in self.orig.items():
+            setattr(spec, name, fn)
+        engine.spec, engine.scheduler.draft_rows = spec, self.draft_rows
+        self.decoder.PLAIN_REASK = 1 if variant == "O" else self.reask
+        if variant == "Z":
 
-            def timed(*args: Any) -> Any:
-                if self.mode == "Z":
-                    if name == "drafting":
-                        spec.k, spec.fills_draft_kv = 0, False
-                        return [False] * len(args[0].scheduled)
-                    return None
-                start = time.perf_counter()
-                try:
-                    return fn(*args)
-                finally:
-                    self.s[name] += time.perf_counter() - start
+            def drafting(out: Any, num_requests: int) -> list[bool]:
+                spec.k, spec.fills_draft_kv = 0, False
+                return [False] * len(out.scheduled)
 
-            return timed
+            spec.drafting = drafting
+            spec.while_plain_step = spec.measured = lambda *args: None
+        elif variant == "Y":
+            engine.spec = engine.scheduler.draft_rows = None
+        elif variant == "T":  # A, each hook timed
+            self.s = dict.fromkeys(self.orig, 0.0)
+            for name, fn in self.orig.items():
+                setattr(spec, name, self._timed(name, fn))
 
-        for name in self.orig:
-            setattr(spec, name, wrap(name))
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.s[name] += time.perf_counter() - start
 
-    def reset(self) -> None:
-        self.s = dict.fromkeys(self.orig, 0.0)
+        return timed
 
 
 def run(engine: Any, num_seqs: int, steps: int) -> list[float]:
@@ -122,46 +141,53 @@ def measure(name: str, seqs: list[int], steps: int, rounds: int, device: str) ->
         built = engines(MODELS[name], device, num_seqs, steps + 1)
         a, b = built["A"], built["B"]
         priced_to_lose(a)
-        hooks = Hooks(a)
-        variants = {"A": a, "Z": a, "B": b}
+        switch = Variants(a)
+        engines_by = {v: (b if v == "B" else a) for v in ORDER}
         for engine in (a, b):
             run(engine, num_seqs, 16)  # warm (the shapes are the warm-up's already)
-        by: dict[str, list[float]] = {v: [] for v in variants}
-        hook_us: dict[str, list[float]] = {h: [] for h in hooks.s}
+        by: dict[str, list[float]] = {v: [] for v in ORDER}
+        hook_us: dict[str, list[float]] = {h: [] for h in switch.s}
         drafted = 0
-        order = ["A", "Z", "B", "B", "Z", "A"]
-        for _ in range(rounds):
-            for v in order:
-                hooks.mode = v
-                hooks.reset()
+        for r in range(rounds):
+            for v in ORDER if r % 2 == 0 else ORDER[::-1]:
+                switch.set(v)
                 k0 = a.stats.spec_verifies
-                wall = run(variants[v], num_seqs, steps)
+                wall = run(engines_by[v], num_seqs, steps)
                 drafted += a.stats.spec_verifies - k0
                 by[v].append(1e6 * statistics.median(wall))
-                if v == "A":
-                    for h, s in hooks.s.items():
+                if v == "T":
+                    for h, s in switch.s.items():
                         hook_us[h].append(1e6 * s / max(len(wall), 1))
-        hooks.mode = "A"
-        row = {
+        switch.set("A")
+        row: dict[str, Any] = {
             v: {"median": statistics.median(x), "min": min(x), "max": max(x), "runs": x}
             for v, x in by.items()
         }
-        row["hooks_us_A"] = {h: statistics.median(x) for h, x in hook_us.items()}
+        row["hooks_us_T"] = {h: statistics.median(x) for h, x in hook_us.items()}
         row["verifies_in_A"] = drafted
         out[str(num_seqs)] = row
         print(
-            f"== {name} c={num_seqs}: wall µs a decode step, median [min, max] of {2 * rounds} runs"
+            f"== {name} c={num_seqs}: wall µs a decode step, median [min, max] of {rounds} runs"
             f" (A verified {drafted} times)"
         )
-        for v in variants:
+        base = row["B"]["median"]
+        for v in ORDER:
             r = row[v]
-            print(f"   {v}  {r['median']:8.1f} [{r['min']:.1f}, {r['max']:.1f}]")
-        print(
-            f"   A-B {row['A']['median'] - row['B']['median']:+.1f}   Z-B {row['Z']['median'] - row['B']['median']:+.1f}"
-        )
-        print("   A's hooks µs a step: " + ", ".join(f"{h} {us:.1f}" for h, us in row["hooks_us_A"].items()))
-        del built, a, b, variants
+            print(
+                f"   {v}  {r['median']:8.1f} [{r['min']:.1f}, {r['max']:.1f}]  {r['median'] - base:+6.1f}  {LABELS[v]}"
+            )
+        print("   T's hooks µs a step: " + ", ".join(f"{h} {us:.1f}" for h, us in row["hooks_us_T"].items()))
+        del built, a, b, engines_by, switch
     return out
+
+
+def clock_cost() -> float:
+    """µs of one `time.perf_counter` call here (a VM's clock source can make it dear)."""
+    n = 200_000
+    start = time.perf_counter()
+    for _ in range(n):
+        time.perf_counter()
+    return 1e6 * (time.perf_counter() - start) / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     seqs = [int(n) for n in args.seqs.split(",")]
+    print(f"== time.perf_counter: {clock_cost():.3f} µs a call")
     report = {m: measure(m, seqs, args.steps, args.rounds, args.device) for m in args.models.split(",")}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
