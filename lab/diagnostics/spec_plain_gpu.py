@@ -12,8 +12,9 @@ decision path. The variants (`LABELS`), run in `ORDER` and back (A O T Z Y B B Y
 B on A's engine: O asks the policy every step as before the plain stream's hold; T times each hook
 (`drafting` before the launch, `while_plain_step` between the launch and the read back, `measured`
 after); Z cuts them out; Y unplugs speculation from the engine (what is left of Y - B is the runner's,
-the graphs' or the model's). Per variant and load, each run's median wall µs of `Engine.step` over
-decode-only steps, the median over runs and the range; the cost of the clock the hooks are timed by.
+the graphs' or the model's); C is a second engine with speculation off, built after B. Per variant and load, each run's median wall µs of `Engine.step` over
+decode-only steps, the median over runs and the range, and the device µs of a decode graph's
+replay (CUDA events around it); the cost of the clock the hooks are timed by.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 MODELS = {"glm": Path("models/glm-5.2-nano"), "kimi": Path("models/kimi-k2.6-nano")}
-ORDER = ("A", "O", "T", "Z", "Y", "B")  # a round; the next runs it backwards
+ORDER = ("A", "O", "T", "Z", "Y", "B", "C")  # a round; the next runs it backwards
 LABELS = {
     "A": "mtp:3 as served (priced to lose: k = 0)",
     "O": "A asking the policy every step (PLAIN_REASK = 1: before 2026-12-07)",
@@ -34,6 +35,7 @@ LABELS = {
     "Z": "A without the decoder's hooks",
     "Y": "A's engine with speculation unplugged (its runner, graphs and model as A's)",
     "B": "off",
+    "C": "off, a second engine (B - C: what two engines alike differ by)",
 }
 
 
@@ -82,6 +84,41 @@ class Variants:
         return timed
 
 
+class DeviceClock:
+    """CUDA events around each decode graph replay of an engine: the device ms of its replays."""
+
+    def __init__(self, engine: Any) -> None:
+        import torch
+
+        self.pairs: list[tuple[Any, Any]] = []
+        graphs = engine.runner.graphs
+        if graphs is None or not torch.cuda.is_available():
+            return
+        replay = graphs.replay
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return replay(*args, **kw)
+            finally:
+                end.record()
+                self.pairs.append((start, end))
+
+        graphs.replay = timed
+
+    def take_us(self) -> float | None:
+        """The median µs of the replays since the last take (None: none timed)."""
+        import torch
+
+        if not self.pairs:
+            return None
+        torch.cuda.synchronize()
+        us = [1e3 * a.elapsed_time(b) for a, b in self.pairs]
+        self.pairs.clear()
+        return statistics.median(us)
+
+
 def run(engine: Any, num_seqs: int, steps: int) -> list[float]:
     """`num_seqs` greedy requests of `steps` decode steps: each decode-only step's wall seconds."""
     from schemas.backend import EngineRequest, SamplingParams
@@ -108,7 +145,7 @@ def run(engine: Any, num_seqs: int, steps: int) -> list[float]:
 
 
 def engines(checkpoint: Path, device: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
-    """A (mtp:3, adaptive) and B (off) as `benchmarks.engine.mtp_gpu.nano_engines` builds its A and B:
+    """A (mtp:3, adaptive), B and C (off) as `benchmarks.engine.mtp_gpu.nano_engines` builds its A and B:
     one loaded copy, the backend's warm-up (calibrated), the heap frozen."""
     import torch
 
@@ -121,7 +158,7 @@ def engines(checkpoint: Path, device: str, concurrency: int, max_tokens: int) ->
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(checkpoint, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers_in(checkpoint))
     out = {}
-    for side, k in (("A", 3), ("B", 0)):
+    for side, k in (("A", 3), ("B", 0), ("C", 0)):
         config = EngineConfig.build(
             num_pages=max(64, concurrency * (-(-(2048 + max_tokens) // 16))), page_size=16,
             max_num_batched_tokens=4096, max_num_seqs=concurrency, enable_prefix_cache=False,
@@ -142,10 +179,13 @@ def measure(name: str, seqs: list[int], steps: int, rounds: int, device: str) ->
         a, b = built["A"], built["B"]
         priced_to_lose(a)
         switch = Variants(a)
-        engines_by = {v: (b if v == "B" else a) for v in ORDER}
-        for engine in (a, b):
+        engines_by = {v: (b if v == "B" else built["C"] if v == "C" else a) for v in ORDER}
+        clocks = {id(e): DeviceClock(e) for e in built.values()}
+        for engine in built.values():
             run(engine, num_seqs, 16)  # warm (the shapes are the warm-up's already)
+            clocks[id(engine)].take_us()
         by: dict[str, list[float]] = {v: [] for v in ORDER}
+        replay_us: dict[str, list[float]] = {v: [] for v in ORDER}
         hook_us: dict[str, list[float]] = {h: [] for h in switch.s}
         drafted = 0
         for r in range(rounds):
@@ -155,6 +195,9 @@ def measure(name: str, seqs: list[int], steps: int, rounds: int, device: str) ->
                 wall = run(engines_by[v], num_seqs, steps)
                 drafted += a.stats.spec_verifies - k0
                 by[v].append(1e6 * statistics.median(wall))
+                us = clocks[id(engines_by[v])].take_us()
+                if us is not None:
+                    replay_us[v].append(us)
                 if v == "T":
                     for h, s in switch.s.items():
                         hook_us[h].append(1e6 * s / max(len(wall), 1))
@@ -163,6 +206,7 @@ def measure(name: str, seqs: list[int], steps: int, rounds: int, device: str) ->
             v: {"median": statistics.median(x), "min": min(x), "max": max(x), "runs": x}
             for v, x in by.items()
         }
+        row["replay_us"] = {v: statistics.median(x) for v, x in replay_us.items() if x}
         row["hooks_us_T"] = {h: statistics.median(x) for h, x in hook_us.items()}
         row["verifies_in_A"] = drafted
         out[str(num_seqs)] = row
@@ -173,8 +217,10 @@ def measure(name: str, seqs: list[int], steps: int, rounds: int, device: str) ->
         base = row["B"]["median"]
         for v in ORDER:
             r = row[v]
+            dev = f"replay {statistics.median(replay_us[v]):6.1f}" if replay_us[v] else ""
             print(
-                f"   {v}  {r['median']:8.1f} [{r['min']:.1f}, {r['max']:.1f}]  {r['median'] - base:+6.1f}  {LABELS[v]}"
+                f"   {v}  {r['median']:8.1f} [{r['min']:.1f}, {r['max']:.1f}]  {r['median'] - base:+6.1f}  {dev}"
+                f"  {LABELS[v]}"
             )
         print("   T's hooks µs a step: " + ", ".join(f"{h} {us:.1f}" for h, us in row["hooks_us_T"].items()))
         del built, a, b, engines_by, switch
