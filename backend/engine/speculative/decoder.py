@@ -32,9 +32,10 @@ The draft length k (0 … K) is chosen per step by the draft policy (backend/eng
 from the step's load and the measured acceptance; a step verifies at most k of the drafts proposed
 the step before (a prefix of them: exact whatever k was then) and proposes k. With k = 0 nobody
 drafts and the step is a plain one (graph-replayed decode). While a plain decode step runs on the
-device, the policy is told the last step's time and chooses the next step's k for this load
-(`while_plain_step`): its per-step host work is then off a plain step's critical path. What is left
-on it asks no sequence anything in a step of decodes alone (a few cheap walks remain: the drafting
+device, the policy is told the steps' times and chooses k for the next steps at this load
+(`while_plain_step`), and a plain decode stream asks it once every `PLAIN_REASK` steps, the choice
+standing in between (`_holds`: on the H100 the work beside the device was on the critical path all
+the same, 20 µs of a 0.42 ms step). What is left on a step asks no sequence anything in a step of decodes alone (a few cheap walks remain: the drafting
 ids when 1-8 may draft, the refused catch-ups, the pages touched): its load comes from the
 scheduler's count of decodes (`SchedulerOutput.is_decodes_only`) and the book's requests that may
 never draft, and the book is empty once a load has stopped drafting (issue 28: at 16-64 sequences
