@@ -289,13 +289,25 @@ class SpecDecoder:
         """Tell the policy the measurements of the steps since it was last told, in their order."""
         pending, self._measured = self._measured, []
         policy = self.policy
+        plain: list[tuple[int, float]] = []  # a run of plain steps of one load, told at once
+        plain_seqs = 0
         for num_seqs, num_drafting, is_verified, num_gap_rows, num_tokens, seconds, k in pending:
-            if num_drafting and num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
+            if not num_drafting:
+                if plain and num_seqs != plain_seqs:
+                    policy.observe_plain(plain_seqs, plain)
+                    plain = []
+                plain_seqs = num_seqs
+                plain.append((num_tokens, seconds))
+                continue
+            if plain:
+                policy.observe_plain(plain_seqs, plain)
+                plain = []
+            if num_gap_rows:  # mostly a prefill of MTP KV: a probe's price
                 policy.observe_catch_up(num_seqs, seconds, num_gap_rows)
             else:
-                policy.observe_step(
-                    num_seqs, num_drafting > 0, is_verified, num_tokens, seconds, k, num_drafting
-                )
+                policy.observe_step(num_seqs, True, is_verified, num_tokens, seconds, k, num_drafting)
+        if plain:
+            policy.observe_plain(plain_seqs, plain)
 
     def while_plain_step(self) -> None:
         """The policy's work while a plain step runs on the device (`ModelRunner.run`), once every

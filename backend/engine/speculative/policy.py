@@ -552,6 +552,25 @@ class DraftPolicy:
         elif not is_drafting:
             rates.add_plain(num_tokens / seconds)
 
+    def observe_plain(self, num_seqs: int, steps: list[tuple[int, float]]) -> None:
+        """`observe_step` of plain decode steps of `num_seqs` sequences, each (tokens, seconds), in
+        their order: the same updates, the load looked up once (a plain decode stream's
+        measurements are told a few at a time: backend/engine/speculative/decoder.py `settle`)."""
+        if not self.is_calibrated:
+            return
+        bucket = load_bucket(num_seqs)
+        rates = self._rates.at(bucket)
+        for num_tokens, seconds in steps:
+            if seconds <= 0:
+                continue
+            limit = rates.cold_limit(False)
+            if math.isinf(limit):
+                near = self._rates.near(bucket, lambda r: r.plain_step_s > 0)
+                limit = near.cold_limit(False) if near is not None else limit
+            rates.add_seconds(False, min(seconds, limit))
+            if seconds <= limit:
+                rates.add_plain(num_tokens / seconds)
+
     def pays_to_catch_up(self, num_seqs: int, gap: int, tokens_left: int) -> bool:
         """Whether a sequence that plain steps left `gap` positions behind (MTP KV its first drafting
         step must catch up, the target recomputing them too) should draft again, given the

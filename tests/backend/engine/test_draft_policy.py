@@ -105,6 +105,22 @@ def test_acceptance_is_measured_per_depth() -> None:
     assert p.acceptance_length == pytest.approx(1 + p.acceptance[0] * (1 + p.acceptance[1] * (1 + 0.8)))
 
 
+def test_plain_steps_told_at_once_update_the_policy_as_one_at_a_time() -> None:
+    """A plain decode stream's steps are told in runs (`observe_plain`, decoder.py `settle`): the
+    policy ends exactly as when each was told by `observe_step` in turn, a cold step and an unmeasured
+    load (a neighbour's bound) among them."""
+    steps = [(1, 1e-3), (1, 1.1e-3), (1, 9e-3), (1, 0.0), (1, 0.95e-3), (2, 2e-3)] * 3
+    one, many = (policy(3, draft_cost=0.5) for _ in range(2))
+    for p in (one, many):
+        p.is_calibrated = True
+        p.observe_step(2, False, False, 2, 1e-3)  # a neighbour's plain steps: load 1's first bound
+    for tokens, seconds in steps:
+        one.observe_step(4, False, False, tokens, seconds)
+    many.observe_plain(4, steps[:7])
+    many.observe_plain(4, steps[7:])
+    assert one._rates == many._rates and one._rates[4].num_plain == 12  # not the cold ones, nor 0 s
+
+
 def test_poor_acceptance_turns_drafting_off_but_probes() -> None:
     p = policy(3, acceptance=0.02, draft_cost=0.5)
     load = StepLoad(num_rows=1, num_drafting=1)

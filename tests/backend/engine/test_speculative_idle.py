@@ -159,6 +159,14 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
         told.append(args[4])
         observe_step(*args)
 
+    observe_plain = spec.policy.observe_plain
+
+    def observed_plain(num_seqs: int, plain: list[tuple[int, float]]) -> None:
+        for _, seconds in plain:  # a run of plain steps told at once: each one as told alone
+            calls.append(("observe", beside[0]))
+            told.append(seconds)
+        observe_plain(num_seqs, plain)
+
     observe_catch_up = spec.policy.observe_catch_up
 
     def caught_up(*args: Any) -> None:
@@ -177,6 +185,7 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
     spec.policy.choose = choose  # type: ignore[method-assign]
     spec.policy.observe_step = observed  # type: ignore[method-assign]
     spec.policy.observe_catch_up = caught_up  # type: ignore[method-assign]
+    spec.policy.observe_plain = observed_plain  # type: ignore[method-assign]
     steps: list[tuple[list[tuple[str, bool]], int]] = []  # per step: its calls, the draft length it ran
 
     def drive(engine: Engine) -> dict[str, Result]:
