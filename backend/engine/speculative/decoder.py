@@ -213,9 +213,12 @@ class SpecDecoder:
             if ahead is not None and ahead[0] is load and ahead[1] == ids and self.policy.forced_k is None:
                 self.k = ahead[2]  # chosen while a recent step ran, for this load and these requests
             else:
-                ahead, self._held = None, 0
+                # held steps of a stream this step broke count too (acceptance-starved probing)
+                num_steps, ahead, self._held = self._held + 1, None, 0
                 self.settle()
-                self.k = self.policy.choose(load, ids, not self._has_drafts(out, can_draft))
+                self.k = self.policy.choose(
+                    load, ids, not self._has_drafts(out, can_draft), num_steps=num_steps
+                )
             if self.k:
                 self._catch_up_worth(out, can_draft)
                 flags = self.book.reserve(out, can_draft, self.k)

@@ -559,10 +559,12 @@ class DraftPolicy:
         if not self.is_calibrated:
             return
         bucket = load_bucket(num_seqs)
-        rates = self._rates.at(bucket)
+        rates = None  # looked up at the first step measured (none: no entry made, as observe_step)
         for num_tokens, seconds in steps:
             if seconds <= 0:
                 continue
+            if rates is None:
+                rates = self._rates.at(bucket)
             limit = rates.cold_limit(False)
             if math.isinf(limit):
                 near = self._rates.near(bucket, lambda r: r.plain_step_s > 0)

@@ -118,7 +118,11 @@ def test_plain_steps_told_at_once_update_the_policy_as_one_at_a_time() -> None:
         one.observe_step(4, False, False, tokens, seconds)
     many.observe_plain(4, steps[:7])
     many.observe_plain(4, steps[7:])
+    for p in (one, many):  # a load whose steps all measured nothing: no entry
+        p.observe_step(64, False, False, 1, 0.0)
+    many.observe_plain(64, [(1, 0.0), (1, -1.0)])
     assert one._rates == many._rates and one._rates[4].num_plain == 12  # not the cold ones, nor 0 s
+    assert 64 not in many._rates
 
 
 def test_poor_acceptance_turns_drafting_off_but_probes() -> None:

@@ -229,6 +229,43 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
     assert {r: v.token_ids for r, v in got.items()} == {r: v.token_ids for r, v in want.items()}
 
 
+@pytest.mark.parametrize("every", [5, 50])
+def test_held_plain_steps_count_towards_starved_probes(monkeypatch: pytest.MonkeyPatch, every: int) -> None:
+    """Acceptance alone keeps drafting off (its drafts are rejected), requests arriving every `every`
+    steps: the acceptance-starved probes come as often in steps as when the policy was asked every
+    step (`PLAIN_REASK` = 1), whether a stream's hold runs its course or an arrival breaks it (the
+    held steps then count at the next ask)."""
+    import backend.engine.speculative.decoder as decoder
+
+    V = 16
+    target = torch.randn(V, V, generator=torch.Generator().manual_seed(0)) * 3
+    draft = torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 3
+
+    def probes(reask: int) -> int:
+        monkeypatch.setattr(decoder, "PLAIN_REASK", reask)
+        config = EngineConfig.build(
+            num_pages=1024, page_size=4, max_num_batched_tokens=96, max_num_seqs=16,
+            num_speculative_tokens=3, speculative_max_seqs=16, speculative_draft_cost=0.25,
+        )  # fmt: skip
+        engine = Engine(MarkovModel(target, draft), config, vocab_size=V, context_window=512)
+        spec = engine.spec
+        assert spec is not None
+        runs, last_k, n = 0, 0, 0
+        for step in range(1200):
+            if step % every == 0:
+                engine.add_request(request(f"r{n}", [n % V] * 3, max_tokens=3 * every, ignore_eos=True))
+                n += 1
+            spec.policy.acceptance = spec.policy.recent = [0.02] * 3  # starved throughout
+            engine.step()
+            runs += bool(spec.k and not last_k)
+            last_k = spec.k
+        return runs
+
+    every_step, held = probes(1), probes(PLAIN_REASK)
+    assert every_step > 30
+    assert abs(held - every_step) <= 0.15 * every_step, (held, every_step)
+
+
 # ---- a load priced to lose: the decoder's work a step, not a pass over its sequences --------------
 
 
