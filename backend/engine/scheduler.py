@@ -123,12 +123,17 @@ class Scheduler:
         self._next_step += 1
         budget = self.config.max_num_batched_tokens
         running = list(self.running)
+        shares = None
         if self.config.tenant_share < 1.0:
             if self.waiting:
                 self._reclaim_shares(out)
-            # tenants over their share decode last: when pages run out, theirs are preempted
+            # tenants over their share decode last: when pages run out, theirs are preempted (a
+            # stable sort: with no tenant over its share, the order as it was)
             shares = _Shares.of(self)
-            running = sorted(self.running, key=lambda s: shares.is_over(_tenant(s)))
+            if shares.is_any_over():
+                running = sorted(self.running, key=lambda s: shares.is_over(_tenant(s)))
+            else:
+                running = list(self.running)
         # decode: one token each, oldest first; preempt the newest when a page is missing
         prefilling = []
         reserve = self.block_manager.reserve_next_slot
@@ -155,8 +160,10 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         # admit: not in a step that had to preempt (the pool is short; recompute would thrash);
-        # a tenant past its share waits while another tenant under its share is waiting
-        admitting = _Shares.of(self) if self.config.tenant_share < 1.0 else None
+        # a tenant past its share waits while another tenant under its share is waiting. Admitting
+        # runs only in a step that preempted nothing, so the running sequences are those `shares`
+        # counted (a sequence's tokens do not change while it is scheduled)
+        admitting = shares
         at = 0
         while (
             at < len(self.waiting)
@@ -273,9 +280,10 @@ class _Shares:
         page_size = scheduler.block_manager.page_size
         # pages held, or about to be (a decode's next token may need one); not a drafting sequence's
         # spare pages, which the pool takes back before anyone waits for them (BlockManager)
-        for seq in scheduler.running:
-            num_pages[_tenant(seq)] += -(-seq.num_tokens // page_size)
-            num_seqs[_tenant(seq)] += 1
+        for seq in scheduler.running:  # one pass, no calls a sequence: at c = 64 this ran every step
+            tenant = seq.request.tenant_salt  # `_tenant`
+            num_pages[tenant] += -(-len(seq.token_ids) // page_size)  # `num_tokens`
+            num_seqs[tenant] += 1
         return cls(
             max_pages=max(1, int(share * scheduler.block_manager.num_pages)),
             max_seqs=max(1, int(share * scheduler.config.max_num_seqs)),
@@ -283,6 +291,12 @@ class _Shares:
             num_seqs=num_seqs,
             waiting=Counter(_tenant(s) for s in scheduler.waiting),
             page_size=page_size,
+        )
+
+    def is_any_over(self) -> bool:
+        """Some tenant holds more than its share (`is_over`)."""
+        return any(n > self.max_pages for n in self.num_pages.values()) or any(
+            n > self.max_seqs for n in self.num_seqs.values()
         )
 
     def is_over(self, tenant: str) -> bool:

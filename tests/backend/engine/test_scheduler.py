@@ -249,3 +249,89 @@ def test_spare_draft_pages_do_not_count_against_a_tenant_share() -> None:
     assert len(seq.page_table) == 5 and bm.num_spare_pages == 2
     shares = _Shares.of(engine.scheduler)
     assert shares.max_pages == 4 and shares.num_pages[TENANT_A] == 3 and not shares.is_over(TENANT_A)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_skipping_the_share_sort_when_no_tenant_is_over_changes_no_decision(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """One tenant alone, past its share once three tenants arrive at random into a small pool
+    (tenant shares enforced, preemptions, waiting requests): every step schedules and preempts the same sequences, and every request ends
+    with the same tokens, whether the decode order is sorted by share each step (as before) or only
+    when some tenant is over its share (a stable sort of all-equal keys keeps the order)."""
+    import random
+
+    from backend.engine.scheduler import _Shares
+
+    def run(always_sort: bool) -> tuple[list[tuple[list[tuple[str, int]], list[str]]], dict[str, list[int]]]:
+        with monkeypatch.context() as m:
+            if always_sort:
+                m.setattr(_Shares, "is_any_over", lambda self: True)
+            engine = make_engine(num_pages=16, max_num_batched_tokens=32, max_num_seqs=8)
+            rng = random.Random(seed)
+            steps: list[tuple[list[tuple[str, int]], list[str]]] = []
+            results: dict[str, Result] = {}
+            schedule = engine.scheduler.schedule
+
+            def recorded() -> object:
+                out = schedule()
+                steps.append(
+                    (
+                        [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled],
+                        [s.request_id for s in out.preempted],
+                    )
+                )
+                return out
+
+            m.setattr(engine.scheduler, "schedule", recorded)
+            for i in range(6):  # tenant a alone first: past its share once others arrive
+                engine.add_request(request(f"a{i}", prompt_of(100 + i, 20), max_tokens=40))
+            n = 0
+            for step in range(120):
+                if 4 <= step < 60 and rng.random() < 0.4:
+                    tenant = ("a" * 32, "b" * 32, "c" * 32)[rng.randrange(3) if rng.random() < 0.5 else 0]
+                    engine.add_request(
+                        request(
+                            f"r{n}",
+                            prompt_of(n, rng.randint(2, 30)),
+                            max_tokens=rng.randint(2, 24),
+                            tenant=tenant,
+                        )
+                    )
+                    n += 1
+                if engine.has_unfinished:
+                    collect(results, engine.step())
+            while engine.has_unfinished:
+                collect(results, engine.step())
+            return steps, {r: v.token_ids for r, v in results.items()}
+
+    fast, fast_tokens = run(always_sort=False)
+    slow, slow_tokens = run(always_sort=True)
+    assert fast == slow and fast_tokens == slow_tokens
+    assert any(preempted for _, preempted in fast)  # the pool was short: shares and preemption acted
+
+
+def test_a_tenant_over_its_share_is_preempted_first_when_pages_run_out() -> None:
+    """Tenant a starts five requests while alone (past its half of the sequences once b arrives);
+    when the pool runs out as they all grow, a's newest are preempted, never b's request, although b's
+    is the newest of all: a tenant over its share decodes last in each step (decoded in arrival
+    order, b's page would be the one missing, with every sequence of a's already scheduled)."""
+    engine = make_engine(num_pages=8, max_num_batched_tokens=128, max_num_seqs=8)
+    for i in range(5):
+        engine.add_request(request(f"a{i}", prompt_of(200 + i, 15), max_tokens=40, ignore_eos=True))
+    results: dict[str, Result] = {}
+    collect(results, engine.step())
+    engine.add_request(request("b", prompt_of(300, 4), max_tokens=40, ignore_eos=True, tenant="b" * 32))
+    preempted: list[str] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> object:
+        out = schedule()
+        preempted.extend(s.request_id for s in out.preempted)
+        return out
+
+    engine.scheduler.schedule = recorded  # type: ignore[method-assign]
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert preempted and "b" not in preempted, preempted
+    assert all(len(r.token_ids) == 40 for r in results.values())
