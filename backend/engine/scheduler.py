@@ -128,9 +128,9 @@ class Scheduler:
             if self.waiting:
                 self._reclaim_shares(out)
             # tenants over their share decode last: when pages run out, theirs are preempted (a
-            # stable sort: with no tenant over its share, the order as it was)
+            # stable sort: with every tenant over its share or none, the order as it was)
             shares = _Shares.of(self)
-            if shares.is_any_over():
+            if shares.is_split():
                 running = sorted(self.running, key=lambda s: shares.is_over(_tenant(s)))
             else:
                 running = list(self.running)
@@ -293,11 +293,12 @@ class _Shares:
             page_size=page_size,
         )
 
-    def is_any_over(self) -> bool:
-        """Some tenant holds more than its share (`is_over`)."""
-        return any(n > self.max_pages for n in self.num_pages.values()) or any(
-            n > self.max_seqs for n in self.num_seqs.values()
-        )
+    def is_split(self) -> bool:
+        """Of the tenants running, some are over their share (`is_over`) and some are not: only then
+        does ordering the decodes by it change their order (a stable sort of equal keys keeps it;
+        one tenant alone past its share, as a single-tenant load is, gives all-equal keys)."""
+        over = [self.is_over(t) for t, n in self.num_seqs.items() if n]
+        return any(over) and not all(over)
 
     def is_over(self, tenant: str) -> bool:
         """Holds more than its share (strictly: a tenant at its share is left alone)."""

@@ -252,13 +252,14 @@ def test_spare_draft_pages_do_not_count_against_a_tenant_share() -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_skipping_the_share_sort_when_no_tenant_is_over_changes_no_decision(
+def test_skipping_the_share_sort_when_it_would_not_reorder_changes_no_decision(
     monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
     """One tenant alone, past its share once three tenants arrive at random into a small pool
     (tenant shares enforced, preemptions, waiting requests): every step schedules and preempts the same sequences, and every request ends
     with the same tokens, whether the decode order is sorted by share each step (as before) or only
-    when some tenant is over its share (a stable sort of all-equal keys keeps the order)."""
+    when some running tenants are over their share and some not (a stable sort of all-equal keys
+    keeps the order)."""
     import random
 
     from backend.engine.scheduler import _Shares
@@ -266,7 +267,7 @@ def test_skipping_the_share_sort_when_no_tenant_is_over_changes_no_decision(
     def run(always_sort: bool) -> tuple[list[tuple[list[tuple[str, int]], list[str]]], dict[str, list[int]]]:
         with monkeypatch.context() as m:
             if always_sort:
-                m.setattr(_Shares, "is_any_over", lambda self: True)
+                m.setattr(_Shares, "is_split", lambda self: True)
             engine = make_engine(num_pages=16, max_num_batched_tokens=32, max_num_seqs=8)
             rng = random.Random(seed)
             steps: list[tuple[list[tuple[str, int]], list[str]]] = []
