@@ -269,7 +269,8 @@ class _Shares:
     max_seqs: int
     num_pages: Counter[str]
     num_seqs: Counter[str]
-    waiting: Counter[str]  # waiting requests per tenant
+    heads: dict[str, Sequence]  # each waiting tenant's first waiting request
+    queue: deque[Sequence]  # the scheduler's waiting queue (a tenant's next head)
     page_size: int
 
     @classmethod
@@ -284,12 +285,16 @@ class _Shares:
             tenant = seq.request.tenant_salt  # `_tenant`
             num_pages[tenant] += -(-len(seq.token_ids) // page_size)  # `num_tokens`
             num_seqs[tenant] += 1
+        heads: dict[str, Sequence] = {}
+        for seq in scheduler.waiting:
+            heads.setdefault(_tenant(seq), seq)
         return cls(
             max_pages=max(1, int(share * scheduler.block_manager.num_pages)),
             max_seqs=max(1, int(share * scheduler.config.max_num_seqs)),
             num_pages=num_pages,
             num_seqs=num_seqs,
-            waiting=Counter(_tenant(s) for s in scheduler.waiting),
+            heads=heads,
+            queue=scheduler.waiting,
             page_size=page_size,
         )
 
@@ -304,26 +309,39 @@ class _Shares:
         """Holds more than its share (strictly: a tenant at its share is left alone)."""
         return self.num_pages[tenant] > self.max_pages or self.num_seqs[tenant] > self.max_seqs
 
-    def must_wait(self, seq: Sequence) -> bool:
-        """Admitting `seq` would take its tenant past its share while another tenant under its
-        share waits."""
+    def fits(self, seq: Sequence) -> bool:
+        """Admitting `seq` keeps its tenant within its share."""
         tenant = _tenant(seq)
-        num_needed = -(-seq.num_tokens // self.page_size)
-        if (
+        return (
             self.num_seqs[tenant] + 1 <= self.max_seqs
-            and self.num_pages[tenant] + num_needed <= self.max_pages
-        ):
+            and self.num_pages[tenant] + -(-seq.num_tokens // self.page_size) <= self.max_pages
+        )
+
+    def must_wait(self, seq: Sequence) -> bool:
+        """Admitting `seq` would take its tenant past its share while another tenant waits whose
+        first waiting request would start within its own. (Any other waiting tenant, as before
+        2026-12-07: two tenants each asking more than their share, nothing running, each waited
+        for the other for good.)"""
+        if self.fits(seq):
             return False
-        return any(t != tenant and n and not self.is_over(t) for t, n in self.waiting.items())
+        tenant = _tenant(seq)
+        return any(t != tenant and self.fits(head) for t, head in self.heads.items())
 
     def add(self, seq: Sequence) -> None:
+        """`seq`, just taken off the waiting queue, starts."""
         tenant = _tenant(seq)
         self.num_pages[tenant] += seq.page_table.length
         self.num_seqs[tenant] += 1
-        self.waiting[tenant] -= 1
+        if self.heads.get(tenant) is seq:
+            head = next((s for s in self.queue if _tenant(s) == tenant), None)
+            if head is None:
+                del self.heads[tenant]
+            else:
+                self.heads[tenant] = head
 
     def remove(self, seq: Sequence) -> None:
+        """`seq` is preempted: it goes back to the front of the waiting queue."""
         tenant = _tenant(seq)
         self.num_pages[tenant] -= -(-seq.num_tokens // self.page_size)  # as `of` counted it
         self.num_seqs[tenant] -= 1
-        self.waiting[tenant] += 1
+        self.heads[tenant] = seq

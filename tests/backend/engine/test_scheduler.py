@@ -336,3 +336,30 @@ def test_a_tenant_over_its_share_is_preempted_first_when_pages_run_out() -> None
         collect(results, engine.step())
     assert preempted and "b" not in preempted, preempted
     assert all(len(r.token_ids) == 40 for r in results.values())
+
+
+def test_two_tenants_each_asking_more_than_their_share_are_both_served() -> None:
+    """Two tenants each send one request larger than their half of the pool (but within the pool),
+    nothing else running: both finish, one after the other. (Before, each waited for the other: a
+    tenant past its share waited while any other tenant under its share waited, and neither could
+    ever start within its share.) A request within its share still goes first past one that is not."""
+    engine = make_engine(
+        num_pages=8, page_size=4, max_num_batched_tokens=64, max_num_seqs=4, tenant_share=0.5
+    )
+    engine.add_request(request("a", prompt_of(1, 20), max_tokens=2, tenant="a" * 32))
+    engine.add_request(request("b", prompt_of(2, 20), max_tokens=2, tenant="b" * 32))
+    results: dict[str, Result] = {}
+    for _ in range(50):
+        if not engine.has_unfinished:
+            break
+        collect(results, engine.step())
+    assert {r: v.finish_reason for r, v in results.items()} == {"a": "length", "b": "length"}
+    # a third tenant's small request, within its share, starts before a's large one ahead of it
+    engine.add_request(request("big", prompt_of(3, 20), max_tokens=4, tenant="a" * 32))
+    engine.add_request(request("small", prompt_of(4, 6), max_tokens=4, tenant="c" * 32))
+    engine.add_request(request("big2", prompt_of(5, 20), max_tokens=4, tenant="b" * 32))
+    started = {o.request_id for o in engine.step()}
+    assert "small" in started and "big" not in started
+    while engine.has_unfinished:
+        collect(results, engine.step())
+    assert all(results[r].finish_reason == "length" for r in ("big", "small", "big2"))
