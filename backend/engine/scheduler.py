@@ -10,7 +10,8 @@ they arrive, not queued forever.
 
 Tenants share a replica: while another tenant under its share waits, no tenant (a prefix-cache
 salt) may hold more than `tenant_share` of the page pool or of `max_num_seqs`. Its requests past
-the share wait while others are admitted, and when the waiting tenant cannot start for lack of
+the share wait while others are admitted (while another tenant's first waiting request would start
+within that tenant's share: a request larger than any share does not wait for another such one), and when the waiting tenant cannot start for lack of
 pages or sequence slots, the tenant over its share gives back its newest sequences (preempted,
 recomputed later).
 """
