@@ -10,10 +10,10 @@ they arrive, not queued forever.
 
 Tenants share a replica: while another tenant under its share waits, no tenant (a prefix-cache
 salt) may hold more than `tenant_share` of the page pool or of `max_num_seqs`. Its requests past
-the share wait while others are admitted (while another tenant's first waiting request would start
-within that tenant's share: a request larger than any share does not wait for another such one), and when the waiting tenant cannot start for lack of
-pages or sequence slots, the tenant over its share gives back its newest sequences (preempted,
-recomputed later).
+the share wait while others are admitted (while another tenant's first waiting request would
+start within that tenant's share: a request larger than any share does not wait for another such
+one), and when the waiting tenant cannot start for lack of pages or sequence slots, the tenant over
+its share gives back its newest sequences (preempted, recomputed later).
 """
 
 from __future__ import annotations
@@ -123,18 +123,17 @@ class Scheduler:
         out = SchedulerOutput(step=self._next_step)
         self._next_step += 1
         budget = self.config.max_num_batched_tokens
-        running = list(self.running)
         shares = None
         if self.config.tenant_share < 1.0:
             if self.waiting:
                 self._reclaim_shares(out)
-            # tenants over their share decode last: when pages run out, theirs are preempted (a
-            # stable sort: with every tenant over its share or none, the order as it was)
             shares = _Shares.of(self)
-            if shares.is_split():
-                running = sorted(self.running, key=lambda s: shares.is_over(_tenant(s)))
-            else:
-                running = list(self.running)
+        # tenants over their share decode last: when pages run out, theirs are preempted (a stable
+        # sort: with every tenant over its share or none, the order as it was)
+        if shares is not None and shares.is_split():
+            running = sorted(self.running, key=lambda s: shares.is_over(_tenant(s)))
+        else:
+            running = list(self.running)
         # decode: one token each, oldest first; preempt the newest when a page is missing
         prefilling = []
         reserve = self.block_manager.reserve_next_slot
@@ -161,9 +160,10 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         # admit: not in a step that had to preempt (the pool is short; recompute would thrash);
-        # a tenant past its share waits while another tenant under its share is waiting. Admitting
-        # runs only in a step that preempted nothing, so the running sequences are those `shares`
-        # counted (a sequence's tokens do not change while it is scheduled)
+        # a tenant past its share waits while another tenant's first waiting request would start
+        # within its share (`_Shares.must_wait`). Admitting runs only in a step that preempted
+        # nothing, so the running sequences are those `shares` counted (a sequence's tokens do not
+        # change while it is scheduled)
         admitting = shares
         at = 0
         while (

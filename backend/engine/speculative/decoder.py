@@ -35,12 +35,12 @@ drafts and the step is a plain one (graph-replayed decode). While a plain decode
 device, the policy is told the steps' times and chooses k for the next steps at this load
 (`while_plain_step`), and a plain decode stream asks it once every `PLAIN_REASK` steps, the choice
 standing in between (`_holds`: on the H100 the work beside the device was on the critical path all
-the same, 20 µs of a 0.42 ms step). What is left on a step asks no sequence anything in a step of decodes alone (a few cheap walks remain: the drafting
-ids when 1-8 may draft, the refused catch-ups, the pages touched): its load comes from the
-scheduler's count of decodes (`SchedulerOutput.is_decodes_only`) and the book's requests that may
-never draft, and the book is empty once a load has stopped drafting (issue 28: at 16-64 sequences
-those passes were most of what a plain step with speculation on cost over one with it off,
-lab/diagnostics/spec_plain_host.py). Plain and drafting sequences share one verify forward: a
+the same, 20 µs of a 0.42 ms step). What is left on a step asks no sequence anything in a step of
+decodes alone (a few cheap walks remain: the drafting ids when 1-8 may draft, the refused
+catch-ups, the pages touched): its load comes from the scheduler's count of decodes
+(`SchedulerOutput.is_decodes_only`) and the book's requests that may never draft, and the book is
+empty once a load has stopped drafting (issue 28: at 16-64 sequences those passes were most of what
+a plain step with speculation on cost over one with it off, lab/diagnostics/spec_plain_host.py). Plain and drafting sequences share one verify forward: a
 plain decode is a one-row chunk beside them. Every forward of the step goes to every
 tensor-parallel rank (backend/engine/speculative/forwards.py).
 

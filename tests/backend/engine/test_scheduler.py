@@ -256,18 +256,25 @@ def test_skipping_the_share_sort_when_it_would_not_reorder_changes_no_decision(
     monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
     """One tenant alone, past its share once three tenants arrive at random into a small pool
-    (tenant shares enforced, preemptions, waiting requests): every step schedules and preempts the same sequences, and every request ends
-    with the same tokens, whether the decode order is sorted by share each step (as before) or only
-    when some running tenants are over their share and some not (a stable sort of all-equal keys
-    keeps the order)."""
+    (tenant shares enforced, preemptions, waiting requests): every step schedules and preempts the
+    same sequences, and every request ends with the same tokens, whether the decode order is sorted
+    by share each step (as before) or only when some running tenants are over their share and some
+    not (a stable sort of all-equal keys keeps the order); and the sort did run in some steps."""
     import random
 
     from backend.engine.scheduler import _Shares
 
+    is_split = _Shares.is_split
+    num_split = [0]
+
+    def counted(self: _Shares) -> bool:
+        split = is_split(self)
+        num_split[0] += split
+        return split
+
     def run(always_sort: bool) -> tuple[list[tuple[list[tuple[str, int]], list[str]]], dict[str, list[int]]]:
         with monkeypatch.context() as m:
-            if always_sort:
-                m.setattr(_Shares, "is_split", lambda self: True)
+            m.setattr(_Shares, "is_split", (lambda self: True) if always_sort else counted)
             engine = make_engine(num_pages=16, max_num_batched_tokens=32, max_num_seqs=8)
             rng = random.Random(seed)
             steps: list[tuple[list[tuple[str, int]], list[str]]] = []
@@ -309,6 +316,7 @@ def test_skipping_the_share_sort_when_it_would_not_reorder_changes_no_decision(
     fast, fast_tokens = run(always_sort=False)
     slow, slow_tokens = run(always_sort=True)
     assert fast == slow and fast_tokens == slow_tokens
+    assert num_split[0] > 0  # tenants were split by their shares: the sort ran
     assert any(preempted for _, preempted in fast)  # the pool was short: shares and preemption acted
 
 

@@ -229,6 +229,15 @@ def test_a_plain_steps_policy_work_runs_beside_the_device(loaded: dict[str, Any]
     assert {r: v.token_ids for r, v in got.items()} == {r: v.token_ids for r, v in want.items()}
 
 
+def markov_engine(target: torch.Tensor, draft: torch.Tensor, *, max_num_seqs: int) -> Engine:
+    """A `mtp:3` engine over the toy Markov model (`target`, `draft` [V, V] logits), m = 0.25."""
+    config = EngineConfig.build(
+        num_pages=1024, page_size=4, max_num_batched_tokens=96, max_num_seqs=max_num_seqs,
+        num_speculative_tokens=3, speculative_max_seqs=max_num_seqs, speculative_draft_cost=0.25,
+    )  # fmt: skip
+    return Engine(MarkovModel(target, draft), config, vocab_size=target.shape[0], context_window=512)
+
+
 @pytest.mark.parametrize("every", [5, 50])
 def test_held_plain_steps_count_towards_starved_probes(monkeypatch: pytest.MonkeyPatch, every: int) -> None:
     """Acceptance alone keeps drafting off (its drafts are rejected), requests arriving every `every`
@@ -243,11 +252,7 @@ def test_held_plain_steps_count_towards_starved_probes(monkeypatch: pytest.Monke
 
     def probes(reask: int) -> int:
         monkeypatch.setattr(decoder, "PLAIN_REASK", reask)
-        config = EngineConfig.build(
-            num_pages=1024, page_size=4, max_num_batched_tokens=96, max_num_seqs=16,
-            num_speculative_tokens=3, speculative_max_seqs=16, speculative_draft_cost=0.25,
-        )  # fmt: skip
-        engine = Engine(MarkovModel(target, draft), config, vocab_size=V, context_window=512)
+        engine = markov_engine(target, draft, max_num_seqs=16)
         spec = engine.spec
         assert spec is not None
         runs, last_k, n = 0, 0, 0
@@ -361,11 +366,7 @@ def test_a_step_counted_without_a_pass_decides_as_one_with_it(
                 m.setattr(
                     DraftBook, "num_pending_rows", lambda self, d: sum(self.num_pending(s.seq) for s in d)
                 )
-            config = EngineConfig.build(
-                num_pages=1024, page_size=4, max_num_batched_tokens=96, max_num_seqs=64,
-                num_speculative_tokens=3, speculative_max_seqs=64, speculative_draft_cost=0.25,
-            )  # fmt: skip
-            engine = Engine(MarkovModel(target, draft), config, vocab_size=V, context_window=512)
+            engine = markov_engine(target, draft, max_num_seqs=64)
             spec = engine.spec
             assert spec is not None and 4 < spec.max_drafting_seqs < 60
             measured: list[tuple[int, int, int]] = []
