@@ -449,6 +449,8 @@ def refusals(measured: dict[int, dict[str, dict[str, Any]]], extrapolated: dict[
         for a, b in zip(order, order[1:], strict=False):
             if times[b] <= times[a]:
                 reasons.append(f"at {name}, {b} ({times[b]:.3f} ms) not above {a} ({times[a]:.3f} ms)")
+    if len(depths) < 2:  # measured at the full depth: no line to check
+        return reasons
     lines = fit_lines(ms)
     plain = lines["plain"][0]  # ms per layer
     for k, key in enumerate(order[1:], start=1):
@@ -495,7 +497,12 @@ def project(opts: Options) -> dict[str, Any]:
     join_alone(opts.rank_of)
     full = make_geometry("glm-5.2", None, tiny=opts.tiny, rank_of=opts.rank_of).full_num_layers
     measured = {d: step_times(d, opts) for d in opts.depths}
-    extrapolated = extrapolate(measured, full)
+    at_full = list(measured) == [full]  # measured at the full depth: its times as they are
+    extrapolated = (
+        {key: t["ms"] for key, t in measured[full].items() if t["ms"] is not None}
+        if at_full
+        else extrapolate(measured, full)
+    )
     acceptance = nano_glm_acceptance(opts.acceptance_record) | {
         "GLM 5.2 published (3 drafts)": GLM52_PUBLISHED_ACCEPTANCE
     }
@@ -506,12 +513,21 @@ def project(opts: Options) -> dict[str, Any]:
         projected = {name: e * t_plain / t_spec for name, e in acceptance.items()}
     return {
         "label": "projection, not a measurement of GLM 5.2",
-        "how": "step times measured at truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
-        "a random MTP layer, CUDA graphs), each the median steady step of "
-        f"{PROJECTION_RUNS} runs after two warm-up runs of the same work, a least-squares line through the "
-        "depths extrapolated to the full depth; speedup = E(K) · t_plain / t_spec(K); refused where the times "
-        "are not monotonic in depth and in drafts, grow per layer faster than k + 1 plain rows', change "
-        f"their cost per layer between depths by more than {SLOPE_TOLERANCE:.0%}, or a step ran eagerly",
+        "how": (
+            "step times measured at the full depth of rank 0 of --rank-of (random INT4-expert weights, "
+            "a random MTP layer, CUDA graphs), each the median steady step of "
+            f"{PROJECTION_RUNS} runs after two warm-up runs of the same work; speedup = E(K) · t_plain / "
+            "t_spec(K); refused where the times are not monotonic in drafts, or a step ran eagerly"
+        )
+        if at_full
+        else (
+            "step times measured at truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
+            "a random MTP layer, CUDA graphs), each the median steady step of "
+            f"{PROJECTION_RUNS} runs after two warm-up runs of the same work, a least-squares line through the "
+            "depths extrapolated to the full depth; speedup = E(K) · t_plain / t_spec(K); refused where the times "
+            "are not monotonic in depth and in drafts, grow per layer faster than k + 1 plain rows', change "
+            f"their cost per layer between depths by more than {SLOPE_TOLERANCE:.0%}, or a step ran eagerly"
+        ),
         "rank_of": opts.rank_of,
         "full_depth": full,
         "depths_measured": list(opts.depths),
@@ -519,7 +535,7 @@ def project(opts: Options) -> dict[str, Any]:
         "steps_timed": {str(d): {key: t["steps"] for key, t in v.items()} for d, v in measured.items()},
         "graphs": {str(d): {key: t["graphs"] for key, t in v.items()} for d, v in measured.items()},
         "step_ms_full_depth": extrapolated,
-        "fitted_ms_per_layer": {key: line[0] for key, line in _lines(measured).items()},
+        "fitted_ms_per_layer": None if at_full else {key: line[0] for key, line in _lines(measured).items()},
         "draft_and_verify_over_plain": {k: v / extrapolated["plain"] for k, v in extrapolated.items()}
         if extrapolated.get("plain")
         else None,
@@ -602,7 +618,10 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rank-of", type=int, default=8, help="the projection's ranks (0: skip the projection)")
     ap.add_argument(
-        "--depths", default="8,16,24", help="the projection's truncated depths (two or more, increasing)"
+        "--depths",
+        default="8,16,24",
+        help="the projection's truncated depths (two or more, increasing), or full: the whole depth "
+        "measured (rank 0 of --rank-of: GLM 5.2's INT4 experts need ~55 GB)",
     )
     ap.add_argument("--projection-tokens", type=int, default=64, help="decode steps per projection run")
     ap.add_argument("--acceptance", type=Path, default=RESULTS / "2026-12-05-mtp.json")
@@ -639,11 +658,19 @@ def main(argv: list[str]) -> int:
         )
         # 12 tokens: a whole step of K = 3 drafts needs 2K − 1 tokens of window left
         a.rank_of, a.projection_tokens = min(a.rank_of, 2), min(a.projection_tokens, 12)
-    depths = tuple(int(x) for x in a.depths.split(",") if x)
-    if len(depths) < 2 or list(depths) != sorted(set(depths)) or depths[0] < 1:
-        raise SystemExit(
-            f"kumo bench engine mtp: --depths must be two or more increasing layer counts, not {a.depths!r}"
+    if a.depths == "full":  # the step times measured where they apply: no line, no extrapolation
+        from benchmarks.engine.geometry import make_geometry
+
+        depths: tuple[int, ...] = (
+            make_geometry("glm-5.2", None, tiny=a.tiny, rank_of=a.rank_of).full_num_layers,
         )
+    else:
+        depths = tuple(int(x) for x in a.depths.split(",") if x.strip().isdigit())
+        if len(depths) < 2 or list(depths) != sorted(set(depths)) or depths[0] < 1:
+            raise SystemExit(
+                "kumo bench engine mtp: --depths must be two or more increasing layer counts, or full, "
+                f"not {a.depths!r}"
+            )
     opts = Options(
         device=device, models=tuple(ROOT / m if not Path(m).is_absolute() else Path(m) for m in a.models.split(",") if m),
         tasks=tuple(a.tasks.split(",")), num_prompts=a.prompts, max_tokens=a.max_tokens,

@@ -166,3 +166,39 @@ def test_a_step_bound_by_the_host_at_shallow_depths_is_refused() -> None:
         slope, at_zero = statistics.linear_regression(depths, [straight[d][key]["ms"] for d in depths])
         full[key] = slope * 78 + at_zero
     assert refusals(straight, full) == []
+
+
+def test_a_projection_measured_at_the_full_depth_uses_its_times_as_they_are(tmp_path: Path) -> None:
+    """`--depths full`: the whole depth of rank 0 measured (on the H100, GLM 5.2's INT4 experts fit
+    one rank of 8), no line fitted; the nano models skipped (`--models ""`)."""
+    out = tmp_path / "full.json"
+    argv = ["--tiny", "--models", "", "--depths", "full", "--budget-s", "400", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "benchmarks.cli", "engine", "mtp", *argv]
+    subprocess.run(cmd, env=env, cwd=ROOT, check=True, timeout=600)
+    record = json.loads(out.read_text())
+    assert record["models"] == {}
+    p = record["projection_glm_5.2"]
+    assert p["depths_measured"] == [p["full_depth"]] == [78] and p["fitted_ms_per_layer"] is None
+    measured = p["step_ms_measured"]["78"]
+    assert p["step_ms_full_depth"] == measured and set(measured) == {"plain", "spec_k1", "spec_k2", "spec_k3"}
+    assert p["how"].startswith("step times measured at the full depth")
+    graphs = {k: {"ms": ms, "graphs": p["graphs"]["78"][k]} for k, ms in measured.items()}
+    assert p["refused"] == refusals({78: graphs}, measured)
+    if p["refused"]:  # CPU times of a tiny model need not grow with the drafts
+        assert p["projected_speedup_c1"] is None
+        return
+    e = p["acceptance_length_used"]
+    for name, value in p["projected_speedup_c1"].items():
+        assert value == pytest.approx(e[name] * measured["plain"] / measured["spec_k3"])
+
+
+def test_one_depth_is_refused_only_for_what_it_shows() -> None:
+    """At one depth there is no line to check: the drafts' order and the graphs still are."""
+    one = times({78: [10.0, 12.0, 13.0, 14.0]})
+    assert refusals(one, {"plain": 10.0, "spec_k1": 12.0, "spec_k2": 13.0, "spec_k3": 14.0}) == []
+    one[78]["spec_k3"]["ms"] = 12.5
+    assert refusals(one, {"plain": 10.0, "spec_k1": 12.0, "spec_k2": 13.0, "spec_k3": 12.5}) == [
+        "at 78 layers, spec_k3 (12.500 ms) not above spec_k2 (13.000 ms)",
+        "at the full depth, spec_k3 (12.500 ms) not above spec_k2 (13.000 ms)",
+    ]
