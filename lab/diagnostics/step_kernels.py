@@ -46,13 +46,15 @@ def build(checkpoint: Path, k: int, device: str, graphs: bool) -> dict[str, Any]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(checkpoint, dtype=dtype, device=device, num_mtp_layers=num_mtp_layers_in(checkpoint))
     out = {}
-    for side, kk in (("plain", 0), (f"greedy k={k}", k)):
+    for side, kk in (("plain", 0), (f"greedy k={k}", k), ("spec engine's plain", k)):
         config = EngineConfig.build(
             num_pages=512, page_size=16, max_num_batched_tokens=4096, max_num_seqs=1,
             enable_prefix_cache=False, num_speculative_tokens=kk, speculative_max_seqs=1,
             speculative_adaptive=False, cuda_graphs=graphs, speculative_graphs=graphs,
         )  # fmt: skip
         out[side] = Engine.from_prepared(prepare_model(loaded, config, model_dtype=dtype), config)
+        if side.startswith("spec engine"):  # a speculative engine held at k = 0: its plain steps
+            out[side].spec.policy.forced_k = 0
     return out
 
 
@@ -75,7 +77,7 @@ def kept_steps(engine: Any, prompt: list[int], steps: int) -> list[int]:
             engine.step()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        if engine.spec is not None:
+        if engine.spec is not None and engine.spec.policy.forced_k != 0:
             keep = engine.spec.num_greedy_steps > greedy0
         else:
             keep = engine.stats.computed_tokens - tokens0 == 1
