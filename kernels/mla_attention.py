@@ -51,7 +51,7 @@ def mla_attention(args: MlaAttentionArgs) -> torch.Tensor:  # [T, H, R]
         return mla_prefill(
             a.q, a.latent_cache, a.latent_scale, a.kv_lora_rank, b.query_start, b.seq_lens, b.page_table,
             b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, a.topk_indices,
-            check_tags=b.check_tags, fp8_dot=a.fp8_dot,
+            check_tags=b.check_tags, fp8_dot=a.fp8_dot, memo=b.memo,
         )  # fmt: skip
     if a.fp8_dot:
         raise ValueError("fp8_dot runs the CUDA kernels only: the reference has no e4m3 dots")

@@ -24,12 +24,14 @@ NT tiles.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 
 from kernels.mla_decode import check_mla_inputs, launch_mla_paged
 from kernels.mla_tiles import resolve_tiles, tile_rows
-from kernels.triton_lib import query_tiles
+from kernels.triton_lib import memo_query_tiles
 
 __all__ = ["mla_prefill"]
 
@@ -57,6 +59,7 @@ def mla_prefill(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fp8_dot: bool = False,
+    memo: dict[Any, Any] | None = None,  # the step's (`PagedBatch.memo`): its query tiles made once
 ) -> torch.Tensor:  # [T, H, R] in q's dtype
     """`mla_attention_ref` on the GPU; see the module docstring.
 
@@ -86,6 +89,6 @@ def mla_prefill(
     )  # fmt: skip
     return launch_mla_paged(
         q, latent_cache, latent_scale, kv_lora_rank, seq_lens, page_table, expected_tags, page_tags,
-        tag_mismatch, softmax_scale, topk_indices, query_tiles(query_start, q.shape[0], block_q),
+        tag_mismatch, softmax_scale, topk_indices, memo_query_tiles(memo, query_start, q.shape[0], block_q),
         num_splits=num_splits, check_tags=check_tags, tiles=tiles,
     )  # fmt: skip

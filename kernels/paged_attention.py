@@ -42,10 +42,14 @@ def paged_attention(args: PagedAttentionArgs) -> torch.Tensor:  # [T, Hq, Dv]
             a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, b.seq_lens, b.page_table, b.expected_tags,
             b.page_tags, b.tag_mismatch, a.softmax_scale, check_tags=b.check_tags,
         )  # fmt: skip
-    run = paged_attention_ref
     if a.q.is_cuda:  # prefill chunks (and mixed steps)
-        from kernels.paged_prefill_gqa import paged_prefill_gqa as run
-    return run(
+        from kernels.paged_prefill_gqa import paged_prefill_gqa
+
+        return paged_prefill_gqa(
+            a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, b.query_start, b.seq_lens, b.page_table,
+            b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, check_tags=b.check_tags, memo=b.memo,
+        )  # fmt: skip
+    return paged_attention_ref(
         a.q, a.k_cache, a.v_cache, a.k_scale, a.v_scale, b.query_start, b.seq_lens, b.page_table,
         b.expected_tags, b.page_tags, b.tag_mismatch, a.softmax_scale, check_tags=b.check_tags,
     )  # fmt: skip

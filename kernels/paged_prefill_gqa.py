@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
@@ -52,7 +53,7 @@ from kernels.gqa_slice import (
 )
 from kernels.paged_decode_gqa import check_gqa_inputs
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms, pick_num_splits
-from kernels.triton_lib import query_tile, query_tiles
+from kernels.triton_lib import memo_query_tiles, query_tile
 
 __all__ = ["paged_prefill_gqa"]
 
@@ -205,6 +206,7 @@ def paged_prefill_gqa(
     check_tags: bool = True,  # False only to measure the check's cost
     tiles: str | GQATiles | None = None,  # a PREFILL_TILES name or entry; None: DEFAULT_TILES
     out: torch.Tensor | None = None,  # [T, Hq, Dv] q's dtype, written whole (a graph's static buffer)
+    memo: dict[Any, Any] | None = None,  # the step's (`PagedBatch.memo`): its query tiles made once
 ) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
     """`paged_attention_ref` on the GPU; see the module docstring."""
     if q.dim() != 3:
@@ -227,7 +229,7 @@ def paged_prefill_gqa(
     if T == 0:
         return out
     block_q = block_m // G
-    tiles = query_tiles(query_start, T, block_q)
+    tiles = memo_query_tiles(memo, query_start, T, block_q)
     num_tiles = tiles.tile_seq.shape[0]
     S = k_cache.shape[1]
     splits = num_splits or pick_num_splits(num_tiles, Hkv, page_table.shape[1] * S, num_sms(q.device))

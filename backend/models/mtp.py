@@ -25,6 +25,8 @@ from backend.models.layers.linear import Linear
 from backend.models.layers.norm import RMSNorm
 from backend.models.layers.step import Step
 from backend.models.model_config import ModelConfig
+from kernels.op_args import RowNorm
+from kernels.row_norms import RowNormsArgs, row_norms
 
 
 class SharedHead(nn.Module):
@@ -55,8 +57,15 @@ class MtpLayer(nn.Module):
         T, H = embeds.shape
         dtype = torch.promote_types(self.enorm.weight.dtype, embeds.dtype)  # the norms' output dtype
         both = torch.empty(T, 2 * H, dtype=dtype, device=embeds.device)  # [T, 2H]
-        self.enorm(embeds, out=both[:, :H])  # the norms write their halves: no concatenation
-        self.hnorm(hidden, out=both[:, H:])
+        # both norms in one launch, each writing its half: no concatenation
+        row_norms(
+            RowNormsArgs(
+                (
+                    RowNorm(embeds, self.enorm.weight, self.enorm.eps, out=both[:, :H]),
+                    RowNorm(hidden, self.hnorm.weight, self.hnorm.eps, out=both[:, H:]),
+                )
+            )
+        )
         x = self.eh_proj(both)  # [T, H]
         # the decoder block, as DecoderLayer's: the residual add inside the norm after it (one launch)
         normed, x = self.post_attention_layernorm.add_forward(

@@ -8,7 +8,7 @@ W=/tmp/r27 && rm -rf $W && mkdir -p $W
 pack() { tar czf "$OUT/r27.tgz" -C $W .; }
 LIMIT=${LIMIT:-560}
 BUDGET=${BUDGET:-150}
-fits 150 "step_kernels" && timeout 150 python3 -m lab.diagnostics.step_kernels --models glm,kimi --k 3 \
+fits 150 "step_kernels" && timeout 150 python3 -m lab.diagnostics.step_kernels --models ${SK_MODELS:-glm,kimi} --k 3 \
   --steps 3 --top 60 --out $W/step_kernels.json > $W/step_kernels.log 2>&1
 echo "== step_kernels rc=$? at $(el)s"; grep -vE "Warning|profiler|USDT|^\[W" $W/step_kernels.log | head -120
 pack

@@ -92,6 +92,28 @@ def test_matches_reference(seq_lens: list[int], num_q: list[int], q_dtype: torch
     assert not flags.any() and not ref_flags.any()
 
 
+def test_a_steps_memo_makes_its_query_tiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of one step share `PagedBatch.memo`: the tiles are made by the first (19 launches at
+    block_q > 1, 76 of a 3-draft greedy step's 366 before), read by the rest, with the same output."""
+    import kernels.triton_lib as lib
+
+    made = []
+    real = lib.query_tiles
+    monkeypatch.setattr(lib, "query_tiles", lambda *a: made.append(a) or real(*a))
+    batch, _ = make_batch(
+        [9, 20], [4, 4], H=8, R=32, Dr=8, S=8, cache_dtype=torch.float32, q_dtype=torch.float32, seed=3
+    )
+    alone, ref, _, _ = run_both(batch, block_q=4, block_h=8)
+    assert len(made) == 1  # no memo: made for the call
+    memo: dict = {}
+    for _layer in range(3):
+        out, _, _, _ = run_both(batch, block_q=4, block_h=8, memo=memo)
+        assert torch.equal(out, alone) and rel_err(out, ref) < 1e-5
+    assert len(made) == 2  # one more: the memo's, for all three
+    run_both(batch, block_q=2, block_h=8, memo=memo)  # other tiles: made anew
+    assert len(made) == 3
+
+
 @pytest.mark.parametrize(("block_q", "block_h", "splits"), [(2, 16, 3), (1, 16, 2), (8, 2, None)])
 def test_tile_shapes_and_splits(block_q: int, block_h: int, splits: int | None) -> None:
     """Split-K over a varlen batch (merge per query row), single-query tiles, wide query tiles."""
