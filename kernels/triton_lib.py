@@ -644,8 +644,59 @@ class QueryTiles:
     block_q: int
 
 
+def num_query_tiles(num_tokens: int, num_seqs: int, block_q: int) -> int:
+    """The grid's tile count, known on the host: an upper bound (each sequence's last tile may be
+    partial), idle tiles past the real ones."""
+    return num_tokens if block_q == 1 else min(num_tokens, triton.cdiv(num_tokens, block_q) + num_seqs)
+
+
+@triton.jit
+def _query_tiles_kernel(
+    query_start_ptr,  # [B+1] int32
+    tile_seq_ptr,  # [NT] int32 out
+    tile_q0_ptr,  # [NT] int32 out
+    num_seqs,
+    num_tiles,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program: sequence by sequence, its tiles in order (tile j of sequence b starts at query
+    q_beg + j·BLOCK_Q), then the idle tiles (sequence B, first query 0). Each address written once."""
+    start = 0
+    for b in range(num_seqs):
+        q_beg = tl.load(query_start_ptr + b)
+        n = (tl.load(query_start_ptr + b + 1) - q_beg + BLOCK_Q - 1) // BLOCK_Q
+        for j0 in range(0, n, BLOCK_T):
+            j = j0 + tl.arange(0, BLOCK_T)
+            keep = (j < n) & (start + j < num_tiles)
+            tl.store(tile_seq_ptr + start + j, tl.full([BLOCK_T], 0, tl.int32) + b, mask=keep)
+            tl.store(tile_q0_ptr + start + j, q_beg + j * BLOCK_Q, mask=keep)
+        start += n
+    for t0 in range(start, num_tiles, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        keep = t < num_tiles
+        tl.store(tile_seq_ptr + t, tl.full([BLOCK_T], 0, tl.int32) + num_seqs, mask=keep)
+        tl.store(tile_q0_ptr + t, tl.zeros([BLOCK_T], tl.int32), mask=keep)
+
+
+def query_tiles_triton(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
+    """`query_tiles` in one launch (the torch path is 3 launches at block_q = 1, 19 above): the same
+    tiles; an idle tile's first query is 0 (no kernel reads it)."""
+    qs32 = query_start.to(torch.int32).contiguous()
+    B = qs32.shape[0] - 1
+    NT = num_query_tiles(num_tokens, B, block_q)
+    tile_seq = torch.empty(NT, dtype=torch.int32, device=qs32.device)
+    tile_q0 = torch.empty(NT, dtype=torch.int32, device=qs32.device)
+    if NT:
+        _query_tiles_kernel[(1,)](qs32, tile_seq, tile_q0, B, NT, BLOCK_Q=block_q, BLOCK_T=256)
+    return QueryTiles(qs32, tile_seq, tile_q0, block_q)
+
+
 def query_tiles(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
-    """Tiles of `block_q` consecutive queries of one sequence, on query_start's device."""
+    """Tiles of `block_q` consecutive queries of one sequence, on query_start's device (one
+    launch on CUDA: `query_tiles_triton`)."""
+    if query_start.is_cuda:
+        return query_tiles_triton(query_start, num_tokens, block_q)
     if block_q == 1:  # a tile per query (decode): tile t is query t, of the sequence whose range holds it
         qs32 = query_start.to(torch.int32)
         t32 = torch.arange(num_tokens, dtype=torch.int32, device=qs32.device)  # [NT = T]
@@ -655,7 +706,7 @@ def query_tiles(query_start: torch.Tensor, num_tokens: int, block_q: int) -> Que
     B = qs.shape[0] - 1
     num_tiles = (qs[1:] - qs[:-1] + block_q - 1) // block_q  # [B]
     ends = num_tiles.cumsum(0)  # [B]
-    t = torch.arange(min(num_tokens, triton.cdiv(num_tokens, block_q) + B), device=qs.device)  # [NT]
+    t = torch.arange(num_query_tiles(num_tokens, B, block_q), device=qs.device)  # [NT]
     seq = torch.searchsorted(ends, t, right=True)  # [NT] in [0, B]; B = idle
     own = seq.clamp(max=B - 1)
     q0 = qs[own] + (t - ends[own] + num_tiles[own]) * block_q

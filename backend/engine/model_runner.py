@@ -38,6 +38,7 @@ from backend.engine.scheduler import SchedulerOutput
 from backend.engine.sequence import Sequence
 from backend.engine.speculative.forwards import SpecForwards
 from backend.engine.step_planner import StepPlanner
+from schemas.backend import MAX_DRAFT_TOKENS
 
 log = logging.getLogger("kumo.engine")
 
@@ -91,6 +92,12 @@ class ModelRunner:
         self.sampler = Sampler()
         if graph_capture is None and config.cuda_graphs and self.device.type == "cuda":
             graph_capture = CudaGraphCapture(self.device)
+        prepare_cos_sin = getattr(model, "prepare_cos_sin", None)
+        if prepare_cos_sin is not None and self.device.type == "cuda":
+            # every position a step may compute (the context window, and a speculative step's verify
+            # rows and chained drafts past it) from a table: one launch a forward where six were
+            # (on the CPU, where launches are free, computed as before)
+            prepare_cos_sin((max_seq_len or config.num_pages * config.page_size) + 2 * MAX_DRAFT_TOKENS + 1)
         self.kv_cache = KVCache.allocate(
             model.cache_specs(),
             config.num_pages + (graph_capture is not None),  # the decode graphs' scratch page last

@@ -192,6 +192,11 @@ class CausalLM(nn.Module):
         """The rotary cos, sin `[T, Dr]` of `positions [T]`, in the activations' dtype."""
         return self.rotary.cos_sin(positions, self.model.embed_tokens.weight.dtype)
 
+    def prepare_cos_sin(self, num_positions: int) -> None:
+        """`cos_sin` of positions below `num_positions` from a table made now (one launch a forward)."""
+        weight = self.model.embed_tokens.weight
+        self.rotary.prepare_table(num_positions, weight.dtype, weight.device)
+
     def build_step(
         self,
         batch: ForwardBatch,

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from kernels.mla_attention import mla_attention_ref  # noqa: E402
 from kernels.mla_prefill import mla_prefill  # noqa: E402
 from kernels.mla_tiles import VARIANTS  # noqa: E402
-from kernels.triton_lib import query_tiles  # noqa: E402
+from kernels.triton_lib import query_tiles, query_tiles_triton  # noqa: E402
 from tests.kernels.paged_layout import lay_out, poison_allocator, query_starts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,6 +69,30 @@ def test_query_tiles_cover_every_query_once() -> None:
             covered += range(q0, min(q0 + 4, end))
     assert sorted(covered) == list(range(17))
     assert tiles.tile_seq.shape[0] == min(17, 5 + 5)  # the host-known bound
+
+
+@pytest.mark.parametrize("block_q", [1, 2, 4, 64])
+def test_one_launch_query_tiles_are_the_torch_ones(block_q: int) -> None:
+    """The Triton grid builder (one launch on CUDA) against the torch one (3 launches at block_q = 1,
+    19 above): the same tiles in the same order, empty sequences and partial tiles included; idle
+    tiles' first query is never read (0 here)."""
+    g = torch.Generator().manual_seed(block_q)
+    for lens in (
+        [5, 0, 1, 8, 3],
+        [1],
+        [0, 0, 7],
+        [300, 2, 0, 129],
+        torch.randint(0, 9, (40,), generator=g).tolist(),
+    ):
+        qs = query_starts(lens)
+        T = int(qs[-1])
+        ref = query_tiles(qs, T, block_q)
+        got = query_tiles_triton(qs.to(DEV), T, block_q)
+        seq, q0 = got.tile_seq.cpu(), got.tile_q0.cpu()
+        assert got.block_q == block_q and torch.equal(got.query_start.cpu(), qs.to(torch.int32))
+        assert seq.dtype == q0.dtype == torch.int32 and torch.equal(seq, ref.tile_seq)
+        real = seq < len(lens)
+        assert torch.equal(q0[real], ref.tile_q0[real]) and not q0[~real].any()
 
 
 CASES = [

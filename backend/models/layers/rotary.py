@@ -58,9 +58,34 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.is_interleaved = rope.is_interleaved
         self.dim = rope.dim
+        # per (dtype, device): the tables made, the widest last; none is dropped while the model
+        # lives (a captured graph reads the table it was captured with)
+        self._tables: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def prepare_table(self, num_positions: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        """Precompute cos and sin of positions 0 … num_positions − 1 (`[N, 2, dim/2]`, 2·N·dim
+        bytes in bf16: 34 MB for Kimi K2's 262,144 positions), so that `cos_sin` of those positions
+        is one gather (one launch, where computing them is six: a nano model's step is launch-bound).
+        The values are `cos_sin`'s own: the same elementwise ops over the same float32 inputs (on
+        CUDA, bit for bit). A wider table than any made so far is made anew; narrower asks keep it."""
+        key = (dtype, torch.device(device))
+        tables = self._tables.setdefault(key, [])
+        if tables and tables[-1].shape[0] >= num_positions:
+            return
+        cos, sin = self._compute(torch.arange(num_positions, device=device), dtype)
+        tables.append(torch.stack([cos, sin], dim=1))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] → cos, sin [T, dim/2] (already scaled by the attention factor)."""
+        """positions [T] → cos, sin [T, dim/2] (already scaled by the attention factor): gathered
+        from the prepared table when there is one for this dtype and device (unit stride in dim/2,
+        rows 2·dim/2 apart; every position must be below its width), else computed."""
+        tables = self._tables.get((dtype, positions.device))
+        if tables:
+            both = tables[-1][positions]  # [T, 2, dim/2]: one launch
+            return both[:, 0], both[:, 1]
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_factor != 1.0:  # YaRN's (a factor of 1 would cost two launches a step)

@@ -9,8 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from backend.models.layers.moe import Router
-from backend.models.layers.rotary import inv_freq_and_factor
-from backend.models.model_config import ModelConfig
+from backend.models.layers.rotary import Rotary, inv_freq_and_factor
+from backend.models.model_config import ModelConfig, RopeConfig
 from tests.backend.tiny_checkpoints import config_dict
 
 
@@ -76,3 +76,40 @@ def test_rope_frequencies_match_transformers(rope: dict[str, object]) -> None:
 def _default(config: DeepseekV3Config) -> tuple[torch.Tensor, float]:
     dim, base = config.qk_rope_head_dim, config.rope_parameters["rope_theta"]
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        RopeConfig("default", 10000.0, 64, True),
+        RopeConfig(
+            "yarn",
+            50000.0,
+            64,
+            True,
+            factor=32.0,
+            original_max_position_embeddings=4096,
+            mscale=1.0,
+            mscale_all_dim=0.5,
+        ),
+    ],
+    ids=["default", "yarn"],
+)
+def test_a_prepared_cos_sin_table_gives_the_computed_values(rope: RopeConfig) -> None:
+    """`Rotary.prepare_table` (one gather a forward on CUDA, where computing is six launches): the
+    same cos and sin as computing them, as unit-stride rows the rope kernels take; a wider table is
+    made anew while the narrower one stays alive (a captured graph may read it)."""
+    rotary = Rotary(rope)
+    positions = torch.tensor([0, 1, 7, 4095, 4096, 99, 5])
+    want = rotary.cos_sin(positions, torch.bfloat16)
+    rotary.prepare_table(100, torch.bfloat16, "cpu")
+    rotary.prepare_table(4097, torch.bfloat16, "cpu")
+    rotary.prepare_table(50, torch.bfloat16, "cpu")  # narrower: the widest stands
+    tables = rotary._tables[(torch.bfloat16, torch.device("cpu"))]
+    assert [t.shape for t in tables] == [(100, 2, 32), (4097, 2, 32)]
+    got = rotary.cos_sin(positions, torch.bfloat16)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.stride(1) == 1
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # another dtype has no table: computed
+    assert rotary.cos_sin(positions, torch.float32)[0].is_contiguous()
