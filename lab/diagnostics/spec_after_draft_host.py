@@ -26,7 +26,9 @@ from lab.diagnostics.spec_host import MODELS, Meter
 from lab.diagnostics.spec_plain_host import engines
 
 
-def run(engine: Any, meter: Meter, num_seqs: int, steps: int, draft_steps: int, count_calls: bool) -> list[dict]:
+def run(
+    engine: Any, meter: Meter, num_seqs: int, steps: int, draft_steps: int, count_calls: bool
+) -> list[dict]:
     """`num_seqs` greedy requests; A drafts (k = 3) for its first `draft_steps` decode steps, then
     k = 0. Per decode step (every sequence one token, no drafts): host µs, replays, forward µs, calls."""
     from schemas.backend import EngineRequest, SamplingParams
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             side: run(engine, meter, num_seqs, args.steps, args.draft_steps if side == "A" else 0, True)
             for side, engine in built.items()
         }
-        print(f"== {args.model} c={num_seqs}: plain decode steps after {args.draft_steps} drafting ones (A) vs off (B)")
+        print(
+            f"== {args.model} c={num_seqs}: plain decode steps after {args.draft_steps} drafting ones (A) vs off (B)"
+        )
         for i in range(min(args.show, len(got["A"]), len(got["B"]))):
             a, b = got["A"][i], got["B"][i]
             print(
