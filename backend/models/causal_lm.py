@@ -171,7 +171,13 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward_mtp(
-        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: Step | None = None
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        depth: int,
+        step: Step | None = None,
+        *,
+        past_position_zero: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft depth `depth` (0-based): `batch.input_ids` are the tokens after the positions whose
         hidden states `hidden [T, H]` are given. Returns (the draft logits of `batch.logits_indices`
@@ -179,13 +185,18 @@ class CausalLM(nn.Module):
         argmax, which widening them to float32 (exact) would not change: one launch fewer a depth,
         three of a whole greedy step's at k = 3. `step`: the
         layers' facts of `batch`'s positions and pages when the caller has them (a whole step's depth
-        0 shares its verify's: the same rows; `build_step`), else built here."""
+        0 shares its verify's: the same rows; `build_step`), else built here. `past_position_zero`:
+        the caller knows no row is at position 0 (a verify's rows follow a token), so depth 0 skips
+        the mask (two launches)."""
         layer: Any = self.mtp[depth % len(self.mtp)]
         embeds = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        if depth == 0:  # a depth d > 0 runs past its depth-0 row, never at position 0
+        if depth == 0 and not past_position_zero:  # a depth d > 0 runs past its depth-0 row
             embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's DeepSeek MTP
-        g = layer.draft(embeds, hidden.to(embeds.dtype), step if step is not None else self.build_step(batch))
-        logits = self.lm_head(layer.shared_head.norm(g[batch.logits_indices]))
+        step = step if step is not None else self.build_step(batch)
+        mlp_out, residual = layer.draft(embeds, hidden.to(embeds.dtype), step)
+        # g = residual + mlp_out and its head norm in one launch (every row: g is the next depth's input)
+        normed, g = layer.shared_head.norm.add_forward(mlp_out, residual)  # [T, H] each
+        logits = self.lm_head(normed[batch.logits_indices])
         return gather_vocab(logits, self.shard, self.config.vocab_size), g
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,8 +52,11 @@ class MtpLayer(nn.Module):
         self.eh_proj = Linear(2 * H, H, dtype=dtype)
         self.shared_head = SharedHead(config, dtype=dtype)
 
-    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step) -> torch.Tensor:
-        """embeds [T, H] (of the next tokens), hidden [T, H] → the layer's hidden state [T, H]."""
+    def draft(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds [T, H] (of the next tokens), hidden [T, H] → the layer's hidden state [T, H] as its
+        two addends (the MLP's output, the residual): the caller adds them in the head norm's launch."""
         T, H = embeds.shape
         dtype = torch.promote_types(self.enorm.weight.dtype, embeds.dtype)  # the norms' output dtype
         both = torch.empty(T, 2 * H, dtype=dtype, device=embeds.device)  # [T, 2H]
@@ -71,5 +74,4 @@ class MtpLayer(nn.Module):
         normed, x = self.post_attention_layernorm.add_forward(
             self.self_attn(self.input_layernorm(x), step), x
         )
-        out: torch.Tensor = x + self.mlp(normed)
-        return out
+        return self.mlp(normed), x

@@ -33,7 +33,7 @@ class MarkovModel(torch.nn.Module):
         return self.forward(batch), hidden
 
     def forward_mtp(
-        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: object = None
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: object = None, **_: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.draft[batch.input_ids[batch.logits_indices]], hidden
 

@@ -99,7 +99,9 @@ def draft_on_device(
     rows = batch.logits_indices[:B]  # [B] 0 … B−1: the uniform verify's first rows (no launch)
     last = batch.query_start[:B] + accepted  # [B] each sequence's row of its last accepted position
     depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
-    draft_logits, g = model.forward_mtp(depth0, hidden, 0, step)  # [B, V], [B·L, H]
+    # a verify's rows follow their sequence's first token: none is at position 0 (real or padding
+    # row: a padding sequence's rows are never read)
+    draft_logits, g = model.forward_mtp(depth0, hidden, 0, step, past_position_zero=True)  # [B, V], [B·L, H]
     g = g[last]  # [B, H]
     proposed = [draft_logits.argmax(dim=-1, keepdim=True)]  # per depth [B, 1]
     if k > 1:

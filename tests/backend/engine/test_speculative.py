@@ -281,13 +281,13 @@ def test_a_tag_fault_in_a_draft_page_aborts_only_that_request(loaded: dict[str, 
     forward_mtp = model.model.forward_mtp
     calls = itertools.count()
 
-    def faulty_forward_mtp(batch: Any, hidden: torch.Tensor, depth: int, step: Any = None) -> Any:
+    def faulty_forward_mtp(batch: Any, hidden: torch.Tensor, depth: int, step: Any = None, **kw: Any) -> Any:
         if next(calls) == 4:  # a decode step's first draft forward (the prompts went first)
             victim = injector.seq("r0")
             page = victim.page_table[victim.num_computed_tokens // engine.block_manager.page_size].page_id
             injector._give(page, injector.seq("r1"))
             engine.runner.apply_tag_updates(engine.block_manager.take_tag_updates())
-        return forward_mtp(batch, hidden, depth, step)
+        return forward_mtp(batch, hidden, depth, step, **kw)
 
     model.model.forward_mtp = faulty_forward_mtp
     try:

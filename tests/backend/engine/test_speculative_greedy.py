@@ -157,13 +157,13 @@ def test_a_tag_fault_in_a_greedy_step_aborts_only_that_request(loaded: dict[str,
         finally:
             in_greedy[0] = False
 
-    def faulty_forward_mtp(batch: Any, hidden: torch.Tensor, depth: int, step: Any = None) -> Any:
+    def faulty_forward_mtp(batch: Any, hidden: torch.Tensor, depth: int, step: Any = None, **kw: Any) -> Any:
         if in_greedy[0] and depth == 1 and next(faults) == 0:  # the first greedy step's chained draft
             victim = injector.seq("r0")
             page = victim.page_table[victim.num_computed_tokens // engine.block_manager.page_size].page_id
             injector._give(page, injector.seq("r1"))
             engine.runner.apply_tag_updates(engine.block_manager.take_tag_updates())
-        return forward_mtp(batch, hidden, depth, step)
+        return forward_mtp(batch, hidden, depth, step, **kw)
 
     spec._run_greedy = flagging  # type: ignore[method-assign]
     model.model.forward_mtp = faulty_forward_mtp

@@ -178,7 +178,7 @@ class OneRowModel(torch.nn.Module):
         return self.logits.expand(T, -1).clone(), torch.zeros(T, 1)
 
     def forward_mtp(
-        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: object = None
+        self, batch: ForwardBatch, hidden: torch.Tensor, depth: int, step: object = None, **_: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(batch.logits_indices.shape[0], 2), hidden
 
