@@ -6,8 +6,9 @@ on the CPU:
 
 On the H100 (2026-12-07, the mtp bench's step times by kind) a `mtp:3` engine's plain decode steps in
 a run that had drafted cost 0.56-0.59 ms at c = 1 (speculation off: 0.43) and 0.77-0.99 ms at c = 64
-(off: 0.49), while in runs that never drafted they matched off's. This runs A = `mtp:3` with its
-policy forced to k = 3 for `--draft-steps` decode steps and to k = 0 after, B = off, over the same
+(off: 0.49), while in runs that never drafted they matched off's. This runs A = `mtp:3` whose
+policy's `choose` answers k = 3 for `--draft-steps` decode steps and k = 0 after (the decoder's own
+path otherwise: the plain stream's hold included), B = off, over the same
 requests, both capturing their decode graphs through `spec_host.Meter` (a replay's model time comes
 off the step's), and prints per plain decode step after the switch: the host µs (wall less the
 replays and eager forwards), the replays, the eager forward µs, and the Python calls (`sys.setprofile`,
@@ -44,6 +45,10 @@ def run(
             )
         )
     spec = engine.spec
+    decode_steps = 0
+    if spec is not None:  # the policy's own path (holds included), its choice scripted: k = 3, then 0
+        choose = spec.policy.choose
+        spec.policy.choose = lambda *a, **kw: 3 if decode_steps < draft_steps else 0 and choose(*a, **kw)
     calls = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -51,10 +56,7 @@ def run(
             calls[0] += 1
 
     out: list[dict] = []
-    decode_steps = 0
     while engine.has_unfinished and len(out) < steps:
-        if spec is not None:
-            spec.policy.forced_k = 3 if decode_steps < draft_steps else 0
         computed0 = engine.stats.computed_tokens
         meter.device_s = 0.0
         meter.counts.clear()
@@ -86,7 +88,7 @@ def run(
     while engine.has_unfinished:
         engine.step()
     if spec is not None:
-        spec.policy.forced_k = None
+        del spec.policy.choose
     return out
 
 
