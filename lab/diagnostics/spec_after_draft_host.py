@@ -47,8 +47,7 @@ def run(
     spec = engine.spec
     decode_steps = 0
     if spec is not None:  # the policy's own path (holds included), its choice scripted: k = 3, then 0
-        choose = spec.policy.choose
-        spec.policy.choose = lambda *a, **kw: 3 if decode_steps < draft_steps else 0 and choose(*a, **kw)
+        spec.policy.choose = lambda *a, **kw: 3 if decode_steps < draft_steps else 0
     calls = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
