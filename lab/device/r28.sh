@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session 28's first H100 call (issue 28, <= ~580 s): the CUDA tests of session 27's launch cuts (query
+# tiles in one launch and once a step, the cos/sin table, the MTP head; their last run timed out at 120 s
+# with 126 passed, none failed), the calibrated mtp bench with GLM's c=64 (skipped in session 27's last
+# call) and the full-depth projection after the cuts.
+#   run(command="timeout -s KILL 590 bash lab/device/r28.sh", carry=[".whl"], timeout_s=600)
+source "$(dirname "$0")/preamble.sh"
+W=/tmp/r28 && rm -rf $W && mkdir -p $W
+pack() { tar czf "$OUT/r28.tgz" -C $W .; }
+LIMIT=${LIMIT:-570}
+timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
+  tests/kernels/test_mla_prefill.py tests/kernels/test_paged_prefill_gqa.py tests/kernels/test_dsa_indexer_triton.py \
+  tests/backend/engine/test_speculative_cuda.py tests/backend/models/test_models_cuda.py > $W/pytest.log 2>&1
+echo "== tests rc=$? at $(el)s"; grep -E "passed|failed|FAILED|^ERROR" $W/pytest.log | tail -15
+pack
+fits 240 "mtp bench" && timeout 240 python3 -m benchmarks.cli engine mtp \
+  --models models/glm-5.2-nano,models/kimi-k2.6-nano --c64-rounds 3 --budget-s 160 --c64-waves 3 --rank-of 0 \
+  --out $W/mtp-cal.json > $W/mtp-cal.log 2>&1
+echo "== mtp bench rc=$? at $(el)s"; grep -v Warning $W/mtp-cal.log | grep -E "speedup|c64|Error" | head -6
+pack
+fits 110 "full-depth projection" && timeout 110 python3 -m benchmarks.cli engine mtp --models "" \
+  --depths full --rank-of 8 --out $W/mtp-full.json > $W/mtp-full.log 2>&1
+echo "== full-depth projection rc=$? at $(el)s"; grep -v Warning $W/mtp-full.log | tail -5
+pack
+echo "== done at $(el)s"
