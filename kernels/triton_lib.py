@@ -676,12 +676,21 @@ def _query_tiles_kernel(
         t = t0 + tl.arange(0, BLOCK_T)
         keep = t < num_tiles
         tl.store(tile_seq_ptr + t, tl.full([BLOCK_T], 0, tl.int32) + num_seqs, mask=keep)
-        tl.store(tile_q0_ptr + t, tl.zeros([BLOCK_T], tl.int32), mask=keep)
+        # as the torch builder: a query per tile keeps tile t at query t (the DSA indexer maps score
+        # rows to queries by it), wider tiles' idle first query is 0 (never read)
+        tl.store(tile_q0_ptr + t, t if BLOCK_Q == 1 else tl.zeros([BLOCK_T], tl.int32), mask=keep)
+
+
+# the most sequences `query_tiles` builds in one launch: its program walks them one after another
+# (about a µs each on an H100), where the torch builder's launches (3 at block_q = 1, 19 above) run
+# in parallel over them; a verify or prefill of a few sequences (a nano model's c = 1 step: 19 of its
+# ~280 launches) is where the launches cost most
+ONE_LAUNCH_MAX_SEQS = 8
 
 
 def query_tiles_triton(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
     """`query_tiles` in one launch (the torch path is 3 launches at block_q = 1, 19 above): the same
-    tiles; an idle tile's first query is 0 (no kernel reads it)."""
+    tiles; an idle tile's first query is its index at block_q = 1, else 0 (no kernel reads it)."""
     qs32 = query_start.to(torch.int32).contiguous()
     B = qs32.shape[0] - 1
     NT = num_query_tiles(num_tokens, B, block_q)
@@ -694,8 +703,8 @@ def query_tiles_triton(query_start: torch.Tensor, num_tokens: int, block_q: int)
 
 def query_tiles(query_start: torch.Tensor, num_tokens: int, block_q: int) -> QueryTiles:
     """Tiles of `block_q` consecutive queries of one sequence, on query_start's device (one
-    launch on CUDA: `query_tiles_triton`)."""
-    if query_start.is_cuda:
+    launch on CUDA for up to `ONE_LAUNCH_MAX_SEQS` sequences: `query_tiles_triton`)."""
+    if query_start.is_cuda and query_start.shape[0] - 1 <= ONE_LAUNCH_MAX_SEQS:
         return query_tiles_triton(query_start, num_tokens, block_q)
     if block_q == 1:  # a tile per query (decode): tile t is query t, of the sequence whose range holds it
         qs32 = query_start.to(torch.int32)

@@ -92,7 +92,14 @@ def test_one_launch_query_tiles_are_the_torch_ones(block_q: int) -> None:
         assert got.block_q == block_q and torch.equal(got.query_start.cpu(), qs.to(torch.int32))
         assert seq.dtype == q0.dtype == torch.int32 and torch.equal(seq, ref.tile_seq)
         real = seq < len(lens)
-        assert torch.equal(q0[real], ref.tile_q0[real]) and not q0[~real].any()
+        assert torch.equal(q0[real], ref.tile_q0[real])
+        # idle tiles: at a query per tile, tile t stays query t (the DSA indexer's score-row map)
+        assert torch.equal(q0, ref.tile_q0) if block_q == 1 else not q0[~real].any()
+    idle = query_tiles_triton(query_starts([5]).to(DEV), 7, block_q)  # more tokens than queries: idle tiles
+    ref = query_tiles(query_starts([5]), 7, block_q)
+    assert torch.equal(idle.tile_seq.cpu(), ref.tile_seq) and idle.tile_seq.cpu().tolist()[-1] == 1
+    if block_q == 1:
+        assert idle.tile_q0.cpu().tolist() == list(range(7)) == ref.tile_q0.tolist()
 
 
 CASES = [
