@@ -11,7 +11,9 @@ the machine it ran on.
               drift over a round (clocks, heat) weighs on both sides alike.
     repeats   `rounds` rounds (3 by default); each gives one ratio, (a1 + a2) / (b1 + b2), where a
               linear drift over the round cancels exactly.
-    summary   `{"value": median of the ratios, "samples": [ratio per round], "spread": [min, max]}`.
+    summary   `{"value": median of the ratios, "samples": [ratio per round], "spread": [min, max]}`;
+              each round also records `same_side_spread`, how far its two A runs and its two B
+              runs differ (max / min − 1): the round's own noise floor.
     machine   `is_fresh`: this is the first benchmark process to use this compile cache (no marker
               file in it yet); the Triton cache's entry count at start beside it.
 
@@ -66,10 +68,24 @@ def interleave(
         runs = [dict(run(side), side=side) for side in ROUND]
         a = [metric(r) for r in runs if r["side"] == "A"]
         b = [metric(r) for r in runs if r["side"] == "B"]
-        rounds.append({"order": list(ROUND), "runs": runs, "ratio": round_ratio(a, b)})
+        rounds.append(
+            {
+                "order": list(ROUND),
+                "runs": runs,
+                "ratio": round_ratio(a, b),
+                "same_side_spread": same_side_spread(a, b),
+            }
+        )
         now = time_left()
         last_s, left = left - now, now
     return rounds
+
+
+def same_side_spread(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """How far a round's two runs of one side differ, max / min − 1 per side: the round's own noise
+    floor (on a machine that flips between states mid-round, a ratio no further from 1 than this says
+    nothing; the H100s of 2026-12-07 ran the same plain step at 0.43 and 0.71 ms within one call)."""
+    return {side: (max(v) / min(v) - 1.0) if min(v) > 0 else float("inf") for side, v in (("A", a), ("B", b))}
 
 
 def missing_shapes(warm: Iterable[Sequence[int]], timed: Iterable[Sequence[int]]) -> list[list[int]]:

@@ -62,6 +62,9 @@ def test_rounds_run_a_b_b_a_and_each_gives_one_drift_free_ratio() -> None:
     assert [[x["side"] for x in r["runs"]] for r in rounds] == [["A", "B", "B", "A"]] * 3
     assert [r["ratio"] for r in rounds] == pytest.approx([2.0, 2.0, 2.0])
     assert 2.0 * 1.0 / 1.1 < 1.9  # what A then B of the first two runs would have said
+    # each round's noise floor: its B runs 1.1 and 1.2 (round 1) apart by one step of drift
+    first = rounds[0]["same_side_spread"]
+    assert first["B"] == pytest.approx(1.2 / 1.1 - 1) and first["A"] == pytest.approx(1.3 / 1.0 - 1)
 
 
 def test_the_summary_entry_is_the_median_of_the_rounds_with_their_range() -> None:
