@@ -113,3 +113,16 @@ def test_a_prepared_cos_sin_table_gives_the_computed_values(rope: RopeConfig) ->
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     # another dtype has no table: computed
     assert rotary.cos_sin(positions, torch.float32)[0].is_contiguous()
+
+
+@pytest.mark.gpu
+def test_the_cuda_table_is_bit_for_bit_the_computed_cos_sin() -> None:
+    """On CUDA (where runners use it) the gathered values are the computed ones exactly: the same
+    elementwise kernels over the same float32 inputs, whatever the tensor's shape."""
+    rope = RopeConfig("yarn", 50000.0, 64, True, factor=32.0, original_max_position_embeddings=4096)
+    rotary = Rotary(rope)
+    positions = torch.randint(0, 70_000, (513,), device="cuda")
+    want = rotary.cos_sin(positions, torch.bfloat16)
+    rotary.prepare_table(70_000, torch.bfloat16, "cuda")
+    got = rotary.cos_sin(positions, torch.bfloat16)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
