@@ -17,6 +17,7 @@ where the op has a decode and a prefill kernel).
 | `fp8_linear` (`Fp8LinearArgs`)               | `fp8_linear.py`      | `fp8_gemm.py` (weight-only GEMV and tiles, M ≤ 64) |
 | `act_mul` (`ActMulArgs`)                     | `act_mul.py`         | `act_mul_triton.py` (SiLU)                  |
 | `row_norms` (`RowNormsArgs`)                 | `row_norms.py`       | `row_norms_triton.py` (up to 3 norms)       |
+| `draft_rows` (`DraftRowsArgs`)               | `draft_rows.py`      | `draft_rows_triton.py` (chained drafts' rows) |
 
 GPU-only ops (kernel, launcher and reference in one file; `backend/quant` calls them on CUDA and
 keeps its own torch path elsewhere): `w4a8_gemm.py`, `w4a8_expand.py`,

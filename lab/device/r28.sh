@@ -11,7 +11,7 @@ LIMIT=${LIMIT:-570}
 timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider -p no:benchmark --tb=short -rfE \
   tests/kernels/test_mla_prefill.py tests/kernels/test_paged_prefill_gqa.py tests/kernels/test_dsa_indexer_triton.py \
   tests/backend/engine/test_speculative_cuda.py tests/backend/models/test_models_cuda.py \
-  tests/backend/models/test_models_layers.py > $W/pytest.log 2>&1
+  tests/backend/models/test_models_layers.py tests/kernels/test_draft_rows.py > $W/pytest.log 2>&1
 echo "== tests rc=$? at $(el)s"; grep -E "passed|failed|FAILED|^ERROR" $W/pytest.log | tail -15
 pack
 fits 240 "mtp bench" && timeout 240 python3 -m benchmarks.cli engine mtp \

@@ -15,6 +15,10 @@ parts), inclusive: a phase's count holds those of the phases inside it.
 
 Calibration (H100, 2026-12-05, lab/results/2026-12-05-r12/spec_profile-*.txt): the profiler's device
 events per plain step were 192 (GLM nano) and 174 (Kimi nano), about 6 of them outside the graph.
+Since 2026-12-07 (`KERNELS` holds every kernel entry the models call): GLM nano plain 113 in the
+replay on the CPU, 111 eager launches on the H100 (`lab/diagnostics/step_kernels.py`, which names
+each launch by source line); the CPU still computes cos/sin (6 launches) where a CUDA runner gathers
+them (1).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ KERNELS = (
     ("backend.models.deepseek_v3", "mla_attention", 2),  # the paged kernel and the split-K merge
     ("backend.models.glm_moe_dsa", "dsa_indexer", 3),  # scores, top-k (radix select), its fix-up
     ("backend.models.glm4_moe", "paged_attention", 2),
+    ("backend.models.deepseek_v3", "row_norms", 1),
+    ("backend.models.mtp", "row_norms", 1),
+    ("backend.models.layers.moe", "act_mul", 1),
+    ("backend.models.layers.moe", "router_logits", 1),
+    ("backend.engine.speculative.greedy", "draft_rows", 1),
 )
 
 

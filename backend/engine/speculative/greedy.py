@@ -52,6 +52,7 @@ import torch
 
 from backend.engine.constraint import TokenGuard
 from backend.engine.forward_batch import ForwardBatch
+from kernels.draft_rows import DraftRowsArgs, draft_rows
 
 if TYPE_CHECKING:
     from backend.models.layers.step import Step
@@ -105,14 +106,15 @@ def draft_on_device(
     g = g[last]  # [B, H]
     proposed = [draft_logits.argmax(dim=-1, keepdim=True)]  # per depth [B, 1]
     if k > 1:
-        # depths 1 … k−1 at once, depth-major [k−1, B]: depth d's row at position p + a + d
-        first = batch.positions.view(B, L)[:, 0] + accepted  # [B] the last accepted position
-        positions = first + batch.logits_indices[1:k, None]  # [k−1, B] (rows 1 … k−1: 1 … k−1)
-        columns = positions // page_size  # [k−1, B] the page-table column of each
-        # page · S + position mod S, as position + (page − column) · S: one launch fewer
-        slots = positions + (batch.page_table[rows, columns] - columns) * page_size  # [k−1, B] int64
-        tags = batch.expected_tags[rows, columns] if batch.check_tags else None  # [k−1, B]
-        seq_lens = (positions + 1).to(batch.seq_lens.dtype)  # [k−1, B]
+        # depths 1 … k−1 at once, depth-major [k−1, B]: depth d's row at position p + a + d (one
+        # launch on CUDA for their positions, slots, tags and lengths)
+        chain = draft_rows(
+            DraftRowsArgs(
+                batch.positions.view(B, L)[:, 0].long(), accepted, batch.page_table,
+                batch.expected_tags if batch.check_tags else None, page_size, k - 1, batch.seq_lens.dtype,
+            )
+        )  # fmt: skip
+        positions, slots, tags, seq_lens = chain.positions, chain.slots, chain.tags, chain.seq_lens
         cos, sin = (t.view(k - 1, B, -1) for t in model.cos_sin(positions.view(-1)))  # [k−1, B, Dr]
         query_start = torch.arange(B + 1, dtype=batch.query_start.dtype, device=rows.device)
         for depth in range(1, k):
