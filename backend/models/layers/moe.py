@@ -192,7 +192,9 @@ class Experts(nn.Module):
         I = gate.shape[-1]
         # act(gate) · up in one launch on CUDA (torch's roundings), over the [El·T, I] rows of the views
         act = act_mul(ActMulArgs(gate.reshape(-1, I), up.reshape(-1, I), self.act)).view(El, T, I)
-        act = act.float() * route[:, :El].T[:, :, None]  # [El, T, I], weighted
+        # weighted in float32: a bf16 × float32 product is computed on float(act), as `act.float() *
+        # route` would (the same values), without the widening's own launch
+        act = act * route[:, :El].T[:, :, None]  # [El, T, I] float32
         y = torch.bmm(act.to(x.dtype), self.down_proj.transpose(1, 2))  # [El, T, H]
         return y.sum(0)  # [T, H]: one rounding (the sum accumulates in float32)
 
