@@ -290,6 +290,7 @@ class DecodeGraphs:
             kv_cache=self.kv_cache,
             tag_mismatch=self.tag_mismatch[:size],
             is_decode_only=True,
+            logits_are_rows=True,
             check_tags=self.check_tags,
             seq_index=self.rows[:size],
         )

@@ -147,6 +147,9 @@ class ForwardBatch:
     kv_cache: KVCache
     tag_mismatch: torch.Tensor  # [B] bool, written by the ops
     is_decode_only: bool = False  # every sequence has exactly one new token
+    # `logits_indices` is 0 … T − 1, every row in order (a decode graph's, a uniform verify's, a chained
+    # draft depth's, a pure decode step's): the model takes the rows as they are, no gather launch
+    logits_are_rows: bool = False
     check_tags: bool = True  # False: the ops skip the tag check (EngineConfig.check_page_tags)
     image_embeds: ImageEmbeds | None = None
     seq_index: torch.Tensor = field(

@@ -163,6 +163,7 @@ def staged_batch(
         kv_cache=kv_cache,
         tag_mismatch=torch.zeros(B, dtype=torch.bool, device=dev),
         is_decode_only=len(h.input_ids) == B,
+        logits_are_rows=h.is_pure_decode,
         check_tags=check_tags,
         image_embeds=image_embeds,
         seq_index=v[8],

@@ -158,7 +158,7 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits `[len(batch.logits_indices), vocab]` (the whole vocabulary on every rank)."""
         x = self._decode_layers(batch)
-        return self._logits(self.model.norm(x[batch.logits_indices]))
+        return self._logits(self.model.norm(x if batch.logits_are_rows else x[batch.logits_indices]))
 
     @torch.no_grad()
     def forward_spec(
@@ -167,7 +167,7 @@ class CausalLM(nn.Module):
         """`forward`'s logits, and every row's hidden state after the final norm `[T, H]` (what the
         MTP layers read). `step`: `batch`'s, when the caller built it (`build_step`) to share it."""
         x = self.model.norm(self._decode_layers(batch, step))  # [T, H]
-        return self._logits(x[batch.logits_indices]), x
+        return self._logits(x if batch.logits_are_rows else x[batch.logits_indices]), x
 
     @torch.no_grad()
     def forward_mtp(
@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
         mlp_out, residual = layer.draft(embeds, hidden.to(embeds.dtype), step)
         # g = residual + mlp_out and its head norm in one launch (every row: g is the next depth's input)
         normed, g = layer.shared_head.norm.add_forward(mlp_out, residual)  # [T, H] each
-        logits = self.lm_head(normed[batch.logits_indices])
+        logits = self.lm_head(normed if batch.logits_are_rows else normed[batch.logits_indices])
         return gather_vocab(logits, self.shard, self.config.vocab_size), g
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,7 +99,9 @@ def draft_on_device(
     k = L - 1
     rows = batch.logits_indices[:B]  # [B] 0 … B−1: the uniform verify's first rows (no launch)
     last = batch.query_start[:B] + accepted  # [B] each sequence's row of its last accepted position
-    depth0 = dataclasses.replace(batch, input_ids=tokens.reshape(-1), logits_indices=last)
+    depth0 = dataclasses.replace(
+        batch, input_ids=tokens.reshape(-1), logits_indices=last, logits_are_rows=False
+    )
     # a verify's rows follow their sequence's first token: none is at position 0 (real or padding
     # row: a padding sequence's rows are never read)
     draft_logits, g = model.forward_mtp(depth0, hidden, 0, step, past_position_zero=True)  # [B, V], [B·L, H]
@@ -127,6 +129,7 @@ def draft_on_device(
                 seq_lens=seq_lens[i],
                 slot_mapping=slots[i],
                 logits_indices=rows,
+                logits_are_rows=True,  # rows 0 … B − 1: one a sequence
                 seq_index=rows,
                 is_decode_only=True,
             )

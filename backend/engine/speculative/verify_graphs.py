@@ -346,6 +346,7 @@ class VerifyGraphs:
             kv_cache=self.kv_cache,
             tag_mismatch=self.tag_mismatch[:size],
             is_decode_only=False,
+            logits_are_rows=True,  # every row of a uniform verify is a logits row
             check_tags=self.check_tags,
             seq_index=seq_index[: size * L],
         )
