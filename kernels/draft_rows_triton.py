@@ -26,6 +26,7 @@ def _draft_rows_kernel(
     tag_out_ptr,  # [D, B] int64 out (CHECK_TAGS)
     len_ptr,  # [D, B] out, the seq_lens dtype
     B,
+    W,
     stride_first,
     stride_table,
     stride_tags,
@@ -42,13 +43,16 @@ def _draft_rows_kernel(
     for d in tl.static_range(1, D + 1):
         pos = base + d  # int64
         col = pos // S
-        page = tl.load(table_ptr + b.to(tl.int64) * stride_table + col, mask=keep, other=0).to(tl.int64)
+        # a column past the table (the step reserves every one it reads: never, unless a reservation
+        # is wrong) reads tag -1, which no page carries: the write is refused and the sequence flagged
+        in_table = keep & (col < W)
+        page = tl.load(table_ptr + b.to(tl.int64) * stride_table + col, mask=in_table, other=0).to(tl.int64)
         out = (d - 1) * B + b
         tl.store(pos_ptr + out, pos, mask=keep)
         tl.store(slot_ptr + out, page * S + (pos - col * S), mask=keep)
         tl.store(len_ptr + out, (pos + 1).to(len_ptr.dtype.element_ty), mask=keep)
         if CHECK_TAGS:
-            tag = tl.load(tags_ptr + b.to(tl.int64) * stride_tags + col, mask=keep, other=0)
+            tag = tl.load(tags_ptr + b.to(tl.int64) * stride_tags + col, mask=in_table, other=-1)
             tl.store(tag_out_ptr + out, tag, mask=keep)
 
 
@@ -82,7 +86,8 @@ def draft_rows_triton(
         check = expected_tags is not None
         _draft_rows_kernel[(triton.cdiv(B, BLOCK_B),)](
             first, accepted.contiguous(), page_table, expected_tags if check else page_table,
-            positions, slots, tags if check else positions, seq_lens, B, first.stride(0), page_table.stride(0),
+            positions, slots, tags if check else positions, seq_lens, B, page_table.shape[1], first.stride(0),
+            page_table.stride(0),
             expected_tags.stride(0) if expected_tags is not None else 0, page_size,
             D=D, CHECK_TAGS=check, BLOCK_B=BLOCK_B,
         )  # fmt: skip

@@ -31,6 +31,16 @@ def batch(B: int, W: int, S: int, L: int, seed: int) -> dict:
     )
 
 
+def test_a_column_past_the_table_reads_no_tag_a_page_carries() -> None:
+    """Never reached while reservations hold (every column a step reads is reserved), but a wrong one
+    must not read past the table: its tag reads -1, so kv_write refuses the row and flags it."""
+    table = torch.tensor([[3, 4]], dtype=torch.int32, device=DEV)
+    tags = torch.tensor([[10, 11]], dtype=torch.int64, device=DEV)
+    first, accepted = torch.tensor([6], device=DEV), torch.tensor([0], device=DEV)
+    _, _, got, _ = draft_rows_triton(first, accepted, table, tags, 4, 2, torch.int32)  # positions 7, 8
+    assert got is not None and got.cpu().tolist() == [[11], [-1]]
+
+
 def test_the_reference_is_the_rows_by_hand() -> None:
     b = batch(3, 6, 4, 4, seed=1)
     got = draft_rows_ref(DraftRowsArgs(b["first"], b["accepted"], b["table"], b["tags"], 4, 2, torch.int32))
@@ -57,6 +67,13 @@ def test_one_launch_is_the_reference(B: int, depths: int, check: bool) -> None:
     want = draft_rows_ref(args)
     on = {k: v.to(DEV) for k, v in b.items()}
     on["first"] = on["positions"].view(B, depths + 1)[:, 0]  # a view of the verify's rows, strided
+    # a CUDA graph's tables: the first columns of wider buffers (row stride > W)
+    wide = torch.zeros(B, 13, dtype=torch.int32, device=DEV)
+    wide[:, :9] = on["table"]
+    on["table"] = wide[:, :9]
+    wide_tags = torch.full((B, 13), -1, dtype=torch.int64, device=DEV)
+    wide_tags[:, :9] = on["tags"]
+    on["tags"] = wide_tags[:, :9]
     assert on["first"].stride(0) == depths + 1
     got = draft_rows_triton(
         on["first"], on["accepted"], on["table"], on["tags"] if check else None, 16, depths, torch.int32
