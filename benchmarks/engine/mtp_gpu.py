@@ -514,19 +514,18 @@ def project(opts: Options) -> dict[str, Any]:
     return {
         "label": "projection, not a measurement of GLM 5.2",
         "how": (
-            "step times measured at the full depth of rank 0 of --rank-of (random INT4-expert weights, "
-            "a random MTP layer, CUDA graphs), each the median steady step of "
-            f"{PROJECTION_RUNS} runs after two warm-up runs of the same work; speedup = E(K) · t_plain / "
-            "t_spec(K); refused where the times are not monotonic in drafts, or a step ran eagerly"
-        )
-        if at_full
-        else (
-            "step times measured at truncated depths of rank 0 of --rank-of (random INT4-expert weights, "
-            "a random MTP layer, CUDA graphs), each the median steady step of "
-            f"{PROJECTION_RUNS} runs after two warm-up runs of the same work, a least-squares line through the "
-            "depths extrapolated to the full depth; speedup = E(K) · t_plain / t_spec(K); refused where the times "
-            "are not monotonic in depth and in drafts, grow per layer faster than k + 1 plain rows', change "
-            f"their cost per layer between depths by more than {SLOPE_TOLERANCE:.0%}, or a step ran eagerly"
+            f"step times measured at {'the full depth' if at_full else 'truncated depths'} of rank 0 of "
+            "--rank-of (random INT4-expert weights, a random MTP layer, CUDA graphs), each the median steady "
+            f"step of {PROJECTION_RUNS} runs after two warm-up runs of the same work"
+            + ("" if at_full else ", a least-squares line through the depths extrapolated to the full depth")
+            + "; speedup = E(K) · t_plain / t_spec(K); refused where "
+            + (
+                "the times are not monotonic in drafts, or a step ran eagerly"
+                if at_full
+                else "the times are not monotonic in depth and in drafts, grow per layer faster than k + 1 "
+                "plain rows', change their cost per layer between depths by more than "
+                f"{SLOPE_TOLERANCE:.0%}, or a step ran eagerly"
+            )
         ),
         "rank_of": opts.rank_of,
         "full_depth": full,
@@ -665,7 +664,8 @@ def main(argv: list[str]) -> int:
             make_geometry("glm-5.2", None, tiny=a.tiny, rank_of=a.rank_of).full_num_layers,
         )
     else:
-        depths = tuple(int(x) for x in a.depths.split(",") if x.strip().isdigit())
+        items = [x.strip() for x in a.depths.split(",") if x.strip()]
+        depths = tuple(int(x) for x in items) if all(x.isdigit() for x in items) else ()
         if len(depths) < 2 or list(depths) != sorted(set(depths)) or depths[0] < 1:
             raise SystemExit(
                 "kumo bench engine mtp: --depths must be two or more increasing layer counts, or full, "

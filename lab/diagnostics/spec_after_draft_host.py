@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from lab.diagnostics.spec_host import MODELS, Meter
-from lab.diagnostics.spec_plain_host import engines
+from lab.diagnostics.spec_plain_host import add_requests, engines
 
 
 def run(
@@ -32,18 +32,7 @@ def run(
 ) -> list[dict]:
     """`num_seqs` greedy requests; A drafts (k = 3) for its first `draft_steps` decode steps, then
     k = 0. Per decode step (every sequence one token, no drafts): host µs, replays, forward µs, calls."""
-    from schemas.backend import EngineRequest, SamplingParams
-
-    sampling = SamplingParams(temperature=0.0, max_tokens=4 * draft_steps + steps + 8, ignore_eos=True)
-    vocab = engine.runner.vocab_size
-    tag = time.monotonic_ns()
-    for i in range(num_seqs):
-        prompt = [(i * 7919 + j * 31) % (vocab - 1) + 1 for j in range(16)]
-        engine.add_request(
-            EngineRequest(
-                request_id=f"r{tag}-{i}", prompt_token_ids=prompt, tenant_salt="a" * 32, sampling=sampling
-            )
-        )
+    add_requests(engine, num_seqs, 4 * draft_steps + steps + 8)
     spec = engine.spec
     decode_steps = 0
     if spec is not None:  # the policy's own path (holds included), its choice scripted: k = 3, then 0
@@ -57,6 +46,7 @@ def run(
     out: list[dict] = []
     while engine.has_unfinished and len(out) < steps:
         computed0 = engine.stats.computed_tokens
+        has_prompt = bool(engine.scheduler.waiting)  # this step prefills (counted before it runs)
         meter.device_s = 0.0
         meter.counts.clear()
         meter.counting = True
@@ -68,7 +58,7 @@ def run(
         elapsed = time.perf_counter() - start
         sys.setprofile(None)
         meter.counting = False
-        is_decode = engine.stats.steps > 1 and not engine.scheduler.waiting
+        is_decode = not has_prompt
         drafted = spec is not None and spec.did_draft
         if is_decode:
             decode_steps += 1

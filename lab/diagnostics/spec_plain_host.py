@@ -82,6 +82,22 @@ def priced_to_lose(engine: Any) -> None:
         )  # fmt: skip
 
 
+def add_requests(engine: Any, num_seqs: int, max_tokens: int) -> None:
+    """`num_seqs` greedy requests of 16-token prompts (distinct per sequence), `max_tokens` each."""
+    from schemas.backend import EngineRequest, SamplingParams
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    vocab = engine.runner.vocab_size
+    tag = time.monotonic_ns()
+    for i in range(num_seqs):
+        prompt = [(i * 7919 + j * 31) % (vocab - 1) + 1 for j in range(16)]
+        engine.add_request(
+            EngineRequest(
+                request_id=f"r{tag}-{i}", prompt_token_ids=prompt, tenant_salt="a" * 32, sampling=sampling
+            )
+        )
+
+
 def run(
     engine: Any,
     meter: Meter,
@@ -95,18 +111,7 @@ def run(
     """`num_seqs` greedy requests of `steps` decode steps: per step where all of them decode, its
     host seconds (wall, this thread's CPU, and the wall less `overlap`'s) or, `count_calls`, its
     calls outside the replays."""
-    from schemas.backend import EngineRequest, SamplingParams
-
-    sampling = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    vocab = engine.runner.vocab_size
-    tag = time.monotonic_ns()
-    for i in range(num_seqs):
-        prompt = [(i * 7919 + j * 31) % (vocab - 1) + 1 for j in range(16)]
-        engine.add_request(
-            EngineRequest(
-                request_id=f"r{tag}-{i}", prompt_token_ids=prompt, tenant_salt="a" * 32, sampling=sampling
-            )
-        )
+    add_requests(engine, num_seqs, steps + 1)
     calls = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
