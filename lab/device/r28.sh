@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 28's first H100 call (issue 28, <= ~580 s):
-# - the CUDA tests of session 27's launch cuts, the files most relevant first: query tiles in one launch
+# - the CUDA tests of sessions 27-28's launch cuts, the files most relevant first: the verify's tail in
+#   two launches (session 28), query tiles in one launch
 #   and once a step, the cos/sin table, the MTP head, draft_rows, the MoE path. Their last run timed out
 #   at 120 s with 126 passed and none failed;
 # - the calibrated mtp bench, with GLM's c=64 (skipped in session 27's last call);
@@ -11,7 +12,7 @@ W=/tmp/r28 && rm -rf $W && mkdir -p $W
 pack() { tar czf "$OUT/r28.tgz" -C $W .; }
 LIMIT=${LIMIT:-570}
 timeout ${TESTS_S:-180} python3 -m pytest -v -p no:cacheprovider -p no:benchmark --tb=short -rfE \
-  tests/kernels/test_draft_rows.py tests/backend/models/test_models_layers.py tests/kernels/test_mla_prefill.py \
+  tests/kernels/test_verify_accept.py tests/kernels/test_draft_rows.py tests/backend/models/test_models_layers.py tests/kernels/test_mla_prefill.py \
   tests/backend/engine/test_speculative_cuda.py tests/kernels/test_paged_prefill_gqa.py \
   tests/kernels/test_dsa_indexer_triton.py tests/backend/models/test_models_cuda.py > $W/pytest.log 2>&1
 echo "== tests rc=$? at $(el)s"; grep -E "passed|failed|FAILED|^ERROR" $W/pytest.log | tail -15

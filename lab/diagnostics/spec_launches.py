@@ -59,6 +59,7 @@ KERNELS = (
     ("backend.models.layers.moe", "act_mul", 1),
     ("backend.models.layers.moe", "router_logits", 1),
     ("backend.engine.speculative.greedy", "draft_rows", 1),
+    ("backend.engine.speculative.greedy", "verify_accept", 2),  # the rows' argmax, the acceptance
 )
 
 
@@ -166,8 +167,7 @@ def instrument(counter: Launches, engine: Any) -> Callable[[], None]:
         return wrapper
 
     wrap(model, "forward_mtp", mtp)
-    wrap(greedy, "mask_guarded", phase("guard mask"))
-    wrap(greedy, "accepted_count", phase("accept"))
+    wrap(greedy, "verify_accept", phase("verify tail"))
     wrap(step.Step, "build", phase("Step.build"))
     wrap(model.rotary, "cos_sin", phase("cos_sin"))
     wrap(moe.MoE, "forward", phase("moe"))

@@ -30,8 +30,7 @@ from lab.diagnostics.spec_host import MODELS
 
 PHASES = (  # outermost first: the first found names the phase
     ("greedy.py", "draft_on_device", "mtp drafts"),
-    ("greedy.py", "mask_guarded", "guard mask"),
-    ("greedy.py", "accepted_count", "accept"),
+    ("verify_accept", "verify_accept", "verify tail"),
     ("causal_lm.py", "forward_mtp", "mtp"),
     ("causal_lm.py", "forward_spec", "verify"),
     ("causal_lm.py", "forward", "target"),

@@ -1,4 +1,5 @@
-"""Compile issue 24's small decode ops (RMSNorm, the LoRA row norms, SiLU · up, rotary, the MoE gate's GEMV and routing, DSA selection) for sm90
+"""Compile issue 24's small decode ops (RMSNorm, the LoRA row norms, SiLU · up, rotary, the MoE gate's GEMV and routing, DSA selection,
+the greedy verify's tail) for sm90
 (H200) without a GPU, at GLM-5's shapes; prints ptxas's registers and spills per kernel. Run
 without TRITON_INTERPRET (the interpreter never lowers a kernel):
 
@@ -20,6 +21,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     from kernels.router_triton import _route_kernel
     from kernels.row_norms_triton import _row_norms_kernel
     from kernels.selection_triton import _radix_resident_kernel, _radix_select_kernel, _selection_keys_kernel
+    from kernels.verify_accept_triton import _accept_kernel, _row_argmax_kernel
 
     bf16 = {"x_ptr": "bf16", "r_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "h_ptr": "bf16"}
     rope = {
@@ -41,6 +43,11 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
     silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16"}
     gate = {"x_ptr": "bf16", "w_ptr": "fp32", "out_ptr": "fp32"}
+    argmax = {"logits_ptr": "fp32", "guards_ptr": "i64", "val_ptr": "fp32", "idx_ptr": "i64"}
+    accept = {
+        "val_ptr": "fp32", "idx_ptr": "i64", "ids_ptr": "i64", "query_start_ptr": "i32",
+        "targets_ptr": "i64", "accepted_ptr": "i64", "last_ptr": "i64",
+    }  # fmt: skip
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
         ("row_norms q_a 2048 + kv_a 512 + indexer key 128", _source(_row_norms_kernel, norms, lora, {"eps0", "eps1", "eps2"}), 4),
@@ -58,6 +65,8 @@ def builds() -> list[tuple[str, ASTSource, int]]:
         ("selection radix 1500 columns", _source(_radix_select_kernel, radix, {"BLOCK": 1024, "TAIL": 128}, set()), 8),
         ("selection radix resident 2176 columns", _source(_radix_resident_kernel, radix, {"BLOCK": 4096}, set()), 16),
         ("selection radix resident 8192 columns", _source(_radix_resident_kernel, radix, {"BLOCK": 8192}, set()), 16),
+        ("verify rows' argmax, 12 banned ids", _source(_row_argmax_kernel, argmax, {"S": 12, "BLOCK_V": 1024}, set()), 4),
+        ("verify acceptance k = 3, 66 slices", _source(_accept_kernel, accept, {"L": 4, "BLOCK_P": 128}, set()), 4),
     ]  # fmt: skip
 
 

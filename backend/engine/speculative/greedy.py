@@ -10,8 +10,8 @@ reads one small tensor back; on the CPU (or wherever no graph was captured) the 
 Per sequence b (rows b·L … b·L+k of the verify, L = k + 1, positions p … p+k, p its newest token's):
 
 1. Verify: the target over `[newest, d_1 … d_k]`; row i's argmax t_i is its token after d_1 … d_i,
-   its token guard's ids masked first (end-of-turn ones where the block is open at row i; `mask_guarded`
-   with the ids `TokenGuard.banned_along` the drafts bans at each row, `guard_rows`: the host
+   its token guard's ids masked first (end-of-turn ones where the block is open at row i;
+   `kernels/verify_accept.py`, two launches on CUDA for steps 1 and 2, with the ids `TokenGuard.banned_along` the drafts bans at each row, `guard_rows`: the host
    knows the drafts), so the targets are the host path's (accept.py `banned_rows`).
 2. Accept: a = the number of leading drafts equal to the target's (d_{i+1} == t_i); the step emits
    t_0 … t_a (the accepted drafts are the targets they equal, then the target's own token).
@@ -53,6 +53,7 @@ import torch
 from backend.engine.constraint import TokenGuard
 from backend.engine.forward_batch import ForwardBatch
 from kernels.draft_rows import DraftRowsArgs, draft_rows
+from kernels.verify_accept import VerifyAcceptArgs, verify_accept
 
 if TYPE_CHECKING:
     from backend.models.layers.step import Step
@@ -68,14 +69,14 @@ def greedy_step(
     """`batch`: a uniform verify (B sequences of k + 1 rows, every row a logits row) whose page
     tables hold the pages of n + 2k − 1 tokens; `guards` `[B, k + 1, MAX_BANNED]` its rows'
     `guard_rows`. Returns `[B, 3 + 2k]` int64 (see the module)."""
-    L = k + 1
-    B = batch.seq_lens.shape[0]
     step = model.build_step(batch)  # the verify's, and depth 0's (the same rows)
     logits, hidden = model.forward_spec(batch, step)  # [B·L, V], [B·L, H]
-    drafts = batch.input_ids.view(B, L)[:, 1:]  # [B, k]
-    targets = mask_guarded(logits, guards).argmax(dim=-1).view(B, L)  # [B, L]
-    accepted = accepted_count(targets, drafts)  # [B] a
-    proposed = draft_on_device(model, batch, hidden, targets, accepted, page_size, step)  # k × [B, 1]
+    # t_0 … t_k, a and each sequence's row of its last accepted position (two launches on CUDA)
+    tail = verify_accept(VerifyAcceptArgs(logits, guards, batch.input_ids, batch.query_start))
+    targets, accepted = tail.targets, tail.accepted  # [B, L], [B]
+    proposed = draft_on_device(
+        model, batch, hidden, targets, accepted, page_size, step, tail.last
+    )  # k × [B, 1]
     flags = batch.tag_mismatch[:, None].to(torch.int64)  # [B, 1] every forward's, read last
     return torch.cat([accepted[:, None], targets, *proposed, flags], dim=1)  # [B, 3 + 2k]
 
@@ -88,17 +89,19 @@ def draft_on_device(
     accepted: torch.Tensor,
     page_size: int,
     step: Step | None = None,
+    last: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Steps 3 and 4 of the module: the next k drafts, per depth `[B, 1]` (columns of the step's
     result: one concatenation, no stack first), after a verify `batch` of B
     sequences of k + 1 rows (uniform: `query_start` b·L, `logits_indices` every row in order), its
     hidden states `hidden [B·L, H]`, each row's next token `tokens [B, L]` (exact up to row a) and
     the accepted counts `accepted [B]` (a). `step`: the verify's `model.build_step(batch)`, which
-    depth 0 shares (None: built for it)."""
+    depth 0 shares (None: built for it); `last [B]`: `query_start[b] + a` when the caller has it."""
     B, L = tokens.shape
     k = L - 1
     rows = batch.logits_indices[:B]  # [B] 0 … B−1: the uniform verify's first rows (no launch)
-    last = batch.query_start[:B] + accepted  # [B] each sequence's row of its last accepted position
+    if last is None:  # [B] each sequence's row of its last accepted position
+        last = batch.query_start[:B] + accepted
     depth0 = dataclasses.replace(
         batch, input_ids=tokens.reshape(-1), logits_indices=last, logits_are_rows=False
     )
@@ -139,13 +142,6 @@ def draft_on_device(
     return proposed
 
 
-def accepted_count(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """[B] int64: how many leading drafts `[B, k]` equal the target's tokens `[B, k + 1]` before
-    them (backend/engine/speculative/accept.py `accept_greedy`, on the device)."""
-    k = drafts.shape[1]
-    return (targets[:, :k] == drafts).to(torch.int64).cumprod(dim=1).sum(dim=1)
-
-
 def guard_rows(guards: list[TokenGuard | None], drafts: list[list[int]], vocab_size: int) -> np.ndarray:
     """`[B, k + 1, MAX_BANNED]` int64: the ids each sequence's guard bans at each of its verify
     rows (`TokenGuard.banned_along` its k `drafts`, the host path's `banned_rows`), -1 padded;
@@ -160,16 +156,3 @@ def guard_rows(guards: list[TokenGuard | None], drafts: list[list[int]], vocab_s
             ids = [t for t in banned if 0 <= t < vocab_size]
             rows[b, i, : len(ids)] = ids
     return rows
-
-
-def mask_guarded(logits: torch.Tensor, guards: torch.Tensor) -> torch.Tensor:
-    """`logits [B·L, V]` of a uniform verify with -inf at each row's banned ids, in place, without a
-    sync. `guards [B, L, MAX_BANNED]`: `guard_rows`."""
-    B, L, S = guards.shape
-    V = logits.shape[1]
-    # -inf added at a banned id, 0 at any other entry (padding lands on column 0): a column with
-    # several entries gets -inf if any bans it, else keeps its value (x + 0 = x; a -0.0 becomes 0.0,
-    # the same to argmax and softmax). Four launches.
-    penalty = torch.where(guards >= 0, float("-inf"), 0.0)  # [B, L, S] float32
-    logits.view(B, L, V).scatter_add_(2, guards.clamp(min=0), penalty.to(logits.dtype))
-    return logits

@@ -36,7 +36,8 @@ import torch
 
 from backend.engine.forward_batch import ForwardBatch
 from backend.engine.sampler import SampleRow, apply_top_k, apply_top_p
-from backend.engine.speculative.greedy import accepted_count, draft_on_device, mask_guarded
+from backend.engine.speculative.greedy import draft_on_device
+from kernels.verify_accept import accepted_count, mask_guarded
 
 PARAMS_WIDTH = 3  # temperature, top-k, top-p
 

@@ -22,9 +22,10 @@ from backend.engine.engine import Engine
 from backend.engine.model_runner import SeqResult
 from backend.engine.sampler import Sampler, SampleRow
 from backend.engine.speculative.accept import banned_rows
-from backend.engine.speculative.greedy import MAX_BANNED, guard_rows, mask_guarded
+from backend.engine.speculative.greedy import MAX_BANNED, guard_rows
 from backend.engine.speculative.plan import SpecRow
 from backend.text.reasoning import ThinkMarkers
+from kernels.verify_accept import mask_guarded
 from schemas.backend import EngineRequest, ReasoningMarkers, SamplingParams
 from tests.backend.engine.test_engine import EvenTokensOnly
 from tests.backend.engine.test_speculative import (
