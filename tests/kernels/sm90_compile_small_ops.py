@@ -41,7 +41,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     }
     route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
     radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
-    silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16"}
+    silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16", "ids_ptr": "i64", "w_ptr": "fp32"}
     gate = {"x_ptr": "bf16", "w_ptr": "fp32", "out_ptr": "fp32"}
     argmax = {"logits_ptr": "fp32", "guards_ptr": "i64", "val_ptr": "fp32", "idx_ptr": "i64"}
     accept = {
@@ -51,7 +51,8 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
         ("row_norms q_a 2048 + kv_a 512 + indexer key 128", _source(_row_norms_kernel, norms, lora, {"eps0", "eps1", "eps2"}), 4),
-        ("silu_mul shared expert", _source(_silu_mul_kernel, silu, {"BLOCK": 1024}, set()), 4),
+        ("silu_mul shared expert", _source(_silu_mul_kernel, silu, {"K": 1, "ROUTED": False, "BLOCK": 1024}, set()), 4),
+        ("silu_mul every expert routed, top-8", _source(_silu_mul_kernel, silu, {"K": 8, "ROUTED": True, "BLOCK": 1024}, set()), 4),
         ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),
         ("rope q_pe 64 heads x 64", _source(_rope_kernel, rope, {"NUM_X": 1, "INTERLEAVED": True, "BLOCK_H": 64, "BLOCK_F": 32, "BLOCK_R": 1, "EXACT": True}, set()), 4),
         ("rope indexer q 32 x 128", _source(_rope_kernel, rope, {"NUM_X": 1, "INTERLEAVED": True, "BLOCK_H": 32, "BLOCK_F": 32, "BLOCK_R": 64, "EXACT": True}, set()), 4),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.act_mul import ActMulArgs, act_mul, act_mul_ref  # noqa: E402
+from kernels.act_mul import ActMulArgs, ExpertRoute, act_mul, act_mul_ref, weigh_by_route  # noqa: E402
 from kernels.act_mul_triton import silu_mul_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,3 +55,50 @@ def test_bad_shapes_are_refused() -> None:
         silu_mul_triton(x.t(), x.t())
     with pytest.raises(ValueError, match="dtype"):
         silu_mul_triton(x, x.double())
+
+
+def routed(
+    N: int, El: int, K: int, e0: int, I: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, ExpertRoute]:
+    """Expert-major gate and up rows [El·N, I] (views of one [El, N, 2I] product) and each token's k
+    distinct experts among 0 … e0 + El + 2 (some another rank's)."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(El, N, 2 * I, generator=g) * 4).bfloat16()
+    ids = torch.stack([torch.randperm(e0 + El + 3, generator=g)[:K] for _ in range(N)])
+    weights = torch.rand(N, K, generator=g)
+    return gate_up[..., :I].reshape(-1, I), gate_up[..., I:].reshape(-1, I), ExpertRoute(ids, weights, e0)
+
+
+def test_the_route_weighs_each_row_by_its_expert_for_its_token() -> None:
+    """Row e·N + t is (act(gate) · up) rounded, times expert e0 + e's weight for token t in float32
+    (0 where t did not choose it), rounded: the dense routing matrix's product, by hand."""
+    gate, up, route = routed(N=3, El=4, K=2, e0=2, I=8, seed=1)
+    route = ExpertRoute(torch.tensor([[2, 7], [5, 3], [0, 8]]), route.weights, 2)  # token 2: another rank's
+    got = weigh_by_route(act_mul_ref(gate, up, F.silu), route)
+    plain = act_mul_ref(gate, up, F.silu)
+    for e in range(4):
+        for t in range(3):
+            chosen = (route.ids[t] == 2 + e).nonzero()
+            w = float(route.weights[t, chosen[0, 0]]) if len(chosen) else 0.0
+            want = (plain[e * 3 + t].float() * w).bfloat16()
+            assert torch.equal(got[e * 3 + t], want), (e, t)
+    assert (got.abs().sum(1) == 0).any() and (got.abs().sum(1) > 0).any()
+
+
+@pytest.mark.parametrize(
+    ("N", "El", "K", "e0", "I"), [(1, 8, 2, 0, 128), (3, 5, 3, 4, 1100), (4, 2, 1, 1, 64)]
+)
+def test_the_routed_kernel_is_the_reference(N: int, El: int, K: int, e0: int, I: int) -> None:
+    gate, up, route = routed(N, El, K, e0, I, seed=N * El)
+    want = weigh_by_route(act_mul_ref(gate, up, F.silu), route)
+    on = ExpertRoute(route.ids.to(DEV), route.weights.to(DEV), e0)
+    got = silu_mul_triton(gate.to(DEV), up.to(DEV), on)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # two roundings, each a unit of bf16 (the interpreter truncates both), and Triton's exp
+    torch.testing.assert_close(got.cpu(), want, rtol=3.2e-2, atol=1.6e-2)
+    assert torch.equal(got.cpu() == 0, want == 0)  # the same rows weigh 0
+    if DEV == "cuda":  # most are torch's to the bit (the interpreter truncates)
+        assert (got.cpu() == want).float().mean() > 0.9
+    torch.testing.assert_close(
+        act_mul(ActMulArgs(gate.to(DEV), up.to(DEV), F.silu, on)).cpu(), want, rtol=1.6e-2, atol=1.6e-2
+    )

@@ -24,7 +24,7 @@ from backend.models.layers.fused import FusedLinear, fuse_group
 from backend.models.layers.linear import Shard, _copy, activation, column, row
 from backend.models.layers.parallel import Parallel
 from backend.models.model_config import ModelConfig
-from kernels.act_mul import ActMulArgs, act_mul
+from kernels.act_mul import ActMulArgs, ExpertRoute, act_mul
 from kernels.router import RouteArgs, route
 from kernels.router_logits import RouterLogitsArgs, router_logits
 
@@ -104,7 +104,6 @@ class Experts(nn.Module):
     ) -> None:
         super().__init__()
         self.e0, self.e1 = shard.split(config.num_routed_experts, "routed experts")
-        self.is_every_expert_local = (self.e0, self.e1) == (0, config.num_routed_experts)
         self.num_global_experts = config.num_routed_experts
         self.full_intermediate = config.moe_intermediate_size
         self.i0, self.i1 = (width or Shard()).split(self.full_intermediate, "expert intermediate size")
@@ -180,22 +179,15 @@ class Experts(nn.Module):
         runs on every token and the routing weights, zero for unchosen experts, pick the sum. El/k
         times the work of the loop; for decode-sized T, or small work (unquantized experts only:
         INT4 and FP8 ones go through the fused MoE kernels)."""
-        T, El = x.shape[0], self.e1 - self.e0
-        route = torch.zeros(T, El + 1, dtype=torch.float32, device=x.device)  # column El: other ranks'
-        if self.is_every_expert_local:  # every id is a local column: no shift, no mask (5 launches)
-            columns = ids  # [T, k]
-        else:
-            local = ids - self.e0  # [T, k]
-            columns = torch.where((local >= 0) & (local < El), local, El)
-        route.scatter_add_(1, columns, weights.float())
+        T = x.shape[0]
         gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)  # [El, T, I] each
-        I = gate.shape[-1]
-        # act(gate) · up in one launch on CUDA (torch's roundings), over the [El·T, I] rows of the views
-        act = act_mul(ActMulArgs(gate.reshape(-1, I), up.reshape(-1, I), self.act)).view(El, T, I)
-        # weighted in float32: a bf16 × float32 product is computed on float(act), as `act.float() *
-        # route` would (the same values), without the widening's own launch
-        act = act * route[:, :El].T[:, :, None]  # [El, T, I] float32
-        y = torch.bmm(act.to(x.dtype), self.down_proj.transpose(1, 2))  # [El, T, H]
+        El, I = gate.shape[0], gate.shape[-1]
+        # act(gate) · up, weighted by each expert's routing weight for the token (0 where it was not
+        # chosen) and rounded to x's dtype: one launch on CUDA over the [El·T, I] rows of the views,
+        # which reads the weights off the top-k ids (torch: a fill, a scatter, the product, a cast)
+        route = ExpertRoute(ids, weights.float(), self.e0)
+        act = act_mul(ActMulArgs(gate.reshape(-1, I), up.reshape(-1, I), self.act, route)).view(El, T, I)
+        y = torch.bmm(act, self.down_proj.transpose(1, 2))  # [El, T, H]
         return y.sum(0)  # [T, H]: one rounding (the sum accumulates in float32)
 
 
