@@ -122,6 +122,9 @@ def nano_engines(checkpoint: Path, opts: Options, concurrency: int) -> dict[str,
     return engines
 
 
+SLOWEST = 6  # steps a run's record names
+
+
 def run_prompts(
     engine: Any, prompts: list[list[int]], stops: list[int], max_tokens: int, concurrency: int
 ) -> dict[str, Any]:
@@ -145,6 +148,7 @@ def run_prompts(
     last: dict[int, float] = {}
     k_steps: dict[int, int] = {}  # steps by the draft length chosen
     kind_s: dict[str, list[float]] = {}  # each step's seconds (engine.step's own), by `step_kind`
+    timeline: list[tuple[float, int, str]] = []  # (seconds, step index, kind): the slowest kept
     start = time.perf_counter()
     with heap.Collections() as collections:
         for at in range(0, len(prompts), concurrency):
@@ -164,6 +168,7 @@ def run_prompts(
                 s = engine.stats
                 kind = step_kind(engine, s.computed_tokens - computed, s.generated_tokens - generated)
                 kind_s.setdefault(kind, []).append(s.last_step_s)
+                timeline.append((s.last_step_s, len(timeline), kind))
                 k = engine.spec.k if engine.spec is not None else 0
                 if k and first_drafting < 0:
                     first_drafting = sum(k_steps.values())
@@ -210,6 +215,12 @@ def run_prompts(
             kind: {"steps": len(v), "median_ms": statistics.median(v) * 1e3, "sum_ms": sum(v) * 1e3}
             for kind, v in sorted(kind_s.items())
         },
+        # the run's slowest steps (index in the run, kind, ms): where a run slower than its twin
+        # with the same medians spent it (session 27: Kimi chat's first A of a round, +20-35 ms)
+        "slowest_steps": [
+            {"step": i, "kind": kind, "ms": round(sec * 1e3, 3)}
+            for sec, i, kind in sorted(timeline, reverse=True)[:SLOWEST]
+        ],
     }
 
 

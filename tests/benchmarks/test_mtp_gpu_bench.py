@@ -62,6 +62,14 @@ def test_rounds_and_ratios(record: dict[str, Any]) -> None:
                 assert set(kinds) == {"decode", "prompt"}
             for x in kinds.values():
                 assert 0 < x["median_ms"] <= x["sum_ms"] < run["wall_s"] * 1e3
+            slowest = run["slowest_steps"]  # the run's slowest steps, slowest first, of its kinds
+            assert 0 < len(slowest) <= min(6, run["steps"]) and {x["kind"] for x in slowest} <= set(kinds)
+            assert [x["ms"] for x in slowest] == sorted((x["ms"] for x in slowest), reverse=True)
+            assert (
+                slowest[0]["ms"]
+                == max(x["ms"] for x in slowest)
+                >= max(x["median_ms"] for x in kinds.values()) - 1e-3
+            )
         fixed = part["fixed_k_run"]  # the policy off: K drafts whenever a sequence can draft
         assert fixed["verify_steps"] > 0 and set(fixed["steps_by_draft_length"]) <= {"0", "3"}
         assert fixed["greedy_steps"] > 0  # greedy rows without logprobs: whole steps on the device
