@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Session 28's first H100 call (issue 28, <= ~580 s):
 # - the CUDA tests of sessions 27-28's launch cuts, the files most relevant first: the verify's tail in
-#   two launches (session 28), query tiles in one launch
+#   two launches and the routed every-expert act_mul (session 28), query tiles in one launch
 #   and once a step, the cos/sin table, the MTP head, draft_rows, the MoE path. Their last run timed out
 #   at 120 s with 126 passed and none failed;
 # - the calibrated mtp bench, with GLM's c=64 (skipped in session 27's last call);
-# - the full-depth projection after the cuts, if it fits.
+# - the full-depth projection after the cuts, if it fits;
+# - where a verify's extra rows go at 16 layers of rank 0 of 8 (k = 1 cost 1.49x a plain step at full
+#   depth where its bytes say ~1.1x: `lab.diagnostics.verify_rows_profile`), if it fits.
 #   run(command="timeout -s KILL 590 bash lab/device/r28.sh", carry=[".whl"], timeout_s=600)
 source "$(dirname "$0")/preamble.sh"
 W=/tmp/r28 && rm -rf $W && mkdir -p $W
 pack() { tar czf "$OUT/r28.tgz" -C $W .; }
 LIMIT=${LIMIT:-570}
 timeout ${TESTS_S:-180} python3 -m pytest -v -p no:cacheprovider -p no:benchmark --tb=short -rfE \
-  tests/kernels/test_verify_accept.py tests/kernels/test_draft_rows.py tests/backend/models/test_models_layers.py tests/kernels/test_mla_prefill.py \
+  tests/kernels/test_verify_accept.py tests/kernels/test_act_mul.py tests/kernels/test_draft_rows.py tests/backend/models/test_models_layers.py tests/kernels/test_mla_prefill.py \
   tests/backend/engine/test_speculative_cuda.py tests/kernels/test_paged_prefill_gqa.py \
   tests/kernels/test_dsa_indexer_triton.py tests/backend/models/test_models_cuda.py > $W/pytest.log 2>&1
 echo "== tests rc=$? at $(el)s"; grep -E "passed|failed|FAILED|^ERROR" $W/pytest.log | tail -15
@@ -25,5 +27,9 @@ pack
 fits 110 "full-depth projection" && timeout 110 python3 -m benchmarks.cli engine mtp --models "" \
   --depths full --rank-of 8 --out $W/mtp-full.json > $W/mtp-full.log 2>&1
 echo "== full-depth projection rc=$? at $(el)s"; grep -v Warning $W/mtp-full.log | tail -5
+pack
+fits 150 "verify rows profile" && timeout 150 python3 -m lab.diagnostics.verify_rows_profile --depth 16 \
+  --out $W/verify_rows.json > $W/verify_rows.log 2>&1
+echo "== verify rows profile rc=$? at $(el)s"; grep -v Warning $W/verify_rows.log | tail -14
 pack
 echo "== done at $(el)s"

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
+from tests.child import dies_with_pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,6 +74,7 @@ def run_backend(
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        preexec_fn=dies_with_pytest(),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from benchmarks.client import spawn_serve
+from tests.child import dies_with_pytest
 from tests.e2e.serve_process import LEGACY, ROOT, Kumo, _children
 
 pytestmark = pytest.mark.slow
@@ -108,6 +109,7 @@ def test_a_ctrl_c_before_the_server_runs_is_not_lost(tmp_path: Path) -> None:
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--data-dir", str(tmp_path)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+            preexec_fn=dies_with_pytest(),
         )  # fmt: skip
         try:
             out, _ = process.communicate(timeout=150)  # ready in ~15 s here; swallowed: it serves on

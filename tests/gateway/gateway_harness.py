@@ -28,6 +28,7 @@ from gateway.settings import GatewaySettings
 from schemas.admin import Quotas, TenantCreate, TokenCreate
 from schemas.backend import GenerateRequest
 from schemas.catalog import ModelSpec, PoolsFile, PoolSpec
+from tests.child import dies_with_pytest
 
 LEGACY = "@cf/kumo/legacy-test"
 MISMATCH = "@cf/kumo/mismatch"
@@ -176,6 +177,7 @@ async def standalone_gateway(
         sys.executable, "-m", "gateway.cli", "gateway", "--pools", str(tmp_path / "pools.toml"),
         "--port", str(port), "--data-dir", str(tmp_path / "data"),
         env=proc_env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=dies_with_pytest(),
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:

@@ -13,6 +13,8 @@ import pytest
 from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 from PIL import Image, ImageStat
 
+from tests.child import dies_with_pytest
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
 FLAGS = [
@@ -29,7 +31,7 @@ async def chromium(*args: str, profile: Path) -> str:
     assert CHROMIUM is not None
     proc = await asyncio.create_subprocess_exec(
         CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, preexec_fn=dies_with_pytest(),
     )  # fmt: skip
     out, _ = await asyncio.wait_for(proc.communicate(), 90)
     assert proc.returncode == 0

@@ -26,6 +26,7 @@ from PIL import Image
 from wm_support import EXAMPLES
 from wrangler_mock.cli import main
 
+from tests.child import dies_with_pytest
 from tests.e2e.serve_process import GLM, KIMI, Kumo
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,14 @@ def dev(kumo: Kumo, example: str, *args: str, token: str | None = None) -> Itera
     }
     config = EXAMPLES / example / "wrangler.toml"
     command = [str(WRANGLER_MOCK), "dev", "-c", str(config), "--port", "0", *args]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=dies_with_pytest(),
+    )
     try:
         assert process.stdout is not None
         url = next((line.split()[-1] for line in process.stdout if line.startswith("Ready on ")), None)

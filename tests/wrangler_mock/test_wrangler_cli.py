@@ -17,6 +17,8 @@ from fake_workers_ai import ACCOUNT, LEGACY_MODEL, OPENAI_MODEL, TOKEN, FakeGate
 from wm_support import EXAMPLES
 from wrangler_mock.cli import main
 
+from tests.child import dies_with_pytest
+
 WRANGLER_MOCK = Path(sys.executable).with_name("wrangler-mock")
 
 
@@ -128,7 +130,9 @@ def dev_process(
         "SYSTEM_PROMPT:Be terse.",
     ]
     log = (tmp_path / "dev.log").open("w")
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=dies_with_pytest()
+    )
     try:
         url = None
         assert process.stdout is not None

@@ -45,6 +45,7 @@ from schemas.backend import (
 from tests.backend.server import rank_probe
 from tests.backend.server_checkpoints import SECRET, make_served_checkpoint
 from tests.backend.server_process import _free_port
+from tests.child import dies_with_pytest
 
 pytestmark = pytest.mark.slow  # real `kumo backend --tp 2` processes: `make test-fast` leaves them out
 
@@ -98,7 +99,7 @@ class Backend:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "backend", "--model", str(model), "--port", str(port),
                  "--dtype", "float32", "--max-pages", "64", "--page-size", "8", "--device", "cpu", *args],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=dies_with_pytest(),
             )  # fmt: skip
         _wait_healthy(self.url, self.process, self.log)
 
