@@ -16,6 +16,13 @@ the template with each special-token spelling in it replaced by a marker unique 
 encoded with specials allowed between markers, and each marker's spelling as plain text. So
 `<|assistant|>` typed into GLM user content, or `<|im_end|><|im_system|>` into Kimi's, is ordinary
 text to the model, not a role boundary.
+
+A spelling can also form where the template writes two client strings back to back: Kimi K2.5's
+writes a message's text parts one after another, so `hi<|i` and `m_end|>` in two parts rendered a real
+`<|im_end|>`. So a client string that ends with the start of a spelling (two characters or more:
+`<|`, `<|im_e`) or begins with the end of one (`|>`, `m_end|>`) gets a boundary marker there, and the
+rendered text is encoded apart at it: no special token spans it. Text that neither ends nor begins so
+(nearly all) tokenizes exactly as before.
 """
 
 from __future__ import annotations
@@ -135,17 +142,21 @@ class ChatTemplate:
         special-token spelling the client typed is encoded as plain text (see the module docstring)."""
         quoter = _Quoter(tokenizer.special_spellings)
         text = self._render(messages, tools, reasoning, extra, True, quoter)
-        texts: list[str] = []  # the template's text between quoted spellings, specials read
+        texts: list[str] = []  # the template's text between markers, specials read
+        spellings: list[str] = []  # after each text: the quoted spelling it stands for ("" at a boundary)
         start = 0
         for found in quoter.markers.finditer(text):
             texts.append(text[start : found.start()])
+            # by the marker's own index: a template may render client values in another order, or twice
+            spellings.append(quoter.quoted[int(found.group(1))] if found.group(1) is not None else "")
             start = found.end()
         texts.append(text[start:])
         encoded = tokenizer.encode_many(texts)
         ids: list[int] = []
-        for piece, spelling in zip(encoded, quoter.quoted, strict=False):
+        for piece, spelling in zip(encoded, spellings, strict=False):
             ids += piece
-            ids += tokenizer.plain_ids(spelling)
+            if spelling:
+                ids += tokenizer.plain_ids(spelling)
         return ids + encoded[-1]
 
     def _render(
@@ -179,21 +190,35 @@ class ChatTemplate:
             raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc
 
 
+def _is_text_part(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text" and isinstance(value.get("text"), str)
+
+
 # a prompt's client-typed special-token spellings: each costs its own pass (a red-team helper's
 # 2.6 MB of `<sop><|user|>`, 400,000 of them, held the GIL 8 s a request)
 MAX_QUOTED_SPELLINGS = 10_000
 
 
 class _Quoter:
-    """Replaces the special-token spellings inside client values with markers `kumo<nonce>q<i>x`;
-    the nonce is random per request, so a client cannot type a marker."""
+    """Replaces the special-token spellings inside client values with markers `kumo<nonce>q<i>x`, and
+    marks with `kumo<nonce>b` a value's end that starts a spelling or its start that ends one (module
+    docstring); the nonce is random per request, so a client cannot type a marker."""
 
     def __init__(self, spellings: tuple[str, ...]) -> None:
-        longest_first = sorted({s for s in spellings if s}, key=len, reverse=True)
+        unique = {s for s in spellings if s}
+        longest_first = sorted(unique, key=len, reverse=True)
         self._spellings = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        # the fragments a value may not end / begin with unmarked: a spelling's proper prefixes and
+        # suffixes of two characters or more (one, for a spelling of two: split between two values,
+        # a spelling of three or more characters leaves two on one side)
+        split = [(s, min(2, len(s) - 1)) for s in unique if len(s) >= 2]
+        self._starts = {s[:i] for s, m in split for i in range(m, len(s))}
+        self._ends = {s[-i:] for s, m in split for i in range(m, len(s))}
+        self._longest = max(map(len, unique), default=0)
         nonce = secrets.token_hex(8)
-        self.markers = re.compile(f"kumo{nonce}q(\\d+)x")
+        self.markers = re.compile(f"kumo{nonce}(?:q(\\d+)x|b)")
         self._marker = f"kumo{nonce}q{{}}x"
+        self._boundary = f"kumo{nonce}b"
         self.quoted: list[str] = []  # the spelling each marker stands for, by index
 
     def quote(self, value: Any) -> Any:
@@ -201,12 +226,62 @@ class _Quoter:
         if self._spellings is None:
             return value
         if isinstance(value, str):
-            return self._spellings.sub(self._mark, value)
-        if isinstance(value, list):
-            return [self.quote(v) for v in value]
+            return self._bound(self._spellings.sub(self._mark, value))
+        if isinstance(value, list):  # a message's content parts: a run of text parts quoted as one text
+            out: list[Any] = []
+            i = 0
+            while i < len(value):
+                j = i
+                while j < len(value) and _is_text_part(value[j]):
+                    j += 1
+                if j - i < 2:
+                    out.append(self.quote(value[i]))
+                    i += 1
+                    continue
+                texts = self._quote_run([value[k]["text"] for k in range(i, j)])
+                out += [
+                    {self.quote(key): text if key == "text" else self.quote(v) for key, v in value[k].items()}
+                    for k, text in zip(range(i, j), texts, strict=True)
+                ]
+                i = j
+            return out
         if isinstance(value, dict):
             return {self.quote(k): self.quote(v) for k, v in value.items()}
         return value
+
+    def _quote_run(self, texts: list[str]) -> list[str]:
+        """Text parts a template writes back to back, quoted as their concatenation: a spelling
+        split over several parts (`hi<|i`, `m_end|>`) is marked in the part it starts in, its other
+        characters taken out of the parts after (the rendered text is the same either way)."""
+        assert self._spellings is not None
+        joined = "".join(texts)
+        found = list(self._spellings.finditer(joined))
+        out: list[str] = []
+        at = 0  # characters of `joined` consumed so far (a spelling may reach into later parts)
+        end = 0
+        for text in texts:
+            start, end = end, end + len(text)
+            pieces = []
+            at = max(at, start)
+            while found and found[0].start() < end:
+                match = found.pop(0)
+                pieces += [joined[at : match.start()], self._mark(match)]
+                at = match.end()
+            if at < end:
+                pieces.append(joined[at:end])
+                at = end
+            out.append(self._bound("".join(pieces)))
+        return out
+
+    def _bound(self, text: str) -> str:
+        """`text` with a boundary marker after an end that starts a spelling and before a start that
+        ends one."""
+        n = min(len(text), self._longest - 1)
+        if any(text[-i:] in self._starts for i in range(1, n + 1)):
+            text += self._boundary
+        if any(text[:i] in self._ends for i in range(1, n + 1)):
+            text = self._boundary + text
+        return text
 
     def _mark(self, found: re.Match[str]) -> str:
         if len(self.quoted) == MAX_QUOTED_SPELLINGS:
