@@ -220,6 +220,7 @@ class _Call:
             images=self.service.images,
             max_images=s.max_images,
             max_choices=s.max_choices,
+            max_image_bytes_total=s.max_image_bytes_total,
         )
         if isinstance(body, LegacyInput):
             return await from_legacy(body, self.model, ctx)

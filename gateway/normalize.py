@@ -35,6 +35,7 @@ class Context:
     images: ImageFetcher
     max_images: int
     max_choices: int
+    max_image_bytes_total: int = 32 * 1024 * 1024  # image bytes × choices (GatewaySettings)
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,21 @@ def check_choices(n: int, ctx: Context) -> None:
 
 
 def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateRequest]:
-    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly."""
+    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly. Each
+    carries every image: their bytes times n are capped (`max_image_bytes_total`)."""
     check_choices(n, ctx)
+    image_bytes = sum(
+        len(part.data)
+        for m in base.messages or []
+        if isinstance(m.content, list)
+        for part in m.content
+        if isinstance(part, b.ImagePart)
+    )
+    if image_bytes * n > ctx.max_image_bytes_total:
+        raise BadInput(
+            f"Bad input: the images total {image_bytes} bytes, and each of the {n} choices carries them all: "
+            f"more than {ctx.max_image_bytes_total} bytes (send fewer or smaller images, or fewer choices)"
+        )
     out = []
     for i in range(n):
         seed = base.sampling.seed

@@ -30,6 +30,9 @@ class GatewaySettings:
     max_body_bytes: int = 10 * MIB
     max_image_bytes: int = 10 * MIB
     max_images: int = 8
+    # a request's image bytes times its choices (each choice's backend request carries every image,
+    # base64 in JSON): 8 choices of 8 fetched 10 MB images held ~0.9 GB and a second of the event loop
+    max_image_bytes_total: int = 32 * MIB
     max_image_pixels: int = 4096 * 4096
     image_fetch_timeout_s: float = 10.0
     image_max_redirects: int = 5
@@ -115,6 +118,7 @@ def settings_from(
     values["server_secret"] = env.get("KUMO_SERVER_SECRET") or persisted_secret(Path(str(values["data_dir"])))
     for name in (
         "max_body_bytes",
+        "max_image_bytes_total",
         "max_header_bytes",
         "max_connections",
         "max_connections_per_client",

@@ -4,8 +4,10 @@ link-local or metadata addresses (reliability §4.4), each redirect hop checked 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
+import dataclasses
 import gzip
 import io
 import ipaddress
@@ -27,6 +29,7 @@ from gateway.errors import BadInput, Unsupported
 from gateway.images import ImageFetcher, ImageLimits, ImageRejected
 from gateway.normalize import Context
 from gateway.normalize_openai import from_openai
+from gateway.settings import GatewaySettings, settings_from
 from schemas.admin import Quotas, TenantCreate, TokenCreate
 from schemas.backend import ImagePart
 from schemas.catalog import ModelSpec
@@ -328,3 +331,20 @@ def test_only_the_allowed_formats_parsers_ever_see_the_bytes(monkeypatch: pytest
     with pytest.raises(ImageRejected, match="could not be decoded"):
         fetcher().check(out.getvalue())
     assert parsed == []
+
+
+async def test_image_bytes_times_choices_are_capped() -> None:
+    """Every choice's backend request carries all the images (base64 in JSON): a 2 KB request of
+    8 choices over 8 fetched 10 MB images made ~0.9 GB of bodies. The bytes times the choices are
+    capped; under the cap the choices go out."""
+    kimi = _model(KIMI)
+    size = len(png_bytes())
+    ctx = dataclasses.replace(_context(CountingFetcher()), max_image_bytes_total=4 * size)
+    two_choices = msgspec.structs.replace(_image_body(2), n=2)
+    assert len((await from_openai(two_choices, kimi, ctx, allow_prompt=True)).requests) == 2
+    three_choices = msgspec.structs.replace(_image_body(2), n=3)
+    with pytest.raises(BadInput, match=f"images total {2 * size} bytes, and each of the 3 choices"):
+        await from_openai(three_choices, kimi, ctx, allow_prompt=True)
+    assert GatewaySettings().max_image_bytes_total == 32 * 1024 * 1024
+    env = {"KUMO_MAX_IMAGE_BYTES_TOTAL": "1000", "KUMO_SERVER_SECRET": "s" * 64}  # no data dir made
+    assert settings_from(argparse.Namespace(), env).max_image_bytes_total == 1000
