@@ -38,7 +38,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.pools import Router
 from gateway.settings import GatewaySettings
 from gateway.store import Store
-from gateway.store.batch import DONE, BatchJob, BatchQueue, KeptAnswer
+from gateway.store.batch import DONE, BatchJob, BatchQueue, KeptAnswer, Refused
 from schemas import backend as b
 from schemas.batch import BatchDone, BatchItem, BatchPoll, BatchStatus, BatchSubmit, BatchUsage
 from schemas.catalog import ModelSpec
@@ -169,18 +169,36 @@ def _checked_item(raw: msgspec.Raw, i: int, model: ModelSpec) -> QueuedRequest:
 
 
 async def submit(services: BatchServices, tenant: TenantContext, model: ModelSpec, raw: bytes) -> Response:
-    """Queue a job (the body is already under the 10 MB limit) and answer its request id."""
+    """Queue a job (the body is already under the 10 MB limit) and answer its request id.
+
+    A submit is a request: one against the tenant's requests per minute, refused (429, 3036) once
+    the day's neurons are spent, as a poll is counted. And a tenant's kept jobs (requests and
+    results, kept `batch_result_ttl_s`) are capped in bytes: a security review, 2026-12-07, had a
+    tenant with no neurons left store 3.4 MB/s of results for 24 h (every item refused at admission,
+    each refusal kept with its 1 KB `external_reference`)."""
     body = decode(raw, _submit_decoder)
     items = [_checked(r, i, model) for i, r in enumerate(body.requests)]
-    cap = services.settings.batch_max_pending_per_tenant
+    limiter = services.inference.limiter
+    no_tokens = replace(tenant, quotas=msgspec.structs.replace(tenant.quotas, tokens_per_minute=None))
+    await limiter.settle(await limiter.admit(no_tokens, model.name, 0), tokens=0, neurons=0.0)
+    s = services.settings
+    cap, max_bytes = s.batch_max_pending_per_tenant, s.batch_max_stored_bytes_per_tenant
     job_id = await services.batch.queue.submit(
-        tenant.tenant_id, model.name, msgspec.json.encode(items), len(items), max_pending=cap or None
-    )
-    if job_id is None:
+        tenant.tenant_id, model.name, msgspec.json.encode(items), len(items), max_pending=cap or None,
+        max_stored_bytes=max_bytes or None,
+    )  # fmt: skip
+    if isinstance(job_id, Refused) and job_id.reason == "pending":
         raise RateLimited(
             f"Too many queued batch jobs: at most {cap} unfinished per account; poll them or wait "
             "for one to finish",
-            retry_after=max(1, round(services.settings.batch_poll_interval_s * 10)),
+            retry_after=max(1, round(s.batch_poll_interval_s * 10)),
+        )
+    if isinstance(job_id, Refused):
+        raise RateLimited(
+            f"Too much kept by batch jobs: this account's jobs hold {job_id.stored_bytes} bytes of "
+            f"requests and results, and this one would pass {max_bytes}; results are kept "
+            f"{round(s.batch_result_ttl_s)} s after a job finishes",
+            retry_after=round(PURGE_INTERVAL_S),
         )
     services.batch.wake()
     log.info(

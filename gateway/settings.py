@@ -61,6 +61,8 @@ class GatewaySettings:
     batch_max_jobs: int = 16  # jobs one gateway runs at once, at most one per tenant
     batch_priority: int = 5  # the internal request's priority (0 interactive, higher later)
     batch_max_pending_per_tenant: int = 16  # unfinished jobs one account may have queued (0: no cap)
+    # bytes one account's kept jobs (requests and results, until purged) may hold (0: no cap)
+    batch_max_stored_bytes_per_tenant: int = 256 * MIB
 
     @property
     def sqlite_url(self) -> str:
@@ -119,6 +121,7 @@ def settings_from(
     for name in (
         "max_body_bytes",
         "max_image_bytes_total",
+        "batch_max_stored_bytes_per_tenant",
         "max_header_bytes",
         "max_connections",
         "max_connections_per_client",

@@ -34,6 +34,16 @@ from gateway.store.tables import BatchAnswerRow, BatchJobRow
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
 
+@dataclass(frozen=True)
+class Refused:
+    """Why `submit` queued nothing: the tenant's unfinished jobs are at `max_pending`
+    ("pending"), or the bytes its kept jobs hold (requests and results) are at `max_stored_bytes`
+    ("stored", with the bytes kept)."""
+
+    reason: str
+    stored_bytes: int = 0
+
+
 def _is_job_id(value: str) -> bool:
     """Whether `value` is a job id as `submit` writes them (a canonical UUID string)."""
     try:
@@ -111,10 +121,13 @@ class BatchQueue:
         num_requests: int,
         *,
         max_pending: int | None = None,
-    ) -> str | None:
-        """Queue a job; None when the tenant already has `max_pending` unfinished (queued or running)
-        jobs. The count and the insert share a transaction: exact on SQLite (one writer), a soft
-        cap across PostgreSQL replicas (two concurrent submits may both pass)."""
+        max_stored_bytes: int | None = None,
+    ) -> str | Refused:
+        """Queue a job, or say why not: the tenant already has `max_pending` unfinished (queued or
+        running) jobs, or its jobs not yet purged hold `max_stored_bytes` (their requests and
+        results) with this one's requests. The counts and the insert share a transaction: exact on
+        SQLite (one writer), a soft cap across PostgreSQL replicas (two concurrent submits may both
+        pass)."""
         job_id = str(uuid.uuid4())
         async with self._session() as s, s.begin():
             if max_pending is not None:
@@ -124,7 +137,21 @@ class BatchQueue:
                     .where(BatchJobRow.tenant_id == tenant_id, BatchJobRow.status.in_((QUEUED, RUNNING)))
                 )
                 if (pending or 0) >= max_pending:
-                    return None
+                    return Refused("pending")
+            if max_stored_bytes is not None:
+                stored = await s.scalar(
+                    select(
+                        func.coalesce(
+                            func.sum(
+                                func.length(BatchJobRow.requests)
+                                + func.coalesce(func.length(BatchJobRow.responses), 0)
+                            ),
+                            0,
+                        )
+                    ).where(BatchJobRow.tenant_id == tenant_id)
+                )
+                if int(stored or 0) + len(requests) > max_stored_bytes:
+                    return Refused("stored", int(stored or 0))
             s.add(
                 BatchJobRow(
                     id=job_id,

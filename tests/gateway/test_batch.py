@@ -21,9 +21,10 @@ from tenancy_db import DIALECTS, create_database, drop_database, store_fixture  
 
 from gateway.batch import MAX_ATTEMPTS, BatchWorker
 from gateway.store import Store
-from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue, KeptAnswer
+from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue, KeptAnswer, Refused
 from gateway.store.migrate import alembic_config
 from gateway.store.tables import BatchAnswerRow, BatchJobRow
+from schemas.admin import Quotas
 
 
 async def wait_done(
@@ -654,7 +655,8 @@ async def test_the_pending_cap_counts_queued_and_running_jobs_only(store: Store)
     tenant = uuid.uuid4().hex
     first = await queue.submit(tenant, "m", b"[]", 0, max_pending=2)
     second = await queue.submit(tenant, "m", b"[]", 0, max_pending=2)
-    assert first and second and await queue.submit(tenant, "m", b"[]", 0, max_pending=2) is None
+    assert await queue.submit(tenant, "m", b"[]", 0, max_pending=2) == Refused("pending")
+    assert isinstance(first, str) and isinstance(second, str)
     assert await queue.submit(uuid.uuid4().hex, "m", b"[]", 0, max_pending=2)  # another tenant's own cap
     async with store.engine.begin() as c:
         await c.execute(update(BatchJobRow).where(BatchJobRow.id == first).values(status=DONE))
@@ -708,3 +710,49 @@ def test_only_failures_another_attempt_would_meet_again_are_kept_as_answered() -
     assert not is_final(Timeout("too slow")) and not is_final(RateLimited("later", retry_after=1))
     assert not is_final(Busy("full")) and not is_final(Unavailable("no capacity", retry_after=5))
     assert not is_final(KumoError("internal"))
+
+
+async def test_the_stored_bytes_cap_counts_a_tenants_kept_requests_and_results(store: Store) -> None:
+    """Requests and results of every job not yet purged, queued to done, count against the tenant's
+    `max_stored_bytes`; another tenant has its own."""
+    queue = BatchQueue(store.engine)
+    tenant, other = uuid.uuid4().hex, uuid.uuid4().hex
+    first = await queue.submit(tenant, "m", b"x" * 400, 1, max_stored_bytes=1000)
+    assert isinstance(first, str)
+    async with store.engine.begin() as c:  # done, its result kept until purged
+        await c.execute(
+            update(BatchJobRow).where(BatchJobRow.id == first).values(status=DONE, responses=b"y" * 500)
+        )
+    assert await queue.submit(tenant, "m", b"z" * 101, 1, max_stored_bytes=1000) == Refused("stored", 900)
+    assert isinstance(await queue.submit(tenant, "m", b"z" * 100, 1, max_stored_bytes=1000), str)
+    assert isinstance(await queue.submit(other, "m", b"z" * 1000, 1, max_stored_bytes=1000), str)
+    async with store.engine.begin() as c:
+        await c.execute(delete(BatchJobRow).where(BatchJobRow.tenant_id.in_((tenant, other))))
+
+
+async def test_a_submit_is_a_request_refused_once_the_days_neurons_are_spent(harness: Harness) -> None:
+    """A security review (2026-12-07): a tenant with no neurons left queued jobs whose every item
+    was refused at admission, each refusal kept 24 h with its 1 KB reference, 3.4 MB/s of store. A
+    submit now counts as a request, is refused (3036) with the day's neurons spent, and a tenant's
+    kept jobs are capped in bytes."""
+    services = harness.services
+    account, token = await _tenant(services, "batch-spent", "paid")
+    url = harness.path(f"/ai/run/{LEGACY}?queueRequest=true", account)
+    body = {"requests": [{"prompt": "x", "external_reference": "A" * 1024}] * 50}
+    await services.store.set_quotas(account, Quotas(daily_neurons=0), actor="test")
+    services.authenticator.forget(tenant_id=account)
+    r = await harness.http.post(url, headers=harness.auth(token), json=body)
+    assert r.status_code == 429 and r.json()["errors"][0]["code"] == 3036, r.text
+    await services.store.set_quotas(account, Quotas(daily_neurons=None), actor="test")
+    services.authenticator.forget(tenant_id=account)
+    settings = services.settings
+    services.settings = dataclasses.replace(settings, batch_max_stored_bytes_per_tenant=60_000)
+    try:
+        r = await harness.http.post(url, headers=harness.auth(token), json=body)  # ~53 KB of requests
+        assert r.status_code == 200, r.text
+        r = await harness.http.post(url, headers=harness.auth(token), json=body)
+        assert r.status_code == 429 and "would pass 60000" in r.json()["errors"][0]["message"], r.text
+    finally:
+        services.settings = settings
+        async with services.store.engine.begin() as c:
+            await c.execute(delete(BatchJobRow).where(BatchJobRow.tenant_id == account))
