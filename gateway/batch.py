@@ -39,6 +39,7 @@ from gateway.pools import Router
 from gateway.settings import GatewaySettings
 from gateway.store import Store
 from gateway.store.batch import DONE, BatchJob, BatchQueue, KeptAnswer, Refused
+from gateway.store.rows import now
 from schemas import backend as b
 from schemas.batch import BatchDone, BatchItem, BatchPoll, BatchStatus, BatchSubmit, BatchUsage
 from schemas.catalog import ModelSpec
@@ -193,12 +194,14 @@ async def submit(services: BatchServices, tenant: TenantContext, model: ModelSpe
             "for one to finish",
             retry_after=max(1, round(s.batch_poll_interval_s * 10)),
         )
-    if isinstance(job_id, Refused):
+    if isinstance(job_id, Refused):  # room comes back as kept results expire (then a purge)
+        expiry = job_id.next_expiry
+        wait_s = (expiry - now()).total_seconds() if expiry is not None else s.batch_result_ttl_s
         raise RateLimited(
             f"Too much kept by batch jobs: this account's jobs hold {job_id.stored_bytes} bytes of "
             f"requests and results, and this one would pass {max_bytes}; results are kept "
             f"{round(s.batch_result_ttl_s)} s after a job finishes",
-            retry_after=round(PURGE_INTERVAL_S),
+            retry_after=max(1, round(wait_s + PURGE_INTERVAL_S)),
         )
     services.batch.wake()
     log.info(

@@ -9,7 +9,7 @@ into n backend requests. Images are resolved to checked bytes here.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -35,7 +35,20 @@ class Context:
     images: ImageFetcher
     max_images: int
     max_choices: int
-    max_image_bytes_total: int = 32 * 1024 * 1024  # image bytes × choices (GatewaySettings)
+    max_image_bytes_total: int = 80 * 1024 * 1024  # image bytes × choices (GatewaySettings)
+    num_choices: int = 1  # the request's n, once known: fetching stops where the images pass the cap
+    fetched: list[int] = field(default_factory=list)  # bytes of each image fetched so far
+
+
+def check_image_bytes(image_bytes: int, ctx: Context) -> None:
+    """A request's image bytes times its choices within `max_image_bytes_total`: each choice's
+    backend request carries every image."""
+    if image_bytes * ctx.num_choices > ctx.max_image_bytes_total:
+        raise BadInput(
+            f"Bad input: the images total {image_bytes} bytes, and each of the {ctx.num_choices} choices "
+            f"carries them all: more than {ctx.max_image_bytes_total} bytes (send fewer or smaller images, "
+            "or fewer choices)"
+        )
 
 
 @dataclass(frozen=True)
@@ -206,11 +219,7 @@ def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateReq
         for part in m.content
         if isinstance(part, b.ImagePart)
     )
-    if image_bytes * n > ctx.max_image_bytes_total:
-        raise BadInput(
-            f"Bad input: the images total {image_bytes} bytes, and each of the {n} choices carries them all: "
-            f"more than {ctx.max_image_bytes_total} bytes (send fewer or smaller images, or fewer choices)"
-        )
+    check_image_bytes(image_bytes, replace(ctx, num_choices=n))
     out = []
     for i in range(n):
         seed = base.sampling.seed

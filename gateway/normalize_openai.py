@@ -6,6 +6,8 @@ pieces (tools, tool choice, reasoning, fan-out) live in `gateway.normalize`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gateway.errors import BadInput
 from gateway.normalize import (
     Context,
@@ -13,6 +15,7 @@ from gateway.normalize import (
     check_capabilities,
     check_choices,
     check_depth,
+    check_image_bytes,
     check_images,
     fan_out,
     from_function_call,
@@ -64,6 +67,7 @@ async def from_openai(
     if (inp.prompt is None) == (inp.messages is None):
         raise BadInput("Bad input: exactly one of 'prompt' and 'messages' is required")
     check_choices(num_choices_of(inp), ctx)  # this and the images' checks before any image is fetched
+    ctx = replace(ctx, num_choices=num_choices_of(inp), fetched=[])
     check_images(model, _num_images(inp.messages or []), ctx.max_images)
     check_tool_results(inp.messages or [])
     messages = [b.Message(role="user", content=inp.prompt)] if inp.prompt is not None else []
@@ -228,7 +232,10 @@ async def _content(content: Content, field: str, ctx: Context) -> str | list[b.C
         elif isinstance(part, RefusalPartIn):
             parts.append(b.TextPart(text=part.refusal))
         elif isinstance(part, ImagePartIn):
-            parts.append(await ctx.images.from_url(part.image_url.url))
+            image = await ctx.images.from_url(part.image_url.url)
+            ctx.fetched.append(len(image.data))
+            check_image_bytes(sum(ctx.fetched), ctx)  # no image fetched past the cap
+            parts.append(image)
         else:
             raise refuse(
                 f"{field}.content[{j}].type", f"'{type(part).__struct_config__.tag}' is not supported"

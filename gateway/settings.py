@@ -31,8 +31,9 @@ class GatewaySettings:
     max_image_bytes: int = 10 * MIB
     max_images: int = 8
     # a request's image bytes times its choices (each choice's backend request carries every image,
-    # base64 in JSON): 8 choices of 8 fetched 10 MB images held ~0.9 GB and a second of the event loop
-    max_image_bytes_total: int = 32 * MIB
+    # base64 in JSON): 8 choices of 8 fetched 10 MB images held ~0.9 GB and a second of the event
+    # loop; one choice may still carry `max_images` images of `max_image_bytes`
+    max_image_bytes_total: int = 80 * MIB
     max_image_pixels: int = 4096 * 4096
     image_fetch_timeout_s: float = 10.0
     image_max_redirects: int = 5

@@ -70,4 +70,4 @@ def weigh_by_route(act: torch.Tensor, route: ExpertRoute) -> torch.Tensor:
     dense = torch.zeros(N, El + 1, dtype=torch.float32, device=act.device)
     dense.scatter_add_(1, columns, route.weights.float())  # [N, El + 1]
     # a bf16 × float32 product is computed on float(act), the same values as `act.float() * w`
-    return (act.view(El, N, -1) * dense[:, :El].T[:, :, None]).view_as(act).to(act.dtype)
+    return (act.view(El, N, act.shape[1]) * dense[:, :El].T[:, :, None]).view_as(act).to(act.dtype)

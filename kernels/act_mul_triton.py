@@ -69,10 +69,14 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, route: ExpertRoute | N
     T, I = gate.shape
     N, K = route.ids.shape if route is not None else (1, 1)
     if route is not None and (
-        route.weights.shape != (N, K) or route.weights.dtype != torch.float32 or (N and T % N)
+        route.weights.shape != (N, K)
+        or route.weights.dtype != torch.float32
+        or (N and T % N)
+        or (K > 1 and (route.ids.stride(1) != 1 or route.weights.stride(1) != 1))
     ):
         raise ValueError(
-            f"a route's weights must be float32 [N, k] and T a multiple of N, got {T} rows, N {N}"
+            f"a route's ids and weights must be [N, k] (float32 weights, unit stride in k) and T a "
+            f"multiple of N, got {T} rows, N {N}"
         )
     out = torch.empty((T, I), dtype=gate.dtype, device=gate.device)
     if T and I:

@@ -11,8 +11,10 @@ number of leading drafts equal to the target before them (d_{i+1} == t_i), and t
 row is `query_start[b] + a_b`.
 
 The kernel leaves the logits as they are; the reference masks them in place (what the sampled
-step, which reads the masked logits after, does with `mask_guarded`). NaN: the kernel ranks a NaN
-logit as +inf, torch's argmax takes a NaN over any number; a row with both reads differently.
+step, which reads the masked logits after, does with `mask_guarded`). Non-finite logits: the kernel
+ranks a NaN as +inf and sets a banned id to -inf whatever it held, where torch's argmax takes the
+first NaN over any number and the reference's -inf added to a banned +inf makes one (so it answers
+that banned id); a row with a NaN, or a banned +inf, may read differently. A finite row never.
 
 Shapes: B sequences, L rows each (N = B·L), V vocabulary, S banned ids a row at most.
 """
@@ -27,7 +29,7 @@ import torch
 @dataclass(frozen=True, slots=True)
 class VerifyAcceptArgs:
     logits: torch.Tensor  # [N, V] float32 or bf16, unit stride in V
-    guards: torch.Tensor  # [B, L, S] int64 each row's banned ids, -1 padded
+    guards: torch.Tensor  # [B, L, S] int64 each row's banned ids, -1 padded, unit stride in S
     input_ids: torch.Tensor  # [N] int64 the verify's ids: row b·L + i + 1 holds d_{i+1}
     query_start: torch.Tensor  # [B + 1] int32 (b·L for a uniform verify)
 

@@ -26,18 +26,22 @@ PROGRAMS_WANTED = 264
 @triton.jit
 def _row_argmax_kernel(
     logits_ptr,  # [N, V] float32 / bf16
-    guards_ptr,  # [N, S] int64, -1 padded
+    guards_ptr,  # [B, L, S] int64, -1 padded, unit stride in S (a verify graph's: a slice of a wider buffer)
     val_ptr,  # [N, P] float32 out
     idx_ptr,  # [N, P] int64 out
     V,
     P,
     slice_len,  # ids a slice (a multiple of BLOCK_V)
     stride_row,
+    L,
+    stride_gb,
+    stride_gl,
     S: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
+    banned_ptr = guards_ptr + (row // L) * stride_gb + (row % L) * stride_gl  # row b·L + i: guards[b, i]
     lanes = tl.arange(0, BLOCK_V)
     best = tl.full((BLOCK_V,), float("-inf"), tl.float32)
     best_id = tl.full((BLOCK_V,), 2147483647, tl.int32)  # none yet
@@ -48,7 +52,7 @@ def _row_argmax_kernel(
         x = tl.load(logits_ptr + row * stride_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
         x = tl.where(x != x, float("inf"), x)  # NaN ranks as +inf
         for s in tl.static_range(S):  # the row's banned ids (a -1 bans nothing)
-            x = tl.where(cols == tl.load(guards_ptr + row * S + s), float("-inf"), x)
+            x = tl.where(cols == tl.load(banned_ptr + s), float("-inf"), x)
         # strictly larger wins (an earlier id keeps a tie); a lane's first id is taken whatever it is
         take = inside & ((x > best) | (best_id == 2147483647))
         best = tl.where(take, x, best)
@@ -91,10 +95,12 @@ def _accept_kernel(
     tl.store(last_ptr + b, tl.load(query_start_ptr + b).to(tl.int64) + accepted)
 
 
-def slices_per_row(rows: int, vocab: int) -> int:
-    """P: the vocabulary's slices a row (a function of the shape alone, so a captured graph's
-    launch is the eager one's)."""
-    return max(1, min(triton.cdiv(vocab, BLOCK_V), triton.cdiv(PROGRAMS_WANTED, max(rows, 1))))
+def slices_per_row(rows: int, vocab: int) -> tuple[int, int]:
+    """(P, ids a slice): the vocabulary's slices a row, each whole blocks, none empty (a function of
+    the shape alone, so a captured graph's launch is the eager one's)."""
+    wanted = max(1, min(triton.cdiv(vocab, BLOCK_V), triton.cdiv(PROGRAMS_WANTED, max(rows, 1))))
+    slice_len = triton.cdiv(triton.cdiv(vocab, wanted), BLOCK_V) * BLOCK_V
+    return triton.cdiv(vocab, slice_len), slice_len
 
 
 def verify_accept_triton(
@@ -108,8 +114,8 @@ def verify_accept_triton(
     N, V = logits.shape
     if N != B * L or logits.stride(1) != 1:
         raise ValueError(f"logits must be [{B * L}, V] with unit stride in V, got {tuple(logits.shape)}")
-    if guards.dtype != torch.int64 or not guards.is_contiguous():
-        raise ValueError("guards must be contiguous int64 [B, L, S]")
+    if guards.dtype != torch.int64 or guards.stride(2) != 1:
+        raise ValueError("guards must be int64 [B, L, S] with unit stride in S")
     if input_ids.shape != (N,) or input_ids.dtype != torch.int64:
         raise ValueError(f"input_ids must be int64 [{N}]")
     if query_start.shape[0] < B + 1:
@@ -120,12 +126,12 @@ def verify_accept_triton(
     last = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return targets, accepted, last
-    P = slices_per_row(N, V)
-    slice_len = triton.cdiv(triton.cdiv(V, P), BLOCK_V) * BLOCK_V
+    P, slice_len = slices_per_row(N, V)
     val = torch.empty((N, P), dtype=torch.float32, device=dev)
     idx = torch.empty((N, P), dtype=torch.int64, device=dev)
     _row_argmax_kernel[(N, P)](
-        logits, guards, val, idx, V, P, slice_len, logits.stride(0), S=S, BLOCK_V=BLOCK_V,
+        logits, guards, val, idx, V, P, slice_len, logits.stride(0), L, guards.stride(0), guards.stride(1),
+        S=S, BLOCK_V=BLOCK_V,
     )  # fmt: skip
     _accept_kernel[(B,)](
         val, idx, input_ids, query_start, targets, accepted, last, P,

@@ -12,13 +12,17 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+# resolved in the parent, at import: a `dlopen` between fork and exec, in a child of a process with
+# threads, can wait forever on a loader lock another thread held at the fork
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def die_with_parent(parent_pid: int) -> None:
     """A `preexec_fn`: SIGKILL this child when the process that spawned it exits. Linux only; a
     no-op elsewhere. If the parent is already gone (it died between fork and here), exit now."""
-    if not sys.platform.startswith("linux"):
+    if _PRCTL is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         os._exit(70)  # the guarantee cannot be given: refuse to run without it
     if os.getppid() != parent_pid:
         os._exit(0)

@@ -19,14 +19,16 @@ text to the model, not a role boundary.
 
 A spelling can also form where the template writes two client strings back to back: Kimi K2.5's
 writes a message's text parts one after another, so `hi<|i` and `m_end|>` in two parts rendered a real
-`<|im_end|>`. So a client string that ends with the start of a spelling (two characters or more:
-`<|`, `<|im_e`) or begins with the end of one (`|>`, `m_end|>`) gets a boundary marker there, and the
-rendered text is encoded apart at it: no special token spans it. Text that neither ends nor begins so
-(nearly all) tokenizes exactly as before.
+`<|im_end|>`. So a message's text parts are quoted as one text (a spelling cut over parts is marked
+in the part it starts in), and any client string that ends with the start of a control token's
+spelling (two characters or more: `<|`, `<|im_e`) or begins with the end of one (`|>`, `m_end|>`)
+gets a boundary marker there, and the rendered text is encoded apart at it: no special token spans
+it. Text that neither ends nor begins so (nearly all) tokenizes exactly as before.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -140,7 +142,7 @@ class ChatTemplate:
     ) -> list[int]:
         """The prompt's token ids, with special tokens only where the template writes them: a
         special-token spelling the client typed is encoded as plain text (see the module docstring)."""
-        quoter = _Quoter(tokenizer.special_spellings)
+        quoter = _Quoter(tokenizer.special_spellings, _control_spellings(tokenizer))
         text = self._render(messages, tools, reasoning, extra, True, quoter)
         texts: list[str] = []  # the template's text between markers, specials read
         spellings: list[str] = []  # after each text: the quoted spelling it stands for ("" at a boundary)
@@ -190,6 +192,24 @@ class ChatTemplate:
             raise InvalidRequest(f"chat template cannot render these messages: {exc}") from exc
 
 
+def _control_spellings(tokenizer: Tokenizer) -> tuple[str, ...]:
+    special = tokenizer.special_ids
+    return tuple(s for s in tokenizer.special_spellings if tokenizer.token_to_id(s) in special)
+
+
+@functools.lru_cache(maxsize=16)
+def _fragments(controls: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str], int]:
+    """(starts, ends, longest): the fragments a client value may not end / begin with unmarked, a
+    control spelling's proper prefixes and suffixes of two characters or more (one, for a spelling
+    of two: split between two values, a spelling of three or more characters leaves two on one
+    side), and the longest spelling's length. Made once per tokenizer (Kimi's ~256 specials make
+    ~60,000 fragments)."""
+    split = [(s, min(2, len(s) - 1)) for s in controls if len(s) >= 2]
+    starts = frozenset(s[:i] for s, m in split for i in range(m, len(s)))
+    ends = frozenset(s[-i:] for s, m in split for i in range(m, len(s)))
+    return starts, ends, max(map(len, controls), default=0)
+
+
 def _is_text_part(value: Any) -> bool:
     return isinstance(value, dict) and value.get("type") == "text" and isinstance(value.get("text"), str)
 
@@ -204,17 +224,14 @@ class _Quoter:
     marks with `kumo<nonce>b` a value's end that starts a spelling or its start that ends one (module
     docstring); the nonce is random per request, so a client cannot type a marker."""
 
-    def __init__(self, spellings: tuple[str, ...]) -> None:
+    def __init__(self, spellings: tuple[str, ...], controls: tuple[str, ...] = ()) -> None:
+        """`controls`: the spellings of special-flagged tokens (role and turn markers), whose
+        fragments are bounded; an added token that is not one (GLM's `/nothink`, whose ends are
+        `think` and `ink`) is quoted when typed whole, and its fragments are ordinary text."""
         unique = {s for s in spellings if s}
         longest_first = sorted(unique, key=len, reverse=True)
         self._spellings = re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
-        # the fragments a value may not end / begin with unmarked: a spelling's proper prefixes and
-        # suffixes of two characters or more (one, for a spelling of two: split between two values,
-        # a spelling of three or more characters leaves two on one side)
-        split = [(s, min(2, len(s) - 1)) for s in unique if len(s) >= 2]
-        self._starts = {s[:i] for s, m in split for i in range(m, len(s))}
-        self._ends = {s[-i:] for s, m in split for i in range(m, len(s))}
-        self._longest = max(map(len, unique), default=0)
+        self._starts, self._ends, self._longest = _fragments(tuple(sorted(set(controls))))
         nonce = secrets.token_hex(8)
         self.markers = re.compile(f"kumo{nonce}(?:q(\\d+)x|b)")
         self._marker = f"kumo{nonce}q{{}}x"
@@ -227,24 +244,19 @@ class _Quoter:
             return value
         if isinstance(value, str):
             return self._bound(self._spellings.sub(self._mark, value))
-        if isinstance(value, list):  # a message's content parts: a run of text parts quoted as one text
-            out: list[Any] = []
-            i = 0
-            while i < len(value):
-                j = i
-                while j < len(value) and _is_text_part(value[j]):
-                    j += 1
-                if j - i < 2:
-                    out.append(self.quote(value[i]))
-                    i += 1
-                    continue
-                texts = self._quote_run([value[k]["text"] for k in range(i, j)])
-                out += [
-                    {self.quote(key): text if key == "text" else self.quote(v) for key, v in value[k].items()}
-                    for k, text in zip(range(i, j), texts, strict=True)
-                ]
-                i = j
-            return out
+        if isinstance(value, list):
+            # a message's content parts: its text parts quoted as one text, whatever lies between
+            # them (a template may write nothing for an image, as GLM's does)
+            texts = [i for i, v in enumerate(value) if _is_text_part(v)]
+            if len(texts) < 2:
+                return [self.quote(v) for v in value]
+            quoted = dict(zip(texts, self._quote_run([value[i]["text"] for i in texts]), strict=True))
+            return [
+                {self.quote(key): quoted[i] if key == "text" else self.quote(x) for key, x in v.items()}
+                if i in quoted
+                else self.quote(v)
+                for i, v in enumerate(value)
+            ]
         if isinstance(value, dict):
             return {self.quote(k): self.quote(v) for k, v in value.items()}
         return value

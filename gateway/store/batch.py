@@ -42,6 +42,7 @@ class Refused:
 
     reason: str
     stored_bytes: int = 0
+    next_expiry: dt.datetime | None = None  # "stored": when the tenant's first kept result expires
 
 
 def _is_job_id(value: str) -> bool:
@@ -151,7 +152,10 @@ class BatchQueue:
                     ).where(BatchJobRow.tenant_id == tenant_id)
                 )
                 if int(stored or 0) + len(requests) > max_stored_bytes:
-                    return Refused("stored", int(stored or 0))
+                    expiry = await s.scalar(
+                        select(func.min(BatchJobRow.expires_at)).where(BatchJobRow.tenant_id == tenant_id)
+                    )
+                    return Refused("stored", int(stored or 0), expiry)
             s.add(
                 BatchJobRow(
                     id=job_id,

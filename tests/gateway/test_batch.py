@@ -723,7 +723,12 @@ async def test_the_stored_bytes_cap_counts_a_tenants_kept_requests_and_results(s
         await c.execute(
             update(BatchJobRow).where(BatchJobRow.id == first).values(status=DONE, responses=b"y" * 500)
         )
-    assert await queue.submit(tenant, "m", b"z" * 101, 1, max_stored_bytes=1000) == Refused("stored", 900)
+    expires = dt.datetime(2030, 1, 1, tzinfo=dt.UTC)
+    async with store.engine.begin() as c:
+        await c.execute(update(BatchJobRow).where(BatchJobRow.id == first).values(expires_at=expires))
+    assert await queue.submit(tenant, "m", b"z" * 101, 1, max_stored_bytes=1000) == Refused(
+        "stored", 900, expires
+    )
     assert isinstance(await queue.submit(tenant, "m", b"z" * 100, 1, max_stored_bytes=1000), str)
     assert isinstance(await queue.submit(other, "m", b"z" * 1000, 1, max_stored_bytes=1000), str)
     async with store.engine.begin() as c:
@@ -752,6 +757,8 @@ async def test_a_submit_is_a_request_refused_once_the_days_neurons_are_spent(har
         assert r.status_code == 200, r.text
         r = await harness.http.post(url, headers=harness.auth(token), json=body)
         assert r.status_code == 429 and "would pass 60000" in r.json()["errors"][0]["message"], r.text
+        # room comes back when the first kept job's results expire (a day after it finishes), not sooner
+        assert int(r.headers["retry-after"]) >= settings.batch_result_ttl_s * 0.9
     finally:
         services.settings = settings
         async with services.store.engine.begin() as c:

@@ -345,6 +345,18 @@ async def test_image_bytes_times_choices_are_capped() -> None:
     three_choices = msgspec.structs.replace(_image_body(2), n=3)
     with pytest.raises(BadInput, match=f"images total {2 * size} bytes, and each of the 3 choices"):
         await from_openai(three_choices, kimi, ctx, allow_prompt=True)
-    assert GatewaySettings().max_image_bytes_total == 32 * 1024 * 1024
+    s = GatewaySettings()  # one choice may carry as many images, as large, as before the cap
+    assert s.max_image_bytes_total == s.max_images * s.max_image_bytes == 80 * 1024 * 1024
     env = {"KUMO_MAX_IMAGE_BYTES_TOTAL": "1000", "KUMO_SERVER_SECRET": "s" * 64}  # no data dir made
     assert settings_from(argparse.Namespace(), env).max_image_bytes_total == 1000
+
+
+async def test_no_image_is_fetched_past_the_cap() -> None:
+    """The cap stops the fetching: with n = 3 and room for 2 images' bytes times 3, the third image
+    passes it and the fourth URL is never asked for (a request of 8 choices over 8 URLs of 10 MB fetched all 80 MB before its 400)."""
+    size = len(png_bytes())
+    images = CountingFetcher()
+    ctx = dataclasses.replace(_context(images, max_images=4), max_image_bytes_total=6 * size)
+    with pytest.raises(BadInput, match=f"images total {3 * size} bytes, and each of the 3 choices"):
+        await from_openai(msgspec.structs.replace(_image_body(4), n=3), _model(KIMI), ctx, allow_prompt=True)
+    assert len(images.urls) == 3

@@ -9,6 +9,7 @@ GPU rounds to nearest even: one more unit in the last place there)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,9 @@ if not torch.cuda.is_available():
 
 from kernels.act_mul import ActMulArgs, ExpertRoute, act_mul, act_mul_ref, weigh_by_route  # noqa: E402
 from kernels.act_mul_triton import silu_mul_triton  # noqa: E402
+from tests.backend.engine.test_speculative import loaded  # noqa: E402
+
+__all__ = ["loaded"]  # the fixture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -102,3 +106,45 @@ def test_the_routed_kernel_is_the_reference(N: int, El: int, K: int, e0: int, I:
     torch.testing.assert_close(
         act_mul(ActMulArgs(gate.to(DEV), up.to(DEV), F.silu, on)).cpu(), want, rtol=1.6e-2, atol=1.6e-2
     )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_every_expert_path_with_the_kernel_sums_what_the_loop_does(
+    loaded: dict[str, Any], sharded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Experts.forward_every_expert` with the routed kernel in place of the reference (the CUDA
+    branch, under the interpreter): the loop's sum over the chosen experts; holding some experts
+    (`sharded`: ids >= E stand for another rank's), theirs drop out."""
+    from backend.models.layers import moe
+    from backend.models.layers.moe import Experts
+
+    def kernel(args: ActMulArgs) -> torch.Tensor:
+        return silu_mul_triton(args.gate, args.up, args.route)
+
+    experts = next(m for m in loaded["deepseek_v3"].model.modules() if isinstance(m, Experts))
+    E, H = experts.e1 - experts.e0, experts.gate_up_proj.shape[2]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, H, generator=g)
+    ids = torch.tensor([[0, E - 2], [1, E - 1], [3, 2], [E - 1, 0], [2, 1]])
+    if sharded:
+        ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])
+    weights = torch.rand(5, 2, generator=g)
+    want = experts(x, weights, ids)  # the loop over the experts in use
+    monkeypatch.setattr(moe, "act_mul", kernel)
+    got = experts.forward_every_expert(x, weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got[2].abs().max() == 0) == sharded and got[0].abs().max() > 0
+
+
+def test_a_route_of_no_token_and_a_bad_one() -> None:
+    """No token: an empty product (the reference once failed to reshape it); ids not unit-strided in
+    k are refused rather than read wrong."""
+    gate, up, route = routed(N=2, El=3, K=2, e0=0, I=16, seed=4)
+    empty = ExpertRoute(route.ids[:0], route.weights[:0], 0)
+    assert weigh_by_route(act_mul_ref(gate[:0], up[:0], F.silu), empty).shape == (0, 16)
+    assert silu_mul_triton(
+        gate[:0].to(DEV), up[:0].to(DEV), ExpertRoute(empty.ids.to(DEV), empty.weights.to(DEV), 0)
+    ).shape == (0, 16)
+    strided = ExpertRoute(route.ids.t().contiguous().t().to(DEV), route.weights.to(DEV), 0)
+    with pytest.raises(ValueError, match="unit stride in k"):
+        silu_mul_triton(gate.to(DEV), up.to(DEV), strided)

@@ -5,6 +5,7 @@ against the acceptance written out by hand."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ if not torch.cuda.is_available():
 
 from kernels.verify_accept import VerifyAcceptArgs, verify_accept_ref  # noqa: E402
 from kernels.verify_accept_triton import slices_per_row, verify_accept_triton  # noqa: E402
+from tests.backend.engine.test_speculative import loaded  # noqa: E402
+
+__all__ = ["loaded"]  # the fixture
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 S = 12  # backend.engine.speculative.greedy.MAX_BANNED
@@ -117,7 +121,61 @@ def test_a_row_of_the_verify_buffer_reads_only_its_own_columns() -> None:
 
 
 def test_the_slices_spread_a_few_rows_over_the_device() -> None:
-    assert slices_per_row(4, 154_880) == 66  # one GLM-5 sequence, k = 3: 264 programs
-    assert slices_per_row(256, 154_880) == 2
-    assert slices_per_row(4, 2_900) == 3  # never more slices than blocks of the vocabulary
-    assert slices_per_row(1_000, 2_900) == 1
+    """Whole blocks a slice, none empty: one GLM-5 sequence at k = 3 (4 rows of 154,880 ids) in
+    51 slices of 3,072 (the 66 wanted, rounded to blocks), a large batch in few."""
+    assert slices_per_row(4, 154_880) == (51, 3072)
+    assert slices_per_row(256, 154_880) == (2, 77_824)
+    assert slices_per_row(4, 2_900) == (3, 1024)  # never more slices than blocks of the vocabulary
+    assert slices_per_row(1_000, 2_900) == (1, 3072)
+    for rows, vocab in ((4, 154_880), (1, 1), (3, 1025), (64, 163_840), (2, 20_001)):
+        p, size = slices_per_row(rows, vocab)
+        assert (p - 1) * size < vocab <= p * size and size % 1024 == 0
+
+
+def test_the_guards_of_a_verify_graph_are_a_slice_of_a_wider_buffer() -> None:
+    """A verify graph for k drafts under `--speculative mtp:K` reads its guards as `[:B, :k + 1]` of
+    a `[n, K + 1, S]` buffer: not contiguous for k < K (a contiguity check there refused every
+    greedy graph at K >= 2, a review found)."""
+    b = verify(3, 2, 1500, seed=11)
+    wide = torch.full((5, 4, S), -1, dtype=torch.int64)
+    wide[:3, :2] = b["guards"]
+    guards = wide[:3, :2].to(DEV)
+    assert not guards.is_contiguous()
+    got = verify_accept_triton(b["logits"].to(DEV), guards, b["input_ids"].to(DEV), b["query_start"].to(DEV))
+    want = verify_accept_ref(
+        VerifyAcceptArgs(b["logits"].clone(), b["guards"], b["input_ids"], b["query_start"])
+    )
+    assert torch.equal(got[0].cpu(), want.targets) and torch.equal(got[1].cpu(), want.accepted)
+    assert (b["guards"] >= 0).any()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_greedy_graphs_capture_and_decode_with_the_kernel(
+    loaded: dict[str, Any], k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's greedy steps over the verify graphs' buffers with the two-launch kernel in place
+    of the reference (the CUDA branch, here under the interpreter): every (k, bucket) graph keeps its
+    greedy replay at `mtp:K` (the slices of the guards buffer they read), and the tokens are plain
+    decoding's."""
+    from backend.engine.speculative import greedy
+    from kernels.verify_accept import VerifyAccept
+    from tests.backend.engine.test_speculative import engine_for, prompts
+    from tests.backend.engine.test_speculative_greedy import graphed
+    from tests.backend.engine_helpers import request, run_all
+
+    def kernel(args: VerifyAcceptArgs) -> VerifyAccept:
+        return VerifyAccept(*verify_accept_triton(args.logits, args.guards, args.input_ids, args.query_start))
+
+    monkeypatch.setattr(greedy, "verify_accept", kernel)
+    model = loaded["deepseek_v3"]
+    reqs = [
+        request(f"r{i}", p, max_tokens=12 + i)
+        for i, p in enumerate(prompts(2, model.config.vocab_size, seed=k))
+    ]
+    engine = graphed(model, k, cuda_graph_batch_sizes=(1, 2))
+    graphs = engine.runner.spec_forwards.graphs
+    assert graphs is not None and graphs.has_greedy, graphs.greedy_disabled_reason if graphs else None
+    got = run_all(engine, reqs)
+    assert engine.spec is not None and engine.spec.num_greedy_steps > 0
+    plain = run_all(engine_for(model, 0), reqs)
+    assert {rid: r.token_ids for rid, r in got.items()} == {rid: r.token_ids for rid, r in plain.items()}

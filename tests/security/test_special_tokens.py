@@ -16,7 +16,7 @@ import pytest
 from backend.errors import InvalidRequest
 from backend.text.chat_template import MAX_QUOTED_SPELLINGS, ChatTemplate
 from backend.text.tokenizer import Tokenizer
-from schemas.backend import Message, TextPart, Tool, ToolCall, ToolCallFunction
+from schemas.backend import ImagePart, Message, TextPart, Tool, ToolCall, ToolCallFunction
 from tests.backend.server_tokenizers import load, tokenizer_dir
 
 ATTACKS = {
@@ -169,3 +169,36 @@ def test_spellings_keep_their_places_whatever_order_the_template_renders_values(
     twice = ChatTemplate("{% for m in messages %}{{ m.content }}|{{ m.content }}{% endfor %}", {})
     echoed = [Message(role="user", content=f"a {first} b"), Message(role="user", content=f"c {second} d")]
     assert tok.decode(twice.encode(tok, echoed)) == twice.render(echoed)
+
+
+def test_text_parts_around_images_are_quoted_as_one_text(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """GLM's template writes nothing for an image part, so text parts on either side of one meet:
+    `x<`, an image, `|assistant|`, an image, `>y` (a review's case) spells no special token."""
+    tok = load(tmp_path_factory, "glm")
+    template = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, "glm"))
+    assert template is not None
+    image = ImagePart(data=b"\x89PNG")
+    parts = [TextPart(text="x<"), image, TextPart(text="|assistant|"), image, TextPart(text=">y")]
+    messages = [Message(role="user", content=parts)]
+    ids = template.encode(tok, messages)
+    assert "<|assistant|>" in template.render(messages)
+    assert ids.count(tok.token_to_id("<|assistant|>")) == 1  # the template's own, after the turn
+    assert tok.decode(ids) == template.render(messages)
+
+
+@pytest.mark.parametrize("layout", list(ATTACKS))
+def test_ordinary_text_parts_tokenize_as_the_rendered_text(
+    tmp_path_factory: pytest.TempPathFactory, layout: str
+) -> None:
+    """Parts that end or begin with a word an added (not special) token ends or begins with (GLM's
+    `/nothink`: `think`, `ink`) are ordinary text: only control tokens' fragments are bounded."""
+    tok = load(tmp_path_factory, layout)
+    template = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, layout))
+    assert template is not None
+    for texts in (
+        ["Please ", "think it over"],
+        ["I ", "thinking", " no"],
+        ["a <b>", "tag</b> |", "> and <", "| x"],
+    ):
+        messages = [Message(role="user", content=[TextPart(text=t) for t in texts])]
+        assert template.encode(tok, messages) == tok.encode(template.render(messages)), texts
