@@ -116,19 +116,12 @@ def test_the_every_expert_path_with_the_kernel_sums_what_the_loop_does(
     branch, under the interpreter): the loop's sum over the chosen experts; holding some experts
     (`sharded`: ids >= E stand for another rank's), theirs drop out."""
     from backend.models.layers import moe
-    from backend.models.layers.moe import Experts
+    from tests.backend.engine.test_decode_graphs import routed_tokens
 
     def kernel(args: ActMulArgs) -> torch.Tensor:
         return silu_mul_triton(args.gate, args.up, args.route)
 
-    experts = next(m for m in loaded["deepseek_v3"].model.modules() if isinstance(m, Experts))
-    E, H = experts.e1 - experts.e0, experts.gate_up_proj.shape[2]
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, H, generator=g)
-    ids = torch.tensor([[0, E - 2], [1, E - 1], [3, 2], [E - 1, 0], [2, 1]])
-    if sharded:
-        ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])
-    weights = torch.rand(5, 2, generator=g)
+    experts, x, weights, ids = routed_tokens(loaded["deepseek_v3"].model, sharded, seed=3)
     want = experts(x, weights, ids)  # the loop over the experts in use
     monkeypatch.setattr(moe, "act_mul", kernel)
     got = experts.forward_every_expert(x, weights, ids)

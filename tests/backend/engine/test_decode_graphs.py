@@ -321,19 +321,27 @@ def test_a_tag_fault_mid_decode_is_caught_on_the_graph_path(models: ModelShelf, 
     assert graphed.stats.tag_check_aborts == 1
 
 
+def routed_tokens(
+    model: torch.nn.Module, is_sharded: bool, seed: int
+) -> tuple[Experts, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's first `Experts`, and 5 tokens routed 2 experts each (x, weights, ids); with
+    `is_sharded`, ids >= E stand for another rank's experts."""
+    experts = next(m for m in model.modules() if isinstance(m, Experts))
+    E, H = experts.e1 - experts.e0, experts.gate_up_proj.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, H, generator=g)
+    ids = torch.tensor([[0, E - 2], [1, E - 1], [3, 2], [E - 1, 0], [2, 1]])
+    if is_sharded:
+        ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])  # >= E: another rank's
+    return experts, x, torch.rand(5, 2, generator=g), ids
+
+
 @pytest.mark.parametrize("is_sharded", [False, True])
 def test_every_expert_path_equals_the_loop(models: ModelShelf, is_sharded: bool) -> None:
     """The fixed-shape path (captured decode steps) sums what the loop does. Holding every expert,
     every id is a column of its own; a rank holding some (`is_sharded`: ids >= E stand for another
     rank's) drops the others' through the extra column."""
-    experts = next(m for m in models["deepseek_v3"].model.modules() if isinstance(m, Experts))
-    E, H = experts.e1 - experts.e0, experts.gate_up_proj.shape[2]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, H, generator=g)
-    ids = torch.tensor([[0, E - 2], [1, E - 1], [3, 2], [E - 1, 0], [2, 1]])
-    if is_sharded:
-        ids = torch.tensor([[0, E], [1, E - 1], [E + 1, E + 2], [E - 1, 0], [2, E]])  # >= E: another rank's
-    weights = torch.rand(5, 2, generator=g)
+    experts, x, weights, ids = routed_tokens(models["deepseek_v3"].model, is_sharded, seed=0)
     want = experts(x, weights, ids)
     with sync_free():
         got = experts(x, weights, ids)
