@@ -109,6 +109,13 @@ class Aborted(KumoError):
     status, code = 408, 3008
 
 
+class ClientClosed(KumoError):
+    """The client went away before its answer was ready (nginx's 499): nobody reads this response,
+    the access log and the usage record say it."""
+
+    status, code = 499, 3008
+
+
 class TooLarge(KumoError):
     status, code = 413, 3006
 

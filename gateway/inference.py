@@ -387,7 +387,9 @@ class _Call:
                 except Exception as close_exc:  # one that will not close must not skip the settlement
                     log.warning("choice_close_failed", exc_info=close_exc)
         finally:
-            await self._settle(reserved, done, status=exc.status if isinstance(exc, KumoError) else 500)
+            # cancelled: the caller left (`run.unless_client_leaves`) or the gateway stops
+            status = 499 if isinstance(exc, asyncio.CancelledError) else 500
+            await self._settle(reserved, done, status=exc.status if isinstance(exc, KumoError) else status)
 
     async def _settle(self, reserved: _Reserved, done: list[render.Completion], *, status: int) -> None:
         """True up the quotas and record the usage: the backend's, or for choices cut before it

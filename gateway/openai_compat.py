@@ -25,6 +25,7 @@ from gateway.run import (
     resolve_model,
     respond,
     services_of,
+    unless_client_leaves,
 )
 from schemas.catalog import ModelSpec
 from schemas.openai import ChatCompletionRequest, ModelList, ModelOut
@@ -58,7 +59,9 @@ async def chat_completions(request: Request) -> Response:
         resolve_model(services, request, tenant, _required(head.model))
         raise
     model = resolve_model(services, request, tenant, _required(body.model))
-    answer = await services.inference.run(tenant, model, Prompt(body, raw), "openai", meta)
+    answer = await unless_client_leaves(
+        request, services.inference.run(tenant, model, Prompt(body, raw), "openai", meta)
+    )
     return respond(answer, "openai")
 
 
@@ -78,7 +81,9 @@ async def create_response(request: Request) -> Response:
         raise
     model = resolve_model(services, request, tenant, _required(body.model))
     chat = responses.to_chat(body)
-    answer = await services.inference.run(tenant, model, Prompt(chat, raw), "openai", meta)
+    answer = await unless_client_leaves(
+        request, services.inference.run(tenant, model, Prompt(chat, raw), "openai", meta)
+    )
     echo, id = responses.Echo.of(body), f"resp_{meta.info.request_id}"
     if isinstance(answer, Stream):
         events = responses.events_of(answer, model, echo, id)

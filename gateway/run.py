@@ -6,9 +6,13 @@ The model id arrives raw (`@cf/meta/x`) or with `/` percent-encoded (cloudflare-
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Awaitable
+from typing import TypeVar
 from urllib.parse import unquote
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -16,13 +20,15 @@ from starlette.responses import Response, StreamingResponse
 from gateway import batch
 from gateway.auth import TenantContext
 from gateway.body import decode, read_body
-from gateway.errors import BadInput, NoRoute
+from gateway.errors import BadInput, ClientClosed, NoRoute
 from gateway.inference import Answer, CallMeta, ModelInput, Prompt, Stream, Surface, input_decoder
 from gateway.lifecycle import request_deadline
 from gateway.observability import info_of
 from gateway.services import Services
 from schemas.catalog import ModelSpec
 from schemas.workers_ai import Envelope, RunEnvelopeInput, RunOptions
+
+T = TypeVar("T")
 
 ACCOUNT_ID = re.compile(r"^[0-9a-f]{32}$")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -69,6 +75,32 @@ async def read_input(services: Services, request: Request, meta: CallMeta) -> by
     s = services.settings
     async with services.lifecycle.bounded(meta.deadline):
         return await read_body(request, s.max_body_bytes, s.body_read_timeout_s)
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """`work` (an inference call), cancelled if the client disconnects first: a non-streaming answer
+    has no byte to send before it is whole, so nothing else notices (a first-hour probe's `curl -m 4`
+    left its request generating 1,500 tokens for 45 s, billed; an OpenAI SDK retries a timeout
+    twice). The cancelled call closes its backend requests (the engine aborts them) and records the
+    usage so far as a 499. The body has been read: the next ASGI message is the disconnect."""
+    call = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((call, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not call.done():  # the client left (or this handler was cancelled)
+            call.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(call, return_exceptions=True)
+    if call.cancelled():
+        raise ClientClosed("Client closed the request")
+    return call.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def respond(answer: Answer | Stream, surface: Surface) -> Response:
@@ -123,7 +155,9 @@ async def _run(
     if job_id is not None:
         return await batch.poll(services, tenant, model, job_id)
     body = _model_input(raw, model, reject_if_busy=reject_if_busy)
-    answer = await services.inference.run(tenant, model, Prompt(body, raw), "run", meta)
+    answer = await unless_client_leaves(
+        request, services.inference.run(tenant, model, Prompt(body, raw), "run", meta)
+    )
     return respond(answer, "run")
 
 

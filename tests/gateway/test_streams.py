@@ -114,3 +114,28 @@ async def test_a_choice_failing_beside_a_running_one_ends_both_and_is_billed_onc
     assert after[KIMI][0] == before.get(KIMI, (0, 0))[0] + 1
     replicas = harness.services.router.pools["kimi-k2.6"].replicas
     assert all(rep.num_in_flight == 0 for rep in replicas)
+
+
+async def test_a_client_that_leaves_a_non_streaming_request_stops_it(harness: Harness) -> None:
+    """A non-streaming answer sends nothing before it is whole, so only the disconnect itself tells
+    that its client gave up (a first-hour probe's `curl -m 4` left 1,500 tokens generating for 45 s,
+    billed; the OpenAI SDK retries a timeout twice): the backend stream closes at once, and the
+    request is still recorded."""
+    import httpx
+
+    backend = harness.backends["glm-5.2"][0]
+    before = await usage_by_model(harness, harness.account)
+    body = {"prompt": "slow"}  # ~0.3 s an event, seconds in all
+    with_timeout = httpx.AsyncClient(base_url=str(harness.http.base_url), timeout=0.6)
+    async with with_timeout:
+        try:
+            await with_timeout.post(harness.path(f"/ai/run/{GLM}"), headers=harness.auth(), json=body)
+            raise AssertionError("the slow answer came within 0.6 s")
+        except httpx.ReadTimeout:
+            left = asyncio.get_running_loop().time()
+    while backend.num_open_streams and asyncio.get_running_loop().time() - left < 5:
+        await asyncio.sleep(0.02)
+    assert backend.num_open_streams == 0
+    assert asyncio.get_running_loop().time() - left < 0.5  # closed when the client left, not at the end
+    after = await usage_by_model(harness, harness.account)
+    assert after[GLM][0] == before.get(GLM, (0, 0))[0] + 1
