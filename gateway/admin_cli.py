@@ -29,11 +29,17 @@ class CliSettings:
 
 
 def _limit(text: str) -> int | None:
-    return None if text.lower() in ("none", "null", "unlimited") else int(text)
+    try:
+        return None if text.lower() in ("none", "null", "unlimited") else int(text)
+    except ValueError:  # argparse would name this function ("invalid _limit value")
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'none', got {text!r}") from None
 
 
 def _neurons(text: str) -> float | None:
-    return None if text.lower() in ("none", "null", "unlimited") else float(text)
+    try:
+        return None if text.lower() in ("none", "null", "unlimited") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,7 +63,11 @@ def parser() -> argparse.ArgumentParser:
     t_update = tenants.add_parser("update", parents=[url])
     t_update.add_argument("tenant_id")
     t_update.add_argument("--name")
-    t_update.add_argument("--plan", choices=["free", "paid"])
+    t_update.add_argument(
+        "--plan",
+        choices=["free", "paid"],
+        help="the plan; a change resets daily neurons to the plan's default (set it after with `quotas`)",
+    )
     tenants.add_parser("delete", parents=[url]).add_argument("tenant_id")
 
     tokens = sub.add_parser("tokens", help="create, list, revoke a tenant's tokens").add_subparsers(

@@ -425,6 +425,9 @@ def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Ca
         )
     kumo = Path(sys.executable).with_name("kumo")
     rule = "-" * 78
+    # the README's example model: the first text-only one (the nano Kimi's replies, trained beside
+    # its vision, are the weaker; its first answer to "Hello" was noise for a first-hour probe)
+    example = next((m for m in catalog.models if not m.vision), catalog.models[0]).name
     print(
         f"\n{rule}\n"
         f"Kumo is ready at {url}  (models: {models}; catalog page {url}/models)\n\n"
@@ -437,7 +440,7 @@ def announce(settings: GatewaySettings, credentials: DevCredentials, catalog: Ca
         f"    export TOKEN={credentials.api_token}\n"
         f"    export KUMO_URL={url}\n"
         f"{export_admin}"
-        f"    curl -s $KUMO_URL/client/v4/accounts/$ACCOUNT/ai/run/{catalog.models[0].name} \\\n"
+        f"    curl -s $KUMO_URL/client/v4/accounts/$ACCOUNT/ai/run/{example} \\\n"
         f'      -H "Authorization: Bearer $TOKEN" -d \'{{"prompt": "Hello"}}\'\n'
         f"    {kumo if kumo.is_file() else 'kumo'} admin tenants list   # also: tokens, quotas, models, usage\n"
         f"{rule}\n",

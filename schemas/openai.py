@@ -201,6 +201,11 @@ class ChatCompletionRequest(WireIn, kw_only=True):
     tool_choice: ToolChoiceIn | None = None
     tools: Annotated[list[ToolSpec], NumTools] | None = None
     user: str | None = None
+    # sent by current OpenAI SDKs when a caller sets them: accepted, without effect here (as the
+    # Responses API accepts them); refused as unknown fields, copied OpenAI code failed with a 400
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     web_search_options: dict[str, Any] | None = None
     function_call: FunctionCallChoice | None = None
     functions: Annotated[list[LegacyFunction], NumTools] | None = None

@@ -37,6 +37,7 @@ class Kumo:
     token: str
     data_dir: Path
     admin_token: str | None = None  # the generated admin token `kumo serve` printed
+    printed: str = ""  # what `kumo serve` printed up to its ready banner, the banner included
 
     def path(self, rest: str) -> str:
         return f"{self.url}/client/v4/accounts/{self.account}{rest}"
@@ -97,6 +98,7 @@ def kumo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kumo]:
         token.group(1),
         data_dir,
         admin.group(1) if admin else None,
+        text,
     )
     children = _children(process.pid)
     assert len(children) == 3  # one backend per model

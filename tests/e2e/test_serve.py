@@ -401,3 +401,13 @@ def test_the_trained_kimi_names_the_colour_of_a_drawn_shape(kumo: Kumo) -> None:
     named = [[c for c in sorted(COLOURS) if c in a] for a in answers]
     right = [n == [q["answer"]] for q, n in zip(questions, named, strict=True)]
     assert sum(right) >= 14, [(q["answer"], a) for q, a in zip(questions, answers, strict=True)]
+
+
+def test_the_ready_banners_example_runs_on_the_readmes_model(kumo: Kumo) -> None:
+    """The banner's curl names the README's example model (the text-only GLM 5.2: a first-hour
+    probe's first "Hello" to the nano Kimi, the catalog's first entry, came back as noise), and
+    answers as printed."""
+    line = next(x for x in kumo.printed.splitlines() if "curl -s $KUMO_URL" in x)
+    assert line.strip().endswith(f"/ai/run/{GLM} \\"), line
+    r = httpx.post(kumo.path(f"/ai/run/{GLM}"), headers=kumo.auth, json={"prompt": "Hello"}, timeout=120)
+    assert r.status_code == 200 and r.json()["result"]["response"], r.text

@@ -136,6 +136,18 @@ def test_errors_reach_the_shell(url: str, capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as exit_:
         run(url, capsys, "quotas", "0" * 32)  # nothing to change
     assert exit_.value.code == 2 and "give at least one of --requests-per-minute" in capsys.readouterr().err
+    for flag, value, said in (
+        ("--daily-neurons", "lots", "a number"),
+        ("--requests-per-minute", "1.5", "a whole number"),
+    ):
+        with pytest.raises(SystemExit):
+            run(url, capsys, "quotas", "0" * 32, flag, value)
+        err = capsys.readouterr().err  # in the shell's words, not the parser's function's name
+        assert (
+            f"expected {said} or 'none', got '{value}'" in err
+            and "_neurons" not in err
+            and "_limit" not in err
+        )
 
 
 def test_the_kumo_dispatcher_runs_admin(

@@ -180,6 +180,17 @@ async def test_reasoning_effort_uses_each_models_aliases(harness: Harness) -> No
     assert r.status_code == 400 and "reasoning_effort" in r.json()["errors"][0]["message"]
 
 
+async def test_fields_current_openai_sdks_send_are_accepted(harness: Harness) -> None:
+    """`prompt_cache_key`, `safety_identifier` and `verbosity` (set by a caller of a current OpenAI
+    SDK) were 400s "Object contains unknown field": accepted now, without effect, as the Responses
+    API accepts the first two; a wrong `verbosity` is still a 400."""
+    extra = {"prompt_cache_key": "session-7", "safety_identifier": "user-42", "verbosity": "low"}
+    r = await post(harness, {"messages": msgs("x"), **extra})
+    assert r.status_code == 200, r.text
+    r = await post(harness, {"messages": msgs("x"), "verbosity": "loud"})
+    assert r.status_code == 400 and "verbosity" in r.json()["errors"][0]["message"]
+
+
 async def test_unserved_openai_fields_are_refused_by_name(harness: Harness) -> None:
     for field, value in {
         "audio": {"voice": "alloy", "format": "wav"},
