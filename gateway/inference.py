@@ -229,7 +229,7 @@ class _Call:
     async def _respond(self, reserved: _Reserved, normalized: Normalized) -> Answer | Stream:
         """Steps 3 and 8: route every choice, render; settle and record usage at the end."""
         done = [render.Completion() for _ in normalized.requests]
-        affinity = self.meta.affinity
+        affinity = self.meta.affinity or normalized.affinity
         if affinity is None and len(normalized.requests) > 1:
             # one replica takes every choice: its prefix cache shares their prompt (and encodes
             # their images once); `Totals.of` bills what it did not serve

@@ -60,6 +60,9 @@ class Normalized:
     json_mode: bool
     include_usage: bool = False
     logprobs: bool = False
+    # a routing key from the body (OpenAI's `prompt_cache_key`): requests that share it go to one
+    # replica, whose prefix cache then holds their common prompt (the `x-session-affinity` header wins)
+    affinity: str | None = None
 
 
 MAX_SCHEMA_DEPTH = 32  # JSON Schemas (tool parameters, response formats) the backend compiles

@@ -124,6 +124,7 @@ async def from_openai(
         json_mode=fmt is not None,
         include_usage=bool(inp.stream_options and inp.stream_options.include_usage),
         logprobs=bool(inp.logprobs),
+        affinity=inp.prompt_cache_key or None,
     )
 
 

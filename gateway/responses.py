@@ -75,6 +75,7 @@ def to_chat(body: r.ResponsesRequest) -> ChatCompletionRequest:
         ("top_p", "top_p"),
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("user", "user"),
+        ("prompt_cache_key", "prompt_cache_key"),
     ):
         if getattr(body, src) is not None:
             chat[dst] = getattr(body, src)

@@ -201,9 +201,10 @@ class ChatCompletionRequest(WireIn, kw_only=True):
     tool_choice: ToolChoiceIn | None = None
     tools: Annotated[list[ToolSpec], NumTools] | None = None
     user: str | None = None
-    # sent by current OpenAI SDKs when a caller sets them: accepted, without effect here (as the
-    # Responses API accepts them); refused as unknown fields, copied OpenAI code failed with a 400
-    prompt_cache_key: str | None = None
+    # sent by current OpenAI SDKs when a caller sets them (refused as unknown fields, copied OpenAI
+    # code failed with a 400): `prompt_cache_key` routes the requests that share it to one replica
+    # (its prefix cache), the others are accepted without effect
+    prompt_cache_key: Annotated[str, Meta(max_length=1024)] | None = None
     safety_identifier: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     web_search_options: dict[str, Any] | None = None

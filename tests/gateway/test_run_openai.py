@@ -287,6 +287,28 @@ async def test_session_affinity_sticks_and_salt_comes_from_the_tenant(harness: H
     msgspec.json.decode(r.content)
 
 
+async def test_a_prompt_cache_key_sticks_to_a_replica(harness: Harness) -> None:
+    """OpenAI's `prompt_cache_key` (Chat Completions and the Responses API) routes as the
+    `x-session-affinity` header does: the requests that share it meet one replica's prefix cache;
+    keys spread over the replicas."""
+    a, b = harness.backends["kimi-k2.6"]
+    where: dict[str, set[str]] = {}
+    for key in ("k1", "k2", "k3", "k4", "k5", "k6"):
+        for body, path in (
+            ({"messages": msgs("s"), "prompt_cache_key": key}, None),
+            ({"model": KIMI, "input": "s", "prompt_cache_key": key}, "/ai/v1/responses"),
+        ):
+            before = (len(a.requests), len(b.requests))
+            if path is None:
+                r = await post(harness, body)
+            else:
+                r = await harness.http.post(harness.path(path), headers=harness.auth(), json=body)
+            assert r.status_code == 200, r.text
+            where.setdefault(key, set()).add("a" if len(a.requests) > before[0] else "b")
+    assert all(len(v) == 1 for v in where.values()), where
+    assert {next(iter(v)) for v in where.values()} == {"a", "b"}
+
+
 async def test_nesting_is_bounded(harness: Harness) -> None:
     deep: dict[str, object] = {"type": "object"}
     for _ in range(40):
