@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.op_args import ExpertRoute
+
 
 @dataclass(frozen=True, slots=True)
 class ActMulArgs:
@@ -35,13 +37,6 @@ class ActMulArgs:
         [torch.Tensor], torch.Tensor
     ]  # the checkpoint's hidden_act (backend/models/layers/linear.py)
     route: ExpertRoute | None = None  # rows weighted by their expert's routing weight (module)
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertRoute:
-    ids: torch.Tensor  # [N, k] int64 each token's chosen experts (global ids)
-    weights: torch.Tensor  # [N, k] float32 their routing weights
-    first_expert: int  # e0: row block e holds global expert e0 + e; ids outside [e0, e0 + El) weigh 0
 
 
 def act_mul(args: ActMulArgs) -> torch.Tensor:

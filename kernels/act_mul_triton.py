@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.act_mul import ExpertRoute
+from kernels.op_args import ExpertRoute
 from kernels.triton_lib import pdl_args, pdl_enter
 
 __all__ = ["silu_mul_triton"]

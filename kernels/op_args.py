@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MAX_NORMS", "KvLines", "RowNorm"]
+__all__ = ["MAX_NORMS", "ExpertRoute", "KvLines", "RowNorm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +36,10 @@ class RowNorm:
     is_layer_norm: bool = False  # LayerNorm (mean removed, weight and bias), else RMSNorm
     # [N, D], any row stride, unit in D: RMSNorm promote(weight, x) dtype, LayerNorm x's; None: a new tensor
     out: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRoute:
+    ids: torch.Tensor  # [N, k] int64 each token's chosen experts (global ids)
+    weights: torch.Tensor  # [N, k] float32 their routing weights
+    first_expert: int  # e0: row block e holds global expert e0 + e; ids outside [e0, e0 + El) weigh 0

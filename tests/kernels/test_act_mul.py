@@ -18,8 +18,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.act_mul import ActMulArgs, ExpertRoute, act_mul, act_mul_ref, weigh_by_route  # noqa: E402
+from kernels.act_mul import ActMulArgs, act_mul, act_mul_ref, weigh_by_route  # noqa: E402
 from kernels.act_mul_triton import silu_mul_triton  # noqa: E402
+from kernels.op_args import ExpertRoute  # noqa: E402
 from tests.backend.engine.test_speculative import loaded  # noqa: E402
 
 __all__ = ["loaded"]  # the fixture

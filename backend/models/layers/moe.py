@@ -24,7 +24,8 @@ from backend.models.layers.fused import FusedLinear, fuse_group
 from backend.models.layers.linear import Shard, _copy, activation, column, row
 from backend.models.layers.parallel import Parallel
 from backend.models.model_config import ModelConfig
-from kernels.act_mul import ActMulArgs, ExpertRoute, act_mul
+from kernels.act_mul import ActMulArgs, act_mul
+from kernels.op_args import ExpertRoute
 from kernels.router import RouteArgs, route
 from kernels.router_logits import RouterLogitsArgs, router_logits
 
