@@ -121,18 +121,9 @@ class DeviceClock:
 
 def run(engine: Any, num_seqs: int, steps: int) -> list[float]:
     """`num_seqs` greedy requests of `steps` decode steps: each decode-only step's wall seconds."""
-    from schemas.backend import EngineRequest, SamplingParams
+    from lab.diagnostics.spec_plain_host import add_requests
 
-    sampling = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    vocab = engine.runner.vocab_size
-    tag = time.monotonic_ns()
-    for i in range(num_seqs):
-        prompt = [(i * 7919 + j * 31) % (vocab - 1) + 1 for j in range(64)]
-        engine.add_request(
-            EngineRequest(
-                request_id=f"r{tag}-{i}", prompt_token_ids=prompt, tenant_salt="a" * 32, sampling=sampling
-            )
-        )
+    add_requests(engine, num_seqs, steps + 1, prompt_len=64)
     wall = []
     while engine.has_unfinished:
         computed0 = engine.stats.computed_tokens

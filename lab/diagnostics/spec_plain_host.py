@@ -82,15 +82,16 @@ def priced_to_lose(engine: Any) -> None:
         )  # fmt: skip
 
 
-def add_requests(engine: Any, num_seqs: int, max_tokens: int) -> None:
-    """`num_seqs` greedy requests of 16-token prompts (distinct per sequence), `max_tokens` each."""
+def add_requests(engine: Any, num_seqs: int, max_tokens: int, prompt_len: int = 16) -> None:
+    """`num_seqs` greedy requests of `prompt_len`-token prompts (distinct per sequence), `max_tokens`
+    each."""
     from schemas.backend import EngineRequest, SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     vocab = engine.runner.vocab_size
     tag = time.monotonic_ns()
     for i in range(num_seqs):
-        prompt = [(i * 7919 + j * 31) % (vocab - 1) + 1 for j in range(16)]
+        prompt = [(i * 7919 + j * 31) % (vocab - 1) + 1 for j in range(prompt_len)]
         engine.add_request(
             EngineRequest(
                 request_id=f"r{tag}-{i}", prompt_token_ids=prompt, tenant_salt="a" * 32, sampling=sampling
