@@ -9,7 +9,7 @@ into n backend requests. Images are resolved to checked bytes here.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -212,17 +212,9 @@ def check_choices(n: int, ctx: Context) -> None:
 
 
 def fan_out(base: b.GenerateRequest, n: int, ctx: Context) -> list[b.GenerateRequest]:
-    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly. Each
-    carries every image: their bytes times n are capped (`max_image_bytes_total`)."""
+    """n choices → n requests; a given seed s becomes s, s+1, … so choices differ reproducibly (each
+    carries every image: `check_image_bytes` capped them as they were fetched)."""
     check_choices(n, ctx)
-    image_bytes = sum(
-        len(part.data)
-        for m in base.messages or []
-        if isinstance(m.content, list)
-        for part in m.content
-        if isinstance(part, b.ImagePart)
-    )
-    check_image_bytes(image_bytes, replace(ctx, num_choices=n))
     out = []
     for i in range(n):
         seed = base.sampling.seed

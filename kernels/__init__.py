@@ -15,9 +15,10 @@ where the op has a decode and a prefill kernel).
 | `kv_write` (`KvWriteArgs`)                   | `kv_write.py`        | `kv_write_triton.py`                        |
 | `int4_linear` (`Int4LinearArgs`)             | `int4_linear.py`     | `w4a16_gemm.py` (tiles, dequant + cuBLAS), `w4a16_gemv.py`, `w4a16_config.py` |
 | `fp8_linear` (`Fp8LinearArgs`)               | `fp8_linear.py`      | `fp8_gemm.py` (weight-only GEMV and tiles, M ≤ 64) |
-| `act_mul` (`ActMulArgs`)                     | `act_mul.py`         | `act_mul_triton.py` (SiLU)                  |
+| `act_mul` (`ActMulArgs`)                     | `act_mul.py`         | `act_mul_triton.py` (SiLU, routed or not)   |
 | `row_norms` (`RowNormsArgs`)                 | `row_norms.py`       | `row_norms_triton.py` (up to 3 norms)       |
 | `draft_rows` (`DraftRowsArgs`)               | `draft_rows.py`      | `draft_rows_triton.py` (chained drafts' rows) |
+| `verify_accept` (`VerifyAcceptArgs`)         | `verify_accept.py`   | `verify_accept_triton.py` (a greedy verify's tail) |
 
 GPU-only ops (kernel, launcher and reference in one file; `backend/quant` calls them on CUDA and
 keeps its own torch path elsewhere): `w4a8_gemm.py`, `w4a8_expand.py`,

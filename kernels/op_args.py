@@ -40,6 +40,8 @@ class RowNorm:
 
 @dataclass(frozen=True, slots=True)
 class ExpertRoute:
+    """The every-expert MoE's routing, read by `act_mul` to weigh each expert-major row."""
+
     ids: torch.Tensor  # [N, k] int64 each token's chosen experts (global ids)
     weights: torch.Tensor  # [N, k] float32 their routing weights
     first_expert: int  # e0: row block e holds global expert e0 + e; ids outside [e0, e0 + El) weigh 0
