@@ -50,7 +50,9 @@ sequence is about to be aborted) writes a sanitised copy of its part of the page
 page) and walks that: a token of a bad page reads zeros (its bytes may be another tenant's NaN) and
 scores -inf. In sparse mode the flag must not depend on which tokens were chosen (the reference
 checks every page in use), so the first head block's programs of the sequence's last query also
-sweep their share of its page list. CHECK_TAGS off reads no tag.
+sweep their share of its page list. CHECK_TAGS off reads no tag. A sequence longer than its
+page-table row (`seq_len > Mp * S`) is walked over the row's Mp pages only (the bound in
+`kernels/triton_lib.py`).
 
 Sparse mode (DSA, GLM-5): `topk_indices [B, K]` lists the token positions the query attends to (-1 =
 empty, positions >= seq_len ignored, as the reference does); the slices split the K list, the lines
@@ -328,7 +330,9 @@ def attend_slice(
 
 # the per-step integers: a value of 1 or a multiple of 16 would otherwise compile a variant of its own
 # (a prefill of several prompts, a page table of another width) that the warm-up never ran
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "topk", "stride_ptb", "stride_etb", "stride_tkt"])
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_splits", "topk", "num_cols", "stride_ptb", "stride_etb", "stride_tkt"]
+)
 def _mla_paged_kernel(
     q_ptr,  # [T, H, R + Dr] (decode: T = B)
     cache_ptr,  # [P, S, R + Dr]
@@ -347,7 +351,7 @@ def _mla_paged_kernel(
     out_ptr,  # [T, H, R] q's dtype (DIRECT only)
     qk_scale,  # softmax_scale * latent_scale * log2(e) (FP8_SHIFT: * 2^8; FP8_DOT: each row's q scale too)
     v_scale,  # latent_scale (FP8_SHIFT: * 2^8; DIRECT only)
-    num_seqs, num_splits, num_heads, R, DR, topk,
+    num_seqs, num_splits, num_heads, R, DR, topk, num_cols,  # num_cols: the page table's width, Mp
     stride_qt, stride_qh, stride_cp, stride_cs, stride_ptb, stride_etb, stride_tkt, stride_ot, stride_oh,
     PAGE_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # queries per program (1 for decode and sparse mode)
@@ -388,7 +392,9 @@ def _mla_paged_kernel(
         first_pos = L - 1
         is_last = True
     t = q0.to(tl.int64)
-    num_items = topk if SPARSE else first_pos + num_q  # dense: the tile's last query sees that many
+    # never a token past the row (the bound in `kernels/triton_lib.py`)
+    L = tl.minimum(L, num_cols * PAGE_SIZE)
+    num_items = topk if SPARSE else tl.minimum(first_pos + num_q, L)  # dense: the tile's last query sees
     num_items = tl.where(tile_ok, num_items, 0)
     per_split = tl.cdiv(tl.cdiv(num_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -589,7 +595,7 @@ def launch_mla_paged(
         q, latent_cache, page_table, clean_table, expected_tags, page_tags, seq_lens, query_start, tile_seq,
         tile_q0, topk_arg, tag_mismatch.view(torch.uint8), part_o, part_lse, out,
         softmax_scale * line_scale * math.log2(math.e), line_scale, seq_lens.shape[0], splits, H, R, C - R,
-        K,
+        K, page_table.shape[1],
         q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), page_table.stride(0),
         expected_tags.stride(0), topk_arg.stride(0), out.stride(0), out.stride(1),
         PAGE_SIZE=S, BLOCK_Q=block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_RC=block_rc,

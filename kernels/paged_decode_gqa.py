@@ -11,8 +11,9 @@ The page-tag check is fused (`attend_slice`): each page's tag is compared with t
 tag; a mismatched page contributes nothing (-inf scores, its K/V never read: another tenant's FP8
 bytes may even be NaN) and sets `tag_mismatch[b]` so the engine aborts the sequence. The hot loop
 reads no tag: the slice's pages are checked in one vectorised pass after it, and only a slice with a
-bad page is walked again. With an FP8 cache the dots run in fp16 (e4m3 -> fp16 is a single unpack
-instruction). FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the merge.
+bad page is walked again. A sequence longer than its page-table row is walked over the row's pages
+only (the bound in `kernels/triton_lib.py`). With an FP8 cache the dots run in fp16 (e4m3 -> fp16 is
+a single unpack instruction). FP8 scales are per layer: `k_scale` folds into the softmax scale, `v_scale` into the merge.
 
 Tiles come from `DECODE_TILES` by name (`DEFAULT_TILES` per cache dtype, to be switched after an
 H200 run of `benchmarks/kernels/bench_paged_decode.py --quick`). It replaced the 2026-11-29 kernel,
@@ -35,7 +36,7 @@ from kernels.paged_gather import check_tag_inputs
 from kernels.split_k_merge import TL_DTYPES, merge_splits, num_sms
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cols"])
 def _paged_decode_gqa_kernel(
     q_ptr,  # [B, Hq, D]
     k_ptr,  # [P, S, Hkv, D]
@@ -49,6 +50,7 @@ def _paged_decode_gqa_kernel(
     part_lse_ptr,  # [B, Hq, NS] fp32, log2 domain
     qk_scale,  # softmax_scale * k_scale * log2(e)
     num_splits,
+    num_cols,  # the page table's width, Mp
     D,
     DV,
     stride_qb,
@@ -81,6 +83,8 @@ def _paged_decode_gqa_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     L = tl.load(seq_lens_ptr + b)
+    # never a token past the row (the bound in `kernels/triton_lib.py`)
+    L = tl.minimum(L, num_cols * PAGE_SIZE)
     per_split = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, L)
@@ -235,6 +239,7 @@ def paged_decode_gqa(
         part_lse,
         softmax_scale * k_scale * math.log2(math.e),
         splits,
+        page_table.shape[1],
         D,
         Dv,
         q.stride(0),

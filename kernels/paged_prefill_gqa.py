@@ -24,7 +24,8 @@ once for a clean slice, and only a slice with a bad page sets `tag_mismatch[b]` 
 overwriting the first launch's part: its bad tokens at -inf with their K/V never read (the bytes may
 be another tenant's NaN). The merge runs after both. The sequence's last tile covers every page in use, so the flag matches
 the reference's — except that a sequence with no new token gets no program (as in `mla_prefill`; the
-engine never schedules one). FP8: dots in fp16 (e4m3 -> fp16 is one cvt; V as byte pairs, see
+engine never schedules one). Both launches walk no token past a sequence's page-table row (the bound in
+`kernels/triton_lib.py`). FP8: dots in fp16 (e4m3 -> fp16 is one cvt; V as byte pairs, see
 `gqa_slice`), `k_scale` folded into the softmax scale and `v_scale` into the output. Tiles come from
 `PREFILL_TILES` by name (`DEFAULT_TILES` per cache dtype). It replaced an earlier kernel, measured
 1.9× faster on the H200 (2026-12-01).
@@ -58,7 +59,7 @@ from kernels.triton_lib import memo_query_tiles, query_tile
 __all__ = ["paged_prefill_gqa"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cols"])
 def _paged_prefill_gqa_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [P, S, Hkv, D]
@@ -79,6 +80,7 @@ def _paged_prefill_gqa_kernel(
     num_seqs,
     num_splits,
     num_q_heads,
+    num_cols,  # the page table's width, Mp
     D,
     DV,
     stride_qt,
@@ -117,7 +119,8 @@ def _paged_prefill_gqa_kernel(
     b, tile_ok, q0, num_q, L, first_pos, _ = query_tile(
         tile_seq_ptr, tile_q0_ptr, query_start_ptr, seq_lens_ptr, tile, num_seqs, BLOCK_Q
     )
-    num_items = tl.where(tile_ok, first_pos + num_q, 0)  # tokens the tile's last query sees
+    # tokens the tile's last query sees, never past the row (the bound in `kernels/triton_lib.py`)
+    num_items = tl.where(tile_ok, tl.minimum(first_pos + num_q, num_cols * PAGE_SIZE), 0)
     per_split = tl.cdiv(tl.cdiv(num_items, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, num_items)
@@ -262,6 +265,7 @@ def paged_prefill_gqa(
         B,
         splits,
         Hq,
+        page_table.shape[1],
         D,
         Dv,
         q.stride(0),

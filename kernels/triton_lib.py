@@ -1,5 +1,5 @@
 """The `@triton.jit` device functions more than one op uses (ops import them from here, never from
-each other), in four parts:
+each other), in four parts, and one rule:
 - Programmatic Dependent Launch on the decode path (`pdl_args`, `pdl_wait`, ...): the rules every
   PDL kernel follows are written once, at that section;
 - INT4 decode dot products on the CUDA cores (the W4A16 GEMV `kernels/w4a16_gemv.py`, the fused
@@ -9,6 +9,15 @@ each other), in four parts:
   drives them);
 - prefill query tiles (`QueryTiles`, built by `query_tiles`, read by `query_tile`) for MLA, GQA and
   the DSA indexer.
+
+The page-table bound every paged read keeps: a kernel walks at most `Mp * S` tokens of a sequence, Mp
+the page table's width (a runtime argument `num_cols`, never specialised; the DSA scores' `W`). A
+sequence longer than its row, a wrong reservation that no planner makes, then reads its own row's pages
+only, never the next row's or past the table (the CPU references raise on such a length). The bound is
+one integer minimum before the token loop. Flagging such a row inside the kernels held 4-17 more
+registers through the DSA, GQA and MLA loops on sm90 (the DSA scores' and FP8 GQA decode's occupancy
+fell), so it is flagged where the graphs stage a row's pages instead: a column past them expects
+`PAST_TAG`, which no page carries (`backend.engine.decode_graphs`), as eager steps' tables pad it.
 
 INT4 decode dot products: one activation row against a K tile of packed checkpoint words, two
 instructions per weight.

@@ -12,10 +12,12 @@ scratch page is the KV cache's last page, one past the block manager's pool: nev
 keeps tag `SCRATCH_TAG` (0, which no allocation ever gets). A padding row therefore writes and reads
 only the scratch page and never trips the tag check; its logits and flag are ignored.
 
-The page-table buffers are `max_pages` wide (the longest sequence the engine admits); columns past
-the step's widest sequence hold the scratch page and `SCRATCH_TAG`, never a real (page, tag) pair of
-an earlier, wider step: every op reads only the `ceil(seq_len / S)` pages a sequence uses, but a
-kernel that read past them would then see only the scratch page (issue 27). The columns are scrubbed
+The page-table buffers are `max_pages` wide (the longest sequence the engine admits); a row's columns
+past its pages hold the scratch page under `PAST_TAG` (-1, as `ForwardBatch` pads them), never a real
+(page, tag) pair of an earlier, wider step: every op reads only the `ceil(seq_len / S)` pages a
+sequence uses, and a kernel that read past them would see only the scratch page, and flag the row
+(issue 27; the kernels never walk past the table's width either: the bound in `kernels/triton_lib.py`).
+A padding row's one page, column 0, expects `SCRATCH_TAG`. The columns are scrubbed
 when a step is narrower than the widest written since the last scrub (two fills, not one a step). Kernels size their grids and split counts from that width, known on the
 host at capture, never from a device read. The tag-mismatch flags are zeroed inside the graph; the
 logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # what CUDAGraph.pool() returns, a tuple[int, int]
 
 SCRATCH_TAG = 0  # the tag of a page never allocated (the block manager's tags start at 1)
+PAST_TAG = -1  # what a row expects past its pages: no page carries it, so a read there is a tag fault
 
 Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]  # step -> replay returning step's output
@@ -78,8 +81,9 @@ def stage_page_tables(
     staging: StagingBuffer, host: HostBatch, bucket: int, num_pages: np.ndarray, scratch_page: int
 ) -> tuple[int, int]:
     """Stage `host`'s page tables and expected tags as `bucket` rows: the padding rows, and the
-    columns past each sequence's first `num_pages` [B], hold the scratch page under `SCRATCH_TAG`.
-    Returns their staging handles (pages [bucket, Mp] int32, tags [bucket, Mp] int64)."""
+    columns past each sequence's first `num_pages` [B], hold the scratch page, under `PAST_TAG` but a
+    padding row's column 0 (its one page: `SCRATCH_TAG`). Returns their staging handles (pages
+    [bucket, Mp] int32, tags [bucket, Mp] int64)."""
     B, width = host.num_seqs, host.page_table.shape[1]
     past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
     h_pages, pages = staging.reserve(np.int32, (bucket, width))
@@ -87,10 +91,19 @@ def stage_page_tables(
     if past is not None:  # columns past a row's pages: the scratch page too
         pages[:B][past] = scratch_page
     h_tags, tags = staging.reserve(np.int64, (bucket, width))
-    tags[:B], tags[B:] = host.expected_tags, SCRATCH_TAG
+    tags[:B], tags[B:] = host.expected_tags, PAST_TAG
+    tags[B:, 0] = SCRATCH_TAG
     if past is not None:
-        tags[:B][past] = SCRATCH_TAG
+        tags[:B][past] = PAST_TAG
     return h_pages, h_tags
+
+
+def padding_tags(rows: int, max_pages: int, device: torch.device) -> torch.Tensor:
+    """[rows, max_pages] int64 expected tags of padding rows: `SCRATCH_TAG` in column 0 (the scratch
+    page they read and write), `PAST_TAG` past it."""
+    tags = torch.full((rows, max_pages), PAST_TAG, dtype=torch.int64, device=device)
+    tags[:, 0] = SCRATCH_TAG
+    return tags
 
 
 def eager_capture(step: Callable[[], torch.Tensor]) -> Replay:
@@ -189,7 +202,7 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n] each
         self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
-        self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
+        self.expected_tags = padding_tags(n, max_pages, dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         self.rows = torch.arange(n, dtype=i64, device=dev)  # logits rows, and the sequence of each row
         self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
@@ -267,7 +280,7 @@ class DecodeGraphs:
             self.input_ids[:num_seqs].copy_(input_ids)
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(self.scratch_page)
-            self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
+            self.expected_tags[:, width : self._written_width].fill_(PAST_TAG)
         self._written_width = width
         self.page_table[:bucket, :width].copy_(pages)
         self.expected_tags[:bucket, :width].copy_(tags)

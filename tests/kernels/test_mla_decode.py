@@ -253,6 +253,31 @@ def test_all_pages_mismatched_gives_zeros_and_flag() -> None:
         assert torch.equal(out, torch.zeros_like(out)) and torch.equal(ref, torch.zeros_like(ref))
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_sequence_longer_than_its_table_row_stays_in_its_row(sparse: bool) -> None:
+    """A length past the page table's width (a wrong reservation, which no planner makes): the sequence
+    attends over its own row's pages only, never the next row's (sequence 0 past its row would read
+    sequence 1's first page, under a tag that matches: unflagged), and the others are untouched. The
+    CPU reference raises on such a length."""
+    S = 8
+    batch, _ = make_batch(
+        [40, 40, 23], H=6, R=32, Dr=16, S=S, cache_dtype=torch.float32, q_dtype=torch.float32, seed=9
+    )
+    topk = sparse_topk([40, 40, 23], 16, seed=9) if sparse else None
+    if topk is not None:
+        topk[0, :3] = torch.tensor([41, 44, 46])  # chosen positions past the row: dropped
+    _, ref, _, _ = run_both(batch, topk, num_splits=2)  # the lengths as laid out: the answer
+    long = {**batch, "seq_lens": torch.tensor([47, 40, 23], dtype=torch.int32)}
+    for splits in (1, 2):
+        dev_in = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in long.items()}
+        dev_in["tag_mismatch"] = torch.zeros(3, dtype=torch.bool, device=DEV)
+        out = mla_decode(**dev_in, topk_indices=None if topk is None else topk.to(DEV), num_splits=splits)
+        assert dev_in["tag_mismatch"].tolist()[1:] == [False, False]
+        out = out.cpu()
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < 1e-5  # sequence 0 over its row's 40 tokens, as if its length were right
+
+
 def sparse_topk(seq_lens: list[int], K: int, seed: int) -> torch.Tensor:
     """Distinct positions per sequence, fewer than K where the sequence is short (-1 padded), plus
     one out-of-range position in the first row (ignored, as the reference ignores it)."""

@@ -153,6 +153,24 @@ def test_tag_mismatch_flags_sequence_and_drops_page() -> None:
     assert rel_err(out, ref) < 2e-3  # an FP8 cache computes its dots in fp16
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_sequence_longer_than_its_table_row_stays_in_its_row(splits: int) -> None:
+    """A length past the page table's width (a wrong reservation, which no planner makes): the sequence
+    attends over its own row only; past it lies the next row's first page, under a tag that matches,
+    which the walk would read unflagged. The others are untouched."""
+    gen = torch.Generator().manual_seed(8)
+    batch = make_batch([40, 40, 23], 4, 2, 32, 8, torch.float32, torch.float32, gen, spare_pages=3)
+    for name in ("page_table", "expected_tags"):  # no padding column: 5 wide, row after row
+        batch[name] = batch[name][:, :5].contiguous()
+    _, ref, _, _ = run_both(batch, num_splits=splits)  # the lengths as laid out: the answer
+    long = {**batch, "seq_lens": torch.tensor([47, 40, 23], dtype=torch.int32)}
+    long["tag_mismatch"] = torch.zeros(3, dtype=torch.bool)
+    dev_in = to(long, DEV)
+    out = paged_decode_gqa(**dev_in, num_splits=splits, tiles=GQATiles(block_n=16)).cpu()
+    assert not dev_in["tag_mismatch"].any()
+    assert rel_err(out, ref) < 1e-5  # sequence 0 over its own 40 tokens, as if its length were right
+
+
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_bad_page_in_a_later_slice(block_n: int) -> None:
     """Slices before the bad page take the fast path; the slice holding it drops only that page."""

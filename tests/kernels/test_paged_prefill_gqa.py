@@ -117,6 +117,22 @@ def test_tampered_tag_flags_and_drops_the_page(splits: int) -> None:
     assert rel_err(out[10 + 16 :], clean[10 + 16 :]) > 1e-2  # queries at 16.. saw the page before
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_a_sequence_longer_than_its_table_row_stays_in_its_row(splits: int) -> None:
+    """A length past the page table's width (a wrong reservation, which no planner makes): both
+    launches walk only the sequence's own row (past it lies the next row's first page, under a tag
+    that matches: read unflagged), the others are untouched. The CPU reference raises on it."""
+    batch, _ = make_batch([40, 40, 23], [1, 40, 1], 4, 2, 16, 8, torch.float32, torch.float32, seed=7)
+    clean = paged_attention_ref(**{**batch, "tag_mismatch": batch["tag_mismatch"].clone()})
+    batch["seq_lens"] = torch.tensor([47, 40, 23], dtype=torch.int32)  # 6 pages' worth, 5 in the row
+    dev_in = {k: (v.to(DEV, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    out = paged_prefill_gqa(**dev_in, tiles=GQATiles(block_m=16, block_n=16), num_splits=splits).cpu()
+    assert not dev_in["tag_mismatch"].any()
+    assert (
+        rel_err(out, clean) < 1e-5
+    )  # sequence 0's query over its row's 40 tokens, as if its length were right
+
+
 @pytest.mark.parametrize(("dv", "cache_dtype", "want"), [(32, FP8, False), (64, FP8, False), (128, FP8, True),
                                                         (256, FP8, True), (128, torch.float16, False)])  # fmt: skip
 def test_fp8_v_is_read_as_byte_pairs_only_from_128_columns(

@@ -7,7 +7,7 @@ padding this copies). Rows b·(k+1) … b·(k+1)+k are sequence b's; padding seq
 token 0 at positions 0 … k, their slots in the scratch page (so k + 1 must fit one page), its page
 table only the scratch page under `SCRATCH_TAG`: they read and write nothing else and never trip
 the tag check. `seq_lens` is computed inside the graph as the last position + 1. Page-table columns
-past a sequence's pages hold the scratch page, scrubbed when a step is narrower than the widest
+past a sequence's pages hold the scratch page under `PAST_TAG` (a read there is a tag fault), scrubbed when a step is narrower than the widest
 written since (as decode graphs do). The graph returns the logits `[Bk·(k+1), V]` and the hidden
 states `[Bk·(k+1), H]` the draft depths read; both stay in the graph's memory.
 
@@ -45,7 +45,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from backend.engine.decode_graphs import SCRATCH_TAG, Capture, stage_page_tables
+from backend.engine.decode_graphs import PAST_TAG, Capture, padding_tags, stage_page_tables
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
 from backend.engine.host_staging import StagingBuffer
 from backend.engine.speculative.greedy import MAX_BANNED
@@ -101,7 +101,7 @@ class VerifyGraphs:
         self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n·L] each
         self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
-        self.expected_tags = torch.full((n, max_pages), SCRATCH_TAG, dtype=i64, device=dev)  # [n, Mp]
+        self.expected_tags = padding_tags(n, max_pages, dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         # [n, L, MAX_BANNED] greedy.py's `guard_rows`: nothing banned until a step stages its own
         self.guards = torch.full((n, L, MAX_BANNED), -1, dtype=i64, device=dev)
@@ -323,7 +323,7 @@ class VerifyGraphs:
         self._vectors[:, :n].copy_(vectors)
         if self._written_width > width:  # an earlier, wider step's pairs: the scratch page in their place
             self.page_table[:, width : self._written_width].fill_(self.scratch_page)
-            self.expected_tags[:, width : self._written_width].fill_(SCRATCH_TAG)
+            self.expected_tags[:, width : self._written_width].fill_(PAST_TAG)
         self._written_width = width
         self.page_table[:bucket, :width].copy_(pages)
         self.expected_tags[:bucket, :width].copy_(tags)

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from backend.engine.decode_graphs import SCRATCH_TAG, DecodeGraphs, Replay, eager_capture, no_collection
+from backend.engine.decode_graphs import (
+    PAST_TAG,
+    SCRATCH_TAG,
+    DecodeGraphs,
+    Replay,
+    eager_capture,
+    no_collection,
+)
 from backend.engine.engine import Engine
 from backend.engine.engine_config import EngineConfig
 from backend.engine.forward_batch import ForwardBatch, HostBatch, KVCache
@@ -21,6 +28,7 @@ from backend.models.layers.moe import Experts
 from backend.server.settings import build_settings
 from benchmarks.engine.cli import parser as bench_parser
 from benchmarks.engine.offline import engine_config
+from kernels.paged_gather import check_tags_ref
 from tests.backend.engine_faults import FaultInjector
 from tests.backend.engine_helpers import (
     MODELS,
@@ -214,7 +222,13 @@ def test_padding_rows_point_at_the_scratch_page_only() -> None:
         [8, 1, 9],
         [scratch] * 3,
     ]
-    assert s["expected_tags"][3, 0] == SCRATCH_TAG and s["expected_tags"][2, :3].tolist() == [9, 2, 10]
+    assert s["expected_tags"][:, :3].tolist() == [
+        [3, 4, PAST_TAG],
+        [6, PAST_TAG, PAST_TAG],
+        [9, 2, 10],
+        [SCRATCH_TAG, PAST_TAG, PAST_TAG],  # a padding row expects the scratch page's tag in its one page
+    ]
+    assert (s["expected_tags"][:, 3:] == PAST_TAG).all()
     assert s["page_table"].shape == (4, 6)  # the buffers' width, whatever this step's widest sequence
     # a step whose widest sequence exceeds the buffers, or with too many sequences, runs eagerly
     wide = host_batch(
@@ -234,8 +248,8 @@ def test_padding_rows_point_at_the_scratch_page_only() -> None:
 
 def test_columns_past_a_narrower_step_hold_the_scratch_page() -> None:
     """A wide step, then narrower ones in a smaller and a larger bucket: every column past a step's
-    width holds the scratch page and SCRATCH_TAG, never the wide step's real (page, tag) pairs (issue 27:
-    a kernel reading past a row's pages must find nothing of another sequence's)."""
+    width holds the scratch page under PAST_TAG, never the wide step's real (page, tag) pairs (issue 27:
+    a kernel reading past a row's pages must find nothing of another sequence's, and be flagged)."""
     rec = Recorder()
     graphs = graphs_over(rec)
     scratch = NUM_PAGES
@@ -263,9 +277,41 @@ def test_columns_past_a_narrower_step_hold_the_scratch_page() -> None:
     s_wide, s_one, s_three = rec.seen
     assert s_wide["page_table"][0, :5].tolist() == [3, 4, 5, 6, 9]  # the wide step did write its pairs
     assert s_one["page_table"].tolist() == [[1, 7] + [scratch] * 4]
-    assert s_one["expected_tags"].tolist() == [[2, 8] + [SCRATCH_TAG] * 4]
+    assert s_one["expected_tags"].tolist() == [[2, 8] + [PAST_TAG] * 4]
     assert s_three["page_table"].tolist() == [[8] + [scratch] * 5] * 3 + [[scratch] * 6]
-    assert s_three["expected_tags"].tolist() == [[9] + [SCRATCH_TAG] * 5] * 3 + [[SCRATCH_TAG] * 6]
+    assert s_three["expected_tags"].tolist() == [[9] + [PAST_TAG] * 5] * 3 + [[SCRATCH_TAG] + [PAST_TAG] * 5]
+
+
+def test_a_row_read_past_its_pages_is_flagged_on_the_graph_path() -> None:
+    """A row whose length runs past the pages it was given (a wrong reservation, which no planner
+    makes) reads the scratch page there under PAST_TAG, which no page carries: its tag check flags that
+    row alone, where SCRATCH_TAG in those columns would have let it read the scratch page unflagged."""
+    graphs: DecodeGraphs
+
+    def tag_check(batch: ForwardBatch) -> torch.Tensor:  # what every page-reading op does first
+        check_tags_ref(
+            graphs.kv_cache.page_tags,
+            batch.page_table,
+            batch.expected_tags,
+            batch.seq_lens,
+            4,
+            batch.tag_mismatch,
+        )
+        return torch.zeros(batch.num_seqs, 5)
+
+    graphs = graphs_over(tag_check)
+    host = host_batch(
+        input_ids=[1, 2, 3],
+        positions=[6, 9, 2],
+        slots=[4 * 4 + 2, 7 * 4 + 1, 8 * 4 + 2],
+        seq_lens=[7, 10, 3],  # the second needs 3 pages, given 2 (the table is 2 wide)
+        page_ids=[[3, 4], [6, 7], [8]],
+        expected_tags=[[4, 5], [7, 8], [9]],
+    )
+    out = graphs.run(host)
+    assert out is not None
+    assert out[1].tolist() == [False, True, False]
+    assert not graphs.tag_mismatch[3:].any()  # nor the padding row
 
 
 def refuse(step: Callable[[], torch.Tensor]) -> Replay:
