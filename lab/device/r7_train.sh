@@ -41,6 +41,8 @@ stage() {  # stage <family>: data, the continued training, the MTP layer (instal
   items=$([ "$fam" = kimi ] && echo "${ITEMS_KIMI:-120000}" || echo "${ITEMS_GLM:-200000}")
   workers=${WORKERS:-$([ "$fam" = kimi ] && echo 10 || echo 5)}  # Kimi's scenes are the slow ones to render
   local mix=$MIX; [ "$fam" = kimi ] && mix=$mix,image-qa=0.1,image-caption=0.08
+  # Kimi at a third of GLM's rate: at 1.5e-3 it lost held-out chat (session 11), at 5e-4 it kept it (13)
+  local lr=${LR:-$([ "$fam" = kimi ] && echo "${LR_KIMI:-5e-4}" || echo "${LR_GLM:-1.5e-3}")}
   $PY -m models.recipes.build --out "/tmp/r7-$fam" --family "$fam" --train-items "$items" --test-items 10 \
     --first-item "$FIRST_ITEM" --mixture "$mix" || return 4
   echo "data built at $(el) s"
@@ -48,7 +50,7 @@ stage() {  # stage <family>: data, the continued training, the MTP layer (instal
   [ "$bound" -gt 0 ] || { echo "no time left to train"; return 5; }
   timeout "$bound" $PY -m models.recipes.train --family "$fam" --data "/tmp/r7-$fam" --out "$W/$name" \
     --init "models/$name" --steps 0 --minutes "$TRAIN_MINUTES" --batch-tokens "${BATCH_TOKENS:-65536}" \
-    --lr "${LR:-1.5e-3}" --warmup "${WARMUP:-50}" --workers "$workers" $DEVICE_ARGS || return 5
+    --lr "$lr" --warmup "${WARMUP:-50}" --workers "$workers" $DEVICE_ARGS || return 5
   echo "trained at $(el) s"
   local left=$(( MTP_END_S - $(el) ))
   echo "MTP stage: $left s left before $MTP_END_S s"
