@@ -17,7 +17,8 @@ past its pages hold the scratch page under `PAST_TAG` (-1, as `ForwardBatch` pad
 (page, tag) pair of an earlier, wider step: every op reads only the `ceil(seq_len / S)` pages a
 sequence uses, and a kernel that read past them would see only the scratch page, and flag the row
 (issue 27; the kernels never walk past the table's width either: the bound in `kernels/triton_lib.py`).
-A padding row's one page, column 0, expects `SCRATCH_TAG`. The columns are scrubbed
+A padding row's one page, column 0, expects `SCRATCH_TAG` (a whole speculative step's padding
+rows read up to position 2k - 1: `pad_cols` columns). The columns are scrubbed
 when a step is narrower than the widest written since the last scrub (two fills, not one a step). Kernels size their grids and split counts from that width, known on the
 host at capture, never from a device read. The tag-mismatch flags are zeroed inside the graph; the
 logits `[Bk, V]` stay in the graph's memory and sampling runs outside.
@@ -78,31 +79,38 @@ Capture = Callable[[Callable[[], torch.Tensor]], Replay]  # step -> replay retur
 
 
 def stage_page_tables(
-    staging: StagingBuffer, host: HostBatch, bucket: int, num_pages: np.ndarray, scratch_page: int
-) -> tuple[int, int]:
-    """Stage `host`'s page tables and expected tags as `bucket` rows: the padding rows, and the
-    columns past each sequence's first `num_pages` [B], hold the scratch page, under `PAST_TAG` but a
-    padding row's column 0 (its one page: `SCRATCH_TAG`). Returns their staging handles (pages
-    [bucket, Mp] int32, tags [bucket, Mp] int64)."""
-    B, width = host.num_seqs, host.page_table.shape[1]
+    staging: StagingBuffer,
+    host: HostBatch,
+    bucket: int,
+    num_pages: np.ndarray,
+    scratch_page: int,
+    pad_cols: int = 1,
+) -> tuple[int, int, int]:
+    """Stage `host`'s page tables and expected tags as `bucket` rows, at least `pad_cols` wide: the
+    columns past each sequence's first `num_pages` [B] hold the scratch page under `PAST_TAG`; the
+    padding rows hold it under `SCRATCH_TAG` in their first `pad_cols` columns (those they read: a
+    decode's one page, a whole speculative step's chained drafts up to position 2k - 1), `PAST_TAG`
+    past them. Returns the staging handles (pages [bucket, W] int32, tags [bucket, W] int64) and W."""
+    B, w = host.num_seqs, host.page_table.shape[1]
+    width = max(w, pad_cols)
     past = np.arange(width)[None, :] >= num_pages[:, None] if num_pages.min() < width else None
     h_pages, pages = staging.reserve(np.int32, (bucket, width))
-    pages[:B], pages[B:] = host.page_table, scratch_page  # (an empty slice when B fills the bucket)
+    pages[:B, :w], pages[:B, w:], pages[B:] = host.page_table, scratch_page, scratch_page
     if past is not None:  # columns past a row's pages: the scratch page too
         pages[:B][past] = scratch_page
     h_tags, tags = staging.reserve(np.int64, (bucket, width))
-    tags[:B], tags[B:] = host.expected_tags, PAST_TAG
-    tags[B:, 0] = SCRATCH_TAG
+    tags[:B, :w], tags[:B, w:] = host.expected_tags, PAST_TAG
+    tags[B:, :pad_cols], tags[B:, pad_cols:] = SCRATCH_TAG, PAST_TAG
     if past is not None:
         tags[:B][past] = PAST_TAG
-    return h_pages, h_tags
+    return h_pages, h_tags, width
 
 
-def padding_tags(rows: int, max_pages: int, device: torch.device) -> torch.Tensor:
-    """[rows, max_pages] int64 expected tags of padding rows: `SCRATCH_TAG` in column 0 (the scratch
-    page they read and write), `PAST_TAG` past it."""
+def padding_tags(rows: int, max_pages: int, pad_cols: int, device: torch.device) -> torch.Tensor:
+    """[rows, max_pages] int64 expected tags of padding rows: `SCRATCH_TAG` in the first `pad_cols`
+    columns (the scratch page they read and write), `PAST_TAG` past them."""
     tags = torch.full((rows, max_pages), PAST_TAG, dtype=torch.int64, device=device)
-    tags[:, 0] = SCRATCH_TAG
+    tags[:, :pad_cols] = SCRATCH_TAG
     return tags
 
 
@@ -202,7 +210,7 @@ class DecodeGraphs:
         self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n] each
         self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
-        self.expected_tags = padding_tags(n, max_pages, dev)  # [n, Mp]
+        self.expected_tags = padding_tags(n, max_pages, 1, dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         self.rows = torch.arange(n, dtype=i64, device=dev)  # logits rows, and the sequence of each row
         self.query_start = torch.arange(n + 1, dtype=i32, device=dev)  # one token per sequence
@@ -264,7 +272,7 @@ class DecodeGraphs:
         vectors[0, :B], vectors[1, :B], vectors[2, :B] = host.input_ids, host.positions, host.slots
         if bucket > B:
             vectors[:2, B:], vectors[2, B:] = 0, scratch * S
-        h_pages, h_tags = stage_page_tables(st, host, bucket, (host.seq_lens + (S - 1)) // S, scratch)
+        h_pages, h_tags, _ = stage_page_tables(st, host, bucket, (host.seq_lens + (S - 1)) // S, scratch)
         self._staged = (bucket, width, [h_vectors, h_pages, h_tags])
         return bucket
 

@@ -5,10 +5,11 @@ logits rows, and no image rows, is uniform: it runs in the graph of (k, Bk), Bk 
 captured bucket >= B, as decode steps do (backend/engine/decode_graphs.py, whose scratch page and
 padding this copies). Rows b·(k+1) … b·(k+1)+k are sequence b's; padding sequences B … Bk get
 token 0 at positions 0 … k, their slots in the scratch page (so k + 1 must fit one page), its page
-table only the scratch page under `SCRATCH_TAG`: they read and write nothing else and never trip
-the tag check. `seq_lens` is computed inside the graph as the last position + 1. Page-table columns
-past a sequence's pages hold the scratch page under `PAST_TAG` (a read there is a tag fault), scrubbed when a step is narrower than the widest
-written since (as decode graphs do). The graph returns the logits `[Bk·(k+1), V]` and the hidden
+table only the scratch page, under `SCRATCH_TAG` in the columns a padding sequence reads (a whole
+step's chained drafts reach position 2K − 1: `pad_cols`): they read and write nothing else and never
+trip the tag check. `seq_lens` is computed inside the graph as the last position + 1. Page-table
+columns past a real sequence's pages hold the scratch page under `PAST_TAG` (a read there is a tag
+fault), scrubbed when a step is narrower than the widest written since (as decode graphs do). The graph returns the logits `[Bk·(k+1), V]` and the hidden
 states `[Bk·(k+1), H]` the draft depths read; both stay in the graph's memory.
 
 The k captured are 1 … K (the draft policy may pick any, backend/engine/speculative/policy.py), the buckets
@@ -101,7 +102,9 @@ class VerifyGraphs:
         self.input_ids, self.positions, self.slot_mapping = self._vectors.unbind(0)  # [n·L] each
         self.seq_lens = torch.ones(n, dtype=i32, device=dev)  # [n]
         self.page_table = torch.full((n, max_pages), self.scratch_page, dtype=i32, device=dev)  # [n, Mp]
-        self.expected_tags = padding_tags(n, max_pages, dev)  # [n, Mp]
+        # a padding sequence reads positions 0 … 2K − 1 of the scratch page (a whole step's chained drafts)
+        self.pad_cols = min(max_pages, (2 * max_drafts - 1) // S + 1)
+        self.expected_tags = padding_tags(n, max_pages, self.pad_cols, dev)  # [n, Mp]
         self.tag_mismatch = torch.zeros(n, dtype=torch.bool, device=dev)  # [n]
         # [n, L, MAX_BANNED] greedy.py's `guard_rows`: nothing banned until a step stages its own
         self.guards = torch.full((n, L, MAX_BANNED), -1, dtype=i64, device=dev)
@@ -299,7 +302,7 @@ class VerifyGraphs:
         if bucket > B:  # padding sequences: token 0 at positions 0 … k of the scratch page
             pad = np.tile(np.arange(L), bucket - B)
             vectors[0, B * L :], vectors[1, B * L :], vectors[2, B * L :] = 0, pad, scratch * S + pad
-        h_pages, h_tags = stage_page_tables(st, host, bucket, num_pages, scratch)
+        h_pages, h_tags, width = stage_page_tables(st, host, bucket, num_pages, scratch, self.pad_cols)
         h_guards = None
         if host.guards is not None:
             h_guards, guards = st.reserve(np.int64, (bucket, L, MAX_BANNED))

@@ -334,3 +334,34 @@ def test_dsa_whole_steps_within_index_topk_replay_the_narrow_graphs(tmp_path: Pa
     got = run_checking_padding(graphed, reqs)
     assert set(widths) == set(graphs.widths), widths
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padding_rows_chained_drafts_past_their_first_page_stay_unflagged(
+    tiny: dict[str, Any], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole greedy step's padding sequence drafts on to position 2k − 1 when every draft is
+    accepted: past its first page where 2k > S. Those columns expect the scratch page's own tag, so
+    no padding row is flagged (past a real row's pages a column expects PAST_TAG: a read there is a
+    fault), and the real rows are not either."""
+    import backend.engine.speculative.greedy as greedy
+    from kernels.verify_accept import VerifyAccept
+
+    accept = greedy.verify_accept
+
+    def accept_all(args: Any) -> VerifyAccept:  # every row takes all k drafts, padding rows too
+        tail = accept(args)
+        B, L = tail.targets.shape
+        targets = tail.targets.clone()
+        targets[:, : L - 1] = args.input_ids.view(B, L)[:, 1:]
+        accepted = torch.full_like(tail.accepted, L - 1)
+        return VerifyAccept(targets, accepted, args.query_start[:B].long() + accepted)
+
+    monkeypatch.setattr(greedy, "verify_accept", accept_all)
+    e = engine(tiny[arch], 3, graphs=True, page_size=4)
+    graphs = verify_graphs(e)
+    assert graphs.pad_cols == 2  # positions 0 … 5 on pages of 4
+    vocab = tiny[arch].config.vocab_size
+    reqs = [request(f"r{i}", prompt, max_tokens=16) for i, prompt in enumerate(prompts(3, vocab, 11))]
+    run_checking_padding(e, reqs)  # three sequences in the bucket of 4: one padding row a step
+    assert graphs.num_greedy_replays > 0
