@@ -29,13 +29,24 @@ MAX_NORMS = 3  # `row_norms`' kernel slots: a DSA layer's q_a, kv_a and indexer 
 class RowNorm:
     """One norm of a `row_norms` call."""
 
-    x: torch.Tensor  # [N, D], any row stride, unit stride in D
+    x: torch.Tensor  # [N, D] (with `rows`: [V, D], a table), any row stride, unit stride in D
     weight: torch.Tensor  # [D]
     eps: float
     bias: torch.Tensor | None = None  # [D] LayerNorm only
     is_layer_norm: bool = False  # LayerNorm (mean removed, weight and bias), else RMSNorm
     # [N, D], any row stride, unit in D: RMSNorm promote(weight, x) dtype, LayerNorm x's; None: a new tensor
     out: torch.Tensor | None = None
+    # [N] int64 / int32: the norm's rows are x's rows `rows` (an embedding lookup in the norm's launch:
+    # an MTP depth's token embeddings), every id in [0, V); None: x's own N rows
+    rows: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.x.shape[0] if self.rows is None else self.rows.shape[0])
+
+    def source(self) -> torch.Tensor:
+        """The rows this norm reads `[N, D]` (a gather when `rows` is set: `F.embedding`'s)."""
+        return self.x if self.rows is None else torch.nn.functional.embedding(self.rows, self.x)
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,11 +189,18 @@ class CausalLM(nn.Module):
         the caller knows no row is at position 0 (a verify's rows follow a token), so depth 0 skips
         the mask (two launches)."""
         layer: Any = self.mtp[depth % len(self.mtp)]
-        embeds = self.model.embed_tokens(batch.input_ids)  # [T, H]
-        if depth == 0 and not past_position_zero:  # a depth d > 0 runs past its depth-0 row
-            embeds = embeds.masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's DeepSeek MTP
+        table = self.model.embed_tokens
         step = step if step is not None else self.build_step(batch)
-        mlp_out, residual = layer.draft(embeds, hidden.to(embeds.dtype), step)
+        if depth == 0 and not past_position_zero:  # a depth d > 0 runs past its depth-0 row
+            embeds = table(batch.input_ids).masked_fill((batch.positions == 0)[:, None], 0.0)  # as vLLM's
+            mlp_out, residual = layer.draft(embeds, hidden.to(embeds.dtype), step)
+        elif table.shard.world_size == 1:  # the lookup inside the input norms' launch
+            mlp_out, residual = layer.draft(
+                table.weight, hidden.to(table.weight.dtype), step, ids=batch.input_ids
+            )
+        else:  # a vocabulary split over the ranks: the lookup's all-reduce first
+            embeds = table(batch.input_ids)  # [T, H]
+            mlp_out, residual = layer.draft(embeds, hidden.to(embeds.dtype), step)
         # g = residual + mlp_out and its head norm in one launch (every row: g is the next depth's input)
         normed, g = layer.shared_head.norm.add_forward(mlp_out, residual)  # [T, H] each
         logits = self.lm_head(normed if batch.logits_are_rows else normed[batch.logits_indices])

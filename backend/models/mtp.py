@@ -53,18 +53,20 @@ class MtpLayer(nn.Module):
         self.shared_head = SharedHead(config, dtype=dtype)
 
     def draft(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step
+        self, embeds: torch.Tensor, hidden: torch.Tensor, step: Step, *, ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds [T, H] (of the next tokens), hidden [T, H] → the layer's hidden state [T, H] as its
-        two addends (the MLP's output, the residual): the caller adds them in the head norm's launch."""
-        T, H = embeds.shape
+        two addends (the MLP's output, the residual): the caller adds them in the head norm's launch.
+        With `ids [T]`, `embeds` is the embedding table [V, H] and the lookup happens in the norms'
+        launch."""
+        T, H = hidden.shape[0], embeds.shape[1]
         dtype = torch.promote_types(self.enorm.weight.dtype, embeds.dtype)  # the norms' output dtype
         both = torch.empty(T, 2 * H, dtype=dtype, device=embeds.device)  # [T, 2H]
-        # both norms in one launch, each writing its half: no concatenation
+        # both norms (and the lookup) in one launch, each writing its half: no concatenation
         row_norms(
             RowNormsArgs(
                 (
-                    RowNorm(embeds, self.enorm.weight, self.enorm.eps, out=both[:, :H]),
+                    RowNorm(embeds, self.enorm.weight, self.enorm.eps, out=both[:, :H], rows=ids),
                     RowNorm(hidden, self.hnorm.weight, self.hnorm.eps, out=both[:, H:]),
                 )
             )

@@ -30,6 +30,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
         **{f"{p}{i}_ptr": "bf16" for p in ("x", "out") for i in range(4)},
     }
     norms = {f"{p}{i}_ptr": "bf16" for p in ("x", "w", "b", "out") for i in range(3)}
+    norms |= {f"rows{i}_ptr": "i64" for i in range(3)}
     lora = {
         "NUM": 3,
         "BLOCK_D0": 2048,
@@ -38,7 +39,11 @@ def builds() -> list[tuple[str, ASTSource, int]]:
         "LAYER0": False,
         "LAYER1": False,
         "LAYER2": True,
+        "GATHER0": False,
+        "GATHER1": False,
+        "GATHER2": False,
     }
+    mtp_in = {**lora, "NUM": 2, "BLOCK_D0": 8192, "BLOCK_D1": 8192, "LAYER2": False, "GATHER0": True}
     route = {"logits_ptr": "fp32", "bias_ptr": "fp32", "weights_ptr": "fp32", "ids_ptr": "i64"}
     radix = {"scores_ptr": "fp32", "out_ptr": "i64"}
     silu = {"g_ptr": "bf16", "u_ptr": "bf16", "out_ptr": "bf16", "ids_ptr": "i64", "w_ptr": "fp32"}
@@ -51,6 +56,7 @@ def builds() -> list[tuple[str, ASTSource, int]]:
     return [
         ("rms_norm hidden 6144 + residual", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": True, "BLOCK_D": 8192}, {"eps"}), 16),
         ("row_norms q_a 2048 + kv_a 512 + indexer key 128", _source(_row_norms_kernel, norms, lora, {"eps0", "eps1", "eps2"}), 4),
+        ("row_norms MTP embedding gather + hidden 6144", _source(_row_norms_kernel, norms, mtp_in, {"eps0", "eps1", "eps2"}), 16),
         ("silu_mul shared expert", _source(_silu_mul_kernel, silu, {"K": 1, "ROUTED": False, "BLOCK": 1024}, set()), 4),
         ("silu_mul every expert routed, top-8", _source(_silu_mul_kernel, silu, {"K": 8, "ROUTED": True, "BLOCK": 1024}, set()), 4),
         ("rms_norm kv_lora 512", _source(_rms_norm_kernel, bf16, {"HAS_RESIDUAL": False, "BLOCK_D": 512}, {"eps"}), 1),

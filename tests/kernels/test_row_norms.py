@@ -67,6 +67,31 @@ def test_one_norm_matches_its_reference(dtype: torch.dtype, is_layer_norm: bool)
     close(out, ref)
 
 
+def test_mtp_input_norms_with_the_embedding_lookup_in_the_launch() -> None:
+    """An MTP depth's two input norms: norm 0 reads the embedding table's rows `ids` (a gather, in the
+    same launch), norm 1 the hidden states; each writes its half of one [N, 2H] buffer. The gathered
+    norm equals the norm of `F.embedding`'s rows, and the op's entry (the references on the CPU) too."""
+    g = torch.Generator().manual_seed(3)
+    V, H, N = 50, 96, 5
+    table, hidden = rand(g, V, H, scale=2.0), rand(g, N, H)
+    w_e, w_h = rand(g, H, shift=1.0), rand(g, H, shift=1.0)
+    ids = torch.tensor([7, 0, 49, 7, 12], device=DEV)  # a repeat, the first and the last row
+    both = torch.full((N, 2 * H), 5.0, dtype=torch.bfloat16, device=DEV)
+    norms = [
+        RowNorm(table, w_e, 1e-6, out=both[:, :H], rows=ids),
+        RowNorm(hidden, w_h, 1e-6, out=both[:, H:]),
+    ]
+    e_normed, h_normed = row_norms_triton(norms)
+    assert e_normed.data_ptr() == both.data_ptr() and e_normed.shape == (N, H)
+    close(e_normed, rms_norm_ref(F.embedding(ids, table), w_e, 1e-6)[0])
+    close(h_normed, rms_norm_ref(hidden, w_h, 1e-6)[0])
+    assert torch.equal(e_normed[0], e_normed[3])
+    (ref,) = row_norms(RowNormsArgs((RowNorm(table, w_e, 1e-6, rows=ids.int()),)))
+    close(ref, e_normed)
+    with pytest.raises(ValueError, match="rows must be"):
+        row_norms_triton([RowNorm(table, w_e, 1e-6, rows=ids.float())])
+
+
 def test_bad_arguments_raise() -> None:
     x = torch.randn(2, 8, device=DEV)
     w = torch.ones(8, device=DEV)
