@@ -144,11 +144,11 @@ def row_norms_triton(norms: list[RowNorm]) -> list[torch.Tensor]:
     ]
     geometry = [v for n, out in slots for v in (n.x.shape[1], n.eps, n.x.stride(0), out.stride(0))]
     blocks = [triton.next_power_of_2(n.x.shape[1]) for n, _ in slots]
+    gather = [i < len(norms) and n.rows is not None for i, (n, _) in enumerate(slots)]  # placeholders: off
     _row_norms_kernel[(N, len(norms))](
         *ptrs, *geometry, NUM=len(norms), BLOCK_D0=blocks[0], BLOCK_D1=blocks[1], BLOCK_D2=blocks[2],
         LAYER0=slots[0][0].is_layer_norm, LAYER1=slots[1][0].is_layer_norm, LAYER2=slots[2][0].is_layer_norm,
-        GATHER0=slots[0][0].rows is not None, GATHER1=slots[1][0].rows is not None,
-        GATHER2=slots[2][0].rows is not None,
+        GATHER0=gather[0], GATHER1=gather[1], GATHER2=gather[2],
         **pdl_args(norms[0].x.device), num_warps=max(1, min(16, max(blocks[: len(norms)]) // 512)),
     )  # fmt: skip
     return outs
