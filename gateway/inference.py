@@ -311,10 +311,13 @@ class _Call:
         )
         try:
             url, first = await anext(events)
+            while isinstance(first, b.Started):  # the prompt's count: then the first output's events
+                into.feed(first)
+                url, first = await anext(events)
         except StopAsyncIteration as exc:
             raise KumoError("Unknown internal error") from exc
         except (Timeout, Aborted, asyncio.CancelledError):
-            into.is_started = dispatch.is_held
+            into.is_started = dispatch.is_held or into.started is not None
             raise
         self.meta.info.replica = url
         if isinstance(first, b.Error):

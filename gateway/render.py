@@ -63,6 +63,7 @@ class Completion:
     tool_calls: dict[int, ToolCallParts] = field(default_factory=dict)
     logprobs: list[b.TokenLogprob] = field(default_factory=list)
     usage: b.Usage | None = None
+    started: b.Started | None = None  # the backend's count of the prompt, its first event
     finish: o.FinishReasonOut | None = None
     # the backend took the choice on: an event came, or the wait for one was cut while a replica held
     # it (`backend_client.Dispatch`)
@@ -85,6 +86,8 @@ class Completion:
             call.arguments += event.arguments
         elif isinstance(event, b.Usage):
             self.usage = event
+        elif isinstance(event, b.Started):
+            self.started = event
         elif isinstance(event, b.Finish):
             self.finish = _FINISH[event.reason]
         else:
@@ -93,8 +96,9 @@ class Completion:
     def consumed(self, prompt_tokens: int) -> b.Usage:
         """What the choice cost: the backend's usage, which it sends only at the end. A choice cut
         before then (the client gone, a timeout, a drain, an error mid-stream) is billed instead,
-        once the backend took it on, `prompt_tokens` (admission's estimate of the prompt) and a
-        token per piece delivered (a lower bound), so that ending a stream early never makes it free.
+        once the backend took it on, its prompt (as the backend counted it in `Started`, else
+        `prompt_tokens`, admission's estimate) and a token per piece delivered (a lower bound), so
+        that ending a stream early never makes it free.
         Cut before its first event, it is billed the prompt if a replica held it then: a backend
         says nothing until its prompt is in, and the pages it prefilled stay in the tenant's prefix
         cache, so a deadline set just short of the first event must not buy the prefill for free."""
@@ -103,6 +107,13 @@ class Completion:
         if not self.is_started:  # refused, never routed, or cut before a replica had it: no work done
             return b.Usage(prompt_tokens=0, completion_tokens=0)
         completion_tokens = max(self.num_pieces, len(self.logprobs))
+        if self.started is not None:
+            s = self.started
+            return b.Usage(
+                prompt_tokens=s.prompt_tokens,
+                cached_tokens=s.cached_tokens,
+                completion_tokens=completion_tokens,
+            )
         return b.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
     def check_finished(self) -> None:

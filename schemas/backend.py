@@ -193,6 +193,14 @@ class ToolCallDelta(Base, tag="tool_call", tag_field="type"):
     arguments: str = ""
 
 
+class Started(Base, tag="started", tag_field="type"):
+    """A request's first event: its prompt is in, counted as its `Usage` will count it. A choice cut
+    before its usage came is billed this prompt (not the gateway's estimate from the body's size)."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
 class Usage(Base, tag="usage", tag_field="type"):
     prompt_tokens: int
     completion_tokens: int
@@ -228,7 +236,7 @@ class Error(Base, tag="error", tag_field="type"):
     status: int = 500
 
 
-Event = TextDelta | ReasoningDelta | ToolCallDelta | Usage | Finish | Error
+Event = Started | TextDelta | ReasoningDelta | ToolCallDelta | Usage | Finish | Error
 
 
 class ErrorBody(Base):

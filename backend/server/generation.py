@@ -42,6 +42,7 @@ from schemas.backend import (
     Message,
     Reasoning,
     ReasoningMarkers,
+    Started,
     TextDelta,
     TextPart,
 )
@@ -159,9 +160,9 @@ class Serving:
     async def events(self, prepared: Prepared) -> AsyncGenerator[Event, None]:
         """Events of a prepared request. Raises the engine's refusal (busy, too large) before any event.
         The first engine output always makes an event (an empty text where the processor holds its
-        tokens back: a tool call, hidden reasoning, a possible stop string): it says the prompt is
-        in, which the gateway waits for before it routes a request's other choices, so that they
-        start from its cached prompt pages."""
+        tokens back: a tool call, hidden reasoning, a possible stop string), after `Started` (the
+        prompt's token count): it says the prompt is in, which the gateway waits for before it routes
+        a request's other choices, so that they start from its cached prompt pages."""
         stream = self.engine.generate(
             prepared.engine_request, constraint=prepared.constraint, image_embeds=prepared.image_embeds
         )
@@ -169,8 +170,11 @@ class Serving:
         async with aclosing(stream):
             async for out in stream:
                 events = prepared.processor.process(out)
-                if is_first and not events:
-                    events = [TextDelta(text="")]
+                if is_first:  # the prompt's count first (what a cut choice is billed), then the output
+                    started = Started(
+                        prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens
+                    )
+                    events = [started, *(events or [TextDelta(text="")])]
                 is_first = False
                 for event in events:
                     yield event

@@ -137,9 +137,11 @@ class FakeBackend:
             if text.startswith("pause:"):  # a short real wait, then the echo: work that takes time
                 await asyncio.sleep(0.01)
             for i, event in enumerate(self._script(req, text)):
-                if text == "slow" or (text == "crash-one" and not crashes):
+                if isinstance(event, b.Started):  # as a real backend: with the first output's events
+                    pass
+                elif text == "slow" or (text == "crash-one" and not crashes):
                     await asyncio.sleep(0.3)
-                if crashes and i == 1:
+                if crashes and i == 2:  # after `Started` and one delta
                     raise ConnectionResetError("scripted crash mid-stream, beside a slow choice")
                 if text == "crash" and isinstance(event, b.Usage):
                     raise ConnectionResetError("scripted crash mid-stream")
@@ -194,7 +196,8 @@ class FakeBackend:
             )
         )
         events.append(b.Finish(reason=finish))
-        return events
+        # first, as a real backend sends it: the prompt's count (what a cut choice is billed)
+        return [b.Started(prompt_tokens=num_prompt, cached_tokens=min(num_prompt, 4)), *events]
 
 
 @dataclass

@@ -39,6 +39,35 @@ async def test_a_client_disconnect_closes_the_backend_stream(harness: Harness) -
     assert after[GLM][0] == before.get(GLM, (0, 0))[0] + 1  # the abandoned request is still recorded
 
 
+async def test_a_cut_stream_is_billed_the_prompt_the_backend_counted(harness: Harness) -> None:
+    """A stream the client leaves before the backend's usage came is billed the prompt as the backend
+    counted it in its first event (7 + len("slow") tokens on the fake backend), and a token per delta
+    delivered: not the gateway's estimate from the body's bytes plus the template's allowance."""
+    await harness.services.ledger.flush()
+    today = dt.datetime.now(dt.UTC).date()
+    before = await harness.services.store.usage(harness.account, since=today, until=today, group_by="model")
+    old = next((r for r in before if r.model == GLM), None)
+    async with harness.http.stream(
+        "POST",
+        harness.path(f"/ai/run/{GLM}"),
+        headers=harness.auth(),
+        json={"prompt": "slow", "stream": True, "max_tokens": 64},
+    ) as r:
+        async for line in r.aiter_lines():
+            if '"content":"ech' in line:
+                break
+    for _ in range(50):
+        await harness.services.ledger.flush()
+        rows = await harness.services.store.usage(harness.account, since=today, until=today, group_by="model")
+        new = next((r for r in rows if r.model == GLM), None)
+        if new is not None and new.requests > (old.requests if old else 0):
+            break
+        await asyncio.sleep(0.05)
+    assert new is not None and new.requests == (old.requests if old else 0) + 1
+    assert new.prompt_tokens - (old.prompt_tokens if old else 0) == 7 + len("slow")
+    assert 1 <= new.completion_tokens - (old.completion_tokens if old else 0) <= 3
+
+
 async def test_a_slow_body_times_out(harness: Harness) -> None:
     async def trickle():  # type: ignore[no-untyped-def]
         yield b'{"prompt": '

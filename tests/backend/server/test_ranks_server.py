@@ -39,6 +39,7 @@ from schemas.backend import (
     LoadReport,
     ModelCard,
     ReasoningDelta,
+    Started,
     TextDelta,
     Usage,
 )
@@ -253,6 +254,7 @@ def test_disconnects_leave_every_rank_idle(tmp_path: Path, backends: list[Backen
             body["sampling"] = sampling
             with client.stream("POST", f"{two.url}/v1/generate", json=body, headers=AUTH) as response:
                 lines = response.iter_lines()
+                assert isinstance(_events.decode(next(lines)), Started)
                 for _ in range(20):  # a few pages' worth of tokens (8 a page), then the client leaves
                     assert isinstance(_events.decode(next(lines)), TextDelta)
     deadline = time.monotonic() + 10
@@ -352,7 +354,8 @@ async def _kill_and_restart(model: Path, tmp_path: Path) -> None:
                 if len(events) == 2:
                     os.kill(rank1, signal.SIGKILL)
         last = events[-1]
-        assert isinstance(events[0], TextDelta) and isinstance(last, Error), events[-3:]
+        assert isinstance(events[0], Started) and isinstance(events[1], TextDelta), events[:3]
+        assert isinstance(last, Error), events[-3:]
         assert last.code == "busy" and last.status == 503  # the gateway's retryable Busy
         assert sum(isinstance(e, TextDelta) for e in events) < 400
         deadline = time.monotonic() + 60
