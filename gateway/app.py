@@ -85,6 +85,7 @@ def routes(services: Services) -> list[Route | Mount]:
         Route(f"{ai}/v1/chat/completions", openai_compat.chat_completions, methods=["POST"]),
         Route(f"{ai}/v1/responses", openai_compat.create_response, methods=["POST"]),
         Route(f"{ai}/v1/models", openai_compat.list_models, methods=["GET"]),
+        Route(f"{ai}/v1/models/{{model:path}}", openai_compat.retrieve_model, methods=["GET"]),
         Route(f"{ai}/models/search", catalog_routes.models_search, methods=["GET"]),
         Route(f"{ai}/models/schema", catalog_routes.model_schema, methods=["GET"]),
         Route(f"{ai}/tasks/search", catalog_routes.tasks_search, methods=["GET"]),

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.templating import Jinja2Templates
 
+from gateway.auth import TenantContext
 from gateway.errors import BadInput
 from gateway.run import account_of, authenticate, services_of
 from gateway.services import Services
@@ -52,8 +53,9 @@ def _bool(request: Request, name: str) -> bool:
     return raw in ("true", "1")
 
 
-def rendered(services: Services, request: Request) -> list[ModelObject]:
-    """Catalog objects matching the query's filters, with what each pool reports."""
+def rendered(services: Services, request: Request, tenant: TenantContext | None = None) -> list[ModelObject]:
+    """Catalog objects matching the query's filters (and, for a `tenant`, its allow-list: what
+    `/ai/v1/models` lists and `/ai/run` serves it), with what each pool reports."""
     q = request.query_params
     source = q.get("source")
     if source is not None and not _is_decimal(source):
@@ -65,7 +67,11 @@ def rendered(services: Services, request: Request) -> list[ModelObject]:
         source=int(source) if source else None,
         hide_experimental=_bool(request, "hide_experimental"),
     )
-    return [services.catalog.render(m, _card(services, m.pool)) for m in models]
+    return [
+        services.catalog.render(m, _card(services, m.pool))
+        for m in models
+        if tenant is None or tenant.can_use(m)
+    ]
 
 
 def _card(services: Services, pool: str) -> Any:
@@ -75,10 +81,10 @@ def _card(services: Services, pool: str) -> Any:
 
 async def models_search(request: Request) -> Response:
     services = services_of(request)
-    await authenticate(services, request, account_of(request))
+    tenant = await authenticate(services, request, account_of(request))
     page = _int(request, "page", 1, 1, 1_000_000)
     per_page = _int(request, "per_page", 50, 1, MAX_PER_PAGE)
-    objects = rendered(services, request)
+    objects = rendered(services, request, tenant)
     window = objects[(page - 1) * per_page : page * per_page]
     info = ResultInfo(page=page, per_page=per_page, count=len(window), total_count=len(objects))
     return ok(window, result_info=info)

@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway import responses
 from gateway.body import decode
-from gateway.errors import BadInput
+from gateway.errors import BadInput, NotFound
 from gateway.inference import Prompt, Stream
 from gateway.run import (
     SSE_HEADERS,
@@ -27,6 +27,7 @@ from gateway.run import (
     services_of,
     unless_client_leaves,
 )
+from gateway.services import Services
 from schemas.catalog import ModelSpec
 from schemas.openai import ChatCompletionRequest, ModelList, ModelOut
 from schemas.responses import ResponsesRequest
@@ -104,8 +105,28 @@ async def list_models(request: Request) -> Response:
     services = services_of(request)
     tenant = await authenticate(services, request, account_of(request))
     models: list[ModelSpec] = [m for m in services.catalog.models if tenant.can_use(m)]
-    data = [ModelOut(id=m.name, created=_created(m.created_at), owned_by=m.author) for m in models]
+    data = [_model_out(services, m) for m in models]
     return Response(msgspec.json.encode(ModelList(data=data)), media_type="application/json")
+
+
+async def retrieve_model(request: Request) -> Response:
+    """`GET …/ai/v1/models/{model}` (the SDKs' `models.retrieve`): one model of the list, or 404 for a
+    model the tenant may not use or the catalog lacks (the list does not show those either)."""
+    services = services_of(request)
+    tenant = await authenticate(services, request, account_of(request))
+    name = request.path_params["model"]
+    model = next((m for m in services.catalog.models if m.name == name or name in m.aliases), None)
+    if model is None or not tenant.can_use(model):
+        shown = name if len(name) <= 200 else name[:200] + "…"
+        raise NotFound(f"No such model {shown}")
+    return Response(msgspec.json.encode(_model_out(services, model)), media_type="application/json")
+
+
+def _model_out(services: Services, m: ModelSpec) -> ModelOut:
+    pool = services.router.pools.get(m.pool)
+    card = pool.card() if pool is not None else None
+    window = card.max_request_tokens if card is not None else msgspec.UNSET
+    return ModelOut(id=m.name, created=_created(m.created_at), owned_by=m.author, context_window=window)
 
 
 def _created(created_at: str) -> int:

@@ -39,7 +39,7 @@ from schemas.admin import (
 )
 from schemas.batch import BatchDone, BatchPoll, BatchStatus, BatchSubmit
 from schemas.catalog import AuthorOut, Membership, ModelObject, ModelSpec, SchemaOut, TaskOut
-from schemas.openai import ChatCompletion, ChatCompletionRequest, ModelList
+from schemas.openai import ChatCompletion, ChatCompletionRequest, ModelList, ModelOut
 from schemas.responses import Response as ResponseObject
 from schemas.responses import ResponsesRequest
 from schemas.workers_ai import ErrorItem, LegacyInput, LegacyResult, ResultInfo, RunEnvelopeInput
@@ -123,6 +123,10 @@ OPERATIONS: tuple[Operation, ...] = (
         "(nothing is stored); an input item missing what its type needs; an image by `file_id`.",
     ),
     Operation("GET", f"{AI}/v1/models", "OpenAI-compatible model list", "openai", result=ModelList, enveloped=False),
+    Operation(
+        "GET", f"{AI}/v1/models/{{model:path}}", "One model of the OpenAI-compatible list (404 outside it)",
+        "openai", result=ModelOut, enveloped=False,
+    ),
     Operation(
         "GET", f"{AI}/models/search", "Search the model catalog", "catalog", result=list[ModelObject],
         is_paged=True,
@@ -271,6 +275,8 @@ def _bodies(
     path = openapi_path(op.path)
     if op.per_model:
         return [(path.replace("{model}", m.name), run_input(m.family)) for m in models]
+    if "{model}" in path:  # a path per catalog model, no body (`GET …/v1/models/{model}`)
+        return [(path.replace("{model}", m.name), None) for m in models]
     if op.body is RunEnvelopeInput:
         return [(path, envelope_input(models))]
     if op.body is ChatCompletionRequest:

@@ -322,6 +322,9 @@ class ModelOut(WireOut, kw_only=True):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    # beyond OpenAI's object (its SDKs keep unknown fields): the tokens a request may hold, input and
+    # output together, as the catalog's `context_window` says (what a replica admits)
+    context_window: int | UnsetType = UNSET
 
 
 class ModelList(WireOut, kw_only=True):

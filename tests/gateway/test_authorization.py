@@ -107,3 +107,9 @@ async def test_a_model_outside_the_allow_list_is_403_5018(harness: Harness) -> N
         harness.path(f"/ai/run/{GLM}", account=tenant.id), headers=headers, json={"prompt": "x"}
     )
     assert allowed.status_code == 200
+    # the catalog it searches lists what it may run, as /ai/v1/models does
+    found = await harness.http.get(harness.path("/ai/models/search", account=tenant.id), headers=headers)
+    assert [m["name"] for m in found.json()["result"]] == [GLM]
+    assert found.json()["result_info"]["total_count"] == 1
+    listed = await harness.http.get(harness.path("/ai/v1/models", account=tenant.id), headers=headers)
+    assert [m["id"] for m in listed.json()["data"]] == [GLM]

@@ -93,3 +93,22 @@ async def test_models_list(harness: Harness) -> None:
     assert {KIMI, GLM} <= {m.id for m in models}
     kimi = next(m for m in models if m.id == KIMI)
     assert kimi.owned_by == "moonshotai" and kimi.created > 1_700_000_000
+    assert kimi.model_extra is not None and kimi.model_extra["context_window"] > 0  # what a replica admits
+    async with client(harness) as c:
+        one = await c.models.retrieve(GLM)  # the id's slashes in the path
+        assert (
+            one.id == GLM
+            and one.owned_by == "zai-org"
+            and one.model_extra
+            == {
+                "context_window": next(m for m in models if m.id == GLM).model_extra["context_window"]  # type: ignore[index]
+            }
+        )
+        with pytest.raises(openai.NotFoundError):
+            await c.models.retrieve("@cf/nobody/nothing")
+    async with client(harness, token=harness.free_token, account=harness.free_account) as c:
+        free = [m.id async for m in c.models.list()]
+        for name in (KIMI, GLM):  # a model the list leaves out is not there to retrieve either
+            if name not in free:
+                with pytest.raises(openai.NotFoundError):
+                    await c.models.retrieve(name)
