@@ -55,6 +55,11 @@ COMPUTED_PROPERTIES = frozenset(
 MAX_NAME_SHOWN = 128  # characters of an unknown model name an error repeats
 
 
+def shown_name(name: str) -> str:
+    """A model name as an error repeats it: cut at `MAX_NAME_SHOWN` (not a 20 KB echo)."""
+    return name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "…"
+
+
 class CatalogError(Exception):
     """A catalog or pools file that cannot be used (raised at start, never per request)."""
 
@@ -117,14 +122,17 @@ class Catalog:
             authors.setdefault(model.author, AuthorOut(name=model.author, description=""))
         return cls(tasks=tuple(file.tasks), authors=tuple(authors.values()), models=tuple(models))
 
-    def get(self, name: str) -> ModelSpec:
+    def find(self, name: str) -> ModelSpec | None:
         """The entry for a model id (or one of its aliases: a retired id that Workers AI silently
-        serves with its successor), or 400/5007 as Workers AI answers an unknown one."""
-        for model in self.models:
-            if model.name == name or name in model.aliases:
-                return model
-        shown = name if len(name) <= MAX_NAME_SHOWN else name[:MAX_NAME_SHOWN] + "…"  # not a 20 KB echo
-        raise UnknownModel(f"No such model {shown} or task")
+        serves with its successor), or None."""
+        return next((m for m in self.models if m.name == name or name in m.aliases), None)
+
+    def get(self, name: str) -> ModelSpec:
+        """`find`, or 400/5007 as Workers AI answers an unknown model."""
+        model = self.find(name)
+        if model is None:
+            raise UnknownModel(f"No such model {shown_name(name)} or task")
+        return model
 
     def task(self, name: str) -> TaskSpec:
         return next(t for t in self.tasks if t.name == name)

@@ -68,15 +68,10 @@ def rendered(services: Services, request: Request, tenant: TenantContext | None 
         hide_experimental=_bool(request, "hide_experimental"),
     )
     return [
-        services.catalog.render(m, _card(services, m.pool))
+        services.catalog.render(m, services.router.card(m.pool))
         for m in models
         if tenant is None or tenant.can_use(m)
     ]
-
-
-def _card(services: Services, pool: str) -> Any:
-    p = services.router.pools.get(pool)
-    return p.card() if p else None
 
 
 async def models_search(request: Request) -> Response:

@@ -14,6 +14,7 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway import responses
 from gateway.body import decode
+from gateway.catalog import shown_name
 from gateway.errors import BadInput, NotFound
 from gateway.inference import Prompt, Stream
 from gateway.run import (
@@ -115,16 +116,14 @@ async def retrieve_model(request: Request) -> Response:
     services = services_of(request)
     tenant = await authenticate(services, request, account_of(request))
     name = request.path_params["model"]
-    model = next((m for m in services.catalog.models if m.name == name or name in m.aliases), None)
+    model = services.catalog.find(name)
     if model is None or not tenant.can_use(model):
-        shown = name if len(name) <= 200 else name[:200] + "…"
-        raise NotFound(f"No such model {shown}")
+        raise NotFound(f"No such model {shown_name(name)}")
     return Response(msgspec.json.encode(_model_out(services, model)), media_type="application/json")
 
 
 def _model_out(services: Services, m: ModelSpec) -> ModelOut:
-    pool = services.router.pools.get(m.pool)
-    card = pool.card() if pool is not None else None
+    card = services.router.card(m.pool)
     window = card.max_request_tokens if card is not None else msgspec.UNSET
     return ModelOut(id=m.name, created=_created(m.created_at), owned_by=m.author, context_window=window)
 

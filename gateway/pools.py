@@ -169,6 +169,11 @@ class Router:
             replica.is_healthy = False
             replica.card = None
 
+    def card(self, pool_name: str) -> ModelCard | None:
+        """What a servable replica of the pool reports (its context window, capabilities), or None."""
+        pool = self.pools.get(pool_name)
+        return pool.card() if pool is not None else None
+
     # ---- choice --------------------------------------------------------------------------------------
     def pool_for(self, model: ModelSpec) -> Pool:
         pool = self.pools.get(model.pool)

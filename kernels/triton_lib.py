@@ -14,10 +14,11 @@ The page-table bound every paged read keeps: a kernel walks at most `Mp * S` tok
 the page table's width (a runtime argument `num_cols`, never specialised; the DSA scores' `W`). A
 sequence longer than its row, a wrong reservation that no planner makes, then reads its own row's pages
 only, never the next row's or past the table (the CPU references raise on such a length). The bound is
-one integer minimum before the token loop. Flagging such a row inside the kernels held 4-17 more
-registers through the DSA, GQA and MLA loops on sm90 (the DSA scores' and FP8 GQA decode's occupancy
-fell), so it is flagged where the graphs stage a row's pages instead: a column past them expects
-`PAST_TAG`, which no page carries (`backend.engine.decode_graphs`), as eager steps' tables pad it.
+one integer minimum before the token loop. Such a row is not flagged: flagging it inside the kernels
+held 4-17 more registers through the DSA, GQA and MLA loops on sm90 (the DSA scores' and FP8 GQA
+decode's occupancy fell). Within the table, a read past a row's own pages is a tag fault: a column
+past them expects `PAST_TAG`, which no page carries (eager steps' tables pad with it, the graphs
+stage it: `backend.engine.decode_graphs`).
 
 INT4 decode dot products: one activation row against a K tile of packed checkpoint words, two
 instructions per weight.
