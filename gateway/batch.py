@@ -322,9 +322,12 @@ class BatchWorker:
                         )
                 except (SQLAlchemyError, OSError) as exc:
                     log.warning("batch_queue_unavailable", error=type(exc).__name__)
-                if job is None:  # woken by a submit, a job ending, or the poll interval
+                if job is None:  # woken by a submit, a job ending, or the poll interval; not
+                    # `wait_for`: on Python 3.11 it returns a wake-up that comes with a cancel and
+                    # drops the cancel (the worker polled on; its stop waited forever)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), settings.batch_poll_interval_s)
+                        async with asyncio.timeout(settings.batch_poll_interval_s):
+                            await self._wake.wait()
                     continue
                 task = asyncio.create_task(self._guarded(job), name=f"kumo-batch-{job.id}")
                 self._jobs[task] = job.tenant_id

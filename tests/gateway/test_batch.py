@@ -702,6 +702,31 @@ async def test_a_store_error_while_renewing_leaves_no_work_running_unowned(harne
         await services.batch.start(services)
 
 
+async def test_a_stop_that_comes_as_the_idle_worker_is_woken_stops_it(harness: Harness) -> None:
+    """A gateway stops just as its idle batch worker is woken (a job ending, a submit): the worker
+    stops. (Python 3.11's `wait_for` returned the wake-up and dropped the cancel: the worker polled
+    on, and the stop, which waits for it, waited forever; one CI run hung so.)"""
+    services = harness.services
+    await services.batch.stop()
+    try:
+        for turns in range(6):  # the cancel lands that many event-loop turns after the wake-up
+            worker = BatchWorker()
+            await worker.start(services)
+            await asyncio.sleep(0.3)  # the purge and the first claim done: idle, waiting to be woken
+            worker.wake()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            stopping = asyncio.create_task(worker.stop())
+            done, _ = await asyncio.wait({stopping}, timeout=5)
+            if not done:  # a second cancel ends the loop: the test fails rather than hangs
+                assert worker._task is not None
+                worker._task.cancel()
+                await asyncio.gather(stopping, return_exceptions=True)
+            assert done, f"the stop hung with its cancel {turns} turns after the wake-up"
+    finally:
+        await services.batch.start(services)
+
+
 def test_only_failures_another_attempt_would_meet_again_are_kept_as_answered() -> None:
     from gateway.batch import is_final
     from gateway.errors import BadInput, Busy, KumoError, OverTokenLimit, RateLimited, Timeout, Unavailable
