@@ -50,9 +50,9 @@ def parser() -> argparse.ArgumentParser:
     url.add_argument("--url", default=argparse.SUPPRESS, help="gateway URL")
     sub = p.add_subparsers(dest="command", required=True)
 
-    tenants = sub.add_parser("tenants", help="create, list, show, update, delete tenants").add_subparsers(
-        dest="action", required=True
-    )
+    tenants = sub.add_parser(
+        "tenants", help="create, list, show, update, suspend, resume, delete tenants"
+    ).add_subparsers(dest="action", required=True)
     t_list = tenants.add_parser("list", parents=[url])
     t_list.add_argument("--page", type=int, default=1)
     t_list.add_argument("--per-page", type=int, default=50)
@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
         choices=["free", "paid"],
         help="the plan; a change resets daily neurons to the plan's default (set it after with `quotas`)",
     )
+    tenants.add_parser(
+        "suspend", parents=[url], help="refuse the tenant's tokens (403) and hold its batch jobs"
+    ).add_argument("tenant_id")
+    tenants.add_parser("resume", parents=[url], help="undo a suspension").add_argument("tenant_id")
     tenants.add_parser("delete", parents=[url]).add_argument("tenant_id")
 
     tokens = sub.add_parser("tokens", help="create, list, revoke a tenant's tokens").add_subparsers(
@@ -122,6 +126,8 @@ def request_of(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | Non
         case "tenants", "update":
             body = {k: v for k, v in (("name", args.name), ("plan", args.plan)) if v is not None}
             return "PATCH", tenant, body, {}
+        case "tenants", "suspend" | "resume":
+            return "PATCH", tenant, {"suspended": args.action == "suspend"}, {}
         case "tenants", "delete":
             return "DELETE", tenant, None, {}
         case "tokens", "list":

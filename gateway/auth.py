@@ -3,10 +3,12 @@
 A tenant token resolves, through the store, to a `TenantContext`; the result is cached in this
 replica for `cache_seconds`, so a revoked token stops working everywhere within that window
 (and at once on the replica that revoked it, through `forget`). The cache keys on the token's
-SHA-256, never on the value. An entry past half its window is still served while a background
-read refreshes it, so a token in steady use never waits on the store (its round trip, a write of
-`last_used_at`, was the gateway's slowest step); none is served past the window. Admin tokens are checked against the store on every call: admin
-traffic is rare and its revocation must be immediate.
+SHA-256, never on the value. A suspension is read with the token, so it takes effect within the
+same window (at once on the replica that suspended). An entry past half its window is still
+served while a background read refreshes it, so a token in steady use never waits on the store
+(its round trip, a write of `last_used_at`, was the gateway's slowest step); none is served past
+the window. Admin tokens are checked against the store on every call: admin traffic is rare and
+its revocation must be immediate.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Literal
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.errors import Forbidden, OtherAccount, Unauthenticated, Unavailable
+from gateway.errors import Forbidden, OtherAccount, Suspended, Unauthenticated, Unavailable
 from gateway.store import Credential, Store, sha256_hex
 from schemas.admin import Quotas
 from schemas.catalog import ModelSpec
@@ -105,10 +107,12 @@ class Authenticator:
 
     async def authenticate(self, authorization: str | None, account_id: str) -> TenantContext:
         """The caller's tenant; 401 for a missing, unknown, revoked or expired token, 403 when the
-        path's `account_id` is another tenant's."""
+        path's `account_id` is another tenant's or the tenant is suspended."""
         credential = await self.credential(authorization)
         if credential.tenant.id != account_id:
             raise OtherAccount(AUTH_ERROR)
+        if credential.tenant.suspended_at is not None:
+            raise Suspended("This account is suspended; ask its administrator to resume it")
         return TenantContext.from_credential(credential)
 
     async def authenticate_admin(self, authorization: str | None) -> str:

@@ -377,6 +377,10 @@ class BatchWorker:
                         await _cancel(work)
                         return
                     progress.written(new)
+                    if await self.queue.is_suspended(job.tenant_id):  # it waits for the resume
+                        log.info("batch_held", request_id=job.id, reason="tenant_suspended")
+                        await self._hand_back(job, work, progress, is_attempt=False)
+                        return
         except BaseException:  # this gateway is stopping, or the store failed a renewal: no orphan
             await self._hand_back(job, work, progress)  # work left running unowned, billing twice
             raise
@@ -393,19 +397,23 @@ class BatchWorker:
         self.num_jobs_done += finished
         log.info("batch_done", request_id=job.id, stored=finished)
 
-    async def _hand_back(self, job: BatchJob, work: asyncio.Task[bytes], progress: Progress) -> None:
+    async def _hand_back(
+        self, job: BatchJob, work: asyncio.Task[bytes], progress: Progress, *, is_attempt: bool = True
+    ) -> None:
         """Cancel the job's requests in flight and hand it back with its answers. This runs to its
         end however often this task is cancelled meanwhile (a shutdown may cancel it twice: the
         worker's stop and the lifespan's, or uvicorn's timeout): cut short, it left the job leased and
         its answers unkept, to be run and billed again."""
-        await _outlast_cancels(asyncio.create_task(self._release(job, work, progress)))
+        await _outlast_cancels(asyncio.create_task(self._release(job, work, progress, is_attempt)))
 
-    async def _release(self, job: BatchJob, work: asyncio.Task[bytes], progress: Progress) -> None:
+    async def _release(
+        self, job: BatchJob, work: asyncio.Task[bytes], progress: Progress, is_attempt: bool
+    ) -> None:
         if not await _cancel(work):
             log.warning("batch_requests_outlived_cancel", request_id=job.id)
         try:
             async with asyncio.timeout(HAND_BACK_TIMEOUT_S):
-                await self.queue.release(job.id, self.worker_id, progress.unwritten())
+                await self.queue.release(job.id, self.worker_id, progress.unwritten(), is_attempt=is_attempt)
         except (SQLAlchemyError, OSError, TimeoutError) as exc:  # its lease runs out; it is retried
             log.warning("batch_release_failed", request_id=job.id, error=type(exc).__name__)
             return

@@ -9,6 +9,7 @@
     ├── Unauthenticated (401, 10000)
     ├── Forbidden (403, 9109)          a tenant token on an admin route, a model not allowed for the tenant
     │   ├── OtherAccount (403, 10000)  another account's path ("Authentication error", as observed)
+    │   ├── Suspended (403, 9109)      the token's account is suspended by an operator
     │   ├── PaidModelOnFreePlan (403, 5035)
     │   └── ModelNotAllowed (403, 5018)
     ├── NoRoute (404, 7003) / NotFound (404, 7000)
@@ -77,6 +78,10 @@ class OtherAccount(Forbidden):
     `Authentication error` (reference §3.1, observed), not 9109."""
 
     code = 10000
+
+
+class Suspended(Forbidden):
+    """The token is valid, its account suspended (`PATCH /admin/v1/tenants/{id}` `suspended`)."""
 
 
 class PaidModelOnFreePlan(Forbidden):

@@ -160,7 +160,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/admin/v1/tenants", "List tenants", "admin", result=list[Tenant], is_paged=True,
               security="admin", params=_page_params()),
     Operation("GET", T, "A tenant", "admin", result=Tenant, security="admin"),
-    Operation("PATCH", T, "Rename a tenant or change its plan", "admin", body=TenantPatch, result=Tenant, security="admin"),
+    Operation("PATCH", T, "Rename a tenant, change its plan, suspend or resume it", "admin", body=TenantPatch, result=Tenant, security="admin"),
     Operation("DELETE", T, "Delete a tenant (its tokens are revoked)", "admin", result=_ID, security="admin"),
     Operation("POST", f"{T}/tokens", "Create a token (its value is shown once)", "admin", body=TokenCreate,
               result=TokenCreated, security="admin", bad_request="`expires_at` in the past (6007)"),

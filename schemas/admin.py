@@ -89,10 +89,12 @@ class TenantCreate(AdminIn):
 
 
 class TenantPatch(AdminIn):
-    """Changing the plan resets `daily_neurons` to the new plan's default."""
+    """Changing the plan resets `daily_neurons` to the new plan's default. `suspended`: true
+    refuses the tenant's tokens (403) and holds its queued batch jobs; false resumes both."""
 
     name: Name | None = None
     plan: Plan | None = None
+    suspended: bool | None = None
 
 
 class Tenant(AdminOut):
@@ -102,6 +104,7 @@ class Tenant(AdminOut):
     created_at: dt.datetime
     quotas: Quotas
     models: Models
+    suspended_at: dt.datetime | None = None  # null: active
 
 
 # ---- tokens -------------------------------------------------------------------------------------------

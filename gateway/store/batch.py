@@ -29,7 +29,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from gateway.store.rows import now
-from gateway.store.tables import BatchAnswerRow, BatchJobRow
+from gateway.store.tables import BatchAnswerRow, BatchJobRow, TenantRow
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 
@@ -186,11 +186,16 @@ class BatchQueue:
         self, worker: str, lease_s: float, *, skip_tenants: Collection[str] = ()
     ) -> BatchJob | None:
         """Take the oldest job that is queued or whose lease has expired, or None; jobs of
-        `skip_tenants` (those the worker already runs one of) are left to wait their turn."""
+        `skip_tenants` (those the worker already runs one of) are left to wait their turn, and those
+        of a suspended tenant until it is resumed."""
         at = now()
-        takeable = or_(
-            BatchJobRow.status == QUEUED,
-            and_(BatchJobRow.status == RUNNING, BatchJobRow.lease_expires_at < at),
+        suspended = select(TenantRow.id).where(TenantRow.suspended_at.is_not(None))
+        takeable = and_(
+            or_(
+                BatchJobRow.status == QUEUED,
+                and_(BatchJobRow.status == RUNNING, BatchJobRow.lease_expires_at < at),
+            ),
+            BatchJobRow.tenant_id.not_in(suspended),
         )
         if skip_tenants:
             takeable = and_(takeable, BatchJobRow.tenant_id.not_in(list(skip_tenants)))
@@ -287,10 +292,16 @@ class BatchQueue:
             await s.execute(delete(BatchAnswerRow).where(BatchAnswerRow.job_id == job_id))
             return True
 
-    async def release(self, job_id: str, worker: str, answers: Sequence[KeptAnswer] = ()) -> None:
+    async def release(
+        self, job_id: str, worker: str, answers: Sequence[KeptAnswer] = (), *, is_attempt: bool = True
+    ) -> None:
         """Hand a job back to the queue (this gateway is stopping), keeping `answers` (those since
-        the last renewal): another gateway takes it at once, and runs only what is not kept."""
-        values = {"status": QUEUED, "claimed_by": None, "lease_expires_at": None}
+        the last renewal): another gateway takes it at once, and runs only what is not kept.
+        `is_attempt=False` (its tenant was suspended): the claim is not counted against the job's
+        attempts, so suspensions and resumes never fail it."""
+        values: dict[str, Any] = {"status": QUEUED, "claimed_by": None, "lease_expires_at": None}
+        if not is_attempt:
+            values["attempts"] = BatchJobRow.attempts - 1
         async with self._session() as s, s.begin():
             await self._update_owned(s, job_id, worker, values, answers)
 
@@ -320,6 +331,12 @@ class BatchQueue:
             ]
             await s.execute(insert(BatchAnswerRow).on_conflict_do_nothing(), rows)
         return True
+
+    async def is_suspended(self, tenant_id: str) -> bool:
+        """Whether the tenant is suspended (its running job is handed back to wait for the resume)."""
+        async with self._session() as s:
+            at = await s.scalar(select(TenantRow.suspended_at).where(TenantRow.id == tenant_id))
+            return at is not None
 
     async def purge(self) -> int:
         """Delete finished jobs past their retention; returns how many."""

@@ -63,6 +63,7 @@ def tenant_of(row: TenantRow) -> Tenant:
         created_at=row.created_at,
         quotas=quotas,
         models=Models(allow=row.allowed_models),
+        suspended_at=row.suspended_at,
     )
 
 

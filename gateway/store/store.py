@@ -148,6 +148,9 @@ class Store:
                 detail["plan"], row.plan = [row.plan, body.plan], body.plan
                 default = Quotas.for_plan(body.plan).daily_neurons
                 detail["daily_neurons"], row.daily_neurons = [row.daily_neurons, default], default
+            if body.suspended is not None and body.suspended != (row.suspended_at is not None):
+                detail["suspended"] = [not body.suspended, body.suspended]
+                row.suspended_at = now() if body.suspended else None
             audit(s, actor, request_id, "tenant.update", tenant_id, tenant_id, detail)
             return tenant_of(row)
 

@@ -59,6 +59,7 @@ class TenantRow(Table):
     plan: Mapped[str] = mapped_column(String(8))
     created_at: Mapped[dt.datetime] = mapped_column(UTC())
     deleted_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
+    suspended_at: Mapped[dt.datetime | None] = mapped_column(UTC(), nullable=True)
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     daily_neurons: Mapped[float | None] = mapped_column(Float, nullable=True)

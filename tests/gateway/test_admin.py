@@ -20,7 +20,7 @@ from gateway.admin import MAX_BODY_BYTES, admin_routes
 from gateway.app import render_error, render_http_error
 from gateway.auth import Authenticator
 from gateway.catalog import Catalog, load_catalog_file
-from gateway.errors import KumoError, Unauthenticated
+from gateway.errors import KumoError, OtherAccount, Suspended, Unauthenticated
 from gateway.store import Store
 from gateway.usage import UsageLedger
 from schemas.admin import UsageRecord
@@ -79,7 +79,7 @@ def error_of(r: httpx.Response) -> tuple[int, int, str]:
 
 async def test_create_and_read_a_tenant(admin: Admin) -> None:
     created = await admin.tenant("acme", "free")
-    assert set(created) == {"id", "name", "plan", "created_at", "quotas", "models"}
+    assert set(created) == {"id", "name", "plan", "created_at", "quotas", "models", "suspended_at"}
     assert len(created["id"]) == 32 and created["created_at"].endswith("Z")
     assert created["quotas"] == {
         "requests_per_minute": None,
@@ -198,6 +198,41 @@ async def test_tokens_are_shown_once_and_revoked_at_once(admin: Admin) -> None:
     for body in ({"name": "k", "expires_at": past}, {"name": "k", "expires_at": "2099-01-01T00:00:00"}, {},
                  {"name": "nul\u0000"}):  # fmt: skip
         assert error_of(await admin.call("POST", path, body))[:2] == (400, 6007)
+
+
+async def test_a_suspended_tenants_tokens_are_refused_until_it_is_resumed(admin: Admin) -> None:
+    """Suspending refuses every token of the tenant with a 403 that says why (at once on this
+    replica), leaves other tenants alone, keeps the tokens, and is audited; resuming undoes it."""
+    tenant, bystander = await admin.tenant("paused", "paid"), await admin.tenant("bystander", "paid")
+    path = f"/tenants/{tenant['id']}"
+    created = await admin.ok("POST", f"{path}/tokens", {"name": "k"})
+    theirs = await admin.ok("POST", f"/tenants/{bystander['id']}/tokens", {"name": "k"})
+    auth = admin.services.authenticator
+    await auth.authenticate(f"Bearer {created['value']}", tenant["id"])  # cached
+    assert tenant["suspended_at"] is None
+
+    suspended = await admin.ok("PATCH", path, {"suspended": True})
+    assert suspended["suspended_at"] is not None and (await admin.ok("GET", path)) == suspended
+    with pytest.raises(Suspended) as refused:
+        await auth.authenticate(f"Bearer {created['value']}", tenant["id"])
+    assert (refused.value.status, refused.value.code) == (403, 9109)
+    assert "suspended" in refused.value.message
+    with pytest.raises(OtherAccount):  # another account's path is still "Authentication error"
+        await auth.authenticate(f"Bearer {created['value']}", bystander["id"])
+    await auth.authenticate(f"Bearer {theirs['value']}", bystander["id"])
+    assert (await admin.ok("PATCH", path, {"suspended": True}))["suspended_at"] == suspended["suspended_at"]
+    assert [t["revoked_at"] for t in await admin.ok("GET", f"{path}/tokens")] == [None]
+
+    assert (await admin.ok("PATCH", path, {"suspended": False}))["suspended_at"] is None
+    ctx = await auth.authenticate(f"Bearer {created['value']}", tenant["id"])
+    assert ctx.token_id == created["id"]
+    assert error_of(await admin.call("PATCH", path, {"suspended": "yes"}))[:2] == (400, 6007)
+    details = [
+        e["detail"]
+        for e in await admin.ok("GET", "/audit", params={"tenant_id": tenant["id"]})
+        if e["action"] == "tenant.update"
+    ]
+    assert details == [{"suspended": [True, False]}, {}, {"suspended": [False, True]}]
 
 
 async def test_deleting_a_tenant_revokes_its_tokens(admin: Admin) -> None:

@@ -90,6 +90,8 @@ def test_a_tenants_whole_life_from_the_shell(url: str, capsys: pytest.CaptureFix
     assert run(url, capsys, "tenants", "show", tid)[1] == tenant
     assert tid in [t["id"] for t in run(url, capsys, "tenants", "list", "--per-page", "100")[1]]
     assert run(url, capsys, "tenants", "update", tid, "--plan", "paid")[1]["plan"] == "paid"
+    assert run(url, capsys, "tenants", "suspend", tid)[1]["suspended_at"] is not None
+    assert run(url, capsys, "tenants", "resume", tid)[1]["suspended_at"] is None
 
     code, token, _ = run(
         url, capsys, "tokens", "create", tid, "laptop", "--expires-at", "2099-01-01T00:00:00Z"
@@ -117,7 +119,7 @@ def test_a_tenants_whole_life_from_the_shell(url: str, capsys: pytest.CaptureFix
     assert run(url, capsys, "usage", tid, "--group-by", "model", "--since", "2026-01-01")[1] == []
 
     actions = [e["action"] for e in run(url, capsys, "audit", "--tenant-id", tid)[1]]
-    assert actions[0] == "tenant.models" and actions[-1] == "tenant.create" and len(actions) == 9
+    assert actions[0] == "tenant.models" and actions[-1] == "tenant.create" and len(actions) == 11
 
     assert run(url, capsys, "tenants", "delete", tid)[1] == {"id": tid}
     code, _, err = run(url, capsys, "tenants", "show", tid)

@@ -24,19 +24,27 @@ from gateway.store import Store
 from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue, KeptAnswer, Refused
 from gateway.store.migrate import alembic_config
 from gateway.store.tables import BatchAnswerRow, BatchJobRow
-from schemas.admin import Quotas
+from schemas.admin import Quotas, TenantPatch
 
 
 async def wait_done(
-    harness: Harness, model: str, job_id: str, timeout_s: float = 20, *, envelope: bool = False
+    harness: Harness,
+    model: str,
+    job_id: str,
+    timeout_s: float = 20,
+    *,
+    envelope: bool = False,
+    account: str | None = None,
+    token: str | None = None,
 ) -> dict:  # type: ignore[type-arg]
-    """Poll until done, on `/ai/run/{model}` or (`envelope`) on `/ai/run` with `{model, input}`."""
+    """Poll until done, on `/ai/run/{model}` or (`envelope`) on `/ai/run` with `{model, input}`, as
+    the harness's tenant or `account` with its `token`."""
     seen = set()
     poll = {"request_id": job_id}
     for _ in range(int(timeout_s / 0.05)):
         r = await harness.http.post(
-            harness.path("/ai/run" if envelope else f"/ai/run/{model}"),
-            headers=harness.auth(),
+            harness.path("/ai/run" if envelope else f"/ai/run/{model}", account),
+            headers=harness.auth(token),
             json={"model": model, "input": poll} if envelope else poll,
         )
         assert r.status_code == 200, r.text
@@ -725,6 +733,73 @@ async def test_a_stop_that_comes_as_the_idle_worker_is_woken_stops_it(harness: H
             assert done, f"the stop hung with its cancel {turns} turns after the wake-up"
     finally:
         await services.batch.start(services)
+
+
+async def test_a_suspended_tenants_job_waits_for_its_resume(harness: Harness) -> None:
+    """An operator suspends a tenant while its job runs: the job is handed back within a third of
+    its lease, its answers kept and the claim not counted as an attempt (suspensions never fail a
+    job), and it is not taken again while the tenant stays suspended (its poll is a 403); once the
+    tenant is resumed, the job runs to the end."""
+    services = harness.services
+    tenant_id, token = await _tenant(services, "held", "paid")
+    await services.batch.stop()
+    settings = services.settings
+    services.settings = dataclasses.replace(settings, batch_lease_s=0.6)
+    other = BatchWorker()
+    try:
+        body = {
+            "requests": [
+                {"messages": [{"role": "user", "content": "slow"}], "external_reference": str(i)}
+                for i in range(2)
+            ]
+        }
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}?queueRequest=true", tenant_id),
+            headers=harness.auth(token),
+            json=body,
+        )
+        job_id = r.json()["result"]["request_id"]
+        await other.start(services)
+        for _ in range(100):
+            job = await services.batch.queue.get(job_id, tenant_id)
+            if job is not None and job.status == RUNNING:
+                break
+            await asyncio.sleep(0.05)
+        assert job is not None and job.status == RUNNING and job.attempts == 1
+        await asyncio.sleep(0.3)  # its requests are under way (~1.8 s each)
+        suspended = await services.store.update_tenant(tenant_id, TenantPatch(suspended=True), actor="test")
+        assert suspended.suspended_at is not None
+        for _ in range(40):
+            job = await services.batch.queue.get(job_id, tenant_id)
+            if job is not None and job.status == QUEUED:
+                break
+            await asyncio.sleep(0.05)
+        assert job is not None and job.status == QUEUED and job.attempts == 0
+        other.wake()
+        await asyncio.sleep(1.0)  # polls and wake-ups: the job is not taken
+        job = await services.batch.queue.get(job_id, tenant_id)
+        assert job is not None and job.status == QUEUED and job.attempts == 0 and not other._jobs
+        services.authenticator.forget(tenant_id=tenant_id)
+        r = await harness.http.post(
+            harness.path(f"/ai/run/{GLM}", tenant_id),
+            headers=harness.auth(token),
+            json={"request_id": job_id},
+        )
+        assert r.status_code == 403 and r.json()["errors"][0]["code"] == 9109, r.text
+        assert "suspended" in r.json()["errors"][0]["message"]
+
+        await services.store.update_tenant(tenant_id, TenantPatch(suspended=False), actor="test")
+        services.authenticator.forget(tenant_id=tenant_id)
+        other.wake()
+        result = await wait_done(harness, GLM, job_id, account=tenant_id, token=token)
+    finally:
+        await other.stop()
+        services.settings = settings
+        await services.batch.start(services)
+    assert [x["external_reference"] for x in result["responses"]] == ["0", "1"]
+    assert all(x["success"] for x in result["responses"])
+    job = await services.batch.queue.get(job_id, tenant_id)
+    assert job is not None and job.attempts == 1
 
 
 def test_only_failures_another_attempt_would_meet_again_are_kept_as_answered() -> None:

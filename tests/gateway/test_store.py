@@ -34,7 +34,7 @@ async def test_migrations_build_exactly_the_tables_the_code_uses(store: Store) -
     async with store.engine.connect() as connection:
         assert await connection.run_sync(_diff) == []
         version = (await connection.execute(text("SELECT version_num FROM alembic_version"))).scalar_one()
-    assert version == "0007"
+    assert version == "0008"
 
 
 async def test_tenant_lifecycle(store: Store) -> None:
