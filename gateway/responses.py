@@ -8,6 +8,8 @@ Response: a `reasoning` item, a `message` item, one `function_call` item per cal
 call's neurons. Streams are the chat chunks re-read as Responses events (`response.created`, item
 and part added / delta / done, `response.completed` or `response.incomplete`). Nothing is stored:
 `store` is answered `false`; `previous_response_id` is refused, the conversation travels whole.
+`include: ["message.output_text.logprobs"]` (or `top_logprobs`) puts the answer's token logprobs
+on its `output_text` and on each text delta, as chat completions' `logprobs` would.
 """
 
 from __future__ import annotations
@@ -26,9 +28,24 @@ from gateway.inference import Answer, Stream
 from gateway.usage import neurons
 from schemas import responses as r
 from schemas.catalog import ModelSpec
-from schemas.openai import ChatCompletion, ChatCompletionRequest, ChunkChoice, CompletionUsage
+from schemas.openai import ChatCompletion, ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, CompletionUsage
 
 _FINISHED_AT_LIMIT = "length"
+LOGPROBS = "message.output_text.logprobs"
+# the `include` values OpenAI defines; only LOGPROBS has something here to add (no built-in tools,
+# no stored images, reasoning in the clear), the others are accepted and add nothing
+KNOWN_INCLUDES = frozenset(
+    {
+        LOGPROBS,
+        "reasoning.encrypted_content",
+        "message.input_image.image_url",
+        "file_search_call.results",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "computer_call_output.output.image_url",
+        "code_interpreter_call.outputs",
+    }
+)
 Status = Literal["completed", "incomplete"]
 
 
@@ -79,6 +96,14 @@ def to_chat(body: r.ResponsesRequest) -> ChatCompletionRequest:
     ):
         if getattr(body, src) is not None:
             chat[dst] = getattr(body, src)
+    for i, name in enumerate(body.include or []):
+        if name not in KNOWN_INCLUDES:
+            raise BadInput(
+                f"Bad input: $.include[{i}]: unknown value {name!r}; one of {sorted(KNOWN_INCLUDES)}"
+            )
+    if LOGPROBS in (body.include or []) or body.top_logprobs is not None:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body.top_logprobs or 0
     if body.stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
@@ -269,9 +294,9 @@ def response_of(answer: Answer, model: ModelSpec, echo: Echo, id: str) -> r.Resp
             r.ReasoningItem(id=_item_id("rs"), content=[r.ReasoningText(text=message.reasoning_content)])
         )
     if message.content:
-        output.append(
-            r.MessageItem(id=_item_id("msg"), status=status, content=[r.OutputText(text=message.content)])
-        )
+        logprobs = _logprobs(choice.logprobs)
+        text = r.OutputText(text=message.content, logprobs=logprobs)
+        output.append(r.MessageItem(id=_item_id("msg"), status=status, content=[text]))
     for call in message.tool_calls or []:
         output.append(
             r.FunctionCallItem(
@@ -281,6 +306,11 @@ def response_of(answer: Answer, model: ModelSpec, echo: Echo, id: str) -> r.Resp
         )  # fmt: skip
     usage = _usage(completion.usage, model)
     return _response(id, completion.created, model, echo, output, status=status, finish=finish, usage=usage)
+
+
+def _logprobs(logprobs: ChoiceLogprobs | None) -> list[Any]:
+    """A chat choice's (or chunk's) content logprobs as an `output_text`'s: the same entries."""
+    return msgspec.to_builtins(logprobs.content or []) if logprobs is not None else []
 
 
 class _Frame(msgspec.Struct):
@@ -301,6 +331,7 @@ class _Open:
     index: int
     item: r.OutputItem
     text: str = ""
+    logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -333,8 +364,9 @@ class EventWriter:
             self.event("response.in_progress", response=self.snapshot("in_progress")),
         ]
 
-    def text(self, kind: str, delta: str) -> list[bytes]:
-        """Reasoning or answer text: opens its item (closing another) on the first piece."""
+    def text(self, kind: str, delta: str, logprobs: list[Any] | None = None) -> list[bytes]:
+        """Reasoning or answer text (the answer's with its tokens' `logprobs`): opens its item
+        (closing another) on the first piece."""
         events: list[bytes] = []
         is_reasoning = kind == "reasoning"
         if self.open is None or isinstance(self.open.item, r.ReasoningItem) != is_reasoning:
@@ -350,8 +382,9 @@ class EventWriter:
             if not is_reasoning:
                 events.append(self._part("response.content_part.added", r.OutputText(text="")))
         self.open.text += delta
+        self.open.logprobs += logprobs or []
         name = "response.reasoning_text.delta" if is_reasoning else "response.output_text.delta"
-        extra: dict[str, Any] = {} if is_reasoning else {"logprobs": []}
+        extra: dict[str, Any] = {} if is_reasoning else {"logprobs": logprobs or []}
         events.append(
             self.event(name, item_id=self.open.item.id, output_index=self.open.index, content_index=0,
                        delta=delta, **extra)
@@ -377,10 +410,10 @@ class EventWriter:
             events.append(self.event("response.reasoning_text.done", item_id=done.id,
                                      output_index=opened.index, content_index=0, text=opened.text))  # fmt: skip
         else:
-            part = r.OutputText(text=opened.text)
+            part = r.OutputText(text=opened.text, logprobs=opened.logprobs)
             done = r.MessageItem(id=opened.item.id, status=status, content=[part])
             events.append(self.event("response.output_text.done", item_id=done.id, output_index=opened.index,
-                                     content_index=0, text=opened.text, logprobs=[]))  # fmt: skip
+                                     content_index=0, text=opened.text, logprobs=opened.logprobs))  # fmt: skip
             self.open = opened
             events.append(self._part("response.content_part.done", part))
             self.open = None
@@ -432,8 +465,10 @@ async def events_of(stream: Stream, model: ModelSpec, echo: Echo, id: str) -> As
             pieces: list[bytes] = []
             if isinstance(delta.reasoning_content, str) and delta.reasoning_content:
                 pieces += writer.text("reasoning", delta.reasoning_content)
-            if isinstance(delta.content, str) and delta.content:
-                pieces += writer.text("message", delta.content)
+            logprobs = _logprobs(choice.logprobs)
+            if isinstance(delta.content, str) and (delta.content or logprobs):
+                # a token's logprobs may follow its text, in a chunk of their own
+                pieces += writer.text("message", delta.content, logprobs)
             if delta.tool_calls is not UNSET:
                 for call in delta.tool_calls:
                     pieces += writer.call(call.index, call.id, call.function.name, call.function.arguments)

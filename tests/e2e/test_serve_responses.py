@@ -118,3 +118,39 @@ def test_stored_state_is_refused_with_a_clear_400(kumo: Kumo) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         sdk_client(kumo).responses.create(model=GLM, input="Hi", previous_response_id="resp_123")
     assert "not stored" in json.dumps(info.value.body)
+
+
+@pytest.mark.parametrize("model", [GLM, KIMI])
+def test_logprobs_come_on_the_output_text_and_its_deltas(kumo: Kumo, model: str) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: each answer token's logprob
+    and its alternatives, the tokens' bytes joining to the text, the same (greedy) on chat
+    completions and on a stream's deltas; without the include, none (it was accepted and dropped)."""
+    api = sdk_client(kumo)
+    ask: dict[str, Any] = dict(model=model, input="Hello there", max_output_tokens=12, temperature=0,
+                               reasoning={"effort": "none"})  # fmt: skip
+    answer = api.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)
+    [message] = [o for o in answer.output if o.type == "message"]
+    part = message.content[0]
+    assert part.type == "output_text" and part.logprobs
+    assert b"".join(bytes(t.bytes) for t in part.logprobs).decode() == part.text
+    assert all(t.logprob <= 0 and 1 <= len(t.top_logprobs) <= 2 for t in part.logprobs)
+    chat = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello there"}], max_completion_tokens=12,
+        temperature=0, reasoning_effort="none", logprobs=True, top_logprobs=2,
+    )  # type: ignore[call-overload]  # fmt: skip
+    assert chat.choices[0].message.content == part.text
+    expected = [(t.token, round(t.logprob, 3)) for t in chat.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 3)) for t in part.logprobs] == expected
+
+    events = list(api.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2,
+                                       stream=True))  # fmt: skip
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]  # type: ignore[union-attr]
+    assert [(t.token, round(t.logprob, 3)) for t in streamed] == expected
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [t.token for t in done.logprobs or []] == [t for t, _ in expected]  # type: ignore[union-attr]
+
+    plain = api.responses.create(**ask)
+    assert all(not p.logprobs for o in plain.output if o.type == "message" for p in o.content)
+    with pytest.raises(openai.BadRequestError) as info:
+        api.responses.create(**ask, include=["message.output_text.nonsense"])  # type: ignore[list-item]
+    assert "include[0]" in json.dumps(info.value.body)
