@@ -47,6 +47,10 @@ from schemas.backend import (
     TextPart,
 )
 
+# a text this short over the window is tokenized before it is refused (a millisecond or so): the
+# refusal names its real count, as one just over by its tokens does, not the characters' lower bound
+EXACT_REFUSAL_CHARS = 65_536
+
 
 class GenerationEngine(Protocol):
     """What serving needs of the engine (`backend.engine.async_engine.AsyncEngine`)."""
@@ -109,10 +113,11 @@ class Serving:
         # a constrained answer starts at the first token: the template must not open a reasoning block
         reasoning = Reasoning(enabled=False) if grammar is not None else request.reasoning
         # a text over the window by its length alone is refused untokenized (a 9 MB prompt took 7-32
-        # s to refuse after tokenizing)
+        # s to refuse after tokenizing); a short one is counted, so its refusal names its tokens
         per_token = self._max_raw_token_chars if request.raw else self._max_token_chars
-        at_least = -(-_text_chars(request) // per_token) + request.sampling.max_tokens
-        if at_least > self.max_request_tokens:
+        num_chars = _text_chars(request)
+        at_least = -(-num_chars // per_token) + request.sampling.max_tokens
+        if at_least > self.max_request_tokens and num_chars > EXACT_REFUSAL_CHARS:
             raise ContextWindowExceeded(at_least, self.max_request_tokens)
         token_ids, images = self._prompt(request, reasoning)
         spans: list[ImageSpan] = []

@@ -16,6 +16,7 @@ import pytest
 from starlette.applications import Starlette
 
 from backend.errors import Busy, ContextWindowExceeded
+from backend.server import generation
 from backend.server.app import Backend, create_app
 from backend.server.app import main as server_main
 from backend.server.generation import Serving
@@ -779,6 +780,12 @@ def test_a_prompt_over_the_window_by_its_length_is_refused_untokenized(
             messages=[Message(role="user", content=text)],
         )
 
+    # a short text is counted: its refusal names its tokens, the same as one just over by them
+    with pytest.raises(ContextWindowExceeded) as info:
+        serving.prepare(msgspec.structs.replace(chat("Hello"), sampling=SamplingParams(max_tokens=600)))
+    counted = info.value.num_requested - 600
+    assert counted == len(serving.prepare(chat("Hello")).engine_request.prompt_token_ids) > 1
+    monkeypatch.setattr(generation, "EXACT_REFUSAL_CHARS", 0)  # the bound alone, from here on
     tokenized = tok.encode_many
     monkeypatch.setattr(tok, "encode_many", lambda texts: pytest.fail("tokenized"))
     with pytest.raises(ContextWindowExceeded) as info:
