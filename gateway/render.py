@@ -161,11 +161,8 @@ class Totals:
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
-            completion_tokens_details=(
-                o.CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens)
-                if self.reasoning_tokens
-                else UNSET
-            ),
+            # always, 0 too, as OpenAI does (and as the Responses API's usage says)
+            completion_tokens_details=o.CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens),
         )
 
 

@@ -36,6 +36,9 @@ async def test_chat_completion_inside_the_envelope(harness: Harness) -> None:
     assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
     assert result["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}  # "Let me think." in 5
     assert harness.last.sampling.max_tokens == 64
+    # no reasoning: the details still come, with 0 (as OpenAI sends them; they were left out)
+    r = await post(harness, {"messages": msgs("hi"), "max_completion_tokens": 64})
+    assert r.json()["result"]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 async def test_model_id_with_encoded_slashes_and_the_model_envelope(harness: Harness) -> None:
