@@ -148,11 +148,15 @@ class UsageRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class UsageGroup(AdminOut):
-    """One group of `GET .../usage`: `day` (YYYY-MM-DD) or `model`, whichever was grouped by."""
+    """One group of `GET .../usage`: `day` (YYYY-MM-DD) or `model`, whichever was grouped by.
+    `requests` counts every request admitted past the rate limits, `failed_requests` those of them
+    that ended in an error (a backend's refusal, a cut stream: billed what they computed, often
+    nothing); a request refused before admission (a malformed body, a 429) is not counted."""
 
     day: str | None = None
     model: str | None = None
     requests: int = 0
+    failed_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.store.tables import AuditRow, UsageRow
@@ -42,6 +42,7 @@ async def usage_groups(
         select(
             key,
             func.count(),
+            func.sum(case((UsageRow.status >= 400, 1), else_=0)),
             func.sum(UsageRow.prompt_tokens),
             func.sum(UsageRow.cached_tokens),
             func.sum(UsageRow.completion_tokens),
@@ -57,12 +58,13 @@ async def usage_groups(
             day=k.isoformat() if group_by == "day" else None,
             model=str(k) if group_by == "model" else None,
             requests=int(n),
+            failed_requests=int(f),
             prompt_tokens=int(p),
             cached_tokens=int(c),
             completion_tokens=int(o),
             neurons=float(x),
         )
-        for k, n, p, c, o, x in rows
+        for k, n, f, p, c, o, x in rows
     ]
 
 

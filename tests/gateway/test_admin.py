@@ -305,22 +305,22 @@ async def test_usage_by_day_and_model_through_the_ledger(admin: Admin) -> None:
         ledger.record(
             UsageRecord(
                 tenant_id=tid, model=model, request_id=f"r{i}", prompt_tokens=p, cached_tokens=c,
-                completion_tokens=o, neurons=n, at=at,
+                completion_tokens=o, neurons=n, at=at, status=499 if i == 1 else 200,
             )
         )  # fmt: skip
     await ledger.stop()
     june = {"since": "2026-06-01", "until": "2026-06-30"}
     by_day = await admin.ok("GET", f"/tenants/{tid}/usage", params={**june, "group_by": "day"})
     assert by_day == [
-        {"day": "2026-06-01", "model": None, "requests": 2, "prompt_tokens": 105, "cached_tokens": 20,
-         "completion_tokens": 15, "neurons": 1.25},
-        {"day": "2026-06-02", "model": None, "requests": 1, "prompt_tokens": 50, "cached_tokens": 0,
-         "completion_tokens": 50, "neurons": 2.0},
+        {"day": "2026-06-01", "model": None, "requests": 2, "failed_requests": 1, "prompt_tokens": 105,
+         "cached_tokens": 20, "completion_tokens": 15, "neurons": 1.25},
+        {"day": "2026-06-02", "model": None, "requests": 1, "failed_requests": 0, "prompt_tokens": 50,
+         "cached_tokens": 0, "completion_tokens": 50, "neurons": 2.0},
     ]  # fmt: skip
     by_model = await admin.ok("GET", f"/tenants/{tid}/usage", params={**june, "group_by": "model"})
-    assert [(r["model"], r["requests"], r["neurons"]) for r in by_model] == [
-        ("@cf/a", 2, 3.0),
-        ("@cf/b", 1, 0.25),
+    assert [(r["model"], r["requests"], r["failed_requests"], r["neurons"]) for r in by_model] == [
+        ("@cf/a", 2, 0, 3.0),
+        ("@cf/b", 1, 1, 0.25),
     ]
     one_day = await admin.ok(
         "GET", f"/tenants/{tid}/usage", params={"since": "2026-06-02", "until": "2026-06-02"}
