@@ -339,7 +339,7 @@ class _Call:
         done: list[render.Completion],
     ) -> AsyncIterator[bytes]:
         status = 200
-        merged = merge(streams)
+        merged = merge(streams, done)
         price = self.model.price
         neurons_of = lambda t: neurons(price, t.prompt_tokens, t.cached_tokens, t.completion_tokens)  # noqa: E731
         openai_family = self.surface == "openai" or self.model.family == "openai"
@@ -459,30 +459,57 @@ class ChoiceEvents:
         await self._events.aclose()
 
 
-async def merge(streams: list[ChoiceEvents]) -> AsyncGenerator[tuple[int, b.Event], None]:
+# events a stream's client has not taken yet, at most (an event and each of its logprobs' entries a
+# unit, the alternatives included): ~5 MB of them; past it the client is too far behind
+MAX_UNREAD_UNITS = 32_768
+
+
+class TooSlow(Aborted):
+    """The client stopped taking its stream while the backend went on: the stream was cut."""
+
+
+def _units(event: b.Event) -> int:
+    if isinstance(event, b.TextDelta) and event.logprobs:
+        return 1 + sum(1 + len(t.top) for t in event.logprobs)
+    return 1
+
+
+async def merge(
+    streams: list[ChoiceEvents], done: list[render.Completion], *, max_unread: int = MAX_UNREAD_UNITS
+) -> AsyncGenerator[tuple[int, b.Event], None]:
     """Interleave the choices' event streams as they arrive, tagging each event with its index.
-    Closing the merged stream cancels every producer (closing their backend connections)."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for event in only:
-                yield 0, event
-        return
-    queue: asyncio.Queue[tuple[int, b.Event | BaseException | None]] = asyncio.Queue()
+    Each is read as fast as its backend sends it, whatever the pace of the client, and noted as
+    read on its `done` completion: a stream cut later is billed what the engine computed, not what
+    the client took (a client that stopped reading, but stayed, once left the engine generating to
+    `max_tokens` with only what it had taken billed). What the client has not taken is bounded
+    (`max_unread` units): past it the backends are closed (the engine stops) and, once the events
+    before are taken, the stream ends with `TooSlow`. Closing the merged stream cancels every
+    producer (closing their backend connections)."""
+    queue: asyncio.Queue[tuple[int, b.Event | BaseException | None, int]] = asyncio.Queue()
+    unread = 0
 
     async def pump(i: int, stream: ChoiceEvents) -> None:
+        nonlocal unread
         try:
-            async for event in stream:
-                await queue.put((i, event))
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    done[i].note_read(event)
+                    units = _units(event)
+                    unread += units
+                    queue.put_nowait((i, event, units))
+                    if unread > max_unread:
+                        raise TooSlow("The client took the stream too slowly: it was cut")
         except Exception as exc:
-            await queue.put((i, exc))
+            queue.put_nowait((i, exc, 0))
         finally:
-            await queue.put((i, None))
+            queue.put_nowait((i, None, 0))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
+            i, item, units = await queue.get()
+            unread -= units
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):

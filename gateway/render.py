@@ -69,6 +69,16 @@ class Completion:
     # it (`backend_client.Dispatch`)
     is_started: bool = False
     num_pieces: int = 0  # delta events fed: each carries at least one generated token
+    # a stream's events as read from the backend, ahead of the client (`inference.merge`)
+    num_read: int = 0  # delta events
+    usage_read: b.Usage | None = None
+
+    def note_read(self, event: b.Event) -> None:
+        """An event read from the backend, not yet fed (the client has not taken it)."""
+        if isinstance(event, b.TextDelta | b.ReasoningDelta | b.ToolCallDelta):
+            self.num_read += 1
+        elif isinstance(event, b.Usage):
+            self.usage_read = event
 
     def feed(self, event: b.Event) -> None:
         if isinstance(event, b.TextDelta | b.ReasoningDelta | b.ToolCallDelta):
@@ -101,12 +111,15 @@ class Completion:
         that ending a stream early never makes it free.
         Cut before its first event, it is billed the prompt if a replica held it then: a backend
         says nothing until its prompt is in, and the pages it prefilled stay in the tenant's prefix
-        cache, so a deadline set just short of the first event must not buy the prefill for free."""
-        if self.usage is not None:
-            return self.usage
+        cache, so a deadline set just short of the first event must not buy the prefill for free.
+        A stream's pieces count as delivered once read from the backend (`note_read`), ahead of the
+        client, and its usage once read: the client's pace does not change the bill."""
+        usage = self.usage if self.usage is not None else self.usage_read
+        if usage is not None:
+            return usage
         if not self.is_started:  # refused, never routed, or cut before a replica had it: no work done
             return b.Usage(prompt_tokens=0, completion_tokens=0)
-        completion_tokens = max(self.num_pieces, len(self.logprobs))
+        completion_tokens = max(self.num_pieces, self.num_read, len(self.logprobs))
         if self.started is not None:
             s = self.started
             return b.Usage(

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections.abc import AsyncGenerator
 
+import pytest
 from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
+
+from gateway import render
+from gateway.inference import ChoiceEvents, TooSlow, merge
+from schemas import backend as b
 
 
 async def usage_by_model(h: Harness, account: str) -> dict[str, tuple[int, int]]:
@@ -168,3 +174,58 @@ async def test_a_client_that_leaves_a_non_streaming_request_stops_it(harness: Ha
     assert asyncio.get_running_loop().time() - left < 0.5  # closed when the client left, not at the end
     after = await usage_by_model(harness, harness.account)
     assert after[GLM][0] == before.get(GLM, (0, 0))[0] + 1
+
+
+def backend_events(num: int, *, ends: bool, closed: list[bool]) -> ChoiceEvents:
+    """A choice whose backend sends `num` deltas at once, then (`ends`) its finish and usage, or
+    nothing more; `closed` notes when the gateway closes it (the engine aborts the request)."""
+
+    async def events() -> AsyncGenerator[tuple[str, b.Event], None]:
+        try:
+            for i in range(1, num):
+                yield "replica", b.TextDelta(text=f"t{i}")
+            if ends:
+                yield "replica", b.Finish(reason="length")
+                yield "replica", b.Usage(prompt_tokens=5, completion_tokens=num)
+                return
+            await asyncio.Event().wait()  # generating on, slowly
+        finally:
+            closed.append(True)
+
+    return ChoiceEvents(b.TextDelta(text="t0"), events())
+
+
+async def test_a_client_that_stops_taking_its_stream_is_billed_what_the_backend_sent() -> None:
+    """The client takes two events of a stream and stops reading (staying connected): the backend's
+    events are read on regardless, so the stream, cut later, is billed what the engine computed
+    (once billed what the client took: a long answer went mostly free)."""
+    for ends in (True, False):
+        closed: list[bool] = []
+        done = [render.Completion(is_started=True)]
+        merged = merge([backend_events(40, ends=ends, closed=closed)], done)
+        taken = [await anext(merged), await anext(merged)]
+        for event in (e for _, e in taken):
+            done[0].feed(event)
+        await asyncio.sleep(0.05)  # the client reads nothing meanwhile
+        await merged.aclose()
+        assert closed == [True] and done[0].num_pieces == 2
+        assert done[0].consumed(prompt_tokens=5).completion_tokens == 40, ends
+
+
+async def test_a_client_too_far_behind_has_its_stream_cut() -> None:
+    """Past `max_unread` events not taken, the backend is closed (the engine stops generating for a
+    client that reads nothing), the events read stay the client's, then the stream ends TooSlow;
+    all of them are billed."""
+    closed: list[bool] = []
+    done = [render.Completion(is_started=True)]
+    merged = merge([backend_events(10_000, ends=False, closed=closed)], done, max_unread=16)
+    first = await anext(merged)
+    await asyncio.sleep(0.05)
+    assert closed == [True]
+    rest = []
+    with pytest.raises(TooSlow):
+        async for item in merged:
+            rest.append(item)
+    assert [e.text for _, e in [first, *rest]] == [f"t{i}" for i in range(17)]  # type: ignore[union-attr]
+    assert done[0].consumed(prompt_tokens=5).completion_tokens == 17
+    assert (TooSlow.status, TooSlow.code) == (408, 3008)
