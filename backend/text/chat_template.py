@@ -42,13 +42,36 @@ from backend.text.jinja_sandbox import JinjaTemplate, template_source
 from backend.text.tokenizer import Tokenizer
 from schemas.backend import ImagePart, Message, Reasoning, TextPart, Tool
 
+MAX_ARGUMENTS_DEPTH = 64  # a tool call's arguments in history, nested at most so deep
+
 
 def _arguments(text: str) -> Any:
-    """Tool-call arguments as templates expect them (a mapping); text that is not JSON stays text."""
+    """Tool-call arguments as templates expect them (a mapping); text that is not JSON stays text.
+    Nested past `MAX_ARGUMENTS_DEPTH` they are refused (a 400): deeper, the parse or the template's
+    walk over them ran out of stack, a 500 with a 150 KB traceback in the log for a 1.5 KB body."""
+    too_deep = f"Tool call arguments are nested more than {MAX_ARGUMENTS_DEPTH} levels deep"
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError:
         return text
+    except RecursionError:  # deeper than the parser's stack
+        raise InvalidRequest(too_deep) from None
+    if _depth(value) > MAX_ARGUMENTS_DEPTH:
+        raise InvalidRequest(too_deep)
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (iteratively: it may be deeper than the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            todo += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            todo += [(v, depth + 1) for v in item]
+    return deepest
 
 
 def message_dict(message: Message) -> dict[str, Any]:

@@ -191,3 +191,30 @@ def test_call_arguments_that_are_no_object_name_the_call(
     kimi = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, "kimi-json"))
     assert kimi is not None
     assert "Weather?" in kimi.render(messages)
+
+
+@pytest.mark.parametrize("depth", [65, 600, 5000])
+def test_call_arguments_nested_too_deep_are_a_400_not_a_crash(
+    tmp_path_factory: pytest.TempPathFactory, depth: int
+) -> None:
+    """A past call's arguments nested hundreds deep ran the parser or the template's walk out of
+    stack: a 500 and a 150 KB traceback in the backend's log for a 1.5 KB body (retried on every
+    replica). Past 64 levels they are the client's 400; 64 still render."""
+
+    def render(template: ChatTemplate, levels: int) -> str:
+        arguments = '{"a":' + "[" * (levels - 1) + "]" * (levels - 1) + "}"
+        call = ToolCall(id="c0", function=ToolCallFunction(name="f", arguments=arguments))
+        return template.render(
+            [
+                Message(role="user", content="hi"),
+                Message(role="assistant", content="", tool_calls=[call]),
+                Message(role="tool", tool_call_id="c0", content="x"),
+            ]
+        )
+
+    for model in ("glm", "kimi-json"):
+        template = ChatTemplate.from_checkpoint(tokenizer_dir(tmp_path_factory, model))
+        assert template is not None
+        with pytest.raises(InvalidRequest, match="nested more than 64 levels"):
+            render(template, depth)
+        assert "hi" in render(template, 64)
