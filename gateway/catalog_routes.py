@@ -13,7 +13,8 @@ from starlette.responses import HTMLResponse, Response
 from starlette.templating import Jinja2Templates
 
 from gateway.auth import TenantContext
-from gateway.errors import BadInput
+from gateway.catalog import shown_name
+from gateway.errors import BadInput, UnknownModel
 from gateway.run import account_of, authenticate, services_of
 from gateway.services import Services
 from schemas.catalog import Account, Membership, ModelObject, TaskOut
@@ -87,11 +88,14 @@ async def models_search(request: Request) -> Response:
 
 async def model_schema(request: Request) -> Response:
     services = services_of(request)
-    await authenticate(services, request, account_of(request))
+    tenant = await authenticate(services, request, account_of(request))
     name = request.query_params.get("model")
     if not name:
         raise BadInput("Bad input: 'model' is required")
-    return ok(services.catalog.schema(services.catalog.get(name)))
+    model = services.catalog.find(name)
+    if model is None or not tenant.can_use(model):  # as the search, which does not list it
+        raise UnknownModel(f"No such model {shown_name(name)} or task")
+    return ok(services.catalog.schema(model))
 
 
 async def tasks_search(request: Request) -> Response:

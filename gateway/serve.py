@@ -322,6 +322,7 @@ async def _serve(
 ) -> int:
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    logs.chmod(0o700)  # the owner's alone, as the data dir's other files (a traceback may quote a prompt)
     stop = asyncio.Event()
     supervisor: Supervisor | None = None
     loop = asyncio.get_running_loop()

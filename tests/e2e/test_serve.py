@@ -6,6 +6,7 @@ which is what a user of the API relies on)."""
 from __future__ import annotations
 
 import json
+import stat
 
 import httpx
 import pytest
@@ -182,6 +183,13 @@ def test_context_window_and_catalog_come_from_the_backend(kumo: Kumo) -> None:
     r = run(kumo, GLM, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": window})
     assert r.status_code == 413 and r.json()["errors"][0]["code"] == 5021
     assert f"context window limit ({window})" in r.json()["errors"][0]["message"]
+
+
+def test_the_backends_logs_are_the_owners_alone(kumo: Kumo) -> None:
+    """The data dir's files are 0600; the backends' logs (a traceback may quote a prompt) sit in a
+    folder only the owner may open."""
+    logs = kumo.data_dir / "logs"
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700 and any(logs.glob("*.log"))
 
 
 @pytest.mark.parametrize(

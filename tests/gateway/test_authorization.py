@@ -113,3 +113,10 @@ async def test_a_model_outside_the_allow_list_is_403_5018(harness: Harness) -> N
     assert found.json()["result_info"]["total_count"] == 1
     listed = await harness.http.get(harness.path("/ai/v1/models", account=tenant.id), headers=headers)
     assert [m["id"] for m in listed.json()["data"]] == [GLM]
+    # and its schemas: a model it may not use is unknown there too (it once served it whole)
+    for model, status in ((GLM, 200), (KIMI, 400)):
+        schema = await harness.http.get(
+            harness.path(f"/ai/models/schema?model={model}", account=tenant.id), headers=headers
+        )
+        assert schema.status_code == status, schema.text
+    assert schema.json()["errors"][0]["code"] == 5007
