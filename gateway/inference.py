@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -98,9 +98,14 @@ class Answer:
 
 @dataclass(frozen=True)
 class Stream:
-    """A streamed answer: its server-sent event frames, metered when they end."""
+    """A streamed answer: its server-sent event frames, metered when they end. `close` must run
+    once the response is over, however it ended (`run.StreamResponse`): a response cancelled before
+    its first frame never starts `frames`, whose own clean-up then never runs (the backend request
+    went on generating, unbilled, its reservation held). Closing twice, or after the frames ended,
+    does nothing."""
 
     frames: AsyncIterator[bytes]
+    close: Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,8 @@ class _Call:
             await self._abandon(reserved, done, streams, failure)
             raise failure
         if normalized.stream:
-            return Stream(self._stream(reserved, normalized, streams, done))
+            call = _Streaming(self, reserved, streams, done)
+            return Stream(self._stream(call, normalized), close=call.abandon)
         collecting = [asyncio.ensure_future(self._collect(s, c)) for s, c in zip(streams, done, strict=True)]
         try:
             await asyncio.gather(*collecting)
@@ -324,22 +330,16 @@ class _Call:
             await events.aclose()
             raise to_gateway_error(first)
         into.is_started = True
-        return ChoiceEvents(first, events)
+        return ChoiceEvents(first, events, into)
 
     async def _collect(self, events: AsyncIterator[b.Event], into: render.Completion) -> None:
         async for event in events:
             into.feed(event)
         into.check_finished()
 
-    async def _stream(
-        self,
-        reserved: _Reserved,
-        normalized: Normalized,
-        streams: list[ChoiceEvents],
-        done: list[render.Completion],
-    ) -> AsyncIterator[bytes]:
+    async def _stream(self, call: _Streaming, normalized: Normalized) -> AsyncIterator[bytes]:
         status = 200
-        merged = merge(streams, done)
+        merged, done = call.merged, call.done
         price = self.model.price
         neurons_of = lambda t: neurons(price, t.prompt_tokens, t.cached_tokens, t.completion_tokens)  # noqa: E731
         openai_family = self.surface == "openai" or self.model.family == "openai"
@@ -366,15 +366,10 @@ class _Call:
                 log.error("stream_failed", exc_info=exc)
             status = error.status
             self.meta.info.error_code = error.code
+            await call.finish(status)  # now: a client too slow to take the frame may never take it
             yield render.stream_error(error, openai=openai_family)
         finally:
-            # shielded: a client that went away cancels this task, yet the backend request must
-            # still be closed (aborting it in the engine) and the usage so far recorded
-            with anyio.CancelScope(shield=True):
-                await merged.aclose()
-                await self._settle(
-                    reserved, done, status=status if status != 200 or all(c.finish for c in done) else 499
-                )
+            await call.finish(status if status != 200 or all(c.finish for c in done) else 499)
 
     async def _abandon(
         self,
@@ -436,14 +431,48 @@ def _inline_image_bytes(body: ModelInput) -> int:
     return sum(len(msgspec.json.encode(url)) for url in image_urls_of(body) if url.startswith("data:"))
 
 
+class _Streaming:
+    """A streamed call's end, once: its backend requests closed (the engine aborts what still runs)
+    and its usage settled, however the stream ended, or if it never started."""
+
+    def __init__(
+        self, call: _Call, reserved: _Reserved, streams: list[ChoiceEvents], done: list[render.Completion]
+    ) -> None:
+        self.call, self.reserved, self.streams, self.done = call, reserved, streams, done
+        self.merged = merge(streams)
+        self.is_finished = False
+
+    async def finish(self, status: int) -> None:
+        """Close and settle with `status`, unless done already. Shielded: a client that went away
+        cancels the task, yet the backend requests must still be closed and the usage recorded."""
+        if self.is_finished:
+            return
+        self.is_finished = True
+        with anyio.CancelScope(shield=True):
+            await self.merged.aclose()
+            for stream in self.streams:  # a merge never started holds them unopened
+                await stream.aclose()
+            await self.call._settle(self.reserved, self.done, status=status)
+
+    async def abandon(self) -> None:
+        """The response is over: a stream that did not finish is a client's cut (499)."""
+        await self.finish(499)
+
+
 class ChoiceEvents:
     """A routed choice's events from its first (already read); `aclose` closes its backend stream
     whether or not they were read (a generator closed before its first step ran none of its body,
-    so an error path that closed a choice never read left the backend generating it)."""
+    so an error path that closed a choice never read left the backend generating it). Each event is
+    noted on `into` as read from the backend (`Completion.note_read`), the first at once: a choice
+    cut later is billed what the backend sent, whatever the client took of it."""
 
-    def __init__(self, first: b.Event, events: AsyncGenerator[tuple[str, b.Event], None]) -> None:
+    def __init__(
+        self, first: b.Event, events: AsyncGenerator[tuple[str, b.Event], None], into: render.Completion
+    ) -> None:
         self._first: b.Event | None = first
         self._events = events
+        self._into = into
+        into.note_read(first)
 
     def __aiter__(self) -> ChoiceEvents:
         return self
@@ -453,15 +482,16 @@ class ChoiceEvents:
             first, self._first = self._first, None
             return first
         _, event = await anext(self._events)  # StopAsyncIteration at the end
+        self._into.note_read(event)
         return event
 
     async def aclose(self) -> None:
         await self._events.aclose()
 
 
-# events a stream's client has not taken yet, at most (an event and each of its logprobs' entries a
-# unit, the alternatives included): ~5 MB of them; past it the client is too far behind
-MAX_UNREAD_UNITS = 32_768
+# events a stream's client has not taken yet, at most (a token's event a unit, each of its logprobs'
+# entries one more, the alternatives included): ~6 MB of them; past it the client is too far behind
+MAX_UNREAD_UNITS = 65_536
 
 
 class TooSlow(Aborted):
@@ -469,18 +499,20 @@ class TooSlow(Aborted):
 
 
 def _units(event: b.Event) -> int:
+    """What an event not yet taken holds: a generated piece 1, its logprobs' entries 1 each; the
+    ending events none (one a choice: a whole answer is never cut at its last event)."""
     if isinstance(event, b.TextDelta) and event.logprobs:
         return 1 + sum(1 + len(t.top) for t in event.logprobs)
-    return 1
+    return 1 if isinstance(event, b.TextDelta | b.ReasoningDelta | b.ToolCallDelta) else 0
 
 
 async def merge(
-    streams: list[ChoiceEvents], done: list[render.Completion], *, max_unread: int = MAX_UNREAD_UNITS
+    streams: list[ChoiceEvents], *, max_unread: int = MAX_UNREAD_UNITS
 ) -> AsyncGenerator[tuple[int, b.Event], None]:
     """Interleave the choices' event streams as they arrive, tagging each event with its index.
-    Each is read as fast as its backend sends it, whatever the pace of the client, and noted as
-    read on its `done` completion: a stream cut later is billed what the engine computed, not what
-    the client took (a client that stopped reading, but stayed, once left the engine generating to
+    Each is read as fast as its backend sends it, whatever the pace of the client (and noted as
+    read: `ChoiceEvents`): a stream cut later is billed what the engine computed, not what the
+    client took (a client that stopped reading, but stayed, once left the engine generating to
     `max_tokens` with only what it had taken billed). What the client has not taken is bounded
     (`max_unread` units): past it the backends are closed (the engine stops) and, once the events
     before are taken, the stream ends with `TooSlow`. Closing the merged stream cancels every
@@ -493,7 +525,6 @@ async def merge(
         try:
             async with contextlib.aclosing(stream):
                 async for event in stream:
-                    done[i].note_read(event)
                     units = _units(event)
                     unread += units
                     queue.put_nowait((i, event, units))
@@ -519,4 +550,8 @@ async def merge(
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # shielded: anyio (Starlette's streaming response) cancels again at every await until the
+        # scope is left; a second cancel cut the pumps' closing of their backend connections short
+        # (httpcore shields its clean-up from anyio's cancels alone), left them open and generating
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway import responses
 from gateway.body import decode
@@ -18,7 +18,7 @@ from gateway.catalog import shown_name
 from gateway.errors import BadInput, NotFound
 from gateway.inference import Prompt, Stream
 from gateway.run import (
-    SSE_HEADERS,
+    StreamResponse,
     account_of,
     authenticate,
     meta_of,
@@ -88,8 +88,7 @@ async def create_response(request: Request) -> Response:
     )
     echo, id = responses.Echo.of(body), f"resp_{meta.info.request_id}"
     if isinstance(answer, Stream):
-        events = responses.events_of(answer, model, echo, id)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamResponse(answer, responses.events_of(answer, model, echo, id))
     return Response(
         msgspec.json.encode(responses.response_of(answer, model, echo, id)), media_type="application/json"
     )

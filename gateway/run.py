@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 from urllib.parse import unquote
 
@@ -16,6 +16,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway import batch
 from gateway.auth import TenantContext
@@ -103,10 +104,28 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+class StreamResponse(StreamingResponse):
+    """Server-sent events (`frames`, by default the stream's own) of a `Stream`, which is closed
+    however the response ends: its frames taken, the client gone, or cancelled before the first."""
+
+    def __init__(self, stream: Stream, frames: AsyncIterator[bytes] | None = None) -> None:
+        super().__init__(
+            stream.frames if frames is None else frames, media_type="text/event-stream", headers=SSE_HEADERS
+        )
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.stream.close()
+
+
 def respond(answer: Answer | Stream, surface: Surface) -> Response:
     """The service's answer as HTTP: server-sent events, or JSON (enveloped on `/ai/run`)."""
     if isinstance(answer, Stream):
-        return StreamingResponse(answer.frames, media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamResponse(answer)
     body = answer.body if surface == "openai" else Envelope(result=answer.body, success=True)
     return Response(msgspec.json.encode(body), media_type="application/json")
 

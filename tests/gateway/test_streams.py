@@ -8,11 +8,13 @@ import asyncio
 import datetime as dt
 from collections.abc import AsyncGenerator
 
+import anyio
+import msgspec
 import pytest
 from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 
 from gateway import render
-from gateway.inference import ChoiceEvents, TooSlow, merge
+from gateway.inference import CallMeta, ChoiceEvents, Prompt, Stream, TooSlow, input_decoder, merge
 from schemas import backend as b
 
 
@@ -176,7 +178,7 @@ async def test_a_client_that_leaves_a_non_streaming_request_stops_it(harness: Ha
     assert after[GLM][0] == before.get(GLM, (0, 0))[0] + 1
 
 
-def backend_events(num: int, *, ends: bool, closed: list[bool]) -> ChoiceEvents:
+def backend_events(num: int, *, ends: bool, closed: list[bool], into: render.Completion) -> ChoiceEvents:
     """A choice whose backend sends `num` deltas at once, then (`ends`) its finish and usage, or
     nothing more; `closed` notes when the gateway closes it (the engine aborts the request)."""
 
@@ -192,7 +194,7 @@ def backend_events(num: int, *, ends: bool, closed: list[bool]) -> ChoiceEvents:
         finally:
             closed.append(True)
 
-    return ChoiceEvents(b.TextDelta(text="t0"), events())
+    return ChoiceEvents(b.TextDelta(text="t0"), events(), into)
 
 
 async def test_a_client_that_stops_taking_its_stream_is_billed_what_the_backend_sent() -> None:
@@ -202,7 +204,7 @@ async def test_a_client_that_stops_taking_its_stream_is_billed_what_the_backend_
     for ends in (True, False):
         closed: list[bool] = []
         done = [render.Completion(is_started=True)]
-        merged = merge([backend_events(40, ends=ends, closed=closed)], done)
+        merged = merge([backend_events(40, ends=ends, closed=closed, into=done[0])])
         taken = [await anext(merged), await anext(merged)]
         for event in (e for _, e in taken):
             done[0].feed(event)
@@ -218,7 +220,7 @@ async def test_a_client_too_far_behind_has_its_stream_cut() -> None:
     all of them are billed."""
     closed: list[bool] = []
     done = [render.Completion(is_started=True)]
-    merged = merge([backend_events(10_000, ends=False, closed=closed)], done, max_unread=16)
+    merged = merge([backend_events(10_000, ends=False, closed=closed, into=done[0])], max_unread=16)
     first = await anext(merged)
     await asyncio.sleep(0.05)
     assert closed == [True]
@@ -229,3 +231,54 @@ async def test_a_client_too_far_behind_has_its_stream_cut() -> None:
     assert [e.text for _, e in [first, *rest]] == [f"t{i}" for i in range(17)]  # type: ignore[union-attr]
     assert done[0].consumed(prompt_tokens=5).completion_tokens == 17
     assert (TooSlow.status, TooSlow.code) == (408, 3008)
+
+
+async def test_a_client_gone_through_anyio_still_closes_the_backend_stream() -> None:
+    """Starlette cancels a streaming response through anyio, again at every await until it ends: the
+    pumps' closing of their backend connections (which httpcore shields from anyio alone) must not be
+    cancelled a second time (it once was: the connection stayed open, the engine generating)."""
+    closed: list[str] = []
+
+    async def events() -> AsyncGenerator[tuple[str, b.Event], None]:
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield "replica", b.TextDelta(text="t")
+        finally:
+            with anyio.CancelScope(shield=True):  # as httpcore closes a connection
+                await anyio.sleep(0.05)
+            closed.append("closed")
+
+    done = [render.Completion(is_started=True)]
+    merged = merge([ChoiceEvents(b.TextDelta(text="t"), events(), done[0])])
+    with anyio.move_on_after(0.05):  # the client leaves while the response awaits the next event
+        async for _ in merged:
+            pass
+    with anyio.CancelScope(shield=True):
+        await merged.aclose()
+    assert closed == ["closed"]
+
+
+async def test_a_stream_whose_response_never_started_is_closed_and_billed(harness: Harness) -> None:
+    """A streaming response cancelled before its first frame never starts its frames' generator, so
+    its clean-up never ran: `Stream.close` (which the response runs however it ends) closes the backend
+    request and bills what it had begun; closing again does nothing."""
+    backend = harness.backends["glm-5.2"][0]
+    services = harness.services
+    before = await usage_by_model(harness, harness.account)
+    tenant = await services.authenticator.authenticate(harness.auth()["authorization"], harness.account)
+    model = services.catalog.get(GLM)
+    raw = b'{"prompt": "slow", "stream": true}'
+    body = msgspec.json.decode(raw, type=input_decoder(model, "run").type)
+    stream = await services.inference.run(tenant, model, Prompt(body, raw), "run", CallMeta())
+    assert isinstance(stream, Stream) and backend.num_open_streams == 1
+    await stream.close()
+    await stream.close()
+    for _ in range(50):
+        if backend.num_open_streams == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert backend.num_open_streams == 0
+    after = await usage_by_model(harness, harness.account)
+    old_requests, old_tokens = before.get(GLM, (0, 0))
+    assert after[GLM][0] == old_requests + 1 and after[GLM][1] >= old_tokens + 1
