@@ -8,8 +8,8 @@ Response: a `reasoning` item, a `message` item, one `function_call` item per cal
 call's neurons. Streams are the chat chunks re-read as Responses events (`response.created`, item
 and part added / delta / done, `response.completed` or `response.incomplete`). Nothing is stored:
 `store` is answered `false`; `previous_response_id` is refused, the conversation travels whole.
-`include: ["message.output_text.logprobs"]` (or `top_logprobs`) puts the answer's token logprobs
-on its `output_text` and on each text delta, as chat completions' `logprobs` would.
+`include: ["message.output_text.logprobs"]` puts the answer's token logprobs on its `output_text`
+and on each text delta (`top_logprobs` alternatives each), as chat completions' `logprobs` would.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def to_chat(body: r.ResponsesRequest) -> ChatCompletionRequest:
             raise BadInput(
                 f"Bad input: $.include[{i}]: unknown value {name!r}; one of {sorted(KNOWN_INCLUDES)}"
             )
-    if LOGPROBS in (body.include or []) or body.top_logprobs is not None:
+    if LOGPROBS in (body.include or []):  # as OpenAI: `top_logprobs` alone adds none
         chat["logprobs"] = True
         chat["top_logprobs"] = body.top_logprobs or 0
     if body.stream:
@@ -391,6 +391,22 @@ class EventWriter:
         )  # fmt: skip
         return events
 
+    def late_logprobs(self, logprobs: list[Any]) -> list[bytes]:
+        """Logprobs of answer text already sent: on the open message (an empty delta carries them),
+        else on the last message, closed by a tool call since (they were its last tokens')."""
+        if self.open is not None and isinstance(self.open.item, r.MessageItem):
+            return self.text("message", "", logprobs)
+        last = next(
+            (i for i in reversed(range(len(self.output))) if isinstance(self.output[i], r.MessageItem)), None
+        )
+        if last is not None:
+            message = self.output[last]
+            assert isinstance(message, r.MessageItem)
+            part = message.content[0]
+            content = [msgspec.structs.replace(part, logprobs=[*part.logprobs, *logprobs])]
+            self.output[last] = msgspec.structs.replace(message, content=content)
+        return []
+
     def _part(self, type: str, part: r.OutputText | r.ReasoningText) -> bytes:
         assert self.open is not None
         return self.event(
@@ -466,9 +482,10 @@ async def events_of(stream: Stream, model: ModelSpec, echo: Echo, id: str) -> As
             if isinstance(delta.reasoning_content, str) and delta.reasoning_content:
                 pieces += writer.text("reasoning", delta.reasoning_content)
             logprobs = _logprobs(choice.logprobs)
-            if isinstance(delta.content, str) and (delta.content or logprobs):
-                # a token's logprobs may follow its text, in a chunk of their own
+            if isinstance(delta.content, str) and delta.content:
                 pieces += writer.text("message", delta.content, logprobs)
+            elif logprobs:  # a token's logprobs may follow its text, in a chunk of their own
+                pieces += writer.late_logprobs(logprobs)
             if delta.tool_calls is not UNSET:
                 for call in delta.tool_calls:
                     pieces += writer.call(call.index, call.id, call.function.name, call.function.arguments)

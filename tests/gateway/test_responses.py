@@ -154,3 +154,28 @@ def test_a_responses_own_output_sent_back_with_its_results_is_one_turn(items: li
     assert [c.id for c in turn.tool_calls or []] == ["a", "b"]  # type: ignore[union-attr]
     assert turn.reasoning_content == ("One. Two." if items[0]["type"] == "reasoning" else None)  # type: ignore[union-attr]
     assert turn.content == (None if items[0]["type"] == "reasoning" else "Checking.")  # type: ignore[union-attr]
+
+
+def test_logprobs_that_come_after_a_tool_call_go_to_the_message_before_it() -> None:
+    """A backend sends a token's logprobs once its text is out, in an event of their own: after a
+    tool call closed the message, they belong to that message (they once opened an empty one)."""
+    from gateway.catalog import Catalog, load_catalog_file
+    from gateway.responses import Echo, EventWriter
+    from schemas import responses as r
+
+    model = Catalog.from_file(load_catalog_file(None)).get("@cf/zai-org/glm-5.2")
+    writer = EventWriter("resp_1", 0, model, Echo.of(msgspec.convert({"input": "x"}, ResponsesRequest)))
+    token = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    writer.text("message", "Hi", [])
+    writer.call(0, "c1", "f", "{}")
+    assert writer.late_logprobs([token]) == []
+    kinds = [type(item) for item in writer.output]
+    assert kinds == [r.MessageItem, r.FunctionCallItem]
+    message = writer.output[0]
+    assert isinstance(message, r.MessageItem) and message.content[0].logprobs == [token]
+    # with the message still open, they ride an empty delta
+    writer = EventWriter("resp_2", 0, model, Echo.of(msgspec.convert({"input": "x"}, ResponsesRequest)))
+    writer.text("message", "Hi", [])
+    [delta] = writer.late_logprobs([token])
+    assert b'"delta":""' in delta and b'"logprobs":[{"token":"Hi"' in delta
+    assert len(writer.output) == 1
