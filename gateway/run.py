@@ -14,9 +14,10 @@ from urllib.parse import unquote
 
 import anyio
 import msgspec
+import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway import batch
 from gateway.auth import TenantContext
@@ -30,9 +31,11 @@ from schemas.catalog import ModelSpec
 from schemas.workers_ai import Envelope, RunEnvelopeInput, RunOptions
 
 T = TypeVar("T")
+log = structlog.get_logger("kumo.run")
 
 ACCOUNT_ID = re.compile(r"^[0-9a-f]{32}$")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+STREAM_STALL_S = 30.0  # a streaming client that takes no frame for this long is cut
 _envelope_decoder = msgspec.json.Decoder(RunEnvelopeInput)
 
 
@@ -88,6 +91,12 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
     left = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((call, left), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler cancelled (a shutdown) just as a stream was ready: closed
+        ready = call.done() and not call.cancelled() and call.exception() is None
+        if ready and isinstance(stream := call.result(), Stream):
+            with anyio.CancelScope(shield=True):
+                await stream.close()
+        raise
     finally:
         left.cancel()
         if not call.done():  # the client left (or this handler was cancelled)
@@ -106,18 +115,46 @@ async def _disconnected(request: Request) -> None:
 
 class StreamResponse(StreamingResponse):
     """Server-sent events (`frames`, by default the stream's own) of a `Stream`, which is closed
-    however the response ends: its frames taken, the client gone, or cancelled before the first."""
+    however the response ends: its frames taken, the client gone, or cancelled before the first.
+    A client that takes nothing for `stall_s` while a frame waits is cut as gone: its stream is
+    closed and settled then, not whenever it lets go of the connection (its reservation was held,
+    its usage unrecorded, for as long as it kept the socket open)."""
 
-    def __init__(self, stream: Stream, frames: AsyncIterator[bytes] | None = None) -> None:
+    def __init__(
+        self, stream: Stream, frames: AsyncIterator[bytes] | None = None, *, stall_s: float = STREAM_STALL_S
+    ) -> None:
         super().__init__(
             stream.frames if frames is None else frames, media_type="text/event-stream", headers=SSE_HEADERS
         )
         self.stream = stream
+        self.stall_s = stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        waiting_since: float | None = None  # a send's start, while it waits for the client
+        is_stalled = False
+
+        async def watched(message: Message) -> None:  # two stores a frame (a timeout a send cost ~5 µs)
+            nonlocal waiting_since
+            waiting_since = loop.time()
+            await send(message)
+            waiting_since = None
+
+        async def watchdog(cancel: anyio.CancelScope) -> None:
+            nonlocal is_stalled
+            while waiting_since is None or loop.time() - waiting_since < self.stall_s:
+                await anyio.sleep(self.stall_s / 4)
+            is_stalled = True
+            cancel.cancel()
+
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as group:
+                group.start_soon(watchdog, group.cancel_scope)
+                await super().__call__(scope, receive, watched)
+                group.cancel_scope.cancel()  # the response is over: the watchdog too
         finally:
+            if is_stalled:  # as gone (uvicorn closes the unfinished response)
+                log.info("stream_client_stalled", stall_s=self.stall_s)
             with anyio.CancelScope(shield=True):
                 await self.stream.close()
 

@@ -15,6 +15,7 @@ from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 
 from gateway import render
 from gateway.inference import CallMeta, ChoiceEvents, Prompt, Stream, TooSlow, input_decoder, merge
+from gateway.run import StreamResponse
 from schemas import backend as b
 
 
@@ -282,3 +283,50 @@ async def test_a_stream_whose_response_never_started_is_closed_and_billed(harnes
     after = await usage_by_model(harness, harness.account)
     old_requests, old_tokens = before.get(GLM, (0, 0))
     assert after[GLM][0] == old_requests + 1 and after[GLM][1] >= old_tokens + 1
+
+
+async def test_a_backlog_taken_at_once_still_lets_a_cancel_in() -> None:
+    """Once a client is gone every send returns at once, so a consumer taking a read-ahead backlog
+    never suspended and the cancel that says so waited for all of it (the loop blocked ~0.5 s a
+    stream): it suspends every 64 events."""
+    done = [render.Completion(is_started=True)]
+    merged = merge([backend_events(10_000, ends=True, closed=[], into=done[0])])
+    taken = 0
+    with anyio.CancelScope() as scope:
+        async for _ in merged:
+            taken += 1
+            if taken == 2:
+                scope.cancel()  # delivered at the consumer's next suspension
+    with anyio.CancelScope(shield=True):
+        await merged.aclose()
+    assert 2 <= taken <= 64
+
+
+async def test_a_client_that_takes_nothing_is_cut_after_the_stall_and_its_stream_closed() -> None:
+    """A client that stays connected but takes no frame blocks the response's send for good (uvicorn
+    has no write timeout): after `stall_s` it is cut as gone and its stream closed (settled) then."""
+    closed: list[bool] = []
+
+    async def frames() -> AsyncGenerator[bytes, None]:
+        while True:
+            yield b"data: {}\n\n"
+
+    async def close() -> None:
+        closed.append(True)
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+        if len(sent) > 3:  # the client's window is full: nothing more goes out
+            await asyncio.Event().wait()
+
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()  # connected, silent
+        return {}
+
+    response = StreamResponse(Stream(frames(), close=close), stall_s=0.2)
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "headers": []}
+    async with asyncio.timeout(5):
+        await response(scope, receive, send)  # type: ignore[arg-type]
+    assert closed == [True] and len(sent) == 4
