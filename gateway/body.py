@@ -12,9 +12,9 @@ import re
 from typing import TypeVar
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import BadInput, MissingBody, Timeout, TooLarge
+from gateway.errors import BadInput, ClientClosed, MissingBody, Timeout, TooLarge
 
 T = TypeVar("T")
 
@@ -40,6 +40,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                     raise TooLarge("Request is too large")
     except TimeoutError as exc:
         raise Timeout("Request timeout") from exc
+    except ClientDisconnect as exc:  # gone mid-body: nobody reads the answer (it was a 500 logged as a bug)
+        raise ClientClosed("Client closed the request") from exc
     if not body.strip():
         raise MissingBody("Request is missing headers or body: body")
     return bytes(body)

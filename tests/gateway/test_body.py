@@ -7,9 +7,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from starlette import requests
 
 from gateway import body
-from gateway.body import MAX_REREAD_BYTES, MAX_WHOLE_FLOATS, decode_json
+from gateway.body import MAX_REREAD_BYTES, MAX_WHOLE_FLOATS, decode_json, read_body
+from gateway.errors import ClientClosed
 
 
 class Item(msgspec.Struct, forbid_unknown_fields=True):
@@ -83,3 +85,20 @@ def test_other_errors_stand_without_reading_the_body_again(monkeypatch: pytest.M
     assert len(decode_json(f'{{"items": [{nested[: nested.rindex(", ")]}]}}'.encode(), DECODER).items) == 8
     with pytest.raises(msgspec.ValidationError, match="got `float`"):  # one decode a field: bounded
         decode_json(f'{{"items": [{nested}]}}'.encode(), DECODER)
+
+
+async def test_a_client_gone_mid_body_is_a_499_not_a_bug() -> None:
+    """A client that closes while its body streams in gets ClientClosed (499 in the access log,
+    nobody reads it); it was an unhandled `ClientDisconnect`, a 500 logged as a bug."""
+    messages = [
+        {"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0)
+
+    request = requests.Request({"type": "http", "method": "POST", "headers": []}, receive)  # type: ignore[arg-type]
+    with pytest.raises(ClientClosed):
+        await read_body(request, 1 << 20, 5.0)
+    assert ClientClosed.status == 499
