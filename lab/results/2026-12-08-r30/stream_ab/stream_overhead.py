@@ -51,7 +51,9 @@ async def main() -> None:
             async def one() -> tuple[float, int]:
                 t0 = time.perf_counter()
                 n = 0
-                async with http.stream("POST", url, json=body, headers={"authorization": f"Bearer {token}"}) as r:
+                async with http.stream(
+                    "POST", url, json=body, headers={"authorization": f"Bearer {token}"}
+                ) as r:
                     async for line in r.aiter_lines():
                         n += line.startswith("data: ")
                 return time.perf_counter() - t0, n
@@ -62,7 +64,7 @@ async def main() -> None:
                 t0 = time.perf_counter()
                 results: list[tuple[float, int]] = []
 
-                async def worker(results: list[tuple[float, int]] = results) -> None:
+                async def worker(results: list[tuple[float, int]] = results, c: int = c) -> None:
                     for _ in range(40 // c if c > 1 else 60):
                         results.append(await one())
 
