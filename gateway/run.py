@@ -152,6 +152,10 @@ class StreamResponse(StreamingResponse):
                 group.start_soon(watchdog, group.cancel_scope)
                 await super().__call__(scope, receive, watched)
                 group.cancel_scope.cancel()  # the response is over: the watchdog too
+        except BaseExceptionGroup as failed:  # the response's own failure, as it would come unwatched
+            if len(failed.exceptions) == 1:
+                raise failed.exceptions[0]  # noqa: B904  (its own traceback is kept)
+            raise
         finally:
             if is_stalled:  # as gone (uvicorn closes the unfinished response)
                 log.info("stream_client_stalled", stall_s=self.stall_s)

@@ -330,3 +330,29 @@ async def test_a_client_that_takes_nothing_is_cut_after_the_stall_and_its_stream
     async with asyncio.timeout(5):
         await response(scope, receive, send)  # type: ignore[arg-type]
     assert closed == [True] and len(sent) == 4
+
+
+async def test_a_response_that_fails_raises_its_own_error_and_closes_its_stream() -> None:
+    """The watchdog's task group must not turn a failing response's error into an ExceptionGroup
+    (the app's handlers and uvicorn's log read the error itself); the stream is closed either way."""
+    closed: list[bool] = []
+
+    async def frames() -> AsyncGenerator[bytes, None]:
+        yield b"data: {}\n\n"
+        raise RuntimeError("a renderer's bug")
+
+    async def close() -> None:
+        closed.append(True)
+
+    async def send(message: dict[str, object]) -> None:
+        pass
+
+    async def receive() -> dict[str, object]:
+        await asyncio.Event().wait()
+        return {}
+
+    response = StreamResponse(Stream(frames(), close=close))
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "headers": []}
+    with pytest.raises(RuntimeError, match="a renderer's bug"):
+        await response(scope, receive, send)  # type: ignore[arg-type]
+    assert closed == [True]
