@@ -35,7 +35,7 @@ log = structlog.get_logger("kumo.run")
 
 ACCOUNT_ID = re.compile(r"^[0-9a-f]{32}$")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-STREAM_STALL_S = 30.0  # a streaming client that takes no frame for this long is cut
+STREAM_STALL_S = 30.0  # a streaming client that takes no frame this long is cut (checked every quarter)
 _envelope_decoder = msgspec.json.Decoder(RunEnvelopeInput)
 
 

@@ -21,7 +21,7 @@ from tenancy_db import DIALECTS, create_database, drop_database, store_fixture  
 
 from gateway.batch import MAX_ATTEMPTS, BatchWorker
 from gateway.store import Store
-from gateway.store.batch import DONE, QUEUED, RUNNING, BatchQueue, KeptAnswer, Refused
+from gateway.store.batch import DONE, QUEUED, RUNNING, BatchJob, BatchQueue, KeptAnswer, Refused
 from gateway.store.migrate import alembic_config
 from gateway.store.tables import BatchAnswerRow, BatchJobRow
 from schemas.admin import Quotas, TenantPatch
@@ -55,6 +55,18 @@ async def wait_done(
         seen.add(result["status"])
         await asyncio.sleep(0.05)
     raise AssertionError(f"job {job_id} not done; seen {seen}")
+
+
+async def job_once(
+    harness: Harness, job_id: str, account: str, status: str, timeout_s: float = 5
+) -> BatchJob:
+    """The job, read from the store until it is in `status` (`timeout_s` at most)."""
+    for _ in range(int(timeout_s / 0.05)):
+        job = await harness.services.batch.queue.get(job_id, account)
+        if job is not None and job.status == status:
+            return job
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"job {job_id} not {status}: {job}")
 
 
 async def test_submit_poll_and_results_with_references(harness: Harness) -> None:
@@ -374,12 +386,7 @@ async def test_a_stopping_gateway_hands_its_job_to_another(harness: Harness) -> 
         )
         job_id = r.json()["result"]["request_id"]
         await other.start(services)
-        for _ in range(100):
-            job = await services.batch.queue.get(job_id, harness.account)
-            if job is not None and job.status == RUNNING:
-                break
-            await asyncio.sleep(0.05)
-        assert job is not None and job.status == RUNNING
+        await job_once(harness, job_id, harness.account, RUNNING)
         await asyncio.sleep(0.3)  # its requests are under way
         await other.stop()
         job = await services.batch.queue.get(job_id, harness.account)
@@ -760,21 +767,12 @@ async def test_a_suspended_tenants_job_waits_for_its_resume(harness: Harness) ->
         )
         job_id = r.json()["result"]["request_id"]
         await other.start(services)
-        for _ in range(100):
-            job = await services.batch.queue.get(job_id, tenant_id)
-            if job is not None and job.status == RUNNING:
-                break
-            await asyncio.sleep(0.05)
-        assert job is not None and job.status == RUNNING and job.attempts == 1
+        assert (await job_once(harness, job_id, tenant_id, RUNNING)).attempts == 1
         await asyncio.sleep(0.3)  # its requests are under way (~1.8 s each)
         suspended = await services.store.update_tenant(tenant_id, TenantPatch(suspended=True), actor="test")
         assert suspended.suspended_at is not None
-        for _ in range(40):
-            job = await services.batch.queue.get(job_id, tenant_id)
-            if job is not None and job.status == QUEUED:
-                break
-            await asyncio.sleep(0.05)
-        assert job is not None and job.status == QUEUED and job.attempts == 0
+        # handed back within a third of its 0.6 s lease
+        assert (await job_once(harness, job_id, tenant_id, QUEUED, timeout_s=2)).attempts == 0
         other.wake()
         await asyncio.sleep(1.0)  # polls and wake-ups: the job is not taken
         job = await services.batch.queue.get(job_id, tenant_id)

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 import anyio
 import msgspec
 import pytest
+from fake_backend import FakeBackend
 from gateway_harness import GLM, KIMI, Harness, harness  # noqa: F401  (fixture)
 
 from gateway import render
@@ -26,6 +27,15 @@ async def usage_by_model(h: Harness, account: str) -> dict[str, tuple[int, int]]
     return {r.model or "": (r.requests, r.completion_tokens) for r in rows}
 
 
+async def until_closed(backend: FakeBackend) -> None:
+    """Wait (2.5 s at most) until the backend has no stream open: the gateway closed them all."""
+    for _ in range(50):
+        if backend.num_open_streams == 0:
+            return
+        await asyncio.sleep(0.05)
+    assert backend.num_open_streams == 0
+
+
 async def test_a_client_disconnect_closes_the_backend_stream(harness: Harness) -> None:
     backend = harness.backends["glm-5.2"][0]
     before = await usage_by_model(harness, harness.account)
@@ -39,11 +49,7 @@ async def test_a_client_disconnect_closes_the_backend_stream(harness: Harness) -
             if '"content":"ech' in line:
                 break
         assert backend.num_open_streams == 1
-    for _ in range(50):
-        if backend.num_open_streams == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert backend.num_open_streams == 0
+    await until_closed(backend)
     after = await usage_by_model(harness, harness.account)
     assert after[GLM][0] == before.get(GLM, (0, 0))[0] + 1  # the abandoned request is still recorded
 
@@ -275,11 +281,7 @@ async def test_a_stream_whose_response_never_started_is_closed_and_billed(harnes
     assert isinstance(stream, Stream) and backend.num_open_streams == 1
     await stream.close()
     await stream.close()
-    for _ in range(50):
-        if backend.num_open_streams == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert backend.num_open_streams == 0
+    await until_closed(backend)
     after = await usage_by_model(harness, harness.account)
     old_requests, old_tokens = before.get(GLM, (0, 0))
     assert after[GLM][0] == old_requests + 1 and after[GLM][1] >= old_tokens + 1
